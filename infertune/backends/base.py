@@ -1,0 +1,56 @@
+"""Backend: the one place that names a device. Everything above asks the backend instead of checking hardware."""
+
+from __future__ import annotations
+
+import abc
+
+import torch
+
+
+class Backend(abc.ABC):
+    name: str = "abstract"
+    # Distributed backend for torch.distributed when the executor grows past one process.
+    dist_backend: str = "gloo"
+
+    def __init__(self, index: int = 0) -> None:
+        self.index = index
+
+    @property
+    @abc.abstractmethod
+    def device(self) -> torch.device: ...
+
+    @classmethod
+    @abc.abstractmethod
+    def is_available(cls) -> bool: ...
+
+    @abc.abstractmethod
+    def supported_dtypes(self) -> tuple[torch.dtype, ...]: ...
+
+    def resolve_dtype(self, requested: str, checkpoint_dtype: str | None) -> torch.dtype:
+        """Map "auto" / a dtype name to what this device runs, with a clear error for an unsupported choice."""
+        name = checkpoint_dtype if requested == "auto" else requested
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(
+            name or "float32", torch.float32
+        )
+        if dtype not in self.supported_dtypes():
+            if requested == "auto":
+                return self.supported_dtypes()[0]
+            ok = ", ".join(str(d).removeprefix("torch.") for d in self.supported_dtypes())
+            raise ValueError(f"dtype={requested!r} is not supported on {self.name}; choose one of: {ok}")
+        return dtype
+
+    @abc.abstractmethod
+    def free_memory_bytes(self) -> int:
+        """Memory still available for the KV cache on this device."""
+
+    def total_memory_bytes(self) -> int:
+        return self.free_memory_bytes()
+
+    def synchronize(self) -> None:
+        """Wait for queued device work (a no-op where execution is synchronous)."""
+
+    def seed(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    def describe(self) -> str:
+        return f"{self.name}:{self.index}"

@@ -1,0 +1,47 @@
+"""CPU backend: the default, and what CI runs on."""
+
+from __future__ import annotations
+
+import psutil
+import torch
+
+from infertune.backends.base import Backend
+
+
+def cpu_supports_bf16() -> bool:
+    """True where the CPU has native bf16 math (AVX512-BF16 or AMX); elsewhere bf16 is emulated and slow."""
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+class CPUBackend(Backend):
+    name = "cpu"
+    dist_backend = "gloo"
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @classmethod
+    def is_available(cls) -> bool:
+        return True
+
+    def supported_dtypes(self) -> tuple[torch.dtype, ...]:
+        # float16 matmuls on CPU are emulated and slow; checkpoints saved in fp16 run in bf16 or fp32.
+        return (torch.bfloat16, torch.float32) if cpu_supports_bf16() else (torch.float32, torch.bfloat16)
+
+    def resolve_dtype(self, requested: str, checkpoint_dtype: str | None) -> torch.dtype:
+        if requested == "auto" and checkpoint_dtype == "float16":
+            return self.supported_dtypes()[0]
+        if requested == "float16":
+            raise ValueError("dtype='float16' runs slowly and inaccurately on CPU; use 'bfloat16' or 'float32'")
+        return super().resolve_dtype(requested, checkpoint_dtype)
+
+    def free_memory_bytes(self) -> int:
+        return psutil.virtual_memory().available
+
+    def total_memory_bytes(self) -> int:
+        return psutil.virtual_memory().total

@@ -1,0 +1,54 @@
+"""Ascend NPU backend through torch_npu.
+
+UNVERIFIED: no Ascend hardware was available when this was written. It follows torch_npu's documented
+API (torch.npu.*, device type "npu", HCCL); treat it as a starting point and run the test suite on a
+910B before relying on it.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from infertune.backends.base import Backend
+
+
+def _torch_npu():
+    """Import torch_npu lazily: it registers the "npu" device with torch as a side effect."""
+    return importlib.import_module("torch_npu")
+
+
+class NPUBackend(Backend):
+    name = "npu"
+    dist_backend = "hccl"
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("npu", self.index)
+
+    @classmethod
+    def is_available(cls) -> bool:
+        try:
+            _torch_npu()
+        except ImportError:
+            return False
+        return bool(torch.npu.is_available())  # type: ignore[attr-defined]
+
+    def supported_dtypes(self) -> tuple[torch.dtype, ...]:
+        return (torch.float16, torch.bfloat16, torch.float32)
+
+    def free_memory_bytes(self) -> int:
+        free, _ = torch.npu.mem_get_info(self.index)  # type: ignore[attr-defined]
+        return free
+
+    def total_memory_bytes(self) -> int:
+        _, total = torch.npu.mem_get_info(self.index)  # type: ignore[attr-defined]
+        return total
+
+    def synchronize(self) -> None:
+        torch.npu.synchronize(self.index)  # type: ignore[attr-defined]
+
+    def seed(self, seed: int) -> None:
+        torch.manual_seed(seed)
+        torch.npu.manual_seed_all(seed)  # type: ignore[attr-defined]

@@ -1,0 +1,109 @@
+"""The `infertune` command. Subcommands: generate (more arrive with the server, bench and tuning tools)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="Hugging Face model folder (default: the built-in demo model)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and activations dtype; auto = the checkpoint's, as the device supports (default: auto)")
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "npu"],
+                   help="where to run; auto prefers cuda, then npu, then cpu (default: auto)")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output in tokens (default: the model's max_position_embeddings)")
+    g.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded together (default: 64)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="token budget of one step; long prompts are prefilled in chunks of it (default: 2048)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block (default: 16)")
+    g.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                   help="KV-cache budget in bytes (default: a fraction of free memory, see --kv-cache-memory-fraction)")
+    g.add_argument("--kv-cache-memory-fraction", type=float, default=0.5,
+                   help="share of free memory the KV cache may take when no byte budget is given (default: 0.5)")
+    g.add_argument("--no-prefix-caching", action="store_true", help="disable the automatic prefix cache")
+    g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling (default: 0)")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        dtype=args.dtype, device=args.device, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
+        enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from infertune.llm import LLM
+    from infertune.sampling_params import SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(args.model, show_progress=True, **engine_kwargs(args))
+    load_s = time.perf_counter() - t0
+    params = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens,
+        seed=args.sample_seed, stop=args.stop or None, ignore_eos=args.ignore_eos,
+    )
+    if args.chat:
+        out = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)[0]
+    else:
+        out = llm.generate(args.prompt, params, use_tqdm=False)[0]
+    completion = out.outputs[0]
+    print(completion.text)
+    m = out.metrics
+    n_out = len(completion.token_ids)
+    decode_s = (m.finished_time - m.first_token_time) if m and m.finished_time else 0.0
+    decode_tps = (n_out - 1) / decode_s if n_out > 1 and decode_s > 0 else float("nan")
+    print(
+        f"[infertune] prompt {len(out.prompt_token_ids)} tok | output {n_out} tok ({completion.finish_reason}) | "
+        f"TTFT {m.ttft * 1000:.1f} ms | decode {decode_tps:.1f} tok/s | load {load_s:.1f} s | "
+        f"{llm.engine.executor.backend.describe()} {llm.engine.executor.runner.dtype}".replace("torch.", ""),
+        file=sys.stderr,
+    )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="infertune",
+        description="LLM inference engine and tuning toolkit. Run `infertune COMMAND --help` for a command's options.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log engine details")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    gen = sub.add_parser("generate", help="generate text for one prompt and print one line of stats",
+                         description="Generate a completion for PROMPT and print it, then a stats line on stderr "
+                         "(prompt tokens, time to first token, decode tokens/s). With no --model the built-in demo "
+                         "model is used.")
+    gen.add_argument("prompt", help="the prompt text (with --chat: the user's message)")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    gen.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate (default: 64)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1.0 = off)")
+    gen.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default: 0 = off)")
+    gen.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed for reproducible output")
+    gen.add_argument("--stop", action="append", help="stop string (repeatable); not included in the output")
+    gen.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
+    add_engine_args(gen)
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"infertune {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,238 @@
+"""EngineConfig tree: what to load (model), how to cache (cache), how to batch (scheduler), where to run (device).
+
+Every dataclass validates itself in __post_init__ and raises ValueError naming the field to change.
+This module imports no torch, so the engine core and its tests stay pure Python.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda", "npu")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def default_model_path() -> str:
+    """The small model that ships inside the package, used when no --model is given."""
+    return str(Path(__file__).parent / "assets" / "demo-model")
+
+
+@dataclass(slots=True)
+class ArchConfig:
+    """The parts of a Hugging Face config.json that the model code needs, parsed without transformers."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool
+    hidden_act: str
+    sliding_window: int | None
+    torch_dtype: str | None
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+
+    @classmethod
+    def from_dict(cls, cfg: dict, where: str = "config.json") -> "ArchConfig":
+        archs = cfg.get("architectures") or []
+        arch = archs[0] if archs else _arch_from_model_type(cfg.get("model_type"))
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"{where}: architecture {arch!r} is not supported; infertune runs "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}."
+            )
+        heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        # transformers >= 5 nests rope_theta inside rope_parameters; older configs keep rope_theta + rope_scaling.
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or None
+        rope_theta = float(cfg.get("rope_theta") or (rope or {}).get("rope_theta") or 10000.0)
+        if rope is not None:
+            rope = dict(rope)
+            rope_type = rope.get("rope_type", rope.get("type", "default"))
+            if rope_type not in SUPPORTED_ROPE_TYPES:
+                raise ValueError(
+                    f"{where}: rope type {rope_type!r} is not supported; infertune implements "
+                    f"{', '.join(SUPPORTED_ROPE_TYPES)}."
+                )
+            rope["rope_type"] = rope_type
+            if rope_type == "default":
+                rope = None
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"{where}: hidden_act {cfg.get('hidden_act')!r} is not supported; only 'silu' is.")
+        # Qwen2 configs carry a sliding_window that is inactive unless use_sliding_window is true.
+        window = cfg.get("sliding_window")
+        if arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
+            window = None
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        return cls(
+            architecture=arch,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_hidden_layers=int(cfg["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            # Qwen2 always has q/k/v bias and no flag for it.
+            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            hidden_act="silu",
+            sliding_window=int(window) if window else None,
+            torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+            eos_token_ids=eos_ids,
+            bos_token_id=cfg.get("bos_token_id"),
+        )
+
+    @classmethod
+    def from_model_dir(cls, model: str) -> "ArchConfig":
+        path = Path(model) / "config.json"
+        if not Path(model).is_dir():
+            raise FileNotFoundError(
+                f"model path {model!r} is not a directory; pass a Hugging Face model folder "
+                "(with config.json, *.safetensors and tokenizer files), or omit --model to use the built-in model."
+            )
+        if not path.is_file():
+            raise FileNotFoundError(f"{model!r} has no config.json; is it a Hugging Face model folder?")
+        try:
+            cfg = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON: {e}") from e
+        return cls.from_dict(cfg, where=str(path))
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * dtype_bytes
+
+
+def _arch_from_model_type(model_type: str | None) -> str:
+    return {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}.get(
+        model_type or "", f"model_type={model_type!r}"
+    )
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    model: str = field(default_factory=default_model_path)
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    seed: int = 0
+    arch: ArchConfig | None = None
+
+    def __post_init__(self) -> None:
+        self.model = os.fspath(self.model)
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is not one of {DTYPES}")
+        if self.arch is None:
+            self.arch = ArchConfig.from_model_dir(self.model)
+        if self.tokenizer is None:
+            self.tokenizer = self.model
+        limit = self.arch.max_position_embeddings
+        if self.max_model_len is None:
+            self.max_model_len = limit
+        elif self.max_model_len <= 0:
+            raise ValueError(f"max_model_len={self.max_model_len} must be positive")
+        elif self.max_model_len > limit and (self.arch.rope_scaling is None):
+            raise ValueError(
+                f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings={limit}; "
+                "lower max_model_len."
+            )
+        window = self.arch.sliding_window
+        if window is not None and window < self.max_model_len:
+            raise ValueError(
+                f"{self.arch.architecture} uses sliding-window attention (window {window}), which infertune does "
+                f"not implement yet; set max_model_len <= {window} so full attention is exact."
+            )
+
+
+@dataclass(slots=True)
+class CacheConfig:
+    block_size: int = 16
+    # An absolute budget wins over the fraction; None means "fraction of the memory free after loading".
+    kv_cache_memory_bytes: int | None = None
+    kv_cache_memory_fraction: float = 0.5
+    enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size={self.block_size} must be a positive power of two (e.g. 16)")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes={self.kv_cache_memory_bytes} must be positive")
+        if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
+            raise ValueError(f"kv_cache_memory_fraction={self.kv_cache_memory_fraction} must be in (0, 1]")
+        if self.kv_cache_dtype != "auto":
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}: only 'auto' (the model dtype) is available")
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs <= 0:
+            raise ValueError(f"max_num_seqs={self.max_num_seqs} must be positive")
+        if self.max_num_batched_tokens <= 0:
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be positive")
+
+
+@dataclass(slots=True)
+class DeviceConfig:
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.device not in DEVICES:
+            raise ValueError(f"device={self.device!r} is not one of {DEVICES}")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+
+    def __post_init__(self) -> None:
+        sched = self.scheduler
+        if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < self.model.max_model_len:
+            raise ValueError(
+                f"with chunked prefill off, max_num_batched_tokens ({sched.max_num_batched_tokens}) must be >= "
+                f"max_model_len ({self.model.max_model_len}) so every prompt fits in one step"
+            )
+
+    @classmethod
+    def create(cls, model: str | None = None, **kwargs) -> "EngineConfig":
+        """Build the tree from flat keyword arguments (the LLM(...) and CLI surface)."""
+        groups = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "device": DeviceConfig}
+        parts: dict[str, dict] = {name: {} for name in groups}
+        for key, value in kwargs.items():
+            owner = next((g for g, c in groups.items() if key in c.__dataclass_fields__ and key != "arch"), None)
+            if owner is None:
+                known = sorted(k for c in groups.values() for k in c.__dataclass_fields__ if k != "arch")
+                raise TypeError(f"unknown engine option {key!r}; known options: {', '.join(known)}")
+            parts[owner][key] = value
+        if model is not None:
+            parts["model"]["model"] = model
+        return cls(**{name: groups[name](**parts[name]) for name in groups})

@@ -1,0 +1,217 @@
+"""LLMEngine: add_request / step / abort. Owns the tokenizer, the scheduler and the executor.
+
+A request becomes n Sequences (one per sample). Each step schedules, runs the executor once, lets the
+scheduler advance the sequences, then detokenizes new tokens and applies stop strings.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from infertune.config import EngineConfig
+from infertune.engine.block_manager import BlockManager
+from infertune.engine.detokenizer import IncrementalDetokenizer, find_stop
+from infertune.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from infertune.engine.scheduler import Scheduler
+from infertune.engine.sequence import Sequence, SequenceStatus
+from infertune.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Sample:
+    seq: Sequence
+    detok: IncrementalDetokenizer
+    text: str = ""
+    stop_reason: str | int | None = None
+    logprobs: list[Logprob] | None = None
+
+
+@dataclass(slots=True)
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    samples: list[_Sample] = field(default_factory=list)
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.perf_counter()))
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"could not load a tokenizer from {path!r}: {e}") from e
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, show_progress: bool = False) -> None:
+        from infertune.executor.uniproc import UniProcExecutor  # torch is imported only with the executor
+
+        self.config = config
+        self.tokenizer = load_tokenizer(config.model.tokenizer)
+        self.executor = UniProcExecutor(config, show_progress)
+        self.block_manager = BlockManager(
+            self.executor.num_kv_blocks, config.cache.block_size, config.cache.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.eos_token_ids = self._eos_token_ids()
+        self.requests: dict[str, _Request] = {}
+        self.num_steps = 0
+
+    def _eos_token_ids(self) -> frozenset[int]:
+        ids = set(self.config.model.arch.eos_token_ids)
+        gen_cfg = Path(self.config.model.model) / "generation_config.json"
+        if gen_cfg.is_file():
+            eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
+            ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return frozenset(int(i) for i in ids)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.model.max_model_len
+
+    # ---- requests --------------------------------------------------------------------------------
+    def tokenize(self, prompt: str | dict | list[int]) -> tuple[str | None, list[int]]:
+        """A prompt is text, a token-id list, or {"prompt_token_ids": [...]} (optionally with "prompt" text)."""
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return self.tokenize(prompt["prompt"])
+            raise ValueError("a dict prompt needs 'prompt' (text) or 'prompt_token_ids' (a list of token ids)")
+        if isinstance(prompt, list):
+            return None, list(prompt)
+        raise ValueError(f"a prompt must be a string, a list of token ids or a dict, not {type(prompt).__name__}")
+
+    def add_request(self, request_id: str, prompt: str | dict | list[int], params: SamplingParams | None = None) -> None:
+        """Validate and queue a request. A bad request raises ValueError and leaves the engine unchanged."""
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, ids = self.tokenize(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty (0 tokens); give at least one token of text")
+        vocab = self.config.model.arch.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt_token_ids must be integers in [0, {vocab}) for this model")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}, which must leave room "
+                f"for at least one new token; shorten the prompt or raise max_model_len"
+            )
+        room = self.max_model_len - len(ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+        req = _Request(request_id, text, ids, params)
+        for i in range(params.n):
+            sample_params = params.for_sample(i) if params.n > 1 else params
+            seq = Sequence(ids, max_tokens, sample_params, request_id=request_id)
+            seq.stop_token_ids = frozenset(stop_ids)
+            req.samples.append(
+                _Sample(seq, IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens),
+                        logprobs=[] if params.logprobs is not None else None)
+            )
+        self.requests[request_id] = req
+        for s in req.samples:
+            self.scheduler.add(s.seq)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request and free its KV blocks at once. False when the id is unknown or already done."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        for s in req.samples:
+            self.scheduler.finish(s.seq, SequenceStatus.FINISHED_ABORTED)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- one step --------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled step; return the current state of every request that progressed."""
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            assert not self.scheduler.has_unfinished(), "scheduler made no progress with requests pending"
+            return []
+        out = self.executor.execute_model(batch)
+        self.scheduler.update(batch, out.token_ids)
+        self.num_steps += 1
+        now = time.perf_counter()
+        touched: dict[str, _Request] = {}
+        for seq, token, lp in zip(batch.seqs, out.token_ids, out.logprobs):
+            req = self.requests.get(seq.request_id)
+            if token is None or req is None:
+                continue
+            touched[req.request_id] = req
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+                req.metrics.num_cached_tokens = seq.num_cached_tokens
+            sample = next(s for s in req.samples if s.seq is seq)
+            self._on_new_token(sample, token, lp, req.params)
+        outputs = []
+        for req in touched.values():
+            done = all(s.seq.is_finished for s in req.samples)
+            if done:
+                req.metrics.finished_time = now
+                del self.requests[req.request_id]
+            outputs.append(self._output(req, done))
+        return outputs
+
+    def _on_new_token(self, sample: _Sample, token: int, lp, params: SamplingParams) -> None:
+        if sample.logprobs is not None and lp is not None:
+            sample.logprobs.append(Logprob(token, lp[0], lp[1]))
+        delta = sample.detok.add(token)
+        if sample.seq.is_finished:
+            delta += sample.detok.flush()
+        if not delta or sample.stop_reason is not None:
+            return
+        sample.text += delta
+        if params.stop_list:
+            hit = find_stop(sample.text, len(delta), params.stop_list)
+            if hit is not None:
+                idx, stop = hit
+                sample.text = sample.text[: idx + len(stop)] if params.include_stop_str_in_output else sample.text[:idx]
+                sample.stop_reason = stop
+                if sample.seq.is_finished:  # it also hit max_tokens or EOS on this token; the stop string wins
+                    sample.seq.status = SequenceStatus.FINISHED_STOPPED
+                else:
+                    self.scheduler.finish(sample.seq, SequenceStatus.FINISHED_STOPPED)
+
+    def _output(self, req: _Request, finished: bool) -> RequestOutput:
+        completions = []
+        for i, s in enumerate(req.samples):
+            seq = s.seq
+            reason = seq.status.value if seq.is_finished else None
+            stop_reason = s.stop_reason
+            if reason == "stop" and stop_reason is None and seq.output_token_ids:
+                stop_reason = seq.output_token_ids[-1]
+            completions.append(
+                CompletionOutput(i, s.text, list(seq.output_token_ids), reason, stop_reason,
+                                 list(s.logprobs) if s.logprobs is not None else None)
+            )
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, finished, req.metrics)
+
+    # ---- introspection ---------------------------------------------------------------------------
+    def stats(self) -> dict:
+        bm = self.block_manager
+        return {
+            "num_running": self.scheduler.num_running,
+            "num_waiting": self.scheduler.num_waiting,
+            "kv_blocks_total": bm.num_blocks,
+            "kv_blocks_free": bm.num_free_blocks,
+            "prefix_cache_hit_rate": bm.prefix_hit_rate,
+            "num_preemptions": self.scheduler.num_preemptions,
+        }

@@ -1,0 +1,150 @@
+"""Token-budget continuous batching: chunked prefill mixed with decode, FCFS, preemption by recompute. Pure Python.
+
+Every step, running sequences come first (oldest first), each asking for all the tokens it has not
+computed yet (1 for a decode, the rest of its prompt for a chunked prefill), capped by the step's token
+budget. Then waiting sequences are admitted while budget, max_num_seqs and KV blocks allow. When a
+running sequence cannot get a block, the newest running sequence is preempted: its blocks are freed and
+it goes back to the front of the queue, to be recomputed later (its tokens are kept).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from infertune.config import SchedulerConfig
+from infertune.engine.block_manager import BlockManager
+from infertune.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_scheduled_tokens: list[int] = field(default_factory=list)
+    # True where this step completes the sequence's known tokens, so the step samples its next token.
+    sample: list[bool] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    def add(self, seq: Sequence, num_tokens: int) -> None:
+        self.seqs.append(seq)
+        self.num_scheduled_tokens.append(num_tokens)
+        self.sample.append(seq.num_computed_tokens + num_tokens == len(seq))
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # ---- queue -----------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        assert seq.status is SequenceStatus.WAITING
+        need = self.block_manager.blocks_needed(seq.num_prompt_tokens + seq.max_tokens - 1)
+        assert need <= self.block_manager.num_blocks, "the engine must reject sequences larger than the KV pool"
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """Take seq out of the queues with a finished status and return its blocks (abort, stop string)."""
+        assert status.finished
+        if seq.is_finished:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        seq.status = status
+        self.block_manager.free(seq)
+
+    # ---- one step --------------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.config.max_num_batched_tokens
+        bm = self.block_manager
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_tokens = min(len(seq) - seq.num_computed_tokens, budget)
+            assert num_tokens > 0
+            while not bm.allocate_slots(seq, seq.num_computed_tokens + num_tokens):
+                victim = self.running.pop()  # newest first: FCFS keeps the oldest progressing
+                self._preempt(victim)
+                batch.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                batch.add(seq, num_tokens)
+                budget -= num_tokens
+                i += 1
+
+        # No admissions after a preemption: memory is short, and the preempted go first next time.
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not batch.preempted:
+            seq = self.waiting[0]
+            hits = bm.get_computed_blocks(seq)
+            num_cached = len(hits) * bm.block_size
+            num_tokens = len(seq) - num_cached
+            if not self.config.enable_chunked_prefill and num_tokens > budget:
+                break
+            num_tokens = min(num_tokens, budget)
+            if not bm.allocate_slots(seq, num_cached + num_tokens, hits):
+                break
+            bm.record_prefix_lookup(len(seq), num_cached)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            seq.num_computed_tokens = seq.num_cached_tokens = num_cached
+            self.running.append(seq)
+            batch.add(seq, num_tokens)
+            budget -= num_tokens
+        return batch
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def update(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Sequence]:
+        """Advance the batch by what the step computed; append sampled tokens; return newly finished seqs."""
+        finished = []
+        for seq, num_tokens, samples, token in zip(batch.seqs, batch.num_scheduled_tokens, batch.sample, sampled):
+            if seq.is_finished:  # aborted while the step ran
+                continue
+            seq.num_computed_tokens += num_tokens
+            self.block_manager.cache_full_blocks(seq)
+            if not samples:
+                continue
+            assert token is not None
+            seq.append_token(token)
+            if token in seq.stop_token_ids:
+                status = SequenceStatus.FINISHED_STOPPED
+            elif seq.num_output_tokens >= seq.max_tokens:
+                status = SequenceStatus.FINISHED_LENGTH
+            else:
+                continue
+            self.finish(seq, status)
+            finished.append(seq)
+        return finished

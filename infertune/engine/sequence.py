@@ -1,0 +1,79 @@
+"""Sequence: one generation stream's token ids, progress (num_computed_tokens) and KV block table. Pure Python."""
+
+from __future__ import annotations
+
+import enum
+from itertools import count
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH, SequenceStatus.FINISHED_ABORTED)
+
+
+class Sequence:
+    """Tokens are prompt + output; the first num_computed_tokens of them have KV in the cache.
+
+    The engine core reads only token ids, lengths and max_tokens; sampling details travel opaquely in `params`.
+    """
+
+    _ids = count()
+
+    def __init__(
+        self,
+        prompt_token_ids: list[int],
+        max_tokens: int,
+        params: object = None,
+        request_id: str | None = None,
+        seq_id: int | None = None,
+    ) -> None:
+        assert prompt_token_ids, "an empty prompt must be rejected before it becomes a Sequence"
+        self.seq_id = next(self._ids) if seq_id is None else seq_id
+        self.request_id = request_id if request_id is not None else str(self.seq_id)
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.max_tokens = max_tokens
+        self.params = params
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at the last admission
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # chained hashes of the full blocks of token_ids (memo)
+        self.num_hashed_blocks = 0  # leading blocks of block_table already offered to the prefix cache
+        self.stop_token_ids: frozenset[int] = frozenset()
+        self.num_preemptions = 0
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(id={self.seq_id}, status={self.status.value}, len={len(self)}, "
+            f"computed={self.num_computed_tokens}, blocks={self.block_table})"
+        )

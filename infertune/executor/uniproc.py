@@ -1,0 +1,30 @@
+"""Single-process executor: the model runner lives in the engine's own process."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from infertune.backends import get_backend
+from infertune.config import EngineConfig
+from infertune.executor.base import Executor
+from infertune.runner.model_runner import ModelRunner
+from infertune.runner.sampler import SamplerOutput
+
+if TYPE_CHECKING:
+    from infertune.engine.scheduler import ScheduledBatch
+
+
+class UniProcExecutor(Executor):
+    def __init__(self, config: EngineConfig, show_progress: bool = False) -> None:
+        self.backend = get_backend(config.device.device)
+        self.runner = ModelRunner(config, self.backend, show_progress)
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.runner.kv_info.num_blocks
+
+    def execute_model(self, batch: ScheduledBatch) -> SamplerOutput:
+        return self.runner.execute_model(batch)
+
+    def shutdown(self) -> None:
+        del self.runner

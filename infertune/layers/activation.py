@@ -1,0 +1,11 @@
+"""SiLU-and-multiply over a merged [gate | up] projection."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up

@@ -1,0 +1,6 @@
+"""Attention backends over the paged KV cache."""
+
+from infertune.layers.attention.base import AttentionBackend, AttentionMetadata, PrefillChunk
+from infertune.layers.attention.paged import TorchPagedAttention
+
+__all__ = ["AttentionBackend", "AttentionMetadata", "PrefillChunk", "TorchPagedAttention"]

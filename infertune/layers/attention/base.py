@@ -1,0 +1,58 @@
+"""AttentionBackend contract and the per-step metadata every backend reads.
+
+Layout of a step's tokens: the decode tokens (one per decoding sequence) come first, then each
+prefill chunk as a contiguous run. The paged KV cache of one layer is [2, num_blocks, block_size, Hkv, D].
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    """One sequence's run of new tokens in the flattened batch."""
+
+    query_start: int  # offset in the flattened token dim
+    query_len: int
+    context_len: int  # tokens of KV the chunk attends to, its own included (= num_computed + query_len)
+    # Slots of all context_len tokens (only when earlier KV must be read from the cache), [context_len]
+    context_slots: torch.Tensor | None = None
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] cache slot (block_id * block_size + offset) of every new token
+    num_decode_tokens: int = 0
+    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks], padded with 0
+    decode_context_lens: torch.Tensor | None = None  # [num_decodes], the new token included
+    decode_max_context_len: int = 0
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+class AttentionBackend(abc.ABC):
+    name = "abstract"
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, num_kv_heads, head_dim)
+
+    def write_kv(self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        # key, value [T, Hkv, D] -> the cache's flat slot dim
+        _, num_blocks, block_size, hkv, d = kv_cache.shape
+        kv_cache[0].view(num_blocks * block_size, hkv, d).index_copy_(0, slot_mapping, key)
+        kv_cache[1].view(num_blocks * block_size, hkv, d).index_copy_(0, slot_mapping, value)
+
+    @abc.abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,  # [T, H, D]
+        key: torch.Tensor,  # [T, Hkv, D]
+        value: torch.Tensor,  # [T, Hkv, D]
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, H, D]
+        """Write this step's KV into the cache, then attend every query to its sequence's causal context."""

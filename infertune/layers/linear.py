@@ -1,0 +1,82 @@
+"""Linear layers whose matmul is delegated to a QuantMethod, plus packed QKV / gate-up variants.
+
+A packed layer stores several Hugging Face projections in one weight (fewer, larger matmuls) and
+knows how to load each shard into its slice; that knowledge lives on the parameter as `weight_loader`.
+"""
+
+from __future__ import annotations
+
+import abc
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class QuantMethod(abc.ABC):
+    """How a linear layer's weights are created, post-processed after loading, and multiplied."""
+
+    @abc.abstractmethod
+    def create_weights(self, layer: "Linear", dtype: torch.dtype) -> None: ...
+
+    def process_weights_after_loading(self, layer: "Linear") -> None:
+        """Repack or quantize once the checkpoint is in place (no-op for plain weights)."""
+
+    @abc.abstractmethod
+    def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor: ...
+
+
+class UnquantizedMethod(QuantMethod):
+    def create_weights(self, layer: "Linear", dtype: torch.dtype) -> None:
+        layer.weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features, dtype=dtype), requires_grad=False)
+
+    def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, layer.weight, layer.bias)
+
+
+def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard: object = None) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"checkpoint tensor has shape {tuple(loaded.shape)}, the model expects {tuple(param.shape)}")
+    param.data.copy_(loaded)
+
+
+class Linear(nn.Module):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        dtype: torch.dtype | None = None,
+        quant_method: QuantMethod | None = None,
+    ) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.quant_method = quant_method or UnquantizedMethod()
+        self.quant_method.create_weights(self, dtype)
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+        for p in self.parameters(recurse=False):
+            p.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard: object = None) -> None:
+        default_weight_loader(param, loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.quant_method.apply(self, x)
+
+
+class PackedLinear(Linear):
+    """Several projections of the same input stacked along the output dim; shards keyed by name."""
+
+    def __init__(self, in_features: int, shard_sizes: dict[object, int], bias: bool = False, **kw) -> None:
+        self.shard_offsets: dict[object, tuple[int, int]] = {}
+        offset = 0
+        for key, size in shard_sizes.items():
+            self.shard_offsets[key] = (offset, size)
+            offset += size
+        super().__init__(in_features, offset, bias=bias, **kw)
+
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard: object = None) -> None:
+        if shard is None:
+            return default_weight_loader(param, loaded)
+        start, size = self.shard_offsets[shard]
+        default_weight_loader(param.data.narrow(0, start, size), loaded)

@@ -1,0 +1,62 @@
+"""Rotary position embedding (neox / rotate-half layout) with default, linear and llama3 frequency scaling.
+
+The cos/sin table is computed once in fp32 for every position up to the engine's max_model_len, and
+the rotation is applied in fp32 before casting back, so bf16 models lose no precision in positions.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    kind = (scaling or {}).get("rope_type", "default")
+    if kind == "default":
+        return inv_freq.float()
+    factor = float(scaling["factor"])
+    if kind == "linear":
+        return (inv_freq / factor).float()
+    if kind == "llama3":
+        # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, and the band between
+        # the two cut-offs is blended linearly in 1/wavelength.
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        original = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        blend = ((original / wavelen) - low) / (high - low)
+        blended = (1 - blend) * inv_freq / factor + blend * inv_freq
+        out = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+        in_band = (wavelen <= original / low) & (wavelen >= original / high)
+        return torch.where(in_band, blended, out).float()
+    raise ValueError(f"rope type {kind!r} is not supported")
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.max_position = max_position
+        self.theta = theta
+        self.scaling = scaling
+        self.register_buffer("cos_sin", torch.empty(max_position, head_dim), persistent=False)
+
+    def reset_buffers(self) -> None:
+        """Fill the table on whatever device the module now lives on (it is built on the meta device)."""
+        device = self.cos_sin.device
+        inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling).to(device)
+        pos = torch.arange(self.max_position, dtype=torch.float32, device=device)
+        freqs = torch.outer(pos, inv_freq)  # [P, D/2]
+        self.cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # [P, D]
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions [T]; q [T, H, D]; k [T, Hkv, D]
+        cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2] each
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)

@@ -1,0 +1,122 @@
+"""Offline facade with vLLM's shape: LLM(model, **engine options).generate(prompts, sampling_params)."""
+
+from __future__ import annotations
+
+import logging
+from itertools import count
+
+from tqdm import tqdm
+
+from infertune.config import EngineConfig
+from infertune.engine.llm_engine import LLMEngine
+from infertune.engine.outputs import RequestOutput
+from infertune.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class LLM:
+    """Load a Hugging Face folder once, then generate for batches of prompts with continuous batching.
+
+    Engine options (all optional): dtype, max_model_len, max_num_seqs, max_num_batched_tokens,
+    enable_chunked_prefill, block_size, kv_cache_memory_bytes, kv_cache_memory_fraction,
+    enable_prefix_caching, device, seed, tokenizer. With model=None the built-in demo model is used.
+    """
+
+    def __init__(self, model: str | None = None, **engine_options) -> None:
+        show_progress = engine_options.pop("show_progress", False)
+        self.config = EngineConfig.create(model, **engine_options)
+        self.engine = LLMEngine(self.config, show_progress=show_progress)
+        self._ids = count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | dict | list,
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; results come back in input order.
+
+        A prompt is text or {"prompt_token_ids": [...]}. A prompt that is invalid (empty, too long, ...)
+        gets a RequestOutput whose .error says why while the others run; when every prompt is invalid,
+        the first error is raised instead.
+        """
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if not prompts:
+            return []
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        elif len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; pass one, or one per prompt")
+
+        results: dict[str, RequestOutput] = {}
+        order: list[str] = []
+        errors: list[ValueError] = []
+        for prompt, sp in zip(prompts, params):
+            request_id = str(next(self._ids))
+            order.append(request_id)
+            try:
+                self.engine.add_request(request_id, prompt, sp)
+            except ValueError as e:
+                errors.append(e)
+                results[request_id] = RequestOutput.rejected(request_id, prompt, str(e))
+                log.warning("request %s rejected: %s", request_id, e)
+        if len(errors) == len(prompts):
+            raise errors[0]
+        try:
+            self._run(results, len(prompts) - len(errors), use_tqdm if use_tqdm is not None else len(prompts) > 1)
+        finally:  # on an exception or Ctrl-C, leave no request of this call holding KV blocks
+            for request_id in order:
+                self.engine.abort_request(request_id)
+        return [results[r] for r in order]
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool | None = None,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, rendered with the model's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self._render_chat(c, chat_template, add_generation_prompt) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _render_chat(self, conversation: list[dict], chat_template: str | None, add_generation_prompt: bool) -> dict:
+        tok = self.engine.tokenizer
+        if chat_template is None and not getattr(tok, "chat_template", None):
+            raise ValueError(
+                f"the tokenizer of {self.config.model.tokenizer!r} has no chat template; pass chat_template=... "
+                "or use generate() with plain text"
+            )
+        for m in conversation:
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise ValueError(f"each chat message must be a dict with 'role' and 'content', got {m!r}")
+        text = tok.apply_chat_template(
+            conversation, chat_template=chat_template, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+        # The template already holds any BOS / special tokens: do not add them twice.
+        return {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)}
+
+    def _run(self, results: dict[str, RequestOutput], total: int, use_tqdm: bool) -> None:
+        bar = tqdm(total=total, desc="generating", unit="req", disable=not use_tqdm)
+        out_tokens = 0
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        out_tokens += sum(len(c.token_ids) for c in out.outputs)
+                        bar.update(1)
+                        elapsed = bar.format_dict["elapsed"] or 1e-9
+                        bar.set_postfix_str(f"{out_tokens / elapsed:.1f} out tok/s", refresh=False)
+        finally:
+            bar.close()

@@ -1,0 +1,109 @@
+"""Llama-family decoder (Llama, Qwen2 with q/k/v bias, Mistral) over a flattened batch and a paged KV cache.
+
+The forward takes every scheduled token of the step as one [T] run (no padding); attention finds each
+sequence's context through the AttentionMetadata. Weights for q/k/v and gate/up are packed.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from infertune.config import ArchConfig
+from infertune.layers.activation import silu_and_mul
+from infertune.layers.attention import AttentionBackend, AttentionMetadata
+from infertune.layers.linear import Linear, PackedLinear
+from infertune.layers.norm import RMSNorm
+from infertune.layers.rotary import RotaryEmbedding
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, attn: AttentionBackend, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = PackedLinear(
+            cfg.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}, bias=cfg.attention_bias, dtype=dtype
+        )
+        # Llama's attention_bias also covers o_proj; Qwen2's q/k/v bias does not.
+        o_bias = cfg.attention_bias and cfg.architecture != "Qwen2ForCausalLM"
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=o_bias, dtype=dtype)
+        self.rotary = rotary
+        self.attn = attn
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        o = self.attn.forward(q, k, v, kv_cache, meta, self.scale)  # [T, H, D]
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ArchConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        inter = cfg.intermediate_size
+        self.gate_up_proj = PackedLinear(cfg.hidden_size, {0: inter, 1: inter}, bias=cfg.mlp_bias, dtype=dtype)
+        self.down_proj = Linear(inter, cfg.hidden_size, bias=cfg.mlp_bias, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, attn: AttentionBackend, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = LlamaAttention(cfg, rotary, attn, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = LlamaMLP(cfg, dtype)
+
+    def forward(self, positions, x, kv_cache, meta) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ArchConfig, max_position: int, attn: AttentionBackend, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.embed_tokens.weight.requires_grad_(False)
+        # One table shared by every layer.
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, self.rotary, attn, dtype) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(positions, x, kv_cache, meta)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    # Hugging Face projection name -> (our packed module, shard key)
+    packed_modules = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg: ArchConfig, max_position: int, attn: AttentionBackend, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg, max_position, attn, dtype)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:  # -> [T, hidden]
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V] fp32
+        return self.lm_head(hidden).float()

@@ -1,0 +1,128 @@
+"""Build a model on the meta device and load a Hugging Face safetensors checkpoint straight into place.
+
+Each parameter is allocated once on the target device and each checkpoint tensor is copied into its
+slot (packed q/k/v and gate/up shards into their slices), so the weights never exist twice.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
+from tqdm import tqdm
+
+from infertune.config import ArchConfig
+from infertune.layers.attention import AttentionBackend
+from infertune.layers.linear import default_weight_loader
+from infertune.models.registry import get_model_class
+
+# Checkpoint tensors that carry no weights of ours (recomputed at load time).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def checkpoint_files(model_dir: str) -> list[Path]:
+    root = Path(model_dir)
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ValueError(f"{index} is not a valid safetensors index ({e}); re-save the checkpoint") from e
+        files = sorted({root / f for f in weight_map.values()})
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{model_dir}: shards listed in {index.name} are missing: {', '.join(missing)}")
+        return files
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        hint = " (found PyTorch .bin weights: re-save with save_pretrained(safe_serialization=True))" if any(
+            root.glob("*.bin")
+        ) else ""
+        raise FileNotFoundError(f"{model_dir}: no *.safetensors weights found{hint}")
+    return files
+
+
+def materialize(model: nn.Module, device: torch.device) -> None:
+    """Give every meta parameter and buffer real (uninitialised) storage, keeping tied weights tied."""
+    made: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None:
+                continue
+            if id(param) not in made:
+                new = nn.Parameter(torch.empty_like(param, device=device), requires_grad=False)
+                new.__dict__.update(param.__dict__)  # e.g. weight_loader
+                made[id(param)] = new
+            module._parameters[name] = made[id(param)]
+        for name, buf in list(module._buffers.items()):
+            if buf is not None:
+                module._buffers[name] = torch.empty_like(buf, device=device)
+
+
+def load_model(
+    arch: ArchConfig, model_dir: str, dtype: torch.dtype, device: torch.device, max_position: int, attn: AttentionBackend,
+    show_progress: bool = False,
+) -> nn.Module:
+    files = checkpoint_files(model_dir)
+    cls = get_model_class(arch.architecture)
+    with torch.device("meta"):
+        model = cls(arch, max_position, attn, dtype)
+    materialize(model, device)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    missing = _expected_shards(model)  # param name -> shards still to load (None = the whole tensor)
+    packed = getattr(cls, "packed_modules", {})
+    for path in tqdm(files, desc="loading weights", unit="file", disable=not show_progress or len(files) < 2):
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    if name.endswith(_IGNORED_SUFFIXES) or (arch.tie_word_embeddings and name == "lm_head.weight"):
+                        continue
+                    target, shard = _map_name(name, packed)
+                    if target not in params:
+                        raise ValueError(
+                            f"{path.name}: tensor {name!r} has no place in {arch.architecture}; "
+                            "is config.json right for these weights?"
+                        )
+                    param = params[target]
+                    try:
+                        load = getattr(param, "weight_loader", default_weight_loader)
+                        load(param, f.get_tensor(name).to(dtype), shard)
+                    except ValueError as e:
+                        raise ValueError(f"{path.name}: {name}: {e}") from e
+                    missing.get(target, set()).discard(shard)
+        except SafetensorError as e:
+            raise ValueError(f"{path} is not a readable safetensors file ({e}); re-download or re-save it") from e
+    absent = sorted(f"{name}[{s}]" if s is not None else name for name, shards in missing.items() for s in shards)
+    if absent:
+        raise ValueError(f"{model_dir}: checkpoint is missing tensors: {', '.join(absent[:8])}")
+    for module in model.modules():
+        if hasattr(module, "quant_method"):
+            module.quant_method.process_weights_after_loading(module)
+        if hasattr(module, "reset_buffers"):
+            module.reset_buffers()
+    return model.eval()
+
+
+def _map_name(name: str, packed: dict[str, tuple[str, object]]) -> tuple[str, object]:
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part in packed:
+            new, shard = packed[part]
+            return ".".join(parts[:i] + [new] + parts[i + 1 :]), shard
+    return name, None
+
+
+def _expected_shards(model: nn.Module) -> dict[str, set]:
+    expected: dict[str, set] = {}
+    for mod_name, module in model.named_modules():
+        for p_name, _ in module.named_parameters(recurse=False):
+            full = f"{mod_name}.{p_name}" if mod_name else p_name
+            expected[full] = set(getattr(module, "shard_offsets", {None: None}))
+    # A tied weight is reachable under two names; the checkpoint fills it once.
+    for name, _ in model.named_parameters(remove_duplicate=False):
+        if name not in dict(model.named_parameters()):
+            expected.pop(name, None)
+    return expected

@@ -1,0 +1,22 @@
+"""Hugging Face architecture name -> model class."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from infertune.config import SUPPORTED_ARCHITECTURES
+from infertune.models.llama import LlamaForCausalLM
+
+_REGISTRY: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+}
+assert set(_REGISTRY) == set(SUPPORTED_ARCHITECTURES)
+
+
+def get_model_class(architecture: str) -> type[nn.Module]:
+    try:
+        return _REGISTRY[architecture]
+    except KeyError:
+        raise ValueError(f"architecture {architecture!r} is not supported; supported: {', '.join(_REGISTRY)}") from None

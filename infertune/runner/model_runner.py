@@ -1,0 +1,156 @@
+"""ModelRunner: ScheduledBatch -> tensors -> forward over the paged KV cache -> sampled tokens.
+
+The KV cache is allocated once, at start-up, from a memory budget, and reused for the engine's life.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from infertune.backends import Backend
+from infertune.config import EngineConfig
+from infertune.layers.attention import AttentionMetadata, PrefillChunk, TorchPagedAttention
+from infertune.models.loader import load_model
+from infertune.runner.sampler import SampleRequest, Sampler, SamplerOutput
+
+if TYPE_CHECKING:  # the runner reads the engine's plain data types; it never calls into the engine
+    from infertune.engine.scheduler import ScheduledBatch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class KVCacheInfo:
+    num_blocks: int
+    block_size: int
+    bytes_per_token: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_tokens * self.bytes_per_token
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, backend: Backend, show_progress: bool = False) -> None:
+        self.config = config
+        self.backend = backend
+        self.device = backend.device
+        arch = config.model.arch
+        self.dtype = backend.resolve_dtype(config.model.dtype, arch.torch_dtype)
+        backend.seed(config.model.seed)
+        self.attn = TorchPagedAttention()
+        self.model = load_model(
+            arch, config.model.model, self.dtype, self.device, config.model.max_model_len, self.attn, show_progress
+        )
+        self.block_size = config.cache.block_size
+        self.kv_info = self._plan_kv_cache()
+        shape = self.attn.kv_cache_shape(self.kv_info.num_blocks, self.block_size, arch.num_key_value_heads, arch.head_dim)
+        # One allocation for every layer; each layer gets a view. torch.zeros so stale memory is never read as KV.
+        self._kv_storage = torch.zeros((arch.num_hidden_layers, *shape), dtype=self.dtype, device=self.device)
+        self.kv_caches = list(self._kv_storage.unbind(0))
+        self.sampler = Sampler(config.model.seed, self.device)
+
+    def _plan_kv_cache(self) -> KVCacheInfo:
+        cfg, arch = self.config, self.config.model.arch
+        bytes_per_token = arch.kv_bytes_per_token(torch.empty((), dtype=self.dtype).element_size())
+        block_bytes = bytes_per_token * self.block_size
+        max_len = cfg.model.max_model_len
+        if cfg.cache.kv_cache_memory_bytes is not None:
+            budget = cfg.cache.kv_cache_memory_bytes
+            num_blocks = budget // block_bytes
+        else:
+            budget = int(cfg.cache.kv_cache_memory_fraction * self.backend.free_memory_bytes())
+            # More blocks than max_num_seqs full-length sequences can use would only waste memory.
+            useful = cfg.scheduler.max_num_seqs * -(-max_len // self.block_size)
+            num_blocks = min(budget // block_bytes, useful)
+        if num_blocks * self.block_size < max_len:
+            need = -(-max_len // self.block_size) * block_bytes
+            raise ValueError(
+                f"the KV-cache budget ({budget / 2**20:.1f} MiB) holds {num_blocks * self.block_size} tokens, fewer "
+                f"than max_model_len={max_len}; give kv_cache_memory_bytes >= {need} or lower max_model_len"
+            )
+        return KVCacheInfo(int(num_blocks), self.block_size, bytes_per_token)
+
+    @torch.inference_mode()
+    def execute_model(self, batch: ScheduledBatch) -> SamplerOutput:
+        """Run one step; one sampled token per batch entry (None where a prefill chunk is unfinished)."""
+        entries = [
+            (seq.token_ids, seq.num_computed_tokens, n, seq.block_table)
+            for seq, n in zip(batch.seqs, batch.num_scheduled_tokens)
+        ]
+        input_ids, positions, meta, last_rows = self._prepare(entries)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
+        n_entries = len(entries)
+        tokens: list[int | None] = [None] * n_entries
+        logprobs: list = [None] * n_entries
+        sampled = [i for i in range(n_entries) if batch.sample[i]]
+        if not sampled:
+            return SamplerOutput(tokens, logprobs)
+        logits = self.model.compute_logits(hidden[self._tensor([last_rows[i] for i in sampled])])  # [N, V]
+        rows = [
+            SampleRequest(batch.seqs[i].params, batch.seqs[i].prompt_token_ids, batch.seqs[i].output_token_ids)
+            for i in sampled
+        ]
+        out = self.sampler(logits, rows)
+        for i, token, lp in zip(sampled, out.token_ids, out.logprobs):
+            tokens[i], logprobs[i] = token, lp
+        return SamplerOutput(tokens, logprobs)
+
+    @torch.inference_mode()
+    def prompt_logits(self, token_ids: list[int], block_table: list[int]) -> torch.Tensor:
+        """fp32 logits at every position of one sequence, prefilled into block_table (the caller owns the blocks).
+
+        For perplexity / evaluation and parity checks; generation goes through execute_model.
+        """
+        input_ids, positions, meta, _ = self._prepare([(token_ids, 0, len(token_ids), block_table)])
+        return self.model.compute_logits(self.model(input_ids, positions, self.kv_caches, meta))  # [n, V]
+
+    def _prepare(self, entries: list[tuple[list[int], int, int, list[int]]]):
+        """(token_ids, num_computed, num_new, block_table) per entry -> flat inputs and attention metadata.
+
+        Returns input_ids [T], positions [T], AttentionMetadata, and per entry the row of its last new token.
+        """
+        bs = self.block_size
+        # Entries with one new token (decodes) first, then prefill chunks: the layout AttentionMetadata expects.
+        order = [i for i, e in enumerate(entries) if e[2] == 1] + [i for i, e in enumerate(entries) if e[2] > 1]
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        last_rows = [0] * len(entries)
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefills: list[PrefillChunk] = []
+        for i in order:
+            token_ids, start, n, table = entries[i]
+            q_start = len(input_ids)
+            input_ids.extend(token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            if n == 1:
+                decode_tables.append(table[: start // bs + 1])
+                decode_lens.append(start + 1)
+            else:
+                context = None
+                if start > 0:  # earlier KV (prefix-cache hit or previous chunk) is read back from the cache
+                    context = self._tensor([table[p // bs] * bs + p % bs for p in range(start + n)])
+                prefills.append(PrefillChunk(q_start, n, start + n, context))
+            last_rows[i] = len(input_ids) - 1
+
+        meta = AttentionMetadata(slot_mapping=self._tensor(slots), num_decode_tokens=len(decode_lens), prefills=prefills)
+        if decode_lens:
+            width = max(len(t) for t in decode_tables)
+            meta.decode_block_tables = self._tensor([t + [0] * (width - len(t)) for t in decode_tables])
+            meta.decode_context_lens = self._tensor(decode_lens)
+            meta.decode_max_context_len = max(decode_lens)
+        return self._tensor(input_ids), self._tensor(positions), meta, last_rows
+
+    def _tensor(self, values) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)

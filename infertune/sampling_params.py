@@ -1,0 +1,77 @@
+"""Per-request sampling parameters, validated on construction (temperature 0 means greedy)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: no top-k
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: up to max_model_len
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top logprobs returned with each sampled token
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stop_list: tuple[str, ...] = field(init=False, default=())
+
+    def __post_init__(self) -> None:
+        def bad(name: str, rule: str) -> ValueError:
+            return ValueError(f"{name}={getattr(self, name)!r} is invalid: {rule}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad("n", "must be an integer >= 1")
+        if self.temperature < 0:
+            raise bad("temperature", "must be >= 0 (0 means greedy)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", "must be in (0, 1]")
+        if self.top_k == -1:
+            self.top_k = 0
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise bad("top_k", "must be 0 or -1 (disabled) or a positive integer")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", "must be in [0, 1]")
+        if self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", "must be > 0 (1.0 disables it)")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise bad("presence_penalty", "must be in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise bad("frequency_penalty", "must be in [-2, 2]")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise bad("max_tokens", "must be an integer >= 1")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+            raise bad("logprobs", "must be an integer in [0, 20]")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise bad("seed", "must be an integer")
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if any(not isinstance(s, str) or not s for s in stops):
+            raise bad("stop", "must be a non-empty string or a list of non-empty strings")
+        self.stop_list = tuple(stops)
+        self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS or self.top_k == 1
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    def for_sample(self, index: int) -> "SamplingParams":
+        """The parameters of the index-th of n samples: n=1 and, when seeded, its own derived seed."""
+        from dataclasses import replace
+
+        seed = None if self.seed is None else self.seed + index
+        return replace(self, n=1, seed=seed)

@@ -1,0 +1,81 @@
+"""Fixtures: tiny random Hugging Face checkpoints (saved with save_pretrained) and a byte-level tokenizer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+VOCAB_SPECIALS = ["<|endoftext|>", "<|user|>", "<|assistant|>", "<|end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def make_tokenizer():
+    """Byte-level BPE with no merges: every UTF-8 byte is one token, so any text round-trips exactly."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+    fast.add_special_tokens({"additional_special_tokens": VOCAB_SPECIALS[1:]})
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def make_checkpoint(path: Path, arch: str = "llama", seed: int = 0, shard_size: str | None = None,
+                    dtype: torch.dtype = torch.float32, **overrides) -> Path:
+    """Save a tiny random model of the given family (plus tokenizer) to path and return path."""
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    tok = make_tokenizer()
+    base = dict(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0,
+        tie_word_embeddings=False, eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id,
+    )
+    base.update(overrides)
+    cfg_cls, model_cls = {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "mistral": (MistralConfig, MistralForCausalLM),
+    }[arch]
+    torch.manual_seed(seed)
+    model = model_cls(cfg_cls(**base)).to(dtype)
+    # HF's init (std 0.02, unit norms, zero biases) gives near-uniform logits and would not exercise the
+    # loading of norms and biases; random values everywhere make every tensor matter and greedy picks clear.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif p.dim() == 1:
+                p.copy_(0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.1)
+    kw = {"max_shard_size": shard_size} if shard_size else {}
+    model.save_pretrained(path, safe_serialization=True, **kw)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("llama"), "llama")
+
+
+def hf_model(path: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def read_config(path: Path) -> dict:
+    return json.loads((Path(path) / "config.json").read_text())
