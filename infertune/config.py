@@ -203,8 +203,9 @@ class DeviceConfig:
     device: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.device not in DEVICES:
-            raise ValueError(f"device={self.device!r} is not one of {DEVICES}")
+        kind, _, index = self.device.partition(":")
+        if kind not in DEVICES or (index and (kind == "auto" or not index.isdigit())):
+            raise ValueError(f"device={self.device!r} is not one of {DEVICES} (optionally with an index, e.g. 'cuda:1')")
 
 
 @dataclass(slots=True)

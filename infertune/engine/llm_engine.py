@@ -59,12 +59,22 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config.model.tokenizer)
         self.executor = UniProcExecutor(config, show_progress)
         self.block_manager = BlockManager(
-            self.executor.num_kv_blocks, config.cache.block_size, config.cache.enable_prefix_caching
+            self.executor.kv_cache_info.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.eos_token_ids = self._eos_token_ids()
         self.requests: dict[str, _Request] = {}
         self.num_steps = 0
+        log.info("%s", self.describe_kv_cache())
+
+    def describe_kv_cache(self) -> str:
+        info = self.executor.kv_cache_info
+        per_seq = -(-self.max_model_len // info.block_size)
+        return (
+            f"KV cache: {info.num_blocks} blocks x {info.block_size} tokens = {info.num_tokens} tokens "
+            f"({info.total_bytes / 2**20:.1f} MiB); up to {info.num_blocks // per_seq} sequences of "
+            f"max_model_len={self.max_model_len} at once"
+        )
 
     def _eos_token_ids(self) -> frozenset[int]:
         ids = set(self.config.model.arch.eos_token_ids)

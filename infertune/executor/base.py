@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 import abc
 
+from infertune.runner.model_runner import KVCacheInfo
 from infertune.runner.sampler import SamplerOutput
 
 if TYPE_CHECKING:
@@ -15,7 +16,8 @@ if TYPE_CHECKING:
 class Executor(abc.ABC):
     @property
     @abc.abstractmethod
-    def num_kv_blocks(self) -> int: ...
+    def kv_cache_info(self) -> KVCacheInfo:
+        """Blocks, block size and bytes per token of the KV cache the runner pre-allocated."""
 
     @abc.abstractmethod
     def execute_model(self, batch: ScheduledBatch) -> SamplerOutput:

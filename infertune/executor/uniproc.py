@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from infertune.backends import get_backend
 from infertune.config import EngineConfig
 from infertune.executor.base import Executor
-from infertune.runner.model_runner import ModelRunner
+from infertune.runner.model_runner import KVCacheInfo, ModelRunner
 from infertune.runner.sampler import SamplerOutput
 
 if TYPE_CHECKING:
@@ -20,8 +20,8 @@ class UniProcExecutor(Executor):
         self.runner = ModelRunner(config, self.backend, show_progress)
 
     @property
-    def num_kv_blocks(self) -> int:
-        return self.runner.kv_info.num_blocks
+    def kv_cache_info(self) -> KVCacheInfo:
+        return self.runner.kv_info
 
     def execute_model(self, batch: ScheduledBatch) -> SamplerOutput:
         return self.runner.execute_model(batch)

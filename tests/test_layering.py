@@ -1,0 +1,65 @@
+"""Architecture rules that keep the seams: imports run downward only; the engine core is pure Python."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parents[1] / "infertune"
+
+# ARCHITECTURE.md's layering, bottom (1) to top (7).
+RANKS = {
+    "config": 1, "sampling_params": 1, "backends": 1,
+    "layers": 2,
+    "models": 3,
+    "runner": 4,
+    "executor": 5,
+    "engine": 6,
+    "llm": 7, "cli": 7, "serve": 7, "bench": 7, "profile": 7, "plan": 7, "tune": 7, "distill": 7, "assets": 7,
+}
+
+
+def _top_level_imports(tree: ast.Module) -> list[str]:
+    """infertune modules imported at run time (imports under `if TYPE_CHECKING:` are for hints only)."""
+    names: list[str] = []
+
+    def visit(nodes):
+        for node in nodes:
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                continue
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("infertune."):
+                names.append(node.module)
+            elif isinstance(node, ast.Import):
+                names.extend(a.name for a in node.names if a.name.startswith("infertune."))
+            for child in ("body", "orelse", "finalbody", "handlers"):
+                if isinstance(getattr(node, child, None), list):
+                    visit(getattr(node, child))
+
+    visit(tree.body)
+    return names
+
+
+def test_imports_run_downward_only():
+    violations = []
+    for path in PKG.rglob("*.py"):
+        rel = path.relative_to(PKG)
+        if rel.parts == ("__init__.py",):
+            continue  # the package facade re-exports from every layer
+        own = RANKS[rel.parts[0].removesuffix(".py")]
+        for module in _top_level_imports(ast.parse(path.read_text())):
+            other = RANKS[module.split(".")[1]]
+            if other > own:
+                violations.append(f"{rel} (layer {own}) imports {module} (layer {other})")
+    assert not violations, "\n".join(violations)
+
+
+def test_engine_core_imports_no_torch():
+    code = (
+        "import sys\n"
+        "import infertune.engine.sequence, infertune.engine.block_manager, infertune.engine.scheduler\n"
+        "import infertune.config, infertune.sampling_params\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
