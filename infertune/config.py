@@ -74,9 +74,15 @@ class ArchConfig:
                 rope = None
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"{where}: hidden_act {cfg.get('hidden_act')!r} is not supported; only 'silu' is.")
-        # Qwen2 configs carry a sliding_window that is inactive unless use_sliding_window is true.
         window = cfg.get("sliding_window")
-        if arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
+        # Qwen2 configs carry a sliding_window that is inactive unless use_sliding_window is true, and
+        # then only for layers from max_window_layers on; explicit layer_types say it directly.
+        layers = int(cfg["num_hidden_layers"])
+        if arch == "Qwen2ForCausalLM" and (
+            not cfg.get("use_sliding_window", False) or int(cfg.get("max_window_layers", 0)) >= layers
+        ):
+            window = None
+        if cfg.get("layer_types") and "sliding_attention" not in cfg["layer_types"]:
             window = None
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))

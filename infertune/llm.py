@@ -47,6 +47,10 @@ class LLM:
         """
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError(
+                f"prompts must be a string, a dict, or a list of them, not {type(prompts).__name__}"
+            )
         prompts = list(prompts)
         if not prompts:
             return []

@@ -33,7 +33,7 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", "must be an integer >= 1")
-        if self.temperature < 0:
+        if not self.temperature >= 0:  # written so that NaN fails too
             raise bad("temperature", "must be >= 0 (0 means greedy)")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "must be in (0, 1]")
@@ -43,7 +43,7 @@ class SamplingParams:
             raise bad("top_k", "must be 0 or -1 (disabled) or a positive integer")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", "must be in [0, 1]")
-        if self.repetition_penalty <= 0:
+        if not self.repetition_penalty > 0:
             raise bad("repetition_penalty", "must be > 0 (1.0 disables it)")
         if not -2.0 <= self.presence_penalty <= 2.0:
             raise bad("presence_penalty", "must be in [-2, 2]")

@@ -183,8 +183,11 @@ class LLMEngine:
     def _on_new_token(self, sample: _Sample, token: int, lp, params: SamplingParams) -> None:
         if sample.logprobs is not None and lp is not None:
             sample.logprobs.append(Logprob(token, lp[0], lp[1]))
-        delta = sample.detok.add(token)
-        if sample.seq.is_finished:
+        seq = sample.seq
+        stopped_by_token = seq.status is SequenceStatus.FINISHED_STOPPED and token in seq.stop_token_ids
+        # Like a stop string, a stop token's own text stays out of the output unless asked for.
+        delta = "" if stopped_by_token and not params.include_stop_str_in_output else sample.detok.add(token)
+        if seq.is_finished:
             delta += sample.detok.flush()
         if not delta or sample.stop_reason is not None:
             return

@@ -95,7 +95,7 @@ def load_model(
                     missing.get(target, set()).discard(shard)
         except SafetensorError as e:
             raise ValueError(f"{path} is not a readable safetensors file ({e}); re-download or re-save it") from e
-    absent = sorted(f"{name}[{s}]" if s is not None else name for name, shards in missing.items() for s in shards)
+    absent = sorted(_checkpoint_name(name, s, packed) for name, shards in missing.items() for s in shards)
     if absent:
         raise ValueError(f"{model_dir}: checkpoint is missing tensors: {', '.join(absent[:8])}")
     for module in model.modules():
@@ -113,6 +113,16 @@ def _map_name(name: str, packed: dict[str, tuple[str, object]]) -> tuple[str, ob
             new, shard = packed[part]
             return ".".join(parts[:i] + [new] + parts[i + 1 :]), shard
     return name, None
+
+
+def _checkpoint_name(name: str, shard: object, packed: dict[str, tuple[str, object]]) -> str:
+    """Our (packed name, shard) back to the tensor name the checkpoint should have had."""
+    if shard is None:
+        return name
+    for hf_part, (ours, key) in packed.items():
+        if key == shard and f".{ours}." in name:
+            return name.replace(f".{ours}.", f".{hf_part}.")
+    return f"{name}[{shard}]"
 
 
 def _expected_shards(model: nn.Module) -> dict[str, set]:

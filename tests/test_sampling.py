@@ -1,0 +1,430 @@
+"""Sampling: seeded reproducibility, greedy equivalences, exact sampler arithmetic, logprobs, n, stops, lengths."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from conftest import hf_model
+from infertune import LLM, SamplingParams
+from infertune.runner.sampler import SampleRequest, Sampler, apply_penalties, apply_top_k_top_p_min_p
+
+PROMPTS = ["hello world", "The quick brown fox", "a", "Sampling is fun, isn't it?"]
+INF = float("-inf")
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama) -> LLM:
+    return LLM(str(tiny_llama), dtype="float32", max_model_len=128)
+
+
+def _ids(outputs) -> list[list[int]]:
+    return [list(c.token_ids) for o in outputs for c in o.outputs]
+
+
+def _all_blocks_free(llm: LLM) -> bool:
+    bm = llm.engine.block_manager
+    return bm.num_free_blocks == bm.num_blocks and not llm.engine.has_unfinished_requests()
+
+
+@pytest.fixture(scope="module")
+def greedy30(llm) -> list:
+    """Greedy, EOS ignored, 30 tokens for every prompt in PROMPTS."""
+    return llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+
+
+# ---- seeds --------------------------------------------------------------------------------------------
+def test_seeded_sampling_reproducible_across_calls(llm):
+    sp = SamplingParams(temperature=1.0, seed=1234, max_tokens=20, ignore_eos=True)
+    a = llm.generate("hello world", sp)[0].outputs[0]
+    b = llm.generate("hello world", sp)[0].outputs[0]
+    assert a.token_ids == b.token_ids
+    assert a.text == b.text
+    assert len(a.token_ids) == 20
+
+
+def test_seeded_sampling_independent_of_batch_composition(llm):
+    seeded = SamplingParams(temperature=1.0, seed=77, max_tokens=20, ignore_eos=True)
+    alone = llm.generate("The quick brown fox", seeded)[0].outputs[0].token_ids
+    others = [
+        SamplingParams(temperature=1.0, max_tokens=25, ignore_eos=True),  # unseeded: uses the engine generator
+        seeded,
+        SamplingParams(temperature=0.7, seed=5, max_tokens=7, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+    ]
+    mixed = llm.generate(["Sampling is fun, isn't it?", "The quick brown fox", "a", "hello world"], others)
+    assert mixed[1].outputs[0].token_ids == alone
+    # The same seeded prompt twice in one batch: both streams equal the solo run.
+    twice = llm.generate(["The quick brown fox", "xyz", "The quick brown fox"],
+                         [seeded, SamplingParams(temperature=1.0, max_tokens=5), seeded])
+    assert twice[0].outputs[0].token_ids == alone
+    assert twice[2].outputs[0].token_ids == alone
+    assert _all_blocks_free(llm)
+
+
+def test_seeded_request_joining_a_running_batch(llm):
+    """A seeded request added while others are mid-decode samples the same tokens as when it runs alone."""
+    seeded = SamplingParams(temperature=1.0, seed=4242, max_tokens=15, ignore_eos=True)
+    alone = llm.generate("hello world", seeded)[0].outputs[0].token_ids
+    eng = llm.engine
+    eng.add_request("bg-0", "a much longer background prompt " * 2, SamplingParams(temperature=1.0, max_tokens=30))
+    eng.add_request("bg-1", "another one", SamplingParams(temperature=0.5, max_tokens=30, ignore_eos=True))
+    for _ in range(3):
+        eng.step()
+    eng.add_request("late", "hello world", seeded)
+    final = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                final[out.request_id] = out
+    assert final["late"].outputs[0].token_ids == alone
+    assert _all_blocks_free(llm)
+
+
+def test_different_seeds_give_different_outputs(llm):
+    outs = [
+        llm.generate("hello world", SamplingParams(temperature=1.0, seed=s, max_tokens=16, ignore_eos=True))[0]
+        .outputs[0].token_ids
+        for s in (1, 2, 3)
+    ]
+    assert outs[0] != outs[1] and outs[1] != outs[2] and outs[0] != outs[2]
+
+
+def test_unseeded_runs_differ_across_calls(llm):
+    sp = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
+    a = llm.generate("hello world", sp)[0].outputs[0].token_ids
+    b = llm.generate("hello world", sp)[0].outputs[0].token_ids
+    assert a != b  # the engine's generator advanced
+    # Two identical unseeded prompts in one batch draw independently as well.
+    c, d = _ids(llm.generate(["hello world", "hello world"], sp))
+    assert c != d
+
+
+def test_unseeded_runs_reproducible_from_engine_seed(tiny_llama):
+    sp = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    runs = []
+    for seed in (11, 11, 12):
+        eng = LLM(str(tiny_llama), dtype="float32", max_model_len=128, seed=seed)
+        runs.append(_ids(eng.generate(["hello world", "The quick brown fox"], sp)))
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
+
+
+# ---- greedy equivalences --------------------------------------------------------------------------------
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 2.5])
+def test_top_k_1_equals_greedy(llm, greedy30, temperature):
+    sp = SamplingParams(temperature=temperature, top_k=1, max_tokens=30, ignore_eos=True)
+    assert _ids(llm.generate(PROMPTS, sp)) == _ids(greedy30)
+
+
+def test_top_k_1_equals_greedy_in_a_mixed_batch(llm, greedy30):
+    """top_k=1 rows stay greedy when sampled rows share the step (the non-all-greedy sampler path)."""
+    params = [
+        SamplingParams(temperature=1.3, top_k=1, max_tokens=30, ignore_eos=True),
+        SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+        SamplingParams(temperature=0.9, top_p=0.9, max_tokens=30, ignore_eos=True),
+    ]
+    out = llm.generate(PROMPTS, params)
+    greedy = _ids(greedy30)
+    assert out[0].outputs[0].token_ids == greedy[0]
+    assert out[2].outputs[0].token_ids == greedy[2]
+
+
+def test_greedy_is_deterministic(llm, greedy30):
+    again = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    assert _ids(again) == _ids(greedy30)
+    assert [o.outputs[0].text for o in again] == [o.outputs[0].text for o in greedy30]
+
+
+# ---- sampler unit tests: exact arithmetic ----------------------------------------------------------------
+# A known distribution, deliberately not sorted: probabilities 0.05, 0.5, 0.15, 0.3 for tokens 0..3.
+KNOWN_P = torch.tensor([0.05, 0.5, 0.15, 0.3])
+KNOWN_LOGITS = KNOWN_P.log()
+
+
+def _kept(logits_row: torch.Tensor) -> set[int]:
+    return {i for i, v in enumerate(logits_row.tolist()) if v != INF}
+
+
+def _filter(logits: torch.Tensor, **kw) -> torch.Tensor:
+    return apply_top_k_top_p_min_p(logits.clone().unsqueeze(0), [SamplingParams(**kw)])[0]
+
+
+def test_top_k_keeps_exactly_k_highest():
+    logits = torch.tensor([0.3, -1.0, 2.0, 5.0, 0.0, 1.5, -3.0, 4.0])
+    order = logits.argsort(descending=True).tolist()
+    for k in range(1, 8):
+        out = _filter(logits, top_k=k)
+        assert _kept(out) == set(order[:k])
+        kept = sorted(_kept(out))
+        assert torch.equal(out[kept], logits[kept])  # survivors untouched
+    for k in (0, -1, 8, 100):  # disabled or >= vocab: nothing masked
+        assert torch.equal(_filter(logits, top_k=k), logits)
+
+
+@pytest.mark.parametrize(
+    "top_p, kept",
+    [
+        (0.3, {1}),  # 0.5 alone reaches 0.3
+        (0.49, {1}),
+        (0.6, {1, 3}),  # 0.5 + 0.3 = 0.8
+        (0.79, {1, 3}),
+        (0.85, {1, 3, 2}),  # 0.95
+        (0.94, {1, 3, 2}),
+        (0.97, {0, 1, 2, 3}),
+        (1.0, {0, 1, 2, 3}),
+    ],
+)
+def test_top_p_keeps_smallest_set_reaching_the_mass(top_p, kept):
+    out = _filter(KNOWN_LOGITS, top_p=top_p)
+    assert _kept(out) == kept
+    idx = sorted(kept)
+    assert torch.equal(out[idx], KNOWN_LOGITS[idx])
+
+
+def test_top_p_applies_after_top_k_on_renormalised_mass():
+    # Top-3 renormalised: 0.5/0.95, 0.3/0.95, 0.15/0.95 -> the first two hold 0.842 >= 0.83.
+    assert _kept(_filter(KNOWN_LOGITS, top_p=0.83)) == {1, 3, 2}
+    assert _kept(_filter(KNOWN_LOGITS, top_k=3, top_p=0.83)) == {1, 3}
+
+
+@pytest.mark.parametrize(
+    "min_p, kept",
+    [(0.05, {0, 1, 2, 3}), (0.2, {1, 2, 3}), (0.35, {1, 3}), (0.61, {1}), (1.0, {1})],
+)
+def test_min_p_threshold_relative_to_top_probability(min_p, kept):
+    # threshold = min_p * 0.5: 0.025, 0.1, 0.175, 0.305, 0.5
+    out = _filter(KNOWN_LOGITS, min_p=min_p)
+    assert _kept(out) == kept
+    idx = sorted(kept)
+    assert torch.equal(out[idx], KNOWN_LOGITS[idx])
+
+
+def test_filters_apply_per_row():
+    logits = torch.stack([KNOWN_LOGITS, KNOWN_LOGITS, KNOWN_LOGITS, KNOWN_LOGITS])
+    params = [SamplingParams(top_k=2), SamplingParams(top_p=0.6), SamplingParams(min_p=0.35), SamplingParams()]
+    out = apply_top_k_top_p_min_p(logits.clone(), params)
+    assert [_kept(r) for r in out] == [{1, 3}, {1, 3}, {1, 3}, {0, 1, 2, 3}]
+    assert torch.equal(out[3], KNOWN_LOGITS)
+
+
+def _rows(params_list, prompt, output):
+    return [SampleRequest(p, list(prompt), list(output)) for p in params_list]
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_seen_logits():
+    logits = torch.tensor([[2.0, -1.0, 0.5, -0.5, 3.0, 0.0, -2.0]])
+    rows = _rows([SamplingParams(repetition_penalty=2.0)], prompt=[0, 1], output=[2, 2, 3])
+    out = apply_penalties(logits.clone(), rows)
+    expected = torch.tensor([[1.0, -2.0, 0.25, -1.0, 3.0, 0.0, -2.0]])  # tokens 0..3 seen; 4..6 untouched
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-7)
+    # A penalty below 1 rewards repetition: the opposite direction.
+    rows = _rows([SamplingParams(repetition_penalty=0.5)], prompt=[4], output=[6])
+    out = apply_penalties(logits.clone(), rows)
+    expected = torch.tensor([[2.0, -1.0, 0.5, -0.5, 6.0, 0.0, -1.0]])
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-7)
+
+
+def test_presence_and_frequency_penalties_subtract_exact_amounts():
+    logits = torch.tensor([[2.0, -1.0, 0.5, -0.5, 3.0, 0.0]])
+    # Output counts: token 2 x3, token 3 x1, token 5 x2. Prompt tokens (0, 1) are not penalised.
+    output = [2, 5, 2, 3, 2, 5]
+    rows = _rows([SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)], prompt=[0, 1, 0], output=output)
+    out = apply_penalties(logits.clone(), rows)
+    expected = torch.tensor([[2.0, -1.0, 0.5 - 0.5 - 0.75, -0.5 - 0.5 - 0.25, 3.0, 0.0 - 0.5 - 0.5]])
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)
+    # Negative penalties add.
+    rows = _rows([SamplingParams(presence_penalty=-1.0, frequency_penalty=-2.0)], prompt=[], output=[4, 4])
+    out = apply_penalties(logits.clone(), rows)
+    expected = logits.clone()
+    expected[0, 4] = 3.0 + 1.0 + 4.0
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)
+
+
+def test_penalties_combine_and_stay_per_row():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 1.0]] * 3)
+    rows = [
+        SampleRequest(SamplingParams(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.1), [0], [2, 2]),
+        SampleRequest(SamplingParams(), [0, 1], [2, 3]),  # no penalties: unchanged
+        SampleRequest(SamplingParams(frequency_penalty=1.0), [3], [1]),
+    ]
+    out = apply_penalties(logits.clone(), rows)
+    # Row 0: repetition first (token 0 from the prompt, token 2 from the output), then presence/frequency.
+    torch.testing.assert_close(out[0], torch.tensor([1.0, -1.0, 0.25 - 0.5 - 0.2, 1.0]), rtol=0, atol=1e-6)
+    torch.testing.assert_close(out[1], logits[1], rtol=0, atol=0)
+    torch.testing.assert_close(out[2], torch.tensor([2.0, -2.0, 0.5, 1.0]), rtol=0, atol=1e-6)
+
+
+def _draw_counts(logits_row: torch.Tensor, params: SamplingParams, n: int = 4000, seed: int = 2024) -> torch.Tensor:
+    sampler = Sampler(seed=seed)
+    logits = logits_row.unsqueeze(0).repeat(n, 1)
+    rows = [SampleRequest(params, [0], []) for _ in range(n)]
+    out = sampler(logits, rows)
+    return torch.bincount(torch.tensor(out.token_ids), minlength=logits_row.numel()).double()
+
+
+def _assert_matches(counts: torch.Tensor, probs: torch.Tensor, sigmas: float = 4.5) -> None:
+    n = counts.sum().item()
+    freq = counts / n
+    for i, p in enumerate(probs.double().tolist()):
+        if p == 0.0:
+            assert counts[i] == 0, f"token {i} has probability 0 but was drawn {int(counts[i])} times"
+            continue
+        se = math.sqrt(p * (1 - p) / n)
+        assert abs(freq[i].item() - p) < sigmas * se, f"token {i}: frequency {freq[i]:.4f} vs p={p:.4f} (se {se:.4f})"
+
+
+def test_sampler_draws_from_softmax():
+    logits = torch.tensor([0.1, 0.2, 0.3, 0.4]).log() + 3.0  # any offset: softmax is shift-invariant
+    counts = _draw_counts(logits, SamplingParams(temperature=1.0))
+    _assert_matches(counts, torch.tensor([0.1, 0.2, 0.3, 0.4]))
+
+
+def test_sampler_respects_temperature_and_top_k_statistically():
+    logits = torch.tensor([0.1, 0.2, 0.3, 0.4]).log()
+    # temperature 0.5 squares the probabilities before renormalising
+    sq = torch.tensor([0.01, 0.04, 0.09, 0.16])
+    _assert_matches(_draw_counts(logits, SamplingParams(temperature=0.5)), sq / sq.sum())
+    # top_k=2 renormalises the two best
+    _assert_matches(_draw_counts(logits, SamplingParams(temperature=1.0, top_k=2)),
+                    torch.tensor([0.0, 0.0, 3 / 7, 4 / 7]))
+
+
+def test_sampler_greedy_rows_take_argmax_and_seeded_rows_are_reproducible():
+    logits = torch.tensor([[0.0, 1.0, 0.5, 0.9]] * 3)
+    rows = [
+        SampleRequest(SamplingParams(temperature=0.0), [0], []),
+        SampleRequest(SamplingParams(temperature=1.0, seed=3), [0], [1, 2]),
+        SampleRequest(SamplingParams(temperature=2.0, top_k=1), [0], []),
+    ]
+    a = Sampler(seed=0)(logits, rows).token_ids
+    b = Sampler(seed=999)(logits, rows).token_ids  # the engine seed does not matter to seeded rows
+    assert a[0] == 1 and a[2] == 1
+    assert a[1] == b[1]
+
+
+# ---- logprobs --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("k, sp_kw", [(5, dict(temperature=1.0, seed=3)), (3, dict(temperature=0.0)),
+                                      (1, dict(temperature=1.0, seed=8))])
+def test_logprobs_match_hf_transformers(llm, tiny_llama, k, sp_kw):
+    sp = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=k, **sp_kw)
+    outs = llm.generate(["hello world", "The quick brown fox"], sp)
+    model = hf_model(tiny_llama)
+    for out in outs:
+        comp = out.outputs[0]
+        assert comp.logprobs is not None and len(comp.logprobs) == len(comp.token_ids) == 12
+        ids = out.prompt_token_ids + comp.token_ids
+        with torch.no_grad():
+            ref = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+        p = len(out.prompt_token_ids)
+        for j, (tok, lp) in enumerate(zip(comp.token_ids, comp.logprobs)):
+            row = ref[p - 1 + j]
+            assert lp.token_id == tok
+            assert abs(lp.logprob - row[tok].item()) < 1e-4, (j, lp.logprob, row[tok].item())
+            assert len(lp.top) == k
+            top_lps = [v for _, v in lp.top]
+            assert top_lps == sorted(top_lps, reverse=True)
+            ref_vals, ref_ids = row.topk(k)
+            assert [t for t, _ in lp.top] == ref_ids.tolist()
+            for (_, v), rv in zip(lp.top, ref_vals.tolist()):
+                assert abs(v - rv) < 1e-4
+            if sp_kw["temperature"] == 0.0:
+                assert lp.top[0][0] == tok and abs(lp.top[0][1] - lp.logprob) < 1e-6
+
+
+def test_logprobs_zero_and_none(llm):
+    out = llm.generate("hello", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0))[0].outputs[0]
+    assert len(out.logprobs) == 4
+    assert all(lp.top == [] and lp.logprob <= 0.0 for lp in out.logprobs)
+    out = llm.generate("hello", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0].outputs[0]
+    assert out.logprobs is None
+
+
+# ---- n ---------------------------------------------------------------------------------------------------
+def test_n_returns_n_indexed_completions(llm):
+    out = llm.generate("hello world", SamplingParams(n=3, temperature=1.0, max_tokens=10, ignore_eos=True))
+    assert len(out) == 1 and out[0].finished
+    comps = out[0].outputs
+    assert [c.index for c in comps] == [0, 1, 2]
+    assert all(len(c.token_ids) == 10 and c.finish_reason == "length" for c in comps)
+    assert len({tuple(c.token_ids) for c in comps}) > 1  # independent samples
+    assert _all_blocks_free(llm)
+
+
+def test_n_with_seed_is_reproducible(llm):
+    sp = SamplingParams(n=3, temperature=1.0, seed=21, max_tokens=10, ignore_eos=True)
+    a = llm.generate("The quick brown fox", sp)[0].outputs
+    b = llm.generate(["xyz", "The quick brown fox"], [SamplingParams(max_tokens=3), sp])[1].outputs
+    assert [c.token_ids for c in a] == [c.token_ids for c in b]
+    assert [c.text for c in a] == [c.text for c in b]
+    assert len({tuple(c.token_ids) for c in a}) == 3  # the samples do not share one seed
+
+
+def test_n_greedy_gives_identical_completions(llm, greedy30):
+    comps = llm.generate(PROMPTS[0], SamplingParams(n=3, temperature=0, max_tokens=30, ignore_eos=True))[0].outputs
+    assert [c.token_ids for c in comps] == [greedy30[0].outputs[0].token_ids] * 3
+
+
+# ---- stop conditions -------------------------------------------------------------------------------------
+def _pick_stop(text: str, length: int = 2) -> tuple[int, str]:
+    """A substring from the middle of text, free of replacement characters, whose first occurrence is there."""
+    for i in range(len(text) // 3, len(text) - length - 3):
+        s = text[i : i + length]
+        if "\ufffd" not in s and text.find(s) == i:
+            return i, s
+    pytest.skip("no usable stop string in the greedy text")
+
+
+@pytest.mark.parametrize("prompt_index", [0, 1])
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_string_cuts_text(llm, greedy30, prompt_index, include):
+    ref = greedy30[prompt_index].outputs[0]
+    idx, stop = _pick_stop(ref.text)
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop, "\x00never\x00"],
+                        include_stop_str_in_output=include)
+    out = llm.generate(PROMPTS[prompt_index], sp)[0].outputs[0]
+    assert out.text == (ref.text[: idx + len(stop)] if include else ref.text[:idx])
+    assert out.finish_reason == "stop"
+    assert out.stop_reason == stop
+    assert len(out.token_ids) < len(ref.token_ids)
+    assert out.token_ids == ref.token_ids[: len(out.token_ids)]
+    assert _all_blocks_free(llm)
+
+
+def test_stop_token_ids_end_output_at_that_token(llm, greedy30):
+    ref = greedy30[1].outputs[0].token_ids
+    k = next(i for i in range(3, len(ref)) if ref[i] not in ref[:i])
+    out = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
+                                                  stop_token_ids=[ref[k]]))[0].outputs[0]
+    assert out.token_ids == ref[: k + 1]
+    assert out.finish_reason == "stop"
+    assert out.stop_reason == ref[k]
+    # The stop token's own text is left out, as with stop strings, unless asked for.
+    full = greedy30[1].outputs[0].text
+    assert full.startswith(out.text) and len(out.text) < len(full)
+    assert out.text == llm.tokenizer.decode(ref[:k])
+    kept = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop_token_ids=[ref[k]],
+                                                   include_stop_str_in_output=True))[0].outputs[0]
+    assert kept.text == llm.tokenizer.decode(ref[: k + 1])
+
+
+@pytest.mark.parametrize("max_tokens", [1, 7, 30])
+def test_max_tokens_finishes_with_length(llm, max_tokens):
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True))
+    for o in outs:
+        assert o.finished
+        c = o.outputs[0]
+        assert len(c.token_ids) == max_tokens
+        assert c.finish_reason == "length"
+        assert c.stop_reason is None
+    assert _all_blocks_free(llm)
+
+
+def test_max_tokens_none_runs_to_max_model_len(llm):
+    prompt = {"prompt_token_ids": list(range(100))}
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))[0].outputs[0]
+    assert len(out.token_ids) == 128 - 100
+    assert out.finish_reason == "length"
