@@ -68,6 +68,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from infertune.serve.launcher import serve
+
+    logging.getLogger("infertune").setLevel(logging.INFO)
+    return serve(
+        args.model, host=args.host, port=args.port, api_key=args.api_key, max_waiting=args.max_waiting,
+        served_model_name=args.served_model_name, max_body_bytes=args.max_body_bytes,
+        graceful_timeout_s=args.graceful_timeout, **engine_kwargs(args),
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="infertune",
@@ -91,6 +102,24 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
+
+    srv = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server",
+                         description="Serve a model over an OpenAI-compatible HTTP API: /v1/completions, "
+                         "/v1/chat/completions (streaming with stream=true), /v1/models, /health and Prometheus "
+                         "/metrics. With no --model the built-in demo model is served. SIGTERM stops accepting, "
+                         "lets in-flight requests finish within --graceful-timeout, then exits 0.")
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    srv.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* routes")
+    srv.add_argument("--served-model-name", default=None, help="model name clients send (default: the folder's name)")
+    srv.add_argument("--max-waiting", type=int, default=512,
+                     help="waiting sequences before new requests get 429 (default: 512)")
+    srv.add_argument("--max-body-bytes", type=int, default=4 * 2**20,
+                     help="largest request body accepted; larger gets 413 (default: 4 MiB)")
+    srv.add_argument("--graceful-timeout", type=float, default=10.0,
+                     help="seconds in-flight requests get to finish after SIGTERM (default: 10)")
+    add_engine_args(srv)
+    srv.set_defaults(func=cmd_serve)
     return parser
 
 

@@ -91,24 +91,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, rendered with the model's chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self._render_chat(c, chat_template, add_generation_prompt) for c in conversations]
+        prompts = [self.engine.render_chat(c, chat_template, add_generation_prompt) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
-
-    def _render_chat(self, conversation: list[dict], chat_template: str | None, add_generation_prompt: bool) -> dict:
-        tok = self.engine.tokenizer
-        if chat_template is None and not getattr(tok, "chat_template", None):
-            raise ValueError(
-                f"the tokenizer of {self.config.model.tokenizer!r} has no chat template; pass chat_template=... "
-                "or use generate() with plain text"
-            )
-        for m in conversation:
-            if not isinstance(m, dict) or "role" not in m or "content" not in m:
-                raise ValueError(f"each chat message must be a dict with 'role' and 'content', got {m!r}")
-        text = tok.apply_chat_template(
-            conversation, chat_template=chat_template, tokenize=False, add_generation_prompt=add_generation_prompt
-        )
-        # The template already holds any BOS / special tokens: do not add them twice.
-        return {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)}
 
     def _run(self, results: dict[str, RequestOutput], total: int, use_tqdm: bool) -> None:
         bar = tqdm(total=total, desc="generating", unit="req", disable=not use_tqdm)

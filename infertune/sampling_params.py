@@ -7,6 +7,14 @@ from dataclasses import dataclass, field
 _GREEDY_EPS = 1e-5
 
 
+class ParamError(ValueError):
+    """An invalid sampling parameter; `param` names it (the server reports it in the error's "param")."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass(slots=True)
 class SamplingParams:
     n: int = 1
@@ -28,8 +36,8 @@ class SamplingParams:
     stop_list: tuple[str, ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
-        def bad(name: str, rule: str) -> ValueError:
-            return ValueError(f"{name}={getattr(self, name)!r} is invalid: {rule}")
+        def bad(name: str, rule: str) -> ParamError:
+            return ParamError(name, f"{name}={getattr(self, name)!r} is invalid: {rule}")
 
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", "must be an integer >= 1")

@@ -92,18 +92,40 @@ class LLMEngine:
 
     # ---- requests --------------------------------------------------------------------------------
     def tokenize(self, prompt: str | dict | list[int]) -> tuple[str | None, list[int]]:
-        """A prompt is text, a token-id list, or {"prompt_token_ids": [...]} (optionally with "prompt" text)."""
+        """A prompt is text, a token-id list, or {"prompt_token_ids": [...]} / {"prompt": text} (a dict may
+        also say "add_special_tokens": False, for text that already holds them, like a rendered chat)."""
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            if "prompt" in prompt:
-                return self.tokenize(prompt["prompt"])
+            if isinstance(prompt.get("prompt"), str):
+                text = prompt["prompt"]
+                return text, self.tokenizer.encode(text, add_special_tokens=prompt.get("add_special_tokens", True))
             raise ValueError("a dict prompt needs 'prompt' (text) or 'prompt_token_ids' (a list of token ids)")
         if isinstance(prompt, list):
             return None, list(prompt)
         raise ValueError(f"a prompt must be a string, a list of token ids or a dict, not {type(prompt).__name__}")
+
+    def render_chat(self, conversation: list[dict], chat_template: str | None = None,
+                    add_generation_prompt: bool = True) -> dict:
+        """A conversation -> a prompt dict, through the checkpoint's chat template (or the one given)."""
+        tok = self.tokenizer
+        if chat_template is None and not getattr(tok, "chat_template", None):
+            raise ValueError(
+                f"the tokenizer of {self.config.model.tokenizer!r} has no chat template; pass chat_template=... "
+                "or send plain text"
+            )
+        if not isinstance(conversation, list) or not conversation:
+            raise ValueError("a conversation must be a non-empty list of messages")
+        for m in conversation:
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise ValueError(f"each chat message must be a dict with 'role' and 'content', got {m!r}")
+        text = tok.apply_chat_template(
+            conversation, chat_template=chat_template, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+        # The template already holds any BOS / special tokens: do not add them twice.
+        return {"prompt": text, "add_special_tokens": False}
 
     def add_request(self, request_id: str, prompt: str | dict | list[int], params: SamplingParams | None = None) -> None:
         """Validate and queue a request. A bad request raises ValueError and leaves the engine unchanged."""
@@ -211,8 +233,13 @@ class LLMEngine:
             stop_reason = s.stop_reason
             if reason == "stop" and stop_reason is None and seq.output_token_ids:
                 stop_reason = seq.output_token_ids[-1]
+            text = s.text
+            if req.params.stop_list and not seq.is_finished:
+                # Hold back what could be the start of a stop string, so streamed text never has to be retracted.
+                hold = max(len(stop) for stop in req.params.stop_list) - 1
+                text = text[: max(len(text) - hold, 0)]
             completions.append(
-                CompletionOutput(i, s.text, list(seq.output_token_ids), reason, stop_reason,
+                CompletionOutput(i, text, list(seq.output_token_ids), reason, stop_reason,
                                  list(s.logprobs) if s.logprobs is not None else None)
             )
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, finished, req.metrics)

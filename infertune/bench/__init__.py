@@ -1,0 +1,1 @@
+"""Benchmarks run against a live server (`infertune bench ...`)."""

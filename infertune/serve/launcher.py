@@ -1,0 +1,55 @@
+"""Start the server: build the engine, log its capacity, run uvicorn, shut down gracefully on SIGTERM."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+from pathlib import Path
+
+from infertune.config import EngineConfig
+from infertune.engine.async_engine import AsyncLLMEngine
+from infertune.engine.llm_engine import LLMEngine
+from infertune.serve.api_server import create_app
+
+log = logging.getLogger("infertune.serve")
+
+
+def serve(model: str | None, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+          max_waiting: int = 512, served_model_name: str | None = None, max_body_bytes: int = 4 * 2**20,
+          graceful_timeout_s: float = 10.0, log_level: str = "info", **engine_options) -> int:
+    import uvicorn
+
+    config = EngineConfig.create(model, **engine_options)
+    engine = LLMEngine(config, show_progress=True)
+    name = served_model_name or Path(config.model.model).name
+    async_engine = AsyncLLMEngine(engine, max_waiting=max_waiting)
+    app = create_app(async_engine, name, api_key=api_key, max_body_bytes=max_body_bytes)
+
+    backend = engine.executor.backend
+    log.info("serving %r (%s) on http://%s:%d/v1 with %s, %s", name, config.model.model, host, port,
+             backend.describe(), str(engine.executor.runner.dtype).removeprefix("torch."))
+    server = _graceful_server_class()(uvicorn.Config(
+        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=graceful_timeout_s,
+    ))
+    server.run()  # returns after SIGINT / SIGTERM once in-flight requests finish or the grace period ends
+    return 0
+
+
+def _graceful_server_class():
+    import uvicorn
+
+    class GracefulServer(uvicorn.Server):
+        """uvicorn re-raises SIGTERM after its graceful shutdown (so the process dies by the signal);
+        a server that finished its work cleanly should exit 0 instead."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    return GracefulServer

@@ -1,0 +1,76 @@
+"""Prometheus metrics of one server: engine gauges read at scrape time, request counters and latency histograms.
+
+Each server owns its CollectorRegistry (no process-global state), so tests can run several servers.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from infertune.engine.async_engine import AsyncLLMEngine
+from infertune.engine.outputs import RequestOutput
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.5)
+
+
+class _EngineCollector:
+    """Reads the engine thread's latest stats snapshot whenever /metrics is scraped."""
+
+    def __init__(self, engine: AsyncLLMEngine) -> None:
+        self.engine = engine
+
+    def collect(self):
+        s = self.engine.stats
+        yield GaugeMetricFamily("infertune_requests_running", "Sequences being decoded or prefilled", s["num_running"])
+        yield GaugeMetricFamily("infertune_requests_waiting", "Sequences queued for admission", s["num_waiting"])
+        used = s["kv_blocks_total"] - s["kv_blocks_free"]
+        yield GaugeMetricFamily("infertune_kv_blocks_used", "KV-cache blocks held by sequences", used)
+        yield GaugeMetricFamily("infertune_kv_blocks_free", "KV-cache blocks free (cached prefixes included)",
+                                s["kv_blocks_free"])
+        yield GaugeMetricFamily("infertune_kv_cache_usage", "Share of KV-cache blocks in use",
+                                used / max(s["kv_blocks_total"], 1))
+        yield GaugeMetricFamily("infertune_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache",
+                                s["prefix_cache_hit_rate"])
+        yield CounterMetricFamily("infertune_preemptions", "Sequences preempted for lack of KV blocks",
+                                  s["num_preemptions"])
+        yield CounterMetricFamily("infertune_requests_aborted", "Requests aborted before finishing (client gone)",
+                                  self.engine.num_aborted)
+
+
+class ServerMetrics:
+    def __init__(self, engine: AsyncLLMEngine) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(engine))
+        r = self.registry
+        self.prompt_tokens = Counter("infertune_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("infertune_generation_tokens", "Generated tokens", registry=r)
+        self.requests = Counter("infertune_requests", "Finished requests by finish reason", ["finish_reason"],
+                                registry=r)
+        self.rejected = Counter("infertune_requests_rejected", "Requests refused, by HTTP status", ["status"],
+                                registry=r)
+        self.ttft = Histogram("infertune_time_to_first_token_seconds", "Time to first token", registry=r,
+                              buckets=_LATENCY_BUCKETS)
+        self.tpot = Histogram("infertune_time_per_output_token_seconds", "Mean time between output tokens",
+                              registry=r, buckets=_TPOT_BUCKETS)
+        self.e2e = Histogram("infertune_e2e_request_latency_seconds", "Arrival to last token", registry=r,
+                             buckets=_LATENCY_BUCKETS)
+
+    def observe_finished(self, out: RequestOutput) -> None:
+        self.prompt_tokens.inc(len(out.prompt_token_ids))
+        for c in out.outputs:
+            self.generation_tokens.inc(len(c.token_ids))
+            self.requests.labels(c.finish_reason or "unknown").inc()
+        m = out.metrics
+        if m is None or m.first_token_time is None:
+            return
+        self.ttft.observe(m.first_token_time - m.arrival_time)
+        if m.finished_time is not None:
+            self.e2e.observe(m.finished_time - m.arrival_time)
+            n = max(len(c.token_ids) for c in out.outputs)
+            if n > 1:
+                self.tpot.observe((m.finished_time - m.first_token_time) / (n - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,344 @@
+"""The OpenAI-compatible server, run for real on 127.0.0.1 and driven by the official openai client and httpx.
+
+Oracle: the offline LLM API on the same checkpoint (greedy), and the OpenAI wire format.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from infertune import LLM, SamplingParams
+from infertune.config import EngineConfig
+from infertune.engine.async_engine import AsyncLLMEngine
+from infertune.engine.llm_engine import LLMEngine
+from infertune.serve.api_server import create_app
+
+MAX_LEN = 64
+MODEL = "tiny"
+ENGINE = dict(dtype="float32", max_model_len=MAX_LEN, block_size=4, max_num_seqs=16)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerThread:
+    """uvicorn in a background thread, on a free port, stopped by should_exit."""
+
+    def __init__(self, path, api_key=None, max_waiting=512, max_body_bytes=4 * 2**20, **engine):
+        self.engine = AsyncLLMEngine(LLMEngine(EngineConfig.create(str(path), **{**ENGINE, **engine})),
+                                     max_waiting=max_waiting)
+        app = create_app(self.engine, MODEL, api_key=api_key, max_body_bytes=max_body_bytes)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                time.sleep(0.05)
+        raise RuntimeError("server did not start")
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+def metric(url: str, name: str) -> float:
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama):
+    with ServerThread(tiny_llama) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_llama):
+    return LLM(str(tiny_llama), **ENGINE)
+
+
+GREEDY = dict(temperature=0, max_tokens=12)
+NO_EOS = {"ignore_eos": True}
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+
+
+def test_completion_matches_offline_and_stream(client, offline):
+    ref = offline.generate("The cache", SamplingParams(**GREEDY, ignore_eos=True))[0]
+    r = client.completions.create(model=MODEL, prompt="The cache", extra_body=NO_EOS, **GREEDY)
+    assert r.choices[0].text == ref.outputs[0].text
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert r.usage.completion_tokens == 12 and r.usage.total_tokens == r.usage.prompt_tokens + 12
+    chunks = list(client.completions.create(model=MODEL, prompt="The cache", stream=True, extra_body=NO_EOS,
+                                            stream_options={"include_usage": True}, **GREEDY))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == ref.outputs[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 12 and not chunks[-1].choices
+
+
+def test_chat_matches_offline_and_stream(client, offline):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    ref = offline.chat(messages, SamplingParams(**GREEDY, ignore_eos=True))[0]
+    r = client.chat.completions.create(model=MODEL, messages=messages, extra_body=NO_EOS, **GREEDY)
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == ref.outputs[0].text
+    assert r.usage.prompt_tokens == len(ref.prompt_token_ids) and r.usage.completion_tokens == 12
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, stream=True, extra_body=NO_EOS,
+                                                 **GREEDY))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref.outputs[0].text
+
+
+def test_stop_string_and_several_prompts_and_n(client, offline):
+    full = offline.generate("abc", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0].outputs[0].text
+    stop = full[5:8]
+    cut = full[: full.index(stop)]
+    r = client.completions.create(model=MODEL, prompt="abc", stop=[stop], temperature=0, max_tokens=20,
+                                  extra_body=NO_EOS)
+    assert r.choices[0].text == cut and r.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(model=MODEL, prompt="abc", stop=[stop], temperature=0, max_tokens=20,
+                                         stream=True, extra_body=NO_EOS)
+    assert "".join(c.choices[0].text for c in streamed) == cut
+    # Two prompts x n=2: choices are indexed prompt-major, 4 in all.
+    r = client.completions.create(model=MODEL, prompt=["abc", "xyz"], n=2, temperature=0, max_tokens=5,
+                                  extra_body=NO_EOS)
+    assert sorted(c.index for c in r.choices) == [0, 1, 2, 3]
+    by_index = {c.index: c.text for c in r.choices}
+    assert by_index[0] == by_index[1] == full[: len(by_index[0])]
+
+
+def test_logprobs(client, offline):
+    ref = offline.generate("hello", SamplingParams(temperature=0, max_tokens=4, logprobs=2, ignore_eos=True))[0]
+    r = client.completions.create(model=MODEL, prompt="hello", temperature=0, max_tokens=4, logprobs=2,
+                                  extra_body=NO_EOS)
+    lp = r.choices[0].logprobs
+    assert lp.token_logprobs == pytest.approx([e.logprob for e in ref.outputs[0].logprobs], abs=1e-5)
+    assert all(len(top) <= 2 for top in lp.top_logprobs)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], temperature=0,
+                                          max_tokens=3, logprobs=True, top_logprobs=2, extra_body=NO_EOS)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(c.top_logprobs) == 2 for c in content)
+    assert all(c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob for c in content)
+
+
+def test_64_concurrent_requests_match_offline(server, offline):
+    prompts = [f"request number {i}" for i in range(64)]
+    refs = offline.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+
+    async def go():
+        aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        async with aclient:
+            return await asyncio.gather(*[
+                aclient.completions.create(model=MODEL, prompt=p, temperature=0, max_tokens=8, extra_body=NO_EOS)
+                for p in prompts])
+
+    results = asyncio.run(go())
+    assert [r.choices[0].text for r in results] == [o.outputs[0].text for o in refs]
+
+
+def test_disconnect_mid_stream_frees_blocks_and_counts_abort(server):
+    aborted_before = metric(server.url, "infertune_requests_aborted_total")
+    body = {"model": MODEL, "prompt": "a long story", "max_tokens": MAX_LEN - 8, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=10) as h, h.stream("POST", server.url + "/v1/completions", json=body) as resp:
+        assert resp.status_code == 200
+        lines = resp.iter_lines()
+        got = [line for line, _ in zip(lines, range(6)) if line.startswith("data:")]
+        assert got  # mid-stream
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        if (metric(server.url, "infertune_requests_aborted_total") > aborted_before
+                and metric(server.url, "infertune_kv_blocks_used") == 0):
+            break
+        time.sleep(0.05)
+    assert metric(server.url, "infertune_requests_aborted_total") == aborted_before + 1
+    assert metric(server.url, "infertune_kv_blocks_used") == 0
+
+
+def post(server, path, body, **kw):
+    return httpx.post(server.url + path, json=body, timeout=30, **kw)
+
+
+@pytest.mark.parametrize("body, param, fragment", [
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens", ">= 1"),
+    ({"prompt": "x", "temperature": -1}, "temperature", ">= 0"),
+    ({"prompt": "x", "top_p": 1.5}, "top_p", "(0, 1]"),
+    ({"prompt": "x", "n": "two"}, "n", "integer"),
+    ({"prompt": "x", "logprobs": 99}, "logprobs", "[0, 20]"),
+    ({"prompt": ""}, "prompt", "empty"),
+    ({"prompt": [[]]}, "prompt", "empty"),
+    ({}, "prompt", "required"),
+])
+def test_invalid_parameters_are_400_naming_the_parameter(server, body, param, fragment):
+    r = post(server, "/v1/completions", body)
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] == param and fragment in err["message"] and err["type"] == "invalid_request_error"
+
+
+def test_prompt_longer_than_context_is_400_with_both_numbers(server):
+    r = post(server, "/v1/completions", {"prompt": [5] * 100})
+    assert r.status_code == 400
+    assert "100" in r.json()["error"]["message"] and str(MAX_LEN) in r.json()["error"]["message"]
+
+
+def test_unknown_model_and_route_and_bad_json(server):
+    r = post(server, "/v1/completions", {"prompt": "x", "model": "gpt-9"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    assert httpx.get(server.url + "/v1/nothing").status_code == 404
+    r = httpx.post(server.url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    r = post(server, "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith("messages")
+
+
+def test_api_key_401_and_body_limit_413(tiny_llama):
+    with ServerThread(tiny_llama, api_key="sekret", max_body_bytes=2000) as s:
+        assert post(s, "/v1/completions", {"prompt": "x"}).status_code == 401
+        wrong = post(s, "/v1/completions", {"prompt": "x"}, headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+        ok = post(s, "/v1/completions", {"prompt": "x", "max_tokens": 2}, headers={"Authorization": "Bearer sekret"})
+        assert ok.status_code == 200
+        big = post(s, "/v1/completions", {"prompt": "x" * 5000}, headers={"Authorization": "Bearer sekret"})
+        assert big.status_code == 413 and "2000" in big.json()["error"]["message"]
+        assert httpx.get(s.url + "/health").status_code == 200  # health needs no key
+
+
+def test_full_queue_is_429_and_nothing_leaks(tiny_llama):
+    with ServerThread(tiny_llama, max_waiting=1, max_num_seqs=1) as s:
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+
+        async def go():
+            async with httpx.AsyncClient(timeout=60) as h:
+                return await asyncio.gather(*[h.post(s.url + "/v1/completions", json=body) for _ in range(8)])
+
+        responses = asyncio.run(go())
+        codes = [r.status_code for r in responses]
+        assert set(codes) <= {200, 429} and 429 in codes and 200 in codes
+        limited = next(r for r in responses if r.status_code == 429).json()["error"]
+        assert limited["type"] == "rate_limit_error" and "retry" in limited["message"]
+        deadline = time.time() + 5
+        while metric(s.url, "infertune_kv_blocks_used") and time.time() < deadline:
+            time.sleep(0.05)
+        assert metric(s.url, "infertune_kv_blocks_used") == 0
+
+
+# ---- fuzz: malformed and extreme bodies never cause a 5xx -------------------------------------------------
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
+          "min_p", "n", "stop", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs",
+          "top_logprobs", "ignore_eos", "stream", "stream_options", "user", "echo", "unknown_field"]
+scalars = st.one_of(
+    st.none(), st.booleans(), st.integers(min_value=-2**70, max_value=2**70), st.sampled_from([0, 1, -1, 2**31, 64]),
+    st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=20), st.sampled_from(["", "x", MODEL]),
+)
+values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
+    st.sampled_from(["role", "content", "type", "text", "include_usage"]), inner, max_size=3), max_leaves=8)
+message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "bogus"]),
+                                 "content": st.one_of(st.text(max_size=30), values)})
+bodies = st.dictionaries(st.sampled_from(FIELDS), values, max_size=8) | st.fixed_dictionaries(
+    {"prompt": st.one_of(st.text(max_size=40), st.lists(st.integers(-5, 400), max_size=70)),
+     "max_tokens": st.integers(-3, 10**9), "temperature": st.floats(-1, 3), "stream": st.booleans()},
+    optional={"n": st.integers(-1, 3), "stop": values, "logprobs": st.integers(-2, 30),
+              "top_p": st.floats(-1, 2), "top_k": st.integers(-3, 500), "seed": st.integers(-2**63, 2**64)},
+) | st.fixed_dictionaries({"messages": st.lists(message, max_size=3)}, optional={
+    "max_completion_tokens": st.integers(-3, 10**9), "logprobs": values, "top_logprobs": values, "stream": values})
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                  HealthCheck.too_slow])
+@given(body=bodies, chat=st.booleans())
+def test_fuzzed_bodies_never_5xx(server, body, chat):
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    r = httpx.post(server.url + path, json=body, timeout=60)
+    assert r.status_code < 500, (body, r.text)
+    if r.status_code != 200:
+        err = r.json()["error"]
+        assert err["message"] and err["type"]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(raw=st.binary(max_size=200))
+def test_fuzzed_raw_bytes_never_5xx(server, raw):
+    r = httpx.post(server.url + "/v1/completions", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code < 500, (raw, r.text)
+
+
+def test_server_still_correct_after_fuzz(client, offline):
+    ref = offline.generate("after the storm", SamplingParams(**GREEDY, ignore_eos=True))[0]
+    r = client.completions.create(model=MODEL, prompt="after the storm", extra_body=NO_EOS, **GREEDY)
+    assert r.choices[0].text == ref.outputs[0].text
+
+
+# ---- SIGTERM: stop accepting, finish in-flight work, exit 0 --------------------------------------------------
+def test_sigterm_finishes_in_flight_and_exits_zero(tiny_llama):
+    import signal
+    import subprocess
+    import sys
+
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "infertune.cli", "serve", "--model", str(tiny_llama), "--port", str(port),
+         "--dtype", "float32", "--max-model-len", "256", "--graceful-timeout", "20"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        body = {"prompt": "x", "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
+        texts, finish = [], None
+        with httpx.Client(timeout=60) as h, h.stream("POST", url + "/v1/completions", json=body) as resp:
+            for line in resp.iter_lines():
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                if not texts:
+                    proc.send_signal(signal.SIGTERM)  # mid-stream
+                choice = json.loads(line[5:])["choices"][0]
+                texts.append(choice["text"])
+                finish = choice["finish_reason"] or finish
+        assert finish == "length"  # the in-flight request ran to its end
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log = proc.stdout.read()
+    assert "KV cache:" in log and f"serving '{tiny_llama.name}'" in log  # the start-up report
