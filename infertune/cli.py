@@ -120,6 +120,18 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seconds in-flight requests get to finish after SIGTERM (default: 10)")
     add_engine_args(srv)
     srv.set_defaults(func=cmd_serve)
+
+    bench = sub.add_parser("bench", help="benchmarks: load-test a server (bench serve)",
+                           description="Benchmarks. `infertune bench serve` load-tests any OpenAI-compatible server.")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
+    from infertune.bench import serve_load
+
+    bench_serve = bench_sub.add_parser(
+        "serve", help="load-test an OpenAI-compatible server (Poisson arrivals, TTFT/TPOT/ITL percentiles)",
+        description="Send a workload to an OpenAI-compatible server (infertune, vLLM, llama.cpp) and report "
+        "throughput, TTFT / TPOT / ITL / end-to-end latency percentiles, goodput under an SLO, and failures.")
+    serve_load.add_arguments(bench_serve)
+    bench_serve.set_defaults(func=serve_load.run)
     return parser
 
 

@@ -169,7 +169,7 @@ def test_64_concurrent_requests_match_offline(server, offline):
 
 def test_disconnect_mid_stream_frees_blocks_and_counts_abort(server):
     aborted_before = metric(server.url, "infertune_requests_aborted_total")
-    body = {"model": MODEL, "prompt": "a long story", "max_tokens": MAX_LEN - 8, "temperature": 0,
+    body = {"model": MODEL, "prompt": "a long story", "max_tokens": MAX_LEN - 16, "temperature": 0,
             "ignore_eos": True, "stream": True}
     with httpx.Client(timeout=10) as h, h.stream("POST", server.url + "/v1/completions", json=body) as resp:
         assert resp.status_code == 200
@@ -211,6 +211,14 @@ def test_prompt_longer_than_context_is_400_with_both_numbers(server):
     r = post(server, "/v1/completions", {"prompt": [5] * 100})
     assert r.status_code == 400
     assert "100" in r.json()["error"]["message"] and str(MAX_LEN) in r.json()["error"]["message"]
+
+
+def test_max_tokens_past_the_context_is_400_not_silently_shortened(server):
+    r = post(server, "/v1/completions", {"prompt": [5] * 10, "max_tokens": 60})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] == "max_tokens" and "70" in err["message"] and "54" in err["message"]
+    assert post(server, "/v1/completions", {"prompt": [5] * 10, "max_tokens": 54}).status_code == 200
 
 
 def test_unknown_model_and_route_and_bad_json(server):

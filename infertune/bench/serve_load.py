@@ -27,6 +27,7 @@ import json
 import math
 import os
 import random
+import re
 import sys
 import time
 from collections import Counter
@@ -548,6 +549,7 @@ def summarize_results(results: Sequence[RequestResult], duration: float, slo_ttf
         "slo_tpot_ms": slo_tpot_ms,
         "goodput": None,
         "good_requests": None,
+        "short_outputs": sum(r.output_tokens < r.expected_output_len for r in ok),
         "errors": dict(Counter(r.error for r in results if not r.success).most_common()),
     }
     if slo_ttft_ms is not None or slo_tpot_ms is not None:
@@ -588,14 +590,24 @@ def format_report(summary: dict, title: str = "Serving benchmark") -> str:
         s = summary[key]
         lines.append(f"{name:<14}" + "".join(f"{num(s[k]):>12}" for k in ("mean", "p50", "p90", "p99")))
     lines.append("=" * width)
+    if summary.get("short_outputs"):
+        lines.append(f"Note: {summary['short_outputs']} completed requests got fewer output tokens than asked "
+                     "(EOS, stop, or a server cap)")
     if summary["errors"]:
-        lines.append("Errors (count: message):")
-        for i, (msg, count) in enumerate(summary["errors"].items()):
-            if i == 3:
-                lines.append(f"  ... and {len(summary['errors']) - 3} more kinds (see --json)")
-                break
+        # Messages that differ only in numbers (token counts, ids) are one kind here; --json keeps them all.
+        kinds: Counter = Counter()
+        example: dict[str, str] = {}
+        for msg, count in summary["errors"].items():
             msg = " ".join(str(msg).split())
-            lines.append(f"  {count}: {msg[:width * 2]}")
+            key = re.sub(r"\d+", "N", msg)
+            kinds[key] += count
+            example.setdefault(key, msg)
+        lines.append("Errors (count: first message of the kind):")
+        for i, (key, count) in enumerate(kinds.most_common()):
+            if i == 3:
+                lines.append(f"  ... and {len(kinds) - 3} more kinds (see --json)")
+                break
+            lines.append(f"  {count}: {example[key][:width * 2]}")
     return "\n".join(lines)
 
 

@@ -59,8 +59,11 @@ def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine, max_waiting: int | None = None, idle_wait_s: float = 0.05) -> None:
+    def __init__(self, engine: LLMEngine, max_waiting: int | None = None, idle_wait_s: float = 0.05,
+                 cap_max_tokens: bool = False) -> None:
         self.engine = engine
+        # Servers follow OpenAI: a max_tokens past the context is an error, not silently shortened.
+        self.cap_max_tokens = cap_max_tokens
         self.max_waiting = max_waiting
         self.idle_wait_s = idle_wait_s
         self._inbox: list[_Submission] = []
@@ -174,7 +177,7 @@ class AsyncLLMEngine:
                     f"the server is at capacity ({self.max_waiting} requests waiting); retry later"))
                 continue
             try:
-                self.engine.add_request(sub.request_id, sub.prompt, sub.params)
+                self.engine.add_request(sub.request_id, sub.prompt, sub.params, cap_max_tokens=self.cap_max_tokens)
             except ValueError as e:
                 _resolve(sub.loop, sub.accepted, e)
                 continue

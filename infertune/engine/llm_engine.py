@@ -18,7 +18,7 @@ from infertune.engine.detokenizer import IncrementalDetokenizer, find_stop
 from infertune.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from infertune.engine.scheduler import Scheduler
 from infertune.engine.sequence import Sequence, SequenceStatus
-from infertune.sampling_params import SamplingParams
+from infertune.sampling_params import ParamError, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -127,8 +127,13 @@ class LLMEngine:
         # The template already holds any BOS / special tokens: do not add them twice.
         return {"prompt": text, "add_special_tokens": False}
 
-    def add_request(self, request_id: str, prompt: str | dict | list[int], params: SamplingParams | None = None) -> None:
-        """Validate and queue a request. A bad request raises ValueError and leaves the engine unchanged."""
+    def add_request(self, request_id: str, prompt: str | dict | list[int], params: SamplingParams | None = None,
+                    cap_max_tokens: bool = True) -> None:
+        """Validate and queue a request. A bad request raises ValueError and leaves the engine unchanged.
+
+        A max_tokens that would run past max_model_len is capped to fit (finish_reason "length"), or with
+        cap_max_tokens=False (the OpenAI server's rule) rejected.
+        """
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -144,6 +149,11 @@ class LLMEngine:
                 f"for at least one new token; shorten the prompt or raise max_model_len"
             )
         room = self.max_model_len - len(ids)
+        if not cap_max_tokens and params.max_tokens is not None and params.max_tokens > room:
+            raise ParamError("max_tokens", (
+                f"this model's context is max_model_len={self.max_model_len} tokens, but the prompt has {len(ids)} "
+                f"and max_tokens={params.max_tokens} asks for {len(ids) + params.max_tokens}; lower max_tokens to "
+                f"at most {room} or shorten the prompt"))
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
         req = _Request(request_id, text, ids, params)

@@ -163,7 +163,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
             if isinstance(e, EngineDeadError):
                 raise APIError(503, str(e), "service_unavailable") from None
             if isinstance(e, ValueError):
-                raise APIError(400, str(e), param=param) from None
+                raise APIError(400, str(e), param=getattr(e, "param", param)) from None
             raise
         return streams
 
