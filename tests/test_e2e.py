@@ -1,0 +1,64 @@
+"""End to end on the built-in demo model: the CLI, a golden greedy text (checked against HF transformers too), chat."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from infertune import LLM, SamplingParams
+from infertune.config import default_model_path
+
+PROMPT = "def __init__(self"
+# Greedy, fp32, 24 tokens. Regenerating the demo model changes it; HF transformers must agree either way.
+GOLDEN = ", other):\n        return self._state\n\n    def __init__(self):\n        return self._state\n\n    def __init"
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return LLM(dtype="float32", max_model_len=256)
+
+
+def test_golden_greedy_text_matches_hf(demo):
+    from transformers import AutoModelForCausalLM
+
+    out = demo.generate(PROMPT, SamplingParams(temperature=0, max_tokens=24))[0]
+    assert out.outputs[0].text == GOLDEN
+    hf = AutoModelForCausalLM.from_pretrained(default_model_path(), dtype=torch.float32).eval()
+    ids = torch.tensor([out.prompt_token_ids])
+    ref = hf.generate(ids, max_new_tokens=24, do_sample=False)[0, ids.shape[1]:].tolist()
+    assert out.outputs[0].token_ids == ref
+
+
+def test_chat_uses_the_template(demo):
+    messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "A class please."}]
+    out = demo.chat(messages, SamplingParams(temperature=0, max_tokens=8))[0]
+    rendered = demo.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert rendered.endswith("<|assistant|>\n")
+    assert out.prompt == rendered
+    assert out.prompt_token_ids == demo.tokenizer.encode(rendered, add_special_tokens=False)
+    assert len(out.outputs[0].token_ids) >= 1
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "infertune.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_cli_generate_prints_text_and_stats():
+    r = run_cli("generate", PROMPT, "--max-tokens", "24", "--dtype", "float32")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.rstrip("\n") == GOLDEN
+    stats = r.stderr.strip().splitlines()[-1]
+    assert re.search(r"prompt \d+ tok \| output 24 tok \(length\) \| TTFT [\d.]+ ms \| decode [\d.]+ tok/s", stats)
+
+
+def test_cli_chat_and_errors():
+    r = run_cli("generate", "--chat", "hello", "--max-tokens", "4")
+    assert r.returncode == 0, r.stderr
+    bad = run_cli("generate", "x", "--model", "/no/such/folder")
+    assert bad.returncode == 2 and "/no/such/folder" in bad.stderr and "Traceback" not in bad.stderr
+    bad = run_cli("generate", "x", "--temperature", "-1")
+    assert bad.returncode == 2 and "temperature" in bad.stderr and "Traceback" not in bad.stderr
