@@ -15,13 +15,13 @@ from infertune.engine.sequence import Sequence
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "hash", "parent_hash", "token_ids")
+    __slots__ = ("block_id", "ref_count", "hash", "parent_block_id", "token_ids")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_count = 0
         self.hash: int | None = None
-        self.parent_hash: int | None = None
+        self.parent_block_id: int | None = None  # the cached block holding the previous block of the prefix
         self.token_ids: tuple[int, ...] = ()
 
 
@@ -65,9 +65,9 @@ class BlockManager:
             if block_id is None:
                 break
             block = self.blocks[block_id]
-            parent = seq.block_hashes[i - 1] if i else None
-            if block.token_ids != self._block_tokens(seq, i) or block.parent_hash != parent:
-                break  # a hash collision: the cached block holds other tokens
+            parent = hits[-1] if hits else None
+            if block.token_ids != self._block_tokens(seq, i) or block.parent_block_id != parent:
+                break  # a hash collision: the cached block holds other tokens, or follows another prefix
             hits.append(block_id)
         return hits
 
@@ -123,12 +123,14 @@ class BlockManager:
         end = seq.num_computed_tokens // self.block_size
         for i in range(seq.num_hashed_blocks, end):
             block = self.blocks[seq.block_table[i]]
+            parent = seq.block_table[i - 1] if i else None
+            if parent is not None and self._hash_to_block.get(seq.block_hashes[i - 1]) != parent:
+                break  # the previous block stayed private, so this prefix has no cached chain to extend
             h = self._block_hash(seq, i)
             # A block already hashed came from a hit; a hash already mapped means another sequence
-            # computed the same prefix concurrently: keep that one and leave this block private.
+            # computed the same prefix concurrently (or collided): keep that one and leave this block private.
             if block.hash is None and h not in self._hash_to_block:
-                block.hash, block.token_ids = h, self._block_tokens(seq, i)
-                block.parent_hash = seq.block_hashes[i - 1] if i else None
+                block.hash, block.token_ids, block.parent_block_id = h, self._block_tokens(seq, i), parent
                 self._hash_to_block[h] = block.block_id
         seq.num_hashed_blocks = max(seq.num_hashed_blocks, end)
 
@@ -148,4 +150,4 @@ class BlockManager:
     def _forget(self, block: Block) -> None:
         if block.hash is not None and self._hash_to_block.get(block.hash) == block.block_id:
             del self._hash_to_block[block.hash]
-        block.hash, block.parent_hash, block.token_ids = None, None, ()
+        block.hash, block.parent_block_id, block.token_ids = None, None, ()
