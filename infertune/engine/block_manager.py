@@ -124,7 +124,7 @@ class BlockManager:
         for i in range(seq.num_hashed_blocks, end):
             block = self.blocks[seq.block_table[i]]
             parent = seq.block_table[i - 1] if i else None
-            if parent is not None and self._hash_to_block.get(seq.block_hashes[i - 1]) != parent:
+            if parent is not None and self._hash_to_block.get(self._block_hash(seq, i - 1)) != parent:
                 break  # the previous block stayed private, so this prefix has no cached chain to extend
             h = self._block_hash(seq, i)
             # A block already hashed came from a hit; a hash already mapped means another sequence
