@@ -400,3 +400,22 @@ def test_hash_collision_in_parent_does_not_make_a_child_block_hit(monkeypatch):
     # Block 3 holds KV of (5,6,7,8) computed after (9,9,9,9): it must not serve a (1,2,3,4) prefix.
     s3 = seq_of([1, 2, 3, 4, 5, 6, 7, 8, 0])
     assert bm.get_computed_blocks(s3) == [0]
+
+
+def test_private_duplicate_keeps_growing_without_registering_children():
+    """Two sequences compute the same first block at once: the second's copy stays private, and as it keeps
+    growing over several steps, none of its later blocks is registered (their chain has no cached parent)."""
+    bm = BlockManager(16, 4)
+    a, b = seq_of([1, 2, 3, 4, 5]), seq_of([1, 2, 3, 4, 6])
+    assert bm.allocate_slots(a, 5) and bm.allocate_slots(b, 5)
+    for s in (a, b):
+        s.num_computed_tokens = 5
+        bm.cache_full_blocks(s)
+    assert bm.get_computed_blocks(seq_of([1, 2, 3, 4, 9])) == [a.block_table[0]]
+    for step in range(10):  # b decodes token by token, crossing two more block boundaries
+        b.append_token(10 + step)
+        assert bm.allocate_slots(b, len(b))
+        b.num_computed_tokens = len(b)
+        bm.cache_full_blocks(b)
+    assert all(bm.blocks[i].hash is None for i in b.block_table)
+    assert bm.get_computed_blocks(seq_of(b.token_ids + [0])) == [a.block_table[0]]
