@@ -27,6 +27,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="share of free memory the KV cache may take when no byte budget is given (default: 0.5)")
     g.add_argument("--no-prefix-caching", action="store_true", help="disable the automatic prefix cache")
     g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling (default: 0)")
+    g.add_argument("--quantization", default=None, choices=["w8a16", "w4a16", "w8a8"],
+                   help="quantize linear weights after loading: int8 per channel (w8a16), int4 per group "
+                   "(w4a16), or int8 weights and activations (w8a8); norms, rotary and logits stay full precision")
+    g.add_argument("--quant-group-size", type=int, default=128, help="w4a16 group size (default: 128)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -35,6 +39,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
         enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
+        quantization=args.quantization, quant_group_size=args.quant_group_size,
     )
 
 

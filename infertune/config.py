@@ -204,6 +204,39 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be positive")
 
 
+QUANT_METHODS = ("w8a16", "w4a16", "w8a8")
+
+
+@dataclass(slots=True)
+class QuantConfig:
+    """Weight (and activation) quantization applied on the fly after loading; None keeps the model dtype."""
+
+    quantization: str | None = None
+    quant_group_size: int = 128  # W4A16 group size along the input dim
+    quant_symmetric: bool = False  # W4A16: symmetric groups (-8..7) instead of [min, max] -> 0..15
+    # Layers left in full precision: fnmatch patterns or module prefixes ("lm_head", "model.layers.0.*").
+    keep_fp: tuple[str, ...] = ("lm_head",)
+
+    def __post_init__(self) -> None:
+        if self.quantization is not None and self.quantization not in QUANT_METHODS:
+            raise ValueError(f"quantization={self.quantization!r} is not one of {QUANT_METHODS} (or None)")
+        if self.quant_group_size not in (32, 64, 128, 256):
+            raise ValueError(f"quant_group_size={self.quant_group_size} must be 32, 64, 128 or 256")
+        self.keep_fp = tuple(self.keep_fp)
+
+    @property
+    def method(self) -> str | None:
+        return self.quantization
+
+    @property
+    def group_size(self) -> int:
+        return self.quant_group_size
+
+    @property
+    def symmetric(self) -> bool:
+        return self.quant_symmetric
+
+
 @dataclass(slots=True)
 class DeviceConfig:
     device: str = "auto"
@@ -220,6 +253,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
+    quant: QuantConfig = field(default_factory=QuantConfig)
 
     def __post_init__(self) -> None:
         sched = self.scheduler
@@ -232,7 +266,8 @@ class EngineConfig:
     @classmethod
     def create(cls, model: str | None = None, **kwargs) -> "EngineConfig":
         """Build the tree from flat keyword arguments (the LLM(...) and CLI surface)."""
-        groups = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "device": DeviceConfig}
+        groups = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "device": DeviceConfig,
+                  "quant": QuantConfig}
         parts: dict[str, dict] = {name: {} for name in groups}
         for key, value in kwargs.items():
             owner = next((g for g, c in groups.items() if key in c.__dataclass_fields__ and key != "arch"), None)

@@ -11,6 +11,8 @@ class Backend(abc.ABC):
     name: str = "abstract"
     # Distributed backend for torch.distributed when the executor grows past one process.
     dist_backend: str = "gloo"
+    # Whether the aten int8 / int4 weight-pack matmuls run here; else quantized layers use a reference path.
+    has_quant_kernels: bool = False
 
     def __init__(self, index: int = 0) -> None:
         self.index = index

@@ -20,6 +20,7 @@ def cpu_supports_bf16() -> bool:
 class CPUBackend(Backend):
     name = "cpu"
     dist_backend = "gloo"
+    has_quant_kernels = True
 
     @property
     def device(self) -> torch.device:

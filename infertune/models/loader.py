@@ -14,10 +14,11 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 from tqdm import tqdm
 
-from infertune.config import ArchConfig
+from infertune.config import ArchConfig, QuantConfig
 from infertune.layers.attention import AttentionBackend
 from infertune.layers.linear import default_weight_loader
 from infertune.models.registry import get_model_class
+from infertune.quant import attach_quant_methods
 
 # Checkpoint tensors that carry no weights of ours (recomputed at load time).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -64,12 +65,14 @@ def materialize(model: nn.Module, device: torch.device) -> None:
 
 def load_model(
     arch: ArchConfig, model_dir: str, dtype: torch.dtype, device: torch.device, max_position: int, attn: AttentionBackend,
-    show_progress: bool = False,
+    show_progress: bool = False, quant: QuantConfig | None = None, fast_quant_kernels: bool = True,
 ) -> nn.Module:
     files = checkpoint_files(model_dir)
     cls = get_model_class(arch.architecture)
     with torch.device("meta"):
         model = cls(arch, max_position, attn, dtype)
+    if quant is not None:
+        attach_quant_methods(model, quant, fast_quant_kernels)
     materialize(model, device)
     params = dict(model.named_parameters(remove_duplicate=False))
     missing = _expected_shards(model)  # param name -> shards still to load (None = the whole tensor)

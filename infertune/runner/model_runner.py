@@ -48,7 +48,8 @@ class ModelRunner:
         backend.seed(config.model.seed)
         self.attn = TorchPagedAttention()
         self.model = load_model(
-            arch, config.model.model, self.dtype, self.device, config.model.max_model_len, self.attn, show_progress
+            arch, config.model.model, self.dtype, self.device, config.model.max_model_len, self.attn, show_progress,
+            quant=config.quant, fast_quant_kernels=backend.has_quant_kernels,
         )
         self.block_size = config.cache.block_size
         self.kv_info = self._plan_kv_cache()

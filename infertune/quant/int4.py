@@ -1,0 +1,70 @@
+"""W4A16: group-wise int4 weights (asymmetric by default, or symmetric) with bf16/fp32 activations."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from infertune.layers.linear import Linear, UnquantizedMethod
+
+
+def quantize_int4_groupwise(w: torch.Tensor, group_size: int, symmetric: bool = False
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (q int32 in [0, 15] [N, K], scale fp32 [N, K/g], min fp32 [N, K/g]); w ~ q * scale + min.
+
+    Asymmetric: [min, max] of each group maps onto 0..15. Symmetric: [-amax, amax] onto -8..7 around 8
+    (min = -8 * scale). Either way |w - dequant| <= scale / 2.
+    """
+    n, k = w.shape
+    if k % group_size:
+        raise ValueError(f"in_features={k} is not a multiple of group_size={group_size}; pick a group size dividing it")
+    g = w.float().view(n, k // group_size, group_size)
+    if symmetric:
+        scale = (g.abs().amax(dim=-1) / 7.5).clamp(min=1e-12)
+        low = -8.0 * scale
+    else:
+        low, high = g.amin(dim=-1), g.amax(dim=-1)
+        scale = ((high - low) / 15.0).clamp(min=1e-12)
+    q = torch.round((g - low.unsqueeze(-1)) / scale.unsqueeze(-1)).clamp(0, 15).to(torch.int32)
+    return q.view(n, k), scale, low
+
+
+def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, group_size: int) -> torch.Tensor:
+    n, k = q.shape
+    g = q.view(n, k // group_size, group_size).float() * scale.unsqueeze(-1) + low.unsqueeze(-1)
+    return g.view(n, k)
+
+
+class W4A16Method(UnquantizedMethod):
+    """Int4 weights packed for the aten int4 matmul on CPU (_weight_int4pack_mm_for_cpu); a dequantize
+    reference path elsewhere (the CUDA int4 kernel is not wired: unverified without a GPU here)."""
+
+    name = "w4a16"
+
+    def __init__(self, group_size: int = 128, symmetric: bool = False, fast_kernel: bool = True) -> None:
+        self.group_size, self.symmetric, self.fast_kernel = group_size, symmetric, fast_kernel
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        w = layer.weight.data
+        dtype, device = w.dtype, w.device
+        q, scale, low = quantize_int4_groupwise(w, self.group_size, self.symmetric)
+        del layer.weight
+        self.fast_kernel = self.fast_kernel and device.type == "cpu"
+        if self.fast_kernel:
+            # The kernel computes (q - 8) * scale + zero, so zero = low + 8 * scale; layout [K/g, N, 2].
+            layer.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2))
+            sz = torch.stack([scale.t(), (low + 8 * scale).t()], dim=-1).to(dtype).contiguous()
+            layer.register_buffer("scales_and_zeros", sz)
+        layer.register_buffer("q_ref", None if self.fast_kernel else q.to(torch.uint8))
+        layer.register_buffer("scale_ref", scale if not self.fast_kernel else None)
+        layer.register_buffer("low_ref", low if not self.fast_kernel else None)
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if self.fast_kernel:
+            x2 = x.reshape(-1, x.shape[-1])
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, layer.qweight, self.group_size, layer.scales_and_zeros)
+            y = y.view(*x.shape[:-1], -1)
+        else:
+            w = dequantize_int4(layer.q_ref.to(torch.int32), layer.scale_ref, layer.low_ref, self.group_size)
+            y = F.linear(x, w.to(x.dtype))
+        return y if layer.bias is None else y + layer.bias

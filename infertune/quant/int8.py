@@ -1,0 +1,84 @@
+"""Int8 weights: W8A16 (weight-only, per output channel) and W8A8 (plus dynamic per-token int8 activations)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from infertune.layers.linear import Linear, QuantMethod, UnquantizedMethod
+
+
+def quantize_int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8: w [N, K] -> (q int8 [N, K], scale fp32 [N]); |w - q * scale| <= scale / 2."""
+    w32 = w.float()
+    scale = (w32.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+    q = torch.round(w32 / scale.unsqueeze(1)).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def quantize_int8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic symmetric per-row int8 of activations: x [M, K] -> (q int8 [M, K], scale fp32 [M, 1])."""
+    x32 = x.float()
+    scale = (x32.abs().amax(dim=1, keepdim=True) / 127.0).clamp(min=1e-12)
+    return torch.round(x32 / scale).clamp(-127, 127).to(torch.int8), scale
+
+
+class W8A16Method(UnquantizedMethod):
+    """Loads weights in the model dtype, then keeps int8 weights + per-channel scales and drops the original.
+
+    apply: the aten int8 weight-pack matmul (VNNI / AVX-512 on x86) where the device has it, else a
+    dequantize-then-matmul reference.
+    """
+
+    name = "w8a16"
+
+    def __init__(self, fast_kernel: bool = True) -> None:
+        self.fast_kernel = fast_kernel
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        q, scale = quantize_int8_per_channel(layer.weight.data)
+        dtype = layer.weight.dtype
+        del layer.weight
+        layer.register_buffer("qweight", q)  # [N, K] int8
+        layer.register_buffer("scales", scale.to(dtype))  # [N]
+
+    def dequantized_weight(self, layer: Linear) -> torch.Tensor:
+        return layer.qweight.float() * layer.scales.float().unsqueeze(1)
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if self.fast_kernel:
+            y = torch._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), layer.qweight, layer.scales)
+            y = y.view(*x.shape[:-1], -1)
+        else:
+            y = F.linear(x, self.dequantized_weight(layer).to(x.dtype))
+        return y if layer.bias is None else y + layer.bias
+
+
+class W8A8Method(W8A16Method):
+    """Int8 weights and dynamic per-token int8 activations, multiplied in int32 (torch._int_mm)."""
+
+    name = "w8a8"
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        q, scale = quantize_int8_per_channel(layer.weight.data)
+        dtype = layer.weight.dtype
+        del layer.weight
+        layer.register_buffer("qweight_t", q.t().contiguous())  # [K, N] int8, the layout _int_mm wants
+        layer.register_buffer("scales", scale)  # [N] fp32
+        layer.out_dtype = dtype
+
+    def dequantized_weight(self, layer: Linear) -> torch.Tensor:
+        return layer.qweight_t.t().float() * layer.scales.unsqueeze(1)
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        xq, xs = quantize_int8_per_token(x2)
+        if self.fast_kernel:
+            acc = torch._int_mm(xq, layer.qweight_t).float()  # [M, N] exact int32 sums
+        else:
+            acc = xq.float() @ layer.qweight_t.float()
+        y = (acc * xs * layer.scales).to(x.dtype).view(*x.shape[:-1], -1)
+        return y if layer.bias is None else y + layer.bias
+
+
+__all__ = ["QuantMethod", "W8A16Method", "W8A8Method", "quantize_int8_per_channel", "quantize_int8_per_token"]

@@ -1,0 +1,179 @@
+"""Weight quantization (W8A16, W4A16, W8A8): error bounds, fast kernels against exact arithmetic, and whole-model
+parity with HF transformers running the same dequantized weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import hf_model, make_checkpoint
+from infertune import LLM
+from infertune.config import QuantConfig
+from infertune.layers.linear import Linear, PackedLinear
+from infertune.quant import W4A16Method, W8A8Method, W8A16Method
+from infertune.quant.int4 import dequantize_int4, quantize_int4_groupwise
+from infertune.quant.int8 import quantize_int8_per_channel, quantize_int8_per_token
+
+
+def test_int8_round_trip_within_half_a_step():
+    w = torch.randn(96, 64) * torch.logspace(-2, 1, 96).unsqueeze(1)  # rows of very different scale
+    q, scale = quantize_int8_per_channel(w)
+    assert q.dtype == torch.int8 and q.abs().max() <= 127
+    err = (w - q.float() * scale.unsqueeze(1)).abs()
+    assert (err <= scale.unsqueeze(1) / 2 * (1 + 1e-6)).all()
+    assert (q.abs().amax(dim=1) == 127).all()  # the largest weight of each row uses the full range
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize("group_size", [32, 64])
+def test_int4_round_trip_within_half_a_step(group_size, symmetric):
+    w = torch.randn(48, 128) + 0.5
+    q, scale, low = quantize_int4_groupwise(w, group_size, symmetric)
+    assert q.min() >= 0 and q.max() <= 15
+    deq = dequantize_int4(q, scale, low, group_size)
+    bound = scale.repeat_interleave(group_size, dim=1) / 2 * (1 + 1e-5)
+    assert ((w - deq).abs() <= bound).all()
+    if not symmetric:  # each group's min and max are represented exactly (up to rounding)
+        g = w.view(48, -1, group_size)
+        torch.testing.assert_close(deq.view(48, -1, group_size).amin(-1), g.amin(-1), atol=1e-5, rtol=0)
+
+
+def test_int4_group_size_must_divide_in_features():
+    with pytest.raises(ValueError, match="group_size"):
+        quantize_int4_groupwise(torch.randn(8, 96), 64)
+
+
+def quantized_linear(method, k=128, n=96, bias=True, dtype=torch.float32, seed=0) -> tuple[Linear, torch.Tensor]:
+    torch.manual_seed(seed)
+    layer = Linear(k, n, bias=bias, dtype=dtype, quant_method=method)
+    w = torch.randn(n, k, dtype=dtype)
+    layer.weight.data.copy_(w)
+    if bias:
+        layer.bias.data.copy_(torch.randn(n, dtype=dtype))
+    method.process_weights_after_loading(layer)
+    return layer, w
+
+
+def reference_weight(layer: Linear) -> torch.Tensor:
+    return layer.quant_method.dequantized_weight(layer).double()  # from the int8 values and scales
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_w8a16_kernel_matches_dequantized_product(dtype):
+    layer, w = quantized_linear(W8A16Method(), dtype=dtype)
+    assert not hasattr(layer, "weight") and layer.qweight.dtype == torch.int8
+    x = torch.randn(5, 128, dtype=dtype)
+    ref = x.double() @ reference_weight(layer).t() + layer.bias.double()
+    y = layer(x)
+    assert y.dtype == dtype
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    assert ((y.double() - ref).abs() <= tol * ref.abs().max()).all()
+    # and the quantized product stays close to the original weights' product (int8: ~0.5% of a row's max)
+    full = x.double() @ w.double().t() + layer.bias.double()
+    assert (y.double() - full).abs().max() <= 0.02 * full.abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_w4a16_kernel_matches_dequantized_product(dtype, symmetric):
+    torch.manual_seed(1)
+    w = torch.randn(96, 128, dtype=dtype)
+    q, scale, low = quantize_int4_groupwise(w, 32, symmetric)
+    deq = dequantize_int4(q, scale, low, 32).double()
+    layer = Linear(128, 96, dtype=dtype, quant_method=W4A16Method(32, symmetric))
+    layer.weight.data.copy_(w)
+    layer.quant_method.process_weights_after_loading(layer)
+    x = torch.randn(7, 128, dtype=dtype)
+    ref = x.double() @ deq.t()
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    assert ((layer(x).double() - ref).abs() <= tol * ref.abs().max()).all()
+    reference_path = Linear(128, 96, dtype=dtype, quant_method=W4A16Method(32, symmetric, fast_kernel=False))
+    reference_path.weight.data.copy_(w)
+    reference_path.quant_method.process_weights_after_loading(reference_path)
+    assert ((reference_path(x).double() - ref).abs() <= tol * ref.abs().max()).all()
+
+
+def test_w8a8_equals_exact_integer_arithmetic():
+    layer, _ = quantized_linear(W8A8Method(), bias=False)
+    x = torch.randn(6, 128)
+    xq, xs = quantize_int8_per_token(x)
+    wq = layer.qweight_t.t()
+    exact = (xq.long() @ wq.long().t()).double() * xs.double() * layer.scales.double()  # int64: no rounding
+    torch.testing.assert_close(layer(x).double(), exact, rtol=1e-6, atol=1e-6)
+
+
+# ---- whole model ------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("quant"), "qwen2")  # q/k/v bias, untied lm_head
+
+
+def _load_dequantized_into_hf(hf, model) -> None:
+    """Write our dequantized weights into the HF model, unpacking q/k/v and gate/up."""
+    params = dict(hf.named_parameters())
+    for name, module in model.named_modules():
+        if not isinstance(module, Linear) or not hasattr(module.quant_method, "dequantized_weight"):
+            continue
+        w = module.quant_method.dequantized_weight(module)
+        if isinstance(module, PackedLinear):
+            parts = {"q": "q_proj", "k": "k_proj", "v": "v_proj", 0: "gate_proj", 1: "up_proj"}
+            for shard, (start, size) in module.shard_offsets.items():
+                target = name.rsplit(".", 1)[0] + "." + parts[shard] + ".weight"
+                params[target].data.copy_(w[start : start + size])
+        else:
+            params[name + ".weight"].data.copy_(w)
+
+
+@pytest.mark.parametrize("method", ["w8a16", "w8a8"])
+def test_quantized_model_matches_hf_with_dequantized_weights(ckpt, method):
+    llm = LLM(str(ckpt), dtype="float32", max_model_len=64, block_size=4, quantization=method)
+    model = llm.engine.executor.runner.model
+    quantized = [n for n, m in model.named_modules() if isinstance(m, Linear) and not hasattr(m, "weight")]
+    assert len(quantized) == 2 * 4  # 2 layers x (qkv, o, gate_up, down); lm_head kept in full precision
+    hf = hf_model(ckpt)
+    prompt = torch.randint(0, hf.config.vocab_size, (13,), generator=torch.Generator().manual_seed(3)).tolist()
+    with torch.no_grad():
+        fp_logits = hf(torch.tensor([prompt])).logits[0]
+    _load_dequantized_into_hf(hf, model)
+    ours = llm.engine.executor.runner.prompt_logits(prompt, list(range(4)))
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+    if method == "w8a16":  # same weights, fp32 activations: only kernel rounding separates the two
+        torch.testing.assert_close(ours, ref, atol=1e-3, rtol=0)
+    else:  # activations are int8 too, which HF cannot emulate: bound the error against both references
+        assert (ours - ref).abs().max() < 0.05 * ref.abs().max()
+    assert (ours - fp_logits).abs().max() < 0.05 * fp_logits.abs().max()
+
+
+def test_w4a16_model_matches_hf_with_dequantized_weights(ckpt):
+    llm = LLM(str(ckpt), dtype="float32", max_model_len=64, block_size=4, quantization="w4a16", quant_group_size=32)
+    model = llm.engine.executor.runner.model
+    hf = hf_model(ckpt)
+    # Rebuild the int4 integers from the original weights with the same quantizer and load them into HF.
+    params = dict(hf.named_parameters())
+    for name, p in params.items():
+        if name.endswith("proj.weight"):
+            q, scale, low = quantize_int4_groupwise(p.data, 32)
+            p.data.copy_(dequantize_int4(q, scale, low, 32))
+    prompt = torch.randint(0, hf.config.vocab_size, (11,), generator=torch.Generator().manual_seed(4)).tolist()
+    ours = llm.engine.executor.runner.prompt_logits(prompt, list(range(3)))
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(ours, ref, atol=1e-3, rtol=0)
+    assert model.model.layers[0].mlp.down_proj.qweight.dtype == torch.uint8  # packed nibbles
+
+
+def test_keep_fp_patterns(ckpt):
+    llm = LLM(str(ckpt), dtype="float32", max_model_len=64, quantization="w8a16",
+              keep_fp=("lm_head", "model.layers.0.*"))
+    model = llm.engine.executor.runner.model
+    assert hasattr(model.model.layers[0].self_attn.qkv_proj, "weight")
+    assert hasattr(model.lm_head, "weight")
+    assert not hasattr(model.model.layers[1].self_attn.qkv_proj, "weight")
+
+
+def test_bad_quant_options():
+    with pytest.raises(ValueError, match="quantization"):
+        QuantConfig(quantization="int3")
+    with pytest.raises(ValueError, match="quant_group_size"):
+        QuantConfig(quantization="w4a16", quant_group_size=48)
