@@ -126,6 +126,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(srv)
     srv.set_defaults(func=cmd_serve)
 
+    from infertune.plan import command as plan_command
+
+    plan = sub.add_parser("plan", help="capacity, speed and cost of a model on a device (no hardware needed)",
+                          description=plan_command.DESCRIPTION)
+    plan_command.add_arguments(plan)
+    plan.set_defaults(func=plan_command.run)
+
     bench = sub.add_parser("bench", help="benchmarks: load-test a server (bench serve)",
                            description="Benchmarks. `infertune bench serve` load-tests any OpenAI-compatible server.")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCH")

@@ -22,9 +22,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--model", default=default_model_path(),
                    help="Hugging Face model folder or its config.json (default: the built-in demo model)")
-    p.add_argument("--device", default="local",
+    p.add_argument("--device", default=None,
                    help="catalog device (910b, 910b2, 910c, h100, h200, a100, l40s, rtx4090, ...) or 'local' / "
-                        "'local:cpu|cuda|npu' to measure this machine (default: local)")
+                        "'local:cpu|cuda|npu' to measure this machine (default: the one device of --device-file, "
+                        "else local)")
     p.add_argument("--device-file", action="append", default=[], metavar="F",
                    help="JSON file with your own device(s) (repeatable); see infertune/plan/catalog.py for the fields")
     p.add_argument("--list-devices", action="store_true", help="list the catalog (with sources) and exit")
@@ -65,9 +66,13 @@ def _lengths(args: argparse.Namespace) -> tuple[int, int, int | None]:
 
 
 def _device(args: argparse.Namespace):
-    from infertune.plan.catalog import find_device, load_catalog
+    from infertune.plan.catalog import find_device, load_catalog, load_device_file
 
-    name = args.device.lower()
+    if args.device is None and args.device_file:
+        own = [d for f in args.device_file for d in load_device_file(f)]
+        if len(own) == 1:
+            return own[0]
+    name = (args.device or "local").lower()
     if name == "local" or name.startswith("local:"):
         from infertune.plan.probe import probe_local
 

@@ -5,10 +5,11 @@ layer layout that infertune runs; the tests check it against `sum(p.numel())` of
 
 Conventions:
 - bytes are exact integers; a "GB" in a message is 1e9 bytes;
-- W8A16 = int8 weights + one scale per output channel; W4A16 = int4 weights + one scale per group of
-  `group_size` input elements of each output row. Scales are `scale_bytes` wide (bf16: 2). Only the seven
-  linear layers of each decoder layer are quantized unless `quantize_lm_head`; embeddings, norms and biases
-  stay in the activation dtype (bf16);
+- W8A16 = int8 weights + one scale per output channel; W4A16 = int4 weights + a scale and a zero point per group
+  of `group_size` input elements of each output row (the `scales_and_zeros` layout of aten's int4 kernels, which
+  infertune's quant/int4.py uses; zero_bytes=0 models a scale-only format). Scales and zeros are bf16 (2 bytes).
+  Only the seven linear layers of each decoder layer are quantized unless `quantize_lm_head` (infertune keeps the
+  lm_head in full precision by default too); embeddings, norms and biases stay in bf16;
 - INT8 KV stores one scale per token, per layer, per KV head, for K and for V (`kv_scale_bytes`, fp16: 2), so a
   token costs 2 x layers x kv_heads x (head_dim + kv_scale_bytes) bytes: a factor (head_dim + 2) / (2 x head_dim)
   of the 16-bit cache (0.5078 for head_dim 128). With kv_scale_bytes=0 (one scale per tensor) it is exactly half.
@@ -73,6 +74,7 @@ class WeightFormat:
     name: str = "bf16"
     group_size: int = 128  # W4A16 only
     scale_bytes: int = 2  # bf16 scales
+    zero_bytes: int = 2  # W4A16 only: bf16 zero point per group
     quantize_lm_head: bool = False
 
     def __post_init__(self) -> None:
@@ -92,7 +94,8 @@ class WeightFormat:
         data = (out_features * in_features * self.bits + 7) // 8
         if self.name == "w8a16":
             return data, out_features * self.scale_bytes
-        return data, out_features * math.ceil(in_features / self.group_size) * self.scale_bytes
+        groups = out_features * math.ceil(in_features / self.group_size)
+        return data, groups * (self.scale_bytes + self.zero_bytes)
 
 
 @dataclass(frozen=True)
@@ -109,7 +112,7 @@ class WeightBreakdown:
     bytes_lm_head: int  # a separate lm_head copy (untied, or tied but quantized); 0 when it is the embedding
     bytes_layers: int  # attention + mlp + per-layer norms incl. quant scales
     bytes_final_norm: int
-    bytes_quant_scales: int  # included in bytes_layers / bytes_lm_head, reported apart
+    bytes_quant_scales: int  # scales (and W4A16 zero points), included in bytes_layers / bytes_lm_head
     tied: bool
 
     @property

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 
 def _gb(n: float | None) -> str:
-    return "n/a" if n is None else f"{n / 1e9:,.2f} GB"
+    """Decimal units, scaled to the size (1 GB = 1e9 bytes)."""
+    if n is None:
+        return "n/a"
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:,.2f} {unit}"
+    return f"{n:,.0f} B"
 
 
 def _opt(v: float | None, fmt: str) -> str:
@@ -27,7 +33,7 @@ def render_text(plan: dict) -> str:
            f"  weights     {w['params']:,} params in {s['weight_dtype']}"
            + (f" (group {s['group_size']})" if s["weight_dtype"] == "w4a16" else "")
            + f": {_gb(w['bytes'])} ({w['bytes']:,} B)"
-           + (f", of which scales {_gb(w['bytes_quant_scales'])}" if w["bytes_quant_scales"] else "")
+           + (f", of which quant scales {_gb(w['bytes_quant_scales'])}" if w["bytes_quant_scales"] else "")
            + f"; {_gb(w['bytes_per_card'])} per card; {_gb(w['bytes_streamed_per_step'])} read per forward step",
            f"  KV cache    {kv['bytes_per_token']:,} B per token ({'16-bit' if s['kv_dtype'] == 'auto' else s['kv_dtype']}"
            + (f", {kv['factor_vs_16bit']:.4f} x 16-bit" if s["kv_dtype"] == "int8" else "")
@@ -42,14 +48,14 @@ def render_text(plan: dict) -> str:
            f"  prefill     TTFT of one {s['input_len']}-token prompt {pre['ttft_s'] * 1e3:,.1f} ms ({pre['bound']}-bound); "
            f"{pre['tokens_per_s']:,.0f} prompt tok/s in steps of {pre['chunk_prompts']} prompt(s)",
            ""]
-    headers = ["batch", "fits", "TTFT ms", "TPOT ms", "decode", "decode tok/s", "e2e out tok/s", "KV GB/card",
+    headers = ["batch", "fits", "TTFT ms", "TPOT ms", "decode", "decode tok/s", "e2e out tok/s", "KV/card",
                "$/M out tok", "out tok/J"]
     rows = []
     for r in plan["by_batch"]:
         mark = "*" if r["batch"] == s["batch"] else ""
         rows.append([f"{mark}{r['batch']}", "yes" if r["fits"] else "OOM", f"{r['ttft_s'] * 1e3:,.1f}",
                      f"{r['tpot_s'] * 1e3:,.2f}", r["decode_bound"], f"{r['decode_tokens_per_s']:,.1f}",
-                     f"{r['output_tokens_per_s']:,.1f}", f"{r['kv_bytes_per_card'] / 1e9:,.2f}",
+                     f"{r['output_tokens_per_s']:,.1f}", _gb(r["kv_bytes_per_card"]),
                      _opt(r["usd_per_million_output_tokens"], ",.3f"), _opt(r["output_tokens_per_joule"], ",.2f")])
     out += _table(headers, rows)
     price = s["price_usd_per_hour_per_card"]

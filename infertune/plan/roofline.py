@@ -162,6 +162,11 @@ def _calibrated(roof: Roofline, measured_step_s: float, ideal: StepEstimate, wha
     if measured_step_s <= ideal.comm_time_s:
         raise ValueError(f"the measured {what} time is shorter than the modelled communication time alone")
     busy = measured_step_s - ideal.comm_time_s
+    ratio = (ideal.memory_time_s if ideal.bound == "memory" else ideal.compute_time_s) / busy
+    if ratio > 1.5:
+        raise ValueError(f"the measured {what} is {ratio:.1f}x faster than {roof.device.name}'s peak "
+                         f"{'bandwidth' if ideal.bound == 'memory' else 'FLOP/s'} allows; check the device figures, "
+                         "--batch and the input / output lengths it was measured at")
     if ideal.bound == "memory":
         return replace(roof.eff, bandwidth=round(ideal.memory_time_s / busy, 4),
                        source=f"bandwidth calibrated from a measured {what} ({ideal.memory_time_s / busy:.0%} of peak)")
