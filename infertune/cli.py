@@ -126,6 +126,27 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(srv)
     srv.set_defaults(func=cmd_serve)
 
+    from infertune.profile import audit, debug_layers, doctor
+
+    doc = sub.add_parser("doctor", help="check versions (torch / torch_npu / CANN / CUDA), CPU features, threads",
+                         description="Check Python, torch, transformers, torch_npu and CANN, CUDA and driver against a "
+                         "compatibility matrix kept as data; CPU features and thread settings; what to fix. Exits 1 "
+                         "on a hard mismatch.")
+    doctor.add_arguments(doc)
+    doc.set_defaults(func=doctor.run)
+    aud = sub.add_parser("audit", help="list the aten ops a model step launches and how a backend runs each",
+                         description="Trace a prefill and a decode step of the model, list every aten op with counts "
+                         "and example shapes, and mark which the target backend runs natively and which would fall "
+                         "back to the CPU, with mapping hints and dynamic-shape hazards. Needs no target hardware.")
+    audit.add_arguments(aud)
+    aud.set_defaults(func=audit.run)
+    dbg = sub.add_parser("debug-layers", help="find the first module that goes NaN/Inf or drifts from an fp32 run",
+                         description="Run the prompt in the chosen dtype and in fp32 with hooks on every module and "
+                         "report the first module whose output is non-finite or diverges beyond --threshold "
+                         "(the equivalent of ASCEND_LAYER_DEBUG=1). Exits 1 when it finds one.")
+    debug_layers.add_arguments(dbg)
+    dbg.set_defaults(func=debug_layers.run)
+
     from infertune.plan import command as plan_command
 
     plan = sub.add_parser("plan", help="capacity, speed and cost of a model on a device (no hardware needed)",

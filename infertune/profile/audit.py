@@ -16,8 +16,12 @@ import sys
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
+from typing import TYPE_CHECKING
+
 from infertune.profile.op_tables import BACKEND_TABLES, AtenFacts, OpTable, Resolution, resolve
-from infertune.profile.op_trace import OpEvent, OpTrace
+
+if TYPE_CHECKING:  # torch is imported only when a trace is taken, so building the CLI stays fast
+    from infertune.profile.op_trace import OpEvent, OpTrace
 
 # Hints that hold on any backend. A table's own "hints" (with its sources) take precedence.
 DATA_DEPENDENT = ("output size depends on the data: a device->host sync per call, a graph break / recompile "
@@ -97,6 +101,10 @@ def _fmt_sig(sig) -> str:
 
 
 def _generic_hint(status: str, backend: str, key: str) -> str:
+    if key.endswith("_for_cpu") and backend != "cpu":
+        return ("a CPU-only kernel that the CPU trace chose (attention / quantized matmul paths pick a kernel per "
+                f"device); on {backend} the same layer calls that device's own kernel: audit it there, or check the "
+                "layer's code path for this backend")
     if status == "fallback":
         return (f"no {backend} kernel: it runs on the host, with a device->host copy of its inputs and a copy back "
                 f"on every call; map {key} to an op the backend has, or move it out of the per-token loop")
@@ -144,12 +152,15 @@ def audit_trace(trace: OpTrace, table: OpTable, aten: AtenFacts | None = None) -
             prow = rows.get((parent, "decomposed"))
             if prow is not None and e.name not in prow.decomposes_into:
                 prow.decomposes_into.append(e.name)
-        phase_sigs.setdefault(e.name, {}).setdefault(e.phase, set()).add(e.inputs)
-    for row in rows.values():
-        row.hint = table.hints.get(row.key) or GENERAL_HINTS.get(row.key) or _generic_hint(row.status, table.backend, row.key)
+        if r.status != "decomposed":  # hazards are judged on what reaches kernels
+            phase_sigs.setdefault(e.name, {}).setdefault(e.phase, set()).add(e.inputs)
+    for row in rows.values():  # a table's own (sourced) hint wins; else what the status means, plus op lore
+        general = [_generic_hint(row.status, table.backend, row.key), GENERAL_HINTS.get(row.key, "")]
+        row.hint = table.hints.get(row.key) or "; ".join(h for h in general if h)
 
     ops = sorted(rows.values(), key=lambda r: (SEVERITY.get(r.status, 9), -r.total, r.op))
-    hazards = _hazards([e for i, e in enumerate(events) if visible[i]], phase_sigs, trace, table)
+    kernels = [e for i, e in enumerate(events) if visible[i] and status[i].status != "decomposed"]
+    hazards = _hazards(kernels, phase_sigs, trace, table)
     table_info = {"path": table.path, "source": table.source, "version": table.version,
                   "complete": table.complete, "on_missing": table.on_missing, "coverage": table.coverage}
     return AuditReport(table.backend, table_info, dict(trace.phases), ops, hazards,
@@ -213,6 +224,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-len", type=int, default=32, help="tokens in the traced prefill (default: 32)")
     p.add_argument("--sample", action="store_true",
                    help="trace random sampling (temperature 0.8, top-p 0.95, top-k 50) instead of greedy")
+    p.add_argument("--quantization", default=None, choices=["w8a16", "w4a16", "w8a8"],
+                   help="audit the model quantized on the fly, as `generate --quantization` runs it")
     p.add_argument("--op-table", default=None, help="audit against this JSON op table instead of the shipped one")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "npu"],
                    help="where to run the traced steps (default: cpu; the target needs no hardware)")
@@ -226,13 +239,15 @@ def run(args: argparse.Namespace) -> int:
     table = OpTable.load(args.op_table or args.backend)
     if args.op_table and table.backend != args.backend:
         print(f"note: --op-table describes backend {table.backend!r}, --backend is {args.backend!r}", file=sys.stderr)
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=1,
+    quant = {"quantization": args.quantization} if getattr(args, "quantization", None) else {}
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=1, **quant,
               max_num_batched_tokens=max(2048, args.prompt_len),
               max_model_len=_fit_len(args.model, args.prompt_len + 2))
     trace = trace_engine_steps(llm, args.prompt_len, sample=args.sample)
     report = audit_trace(trace, table)
     report.context = {"model": llm.config.model.model, "dtype": str(llm.engine.executor.runner.dtype).removeprefix(
-        "torch."), "traced_on": llm.engine.executor.backend.describe(), "sampling": "random" if args.sample else "greedy"}
+        "torch."), "traced_on": llm.engine.executor.backend.describe(), "sampling": "random" if args.sample else "greedy",
+                      "quantization": args.quantization}
     if args.json:
         print(json.dumps(report.to_dict(), indent=1))
     else:

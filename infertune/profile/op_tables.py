@@ -182,13 +182,21 @@ def generate_from_native_functions(yaml_path: str | Path, torch_version: str) ->
         }
     }
     for backend, key in (("cpu", "CPU"), ("cuda", "CUDA")):
-        out[BACKEND_TABLES[backend]] = {
+        table = {
             "backend": backend, "source": source_note + f"; an op is native when it has a {key} kernel",
             "version": f"torch {torch_version}", "complete": True, "on_missing": "unsupported",
             "coverage": f"every aten op in native_functions.yaml with a {key} dispatch entry; composite ops "
                         "are resolved from aten_ops.json",
             "native": sorted(n for n, k in keys_of.items() if key in k),
         }
+        if backend != "cpu" and key in keys_of.get("_fused_sdp_choice", set()):
+            # scaled_dot_product_attention decomposes into a kernel chosen per device; a CPU trace records the
+            # CPU one, so judge the composite itself on devices that have their own choice function.
+            table["status"] = {"scaled_dot_product_attention": "native"}
+            table["hints"] = {"scaled_dot_product_attention": (
+                f"decomposed per device: _fused_sdp_choice has a {key} kernel and picks flash / memory-efficient / "
+                "cuDNN / math attention there; the CPU trace shows the CPU kernel instead")}
+        out[BACKEND_TABLES[backend]] = table
     return out
 
 

@@ -49,7 +49,11 @@ class OpTrace:
 
 
 class OpRecorder(TorchDispatchMode):
-    """`with OpRecorder() as rec: ...` records into rec.trace; set rec.phase between steps to label them."""
+    """`with OpRecorder() as rec: ...` records into rec.trace; set rec.phase between steps to label them.
+
+    Composite ops reach the mode only under torch.inference_mode() (the engine's forward runs in it):
+    with autograd on, their Autograd kernel decomposes them first and only the parts are recorded.
+    """
 
     def __init__(self, decompose: bool = True) -> None:
         super().__init__()

@@ -1,0 +1,283 @@
+"""`infertune debug-layers`: find the first module whose output goes non-finite or drifts from an fp32 reference.
+
+The equivalent of ASCEND_LAYER_DEBUG=1. The model is loaded twice, in the dtype (and on the device) under
+test and in float32 as the reference (on the CPU by default), the same prompt is prefilled through both,
+and forward hooks capture the output of every submodule: the embedding, each decoder layer with its
+norms, attention (qkv / rotary / o_proj) and MLP, the final norm, and lm_head (called by compute_logits).
+Per module it reports max-abs and mean-abs difference, each divided by the reference output's scale
+(max |ref| and mean |ref|), and the share of non-finite values; then it names the first module, in the
+order outputs were produced, that has NaN/Inf the reference does not have, or whose relative max error
+exceeds the threshold. Children finish before their parents, so the innermost culprit is named.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:  # torch is imported inside the functions, so building the CLI does not load it
+    import torch
+    from torch import nn
+
+
+@dataclass(slots=True)
+class ModuleDiff:
+    index: int  # position in execution (completion) order
+    module: str
+    shape: list[int]
+    max_abs: float  # over positions finite in both runs
+    mean_abs: float
+    rel_max: float  # max_abs / max |ref|
+    rel_mean: float  # mean_abs / mean |ref|
+    nonfinite_share: float  # in the run under test
+    ref_nonfinite_share: float
+
+    def diverges(self, threshold: float) -> str | None:
+        if self.nonfinite_share > self.ref_nonfinite_share:
+            return "non-finite"
+        if self.rel_max > threshold:
+            return "error above threshold"
+        return None
+
+
+@dataclass(slots=True)
+class LayerDebugReport:
+    dtype: str
+    ref_dtype: str
+    device: str
+    ref_device: str
+    prompt_tokens: int
+    threshold: float
+    modules: list[ModuleDiff]
+    first_divergent: dict | None = None
+    first_nonfinite: dict | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        for m in d["modules"]:  # JSON has no NaN/Inf
+            for k, v in m.items():
+                if isinstance(v, float) and not math.isfinite(v):
+                    m[k] = str(v)
+        return d
+
+
+class OutputCapture:
+    """Forward hooks on every submodule; records (label, output tensors in fp32 on the CPU) in completion order.
+
+    A module called from several places (the shared rotary embedding) is labelled by its caller, e.g.
+    model.layers.3.self_attn.rotary, so each call has its own row.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.records: list[tuple[str, list[torch.Tensor]]] = []
+        self._stack: list[str] = []
+        self._handles = []
+        for name, module in model.named_modules():
+            if not name:  # the root returns the same tensor as model.model
+                continue
+            self._handles.append(module.register_forward_pre_hook(self._pre(name)))
+            self._handles.append(module.register_forward_hook(self._post(name)))
+
+    def _label(self, name: str) -> str:
+        caller = self._stack[-1] if self._stack else ""
+        if caller and not name.startswith(caller + "."):
+            return f"{caller}.{name.rsplit('.', 1)[-1]}"
+        return name
+
+    def _pre(self, name: str):
+        def hook(module, args):
+            self._stack.append(self._label(name))
+
+        return hook
+
+    def _post(self, name: str):
+        import torch
+
+        def hook(module, args, output):
+            label = self._stack.pop()
+            leaves = output if isinstance(output, (tuple, list)) else [output]
+            tensors = [t.detach().float().cpu() for t in leaves if isinstance(t, torch.Tensor)]
+            if tensors:
+                self.records.append((label, tensors))
+
+        return hook
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+def compare(label: str, index: int, test: list[torch.Tensor], ref: list[torch.Tensor]) -> ModuleDiff:
+    import torch
+
+    a = torch.cat([t.reshape(-1) for t in test])
+    r = torch.cat([t.reshape(-1) for t in ref])
+    if a.shape != r.shape:
+        raise RuntimeError(f"{label}: output has {a.numel()} values under test but {r.numel()} in the reference")
+    fin_a, fin_r = torch.isfinite(a), torch.isfinite(r)
+    both = fin_a & fin_r
+    diff = (a[both] - r[both]).abs()
+    ref_abs = r[fin_r].abs()
+    nan = float("nan")  # no position is finite in both runs: there is no error to measure
+    max_abs = float(diff.max()) if diff.numel() else nan
+    mean_abs = float(diff.mean()) if diff.numel() else nan
+    scale_max = float(ref_abs.max()) if ref_abs.numel() else 0.0
+    scale_mean = float(ref_abs.mean()) if ref_abs.numel() else 0.0
+    tiny = torch.finfo(torch.float32).tiny
+    return ModuleDiff(
+        index=index, module=label, shape=list(test[0].shape), max_abs=max_abs, mean_abs=mean_abs,
+        rel_max=max_abs / max(scale_max, tiny) if max_abs != 0 else 0.0,
+        rel_mean=mean_abs / max(scale_mean, tiny) if mean_abs != 0 else 0.0,
+        nonfinite_share=float((~fin_a).float().mean()), ref_nonfinite_share=float((~fin_r).float().mean()),
+    )
+
+
+def run_prefill_captured(llm, token_ids: list[int]) -> list[tuple[str, list[torch.Tensor]]]:
+    """Prefill token_ids into a fresh engine's blocks 0.. and capture every submodule's output."""
+    runner = llm.engine.executor.runner
+    capture = OutputCapture(runner.model)
+    try:
+        runner.prompt_logits(token_ids, list(range(-(-len(token_ids) // runner.block_size))))
+    finally:
+        capture.remove()
+    return capture.records
+
+
+def plant_nan(module_name: str) -> Callable[[nn.Module], None]:
+    """A perturbation for debug_layers: set one weight of the named module to NaN (to test the hunt itself)."""
+
+    def perturb(model: nn.Module) -> None:
+        import torch
+
+        try:
+            module = model.get_submodule(module_name)
+        except AttributeError as e:
+            raise ValueError(f"--plant-nan {module_name!r}: no such module ({e}); names look like "
+                             f"model.layers.0.mlp.down_proj") from e
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, torch.Tensor):
+            raise ValueError(f"--plant-nan {module_name!r}: the module has no weight tensor")
+        with torch.no_grad():
+            weight.view(-1)[0] = float("nan")
+
+    return perturb
+
+
+def _load(model: str | None, dtype: str, device: str, max_model_len: int):
+    from infertune.llm import LLM
+
+    return LLM(model, dtype=dtype, device=device, max_model_len=max_model_len, max_num_seqs=1,
+               max_num_batched_tokens=max(2048, max_model_len), enable_prefix_caching=False)
+
+
+def debug_layers(model: str | None, prompt: str | list[int], dtype: str = "bfloat16", device: str = "cpu",
+                 ref_dtype: str = "float32", ref_device: str = "cpu", threshold: float = 0.05,
+                 perturb: Callable[[nn.Module], None] | None = None) -> LayerDebugReport:
+    """Compare every submodule's output in (dtype, device) against (ref_dtype, ref_device) for one prefill.
+
+    perturb(model) is applied to the model under test after loading (tests plant a NaN this way).
+    """
+    if not threshold > 0:
+        raise ValueError(f"threshold={threshold} must be positive (a relative error, e.g. 0.05)")
+    from infertune.config import ArchConfig, default_model_path
+    from infertune.engine.llm_engine import load_tokenizer
+
+    path = model or default_model_path()
+    limit = ArchConfig.from_model_dir(path).max_position_embeddings
+    token_ids = load_tokenizer(path).encode(prompt) if isinstance(prompt, str) else list(prompt)
+    if not token_ids:
+        raise ValueError("the prompt is empty (0 tokens); give some text")
+    if len(token_ids) >= limit:
+        raise ValueError(f"the prompt has {len(token_ids)} tokens; this model takes at most {limit - 1}")
+    # The KV cache only needs to hold this prompt.
+    max_len = len(token_ids) + 1
+    ref = _load(model, ref_dtype, ref_device, max_len)
+    ref_records = run_prefill_captured(ref, token_ids)
+    ref_dtype_name = str(ref.engine.executor.runner.dtype).removeprefix("torch.")
+    del ref
+
+    test = _load(model, dtype, device, max_len)
+    if perturb is not None:
+        perturb(test.engine.executor.runner.model)
+    test_records = run_prefill_captured(test, token_ids)
+    runner = test.engine.executor.runner
+
+    notes = []
+    if [label for label, _ in test_records] != [label for label, _ in ref_records]:
+        raise RuntimeError("the two runs called different modules; the model code must not depend on dtype/device")
+    modules = [compare(label, i, t, r) for i, ((label, t), (_, r)) in enumerate(zip(test_records, ref_records))]
+    report = LayerDebugReport(
+        dtype=str(runner.dtype).removeprefix("torch."), ref_dtype=ref_dtype_name, device=runner.backend.describe(),
+        ref_device=ref_device, prompt_tokens=len(token_ids), threshold=threshold, modules=modules, notes=notes,
+    )
+    for m in modules:
+        why = m.diverges(threshold)
+        if why and report.first_divergent is None:
+            report.first_divergent = {"module": m.module, "index": m.index, "reason": why}
+        if why == "non-finite" and report.first_nonfinite is None:
+            report.first_nonfinite = {"module": m.module, "index": m.index}
+    if any(m.ref_nonfinite_share > 0 for m in modules):
+        first = next(m for m in modules if m.ref_nonfinite_share > 0)
+        notes.append(f"the fp32 reference itself has non-finite values from {first.module} on: the checkpoint or the "
+                     f"prompt is at fault, not the dtype")
+    return report
+
+
+def format_report(report: LayerDebugReport, show: str = "all") -> str:
+    lines = [f"infertune debug-layers: {report.prompt_tokens} prompt tokens, {report.dtype} on {report.device} vs "
+             f"{report.ref_dtype} on {report.ref_device}; threshold {report.threshold} (max-abs error / max |ref|)", ""]
+    header = f"{'#':>4}  {'module':<46} {'max-abs':>10} {'rel-max':>9} {'mean-abs':>10} {'rel-mean':>9} {'non-finite':>10}"
+    lines += [header, "-" * len(header)]
+    first = report.first_divergent["index"] if report.first_divergent else -1
+    for m in report.modules:
+        why = m.diverges(report.threshold)
+        if show == "layers" and m.index != first and m.module.count(".") > 2:
+            continue
+        flag = "  <- " + why if why else ""
+        lines.append(f"{m.index:>4}  {m.module:<46} {m.max_abs:>10.3g} {m.rel_max:>9.3g} {m.mean_abs:>10.3g} "
+                     f"{m.rel_mean:>9.3g} {m.nonfinite_share:>10.1%}{flag}")
+    lines.append("")
+    if report.first_divergent is None:
+        lines.append(f"no divergence: every module is finite and within {report.threshold} of the reference")
+    else:
+        d = report.first_divergent
+        lines.append(f"FIRST DIVERGENT MODULE: {d['module']} (#{d['index']}, {d['reason']})")
+        if report.first_nonfinite and report.first_nonfinite["module"] != d["module"]:
+            lines.append(f"first non-finite output: {report.first_nonfinite['module']}")
+        lines.append("what to do: check that module's weights for NaN/Inf and its inputs' range; for a dtype overflow "
+                     "keep that op in float32 (norms and softmax already are), or try float16 <-> bfloat16")
+    lines += [f"note: {n}" for n in report.notes]
+    return "\n".join(lines)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="Hugging Face model folder (default: the built-in demo model)")
+    p.add_argument("--prompt", required=True, help="text to prefill through both runs")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
+                   help="dtype under test (default: bfloat16)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "npu"], help="device under test (default: cpu)")
+    p.add_argument("--ref-device", default="cpu", choices=["cpu", "cuda", "npu"],
+                   help="device of the float32 reference (default: cpu)")
+    p.add_argument("--threshold", type=float, default=0.05,
+                   help="flag a module whose max-abs error exceeds this share of its reference's max |value| "
+                        "(default: 0.05)")
+    p.add_argument("--plant-nan", default=None, metavar="MODULE",
+                   help="set one weight of MODULE (e.g. model.layers.1.mlp.down_proj) to NaN in the run under test, "
+                        "to see the hunt work")
+    p.add_argument("--only-layers", action="store_true",
+                   help="print decoder-layer level rows (and every flagged module) instead of every submodule")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    report = debug_layers(args.model, args.prompt, dtype=args.dtype, device=args.device, ref_device=args.ref_device,
+                          threshold=args.threshold, perturb=plant_nan(args.plant_nan) if args.plant_nan else None)
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=1))
+    else:
+        print(format_report(report, "layers" if args.only_layers else "all"))
+    return 1 if report.first_divergent else 0
