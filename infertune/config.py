@@ -143,6 +143,8 @@ class ModelConfig:
     dtype: str = "auto"
     max_model_len: int | None = None
     seed: int = 0
+    # Reorder plain weights once into the backend's fastest matmul layout (oneDNN blocked bf16 on CPU).
+    prepack_weights: bool = True
     arch: ArchConfig | None = None
 
     def __post_init__(self) -> None:

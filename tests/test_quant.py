@@ -177,3 +177,70 @@ def test_bad_quant_options():
         QuantConfig(quantization="int3")
     with pytest.raises(ValueError, match="quant_group_size"):
         QuantConfig(quantization="w4a16", quant_group_size=48)
+
+
+# ---- kernel choice by row count (decode: weight-pack kernels; prefill: dequantize + dense matmul) -----------
+@pytest.mark.parametrize("rows", [3, 9])
+def test_w8a16_both_paths_match_the_dequantized_product(rows):
+    layer, _ = quantized_linear(W8A16Method(kernel_max_rows=4), dtype=torch.bfloat16)
+    x = torch.randn(rows, 128, dtype=torch.bfloat16)
+    ref = x.double() @ reference_weight(layer).t() + layer.bias.double()
+    assert ((layer(x).double() - ref).abs() <= 2e-2 * ref.abs().max()).all()
+
+
+@pytest.mark.parametrize("n", [128, 96])  # 128: unpacked from the kernel's layout; 96: kept as a separate copy
+@pytest.mark.parametrize("rows", [2, 9])
+def test_w4a16_both_paths_match_the_dequantized_product(n, rows):
+    torch.manual_seed(2)
+    w = torch.randn(n, 128, dtype=torch.bfloat16)
+    q, scale, low = quantize_int4_groupwise(w, 32)
+    deq = dequantize_int4(q, scale, low, 32).double()
+    layer = Linear(128, n, dtype=torch.bfloat16, quant_method=W4A16Method(32, kernel_max_rows=4))
+    layer.weight.data.copy_(w)
+    layer.quant_method.process_weights_after_loading(layer)
+    assert layer.quant_method.unpack_known == (n % 64 == 0)
+    x = torch.randn(rows, 128, dtype=torch.bfloat16)
+    ref = x.double() @ deq.t()
+    assert ((layer(x).double() - ref).abs() <= 2e-2 * ref.abs().max()).all()
+
+
+def test_int4_kernel_layout_unpacks_exactly():
+    from infertune.quant.int4 import _unpack_cpu_int4
+
+    q = torch.randint(0, 16, (192, 96), dtype=torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
+    assert torch.equal(_unpack_cpu_int4(packed, 192, 96), q)
+
+
+def test_prepacked_bf16_linear_matches_reference():
+    from infertune.backends import CPUBackend
+    from infertune.layers.linear import PrepackedMethod
+
+    backend = CPUBackend()
+    if not backend.can_prepack(torch.bfloat16):
+        pytest.skip("this CPU has no native bf16 (AVX512-BF16 / AMX), so weights are not prepacked")
+    torch.manual_seed(5)
+    layer = Linear(256, 192, bias=True, dtype=torch.bfloat16, quant_method=PrepackedMethod(backend))
+    w, b = torch.randn(192, 256, dtype=torch.bfloat16), torch.randn(192, dtype=torch.bfloat16)
+    layer.weight.data.copy_(w)
+    layer.bias.data.copy_(b)
+    layer.quant_method.process_weights_after_loading(layer)
+    assert not hasattr(layer, "weight")
+    for rows in (1, 5, 64):
+        x = torch.randn(rows, 256, dtype=torch.bfloat16)
+        ref = x.double() @ w.double().t() + b.double()
+        assert ((layer(x).double() - ref).abs() <= 1e-2 * ref.abs().max()).all()
+
+
+def test_bf16_model_prepacked_matches_plain(ckpt):
+    kw = dict(dtype="bfloat16", max_model_len=64, block_size=4)
+    packed = LLM(str(ckpt), **kw)
+    plain = LLM(str(ckpt), prepack_weights=False, **kw)
+    layer = packed.engine.executor.runner.model.model.layers[0].mlp.down_proj
+    if not packed.engine.executor.backend.can_prepack(torch.bfloat16):
+        pytest.skip("this CPU has no native bf16, so weights are not prepacked")
+    assert layer.quant_method.name == "prepacked"
+    prompt = list(range(5, 40))
+    a = packed.engine.executor.runner.prompt_logits(prompt, list(range(9)))
+    b = plain.engine.executor.runner.prompt_logits(prompt, list(range(9)))
+    assert (a - b).abs().max() <= 0.05 * b.abs().max()  # same weights; only bf16 accumulation order differs

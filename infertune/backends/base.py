@@ -41,6 +41,20 @@ class Backend(abc.ABC):
             raise ValueError(f"dtype={requested!r} is not supported on {self.name}; choose one of: {ok}")
         return dtype
 
+    def can_prepack(self, dtype: torch.dtype) -> bool:
+        """Whether prepack_linear_weight gives a faster layout for weights of this dtype."""
+        return False
+
+    def prepack_linear_weight(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """The weight [N, K] reordered into this device's fastest matmul layout, or None to keep it as is."""
+        return None
+
+    def packed_linear(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError(f"{self.name} has no packed linear layout")
+
+    # Rows (tokens) up to which the int8 / int4 weight-pack matmuls beat dequantize + dense matmul.
+    quant_kernel_max_rows: int = 16
+
     @abc.abstractmethod
     def free_memory_bytes(self) -> int:
         """Memory still available for the KV cache on this device."""

@@ -41,6 +41,19 @@ class CPUBackend(Backend):
             raise ValueError("dtype='float16' runs slowly and inaccurately on CPU; use 'bfloat16' or 'float32'")
         return super().resolve_dtype(requested, checkpoint_dtype)
 
+    def can_prepack(self, dtype: torch.dtype) -> bool:
+        # oneDNN's blocked bf16 layout streams weights faster than the plain row-major F.linear path
+        # (1.2-1.6x per decode step on the 386M benchmark model); fp32 gains nothing.
+        return dtype is torch.bfloat16 and cpu_supports_bf16() and torch.backends.mkldnn.is_available()
+
+    def prepack_linear_weight(self, weight: torch.Tensor) -> torch.Tensor | None:
+        if not self.can_prepack(weight.dtype):
+            return None
+        return torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+
+    def packed_linear(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
     def free_memory_bytes(self) -> int:
         return psutil.virtual_memory().available
 

@@ -34,6 +34,24 @@ class UnquantizedMethod(QuantMethod):
         return F.linear(x, layer.weight, layer.bias)
 
 
+class PrepackedMethod(UnquantizedMethod):
+    """Plain weights, reordered once after loading into the layout the backend multiplies fastest."""
+
+    name = "prepacked"
+
+    def __init__(self, backend) -> None:
+        self.backend = backend
+
+    def process_weights_after_loading(self, layer: "Linear") -> None:
+        packed = self.backend.prepack_linear_weight(layer.weight.data)
+        assert packed is not None, "attach PrepackedMethod only where the backend packs this dtype"
+        del layer.weight
+        layer.register_buffer("packed_weight", packed)
+
+    def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
+        return self.backend.packed_linear(x, layer.packed_weight, layer.bias)
+
+
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard: object = None) -> None:
     if param.shape != loaded.shape:
         raise ValueError(f"checkpoint tensor has shape {tuple(loaded.shape)}, the model expects {tuple(param.shape)}")

@@ -18,7 +18,7 @@ from infertune.config import ArchConfig, QuantConfig
 from infertune.layers.attention import AttentionBackend
 from infertune.layers.linear import default_weight_loader
 from infertune.models.registry import get_model_class
-from infertune.quant import attach_quant_methods
+from infertune.quant import attach_linear_methods
 
 # Checkpoint tensors that carry no weights of ours (recomputed at load time).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -65,14 +65,13 @@ def materialize(model: nn.Module, device: torch.device) -> None:
 
 def load_model(
     arch: ArchConfig, model_dir: str, dtype: torch.dtype, device: torch.device, max_position: int, attn: AttentionBackend,
-    show_progress: bool = False, quant: QuantConfig | None = None, fast_quant_kernels: bool = True,
+    show_progress: bool = False, quant: QuantConfig | None = None, backend=None, prepack: bool = True,
 ) -> nn.Module:
     files = checkpoint_files(model_dir)
     cls = get_model_class(arch.architecture)
     with torch.device("meta"):
         model = cls(arch, max_position, attn, dtype)
-    if quant is not None:
-        attach_quant_methods(model, quant, fast_quant_kernels)
+    attach_linear_methods(model, quant, backend, prepack, dtype)
     materialize(model, device)
     params = dict(model.named_parameters(remove_duplicate=False))
     missing = _expected_shards(model)  # param name -> shards still to load (None = the whole tensor)

@@ -4,40 +4,58 @@ from __future__ import annotations
 
 import fnmatch
 
+import torch
 from torch import nn
 
 from infertune.config import QuantConfig
-from infertune.layers.linear import Linear
+from infertune.layers.linear import Linear, PrepackedMethod
 from infertune.quant.int4 import W4A16Method
 from infertune.quant.int8 import W8A8Method, W8A16Method
 
 
-def make_method(config: QuantConfig, fast_kernels: bool = True):
+def make_method(config: QuantConfig, fast_kernels: bool = True, kernel_max_rows: int | None = None):
+    """kernel_max_rows: above this many rows (prefill) a dequantized dense matmul beats the weight-pack kernels."""
     if config.method == "w8a16":
-        return W8A16Method(fast_kernels)
+        return W8A16Method(fast_kernels, kernel_max_rows)
     if config.method == "w8a8":
         return W8A8Method(fast_kernels)
     if config.method == "w4a16":
-        return W4A16Method(config.group_size, config.symmetric, fast_kernels)
+        return W4A16Method(config.group_size, config.symmetric, fast_kernels, kernel_max_rows)
     raise ValueError(f"quantization={config.method!r} is unknown")
 
 
-def attach_quant_methods(model: nn.Module, config: QuantConfig, fast_kernels: bool = True) -> list[str]:
-    """Give every Linear not kept in full precision a quant method; weights are quantized after loading.
+def attach_linear_methods(model: nn.Module, config: QuantConfig | None, backend=None, prepack: bool = True,
+                          dtype: torch.dtype | None = None) -> dict[str, str]:
+    """Choose each Linear's method before loading: quantized (unless kept in full precision), prepacked into
+    the backend's fast layout, or plain. Returns {layer name: method name} for the layers that changed.
 
-    Returns the names of the quantized layers. Norms, rotary, softmax and logits are never quantized.
+    Norms, rotary, softmax and logits are never quantized. A weight shared with another module (tied
+    embeddings) is left plain, since the embedding reads it too.
     """
-    if config.method is None:
-        return []
-    chosen = []
+    fast = backend.has_quant_kernels if backend is not None else True
+    max_rows = backend.quant_kernel_max_rows if backend is not None else None
+    shared = _shared_parameters(model)
+    chosen: dict[str, str] = {}
     for name, module in model.named_modules():
-        if not isinstance(module, Linear):
+        if not isinstance(module, Linear) or id(module.weight) in shared:
             continue
-        if any(fnmatch.fnmatch(name, pattern) or name.startswith(pattern + ".") for pattern in config.keep_fp):
+        keep = any(fnmatch.fnmatch(name, p) or name.startswith(p + ".") for p in (config.keep_fp if config else ()))
+        if config is not None and config.method is not None and not keep:
+            module.quant_method = make_method(config, fast, max_rows)
+        elif prepack and backend is not None and backend.can_prepack(dtype or module.weight.dtype):
+            module.quant_method = PrepackedMethod(backend)
+        else:
             continue
-        module.quant_method = make_method(config, fast_kernels)
-        chosen.append(name)
+        chosen[name] = module.quant_method.name
     return chosen
 
 
-__all__ = ["attach_quant_methods", "make_method", "W8A16Method", "W8A8Method", "W4A16Method"]
+def _shared_parameters(model: nn.Module) -> set[int]:
+    seen: dict[int, int] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            seen[id(p)] = seen.get(id(p), 0) + 1
+    return {pid for pid, n in seen.items() if n > 1}
+
+
+__all__ = ["attach_linear_methods", "make_method", "W8A16Method", "W8A8Method", "W4A16Method"]

@@ -41,8 +41,10 @@ class W4A16Method(UnquantizedMethod):
 
     name = "w4a16"
 
-    def __init__(self, group_size: int = 128, symmetric: bool = False, fast_kernel: bool = True) -> None:
+    def __init__(self, group_size: int = 128, symmetric: bool = False, fast_kernel: bool = True,
+                 kernel_max_rows: int | None = None) -> None:
         self.group_size, self.symmetric, self.fast_kernel = group_size, symmetric, fast_kernel
+        self.kernel_max_rows = kernel_max_rows  # past this many rows: dequantize once, dense matmul
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         w = layer.weight.data
@@ -50,21 +52,44 @@ class W4A16Method(UnquantizedMethod):
         q, scale, low = quantize_int4_groupwise(w, self.group_size, self.symmetric)
         del layer.weight
         self.fast_kernel = self.fast_kernel and device.type == "cpu"
-        if self.fast_kernel:
-            # The kernel computes (q - 8) * scale + zero, so zero = low + 8 * scale; layout [K/g, N, 2].
-            layer.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2))
-            sz = torch.stack([scale.t(), (low + 8 * scale).t()], dim=-1).to(dtype).contiguous()
-            layer.register_buffer("scales_and_zeros", sz)
-        layer.register_buffer("q_ref", None if self.fast_kernel else q.to(torch.uint8))
-        layer.register_buffer("scale_ref", scale if not self.fast_kernel else None)
-        layer.register_buffer("low_ref", low if not self.fast_kernel else None)
+        if not self.fast_kernel:
+            layer.register_buffer("q_ref", q.to(torch.uint8))
+            layer.register_buffer("scale_ref", scale)
+            layer.register_buffer("low_ref", low)
+            return
+        # The kernel computes (q - 8) * scale + zero, so zero = low + 8 * scale; layout [K/g, N, 2].
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
+        layer.register_buffer("qweight", packed)
+        layer.register_buffer("scales_and_zeros", torch.stack([scale.t(), (low + 8 * scale).t()], dim=-1).to(dtype).contiguous())
+        # Prefills need the dense weight; read it back from the kernel's layout when we know that layout,
+        # else keep our own copy of the integers (one byte each).
+        self.unpack_known = torch.equal(_unpack_cpu_int4(packed, *q.shape), q) if q.shape[0] % 64 == 0 else False
+        layer.register_buffer("q_dense", None if self.unpack_known else q.to(torch.uint8))
+
+    def _dense_weight(self, layer: Linear, dtype: torch.dtype) -> torch.Tensor:
+        n = layer.out_features
+        q = _unpack_cpu_int4(layer.qweight, n, layer.in_features) if self.unpack_known else layer.q_dense
+        g = q.view(n, -1, self.group_size).to(dtype)
+        sz = layer.scales_and_zeros.to(dtype)  # [K/g, N, 2]
+        w = (g - 8) * sz[..., 0].t().unsqueeze(-1) + sz[..., 1].t().unsqueeze(-1)
+        return w.view(n, -1)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        if self.fast_kernel:
-            x2 = x.reshape(-1, x.shape[-1])
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, layer.qweight, self.group_size, layer.scales_and_zeros)
-            y = y.view(*x.shape[:-1], -1)
-        else:
+        x2 = x.reshape(-1, x.shape[-1])
+        if not self.fast_kernel:
             w = dequantize_int4(layer.q_ref.to(torch.int32), layer.scale_ref, layer.low_ref, self.group_size)
             y = F.linear(x, w.to(x.dtype))
+        elif self.kernel_max_rows is None or x2.shape[0] <= self.kernel_max_rows:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, layer.qweight, self.group_size, layer.scales_and_zeros)
+            y = y.view(*x.shape[:-1], -1)
+        else:  # a prefill: the weight-pack kernel is a GEMV at heart, a dense matmul is far faster here
+            y = F.linear(x, self._dense_weight(layer, x.dtype))
         return y if layer.bias is None else y + layer.bias
+
+
+def _unpack_cpu_int4(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Integers [N, K] from _convert_weight_to_int4pack_for_cpu's layout (torch 2.x, N a multiple of 64):
+    per block of 64 rows, byte (k, j) holds row j of column k in its low nibble and row j + 32 in its high."""
+    b = packed.view(n // 64, k, 32)
+    rows = torch.cat([b & 0xF, b >> 4], dim=2)  # [N/64, K, 64]
+    return rows.permute(0, 2, 1).reshape(n, k).to(torch.int32)

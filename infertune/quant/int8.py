@@ -32,8 +32,11 @@ class W8A16Method(UnquantizedMethod):
 
     name = "w8a16"
 
-    def __init__(self, fast_kernel: bool = True) -> None:
+    def __init__(self, fast_kernel: bool = True, kernel_max_rows: int | None = None) -> None:
         self.fast_kernel = fast_kernel
+        # The weight-pack kernel is a GEMV at heart: past a few rows (a prefill), dequantizing the weight
+        # once and running a dense matmul is much faster (measured 12.9 s -> see BENCHMARKS.md for 16x128).
+        self.kernel_max_rows = kernel_max_rows
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         q, scale = quantize_int8_per_channel(layer.weight.data)
@@ -46,11 +49,12 @@ class W8A16Method(UnquantizedMethod):
         return layer.qweight.float() * layer.scales.float().unsqueeze(1)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        if self.fast_kernel:
-            y = torch._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), layer.qweight, layer.scales)
-            y = y.view(*x.shape[:-1], -1)
+        x2 = x.reshape(-1, x.shape[-1])
+        if self.fast_kernel and (self.kernel_max_rows is None or x2.shape[0] <= self.kernel_max_rows):
+            y = torch._weight_int8pack_mm(x2, layer.qweight, layer.scales).view(*x.shape[:-1], -1)
         else:
-            y = F.linear(x, self.dequantized_weight(layer).to(x.dtype))
+            w = layer.qweight.to(x.dtype) * layer.scales.to(x.dtype).unsqueeze(1)  # [N, K]
+            y = F.linear(x, w)
         return y if layer.bias is None else y + layer.bias
 
 

@@ -49,7 +49,7 @@ class ModelRunner:
         self.attn = TorchPagedAttention()
         self.model = load_model(
             arch, config.model.model, self.dtype, self.device, config.model.max_model_len, self.attn, show_progress,
-            quant=config.quant, fast_quant_kernels=backend.has_quant_kernels,
+            quant=config.quant, backend=backend, prepack=config.model.prepack_weights,
         )
         self.block_size = config.cache.block_size
         self.kv_info = self._plan_kv_cache()
