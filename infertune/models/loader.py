@@ -10,7 +10,6 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 from torch import nn
 from tqdm import tqdm
 
@@ -18,6 +17,7 @@ from infertune.config import ArchConfig, QuantConfig
 from infertune.layers.attention import AttentionBackend
 from infertune.layers.linear import default_weight_loader
 from infertune.models.registry import get_model_class
+from infertune.models.safetensors_io import CorruptCheckpointError, iter_tensors
 from infertune.quant import attach_linear_methods
 
 # Checkpoint tensors that carry no weights of ours (recomputed at load time).
@@ -78,24 +78,23 @@ def load_model(
     packed = getattr(cls, "packed_modules", {})
     for path in tqdm(files, desc="loading weights", unit="file", disable=not show_progress or len(files) < 2):
         try:
-            with safe_open(str(path), framework="pt", device="cpu") as f:
-                for name in f.keys():
-                    if name.endswith(_IGNORED_SUFFIXES) or (arch.tie_word_embeddings and name == "lm_head.weight"):
-                        continue
-                    target, shard = _map_name(name, packed)
-                    if target not in params:
-                        raise ValueError(
-                            f"{path.name}: tensor {name!r} has no place in {arch.architecture}; "
-                            "is config.json right for these weights?"
-                        )
-                    param = params[target]
-                    try:
-                        load = getattr(param, "weight_loader", default_weight_loader)
-                        load(param, f.get_tensor(name).to(dtype), shard)
-                    except ValueError as e:
-                        raise ValueError(f"{path.name}: {name}: {e}") from e
-                    missing.get(target, set()).discard(shard)
-        except SafetensorError as e:
+            for name, tensor in iter_tensors(path):
+                if name.endswith(_IGNORED_SUFFIXES) or (arch.tie_word_embeddings and name == "lm_head.weight"):
+                    continue
+                target, shard = _map_name(name, packed)
+                if target not in params:
+                    raise ValueError(
+                        f"{path.name}: tensor {name!r} has no place in {arch.architecture}; "
+                        "is config.json right for these weights?"
+                    )
+                param = params[target]
+                try:
+                    load = getattr(param, "weight_loader", default_weight_loader)
+                    load(param, tensor.to(dtype), shard)
+                except ValueError as e:
+                    raise ValueError(f"{path.name}: {name}: {e}") from e
+                missing.get(target, set()).discard(shard)
+        except CorruptCheckpointError as e:
             raise ValueError(f"{path} is not a readable safetensors file ({e}); re-download or re-save it") from e
     absent = sorted(_checkpoint_name(name, s, packed) for name, shards in missing.items() for s in shards)
     if absent:
