@@ -154,8 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan_command.add_arguments(plan)
     plan.set_defaults(func=plan_command.run)
 
-    bench = sub.add_parser("bench", help="benchmarks: load-test a server (bench serve)",
-                           description="Benchmarks. `infertune bench serve` load-tests any OpenAI-compatible server.")
+    bench = sub.add_parser("bench", help="benchmarks: bench throughput / latency (offline), bench serve (HTTP)",
+                           description="Benchmarks. `bench throughput` and `bench latency` run infertune beside HF "
+                           "transformers on the same model and workload; `bench serve` load-tests any OpenAI-compatible "
+                           "server.")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
     from infertune.bench import serve_load
 
@@ -165,6 +167,17 @@ def build_parser() -> argparse.ArgumentParser:
         "throughput, TTFT / TPOT / ITL / end-to-end latency percentiles, goodput under an SLO, and failures.")
     serve_load.add_arguments(bench_serve)
     bench_serve.set_defaults(func=serve_load.run)
+    from infertune.bench import offline
+
+    for name, batches, help_ in (
+        ("throughput", [1, 16], "offline throughput: infertune vs HF transformers (and quantized variants), side by side"),
+        ("latency", [1], "batch-1 latency: TTFT and decode tok/s, infertune vs HF transformers"),
+    ):
+        cmd = bench_sub.add_parser(name, help=help_, description=offline.__doc__.split("\n\n")[0],
+                                   epilog="\n\n".join(offline.__doc__.split("\n\n")[1:]),
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+        offline.add_arguments(cmd, default_batch=batches)
+        cmd.set_defaults(func=offline.run)
     return parser
 
 

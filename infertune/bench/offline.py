@@ -1,0 +1,652 @@
+"""Offline throughput / latency benchmark: infertune vs Hugging Face transformers `generate`, side by side.
+
+Both systems run the same model on the same workload in one run: random prompts given as token ids
+(seeded), greedy decoding, EOS ignored so every sequence produces exactly --output-len tokens. Each
+(system, batch size) pair runs in its own subprocess (this script re-invoked with --worker SYSTEM), so
+the process-wide peak RSS belongs to that pair alone. Every worker does one untimed warm-up generate,
+then --repeats timed runs; medians are reported. A memory-bandwidth probe runs in the parent before
+each worker, because a decode figure on a small shared machine moves with the bandwidth of the moment.
+
+Metrics, per system and batch size B (N = --output-len):
+  TTFT s          time until every sequence of the batch has its first token. infertune: from the
+                  start of generate() to the latest RequestOutput.metrics.first_token_time. HF: a
+                  separate generate(max_new_tokens=1) on the same batch.
+  output tok/s    B * N / total wall time of the generate call
+  decode tok/s    B * (N - 1) / (total - TTFT)
+  peak RSS MiB    the worker's peak resident set (VmHWM): imports + weights + KV cache + transients
+  decode GB/s     batch 1 only: bytes of the weights at --dtype x decode tok/s (each decode step reads
+                  every weight once; tied embeddings counted once, as the LM head)
+  probe GB/s      the bandwidth probe just before that worker (median of a few sums of a large tensor)
+
+Examples:
+  infertune bench throughput                         # 386M Llama, 128 in / 128 out, batch 1 and 16
+  infertune bench throughput --preset small --input-len 16 --output-len 8 --batch 1,2 --repeats 1
+  infertune bench throughput --model path/to/hf-folder --systems infertune --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import resource
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+RESULT_MARKER = "@@BENCH_RESULT@@ "
+SYSTEMS = ("infertune", "hf", "infertune-w8a16", "infertune-w4a16", "infertune-w8a8")
+SYSTEM_LABELS = {"infertune": "infertune", "hf": "HF transformers", "infertune-w8a16": "infertune W8A16",
+                 "infertune-w4a16": "infertune W4A16 (g128)", "infertune-w8a8": "infertune W8A8"}
+DEFAULT_SYSTEMS = ("infertune", "hf")
+VOCAB_SIZE = 32000
+SPECIAL_TOKENS = ["<|endoftext|>", "<|user|>", "<|assistant|>", "<|end|>"]
+MODEL_FORMAT_VERSION = 1  # bump when the built model changes, so stale caches are not reused
+
+# Random-weight LlamaForCausalLM shapes. "386m" is the model of /work/shared/BASELINES.md.
+PRESETS = {
+    "386m": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                 intermediate_size=4864),
+    "small": dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=512),
+}
+COMMON_SHAPE = dict(vocab_size=VOCAB_SIZE, tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=2048,
+                    rms_norm_eps=1e-6, hidden_act="silu")
+DTYPE_BYTES = {"bfloat16": 2, "float32": 4, "float16": 2}
+SAFETENSORS_DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------------------
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
+    return value
+
+
+def int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: give positive integers, e.g. 1,16")
+    return sorted(set(values))
+
+
+def system_list(text: str) -> list[str]:
+    values = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [v for v in values if v not in SYSTEMS]
+    if not values or bad:
+        raise argparse.ArgumentTypeError(f"{text!r}: choose from {','.join(SYSTEMS)}")
+    return list(dict.fromkeys(values))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="infertune bench throughput",
+        description=__doc__.split("\n\n")[0],
+        epilog="\n\n".join(__doc__.split("\n\n")[1:]),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(p)
+    return p
+
+
+def add_arguments(p: argparse.ArgumentParser, default_batch: list[int] | None = None) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model", metavar="DIR", help="a Hugging Face model folder (Llama/Qwen2/Mistral, safetensors). "
+                   "Default: build a random-weight Llama of --preset once and cache it under --cache-dir")
+    g.add_argument("--preset", "--random-config", dest="preset", choices=sorted(PRESETS), default="386m",
+                   help="shape of the built model: 386m = hidden 896, 24 layers, 14 heads, 2 KV heads, "
+                        "intermediate 4864, vocab 32000, tied (the BASELINES.md model); small = hidden 128, "
+                        "4 layers, for quick checks (default: 386m; ignored with --model)")
+    g.add_argument("--cache-dir", type=Path, default=Path("/tmp/infertune-bench"),
+                   help="where built models are cached (default: /tmp/infertune-bench)")
+    g = p.add_argument_group("workload")
+    g.add_argument("--input-len", type=positive_int, default=128, help="prompt tokens per sequence (default: 128)")
+    g.add_argument("--output-len", type=positive_int, default=128,
+                   help="generated tokens per sequence, EOS ignored (default: 128)")
+    g.add_argument("--batch", type=int_list, default=default_batch or [1, 16], metavar="B[,B...]",
+                   help="batch sizes: prompts submitted together (default: 1,16)")
+    g.add_argument("--systems", type=system_list, default=list(DEFAULT_SYSTEMS), metavar="S[,S...]",
+                   help="systems to run: infertune, hf (transformers generate), infertune-w8a16, infertune-w4a16, "
+                   "infertune-w8a8 (default: infertune,hf)")
+    g.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                   help="compute dtype of both systems (default: bfloat16)")
+    g.add_argument("--threads", type=positive_int, default=2,
+                   help="torch.set_num_threads (and OMP/MKL threads) in every worker (default: 2)")
+    g.add_argument("--repeats", type=positive_int, default=3,
+                   help="timed runs per (system, batch) after one untimed warm-up; medians reported (default: 3)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default: 0)")
+    g = p.add_argument_group("system options")
+    g.add_argument("--hf-attn", default="sdpa", choices=["sdpa", "eager"],
+                   help="attn_implementation of the HF model (default: sdpa, as in BASELINES.md)")
+    g.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
+                   help="infertune's per-step token budget (default: the engine's default, 2048)")
+    g.add_argument("--no-prefix-caching", action="store_true",
+                   help="start infertune with enable_prefix_caching=False (prompts differ on every run anyway, "
+                        "so the cache should never hit)")
+    g = p.add_argument_group("output")
+    g.add_argument("--json", type=Path, metavar="OUT", help="also write every number (per-run too) to this JSON file")
+    g.add_argument("--probe-gib", type=float, default=1.0,
+                   help="size of the bandwidth-probe tensor in GiB; 0 disables the probe (default: 1.0)")
+    g.add_argument("--worker-timeout", type=float, default=None, metavar="S",
+                   help="kill a worker that runs longer than this many seconds (default: no limit)")
+    # Internal: the parent re-invokes the script with these to run one (system, batch size) pair.
+    p.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
+    p.add_argument("--worker-batch", type=positive_int, help=argparse.SUPPRESS)
+
+
+# --------------------------------------------------------------------------------------------------
+# Model building and inspection
+# --------------------------------------------------------------------------------------------------
+def make_tokenizer():
+    """Byte-level tokenizer (every UTF-8 byte is one token) padded to VOCAB_SIZE.
+
+    The padding entries are plain vocabulary entries made of two byte symbols (unreachable by encoding,
+    as there are no merges), so any id decodes to real bytes, as with a trained BPE vocabulary.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {ch: i for i, ch in enumerate(alphabet)}
+    target = VOCAB_SIZE - len(SPECIAL_TOKENS)
+    for a in alphabet:
+        for b in alphabet:
+            if len(vocab) >= target:
+                break
+            vocab[a + b] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=SPECIAL_TOKENS[0])
+    fast.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS[1:]})
+    assert len(fast) == VOCAB_SIZE, len(fast)
+    return fast
+
+
+def ensure_model(preset: str, cache_dir: Path) -> Path:
+    """Build the random-weight model of `preset` once (bf16, save_pretrained) and return its folder."""
+    out = cache_dir / f"llama-{preset}-random-bf16-v{MODEL_FORMAT_VERSION}"
+    if (out / ".complete").is_file():
+        log(f"using cached model {out}")
+        return out
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    log(f"building random-weight Llama '{preset}' into {out} (once) ...")
+    t0 = time.perf_counter()
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = cache_dir / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tok = make_tokenizer()
+    eos = tok.eos_token_id
+    config = LlamaConfig(**PRESETS[preset], **COMMON_SHAPE, bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(torch.bfloat16).eval()  # HF's own init (normal, std 0.02)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tok.save_pretrained(tmp)
+    n_params = sum(p.numel() for p in model.parameters())
+    del model
+    (tmp / ".complete").write_text(json.dumps({"preset": preset, "params": n_params, "built": _dt.datetime.now()
+                                               .isoformat(timespec="seconds")}) + "\n")
+    shutil.rmtree(out, ignore_errors=True)  # a half-written folder from an interrupted build
+    os.replace(tmp, out)
+    log(f"built {n_params / 1e6:.1f}M parameters in {time.perf_counter() - t0:.1f} s")
+    return out
+
+
+def checkpoint_param_count(model_dir: Path) -> int:
+    """Number of stored weight elements, read from the safetensors headers (no tensor is loaded)."""
+    total = 0
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise SystemExit(f"error: {model_dir} has no *.safetensors files")
+    for f in files:
+        with open(f, "rb") as fh:
+            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+        for name, info in header.items():
+            if name == "__metadata__" or name.endswith("rotary_emb.inv_freq"):
+                continue
+            total += math.prod(info["shape"])
+    return total
+
+
+def read_model_config(model_dir: Path) -> dict:
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise SystemExit(f"error: {model_dir} is not a Hugging Face model folder (no config.json)")
+    return json.loads(path.read_text())
+
+
+def kv_bytes_per_token(cfg: dict, dtype: str) -> int:
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    return 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * DTYPE_BYTES[dtype]
+
+
+# --------------------------------------------------------------------------------------------------
+# Workload
+# --------------------------------------------------------------------------------------------------
+def make_prompts(seed: int, batch: int, run: int, input_len: int, vocab: int) -> list[list[int]]:
+    """Random token ids, identical for every system. run = -1 is the warm-up. Ids avoid the top of the
+    vocabulary (the special tokens here). Each run gets fresh prompts so no prefix cache can hit."""
+    import random
+
+    rng = random.Random(f"{seed}/{batch}/{run}")
+    high = max(2, min(vocab, VOCAB_SIZE) - len(SPECIAL_TOKENS))
+    return [[rng.randrange(high) for _ in range(input_len)] for _ in range(batch)]
+
+
+def peak_rss_mib() -> float:
+    """Peak RSS of this process since its exec: VmHWM. (ru_maxrss is no good here: Linux carries it over
+    fork + exec, so a worker would report its parent's peak when that is higher.)"""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux, a fallback
+
+
+def current_rss_mib() -> float:
+    import psutil
+
+    return psutil.Process().memory_info().rss / 2**20
+
+
+# --------------------------------------------------------------------------------------------------
+# Workers: one (system, batch size) pair per process; the result is one JSON line on stdout
+# --------------------------------------------------------------------------------------------------
+def worker_infertune(args, model_dir: Path, batch: int) -> dict:
+    import transformers  # noqa: F401  imported before the clock starts, as in the HF worker
+    import infertune.executor.uniproc  # noqa: F401  (LLM imports torch-side modules lazily)
+    from infertune import LLM, SamplingParams
+
+    cfg = read_model_config(model_dir)
+    max_len = args.input_len + args.output_len
+    block = 16
+    # Size the KV cache to the workload (plus one spare block per sequence); the default budget is a share
+    # of free memory, which would inflate and randomise the RSS figure.
+    kv_bytes = batch * (-(-max_len // block) + 1) * block * kv_bytes_per_token(cfg, args.dtype)
+    options = dict(dtype=args.dtype, device="cpu", max_model_len=max_len, max_num_seqs=batch,
+                   kv_cache_memory_bytes=kv_bytes, block_size=block)
+    if args.worker.startswith("infertune-"):  # a quantized variant: infertune-w8a16, -w4a16, -w8a8
+        options["quantization"] = args.worker.split("-", 1)[1]
+    if args.max_num_batched_tokens:
+        options["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.no_prefix_caching:
+        options["enable_prefix_caching"] = False
+    log(f"infertune b{batch}: loading LLM({model_dir.name!r}, {options})")
+    t0 = time.perf_counter()
+    llm = LLM(str(model_dir), **options)
+    load_s = time.perf_counter() - t0
+    rss_after_load = current_rss_mib()
+    vocab = cfg["vocab_size"]
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+
+    def once(run: int) -> dict:
+        prompts = [{"prompt_token_ids": ids} for ids in make_prompts(args.seed, batch, run, args.input_len, vocab)]
+        t_start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        t_end = time.perf_counter()
+        for o in outs:
+            if o.error:
+                raise RuntimeError(f"infertune rejected a prompt: {o.error}")
+            n = len(o.outputs[0].token_ids)
+            if n != args.output_len:
+                raise RuntimeError(f"infertune produced {n} tokens, expected {args.output_len} "
+                                   f"(finish_reason {o.outputs[0].finish_reason})")
+        total = t_end - t_start
+        ttft = max(o.metrics.first_token_time for o in outs) - t_start
+        return dict(total_s=total, ttft_s=ttft,
+                    ttft_mean_request_s=statistics.fmean(o.metrics.ttft for o in outs),
+                    last_finish_s=max(o.metrics.finished_time for o in outs) - t_start,
+                    cached_prompt_tokens=sum(o.metrics.num_cached_tokens for o in outs),
+                    tokens=[o.outputs[0].token_ids for o in outs])
+
+    log(f"infertune b{batch}: loaded in {load_s:.1f} s; warm-up run")
+    t0 = time.perf_counter()
+    once(-1)
+    warmup_s = time.perf_counter() - t0
+    runs = []
+    for r in range(args.repeats):
+        log(f"infertune b{batch}: timed run {r + 1}/{args.repeats}")
+        runs.append(once(r))
+    extra = {"kv_cache_bytes": kv_bytes, "engine_options": options}
+    return dict(load_s=load_s, warmup_s=warmup_s, rss_after_load_mib=rss_after_load, runs=runs, extra=extra)
+
+
+def worker_hf(args, model_dir: Path, batch: int) -> dict:
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    transformers.logging.set_verbosity_error()
+    dtype = getattr(torch, args.dtype)
+    log(f"hf b{batch}: loading AutoModelForCausalLM (dtype={args.dtype}, attn={args.hf_attn})")
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=args.hf_attn).eval()
+    load_s = time.perf_counter() - t0
+    rss_after_load = current_rss_mib()
+    vocab = model.config.vocab_size
+    pad = model.generation_config.pad_token_id
+    if pad is None:
+        pad = model.generation_config.eos_token_id
+        pad = pad[0] if isinstance(pad, list) else (pad if pad is not None else 0)
+
+    def gen(input_ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
+        # min_new_tokens = max_new_tokens masks EOS until the end: HF's equivalent of ignore_eos.
+        out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                             max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=pad)
+        return out[:, input_ids.shape[1]:]
+
+    def once(run: int) -> dict:
+        ids = torch.tensor(make_prompts(args.seed, batch, run, args.input_len, vocab), dtype=torch.long)
+        t0 = time.perf_counter()
+        gen(ids, 1).tolist()
+        ttft = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        tokens = gen(ids, args.output_len).tolist()
+        total = time.perf_counter() - t0
+        if any(len(t) != args.output_len for t in tokens):
+            raise RuntimeError(f"transformers produced {[len(t) for t in tokens]} tokens, expected {args.output_len}")
+        return dict(total_s=total, ttft_s=ttft, tokens=tokens)
+
+    log(f"hf b{batch}: loaded in {load_s:.1f} s; warm-up run")
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        once(-1)
+        warmup_s = time.perf_counter() - t0
+        runs = []
+        for r in range(args.repeats):
+            log(f"hf b{batch}: timed run {r + 1}/{args.repeats}")
+            runs.append(once(r))
+    extra = {"transformers": transformers.__version__, "attn_implementation": args.hf_attn}
+    return dict(load_s=load_s, warmup_s=warmup_s, rss_after_load_mib=rss_after_load, runs=runs, extra=extra)
+
+
+def run_worker(args) -> int:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    model_dir = Path(args.model)
+    fn = worker_hf if args.worker == "hf" else worker_infertune
+    result = fn(args, model_dir, args.worker_batch)
+    result.update(system=args.worker, batch=args.worker_batch, peak_rss_mib=peak_rss_mib(), rss_end_mib=current_rss_mib(),
+                  torch_threads=torch.get_num_threads())
+    sys.stdout.write(RESULT_MARKER + json.dumps(result) + "\n")
+    sys.stdout.flush()
+    return 0
+
+
+# --------------------------------------------------------------------------------------------------
+# Parent: bandwidth probe, workers, summary
+# --------------------------------------------------------------------------------------------------
+def bandwidth_probe(gib: float, threads: int, iters: int = 5) -> float | None:
+    """Median read bandwidth (GB/s) of summing a `gib` GiB float32 tensor `iters` times."""
+    if gib <= 0:
+        return None
+    import torch
+
+    torch.set_num_threads(threads)
+    n = int(gib * 2**30) // 4
+    x = torch.ones(n, dtype=torch.float32)
+    x.sum()  # fault the pages in and warm the kernel
+    speeds = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        x.sum()
+        speeds.append(n * 4 / (time.perf_counter() - t0) / 1e9)
+    del x
+    return statistics.median(speeds)
+
+
+def spawn_worker(args, system: str, batch: int, model_dir: Path) -> dict:
+    cmd = [sys.executable, "-m", "infertune.bench.offline", "--worker", system, "--worker-batch", str(batch),
+           "--model", str(model_dir), "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+           "--dtype", args.dtype, "--threads", str(args.threads), "--repeats", str(args.repeats),
+           "--seed", str(args.seed), "--hf-attn", args.hf_attn]
+    if args.max_num_batched_tokens:
+        cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    if args.no_prefix_caching:
+        cmd.append("--no-prefix-caching")
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads),
+               TOKENIZERS_PARALLELISM="false")
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None, text=True, env=env,
+                              timeout=args.worker_timeout)
+    except subprocess.TimeoutExpired:
+        return dict(system=system, batch=batch, error=f"worker timed out after {args.worker_timeout} s")
+    wall = time.perf_counter() - t0
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_MARKER)]
+    if proc.returncode != 0 or not lines:
+        return dict(system=system, batch=batch, error=f"worker exited with {proc.returncode} (see stderr above)")
+    result = json.loads(lines[-1][len(RESULT_MARKER):])
+    result["worker_wall_s"] = wall
+    return result
+
+
+def summarize(result: dict, batch: int, out_len: int, weight_bytes: int) -> dict:
+    """Per-run rates, then the median of each figure over the timed runs."""
+    for run in result["runs"]:
+        run["output_tok_s"] = batch * out_len / run["total_s"]
+        decode_s = run["total_s"] - run["ttft_s"]
+        run["decode_tok_s"] = batch * (out_len - 1) / decode_s if out_len > 1 and decode_s > 0 else None
+    med = {}
+    for key in ("ttft_s", "total_s", "output_tok_s", "decode_tok_s"):
+        vals = [r[key] for r in result["runs"] if r.get(key) is not None]
+        med[key] = statistics.median(vals) if vals else None
+    med["decode_gb_s"] = (weight_bytes * med["decode_tok_s"] / 1e9
+                          if batch == 1 and med["decode_tok_s"] is not None else None)
+    result["median"] = med
+    return result
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
+    prefixes = []
+    for x, y in zip(a, b):
+        n = 0
+        while n < min(len(x), len(y)) and x[n] == y[n]:
+            n += 1
+        prefixes.append(n)
+    return dict(identical_sequences=sum(p == len(x) for p, x in zip(prefixes, a)), sequences=len(prefixes),
+                mean_common_prefix=statistics.fmean(prefixes) if prefixes else 0.0, tokens_per_sequence=len(a[0]))
+
+
+def fmt(value, spec: str) -> str:
+    return "–" if value is None else format(value, spec)
+
+
+def ratio(a, b) -> str:
+    return "–" if a is None or b is None or b == 0 else f"{a / b:.2f}x"
+
+
+def cpu_model() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def run_parent(args) -> int:
+    t_begin = time.perf_counter()
+    command = shlex.join(["python", *sys.argv])
+    load_start = os.getloadavg()[0]
+    if load_start > 0.5:
+        log(f"warning: the 1-min load average is {load_start:.1f} before starting; other work competes for the "
+            f"CPUs, and {args.threads}-thread OpenMP regions slow down badly when a core is taken")
+    if args.model:
+        model_dir = Path(args.model).resolve()
+        if not (model_dir / "config.json").is_file():
+            raise SystemExit(f"error: --model {args.model}: not a Hugging Face model folder (no config.json)")
+        model_name = str(args.model)
+    else:
+        model_dir = ensure_model(args.preset, args.cache_dir)
+        model_name = f"random-weight Llama, preset {args.preset} (built at {model_dir})"
+    cfg = read_model_config(model_dir)
+    max_pos = cfg.get("max_position_embeddings", 2048)
+    if args.input_len + args.output_len > max_pos:
+        raise SystemExit(f"error: --input-len + --output-len = {args.input_len + args.output_len} exceeds the "
+                         f"model's max_position_embeddings ({max_pos})")
+    n_params = checkpoint_param_count(model_dir)
+    weight_bytes = n_params * DTYPE_BYTES[args.dtype]
+
+    import torch
+    import transformers
+
+    import infertune
+
+    env_line = (f"{cpu_model()}, {os.cpu_count()} CPUs, {args.threads} threads; torch {torch.__version__}, "
+                f"transformers {transformers.__version__}, infertune {infertune.__version__}; "
+                f"Python {platform.python_version()}")
+    log(f"model: {model_name}: {n_params / 1e6:.1f}M parameters, {weight_bytes / 2**20:.0f} MiB at {args.dtype}")
+    results: list[dict] = []
+    for batch in args.batch:
+        for system in args.systems:
+            log(f"bandwidth probe ({args.probe_gib:g} GiB) before {system} b{batch}")
+            probe = bandwidth_probe(args.probe_gib, args.threads)
+            if probe is not None:
+                log(f"bandwidth probe: {probe:.1f} GB/s")
+            log(f"starting worker {system} b{batch}")
+            res = spawn_worker(args, system, batch, model_dir)
+            res["probe_gb_s"] = probe
+            if "error" in res:
+                log(f"{system} b{batch} FAILED: {res['error']}")
+            else:
+                summarize(res, batch, args.output_len, weight_bytes)
+                m = res["median"]
+                log(f"{system} b{batch}: TTFT {m['ttft_s']:.3f} s, output {m['output_tok_s']:.1f} tok/s, "
+                    f"decode {fmt(m['decode_tok_s'], '.1f')} tok/s, peak RSS {res['peak_rss_mib']:.0f} MiB")
+            results.append(res)
+    probe_end = bandwidth_probe(args.probe_gib, args.threads)
+
+    by_key = {(r["system"], r["batch"]): r for r in results}
+    # Greedy agreement on the first timed run (informational: bf16 rounding differs between kernels, and
+    # random weights give near-tied logits, so sequences may diverge without either system being wrong).
+    agreements = {}
+    for batch in args.batch:
+        a, b = by_key.get(("infertune", batch)), by_key.get(("hf", batch))
+        if a and b and "error" not in a and "error" not in b:
+            agreements[batch] = agreement(a["runs"][0]["tokens"], b["runs"][0]["tokens"])
+
+    # ---- report ---------------------------------------------------------------------------------
+    date = _dt.datetime.now().astimezone().isoformat(timespec="seconds")
+    lines = [
+        f"$ {command}",
+        "",
+        f"Run of {date} on {env_line}.",
+        f"Model: {model_name}; {n_params / 1e6:.1f}M parameters ({weight_bytes / 2**20:.0f} MiB at {args.dtype}).",
+        f"Workload: {args.input_len} prompt tokens (random ids, seed {args.seed}) + {args.output_len} new tokens, "
+        f"greedy, EOS ignored, {args.dtype}; medians of {args.repeats} timed run(s) after 1 warm-up; "
+        f"each (system, batch) in its own process.",
+        "",
+        "| system | batch | TTFT s | decode tok/s | output tok/s | peak RSS MiB | decode GB/s | probe GB/s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        label = SYSTEM_LABELS[r["system"]]
+        if "error" in r:
+            lines.append(f"| {label} | {r['batch']} | failed: {r['error']} | | | | | {fmt(r['probe_gb_s'], '.1f')} |")
+            continue
+        m = r["median"]
+        lines.append(f"| {label} | {r['batch']} | {m['ttft_s']:.3f} | {fmt(m['decode_tok_s'], '.1f')} | "
+                     f"{m['output_tok_s']:.1f} | {r['peak_rss_mib']:.0f} | {fmt(m['decode_gb_s'], '.2f')} | "
+                     f"{fmt(r['probe_gb_s'], '.1f')} |")
+    ratios = []
+    if "infertune" in args.systems and "hf" in args.systems:
+        lines += ["", "Ratio infertune / HF (above 1 is better for tok/s, below 1 is better for TTFT and RSS):", "",
+                  "| batch | decode tok/s | output tok/s | TTFT | peak RSS | greedy agreement (run 1) |",
+                  "|---:|---:|---:|---:|---:|---|"]
+        for batch in args.batch:
+            a, b = by_key.get(("infertune", batch)), by_key.get(("hf", batch))
+            if not a or not b or "error" in a or "error" in b:
+                lines.append(f"| {batch} | – | – | – | – | – |")
+                continue
+            ma, mb = a["median"], b["median"]
+            row = dict(batch=batch, decode_tok_s=_div(ma["decode_tok_s"], mb["decode_tok_s"]),
+                       output_tok_s=_div(ma["output_tok_s"], mb["output_tok_s"]),
+                       ttft_s=_div(ma["ttft_s"], mb["ttft_s"]), peak_rss_mib=_div(a["peak_rss_mib"], b["peak_rss_mib"]))
+            ratios.append(row)
+            ag = agreements[batch]
+            lines.append(f"| {batch} | {ratio(ma['decode_tok_s'], mb['decode_tok_s'])} | "
+                         f"{ratio(ma['output_tok_s'], mb['output_tok_s'])} | {ratio(ma['ttft_s'], mb['ttft_s'])} | "
+                         f"{ratio(a['peak_rss_mib'], b['peak_rss_mib'])} | {ag['identical_sequences']}/"
+                         f"{ag['sequences']} identical, mean common prefix {ag['mean_common_prefix']:.1f}/"
+                         f"{ag['tokens_per_sequence']} |")
+    lines += ["", "Start-up (load = LLM(...) / from_pretrained, Python imports excluded; warm-up = the untimed first generate) "
+              "and RSS outside the peak (peak RSS can come from a loading transient rather than from generation):", "",
+              "| system | batch | load s | warm-up s | RSS after load MiB | RSS at end MiB |", "|---|---:|---:|---:|---:|---:|"]
+    for r in results:
+        if "error" not in r:
+            lines.append(f"| {SYSTEM_LABELS[r['system']]} | {r['batch']} | {r['load_s']:.2f} | {r['warmup_s']:.2f} | "
+                         f"{r['rss_after_load_mib']:.0f} | {r['rss_end_mib']:.0f} |")
+    probes = [r["probe_gb_s"] for r in results if r.get("probe_gb_s") is not None]
+    if probe_end is not None:
+        probes.append(probe_end)
+    if probes:
+        lines += ["", f"Memory bandwidth probe (sum of a {args.probe_gib:g} GiB float32 tensor, {args.threads} threads): "
+                  f"{min(probes):.1f}–{max(probes):.1f} GB/s over the run ({len(probes)} probes; last {fmt(probe_end, '.1f')})."]
+    elapsed = time.perf_counter() - t_begin
+    load_end = os.getloadavg()[0]
+    lines += [f"1-min load average: {load_start:.2f} at start, {load_end:.2f} at end (the benchmark itself adds "
+              f"about 1). Benchmark wall time: {elapsed:.0f} s."]
+    print("\n".join(lines), flush=True)
+
+    if args.json:
+        for r in results:  # keep the JSON readable: token ids are only needed for the agreement check
+            for run in r.get("runs", []):
+                run.pop("tokens", None)
+        doc = dict(command=command, date=date, environment=env_line, model=dict(
+            name=model_name, path=str(model_dir), params=n_params, weight_bytes=weight_bytes, config=cfg),
+            workload=dict(input_len=args.input_len, output_len=args.output_len, batches=args.batch, dtype=args.dtype,
+                          threads=args.threads, repeats=args.repeats, seed=args.seed, greedy=True, ignore_eos=True),
+            results=results, ratios_infertune_over_hf=ratios,
+            greedy_agreement={str(k): v for k, v in agreements.items()},
+            probe_end_gb_s=probe_end, load_average_start=load_start, load_average_end=load_end, wall_s=elapsed)
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(doc, indent=2) + "\n")
+        log(f"wrote {args.json}")
+    return 1 if any("error" in r for r in results) else 0
+
+
+def _div(a, b):
+    return None if a is None or b is None or b == 0 else a / b
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(build_parser().parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.worker:
+        if not args.model or not args.worker_batch:
+            raise SystemExit("error: --worker needs --model and --worker-batch")
+        return run_worker(args)
+    return run_parent(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
