@@ -126,7 +126,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(srv)
     srv.set_defaults(func=cmd_serve)
 
-    from infertune.profile import audit, debug_layers, doctor
+    from infertune.profile import audit, debug_layers, doctor, profile_cmd
+
+    prof = sub.add_parser("profile", help="where the time goes: categories for prefill and decode, top ops, hints",
+                          description=profile_cmd.DESCRIPTION)
+    profile_cmd.add_arguments(prof)
+    prof.set_defaults(func=profile_cmd.run)
 
     doc = sub.add_parser("doctor", help="check versions (torch / torch_npu / CANN / CUDA), CPU features, threads",
                          description="Check Python, torch, transformers, torch_npu and CANN, CUDA and driver against a "

@@ -62,6 +62,12 @@ class Backend(abc.ABC):
     def total_memory_bytes(self) -> int:
         return self.free_memory_bytes()
 
+    def profiler_activities(self) -> list:
+        """torch.profiler activities that see this device's work (the CPU always)."""
+        from torch.profiler import ProfilerActivity
+
+        return [ProfilerActivity.CPU]
+
     def synchronize(self) -> None:
         """Wait for queued device work (a no-op where execution is synchronous)."""
 

@@ -31,6 +31,11 @@ class CUDABackend(Backend):
         _, total = torch.cuda.mem_get_info(self.index)
         return total
 
+    def profiler_activities(self) -> list:
+        from torch.profiler import ProfilerActivity
+
+        return [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.index)
 

@@ -46,6 +46,13 @@ class NPUBackend(Backend):
         _, total = torch.npu.mem_get_info(self.index)  # type: ignore[attr-defined]
         return total
 
+    def profiler_activities(self) -> list:
+        # torch_npu registers "npu" as torch's PrivateUse1 device (unverified here; torch_npu also ships
+        # its own profiler, torch_npu.profiler, with richer NPU traces).
+        from torch.profiler import ProfilerActivity
+
+        return [ProfilerActivity.CPU, ProfilerActivity.PrivateUse1]
+
     def synchronize(self) -> None:
         torch.npu.synchronize(self.index)  # type: ignore[attr-defined]
 
