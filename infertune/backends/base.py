@@ -41,8 +41,8 @@ class Backend(abc.ABC):
             raise ValueError(f"dtype={requested!r} is not supported on {self.name}; choose one of: {ok}")
         return dtype
 
-    def can_prepack(self, dtype: torch.dtype) -> bool:
-        """Whether prepack_linear_weight gives a faster layout for weights of this dtype."""
+    def can_prepack(self, dtype: torch.dtype, in_features: int | None = None) -> bool:
+        """Whether prepack_linear_weight gives a faster layout for such weights (decode and prefill alike)."""
         return False
 
     def prepack_linear_weight(self, weight: torch.Tensor) -> torch.Tensor | None:

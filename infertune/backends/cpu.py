@@ -17,6 +17,9 @@ def cpu_supports_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+_PREPACK_MAX_IN_FEATURES = 2048
+
+
 class CPUBackend(Backend):
     name = "cpu"
     dist_backend = "gloo"
@@ -41,13 +44,17 @@ class CPUBackend(Backend):
             raise ValueError("dtype='float16' runs slowly and inaccurately on CPU; use 'bfloat16' or 'float32'")
         return super().resolve_dtype(requested, checkpoint_dtype)
 
-    def can_prepack(self, dtype: torch.dtype) -> bool:
-        # oneDNN's blocked bf16 layout streams weights faster than the plain row-major F.linear path
-        # (1.2-1.6x per decode step on the 386M benchmark model); fp32 gains nothing.
+    def can_prepack(self, dtype: torch.dtype, in_features: int | None = None) -> bool:
+        # oneDNN's blocked bf16 layout (packed for one row) streams weights faster than the plain row-major
+        # F.linear path in decode (1.2-1.6x per step on the 386M benchmark model) and matches it in prefill
+        # for K <= 1024; for long rows (K = 4864, down_proj) it measured ~2x slower at 2048 rows, so those
+        # stay plain. fp32 gains nothing.
+        if in_features is not None and in_features > _PREPACK_MAX_IN_FEATURES:
+            return False
         return dtype is torch.bfloat16 and cpu_supports_bf16() and torch.backends.mkldnn.is_available()
 
     def prepack_linear_weight(self, weight: torch.Tensor) -> torch.Tensor | None:
-        if not self.can_prepack(weight.dtype):
+        if not self.can_prepack(weight.dtype, weight.shape[1]):
             return None
         return torch.ops.mkldnn._reorder_linear_weight(weight, 1)
 

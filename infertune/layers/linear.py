@@ -44,7 +44,7 @@ class PrepackedMethod(UnquantizedMethod):
 
     def process_weights_after_loading(self, layer: "Linear") -> None:
         packed = self.backend.prepack_linear_weight(layer.weight.data)
-        assert packed is not None, "attach PrepackedMethod only where the backend packs this dtype"
+        assert packed is not None, "attach PrepackedMethod only where the backend packs such weights"
         del layer.weight
         layer.register_buffer("packed_weight", packed)
 

@@ -96,6 +96,7 @@ def load_model(
                 missing.get(target, set()).discard(shard)
         except CorruptCheckpointError as e:
             raise ValueError(f"{path} is not a readable safetensors file ({e}); re-download or re-save it") from e
+    del params  # drop our references, so a method replacing a weight (quantize, prepack) frees it at once
     absent = sorted(_checkpoint_name(name, s, packed) for name, shards in missing.items() for s in shards)
     if absent:
         raise ValueError(f"{model_dir}: checkpoint is missing tensors: {', '.join(absent[:8])}")

@@ -42,7 +42,7 @@ def attach_linear_methods(model: nn.Module, config: QuantConfig | None, backend=
         keep = any(fnmatch.fnmatch(name, p) or name.startswith(p + ".") for p in (config.keep_fp if config else ()))
         if config is not None and config.method is not None and not keep:
             module.quant_method = make_method(config, fast, max_rows)
-        elif prepack and backend is not None and backend.can_prepack(dtype or module.weight.dtype):
+        elif prepack and backend is not None and backend.can_prepack(dtype or module.weight.dtype, module.in_features):
             module.quant_method = PrepackedMethod(backend)
         else:
             continue

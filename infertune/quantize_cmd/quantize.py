@@ -1,0 +1,299 @@
+"""Offline quantization: a Hugging Face checkpoint in, a quantized checkpoint folder out (see checkpoint.py).
+
+Weights are read from the source safetensors and quantized per Hugging Face projection (q_proj, k_proj, ...);
+every scheme is per output row, so this equals quantizing the engine's packed qkv / gate-up weights. Which
+layers are quantized follows the engine's own rule: every Linear except those matching keep_fp and those
+sharing their weight with another module (a tied lm_head). Calibration (W8A8 only: nothing in weight-only
+quantization uses activations here) runs sample text through the engine with hooks (calibration.py); it
+gives the static activation scales and the SmoothQuant factors.
+
+SmoothQuant (optional, W8A8): for the layers fed by an RMSNorm (q/k/v after input_layernorm, gate/up after
+post_attention_layernorm), s_j = max|x_j|^alpha / max|W_:,j|^(1-alpha) per input channel; the norm weight
+is divided by s and the weight columns multiplied by it, which leaves the model's function unchanged and
+moves activation outliers into the weights, where per-channel int8 absorbs them.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from infertune.config import QUANT_METHODS, ArchConfig, default_model_path
+from infertune.evaluate.data import default_calib_path, load_documents
+from infertune.layers.attention import TorchPagedAttention
+from infertune.layers.linear import Linear
+from infertune.models.loader import checkpoint_files
+from infertune.models.registry import get_model_class
+from infertune.quantize_cmd import checkpoint as ckpt
+from infertune.quantize_cmd.calibration import ActivationStats, calibration_samples, collect
+from infertune.quantize_cmd.clipping import parse_clip, quantize_int4, quantize_int8
+
+log = logging.getLogger(__name__)
+
+GROUP_SIZES = (32, 64, 128, 256)
+# Llama-family layers whose input is an RMSNorm's output: (module suffix, norm suffix) within a decoder layer.
+SMOOTHABLE = {"self_attn.qkv_proj": "input_layernorm", "mlp.gate_up_proj": "post_attention_layernorm"}
+
+
+@dataclass
+class QuantizeResult:
+    out: str
+    method: str
+    quantized: list[str]  # Hugging Face module names
+    kept: list[str]
+    weight_bytes_before: int  # of the quantized layers' weights, as stored in the source
+    weight_bytes_after: int  # their stored replacement (q + scales + zeros)
+    stats: dict[str, ActivationStats] = field(default_factory=dict)  # engine layer name -> input statistics
+    input_scales: dict[str, float] = field(default_factory=dict)  # engine layer name -> static scale (w8a8)
+    smooth_alpha: float | None = None
+    calib_seconds: float = 0.0
+    seconds: float = 0.0
+
+    def format(self) -> str:
+        lines = [
+            f"wrote {self.out}: {len(self.quantized)} linear layers as {self.method}; full precision: "
+            f"{', '.join(self.kept) or 'none'}",
+            f"quantized weights: {self.weight_bytes_before / 2**20:.2f} MiB -> {self.weight_bytes_after / 2**20:.2f} MiB "
+            f"({100 * self.weight_bytes_after / max(self.weight_bytes_before, 1):.1f} %)",
+        ]
+        if self.stats:
+            first = next(iter(self.stats.values()))
+            lines.append(f"calibration: {first.samples} samples, {first.tokens:,} tokens, {self.calib_seconds:.1f} s; "
+                         f"activation |x| per layer input (percentile {first.percentile:g} = mean of per-sample "
+                         f"nearest-rank values):")
+            lines.append(f"  {'layer':40}{'max':>10}{'p' + format(first.percentile, 'g'):>10}{'clip/max':>10}"
+                         f"{'static scale':>14}")
+            for name, s in self.stats.items():
+                scale = self.input_scales.get(name)
+                lines.append(f"  {name:40}{s.max:10.4g}{s.percentile_value:10.4g}"
+                             f"{s.percentile_value / max(s.max, 1e-12):10.3f}"
+                             f"{'' if scale is None else format(scale, '.4g'):>14}")
+        elif self.method != "w8a8":
+            lines.append(f"calibration: none needed ({self.method} quantizes weights only; activations stay in the "
+                         "model dtype)")
+        if self.smooth_alpha is not None:
+            lines.append(f"SmoothQuant alpha {self.smooth_alpha:g} folded into the norms before "
+                         f"{', '.join(SMOOTHABLE)}")
+        lines.append(f"({self.seconds:.1f} s)")
+        return "\n".join(lines)
+
+
+def _kept(name: str, keep_fp: tuple[str, ...]) -> bool:
+    return any(fnmatch.fnmatch(name, p) or name.startswith(p + ".") for p in keep_fp)
+
+
+def _linear_layout(arch: ArchConfig):
+    """The engine's Linear modules (on the meta device): {name: module}, and the names whose weight is shared."""
+    cls = get_model_class(arch.architecture)
+    with torch.device("meta"):
+        model = cls(arch, arch.max_position_embeddings, TorchPagedAttention(), torch.float32)
+    counts: dict[int, int] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            counts[id(p)] = counts.get(id(p), 0) + 1
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, Linear)}
+    shared = {n for n, m in linears.items() if counts[id(m.weight)] > 1}
+    return linears, shared, getattr(cls, "packed_modules", {})
+
+
+def _engine_name(hf_module: str, packed: dict) -> tuple[str, object]:
+    """model.layers.0.self_attn.q_proj -> (model.layers.0.self_attn.qkv_proj, 'q')."""
+    parts = hf_module.split(".")
+    for i, part in enumerate(parts):
+        if part in packed:
+            ours, shard = packed[part]
+            return ".".join(parts[:i] + [ours] + parts[i + 1 :]), shard
+    return hf_module, None
+
+
+def plan_layers(model: str, keep_fp: tuple[str, ...], tensors: dict[str, torch.Tensor]
+                ) -> tuple[list[str], dict[str, tuple[str, object]]]:
+    """(engine layers to quantize, {HF weight name: (engine layer, shard)}) under the engine's rule."""
+    linears, shared, packed = _linear_layout(ArchConfig.from_model_dir(model))
+    chosen = sorted(n for n in linears if n not in shared and not _kept(n, keep_fp))
+    if not chosen:
+        raise ValueError(f"--keep-fp {','.join(keep_fp)} leaves no linear layer to quantize")
+    targets = {}
+    for name in tensors:
+        if name.endswith(".weight"):
+            layer, shard = _engine_name(name.removesuffix(".weight"), packed)
+            if layer in chosen:
+                targets[name] = (layer, shard)
+    return chosen, targets
+
+
+def read_tensors(model: str) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for path in checkpoint_files(model):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                tensors[name] = f.get_tensor(name)
+    return tensors
+
+
+def _smoothing_factors(stats: dict[str, ActivationStats], weights: dict[str, list[torch.Tensor]], alpha: float
+                       ) -> dict[str, torch.Tensor]:
+    """engine layer -> s [K] for the layers fed by a norm; weights[layer] = its HF shards."""
+    out = {}
+    for name, s in stats.items():
+        if not any(name.endswith("." + suffix) for suffix in SMOOTHABLE) or name not in weights:
+            continue
+        w_max = torch.stack([w.float().abs().amax(dim=0) for w in weights[name]]).amax(dim=0)  # [K]
+        a_max = s.absmax
+        factor = (a_max.clamp(min=1e-5) ** alpha) / (w_max.clamp(min=1e-5) ** (1 - alpha))
+        out[name] = torch.where((a_max > 0) & (w_max > 0), factor, torch.ones_like(factor)).clamp(min=1e-5)
+    return out
+
+
+def smooth(tensors: dict[str, torch.Tensor], targets: dict[str, tuple[str, object]],
+           stats: dict[str, ActivationStats], alpha: float) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """SmoothQuant: (factors {engine layer: s [K]}, {tensor name: rescaled tensor}) for the norm-fed layers.
+
+    Linear weights come back in fp32 (they are quantized next); norm weights in their stored dtype.
+    """
+    by_layer: dict[str, list[torch.Tensor]] = {}
+    for name, (layer, _) in targets.items():
+        by_layer.setdefault(layer, []).append(tensors[name])
+    factors = _smoothing_factors(stats, by_layer, alpha)
+    out = {}
+    for name, (layer, _) in targets.items():
+        if layer in factors:
+            out[name] = tensors[name].float() * factors[layer]  # scale the input columns
+    for layer, s in factors.items():
+        norm = _norm_of(layer) + ".weight"
+        out[norm] = (tensors[norm].float() / s).to(tensors[norm].dtype)
+    return factors, out
+
+
+def _norm_of(layer: str) -> str:
+    for suffix, norm in SMOOTHABLE.items():
+        if layer.endswith("." + suffix):
+            return layer[: -len(suffix)] + norm
+    raise AssertionError(layer)
+
+
+def quantize(
+    model: str | None,
+    method: str,
+    out: str,
+    *,
+    group_size: int = 128,
+    symmetric: bool = False,
+    clip: str = "minmax",
+    act_clip: str = "percentile:99.9",
+    static_activations: bool = False,
+    smoothquant: float | None = None,
+    calib: str | None = None,
+    num_samples: int = 512,
+    seq_len: int = 128,
+    keep_fp: tuple[str, ...] = ("lm_head",),
+    dtype: str = "auto",
+    device: str = "auto",
+    show_progress: bool = True,
+) -> QuantizeResult:
+    """Quantize `model` (a Hugging Face folder; None = the demo model) with `method` and write it to `out`."""
+    t0 = time.perf_counter()
+    model = model or default_model_path()
+    if method not in QUANT_METHODS:
+        raise ValueError(f"--method {method!r} is not one of {', '.join(QUANT_METHODS)}")
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"--group-size {group_size} must be one of {GROUP_SIZES}")
+    parse_clip(clip)
+    act_kind, _ = parse_clip(act_clip)
+    if act_kind == "mse":
+        raise ValueError("--act-clip takes percentile:P or minmax (mse applies to weights)")
+    percentile = float(act_clip.partition(":")[2] or 99.9) if act_kind == "percentile" else 100.0
+    if (static_activations or smoothquant is not None) and method != "w8a8":
+        raise ValueError("--static-activations and --smoothquant apply to --method w8a8 only")
+    if smoothquant is not None and not 0.0 <= smoothquant <= 1.0:
+        raise ValueError(f"--smoothquant {smoothquant} must be in [0, 1] (0.5 is the usual choice)")
+    calibrate = method == "w8a8" and num_samples > 0
+    if (static_activations or smoothquant is not None) and not calibrate:
+        raise ValueError("--static-activations and --smoothquant need calibration: give --num-samples > 0")
+    out_path = Path(out)
+    if out_path.resolve() == Path(model).resolve():
+        raise ValueError("--out must not be the source model's folder")
+    if out_path.exists() and any(out_path.iterdir()):
+        raise ValueError(f"--out {out} exists and is not empty; choose a new folder")
+
+    arch = ArchConfig.from_model_dir(model)
+    linears, shared, packed = _linear_layout(arch)
+    tensors = read_tensors(model)
+    chosen, targets = plan_layers(model, keep_fp, tensors)
+    if method == "w4a16":
+        for name, (layer, _) in targets.items():
+            if tensors[name].shape[1] % group_size:
+                raise ValueError(f"{name}: in_features={tensors[name].shape[1]} is not a multiple of --group-size "
+                                 f"{group_size}; pick one dividing it")
+
+    result = QuantizeResult(str(out_path), method, [], [], 0, 0, smooth_alpha=smoothquant)
+    weights = {name: tensors[name] for name in targets}
+    if calibrate:
+        from infertune.llm import LLM  # the engine itself runs the calibration text
+
+        tc = time.perf_counter()
+        llm = LLM(model, dtype=dtype, device=device, enable_prefix_caching=False, max_num_seqs=1)
+        runner = llm.engine.executor.runner
+        samples = calibration_samples(llm.tokenizer, load_documents(calib or default_calib_path()), num_samples, seq_len)
+        if len(samples) < num_samples:
+            log.warning("calibration text gives %d samples of <= %d tokens, fewer than --num-samples %d",
+                        len(samples), seq_len, num_samples)
+        result.stats = collect(runner, chosen, samples, percentile, show_progress=show_progress)
+        if smoothquant is not None:
+            factors, smoothed = smooth(tensors, targets, result.stats, smoothquant)
+            for name, t in smoothed.items():
+                (weights if name in targets else tensors)[name] = t
+            # The smoothed layers now see x / s: measure those inputs for the report and the static scales.
+            result.stats = collect(runner, chosen, samples, percentile, divisors=factors,
+                                   desc="calibrating (smoothed)", show_progress=show_progress)
+        del llm, runner
+        result.calib_seconds = time.perf_counter() - tc
+        result.input_scales = {n: s.clip_value(act_kind) / 127.0 for n, s in result.stats.items()}
+
+    stored: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if name not in targets:
+            stored[name] = t.contiguous()
+            continue
+        layer, _ = targets[name]
+        w = weights[name].float()
+        q = quantize_int4(w, group_size, symmetric, clip) if method == "w4a16" else quantize_int8(w, clip)
+        scale = result.input_scales.get(layer) if static_activations else None
+        new = ckpt.layer_tensors(name.removesuffix(".weight"), method, q, scale)
+        stored.update(new)
+        result.weight_bytes_before += t.numel() * t.element_size()
+        result.weight_bytes_after += sum(v.numel() * v.element_size() for v in new.values())
+    result.quantized = sorted(n.removesuffix(".weight") for n in targets)
+    hf_linears = set()
+    for name in tensors:
+        if name.endswith(".weight") and _engine_name(name.removesuffix(".weight"), packed)[0] in linears:
+            hf_linears.add(name.removesuffix(".weight"))
+    if arch.tie_word_embeddings and "lm_head" in linears:
+        hf_linears.add("lm_head")  # tied: no tensor of its own, still a Linear the scheme leaves alone
+    result.kept = sorted(hf_linears - set(result.quantized))
+
+    out_path.mkdir(parents=True, exist_ok=True)
+    save_file(stored, str(out_path / "model.safetensors"), metadata={"format": "pt"})
+    extra = {
+        "source_model": str(Path(model).resolve()),
+        "weight_clip": clip,
+        "activation_clip": act_clip if calibrate else None,
+        "smoothquant_alpha": smoothquant,
+        "calibration": None if not calibrate else {
+            "file": str(calib or default_calib_path()), "samples": next(iter(result.stats.values())).samples,
+            "seq_len": seq_len, "percentile": percentile,
+        },
+    }
+    qcfg = ckpt.quantization_config(method, group_size, symmetric, clip, static_activations, act_clip,
+                                    result.kept, extra)
+    ckpt.write_config(model, str(out_path), qcfg)
+    ckpt.copy_side_files(model, str(out_path))
+    result.seconds = time.perf_counter() - t0
+    return result
