@@ -159,6 +159,18 @@ def build_parser() -> argparse.ArgumentParser:
     plan_command.add_arguments(plan)
     plan.set_defaults(func=plan_command.run)
 
+    from infertune.evaluate import command as eval_command
+    from infertune.tools import quantize as quantize_command
+
+    ev = sub.add_parser("eval", help="accuracy against a reference: perplexity, KL, top-1 agreement, greedy prefix",
+                        description=eval_command.DESCRIPTION)
+    eval_command.add_arguments(ev)
+    ev.set_defaults(func=eval_command.run)
+    qz = sub.add_parser("quantize", help="write a quantized checkpoint (w8a16 / w4a16 / w8a8, calibration), then eval it",
+                        description=quantize_command.DESCRIPTION)
+    quantize_command.add_arguments(qz)
+    qz.set_defaults(func=quantize_command.run)
+
     bench = sub.add_parser("bench", help="benchmarks: bench throughput / latency (offline), bench serve (HTTP)",
                            description="Benchmarks. `bench throughput` and `bench latency` run infertune beside HF "
                            "transformers on the same model and workload; `bench serve` load-tests any OpenAI-compatible "

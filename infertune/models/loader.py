@@ -19,6 +19,7 @@ from infertune.layers.linear import default_weight_loader
 from infertune.models.registry import get_model_class
 from infertune.models.safetensors_io import CorruptCheckpointError, iter_tensors
 from infertune.quant import attach_linear_methods
+from infertune.quant.checkpoint import attach_stored_methods, read_stored_quant
 
 # Checkpoint tensors that carry no weights of ours (recomputed at load time).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -71,11 +72,18 @@ def load_model(
     cls = get_model_class(arch.architecture)
     with torch.device("meta"):
         model = cls(arch, max_position, attn, dtype)
-    attach_linear_methods(model, quant, backend, prepack, dtype)
+    packed = getattr(cls, "packed_modules", {})
+    stored = read_stored_quant(model_dir)
+    if stored is None:
+        attach_linear_methods(model, quant, backend, prepack, dtype)
+    else:  # already quantized: the stored integers are loaded as they are, then only packed for the kernels
+        if quant is not None and quant.method not in (None, stored.method):
+            raise ValueError(f"{model_dir} is already quantized ({stored.method}); drop quantization={quant.method!r}")
+        attach_linear_methods(model, None, backend, prepack, dtype)
+        attach_stored_methods(model, stored, packed, dtype, backend)
     materialize(model, device)
     params = dict(model.named_parameters(remove_duplicate=False))
     missing = _expected_shards(model)  # param name -> shards still to load (None = the whole tensor)
-    packed = getattr(cls, "packed_modules", {})
     for path in tqdm(files, desc="loading weights", unit="file", disable=not show_progress or len(files) < 2):
         try:
             for name, tensor in iter_tensors(path):
@@ -90,7 +98,7 @@ def load_model(
                 param = params[target]
                 try:
                     load = getattr(param, "weight_loader", default_weight_loader)
-                    load(param, tensor.to(dtype), shard)
+                    load(param, _cast(tensor, param), shard)
                 except ValueError as e:
                     raise ValueError(f"{path.name}: {name}: {e}") from e
                 missing.get(target, set()).discard(shard)
@@ -106,6 +114,16 @@ def load_model(
         if hasattr(module, "reset_buffers"):
             module.reset_buffers()
     return model.eval()
+
+
+def _cast(tensor: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """Float tensors take the slot's dtype (the model dtype, or fp32 for quantization scales); integer tensors
+    (pre-quantized weights) must be stored in the slot's dtype already."""
+    if tensor.is_floating_point() and param.is_floating_point():
+        return tensor.to(param.dtype)
+    if tensor.dtype != param.dtype:
+        raise ValueError(f"stored as {tensor.dtype}, the model expects {param.dtype}")
+    return tensor
 
 
 def _map_name(name: str, packed: dict[str, tuple[str, object]]) -> tuple[str, object]:

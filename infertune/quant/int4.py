@@ -48,9 +48,16 @@ class W4A16Method(UnquantizedMethod):
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         w = layer.weight.data
-        dtype, device = w.dtype, w.device
+        dtype = w.dtype
         q, scale, low = quantize_int4_groupwise(w, self.group_size, self.symmetric)
         del layer.weight
+        self.pack_weights(layer, q, scale, low, dtype)
+
+    def pack_weights(self, layer: Linear, q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor,
+                     dtype: torch.dtype) -> None:
+        """q int32 [N, K] in 0..15, scale and low fp32 [N, K/g] -> the kernel's buffers (also for pre-quantized
+        checkpoints)."""
+        device = q.device
         self.fast_kernel = self.fast_kernel and device.type == "cpu"
         if not self.fast_kernel:
             layer.register_buffer("q_ref", q.to(torch.uint8))

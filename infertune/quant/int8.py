@@ -42,6 +42,10 @@ class W8A16Method(UnquantizedMethod):
         q, scale = quantize_int8_per_channel(layer.weight.data)
         dtype = layer.weight.dtype
         del layer.weight
+        self.pack_weights(layer, q, scale, dtype)
+
+    def pack_weights(self, layer: Linear, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> None:
+        """int8 q [N, K] and fp32 scale [N] -> the kernel's buffers (also for pre-quantized checkpoints)."""
         layer.register_buffer("qweight", q)  # [N, K] int8
         layer.register_buffer("scales", scale.to(dtype))  # [N]
 
@@ -63,20 +67,21 @@ class W8A8Method(W8A16Method):
 
     name = "w8a8"
 
-    def process_weights_after_loading(self, layer: Linear) -> None:
-        q, scale = quantize_int8_per_channel(layer.weight.data)
-        dtype = layer.weight.dtype
-        del layer.weight
+    def pack_weights(self, layer: Linear, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> None:
         layer.register_buffer("qweight_t", q.t().contiguous())  # [K, N] int8, the layout _int_mm wants
-        layer.register_buffer("scales", scale)  # [N] fp32
+        layer.register_buffer("scales", scale.float())  # [N] fp32
         layer.out_dtype = dtype
+
+    def quantize_input(self, layer: Linear, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [M, K] -> (int8 [M, K], scale [M, 1]): dynamic per-token (pre-quantized checkpoints may use static)."""
+        return quantize_int8_per_token(x)
 
     def dequantized_weight(self, layer: Linear) -> torch.Tensor:
         return layer.qweight_t.t().float() * layer.scales.unsqueeze(1)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
-        xq, xs = quantize_int8_per_token(x2)
+        xq, xs = self.quantize_input(layer, x2)
         if self.fast_kernel:
             acc = torch._int_mm(xq, layer.qweight_t).float()  # [M, N] exact int32 sums
         else:

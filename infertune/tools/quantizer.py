@@ -1,4 +1,4 @@
-"""Offline quantization: a Hugging Face checkpoint in, a quantized checkpoint folder out (see checkpoint.py).
+"""Offline quantization: a Hugging Face checkpoint in, a quantized checkpoint folder out (see quant_format.py).
 
 Weights are read from the source safetensors and quantized per Hugging Face projection (q_proj, k_proj, ...);
 every scheme is per output row, so this equals quantizing the engine's packed qkv / gate-up weights. Which
@@ -31,9 +31,9 @@ from infertune.layers.attention import TorchPagedAttention
 from infertune.layers.linear import Linear
 from infertune.models.loader import checkpoint_files
 from infertune.models.registry import get_model_class
-from infertune.quantize_cmd import checkpoint as ckpt
-from infertune.quantize_cmd.calibration import ActivationStats, calibration_samples, collect
-from infertune.quantize_cmd.clipping import parse_clip, quantize_int4, quantize_int8
+from infertune.tools import quant_format as ckpt
+from infertune.tools.calibration import ActivationStats, calibration_samples, collect
+from infertune.tools.weight_clipping import parse_clip, quantize_int4, quantize_int8
 
 log = logging.getLogger(__name__)
 
@@ -224,11 +224,11 @@ def quantize(
         raise ValueError(f"--out {out} exists and is not empty; choose a new folder")
 
     arch = ArchConfig.from_model_dir(model)
-    linears, shared, packed = _linear_layout(arch)
+    linears, _, packed = _linear_layout(arch)
     tensors = read_tensors(model)
     chosen, targets = plan_layers(model, keep_fp, tensors)
     if method == "w4a16":
-        for name, (layer, _) in targets.items():
+        for name in targets:
             if tensors[name].shape[1] % group_size:
                 raise ValueError(f"{name}: in_features={tensors[name].shape[1]} is not a multiple of --group-size "
                                  f"{group_size}; pick one dividing it")

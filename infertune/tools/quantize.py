@@ -1,6 +1,6 @@
 """`infertune quantize`: write a quantized checkpoint folder, then print its accuracy against the source.
 
-Wire it into cli.py with:  q = sub.add_parser("quantize", ...); command.add_arguments(q); q.set_defaults(func=command.run)
+Wire it into cli.py with:  q = sub.add_parser("quantize", ...); quantize.add_arguments(q); q.set_defaults(func=quantize.run)
 Exit status: 0, 1 when --gate fails, 2 on a usage error (raised as ValueError and printed by cli.main).
 """
 
@@ -60,7 +60,7 @@ def loader_reads_quantized_checkpoints() -> bool:
 def run(args: argparse.Namespace) -> int:
     from infertune.evaluate.accuracy import compare, parse_gate
     from infertune.evaluate.command import report_and_gate
-    from infertune.quantize_cmd.quantize import quantize
+    from infertune.tools.quantizer import quantize
 
     if args.gate is not None:
         parse_gate(args.gate)

@@ -1,0 +1,226 @@
+"""Offline quantization (`infertune quantize`): calibration statistics against hand computations and HF hooks,
+weight clipping, the stored format, SmoothQuant's invariance, and (with the loader's support for quantized
+checkpoints) that a saved checkpoint reproduces on-the-fly quantization exactly and that --gate catches a
+corrupted scale."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from conftest import hf_model, make_checkpoint, make_tokenizer
+from infertune import LLM, SamplingParams
+from infertune.config import default_model_path
+from infertune.quant.int4 import quantize_int4_groupwise
+from infertune.quant.int8 import quantize_int8_per_channel
+from infertune.tools import quantize as command
+from infertune.tools.calibration import ActivationStats, calibration_samples, collect, nearest_rank
+from infertune.tools.quant_format import pack_int4, unpack_int4
+from infertune.tools.weight_clipping import parse_clip, quantize_int4, quantize_int8, reconstruction_error
+from infertune.tools.quantizer import plan_layers, quantize, read_tensors, smooth
+
+needs_loader = pytest.mark.skipif(
+    not command.loader_reads_quantized_checkpoints(),
+    reason="the loader cannot read quantized checkpoints yet (apply quant_loader.patch: infertune/quant/checkpoint.py)",
+)
+
+
+# ---- calibration statistics ------------------------------------------------------------------------------
+def test_activation_stats_by_hand():
+    s = ActivationStats(2, percentile=50.0)
+    s.update(torch.tensor([[1.0, -2.0], [3.0, 0.5]]))  # |x| sorted: 0.5 1 2 3 -> 50th nearest rank = 2nd = 1
+    s.update(torch.tensor([[-4.0, 1.0]]))  # |x| sorted: 1 4 -> 1st = 1
+    assert s.absmax.tolist() == [4.0, 2.0] and s.max == 4.0
+    assert s.percentile_value == pytest.approx((1.0 + 1.0) / 2) and s.samples == 2 and s.tokens == 3
+    assert s.clip_value("minmax") == 4.0 and s.clip_value("percentile:50") == pytest.approx(1.0)
+    assert nearest_rank(torch.arange(1.0, 1001.0), 99.9) == 999.0  # ceil(0.999 * 1000) = 999th value
+
+
+def test_calibration_samples_are_windows_of_each_document():
+    tok = make_tokenizer()  # one token per byte
+    docs = ["a" * 10, "b" * 3, "c"]  # "c" alone is too short to predict anything
+    assert [len(s) for s in calibration_samples(tok, docs, 100, 4)] == [4, 4, 2, 3]
+    assert len(calibration_samples(tok, docs, 2, 4)) == 2
+
+
+def test_calibration_matches_hf_hooks_on_known_inputs(tiny_llama):
+    """absmax per channel and the mean per-sample percentile of every linear input, from the engine's hooks,
+    equal the same numbers computed by hand from HF transformers' layer inputs on the same token ids."""
+    samples = [[5, 9, 14, 3, 77, 120, 8], [200, 1, 1, 60, 33], [42] * 9]
+    llm = LLM(str(tiny_llama), dtype="float32", enable_prefix_caching=False, max_num_seqs=1)
+    names = ["model.layers.0.self_attn.qkv_proj", "model.layers.1.self_attn.o_proj",
+             "model.layers.0.mlp.gate_up_proj", "model.layers.1.mlp.down_proj"]
+    stats = collect(llm.engine.executor.runner, names, samples, 90.0, show_progress=False)
+
+    model = hf_model(tiny_llama)
+    hf_names = {"model.layers.0.self_attn.qkv_proj": "model.layers.0.self_attn.q_proj",
+                "model.layers.1.self_attn.o_proj": "model.layers.1.self_attn.o_proj",
+                "model.layers.0.mlp.gate_up_proj": "model.layers.0.mlp.gate_proj",
+                "model.layers.1.mlp.down_proj": "model.layers.1.mlp.down_proj"}
+    seen: dict[str, list[torch.Tensor]] = {n: [] for n in names}
+    modules = dict(model.named_modules())
+    for ours, theirs in hf_names.items():
+        modules[theirs].register_forward_pre_hook(lambda m, args, ours=ours: seen[ours].append(args[0][0].clone()))
+    with torch.no_grad():
+        for ids in samples:
+            model(torch.tensor([ids]))
+    for name in names:
+        xs = [x.abs() for x in seen[name]]  # [T, K] per sample
+        absmax = torch.stack([x.amax(dim=0) for x in xs]).amax(dim=0)
+        pct = []
+        for x in xs:  # nearest rank by hand: sort, take the ceil(0.9 n)-th value
+            flat = x.flatten().sort().values
+            pct.append(float(flat[-(-9 * flat.numel() // 10) - 1]))
+        torch.testing.assert_close(stats[name].absmax, absmax, atol=1e-5, rtol=1e-5)
+        assert stats[name].percentile_value == pytest.approx(sum(pct) / len(pct), rel=1e-5, abs=1e-6)
+        assert stats[name].samples == 3 and stats[name].tokens == 21
+
+
+# ---- weight clipping and the stored format -----------------------------------------------------------------
+def test_weight_clipping():
+    torch.manual_seed(0)
+    w = torch.randn(16, 128)
+    w[3, 7] = 25.0  # an outlier
+    q, scale = quantize_int8(w, "minmax")
+    q0, scale0 = quantize_int8_per_channel(w)
+    assert torch.equal(q, q0) and torch.equal(scale, scale0)  # minmax is the engine's on-the-fly rule, bit for bit
+    assert all(torch.equal(a, b) for a, b in zip(quantize_int4(w, 32), quantize_int4_groupwise(w, 32)))
+    # percentile: row 3's range is its 99th nearest-rank |w| (the 127th of 128 sorted values), not the outlier
+    _, scale_p = quantize_int8(w, "percentile:99")
+    assert float(scale_p[3]) * 127 == pytest.approx(float(w[3].abs().sort().values[126]), rel=1e-6)
+    for method, kw in (("w8a16", {}), ("w4a16", {"group_size": 32}), ("w4a16", {"group_size": 32, "symmetric": True})):
+        minmax = reconstruction_error(w, method, "minmax", **kw)
+        assert reconstruction_error(w, method, "mse", **kw) <= minmax  # r = 1 (minmax) is among the candidates
+    # 15 levels leave room to trade the tails for a finer step (with 255 levels minmax is about optimal)
+    assert reconstruction_error(w, "w4a16", "mse", group_size=128) < 0.95 * reconstruction_error(w, "w4a16", "minmax",
+                                                                                                  group_size=128)
+    assert parse_clip("percentile:99.9") == ("percentile", 99.9)
+    with pytest.raises(ValueError, match="clip"):
+        parse_clip("max")
+
+
+def test_int4_packing_by_hand():
+    q = torch.tensor([[1, 2, 15, 0], [7, 8, 0, 15]])
+    packed = pack_int4(q)
+    assert packed.dtype == torch.uint8 and packed.tolist() == [[0x21, 0x0F], [0x87, 0xF0]]
+    assert torch.equal(unpack_int4(packed), q)
+
+
+def test_checkpoint_layout(tmp_path):
+    src = make_checkpoint(tmp_path / "src", "qwen2", tie_word_embeddings=False)
+    out = tmp_path / "w4"
+    result = quantize(str(src), "w4a16", str(out), group_size=32, keep_fp=("lm_head", "model.layers.1.mlp.*"),
+                      show_progress=False)
+    cfg = json.loads((out / "config.json").read_text())
+    qc = cfg["quantization_config"]
+    assert qc["quant_method"] == "compressed-tensors" and qc["format"] == "infertune-int4-uint8"
+    assert qc["config_groups"]["group_0"]["weights"] == {
+        "num_bits": 4, "type": "int", "symmetric": False, "strategy": "group", "group_size": 32, "dynamic": False,
+        "observer": "minmax", "actorder": None}
+    assert qc["ignore"] == ["lm_head", "model.layers.1.mlp.down_proj", "model.layers.1.mlp.gate_proj",
+                            "model.layers.1.mlp.up_proj"]
+    assert qc["infertune"]["source_model"] == str(src.resolve())
+    assert {"tokenizer.json", "tokenizer_config.json"} <= {p.name for p in out.iterdir()}
+    t = load_file(out / "model.safetensors")
+    p = "model.layers.0.self_attn.k_proj"
+    assert t[f"{p}.weight_packed"].dtype == torch.uint8 and t[f"{p}.weight_packed"].shape == (32, 32)
+    assert t[f"{p}.weight_scale"].shape == (32, 2) and t[f"{p}.weight_zero"].shape == (32, 2)
+    assert f"{p}.bias" in t and f"{p}.weight" not in t  # Qwen2's k bias kept as is
+    assert t["model.layers.1.mlp.down_proj.weight"].dtype == torch.float32  # kept in full precision
+    # 4 bits per weight + fp32 scale and zero per group of 32: 0.5 + 8/32 = 0.75 bytes per weight
+    assert result.weight_bytes_after / result.weight_bytes_before == pytest.approx(0.75 / 4)
+    w8 = quantize(str(src), "w8a16", str(tmp_path / "w8"), show_progress=False)
+    weights = [t for name, t in read_tensors(str(src)).items() if name.endswith("proj.weight")]
+    assert w8.weight_bytes_before == sum(4 * w.numel() for w in weights)  # fp32 source
+    assert w8.weight_bytes_after == sum(w.numel() + 4 * w.shape[0] for w in weights)  # int8 + an fp32 scale per row
+    with pytest.raises(ValueError, match="not empty"):
+        quantize(str(src), "w8a16", str(tmp_path / "w8"), show_progress=False)
+
+
+def test_smoothquant_leaves_the_unquantized_model_unchanged(tmp_path):
+    src = make_checkpoint(tmp_path / "src", "llama")
+    llm = LLM(str(src), dtype="float32", enable_prefix_caching=False, max_num_seqs=1)
+    runner = llm.engine.executor.runner
+    tensors = read_tensors(str(src))
+    chosen, targets = plan_layers(str(src), ("lm_head",), tensors)
+    stats = collect(runner, chosen, [[3, 50, 7, 99, 12], [8, 8, 100]], 99.9, show_progress=False)
+    factors, smoothed = smooth(tensors, targets, stats, 0.5)
+    assert set(factors) == {f"model.layers.{i}.{m}" for i in (0, 1) for m in ("self_attn.qkv_proj", "mlp.gate_up_proj")}
+    assert all(not torch.allclose(s, torch.ones_like(s)) for s in factors.values())
+    new = tmp_path / "smoothed"
+    shutil.copytree(src, new)
+    save_file({k: smoothed.get(k, v).contiguous() for k, v in tensors.items()}, str(new / "model.safetensors"))
+    ids = [5, 9, 14, 3, 77, 120, 8, 1, 2, 3]
+    before = runner.prompt_logits(ids, [0])
+    after = LLM(str(new), dtype="float32", enable_prefix_caching=False).engine.executor.runner.prompt_logits(ids, [0])
+    torch.testing.assert_close(after, before, atol=1e-4, rtol=1e-4)
+
+
+# ---- loading what quantize wrote ---------------------------------------------------------------------------
+@needs_loader
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_saved_checkpoint_reproduces_on_the_fly_quantization(tmp_path, arch):
+    src = make_checkpoint(tmp_path / "src", arch)
+    ids = [5, 9, 14, 3, 77, 120, 8, 1, 2, 3, 200, 17, 4, 66, 13, 90, 31, 7, 54, 21]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    opts = {"dtype": "float32", "enable_prefix_caching": False, "max_num_seqs": 2}
+    for method in ("w8a16", "w4a16", "w8a8"):
+        out = tmp_path / method
+        quantize(str(src), method, str(out), group_size=32, num_samples=4, show_progress=False)
+        fly = LLM(str(src), quantization=method, quant_group_size=32, **opts)
+        saved = LLM(str(out), **opts)
+        la = fly.engine.executor.runner.prompt_logits(ids, [0, 1])
+        lb = saved.engine.executor.runner.prompt_logits(ids, [0, 1])
+        torch.testing.assert_close(lb, la, atol=1e-5, rtol=0, msg=f"{method}: logits differ")
+        prompts = [{"prompt_token_ids": ids[:6]}, {"prompt_token_ids": ids[6:9]}]
+        tokens = [[o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] for llm in (fly, saved)]
+        assert tokens[0] == tokens[1], method
+        with pytest.raises(ValueError, match="already quantized"):
+            LLM(str(out), quantization="w4a16" if method != "w4a16" else "w8a16", **opts)
+
+
+@needs_loader
+def test_static_activation_scales_are_stored_and_used(tmp_path):
+    src = make_checkpoint(tmp_path / "src", "llama")
+    out = tmp_path / "static"
+    result = quantize(str(src), "w8a8", str(out), static_activations=True, smoothquant=0.5, num_samples=6,
+                      seq_len=16, show_progress=False)
+    name = "model.layers.0.mlp.down_proj"
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        stored = float(f.get_tensor(f"{name}.input_scale"))
+    assert stored == pytest.approx(result.stats[name].percentile_value / 127, rel=1e-6)
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["config_groups"]["group_0"]["input_activations"]["dynamic"] is False
+    llm = LLM(str(out), dtype="float32", enable_prefix_caching=False)
+    layer = dict(llm.engine.executor.runner.model.named_modules())[name]
+    assert float(layer.input_scale) == pytest.approx(stored)
+    logits = llm.engine.executor.runner.prompt_logits([5, 9, 14, 3, 77], [0])
+    assert torch.isfinite(logits).all()
+
+
+@needs_loader
+def test_quantize_command_gates_the_demo_model_and_catches_a_corrupted_scale(tmp_path, capsys):
+    def run(module, *argv):
+        parser = argparse.ArgumentParser()
+        module.add_arguments(parser)
+        return module.run(parser.parse_args(list(argv)))
+
+    from infertune.evaluate import command as eval_command
+
+    out = tmp_path / "w8"
+    short = ("--num-prompts", "2", "--greedy-tokens", "8")
+    assert run(command, "--method", "w8a16", "--out", str(out), "--gate", "1%", "--eval-max-tokens", "3000") == 0
+    printed = capsys.readouterr()
+    assert "28 linear layers as w8a16" in printed.out and "gate passed" in printed.err
+    tensors = load_file(out / "model.safetensors")
+    tensors["model.layers.1.mlp.down_proj.weight_scale"] *= 4.0  # the planted bad quantization
+    save_file(tensors, str(out / "model.safetensors"))
+    assert run(eval_command, "--model", str(out), "--gate", "1%", "--max-tokens", "3000", *short) == 1
+    printed = capsys.readouterr()
+    assert "gate FAILED" in printed.err and default_model_path() in printed.out  # compared with its source
