@@ -126,50 +126,37 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(srv)
     srv.set_defaults(func=cmd_serve)
 
-    from infertune.profile import audit, debug_layers, doctor, profile_cmd
-
-    prof = sub.add_parser("profile", help="where the time goes: categories for prefill and decode, top ops, hints",
-                          description=profile_cmd.DESCRIPTION)
-    profile_cmd.add_arguments(prof)
-    prof.set_defaults(func=profile_cmd.run)
-
-    doc = sub.add_parser("doctor", help="check versions (torch / torch_npu / CANN / CUDA), CPU features, threads",
-                         description="Check Python, torch, transformers, torch_npu and CANN, CUDA and driver against a "
-                         "compatibility matrix kept as data; CPU features and thread settings; what to fix. Exits 1 "
-                         "on a hard mismatch.")
-    doctor.add_arguments(doc)
-    doc.set_defaults(func=doctor.run)
-    aud = sub.add_parser("audit", help="list the aten ops a model step launches and how a backend runs each",
-                         description="Trace a prefill and a decode step of the model, list every aten op with counts "
-                         "and example shapes, and mark which the target backend runs natively and which would fall "
-                         "back to the CPU, with mapping hints and dynamic-shape hazards. Needs no target hardware.")
-    audit.add_arguments(aud)
-    aud.set_defaults(func=audit.run)
-    dbg = sub.add_parser("debug-layers", help="find the first module that goes NaN/Inf or drifts from an fp32 run",
-                         description="Run the prompt in the chosen dtype and in fp32 with hooks on every module and "
-                         "report the first module whose output is non-finite or diverges beyond --threshold "
-                         "(the equivalent of ASCEND_LAYER_DEBUG=1). Exits 1 when it finds one.")
-    debug_layers.add_arguments(dbg)
-    dbg.set_defaults(func=debug_layers.run)
-
-    from infertune.plan import command as plan_command
-
-    plan = sub.add_parser("plan", help="capacity, speed and cost of a model on a device (no hardware needed)",
-                          description=plan_command.DESCRIPTION)
-    plan_command.add_arguments(plan)
-    plan.set_defaults(func=plan_command.run)
-
     from infertune.evaluate import command as eval_command
+    from infertune.plan import command as plan_command
+    from infertune.profile import audit, debug_layers, doctor, profile_cmd
     from infertune.tools import quantize as quantize_command
 
-    ev = sub.add_parser("eval", help="accuracy against a reference: perplexity, KL, top-1 agreement, greedy prefix",
-                        description=eval_command.DESCRIPTION)
-    eval_command.add_arguments(ev)
-    ev.set_defaults(func=eval_command.run)
-    qz = sub.add_parser("quantize", help="write a quantized checkpoint (w8a16 / w4a16 / w8a8, calibration), then eval it",
-                        description=quantize_command.DESCRIPTION)
-    quantize_command.add_arguments(qz)
-    qz.set_defaults(func=quantize_command.run)
+    # Tools that bring their own add_arguments(parser) / run(args) (imported lazily inside run: --help stays fast).
+    tools = (
+        ("profile", profile_cmd, "where the time goes: categories for prefill and decode, top ops, hints",
+         profile_cmd.DESCRIPTION),
+        ("doctor", doctor, "check versions (torch / torch_npu / CANN / CUDA), CPU features, threads",
+         "Check Python, torch, transformers, torch_npu and CANN, CUDA and driver against a compatibility matrix "
+         "kept as data; CPU features and thread settings; what to fix. Exits 1 on a hard mismatch."),
+        ("audit", audit, "list the aten ops a model step launches and how a backend runs each",
+         "Trace a prefill and a decode step of the model, list every aten op with counts and example shapes, and "
+         "mark which the target backend runs natively and which would fall back to the CPU, with mapping hints and "
+         "dynamic-shape hazards. Needs no target hardware."),
+        ("debug-layers", debug_layers, "find the first module that goes NaN/Inf or drifts from an fp32 run",
+         "Run the prompt in the chosen dtype and in fp32 with hooks on every module and report the first module "
+         "whose output is non-finite or diverges beyond --threshold (the equivalent of ASCEND_LAYER_DEBUG=1). "
+         "Exits 1 when it finds one."),
+        ("plan", plan_command, "capacity, speed and cost of a model on a device (no hardware needed)",
+         plan_command.DESCRIPTION),
+        ("eval", eval_command, "accuracy against a reference: perplexity, KL, top-1 agreement, greedy prefix",
+         eval_command.DESCRIPTION),
+        ("quantize", quantize_command, "write a quantized checkpoint (w8a16 / w4a16 / w8a8, calibration), then eval it",
+         quantize_command.DESCRIPTION),
+    )
+    for name, module, help_, description in tools:
+        tool = sub.add_parser(name, help=help_, description=description)
+        module.add_arguments(tool)
+        tool.set_defaults(func=module.run)
 
     bench = sub.add_parser("bench", help="benchmarks: bench throughput / latency (offline), bench serve (HTTP)",
                            description="Benchmarks. `bench throughput` and `bench latency` run infertune beside HF "

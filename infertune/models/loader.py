@@ -89,7 +89,7 @@ def load_model(
             for name, tensor in iter_tensors(path):
                 if name.endswith(_IGNORED_SUFFIXES) or (arch.tie_word_embeddings and name == "lm_head.weight"):
                     continue
-                target, shard = _map_name(name, packed)
+                target, shard = map_checkpoint_name(name, packed)
                 if target not in params:
                     raise ValueError(
                         f"{path.name}: tensor {name!r} has no place in {arch.architecture}; "
@@ -126,7 +126,8 @@ def _cast(tensor: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def _map_name(name: str, packed: dict[str, tuple[str, object]]) -> tuple[str, object]:
+def map_checkpoint_name(name: str, packed: dict[str, tuple[str, object]]) -> tuple[str, object]:
+    """A checkpoint name -> (our name, shard): model.layers.0.self_attn.q_proj.weight -> (...qkv_proj.weight, 'q')."""
     parts = name.split(".")
     for i, part in enumerate(parts):
         if part in packed:

@@ -34,7 +34,7 @@ def attach_linear_methods(model: nn.Module, config: QuantConfig | None, backend=
     """
     fast = backend.has_quant_kernels if backend is not None else True
     max_rows = backend.quant_kernel_max_rows if backend is not None else None
-    shared = _shared_parameters(model)
+    shared = shared_parameters(model)
     chosen: dict[str, str] = {}
     for name, module in model.named_modules():
         if not isinstance(module, Linear) or id(module.weight) in shared:
@@ -50,7 +50,8 @@ def attach_linear_methods(model: nn.Module, config: QuantConfig | None, backend=
     return chosen
 
 
-def _shared_parameters(model: nn.Module) -> set[int]:
+def shared_parameters(model: nn.Module) -> set[int]:
+    """ids of parameters that more than one module holds (tied embeddings)."""
     seen: dict[int, int] = {}
     for module in model.modules():
         for p in module.parameters(recurse=False):

@@ -29,8 +29,9 @@ from infertune.config import QUANT_METHODS, ArchConfig, default_model_path
 from infertune.evaluate.data import default_calib_path, load_documents
 from infertune.layers.attention import TorchPagedAttention
 from infertune.layers.linear import Linear
-from infertune.models.loader import checkpoint_files
+from infertune.models.loader import checkpoint_files, map_checkpoint_name
 from infertune.models.registry import get_model_class
+from infertune.quant import shared_parameters
 from infertune.tools import quant_format as ckpt
 from infertune.tools.calibration import ActivationStats, calibration_samples, collect
 from infertune.tools.weight_clipping import parse_clip, quantize_int4, quantize_int8
@@ -94,23 +95,10 @@ def _linear_layout(arch: ArchConfig):
     cls = get_model_class(arch.architecture)
     with torch.device("meta"):
         model = cls(arch, arch.max_position_embeddings, TorchPagedAttention(), torch.float32)
-    counts: dict[int, int] = {}
-    for module in model.modules():
-        for p in module.parameters(recurse=False):
-            counts[id(p)] = counts.get(id(p), 0) + 1
+    tied = shared_parameters(model)
     linears = {n: m for n, m in model.named_modules() if isinstance(m, Linear)}
-    shared = {n for n, m in linears.items() if counts[id(m.weight)] > 1}
+    shared = {n for n, m in linears.items() if id(m.weight) in tied}
     return linears, shared, getattr(cls, "packed_modules", {})
-
-
-def _engine_name(hf_module: str, packed: dict) -> tuple[str, object]:
-    """model.layers.0.self_attn.q_proj -> (model.layers.0.self_attn.qkv_proj, 'q')."""
-    parts = hf_module.split(".")
-    for i, part in enumerate(parts):
-        if part in packed:
-            ours, shard = packed[part]
-            return ".".join(parts[:i] + [ours] + parts[i + 1 :]), shard
-    return hf_module, None
 
 
 def plan_layers(model: str, keep_fp: tuple[str, ...], tensors: dict[str, torch.Tensor]
@@ -123,7 +111,7 @@ def plan_layers(model: str, keep_fp: tuple[str, ...], tensors: dict[str, torch.T
     targets = {}
     for name in tensors:
         if name.endswith(".weight"):
-            layer, shard = _engine_name(name.removesuffix(".weight"), packed)
+            layer, shard = map_checkpoint_name(name.removesuffix(".weight"), packed)
             if layer in chosen:
                 targets[name] = (layer, shard)
     return chosen, targets
@@ -273,7 +261,7 @@ def quantize(
     result.quantized = sorted(n.removesuffix(".weight") for n in targets)
     hf_linears = set()
     for name in tensors:
-        if name.endswith(".weight") and _engine_name(name.removesuffix(".weight"), packed)[0] in linears:
+        if name.endswith(".weight") and map_checkpoint_name(name.removesuffix(".weight"), packed)[0] in linears:
             hf_linears.add(name.removesuffix(".weight"))
     if arch.tie_word_embeddings and "lm_head" in linears:
         hf_linears.add("lm_head")  # tied: no tensor of its own, still a Linear the scheme leaves alone
