@@ -31,6 +31,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="quantize linear weights after loading: int8 per channel (w8a16), int4 per group "
                    "(w4a16), or int8 weights and activations (w8a8); norms, rotary and logits stay full precision")
     g.add_argument("--quant-group-size", type=int, default=128, help="w4a16 group size (default: 128)")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
+                   help="KV-cache storage: the model dtype, or int8 with per-token, per-head scales (about half the "
+                   "bytes, so about twice the tokens in the same budget) (default: auto)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -39,7 +42,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
         enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
-        quantization=args.quantization, quant_group_size=args.quant_group_size,
+        quantization=args.quantization, quant_group_size=args.quant_group_size, kv_cache_dtype=args.kv_cache_dtype,
     )
 
 

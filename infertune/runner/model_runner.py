@@ -13,7 +13,7 @@ import torch
 
 from infertune.backends import Backend
 from infertune.config import EngineConfig
-from infertune.layers.attention import AttentionMetadata, PrefillChunk, TorchPagedAttention
+from infertune.layers.attention import AttentionMetadata, Int8PagedAttention, PrefillChunk, TorchPagedAttention
 from infertune.models.loader import load_model
 from infertune.runner.sampler import SampleRequest, Sampler, SamplerOutput
 
@@ -46,7 +46,7 @@ class ModelRunner:
         arch = config.model.arch
         self.dtype = backend.resolve_dtype(config.model.dtype, arch.torch_dtype)
         backend.seed(config.model.seed)
-        self.attn = TorchPagedAttention()
+        self.attn = Int8PagedAttention(self.dtype) if config.cache.kv_cache_dtype == "int8" else TorchPagedAttention()
         self.model = load_model(
             arch, config.model.model, self.dtype, self.device, config.model.max_model_len, self.attn, show_progress,
             quant=config.quant, backend=backend, prepack=config.model.prepack_weights,
@@ -55,13 +55,16 @@ class ModelRunner:
         self.kv_info = self._plan_kv_cache()
         shape = self.attn.kv_cache_shape(self.kv_info.num_blocks, self.block_size, arch.num_key_value_heads, arch.head_dim)
         # One allocation for every layer; each layer gets a view. torch.zeros so stale memory is never read as KV.
-        self._kv_storage = torch.zeros((arch.num_hidden_layers, *shape), dtype=self.dtype, device=self.device)
+        cache_dtype = self.attn.cache_dtype or self.dtype
+        self._kv_storage = torch.zeros((arch.num_hidden_layers, *shape), dtype=cache_dtype, device=self.device)
         self.kv_caches = list(self._kv_storage.unbind(0))
         self.sampler = Sampler(config.model.seed, self.device)
 
     def _plan_kv_cache(self) -> KVCacheInfo:
         cfg, arch = self.config, self.config.model.arch
-        bytes_per_token = arch.kv_bytes_per_token(torch.empty((), dtype=self.dtype).element_size())
+        bytes_per_token = arch.num_hidden_layers * self.attn.kv_bytes_per_token(
+            arch.num_key_value_heads, arch.head_dim, self.dtype
+        )
         block_bytes = bytes_per_token * self.block_size
         max_len = cfg.model.max_model_len
         if cfg.cache.kv_cache_memory_bytes is not None:

@@ -35,6 +35,11 @@ class AttentionMetadata:
 
 class AttentionBackend(abc.ABC):
     name = "abstract"
+    cache_dtype: torch.dtype | None = None  # None: the KV cache is kept in the model dtype
+
+    def kv_bytes_per_token(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """Cache bytes one token takes in one layer (K and V)."""
+        return 2 * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         return (2, num_blocks, block_size, num_kv_heads, head_dim)
