@@ -137,6 +137,8 @@ def add_arguments(p: argparse.ArgumentParser, default_batch: list[int] | None = 
                    help="attn_implementation of the HF model (default: sdpa, as in BASELINES.md)")
     g.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
                    help="infertune's per-step token budget (default: the engine's default, 2048)")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
+                   help="infertune's KV-cache storage (default: auto = the model dtype)")
     g.add_argument("--no-prefix-caching", action="store_true",
                    help="start infertune with enable_prefix_caching=False (prompts differ on every run anyway, "
                         "so the cache should never hit)")
@@ -295,6 +297,8 @@ def worker_infertune(args, model_dir: Path, batch: int) -> dict:
         options["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.no_prefix_caching:
         options["enable_prefix_caching"] = False
+    if args.kv_cache_dtype != "auto":
+        options["kv_cache_dtype"] = args.kv_cache_dtype
     log(f"infertune b{batch}: loading LLM({model_dir.name!r}, {options})")
     t0 = time.perf_counter()
     llm = LLM(str(model_dir), **options)
@@ -429,6 +433,7 @@ def spawn_worker(args, system: str, batch: int, model_dir: Path) -> dict:
         cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     if args.no_prefix_caching:
         cmd.append("--no-prefix-caching")
+    cmd += ["--kv-cache-dtype", args.kv_cache_dtype]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads),
                TOKENIZERS_PARALLELISM="false")
     t0 = time.perf_counter()
