@@ -129,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(srv)
     srv.set_defaults(func=cmd_serve)
 
+    from infertune.distill import command as distill_command
     from infertune.evaluate import command as eval_command
     from infertune.plan import command as plan_command
     from infertune.profile import audit, debug_layers, doctor, profile_cmd
@@ -155,6 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
          eval_command.DESCRIPTION),
         ("quantize", quantize_command, "write a quantized checkpoint (w8a16 / w4a16 / w8a8, calibration), then eval it",
          quantize_command.DESCRIPTION),
+        ("distill", distill_command, "distil a teacher into a small student (KD loss, checkpoints, resume)",
+         distill_command.DESCRIPTION),
+        ("train", distill_command.TRAIN, "train a model from scratch with cross-entropy (same data pipeline)",
+         distill_command.TRAIN_DESCRIPTION),
     )
     for name, module, help_, description in tools:
         tool = sub.add_parser(name, help=help_, description=description)
