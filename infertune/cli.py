@@ -134,6 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     from infertune.plan import command as plan_command
     from infertune.profile import audit, debug_layers, doctor, profile_cmd
     from infertune.tools import quantize as quantize_command
+    from infertune.tune import command as tune_command
+    from infertune.tune import ledger as ledger_command
 
     # Tools that bring their own add_arguments(parser) / run(args) (imported lazily inside run: --help stays fast).
     tools = (
@@ -152,6 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
          "Exits 1 when it finds one."),
         ("plan", plan_command, "capacity, speed and cost of a model on a device (no hardware needed)",
          plan_command.DESCRIPTION),
+        ("tune", tune_command, "sweep batch settings under an SLO; recommend online and offline configs",
+         tune_command.DESCRIPTION),
+        ("ledger", ledger_command, "the step-by-step optimization table, measured on this machine",
+         ledger_command.DESCRIPTION),
         ("eval", eval_command, "accuracy against a reference: perplexity, KL, top-1 agreement, greedy prefix",
          eval_command.DESCRIPTION),
         ("quantize", quantize_command, "write a quantized checkpoint (w8a16 / w4a16 / w8a8, calibration), then eval it",

@@ -1,0 +1,238 @@
+"""`infertune tune`: sweep max_num_seqs (powers of two) x max_num_batched_tokens on a workload, measure
+throughput, TTFT, TPOT and memory per setting, and recommend one config for online serving (the highest
+throughput meeting the SLO) and one for offline throughput (the highest tok/s).
+
+Wire it into cli.py with:  tune = sub.add_parser("tune", ...); command.add_arguments(tune); tune.set_defaults(func=command.run)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from pathlib import Path
+
+from infertune.tune.recommend import format_slo, knee, parse_slo, recommend, slo_violations
+
+DESCRIPTION = (
+    "Sweep max_num_seqs over powers of two up to --max-batch (and max_num_batched_tokens over a few values) on a "
+    "workload, measure output tok/s, TTFT and TPOT percentiles and memory per setting, print the batch table "
+    "(marking OOM and where throughput stops rising), and recommend an online config (max throughput under --slo) "
+    "and an offline one (max tok/s). --out-config writes engine options that LLM(**config) accepts.")
+
+
+def powers_of_two(limit: int) -> list[int]:
+    out, b = [], 1
+    while b <= limit:
+        out.append(b)
+        b *= 2
+    if out[-1] != limit:
+        out.append(limit)
+    return out
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        vals = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if not vals or vals[0] < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give positive integers")
+    return vals
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="Hugging Face model folder (default: the built-in demo model)")
+    p.add_argument("--slo", default=None, metavar="TERMS",
+                   help="latency SLO for the online pick, e.g. ttft_p90=100ms,tpot_p90=50ms (metrics: ttft/tpot "
+                        "p50/p90/p99; units ms, s, us; bare numbers are ms)")
+    p.add_argument("--input-len", type=int, default=128, help="prompt tokens per request (default: 128)")
+    p.add_argument("--output-len", type=int, default=64, help="generated tokens per request (default: 64)")
+    p.add_argument("--workload", type=Path, default=None, metavar="FILE.jsonl",
+                   help="one request a line: {\"input_len\": N, \"output_len\": M} or {\"prompt_token_ids\": [...], "
+                        "\"output_len\": M}; overrides --input-len / --output-len")
+    p.add_argument("--max-batch", type=int, default=32, help="largest max_num_seqs tried (default: 32)")
+    p.add_argument("--batched-tokens", type=_int_list, default=[512, 2048], metavar="T[,T...]",
+                   help="max_num_batched_tokens values tried (default: 512,2048)")
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help="requests per setting (default: 2 x --max-batch, or the workload file's count)")
+    p.add_argument("--dtype", default="bfloat16", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="(default: bfloat16)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"], help="(default: auto)")
+    p.add_argument("--quantization", default=None, choices=["w8a16", "w4a16", "w8a8"], help="(default: none)")
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                   help="fixed KV budget for every setting; a setting whose budget cannot hold one full sequence is "
+                        "an OOM row (default: the engine's default, sized to max_num_seqs)")
+    p.add_argument("--repeats", type=int, default=1, help="timed runs per setting, best kept (default: 1)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default: 0)")
+    p.add_argument("--config-for", choices=["online", "offline"], default="online",
+                   help="which pick --out-config holds (default: online; offline when no row meets the SLO)")
+    p.add_argument("--out-config", type=Path, default=None, metavar="OUT.json", help="write the picked engine options")
+    p.add_argument("--plot", type=Path, default=None, metavar="OUT.png", help="throughput and TTFT vs batch (matplotlib)")
+    p.add_argument("--json", action="store_true", help="print the rows and picks as JSON instead of tables")
+
+
+def load_workload(args, vocab: int) -> tuple[list[list[int]], list[int]]:
+    """(prompt token ids, output lengths) of the workload, seeded."""
+    rng = random.Random(args.seed)
+    high = max(2, vocab - 8)  # avoid the special ids at the top of small vocabularies
+    if args.workload is not None:
+        prompts, outs = [], []
+        for n, line in enumerate(args.workload.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+                ids = item.get("prompt_token_ids") or [rng.randrange(high) for _ in range(int(item["input_len"]))]
+                out = int(item.get("output_len", item.get("max_tokens", args.output_len)))
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"{args.workload}:{n}: expected {{\"input_len\": N, \"output_len\": M}}: {e}") from None
+            prompts.append([int(x) for x in ids])
+            outs.append(out)
+        if not prompts:
+            raise ValueError(f"{args.workload} holds no requests")
+        if args.num_prompts:
+            prompts, outs = (prompts * args.num_prompts)[:args.num_prompts], (outs * args.num_prompts)[:args.num_prompts]
+        return prompts, outs
+    n = args.num_prompts or 2 * args.max_batch
+    return [[rng.randrange(high) for _ in range(args.input_len)] for _ in range(n)], [args.output_len] * n
+
+
+def model_vocab(model: str | None) -> tuple[str | None, int]:
+    from infertune.config import default_model_path
+
+    path = Path(model or default_model_path())
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise ValueError(f"--model {model}: not a Hugging Face model folder (no config.json)")
+    return model, json.loads(cfg_file.read_text())["vocab_size"]
+
+
+def sweep(model: str | None, base: dict, batches: list[int], token_values: list[int], prompts, output_lens,
+          repeats: int = 1, progress: bool = True) -> list[dict]:
+    """Measure every (max_num_seqs, max_num_batched_tokens) setting; OOM / failed settings become rows too."""
+    from tqdm import tqdm
+
+    from infertune.tune.measure import measure_infertune
+
+    settings = [(b, t) for t in token_values for b in batches]
+    warm = [prompts[0][: max(1, min(8, len(prompts[0])))]]
+    rows = []
+    bar = tqdm(settings, desc="tune", unit="setting", disable=not progress, file=sys.stderr)
+    for b, t in bar:
+        bar.set_postfix_str(f"max_num_seqs={b} max_num_batched_tokens={t}")
+        options = dict(base, max_num_seqs=b, max_num_batched_tokens=t)
+        row = measure_infertune(model, options, prompts, output_lens, warmup_prompts=warm, repeats=repeats)
+        row.update(max_num_seqs=b, max_num_batched_tokens=t)
+        rows.append(row)
+    return rows
+
+
+def engine_config(model: str | None, row: dict) -> dict:
+    """Engine options of a measured row, as LLM(**config) takes them (prefix caching back to its default)."""
+    cfg = {"model": model, **{k: v for k, v in row["options"].items() if k != "enable_prefix_caching"}}
+    return {k: v for k, v in cfg.items() if v is not None or k == "model"}
+
+
+def _ms(v) -> str:
+    return "–" if v is None else f"{v * 1e3:.1f}"
+
+
+def render_table(rows: list[dict], slo: dict) -> str:
+    knees = knee(rows)
+    lines = ["| batch | batched tokens | tokens/s | TTFT p50 ms | TTFT p90 ms | TPOT p50 ms | TPOT p90 ms | "
+             "memory (KV MiB / RSS +MiB) | note |", "|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        if r["status"] != "ok":
+            label = "OOM" if r["status"] == "oom" else "failed"
+            lines.append(f"| {r['max_num_seqs']} | {r['max_num_batched_tokens']} | {label} | | | | | | "
+                         f"{r.get('error', '')[:120]} |")
+            continue
+        notes = []
+        if knees.get(r["max_num_batched_tokens"]) == r["max_num_seqs"]:
+            notes.append("throughput stops rising here")
+        if slo:
+            v = slo_violations(r, slo)
+            notes.append("meets SLO" if not v else "misses SLO: " + "; ".join(v))
+        lines.append(f"| {r['max_num_seqs']} | {r['max_num_batched_tokens']} | {r['output_tok_s']:.1f} | "
+                     f"{_ms(r['ttft_p50_s'])} | {_ms(r['ttft_p90_s'])} | {_ms(r['tpot_p50_s'])} | {_ms(r['tpot_p90_s'])} | "
+                     f"{r['kv_cache_bytes'] / 2**20:.1f} / {r['rss_growth_mib']:.0f} | {', '.join(notes)} |")
+    return "\n".join(lines)
+
+
+def write_plot(rows: list[dict], path: Path, title: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError("--plot needs matplotlib: pip install matplotlib (the sweep itself does not)") from None
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    for t in dict.fromkeys(r["max_num_batched_tokens"] for r in rows):
+        ok = [r for r in rows if r["max_num_batched_tokens"] == t and r["status"] == "ok"]
+        ax1.plot([r["max_num_seqs"] for r in ok], [r["output_tok_s"] for r in ok], marker="o", label=f"{t} tokens/step")
+        ax2.plot([r["max_num_seqs"] for r in ok], [r["ttft_p90_s"] * 1e3 for r in ok], marker="o", label=f"{t}")
+    for ax, ylabel in ((ax1, "output tokens/s"), (ax2, "TTFT p90 ms")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("max_num_seqs")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+    ax1.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> int:
+    slo = parse_slo(args.slo)
+    if args.max_batch < 1:
+        raise ValueError("--max-batch must be at least 1")
+    if args.plot is not None:  # fail before the sweep, not after it
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ValueError("--plot needs matplotlib: pip install matplotlib") from None
+    model, vocab = model_vocab(args.model)
+    prompts, output_lens = load_workload(args, vocab)
+    max_len = max(len(p) + o for p, o in zip(prompts, output_lens))
+    base = dict(dtype=args.dtype, max_model_len=max_len, kv_cache_dtype=args.kv_cache_dtype,
+                quantization=args.quantization, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                enable_prefix_caching=False)
+    base = {k: v for k, v in base.items() if v is not None}
+    rows = sweep(model, base, powers_of_two(args.max_batch), args.batched_tokens, prompts, output_lens, args.repeats)
+    rec = recommend(rows, slo)
+    picks = {"online": rec.online, "offline": rec.offline}
+    configs = {k: engine_config(model, r) if r else None for k, r in picks.items()}
+    chosen = args.config_for if configs[args.config_for] else "offline"
+    if args.out_config is not None and configs[chosen]:
+        args.out_config.parent.mkdir(parents=True, exist_ok=True)
+        args.out_config.write_text(json.dumps(configs[chosen], indent=2) + "\n")
+    if args.plot is not None:
+        write_plot(rows, args.plot, f"infertune tune: {model or 'demo model'}")
+    if args.json:
+        print(json.dumps(dict(model=model, slo=slo, workload=dict(requests=len(prompts), max_model_len=max_len),
+                              rows=rows, online=configs["online"], offline=configs["offline"],
+                              messages=rec.messages, knee=knee(rows)), indent=2, default=str))
+    else:
+        print(f"Workload: {len(prompts)} requests, longest {max_len} tokens; SLO: {format_slo(slo)}\n")
+        print(render_table(rows, slo))
+        print()
+        for kind in ("online", "offline"):
+            r = picks[kind]
+            if r:
+                print(f"{kind}: max_num_seqs={r['max_num_seqs']} max_num_batched_tokens={r['max_num_batched_tokens']} "
+                      f"-> {r['output_tok_s']:.1f} tok/s, TTFT p90 {_ms(r['ttft_p90_s'])} ms, TPOT p90 "
+                      f"{_ms(r['tpot_p90_s'])} ms")
+            else:
+                print(f"{kind}: none")
+        for m in rec.messages:
+            print(f"note: {m}")
+        if args.out_config is not None and configs[chosen]:
+            print(f"wrote the {chosen} config to {args.out_config}")
+        if args.plot is not None:
+            print(f"wrote {args.plot}")
+    return 0 if rec.offline is not None and (not slo or rec.online is not None) else 1

@@ -1,0 +1,276 @@
+"""`infertune ledger`: the step-by-step optimization table, measured on this machine.
+
+HF transformers generate ("PyTorch native") -> infertune eager, one sequence at a time -> + paged KV and
+continuous batching -> + prepacked weights -> + compiled / fused decode -> + INT8 KV -> + W8A16 -> + W4A16 ->
++ tuned batch. Every step keeps the ones before it. Steps whose feature is not built are reported as
+"not available", never measured or estimated. Lossy steps carry the perplexity change of the step's whole
+configuration against the unquantized model (`infertune.evaluate.compare`), where the weights are trained.
+
+Wire it into cli.py with:  led = sub.add_parser("ledger", ...); ledger.add_arguments(led); led.set_defaults(func=ledger.run)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+DESCRIPTION = (
+    "Measure the optimization ledger on this machine: HF transformers generate, then infertune eager, + paged KV "
+    "and continuous batching, + prepacked weights, + compiled decode (not available yet), + INT8 KV, + W8A16, "
+    "+ W4A16, + tuned batch; tokens/s, TTFT, memory, gain per step and cumulative vs HF, and the perplexity "
+    "change of lossy steps. Markdown table by default; --json / --md / --plot write files.")
+
+NOT_AVAILABLE = "not available"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--model", default=None, help="Hugging Face model folder (default: the built-in demo model)")
+    g.add_argument("--preset", choices=["small", "386m"], default=None,
+                   help="a random-weight Llama built once by `bench throughput` (accuracy is then n/a)")
+    p.add_argument("--cache-dir", type=Path, default=Path("/tmp/infertune-bench"), help="where presets are built")
+    p.add_argument("--input-len", type=int, default=128, help="prompt tokens per request (default: 128)")
+    p.add_argument("--output-len", type=int, default=64, help="generated tokens per request (default: 64)")
+    p.add_argument("--batch", type=int, default=8, help="batch of HF generate and max_num_seqs of the batched "
+                   "steps (default: 8)")
+    p.add_argument("--num-prompts", type=int, default=None, help="requests per step (default: 2 x --batch)")
+    p.add_argument("--max-batch", type=int, default=None,
+                   help="largest max_num_seqs the tuned-batch step tries (default: --num-prompts)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="(default: bfloat16)")
+    p.add_argument("--no-hf", action="store_true", help="skip the HF transformers row")
+    p.add_argument("--no-accuracy", action="store_true", help="skip the perplexity deltas")
+    p.add_argument("--accuracy-tokens", type=int, default=4096,
+                   help="held-out tokens scored per lossy step (default: 4096)")
+    p.add_argument("--in-process", action="store_true",
+                   help="measure every step in this process (faster; memory is then RSS growth, not each step's "
+                        "own peak RSS in a fresh process)")
+    p.add_argument("--repeats", type=int, default=1, help="timed runs per step, best kept (default: 1)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default: 0)")
+    p.add_argument("--json", type=Path, default=None, metavar="OUT", help="write every figure as JSON")
+    p.add_argument("--md", type=Path, default=None, metavar="OUT", help="write the Markdown table")
+    p.add_argument("--plot", type=Path, default=None, metavar="OUT.png", help="tokens/s per step (matplotlib)")
+
+
+# (key, label, engine options added by this step, lossy?). None options = not built yet.
+STEPS = [
+    ("hf", "HF transformers generate (PyTorch native)", None, False),
+    ("eager", "infertune eager, one sequence at a time", dict(prepack_weights=False, max_num_seqs=1), False),
+    ("batching", "+ paged KV and continuous batching", dict(max_num_seqs="batch"), False),
+    ("prepack", "+ prepacked weights", dict(prepack_weights=True), False),
+    ("compiled", "+ compiled / fused decode", None, False),
+    ("int8_kv", "+ INT8 KV cache", dict(kv_cache_dtype="int8"), True),
+    ("w8a16", "+ W8A16 weights", dict(quantization="w8a16"), True),
+    ("w4a16", "+ W4A16 weights", dict(quantization="w4a16"), True),
+    ("tuned", "+ tuned batch (the tuner's offline pick)", dict(max_num_seqs="tuned"), False),
+]
+
+
+def resolve_model(args) -> tuple[str | None, str, bool]:
+    """(model argument for LLM, folder for HF, trained weights?)"""
+    from infertune.config import default_model_path
+
+    if args.preset:
+        from infertune.bench.offline import ensure_model
+
+        return str(ensure_model(args.preset, args.cache_dir)), str(ensure_model(args.preset, args.cache_dir)), False
+    if args.model:
+        if not (Path(args.model) / "config.json").is_file():
+            raise ValueError(f"--model {args.model}: not a Hugging Face model folder (no config.json)")
+        return args.model, args.model, True
+    return None, default_model_path(), True
+
+
+def accuracy_delta(model: str | None, options: dict, args) -> dict:
+    """Perplexity of the step's lossy configuration vs the same model unquantized with a model-dtype KV cache."""
+    from infertune.config import default_model_path
+    from infertune.evaluate import compare
+
+    path = model or default_model_path()
+    cand = {k: options[k] for k in ("kv_cache_dtype",) if options.get(k, "auto") != "auto"}
+    # Perplexity scoring runs each window as one prefill, which attends to the fresh K/V rather than reading the
+    # cache back, so an INT8 KV cache shows up only in decoding: the greedy prefix (tokens decoded identically
+    # to the reference from a few prompts) covers it.
+    rep = compare(path, reference=path, quantization=options.get("quantization"), max_tokens=args.accuracy_tokens,
+                  num_prompts=4, greedy_tokens=32, engine_options=dict(dtype=args.dtype), candidate_options=cand)
+    return dict(perplexity=rep.perplexity, ref_perplexity=rep.ref_perplexity, perplexity_change=rep.perplexity_change,
+                kl_mean=rep.kl_mean, top1_agreement=rep.top1_agreement, tokens=rep.num_tokens,
+                greedy_prefix_mean=rep.greedy_prefix_mean, greedy_tokens=rep.greedy_tokens)
+
+
+def build_ledger(args, progress: bool = True) -> dict:
+    from tqdm import tqdm
+
+    from infertune.tune.command import powers_of_two, sweep
+    from infertune.tune import measure
+    from infertune.tune.recommend import recommend
+
+    model, hf_dir, trained = resolve_model(args)
+    vocab = json.loads((Path(hf_dir) / "config.json").read_text())["vocab_size"]
+    from infertune.bench.offline import make_prompts
+
+    n = args.num_prompts or 2 * args.batch
+    prompts = make_prompts(args.seed, n, 0, args.input_len, vocab)
+    warm = make_prompts(args.seed, 1, -1, min(args.input_len, 8), vocab)
+    outs = [args.output_len] * n
+    max_len = args.input_len + args.output_len
+    current = dict(dtype=args.dtype, max_model_len=max_len, enable_prefix_caching=False, prepack_weights=False,
+                   max_num_seqs=1)
+    def call(fn_name: str, **kwargs) -> dict:
+        if args.in_process:
+            return getattr(measure, fn_name)(**kwargs)
+        return measure.run_isolated(fn_name, **kwargs)
+
+    rows = []
+    bar = tqdm(STEPS, desc="ledger", unit="step", disable=not progress, file=sys.stderr)
+    for key, label, adds, lossy in bar:
+        bar.set_postfix_str(key)
+        row = dict(step=key, label=label, lossy=lossy)
+        if key == "hf":
+            if args.no_hf:
+                row.update(status="skipped")
+            else:
+                row.update(call("measure_hf", model_dir=hf_dir, dtype=args.dtype, prompts=prompts,
+                                output_len=args.output_len, batch=args.batch))
+                row["options"] = dict(batch=args.batch, dtype=args.dtype, attn_implementation="sdpa")
+            rows.append(row)
+            continue
+        if adds is None:
+            row.update(status=NOT_AVAILABLE, note="no compiled / fused decode path in infertune yet")
+            rows.append(row)
+            continue
+        step_opts = dict(current)
+        for k, v in adds.items():
+            step_opts[k] = args.batch if v == "batch" else v
+        if key == "tuned":
+            limit = args.max_batch or n
+            tried = sweep(model, {k: v for k, v in step_opts.items() if k not in ("max_num_seqs", "max_num_batched_tokens")},
+                          powers_of_two(limit), [2048], prompts, outs, progress=False)
+            pick = recommend(tried).offline
+            if pick is None:
+                row.update(status="error", error="every tuned setting failed")
+                rows.append(row)
+                continue
+            step_opts["max_num_seqs"] = pick["max_num_seqs"]
+            row["tuner_rows"] = [dict(max_num_seqs=r["max_num_seqs"], status=r["status"],
+                                      output_tok_s=r.get("output_tok_s")) for r in tried]
+        row.update(call("measure_infertune", model=model, options=step_opts, prompts=prompts, output_lens=outs,
+                        warmup_prompts=warm, repeats=args.repeats))
+        row["options"] = step_opts
+        if row["status"] == "ok":
+            current = step_opts
+        if lossy and row["status"] == "ok":
+            if not trained:
+                row["accuracy"] = "n/a (random weights)"
+            elif args.no_accuracy:
+                row["accuracy"] = "skipped"
+            else:
+                row["accuracy"] = accuracy_delta(model, step_opts, args)
+        rows.append(row)
+    # Gains: over the previous measured row, and cumulative over HF.
+    prev = None
+    hf = next((r for r in rows if r["step"] == "hf" and r.get("status") == "ok"), None)
+    for r in rows:
+        if r.get("status") != "ok":
+            continue
+        r["gain_vs_previous"] = r["output_tok_s"] / prev["output_tok_s"] if prev else None
+        r["cumulative_vs_hf"] = r["output_tok_s"] / hf["output_tok_s"] if hf else None
+        prev = r
+    return dict(model=model or "built-in demo model", hf_model_dir=hf_dir, trained_weights=trained,
+                isolated=not args.in_process,
+                workload=dict(requests=n, input_len=args.input_len, output_len=args.output_len, batch=args.batch,
+                              dtype=args.dtype, greedy=True, ignore_eos=True),
+                steps=rows)
+
+
+def _acc_text(r: dict) -> str:
+    acc = r.get("accuracy")
+    if not r.get("lossy"):
+        return "lossless"
+    if acc is None:
+        return "–"
+    if isinstance(acc, str):
+        return acc
+    text = f"ppl {acc['ref_perplexity']:.3f} -> {acc['perplexity']:.3f} ({acc['perplexity_change'] * 100:+.2f} %)"
+    if acc.get("greedy_prefix_mean") is not None:
+        text += f"; greedy prefix {acc['greedy_prefix_mean']:.1f}/{acc['greedy_tokens']}"
+    return text
+
+
+def render_markdown(doc: dict) -> str:
+    w = doc["workload"]
+    isolated = doc.get("isolated", False)
+    mem_label = "peak RSS MiB" if isolated else "RSS +MiB"
+    lines = [f"Model: {doc['model']}. Workload: {w['requests']} requests of {w['input_len']} prompt + {w['output_len']} "
+             f"generated tokens, greedy, {w['dtype']}, batch {w['batch']}. Each step keeps the ones above it.", "",
+             f"| step | tokens/s | TTFT p50 ms | memory (KV MiB / {mem_label}) | gain vs previous | cumulative vs HF | "
+             "accuracy |", "|---|---:|---:|---:|---:|---:|---|"]
+    for r in doc["steps"]:
+        st = r.get("status")
+        if st != "ok":
+            what = {"oom": "OOM", "error": "failed", "skipped": "skipped"}.get(st, st)
+            detail = r.get("note") or r.get("error") or ""
+            lines.append(f"| {r['label']} | {what} | | | | | {detail[:100]} |")
+            continue
+        kv = "–" if r.get("kv_cache_bytes") is None else f"{r['kv_cache_bytes'] / 2**20:.2f}"
+        gain = "–" if r.get("gain_vs_previous") is None else f"{r['gain_vs_previous']:.2f}x"
+        cum = "–" if r.get("cumulative_vs_hf") is None else f"{r['cumulative_vs_hf']:.2f}x"
+        label = r["label"] + (f" (max_num_seqs={r['options']['max_num_seqs']})" if r["step"] == "tuned" else "")
+        ttft = "–" if r.get("ttft_p50_s") is None else f"{r['ttft_p50_s'] * 1e3:.1f}"
+        lines.append(f"| {label} | {r['output_tok_s']:.1f} | {ttft} | {kv} / {r['peak_rss_mib' if isolated else 'rss_growth_mib']:.0f} | {gain} | {cum} | "
+                     f"{_acc_text(r)} |")
+    memory_note = ("the peak RSS of the fresh process that ran the step (Python, torch and transformers imports "
+                   "included, the same for every row)" if isolated else "the growth of this process's RSS over load + "
+                   "generate (one process for all steps, so memory an earlier step freed and this one reused is not "
+                   "counted)")
+    lines += ["", "TTFT is per request from the submission of the whole workload (queueing included). Memory: the "
+              f"engine's KV-cache allocation, and {memory_note}. Accuracy: perplexity of the "
+              "step's whole configuration vs the unquantized model on held-out text (prefill scoring, which does not "
+              "read the KV cache back, so INT8 KV shows in the greedy prefix: tokens decoded identically to the "
+              "reference out of N). Figures on a shared machine move between runs; use --repeats for steadier ones."]
+    return "\n".join(lines)
+
+
+def write_plot(doc: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError("--plot needs matplotlib: pip install matplotlib") from None
+    rows = doc["steps"]
+    fig, ax = plt.subplots(figsize=(10, 4))
+    vals = [r["output_tok_s"] if r.get("status") == "ok" else 0 for r in rows]
+    ax.bar(range(len(rows)), vals, color=["C0" if r.get("status") == "ok" else "lightgray" for r in rows])
+    ax.set_xticks(range(len(rows)), [r["step"] + ("\n(n/a)" if r.get("status") != "ok" else "") for r in rows])
+    ax.set_ylabel("output tokens/s")
+    ax.set_title(f"infertune ledger: {doc['model']}")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> int:
+    if min(args.input_len, args.output_len, args.batch) < 1:
+        raise ValueError("--input-len, --output-len and --batch must be positive")
+    if args.plot is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ValueError("--plot needs matplotlib: pip install matplotlib") from None
+    doc = build_ledger(args)
+    md = render_markdown(doc)
+    print(md)
+    if args.md is not None:
+        args.md.parent.mkdir(parents=True, exist_ok=True)
+        args.md.write_text(md + "\n")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    if args.plot is not None:
+        write_plot(doc, args.plot)
+    failed = [r for r in doc["steps"] if r.get("status") in ("error", "oom")]
+    return 1 if failed else 0
