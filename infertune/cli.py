@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 import time
+from pathlib import Path
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -26,6 +28,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory-fraction", type=float, default=0.5,
                    help="share of free memory the KV cache may take when no byte budget is given (default: 0.5)")
     g.add_argument("--no-prefix-caching", action="store_true", help="disable the automatic prefix cache")
+    g.add_argument("--max-running-tokens", type=int, default=None,
+                   help="dynamic batch by input length: admit sequences only while their lengths sum to at most "
+                   "this many tokens, so short inputs batch wider than long ones (default: off)")
     g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling (default: 0)")
     g.add_argument("--quantization", default=None, choices=["w8a16", "w4a16", "w8a8"],
                    help="quantize linear weights after loading: int8 per channel (w8a16), int4 per group "
@@ -41,7 +46,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         dtype=args.dtype, device=args.device, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
-        enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
+        enable_prefix_caching=not args.no_prefix_caching, seed=args.seed, max_running_tokens=args.max_running_tokens,
         quantization=args.quantization, quant_group_size=args.quant_group_size, kv_cache_dtype=args.kv_cache_dtype,
     )
 
@@ -76,14 +81,29 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def load_config_file(path: str | None) -> dict:
+    """Engine options from a JSON file (what `infertune tune --out-config` writes); they override the flags."""
+    if path is None:
+        return {}
+    try:
+        options = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"--config {path}: cannot read engine options ({e})") from e
+    if not isinstance(options, dict):
+        raise ValueError(f"--config {path}: expected a JSON object of engine options")
+    return options
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from infertune.serve.launcher import serve
 
     logging.getLogger("infertune").setLevel(logging.INFO)
+    options = {**engine_kwargs(args), **load_config_file(args.config)}
+    model = options.pop("model", None) or args.model
     return serve(
-        args.model, host=args.host, port=args.port, api_key=args.api_key, max_waiting=args.max_waiting,
+        model, host=args.host, port=args.port, api_key=args.api_key, max_waiting=args.max_waiting,
         served_model_name=args.served_model_name, max_body_bytes=args.max_body_bytes,
-        graceful_timeout_s=args.graceful_timeout, **engine_kwargs(args),
+        graceful_timeout_s=args.graceful_timeout, **options,
     )
 
 
@@ -124,6 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="waiting sequences before new requests get 429 (default: 512)")
     srv.add_argument("--max-body-bytes", type=int, default=4 * 2**20,
                      help="largest request body accepted; larger gets 413 (default: 4 MiB)")
+    srv.add_argument("--config", default=None, metavar="FILE.json",
+                     help="engine options as JSON (e.g. from `infertune tune --out-config`); they override the flags")
     srv.add_argument("--graceful-timeout", type=float, default=10.0,
                      help="seconds in-flight requests get to finish after SIGTERM (default: 10)")
     add_engine_args(srv)

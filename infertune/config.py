@@ -199,10 +199,16 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
+    # Dynamic batch by input length (the seeds' policy): admit a sequence only while the running sequences'
+    # lengths, its own included, sum to at most this many tokens, so short inputs run in larger batches than
+    # long ones. None: only max_num_seqs and the KV blocks limit the batch.
+    max_running_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs={self.max_num_seqs} must be positive")
+        if self.max_running_tokens is not None and self.max_running_tokens <= 0:
+            raise ValueError(f"max_running_tokens={self.max_running_tokens} must be positive (or None)")
         if self.max_num_batched_tokens <= 0:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be positive")
 

@@ -638,3 +638,24 @@ SchedulerMachine.TestCase.settings = settings(
     max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 TestSchedulerMachine = SchedulerMachine.TestCase
+
+
+def test_dynamic_batch_by_input_length():
+    """max_running_tokens: short inputs run many at a time, long ones few; a lone long input still runs."""
+    from infertune.config import SchedulerConfig
+    from infertune.engine.block_manager import BlockManager
+    from infertune.engine.scheduler import Scheduler
+    from infertune.engine.sequence import Sequence
+
+    def admitted(prompt_len: int, n: int) -> int:
+        sched = Scheduler(SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=4096, max_running_tokens=256),
+                          BlockManager(512, 4))
+        for _ in range(n):
+            sched.add(Sequence(list(range(prompt_len)), 4))
+        sched.schedule()
+        return sched.num_running
+
+    assert admitted(16, 20) == 16  # 16 x 16 = 256 tokens: the max_num_seqs cap binds first
+    assert admitted(64, 20) == 4  # 4 x 64 = 256
+    assert admitted(100, 5) == 2  # 2 x 100 <= 256 < 3 x 100
+    assert admitted(300, 3) == 1  # longer than the cap alone: admitted by itself, never starved

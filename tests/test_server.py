@@ -318,9 +318,11 @@ def test_sigterm_finishes_in_flight_and_exits_zero(tiny_llama):
     import sys
 
     port = free_port()
+    config = tiny_llama.parent / "serve-config.json"  # what `infertune tune --out-config` writes
+    config.write_text(json.dumps({"max_model_len": 200, "max_num_seqs": 4}))
     proc = subprocess.Popen(
         [sys.executable, "-m", "infertune.cli", "serve", "--model", str(tiny_llama), "--port", str(port),
-         "--dtype", "float32", "--max-model-len", "256", "--graceful-timeout", "20"],
+         "--dtype", "float32", "--max-model-len", "256", "--config", str(config), "--graceful-timeout", "20"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     url = f"http://127.0.0.1:{port}"
@@ -332,7 +334,7 @@ def test_sigterm_finishes_in_flight_and_exits_zero(tiny_llama):
                     break
             except httpx.TransportError:
                 time.sleep(0.1)
-        body = {"prompt": "x", "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
+        body = {"prompt": "x", "max_tokens": 150, "temperature": 0, "ignore_eos": True, "stream": True}
         texts, finish = [], None
         with httpx.Client(timeout=60) as h, h.stream("POST", url + "/v1/completions", json=body) as resp:
             for line in resp.iter_lines():
@@ -350,3 +352,4 @@ def test_sigterm_finishes_in_flight_and_exits_zero(tiny_llama):
             proc.kill()
     log = proc.stdout.read()
     assert "KV cache:" in log and f"serving '{tiny_llama.name}'" in log  # the start-up report
+    assert "max_model_len=200" in log  # the --config file's options win over the flags

@@ -100,8 +100,13 @@ class Scheduler:
                 i += 1
 
         # No admissions after a preemption: memory is short, and the preempted go first next time.
+        running_tokens = sum(len(s) for s in self.running) if self.config.max_running_tokens else 0
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not batch.preempted:
             seq = self.waiting[0]
+            if self.config.max_running_tokens and self.running and (
+                running_tokens + len(seq) > self.config.max_running_tokens
+            ):
+                break  # dynamic batch: a long input waits for room; a lone sequence is always admitted
             hits = bm.get_computed_blocks(seq)
             num_cached = len(hits) * bm.block_size
             num_tokens = len(seq) - num_cached
@@ -115,6 +120,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             seq.num_computed_tokens = seq.num_cached_tokens = num_cached
             self.running.append(seq)
+            running_tokens += len(seq)
             batch.add(seq, num_tokens)
             budget -= num_tokens
         return batch
