@@ -11,7 +11,6 @@ import argparse
 import json
 
 import pytest
-import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import make_checkpoint

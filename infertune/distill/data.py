@@ -18,12 +18,13 @@ one would.
 from __future__ import annotations
 
 import hashlib
-import json
 import tokenize
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from infertune.evaluate.data import read_jsonl_texts
 
 TEXT_SUFFIXES = (".py", ".txt")
 SKIP_DIRS = {"__pycache__", ".git", ".hg", ".svn", ".tox", ".venv", "node_modules"}
@@ -57,16 +58,10 @@ def collect_documents(data: str | Path) -> list[tuple[str, str]]:
             raise ValueError(f"--data {data}: no {' / '.join(TEXT_SUFFIXES)} files in that directory")
         docs = [(rel, _read_text(p)) for rel, p in files]
     elif root.suffix == ".jsonl":
-        for lineno, line in enumerate(root.read_text(encoding="utf-8").splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"--data {data}: line {lineno} is not JSON ({e})") from None
-            if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
-                raise ValueError(f'--data {data}: line {lineno} has no string "text" field')
-            docs.append((f"{root.name}:{lineno}", obj["text"]))
+        try:
+            docs = [(f"{root.name}:{lineno}", text) for lineno, text in read_jsonl_texts(str(root))]
+        except ValueError as e:
+            raise ValueError(f"--data {data}: {e}") from None
     else:
         docs = [(root.name, _read_text(root))]
     docs = [(name, text) for name, text in docs if text.strip()]

@@ -32,8 +32,16 @@ def load_documents(path: str) -> list[str]:
         if not text.strip():
             raise ValueError(f"{path} is empty; give it some text")
         return [text]
-    docs = []
-    for lineno, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+    docs = [text for _, text in read_jsonl_texts(path) if text.strip()]
+    if not docs:
+        raise ValueError(f"{path} holds no documents; each line must be {{\"text\": ...}}")
+    return docs
+
+
+def read_jsonl_texts(path: str) -> list[tuple[int, str]]:
+    """(line number, text) of every non-blank line of a JSONL file of {"text": ...} (or bare strings)."""
+    texts = []
+    for lineno, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -43,11 +51,8 @@ def load_documents(path: str) -> list[str]:
         text = record if isinstance(record, str) else record.get("text") if isinstance(record, dict) else None
         if not isinstance(text, str):
             raise ValueError(f"{path}:{lineno} has no \"text\" string; each line must be {{\"text\": ...}}")
-        if text.strip():
-            docs.append(text)
-    if not docs:
-        raise ValueError(f"{path} holds no documents; each line must be {{\"text\": ...}}")
-    return docs
+        texts.append((lineno, text))
+    return texts
 
 
 def encode_documents(tokenizer, docs: list[str]) -> list[list[int]]:

@@ -146,7 +146,7 @@ def measure_hf(model_dir: str, dtype: str, prompts: list[list[int]], output_len:
     except Exception as e:  # noqa: BLE001
         return dict(status="oom" if is_oom(e) else "error", error=f"{type(e).__name__}: {e}")
     finally:
-        del model
+        model = None  # drop the weights before the next measurement (gen's closure reads the same name)
         gc.collect()
 
 
