@@ -83,7 +83,7 @@ def test_tune_tiny_sweep_writes_a_config_llm_accepts(tmp_path, capsys):
                            "--slo", "ttft_p90=60s", "--out-config", str(out)])
     assert command.run(args) == 0
     text = capsys.readouterr().out
-    assert "| batch | batched tokens | tokens/s | TTFT" in text and "online: max_num_seqs=" in text
+    assert "| variant | batch | batched tokens | tokens/s | TTFT" in text and "online: base, max_num_seqs=" in text
     cfg = json.loads(out.read_text())
     assert cfg["max_num_seqs"] in (1, 2) and cfg["max_num_batched_tokens"] == 64
     LLM(**cfg)  # the written options are engine options
@@ -94,6 +94,29 @@ def test_tune_tiny_sweep_writes_a_config_llm_accepts(tmp_path, capsys):
     assert command.run(args) == 1
     doc = json.loads(capsys.readouterr().out)
     assert {r["status"] for r in doc["rows"]} == {"oom"} and doc["offline"] is None
+
+
+def test_tune_sweeps_kv_dtype_quantization_and_dynamic_batch(capsys):
+    from infertune.tune import command
+
+    args = _args(command, ["--input-len", "8", "--output-len", "4", "--max-batch", "2", "--batched-tokens", "64",
+                           "--kv-cache-dtype", "auto,int8", "--quantization", "none,w8a16",
+                           "--max-running-tokens", "none,12", "--json"])
+    assert command.run(args) == 0
+    doc = json.loads(capsys.readouterr().out)
+    rows = doc["rows"]
+    assert len(rows) == 2 * 2 * 2 * 2  # variants x batches 1, 2
+    assert {r["variant"] for r in rows} == {"", "kv int8", "w8a16", "dynamic <= 12 tok", "kv int8, w8a16",
+                                            "kv int8, dynamic <= 12 tok", "w8a16, dynamic <= 12 tok",
+                                            "kv int8, w8a16, dynamic <= 12 tok"}
+    for r in rows:
+        assert r["status"] == "ok" and r["output_tok_s"] > 0
+        assert r["options"].get("kv_cache_dtype", "auto") == ("int8" if "kv int8" in r["variant"] else "auto")
+        assert r["options"].get("quantization") == ("w8a16" if "w8a16" in r["variant"] else None)
+    # The same KV budget holds more tokens with int8: its rows report fewer KV bytes per setting.
+    kv = {(r["variant"], r["max_num_seqs"]): r["kv_cache_bytes"] for r in rows}
+    assert kv[("kv int8", 2)] < kv[("", 2)]
+    assert doc["offline"]["model"] is None and "max_num_seqs" in doc["offline"]
 
 
 def test_ledger_end_to_end_on_the_demo_model(tmp_path, capsys):

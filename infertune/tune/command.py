@@ -13,7 +13,7 @@ import random
 import sys
 from pathlib import Path
 
-from infertune.tune.recommend import format_slo, knee, parse_slo, recommend, slo_violations
+from infertune.tune.recommend import format_slo, knee, parse_slo, recommend, series_key, slo_violations
 
 DESCRIPTION = (
     "Sweep max_num_seqs over powers of two up to --max-batch (and max_num_batched_tokens over a few values) on a "
@@ -42,6 +42,39 @@ def _int_list(text: str) -> list[int]:
     return vals
 
 
+def _choice_list(*choices: str, numbers: bool = False):
+    def parse(text: str) -> list[str]:
+        vals = [x.strip() for x in text.split(",") if x.strip()]
+        bad = [v for v in vals if v not in choices and not (numbers and v.isdigit() and int(v) > 0)]
+        if not vals or bad:
+            allowed = ", ".join(choices) + (", or positive integers" if numbers else "")
+            raise argparse.ArgumentTypeError(f"{text!r}: choose from {allowed}")
+        return list(dict.fromkeys(vals))
+    return parse
+
+
+def variants(args) -> list[dict]:
+    """The product of the swept KV dtypes, quantizations and dynamic-batch caps, as engine options."""
+    out = []
+    for kv in args.kv_cache_dtype:
+        for q in args.quantization:
+            for cap in args.max_running_tokens:
+                out.append(dict(kv_cache_dtype=kv, quantization=None if q == "none" else q,
+                                max_running_tokens=None if cap == "none" else int(cap)))
+    return out
+
+
+def variant_label(options: dict) -> str:
+    parts = []
+    if options.get("kv_cache_dtype", "auto") != "auto":
+        parts.append(f"kv {options['kv_cache_dtype']}")
+    if options.get("quantization"):
+        parts.append(options["quantization"])
+    if options.get("max_running_tokens"):
+        parts.append(f"dynamic <= {options['max_running_tokens']} tok")
+    return ", ".join(parts)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="Hugging Face model folder (default: the built-in demo model)")
     p.add_argument("--slo", default=None, metavar="TERMS",
@@ -59,8 +92,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests per setting (default: 2 x --max-batch, or the workload file's count)")
     p.add_argument("--dtype", default="bfloat16", choices=["auto", "float32", "bfloat16", "float16"],
                    help="(default: bfloat16)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"], help="(default: auto)")
-    p.add_argument("--quantization", default=None, choices=["w8a16", "w4a16", "w8a8"], help="(default: none)")
+    p.add_argument("--kv-cache-dtype", type=_choice_list("auto", "int8"), default=["auto"], metavar="D[,D...]",
+                   help="KV-cache dtypes to try: auto, int8 (default: auto)")
+    p.add_argument("--quantization", type=_choice_list("none", "w8a16", "w4a16", "w8a8"), default=["none"],
+                   metavar="Q[,Q...]", help="weight quantizations to try: none, w8a16, w4a16, w8a8 (default: none)")
+    p.add_argument("--max-running-tokens", type=_choice_list("none", numbers=True), default=["none"],
+                   metavar="N[,N...]", help="dynamic batch by input length: caps on the running sequences' summed "
+                   "lengths to try, and 'none' for no cap (default: none)")
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None,
                    help="fixed KV budget for every setting; a setting whose budget cannot hold one full sequence is "
                         "an OOM row (default: the engine's default, sized to max_num_seqs)")
@@ -110,21 +148,23 @@ def model_vocab(model: str | None) -> tuple[str | None, int]:
 
 
 def sweep(model: str | None, base: dict, batches: list[int], token_values: list[int], prompts, output_lens,
-          repeats: int = 1, progress: bool = True) -> list[dict]:
-    """Measure every (max_num_seqs, max_num_batched_tokens) setting; OOM / failed settings become rows too."""
+          repeats: int = 1, progress: bool = True, extra: list[dict] | None = None) -> list[dict]:
+    """Measure every (variant, max_num_batched_tokens, max_num_seqs) setting; OOM / failed ones become rows too."""
     from tqdm import tqdm
 
     from infertune.tune.measure import measure_infertune
 
-    settings = [(b, t) for t in token_values for b in batches]
+    settings = [(v, b, t) for v in (extra or [{}]) for t in token_values for b in batches]
     warm = [prompts[0][: max(1, min(8, len(prompts[0])))]]
     rows = []
     bar = tqdm(settings, desc="tune", unit="setting", disable=not progress, file=sys.stderr)
-    for b, t in bar:
-        bar.set_postfix_str(f"max_num_seqs={b} max_num_batched_tokens={t}")
-        options = dict(base, max_num_seqs=b, max_num_batched_tokens=t)
+    for v, b, t in bar:
+        label = variant_label(v)
+        bar.set_postfix_str(f"{label + ' ' if label else ''}max_num_seqs={b} max_num_batched_tokens={t}")
+        options = {k: val for k, val in dict(base, **v, max_num_seqs=b, max_num_batched_tokens=t).items()
+                   if val is not None}
         row = measure_infertune(model, options, prompts, output_lens, warmup_prompts=warm, repeats=repeats)
-        row.update(max_num_seqs=b, max_num_batched_tokens=t)
+        row.update(max_num_seqs=b, max_num_batched_tokens=t, variant=label)
         rows.append(row)
     return rows
 
@@ -141,21 +181,22 @@ def _ms(v) -> str:
 
 def render_table(rows: list[dict], slo: dict) -> str:
     knees = knee(rows)
-    lines = ["| batch | batched tokens | tokens/s | TTFT p50 ms | TTFT p90 ms | TPOT p50 ms | TPOT p90 ms | "
-             "memory (KV MiB / RSS +MiB) | note |", "|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines = ["| variant | batch | batched tokens | tokens/s | TTFT p50 ms | TTFT p90 ms | TPOT p50 ms | TPOT p90 ms | "
+             "memory (KV MiB / RSS +MiB) | note |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
+        variant = r.get("variant") or "base"
         if r["status"] != "ok":
             label = "OOM" if r["status"] == "oom" else "failed"
-            lines.append(f"| {r['max_num_seqs']} | {r['max_num_batched_tokens']} | {label} | | | | | | "
+            lines.append(f"| {variant} | {r['max_num_seqs']} | {r['max_num_batched_tokens']} | {label} | | | | | | "
                          f"{r.get('error', '')[:120]} |")
             continue
         notes = []
-        if knees.get(r["max_num_batched_tokens"]) == r["max_num_seqs"]:
+        if knees.get(series_key(r)) == r["max_num_seqs"]:
             notes.append("throughput stops rising here")
         if slo:
             v = slo_violations(r, slo)
             notes.append("meets SLO" if not v else "misses SLO: " + "; ".join(v))
-        lines.append(f"| {r['max_num_seqs']} | {r['max_num_batched_tokens']} | {r['output_tok_s']:.1f} | "
+        lines.append(f"| {variant} | {r['max_num_seqs']} | {r['max_num_batched_tokens']} | {r['output_tok_s']:.1f} | "
                      f"{_ms(r['ttft_p50_s'])} | {_ms(r['ttft_p90_s'])} | {_ms(r['tpot_p50_s'])} | {_ms(r['tpot_p90_s'])} | "
                      f"{r['kv_cache_bytes'] / 2**20:.1f} / {r['rss_growth_mib']:.0f} | {', '.join(notes)} |")
     return "\n".join(lines)
@@ -199,11 +240,11 @@ def run(args: argparse.Namespace) -> int:
     model, vocab = model_vocab(args.model)
     prompts, output_lens = load_workload(args, vocab)
     max_len = max(len(p) + o for p, o in zip(prompts, output_lens))
-    base = dict(dtype=args.dtype, max_model_len=max_len, kv_cache_dtype=args.kv_cache_dtype,
-                quantization=args.quantization, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+    base = dict(dtype=args.dtype, max_model_len=max_len, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                 enable_prefix_caching=False)
     base = {k: v for k, v in base.items() if v is not None}
-    rows = sweep(model, base, powers_of_two(args.max_batch), args.batched_tokens, prompts, output_lens, args.repeats)
+    rows = sweep(model, base, powers_of_two(args.max_batch), args.batched_tokens, prompts, output_lens, args.repeats,
+                 extra=variants(args))
     rec = recommend(rows, slo)
     picks = {"online": rec.online, "offline": rec.offline}
     configs = {k: engine_config(model, r) if r else None for k, r in picks.items()}
@@ -216,7 +257,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(dict(model=model, slo=slo, workload=dict(requests=len(prompts), max_model_len=max_len),
                               rows=rows, online=configs["online"], offline=configs["offline"],
-                              messages=rec.messages, knee=knee(rows)), indent=2, default=str))
+                              messages=rec.messages,
+                              knee={" / ".join(map(str, k)) if isinstance(k, tuple) else str(k): v
+                                    for k, v in knee(rows).items()}), indent=2, default=str))
     else:
         print(f"Workload: {len(prompts)} requests, longest {max_len} tokens; SLO: {format_slo(slo)}\n")
         print(render_table(rows, slo))
@@ -224,7 +267,8 @@ def run(args: argparse.Namespace) -> int:
         for kind in ("online", "offline"):
             r = picks[kind]
             if r:
-                print(f"{kind}: max_num_seqs={r['max_num_seqs']} max_num_batched_tokens={r['max_num_batched_tokens']} "
+                print(f"{kind}: {(r.get('variant') or 'base') + ', '}max_num_seqs={r['max_num_seqs']} "
+                      f"max_num_batched_tokens={r['max_num_batched_tokens']} "
                       f"-> {r['output_tok_s']:.1f} tok/s, TTFT p90 {_ms(r['ttft_p90_s'])} ms, TPOT p90 "
                       f"{_ms(r['tpot_p90_s'])} ms")
             else:

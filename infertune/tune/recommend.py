@@ -98,12 +98,19 @@ def recommend(rows: list[dict], slo: dict[str, float] | None = None) -> Recommen
     return rec
 
 
-def knee(rows: list[dict], gain: float = KNEE_GAIN) -> dict[int | None, int | None]:
-    """Per max_num_batched_tokens value: the batch after which throughput stops rising (doubling the batch
+def series_key(row: dict):
+    """Rows that differ only in max_num_seqs form one series: same token budget (and same variant, when the
+    sweep also varies KV dtype, quantization or the dynamic-batch cap)."""
+    variant = row.get("variant")
+    return row.get("max_num_batched_tokens") if not variant else (variant, row.get("max_num_batched_tokens"))
+
+
+def knee(rows: list[dict], gain: float = KNEE_GAIN) -> dict:
+    """Per series (see series_key): the batch after which throughput stops rising (doubling the batch
     gains less than `gain`, or the next row is OOM); None when it keeps rising through the sweep."""
-    out: dict[int | None, int | None] = {}
-    for tokens in dict.fromkeys(r.get("max_num_batched_tokens") for r in rows):
-        series = sorted((r for r in rows if r.get("max_num_batched_tokens") == tokens), key=lambda r: r["max_num_seqs"])
+    out: dict = {}
+    for key in dict.fromkeys(series_key(r) for r in rows):
+        series = sorted((r for r in rows if series_key(r) == key), key=lambda r: r["max_num_seqs"])
         point = None
         for prev, cur in zip(series, series[1:]):
             if not is_usable(prev):
@@ -111,5 +118,5 @@ def knee(rows: list[dict], gain: float = KNEE_GAIN) -> dict[int | None, int | No
             if not is_usable(cur) or cur["output_tok_s"] < prev["output_tok_s"] * (1 + gain):
                 point = prev["max_num_seqs"]
                 break
-        out[tokens] = point
+        out[key] = point
     return out
