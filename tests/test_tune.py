@@ -173,3 +173,14 @@ def test_plot_without_matplotlib_is_a_clear_error(tmp_path):
     args = _args(command, ["--max-batch", "1", "--plot", str(tmp_path / "p.png")])
     with pytest.raises(ValueError, match="pip install matplotlib"):
         command.run(args)
+
+
+def test_tune_plot_is_written(tmp_path, capsys):
+    pytest.importorskip("matplotlib", reason="--plot needs matplotlib (the [plot] / [test] extras install it)")
+    from infertune.tune import command
+
+    out = tmp_path / "tune.png"
+    args = _args(command, ["--input-len", "8", "--output-len", "4", "--max-batch", "2", "--batched-tokens", "64",
+                           "--kv-cache-dtype", "auto,int8", "--plot", str(out)])
+    assert command.run(args) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000

@@ -211,10 +211,13 @@ def write_plot(rows: list[dict], path: Path, title: str) -> None:
     except ImportError:
         raise ValueError("--plot needs matplotlib: pip install matplotlib (the sweep itself does not)") from None
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    for t in dict.fromkeys(r["max_num_batched_tokens"] for r in rows):
-        ok = [r for r in rows if r["max_num_batched_tokens"] == t and r["status"] == "ok"]
-        ax1.plot([r["max_num_seqs"] for r in ok], [r["output_tok_s"] for r in ok], marker="o", label=f"{t} tokens/step")
-        ax2.plot([r["max_num_seqs"] for r in ok], [r["ttft_p90_s"] * 1e3 for r in ok], marker="o", label=f"{t}")
+    for key in dict.fromkeys(series_key(r) for r in rows):
+        ok = [r for r in rows if series_key(r) == key and r["status"] == "ok"]
+        if not ok:
+            continue
+        label = ", ".join(x for x in ((ok[0].get("variant") or ""), f"{ok[0]['max_num_batched_tokens']} tokens/step") if x)
+        ax1.plot([r["max_num_seqs"] for r in ok], [r["output_tok_s"] for r in ok], marker="o", label=label)
+        ax2.plot([r["max_num_seqs"] for r in ok], [r["ttft_p90_s"] * 1e3 for r in ok], marker="o", label=label)
     for ax, ylabel in ((ax1, "output tokens/s"), (ax2, "TTFT p90 ms")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("max_num_seqs")
