@@ -29,42 +29,27 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
-import math
 import os
 import platform
-import resource
 import shlex
-import shutil
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-RESULT_MARKER = "@@BENCH_RESULT@@ "
+from infertune.bench.offline_models import (  # noqa: F401  re-exported: other code imports these from here
+    COMMON_SHAPE, DTYPE_BYTES, MODEL_FORMAT_VERSION, PRESETS, SAFETENSORS_DTYPE_BYTES, SPECIAL_TOKENS, VOCAB_SIZE,
+    checkpoint_param_count, ensure_model, kv_bytes_per_token, log, make_tokenizer, read_model_config,
+)
+from infertune.bench.offline_workers import (  # noqa: F401  re-exported: other code imports these from here
+    RESULT_MARKER, current_rss_mib, make_prompts, peak_rss_mib, run_worker, worker_hf, worker_infertune,
+)
+
 SYSTEMS = ("infertune", "hf", "infertune-w8a16", "infertune-w4a16", "infertune-w8a8")
 SYSTEM_LABELS = {"infertune": "infertune", "hf": "HF transformers", "infertune-w8a16": "infertune W8A16",
                  "infertune-w4a16": "infertune W4A16 (g128)", "infertune-w8a8": "infertune W8A8"}
 DEFAULT_SYSTEMS = ("infertune", "hf")
-VOCAB_SIZE = 32000
-SPECIAL_TOKENS = ["<|endoftext|>", "<|user|>", "<|assistant|>", "<|end|>"]
-MODEL_FORMAT_VERSION = 1  # bump when the built model changes, so stale caches are not reused
-
-# Random-weight LlamaForCausalLM shapes. "386m" is the model of /work/shared/BASELINES.md.
-PRESETS = {
-    "386m": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                 intermediate_size=4864),
-    "small": dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                  intermediate_size=512),
-}
-COMMON_SHAPE = dict(vocab_size=VOCAB_SIZE, tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=2048,
-                    rms_norm_eps=1e-6, hidden_act="silu")
-DTYPE_BYTES = {"bfloat16": 2, "float32": 4, "float16": 2}
-SAFETENSORS_DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4, "I8": 1, "U8": 1, "BOOL": 1}
-
-
-def log(msg: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -151,255 +136,6 @@ def add_arguments(p: argparse.ArgumentParser, default_batch: list[int] | None = 
     # Internal: the parent re-invokes the script with these to run one (system, batch size) pair.
     p.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
     p.add_argument("--worker-batch", type=positive_int, help=argparse.SUPPRESS)
-
-
-# --------------------------------------------------------------------------------------------------
-# Model building and inspection
-# --------------------------------------------------------------------------------------------------
-def make_tokenizer():
-    """Byte-level tokenizer (every UTF-8 byte is one token) padded to VOCAB_SIZE.
-
-    The padding entries are plain vocabulary entries made of two byte symbols (unreachable by encoding,
-    as there are no merges), so any id decodes to real bytes, as with a trained BPE vocabulary.
-    """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {ch: i for i, ch in enumerate(alphabet)}
-    target = VOCAB_SIZE - len(SPECIAL_TOKENS)
-    for a in alphabet:
-        for b in alphabet:
-            if len(vocab) >= target:
-                break
-            vocab[a + b] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=SPECIAL_TOKENS[0])
-    fast.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS[1:]})
-    assert len(fast) == VOCAB_SIZE, len(fast)
-    return fast
-
-
-def ensure_model(preset: str, cache_dir: Path) -> Path:
-    """Build the random-weight model of `preset` once (bf16, save_pretrained) and return its folder."""
-    out = cache_dir / f"llama-{preset}-random-bf16-v{MODEL_FORMAT_VERSION}"
-    if (out / ".complete").is_file():
-        log(f"using cached model {out}")
-        return out
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    log(f"building random-weight Llama '{preset}' into {out} (once) ...")
-    t0 = time.perf_counter()
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = cache_dir / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tok = make_tokenizer()
-    eos = tok.eos_token_id
-    config = LlamaConfig(**PRESETS[preset], **COMMON_SHAPE, bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(torch.bfloat16).eval()  # HF's own init (normal, std 0.02)
-    model.save_pretrained(tmp, safe_serialization=True)
-    tok.save_pretrained(tmp)
-    n_params = sum(p.numel() for p in model.parameters())
-    del model
-    (tmp / ".complete").write_text(json.dumps({"preset": preset, "params": n_params, "built": _dt.datetime.now()
-                                               .isoformat(timespec="seconds")}) + "\n")
-    shutil.rmtree(out, ignore_errors=True)  # a half-written folder from an interrupted build
-    os.replace(tmp, out)
-    log(f"built {n_params / 1e6:.1f}M parameters in {time.perf_counter() - t0:.1f} s")
-    return out
-
-
-def checkpoint_param_count(model_dir: Path) -> int:
-    """Number of stored weight elements, read from the safetensors headers (no tensor is loaded)."""
-    total = 0
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise SystemExit(f"error: {model_dir} has no *.safetensors files")
-    for f in files:
-        with open(f, "rb") as fh:
-            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
-        for name, info in header.items():
-            if name == "__metadata__" or name.endswith("rotary_emb.inv_freq"):
-                continue
-            total += math.prod(info["shape"])
-    return total
-
-
-def read_model_config(model_dir: Path) -> dict:
-    path = model_dir / "config.json"
-    if not path.is_file():
-        raise SystemExit(f"error: {model_dir} is not a Hugging Face model folder (no config.json)")
-    return json.loads(path.read_text())
-
-
-def kv_bytes_per_token(cfg: dict, dtype: str) -> int:
-    heads = cfg["num_attention_heads"]
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    kv_heads = cfg.get("num_key_value_heads") or heads
-    return 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * DTYPE_BYTES[dtype]
-
-
-# --------------------------------------------------------------------------------------------------
-# Workload
-# --------------------------------------------------------------------------------------------------
-def make_prompts(seed: int, batch: int, run: int, input_len: int, vocab: int) -> list[list[int]]:
-    """Random token ids, identical for every system. run = -1 is the warm-up. Ids avoid the top of the
-    vocabulary (the special tokens here). Each run gets fresh prompts so no prefix cache can hit."""
-    import random
-
-    rng = random.Random(f"{seed}/{batch}/{run}")
-    high = max(2, min(vocab, VOCAB_SIZE) - len(SPECIAL_TOKENS))
-    return [[rng.randrange(high) for _ in range(input_len)] for _ in range(batch)]
-
-
-def peak_rss_mib() -> float:
-    """Peak RSS of this process since its exec: VmHWM. (ru_maxrss is no good here: Linux carries it over
-    fork + exec, so a worker would report its parent's peak when that is higher.)"""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024  # kB
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux, a fallback
-
-
-def current_rss_mib() -> float:
-    import psutil
-
-    return psutil.Process().memory_info().rss / 2**20
-
-
-# --------------------------------------------------------------------------------------------------
-# Workers: one (system, batch size) pair per process; the result is one JSON line on stdout
-# --------------------------------------------------------------------------------------------------
-def worker_infertune(args, model_dir: Path, batch: int) -> dict:
-    import transformers  # noqa: F401  imported before the clock starts, as in the HF worker
-    import infertune.executor.uniproc  # noqa: F401  (LLM imports torch-side modules lazily)
-    from infertune import LLM, SamplingParams
-
-    cfg = read_model_config(model_dir)
-    max_len = args.input_len + args.output_len
-    block = 16
-    # Size the KV cache to the workload (plus one spare block per sequence); the default budget is a share
-    # of free memory, which would inflate and randomise the RSS figure.
-    kv_bytes = batch * (-(-max_len // block) + 1) * block * kv_bytes_per_token(cfg, args.dtype)
-    options = dict(dtype=args.dtype, device="cpu", max_model_len=max_len, max_num_seqs=batch,
-                   kv_cache_memory_bytes=kv_bytes, block_size=block)
-    if args.worker.startswith("infertune-"):  # a quantized variant: infertune-w8a16, -w4a16, -w8a8
-        options["quantization"] = args.worker.split("-", 1)[1]
-    if args.max_num_batched_tokens:
-        options["max_num_batched_tokens"] = args.max_num_batched_tokens
-    if args.no_prefix_caching:
-        options["enable_prefix_caching"] = False
-    if args.kv_cache_dtype != "auto":
-        options["kv_cache_dtype"] = args.kv_cache_dtype
-    log(f"infertune b{batch}: loading LLM({model_dir.name!r}, {options})")
-    t0 = time.perf_counter()
-    llm = LLM(str(model_dir), **options)
-    load_s = time.perf_counter() - t0
-    rss_after_load = current_rss_mib()
-    vocab = cfg["vocab_size"]
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-
-    def once(run: int) -> dict:
-        prompts = [{"prompt_token_ids": ids} for ids in make_prompts(args.seed, batch, run, args.input_len, vocab)]
-        t_start = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        t_end = time.perf_counter()
-        for o in outs:
-            if o.error:
-                raise RuntimeError(f"infertune rejected a prompt: {o.error}")
-            n = len(o.outputs[0].token_ids)
-            if n != args.output_len:
-                raise RuntimeError(f"infertune produced {n} tokens, expected {args.output_len} "
-                                   f"(finish_reason {o.outputs[0].finish_reason})")
-        total = t_end - t_start
-        ttft = max(o.metrics.first_token_time for o in outs) - t_start
-        return dict(total_s=total, ttft_s=ttft,
-                    ttft_mean_request_s=statistics.fmean(o.metrics.ttft for o in outs),
-                    last_finish_s=max(o.metrics.finished_time for o in outs) - t_start,
-                    cached_prompt_tokens=sum(o.metrics.num_cached_tokens for o in outs),
-                    tokens=[o.outputs[0].token_ids for o in outs])
-
-    log(f"infertune b{batch}: loaded in {load_s:.1f} s; warm-up run")
-    t0 = time.perf_counter()
-    once(-1)
-    warmup_s = time.perf_counter() - t0
-    runs = []
-    for r in range(args.repeats):
-        log(f"infertune b{batch}: timed run {r + 1}/{args.repeats}")
-        runs.append(once(r))
-    extra = {"kv_cache_bytes": kv_bytes, "engine_options": options}
-    return dict(load_s=load_s, warmup_s=warmup_s, rss_after_load_mib=rss_after_load, runs=runs, extra=extra)
-
-
-def worker_hf(args, model_dir: Path, batch: int) -> dict:
-    import torch
-    import transformers
-    from transformers import AutoModelForCausalLM
-
-    transformers.logging.set_verbosity_error()
-    dtype = getattr(torch, args.dtype)
-    log(f"hf b{batch}: loading AutoModelForCausalLM (dtype={args.dtype}, attn={args.hf_attn})")
-    t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=args.hf_attn).eval()
-    load_s = time.perf_counter() - t0
-    rss_after_load = current_rss_mib()
-    vocab = model.config.vocab_size
-    pad = model.generation_config.pad_token_id
-    if pad is None:
-        pad = model.generation_config.eos_token_id
-        pad = pad[0] if isinstance(pad, list) else (pad if pad is not None else 0)
-
-    def gen(input_ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
-        # min_new_tokens = max_new_tokens masks EOS until the end: HF's equivalent of ignore_eos.
-        out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
-                             max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=pad)
-        return out[:, input_ids.shape[1]:]
-
-    def once(run: int) -> dict:
-        ids = torch.tensor(make_prompts(args.seed, batch, run, args.input_len, vocab), dtype=torch.long)
-        t0 = time.perf_counter()
-        gen(ids, 1).tolist()
-        ttft = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        tokens = gen(ids, args.output_len).tolist()
-        total = time.perf_counter() - t0
-        if any(len(t) != args.output_len for t in tokens):
-            raise RuntimeError(f"transformers produced {[len(t) for t in tokens]} tokens, expected {args.output_len}")
-        return dict(total_s=total, ttft_s=ttft, tokens=tokens)
-
-    log(f"hf b{batch}: loaded in {load_s:.1f} s; warm-up run")
-    t0 = time.perf_counter()
-    with torch.inference_mode():
-        once(-1)
-        warmup_s = time.perf_counter() - t0
-        runs = []
-        for r in range(args.repeats):
-            log(f"hf b{batch}: timed run {r + 1}/{args.repeats}")
-            runs.append(once(r))
-    extra = {"transformers": transformers.__version__, "attn_implementation": args.hf_attn}
-    return dict(load_s=load_s, warmup_s=warmup_s, rss_after_load_mib=rss_after_load, runs=runs, extra=extra)
-
-
-def run_worker(args) -> int:
-    import torch
-
-    torch.set_num_threads(args.threads)
-    model_dir = Path(args.model)
-    fn = worker_hf if args.worker == "hf" else worker_infertune
-    result = fn(args, model_dir, args.worker_batch)
-    result.update(system=args.worker, batch=args.worker_batch, peak_rss_mib=peak_rss_mib(), rss_end_mib=current_rss_mib(),
-                  torch_threads=torch.get_num_threads())
-    sys.stdout.write(RESULT_MARKER + json.dumps(result) + "\n")
-    sys.stdout.flush()
-    return 0
 
 
 # --------------------------------------------------------------------------------------------------

@@ -22,33 +22,39 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import codecs
 import json
 import math
 import os
 import random
-import re
 import sys
 import time
-from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-DEFAULT_URL = "http://127.0.0.1:8000"
-PERCENTILES = (50, 90, 99)
+# The pure parts live in their own modules; their names are re-exported here.
+from infertune.bench.serve_data import (  # noqa: F401
+    ASSISTANT_ROLES,
+    HUMAN_ROLES,
+    WORDS,
+    PromptSpec,
+    approx_token_count,
+    load_dataset,
+    parse_record,
+    random_prompts,
+    read_records,
+)
+from infertune.bench.serve_stats import (  # noqa: F401
+    PERCENTILES,
+    RequestResult,
+    format_report,
+    meets_slo,
+    percentile,
+    summarize,
+    summarize_results,
+)
+from infertune.bench.sse import SSEDecoder, chunk_text
 
-# Common English words that are one token (with their leading space) in the GPT-2, Llama, Mistral and
-# Qwen tokenizers, so a prompt of N random words is close to N tokens on most servers.
-WORDS = (
-    "the of and to in is that for it as was with be by on not he this are or his from at which but have an "
-    "they you were her she there been one all we their has would when if so no will more other its can what "
-    "into about them some time could these two may first then do any like my now over such our man me even "
-    "most made after also did many before must through back years where much your way well down should "
-    "because each just those people how too little state good very make world still own see men work long "
-    "get here between both life being under never day same another know while last might us great old year "
-    "off come since against go came right used take three"
-).split()
+DEFAULT_URL = "http://127.0.0.1:8000"
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -76,277 +82,6 @@ def arrival_offsets(intervals: Sequence[float]) -> list[float]:
         out.append(t)
     return out
 
-
-# ----------------------------------------------------------------------------------------------------
-# Statistics
-# ----------------------------------------------------------------------------------------------------
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0..100) by linear interpolation between closest ranks (numpy's default)."""
-    if not values:
-        raise ValueError("percentile of an empty sequence")
-    if not 0 <= q <= 100:
-        raise ValueError(f"percentile must be within [0, 100], got {q}")
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
-def summarize(values: Sequence[float], percentiles: Sequence[float] = PERCENTILES) -> dict:
-    """count, mean, std (population), min, max and p<q> for each q; the statistics are None for no values."""
-    n = len(values)
-    out: dict = {"count": n}
-    if n == 0:
-        out.update(mean=None, std=None, min=None, max=None)
-        out.update({f"p{q:g}": None for q in percentiles})
-        return out
-    mean = math.fsum(values) / n
-    out.update(mean=mean, std=math.sqrt(math.fsum((v - mean) ** 2 for v in values) / n),
-               min=min(values), max=max(values))
-    out.update({f"p{q:g}": percentile(values, q) for q in percentiles})
-    return out
-
-
-# ----------------------------------------------------------------------------------------------------
-# Server-sent events
-# ----------------------------------------------------------------------------------------------------
-
-class SSEDecoder:
-    """Incremental server-sent-events decoder: feed() raw bytes as they arrive, get complete events.
-
-    Returns (event type, data) pairs; the type is "message" unless an `event:` field set it. Handles
-    UTF-8 characters and CRLF line ends split across reads, comments, multi-line data, `data:` with or
-    without the space. A non-standard `error: ...` line (llama.cpp's server) is reported as an "error" event.
-    """
-
-    def __init__(self) -> None:
-        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._buf = ""
-        self._data: list[str] = []
-        self._event = ""
-
-    def feed(self, chunk: bytes) -> list[tuple[str, str]]:
-        self._buf += self._utf8.decode(chunk)
-        return self._drain(final=False)
-
-    def close(self) -> list[tuple[str, str]]:
-        """End of stream: decode what is left; a last event not ended by a blank line is still returned."""
-        self._buf += self._utf8.decode(b"", final=True)
-        events = self._drain(final=True)
-        if self._buf:
-            events += self._line(self._buf)
-            self._buf = ""
-        events += self._dispatch()
-        return events
-
-    def _drain(self, final: bool) -> list[tuple[str, str]]:
-        events: list[tuple[str, str]] = []
-        buf, start = self._buf, 0
-        while True:
-            cr, lf = buf.find("\r", start), buf.find("\n", start)
-            if cr < 0 and lf < 0:
-                break
-            if cr >= 0 and (lf < 0 or cr < lf):
-                if cr + 1 == len(buf) and not final:
-                    break  # a '\r' at the end may be the first half of '\r\n': wait for the next read
-                end, nxt = cr, cr + 2 if buf.startswith("\n", cr + 1) else cr + 1
-            else:
-                end, nxt = lf, lf + 1
-            events += self._line(buf[start:end])
-            start = nxt
-        self._buf = buf[start:]
-        return events
-
-    def _line(self, line: str) -> list[tuple[str, str]]:
-        if line == "":
-            return self._dispatch()
-        if line.startswith(":"):
-            return []  # comment / keep-alive
-        name, sep, value = line.partition(":")
-        if sep and value.startswith(" "):
-            value = value[1:]
-        if name == "data":
-            self._data.append(value)
-        elif name == "event":
-            self._event = value
-        elif name == "error":
-            return [("error", value)]
-        return []
-
-    def _dispatch(self) -> list[tuple[str, str]]:
-        if not self._data:
-            self._event = ""
-            return []
-        event = (self._event or "message", "\n".join(self._data))
-        self._data, self._event = [], ""
-        return [event]
-
-
-def chunk_text(obj: dict) -> str:
-    """The generated text in one streamed completions or chat chunk (all choices, reasoning included)."""
-    parts = []
-    for choice in obj.get("choices") or []:
-        if not isinstance(choice, dict):
-            continue
-        if isinstance(choice.get("text"), str):
-            parts.append(choice["text"])
-        delta = choice.get("delta")
-        if isinstance(delta, dict):
-            for key in ("reasoning_content", "reasoning", "content"):
-                if isinstance(delta.get(key), str):
-                    parts.append(delta[key])
-    return "".join(parts)
-
-
-# ----------------------------------------------------------------------------------------------------
-# Datasets
-# ----------------------------------------------------------------------------------------------------
-
-@dataclass
-class PromptSpec:
-    prompt: str
-    prompt_len: int  # estimated (or counted with --tokenizer); the server's usage count is reported when given
-    output_len: int
-
-
-def approx_token_count(text: str) -> int:
-    """Rough BPE token count when no tokenizer is given: about 4 characters per token."""
-    return max(1, round(len(text) / 4)) if text else 0
-
-
-def random_prompts(n: int, input_len: int, output_len: int, seed: int = 0,
-                   count_tokens: Callable[[str], int] | None = None) -> list[PromptSpec]:
-    """n prompts of input_len random common words (~input_len tokens on most tokenizers).
-
-    With count_tokens (a real tokenizer), words are added or dropped until the count is input_len or
-    within a word of it.
-    """
-    if input_len < 1 or output_len < 1:
-        raise ValueError("--input-len and --output-len must be >= 1")
-    rng = random.Random(seed)
-    specs = []
-    for _ in range(n):
-        words = [rng.choice(WORDS) for _ in range(input_len)]
-        length = input_len
-        if count_tokens is not None:
-            words, length = _fit_words(words, input_len, count_tokens, rng)
-        specs.append(PromptSpec(" ".join(words), length, output_len))
-    return specs
-
-
-def _fit_words(words: list[str], target: int, count_tokens: Callable[[str], int],
-               rng: random.Random) -> tuple[list[str], int]:
-    """Resize words so that count_tokens(' '.join(words)) is target, or the nearest count a word boundary allows."""
-
-    def resize(n: int) -> None:
-        if n < len(words):
-            del words[n:]
-        else:
-            words.extend(rng.choice(WORDS) for _ in range(n - len(words)))
-
-    length = count_tokens(" ".join(words))
-    for _ in range(6):  # proportional steps first
-        want = max(1, round(len(words) * target / max(length, 1)))
-        if length == target or want == len(words):
-            break
-        resize(want)
-        length = count_tokens(" ".join(words))
-    for _ in range(64):  # then a word at a time, stopping at the count nearest the target
-        if length == target:
-            break
-        step = -1 if length > target else 1
-        if len(words) + step < 1:
-            break
-        saved = list(words)
-        resize(len(words) + step)
-        new = count_tokens(" ".join(words))
-        if (new > target) != (length > target):  # crossed the target: keep the closer side
-            if abs(new - target) > abs(length - target):
-                words[:] = saved
-                new = length
-            length = new
-            break
-        length = new
-    return words, length
-
-
-HUMAN_ROLES = {"human", "user"}
-ASSISTANT_ROLES = {"gpt", "assistant", "chatgpt", "bard", "bing", "model"}
-
-
-def parse_record(rec: dict, default_output_len: int, count_tokens: Callable[[str], int]) -> PromptSpec | None:
-    """One dataset record -> PromptSpec, or None if it has no usable prompt.
-
-    {"prompt": str, "output_len": N (optional, default --output-len)}, or ShareGPT-like
-    {"conversations" (or "messages"): [{"from"|"role": ..., "value"|"content": ...}, ...]}: the first human
-    turn is the prompt and the first assistant turn after it sets the output length (its token count).
-    """
-    if not isinstance(rec, dict):
-        return None
-    if isinstance(rec.get("prompt"), str):
-        prompt = rec["prompt"]
-        out = rec.get("output_len", default_output_len)
-        if not prompt or not isinstance(out, int) or isinstance(out, bool):
-            return None
-        return PromptSpec(prompt, count_tokens(prompt), max(1, out))
-    turns = rec.get("conversations", rec.get("messages"))
-    if not isinstance(turns, list):
-        return None
-    prompt, answer = None, None
-    for turn in turns:
-        if not isinstance(turn, dict):
-            continue
-        role = str(turn.get("from", turn.get("role", ""))).lower()
-        text = turn.get("value", turn.get("content"))
-        if not isinstance(text, str):
-            continue
-        if prompt is None:
-            if role in HUMAN_ROLES and text:
-                prompt = text
-        elif role in ASSISTANT_ROLES:
-            answer = text
-            break
-    if prompt is None:
-        return None
-    out = max(1, count_tokens(answer)) if answer else default_output_len
-    return PromptSpec(prompt, count_tokens(prompt), out)
-
-
-def read_records(path: str | Path) -> list[dict]:
-    """Records of a JSONL file (one JSON object a line; blank lines skipped) or of a JSON array file."""
-    text = Path(path).read_text(encoding="utf-8")
-    if text.lstrip().startswith("["):
-        data = json.loads(text)
-        return list(data)
-    records = []
-    for lineno, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{lineno}: not valid JSON: {e}") from None
-    return records
-
-
-def load_dataset(dataset: str, num_prompts: int, input_len: int, output_len: int, seed: int = 0,
-                 count_tokens: Callable[[str], int] | None = None) -> list[PromptSpec]:
-    """num_prompts PromptSpecs: `random`, or from a JSONL/JSON file (seeded shuffle; cycled if too short)."""
-    if num_prompts < 1:
-        raise ValueError("--num-prompts must be >= 1")
-    if dataset == "random":
-        return random_prompts(num_prompts, input_len, output_len, seed, count_tokens)
-    path = Path(dataset)
-    if not path.is_file():
-        raise FileNotFoundError(f"dataset file not found: {dataset} (use 'random' or a .jsonl path)")
-    count = count_tokens or approx_token_count
-    specs = [s for s in (parse_record(r, output_len, count) for r in read_records(path)) if s is not None]
-    if not specs:
-        raise ValueError(f"{dataset}: no usable records (need 'prompt' or 'conversations' with a human turn)")
-    random.Random(seed).shuffle(specs)
-    return [specs[i % len(specs)] for i in range(num_prompts)]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -377,40 +112,6 @@ def build_payload(endpoint: str, model: str, spec: PromptSpec, ignore_eos: bool 
     if temperature is not None:
         body["temperature"] = temperature
     return body
-
-
-@dataclass
-class RequestResult:
-    index: int
-    prompt_len: int = 0  # estimated from the dataset
-    expected_output_len: int = 0
-    success: bool = False
-    error: str | None = None
-    status: int | None = None
-    start: float = 0.0  # seconds after the benchmark start when the request was sent
-    ttft: float | None = None  # seconds
-    itl: list[float] = field(default_factory=list)  # seconds
-    latency: float | None = None  # seconds, end to end
-    output_tokens: int = 0
-    prompt_tokens: int | None = None  # from the server's usage, when given
-    chunks: int = 0  # content chunks received
-    usage_reported: bool = False
-
-    @property
-    def tpot(self) -> float | None:
-        if not self.success or self.ttft is None or self.latency is None or self.output_tokens < 2:
-            return None
-        return (self.latency - self.ttft) / (self.output_tokens - 1)
-
-    def record(self) -> dict:
-        """JSON-ready per-request record, times in milliseconds."""
-        ms = lambda s: None if s is None else s * 1000.0  # noqa: E731
-        d = asdict(self)
-        d.update(start_ms=ms(self.start), ttft_ms=ms(self.ttft), tpot_ms=ms(self.tpot), e2el_ms=ms(self.latency),
-                 itl_ms=[x * 1000.0 for x in self.itl])
-        for k in ("start", "ttft", "itl", "latency"):
-            del d[k]
-        return d
 
 
 class StreamState:
@@ -503,112 +204,6 @@ async def send_request(client, url: str, payload: dict, headers: dict, res: Requ
     if not res.success:
         res.latency = None
     return res
-
-
-def meets_slo(r: RequestResult, slo_ttft_ms: float | None, slo_tpot_ms: float | None) -> bool:
-    """Whether a request succeeded within the given SLOs (a 1-token output has no TPOT and meets it)."""
-    if not r.success:
-        return False
-    if slo_ttft_ms is not None and (r.ttft is None or r.ttft * 1000 > slo_ttft_ms):
-        return False
-    if slo_tpot_ms is not None:
-        tpot = r.tpot
-        if tpot is None and r.output_tokens >= 2:
-            return False
-        if tpot is not None and tpot * 1000 > slo_tpot_ms:
-            return False
-    return True
-
-
-def summarize_results(results: Sequence[RequestResult], duration: float, slo_ttft_ms: float | None = None,
-                      slo_tpot_ms: float | None = None) -> dict:
-    """All run-level numbers: counts, token totals, throughputs, latency statistics (ms), goodput, errors."""
-    ok = [r for r in results if r.success]
-    ms = lambda xs: [x * 1000.0 for x in xs]  # noqa: E731
-    input_tokens = sum(r.prompt_tokens if r.prompt_tokens is not None else r.prompt_len for r in ok)
-    output_tokens = sum(r.output_tokens for r in ok)
-    per_s = (lambda x: x / duration) if duration > 0 else (lambda x: None)
-    summary = {
-        "duration_s": duration,
-        "num_requests": len(results),
-        "completed": len(ok),
-        "failed": len(results) - len(ok),
-        "total_input_tokens": input_tokens,
-        "total_output_tokens": output_tokens,
-        "input_tokens_from_server": all(r.prompt_tokens is not None for r in ok) if ok else None,
-        "output_tokens_from_usage": all(r.usage_reported for r in ok) if ok else None,
-        "request_throughput": per_s(len(ok)),
-        "input_throughput": per_s(input_tokens),
-        "output_throughput": per_s(output_tokens),
-        "total_token_throughput": per_s(input_tokens + output_tokens),
-        "ttft_ms": summarize(ms([r.ttft for r in ok if r.ttft is not None])),
-        "tpot_ms": summarize(ms([r.tpot for r in ok if r.tpot is not None])),
-        "itl_ms": summarize(ms([x for r in ok for x in r.itl])),
-        "e2el_ms": summarize(ms([r.latency for r in ok if r.latency is not None])),
-        "slo_ttft_ms": slo_ttft_ms,
-        "slo_tpot_ms": slo_tpot_ms,
-        "goodput": None,
-        "good_requests": None,
-        "short_outputs": sum(r.output_tokens < r.expected_output_len for r in ok),
-        "errors": dict(Counter(r.error for r in results if not r.success).most_common()),
-    }
-    if slo_ttft_ms is not None or slo_tpot_ms is not None:
-        good = sum(meets_slo(r, slo_ttft_ms, slo_tpot_ms) for r in results)
-        summary.update(good_requests=good, goodput=per_s(good))
-    return summary
-
-
-def format_report(summary: dict, title: str = "Serving benchmark") -> str:
-    """A one-screen plain-text table of a summary."""
-    width = 62
-
-    def num(x, fmt="{:.2f}"):
-        return "-" if x is None else fmt.format(x)
-
-    lines = [f" {title} ".center(width, "=")]
-
-    def row(label, value):
-        lines.append(f"{label:<40}{value:>{width - 40}}")
-
-    row("Successful requests:", summary["completed"])
-    row("Failed requests:", summary["failed"])
-    row("Duration (s):", num(summary["duration_s"]))
-    row("Total input tokens:", summary["total_input_tokens"])
-    row("Total output tokens:", summary["total_output_tokens"])
-    row("Request throughput (req/s):", num(summary["request_throughput"]))
-    row("Input token throughput (tok/s):", num(summary["input_throughput"]))
-    row("Output token throughput (tok/s):", num(summary["output_throughput"]))
-    row("Total token throughput (tok/s):", num(summary["total_token_throughput"]))
-    if summary.get("good_requests") is not None:
-        slos = [f"TTFT<={summary['slo_ttft_ms']:g}ms" if summary["slo_ttft_ms"] is not None else "",
-                f"TPOT<={summary['slo_tpot_ms']:g}ms" if summary["slo_tpot_ms"] is not None else ""]
-        row(f"Goodput (req/s) {' '.join(s for s in slos if s)}:", num(summary["goodput"]))
-        row("Requests meeting the SLOs:", f"{summary['good_requests']}/{summary['num_requests']}")
-    lines.append("-" * width)
-    lines.append(f"{'Latency (ms)':<14}" + "".join(f"{h:>12}" for h in ("mean", "p50", "p90", "p99")))
-    for name, key in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"), ("E2E", "e2el_ms")):
-        s = summary[key]
-        lines.append(f"{name:<14}" + "".join(f"{num(s[k]):>12}" for k in ("mean", "p50", "p90", "p99")))
-    lines.append("=" * width)
-    if summary.get("short_outputs"):
-        lines.append(f"Note: {summary['short_outputs']} completed requests got fewer output tokens than asked "
-                     "(EOS, stop, or a server cap)")
-    if summary["errors"]:
-        # Messages that differ only in numbers (token counts, ids) are one kind here; --json keeps them all.
-        kinds: Counter = Counter()
-        example: dict[str, str] = {}
-        for msg, count in summary["errors"].items():
-            msg = " ".join(str(msg).split())
-            key = re.sub(r"\d+", "N", msg)
-            kinds[key] += count
-            example.setdefault(key, msg)
-        lines.append("Errors (count: first message of the kind):")
-        for i, (key, count) in enumerate(kinds.most_common()):
-            if i == 3:
-                lines.append(f"  ... and {len(kinds) - 3} more kinds (see --json)")
-                break
-            lines.append(f"  {count}: {example[key][:width * 2]}")
-    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -1,0 +1,122 @@
+"""Models for the offline benchmark: presets, the byte-level tokenizer, building the random model, config helpers."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+VOCAB_SIZE = 32000
+SPECIAL_TOKENS = ["<|endoftext|>", "<|user|>", "<|assistant|>", "<|end|>"]
+MODEL_FORMAT_VERSION = 1  # bump when the built model changes, so stale caches are not reused
+
+# Random-weight LlamaForCausalLM shapes. "386m" is the model of /work/shared/BASELINES.md.
+PRESETS = {
+    "386m": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                 intermediate_size=4864),
+    "small": dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=512),
+}
+COMMON_SHAPE = dict(vocab_size=VOCAB_SIZE, tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=2048,
+                    rms_norm_eps=1e-6, hidden_act="silu")
+DTYPE_BYTES = {"bfloat16": 2, "float32": 4, "float16": 2}
+SAFETENSORS_DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# Model building and inspection
+# --------------------------------------------------------------------------------------------------
+def make_tokenizer():
+    """Byte-level tokenizer (every UTF-8 byte is one token) padded to VOCAB_SIZE.
+
+    The padding entries are plain vocabulary entries made of two byte symbols (unreachable by encoding,
+    as there are no merges), so any id decodes to real bytes, as with a trained BPE vocabulary.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {ch: i for i, ch in enumerate(alphabet)}
+    target = VOCAB_SIZE - len(SPECIAL_TOKENS)
+    for a in alphabet:
+        for b in alphabet:
+            if len(vocab) >= target:
+                break
+            vocab[a + b] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=SPECIAL_TOKENS[0])
+    fast.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS[1:]})
+    assert len(fast) == VOCAB_SIZE, len(fast)
+    return fast
+
+
+def ensure_model(preset: str, cache_dir: Path) -> Path:
+    """Build the random-weight model of `preset` once (bf16, save_pretrained) and return its folder."""
+    out = cache_dir / f"llama-{preset}-random-bf16-v{MODEL_FORMAT_VERSION}"
+    if (out / ".complete").is_file():
+        log(f"using cached model {out}")
+        return out
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    log(f"building random-weight Llama '{preset}' into {out} (once) ...")
+    t0 = time.perf_counter()
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = cache_dir / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tok = make_tokenizer()
+    eos = tok.eos_token_id
+    config = LlamaConfig(**PRESETS[preset], **COMMON_SHAPE, bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(torch.bfloat16).eval()  # HF's own init (normal, std 0.02)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tok.save_pretrained(tmp)
+    n_params = sum(p.numel() for p in model.parameters())
+    del model
+    (tmp / ".complete").write_text(json.dumps({"preset": preset, "params": n_params, "built": _dt.datetime.now()
+                                               .isoformat(timespec="seconds")}) + "\n")
+    shutil.rmtree(out, ignore_errors=True)  # a half-written folder from an interrupted build
+    os.replace(tmp, out)
+    log(f"built {n_params / 1e6:.1f}M parameters in {time.perf_counter() - t0:.1f} s")
+    return out
+
+
+def checkpoint_param_count(model_dir: Path) -> int:
+    """Number of stored weight elements, read from the safetensors headers (no tensor is loaded)."""
+    total = 0
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise SystemExit(f"error: {model_dir} has no *.safetensors files")
+    for f in files:
+        with open(f, "rb") as fh:
+            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+        for name, info in header.items():
+            if name == "__metadata__" or name.endswith("rotary_emb.inv_freq"):
+                continue
+            total += math.prod(info["shape"])
+    return total
+
+
+def read_model_config(model_dir: Path) -> dict:
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise SystemExit(f"error: {model_dir} is not a Hugging Face model folder (no config.json)")
+    return json.loads(path.read_text())
+
+
+def kv_bytes_per_token(cfg: dict, dtype: str) -> int:
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    return 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * DTYPE_BYTES[dtype]

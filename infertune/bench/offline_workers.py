@@ -1,0 +1,173 @@
+"""Workers of the offline benchmark: one (system, batch size) pair per process, RSS helpers and the prompts."""
+
+from __future__ import annotations
+
+import json
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from infertune.bench.offline_models import SPECIAL_TOKENS, VOCAB_SIZE, kv_bytes_per_token, log, read_model_config
+
+RESULT_MARKER = "@@BENCH_RESULT@@ "
+
+
+# --------------------------------------------------------------------------------------------------
+# Workload
+# --------------------------------------------------------------------------------------------------
+def make_prompts(seed: int, batch: int, run: int, input_len: int, vocab: int) -> list[list[int]]:
+    """Random token ids, identical for every system. run = -1 is the warm-up. Ids avoid the top of the
+    vocabulary (the special tokens here). Each run gets fresh prompts so no prefix cache can hit."""
+    import random
+
+    rng = random.Random(f"{seed}/{batch}/{run}")
+    high = max(2, min(vocab, VOCAB_SIZE) - len(SPECIAL_TOKENS))
+    return [[rng.randrange(high) for _ in range(input_len)] for _ in range(batch)]
+
+
+def peak_rss_mib() -> float:
+    """Peak RSS of this process since its exec: VmHWM. (ru_maxrss is no good here: Linux carries it over
+    fork + exec, so a worker would report its parent's peak when that is higher.)"""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux, a fallback
+
+
+def current_rss_mib() -> float:
+    import psutil
+
+    return psutil.Process().memory_info().rss / 2**20
+
+
+# --------------------------------------------------------------------------------------------------
+# Workers: one (system, batch size) pair per process; the result is one JSON line on stdout
+# --------------------------------------------------------------------------------------------------
+def worker_infertune(args, model_dir: Path, batch: int) -> dict:
+    import transformers  # noqa: F401  imported before the clock starts, as in the HF worker
+    import infertune.executor.uniproc  # noqa: F401  (LLM imports torch-side modules lazily)
+    from infertune import LLM, SamplingParams
+
+    cfg = read_model_config(model_dir)
+    max_len = args.input_len + args.output_len
+    block = 16
+    # Size the KV cache to the workload (plus one spare block per sequence); the default budget is a share
+    # of free memory, which would inflate and randomise the RSS figure.
+    kv_bytes = batch * (-(-max_len // block) + 1) * block * kv_bytes_per_token(cfg, args.dtype)
+    options = dict(dtype=args.dtype, device="cpu", max_model_len=max_len, max_num_seqs=batch,
+                   kv_cache_memory_bytes=kv_bytes, block_size=block)
+    if args.worker.startswith("infertune-"):  # a quantized variant: infertune-w8a16, -w4a16, -w8a8
+        options["quantization"] = args.worker.split("-", 1)[1]
+    if args.max_num_batched_tokens:
+        options["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.no_prefix_caching:
+        options["enable_prefix_caching"] = False
+    if args.kv_cache_dtype != "auto":
+        options["kv_cache_dtype"] = args.kv_cache_dtype
+    log(f"infertune b{batch}: loading LLM({model_dir.name!r}, {options})")
+    t0 = time.perf_counter()
+    llm = LLM(str(model_dir), **options)
+    load_s = time.perf_counter() - t0
+    rss_after_load = current_rss_mib()
+    vocab = cfg["vocab_size"]
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+
+    def once(run: int) -> dict:
+        prompts = [{"prompt_token_ids": ids} for ids in make_prompts(args.seed, batch, run, args.input_len, vocab)]
+        t_start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        t_end = time.perf_counter()
+        for o in outs:
+            if o.error:
+                raise RuntimeError(f"infertune rejected a prompt: {o.error}")
+            n = len(o.outputs[0].token_ids)
+            if n != args.output_len:
+                raise RuntimeError(f"infertune produced {n} tokens, expected {args.output_len} "
+                                   f"(finish_reason {o.outputs[0].finish_reason})")
+        total = t_end - t_start
+        ttft = max(o.metrics.first_token_time for o in outs) - t_start
+        return dict(total_s=total, ttft_s=ttft,
+                    ttft_mean_request_s=statistics.fmean(o.metrics.ttft for o in outs),
+                    last_finish_s=max(o.metrics.finished_time for o in outs) - t_start,
+                    cached_prompt_tokens=sum(o.metrics.num_cached_tokens for o in outs),
+                    tokens=[o.outputs[0].token_ids for o in outs])
+
+    log(f"infertune b{batch}: loaded in {load_s:.1f} s; warm-up run")
+    t0 = time.perf_counter()
+    once(-1)
+    warmup_s = time.perf_counter() - t0
+    runs = []
+    for r in range(args.repeats):
+        log(f"infertune b{batch}: timed run {r + 1}/{args.repeats}")
+        runs.append(once(r))
+    extra = {"kv_cache_bytes": kv_bytes, "engine_options": options}
+    return dict(load_s=load_s, warmup_s=warmup_s, rss_after_load_mib=rss_after_load, runs=runs, extra=extra)
+
+
+def worker_hf(args, model_dir: Path, batch: int) -> dict:
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    transformers.logging.set_verbosity_error()
+    dtype = getattr(torch, args.dtype)
+    log(f"hf b{batch}: loading AutoModelForCausalLM (dtype={args.dtype}, attn={args.hf_attn})")
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=args.hf_attn).eval()
+    load_s = time.perf_counter() - t0
+    rss_after_load = current_rss_mib()
+    vocab = model.config.vocab_size
+    pad = model.generation_config.pad_token_id
+    if pad is None:
+        pad = model.generation_config.eos_token_id
+        pad = pad[0] if isinstance(pad, list) else (pad if pad is not None else 0)
+
+    def gen(input_ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
+        # min_new_tokens = max_new_tokens masks EOS until the end: HF's equivalent of ignore_eos.
+        out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                             max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=pad)
+        return out[:, input_ids.shape[1]:]
+
+    def once(run: int) -> dict:
+        ids = torch.tensor(make_prompts(args.seed, batch, run, args.input_len, vocab), dtype=torch.long)
+        t0 = time.perf_counter()
+        gen(ids, 1).tolist()
+        ttft = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        tokens = gen(ids, args.output_len).tolist()
+        total = time.perf_counter() - t0
+        if any(len(t) != args.output_len for t in tokens):
+            raise RuntimeError(f"transformers produced {[len(t) for t in tokens]} tokens, expected {args.output_len}")
+        return dict(total_s=total, ttft_s=ttft, tokens=tokens)
+
+    log(f"hf b{batch}: loaded in {load_s:.1f} s; warm-up run")
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        once(-1)
+        warmup_s = time.perf_counter() - t0
+        runs = []
+        for r in range(args.repeats):
+            log(f"hf b{batch}: timed run {r + 1}/{args.repeats}")
+            runs.append(once(r))
+    extra = {"transformers": transformers.__version__, "attn_implementation": args.hf_attn}
+    return dict(load_s=load_s, warmup_s=warmup_s, rss_after_load_mib=rss_after_load, runs=runs, extra=extra)
+
+
+def run_worker(args) -> int:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    model_dir = Path(args.model)
+    fn = worker_hf if args.worker == "hf" else worker_infertune
+    result = fn(args, model_dir, args.worker_batch)
+    result.update(system=args.worker, batch=args.worker_batch, peak_rss_mib=peak_rss_mib(), rss_end_mib=current_rss_mib(),
+                  torch_threads=torch.get_num_threads())
+    sys.stdout.write(RESULT_MARKER + json.dumps(result) + "\n")
+    sys.stdout.flush()
+    return 0
