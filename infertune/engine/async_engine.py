@@ -99,10 +99,6 @@ class AsyncLLMEngine:
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._streams) + len(self._inbox)
-
     # ---- asyncio side ----------------------------------------------------------------------------
     async def add_request(self, request_id: str, prompt: object, params: SamplingParams) -> "RequestStream":
         """Submit a request; return once the engine thread accepted it.

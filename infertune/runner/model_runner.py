@@ -99,14 +99,17 @@ class ModelRunner:
         if not sampled:
             return SamplerOutput(tokens, logprobs)
         logits = self.model.compute_logits(hidden[self._tensor([last_rows[i] for i in sampled])])  # [N, V]
-        rows = [
-            SampleRequest(batch.seqs[i].params, batch.seqs[i].prompt_token_ids, batch.seqs[i].output_token_ids)
-            for i in sampled
-        ]
+        rows = [self._sample_request(batch.seqs[i]) for i in sampled]
         out = self.sampler(logits, rows)
         for i, token, lp in zip(sampled, out.token_ids, out.logprobs):
             tokens[i], logprobs[i] = token, lp
         return SamplerOutput(tokens, logprobs)
+
+    @staticmethod
+    def _sample_request(seq) -> SampleRequest:
+        if seq.params.uses_penalties:  # only penalties read the tokens: avoid copying them every step otherwise
+            return SampleRequest(seq.params, seq.prompt_token_ids, seq.output_token_ids)
+        return SampleRequest(seq.params, [], [], seq.num_output_tokens)
 
     @torch.inference_mode()
     def prompt_logits(self, token_ids: list[int], block_table: list[int]) -> torch.Tensor:

@@ -16,11 +16,17 @@ from infertune.sampling_params import SamplingParams
 
 @dataclass(slots=True)
 class SampleRequest:
-    """What the sampler needs to know about one row."""
+    """What the sampler needs to know about one row. The token lists are read only for penalties, so the
+    runner leaves them empty otherwise and gives num_output_tokens (the seeded stream's position)."""
 
     params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]
+    num_output_tokens: int | None = None
+
+    @property
+    def position(self) -> int:
+        return len(self.output_token_ids) if self.num_output_tokens is None else self.num_output_tokens
 
 
 @dataclass(slots=True)
@@ -71,7 +77,7 @@ class Sampler:
         q.exponential_(generator=self.generator)
         for i, (p, r) in enumerate(zip(params, rows)):
             if p.seed is not None and not greedy[i]:
-                g = torch.Generator(device=device).manual_seed(_mix(p.seed, len(r.output_token_ids)))
+                g = torch.Generator(device=device).manual_seed(_mix(p.seed, r.position))
                 q[i].exponential_(generator=g)
         sampled = (probs / q).argmax(dim=-1)
         return torch.where(greedy_t, argmax, sampled)
