@@ -167,23 +167,24 @@ def test_64_concurrent_requests_match_offline(server, offline):
     assert [r.choices[0].text for r in results] == [o.outputs[0].text for o in refs]
 
 
-def test_disconnect_mid_stream_frees_blocks_and_counts_abort(server):
-    aborted_before = metric(server.url, "infertune_requests_aborted_total")
-    body = {"model": MODEL, "prompt": "a long story", "max_tokens": MAX_LEN - 16, "temperature": 0,
-            "ignore_eos": True, "stream": True}
-    with httpx.Client(timeout=10) as h, h.stream("POST", server.url + "/v1/completions", json=body) as resp:
-        assert resp.status_code == 200
-        lines = resp.iter_lines()
-        got = [line for line, _ in zip(lines, range(6)) if line.startswith("data:")]
-        assert got  # mid-stream
-    deadline = time.time() + 10
-    while time.time() < deadline:
-        if (metric(server.url, "infertune_requests_aborted_total") > aborted_before
-                and metric(server.url, "infertune_kv_blocks_used") == 0):
-            break
-        time.sleep(0.05)
-    assert metric(server.url, "infertune_requests_aborted_total") == aborted_before + 1
-    assert metric(server.url, "infertune_kv_blocks_used") == 0
+def test_disconnect_mid_stream_frees_blocks_and_counts_abort(tiny_llama):
+    # A long request (240 tokens) on its own server, so it is surely still running when the client leaves.
+    with ServerThread(tiny_llama, max_model_len=256) as server:
+        body = {"model": MODEL, "prompt": "a long story", "max_tokens": 240, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        with httpx.Client(timeout=10) as h, h.stream("POST", server.url + "/v1/completions", json=body) as resp:
+            assert resp.status_code == 200
+            lines = resp.iter_lines()
+            got = [line for line, _ in zip(lines, range(6)) if line.startswith("data:")]
+            assert got  # mid-stream
+        deadline = time.time() + 10
+        while time.time() < deadline:
+            if (metric(server.url, "infertune_requests_aborted_total") > 0
+                    and metric(server.url, "infertune_kv_blocks_used") == 0):
+                break
+            time.sleep(0.05)
+        assert metric(server.url, "infertune_requests_aborted_total") == 1
+        assert metric(server.url, "infertune_kv_blocks_used") == 0
 
 
 def post(server, path, body, **kw):
