@@ -145,12 +145,17 @@ class ModelConfig:
     seed: int = 0
     # Reorder plain weights once into the backend's fastest matmul layout (oneDNN blocked bf16 on CPU).
     prepack_weights: bool = True
+    # torch.compile the dense stages of each decoder layer: "auto" (models >= 100M parameters, on backends that
+    # support it), "on" or "off". Compilation happens in a warm-up before serving; see runner/compiled.py.
+    compile: str = "auto"
     arch: ArchConfig | None = None
 
     def __post_init__(self) -> None:
         self.model = os.fspath(self.model)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is not one of {DTYPES}")
+        if self.compile not in ("auto", "on", "off"):
+            raise ValueError(f"compile={self.compile!r} is not one of ('auto', 'on', 'off')")
         if self.arch is None:
             self.arch = ArchConfig.from_model_dir(self.model)
         if self.tokenizer is None:

@@ -1,53 +1,49 @@
 #!/usr/bin/env python3
-"""Build infertune's built-in demo model from scratch, deterministically.
+"""Build infertune's built-in demo model from scratch, deterministically: a teacher, then a distilled student.
 
-The demo model is a tiny Llama-architecture causal LM (about 1.3 M parameters,
-about 5 MB in float32) trained on CPU for a few minutes on the Python source of
-the standard library of the interpreter running this script. It exists so that
-the engine, its tests and its benchmarks have a real Hugging Face-format model
-(config.json + model.safetensors + tokenizer.json + chat template) that
-needs no download. It is a test fixture that writes Python-looking text, not a
-useful assistant.
+The built-in model is a small Llama-architecture causal LM (about 1.3 M parameters, about 5 MB in float32)
+that ships inside the package, so that the demo, the server's default, the benchmarks and the quantization
+accuracy checks run on a model that has learned something, with no download. It writes Python-looking text.
 
-Steps:
-  1. collect the stdlib *.py files (sorted, test directories excluded) and
-     split off a fixed ~2 % of files (chosen by a hash of their path) for
-     validation;
-  2. train a byte-level BPE tokenizer (vocab 4096) on the training split with
-     the ``tokenizers`` library and wrap it as a PreTrainedTokenizerFast with
-     a chat template;
-  3. train a LlamaForCausalLM from scratch with plain PyTorch (AdamW,
-     warm-up + cosine decay) on one CPU thread for a fixed number of steps;
-  4. save everything with ``save_pretrained``, measure held-out perplexity,
-     print greedy samples, and write a README.md model card next to the files.
+Steps (each one the public tool a user would run):
+  1. collect the *.py files of the running interpreter's standard library (sorted, tests excluded) and hold out
+     a fixed ~2 % of whole files (chosen by a hash of their path) for validation; both splits are written under
+     --work as plain files;
+  2. train a byte-level BPE tokenizer (vocab 4096) on the training split with the ``tokenizers`` library and
+     wrap it as a PreTrainedTokenizerFast with a chat template;
+  3. ``infertune train``: a 5.8 M-parameter teacher (hidden 256, 6 layers) from scratch with cross-entropy;
+  4. ``infertune distill``: the 1.3 M-parameter student (``--student-config small``) from that teacher with
+     loss = 0.7 * T^2 * KL(teacher/T || student/T) + 0.3 * cross-entropy, T = 4;
+  5. copy the student into infertune/assets/demo-model, check it reloads in transformers and infertune with the
+     same greedy tokens, and write its model card (README.md) with the measured numbers.
 
 Usage (from the repository root)::
 
-    python scripts/make_demo_model.py            # writes infertune/assets/demo-model
-    python scripts/make_demo_model.py --out /tmp/demo --steps 20   # quick smoke run
+    python scripts/make_demo_model.py                       # writes infertune/assets/demo-model (~1 h here)
+    python scripts/make_demo_model.py --out /tmp/demo --teacher-steps 4 --student-steps 4   # smoke run
 
-With the same Python standard library, the same library versions and the same
-CPU, reruns produce the same tokenizer and the same weights.
+With the same Python standard library, the same library versions, the same thread count and the same CPU kind,
+reruns produce the same tokenizer and the same weights.
 """
 
 from __future__ import annotations
 
 import os
 
-# Pin every thread pool to a single thread *before* importing torch/tokenizers:
-# the script must leave the machine's other core free, and a single thread
-# keeps floating-point reductions in a fixed order (reproducible weights).
+# Pin the tokenizer's thread pool before importing tokenizers (a fixed merge order); torch uses THREADS threads,
+# set explicitly here and in the training commands (a fixed thread count keeps reductions in a fixed order).
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 os.environ["RAYON_NUM_THREADS"] = "1"
 os.environ["RAYON_RS_NUM_CPUS"] = "1"
-os.environ["OMP_NUM_THREADS"] = "1"
-os.environ["MKL_NUM_THREADS"] = "1"
 
 import argparse
 import hashlib
 import json
 import math
 import platform
+import shlex
+import shutil
+import subprocess
 import sys
 import sysconfig
 import time
@@ -56,18 +52,9 @@ from pathlib import Path
 
 import tokenizers
 import torch
-import torch.nn.functional as F
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from tqdm import tqdm
-from transformers import (
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    GenerationConfig,
-    LlamaConfig,
-    LlamaForCausalLM,
-    PreTrainedTokenizerFast,
-)
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO_ROOT / "infertune" / "assets" / "demo-model"
@@ -84,30 +71,30 @@ VAL_FRACTION = 0.02  # ~2 % of the text (whole files, chosen by path hash) is he
 
 SEQ_LEN = 256
 BATCH_SIZE = 16
-LR = 3e-3
-MIN_LR_FRACTION = 0.1  # cosine decays to LR * 0.1
-WARMUP_FRACTION = 0.05
-WEIGHT_DECAY = 0.1
-BETAS = (0.9, 0.95)
-GRAD_CLIP = 1.0
-# Measured on the reference machine (2-core x86_64 VM, 1 torch thread): ~0.63 s/step
-# (batch 16 x 256) on an otherwise idle core, so DEFAULT_STEPS takes ~9 minutes
-# (longer if the core is shared). Hard-coded so reruns do the same work.
-DEFAULT_STEPS = 850
+THREADS = 2
+# Measured on the reference machine (2-core x86_64 VM, 2 torch threads, otherwise idle): the teacher takes
+# ~1.3 s/step and distillation ~0.8 s/step at batch 16 x 256. Hard-coded so reruns do the same work.
+TEACHER_STEPS = 1200
+TEACHER_LR = 2e-3
+STUDENT_STEPS = 1500
+STUDENT_LR = 3e-3
+TEMPERATURE = 4.0
+ALPHA = 0.7
 
-MAX_VAL_SEQS = 300
-EVAL_BATCH = 16
+MAX_VAL_SEQS = 10_000  # every held-out window
 SAMPLE_PROMPTS = ["def ", "import "]
 EXTRA_SAMPLE_PROMPTS = ["class ", "def __init__(self"]  # shown in the README only
 SAMPLE_NEW_TOKENS = 40
 
-MODEL_KW = dict(
-    vocab_size=VOCAB_SIZE,
-    hidden_size=128,
-    intermediate_size=384,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
+# The teacher; the student is `infertune distill --student-config small` (hidden 128, 4 layers, 4 heads, 2 KV
+# heads, MLP 384, tied embeddings).
+TEACHER_KW = dict(
+    model_type="llama",
+    hidden_size=256,
+    intermediate_size=768,
+    num_hidden_layers=6,
+    num_attention_heads=8,
+    num_key_value_heads=4,
     hidden_act="silu",
     max_position_embeddings=1024,
     rope_theta=10000.0,
@@ -117,6 +104,7 @@ MODEL_KW = dict(
     attention_bias=False,
     mlp_bias=False,
 )
+MAX_POSITIONS = 1024
 
 # Renders system/user/assistant messages as
 #   <|role|>\n{content}<|end|>\n
@@ -242,7 +230,7 @@ def wrap_tokenizer(tok: Tokenizer) -> PreTrainedTokenizerFast:
         add_bos_token=False,
         add_eos_token=False,
         clean_up_tokenization_spaces=False,
-        model_max_length=MODEL_KW["max_position_embeddings"],
+        model_max_length=MAX_POSITIONS,
         padding_side="left",
         model_input_names=["input_ids", "attention_mask"],  # no token_type_ids
     )
@@ -257,69 +245,6 @@ def encode_stream(tok: Tokenizer, texts: list[str], eot_id: int) -> torch.Tensor
         ids.extend(enc.ids)
         ids.append(eot_id)
     return torch.tensor(ids, dtype=torch.long)
-
-
-# --------------------------------------------------------------------------- #
-# Training / evaluation
-# --------------------------------------------------------------------------- #
-def lr_at(step: int, total: int) -> float:
-    warmup = max(1, int(total * WARMUP_FRACTION))
-    if step < warmup:
-        return LR * (step + 1) / warmup
-    progress = (step - warmup) / max(1, total - warmup)
-    return LR * (MIN_LR_FRACTION + (1 - MIN_LR_FRACTION) * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-def train(model: LlamaForCausalLM, stream: torch.Tensor, steps: int, seed: int):
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=LR,
-        betas=BETAS,
-        eps=1e-8,
-        foreach=False,
-    )
-    gen = torch.Generator().manual_seed(seed)
-    offsets = torch.arange(SEQ_LEN + 1)
-    model.train()
-    losses: list[float] = []
-    bar = tqdm(range(steps), desc="train", unit="step", dynamic_ncols=True, mininterval=1.0)
-    for step in bar:
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, steps)
-        starts = torch.randint(0, stream.numel() - SEQ_LEN - 1, (BATCH_SIZE,), generator=gen)
-        batch = stream[starts[:, None] + offsets]
-        inputs, targets = batch[:, :-1], batch[:, 1:]
-        logits = model(input_ids=inputs, use_cache=False).logits
-        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP, foreach=False)
-        opt.step()
-        losses.append(loss.item())
-        bar.set_postfix(loss=f"{losses[-1]:.3f}", lr=f"{opt.param_groups[0]['lr']:.2e}", refresh=False)
-    bar.close()
-    model.eval()
-    return losses
-
-
-@torch.no_grad()
-def evaluate(model: LlamaForCausalLM, stream: torch.Tensor) -> tuple[float, int, int]:
-    """Mean next-token cross-entropy (nats) over non-overlapping windows."""
-    n_seqs = min(MAX_VAL_SEQS, (stream.numel() - 1) // SEQ_LEN)
-    if n_seqs == 0:
-        raise RuntimeError("validation split is too small")
-    windows = torch.stack([stream[i * SEQ_LEN : i * SEQ_LEN + SEQ_LEN + 1] for i in range(n_seqs)])
-    total, count = 0.0, 0
-    for i in range(0, n_seqs, EVAL_BATCH):
-        chunk = windows[i : i + EVAL_BATCH]
-        logits = model(input_ids=chunk[:, :-1], use_cache=False).logits
-        total += F.cross_entropy(
-            logits.reshape(-1, logits.size(-1)).double(), chunk[:, 1:].reshape(-1), reduction="sum"
-        ).item()
-        count += chunk[:, 1:].numel()
-    return total / count, n_seqs, count
 
 
 @torch.no_grad()
@@ -346,27 +271,40 @@ def _fmt_bytes(n: int) -> str:
     return f"{n / 1e6:.2f} MB ({n:,} bytes)"
 
 
+def _row(name: str, rep: dict, key: str) -> str:
+    speed = rep.get(f"{key}_speed") or {}
+    tps = f"{speed['tokens_per_s']:.0f}" if "tokens_per_s" in speed else "n/a"
+    return f"| {name} | {rep[key + '_params']:,} | {rep[key + '_ppl']:.2f} | {math.log(rep[key + '_ppl']):.3f} | {tps} |"
+
+
 def write_readme(out: Path, info: dict) -> None:
     files = "\n".join(f"| `{name}` | {size:,} |" for name, size in info["files"])
     samples = "\n\n".join(
         f"Prompt `{json.dumps(p)}`:\n\n```text\n{s}\n```" for p, s in info["samples"].items()
     )
+    t, st = info["teacher"], info["student"]
     text = f"""# infertune demo model
 
-A tiny Llama-architecture causal language model that ships inside the
-`infertune` package as its built-in default model, so that the engine, its
-tests and its benchmarks have a real Hugging Face-format checkpoint without
-any download. It was trained from scratch for a few minutes on one CPU thread
-and writes Python-looking text. It is a **test fixture**, not a useful
-language model or assistant: do not expect correct code or answers.
+A small Llama-architecture causal language model that ships inside the
+`infertune` package as its built-in default model, so that the demo, the
+server's default, the benchmarks and the quantization accuracy checks have a
+real Hugging Face-format checkpoint without any download. It is a **student
+distilled** by `infertune distill` from a larger teacher that `infertune train`
+trained from scratch, both on CPU on this machine, on the Python standard
+library. It writes Python-looking text. It is a demo and test model, not a
+useful language model or assistant: do not expect correct code or answers.
 
 ## Architecture
 
 `LlamaForCausalLM` (transformers {info["transformers"]}), float32, {info["n_params"]:,} parameters
 (tied input/output embeddings): hidden size 128, 4 layers, 4 attention heads,
 2 key-value heads (GQA, head dim 32), MLP intermediate size 384 (SiLU),
-vocabulary 4096, RoPE theta 10000, RMSNorm eps 1e-5, max positions 1024.
+vocabulary 4096, RoPE theta 10000, RMSNorm eps 1e-5, max positions {MAX_POSITIONS}.
 `bos_token_id` = `eos_token_id` = `pad_token_id` = {info["eot_id"]} (`<|endoftext|>`).
+
+The teacher (not shipped; rebuilt by the command below): the same tokenizer,
+hidden size 256, 6 layers, 8 heads, 4 key-value heads, MLP 768, tied
+embeddings, {t["student_parameters"]:,} parameters.
 
 ## Tokenizer
 
@@ -385,7 +323,7 @@ The `*.py` files of the Python {info["python"]} standard library found at
 excluding `test/`, `tests/`, `idle_test/`, `idlelib/`, `site-packages/`,
 `config-*/` and `_sysconfigdata*` (machine-specific). Whole files, taken in order of `sha256(relative path)` while they fit
 in 2 % of the text, are held out for validation; neither the tokenizer nor the
-model saw them in training.
+models saw them in training.
 
 * training split: {info["n_train_files"]} files, {_fmt_bytes(info["train_bytes"])}, {info["train_tokens"]:,} tokens
 * validation split: {info["n_val_files"]} files, {_fmt_bytes(info["val_bytes"])}, {info["val_tokens"]:,} tokens
@@ -398,32 +336,37 @@ reproduce fragments of it.
 
 ## Training recipe
 
-Plain PyTorch {info["torch"]} on CPU, `torch.set_num_threads(1)`, seed {info["seed"]}.
-AdamW (betas {BETAS}, weight decay {WEIGHT_DECAY} on matrices), peak LR {LR},
-linear warm-up over the first {int(WARMUP_FRACTION * 100)} % of steps then cosine decay to
-{MIN_LR_FRACTION:g}x, gradient clipping {GRAD_CLIP}, {info["steps"]} steps of
-{BATCH_SIZE} random windows of {SEQ_LEN} tokens from the packed training stream
-(documents joined by `<|endoftext|>`), i.e. {info["steps"] * BATCH_SIZE * SEQ_LEN:,} training tokens.
-Training took {info["train_seconds"] / 60:.1f} min wall-clock ({info["train_cpu_seconds"] / 60:.1f} min of CPU time) on
-{info["machine"]}; final train loss
-{info["final_loss"]:.3f} (mean of the last 20 steps: {info["final_loss_avg"]:.3f}).
+PyTorch {info["torch"]} on CPU, {THREADS} threads, seed {info["seed"]}; AdamW (betas (0.9, 0.95), weight decay 0.1 on
+matrices), linear warm-up over the first 5 % of steps then cosine decay to 0.1x, gradient clipping 1.0,
+batches of {BATCH_SIZE} random windows of {SEQ_LEN} tokens from the packed training stream (documents joined by
+`<|endoftext|>`).
+
+1. Teacher: `infertune train`, cross-entropy, {t["steps_done"]} steps at peak LR {TEACHER_LR:g}
+   ({t["steps_done"] * BATCH_SIZE * SEQ_LEN:,} tokens), {t["train_seconds"] / 60:.1f} min.
+2. Student: `infertune distill`, loss = {ALPHA:g} * T^2 * KL(softmax(teacher/T) || softmax(student/T)) +
+   {1 - ALPHA:g} * cross-entropy with T = {TEMPERATURE:g}, {st["steps_done"]} steps at peak LR {STUDENT_LR:g}
+   ({st["steps_done"] * BATCH_SIZE * SEQ_LEN:,} tokens), {st["train_seconds"] / 60:.1f} min.
+
+The whole command took {info["total_seconds"] / 60:.1f} min wall-clock on {info["machine"]}.
 
 ## Evaluation
 
-Held-out perplexity on {info["val_seqs"]} non-overlapping {SEQ_LEN}-token windows
-({info["val_count"]:,} predicted tokens) of the validation split:
+Held-out perplexity on {st["eval_tokens"]:,} predicted tokens ({SEQ_LEN}-token non-overlapping windows of the
+validation split); generation speed is greedy decoding with infertune on this CPU (4 prompts x 64 tokens,
+batch 4):
 
-| | cross-entropy (nats/token) | perplexity |
-|---|---|---|
-| this model | {info["val_ce"]:.3f} | **{info["val_ppl"]:.1f}** |
-| uniform baseline | ln(4096) = {math.log(VOCAB_SIZE):.3f} | 4096 |
+| model | parameters | perplexity | cross-entropy (nats/token) | tokens/s |
+|---|---|---|---|---|
+{_row("teacher", info["table"], "teacher")}
+{_row("**student (this model)**", info["table"], "student")}
+| uniform baseline | | 4096 | {math.log(VOCAB_SIZE):.3f} | |
 
 ## Greedy samples
 
-`model.generate(..., max_new_tokens={SAMPLE_NEW_TOKENS}, do_sample=False)` on the reloaded
-model. A prompt that ends in a space ends in a lone `Ġ` (space) token, a split the
-byte-level pre-tokenizer rarely produces before a word (it attaches the space to
-the next word), so such continuations often start with a second space.
+`model.generate(..., max_new_tokens={SAMPLE_NEW_TOKENS}, do_sample=False)` with transformers on the shipped
+files (infertune gives the same tokens; the build checks it). A prompt that ends in a space ends in a lone `Ġ`
+(space) token, a split the byte-level pre-tokenizer rarely produces before a word, so such continuations often
+start with a second space.
 
 {samples}
 
@@ -437,33 +380,57 @@ Total (excluding this README): {_fmt_bytes(info["total_bytes"])}.
 
 ## Regenerate
 
-From the repository root:
+From the repository root (intermediate files, the teacher included, go to `--work`):
 
 ```bash
 {info["command"]}
 ```
 
+The two training steps it runs, spelled out:
+
+```bash
+{info["train_command"]}
+{info["distill_command"]}
+```
+
 The script is deterministic: with the same Python standard library, the same
-versions of torch / transformers / tokenizers and the same CPU kind, it
+versions of torch / transformers / tokenizers, the same thread count and the same CPU kind, it
 produces the same tokenizer and the same weights. (Different CPUs or library
 versions may change floating-point rounding and hence the weights slightly.)
 """
     (out / "README.md").write_text(text, encoding="utf-8")
 
 
+def _run_tool(argv: list[str]) -> dict:
+    """Run an `infertune` subcommand in a child process (as a user would) and return its training report."""
+    print("$ infertune " + " ".join(argv), flush=True)
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    subprocess.run([sys.executable, "-m", "infertune", *argv], check=True, env=env)
+    out = Path(argv[argv.index("--out") + 1])
+    return json.loads((out / "training_report.json").read_text(encoding="utf-8"))
+
+
+def _shell(argv: list[str]) -> str:
+    return "infertune " + " ".join(shlex.quote(a) for a in argv)
+
+
 # --------------------------------------------------------------------------- #
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output folder (default: {DEFAULT_OUT.relative_to(REPO_ROOT)})")
-    ap.add_argument("--steps", type=int, default=DEFAULT_STEPS, help=f"training steps (default: {DEFAULT_STEPS})")
+    ap.add_argument("--work", type=Path, default=REPO_ROOT / "build" / "demo-model",
+                    help="folder for the corpus, tokenizer, teacher and checkpoints (default: build/demo-model)")
+    ap.add_argument("--teacher-steps", type=int, default=TEACHER_STEPS, help=f"teacher steps (default: {TEACHER_STEPS})")
+    ap.add_argument("--student-steps", type=int, default=STUDENT_STEPS, help=f"student steps (default: {STUDENT_STEPS})")
     ap.add_argument("--seed", type=int, default=0, help="seed for init and batch sampling (default: 0)")
+    ap.add_argument("--resume", action="store_true", help="continue interrupted training from --work's checkpoints")
     args = ap.parse_args(argv)
 
     t_start = time.perf_counter()
-    torch.set_num_threads(1)
-    torch.manual_seed(args.seed)
-    torch.use_deterministic_algorithms(True)
+    torch.set_num_threads(THREADS)
     transformers.logging.set_verbosity_error()
+    work: Path = args.work.resolve()
+    out: Path = args.out.resolve()
 
     # 1. corpus -----------------------------------------------------------------
     stdlib, train_docs, val_docs = collect_corpus()
@@ -473,57 +440,60 @@ def main(argv: list[str] | None = None) -> int:
     val_bytes = sum(len(t.encode("utf-8")) for t in val_texts)
     print(f"corpus: {stdlib}: {len(train_docs)} train files ({train_bytes / 1e6:.2f} MB), "
           f"{len(val_docs)} val files ({val_bytes / 1e6:.2f} MB)", flush=True)
+    for split, docs in (("train", train_docs), ("val", val_docs)):
+        root = work / "corpus" / split
+        if root.exists():
+            shutil.rmtree(root)
+        for rel, text in docs:
+            dest = root / rel
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_text(text, encoding="utf-8")
 
     # 2. tokenizer ----------------------------------------------------------------
     t0 = time.perf_counter()
     tok = train_tokenizer(train_texts)
     eot_id = tok.token_to_id(EOT)
-    train_stream = encode_stream(tok, train_texts, eot_id)
-    val_stream = encode_stream(tok, val_texts, eot_id)
-    print(f"tokenizer: vocab {tok.get_vocab_size()}, {train_stream.numel():,} train tokens, "
-          f"{val_stream.numel():,} val tokens ({train_bytes / train_stream.numel():.2f} bytes/token), "
-          f"{time.perf_counter() - t0:.0f}s", flush=True)
+    train_tokens = encode_stream(tok, train_texts, eot_id).numel()
+    val_tokens = encode_stream(tok, val_texts, eot_id).numel()
+    print(f"tokenizer: vocab {tok.get_vocab_size()}, {train_tokens:,} train tokens, {val_tokens:,} val tokens "
+          f"({train_bytes / train_tokens:.2f} bytes/token), {time.perf_counter() - t0:.0f}s", flush=True)
     probe = "def f(x):\n\treturn 'héllo wörld ✓ 🐍' + \"\\n\"  \r\n   # ünïcode\x00\n"
     assert tok.decode(tok.encode(probe).ids, skip_special_tokens=False) == probe, "byte-level round trip failed"
-    hf_tok = wrap_tokenizer(tok)
-
-    # 3. model ------------------------------------------------------------------------
-    torch.manual_seed(args.seed)
-    config = LlamaConfig(**MODEL_KW, bos_token_id=eot_id, eos_token_id=eot_id, pad_token_id=eot_id)
-    model = LlamaForCausalLM(config).float()
-    model.generation_config = GenerationConfig(
-        bos_token_id=eot_id, eos_token_id=eot_id, pad_token_id=eot_id, do_sample=False,
-    )
-    n_params = sum(p.numel() for p in model.parameters())
-    print(f"model: LlamaForCausalLM, {n_params:,} parameters; training {args.steps} steps x "
-          f"{BATCH_SIZE} x {SEQ_LEN} tokens on 1 thread", flush=True)
-
-    t0, c0 = time.perf_counter(), time.process_time()
-    losses = train(model, train_stream, args.steps, args.seed)
-    train_seconds = time.perf_counter() - t0
-    train_cpu_seconds = time.process_time() - c0
-    final_avg = sum(losses[-20:]) / len(losses[-20:])
-    print(f"trained in {train_seconds:.0f}s wall, {train_cpu_seconds:.0f}s CPU "
-          f"({train_seconds / max(1, args.steps):.2f} s/step); "
-          f"final loss {losses[-1]:.3f} (last-20 mean {final_avg:.3f})", flush=True)
-
-    # 4. save ---------------------------------------------------------------------------
-    out: Path = args.out.resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    for name in STALE_FILES:  # no leftovers from an earlier recipe; other files are left alone
-        (out / name).unlink(missing_ok=True)
-    model.save_pretrained(out)
-    hf_tok.save_pretrained(out)
-    # Portability: transformers 5 records tokenizer_class "TokenizersBackend", the extra
-    # special tokens as "extra_special_tokens" and the chat template only in
-    # chat_template.jinja, none of which transformers 4.x reads. Add the 4.x spellings
-    # ("PreTrainedTokenizerFast" is the same class under its 4.x name; 5.x accepts it).
-    cfg_path = out / "tokenizer_config.json"
+    tok_dir = work / "tokenizer"
+    tok_dir.mkdir(parents=True, exist_ok=True)
+    wrap_tokenizer(tok).save_pretrained(tok_dir)
+    # Portability: transformers 5 records tokenizer_class "TokenizersBackend", the extra special tokens as
+    # "extra_special_tokens" and the chat template only in chat_template.jinja, none of which transformers 4.x
+    # reads. Add the 4.x spellings ("PreTrainedTokenizerFast" is the same class under its 4.x name).
+    cfg_path = tok_dir / "tokenizer_config.json"
     tok_cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
     tok_cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
     tok_cfg.setdefault("additional_special_tokens", SPECIAL_TOKENS[1:])
     tok_cfg.setdefault("chat_template", CHAT_TEMPLATE)
     cfg_path.write_text(json.dumps(tok_cfg, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    teacher_cfg = work / "teacher-config.json"
+    teacher_cfg.write_text(json.dumps(TEACHER_KW, indent=2) + "\n", encoding="utf-8")
+
+    # 3. teacher, 4. student --------------------------------------------------------------
+    common = ["--data", str(work / "corpus" / "train"), "--val-data", str(work / "corpus" / "val"),
+              "--batch", str(BATCH_SIZE), "--seq-len", str(SEQ_LEN), "--seed", str(args.seed),
+              "--eval-windows", str(MAX_VAL_SEQS), "--threads", str(THREADS), "--save-every", "100"]
+    resume = ["--resume"] if args.resume else []
+    train_argv = ["train", "--tokenizer", str(tok_dir), "--model-config", str(teacher_cfg), *common,
+                  "--steps", str(args.teacher_steps), "--lr", str(TEACHER_LR), "--out", str(work / "teacher"), *resume]
+    teacher_rep = _run_tool(train_argv)
+    distill_argv = ["distill", "--teacher", str(work / "teacher"), "--student-config", "small", *common,
+                    "--temperature", str(TEMPERATURE), "--alpha", str(ALPHA),
+                    "--steps", str(args.student_steps), "--lr", str(STUDENT_LR), "--out", str(work / "student"), *resume]
+    student_rep = _run_tool(distill_argv)
+
+    # 5. ship the student ---------------------------------------------------------------------
+    out.mkdir(parents=True, exist_ok=True)
+    for name in STALE_FILES:  # no leftovers from an earlier recipe; other files are left alone
+        (out / name).unlink(missing_ok=True)
+    for p in sorted((work / "student").iterdir()):
+        if p.is_file() and p.name != "training_report.json":
+            shutil.copy2(p, out / p.name)
 
     # reload exactly as a user would, and check the round trips
     tok2 = AutoTokenizer.from_pretrained(out)
@@ -535,50 +505,57 @@ def main(argv: list[str] | None = None) -> int:
         tokenize=False, add_generation_prompt=True,
     )
     assert chat == "<|system|>\nS<|end|>\n<|user|>\nU<|end|>\n<|assistant|>\nA<|end|>\n<|assistant|>\n", repr(chat)
-    chat_ids = tok2.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=True, add_generation_prompt=True)
-    if isinstance(chat_ids, dict) or hasattr(chat_ids, "keys"):
-        chat_ids = chat_ids["input_ids"]
-    assert chat_ids[0] == tok.token_to_id("<|user|>"), chat_ids
-    for a, b in zip(model.state_dict().values(), model2.state_dict().values()):
-        assert torch.equal(a, b), "reloaded weights differ"
+    n_params = sum(p.numel() for p in model2.parameters())
 
-    # 5. evaluate + samples -------------------------------------------------------------------
-    val_ce, val_seqs, val_count = evaluate(model2, val_stream)
-    val_ppl = math.exp(val_ce)
-    print(f"held-out: cross-entropy {val_ce:.4f} nats/token, perplexity {val_ppl:.2f} "
-          f"(uniform baseline: ln({VOCAB_SIZE}) = {math.log(VOCAB_SIZE):.4f}, perplexity {VOCAB_SIZE}) "
-          f"on {val_seqs} x {SEQ_LEN} tokens", flush=True)
+    from infertune import LLM, SamplingParams
+
+    llm = LLM(str(out), dtype="float32")
     samples = {}
     for prompt in SAMPLE_PROMPTS + EXTRA_SAMPLE_PROMPTS:
         samples[prompt] = greedy(model2, tok2, prompt)
+        ours = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=SAMPLE_NEW_TOKENS, ignore_eos=True),
+                            use_tqdm=False)[0].outputs[0].token_ids
+        hf_ids = tok2(prompt).input_ids
+        ref = model2.generate(torch.tensor([hf_ids]), max_new_tokens=SAMPLE_NEW_TOKENS, do_sample=False,
+                              min_new_tokens=SAMPLE_NEW_TOKENS)[0, len(hf_ids):].tolist()
+        assert list(ours) == ref, f"infertune and transformers disagree on {prompt!r}"
         if prompt in SAMPLE_PROMPTS:
             print(f"--- greedy sample, prompt {prompt!r}:\n{samples[prompt]}\n---", flush=True)
 
     for name in os.listdir(out):  # safetensors writes 0600; package data should be world-readable
         if (out / name).is_file():
             os.chmod(out / name, 0o644)
+    (out / "README.md").unlink(missing_ok=True)
     files = sorted((p.name, p.stat().st_size) for p in out.iterdir() if p.is_file())
     total_bytes = sum(s for _, s in files)
     cmd_args = ["python", "scripts/make_demo_model.py"]
     if out != DEFAULT_OUT.resolve():
         cmd_args += ["--out", str(args.out)]
-    if args.steps != DEFAULT_STEPS:
-        cmd_args += ["--steps", str(args.steps)]
+    if args.teacher_steps != TEACHER_STEPS:
+        cmd_args += ["--teacher-steps", str(args.teacher_steps)]
+    if args.student_steps != STUDENT_STEPS:
+        cmd_args += ["--student-steps", str(args.student_steps)]
     if args.seed != 0:
         cmd_args += ["--seed", str(args.seed)]
+    table = {"teacher_params": teacher_rep["student_parameters"], "teacher_ppl": student_rep["teacher_ppl"],
+             "teacher_speed": student_rep.get("teacher_speed"),
+             "student_params": student_rep["student_parameters"], "student_ppl": student_rep["student_ppl"],
+             "student_speed": student_rep.get("student_speed")}
+    rel = lambda p: os.path.relpath(p, REPO_ROOT) if str(p).startswith(str(REPO_ROOT)) else str(p)
     write_readme(out, dict(
         transformers=transformers.__version__, tokenizers=tokenizers.__version__, torch=torch.__version__,
-        python=platform.python_version(), machine=_cpu_name(), train_cpu_seconds=train_cpu_seconds,
-        n_params=n_params, eot_id=eot_id, seed=args.seed, steps=args.steps,
+        python=platform.python_version(), machine=_cpu_name(), n_params=n_params, eot_id=eot_id, seed=args.seed,
         n_train_files=len(train_docs), n_val_files=len(val_docs), train_bytes=train_bytes, val_bytes=val_bytes,
-        train_tokens=train_stream.numel(), val_tokens=val_stream.numel(),
-        train_seconds=train_seconds, final_loss=losses[-1], final_loss_avg=final_avg,
-        val_ce=val_ce, val_ppl=val_ppl, val_seqs=val_seqs, val_count=val_count,
+        train_tokens=train_tokens, val_tokens=val_tokens, teacher=teacher_rep, student=student_rep, table=table,
         samples=samples, files=files, total_bytes=total_bytes, command=" ".join(cmd_args),
+        total_seconds=time.perf_counter() - t_start,
+        train_command=_shell([rel(a) if a.startswith(str(REPO_ROOT)) else a for a in train_argv]),
+        distill_command=_shell([rel(a) if a.startswith(str(REPO_ROOT)) else a for a in distill_argv]),
     ))
-    total_with_readme = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
     sha = hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest()
-    print(f"wrote {out} ({total_with_readme / 1e6:.2f} MB, {len(files) + 1} files); "
+    print(f"held-out perplexity: teacher {table['teacher_ppl']:.2f}, student {table['student_ppl']:.2f} "
+          f"(uniform {VOCAB_SIZE})", flush=True)
+    print(f"wrote {out} ({(total_bytes + (out / 'README.md').stat().st_size) / 1e6:.2f} MB); "
           f"model.safetensors sha256 {sha[:16]}; total {time.perf_counter() - t_start:.0f}s", flush=True)
     return 0
 

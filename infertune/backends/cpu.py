@@ -20,10 +20,23 @@ def cpu_supports_bf16() -> bool:
 _PREPACK_MAX_IN_FEATURES = 2048
 
 
+# oneDNN's packed linear as an opaque custom op: torch.compile (runner/compiled.py) then calls it as an extern
+# kernel. Inductor's own lowering of mkldnn._linear_pointwise only accepts weights packed by its freezing pass.
+@torch.library.custom_op("infertune::mkldnn_packed_linear", mutates_args=())
+def mkldnn_packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@mkldnn_packed_linear.register_fake
+def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], packed.shape[0]))
+
+
 class CPUBackend(Backend):
     name = "cpu"
     dist_backend = "gloo"
     has_quant_kernels = True
+    supports_compile = True
 
     @property
     def device(self) -> torch.device:
@@ -59,7 +72,7 @@ class CPUBackend(Backend):
         return torch.ops.mkldnn._reorder_linear_weight(weight, 1)
 
     def packed_linear(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        return mkldnn_packed_linear(x, packed, bias)
 
     def free_memory_bytes(self) -> int:
         return psutil.virtual_memory().available

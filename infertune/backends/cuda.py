@@ -10,6 +10,7 @@ from infertune.backends.base import Backend
 class CUDABackend(Backend):
     name = "cuda"
     dist_backend = "nccl"
+    supports_compile = True  # Inductor with Triton kernels; not verified on a GPU here
 
     @property
     def device(self) -> torch.device:

@@ -42,6 +42,9 @@ def _common(p: argparse.ArgumentParser, model_flag: str) -> None:
     p.add_argument("--stop-after", type=int, default=None, metavar="STEP",
                    help="stop after this step with a checkpoint (continue later with --resume)")
     p.add_argument("--val-fraction", type=float, default=0.05, help="held-out share of documents (default: 0.05)")
+    p.add_argument("--val-data", default=None, metavar="FILE|DIR",
+                   help="held-out documents for perplexity (same formats as --data); then all of --data is trained "
+                        "on (default: hold out --val-fraction of --data by file-name hash)")
     p.add_argument("--eval-windows", type=int, default=64, help="held-out windows for perplexity (default: 64)")
     p.add_argument("--speed-tokens", type=int, default=64,
                    help="greedy tokens per prompt for the tokens/s measure; 0 skips it (default: 64)")
@@ -72,7 +75,7 @@ def _config(args: argparse.Namespace, teacher: bool):
         temperature=args.temperature if teacher else 1.0, alpha=args.alpha if teacher else 0.0,
         steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr, weight_decay=args.weight_decay,
         seed=args.seed, save_every=args.save_every, resume=args.resume, stop_after=args.stop_after,
-        val_fraction=args.val_fraction, eval_windows=args.eval_windows, speed_tokens=args.speed_tokens,
+        val_fraction=args.val_fraction, val_data=args.val_data, eval_windows=args.eval_windows, speed_tokens=args.speed_tokens,
         device=args.device, progress=not args.no_progress)
 
 

@@ -6,7 +6,8 @@ directory (every ``*.py`` and ``*.txt`` file below it, sorted by relative path, 
 Split: a document is held out when ``sha256(document id)`` (read as a fraction of 2^64) is below ``val_fraction``;
 the id is the file's path relative to ``--data`` (``name:line`` for a JSONL line). This depends on nothing but the
 names, so the split is the same on every run and machine. When that leaves one side empty (a single file, or very
-few files), the last ``val_fraction`` of the token stream is held out instead.
+few files), the last ``val_fraction`` of the token stream is held out instead. With ``val_data`` (``--val-data``) the
+held-out documents come from that file or directory instead, and every ``--data`` document is trained on.
 
 Tokenization: with the teacher's tokenizer (``AutoTokenizer``), no special tokens added; documents are joined with
 the tokenizer's EOS token as separator, and the stream is cut into windows of ``seq_len + 1`` tokens (input plus
@@ -96,7 +97,7 @@ class Corpus:
     seq_len: int
     n_train_docs: int
     n_val_docs: int
-    split: str  # "by-file-hash" or "stream-tail"
+    split: str  # "by-file-hash", "explicit" (--val-data) or "stream-tail"
 
     @property
     def n_train_windows(self) -> int:
@@ -120,18 +121,23 @@ class Corpus:
         return torch.stack([self.val[i * self.seq_len: i * self.seq_len + self.seq_len + 1] for i in range(n)])
 
 
-def build_corpus(data: str | Path, tokenizer, seq_len: int, val_fraction: float = 0.05) -> Corpus:
+def build_corpus(data: str | Path, tokenizer, seq_len: int, val_fraction: float = 0.05,
+                 val_data: str | Path | None = None) -> Corpus:
     if seq_len < 2:
         raise ValueError(f"--seq-len must be >= 2, got {seq_len}")
     eos_id = tokenizer.eos_token_id
     if eos_id is None:
         raise ValueError("the tokenizer has no EOS token to separate documents")
     docs = collect_documents(data)
-    train_docs, val_docs = split_documents(docs, val_fraction)
+    if val_data is not None:
+        train_docs, val_docs = docs, collect_documents(val_data)
+        split = "explicit"
+    else:
+        train_docs, val_docs = split_documents(docs, val_fraction)
+        split = "by-file-hash"
     if train_docs and val_docs:
         train = encode_stream(tokenizer, [t for _, t in train_docs], eos_id)
         val = encode_stream(tokenizer, [t for _, t in val_docs], eos_id)
-        split = "by-file-hash"
     else:
         stream = encode_stream(tokenizer, [t for _, t in docs], eos_id)
         n_val = max(seq_len + 1, int(stream.numel() * val_fraction))

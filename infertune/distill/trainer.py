@@ -51,6 +51,7 @@ class TrainConfig:
     resume: bool = False
     stop_after: int | None = None       # stop (with a checkpoint) after this step; None = run to `steps`
     val_fraction: float = 0.05
+    val_data: str | None = None         # explicit held-out documents (else split --data by file hash)
     eval_windows: int = 64
     speed_tokens: int = 64              # greedy tokens per prompt for the tokens/s measure; 0 skips it
     device: str = "cpu"
@@ -219,7 +220,7 @@ def run_training(cfg: TrainConfig, log=print) -> dict:
     teacher = load_teacher(cfg.teacher, cfg.device) if cfg.teacher else None
     vocab = teacher.config.vocab_size if teacher is not None else len(tokenizer)
     t0 = time.perf_counter()
-    corpus: Corpus = build_corpus(cfg.data, tokenizer, cfg.seq_len, cfg.val_fraction)
+    corpus: Corpus = build_corpus(cfg.data, tokenizer, cfg.seq_len, cfg.val_fraction, cfg.val_data)
     log(f"[data] {corpus.train.numel():,} train tokens ({corpus.n_train_docs} docs), {corpus.val.numel():,} "
         f"held-out tokens ({corpus.n_val_docs} docs, split {corpus.split}), {time.perf_counter() - t0:.1f}s")
 

@@ -51,12 +51,15 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(pos, inv_freq)  # [P, D/2]
         self.cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # [P, D]
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions [T]; q [T, H, D]; k [T, Hkv, D]
-        cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2] each
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def cos_sin_at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, D/2] (fp32) of the step's positions; computed once per step and shared by every layer."""
+        cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
+        return cos, sin
 
+    def forward(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate qk [T, Hq + Hkv, D] (the query and key heads, side by side) in place; returns it.
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+        Rotated in fp32 and rounded once to qk's dtype, exactly as rotating q and k separately would.
+        """
+        x1, x2 = qk.float().chunk(2, dim=-1)
+        return qk.copy_(torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1))

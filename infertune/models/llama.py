@@ -1,7 +1,14 @@
 """Llama-family decoder (Llama, Qwen2 with q/k/v bias, Mistral) over a flattened batch and a paged KV cache.
 
-The forward takes every scheduled token of the step as one [T] run (no padding); attention finds each
-sequence's context through the AttentionMetadata. Weights for q/k/v and gate/up are packed.
+The forward takes every scheduled token of the step as one [T] run; attention finds each sequence's context
+through the AttentionMetadata. Weights for q/k/v and gate/up are packed.
+
+A decoder layer is three stages, so that the runner can compile the dense parts and keep attention (whose shapes
+follow the context lengths) eager:
+  project(x, cos, sin)        input norm, qkv projection, rotary            -> q, k, v
+  attention                   the attention backend (paged KV cache)         -> o
+  finish(o, x)                o_proj + residual, post-norm, MLP + residual   -> the layer's output
+`LlamaModel.forward` runs them in order; `infertune.runner.compiled` runs the same methods through torch.compile.
 """
 
 from __future__ import annotations
@@ -32,15 +39,18 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary
         self.attn = attn
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [T, hidden] (normed) -> q [T, H, D], k, v [T, Hkv, D]: views of one qkv buffer, q and k rotated."""
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)  # [T, H, D]
-        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        qkv = self.qkv_proj(x).view(t, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        qk = self.rotary(qkv[:, : self.num_heads + self.num_kv_heads], cos, sin)
+        return qk[:, : self.num_heads], qk[:, self.num_heads :], qkv[:, self.num_heads + self.num_kv_heads :]
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.project(x, cos, sin)
         o = self.attn.forward(q, k, v, kv_cache, meta, self.scale)  # [T, H, D]
-        return self.o_proj(o.reshape(t, self.q_size))
+        return self.o_proj(o.reshape(x.shape[0], self.q_size))
 
 
 class LlamaMLP(nn.Module):
@@ -62,9 +72,21 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(cfg, dtype)
 
-    def forward(self, positions, x, kv_cache, meta) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Stage 1: input norm, qkv projection and rotary -> q, k, v."""
+        return self.self_attn.project(self.input_layernorm(x), cos, sin)
+
+    def attend(self, q, k, v, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Stage 2: the attention backend (writes this step's K/V, reads the paged cache) -> o [T, H, D]."""
+        return self.self_attn.attn.forward(q, k, v, kv_cache, meta, self.self_attn.scale)
+
+    def finish(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Stage 3: o_proj and residual, post-attention norm, MLP and residual -> the layer's output."""
+        x = x + self.self_attn.o_proj(o.reshape(x.shape[0], self.self_attn.q_size))
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward(self, x, cos, sin, kv_cache, meta) -> torch.Tensor:
+        return self.finish(self.attend(*self.project(x, cos, sin), kv_cache, meta), x)
 
 
 class LlamaModel(nn.Module):
@@ -79,8 +101,9 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = self.rotary.cos_sin_at(positions)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(positions, x, kv_cache, meta)
+            x = layer(x, cos, sin, kv_cache, meta)
         return self.norm(x)
 
 

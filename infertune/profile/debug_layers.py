@@ -68,29 +68,34 @@ class LayerDebugReport:
 class OutputCapture:
     """Forward hooks on every submodule; records (label, output tensors in fp32 on the CPU) in completion order.
 
-    A module called from several places (the shared rotary embedding) is labelled by its caller, e.g.
-    model.layers.3.self_attn.rotary, so each call has its own row.
+    A module called from several places (the shared rotary embedding) is labelled by where its caller holds it,
+    e.g. model.layers.3.self_attn.rotary, so each call has its own row.
     """
 
     def __init__(self, model: nn.Module) -> None:
         self.records: list[tuple[str, list[torch.Tensor]]] = []
         self._stack: list[str] = []
         self._handles = []
+        self._all_names: dict[int, list[str]] = {}  # every name a module is reachable under (shared ones: several)
+        for name, module in model.named_modules(remove_duplicate=False):
+            if name:
+                self._all_names.setdefault(id(module), []).append(name)
         for name, module in model.named_modules():
             if not name:  # the root returns the same tensor as model.model
                 continue
-            self._handles.append(module.register_forward_pre_hook(self._pre(name)))
+            self._handles.append(module.register_forward_pre_hook(self._pre(name, id(module))))
             self._handles.append(module.register_forward_hook(self._post(name)))
 
-    def _label(self, name: str) -> str:
+    def _label(self, name: str, key: int) -> str:
         caller = self._stack[-1] if self._stack else ""
         if caller and not name.startswith(caller + "."):
-            return f"{caller}.{name.rsplit('.', 1)[-1]}"
+            inside = [n for n in self._all_names.get(key, []) if n.startswith(caller + ".")]
+            return min(inside, key=len) if inside else f"{caller}.{name.rsplit('.', 1)[-1]}"
         return name
 
-    def _pre(self, name: str):
+    def _pre(self, name: str, key: int):
         def hook(module, args):
-            self._stack.append(self._label(name))
+            self._stack.append(self._label(name, key))
 
         return hook
 
@@ -100,7 +105,8 @@ class OutputCapture:
         def hook(module, args, output):
             label = self._stack.pop()
             leaves = output if isinstance(output, (tuple, list)) else [output]
-            tensors = [t.detach().float().cpu() for t in leaves if isinstance(t, torch.Tensor)]
+            # clone: an output may be a view of a buffer that later stages write in place
+            tensors = [t.detach().float().cpu().clone() for t in leaves if isinstance(t, torch.Tensor)]
             if tensors:
                 self.records.append((label, tensors))
 

@@ -15,6 +15,7 @@ from infertune.backends import Backend
 from infertune.config import EngineConfig
 from infertune.layers.attention import AttentionMetadata, Int8PagedAttention, PrefillChunk, TorchPagedAttention
 from infertune.models.loader import load_model
+from infertune.runner.compiled import CompiledForward, should_compile
 from infertune.runner.sampler import SampleRequest, Sampler, SamplerOutput
 
 if TYPE_CHECKING:  # the runner reads the engine's plain data types; it never calls into the engine
@@ -59,6 +60,30 @@ class ModelRunner:
         self._kv_storage = torch.zeros((arch.num_hidden_layers, *shape), dtype=cache_dtype, device=self.device)
         self.kv_caches = list(self._kv_storage.unbind(0))
         self.sampler = Sampler(config.model.seed, self.device)
+        self.compiled: CompiledForward | None = None
+        n_params = sum(p.numel() for p in self.model.parameters()) + sum(b.numel() for b in self.model.buffers())
+        if should_compile(config.model.compile, backend, n_params):
+            self.compiled = CompiledForward(self.model)
+            self.compiled.warm_up(self._warm_up_step)
+
+    @property
+    def compile_seconds(self) -> float | None:
+        """Start-up time spent compiling (None when the forward runs eager)."""
+        return self.compiled.warmup_seconds if self.compiled is not None else None
+
+    def _forward(self, input_ids, positions, meta) -> torch.Tensor:
+        if self.compiled is not None:
+            return self.compiled(input_ids, positions, self.kv_caches, meta)
+        return self.model(input_ids, positions, self.kv_caches, meta)
+
+    @torch.inference_mode()
+    def _warm_up_step(self, n: int) -> None:
+        """A decode step of n one-token sequences, each in slot i of block 0 (no block is in use before serving)."""
+        assert n <= self.block_size, "warm-up rows must fit one block"
+        entries = [([1], 0, 1, [0]) for _ in range(n)]
+        input_ids, positions, meta, _ = self._prepare(entries)
+        meta.slot_mapping = self._tensor(list(range(n)))
+        self.model.compute_logits(self._forward(input_ids, positions, meta))
 
     def _plan_kv_cache(self) -> KVCacheInfo:
         cfg, arch = self.config, self.config.model.arch
@@ -91,7 +116,7 @@ class ModelRunner:
             for seq, n in zip(batch.seqs, batch.num_scheduled_tokens)
         ]
         input_ids, positions, meta, last_rows = self._prepare(entries)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
+        hidden = self._forward(input_ids, positions, meta)  # [T, hidden]
         n_entries = len(entries)
         tokens: list[int | None] = [None] * n_entries
         logprobs: list = [None] * n_entries
@@ -118,7 +143,7 @@ class ModelRunner:
         For perplexity / evaluation and parity checks; generation goes through execute_model.
         """
         input_ids, positions, meta, _ = self._prepare([(token_ids, 0, len(token_ids), block_table)])
-        return self.model.compute_logits(self.model(input_ids, positions, self.kv_caches, meta))  # [n, V]
+        return self.model.compute_logits(self._forward(input_ids, positions, meta))  # [n, V]
 
     def _prepare(self, entries: list[tuple[list[int], int, int, list[int]]]):
         """(token_ids, num_computed, num_new, block_table) per entry -> flat inputs and attention metadata.

@@ -31,6 +31,8 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None = None  # [num_decodes], the new token included
     decode_max_context_len: int = 0
     prefills: list[PrefillChunk] = field(default_factory=list)
+    # Per-step values a backend derives once and every layer reuses (e.g. the decode length mask).
+    step_cache: dict = field(default_factory=dict)
 
 
 class AttentionBackend(abc.ABC):

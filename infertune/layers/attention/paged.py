@@ -54,11 +54,15 @@ class TorchPagedAttention(AttentionBackend):
         _, _, block_size, hkv, _ = kv_cache.shape
         tables = meta.decode_block_tables  # [B, M]
         b, m = tables.shape
-        k = self._decoded(kv_cache[0][tables]).view(b, m * block_size, hkv, -1).transpose(1, 2)  # [B, Hkv, L, D]
-        v = self._decoded(kv_cache[1][tables]).view(b, m * block_size, hkv, -1).transpose(1, 2)
-        kpos = torch.arange(m * block_size, device=q.device)
-        mask = (kpos.unsqueeze(0) < meta.decode_context_lens.unsqueeze(1)).view(b, 1, 1, m * block_size)
-        o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        length = m * block_size
+        mask = meta.step_cache.get("decode_mask")
+        if mask is None:  # the same for every layer of the step: built once
+            kpos = torch.arange(length, device=q.device)
+            mask = (kpos.unsqueeze(0) < meta.decode_context_lens.unsqueeze(1)).view(b, 1, 1, length)
+            meta.step_cache["decode_mask"] = mask
+        kv = self._decoded(kv_cache[:, tables])  # K and V in one gather: [2, B, M, block, Hkv, D]
+        kv = kv.view(2, b, length, hkv, -1).transpose(2, 3)  # [2, B, Hkv, L, D]
+        o = F.scaled_dot_product_attention(q.unsqueeze(2), kv[0], kv[1], attn_mask=mask, scale=scale, enable_gqa=True)
         return o.squeeze(2)  # [B, H, D]
 
 
