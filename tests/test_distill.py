@@ -121,6 +121,8 @@ def test_distill_output_loads_in_infertune_and_hf_and_resume_is_exact(setup):
     assert (root / "resumed" / "checkpoints" / "step-0000003.pt").is_file()
     resumed = run_training(_cfg(root, teacher_dir, data, root / "resumed", resume=True), log=lambda *_: None)
     assert len(resumed["losses"]) == 6
+    # the reported training time spans both runs (the resumed run alone trained only 3 steps)
+    assert resumed["train_seconds"] > part["train_seconds"] > 0
     for a, b in zip(full["losses"], resumed["losses"]):
         assert abs(a - b) <= 1e-6, (full["losses"], resumed["losses"])
 

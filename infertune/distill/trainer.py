@@ -147,14 +147,16 @@ def latest_checkpoint(out: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def save_checkpoint(out: Path, model, opt, step: int, losses: list[float], cfg: TrainConfig) -> Path:
+def save_checkpoint(out: Path, model, opt, step: int, losses: list[float], cfg: TrainConfig,
+                    train_seconds: float = 0.0) -> Path:
     d = _ckpt_dir(out)
     d.mkdir(parents=True, exist_ok=True)
     path = d / f"step-{step:07d}.pt"
     tmp = path.with_suffix(".tmp")
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step, "losses": losses,
                 "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
-                "config": model.config.to_dict(), "train_config": asdict(cfg)}, tmp)
+                "config": model.config.to_dict(), "train_config": asdict(cfg),
+                "train_seconds": train_seconds}, tmp)
     tmp.replace(path)
     for old in sorted(d.glob("step-*.pt"))[:-2]:
         old.unlink()
@@ -231,7 +233,7 @@ def run_training(cfg: TrainConfig, log=print) -> dict:
                          f"{config.max_position_embeddings}")
     student = build_student(config, cfg.seed).to(cfg.device)
     opt = make_optimizer(student, cfg)
-    start, losses = 0, []
+    start, losses, seconds_before = 0, [], 0.0  # seconds_before: training time of the runs this one resumes
     if not cfg.resume:  # a fresh run: checkpoints of an earlier run in this folder must not be resumed from later
         for old in _ckpt_dir(out).glob("step-*.pt"):
             old.unlink()
@@ -244,11 +246,12 @@ def run_training(cfg: TrainConfig, log=print) -> dict:
             student.load_state_dict(ckpt["model"])
             opt.load_state_dict(ckpt["optimizer"])
             start, losses = int(ckpt["step"]), list(ckpt["losses"])
+            seconds_before = float(ckpt.get("train_seconds", 0.0))
             torch.set_rng_state(ckpt["torch_rng"])
             random.setstate(ckpt["python_rng"])
             log(f"[resume] {ckpt_path.name}: continuing at step {start}/{cfg.steps}")
     n_params = sum(p.numel() for p in student.parameters())
-    log(f"[model] student {config.model_type}, {n_params:,} parameters; "
+    log(f"[model] {'student' if teacher is not None else 'model'} {config.model_type}, {n_params:,} parameters; "
         f"{'teacher ' + cfg.teacher + f', T={cfg.temperature}, alpha={cfg.alpha}' if teacher is not None else 'no teacher (cross-entropy)'}")
 
     end = cfg.steps if cfg.stop_after is None else min(cfg.steps, cfg.stop_after)
@@ -276,9 +279,9 @@ def run_training(cfg: TrainConfig, log=print) -> dict:
                         refresh=False)
         done = step + 1
         if (cfg.save_every > 0 and done % cfg.save_every == 0) or done == end:
-            save_checkpoint(out, student, opt, done, losses, cfg)
+            save_checkpoint(out, student, opt, done, losses, cfg, seconds_before + time.perf_counter() - t_train)
     bar.close()
-    train_seconds = time.perf_counter() - t_train
+    train_seconds = seconds_before + time.perf_counter() - t_train  # over every run that led here
     student.eval()
     report = {"steps_done": len(losses), "steps": cfg.steps, "losses": losses, "train_seconds": train_seconds,
               "student_parameters": n_params, "train_config": asdict(cfg)}

@@ -18,7 +18,7 @@ from pathlib import Path
 
 DESCRIPTION = (
     "Measure the optimization ledger on this machine: HF transformers generate, then infertune eager, + paged KV "
-    "and continuous batching, + prepacked weights, + compiled decode (not available yet), + INT8 KV, + W8A16, "
+    "and continuous batching, + prepacked weights, + compiled decode, + INT8 KV, + W8A16, "
     "+ W4A16, + tuned batch; tokens/s, TTFT, memory, gain per step and cumulative vs HF, and the perplexity "
     "change of lossy steps. Markdown table by default; --json / --md / --plot write files.")
 
@@ -59,7 +59,7 @@ STEPS = [
     ("eager", "infertune eager, one sequence at a time", dict(prepack_weights=False, max_num_seqs=1), False),
     ("batching", "+ paged KV and continuous batching", dict(max_num_seqs="batch"), False),
     ("prepack", "+ prepacked weights", dict(prepack_weights=True), False),
-    ("compiled", "+ compiled / fused decode", None, False),
+    ("compiled", "+ compiled / fused decode (torch.compile)", dict(compile="on"), False),
     ("int8_kv", "+ INT8 KV cache", dict(kv_cache_dtype="int8"), True),
     ("w8a16", "+ W8A16 weights", dict(quantization="w8a16"), True),
     ("w4a16", "+ W4A16 weights", dict(quantization="w4a16"), True),
@@ -116,7 +116,7 @@ def build_ledger(args, progress: bool = True) -> dict:
     outs = [args.output_len] * n
     max_len = args.input_len + args.output_len
     current = dict(dtype=args.dtype, max_model_len=max_len, enable_prefix_caching=False, prepack_weights=False,
-                   max_num_seqs=1)
+                   max_num_seqs=1, compile="off")
     def call(fn_name: str, **kwargs) -> dict:
         if args.in_process:
             return getattr(measure, fn_name)(**kwargs)
