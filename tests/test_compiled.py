@@ -112,3 +112,20 @@ def test_should_compile_policy():
 def test_compile_option_is_validated(tiny_llama):
     with pytest.raises(ValueError, match="compile='always'"):
         LLM(str(tiny_llama), compile="always")
+
+
+def test_a_failing_compile_falls_back_under_auto_and_raises_under_on(tiny_llama, monkeypatch):
+    """No C++ compiler or an Inductor failure must not stop an `auto` engine; `on` must say what failed."""
+    import infertune.runner.compiled as compiled_mod
+
+    def broken_warm_up(self, run_step):
+        raise OSError("no C++ compiler found")
+
+    monkeypatch.setattr(compiled_mod.CompiledForward, "warm_up", broken_warm_up)
+    monkeypatch.setattr(compiled_mod, "AUTO_MIN_PARAMETERS", 0)  # make the tiny model qualify for auto
+    llm = LLM(str(tiny_llama), dtype="float32", compile="auto")
+    assert _runner(llm).compiled is None and _runner(llm).compile_seconds is None
+    out = llm.generate("hi", SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2
+    with pytest.raises(RuntimeError, match="compile='on': torch.compile failed .*no C\\+\\+ compiler"):
+        LLM(str(tiny_llama), dtype="float32", compile="on")

@@ -63,8 +63,15 @@ class ModelRunner:
         self.compiled: CompiledForward | None = None
         n_params = sum(p.numel() for p in self.model.parameters()) + sum(b.numel() for b in self.model.buffers())
         if should_compile(config.model.compile, backend, n_params):
-            self.compiled = CompiledForward(self.model)
-            self.compiled.warm_up(self._warm_up_step)
+            try:
+                self.compiled = CompiledForward(self.model)
+                self.compiled.warm_up(self._warm_up_step)
+            except Exception as e:  # no C++ compiler, an Inductor bug, ...: auto falls back, on says why
+                self.compiled = None
+                if config.model.compile == "on":
+                    raise RuntimeError(f"compile='on': torch.compile failed ({type(e).__name__}: {e}); "
+                                       "run with compile='off' (--compile off)") from e
+                log.warning("torch.compile failed (%s: %s); running eager (compile='auto')", type(e).__name__, e)
 
     @property
     def compile_seconds(self) -> float | None:
