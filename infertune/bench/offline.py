@@ -11,6 +11,7 @@ Metrics, per system and batch size B (N = --output-len):
   TTFT s          time until every sequence of the batch has its first token. infertune: from the
                   start of generate() to the latest RequestOutput.metrics.first_token_time. HF: a
                   separate generate(max_new_tokens=1) on the same batch.
+  prefill tok/s   B * prompt tokens / TTFT (the batch's prompts over the time until all have a first token)
   output tok/s    B * N / total wall time of the generate call
   decode tok/s    B * (N - 1) / (total - TTFT)
   peak RSS MiB    the worker's peak resident set (VmHWM): imports + weights + KV cache + transients
@@ -216,14 +217,15 @@ def spawn_worker(args, system: str, batch: int, model_dir: Path) -> dict:
     return result
 
 
-def summarize(result: dict, batch: int, out_len: int, weight_bytes: int) -> dict:
+def summarize(result: dict, batch: int, out_len: int, weight_bytes: int, in_len: int = 0) -> dict:
     """Per-run rates, then the median of each figure over the timed runs."""
     for run in result["runs"]:
         run["output_tok_s"] = batch * out_len / run["total_s"]
+        run["prefill_tok_s"] = batch * in_len / run["ttft_s"] if in_len and run["ttft_s"] > 0 else None
         decode_s = run["total_s"] - run["ttft_s"]
         run["decode_tok_s"] = batch * (out_len - 1) / decode_s if out_len > 1 and decode_s > 0 else None
     med = {}
-    for key in ("ttft_s", "total_s", "output_tok_s", "decode_tok_s"):
+    for key in ("ttft_s", "total_s", "output_tok_s", "decode_tok_s", "prefill_tok_s"):
         vals = [r[key] for r in result["runs"] if r.get(key) is not None]
         med[key] = statistics.median(vals) if vals else None
     med["decode_gb_s"] = (weight_bytes * med["decode_tok_s"] / 1e9
@@ -309,7 +311,7 @@ def run_parent(args) -> int:
             elif "error" in res:
                 log(f"{system} b{batch} FAILED: {res['error']}")
             else:
-                summarize(res, batch, args.output_len, weight_bytes)
+                summarize(res, batch, args.output_len, weight_bytes, args.input_len)
                 m = res["median"]
                 log(f"{system} b{batch}: TTFT {m['ttft_s']:.3f} s, output {m['output_tok_s']:.1f} tok/s, "
                     f"decode {fmt(m['decode_tok_s'], '.1f')} tok/s, peak RSS {res['peak_rss_mib']:.0f} MiB")
@@ -336,19 +338,20 @@ def run_parent(args) -> int:
         f"greedy, EOS ignored, {args.dtype}; medians of {args.repeats} timed run(s) after 1 warm-up; "
         f"each (system, batch) in its own process.",
         "",
-        "| system | batch | TTFT s | decode tok/s | output tok/s | peak RSS MiB | decode GB/s | probe GB/s |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| system | batch | TTFT s | prefill tok/s | decode tok/s | output tok/s | peak RSS MiB | decode GB/s | probe GB/s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         label = SYSTEM_LABELS[r["system"]]
         if "skipped" in r:
-            lines.append(f"| {label} | {r['batch']} | skipped: {r['skipped']} | | | | | |")
+            lines.append(f"| {label} | {r['batch']} | skipped: {r['skipped']} | | | | | | |")
             continue
         if "error" in r:
-            lines.append(f"| {label} | {r['batch']} | failed: {r['error']} | | | | | {fmt(r['probe_gb_s'], '.1f')} |")
+            lines.append(f"| {label} | {r['batch']} | failed: {r['error']} | | | | | | {fmt(r['probe_gb_s'], '.1f')} |")
             continue
         m = r["median"]
-        lines.append(f"| {label} | {r['batch']} | {m['ttft_s']:.3f} | {fmt(m['decode_tok_s'], '.1f')} | "
+        lines.append(f"| {label} | {r['batch']} | {m['ttft_s']:.3f} | {fmt(m['prefill_tok_s'], '.0f')} | "
+                     f"{fmt(m['decode_tok_s'], '.1f')} | "
                      f"{m['output_tok_s']:.1f} | {r['peak_rss_mib']:.0f} | {fmt(m['decode_gb_s'], '.2f')} | "
                      f"{fmt(r['probe_gb_s'], '.1f')} |")
     ratios = []
