@@ -46,6 +46,19 @@ def current_rss_mib() -> float:
     return psutil.Process().memory_info().rss / 2**20
 
 
+def warm_and_time(label: str, once, repeats: int) -> tuple[float, list[dict]]:
+    """One untimed warm-up run (prompts of run -1), then `repeats` timed runs; returns (warm-up seconds, runs)."""
+    log(f"{label}: warm-up run")
+    t0 = time.perf_counter()
+    once(-1)
+    warmup_s = time.perf_counter() - t0
+    runs = []
+    for r in range(repeats):
+        log(f"{label}: timed run {r + 1}/{repeats}")
+        runs.append(once(r))
+    return warmup_s, runs
+
+
 # --------------------------------------------------------------------------------------------------
 # Workers: one (system, batch size) pair per process; the result is one JSON line on stdout
 # --------------------------------------------------------------------------------------------------
@@ -99,14 +112,8 @@ def worker_infertune(args, model_dir: Path, batch: int) -> dict:
                     cached_prompt_tokens=sum(o.metrics.num_cached_tokens for o in outs),
                     tokens=[o.outputs[0].token_ids for o in outs])
 
-    log(f"infertune b{batch}: loaded in {load_s:.1f} s; warm-up run")
-    t0 = time.perf_counter()
-    once(-1)
-    warmup_s = time.perf_counter() - t0
-    runs = []
-    for r in range(args.repeats):
-        log(f"infertune b{batch}: timed run {r + 1}/{args.repeats}")
-        runs.append(once(r))
+    log(f"infertune b{batch}: loaded in {load_s:.1f} s")
+    warmup_s, runs = warm_and_time(f"infertune b{batch}", once, args.repeats)
     extra = {"kv_cache_bytes": kv_bytes, "engine_options": options,
              "compile_s": llm.engine.executor.runner.compile_seconds}
     return dict(load_s=load_s, warmup_s=warmup_s, rss_after_load_mib=rss_after_load, runs=runs, extra=extra)
@@ -148,15 +155,9 @@ def worker_hf(args, model_dir: Path, batch: int) -> dict:
             raise RuntimeError(f"transformers produced {[len(t) for t in tokens]} tokens, expected {args.output_len}")
         return dict(total_s=total, ttft_s=ttft, tokens=tokens)
 
-    log(f"hf b{batch}: loaded in {load_s:.1f} s; warm-up run")
-    t0 = time.perf_counter()
+    log(f"hf b{batch}: loaded in {load_s:.1f} s")
     with torch.inference_mode():
-        once(-1)
-        warmup_s = time.perf_counter() - t0
-        runs = []
-        for r in range(args.repeats):
-            log(f"hf b{batch}: timed run {r + 1}/{args.repeats}")
-            runs.append(once(r))
+        warmup_s, runs = warm_and_time(f"hf b{batch}", once, args.repeats)
     extra = {"transformers": transformers.__version__, "attn_implementation": args.hf_attn}
     return dict(load_s=load_s, warmup_s=warmup_s, rss_after_load_mib=rss_after_load, runs=runs, extra=extra)
 

@@ -215,7 +215,7 @@ def worker_llama_cpp(args, model_dir: Path, batch: int, make_prompts) -> dict:
     if not ctx:
         raise RuntimeError("llama.cpp could not create a context")
     load_s = time.perf_counter() - t0
-    from infertune.bench.offline_workers import current_rss_mib
+    from infertune.bench.offline_workers import current_rss_mib, warm_and_time
 
     rss_after_load = current_rss_mib()
     n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
@@ -256,14 +256,8 @@ def worker_llama_cpp(args, model_dir: Path, batch: int, make_prompts) -> dict:
         total = time.perf_counter() - t_start
         return dict(total_s=total, ttft_s=ttft, tokens=outs)
 
-    log(f"{args.worker} b{batch}: loaded in {load_s:.1f} s; warm-up run")
-    t0 = time.perf_counter()
-    once(-1)
-    warmup_s = time.perf_counter() - t0
-    runs = []
-    for r in range(args.repeats):
-        log(f"{args.worker} b{batch}: timed run {r + 1}/{args.repeats}")
-        runs.append(once(r))
+    log(f"{args.worker} b{batch}: loaded in {load_s:.1f} s")
+    warmup_s, runs = warm_and_time(f"{args.worker} b{batch}", once, args.repeats)
     L.llama_batch_free(b)
     extra = {"gguf": str(path), "gguf_bytes": path.stat().st_size, "llama_cpp_python": L.__version__
              if hasattr(L, "__version__") else None}
