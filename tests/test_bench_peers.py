@@ -8,8 +8,8 @@ import sys
 
 import pytest
 import torch
-
 from conftest import make_checkpoint
+
 from infertune.bench import peers
 
 
@@ -93,8 +93,7 @@ def test_gguf_export_refuses_other_architectures(tmp_path):
 def test_bench_reports_missing_peers_as_skipped_and_compares_eager(tmp_path, monkeypatch, capsys):
     from infertune.bench import offline
 
-    if "llama_cpp" in sys.modules or _installed("llama_cpp"):
-        pytest.skip("llama-cpp-python is installed here; this test covers its absence")
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # as if llama-cpp-python were not installed
     monkeypatch.delenv("INFERTUNE_VLLM_PYTHON", raising=False)
     model = make_checkpoint(tmp_path / "m", "llama", dtype=torch.bfloat16)
     rc = offline.main(["--model", str(model), "--input-len", "6", "--output-len", "3", "--batch", "1",
@@ -111,8 +110,3 @@ def test_bench_reports_missing_peers_as_skipped_and_compares_eager(tmp_path, mon
     out = capsys.readouterr().out
     assert "| llama.cpp BF16 | 1 | skipped:" in out and "infertune (compile off)" in out
 
-
-def _installed(name: str) -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec(name) is not None

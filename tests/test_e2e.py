@@ -14,7 +14,7 @@ from infertune.config import default_model_path
 
 PROMPT = "def __init__(self"
 # Greedy, fp32, 24 tokens. Regenerating the demo model changes it; HF transformers must agree either way.
-GOLDEN = ", other):\n        return self._state\n\n    def __init__(self):\n        return self._state\n\n    def __init"
+GOLDEN = ", name):\n        return self.name == 'name'\n\n    def __init__(self, name):\n        self."
 
 
 @pytest.fixture(scope="module")
@@ -70,4 +70,6 @@ def test_builtin_model_has_learned_something():
 
     report = compare(None, engine_options={"dtype": "float32"})  # the whole held-out split, ~66k tokens
     assert report.num_tokens >= 60000
-    assert report.perplexity < 20.0, report.perplexity  # measured 16.27; uniform would be 4096
+    # measured 12.05 for the distilled student (16.27 for the model of the same size it replaced, trained without a
+    # teacher); uniform would be 4096
+    assert report.perplexity < 13.5, report.perplexity
