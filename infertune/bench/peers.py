@@ -290,6 +290,8 @@ def spawn_vllm(args, model_dir: Path, batch: int, make_prompts, result_marker: s
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{max(0, args.threads - 1)}")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, batch // 16 + 1)))
+    # V1 runs its engine core in a child process by default; in-process, the worker's peak RSS is vLLM's whole RSS.
+    env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     preload = [p for p in ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
                            str(Path(exe).resolve().parent.parent / "lib" / "libiomp5.so")) if Path(p).is_file()]
     if preload and "LD_PRELOAD" not in env:

@@ -79,7 +79,7 @@ class ModelRunner:
         return self.compiled.warmup_seconds if self.compiled is not None else None
 
     def _forward(self, input_ids, positions, meta) -> torch.Tensor:
-        if self.compiled is not None:
+        if self.compiled is not None and input_ids.shape[0] >= self.compiled.min_tokens:
             return self.compiled(input_ids, positions, self.kv_caches, meta)
         return self.model(input_ids, positions, self.kv_caches, meta)
 
