@@ -96,10 +96,17 @@ class _NoCompile:
     supports_compile = False
 
 
+class _CompileByDefault:
+    name = "fast"
+    supports_compile = True
+    compile_by_default = True
+
+
 def test_should_compile_policy():
     cpu = CPUBackend()
-    assert should_compile("auto", cpu, AUTO_MIN_PARAMETERS) is True
-    assert should_compile("auto", cpu, AUTO_MIN_PARAMETERS - 1) is False
+    assert should_compile("auto", cpu, 10**12) is False  # measured slower on CPU: auto leaves it off there
+    assert should_compile("auto", _CompileByDefault(), AUTO_MIN_PARAMETERS) is True
+    assert should_compile("auto", _CompileByDefault(), AUTO_MIN_PARAMETERS - 1) is False
     assert should_compile("off", cpu, 10**12) is False
     assert should_compile("on", cpu, 1) is True
     assert should_compile("auto", _NoCompile(), 10**12) is False
@@ -123,6 +130,7 @@ def test_a_failing_compile_falls_back_under_auto_and_raises_under_on(tiny_llama,
 
     monkeypatch.setattr(compiled_mod.CompiledForward, "warm_up", broken_warm_up)
     monkeypatch.setattr(compiled_mod, "AUTO_MIN_PARAMETERS", 0)  # make the tiny model qualify for auto
+    monkeypatch.setattr(CPUBackend, "compile_by_default", True)
     llm = LLM(str(tiny_llama), dtype="float32", compile="auto")
     assert _runner(llm).compiled is None and _runner(llm).compile_seconds is None
     out = llm.generate("hi", SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)

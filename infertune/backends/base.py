@@ -14,6 +14,7 @@ class Backend(abc.ABC):
     # Whether the aten int8 / int4 weight-pack matmuls run here; else quantized layers use a reference path.
     has_quant_kernels: bool = False
     supports_compile: bool = False  # torch.compile (Inductor) of the decoder's dense stages works here
+    compile_by_default: bool = False  # compile="auto" turns it on (only where it was measured faster)
 
     def __init__(self, index: int = 0) -> None:
         self.index = index

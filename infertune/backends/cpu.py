@@ -37,6 +37,9 @@ class CPUBackend(Backend):
     dist_backend = "gloo"
     has_quant_kernels = True
     supports_compile = True
+    # Measured slower than eager on the 386M benchmark model (benchmarks/bench_compile_ab.py: decode 0.72-0.89x at
+    # batch 16, interleaved in one process), so "auto" leaves it off here; compile="on" still works.
+    compile_by_default = False
 
     @property
     def device(self) -> torch.device:

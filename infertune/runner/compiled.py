@@ -28,8 +28,9 @@ log = logging.getLogger(__name__)
 
 COMPILE_CHOICES = ("auto", "on", "off")
 MIN_COMPILED_TOKENS = 2
-# "auto" compiles models with at least this many parameters: there the per-op overhead it removes is worth the
-# start-up cost (tens of seconds); the tiny built-in model and test models start instantly in eager mode.
+# "auto" compiles models with at least this many parameters, on backends whose `compile_by_default` is set (where
+# it was measured faster; not the CPU backend today): there the per-op overhead it removes is worth the start-up
+# cost (tens of seconds); the tiny built-in model and test models start instantly in eager mode.
 AUTO_MIN_PARAMETERS = 100_000_000
 
 
@@ -61,7 +62,7 @@ def should_compile(choice: str, backend, num_parameters: int) -> bool:
         if not supported:
             raise ValueError(f"compile='on': torch.compile is not supported on the {backend.name} backend; use 'off'")
         return True
-    return supported and num_parameters >= AUTO_MIN_PARAMETERS
+    return supported and getattr(backend, "compile_by_default", False) and num_parameters >= AUTO_MIN_PARAMETERS
 
 
 class CompiledForward:
