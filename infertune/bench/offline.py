@@ -188,13 +188,13 @@ def spawn_worker(args, system: str, batch: int, model_dir: Path) -> dict:
         if system == "vllm":
             return peers.spawn_vllm(args, model_dir, batch, make_prompts, RESULT_MARKER)
         if system in peers.LLAMA_CPP_SYSTEMS:  # export / quantize once, here, so the worker never imports torch
-            peers.ensure_gguf(model_dir, peers.LLAMA_CPP_SYSTEMS[system], args.threads, args.dtype)
+            peers.ensure_gguf(model_dir, peers.LLAMA_CPP_SYSTEMS[system], args.threads, args.dtype, args.cache_dir)
     except peers.PeerUnavailable as e:
         return dict(system=system, batch=batch, skipped=str(e))
     cmd = [sys.executable, "-m", "infertune.bench.offline", "--worker", system, "--worker-batch", str(batch),
            "--model", str(model_dir), "--input-len", str(args.input_len), "--output-len", str(args.output_len),
            "--dtype", args.dtype, "--threads", str(args.threads), "--repeats", str(args.repeats),
-           "--seed", str(args.seed), "--hf-attn", args.hf_attn]
+           "--seed", str(args.seed), "--hf-attn", args.hf_attn, "--cache-dir", str(args.cache_dir)]
     if args.max_num_batched_tokens:
         cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     if args.no_prefix_caching:

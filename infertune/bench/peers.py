@@ -152,15 +152,18 @@ def export_gguf(model_dir: Path, out: Path, dtype: str = "bfloat16") -> Path:
     return out
 
 
-def ensure_gguf(model_dir: Path, variant: str, threads: int, dtype: str) -> Path:
-    """The GGUF file of `variant` (bf16 / q8_0 / q4_0), built once next to the model (or under /tmp)."""
+def ensure_gguf(model_dir: Path, variant: str, threads: int, dtype: str, cache_dir: Path | None = None) -> Path:
+    """The GGUF file of `variant` (bf16 / q8_0 / q4_0), built once under cache_dir (never inside the model folder)."""
     try:
         import llama_cpp
     except ImportError:
         raise PeerUnavailable("llama-cpp-python is not installed (pip install llama-cpp-python, or "
                               "infertune[peers]; it builds llama.cpp from source)") from None
     base_kind = "bf16" if dtype == "bfloat16" else "f32"
-    folder = model_dir if os.access(model_dir, os.W_OK) else Path("/tmp") / f"infertune-gguf-{model_dir.name}"
+    import hashlib
+
+    tag = hashlib.sha256(str(model_dir.resolve()).encode()).hexdigest()[:10]
+    folder = Path(cache_dir or "/tmp/infertune-bench") / "gguf" / f"{model_dir.name}-{tag}"
     folder.mkdir(parents=True, exist_ok=True)
     base = folder / f"model-{base_kind}-v{GGUF_FORMAT_VERSION}.gguf"
     if not base.is_file():
@@ -191,7 +194,7 @@ def worker_llama_cpp(args, model_dir: Path, batch: int, make_prompts) -> dict:
     import numpy as np
 
     variant = LLAMA_CPP_SYSTEMS[args.worker]
-    path = ensure_gguf(model_dir, variant, args.threads, args.dtype)
+    path = ensure_gguf(model_dir, variant, args.threads, args.dtype, getattr(args, "cache_dir", None))
     import llama_cpp as L
 
     L.llama_backend_init()
