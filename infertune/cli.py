@@ -38,8 +38,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quant-group-size", type=int, default=128, help="w4a16 group size (default: 128)")
     g.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
                    help="torch.compile the decoder's dense stages (norms, projections, rotary, MLP) in a warm-up "
-                   "before serving: fewer, fused ops per step for a start-up cost of tens of seconds; auto = on for "
-                   "models of >= 100M parameters; off = quick start (default: auto)")
+                   "before serving: fewer, fused ops per step for a start-up cost of seconds to tens of seconds; "
+                   "auto = on only for models of >= 100M parameters on backends where it measured faster (none "
+                   "yet: on CPU it measured slower, so auto runs eager); off = eager (default: auto)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
                    help="KV-cache storage: the model dtype, or int8 with per-token, per-head scales (about half the "
                    "bytes, so about twice the tokens in the same budget) (default: auto)")
