@@ -549,8 +549,8 @@ def main(argv: list[str] | None = None) -> int:
         train_tokens=train_tokens, val_tokens=val_tokens, teacher=teacher_rep, student=student_rep, table=table,
         samples=samples, files=files, total_bytes=total_bytes, command=" ".join(cmd_args),
         total_seconds=time.perf_counter() - t_start,
-        train_command=_shell([rel(a) if a.startswith(str(REPO_ROOT)) else a for a in train_argv]),
-        distill_command=_shell([rel(a) if a.startswith(str(REPO_ROOT)) else a for a in distill_argv]),
+        train_command=_shell([rel(a) for a in train_argv]),
+        distill_command=_shell([rel(a) for a in distill_argv]),
     ))
     sha = hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest()
     print(f"held-out perplexity: teacher {table['teacher_ppl']:.2f}, student {table['student_ppl']:.2f} "

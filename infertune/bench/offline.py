@@ -319,14 +319,6 @@ def run_parent(args) -> int:
     probe_end = bandwidth_probe(args.probe_gib, args.threads)
 
     by_key = {(r["system"], r["batch"]): r for r in results if "error" not in r and "skipped" not in r}
-    # Greedy agreement on the first timed run (informational: bf16 rounding differs between kernels, and
-    # random weights give near-tied logits, so sequences may diverge without either system being wrong).
-    agreements = {}
-    for batch in args.batch:
-        a, b = by_key.get(("infertune", batch)), by_key.get(("hf", batch))
-        if a and b:
-            agreements[batch] = agreement(a["runs"][0]["tokens"], b["runs"][0]["tokens"])
-
     # ---- report ---------------------------------------------------------------------------------
     date = _dt.datetime.now().astimezone().isoformat(timespec="seconds")
     lines = [
@@ -372,8 +364,10 @@ def run_parent(args) -> int:
                            output_tok_s=_div(ma["output_tok_s"], mb["output_tok_s"]),
                            ttft_s=_div(ma["ttft_s"], mb["ttft_s"]),
                            peak_rss_mib=_div(a["peak_rss_mib"], b["peak_rss_mib"]))
+                # Greedy agreement on the first timed run (informational: bf16 rounding differs between kernels,
+                # and random weights give near-tied logits, so sequences may diverge with neither system wrong).
+                ag = row["agreement"] = agreement(a["runs"][0]["tokens"], b["runs"][0]["tokens"])
                 ratios.append(row)
-                ag = agreement(a["runs"][0]["tokens"], b["runs"][0]["tokens"])
                 lines.append(f"| {SYSTEM_LABELS[ours]} | {SYSTEM_LABELS[peer]} | {batch} | "
                              f"{ratio(ma['decode_tok_s'], mb['decode_tok_s'])} | "
                              f"{ratio(ma['output_tok_s'], mb['output_tok_s'])} | {ratio(ma['ttft_s'], mb['ttft_s'])} | "
@@ -410,7 +404,8 @@ def run_parent(args) -> int:
             workload=dict(input_len=args.input_len, output_len=args.output_len, batches=args.batch, dtype=args.dtype,
                           threads=args.threads, repeats=args.repeats, seed=args.seed, greedy=True, ignore_eos=True),
             results=results, ratios=ratios,
-            greedy_agreement={str(k): v for k, v in agreements.items()},
+            greedy_agreement={str(r["batch"]): r["agreement"] for r in ratios
+                              if r["system"] == "infertune" and r["peer"] == "hf"},
             probe_end_gb_s=probe_end, load_average_start=load_start, load_average_end=load_end, wall_s=elapsed)
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(doc, indent=2) + "\n")

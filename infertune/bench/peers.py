@@ -18,6 +18,7 @@ vLLM
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -160,8 +161,6 @@ def ensure_gguf(model_dir: Path, variant: str, threads: int, dtype: str, cache_d
         raise PeerUnavailable("llama-cpp-python is not installed (pip install llama-cpp-python, or "
                               "infertune[peers]; it builds llama.cpp from source)") from None
     base_kind = "bf16" if dtype == "bfloat16" else "f32"
-    import hashlib
-
     tag = hashlib.sha256(str(model_dir.resolve()).encode()).hexdigest()[:10]
     folder = Path(cache_dir or "/tmp/infertune-bench") / "gguf" / f"{model_dir.name}-{tag}"
     folder.mkdir(parents=True, exist_ok=True)

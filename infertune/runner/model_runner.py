@@ -61,8 +61,7 @@ class ModelRunner:
         self.kv_caches = list(self._kv_storage.unbind(0))
         self.sampler = Sampler(config.model.seed, self.device)
         self.compiled: CompiledForward | None = None
-        n_params = sum(p.numel() for p in self.model.parameters()) + sum(b.numel() for b in self.model.buffers())
-        if should_compile(config.model.compile, backend, n_params):
+        if config.model.compile != "off" and should_compile(config.model.compile, backend, self._num_weights()):
             try:
                 self.compiled = CompiledForward(self.model)
                 self.compiled.warm_up(self._warm_up_step)
@@ -72,6 +71,10 @@ class ModelRunner:
                     raise RuntimeError(f"compile='on': torch.compile failed ({type(e).__name__}: {e}); "
                                        "run with compile='off' (--compile off)") from e
                 log.warning("torch.compile failed (%s: %s); running eager (compile='auto')", type(e).__name__, e)
+
+    def _num_weights(self) -> int:
+        """Parameters plus buffers (prepacked and quantized weights live in buffers)."""
+        return sum(p.numel() for p in self.model.parameters()) + sum(b.numel() for b in self.model.buffers())
 
     @property
     def compile_seconds(self) -> float | None:
