@@ -11,7 +11,7 @@ PKG = Path(__file__).resolve().parents[1] / "infertune"
 
 # ARCHITECTURE.md's layering, bottom (1) to top (7).
 RANKS = {
-    "config": 1, "sampling_params": 1, "backends": 1, "quant": 2,
+    "config": 1, "sampling_params": 1, "kernels": 1, "backends": 1, "quant": 2,
     "layers": 2,
     "models": 3,
     "runner": 4,

@@ -54,6 +54,11 @@ class Backend(abc.ABC):
     def packed_linear(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError(f"{self.name} has no packed linear layout")
 
+    def decode_kernels(self):
+        """This backend's own small-batch linear kernels (a module with MAX_ROWS, linear_bf16 and linear_w8, as
+        infertune.kernels.cpu), or None where torch's matmuls are all there is."""
+        return None
+
     # Rows (tokens) up to which the int8 / int4 weight-pack matmuls beat dequantize + dense matmul.
     quant_kernel_max_rows: int = 16
 

@@ -79,6 +79,11 @@ class CPUBackend(Backend):
             return mkldnn_packed_linear(x, packed, bias)
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
+    def decode_kernels(self):
+        from infertune.kernels import cpu as kernels  # built on first use; None where the CPU or compiler lacks
+
+        return kernels if kernels.available() else None
+
     def free_memory_bytes(self) -> int:
         return psutil.virtual_memory().available
 

@@ -53,16 +53,19 @@ from infertune.bench.offline_workers import (  # noqa: F401  re-exported: other 
 )
 
 SYSTEMS = ("infertune", "hf", "infertune-eager", "infertune-w8a16", "infertune-w4a16", "infertune-w8a8",
-           "llama.cpp", "llama.cpp-q8_0", "llama.cpp-q4_0", "vllm")
+           "infertune-torch", "infertune-w8a16-torch", "llama.cpp", "llama.cpp-q8_0", "llama.cpp-q4_0", "vllm")
 SYSTEM_LABELS = {"infertune": "infertune", "hf": "HF transformers", "infertune-eager": "infertune (compile off)",
                  "infertune-w8a16": "infertune W8A16", "infertune-w4a16": "infertune W4A16 (g128)",
-                 "infertune-w8a8": "infertune W8A8", "llama.cpp": "llama.cpp BF16", "llama.cpp-q8_0": "llama.cpp Q8_0",
+                 "infertune-w8a8": "infertune W8A8",
+                 "infertune-torch": "infertune (torch matmuls)", "infertune-w8a16-torch": "infertune W8A16 (torch matmuls)",
+                 "llama.cpp": "llama.cpp BF16", "llama.cpp-q8_0": "llama.cpp Q8_0",
                  "llama.cpp-q4_0": "llama.cpp Q4_0", "vllm": "vLLM-CPU"}
 BASELINES = ("hf", "llama.cpp", "llama.cpp-q8_0", "llama.cpp-q4_0", "vllm")
 DEFAULT_SYSTEMS = ("infertune", "hf")
 # Which peers each infertune variant is compared with, when both ran (same precision class).
-PEER_OF = {"infertune": ("hf", "llama.cpp", "vllm"), "infertune-eager": ("hf", "llama.cpp", "vllm"),
-           "infertune-w8a16": ("llama.cpp-q8_0",), "infertune-w8a8": ("llama.cpp-q8_0",),
+PEER_OF = {"infertune": ("hf", "llama.cpp", "vllm", "infertune-torch"), "infertune-eager": ("hf", "llama.cpp", "vllm"),
+           "infertune-torch": ("hf", "llama.cpp", "vllm"), "infertune-w8a16-torch": ("llama.cpp-q8_0",),
+           "infertune-w8a16": ("llama.cpp-q8_0", "infertune-w8a16-torch"), "infertune-w8a8": ("llama.cpp-q8_0",),
            "infertune-w4a16": ("llama.cpp-q4_0",)}
 
 

@@ -76,8 +76,11 @@ def worker_infertune(args, model_dir: Path, batch: int) -> dict:
     options = dict(dtype=args.dtype, device="cpu", max_model_len=max_len, max_num_seqs=batch,
                    kv_cache_memory_bytes=kv_bytes, block_size=block)
     options["compile"] = "off" if args.worker == "infertune-eager" else args.compile
-    if args.worker.startswith("infertune-w"):  # a quantized variant: infertune-w8a16, -w4a16, -w8a8
-        options["quantization"] = args.worker.split("-", 1)[1]
+    system = args.worker.removesuffix("-torch")
+    if system != args.worker:  # the same engine with torch's matmuls instead of infertune's decode kernels
+        options["decode_kernels"] = "off"
+    if system.startswith("infertune-w"):  # a quantized variant: infertune-w8a16, -w4a16, -w8a8
+        options["quantization"] = system.split("-", 1)[1]
     if args.max_num_batched_tokens:
         options["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.no_prefix_caching:

@@ -52,6 +52,22 @@ class PrepackedMethod(UnquantizedMethod):
         return self.backend.packed_linear(x, layer.packed_weight, layer.bias)
 
 
+class DecodeKernelMethod(UnquantizedMethod):
+    """Plain weights, left where they are: steps of up to kernels.MAX_ROWS rows (decodes) run the backend's
+    small-batch kernel, bigger ones (prefills) and anything torch.compile traces run F.linear."""
+
+    name = "decode-kernel"
+
+    def __init__(self, kernels) -> None:
+        self.kernels = kernels
+
+    def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
+        if (x.dtype is torch.bfloat16 and x.numel() <= self.kernels.MAX_ROWS * x.shape[-1]
+                and not torch.compiler.is_compiling()):
+            return self.kernels.linear_bf16(x, layer.weight, layer.bias)
+        return F.linear(x, layer.weight, layer.bias)
+
+
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard: object = None) -> None:
     if param.shape != loaded.shape:
         raise ValueError(f"checkpoint tensor has shape {tuple(loaded.shape)}, the model expects {tuple(param.shape)}")

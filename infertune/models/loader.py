@@ -66,7 +66,7 @@ def materialize(model: nn.Module, device: torch.device) -> None:
 
 def load_model(
     arch: ArchConfig, model_dir: str, dtype: torch.dtype, device: torch.device, max_position: int, attn: AttentionBackend,
-    show_progress: bool = False, quant: QuantConfig | None = None, backend=None, prepack: bool = True,
+    show_progress: bool = False, quant: QuantConfig | None = None, backend=None, prepack: bool = True, kernels=None,
 ) -> nn.Module:
     files = checkpoint_files(model_dir)
     cls = get_model_class(arch.architecture)
@@ -75,12 +75,12 @@ def load_model(
     packed = getattr(cls, "packed_modules", {})
     stored = read_stored_quant(model_dir)
     if stored is None:
-        attach_linear_methods(model, quant, backend, prepack, dtype)
+        attach_linear_methods(model, quant, backend, prepack, dtype, kernels)
     else:  # already quantized: the stored integers are loaded as they are, then only packed for the kernels
         if quant is not None and quant.method not in (None, stored.method):
             raise ValueError(f"{model_dir} is already quantized ({stored.method}); drop quantization={quant.method!r}")
-        attach_linear_methods(model, None, backend, prepack, dtype)
-        attach_stored_methods(model, stored, packed, dtype, backend)
+        attach_linear_methods(model, None, backend, prepack, dtype, kernels)
+        attach_stored_methods(model, stored, packed, dtype, backend, kernels)
     materialize(model, device)
     params = dict(model.named_parameters(remove_duplicate=False))
     missing = _expected_shards(model)  # param name -> shards still to load (None = the whole tensor)

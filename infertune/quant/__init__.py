@@ -8,15 +8,16 @@ import torch
 from torch import nn
 
 from infertune.config import QuantConfig
-from infertune.layers.linear import Linear, PrepackedMethod
+from infertune.layers.linear import DecodeKernelMethod, Linear, PrepackedMethod
 from infertune.quant.int4 import W4A16Method
 from infertune.quant.int8 import W8A8Method, W8A16Method
 
 
-def make_method(config: QuantConfig, fast_kernels: bool = True, kernel_max_rows: int | None = None):
-    """kernel_max_rows: above this many rows (prefill) a dequantized dense matmul beats the weight-pack kernels."""
+def make_method(config: QuantConfig, fast_kernels: bool = True, kernel_max_rows: int | None = None, kernels=None):
+    """kernel_max_rows: above this many rows (prefill) a dequantized dense matmul beats the weight-pack kernels.
+    kernels: the backend's own decode kernels (Backend.decode_kernels()), used by the methods that have one."""
     if config.method == "w8a16":
-        return W8A16Method(fast_kernels, kernel_max_rows)
+        return W8A16Method(fast_kernels, kernel_max_rows, kernels)
     if config.method == "w8a8":
         return W8A8Method(fast_kernels)
     if config.method == "w4a16":
@@ -25,23 +26,32 @@ def make_method(config: QuantConfig, fast_kernels: bool = True, kernel_max_rows:
 
 
 def attach_linear_methods(model: nn.Module, config: QuantConfig | None, backend=None, prepack: bool = True,
-                          dtype: torch.dtype | None = None) -> dict[str, str]:
-    """Choose each Linear's method before loading: quantized (unless kept in full precision), prepacked into
-    the backend's fast layout, or plain. Returns {layer name: method name} for the layers that changed.
+                          dtype: torch.dtype | None = None, kernels=None) -> dict[str, str]:
+    """Choose each Linear's method before loading: quantized (unless kept in full precision), the backend's
+    decode kernels over plain bf16 weights (when `kernels` is given), prepacked into the backend's fast layout,
+    or plain. Returns {layer name: method name} for the layers that changed.
 
     Norms, rotary, softmax and logits are never quantized. A weight shared with another module (tied
-    embeddings) is left plain, since the embedding reads it too.
+    embeddings) keeps its plain values, since the embedding reads it too; the decode kernels read it in place.
     """
     fast = backend.has_quant_kernels if backend is not None else True
     max_rows = backend.quant_kernel_max_rows if backend is not None else None
     shared = shared_parameters(model)
     chosen: dict[str, str] = {}
+    plain_kernel = kernels is not None and (dtype or torch.float32) is torch.bfloat16
     for name, module in model.named_modules():
-        if not isinstance(module, Linear) or id(module.weight) in shared:
+        if not isinstance(module, Linear):
+            continue
+        if id(module.weight) in shared:
+            if plain_kernel:
+                module.quant_method = DecodeKernelMethod(kernels)
+                chosen[name] = module.quant_method.name
             continue
         keep = any(fnmatch.fnmatch(name, p) or name.startswith(p + ".") for p in (config.keep_fp if config else ()))
         if config is not None and config.method is not None and not keep:
-            module.quant_method = make_method(config, fast, max_rows)
+            module.quant_method = make_method(config, fast, max_rows, kernels)
+        elif plain_kernel:
+            module.quant_method = DecodeKernelMethod(kernels)
         elif prepack and backend is not None and backend.can_prepack(dtype or module.weight.dtype, module.in_features):
             module.quant_method = PrepackedMethod(backend)
         else:

@@ -151,7 +151,7 @@ def _hf_modules(name: str, module: Linear, packed: dict[str, tuple[str, object]]
 
 
 def attach_stored_methods(model: nn.Module, stored: StoredQuant, packed: dict[str, tuple[str, object]],
-                          dtype: torch.dtype, backend=None) -> dict[str, str]:
+                          dtype: torch.dtype, backend=None, kernels=None) -> dict[str, str]:
     """Give each Linear the checkpoint says is quantized a Stored* method and create its integer slots.
 
     Call before the model is materialized (on the meta device) and after the plain layers got their
@@ -170,7 +170,7 @@ def attach_stored_methods(model: nn.Module, stored: StoredQuant, packed: dict[st
             raise ValueError(f"quantization_config ignores only some of the projections packed into {name}; "
                              "quantize all of them or none")
         if stored.method == "w8a16":
-            method = StoredW8A16(fast_kernels, kernel_max_rows)
+            method = StoredW8A16(fast_kernels, kernel_max_rows, kernels)
         elif stored.method == "w8a8":
             method = StoredW8A8(fast_kernels, stored.static_activations)
         else:

@@ -32,8 +32,10 @@ class W8A16Method(UnquantizedMethod):
 
     name = "w8a16"
 
-    def __init__(self, fast_kernel: bool = True, kernel_max_rows: int | None = None) -> None:
+    def __init__(self, fast_kernel: bool = True, kernel_max_rows: int | None = None, kernels=None) -> None:
         self.fast_kernel = fast_kernel
+        # The backend's own small-batch kernels (infertune.kernels.cpu), used for decode steps when given.
+        self.kernels = kernels
         # The weight-pack kernel is a GEMV at heart: past a few rows (a prefill), dequantizing the weight
         # once and running a dense matmul is much faster (measured 12.9 s -> see BENCHMARKS.md for 16x128).
         self.kernel_max_rows = kernel_max_rows
@@ -54,6 +56,9 @@ class W8A16Method(UnquantizedMethod):
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
+        if (self.kernels is not None and x.dtype is torch.bfloat16 and x2.shape[0] <= self.kernels.MAX_ROWS
+                and not torch.compiler.is_compiling()):
+            return self.kernels.linear_w8(x, layer.qweight, layer.scales, layer.bias)
         if self.fast_kernel and (self.kernel_max_rows is None or x2.shape[0] <= self.kernel_max_rows):
             y = torch._weight_int8pack_mm(x2, layer.qweight, layer.scales).view(*x.shape[:-1], -1)
         else:

@@ -16,6 +16,7 @@ from infertune.config import EngineConfig
 from infertune.layers.attention import AttentionMetadata, Int8PagedAttention, PrefillChunk, TorchPagedAttention
 from infertune.models.loader import load_model
 from infertune.runner.compiled import CompiledForward, should_compile
+from infertune.runner.fused_decode import FusedDecode
 from infertune.runner.sampler import SampleRequest, Sampler, SamplerOutput
 
 if TYPE_CHECKING:  # the runner reads the engine's plain data types; it never calls into the engine
@@ -47,10 +48,12 @@ class ModelRunner:
         arch = config.model.arch
         self.dtype = backend.resolve_dtype(config.model.dtype, arch.torch_dtype)
         backend.seed(config.model.seed)
+        # The backend's own small-batch linear kernels (None: torch's matmuls throughout).
+        self.decode_kernels = backend.decode_kernels() if config.model.decode_kernels == "auto" else None
         self.attn = Int8PagedAttention(self.dtype) if config.cache.kv_cache_dtype == "int8" else TorchPagedAttention()
         self.model = load_model(
             arch, config.model.model, self.dtype, self.device, config.model.max_model_len, self.attn, show_progress,
-            quant=config.quant, backend=backend, prepack=config.model.prepack_weights,
+            quant=config.quant, backend=backend, prepack=config.model.prepack_weights, kernels=self.decode_kernels,
         )
         self.block_size = config.cache.block_size
         self.kv_info = self._plan_kv_cache()
@@ -60,6 +63,7 @@ class ModelRunner:
         self._kv_storage = torch.zeros((arch.num_hidden_layers, *shape), dtype=cache_dtype, device=self.device)
         self.kv_caches = list(self._kv_storage.unbind(0))
         self.sampler = Sampler(config.model.seed, self.device)
+        self.fused: FusedDecode | None = None
         self.compiled: CompiledForward | None = None
         if config.model.compile != "off" and should_compile(config.model.compile, backend, self._num_weights()):
             try:
@@ -71,6 +75,11 @@ class ModelRunner:
                     raise RuntimeError(f"compile='on': torch.compile failed ({type(e).__name__}: {e}); "
                                        "run with compile='off' (--compile off)") from e
                 log.warning("torch.compile failed (%s: %s); running eager (compile='auto')", type(e).__name__, e)
+        # Decode-only steps of up to 16 sequences: every layer in one kernel call (runner/fused_decode.py).
+        # Not with torch.compile: its warm-up must run (and compile) the graphs that decode steps use.
+        if self.decode_kernels is not None and self.compiled is None:
+            self.fused = FusedDecode.build(self.model, self.kv_caches, self.attn, self.decode_kernels,
+                                           config.model.max_model_len, self.block_size, self.dtype)
 
     def _num_weights(self) -> int:
         """Parameters plus buffers (prepacked and quantized weights live in buffers)."""
@@ -82,6 +91,8 @@ class ModelRunner:
         return self.compiled.warmup_seconds if self.compiled is not None else None
 
     def _forward(self, input_ids, positions, meta) -> torch.Tensor:
+        if self.fused is not None and self.fused.applicable(input_ids.shape[0], meta):
+            return self.fused(input_ids, positions, meta)
         if self.compiled is not None and input_ids.shape[0] >= self.compiled.min_tokens:
             return self.compiled(input_ids, positions, self.kv_caches, meta)
         return self.model(input_ids, positions, self.kv_caches, meta)

@@ -1,0 +1,206 @@
+"""Build, load and call infertune's small-batch CPU linear kernels (cpu_kernels.c).
+
+The C source is compiled on first use with the system C compiler into a per-user cache
+($INFERTUNE_CACHE_DIR, else $XDG_CACHE_HOME/infertune, else ~/.cache/infertune), keyed by a hash of the source,
+the flags and the compiler, so later runs load it in milliseconds. It needs x86-64 with AVX-512 BF16 and VNNI
+and a C compiler with OpenMP; where either is missing, or INFERTUNE_CPU_KERNELS=0, `available()` is False,
+`unavailable_reason()` says why, and the engine keeps torch's kernels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+# Rows (tokens in a step) up to which the engine calls these kernels; bigger steps are prefills, where torch's
+# GEMMs (oneDNN / AMX) win. At 16 rows the AMX kernel still streams the weights at the speed of memory.
+MAX_ROWS = 16
+REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni")
+CFLAGS = ["-O3", "-std=c11", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
+          "-mavx512bf16", "-mavx512vnni", "-mfma", "-mf16c"]
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_reason: str | None = None
+_loaded = False
+_amx = False
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("INFERTUNE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "infertune")
+    return Path(root) / "kernels"
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+
+
+def _build(cc: str) -> Path:
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS + version).encode()).hexdigest()[:16]
+    out = cache_dir() / key / "libinfertune_cpu.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        tmp_so = Path(tmp) / out.name
+        proc = subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", str(tmp_so), "-lm"], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-2000:]}")
+        os.replace(tmp_so, out)  # atomic: a concurrent builder finds a whole file or none
+    log.info("built the CPU kernels into %s", out)
+    return out
+
+
+def _load() -> None:
+    global _lib, _reason, _loaded, _amx
+    with _lock:
+        if _loaded:
+            return
+        _loaded = True
+        if os.environ.get("INFERTUNE_CPU_KERNELS", "1").lower() in ("0", "false", "off", "no"):
+            _reason = "disabled by INFERTUNE_CPU_KERNELS=0"
+            return
+        if os.uname().machine not in ("x86_64", "AMD64"):
+            _reason = f"the kernels are for x86-64, this is {os.uname().machine}"
+            return
+        missing = [f for f in REQUIRED_FLAGS if f not in _cpu_flags()]
+        if missing:
+            _reason = f"this CPU lacks {', '.join(missing)}"
+            return
+        cc = _compiler()
+        if cc is None:
+            _reason = "no C compiler (cc, gcc or clang) on PATH"
+            return
+        try:
+            lib = ctypes.CDLL(str(_build(cc)))
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            _reason = f"building the kernels failed: {e}"
+            log.warning("CPU kernels unavailable, using torch's: %s", _reason)
+            return
+        i64, ptr, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+        lib.it_linear_bf16.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, cint]
+        lib.it_linear_bf16.restype = None
+        lib.it_linear_w8.argtypes = [ptr, i64, ptr, ptr, cint, ptr, ptr, i64, i64, i64, i64, cint]
+        lib.it_linear_w8.restype = None
+        lib.it_amx_init.argtypes = [cint]
+        lib.it_amx_init.restype = cint
+        lib.it_set_amx_min_rows.argtypes = [cint]
+        lib.it_decode_workspace_bytes.argtypes = [ctypes.POINTER(ItModel), i64, i64]
+        lib.it_decode_workspace_bytes.restype = i64
+        lib.it_decode_layers.argtypes = [ctypes.POINTER(ItModel), ctypes.POINTER(ItLayer), ctypes.POINTER(ItStep), ptr]
+        lib.it_decode_layers.restype = cint
+        _amx = bool(lib.it_amx_init(int({"amx_tile", "amx_bf16"} <= _cpu_flags())))
+        _lib = lib
+
+
+# The structs of it_decode_layers (cpu_kernels.c), field for field.
+class ItLin(ctypes.Structure):
+    _fields_ = [("kind", ctypes.c_int32), ("scale_is_f32", ctypes.c_int32), ("w", ctypes.c_void_p),
+                ("scale", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("N", ctypes.c_int64), ("K", ctypes.c_int64)]
+
+
+class ItLayer(ctypes.Structure):
+    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qkv", ItLin), ("o", ItLin),
+                ("gate_up", ItLin), ("down", ItLin), ("kv_cache", ctypes.c_void_p)]
+
+
+class ItModel(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int64) for name in
+                ("hidden", "n_heads", "n_kv_heads", "head_dim", "inter", "num_blocks", "block_size")] + [
+        ("cos_sin", ctypes.c_void_p), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+        ("nthreads", ctypes.c_int32), ("n_layers", ctypes.c_int32)]
+
+
+class ItStep(ctypes.Structure):
+    _fields_ = [("T", ctypes.c_int64), ("positions", ctypes.c_void_p), ("slots", ctypes.c_void_p),
+                ("block_tables", ctypes.c_void_p), ("context_lens", ctypes.c_void_p), ("max_blocks", ctypes.c_int64),
+                ("work", ctypes.c_void_p), ("work_bytes", ctypes.c_int64)]
+
+
+def library() -> ctypes.CDLL:
+    """The loaded kernel library (raises where it is unavailable)."""
+    if not available():
+        raise RuntimeError(f"the CPU kernels are unavailable: {unavailable_reason()}")
+    return _lib
+
+
+def available() -> bool:
+    _load()
+    return _lib is not None
+
+
+def unavailable_reason() -> str | None:
+    _load()
+    return _reason
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def _check(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> None:
+    if x2.dtype is not torch.bfloat16 or x2.device.type != "cpu":
+        raise ValueError(f"the CPU kernels take bf16 CPU activations, got {x2.dtype} on {x2.device}")
+    if not w.is_contiguous() or w.shape[1] != x2.shape[1]:
+        raise ValueError(f"weight {tuple(w.shape)} (contiguous: {w.is_contiguous()}) does not fit x {tuple(x2.shape)}")
+    if bias is not None and (bias.dtype is not torch.bfloat16 or not bias.is_contiguous()):
+        raise ValueError("bias must be a contiguous bf16 tensor")
+
+
+def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] bf16, weight [N, K] bf16 -> [..., N] bf16 (fp32 accumulation)."""
+    _load()
+    x2 = _rows(x)
+    _check(x2, weight, bias)
+    if weight.dtype is not torch.bfloat16:
+        raise ValueError(f"weight must be bf16, got {weight.dtype}")
+    m, (n, k) = x2.shape[0], weight.shape
+    y = torch.empty((m, n), dtype=torch.bfloat16)
+    _lib.it_linear_bf16(x2.data_ptr(), x2.stride(0), weight.data_ptr(), bias.data_ptr() if bias is not None else None,
+                        y.data_ptr(), n, m, n, k, torch.get_num_threads())
+    return y.view(*x.shape[:-1], n)
+
+
+def linear_w8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] bf16, qweight [N, K] int8, scales [N] (bf16 or fp32) -> [..., N] bf16.
+
+    x is rounded per row to int16 (|x - x_q s_x| <= s_x / 2, s_x = max|x| / 32767) and multiplied exactly in int32.
+    """
+    _load()
+    x2 = _rows(x)
+    _check(x2, qweight, bias)
+    if qweight.dtype is not torch.int8 or scales.dtype not in (torch.bfloat16, torch.float32) or not scales.is_contiguous():
+        raise ValueError(f"need int8 weights and contiguous bf16/fp32 scales, got {qweight.dtype} / {scales.dtype}")
+    m, (n, k) = x2.shape[0], qweight.shape
+    y = torch.empty((m, n), dtype=torch.bfloat16)
+    _lib.it_linear_w8(x2.data_ptr(), x2.stride(0), qweight.data_ptr(), scales.data_ptr(),
+                      int(scales.dtype is torch.float32), bias.data_ptr() if bias is not None else None,
+                      y.data_ptr(), n, m, n, k, torch.get_num_threads())
+    return y.view(*x.shape[:-1], n)

@@ -1,0 +1,628 @@
+/* infertune's CPU kernels for small-batch (decode) linear layers, x86-64 with AVX-512 BF16 and VNNI.
+ *
+ * At a few rows a linear layer is a matrix-vector product: every weight byte is read once, so the step runs at
+ * the speed of memory. These kernels stream each weight once for up to MR rows of activations at a time and
+ * prefetch ahead of the stream, which is what the generic GEMM paths do not do at M = 1.
+ *
+ *   it_linear_bf16  y = x W^T (+ b)            bf16 x, bf16 W [N, K], fp32 accumulation (VDPBF16PS)
+ *   it_linear_w8    y = (x W_q^T) * s (+ b)    bf16 x, int8 W_q [N, K], per-row scale s; x is rounded to
+ *                                              int16 per row (dynamic, symmetric) and multiplied in int32
+ *                                              (VPDPWSSD), so |x - x_q * s_x| <= s_x / 2, s_x = max|x| / 32767
+ *   it_linear_w4    y = sum_g (x_g . q_g) s_g + (sum x_g) z_g (+ b)
+ *                                              bf16 x, 4-bit W (two per byte, see it_pack_w4), per-group
+ *                                              scale s and offset z (w = q * s + z), x in int16 as above
+ *
+ * All take x [M, K] with row stride ldx and write y [M, N] (bf16) with row stride ldy. Threads split the
+ * output features with OpenMP; the library links the libgomp torch has already loaded, so the two share one
+ * thread pool.
+ *
+ * Built at run time by infertune/kernels/cpu.py (cc -O3 -mavx512bf16 -mavx512vnni ... -fopenmp) and loaded
+ * with ctypes; where it cannot be built, the engine keeps torch's kernels.
+ */
+#define _GNU_SOURCE
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+#include <omp.h>
+
+typedef uint16_t bf16;
+
+#define NR 4          /* weight rows per block */
+#define MR 4          /* activation rows per pass over a block */
+#define PF_BYTES 1024 /* software prefetch distance along a weight row */
+
+static inline float bf2f(bf16 v) {
+    uint32_t u = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline bf16 f2bf(float f) { /* round to nearest even, as torch does */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (bf16)(u >> 16);
+}
+
+static inline int pick_threads(int64_t n_blocks, int64_t bytes, int nthreads) {
+    if (nthreads < 1) nthreads = 1;
+    if (bytes < (1 << 16)) return 1; /* not worth waking a second thread */
+    if (n_blocks < nthreads) return (int)(n_blocks > 0 ? n_blocks : 1);
+    return nthreads;
+}
+
+/* ------------------------------------------------------------------ bf16 x bf16 */
+
+static inline __attribute__((always_inline)) void bf16_block(
+    const bf16* x, int64_t ldx, int mr, const bf16* w, int nr, int64_t K, float out[MR][NR]) {
+    __m512 acc[MR][NR];
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < NR; j++) acc[i][j] = _mm512_setzero_ps();
+    const int64_t kfull = K & ~(int64_t)31;
+    for (int64_t k = 0; k < kfull; k += 32) {
+        __m512bh wv[NR];
+        for (int j = 0; j < NR; j++) {
+            if (j < nr) {
+                _mm_prefetch((const char*)(w + j * K + k) + PF_BYTES, _MM_HINT_T0);
+                wv[j] = (__m512bh)_mm512_loadu_si512(w + j * K + k);
+            }
+        }
+        for (int i = 0; i < MR; i++) {
+            if (i < mr) {
+                __m512bh xv = (__m512bh)_mm512_loadu_si512(x + i * ldx + k);
+                for (int j = 0; j < NR; j++)
+                    if (j < nr) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv[j], xv);
+            }
+        }
+    }
+    if (kfull < K) {
+        __mmask32 m = (__mmask32)((1ull << (K - kfull)) - 1);
+        __m512bh wv[NR];
+        for (int j = 0; j < NR; j++)
+            if (j < nr) wv[j] = (__m512bh)_mm512_maskz_loadu_epi16(m, w + j * K + kfull);
+        for (int i = 0; i < MR; i++) {
+            if (i < mr) {
+                __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(m, x + i * ldx + kfull);
+                for (int j = 0; j < NR; j++)
+                    if (j < nr) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv[j], xv);
+            }
+        }
+    }
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < NR; j++)
+            if (i < mr && j < nr) out[i][j] = _mm512_reduce_add_ps(acc[i][j]);
+}
+
+#define BF16_CASE(MRC, NRC) bf16_block(x + m0 * ldx, ldx, MRC, wb, NRC, K, out)
+
+static void linear_bf16_avx512(const bf16* x, int64_t ldx, const bf16* w, const bf16* bias, bf16* y,
+                               int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads) {
+    const int64_t nblocks = (N + NR - 1) / NR;
+    const int nt = pick_threads(nblocks, N * K * 2, nthreads);
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t b = 0; b < nblocks; b++) {
+        const int64_t n0 = b * NR;
+        const int nr = (int)(N - n0 < NR ? N - n0 : NR);
+        const bf16* wb = w + n0 * K;
+        for (int64_t m0 = 0; m0 < M; m0 += MR) {
+            const int mr = (int)(M - m0 < MR ? M - m0 : MR);
+            float out[MR][NR];
+            /* constant trip counts let the compiler keep the accumulators in registers */
+            if (nr == NR) {
+                if (mr == 4) BF16_CASE(4, 4);
+                else if (mr == 3) BF16_CASE(3, 4);
+                else if (mr == 2) BF16_CASE(2, 4);
+                else BF16_CASE(1, 4);
+            } else { /* the last, partial block */
+                BF16_CASE(mr, nr);
+            }
+            for (int i = 0; i < mr; i++)
+                for (int j = 0; j < nr; j++)
+                    y[(m0 + i) * ldy + n0 + j] = f2bf(out[i][j] + (bias ? bf2f(bias[n0 + j]) : 0.0f));
+        }
+    }
+}
+
+/* ------------------------------------------------------------------ bf16 on AMX tiles
+ *
+ * C^T = W x^T, 16 output features x 16 activation rows per tile: the A operand is 16 rows of W read in place
+ * (row stride 2K bytes, so no repacking of the weights), the B operand is x transposed into VNNI pairs
+ * (built once per call). Four accumulator tiles cover 64 output features per pass over K.
+ */
+#include <sys/syscall.h>
+#include <unistd.h>
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+static int amx_state = -1; /* -1 unknown, 0 unusable, 1 usable */
+static int amx_min_rows = 2; /* at one row the AVX-512 path streams as fast */
+
+void it_set_amx_min_rows(int m) { amx_min_rows = m; }
+
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* Asks Linux for the AMX tile state (once per process; torch's oneDNN asks too). 1 where AMX can run. */
+int it_amx_init(int has_amx_flags) {
+    if (amx_state < 0)
+        amx_state = has_amx_flags && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return amx_state;
+}
+
+void it_amx_disable(void) { amx_state = 0; }
+
+__attribute__((target("amx-tile,amx-bf16")))
+static void amx_rows(const bf16* w, const bf16* xt, const bf16* bias, bf16* y, int64_t ldy, int mr,
+                     int64_t n0, int nblk, int64_t K) {
+    /* tiles 0-3: C, 4-5: A (alternating), 6: B */
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    const int64_t ld = K * 2;
+    const bf16* w0 = w + n0 * K;
+    for (int64_t k = 0; k < K; k += 32) {
+        _tile_loadd(6, xt + k * 16, 64);
+        for (int r = 0; r < 16 * nblk; r++) _mm_prefetch((const char*)(w0 + r * K + k) + PF_BYTES, _MM_HINT_T0);
+        _tile_loadd(4, w0 + k, ld);
+        _tile_dpbf16ps(0, 4, 6);
+        if (nblk > 1) { _tile_loadd(5, w0 + 16 * K + k, ld); _tile_dpbf16ps(1, 5, 6); }
+        if (nblk > 2) { _tile_loadd(4, w0 + 32 * K + k, ld); _tile_dpbf16ps(2, 4, 6); }
+        if (nblk > 3) { _tile_loadd(5, w0 + 48 * K + k, ld); _tile_dpbf16ps(3, 5, 6); }
+    }
+    float c[4][16][16];
+    _tile_stored(0, c[0], 64);
+    if (nblk > 1) _tile_stored(1, c[1], 64);
+    if (nblk > 2) _tile_stored(2, c[2], 64);
+    if (nblk > 3) _tile_stored(3, c[3], 64);
+    for (int b = 0; b < nblk; b++)
+        for (int i = 0; i < 16; i++) {
+            const int64_t n = n0 + b * 16 + i;
+            const float bv = bias ? bf2f(bias[n]) : 0.0f;
+            for (int m = 0; m < mr; m++) y[m * ldy + n] = f2bf(c[b][i][m] + bv);
+        }
+}
+
+__attribute__((target("amx-tile,amx-bf16")))
+static void linear_bf16_amx(const bf16* x, int64_t ldx, const bf16* w, const bf16* bias, bf16* y, int64_t ldy,
+                            int64_t M, int64_t N16, int64_t K, int nthreads, bf16* xt /* K * 16 */) {
+    const int64_t nchunks = (N16 / 16 + 3) / 4; /* 64 features a chunk */
+    const int nt = pick_threads(nchunks, N16 * K * 2, nthreads);
+    for (int64_t m0 = 0; m0 < M; m0 += 16) {
+        const int mr = (int)(M - m0 < 16 ? M - m0 : 16);
+        /* xt[k/2][m][k%2] = x[m0 + m][k], zero for m >= mr */
+        for (int64_t kp = 0; kp < K / 2; kp++)
+            for (int m = 0; m < 16; m++) {
+                const bf16* xr = x + (m0 + m) * ldx + 2 * kp;
+                xt[kp * 32 + 2 * m] = m < mr ? xr[0] : 0;
+                xt[kp * 32 + 2 * m + 1] = m < mr ? xr[1] : 0;
+            }
+#pragma omp parallel num_threads(nt)
+        {
+            tile_config cfg;
+            memset(&cfg, 0, sizeof cfg);
+            cfg.palette_id = 1;
+            for (int t = 0; t < 7; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+            _tile_loadconfig(&cfg);
+#pragma omp for schedule(static)
+            for (int64_t c = 0; c < nchunks; c++) {
+                const int64_t n0 = c * 64;
+                const int nblk = (int)((N16 - n0) / 16 < 4 ? (N16 - n0) / 16 : 4);
+                amx_rows(w, xt, bias, y + m0 * ldy, ldy, mr, n0, nblk, K);
+            }
+            _tile_release();
+        }
+    }
+}
+
+/* scratch: K * 32 bytes, 64-byte aligned (the transposed activations of the AMX path) */
+static void linear_bf16(const bf16* x, int64_t ldx, const bf16* w, const bf16* bias, bf16* y, int64_t ldy,
+                        int64_t M, int64_t N, int64_t K, int nthreads, void* scratch) {
+    const int64_t n16 = N & ~(int64_t)15;
+    if (amx_state == 1 && K % 32 == 0 && n16 > 0 && M >= amx_min_rows) {
+        linear_bf16_amx(x, ldx, w, bias, y, ldy, M, n16, K, nthreads, (bf16*)scratch);
+        if (n16 < N)
+            linear_bf16_avx512(x, ldx, w + n16 * K, bias ? bias + n16 : NULL, y + n16, ldy, M, N - n16, K, nthreads);
+        return;
+    }
+    linear_bf16_avx512(x, ldx, w, bias, y, ldy, M, N, K, nthreads);
+}
+
+void it_linear_bf16(const bf16* x, int64_t ldx, const bf16* w, const bf16* bias, bf16* y, int64_t ldy,
+                    int64_t M, int64_t N, int64_t K, int nthreads) {
+    void* scratch = aligned_alloc(64, (size_t)(K * 32 + 63) & ~(size_t)63);
+    linear_bf16(x, ldx, w, bias, y, ldy, M, N, K, nthreads, scratch);
+    free(scratch);
+}
+
+/* ------------------------------------------------------------------ activations to int16 */
+
+/* x [M, K] bf16 -> xq [M, Kp] int16 (zero padded to Kp, a multiple of 32), sx[m] = max|x_m| / 32767,
+ * xsum[m * G + g] = sum of x over group g (of size gs) when xsum is not NULL. */
+static void quantize_rows_i16(const bf16* x, int64_t ldx, int64_t M, int64_t K, int64_t Kp, int16_t* xq,
+                              float* sx, float* xsum, int64_t gs) {
+    for (int64_t m = 0; m < M; m++) {
+        const bf16* xr = x + m * ldx;
+        float amax = 0.0f;
+        for (int64_t k = 0; k < K; k++) {
+            float a = fabsf(bf2f(xr[k]));
+            amax = a > amax ? a : amax;
+        }
+        float s = amax > 0.0f ? amax / 32767.0f : 1.0f;
+        float inv = 1.0f / s;
+        sx[m] = s;
+        int16_t* q = xq + m * Kp;
+        for (int64_t k = 0; k < K; k++) {
+            float v = nearbyintf(bf2f(xr[k]) * inv);
+            v = v > 32767.0f ? 32767.0f : (v < -32767.0f ? -32767.0f : v);
+            q[k] = (int16_t)v;
+        }
+        for (int64_t k = K; k < Kp; k++) q[k] = 0;
+        if (xsum) {
+            for (int64_t g = 0; g < K / gs; g++) {
+                float t = 0.0f;
+                for (int64_t k = g * gs; k < (g + 1) * gs; k++) t += bf2f(xr[k]);
+                xsum[m * (K / gs) + g] = t;
+            }
+        }
+    }
+}
+
+/* ------------------------------------------------------------------ int8 weights, int16 activations */
+
+/* int32 lanes take two products of |q| <= 127 and |x| <= 32767 per 32 columns: flushing to fp32 every
+ * 4096 columns keeps them far from overflow (4096 / 16 * 127 * 32767 < 2^31). */
+#define W8_FLUSH 4096
+
+static inline __attribute__((always_inline)) void w8_block(
+    const int16_t* xq, int64_t Kp, int mr, const int8_t* w, int nr, int64_t K, float out[MR][NR]) {
+    __m512 accf[MR][NR];
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < NR; j++) accf[i][j] = _mm512_setzero_ps();
+    for (int64_t k0 = 0; k0 < K; k0 += W8_FLUSH) {
+        const int64_t k1 = k0 + W8_FLUSH < K ? k0 + W8_FLUSH : K;
+        __m512i acc[MR][NR];
+        for (int i = 0; i < MR; i++)
+            for (int j = 0; j < NR; j++) acc[i][j] = _mm512_setzero_si512();
+        for (int64_t k = k0; k < k1; k += 32) {
+            const int64_t left = k1 - k;
+            const __mmask32 m = left >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1ull << left) - 1);
+            __m512i wv[NR];
+            for (int j = 0; j < NR; j++) {
+                if (j < nr) {
+                    _mm_prefetch((const char*)(w + j * K + k) + PF_BYTES / 2, _MM_HINT_T0);
+                    wv[j] = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(m, w + j * K + k));
+                }
+            }
+            for (int i = 0; i < MR; i++) {
+                if (i < mr) {
+                    __m512i xv = _mm512_loadu_si512(xq + i * Kp + k); /* padded with zeros past K */
+                    for (int j = 0; j < NR; j++)
+                        if (j < nr) acc[i][j] = _mm512_dpwssd_epi32(acc[i][j], wv[j], xv);
+                }
+            }
+        }
+        for (int i = 0; i < MR; i++)
+            for (int j = 0; j < NR; j++)
+                if (i < mr && j < nr) accf[i][j] = _mm512_add_ps(accf[i][j], _mm512_cvtepi32_ps(acc[i][j]));
+    }
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < NR; j++)
+            if (i < mr && j < nr) out[i][j] = _mm512_reduce_add_ps(accf[i][j]);
+}
+
+#define W8_CASE(MRC, NRC) w8_block(xq + m0 * Kp, Kp, MRC, wb, NRC, K, out)
+
+static inline int64_t w8_scratch_bytes(int64_t M, int64_t K) {
+    return (M * ((K + 31) & ~(int64_t)31) * 2 + M * 4 + 127) & ~(int64_t)63;
+}
+
+/* scale: per output row, bf16 (scale_is_f32 = 0) or fp32 (1). scratch: w8_scratch_bytes(M, K), aligned. */
+static void linear_w8(const bf16* x, int64_t ldx, const int8_t* w, const void* scale, int scale_is_f32,
+                      const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads,
+                      void* scratch) {
+    const int64_t Kp = (K + 31) & ~(int64_t)31;
+    int16_t* xq = (int16_t*)scratch;
+    float* sx = (float*)(xq + M * Kp);
+    quantize_rows_i16(x, ldx, M, K, Kp, xq, sx, NULL, 1);
+    const int64_t nblocks = (N + NR - 1) / NR;
+    const int nt = pick_threads(nblocks, N * K, nthreads);
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t b = 0; b < nblocks; b++) {
+        const int64_t n0 = b * NR;
+        const int nr = (int)(N - n0 < NR ? N - n0 : NR);
+        const int8_t* wb = w + n0 * K;
+        for (int64_t m0 = 0; m0 < M; m0 += MR) {
+            const int mr = (int)(M - m0 < MR ? M - m0 : MR);
+            float out[MR][NR];
+            if (nr == NR) {
+                if (mr == 4) W8_CASE(4, 4);
+                else if (mr == 3) W8_CASE(3, 4);
+                else if (mr == 2) W8_CASE(2, 4);
+                else W8_CASE(1, 4);
+            } else {
+                W8_CASE(mr, nr);
+            }
+            for (int i = 0; i < mr; i++)
+                for (int j = 0; j < nr; j++) {
+                    const int64_t n = n0 + j;
+                    const float s = scale_is_f32 ? ((const float*)scale)[n] : bf2f(((const bf16*)scale)[n]);
+                    y[(m0 + i) * ldy + n] = f2bf(out[i][j] * sx[m0 + i] * s + (bias ? bf2f(bias[n]) : 0.0f));
+                }
+        }
+    }
+}
+
+void it_linear_w8(const bf16* x, int64_t ldx, const int8_t* w, const void* scale, int scale_is_f32,
+                  const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads) {
+    void* scratch = aligned_alloc(64, (size_t)w8_scratch_bytes(M, K));
+    linear_w8(x, ldx, w, scale, scale_is_f32, bias, y, ldy, M, N, K, nthreads, scratch);
+    free(scratch);
+}
+
+/* ------------------------------------------------------------------ a whole decode step of a Llama decoder
+ *
+ * it_decode_layers runs every decoder layer of a decode-only step (T <= 16 sequences, one new token each) in one
+ * call: per layer RMSNorm, the qkv projection, rotary, the K/V write into the paged cache, attention over each
+ * sequence's blocks, o_proj and the residual, RMSNorm, gate/up, SiLU-and-multiply, down and the residual. It
+ * rounds to bf16 where the PyTorch path (models/llama.py) does, so the two agree to bf16 rounding; what it
+ * saves is the ~15 ms of per-op dispatch a 24-layer step otherwise spends outside the matmuls. All scratch
+ * lives in one caller-owned workspace (it_decode_workspace_bytes): the step allocates nothing.
+ */
+
+typedef struct {
+    int32_t kind;         /* 0: bf16 weight [N, K]; 1: int8 weight [N, K] with a per-row scale */
+    int32_t scale_is_f32; /* kind 1: scale is fp32 (1) or bf16 (0) */
+    const void* w;
+    const void* scale;
+    const bf16* bias;     /* [N] or NULL */
+    int64_t N, K;
+} it_lin;
+
+typedef struct {
+    const bf16* input_norm;    /* [hidden] */
+    const bf16* post_norm;     /* [hidden] */
+    it_lin qkv, o, gate_up, down;
+    bf16* kv_cache;            /* [2, num_blocks, block_size, Hkv, D] */
+} it_layer;
+
+typedef struct {
+    int64_t hidden, n_heads, n_kv_heads, head_dim, inter;
+    int64_t num_blocks, block_size;
+    const float* cos_sin;      /* [max_position, head_dim]: cos of the D/2 frequencies, then sin */
+    float eps, scale;
+    int32_t nthreads, n_layers;
+} it_model;
+
+typedef struct {
+    int64_t T;                   /* decode rows, one per sequence */
+    const int64_t* positions;    /* [T] */
+    const int64_t* slots;        /* [T] cache slot of each new token */
+    const int64_t* block_tables; /* [T, max_blocks] */
+    const int64_t* context_lens; /* [T], the new token included */
+    int64_t max_blocks;
+    void* work;                  /* it_decode_workspace_bytes(model, T, max_blocks * block_size) bytes, aligned */
+    int64_t work_bytes;
+} it_step;
+
+#define ALIGN64(n) (((n) + 63) & ~(int64_t)63)
+
+static int64_t lin_scratch_bytes(int64_t T, int64_t K) {
+    const int64_t amx = K * 32, w8 = w8_scratch_bytes(T, K);
+    return ALIGN64(amx > w8 ? amx : w8);
+}
+
+/* Offsets of the workspace's parts, in bytes. */
+typedef struct { int64_t h, qkv, o, gu, act, y, lin, attn, total; } ws_layout;
+
+static ws_layout workspace(const it_model* m, int64_t T, int64_t max_ctx) {
+    ws_layout l;
+    const int64_t hq = m->n_heads * m->head_dim, qkv = (m->n_heads + 2 * m->n_kv_heads) * m->head_dim;
+    const int64_t group = m->n_heads / m->n_kv_heads;
+    int64_t kmax = m->hidden > m->inter ? m->hidden : m->inter;
+    kmax = kmax > hq ? kmax : hq;
+    int64_t off = 0;
+    l.h = off;    off += ALIGN64(T * m->hidden * 2);
+    l.qkv = off;  off += ALIGN64(T * qkv * 2);
+    l.o = off;    off += ALIGN64(T * hq * 2);
+    l.gu = off;   off += ALIGN64(T * 2 * m->inter * 2);
+    l.act = off;  off += ALIGN64(T * m->inter * 2);
+    l.y = off;    off += ALIGN64(T * m->hidden * 2);
+    l.lin = off;  off += lin_scratch_bytes(T, kmax);
+    /* attention, per thread: scores [group, max_ctx] and output accumulators [group, D], fp32 */
+    l.attn = off; off += ALIGN64((int64_t)(m->nthreads > 0 ? m->nthreads : 1) * group * (max_ctx + m->head_dim) * 4);
+    l.total = off;
+    return l;
+}
+
+int64_t it_decode_workspace_bytes(const it_model* m, int64_t T, int64_t max_ctx) {
+    return workspace(m, T, max_ctx).total;
+}
+
+static void run_lin(const it_lin* L, const bf16* x, int64_t ldx, bf16* y, int64_t ldy, int64_t M, int nthreads,
+                    void* scratch) {
+    if (L->kind == 0)
+        linear_bf16(x, ldx, (const bf16*)L->w, L->bias, y, ldy, M, L->N, L->K, nthreads, scratch);
+    else
+        linear_w8(x, ldx, (const int8_t*)L->w, L->scale, L->scale_is_f32, L->bias, y, ldy, M, L->N, L->K, nthreads,
+                  scratch);
+}
+
+/* out = w * bf16(x / rms(x)), as RMSNorm in layers/norm.py rounds */
+static void rmsnorm_rows(const bf16* x, const bf16* w, bf16* out, int64_t T, int64_t H, float eps) {
+    for (int64_t t = 0; t < T; t++) {
+        const bf16* xr = x + t * H;
+        float ss = 0.0f;
+        for (int64_t i = 0; i < H; i++) { const float v = bf2f(xr[i]); ss += v * v; }
+        const float r = 1.0f / sqrtf(ss / (float)H + eps);
+        for (int64_t i = 0; i < H; i++) out[t * H + i] = f2bf(bf2f(w[i]) * bf2f(f2bf(bf2f(xr[i]) * r)));
+    }
+}
+
+static inline __m512 exp512(__m512 x) { /* e^x, relative error ~1e-7 over the clamped range */
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 5040);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+static inline __m512 load_bf16x16(const bf16* p, __mmask16 m) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+
+static inline __m256i round_bf16x16(__m512 v) { /* round to nearest even, as f2bf (no NaNs here) */
+    __m512i u = _mm512_castps_si512(v);
+    u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(_mm512_srli_epi32(u, 16),
+                                                                                        _mm512_set1_epi32(1))));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
+}
+
+/* act[t, i] = bf16(bf16(silu(g)) * u), gate | up side by side in gu [T, 2I] (layers/activation.py) */
+static void silu_mul_rows(const bf16* gu, bf16* act, int64_t T, int64_t I) {
+    for (int64_t t = 0; t < T; t++) {
+        const bf16* g = gu + t * 2 * I;
+        const bf16* u = g + I;
+        bf16* a = act + t * I;
+        for (int64_t i = 0; i < I; i += 16) {
+            const __mmask16 m = I - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (I - i)) - 1);
+            const __m512 gv = load_bf16x16(g + i, m);
+            const __m512 s = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+            const __m512 sr = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(round_bf16x16(s)), 16));
+            _mm256_mask_storeu_epi16(a + i, m, round_bf16x16(_mm512_mul_ps(sr, load_bf16x16(u + i, m))));
+        }
+    }
+}
+
+/* x[t] = bf16(x[t] + y[t]) */
+static void add_rows(bf16* x, const bf16* y, int64_t n) {
+    for (int64_t i = 0; i < n; i++) x[i] = f2bf(bf2f(x[i]) + bf2f(y[i]));
+}
+
+/* rotary (rotate-half) of q and k heads in qkv [T, (Hq + 2 Hkv) D], in fp32, rounded once to bf16 */
+static void rotary_rows(const it_model* m, const it_step* s, bf16* qkv) {
+    const int64_t D = m->head_dim, half = D / 2, heads = m->n_heads + m->n_kv_heads;
+    const int64_t width = (m->n_heads + 2 * m->n_kv_heads) * D;
+    for (int64_t t = 0; t < s->T; t++) {
+        const float* cs = m->cos_sin + s->positions[t] * D;
+        for (int64_t h = 0; h < heads; h++) {
+            bf16* v = qkv + t * width + h * D;
+            for (int64_t i = 0; i < half; i++) {
+                const float x1 = bf2f(v[i]), x2 = bf2f(v[i + half]), c = cs[i], sn = cs[half + i];
+                v[i] = f2bf(x1 * c - x2 * sn);
+                v[i + half] = f2bf(x2 * c + x1 * sn);
+            }
+        }
+    }
+}
+
+/* Attention of each decode row over its sequence's paged K/V; o [T, Hq, D] bf16. One task per (row, KV head):
+ * the group of query heads sharing that KV head reads each K/V row once. */
+static void attention_rows(const it_model* m, const it_step* s, const bf16* qkv, const bf16* cache, bf16* o,
+                           float* scratch, int64_t max_ctx) {
+    const int64_t D = m->head_dim, hkv = m->n_kv_heads, group = m->n_heads / hkv, bs = m->block_size;
+    const int64_t width = (m->n_heads + 2 * hkv) * D;
+    const bf16* kc = cache;
+    const bf16* vc = cache + m->num_blocks * bs * hkv * D;
+    const int64_t tasks = s->T * hkv;
+    const int nt = (int)(tasks < m->nthreads ? tasks : m->nthreads);
+#pragma omp parallel num_threads(nt > 0 ? nt : 1)
+    {
+        float* sc = scratch + (int64_t)omp_get_thread_num() * group * (max_ctx + D);
+        float* acc = sc + group * max_ctx;
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < tasks; task++) {
+            const int64_t t = task / hkv, g = task % hkv, len = s->context_lens[t];
+            const int64_t* table = s->block_tables + t * s->max_blocks;
+            const bf16* q = qkv + t * width + g * group * D;
+            for (int64_t j = 0; j < len; j++) {
+                const bf16* k = kc + ((table[j / bs] * bs + j % bs) * hkv + g) * D;
+                for (int64_t h = 0; h < group; h++) {
+                    __m512 a = _mm512_setzero_ps();
+                    for (int64_t d = 0; d < D; d += 32) {
+                        const __mmask32 mk = D - d >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1ull << (D - d)) - 1);
+                        a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_maskz_loadu_epi16(mk, q + h * D + d),
+                                             (__m512bh)_mm512_maskz_loadu_epi16(mk, k + d));
+                    }
+                    sc[h * max_ctx + j] = _mm512_reduce_add_ps(a) * m->scale;
+                }
+            }
+            for (int64_t h = 0; h < group; h++) { /* softmax over the row */
+                float* r = sc + h * max_ctx;
+                float mx = -INFINITY;
+                for (int64_t j = 0; j < len; j++) mx = r[j] > mx ? r[j] : mx;
+                __m512 sum = _mm512_setzero_ps();
+                for (int64_t j = 0; j < len; j += 16) {
+                    const __mmask16 mk = len - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (len - j)) - 1);
+                    const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, r + j), _mm512_set1_ps(mx)));
+                    _mm512_mask_storeu_ps(r + j, mk, e);
+                    sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(mk, e));
+                }
+                const float inv = 1.0f / _mm512_reduce_add_ps(sum);
+                for (int64_t j = 0; j < len; j++) r[j] *= inv;
+                for (int64_t d = 0; d < D; d++) acc[h * D + d] = 0.0f;
+            }
+            for (int64_t j = 0; j < len; j++) {
+                const bf16* v = vc + ((table[j / bs] * bs + j % bs) * hkv + g) * D;
+                for (int64_t d = 0; d < D; d += 16) {
+                    const __m512 vv = load_bf16x16(v + d, 0xffff);
+                    for (int64_t h = 0; h < group; h++) {
+                        float* ap = acc + h * D + d;
+                        _mm512_storeu_ps(ap, _mm512_fmadd_ps(_mm512_set1_ps(sc[h * max_ctx + j]), vv, _mm512_loadu_ps(ap)));
+                    }
+                }
+            }
+            for (int64_t h = 0; h < group; h++)
+                for (int64_t d = 0; d < D; d++) o[(t * m->n_heads + g * group + h) * D + d] = f2bf(acc[h * D + d]);
+        }
+    }
+}
+
+/* x [T, hidden] bf16, updated in place through every layer. Returns 0, or -1 if the workspace is too small,
+ * -2 if the shapes are outside what this path handles (head_dim not a multiple of 16, ...). */
+int it_decode_layers(const it_model* m, const it_layer* layers, const it_step* s, bf16* x) {
+    const int64_t T = s->T, H = m->hidden, D = m->head_dim, max_ctx = s->max_blocks * m->block_size;
+    if (D % 16 || m->n_heads % m->n_kv_heads || T < 1) return -2;
+    const ws_layout l = workspace(m, T, max_ctx);
+    if (l.total > s->work_bytes) return -1;
+    char* w = (char*)s->work;
+    bf16 *h = (bf16*)(w + l.h), *qkv = (bf16*)(w + l.qkv), *o = (bf16*)(w + l.o), *gu = (bf16*)(w + l.gu);
+    bf16 *act = (bf16*)(w + l.act), *y = (bf16*)(w + l.y);
+    void* lin = w + l.lin;
+    float* attn = (float*)(w + l.attn);
+    const int64_t hkv = m->n_kv_heads, width = (m->n_heads + 2 * hkv) * D, hq = m->n_heads * D;
+    for (int li = 0; li < m->n_layers; li++) {
+        const it_layer* L = layers + li;
+        rmsnorm_rows(x, L->input_norm, h, T, H, m->eps);
+        run_lin(&L->qkv, h, H, qkv, width, T, m->nthreads, lin);
+        rotary_rows(m, s, qkv);
+        bf16* kc = L->kv_cache;
+        bf16* vc = kc + m->num_blocks * m->block_size * hkv * D;
+        for (int64_t t = 0; t < T; t++) {
+            memcpy(kc + s->slots[t] * hkv * D, qkv + t * width + hq, (size_t)(hkv * D * 2));
+            memcpy(vc + s->slots[t] * hkv * D, qkv + t * width + hq + hkv * D, (size_t)(hkv * D * 2));
+        }
+        attention_rows(m, s, qkv, kc, o, attn, max_ctx);
+        run_lin(&L->o, o, hq, y, H, T, m->nthreads, lin);
+        add_rows(x, y, T * H);
+        rmsnorm_rows(x, L->post_norm, h, T, H, m->eps);
+        run_lin(&L->gate_up, h, H, gu, 2 * m->inter, T, m->nthreads, lin);
+        silu_mul_rows(gu, act, T, m->inter);
+        run_lin(&L->down, act, m->inter, y, H, T, m->nthreads, lin);
+        add_rows(x, y, T * H);
+    }
+    return 0;
+}

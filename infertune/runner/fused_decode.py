@@ -1,0 +1,127 @@
+"""A decode step of every decoder layer in one call into the backend's kernels (CPU: it_decode_layers).
+
+At batch 1 the eager PyTorch forward of a 24-layer model spends ~15 ms a step outside its matmuls: a dozen aten
+dispatches, Python module calls and temporaries per layer. `FusedDecode` hands the whole stack of layers to
+one C function per step (norms, projections, rotary, the paged-KV write, attention, SiLU-and-multiply and the
+residuals), with all scratch in one workspace allocated here once, so a decode step allocates nothing but its
+output. Prefill steps, mixed steps and steps of more than `max_rows` sequences keep the PyTorch path.
+
+It takes over only where it computes exactly what the PyTorch path computes (rounded the same way, to bf16
+precision): a Llama-family decoder in bf16 whose projections are plain bf16 (DecodeKernelMethod) or W8A16, a
+bf16 paged KV cache, head_dim a multiple of 16. `FusedDecode.build` returns None, with the reason logged,
+anywhere else.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+
+import torch
+
+from infertune.layers.attention import AttentionMetadata
+from infertune.layers.attention.paged import TorchPagedAttention
+from infertune.layers.linear import DecodeKernelMethod, Linear
+from infertune.quant.int8 import W8A16Method, W8A8Method
+
+log = logging.getLogger(__name__)
+
+
+class FusedDecode:
+    def __init__(self, model, kernels, lib, cmodel, layers, keep, max_rows: int, max_ctx: int) -> None:
+        self.model, self.kernels, self.lib = model, kernels, lib
+        self.cmodel, self.layers, self._keep = cmodel, layers, keep
+        self.max_rows = max_rows
+        self.hidden = cmodel.hidden
+        nbytes = lib.it_decode_workspace_bytes(ctypes.byref(cmodel), max_rows, max_ctx)
+        self.workspace = torch.empty(nbytes + 64, dtype=torch.uint8)  # the step's only scratch, reused
+        base = self.workspace.data_ptr()
+        self.step = kernels.ItStep(work=(base + 63) // 64 * 64, work_bytes=nbytes)
+
+    @classmethod
+    def build(cls, model, kv_caches: list[torch.Tensor], attn, kernels, max_model_len: int, block_size: int,
+              dtype: torch.dtype) -> "FusedDecode | None":
+        reason = cls._unsupported(model, attn, kernels, dtype)
+        if reason is not None:
+            log.info("fused decode off: %s", reason)
+            return None
+        cfg = model.config
+        lib = kernels.library()
+        num_blocks = kv_caches[0].shape[1]
+        rotary = model.model.rotary
+        cmodel = kernels.ItModel(
+            hidden=cfg.hidden_size, n_heads=cfg.num_attention_heads, n_kv_heads=cfg.num_key_value_heads,
+            head_dim=cfg.head_dim, inter=cfg.intermediate_size, num_blocks=num_blocks, block_size=block_size,
+            cos_sin=rotary.cos_sin.data_ptr(), eps=model.model.layers[0].input_layernorm.eps,
+            scale=model.model.layers[0].self_attn.scale, nthreads=torch.get_num_threads(),
+            n_layers=len(model.model.layers))
+        keep = [rotary.cos_sin, *kv_caches]  # tensors whose memory the C side points at
+        layers = (kernels.ItLayer * len(model.model.layers))()
+        for i, (layer, cache) in enumerate(zip(model.model.layers, kv_caches)):
+            c = layers[i]
+            c.input_norm = layer.input_layernorm.weight.data_ptr()
+            c.post_norm = layer.post_attention_layernorm.weight.data_ptr()
+            keep += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            for field, lin in (("qkv", layer.self_attn.qkv_proj), ("o", layer.self_attn.o_proj),
+                               ("gate_up", layer.mlp.gate_up_proj), ("down", layer.mlp.down_proj)):
+                keep += _fill_lin(getattr(c, field), lin)
+            c.kv_cache = cache.data_ptr()
+        max_ctx = -(-max_model_len // block_size) * block_size
+        return cls(model, kernels, lib, cmodel, layers, keep, kernels.MAX_ROWS, max_ctx)
+
+    @staticmethod
+    def _unsupported(model, attn, kernels, dtype) -> str | None:
+        if kernels is None or not hasattr(kernels, "ItModel"):
+            return "the backend has no fused decode kernel"
+        if dtype is not torch.bfloat16:
+            return f"the model runs in {dtype}, the fused step in bf16"
+        if type(attn) is not TorchPagedAttention:
+            return f"attention backend {attn.name} (the fused step reads a bf16 paged cache)"
+        cfg = getattr(model, "config", None)
+        if cfg is None or not hasattr(getattr(model, "model", None), "layers"):
+            return f"{type(model).__name__} is not a Llama-family decoder"
+        if cfg.head_dim % 16 or cfg.num_attention_heads % cfg.num_key_value_heads:
+            return f"head_dim={cfg.head_dim} (needs a multiple of 16)"
+        if getattr(cfg, "hidden_act", "silu") not in ("silu", None):
+            return f"hidden_act={cfg.hidden_act}"
+        for name, module in model.model.named_modules():
+            if isinstance(module, Linear):
+                method = module.quant_method
+                plain = isinstance(method, DecodeKernelMethod)
+                w8 = isinstance(method, W8A16Method) and not isinstance(method, W8A8Method) and method.kernels is not None
+                if not (plain or w8):
+                    return f"layer {name} runs {method.name}"
+        return None
+
+    def applicable(self, num_tokens: int, meta: AttentionMetadata) -> bool:
+        """A decode-only step (one new token per sequence) of at most max_rows sequences."""
+        return not meta.prefills and meta.num_decode_tokens == num_tokens <= self.max_rows
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = self.model.model.embed_tokens(input_ids)  # [T, hidden] bf16, updated in place by the kernel
+        tables, lens = meta.decode_block_tables, meta.decode_context_lens
+        s = self.step
+        s.T = input_ids.shape[0]
+        s.positions, s.slots = positions.data_ptr(), meta.slot_mapping.data_ptr()
+        s.block_tables, s.context_lens, s.max_blocks = tables.data_ptr(), lens.data_ptr(), tables.shape[1]
+        rc = self.lib.it_decode_layers(ctypes.byref(self.cmodel), self.layers, ctypes.byref(s), x.data_ptr())
+        if rc != 0:
+            raise RuntimeError(f"it_decode_layers failed ({rc}): "
+                               f"{'workspace too small' if rc == -1 else 'unsupported shapes'}")
+        return self.model.model.norm(x)
+
+
+def _fill_lin(c, lin: Linear) -> list[torch.Tensor]:
+    """Point the C description of one linear layer at its tensors; returns them (to keep them alive)."""
+    bias = lin.bias
+    c.bias = bias.data_ptr() if bias is not None else None
+    c.N, c.K = lin.out_features, lin.in_features
+    if isinstance(lin.quant_method, DecodeKernelMethod):
+        w = lin.weight
+        assert w.is_contiguous() and w.dtype is torch.bfloat16
+        c.kind, c.w = 0, w.data_ptr()
+        return [w] + ([bias] if bias is not None else [])
+    q, s = lin.qweight, lin.scales
+    assert q.is_contiguous() and q.dtype is torch.int8 and s.is_contiguous()
+    c.kind, c.w, c.scale, c.scale_is_f32 = 1, q.data_ptr(), s.data_ptr(), int(s.dtype is torch.float32)
+    return [q, s] + ([bias] if bias is not None else [])

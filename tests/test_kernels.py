@@ -1,0 +1,182 @@
+"""infertune's CPU decode kernels (infertune/kernels) against exact arithmetic and float64 references, and the
+engine with them against the engine with torch's matmuls and against HF transformers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from infertune.kernels import cpu as kernels
+from infertune.layers.linear import DecodeKernelMethod, Linear
+from infertune.quant.int8 import W8A16Method, quantize_int8_per_channel
+
+needs_kernels = pytest.mark.skipif(not kernels.available(), reason=f"CPU kernels: {kernels.unavailable_reason()}")
+
+# (M rows, N outputs, K inputs): one row (the AVX-512 path), several rows (AMX where the CPU has it), output
+# counts that leave a partial 16- / 64-feature tile, K not a multiple of 32 (masked tails), K past the int8
+# kernel's 4096-column flush.
+SHAPES = [(1, 7, 45), (1, 64, 896), (2, 20, 64), (3, 130, 96), (5, 9, 100), (16, 80, 256), (16, 64, 4864),
+          (17, 48, 128), (1, 33, 8200)]
+
+
+def _bf16_ints(*shape, lo=-2, hi=2, gen=None):
+    return torch.randint(lo, hi + 1, shape, generator=gen).to(torch.bfloat16)
+
+
+@needs_kernels
+@pytest.mark.parametrize("m,n,k", SHAPES)
+def test_bf16_exact_on_small_integers(m, n, k):
+    """Integer inputs whose sums stay within bf16's exact integers (|y| <= 256): the kernel must be exact."""
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    k_eff = min(k, 64)  # at most 64 nonzero columns of |x w| <= 4, so |y| <= 256
+    x = torch.zeros(m, k, dtype=torch.bfloat16)
+    x[:, :k_eff] = _bf16_ints(m, k_eff, gen=g)
+    w = _bf16_ints(n, k, gen=g)
+    bias = _bf16_ints(n, lo=-8, hi=8, gen=g)
+    ref = x.long() @ w.long().T + bias.long()
+    assert ref.abs().max() <= 256
+    assert torch.equal(kernels.linear_bf16(x, w, bias).long(), ref)
+
+
+@needs_kernels
+@pytest.mark.parametrize("m,n,k", SHAPES)
+def test_bf16_matches_float64(m, n, k):
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    w = torch.randn(n, k, generator=g).bfloat16()
+    ref = x.double() @ w.double().T
+    y = kernels.linear_bf16(x, w).double()
+    # bf16 products are exact in fp32; fp32 sums add at most k * 2^-24 of sum |x w|; rounding to bf16 (8
+    # significant bits) moves the result by at most its unit roundoff, 2^-8 relative.
+    bound = 2.0**-8 * ref.abs() + k * 2.0**-23 * (x.double().abs() @ w.double().abs().T) + 1e-30
+    assert ((y - ref).abs() <= bound * 1.01).all(), float(((y - ref).abs() / bound).max())
+
+
+@needs_kernels
+def test_bf16_strided_rows_and_leading_dims():
+    """x may be a view with a row stride > K and extra leading dims (as the packed qkv slices are)."""
+    g = torch.Generator().manual_seed(1)
+    big = torch.randn(2, 3, 200, generator=g).bfloat16()
+    x = big[..., 8:136]  # [2, 3, 128], row stride 200
+    w = torch.randn(40, 128, generator=g).bfloat16()
+    y = kernels.linear_bf16(x, w)
+    assert y.shape == (2, 3, 40)
+    torch.testing.assert_close(y.float(), (x.double() @ w.double().T).float(), rtol=2**-7, atol=1e-3)
+
+
+@needs_kernels
+@pytest.mark.parametrize("m,n,k", SHAPES)
+@pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float32])
+def test_w8_within_its_error_bound(m, n, k, scale_dtype):
+    """y = (x . q) s: x is rounded to int16 per row, |x - x_q s_x| <= s_x / 2 with s_x = max|x| / 32767, so
+    |y - y_exact| <= s * sum|q| * s_x / 2, plus the bf16 rounding of y and fp32 sums."""
+    g = torch.Generator().manual_seed(n + k)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    q, s = quantize_int8_per_channel(torch.randn(n, k, generator=g))
+    s = s.to(scale_dtype)
+    bias = torch.randn(n, generator=g).bfloat16()
+    w = q.double() * s.double().unsqueeze(1)
+    ref = x.double() @ w.T + bias.double()
+    sx = x.double().abs().amax(dim=1, keepdim=True) / 32767
+    bound = (s.double() * q.double().abs().sum(1)) * sx / 2 + 2.0**-8 * ref.abs() + k * 2.0**-23 * (
+        x.double().abs() @ w.abs().T)
+    y = kernels.linear_w8(x, q, s, bias).double()
+    assert ((y - ref).abs() <= bound * 1.01 + 1e-6).all(), float(((y - ref).abs() - bound).max())
+
+
+@needs_kernels
+def test_w8_exact_when_activations_are_representable():
+    """x = +-max or 0 quantizes exactly (to +-32767) and the int32 sums stay below 2^24, so y = (sum q x) s is
+    computed to within fp32 rounding of a value bf16 holds exactly (|sum| <= 192 times powers of two)."""
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randint(-1, 2, (4, 64), generator=g) * 0.5).bfloat16()
+    x[:, 0] = 0.5  # max|x| = 0.5 in every row
+    q = torch.randint(-3, 4, (24, 64), generator=g, dtype=torch.int8)
+    s = torch.full((24,), 2.0**-6)
+    ref = (x.double() @ q.double().T) * 2.0**-6
+    assert torch.equal(ref.to(torch.bfloat16).double(), ref)  # representable
+    assert torch.equal(kernels.linear_w8(x, q, s).double(), ref)
+
+
+@needs_kernels
+def test_bad_inputs_are_refused():
+    w = torch.zeros(8, 32, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="bf16"):
+        kernels.linear_bf16(torch.zeros(1, 32), w)
+    with pytest.raises(ValueError, match="does not fit"):
+        kernels.linear_bf16(torch.zeros(1, 16, dtype=torch.bfloat16), w)
+    with pytest.raises(ValueError, match="int8"):
+        kernels.linear_w8(torch.zeros(1, 32, dtype=torch.bfloat16), w, torch.ones(8))
+
+
+def test_disabled_by_environment(monkeypatch):
+    """INFERTUNE_CPU_KERNELS=0 is honoured with a reason, and the backend then offers no kernels."""
+    from infertune.backends.cpu import CPUBackend
+
+    monkeypatch.setattr(kernels, "_loaded", False)
+    monkeypatch.setattr(kernels, "_lib", None)
+    monkeypatch.setattr(kernels, "_reason", None)
+    monkeypatch.setenv("INFERTUNE_CPU_KERNELS", "0")
+    assert not kernels.available()
+    assert "INFERTUNE_CPU_KERNELS" in kernels.unavailable_reason()
+    assert CPUBackend().decode_kernels() is None
+
+
+@needs_kernels
+def test_methods_use_kernels_only_for_decode_rows(monkeypatch):
+    """Up to MAX_ROWS rows the layer calls the kernel; a prefill-sized input takes F.linear; both agree."""
+    calls = []
+    real = kernels.linear_bf16
+    monkeypatch.setattr(kernels, "linear_bf16", lambda *a: calls.append(a[0].shape) or real(*a))
+    layer = Linear(64, 48, dtype=torch.bfloat16, quant_method=DecodeKernelMethod(kernels))
+    layer.weight.data.copy_(torch.randn(48, 64))
+    small, big = torch.randn(3, 64).bfloat16(), torch.randn(kernels.MAX_ROWS + 1, 64).bfloat16()
+    torch.testing.assert_close(layer(small), torch.nn.functional.linear(small, layer.weight), rtol=2**-7, atol=1e-2)
+    layer(big)
+    assert calls == [small.shape]
+
+    q8 = Linear(64, 48, dtype=torch.bfloat16, quant_method=W8A16Method(kernels=kernels))
+    q8.weight.data.copy_(torch.randn(48, 64))
+    q8.quant_method.process_weights_after_loading(q8)
+    ref = small.double() @ q8.quant_method.dequantized_weight(q8).double().T
+    torch.testing.assert_close(q8(small).double(), ref, rtol=2**-7, atol=2e-2)
+
+
+@needs_kernels
+@pytest.mark.parametrize("quant", [None, "w8a16"])
+def test_engine_with_kernels_matches_hf(tmp_path, quant):
+    """bf16 engine, greedy decode of a batch through the fused decode step and the kernels, against HF
+    transformers in float32 on the same weights: every greedy token is HF's argmax (up to near-ties within bf16
+    noise), and the logprobs are as close to HF's as those of the engine on torch's matmuls. The tied lm_head
+    runs through the kernel too."""
+    from conftest import hf_model, make_checkpoint
+
+    from infertune import LLM, SamplingParams
+
+    model = make_checkpoint(tmp_path / "m", "llama", hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                            tie_word_embeddings=True, dtype=torch.bfloat16)
+    prompts = [{"prompt_token_ids": [3 + i, 11, 25, 40 + i]} for i in range(5)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1)
+    hf = hf_model(model).float()
+    worst = {}
+    for mode in ("auto", "off"):
+        llm = LLM(str(model), dtype="bfloat16", decode_kernels=mode, quantization=quant, max_model_len=64)
+        runner = llm.engine.executor.runner
+        methods = {type(m.quant_method).__name__ for m in runner.model.modules() if isinstance(m, Linear)}
+        if mode == "auto":
+            assert "DecodeKernelMethod" in methods and (quant is None or "W8A16Method" in methods)
+            assert runner.decode_kernels is kernels and runner.fused is not None
+        else:
+            assert "DecodeKernelMethod" not in methods and runner.fused is None
+        errs = []
+        for out in llm.generate(prompts, params, use_tqdm=False):
+            ids = out.prompt_token_ids + out.outputs[0].token_ids
+            with torch.no_grad():
+                ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].double(), dim=-1)
+            p = len(out.prompt_token_ids)
+            for j, lp in enumerate(out.outputs[0].logprobs):
+                row = ref[p - 1 + j]
+                assert row.max() - row[lp.token_id] < 0.1, (mode, j, "not HF's argmax beyond bf16 noise")
+                errs.append(abs(lp.logprob - row[lp.token_id].item()))
+        worst[mode] = max(errs)
+    assert worst["auto"] <= 1.5 * worst["off"] + 0.02, worst
