@@ -99,6 +99,30 @@ def test_w8_exact_when_activations_are_representable():
 
 
 @needs_kernels
+@pytest.mark.parametrize("m,n,k,gs", [(1, 8, 128, 32), (3, 20, 256, 128), (16, 64, 896, 128), (5, 9, 4864, 128),
+                                      (17, 33, 64, 64)])
+def test_w4_within_its_error_bound(m, n, k, gs):
+    """y = sum_g (x_g . q_g) s_g + (sum x_g) z_g: the int16 rounding of x moves it by at most
+    sum_k |q_k s_g| s_x / 2; the rest is bf16 output rounding and fp32 sums. Also: the nibble layout
+    round-trips."""
+    from infertune.quant.int4 import dequantize_int4, quantize_int4_groupwise
+
+    g = torch.Generator().manual_seed(m + n + k)
+    q, s, z = quantize_int4_groupwise(torch.randn(n, k, generator=g), gs)
+    packed = kernels.pack_w4(q)
+    assert packed.shape == (n, k // 2) and torch.equal(kernels.unpack_w4(packed).int(), q)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    bias = torch.randn(n, generator=g).bfloat16()
+    w = dequantize_int4(q, s, z, gs).double()
+    ref = x.double() @ w.T + bias.double()
+    sx = x.double().abs().amax(dim=1, keepdim=True) / 32767
+    qs = (q.double().view(n, -1, gs) * s.double().unsqueeze(-1)).view(n, k).abs().sum(1)
+    bound = qs * sx / 2 + 2.0**-8 * ref.abs() + k * 2.0**-23 * (x.double().abs() @ w.abs().T)
+    y = kernels.linear_w4(x, packed, s.contiguous(), z.contiguous(), gs, bias).double()
+    assert ((y - ref).abs() <= bound * 1.01 + 1e-6).all(), float(((y - ref).abs() - bound).max())
+
+
+@needs_kernels
 def test_bad_inputs_are_refused():
     w = torch.zeros(8, 32, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="bf16"):
@@ -143,12 +167,12 @@ def test_methods_use_kernels_only_for_decode_rows(monkeypatch):
 
 
 @needs_kernels
-@pytest.mark.parametrize("quant", [None, "w8a16"])
+@pytest.mark.parametrize("quant", [None, "w8a16", "w4a16"])
 def test_engine_with_kernels_matches_hf(tmp_path, quant):
     """bf16 engine, greedy decode of a batch through the fused decode step and the kernels, against HF
-    transformers in float32 on the same weights: every greedy token is HF's argmax (up to near-ties within bf16
-    noise), and the logprobs are as close to HF's as those of the engine on torch's matmuls. The tied lm_head
-    runs through the kernel too."""
+    transformers in float32 on the same weights: unquantized, every greedy token is HF's argmax (up to near-ties
+    within bf16 noise); in every case the logprobs are as close to HF's as those of the engine on torch's
+    matmuls (same quantization). The tied lm_head runs through the kernel too."""
     from conftest import hf_model, make_checkpoint
 
     from infertune import LLM, SamplingParams
@@ -160,11 +184,12 @@ def test_engine_with_kernels_matches_hf(tmp_path, quant):
     hf = hf_model(model).float()
     worst = {}
     for mode in ("auto", "off"):
-        llm = LLM(str(model), dtype="bfloat16", decode_kernels=mode, quantization=quant, max_model_len=64)
+        llm = LLM(str(model), dtype="bfloat16", decode_kernels=mode, quantization=quant, max_model_len=64,
+                  quant_group_size=32)
         runner = llm.engine.executor.runner
         methods = {type(m.quant_method).__name__ for m in runner.model.modules() if isinstance(m, Linear)}
         if mode == "auto":
-            assert "DecodeKernelMethod" in methods and (quant is None or "W8A16Method" in methods)
+            assert "DecodeKernelMethod" in methods and (quant is None or f"{quant.upper()}Method" in methods)
             assert runner.decode_kernels is kernels and runner.fused is not None
         else:
             assert "DecodeKernelMethod" not in methods and runner.fused is None
@@ -176,7 +201,8 @@ def test_engine_with_kernels_matches_hf(tmp_path, quant):
             p = len(out.prompt_token_ids)
             for j, lp in enumerate(out.outputs[0].logprobs):
                 row = ref[p - 1 + j]
-                assert row.max() - row[lp.token_id] < 0.1, (mode, j, "not HF's argmax beyond bf16 noise")
+                if quant is None:  # quantized weights move logits by more than bf16 noise; compared below
+                    assert row.max() - row[lp.token_id] < 0.1, (mode, j, "not HF's argmax beyond bf16 noise")
                 errs.append(abs(lp.logprob - row[lp.token_id].item()))
         worst[mode] = max(errs)
     assert worst["auto"] <= 1.5 * worst["off"] + 0.02, worst

@@ -107,6 +107,8 @@ def _load() -> None:
         lib.it_linear_bf16.restype = None
         lib.it_linear_w8.argtypes = [ptr, i64, ptr, ptr, cint, ptr, ptr, i64, i64, i64, i64, cint]
         lib.it_linear_w8.restype = None
+        lib.it_linear_w4.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, cint]
+        lib.it_linear_w4.restype = None
         lib.it_amx_init.argtypes = [cint]
         lib.it_amx_init.restype = cint
         lib.it_set_amx_min_rows.argtypes = [cint]
@@ -121,7 +123,8 @@ def _load() -> None:
 # The structs of it_decode_layers (cpu_kernels.c), field for field.
 class ItLin(ctypes.Structure):
     _fields_ = [("kind", ctypes.c_int32), ("scale_is_f32", ctypes.c_int32), ("w", ctypes.c_void_p),
-                ("scale", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("N", ctypes.c_int64), ("K", ctypes.c_int64)]
+                ("scale", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("N", ctypes.c_int64), ("K", ctypes.c_int64),
+                ("zero", ctypes.c_void_p), ("group", ctypes.c_int64)]
 
 
 class ItLayer(ctypes.Structure):
@@ -203,4 +206,48 @@ def linear_w8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     _lib.it_linear_w8(x2.data_ptr(), x2.stride(0), qweight.data_ptr(), scales.data_ptr(),
                       int(scales.dtype is torch.float32), bias.data_ptr() if bias is not None else None,
                       y.data_ptr(), n, m, n, k, torch.get_num_threads())
+    return y.view(*x.shape[:-1], n)
+
+
+def w4_supported(k: int, group_size: int) -> bool:
+    """Shapes linear_w4 takes: K and the group size multiples of 32, K a multiple of the group size."""
+    return k % 32 == 0 and group_size % 32 == 0 and k % group_size == 0
+
+
+def pack_w4(q: torch.Tensor) -> torch.Tensor:
+    """q [N, K] integers in 0..15 -> uint8 [N, K / 2]: in each run of 32 columns, byte b holds column b in its
+    low nibble and column 16 + b in its high nibble (the layout linear_w4 widens with one load)."""
+    n, k = q.shape
+    r = q.to(torch.uint8).view(n, k // 32, 2, 16)
+    return (r[:, :, 0] | (r[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+
+def unpack_w4(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of pack_w4: uint8 [N, K / 2] -> uint8 [N, K] in 0..15."""
+    n, half = packed.shape
+    r = packed.view(n, half // 16, 1, 16)
+    return torch.cat([r & 0xF, r >> 4], dim=2).reshape(n, half * 2)
+
+
+def linear_w4(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] bf16, packed (pack_w4) [N, K / 2], scale and zero fp32 [N, K / group_size] -> [..., N] bf16,
+    with w = q * scale + zero. x is rounded to int16 per row as in linear_w8; the zero term uses the exact
+    sums of x."""
+    _load()
+    x2 = _rows(x)
+    n, k = packed.shape[0], packed.shape[1] * 2
+    if x2.dtype is not torch.bfloat16 or x2.shape[1] != k or packed.dtype is not torch.uint8 or not packed.is_contiguous():
+        raise ValueError(f"need bf16 x [.., {k}] and contiguous uint8 packed weights, got {x2.dtype} {tuple(x2.shape)}")
+    if not w4_supported(k, group_size):
+        raise ValueError(f"K={k} and group_size={group_size} must be multiples of 32, K of group_size")
+    for t in (scale, zero):
+        if t.dtype is not torch.float32 or not t.is_contiguous() or t.shape != (n, k // group_size):
+            raise ValueError(f"scale and zero must be contiguous fp32 [{n}, {k // group_size}]")
+    if bias is not None and (bias.dtype is not torch.bfloat16 or not bias.is_contiguous()):
+        raise ValueError("bias must be a contiguous bf16 tensor")
+    m = x2.shape[0]
+    y = torch.empty((m, n), dtype=torch.bfloat16)
+    _lib.it_linear_w4(x2.data_ptr(), x2.stride(0), packed.data_ptr(), scale.data_ptr(), zero.data_ptr(), group_size,
+                      bias.data_ptr() if bias is not None else None, y.data_ptr(), n, m, n, k, torch.get_num_threads())
     return y.view(*x.shape[:-1], n)

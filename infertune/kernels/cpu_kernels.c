@@ -317,8 +317,9 @@ static inline __attribute__((always_inline)) void w8_block(
 
 #define W8_CASE(MRC, NRC) w8_block(xq + m0 * Kp, Kp, MRC, wb, NRC, K, out)
 
+/* int16 activations [M, Kp], their scales [M] and (int4) group sums [M, K / 32 at most] */
 static inline int64_t w8_scratch_bytes(int64_t M, int64_t K) {
-    return (M * ((K + 31) & ~(int64_t)31) * 2 + M * 4 + 127) & ~(int64_t)63;
+    return (M * ((K + 31) & ~(int64_t)31) * 2 + M * 4 + M * (K / 32 + 1) * 4 + 127) & ~(int64_t)63;
 }
 
 /* scale: per output row, bf16 (scale_is_f32 = 0) or fp32 (1). scratch: w8_scratch_bytes(M, K), aligned. */
@@ -364,6 +365,109 @@ void it_linear_w8(const bf16* x, int64_t ldx, const int8_t* w, const void* scale
     free(scratch);
 }
 
+/* ------------------------------------------------------------------ int4 weights, int16 activations
+ *
+ * Layout (it_pack_w4's, see kernels/cpu.py pack_w4): row n of W is K / 2 bytes; in each run of 32 columns
+ * starting at k0, byte b holds column k0 + b in its low nibble and k0 + 16 + b in its high nibble, so one
+ * 16-byte load widens to the 32 int16 of columns k0 .. k0 + 31 in order. Values q in 0..15 with, per row and
+ * group of gs columns (gs a multiple of 32), w = q * scale + zero (fp32 [N, K / gs] each).
+ */
+static inline __attribute__((always_inline)) void w4_block(
+    const int16_t* xq, int64_t Kp, const float* xsum, int mr, const uint8_t* w, int nr, int64_t K, int64_t gs,
+    const float* scale, const float* zero, float out[MR][NR], float zout[MR][NR]) {
+    const int64_t G = K / gs;
+    __m512 accf[MR][NR];
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < NR; j++) accf[i][j] = _mm512_setzero_ps();
+    const __m256i lo4 = _mm256_set1_epi16(0x0f);
+    for (int64_t g = 0; g < G; g++) {
+        __m512i acc[MR][NR];
+        for (int i = 0; i < MR; i++)
+            for (int j = 0; j < NR; j++) acc[i][j] = _mm512_setzero_si512();
+        for (int64_t k = g * gs; k < (g + 1) * gs; k += 32) {
+            __m512i wv[NR];
+            for (int j = 0; j < NR; j++) {
+                if (j < nr) {
+                    const uint8_t* p = w + j * (K / 2) + k / 2;
+                    _mm_prefetch((const char*)p + PF_BYTES / 2, _MM_HINT_T0);
+                    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p));
+                    wv[j] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(b, lo4)),
+                                               _mm256_srli_epi16(b, 4), 1);
+                }
+            }
+            for (int i = 0; i < MR; i++) {
+                if (i < mr) {
+                    const __m512i xv = _mm512_loadu_si512(xq + i * Kp + k);
+                    for (int j = 0; j < NR; j++)
+                        if (j < nr) acc[i][j] = _mm512_dpwssd_epi32(acc[i][j], wv[j], xv);
+                }
+            }
+        }
+        for (int j = 0; j < NR; j++) {
+            if (j < nr) {
+                const __m512 sv = _mm512_set1_ps(scale[j * G + g]);
+                for (int i = 0; i < MR; i++)
+                    if (i < mr) accf[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i][j]), sv, accf[i][j]);
+            }
+        }
+    }
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < NR; j++)
+            if (i < mr && j < nr) {
+                float z = 0.0f; /* sum_g zero_g * (sum of x over g), with the exact sums of x */
+                for (int64_t g = 0; g < G; g++) z += zero[j * G + g] * xsum[i * G + g];
+                out[i][j] = _mm512_reduce_add_ps(accf[i][j]);
+                zout[i][j] = z;
+            }
+}
+
+#define W4_CASE(MRC, NRC) w4_block(xq + m0 * Kp, Kp, xsum + m0 * G, MRC, wb, NRC, K, gs, scale + n0 * G, \
+                                   zero + n0 * G, out, zout)
+
+/* scratch: w8_scratch_bytes(M, K), aligned */
+static void linear_w4(const bf16* x, int64_t ldx, const uint8_t* w, const float* scale, const float* zero, int64_t gs,
+                      const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads,
+                      void* scratch) {
+    const int64_t Kp = (K + 31) & ~(int64_t)31, G = K / gs;
+    int16_t* xq = (int16_t*)scratch;
+    float* sx = (float*)(xq + M * Kp);
+    float* xsum = sx + M;
+    quantize_rows_i16(x, ldx, M, K, Kp, xq, sx, xsum, gs);
+    const int64_t nblocks = (N + NR - 1) / NR;
+    const int nt = pick_threads(nblocks, N * K / 2, nthreads);
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t b = 0; b < nblocks; b++) {
+        const int64_t n0 = b * NR;
+        const int nr = (int)(N - n0 < NR ? N - n0 : NR);
+        const uint8_t* wb = w + n0 * (K / 2);
+        for (int64_t m0 = 0; m0 < M; m0 += MR) {
+            const int mr = (int)(M - m0 < MR ? M - m0 : MR);
+            float out[MR][NR], zout[MR][NR];
+            if (nr == NR) {
+                if (mr == 4) W4_CASE(4, 4);
+                else if (mr == 3) W4_CASE(3, 4);
+                else if (mr == 2) W4_CASE(2, 4);
+                else W4_CASE(1, 4);
+            } else {
+                W4_CASE(mr, nr);
+            }
+            for (int i = 0; i < mr; i++)
+                for (int j = 0; j < nr; j++) {
+                    const int64_t n = n0 + j;
+                    y[(m0 + i) * ldy + n] = f2bf(out[i][j] * sx[m0 + i] + zout[i][j] + (bias ? bf2f(bias[n]) : 0.0f));
+                }
+        }
+    }
+}
+
+/* K % 32 == 0, K % gs == 0, gs % 32 == 0 (checked by the caller) */
+void it_linear_w4(const bf16* x, int64_t ldx, const uint8_t* w, const float* scale, const float* zero, int64_t gs,
+                  const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads) {
+    void* scratch = aligned_alloc(64, (size_t)w8_scratch_bytes(M, K));
+    linear_w4(x, ldx, w, scale, zero, gs, bias, y, ldy, M, N, K, nthreads, scratch);
+    free(scratch);
+}
+
 /* ------------------------------------------------------------------ a whole decode step of a Llama decoder
  *
  * it_decode_layers runs every decoder layer of a decode-only step (T <= 16 sequences, one new token each) in one
@@ -375,12 +479,14 @@ void it_linear_w8(const bf16* x, int64_t ldx, const int8_t* w, const void* scale
  */
 
 typedef struct {
-    int32_t kind;         /* 0: bf16 weight [N, K]; 1: int8 weight [N, K] with a per-row scale */
+    int32_t kind;         /* 0: bf16 weight [N, K]; 1: int8 [N, K], per-row scale; 2: int4 (it_linear_w4's layout) */
     int32_t scale_is_f32; /* kind 1: scale is fp32 (1) or bf16 (0) */
     const void* w;
-    const void* scale;
+    const void* scale;    /* kind 1: [N]; kind 2: fp32 [N, K / group] */
     const bf16* bias;     /* [N] or NULL */
     int64_t N, K;
+    const float* zero;    /* kind 2: fp32 [N, K / group] */
+    int64_t group;        /* kind 2: columns per group */
 } it_lin;
 
 typedef struct {
@@ -447,6 +553,9 @@ static void run_lin(const it_lin* L, const bf16* x, int64_t ldx, bf16* y, int64_
                     void* scratch) {
     if (L->kind == 0)
         linear_bf16(x, ldx, (const bf16*)L->w, L->bias, y, ldy, M, L->N, L->K, nthreads, scratch);
+    else if (L->kind == 2)
+        linear_w4(x, ldx, (const uint8_t*)L->w, (const float*)L->scale, L->zero, L->group, L->bias, y, ldy, M, L->N,
+                  L->K, nthreads, scratch);
     else
         linear_w8(x, ldx, (const int8_t*)L->w, L->scale, L->scale_is_f32, L->bias, y, ldy, M, L->N, L->K, nthreads,
                   scratch);

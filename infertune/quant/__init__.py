@@ -21,7 +21,7 @@ def make_method(config: QuantConfig, fast_kernels: bool = True, kernel_max_rows:
     if config.method == "w8a8":
         return W8A8Method(fast_kernels)
     if config.method == "w4a16":
-        return W4A16Method(config.group_size, config.symmetric, fast_kernels, kernel_max_rows)
+        return W4A16Method(config.group_size, config.symmetric, fast_kernels, kernel_max_rows, kernels)
     raise ValueError(f"quantization={config.method!r} is unknown")
 
 

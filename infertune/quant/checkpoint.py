@@ -174,7 +174,7 @@ def attach_stored_methods(model: nn.Module, stored: StoredQuant, packed: dict[st
         elif stored.method == "w8a8":
             method = StoredW8A8(fast_kernels, stored.static_activations)
         else:
-            method = StoredW4A16(stored.group_size, stored.symmetric, fast_kernels, kernel_max_rows)
+            method = StoredW4A16(stored.group_size, stored.symmetric, fast_kernels, kernel_max_rows, kernels)
         module.quant_method = method
         method.create_weights(module, dtype)
         chosen[name] = method.name

@@ -42,9 +42,12 @@ class W4A16Method(UnquantizedMethod):
     name = "w4a16"
 
     def __init__(self, group_size: int = 128, symmetric: bool = False, fast_kernel: bool = True,
-                 kernel_max_rows: int | None = None) -> None:
+                 kernel_max_rows: int | None = None, kernels=None) -> None:
         self.group_size, self.symmetric, self.fast_kernel = group_size, symmetric, fast_kernel
         self.kernel_max_rows = kernel_max_rows  # past this many rows: dequantize once, dense matmul
+        # The backend's own decode kernels (infertune.kernels.cpu): where given, weights are kept in their layout.
+        self.kernels = kernels
+        self.own_layout = False
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         w = layer.weight.data
@@ -58,6 +61,13 @@ class W4A16Method(UnquantizedMethod):
         """q int32 [N, K] in 0..15, scale and low fp32 [N, K/g] -> the kernel's buffers (also for pre-quantized
         checkpoints)."""
         device = q.device
+        if (self.kernels is not None and device.type == "cpu" and dtype is torch.bfloat16
+                and self.kernels.w4_supported(q.shape[1], self.group_size)):
+            self.own_layout = True  # infertune's int4 kernel: nibbles [N, K/2], fp32 scale and zero [N, K/g]
+            layer.register_buffer("qweight", self.kernels.pack_w4(q))
+            layer.register_buffer("w4_scale", scale.float().contiguous())
+            layer.register_buffer("w4_zero", low.float().contiguous())
+            return
         self.fast_kernel = self.fast_kernel and device.type == "cpu"
         if not self.fast_kernel:
             layer.register_buffer("q_ref", q.to(torch.uint8))
@@ -75,6 +85,10 @@ class W4A16Method(UnquantizedMethod):
 
     def _dense_weight(self, layer: Linear, dtype: torch.dtype) -> torch.Tensor:
         n = layer.out_features
+        if self.own_layout:
+            q = self.kernels.unpack_w4(layer.qweight).view(n, -1, self.group_size).float()
+            w = q * layer.w4_scale.unsqueeze(-1) + layer.w4_zero.unsqueeze(-1)
+            return w.view(n, -1).to(dtype)
         q = _unpack_cpu_int4(layer.qweight, n, layer.in_features) if self.unpack_known else layer.q_dense
         g = q.view(n, -1, self.group_size).to(dtype)
         sz = layer.scales_and_zeros.to(dtype)  # [K/g, N, 2]
@@ -83,7 +97,12 @@ class W4A16Method(UnquantizedMethod):
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
-        if not self.fast_kernel:
+        if self.own_layout:
+            if x.dtype is torch.bfloat16 and x2.shape[0] <= self.kernels.MAX_ROWS and not torch.compiler.is_compiling():
+                return self.kernels.linear_w4(x, layer.qweight, layer.w4_scale, layer.w4_zero, self.group_size,
+                                              layer.bias)
+            y = F.linear(x, self._dense_weight(layer, x.dtype))
+        elif not self.fast_kernel:
             w = dequantize_int4(layer.q_ref.to(torch.int32), layer.scale_ref, layer.low_ref, self.group_size)
             y = F.linear(x, w.to(x.dtype))
         elif self.kernel_max_rows is None or x2.shape[0] <= self.kernel_max_rows:

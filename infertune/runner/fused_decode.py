@@ -7,7 +7,8 @@ residuals), with all scratch in one workspace allocated here once, so a decode s
 output. Prefill steps, mixed steps and steps of more than `max_rows` sequences keep the PyTorch path.
 
 It takes over only where it computes exactly what the PyTorch path computes (rounded the same way, to bf16
-precision): a Llama-family decoder in bf16 whose projections are plain bf16 (DecodeKernelMethod) or W8A16, a
+precision): a Llama-family decoder in bf16 whose projections are plain bf16 (DecodeKernelMethod), W8A16 or
+W4A16 (in the kernels' layout), a
 bf16 paged KV cache, head_dim a multiple of 16. `FusedDecode.build` returns None, with the reason logged,
 anywhere else.
 """
@@ -22,6 +23,7 @@ import torch
 from infertune.layers.attention import AttentionMetadata
 from infertune.layers.attention.paged import TorchPagedAttention
 from infertune.layers.linear import DecodeKernelMethod, Linear
+from infertune.quant.int4 import W4A16Method
 from infertune.quant.int8 import W8A16Method, W8A8Method
 
 log = logging.getLogger(__name__)
@@ -89,7 +91,8 @@ class FusedDecode:
                 method = module.quant_method
                 plain = isinstance(method, DecodeKernelMethod)
                 w8 = isinstance(method, W8A16Method) and not isinstance(method, W8A8Method) and method.kernels is not None
-                if not (plain or w8):
+                w4 = isinstance(method, W4A16Method) and method.own_layout
+                if not (plain or w8 or w4):
                     return f"layer {name} runs {method.name}"
         return None
 
@@ -121,6 +124,10 @@ def _fill_lin(c, lin: Linear) -> list[torch.Tensor]:
         assert w.is_contiguous() and w.dtype is torch.bfloat16
         c.kind, c.w = 0, w.data_ptr()
         return [w] + ([bias] if bias is not None else [])
+    if isinstance(lin.quant_method, W4A16Method):
+        q, s, z = lin.qweight, lin.w4_scale, lin.w4_zero
+        c.kind, c.w, c.scale, c.zero, c.group = 2, q.data_ptr(), s.data_ptr(), z.data_ptr(), lin.quant_method.group_size
+        return [q, s, z] + ([bias] if bias is not None else [])
     q, s = lin.qweight, lin.scales
     assert q.is_contiguous() and q.dtype is torch.int8 and s.is_contiguous()
     c.kind, c.w, c.scale, c.scale_is_f32 = 1, q.data_ptr(), s.data_ptr(), int(s.dtype is torch.float32)
