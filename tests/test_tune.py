@@ -128,7 +128,8 @@ def test_ledger_end_to_end_on_the_demo_model(tmp_path, capsys):
     assert ledger.run(args) == 0
     doc = json.loads(out_json.read_text())
     steps = {s["step"]: s for s in doc["steps"]}
-    assert list(steps) == ["hf", "eager", "batching", "prepack", "compiled", "int8_kv", "w8a16", "w4a16", "tuned"]
+    assert list(steps) == ["hf", "eager", "batching", "prepack", "compiled", "kernels", "int8_kv", "w8a16", "w4a16",
+                           "tuned"]
     for key, s in steps.items():
         assert s["status"] == "ok", s
         assert s["output_tok_s"] > 0 and s["ttft_p50_s"] > 0
@@ -137,14 +138,15 @@ def test_ledger_end_to_end_on_the_demo_model(tmp_path, capsys):
     assert steps["eager"]["options"]["max_num_seqs"] == 1 and steps["eager"]["options"]["prepack_weights"] is False
     assert steps["batching"]["options"]["max_num_seqs"] == 2
     assert steps["prepack"]["options"]["prepack_weights"] is True and steps["prepack"]["options"]["compile"] == "off"
-    assert steps["compiled"]["options"]["compile"] == "on" and steps["w8a16"]["options"]["compile"] == "on"
+    assert steps["compiled"]["options"]["compile"] == "on" and steps["compiled"]["options"]["decode_kernels"] == "off"
+    assert steps["kernels"]["options"]["decode_kernels"] == "auto" and steps["w8a16"]["options"]["compile"] == "off"
     assert steps["w4a16"]["options"]["quantization"] == "w4a16" and steps["w4a16"]["options"]["kv_cache_dtype"] == "int8"
     for key in ("int8_kv", "w8a16", "w4a16"):  # lossy steps carry a measured perplexity on the trained demo model
         acc = steps[key]["accuracy"]
         assert acc["perplexity"] > 0 and acc["ref_perplexity"] > 0
     assert steps["tuned"]["tuner_rows"]
     md = out_md.read_text()
-    assert "| + compiled / fused decode (torch.compile) |" in md
+    assert "| + compiled decode (torch.compile) |" in md and "| + decode kernels, fused decode step" in md
     assert "HF transformers generate" in md and md in capsys.readouterr().out
 
 

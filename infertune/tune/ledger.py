@@ -1,8 +1,8 @@
 """`infertune ledger`: the step-by-step optimization table, measured on this machine.
 
 HF transformers generate ("PyTorch native") -> infertune eager, one sequence at a time -> + paged KV and
-continuous batching -> + prepacked weights -> + compiled / fused decode -> + INT8 KV -> + W8A16 -> + W4A16 ->
-+ tuned batch. Every step keeps the ones before it. Steps whose feature is not built are reported as
+continuous batching -> + prepacked weights -> + compiled decode (torch.compile) -> + infertune's decode kernels
+(fused decode step; replaces torch.compile) -> + INT8 KV -> + W8A16 -> + W4A16 -> + tuned batch. Every step keeps the ones before it. Steps whose feature is not built are reported as
 "not available", never measured or estimated. Lossy steps carry the perplexity change of the step's whole
 configuration against the unquantized model (`infertune.evaluate.compare`), where the weights are trained.
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 DESCRIPTION = (
     "Measure the optimization ledger on this machine: HF transformers generate, then infertune eager, + paged KV "
-    "and continuous batching, + prepacked weights, + compiled decode, + INT8 KV, + W8A16, "
+    "and continuous batching, + prepacked weights, + compiled decode, + decode kernels, + INT8 KV, + W8A16, "
     "+ W4A16, + tuned batch; tokens/s, TTFT, memory, gain per step and cumulative vs HF, and the perplexity "
     "change of lossy steps. Markdown table by default; --json / --md / --plot write files.")
 
@@ -59,7 +59,9 @@ STEPS = [
     ("eager", "infertune eager, one sequence at a time", dict(prepack_weights=False, max_num_seqs=1), False),
     ("batching", "+ paged KV and continuous batching", dict(max_num_seqs="batch"), False),
     ("prepack", "+ prepacked weights", dict(prepack_weights=True), False),
-    ("compiled", "+ compiled / fused decode (torch.compile)", dict(compile="on"), False),
+    ("compiled", "+ compiled decode (torch.compile)", dict(compile="on"), False),
+    # infertune's own kernels and fused decode step take the place of torch.compile (the two do not combine).
+    ("kernels", "+ decode kernels, fused decode step (compile off)", dict(decode_kernels="auto", compile="off"), False),
     ("int8_kv", "+ INT8 KV cache", dict(kv_cache_dtype="int8"), True),
     ("w8a16", "+ W8A16 weights", dict(quantization="w8a16"), True),
     ("w4a16", "+ W4A16 weights", dict(quantization="w4a16"), True),
@@ -116,7 +118,7 @@ def build_ledger(args, progress: bool = True) -> dict:
     outs = [args.output_len] * n
     max_len = args.input_len + args.output_len
     current = dict(dtype=args.dtype, max_model_len=max_len, enable_prefix_caching=False, prepack_weights=False,
-                   max_num_seqs=1, compile="off")
+                   max_num_seqs=1, compile="off", decode_kernels="off")
     def call(fn_name: str, **kwargs) -> dict:
         if args.in_process:
             return getattr(measure, fn_name)(**kwargs)
