@@ -41,10 +41,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    "before serving: fewer, fused ops per step for a start-up cost of seconds to tens of seconds; "
                    "auto = on only for models of >= 100M parameters on backends where it measured faster (none "
                    "yet: on CPU it measured slower, so auto runs eager); off = eager (default: auto)")
-    g.add_argument("--decode-kernels", default="auto", choices=["auto", "off"],
-                   help="small-batch linear kernels for decode steps (up to 16 rows): on x86 CPUs with AVX-512 BF16 "
-                   "and VNNI, infertune's own GEMV / AMX kernels, built with the system C compiler on first use "
-                   "and cached; auto = use them where the backend has them, off = torch's matmuls (default: auto)")
+    g.add_argument("--decode-kernels", default="auto", choices=["auto", "linear", "off"],
+                   help="infertune's own decode kernels, on x86 CPUs with AVX-512 BF16 and VNNI (built with the "
+                   "system C compiler on first use and cached): auto = GEMV / AMX kernels for steps of up to 16 "
+                   "rows plus the fused decode step (every layer of a decode-only step in one call); linear = the "
+                   "linear kernels only, under the PyTorch forward; off = torch's matmuls (default: auto)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
                    help="KV-cache storage: the model dtype, or int8 with per-token, per-head scales (about half the "
                    "bytes, so about twice the tokens in the same budget) (default: auto)")

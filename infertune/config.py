@@ -146,7 +146,9 @@ class ModelConfig:
     # Reorder plain weights once into the backend's fastest matmul layout (oneDNN blocked bf16 on CPU).
     prepack_weights: bool = True
     # The backend's own small-batch linear kernels for decode steps (infertune/kernels on CPU: AVX-512 BF16 / VNNI
-    # and AMX): "auto" uses them where the backend has them, "off" keeps torch's matmuls.
+    # and AMX): "auto" uses them where the backend has them, with the fused decode step (every layer of a
+    # decode-only step in one call); "linear" only the linear kernels under the PyTorch forward; "off" keeps
+    # torch's matmuls.
     decode_kernels: str = "auto"
     # torch.compile the dense stages of each decoder layer: "auto" (models >= 100M parameters, on backends that
     # support it), "on" or "off". Compilation happens in a warm-up before serving; see runner/compiled.py.
@@ -157,8 +159,8 @@ class ModelConfig:
         self.model = os.fspath(self.model)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is not one of {DTYPES}")
-        if self.decode_kernels not in ("auto", "off"):
-            raise ValueError(f"decode_kernels={self.decode_kernels!r} is not one of ('auto', 'off')")
+        if self.decode_kernels not in ("auto", "linear", "off"):
+            raise ValueError(f"decode_kernels={self.decode_kernels!r} is not one of ('auto', 'linear', 'off')")
         if self.compile not in ("auto", "on", "off"):
             raise ValueError(f"compile={self.compile!r} is not one of ('auto', 'on', 'off')")
         if self.arch is None:

@@ -106,6 +106,16 @@ def test_doctor_cuda_driver_floor_and_threads(compat):
     assert all(c.status == "OK" for c in check_threads(facts()))
 
 
+def test_doctor_reports_the_decode_kernels():
+    from infertune.profile.doctor import check_cpu
+
+    kernels = lambda f: {c.name: c for c in check_cpu(f)}["cpu.kernels"]  # noqa: E731
+    assert kernels(facts()).status == "OK" and "built and loaded" in kernels(facts()).detail
+    no_cc = kernels(facts(cpu_kernels_unavailable="no C compiler (cc, gcc or clang) on PATH"))
+    assert no_cc.status == "WARN" and "gcc" in no_cc.fix
+    assert kernels(facts(cpu_kernels_unavailable="this CPU lacks avx512_bf16")).status == "OK"
+
+
 def test_doctor_passes_on_this_machine_and_its_json_round_trips(compat, capsys):
     real = gather()
     checks = check_all(real, compat)

@@ -493,7 +493,7 @@ typedef struct {
     const bf16* input_norm;    /* [hidden] */
     const bf16* post_norm;     /* [hidden] */
     it_lin qkv, o, gate_up, down;
-    bf16* kv_cache;            /* [2, num_blocks, block_size, Hkv, D] */
+    void* kv_cache;            /* [2, num_blocks, block_size, Hkv, D] bf16 (or int8 rows, see it_model.kv_int8) */
 } it_layer;
 
 typedef struct {
@@ -502,6 +502,8 @@ typedef struct {
     const float* cos_sin;      /* [max_position, head_dim]: cos of the D/2 frequencies, then sin */
     float eps, scale;
     int32_t nthreads, n_layers;
+    int32_t kv_int8; /* 1: the cache holds int8 rows of D values + their fp32 scale (layers/attention/paged.py
+                        Int8PagedAttention), [2, num_blocks, block_size, Hkv, D + 4] bytes */
 } it_model;
 
 typedef struct {
@@ -522,6 +524,9 @@ static int64_t lin_scratch_bytes(int64_t T, int64_t K) {
     return ALIGN64(amx > w8 ? amx : w8);
 }
 
+/* per attention thread: scores [group, max_ctx], output accumulators [group, D], one dequantized K/V row [D] */
+static inline int64_t attn_floats(int64_t group, int64_t max_ctx, int64_t D) { return group * (max_ctx + D) + D; }
+
 /* Offsets of the workspace's parts, in bytes. */
 typedef struct { int64_t h, qkv, o, gu, act, y, lin, attn, total; } ws_layout;
 
@@ -540,7 +545,7 @@ static ws_layout workspace(const it_model* m, int64_t T, int64_t max_ctx) {
     l.y = off;    off += ALIGN64(T * m->hidden * 2);
     l.lin = off;  off += lin_scratch_bytes(T, kmax);
     /* attention, per thread: scores [group, max_ctx] and output accumulators [group, D], fp32 */
-    l.attn = off; off += ALIGN64((int64_t)(m->nthreads > 0 ? m->nthreads : 1) * group * (max_ctx + m->head_dim) * 4);
+    l.attn = off; off += ALIGN64((int64_t)(m->nthreads > 0 ? m->nthreads : 1) * attn_floats(group, max_ctx, m->head_dim) * 4);
     l.total = off;
     return l;
 }
@@ -638,27 +643,58 @@ static void rotary_rows(const it_model* m, const it_step* s, bf16* qkv) {
     }
 }
 
+/* Cache row `row` (slot * Hkv + head) of K (which = 0) or V (1) as bf16: in place for a bf16 cache; for an int8
+ * cache dequantized into tmp, rounded to bf16 as Int8PagedAttention._decoded does. */
+static inline const bf16* kv_row(const it_model* m, const void* cache, int which, int64_t row, bf16* tmp) {
+    const int64_t D = m->head_dim, rows = m->num_blocks * m->block_size * m->n_kv_heads;
+    if (!m->kv_int8) return (const bf16*)cache + (which * rows + row) * D;
+    const int8_t* q = (const int8_t*)cache + (which * rows + row) * (D + 4);
+    float sc;
+    memcpy(&sc, q + D, 4);
+    for (int64_t d = 0; d < D; d++) tmp[d] = f2bf((float)q[d] * sc);
+    return tmp;
+}
+
+/* Write one K or V row (bf16 [D]) into the cache; int8: symmetric amax / 127 scale, as Int8PagedAttention. */
+static inline void kv_write(const it_model* m, void* cache, int which, int64_t row, const bf16* x) {
+    const int64_t D = m->head_dim, rows = m->num_blocks * m->block_size * m->n_kv_heads;
+    if (!m->kv_int8) {
+        memcpy((bf16*)cache + (which * rows + row) * D, x, (size_t)D * 2);
+        return;
+    }
+    int8_t* q = (int8_t*)cache + (which * rows + row) * (D + 4);
+    float amax = 0.0f;
+    for (int64_t d = 0; d < D; d++) { const float a = fabsf(bf2f(x[d])); amax = a > amax ? a : amax; }
+    float sc = amax / 127.0f;
+    sc = sc < 1e-8f ? 1e-8f : sc;
+    for (int64_t d = 0; d < D; d++) {
+        float v = nearbyintf(bf2f(x[d]) / sc);
+        v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
+        q[d] = (int8_t)v;
+    }
+    memcpy(q + D, &sc, 4);
+}
+
 /* Attention of each decode row over its sequence's paged K/V; o [T, Hq, D] bf16. One task per (row, KV head):
  * the group of query heads sharing that KV head reads each K/V row once. */
-static void attention_rows(const it_model* m, const it_step* s, const bf16* qkv, const bf16* cache, bf16* o,
+static void attention_rows(const it_model* m, const it_step* s, const bf16* qkv, const void* cache, bf16* o,
                            float* scratch, int64_t max_ctx) {
     const int64_t D = m->head_dim, hkv = m->n_kv_heads, group = m->n_heads / hkv, bs = m->block_size;
     const int64_t width = (m->n_heads + 2 * hkv) * D;
-    const bf16* kc = cache;
-    const bf16* vc = cache + m->num_blocks * bs * hkv * D;
     const int64_t tasks = s->T * hkv;
     const int nt = (int)(tasks < m->nthreads ? tasks : m->nthreads);
 #pragma omp parallel num_threads(nt > 0 ? nt : 1)
     {
-        float* sc = scratch + (int64_t)omp_get_thread_num() * group * (max_ctx + D);
+        float* sc = scratch + (int64_t)omp_get_thread_num() * attn_floats(group, max_ctx, D);
         float* acc = sc + group * max_ctx;
+        bf16* tmp = (bf16*)(acc + group * D);
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < tasks; task++) {
             const int64_t t = task / hkv, g = task % hkv, len = s->context_lens[t];
             const int64_t* table = s->block_tables + t * s->max_blocks;
             const bf16* q = qkv + t * width + g * group * D;
             for (int64_t j = 0; j < len; j++) {
-                const bf16* k = kc + ((table[j / bs] * bs + j % bs) * hkv + g) * D;
+                const bf16* k = kv_row(m, cache, 0, (table[j / bs] * bs + j % bs) * hkv + g, tmp);
                 for (int64_t h = 0; h < group; h++) {
                     __m512 a = _mm512_setzero_ps();
                     for (int64_t d = 0; d < D; d += 32) {
@@ -685,7 +721,7 @@ static void attention_rows(const it_model* m, const it_step* s, const bf16* qkv,
                 for (int64_t d = 0; d < D; d++) acc[h * D + d] = 0.0f;
             }
             for (int64_t j = 0; j < len; j++) {
-                const bf16* v = vc + ((table[j / bs] * bs + j % bs) * hkv + g) * D;
+                const bf16* v = kv_row(m, cache, 1, (table[j / bs] * bs + j % bs) * hkv + g, tmp);
                 for (int64_t d = 0; d < D; d += 16) {
                     const __m512 vv = load_bf16x16(v + d, 0xffff);
                     for (int64_t h = 0; h < group; h++) {
@@ -718,13 +754,12 @@ int it_decode_layers(const it_model* m, const it_layer* layers, const it_step* s
         rmsnorm_rows(x, L->input_norm, h, T, H, m->eps);
         run_lin(&L->qkv, h, H, qkv, width, T, m->nthreads, lin);
         rotary_rows(m, s, qkv);
-        bf16* kc = L->kv_cache;
-        bf16* vc = kc + m->num_blocks * m->block_size * hkv * D;
-        for (int64_t t = 0; t < T; t++) {
-            memcpy(kc + s->slots[t] * hkv * D, qkv + t * width + hq, (size_t)(hkv * D * 2));
-            memcpy(vc + s->slots[t] * hkv * D, qkv + t * width + hq + hkv * D, (size_t)(hkv * D * 2));
-        }
-        attention_rows(m, s, qkv, kc, o, attn, max_ctx);
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t g = 0; g < hkv; g++) {
+                kv_write(m, L->kv_cache, 0, s->slots[t] * hkv + g, qkv + t * width + hq + g * D);
+                kv_write(m, L->kv_cache, 1, s->slots[t] * hkv + g, qkv + t * width + hq + (hkv + g) * D);
+            }
+        attention_rows(m, s, qkv, L->kv_cache, o, attn, max_ctx);
         run_lin(&L->o, o, hq, y, H, T, m->nthreads, lin);
         add_rows(x, y, T * H);
         rmsnorm_rows(x, L->post_norm, h, T, H, m->eps);

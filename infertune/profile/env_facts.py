@@ -49,6 +49,8 @@ class EnvFacts:
     thread_env: dict[str, str] = field(default_factory=dict)
     mem_total: int | None = None
     mem_available: int | None = None
+    # infertune's CPU decode kernels: None = built and loaded, else why not (infertune.kernels.cpu)
+    cpu_kernels_unavailable: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -165,6 +167,8 @@ def gather() -> EnvFacts:
     except (AttributeError, OSError):
         load = None
     vm = psutil.virtual_memory()
+    from infertune.kernels import cpu as cpu_kernels  # builds them on first use (about 1 s)
+
     return EnvFacts(
         python=platform.python_version(), platform=f"{platform.system()} {platform.machine()}",
         packages=packages, requirements=[r for r in requirements if "extra ==" not in r],
@@ -175,6 +179,7 @@ def gather() -> EnvFacts:
         torch_threads=torch.get_num_threads(), affinity_cpus=affinity, cgroup_cpus=_cgroup_cpus(),
         os_cpus=os.cpu_count(), load_1m=load, thread_env={k: os.environ[k] for k in THREAD_ENV if k in os.environ},
         mem_total=vm.total, mem_available=vm.available,
+        cpu_kernels_unavailable=None if cpu_kernels.available() else cpu_kernels.unavailable_reason(),
     )
 
 

@@ -9,7 +9,7 @@ output. Prefill steps, mixed steps and steps of more than `max_rows` sequences k
 It takes over only where it computes exactly what the PyTorch path computes (rounded the same way, to bf16
 precision): a Llama-family decoder in bf16 whose projections are plain bf16 (DecodeKernelMethod), W8A16 or
 W4A16 (in the kernels' layout), a
-bf16 paged KV cache, head_dim a multiple of 16. `FusedDecode.build` returns None, with the reason logged,
+bf16 or INT8 paged KV cache, head_dim a multiple of 16. `FusedDecode.build` returns None, with the reason logged,
 anywhere else.
 """
 
@@ -21,7 +21,7 @@ import logging
 import torch
 
 from infertune.layers.attention import AttentionMetadata
-from infertune.layers.attention.paged import TorchPagedAttention
+from infertune.layers.attention.paged import Int8PagedAttention, TorchPagedAttention
 from infertune.layers.linear import DecodeKernelMethod, Linear
 from infertune.quant.int4 import W4A16Method
 from infertune.quant.int8 import W8A16Method, W8A8Method
@@ -56,7 +56,7 @@ class FusedDecode:
             head_dim=cfg.head_dim, inter=cfg.intermediate_size, num_blocks=num_blocks, block_size=block_size,
             cos_sin=rotary.cos_sin.data_ptr(), eps=model.model.layers[0].input_layernorm.eps,
             scale=model.model.layers[0].self_attn.scale, nthreads=torch.get_num_threads(),
-            n_layers=len(model.model.layers))
+            n_layers=len(model.model.layers), kv_int8=int(isinstance(attn, Int8PagedAttention)))
         keep = [rotary.cos_sin, *kv_caches]  # tensors whose memory the C side points at
         layers = (kernels.ItLayer * len(model.model.layers))()
         for i, (layer, cache) in enumerate(zip(model.model.layers, kv_caches)):
@@ -77,8 +77,8 @@ class FusedDecode:
             return "the backend has no fused decode kernel"
         if dtype is not torch.bfloat16:
             return f"the model runs in {dtype}, the fused step in bf16"
-        if type(attn) is not TorchPagedAttention:
-            return f"attention backend {attn.name} (the fused step reads a bf16 paged cache)"
+        if type(attn) not in (TorchPagedAttention, Int8PagedAttention) or getattr(attn, "SCALE_BYTES", 4) != 4:
+            return f"attention backend {attn.name} (the fused step reads a bf16 or int8 paged cache)"
         cfg = getattr(model, "config", None)
         if cfg is None or not hasattr(getattr(model, "model", None), "layers"):
             return f"{type(model).__name__} is not a Llama-family decoder"

@@ -49,7 +49,7 @@ class ModelRunner:
         self.dtype = backend.resolve_dtype(config.model.dtype, arch.torch_dtype)
         backend.seed(config.model.seed)
         # The backend's own small-batch linear kernels (None: torch's matmuls throughout).
-        self.decode_kernels = backend.decode_kernels() if config.model.decode_kernels == "auto" else None
+        self.decode_kernels = backend.decode_kernels() if config.model.decode_kernels != "off" else None
         self.attn = Int8PagedAttention(self.dtype) if config.cache.kv_cache_dtype == "int8" else TorchPagedAttention()
         self.model = load_model(
             arch, config.model.model, self.dtype, self.device, config.model.max_model_len, self.attn, show_progress,
@@ -77,7 +77,7 @@ class ModelRunner:
                 log.warning("torch.compile failed (%s: %s); running eager (compile='auto')", type(e).__name__, e)
         # Decode-only steps of up to 16 sequences: every layer in one kernel call (runner/fused_decode.py).
         # Not with torch.compile: its warm-up must run (and compile) the graphs that decode steps use.
-        if self.decode_kernels is not None and self.compiled is None:
+        if self.decode_kernels is not None and self.compiled is None and config.model.decode_kernels == "auto":
             self.fused = FusedDecode.build(self.model, self.kv_caches, self.attn, self.decode_kernels,
                                            config.model.max_model_len, self.block_size, self.dtype)
 
