@@ -123,6 +123,20 @@ def test_w4_within_its_error_bound(m, n, k, gs):
 
 
 @needs_kernels
+def test_prefill_dequantization_matches_the_reference_rounding():
+    """The dense bf16 weights a quantized prefill multiplies: bit for bit the PyTorch formulas."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randint(-127, 128, (40, 96), generator=g, dtype=torch.int8)
+    for s in (torch.rand(40, generator=g).bfloat16(), torch.rand(40, generator=g)):
+        ref = q.to(torch.bfloat16) * s.to(torch.bfloat16).unsqueeze(1)
+        assert torch.equal(kernels.dequant_w8(q, s), ref)
+    q4 = torch.randint(0, 16, (24, 128), generator=g)
+    scale, zero = torch.rand(24, 4, generator=g), torch.randn(24, 4, generator=g)
+    ref = ((q4.float().view(24, 4, 32) * scale.unsqueeze(-1)) + zero.unsqueeze(-1)).view(24, 128).to(torch.bfloat16)
+    assert torch.equal(kernels.dequant_w4(kernels.pack_w4(q4), scale, zero, 32), ref)
+
+
+@needs_kernels
 def test_bad_inputs_are_refused():
     w = torch.zeros(8, 32, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="bf16"):

@@ -109,6 +109,10 @@ def _load() -> None:
         lib.it_linear_w8.restype = None
         lib.it_linear_w4.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, cint]
         lib.it_linear_w4.restype = None
+        lib.it_dequant_w8.argtypes = [ptr, ptr, cint, ptr, i64, i64, cint]
+        lib.it_dequant_w8.restype = None
+        lib.it_dequant_w4.argtypes = [ptr, ptr, ptr, i64, ptr, i64, i64, cint]
+        lib.it_dequant_w4.restype = None
         lib.it_amx_init.argtypes = [cint]
         lib.it_amx_init.restype = cint
         lib.it_set_amx_min_rows.argtypes = [cint]
@@ -251,3 +255,27 @@ def linear_w4(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: 
     _lib.it_linear_w4(x2.data_ptr(), x2.stride(0), packed.data_ptr(), scale.data_ptr(), zero.data_ptr(), group_size,
                       bias.data_ptr() if bias is not None else None, y.data_ptr(), n, m, n, k, torch.get_num_threads())
     return y.view(*x.shape[:-1], n)
+
+
+def dequant_w8(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """int8 [N, K] and scales [N] (bf16 or fp32) -> bf16 [N, K], w = bf16(q * bf16(s)): a prefill's dense weight."""
+    _load()
+    n, k = qweight.shape
+    if qweight.dtype is not torch.int8 or not qweight.is_contiguous() or scales.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError("need contiguous int8 weights and bf16 / fp32 scales")
+    out = torch.empty((n, k), dtype=torch.bfloat16)
+    _lib.it_dequant_w8(qweight.data_ptr(), scales.contiguous().data_ptr(), int(scales.dtype is torch.float32),
+                       out.data_ptr(), n, k, torch.get_num_threads())
+    return out
+
+
+def dequant_w4(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int) -> torch.Tensor:
+    """pack_w4 nibbles [N, K / 2] with fp32 scale and zero [N, K / g] -> bf16 [N, K], w = bf16(q * s + z)."""
+    _load()
+    n, k = packed.shape[0], packed.shape[1] * 2
+    if not w4_supported(k, group_size) or not (packed.is_contiguous() and scale.is_contiguous() and zero.is_contiguous()):
+        raise ValueError("need contiguous pack_w4 weights, scale and zero, K and the group size multiples of 32")
+    out = torch.empty((n, k), dtype=torch.bfloat16)
+    _lib.it_dequant_w4(packed.data_ptr(), scale.data_ptr(), zero.data_ptr(), group_size, out.data_ptr(), n, k,
+                       torch.get_num_threads())
+    return out

@@ -187,20 +187,35 @@ static void amx_rows(const bf16* w, const bf16* xt, const bf16* bias, bf16* y, i
         }
 }
 
+/* Rows of x per pass over the weights: the transposed rows (K * 2 bytes each) of one block stay in L2 beside the
+ * 64-feature weight chunk being multiplied, so each chunk is read from memory once per block of rows. */
+static inline int64_t amx_rows_per_block(int64_t K) {
+    int64_t mb = ((int64_t)786432 / (K * 2)) & ~(int64_t)15;
+    return mb < 16 ? 16 : (mb > 256 ? 256 : mb);
+}
+
+/* scratch: amx_rows_per_block(K) * K * 2 bytes, aligned */
 __attribute__((target("amx-tile,amx-bf16")))
 static void linear_bf16_amx(const bf16* x, int64_t ldx, const bf16* w, const bf16* bias, bf16* y, int64_t ldy,
-                            int64_t M, int64_t N16, int64_t K, int nthreads, bf16* xt /* K * 16 */) {
+                            int64_t M, int64_t N16, int64_t K, int nthreads, bf16* xt) {
     const int64_t nchunks = (N16 / 16 + 3) / 4; /* 64 features a chunk */
-    const int nt = pick_threads(nchunks, N16 * K * 2, nthreads);
-    for (int64_t m0 = 0; m0 < M; m0 += 16) {
-        const int mr = (int)(M - m0 < 16 ? M - m0 : 16);
-        /* xt[k/2][m][k%2] = x[m0 + m][k], zero for m >= mr */
-        for (int64_t kp = 0; kp < K / 2; kp++)
+    const int64_t mb = amx_rows_per_block(K);
+    for (int64_t b0 = 0; b0 < M; b0 += mb) {
+        const int64_t rows = M - b0 < mb ? M - b0 : mb, passes = (rows + 15) / 16;
+        /* per pass p: xt[p][k/2][m][k%2] = x[b0 + 16 p + m][k], zero past the last row */
+        for (int64_t p = 0; p < passes; p++) {
+            bf16* xp = xt + p * K * 16;
+            const int64_t m0 = b0 + 16 * p;
+            const int mr = (int)(M - m0 < 16 ? M - m0 : 16);
             for (int m = 0; m < 16; m++) {
-                const bf16* xr = x + (m0 + m) * ldx + 2 * kp;
-                xt[kp * 32 + 2 * m] = m < mr ? xr[0] : 0;
-                xt[kp * 32 + 2 * m + 1] = m < mr ? xr[1] : 0;
+                const bf16* xr = x + (m0 + m) * ldx;
+                for (int64_t kp = 0; kp < K / 2; kp++) {
+                    xp[kp * 32 + 2 * m] = m < mr ? xr[2 * kp] : 0;
+                    xp[kp * 32 + 2 * m + 1] = m < mr ? xr[2 * kp + 1] : 0;
+                }
             }
+        }
+        const int nt = pick_threads(nchunks, N16 * K * 2 * passes, nthreads);
 #pragma omp parallel num_threads(nt)
         {
             tile_config cfg;
@@ -212,14 +227,23 @@ static void linear_bf16_amx(const bf16* x, int64_t ldx, const bf16* w, const bf1
             for (int64_t c = 0; c < nchunks; c++) {
                 const int64_t n0 = c * 64;
                 const int nblk = (int)((N16 - n0) / 16 < 4 ? (N16 - n0) / 16 : 4);
-                amx_rows(w, xt, bias, y + m0 * ldy, ldy, mr, n0, nblk, K);
+                for (int64_t p = 0; p < passes; p++) { /* the chunk comes from memory once, then from cache */
+                    const int64_t m0 = b0 + 16 * p;
+                    const int mr = (int)(M - m0 < 16 ? M - m0 : 16);
+                    amx_rows(w, xt + p * K * 16, bias, y + m0 * ldy, ldy, mr, n0, nblk, K);
+                }
             }
             _tile_release();
         }
     }
 }
 
-/* scratch: K * 32 bytes, 64-byte aligned (the transposed activations of the AMX path) */
+/* scratch: bf16_scratch_bytes(M, K), 64-byte aligned (the transposed activations of the AMX path) */
+static inline int64_t bf16_scratch_bytes(int64_t M, int64_t K) {
+    const int64_t mb = amx_rows_per_block(K), rows = M < mb ? (M + 15) & ~(int64_t)15 : mb;
+    return (rows * K * 2 + 63) & ~(int64_t)63;
+}
+
 static void linear_bf16(const bf16* x, int64_t ldx, const bf16* w, const bf16* bias, bf16* y, int64_t ldy,
                         int64_t M, int64_t N, int64_t K, int nthreads, void* scratch) {
     const int64_t n16 = N & ~(int64_t)15;
@@ -234,7 +258,7 @@ static void linear_bf16(const bf16* x, int64_t ldx, const bf16* w, const bf16* b
 
 void it_linear_bf16(const bf16* x, int64_t ldx, const bf16* w, const bf16* bias, bf16* y, int64_t ldy,
                     int64_t M, int64_t N, int64_t K, int nthreads) {
-    void* scratch = aligned_alloc(64, (size_t)(K * 32 + 63) & ~(size_t)63);
+    void* scratch = aligned_alloc(64, (size_t)bf16_scratch_bytes(M, K));
     linear_bf16(x, ldx, w, bias, y, ldy, M, N, K, nthreads, scratch);
     free(scratch);
 }
@@ -468,6 +492,54 @@ void it_linear_w4(const bf16* x, int64_t ldx, const uint8_t* w, const float* sca
     free(scratch);
 }
 
+/* ------------------------------------------------------------------ dense weights for prefills
+ *
+ * Past 16 rows torch's GEMM (oneDNN / AMX) beats the kernels above, so a quantized layer's prefill multiplies a
+ * bf16 copy of its weights, rebuilt here per call, in parallel and in one pass: w = bf16(q * s) for int8 (as the
+ * PyTorch reference rounds it), w = bf16(q * s + z) in fp32 for int4.
+ */
+static inline __m256i round_bf16x16_(__m512 v) { /* round to nearest even (finite values) */
+    __m512i u = _mm512_castps_si512(v);
+    u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                             _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
+}
+
+void it_dequant_w8(const int8_t* q, const void* scale, int scale_is_f32, bf16* out, int64_t N, int64_t K,
+                   int nthreads) {
+#pragma omp parallel for num_threads(nthreads > 0 ? nthreads : 1) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        /* the reference multiplies in bf16: q.to(bf16) * s.to(bf16) */
+        const float s = bf2f(scale_is_f32 ? f2bf(((const float*)scale)[n]) : ((const bf16*)scale)[n]);
+        const __m512 sv = _mm512_set1_ps(s);
+        int64_t k = 0;
+        for (; k + 16 <= K; k += 16) {
+            const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + n * K + k))));
+            _mm256_storeu_si256((__m256i*)(out + n * K + k), round_bf16x16_(_mm512_mul_ps(v, sv)));
+        }
+        for (; k < K; k++) out[n * K + k] = f2bf((float)q[n * K + k] * s);
+    }
+}
+
+void it_dequant_w4(const uint8_t* packed, const float* scale, const float* zero, int64_t gs, bf16* out, int64_t N,
+                   int64_t K, int nthreads) {
+    const int64_t G = K / gs;
+#pragma omp parallel for num_threads(nthreads > 0 ? nthreads : 1) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t* p = packed + n * (K / 2);
+        for (int64_t k0 = 0; k0 < K; k0 += 32) {
+            const int64_t g = k0 / gs;
+            const __m512 sv = _mm512_set1_ps(scale[n * G + g]), zv = _mm512_set1_ps(zero[n * G + g]);
+            const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(p + k0 / 2)));
+            const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0xF)));
+            const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+            /* fp32 multiply, then add: two roundings, as (q.float() * scale + zero) */
+            _mm256_storeu_si256((__m256i*)(out + n * K + k0), round_bf16x16_(_mm512_add_ps(_mm512_mul_ps(lo, sv), zv)));
+            _mm256_storeu_si256((__m256i*)(out + n * K + k0 + 16), round_bf16x16_(_mm512_add_ps(_mm512_mul_ps(hi, sv), zv)));
+        }
+    }
+}
+
 /* ------------------------------------------------------------------ a whole decode step of a Llama decoder
  *
  * it_decode_layers runs every decoder layer of a decode-only step (T <= 16 sequences, one new token each) in one
@@ -520,7 +592,7 @@ typedef struct {
 #define ALIGN64(n) (((n) + 63) & ~(int64_t)63)
 
 static int64_t lin_scratch_bytes(int64_t T, int64_t K) {
-    const int64_t amx = K * 32, w8 = w8_scratch_bytes(T, K);
+    const int64_t amx = bf16_scratch_bytes(T, K), w8 = w8_scratch_bytes(T, K);
     return ALIGN64(amx > w8 ? amx : w8);
 }
 

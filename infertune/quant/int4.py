@@ -85,6 +85,8 @@ class W4A16Method(UnquantizedMethod):
 
     def _dense_weight(self, layer: Linear, dtype: torch.dtype) -> torch.Tensor:
         n = layer.out_features
+        if self.own_layout and dtype is torch.bfloat16 and not torch.compiler.is_compiling():
+            return self.kernels.dequant_w4(layer.qweight, layer.w4_scale, layer.w4_zero, self.group_size)
         if self.own_layout:
             q = self.kernels.unpack_w4(layer.qweight).view(n, -1, self.group_size).float()
             w = q * layer.w4_scale.unsqueeze(-1) + layer.w4_zero.unsqueeze(-1)
