@@ -220,3 +220,36 @@ def test_engine_with_kernels_matches_hf(tmp_path, quant, kv):
                 errs.append(abs(lp.logprob - row[lp.token_id].item()))
         worst[mode] = max(errs)
     assert worst["auto"] <= 1.5 * worst["off"] + 0.02, worst
+
+
+@needs_kernels
+def test_fused_decode_forward_allocates_nothing(tmp_path):
+    """The seeds' "pre-allocate memory": a decode step's forward through the fused path allocates no tensor
+    (torch.profiler's memory accounting); the PyTorch path allocates per op."""
+    from conftest import make_checkpoint
+    from torch.profiler import ProfilerActivity, profile
+
+    from infertune import LLM, SamplingParams
+
+    model = make_checkpoint(tmp_path / "m", "llama", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                            dtype=torch.bfloat16)
+    counts = {}
+    for mode in ("auto", "off"):
+        llm = LLM(str(model), dtype="bfloat16", decode_kernels=mode, max_model_len=64)
+        runner = llm.engine.executor.runner
+        forward, seen = runner._forward, []
+
+        def profiled(ids, pos, meta, forward=forward, seen=seen):
+            if meta.prefills:
+                return forward(ids, pos, meta)
+            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+                out = forward(ids, pos, meta)
+            seen.append(sum(1 for e in prof.events() if e.self_cpu_memory_usage > 0))
+            return out
+
+        runner._forward = profiled
+        llm.generate([{"prompt_token_ids": [3, 4, 5]}, {"prompt_token_ids": [6, 7]}],
+                     SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+        counts[mode] = seen
+    assert len(counts["auto"]) >= 3 and all(n == 0 for n in counts["auto"]), counts
+    assert all(n > 10 for n in counts["off"]), counts  # the probe does see the PyTorch path's allocations

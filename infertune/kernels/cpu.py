@@ -113,6 +113,8 @@ def _load() -> None:
         lib.it_dequant_w8.restype = None
         lib.it_dequant_w4.argtypes = [ptr, ptr, ptr, i64, ptr, i64, i64, cint]
         lib.it_dequant_w4.restype = None
+        lib.it_rmsnorm.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float]
+        lib.it_rmsnorm.restype = None
         lib.it_amx_init.argtypes = [cint]
         lib.it_amx_init.restype = cint
         lib.it_set_amx_min_rows.argtypes = [cint]

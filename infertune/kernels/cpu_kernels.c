@@ -48,6 +48,17 @@ static inline bf16 f2bf(float f) { /* round to nearest even, as torch does */
     return (bf16)(u >> 16);
 }
 
+static inline __m512 load_bf16x16(const bf16* p, __mmask16 m) { /* 16 bf16 (masked) -> fp32 */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+
+static inline __m256i round_bf16x16(__m512 v) { /* 16 fp32 -> bf16, nearest even, as f2bf (finite values) */
+    __m512i u = _mm512_castps_si512(v);
+    u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                             _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
+}
+
 static inline int pick_threads(int64_t n_blocks, int64_t bytes, int nthreads) {
     if (nthreads < 1) nthreads = 1;
     if (bytes < (1 << 16)) return 1; /* not worth waking a second thread */
@@ -179,12 +190,16 @@ static void amx_rows(const bf16* w, const bf16* xt, const bf16* bias, bf16* y, i
     if (nblk > 1) _tile_stored(1, c[1], 64);
     if (nblk > 2) _tile_stored(2, c[2], 64);
     if (nblk > 3) _tile_stored(3, c[3], 64);
-    for (int b = 0; b < nblk; b++)
-        for (int i = 0; i < 16; i++) {
-            const int64_t n = n0 + b * 16 + i;
-            const float bv = bias ? bf2f(bias[n]) : 0.0f;
-            for (int m = 0; m < mr; m++) y[m * ldy + n] = f2bf(c[b][i][m] + bv);
-        }
+    /* c[b][feature][row] -> y[row][features]: one 16-lane gather per row (a column of the tile) */
+    const __m512i col = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                           _mm512_set1_epi32(16));
+    for (int b = 0; b < nblk; b++) {
+        const int64_t n = n0 + b * 16;
+        const __m512 bv = bias ? load_bf16x16(bias + n, 0xffff) : _mm512_setzero_ps();
+        for (int m = 0; m < mr; m++)
+            _mm256_storeu_si256((__m256i*)(y + m * ldy + n),
+                                round_bf16x16(_mm512_add_ps(_mm512_i32gather_ps(col, &c[b][0][m], 4), bv)));
+    }
 }
 
 /* Rows of x per pass over the weights: the transposed rows (K * 2 bytes each) of one block stay in L2 beside the
@@ -207,12 +222,14 @@ static void linear_bf16_amx(const bf16* x, int64_t ldx, const bf16* w, const bf1
             bf16* xp = xt + p * K * 16;
             const int64_t m0 = b0 + 16 * p;
             const int mr = (int)(M - m0 < 16 ? M - m0 : 16);
-            for (int m = 0; m < 16; m++) {
-                const bf16* xr = x + (m0 + m) * ldx;
-                for (int64_t kp = 0; kp < K / 2; kp++) {
-                    xp[kp * 32 + 2 * m] = m < mr ? xr[2 * kp] : 0;
-                    xp[kp * 32 + 2 * m + 1] = m < mr ? xr[2 * kp + 1] : 0;
-                }
+            /* one gather per column pair: the 16 rows' (k, k + 1) as 32-bit words, zero past the last row */
+            const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                                    _mm512_set1_epi32((int)ldx));
+            const __mmask16 live = (__mmask16)((1u << mr) - 1);
+            const bf16* base = x + m0 * ldx;
+            for (int64_t kp = 0; kp < K / 2; kp++) {
+                const __m512i idx = _mm512_add_epi32(rows, _mm512_set1_epi32((int)(2 * kp)));
+                _mm512_storeu_si512(xp + kp * 32, _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, idx, base, 2));
             }
         }
         const int nt = pick_threads(nchunks, N16 * K * 2 * passes, nthreads);
@@ -498,13 +515,6 @@ void it_linear_w4(const bf16* x, int64_t ldx, const uint8_t* w, const float* sca
  * bf16 copy of its weights, rebuilt here per call, in parallel and in one pass: w = bf16(q * s) for int8 (as the
  * PyTorch reference rounds it), w = bf16(q * s + z) in fp32 for int4.
  */
-static inline __m256i round_bf16x16_(__m512 v) { /* round to nearest even (finite values) */
-    __m512i u = _mm512_castps_si512(v);
-    u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
-                                             _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
-}
-
 void it_dequant_w8(const int8_t* q, const void* scale, int scale_is_f32, bf16* out, int64_t N, int64_t K,
                    int nthreads) {
 #pragma omp parallel for num_threads(nthreads > 0 ? nthreads : 1) schedule(static)
@@ -515,7 +525,7 @@ void it_dequant_w8(const int8_t* q, const void* scale, int scale_is_f32, bf16* o
         int64_t k = 0;
         for (; k + 16 <= K; k += 16) {
             const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + n * K + k))));
-            _mm256_storeu_si256((__m256i*)(out + n * K + k), round_bf16x16_(_mm512_mul_ps(v, sv)));
+            _mm256_storeu_si256((__m256i*)(out + n * K + k), round_bf16x16(_mm512_mul_ps(v, sv)));
         }
         for (; k < K; k++) out[n * K + k] = f2bf((float)q[n * K + k] * s);
     }
@@ -534,8 +544,8 @@ void it_dequant_w4(const uint8_t* packed, const float* scale, const float* zero,
             const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0xF)));
             const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
             /* fp32 multiply, then add: two roundings, as (q.float() * scale + zero) */
-            _mm256_storeu_si256((__m256i*)(out + n * K + k0), round_bf16x16_(_mm512_add_ps(_mm512_mul_ps(lo, sv), zv)));
-            _mm256_storeu_si256((__m256i*)(out + n * K + k0 + 16), round_bf16x16_(_mm512_add_ps(_mm512_mul_ps(hi, sv), zv)));
+            _mm256_storeu_si256((__m256i*)(out + n * K + k0), round_bf16x16(_mm512_add_ps(_mm512_mul_ps(lo, sv), zv)));
+            _mm256_storeu_si256((__m256i*)(out + n * K + k0 + 16), round_bf16x16(_mm512_add_ps(_mm512_mul_ps(hi, sv), zv)));
         }
     }
 }
@@ -666,16 +676,7 @@ static inline __m512 exp512(__m512 x) { /* e^x, relative error ~1e-7 over the cl
     return _mm512_scalef_ps(p, n);
 }
 
-static inline __m512 load_bf16x16(const bf16* p, __mmask16 m) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
 
-static inline __m256i round_bf16x16(__m512 v) { /* round to nearest even, as f2bf (no NaNs here) */
-    __m512i u = _mm512_castps_si512(v);
-    u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(_mm512_srli_epi32(u, 16),
-                                                                                        _mm512_set1_epi32(1))));
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
-}
 
 /* act[t, i] = bf16(bf16(silu(g)) * u), gate | up side by side in gu [T, 2I] (layers/activation.py) */
 static void silu_mul_rows(const bf16* gu, bf16* act, int64_t T, int64_t I) {
@@ -806,6 +807,11 @@ static void attention_rows(const it_model* m, const it_step* s, const bf16* qkv,
                 for (int64_t d = 0; d < D; d++) o[(t * m->n_heads + g * group + h) * D + d] = f2bf(acc[h * D + d]);
         }
     }
+}
+
+/* The model's final RMSNorm over the step's rows, into a caller-owned buffer. */
+void it_rmsnorm(const bf16* x, const bf16* w, bf16* out, int64_t T, int64_t H, float eps) {
+    rmsnorm_rows(x, w, out, T, H, eps);
 }
 
 /* x [T, hidden] bf16, updated in place through every layer. Returns 0, or -1 if the workspace is too small,

@@ -39,6 +39,12 @@ class FusedDecode:
         self.workspace = torch.empty(nbytes + 64, dtype=torch.uint8)  # the step's only scratch, reused
         base = self.workspace.data_ptr()
         self.step = kernels.ItStep(work=(base + 63) // 64 * 64, work_bytes=nbytes)
+        # The residual stream and the final norm's output: reused every step (the next step overwrites them).
+        self.x = torch.empty(max_rows, self.hidden, dtype=torch.bfloat16)
+        self.out = torch.empty(max_rows, self.hidden, dtype=torch.bfloat16)
+        self.embed = model.model.embed_tokens.weight
+        norm = model.model.norm
+        self.norm_weight, self.eps = norm.weight, float(norm.eps)
 
     @classmethod
     def build(cls, model, kv_caches: list[torch.Tensor], attn, kernels, max_model_len: int, block_size: int,
@@ -57,7 +63,7 @@ class FusedDecode:
             cos_sin=rotary.cos_sin.data_ptr(), eps=model.model.layers[0].input_layernorm.eps,
             scale=model.model.layers[0].self_attn.scale, nthreads=torch.get_num_threads(),
             n_layers=len(model.model.layers), kv_int8=int(isinstance(attn, Int8PagedAttention)))
-        keep = [rotary.cos_sin, *kv_caches]  # tensors whose memory the C side points at
+        keep = [rotary.cos_sin, *kv_caches, model.model.norm.weight]  # tensors whose memory the C side points at
         layers = (kernels.ItLayer * len(model.model.layers))()
         for i, (layer, cache) in enumerate(zip(model.model.layers, kv_caches)):
             c = layers[i]
@@ -101,7 +107,9 @@ class FusedDecode:
         return not meta.prefills and meta.num_decode_tokens == num_tokens <= self.max_rows
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = self.model.model.embed_tokens(input_ids)  # [T, hidden] bf16, updated in place by the kernel
+        """Hidden states [T, hidden] after the final norm: a view of a buffer the next step overwrites."""
+        t = input_ids.shape[0]
+        x = torch.index_select(self.embed, 0, input_ids, out=self.x[:t])  # updated in place by the kernel
         tables, lens = meta.decode_block_tables, meta.decode_context_lens
         s = self.step
         s.T = input_ids.shape[0]
@@ -111,7 +119,9 @@ class FusedDecode:
         if rc != 0:
             raise RuntimeError(f"it_decode_layers failed ({rc}): "
                                f"{'workspace too small' if rc == -1 else 'unsupported shapes'}")
-        return self.model.model.norm(x)
+        out = self.out[:t]
+        self.lib.it_rmsnorm(x.data_ptr(), self.norm_weight.data_ptr(), out.data_ptr(), t, self.hidden, self.eps)
+        return out
 
 
 def _fill_lin(c, lin: Linear) -> list[torch.Tensor]:
