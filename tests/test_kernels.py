@@ -253,3 +253,37 @@ def test_fused_decode_forward_allocates_nothing(tmp_path):
         counts[mode] = seen
     assert len(counts["auto"]) >= 3 and all(n == 0 for n in counts["auto"]), counts
     assert all(n > 10 for n in counts["off"]), counts  # the probe does see the PyTorch path's allocations
+
+
+@needs_kernels
+def test_elementwise_kernels_round_as_the_pytorch_formulas():
+    """Prefill elementwise kernels against layers/norm.py, activation.py and rotary.py in PyTorch: rotary bit for
+    bit (the same fp32 products); RMSNorm and SiLU within one bf16 step (fp32 sum order, exp polynomial), and
+    almost everywhere identical."""
+    from infertune.layers.activation import silu_and_mul
+    from infertune.layers.norm import RMSNorm
+    from infertune.layers.rotary import RotaryEmbedding
+
+    g = torch.Generator().manual_seed(9)
+
+    def close_to_bf16(out, ref):
+        ulp = torch.finfo(torch.bfloat16).eps * ref.float().abs().clamp(min=2.0**-100)
+        assert ((out.float() - ref.float()).abs() <= ulp * 1.01 + 1e-30).all()
+        assert (out == ref).float().mean() > 0.98
+
+    for t, h in ((1, 64), (37, 200), (300, 896)):
+        x = (torch.randn(t, h, generator=g) * 3).bfloat16()
+        norm = RMSNorm(h, 1e-6, torch.bfloat16)
+        norm.weight.data.copy_(torch.randn(h, generator=g))
+        close_to_bf16(kernels.rms_norm(x, norm.weight, 1e-6), norm(x))
+        gu = (torch.randn(t, 2 * h, generator=g) * 4).bfloat16()
+        close_to_bf16(kernels.silu_and_mul(gu), silu_and_mul(gu))
+    rot = RotaryEmbedding(48, 64, 10000.0, None)
+    rot.reset_buffers()
+    qkv = torch.randn(9, 7, 48, generator=g).bfloat16()
+    cos, sin = rot.cos_sin_at(torch.arange(3, 12))
+    ref = rot(qkv[:, :5].clone(), cos, sin)
+    mine = qkv.clone()
+    assert kernels.rotary_(mine[:, :5], cos, sin)
+    assert torch.equal(mine[:, :5], ref) and torch.equal(mine[:, 5:], qkv[:, 5:])
+    assert kernels.rms_norm(x.float(), norm.weight, 1e-6) is None  # fp32: the caller's PyTorch path

@@ -115,6 +115,12 @@ def _load() -> None:
         lib.it_dequant_w4.restype = None
         lib.it_rmsnorm.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float]
         lib.it_rmsnorm.restype = None
+        lib.it_rmsnorm_mt.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float, cint]
+        lib.it_rmsnorm_mt.restype = None
+        lib.it_silu_mul.argtypes = [ptr, ptr, i64, i64, cint]
+        lib.it_silu_mul.restype = None
+        lib.it_rotary.argtypes = [ptr, i64, i64, i64, i64, ptr, i64, cint]
+        lib.it_rotary.restype = None
         lib.it_amx_init.argtypes = [cint]
         lib.it_amx_init.restype = cint
         lib.it_set_amx_min_rows.argtypes = [cint]
@@ -281,3 +287,41 @@ def dequant_w4(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, gr
     _lib.it_dequant_w4(packed.data_ptr(), scale.data_ptr(), zero.data_ptr(), group_size, out.data_ptr(), n, k,
                        torch.get_num_threads())
     return out
+
+
+# ---- the elementwise work of prefills: the same roundings as layers/norm.py, activation.py and rotary.py
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """RMSNorm of bf16 rows (fp32 statistics, bf16(w * bf16(x / rms))); None where x does not fit (the caller
+    then runs the PyTorch formula)."""
+    if x.dtype is not torch.bfloat16 or x.dim() != 2 or not x.is_contiguous() or weight.dtype is not torch.bfloat16:
+        return None
+    _load()
+    out = torch.empty_like(x)
+    _lib.it_rmsnorm_mt(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps,
+                       torch.get_num_threads())
+    return out
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """[T, 2I] bf16 -> bf16(bf16(silu(gate)) * up) [T, I]; None where the input does not fit."""
+    if gate_up.dtype is not torch.bfloat16 or gate_up.dim() != 2 or not gate_up.is_contiguous():
+        return None
+    _load()
+    t, two_i = gate_up.shape
+    out = torch.empty((t, two_i // 2), dtype=torch.bfloat16)
+    _lib.it_silu_mul(gate_up.data_ptr(), out.data_ptr(), t, two_i // 2, torch.get_num_threads())
+    return out
+
+
+def rotary_(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Rotate qk [T, heads, D] (bf16, rows may be strided) in place with cos / sin [T, 1, D/2] fp32 views of one
+    [T, D] table (cos half, then sin half); False, untouched, where the layout does not fit."""
+    if (qk.dtype is not torch.bfloat16 or qk.dim() != 3 or qk.stride(2) != 1 or qk.stride(1) != qk.shape[2]
+            or cos.dtype is not torch.float32 or cos.stride(-1) != 1 or sin.stride(0) != cos.stride(0)
+            or sin.data_ptr() != cos.data_ptr() + 4 * cos.shape[-1]):
+        return False
+    _load()
+    t, heads, d = qk.shape
+    _lib.it_rotary(qk.data_ptr(), qk.stride(0), t, heads, d, cos.data_ptr(), cos.stride(0), torch.get_num_threads())
+    return True

@@ -649,13 +649,30 @@ static void run_lin(const it_lin* L, const bf16* x, int64_t ldx, bf16* y, int64_
 }
 
 /* out = w * bf16(x / rms(x)), as RMSNorm in layers/norm.py rounds */
-static void rmsnorm_rows(const bf16* x, const bf16* w, bf16* out, int64_t T, int64_t H, float eps) {
+static inline int rows_threads(int64_t T, int64_t elems, int nthreads) {
+    return (T > 1 && elems >= (1 << 16) && nthreads > 1) ? (int)(T < nthreads ? T : nthreads) : 1;
+}
+
+static inline __m512 bf16_round_f32(__m512 v) { /* fp32 -> the nearest bf16, back in fp32 */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(round_bf16x16(v)), 16));
+}
+
+static void rmsnorm_rows(const bf16* x, const bf16* w, bf16* out, int64_t T, int64_t H, float eps, int nthreads) {
+#pragma omp parallel for num_threads(rows_threads(T, T * H, nthreads)) schedule(static)
     for (int64_t t = 0; t < T; t++) {
         const bf16* xr = x + t * H;
-        float ss = 0.0f;
-        for (int64_t i = 0; i < H; i++) { const float v = bf2f(xr[i]); ss += v * v; }
-        const float r = 1.0f / sqrtf(ss / (float)H + eps);
-        for (int64_t i = 0; i < H; i++) out[t * H + i] = f2bf(bf2f(w[i]) * bf2f(f2bf(bf2f(xr[i]) * r)));
+        __m512 ss = _mm512_setzero_ps();
+        for (int64_t i = 0; i < H; i += 16) {
+            const __mmask16 m = H - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (H - i)) - 1);
+            const __m512 v = load_bf16x16(xr + i, m);
+            ss = _mm512_fmadd_ps(v, v, ss);
+        }
+        const __m512 r = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)H + eps));
+        for (int64_t i = 0; i < H; i += 16) {
+            const __mmask16 m = H - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (H - i)) - 1);
+            const __m512 n = bf16_round_f32(_mm512_mul_ps(load_bf16x16(xr + i, m), r));
+            _mm256_mask_storeu_epi16(out + t * H + i, m, round_bf16x16(_mm512_mul_ps(load_bf16x16(w + i, m), n)));
+        }
     }
 }
 
@@ -679,7 +696,8 @@ static inline __m512 exp512(__m512 x) { /* e^x, relative error ~1e-7 over the cl
 
 
 /* act[t, i] = bf16(bf16(silu(g)) * u), gate | up side by side in gu [T, 2I] (layers/activation.py) */
-static void silu_mul_rows(const bf16* gu, bf16* act, int64_t T, int64_t I) {
+static void silu_mul_rows(const bf16* gu, bf16* act, int64_t T, int64_t I, int nthreads) {
+#pragma omp parallel for num_threads(rows_threads(T, T * I, nthreads)) schedule(static)
     for (int64_t t = 0; t < T; t++) {
         const bf16* g = gu + t * 2 * I;
         const bf16* u = g + I;
@@ -688,8 +706,7 @@ static void silu_mul_rows(const bf16* gu, bf16* act, int64_t T, int64_t I) {
             const __mmask16 m = I - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (I - i)) - 1);
             const __m512 gv = load_bf16x16(g + i, m);
             const __m512 s = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
-            const __m512 sr = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(round_bf16x16(s)), 16));
-            _mm256_mask_storeu_epi16(a + i, m, round_bf16x16(_mm512_mul_ps(sr, load_bf16x16(u + i, m))));
+            _mm256_mask_storeu_epi16(a + i, m, round_bf16x16(_mm512_mul_ps(bf16_round_f32(s), load_bf16x16(u + i, m))));
         }
     }
 }
@@ -700,20 +717,32 @@ static void add_rows(bf16* x, const bf16* y, int64_t n) {
 }
 
 /* rotary (rotate-half) of q and k heads in qkv [T, (Hq + 2 Hkv) D], in fp32, rounded once to bf16 */
-static void rotary_rows(const it_model* m, const it_step* s, bf16* qkv) {
-    const int64_t D = m->head_dim, half = D / 2, heads = m->n_heads + m->n_kv_heads;
-    const int64_t width = (m->n_heads + 2 * m->n_kv_heads) * D;
-    for (int64_t t = 0; t < s->T; t++) {
-        const float* cs = m->cos_sin + s->positions[t] * D;
+/* Rotate `heads` heads of D at the start of each row of qk (row stride ld) in place: cs[t] (row stride ld_cs)
+ * holds the D / 2 cosines then the D / 2 sines of row t's position. fp32 products, one rounding to bf16. */
+static void rotary_apply(bf16* qk, int64_t ld, int64_t T, int64_t heads, int64_t D, const float* cs, int64_t ld_cs,
+                         const int64_t* positions, int nthreads) {
+    const int64_t half = D / 2;
+#pragma omp parallel for num_threads(rows_threads(T, T * heads * D, nthreads)) schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        const float* c = cs + (positions ? positions[t] : t) * ld_cs;
         for (int64_t h = 0; h < heads; h++) {
-            bf16* v = qkv + t * width + h * D;
-            for (int64_t i = 0; i < half; i++) {
-                const float x1 = bf2f(v[i]), x2 = bf2f(v[i + half]), c = cs[i], sn = cs[half + i];
-                v[i] = f2bf(x1 * c - x2 * sn);
-                v[i + half] = f2bf(x2 * c + x1 * sn);
+            bf16* v = qk + t * ld + h * D;
+            for (int64_t i = 0; i < half; i += 16) {
+                const __mmask16 m = half - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (half - i)) - 1);
+                const __m512 x1 = load_bf16x16(v + i, m), x2 = load_bf16x16(v + half + i, m);
+                const __m512 cv = _mm512_maskz_loadu_ps(m, c + i), sv = _mm512_maskz_loadu_ps(m, c + half + i);
+                const __m512 o1 = _mm512_sub_ps(_mm512_mul_ps(x1, cv), _mm512_mul_ps(x2, sv));
+                const __m512 o2 = _mm512_add_ps(_mm512_mul_ps(x2, cv), _mm512_mul_ps(x1, sv));
+                _mm256_mask_storeu_epi16(v + i, m, round_bf16x16(o1));
+                _mm256_mask_storeu_epi16(v + half + i, m, round_bf16x16(o2));
             }
         }
     }
+}
+
+static void rotary_rows(const it_model* m, const it_step* s, bf16* qkv) {
+    const int64_t D = m->head_dim, width = (m->n_heads + 2 * m->n_kv_heads) * D;
+    rotary_apply(qkv, width, s->T, m->n_heads + m->n_kv_heads, D, m->cos_sin, D, s->positions, m->nthreads);
 }
 
 /* Cache row `row` (slot * Hkv + head) of K (which = 0) or V (1) as bf16: in place for a bf16 cache; for an int8
@@ -811,7 +840,21 @@ static void attention_rows(const it_model* m, const it_step* s, const bf16* qkv,
 
 /* The model's final RMSNorm over the step's rows, into a caller-owned buffer. */
 void it_rmsnorm(const bf16* x, const bf16* w, bf16* out, int64_t T, int64_t H, float eps) {
-    rmsnorm_rows(x, w, out, T, H, eps);
+    rmsnorm_rows(x, w, out, T, H, eps, 1);
+}
+
+/* The elementwise work of prefills (any T), on rows: RMSNorm, SiLU-and-multiply, rotary. */
+void it_rmsnorm_mt(const bf16* x, const bf16* w, bf16* out, int64_t T, int64_t H, float eps, int nthreads) {
+    rmsnorm_rows(x, w, out, T, H, eps, nthreads);
+}
+
+void it_silu_mul(const bf16* gu, bf16* act, int64_t T, int64_t I, int nthreads) {
+    silu_mul_rows(gu, act, T, I, nthreads);
+}
+
+void it_rotary(bf16* qk, int64_t ld, int64_t T, int64_t heads, int64_t D, const float* cs, int64_t ld_cs,
+               int nthreads) {
+    rotary_apply(qk, ld, T, heads, D, cs, ld_cs, NULL, nthreads);
 }
 
 /* x [T, hidden] bf16, updated in place through every layer. Returns 0, or -1 if the workspace is too small,
@@ -829,7 +872,7 @@ int it_decode_layers(const it_model* m, const it_layer* layers, const it_step* s
     const int64_t hkv = m->n_kv_heads, width = (m->n_heads + 2 * hkv) * D, hq = m->n_heads * D;
     for (int li = 0; li < m->n_layers; li++) {
         const it_layer* L = layers + li;
-        rmsnorm_rows(x, L->input_norm, h, T, H, m->eps);
+        rmsnorm_rows(x, L->input_norm, h, T, H, m->eps, m->nthreads);
         run_lin(&L->qkv, h, H, qkv, width, T, m->nthreads, lin);
         rotary_rows(m, s, qkv);
         for (int64_t t = 0; t < T; t++)
@@ -840,9 +883,9 @@ int it_decode_layers(const it_model* m, const it_layer* layers, const it_step* s
         attention_rows(m, s, qkv, L->kv_cache, o, attn, max_ctx);
         run_lin(&L->o, o, hq, y, H, T, m->nthreads, lin);
         add_rows(x, y, T * H);
-        rmsnorm_rows(x, L->post_norm, h, T, H, m->eps);
+        rmsnorm_rows(x, L->post_norm, h, T, H, m->eps, m->nthreads);
         run_lin(&L->gate_up, h, H, gu, 2 * m->inter, T, m->nthreads, lin);
-        silu_mul_rows(gu, act, T, m->inter);
+        silu_mul_rows(gu, act, T, m->inter, m->nthreads);
         run_lin(&L->down, act, m->inter, y, H, T, m->nthreads, lin);
         add_rows(x, y, T * H);
     }

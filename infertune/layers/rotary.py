@@ -42,6 +42,7 @@ class RotaryEmbedding(nn.Module):
         self.theta = theta
         self.scaling = scaling
         self.register_buffer("cos_sin", torch.empty(max_position, head_dim), persistent=False)
+        self.kernels = None  # the backend's kernels (runner/fused_decode.use_kernels), same rounding
 
     def reset_buffers(self) -> None:
         """Fill the table on whatever device the module now lives on (it is built on the meta device)."""
@@ -61,5 +62,7 @@ class RotaryEmbedding(nn.Module):
 
         Rotated in fp32 and rounded once to qk's dtype, exactly as rotating q and k separately would.
         """
+        if self.kernels is not None and not torch.compiler.is_compiling() and self.kernels.rotary_(qk, cos, sin):
+            return qk
         x1, x2 = qk.float().chunk(2, dim=-1)
         return qk.copy_(torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1))

@@ -142,3 +142,16 @@ def _fill_lin(c, lin: Linear) -> list[torch.Tensor]:
     assert q.is_contiguous() and q.dtype is torch.int8 and s.is_contiguous()
     c.kind, c.w, c.scale, c.scale_is_f32 = 1, q.data_ptr(), s.data_ptr(), int(s.dtype is torch.float32)
     return [q, s] + ([bias] if bias is not None else [])
+
+
+def use_kernels(model, kernels) -> int:
+    """Give the model's RMSNorms, rotary and MLP activations the backend's elementwise kernels (prefills; decode
+    steps in FusedDecode already run them). They round as the PyTorch formulas do. Returns how many modules."""
+    if kernels is None or not hasattr(kernels, "rms_norm"):
+        return 0
+    n = 0
+    for module in model.modules():
+        if hasattr(module, "kernels") and module.kernels is None and not isinstance(module, Linear):
+            module.kernels = kernels
+            n += 1
+    return n

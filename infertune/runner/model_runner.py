@@ -16,7 +16,7 @@ from infertune.config import EngineConfig
 from infertune.layers.attention import AttentionMetadata, Int8PagedAttention, PrefillChunk, TorchPagedAttention
 from infertune.models.loader import load_model
 from infertune.runner.compiled import CompiledForward, should_compile
-from infertune.runner.fused_decode import FusedDecode
+from infertune.runner.fused_decode import FusedDecode, use_kernels
 from infertune.runner.sampler import SampleRequest, Sampler, SamplerOutput
 
 if TYPE_CHECKING:  # the runner reads the engine's plain data types; it never calls into the engine
@@ -77,6 +77,8 @@ class ModelRunner:
                 log.warning("torch.compile failed (%s: %s); running eager (compile='auto')", type(e).__name__, e)
         # Decode-only steps of up to 16 sequences: every layer in one kernel call (runner/fused_decode.py).
         # Not with torch.compile: its warm-up must run (and compile) the graphs that decode steps use.
+        if self.decode_kernels is not None and config.model.decode_kernels == "auto":
+            use_kernels(self.model, self.decode_kernels)  # prefills' norms, rotary and SiLU-and-multiply
         if self.decode_kernels is not None and self.compiled is None and config.model.decode_kernels == "auto":
             self.fused = FusedDecode.build(self.model, self.kv_caches, self.attn, self.decode_kernels,
                                            config.model.max_model_len, self.block_size, self.dtype)
