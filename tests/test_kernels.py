@@ -99,7 +99,7 @@ def test_w8_exact_when_activations_are_representable():
 
 
 @needs_kernels
-@pytest.mark.parametrize("m,n,k,gs", [(1, 8, 128, 32), (3, 20, 256, 128), (16, 64, 896, 128), (5, 9, 4864, 128),
+@pytest.mark.parametrize("m,n,k,gs", [(1, 8, 128, 64), (3, 20, 256, 128), (16, 64, 896, 128), (5, 9, 4864, 128),
                                       (17, 33, 64, 64)])
 def test_w4_within_its_error_bound(m, n, k, gs):
     """y = sum_g (x_g . q_g) s_g + (sum x_g) z_g: the int16 rounding of x moves it by at most
@@ -131,9 +131,9 @@ def test_prefill_dequantization_matches_the_reference_rounding():
         ref = q.to(torch.bfloat16) * s.to(torch.bfloat16).unsqueeze(1)
         assert torch.equal(kernels.dequant_w8(q, s), ref)
     q4 = torch.randint(0, 16, (24, 128), generator=g)
-    scale, zero = torch.rand(24, 4, generator=g), torch.randn(24, 4, generator=g)
-    ref = ((q4.float().view(24, 4, 32) * scale.unsqueeze(-1)) + zero.unsqueeze(-1)).view(24, 128).to(torch.bfloat16)
-    assert torch.equal(kernels.dequant_w4(kernels.pack_w4(q4), scale, zero, 32), ref)
+    scale, zero = torch.rand(24, 2, generator=g), torch.randn(24, 2, generator=g)
+    ref = ((q4.float().view(24, 2, 64) * scale.unsqueeze(-1)) + zero.unsqueeze(-1)).view(24, 128).to(torch.bfloat16)
+    assert torch.equal(kernels.dequant_w4(kernels.pack_w4(q4), scale, zero, 64), ref)
 
 
 @needs_kernels
@@ -199,7 +199,7 @@ def test_engine_with_kernels_matches_hf(tmp_path, quant, kv):
     worst = {}
     for mode in ("auto", "off"):
         llm = LLM(str(model), dtype="bfloat16", decode_kernels=mode, quantization=quant, max_model_len=64,
-                  quant_group_size=32, kv_cache_dtype=kv)
+                  quant_group_size=64, kv_cache_dtype=kv)
         runner = llm.engine.executor.runner
         methods = {type(m.quant_method).__name__ for m in runner.model.modules() if isinstance(m, Linear)}
         if mode == "auto":

@@ -222,22 +222,23 @@ def linear_w8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
 
 
 def w4_supported(k: int, group_size: int) -> bool:
-    """Shapes linear_w4 takes: K and the group size multiples of 32, K a multiple of the group size."""
-    return k % 32 == 0 and group_size % 32 == 0 and k % group_size == 0
+    """Shapes linear_w4 takes: the group size a multiple of 64, K a multiple of the group size."""
+    return group_size % 64 == 0 and k % group_size == 0
 
 
 def pack_w4(q: torch.Tensor) -> torch.Tensor:
-    """q [N, K] integers in 0..15 -> uint8 [N, K / 2]: in each run of 32 columns, byte b holds column b in its
-    low nibble and column 16 + b in its high nibble (the layout linear_w4 widens with one load)."""
+    """q [N, K] integers in 0..15 (K a multiple of 64) -> uint8 [N, K / 2]: in each run of 64 columns, byte b
+    (0..31) holds column b in its low nibble and column 32 + b in its high nibble (the layout linear_w4 widens
+    with one 32-byte load)."""
     n, k = q.shape
-    r = q.to(torch.uint8).view(n, k // 32, 2, 16)
+    r = q.to(torch.uint8).view(n, k // 64, 2, 32)
     return (r[:, :, 0] | (r[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
 
 
 def unpack_w4(packed: torch.Tensor) -> torch.Tensor:
     """The inverse of pack_w4: uint8 [N, K / 2] -> uint8 [N, K] in 0..15."""
     n, half = packed.shape
-    r = packed.view(n, half // 16, 1, 16)
+    r = packed.view(n, half // 32, 1, 32)
     return torch.cat([r & 0xF, r >> 4], dim=2).reshape(n, half * 2)
 
 
@@ -252,7 +253,7 @@ def linear_w4(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: 
     if x2.dtype is not torch.bfloat16 or x2.shape[1] != k or packed.dtype is not torch.uint8 or not packed.is_contiguous():
         raise ValueError(f"need bf16 x [.., {k}] and contiguous uint8 packed weights, got {x2.dtype} {tuple(x2.shape)}")
     if not w4_supported(k, group_size):
-        raise ValueError(f"K={k} and group_size={group_size} must be multiples of 32, K of group_size")
+        raise ValueError(f"group_size={group_size} must be a multiple of 64 and K={k} a multiple of it")
     for t in (scale, zero):
         if t.dtype is not torch.float32 or not t.is_contiguous() or t.shape != (n, k // group_size):
             raise ValueError(f"scale and zero must be contiguous fp32 [{n}, {k // group_size}]")
@@ -282,7 +283,7 @@ def dequant_w4(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, gr
     _load()
     n, k = packed.shape[0], packed.shape[1] * 2
     if not w4_supported(k, group_size) or not (packed.is_contiguous() and scale.is_contiguous() and zero.is_contiguous()):
-        raise ValueError("need contiguous pack_w4 weights, scale and zero, K and the group size multiples of 32")
+        raise ValueError("need contiguous pack_w4 weights, scale and zero, the group size a multiple of 64")
     out = torch.empty((n, k), dtype=torch.bfloat16)
     _lib.it_dequant_w4(packed.data_ptr(), scale.data_ptr(), zero.data_ptr(), group_size, out.data_ptr(), n, k,
                        torch.get_num_threads())

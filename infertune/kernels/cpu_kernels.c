@@ -408,10 +408,10 @@ void it_linear_w8(const bf16* x, int64_t ldx, const int8_t* w, const void* scale
 
 /* ------------------------------------------------------------------ int4 weights, int16 activations
  *
- * Layout (it_pack_w4's, see kernels/cpu.py pack_w4): row n of W is K / 2 bytes; in each run of 32 columns
- * starting at k0, byte b holds column k0 + b in its low nibble and k0 + 16 + b in its high nibble, so one
- * 16-byte load widens to the 32 int16 of columns k0 .. k0 + 31 in order. Values q in 0..15 with, per row and
- * group of gs columns (gs a multiple of 32), w = q * scale + zero (fp32 [N, K / gs] each).
+ * Layout (kernels/cpu.py pack_w4): row n of W is K / 2 bytes; in each run of 64 columns starting at k0, byte
+ * b (0..31) holds column k0 + b in its low nibble and k0 + 32 + b in its high nibble, so one 32-byte load
+ * widens to 32 int16 whose low and high nibbles are columns k0 .. k0 + 31 and k0 + 32 .. k0 + 63. Values q in
+ * 0..15 with, per row and group of gs columns (gs a multiple of 64), w = q * scale + zero (fp32 [N, K / gs]).
  */
 static inline __attribute__((always_inline)) void w4_block(
     const int16_t* xq, int64_t Kp, const float* xsum, int mr, const uint8_t* w, int nr, int64_t K, int64_t gs,
@@ -420,27 +420,28 @@ static inline __attribute__((always_inline)) void w4_block(
     __m512 accf[MR][NR];
     for (int i = 0; i < MR; i++)
         for (int j = 0; j < NR; j++) accf[i][j] = _mm512_setzero_ps();
-    const __m256i lo4 = _mm256_set1_epi16(0x0f);
+    const __m512i lo4 = _mm512_set1_epi16(0x0f);
     for (int64_t g = 0; g < G; g++) {
         __m512i acc[MR][NR];
         for (int i = 0; i < MR; i++)
             for (int j = 0; j < NR; j++) acc[i][j] = _mm512_setzero_si512();
-        for (int64_t k = g * gs; k < (g + 1) * gs; k += 32) {
-            __m512i wv[NR];
+        for (int64_t k = g * gs; k < (g + 1) * gs; k += 64) {
+            __m512i wlo[NR], whi[NR];
             for (int j = 0; j < NR; j++) {
                 if (j < nr) {
                     const uint8_t* p = w + j * (K / 2) + k / 2;
-                    _mm_prefetch((const char*)p + PF_BYTES / 2, _MM_HINT_T0);
-                    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p));
-                    wv[j] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(b, lo4)),
-                                               _mm256_srli_epi16(b, 4), 1);
+                    _mm_prefetch((const char*)p + PF_BYTES, _MM_HINT_T0);
+                    const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)p));
+                    wlo[j] = _mm512_and_si512(b, lo4);  /* columns k .. k + 31 */
+                    whi[j] = _mm512_srli_epi16(b, 4);   /* columns k + 32 .. k + 63 */
                 }
             }
             for (int i = 0; i < MR; i++) {
                 if (i < mr) {
-                    const __m512i xv = _mm512_loadu_si512(xq + i * Kp + k);
+                    const __m512i xlo = _mm512_loadu_si512(xq + i * Kp + k);
+                    const __m512i xhi = _mm512_loadu_si512(xq + i * Kp + k + 32);
                     for (int j = 0; j < NR; j++)
-                        if (j < nr) acc[i][j] = _mm512_dpwssd_epi32(acc[i][j], wv[j], xv);
+                        if (j < nr) acc[i][j] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(acc[i][j], wlo[j], xlo), whi[j], xhi);
                 }
             }
         }
@@ -501,7 +502,7 @@ static void linear_w4(const bf16* x, int64_t ldx, const uint8_t* w, const float*
     }
 }
 
-/* K % 32 == 0, K % gs == 0, gs % 32 == 0 (checked by the caller) */
+/* K % gs == 0, gs % 64 == 0 (checked by the caller) */
 void it_linear_w4(const bf16* x, int64_t ldx, const uint8_t* w, const float* scale, const float* zero, int64_t gs,
                   const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads) {
     void* scratch = aligned_alloc(64, (size_t)w8_scratch_bytes(M, K));
@@ -537,15 +538,19 @@ void it_dequant_w4(const uint8_t* packed, const float* scale, const float* zero,
 #pragma omp parallel for num_threads(nthreads > 0 ? nthreads : 1) schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const uint8_t* p = packed + n * (K / 2);
-        for (int64_t k0 = 0; k0 < K; k0 += 32) {
+        for (int64_t k0 = 0; k0 < K; k0 += 64) { /* 32 bytes: columns k0 + b (low) and k0 + 32 + b (high) */
             const int64_t g = k0 / gs;
             const __m512 sv = _mm512_set1_ps(scale[n * G + g]), zv = _mm512_set1_ps(zero[n * G + g]);
-            const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(p + k0 / 2)));
-            const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0xF)));
-            const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
-            /* fp32 multiply, then add: two roundings, as (q.float() * scale + zero) */
-            _mm256_storeu_si256((__m256i*)(out + n * K + k0), round_bf16x16(_mm512_add_ps(_mm512_mul_ps(lo, sv), zv)));
-            _mm256_storeu_si256((__m256i*)(out + n * K + k0 + 16), round_bf16x16(_mm512_add_ps(_mm512_mul_ps(hi, sv), zv)));
+            for (int64_t h = 0; h < 2; h++) { /* bytes 16 h .. 16 h + 15 */
+                const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(p + k0 / 2 + 16 * h)));
+                const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0xF)));
+                const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+                /* fp32 multiply, then add: two roundings, as (q.float() * scale + zero) */
+                _mm256_storeu_si256((__m256i*)(out + n * K + k0 + 16 * h),
+                                    round_bf16x16(_mm512_add_ps(_mm512_mul_ps(lo, sv), zv)));
+                _mm256_storeu_si256((__m256i*)(out + n * K + k0 + 32 + 16 * h),
+                                    round_bf16x16(_mm512_add_ps(_mm512_mul_ps(hi, sv), zv)));
+            }
         }
     }
 }
