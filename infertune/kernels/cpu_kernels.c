@@ -611,8 +611,9 @@ static int64_t lin_scratch_bytes(int64_t T, int64_t K) {
     return ALIGN64(amx > w8 ? amx : w8);
 }
 
-/* per attention thread: scores [group, max_ctx], output accumulators [group, D], one dequantized K/V row [D] */
-static inline int64_t attn_floats(int64_t group, int64_t max_ctx, int64_t D) { return group * (max_ctx + D) + D; }
+/* per attention thread: scores [group, max_ctx], output accumulators [group, D], 16 dequantized K/V rows [16, D]
+ * (bf16, 8 D floats' worth) */
+static inline int64_t attn_floats(int64_t group, int64_t max_ctx, int64_t D) { return group * (max_ctx + D) + 8 * D; }
 
 /* Offsets of the workspace's parts, in bytes. */
 typedef struct { int64_t h, qkv, o, gu, act, y, lin, attn, total; } ws_layout;
@@ -750,6 +751,23 @@ static void rotary_rows(const it_model* m, const it_step* s, bf16* qkv) {
     rotary_apply(qkv, width, s->T, m->n_heads + m->n_kv_heads, D, m->cos_sin, D, s->positions, m->nthreads);
 }
 
+/* Lane j of the result = the sum of the 16 lanes of v[j]: four rounds of shuffles and adds, then one permute. */
+static inline __m512 reduce16(const __m512 v[16]) {
+    __m512 t[8], u[4], w[2];
+    for (int i = 0; i < 8; i++) /* quarters 0-1: partials of v[2i]; 2-3: of v[2i + 1] */
+        t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++) /* quarter q: partials of v[4i + q] */
+        u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; i++) /* in quarter q: two partials of v[8i + q], two of v[8i + 4 + q] */
+        w[i] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0x44), _mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0xEE));
+    /* element 4q + s: the total of v[4s + q] */
+    const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], 0x88), _mm512_shuffle_ps(w[0], w[1], 0xDD));
+    const __m512i idx = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+    return _mm512_permutexvar_ps(idx, r);
+}
+
 /* Cache row `row` (slot * Hkv + head) of K (which = 0) or V (1) as bf16: in place for a bf16 cache; for an int8
  * cache dequantized into tmp, rounded to bf16 as Int8PagedAttention._decoded does. */
 static inline const bf16* kv_row(const it_model* m, const void* cache, int which, int64_t row, bf16* tmp) {
@@ -800,16 +818,25 @@ static void attention_rows(const it_model* m, const it_step* s, const bf16* qkv,
             const int64_t t = task / hkv, g = task % hkv, len = s->context_lens[t];
             const int64_t* table = s->block_tables + t * s->max_blocks;
             const bf16* q = qkv + t * width + g * group * D;
-            for (int64_t j = 0; j < len; j++) {
-                const bf16* k = kv_row(m, cache, 0, (table[j / bs] * bs + j % bs) * hkv + g, tmp);
+            /* scores, 16 keys at a time: per head 16 dot-product vectors, summed across lanes together */
+            for (int64_t j0 = 0; j0 < len; j0 += 16) {
+                const int nb = (int)(len - j0 < 16 ? len - j0 : 16);
+                const bf16* kr[16];
+                for (int jj = 0; jj < nb; jj++) {
+                    const int64_t j = j0 + jj;
+                    kr[jj] = kv_row(m, cache, 0, (table[j / bs] * bs + j % bs) * hkv + g, tmp + jj * D);
+                }
                 for (int64_t h = 0; h < group; h++) {
-                    __m512 a = _mm512_setzero_ps();
+                    __m512 a[16];
+                    for (int jj = 0; jj < 16; jj++) a[jj] = _mm512_setzero_ps();
                     for (int64_t d = 0; d < D; d += 32) {
                         const __mmask32 mk = D - d >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1ull << (D - d)) - 1);
-                        a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_maskz_loadu_epi16(mk, q + h * D + d),
-                                             (__m512bh)_mm512_maskz_loadu_epi16(mk, k + d));
+                        const __m512bh qv = (__m512bh)_mm512_maskz_loadu_epi16(mk, q + h * D + d);
+                        for (int jj = 0; jj < nb; jj++)
+                            a[jj] = _mm512_dpbf16_ps(a[jj], qv, (__m512bh)_mm512_maskz_loadu_epi16(mk, kr[jj] + d));
                     }
-                    sc[h * max_ctx + j] = _mm512_reduce_add_ps(a) * m->scale;
+                    const __mmask16 mk = (__mmask16)((1u << nb) - 1);
+                    _mm512_mask_storeu_ps(sc + h * max_ctx + j0, mk, _mm512_mul_ps(reduce16(a), _mm512_set1_ps(m->scale)));
                 }
             }
             for (int64_t h = 0; h < group; h++) { /* softmax over the row */
@@ -827,13 +854,35 @@ static void attention_rows(const it_model* m, const it_step* s, const bf16* qkv,
                 for (int64_t j = 0; j < len; j++) r[j] *= inv;
                 for (int64_t d = 0; d < D; d++) acc[h * D + d] = 0.0f;
             }
-            for (int64_t j = 0; j < len; j++) {
-                const bf16* v = kv_row(m, cache, 1, (table[j / bs] * bs + j % bs) * hkv + g, tmp);
+            /* o = P V: each V row is read once per block of 16 keys; up to 8 heads accumulate in registers */
+            for (int64_t j0 = 0; j0 < len; j0 += 16) {
+                const int nb = (int)(len - j0 < 16 ? len - j0 : 16);
+                const bf16* vr[16];
+                for (int jj = 0; jj < nb; jj++) {
+                    const int64_t j = j0 + jj;
+                    vr[jj] = kv_row(m, cache, 1, (table[j / bs] * bs + j % bs) * hkv + g, tmp + jj * D);
+                }
                 for (int64_t d = 0; d < D; d += 16) {
-                    const __m512 vv = load_bf16x16(v + d, 0xffff);
-                    for (int64_t h = 0; h < group; h++) {
-                        float* ap = acc + h * D + d;
-                        _mm512_storeu_ps(ap, _mm512_fmadd_ps(_mm512_set1_ps(sc[h * max_ctx + j]), vv, _mm512_loadu_ps(ap)));
+                    if (group <= 8) {
+                        __m512 a8[8];
+                        for (int h = 0; h < 8; h++) a8[h] = h < group ? _mm512_loadu_ps(acc + h * D + d) : _mm512_setzero_ps();
+                        for (int jj = 0; jj < nb; jj++) {
+                            const __m512 vv = load_bf16x16(vr[jj] + d, 0xffff);
+                            const float* pj = sc + j0 + jj;
+#define PV(H) if (group > H) a8[H] = _mm512_fmadd_ps(_mm512_set1_ps(pj[H * max_ctx]), vv, a8[H]);
+                            PV(0) PV(1) PV(2) PV(3) PV(4) PV(5) PV(6) PV(7)
+#undef PV
+                        }
+                        for (int h = 0; h < group; h++) _mm512_storeu_ps(acc + h * D + d, a8[h]);
+                    } else {
+                        for (int jj = 0; jj < nb; jj++) {
+                            const __m512 vv = load_bf16x16(vr[jj] + d, 0xffff);
+                            for (int64_t h = 0; h < group; h++) {
+                                float* ap = acc + h * D + d;
+                                _mm512_storeu_ps(ap, _mm512_fmadd_ps(_mm512_set1_ps(sc[h * max_ctx + j0 + jj]), vv,
+                                                                     _mm512_loadu_ps(ap)));
+                            }
+                        }
                     }
                 }
             }
