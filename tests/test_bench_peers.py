@@ -110,3 +110,28 @@ def test_bench_reports_missing_peers_as_skipped_and_compares_eager(tmp_path, mon
     out = capsys.readouterr().out
     assert "| llama.cpp BF16 | 1 | skipped:" in out and "infertune (compile off)" in out
 
+
+
+def test_random_presets_build_their_family_and_vocabulary(tmp_path, monkeypatch):
+    """--random-config presets: a Qwen2-family preset builds Qwen2ForCausalLM (q/k/v biases) with a padded
+    byte-level vocabulary of the preset's size, and infertune's logits match HF transformers on it."""
+    from conftest import hf_model
+
+    from infertune import LLM
+    from infertune.bench import offline_models
+
+    monkeypatch.setitem(offline_models.PRESETS, "tiny-qwen2", dict(
+        family="qwen2", hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, vocab_size=70000))
+    out = offline_models.ensure_model("tiny-qwen2", tmp_path)
+    assert out.name.startswith("qwen2-tiny-qwen2-")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen2ForCausalLM"] and cfg["vocab_size"] == 70000
+    assert offline_models.ensure_model("tiny-qwen2", tmp_path) == out  # cached: built once
+    ids = [5, 300, 69999, 12]
+    llm = LLM(str(out), dtype="float32", max_model_len=32)
+    assert len(llm.tokenizer) == 70000 and llm.tokenizer.decode([69999])  # every id decodes to real bytes
+    ours = llm.engine.executor.runner.prompt_logits(ids, [0, 1])
+    with torch.no_grad():
+        ref = hf_model(out)(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)

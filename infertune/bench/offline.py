@@ -126,7 +126,8 @@ def add_arguments(p: argparse.ArgumentParser, default_batch: list[int] | None = 
                    help="batch sizes: prompts submitted together (default: 1,16)")
     g.add_argument("--systems", type=system_list, default=list(DEFAULT_SYSTEMS), metavar="S[,S...]",
                    help="systems to run: infertune, hf (transformers generate), infertune-w8a16, infertune-w4a16, "
-                   "infertune-w8a8 (default: infertune,hf)")
+                   "infertune-w8a8, infertune-eager (compile off), infertune-torch and infertune-w8a16-torch (the "
+                   "same engine on torch's matmuls: --decode-kernels off) (default: infertune,hf)")
     g.add_argument("--baseline", action="append", default=[], choices=BASELINES, metavar="PEER",
                    help=f"add a peer system to --systems (repeatable): {', '.join(BASELINES)}")
     g.add_argument("--vllm-python", default=None, metavar="PYTHON",
@@ -281,7 +282,8 @@ def run_parent(args) -> int:
         model_name = str(args.model)
     else:
         model_dir = ensure_model(args.preset, args.cache_dir)
-        model_name = f"random-weight Llama, preset {args.preset} (built at {model_dir})"
+        family = PRESETS[args.preset].get("family", "llama").capitalize()
+        model_name = f"random-weight {family}, preset {args.preset} (built at {model_dir})"
     cfg = read_model_config(model_dir)
     max_pos = cfg.get("max_position_embeddings", 2048)
     if args.input_len + args.output_len > max_pos:

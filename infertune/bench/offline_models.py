@@ -15,12 +15,19 @@ VOCAB_SIZE = 32000
 SPECIAL_TOKENS = ["<|endoftext|>", "<|user|>", "<|assistant|>", "<|end|>"]
 MODEL_FORMAT_VERSION = 1  # bump when the built model changes, so stale caches are not reused
 
-# Random-weight LlamaForCausalLM shapes. "386m" is the model of /work/shared/BASELINES.md.
+# Random-weight model shapes (LlamaForCausalLM unless "family" says otherwise; COMMON_SHAPE fills the rest).
+# "386m" is the model of /work/shared/BASELINES.md (Qwen2.5-0.5B's body with a 32k vocabulary);
+# "qwen2.5-0.5b" is Qwen2.5-0.5B's shape with its real vocabulary and q/k/v biases (494M); "llama-1b" is
+# Llama-3.2-1B's shape (1.24B, 2.5 GB in bf16).
 PRESETS = {
     "386m": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                  intermediate_size=4864),
     "small": dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                   intermediate_size=512),
+    "qwen2.5-0.5b": dict(family="qwen2", hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+                         num_key_value_heads=2, intermediate_size=4864, vocab_size=151936),
+    "llama-1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                     intermediate_size=8192, vocab_size=128256, rope_theta=5e5),
 }
 COMMON_SHAPE = dict(vocab_size=VOCAB_SIZE, tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=2048,
                     rms_norm_eps=1e-6, hidden_act="silu")
@@ -35,51 +42,60 @@ def log(msg: str) -> None:
 # --------------------------------------------------------------------------------------------------
 # Model building and inspection
 # --------------------------------------------------------------------------------------------------
-def make_tokenizer():
-    """Byte-level tokenizer (every UTF-8 byte is one token) padded to VOCAB_SIZE.
+def make_tokenizer(vocab_size: int = VOCAB_SIZE):
+    """Byte-level tokenizer (every UTF-8 byte is one token) padded to vocab_size.
 
-    The padding entries are plain vocabulary entries made of two byte symbols (unreachable by encoding,
-    as there are no merges), so any id decodes to real bytes, as with a trained BPE vocabulary.
+    The padding entries are plain vocabulary entries made of two (then three) byte symbols (unreachable by
+    encoding, as there are no merges), so any id decodes to real bytes, as with a trained BPE vocabulary.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     vocab = {ch: i for i, ch in enumerate(alphabet)}
-    target = VOCAB_SIZE - len(SPECIAL_TOKENS)
+    target = vocab_size - len(SPECIAL_TOKENS)
     for a in alphabet:
         for b in alphabet:
             if len(vocab) >= target:
                 break
             vocab[a + b] = len(vocab)
+    for a in alphabet:
+        for b in alphabet:
+            for c in alphabet:
+                if len(vocab) >= target:
+                    break
+                vocab[a + b + c] = len(vocab)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=SPECIAL_TOKENS[0])
     fast.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS[1:]})
-    assert len(fast) == VOCAB_SIZE, len(fast)
+    assert len(fast) == vocab_size, len(fast)
     return fast
 
 
 def ensure_model(preset: str, cache_dir: Path) -> Path:
     """Build the random-weight model of `preset` once (bf16, save_pretrained) and return its folder."""
-    out = cache_dir / f"llama-{preset}-random-bf16-v{MODEL_FORMAT_VERSION}"
+    shape = dict(PRESETS[preset])
+    family = shape.pop("family", "llama")
+    out = cache_dir / f"{family}-{preset.removeprefix(family + '-')}-random-bf16-v{MODEL_FORMAT_VERSION}"
     if (out / ".complete").is_file():
         log(f"using cached model {out}")
         return out
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    log(f"building random-weight Llama '{preset}' into {out} (once) ...")
+    config_cls, model_cls = (Qwen2Config, Qwen2ForCausalLM) if family == "qwen2" else (LlamaConfig, LlamaForCausalLM)
+    log(f"building random-weight {model_cls.__name__} '{preset}' into {out} (once) ...")
     t0 = time.perf_counter()
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = cache_dir / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tok = make_tokenizer()
+    tok = make_tokenizer(shape.get("vocab_size", VOCAB_SIZE))
     eos = tok.eos_token_id
-    config = LlamaConfig(**PRESETS[preset], **COMMON_SHAPE, bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
+    config = config_cls(**(COMMON_SHAPE | shape), bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(torch.bfloat16).eval()  # HF's own init (normal, std 0.02)
+    model = model_cls(config).to(torch.bfloat16).eval()  # HF's own init (normal, std 0.02)
     model.save_pretrained(tmp, safe_serialization=True)
     tok.save_pretrained(tmp)
     n_params = sum(p.numel() for p in model.parameters())

@@ -1,20 +1,25 @@
-/* infertune's CPU kernels for small-batch (decode) linear layers, x86-64 with AVX-512 BF16 and VNNI.
+/* infertune's CPU kernels for decode steps and the elementwise work of prefills, x86-64 with AVX-512 BF16 and
+ * VNNI (AMX where present).
  *
  * At a few rows a linear layer is a matrix-vector product: every weight byte is read once, so the step runs at
  * the speed of memory. These kernels stream each weight once for up to MR rows of activations at a time and
  * prefetch ahead of the stream, which is what the generic GEMM paths do not do at M = 1.
  *
- *   it_linear_bf16  y = x W^T (+ b)            bf16 x, bf16 W [N, K], fp32 accumulation (VDPBF16PS)
+ *   it_linear_bf16  y = x W^T (+ b)            bf16 x, bf16 W [N, K], fp32 accumulation (VDPBF16PS at one row,
+ *                                              AMX tiles at 2+ rows where the CPU has them)
  *   it_linear_w8    y = (x W_q^T) * s (+ b)    bf16 x, int8 W_q [N, K], per-row scale s; x is rounded to
  *                                              int16 per row (dynamic, symmetric) and multiplied in int32
  *                                              (VPDPWSSD), so |x - x_q * s_x| <= s_x / 2, s_x = max|x| / 32767
  *   it_linear_w4    y = sum_g (x_g . q_g) s_g + (sum x_g) z_g (+ b)
- *                                              bf16 x, 4-bit W (two per byte, see it_pack_w4), per-group
- *                                              scale s and offset z (w = q * s + z), x in int16 as above
+ *                                              bf16 x, 4-bit W (two per byte, see below), per-group scale s
+ *                                              and offset z (w = q * s + z), x in int16 as above
+ *   it_dequant_w8 / it_dequant_w4              a quantized layer's bf16 weights, for a prefill's GEMM
+ *   it_rmsnorm_mt / it_silu_mul / it_rotary    the elementwise work of prefills, rounded as the PyTorch code
+ *   it_decode_layers                           a whole decode step of a Llama decoder (see its comment)
  *
- * All take x [M, K] with row stride ldx and write y [M, N] (bf16) with row stride ldy. Threads split the
- * output features with OpenMP; the library links the libgomp torch has already loaded, so the two share one
- * thread pool.
+ * The linear kernels take x [M, K] with row stride ldx and write y [M, N] (bf16) with row stride ldy. Threads
+ * split the output features with OpenMP; the library links the libgomp torch has already loaded, so the two
+ * share one thread pool.
  *
  * Built at run time by infertune/kernels/cpu.py (cc -O3 -mavx512bf16 -mavx512vnni ... -fopenmp) and loaded
  * with ctypes; where it cannot be built, the engine keeps torch's kernels.
