@@ -68,7 +68,7 @@ def test_bf16_strided_rows_and_leading_dims():
 @pytest.mark.parametrize("m,n,k", SHAPES)
 @pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float32])
 def test_w8_within_its_error_bound(m, n, k, scale_dtype):
-    """y = (x . q) s: x is rounded to int16 per row, |x - x_q s_x| <= s_x / 2 with s_x = max|x| / 32767, so
+    """y = (x . q) s: x is rounded to int16 per row, |x - x_q s_x| <= s_x / 2 with s_x = max|x| / 32512, so
     |y - y_exact| <= s * sum|q| * s_x / 2, plus the bf16 rounding of y and fp32 sums."""
     g = torch.Generator().manual_seed(n + k)
     x = torch.randn(m, k, generator=g).bfloat16()
@@ -77,7 +77,7 @@ def test_w8_within_its_error_bound(m, n, k, scale_dtype):
     bias = torch.randn(n, generator=g).bfloat16()
     w = q.double() * s.double().unsqueeze(1)
     ref = x.double() @ w.T + bias.double()
-    sx = x.double().abs().amax(dim=1, keepdim=True) / 32767
+    sx = x.double().abs().amax(dim=1, keepdim=True) / 32512
     bound = (s.double() * q.double().abs().sum(1)) * sx / 2 + 2.0**-8 * ref.abs() + k * 2.0**-23 * (
         x.double().abs() @ w.abs().T)
     y = kernels.linear_w8(x, q, s, bias).double()
@@ -86,7 +86,7 @@ def test_w8_within_its_error_bound(m, n, k, scale_dtype):
 
 @needs_kernels
 def test_w8_exact_when_activations_are_representable():
-    """x = +-max or 0 quantizes exactly (to +-32767) and the int32 sums stay below 2^24, so y = (sum q x) s is
+    """x = +-max or 0 quantizes exactly (to +-32512) and the int32 sums stay below 2^24, so y = (sum q x) s is
     computed to within fp32 rounding of a value bf16 holds exactly (|sum| <= 192 times powers of two)."""
     g = torch.Generator().manual_seed(3)
     x = (torch.randint(-1, 2, (4, 64), generator=g) * 0.5).bfloat16()
@@ -115,7 +115,7 @@ def test_w4_within_its_error_bound(m, n, k, gs):
     bias = torch.randn(n, generator=g).bfloat16()
     w = dequantize_int4(q, s, z, gs).double()
     ref = x.double() @ w.T + bias.double()
-    sx = x.double().abs().amax(dim=1, keepdim=True) / 32767
+    sx = x.double().abs().amax(dim=1, keepdim=True) / 32512
     qs = (q.double().view(n, -1, gs) * s.double().unsqueeze(-1)).view(n, k).abs().sum(1)
     bound = qs * sx / 2 + 2.0**-8 * ref.abs() + k * 2.0**-23 * (x.double().abs() @ w.abs().T)
     y = kernels.linear_w4(x, packed, s.contiguous(), z.contiguous(), gs, bias).double()
@@ -181,8 +181,10 @@ def test_methods_use_kernels_only_for_decode_rows(monkeypatch):
 
 
 @needs_kernels
-@pytest.mark.parametrize("quant,kv", [(None, "auto"), ("w8a16", "auto"), ("w4a16", "auto"), (None, "int8")])
-def test_engine_with_kernels_matches_hf(tmp_path, quant, kv):
+@pytest.mark.parametrize("arch,quant,kv", [("llama", None, "auto"), ("llama", "w8a16", "auto"),
+                                           ("llama", "w4a16", "auto"), ("llama", None, "int8"),
+                                           ("qwen2", None, "auto")])
+def test_engine_with_kernels_matches_hf(tmp_path, arch, quant, kv):
     """bf16 engine, greedy decode of a batch through the fused decode step and the kernels, against HF
     transformers in float32 on the same weights: unquantized, every greedy token is HF's argmax (up to near-ties
     within bf16 noise); in every case the logprobs are as close to HF's as those of the engine on torch's
@@ -191,8 +193,8 @@ def test_engine_with_kernels_matches_hf(tmp_path, quant, kv):
 
     from infertune import LLM, SamplingParams
 
-    model = make_checkpoint(tmp_path / "m", "llama", hidden_size=128, intermediate_size=256, num_hidden_layers=3,
-                            tie_word_embeddings=True, dtype=torch.bfloat16)
+    model = make_checkpoint(tmp_path / "m", arch, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                            tie_word_embeddings=True, dtype=torch.bfloat16)  # qwen2: q/k/v biases
     prompts = [{"prompt_token_ids": [3 + i, 11, 25, 40 + i]} for i in range(5)]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1)
     hf = hf_model(model).float()

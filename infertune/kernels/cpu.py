@@ -206,7 +206,7 @@ def linear_w8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] bf16, qweight [N, K] int8, scales [N] (bf16 or fp32) -> [..., N] bf16.
 
-    x is rounded per row to int16 (|x - x_q s_x| <= s_x / 2, s_x = max|x| / 32767) and multiplied exactly in int32.
+    x is rounded per row to int16 (|x - x_q s_x| <= s_x / 2, s_x = max|x| / 32512) and multiplied exactly in int32.
     """
     _load()
     x2 = _rows(x)

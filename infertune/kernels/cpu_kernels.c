@@ -9,10 +9,11 @@
  *                                              AMX tiles at 2+ rows where the CPU has them)
  *   it_linear_w8    y = (x W_q^T) * s (+ b)    bf16 x, int8 W_q [N, K], per-row scale s; x is rounded to
  *                                              int16 per row (dynamic, symmetric) and multiplied in int32
- *                                              (VPDPWSSD), so |x - x_q * s_x| <= s_x / 2, s_x = max|x| / 32767
+ *                                              (VPDPBUSD on its two bytes), so |x - x_q * s_x| <= s_x / 2,
+ *                                              s_x = max|x| / 32512
  *   it_linear_w4    y = sum_g (x_g . q_g) s_g + (sum x_g) z_g (+ b)
  *                                              bf16 x, 4-bit W (two per byte, see below), per-group scale s
- *                                              and offset z (w = q * s + z), x in int16 as above
+ *                                              and offset z (w = q * s + z), x in int16 as above (VPDPWSSD)
  *   it_dequant_w8 / it_dequant_w4              a quantized layer's bf16 weights, for a prefill's GEMM
  *   it_rmsnorm_mt / it_silu_mul / it_rotary    the elementwise work of prefills, rounded as the PyTorch code
  *   it_decode_layers                           a whole decode step of a Llama decoder (see its comment)
@@ -289,6 +290,10 @@ void it_linear_bf16(const bf16* x, int64_t ldx, const bf16* w, const bf16* bias,
 
 /* x [M, K] bf16 -> xq [M, Kp] int16 (zero padded to Kp, a multiple of 32), sx[m] = max|x_m| / 32767,
  * xsum[m * G + g] = sum of x over group g (of size gs) when xsum is not NULL. */
+/* Activations are rounded to integers in [-X_QMAX, X_QMAX]: 127 * 256, so that the int8 kernel can split each
+ * into two signed bytes (w8_block). */
+#define X_QMAX 32512.0f
+
 static void quantize_rows_i16(const bf16* x, int64_t ldx, int64_t M, int64_t K, int64_t Kp, int16_t* xq,
                               float* sx, float* xsum, int64_t gs) {
     for (int64_t m = 0; m < M; m++) {
@@ -298,13 +303,13 @@ static void quantize_rows_i16(const bf16* x, int64_t ldx, int64_t M, int64_t K, 
             float a = fabsf(bf2f(xr[k]));
             amax = a > amax ? a : amax;
         }
-        float s = amax > 0.0f ? amax / 32767.0f : 1.0f;
+        float s = amax > 0.0f ? amax / X_QMAX : 1.0f;
         float inv = 1.0f / s;
         sx[m] = s;
         int16_t* q = xq + m * Kp;
         for (int64_t k = 0; k < K; k++) {
             float v = nearbyintf(bf2f(xr[k]) * inv);
-            v = v > 32767.0f ? 32767.0f : (v < -32767.0f ? -32767.0f : v);
+            v = v > X_QMAX ? X_QMAX : (v < -X_QMAX ? -X_QMAX : v);
             q[k] = (int16_t)v;
         }
         for (int64_t k = K; k < Kp; k++) q[k] = 0;
@@ -320,62 +325,89 @@ static void quantize_rows_i16(const bf16* x, int64_t ldx, int64_t M, int64_t K, 
 
 /* ------------------------------------------------------------------ int8 weights, int16 activations */
 
-/* int32 lanes take two products of |q| <= 127 and |x| <= 32767 per 32 columns: flushing to fp32 every
- * 4096 columns keeps them far from overflow (4096 / 16 * 127 * 32767 < 2^31). */
-#define W8_FLUSH 4096
-
+/* x_q = 256 h + l with l = ((x_q + 128) & 255) - 128 and h = (x_q - l) / 256, both signed bytes (|x_q| <= 32512
+ * keeps h <= 127, see quantize_rows_i16). The weight goes in as the unsigned operand of VPDPBUSD, flipped to
+ * q + 128 with one XOR, 64 columns per instruction:
+ *   sum q x_q = 256 (sum (q + 128) h - 128 sum h) + (sum (q + 128) l - 128 sum l)
+ * Lanes sum 4 products of at most 255 * 128 per instruction, so int32 holds any K below ~4M. */
 static inline __attribute__((always_inline)) void w8_block(
-    const int16_t* xq, int64_t Kp, int mr, const int8_t* w, int nr, int64_t K, float out[MR][NR]) {
-    __m512 accf[MR][NR];
+    const int8_t* xh, const int8_t* xl, int64_t Kp, const int32_t* hsum, const int32_t* lsum, int mr,
+    const int8_t* w, int nr, int64_t K, float out[MR][NR]) {
+    __m512i ah[MR][NR], al[MR][NR];
     for (int i = 0; i < MR; i++)
-        for (int j = 0; j < NR; j++) accf[i][j] = _mm512_setzero_ps();
-    for (int64_t k0 = 0; k0 < K; k0 += W8_FLUSH) {
-        const int64_t k1 = k0 + W8_FLUSH < K ? k0 + W8_FLUSH : K;
-        __m512i acc[MR][NR];
-        for (int i = 0; i < MR; i++)
-            for (int j = 0; j < NR; j++) acc[i][j] = _mm512_setzero_si512();
-        for (int64_t k = k0; k < k1; k += 32) {
-            const int64_t left = k1 - k;
-            const __mmask32 m = left >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1ull << left) - 1);
-            __m512i wv[NR];
-            for (int j = 0; j < NR; j++) {
-                if (j < nr) {
-                    _mm_prefetch((const char*)(w + j * K + k) + PF_BYTES / 2, _MM_HINT_T0);
-                    wv[j] = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(m, w + j * K + k));
-                }
+        for (int j = 0; j < NR; j++) ah[i][j] = al[i][j] = _mm512_setzero_si512();
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    for (int64_t k = 0; k < K; k += 64) {
+        const int64_t left = K - k;
+        const __mmask64 m = left >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << left) - 1);
+        __m512i wv[NR];
+        for (int j = 0; j < NR; j++) {
+            if (j < nr) {
+                _mm_prefetch((const char*)(w + j * K + k) + PF_BYTES / 2, _MM_HINT_T0);
+                /* past K: q = 0 -> 128, against x = 0 (padded): no contribution */
+                wv[j] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(m, w + j * K + k), flip);
             }
-            for (int i = 0; i < MR; i++) {
-                if (i < mr) {
-                    __m512i xv = _mm512_loadu_si512(xq + i * Kp + k); /* padded with zeros past K */
-                    for (int j = 0; j < NR; j++)
-                        if (j < nr) acc[i][j] = _mm512_dpwssd_epi32(acc[i][j], wv[j], xv);
+        }
+        for (int i = 0; i < MR; i++) {
+            if (i < mr) {
+                const __m512i hv = _mm512_loadu_si512(xh + i * Kp + k), lv = _mm512_loadu_si512(xl + i * Kp + k);
+                for (int j = 0; j < NR; j++) {
+                    if (j < nr) {
+                        ah[i][j] = _mm512_dpbusd_epi32(ah[i][j], wv[j], hv);
+                        al[i][j] = _mm512_dpbusd_epi32(al[i][j], wv[j], lv);
+                    }
                 }
             }
         }
-        for (int i = 0; i < MR; i++)
-            for (int j = 0; j < NR; j++)
-                if (i < mr && j < nr) accf[i][j] = _mm512_add_ps(accf[i][j], _mm512_cvtepi32_ps(acc[i][j]));
     }
     for (int i = 0; i < MR; i++)
         for (int j = 0; j < NR; j++)
-            if (i < mr && j < nr) out[i][j] = _mm512_reduce_add_ps(accf[i][j]);
+            if (i < mr && j < nr) {
+                const double h = (double)_mm512_reduce_add_epi32(ah[i][j]) - 128.0 * hsum[i];
+                const double l = (double)_mm512_reduce_add_epi32(al[i][j]) - 128.0 * lsum[i];
+                out[i][j] = (float)(256.0 * h + l); /* the exact integer sum, rounded once */
+            }
 }
 
-#define W8_CASE(MRC, NRC) w8_block(xq + m0 * Kp, Kp, MRC, wb, NRC, K, out)
+/* x_q (int16 rows, padded to Kp) -> the signed bytes h and l of each value and their row sums */
+static void split_rows_i16(const int16_t* xq, int64_t M, int64_t Kp, int8_t* xh, int8_t* xl, int32_t* hsum,
+                           int32_t* lsum) {
+    for (int64_t m = 0; m < M; m++) {
+        int32_t hs = 0, ls = 0;
+        for (int64_t k = 0; k < Kp; k++) {
+            const int32_t v = xq[m * Kp + k], l = ((v + 128) & 255) - 128, h = (v - l) / 256;
+            xh[m * Kp + k] = (int8_t)h;
+            xl[m * Kp + k] = (int8_t)l;
+            hs += h;
+            ls += l;
+        }
+        hsum[m] = hs;
+        lsum[m] = ls;
+    }
+}
 
-/* int16 activations [M, Kp], their scales [M] and (int4) group sums [M, K / 32 at most] */
+#define W8_CASE(MRC, NRC) w8_block(xh + m0 * Kp, xl + m0 * Kp, Kp, hsum + m0, lsum + m0, MRC, wb, NRC, K, out)
+
+/* int16 activations [M, Kp] (Kp = K rounded up to 64), their scales [M], (int4) group sums [M, K / 32 at most],
+ * (int8) the activations' signed high and low bytes [M, Kp] each and their row sums [M] each */
 static inline int64_t w8_scratch_bytes(int64_t M, int64_t K) {
-    return (M * ((K + 31) & ~(int64_t)31) * 2 + M * 4 + M * (K / 32 + 1) * 4 + 127) & ~(int64_t)63;
+    const int64_t Kp = (K + 63) & ~(int64_t)63;
+    return (M * Kp * 2 + M * 4 + M * (K / 32 + 1) * 4 + M * Kp * 2 + M * 8 + 255) & ~(int64_t)63;
 }
 
 /* scale: per output row, bf16 (scale_is_f32 = 0) or fp32 (1). scratch: w8_scratch_bytes(M, K), aligned. */
 static void linear_w8(const bf16* x, int64_t ldx, const int8_t* w, const void* scale, int scale_is_f32,
                       const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads,
                       void* scratch) {
-    const int64_t Kp = (K + 31) & ~(int64_t)31;
+    const int64_t Kp = (K + 63) & ~(int64_t)63;
     int16_t* xq = (int16_t*)scratch;
     float* sx = (float*)(xq + M * Kp);
+    int8_t* xh = (int8_t*)(sx + M + M * (K / 32 + 1));
+    int8_t* xl = xh + M * Kp;
+    int32_t* hsum = (int32_t*)(xl + M * Kp);
+    int32_t* lsum = hsum + M;
     quantize_rows_i16(x, ldx, M, K, Kp, xq, sx, NULL, 1);
+    split_rows_i16(xq, M, Kp, xh, xl, hsum, lsum);
     const int64_t nblocks = (N + NR - 1) / NR;
     const int nt = pick_threads(nblocks, N * K, nthreads);
 #pragma omp parallel for num_threads(nt) schedule(static)
