@@ -48,8 +48,10 @@ class ModelRunner:
         arch = config.model.arch
         self.dtype = backend.resolve_dtype(config.model.dtype, arch.torch_dtype)
         backend.seed(config.model.seed)
-        # The backend's own small-batch linear kernels (None: torch's matmuls throughout).
-        self.decode_kernels = backend.decode_kernels() if config.model.decode_kernels != "off" else None
+        # The backend's own small-batch linear kernels (None: torch's matmuls throughout). They are bf16 kernels:
+        # an fp32 model never builds or loads them.
+        use = config.model.decode_kernels != "off" and self.dtype is torch.bfloat16
+        self.decode_kernels = backend.decode_kernels() if use else None
         self.attn = Int8PagedAttention(self.dtype) if config.cache.kv_cache_dtype == "int8" else TorchPagedAttention()
         self.model = load_model(
             arch, config.model.model, self.dtype, self.device, config.model.max_model_len, self.attn, show_progress,
