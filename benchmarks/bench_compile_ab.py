@@ -29,8 +29,9 @@ def main() -> int:
 
     import torch
 
-    from infertune import LLM, SamplingParams
-    from infertune.bench.offline import ensure_model, make_prompts, read_model_config
+    from ab_common import timed_generate
+    from infertune import LLM
+    from infertune.bench.offline import ensure_model, read_model_config
     from pathlib import Path
 
     torch.set_num_threads(args.threads)
@@ -43,17 +44,10 @@ def main() -> int:
     engines["compiled"] = LLM(str(model), compile="on", **opts)
     load_compiled = time.perf_counter() - t0
     compile_s = engines["compiled"].engine.executor.runner.compile_seconds
-    sp = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     res = {k: [] for k in engines}
 
     def run(name: str, r: int) -> None:
-        prompts = [{"prompt_token_ids": p} for p in make_prompts(0, args.batch, r, args.input_len, vocab)]
-        t = time.perf_counter()
-        outs = engines[name].generate(prompts, sp, use_tqdm=False)
-        total = time.perf_counter() - t
-        ttft = max(o.metrics.first_token_time for o in outs) - t
-        res[name].append(dict(total=total, ttft=ttft, out=args.batch * args.output_len / total,
-                              dec=args.batch * (args.output_len - 1) / (total - ttft)))
+        res[name].append(timed_generate(engines[name], args.batch, args.input_len, args.output_len, vocab, r))
 
     for name in engines:  # warm-up
         run(name, -1)

@@ -35,8 +35,9 @@ def main() -> int:
 
     import torch
 
-    from infertune import LLM, SamplingParams
-    from infertune.bench.offline import ensure_model, make_prompts, read_model_config
+    from ab_common import timed_generate
+    from infertune import LLM
+    from infertune.bench.offline import ensure_model, read_model_config
     from pathlib import Path
 
     torch.set_num_threads(args.threads)
@@ -52,17 +53,10 @@ def main() -> int:
         opts = dict(dtype="bfloat16", max_model_len=args.input_len + args.output_len, max_num_seqs=args.batch,
                     kv_cache_memory_bytes=256 << 20, enable_prefix_caching=False, quantization=q)
         engines = {mode: LLM(str(model), decode_kernels=mode, **opts) for mode in MODES}
-        sp = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
         res = {k: [] for k in engines}
 
         def run(name: str, r: int) -> None:
-            prompts = [{"prompt_token_ids": p} for p in make_prompts(0, args.batch, r, args.input_len, vocab)]
-            t = time.perf_counter()
-            outs = engines[name].generate(prompts, sp, use_tqdm=False)
-            total = time.perf_counter() - t
-            ttft = max(o.metrics.first_token_time for o in outs) - t
-            res[name].append(dict(ttft=ttft, out=args.batch * args.output_len / total,
-                                  dec=args.batch * (args.output_len - 1) / (total - ttft)))
+            res[name].append(timed_generate(engines[name], args.batch, args.input_len, args.output_len, vocab, r))
 
         for name in engines:  # warm-up
             run(name, -1)

@@ -1,0 +1,19 @@
+"""The timed generate shared by the interleaved A/B scripts (bench_compile_ab.py, bench_decode_ab.py)."""
+
+from __future__ import annotations
+
+import time
+
+
+def timed_generate(llm, batch: int, input_len: int, output_len: int, vocab: int, run: int) -> dict:
+    """One greedy generate of `batch` random prompts (seeded by `run`): total s, TTFT s, output and decode tok/s."""
+    from infertune import SamplingParams
+    from infertune.bench.offline import make_prompts
+
+    prompts = [{"prompt_token_ids": p} for p in make_prompts(0, batch, run, input_len, vocab)]
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    total = time.perf_counter() - t
+    ttft = max(o.metrics.first_token_time for o in outs) - t
+    return dict(total=total, ttft=ttft, out=batch * output_len / total, dec=batch * (output_len - 1) / (total - ttft))
