@@ -17,3 +17,16 @@ def timed_generate(llm, batch: int, input_len: int, output_len: int, vocab: int,
     total = time.perf_counter() - t
     ttft = max(o.metrics.first_token_time for o in outs) - t
     return dict(total=total, ttft=ttft, out=batch * output_len / total, dec=batch * (output_len - 1) / (total - ttft))
+
+
+def interleave(engines: dict, batch: int, input_len: int, output_len: int, vocab: int, rounds: int) -> dict:
+    """One untimed warm-up per engine, then `rounds` rounds over every engine, the order reversed on odd rounds
+    so that drift hits all alike. Returns {name: [timed_generate results]}."""
+    names = list(engines)
+    for name in names:  # warm-up
+        timed_generate(engines[name], batch, input_len, output_len, vocab, -1)
+    res = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            res[name].append(timed_generate(engines[name], batch, input_len, output_len, vocab, r))
+    return res

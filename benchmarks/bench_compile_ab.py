@@ -29,7 +29,7 @@ def main() -> int:
 
     import torch
 
-    from ab_common import timed_generate
+    from ab_common import interleave
     from infertune import LLM
     from infertune.bench.offline import ensure_model, read_model_config
     from pathlib import Path
@@ -44,17 +44,7 @@ def main() -> int:
     engines["compiled"] = LLM(str(model), compile="on", **opts)
     load_compiled = time.perf_counter() - t0
     compile_s = engines["compiled"].engine.executor.runner.compile_seconds
-    res = {k: [] for k in engines}
-
-    def run(name: str, r: int) -> None:
-        res[name].append(timed_generate(engines[name], args.batch, args.input_len, args.output_len, vocab, r))
-
-    for name in engines:  # warm-up
-        run(name, -1)
-        res[name].clear()
-    for r in range(args.rounds):
-        for name in ("eager", "compiled") if r % 2 == 0 else ("compiled", "eager"):
-            run(name, r)
+    res = interleave(engines, args.batch, args.input_len, args.output_len, vocab, args.rounds)
     print(f"$ python benchmarks/bench_compile_ab.py --batch {args.batch} --input-len {args.input_len} "
           f"--output-len {args.output_len} --rounds {args.rounds}")
     print(f"model {model}, bf16, {args.threads} threads; compiled engine load {load_compiled:.1f} s "

@@ -35,7 +35,7 @@ def main() -> int:
 
     import torch
 
-    from ab_common import timed_generate
+    from ab_common import interleave
     from infertune import LLM
     from infertune.bench.offline import ensure_model, read_model_config
     from pathlib import Path
@@ -53,18 +53,7 @@ def main() -> int:
         opts = dict(dtype="bfloat16", max_model_len=args.input_len + args.output_len, max_num_seqs=args.batch,
                     kv_cache_memory_bytes=256 << 20, enable_prefix_caching=False, quantization=q)
         engines = {mode: LLM(str(model), decode_kernels=mode, **opts) for mode in MODES}
-        res = {k: [] for k in engines}
-
-        def run(name: str, r: int) -> None:
-            res[name].append(timed_generate(engines[name], args.batch, args.input_len, args.output_len, vocab, r))
-
-        for name in engines:  # warm-up
-            run(name, -1)
-            res[name].clear()
-        for r in range(args.rounds):
-            order = MODES if r % 2 == 0 else MODES[::-1]
-            for name in order:
-                run(name, r)
+        res = interleave(engines, args.batch, args.input_len, args.output_len, vocab, args.rounds)
         for name, rows in res.items():
             ratio = ", ".join(f"{a['dec'] / b['dec']:.2f}" for a, b in zip(rows, res["off"]))
             print(f"| {quant} | {name} | {statistics.median(r['ttft'] for r in rows):.3f} | "
