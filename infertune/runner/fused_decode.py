@@ -3,14 +3,14 @@
 At batch 1 the eager PyTorch forward of a 24-layer model spends ~15 ms a step outside its matmuls: a dozen aten
 dispatches, Python module calls and temporaries per layer. `FusedDecode` hands the whole stack of layers to
 one C function per step (norms, projections, rotary, the paged-KV write, attention, SiLU-and-multiply and the
-residuals), with all scratch in one workspace allocated here once, so a decode step allocates nothing but its
-output. Prefill steps, mixed steps and steps of more than `max_rows` sequences keep the PyTorch path.
+residuals), with all scratch in one workspace allocated here once and the residual stream and output in reused
+buffers, so the forward of a decode step allocates no tensor. Prefill steps, mixed steps and steps of more than
+`max_rows` sequences keep the PyTorch path.
 
-It takes over only where it computes exactly what the PyTorch path computes (rounded the same way, to bf16
-precision): a Llama-family decoder in bf16 whose projections are plain bf16 (DecodeKernelMethod), W8A16 or
-W4A16 (in the kernels' layout), a
-bf16 or INT8 paged KV cache, head_dim a multiple of 16. `FusedDecode.build` returns None, with the reason logged,
-anywhere else.
+It takes over only where it computes what the PyTorch path computes (rounded the same way, to bf16 precision):
+a Llama-family decoder in bf16 whose projections are plain bf16 (DecodeKernelMethod), W8A16 or W4A16 (in the
+kernels' layout), a bf16 or INT8 paged KV cache, head_dim a multiple of 16. `FusedDecode.build` returns None,
+with the reason logged, anywhere else.
 """
 
 from __future__ import annotations
