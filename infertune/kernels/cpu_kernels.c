@@ -72,6 +72,39 @@ static inline int pick_threads(int64_t n_blocks, int64_t bytes, int nthreads) {
     return nthreads;
 }
 
+/* One row of a quantized weight as bf16, rounded as the PyTorch references: bf16(q * bf16(s)) for int8,
+ * bf16(q * s + z) (fp32 multiply, then add) for int4 in the 64-column nibble layout. */
+static inline void dequant_w8_row(const int8_t* q, float s, bf16* out, int64_t K) {
+    const __m512 sv = _mm512_set1_ps(s);
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + k))));
+        _mm256_storeu_si256((__m256i*)(out + k), round_bf16x16(_mm512_mul_ps(v, sv)));
+    }
+    for (; k < K; k++) out[k] = f2bf((float)q[k] * s);
+}
+
+static inline void dequant_w4_row(const uint8_t* p, const float* scale, const float* zero, int64_t gs, bf16* out,
+                                  int64_t K) {
+    for (int64_t k0 = 0; k0 < K; k0 += 64) { /* 32 bytes: columns k0 + b (low) and k0 + 32 + b (high) */
+        const int64_t g = k0 / gs;
+        const __m512 sv = _mm512_set1_ps(scale[g]), zv = _mm512_set1_ps(zero[g]);
+        for (int64_t h = 0; h < 2; h++) { /* bytes 16 h .. 16 h + 15 */
+            const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(p + k0 / 2 + 16 * h)));
+            const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0xF)));
+            const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+            _mm256_storeu_si256((__m256i*)(out + k0 + 16 * h), round_bf16x16(_mm512_add_ps(_mm512_mul_ps(lo, sv), zv)));
+            _mm256_storeu_si256((__m256i*)(out + k0 + 32 + 16 * h),
+                                round_bf16x16(_mm512_add_ps(_mm512_mul_ps(hi, sv), zv)));
+        }
+    }
+}
+
+static inline float w8_scale(const void* scale, int scale_is_f32, int64_t n) {
+    /* the reference multiplies in bf16: q.to(bf16) * s.to(bf16) */
+    return bf2f(scale_is_f32 ? f2bf(((const float*)scale)[n]) : ((const bf16*)scale)[n]);
+}
+
 /* ------------------------------------------------------------------ bf16 x bf16 */
 
 static inline __attribute__((always_inline)) void bf16_block(
@@ -176,12 +209,11 @@ int it_amx_init(int has_amx_flags) {
 void it_amx_disable(void) { amx_state = 0; }
 
 __attribute__((target("amx-tile,amx-bf16")))
-static void amx_rows(const bf16* w, const bf16* xt, const bf16* bias, bf16* y, int64_t ldy, int mr,
+static void amx_rows(const bf16* w0, const bf16* xt, const bf16* bias, bf16* y, int64_t ldy, int mr,
                      int64_t n0, int nblk, int64_t K) {
     /* tiles 0-3: C, 4-5: A (alternating), 6: B */
     _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
     const int64_t ld = K * 2;
-    const bf16* w0 = w + n0 * K;
     for (int64_t k = 0; k < K; k += 32) {
         _tile_loadd(6, xt + k * 16, 64);
         for (int r = 0; r < 16 * nblk; r++) _mm_prefetch((const char*)(w0 + r * K + k) + PF_BYTES, _MM_HINT_T0);
@@ -253,7 +285,7 @@ static void linear_bf16_amx(const bf16* x, int64_t ldx, const bf16* w, const bf1
                 for (int64_t p = 0; p < passes; p++) { /* the chunk comes from memory once, then from cache */
                     const int64_t m0 = b0 + 16 * p;
                     const int mr = (int)(M - m0 < 16 ? M - m0 : 16);
-                    amx_rows(w, xt + p * K * 16, bias, y + m0 * ldy, ldy, mr, n0, nblk, K);
+                    amx_rows(w + n0 * K, xt + p * K * 16, bias, y + m0 * ldy, ldy, mr, n0, nblk, K);
                 }
             }
             _tile_release();
@@ -284,6 +316,76 @@ void it_linear_bf16(const bf16* x, int64_t ldx, const bf16* w, const bf16* bias,
     void* scratch = aligned_alloc(64, (size_t)bf16_scratch_bytes(M, K));
     linear_bf16(x, ldx, w, bias, y, ldy, M, N, K, nthreads, scratch);
     free(scratch);
+}
+
+/* ------------------------------------------------------------------ quantized weights at 2-16 rows on AMX
+ *
+ * At several rows the int16 VNNI kernels below become compute-bound. Where the CPU has AMX, each thread instead
+ * rebuilds 64 rows of the weight in bf16 in its own L2-sized buffer (the prefill's rounding: dequant_w8_row /
+ * dequant_w4_row) and multiplies them on the tiles like a bf16 weight; the weight bytes still stream once.
+ */
+typedef struct {
+    int kind; /* 1: int8, 2: int4 (it_lin's kinds) */
+    const void* w;
+    const void* scale;
+    int scale_is_f32;
+    const float* zero;
+    int64_t gs;
+} qweight;
+
+static inline int64_t q_amx_scratch_bytes(int64_t K, int nthreads) {
+    return (K * 32 + (int64_t)(nthreads > 0 ? nthreads : 1) * 64 * K * 2 + 127) & ~(int64_t)63;
+}
+
+static inline void dequant_rows(const qweight* q, int64_t n0, int64_t rows, int64_t K, bf16* out) {
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t n = n0 + r;
+        if (q->kind == 1)
+            dequant_w8_row((const int8_t*)q->w + n * K, w8_scale(q->scale, q->scale_is_f32, n), out + r * K, K);
+        else
+            dequant_w4_row((const uint8_t*)q->w + n * (K / 2), (const float*)q->scale + n * (K / q->gs),
+                           q->zero + n * (K / q->gs), q->gs, out + r * K, K);
+    }
+}
+
+/* M <= 16, K % 32 == 0, N16 a multiple of 16; scratch: q_amx_scratch_bytes(K, nthreads), aligned */
+__attribute__((target("amx-tile,amx-bf16")))
+static void linear_q_amx(const qweight* q, const bf16* x, int64_t ldx, const bf16* bias, bf16* y, int64_t ldy,
+                         int64_t M, int64_t N16, int64_t K, int nthreads, void* scratch) {
+    bf16* xt = (bf16*)scratch;
+    bf16* bufs = xt + K * 16;
+    const int mr = (int)M;
+    const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32((int)ldx));
+    const __mmask16 live = (__mmask16)((1u << mr) - 1);
+    for (int64_t kp = 0; kp < K / 2; kp++) {
+        const __m512i idx = _mm512_add_epi32(rows, _mm512_set1_epi32((int)(2 * kp)));
+        _mm512_storeu_si512(xt + kp * 32, _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, idx, x, 2));
+    }
+    const int64_t nchunks = (N16 / 16 + 3) / 4;
+    const int nt = pick_threads(nchunks, N16 * K, nthreads);
+#pragma omp parallel num_threads(nt)
+    {
+        bf16* buf = bufs + (int64_t)omp_get_thread_num() * 64 * K;
+        tile_config cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.palette_id = 1;
+        for (int t = 0; t < 7; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+        _tile_loadconfig(&cfg);
+#pragma omp for schedule(static)
+        for (int64_t c = 0; c < nchunks; c++) {
+            const int64_t n0 = c * 64;
+            const int nblk = (int)((N16 - n0) / 16 < 4 ? (N16 - n0) / 16 : 4);
+            dequant_rows(q, n0, 16 * nblk, K, buf);
+            amx_rows(buf, xt, bias, y, ldy, mr, n0, nblk, K);
+        }
+        _tile_release();
+    }
+}
+
+/* Whether linear_w8 / linear_w4 take the AMX path for these shapes */
+static inline int use_q_amx(int64_t M, int64_t N, int64_t K) {
+    return amx_state == 1 && M >= amx_min_rows && M <= 16 && K % 32 == 0 && N >= 16;
 }
 
 /* ------------------------------------------------------------------ activations to int16 */
@@ -395,10 +497,26 @@ static inline int64_t w8_scratch_bytes(int64_t M, int64_t K) {
     return (M * Kp * 2 + M * 4 + M * (K / 32 + 1) * 4 + M * Kp * 2 + M * 8 + 255) & ~(int64_t)63;
 }
 
-/* scale: per output row, bf16 (scale_is_f32 = 0) or fp32 (1). scratch: w8_scratch_bytes(M, K), aligned. */
+/* linear_w8 / linear_w4: the VNNI path's scratch, then the AMX path's */
+static inline int64_t qlin_scratch_bytes(int64_t M, int64_t K, int nthreads) {
+    return w8_scratch_bytes(M, K) + q_amx_scratch_bytes(K, nthreads);
+}
+
+/* scale: per output row, bf16 (scale_is_f32 = 0) or fp32 (1). scratch: qlin_scratch_bytes(M, K, nthreads). */
 static void linear_w8(const bf16* x, int64_t ldx, const int8_t* w, const void* scale, int scale_is_f32,
                       const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads,
                       void* scratch) {
+    if (use_q_amx(M, N, K)) {
+        const qweight q = {1, w, scale, scale_is_f32, NULL, 0};
+        const int64_t n16 = N & ~(int64_t)15;
+        linear_q_amx(&q, x, ldx, bias, y, ldy, M, n16, K, nthreads, (char*)scratch + w8_scratch_bytes(M, K));
+        if (n16 == N) return;
+        w += n16 * K; /* the last N % 16 features: the VNNI path below */
+        scale = (const char*)scale + n16 * (scale_is_f32 ? 4 : 2);
+        bias = bias ? bias + n16 : NULL;
+        y += n16;
+        N -= n16;
+    }
     const int64_t Kp = (K + 63) & ~(int64_t)63;
     int16_t* xq = (int16_t*)scratch;
     float* sx = (float*)(xq + M * Kp);
@@ -438,7 +556,7 @@ static void linear_w8(const bf16* x, int64_t ldx, const int8_t* w, const void* s
 
 void it_linear_w8(const bf16* x, int64_t ldx, const int8_t* w, const void* scale, int scale_is_f32,
                   const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads) {
-    void* scratch = aligned_alloc(64, (size_t)w8_scratch_bytes(M, K));
+    void* scratch = aligned_alloc(64, (size_t)qlin_scratch_bytes(M, K, nthreads));
     linear_w8(x, ldx, w, scale, scale_is_f32, bias, y, ldy, M, N, K, nthreads, scratch);
     free(scratch);
 }
@@ -503,10 +621,22 @@ static inline __attribute__((always_inline)) void w4_block(
 #define W4_CASE(MRC, NRC) w4_block(xq + m0 * Kp, Kp, xsum + m0 * G, MRC, wb, NRC, K, gs, scale + n0 * G, \
                                    zero + n0 * G, out, zout)
 
-/* scratch: w8_scratch_bytes(M, K), aligned */
+/* scratch: qlin_scratch_bytes(M, K, nthreads), aligned */
 static void linear_w4(const bf16* x, int64_t ldx, const uint8_t* w, const float* scale, const float* zero, int64_t gs,
                       const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads,
                       void* scratch) {
+    if (use_q_amx(M, N, K)) {
+        const qweight q = {2, w, scale, 0, zero, gs};
+        const int64_t n16 = N & ~(int64_t)15;
+        linear_q_amx(&q, x, ldx, bias, y, ldy, M, n16, K, nthreads, (char*)scratch + w8_scratch_bytes(M, K));
+        if (n16 == N) return;
+        w += n16 * (K / 2); /* the last N % 16 features: the VNNI path below */
+        scale += n16 * (K / gs);
+        zero += n16 * (K / gs);
+        bias = bias ? bias + n16 : NULL;
+        y += n16;
+        N -= n16;
+    }
     const int64_t Kp = (K + 31) & ~(int64_t)31, G = K / gs;
     int16_t* xq = (int16_t*)scratch;
     float* sx = (float*)(xq + M * Kp);
@@ -542,7 +672,7 @@ static void linear_w4(const bf16* x, int64_t ldx, const uint8_t* w, const float*
 /* K % gs == 0, gs % 64 == 0 (checked by the caller) */
 void it_linear_w4(const bf16* x, int64_t ldx, const uint8_t* w, const float* scale, const float* zero, int64_t gs,
                   const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads) {
-    void* scratch = aligned_alloc(64, (size_t)w8_scratch_bytes(M, K));
+    void* scratch = aligned_alloc(64, (size_t)qlin_scratch_bytes(M, K, nthreads));
     linear_w4(x, ldx, w, scale, zero, gs, bias, y, ldy, M, N, K, nthreads, scratch);
     free(scratch);
 }
@@ -556,40 +686,14 @@ void it_linear_w4(const bf16* x, int64_t ldx, const uint8_t* w, const float* sca
 void it_dequant_w8(const int8_t* q, const void* scale, int scale_is_f32, bf16* out, int64_t N, int64_t K,
                    int nthreads) {
 #pragma omp parallel for num_threads(nthreads > 0 ? nthreads : 1) schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        /* the reference multiplies in bf16: q.to(bf16) * s.to(bf16) */
-        const float s = bf2f(scale_is_f32 ? f2bf(((const float*)scale)[n]) : ((const bf16*)scale)[n]);
-        const __m512 sv = _mm512_set1_ps(s);
-        int64_t k = 0;
-        for (; k + 16 <= K; k += 16) {
-            const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + n * K + k))));
-            _mm256_storeu_si256((__m256i*)(out + n * K + k), round_bf16x16(_mm512_mul_ps(v, sv)));
-        }
-        for (; k < K; k++) out[n * K + k] = f2bf((float)q[n * K + k] * s);
-    }
+    for (int64_t n = 0; n < N; n++) dequant_w8_row(q + n * K, w8_scale(scale, scale_is_f32, n), out + n * K, K);
 }
 
 void it_dequant_w4(const uint8_t* packed, const float* scale, const float* zero, int64_t gs, bf16* out, int64_t N,
                    int64_t K, int nthreads) {
     const int64_t G = K / gs;
 #pragma omp parallel for num_threads(nthreads > 0 ? nthreads : 1) schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        const uint8_t* p = packed + n * (K / 2);
-        for (int64_t k0 = 0; k0 < K; k0 += 64) { /* 32 bytes: columns k0 + b (low) and k0 + 32 + b (high) */
-            const int64_t g = k0 / gs;
-            const __m512 sv = _mm512_set1_ps(scale[n * G + g]), zv = _mm512_set1_ps(zero[n * G + g]);
-            for (int64_t h = 0; h < 2; h++) { /* bytes 16 h .. 16 h + 15 */
-                const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(p + k0 / 2 + 16 * h)));
-                const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0xF)));
-                const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
-                /* fp32 multiply, then add: two roundings, as (q.float() * scale + zero) */
-                _mm256_storeu_si256((__m256i*)(out + n * K + k0 + 16 * h),
-                                    round_bf16x16(_mm512_add_ps(_mm512_mul_ps(lo, sv), zv)));
-                _mm256_storeu_si256((__m256i*)(out + n * K + k0 + 32 + 16 * h),
-                                    round_bf16x16(_mm512_add_ps(_mm512_mul_ps(hi, sv), zv)));
-            }
-        }
-    }
+    for (int64_t n = 0; n < N; n++) dequant_w4_row(packed + n * (K / 2), scale + n * G, zero + n * G, gs, out + n * K, K);
 }
 
 /* ------------------------------------------------------------------ a whole decode step of a Llama decoder
@@ -643,8 +747,8 @@ typedef struct {
 
 #define ALIGN64(n) (((n) + 63) & ~(int64_t)63)
 
-static int64_t lin_scratch_bytes(int64_t T, int64_t K) {
-    const int64_t amx = bf16_scratch_bytes(T, K), w8 = w8_scratch_bytes(T, K);
+static int64_t lin_scratch_bytes(int64_t T, int64_t K, int nthreads) {
+    const int64_t amx = bf16_scratch_bytes(T, K), w8 = qlin_scratch_bytes(T, K, nthreads);
     return ALIGN64(amx > w8 ? amx : w8);
 }
 
@@ -668,7 +772,7 @@ static ws_layout workspace(const it_model* m, int64_t T, int64_t max_ctx) {
     l.gu = off;   off += ALIGN64(T * 2 * m->inter * 2);
     l.act = off;  off += ALIGN64(T * m->inter * 2);
     l.y = off;    off += ALIGN64(T * m->hidden * 2);
-    l.lin = off;  off += lin_scratch_bytes(T, kmax);
+    l.lin = off;  off += lin_scratch_bytes(T, kmax, m->nthreads);
     /* attention, per thread: scores [group, max_ctx] and output accumulators [group, D], fp32 */
     l.attn = off; off += ALIGN64((int64_t)(m->nthreads > 0 ? m->nthreads : 1) * attn_floats(group, max_ctx, m->head_dim) * 4);
     l.total = off;
