@@ -294,3 +294,26 @@ def test_elementwise_kernels_round_as_the_pytorch_formulas():
     assert kernels.rotary_(mine[:, :5], cos, sin)
     assert torch.equal(mine[:, :5], ref) and torch.equal(mine[:, 5:], qkv[:, 5:])
     assert kernels.rms_norm(x.float(), norm.weight, 1e-6) is None  # fp32: the caller's PyTorch path
+
+
+@needs_kernels
+def test_profile_sees_the_kernels(tmp_path):
+    """`infertune profile` on a bf16 model: the fused step's time lands in its own category, and the C linear
+    calls count as matmul, not as Python (they are not aten ops; the kernels open profiler ranges)."""
+    from conftest import make_checkpoint
+
+    from infertune import LLM, SamplingParams
+    from infertune.profile.timeline import profile_workload
+
+    model = make_checkpoint(tmp_path / "m", "llama", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                            dtype=torch.bfloat16)
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    shares = {}
+    for mode in ("auto", "linear"):
+        llm = LLM(str(model), dtype="bfloat16", decode_kernels=mode, max_model_len=64, max_num_seqs=2)
+        result = profile_workload(llm, 12, 4, 2, greedy, warmup=False)
+        shares[mode] = result.phases["decode"].by_category
+    assert shares["auto"]["fused_decode"] > 0 and shares["linear"]["fused_decode"] == 0
+    # Decode steps issue no aten matmul here (every linear, lm_head included, is a C call): without the kernels'
+    # profiler ranges this would be exactly 0 and the GEMV time would sit in "host".
+    assert shares["linear"]["matmul"] > 0.02 * sum(shares["linear"].values())

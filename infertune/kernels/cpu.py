@@ -9,6 +9,7 @@ and a C compiler with OpenMP; where either is missing, or INFERTUNE_CPU_KERNELS=
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -174,6 +175,14 @@ def unavailable_reason() -> str | None:
     return _reason
 
 
+def profiled(name: str):
+    """A torch.profiler range `infertune_kernels::<name>` while a profiler runs (the C calls are not aten ops, so
+    `infertune profile` would otherwise see their time as Python), a no-op otherwise."""
+    if torch.autograd._profiler_enabled():
+        return torch.profiler.record_function(f"infertune_kernels::{name}")
+    return contextlib.nullcontext()
+
+
 def _rows(x: torch.Tensor) -> torch.Tensor:
     x2 = x.reshape(-1, x.shape[-1])
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
@@ -197,8 +206,10 @@ def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         raise ValueError(f"weight must be bf16, got {weight.dtype}")
     m, (n, k) = x2.shape[0], weight.shape
     y = torch.empty((m, n), dtype=torch.bfloat16)
-    _lib.it_linear_bf16(x2.data_ptr(), x2.stride(0), weight.data_ptr(), bias.data_ptr() if bias is not None else None,
-                        y.data_ptr(), n, m, n, k, torch.get_num_threads())
+    with profiled("linear_bf16"):
+        _lib.it_linear_bf16(x2.data_ptr(), x2.stride(0), weight.data_ptr(),
+                            bias.data_ptr() if bias is not None else None, y.data_ptr(), n, m, n, k,
+                            torch.get_num_threads())
     return y.view(*x.shape[:-1], n)
 
 
@@ -211,13 +222,15 @@ def linear_w8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     _load()
     x2 = _rows(x)
     _check(x2, qweight, bias)
-    if qweight.dtype is not torch.int8 or scales.dtype not in (torch.bfloat16, torch.float32) or not scales.is_contiguous():
+    if (qweight.dtype is not torch.int8 or scales.dtype not in (torch.bfloat16, torch.float32)
+            or not scales.is_contiguous()):
         raise ValueError(f"need int8 weights and contiguous bf16/fp32 scales, got {qweight.dtype} / {scales.dtype}")
     m, (n, k) = x2.shape[0], qweight.shape
     y = torch.empty((m, n), dtype=torch.bfloat16)
-    _lib.it_linear_w8(x2.data_ptr(), x2.stride(0), qweight.data_ptr(), scales.data_ptr(),
-                      int(scales.dtype is torch.float32), bias.data_ptr() if bias is not None else None,
-                      y.data_ptr(), n, m, n, k, torch.get_num_threads())
+    with profiled("linear_w8"):
+        _lib.it_linear_w8(x2.data_ptr(), x2.stride(0), qweight.data_ptr(), scales.data_ptr(),
+                          int(scales.dtype is torch.float32), bias.data_ptr() if bias is not None else None,
+                          y.data_ptr(), n, m, n, k, torch.get_num_threads())
     return y.view(*x.shape[:-1], n)
 
 
@@ -250,7 +263,8 @@ def linear_w4(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: 
     _load()
     x2 = _rows(x)
     n, k = packed.shape[0], packed.shape[1] * 2
-    if x2.dtype is not torch.bfloat16 or x2.shape[1] != k or packed.dtype is not torch.uint8 or not packed.is_contiguous():
+    if (x2.dtype is not torch.bfloat16 or x2.shape[1] != k or packed.dtype is not torch.uint8
+            or not packed.is_contiguous()):
         raise ValueError(f"need bf16 x [.., {k}] and contiguous uint8 packed weights, got {x2.dtype} {tuple(x2.shape)}")
     if not w4_supported(k, group_size):
         raise ValueError(f"group_size={group_size} must be a multiple of 64 and K={k} a multiple of it")
@@ -261,8 +275,10 @@ def linear_w4(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: 
         raise ValueError("bias must be a contiguous bf16 tensor")
     m = x2.shape[0]
     y = torch.empty((m, n), dtype=torch.bfloat16)
-    _lib.it_linear_w4(x2.data_ptr(), x2.stride(0), packed.data_ptr(), scale.data_ptr(), zero.data_ptr(), group_size,
-                      bias.data_ptr() if bias is not None else None, y.data_ptr(), n, m, n, k, torch.get_num_threads())
+    with profiled("linear_w4"):
+        _lib.it_linear_w4(x2.data_ptr(), x2.stride(0), packed.data_ptr(), scale.data_ptr(), zero.data_ptr(), group_size,
+                          bias.data_ptr() if bias is not None else None, y.data_ptr(), n, m, n, k,
+                          torch.get_num_threads())
     return y.view(*x.shape[:-1], n)
 
 
@@ -270,11 +286,13 @@ def dequant_w8(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """int8 [N, K] and scales [N] (bf16 or fp32) -> bf16 [N, K], w = bf16(q * bf16(s)): a prefill's dense weight."""
     _load()
     n, k = qweight.shape
-    if qweight.dtype is not torch.int8 or not qweight.is_contiguous() or scales.dtype not in (torch.bfloat16, torch.float32):
+    if (qweight.dtype is not torch.int8 or not qweight.is_contiguous()
+            or scales.dtype not in (torch.bfloat16, torch.float32)):
         raise ValueError("need contiguous int8 weights and bf16 / fp32 scales")
     out = torch.empty((n, k), dtype=torch.bfloat16)
-    _lib.it_dequant_w8(qweight.data_ptr(), scales.contiguous().data_ptr(), int(scales.dtype is torch.float32),
-                       out.data_ptr(), n, k, torch.get_num_threads())
+    with profiled("dequant_w8"):
+        _lib.it_dequant_w8(qweight.data_ptr(), scales.contiguous().data_ptr(), int(scales.dtype is torch.float32),
+                           out.data_ptr(), n, k, torch.get_num_threads())
     return out
 
 
@@ -282,11 +300,13 @@ def dequant_w4(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, gr
     """pack_w4 nibbles [N, K / 2] with fp32 scale and zero [N, K / g] -> bf16 [N, K], w = bf16(q * s + z)."""
     _load()
     n, k = packed.shape[0], packed.shape[1] * 2
-    if not w4_supported(k, group_size) or not (packed.is_contiguous() and scale.is_contiguous() and zero.is_contiguous()):
+    if not (w4_supported(k, group_size) and packed.is_contiguous() and scale.is_contiguous()
+            and zero.is_contiguous()):
         raise ValueError("need contiguous pack_w4 weights, scale and zero, the group size a multiple of 64")
     out = torch.empty((n, k), dtype=torch.bfloat16)
-    _lib.it_dequant_w4(packed.data_ptr(), scale.data_ptr(), zero.data_ptr(), group_size, out.data_ptr(), n, k,
-                       torch.get_num_threads())
+    with profiled("dequant_w4"):
+        _lib.it_dequant_w4(packed.data_ptr(), scale.data_ptr(), zero.data_ptr(), group_size, out.data_ptr(), n, k,
+                           torch.get_num_threads())
     return out
 
 
@@ -299,8 +319,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
         return None
     _load()
     out = torch.empty_like(x)
-    _lib.it_rmsnorm_mt(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps,
-                       torch.get_num_threads())
+    with profiled("rms_norm"):
+        _lib.it_rmsnorm_mt(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps,
+                           torch.get_num_threads())
     return out
 
 
@@ -311,7 +332,8 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     _load()
     t, two_i = gate_up.shape
     out = torch.empty((t, two_i // 2), dtype=torch.bfloat16)
-    _lib.it_silu_mul(gate_up.data_ptr(), out.data_ptr(), t, two_i // 2, torch.get_num_threads())
+    with profiled("silu_and_mul"):
+        _lib.it_silu_mul(gate_up.data_ptr(), out.data_ptr(), t, two_i // 2, torch.get_num_threads())
     return out
 
 
@@ -324,5 +346,6 @@ def rotary_(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
         return False
     _load()
     t, heads, d = qk.shape
-    _lib.it_rotary(qk.data_ptr(), qk.stride(0), t, heads, d, cos.data_ptr(), cos.stride(0), torch.get_num_threads())
+    with profiled("rotary"):
+        _lib.it_rotary(qk.data_ptr(), qk.stride(0), t, heads, d, cos.data_ptr(), cos.stride(0), torch.get_num_threads())
     return True

@@ -17,11 +17,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-CATEGORIES = ("attention", "kv_cache", "moe", "matmul", "norm", "activation", "rotary", "sampling", "communication",
-              "host", "other")
+CATEGORIES = ("attention", "kv_cache", "moe", "matmul", "fused_decode", "norm", "activation", "rotary", "sampling",
+              "communication", "host", "other")
 LABELS = {
     "attention": "attention", "kv_cache": "KV-cache read/write", "moe": "MoE router + experts",
-    "matmul": "matmul / linear", "norm": "norm", "activation": "activation", "rotary": "rotary",
+    "matmul": "matmul / linear", "fused_decode": "fused decode step (C)", "norm": "norm", "activation": "activation", "rotary": "rotary",
     "sampling": "sampling", "communication": "communication", "host": "host / Python + idle gaps", "other": "other",
 }
 
@@ -40,6 +40,8 @@ MATMUL_OPS = frozenset({
     "mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "mv", "addmv", "dot", "einsum", "_int_mm",
     "_addmm_activation", "_scaled_mm", "_weight_int8pack_mm", "_weight_int4pack_mm", "_weight_int4pack_mm_for_cpu",
     "_weight_int4pack_mm_with_scales_and_zeros", "_mixed_dtypes_linear", "npu_quant_matmul", "npu_weight_quant_batchmatmul",
+    # infertune's CPU kernels (infertune_kernels:: ranges), and the dequantization feeding a prefill's GEMM
+    "linear_bf16", "linear_w8", "linear_w4", "dequant_w8", "dequant_w4",
 })
 # Gathers of cached K/V (reads) and scatters into the cache (writes), inside attention.
 KV_WRITE_OPS = frozenset({"index_copy_", "index_copy", "index_put_", "index_put", "_index_put_impl_", "scatter_",
@@ -117,6 +119,8 @@ def module_scope_kind(class_names: list[str]) -> str | None:
 def category_by_op_name(base: str) -> str:
     if base in MATMUL_OPS:
         return "matmul"
+    if base == "fused_decode_layers":  # every layer of a decode step in one C call (runner/fused_decode.py)
+        return "fused_decode"
     if "attention" in base or base.startswith("_flash_attention") or base.startswith("flash_attn"):
         return "attention"
     if base in KV_WRITE_OPS:
@@ -125,7 +129,8 @@ def category_by_op_name(base: str) -> str:
         return "norm"
     if "rotary" in base or "rope" in base:
         return "rotary"
-    if base.rstrip("_") in ("silu", "gelu", "relu", "sigmoid", "tanh", "softplus", "swiglu", "npu_swiglu", "mish"):
+    if base.rstrip("_") in ("silu", "gelu", "relu", "sigmoid", "tanh", "softplus", "swiglu", "npu_swiglu", "mish",
+                            "silu_and_mul"):
         return "activation"
     return "other"
 

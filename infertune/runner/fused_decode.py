@@ -96,7 +96,8 @@ class FusedDecode:
             if isinstance(module, Linear):
                 method = module.quant_method
                 plain = isinstance(method, DecodeKernelMethod)
-                w8 = isinstance(method, W8A16Method) and not isinstance(method, W8A8Method) and method.kernels is not None
+                w8 = (isinstance(method, W8A16Method) and not isinstance(method, W8A8Method)
+                      and method.kernels is not None)
                 w4 = isinstance(method, W4A16Method) and method.own_layout
                 if not (plain or w8 or w4):
                     return f"layer {name} runs {method.name}"
@@ -115,12 +116,14 @@ class FusedDecode:
         s.T = input_ids.shape[0]
         s.positions, s.slots = positions.data_ptr(), meta.slot_mapping.data_ptr()
         s.block_tables, s.context_lens, s.max_blocks = tables.data_ptr(), lens.data_ptr(), tables.shape[1]
-        rc = self.lib.it_decode_layers(ctypes.byref(self.cmodel), self.layers, ctypes.byref(s), x.data_ptr())
+        with self.kernels.profiled("fused_decode_layers"):
+            rc = self.lib.it_decode_layers(ctypes.byref(self.cmodel), self.layers, ctypes.byref(s), x.data_ptr())
         if rc != 0:
             raise RuntimeError(f"it_decode_layers failed ({rc}): "
                                f"{'workspace too small' if rc == -1 else 'unsupported shapes'}")
         out = self.out[:t]
-        self.lib.it_rmsnorm(x.data_ptr(), self.norm_weight.data_ptr(), out.data_ptr(), t, self.hidden, self.eps)
+        with self.kernels.profiled("rms_norm"):
+            self.lib.it_rmsnorm(x.data_ptr(), self.norm_weight.data_ptr(), out.data_ptr(), t, self.hidden, self.eps)
         return out
 
 
