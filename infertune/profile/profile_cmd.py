@@ -35,6 +35,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quant-group-size", type=int, default=128, help="w4a16 group size (default: 128)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="token budget of one step; longer prefills are chunked (default: 2048)")
+    p.add_argument("--decode-kernels", default="auto", choices=["auto", "linear", "off"],
+                   help="infertune's decode kernels as the engine runs them (auto: the fused decode step shows as one "
+                   "category); linear: the per-op forward on the kernels' linears, to split a decode step by op; "
+                   "off: torch's matmuls (default: auto)")
     p.add_argument("--greedy", action="store_true",
                    help="greedy decoding (default: temperature 0.8, top_p 0.95, as a served workload would sample)")
     p.add_argument("--no-warmup", action="store_true",
@@ -74,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--input-len + --output-len = {need} exceeds the model's max_position_embeddings={limit}")
     quant = {"quantization": args.quantization, "quant_group_size": args.quant_group_size} if args.quantization else {}
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=need, max_num_seqs=args.batch,
-              max_num_batched_tokens=args.max_num_batched_tokens, **quant)
+              max_num_batched_tokens=args.max_num_batched_tokens, decode_kernels=args.decode_kernels, **quant)
     sampling = "greedy" if args.greedy else "temperature 0.8, top_p 0.95"
     params = (SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True) if args.greedy else
               SamplingParams(max_tokens=args.output_len, temperature=0.8, top_p=0.95, ignore_eos=True))
@@ -85,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
     context = {
         "model": llm.config.model.model, "device": llm.engine.executor.backend.describe(),
         "dtype": str(runner.dtype).removeprefix("torch."), "quantization": args.quantization,
+        "decode_kernels": args.decode_kernels if runner.decode_kernels is not None else "off",
         "batch": args.batch, "input_len": args.input_len, "output_len": args.output_len, "sampling": sampling,
         "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "timeline": result.timeline,
     }
