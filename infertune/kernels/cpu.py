@@ -36,7 +36,6 @@ _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _reason: str | None = None
 _loaded = False
-_amx = False
 
 
 def cache_dir() -> Path:
@@ -78,7 +77,7 @@ def _build(cc: str) -> Path:
 
 
 def _load() -> None:
-    global _lib, _reason, _loaded, _amx
+    global _lib, _reason, _loaded
     with _lock:
         if _loaded:
             return
@@ -114,8 +113,6 @@ def _load() -> None:
         lib.it_dequant_w8.restype = None
         lib.it_dequant_w4.argtypes = [ptr, ptr, ptr, i64, ptr, i64, i64, cint]
         lib.it_dequant_w4.restype = None
-        lib.it_rmsnorm.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float]
-        lib.it_rmsnorm.restype = None
         lib.it_rmsnorm_mt.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float, cint]
         lib.it_rmsnorm_mt.restype = None
         lib.it_silu_mul.argtypes = [ptr, ptr, i64, i64, cint]
@@ -124,12 +121,11 @@ def _load() -> None:
         lib.it_rotary.restype = None
         lib.it_amx_init.argtypes = [cint]
         lib.it_amx_init.restype = cint
-        lib.it_set_amx_min_rows.argtypes = [cint]
         lib.it_decode_workspace_bytes.argtypes = [ctypes.POINTER(ItModel), i64, i64]
         lib.it_decode_workspace_bytes.restype = i64
         lib.it_decode_layers.argtypes = [ctypes.POINTER(ItModel), ctypes.POINTER(ItLayer), ctypes.POINTER(ItStep), ptr]
         lib.it_decode_layers.restype = cint
-        _amx = bool(lib.it_amx_init(int({"amx_tile", "amx_bf16"} <= _cpu_flags())))
+        lib.it_amx_init(int({"amx_tile", "amx_bf16"} <= _cpu_flags()))  # asks Linux for the tile state
         _lib = lib
 
 

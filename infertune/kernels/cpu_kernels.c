@@ -147,6 +147,18 @@ static inline __attribute__((always_inline)) void bf16_block(
             if (i < mr && j < nr) out[i][j] = _mm512_reduce_add_ps(acc[i][j]);
 }
 
+/* Call CASE(rows of x, rows of W) with constant trip counts for full blocks (so the compiler keeps the
+ * accumulators in registers) and with the runtime counts for the last, partial block of W. */
+#define DISPATCH_BLOCK(CASE)                  \
+    if (nr == NR) {                           \
+        if (mr == 4) CASE(4, 4);              \
+        else if (mr == 3) CASE(3, 4);         \
+        else if (mr == 2) CASE(2, 4);         \
+        else CASE(1, 4);                      \
+    } else {                                  \
+        CASE(mr, nr);                         \
+    }
+
 #define BF16_CASE(MRC, NRC) bf16_block(x + m0 * ldx, ldx, MRC, wb, NRC, K, out)
 
 static void linear_bf16_avx512(const bf16* x, int64_t ldx, const bf16* w, const bf16* bias, bf16* y,
@@ -161,15 +173,7 @@ static void linear_bf16_avx512(const bf16* x, int64_t ldx, const bf16* w, const 
         for (int64_t m0 = 0; m0 < M; m0 += MR) {
             const int mr = (int)(M - m0 < MR ? M - m0 : MR);
             float out[MR][NR];
-            /* constant trip counts let the compiler keep the accumulators in registers */
-            if (nr == NR) {
-                if (mr == 4) BF16_CASE(4, 4);
-                else if (mr == 3) BF16_CASE(3, 4);
-                else if (mr == 2) BF16_CASE(2, 4);
-                else BF16_CASE(1, 4);
-            } else { /* the last, partial block */
-                BF16_CASE(mr, nr);
-            }
+            DISPATCH_BLOCK(BF16_CASE)
             for (int i = 0; i < mr; i++)
                 for (int j = 0; j < nr; j++)
                     y[(m0 + i) * ldy + n0 + j] = f2bf(out[i][j] + (bias ? bf2f(bias[n0 + j]) : 0.0f));
@@ -189,9 +193,8 @@ static void linear_bf16_avx512(const bf16* x, int64_t ldx, const bf16* w, const 
 #define XFEATURE_XTILEDATA 18
 
 static int amx_state = -1; /* -1 unknown, 0 unusable, 1 usable */
-static int amx_min_rows = 2; /* at one row the AVX-512 path streams as fast */
+#define AMX_MIN_ROWS 2 /* at one row the AVX-512 path streams as fast */
 
-void it_set_amx_min_rows(int m) { amx_min_rows = m; }
 
 typedef struct {
     uint8_t palette_id, start_row, reserved[14];
@@ -240,6 +243,18 @@ static void amx_rows(const bf16* w0, const bf16* xt, const bf16* bias, bf16* y, 
     }
 }
 
+/* xt[k/2][m][k%2] = x[m][k] for the mr (<= 16) rows of x, zero for m >= mr: the B operand of the AMX tiles. One
+ * gather per column pair (the 16 rows' (k, k + 1) as 32-bit words). */
+static void transpose_rows_amx(const bf16* x, int64_t ldx, int mr, int64_t K, bf16* xt) {
+    const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32((int)ldx));
+    const __mmask16 live = (__mmask16)((1u << mr) - 1);
+    for (int64_t kp = 0; kp < K / 2; kp++) {
+        const __m512i idx = _mm512_add_epi32(rows, _mm512_set1_epi32((int)(2 * kp)));
+        _mm512_storeu_si512(xt + kp * 32, _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, idx, x, 2));
+    }
+}
+
 /* Rows of x per pass over the weights: the transposed rows (K * 2 bytes each) of one block stay in L2 beside the
  * 64-feature weight chunk being multiplied, so each chunk is read from memory once per block of rows. */
 static inline int64_t amx_rows_per_block(int64_t K) {
@@ -255,20 +270,9 @@ static void linear_bf16_amx(const bf16* x, int64_t ldx, const bf16* w, const bf1
     const int64_t mb = amx_rows_per_block(K);
     for (int64_t b0 = 0; b0 < M; b0 += mb) {
         const int64_t rows = M - b0 < mb ? M - b0 : mb, passes = (rows + 15) / 16;
-        /* per pass p: xt[p][k/2][m][k%2] = x[b0 + 16 p + m][k], zero past the last row */
-        for (int64_t p = 0; p < passes; p++) {
-            bf16* xp = xt + p * K * 16;
+        for (int64_t p = 0; p < passes; p++) { /* pass p: rows b0 + 16 p .. */
             const int64_t m0 = b0 + 16 * p;
-            const int mr = (int)(M - m0 < 16 ? M - m0 : 16);
-            /* one gather per column pair: the 16 rows' (k, k + 1) as 32-bit words, zero past the last row */
-            const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                                    _mm512_set1_epi32((int)ldx));
-            const __mmask16 live = (__mmask16)((1u << mr) - 1);
-            const bf16* base = x + m0 * ldx;
-            for (int64_t kp = 0; kp < K / 2; kp++) {
-                const __m512i idx = _mm512_add_epi32(rows, _mm512_set1_epi32((int)(2 * kp)));
-                _mm512_storeu_si512(xp + kp * 32, _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, idx, base, 2));
-            }
+            transpose_rows_amx(x + m0 * ldx, ldx, (int)(M - m0 < 16 ? M - m0 : 16), K, xt + p * K * 16);
         }
         const int nt = pick_threads(nchunks, N16 * K * 2 * passes, nthreads);
 #pragma omp parallel num_threads(nt)
@@ -302,7 +306,7 @@ static inline int64_t bf16_scratch_bytes(int64_t M, int64_t K) {
 static void linear_bf16(const bf16* x, int64_t ldx, const bf16* w, const bf16* bias, bf16* y, int64_t ldy,
                         int64_t M, int64_t N, int64_t K, int nthreads, void* scratch) {
     const int64_t n16 = N & ~(int64_t)15;
-    if (amx_state == 1 && K % 32 == 0 && n16 > 0 && M >= amx_min_rows) {
+    if (amx_state == 1 && K % 32 == 0 && n16 > 0 && M >= AMX_MIN_ROWS) {
         linear_bf16_amx(x, ldx, w, bias, y, ldy, M, n16, K, nthreads, (bf16*)scratch);
         if (n16 < N)
             linear_bf16_avx512(x, ldx, w + n16 * K, bias ? bias + n16 : NULL, y + n16, ldy, M, N - n16, K, nthreads);
@@ -355,13 +359,7 @@ static void linear_q_amx(const qweight* q, const bf16* x, int64_t ldx, const bf1
     bf16* xt = (bf16*)scratch;
     bf16* bufs = xt + K * 16;
     const int mr = (int)M;
-    const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                            _mm512_set1_epi32((int)ldx));
-    const __mmask16 live = (__mmask16)((1u << mr) - 1);
-    for (int64_t kp = 0; kp < K / 2; kp++) {
-        const __m512i idx = _mm512_add_epi32(rows, _mm512_set1_epi32((int)(2 * kp)));
-        _mm512_storeu_si512(xt + kp * 32, _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, idx, x, 2));
-    }
+    transpose_rows_amx(x, ldx, mr, K, xt);
     const int64_t nchunks = (N16 / 16 + 3) / 4;
     const int nt = pick_threads(nchunks, N16 * K, nthreads);
 #pragma omp parallel num_threads(nt)
@@ -385,7 +383,7 @@ static void linear_q_amx(const qweight* q, const bf16* x, int64_t ldx, const bf1
 
 /* Whether linear_w8 / linear_w4 take the AMX path for these shapes */
 static inline int use_q_amx(int64_t M, int64_t N, int64_t K) {
-    return amx_state == 1 && M >= amx_min_rows && M <= 16 && K % 32 == 0 && N >= 16;
+    return amx_state == 1 && M >= AMX_MIN_ROWS && M <= 16 && K % 32 == 0 && N >= 16;
 }
 
 /* ------------------------------------------------------------------ activations to int16 */
@@ -536,14 +534,7 @@ static void linear_w8(const bf16* x, int64_t ldx, const int8_t* w, const void* s
         for (int64_t m0 = 0; m0 < M; m0 += MR) {
             const int mr = (int)(M - m0 < MR ? M - m0 : MR);
             float out[MR][NR];
-            if (nr == NR) {
-                if (mr == 4) W8_CASE(4, 4);
-                else if (mr == 3) W8_CASE(3, 4);
-                else if (mr == 2) W8_CASE(2, 4);
-                else W8_CASE(1, 4);
-            } else {
-                W8_CASE(mr, nr);
-            }
+            DISPATCH_BLOCK(W8_CASE)
             for (int i = 0; i < mr; i++)
                 for (int j = 0; j < nr; j++) {
                     const int64_t n = n0 + j;
@@ -652,14 +643,7 @@ static void linear_w4(const bf16* x, int64_t ldx, const uint8_t* w, const float*
         for (int64_t m0 = 0; m0 < M; m0 += MR) {
             const int mr = (int)(M - m0 < MR ? M - m0 : MR);
             float out[MR][NR], zout[MR][NR];
-            if (nr == NR) {
-                if (mr == 4) W4_CASE(4, 4);
-                else if (mr == 3) W4_CASE(3, 4);
-                else if (mr == 2) W4_CASE(2, 4);
-                else W4_CASE(1, 4);
-            } else {
-                W4_CASE(mr, nr);
-            }
+            DISPATCH_BLOCK(W4_CASE)
             for (int i = 0; i < mr; i++)
                 for (int j = 0; j < nr; j++) {
                     const int64_t n = n0 + j;
@@ -1033,12 +1017,8 @@ static void attention_rows(const it_model* m, const it_step* s, const bf16* qkv,
     }
 }
 
-/* The model's final RMSNorm over the step's rows, into a caller-owned buffer. */
-void it_rmsnorm(const bf16* x, const bf16* w, bf16* out, int64_t T, int64_t H, float eps) {
-    rmsnorm_rows(x, w, out, T, H, eps, 1);
-}
-
-/* The elementwise work of prefills (any T), on rows: RMSNorm, SiLU-and-multiply, rotary. */
+/* The elementwise work of prefills (any T), on rows: RMSNorm (also the final norm of a fused decode step),
+ * SiLU-and-multiply, rotary. */
 void it_rmsnorm_mt(const bf16* x, const bf16* w, bf16* out, int64_t T, int64_t H, float eps, int nthreads) {
     rmsnorm_rows(x, w, out, T, H, eps, nthreads);
 }

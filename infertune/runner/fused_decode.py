@@ -123,7 +123,8 @@ class FusedDecode:
                                f"{'workspace too small' if rc == -1 else 'unsupported shapes'}")
         out = self.out[:t]
         with self.kernels.profiled("rms_norm"):
-            self.lib.it_rmsnorm(x.data_ptr(), self.norm_weight.data_ptr(), out.data_ptr(), t, self.hidden, self.eps)
+            self.lib.it_rmsnorm_mt(x.data_ptr(), self.norm_weight.data_ptr(), out.data_ptr(), t, self.hidden, self.eps,
+                                   self.cmodel.nthreads)
         return out
 
 
