@@ -54,6 +54,11 @@ class Backend(abc.ABC):
     def packed_linear(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError(f"{self.name} has no packed linear layout")
 
+    def prepare_host_memory(self) -> str | None:
+        """Called once by the model runner before loading: set up host memory reuse where the backend's steps
+        allocate on the host (the CPU backend tunes malloc). Returns what was done, or None."""
+        return None
+
     def decode_kernels(self):
         """This backend's own small-batch linear kernels (a module with MAX_ROWS, linear_bf16 and linear_w8, as
         infertune.kernels.cpu), or None where torch's matmuls are all there is."""

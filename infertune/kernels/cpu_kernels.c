@@ -194,6 +194,7 @@ static void linear_bf16_avx512(const bf16* x, int64_t ldx, const bf16* w, const 
 
 static int amx_state = -1; /* -1 unknown, 0 unusable, 1 usable */
 #define AMX_MIN_ROWS 2 /* at one row the AVX-512 path streams as fast */
+#define AMX_GEMM_MIN_ROWS 17 /* from here the 2 x 2 blocked GEMM (two row tiles) */
 
 
 typedef struct {
@@ -297,6 +298,155 @@ static void linear_bf16_amx(const bf16* x, int64_t ldx, const bf16* w, const bf1
     }
 }
 
+/* ------------------------------------------------------------------ prefill GEMM on AMX (M > 16 rows)
+ *
+ * The same C^T = W x^T as above, blocked 2 x 2: two weight tiles (32 output features, read in place) against two
+ * activation tiles (32 rows of x, transposed into VNNI pairs once per call) feed four accumulator tiles, so each
+ * tile load serves two TDPBF16PS instead of one. A block of rows of x (transposed, ~768 KB) stays in L2 while each
+ * thread walks its 32-feature chunks of W; a chunk (32 K bf16) comes from memory once per block of rows and then
+ * from L2 for every pair of 16-row tiles. The accumulators of one 32 x 32 block are stored, transposed in
+ * registers (16 x 16 fp32, 64 shuffles) and written as bf16 rows while the tiles compute the next block.
+ */
+
+/* out[m] = lanes f of c[f][m]: a 16 x 16 fp32 transpose in registers (in-lane unpacks, then 128-bit shuffles) */
+static inline void transpose16x16_ps(const float* c, __m512 out[16]) {
+    __m512 r[16], t[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_ps(c + 16 * i);
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) { /* r[4i + j]: column j (+4, +8, +12 in the next 128-bit lanes) of rows 4i..4i+3 */
+        const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
+        const __m512d c2 = _mm512_castps_pd(t[4 * i + 2]), d = _mm512_castps_pd(t[4 * i + 3]);
+        r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c2));
+        r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c2));
+        r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+        r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+    }
+    for (int j = 0; j < 4; j++) {
+        const __m512 vlo = _mm512_shuffle_f32x4(r[j], r[4 + j], 0x88), vhi = _mm512_shuffle_f32x4(r[j], r[4 + j], 0xdd);
+        const __m512 wlo = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0x88);
+        const __m512 whi = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0xdd);
+        out[j] = _mm512_shuffle_f32x4(vlo, wlo, 0x88);
+        out[j + 8] = _mm512_shuffle_f32x4(vlo, wlo, 0xdd);
+        out[j + 4] = _mm512_shuffle_f32x4(vhi, whi, 0x88);
+        out[j + 12] = _mm512_shuffle_f32x4(vhi, whi, 0xdd);
+    }
+}
+
+/* A 32 x 32 (or smaller) output block whose accumulators were stored in c[a][b] (feature tile a, row tile b) */
+typedef struct {
+    float c[2][2][256];
+    int na, nb, mr[2]; /* tiles used; valid rows of each row tile */
+    int64_t n0, m0;
+} gemm_block;
+
+/* Writes tile (a, b) of a stored block: transposed to rows, plus the bias, rounded to bf16 */
+static void gemm_tile_store(const gemm_block* g, int a, int b, const bf16* bias, bf16* y, int64_t ldy) {
+    __m512 rows[16];
+    const int64_t n = g->n0 + 16 * a;
+    const __m512 bv = bias ? load_bf16x16(bias + n, 0xffff) : _mm512_setzero_ps();
+    transpose16x16_ps(g->c[a][b], rows);
+    bf16* yb = y + (g->m0 + 16 * b) * ldy + n;
+    for (int m = 0; m < g->mr[b]; m++)
+        _mm256_storeu_si256((__m256i*)(yb + m * ldy), round_bf16x16(_mm512_add_ps(rows[m], bv)));
+}
+
+/* tiles 0-3: C[a][b] at 2a + b, 4-5: W (feature tiles), 6-7: x^T (row tiles). The previous block's tiles (prev,
+ * already stored) are written out between the k-steps, one tile every 4 steps, so that the AVX-512 epilogue runs
+ * while the tiles compute instead of after them. */
+__attribute__((target("amx-tile,amx-bf16")))
+static void gemm_block_compute(const bf16* w0, const bf16* xt0, int64_t K, gemm_block* g, const gemm_block* prev,
+                               const bf16* bias, bf16* y, int64_t ldy) {
+    const int64_t ld = K * 2;
+    const bf16* xt1 = xt0 + K * 16;
+    const int pending = prev ? 4 : 0; /* tile t of prev is (t >> 1, t & 1) where that tile exists */
+    int t = 0;
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    for (int64_t k = 0, s = 0; k < K; k += 32, s++) {
+        _tile_loadd(4, w0 + k, ld);
+        _tile_loadd(6, xt0 + k * 16, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        if (g->nb == 2) { _tile_loadd(7, xt1 + k * 16, 64); _tile_dpbf16ps(1, 4, 7); }
+        if (g->na == 2) {
+            _tile_loadd(5, w0 + 16 * K + k, ld);
+            _tile_dpbf16ps(2, 5, 6);
+            if (g->nb == 2) _tile_dpbf16ps(3, 5, 7);
+        }
+        if ((s & 3) == 0 && t < pending) {
+            if ((t >> 1) < prev->na && (t & 1) < prev->nb) gemm_tile_store(prev, t >> 1, t & 1, bias, y, ldy);
+            t++;
+        }
+    }
+    for (; t < pending; t++)
+        if ((t >> 1) < prev->na && (t & 1) < prev->nb) gemm_tile_store(prev, t >> 1, t & 1, bias, y, ldy);
+    _tile_stored(0, g->c[0][0], 64);
+    if (g->nb == 2) _tile_stored(1, g->c[0][1], 64);
+    if (g->na == 2) {
+        _tile_stored(2, g->c[1][0], 64);
+        if (g->nb == 2) _tile_stored(3, g->c[1][1], 64);
+    }
+}
+
+/* Rows of x per block of the GEMM: a multiple of 32 whose transpose fits the L2 share amx_rows_per_block allows */
+static inline int64_t gemm_rows_per_block(int64_t K) {
+    const int64_t mb = amx_rows_per_block(K) & ~(int64_t)31;
+    return mb < 32 ? 32 : mb;
+}
+
+__attribute__((target("amx-tile,amx-bf16")))
+static void linear_bf16_amx_gemm(const bf16* x, int64_t ldx, const bf16* w, const bf16* bias, bf16* y, int64_t ldy,
+                                 int64_t M, int64_t N16, int64_t K, int nthreads, bf16* xt) {
+    const int64_t nchunks = (N16 / 16 + 1) / 2; /* 32 features a chunk */
+    const int64_t mb = gemm_rows_per_block(K);
+    const int nt = pick_threads(nchunks, N16 * K * 2 * ((M + 15) / 16), nthreads);
+#pragma omp parallel num_threads(nt)
+    {
+        tile_config cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.palette_id = 1;
+        for (int t = 0; t < 8; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+        _tile_loadconfig(&cfg);
+        gemm_block blk[2];
+        for (int64_t b0 = 0; b0 < M; b0 += mb) {
+            const int64_t rows = M - b0 < mb ? M - b0 : mb, tiles = (rows + 15) / 16;
+#pragma omp for schedule(static)
+            for (int64_t p = 0; p < tiles; p++) {
+                const int64_t m0 = b0 + 16 * p;
+                transpose_rows_amx(x + m0 * ldx, ldx, (int)(M - m0 < 16 ? M - m0 : 16), K, xt + p * K * 16);
+            } /* (implicit barrier: the whole block is transposed before any thread multiplies) */
+            int pending = -1; /* the block whose accumulators wait to be written */
+            int cur = 0;
+#pragma omp for schedule(static) nowait
+            for (int64_t c = 0; c < nchunks; c++) {
+                const int64_t n0 = c * 32;
+                for (int64_t p = 0; p < tiles; p += 2) {
+                    gemm_block* g = &blk[cur];
+                    g->na = N16 - n0 >= 32 ? 2 : 1;
+                    g->nb = tiles - p >= 2 ? 2 : 1;
+                    g->n0 = n0;
+                    g->m0 = b0 + 16 * p;
+                    for (int b = 0; b < g->nb; b++) {
+                        const int64_t left = M - (g->m0 + 16 * b);
+                        g->mr[b] = (int)(left < 16 ? left : 16);
+                    }
+                    gemm_block_compute(w + n0 * K, xt + p * K * 16, K, g, pending >= 0 ? &blk[pending] : NULL,
+                                       bias, y, ldy);
+                    pending = cur;
+                    cur ^= 1;
+                }
+            }
+            if (pending >= 0)
+                for (int t = 0; t < 4; t++)
+                    if ((t >> 1) < blk[pending].na && (t & 1) < blk[pending].nb)
+                        gemm_tile_store(&blk[pending], t >> 1, t & 1, bias, y, ldy);
+#pragma omp barrier /* xt is rewritten by the next block of rows */
+        }
+        _tile_release();
+    }
+}
+
 /* scratch: bf16_scratch_bytes(M, K), 64-byte aligned (the transposed activations of the AMX path) */
 static inline int64_t bf16_scratch_bytes(int64_t M, int64_t K) {
     const int64_t mb = amx_rows_per_block(K), rows = M < mb ? (M + 15) & ~(int64_t)15 : mb;
@@ -307,7 +457,10 @@ static void linear_bf16(const bf16* x, int64_t ldx, const bf16* w, const bf16* b
                         int64_t M, int64_t N, int64_t K, int nthreads, void* scratch) {
     const int64_t n16 = N & ~(int64_t)15;
     if (amx_state == 1 && K % 32 == 0 && n16 > 0 && M >= AMX_MIN_ROWS) {
-        linear_bf16_amx(x, ldx, w, bias, y, ldy, M, n16, K, nthreads, (bf16*)scratch);
+        if (M >= AMX_GEMM_MIN_ROWS)
+            linear_bf16_amx_gemm(x, ldx, w, bias, y, ldy, M, n16, K, nthreads, (bf16*)scratch);
+        else
+            linear_bf16_amx(x, ldx, w, bias, y, ldy, M, n16, K, nthreads, (bf16*)scratch);
         if (n16 < N)
             linear_bf16_avx512(x, ldx, w + n16 * K, bias ? bias + n16 : NULL, y + n16, ldy, M, N - n16, K, nthreads);
         return;

@@ -64,6 +64,8 @@ class ModelRunner:
         cache_dtype = self.attn.cache_dtype or self.dtype
         self._kv_storage = torch.zeros((arch.num_hidden_layers, *shape), dtype=cache_dtype, device=self.device)
         self.kv_caches = list(self._kv_storage.unbind(0))
+        # After the load, so that its transients go back to the OS as before; the steps then reuse their memory.
+        backend.prepare_host_memory()
         self.sampler = Sampler(config.model.seed, self.device)
         self.fused: FusedDecode | None = None
         self.compiled: CompiledForward | None = None
