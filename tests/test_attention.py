@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from infertune.layers.attention import AttentionMetadata, PrefillChunk, TorchPagedAttention
+from infertune.layers.attention.paged import _fresh_runs
 from infertune.layers.attention.sdpa import reference_causal_attention
 
 H, HKV, D, BS, NUM_BLOCKS = 4, 2, 8, 4, 64
@@ -27,7 +28,9 @@ def test_mixed_decode_and_prefill_match_reference(seed):
     free = list(range(NUM_BLOCKS))
     rng.shuffle(free)  # non-contiguous block tables
     # (tokens already in the cache, new tokens this step)
-    shapes = [(5, 1), (12, 1), (0, 1), (0, 9), (7, 6), (4, 4)]
+    # Three fresh 5-token prompts back to back run as one batched SDPA call; the fresh one after the chunk with
+    # context, and the 7-token one, start runs of their own.
+    shapes = [(5, 1), (12, 1), (0, 1), (0, 9), (7, 6), (4, 4), (0, 5), (0, 5), (0, 5), (3, 5), (0, 5), (0, 7)]
     seqs = []
     for past, new in shapes:
         total = past + new
@@ -60,6 +63,7 @@ def test_mixed_decode_and_prefill_match_reference(seed):
         decode_max_context_len=max(dec_lens),
         prefills=prefills,
     )
+    assert [(g, n) for _, g, n in _fresh_runs(prefills)] == [(1, 9), (3, 5), (1, 5), (1, 7)]
     scale = D**-0.5
     out = attn.forward(torch.cat(qs), torch.cat(ks), torch.cat(vs), cache, meta, scale)
     offset = 0

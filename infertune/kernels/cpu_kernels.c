@@ -979,6 +979,12 @@ static inline __m512 exp512(__m512 x) { /* e^x, relative error ~1e-7 over the cl
 
 
 
+/* 1 / d to ~1 ulp: the 14-bit estimate and one Newton step (a division costs ~4x as much here) */
+static inline __m512 rcp512(__m512 d) {
+    const __m512 r = _mm512_rcp14_ps(d);
+    return _mm512_fmadd_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(1.0f)), r);
+}
+
 /* act[t, i] = bf16(bf16(silu(g)) * u), gate | up side by side in gu [T, 2I] (layers/activation.py) */
 static void silu_mul_rows(const bf16* gu, bf16* act, int64_t T, int64_t I, int nthreads) {
 #pragma omp parallel for num_threads(rows_threads(T, T * I, nthreads)) schedule(static)
@@ -989,7 +995,7 @@ static void silu_mul_rows(const bf16* gu, bf16* act, int64_t T, int64_t I, int n
         for (int64_t i = 0; i < I; i += 16) {
             const __mmask16 m = I - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (I - i)) - 1);
             const __m512 gv = load_bf16x16(g + i, m);
-            const __m512 s = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+            const __m512 s = _mm512_mul_ps(gv, rcp512(_mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv)))));
             _mm256_mask_storeu_epi16(a + i, m, round_bf16x16(_mm512_mul_ps(bf16_round_f32(s), load_bf16x16(u + i, m))));
         }
     }
