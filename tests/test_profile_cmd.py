@@ -301,3 +301,38 @@ def test_hint_thresholds_and_conditions():
     assert "step_jitter" in rules(summary(step_ms_p50=2.0, step_ms_p90=5.0))
     assert "step_jitter" not in rules(summary(step_ms_p50=2.0, step_ms_p90=2.5))
     assert "profiler_inflation" in rules(summary(unprofiled_ms_per_step=4.0))  # 10 ms profiled vs 4 unprofiled
+
+
+def test_page_fault_hint_fires_on_its_figure():
+    s = summary()
+    s["phases"]["prefill"]["page_faults_per_step"] = 50_000
+    s["phases"]["decode"]["page_faults_per_step"] = 12
+    hints = [h for h in derive_hints(s) if h["rule"] == "page_faults"]
+    assert [h["phase"] for h in hints] == ["prefill"]
+    assert "50,000 fresh pages" in hints[0]["text"] and "INFERTUNE_KEEP_HOST_MEMORY" in hints[0]["text"]
+    s["phases"]["prefill"]["page_faults_per_step"] = 1_999
+    assert "page_faults" not in rules(s)
+
+
+def test_steps_count_the_pages_they_fault_in(llm):
+    """A step that touches 16 MiB of fresh anonymous memory (4096 pages of 4 KiB) is charged those faults."""
+    import mmap
+
+    from infertune.profile.timeline import Instrumentation
+
+    real = llm.engine.step
+
+    def touching_step():
+        buf = mmap.mmap(-1, 16 << 20)
+        for off in range(0, 16 << 20, 4096):
+            buf[off] = 1
+        buf.close()
+        return real()
+
+    llm.engine.step = touching_step
+    try:
+        with Instrumentation(llm, ranges=False) as ins:
+            rec = ins.step()
+    finally:
+        del llm.engine.step
+    assert 4096 <= rec.page_faults < 4096 + 2000, rec.page_faults

@@ -128,6 +128,8 @@ def build_summary(result, context: dict, top: int = 12) -> dict:
         wall = ph.wall_us or 1.0
         base = result.baseline.get(name, [])
         jitter = base or [r.wall_us for r in result.records if r.phase == name]
+        # Page faults of the unprofiled steps where there are some (the profiler allocates its own event buffers).
+        faults = result.baseline_faults.get(name) or [r.page_faults for r in result.records if r.phase == name]
         phases[name] = {
             "steps": ph.steps,
             "ms_per_step": ph.wall_us / ph.steps / 1000,
@@ -135,6 +137,7 @@ def build_summary(result, context: dict, top: int = 12) -> dict:
             "step_ms_p50": _median(jitter) / 1000 if jitter else None,
             "step_ms_p90": _quantile(jitter, 0.9) / 1000 if jitter else None,
             "tokens_per_step": ph.tokens / ph.steps,
+            "page_faults_per_step": _median(faults),
             "seqs_per_step": sum(ph.seqs_per_step) / ph.steps,
             "share": ph.share(),
             "ms_per_step_by_category": {k: ph.by_category[k] / ph.steps / 1000 for k in CATEGORIES},
@@ -183,8 +186,10 @@ def format_report(s: dict) -> str:
     for p in names:
         ph = phases[p]
         base = f", {ph['unprofiled_ms_per_step']:.2f} unprofiled" if ph["unprofiled_ms_per_step"] else ""
+        faults = ph.get("page_faults_per_step")
+        faults = f", {faults:,.0f} page faults/step" if faults is not None else ""
         lines.append(f"  {p}: {ph['steps']} step(s), {ph['tokens_per_step']:.0f} tokens / {ph['seqs_per_step']:.1f} "
-                     f"seqs per step, {ph['ms_per_step']:.2f} ms/step profiled{base}")
+                     f"seqs per step, {ph['ms_per_step']:.2f} ms/step profiled{base}{faults}")
     lines += ["", "time by category (share of step wall time; self time of each op and range goes to exactly one "
               "category, so each column adds up to 100%)"]
     lines.append(f"  {'category':<28}" + "".join(f"{p:>22}" for p in names))

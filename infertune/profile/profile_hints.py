@@ -23,6 +23,7 @@ COMMUNICATION = 0.10
 OTHER = 0.20
 JITTER = 1.5  # decode step p90 / median
 PROFILER_INFLATION = 1.5  # profiled / unprofiled decode step
+PAGE_FAULTS = 2000  # minor page faults per step (8 MiB of fresh 4 KiB pages): the allocator hands memory back
 
 HOST_ADVICE = {
     "python_in_forward": "Python between the model's ops (compiled decode removes it)",
@@ -56,6 +57,13 @@ def derive_hints(summary: dict) -> list[dict]:
     if pre:
         hints += _prefill_hints(pre, ctx)
     for name, ph in phases.items():
+        faults = ph.get("page_faults_per_step") or 0
+        if faults >= PAGE_FAULTS:
+            hints.append(_hint("page_faults", name, faults, PAGE_FAULTS, (
+                f"each {name} step faults in {faults:,.0f} fresh pages (~{faults * 4 / 1024:,.0f} MiB, zeroed by the "
+                "kernel): the host allocator hands freed activations back to the OS and maps them again. The CPU "
+                "backend keeps them (glibc mallopt) unless INFERTUNE_KEEP_HOST_MEMORY=0; with another allocator, "
+                "preload tcmalloc or jemalloc (LD_PRELOAD)")))
         share = ph["share"]
         if share.get("moe", 0) >= MOE:
             hints.append(_hint("moe", name, share["moe"], MOE, (

@@ -25,6 +25,15 @@ from infertune.profile.profile_categories import (
 STEP_RANGE = SCOPE_PREFIX + "step#"
 
 
+def minor_faults() -> int:
+    """The process's minor page faults so far (0 where the OS does not count them)."""
+    try:
+        import resource
+    except ImportError:  # not on Unix
+        return 0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 @dataclass(slots=True)
 class StepRecord:
     index: int
@@ -33,6 +42,7 @@ class StepRecord:
     num_tokens: int = 0
     num_prefill_tokens: int = 0
     wall_us: float = 0.0  # perf_counter around engine.step()
+    page_faults: int = 0  # the process's minor page faults during the step (fresh pages the step touched)
 
 
 def batch_phase(batch) -> tuple[str, int]:
@@ -156,9 +166,11 @@ class Instrumentation:
         rec = StepRecord(len(self.records))
         self.records.append(rec)
         with record_function(f"{STEP_RANGE}{rec.index}"):
+            f0 = minor_faults()
             t0 = time.perf_counter()
             self.engine.step()
             rec.wall_us = (time.perf_counter() - t0) * 1e6
+            rec.page_faults = minor_faults() - f0
         return rec
 
     def run(self, prompts: list[list[int]], params) -> list[StepRecord]:
@@ -255,6 +267,7 @@ class TimelineResult:
     launch_us: float = 0.0
     range_us: float = 0.0  # what one instrumented module call adds under the profiler (hooks + range)
     prof: profile | None = None
+    baseline_faults: dict[str, list[int]] = field(default_factory=dict)  # phase -> page faults of unprofiled steps
 
 
 def split_events(events) -> tuple[dict[int, list[Span]], list[Span]]:
@@ -304,6 +317,7 @@ def profile_workload(llm, input_len: int, output_len: int, batch: int, params, w
     backend = engine.executor.backend
     vocab = engine.config.model.arch.vocab_size
     baseline: dict[str, list[float]] = {}
+    baseline_faults: dict[str, list[int]] = {}
     if warmup:
         with Instrumentation(llm, ranges=False) as plain:
             # A first tiny request pays the one-time costs (first forward, allocator, thread pool) untimed.
@@ -313,6 +327,7 @@ def profile_workload(llm, input_len: int, output_len: int, batch: int, params, w
         for r in plain.records:
             if r.phase != "empty":
                 baseline.setdefault(r.phase, []).append(r.wall_us)
+                baseline_faults.setdefault(r.phase, []).append(r.page_faults)
     launch_us = measure_launch_us(backend)
     with Instrumentation(llm) as ins:
         with profile(activities=profiler_activities(backend)) as prof:
@@ -325,4 +340,4 @@ def profile_workload(llm, input_len: int, output_len: int, batch: int, params, w
             ins.run(make_prompts(vocab, input_len, batch, salt=2), params)
     steps, phases, timeline = analyse(prof.events(), ins.records)
     return TimelineResult(ins.records, steps, phases, timeline, ins.instrumented, ins.missing, baseline, launch_us,
-                          range_us, prof)
+                          range_us, prof, baseline_faults)
