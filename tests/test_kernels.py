@@ -166,16 +166,21 @@ def test_disabled_by_environment(monkeypatch):
 
 @needs_kernels
 def test_methods_use_kernels_only_for_decode_rows(monkeypatch):
-    """Up to MAX_ROWS rows the layer calls the kernel; a prefill-sized input takes F.linear; both agree."""
+    """Up to bf16_max_rows() rows (MAX_ROWS, or AMX_GEMM_MAX_ROWS with AMX) the layer calls the kernel; a
+    prefill-sized input takes F.linear; both agree."""
     calls = []
     real = kernels.linear_bf16
     monkeypatch.setattr(kernels, "linear_bf16", lambda *a: calls.append(a[0].shape) or real(*a))
     layer = Linear(64, 48, dtype=torch.bfloat16, quant_method=DecodeKernelMethod(kernels))
     layer.weight.data.copy_(torch.randn(48, 64))
-    small, big = torch.randn(3, 64).bfloat16(), torch.randn(kernels.MAX_ROWS + 1, 64).bfloat16()
+    rows = kernels.bf16_max_rows()
+    assert rows in (kernels.MAX_ROWS, kernels.AMX_GEMM_MAX_ROWS)
+    small, edge = torch.randn(3, 64).bfloat16(), torch.randn(rows, 64).bfloat16()
+    big = torch.randn(rows + 1, 64).bfloat16()
     torch.testing.assert_close(layer(small), torch.nn.functional.linear(small, layer.weight), rtol=2**-7, atol=1e-2)
+    torch.testing.assert_close(layer(edge), torch.nn.functional.linear(edge, layer.weight), rtol=2**-7, atol=1e-2)
     layer(big)
-    assert calls == [small.shape]
+    assert calls == [small.shape, edge.shape]
 
     q8 = Linear(64, 48, dtype=torch.bfloat16, quant_method=W8A16Method(kernels=kernels))
     q8.weight.data.copy_(torch.randn(48, 64))

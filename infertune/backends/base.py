@@ -60,8 +60,8 @@ class Backend(abc.ABC):
         return None
 
     def decode_kernels(self):
-        """This backend's own small-batch linear kernels (a module with MAX_ROWS, linear_bf16 and linear_w8, as
-        infertune.kernels.cpu), or None where torch's matmuls are all there is."""
+        """This backend's own small-batch linear kernels (a module with MAX_ROWS, bf16_max_rows, linear_bf16 and
+        linear_w8, as infertune.kernels.cpu), or None where torch's matmuls are all there is."""
         return None
 
     # Rows (tokens) up to which the int8 / int4 weight-pack matmuls beat dequantize + dense matmul.

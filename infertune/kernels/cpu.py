@@ -28,6 +28,10 @@ SOURCE = Path(__file__).with_name("cpu_kernels.c")
 # Rows (tokens in a step) up to which the engine calls these kernels; bigger steps are prefills, where torch's
 # GEMMs (oneDNN / AMX) win. At 16 rows the AMX kernel still streams the weights at the speed of memory.
 MAX_ROWS = 16
+# Where the CPU has AMX, bf16 linears keep the kernels up to this many rows (the 2 x 2 blocked tile GEMM: 1.3-2.5x
+# torch's GEMM at 24-64 rows, 2 threads; below it at 96+ where oneDNN's blocking wins): decode steps of 17-64
+# sequences, short prompts, mixed steps.
+AMX_GEMM_MAX_ROWS = 64
 REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni")
 CFLAGS = ["-O3", "-std=c11", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
           "-mavx512bf16", "-mavx512vnni", "-mfma", "-mf16c"]
@@ -36,6 +40,7 @@ _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _reason: str | None = None
 _loaded = False
+_amx = False  # it_amx_init said the tiles are usable
 
 
 def cache_dir() -> Path:
@@ -125,7 +130,8 @@ def _load() -> None:
         lib.it_decode_workspace_bytes.restype = i64
         lib.it_decode_layers.argtypes = [ctypes.POINTER(ItModel), ctypes.POINTER(ItLayer), ctypes.POINTER(ItStep), ptr]
         lib.it_decode_layers.restype = cint
-        lib.it_amx_init(int({"amx_tile", "amx_bf16"} <= _cpu_flags()))  # asks Linux for the tile state
+        global _amx
+        _amx = bool(lib.it_amx_init(int({"amx_tile", "amx_bf16"} <= _cpu_flags())))  # asks Linux for the tile state
         _lib = lib
 
 
@@ -159,6 +165,12 @@ def library() -> ctypes.CDLL:
     if not available():
         raise RuntimeError(f"the CPU kernels are unavailable: {unavailable_reason()}")
     return _lib
+
+
+def bf16_max_rows() -> int:
+    """Rows up to which linear_bf16 beats torch's GEMM here: AMX_GEMM_MAX_ROWS with AMX, else MAX_ROWS."""
+    _load()
+    return AMX_GEMM_MAX_ROWS if _amx else MAX_ROWS
 
 
 def available() -> bool:

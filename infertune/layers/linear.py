@@ -53,16 +53,18 @@ class PrepackedMethod(UnquantizedMethod):
 
 
 class DecodeKernelMethod(UnquantizedMethod):
-    """Plain weights, left where they are: steps of up to kernels.MAX_ROWS rows (decodes) run the backend's
-    small-batch kernel, bigger ones (prefills) and anything torch.compile traces run F.linear."""
+    """Plain weights, left where they are: steps of up to kernels.bf16_max_rows() rows (decodes; with AMX also
+    short prompts and decode batches up to 64) run the backend's small-batch kernel, bigger ones (prefills) and
+    anything torch.compile traces run F.linear."""
 
     name = "decode-kernel"
 
     def __init__(self, kernels) -> None:
         self.kernels = kernels
+        self.max_rows = kernels.bf16_max_rows()
 
     def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
-        if (x.dtype is torch.bfloat16 and x.numel() <= self.kernels.MAX_ROWS * x.shape[-1]
+        if (x.dtype is torch.bfloat16 and x.numel() <= self.max_rows * x.shape[-1]
                 and not torch.compiler.is_compiling()):
             return self.kernels.linear_bf16(x, layer.weight, layer.bias)
         return F.linear(x, layer.weight, layer.bias)
