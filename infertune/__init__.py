@@ -7,7 +7,8 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    # LLM pulls in torch and transformers; import it lazily so `import infertune` and the CLI's --help stay fast.
+    # LLM pulls in torch (and transformers for some tokenizers); import it lazily so `import infertune` and the
+    # CLI's --help stay fast.
     if name == "LLM":
         from infertune.llm import LLM
 

@@ -1,6 +1,10 @@
-"""Backend selection and dtype resolution: automatic choice, forced devices, clear errors."""
+"""Backend selection, dtype resolution and process settings: automatic choice, forced devices, clear errors."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -80,10 +84,6 @@ def test_cpu_backend_keeps_freed_host_memory_for_the_next_step():
     or two (usually nothing).
     With malloc left alone (INFERTUNE_KEEP_HOST_MEMORY=0) glibc maps the 38 MiB block afresh every time (~9,700
     faults of 4 KiB a layer)."""
-    import os
-    import subprocess
-    import sys
-
     def run(keep: str) -> tuple[str, int]:
         env = {**os.environ, "INFERTUNE_KEEP_HOST_MEMORY": keep}
         out = subprocess.run([sys.executable, "-c", _LAYER_PATTERN], env=env, capture_output=True, text=True,

@@ -63,7 +63,8 @@ def warm_and_time(label: str, once, repeats: int) -> tuple[float, list[dict]]:
 # Workers: one (system, batch size) pair per process; the result is one JSON line on stdout
 # --------------------------------------------------------------------------------------------------
 def worker_infertune(args, model_dir: Path, batch: int) -> dict:
-    import transformers  # noqa: F401  imported before the clock starts, as in the HF worker
+    # transformers is not imported here: the engine reads a plain tokenizer.json without it (engine/tokenizer.py), and
+    # where it does need it, that import is part of its load time and of its memory.
     import infertune.executor.uniproc  # noqa: F401  (LLM imports torch-side modules lazily)
     from infertune import LLM, SamplingParams
 

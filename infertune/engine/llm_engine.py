@@ -18,6 +18,7 @@ from infertune.engine.detokenizer import IncrementalDetokenizer, find_stop
 from infertune.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from infertune.engine.scheduler import Scheduler
 from infertune.engine.sequence import Sequence, SequenceStatus
+from infertune.engine.tokenizer import load_tokenizer
 from infertune.sampling_params import ParamError, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -40,15 +41,6 @@ class _Request:
     params: SamplingParams
     samples: list[_Sample] = field(default_factory=list)
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.perf_counter()))
-
-
-def load_tokenizer(path: str):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"could not load a tokenizer from {path!r}: {e}") from e
 
 
 class LLMEngine:

@@ -98,8 +98,10 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ArchConfig, max_position: int, attn: AttentionBackend, dtype: torch.dtype) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.embed_tokens.weight.requires_grad_(False)
+        # Built around an uninitialised weight: the checkpoint overwrites it, and nn.Embedding's own normal_()
+        # init on the meta device imports torch._dynamo and sympy (~70 MiB of resident memory for nothing).
+        weight = torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=weight, _freeze=True)
         # One table shared by every layer.
         self.rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, self.rotary, attn, dtype) for _ in range(cfg.num_hidden_layers))

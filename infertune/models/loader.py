@@ -55,13 +55,19 @@ def materialize(model: nn.Module, device: torch.device) -> None:
             if param is None:
                 continue
             if id(param) not in made:
-                new = nn.Parameter(torch.empty_like(param, device=device), requires_grad=False)
+                new = nn.Parameter(_empty_on(param, device), requires_grad=False)
                 new.__dict__.update(param.__dict__)  # e.g. weight_loader
                 made[id(param)] = new
             module._parameters[name] = made[id(param)]
         for name, buf in list(module._buffers.items()):
             if buf is not None:
-                module._buffers[name] = torch.empty_like(buf, device=device)
+                module._buffers[name] = _empty_on(buf, device)
+
+
+def _empty_on(meta: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Uninitialised storage shaped like `meta`. Not torch.empty_like: on a meta tensor that runs a Python
+    decomposition which imports torch.fx's symbolic shapes and sympy (~35 MiB of resident memory)."""
+    return torch.empty_strided(meta.shape, meta.stride(), dtype=meta.dtype, device=device)
 
 
 def load_model(

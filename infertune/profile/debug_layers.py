@@ -190,7 +190,7 @@ def debug_layers(model: str | None, prompt: str | list[int], dtype: str = "bfloa
     if not threshold > 0:
         raise ValueError(f"threshold={threshold} must be positive (a relative error, e.g. 0.05)")
     from infertune.config import ArchConfig, default_model_path
-    from infertune.engine.llm_engine import load_tokenizer
+    from infertune.engine.tokenizer import load_tokenizer
 
     path = model or default_model_path()
     limit = ArchConfig.from_model_dir(path).max_position_embeddings

@@ -222,8 +222,9 @@ def render_markdown(doc: dict) -> str:
         ttft = "–" if r.get("ttft_p50_s") is None else f"{r['ttft_p50_s'] * 1e3:.1f}"
         lines.append(f"| {label} | {r['output_tok_s']:.1f} | {ttft} | {kv} / {r['peak_rss_mib' if isolated else 'rss_growth_mib']:.0f} | {gain} | {cum} | "
                      f"{_acc_text(r)} |")
-    memory_note = ("the peak RSS of the fresh process that ran the step (Python, torch and transformers imports "
-                   "included, the same for every row)" if isolated else "the growth of this process's RSS over load + "
+    memory_note = ("the peak RSS of the fresh process that ran the step (Python and torch imports included; "
+                   "transformers where the step uses it: HF generate, and an engine whose tokenizer folder needs "
+                   "AutoTokenizer)" if isolated else "the growth of this process's RSS over load + "
                    "generate (one process for all steps, so memory an earlier step freed and this one reused is not "
                    "counted)")
     lines += ["", "TTFT is per request from the submission of the whole workload (queueing included). Memory: the "
