@@ -28,10 +28,10 @@ SOURCE = Path(__file__).with_name("cpu_kernels.c")
 # Rows (tokens in a step) up to which the engine calls these kernels; bigger steps are prefills, where torch's
 # GEMMs (oneDNN / AMX) win. At 16 rows the AMX kernel still streams the weights at the speed of memory.
 MAX_ROWS = 16
-# Where the CPU has AMX, bf16 linears keep the kernels up to this many rows (the 2 x 2 blocked tile GEMM: 1.3-2.5x
-# torch's GEMM at 24-64 rows, 2 threads; below it at 96+ where oneDNN's blocking wins): decode steps of 17-64
-# sequences, short prompts, mixed steps.
-AMX_GEMM_MAX_ROWS = 64
+# Where the CPU has AMX, bf16 linears keep the kernels up to this many rows (the 2 x 2 blocked tile GEMM, against
+# torch's GEMM on the 386M model's shapes, 2 threads: 1.4-1.8x at 64 rows, 1.1-1.4x at 128, 0.8-1.1x at 256;
+# benchmarks/bench_gemm_rows.py): decode steps past 16 sequences, prompts up to 128 tokens, mixed steps.
+AMX_GEMM_MAX_ROWS = 128
 REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni")
 CFLAGS = ["-O3", "-std=c11", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
           "-mavx512bf16", "-mavx512vnni", "-mfma", "-mf16c"]

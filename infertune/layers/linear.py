@@ -54,7 +54,7 @@ class PrepackedMethod(UnquantizedMethod):
 
 class DecodeKernelMethod(UnquantizedMethod):
     """Plain weights, left where they are: steps of up to kernels.bf16_max_rows() rows (decodes; with AMX also
-    short prompts and decode batches up to 64) run the backend's small-batch kernel, bigger ones (prefills) and
+    prompts and decode batches up to 128 rows) run the backend's small-batch kernel, bigger ones (prefills) and
     anything torch.compile traces run F.linear."""
 
     name = "decode-kernel"
