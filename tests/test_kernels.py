@@ -19,7 +19,9 @@ SHAPES = [(1, 7, 45), (1, 64, 896), (2, 20, 64), (3, 130, 96), (5, 9, 100), (16,
           (17, 48, 128), (1, 33, 8200),
           # past 16 rows the 2 x 2 blocked AMX GEMM: an odd count of row tiles, a lone 16-feature tile, a feature
           # tail past the last 16, two blocks of rows (K = 64: 256 rows a block; K = 4864: 64)
-          (33, 50, 128), (100, 96, 256), (300, 72, 64), (70, 40, 4864)]
+          (33, 50, 128), (100, 96, 256), (300, 72, 64), (70, 40, 4864),
+          # K so long that a block of 32 rows exceeds the L2 share (the scratch must still hold it)
+          (40, 20, 16384)]
 
 
 def _bf16_ints(*shape, lo=-2, hi=2, gen=None):

@@ -449,7 +449,10 @@ static void linear_bf16_amx_gemm(const bf16* x, int64_t ldx, const bf16* w, cons
 
 /* scratch: bf16_scratch_bytes(M, K), 64-byte aligned (the transposed activations of the AMX path) */
 static inline int64_t bf16_scratch_bytes(int64_t M, int64_t K) {
-    const int64_t mb = amx_rows_per_block(K), rows = M < mb ? (M + 15) & ~(int64_t)15 : mb;
+    /* the GEMM's blocks hold at least 32 rows, more than amx_rows_per_block allows for K past 12288 */
+    const int64_t amx = amx_rows_per_block(K), gemm = gemm_rows_per_block(K);
+    const int64_t mb = M >= AMX_GEMM_MIN_ROWS && gemm > amx ? gemm : amx;
+    const int64_t rows = M < mb ? (M + 15) & ~(int64_t)15 : mb;
     return (rows * K * 2 + 63) & ~(int64_t)63;
 }
 
