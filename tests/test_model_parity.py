@@ -141,3 +141,24 @@ def test_prefix_cache_hits_keep_outputs_exact(llama):
     again = llm.generate([{"prompt_token_ids": prompts[2]}], params)[0]
     assert again.metrics.num_cached_tokens == (len(prompts[2]) - 1) // BLOCK * BLOCK
     assert again.outputs[0].token_ids == later[1].outputs[0].token_ids
+
+
+def test_long_prompt_runs_the_mlp_in_blocks_and_matches_hf(tmp_path, monkeypatch):
+    """A prompt longer than MLP_CHUNK_ROWS runs the MLP a block of rows at a time; the logits of every position
+    still match HF transformers (fp32). A smaller block size keeps the test model and prompt tiny."""
+    from infertune.models import llama
+
+    calls = []
+    real = llama.LlamaMLP._mlp
+    monkeypatch.setattr(llama, "MLP_CHUNK_ROWS", 16)
+    monkeypatch.setattr(llama.LlamaMLP, "_mlp", lambda self, x: calls.append(x.shape[0]) or real(self, x))
+    path = make_checkpoint(tmp_path, arch="llama")
+    hf = hf_model(path)
+    prompt = torch.randint(0, hf.config.vocab_size, (41,), generator=torch.Generator().manual_seed(3)).tolist()
+    llm = LLM(str(path), dtype="float32", max_model_len=MAX_LEN, block_size=BLOCK)
+    calls.clear()
+    ours = llm.engine.executor.runner.prompt_logits(prompt, list(range(-(-len(prompt) // BLOCK))))
+    assert calls[:3] == [16, 16, 9]  # the first layer's blocks
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
