@@ -212,6 +212,16 @@ int it_amx_init(int has_amx_flags) {
 
 void it_amx_disable(void) { amx_state = 0; }
 
+/* This thread's tiles 0 .. n-1 as 16 rows x 64 bytes (16 fp32 accumulators, or 16 x 32 bf16 operands) */
+__attribute__((target("amx-tile")))
+static inline void amx_configure(int n) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int t = 0; t < n; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+    _tile_loadconfig(&cfg);
+}
+
 __attribute__((target("amx-tile,amx-bf16")))
 static void amx_rows(const bf16* w0, const bf16* xt, const bf16* bias, bf16* y, int64_t ldy, int mr,
                      int64_t n0, int nblk, int64_t K) {
@@ -278,11 +288,7 @@ static void linear_bf16_amx(const bf16* x, int64_t ldx, const bf16* w, const bf1
         const int nt = pick_threads(nchunks, N16 * K * 2 * passes, nthreads);
 #pragma omp parallel num_threads(nt)
         {
-            tile_config cfg;
-            memset(&cfg, 0, sizeof cfg);
-            cfg.palette_id = 1;
-            for (int t = 0; t < 7; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
-            _tile_loadconfig(&cfg);
+            amx_configure(7);
 #pragma omp for schedule(static)
             for (int64_t c = 0; c < nchunks; c++) {
                 const int64_t n0 = c * 64;
@@ -403,11 +409,7 @@ static void linear_bf16_amx_gemm(const bf16* x, int64_t ldx, const bf16* w, cons
     const int nt = pick_threads(nchunks, N16 * K * 2 * ((M + 15) / 16), nthreads);
 #pragma omp parallel num_threads(nt)
     {
-        tile_config cfg;
-        memset(&cfg, 0, sizeof cfg);
-        cfg.palette_id = 1;
-        for (int t = 0; t < 8; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
-        _tile_loadconfig(&cfg);
+        amx_configure(8);
         gemm_block blk[2];
         for (int64_t b0 = 0; b0 < M; b0 += mb) {
             const int64_t rows = M - b0 < mb ? M - b0 : mb, tiles = (rows + 15) / 16;
@@ -521,11 +523,7 @@ static void linear_q_amx(const qweight* q, const bf16* x, int64_t ldx, const bf1
 #pragma omp parallel num_threads(nt)
     {
         bf16* buf = bufs + (int64_t)omp_get_thread_num() * 64 * K;
-        tile_config cfg;
-        memset(&cfg, 0, sizeof cfg);
-        cfg.palette_id = 1;
-        for (int t = 0; t < 7; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
-        _tile_loadconfig(&cfg);
+        amx_configure(7);
 #pragma omp for schedule(static)
         for (int64_t c = 0; c < nchunks; c++) {
             const int64_t n0 = c * 64;
