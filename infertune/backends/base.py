@@ -55,8 +55,9 @@ class Backend(abc.ABC):
         raise NotImplementedError(f"{self.name} has no packed linear layout")
 
     def prepare_host_memory(self) -> str | None:
-        """Called once by the model runner before loading: set up host memory reuse where the backend's steps
-        allocate on the host (the CPU backend tunes malloc). Returns what was done, or None."""
+        """Called by the model runner once the weights and the KV cache are in place: set up host memory reuse
+        where the backend's steps allocate on the host (the CPU backend tunes malloc). Returns what was done, or
+        None."""
         return None
 
     def decode_kernels(self):
