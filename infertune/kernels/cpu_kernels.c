@@ -1137,8 +1137,12 @@ static void attention_rows(const it_model* m, const it_step* s, const bf16* qkv,
             }
             for (int64_t h = 0; h < group; h++) { /* softmax over the row */
                 float* r = sc + h * max_ctx;
-                float mx = -INFINITY;
-                for (int64_t j = 0; j < len; j++) mx = r[j] > mx ? r[j] : mx;
+                __m512 mv = _mm512_set1_ps(-INFINITY);
+                for (int64_t j = 0; j < len; j += 16) {
+                    const __mmask16 mk = len - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (len - j)) - 1);
+                    mv = _mm512_mask_max_ps(mv, mk, mv, _mm512_maskz_loadu_ps(mk, r + j));
+                }
+                const float mx = _mm512_reduce_max_ps(mv);
                 __m512 sum = _mm512_setzero_ps();
                 for (int64_t j = 0; j < len; j += 16) {
                     const __mmask16 mk = len - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (len - j)) - 1);
@@ -1146,9 +1150,12 @@ static void attention_rows(const it_model* m, const it_step* s, const bf16* qkv,
                     _mm512_mask_storeu_ps(r + j, mk, e);
                     sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(mk, e));
                 }
-                const float inv = 1.0f / _mm512_reduce_add_ps(sum);
-                for (int64_t j = 0; j < len; j++) r[j] *= inv;
-                for (int64_t d = 0; d < D; d++) acc[h * D + d] = 0.0f;
+                const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
+                for (int64_t j = 0; j < len; j += 16) {
+                    const __mmask16 mk = len - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (len - j)) - 1);
+                    _mm512_mask_storeu_ps(r + j, mk, _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, r + j), inv));
+                }
+                memset(acc + h * D, 0, (size_t)D * sizeof(float));
             }
             /* o = P V: each V row is read once per block of 16 keys; up to 8 heads accumulate in registers */
             for (int64_t j0 = 0; j0 < len; j0 += 16) {
