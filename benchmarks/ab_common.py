@@ -2,7 +2,28 @@
 
 from __future__ import annotations
 
+import argparse
 import time
+from pathlib import Path
+
+
+def ab_parser(doc: str, batch: int, output_len: int, rounds: int, rounds_help: str) -> argparse.ArgumentParser:
+    """The options every A/B script shares (--model, --batch, --input-len, --output-len, --rounds, --threads)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="HF folder (default: the 386m preset of bench throughput)")
+    ap.add_argument("--batch", type=int, default=batch)
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=output_len)
+    ap.add_argument("--rounds", type=int, default=rounds, help=f"{rounds_help} (default: {rounds})")
+    ap.add_argument("--threads", type=int, default=2)
+    return ap
+
+
+def bench_model(model: str | None) -> Path:
+    """--model, or the 386m preset of `infertune bench throughput` (built once, cached in /tmp/infertune-bench)."""
+    from infertune.bench.offline import ensure_model
+
+    return Path(model) if model else ensure_model("386m", Path("/tmp/infertune-bench"))
 
 
 def timed_generate(llm, batch: int, input_len: int, output_len: int, vocab: int, run: int) -> dict:

@@ -12,30 +12,23 @@ why this script exists beside `infertune bench throughput`.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
+from ab_common import ab_parser, bench_model, interleave
+
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=None, help="HF folder (default: the 386m preset of bench throughput)")
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--input-len", type=int, default=128)
-    ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--rounds", type=int, default=4, help="timed (eager, compiled) pairs (default: 4)")
-    ap.add_argument("--threads", type=int, default=2)
+    ap = ab_parser(__doc__, batch=16, output_len=128, rounds=4, rounds_help="timed (eager, compiled) pairs")
     args = ap.parse_args()
 
     import torch
 
-    from ab_common import interleave
     from infertune import LLM
-    from infertune.bench.offline import ensure_model, read_model_config
-    from pathlib import Path
+    from infertune.bench.offline import read_model_config
 
     torch.set_num_threads(args.threads)
-    model = Path(args.model) if args.model else ensure_model("386m", Path("/tmp/infertune-bench"))
+    model = bench_model(args.model)
     vocab = read_model_config(model)["vocab_size"]
     opts = dict(dtype="bfloat16", max_model_len=args.input_len + args.output_len, max_num_seqs=args.batch,
                 kv_cache_memory_bytes=512 << 20, enable_prefix_caching=False)

@@ -15,32 +15,25 @@ processes minutes apart differ by more than some of these effects, which is why 
 
 from __future__ import annotations
 
-import argparse
 import statistics
+
+from ab_common import ab_parser, bench_model, interleave
 
 MODES = ("off", "linear", "auto")
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=None, help="HF folder (default: the 386m preset of bench throughput)")
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--input-len", type=int, default=128)
-    ap.add_argument("--output-len", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=3, help="timed rounds over every engine (default: 3)")
-    ap.add_argument("--threads", type=int, default=2)
+    ap = ab_parser(__doc__, batch=1, output_len=64, rounds=3, rounds_help="timed rounds over every engine")
     ap.add_argument("--quantization", default="none", help="comma list of none, w8a16, w4a16 (default: none)")
     args = ap.parse_args()
 
     import torch
 
-    from ab_common import interleave
     from infertune import LLM
-    from infertune.bench.offline import ensure_model, read_model_config
-    from pathlib import Path
+    from infertune.bench.offline import read_model_config
 
     torch.set_num_threads(args.threads)
-    model = Path(args.model) if args.model else ensure_model("386m", Path("/tmp/infertune-bench"))
+    model = bench_model(args.model)
     vocab = read_model_config(model)["vocab_size"]
     print(f"$ python benchmarks/bench_decode_ab.py --batch {args.batch} --input-len {args.input_len} "
           f"--output-len {args.output_len} --rounds {args.rounds} --quantization {args.quantization}")

@@ -20,6 +20,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ab_common import bench_model
+
 WORKER = r"""
 import json, resource, statistics, sys, time
 sys.path.insert(0, sys.argv[1])
@@ -51,9 +53,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
 
-    from infertune.bench.offline import ensure_model
-
-    model = Path(args.model) if args.model else ensure_model("386m", Path("/tmp/infertune-bench"))
+    model = bench_model(args.model)
     here = str(Path(__file__).resolve().parent)
     print(f"$ python benchmarks/bench_host_memory_ab.py --batch {args.batch} --input-len {args.input_len} "
           f"--rounds {args.rounds} --repeats {args.repeats}")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import os
 
@@ -50,10 +49,8 @@ def keep_host_memory() -> str:
     if os.environ.get("INFERTUNE_KEEP_HOST_MEMORY", "1").lower() in ("0", "false", "off", "no"):
         _host_memory_done = "left alone (INFERTUNE_KEEP_HOST_MEMORY=0)"
         return _host_memory_done
-    name = ctypes.util.find_library("c")
     try:
-        libc = ctypes.CDLL(name) if name else None
-        mallopt = getattr(libc, "mallopt", None)
+        mallopt = getattr(ctypes.CDLL(None), "mallopt", None)  # the C library the process already has
     except OSError:
         mallopt = None
     if mallopt is None:

@@ -54,6 +54,10 @@ static inline bf16 f2bf(float f) { /* round to nearest even, as torch does */
     return (bf16)(u >> 16);
 }
 
+static inline __mmask16 mask16(int64_t left) { /* the first min(left, 16) lanes */
+    return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+}
+
 static inline __m512 load_bf16x16(const bf16* p, __mmask16 m) { /* 16 bf16 (masked) -> fp32 */
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
 }
@@ -311,7 +315,8 @@ static void linear_bf16_amx(const bf16* x, int64_t ldx, const bf16* w, const bf1
  * tile load serves two TDPBF16PS instead of one. A block of rows of x (transposed, ~768 KB) stays in L2 while each
  * thread walks its 32-feature chunks of W; a chunk (32 K bf16) comes from memory once per block of rows and then
  * from L2 for every pair of 16-row tiles. The accumulators of one 32 x 32 block are stored, transposed in
- * registers (16 x 16 fp32, 64 shuffles) and written as bf16 rows while the tiles compute the next block.
+ * registers (16 x 16 fp32, 64 shuffles) and written as bf16 rows. (Writing them between the next block's k-steps,
+ * to overlap the epilogue with the tiles, measured no faster.)
  */
 
 /* out[m] = lanes f of c[f][m]: a 16 x 16 fp32 transpose in registers (in-lane unpacks, then 128-bit shuffles) */
@@ -359,18 +364,13 @@ static void gemm_tile_store(const gemm_block* g, int a, int b, const bf16* bias,
         _mm256_storeu_si256((__m256i*)(yb + m * ldy), round_bf16x16(_mm512_add_ps(rows[m], bv)));
 }
 
-/* tiles 0-3: C[a][b] at 2a + b, 4-5: W (feature tiles), 6-7: x^T (row tiles). The previous block's tiles (prev,
- * already stored) are written out between the k-steps, one tile every 4 steps, so that the AVX-512 epilogue runs
- * while the tiles compute instead of after them. */
+/* tiles 0-3: C[a][b] at 2a + b, 4-5: W (feature tiles), 6-7: x^T (row tiles); the accumulators end in g->c */
 __attribute__((target("amx-tile,amx-bf16")))
-static void gemm_block_compute(const bf16* w0, const bf16* xt0, int64_t K, gemm_block* g, const gemm_block* prev,
-                               const bf16* bias, bf16* y, int64_t ldy) {
+static void gemm_block_compute(const bf16* w0, const bf16* xt0, int64_t K, gemm_block* g) {
     const int64_t ld = K * 2;
     const bf16* xt1 = xt0 + K * 16;
-    const int pending = prev ? 4 : 0; /* tile t of prev is (t >> 1, t & 1) where that tile exists */
-    int t = 0;
     _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-    for (int64_t k = 0, s = 0; k < K; k += 32, s++) {
+    for (int64_t k = 0; k < K; k += 32) {
         _tile_loadd(4, w0 + k, ld);
         _tile_loadd(6, xt0 + k * 16, 64);
         _tile_dpbf16ps(0, 4, 6);
@@ -380,13 +380,7 @@ static void gemm_block_compute(const bf16* w0, const bf16* xt0, int64_t K, gemm_
             _tile_dpbf16ps(2, 5, 6);
             if (g->nb == 2) _tile_dpbf16ps(3, 5, 7);
         }
-        if ((s & 3) == 0 && t < pending) {
-            if ((t >> 1) < prev->na && (t & 1) < prev->nb) gemm_tile_store(prev, t >> 1, t & 1, bias, y, ldy);
-            t++;
-        }
     }
-    for (; t < pending; t++)
-        if ((t >> 1) < prev->na && (t & 1) < prev->nb) gemm_tile_store(prev, t >> 1, t & 1, bias, y, ldy);
     _tile_stored(0, g->c[0][0], 64);
     if (g->nb == 2) _tile_stored(1, g->c[0][1], 64);
     if (g->na == 2) {
@@ -410,7 +404,7 @@ static void linear_bf16_amx_gemm(const bf16* x, int64_t ldx, const bf16* w, cons
 #pragma omp parallel num_threads(nt)
     {
         amx_configure(8);
-        gemm_block blk[2];
+        gemm_block g;
         for (int64_t b0 = 0; b0 < M; b0 += mb) {
             const int64_t rows = M - b0 < mb ? M - b0 : mb, tiles = (rows + 15) / 16;
 #pragma omp for schedule(static)
@@ -418,31 +412,23 @@ static void linear_bf16_amx_gemm(const bf16* x, int64_t ldx, const bf16* w, cons
                 const int64_t m0 = b0 + 16 * p;
                 transpose_rows_amx(x + m0 * ldx, ldx, (int)(M - m0 < 16 ? M - m0 : 16), K, xt + p * K * 16);
             } /* (implicit barrier: the whole block is transposed before any thread multiplies) */
-            int pending = -1; /* the block whose accumulators wait to be written */
-            int cur = 0;
 #pragma omp for schedule(static) nowait
             for (int64_t c = 0; c < nchunks; c++) {
                 const int64_t n0 = c * 32;
                 for (int64_t p = 0; p < tiles; p += 2) {
-                    gemm_block* g = &blk[cur];
-                    g->na = N16 - n0 >= 32 ? 2 : 1;
-                    g->nb = tiles - p >= 2 ? 2 : 1;
-                    g->n0 = n0;
-                    g->m0 = b0 + 16 * p;
-                    for (int b = 0; b < g->nb; b++) {
-                        const int64_t left = M - (g->m0 + 16 * b);
-                        g->mr[b] = (int)(left < 16 ? left : 16);
+                    g.na = N16 - n0 >= 32 ? 2 : 1;
+                    g.nb = tiles - p >= 2 ? 2 : 1;
+                    g.n0 = n0;
+                    g.m0 = b0 + 16 * p;
+                    for (int b = 0; b < g.nb; b++) {
+                        const int64_t left = M - (g.m0 + 16 * b);
+                        g.mr[b] = (int)(left < 16 ? left : 16);
                     }
-                    gemm_block_compute(w + n0 * K, xt + p * K * 16, K, g, pending >= 0 ? &blk[pending] : NULL,
-                                       bias, y, ldy);
-                    pending = cur;
-                    cur ^= 1;
+                    gemm_block_compute(w + n0 * K, xt + p * K * 16, K, &g);
+                    for (int a = 0; a < g.na; a++)
+                        for (int b = 0; b < g.nb; b++) gemm_tile_store(&g, a, b, bias, y, ldy);
                 }
             }
-            if (pending >= 0)
-                for (int t = 0; t < 4; t++)
-                    if ((t >> 1) < blk[pending].na && (t & 1) < blk[pending].nb)
-                        gemm_tile_store(&blk[pending], t >> 1, t & 1, bias, y, ldy);
 #pragma omp barrier /* xt is rewritten by the next block of rows */
         }
         _tile_release();
@@ -948,13 +934,13 @@ static void rmsnorm_rows(const bf16* x, const bf16* w, bf16* out, int64_t T, int
         const bf16* xr = x + t * H;
         __m512 ss = _mm512_setzero_ps();
         for (int64_t i = 0; i < H; i += 16) {
-            const __mmask16 m = H - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (H - i)) - 1);
+            const __mmask16 m = mask16(H - i);
             const __m512 v = load_bf16x16(xr + i, m);
             ss = _mm512_fmadd_ps(v, v, ss);
         }
         const __m512 r = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)H + eps));
         for (int64_t i = 0; i < H; i += 16) {
-            const __mmask16 m = H - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (H - i)) - 1);
+            const __mmask16 m = mask16(H - i);
             const __m512 n = bf16_round_f32(_mm512_mul_ps(load_bf16x16(xr + i, m), r));
             _mm256_mask_storeu_epi16(out + t * H + i, m, round_bf16x16(_mm512_mul_ps(load_bf16x16(w + i, m), n)));
         }
@@ -1006,7 +992,7 @@ static void silu_mul_rows(const bf16* gu, bf16* act, int64_t T, int64_t I, int n
                                     round_bf16x16(_mm512_mul_ps(bf16_round_f32(sv[j]), load_bf16x16(u + i + 16 * j, 0xffff))));
         }
         for (; i < I; i += 16) {
-            const __mmask16 m = I - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (I - i)) - 1);
+            const __mmask16 m = mask16(I - i);
             const __m512 s = silu512(load_bf16x16(g + i, m));
             _mm256_mask_storeu_epi16(a + i, m, round_bf16x16(_mm512_mul_ps(bf16_round_f32(s), load_bf16x16(u + i, m))));
         }
@@ -1030,7 +1016,7 @@ static void rotary_apply(bf16* qk, int64_t ld, int64_t T, int64_t heads, int64_t
         for (int64_t h = 0; h < heads; h++) {
             bf16* v = qk + t * ld + h * D;
             for (int64_t i = 0; i < half; i += 16) {
-                const __mmask16 m = half - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (half - i)) - 1);
+                const __mmask16 m = mask16(half - i);
                 const __m512 x1 = load_bf16x16(v + i, m), x2 = load_bf16x16(v + half + i, m);
                 const __m512 cv = _mm512_maskz_loadu_ps(m, c + i), sv = _mm512_maskz_loadu_ps(m, c + half + i);
                 const __m512 o1 = _mm512_sub_ps(_mm512_mul_ps(x1, cv), _mm512_mul_ps(x2, sv));
@@ -1076,6 +1062,16 @@ static inline const bf16* kv_row(const it_model* m, const void* cache, int which
     return tmp;
 }
 
+/* K (0) or V (1) rows of keys j0 .. j0 + nb - 1 of a sequence (block table `table`, kv head g) into rows[] */
+static inline void kv_rows(const it_model* m, const void* cache, int which, const int64_t* table, int64_t j0, int nb,
+                           int64_t g, bf16* tmp, const bf16** rows) {
+    const int64_t D = m->head_dim, bs = m->block_size, hkv = m->n_kv_heads;
+    for (int jj = 0; jj < nb; jj++) {
+        const int64_t j = j0 + jj;
+        rows[jj] = kv_row(m, cache, which, (table[j / bs] * bs + j % bs) * hkv + g, tmp + jj * D);
+    }
+}
+
 /* Write one K or V row (bf16 [D]) into the cache; int8: symmetric amax / 127 scale, as Int8PagedAttention. */
 static inline void kv_write(const it_model* m, void* cache, int which, int64_t row, const bf16* x) {
     const int64_t D = m->head_dim, rows = m->num_blocks * m->block_size * m->n_kv_heads;
@@ -1100,7 +1096,7 @@ static inline void kv_write(const it_model* m, void* cache, int which, int64_t r
  * the group of query heads sharing that KV head reads each K/V row once. */
 static void attention_rows(const it_model* m, const it_step* s, const bf16* qkv, const void* cache, bf16* o,
                            float* scratch, int64_t max_ctx) {
-    const int64_t D = m->head_dim, hkv = m->n_kv_heads, group = m->n_heads / hkv, bs = m->block_size;
+    const int64_t D = m->head_dim, hkv = m->n_kv_heads, group = m->n_heads / hkv;
     const int64_t width = (m->n_heads + 2 * hkv) * D;
     const int64_t tasks = s->T * hkv;
     const int nt = (int)(tasks < m->nthreads ? tasks : m->nthreads);
@@ -1118,10 +1114,7 @@ static void attention_rows(const it_model* m, const it_step* s, const bf16* qkv,
             for (int64_t j0 = 0; j0 < len; j0 += 16) {
                 const int nb = (int)(len - j0 < 16 ? len - j0 : 16);
                 const bf16* kr[16];
-                for (int jj = 0; jj < nb; jj++) {
-                    const int64_t j = j0 + jj;
-                    kr[jj] = kv_row(m, cache, 0, (table[j / bs] * bs + j % bs) * hkv + g, tmp + jj * D);
-                }
+                kv_rows(m, cache, 0, table, j0, nb, g, tmp, kr);
                 for (int64_t h = 0; h < group; h++) {
                     __m512 a[16];
                     for (int jj = 0; jj < 16; jj++) a[jj] = _mm512_setzero_ps();
@@ -1139,20 +1132,20 @@ static void attention_rows(const it_model* m, const it_step* s, const bf16* qkv,
                 float* r = sc + h * max_ctx;
                 __m512 mv = _mm512_set1_ps(-INFINITY);
                 for (int64_t j = 0; j < len; j += 16) {
-                    const __mmask16 mk = len - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (len - j)) - 1);
+                    const __mmask16 mk = mask16(len - j);
                     mv = _mm512_mask_max_ps(mv, mk, mv, _mm512_maskz_loadu_ps(mk, r + j));
                 }
                 const float mx = _mm512_reduce_max_ps(mv);
                 __m512 sum = _mm512_setzero_ps();
                 for (int64_t j = 0; j < len; j += 16) {
-                    const __mmask16 mk = len - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (len - j)) - 1);
+                    const __mmask16 mk = mask16(len - j);
                     const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, r + j), _mm512_set1_ps(mx)));
                     _mm512_mask_storeu_ps(r + j, mk, e);
                     sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(mk, e));
                 }
                 const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
                 for (int64_t j = 0; j < len; j += 16) {
-                    const __mmask16 mk = len - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (len - j)) - 1);
+                    const __mmask16 mk = mask16(len - j);
                     _mm512_mask_storeu_ps(r + j, mk, _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, r + j), inv));
                 }
                 memset(acc + h * D, 0, (size_t)D * sizeof(float));
@@ -1161,10 +1154,7 @@ static void attention_rows(const it_model* m, const it_step* s, const bf16* qkv,
             for (int64_t j0 = 0; j0 < len; j0 += 16) {
                 const int nb = (int)(len - j0 < 16 ? len - j0 : 16);
                 const bf16* vr[16];
-                for (int jj = 0; jj < nb; jj++) {
-                    const int64_t j = j0 + jj;
-                    vr[jj] = kv_row(m, cache, 1, (table[j / bs] * bs + j % bs) * hkv + g, tmp + jj * D);
-                }
+                kv_rows(m, cache, 1, table, j0, nb, g, tmp, vr);
                 for (int64_t d = 0; d < D; d += 16) {
                     if (group <= 8) {
                         __m512 a8[8];

@@ -22,16 +22,17 @@ from infertune.profile.profile_categories import (
     SCOPE_PREFIX, PhaseSummary, Span, StepProfile, attribute_cpu, attribute_device, module_scope_kind, scope_kind,
 )
 
+try:
+    import resource
+except ImportError:  # not on Unix: no page-fault counts
+    resource = None
+
 STEP_RANGE = SCOPE_PREFIX + "step#"
 
 
 def minor_faults() -> int:
     """The process's minor page faults so far (0 where the OS does not count them)."""
-    try:
-        import resource
-    except ImportError:  # not on Unix
-        return 0
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt if resource is not None else 0
 
 
 @dataclass(slots=True)
