@@ -327,3 +327,57 @@ def test_profile_sees_the_kernels(tmp_path):
     # Decode steps issue no aten matmul here (every linear, lm_head included, is a C call): without the kernels'
     # profiler ranges this would be exactly 0 and the GEMV time would sit in "host".
     assert shares["linear"]["matmul"] > 0.02 * sum(shares["linear"].values())
+
+
+# (query heads, KV heads, head_dim, block size): a group of 7 (Qwen2.5-0.5B), multi-head attention in blocks of
+# 8 (the rows are gathered, not loaded from one block), head_dim 48 (the AVX-512 path only) with a group of 9
+# (two passes of heads there), a group of 20 (two passes on AMX) in blocks of 32, head_dim 128 (two passes of
+# 64 dims).
+ATTN_SHAPES = [(14, 2, 64, 16), (4, 4, 32, 8), (9, 1, 48, 16), (20, 1, 32, 32), (8, 2, 128, 16)]
+
+
+@needs_kernels
+@pytest.mark.parametrize("hq,hkv,d,bs", ATTN_SHAPES)
+@pytest.mark.parametrize("kv", ["bf16", "int8"])
+def test_decode_attention_matches_float64(hq, hkv, d, bs, kv):
+    """The fused step's paged decode attention, on AMX tiles and on AVX-512, against softmax(q K^T s) V in
+    float64 over the same cache rows: context lengths around the 16- and 32-key steps of the kernel, scattered
+    blocks. AVX-512 keeps P in fp32, so only the bf16 output rounds; AMX multiplies P rounded to bf16 (as
+    torch's CPU flash attention does), which adds up to 2^-8 of the sum of p |v| it averages."""
+    from infertune.layers.attention.paged import Int8PagedAttention
+
+    gen = torch.Generator().manual_seed(hq * 1000 + d + bs)
+    lens = torch.tensor([1, 15, 16, 17, 31, 33, 70])
+    t = len(lens)
+    max_blocks = -(-int(lens.max()) // bs) + 1
+    num_blocks = t * max_blocks + 3
+    tables = torch.randperm(num_blocks, generator=gen)[:t * max_blocks].view(t, max_blocks)
+    q = (torch.randn(t, hq, d, generator=gen) * 2).to(torch.bfloat16)
+    k = torch.randn(num_blocks * bs, hkv, d, generator=gen).to(torch.bfloat16)
+    v = torch.randn(num_blocks * bs, hkv, d, generator=gen).to(torch.bfloat16)
+    if kv == "int8":
+        attn = Int8PagedAttention(torch.bfloat16)
+        cache = torch.empty(attn.kv_cache_shape(num_blocks, bs, hkv, d), dtype=torch.int8)
+        attn.write_kv(cache, k, v, torch.arange(num_blocks * bs))
+        k, v = (attn._decoded(cache[i].view(num_blocks * bs, hkv, d + 4)) for i in (0, 1))  # what is read
+    else:
+        cache = torch.stack([k.view(num_blocks, bs, hkv, d), v.view(num_blocks, bs, hkv, d)])
+    scale = d ** -0.5
+    outs = {amx: kernels.decode_attention(q, cache, tables, lens, hkv, scale, kv_int8=kv == "int8", use_amx=amx)
+            for amx in (True, False)}
+    for i in range(t):
+        slots = (tables[i, :, None] * bs + torch.arange(bs)).flatten()[:lens[i]]
+        ki = k[slots].double().repeat_interleave(hq // hkv, dim=1)  # [L, Hq, D]
+        vi = v[slots].double().repeat_interleave(hq // hkv, dim=1)
+        p = torch.softmax(torch.einsum("hd,lhd->hl", q[i].double(), ki) * scale, dim=-1)
+        ref = torch.einsum("hl,lhd->hd", p, vi)
+        spread = torch.einsum("hl,lhd->hd", p, vi.abs())  # sum_l p_l |v_l|
+        for amx, o in outs.items():
+            err = (o[i].double() - ref).abs()
+            # bf16 rounding (unit roundoff 2^-8) of the output; on AMX also of each exponential in P
+            bound = 2.0**-8 * ref.abs() + (1.01 * 2.0**-8 if amx else 1e-5) * spread
+            assert (err <= bound).all(), (amx, i, float((err - bound).max()))
+    if kernels._amx and d % 32 == 0:  # the AMX path really ran: its bf16 P moves some bits
+        assert not torch.equal(outs[True], outs[False])
+    else:
+        assert torch.equal(outs[True], outs[False])

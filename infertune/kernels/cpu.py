@@ -130,6 +130,8 @@ def _load() -> None:
         lib.it_decode_workspace_bytes.restype = i64
         lib.it_decode_layers.argtypes = [ctypes.POINTER(ItModel), ctypes.POINTER(ItLayer), ctypes.POINTER(ItStep), ptr]
         lib.it_decode_layers.restype = cint
+        lib.it_decode_attention.argtypes = [ctypes.POINTER(ItModel), ctypes.POINTER(ItStep), ptr, ptr, ptr, cint]
+        lib.it_decode_attention.restype = cint
         global _amx
         _amx = bool(lib.it_amx_init(int({"amx_tile", "amx_bf16"} <= _cpu_flags())))  # asks Linux for the tile state
         _lib = lib
@@ -357,3 +359,33 @@ def rotary_(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     with profiled("rotary"):
         _lib.it_rotary(qk.data_ptr(), qk.stride(0), t, heads, d, cos.data_ptr(), cos.stride(0), torch.get_num_threads())
     return True
+
+
+def decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                     n_kv_heads: int, scale: float, kv_int8: bool = False, use_amx: bool = True) -> torch.Tensor:
+    """The fused decode step's attention alone (for tests and benchmarks): q [T, Hq, D] bf16, one layer's paged
+    cache ([2, num_blocks, block_size, Hkv, D] bf16, or the int8 rows of Int8PagedAttention as uint8 / int8
+    [2, num_blocks, block_size, Hkv, D + 4]), block tables [T, max_blocks] and context lengths [T] (int64).
+    Returns o [T, Hq, D] bf16. use_amx=False takes the AVX-512 path where the CPU has AMX."""
+    _load()
+    t, hq, d = q.shape
+    num_blocks, block_size = cache.shape[1], cache.shape[2]
+    # the kernel reads the queries from rows of [q | k | v]; k and v are not read
+    qkv = torch.zeros(t, (hq + 2 * n_kv_heads) * d, dtype=torch.bfloat16)
+    qkv[:, :hq * d] = q.reshape(t, hq * d)
+    tables = block_tables.to(torch.int64).contiguous()
+    lens = context_lens.to(torch.int64).contiguous()
+    cmodel = ItModel(hidden=hq * d, n_heads=hq, n_kv_heads=n_kv_heads, head_dim=d, inter=hq * d,
+                     num_blocks=num_blocks, block_size=block_size, scale=scale, nthreads=torch.get_num_threads(),
+                     n_layers=1, kv_int8=int(kv_int8))
+    nbytes = _lib.it_decode_workspace_bytes(ctypes.byref(cmodel), t, tables.shape[1] * block_size)
+    work = torch.empty(nbytes + 64, dtype=torch.uint8)
+    step = ItStep(T=t, block_tables=tables.data_ptr(), context_lens=lens.data_ptr(), max_blocks=tables.shape[1],
+                  work=(work.data_ptr() + 63) // 64 * 64, work_bytes=nbytes)
+    o = torch.empty(t, hq, d, dtype=torch.bfloat16)
+    cache = cache.contiguous()
+    rc = _lib.it_decode_attention(ctypes.byref(cmodel), ctypes.byref(step), qkv.data_ptr(), cache.data_ptr(),
+                                  o.data_ptr(), int(use_amx))
+    if rc != 0:
+        raise ValueError(f"it_decode_attention refused the shapes ({rc})")
+    return o

@@ -38,6 +38,9 @@ typedef uint16_t bf16;
 #define NR 4          /* weight rows per block */
 #define MR 4          /* activation rows per pass over a block */
 #define PF_BYTES 1024 /* software prefetch distance along a weight row */
+#ifndef PF_KEYS
+#define PF_KEYS 32    /* ... and along a sequence's K/V rows in the decode attention */
+#endif
 
 static inline float bf2f(bf16 v) {
     uint32_t u = (uint32_t)v << 16;
@@ -216,15 +219,23 @@ int it_amx_init(int has_amx_flags) {
 
 void it_amx_disable(void) { amx_state = 0; }
 
-/* This thread's tiles 0 .. n-1 as 16 rows x 64 bytes (16 fp32 accumulators, or 16 x 32 bf16 operands) */
+/* This thread's tiles: n tiles of 16 rows x 64 bytes (16 fp32 accumulators, or 16 x 32 bf16 operands), the first
+ * n_short of them (and tile 7, where n_short > 0) with `short_rows` rows instead. The barrier keeps the compiler
+ * from dropping the stores into cfg (GCC saw them as dead before LDTILECFG, and the CPU then refused the stale
+ * bytes of the unused tiles). */
 __attribute__((target("amx-tile")))
-static inline void amx_configure(int n) {
+static void amx_tiles(int n, int n_short, int short_rows) {
     tile_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette_id = 1;
     for (int t = 0; t < n; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+    for (int t = 0; t < n_short; t++) cfg.rows[t] = (uint8_t)short_rows;
+    if (n_short > 0) cfg.rows[7] = (uint8_t)short_rows;
+    __asm__ volatile("" : : "r"(&cfg) : "memory");
     _tile_loadconfig(&cfg);
 }
+
+static inline void amx_configure(int n) { amx_tiles(n, 0, 16); }
 
 __attribute__((target("amx-tile,amx-bf16")))
 static void amx_rows(const bf16* w0, const bf16* xt, const bf16* bias, bf16* y, int64_t ldy, int mr,
@@ -876,9 +887,41 @@ static int64_t lin_scratch_bytes(int64_t T, int64_t K, int nthreads) {
     return ALIGN64(amx > w8 ? amx : w8);
 }
 
-/* per attention thread: scores [group, max_ctx], output accumulators [group, D], 16 dequantized K/V rows [16, D]
- * (bf16, 8 D floats' worth) */
-static inline int64_t attn_floats(int64_t group, int64_t max_ctx, int64_t D) { return group * (max_ctx + D) + 8 * D; }
+typedef struct {
+    float* sc;   /* [G, max_ctx] scores, fp32 */
+    bf16* pb;    /* [G, ldp] exponentials, bf16, zero past len up to a multiple of 32 */
+    bf16* qt;    /* [D / 32][16 pairs][16 heads][2] */
+    float* cbuf; /* [16, 16] */
+    bf16* tmp;   /* [32, D] gathered or dequantized K/V rows */
+    bf16* vb;    /* [2][16 pairs][16 dims][2] */
+    bf16* zero;  /* [D] */
+    int64_t ldp;
+} attn_ws;
+
+static inline int64_t attn_ldp(int64_t max_ctx) { return (max_ctx + 31) & ~(int64_t)31; }
+
+/* per attention thread, in floats: the parts of attn_ws, each 64-byte aligned */
+static inline int64_t attn_floats(int64_t group, int64_t max_ctx, int64_t D) {
+    const int64_t G = group < 16 ? group : 16;
+    return ALIGN64(G * max_ctx * 4) / 4 + ALIGN64(G * attn_ldp(max_ctx) * 2) / 4 + ALIGN64(D * 32) / 4 + 256 +
+           ALIGN64(32 * D * 2) / 4 + 512 + ALIGN64(D * 2) / 4;
+}
+
+static attn_ws attn_workspace(float* base, int64_t group, int64_t max_ctx, int64_t D) {
+    const int64_t G = group < 16 ? group : 16;
+    attn_ws w;
+    char* p = (char*)base;
+    w.ldp = attn_ldp(max_ctx);
+    w.sc = (float*)p;   p += ALIGN64(G * max_ctx * 4);
+    w.pb = (bf16*)p;    p += ALIGN64(G * w.ldp * 2);
+    w.qt = (bf16*)p;    p += ALIGN64(D * 32);
+    w.cbuf = (float*)p; p += 1024;
+    w.tmp = (bf16*)p;   p += ALIGN64(32 * D * 2);
+    w.vb = (bf16*)p;    p += 2048;
+    w.zero = (bf16*)p;
+    return w;
+}
+
 
 /* Offsets of the workspace's parts, in bytes. */
 typedef struct { int64_t h, qkv, o, gu, act, y, lin, attn, total; } ws_layout;
@@ -1062,13 +1105,34 @@ static inline const bf16* kv_row(const it_model* m, const void* cache, int which
     return tmp;
 }
 
+/* The cache slot of key j of a sequence with block table `table` (bs, the block size, is a power of two: a 64-bit
+ * division here had cost more than the dot products) */
+static inline int64_t kv_slot(const int64_t* table, int64_t j, int64_t bs) {
+    const int sh = __builtin_ctzll((unsigned long long)bs);
+    return (table[j >> sh] << sh) | (j & (bs - 1));
+}
+
 /* K (0) or V (1) rows of keys j0 .. j0 + nb - 1 of a sequence (block table `table`, kv head g) into rows[] */
 static inline void kv_rows(const it_model* m, const void* cache, int which, const int64_t* table, int64_t j0, int nb,
                            int64_t g, bf16* tmp, const bf16** rows) {
     const int64_t D = m->head_dim, bs = m->block_size, hkv = m->n_kv_heads;
     for (int jj = 0; jj < nb; jj++) {
         const int64_t j = j0 + jj;
-        rows[jj] = kv_row(m, cache, which, (table[j / bs] * bs + j % bs) * hkv + g, tmp + jj * D);
+        rows[jj] = kv_row(m, cache, which, kv_slot(table, j, bs) * hkv + g, tmp + jj * D);
+    }
+}
+
+/* Asks for the cache lines of entries i0 .. i0 + 15 of one sequence's K/V stream (its K rows 0 .. len - 1, then its
+ * V rows; a bf16 cache) ahead of their use: the rows sit in scattered blocks the hardware prefetchers do not follow. */
+static inline void kv_prefetch(const it_model* m, const void* cache, const int64_t* table, int64_t len, int64_t g,
+                               int64_t i0) {
+    if (m->kv_int8) return;
+    const int64_t D = m->head_dim, bs = m->block_size, hkv = m->n_kv_heads, rows = m->num_blocks * bs * hkv;
+    const int64_t end = i0 + 16 < 2 * len ? i0 + 16 : 2 * len;
+    for (int64_t i = i0; i < end; i++) {
+        const int64_t which = i >= len, j = i - which * len;
+        const char* r = (const char*)((const bf16*)cache + (which * rows + kv_slot(table, j, bs) * hkv + g) * D);
+        for (int64_t b = 0; b < D * 2; b += 64) _mm_prefetch(r + b, _MM_HINT_T0);
     }
 }
 
@@ -1092,96 +1156,275 @@ static inline void kv_write(const it_model* m, void* cache, int which, int64_t r
     memcpy(q + D, &sc, 4);
 }
 
+/* Scores of G query heads (q, rows D apart) against keys 0 .. len - 1 of one sequence and KV head g, times the
+ * softmax scale, into sc [G, max_ctx]. 16 keys a pass: per head, 16 dot-product vectors (one per key, over D in
+ * bf16 pairs), summed across lanes together. A pass always covers 16 keys (a zero row past the end) so the 16
+ * accumulators stay in registers. */
+static inline __attribute__((always_inline)) void attn_scores(const it_model* m, const void* cache,
+                                                              const int64_t* table, int64_t len, int64_t g,
+                                                              const bf16* q, const int G, float* sc,
+                                                              int64_t max_ctx, bf16* tmp, const bf16* zero) {
+    const int64_t D = m->head_dim;
+    const __m512 scale = _mm512_set1_ps(m->scale);
+    for (int64_t j0 = 0; j0 < len; j0 += 16) {
+        const int nb = (int)(len - j0 < 16 ? len - j0 : 16);
+        const bf16* kr[16];
+        kv_prefetch(m, cache, table, len, g, j0 + PF_KEYS);
+        kv_rows(m, cache, 0, table, j0, nb, g, tmp, kr);
+        for (int jj = nb; jj < 16; jj++) kr[jj] = zero;
+        for (int h = 0; h < G; h++) {
+            __m512 a[16];
+            for (int jj = 0; jj < 16; jj++) a[jj] = _mm512_setzero_ps();
+            for (int64_t d = 0; d < D; d += 32) {
+                const __mmask32 mk = D - d >= 32 ? (__mmask32)0xffffffffu : (__mmask32)0xffffu;
+                const __m512bh qv = (__m512bh)_mm512_maskz_loadu_epi16(mk, q + h * D + d);
+                for (int jj = 0; jj < 16; jj++)
+                    a[jj] = _mm512_dpbf16_ps(a[jj], qv, (__m512bh)_mm512_maskz_loadu_epi16(mk, kr[jj] + d));
+            }
+            _mm512_mask_storeu_ps(sc + h * max_ctx + j0, mask16(nb), _mm512_mul_ps(reduce16(a), scale));
+        }
+    }
+}
+
+/* p = softmax(p) over len entries, in place */
+static inline void softmax_row(float* r, int64_t len) {
+    __m512 mv = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < len; j += 16) {
+        const __mmask16 mk = mask16(len - j);
+        mv = _mm512_mask_max_ps(mv, mk, mv, _mm512_maskz_loadu_ps(mk, r + j));
+    }
+    const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < len; j += 16) {
+        const __mmask16 mk = mask16(len - j);
+        const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, r + j), mx));
+        _mm512_mask_storeu_ps(r + j, mk, e);
+        sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(mk, e));
+    }
+    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
+    for (int64_t j = 0; j < len; j += 16) {
+        const __mmask16 mk = mask16(len - j);
+        _mm512_mask_storeu_ps(r + j, mk, _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, r + j), inv));
+    }
+}
+
+/* o[h] = sum_j p[h, j] V[j] for the G heads, 32 dims a pass (one 64-byte line of each V row): the 2G accumulators
+ * stay in registers over the whole sequence, and each probability is broadcast once for both 16-dim halves. */
+static inline __attribute__((always_inline)) void attn_values(const it_model* m, const void* cache,
+                                                              const int64_t* table, int64_t len, int64_t g,
+                                                              const int G, const float* sc, int64_t max_ctx,
+                                                              bf16* o, bf16* tmp) {
+    const int64_t D = m->head_dim;
+    for (int64_t d = 0; d < D; d += 32) {
+        const int two = D - d >= 32;
+        __m512 a0[8], a1[8];
+        for (int h = 0; h < G; h++) { a0[h] = _mm512_setzero_ps(); a1[h] = _mm512_setzero_ps(); }
+        for (int64_t j0 = 0; j0 < len; j0 += 16) {
+            const int nb = (int)(len - j0 < 16 ? len - j0 : 16);
+            const bf16* vr[16];
+            if (d == 0) kv_prefetch(m, cache, table, len, g, len + j0 + PF_KEYS);
+            kv_rows(m, cache, 1, table, j0, nb, g, tmp, vr);
+            for (int jj = 0; jj < nb; jj++) {
+                const __m512 v0 = load_bf16x16(vr[jj] + d, 0xffff);
+                const __m512 v1 = load_bf16x16(vr[jj] + d + 16, two ? 0xffff : 0);
+                for (int h = 0; h < G; h++) {
+                    const __m512 p = _mm512_set1_ps(sc[h * max_ctx + j0 + jj]);
+                    a0[h] = _mm512_fmadd_ps(p, v0, a0[h]);
+                    a1[h] = _mm512_fmadd_ps(p, v1, a1[h]);
+                }
+            }
+        }
+        for (int h = 0; h < G; h++) {
+            _mm256_storeu_si256((__m256i*)(o + h * D + d), round_bf16x16(a0[h]));
+            if (two) _mm256_storeu_si256((__m256i*)(o + h * D + d + 16), round_bf16x16(a1[h]));
+        }
+    }
+}
+
+/* One sequence's attention for G (<= 8, a compile-time constant where inlined) query heads of KV head g */
+static inline __attribute__((always_inline)) void attn_heads(const it_model* m, const void* cache,
+                                                             const int64_t* table, int64_t len, int64_t g,
+                                                             const bf16* q, const int G, float* sc, int64_t max_ctx,
+                                                             bf16* o, bf16* tmp, const bf16* zero) {
+    attn_scores(m, cache, table, len, g, q, G, sc, max_ctx, tmp, zero);
+    for (int h = 0; h < G; h++) softmax_row(sc + h * max_ctx, len);
+    attn_values(m, cache, table, len, g, G, sc, max_ctx, o, tmp);
+}
+
+#define ATTN_G(G) static void attn_heads_##G(const it_model* m, const void* cache, const int64_t* table, int64_t len, \
+    int64_t g, const bf16* q, float* sc, int64_t max_ctx, bf16* o, bf16* tmp, const bf16* zero) { \
+    attn_heads(m, cache, table, len, g, q, G, sc, max_ctx, o, tmp, zero); }
+ATTN_G(1) ATTN_G(2) ATTN_G(3) ATTN_G(4) ATTN_G(5) ATTN_G(6) ATTN_G(7) ATTN_G(8)
+#undef ATTN_G
+
+typedef void (*attn_heads_fn)(const it_model*, const void*, const int64_t*, int64_t, int64_t, const bf16*, float*,
+                              int64_t, bf16*, bf16*, const bf16*);
+static const attn_heads_fn attn_heads_by_g[9] = {0, attn_heads_1, attn_heads_2, attn_heads_3, attn_heads_4,
+                                                  attn_heads_5, attn_heads_6, attn_heads_7, attn_heads_8};
+
+/* ---- the same attention on AMX tiles (head_dim a multiple of 32, up to 16 query heads a pass)
+ *
+ * Scores: C [16 keys, 16 heads] = K [16 keys, D] Q^T, the K rows loaded as tiles straight from the cache block
+ * and Q^T (VNNI pairs, built once per task) as the B operand; the tile is transposed in registers into the
+ * head-major rows of sc. Softmax over each head's row in fp32; the unnormalized exponentials go to P in bf16 (as
+ * torch's CPU flash attention rounds them before its P V GEMM) and their fp32 sums divide the output at the end.
+ * Values: C [heads, 16 dims] += P [heads, 32 keys] V [32 keys, 16 dims], V's rows interleaved into key pairs.
+ */
+/* words 2i, 2i + 1 of the result = word i of a, word i of b (two rows' 16 bf16, interleaved into key pairs) */
+static inline __m512i pair_rows(const bf16* a, const bf16* b) {
+    const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                         23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i x = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)a)),
+                                         _mm256_loadu_si256((const __m256i*)b), 1);
+    return _mm512_permutexvar_epi16(idx, x);
+}
+
+/* PV for one 32-key chunk into accumulator tile C (0-3) through B tile TB (5 or 6): B = the chunk's V rows, dims
+ * d .. d + 15, in key pairs */
+#define ATTN_PV_TILE(C, TB, d, vb)                                                                              \
+    do {                                                                                                        \
+        for (int p_ = 0; p_ < 16; p_++)                                                                         \
+            _mm512_storeu_si512((vb) + p_ * 32, pair_rows(vr[2 * p_] + (d), vr[2 * p_ + 1] + (d)));             \
+        _tile_loadd(TB, (vb), 64);                                                                              \
+        _tile_dpbf16ps(C, 7, TB);                                                                               \
+    } while (0)
+
+/* One sequence's attention for G (<= 16) query heads q (rows D apart) of KV head g into o (rows D apart). Tiles
+ * (configured by attn_tiles): 0-3 PV accumulators [G, 16], 4 K rows, 5-6 Q^T / V pairs, 7 P [G, 32 keys]; the
+ * score accumulator reuses 6. */
+__attribute__((target("amx-tile,amx-bf16")))
+static void attn_heads_amx(const it_model* m, const void* cache, const int64_t* table, int64_t len, int64_t g,
+                           const bf16* q, int G, bf16* o, const attn_ws* w, int64_t max_ctx) {
+    const int64_t D = m->head_dim, bs = m->block_size, hkv = m->n_kv_heads;
+    /* Q^T: the (k, k + 1) pair of head h is 32-bit word (k / 32) * 256 + ((k % 32) / 2) * 16 + h of qt */
+    memset(w->qt, 0, (size_t)D * 32);
+    const __m512i pairs = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                             _mm512_set1_epi32(16));
+    for (int h = 0; h < G; h++)
+        for (int64_t k = 0; k < D; k += 32)
+            _mm512_i32scatter_epi32((int*)w->qt + (k / 32) * 256 + h, pairs, _mm512_loadu_si512(q + h * D + k), 4);
+    const __m512 scale = _mm512_set1_ps(m->scale);
+    /* scores, 16 keys a tile */
+    for (int64_t j0 = 0; j0 < len; j0 += 16) {
+        const int nb = (int)(len - j0 < 16 ? len - j0 : 16);
+        kv_prefetch(m, cache, table, len, g, j0 + PF_KEYS);
+        const bf16* kb;
+        int64_t ldk;
+        if (!m->kv_int8 && bs >= 16) { /* 16 keys of one block, rows hkv * D apart (past len: unused slots) */
+            kb = (const bf16*)cache + (kv_slot(table, j0, bs) * hkv + g) * D;
+            ldk = hkv * D * 2;
+        } else {
+            const bf16* kr[16];
+            kv_rows(m, cache, 0, table, j0, nb, g, w->tmp + 16 * D, kr);
+            for (int jj = 0; jj < 16; jj++) memcpy(w->tmp + jj * D, jj < nb ? kr[jj] : w->zero, (size_t)D * 2);
+            kb = w->tmp;
+            ldk = D * 2;
+        }
+        _tile_zero(6);
+        for (int64_t k = 0; k < D; k += 32) {
+            _tile_loadd(4, kb + k, ldk);
+            _tile_loadd(5, w->qt + (k / 32) * 512, 64);
+            _tile_dpbf16ps(6, 4, 5);
+        }
+        _tile_stored(6, w->cbuf, 64);
+        __m512 s[16];
+        transpose16x16_ps(w->cbuf, s); /* s[h] = the 16 keys' scores of head h */
+        for (int h = 0; h < G; h++) _mm512_mask_storeu_ps(w->sc + h * max_ctx + j0, mask16(nb), _mm512_mul_ps(s[h], scale));
+    }
+    /* softmax numerators in bf16, zero up to the next multiple of 32 keys; their sums in fp32 */
+    float inv[16];
+    const int64_t len32 = (len + 31) & ~(int64_t)31;
+    for (int h = 0; h < G; h++) {
+        const float* r = w->sc + h * max_ctx;
+        bf16* p = w->pb + h * w->ldp;
+        __m512 mv = _mm512_set1_ps(-INFINITY);
+        for (int64_t j = 0; j < len; j += 16) {
+            const __mmask16 mk = mask16(len - j);
+            mv = _mm512_mask_max_ps(mv, mk, mv, _mm512_maskz_loadu_ps(mk, r + j));
+        }
+        const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t j = 0; j < len32; j += 16) {
+            const __mmask16 mk = j < len ? mask16(len - j) : 0;
+            const __m512 e = _mm512_maskz_mov_ps(mk, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, r + j), mx)));
+            _mm256_storeu_si256((__m256i*)(p + j), round_bf16x16(e));
+            sum = _mm512_add_ps(sum, e);
+        }
+        inv[h] = 1.0f / _mm512_reduce_add_ps(sum);
+    }
+    /* values, 64 dims (four accumulator tiles) a pass */
+    for (int64_t d0 = 0; d0 < D; d0 += 64) {
+        const int nc = (int)((D - d0) / 16 < 4 ? (D - d0) / 16 : 4);
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        for (int64_t j0 = 0; j0 < len; j0 += 32) {
+            const bf16* vr[32];
+            const int n0 = (int)(len - j0 < 16 ? len - j0 : 16);
+            if (d0 == 0) kv_prefetch(m, cache, table, len, g, len + j0 + PF_KEYS);
+            kv_rows(m, cache, 1, table, j0, n0, g, w->tmp, vr);
+            if (j0 + 16 < len) {
+                const int n1 = (int)(len - j0 - 16 < 16 ? len - j0 - 16 : 16);
+                if (d0 == 0) kv_prefetch(m, cache, table, len, g, len + j0 + 16 + PF_KEYS);
+                kv_rows(m, cache, 1, table, j0 + 16, n1, g, w->tmp + 16 * D, vr + 16);
+                for (int jj = 16 + n1; jj < 32; jj++) vr[jj] = w->zero;
+            } else {
+                for (int jj = n0; jj < 32; jj++) vr[jj] = w->zero;
+            }
+            _tile_loadd(7, w->pb + j0, w->ldp * 2);
+            ATTN_PV_TILE(0, 5, d0, w->vb);
+            if (nc > 1) ATTN_PV_TILE(1, 6, d0 + 16, w->vb + 512);
+            if (nc > 2) ATTN_PV_TILE(2, 5, d0 + 32, w->vb);
+            if (nc > 3) ATTN_PV_TILE(3, 6, d0 + 48, w->vb + 512);
+        }
+        for (int c = 0; c < nc; c++) {
+            if (c == 0) _tile_stored(0, w->cbuf, 64);
+            if (c == 1) _tile_stored(1, w->cbuf, 64);
+            if (c == 2) _tile_stored(2, w->cbuf, 64);
+            if (c == 3) _tile_stored(3, w->cbuf, 64);
+            for (int h = 0; h < G; h++)
+                _mm256_storeu_si256((__m256i*)(o + h * D + d0 + 16 * c),
+                                    round_bf16x16(_mm512_mul_ps(_mm512_loadu_ps(w->cbuf + 16 * h), _mm512_set1_ps(inv[h]))));
+        }
+    }
+}
+
+__attribute__((target("amx-tile")))
+static void amx_release(void) { _tile_release(); }
+
+/* This thread's tiles for attn_heads_amx with G heads: all eight, the PV accumulators (0-3) and P (7) G rows */
+static inline void attn_tiles(int G) { amx_tiles(8, 4, G); }
+
 /* Attention of each decode row over its sequence's paged K/V; o [T, Hq, D] bf16. One task per (row, KV head):
- * the group of query heads sharing that KV head reads each K/V row once. */
+ * the group of query heads sharing that KV head (up to 16 at a time on AMX, 8 on AVX-512) reads each K/V row once. */
 static void attention_rows(const it_model* m, const it_step* s, const bf16* qkv, const void* cache, bf16* o,
-                           float* scratch, int64_t max_ctx) {
+                           float* scratch, int64_t max_ctx, int use_amx) {
     const int64_t D = m->head_dim, hkv = m->n_kv_heads, group = m->n_heads / hkv;
     const int64_t width = (m->n_heads + 2 * hkv) * D;
     const int64_t tasks = s->T * hkv;
     const int nt = (int)(tasks < m->nthreads ? tasks : m->nthreads);
+    const int amx = use_amx && amx_state == 1 && D % 32 == 0, step = amx ? 16 : 8;
 #pragma omp parallel num_threads(nt > 0 ? nt : 1)
     {
-        float* sc = scratch + (int64_t)omp_get_thread_num() * attn_floats(group, max_ctx, D);
-        float* acc = sc + group * max_ctx;
-        bf16* tmp = (bf16*)(acc + group * D);
+        const attn_ws w = attn_workspace(scratch + (int64_t)omp_get_thread_num() * attn_floats(group, max_ctx, D),
+                                         group, max_ctx, D);
+        memset(w.zero, 0, (size_t)D * 2);
+        int tiles = 0; /* the G the tiles are configured for */
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < tasks; task++) {
-            const int64_t t = task / hkv, g = task % hkv, len = s->context_lens[t];
+            const int64_t t = task / hkv, g = task % hkv;
             const int64_t* table = s->block_tables + t * s->max_blocks;
-            const bf16* q = qkv + t * width + g * group * D;
-            /* scores, 16 keys at a time: per head 16 dot-product vectors, summed across lanes together */
-            for (int64_t j0 = 0; j0 < len; j0 += 16) {
-                const int nb = (int)(len - j0 < 16 ? len - j0 : 16);
-                const bf16* kr[16];
-                kv_rows(m, cache, 0, table, j0, nb, g, tmp, kr);
-                for (int64_t h = 0; h < group; h++) {
-                    __m512 a[16];
-                    for (int jj = 0; jj < 16; jj++) a[jj] = _mm512_setzero_ps();
-                    for (int64_t d = 0; d < D; d += 32) {
-                        const __mmask32 mk = D - d >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1ull << (D - d)) - 1);
-                        const __m512bh qv = (__m512bh)_mm512_maskz_loadu_epi16(mk, q + h * D + d);
-                        for (int jj = 0; jj < nb; jj++)
-                            a[jj] = _mm512_dpbf16_ps(a[jj], qv, (__m512bh)_mm512_maskz_loadu_epi16(mk, kr[jj] + d));
-                    }
-                    const __mmask16 mk = (__mmask16)((1u << nb) - 1);
-                    _mm512_mask_storeu_ps(sc + h * max_ctx + j0, mk, _mm512_mul_ps(reduce16(a), _mm512_set1_ps(m->scale)));
+            for (int64_t h0 = 0; h0 < group; h0 += step) {
+                const int G = (int)(group - h0 < step ? group - h0 : step);
+                const bf16* q = qkv + t * width + (g * group + h0) * D;
+                bf16* out = o + (t * m->n_heads + g * group + h0) * D;
+                if (amx) {
+                    if (tiles != G) { attn_tiles(G); tiles = G; }
+                    attn_heads_amx(m, cache, table, s->context_lens[t], g, q, G, out, &w, max_ctx);
+                } else {
+                    attn_heads_by_g[G](m, cache, table, s->context_lens[t], g, q, w.sc, max_ctx, out, w.tmp, w.zero);
                 }
             }
-            for (int64_t h = 0; h < group; h++) { /* softmax over the row */
-                float* r = sc + h * max_ctx;
-                __m512 mv = _mm512_set1_ps(-INFINITY);
-                for (int64_t j = 0; j < len; j += 16) {
-                    const __mmask16 mk = mask16(len - j);
-                    mv = _mm512_mask_max_ps(mv, mk, mv, _mm512_maskz_loadu_ps(mk, r + j));
-                }
-                const float mx = _mm512_reduce_max_ps(mv);
-                __m512 sum = _mm512_setzero_ps();
-                for (int64_t j = 0; j < len; j += 16) {
-                    const __mmask16 mk = mask16(len - j);
-                    const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, r + j), _mm512_set1_ps(mx)));
-                    _mm512_mask_storeu_ps(r + j, mk, e);
-                    sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(mk, e));
-                }
-                const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
-                for (int64_t j = 0; j < len; j += 16) {
-                    const __mmask16 mk = mask16(len - j);
-                    _mm512_mask_storeu_ps(r + j, mk, _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, r + j), inv));
-                }
-                memset(acc + h * D, 0, (size_t)D * sizeof(float));
-            }
-            /* o = P V: each V row is read once per block of 16 keys; up to 8 heads accumulate in registers */
-            for (int64_t j0 = 0; j0 < len; j0 += 16) {
-                const int nb = (int)(len - j0 < 16 ? len - j0 : 16);
-                const bf16* vr[16];
-                kv_rows(m, cache, 1, table, j0, nb, g, tmp, vr);
-                for (int64_t d = 0; d < D; d += 16) {
-                    if (group <= 8) {
-                        __m512 a8[8];
-                        for (int h = 0; h < 8; h++) a8[h] = h < group ? _mm512_loadu_ps(acc + h * D + d) : _mm512_setzero_ps();
-                        for (int jj = 0; jj < nb; jj++) {
-                            const __m512 vv = load_bf16x16(vr[jj] + d, 0xffff);
-                            const float* pj = sc + j0 + jj;
-#define PV(H) if (group > H) a8[H] = _mm512_fmadd_ps(_mm512_set1_ps(pj[H * max_ctx]), vv, a8[H]);
-                            PV(0) PV(1) PV(2) PV(3) PV(4) PV(5) PV(6) PV(7)
-#undef PV
-                        }
-                        for (int h = 0; h < group; h++) _mm512_storeu_ps(acc + h * D + d, a8[h]);
-                    } else {
-                        for (int jj = 0; jj < nb; jj++) {
-                            const __m512 vv = load_bf16x16(vr[jj] + d, 0xffff);
-                            for (int64_t h = 0; h < group; h++) {
-                                float* ap = acc + h * D + d;
-                                _mm512_storeu_ps(ap, _mm512_fmadd_ps(_mm512_set1_ps(sc[h * max_ctx + j0 + jj]), vv,
-                                                                     _mm512_loadu_ps(ap)));
-                            }
-                        }
-                    }
-                }
-            }
-            for (int64_t h = 0; h < group; h++)
-                for (int64_t d = 0; d < D; d++) o[(t * m->n_heads + g * group + h) * D + d] = f2bf(acc[h * D + d]);
         }
+        if (tiles) amx_release();
     }
 }
 
@@ -1198,6 +1441,18 @@ void it_silu_mul(const bf16* gu, bf16* act, int64_t T, int64_t I, int nthreads) 
 void it_rotary(bf16* qk, int64_t ld, int64_t T, int64_t heads, int64_t D, const float* cs, int64_t ld_cs,
                int nthreads) {
     rotary_apply(qk, ld, T, heads, D, cs, ld_cs, NULL, nthreads);
+}
+
+/* The decode attention of it_decode_layers alone, for tests: qkv [T, (Hq + 2 Hkv) D] (the queries are read), one
+ * layer's cache, o [T, Hq, D]; s->work as for it_decode_layers. use_amx = 0 takes the AVX-512 path where the AMX
+ * one would run. Returns 0, -1 (workspace too small) or -2 (shapes, as it_decode_layers). */
+int it_decode_attention(const it_model* m, const it_step* s, const bf16* qkv, const void* cache, bf16* o, int use_amx) {
+    const int64_t max_ctx = s->max_blocks * m->block_size;
+    if (m->head_dim % 16 || m->n_heads % m->n_kv_heads || s->T < 1) return -2;
+    const ws_layout l = workspace(m, s->T, max_ctx);
+    if (l.total > s->work_bytes) return -1;
+    attention_rows(m, s, qkv, cache, o, (float*)((char*)s->work + l.attn), max_ctx, use_amx);
+    return 0;
 }
 
 /* x [T, hidden] bf16, updated in place through every layer. Returns 0, or -1 if the workspace is too small,
@@ -1223,7 +1478,7 @@ int it_decode_layers(const it_model* m, const it_layer* layers, const it_step* s
                 kv_write(m, L->kv_cache, 0, s->slots[t] * hkv + g, qkv + t * width + hq + g * D);
                 kv_write(m, L->kv_cache, 1, s->slots[t] * hkv + g, qkv + t * width + hq + (hkv + g) * D);
             }
-        attention_rows(m, s, qkv, L->kv_cache, o, attn, max_ctx);
+        attention_rows(m, s, qkv, L->kv_cache, o, attn, max_ctx, 1);
         run_lin(&L->o, o, hq, y, H, T, m->nthreads, lin);
         add_rows(x, y, T * H);
         rmsnorm_rows(x, L->post_norm, h, T, H, m->eps, m->nthreads);
