@@ -428,3 +428,50 @@ def test_max_tokens_none_runs_to_max_model_len(llm):
     out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))[0].outputs[0]
     assert len(out.token_ids) == 128 - 100
     assert out.finish_reason == "length"
+
+
+# ---- the candidate fast path and the CDF draw ---------------------------------------------------------------
+def _reference_kept(row: torch.Tensor, p: SamplingParams) -> set[int]:
+    """Top-k, then the smallest top-p prefix of the renormalized mass, by a full float64 sort of one row."""
+    vals, order = row.double().sort(descending=True)
+    k = p.top_k if 0 < p.top_k < row.numel() else row.numel()
+    if p.top_p >= 1.0:
+        return set(order[:k].tolist())
+    probs = vals[:k].softmax(dim=0)
+    mass, n = 0.0, 0
+    for n, q in enumerate(probs.tolist(), start=1):
+        mass += q
+        if mass >= p.top_p:
+            break
+    return set(order[:n].tolist())
+
+
+@pytest.mark.parametrize("spread", [6.0, 0.01])  # peaked (the 256 candidates hold the mass) / flat (full sort)
+def test_top_k_top_p_over_candidates_equal_a_full_sort(spread):
+    from infertune.runner.sampler import CANDIDATES, _top_k_top_p
+
+    gen = torch.Generator().manual_seed(5)
+    vocab = 5000
+    params = [SamplingParams(top_p=0.9), SamplingParams(top_k=40), SamplingParams(top_k=300, top_p=0.8),
+              SamplingParams(), SamplingParams(top_p=0.5, min_p=0.01), SamplingParams(top_k=3, top_p=0.99)]
+    logits = torch.randn(len(params), vocab, generator=gen) * spread
+    out = apply_top_k_top_p_min_p(logits.clone(), params)
+    for i, p in enumerate(params):
+        kept = _kept(out[i])
+        if p.min_p == 0:
+            assert kept == _reference_kept(logits[i], p), i
+        else:  # min_p after top-p: a subset of top-p's set holding every token within min_p of the best
+            probs = logits[i].softmax(dim=0)
+            survivors = {j for j in _reference_kept(logits[i], p) if probs[j] >= p.min_p * probs.max()}
+            assert kept == survivors, i
+        assert torch.equal(out[i, sorted(kept)], logits[i, sorted(kept)])  # survivors untouched
+    fast = _top_k_top_p(logits, params, CANDIDATES + 44)  # 300: the largest top_k
+    assert (fast is None) == (spread < 1.0)  # a flat row's 300 best hold less than 0.9 of the mass
+
+
+def test_inverse_cdf_draws_only_tokens_with_mass():
+    from infertune.runner.sampler import inverse_cdf
+
+    probs = torch.tensor([[0.0, 0.25, 0.0, 0.75, 0.0]] * 5)
+    u = torch.tensor([[0.0], [0.2499], [0.25], [0.9999999], [1.0 - 2.0**-53]], dtype=torch.float64)
+    assert inverse_cdf(probs, u).tolist() == [1, 1, 3, 3, 3]

@@ -119,8 +119,9 @@ def _decode_hints(dec: dict, summary: dict, ctx: dict) -> list[dict]:
             "amortises the per-step host work over more tokens")))
     if share.get("sampling", 0) >= SAMPLING_DECODE:
         sort = sum(r["share"] for r in dec.get("top_ops", []) if r["category"] == "sampling" and "sort" in r["op"])
-        why = (f"the vocabulary sort behind top-p / top-k alone is {_pct(sort)}; greedy, or top-k through torch.topk "
-               "instead of a full sort, avoids it" if sort >= 0.02 else
+        why = (f"the vocabulary sort behind top-p alone is {_pct(sort)}: the sampler sorts only when a row's 256 best "
+               "tokens hold less than its top_p (a flat distribution, as a random-weight model's); a lower top_p, or "
+               "top-k, keeps it on the candidates" if sort >= 0.02 else
                "batch the per-row work and keep it on the device until the single host sync")
         out.append(_hint("sampling", "decode", share["sampling"], SAMPLING_DECODE,
                          f"sampling is {_pct(share['sampling'])} of decode: {why}"))

@@ -1,8 +1,15 @@
 """Batched sampling: penalties, temperature, top-k / top-p / min-p, seeded per request, one host transfer.
 
-Random sampling uses the exponential-race form of the Gumbel trick: argmax(p / q) with q ~ Exp(1)
-draws from p. Seeded requests draw q from a generator seeded by (seed, output position), so their
-tokens do not depend on what else is in the batch, nor on preemption.
+Random sampling inverts each row's CDF at one uniform draw: the first token whose cumulative probability
+exceeds u * total. One random number a row, where an exponential race (argmax p / q, q ~ Exp(1) per
+vocabulary entry) took one per token: at 16 rows x 32k tokens the race's draws alone cost ~11 ms a step on
+2 CPU cores, the CDF ~0.5 ms. Seeded requests draw u from a generator seeded by (seed, output position), so
+their tokens do not depend on what else is in the batch, nor on preemption.
+
+Top-k / top-p look at the best `CANDIDATES` tokens of each row (torch.topk, ~1-3 ms) instead of sorting the
+vocabulary (~19 ms at 16 x 32k): exact whenever every top-p row's best candidates already hold its mass, as
+on a trained model's peaked distributions; otherwise (a flat distribution) the step falls back to the full
+sort.
 """
 
 from __future__ import annotations
@@ -67,24 +74,36 @@ class Sampler:
 
     def _sample(self, logits, params: list[SamplingParams], rows, greedy: list[bool]) -> torch.Tensor:
         device = logits.device
-        greedy_t = torch.tensor(greedy, device=device)
-        argmax = logits.argmax(dim=-1)
         temps = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)], device=device)
-        logits = logits / temps.unsqueeze(1)
-        logits = apply_top_k_top_p_min_p(logits, params)
-        probs = logits.softmax(dim=-1)
-        q = torch.empty_like(probs)
-        q.exponential_(generator=self.generator)
+        probs = apply_top_k_top_p_min_p(logits / temps.unsqueeze(1), params).softmax(dim=-1)
+        u = torch.rand(len(params), 1, generator=self.generator, device=device, dtype=torch.float64)
         for i, (p, r) in enumerate(zip(params, rows)):
             if p.seed is not None and not greedy[i]:
                 g = torch.Generator(device=device).manual_seed(_mix(p.seed, r.position))
-                q[i].exponential_(generator=g)
-        sampled = (probs / q).argmax(dim=-1)
-        return torch.where(greedy_t, argmax, sampled)
+                u[i] = torch.rand(1, generator=g, device=device, dtype=torch.float64)
+        sampled = inverse_cdf(probs, u)
+        if not any(greedy):
+            return sampled
+        return torch.where(torch.tensor(greedy, device=device), logits.argmax(dim=-1), sampled)
 
 
 def _mix(seed: int, position: int) -> int:
     return (seed * 0x9E3779B1 + position * 0x85EBCA77) & 0x7FFF_FFFF_FFFF_FFFF
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row, the first token whose cumulative probability exceeds u * (the row's total): a draw from probs
+    for u ~ U[0, 1) [N, 1] (float64). Zero-probability tokens are never chosen: their CDF step is empty."""
+    cdf = probs.double().cumsum(dim=-1)
+    idx = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=probs.shape[-1] - 1)
+    empty = probs.gather(1, idx) == 0
+    if bool(empty.any()):  # u * total rounded up to the total: past the last token with mass, so take that one
+        last = probs.shape[-1] - 1 - (probs > 0).flip(-1).int().argmax(dim=-1, keepdim=True)
+        idx = torch.where(empty, last, idx)
+    return idx.squeeze(1)
+
+
+CANDIDATES = 256  # tokens per row that top-k / top-p look at before falling back to a full sort
 
 
 def apply_top_k_top_p_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -92,22 +111,50 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, params: list[SamplingParams]) 
     need_k = any(0 < p.top_k < vocab for p in params)
     need_p = any(p.top_p < 1.0 for p in params)
     if need_k or need_p:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
-        if need_k:
-            k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=logits.device)
-            drop |= torch.arange(vocab, device=logits.device).unsqueeze(0) >= k.unsqueeze(1)
-        if need_p:
-            top_p = torch.tensor([p.top_p for p in params], device=logits.device).unsqueeze(1)
-            probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
-            before = probs.cumsum(dim=-1) - probs  # mass strictly above each token
-            drop |= before >= top_p  # keeps the smallest prefix whose mass reaches top_p (never empty)
-        logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+        cap = max([CANDIDATES if need_p else 0] + [p.top_k for p in params if 0 < p.top_k < vocab])
+        filtered = _top_k_top_p(logits, params, min(cap, vocab)) if cap < vocab else None
+        logits = filtered if filtered is not None else _top_k_top_p(logits, params, vocab)
     if any(p.min_p > 0 for p in params):
         min_p = torch.tensor([p.min_p for p in params], device=logits.device).unsqueeze(1)
         probs = logits.softmax(dim=-1)
         logits = logits.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, float("-inf"))
     return logits
+
+
+def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams], cap: int) -> torch.Tensor | None:
+    """Top-k, then top-p on the renormalized mass, over each row's `cap` best tokens (cap = vocab: all of them,
+    sorted). None where a top-p row's best `cap` tokens hold less than its top_p (the kept prefix might reach
+    past them). Rows that ask for neither are returned as they are."""
+    n, vocab = logits.shape
+    device = logits.device
+    if cap >= vocab:
+        vals, order = logits.sort(dim=-1, descending=True)
+    else:
+        vals, order = logits.topk(cap, dim=-1)  # sorted, best first
+    drop = torch.zeros_like(vals, dtype=torch.bool)
+    k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device).unsqueeze(1)
+    drop |= torch.arange(vals.shape[-1], device=device).unsqueeze(0) >= k
+    if any(p.top_p < 1.0 for p in params):
+        top_p = torch.tensor([p.top_p for p in params], device=device).unsqueeze(1)
+        if cap >= vocab:
+            probs = vals.masked_fill(drop, float("-inf")).softmax(dim=-1)
+        else:
+            # the mass of each candidate over what top-k leaves: the k best where top-k is set (all among the
+            # candidates), the whole row otherwise
+            cut = torch.tensor([0 < p.top_k < vocab for p in params], device=device).unsqueeze(1)
+            norm = torch.where(cut, vals.masked_fill(drop, float("-inf")).logsumexp(dim=-1, keepdim=True),
+                               logits.logsumexp(dim=-1, keepdim=True))
+            probs = (vals - norm).exp().masked_fill(drop, 0.0)
+            held = probs.sum(dim=-1, keepdim=True)
+            if bool(((top_p < 1.0) & ~cut & (held < top_p)).any()):
+                return None
+        before = probs.cumsum(dim=-1) - probs  # mass strictly above each token
+        drop |= before >= top_p  # keeps the smallest prefix whose mass reaches top_p (never empty)
+    if cap >= vocab:
+        return logits.scatter(1, order, vals.masked_fill(drop, float("-inf")))
+    out = torch.full_like(logits, float("-inf")).scatter_(1, order, vals.masked_fill(drop, float("-inf")))
+    filtered = torch.tensor([0 < p.top_k < vocab or p.top_p < 1.0 for p in params], device=device).unsqueeze(1)
+    return torch.where(filtered, out, logits)
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SampleRequest]) -> torch.Tensor:
