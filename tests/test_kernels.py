@@ -381,3 +381,75 @@ def test_decode_attention_matches_float64(hq, hkv, d, bs, kv):
         assert not torch.equal(outs[True], outs[False])
     else:
         assert torch.equal(outs[True], outs[False])
+
+
+needs_bf16c = pytest.mark.skipif(not (kernels.available() and kernels.bf16c_supported(16, 32)),
+                                 reason="the 12-bit layout decodes on AMX tiles")
+
+
+@needs_bf16c
+@pytest.mark.parametrize("n,k", [(80, 64), (48, 96), (128, 32), (1152, 896)])
+def test_bf16c_round_trip_is_bit_exact(n, k):
+    """pack_bf16c / unpack_bf16c give back every bit: zeros of both signs, subnormals, infinities, NaN, huge and
+    tiny values whose high bytes fall outside the 16-entry table (patched in), rows padded to 64."""
+    gen = torch.Generator().manual_seed(n + k)
+    w = (torch.randn(n, k, generator=gen) * 0.02).to(torch.bfloat16)
+    specials = torch.tensor([0.0, -0.0, 1e-40, -1e-39, float("inf"), float("-inf"), float("nan"), 3e38, -7.5, 1e-20])
+    w.view(-1)[torch.randperm(n * k, generator=gen)[:len(specials)]] = specials.to(torch.bfloat16)
+    packed = kernels.pack_bf16c(w)
+    out = kernels.unpack_bf16c(kernels.bf16c_struct(packed), n, k)
+    assert torch.equal(out.view(torch.int16), w.view(torch.int16))
+    # every weight whose high byte is not in the table was stored aside (the specials among them)
+    table = set(packed["table"].tolist())
+    outside = [v for v in w.view(torch.int16).flatten().tolist() if (v >> 8) & 0xFF not in table]
+    assert sorted(packed["esc_val"].view(torch.int16).tolist()) == sorted(outside) and len(outside) >= 3
+    if n % 64 == 0 and n * k > 100_000:
+        assert packed["codes"].numel() == n * k * 3 // 2  # 12 bits a weight
+
+
+@needs_bf16c
+@pytest.mark.parametrize("m", [1, 2, 16, 17, 100])
+def test_bf16c_linear_is_the_bf16_kernel_bit_for_bit(m):
+    """The 12-bit linear against the bf16 kernel on the unpacked weight: the same bits from 2 rows up (the same
+    tile products; one row takes the tiles here where the bf16 kernel takes VDPBF16PS), and within the float64
+    bound of test_bf16_matches_float64 at every row count. Bias and a row count past one decode pass included."""
+    gen = torch.Generator().manual_seed(m)
+    n, k = 144, 896
+    w = (torch.randn(n, k, generator=gen) * 0.02).to(torch.bfloat16)
+    w[3, 5] = 9.0  # an escape inside a tile
+    bias = torch.randn(n, generator=gen).to(torch.bfloat16)
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    desc = kernels.bf16c_struct(packed := kernels.pack_bf16c(w))
+    y = kernels.linear_bf16c(x, desc, n, bias)
+    assert packed["esc_val"].numel() >= 1
+    if m > 1:
+        assert torch.equal(y.view(torch.int16), kernels.linear_bf16(x, w, bias).view(torch.int16))
+    ref = x.double() @ w.double().T + bias.double()
+    bound = 2.0**-8 * ref.abs() + k * 2.0**-23 * (x.double().abs() @ w.double().abs().T) + 1e-6
+    assert ((y.double() - ref).abs() <= bound).all()
+
+
+@needs_bf16c
+def test_engine_with_12bit_weights_is_the_engine_with_bf16_weights(tmp_path):
+    """compress_weights="auto" (the default) against "off" on one checkpoint: the plain bf16 projections are held
+    in the 12-bit layout and the outputs are bit for bit the same (a batch of 4, so every step multiplies on the
+    tiles in both engines: the prefills' GEMM and the fused decode step)."""
+    from conftest import make_checkpoint
+
+    from infertune import LLM, SamplingParams
+
+    model = make_checkpoint(tmp_path / "m", "llama", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                            tie_word_embeddings=True, dtype=torch.bfloat16)
+    prompts = [{"prompt_token_ids": [5 + i, 17, 33, 2 + i, 60]} for i in range(4)]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2)
+    runs = {}
+    for mode in ("auto", "off"):
+        llm = LLM(str(model), dtype="bfloat16", compress_weights=mode, max_model_len=64)
+        runner = llm.engine.executor.runner
+        methods = {type(m.quant_method).__name__ for m in runner.model.modules() if isinstance(m, Linear)}
+        assert ("Bf16cMethod" in methods) == (mode == "auto")
+        runs[mode] = [(o.outputs[0].token_ids, [(lp.token_id, lp.logprob) for lp in o.outputs[0].logprobs])
+                      for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert runs["auto"] == runs["off"]
+    with pytest.raises(ValueError, match="compress_weights"):
+        LLM(str(model), dtype="bfloat16", compress_weights="on")

@@ -132,6 +132,10 @@ def _load() -> None:
         lib.it_decode_layers.restype = cint
         lib.it_decode_attention.argtypes = [ctypes.POINTER(ItModel), ctypes.POINTER(ItStep), ptr, ptr, ptr, cint]
         lib.it_decode_attention.restype = cint
+        lib.it_linear_bf16c.argtypes = [ptr, i64, ctypes.POINTER(Bf16c), ptr, ptr, i64, i64, i64, i64, cint]
+        lib.it_linear_bf16c.restype = cint
+        lib.it_unpack_bf16c.argtypes = [ctypes.POINTER(Bf16c), ptr, i64, i64, cint]
+        lib.it_unpack_bf16c.restype = None
         global _amx
         _amx = bool(lib.it_amx_init(int({"amx_tile", "amx_bf16"} <= _cpu_flags())))  # asks Linux for the tile state
         _lib = lib
@@ -154,6 +158,12 @@ class ItModel(ctypes.Structure):
                 ("hidden", "n_heads", "n_kv_heads", "head_dim", "inter", "num_blocks", "block_size")] + [
         ("cos_sin", ctypes.c_void_p), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
         ("nthreads", ctypes.c_int32), ("n_layers", ctypes.c_int32), ("kv_int8", ctypes.c_int32)]
+
+
+class Bf16c(ctypes.Structure):
+    """A bf16 weight in the kernels' lossless 12-bit layout (cpu_kernels.c, bf16c); see pack_bf16c."""
+    _fields_ = [("codes", ctypes.c_void_p), ("table", ctypes.c_void_p), ("esc_start", ctypes.c_void_p),
+                ("esc_pos", ctypes.c_void_p), ("esc_val", ctypes.c_void_p)]
 
 
 class ItStep(ctypes.Structure):
@@ -389,3 +399,79 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.T
     if rc != 0:
         raise ValueError(f"it_decode_attention refused the shapes ({rc})")
     return o
+
+
+# ---- bf16 weights in 12 bits, losslessly (cpu_kernels.c: bf16c) ------------------------------------------------
+BF16C_FIELDS = ("codes", "table", "esc_start", "esc_pos", "esc_val")
+
+
+def bf16c_supported(n: int, k: int) -> bool:
+    """Whether a [n, k] weight can take the 12-bit layout here (the decoder runs on AMX tiles)."""
+    _load()
+    return _lib is not None and _amx and n % 16 == 0 and k % 32 == 0 and n > 0 and k > 0
+
+
+def pack_bf16c(w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A bf16 weight [N, K] -> the tensors of the 12-bit layout: each weight's low byte, plus a 4-bit code into a
+    table of the 16 most common high bytes (sign and exponent); weights whose high byte is not in the table are
+    listed aside (position, value) and patched in when a tile is decoded. Exact: unpack_bf16c gives w back."""
+    if w.dtype is not torch.bfloat16 or w.dim() != 2 or w.shape[1] % 32:
+        raise ValueError(f"pack_bf16c takes a bf16 [N, K] weight with K a multiple of 32, got {w.dtype} {tuple(w.shape)}")
+    n, k = w.shape
+    bits = w.contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
+    hi, lo = bits >> 8, (bits & 0xFF).to(torch.uint8)
+    table = torch.bincount(hi.flatten(), minlength=256).topk(16).indices  # most common first
+    code_of = torch.full((256,), -1, dtype=torch.int64)
+    code_of[table] = torch.arange(16)
+    code = code_of[hi]
+    escaped = code < 0
+    code = code.clamp(min=0).to(torch.uint8)
+    n64, ks = -(-n // 64) * 64, k // 32
+    if n64 != n:  # zero-padded rows (codes 0, low bytes 0): decoded, multiplied, never stored
+        pad = (0, 0, 0, n64 - n)
+        lo, code = torch.nn.functional.pad(lo, pad), torch.nn.functional.pad(code, pad)
+    # [chunk, row, ks, 32] -> [chunk, ks, row, 32]
+    lo = lo.view(n64 // 64, 64, ks, 32).transpose(1, 2)
+    code = code.view(n64 // 64, 64, ks, 32).transpose(1, 2)
+    nib = code[..., :16] | (code[..., 16:] << 4)
+    codes = torch.cat([lo, nib], dim=-1).contiguous()  # [chunks, ks, 64, 48]
+    rows, cols = escaped.nonzero(as_tuple=True)
+    tile = (rows // 64) * ks + cols // 32
+    pos = (rows % 64) * 32 + cols % 32
+    order = torch.argsort(tile * 2048 + pos)
+    tile, pos = tile[order], pos[order]
+    start = torch.zeros(n64 // 64 * ks + 1, dtype=torch.int64)
+    start[1:] = torch.bincount(tile, minlength=n64 // 64 * ks).cumsum(0)
+    return {"codes": codes.view(-1), "table": table.to(torch.uint8).contiguous(),
+            "esc_start": start.to(torch.int32), "esc_pos": pos.to(torch.int16).contiguous(),
+            "esc_val": w[rows[order], cols[order]].contiguous()}
+
+
+def bf16c_struct(packed: dict[str, torch.Tensor]) -> Bf16c:
+    """The C description of a packed weight (the tensors must outlive it)."""
+    return Bf16c(**{f: packed[f].data_ptr() for f in BF16C_FIELDS})
+
+
+def unpack_bf16c(desc: Bf16c, n: int, k: int) -> torch.Tensor:
+    """The bf16 weight [n, k] back from its 12-bit layout (prefills' GEMMs)."""
+    _load()
+    w = torch.empty(n, k, dtype=torch.bfloat16)
+    with profiled("unpack_bf16c"):
+        _lib.it_unpack_bf16c(ctypes.byref(desc), w.data_ptr(), n, k, torch.get_num_threads())
+    return w
+
+
+def linear_bf16c(x: torch.Tensor, desc: Bf16c, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] bf16 times a 12-bit packed weight [n, K] (+ bias) -> [..., n] bf16, on AMX: the very products of
+    linear_bf16 on the unpacked weight (up to 16 rows one pass, more on the tile GEMM decoding 64 rows at a time)."""
+    _load()
+    x2 = _rows(x)
+    m, k = x2.shape
+    y = torch.empty(m, n, dtype=torch.bfloat16)
+    with profiled("linear_bf16c"):
+        rc = _lib.it_linear_bf16c(x2.data_ptr(), x2.stride(0), ctypes.byref(desc),
+                                  bias.data_ptr() if bias is not None else None, y.data_ptr(), n, m, n, k,
+                                  torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"it_linear_bf16c refused {m} x {k} -> {n} (needs AMX, N a multiple of 16, K of 32)")
+    return y.view(*x.shape[:-1], n)

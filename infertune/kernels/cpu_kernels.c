@@ -237,20 +237,80 @@ static void amx_tiles(int n, int n_short, int short_rows) {
 
 static inline void amx_configure(int n) { amx_tiles(n, 0, 16); }
 
+/* ------------------------------------------------------------------ bf16 weights in 12 bits, losslessly
+ *
+ * A bf16 weight is a high byte (sign and 7 exponent bits) and a low byte (the last exponent bit and 7 mantissa
+ * bits). A layer's weights use few high bytes (a trained or random layer's exponents span a few binades), so
+ * each weight is stored as its low byte plus a 4-bit code into a table of the layer's 16 most common high bytes;
+ * the rare weight whose high byte is not in the table is stored aside and patched in. Decoding is a table
+ * lookup (VPSHUFB) and two widenings per 32 weights, exact: the tiles see the very bf16 values of the
+ * checkpoint, 25% fewer bytes stream from memory in a decode step, and the layer holds 0.75x the memory.
+ *
+ * Layout (built by kernels/cpu.py pack_bf16c): the weight rows in chunks of 64 (zero-padded), each chunk as K / 32
+ * tiles of 64 rows x 32 weights, each row of a tile 48 bytes: the 32 low bytes, then 16 bytes of codes (weight
+ * j < 16 in the low nibble of byte j, weight j + 16 in its high nibble). Tiles follow each other chunk by chunk,
+ * so a thread walking its chunks reads one sequential stream.
+ */
+typedef struct {
+    const uint8_t* codes;      /* [N64 / 64][K / 32][64][48] */
+    const uint8_t* table;      /* [16] high bytes */
+    const int32_t* esc_start;  /* [N64 / 64 * K / 32 + 1]: the escapes of tile t are esc_start[t] .. esc_start[t + 1] */
+    const uint16_t* esc_pos;   /* r * 32 + j within the tile */
+    const bf16* esc_val;       /* the weight */
+} bf16c;
+
+#define BF16C_TILE_BYTES (64 * 48)
+#define BF16C_PF_TILES 4 /* prefetch distance along the stream, in tiles */
+
+/* Rows 0 .. rows - 1 of tile (chunk, ks) as bf16 into out, rows ld elements apart (64-byte aligned rows) */
+static inline void bf16c_tile(const bf16c* c, int64_t KS, int64_t chunk, int64_t ks, int rows, bf16* out,
+                              int64_t ld) {
+    const int64_t t = chunk * KS + ks;
+    const uint8_t* b = c->codes + t * BF16C_TILE_BYTES;
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)c->table));
+    for (int r = 0; r < rows; r++) {
+        const uint8_t* p = b + r * 48;
+        if ((r & 3) == 0) /* 4 rows = 3 lines */
+            for (int l = 0; l < 192; l += 64) _mm_prefetch((const char*)p + BF16C_PF_TILES * BF16C_TILE_BYTES + l, _MM_HINT_T0);
+        const __m128i nib = _mm_loadu_si128((const __m128i*)(p + 32));
+        const __m256i code = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(nib, 4), nib), _mm256_set1_epi8(0x0f));
+        const __m256i hi = _mm256_shuffle_epi8(table, code);
+        _mm512_storeu_si512(out + r * ld, _mm512_or_si512(_mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)p)),
+                                                         _mm512_slli_epi16(_mm512_cvtepu8_epi16(hi), 8)));
+    }
+    for (int32_t e = c->esc_start[t]; e < c->esc_start[t + 1]; e++)
+        out[(c->esc_pos[e] >> 5) * ld + (c->esc_pos[e] & 31)] = c->esc_val[e];
+}
+
+/* Rows 0 .. rows - 1 of chunk `chunk` (all K) as bf16 [rows][K] into out */
+static inline void bf16c_rows(const bf16c* c, int64_t K, int64_t chunk, int rows, bf16* out) {
+    for (int64_t ks = 0; ks < K / 32; ks++) bf16c_tile(c, K / 32, chunk, ks, rows, out + ks * 32, K);
+}
+
+/* 16 * nblk output features from n0 for mr (<= 16) rows: the weight rows from w0 (row stride K), or, where cw is
+ * given, decoded tile by tile from chunk `chunk` of the 12-bit layout. */
 __attribute__((target("amx-tile,amx-bf16")))
-static void amx_rows(const bf16* w0, const bf16* xt, const bf16* bias, bf16* y, int64_t ldy, int mr,
-                     int64_t n0, int nblk, int64_t K) {
+static void amx_rows(const bf16* w0, const bf16c* cw, int64_t chunk, const bf16* xt, const bf16* bias, bf16* y,
+                     int64_t ldy, int mr, int64_t n0, int nblk, int64_t K) {
     /* tiles 0-3: C, 4-5: A (alternating), 6: B */
     _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-    const int64_t ld = K * 2;
+    bf16 dec[64 * 32] __attribute__((aligned(64)));
+    const int64_t ld = cw ? 64 : K * 2, ts = cw ? 16 * 32 : 16 * K; /* A row stride (bytes), tile stride */
     for (int64_t k = 0; k < K; k += 32) {
         _tile_loadd(6, xt + k * 16, 64);
-        for (int r = 0; r < 16 * nblk; r++) _mm_prefetch((const char*)(w0 + r * K + k) + PF_BYTES, _MM_HINT_T0);
-        _tile_loadd(4, w0 + k, ld);
+        const bf16* a;
+        if (cw) {
+            bf16c_tile(cw, K / 32, chunk, k / 32, 16 * nblk, dec, 32);
+            a = dec;
+        } else {
+            for (int r = 0; r < 16 * nblk; r++) _mm_prefetch((const char*)(w0 + r * K + k) + PF_BYTES, _MM_HINT_T0);
+            a = w0 + k;
+        }
+        _tile_loadd(4, a, ld);
         _tile_dpbf16ps(0, 4, 6);
-        if (nblk > 1) { _tile_loadd(5, w0 + 16 * K + k, ld); _tile_dpbf16ps(1, 5, 6); }
-        if (nblk > 2) { _tile_loadd(4, w0 + 32 * K + k, ld); _tile_dpbf16ps(2, 4, 6); }
-        if (nblk > 3) { _tile_loadd(5, w0 + 48 * K + k, ld); _tile_dpbf16ps(3, 5, 6); }
+        if (nblk > 1) { _tile_loadd(5, a + ts, ld); _tile_dpbf16ps(1, 5, 6); }
+        if (nblk > 2) { _tile_loadd(4, a + 2 * ts, ld); _tile_dpbf16ps(2, 4, 6); }
+        if (nblk > 3) { _tile_loadd(5, a + 3 * ts, ld); _tile_dpbf16ps(3, 5, 6); }
     }
     float c[4][16][16];
     _tile_stored(0, c[0], 64);
@@ -311,7 +371,7 @@ static void linear_bf16_amx(const bf16* x, int64_t ldx, const bf16* w, const bf1
                 for (int64_t p = 0; p < passes; p++) { /* the chunk comes from memory once, then from cache */
                     const int64_t m0 = b0 + 16 * p;
                     const int mr = (int)(M - m0 < 16 ? M - m0 : 16);
-                    amx_rows(w + n0 * K, xt + p * K * 16, bias, y + m0 * ldy, ldy, mr, n0, nblk, K);
+                    amx_rows(w + n0 * K, NULL, 0, xt + p * K * 16, bias, y + m0 * ldy, ldy, mr, n0, nblk, K);
                 }
             }
             _tile_release();
@@ -407,15 +467,19 @@ static inline int64_t gemm_rows_per_block(int64_t K) {
 }
 
 __attribute__((target("amx-tile,amx-bf16")))
-static void linear_bf16_amx_gemm(const bf16* x, int64_t ldx, const bf16* w, const bf16* bias, bf16* y, int64_t ldy,
-                                 int64_t M, int64_t N16, int64_t K, int nthreads, bf16* xt) {
-    const int64_t nchunks = (N16 / 16 + 1) / 2; /* 32 features a chunk */
+static void linear_bf16_amx_gemm(const bf16* x, int64_t ldx, const bf16* w, const bf16c* cw, const bf16* bias,
+                                 bf16* y, int64_t ldy, int64_t M, int64_t N16, int64_t K, int nthreads, bf16* xt,
+                                 bf16* wdec) {
+    /* chunks of 32 features; of 64 (a tile row of the 12-bit layout, decoded into this thread's wdec [64, K]
+       once per block of rows) where cw is given */
+    const int64_t step = cw ? 64 : 32, nchunks = (N16 + step - 1) / step;
     const int64_t mb = gemm_rows_per_block(K);
     const int nt = pick_threads(nchunks, N16 * K * 2 * ((M + 15) / 16), nthreads);
 #pragma omp parallel num_threads(nt)
     {
         amx_configure(8);
         gemm_block g;
+        bf16* mine = cw ? wdec + (int64_t)omp_get_thread_num() * 64 * K : NULL;
         for (int64_t b0 = 0; b0 < M; b0 += mb) {
             const int64_t rows = M - b0 < mb ? M - b0 : mb, tiles = (rows + 15) / 16;
 #pragma omp for schedule(static)
@@ -425,7 +489,12 @@ static void linear_bf16_amx_gemm(const bf16* x, int64_t ldx, const bf16* w, cons
             } /* (implicit barrier: the whole block is transposed before any thread multiplies) */
 #pragma omp for schedule(static) nowait
             for (int64_t c = 0; c < nchunks; c++) {
-                const int64_t n0 = c * 32;
+              const bf16* wc = w + c * step * K;
+              if (cw) {
+                  bf16c_rows(cw, K, c, (int)(N16 - c * 64 < 64 ? N16 - c * 64 : 64), mine);
+                  wc = mine;
+              }
+              for (int64_t n0 = c * step; n0 < (c + 1) * step && n0 < N16; n0 += 32) {
                 for (int64_t p = 0; p < tiles; p += 2) {
                     g.na = N16 - n0 >= 32 ? 2 : 1;
                     g.nb = tiles - p >= 2 ? 2 : 1;
@@ -435,10 +504,11 @@ static void linear_bf16_amx_gemm(const bf16* x, int64_t ldx, const bf16* w, cons
                         const int64_t left = M - (g.m0 + 16 * b);
                         g.mr[b] = (int)(left < 16 ? left : 16);
                     }
-                    gemm_block_compute(w + n0 * K, xt + p * K * 16, K, &g);
+                    gemm_block_compute(wc + (n0 - c * step) * K, xt + p * K * 16, K, &g);
                     for (int a = 0; a < g.na; a++)
                         for (int b = 0; b < g.nb; b++) gemm_tile_store(&g, a, b, bias, y, ldy);
                 }
+              }
             }
 #pragma omp barrier /* xt is rewritten by the next block of rows */
         }
@@ -460,7 +530,7 @@ static void linear_bf16(const bf16* x, int64_t ldx, const bf16* w, const bf16* b
     const int64_t n16 = N & ~(int64_t)15;
     if (amx_state == 1 && K % 32 == 0 && n16 > 0 && M >= AMX_MIN_ROWS) {
         if (M >= AMX_GEMM_MIN_ROWS)
-            linear_bf16_amx_gemm(x, ldx, w, bias, y, ldy, M, n16, K, nthreads, (bf16*)scratch);
+            linear_bf16_amx_gemm(x, ldx, w, NULL, bias, y, ldy, M, n16, K, nthreads, (bf16*)scratch, NULL);
         else
             linear_bf16_amx(x, ldx, w, bias, y, ldy, M, n16, K, nthreads, (bf16*)scratch);
         if (n16 < N)
@@ -526,9 +596,59 @@ static void linear_q_amx(const qweight* q, const bf16* x, int64_t ldx, const bf1
             const int64_t n0 = c * 64;
             const int nblk = (int)((N16 - n0) / 16 < 4 ? (N16 - n0) / 16 : 4);
             dequant_rows(q, n0, 16 * nblk, K, buf);
-            amx_rows(buf, xt, bias, y, ldy, mr, n0, nblk, K);
+            amx_rows(buf, NULL, 0, xt, bias, y, ldy, mr, n0, nblk, K);
         }
         _tile_release();
+    }
+}
+
+/* y = x W^T (+ b) for M <= 16 rows from the 12-bit layout (N a multiple of 16, K of 32, AMX); xt: K * 16 bf16 */
+__attribute__((target("amx-tile,amx-bf16")))
+static void linear_bf16c(const bf16* x, int64_t ldx, const bf16c* cw, const bf16* bias, bf16* y, int64_t ldy,
+                         int64_t M, int64_t N, int64_t K, int nthreads, bf16* xt) {
+    transpose_rows_amx(x, ldx, (int)M, K, xt);
+    const int64_t nchunks = (N / 16 + 3) / 4;
+    const int nt = pick_threads(nchunks, N * K * 3 / 2, nthreads);
+#pragma omp parallel num_threads(nt)
+    {
+        amx_configure(7);
+#pragma omp for schedule(static)
+        for (int64_t c = 0; c < nchunks; c++) {
+            const int64_t n0 = c * 64;
+            const int nblk = (int)((N - n0) / 16 < 4 ? (N - n0) / 16 : 4);
+            amx_rows(NULL, cw, c, xt, bias, y, ldy, (int)M, n0, nblk, K);
+        }
+        _tile_release();
+    }
+}
+
+/* Any M: up to 16 rows one pass decoding tile by tile, more on the 2 x 2 blocked GEMM, each thread decoding 64
+ * rows of W at a time. Returns 0, or -2 where the shapes or the CPU do not fit (N % 16, K % 32, no AMX). */
+int it_linear_bf16c(const bf16* x, int64_t ldx, const bf16c* cw, const bf16* bias, bf16* y, int64_t ldy, int64_t M,
+                    int64_t N, int64_t K, int nthreads) {
+    if (amx_state != 1 || M < 1 || N % 16 || K % 32) return -2;
+    bf16* xt = aligned_alloc(64, (size_t)bf16_scratch_bytes(M, K));
+    if (M <= 16) {
+        linear_bf16c(x, ldx, cw, bias, y, ldy, M, N, K, nthreads, xt);
+    } else {
+        bf16* wdec = aligned_alloc(64, (size_t)(nthreads > 0 ? nthreads : 1) * 64 * K * 2);
+        linear_bf16_amx_gemm(x, ldx, NULL, cw, bias, y, ldy, M, N, K, nthreads, xt, wdec);
+        free(wdec);
+    }
+    free(xt);
+    return 0;
+}
+
+/* The bf16 weight [N, K] back from the 12-bit layout (for prefills' GEMMs and tests) */
+void it_unpack_bf16c(const bf16c* cw, bf16* w, int64_t N, int64_t K, int nthreads) {
+    const int64_t nchunks = (N + 63) / 64;
+    const int nt = pick_threads(nchunks, N * K * 2, nthreads);
+#pragma omp parallel num_threads(nt)
+    {
+#pragma omp for schedule(static)
+        for (int64_t c = 0; c < nchunks; c++) {
+            bf16c_rows(cw, K, c, (int)(N - c * 64 < 64 ? N - c * 64 : 64), w + c * 64 * K);
+        }
     }
 }
 
@@ -842,7 +962,8 @@ void it_dequant_w4(const uint8_t* packed, const float* scale, const float* zero,
  */
 
 typedef struct {
-    int32_t kind;         /* 0: bf16 weight [N, K]; 1: int8 [N, K], per-row scale; 2: int4 (it_linear_w4's layout) */
+    int32_t kind;         /* 0: bf16 weight [N, K]; 1: int8 [N, K], per-row scale; 2: int4 (it_linear_w4's layout);
+                             3: bf16 in 12 bits (w points at a bf16c; N % 16 == 0, K % 32 == 0, AMX) */
     int32_t scale_is_f32; /* kind 1: scale is fp32 (1) or bf16 (0) */
     const void* w;
     const void* scale;    /* kind 1: [N]; kind 2: fp32 [N, K / group] */
@@ -954,6 +1075,8 @@ static void run_lin(const it_lin* L, const bf16* x, int64_t ldx, bf16* y, int64_
                     void* scratch) {
     if (L->kind == 0)
         linear_bf16(x, ldx, (const bf16*)L->w, L->bias, y, ldy, M, L->N, L->K, nthreads, scratch);
+    else if (L->kind == 3) /* M <= 16 here (the fused step's rows) */
+        linear_bf16c(x, ldx, (const bf16c*)L->w, L->bias, y, ldy, M, L->N, L->K, nthreads, (bf16*)scratch);
     else if (L->kind == 2)
         linear_w4(x, ldx, (const uint8_t*)L->w, (const float*)L->scale, L->zero, L->group, L->bias, y, ldy, M, L->N,
                   L->K, nthreads, scratch);

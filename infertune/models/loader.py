@@ -73,6 +73,7 @@ def _empty_on(meta: torch.Tensor, device: torch.device) -> torch.Tensor:
 def load_model(
     arch: ArchConfig, model_dir: str, dtype: torch.dtype, device: torch.device, max_position: int, attn: AttentionBackend,
     show_progress: bool = False, quant: QuantConfig | None = None, backend=None, prepack: bool = True, kernels=None,
+    compress: bool = False,
 ) -> nn.Module:
     files = checkpoint_files(model_dir)
     cls = get_model_class(arch.architecture)
@@ -81,11 +82,11 @@ def load_model(
     packed = getattr(cls, "packed_modules", {})
     stored = read_stored_quant(model_dir)
     if stored is None:
-        attach_linear_methods(model, quant, backend, prepack, dtype, kernels)
+        attach_linear_methods(model, quant, backend, prepack, dtype, kernels, compress)
     else:  # already quantized: the stored integers are loaded as they are, then only packed for the kernels
         if quant is not None and quant.method not in (None, stored.method):
             raise ValueError(f"{model_dir} is already quantized ({stored.method}); drop quantization={quant.method!r}")
-        attach_linear_methods(model, None, backend, prepack, dtype, kernels)
+        attach_linear_methods(model, None, backend, prepack, dtype, kernels, compress)
         attach_stored_methods(model, stored, packed, dtype, backend, kernels)
     materialize(model, device)
     params = dict(model.named_parameters(remove_duplicate=False))

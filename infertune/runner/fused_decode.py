@@ -22,7 +22,7 @@ import torch
 
 from infertune.layers.attention import AttentionMetadata
 from infertune.layers.attention.paged import Int8PagedAttention, TorchPagedAttention
-from infertune.layers.linear import DecodeKernelMethod, Linear
+from infertune.layers.linear import Bf16cMethod, DecodeKernelMethod, Linear
 from infertune.quant.int4 import W4A16Method
 from infertune.quant.int8 import W8A16Method, W8A8Method
 
@@ -133,6 +133,9 @@ def _fill_lin(c, lin: Linear) -> list[torch.Tensor]:
     bias = lin.bias
     c.bias = bias.data_ptr() if bias is not None else None
     c.N, c.K = lin.out_features, lin.in_features
+    if isinstance(lin.quant_method, Bf16cMethod):
+        c.kind, c.w = 3, ctypes.addressof(lin.quant_method.desc)
+        return [b for _, b in lin.named_buffers() if _.startswith("bf16c_")] + ([bias] if bias is not None else [])
     if isinstance(lin.quant_method, DecodeKernelMethod):
         w = lin.weight
         assert w.is_contiguous() and w.dtype is torch.bfloat16

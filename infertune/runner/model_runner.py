@@ -56,6 +56,7 @@ class ModelRunner:
         self.model = load_model(
             arch, config.model.model, self.dtype, self.device, config.model.max_model_len, self.attn, show_progress,
             quant=config.quant, backend=backend, prepack=config.model.prepack_weights, kernels=self.decode_kernels,
+            compress=config.model.compress_weights == "auto" and config.model.compile != "on",
         )
         self.block_size = config.cache.block_size
         self.kv_info = self._plan_kv_cache()
