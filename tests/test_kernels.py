@@ -430,26 +430,36 @@ def test_bf16c_linear_is_the_bf16_kernel_bit_for_bit(m):
 
 
 @needs_bf16c
-def test_engine_with_12bit_weights_is_the_engine_with_bf16_weights(tmp_path):
+def test_engine_with_12bit_weights_is_the_engine_with_bf16_weights(tmp_path, monkeypatch):
     """compress_weights="auto" (the default) against "off" on one checkpoint: the plain bf16 projections are held
-    in the 12-bit layout and the outputs are bit for bit the same (a batch of 4, so every step multiplies on the
-    tiles in both engines: the prefills' GEMM and the fused decode step)."""
+    in the 12-bit layout and the outputs are bit for bit the same. A batch of 4 short prompts (every step on the
+    tiles in both engines: the prefill's GEMM, the fused decode step), then one of 150 tokens (past 128 rows:
+    torch's GEMM on the unpacked weight, the MLP in row blocks unpacking its two weights once per prefill)."""
     from conftest import make_checkpoint
 
     from infertune import LLM, SamplingParams
+    from infertune.models import llama
 
+    monkeypatch.setattr(llama, "MLP_CHUNK_ROWS", 64)
+    unpacks = []
+    real_unpack = kernels.unpack_bf16c
+    monkeypatch.setattr(kernels, "unpack_bf16c", lambda *a: unpacks.append(a[1:]) or real_unpack(*a))
     model = make_checkpoint(tmp_path / "m", "llama", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                             tie_word_embeddings=True, dtype=torch.bfloat16)
     prompts = [{"prompt_token_ids": [5 + i, 17, 33, 2 + i, 60]} for i in range(4)]
+    long = [{"prompt_token_ids": [(7 * i) % 250 + 3 for i in range(150)]}]
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2)
     runs = {}
     for mode in ("auto", "off"):
-        llm = LLM(str(model), dtype="bfloat16", compress_weights=mode, max_model_len=64)
+        llm = LLM(str(model), dtype="bfloat16", compress_weights=mode, max_model_len=192)
         runner = llm.engine.executor.runner
         methods = {type(m.quant_method).__name__ for m in runner.model.modules() if isinstance(m, Linear)}
         assert ("Bf16cMethod" in methods) == (mode == "auto")
+        unpacks.clear()
         runs[mode] = [(o.outputs[0].token_ids, [(lp.token_id, lp.logprob) for lp in o.outputs[0].logprobs])
-                      for o in llm.generate(prompts, params, use_tqdm=False)]
+                      for batch in (prompts, long) for o in llm.generate(batch, params, use_tqdm=False)]
+        # the long prefill: per layer qkv and o_proj once each, gate_up and down once for their 3 row blocks
+        assert len(unpacks) == (8 if mode == "auto" else 0), unpacks
     assert runs["auto"] == runs["off"]
     with pytest.raises(ValueError, match="compress_weights"):
         LLM(str(model), dtype="bfloat16", compress_weights="on")

@@ -7,6 +7,7 @@ knows how to load each shard into its slice; that knowledge lives on the paramet
 from __future__ import annotations
 
 import abc
+import contextlib
 
 import torch
 import torch.nn.functional as F
@@ -78,6 +79,7 @@ class Bf16cMethod(DecodeKernelMethod):
     kernels.bf16_max_rows() rows unpack the layer's bf16 weight for torch's GEMM (~1 ms per 10M weights)."""
 
     name = "decode-kernel-12bit"
+    _held: torch.Tensor | None = None  # the unpacked weight while held (see held_dense)
 
     def process_weights_after_loading(self, layer: "Linear") -> None:
         packed = self.kernels.pack_bf16c(layer.weight.data)
@@ -88,6 +90,8 @@ class Bf16cMethod(DecodeKernelMethod):
 
     def dense_weight(self, layer: "Linear") -> torch.Tensor:
         """The bf16 weight [out, in], bit for bit as loaded."""
+        if self._held is not None:
+            return self._held
         return self.kernels.unpack_bf16c(self.desc, layer.out_features, layer.in_features)
 
     def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
@@ -96,6 +100,20 @@ class Bf16cMethod(DecodeKernelMethod):
         if x.dtype is torch.bfloat16 and x.numel() <= self.max_rows * x.shape[-1]:
             return self.kernels.linear_bf16c(x, self.desc, layer.out_features, layer.bias)
         return F.linear(x, self.dense_weight(layer).to(x.dtype), layer.bias)
+
+
+@contextlib.contextmanager
+def held_dense(*layers: "Linear"):
+    """Within the block, layers that keep their weights packed (Bf16cMethod) unpack them once and reuse that for
+    every big matmul (a long prefill's MLP row blocks), instead of once per call; freed on exit."""
+    held = [layer for layer in layers if isinstance(layer.quant_method, Bf16cMethod)]
+    for layer in held:
+        layer.quant_method._held = layer.quant_method.dense_weight(layer)
+    try:
+        yield
+    finally:
+        for layer in held:
+            layer.quant_method._held = None
 
 
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard: object = None) -> None:

@@ -19,7 +19,7 @@ from torch import nn
 from infertune.config import ArchConfig
 from infertune.layers.activation import silu_and_mul
 from infertune.layers.attention import AttentionBackend, AttentionMetadata
-from infertune.layers.linear import Linear, PackedLinear
+from infertune.layers.linear import Linear, PackedLinear, held_dense
 from infertune.layers.norm import RMSNorm
 from infertune.layers.rotary import RotaryEmbedding
 
@@ -71,8 +71,9 @@ class LlamaMLP(nn.Module):
             # A long prefill runs the MLP a block of rows at a time: its two big activations (gate_up, 2 x
             # intermediate wide, and act) then take a quarter of the memory at 2048 rows, for the same GEMM speed.
             out = x.new_empty((rows, self.down_proj.out_features))
-            for start in range(0, rows, MLP_CHUNK_ROWS):
-                out[start : start + MLP_CHUNK_ROWS] = self._mlp(x[start : start + MLP_CHUNK_ROWS])
+            with held_dense(self.gate_up_proj, self.down_proj):  # packed weights: unpacked once, not per block
+                for start in range(0, rows, MLP_CHUNK_ROWS):
+                    out[start : start + MLP_CHUNK_ROWS] = self._mlp(x[start : start + MLP_CHUNK_ROWS])
             return out
         return self._mlp(x)
 
