@@ -405,6 +405,12 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.T
 BF16C_FIELDS = ("codes", "table", "esc_start", "esc_pos", "esc_val")
 
 
+# Byte s of a row pair's 64 low bytes holds weight _BF16C_ORDER[s] of the pair (row r's 32, then row r + 1's):
+# VPUNPCKLBW / VPUNPCKHBW interleave bytes 0-7 / 8-15 of each 128-bit lane, so s = 16 L + 8 h + j carries weight
+# 32 h + 8 L + j, and the low unpack yields row r in order, the high one row r + 1.
+_BF16C_ORDER = torch.tensor([32 * ((s % 16) // 8) + 8 * (s // 16) + s % 8 for s in range(64)])
+
+
 def bf16c_supported(n: int, k: int) -> bool:
     """Whether a [n, k] weight can take the 12-bit layout here (the decoder runs on AMX tiles)."""
     _load()
@@ -414,7 +420,9 @@ def bf16c_supported(n: int, k: int) -> bool:
 def pack_bf16c(w: torch.Tensor) -> dict[str, torch.Tensor]:
     """A bf16 weight [N, K] -> the tensors of the 12-bit layout: each weight's low byte, plus a 4-bit code into a
     table of the 16 most common high bytes (sign and exponent); weights whose high byte is not in the table are
-    listed aside (position, value) and patched in when a tile is decoded. Exact: unpack_bf16c gives w back."""
+    listed aside (position, value) and patched in when a tile is decoded. Exact: unpack_bf16c gives w back.
+    Layout: chunks of 64 rows (zero-padded), each K / 32 tiles of 32 row pairs x 96 bytes (64 low bytes in
+    _BF16C_ORDER, then 32 bytes whose byte i holds the codes of low bytes i and i + 32 in its two nibbles)."""
     if w.dtype is not torch.bfloat16 or w.dim() != 2 or w.shape[1] % 32:
         raise ValueError(f"pack_bf16c takes a bf16 [N, K] weight with K a multiple of 32, got {w.dtype} {tuple(w.shape)}")
     n, k = w.shape
@@ -430,11 +438,11 @@ def pack_bf16c(w: torch.Tensor) -> dict[str, torch.Tensor]:
     if n64 != n:  # zero-padded rows (codes 0, low bytes 0): decoded, multiplied, never stored
         pad = (0, 0, 0, n64 - n)
         lo, code = torch.nn.functional.pad(lo, pad), torch.nn.functional.pad(code, pad)
-    # [chunk, row, ks, 32] -> [chunk, ks, row, 32]
-    lo = lo.view(n64 // 64, 64, ks, 32).transpose(1, 2)
-    code = code.view(n64 // 64, 64, ks, 32).transpose(1, 2)
-    nib = code[..., :16] | (code[..., 16:] << 4)
-    codes = torch.cat([lo, nib], dim=-1).contiguous()  # [chunks, ks, 64, 48]
+    # [chunk, row, ks, 32] -> [chunk, ks, row pair, 64]; within a pair, the order the kernel's byte unpacks undo
+    lo = lo.view(n64 // 64, 64, ks, 32).transpose(1, 2).reshape(n64 // 64, ks, 32, 64)[..., _BF16C_ORDER]
+    code = code.view(n64 // 64, 64, ks, 32).transpose(1, 2).reshape(n64 // 64, ks, 32, 64)[..., _BF16C_ORDER]
+    nib = code[..., :32] | (code[..., 32:] << 4)
+    codes = torch.cat([lo, nib], dim=-1).contiguous()  # [chunks, ks, 32, 96]
     rows, cols = escaped.nonzero(as_tuple=True)
     tile = (rows // 64) * ks + cols // 32
     pos = (rows % 64) * 32 + cols % 32

@@ -247,9 +247,8 @@ static inline void amx_configure(int n) { amx_tiles(n, 0, 16); }
  * checkpoint, 25% fewer bytes stream from memory in a decode step, and the layer holds 0.75x the memory.
  *
  * Layout (built by kernels/cpu.py pack_bf16c): the weight rows in chunks of 64 (zero-padded), each chunk as K / 32
- * tiles of 64 rows x 32 weights, each row of a tile 48 bytes: the 32 low bytes, then 16 bytes of codes (weight
- * j < 16 in the low nibble of byte j, weight j + 16 in its high nibble). Tiles follow each other chunk by chunk,
- * so a thread walking its chunks reads one sequential stream.
+ * tiles of 64 rows x 32 weights, each pair of rows of a tile 96 bytes (see bf16c_tile). Tiles follow each other
+ * chunk by chunk, so a thread walking its chunks reads one sequential stream.
  */
 typedef struct {
     const uint8_t* codes;      /* [N64 / 64][K / 32][64][48] */
@@ -262,21 +261,26 @@ typedef struct {
 #define BF16C_TILE_BYTES (64 * 48)
 #define BF16C_PF_TILES 4 /* prefetch distance along the stream, in tiles */
 
-/* Rows 0 .. rows - 1 of tile (chunk, ks) as bf16 into out, rows ld elements apart (64-byte aligned rows) */
+/* Rows 0 .. rows - 1 (an even count) of tile (chunk, ks) as bf16 into out, rows ld elements apart. Two rows a
+ * step: their 64 low bytes (in the order VPUNPCKL/HBW interleave, see pack_bf16c), then 32 bytes of codes (byte i:
+ * low byte i's code in its low nibble, low byte i + 32's in its high nibble); one VPSHUFB looks up the 64 high
+ * bytes, and the two unpacks write the two rows. */
 static inline void bf16c_tile(const bf16c* c, int64_t KS, int64_t chunk, int64_t ks, int rows, bf16* out,
                               int64_t ld) {
     const int64_t t = chunk * KS + ks;
     const uint8_t* b = c->codes + t * BF16C_TILE_BYTES;
-    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)c->table));
-    for (int r = 0; r < rows; r++) {
+    const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)c->table));
+    const __m512i nibble = _mm512_set1_epi8(0x0f);
+    for (int r = 0; r < rows; r += 2) {
         const uint8_t* p = b + r * 48;
         if ((r & 3) == 0) /* 4 rows = 3 lines */
             for (int l = 0; l < 192; l += 64) _mm_prefetch((const char*)p + BF16C_PF_TILES * BF16C_TILE_BYTES + l, _MM_HINT_T0);
-        const __m128i nib = _mm_loadu_si128((const __m128i*)(p + 32));
-        const __m256i code = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(nib, 4), nib), _mm256_set1_epi8(0x0f));
-        const __m256i hi = _mm256_shuffle_epi8(table, code);
-        _mm512_storeu_si512(out + r * ld, _mm512_or_si512(_mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)p)),
-                                                         _mm512_slli_epi16(_mm512_cvtepu8_epi16(hi), 8)));
+        const __m256i nib = _mm256_loadu_si256((const __m256i*)(p + 64));
+        const __m512i code = _mm512_and_si512(
+            _mm512_inserti64x4(_mm512_castsi256_si512(nib), _mm256_srli_epi16(nib, 4), 1), nibble);
+        const __m512i hi = _mm512_shuffle_epi8(table, code), lo = _mm512_loadu_si512((const void*)p);
+        _mm512_storeu_si512(out + r * ld, _mm512_unpacklo_epi8(lo, hi));
+        _mm512_storeu_si512(out + (r + 1) * ld, _mm512_unpackhi_epi8(lo, hi));
     }
     for (int32_t e = c->esc_start[t]; e < c->esc_start[t + 1]; e++)
         out[(c->esc_pos[e] >> 5) * ld + (c->esc_pos[e] & 31)] = c->esc_val[e];
