@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -49,15 +50,16 @@ def cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
-def _cpu_flags() -> set[str]:
+@functools.lru_cache(maxsize=1)
+def _cpu_flags() -> frozenset[str]:
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return set()
+    return frozenset()
 
 
 def _compiler() -> str | None:
@@ -136,6 +138,12 @@ def _load() -> None:
         lib.it_linear_bf16c.restype = cint
         lib.it_unpack_bf16c.argtypes = [ctypes.POINTER(Bf16c), ptr, i64, i64, cint]
         lib.it_unpack_bf16c.restype = None
+        lib.it_bf16c_hist.argtypes = [ptr, i64, ptr, cint]
+        lib.it_bf16c_hist.restype = None
+        lib.it_bf16c_pack.argtypes = [ptr, i64, i64, ptr, ptr, ptr, cint]
+        lib.it_bf16c_pack.restype = None
+        lib.it_bf16c_escapes.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, cint]
+        lib.it_bf16c_escapes.restype = None
         global _amx
         _amx = bool(lib.it_amx_init(int({"amx_tile", "amx_bf16"} <= _cpu_flags())))  # asks Linux for the tile state
         _lib = lib
@@ -405,54 +413,45 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.T
 BF16C_FIELDS = ("codes", "table", "esc_start", "esc_pos", "esc_val")
 
 
-# Byte s of a row pair's 64 low bytes holds weight _BF16C_ORDER[s] of the pair (row r's 32, then row r + 1's):
-# VPUNPCKLBW / VPUNPCKHBW interleave bytes 0-7 / 8-15 of each 128-bit lane, so s = 16 L + 8 h + j carries weight
-# 32 h + 8 L + j, and the low unpack yields row r in order, the high one row r + 1.
-_BF16C_ORDER = torch.tensor([32 * ((s % 16) // 8) + 8 * (s // 16) + s % 8 for s in range(64)])
-
-
 def bf16c_supported(n: int, k: int) -> bool:
     """Whether a [n, k] weight can take the 12-bit layout here (the decoder runs on AMX tiles)."""
     _load()
-    return _lib is not None and _amx and n % 16 == 0 and k % 32 == 0 and n > 0 and k > 0
+    return (_lib is not None and _amx and "avx512vbmi" in _cpu_flags()  # the packer's VPERMB
+            and n % 16 == 0 and k % 32 == 0 and n > 0 and k > 0)
 
 
 def pack_bf16c(w: torch.Tensor) -> dict[str, torch.Tensor]:
     """A bf16 weight [N, K] -> the tensors of the 12-bit layout: each weight's low byte, plus a 4-bit code into a
     table of the 16 most common high bytes (sign and exponent); weights whose high byte is not in the table are
     listed aside (position, value) and patched in when a tile is decoded. Exact: unpack_bf16c gives w back.
-    Layout: chunks of 64 rows (zero-padded), each K / 32 tiles of 32 row pairs x 96 bytes (64 low bytes in
-    _BF16C_ORDER, then 32 bytes whose byte i holds the codes of low bytes i and i + 32 in its two nibbles)."""
+    Layout: chunks of 64 rows (zero-padded), each K / 32 tiles of 32 row pairs x 96 bytes (the 64 low bytes in
+    the order the decoder's byte unpacks undo, cpu_kernels.c BF16C_ORDER, then 32 bytes whose byte i holds the
+    codes of low bytes i and i + 32 in its two nibbles). Packed in C, ~2 ms per million weights on 2 threads."""
     if w.dtype is not torch.bfloat16 or w.dim() != 2 or w.shape[1] % 32:
         raise ValueError(f"pack_bf16c takes a bf16 [N, K] weight with K a multiple of 32, got {w.dtype} {tuple(w.shape)}")
+    _load()
+    w = w.contiguous()
     n, k = w.shape
-    bits = w.contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
-    hi, lo = bits >> 8, (bits & 0xFF).to(torch.uint8)
-    table = torch.bincount(hi.flatten(), minlength=256).topk(16).indices  # most common first
-    code_of = torch.full((256,), -1, dtype=torch.int64)
-    code_of[table] = torch.arange(16)
-    code = code_of[hi]
-    escaped = code < 0
-    code = code.clamp(min=0).to(torch.uint8)
-    n64, ks = -(-n // 64) * 64, k // 32
-    if n64 != n:  # zero-padded rows (codes 0, low bytes 0): decoded, multiplied, never stored
-        pad = (0, 0, 0, n64 - n)
-        lo, code = torch.nn.functional.pad(lo, pad), torch.nn.functional.pad(code, pad)
-    # [chunk, row, ks, 32] -> [chunk, ks, row pair, 64]; within a pair, the order the kernel's byte unpacks undo
-    lo = lo.view(n64 // 64, 64, ks, 32).transpose(1, 2).reshape(n64 // 64, ks, 32, 64)[..., _BF16C_ORDER]
-    code = code.view(n64 // 64, 64, ks, 32).transpose(1, 2).reshape(n64 // 64, ks, 32, 64)[..., _BF16C_ORDER]
-    nib = code[..., :32] | (code[..., 32:] << 4)
-    codes = torch.cat([lo, nib], dim=-1).contiguous()  # [chunks, ks, 32, 96]
-    rows, cols = escaped.nonzero(as_tuple=True)
-    tile = (rows // 64) * ks + cols // 32
-    pos = (rows % 64) * 32 + cols % 32
-    order = torch.argsort(tile * 2048 + pos)
-    tile, pos = tile[order], pos[order]
-    start = torch.zeros(n64 // 64 * ks + 1, dtype=torch.int64)
-    start[1:] = torch.bincount(tile, minlength=n64 // 64 * ks).cumsum(0)
-    return {"codes": codes.view(-1), "table": table.to(torch.uint8).contiguous(),
-            "esc_start": start.to(torch.int32), "esc_pos": pos.to(torch.int16).contiguous(),
-            "esc_val": w[rows[order], cols[order]].contiguous()}
+    threads = torch.get_num_threads()
+    hist = torch.empty(256, dtype=torch.int64)
+    _lib.it_bf16c_hist(w.data_ptr(), w.numel(), hist.data_ptr(), threads)
+    table = hist.topk(16).indices.to(torch.uint8).contiguous()  # most common first
+    code_of = torch.full((256,), -1, dtype=torch.int8)
+    code_of[table.long()] = torch.arange(16, dtype=torch.int8)
+    chunks, ks = -(-n // 64), k // 32
+    codes = torch.empty(chunks * ks * 64 * 48, dtype=torch.uint8)
+    count = torch.empty(chunks * ks, dtype=torch.int32)
+    _lib.it_bf16c_pack(w.data_ptr(), n, k, table.data_ptr(), codes.data_ptr(), count.data_ptr(), threads)
+    start = torch.zeros(chunks * ks + 1, dtype=torch.int32)
+    start[1:] = count.cumsum(0)
+    total = int(start[-1])
+    pos = torch.empty(total, dtype=torch.int16)
+    val = torch.empty(total, dtype=torch.bfloat16)
+    if total:
+        _lib.it_bf16c_escapes(w.data_ptr(), n, k, code_of.data_ptr(), start.data_ptr(), pos.data_ptr(),
+                              val.data_ptr(), threads)
+    return {"codes": codes, "table": table, "esc_start": start, "esc_pos": pos,
+            "esc_val": val}
 
 
 def bf16c_struct(packed: dict[str, torch.Tensor]) -> Bf16c:

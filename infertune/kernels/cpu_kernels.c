@@ -643,6 +643,88 @@ int it_linear_bf16c(const bf16* x, int64_t ldx, const bf16c* cw, const bf16* bia
     return 0;
 }
 
+/* Packing (kernels/cpu.py pack_bf16c drives it): the histogram of high bytes; then the codes of every tile, with
+ * each tile's count of weights outside the table; then the escapes' positions and values (esc_start filled). */
+void it_bf16c_hist(const bf16* w, int64_t n, int64_t* hist, int nthreads) {
+    memset(hist, 0, 256 * sizeof(int64_t));
+    const int nt = pick_threads(nthreads, n * 2, nthreads);
+#pragma omp parallel num_threads(nt)
+    {
+        int64_t mine[256] = {0};
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < n; i++) mine[w[i] >> 8]++;
+#pragma omp critical
+        for (int h = 0; h < 256; h++) hist[h] += mine[h];
+    }
+}
+
+/* Byte s of a row pair's stored low bytes is weight BF16C_ORDER[s] of the pair (row r's 32, then row r + 1's):
+ * VPUNPCKLBW / VPUNPCKHBW interleave bytes 0-7 / 8-15 of each 128-bit lane, so s = 16 L + 8 h + j carries weight
+ * 32 h + 8 L + j, and the low unpack gives row r in order, the high one row r + 1. */
+static const uint8_t BF16C_ORDER[64] = {0, 1, 2, 3, 4, 5, 6, 7, 32, 33, 34, 35, 36, 37, 38, 39,
+                                        8, 9, 10, 11, 12, 13, 14, 15, 40, 41, 42, 43, 44, 45, 46, 47,
+                                        16, 17, 18, 19, 20, 21, 22, 23, 48, 49, 50, 51, 52, 53, 54, 55,
+                                        24, 25, 26, 27, 28, 29, 30, 31, 56, 57, 58, 59, 60, 61, 62, 63};
+
+/* table: the 16 high bytes. codes: the layout; esc_count: [tiles], the weights outside the table in each tile.
+ * 64 weights (a row pair) a step: 16 byte compares against the table give the codes, VPERMB the stored order. */
+__attribute__((target("avx512vbmi")))
+void it_bf16c_pack(const bf16* w, int64_t N, int64_t K, const uint8_t* table, uint8_t* codes, int32_t* esc_count,
+                   int nthreads) {
+    const int64_t nchunks = (N + 63) / 64, KS = K / 32;
+    const __m512i order = _mm512_loadu_si512((const void*)BF16C_ORDER);
+#pragma omp parallel for num_threads(pick_threads(nchunks, N * K * 2, nthreads)) schedule(static)
+    for (int64_t c = 0; c < nchunks; c++)
+        for (int64_t ks = 0; ks < KS; ks++) {
+            uint8_t* b = codes + (c * KS + ks) * BF16C_TILE_BYTES;
+            int32_t esc = 0;
+            for (int r = 0; r < 64; r += 2) {
+                uint8_t* p = b + r * 48;
+                const int64_t row = c * 64 + r;
+                if (row >= N) { /* padding (N is even: a pair is all rows or all padding) */
+                    memset(p, 0, 96);
+                    continue;
+                }
+                const __m512i v0 = _mm512_loadu_si512((const void*)(w + row * K + ks * 32));
+                const __m512i v1 = _mm512_loadu_si512((const void*)(w + (row + 1) * K + ks * 32));
+                const __m512i lo = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(v0)),
+                                                      _mm512_cvtepi16_epi8(v1), 1);
+                const __m512i hi = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(_mm512_srli_epi16(v0, 8))),
+                                                      _mm512_cvtepi16_epi8(_mm512_srli_epi16(v1, 8)), 1);
+                __m512i code = _mm512_setzero_si512();
+                __mmask64 found = 0;
+                for (int t = 0; t < 16; t++) {
+                    const __mmask64 m = _mm512_cmpeq_epi8_mask(hi, _mm512_set1_epi8((char)table[t]));
+                    code = _mm512_mask_mov_epi8(code, m, _mm512_set1_epi8((char)t));
+                    found |= m;
+                }
+                esc += 64 - __builtin_popcountll(found);
+                const __m512i cs = _mm512_permutexvar_epi8(order, code);
+                _mm512_storeu_si512((void*)p, _mm512_permutexvar_epi8(order, lo));
+                _mm256_storeu_si256((__m256i*)(p + 64), _mm256_or_si256(_mm512_castsi512_si256(cs),
+                                    _mm256_slli_epi16(_mm512_extracti64x4_epi64(cs, 1), 4)));
+            }
+            esc_count[c * KS + ks] = esc;
+        }
+}
+
+/* esc_start [tiles + 1] (the prefix sums of esc_count) given; fills esc_pos / esc_val tile by tile */
+void it_bf16c_escapes(const bf16* w, int64_t N, int64_t K, const int8_t* code_of, const int32_t* esc_start,
+                      uint16_t* esc_pos, bf16* esc_val, int nthreads) {
+    const int64_t nchunks = (N + 63) / 64, KS = K / 32;
+#pragma omp parallel for num_threads(pick_threads(nchunks, N * K * 2, nthreads)) schedule(static)
+    for (int64_t c = 0; c < nchunks; c++)
+        for (int64_t ks = 0; ks < KS; ks++) {
+            int32_t e = esc_start[c * KS + ks];
+            if (e == esc_start[c * KS + ks + 1]) continue; /* most tiles have none */
+            for (int r = 0; r < 64 && c * 64 + r < N; r++)
+                for (int j = 0; j < 32; j++) {
+                    const bf16 v = w[(c * 64 + r) * K + ks * 32 + j];
+                    if (code_of[v >> 8] < 0) { esc_pos[e] = (uint16_t)(r * 32 + j); esc_val[e] = v; e++; }
+                }
+        }
+}
+
 /* The bf16 weight [N, K] back from the 12-bit layout (for prefills' GEMMs and tests) */
 void it_unpack_bf16c(const bf16c* cw, bf16* w, int64_t N, int64_t K, int nthreads) {
     const int64_t nchunks = (N + 63) / 64;
