@@ -16,7 +16,8 @@ Metrics, per system and batch size B (N = --output-len):
   decode tok/s    B * (N - 1) / (total - TTFT)
   peak RSS MiB    the worker's peak resident set (VmHWM): imports + weights + KV cache + transients
   decode GB/s     batch 1 only: bytes of the weights at --dtype x decode tok/s (each decode step reads
-                  every weight once; tied embeddings counted once, as the LM head)
+                  every weight once; tied embeddings counted once, as the LM head). bf16-equivalent: infertune's
+                  default lossless 12-bit layout streams ~0.76x those bytes (compress_weights)
   probe GB/s      the bandwidth probe just before that worker (median of a few sums of a large tensor)
 
 Examples:
@@ -52,9 +53,10 @@ from infertune.bench.offline_workers import (  # noqa: F401  re-exported: other 
     RESULT_MARKER, current_rss_mib, make_prompts, peak_rss_mib, run_worker, worker_hf, worker_infertune,
 )
 
-SYSTEMS = ("infertune", "hf", "infertune-eager", "infertune-w8a16", "infertune-w4a16", "infertune-w8a8",
+SYSTEMS = ("infertune", "hf", "infertune-eager", "infertune-bf16", "infertune-w8a16", "infertune-w4a16", "infertune-w8a8",
            "infertune-torch", "infertune-w8a16-torch", "llama.cpp", "llama.cpp-q8_0", "llama.cpp-q4_0", "vllm")
 SYSTEM_LABELS = {"infertune": "infertune", "hf": "HF transformers", "infertune-eager": "infertune (compile off)",
+                 "infertune-bf16": "infertune (weights as loaded, 12-bit off)",
                  "infertune-w8a16": "infertune W8A16", "infertune-w4a16": "infertune W4A16 (g128)",
                  "infertune-w8a8": "infertune W8A8",
                  "infertune-torch": "infertune (torch matmuls)", "infertune-w8a16-torch": "infertune W8A16 (torch matmuls)",
@@ -63,7 +65,8 @@ SYSTEM_LABELS = {"infertune": "infertune", "hf": "HF transformers", "infertune-e
 BASELINES = ("hf", "llama.cpp", "llama.cpp-q8_0", "llama.cpp-q4_0", "vllm")
 DEFAULT_SYSTEMS = ("infertune", "hf")
 # Which peers each infertune variant is compared with, when both ran (same precision class).
-PEER_OF = {"infertune": ("hf", "llama.cpp", "vllm", "infertune-torch"), "infertune-eager": ("hf", "llama.cpp", "vllm"),
+PEER_OF = {"infertune": ("hf", "llama.cpp", "vllm", "infertune-torch", "infertune-bf16"),
+           "infertune-eager": ("hf", "llama.cpp", "vllm"), "infertune-bf16": ("hf", "llama.cpp", "vllm"),
            "infertune-torch": ("hf", "llama.cpp", "vllm"), "infertune-w8a16-torch": ("llama.cpp-q8_0",),
            "infertune-w8a16": ("llama.cpp-q8_0", "infertune-w8a16-torch"), "infertune-w8a8": ("llama.cpp-q8_0",),
            "infertune-w4a16": ("llama.cpp-q4_0",)}
@@ -125,7 +128,8 @@ def add_arguments(p: argparse.ArgumentParser, default_batch: list[int] | None = 
     g.add_argument("--batch", type=int_list, default=default_batch or [1, 16], metavar="B[,B...]",
                    help="batch sizes: prompts submitted together (default: 1,16)")
     g.add_argument("--systems", type=system_list, default=list(DEFAULT_SYSTEMS), metavar="S[,S...]",
-                   help="systems to run: infertune, hf (transformers generate), infertune-w8a16, infertune-w4a16, "
+                   help="systems to run: infertune, hf (transformers generate), infertune-bf16 (infertune with its "
+                   "bf16 weights as loaded: compress_weights off), infertune-w8a16, infertune-w4a16, "
                    "infertune-w8a8, infertune-eager (compile off), infertune-torch and infertune-w8a16-torch (the "
                    "same engine on torch's matmuls: --decode-kernels off) (default: infertune,hf)")
     g.add_argument("--baseline", action="append", default=[], choices=BASELINES, metavar="PEER",

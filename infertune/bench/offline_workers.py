@@ -80,6 +80,8 @@ def worker_infertune(args, model_dir: Path, batch: int) -> dict:
     system = args.worker.removesuffix("-torch")
     if system != args.worker:  # the same engine with torch's matmuls instead of infertune's decode kernels
         options["decode_kernels"] = "off"
+    if system == "infertune-bf16":  # the bf16 weights as loaded, not in the lossless 12-bit layout
+        options["compress_weights"] = "off"
     if system.startswith("infertune-w"):  # a quantized variant: infertune-w8a16, -w4a16, -w8a8
         options["quantization"] = system.split("-", 1)[1]
     if args.max_num_batched_tokens:
