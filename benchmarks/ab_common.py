@@ -1,4 +1,4 @@
-"""The timed generate shared by the interleaved A/B scripts (bench_compile_ab.py, bench_decode_ab.py)."""
+"""What the A/B scripts share: their options, the benchmark model, a timed generate, and alternating timers."""
 
 from __future__ import annotations
 
@@ -51,3 +51,18 @@ def interleave(engines: dict, batch: int, input_len: int, output_len: int, vocab
         for name in names if r % 2 == 0 else names[::-1]:
             res[name].append(timed_generate(engines[name], batch, input_len, output_len, vocab, r))
     return res
+
+
+def alternating_ms(paths: dict, steps: int, before=None) -> dict:
+    """Each callable of `paths` once a step, in turn, for 1 + `steps` steps (the first untimed); `before()` runs
+    ahead of each call, untimed (e.g. to evict the caches). Returns {name: [ms of each timed call]}."""
+    times = {name: [] for name in paths}
+    for step in range(steps + 1):
+        for name, fn in paths.items():
+            if before is not None:
+                before()
+            t = time.perf_counter()
+            fn()
+            if step:
+                times[name].append((time.perf_counter() - t) * 1e3)
+    return times

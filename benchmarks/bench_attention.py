@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from types import SimpleNamespace
+
+from ab_common import alternating_ms
 
 
 def main() -> int:
@@ -60,15 +61,8 @@ def main() -> int:
     paths = {"kernel, AMX": kernel(True), "kernel, AVX-512": kernel(False), "torch paged SDPA": torch_paged}
     if not kernels._amx:
         del paths["kernel, AMX"]
-    times = {name: [] for name in paths}
-    for step in range(args.steps + 1):
-        for name, fn in paths.items():
-            flush.sum()
-            t = time.perf_counter()
-            for cache in caches:
-                fn(cache)
-            if step:
-                times[name].append((time.perf_counter() - t) * 1e3)
+    steps = {name: (lambda fn=fn: [fn(cache) for cache in caches]) for name, fn in paths.items()}
+    times = alternating_ms(steps, args.steps, before=flush.sum)
     print(f"$ python benchmarks/bench_attention.py --batch {b} --context {ctx} --layers {args.layers} "
           f"--heads {args.heads} --block-size {bs} --steps {args.steps}")
     print(f"{args.threads} threads; medians over {args.steps} steps, the paths alternating")

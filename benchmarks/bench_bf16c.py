@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
+
+from ab_common import alternating_ms
 
 SHAPES = [(1152, 896), (896, 896), (9728, 896), (896, 4864)]  # (N, K) of qkv, o_proj, gate_up, down
 
@@ -51,19 +52,10 @@ def main() -> int:
     print("|---:|---:|---:|---:|---:|---:|")
     for m in (int(r) for r in args.rows.split(",")):
         xs = {k: torch.randn(m, k, generator=gen).to(torch.bfloat16) for k in {k for _, k in SHAPES}}
-        t_raw, t_packed = [], []
-        for step in range(args.steps + 1):
-            t = time.perf_counter()
-            for w in raw:
-                kernels.linear_bf16(xs[w.shape[1]], w)
-            t1 = time.perf_counter()
-            for (p, desc, n), w in zip(packed, raw):
-                kernels.linear_bf16c(xs[w.shape[1]], desc, n)
-            t2 = time.perf_counter()
-            if step:
-                t_raw.append((t1 - t) * 1e3)
-                t_packed.append((t2 - t1) * 1e3)
-        a, b = statistics.median(t_raw), statistics.median(t_packed)
+        times = alternating_ms({"bf16": lambda: [kernels.linear_bf16(xs[w.shape[1]], w) for w in raw],
+                                "12-bit": lambda: [kernels.linear_bf16c(xs[w.shape[1]], desc, n)
+                                                   for (_, desc, n), w in zip(packed, raw)]}, args.steps)
+        a, b = statistics.median(times["bf16"]), statistics.median(times["12-bit"])
         print(f"| {m} | {a:.1f} | {b:.1f} | {a / b:.2f}x | {raw_mb / a:.1f} | {raw_mb / b:.1f} |")
     return 0
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
+
+from ab_common import alternating_ms
 
 
 def race_sampler(logits, params, generator):
@@ -65,17 +66,9 @@ def main() -> int:
         for name, kw in settings.items():
             params = [SamplingParams(**kw) for _ in range(b)]
             rows = [SampleRequest(p, [0], []) for p in params]
-            t_old, t_new = [], []
-            for i in range(args.iters + 1):
-                t = time.perf_counter()
-                race_sampler(logits, params, gen)
-                t1 = time.perf_counter()
-                sampler(logits, rows)
-                t2 = time.perf_counter()
-                if i:
-                    t_old.append((t1 - t) * 1e3)
-                    t_new.append((t2 - t1) * 1e3)
-            a, n = statistics.median(t_old), statistics.median(t_new)
+            times = alternating_ms({"race": lambda: race_sampler(logits, params, gen),
+                                    "infertune": lambda: sampler(logits, rows)}, args.iters)
+            a, n = statistics.median(times["race"]), statistics.median(times["infertune"])
             print(f"| {kind} | {name} | {a:.2f} | {n:.2f} | {a / n:.1f}x |")
     return 0
 

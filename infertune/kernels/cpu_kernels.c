@@ -1395,14 +1395,19 @@ static inline __attribute__((always_inline)) void attn_scores(const it_model* m,
     }
 }
 
-/* p = softmax(p) over len entries, in place */
-static inline void softmax_row(float* r, int64_t len) {
+/* the largest of r[0 .. len - 1], in every lane */
+static inline __m512 row_max(const float* r, int64_t len) {
     __m512 mv = _mm512_set1_ps(-INFINITY);
     for (int64_t j = 0; j < len; j += 16) {
         const __mmask16 mk = mask16(len - j);
         mv = _mm512_mask_max_ps(mv, mk, mv, _mm512_maskz_loadu_ps(mk, r + j));
     }
-    const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+    return _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+}
+
+/* p = softmax(p) over len entries, in place */
+static inline void softmax_row(float* r, int64_t len) {
+    const __m512 mx = row_max(r, len);
     __m512 sum = _mm512_setzero_ps();
     for (int64_t j = 0; j < len; j += 16) {
         const __mmask16 mk = mask16(len - j);
@@ -1546,12 +1551,7 @@ static void attn_heads_amx(const it_model* m, const void* cache, const int64_t* 
     for (int h = 0; h < G; h++) {
         const float* r = w->sc + h * max_ctx;
         bf16* p = w->pb + h * w->ldp;
-        __m512 mv = _mm512_set1_ps(-INFINITY);
-        for (int64_t j = 0; j < len; j += 16) {
-            const __mmask16 mk = mask16(len - j);
-            mv = _mm512_mask_max_ps(mv, mk, mv, _mm512_maskz_loadu_ps(mk, r + j));
-        }
-        const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+        const __m512 mx = row_max(r, len);
         __m512 sum = _mm512_setzero_ps();
         for (int64_t j = 0; j < len32; j += 16) {
             const __mmask16 mk = j < len ? mask16(len - j) : 0;
