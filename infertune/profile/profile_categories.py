@@ -40,8 +40,9 @@ MATMUL_OPS = frozenset({
     "mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "mv", "addmv", "dot", "einsum", "_int_mm",
     "_addmm_activation", "_scaled_mm", "_weight_int8pack_mm", "_weight_int4pack_mm", "_weight_int4pack_mm_for_cpu",
     "_weight_int4pack_mm_with_scales_and_zeros", "_mixed_dtypes_linear", "npu_quant_matmul", "npu_weight_quant_batchmatmul",
-    # infertune's CPU kernels (infertune_kernels:: ranges), and the dequantization feeding a prefill's GEMM
-    "linear_bf16", "linear_w8", "linear_w4", "dequant_w8", "dequant_w4",
+    # infertune's CPU kernels (infertune_kernels:: ranges), and the dequantization / unpacking feeding a prefill's
+    # GEMM
+    "linear_bf16", "linear_w8", "linear_w4", "dequant_w8", "dequant_w4", "linear_bf16c", "unpack_bf16c",
 })
 # Gathers of cached K/V (reads) and scatters into the cache (writes), inside attention.
 KV_WRITE_OPS = frozenset({"index_copy_", "index_copy", "index_put_", "index_put", "_index_put_impl_", "scatter_",
