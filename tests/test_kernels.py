@@ -463,3 +463,42 @@ def test_engine_with_12bit_weights_is_the_engine_with_bf16_weights(tmp_path, mon
     assert runs["auto"] == runs["off"]
     with pytest.raises(ValueError, match="compress_weights"):
         LLM(str(model), dtype="bfloat16", compress_weights="on")
+
+
+@needs_kernels
+@pytest.mark.skipif(kernels.bf16_max_rows() <= 16, reason="fused prompts need the tile GEMM (AMX)")
+def test_fused_step_runs_short_prompts_as_accurately_as_pytorch(tmp_path, monkeypatch):
+    """A step of fresh prompts of up to kernels.bf16_max_rows() tokens in all runs through the fused step (each
+    token a row attending to its prompt up to itself, through the prompt's block table): three prompts of 5, 21
+    and 40 tokens (several blocks of 16, a partial last block) in one step, then decoding. The logprobs against
+    HF transformers in float32 are as close as those of the PyTorch forward (decode_kernels="linear")."""
+    from conftest import hf_model, make_checkpoint
+
+    from infertune import LLM, SamplingParams
+    from infertune.runner.fused_decode import FusedDecode
+
+    calls = []
+    real = FusedDecode._prefill_tables
+    monkeypatch.setattr(FusedDecode, "_prefill_tables", lambda self, meta, t: calls.append(t) or real(self, meta, t))
+    model = make_checkpoint(tmp_path / "m", "llama", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                            tie_word_embeddings=True, dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(11)
+    prompts = [{"prompt_token_ids": torch.randint(3, 250, (n,), generator=gen).tolist()} for n in (5, 21, 40)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1)
+    hf = hf_model(model).float()
+    worst = {}
+    for mode in ("auto", "linear"):
+        calls.clear()
+        llm = LLM(str(model), dtype="bfloat16", decode_kernels=mode, max_model_len=64, block_size=16)
+        errs = []
+        for out in llm.generate(prompts, params, use_tqdm=False):
+            ids = out.prompt_token_ids + out.outputs[0].token_ids
+            with torch.no_grad():
+                ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].double(), dim=-1)
+            p = len(out.prompt_token_ids)
+            for j, lp in enumerate(out.outputs[0].logprobs):
+                assert ref[p - 1 + j].max() - ref[p - 1 + j][lp.token_id] < 0.1, (mode, j, "not HF's argmax")
+                errs.append(abs(lp.logprob - ref[p - 1 + j][lp.token_id].item()))
+        assert calls == ([66] if mode == "auto" else []), calls  # the one prompt step, 5 + 21 + 40 rows
+        worst[mode] = max(errs)
+    assert worst["auto"] <= 1.5 * worst["linear"] + 0.02, worst

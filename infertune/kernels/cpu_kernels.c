@@ -1131,7 +1131,7 @@ static attn_ws attn_workspace(float* base, int64_t group, int64_t max_ctx, int64
 
 
 /* Offsets of the workspace's parts, in bytes. */
-typedef struct { int64_t h, qkv, o, gu, act, y, lin, attn, total; } ws_layout;
+typedef struct { int64_t h, qkv, o, gu, act, y, lin, dec, attn, total; } ws_layout;
 
 static ws_layout workspace(const it_model* m, int64_t T, int64_t max_ctx) {
     ws_layout l;
@@ -1146,7 +1146,16 @@ static ws_layout workspace(const it_model* m, int64_t T, int64_t max_ctx) {
     l.gu = off;   off += ALIGN64(T * 2 * m->inter * 2);
     l.act = off;  off += ALIGN64(T * m->inter * 2);
     l.y = off;    off += ALIGN64(T * m->hidden * 2);
-    l.lin = off;  off += lin_scratch_bytes(T, kmax, m->nthreads);
+    /* a linear's scratch: the largest over the layers' input widths (the transposed block of the tile GEMM is not
+       monotonic in K); past 16 rows then each thread's [64, K] rows of a 12-bit weight, decoded for the GEMM */
+    int64_t lin = 0;
+    const int64_t widths[3] = {m->hidden, hq, m->inter};
+    for (int i = 0; i < 3; i++) {
+        const int64_t b = lin_scratch_bytes(T, widths[i], m->nthreads);
+        lin = b > lin ? b : lin;
+    }
+    l.lin = off;  off += lin;
+    l.dec = off;  off += T > 16 ? ALIGN64((int64_t)(m->nthreads > 0 ? m->nthreads : 1) * 64 * kmax * 2) : 0;
     /* attention, per thread: scores [group, max_ctx] and output accumulators [group, D], fp32 */
     l.attn = off; off += ALIGN64((int64_t)(m->nthreads > 0 ? m->nthreads : 1) * attn_floats(group, max_ctx, m->head_dim) * 4);
     l.total = off;
@@ -1158,11 +1167,14 @@ int64_t it_decode_workspace_bytes(const it_model* m, int64_t T, int64_t max_ctx)
 }
 
 static void run_lin(const it_lin* L, const bf16* x, int64_t ldx, bf16* y, int64_t ldy, int64_t M, int nthreads,
-                    void* scratch) {
+                    void* scratch, bf16* dec) {
     if (L->kind == 0)
         linear_bf16(x, ldx, (const bf16*)L->w, L->bias, y, ldy, M, L->N, L->K, nthreads, scratch);
-    else if (L->kind == 3) /* M <= 16 here (the fused step's rows) */
+    else if (L->kind == 3 && M <= 16)
         linear_bf16c(x, ldx, (const bf16c*)L->w, L->bias, y, ldy, M, L->N, L->K, nthreads, (bf16*)scratch);
+    else if (L->kind == 3) /* a fused prefill's rows: the tile GEMM, 64 rows of W decoded at a time into dec */
+        linear_bf16_amx_gemm(x, ldx, NULL, (const bf16c*)L->w, L->bias, y, ldy, M, L->N, L->K, nthreads,
+                             (bf16*)scratch, dec);
     else if (L->kind == 2)
         linear_w4(x, ldx, (const uint8_t*)L->w, (const float*)L->scale, L->zero, L->group, L->bias, y, ldy, M, L->N,
                   L->K, nthreads, scratch);
@@ -1675,12 +1687,13 @@ int it_decode_layers(const it_model* m, const it_layer* layers, const it_step* s
     bf16 *h = (bf16*)(w + l.h), *qkv = (bf16*)(w + l.qkv), *o = (bf16*)(w + l.o), *gu = (bf16*)(w + l.gu);
     bf16 *act = (bf16*)(w + l.act), *y = (bf16*)(w + l.y);
     void* lin = w + l.lin;
+    bf16* dec = (bf16*)(w + l.dec);
     float* attn = (float*)(w + l.attn);
     const int64_t hkv = m->n_kv_heads, width = (m->n_heads + 2 * hkv) * D, hq = m->n_heads * D;
     for (int li = 0; li < m->n_layers; li++) {
         const it_layer* L = layers + li;
         rmsnorm_rows(x, L->input_norm, h, T, H, m->eps, m->nthreads);
-        run_lin(&L->qkv, h, H, qkv, width, T, m->nthreads, lin);
+        run_lin(&L->qkv, h, H, qkv, width, T, m->nthreads, lin, dec);
         rotary_rows(m, s, qkv);
         for (int64_t t = 0; t < T; t++)
             for (int64_t g = 0; g < hkv; g++) {
@@ -1688,12 +1701,12 @@ int it_decode_layers(const it_model* m, const it_layer* layers, const it_step* s
                 kv_write(m, L->kv_cache, 1, s->slots[t] * hkv + g, qkv + t * width + hq + (hkv + g) * D);
             }
         attention_rows(m, s, qkv, L->kv_cache, o, attn, max_ctx, 1);
-        run_lin(&L->o, o, hq, y, H, T, m->nthreads, lin);
+        run_lin(&L->o, o, hq, y, H, T, m->nthreads, lin, dec);
         add_rows(x, y, T * H);
         rmsnorm_rows(x, L->post_norm, h, T, H, m->eps, m->nthreads);
-        run_lin(&L->gate_up, h, H, gu, 2 * m->inter, T, m->nthreads, lin);
+        run_lin(&L->gate_up, h, H, gu, 2 * m->inter, T, m->nthreads, lin, dec);
         silu_mul_rows(gu, act, T, m->inter, m->nthreads);
-        run_lin(&L->down, act, m->inter, y, H, T, m->nthreads, lin);
+        run_lin(&L->down, act, m->inter, y, H, T, m->nthreads, lin, dec);
         add_rows(x, y, T * H);
     }
     return 0;

@@ -30,18 +30,24 @@ log = logging.getLogger(__name__)
 
 
 class FusedDecode:
-    def __init__(self, model, kernels, lib, cmodel, layers, keep, max_rows: int, max_ctx: int) -> None:
+    def __init__(self, model, kernels, lib, cmodel, layers, keep, max_rows: int, max_ctx: int,
+                 max_prefill_rows: int = 0) -> None:
         self.model, self.kernels, self.lib = model, kernels, lib
         self.cmodel, self.layers, self._keep = cmodel, layers, keep
         self.max_rows = max_rows
+        # Steps of fresh prompts only, of up to this many tokens in all, also run here (0: never): every token a
+        # row that attends to its own prompt up to itself, through the same block table.
+        self.max_prefill_rows = max_prefill_rows
+        self.block_size = cmodel.block_size
         self.hidden = cmodel.hidden
-        nbytes = lib.it_decode_workspace_bytes(ctypes.byref(cmodel), max_rows, max_ctx)
+        rows = max(max_rows, max_prefill_rows)
+        nbytes = lib.it_decode_workspace_bytes(ctypes.byref(cmodel), rows, max_ctx)
         self.workspace = torch.empty(nbytes + 64, dtype=torch.uint8)  # the step's only scratch, reused
         base = self.workspace.data_ptr()
         self.step = kernels.ItStep(work=(base + 63) // 64 * 64, work_bytes=nbytes)
         # The residual stream and the final norm's output: reused every step (the next step overwrites them).
-        self.x = torch.empty(max_rows, self.hidden, dtype=torch.bfloat16)
-        self.out = torch.empty(max_rows, self.hidden, dtype=torch.bfloat16)
+        self.x = torch.empty(rows, self.hidden, dtype=torch.bfloat16)
+        self.out = torch.empty(rows, self.hidden, dtype=torch.bfloat16)
         self.embed = model.model.embed_tokens.weight
         norm = model.model.norm
         self.norm_weight, self.eps = norm.weight, float(norm.eps)
@@ -75,7 +81,13 @@ class FusedDecode:
                 keep += _fill_lin(getattr(c, field), lin)
             c.kv_cache = cache.data_ptr()
         max_ctx = -(-max_model_len // block_size) * block_size
-        return cls(model, kernels, lib, cmodel, layers, keep, kernels.MAX_ROWS, max_ctx)
+        # Short prompts too, where every projection is bf16 (plain or 12-bit: the prefill's tile GEMM) and the
+        # cache is bf16 (an int8 cache would make a prompt attend to its own K/V quantized, which the PyTorch
+        # path does not).
+        bf16_only = all(isinstance(m.quant_method, DecodeKernelMethod) for m in model.model.modules()
+                        if isinstance(m, Linear))
+        prefill_rows = kernels.bf16_max_rows() if bf16_only and not cmodel.kv_int8 and kernels.bf16_max_rows() > 16 else 0
+        return cls(model, kernels, lib, cmodel, layers, keep, kernels.MAX_ROWS, max_ctx, prefill_rows)
 
     @staticmethod
     def _unsupported(model, attn, kernels, dtype) -> str | None:
@@ -104,14 +116,35 @@ class FusedDecode:
         return None
 
     def applicable(self, num_tokens: int, meta: AttentionMetadata) -> bool:
-        """A decode-only step (one new token per sequence) of at most max_rows sequences."""
-        return not meta.prefills and meta.num_decode_tokens == num_tokens <= self.max_rows
+        """A decode-only step (one new token per sequence) of at most max_rows sequences, or a step of fresh prompts
+        only (no cached context) of at most max_prefill_rows tokens in all."""
+        if not meta.prefills:
+            return meta.num_decode_tokens == num_tokens <= self.max_rows
+        return (num_tokens <= self.max_prefill_rows and meta.num_decode_tokens == 0
+                and all(c.context_slots is None and c.context_len == c.query_len for c in meta.prefills))
+
+    def _prefill_tables(self, meta: AttentionMetadata, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per token row of fresh prompts: its prompt's block table (from the slots of the prompt's first token in
+        each block; a fresh prompt starts a block) and its context length (its position + 1)."""
+        bs = self.block_size
+        width = max(-(-c.query_len // bs) for c in meta.prefills)
+        tables = torch.zeros(t, width, dtype=torch.int64)
+        lens = torch.empty(t, dtype=torch.int64)
+        for c in meta.prefills:
+            s, n = c.query_start, c.query_len
+            blocks = meta.slot_mapping[s : s + n : bs] // bs
+            tables[s : s + n, : blocks.numel()] = blocks
+            lens[s : s + n] = torch.arange(1, n + 1)
+        return tables, lens
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm: a view of a buffer the next step overwrites."""
         t = input_ids.shape[0]
         x = torch.index_select(self.embed, 0, input_ids, out=self.x[:t])  # updated in place by the kernel
-        tables, lens = meta.decode_block_tables, meta.decode_context_lens
+        if meta.prefills:
+            tables, lens = self._prefill_tables(meta, t)
+        else:
+            tables, lens = meta.decode_block_tables, meta.decode_context_lens
         s = self.step
         s.T = input_ids.shape[0]
         s.positions, s.slots = positions.data_ptr(), meta.slot_mapping.data_ptr()
