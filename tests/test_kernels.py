@@ -195,6 +195,23 @@ def test_methods_use_kernels_only_for_decode_rows(monkeypatch):
     assert ((q8(small).double() - ref).abs() <= bound * 1.01).all()
 
 
+def _hf_logprob_errors(llm, prompts, params, hf, argmax: bool) -> list[float]:
+    """|engine logprob - HF transformers' (float32) logprob| of every generated token; with argmax, each token
+    must also be HF's argmax up to bf16 noise (0.1 nats)."""
+    errs = []
+    for out in llm.generate(prompts, params, use_tqdm=False):
+        ids = out.prompt_token_ids + out.outputs[0].token_ids
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].double(), dim=-1)
+        p = len(out.prompt_token_ids)
+        for j, lp in enumerate(out.outputs[0].logprobs):
+            row = ref[p - 1 + j]
+            if argmax:
+                assert row.max() - row[lp.token_id] < 0.1, (j, "not HF's argmax beyond bf16 noise")
+            errs.append(abs(lp.logprob - row[lp.token_id].item()))
+    return errs
+
+
 @needs_kernels
 @pytest.mark.parametrize("arch,quant,kv", [("llama", None, "auto"), ("llama", "w8a16", "auto"),
                                            ("llama", "w4a16", "auto"), ("llama", None, "int8"),
@@ -224,18 +241,8 @@ def test_engine_with_kernels_matches_hf(tmp_path, arch, quant, kv):
             assert runner.decode_kernels is kernels and runner.fused is not None
         else:
             assert "DecodeKernelMethod" not in methods and runner.fused is None
-        errs = []
-        for out in llm.generate(prompts, params, use_tqdm=False):
-            ids = out.prompt_token_ids + out.outputs[0].token_ids
-            with torch.no_grad():
-                ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].double(), dim=-1)
-            p = len(out.prompt_token_ids)
-            for j, lp in enumerate(out.outputs[0].logprobs):
-                row = ref[p - 1 + j]
-                if quant is None and kv == "auto":  # quantization moves logits by more than bf16 noise: see below
-                    assert row.max() - row[lp.token_id] < 0.1, (mode, j, "not HF's argmax beyond bf16 noise")
-                errs.append(abs(lp.logprob - row[lp.token_id].item()))
-        worst[mode] = max(errs)
+        # quantization moves logits by more than bf16 noise: see below
+        worst[mode] = max(_hf_logprob_errors(llm, prompts, params, hf, argmax=quant is None and kv == "auto"))
     assert worst["auto"] <= 1.5 * worst["off"] + 0.02, worst
 
 
@@ -490,15 +497,6 @@ def test_fused_step_runs_short_prompts_as_accurately_as_pytorch(tmp_path, monkey
     for mode in ("auto", "linear"):
         calls.clear()
         llm = LLM(str(model), dtype="bfloat16", decode_kernels=mode, max_model_len=64, block_size=16)
-        errs = []
-        for out in llm.generate(prompts, params, use_tqdm=False):
-            ids = out.prompt_token_ids + out.outputs[0].token_ids
-            with torch.no_grad():
-                ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].double(), dim=-1)
-            p = len(out.prompt_token_ids)
-            for j, lp in enumerate(out.outputs[0].logprobs):
-                assert ref[p - 1 + j].max() - ref[p - 1 + j][lp.token_id] < 0.1, (mode, j, "not HF's argmax")
-                errs.append(abs(lp.logprob - ref[p - 1 + j][lp.token_id].item()))
+        worst[mode] = max(_hf_logprob_errors(llm, prompts, params, hf, argmax=True))
         assert calls == ([66] if mode == "auto" else []), calls  # the one prompt step, 5 + 21 + 40 rows
-        worst[mode] = max(errs)
     assert worst["auto"] <= 1.5 * worst["linear"] + 0.02, worst

@@ -4,8 +4,10 @@ At batch 1 the eager PyTorch forward of a 24-layer model spends ~15 ms a step ou
 dispatches, Python module calls and temporaries per layer. `FusedDecode` hands the whole stack of layers to
 one C function per step (norms, projections, rotary, the paged-KV write, attention, SiLU-and-multiply and the
 residuals), with all scratch in one workspace allocated here once and the residual stream and output in reused
-buffers, so the forward of a decode step allocates no tensor. Prefill steps, mixed steps and steps of more than
-`max_rows` sequences keep the PyTorch path.
+buffers, so the forward of a decode step allocates no tensor. Steps of fresh prompts only, of up to
+`max_prefill_rows` tokens in all, run here too where every projection is bf16 and the CPU has the tile GEMM
+(each token a row that attends to its own prompt up to itself). Longer prefills, mixed steps and steps of more
+than `max_rows` sequences keep the PyTorch path.
 
 It takes over only where it computes what the PyTorch path computes (rounded the same way, to bf16 precision):
 a Llama-family decoder in bf16 whose projections are plain bf16 (DecodeKernelMethod), W8A16 or W4A16 (in the
@@ -86,7 +88,8 @@ class FusedDecode:
         # path does not).
         bf16_only = all(isinstance(m.quant_method, DecodeKernelMethod) for m in model.model.modules()
                         if isinstance(m, Linear))
-        prefill_rows = kernels.bf16_max_rows() if bf16_only and not cmodel.kv_int8 and kernels.bf16_max_rows() > 16 else 0
+        rows = kernels.bf16_max_rows()
+        prefill_rows = rows if bf16_only and not cmodel.kv_int8 and rows > kernels.MAX_ROWS else 0
         return cls(model, kernels, lib, cmodel, layers, keep, kernels.MAX_ROWS, max_ctx, prefill_rows)
 
     @staticmethod
