@@ -111,6 +111,9 @@ def test_doctor_reports_the_decode_kernels():
 
     kernels = lambda f: {c.name: c for c in check_cpu(f)}["cpu.kernels"]  # noqa: E731
     assert kernels(facts()).status == "OK" and "built and loaded" in kernels(facts()).detail
+    assert "12 bits" not in kernels(facts()).detail  # no AMX in the default facts
+    amx = kernels(facts(cpu_flags=["avx2", "avx512f", "avx512_bf16", "avx512vbmi", "amx_tile", "amx_bf16"]))
+    assert "12 bits" in amx.detail and "compress_weights" in amx.detail
     no_cc = kernels(facts(cpu_kernels_unavailable="no C compiler (cc, gcc or clang) on PATH"))
     assert no_cc.status == "WARN" and "gcc" in no_cc.fix
     assert kernels(facts(cpu_kernels_unavailable="this CPU lacks avx512_bf16")).status == "OK"

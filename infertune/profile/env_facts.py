@@ -18,7 +18,8 @@ from dataclasses import asdict, dataclass, field, fields
 
 PACKAGES = ("torch", "transformers", "tokenizers", "safetensors", "infertune", "torch_npu")
 THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "KMP_BLOCKTIME", "OMP_WAIT_POLICY")
-CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "avx512vbmi", "amx_tile", "amx_bf16",
+             "amx_int8")
 ASCEND_HOME_VARS = ("ASCEND_TOOLKIT_HOME", "ASCEND_HOME_PATH")
 ASCEND_DEFAULT_DIRS = ("/usr/local/Ascend/ascend-toolkit/latest", "/usr/local/Ascend/cann",
                        os.path.expanduser("~/Ascend/ascend-toolkit/latest"))
