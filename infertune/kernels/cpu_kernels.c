@@ -354,8 +354,10 @@ static inline int64_t amx_rows_per_block(int64_t K) {
 
 /* scratch: amx_rows_per_block(K) * K * 2 bytes, aligned */
 __attribute__((target("amx-tile,amx-bf16")))
-static void linear_bf16_amx(const bf16* x, int64_t ldx, const bf16* w, const bf16* bias, bf16* y, int64_t ldy,
-                            int64_t M, int64_t N16, int64_t K, int nthreads, bf16* xt) {
+/* w: the weight rows as loaded, or NULL and cw: the 12-bit layout (decoded tile by tile in amx_rows; M <= 16 there,
+ * so that each tile is decoded once) */
+static void linear_bf16_amx(const bf16* x, int64_t ldx, const bf16* w, const bf16c* cw, const bf16* bias, bf16* y,
+                            int64_t ldy, int64_t M, int64_t N16, int64_t K, int nthreads, bf16* xt) {
     const int64_t nchunks = (N16 / 16 + 3) / 4; /* 64 features a chunk */
     const int64_t mb = amx_rows_per_block(K);
     for (int64_t b0 = 0; b0 < M; b0 += mb) {
@@ -375,7 +377,7 @@ static void linear_bf16_amx(const bf16* x, int64_t ldx, const bf16* w, const bf1
                 for (int64_t p = 0; p < passes; p++) { /* the chunk comes from memory once, then from cache */
                     const int64_t m0 = b0 + 16 * p;
                     const int mr = (int)(M - m0 < 16 ? M - m0 : 16);
-                    amx_rows(w + n0 * K, NULL, 0, xt + p * K * 16, bias, y + m0 * ldy, ldy, mr, n0, nblk, K);
+                    amx_rows(cw ? NULL : w + n0 * K, cw, c, xt + p * K * 16, bias, y + m0 * ldy, ldy, mr, n0, nblk, K);
                 }
             }
             _tile_release();
@@ -536,7 +538,7 @@ static void linear_bf16(const bf16* x, int64_t ldx, const bf16* w, const bf16* b
         if (M >= AMX_GEMM_MIN_ROWS)
             linear_bf16_amx_gemm(x, ldx, w, NULL, bias, y, ldy, M, n16, K, nthreads, (bf16*)scratch, NULL);
         else
-            linear_bf16_amx(x, ldx, w, bias, y, ldy, M, n16, K, nthreads, (bf16*)scratch);
+            linear_bf16_amx(x, ldx, w, NULL, bias, y, ldy, M, n16, K, nthreads, (bf16*)scratch);
         if (n16 < N)
             linear_bf16_avx512(x, ldx, w + n16 * K, bias ? bias + n16 : NULL, y + n16, ldy, M, N - n16, K, nthreads);
         return;
@@ -606,26 +608,6 @@ static void linear_q_amx(const qweight* q, const bf16* x, int64_t ldx, const bf1
     }
 }
 
-/* y = x W^T (+ b) for M <= 16 rows from the 12-bit layout (N a multiple of 16, K of 32, AMX); xt: K * 16 bf16 */
-__attribute__((target("amx-tile,amx-bf16")))
-static void linear_bf16c(const bf16* x, int64_t ldx, const bf16c* cw, const bf16* bias, bf16* y, int64_t ldy,
-                         int64_t M, int64_t N, int64_t K, int nthreads, bf16* xt) {
-    transpose_rows_amx(x, ldx, (int)M, K, xt);
-    const int64_t nchunks = (N / 16 + 3) / 4;
-    const int nt = pick_threads(nchunks, N * K * 3 / 2, nthreads);
-#pragma omp parallel num_threads(nt)
-    {
-        amx_configure(7);
-#pragma omp for schedule(static)
-        for (int64_t c = 0; c < nchunks; c++) {
-            const int64_t n0 = c * 64;
-            const int nblk = (int)((N - n0) / 16 < 4 ? (N - n0) / 16 : 4);
-            amx_rows(NULL, cw, c, xt, bias, y, ldy, (int)M, n0, nblk, K);
-        }
-        _tile_release();
-    }
-}
-
 /* Any M: up to 16 rows one pass decoding tile by tile, more on the 2 x 2 blocked GEMM, each thread decoding 64
  * rows of W at a time. Returns 0, or -2 where the shapes or the CPU do not fit (N % 16, K % 32, no AMX). */
 int it_linear_bf16c(const bf16* x, int64_t ldx, const bf16c* cw, const bf16* bias, bf16* y, int64_t ldy, int64_t M,
@@ -633,7 +615,7 @@ int it_linear_bf16c(const bf16* x, int64_t ldx, const bf16c* cw, const bf16* bia
     if (amx_state != 1 || M < 1 || N % 16 || K % 32) return -2;
     bf16* xt = aligned_alloc(64, (size_t)bf16_scratch_bytes(M, K));
     if (M <= 16) {
-        linear_bf16c(x, ldx, cw, bias, y, ldy, M, N, K, nthreads, xt);
+        linear_bf16_amx(x, ldx, NULL, cw, bias, y, ldy, M, N, K, nthreads, xt);
     } else {
         bf16* wdec = aligned_alloc(64, (size_t)(nthreads > 0 ? nthreads : 1) * 64 * K * 2);
         linear_bf16_amx_gemm(x, ldx, NULL, cw, bias, y, ldy, M, N, K, nthreads, xt, wdec);
@@ -1171,7 +1153,7 @@ static void run_lin(const it_lin* L, const bf16* x, int64_t ldx, bf16* y, int64_
     if (L->kind == 0)
         linear_bf16(x, ldx, (const bf16*)L->w, L->bias, y, ldy, M, L->N, L->K, nthreads, scratch);
     else if (L->kind == 3 && M <= 16)
-        linear_bf16c(x, ldx, (const bf16c*)L->w, L->bias, y, ldy, M, L->N, L->K, nthreads, (bf16*)scratch);
+        linear_bf16_amx(x, ldx, NULL, (const bf16c*)L->w, L->bias, y, ldy, M, L->N, L->K, nthreads, (bf16*)scratch);
     else if (L->kind == 3) /* a fused prefill's rows: the tile GEMM, 64 rows of W decoded at a time into dec */
         linear_bf16_amx_gemm(x, ldx, NULL, (const bf16c*)L->w, L->bias, y, ldy, M, L->N, L->K, nthreads,
                              (bf16*)scratch, dec);
