@@ -415,7 +415,7 @@ def test_bf16c_round_trip_is_bit_exact(n, k):
 
 
 @needs_bf16c
-@pytest.mark.parametrize("m", [1, 2, 16, 17, 100])
+@pytest.mark.parametrize("m", [1, 2, 7, 16, 17, 33, 48, 100, 530])
 def test_bf16c_linear_is_the_bf16_kernel_bit_for_bit(m):
     """The 12-bit linear against the bf16 kernel on the unpacked weight: the same bits from 2 rows up (the same
     tile products; one row takes the tiles here where the bf16 kernel takes VDPBF16PS), and within the float64

@@ -424,9 +424,11 @@ def pack_bf16c(w: torch.Tensor) -> dict[str, torch.Tensor]:
     """A bf16 weight [N, K] -> the tensors of the 12-bit layout: each weight's low byte, plus a 4-bit code into a
     table of the 16 most common high bytes (sign and exponent); weights whose high byte is not in the table are
     listed aside (position, value) and patched in when a tile is decoded. Exact: unpack_bf16c gives w back.
-    Layout: chunks of 64 rows (zero-padded), each K / 32 tiles of 32 row pairs x 96 bytes (the 64 low bytes in
-    the order the decoder's byte unpacks undo, cpu_kernels.c BF16C_ORDER, then 32 bytes whose byte i holds the
-    codes of low bytes i and i + 32 in its two nibbles). Packed in C, ~2 ms per million weights on 2 threads."""
+    Layout: chunks of 64 output features (zero-padded), each K / 32 tiles of 64 features x 32 weights stored in
+    the order the AMX B operand wants them (VNNI: per 16 features, row p holds their weights 2p and 2p + 1), as
+    32 row pairs x 96 bytes (the 64 low bytes in the order the decoder's byte unpacks undo, cpu_kernels.c
+    BF16C_ORDER, then 32 bytes whose byte i holds the codes of low bytes i and i + 32 in its two nibbles). The
+    kernels multiply x by decoded tiles as they are. Packed in C, ~2 ms per million weights on 2 threads."""
     if w.dtype is not torch.bfloat16 or w.dim() != 2 or w.shape[1] % 32:
         raise ValueError(f"pack_bf16c takes a bf16 [N, K] weight with K a multiple of 32, got {w.dtype} {tuple(w.shape)}")
     _load()
@@ -470,7 +472,8 @@ def unpack_bf16c(desc: Bf16c, n: int, k: int) -> torch.Tensor:
 
 def linear_bf16c(x: torch.Tensor, desc: Bf16c, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] bf16 times a 12-bit packed weight [n, K] (+ bias) -> [..., n] bf16, on AMX: the very products of
-    linear_bf16 on the unpacked weight (up to 16 rows one pass, more on the tile GEMM decoding 64 rows at a time)."""
+    linear_bf16 on the unpacked weight (up to 16 rows one pass, more on the tile GEMM decoding 64 features at a
+    time while it multiplies by the previous 64)."""
     _load()
     x2 = _rows(x)
     m, k = x2.shape

@@ -246,15 +246,18 @@ static inline void amx_configure(int n) { amx_tiles(n, 0, 16); }
  * lookup (VPSHUFB) and two widenings per 32 weights, exact: the tiles see the very bf16 values of the
  * checkpoint, 25% fewer bytes stream from memory in a decode step, and the layer holds 0.75x the memory.
  *
- * Layout (built by kernels/cpu.py pack_bf16c): the weight rows in chunks of 64 (zero-padded), each chunk as K / 32
- * tiles of 64 rows x 32 weights, each pair of rows of a tile 96 bytes (see bf16c_tile). Tiles follow each other
- * chunk by chunk, so a thread walking its chunks reads one sequential stream.
+ * Layout (built by kernels/cpu.py pack_bf16c): the output features in chunks of 64 (zero-padded), each chunk as
+ * K / 32 tiles of 64 features x 32 weights. A tile is stored as it decodes: four AMX B operands in VNNI order, one
+ * per 16 features (64 "rows" of 64 bytes: row 16 g + p holds, for features 16 g .. 16 g + 15, their weights 2 p and
+ * 2 p + 1), each pair of rows 96 bytes (see bf16c_tile). So the kernels multiply x (rows as they are, the A
+ * operand) by decoded tiles straight away: no transpose of x going in, none of the products coming out. Tiles
+ * follow each other chunk by chunk, so a thread walking its chunks reads one sequential stream.
  */
 typedef struct {
     const uint8_t* codes;      /* [N64 / 64][K / 32][64][48] */
     const uint8_t* table;      /* [16] high bytes */
     const int32_t* esc_start;  /* [N64 / 64 * K / 32 + 1]: the escapes of tile t are esc_start[t] .. esc_start[t + 1] */
-    const uint16_t* esc_pos;   /* r * 32 + j within the tile */
+    const uint16_t* esc_pos;   /* r * 32 + j within the decoded tile (VNNI row r, element j) */
     const bf16* esc_val;       /* the weight */
 } bf16c;
 
@@ -286,30 +289,17 @@ static inline void bf16c_tile(const bf16c* c, int64_t KS, int64_t chunk, int64_t
         out[(c->esc_pos[e] >> 5) * ld + (c->esc_pos[e] & 31)] = c->esc_val[e];
 }
 
-/* Rows 0 .. rows - 1 of chunk `chunk` (all K) as bf16 [rows][K] into out */
-static inline void bf16c_rows(const bf16c* c, int64_t K, int64_t chunk, int rows, bf16* out) {
-    for (int64_t ks = 0; ks < K / 32; ks++) bf16c_tile(c, K / 32, chunk, ks, rows, out + ks * 32, K);
-}
-
-/* 16 * nblk output features from n0 for mr (<= 16) rows: the weight rows from w0 (row stride K), or, where cw is
- * given, decoded tile by tile from chunk `chunk` of the 12-bit layout. */
+/* 16 * nblk output features from n0 for mr (<= 16) rows: the weight rows from w0 (row stride K) */
 __attribute__((target("amx-tile,amx-bf16")))
-static void amx_rows(const bf16* w0, const bf16c* cw, int64_t chunk, const bf16* xt, const bf16* bias, bf16* y,
+static void amx_rows(const bf16* w0, const bf16* xt, const bf16* bias, bf16* y,
                      int64_t ldy, int mr, int64_t n0, int nblk, int64_t K) {
     /* tiles 0-3: C, 4-5: A (alternating), 6: B */
     _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-    bf16 dec[64 * 32] __attribute__((aligned(64)));
-    const int64_t ld = cw ? 64 : K * 2, ts = cw ? 16 * 32 : 16 * K; /* A row stride (bytes), tile stride */
+    const int64_t ld = K * 2, ts = 16 * K; /* A row stride (bytes), tile stride */
     for (int64_t k = 0; k < K; k += 32) {
         _tile_loadd(6, xt + k * 16, 64);
-        const bf16* a;
-        if (cw) {
-            bf16c_tile(cw, K / 32, chunk, k / 32, 16 * nblk, dec, 32);
-            a = dec;
-        } else {
-            for (int r = 0; r < 16 * nblk; r++) _mm_prefetch((const char*)(w0 + r * K + k) + PF_BYTES, _MM_HINT_T0);
-            a = w0 + k;
-        }
+        for (int r = 0; r < 16 * nblk; r++) _mm_prefetch((const char*)(w0 + r * K + k) + PF_BYTES, _MM_HINT_T0);
+        const bf16* a = w0 + k;
         _tile_loadd(4, a, ld);
         _tile_dpbf16ps(0, 4, 6);
         if (nblk > 1) { _tile_loadd(5, a + ts, ld); _tile_dpbf16ps(1, 5, 6); }
@@ -354,9 +344,7 @@ static inline int64_t amx_rows_per_block(int64_t K) {
 
 /* scratch: amx_rows_per_block(K) * K * 2 bytes, aligned */
 __attribute__((target("amx-tile,amx-bf16")))
-/* w: the weight rows as loaded, or NULL and cw: the 12-bit layout (decoded tile by tile in amx_rows; M <= 16 there,
- * so that each tile is decoded once) */
-static void linear_bf16_amx(const bf16* x, int64_t ldx, const bf16* w, const bf16c* cw, const bf16* bias, bf16* y,
+static void linear_bf16_amx(const bf16* x, int64_t ldx, const bf16* w, const bf16* bias, bf16* y,
                             int64_t ldy, int64_t M, int64_t N16, int64_t K, int nthreads, bf16* xt) {
     const int64_t nchunks = (N16 / 16 + 3) / 4; /* 64 features a chunk */
     const int64_t mb = amx_rows_per_block(K);
@@ -377,7 +365,7 @@ static void linear_bf16_amx(const bf16* x, int64_t ldx, const bf16* w, const bf1
                 for (int64_t p = 0; p < passes; p++) { /* the chunk comes from memory once, then from cache */
                     const int64_t m0 = b0 + 16 * p;
                     const int mr = (int)(M - m0 < 16 ? M - m0 : 16);
-                    amx_rows(cw ? NULL : w + n0 * K, cw, c, xt + p * K * 16, bias, y + m0 * ldy, ldy, mr, n0, nblk, K);
+                    amx_rows(w + n0 * K, xt + p * K * 16, bias, y + m0 * ldy, ldy, mr, n0, nblk, K);
                 }
             }
             _tile_release();
@@ -473,19 +461,15 @@ static inline int64_t gemm_rows_per_block(int64_t K) {
 }
 
 __attribute__((target("amx-tile,amx-bf16")))
-static void linear_bf16_amx_gemm(const bf16* x, int64_t ldx, const bf16* w, const bf16c* cw, const bf16* bias,
-                                 bf16* y, int64_t ldy, int64_t M, int64_t N16, int64_t K, int nthreads, bf16* xt,
-                                 bf16* wdec) {
-    /* chunks of 32 features; of 64 (a tile row of the 12-bit layout, decoded into this thread's wdec [64, K]
-       once per block of rows) where cw is given */
-    const int64_t step = cw ? 64 : 32, nchunks = (N16 + step - 1) / step;
+static void linear_bf16_amx_gemm(const bf16* x, int64_t ldx, const bf16* w, const bf16* bias, bf16* y, int64_t ldy,
+                                 int64_t M, int64_t N16, int64_t K, int nthreads, bf16* xt) {
+    const int64_t nchunks = (N16 + 31) / 32; /* chunks of 32 features */
     const int64_t mb = gemm_rows_per_block(K);
     const int nt = pick_threads(nchunks, N16 * K * 2 * ((M + 15) / 16), nthreads);
 #pragma omp parallel num_threads(nt)
     {
         amx_configure(8);
         gemm_block g;
-        bf16* mine = cw ? wdec + (int64_t)omp_get_thread_num() * 64 * K : NULL;
         for (int64_t b0 = 0; b0 < M; b0 += mb) {
             const int64_t rows = M - b0 < mb ? M - b0 : mb, tiles = (rows + 15) / 16;
 #pragma omp for schedule(static)
@@ -495,12 +479,7 @@ static void linear_bf16_amx_gemm(const bf16* x, int64_t ldx, const bf16* w, cons
             } /* (implicit barrier: the whole block is transposed before any thread multiplies) */
 #pragma omp for schedule(static) nowait
             for (int64_t c = 0; c < nchunks; c++) {
-              const bf16* wc = w + c * step * K;
-              if (cw) {
-                  bf16c_rows(cw, K, c, (int)(N16 - c * 64 < 64 ? N16 - c * 64 : 64), mine);
-                  wc = mine;
-              }
-              for (int64_t n0 = c * step; n0 < (c + 1) * step && n0 < N16; n0 += 32) {
+                const int64_t n0 = c * 32;
                 for (int64_t p = 0; p < tiles; p += 2) {
                     g.na = N16 - n0 >= 32 ? 2 : 1;
                     g.nb = tiles - p >= 2 ? 2 : 1;
@@ -510,16 +489,212 @@ static void linear_bf16_amx_gemm(const bf16* x, int64_t ldx, const bf16* w, cons
                         const int64_t left = M - (g.m0 + 16 * b);
                         g.mr[b] = (int)(left < 16 ? left : 16);
                     }
-                    gemm_block_compute(wc + (n0 - c * step) * K, xt + p * K * 16, K, &g);
+                    gemm_block_compute(w + n0 * K, xt + p * K * 16, K, &g);
                     for (int a = 0; a < g.na; a++)
                         for (int b = 0; b < g.nb; b++) gemm_tile_store(&g, a, b, bias, y, ldy);
                 }
-              }
             }
 #pragma omp barrier /* xt is rewritten by the next block of rows */
         }
         _tile_release();
     }
+}
+
+/* ------------------------------------------------------------------ 12-bit weights on the tiles
+ *
+ * C = x W^T with x as the A operand (16 rows x 32 k, read in place) and the decoded tiles of W as B operands (VNNI,
+ * 16 k-pairs x 16 features); each accumulator tile is 16 rows x 16 features of y. The products are those of
+ * linear_bf16's tiles (each output the same pairs summed in the same order), so the bits match.
+ */
+
+/* Decodes the first `rows` (16 per feature tile used) of every tile of chunk `chunk` into out [K / 32][64][32]:
+ * the B operand of k-step ks, features 16 g.., at out + ks * 2048 + g * 512 (64-byte rows). */
+static inline void bf16c_chunk(const bf16c* c, int64_t K, int64_t chunk, int rows, bf16* out) {
+    for (int64_t ks = 0; ks < K / 32; ks++) bf16c_tile(c, K / 32, chunk, ks, rows, out + ks * 2048, 32);
+}
+
+/* rows (<= 16) fp32 accumulator rows c [rows][16] + bias -> bf16 y[m][n .. n + 15] */
+static inline void tile_rows_out(const float* c, const bf16* bias, int64_t n, bf16* y, int64_t ldy, int rows) {
+    const __m512 bv = bias ? load_bf16x16(bias + n, 0xffff) : _mm512_setzero_ps();
+    for (int m = 0; m < rows; m++)
+        _mm256_storeu_si256((__m256i*)(y + m * ldy + n), round_bf16x16(_mm512_add_ps(_mm512_loadu_ps(c + 16 * m), bv)));
+}
+
+/* Up to 16 rows, one pass: each thread decodes its chunks' tiles one at a time (into 4 KB on the stack) and
+ * multiplies the mr rows of x by them. Tiles 0-3: C (mr rows), 4-5: W, 7: x (mr rows). */
+__attribute__((target("amx-tile,amx-bf16")))
+static void linear_bf16c_rows(const bf16* x, int64_t ldx, const bf16c* cw, const bf16* bias, bf16* y, int64_t ldy,
+                              int mr, int64_t N16, int64_t K, int nthreads) {
+    const int64_t nchunks = (N16 + 63) / 64, KS = K / 32;
+    const int nt = pick_threads(nchunks, N16 * K * 3 / 2, nthreads);
+#pragma omp parallel num_threads(nt)
+    {
+        amx_tiles(8, 4, mr);
+        bf16 dec[64 * 32] __attribute__((aligned(64)));
+        float c[4][256] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+        for (int64_t ch = 0; ch < nchunks; ch++) {
+            const int64_t n0 = ch * 64;
+            const int nblk = (int)((N16 - n0) / 16 < 4 ? (N16 - n0) / 16 : 4);
+            _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+            for (int64_t ks = 0; ks < KS; ks++) {
+                bf16c_tile(cw, KS, ch, ks, 16 * nblk, dec, 32);
+                _tile_loadd(7, x + ks * 32, ldx * 2);
+                _tile_loadd(4, dec, 64);
+                _tile_dpbf16ps(0, 7, 4);
+                if (nblk > 1) { _tile_loadd(5, dec + 512, 64); _tile_dpbf16ps(1, 7, 5); }
+                if (nblk > 2) { _tile_loadd(4, dec + 1024, 64); _tile_dpbf16ps(2, 7, 4); }
+                if (nblk > 3) { _tile_loadd(5, dec + 1536, 64); _tile_dpbf16ps(3, 7, 5); }
+            }
+            _tile_stored(0, c[0], 64);
+            if (nblk > 1) _tile_stored(1, c[1], 64);
+            if (nblk > 2) _tile_stored(2, c[2], 64);
+            if (nblk > 3) _tile_stored(3, c[3], 64);
+            for (int b = 0; b < nblk; b++) tile_rows_out(c[b], bias, n0 + 16 * b, y, ldy, mr);
+        }
+        _tile_release();
+    }
+}
+
+/* A chunk being decoded a few row pairs at a time (bf16c_chunk's result, in steps) */
+typedef struct {
+    const bf16c* cw;
+    int64_t chunk, KS, ks;
+    int rows, r;
+    bf16* out;
+} chunk_decoder;
+
+/* Decodes `pairs` more row pairs (fewer at the end); a tile's escapes are patched after its last pair */
+static inline void decode_some(chunk_decoder* d, int pairs) {
+    if (d->ks >= d->KS) return;
+    const int64_t t = d->chunk * d->KS + d->ks;
+    const uint8_t* b = d->cw->codes + t * BF16C_TILE_BYTES;
+    const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)d->cw->table));
+    const __m512i nibble = _mm512_set1_epi8(0x0f);
+    bf16* out = d->out + d->ks * 2048;
+    for (; pairs > 0 && d->r < d->rows; pairs--, d->r += 2) {
+        const uint8_t* p = b + d->r * 48;
+        if ((d->r & 3) == 0) /* 4 rows = 3 lines */
+            for (int l = 0; l < 192; l += 64) _mm_prefetch((const char*)p + BF16C_PF_TILES * BF16C_TILE_BYTES + l, _MM_HINT_T0);
+        const __m256i nib = _mm256_loadu_si256((const __m256i*)(p + 64));
+        const __m512i code = _mm512_and_si512(
+            _mm512_inserti64x4(_mm512_castsi256_si512(nib), _mm256_srli_epi16(nib, 4), 1), nibble);
+        const __m512i hi = _mm512_shuffle_epi8(table, code), lo = _mm512_loadu_si512((const void*)p);
+        _mm512_storeu_si512(out + d->r * 32, _mm512_unpacklo_epi8(lo, hi));
+        _mm512_storeu_si512(out + (d->r + 1) * 32, _mm512_unpackhi_epi8(lo, hi));
+    }
+    if (d->r >= d->rows) {
+        for (int32_t e = d->cw->esc_start[t]; e < d->cw->esc_start[t + 1]; e++)
+            out[(d->cw->esc_pos[e] >> 5) * 32 + (d->cw->esc_pos[e] & 31)] = d->cw->esc_val[e];
+        d->ks++;
+        d->r = 0;
+    }
+}
+
+/* One 2 x 2 block over all of K: row tiles a0 (and a1, where given) of x against feature tiles wb (and wb + 512
+ * where na == 2) of a decoded chunk; c[2 r + f] gets row tile r x feature tile f. Tiles 0-3: C, 4-5: x, 6-7: W.
+ * Each k-step also decodes `pairs` row pairs of the next chunk (where d is given): its codes stream in from
+ * memory while the tiles multiply. */
+__attribute__((target("amx-tile,amx-bf16")))
+static inline void bf16c_block(const bf16* a0, int64_t lda0, const bf16* a1, int64_t lda1, const bf16* wb, int na,
+                               int64_t K, float c[4][256], chunk_decoder* d, int pairs) {
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    for (int64_t k = 0; k < K; k += 32) {
+        const bf16* b = wb + k * 64;
+        _tile_loadd(6, b, 64);
+        _tile_loadd(4, a0 + k, lda0);
+        _tile_dpbf16ps(0, 4, 6);
+        if (na == 2) { _tile_loadd(7, b + 512, 64); _tile_dpbf16ps(1, 4, 7); }
+        if (a1) {
+            _tile_loadd(5, a1 + k, lda1);
+            _tile_dpbf16ps(2, 5, 6);
+            if (na == 2) _tile_dpbf16ps(3, 5, 7);
+        }
+        if (d) decode_some(d, pairs);
+    }
+    _tile_stored(0, c[0], 64);
+    if (na == 2) _tile_stored(1, c[1], 64);
+    if (a1) {
+        _tile_stored(2, c[2], 64);
+        if (na == 2) _tile_stored(3, c[3], 64);
+    }
+}
+
+#define BF16C_GEMM_ROWS 512 /* rows of x per block: each thread decodes a chunk once per block */
+
+/* More than 16 rows: each thread walks its own run of 64-feature chunks of W, multiplying every row of the block
+ * by one decoded chunk (all K) 2 x 2 tiles at a time while it decodes the next one into its other buffer (wdec:
+ * two [64, K] a thread). x is read in place; a last partial row tile is copied zero-padded into xtail [16, K]
+ * first, so no tile load reads past the M rows. */
+__attribute__((target("amx-tile,amx-bf16")))
+static void linear_bf16c_gemm(const bf16* x, int64_t ldx, const bf16c* cw, const bf16* bias, bf16* y, int64_t ldy,
+                              int64_t M, int64_t N16, int64_t K, int nthreads, bf16* xtail, bf16* wdec) {
+    const int64_t nchunks = (N16 + 63) / 64, tiles = (M + 15) / 16, full = M / 16, KS = K / 32;
+    if (full < tiles) {
+        memset(xtail, 0, (size_t)(16 * K * 2));
+        for (int64_t m = 16 * full; m < M; m++) memcpy(xtail + (m - 16 * full) * K, x + m * ldx, (size_t)(K * 2));
+    }
+    const int nt = pick_threads(nchunks, N16 * K * tiles, nthreads);
+#pragma omp parallel num_threads(nt)
+    {
+        amx_configure(8);
+        float c[4][256] __attribute__((aligned(64)));
+        const int tid = omp_get_thread_num();
+        bf16* buf[2] = {wdec + (int64_t)tid * 128 * K, wdec + (int64_t)tid * 128 * K + 64 * K};
+        const int64_t lo = nchunks * tid / nt, hi = nchunks * (tid + 1) / nt; /* this thread's chunks */
+        const int64_t nblocks = (tiles + BF16C_GEMM_ROWS / 16 - 1) / (BF16C_GEMM_ROWS / 16);
+        int cur = 0;
+        if (lo < hi) bf16c_chunk(cw, K, lo, 16 * (int)((N16 - lo * 64) / 16 < 4 ? (N16 - lo * 64) / 16 : 4), buf[0]);
+        for (int64_t step = 0; step < nblocks * (hi - lo); step++) { /* (block of rows, chunk) in order */
+            const int64_t t0 = step / (hi - lo) * (BF16C_GEMM_ROWS / 16), ch = lo + step % (hi - lo);
+            const int64_t t1 = t0 + BF16C_GEMM_ROWS / 16 < tiles ? t0 + BF16C_GEMM_ROWS / 16 : tiles;
+            const int64_t n0 = ch * 64;
+            const int nblk = (int)((N16 - n0) / 16 < 4 ? (N16 - n0) / 16 : 4);
+            chunk_decoder dn, *d = NULL;
+            if (step + 1 < nblocks * (hi - lo)) { /* the next step's chunk, decoded meanwhile */
+                const int64_t nc = lo + (step + 1) % (hi - lo);
+                const int nb = (int)((N16 - nc * 64) / 16 < 4 ? (N16 - nc * 64) / 16 : 4);
+                dn = (chunk_decoder){cw, nc, KS, 0, 16 * nb, 0, buf[cur ^ 1]};
+                d = nc == ch ? NULL : &dn; /* one chunk a thread: it stays decoded */
+            }
+            const int64_t ksteps = ((t1 - t0 + 1) / 2) * ((nblk + 1) / 2) * KS;
+            const int pairs = d ? (int)((KS * dn.rows / 2 + ksteps - 1) / ksteps) : 0;
+            const bf16* wc = buf[cur];
+            for (int64_t t = t0; t < t1; t += 2) {
+                const int two = t + 1 < t1;
+                const bf16* a0 = t < full ? x + 16 * t * ldx : xtail;
+                const bf16* a1 = !two ? NULL : t + 1 < full ? x + 16 * (t + 1) * ldx : xtail;
+                const int64_t lda0 = t < full ? ldx * 2 : K * 2, lda1 = t + 1 < full ? ldx * 2 : K * 2;
+                const int r0 = (int)(M - 16 * t < 16 ? M - 16 * t : 16);
+                const int r1 = two ? (int)(M - 16 * (t + 1) < 16 ? M - 16 * (t + 1) : 16) : 0;
+                for (int g = 0; g < nblk; g += 2) {
+                    const int na = nblk - g >= 2 ? 2 : 1;
+                    bf16c_block(a0, lda0, a1, lda1, wc + g * 512, na, K, c, d, pairs);
+                    for (int f = 0; f < na; f++) {
+                        const int64_t n = n0 + 16 * (g + f);
+                        tile_rows_out(c[f], bias, n, y + 16 * t * ldy, ldy, r0);
+                        if (two) tile_rows_out(c[2 + f], bias, n, y + 16 * (t + 1) * ldy, ldy, r1);
+                    }
+                }
+            }
+            if (d) {
+                while (dn.ks < KS) decode_some(&dn, 32); /* (rounding left a few pairs) */
+                cur ^= 1;
+            }
+        }
+        _tile_release();
+    }
+}
+
+/* x [M, K] times a 12-bit weight: scratch holds bf16c_scratch_bytes(M, K); dec, past 16 rows, [nthreads][2][64, K] */
+static inline int64_t bf16c_scratch_bytes(int64_t M, int64_t K) { return M > 16 ? ((16 * K * 2 + 63) & ~(int64_t)63) : 0; }
+
+static void linear_bf16c(const bf16* x, int64_t ldx, const bf16c* cw, const bf16* bias, bf16* y, int64_t ldy,
+                         int64_t M, int64_t N16, int64_t K, int nthreads, bf16* scratch, bf16* dec) {
+    if (M <= 16)
+        linear_bf16c_rows(x, ldx, cw, bias, y, ldy, (int)M, N16, K, nthreads);
+    else
+        linear_bf16c_gemm(x, ldx, cw, bias, y, ldy, M, N16, K, nthreads, scratch, dec);
 }
 
 /* scratch: bf16_scratch_bytes(M, K), 64-byte aligned (the transposed activations of the AMX path) */
@@ -536,9 +711,9 @@ static void linear_bf16(const bf16* x, int64_t ldx, const bf16* w, const bf16* b
     const int64_t n16 = N & ~(int64_t)15;
     if (amx_state == 1 && K % 32 == 0 && n16 > 0 && M >= AMX_MIN_ROWS) {
         if (M >= AMX_GEMM_MIN_ROWS)
-            linear_bf16_amx_gemm(x, ldx, w, NULL, bias, y, ldy, M, n16, K, nthreads, (bf16*)scratch, NULL);
+            linear_bf16_amx_gemm(x, ldx, w, bias, y, ldy, M, n16, K, nthreads, (bf16*)scratch);
         else
-            linear_bf16_amx(x, ldx, w, NULL, bias, y, ldy, M, n16, K, nthreads, (bf16*)scratch);
+            linear_bf16_amx(x, ldx, w, bias, y, ldy, M, n16, K, nthreads, (bf16*)scratch);
         if (n16 < N)
             linear_bf16_avx512(x, ldx, w + n16 * K, bias ? bias + n16 : NULL, y + n16, ldy, M, N - n16, K, nthreads);
         return;
@@ -602,26 +777,22 @@ static void linear_q_amx(const qweight* q, const bf16* x, int64_t ldx, const bf1
             const int64_t n0 = c * 64;
             const int nblk = (int)((N16 - n0) / 16 < 4 ? (N16 - n0) / 16 : 4);
             dequant_rows(q, n0, 16 * nblk, K, buf);
-            amx_rows(buf, NULL, 0, xt, bias, y, ldy, mr, n0, nblk, K);
+            amx_rows(buf, xt, bias, y, ldy, mr, n0, nblk, K);
         }
         _tile_release();
     }
 }
 
 /* Any M: up to 16 rows one pass decoding tile by tile, more on the 2 x 2 blocked GEMM, each thread decoding 64
- * rows of W at a time. Returns 0, or -2 where the shapes or the CPU do not fit (N % 16, K % 32, no AMX). */
+ * features of W at a time. Returns 0, or -2 where the shapes or the CPU do not fit (N % 16, K % 32, no AMX). */
 int it_linear_bf16c(const bf16* x, int64_t ldx, const bf16c* cw, const bf16* bias, bf16* y, int64_t ldy, int64_t M,
                     int64_t N, int64_t K, int nthreads) {
     if (amx_state != 1 || M < 1 || N % 16 || K % 32) return -2;
-    bf16* xt = aligned_alloc(64, (size_t)bf16_scratch_bytes(M, K));
-    if (M <= 16) {
-        linear_bf16_amx(x, ldx, NULL, cw, bias, y, ldy, M, N, K, nthreads, xt);
-    } else {
-        bf16* wdec = aligned_alloc(64, (size_t)(nthreads > 0 ? nthreads : 1) * 64 * K * 2);
-        linear_bf16_amx_gemm(x, ldx, NULL, cw, bias, y, ldy, M, N, K, nthreads, xt, wdec);
-        free(wdec);
-    }
-    free(xt);
+    bf16* scratch = M > 16 ? aligned_alloc(64, (size_t)bf16c_scratch_bytes(M, K)) : NULL;
+    bf16* wdec = M > 16 ? aligned_alloc(64, (size_t)(nthreads > 0 ? nthreads : 1) * 128 * K * 2) : NULL;
+    linear_bf16c(x, ldx, cw, bias, y, ldy, M, N, K, nthreads, scratch, wdec);
+    free(wdec);
+    free(scratch);
     return 0;
 }
 
@@ -648,6 +819,25 @@ static const uint8_t BF16C_ORDER[64] = {0, 1, 2, 3, 4, 5, 6, 7, 32, 33, 34, 35, 
                                         16, 17, 18, 19, 20, 21, 22, 23, 48, 49, 50, 51, 52, 53, 54, 55,
                                         24, 25, 26, 27, 28, 29, 30, 31, 56, 57, 58, 59, 60, 61, 62, 63};
 
+/* 16 x 16 32-bit words: out row i = column i of the 16 rows at src (row strides ld and ldo, in bf16) */
+static inline void transpose_pairs16(const bf16* src, int64_t ld, bf16* out, int64_t ldo) {
+    float t[256] __attribute__((aligned(64)));
+    __m512 r[16];
+    for (int i = 0; i < 16; i++) _mm512_store_si512((void*)(t + 16 * i), _mm512_loadu_si512((const void*)(src + i * ld)));
+    transpose16x16_ps(t, r);
+    for (int i = 0; i < 16; i++) _mm512_storeu_si512((void*)(out + ldo * i), _mm512_castps_si512(r[i]));
+}
+
+/* Tile (chunk c, k-step ks) of w [N, K] in the decoded order: vt [64][32], row 16 g + p = features 16 g .. +15 of
+ * chunk c, each its weights 2 p and 2 p + 1; zero for features past N */
+static void vnni_tile(const bf16* w, int64_t N, int64_t K, int64_t c, int64_t ks, bf16* vt) {
+    for (int g = 0; g < 4; g++) {
+        const int64_t n = c * 64 + 16 * g;
+        if (n >= N) memset(vt + g * 512, 0, 1024);
+        else transpose_pairs16(w + n * K + ks * 32, K, vt + g * 512, 32);
+    }
+}
+
 /* table: the 16 high bytes. codes: the layout; esc_count: [tiles], the weights outside the table in each tile.
  * 64 weights (a row pair) a step: 16 byte compares against the table give the codes, VPERMB the stored order. */
 __attribute__((target("avx512vbmi")))
@@ -659,16 +849,17 @@ void it_bf16c_pack(const bf16* w, int64_t N, int64_t K, const uint8_t* table, ui
     for (int64_t c = 0; c < nchunks; c++)
         for (int64_t ks = 0; ks < KS; ks++) {
             uint8_t* b = codes + (c * KS + ks) * BF16C_TILE_BYTES;
+            bf16 vt[64 * 32] __attribute__((aligned(64)));
+            vnni_tile(w, N, K, c, ks, vt);
             int32_t esc = 0;
             for (int r = 0; r < 64; r += 2) {
                 uint8_t* p = b + r * 48;
-                const int64_t row = c * 64 + r;
-                if (row >= N) { /* padding (N is even: a pair is all rows or all padding) */
+                if (c * 64 + (r / 16) * 16 >= N) { /* the rows of a padding feature tile */
                     memset(p, 0, 96);
                     continue;
                 }
-                const __m512i v0 = _mm512_loadu_si512((const void*)(w + row * K + ks * 32));
-                const __m512i v1 = _mm512_loadu_si512((const void*)(w + (row + 1) * K + ks * 32));
+                const __m512i v0 = _mm512_loadu_si512((const void*)(vt + r * 32));
+                const __m512i v1 = _mm512_loadu_si512((const void*)(vt + (r + 1) * 32));
                 const __m512i lo = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(v0)),
                                                       _mm512_cvtepi16_epi8(v1), 1);
                 const __m512i hi = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(_mm512_srli_epi16(v0, 8))),
@@ -699,9 +890,11 @@ void it_bf16c_escapes(const bf16* w, int64_t N, int64_t K, const int8_t* code_of
         for (int64_t ks = 0; ks < KS; ks++) {
             int32_t e = esc_start[c * KS + ks];
             if (e == esc_start[c * KS + ks + 1]) continue; /* most tiles have none */
-            for (int r = 0; r < 64 && c * 64 + r < N; r++)
+            bf16 vt[64 * 32] __attribute__((aligned(64)));
+            vnni_tile(w, N, K, c, ks, vt);
+            for (int r = 0; r < 64 && c * 64 + (r / 16) * 16 < N; r++)
                 for (int j = 0; j < 32; j++) {
-                    const bf16 v = w[(c * 64 + r) * K + ks * 32 + j];
+                    const bf16 v = vt[r * 32 + j];
                     if (code_of[v >> 8] < 0) { esc_pos[e] = (uint16_t)(r * 32 + j); esc_val[e] = v; e++; }
                 }
         }
@@ -715,7 +908,13 @@ void it_unpack_bf16c(const bf16c* cw, bf16* w, int64_t N, int64_t K, int nthread
     {
 #pragma omp for schedule(static)
         for (int64_t c = 0; c < nchunks; c++) {
-            bf16c_rows(cw, K, c, (int)(N - c * 64 < 64 ? N - c * 64 : 64), w + c * 64 * K);
+            const int ng = (int)((N - c * 64) / 16 < 4 ? (N - c * 64) / 16 : 4);
+            bf16 vt[64 * 32] __attribute__((aligned(64)));
+            for (int64_t ks = 0; ks < K / 32; ks++) {
+                bf16c_tile(cw, K / 32, c, ks, 16 * ng, vt, 32);
+                for (int g = 0; g < ng; g++) /* the transpose of 32-bit words undoes itself */
+                    transpose_pairs16(vt + g * 512, 32, w + (c * 64 + 16 * g) * K + ks * 32, K);
+            }
         }
     }
 }
@@ -1137,7 +1336,7 @@ static ws_layout workspace(const it_model* m, int64_t T, int64_t max_ctx) {
         lin = b > lin ? b : lin;
     }
     l.lin = off;  off += lin;
-    l.dec = off;  off += T > 16 ? ALIGN64((int64_t)(m->nthreads > 0 ? m->nthreads : 1) * 64 * kmax * 2) : 0;
+    l.dec = off;  off += T > 16 ? ALIGN64((int64_t)(m->nthreads > 0 ? m->nthreads : 1) * 128 * kmax * 2) : 0;
     /* attention, per thread: scores [group, max_ctx] and output accumulators [group, D], fp32 */
     l.attn = off; off += ALIGN64((int64_t)(m->nthreads > 0 ? m->nthreads : 1) * attn_floats(group, max_ctx, m->head_dim) * 4);
     l.total = off;
@@ -1152,11 +1351,8 @@ static void run_lin(const it_lin* L, const bf16* x, int64_t ldx, bf16* y, int64_
                     void* scratch, bf16* dec) {
     if (L->kind == 0)
         linear_bf16(x, ldx, (const bf16*)L->w, L->bias, y, ldy, M, L->N, L->K, nthreads, scratch);
-    else if (L->kind == 3 && M <= 16)
-        linear_bf16_amx(x, ldx, NULL, (const bf16c*)L->w, L->bias, y, ldy, M, L->N, L->K, nthreads, (bf16*)scratch);
-    else if (L->kind == 3) /* a fused prefill's rows: the tile GEMM, 64 rows of W decoded at a time into dec */
-        linear_bf16_amx_gemm(x, ldx, NULL, (const bf16c*)L->w, L->bias, y, ldy, M, L->N, L->K, nthreads,
-                             (bf16*)scratch, dec);
+    else if (L->kind == 3) /* past 16 rows (a fused prefill's) each thread decodes 64 features of W at a time into dec */
+        linear_bf16c(x, ldx, (const bf16c*)L->w, L->bias, y, ldy, M, L->N, L->K, nthreads, (bf16*)scratch, dec);
     else if (L->kind == 2)
         linear_w4(x, ldx, (const uint8_t*)L->w, (const float*)L->scale, L->zero, L->group, L->bias, y, ldy, M, L->N,
                   L->K, nthreads, scratch);
