@@ -437,20 +437,49 @@ def test_bf16c_linear_is_the_bf16_kernel_bit_for_bit(m):
 
 
 @needs_bf16c
+@pytest.mark.parametrize("m", [1, 5, 16, 33, 530])
+def test_bf16c_gate_up_with_silu_is_the_unfused_mlp_bit_for_bit(m):
+    """A gate_up packed with gate and up rows interleaved 16 by 16: the plain call gives the bf16 kernel's gate_up
+    on the original weight bit for bit (columns in the usual order), and silu=True gives exactly silu_and_mul of
+    that (layers/activation.py, the PyTorch formula) from the tiles' epilogue."""
+    from infertune.layers.activation import silu_and_mul
+
+    gen = torch.Generator().manual_seed(m)
+    inter, k = 96, 128  # three 64-feature chunks, the last one a single gate / up pair
+    w = (torch.randn(2 * inter, k, generator=gen) * 0.1).to(torch.bfloat16)
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    packed = kernels.pack_bf16c(kernels.interleave_gate_up(w))
+    desc = kernels.bf16c_struct(packed)
+    assert torch.equal(kernels.deinterleave_gate_up(kernels.interleave_gate_up(w)), w)
+    ref = kernels.linear_bf16(x, w) if m > 1 else (x.float() @ w.float().T).to(torch.bfloat16)
+    gate_up = kernels.linear_bf16c(x, desc, 2 * inter, inter=inter)
+    if m > 1:
+        assert torch.equal(gate_up.view(torch.int16), ref.view(torch.int16))
+    act = kernels.linear_bf16c(x, desc, 2 * inter, inter=inter, silu=True)
+    assert act.shape == (m, inter)
+    assert torch.equal(act.view(torch.int16), silu_and_mul(gate_up).view(torch.int16))
+    with pytest.raises(ValueError, match="inter"):
+        kernels.linear_bf16c(x, desc, 2 * inter, torch.zeros(2 * inter, dtype=torch.bfloat16), inter=inter)
+
+
+@needs_bf16c
 def test_engine_with_12bit_weights_is_the_engine_with_bf16_weights(tmp_path, monkeypatch):
     """compress_weights="auto" (the default) against "off" on one checkpoint: the plain bf16 projections are held
     in the 12-bit layout and the outputs are bit for bit the same. A batch of 4 short prompts (every step on the
-    tiles in both engines: the prefill's GEMM, the fused decode step), then one of 150 tokens (past 128 rows:
-    torch's GEMM on the unpacked weight, the MLP in row blocks unpacking its two weights once per prefill)."""
+    tiles in both engines: the prefill's GEMM, the fused decode step), then one of 150 tokens (past 128 rows: the
+    12-bit tile GEMM, the MLP in row blocks taking SiLU-and-multiply from the gate_up GEMM's epilogue, against
+    torch's GEMM and the separate activation). No weight is ever unpacked."""
     from conftest import make_checkpoint
 
     from infertune import LLM, SamplingParams
     from infertune.models import llama
 
     monkeypatch.setattr(llama, "MLP_CHUNK_ROWS", 64)
-    unpacks = []
-    real_unpack = kernels.unpack_bf16c
+    unpacks, fused = [], []
+    real_unpack, real_linear = kernels.unpack_bf16c, kernels.linear_bf16c
     monkeypatch.setattr(kernels, "unpack_bf16c", lambda *a: unpacks.append(a[1:]) or real_unpack(*a))
+    monkeypatch.setattr(kernels, "linear_bf16c",
+                        lambda x, *a, **k: (fused.append(x.shape[0]) if k.get("silu") else None) or real_linear(x, *a, **k))
     model = make_checkpoint(tmp_path / "m", "llama", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                             tie_word_embeddings=True, dtype=torch.bfloat16)
     prompts = [{"prompt_token_ids": [5 + i, 17, 33, 2 + i, 60]} for i in range(4)]
@@ -462,11 +491,12 @@ def test_engine_with_12bit_weights_is_the_engine_with_bf16_weights(tmp_path, mon
         runner = llm.engine.executor.runner
         methods = {type(m.quant_method).__name__ for m in runner.model.modules() if isinstance(m, Linear)}
         assert ("Bf16cMethod" in methods) == (mode == "auto")
-        unpacks.clear()
+        fused.clear()
         runs[mode] = [(o.outputs[0].token_ids, [(lp.token_id, lp.logprob) for lp in o.outputs[0].logprobs])
                       for batch in (prompts, long) for o in llm.generate(batch, params, use_tqdm=False)]
-        # the long prefill: per layer qkv and o_proj once each, gate_up and down once for their 3 row blocks
-        assert len(unpacks) == (8 if mode == "auto" else 0), unpacks
+        # the long prefill: per layer, the MLP's 3 row blocks (64 + 64 + 22 rows) with the SiLU fused
+        assert fused == ([64, 64, 22] * 2 if mode == "auto" else []), fused
+    assert unpacks == []
     assert runs["auto"] == runs["off"]
     with pytest.raises(ValueError, match="compress_weights"):
         LLM(str(model), dtype="bfloat16", compress_weights="on")

@@ -134,7 +134,7 @@ def _load() -> None:
         lib.it_decode_layers.restype = cint
         lib.it_decode_attention.argtypes = [ctypes.POINTER(ItModel), ctypes.POINTER(ItStep), ptr, ptr, ptr, cint]
         lib.it_decode_attention.restype = cint
-        lib.it_linear_bf16c.argtypes = [ptr, i64, ctypes.POINTER(Bf16c), ptr, ptr, i64, i64, i64, i64, cint]
+        lib.it_linear_bf16c.argtypes = [ptr, i64, ctypes.POINTER(Bf16c), ptr, ptr, i64, i64, i64, i64, cint, i64, cint]
         lib.it_linear_bf16c.restype = cint
         lib.it_unpack_bf16c.argtypes = [ctypes.POINTER(Bf16c), ptr, i64, i64, cint]
         lib.it_unpack_bf16c.restype = None
@@ -153,7 +153,7 @@ def _load() -> None:
 class ItLin(ctypes.Structure):
     _fields_ = [("kind", ctypes.c_int32), ("scale_is_f32", ctypes.c_int32), ("w", ctypes.c_void_p),
                 ("scale", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("N", ctypes.c_int64), ("K", ctypes.c_int64),
-                ("zero", ctypes.c_void_p), ("group", ctypes.c_int64)]
+                ("zero", ctypes.c_void_p), ("group", ctypes.c_int64), ("inter", ctypes.c_int64)]
 
 
 class ItLayer(ctypes.Structure):
@@ -470,18 +470,38 @@ def unpack_bf16c(desc: Bf16c, n: int, k: int) -> torch.Tensor:
     return w
 
 
-def linear_bf16c(x: torch.Tensor, desc: Bf16c, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear_bf16c(x: torch.Tensor, desc: Bf16c, n: int, bias: torch.Tensor | None = None, inter: int = 0,
+                 silu: bool = False) -> torch.Tensor:
     """x [..., K] bf16 times a 12-bit packed weight [n, K] (+ bias) -> [..., n] bf16, on AMX: the very products of
     linear_bf16 on the unpacked weight (up to 16 rows one pass, more on the tile GEMM decoding 64 features at a
-    time while it multiplies by the previous 64)."""
+    time while it multiplies by the previous 64).
+
+    inter > 0: the weight is a gate_up [2 inter, K] packed with its gate and up rows interleaved 16 by 16
+    (interleave_gate_up); the result is still [..., 2 inter] in the usual order, or with silu=True act
+    [..., inter] = silu(gate) * up, rounded as silu_and_mul rounds it, straight from the tiles."""
     _load()
     x2 = _rows(x)
     m, k = x2.shape
-    y = torch.empty(m, n, dtype=torch.bfloat16)
+    width = inter if silu else n
+    y = torch.empty(m, width, dtype=torch.bfloat16)
     with profiled("linear_bf16c"):
         rc = _lib.it_linear_bf16c(x2.data_ptr(), x2.stride(0), ctypes.byref(desc),
-                                  bias.data_ptr() if bias is not None else None, y.data_ptr(), n, m, n, k,
-                                  torch.get_num_threads())
+                                  bias.data_ptr() if bias is not None else None, y.data_ptr(), width, m, n, k,
+                                  torch.get_num_threads(), inter, int(silu))
     if rc != 0:
-        raise ValueError(f"it_linear_bf16c refused {m} x {k} -> {n} (needs AMX, N a multiple of 16, K of 32)")
-    return y.view(*x.shape[:-1], n)
+        raise ValueError(f"it_linear_bf16c refused {m} x {k} -> {n} (needs AMX, N a multiple of 16, K of 32; with "
+                         f"inter: N = 2 inter, inter a multiple of 16, no bias)")
+    return y.view(*x.shape[:-1], width)
+
+
+def interleave_gate_up(w: torch.Tensor) -> torch.Tensor:
+    """A gate_up weight [2I, ...] with its gate and up rows interleaved 16 by 16 (I % 16 == 0): gate 0-15, up 0-15,
+    gate 16-31, ... so that one pair of AMX feature tiles holds the gate and the up of the same 16 features."""
+    i = w.shape[0] // 2
+    return w.reshape(2, i // 16, 16, *w.shape[1:]).transpose(0, 1).reshape(w.shape)
+
+
+def deinterleave_gate_up(w: torch.Tensor) -> torch.Tensor:
+    """The inverse of interleave_gate_up."""
+    i = w.shape[0] // 2
+    return w.reshape(i // 16, 2, 16, *w.shape[1:]).transpose(0, 1).reshape(w.shape)

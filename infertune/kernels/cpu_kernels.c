@@ -500,6 +500,39 @@ static void linear_bf16_amx_gemm(const bf16* x, int64_t ldx, const bf16* w, cons
     }
 }
 
+static inline __m512 bf16_round_f32(__m512 v) { /* fp32 -> the nearest bf16, back in fp32 */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(round_bf16x16(v)), 16));
+}
+
+static inline __m512 exp512(__m512 x) { /* e^x, relative error ~1e-7 over the clamped range */
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 5040);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+
+
+/* 1 / d to ~1 ulp: the 14-bit estimate and one Newton step (a division costs ~4x as much here) */
+static inline __m512 rcp512(__m512 d) {
+    const __m512 r = _mm512_rcp14_ps(d);
+    return _mm512_fmadd_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(1.0f)), r);
+}
+
+static inline __m512 silu512(__m512 g) { /* g / (1 + e^-g) in fp32 */
+    return _mm512_mul_ps(g, rcp512(_mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
+}
+
 /* ------------------------------------------------------------------ 12-bit weights on the tiles
  *
  * C = x W^T with x as the A operand (16 rows x 32 k, read in place) and the decoded tiles of W as B operands (VNNI,
@@ -520,11 +553,30 @@ static inline void tile_rows_out(const float* c, const bf16* bias, int64_t n, bf
         _mm256_storeu_si256((__m256i*)(y + m * ldy + n), round_bf16x16(_mm512_add_ps(_mm512_loadu_ps(c + 16 * m), bv)));
 }
 
+/* A gate_up weight packed with its gate and up rows interleaved 16 by 16 (feature tile 2 p: gate features
+ * 16 p .. 16 p + 15, tile 2 p + 1: the same up features; inter = the intermediate size): the accumulator rows of
+ * pair p, cg and cu [rows][16], become either gate_up's columns (gate at 16 p, up at inter + 16 p) or, with silu,
+ * act = bf16(bf16(silu(g)) * u) at column 16 p, rounded as silu_mul_rows (g and u first rounded to bf16). */
+static inline void tile_pair_out(const float* cg, const float* cu, int64_t p, bf16* y, int64_t ldy, int rows,
+                                 int64_t inter, int silu) {
+    for (int m = 0; m < rows; m++) {
+        const __m512 zero = _mm512_setzero_ps(); /* (+ 0, as tile_rows_out adds a missing bias: -0 becomes +0) */
+        const __m512 g = bf16_round_f32(_mm512_add_ps(_mm512_loadu_ps(cg + 16 * m), zero));
+        const __m512 u = bf16_round_f32(_mm512_add_ps(_mm512_loadu_ps(cu + 16 * m), zero));
+        if (silu) {
+            _mm256_storeu_si256((__m256i*)(y + m * ldy + 16 * p), round_bf16x16(_mm512_mul_ps(bf16_round_f32(silu512(g)), u)));
+        } else {
+            _mm256_storeu_si256((__m256i*)(y + m * ldy + 16 * p), round_bf16x16(g));
+            _mm256_storeu_si256((__m256i*)(y + m * ldy + inter + 16 * p), round_bf16x16(u));
+        }
+    }
+}
+
 /* Up to 16 rows, one pass: each thread decodes its chunks' tiles one at a time (into 4 KB on the stack) and
  * multiplies the mr rows of x by them. Tiles 0-3: C (mr rows), 4-5: W, 7: x (mr rows). */
 __attribute__((target("amx-tile,amx-bf16")))
 static void linear_bf16c_rows(const bf16* x, int64_t ldx, const bf16c* cw, const bf16* bias, bf16* y, int64_t ldy,
-                              int mr, int64_t N16, int64_t K, int nthreads) {
+                              int mr, int64_t N16, int64_t K, int nthreads, int64_t inter, int silu) {
     const int64_t nchunks = (N16 + 63) / 64, KS = K / 32;
     const int nt = pick_threads(nchunks, N16 * K * 3 / 2, nthreads);
 #pragma omp parallel num_threads(nt)
@@ -550,7 +602,10 @@ static void linear_bf16c_rows(const bf16* x, int64_t ldx, const bf16c* cw, const
             if (nblk > 1) _tile_stored(1, c[1], 64);
             if (nblk > 2) _tile_stored(2, c[2], 64);
             if (nblk > 3) _tile_stored(3, c[3], 64);
-            for (int b = 0; b < nblk; b++) tile_rows_out(c[b], bias, n0 + 16 * b, y, ldy, mr);
+            if (inter) /* (a chunk holds whole pairs: N16 / 16 is even) */
+                for (int b = 0; b < nblk; b += 2) tile_pair_out(c[b], c[b + 1], n0 / 32 + b / 2, y, ldy, mr, inter, silu);
+            else
+                for (int b = 0; b < nblk; b++) tile_rows_out(c[b], bias, n0 + 16 * b, y, ldy, mr);
         }
         _tile_release();
     }
@@ -628,7 +683,8 @@ static inline void bf16c_block(const bf16* a0, int64_t lda0, const bf16* a1, int
  * first, so no tile load reads past the M rows. */
 __attribute__((target("amx-tile,amx-bf16")))
 static void linear_bf16c_gemm(const bf16* x, int64_t ldx, const bf16c* cw, const bf16* bias, bf16* y, int64_t ldy,
-                              int64_t M, int64_t N16, int64_t K, int nthreads, bf16* xtail, bf16* wdec) {
+                              int64_t M, int64_t N16, int64_t K, int nthreads, bf16* xtail, bf16* wdec, int64_t inter,
+                              int silu) {
     const int64_t nchunks = (N16 + 63) / 64, tiles = (M + 15) / 16, full = M / 16, KS = K / 32;
     if (full < tiles) {
         memset(xtail, 0, (size_t)(16 * K * 2));
@@ -670,6 +726,12 @@ static void linear_bf16c_gemm(const bf16* x, int64_t ldx, const bf16c* cw, const
                 for (int g = 0; g < nblk; g += 2) {
                     const int na = nblk - g >= 2 ? 2 : 1;
                     bf16c_block(a0, lda0, a1, lda1, wc + g * 512, na, K, c, d, pairs);
+                    if (inter) { /* tiles g, g + 1: one gate / up pair */
+                        const int64_t p = (n0 + 16 * g) / 32;
+                        tile_pair_out(c[0], c[1], p, y + 16 * t * ldy, ldy, r0, inter, silu);
+                        if (two) tile_pair_out(c[2], c[3], p, y + 16 * (t + 1) * ldy, ldy, r1, inter, silu);
+                        continue;
+                    }
                     for (int f = 0; f < na; f++) {
                         const int64_t n = n0 + 16 * (g + f);
                         tile_rows_out(c[f], bias, n, y + 16 * t * ldy, ldy, r0);
@@ -689,12 +751,14 @@ static void linear_bf16c_gemm(const bf16* x, int64_t ldx, const bf16c* cw, const
 /* x [M, K] times a 12-bit weight: scratch holds bf16c_scratch_bytes(M, K); dec, past 16 rows, [nthreads][2][64, K] */
 static inline int64_t bf16c_scratch_bytes(int64_t M, int64_t K) { return M > 16 ? ((16 * K * 2 + 63) & ~(int64_t)63) : 0; }
 
+/* inter > 0: the weight is a gate_up with its rows interleaved (see tile_pair_out); silu: write act [M, inter] */
 static void linear_bf16c(const bf16* x, int64_t ldx, const bf16c* cw, const bf16* bias, bf16* y, int64_t ldy,
-                         int64_t M, int64_t N16, int64_t K, int nthreads, bf16* scratch, bf16* dec) {
+                         int64_t M, int64_t N16, int64_t K, int nthreads, bf16* scratch, bf16* dec, int64_t inter,
+                         int silu) {
     if (M <= 16)
-        linear_bf16c_rows(x, ldx, cw, bias, y, ldy, (int)M, N16, K, nthreads);
+        linear_bf16c_rows(x, ldx, cw, bias, y, ldy, (int)M, N16, K, nthreads, inter, silu);
     else
-        linear_bf16c_gemm(x, ldx, cw, bias, y, ldy, M, N16, K, nthreads, scratch, dec);
+        linear_bf16c_gemm(x, ldx, cw, bias, y, ldy, M, N16, K, nthreads, scratch, dec, inter, silu);
 }
 
 /* scratch: bf16_scratch_bytes(M, K), 64-byte aligned (the transposed activations of the AMX path) */
@@ -786,11 +850,12 @@ static void linear_q_amx(const qweight* q, const bf16* x, int64_t ldx, const bf1
 /* Any M: up to 16 rows one pass decoding tile by tile, more on the 2 x 2 blocked GEMM, each thread decoding 64
  * features of W at a time. Returns 0, or -2 where the shapes or the CPU do not fit (N % 16, K % 32, no AMX). */
 int it_linear_bf16c(const bf16* x, int64_t ldx, const bf16c* cw, const bf16* bias, bf16* y, int64_t ldy, int64_t M,
-                    int64_t N, int64_t K, int nthreads) {
+                    int64_t N, int64_t K, int nthreads, int64_t inter, int silu) {
     if (amx_state != 1 || M < 1 || N % 16 || K % 32) return -2;
+    if (inter && (N != 2 * inter || inter % 16 || bias)) return -3;
     bf16* scratch = M > 16 ? aligned_alloc(64, (size_t)bf16c_scratch_bytes(M, K)) : NULL;
     bf16* wdec = M > 16 ? aligned_alloc(64, (size_t)(nthreads > 0 ? nthreads : 1) * 128 * K * 2) : NULL;
-    linear_bf16c(x, ldx, cw, bias, y, ldy, M, N, K, nthreads, scratch, wdec);
+    linear_bf16c(x, ldx, cw, bias, y, ldy, M, N, K, nthreads, scratch, wdec, inter, silu);
     free(wdec);
     free(scratch);
     return 0;
@@ -1238,6 +1303,8 @@ typedef struct {
     int64_t N, K;
     const float* zero;    /* kind 2: fp32 [N, K / group] */
     int64_t group;        /* kind 2: columns per group */
+    int64_t inter;        /* kind 3: > 0 where the weight is a gate_up with gate and up rows interleaved 16 by 16
+                             (linear_bf16c); the MLP then takes act straight from its tiles */
 } it_lin;
 
 typedef struct {
@@ -1348,11 +1415,12 @@ int64_t it_decode_workspace_bytes(const it_model* m, int64_t T, int64_t max_ctx)
 }
 
 static void run_lin(const it_lin* L, const bf16* x, int64_t ldx, bf16* y, int64_t ldy, int64_t M, int nthreads,
-                    void* scratch, bf16* dec) {
+                    void* scratch, bf16* dec, int silu) {
     if (L->kind == 0)
         linear_bf16(x, ldx, (const bf16*)L->w, L->bias, y, ldy, M, L->N, L->K, nthreads, scratch);
     else if (L->kind == 3) /* past 16 rows (a fused prefill's) each thread decodes 64 features of W at a time into dec */
-        linear_bf16c(x, ldx, (const bf16c*)L->w, L->bias, y, ldy, M, L->N, L->K, nthreads, (bf16*)scratch, dec);
+        linear_bf16c(x, ldx, (const bf16c*)L->w, L->bias, y, ldy, M, L->N, L->K, nthreads, (bf16*)scratch, dec,
+                     L->inter, silu);
     else if (L->kind == 2)
         linear_w4(x, ldx, (const uint8_t*)L->w, (const float*)L->scale, L->zero, L->group, L->bias, y, ldy, M, L->N,
                   L->K, nthreads, scratch);
@@ -1366,9 +1434,6 @@ static inline int rows_threads(int64_t T, int64_t elems, int nthreads) {
     return (T > 1 && elems >= (1 << 16) && nthreads > 1) ? (int)(T < nthreads ? T : nthreads) : 1;
 }
 
-static inline __m512 bf16_round_f32(__m512 v) { /* fp32 -> the nearest bf16, back in fp32 */
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(round_bf16x16(v)), 16));
-}
 
 static void rmsnorm_rows(const bf16* x, const bf16* w, bf16* out, int64_t T, int64_t H, float eps, int nthreads) {
 #pragma omp parallel for num_threads(rows_threads(T, T * H, nthreads)) schedule(static)
@@ -1389,34 +1454,6 @@ static void rmsnorm_rows(const bf16* x, const bf16* w, bf16* out, int64_t T, int
     }
 }
 
-static inline __m512 exp512(__m512 x) { /* e^x, relative error ~1e-7 over the clamped range */
-    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-87.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 5040);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
-
-
-
-/* 1 / d to ~1 ulp: the 14-bit estimate and one Newton step (a division costs ~4x as much here) */
-static inline __m512 rcp512(__m512 d) {
-    const __m512 r = _mm512_rcp14_ps(d);
-    return _mm512_fmadd_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(1.0f)), r);
-}
-
-static inline __m512 silu512(__m512 g) { /* g / (1 + e^-g) in fp32 */
-    return _mm512_mul_ps(g, rcp512(_mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
-}
 
 /* act[t, i] = bf16(bf16(silu(g)) * u), gate | up side by side in gu [T, 2I] (layers/activation.py) */
 static void silu_mul_rows(const bf16* gu, bf16* act, int64_t T, int64_t I, int nthreads) {
@@ -1871,7 +1908,7 @@ int it_decode_layers(const it_model* m, const it_layer* layers, const it_step* s
     for (int li = 0; li < m->n_layers; li++) {
         const it_layer* L = layers + li;
         rmsnorm_rows(x, L->input_norm, h, T, H, m->eps, m->nthreads);
-        run_lin(&L->qkv, h, H, qkv, width, T, m->nthreads, lin, dec);
+        run_lin(&L->qkv, h, H, qkv, width, T, m->nthreads, lin, dec, 0);
         rotary_rows(m, s, qkv);
         for (int64_t t = 0; t < T; t++)
             for (int64_t g = 0; g < hkv; g++) {
@@ -1879,12 +1916,16 @@ int it_decode_layers(const it_model* m, const it_layer* layers, const it_step* s
                 kv_write(m, L->kv_cache, 1, s->slots[t] * hkv + g, qkv + t * width + hq + (hkv + g) * D);
             }
         attention_rows(m, s, qkv, L->kv_cache, o, attn, max_ctx, 1);
-        run_lin(&L->o, o, hq, y, H, T, m->nthreads, lin, dec);
+        run_lin(&L->o, o, hq, y, H, T, m->nthreads, lin, dec, 0);
         add_rows(x, y, T * H);
         rmsnorm_rows(x, L->post_norm, h, T, H, m->eps, m->nthreads);
-        run_lin(&L->gate_up, h, H, gu, 2 * m->inter, T, m->nthreads, lin, dec);
-        silu_mul_rows(gu, act, T, m->inter, m->nthreads);
-        run_lin(&L->down, act, m->inter, y, H, T, m->nthreads, lin, dec);
+        if (L->gate_up.kind == 3 && L->gate_up.inter) { /* SiLU-and-multiply in the GEMM's epilogue */
+            run_lin(&L->gate_up, h, H, act, m->inter, T, m->nthreads, lin, dec, 1);
+        } else {
+            run_lin(&L->gate_up, h, H, gu, 2 * m->inter, T, m->nthreads, lin, dec, 0);
+            silu_mul_rows(gu, act, T, m->inter, m->nthreads);
+        }
+        run_lin(&L->down, act, m->inter, y, H, T, m->nthreads, lin, dec, 0);
         add_rows(x, y, T * H);
     }
     return 0;

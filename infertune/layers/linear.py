@@ -7,7 +7,7 @@ knows how to load each shard into its slice; that knowledge lives on the paramet
 from __future__ import annotations
 
 import abc
-import contextlib
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -75,45 +75,45 @@ class Bf16cMethod(DecodeKernelMethod):
     """Plain bf16 weights stored losslessly in 12 bits a weight (kernels/cpu.py pack_bf16c): each weight's low
     byte plus a 4-bit code into the layer's 16 most common high bytes, the rare others patched in. The kernels
     decode tiles as they multiply, so a decode step streams 25% fewer weight bytes and the layer holds 0.75x the
-    memory, for the very same products (bitwise those of DecodeKernelMethod on AMX). Steps of more than
-    kernels.bf16_max_rows() rows unpack the layer's bf16 weight for torch's GEMM (~1 ms per 10M weights)."""
+    memory, for the very same products (bitwise those of DecodeKernelMethod on AMX). Every step bf16 and outside
+    torch.compile runs the kernels (the tile GEMM past 16 rows); traced code gets the unpacked weight.
+
+    An MLP's gate_up (a layer marked `silu_pairs`, without bias) is packed with its gate and up rows interleaved
+    16 by 16, so that silu_and_mul() hands the MLP silu(gate) * up straight from the tiles."""
 
     name = "decode-kernel-12bit"
-    _held: torch.Tensor | None = None  # the unpacked weight while held (see held_dense)
+    inter = 0  # > 0: a gate_up packed interleaved (kernels.interleave_gate_up), its intermediate size
 
     def process_weights_after_loading(self, layer: "Linear") -> None:
-        packed = self.kernels.pack_bf16c(layer.weight.data)
+        w = layer.weight.data
+        if (getattr(layer, "silu_pairs", False) and layer.bias is None and w.shape[0] % 32 == 0):
+            self.inter = w.shape[0] // 2
+            w = self.kernels.interleave_gate_up(w)
+        packed = self.kernels.pack_bf16c(w)
         del layer.weight
         for name, t in packed.items():
             layer.register_buffer(f"bf16c_{name}", t)
         self.desc = self.kernels.bf16c_struct(packed)  # points at the buffers above (they live with the layer)
+        self.max_rows = sys.maxsize  # the tile GEMM decodes as it goes at every size: no unpacked copy
 
     def dense_weight(self, layer: "Linear") -> torch.Tensor:
         """The bf16 weight [out, in], bit for bit as loaded."""
-        if self._held is not None:
-            return self._held
-        return self.kernels.unpack_bf16c(self.desc, layer.out_features, layer.in_features)
+        w = self.kernels.unpack_bf16c(self.desc, layer.out_features, layer.in_features)
+        return self.kernels.deinterleave_gate_up(w) if self.inter else w
 
     def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
             return F.linear(x, self.dense_weight(layer), layer.bias)
         if x.dtype is torch.bfloat16 and x.numel() <= self.max_rows * x.shape[-1]:
-            return self.kernels.linear_bf16c(x, self.desc, layer.out_features, layer.bias)
+            return self.kernels.linear_bf16c(x, self.desc, layer.out_features, layer.bias, inter=self.inter)
         return F.linear(x, self.dense_weight(layer).to(x.dtype), layer.bias)
 
-
-@contextlib.contextmanager
-def held_dense(*layers: "Linear"):
-    """Within the block, layers that keep their weights packed (Bf16cMethod) unpack them once and reuse that for
-    every big matmul (a long prefill's MLP row blocks), instead of once per call; freed on exit."""
-    held = [layer for layer in layers if isinstance(layer.quant_method, Bf16cMethod)]
-    for layer in held:
-        layer.quant_method._held = layer.quant_method.dense_weight(layer)
-    try:
-        yield
-    finally:
-        for layer in held:
-            layer.quant_method._held = None
+    def silu_and_mul(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up of this gate_up layer for x, from the tiles (None where it cannot: not interleaved, not
+        bf16, or traced); rounded as layers/activation.py silu_and_mul on the bf16 gate_up."""
+        if not self.inter or x.dtype is not torch.bfloat16 or torch.compiler.is_compiling():
+            return None
+        return self.kernels.linear_bf16c(x, self.desc, layer.out_features, inter=self.inter, silu=True)
 
 
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard: object = None) -> None:

@@ -19,7 +19,7 @@ from torch import nn
 from infertune.config import ArchConfig
 from infertune.layers.activation import silu_and_mul
 from infertune.layers.attention import AttentionBackend, AttentionMetadata
-from infertune.layers.linear import Linear, PackedLinear, held_dense
+from infertune.layers.linear import Linear, PackedLinear
 from infertune.layers.norm import RMSNorm
 from infertune.layers.rotary import RotaryEmbedding
 
@@ -62,6 +62,7 @@ class LlamaMLP(nn.Module):
         super().__init__()
         inter = cfg.intermediate_size
         self.gate_up_proj = PackedLinear(cfg.hidden_size, {0: inter, 1: inter}, bias=cfg.mlp_bias, dtype=dtype)
+        self.gate_up_proj.silu_pairs = True  # a quant method may pack gate and up side by side for a fused SiLU
         self.down_proj = Linear(inter, cfg.hidden_size, bias=cfg.mlp_bias, dtype=dtype)
         self.kernels = None  # the backend's kernels (runner/fused_decode.use_kernels), same rounding
 
@@ -71,13 +72,16 @@ class LlamaMLP(nn.Module):
             # A long prefill runs the MLP a block of rows at a time: its two big activations (gate_up, 2 x
             # intermediate wide, and act) then take a quarter of the memory at 2048 rows, for the same GEMM speed.
             out = x.new_empty((rows, self.down_proj.out_features))
-            with held_dense(self.gate_up_proj, self.down_proj):  # packed weights: unpacked once, not per block
-                for start in range(0, rows, MLP_CHUNK_ROWS):
-                    out[start : start + MLP_CHUNK_ROWS] = self._mlp(x[start : start + MLP_CHUNK_ROWS])
+            for start in range(0, rows, MLP_CHUNK_ROWS):
+                out[start : start + MLP_CHUNK_ROWS] = self._mlp(x[start : start + MLP_CHUNK_ROWS])
             return out
         return self._mlp(x)
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        fused = getattr(self.gate_up_proj.quant_method, "silu_and_mul", None)
+        act = fused(self.gate_up_proj, x) if fused is not None else None  # SiLU in the GEMM's epilogue
+        if act is not None:
+            return self.down_proj(act)
         gate_up = self.gate_up_proj(x)
         if self.kernels is not None and not torch.compiler.is_compiling():
             act = self.kernels.silu_and_mul(gate_up)

@@ -177,10 +177,11 @@ def _load(model: str | None, dtype: str, device: str, max_model_len: int):
     from infertune.llm import LLM
 
     # decode_kernels="linear": the kernels under the per-module forward, so that every module runs and its hooks
-    # see it (the fused step would run short prompts as one call, with no modules to compare)
+    # see it (the fused step would run short prompts as one call, with no modules to compare); plain bf16 weights,
+    # since the 12-bit gate_up hands the MLP its activation without running the gate_up module
     return LLM(model, dtype=dtype, device=device, max_model_len=max_model_len, max_num_seqs=1,
                max_num_batched_tokens=max(2048, max_model_len), enable_prefix_caching=False,
-               decode_kernels="linear")
+               decode_kernels="linear", compress_weights="off")
 
 
 def debug_layers(model: str | None, prompt: str | list[int], dtype: str = "bfloat16", device: str = "cpu",

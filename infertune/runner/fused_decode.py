@@ -170,7 +170,7 @@ def _fill_lin(c, lin: Linear) -> list[torch.Tensor]:
     c.bias = bias.data_ptr() if bias is not None else None
     c.N, c.K = lin.out_features, lin.in_features
     if isinstance(lin.quant_method, Bf16cMethod):
-        c.kind, c.w = 3, ctypes.addressof(lin.quant_method.desc)
+        c.kind, c.w, c.inter = 3, ctypes.addressof(lin.quant_method.desc), lin.quant_method.inter
         return [b for _, b in lin.named_buffers() if _.startswith("bf16c_")] + ([bias] if bias is not None else [])
     if isinstance(lin.quant_method, DecodeKernelMethod):
         w = lin.weight
