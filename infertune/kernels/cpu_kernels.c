@@ -1478,9 +1478,16 @@ static void silu_mul_rows(const bf16* gu, bf16* act, int64_t T, int64_t I, int n
     }
 }
 
-/* x[t] = bf16(x[t] + y[t]) */
+/* x[t] = bf16(x[t] + y[t]), as f2bf rounds (NaN kept quiet) */
 static void add_rows(bf16* x, const bf16* y, int64_t n) {
-    for (int64_t i = 0; i < n; i++) x[i] = f2bf(bf2f(x[i]) + bf2f(y[i]));
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 m = mask16(n - i);
+        const __m512 v = _mm512_add_ps(load_bf16x16(x + i, m), load_bf16x16(y + i, m));
+        const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        const __m256i q = _mm256_or_si256(_mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)),
+                                          _mm256_set1_epi16(0x40));
+        _mm256_mask_storeu_epi16(x + i, m, _mm256_mask_blend_epi16(nan, round_bf16x16(v), q));
+    }
 }
 
 /* rotary (rotate-half) of q and k heads in qkv [T, (Hq + 2 Hkv) D], in fp32, rounded once to bf16 */
