@@ -390,6 +390,43 @@ def test_decode_attention_matches_float64(hq, hkv, d, bs, kv):
         assert torch.equal(outs[True], outs[False])
 
 
+@needs_kernels
+@pytest.mark.parametrize("hq,hkv,d,bs", [(14, 2, 64, 16), (4, 4, 32, 32), (18, 1, 128, 16)])
+def test_prompt_rows_attention_matches_float64(hq, hkv, d, bs):
+    """A step of prompts' rows (each row one more key of its prompt, through the prompt's block table): on AMX the
+    rows go 16 at a time per query head (attn_rows_amx), on AVX-512 one by one. Both against causal softmax
+    attention in float64 over the prompt's scattered blocks, with the decode attention's bound; prompts of 1, 16,
+    21 and 40 rows (partial blocks of rows, a block of 16 exactly), and a lone decode row between them."""
+    gen = torch.Generator().manual_seed(hq + d + bs)
+    plens = [21, 1, 16, 40]
+    max_blocks = -(-max(plens) // bs) + 1
+    num_blocks = len(plens) * max_blocks + 2
+    seq_tables = torch.randperm(num_blocks, generator=gen)[:len(plens) * max_blocks].view(len(plens), max_blocks)
+    rows = [(i, j) for i, n in enumerate(plens) for j in range(n)]  # (prompt, position)
+    rows.insert(30, (0, plens[0] + 5))  # a decode row of prompt 0 (its context 27 keys), between prompts' rows
+    tables = torch.stack([seq_tables[i] for i, _ in rows])
+    lens = torch.tensor([j + 1 for _, j in rows])
+    q = (torch.randn(len(rows), hq, d, generator=gen) * 2).to(torch.bfloat16)
+    k = torch.randn(num_blocks * bs, hkv, d, generator=gen).to(torch.bfloat16)
+    v = torch.randn(num_blocks * bs, hkv, d, generator=gen).to(torch.bfloat16)
+    cache = torch.stack([k.view(num_blocks, bs, hkv, d), v.view(num_blocks, bs, hkv, d)])
+    scale = d ** -0.5
+    outs = {amx: kernels.decode_attention(q, cache, tables, lens, hkv, scale, use_amx=amx) for amx in (True, False)}
+    for r in range(len(rows)):
+        slots = (tables[r, :, None] * bs + torch.arange(bs)).flatten()[:lens[r]]
+        kr = k[slots].double().repeat_interleave(hq // hkv, dim=1)
+        vr = v[slots].double().repeat_interleave(hq // hkv, dim=1)
+        p = torch.softmax(torch.einsum("hd,lhd->hl", q[r].double(), kr) * scale, dim=-1)
+        ref = torch.einsum("hl,lhd->hd", p, vr)
+        spread = torch.einsum("hl,lhd->hd", p, vr.abs())
+        for amx, o in outs.items():
+            err = (o[r].double() - ref).abs()
+            bound = 2.0**-8 * ref.abs() + (1.01 * 2.0**-8 if amx else 1e-5) * spread
+            assert (err <= bound).all(), (amx, r, rows[r], float((err - bound).max()))
+    if kernels._amx and d % 32 == 0:
+        assert not torch.equal(outs[True], outs[False])
+
+
 needs_bf16c = pytest.mark.skipif(not (kernels.available() and kernels.bf16c_supported(16, 32)),
                                  reason="the 12-bit layout decodes on AMX tiles")
 

@@ -132,6 +132,8 @@ def _load() -> None:
         lib.it_decode_workspace_bytes.restype = i64
         lib.it_decode_layers.argtypes = [ctypes.POINTER(ItModel), ctypes.POINTER(ItLayer), ctypes.POINTER(ItStep), ptr]
         lib.it_decode_layers.restype = cint
+        lib.it_fused_timers.argtypes = [ptr, cint]
+        lib.it_fused_timers.restype = None
         lib.it_decode_attention.argtypes = [ctypes.POINTER(ItModel), ctypes.POINTER(ItStep), ptr, ptr, ptr, cint]
         lib.it_decode_attention.restype = cint
         lib.it_linear_bf16c.argtypes = [ptr, i64, ctypes.POINTER(Bf16c), ptr, ptr, i64, i64, i64, i64, cint, i64, cint]
@@ -407,6 +409,20 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.T
     if rc != 0:
         raise ValueError(f"it_decode_attention refused the shapes ({rc})")
     return o
+
+
+# The parts of the fused step that it_decode_layers times (cpu_kernels.c FT_*), in order
+FUSED_PARTS = ("norm", "qkv", "rotary + K/V write", "attention", "o_proj", "residual adds", "gate_up (+ SiLU)",
+               "down")
+
+
+def fused_step_timers(reset: bool = False) -> dict[str, float]:
+    """Wall seconds of each part of the fused step (FUSED_PARTS), summed over its calls since the last reset,
+    with "calls" and "rows" (tokens). reset=True zeroes them after reading."""
+    _load()
+    out = (ctypes.c_double * (len(FUSED_PARTS) + 2))()
+    _lib.it_fused_timers(out, int(reset))
+    return {**dict(zip(FUSED_PARTS, out[:len(FUSED_PARTS)])), "calls": out[-2], "rows": out[-1]}
 
 
 # ---- bf16 weights in 12 bits, losslessly (cpu_kernels.c: bf16c) ------------------------------------------------

@@ -31,6 +31,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <math.h>
+#include <time.h>
 #include <omp.h>
 
 typedef uint16_t bf16;
@@ -1356,14 +1357,16 @@ typedef struct {
 static inline int64_t attn_ldp(int64_t max_ctx) { return (max_ctx + 31) & ~(int64_t)31; }
 
 /* per attention thread, in floats: the parts of attn_ws, each 64-byte aligned */
-static inline int64_t attn_floats(int64_t group, int64_t max_ctx, int64_t D) {
-    const int64_t G = group < 16 ? group : 16;
+/* Rows of scores per attention thread: a decode row's query heads (up to 16 at a time), or, in steps of more than
+ * 16 rows (prompts), 16 rows of one query head (attn_rows_amx) */
+static inline int64_t attn_score_rows(int64_t group, int64_t T) { return T > 16 || group > 16 ? 16 : group; }
+
+static inline int64_t attn_floats(int64_t G, int64_t max_ctx, int64_t D) {
     return ALIGN64(G * max_ctx * 4) / 4 + ALIGN64(G * attn_ldp(max_ctx) * 2) / 4 + ALIGN64(D * 32) / 4 + 256 +
            ALIGN64(32 * D * 2) / 4 + 512 + ALIGN64(D * 2) / 4;
 }
 
-static attn_ws attn_workspace(float* base, int64_t group, int64_t max_ctx, int64_t D) {
-    const int64_t G = group < 16 ? group : 16;
+static attn_ws attn_workspace(float* base, int64_t G, int64_t max_ctx, int64_t D) {
     attn_ws w;
     char* p = (char*)base;
     w.ldp = attn_ldp(max_ctx);
@@ -1405,7 +1408,8 @@ static ws_layout workspace(const it_model* m, int64_t T, int64_t max_ctx) {
     l.lin = off;  off += lin;
     l.dec = off;  off += T > 16 ? ALIGN64((int64_t)(m->nthreads > 0 ? m->nthreads : 1) * 128 * kmax * 2) : 0;
     /* attention, per thread: scores [group, max_ctx] and output accumulators [group, D], fp32 */
-    l.attn = off; off += ALIGN64((int64_t)(m->nthreads > 0 ? m->nthreads : 1) * attn_floats(group, max_ctx, m->head_dim) * 4);
+    l.attn = off; off += ALIGN64((int64_t)(m->nthreads > 0 ? m->nthreads : 1) *
+                                 attn_floats(attn_score_rows(group, T), max_ctx, m->head_dim) * 4);
     l.total = off;
     return l;
 }
@@ -1838,37 +1842,146 @@ static inline void attn_tiles(int G) { amx_tiles(8, 4, G); }
 
 /* Attention of each decode row over its sequence's paged K/V; o [T, Hq, D] bf16. One task per (row, KV head):
  * the group of query heads sharing that KV head (up to 16 at a time on AMX, 8 on AVX-512) reads each K/V row once. */
+/* Rows t0 .. t0 + n - 1 (n <= 16) of one sequence at consecutive positions (a prompt's rows: row i attends to the
+ * first len - (n - 1 - i) keys), KV head g, bf16 cache, block_size a multiple of 16: each query head of the group
+ * in turn, its 16 rows on the tiles at once (scores as S^T = K Q^T, 16 keys a tile, then P V), so each K/V tile
+ * load serves 16 rows where attn_heads_amx serves one. Rounds as attn_heads_amx. */
+__attribute__((target("amx-tile,amx-bf16")))
+static void attn_rows_amx(const it_model* m, const void* cache, const int64_t* table, int64_t len, int n, int64_t g,
+                          const bf16* qkv, int64_t width, int64_t t0, bf16* o, const attn_ws* w, int64_t max_ctx) {
+    const int64_t D = m->head_dim, bs = m->block_size, hkv = m->n_kv_heads, group = m->n_heads / hkv;
+    const __m512i pairs = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                             _mm512_set1_epi32(16));
+    const __m512 scale = _mm512_set1_ps(m->scale);
+    const int64_t len32 = (len + 31) & ~(int64_t)31;
+    for (int64_t h = g * group; h < (g + 1) * group; h++) {
+        /* Q^T of the n rows: the (k, k + 1) pair of row r is 32-bit word (k / 32) * 256 + ((k % 32) / 2) * 16 + r */
+        memset(w->qt, 0, (size_t)D * 32);
+        for (int r = 0; r < n; r++)
+            for (int64_t k = 0; k < D; k += 32)
+                _mm512_i32scatter_epi32((int*)w->qt + (k / 32) * 256 + r, pairs,
+                                        _mm512_loadu_si512(qkv + (t0 + r) * width + h * D + k), 4);
+        for (int64_t j0 = 0; j0 < len; j0 += 16) { /* 16 keys of one block, rows hkv * D apart */
+            const int nb = (int)(len - j0 < 16 ? len - j0 : 16);
+            const bf16* kb = (const bf16*)cache + (kv_slot(table, j0, bs) * hkv + g) * D;
+            _tile_zero(6);
+            for (int64_t k = 0; k < D; k += 32) {
+                _tile_loadd(4, kb + k, hkv * D * 2);
+                _tile_loadd(5, w->qt + (k / 32) * 512, 64);
+                _tile_dpbf16ps(6, 4, 5);
+            }
+            _tile_stored(6, w->cbuf, 64);
+            __m512 sr[16];
+            transpose16x16_ps(w->cbuf, sr); /* sr[r] = row r's scores of the 16 keys */
+            for (int r = 0; r < n; r++) _mm512_mask_storeu_ps(w->sc + r * max_ctx + j0, mask16(nb), _mm512_mul_ps(sr[r], scale));
+        }
+        float inv[16];
+        for (int r = 0; r < n; r++) { /* row r's own keys; zero past them up to len32 */
+            const int64_t lr = len - (n - 1 - r);
+            const float* sc = w->sc + r * max_ctx;
+            bf16* p = w->pb + r * w->ldp;
+            const __m512 mx = row_max(sc, lr);
+            __m512 sum = _mm512_setzero_ps();
+            for (int64_t j = 0; j < len32; j += 16) {
+                const __mmask16 mk = j < lr ? mask16(lr - j) : 0;
+                const __m512 e = _mm512_maskz_mov_ps(mk, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, sc + j), mx)));
+                _mm256_storeu_si256((__m256i*)(p + j), round_bf16x16(e));
+                sum = _mm512_add_ps(sum, e);
+            }
+            inv[r] = 1.0f / _mm512_reduce_add_ps(sum);
+        }
+        for (int r = n; r < 16; r++) memset(w->pb + r * w->ldp, 0, (size_t)len32 * 2);
+        for (int64_t d0 = 0; d0 < D; d0 += 64) {
+            const int nc = (int)((D - d0) / 16 < 4 ? (D - d0) / 16 : 4);
+            _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+            for (int64_t j0 = 0; j0 < len; j0 += 32) {
+                const bf16* vr[32];
+                const int n0 = (int)(len - j0 < 16 ? len - j0 : 16);
+                kv_rows(m, cache, 1, table, j0, n0, g, w->tmp, vr);
+                if (j0 + 16 < len) {
+                    const int n1 = (int)(len - j0 - 16 < 16 ? len - j0 - 16 : 16);
+                    kv_rows(m, cache, 1, table, j0 + 16, n1, g, w->tmp + 16 * D, vr + 16);
+                    for (int jj = 16 + n1; jj < 32; jj++) vr[jj] = w->zero;
+                } else {
+                    for (int jj = n0; jj < 32; jj++) vr[jj] = w->zero;
+                }
+                _tile_loadd(7, w->pb + j0, w->ldp * 2);
+                ATTN_PV_TILE(0, 5, d0, w->vb);
+                if (nc > 1) ATTN_PV_TILE(1, 6, d0 + 16, w->vb + 512);
+                if (nc > 2) ATTN_PV_TILE(2, 5, d0 + 32, w->vb);
+                if (nc > 3) ATTN_PV_TILE(3, 6, d0 + 48, w->vb + 512);
+            }
+            for (int c = 0; c < nc; c++) {
+                if (c == 0) _tile_stored(0, w->cbuf, 64);
+                if (c == 1) _tile_stored(1, w->cbuf, 64);
+                if (c == 2) _tile_stored(2, w->cbuf, 64);
+                if (c == 3) _tile_stored(3, w->cbuf, 64);
+                for (int r = 0; r < n; r++)
+                    _mm256_storeu_si256((__m256i*)(o + ((t0 + r) * m->n_heads + h) * D + d0 + 16 * c),
+                                        round_bf16x16(_mm512_mul_ps(_mm512_loadu_ps(w->cbuf + 16 * r), _mm512_set1_ps(inv[r]))));
+            }
+        }
+    }
+}
+
+/* Attention of each decode row over its sequence's paged K/V; o [T, Hq, D] bf16. One task per (row, KV head):
+ * the group of query heads sharing that KV head (up to 16 at a time on AMX, 8 on AVX-512) reads each K/V row once.
+ * On AMX with a bf16 cache, rows that continue the previous row's sequence (same block table, one more key: a
+ * prompt's rows) go in blocks of up to 16 to attn_rows_amx instead, a task per (block, KV head). */
 static void attention_rows(const it_model* m, const it_step* s, const bf16* qkv, const void* cache, bf16* o,
                            float* scratch, int64_t max_ctx, int use_amx) {
-    const int64_t D = m->head_dim, hkv = m->n_kv_heads, group = m->n_heads / hkv;
+    const int64_t D = m->head_dim, hkv = m->n_kv_heads, group = m->n_heads / hkv, T = s->T;
     const int64_t width = (m->n_heads + 2 * hkv) * D;
-    const int64_t tasks = s->T * hkv;
-    const int nt = (int)(tasks < m->nthreads ? tasks : m->nthreads);
     const int amx = use_amx && amx_state == 1 && D % 32 == 0, step = amx ? 16 : 8;
+    const int64_t G = attn_score_rows(group, T);
+    /* blocks of rows: start[b], rows[b] (1: a row on its own) */
+    int64_t* start = malloc((size_t)T * 2 * sizeof(int64_t));
+    int64_t* rows = start + T, nblocks = 0;
+    const int blocks_ok = amx && T > 16 && !m->kv_int8 && m->block_size % 16 == 0;
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t* tab = s->block_tables + t * s->max_blocks;
+        if (blocks_ok && nblocks > 0 && rows[nblocks - 1] < 16 && s->context_lens[t] == s->context_lens[t - 1] + 1 &&
+            start[nblocks - 1] + rows[nblocks - 1] == t &&
+            memcmp(tab, tab - s->max_blocks, (size_t)s->max_blocks * sizeof(int64_t)) == 0) {
+            rows[nblocks - 1]++;
+        } else {
+            start[nblocks] = t;
+            rows[nblocks++] = 1;
+        }
+    }
+    const int64_t tasks = nblocks * hkv;
+    const int nt = (int)(tasks < m->nthreads ? tasks : m->nthreads);
 #pragma omp parallel num_threads(nt > 0 ? nt : 1)
     {
-        const attn_ws w = attn_workspace(scratch + (int64_t)omp_get_thread_num() * attn_floats(group, max_ctx, D),
-                                         group, max_ctx, D);
+        const attn_ws w = attn_workspace(scratch + (int64_t)omp_get_thread_num() * attn_floats(G, max_ctx, D), G,
+                                         max_ctx, D);
         memset(w.zero, 0, (size_t)D * 2);
         int tiles = 0; /* the G the tiles are configured for */
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tasks; task++) {
-            const int64_t t = task / hkv, g = task % hkv;
+            const int64_t b = task / hkv, g = task % hkv, t = start[b];
             const int64_t* table = s->block_tables + t * s->max_blocks;
+            if (rows[b] > 1) {
+                if (tiles != 16) { attn_tiles(16); tiles = 16; }
+                attn_rows_amx(m, cache, table, s->context_lens[t + rows[b] - 1], (int)rows[b], g, qkv, width, t, o,
+                              &w, max_ctx);
+                continue;
+            }
             for (int64_t h0 = 0; h0 < group; h0 += step) {
-                const int G = (int)(group - h0 < step ? group - h0 : step);
+                const int Gh = (int)(group - h0 < step ? group - h0 : step);
                 const bf16* q = qkv + t * width + (g * group + h0) * D;
                 bf16* out = o + (t * m->n_heads + g * group + h0) * D;
                 if (amx) {
-                    if (tiles != G) { attn_tiles(G); tiles = G; }
-                    attn_heads_amx(m, cache, table, s->context_lens[t], g, q, G, out, &w, max_ctx);
+                    if (tiles != Gh) { attn_tiles(Gh); tiles = Gh; }
+                    attn_heads_amx(m, cache, table, s->context_lens[t], g, q, Gh, out, &w, max_ctx);
                 } else {
-                    attn_heads_by_g[G](m, cache, table, s->context_lens[t], g, q, w.sc, max_ctx, out, w.tmp, w.zero);
+                    attn_heads_by_g[Gh](m, cache, table, s->context_lens[t], g, q, w.sc, max_ctx, out, w.tmp, w.zero);
                 }
             }
         }
         if (tiles) amx_release();
     }
+    free(start);
 }
 
 /* The elementwise work of prefills (any T), on rows: RMSNorm (also the final norm of a fused decode step),
@@ -1900,6 +2013,30 @@ int it_decode_attention(const it_model* m, const it_step* s, const bf16* qkv, co
 
 /* x [T, hidden] bf16, updated in place through every layer. Returns 0, or -1 if the workspace is too small,
  * -2 if the shapes are outside what this path handles (head_dim not a multiple of 16, ...). */
+/* Wall time of the fused step's parts, summed over calls (it_fused_timers reads them): a step's split for
+ * `infertune profile`, at two clock reads a part and layer. */
+enum { FT_NORM, FT_QKV, FT_ROTARY_KV, FT_ATTN, FT_O, FT_RESIDUAL, FT_GATE_UP, FT_DOWN, FT_PARTS };
+static double fused_time[FT_PARTS];
+static int64_t fused_calls, fused_rows;
+
+static inline double now_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+/* out [FT_PARTS + 2]: seconds per part (norm, qkv, rotary + K/V write, attention, o_proj, residual adds, gate_up
+ * (+ SiLU), down), then calls and rows; reset: zero them after reading */
+void it_fused_timers(double* out, int reset) {
+    for (int i = 0; i < FT_PARTS; i++) out[i] = fused_time[i];
+    out[FT_PARTS] = (double)fused_calls;
+    out[FT_PARTS + 1] = (double)fused_rows;
+    if (reset) {
+        memset(fused_time, 0, sizeof fused_time);
+        fused_calls = fused_rows = 0;
+    }
+}
+
 int it_decode_layers(const it_model* m, const it_layer* layers, const it_step* s, bf16* x) {
     const int64_t T = s->T, H = m->hidden, D = m->head_dim, max_ctx = s->max_blocks * m->block_size;
     if (D % 16 || m->n_heads % m->n_kv_heads || T < 1) return -2;
@@ -1912,28 +2049,43 @@ int it_decode_layers(const it_model* m, const it_layer* layers, const it_step* s
     bf16* dec = (bf16*)(w + l.dec);
     float* attn = (float*)(w + l.attn);
     const int64_t hkv = m->n_kv_heads, width = (m->n_heads + 2 * hkv) * D, hq = m->n_heads * D;
+    double t0 = now_s(), t1;
+#define PART(i) (t1 = now_s(), fused_time[i] += t1 - t0, t0 = t1)
     for (int li = 0; li < m->n_layers; li++) {
         const it_layer* L = layers + li;
         rmsnorm_rows(x, L->input_norm, h, T, H, m->eps, m->nthreads);
+        PART(FT_NORM);
         run_lin(&L->qkv, h, H, qkv, width, T, m->nthreads, lin, dec, 0);
+        PART(FT_QKV);
         rotary_rows(m, s, qkv);
         for (int64_t t = 0; t < T; t++)
             for (int64_t g = 0; g < hkv; g++) {
                 kv_write(m, L->kv_cache, 0, s->slots[t] * hkv + g, qkv + t * width + hq + g * D);
                 kv_write(m, L->kv_cache, 1, s->slots[t] * hkv + g, qkv + t * width + hq + (hkv + g) * D);
             }
+        PART(FT_ROTARY_KV);
         attention_rows(m, s, qkv, L->kv_cache, o, attn, max_ctx, 1);
+        PART(FT_ATTN);
         run_lin(&L->o, o, hq, y, H, T, m->nthreads, lin, dec, 0);
+        PART(FT_O);
         add_rows(x, y, T * H);
+        PART(FT_RESIDUAL);
         rmsnorm_rows(x, L->post_norm, h, T, H, m->eps, m->nthreads);
+        PART(FT_NORM);
         if (L->gate_up.kind == 3 && L->gate_up.inter) { /* SiLU-and-multiply in the GEMM's epilogue */
             run_lin(&L->gate_up, h, H, act, m->inter, T, m->nthreads, lin, dec, 1);
         } else {
             run_lin(&L->gate_up, h, H, gu, 2 * m->inter, T, m->nthreads, lin, dec, 0);
             silu_mul_rows(gu, act, T, m->inter, m->nthreads);
         }
+        PART(FT_GATE_UP);
         run_lin(&L->down, act, m->inter, y, H, T, m->nthreads, lin, dec, 0);
+        PART(FT_DOWN);
         add_rows(x, y, T * H);
+        PART(FT_RESIDUAL);
     }
+#undef PART
+    fused_calls++;
+    fused_rows += T;
     return 0;
 }
