@@ -325,12 +325,18 @@ def test_profile_sees_the_kernels(tmp_path):
     model = make_checkpoint(tmp_path / "m", "llama", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                             dtype=torch.bfloat16)
     greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    shares = {}
+    shares, fused = {}, {}
     for mode in ("auto", "linear"):
         llm = LLM(str(model), dtype="bfloat16", decode_kernels=mode, max_model_len=64, max_num_seqs=2)
         result = profile_workload(llm, 12, 4, 2, greedy, warmup=False)
         shares[mode] = result.phases["decode"].by_category
+        fused[mode] = [(r.fused, r.wall_us) for r in result.records if r.phase == "decode"]
     assert shares["auto"]["fused_decode"] > 0 and shares["linear"]["fused_decode"] == 0
+    # the fused step's own timers: every part of every decode step it ran, within the step's wall time
+    assert all(f is None for f, _ in fused["linear"]) and len(fused["auto"]) >= 3
+    for parts, wall_us in fused["auto"]:
+        assert list(parts) == list(kernels.FUSED_PARTS) and all(v >= 0 for v in parts.values())
+        assert 0 < sum(parts.values()) * 1e6 <= wall_us
     # Decode steps issue no aten matmul here (every linear, lm_head included, is a C call): without the kernels'
     # profiler ranges this would be exactly 0 and the GEMV time would sit in "host".
     assert shares["linear"]["matmul"] > 0.02 * sum(shares["linear"].values())

@@ -130,6 +130,8 @@ def build_summary(result, context: dict, top: int = 12) -> dict:
         jitter = base or [r.wall_us for r in result.records if r.phase == name]
         # Page faults of the unprofiled steps where there are some (the profiler allocates its own event buffers).
         faults = result.baseline_faults.get(name) or [r.page_faults for r in result.records if r.phase == name]
+        # The fused step's own split (C timers), from the unprofiled steps where there are some
+        fused = result.baseline_fused.get(name) or [r.fused for r in result.records if r.phase == name and r.fused]
         phases[name] = {
             "steps": ph.steps,
             "ms_per_step": ph.wall_us / ph.steps / 1000,
@@ -151,6 +153,7 @@ def build_summary(result, context: dict, top: int = 12) -> dict:
             "ops_per_step_by_scope": {k: v / ph.steps for k, v in ph.ops_by_scope.items()},
             "ranges_per_step": _median(ph.ranges_per_step),
             "top_ops": ph.top_ops(top),
+            "fused_step_ms": ({k: 1000 * statistics.mean(f[k] for f in fused) for k in fused[0]} if fused else None),
         }
     steps = [{"index": r.index, "phase": r.phase, "seqs": r.num_seqs, "tokens": r.num_tokens,
               "prefill_tokens": r.num_prefill_tokens, "wall_ms": r.wall_us / 1000} for r in result.records]
@@ -205,6 +208,12 @@ def format_report(s: dict) -> str:
         kv = ", ".join(f"{k} {100 * v:.1f}%" for k, v in ph["kv_detail_share"].items())
         where = "host-side time outside ops (CPU)" if ph["device_idle_share"] is not None else "host detail"
         lines.append(f"  {p} {where}: {host}" + (f"; KV: {kv}" if kv else ""))
+    for p in names:
+        split = phases[p].get("fused_step_ms")
+        if split:
+            total = sum(split.values()) or 1.0
+            parts = ", ".join(f"{k} {v:.2f} ms ({100 * v / total:.0f}%)" for k, v in sorted(split.items(), key=lambda kv: -kv[1]))
+            lines.append(f"  {p} fused step (C), {total:.2f} ms a step where it ran: {parts}")
     inst = s["instrumentation"]
     if inst.get("ranges_per_decode_step") is not None:
         lines.append(f"  instrumentation: {inst['ranges_per_decode_step']:g} ranges per decode step x "

@@ -44,6 +44,7 @@ class StepRecord:
     num_prefill_tokens: int = 0
     wall_us: float = 0.0  # perf_counter around engine.step()
     page_faults: int = 0  # the process's minor page faults during the step (fresh pages the step touched)
+    fused: dict | None = None  # seconds per part of the fused step (kernels.FUSED_PARTS), where it ran this step
 
 
 def batch_phase(batch) -> tuple[str, int]:
@@ -166,12 +167,20 @@ class Instrumentation:
     def step(self) -> StepRecord:
         rec = StepRecord(len(self.records))
         self.records.append(rec)
+        timers = getattr(getattr(self.engine.executor.runner, "decode_kernels", None), "fused_step_timers", None)
+        if timers is not None:
+            timers(reset=True)
         with record_function(f"{STEP_RANGE}{rec.index}"):
             f0 = minor_faults()
             t0 = time.perf_counter()
             self.engine.step()
             rec.wall_us = (time.perf_counter() - t0) * 1e6
             rec.page_faults = minor_faults() - f0
+        if timers is not None:
+            parts = timers(reset=True)
+            if parts.pop("calls") > 0:
+                parts.pop("rows")
+                rec.fused = parts
         return rec
 
     def run(self, prompts: list[list[int]], params) -> list[StepRecord]:
@@ -269,6 +278,7 @@ class TimelineResult:
     range_us: float = 0.0  # what one instrumented module call adds under the profiler (hooks + range)
     prof: profile | None = None
     baseline_faults: dict[str, list[int]] = field(default_factory=dict)  # phase -> page faults of unprofiled steps
+    baseline_fused: dict[str, list[dict]] = field(default_factory=dict)  # phase -> fused-step splits, unprofiled
 
 
 def split_events(events) -> tuple[dict[int, list[Span]], list[Span]]:
@@ -319,6 +329,7 @@ def profile_workload(llm, input_len: int, output_len: int, batch: int, params, w
     vocab = engine.config.model.arch.vocab_size
     baseline: dict[str, list[float]] = {}
     baseline_faults: dict[str, list[int]] = {}
+    baseline_fused: dict[str, list[dict]] = {}
     if warmup:
         with Instrumentation(llm, ranges=False) as plain:
             # A first tiny request pays the one-time costs (first forward, allocator, thread pool) untimed.
@@ -329,6 +340,8 @@ def profile_workload(llm, input_len: int, output_len: int, batch: int, params, w
             if r.phase != "empty":
                 baseline.setdefault(r.phase, []).append(r.wall_us)
                 baseline_faults.setdefault(r.phase, []).append(r.page_faults)
+                if r.fused is not None:
+                    baseline_fused.setdefault(r.phase, []).append(r.fused)
     launch_us = measure_launch_us(backend)
     with Instrumentation(llm) as ins:
         with profile(activities=profiler_activities(backend)) as prof:
@@ -341,4 +354,4 @@ def profile_workload(llm, input_len: int, output_len: int, batch: int, params, w
             ins.run(make_prompts(vocab, input_len, batch, salt=2), params)
     steps, phases, timeline = analyse(prof.events(), ins.records)
     return TimelineResult(ins.records, steps, phases, timeline, ins.instrumented, ins.missing, baseline, launch_us,
-                          range_us, prof, baseline_faults)
+                          range_us, prof, baseline_faults, baseline_fused)
