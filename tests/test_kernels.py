@@ -3,6 +3,8 @@ engine with them against the engine with torch's matmuls and against HF transfor
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -151,6 +153,15 @@ def test_bad_inputs_are_refused():
         kernels.linear_bf16(torch.zeros(1, 16, dtype=torch.bfloat16), w)
     with pytest.raises(ValueError, match="int8"):
         kernels.linear_w8(torch.zeros(1, 32, dtype=torch.bfloat16), w, torch.ones(8))
+
+
+@pytest.mark.skipif(os.environ.get("INFERTUNE_CPU_KERNELS") == "0", reason="kernels switched off")
+def test_kernels_build_where_the_cpu_and_a_compiler_allow():
+    """Where the CPU has the required AVX-512 features and a C compiler is present, the kernels must build and
+    load: a source that fails to compile would otherwise only show as every kernel test skipped."""
+    if not all(f in kernels._cpu_flags() for f in kernels.REQUIRED_FLAGS) or kernels._compiler() is None:
+        pytest.skip("this CPU or machine cannot build the kernels")
+    assert kernels.available(), kernels.unavailable_reason()
 
 
 def test_disabled_by_environment(monkeypatch):
@@ -491,7 +502,8 @@ def test_bf16c_gate_up_with_silu_is_the_unfused_mlp_bit_for_bit(m):
     inter, k = 96, 128  # three 64-feature chunks, the last one a single gate / up pair
     w = (torch.randn(2 * inter, k, generator=gen) * 0.1).to(torch.bfloat16)
     x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
-    packed = kernels.pack_bf16c(kernels.interleave_gate_up(w))
+    packed = kernels.pack_bf16c(w, inter=inter)
+    assert torch.equal(packed["codes"], kernels.pack_bf16c(kernels.interleave_gate_up(w))["codes"])
     desc = kernels.bf16c_struct(packed)
     assert torch.equal(kernels.deinterleave_gate_up(kernels.interleave_gate_up(w)), w)
     ref = kernels.linear_bf16(x, w) if m > 1 else (x.float() @ w.float().T).to(torch.bfloat16)

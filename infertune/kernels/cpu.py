@@ -142,9 +142,9 @@ def _load() -> None:
         lib.it_unpack_bf16c.restype = None
         lib.it_bf16c_hist.argtypes = [ptr, i64, ptr, cint]
         lib.it_bf16c_hist.restype = None
-        lib.it_bf16c_pack.argtypes = [ptr, i64, i64, ptr, ptr, ptr, cint]
+        lib.it_bf16c_pack.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, cint]
         lib.it_bf16c_pack.restype = None
-        lib.it_bf16c_escapes.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, cint]
+        lib.it_bf16c_escapes.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, cint]
         lib.it_bf16c_escapes.restype = None
         global _amx
         _amx = bool(lib.it_amx_init(int({"amx_tile", "amx_bf16"} <= _cpu_flags())))  # asks Linux for the tile state
@@ -436,7 +436,7 @@ def bf16c_supported(n: int, k: int) -> bool:
             and n % 16 == 0 and k % 32 == 0 and n > 0 and k > 0)
 
 
-def pack_bf16c(w: torch.Tensor) -> dict[str, torch.Tensor]:
+def pack_bf16c(w: torch.Tensor, inter: int = 0) -> dict[str, torch.Tensor]:
     """A bf16 weight [N, K] -> the tensors of the 12-bit layout: each weight's low byte, plus a 4-bit code into a
     table of the 16 most common high bytes (sign and exponent); weights whose high byte is not in the table are
     listed aside (position, value) and patched in when a tile is decoded. Exact: unpack_bf16c gives w back.
@@ -444,9 +444,14 @@ def pack_bf16c(w: torch.Tensor) -> dict[str, torch.Tensor]:
     the order the AMX B operand wants them (VNNI: per 16 features, row p holds their weights 2p and 2p + 1), as
     32 row pairs x 96 bytes (the 64 low bytes in the order the decoder's byte unpacks undo, cpu_kernels.c
     BF16C_ORDER, then 32 bytes whose byte i holds the codes of low bytes i and i + 32 in its two nibbles). The
-    kernels multiply x by decoded tiles as they are. Packed in C, ~2 ms per million weights on 2 threads."""
+    kernels multiply x by decoded tiles as they are. Packed in C, ~2 ms per million weights on 2 threads.
+
+    inter > 0: w is a gate_up [2 inter, K] (inter a multiple of 16), packed as interleave_gate_up(w) would be
+    (for linear_bf16c's inter / silu), without the copy."""
     if w.dtype is not torch.bfloat16 or w.dim() != 2 or w.shape[1] % 32:
         raise ValueError(f"pack_bf16c takes a bf16 [N, K] weight with K a multiple of 32, got {w.dtype} {tuple(w.shape)}")
+    if inter and (w.shape[0] != 2 * inter or inter % 16):
+        raise ValueError(f"pack_bf16c: inter={inter} needs a [2 inter, K] weight with inter a multiple of 16, got {tuple(w.shape)}")
     _load()
     w = w.contiguous()
     n, k = w.shape
@@ -459,14 +464,14 @@ def pack_bf16c(w: torch.Tensor) -> dict[str, torch.Tensor]:
     chunks, ks = -(-n // 64), k // 32
     codes = torch.empty(chunks * ks * 64 * 48, dtype=torch.uint8)
     count = torch.empty(chunks * ks, dtype=torch.int32)
-    _lib.it_bf16c_pack(w.data_ptr(), n, k, table.data_ptr(), codes.data_ptr(), count.data_ptr(), threads)
+    _lib.it_bf16c_pack(w.data_ptr(), n, k, inter, table.data_ptr(), codes.data_ptr(), count.data_ptr(), threads)
     start = torch.zeros(chunks * ks + 1, dtype=torch.int32)
     start[1:] = count.cumsum(0)
     total = int(start[-1])
     pos = torch.empty(total, dtype=torch.int16)
     val = torch.empty(total, dtype=torch.bfloat16)
     if total:
-        _lib.it_bf16c_escapes(w.data_ptr(), n, k, code_of.data_ptr(), start.data_ptr(), pos.data_ptr(),
+        _lib.it_bf16c_escapes(w.data_ptr(), n, k, inter, code_of.data_ptr(), start.data_ptr(), pos.data_ptr(),
                               val.data_ptr(), threads)
     return {"codes": codes, "table": table, "esc_start": start, "esc_pos": pos,
             "esc_val": val}

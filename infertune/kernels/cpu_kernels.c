@@ -895,19 +895,19 @@ static inline void transpose_pairs16(const bf16* src, int64_t ld, bf16* out, int
 }
 
 /* Tile (chunk c, k-step ks) of w [N, K] in the decoded order: vt [64][32], row 16 g + p = features 16 g .. +15 of
- * chunk c, each its weights 2 p and 2 p + 1; zero for features past N */
-static void vnni_tile(const bf16* w, int64_t N, int64_t K, int64_t c, int64_t ks, bf16* vt) {
+ * chunk c, each its weights 2 p and 2 p + 1; zero for features past N. inter > 0: w is a gate_up [2 inter, K]
+ * packed with gate and up interleaved 16 by 16 (feature tile 2 i: gate rows 16 i.., 2 i + 1: up rows inter + 16 i..) */
+static void vnni_tile(const bf16* w, int64_t N, int64_t K, int64_t inter, int64_t c, int64_t ks, bf16* vt) {
     for (int g = 0; g < 4; g++) {
-        const int64_t n = c * 64 + 16 * g;
+        const int64_t n = c * 64 + 16 * g, tile = n / 16;
+        const int64_t row = inter ? (tile % 2) * inter + (tile / 2) * 16 : n;
         if (n >= N) memset(vt + g * 512, 0, 1024);
-        else transpose_pairs16(w + n * K + ks * 32, K, vt + g * 512, 32);
+        else transpose_pairs16(w + row * K + ks * 32, K, vt + g * 512, 32);
     }
 }
 
-/* table: the 16 high bytes. codes: the layout; esc_count: [tiles], the weights outside the table in each tile.
- * 64 weights (a row pair) a step: 16 byte compares against the table give the codes, VPERMB the stored order. */
 __attribute__((target("avx512vbmi")))
-void it_bf16c_pack(const bf16* w, int64_t N, int64_t K, const uint8_t* table, uint8_t* codes, int32_t* esc_count,
+void it_bf16c_pack(const bf16* w, int64_t N, int64_t K, int64_t inter, const uint8_t* table, uint8_t* codes, int32_t* esc_count,
                    int nthreads) {
     const int64_t nchunks = (N + 63) / 64, KS = K / 32;
     const __m512i order = _mm512_loadu_si512((const void*)BF16C_ORDER);
@@ -916,7 +916,7 @@ void it_bf16c_pack(const bf16* w, int64_t N, int64_t K, const uint8_t* table, ui
         for (int64_t ks = 0; ks < KS; ks++) {
             uint8_t* b = codes + (c * KS + ks) * BF16C_TILE_BYTES;
             bf16 vt[64 * 32] __attribute__((aligned(64)));
-            vnni_tile(w, N, K, c, ks, vt);
+            vnni_tile(w, N, K, inter, c, ks, vt);
             int32_t esc = 0;
             for (int r = 0; r < 64; r += 2) {
                 uint8_t* p = b + r * 48;
@@ -948,7 +948,7 @@ void it_bf16c_pack(const bf16* w, int64_t N, int64_t K, const uint8_t* table, ui
 }
 
 /* esc_start [tiles + 1] (the prefix sums of esc_count) given; fills esc_pos / esc_val tile by tile */
-void it_bf16c_escapes(const bf16* w, int64_t N, int64_t K, const int8_t* code_of, const int32_t* esc_start,
+void it_bf16c_escapes(const bf16* w, int64_t N, int64_t K, int64_t inter, const int8_t* code_of, const int32_t* esc_start,
                       uint16_t* esc_pos, bf16* esc_val, int nthreads) {
     const int64_t nchunks = (N + 63) / 64, KS = K / 32;
 #pragma omp parallel for num_threads(pick_threads(nchunks, N * K * 2, nthreads)) schedule(static)
@@ -957,7 +957,7 @@ void it_bf16c_escapes(const bf16* w, int64_t N, int64_t K, const int8_t* code_of
             int32_t e = esc_start[c * KS + ks];
             if (e == esc_start[c * KS + ks + 1]) continue; /* most tiles have none */
             bf16 vt[64 * 32] __attribute__((aligned(64)));
-            vnni_tile(w, N, K, c, ks, vt);
+            vnni_tile(w, N, K, inter, c, ks, vt);
             for (int r = 0; r < 64 && c * 64 + (r / 16) * 16 < N; r++)
                 for (int j = 0; j < 32; j++) {
                     const bf16 v = vt[r * 32 + j];

@@ -88,8 +88,7 @@ class Bf16cMethod(DecodeKernelMethod):
         w = layer.weight.data
         if (getattr(layer, "silu_pairs", False) and layer.bias is None and w.shape[0] % 32 == 0):
             self.inter = w.shape[0] // 2
-            w = self.kernels.interleave_gate_up(w)
-        packed = self.kernels.pack_bf16c(w)
+        packed = self.kernels.pack_bf16c(w, inter=self.inter)  # (gate and up interleaved where inter > 0)
         del layer.weight
         for name, t in packed.items():
             layer.register_buffer(f"bf16c_{name}", t)
