@@ -647,13 +647,38 @@ static inline void decode_some(chunk_decoder* d, int pairs) {
     }
 }
 
+/* The output rows of a finished 2 x 2 block (its accumulators stored in c), written a few rows at a time while
+ * the tiles multiply the next block: the vector work of rounding (and SiLU) overlaps the tiles' work. Row i of
+ * the job is row i of token tile 0 for i < r0, else row i - r0 of token tile 1. */
+typedef struct {
+    const float (*c)[256];
+    const bf16* bias;
+    bf16* y; /* row 0 of token tile 0 */
+    int64_t ldy, n, inter; /* n: the first feature (column) of feature tile 0 */
+    int na, r0, r1, silu, next, per_step;
+} epi_job;
+
+static inline void epi_some(epi_job* e, int rows) {
+    for (; rows > 0 && e->next < e->r0 + e->r1; rows--, e->next++) {
+        const int tt = e->next >= e->r0, m = tt ? e->next - e->r0 : e->next;
+        bf16* yr = e->y + (16 * tt + m) * e->ldy;
+        const float* c0 = e->c[2 * tt] + 16 * m;
+        if (e->inter) {
+            tile_pair_out(c0, e->c[2 * tt + 1] + 16 * m, e->n / 32, yr, e->ldy, 1, e->inter, e->silu);
+        } else {
+            tile_rows_out(c0, e->bias, e->n, yr, e->ldy, 1);
+            if (e->na == 2) tile_rows_out(e->c[2 * tt + 1] + 16 * m, e->bias, e->n + 16, yr, e->ldy, 1);
+        }
+    }
+}
+
 /* One 2 x 2 block over all of K: row tiles a0 (and a1, where given) of x against feature tiles wb (and wb + 512
  * where na == 2) of a decoded chunk; c[2 r + f] gets row tile r x feature tile f. Tiles 0-3: C, 4-5: x, 6-7: W.
  * Each k-step also decodes `pairs` row pairs of the next chunk (where d is given): its codes stream in from
  * memory while the tiles multiply. */
 __attribute__((target("amx-tile,amx-bf16")))
 static inline void bf16c_block(const bf16* a0, int64_t lda0, const bf16* a1, int64_t lda1, const bf16* wb, int na,
-                               int64_t K, float c[4][256], chunk_decoder* d, int pairs) {
+                               int64_t K, float c[4][256], chunk_decoder* d, int pairs, epi_job* e) {
     _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
     for (int64_t k = 0; k < K; k += 32) {
         const bf16* b = wb + k * 64;
@@ -667,7 +692,9 @@ static inline void bf16c_block(const bf16* a0, int64_t lda0, const bf16* a1, int
             if (na == 2) _tile_dpbf16ps(3, 5, 7);
         }
         if (d) decode_some(d, pairs);
+        epi_some(e, e->per_step);
     }
+    epi_some(e, 32); /* (whatever rounding left) */
     _tile_stored(0, c[0], 64);
     if (na == 2) _tile_stored(1, c[1], 64);
     if (a1) {
@@ -695,7 +722,9 @@ static void linear_bf16c_gemm(const bf16* x, int64_t ldx, const bf16c* cw, const
 #pragma omp parallel num_threads(nt)
     {
         amx_configure(8);
-        float c[4][256] __attribute__((aligned(64)));
+        float cb[2][4][256] __attribute__((aligned(64))); /* a block's accumulators, and the previous block's */
+        int cur_c = 0;
+        epi_job job = {0};
         const int tid = omp_get_thread_num();
         bf16* buf[2] = {wdec + (int64_t)tid * 128 * K, wdec + (int64_t)tid * 128 * K + 64 * K};
         const int64_t lo = nchunks * tid / nt, hi = nchunks * (tid + 1) / nt; /* this thread's chunks */
@@ -726,18 +755,11 @@ static void linear_bf16c_gemm(const bf16* x, int64_t ldx, const bf16c* cw, const
                 const int r1 = two ? (int)(M - 16 * (t + 1) < 16 ? M - 16 * (t + 1) : 16) : 0;
                 for (int g = 0; g < nblk; g += 2) {
                     const int na = nblk - g >= 2 ? 2 : 1;
-                    bf16c_block(a0, lda0, a1, lda1, wc + g * 512, na, K, c, d, pairs);
-                    if (inter) { /* tiles g, g + 1: one gate / up pair */
-                        const int64_t p = (n0 + 16 * g) / 32;
-                        tile_pair_out(c[0], c[1], p, y + 16 * t * ldy, ldy, r0, inter, silu);
-                        if (two) tile_pair_out(c[2], c[3], p, y + 16 * (t + 1) * ldy, ldy, r1, inter, silu);
-                        continue;
-                    }
-                    for (int f = 0; f < na; f++) {
-                        const int64_t n = n0 + 16 * (g + f);
-                        tile_rows_out(c[f], bias, n, y + 16 * t * ldy, ldy, r0);
-                        if (two) tile_rows_out(c[2 + f], bias, n, y + 16 * (t + 1) * ldy, ldy, r1);
-                    }
+                    bf16c_block(a0, lda0, a1, lda1, wc + g * 512, na, K, cb[cur_c], d, pairs, &job);
+                    /* this block's rows go out during the next block (or below, after the last) */
+                    job = (epi_job){(const float (*)[256])cb[cur_c], bias, y + 16 * t * ldy, ldy, n0 + 16 * g, inter,
+                                    na, r0, two ? r1 : 0, silu, 0, (int)((r0 + r1 + KS - 1) / KS)};
+                    cur_c ^= 1;
                 }
             }
             if (d) {
@@ -745,6 +767,7 @@ static void linear_bf16c_gemm(const bf16* x, int64_t ldx, const bf16c* cw, const
                 cur ^= 1;
             }
         }
+        epi_some(&job, 32); /* the last block's rows */
         _tile_release();
     }
 }
