@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Two builds of the CPU kernels' C source in one process: the fused step's prefill (or decode) time, alternating.
+"""Two builds of the CPU kernels' C source in one process: generate time with one or the other, alternating.
 
 bench_builds_ab.py compares two checkouts in fresh processes, and this machine's phases (up to 2x) swamp a change
 of 5-10% there. Here both sources are compiled (with the CFLAGS of infertune/kernels/cpu.py) and loaded side by
@@ -20,7 +20,6 @@ import statistics
 import subprocess
 import tempfile
 import time
-import types
 from pathlib import Path
 
 from ab_common import ab_parser, bench_model
@@ -48,36 +47,35 @@ def main() -> int:
             so = Path(tmp) / f"lib{name}.so"
             subprocess.run([cc, *kernels.CFLAGS, src, "-o", str(so), "-lm"], check=True)
             lib = ctypes.CDLL(str(so))
-            lib.it_amx_init.argtypes = [ctypes.c_int]
+            kernels.declare(lib)
             lib.it_amx_init(int(kernels._amx))
-            lib.it_decode_layers.argtypes = [ctypes.POINTER(kernels.ItModel), ctypes.POINTER(kernels.ItLayer),
-                                             ctypes.POINTER(kernels.ItStep), ctypes.c_void_p]
-            lib.it_decode_layers.restype = ctypes.c_int
             builds.append(lib)
         model = str(bench_model(args.model))
         llm = LLM(model, dtype="bfloat16", enable_prefix_caching=False, max_num_seqs=max(args.batch, 1))
-        fused = llm.engine.executor.runner.fused
-        if fused is None:
-            print("this engine has no fused step here (see `infertune doctor`)")
-            return 1
-        real = fused.lib
+        fused = llm.engine.executor.runner.fused  # (None where the engine has no fused step)
+        real = kernels._lib
         vocab = llm.engine.config.model.arch.vocab_size
         params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
         rng = random.Random(0)
         times: list[list[float]] = [[], []]
         print(f"$ python benchmarks/bench_kernel_builds.py --a {args.a} --b {args.b} --batch {args.batch} "
               f"--input-len {args.input_len} --output-len {args.output_len} --rounds {args.rounds}")
-        for r in range(args.rounds + 1):  # round 0 warms both builds up, untimed
-            for i in ((0, 1) if r % 2 == 0 else (1, 0)):
-                fused.lib = types.SimpleNamespace(it_decode_layers=builds[i].it_decode_layers,
-                                                  it_rmsnorm_mt=real.it_rmsnorm_mt)
-                prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(args.input_len)]}
-                           for _ in range(args.batch)]
-                t = time.perf_counter()
-                llm.generate(prompts, params, use_tqdm=False)
-                if r:
-                    times[i].append(time.perf_counter() - t)
-        fused.lib = real
+        try:
+            for r in range(args.rounds + 1):  # round 0 warms both builds up, untimed
+                for i in ((0, 1) if r % 2 == 0 else (1, 0)):
+                    kernels._lib = builds[i]  # every kernel call from here on: linears, norms, the fused step
+                    if fused is not None:
+                        fused.lib = builds[i]
+                    prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(args.input_len)]}
+                               for _ in range(args.batch)]
+                    t = time.perf_counter()
+                    llm.generate(prompts, params, use_tqdm=False)
+                    if r:
+                        times[i].append(time.perf_counter() - t)
+        finally:
+            kernels._lib = real
+            if fused is not None:
+                fused.lib = real
     a, b = (statistics.median(t) * 1e3 for t in times)
     print(f"| build | median ms per generate |\n|---|---:|\n| A {args.a} | {a:.1f} |\n| B {args.b} | {b:.1f} |")
     print("B / A per round: " + " ".join(f"{y / x:.2f}" for x, y in zip(*times)) + f"; medians {b / a:.2f}")

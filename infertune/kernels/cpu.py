@@ -109,46 +109,51 @@ def _load() -> None:
             _reason = f"building the kernels failed: {e}"
             log.warning("CPU kernels unavailable, using torch's: %s", _reason)
             return
-        i64, ptr, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-        lib.it_linear_bf16.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, cint]
-        lib.it_linear_bf16.restype = None
-        lib.it_linear_w8.argtypes = [ptr, i64, ptr, ptr, cint, ptr, ptr, i64, i64, i64, i64, cint]
-        lib.it_linear_w8.restype = None
-        lib.it_linear_w4.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, cint]
-        lib.it_linear_w4.restype = None
-        lib.it_dequant_w8.argtypes = [ptr, ptr, cint, ptr, i64, i64, cint]
-        lib.it_dequant_w8.restype = None
-        lib.it_dequant_w4.argtypes = [ptr, ptr, ptr, i64, ptr, i64, i64, cint]
-        lib.it_dequant_w4.restype = None
-        lib.it_rmsnorm_mt.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float, cint]
-        lib.it_rmsnorm_mt.restype = None
-        lib.it_silu_mul.argtypes = [ptr, ptr, i64, i64, cint]
-        lib.it_silu_mul.restype = None
-        lib.it_rotary.argtypes = [ptr, i64, i64, i64, i64, ptr, i64, cint]
-        lib.it_rotary.restype = None
-        lib.it_amx_init.argtypes = [cint]
-        lib.it_amx_init.restype = cint
-        lib.it_decode_workspace_bytes.argtypes = [ctypes.POINTER(ItModel), i64, i64]
-        lib.it_decode_workspace_bytes.restype = i64
-        lib.it_decode_layers.argtypes = [ctypes.POINTER(ItModel), ctypes.POINTER(ItLayer), ctypes.POINTER(ItStep), ptr]
-        lib.it_decode_layers.restype = cint
-        lib.it_fused_timers.argtypes = [ptr, cint]
-        lib.it_fused_timers.restype = None
-        lib.it_decode_attention.argtypes = [ctypes.POINTER(ItModel), ctypes.POINTER(ItStep), ptr, ptr, ptr, cint]
-        lib.it_decode_attention.restype = cint
-        lib.it_linear_bf16c.argtypes = [ptr, i64, ctypes.POINTER(Bf16c), ptr, ptr, i64, i64, i64, i64, cint, i64, cint]
-        lib.it_linear_bf16c.restype = cint
-        lib.it_unpack_bf16c.argtypes = [ctypes.POINTER(Bf16c), ptr, i64, i64, cint]
-        lib.it_unpack_bf16c.restype = None
-        lib.it_bf16c_hist.argtypes = [ptr, i64, ptr, cint]
-        lib.it_bf16c_hist.restype = None
-        lib.it_bf16c_pack.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, cint]
-        lib.it_bf16c_pack.restype = None
-        lib.it_bf16c_escapes.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, cint]
-        lib.it_bf16c_escapes.restype = None
+        declare(lib)
         global _amx
         _amx = bool(lib.it_amx_init(int({"amx_tile", "amx_bf16"} <= _cpu_flags())))  # asks Linux for the tile state
         _lib = lib
+
+
+def declare(lib: ctypes.CDLL) -> None:
+    """Give a build of cpu_kernels.c its functions' C signatures (benchmarks load a second build this way)."""
+    i64, ptr, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    lib.it_linear_bf16.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, cint]
+    lib.it_linear_bf16.restype = None
+    lib.it_linear_w8.argtypes = [ptr, i64, ptr, ptr, cint, ptr, ptr, i64, i64, i64, i64, cint]
+    lib.it_linear_w8.restype = None
+    lib.it_linear_w4.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, cint]
+    lib.it_linear_w4.restype = None
+    lib.it_dequant_w8.argtypes = [ptr, ptr, cint, ptr, i64, i64, cint]
+    lib.it_dequant_w8.restype = None
+    lib.it_dequant_w4.argtypes = [ptr, ptr, ptr, i64, ptr, i64, i64, cint]
+    lib.it_dequant_w4.restype = None
+    lib.it_rmsnorm_mt.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float, cint]
+    lib.it_rmsnorm_mt.restype = None
+    lib.it_silu_mul.argtypes = [ptr, ptr, i64, i64, cint]
+    lib.it_silu_mul.restype = None
+    lib.it_rotary.argtypes = [ptr, i64, i64, i64, i64, ptr, i64, cint]
+    lib.it_rotary.restype = None
+    lib.it_amx_init.argtypes = [cint]
+    lib.it_amx_init.restype = cint
+    lib.it_decode_workspace_bytes.argtypes = [ctypes.POINTER(ItModel), i64, i64]
+    lib.it_decode_workspace_bytes.restype = i64
+    lib.it_decode_layers.argtypes = [ctypes.POINTER(ItModel), ctypes.POINTER(ItLayer), ctypes.POINTER(ItStep), ptr]
+    lib.it_decode_layers.restype = cint
+    lib.it_fused_timers.argtypes = [ptr, cint]
+    lib.it_fused_timers.restype = None
+    lib.it_decode_attention.argtypes = [ctypes.POINTER(ItModel), ctypes.POINTER(ItStep), ptr, ptr, ptr, cint]
+    lib.it_decode_attention.restype = cint
+    lib.it_linear_bf16c.argtypes = [ptr, i64, ctypes.POINTER(Bf16c), ptr, ptr, i64, i64, i64, i64, cint, i64, cint]
+    lib.it_linear_bf16c.restype = cint
+    lib.it_unpack_bf16c.argtypes = [ctypes.POINTER(Bf16c), ptr, i64, i64, cint]
+    lib.it_unpack_bf16c.restype = None
+    lib.it_bf16c_hist.argtypes = [ptr, i64, ptr, cint]
+    lib.it_bf16c_hist.restype = None
+    lib.it_bf16c_pack.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, cint]
+    lib.it_bf16c_pack.restype = None
+    lib.it_bf16c_escapes.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, cint]
+    lib.it_bf16c_escapes.restype = None
 
 
 # The structs of it_decode_layers (cpu_kernels.c), field for field.
