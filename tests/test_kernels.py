@@ -520,50 +520,62 @@ def test_bf16c_gate_up_with_silu_is_the_unfused_mlp_bit_for_bit(m):
 @needs_bf16c
 def test_engine_with_12bit_weights_is_the_engine_with_bf16_weights(tmp_path, monkeypatch):
     """compress_weights="auto" (the default) against "off" on one checkpoint: the plain bf16 projections are held
-    in the 12-bit layout and the outputs are bit for bit the same. A batch of 4 short prompts (every step on the
-    tiles in both engines: the prefill's GEMM, the fused decode step), then one of 150 tokens (past 128 rows: the
-    12-bit tile GEMM, the MLP in row blocks taking SiLU-and-multiply from the gate_up GEMM's epilogue, against
-    torch's GEMM and the separate activation). No weight is ever unpacked."""
+    in the 12-bit layout and the outputs are bit for bit the same. A batch of 4 short prompts, then one of 150
+    tokens (past the 128 rows up to which bf16 weights as loaded keep the fused step). Through the per-module
+    forward (decode_kernels="linear") the 12-bit engine runs the tile GEMM at every size, the MLP in row blocks
+    taking SiLU-and-multiply from the gate_up GEMM's epilogue, where the bf16 one runs torch's GEMM past 128 rows
+    and the separate activation: every output the same. With the fused step (the default) both run the short
+    prompts and decode steps fused, the same again; the 12-bit engine runs the 150-token prefill fused too (its
+    accuracy: test_fused_step_runs_prompts_as_accurately_as_pytorch). No weight is ever unpacked."""
     from conftest import make_checkpoint
 
     from infertune import LLM, SamplingParams
     from infertune.models import llama
+    from infertune.runner.fused_decode import FusedDecode
 
     monkeypatch.setattr(llama, "MLP_CHUNK_ROWS", 64)
-    unpacks, fused = [], []
-    real_unpack, real_linear = kernels.unpack_bf16c, kernels.linear_bf16c
+    unpacks, fused, steps = [], [], []
+    real_unpack, real_linear, real_call = kernels.unpack_bf16c, kernels.linear_bf16c, FusedDecode.__call__
     monkeypatch.setattr(kernels, "unpack_bf16c", lambda *a: unpacks.append(a[1:]) or real_unpack(*a))
     monkeypatch.setattr(kernels, "linear_bf16c",
                         lambda x, *a, **k: (fused.append(x.shape[0]) if k.get("silu") else None) or real_linear(x, *a, **k))
+    monkeypatch.setattr(FusedDecode, "__call__", lambda self, ids, *a: steps.append(ids.shape[0]) or real_call(self, ids, *a))
     model = make_checkpoint(tmp_path / "m", "llama", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                             tie_word_embeddings=True, dtype=torch.bfloat16)
     prompts = [{"prompt_token_ids": [5 + i, 17, 33, 2 + i, 60]} for i in range(4)]
     long = [{"prompt_token_ids": [(7 * i) % 250 + 3 for i in range(150)]}]
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2)
     runs = {}
-    for mode in ("auto", "off"):
-        llm = LLM(str(model), dtype="bfloat16", compress_weights=mode, max_model_len=192)
+    for mode, kernel_mode in (("auto", "auto"), ("auto", "linear"), ("off", "auto"), ("off", "linear")):
+        llm = LLM(str(model), dtype="bfloat16", compress_weights=mode, decode_kernels=kernel_mode, max_model_len=192)
         runner = llm.engine.executor.runner
         methods = {type(m.quant_method).__name__ for m in runner.model.modules() if isinstance(m, Linear)}
         assert ("Bf16cMethod" in methods) == (mode == "auto")
         fused.clear()
-        runs[mode] = [(o.outputs[0].token_ids, [(lp.token_id, lp.logprob) for lp in o.outputs[0].logprobs])
-                      for batch in (prompts, long) for o in llm.generate(batch, params, use_tqdm=False)]
-        # the long prefill: per layer, the MLP's 3 row blocks (64 + 64 + 22 rows) with the SiLU fused
-        assert fused == ([64, 64, 22] * 2 if mode == "auto" else []), fused
+        steps.clear()
+        runs[mode, kernel_mode] = [(o.outputs[0].token_ids, [(lp.token_id, lp.logprob) for lp in o.outputs[0].logprobs])
+                                   for batch in (prompts, long) for o in llm.generate(batch, params, use_tqdm=False)]
+        if kernel_mode == "linear":  # 12-bit: every MLP call; the long prefill's: per layer 3 row blocks (64, 64, 22)
+            assert steps == [] and (fused == [] if mode == "off" else
+                                    [n for n in fused if n > 20] == [64, 64, 22] * 2 and 20 in fused), fused
+        else:  # the prefill steps fused: with 12-bit weights the long one too, as loaded only the short ones
+            assert fused == [] and (150 in steps) == (mode == "auto") and 20 in steps, steps
     assert unpacks == []
-    assert runs["auto"] == runs["off"]
+    assert runs["auto", "linear"] == runs["off", "linear"]
+    assert runs["auto", "auto"][:4] == runs["off", "auto"][:4]  # (the short prompts: fused in both)
     with pytest.raises(ValueError, match="compress_weights"):
         LLM(str(model), dtype="bfloat16", compress_weights="on")
 
 
 @needs_kernels
 @pytest.mark.skipif(kernels.bf16_max_rows() <= 16, reason="fused prompts need the tile GEMM (AMX)")
-def test_fused_step_runs_short_prompts_as_accurately_as_pytorch(tmp_path, monkeypatch):
-    """A step of fresh prompts of up to kernels.bf16_max_rows() tokens in all runs through the fused step (each
-    token a row attending to its prompt up to itself, through the prompt's block table): three prompts of 5, 21
-    and 40 tokens (several blocks of 16, a partial last block) in one step, then decoding. The logprobs against
-    HF transformers in float32 are as close as those of the PyTorch forward (decode_kernels="linear")."""
+def test_fused_step_runs_prompts_as_accurately_as_pytorch(tmp_path, monkeypatch):
+    """A step of fresh prompts runs through the fused step (each token a row attending to its prompt up to itself,
+    through the prompt's block table; on AMX 16 rows of a prompt at a time): with 12-bit weights (the default on
+    AMX) a step of any size, with the weights as loaded up to kernels.bf16_max_rows() tokens in all. Prompts of 5,
+    21, 40 and 90 tokens (several blocks of 16, partial last blocks; 156 rows) in one step, then decoding. The
+    logprobs against HF transformers in float32 are as close as those of the PyTorch forward
+    (decode_kernels="linear")."""
     from conftest import hf_model, make_checkpoint
 
     from infertune import LLM, SamplingParams
@@ -575,13 +587,19 @@ def test_fused_step_runs_short_prompts_as_accurately_as_pytorch(tmp_path, monkey
     model = make_checkpoint(tmp_path / "m", "llama", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                             tie_word_embeddings=True, dtype=torch.bfloat16)
     gen = torch.Generator().manual_seed(11)
-    prompts = [{"prompt_token_ids": torch.randint(3, 250, (n,), generator=gen).tolist()} for n in (5, 21, 40)]
+    prompts = [{"prompt_token_ids": torch.randint(3, 250, (n,), generator=gen).tolist()} for n in (5, 21, 40, 90)]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1)
     hf = hf_model(model).float()
     worst = {}
+    twelve = kernels.bf16c_supported(16, 32)
     for mode in ("auto", "linear"):
         calls.clear()
-        llm = LLM(str(model), dtype="bfloat16", decode_kernels=mode, max_model_len=64, block_size=16)
-        worst[mode] = max(_hf_logprob_errors(llm, prompts, params, hf, argmax=True))
-        assert calls == ([66] if mode == "auto" else []), calls  # the one prompt step, 5 + 21 + 40 rows
+        llm = LLM(str(model), dtype="bfloat16", decode_kernels=mode, max_model_len=128, block_size=16,
+                  enable_prefix_caching=False)  # (the second step's prompts fresh again)
+        worst[mode] = max(_hf_logprob_errors(llm, prompts[:3], params, hf, argmax=True))  # one step of 66 rows
+        assert calls == ([66] if mode == "auto" else []), calls
+        if twelve:  # and one of 156 rows
+            calls.clear()
+            worst[mode] = max(worst[mode], *_hf_logprob_errors(llm, prompts, params, hf, argmax=True))
+            assert calls == ([156] if mode == "auto" else []), calls
     assert worst["auto"] <= 1.5 * worst["linear"] + 0.02, worst

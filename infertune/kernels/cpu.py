@@ -172,7 +172,8 @@ class ItModel(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int64) for name in
                 ("hidden", "n_heads", "n_kv_heads", "head_dim", "inter", "num_blocks", "block_size")] + [
         ("cos_sin", ctypes.c_void_p), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
-        ("nthreads", ctypes.c_int32), ("n_layers", ctypes.c_int32), ("kv_int8", ctypes.c_int32)]
+        ("nthreads", ctypes.c_int32), ("n_layers", ctypes.c_int32), ("kv_int8", ctypes.c_int32),
+        ("gate_up_fused", ctypes.c_int32)]
 
 
 class Bf16c(ctypes.Structure):

@@ -1346,6 +1346,7 @@ typedef struct {
     int32_t nthreads, n_layers;
     int32_t kv_int8; /* 1: the cache holds int8 rows of D values + their fp32 scale (layers/attention/paged.py
                         Int8PagedAttention), [2, num_blocks, block_size, Hkv, D + 4] bytes */
+    int32_t gate_up_fused; /* 1: every layer's gate_up hands act straight over (it_lin.inter): no [T, 2I] scratch */
 } it_model;
 
 typedef struct {
@@ -1362,7 +1363,8 @@ typedef struct {
 #define ALIGN64(n) (((n) + 63) & ~(int64_t)63)
 
 static int64_t lin_scratch_bytes(int64_t T, int64_t K, int nthreads) {
-    const int64_t amx = bf16_scratch_bytes(T, K), w8 = qlin_scratch_bytes(T, K, nthreads);
+    /* (int8 / int4 weights only ever see decode rows here: steps with prompts take bf16 projections only) */
+    const int64_t amx = bf16_scratch_bytes(T, K), w8 = qlin_scratch_bytes(T < 16 ? T : 16, K, nthreads);
     return ALIGN64(amx > w8 ? amx : w8);
 }
 
@@ -1417,7 +1419,7 @@ static ws_layout workspace(const it_model* m, int64_t T, int64_t max_ctx) {
     l.h = off;    off += ALIGN64(T * m->hidden * 2);
     l.qkv = off;  off += ALIGN64(T * qkv * 2);
     l.o = off;    off += ALIGN64(T * hq * 2);
-    l.gu = off;   off += ALIGN64(T * 2 * m->inter * 2);
+    l.gu = off;   off += m->gate_up_fused ? 0 : ALIGN64(T * 2 * m->inter * 2);
     l.act = off;  off += ALIGN64(T * m->inter * 2);
     l.y = off;    off += ALIGN64(T * m->hidden * 2);
     /* a linear's scratch: the largest over the layers' input widths (the transposed block of the tile GEMM is not

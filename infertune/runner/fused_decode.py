@@ -56,7 +56,9 @@ class FusedDecode:
 
     @classmethod
     def build(cls, model, kv_caches: list[torch.Tensor], attn, kernels, max_model_len: int, block_size: int,
-              dtype: torch.dtype) -> "FusedDecode | None":
+              dtype: torch.dtype, step_rows: int = 0) -> "FusedDecode | None":
+        """The fused step for this model, or None where it cannot run (logged). step_rows: the most tokens a step
+        can hold; where every projection is 12-bit, fresh prompts of up to that many tokens in all run fused."""
         reason = cls._unsupported(model, attn, kernels, dtype)
         if reason is not None:
             log.info("fused decode off: %s", reason)
@@ -86,10 +88,17 @@ class FusedDecode:
         # Short prompts too, where every projection is bf16 (plain or 12-bit: the prefill's tile GEMM) and the
         # cache is bf16 (an int8 cache would make a prompt attend to its own K/V quantized, which the PyTorch
         # path does not).
-        bf16_only = all(isinstance(m.quant_method, DecodeKernelMethod) for m in model.model.modules()
-                        if isinstance(m, Linear))
+        linears = [m for m in model.model.modules() if isinstance(m, Linear)]
+        bf16_only = all(isinstance(m.quant_method, DecodeKernelMethod) for m in linears)
         rows = kernels.bf16_max_rows()
         prefill_rows = rows if bf16_only and not cmodel.kv_int8 and rows > kernels.MAX_ROWS else 0
+        # With every projection 12-bit, the tile GEMM (decoding as it multiplies, SiLU in the gate_up's epilogue)
+        # beats torch's at every size: whole prefill steps run here, no per-module Python.
+        if prefill_rows and all(isinstance(m.quant_method, Bf16cMethod) for m in linears):
+            prefill_rows = max(prefill_rows, step_rows)
+        cmodel.gate_up_fused = int(all(layer.mlp.gate_up_proj.quant_method.inter > 0 for layer in model.model.layers)
+                                   if all(isinstance(layer.mlp.gate_up_proj.quant_method, Bf16cMethod)
+                                          for layer in model.model.layers) else 0)
         return cls(model, kernels, lib, cmodel, layers, keep, kernels.MAX_ROWS, max_ctx, prefill_rows)
 
     @staticmethod

@@ -85,8 +85,11 @@ class ModelRunner:
         if self.decode_kernels is not None and config.model.decode_kernels == "auto":
             use_kernels(self.model, self.decode_kernels)  # prefills' norms, rotary and SiLU-and-multiply
         if self.decode_kernels is not None and self.compiled is None and config.model.decode_kernels == "auto":
+            # (a step holds at most max_num_batched_tokens tokens, and at most max_num_seqs whole sequences)
+            step_rows = min(config.scheduler.max_num_batched_tokens,
+                            config.scheduler.max_num_seqs * config.model.max_model_len)
             self.fused = FusedDecode.build(self.model, self.kv_caches, self.attn, self.decode_kernels,
-                                           config.model.max_model_len, self.block_size, self.dtype)
+                                           config.model.max_model_len, self.block_size, self.dtype, step_rows)
 
     def _num_weights(self) -> int:
         """Parameters plus buffers (prepacked and quantized weights live in buffers)."""
