@@ -1769,6 +1769,61 @@ static inline __m512i pair_rows(const bf16* a, const bf16* b) {
 /* One sequence's attention for G (<= 16) query heads q (rows D apart) of KV head g into o (rows D apart). Tiles
  * (configured by attn_tiles): 0-3 PV accumulators [G, 16], 4 K rows, 5-6 Q^T / V pairs, 7 P [G, 32 keys]; the
  * score accumulator reuses 6. */
+/* A row of scores (its first len keys) -> softmax numerators in bf16 at p, zero from len up to len32 (P for the
+ * tiles, as torch's CPU flash attention rounds it); returns 1 / their fp32 sum */
+static inline float softmax_bf16_row(const float* r, int64_t len, int64_t len32, bf16* p) {
+    const __m512 mx = row_max(r, len);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < len32; j += 16) {
+        const __mmask16 mk = j < len ? mask16(len - j) : 0;
+        const __m512 e = _mm512_maskz_mov_ps(mk, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, r + j), mx)));
+        _mm256_storeu_si256((__m256i*)(p + j), round_bf16x16(e));
+        sum = _mm512_add_ps(sum, e);
+    }
+    return 1.0f / _mm512_reduce_add_ps(sum);
+}
+
+/* O = P V over the first len keys for the 16 rows of P in w->pb (each zero past its own keys up to a multiple of
+ * 32), V read straight from the cache 32 keys a step, 64 dims (four accumulator tiles) a pass; row i < nrows of O,
+ * times inv[i], is written to out + i * ldo as bf16. Tiles: 0-3 the accumulators, 7 P, 5-6 V in pairs of keys. */
+__attribute__((target("amx-tile,amx-bf16")))
+static void attn_pv_amx(const it_model* m, const void* cache, const int64_t* table, int64_t len, int64_t g,
+                        const attn_ws* w, int nrows, const float* inv, bf16* out, int64_t ldo) {
+    const int64_t D = m->head_dim;
+    for (int64_t d0 = 0; d0 < D; d0 += 64) {
+        const int nc = (int)((D - d0) / 16 < 4 ? (D - d0) / 16 : 4);
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        for (int64_t j0 = 0; j0 < len; j0 += 32) {
+            const bf16* vr[32];
+            const int n0 = (int)(len - j0 < 16 ? len - j0 : 16);
+            if (d0 == 0) kv_prefetch(m, cache, table, len, g, len + j0 + PF_KEYS);
+            kv_rows(m, cache, 1, table, j0, n0, g, w->tmp, vr);
+            if (j0 + 16 < len) {
+                const int n1 = (int)(len - j0 - 16 < 16 ? len - j0 - 16 : 16);
+                if (d0 == 0) kv_prefetch(m, cache, table, len, g, len + j0 + 16 + PF_KEYS);
+                kv_rows(m, cache, 1, table, j0 + 16, n1, g, w->tmp + 16 * D, vr + 16);
+                for (int jj = 16 + n1; jj < 32; jj++) vr[jj] = w->zero;
+            } else {
+                for (int jj = n0; jj < 32; jj++) vr[jj] = w->zero;
+            }
+            _tile_loadd(7, w->pb + j0, w->ldp * 2);
+            ATTN_PV_TILE(0, 5, d0, w->vb);
+            if (nc > 1) ATTN_PV_TILE(1, 6, d0 + 16, w->vb + 512);
+            if (nc > 2) ATTN_PV_TILE(2, 5, d0 + 32, w->vb);
+            if (nc > 3) ATTN_PV_TILE(3, 6, d0 + 48, w->vb + 512);
+        }
+        for (int c = 0; c < nc; c++) {
+            if (c == 0) _tile_stored(0, w->cbuf, 64);
+            if (c == 1) _tile_stored(1, w->cbuf, 64);
+            if (c == 2) _tile_stored(2, w->cbuf, 64);
+            if (c == 3) _tile_stored(3, w->cbuf, 64);
+            for (int i = 0; i < nrows; i++)
+                _mm256_storeu_si256((__m256i*)(out + i * ldo + d0 + 16 * c),
+                                    round_bf16x16(_mm512_mul_ps(_mm512_loadu_ps(w->cbuf + 16 * i), _mm512_set1_ps(inv[i]))));
+        }
+    }
+}
+
 __attribute__((target("amx-tile,amx-bf16")))
 static void attn_heads_amx(const it_model* m, const void* cache, const int64_t* table, int64_t len, int64_t g,
                            const bf16* q, int G, bf16* o, const attn_ws* w, int64_t max_ctx) {
@@ -1811,52 +1866,8 @@ static void attn_heads_amx(const it_model* m, const void* cache, const int64_t* 
     /* softmax numerators in bf16, zero up to the next multiple of 32 keys; their sums in fp32 */
     float inv[16];
     const int64_t len32 = (len + 31) & ~(int64_t)31;
-    for (int h = 0; h < G; h++) {
-        const float* r = w->sc + h * max_ctx;
-        bf16* p = w->pb + h * w->ldp;
-        const __m512 mx = row_max(r, len);
-        __m512 sum = _mm512_setzero_ps();
-        for (int64_t j = 0; j < len32; j += 16) {
-            const __mmask16 mk = j < len ? mask16(len - j) : 0;
-            const __m512 e = _mm512_maskz_mov_ps(mk, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, r + j), mx)));
-            _mm256_storeu_si256((__m256i*)(p + j), round_bf16x16(e));
-            sum = _mm512_add_ps(sum, e);
-        }
-        inv[h] = 1.0f / _mm512_reduce_add_ps(sum);
-    }
-    /* values, 64 dims (four accumulator tiles) a pass */
-    for (int64_t d0 = 0; d0 < D; d0 += 64) {
-        const int nc = (int)((D - d0) / 16 < 4 ? (D - d0) / 16 : 4);
-        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-        for (int64_t j0 = 0; j0 < len; j0 += 32) {
-            const bf16* vr[32];
-            const int n0 = (int)(len - j0 < 16 ? len - j0 : 16);
-            if (d0 == 0) kv_prefetch(m, cache, table, len, g, len + j0 + PF_KEYS);
-            kv_rows(m, cache, 1, table, j0, n0, g, w->tmp, vr);
-            if (j0 + 16 < len) {
-                const int n1 = (int)(len - j0 - 16 < 16 ? len - j0 - 16 : 16);
-                if (d0 == 0) kv_prefetch(m, cache, table, len, g, len + j0 + 16 + PF_KEYS);
-                kv_rows(m, cache, 1, table, j0 + 16, n1, g, w->tmp + 16 * D, vr + 16);
-                for (int jj = 16 + n1; jj < 32; jj++) vr[jj] = w->zero;
-            } else {
-                for (int jj = n0; jj < 32; jj++) vr[jj] = w->zero;
-            }
-            _tile_loadd(7, w->pb + j0, w->ldp * 2);
-            ATTN_PV_TILE(0, 5, d0, w->vb);
-            if (nc > 1) ATTN_PV_TILE(1, 6, d0 + 16, w->vb + 512);
-            if (nc > 2) ATTN_PV_TILE(2, 5, d0 + 32, w->vb);
-            if (nc > 3) ATTN_PV_TILE(3, 6, d0 + 48, w->vb + 512);
-        }
-        for (int c = 0; c < nc; c++) {
-            if (c == 0) _tile_stored(0, w->cbuf, 64);
-            if (c == 1) _tile_stored(1, w->cbuf, 64);
-            if (c == 2) _tile_stored(2, w->cbuf, 64);
-            if (c == 3) _tile_stored(3, w->cbuf, 64);
-            for (int h = 0; h < G; h++)
-                _mm256_storeu_si256((__m256i*)(o + h * D + d0 + 16 * c),
-                                    round_bf16x16(_mm512_mul_ps(_mm512_loadu_ps(w->cbuf + 16 * h), _mm512_set1_ps(inv[h]))));
-        }
-    }
+    for (int h = 0; h < G; h++) inv[h] = softmax_bf16_row(w->sc + h * max_ctx, len, len32, w->pb + h * w->ldp);
+    attn_pv_amx(m, cache, table, len, g, w, G, inv, o, D);
 }
 
 __attribute__((target("amx-tile")))
@@ -1901,51 +1912,10 @@ static void attn_rows_amx(const it_model* m, const void* cache, const int64_t* t
             for (int r = 0; r < n; r++) _mm512_mask_storeu_ps(w->sc + r * max_ctx + j0, mask16(nb), _mm512_mul_ps(sr[r], scale));
         }
         float inv[16];
-        for (int r = 0; r < n; r++) { /* row r's own keys; zero past them up to len32 */
-            const int64_t lr = len - (n - 1 - r);
-            const float* sc = w->sc + r * max_ctx;
-            bf16* p = w->pb + r * w->ldp;
-            const __m512 mx = row_max(sc, lr);
-            __m512 sum = _mm512_setzero_ps();
-            for (int64_t j = 0; j < len32; j += 16) {
-                const __mmask16 mk = j < lr ? mask16(lr - j) : 0;
-                const __m512 e = _mm512_maskz_mov_ps(mk, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, sc + j), mx)));
-                _mm256_storeu_si256((__m256i*)(p + j), round_bf16x16(e));
-                sum = _mm512_add_ps(sum, e);
-            }
-            inv[r] = 1.0f / _mm512_reduce_add_ps(sum);
-        }
+        for (int r = 0; r < n; r++) /* row r's own keys; zero past them up to len32 */
+            inv[r] = softmax_bf16_row(w->sc + r * max_ctx, len - (n - 1 - r), len32, w->pb + r * w->ldp);
         for (int r = n; r < 16; r++) memset(w->pb + r * w->ldp, 0, (size_t)len32 * 2);
-        for (int64_t d0 = 0; d0 < D; d0 += 64) {
-            const int nc = (int)((D - d0) / 16 < 4 ? (D - d0) / 16 : 4);
-            _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-            for (int64_t j0 = 0; j0 < len; j0 += 32) {
-                const bf16* vr[32];
-                const int n0 = (int)(len - j0 < 16 ? len - j0 : 16);
-                kv_rows(m, cache, 1, table, j0, n0, g, w->tmp, vr);
-                if (j0 + 16 < len) {
-                    const int n1 = (int)(len - j0 - 16 < 16 ? len - j0 - 16 : 16);
-                    kv_rows(m, cache, 1, table, j0 + 16, n1, g, w->tmp + 16 * D, vr + 16);
-                    for (int jj = 16 + n1; jj < 32; jj++) vr[jj] = w->zero;
-                } else {
-                    for (int jj = n0; jj < 32; jj++) vr[jj] = w->zero;
-                }
-                _tile_loadd(7, w->pb + j0, w->ldp * 2);
-                ATTN_PV_TILE(0, 5, d0, w->vb);
-                if (nc > 1) ATTN_PV_TILE(1, 6, d0 + 16, w->vb + 512);
-                if (nc > 2) ATTN_PV_TILE(2, 5, d0 + 32, w->vb);
-                if (nc > 3) ATTN_PV_TILE(3, 6, d0 + 48, w->vb + 512);
-            }
-            for (int c = 0; c < nc; c++) {
-                if (c == 0) _tile_stored(0, w->cbuf, 64);
-                if (c == 1) _tile_stored(1, w->cbuf, 64);
-                if (c == 2) _tile_stored(2, w->cbuf, 64);
-                if (c == 3) _tile_stored(3, w->cbuf, 64);
-                for (int r = 0; r < n; r++)
-                    _mm256_storeu_si256((__m256i*)(o + ((t0 + r) * m->n_heads + h) * D + d0 + 16 * c),
-                                        round_bf16x16(_mm512_mul_ps(_mm512_loadu_ps(w->cbuf + 16 * r), _mm512_set1_ps(inv[r]))));
-            }
-        }
+        attn_pv_amx(m, cache, table, len, g, w, n, inv, o + (t0 * m->n_heads + h) * D, m->n_heads * D);
     }
 }
 
