@@ -58,6 +58,7 @@ def main() -> int:
         params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
         rng = random.Random(0)
         times: list[list[float]] = [[], []]
+        parts: list[list[dict]] = [[], []]  # the fused step's own split per generate (kernels.FUSED_PARTS), if it ran
         print(f"$ python benchmarks/bench_kernel_builds.py --a {args.a} --b {args.b} --batch {args.batch} "
               f"--input-len {args.input_len} --output-len {args.output_len} --rounds {args.rounds}")
         try:
@@ -68,10 +69,15 @@ def main() -> int:
                         fused.lib = builds[i]
                     prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(args.input_len)]}
                                for _ in range(args.batch)]
+                    kernels.fused_step_timers(reset=True)
                     t = time.perf_counter()
                     llm.generate(prompts, params, use_tqdm=False)
                     if r:
                         times[i].append(time.perf_counter() - t)
+                        split = kernels.fused_step_timers(reset=True)
+                        if split.pop("calls") > 0:
+                            split.pop("rows")
+                            parts[i].append(split)
         finally:
             kernels._lib = real
             if fused is not None:
@@ -79,6 +85,11 @@ def main() -> int:
     a, b = (statistics.median(t) * 1e3 for t in times)
     print(f"| build | median ms per generate |\n|---|---:|\n| A {args.a} | {a:.1f} |\n| B {args.b} | {b:.1f} |")
     print("B / A per round: " + " ".join(f"{y / x:.2f}" for x, y in zip(*times)) + f"; medians {b / a:.2f}")
+    if parts[0] and parts[1]:  # the fused step's parts, medians over the generates, ms
+        print("| fused step part | A ms | B ms | B / A |\n|---|---:|---:|---:|")
+        for name in kernels.FUSED_PARTS:
+            pa, pb = (statistics.median(p[name] for p in ps) * 1e3 for ps in parts)
+            print(f"| {name} | {pa:.2f} | {pb:.2f} | {pb / pa if pa else float('nan'):.2f} |")
     return 0
 
 
