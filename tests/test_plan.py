@@ -122,6 +122,35 @@ def test_bench_386m_exact_and_roofline_matches_baselines():
     assert roof.generation(128, 128, 16)["output_tokens_per_s"] == pytest.approx(250, rel=0.03)
 
 
+def test_bench_386m_12bit_weights_match_the_packed_tensors():
+    """--weight-dtype bf16-12bit: the bytes of the kernels' 12-bit layout, tile for tile (the escapes excepted),
+    checked against pack_bf16c's tensors for the 386M model's four matrix shapes; the tied embedding / lm_head
+    stays bf16, and the batch-1 roofline scales with the streamed bytes."""
+    spec = ModelSpec.from_dict(BENCH_386M, "bench-386m")
+    fmt = WeightFormat("bf16-12bit")
+    for n, k in [(896, 896), (128, 896), (4864, 896), (896, 4864)]:
+        tiles = -(-n // 64) * (k // 32)
+        assert fmt.linear_bytes(n, k) == (tiles * 3072 + 16 + (tiles + 1) * 4, 0)
+    bf16, c12 = weight_breakdown(spec), weight_breakdown(spec, fmt)
+    assert c12.bytes_embedding == bf16.bytes_embedding == 32000 * 896 * 2
+    linear = 24 * (896 * 896 * 2 + 128 * 896 * 2 + 3 * 896 * 4864)  # weights of the 7 matrices, all layers
+    assert 0.75 < (c12.bytes_layers - 24 * 2 * 896 * 2) / (linear * 2) < 0.76
+    roof = Roofline(spec, BASELINE_CPU, fmt).decode_step(1, 1).tokens_per_s
+    assert roof == pytest.approx(30.5e9 / c12.streamed_bytes_per_step, rel=1e-3)
+    try:
+        import torch
+
+        from infertune.kernels import cpu as kernels
+    except ImportError:
+        return
+    if kernels.available() and kernels.bf16c_supported(16, 32):
+        for n, k in [(128, 896), (896, 4864)]:
+            packed = kernels.pack_bf16c((torch.randn(n, k) * 0.02).to(torch.bfloat16))
+            esc = packed["esc_pos"].numel() * 2 + packed["esc_val"].numel() * 2
+            got = sum(t.numel() * t.element_size() for t in packed.values()) - esc
+            assert got == fmt.linear_bytes(n, k)[0]
+
+
 TINY_CONFIGS = [
     ("llama", dict(tie_word_embeddings=True, head_dim=24, attention_bias=True, mlp_bias=True)),  # explicit head_dim
     ("llama", dict(tie_word_embeddings=False, num_key_value_heads=4)),  # MHA
