@@ -15,8 +15,13 @@
  *                                              bf16 x, 4-bit W (two per byte, see below), per-group scale s
  *                                              and offset z (w = q * s + z), x in int16 as above (VPDPWSSD)
  *   it_dequant_w8 / it_dequant_w4              a quantized layer's bf16 weights, for a prefill's GEMM
+ *   it_linear_bf16c                            y = x W^T (+ b) with W in the lossless 12-bit layout (bf16c below),
+ *                                              any M on AMX (SiLU-and-multiply in the epilogue for a gate_up);
+ *                                              it_bf16c_hist / _pack / _escapes build it, it_unpack_bf16c undoes it
  *   it_rmsnorm_mt / it_silu_mul / it_rotary    the elementwise work of prefills, rounded as the PyTorch code
- *   it_decode_layers                           a whole decode step of a Llama decoder (see its comment)
+ *   it_decode_layers                           a whole decode step of a Llama decoder, or a step of fresh prompts
+ *                                              (see its comment); it_fused_timers: its split by part;
+ *                                              it_decode_attention: its attention alone
  *
  * The linear kernels take x [M, K] with row stride ldx and write y [M, N] (bf16) with row stride ldy. Threads
  * split the output features with OpenMP; the library links the libgomp torch has already loaded, so the two
@@ -2006,10 +2011,8 @@ int it_decode_attention(const it_model* m, const it_step* s, const bf16* qkv, co
     return 0;
 }
 
-/* x [T, hidden] bf16, updated in place through every layer. Returns 0, or -1 if the workspace is too small,
- * -2 if the shapes are outside what this path handles (head_dim not a multiple of 16, ...). */
 /* Wall time of the fused step's parts, summed over calls (it_fused_timers reads them): a step's split for
- * `infertune profile`, at two clock reads a part and layer. */
+ * `infertune profile`, at one clock read a part and layer. */
 enum { FT_NORM, FT_QKV, FT_ROTARY_KV, FT_ATTN, FT_O, FT_RESIDUAL, FT_GATE_UP, FT_DOWN, FT_PARTS };
 static double fused_time[FT_PARTS];
 static int64_t fused_calls, fused_rows;
@@ -2032,6 +2035,9 @@ void it_fused_timers(double* out, int reset) {
     }
 }
 
+/* x [T, hidden] bf16 (T decode rows, or the rows of fresh prompts), updated in place through every layer.
+ * Returns 0, or -1 if the workspace is too small, -2 if the shapes are outside what this path handles (head_dim
+ * not a multiple of 16, ...). */
 int it_decode_layers(const it_model* m, const it_layer* layers, const it_step* s, bf16* x) {
     const int64_t T = s->T, H = m->hidden, D = m->head_dim, max_ctx = s->max_blocks * m->block_size;
     if (D % 16 || m->n_heads % m->n_kv_heads || T < 1) return -2;
