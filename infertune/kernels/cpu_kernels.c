@@ -724,6 +724,7 @@ static void linear_bf16c_gemm(const bf16* x, int64_t ldx, const bf16c* cw, const
         for (int64_t m = 16 * full; m < M; m++) memcpy(xtail + (m - 16 * full) * K, x + m * ldx, (size_t)(K * 2));
     }
     const int nt = pick_threads(nchunks, N16 * K * tiles, nthreads);
+    int64_t next_step = 0;
 #pragma omp parallel num_threads(nt)
     {
         amx_configure(8);
@@ -732,21 +733,27 @@ static void linear_bf16c_gemm(const bf16* x, int64_t ldx, const bf16c* cw, const
         epi_job job = {0};
         const int tid = omp_get_thread_num();
         bf16* buf[2] = {wdec + (int64_t)tid * 128 * K, wdec + (int64_t)tid * 128 * K + 64 * K};
-        const int64_t lo = nchunks * tid / nt, hi = nchunks * (tid + 1) / nt; /* this thread's chunks */
-        const int64_t nblocks = (tiles + BF16C_GEMM_ROWS / 16 - 1) / (BF16C_GEMM_ROWS / 16);
+        const int64_t nblocks = (tiles + BF16C_GEMM_ROWS / 16 - 1) / (BF16C_GEMM_ROWS / 16), steps = nblocks * nchunks;
         int cur = 0;
-        if (lo < hi) bf16c_chunk(cw, K, lo, 16 * (int)((N16 - lo * 64) / 16 < 4 ? (N16 - lo * 64) / 16 : 4), buf[0]);
-        for (int64_t step = 0; step < nblocks * (hi - lo); step++) { /* (block of rows, chunk) in order */
-            const int64_t t0 = step / (hi - lo) * (BF16C_GEMM_ROWS / 16), ch = lo + step % (hi - lo);
+        /* Steps (block of rows, chunk), block-major, handed out one at a time: a thread that falls behind (a core
+           taken away for a while) takes fewer. Each thread decodes the step it will take next while it multiplies. */
+        int64_t step = __atomic_fetch_add(&next_step, 1, __ATOMIC_RELAXED);
+        if (step < steps) {
+            const int64_t c0 = step % nchunks;
+            bf16c_chunk(cw, K, c0, 16 * (int)((N16 - c0 * 64) / 16 < 4 ? (N16 - c0 * 64) / 16 : 4), buf[0]);
+        }
+        while (step < steps) {
+            const int64_t t0 = step / nchunks * (BF16C_GEMM_ROWS / 16), ch = step % nchunks;
             const int64_t t1 = t0 + BF16C_GEMM_ROWS / 16 < tiles ? t0 + BF16C_GEMM_ROWS / 16 : tiles;
             const int64_t n0 = ch * 64;
             const int nblk = (int)((N16 - n0) / 16 < 4 ? (N16 - n0) / 16 : 4);
+            const int64_t next = __atomic_fetch_add(&next_step, 1, __ATOMIC_RELAXED);
             chunk_decoder dn, *d = NULL;
-            if (step + 1 < nblocks * (hi - lo)) { /* the next step's chunk, decoded meanwhile */
-                const int64_t nc = lo + (step + 1) % (hi - lo);
+            if (next < steps && next % nchunks != ch) { /* (the same chunk again stays decoded) */
+                const int64_t nc = next % nchunks;
                 const int nb = (int)((N16 - nc * 64) / 16 < 4 ? (N16 - nc * 64) / 16 : 4);
                 dn = (chunk_decoder){cw, nc, KS, 0, 16 * nb, 0, buf[cur ^ 1]};
-                d = nc == ch ? NULL : &dn; /* one chunk a thread: it stays decoded */
+                d = &dn;
             }
             const int64_t ksteps = ((t1 - t0 + 1) / 2) * ((nblk + 1) / 2) * KS;
             const int pairs = d ? (int)((KS * dn.rows / 2 + ksteps - 1) / ksteps) : 0;
@@ -771,6 +778,7 @@ static void linear_bf16c_gemm(const bf16* x, int64_t ldx, const bf16c* cw, const
                 while (dn.ks < KS) decode_some(&dn, 32); /* (rounding left a few pairs) */
                 cur ^= 1;
             }
+            step = next;
         }
         epi_some(&job, 32); /* the last block's rows */
         _tile_release();
