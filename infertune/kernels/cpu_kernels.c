@@ -270,17 +270,15 @@ typedef struct {
 #define BF16C_TILE_BYTES (64 * 48)
 #define BF16C_PF_TILES 4 /* prefetch distance along the stream, in tiles */
 
-/* Rows 0 .. rows - 1 (an even count) of tile (chunk, ks) as bf16 into out, rows ld elements apart. Two rows a
- * step: their 64 low bytes (in the order VPUNPCKL/HBW interleave, see pack_bf16c), then 32 bytes of codes (byte i:
+/* Rows r0 .. r1 - 1 (even bounds) of tile t as bf16 into out, rows ld elements apart, escapes not patched. Two
+ * rows a step: their 64 low bytes (in the order VPUNPCKL/HBW interleave, see pack_bf16c), then 32 bytes of codes (byte i:
  * low byte i's code in its low nibble, low byte i + 32's in its high nibble); one VPSHUFB looks up the 64 high
  * bytes, and the two unpacks write the two rows. */
-static inline void bf16c_tile(const bf16c* c, int64_t KS, int64_t chunk, int64_t ks, int rows, bf16* out,
-                              int64_t ld) {
-    const int64_t t = chunk * KS + ks;
+static inline void bf16c_pairs(const bf16c* c, int64_t t, int r0, int r1, bf16* out, int64_t ld) {
     const uint8_t* b = c->codes + t * BF16C_TILE_BYTES;
     const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)c->table));
     const __m512i nibble = _mm512_set1_epi8(0x0f);
-    for (int r = 0; r < rows; r += 2) {
+    for (int r = r0; r < r1; r += 2) {
         const uint8_t* p = b + r * 48;
         if ((r & 3) == 0) /* 4 rows = 3 lines */
             for (int l = 0; l < 192; l += 64) _mm_prefetch((const char*)p + BF16C_PF_TILES * BF16C_TILE_BYTES + l, _MM_HINT_T0);
@@ -291,8 +289,19 @@ static inline void bf16c_tile(const bf16c* c, int64_t KS, int64_t chunk, int64_t
         _mm512_storeu_si512(out + r * ld, _mm512_unpacklo_epi8(lo, hi));
         _mm512_storeu_si512(out + (r + 1) * ld, _mm512_unpackhi_epi8(lo, hi));
     }
+}
+
+/* The escapes of tile t (weights outside the table) patched into its decoded rows at out (ld elements apart) */
+static inline void bf16c_patch(const bf16c* c, int64_t t, bf16* out, int64_t ld) {
     for (int32_t e = c->esc_start[t]; e < c->esc_start[t + 1]; e++)
         out[(c->esc_pos[e] >> 5) * ld + (c->esc_pos[e] & 31)] = c->esc_val[e];
+}
+
+/* Rows 0 .. rows - 1 of tile (chunk, ks), escapes patched */
+static inline void bf16c_tile(const bf16c* c, int64_t KS, int64_t chunk, int64_t ks, int rows, bf16* out,
+                              int64_t ld) {
+    bf16c_pairs(c, chunk * KS + ks, 0, rows, out, ld);
+    bf16c_patch(c, chunk * KS + ks, out, ld);
 }
 
 /* 16 * nblk output features from n0 for mr (<= 16) rows: the weight rows from w0 (row stride K) */
@@ -629,24 +638,12 @@ typedef struct {
 static inline void decode_some(chunk_decoder* d, int pairs) {
     if (d->ks >= d->KS) return;
     const int64_t t = d->chunk * d->KS + d->ks;
-    const uint8_t* b = d->cw->codes + t * BF16C_TILE_BYTES;
-    const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)d->cw->table));
-    const __m512i nibble = _mm512_set1_epi8(0x0f);
     bf16* out = d->out + d->ks * 2048;
-    for (; pairs > 0 && d->r < d->rows; pairs--, d->r += 2) {
-        const uint8_t* p = b + d->r * 48;
-        if ((d->r & 3) == 0) /* 4 rows = 3 lines */
-            for (int l = 0; l < 192; l += 64) _mm_prefetch((const char*)p + BF16C_PF_TILES * BF16C_TILE_BYTES + l, _MM_HINT_T0);
-        const __m256i nib = _mm256_loadu_si256((const __m256i*)(p + 64));
-        const __m512i code = _mm512_and_si512(
-            _mm512_inserti64x4(_mm512_castsi256_si512(nib), _mm256_srli_epi16(nib, 4), 1), nibble);
-        const __m512i hi = _mm512_shuffle_epi8(table, code), lo = _mm512_loadu_si512((const void*)p);
-        _mm512_storeu_si512(out + d->r * 32, _mm512_unpacklo_epi8(lo, hi));
-        _mm512_storeu_si512(out + (d->r + 1) * 32, _mm512_unpackhi_epi8(lo, hi));
-    }
+    const int r1 = d->r + 2 * pairs < d->rows ? d->r + 2 * pairs : d->rows;
+    bf16c_pairs(d->cw, t, d->r, r1, out, 32);
+    d->r = r1;
     if (d->r >= d->rows) {
-        for (int32_t e = d->cw->esc_start[t]; e < d->cw->esc_start[t + 1]; e++)
-            out[(d->cw->esc_pos[e] >> 5) * 32 + (d->cw->esc_pos[e] & 31)] = d->cw->esc_val[e];
+        bf16c_patch(d->cw, t, out, 32);
         d->ks++;
         d->r = 0;
     }
@@ -1942,8 +1939,9 @@ static void attention_rows(const it_model* m, const it_step* s, const bf16* qkv,
     const int64_t width = (m->n_heads + 2 * hkv) * D;
     const int amx = use_amx && amx_state == 1 && D % 32 == 0, step = amx ? 16 : 8;
     const int64_t G = attn_score_rows(group, T);
-    /* blocks of rows: start[b], rows[b] (1: a row on its own) */
-    int64_t* start = malloc((size_t)T * 2 * sizeof(int64_t));
+    /* blocks of rows: start[b], rows[b] (1: a row on its own); on the stack for a decode step's few rows */
+    int64_t small[32];
+    int64_t* start = T <= 16 ? small : malloc((size_t)T * 2 * sizeof(int64_t));
     int64_t* rows = start + T, nblocks = 0;
     const int blocks_ok = amx && T > 16 && !m->kv_int8 && m->block_size % 16 == 0;
     for (int64_t t = 0; t < T; t++) {
@@ -1989,7 +1987,7 @@ static void attention_rows(const it_model* m, const it_step* s, const bf16* qkv,
         }
         if (tiles) amx_release();
     }
-    free(start);
+    if (start != small) free(start);
 }
 
 /* The elementwise work of prefills (any T), on rows: RMSNorm (also the final norm of a fused decode step),

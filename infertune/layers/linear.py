@@ -7,7 +7,6 @@ knows how to load each shard into its slice; that knowledge lives on the paramet
 from __future__ import annotations
 
 import abc
-import sys
 
 import torch
 import torch.nn.functional as F
@@ -93,7 +92,6 @@ class Bf16cMethod(DecodeKernelMethod):
         for name, t in packed.items():
             layer.register_buffer(f"bf16c_{name}", t)
         self.desc = self.kernels.bf16c_struct(packed)  # points at the buffers above (they live with the layer)
-        self.max_rows = sys.maxsize  # the tile GEMM decodes as it goes at every size: no unpacked copy
 
     def dense_weight(self, layer: "Linear") -> torch.Tensor:
         """The bf16 weight [out, in], bit for bit as loaded."""
@@ -103,7 +101,7 @@ class Bf16cMethod(DecodeKernelMethod):
     def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
             return F.linear(x, self.dense_weight(layer), layer.bias)
-        if x.dtype is torch.bfloat16 and x.numel() <= self.max_rows * x.shape[-1]:
+        if x.dtype is torch.bfloat16:  # the tile GEMM decodes as it goes at every size: no unpacked copy
             return self.kernels.linear_bf16c(x, self.desc, layer.out_features, layer.bias, inter=self.inter)
         return F.linear(x, self.dense_weight(layer).to(x.dtype), layer.bias)
 

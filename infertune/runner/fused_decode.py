@@ -96,9 +96,7 @@ class FusedDecode:
         # beats torch's at every size: whole prefill steps run here, no per-module Python.
         if prefill_rows and all(isinstance(m.quant_method, Bf16cMethod) for m in linears):
             prefill_rows = max(prefill_rows, step_rows)
-        cmodel.gate_up_fused = int(all(layer.mlp.gate_up_proj.quant_method.inter > 0 for layer in model.model.layers)
-                                   if all(isinstance(layer.mlp.gate_up_proj.quant_method, Bf16cMethod)
-                                          for layer in model.model.layers) else 0)
+        cmodel.gate_up_fused = int(all(c.gate_up.kind == 3 and c.gate_up.inter > 0 for c in layers))
         return cls(model, kernels, lib, cmodel, layers, keep, kernels.MAX_ROWS, max_ctx, prefill_rows)
 
     @staticmethod
