@@ -469,13 +469,16 @@ def test_bf16c_round_trip_is_bit_exact(n, k):
 
 
 @needs_bf16c
-@pytest.mark.parametrize("m", [1, 2, 7, 16, 17, 33, 48, 100, 530])
-def test_bf16c_linear_is_the_bf16_kernel_bit_for_bit(m):
+@pytest.mark.parametrize("m,k", [(1, 896), (2, 896), (7, 896), (16, 896), (17, 896), (33, 896), (48, 896),
+                                 (100, 896), (530, 896), (100, 4096), (47, 6144), (530, 2048)])
+def test_bf16c_linear_is_the_bf16_kernel_bit_for_bit(m, k):
     """The 12-bit linear against the bf16 kernel on the unpacked weight: the same bits from 2 rows up (the same
     tile products; one row takes the tiles here where the bf16 kernel takes VDPBF16PS), and within the float64
-    bound of test_bf16_matches_float64 at every row count. Bias and a row count past one decode pass included."""
+    bound of test_bf16_matches_float64 at every row count. Bias and a row count past one decode pass included;
+    wide K cut into slabs whose fp32 sums wait in memory between slabs (at 530 rows, in two blocks of rows)."""
     gen = torch.Generator().manual_seed(m)
-    n, k = 144, 896
+    n = 144
+    assert (kernels.bf16c_slabs(m, k) >= 2) == (k > 896)
     w = (torch.randn(n, k, generator=gen) * 0.02).to(torch.bfloat16)
     w[3, 5] = 9.0  # an escape inside a tile
     bias = torch.randn(n, generator=gen).to(torch.bfloat16)
@@ -491,15 +494,16 @@ def test_bf16c_linear_is_the_bf16_kernel_bit_for_bit(m):
 
 
 @needs_bf16c
-@pytest.mark.parametrize("m", [1, 5, 16, 33, 530])
-def test_bf16c_gate_up_with_silu_is_the_unfused_mlp_bit_for_bit(m):
+@pytest.mark.parametrize("m,k", [(1, 128), (5, 128), (16, 128), (33, 128), (530, 128), (40, 8192)])
+def test_bf16c_gate_up_with_silu_is_the_unfused_mlp_bit_for_bit(m, k):
     """A gate_up packed with gate and up rows interleaved 16 by 16: the plain call gives the bf16 kernel's gate_up
     on the original weight bit for bit (columns in the usual order), and silu=True gives exactly silu_and_mul of
     that (layers/activation.py, the PyTorch formula) from the tiles' epilogue."""
     from infertune.layers.activation import silu_and_mul
 
     gen = torch.Generator().manual_seed(m)
-    inter, k = 96, 128  # three 64-feature chunks, the last one a single gate / up pair
+    inter = 96  # three 64-feature chunks, the last one a single gate / up pair
+    assert (kernels.bf16c_slabs(m, k) >= 2) == (k > 128)  # (8192: SiLU after the last slab)
     w = (torch.randn(2 * inter, k, generator=gen) * 0.1).to(torch.bfloat16)
     x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
     packed = kernels.pack_bf16c(w, inter=inter)

@@ -146,6 +146,9 @@ def declare(lib: ctypes.CDLL) -> None:
     lib.it_decode_attention.restype = cint
     lib.it_linear_bf16c.argtypes = [ptr, i64, ctypes.POINTER(Bf16c), ptr, ptr, i64, i64, i64, i64, cint, i64, cint]
     lib.it_linear_bf16c.restype = cint
+    if hasattr(lib, "it_bf16c_slabs"):  # (an older build, loaded beside this one by bench_kernel_builds.py, lacks it)
+        lib.it_bf16c_slabs.argtypes = [i64, i64]
+        lib.it_bf16c_slabs.restype = i64
     lib.it_unpack_bf16c.argtypes = [ctypes.POINTER(Bf16c), ptr, i64, i64, cint]
     lib.it_unpack_bf16c.restype = None
     lib.it_bf16c_hist.argtypes = [ptr, i64, ptr, cint]
@@ -440,6 +443,13 @@ def bf16c_supported(n: int, k: int) -> bool:
     _load()
     return (_lib is not None and _amx and "avx512vbmi" in _cpu_flags()  # the packer's VPERMB
             and n % 16 == 0 and k % 32 == 0 and n > 0 and k > 0)
+
+
+def bf16c_slabs(m: int, k: int) -> int:
+    """The slabs of K that the 12-bit tile GEMM cuts an m x k activation into: past 16 rows, where a block of rows
+    of x and a thread's two decoded 64-feature chunks over all of K would overflow 1.5 MB (of a 2 MB L2), it
+    runs K in equal slabs, keeping the fp32 sums between slabs in memory; 1 otherwise."""
+    return int(_lib.it_bf16c_slabs(m, k)) if _lib is not None else 1
 
 
 def pack_bf16c(w: torch.Tensor, inter: int = 0) -> dict[str, torch.Tensor]:

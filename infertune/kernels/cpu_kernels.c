@@ -561,6 +561,12 @@ static inline void bf16c_chunk(const bf16c* c, int64_t K, int64_t chunk, int row
     for (int64_t ks = 0; ks < K / 32; ks++) bf16c_tile(c, K / 32, chunk, ks, rows, out + ks * 2048, 32);
 }
 
+/* The same for the tiles k0 .. k1 - 1 of the chunk (a slab of K) into out [k1 - k0][64][32] */
+static inline void bf16c_chunk_slab(const bf16c* c, int64_t KS, int64_t chunk, int64_t k0, int64_t k1, int rows,
+                                    bf16* out) {
+    for (int64_t ks = k0; ks < k1; ks++) bf16c_tile(c, KS, chunk, ks, rows, out + (ks - k0) * 2048, 32);
+}
+
 /* rows (<= 16) fp32 accumulator rows c [rows][16] + bias -> bf16 y[m][n .. n + 15] */
 static inline void tile_rows_out(const float* c, const bf16* bias, int64_t n, bf16* y, int64_t ldy, int rows) {
     const __m512 bv = bias ? load_bf16x16(bias + n, 0xffff) : _mm512_setzero_ps();
@@ -629,16 +635,16 @@ static void linear_bf16c_rows(const bf16* x, int64_t ldx, const bf16c* cw, const
 /* A chunk being decoded a few row pairs at a time (bf16c_chunk's result, in steps) */
 typedef struct {
     const bf16c* cw;
-    int64_t chunk, KS, ks;
+    int64_t chunk, KS, ks, k0, ke; /* tiles k0 .. ke - 1 of the chunk (a slab); ks: the next one */
     int rows, r;
-    bf16* out;
+    bf16* out; /* tile k0's rows */
 } chunk_decoder;
 
 /* Decodes `pairs` more row pairs (fewer at the end); a tile's escapes are patched after its last pair */
 static inline void decode_some(chunk_decoder* d, int pairs) {
-    if (d->ks >= d->KS) return;
+    if (d->ks >= d->ke) return;
     const int64_t t = d->chunk * d->KS + d->ks;
-    bf16* out = d->out + d->ks * 2048;
+    bf16* out = d->out + (d->ks - d->k0) * 2048;
     const int r1 = d->r + 2 * pairs < d->rows ? d->r + 2 * pairs : d->rows;
     bf16c_pairs(d->cw, t, d->r, r1, out, 32);
     d->r = r1;
@@ -674,14 +680,25 @@ static inline void epi_some(epi_job* e, int rows) {
     }
 }
 
-/* One 2 x 2 block over all of K: row tiles a0 (and a1, where given) of x against feature tiles wb (and wb + 512
- * where na == 2) of a decoded chunk; c[2 r + f] gets row tile r x feature tile f. Tiles 0-3: C, 4-5: x, 6-7: W.
- * Each k-step also decodes `pairs` row pairs of the next chunk (where d is given): its codes stream in from
- * memory while the tiles multiply. */
+/* One 2 x 2 block over K columns (all of K, or a slab): row tiles a0 (and a1, where given) of x against feature
+ * tiles wb (and wb + 512 where na == 2) of a decoded chunk; c[2 r + f] gets row tile r x feature tile f, added to
+ * cin's (the previous slabs' sums) where given, else to zero. Tiles 0-3: C, 4-5: x, 6-7: W. Each k-step also
+ * decodes `pairs` row pairs of the next chunk (where d is given): its codes stream in from memory while the
+ * tiles multiply. */
 __attribute__((target("amx-tile,amx-bf16")))
 static inline void bf16c_block(const bf16* a0, int64_t lda0, const bf16* a1, int64_t lda1, const bf16* wb, int na,
-                               int64_t K, float c[4][256], chunk_decoder* d, int pairs, epi_job* e) {
-    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+                               int64_t K, const float (*cin)[256], float c[4][256], chunk_decoder* d, int pairs,
+                               epi_job* e) {
+    if (cin) {
+        _tile_loadd(0, cin[0], 64);
+        if (na == 2) _tile_loadd(1, cin[1], 64);
+        if (a1) {
+            _tile_loadd(2, cin[2], 64);
+            if (na == 2) _tile_loadd(3, cin[3], 64);
+        }
+    } else {
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    }
     for (int64_t k = 0; k < K; k += 32) {
         const bf16* b = wb + k * 64;
         _tile_loadd(6, b, 64);
@@ -706,20 +723,54 @@ static inline void bf16c_block(const bf16* a0, int64_t lda0, const bf16* a1, int
 }
 
 #define BF16C_GEMM_ROWS 512 /* rows of x per block: each thread decodes a chunk once per block */
+#define BF16C_SLAB_BYTES (1536 * 1024) /* a block's x and two decoded chunks over one slab of K fit this (L2) */
 
-/* More than 16 rows: each thread walks its own run of 64-feature chunks of W, multiplying every row of the block
- * by one decoded chunk (all K) 2 x 2 tiles at a time while it decodes the next one into its other buffer (wdec:
- * two [64, K] a thread). x is read in place; a last partial row tile is copied zero-padded into xtail [16, K]
+static inline int64_t bf16c_block_rows(int64_t M) {
+    const int64_t rows = (M + 15) / 16 * 16;
+    return rows < BF16C_GEMM_ROWS ? rows : BF16C_GEMM_ROWS;
+}
+
+/* k-steps (of 32) per slab of K: the whole of K unless a block's rows of x and a thread's two decoded chunks over
+ * all of K would overflow BF16C_SLAB_BYTES; then equal slabs that fit */
+static inline int64_t bf16c_slab_ks(int64_t M, int64_t K) {
+    const int64_t KS = K / 32;
+    int64_t fit = BF16C_SLAB_BYTES / (64 * bf16c_block_rows(M) + 8192); /* x row tile bytes + 2 chunks, a k-step */
+    fit = fit < 4 ? 4 : fit;
+    if (fit >= KS) return KS;
+    const int64_t n = (KS + fit - 1) / fit;
+    return (KS + n - 1) / n;
+}
+
+/* The GEMM's dec buffer: each thread's two decoded chunks [2][64, K], then, where K is cut into slabs, the fp32
+ * sums of a block of rows over the slabs done so far, 2 x 2 tiles by 2 x 2 tiles [N64 / 64][rows / 32][2][4][256] */
+static inline int64_t bf16c_dec_bytes(int64_t M, int64_t N16, int64_t K, int nthreads) {
+    if (M <= 16) return 0;
+    const int64_t bufs = ((int64_t)(nthreads > 0 ? nthreads : 1) * 128 * K * 2 + 63) & ~(int64_t)63;
+    const int64_t spill = bf16c_slab_ks(M, K) < K / 32 ? (N16 + 63) / 64 * 64 * ((bf16c_block_rows(M) + 31) / 32 * 32) * 4 : 0;
+    return bufs + spill;
+}
+
+/* More than 16 rows: the steps (a block of up to BF16C_GEMM_ROWS rows, a slab of K, a 64-feature chunk of W) go
+ * out one at a time to whichever thread is free (a thread that falls behind, a core taken away for a while, takes
+ * fewer). A thread multiplies every row of the block by its decoded chunk's slab 2 x 2 tiles at a time while it
+ * decodes its next step's into its other buffer (dec: two [64, K] a thread). The slabs of one chunk run in order
+ * (a step waits for the chunk's previous one), their sums kept in dec past the buffers; where K is one slab the
+ * sums stay in the tiles. x is read in place; a last partial row tile is copied zero-padded into xtail [16, K]
  * first, so no tile load reads past the M rows. */
 __attribute__((target("amx-tile,amx-bf16")))
 static void linear_bf16c_gemm(const bf16* x, int64_t ldx, const bf16c* cw, const bf16* bias, bf16* y, int64_t ldy,
                               int64_t M, int64_t N16, int64_t K, int nthreads, bf16* xtail, bf16* wdec, int64_t inter,
                               int silu) {
     const int64_t nchunks = (N16 + 63) / 64, tiles = (M + 15) / 16, full = M / 16, KS = K / 32;
+    const int64_t KSL = bf16c_slab_ks(M, K), nslabs = (KS + KSL - 1) / KSL, per_block = nslabs * nchunks;
+    const int64_t bt = BF16C_GEMM_ROWS / 16, pairs_per_block = (bf16c_block_rows(M) + 31) / 32;
     if (full < tiles) {
         memset(xtail, 0, (size_t)(16 * K * 2));
         for (int64_t m = 16 * full; m < M; m++) memcpy(xtail + (m - 16 * full) * K, x + m * ldx, (size_t)(K * 2));
     }
+    float* spill = (float*)((char*)wdec + (((int64_t)(nthreads > 0 ? nthreads : 1) * 128 * K * 2 + 63) & ~(int64_t)63));
+    int64_t done[nslabs > 1 ? nchunks : 1]; /* per chunk: the slab steps finished (block b's slab s is b nslabs + s) */
+    memset(done, 0, sizeof done);
     const int nt = pick_threads(nchunks, N16 * K * tiles, nthreads);
     int64_t next_step = 0;
 #pragma omp parallel num_threads(nt)
@@ -730,49 +781,58 @@ static void linear_bf16c_gemm(const bf16* x, int64_t ldx, const bf16c* cw, const
         epi_job job = {0};
         const int tid = omp_get_thread_num();
         bf16* buf[2] = {wdec + (int64_t)tid * 128 * K, wdec + (int64_t)tid * 128 * K + 64 * K};
-        const int64_t nblocks = (tiles + BF16C_GEMM_ROWS / 16 - 1) / (BF16C_GEMM_ROWS / 16), steps = nblocks * nchunks;
+        const int64_t steps = (tiles + bt - 1) / bt * per_block;
         int cur = 0;
-        /* Steps (block of rows, chunk), block-major, handed out one at a time: a thread that falls behind (a core
-           taken away for a while) takes fewer. Each thread decodes the step it will take next while it multiplies. */
+        /* Steps block-major, then slab, then chunk. Each thread decodes the step it will take next while it
+           multiplies. */
         int64_t step = __atomic_fetch_add(&next_step, 1, __ATOMIC_RELAXED);
         if (step < steps) {
-            const int64_t c0 = step % nchunks;
-            bf16c_chunk(cw, K, c0, 16 * (int)((N16 - c0 * 64) / 16 < 4 ? (N16 - c0 * 64) / 16 : 4), buf[0]);
+            const int64_t c0 = step % nchunks, k0 = step / nchunks % nslabs * KSL;
+            bf16c_chunk_slab(cw, KS, c0, k0, k0 + KSL < KS ? k0 + KSL : KS,
+                             16 * (int)((N16 - c0 * 64) / 16 < 4 ? (N16 - c0 * 64) / 16 : 4), buf[0]);
         }
         while (step < steps) {
-            const int64_t t0 = step / nchunks * (BF16C_GEMM_ROWS / 16), ch = step % nchunks;
-            const int64_t t1 = t0 + BF16C_GEMM_ROWS / 16 < tiles ? t0 + BF16C_GEMM_ROWS / 16 : tiles;
+            const int64_t b = step / per_block, s = step / nchunks % nslabs, ch = step % nchunks;
+            const int64_t t0 = b * bt, t1 = t0 + bt < tiles ? t0 + bt : tiles;
+            const int64_t k0 = s * KSL, k1 = k0 + KSL < KS ? k0 + KSL : KS, klen = (k1 - k0) * 32;
             const int64_t n0 = ch * 64;
             const int nblk = (int)((N16 - n0) / 16 < 4 ? (N16 - n0) / 16 : 4);
             const int64_t next = __atomic_fetch_add(&next_step, 1, __ATOMIC_RELAXED);
             chunk_decoder dn, *d = NULL;
-            if (next < steps && next % nchunks != ch) { /* (the same chunk again stays decoded) */
-                const int64_t nc = next % nchunks;
+            if (next < steps && next % per_block != step % per_block) { /* (the same slab of a chunk stays decoded) */
+                const int64_t nc = next % nchunks, nk0 = next / nchunks % nslabs * KSL;
                 const int nb = (int)((N16 - nc * 64) / 16 < 4 ? (N16 - nc * 64) / 16 : 4);
-                dn = (chunk_decoder){cw, nc, KS, 0, 16 * nb, 0, buf[cur ^ 1]};
+                dn = (chunk_decoder){cw, nc, KS, nk0, nk0, nk0 + KSL < KS ? nk0 + KSL : KS, 16 * nb, 0, buf[cur ^ 1]};
                 d = &dn;
             }
-            const int64_t ksteps = ((t1 - t0 + 1) / 2) * ((nblk + 1) / 2) * KS;
-            const int pairs = d ? (int)((KS * dn.rows / 2 + ksteps - 1) / ksteps) : 0;
+            const int64_t ksteps = ((t1 - t0 + 1) / 2) * ((nblk + 1) / 2) * (k1 - k0);
+            const int pairs = d ? (int)(((dn.ke - dn.k0) * dn.rows / 2 + ksteps - 1) / ksteps) : 0;
+            if (nslabs > 1) /* the chunk's previous slab (or, at s = 0, the previous block's last) must be done */
+                while (__atomic_load_n(&done[ch], __ATOMIC_ACQUIRE) < b * nslabs + s) _mm_pause();
             const bf16* wc = buf[cur];
+            const int last = s == nslabs - 1;
             for (int64_t t = t0; t < t1; t += 2) {
                 const int two = t + 1 < t1;
-                const bf16* a0 = t < full ? x + 16 * t * ldx : xtail;
-                const bf16* a1 = !two ? NULL : t + 1 < full ? x + 16 * (t + 1) * ldx : xtail;
+                const bf16* a0 = (t < full ? x + 16 * t * ldx : xtail) + k0 * 32;
+                const bf16* a1 = !two ? NULL : (t + 1 < full ? x + 16 * (t + 1) * ldx : xtail) + k0 * 32;
                 const int64_t lda0 = t < full ? ldx * 2 : K * 2, lda1 = t + 1 < full ? ldx * 2 : K * 2;
                 const int r0 = (int)(M - 16 * t < 16 ? M - 16 * t : 16);
                 const int r1 = two ? (int)(M - 16 * (t + 1) < 16 ? M - 16 * (t + 1) : 16) : 0;
                 for (int g = 0; g < nblk; g += 2) {
                     const int na = nblk - g >= 2 ? 2 : 1;
-                    bf16c_block(a0, lda0, a1, lda1, wc + g * 512, na, K, cb[cur_c], d, pairs, &job);
+                    float (*sp)[256] = nslabs > 1 ? (float (*)[256])(spill + ((ch * pairs_per_block + (t - t0) / 2) * 2 + g / 2) * 1024) : NULL;
+                    bf16c_block(a0, lda0, a1, lda1, wc + g * 512, na, klen, s > 0 ? (const float (*)[256])sp : NULL,
+                                last ? cb[cur_c] : sp, d, pairs, &job);
+                    if (!last) continue;
                     /* this block's rows go out during the next block (or below, after the last) */
                     job = (epi_job){(const float (*)[256])cb[cur_c], bias, y + 16 * t * ldy, ldy, n0 + 16 * g, inter,
-                                    na, r0, two ? r1 : 0, silu, 0, (int)((r0 + r1 + KS - 1) / KS)};
+                                    na, r0, two ? r1 : 0, silu, 0, (int)((r0 + r1 + k1 - k0 - 1) / (k1 - k0))};
                     cur_c ^= 1;
                 }
             }
+            if (nslabs > 1) __atomic_store_n(&done[ch], b * nslabs + s + 1, __ATOMIC_RELEASE);
             if (d) {
-                while (dn.ks < KS) decode_some(&dn, 32); /* (rounding left a few pairs) */
+                while (dn.ks < dn.ke) decode_some(&dn, 32); /* (rounding left a few pairs) */
                 cur ^= 1;
             }
             step = next;
@@ -782,7 +842,7 @@ static void linear_bf16c_gemm(const bf16* x, int64_t ldx, const bf16c* cw, const
     }
 }
 
-/* x [M, K] times a 12-bit weight: scratch holds bf16c_scratch_bytes(M, K); dec, past 16 rows, [nthreads][2][64, K] */
+/* x [M, K] times a 12-bit weight: scratch holds bf16c_scratch_bytes(M, K); dec bf16c_dec_bytes(M, N16, K, nthreads) */
 static inline int64_t bf16c_scratch_bytes(int64_t M, int64_t K) { return M > 16 ? ((16 * K * 2 + 63) & ~(int64_t)63) : 0; }
 
 /* inter > 0: the weight is a gate_up with its rows interleaved (see tile_pair_out); silu: write act [M, inter] */
@@ -888,11 +948,18 @@ int it_linear_bf16c(const bf16* x, int64_t ldx, const bf16c* cw, const bf16* bia
     if (amx_state != 1 || M < 1 || N % 16 || K % 32) return -2;
     if (inter && (N != 2 * inter || inter % 16 || bias)) return -3;
     bf16* scratch = M > 16 ? aligned_alloc(64, (size_t)bf16c_scratch_bytes(M, K)) : NULL;
-    bf16* wdec = M > 16 ? aligned_alloc(64, (size_t)(nthreads > 0 ? nthreads : 1) * 128 * K * 2) : NULL;
+    bf16* wdec = M > 16 ? aligned_alloc(64, (size_t)bf16c_dec_bytes(M, N, K, nthreads)) : NULL;
     linear_bf16c(x, ldx, cw, bias, y, ldy, M, N, K, nthreads, scratch, wdec, inter, silu);
     free(wdec);
     free(scratch);
     return 0;
+}
+
+/* How many slabs of K the tile GEMM cuts an M-row product into (1: K in one piece, the sums kept in the tiles) */
+int64_t it_bf16c_slabs(int64_t M, int64_t K) {
+    if (M <= 16 || K % 32) return 1;
+    const int64_t KS = K / 32, KSL = bf16c_slab_ks(M, K);
+    return (KS + KSL - 1) / KSL;
 }
 
 /* Packing (kernels/cpu.py pack_bf16c drives it): the histogram of high bytes; then the codes of every tile, with
@@ -1423,8 +1490,6 @@ static ws_layout workspace(const it_model* m, int64_t T, int64_t max_ctx) {
     ws_layout l;
     const int64_t hq = m->n_heads * m->head_dim, qkv = (m->n_heads + 2 * m->n_kv_heads) * m->head_dim;
     const int64_t group = m->n_heads / m->n_kv_heads;
-    int64_t kmax = m->hidden > m->inter ? m->hidden : m->inter;
-    kmax = kmax > hq ? kmax : hq;
     int64_t off = 0;
     l.h = off;    off += ALIGN64(T * m->hidden * 2);
     l.qkv = off;  off += ALIGN64(T * qkv * 2);
@@ -1441,7 +1506,14 @@ static ws_layout workspace(const it_model* m, int64_t T, int64_t max_ctx) {
         lin = b > lin ? b : lin;
     }
     l.lin = off;  off += lin;
-    l.dec = off;  off += T > 16 ? ALIGN64((int64_t)(m->nthreads > 0 ? m->nthreads : 1) * 128 * kmax * 2) : 0;
+    /* (the largest over the four projections' shapes; bf16 ones need less) */
+    const int64_t shapes[4][2] = {{qkv, m->hidden}, {m->hidden, hq}, {2 * m->inter, m->hidden}, {m->hidden, m->inter}};
+    int64_t dec = 0;
+    for (int i = 0; i < 4; i++) {
+        const int64_t b = bf16c_dec_bytes(T, (shapes[i][0] + 15) / 16 * 16, shapes[i][1], m->nthreads);
+        dec = b > dec ? b : dec;
+    }
+    l.dec = off;  off += ALIGN64(dec);
     /* attention, per thread: scores [group, max_ctx] and output accumulators [group, D], fp32 */
     l.attn = off; off += ALIGN64((int64_t)(m->nthreads > 0 ? m->nthreads : 1) *
                                  attn_floats(attn_score_rows(group, T), max_ctx, m->head_dim) * 4);
