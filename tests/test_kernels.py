@@ -274,11 +274,11 @@ def test_fused_decode_forward_allocates_nothing(tmp_path):
         runner = llm.engine.executor.runner
         forward, seen = runner._forward, []
 
-        def profiled(ids, pos, meta, forward=forward, seen=seen):
+        def profiled(ids, pos, meta, rows=None, *, forward=forward, seen=seen):
             if meta.prefills:
-                return forward(ids, pos, meta)
+                return forward(ids, pos, meta, rows)
             with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-                out = forward(ids, pos, meta)
+                out = forward(ids, pos, meta, rows)
             seen.append(sum(1 for e in prof.events() if e.self_cpu_memory_usage > 0))
             return out
 
@@ -569,6 +569,46 @@ def test_engine_with_12bit_weights_is_the_engine_with_bf16_weights(tmp_path, mon
     assert runs["auto", "auto"][:4] == runs["off", "auto"][:4]  # (the short prompts: fused in both)
     with pytest.raises(ValueError, match="compress_weights"):
         LLM(str(model), dtype="bfloat16", compress_weights="on")
+
+
+@needs_bf16c
+def test_fused_prefill_takes_only_the_read_rows_through_the_last_layers_mlp(tmp_path):
+    """A step of three fresh prompts through the fused step with out_rows (their last tokens, what execute_model
+    samples from): past the last layer's attention only those rows go on, and their hidden states are bit for bit
+    those of the step computing every row (12-bit weights: the tile products of a row do not depend on how many
+    rows multiply with it). One row alone too, as a batch-1 prefill's. The K / V of every row are still written:
+    decoding after a step with out_rows gives the same tokens."""
+    from conftest import make_checkpoint
+
+    from infertune import LLM, SamplingParams
+
+    model = make_checkpoint(tmp_path / "m", "llama", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                            tie_word_embeddings=True, dtype=torch.bfloat16)
+    llm = LLM(str(model), dtype="bfloat16", max_model_len=128, block_size=16, enable_prefix_caching=False)
+    runner = llm.engine.executor.runner
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 250, (n,), generator=gen).tolist() for n in (5, 21, 40)]
+    entries = [(p, 0, len(p), [3 * i, 3 * i + 1, 3 * i + 2]) for i, p in enumerate(prompts)]
+    input_ids, positions, meta, last_rows = runner._prepare(entries)
+    assert runner.fused is not None and runner.fused.applicable(input_ids.shape[0], meta)
+    full = runner._forward(input_ids, positions, meta).clone()
+    for rows in (sorted(last_rows), [last_rows[1]]):
+        part = runner._forward(input_ids, positions, meta, rows)
+        assert torch.equal(part[rows].view(torch.int16), full[rows].view(torch.int16)), rows
+    assert not torch.equal(part, full)  # (the other rows were not computed)
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=2)
+
+    def run():
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [(o.outputs[0].token_ids, [(lp.token_id, lp.logprob) for lp in o.outputs[0].logprobs]) for o in outs]
+
+    seen = []
+    forward = runner._forward
+    runner._forward = lambda ids, pos, meta, rows=None: seen.append(rows) or forward(ids, pos, meta, rows)
+    sub = run()
+    assert seen[0] == sorted(last_rows)  # (the prefill step read three rows)
+    runner._forward = lambda ids, pos, meta, rows=None: forward(ids, pos, meta)
+    assert sub == run()
 
 
 @needs_kernels

@@ -188,7 +188,8 @@ class Bf16c(ctypes.Structure):
 class ItStep(ctypes.Structure):
     _fields_ = [("T", ctypes.c_int64), ("positions", ctypes.c_void_p), ("slots", ctypes.c_void_p),
                 ("block_tables", ctypes.c_void_p), ("context_lens", ctypes.c_void_p), ("max_blocks", ctypes.c_int64),
-                ("work", ctypes.c_void_p), ("work_bytes", ctypes.c_int64)]
+                ("work", ctypes.c_void_p), ("work_bytes", ctypes.c_int64), ("out_rows", ctypes.c_void_p),
+                ("n_out", ctypes.c_int64)]
 
 
 def library() -> ctypes.CDLL:

@@ -1435,6 +1435,9 @@ typedef struct {
     int64_t max_blocks;
     void* work;                  /* it_decode_workspace_bytes(model, T, max_blocks * block_size) bytes, aligned */
     int64_t work_bytes;
+    const int64_t* out_rows;     /* [n_out], ascending: the rows whose hidden state the caller reads (the last of
+                                    each sampled sequence); n_out = 0: every row */
+    int64_t n_out;
 } it_step;
 
 #define ALIGN64(n) (((n) + 63) & ~(int64_t)63)
@@ -2130,6 +2133,10 @@ int it_decode_layers(const it_model* m, const it_layer* layers, const it_step* s
     const int64_t hkv = m->n_kv_heads, width = (m->n_heads + 2 * hkv) * D, hq = m->n_heads * D;
     double t0 = now_s(), t1;
 #define PART(i) (t1 = now_s(), fused_time[i] += t1 - t0, t0 = t1)
+    /* Past the last layer's attention only the rows the caller reads go on: the other rows' K / V are all written
+       by then, and nothing else reads their hidden states. They are moved to the front here (rows ascending, so
+       in place) and back at the end; x's other rows are left undefined. */
+    const int sub = s->n_out > 0 && s->n_out < T;
     for (int li = 0; li < m->n_layers; li++) {
         const it_layer* L = layers + li;
         rmsnorm_rows(x, L->input_norm, h, T, H, m->eps, m->nthreads);
@@ -2144,23 +2151,35 @@ int it_decode_layers(const it_model* m, const it_layer* layers, const it_step* s
             }
         PART(FT_ROTARY_KV);
         attention_rows(m, s, qkv, L->kv_cache, o, attn, max_ctx, 1);
+        int64_t R = T; /* rows from here on */
+        if (sub && li == m->n_layers - 1) {
+            for (int64_t i = 0; i < s->n_out; i++)
+                if (s->out_rows[i] != i) {
+                    memcpy(o + i * hq, o + s->out_rows[i] * hq, (size_t)hq * 2);
+                    memcpy(x + i * H, x + s->out_rows[i] * H, (size_t)H * 2);
+                }
+            R = s->n_out;
+        }
         PART(FT_ATTN);
-        run_lin(&L->o, o, hq, y, H, T, m->nthreads, lin, dec, 0);
+        run_lin(&L->o, o, hq, y, H, R, m->nthreads, lin, dec, 0);
         PART(FT_O);
-        add_rows(x, y, T * H);
+        add_rows(x, y, R * H);
         PART(FT_RESIDUAL);
-        rmsnorm_rows(x, L->post_norm, h, T, H, m->eps, m->nthreads);
+        rmsnorm_rows(x, L->post_norm, h, R, H, m->eps, m->nthreads);
         PART(FT_NORM);
         if (L->gate_up.kind == 3 && L->gate_up.inter) { /* SiLU-and-multiply in the GEMM's epilogue */
-            run_lin(&L->gate_up, h, H, act, m->inter, T, m->nthreads, lin, dec, 1);
+            run_lin(&L->gate_up, h, H, act, m->inter, R, m->nthreads, lin, dec, 1);
         } else {
-            run_lin(&L->gate_up, h, H, gu, 2 * m->inter, T, m->nthreads, lin, dec, 0);
-            silu_mul_rows(gu, act, T, m->inter, m->nthreads);
+            run_lin(&L->gate_up, h, H, gu, 2 * m->inter, R, m->nthreads, lin, dec, 0);
+            silu_mul_rows(gu, act, R, m->inter, m->nthreads);
         }
         PART(FT_GATE_UP);
-        run_lin(&L->down, act, m->inter, y, H, T, m->nthreads, lin, dec, 0);
+        run_lin(&L->down, act, m->inter, y, H, R, m->nthreads, lin, dec, 0);
         PART(FT_DOWN);
-        add_rows(x, y, T * H);
+        add_rows(x, y, R * H);
+        if (R < T)
+            for (int64_t i = R - 1; i >= 0; i--)
+                if (s->out_rows[i] != i) memcpy(x + s->out_rows[i] * H, x + i * H, (size_t)H * 2);
         PART(FT_RESIDUAL);
     }
 #undef PART

@@ -147,8 +147,13 @@ class FusedDecode:
             lens[s : s + n] = torch.arange(1, n + 1)
         return tables, lens
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Hidden states [T, hidden] after the final norm: a view of a buffer the next step overwrites."""
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 out_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm: a view of a buffer the next step overwrites.
+
+        out_rows (int64, ascending, unique): the only rows the caller reads. Past the last layer's attention just
+        those rows go on through o_proj and the MLP (a prompt's other rows need their K / V in every layer, not
+        their last hidden state); the other rows of the result are then undefined."""
         t = input_ids.shape[0]
         x = torch.index_select(self.embed, 0, input_ids, out=self.x[:t])  # updated in place by the kernel
         if meta.prefills:
@@ -159,6 +164,11 @@ class FusedDecode:
         s.T = input_ids.shape[0]
         s.positions, s.slots = positions.data_ptr(), meta.slot_mapping.data_ptr()
         s.block_tables, s.context_lens, s.max_blocks = tables.data_ptr(), lens.data_ptr(), tables.shape[1]
+        if out_rows is not None:
+            assert out_rows.dtype == torch.int64 and out_rows.is_contiguous()
+            s.out_rows, s.n_out = out_rows.data_ptr(), out_rows.numel()
+        else:
+            s.out_rows, s.n_out = None, 0
         with self.kernels.profiled("fused_decode_layers"):
             rc = self.lib.it_decode_layers(ctypes.byref(self.cmodel), self.layers, ctypes.byref(s), x.data_ptr())
         if rc != 0:

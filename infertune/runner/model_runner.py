@@ -100,9 +100,12 @@ class ModelRunner:
         """Start-up time spent compiling (None when the forward runs eager)."""
         return self.compiled.warmup_seconds if self.compiled is not None else None
 
-    def _forward(self, input_ids, positions, meta) -> torch.Tensor:
+    def _forward(self, input_ids, positions, meta, out_rows: list[int] | None = None) -> torch.Tensor:
+        """Hidden states [T, hidden]; where out_rows (ascending) is given, only those rows are sure to be
+        computed (the fused step takes just them through the last layer's o_proj and MLP)."""
         if self.fused is not None and self.fused.applicable(input_ids.shape[0], meta):
-            return self.fused(input_ids, positions, meta)
+            rows = self._tensor(out_rows) if out_rows and len(out_rows) < input_ids.shape[0] else None
+            return self.fused(input_ids, positions, meta, rows)
         if self.compiled is not None and input_ids.shape[0] >= self.compiled.min_tokens:
             return self.compiled(input_ids, positions, self.kv_caches, meta)
         return self.model(input_ids, positions, self.kv_caches, meta)
@@ -147,11 +150,12 @@ class ModelRunner:
             for seq, n in zip(batch.seqs, batch.num_scheduled_tokens)
         ]
         input_ids, positions, meta, last_rows = self._prepare(entries)
-        hidden = self._forward(input_ids, positions, meta)  # [T, hidden]
         n_entries = len(entries)
         tokens: list[int | None] = [None] * n_entries
         logprobs: list = [None] * n_entries
         sampled = [i for i in range(n_entries) if batch.sample[i]]
+        # (only the sampled rows' hidden states are read: a step with nothing to sample still fills the KV cache)
+        hidden = self._forward(input_ids, positions, meta, sorted({last_rows[i] for i in sampled}))  # [T, hidden]
         if not sampled:
             return SamplerOutput(tokens, logprobs)
         logits = self.model.compute_logits(hidden[self._tensor([last_rows[i] for i in sampled])])  # [N, V]
