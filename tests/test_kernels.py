@@ -491,6 +491,11 @@ def test_bf16c_linear_is_the_bf16_kernel_bit_for_bit(m, k):
     ref = x.double() @ w.double().T + bias.double()
     bound = 2.0**-8 * ref.abs() + k * 2.0**-23 * (x.double().abs() @ w.double().abs().T) + 1e-6
     assert ((y.double() - ref).abs() <= bound).all()
+    # the residual form (the fused step's o_proj and down): added into a given tensor in the epilogue, exactly the
+    # bf16 sum PyTorch takes of the residual and the rounded product
+    res = torch.randn(m, n, generator=gen).to(torch.bfloat16)
+    out = kernels.linear_bf16c(x, desc, n, bias, add_to=res.clone())
+    assert torch.equal(out.view(torch.int16), (res.float() + y.float()).to(torch.bfloat16).view(torch.int16))
 
 
 @needs_bf16c

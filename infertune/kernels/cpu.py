@@ -509,27 +509,37 @@ def unpack_bf16c(desc: Bf16c, n: int, k: int) -> torch.Tensor:
 
 
 def linear_bf16c(x: torch.Tensor, desc: Bf16c, n: int, bias: torch.Tensor | None = None, inter: int = 0,
-                 silu: bool = False) -> torch.Tensor:
+                 silu: bool = False, add_to: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] bf16 times a 12-bit packed weight [n, K] (+ bias) -> [..., n] bf16, on AMX: the very products of
     linear_bf16 on the unpacked weight (up to 16 rows one pass, more on the tile GEMM decoding 64 features at a
     time while it multiplies by the previous 64).
 
     inter > 0: the weight is a gate_up [2 inter, K] packed with its gate and up rows interleaved 16 by 16
     (interleave_gate_up); the result is still [..., 2 inter] in the usual order, or with silu=True act
-    [..., inter] = silu(gate) * up, rounded as silu_and_mul rounds it, straight from the tiles."""
+    [..., inter] = silu(gate) * up, rounded as silu_and_mul rounds it, straight from the tiles.
+
+    add_to ([..., n] bf16, contiguous; not with inter): the result is added into it in the tiles' epilogue,
+    add_to += bf16(x W^T + bias), rounded as a bf16 residual add (the fused step's o_proj and down); returns it."""
     _load()
     x2 = _rows(x)
     m, k = x2.shape
     width = inter if silu else n
-    y = torch.empty(m, width, dtype=torch.bfloat16)
+    if silu and not inter:
+        raise ValueError("silu needs a gate_up packed with inter")
+    if add_to is not None:
+        if inter or add_to.dtype is not torch.bfloat16 or not add_to.is_contiguous() or add_to.numel() != m * n:
+            raise ValueError("add_to needs a contiguous bf16 [..., n] tensor, and no inter")
+        y = add_to.view(m, n)
+    else:
+        y = torch.empty(m, width, dtype=torch.bfloat16)
     with profiled("linear_bf16c"):
         rc = _lib.it_linear_bf16c(x2.data_ptr(), x2.stride(0), ctypes.byref(desc),
                                   bias.data_ptr() if bias is not None else None, y.data_ptr(), width, m, n, k,
-                                  torch.get_num_threads(), inter, int(silu))
+                                  torch.get_num_threads(), inter, int(silu or add_to is not None))
     if rc != 0:
         raise ValueError(f"it_linear_bf16c refused {m} x {k} -> {n} (needs AMX, N a multiple of 16, K of 32; with "
                          f"inter: N = 2 inter, inter a multiple of 16, no bias)")
-    return y.view(*x.shape[:-1], width)
+    return add_to if add_to is not None else y.view(*x.shape[:-1], width)
 
 
 def interleave_gate_up(w: torch.Tensor) -> torch.Tensor:

@@ -567,11 +567,28 @@ static inline void bf16c_chunk_slab(const bf16c* c, int64_t KS, int64_t chunk, i
     for (int64_t ks = k0; ks < k1; ks++) bf16c_tile(c, KS, chunk, ks, rows, out + (ks - k0) * 2048, 32);
 }
 
-/* rows (<= 16) fp32 accumulator rows c [rows][16] + bias -> bf16 y[m][n .. n + 15] */
-static inline void tile_rows_out(const float* c, const bf16* bias, int64_t n, bf16* y, int64_t ldy, int rows) {
+/* bf16(a + b) into x (m lanes), as f2bf rounds, a NaN sum quiet: the residual add */
+static inline void store_sum_bf16x16(bf16* x, __m512 a, __m512 b, __mmask16 m) {
+    const __m512 v = _mm512_add_ps(a, b);
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    const __m256i q = _mm256_or_si256(_mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)),
+                                      _mm256_set1_epi16(0x40));
+    _mm256_mask_storeu_epi16(x, m, _mm256_mask_blend_epi16(nan, round_bf16x16(v), q));
+}
+
+/* rows (<= 16) fp32 accumulator rows c [rows][16] + bias -> bf16 y[m][n .. n + 15]; with add, that bf16 is added
+ * into y instead (bf16(y + bf16(c + bias)): the residual add of add_rows, on the product as it would be stored) */
+static inline void tile_rows_out(const float* c, const bf16* bias, int64_t n, bf16* y, int64_t ldy, int rows, int add) {
     const __m512 bv = bias ? load_bf16x16(bias + n, 0xffff) : _mm512_setzero_ps();
-    for (int m = 0; m < rows; m++)
-        _mm256_storeu_si256((__m256i*)(y + m * ldy + n), round_bf16x16(_mm512_add_ps(_mm512_loadu_ps(c + 16 * m), bv)));
+    for (int m = 0; m < rows; m++) {
+        const __m256i r = round_bf16x16(_mm512_add_ps(_mm512_loadu_ps(c + 16 * m), bv));
+        bf16* out = y + m * ldy + n;
+        if (add)
+            store_sum_bf16x16(out, load_bf16x16(out, 0xffff),
+                              _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(r), 16)), 0xffff);
+        else
+            _mm256_storeu_si256((__m256i*)out, r);
+    }
 }
 
 /* A gate_up weight packed with its gate and up rows interleaved 16 by 16 (feature tile 2 p: gate features
@@ -597,7 +614,7 @@ static inline void tile_pair_out(const float* cg, const float* cu, int64_t p, bf
  * multiplies the mr rows of x by them. Tiles 0-3: C (mr rows), 4-5: W, 7: x (mr rows). */
 __attribute__((target("amx-tile,amx-bf16")))
 static void linear_bf16c_rows(const bf16* x, int64_t ldx, const bf16c* cw, const bf16* bias, bf16* y, int64_t ldy,
-                              int mr, int64_t N16, int64_t K, int nthreads, int64_t inter, int silu) {
+                              int mr, int64_t N16, int64_t K, int nthreads, int64_t inter, int epi) {
     const int64_t nchunks = (N16 + 63) / 64, KS = K / 32;
     const int nt = pick_threads(nchunks, N16 * K * 3 / 2, nthreads);
 #pragma omp parallel num_threads(nt)
@@ -624,9 +641,9 @@ static void linear_bf16c_rows(const bf16* x, int64_t ldx, const bf16c* cw, const
             if (nblk > 2) _tile_stored(2, c[2], 64);
             if (nblk > 3) _tile_stored(3, c[3], 64);
             if (inter) /* (a chunk holds whole pairs: N16 / 16 is even) */
-                for (int b = 0; b < nblk; b += 2) tile_pair_out(c[b], c[b + 1], n0 / 32 + b / 2, y, ldy, mr, inter, silu);
+                for (int b = 0; b < nblk; b += 2) tile_pair_out(c[b], c[b + 1], n0 / 32 + b / 2, y, ldy, mr, inter, epi);
             else
-                for (int b = 0; b < nblk; b++) tile_rows_out(c[b], bias, n0 + 16 * b, y, ldy, mr);
+                for (int b = 0; b < nblk; b++) tile_rows_out(c[b], bias, n0 + 16 * b, y, ldy, mr, epi);
         }
         _tile_release();
     }
@@ -663,7 +680,7 @@ typedef struct {
     const bf16* bias;
     bf16* y; /* row 0 of token tile 0 */
     int64_t ldy, n, inter; /* n: the first feature (column) of feature tile 0 */
-    int na, r0, r1, silu, next, per_step;
+    int na, r0, r1, epi, next, per_step; /* epi: as linear_bf16c's */
 } epi_job;
 
 static inline void epi_some(epi_job* e, int rows) {
@@ -672,10 +689,10 @@ static inline void epi_some(epi_job* e, int rows) {
         bf16* yr = e->y + (16 * tt + m) * e->ldy;
         const float* c0 = e->c[2 * tt] + 16 * m;
         if (e->inter) {
-            tile_pair_out(c0, e->c[2 * tt + 1] + 16 * m, e->n / 32, yr, e->ldy, 1, e->inter, e->silu);
+            tile_pair_out(c0, e->c[2 * tt + 1] + 16 * m, e->n / 32, yr, e->ldy, 1, e->inter, e->epi);
         } else {
-            tile_rows_out(c0, e->bias, e->n, yr, e->ldy, 1);
-            if (e->na == 2) tile_rows_out(e->c[2 * tt + 1] + 16 * m, e->bias, e->n + 16, yr, e->ldy, 1);
+            tile_rows_out(c0, e->bias, e->n, yr, e->ldy, 1, e->epi);
+            if (e->na == 2) tile_rows_out(e->c[2 * tt + 1] + 16 * m, e->bias, e->n + 16, yr, e->ldy, 1, e->epi);
         }
     }
 }
@@ -760,7 +777,7 @@ static inline int64_t bf16c_dec_bytes(int64_t M, int64_t N16, int64_t K, int nth
 __attribute__((target("amx-tile,amx-bf16")))
 static void linear_bf16c_gemm(const bf16* x, int64_t ldx, const bf16c* cw, const bf16* bias, bf16* y, int64_t ldy,
                               int64_t M, int64_t N16, int64_t K, int nthreads, bf16* xtail, bf16* wdec, int64_t inter,
-                              int silu) {
+                              int epi) {
     const int64_t nchunks = (N16 + 63) / 64, tiles = (M + 15) / 16, full = M / 16, KS = K / 32;
     const int64_t KSL = bf16c_slab_ks(M, K), nslabs = (KS + KSL - 1) / KSL, per_block = nslabs * nchunks;
     const int64_t bt = BF16C_GEMM_ROWS / 16, pairs_per_block = (bf16c_block_rows(M) + 31) / 32;
@@ -826,7 +843,7 @@ static void linear_bf16c_gemm(const bf16* x, int64_t ldx, const bf16c* cw, const
                     if (!last) continue;
                     /* this block's rows go out during the next block (or below, after the last) */
                     job = (epi_job){(const float (*)[256])cb[cur_c], bias, y + 16 * t * ldy, ldy, n0 + 16 * g, inter,
-                                    na, r0, two ? r1 : 0, silu, 0, (int)((r0 + r1 + k1 - k0 - 1) / (k1 - k0))};
+                                    na, r0, two ? r1 : 0, epi, 0, (int)((r0 + r1 + k1 - k0 - 1) / (k1 - k0))};
                     cur_c ^= 1;
                 }
             }
@@ -845,14 +862,16 @@ static void linear_bf16c_gemm(const bf16* x, int64_t ldx, const bf16c* cw, const
 /* x [M, K] times a 12-bit weight: scratch holds bf16c_scratch_bytes(M, K); dec bf16c_dec_bytes(M, N16, K, nthreads) */
 static inline int64_t bf16c_scratch_bytes(int64_t M, int64_t K) { return M > 16 ? ((16 * K * 2 + 63) & ~(int64_t)63) : 0; }
 
-/* inter > 0: the weight is a gate_up with its rows interleaved (see tile_pair_out); silu: write act [M, inter] */
+/* inter > 0: the weight is a gate_up with its rows interleaved (see tile_pair_out), and epi = 1 writes act
+ * [M, inter] (SiLU-and-multiply); inter = 0: epi = 1 adds the product into y (y += x W^T + bias, each product
+ * rounded to bf16 first, as add_rows adds it: a residual) */
 static void linear_bf16c(const bf16* x, int64_t ldx, const bf16c* cw, const bf16* bias, bf16* y, int64_t ldy,
                          int64_t M, int64_t N16, int64_t K, int nthreads, bf16* scratch, bf16* dec, int64_t inter,
-                         int silu) {
+                         int epi) {
     if (M <= 16)
-        linear_bf16c_rows(x, ldx, cw, bias, y, ldy, (int)M, N16, K, nthreads, inter, silu);
+        linear_bf16c_rows(x, ldx, cw, bias, y, ldy, (int)M, N16, K, nthreads, inter, epi);
     else
-        linear_bf16c_gemm(x, ldx, cw, bias, y, ldy, M, N16, K, nthreads, scratch, dec, inter, silu);
+        linear_bf16c_gemm(x, ldx, cw, bias, y, ldy, M, N16, K, nthreads, scratch, dec, inter, epi);
 }
 
 /* scratch: bf16_scratch_bytes(M, K), 64-byte aligned (the transposed activations of the AMX path) */
@@ -942,14 +961,15 @@ static void linear_q_amx(const qweight* q, const bf16* x, int64_t ldx, const bf1
 }
 
 /* Any M: up to 16 rows one pass decoding tile by tile, more on the 2 x 2 blocked GEMM, each thread decoding 64
- * features of W at a time. Returns 0, or -2 where the shapes or the CPU do not fit (N % 16, K % 32, no AMX). */
+ * features of W at a time; epi as linear_bf16c's. Returns 0, or -2 where the shapes or the CPU do not fit (N % 16,
+ * K % 32, no AMX). */
 int it_linear_bf16c(const bf16* x, int64_t ldx, const bf16c* cw, const bf16* bias, bf16* y, int64_t ldy, int64_t M,
-                    int64_t N, int64_t K, int nthreads, int64_t inter, int silu) {
+                    int64_t N, int64_t K, int nthreads, int64_t inter, int epi) {
     if (amx_state != 1 || M < 1 || N % 16 || K % 32) return -2;
     if (inter && (N != 2 * inter || inter % 16 || bias)) return -3;
     bf16* scratch = M > 16 ? aligned_alloc(64, (size_t)bf16c_scratch_bytes(M, K)) : NULL;
     bf16* wdec = M > 16 ? aligned_alloc(64, (size_t)bf16c_dec_bytes(M, N, K, nthreads)) : NULL;
-    linear_bf16c(x, ldx, cw, bias, y, ldy, M, N, K, nthreads, scratch, wdec, inter, silu);
+    linear_bf16c(x, ldx, cw, bias, y, ldy, M, N, K, nthreads, scratch, wdec, inter, epi);
     free(wdec);
     free(scratch);
     return 0;
@@ -1528,8 +1548,16 @@ int64_t it_decode_workspace_bytes(const it_model* m, int64_t T, int64_t max_ctx)
     return workspace(m, T, max_ctx).total;
 }
 
+/* x[t] = bf16(x[t] + y[t]), as f2bf rounds (NaN kept quiet) */
+static void add_rows(bf16* x, const bf16* y, int64_t n) {
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 m = mask16(n - i);
+        store_sum_bf16x16(x + i, load_bf16x16(x + i, m), load_bf16x16(y + i, m), m);
+    }
+}
+
 static void run_lin(const it_lin* L, const bf16* x, int64_t ldx, bf16* y, int64_t ldy, int64_t M, int nthreads,
-                    void* scratch, bf16* dec, int silu) {
+                    void* scratch, bf16* dec, int silu) { /* (silu: a 12-bit gate_up's act, see linear_bf16c) */
     if (L->kind == 0)
         linear_bf16(x, ldx, (const bf16*)L->w, L->bias, y, ldy, M, L->N, L->K, nthreads, scratch);
     else if (L->kind == 3) /* past 16 rows (a fused prefill's) each thread decodes 64 features of W at a time into dec */
@@ -1541,6 +1569,18 @@ static void run_lin(const it_lin* L, const bf16* x, int64_t ldx, bf16* y, int64_
     else
         linear_w8(x, ldx, (const int8_t*)L->w, L->scale, L->scale_is_f32, L->bias, y, ldy, M, L->N, L->K, nthreads,
                   scratch);
+}
+
+/* x_res += x W^T (+ bias), each product rounded to bf16 first: a 12-bit weight adds in its epilogue, any other
+ * writes y, then add_rows */
+static void run_lin_add(const it_lin* L, const bf16* x, int64_t ldx, bf16* x_res, bf16* y, int64_t H, int64_t M,
+                        int nthreads, void* scratch, bf16* dec) { /* x_res, y: [M, H] */
+    if (L->kind == 3 && !L->inter) {
+        linear_bf16c(x, ldx, (const bf16c*)L->w, L->bias, x_res, H, M, L->N, L->K, nthreads, (bf16*)scratch, dec, 0, 1);
+    } else {
+        run_lin(L, x, ldx, y, H, M, nthreads, scratch, dec, 0);
+        add_rows(x_res, y, M * H);
+    }
 }
 
 /* out = w * bf16(x / rms(x)), as RMSNorm in layers/norm.py rounds */
@@ -1589,18 +1629,6 @@ static void silu_mul_rows(const bf16* gu, bf16* act, int64_t T, int64_t I, int n
             const __m512 s = silu512(load_bf16x16(g + i, m));
             _mm256_mask_storeu_epi16(a + i, m, round_bf16x16(_mm512_mul_ps(bf16_round_f32(s), load_bf16x16(u + i, m))));
         }
-    }
-}
-
-/* x[t] = bf16(x[t] + y[t]), as f2bf rounds (NaN kept quiet) */
-static void add_rows(bf16* x, const bf16* y, int64_t n) {
-    for (int64_t i = 0; i < n; i += 16) {
-        const __mmask16 m = mask16(n - i);
-        const __m512 v = _mm512_add_ps(load_bf16x16(x + i, m), load_bf16x16(y + i, m));
-        const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-        const __m256i q = _mm256_or_si256(_mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)),
-                                          _mm256_set1_epi16(0x40));
-        _mm256_mask_storeu_epi16(x + i, m, _mm256_mask_blend_epi16(nan, round_bf16x16(v), q));
     }
 }
 
@@ -2161,10 +2189,8 @@ int it_decode_layers(const it_model* m, const it_layer* layers, const it_step* s
             R = s->n_out;
         }
         PART(FT_ATTN);
-        run_lin(&L->o, o, hq, y, H, R, m->nthreads, lin, dec, 0);
+        run_lin_add(&L->o, o, hq, x, y, H, R, m->nthreads, lin, dec); /* (the residual add with it) */
         PART(FT_O);
-        add_rows(x, y, R * H);
-        PART(FT_RESIDUAL);
         rmsnorm_rows(x, L->post_norm, h, R, H, m->eps, m->nthreads);
         PART(FT_NORM);
         if (L->gate_up.kind == 3 && L->gate_up.inter) { /* SiLU-and-multiply in the GEMM's epilogue */
@@ -2174,9 +2200,8 @@ int it_decode_layers(const it_model* m, const it_layer* layers, const it_step* s
             silu_mul_rows(gu, act, R, m->inter, m->nthreads);
         }
         PART(FT_GATE_UP);
-        run_lin(&L->down, act, m->inter, y, H, R, m->nthreads, lin, dec, 0);
+        run_lin_add(&L->down, act, m->inter, x, y, H, R, m->nthreads, lin, dec);
         PART(FT_DOWN);
-        add_rows(x, y, R * H);
         if (R < T)
             for (int64_t i = R - 1; i >= 0; i--)
                 if (s->out_rows[i] != i) memcpy(x + s->out_rows[i] * H, x + i * H, (size_t)H * 2);
