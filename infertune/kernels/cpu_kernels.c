@@ -1476,6 +1476,7 @@ typedef struct {
     bf16* tmp;   /* [32, D] gathered or dequantized K/V rows */
     bf16* vb;    /* [2][16 pairs][16 dims][2] */
     bf16* zero;  /* [D] */
+    bf16* vpack; /* steps of prompt rows only: [max_ctx / 32][D / 16][16 pairs][16 dims][2], a sequence's V as tiles */
     int64_t ldp;
 } attn_ws;
 
@@ -1486,9 +1487,9 @@ static inline int64_t attn_ldp(int64_t max_ctx) { return (max_ctx + 31) & ~(int6
  * 16 rows (prompts), 16 rows of one query head (attn_rows_amx) */
 static inline int64_t attn_score_rows(int64_t group, int64_t T) { return T > 16 || group > 16 ? 16 : group; }
 
-static inline int64_t attn_floats(int64_t G, int64_t max_ctx, int64_t D) {
+static inline int64_t attn_floats(int64_t G, int64_t max_ctx, int64_t D, int rows) {
     return ALIGN64(G * max_ctx * 4) / 4 + ALIGN64(G * attn_ldp(max_ctx) * 2) / 4 + ALIGN64(D * 32) / 4 + 256 +
-           ALIGN64(32 * D * 2) / 4 + 512 + ALIGN64(D * 2) / 4;
+           ALIGN64(32 * D * 2) / 4 + 512 + ALIGN64(D * 2) / 4 + (rows ? ALIGN64(attn_ldp(max_ctx) * D * 2) / 4 : 0);
 }
 
 static attn_ws attn_workspace(float* base, int64_t G, int64_t max_ctx, int64_t D) {
@@ -1501,7 +1502,8 @@ static attn_ws attn_workspace(float* base, int64_t G, int64_t max_ctx, int64_t D
     w.cbuf = (float*)p; p += 1024;
     w.tmp = (bf16*)p;   p += ALIGN64(32 * D * 2);
     w.vb = (bf16*)p;    p += 2048;
-    w.zero = (bf16*)p;
+    w.zero = (bf16*)p;  p += ALIGN64(D * 2);
+    w.vpack = (bf16*)p; /* (there only where attn_floats counted it) */
     return w;
 }
 
@@ -1539,7 +1541,7 @@ static ws_layout workspace(const it_model* m, int64_t T, int64_t max_ctx) {
     l.dec = off;  off += ALIGN64(dec);
     /* attention, per thread: scores [group, max_ctx] and output accumulators [group, D], fp32 */
     l.attn = off; off += ALIGN64((int64_t)(m->nthreads > 0 ? m->nthreads : 1) *
-                                 attn_floats(attn_score_rows(group, T), max_ctx, m->head_dim) * 4);
+                                 attn_floats(attn_score_rows(group, T), max_ctx, m->head_dim, T > 16) * 4);
     l.total = off;
     return l;
 }
@@ -1996,6 +1998,57 @@ static inline void attn_tiles(int G) { amx_tiles(8, 4, G); }
  * in turn, its 16 rows on the tiles at once (scores as S^T = K Q^T, 16 keys a tile, then P V), so each K/V tile
  * load serves 16 rows where attn_heads_amx serves one. Rounds as attn_heads_amx. */
 __attribute__((target("amx-tile,amx-bf16")))
+/* V of keys 0 .. len - 1 of KV head g (bf16 cache) as the B tiles of P V, once for all the query heads of the
+ * group: tile (key block j0 / 32, dims 16 c ..) at vp + ((j0 / 32) (D / 16) + c) 512, pairs past len zero */
+static void attn_pack_v(const it_model* m, const void* cache, const int64_t* table, int64_t len, int64_t g,
+                        const attn_ws* w, bf16* vp) {
+    const int64_t D = m->head_dim;
+    for (int64_t j0 = 0; j0 < len; j0 += 32) {
+        const bf16* vr[32];
+        const int n0 = (int)(len - j0 < 16 ? len - j0 : 16);
+        kv_rows(m, cache, 1, table, j0, n0, g, w->tmp, vr);
+        if (j0 + 16 < len) {
+            const int n1 = (int)(len - j0 - 16 < 16 ? len - j0 - 16 : 16);
+            kv_rows(m, cache, 1, table, j0 + 16, n1, g, w->tmp + 16 * D, vr + 16);
+            for (int jj = 16 + n1; jj < 32; jj++) vr[jj] = w->zero;
+        } else {
+            for (int jj = n0; jj < 32; jj++) vr[jj] = w->zero;
+        }
+        bf16* t = vp + (j0 / 32) * (D / 16) * 512;
+        for (int64_t c = 0; c < D / 16; c++, t += 512)
+            for (int p = 0; p < 16; p++) _mm512_storeu_si512(t + p * 32, pair_rows(vr[2 * p] + 16 * c, vr[2 * p + 1] + 16 * c));
+    }
+}
+
+/* attn_pv_amx on V packed by attn_pack_v: the same tile products in the same order */
+__attribute__((target("amx-tile,amx-bf16")))
+static void attn_pv_packed(const it_model* m, int64_t len, const attn_ws* w, const bf16* vp, int nrows,
+                           const float* inv, bf16* out, int64_t ldo) {
+    const int64_t D = m->head_dim;
+    for (int64_t d0 = 0; d0 < D; d0 += 64) {
+        const int nc = (int)((D - d0) / 16 < 4 ? (D - d0) / 16 : 4);
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        for (int64_t j0 = 0; j0 < len; j0 += 32) {
+            const bf16* t = vp + ((j0 / 32) * (D / 16) + d0 / 16) * 512;
+            _tile_loadd(7, w->pb + j0, w->ldp * 2);
+            _tile_loadd(5, t, 64);
+            _tile_dpbf16ps(0, 7, 5);
+            if (nc > 1) { _tile_loadd(6, t + 512, 64); _tile_dpbf16ps(1, 7, 6); }
+            if (nc > 2) { _tile_loadd(5, t + 1024, 64); _tile_dpbf16ps(2, 7, 5); }
+            if (nc > 3) { _tile_loadd(6, t + 1536, 64); _tile_dpbf16ps(3, 7, 6); }
+        }
+        for (int c = 0; c < nc; c++) {
+            if (c == 0) _tile_stored(0, w->cbuf, 64);
+            if (c == 1) _tile_stored(1, w->cbuf, 64);
+            if (c == 2) _tile_stored(2, w->cbuf, 64);
+            if (c == 3) _tile_stored(3, w->cbuf, 64);
+            for (int i = 0; i < nrows; i++)
+                _mm256_storeu_si256((__m256i*)(out + i * ldo + d0 + 16 * c),
+                                    round_bf16x16(_mm512_mul_ps(_mm512_loadu_ps(w->cbuf + 16 * i), _mm512_set1_ps(inv[i]))));
+        }
+    }
+}
+
 static void attn_rows_amx(const it_model* m, const void* cache, const int64_t* table, int64_t len, int n, int64_t g,
                           const bf16* qkv, int64_t width, int64_t t0, bf16* o, const attn_ws* w, int64_t max_ctx) {
     const int64_t D = m->head_dim, bs = m->block_size, hkv = m->n_kv_heads, group = m->n_heads / hkv;
@@ -2003,6 +2056,7 @@ static void attn_rows_amx(const it_model* m, const void* cache, const int64_t* t
                                              _mm512_set1_epi32(16));
     const __m512 scale = _mm512_set1_ps(m->scale);
     const int64_t len32 = (len + 31) & ~(int64_t)31;
+    attn_pack_v(m, cache, table, len, g, w, w->vpack); /* (V as tiles once for the group's query heads) */
     for (int64_t h = g * group; h < (g + 1) * group; h++) {
         /* Q^T of the n rows: the (k, k + 1) pair of row r is 32-bit word (k / 32) * 256 + ((k % 32) / 2) * 16 + r */
         memset(w->qt, 0, (size_t)D * 32);
@@ -2028,7 +2082,7 @@ static void attn_rows_amx(const it_model* m, const void* cache, const int64_t* t
         for (int r = 0; r < n; r++) /* row r's own keys; zero past them up to len32 */
             inv[r] = softmax_bf16_row(w->sc + r * max_ctx, len - (n - 1 - r), len32, w->pb + r * w->ldp);
         for (int r = n; r < 16; r++) memset(w->pb + r * w->ldp, 0, (size_t)len32 * 2);
-        attn_pv_amx(m, cache, table, len, g, w, n, inv, o + (t0 * m->n_heads + h) * D, m->n_heads * D);
+        attn_pv_packed(m, len, w, w->vpack, n, inv, o + (t0 * m->n_heads + h) * D, m->n_heads * D);
     }
 }
 
@@ -2062,7 +2116,7 @@ static void attention_rows(const it_model* m, const it_step* s, const bf16* qkv,
     const int nt = (int)(tasks < m->nthreads ? tasks : m->nthreads);
 #pragma omp parallel num_threads(nt > 0 ? nt : 1)
     {
-        const attn_ws w = attn_workspace(scratch + (int64_t)omp_get_thread_num() * attn_floats(G, max_ctx, D), G,
+        const attn_ws w = attn_workspace(scratch + (int64_t)omp_get_thread_num() * attn_floats(G, max_ctx, D, T > 16), G,
                                          max_ctx, D);
         memset(w.zero, 0, (size_t)D * 2);
         int tiles = 0; /* the G the tiles are configured for */
