@@ -1898,6 +1898,20 @@ static inline float softmax_bf16_row(const float* r, int64_t len, int64_t len32,
     return 1.0f / _mm512_reduce_add_ps(sum);
 }
 
+/* P V accumulators 0 .. nc - 1 (16 dims each) of nrows rows, times each row's 1 / sum, as bf16 into out (ldo apart) */
+__attribute__((target("amx-tile,amx-bf16")))
+static inline void attn_pv_out(const attn_ws* w, int nc, int nrows, const float* inv, bf16* out, int64_t ldo) {
+    for (int c = 0; c < nc; c++) {
+        if (c == 0) _tile_stored(0, w->cbuf, 64);
+        if (c == 1) _tile_stored(1, w->cbuf, 64);
+        if (c == 2) _tile_stored(2, w->cbuf, 64);
+        if (c == 3) _tile_stored(3, w->cbuf, 64);
+        for (int i = 0; i < nrows; i++)
+            _mm256_storeu_si256((__m256i*)(out + i * ldo + 16 * c),
+                                round_bf16x16(_mm512_mul_ps(_mm512_loadu_ps(w->cbuf + 16 * i), _mm512_set1_ps(inv[i]))));
+    }
+}
+
 /* O = P V over the first len keys for the 16 rows of P in w->pb (each zero past its own keys up to a multiple of
  * 32), V read straight from the cache 32 keys a step, 64 dims (four accumulator tiles) a pass; row i < nrows of O,
  * times inv[i], is written to out + i * ldo as bf16. Tiles: 0-3 the accumulators, 7 P, 5-6 V in pairs of keys. */
@@ -1927,15 +1941,7 @@ static void attn_pv_amx(const it_model* m, const void* cache, const int64_t* tab
             if (nc > 2) ATTN_PV_TILE(2, 5, d0 + 32, w->vb);
             if (nc > 3) ATTN_PV_TILE(3, 6, d0 + 48, w->vb + 512);
         }
-        for (int c = 0; c < nc; c++) {
-            if (c == 0) _tile_stored(0, w->cbuf, 64);
-            if (c == 1) _tile_stored(1, w->cbuf, 64);
-            if (c == 2) _tile_stored(2, w->cbuf, 64);
-            if (c == 3) _tile_stored(3, w->cbuf, 64);
-            for (int i = 0; i < nrows; i++)
-                _mm256_storeu_si256((__m256i*)(out + i * ldo + d0 + 16 * c),
-                                    round_bf16x16(_mm512_mul_ps(_mm512_loadu_ps(w->cbuf + 16 * i), _mm512_set1_ps(inv[i]))));
-        }
+        attn_pv_out(w, nc, nrows, inv, out + d0, ldo);
     }
 }
 
@@ -2037,15 +2043,7 @@ static void attn_pv_packed(const it_model* m, int64_t len, const attn_ws* w, con
             if (nc > 2) { _tile_loadd(5, t + 1024, 64); _tile_dpbf16ps(2, 7, 5); }
             if (nc > 3) { _tile_loadd(6, t + 1536, 64); _tile_dpbf16ps(3, 7, 6); }
         }
-        for (int c = 0; c < nc; c++) {
-            if (c == 0) _tile_stored(0, w->cbuf, 64);
-            if (c == 1) _tile_stored(1, w->cbuf, 64);
-            if (c == 2) _tile_stored(2, w->cbuf, 64);
-            if (c == 3) _tile_stored(3, w->cbuf, 64);
-            for (int i = 0; i < nrows; i++)
-                _mm256_storeu_si256((__m256i*)(out + i * ldo + d0 + 16 * c),
-                                    round_bf16x16(_mm512_mul_ps(_mm512_loadu_ps(w->cbuf + 16 * i), _mm512_set1_ps(inv[i]))));
-        }
+        attn_pv_out(w, nc, nrows, inv, out + d0, ldo);
     }
 }
 
