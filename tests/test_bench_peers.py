@@ -91,16 +91,32 @@ def test_gguf_export_refuses_other_architectures(tmp_path):
 
 
 def test_bench_reports_missing_peers_as_skipped_and_compares_eager(tmp_path, monkeypatch, capsys):
+    """Peers that are not installed are reported as skipped; with --plot (where matplotlib is installed) the chart
+    is written and draws exactly the JSON's medians."""
     from infertune.bench import offline
+
+    try:
+        import matplotlib  # noqa: F401
+
+        has_matplotlib = True
+    except ImportError:
+        has_matplotlib = False
 
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # as if llama-cpp-python were not installed
     monkeypatch.delenv("INFERTUNE_VLLM_PYTHON", raising=False)
     model = make_checkpoint(tmp_path / "m", "llama", dtype=torch.bfloat16)
     rc = offline.main(["--model", str(model), "--input-len", "6", "--output-len", "3", "--batch", "1",
                        "--repeats", "1", "--probe-gib", "0", "--systems", "infertune-eager",
-                       "--baseline", "llama.cpp", "--baseline", "vllm", "--json", str(tmp_path / "r.json")])
+                       "--baseline", "llama.cpp", "--baseline", "vllm", "--json", str(tmp_path / "r.json"),
+                       *(["--plot", str(tmp_path / "r.png")] if has_matplotlib else [])])
     assert rc == 0  # a peer that is not installed is skipped, not a failure
     doc = json.loads((tmp_path / "r.json").read_text())
+    if has_matplotlib:  # the plot draws the medians of the JSON, skipped peers left out
+        assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        labels, batches, series = offline.plot_series(doc["results"])
+        eager = next(r for r in doc["results"] if r["system"] == "infertune-eager")
+        assert labels == ["infertune (compile off)"] and batches == [1]
+        assert {k: v[1] for k, v in series.items()} == {k: [eager["median"][k]] for k, _ in offline.PLOT_METRICS}
     by = {r["system"]: r for r in doc["results"]}
     assert "llama-cpp-python is not installed" in by["llama.cpp"]["skipped"]
     assert "--vllm-python" in by["vllm"]["skipped"]
@@ -110,6 +126,22 @@ def test_bench_reports_missing_peers_as_skipped_and_compares_eager(tmp_path, mon
     out = capsys.readouterr().out
     assert "| llama.cpp BF16 | 1 | skipped:" in out and "infertune (compile off)" in out
 
+
+
+def test_plot_series_takes_each_systems_medians_and_leaves_out_what_did_not_run():
+    """The data of bench throughput --plot: systems in run order, a value per batch size where the system ran at
+    that size (None where not), skipped and failed entries left out."""
+    from infertune.bench import offline
+
+    def ran(system, batch, tok):
+        return dict(system=system, batch=batch, median=dict(output_tok_s=tok, decode_tok_s=2 * tok, ttft_s=1 / tok))
+
+    results = [ran("infertune", 1, 40.0), ran("hf", 1, 10.0), dict(system="vllm", batch=1, skipped="not installed"),
+               ran("infertune", 16, 300.0), dict(system="hf", batch=16, error="out of memory")]
+    labels, batches, series = offline.plot_series(results)
+    assert labels == ["infertune", "HF transformers"] and batches == [1, 16]
+    assert series["output_tok_s"] == {1: [40.0, 10.0], 16: [300.0, None]}
+    assert series["decode_tok_s"][16] == [600.0, None] and series["ttft_s"][1] == [1 / 40.0, 1 / 10.0]
 
 
 def test_random_presets_build_their_family_and_vocabulary(tmp_path, monkeypatch):

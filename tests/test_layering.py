@@ -18,7 +18,7 @@ RANKS = {
     "executor": 5,
     "engine": 6,
     "llm": 7, "cli": 7, "serve": 7, "bench": 7, "profile": 7, "plan": 7, "tune": 7, "distill": 7, "assets": 7,
-    "evaluate": 7, "tools": 7, "__main__": 7,
+    "evaluate": 7, "tools": 7, "plotting": 7, "__main__": 7,
 }
 
 

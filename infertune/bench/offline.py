@@ -52,6 +52,7 @@ from infertune.bench.offline_models import (  # noqa: F401  re-exported: other c
 from infertune.bench.offline_workers import (  # noqa: F401  re-exported: other code imports these from here
     RESULT_MARKER, current_rss_mib, make_prompts, peak_rss_mib, run_worker, worker_hf, worker_infertune,
 )
+from infertune.plotting import pyplot, require_matplotlib
 
 SYSTEMS = ("infertune", "hf", "infertune-eager", "infertune-bf16", "infertune-w8a16", "infertune-w4a16", "infertune-w8a8",
            "infertune-torch", "infertune-w8a16-torch", "llama.cpp", "llama.cpp-q8_0", "llama.cpp-q4_0", "vllm")
@@ -158,6 +159,9 @@ def add_arguments(p: argparse.ArgumentParser, default_batch: list[int] | None = 
                         "so the cache should never hit)")
     g = p.add_argument_group("output")
     g.add_argument("--json", type=Path, metavar="OUT", help="also write every number (per-run too) to this JSON file")
+    g.add_argument("--plot", type=Path, metavar="OUT.png",
+                   help="also draw output tok/s, decode tok/s and TTFT of every system, a bar per batch size "
+                        "(needs matplotlib)")
     g.add_argument("--probe-gib", type=float, default=1.0,
                    help="size of the bandwidth-probe tensor in GiB; 0 disables the probe (default: 1.0)")
     g.add_argument("--worker-timeout", type=float, default=None, metavar="S",
@@ -273,6 +277,8 @@ def cpu_model() -> str:
 
 def run_parent(args) -> int:
     t_begin = time.perf_counter()
+    if args.plot is not None:  # (before the workers, not after them)
+        require_matplotlib(SystemExit)
     args.systems = list(dict.fromkeys([*args.systems, *args.baseline]))
     command = shlex.join(["python", *sys.argv])
     load_start = os.getloadavg()[0]
@@ -419,7 +425,54 @@ def run_parent(args) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(doc, indent=2) + "\n")
         log(f"wrote {args.json}")
+    if args.plot:
+        write_plot(results, args.plot, f"{model_name}: {args.input_len} + {args.output_len} tokens, {args.dtype}, "
+                                       f"{args.threads} threads (medians of {args.repeats})")
+        log(f"wrote {args.plot}")
     return 1 if any("error" in r for r in results) else 0  # a skipped peer (not installed) is not a failure
+
+
+PLOT_METRICS = (("output_tok_s", "output tokens/s"), ("decode_tok_s", "decode tokens/s"), ("ttft_s", "TTFT s"))
+
+
+def plot_series(results: list[dict]) -> tuple[list[str], list[int], dict[str, dict[int, list[float | None]]]]:
+    """What write_plot draws: the systems that ran (labels, in run order), the batch sizes, and per metric and
+    batch size each system's median (None where it was skipped, failed or did not run at that size)."""
+    ran = [r for r in results if "median" in r]
+    systems = list(dict.fromkeys(r["system"] for r in ran))
+    batches = sorted({r["batch"] for r in ran})
+    med = {(r["system"], r["batch"]): r["median"] for r in ran}
+    series = {key: {b: [(med[(s, b)] or {}).get(key) if (s, b) in med else None for s in systems] for b in batches}
+              for key, _ in PLOT_METRICS}
+    return [SYSTEM_LABELS.get(s, s) for s in systems], batches, series
+
+
+def write_plot(results: list[dict], path: Path, title: str) -> None:
+    """One panel per metric (PLOT_METRICS): a group of bars per system, a bar per batch size; TTFT on a log scale
+    (batch 1 and batch 16 differ by 10x or more)."""
+    plt = pyplot()
+    labels, batches, series = plot_series(results)
+    fig, axes = plt.subplots(1, len(PLOT_METRICS), figsize=(5 * len(PLOT_METRICS), 2.2 + 0.45 * max(len(labels), 1)))
+    width = 0.8 / max(len(batches), 1)
+    for ax, (key, name) in zip(axes, PLOT_METRICS):
+        for i, b in enumerate(batches):
+            drawn = [(j, v) for j, v in enumerate(series[key][b]) if v is not None]
+            ax.barh([j + i * width for j, _ in drawn], [v for _, v in drawn], height=width, color=f"C{i}",
+                    label=f"batch {b}")
+        ax.set_yticks([j + width * (len(batches) - 1) / 2 for j in range(len(labels))], labels)
+        ax.invert_yaxis()
+        if key == "ttft_s":
+            ax.set_xscale("log")
+        ax.set_xlabel(name + (" (lower is better; log scale)" if key == "ttft_s" else ""))
+        ax.grid(True, axis="x", alpha=0.3)
+    for ax in axes[1:]:
+        ax.set_yticklabels([])
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="upper right", ncol=len(batches), fontsize=9)
+    fig.suptitle(title, fontsize=10, x=0.02, ha="left")
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def _div(a, b):

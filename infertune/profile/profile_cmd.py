@@ -16,6 +16,7 @@ import statistics
 import sys
 from pathlib import Path
 
+from infertune.plotting import pyplot
 from infertune.profile.profile_categories import CATEGORIES, LABELS
 from infertune.profile.profile_hints import derive_hints
 
@@ -51,14 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _pyplot():
-    try:
-        import matplotlib
-    except ImportError as e:
-        raise RuntimeError("--plot needs matplotlib, which is not installed: pip install matplotlib") from e
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+    return pyplot(RuntimeError)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -13,6 +13,7 @@ import random
 import sys
 from pathlib import Path
 
+from infertune.plotting import pyplot, require_matplotlib
 from infertune.tune.recommend import format_slo, knee, parse_slo, recommend, series_key, slo_violations
 
 DESCRIPTION = (
@@ -203,13 +204,7 @@ def render_table(rows: list[dict], slo: dict) -> str:
 
 
 def write_plot(rows: list[dict], path: Path, title: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ValueError("--plot needs matplotlib: pip install matplotlib (the sweep itself does not)") from None
+    plt = pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     for key in dict.fromkeys(series_key(r) for r in rows):
         ok = [r for r in rows if series_key(r) == key and r["status"] == "ok"]
@@ -236,10 +231,7 @@ def run(args: argparse.Namespace) -> int:
     if args.max_batch < 1:
         raise ValueError("--max-batch must be at least 1")
     if args.plot is not None:  # fail before the sweep, not after it
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise ValueError("--plot needs matplotlib: pip install matplotlib") from None
+        require_matplotlib()
     model, vocab = model_vocab(args.model)
     prompts, output_lens = load_workload(args, vocab)
     max_len = max(len(p) + o for p, o in zip(prompts, output_lens))

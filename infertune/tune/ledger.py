@@ -16,6 +16,8 @@ import json
 import sys
 from pathlib import Path
 
+from infertune.plotting import pyplot, require_matplotlib
+
 DESCRIPTION = (
     "Measure the optimization ledger on this machine: HF transformers generate, then infertune eager, + paged KV "
     "and continuous batching, + prepacked weights, + compiled decode, + decode kernels, + INT8 KV, + W8A16, "
@@ -104,8 +106,8 @@ def accuracy_delta(model: str | None, options: dict, args) -> dict:
 def build_ledger(args, progress: bool = True) -> dict:
     from tqdm import tqdm
 
-    from infertune.tune.command import powers_of_two, sweep
     from infertune.tune import measure
+    from infertune.tune.command import powers_of_two, sweep
     from infertune.tune.recommend import recommend
 
     model, hf_dir, trained = resolve_model(args)
@@ -236,13 +238,7 @@ def render_markdown(doc: dict) -> str:
 
 
 def write_plot(doc: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ValueError("--plot needs matplotlib: pip install matplotlib") from None
+    plt = pyplot()
     rows = doc["steps"]
     fig, ax = plt.subplots(figsize=(10, 4))
     vals = [r["output_tok_s"] if r.get("status") == "ok" else 0 for r in rows]
@@ -260,10 +256,7 @@ def run(args: argparse.Namespace) -> int:
     if min(args.input_len, args.output_len, args.batch) < 1:
         raise ValueError("--input-len, --output-len and --batch must be positive")
     if args.plot is not None:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise ValueError("--plot needs matplotlib: pip install matplotlib") from None
+        require_matplotlib()
     doc = build_ledger(args)
     md = render_markdown(doc)
     print(md)
