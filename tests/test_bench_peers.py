@@ -128,6 +128,36 @@ def test_bench_reports_missing_peers_as_skipped_and_compares_eager(tmp_path, mon
 
 
 
+def test_rounds_alternate_the_order_and_report_each_rounds_ratios(tmp_path, capsys):
+    """--rounds 2: every worker runs twice, the systems in reverse order in the second round; the medians are
+    those of both rounds' runs together, and each round's ratio is that round's medians divided."""
+    import statistics
+
+    from infertune.bench import offline
+
+    model = make_checkpoint(tmp_path / "m", "llama", dtype=torch.bfloat16)
+    rc = offline.main(["--model", str(model), "--input-len", "6", "--output-len", "3", "--batch", "1",
+                       "--repeats", "2", "--rounds", "2", "--probe-gib", "0", "--systems", "infertune,infertune-bf16",
+                       "--json", str(tmp_path / "r.json")])
+    assert rc == 0
+    captured = capsys.readouterr()
+    started = [line.split("starting worker ")[1] for line in captured.err.splitlines() if "starting worker" in line]
+    assert started == ["infertune b1 (round 1/2)", "infertune-bf16 b1 (round 1/2)",
+                       "infertune-bf16 b1 (round 2/2)", "infertune b1 (round 2/2)"]
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert doc["workload"]["rounds"] == 2
+    by = {r["system"]: r for r in doc["results"]}
+    for r in by.values():
+        assert [run["round"] for run in r["runs"]] == [0, 0, 1, 1] and len(r["rounds"]) == 2
+        assert r["median"]["ttft_s"] == statistics.median(run["ttft_s"] for run in r["runs"])
+        for i in (0, 1):
+            assert r["rounds"][i]["ttft_s"] == statistics.median(run["ttft_s"] for run in r["runs"] if run["round"] == i)
+    (row,) = [x for x in doc["ratios"] if x["system"] == "infertune" and x["peer"] == "infertune-bf16"]
+    a, b = by["infertune"], by["infertune-bf16"]
+    assert row["per_round"]["ttft_s"] == [a["rounds"][i]["ttft_s"] / b["rounds"][i]["ttft_s"] for i in (0, 1)]
+    assert "Each round's ratios (2 rounds" in captured.out
+
+
 def test_plot_series_takes_each_systems_medians_and_leaves_out_what_did_not_run():
     """The data of bench throughput --plot: systems in run order, a value per batch size where the system ran at
     that size (None where not), skipped and failed entries left out."""

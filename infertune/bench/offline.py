@@ -143,6 +143,10 @@ def add_arguments(p: argparse.ArgumentParser, default_batch: list[int] | None = 
                    help="torch.set_num_threads (and OMP/MKL threads) in every worker (default: 2)")
     g.add_argument("--repeats", type=positive_int, default=3,
                    help="timed runs per (system, batch) after one untimed warm-up; medians reported (default: 3)")
+    g.add_argument("--rounds", type=positive_int, default=1,
+                   help="run every (system, batch) worker this many times, the order of the systems reversed on "
+                        "every other round, so that a slow phase of the machine hits all alike; medians over every "
+                        "round's runs, and the ratios of each round too (default: 1)")
     g.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default: 0)")
     g = p.add_argument_group("system options")
     g.add_argument("--hf-attn", default="sdpa", choices=["sdpa", "eager"],
@@ -246,6 +250,30 @@ def summarize(result: dict, batch: int, out_len: int, weight_bytes: int, in_len:
     return result
 
 
+def merge_rounds(per_round: list[list[dict]], args, weight_bytes: int) -> list[dict]:
+    """One result per (system, batch), in the first round's order. With one round, that round's. With more, the
+    runs of every round together (each tagged with its round) and medians over all of them; each round's medians
+    under "rounds" and its probe under "probes_gb_s" (the row shows their median); the highest peak RSS; the first
+    round's start-up figures. A pair skipped or failed in any round is reported as such."""
+    if len(per_round) == 1:
+        return per_round[0]
+    merged = []
+    for first in per_round[0]:
+        key = (first["system"], first["batch"])
+        same = [next(r for r in rnd if (r["system"], r["batch"]) == key) for rnd in per_round]
+        bad = next((r for r in same if "skipped" in r or "error" in r), None)
+        if bad is not None:
+            merged.append(bad)
+            continue
+        res = dict(first, runs=[dict(run, round=i) for i, r in enumerate(same) for run in r["runs"]],
+                   rounds=[r["median"] for r in same], peak_rss_mib=max(r["peak_rss_mib"] for r in same),
+                   probes_gb_s=[r["probe_gb_s"] for r in same])
+        probes = [p for p in res["probes_gb_s"] if p is not None]
+        res["probe_gb_s"] = statistics.median(probes) if probes else None
+        merged.append(summarize(res, first["batch"], args.output_len, weight_bytes, args.input_len))
+    return merged
+
+
 def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
     prefixes = []
     for x, y in zip(a, b):
@@ -311,26 +339,30 @@ def run_parent(args) -> int:
                 f"transformers {transformers.__version__}, infertune {infertune.__version__}; "
                 f"Python {platform.python_version()}")
     log(f"model: {model_name}: {n_params / 1e6:.1f}M parameters, {weight_bytes / 2**20:.0f} MiB at {args.dtype}")
-    results: list[dict] = []
-    for batch in args.batch:
-        for system in args.systems:
-            log(f"bandwidth probe ({args.probe_gib:g} GiB) before {system} b{batch}")
-            probe = bandwidth_probe(args.probe_gib, args.threads)
-            if probe is not None:
-                log(f"bandwidth probe: {probe:.1f} GB/s")
-            log(f"starting worker {system} b{batch}")
-            res = spawn_worker(args, system, batch, model_dir)
-            res["probe_gb_s"] = probe
-            if "skipped" in res:
-                log(f"{system} b{batch} skipped: {res['skipped']}")
-            elif "error" in res:
-                log(f"{system} b{batch} FAILED: {res['error']}")
-            else:
-                summarize(res, batch, args.output_len, weight_bytes, args.input_len)
-                m = res["median"]
-                log(f"{system} b{batch}: TTFT {m['ttft_s']:.3f} s, output {m['output_tok_s']:.1f} tok/s, "
-                    f"decode {fmt(m['decode_tok_s'], '.1f')} tok/s, peak RSS {res['peak_rss_mib']:.0f} MiB")
-            results.append(res)
+    per_round: list[list[dict]] = []
+    for rnd in range(args.rounds):
+        per_round.append([])
+        for batch in args.batch:
+            for system in args.systems if rnd % 2 == 0 else args.systems[::-1]:
+                tag = f"{system} b{batch}" + (f" (round {rnd + 1}/{args.rounds})" if args.rounds > 1 else "")
+                log(f"bandwidth probe ({args.probe_gib:g} GiB) before {tag}")
+                probe = bandwidth_probe(args.probe_gib, args.threads)
+                if probe is not None:
+                    log(f"bandwidth probe: {probe:.1f} GB/s")
+                log(f"starting worker {tag}")
+                res = spawn_worker(args, system, batch, model_dir)
+                res["probe_gb_s"] = probe
+                if "skipped" in res:
+                    log(f"{tag} skipped: {res['skipped']}")
+                elif "error" in res:
+                    log(f"{tag} FAILED: {res['error']}")
+                else:
+                    summarize(res, batch, args.output_len, weight_bytes, args.input_len)
+                    m = res["median"]
+                    log(f"{tag}: TTFT {m['ttft_s']:.3f} s, output {m['output_tok_s']:.1f} tok/s, "
+                        f"decode {fmt(m['decode_tok_s'], '.1f')} tok/s, peak RSS {res['peak_rss_mib']:.0f} MiB")
+                per_round[-1].append(res)
+    results = merge_rounds(per_round, args, weight_bytes)
     probe_end = bandwidth_probe(args.probe_gib, args.threads)
 
     by_key = {(r["system"], r["batch"]): r for r in results if "error" not in r and "skipped" not in r}
@@ -342,7 +374,8 @@ def run_parent(args) -> int:
         f"Run of {date} on {env_line}.",
         f"Model: {model_name}; {n_params / 1e6:.1f}M parameters ({weight_bytes / 2**20:.0f} MiB at {args.dtype}).",
         f"Workload: {args.input_len} prompt tokens (random ids, seed {args.seed}) + {args.output_len} new tokens, "
-        f"greedy, EOS ignored, {args.dtype}; medians of {args.repeats} timed run(s) after 1 warm-up; "
+        f"greedy, EOS ignored, {args.dtype}; medians of {args.repeats} timed run(s) after 1 warm-up"
+        f"{f' in each of {args.rounds} rounds (the systems in reverse order every other round)' if args.rounds > 1 else ''}; "
         f"each (system, batch) in its own process.",
         "",
         "| system | batch | TTFT s | prefill tok/s | decode tok/s | output tok/s | peak RSS MiB | decode GB/s | probe GB/s |",
@@ -382,6 +415,9 @@ def run_parent(args) -> int:
                 # Greedy agreement on the first timed run (informational: bf16 rounding differs between kernels,
                 # and random weights give near-tied logits, so sequences may diverge with neither system wrong).
                 ag = row["agreement"] = agreement(a["runs"][0]["tokens"], b["runs"][0]["tokens"])
+                if "rounds" in a and "rounds" in b:  # each round's ratio, of that round's medians
+                    row["per_round"] = {k: [_div(x[k], y[k]) for x, y in zip(a["rounds"], b["rounds"])]
+                                        for k in ("ttft_s", "output_tok_s", "decode_tok_s")}
                 ratios.append(row)
                 lines.append(f"| {SYSTEM_LABELS[ours]} | {SYSTEM_LABELS[peer]} | {batch} | "
                              f"{ratio(ma['decode_tok_s'], mb['decode_tok_s'])} | "
@@ -389,6 +425,15 @@ def run_parent(args) -> int:
                              f"{ratio(a['peak_rss_mib'], b['peak_rss_mib'])} | {ag['identical_sequences']}/"
                              f"{ag['sequences']} identical, mean common prefix {ag['mean_common_prefix']:.1f}/"
                              f"{ag['tokens_per_sequence']} |")
+    per_round_rows = [r for r in ratios if "per_round" in r]
+    if per_round_rows:
+        lines += ["", f"Each round's ratios ({args.rounds} rounds, the systems in reverse order every other round; "
+                  "where the rounds disagree on which side is ahead, the difference is within the machine's noise):", "",
+                  "| infertune | peer | batch | TTFT per round | output tok/s per round | decode tok/s per round |",
+                  "|---|---|---:|---|---|---|"]
+        for r in per_round_rows:
+            cells = [" ".join(fmt(x, ".2f") for x in r["per_round"][k]) for k in ("ttft_s", "output_tok_s", "decode_tok_s")]
+            lines.append(f"| {SYSTEM_LABELS[r['system']]} | {SYSTEM_LABELS[r['peer']]} | {r['batch']} | " + " | ".join(cells) + " |")
     lines += ["", "Start-up (load = LLM(...) / from_pretrained, Python imports excluded; warm-up = the untimed first generate) "
               "and RSS outside the peak (peak RSS can come from a loading transient rather than from generation):", "",
               "| system | batch | load s | of which compile s | warm-up s | RSS after load MiB | RSS at end MiB |",
@@ -398,7 +443,7 @@ def run_parent(args) -> int:
             compile_s = (r.get("extra") or {}).get("compile_s")
             lines.append(f"| {SYSTEM_LABELS[r['system']]} | {r['batch']} | {r['load_s']:.2f} | {fmt(compile_s, '.2f')} | "
                          f"{r['warmup_s']:.2f} | {r['rss_after_load_mib']:.0f} | {r['rss_end_mib']:.0f} |")
-    probes = [r["probe_gb_s"] for r in results if r.get("probe_gb_s") is not None]
+    probes = [r["probe_gb_s"] for rnd in per_round for r in rnd if r.get("probe_gb_s") is not None]
     if probe_end is not None:
         probes.append(probe_end)
     if probes:
@@ -417,6 +462,7 @@ def run_parent(args) -> int:
         doc = dict(command=command, date=date, environment=env_line, model=dict(
             name=model_name, path=str(model_dir), params=n_params, weight_bytes=weight_bytes, config=cfg),
             workload=dict(input_len=args.input_len, output_len=args.output_len, batches=args.batch, dtype=args.dtype,
+                          rounds=args.rounds,
                           threads=args.threads, repeats=args.repeats, seed=args.seed, greedy=True, ignore_eos=True),
             results=results, ratios=ratios,
             greedy_agreement={str(r["batch"]): r["agreement"] for r in ratios
