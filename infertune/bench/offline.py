@@ -473,7 +473,7 @@ def run_parent(args) -> int:
         log(f"wrote {args.json}")
     if args.plot:
         write_plot(results, args.plot, f"{model_name}: {args.input_len} + {args.output_len} tokens, {args.dtype}, "
-                                       f"{args.threads} threads (medians of {args.repeats})")
+                                       f"{args.threads} threads (medians of {args.repeats * args.rounds} runs)")
         log(f"wrote {args.plot}")
     return 1 if any("error" in r for r in results) else 0  # a skipped peer (not installed) is not a failure
 
@@ -488,7 +488,7 @@ def plot_series(results: list[dict]) -> tuple[list[str], list[int], dict[str, di
     systems = list(dict.fromkeys(r["system"] for r in ran))
     batches = sorted({r["batch"] for r in ran})
     med = {(r["system"], r["batch"]): r["median"] for r in ran}
-    series = {key: {b: [(med[(s, b)] or {}).get(key) if (s, b) in med else None for s in systems] for b in batches}
+    series = {key: {b: [med[(s, b)][key] if (s, b) in med else None for s in systems] for b in batches}
               for key, _ in PLOT_METRICS}
     return [SYSTEM_LABELS.get(s, s) for s in systems], batches, series
 

@@ -85,6 +85,11 @@ static inline int pick_threads(int64_t n_blocks, int64_t bytes, int nthreads) {
     return nthreads;
 }
 
+/* Feature tiles (of 16) in 64-feature chunk ch of an N16-feature weight: 4, fewer in a last partial chunk */
+static inline int chunk_tiles(int64_t N16, int64_t ch) {
+    return (int)((N16 - ch * 64) / 16 < 4 ? (N16 - ch * 64) / 16 : 4);
+}
+
 /* One row of a quantized weight as bf16, rounded as the PyTorch references: bf16(q * bf16(s)) for int8,
  * bf16(q * s + z) (fp32 multiply, then add) for int4 in the 64-column nibble layout. */
 static inline void dequant_w8_row(const int8_t* q, float s, bf16* out, int64_t K) {
@@ -376,7 +381,7 @@ static void linear_bf16_amx(const bf16* x, int64_t ldx, const bf16* w, const bf1
 #pragma omp for schedule(static)
             for (int64_t c = 0; c < nchunks; c++) {
                 const int64_t n0 = c * 64;
-                const int nblk = (int)((N16 - n0) / 16 < 4 ? (N16 - n0) / 16 : 4);
+                const int nblk = chunk_tiles(N16, c);
                 for (int64_t p = 0; p < passes; p++) { /* the chunk comes from memory once, then from cache */
                     const int64_t m0 = b0 + 16 * p;
                     const int mr = (int)(M - m0 < 16 ? M - m0 : 16);
@@ -555,18 +560,6 @@ static inline __m512 silu512(__m512 g) { /* g / (1 + e^-g) in fp32 */
  * linear_bf16's tiles (each output the same pairs summed in the same order), so the bits match.
  */
 
-/* Decodes the first `rows` (16 per feature tile used) of every tile of chunk `chunk` into out [K / 32][64][32]:
- * the B operand of k-step ks, features 16 g.., at out + ks * 2048 + g * 512 (64-byte rows). */
-static inline void bf16c_chunk(const bf16c* c, int64_t K, int64_t chunk, int rows, bf16* out) {
-    for (int64_t ks = 0; ks < K / 32; ks++) bf16c_tile(c, K / 32, chunk, ks, rows, out + ks * 2048, 32);
-}
-
-/* The same for the tiles k0 .. k1 - 1 of the chunk (a slab of K) into out [k1 - k0][64][32] */
-static inline void bf16c_chunk_slab(const bf16c* c, int64_t KS, int64_t chunk, int64_t k0, int64_t k1, int rows,
-                                    bf16* out) {
-    for (int64_t ks = k0; ks < k1; ks++) bf16c_tile(c, KS, chunk, ks, rows, out + (ks - k0) * 2048, 32);
-}
-
 /* bf16(a + b) into x (m lanes), as f2bf rounds, a NaN sum quiet: the residual add */
 static inline void store_sum_bf16x16(bf16* x, __m512 a, __m512 b, __mmask16 m) {
     const __m512 v = _mm512_add_ps(a, b);
@@ -625,7 +618,7 @@ static void linear_bf16c_rows(const bf16* x, int64_t ldx, const bf16c* cw, const
 #pragma omp for schedule(static)
         for (int64_t ch = 0; ch < nchunks; ch++) {
             const int64_t n0 = ch * 64;
-            const int nblk = (int)((N16 - n0) / 16 < 4 ? (N16 - n0) / 16 : 4);
+            const int nblk = chunk_tiles(N16, ch);
             _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
             for (int64_t ks = 0; ks < KS; ks++) {
                 bf16c_tile(cw, KS, ch, ks, 16 * nblk, dec, 32);
@@ -649,7 +642,8 @@ static void linear_bf16c_rows(const bf16* x, int64_t ldx, const bf16c* cw, const
     }
 }
 
-/* A chunk being decoded a few row pairs at a time (bf16c_chunk's result, in steps) */
+/* A slab of a chunk being decoded a few row pairs at a time into out [ke - k0][64][32]: the B operand of k-step ks,
+ * features 16 g.., at out + (ks - k0) * 2048 + g * 512 (64-byte rows) */
 typedef struct {
     const bf16c* cw;
     int64_t chunk, KS, ks, k0, ke; /* tiles k0 .. ke - 1 of the chunk (a slab); ks: the next one */
@@ -670,6 +664,13 @@ static inline void decode_some(chunk_decoder* d, int pairs) {
         d->ks++;
         d->r = 0;
     }
+}
+
+/* The decoder of a GEMM step's weights (steps: block-major, then slab of KSL k-steps, then chunk) into out */
+static inline chunk_decoder step_decoder(const bf16c* cw, int64_t step, int64_t nchunks, int64_t nslabs, int64_t KSL,
+                                         int64_t KS, int64_t N16, bf16* out) {
+    const int64_t c = step % nchunks, k0 = step / nchunks % nslabs * KSL;
+    return (chunk_decoder){cw, c, KS, k0, k0, k0 + KSL < KS ? k0 + KSL : KS, 16 * chunk_tiles(N16, c), 0, out};
 }
 
 /* The output rows of a finished 2 x 2 block (its accumulators stored in c), written a few rows at a time while
@@ -760,9 +761,12 @@ static inline int64_t bf16c_slab_ks(int64_t M, int64_t K) {
 
 /* The GEMM's dec buffer: each thread's two decoded chunks [2][64, K], then, where K is cut into slabs, the fp32
  * sums of a block of rows over the slabs done so far, 2 x 2 tiles by 2 x 2 tiles [N64 / 64][rows / 32][2][4][256] */
+static inline int64_t bf16c_bufs_bytes(int64_t K, int nthreads) { /* the decoded chunks' part */
+    return ((int64_t)(nthreads > 0 ? nthreads : 1) * 128 * K * 2 + 63) & ~(int64_t)63;
+}
 static inline int64_t bf16c_dec_bytes(int64_t M, int64_t N16, int64_t K, int nthreads) {
     if (M <= 16) return 0;
-    const int64_t bufs = ((int64_t)(nthreads > 0 ? nthreads : 1) * 128 * K * 2 + 63) & ~(int64_t)63;
+    const int64_t bufs = bf16c_bufs_bytes(K, nthreads);
     const int64_t spill = bf16c_slab_ks(M, K) < K / 32 ? (N16 + 63) / 64 * 64 * ((bf16c_block_rows(M) + 31) / 32 * 32) * 4 : 0;
     return bufs + spill;
 }
@@ -785,7 +789,7 @@ static void linear_bf16c_gemm(const bf16* x, int64_t ldx, const bf16c* cw, const
         memset(xtail, 0, (size_t)(16 * K * 2));
         for (int64_t m = 16 * full; m < M; m++) memcpy(xtail + (m - 16 * full) * K, x + m * ldx, (size_t)(K * 2));
     }
-    float* spill = (float*)((char*)wdec + (((int64_t)(nthreads > 0 ? nthreads : 1) * 128 * K * 2 + 63) & ~(int64_t)63));
+    float* spill = (float*)((char*)wdec + bf16c_bufs_bytes(K, nthreads));
     int64_t done[nslabs > 1 ? nchunks : 1]; /* per chunk: the slab steps finished (block b's slab s is b nslabs + s) */
     memset(done, 0, sizeof done);
     const int nt = pick_threads(nchunks, N16 * K * tiles, nthreads);
@@ -803,23 +807,20 @@ static void linear_bf16c_gemm(const bf16* x, int64_t ldx, const bf16c* cw, const
         /* Steps block-major, then slab, then chunk. Each thread decodes the step it will take next while it
            multiplies. */
         int64_t step = __atomic_fetch_add(&next_step, 1, __ATOMIC_RELAXED);
-        if (step < steps) {
-            const int64_t c0 = step % nchunks, k0 = step / nchunks % nslabs * KSL;
-            bf16c_chunk_slab(cw, KS, c0, k0, k0 + KSL < KS ? k0 + KSL : KS,
-                             16 * (int)((N16 - c0 * 64) / 16 < 4 ? (N16 - c0 * 64) / 16 : 4), buf[0]);
+        if (step < steps) { /* (the first step's slab up front) */
+            chunk_decoder d0 = step_decoder(cw, step, nchunks, nslabs, KSL, KS, N16, buf[0]);
+            while (d0.ks < d0.ke) decode_some(&d0, 32);
         }
         while (step < steps) {
             const int64_t b = step / per_block, s = step / nchunks % nslabs, ch = step % nchunks;
             const int64_t t0 = b * bt, t1 = t0 + bt < tiles ? t0 + bt : tiles;
             const int64_t k0 = s * KSL, k1 = k0 + KSL < KS ? k0 + KSL : KS, klen = (k1 - k0) * 32;
             const int64_t n0 = ch * 64;
-            const int nblk = (int)((N16 - n0) / 16 < 4 ? (N16 - n0) / 16 : 4);
+            const int nblk = chunk_tiles(N16, ch);
             const int64_t next = __atomic_fetch_add(&next_step, 1, __ATOMIC_RELAXED);
             chunk_decoder dn, *d = NULL;
             if (next < steps && next % per_block != step % per_block) { /* (the same slab of a chunk stays decoded) */
-                const int64_t nc = next % nchunks, nk0 = next / nchunks % nslabs * KSL;
-                const int nb = (int)((N16 - nc * 64) / 16 < 4 ? (N16 - nc * 64) / 16 : 4);
-                dn = (chunk_decoder){cw, nc, KS, nk0, nk0, nk0 + KSL < KS ? nk0 + KSL : KS, 16 * nb, 0, buf[cur ^ 1]};
+                dn = step_decoder(cw, next, nchunks, nslabs, KSL, KS, N16, buf[cur ^ 1]);
                 d = &dn;
             }
             const int64_t ksteps = ((t1 - t0 + 1) / 2) * ((nblk + 1) / 2) * (k1 - k0);
@@ -952,7 +953,7 @@ static void linear_q_amx(const qweight* q, const bf16* x, int64_t ldx, const bf1
 #pragma omp for schedule(static)
         for (int64_t c = 0; c < nchunks; c++) {
             const int64_t n0 = c * 64;
-            const int nblk = (int)((N16 - n0) / 16 < 4 ? (N16 - n0) / 16 : 4);
+            const int nblk = chunk_tiles(N16, c);
             dequant_rows(q, n0, 16 * nblk, K, buf);
             amx_rows(buf, xt, bias, y, ldy, mr, n0, nblk, K);
         }
