@@ -56,8 +56,32 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    "bytes, so about twice the tokens in the same budget) (default: auto)")
 
 
+def add_limits_args(p: argparse.ArgumentParser) -> None:
+    """The request limits' flags, made from LimitsConfig's fields (their help, types and defaults live there)."""
+    from dataclasses import MISSING, fields
+
+    from infertune.config import LimitsConfig, parse_size
+
+    g = p.add_argument_group("request limits", "what one request may cost, checked before it is queued")
+    for f in fields(LimitsConfig):
+        kind = parse_size if f.metadata.get("size") else float if "float" in str(f.type) else int
+        default = None if f.default is MISSING else f.default
+        text = f.metadata["help"]
+        if "(default:" not in text:
+            text += f" (default: {default})"
+        g.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=default, help=text)
+
+
+def _limits_kwargs(args: argparse.Namespace) -> dict:
+    from dataclasses import fields
+
+    from infertune.config import LimitsConfig
+
+    return {f.name: getattr(args, f.name) for f in fields(LimitsConfig) if hasattr(args, f.name)}
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(
+    return _limits_kwargs(args) | dict(
         dtype=args.dtype, device=args.device, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
@@ -117,8 +141,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     options = {**engine_kwargs(args), **load_config_file(args.config)}
     model = options.pop("model", None) or args.model
     return serve(
-        model, host=args.host, port=args.port, api_key=args.api_key, max_waiting=args.max_waiting,
-        served_model_name=args.served_model_name, max_body_bytes=args.max_body_bytes,
+        model, host=args.host, port=args.port, api_key=args.api_key, served_model_name=args.served_model_name, max_body_bytes=args.max_body_bytes,
         graceful_timeout_s=args.graceful_timeout, **options,
     )
 
@@ -156,8 +179,6 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* routes")
     srv.add_argument("--served-model-name", default=None, help="model name clients send (default: the folder's name)")
-    srv.add_argument("--max-waiting", type=int, default=512,
-                     help="waiting sequences before new requests get 429 (default: 512)")
     srv.add_argument("--max-body-bytes", type=int, default=4 * 2**20,
                      help="largest request body accepted; larger gets 413 (default: 4 MiB)")
     srv.add_argument("--config", default=None, metavar="FILE.json",
@@ -165,6 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--graceful-timeout", type=float, default=10.0,
                      help="seconds in-flight requests get to finish after SIGTERM (default: 10)")
     add_engine_args(srv)
+    add_limits_args(srv)
     srv.set_defaults(func=cmd_serve)
 
     from infertune.distill import command as distill_command

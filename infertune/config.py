@@ -274,6 +274,69 @@ class DeviceConfig:
             raise ValueError(f"device={self.device!r} is not one of {DEVICES} (optionally with an index, e.g. 'cuda:1')")
 
 
+def _opt(default, help: str, **kw):
+    """A dataclass field whose help text the CLI flags are made from (one declaration per option)."""
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass(slots=True)
+class LimitsConfig:
+    """What one request may cost, checked before it is queued, and what the server holds at most.
+
+    The per-request bounds (max_n, stops) apply offline too; the queue, memory and deadline limits are enforced
+    by the server's AsyncLLMEngine.
+    """
+
+    max_n: int = _opt(128, "most samples (n) one request may ask for; OpenAI's limit is 128")
+    max_prompts: int = _opt(128, "most prompts in one /v1/completions request (a list of strings or of token lists)")
+    max_stop: int = _opt(16, "most stop strings in one request")
+    max_stop_len: int = _opt(256, "longest stop string, in characters")
+    max_stop_token_ids: int = _opt(256, "most stop_token_ids in one request")
+    max_waiting: int = _opt(512, "sequences (a request counts n per prompt) queued before new requests get 429")
+    max_request_share: float = _opt(
+        0.5, "largest share of --max-waiting that one request's sequences may take; a larger request is a 400")
+    request_timeout: float | None = _opt(
+        None, "seconds from arrival after which a request is aborted and answered with a timeout error (408) "
+        "(default: no deadline)")
+    memory_limit: int | None = _opt(
+        None, "host-memory ceiling in bytes (suffixes K, M, G, Ki, Mi, Gi allowed); requests that would take the "
+        "process past it are refused with 429 / 503 and Retry-After (default: 90%% of the memory available at "
+        "start-up plus what the process holds, within any cgroup limit)", size=True)
+
+    def __post_init__(self) -> None:
+        for name in ("max_n", "max_prompts", "max_stop", "max_stop_len", "max_stop_token_ids", "max_waiting"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an integer >= 1")
+        if not 0.0 < self.max_request_share <= 1.0:
+            raise ValueError(f"max_request_share={self.max_request_share} must be in (0, 1]")
+        if self.request_timeout is not None and not self.request_timeout > 0:
+            raise ValueError(f"request_timeout={self.request_timeout} must be a positive number of seconds (or None)")
+        if self.memory_limit is not None and (not isinstance(self.memory_limit, int) or self.memory_limit <= 0):
+            raise ValueError(f"memory_limit={self.memory_limit!r} must be a positive number of bytes (or None)")
+
+    @property
+    def max_seqs_per_request(self) -> int:
+        """The most sequences one request may put in the waiting queue."""
+        return max(1, int(self.max_waiting * self.max_request_share))
+
+
+def parse_size(text: str) -> int:
+    """'8G', '512Mi', '1000000' -> bytes (K/M/G are powers of 1000, Ki/Mi/Gi of 1024)."""
+    units = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+             "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+    s = str(text).strip().lower().removesuffix("b")
+    number = s.rstrip("kmgti")
+    unit = s[len(number):]
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if unit not in units or not value > 0:
+        raise ValueError(f"{text!r} is not a size in bytes (examples: 8G, 512Mi, 1000000)")
+    return int(value * units[unit])
+
+
 @dataclass(slots=True)
 class EngineConfig:
     model: ModelConfig
@@ -281,6 +344,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     quant: QuantConfig = field(default_factory=QuantConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
 
     def __post_init__(self) -> None:
         sched = self.scheduler
@@ -294,7 +358,7 @@ class EngineConfig:
     def create(cls, model: str | None = None, **kwargs) -> "EngineConfig":
         """Build the tree from flat keyword arguments (the LLM(...) and CLI surface)."""
         groups = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "device": DeviceConfig,
-                  "quant": QuantConfig}
+                  "quant": QuantConfig, "limits": LimitsConfig}
         parts: dict[str, dict] = {name: {} for name in groups}
         for key, value in kwargs.items():
             owner = next((g for g, c in groups.items() if key in c.__dataclass_fields__ and key != "arch"), None)

@@ -16,56 +16,9 @@ import openai
 import pytest
 import uvicorn
 
+from server_utils import ENGINE, MAX_LEN, MODEL, ServerThread, free_port, metric
+
 from infertune import LLM, SamplingParams
-from infertune.config import EngineConfig
-from infertune.engine.async_engine import AsyncLLMEngine
-from infertune.engine.llm_engine import LLMEngine
-from infertune.serve.api_server import create_app
-
-MAX_LEN = 64
-MODEL = "tiny"
-ENGINE = dict(dtype="float32", max_model_len=MAX_LEN, block_size=4, max_num_seqs=16)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ServerThread:
-    """uvicorn in a background thread, on a free port, stopped by should_exit."""
-
-    def __init__(self, path, api_key=None, max_waiting=512, max_body_bytes=4 * 2**20, **engine):
-        self.engine = AsyncLLMEngine(LLMEngine(EngineConfig.create(str(path), **{**ENGINE, **engine})),
-                                     max_waiting=max_waiting)
-        app = create_app(self.engine, MODEL, api_key=api_key, max_body_bytes=max_body_bytes)
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        deadline = time.time() + 30
-        while time.time() < deadline:
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                time.sleep(0.05)
-        raise RuntimeError("server did not start")
-
-    def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(10)
-
-
-def metric(url: str, name: str) -> float:
-    for line in httpx.get(url + "/metrics").text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            return float(line.rsplit(" ", 1)[1])
-    raise KeyError(name)
 
 
 @pytest.fixture(scope="module")

@@ -1,19 +1,26 @@
 """AsyncLLMEngine: the engine loop in its own thread, with an asyncio face for the server.
 
-Only the engine thread touches the LLMEngine. The asyncio side hands it requests and aborts through a
-locked inbox and receives RequestOutputs on a per-request asyncio.Queue (via call_soon_threadsafe),
-so a long prefill step never blocks the HTTP event loop (torch releases the GIL while it computes).
+Only the engine thread touches the LLMEngine. The asyncio side hands it submissions and aborts through a
+locked inbox; each accepted request gets a mailbox that holds its newest RequestOutput (outputs are cumulative,
+so a consumer that falls behind skips to the latest and at most one output per request waits in memory), woken
+through call_soon_threadsafe. A long prefill step never blocks the HTTP event loop (torch releases the GIL).
+
+Admission (engine/admission.py) happens on the engine thread before anything is queued: a submission of several
+prompts is accepted or refused whole. Deadlines (LimitsConfig.request_timeout) are enforced there too.
 """
 
 from __future__ import annotations
 
 import asyncio
+import heapq
 import logging
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from infertune.engine.admission import Admission, Overloaded
+from infertune.engine.host_memory import auto_ceiling, process_rss
 from infertune.engine.llm_engine import LLMEngine
 from infertune.engine.outputs import RequestOutput
 from infertune.sampling_params import SamplingParams
@@ -21,22 +28,52 @@ from infertune.sampling_params import SamplingParams
 log = logging.getLogger(__name__)
 
 
-class QueueFullError(RuntimeError):
-    """The waiting queue is at its limit: the caller should retry later (HTTP 429)."""
-
-
 class EngineDeadError(RuntimeError):
-    """The engine loop stopped after an internal error; requests cannot be served."""
+    """The engine loop stopped after an internal error, or the server is shutting down."""
+
+
+class RequestTimeoutError(RuntimeError):
+    """The request passed its deadline (LimitsConfig.request_timeout) and was aborted."""
+
+
+class _Mailbox:
+    """The newest output (or the error) of one request, handed from the engine thread to one asyncio consumer."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._item: RequestOutput | BaseException | None = None
+        self._event = asyncio.Event()
+
+    def put(self, item: RequestOutput | BaseException) -> None:  # engine thread
+        with self._lock:
+            if isinstance(self._item, BaseException):
+                return  # an error is the last word
+            wake = self._item is None
+            self._item = item
+        if wake:
+            _call_soon(self.loop, self._event.set)
+
+    async def get(self) -> RequestOutput | BaseException:  # the consumer's event loop
+        while True:
+            await self._event.wait()
+            with self._lock:
+                item, self._item = self._item, None
+                self._event.clear()
+            if item is not None:
+                return item
 
 
 @dataclass(slots=True)
 class _Submission:
-    request_id: str
-    prompt: object
+    key: str  # the admission ledger's key: one submission, accepted or refused whole
+    request_ids: list[str]
+    prompts: list[object]
     params: SamplingParams
     loop: asyncio.AbstractEventLoop
     accepted: asyncio.Future
-    queue: asyncio.Queue
+    mailboxes: list[_Mailbox]
+    arrival: float = field(default_factory=time.perf_counter)
 
 
 def _resolve(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, error: BaseException | None = None) -> None:
@@ -59,25 +96,48 @@ def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine, max_waiting: int | None = None, idle_wait_s: float = 0.05,
-                 cap_max_tokens: bool = False) -> None:
+    def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.05, cap_max_tokens: bool = False) -> None:
         self.engine = engine
         # Servers follow OpenAI: a max_tokens past the context is an error, not silently shortened.
         self.cap_max_tokens = cap_max_tokens
-        self.max_waiting = max_waiting
+        self.limits = engine.config.limits
         self.idle_wait_s = idle_wait_s
+        baseline = process_rss()
+        info = engine.executor.kv_cache_info
+        self.host_cost = engine.measure_host_cost()
+        ceiling = self.limits.memory_limit or auto_ceiling(baseline)
+        self.admission = Admission(self.limits, info.num_blocks, info.block_size, self.host_cost, ceiling, baseline,
+                                   process_rss, engine.config.scheduler.max_num_seqs)
         self._inbox: list[_Submission] = []
         self._aborts: list[str] = []
         self._lock = threading.Lock()
         self._wake = threading.Event()
-        self._streams: dict[str, _Submission] = {}
+        self._mailboxes: dict[str, _Mailbox] = {}
+        self._group_of: dict[str, str] = {}  # request id -> its submission's key
+        self._group_left: dict[str, int] = {}  # submission key -> its requests not yet finished
+        self._deadlines: list[tuple[float, str, tuple[str, ...]]] = []  # heap of (deadline, key, request ids)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.num_aborted = 0
+        self.num_timed_out = 0
         # Snapshot of engine stats, refreshed by the engine thread after each step (read by /metrics).
         self.stats: dict = engine.stats()
         self.step_listeners: list = []  # callables(outputs, step_seconds) run on the engine thread
+
+    def measure_host_cost(self, response_of) -> None:
+        """Measure again with what the server keeps of a finished request (response_of(output), e.g. its body)."""
+        self.host_cost = self.admission.host = self.engine.measure_host_cost(response_of)
+
+    def describe_limits(self) -> str:
+        a, c, lim = self.admission, self.host_cost, self.limits
+        return (
+            f"admission: n <= {lim.max_n}, {lim.max_waiting} waiting sequences ({lim.max_seqs_per_request} a "
+            f"request); host memory ceiling {a.ceiling_bytes / 2**30:.2f} GiB, {a.baseline_bytes / 2**30:.2f} GiB "
+            f"at start-up; a request holds ~{c.per_seq / 1024:.1f} KiB a sequence + {c.per_token:.0f} B a token "
+            f"(+{c.per_logprob:.0f} B a logprob entry); deadline "
+            + (f"{lim.request_timeout:g} s" if lim.request_timeout else "none")
+        )
 
     # ---- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -101,23 +161,37 @@ class AsyncLLMEngine:
 
     # ---- asyncio side ----------------------------------------------------------------------------
     async def add_request(self, request_id: str, prompt: object, params: SamplingParams) -> "RequestStream":
-        """Submit a request; return once the engine thread accepted it.
+        """Submit one request; return once the engine thread accepted it.
 
-        Raises ValueError (invalid request), QueueFullError (backpressure) or EngineDeadError.
+        Raises ValueError (invalid: NeverFits / ParamError), Overloaded (not now: 429 / 503) or EngineDeadError.
         """
+        return (await self._submit(request_id, [request_id], [prompt], params))[0]
+
+    async def add_requests(self, request_id: str, prompts: list[object], params: SamplingParams
+                           ) -> list["RequestStream"]:
+        """Submit several prompts as one request (ids request_id-0, -1, ...): all are accepted or none."""
+        ids = [f"{request_id}-{i}" for i in range(len(prompts))]
+        return await self._submit(request_id, ids, list(prompts), params)
+
+    async def _submit(self, key: str, request_ids: list[str], prompts: list[object], params: SamplingParams
+                      ) -> list["RequestStream"]:
         if self.error is not None:
             raise EngineDeadError(f"the engine stopped after an error: {self.error}")
+        if self._stop.is_set():
+            raise EngineDeadError("the server is shutting down")
         loop = asyncio.get_running_loop()
-        sub = _Submission(request_id, prompt, params, loop, loop.create_future(), asyncio.Queue())
+        sub = _Submission(key, request_ids, prompts, params, loop, loop.create_future(),
+                          [_Mailbox(loop) for _ in request_ids])
         with self._lock:
             self._inbox.append(sub)
         self._wake.set()
         try:
             await sub.accepted
         except asyncio.CancelledError:
-            self.abort(request_id)  # it may have been accepted meanwhile
+            for request_id in request_ids:
+                self.abort(request_id)  # it may have been accepted meanwhile
             raise
-        return RequestStream(self, sub)
+        return [RequestStream(self, rid, box) for rid, box in zip(request_ids, sub.mailboxes)]
 
     async def generate(self, request_id: str, prompt: object, params: SamplingParams) -> AsyncIterator[RequestOutput]:
         """add_request + iterate: yields the RequestOutput after every step that advanced the request."""
@@ -135,6 +209,7 @@ class AsyncLLMEngine:
         try:
             while not self._stop.is_set():
                 self._drain_inbox()
+                self._expire_deadlines()
                 if self.engine.has_unfinished_requests():
                     t0 = time.perf_counter()
                     outputs = self.engine.step()
@@ -146,62 +221,118 @@ class AsyncLLMEngine:
                         listener(outputs, elapsed)
                 else:
                     self.stats = self.engine.stats()
-                    self._wake.wait(self.idle_wait_s)
+                    wait = self.idle_wait_s
+                    if self._deadlines:
+                        wait = min(wait, max(self._deadlines[0][0] - time.perf_counter(), 0.0))
+                    self._wake.wait(wait)
                     self._wake.clear()
         except Exception as e:  # noqa: BLE001 - any engine failure must reach every waiting client
             log.exception("engine loop failed")
             self.error = e
-            dead = EngineDeadError(f"the engine stopped after an error: {e}")
-            with self._lock:
-                pending = list(self._streams.values()) + self._inbox
-                self._inbox.clear()
-            for sub in pending:
-                _resolve(sub.loop, sub.accepted, dead)
-                _call_soon(sub.loop, sub.queue.put_nowait, dead)
+            self._fail_all(EngineDeadError(f"the engine stopped after an error: {e}"))
+            return
+        self._fail_all(EngineDeadError("the server is shutting down"))
+        for request_id in list(self._group_of):
+            self.engine.abort_request(request_id)
+
+    def _fail_all(self, error: EngineDeadError) -> None:
+        with self._lock:
+            pending, self._inbox = self._inbox, []
+        for sub in pending:
+            _resolve(sub.loop, sub.accepted, error)
+        for box in self._mailboxes.values():
+            box.put(error)
 
     def _drain_inbox(self) -> None:
         with self._lock:
             inbox, self._inbox = self._inbox, []
             aborts, self._aborts = self._aborts, []
+        for sub in inbox:  # before the aborts: a submission cancelled while queued is aborted right after
+            self._admit(sub)
         for request_id in aborts:
             if self.engine.abort_request(request_id):
                 self.num_aborted += 1
-            self._streams.pop(request_id, None)
-        for sub in inbox:
-            if self.max_waiting is not None and self.engine.scheduler.num_waiting >= self.max_waiting:
-                _resolve(sub.loop, sub.accepted, QueueFullError(
-                    f"the server is at capacity ({self.max_waiting} requests waiting); retry later"))
-                continue
-            try:
-                self.engine.add_request(sub.request_id, sub.prompt, sub.params, cap_max_tokens=self.cap_max_tokens)
-            except ValueError as e:
-                _resolve(sub.loop, sub.accepted, e)
-                continue
-            self._streams[sub.request_id] = sub
-            _resolve(sub.loop, sub.accepted)
+            self._close(request_id)
+
+    def _admit(self, sub: _Submission) -> None:
+        engine, params = self.engine, sub.params
+        try:
+            prepared = [engine.prepare(p, params, self.cap_max_tokens) for p in sub.prompts]
+            cost = self.admission.cost([len(p.token_ids) for p in prepared], [p.max_tokens for p in prepared],
+                                       params.n, params.logprobs)
+            self.admission.reserve(sub.key, cost, engine.scheduler.num_waiting)
+        except (ValueError, Overloaded) as e:
+            _resolve(sub.loop, sub.accepted, e)
+            return
+        added: list[str] = []
+        try:
+            for request_id, prep in zip(sub.request_ids, prepared):
+                engine.enqueue(request_id, prep, params, arrival_time=sub.arrival)
+                added.append(request_id)
+        except ValueError as e:  # a duplicate id: undo the whole submission
+            for request_id in added:
+                engine.abort_request(request_id)
+            self.admission.release(sub.key)
+            _resolve(sub.loop, sub.accepted, e)
+            return
+        for request_id, box in zip(sub.request_ids, sub.mailboxes):
+            self._mailboxes[request_id] = box
+            self._group_of[request_id] = sub.key
+        self._group_left[sub.key] = len(sub.request_ids)
+        if self.limits.request_timeout is not None:
+            heapq.heappush(self._deadlines, (sub.arrival + self.limits.request_timeout, sub.key,
+                                             tuple(sub.request_ids)))
+        _resolve(sub.loop, sub.accepted)
+
+    def _expire_deadlines(self) -> None:
+        now = time.perf_counter()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, key, request_ids = heapq.heappop(self._deadlines)
+            if key not in self._group_left:
+                continue  # finished in time
+            self.num_timed_out += 1
+            error = RequestTimeoutError(
+                f"the request did not finish within the server's request timeout of {self.limits.request_timeout:g} s"
+                " and was aborted")
+            for request_id in request_ids:
+                box = self._mailboxes.get(request_id)
+                if self.engine.abort_request(request_id) and box is not None:
+                    box.put(error)
+                self._close(request_id)
+
+    def _close(self, request_id: str) -> None:
+        """The request is done (finished, aborted or expired): forget its mailbox, release its submission."""
+        self._mailboxes.pop(request_id, None)
+        key = self._group_of.pop(request_id, None)
+        if key is None:
+            return
+        self._group_left[key] -= 1
+        if not self._group_left[key]:
+            del self._group_left[key]
+            self.admission.release(key)
 
     def _deliver(self, out: RequestOutput) -> None:
-        sub = self._streams.get(out.request_id)
-        if sub is None:
+        box = self._mailboxes.get(out.request_id)
+        if box is None:
             return
+        box.put(out)
         if out.finished:
-            del self._streams[out.request_id]
-        _call_soon(sub.loop, sub.queue.put_nowait, out)
+            self._close(out.request_id)
 
 
 class RequestStream:
     """The outputs of one accepted request. Leaving the iteration before the end aborts the request."""
 
-    def __init__(self, engine: AsyncLLMEngine, sub: _Submission) -> None:
+    def __init__(self, engine: AsyncLLMEngine, request_id: str, mailbox: _Mailbox) -> None:
         self.engine = engine
-        self.request_id = sub.request_id
-        self._queue = sub.queue
+        self.request_id = request_id
+        self._mailbox = mailbox
         self.finished = False
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         try:
             while not self.finished:
-                item = await self._queue.get()
+                item = await self._mailbox.get()
                 if isinstance(item, BaseException):
                     raise item
                 self.finished = item.finished

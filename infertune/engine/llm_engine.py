@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from infertune.config import EngineConfig
+from infertune.engine.admission import HostCost
 from infertune.engine.block_manager import BlockManager
 from infertune.engine.detokenizer import IncrementalDetokenizer, find_stop
 from infertune.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -22,6 +23,13 @@ from infertune.engine.tokenizer import load_tokenizer
 from infertune.sampling_params import ParamError, SamplingParams
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, frozen=True)
+class PreparedPrompt:
+    text: str | None
+    token_ids: list[int]
+    max_tokens: int  # what the request runs to at most: its max_tokens, or the room left in max_model_len
 
 
 @dataclass(slots=True)
@@ -127,8 +135,12 @@ class LLMEngine:
         cap_max_tokens=False (the OpenAI server's rule) rejected.
         """
         params = params or SamplingParams()
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
+        self.enqueue(request_id, self.prepare(prompt, params, cap_max_tokens), params)
+
+    def prepare(self, prompt: str | dict | list[int], params: SamplingParams, cap_max_tokens: bool = True
+                ) -> PreparedPrompt:
+        """Tokenize and validate one prompt for params: its text, token ids and the max_tokens it will run to."""
+        self.check_params(params)
         text, ids = self.tokenize(prompt)
         if not ids:
             raise ValueError("the prompt is empty (0 tokens); give at least one token of text")
@@ -147,8 +159,37 @@ class LLMEngine:
                 f"and max_tokens={params.max_tokens} asks for {len(ids) + params.max_tokens}; lower max_tokens to "
                 f"at most {room} or shorten the prompt"))
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        return PreparedPrompt(text, ids, max_tokens)
+
+    def check_params(self, params: SamplingParams) -> None:
+        """The engine's bounds on what one request may ask for (LimitsConfig), beyond SamplingParams' own rules."""
+        lim = self.config.limits
+        if params.n > lim.max_n:
+            raise ParamError("n", f"n={params.n} is more than this server's limit of {lim.max_n} samples a request "
+                             "(engine option max_n)")
+        if len(params.stop_list) > lim.max_stop:
+            raise ParamError("stop", f"{len(params.stop_list)} stop strings is more than the limit of {lim.max_stop}")
+        longest = max((len(x) for x in params.stop_list), default=0)
+        if longest > lim.max_stop_len:
+            raise ParamError("stop", f"a stop string of {longest} characters is longer than the limit of "
+                             f"{lim.max_stop_len}")
+        if len(params.stop_token_ids) > lim.max_stop_token_ids:
+            raise ParamError("stop_token_ids", f"{len(params.stop_token_ids)} stop_token_ids is more than the limit "
+                             f"of {lim.max_stop_token_ids}")
+        vocab = self.config.model.arch.vocab_size
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise ParamError("stop_token_ids", f"stop_token_ids must be token ids in [0, {vocab}) for this model")
+
+    def enqueue(self, request_id: str, prepared: PreparedPrompt, params: SamplingParams,
+                arrival_time: float | None = None) -> None:
+        """Queue a prompt that prepare() accepted, as params.n sequences (arrival_time: perf_counter seconds)."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, ids, max_tokens = prepared.text, prepared.token_ids, prepared.max_tokens
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
         req = _Request(request_id, text, ids, params)
+        if arrival_time is not None:
+            req.metrics.arrival_time = arrival_time
         for i in range(params.n):
             sample_params = params.for_sample(i) if params.n > 1 else params
             seq = Sequence(ids, max_tokens, sample_params, request_id=request_id)
@@ -180,6 +221,11 @@ class LLMEngine:
         if batch.is_empty:
             assert not self.scheduler.has_unfinished(), "scheduler made no progress with requests pending"
             return []
+        started = time.perf_counter()
+        for seq in batch.seqs:
+            req = self.requests.get(seq.request_id)
+            if req is not None and req.metrics.scheduled_time is None:
+                req.metrics.scheduled_time = started
         out = self.executor.execute_model(batch)
         self.scheduler.update(batch, out.token_ids)
         self.num_steps += 1
@@ -247,6 +293,64 @@ class LLMEngine:
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, finished, req.metrics)
 
     # ---- introspection ---------------------------------------------------------------------------
+    def measure_host_cost(self, response_of=None, seqs: int = 4, tokens: int = 128, logprobs: int = 5) -> HostCost:
+        """Measure (tracemalloc) the host bytes a request holds: its samples' token ids, detokenizer, text and
+        logprob entries, the final RequestOutput, and what response_of(output) keeps (the server's response body).
+
+        Built from the engine's own structures with token ids spread over the vocabulary, outside the scheduler.
+        """
+        import random
+        import tracemalloc
+
+        vocab = self.config.model.arch.vocab_size
+        block_size = self.config.cache.block_size
+        rng = random.Random(0)
+        pool_tokens: list[tuple[int, ...]] = []
+
+        def held(num_tokens: int, k: int | None) -> int:
+            params = SamplingParams(n=seqs, max_tokens=num_tokens, logprobs=k)
+            prompt = [rng.randrange(vocab)]
+            before = tracemalloc.get_traced_memory()[0]
+            req = _Request("measure", None, prompt, params)
+            for _ in range(seqs):
+                seq = Sequence(prompt, num_tokens, params, request_id="measure")
+                sample = _Sample(seq, IncrementalDetokenizer(self.tokenizer, prompt, True),
+                                 logprobs=[] if k is not None else None)
+                for _ in range(num_tokens):
+                    token = rng.randrange(vocab)
+                    seq.append_token(token)
+                    sample.text += sample.detok.add(token)
+                    if k is not None:
+                        top = [(rng.randrange(vocab), -rng.random()) for _ in range(k)]
+                        sample.logprobs.append(Logprob(token, -rng.random(), top))
+                # The block table, the chained hashes and the token tuples the pool keeps for the prefix cache.
+                for j in range(len(seq) // block_size):
+                    seq.block_table.append(j)
+                    pool_tokens.append(tuple(seq.token_ids[j * block_size : (j + 1) * block_size]))
+                    seq.block_hashes.append(hash((seq.block_hashes[-1] if j else None, pool_tokens[-1])))
+                seq.status = SequenceStatus.FINISHED_LENGTH
+                req.samples.append(sample)
+            out = self._output(req, True)
+            kept = response_of(out) if response_of is not None else None
+            size = tracemalloc.get_traced_memory()[0] - before
+            del req, out, kept
+            pool_tokens.clear()
+            return size
+
+        was_tracing = tracemalloc.is_tracing()
+        if not was_tracing:
+            tracemalloc.start()
+        try:
+            short, full = held(tokens // 2, None), held(tokens, None)
+            with_lp = held(tokens, logprobs)
+        finally:
+            if not was_tracing:
+                tracemalloc.stop()
+        per_token = max(full - short, 0) / (seqs * (tokens - tokens // 2))
+        per_seq = max(full / seqs - tokens * per_token, 0.0)
+        per_logprob = max(with_lp - full, 0) / (seqs * tokens * (1 + logprobs))
+        return HostCost(per_seq=per_seq, per_token=per_token, per_logprob=per_logprob)
+
     def stats(self) -> dict:
         bm = self.block_manager
         return {

@@ -30,9 +30,14 @@ class CompletionOutput:
 @dataclass(slots=True)
 class RequestMetrics:
     arrival_time: float
+    scheduled_time: float | None = None  # first step that computed any of its tokens (queue time ends)
     first_token_time: float | None = None
     finished_time: float | None = None
     num_cached_tokens: int = 0
+
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.scheduled_time is None else self.scheduled_time - self.arrival_time
 
     @property
     def ttft(self) -> float | None:

@@ -1,7 +1,9 @@
 """OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
 
-Client mistakes get OpenAI-style 4xx bodies (never a 500); a stream whose client goes away aborts its
-request, which frees its KV blocks within a step.
+Client mistakes get OpenAI-style 4xx bodies (never a 500). What a request will cost is weighed before it is
+queued (engine/admission.py): a request that could never be served is a 400 that says the numbers, one that
+cannot be served now a 429 / 503 with Retry-After. Every request whose client goes away, streamed or not, is
+aborted, which frees its KV blocks within a step. Prompts are tokenized and chats rendered off the event loop.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from infertune.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError, RequestStream
+from infertune.engine.admission import NeverFits, Overloaded
+from infertune.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream, RequestTimeoutError
 from infertune.engine.outputs import RequestOutput
 from infertune.sampling_params import ParamError, SamplingParams
 from infertune.serve.metrics import ServerMetrics
@@ -31,8 +34,8 @@ log = logging.getLogger(__name__)
 class BodySizeLimit:
     """ASGI middleware: refuse bodies over max_bytes with 413, by Content-Length or by counting the stream."""
 
-    def __init__(self, app, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app, max_bytes: int, on_reject=None) -> None:
+        self.app, self.max_bytes, self.on_reject = app, max_bytes, on_reject
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -57,6 +60,8 @@ class BodySizeLimit:
             await self._reject(send)
 
     async def _reject(self, send) -> None:
+        if self.on_reject is not None:
+            self.on_reject()
         err = APIError(413, f"request body is larger than the server's limit of {self.max_bytes} bytes",
                        code="request_too_large")
         body = json.dumps(err.body()).encode()
@@ -70,13 +75,40 @@ class _TooLarge(Exception):
 
 
 def _error(err: APIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status)
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+def _api_error(e: BaseException, param: str) -> APIError | None:
+    """The HTTP answer to an engine's refusal, or None for an exception that is not one."""
+    if isinstance(e, Overloaded):
+        status = 503 if e.reason == "memory_rss" else 429
+        return APIError(status, str(e), "rate_limit_error" if status == 429 else "service_unavailable",
+                        code=e.reason, retry_after=e.retry_after)
+    if isinstance(e, EngineDeadError):
+        return APIError(503, str(e), "service_unavailable", code="engine_unavailable", retry_after=5)
+    if isinstance(e, RequestTimeoutError):
+        return APIError(408, str(e), "timeout_error", code="request_timeout")
+    if isinstance(e, NeverFits):
+        return APIError(400, str(e), param=e.param, code="request_too_large")
+    if isinstance(e, ValueError):
+        return APIError(400, str(e), param=getattr(e, "param", param))
+    return None
+
+
+async def _until_disconnected(request: Request) -> None:
+    """Return when the client has gone away (the body was read already, so the next message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = None,
                max_body_bytes: int = 4 * 2**20) -> FastAPI:
     metrics = ServerMetrics(engine)
     tokenizer = engine.engine.tokenizer
+    limits = engine.limits
+    # What the server keeps of a finished non-streamed request (its response body) counts in its host cost.
+    engine.measure_host_cost(
+        lambda out: json.dumps(Formatter("measure", model_name, tokenizer, chat=False).response([out], len(out.outputs))))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -87,12 +119,12 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
 
     app = FastAPI(title="infertune", description="OpenAI-compatible LLM server", lifespan=lifespan)
     app.state.engine, app.state.metrics = engine, metrics
-    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes,
+                       on_reject=lambda: metrics.refuse(413, "request_too_large"))
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, err: APIError):
-        if err.status in (400, 404, 429, 503):
-            metrics.rejected.labels(str(err.status)).inc()
+        metrics.refuse(err.status, err.code or err.type)
         return _error(err)
 
     @app.exception_handler(RequestValidationError)
@@ -102,7 +134,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
         if first.get("type") == "json_invalid":
             return _error(APIError(400, "the request body is not valid JSON"))
         param = ".".join(loc) or None
-        metrics.rejected.labels("400").inc()
+        metrics.refuse(400, "invalid_request")
         return _error(APIError(400, f"{param or 'body'}: {first.get('msg', 'invalid value')}", param=param))
 
     @app.exception_handler(StarletteHTTPException)
@@ -149,59 +181,86 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
         except ParamError as e:
             raise APIError(400, str(e), param=e.param) from None
 
+    def tokenized(prompts: list[object]) -> list[dict]:
+        """Text prompts as {"prompt", "prompt_token_ids"}, so the engine thread does not tokenize (run off-loop)."""
+        out = []
+        for p in prompts:
+            text, ids = engine.engine.tokenize(p)
+            out.append({"prompt": text, "prompt_token_ids": ids})
+        return out
+
     async def submit(request_id: str, prompts: list[object], params: SamplingParams, param: str
                      ) -> list[RequestStream]:
-        streams: list[RequestStream] = []
         try:
-            for i, prompt in enumerate(prompts):
-                streams.append(await engine.add_request(f"{request_id}-{i}", prompt, params))
-        except BaseException as e:
-            for s in streams:  # all or nothing
-                s.abort()
-            if isinstance(e, QueueFullError):
-                raise APIError(429, str(e), "rate_limit_error", code="queue_full") from None
-            if isinstance(e, EngineDeadError):
-                raise APIError(503, str(e), "service_unavailable") from None
-            if isinstance(e, ValueError):
-                raise APIError(400, str(e), param=getattr(e, "param", param)) from None
-            raise
-        return streams
+            engine.engine.check_params(params)  # cheap bounds first: no tokenizing for a request refused anyway
+            prompts = await asyncio.to_thread(tokenized, prompts)
+            return await engine.add_requests(request_id, prompts, params)
+        except Exception as e:  # noqa: BLE001 - refusals become their HTTP answers, anything else a 500
+            err = _api_error(e, param)
+            if err is None:
+                raise
+            raise err from None
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest):
+    async def completions(req: CompletionRequest, request: Request):
         check_model(req.model)
         params = params_of(lambda: req.sampling_params(req.max_tokens, req.logprobs))
         prompts = req.prompts()
+        if len(prompts) > limits.max_prompts:
+            raise APIError(400, f"{len(prompts)} prompts in one request is more than this server's limit of "
+                           f"{limits.max_prompts} (engine option max_prompts); send them in several requests",
+                           param="prompt", code="request_too_large")
         fmt = Formatter(f"cmpl-{uuid.uuid4().hex}", model_name, tokenizer, chat=False)
         streams = await submit(fmt.id, prompts, params, "prompt")
-        return await respond(fmt, streams, params.n, req.stream, req.include_usage)
+        return await respond(request, fmt, streams, params.n, req.stream, req.include_usage)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest):
+    async def chat_completions(req: ChatCompletionRequest, request: Request):
         check_model(req.model)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = params_of(lambda: req.sampling_params(max_tokens, req.logprobs_k()))
         try:
-            prompt = engine.engine.render_chat(req.conversation(), add_generation_prompt=req.add_generation_prompt)
+            prompt = await asyncio.to_thread(engine.engine.render_chat, req.conversation(),
+                                             add_generation_prompt=req.add_generation_prompt)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
         fmt = Formatter(f"chatcmpl-{uuid.uuid4().hex}", model_name, tokenizer, chat=True)
         streams = await submit(fmt.id, [prompt], params, "messages")
-        return await respond(fmt, streams, params.n, req.stream, req.include_usage)
+        return await respond(request, fmt, streams, params.n, req.stream, req.include_usage)
 
-    async def respond(fmt: Formatter, streams: list[RequestStream], n: int, stream: bool, include_usage: bool):
+    async def respond(request: Request, fmt: Formatter, streams: list[RequestStream], n: int, stream: bool,
+                      include_usage: bool):
         if stream:
             return StreamingResponse(stream_events(fmt, streams, n, include_usage), media_type="text/event-stream")
-        finals: list[RequestOutput] = []
-        try:
+
+        async def collect() -> list[RequestOutput]:
+            finals = []
             for s in streams:
                 last = None
                 async for last in s:
                     pass
                 finals.append(last)
+            return finals
+
+        collecting = asyncio.ensure_future(collect())
+        gone = asyncio.ensure_future(_until_disconnected(request))
+        try:
+            await asyncio.wait({collecting, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
+            gone.cancel()
+            if not collecting.done():
+                collecting.cancel()  # the client went away (or this handler was cancelled): abort below
             for s in streams:
                 s.abort()
+        if not collecting.done() or collecting.cancelled():
+            return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
+        try:
+            finals = collecting.result()
+        except Exception as e:  # noqa: BLE001 - an engine refusal mid-request (timeout, shutdown) -> its answer
+            err = _api_error(e, "prompt")
+            if err is None:
+                raise
+            raise err from None
         for out in finals:
             metrics.observe_finished(out)
         return fmt.response(finals, n)
@@ -229,8 +288,10 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
             if include_usage:
                 yield sse(fmt.usage_chunk([finals[i] for i in sorted(finals)]))
             yield sse("[DONE]")
-        except EngineDeadError as e:
-            yield sse(APIError(503, str(e), "service_unavailable").body())
+        except (EngineDeadError, RequestTimeoutError) as e:
+            err = _api_error(e, "prompt")
+            metrics.refuse(err.status, err.code)
+            yield sse(err.body())
         finally:
             for s in streams:
                 s.abort()
@@ -244,7 +305,8 @@ async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reques
         async for out in streams[0]:
             yield 0, out
         return
-    queue: asyncio.Queue = asyncio.Queue()
+    # Bounded: a pump waits while the consumer (a slow client) lags, and its stream skips to the newest output.
+    queue: asyncio.Queue = asyncio.Queue(maxsize=len(streams))
     done = object()
 
     async def pump(i: int, s: RequestStream) -> None:

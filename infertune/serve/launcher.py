@@ -16,16 +16,17 @@ log = logging.getLogger("infertune.serve")
 
 
 def serve(model: str | None, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-          max_waiting: int = 512, served_model_name: str | None = None, max_body_bytes: int = 4 * 2**20,
+          served_model_name: str | None = None, max_body_bytes: int = 4 * 2**20,
           graceful_timeout_s: float = 10.0, log_level: str = "info", **engine_options) -> int:
     import uvicorn
 
     config = EngineConfig.create(model, **engine_options)
     engine = LLMEngine(config, show_progress=True)
     name = served_model_name or Path(config.model.model).name
-    async_engine = AsyncLLMEngine(engine, max_waiting=max_waiting)
+    async_engine = AsyncLLMEngine(engine)
     app = create_app(async_engine, name, api_key=api_key, max_body_bytes=max_body_bytes)
 
+    log.info("%s", async_engine.describe_limits())
     backend = engine.executor.backend
     log.info("serving %r (%s) on http://%s:%d/v1 with %s, %s", name, config.model.model, host, port,
              backend.describe(), str(engine.executor.runner.dtype).removeprefix("torch."))

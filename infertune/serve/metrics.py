@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from infertune.engine.async_engine import AsyncLLMEngine
+from infertune.engine.host_memory import process_rss
 from infertune.engine.outputs import RequestOutput
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -37,6 +38,15 @@ class _EngineCollector:
                                   s["num_preemptions"])
         yield CounterMetricFamily("infertune_requests_aborted", "Requests aborted before finishing (client gone)",
                                   self.engine.num_aborted)
+        yield CounterMetricFamily("infertune_requests_timed_out", "Requests aborted at their deadline (request_timeout)",
+                                  self.engine.num_timed_out)
+        a = self.engine.admission
+        yield GaugeMetricFamily("infertune_process_resident_memory_bytes", "Resident host memory of the server process",
+                                process_rss())
+        yield GaugeMetricFamily("infertune_host_memory_ceiling_bytes", "Host memory the server refuses work above",
+                                a.ceiling_bytes)
+        yield GaugeMetricFamily("infertune_host_memory_reserved_bytes",
+                                "Host memory held by admitted requests, by their estimated cost", a.reserved_bytes)
 
 
 class ServerMetrics:
@@ -48,8 +58,10 @@ class ServerMetrics:
         self.generation_tokens = Counter("infertune_generation_tokens", "Generated tokens", registry=r)
         self.requests = Counter("infertune_requests", "Finished requests by finish reason", ["finish_reason"],
                                 registry=r)
-        self.rejected = Counter("infertune_requests_rejected", "Requests refused, by HTTP status", ["status"],
-                                registry=r)
+        self.rejected = Counter("infertune_requests_rejected", "Requests refused, by HTTP status and reason",
+                                ["status", "reason"], registry=r)
+        self.queue_time = Histogram("infertune_request_queue_time_seconds", "Arrival to the first scheduled step",
+                                    registry=r, buckets=_LATENCY_BUCKETS)
         self.ttft = Histogram("infertune_time_to_first_token_seconds", "Time to first token", registry=r,
                               buckets=_LATENCY_BUCKETS)
         self.tpot = Histogram("infertune_time_per_output_token_seconds", "Mean time between output tokens",
@@ -57,12 +69,17 @@ class ServerMetrics:
         self.e2e = Histogram("infertune_e2e_request_latency_seconds", "Arrival to last token", registry=r,
                              buckets=_LATENCY_BUCKETS)
 
+    def refuse(self, status: int, reason: str) -> None:
+        self.rejected.labels(str(status), reason).inc()
+
     def observe_finished(self, out: RequestOutput) -> None:
         self.prompt_tokens.inc(len(out.prompt_token_ids))
         for c in out.outputs:
             self.generation_tokens.inc(len(c.token_ids))
             self.requests.labels(c.finish_reason or "unknown").inc()
         m = out.metrics
+        if m is not None and m.queue_time is not None:
+            self.queue_time.observe(m.queue_time)
         if m is None or m.first_token_time is None:
             return
         self.ttft.observe(m.first_token_time - m.arrival_time)

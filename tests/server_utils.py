@@ -1,0 +1,100 @@
+"""Servers for the server tests: uvicorn in a thread of the test process, or `infertune serve` in its own."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import uvicorn
+
+from infertune.config import EngineConfig
+from infertune.engine.async_engine import AsyncLLMEngine
+from infertune.engine.llm_engine import LLMEngine
+from infertune.serve.api_server import create_app
+
+MAX_LEN = 64
+MODEL = "tiny"
+ENGINE = dict(dtype="float32", max_model_len=MAX_LEN, block_size=4, max_num_seqs=16)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerThread:
+    """uvicorn in a background thread, on a free port, stopped by should_exit."""
+
+    def __init__(self, path, api_key=None, max_body_bytes=4 * 2**20, **engine):
+        self.engine = AsyncLLMEngine(LLMEngine(EngineConfig.create(str(path), **{**ENGINE, **engine})))
+        app = create_app(self.engine, MODEL, api_key=api_key, max_body_bytes=max_body_bytes)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                time.sleep(0.05)
+        raise RuntimeError("server did not start")
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+def metric(url: str, name: str) -> float:
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
+
+
+
+def wait_healthy(url: str, timeout: float = 60.0, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}: {proc.stdout.read()}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError("server did not start")
+
+
+class ServerProcess:
+    """`infertune serve` in its own process (so its RSS is its own, and signals reach only it)."""
+
+    def __init__(self, model, *flags: str, grace: float = 10.0) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.args = [sys.executable, "-m", "infertune.cli", "serve", "--model", str(model), "--port", str(self.port),
+                     "--served-model-name", MODEL, "--dtype", "float32", "--max-model-len", str(MAX_LEN),
+                     "--block-size", "4", "--max-num-seqs", "16", "--graceful-timeout", str(grace), *flags]
+        self.proc: subprocess.Popen | None = None
+        self.log = ""
+
+    def __enter__(self):
+        self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        wait_healthy(self.url, proc=self.proc)
+        return self
+
+    def __exit__(self, *exc):
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+        self.log = self.proc.stdout.read()
