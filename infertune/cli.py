@@ -232,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
         module.add_arguments(tool)
         tool.set_defaults(func=module.run)
 
-    bench = sub.add_parser("bench", help="benchmarks: bench throughput / latency (offline), bench serve (HTTP)",
+    bench = sub.add_parser("bench", help="benchmarks: bench throughput / latency (offline), bench serve / soak (HTTP)",
                            description="Benchmarks. `bench throughput` and `bench latency` run infertune beside HF "
                            "transformers on the same model and workload; `bench serve` load-tests any OpenAI-compatible "
                            "server.")
@@ -245,6 +245,14 @@ def build_parser() -> argparse.ArgumentParser:
         "throughput, TTFT / TPOT / ITL / end-to-end latency percentiles, goodput under an SLO, and failures.")
     serve_load.add_arguments(bench_serve)
     bench_serve.set_defaults(func=serve_load.run)
+    from infertune.bench import soak
+
+    bench_soak = bench_sub.add_parser(
+        "soak", help="soak-test an infertune server: many requests, hanging-up clients, /health and RSS watched",
+        description=soak.__doc__.split("\n\n")[0], epilog="\n\n".join(soak.__doc__.split("\n\n")[1:]),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    soak.add_arguments(bench_soak)
+    bench_soak.set_defaults(func=soak.run)
     from infertune.bench import offline
 
     for name, batches, help_ in (

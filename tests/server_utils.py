@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -66,7 +67,7 @@ def wait_healthy(url: str, timeout: float = 60.0, proc: subprocess.Popen | None 
     deadline = time.time() + timeout
     while time.time() < deadline:
         if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}: {proc.stdout.read()}")
+            raise RuntimeError(f"the server exited with {proc.returncode}")
         try:
             if httpx.get(url + "/health", timeout=1).status_code == 200:
                 return
@@ -89,12 +90,20 @@ class ServerProcess:
         self.log = ""
 
     def __enter__(self):
-        self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        wait_healthy(self.url, proc=self.proc)
+        # A file, not a pipe: nobody reads while the test runs, and a full pipe would block the server's logging.
+        self._log = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT, text=True)
+        try:
+            wait_healthy(self.url, proc=self.proc)
+        except RuntimeError:
+            self.__exit__()
+            raise RuntimeError(f"the server did not start:\n{self.log[-3000:]}") from None
         return self
 
     def __exit__(self, *exc):
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(10)
-        self.log = self.proc.stdout.read()
+        self._log.seek(0)
+        self.log = self._log.read()
+        self._log.close()

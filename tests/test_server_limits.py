@@ -142,6 +142,7 @@ def test_non_streamed_request_is_aborted_when_its_client_hangs_up(tiny_llama):
 
 def test_request_timeout_aborts_and_answers_408(tiny_llama):
     with ServerThread(tiny_llama, max_model_len=256, request_timeout=0.3, max_num_seqs=2) as s:
+        s.engine.step_listeners.append(lambda outputs, seconds: time.sleep(0.01))  # 240 steps take >= 2.4 s
         long = {"prompt": "x", "max_tokens": 240, "temperature": 0, "ignore_eos": True}
         r = httpx.post(s.url + "/v1/completions", json=long, timeout=30)
         assert r.status_code == 408 and r.json()["error"]["code"] == "request_timeout"

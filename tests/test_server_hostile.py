@@ -1,0 +1,175 @@
+"""Hostile clients against `infertune serve` in its own process: schemathesis from the OpenAPI schema, a soak
+with hanging-up clients, SIGTERM under load, and a client process killed mid-request.
+
+Oracles: schemathesis's not_a_server_error check, a watchdog that reads /health and the server's RSS (psutil on
+its pid) throughout, the server's /metrics afterwards (0 KV blocks, 0 waiting, 0 running), its exit status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import httpx
+import psutil
+import pytest
+from server_utils import MODEL, ServerProcess, metric
+
+from infertune.bench.soak import run_soak
+
+MEMORY_LIMIT = 2 * 2**30
+
+
+class Watchdog:
+    """Reads /health and the server's RSS every 0.2 s in a thread until stopped; remembers every failure."""
+
+    def __init__(self, url: str, pid: int, ceiling: int) -> None:
+        self.url, self.proc, self.ceiling = url, psutil.Process(pid), ceiling
+        self.failures: list[str] = []
+        self.readings = 0
+        self.peak_rss = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=5) as h:
+            while not self._stop.is_set():
+                try:
+                    status = h.get(self.url + "/health").status_code
+                    if status != 200:
+                        self.failures.append(f"/health answered {status}")
+                except httpx.HTTPError as e:
+                    self.failures.append(f"/health: {type(e).__name__}")
+                rss = self.proc.memory_info().rss
+                self.peak_rss = max(self.peak_rss, rss)
+                if rss > self.ceiling:
+                    self.failures.append(f"RSS {rss / 2**20:.0f} MiB over the ceiling")
+                self.readings += 1
+                self._stop.wait(0.2)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(10)
+
+
+def idle(url: str) -> bool:
+    return all(metric(url, m) == 0 for m in ("infertune_kv_blocks_used", "infertune_requests_waiting",
+                                             "infertune_requests_running"))
+
+
+def test_schemathesis_thousands_of_bodies_no_5xx_rss_under_ceiling_health_throughout(tiny_llama, tmp_path):
+    pytest.importorskip("schemathesis", reason="schemathesis is not installed (pip install -e '.[test]' brings it)")
+    with ServerProcess(tiny_llama, "--memory-limit", str(MEMORY_LIMIT)) as server, \
+            Watchdog(server.url, server.proc.pid, MEMORY_LIMIT) as dog:
+        cli = [sys.executable, "-c", "import sys; from schemathesis.cli import schemathesis; sys.exit(schemathesis())"]
+        run = subprocess.run(
+            [*cli, "run", server.url + "/openapi.json", "--checks", "not_a_server_error", "--max-examples", "700",
+             "--request-timeout", "60", "--workers", "2", "--seed", "20261201", "--no-color",
+             "--report", "junit", "--report-dir", str(tmp_path)],
+            capture_output=True, text=True, timeout=600, cwd=tmp_path)
+        summary = run.stdout[-3000:]
+        assert run.returncode == 0, summary
+        generated = int(re.search(r"(\d+) generated", summary).group(1))
+        assert generated >= 1500, summary  # "thousands": coverage + fuzzing over the five operations
+        assert wait_until(lambda: idle(server.url))
+    assert not dog.failures, dog.failures[:5]
+    assert dog.readings >= 20 and 0 < dog.peak_rss < MEMORY_LIMIT
+
+
+def wait_until(predicate, timeout: float = 15.0) -> bool:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return predicate()
+
+
+def test_soak_with_hanging_up_clients_loses_nothing_and_leaves_nothing(tiny_llama):
+    with ServerProcess(tiny_llama, "--memory-limit", str(MEMORY_LIMIT)) as server:
+        report = run_soak(server.url, requests=1500, concurrency=128, hangup=0.2, max_n=4, long_words=6,
+                          progress=False, probe_every=0.25)
+    print(report.summary())
+    assert report.passed, report.summary()
+    assert report.ok >= 0.7 * report.requests and report.refused_other == 0
+    assert 0 < report.aborted <= report.hangups  # hang-ups were still running on the server, and were aborted
+    assert len(report.rss_mib) >= 4
+
+
+def test_sigterm_under_load_drains_in_flight_and_exits_zero(tiny_llama):
+    with ServerProcess(tiny_llama, "--max-model-len", "256", grace=15) as server:
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 60, "temperature": 0, "ignore_eos": True}
+
+        async def load():
+            async with httpx.AsyncClient(base_url=server.url, timeout=60) as h:
+                async def one(i: int):
+                    try:
+                        if i % 2:
+                            r = await h.post("/v1/completions", json=body)
+                            return r.status_code, r.json()["choices"][0]["finish_reason"] if r.status_code == 200 else None
+                        finish = None
+                        async with h.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                            async for line in r.aiter_lines():
+                                if line.startswith("data: {"):
+                                    finish = json.loads(line[5:])["choices"][0]["finish_reason"] or finish
+                        return r.status_code, finish
+                    except httpx.HTTPError as e:
+                        return type(e).__name__, None
+
+                tasks = [asyncio.create_task(one(i)) for i in range(48)]
+                await asyncio.sleep(1.0)  # requests in flight
+                server.proc.send_signal(signal.SIGTERM)
+                t0 = time.perf_counter()
+                results = await asyncio.gather(*tasks)
+                return results, time.perf_counter() - t0
+
+        results, drained_s = asyncio.run(load())
+        assert server.proc.wait(timeout=30) == 0
+    served = [r for r in results if r[0] == 200]
+    assert served and all(finish == "length" for _, finish in served)  # in-flight requests ran to their end
+    assert all(r[0] in (200, "ConnectError", "RemoteProtocolError", "ReadError", 503) for r in results), results
+    assert drained_s < 15 + 5
+
+
+def test_sigkill_of_a_client_process_loses_nothing_on_the_server(tiny_llama, tmp_path):
+    with ServerProcess(tiny_llama, "--max-model-len", "256", "--max-num-seqs", "1") as server:
+        client = tmp_path / "client.py"
+        client.write_text(textwrap.dedent(f"""
+            import asyncio, httpx, sys
+            async def main():
+                async with httpx.AsyncClient(base_url={server.url!r}, timeout=300) as h:
+                    body = {{"prompt": "x", "max_tokens": 200, "temperature": 0, "ignore_eos": True}}
+                    async def stream():
+                        async with h.stream("POST", "/v1/completions", json={{**body, "stream": True}}) as r:
+                            async for _ in r.aiter_lines():
+                                pass
+                    tasks = [h.post("/v1/completions", json=body) for _ in range(6)] + [stream() for _ in range(6)]
+                    gathered = asyncio.gather(*tasks)
+                    await asyncio.sleep(0.5)
+                    print("sent", flush=True)
+                    await gathered
+            asyncio.run(main())
+        """))
+        proc = subprocess.Popen([sys.executable, str(client)], stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "sent"
+        assert metric(server.url, "infertune_requests_running") + metric(server.url, "infertune_requests_waiting") > 0
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        assert wait_until(lambda: idle(server.url), 10)
+        # Nothing lost: each of the 12 requests either finished or was aborted; one runs at a time, so most aborted.
+        finished = metric(server.url, 'infertune_requests_total{finish_reason="length"}')
+        aborted = metric(server.url, "infertune_requests_aborted_total")
+        assert finished + aborted == 12 and aborted >= 6, (finished, aborted)
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 3}, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
