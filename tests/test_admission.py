@@ -136,3 +136,15 @@ def test_measured_host_cost_matches_what_a_real_request_holds(tiny_llama):
         measured = held(n, max_tokens, logprobs) - held(1, 1, logprobs)
         estimate = cost.bytes(n, len(prompt) + max_tokens, logprobs) - cost.bytes(1, len(prompt) + 1, logprobs)
         assert 0.5 * measured <= estimate <= 2.0 * measured, (n, logprobs, estimate, measured)
+
+
+def test_offline_engine_applies_the_same_request_bounds(tiny_llama):
+    from infertune import LLM, SamplingParams
+
+    llm = LLM(str(tiny_llama), dtype="float32", max_model_len=64, block_size=4, max_n=2, max_stop=1)
+    with pytest.raises(ValueError, match="n=3 is more than the engine.s limit of 2"):
+        llm.generate("x", SamplingParams(n=3, max_tokens=2))
+    with pytest.raises(ValueError, match="2 stop strings is more than the limit of 1"):
+        llm.generate("x", SamplingParams(stop=["a", "b"], max_tokens=2))
+    out = llm.generate("x", SamplingParams(n=2, max_tokens=2, ignore_eos=True))[0]
+    assert [len(c.token_ids) for c in out.outputs] == [2, 2]

@@ -11,7 +11,7 @@ PKG = Path(__file__).resolve().parents[1] / "infertune"
 
 # ARCHITECTURE.md's layering, bottom (1) to top (7).
 RANKS = {
-    "config": 1, "sampling_params": 1, "kernels": 1, "backends": 1, "quant": 2,
+    "config": 1, "sampling_params": 1, "scheduler_output": 1, "kernels": 1, "backends": 1, "quant": 2,
     "layers": 2,
     "models": 3,
     "runner": 4,
@@ -23,13 +23,12 @@ RANKS = {
 
 
 def _top_level_imports(tree: ast.Module) -> list[str]:
-    """infertune modules imported at run time (imports under `if TYPE_CHECKING:` are for hints only)."""
+    """infertune modules a file imports, those under `if TYPE_CHECKING:` too: a type hint that names an upper layer
+    is a dependency on it all the same (the runner and executors read only the plain-data SchedulerOutput)."""
     names: list[str] = []
 
     def visit(nodes):
         for node in nodes:
-            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-                continue
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("infertune."):
                 names.append(node.module)
             elif isinstance(node, ast.Import):

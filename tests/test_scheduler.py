@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -11,6 +13,7 @@ from infertune.config import SchedulerConfig
 from infertune.engine.block_manager import BlockManager
 from infertune.engine.scheduler import ScheduledBatch, Scheduler
 from infertune.engine.sequence import Sequence, SequenceStatus
+from infertune.runner.request_state import RequestStates
 
 BS = 4
 
@@ -504,6 +507,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         # Shadow KV: block -> slot -> the token prefix whose last token's KV was written there (a KV
         # vector depends on the whole prefix, not just on its own token).
         self.kv: dict[int, dict[int, tuple[int, ...]]] = {}
+        # A worker that sees only the pickled SchedulerOutputs and its own sampled tokens (as one in another
+        # process would) must know every scheduled request exactly as the engine does.
+        self.worker = RequestStates()
 
     # ---- operations -------------------------------------------------------------------------------
     @rule(data=st.data())
@@ -547,9 +553,18 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert victim not in batch.seqs
         if batch.preempted:
             assert all(s in self.sched.running for s in batch.seqs)  # nothing newly admitted
+        worker_step = self.worker.begin_step(pickle.loads(pickle.dumps(self.sched.scheduler_output(batch))))
+        assert len(worker_step) == len(batch.seqs)
+        for (state, n, samples), seq, num_tokens, sample in zip(worker_step, batch.seqs, batch.num_scheduled_tokens,
+                                                                batch.sample):
+            assert (state.token_ids, state.num_prompt_tokens) == (seq.token_ids, seq.num_prompt_tokens)
+            assert (state.block_table, state.num_computed_tokens) == (seq.block_table, seq.num_computed_tokens)
+            assert (n, samples) == (num_tokens, sample)
+        assert set(self.worker.requests) <= {str(s.seq_id) for s in self.sched.running}  # finished: forgotten
         if abort_index is not None and batch.seqs:
             self.sched.finish(batch.seqs[abort_index % len(batch.seqs)], SequenceStatus.FINISHED_ABORTED)
         sampled = [fake_token(s) if f else None for s, f in zip(batch.seqs, batch.sample)]
+        self.worker.end_step(worker_step, sampled)
         self.sched.update(batch, sampled)
         return batch
 
@@ -625,6 +640,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             raise AssertionError("the scheduler did not drain")
         assert self.bm.num_free_blocks == self.bm.num_blocks
         assert all(b.ref_count == 0 for b in self.bm.blocks)
+        self.worker.begin_step(self.sched.scheduler_output(ScheduledBatch()))
+        assert not self.worker.requests  # the worker was told of every finish
         for s in self.seqs:
             assert s.is_finished
             assert s.num_output_tokens <= s.max_tokens

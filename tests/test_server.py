@@ -7,14 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
 import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from server_utils import ENGINE, MAX_LEN, MODEL, ServerThread, free_port, metric
 

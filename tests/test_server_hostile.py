@@ -117,7 +117,8 @@ def test_sigterm_under_load_drains_in_flight_and_exits_zero(tiny_llama):
                     try:
                         if i % 2:
                             r = await h.post("/v1/completions", json=body)
-                            return r.status_code, r.json()["choices"][0]["finish_reason"] if r.status_code == 200 else None
+                            ok = r.status_code == 200
+                            return r.status_code, r.json()["choices"][0]["finish_reason"] if ok else None
                         finish = None
                         async with h.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
                             async for line in r.aiter_lines():

@@ -165,7 +165,7 @@ class LLMEngine:
         """The engine's bounds on what one request may ask for (LimitsConfig), beyond SamplingParams' own rules."""
         lim = self.config.limits
         if params.n > lim.max_n:
-            raise ParamError("n", f"n={params.n} is more than this server's limit of {lim.max_n} samples a request "
+            raise ParamError("n", f"n={params.n} is more than the engine's limit of {lim.max_n} samples a request "
                              "(engine option max_n)")
         if len(params.stop_list) > lim.max_stop:
             raise ParamError("stop", f"{len(params.stop_list)} stop strings is more than the limit of {lim.max_stop}")
@@ -226,7 +226,7 @@ class LLMEngine:
             req = self.requests.get(seq.request_id)
             if req is not None and req.metrics.scheduled_time is None:
                 req.metrics.scheduled_time = started
-        out = self.executor.execute_model(batch)
+        out = self.executor.execute_model(self.scheduler.scheduler_output(batch))
         self.scheduler.update(batch, out.token_ids)
         self.num_steps += 1
         now = time.perf_counter()

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from infertune.config import SchedulerConfig
 from infertune.engine.block_manager import BlockManager
 from infertune.engine.sequence import Sequence, SequenceStatus
+from infertune.scheduler_output import CachedRequest, NewRequest, SchedulerOutput
 
 
 @dataclass(slots=True)
@@ -46,6 +47,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # What the workers were told of each sequence: seq_id -> (seq, block ids sent, its preemptions then).
+        self._sent: dict[int, tuple[Sequence, int, int]] = {}
 
     # ---- queue -----------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -124,6 +127,27 @@ class Scheduler:
             batch.add(seq, num_tokens)
             budget -= num_tokens
         return batch
+
+    def scheduler_output(self, batch: ScheduledBatch) -> SchedulerOutput:
+        """The batch as plain data for the workers: new sequences whole, known ones by what changed, and the
+        sequences they should forget (finished, aborted, or preempted since they were sent)."""
+        out = SchedulerOutput()
+        for seq_id, (seq, _, preemptions) in list(self._sent.items()):
+            if seq.is_finished or seq.num_preemptions != preemptions:
+                out.finished_req_ids.append(str(seq_id))
+                del self._sent[seq_id]
+        for seq, num_tokens in zip(batch.seqs, batch.num_scheduled_tokens):
+            sent = self._sent.get(seq.seq_id)
+            if sent is None:
+                out.new_requests.append(NewRequest(str(seq.seq_id), list(seq.token_ids), seq.num_prompt_tokens,
+                                                   seq.params, list(seq.block_table), seq.num_computed_tokens))
+            else:
+                out.cached_requests.append(CachedRequest(str(seq.seq_id), seq.block_table[sent[1]:],
+                                                         seq.num_computed_tokens))
+            self._sent[seq.seq_id] = (seq, len(seq.block_table), seq.num_preemptions)
+            out.req_ids.append(str(seq.seq_id))
+            out.num_scheduled_tokens.append(num_tokens)
+        return out
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)

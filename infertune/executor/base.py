@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import abc
 
 from infertune.runner.model_runner import KVCacheInfo
 from infertune.runner.sampler import SamplerOutput
-
-if TYPE_CHECKING:
-    from infertune.engine.scheduler import ScheduledBatch
+from infertune.scheduler_output import SchedulerOutput
 
 
 class Executor(abc.ABC):
@@ -20,8 +16,9 @@ class Executor(abc.ABC):
         """Blocks, block size and bytes per token of the KV cache the runner pre-allocated."""
 
     @abc.abstractmethod
-    def execute_model(self, batch: ScheduledBatch) -> SamplerOutput:
-        """Run one scheduled step; SamplerOutput.token_ids has one entry per batch entry (None: nothing sampled)."""
+    def execute_model(self, scheduler_output: SchedulerOutput) -> SamplerOutput:
+        """Run one scheduled step (plain data: a worker in another process gets the same); SamplerOutput.token_ids
+        has one entry per scheduled request, in its order (None: nothing sampled)."""
 
     def shutdown(self) -> None:
         """Release workers and device memory."""

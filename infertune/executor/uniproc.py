@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from infertune.backends import get_backend
 from infertune.config import EngineConfig
 from infertune.executor.base import Executor
 from infertune.runner.model_runner import KVCacheInfo, ModelRunner
 from infertune.runner.sampler import SamplerOutput
-
-if TYPE_CHECKING:
-    from infertune.engine.scheduler import ScheduledBatch
+from infertune.scheduler_output import SchedulerOutput
 
 
 class UniProcExecutor(Executor):
@@ -23,8 +19,8 @@ class UniProcExecutor(Executor):
     def kv_cache_info(self) -> KVCacheInfo:
         return self.runner.kv_info
 
-    def execute_model(self, batch: ScheduledBatch) -> SamplerOutput:
-        return self.runner.execute_model(batch)
+    def execute_model(self, scheduler_output: SchedulerOutput) -> SamplerOutput:
+        return self.runner.execute_model(scheduler_output)
 
     def shutdown(self) -> None:
         del self.runner

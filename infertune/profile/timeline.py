@@ -119,12 +119,13 @@ class Instrumentation:
     def _install(self) -> None:
         engine = self.engine
         executor = getattr(engine, "executor", None)
-        self._wrap(executor, "execute_model", "execute", "executor.execute_model", before=self._note_batch)
+        self._wrap(executor, "execute_model", "execute", "executor.execute_model")
+        scheduler = getattr(engine, "scheduler", None)
+        # update(batch, ...) gets the step's ScheduledBatch before it advances it: what the step ran.
+        self._wrap(scheduler, "update", "update", "scheduler.update", before=self._note_batch)
         if not self.ranges:
             return
-        scheduler = getattr(engine, "scheduler", None)
         self._wrap(scheduler, "schedule", "schedule", "scheduler.schedule")
-        self._wrap(scheduler, "update", "update", "scheduler.update")
         self._wrap(engine, "_on_new_token", "detokenize", "engine._on_new_token (detokenize, stop strings)")
         self._wrap(engine, "_output", "detokenize", "engine._output (request outputs)")
         runner = getattr(executor, "runner", None)

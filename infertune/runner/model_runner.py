@@ -1,4 +1,6 @@
-"""ModelRunner: ScheduledBatch -> tensors -> forward over the paged KV cache -> sampled tokens.
+"""ModelRunner: SchedulerOutput (plain data) -> tensors -> forward over the paged KV cache -> sampled tokens.
+
+It keeps its own per-request state (request_state.py), so it needs nothing from the engine but each step's output.
 
 The KV cache is allocated once, at start-up, from a memory budget, and reused for the engine's life.
 """
@@ -7,7 +9,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,10 +18,9 @@ from infertune.layers.attention import AttentionMetadata, Int8PagedAttention, Pr
 from infertune.models.loader import load_model
 from infertune.runner.compiled import CompiledForward, should_compile
 from infertune.runner.fused_decode import FusedDecode, use_kernels
+from infertune.runner.request_state import RequestState, RequestStates
 from infertune.runner.sampler import SampleRequest, Sampler, SamplerOutput
-
-if TYPE_CHECKING:  # the runner reads the engine's plain data types; it never calls into the engine
-    from infertune.engine.scheduler import ScheduledBatch
+from infertune.scheduler_output import SchedulerOutput
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +69,7 @@ class ModelRunner:
         backend.prepare_host_memory()
         self.sampler = Sampler(config.model.seed, self.device)
         self.fused: FusedDecode | None = None
+        self.requests = RequestStates()  # the requests this worker knows, kept from each SchedulerOutput
         self.compiled: CompiledForward | None = None
         if config.model.compile != "off" and should_compile(config.model.compile, backend, self._num_weights()):
             try:
@@ -143,33 +144,30 @@ class ModelRunner:
         return KVCacheInfo(int(num_blocks), self.block_size, bytes_per_token)
 
     @torch.inference_mode()
-    def execute_model(self, batch: ScheduledBatch) -> SamplerOutput:
-        """Run one step; one sampled token per batch entry (None where a prefill chunk is unfinished)."""
-        entries = [
-            (seq.token_ids, seq.num_computed_tokens, n, seq.block_table)
-            for seq, n in zip(batch.seqs, batch.num_scheduled_tokens)
-        ]
+    def execute_model(self, scheduler_output: SchedulerOutput) -> SamplerOutput:
+        """Run one step; one sampled token per scheduled request (None where a prefill chunk is unfinished)."""
+        step = self.requests.begin_step(scheduler_output)
+        entries = [(state.token_ids, state.num_computed_tokens, n, state.block_table) for state, n, _ in step]
         input_ids, positions, meta, last_rows = self._prepare(entries)
         n_entries = len(entries)
         tokens: list[int | None] = [None] * n_entries
         logprobs: list = [None] * n_entries
-        sampled = [i for i in range(n_entries) if batch.sample[i]]
+        sampled = [i for i, (_, _, samples) in enumerate(step) if samples]
         # (only the sampled rows' hidden states are read: a step with nothing to sample still fills the KV cache)
         hidden = self._forward(input_ids, positions, meta, sorted({last_rows[i] for i in sampled}))  # [T, hidden]
-        if not sampled:
-            return SamplerOutput(tokens, logprobs)
-        logits = self.model.compute_logits(hidden[self._tensor([last_rows[i] for i in sampled])])  # [N, V]
-        rows = [self._sample_request(batch.seqs[i]) for i in sampled]
-        out = self.sampler(logits, rows)
-        for i, token, lp in zip(sampled, out.token_ids, out.logprobs):
-            tokens[i], logprobs[i] = token, lp
+        if sampled:
+            logits = self.model.compute_logits(hidden[self._tensor([last_rows[i] for i in sampled])])  # [N, V]
+            out = self.sampler(logits, [self._sample_request(step[i][0]) for i in sampled])
+            for i, token, lp in zip(sampled, out.token_ids, out.logprobs):
+                tokens[i], logprobs[i] = token, lp
+        self.requests.end_step(step, tokens)
         return SamplerOutput(tokens, logprobs)
 
     @staticmethod
-    def _sample_request(seq) -> SampleRequest:
-        if seq.params.uses_penalties:  # only penalties read the tokens: avoid copying them every step otherwise
-            return SampleRequest(seq.params, seq.prompt_token_ids, seq.output_token_ids)
-        return SampleRequest(seq.params, [], [], seq.num_output_tokens)
+    def _sample_request(state: RequestState) -> SampleRequest:
+        if state.params.uses_penalties:  # only penalties read the tokens: avoid copying them every step otherwise
+            return SampleRequest(state.params, state.prompt_token_ids, state.output_token_ids)
+        return SampleRequest(state.params, [], [], state.num_output_tokens)
 
     @torch.inference_mode()
     def prompt_logits(self, token_ids: list[int], block_table: list[int]) -> torch.Tensor:

@@ -107,8 +107,8 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
     tokenizer = engine.engine.tokenizer
     limits = engine.limits
     # What the server keeps of a finished non-streamed request (its response body) counts in its host cost.
-    engine.measure_host_cost(
-        lambda out: json.dumps(Formatter("measure", model_name, tokenizer, chat=False).response([out], len(out.outputs))))
+    measure = Formatter("measure", model_name, tokenizer, chat=False)
+    engine.measure_host_cost(lambda out: json.dumps(measure.response([out], len(out.outputs))))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

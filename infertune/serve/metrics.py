@@ -38,7 +38,7 @@ class _EngineCollector:
                                   s["num_preemptions"])
         yield CounterMetricFamily("infertune_requests_aborted", "Requests aborted before finishing (client gone)",
                                   self.engine.num_aborted)
-        yield CounterMetricFamily("infertune_requests_timed_out", "Requests aborted at their deadline (request_timeout)",
+        yield CounterMetricFamily("infertune_requests_timed_out", "Requests aborted at their deadline",
                                   self.engine.num_timed_out)
         a = self.engine.admission
         yield GaugeMetricFamily("infertune_process_resident_memory_bytes", "Resident host memory of the server process",

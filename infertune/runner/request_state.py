@@ -1,0 +1,60 @@
+"""A worker's own per-request state, kept up to date from each step's SchedulerOutput (plain data only)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from infertune.sampling_params import SamplingParams
+from infertune.scheduler_output import SchedulerOutput
+
+
+@dataclass(slots=True)
+class RequestState:
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    block_table: list[int]
+    num_computed_tokens: int
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+class RequestStates:
+    """req_id -> RequestState. `begin_step` applies a SchedulerOutput; `end_step` appends the sampled tokens."""
+
+    def __init__(self) -> None:
+        self.requests: dict[str, RequestState] = {}
+
+    def begin_step(self, out: SchedulerOutput) -> list[tuple[RequestState, int, bool]]:
+        """Apply out; return the step's (state, new tokens, samples this step) in batch order."""
+        for req_id in out.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for new in out.new_requests:
+            assert new.req_id not in self.requests, f"request {new.req_id} sent as new twice"
+            self.requests[new.req_id] = RequestState(list(new.token_ids), new.num_prompt_tokens, new.params,
+                                                     list(new.block_ids), new.num_computed_tokens)
+        for cached in out.cached_requests:
+            state = self.requests[cached.req_id]
+            state.block_table.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+        step = []
+        for req_id, n in zip(out.req_ids, out.num_scheduled_tokens):
+            state = self.requests[req_id]
+            step.append((state, n, state.num_computed_tokens + n == len(state.token_ids)))
+        return step
+
+    def end_step(self, step: list[tuple[RequestState, int, bool]], sampled: list[int | None]) -> None:
+        for (state, n, _), token in zip(step, sampled):
+            state.num_computed_tokens += n
+            if token is not None:
+                state.token_ids.append(token)

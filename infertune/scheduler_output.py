@@ -1,0 +1,50 @@
+"""The plain-data contract between the engine and its workers: what one step schedules (vLLM v1's SchedulerOutput).
+
+A request (one sequence) is sent whole once, the first step it is scheduled (`NewRequest`: its tokens, sampling
+params, blocks); after that each step sends only what changed (`CachedRequest`: new block ids, computed count).
+A worker keeps its own per-request state (runner/request_state.py), appends the tokens it samples itself, and
+forgets the requests in `finished_req_ids` (finished, aborted or preempted; a preempted one comes back later as
+a NewRequest with the tokens it had). Everything here is picklable plain data, so a worker can live in another
+process. It sits at the bottom of the layering because the engine, the executors and the runner all read it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from infertune.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequest:
+    req_id: str
+    token_ids: list[int]  # prompt + the outputs it already has (non-empty after a preemption: recomputed)
+    num_prompt_tokens: int
+    params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int  # tokens whose KV is already in the cache (prefix-cache hits)
+
+
+@dataclass(slots=True)
+class CachedRequest:
+    req_id: str
+    new_block_ids: list[int]  # appended to the worker's block table
+    num_computed_tokens: int
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    new_requests: list[NewRequest] = field(default_factory=list)
+    cached_requests: list[CachedRequest] = field(default_factory=list)
+    # The step's requests in batch order with their new tokens; a worker answers one sampled token (or None) each.
+    req_ids: list[str] = field(default_factory=list)
+    num_scheduled_tokens: list[int] = field(default_factory=list)
+    finished_req_ids: list[str] = field(default_factory=list)  # forget these before running the step
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.req_ids
