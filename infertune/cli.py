@@ -51,6 +51,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    "losslessly in 12 bits a weight (bit-identical outputs; decode steps read 25%% fewer bytes, "
                    "the weights take 0.76x the memory, load takes ~2 ms more per million weights); off = keep "
                    "them as loaded (default: auto)")
+    g.add_argument("--distributed-executor-backend", default="uni", choices=["uni", "mp"],
+                   help="where the model runs: uni = in this process; mp = in a worker process of its own, reached "
+                   "by pickled per-step scheduler outputs (start-up takes a few seconds more) (default: uni)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
                    help="KV-cache storage: the model dtype, or int8 with per-token, per-head scales (about half the "
                    "bytes, so about twice the tokens in the same budget) (default: auto)")
@@ -88,6 +91,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enable_prefix_caching=not args.no_prefix_caching, seed=args.seed, max_running_tokens=args.max_running_tokens,
         quantization=args.quantization, quant_group_size=args.quant_group_size, kv_cache_dtype=args.kv_cache_dtype,
         compile=args.compile, decode_kernels=args.decode_kernels, compress_weights=args.compress_weights,
+        distributed_executor_backend=args.distributed_executor_backend,
     )
 
 
@@ -115,7 +119,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     print(
         f"[infertune] prompt {len(out.prompt_token_ids)} tok | output {n_out} tok ({completion.finish_reason}) | "
         f"TTFT {m.ttft * 1000:.1f} ms | decode {decode_tps:.1f} tok/s | load {load_s:.1f} s | "
-        f"{llm.engine.executor.backend.describe()} {llm.engine.executor.runner.dtype}".replace("torch.", ""),
+        f"{llm.engine.executor.describe()}",
         file=sys.stderr,
     )
     return 0

@@ -274,6 +274,22 @@ class DeviceConfig:
             raise ValueError(f"device={self.device!r} is not one of {DEVICES} (optionally with an index, e.g. 'cuda:1')")
 
 
+EXECUTOR_BACKENDS = ("uni", "mp")
+
+
+@dataclass(slots=True)
+class ParallelConfig:
+    """Where the model runner lives: "uni" in the engine's own process, "mp" in a worker process of its own that
+    gets each step's SchedulerOutput pickled over a pipe (the seam tensor parallel and Ray workers build on)."""
+
+    distributed_executor_backend: str = "uni"
+
+    def __post_init__(self) -> None:
+        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend={self.distributed_executor_backend!r} is not one of "
+                             f"{EXECUTOR_BACKENDS}")
+
+
 def _opt(default, help: str, **kw):
     """A dataclass field whose help text the CLI flags are made from (one declaration per option)."""
     return field(default=default, metadata={"help": help, **kw})
@@ -345,6 +361,7 @@ class EngineConfig:
     device: DeviceConfig = field(default_factory=DeviceConfig)
     quant: QuantConfig = field(default_factory=QuantConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
         sched = self.scheduler
@@ -358,7 +375,7 @@ class EngineConfig:
     def create(cls, model: str | None = None, **kwargs) -> "EngineConfig":
         """Build the tree from flat keyword arguments (the LLM(...) and CLI surface)."""
         groups = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "device": DeviceConfig,
-                  "quant": QuantConfig, "limits": LimitsConfig}
+                  "quant": QuantConfig, "limits": LimitsConfig, "parallel": ParallelConfig}
         parts: dict[str, dict] = {name: {} for name in groups}
         for key, value in kwargs.items():
             owner = next((g for g, c in groups.items() if key in c.__dataclass_fields__ and key != "arch"), None)

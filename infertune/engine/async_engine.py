@@ -150,6 +150,9 @@ class AsyncLLMEngine:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
+            if self._thread.is_alive():
+                return  # still inside a step: its workers go down with the process
+        self.engine.shutdown()
 
     @property
     def started(self) -> bool:

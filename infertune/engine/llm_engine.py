@@ -53,11 +53,11 @@ class _Request:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, show_progress: bool = False) -> None:
-        from infertune.executor.uniproc import UniProcExecutor  # torch is imported only with the executor
+        from infertune.executor import create_executor  # torch is imported only with the executor
 
         self.config = config
         self.tokenizer = load_tokenizer(config.model.tokenizer)
-        self.executor = UniProcExecutor(config, show_progress)
+        self.executor = create_executor(config, show_progress)
         self.block_manager = BlockManager(
             self.executor.kv_cache_info.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
@@ -85,6 +85,10 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return frozenset(int(i) for i in ids)
+
+    def shutdown(self) -> None:
+        """Stop the executor's workers (a worker process, with distributed_executor_backend="mp")."""
+        self.executor.shutdown()
 
     @property
     def max_model_len(self) -> int:

@@ -20,5 +20,9 @@ class Executor(abc.ABC):
         """Run one scheduled step (plain data: a worker in another process gets the same); SamplerOutput.token_ids
         has one entry per scheduled request, in its order (None: nothing sampled)."""
 
+    @abc.abstractmethod
+    def describe(self) -> str:
+        """Where the model runs, for logs: device, dtype, process."""
+
     def shutdown(self) -> None:
         """Release workers and device memory."""

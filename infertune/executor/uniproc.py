@@ -19,8 +19,11 @@ class UniProcExecutor(Executor):
     def kv_cache_info(self) -> KVCacheInfo:
         return self.runner.kv_info
 
+    def describe(self) -> str:
+        return f"{self.backend.describe()}, {str(self.runner.dtype).removeprefix('torch.')}"
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> SamplerOutput:
         return self.runner.execute_model(scheduler_output)
 
     def shutdown(self) -> None:
-        del self.runner
+        pass  # the runner lives and dies with this process; tools may still read it after a server stops

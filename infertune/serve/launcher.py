@@ -27,9 +27,8 @@ def serve(model: str | None, host: str = "127.0.0.1", port: int = 8000, api_key:
     app = create_app(async_engine, name, api_key=api_key, max_body_bytes=max_body_bytes)
 
     log.info("%s", async_engine.describe_limits())
-    backend = engine.executor.backend
-    log.info("serving %r (%s) on http://%s:%d/v1 with %s, %s", name, config.model.model, host, port,
-             backend.describe(), str(engine.executor.runner.dtype).removeprefix("torch."))
+    log.info("serving %r (%s) on http://%s:%d/v1 with %s", name, config.model.model, host, port,
+             engine.executor.describe())
     server = _graceful_server_class()(uvicorn.Config(
         app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=graceful_timeout_s,
     ))
