@@ -15,6 +15,26 @@ from dataclasses import dataclass, field
 from infertune.sampling_params import SamplingParams
 
 
+class TokenView:
+    """Prompt / output views of `token_ids` (prompt first), for the engine's Sequence and a worker's RequestState."""
+
+    __slots__ = ()
+    token_ids: list[int]
+    num_prompt_tokens: int
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
 @dataclass(slots=True)
 class NewRequest:
     req_id: str

@@ -63,6 +63,16 @@ def metric(url: str, name: str) -> float:
 
 
 
+def wait_until(predicate, timeout: float = 15.0) -> bool:
+    """Poll predicate every 50 ms until it holds or timeout passes; its last value."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
 def wait_healthy(url: str, timeout: float = 60.0, proc: subprocess.Popen | None = None) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:

@@ -20,7 +20,7 @@ import time
 import httpx
 import psutil
 import pytest
-from server_utils import MODEL, ServerProcess, metric
+from server_utils import MODEL, ServerProcess, metric, wait_until
 
 from infertune.bench.soak import run_soak
 
@@ -104,15 +104,6 @@ def test_schemathesis_thousands_of_bodies_no_5xx_rss_under_ceiling_health_throug
         assert wait_until(lambda: idle(server.url))
     assert not dog.failures, dog.failures[:5]
     assert dog.readings >= 20 and 0 < dog.peak_rss < MEMORY_LIMIT
-
-
-def wait_until(predicate, timeout: float = 15.0) -> bool:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.1)
-    return predicate()
 
 
 def test_soak_with_hanging_up_clients_loses_nothing_and_leaves_nothing(tiny_llama):

@@ -13,7 +13,7 @@ import time
 
 import httpx
 import pytest
-from server_utils import MAX_LEN, MODEL, ServerThread, metric
+from server_utils import MAX_LEN, MODEL, ServerThread, metric, wait_until
 
 from infertune import LLM, SamplingParams
 from infertune.engine.host_memory import process_rss
@@ -33,15 +33,6 @@ def reference(tiny_llama):
 
     llm = LLM(str(tiny_llama), **ENGINE)
     return {p: llm.generate(p, SamplingParams(**GREEDY))[0].outputs[0].text for p in ("calm", "steady")}
-
-
-def wait_for(predicate, timeout: float = 10.0) -> bool:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
 
 
 def idle(server) -> bool:
@@ -124,7 +115,7 @@ def test_queue_counts_sequences_and_429_says_when_to_retry(tiny_llama):
         err = limited[0].json()["error"]
         assert err["code"] == "queue_full" and "of 8 waiting sequences" in err["message"]
         assert int(limited[0].headers["retry-after"]) >= 1
-        assert wait_for(lambda: idle(s))
+        assert wait_until(lambda: idle(s))
 
 
 def test_non_streamed_request_is_aborted_when_its_client_hangs_up(tiny_llama):
@@ -136,7 +127,7 @@ def test_non_streamed_request_is_aborted_when_its_client_hangs_up(tiny_llama):
             body = {**body, "max_tokens": 200, "temperature": 0, "ignore_eos": True, "n": 3}
             with pytest.raises(httpx.ReadTimeout):
                 httpx.post(s.url + path, json=body, timeout=httpx.Timeout(10, read=0.3))
-            assert wait_for(lambda: metric(s.url, "infertune_requests_aborted_total") == before + 1 and idle(s))
+            assert wait_until(lambda: metric(s.url, "infertune_requests_aborted_total") == before + 1 and idle(s))
         assert metric(s.url, "infertune_generation_tokens_total") == 0  # neither ran to its end
 
 
@@ -154,7 +145,7 @@ def test_request_timeout_aborts_and_answers_408(tiny_llama):
         short = httpx.post(s.url + "/v1/completions", json={**long, "max_tokens": 2}, timeout=30)
         assert short.status_code == 200
         assert metric(s.url, "infertune_requests_timed_out_total") == 2
-        assert wait_for(lambda: idle(s))
+        assert wait_until(lambda: idle(s))
         assert metric(s.url, "infertune_request_queue_time_seconds_count") >= 1
 
 
@@ -176,7 +167,7 @@ def test_memory_budget_refuses_what_would_not_fit_and_the_rss_ceiling_sheds_load
 
         codes = sorted(r.status_code for r in asyncio.run(two()))
         assert codes == [200, 429]
-        assert wait_for(lambda: metric(s.url, "infertune_host_memory_reserved_bytes") == 0 and idle(s))
+        assert wait_until(lambda: metric(s.url, "infertune_host_memory_reserved_bytes") == 0 and idle(s))
 
         # The process itself over its ceiling: every new request is shed with 503 + Retry-After, /health answers.
         ballast = bytearray(b"\x01") * (ceiling - process_rss() + 32 * 2**20)
@@ -185,5 +176,5 @@ def test_memory_budget_refuses_what_would_not_fit_and_the_rss_ceiling_sheds_load
         assert httpx.get(s.url + "/health").status_code == 200
         assert metric(s.url, "infertune_process_resident_memory_bytes") > ceiling
         del ballast
-        assert wait_for(lambda: httpx.post(s.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1},
+        assert wait_until(lambda: httpx.post(s.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1},
                                            timeout=30).status_code == 200)

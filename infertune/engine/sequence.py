@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from itertools import count
 
+from infertune.scheduler_output import TokenView
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
@@ -18,7 +20,7 @@ class SequenceStatus(enum.Enum):
         return self in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH, SequenceStatus.FINISHED_ABORTED)
 
 
-class Sequence:
+class Sequence(TokenView):
     """Tokens are prompt + output; the first num_computed_tokens of them have KV in the cache.
 
     The engine core reads only token ids, lengths and max_tokens; sampling details travel opaquely in `params`.
@@ -52,18 +54,6 @@ class Sequence:
 
     def __len__(self) -> int:
         return len(self.token_ids)
-
-    @property
-    def prompt_token_ids(self) -> list[int]:
-        return self.token_ids[: self.num_prompt_tokens]
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
 
     @property
     def is_finished(self) -> bool:

@@ -5,28 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from infertune.sampling_params import SamplingParams
-from infertune.scheduler_output import SchedulerOutput
+from infertune.scheduler_output import SchedulerOutput, TokenView
 
 
 @dataclass(slots=True)
-class RequestState:
+class RequestState(TokenView):
     token_ids: list[int]
     num_prompt_tokens: int
     params: SamplingParams
     block_table: list[int]
     num_computed_tokens: int
-
-    @property
-    def prompt_token_ids(self) -> list[int]:
-        return self.token_ids[: self.num_prompt_tokens]
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
 
 
 class RequestStates:
