@@ -25,7 +25,7 @@ from infertune.engine.async_engine import AsyncLLMEngine, EngineDeadError, Reque
 from infertune.engine.outputs import RequestOutput
 from infertune.sampling_params import ParamError, SamplingParams
 from infertune.serve.metrics import ServerMetrics
-from infertune.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from infertune.serve.protocol import STREAMED, APIError, ChatCompletionRequest, CompletionRequest, error_responses
 from infertune.serve.responses import Formatter, sse
 
 log = logging.getLogger(__name__)
@@ -155,17 +155,18 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
                                        "authentication_error", code="invalid_api_key"))
         return await call_next(request)
 
-    @app.get("/health")
+    @app.get("/health", responses=error_responses(503))
     async def health():
         if not engine.is_running:
             return _error(APIError(503, f"engine is not running: {engine.error}", "service_unavailable"))
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses={200: {
+        "content": {"text/plain": {}}, "description": "Prometheus text exposition format"}})
     async def prometheus():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=error_responses(401))
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "infertune",
                                             "max_model_len": engine.engine.max_model_len}]}
@@ -201,7 +202,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
                 raise
             raise err from None
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=STREAMED | error_responses(400, 401, 404, 408, 413, 429, 503))
     async def completions(req: CompletionRequest, request: Request):
         check_model(req.model)
         params = params_of(lambda: req.sampling_params(req.max_tokens, req.logprobs))
@@ -214,7 +215,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
         streams = await submit(fmt.id, prompts, params, "prompt")
         return await respond(request, fmt, streams, params.n, req.stream, req.include_usage)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=STREAMED | error_responses(400, 401, 404, 408, 413, 429, 503))
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         check_model(req.model)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens

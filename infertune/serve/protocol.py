@@ -26,6 +26,36 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(BaseModel):
+    """What every refusal's body is (OpenAI's shape), declared in the OpenAPI schema for each status it can have."""
+
+    error: ErrorDetail
+
+
+STREAMED = {200: {"content": {"text/event-stream": {}},
+                   "description": "the completion as JSON, or with stream=true its chunks as server-sent events"}}
+
+
+def error_responses(*statuses: int) -> dict:
+    meaning = {
+        400: "invalid request: the parameter and its allowed range, or the numbers that cannot fit",
+        401: "missing or wrong API key (with --api-key)",
+        404: "unknown model",
+        408: "the request passed --request-timeout and was aborted",
+        413: "the body is over --max-body-bytes",
+        429: "the waiting queue or the host-memory budget is full now (Retry-After)",
+        503: "the process is over its memory ceiling (Retry-After), or the engine stopped",
+    }
+    return {status: {"model": ErrorBody, "description": meaning[status]} for status in statuses}
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
