@@ -35,8 +35,8 @@ def main() -> int:
           f"({kv} KV tokens)")
     print("| executor | output tok/s | decode tok/s | TTFT ms |\n|---|---:|---:|---:|")
     for name, runs in res.items():
-        print(f"| {name} | {statistics.median(r['out'] for r in runs):.1f} | "
-              f"{statistics.median(r['dec'] for r in runs):.1f} | {statistics.median(r['ttft'] for r in runs) * 1e3:.1f} |")
+        out, dec = (statistics.median(r[k] for r in runs) for k in ("out", "dec"))
+        print(f"| {name} | {out:.1f} | {dec:.1f} | {statistics.median(r['ttft'] for r in runs) * 1e3:.1f} |")
     ratios = [m["dec"] / u["dec"] for m, u in zip(res["mp"], res["uni"])]
     print("mp / uni decode tok/s per round: " + " ".join(f"{x:.3f}" for x in ratios) +
           f"; median {statistics.median(ratios):.3f}")
