@@ -65,14 +65,36 @@ def add_limits_args(p: argparse.ArgumentParser) -> None:
 
     from infertune.config import LimitsConfig, parse_size
 
+    def size(text: str) -> int:
+        try:
+            return parse_size(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
     g = p.add_argument_group("request limits", "what one request may cost, checked before it is queued")
     for f in fields(LimitsConfig):
-        kind = parse_size if f.metadata.get("size") else float if "float" in str(f.type) else int
+        kind = size if f.metadata.get("size") else float if "float" in str(f.type) else int
         default = None if f.default is MISSING else f.default
         text = f.metadata["help"]
         if "(default:" not in text:
             text += f" (default: {default})"
         g.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=default, help=text)
+
+
+def limits_table() -> str:
+    """The README's table of the request-limit options, made from LimitsConfig's fields (a test keeps them equal)."""
+    from dataclasses import MISSING, fields
+
+    from infertune.config import LimitsConfig
+
+    rows = ["| `serve` flag | engine option | default | meaning |", "|---|---|---|---|"]
+    for f in fields(LimitsConfig):
+        default = None if f.default is MISSING else f.default
+        text = f.metadata["help"].replace("%%", "%")
+        text, _, said = text.partition(" (default: ")
+        shown = said.rstrip(")") if said else f"`{default}`"
+        rows.append(f"| `--{f.name.replace('_', '-')}` | `{f.name}` | {shown} | {text} |")
+    return "\n".join(rows)
 
 
 def _limits_kwargs(args: argparse.Namespace) -> dict:

@@ -148,3 +148,15 @@ def test_offline_engine_applies_the_same_request_bounds(tiny_llama):
         llm.generate("x", SamplingParams(stop=["a", "b"], max_tokens=2))
     out = llm.generate("x", SamplingParams(n=2, max_tokens=2, ignore_eos=True))[0]
     assert [len(c.token_ids) for c in out.outputs] == [2, 2]
+
+
+def test_readme_limits_table_is_the_one_made_from_the_config():
+    from pathlib import Path
+
+    from infertune.cli import build_parser, limits_table
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = readme.split("<!-- limits-options:begin -->\n", 1)[1].split("\n<!-- limits-options:end -->", 1)[0]
+    assert block == limits_table(), "README's limits table is stale; paste infertune.cli.limits_table() there"
+    serve = build_parser().parse_args(["serve", "--max-n", "7", "--memory-limit", "1.5Gi", "--request-timeout", "2"])
+    assert (serve.max_n, serve.memory_limit, serve.request_timeout) == (7, 3 * 2**29, 2.0)
