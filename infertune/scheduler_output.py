@@ -60,11 +60,3 @@ class SchedulerOutput:
     req_ids: list[str] = field(default_factory=list)
     num_scheduled_tokens: list[int] = field(default_factory=list)
     finished_req_ids: list[str] = field(default_factory=list)  # forget these before running the step
-
-    @property
-    def total_tokens(self) -> int:
-        return sum(self.num_scheduled_tokens)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.req_ids

@@ -63,7 +63,7 @@ def _mib(n: float) -> str:
 class Admission:
     """The ledger of admitted requests' costs, and the checks a new one must pass. Used by one thread only."""
 
-    def __init__(self, limits: LimitsConfig, kv_blocks: int, block_size: int, host: HostCost,
+    def __init__(self, limits: LimitsConfig, kv_blocks: int, block_size: int, host: HostCost | None,
                  ceiling_bytes: int, baseline_bytes: int, rss: Callable[[], int], max_num_seqs: int = 2**31) -> None:
         self.limits = limits
         self.max_num_seqs = max_num_seqs  # the most sequences that ever run (hold KV) at once
@@ -81,6 +81,7 @@ class Admission:
 
     def cost(self, prompt_lens: list[int], max_tokens: list[int], n: int, logprobs: int | None) -> Cost:
         """Check what the request could never get (NeverFits) and return what it will hold."""
+        assert self.host is not None, "the host cost must be measured before requests are weighed"
         seqs = n * len(prompt_lens)
         share = self.limits.max_seqs_per_request
         if seqs > share:

@@ -19,7 +19,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from infertune.engine.admission import Admission, Overloaded
+from infertune.engine.admission import Admission, HostCost, Overloaded
 from infertune.engine.host_memory import auto_ceiling, process_rss
 from infertune.engine.llm_engine import LLMEngine
 from infertune.engine.outputs import RequestOutput
@@ -104,9 +104,9 @@ class AsyncLLMEngine:
         self.idle_wait_s = idle_wait_s
         baseline = process_rss()
         info = engine.executor.kv_cache_info
-        self.host_cost = engine.measure_host_cost()
         ceiling = self.limits.memory_limit or auto_ceiling(baseline)
-        self.admission = Admission(self.limits, info.num_blocks, info.block_size, self.host_cost, ceiling, baseline,
+        # The host cost is measured once, by measure_host_cost() (the server's, with its response body) or at start.
+        self.admission = Admission(self.limits, info.num_blocks, info.block_size, None, ceiling, baseline,
                                    process_rss, engine.config.scheduler.max_num_seqs)
         self._inbox: list[_Submission] = []
         self._aborts: list[str] = []
@@ -125,9 +125,17 @@ class AsyncLLMEngine:
         self.stats: dict = engine.stats()
         self.step_listeners: list = []  # callables(outputs, step_seconds) run on the engine thread
 
-    def measure_host_cost(self, response_of) -> None:
-        """Measure again with what the server keeps of a finished request (response_of(output), e.g. its body)."""
-        self.host_cost = self.admission.host = self.engine.measure_host_cost(response_of)
+    def measure_host_cost(self, response_of=None) -> None:
+        """Measure what a request holds, with what the caller keeps of a finished one (response_of(output), e.g. the
+        server's response body). Before start(); start() measures without it if nobody did."""
+        assert not self.started, "measure the host cost before the engine loop starts"
+        self.admission.host = self.engine.measure_host_cost(response_of)
+
+    @property
+    def host_cost(self) -> HostCost:
+        if self.admission.host is None:
+            self.measure_host_cost()
+        return self.admission.host
 
     def describe_limits(self) -> str:
         a, c, lim = self.admission, self.host_cost, self.limits
@@ -142,6 +150,8 @@ class AsyncLLMEngine:
     # ---- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
         assert self._thread is None, "already started"
+        if self.admission.host is None:
+            self.measure_host_cost()
         self._thread = threading.Thread(target=self._run, name="infertune-engine", daemon=True)
         self._thread.start()
 

@@ -108,7 +108,8 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
     limits = engine.limits
     # What the server keeps of a finished non-streamed request (its response body) counts in its host cost.
     measure = Formatter("measure", model_name, tokenizer, chat=False)
-    engine.measure_host_cost(lambda out: json.dumps(measure.response([out], len(out.outputs))))
+    if not engine.started:
+        engine.measure_host_cost(lambda out: json.dumps(measure.response([out], len(out.outputs))))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
