@@ -52,7 +52,7 @@ def main() -> int:
             builds.append(lib)
         model = str(bench_model(args.model))
         llm = LLM(model, dtype="bfloat16", enable_prefix_caching=False, max_num_seqs=max(args.batch, 1))
-        fused = llm.engine.executor.runner.fused  # (None where the engine has no fused step)
+        fused = llm.engine.executor.runner.fused  # (None where the engine has no fused step; .decoder: x86_fused)
         real = kernels._lib
         vocab = llm.engine.config.model.arch.vocab_size
         params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
@@ -66,7 +66,7 @@ def main() -> int:
                 for i in ((0, 1) if r % 2 == 0 else (1, 0)):
                     kernels._lib = builds[i]  # every kernel call from here on: linears, norms, the fused step
                     if fused is not None:
-                        fused.lib = builds[i]
+                        fused.decoder.lib = builds[i]
                     prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(args.input_len)]}
                                for _ in range(args.batch)]
                     kernels.fused_step_timers(reset=True)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from infertune.kernels import cpu as kernels
+from infertune.kernels import x86
 from infertune.layers.linear import DecodeKernelMethod, Linear
 from infertune.quant.int8 import W8A16Method, quantize_int8_per_channel
 
@@ -184,7 +185,7 @@ def test_methods_use_kernels_only_for_decode_rows(monkeypatch):
     calls = []
     real = kernels.linear_bf16
     monkeypatch.setattr(kernels, "linear_bf16", lambda *a: calls.append(a[0].shape) or real(*a))
-    layer = Linear(64, 48, dtype=torch.bfloat16, quant_method=DecodeKernelMethod(kernels))
+    layer = Linear(64, 48, dtype=torch.bfloat16, quant_method=DecodeKernelMethod(x86.kernels()))
     layer.weight.data.copy_(torch.randn(48, 64))
     rows = kernels.bf16_max_rows()
     assert rows in (kernels.MAX_ROWS, kernels.AMX_GEMM_MAX_ROWS)
@@ -195,7 +196,7 @@ def test_methods_use_kernels_only_for_decode_rows(monkeypatch):
     layer(big)
     assert calls == [small.shape, edge.shape]
 
-    q8 = Linear(64, 48, dtype=torch.bfloat16, quant_method=W8A16Method(kernels=kernels))
+    q8 = Linear(64, 48, dtype=torch.bfloat16, quant_method=W8A16Method(kernels=x86.kernels()))
     q8.weight.data.copy_(torch.randn(48, 64))
     q8.quant_method.process_weights_after_loading(q8)
     w = q8.quant_method.dequantized_weight(q8).double()
@@ -249,7 +250,7 @@ def test_engine_with_kernels_matches_hf(tmp_path, arch, quant, kv):
         methods = {type(m.quant_method).__name__ for m in runner.model.modules() if isinstance(m, Linear)}
         if mode == "auto":
             assert "DecodeKernelMethod" in methods and (quant is None or f"{quant.upper()}Method" in methods)
-            assert runner.decode_kernels is kernels and runner.fused is not None
+            assert runner.decode_kernels is x86.kernels() and runner.fused is not None
         else:
             assert "DecodeKernelMethod" not in methods and runner.fused is None
         # quantization moves logits by more than bf16 noise: see below
@@ -559,7 +560,7 @@ def test_engine_with_12bit_weights_is_the_engine_with_bf16_weights(tmp_path, mon
         llm = LLM(str(model), dtype="bfloat16", compress_weights=mode, decode_kernels=kernel_mode, max_model_len=192)
         runner = llm.engine.executor.runner
         methods = {type(m.quant_method).__name__ for m in runner.model.modules() if isinstance(m, Linear)}
-        assert ("Bf16cMethod" in methods) == (mode == "auto")
+        assert ("CompressedMethod" in methods) == (mode == "auto")
         fused.clear()
         steps.clear()
         runs[mode, kernel_mode] = [(o.outputs[0].token_ids, [(lp.token_id, lp.logprob) for lp in o.outputs[0].logprobs])

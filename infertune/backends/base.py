@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import abc
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from infertune.kernels.interface import DecodeKernels
 
 
 class Backend(abc.ABC):
@@ -60,10 +65,14 @@ class Backend(abc.ABC):
         None."""
         return None
 
-    def decode_kernels(self):
-        """This backend's own small-batch linear kernels (a module with MAX_ROWS, bf16_max_rows, linear_bf16 and
-        linear_w8, as infertune.kernels.cpu), or None where torch's matmuls are all there is."""
+    def decode_kernels(self) -> "DecodeKernels | None":
+        """This backend's own kernels (the contract: kernels/interface.py), or None where torch's operators are all
+        there is. The CPU backend's are x86's (kernels/x86.py), where the CPU and a C compiler allow."""
         return None
+
+    def kernels_unavailable_reason(self) -> str | None:
+        """Why decode_kernels() is None here (None when it is not)."""
+        return "this backend has no kernels of its own"
 
     # Rows (tokens) up to which the int8 / int4 weight-pack matmuls beat dequantize + dense matmul.
     quant_kernel_max_rows: int = 16

@@ -5,11 +5,15 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+from typing import TYPE_CHECKING
 
 import psutil
 import torch
 
 from infertune.backends.base import Backend
+
+if TYPE_CHECKING:
+    from infertune.kernels.interface import DecodeKernels
 
 
 def cpu_supports_bf16() -> bool:
@@ -127,10 +131,15 @@ class CPUBackend(Backend):
     def prepare_host_memory(self) -> str | None:
         return keep_host_memory()
 
-    def decode_kernels(self):
-        from infertune.kernels import cpu as kernels  # built on first use; None where the CPU or compiler lacks
+    def decode_kernels(self) -> "DecodeKernels | None":
+        from infertune.kernels import x86  # built on first use; None where the CPU or the compiler lacks
 
-        return kernels if kernels.available() else None
+        return x86.kernels()
+
+    def kernels_unavailable_reason(self) -> str | None:
+        from infertune.kernels import cpu
+
+        return cpu.unavailable_reason()
 
     def free_memory_bytes(self) -> int:
         return psutil.virtual_memory().available

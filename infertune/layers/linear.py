@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from infertune.kernels.interface import CompressedWeight, DecodeKernels, KernelLinear
+
 
 class QuantMethod(abc.ABC):
     """How a linear layer's weights are created, post-processed after loading, and multiplied."""
@@ -24,6 +26,16 @@ class QuantMethod(abc.ABC):
 
     @abc.abstractmethod
     def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor: ...
+
+    def silu_and_mul(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor | None:
+        """For an MLP's gate_up layer: silu(gate) * up of x straight from the matmul, or None (the MLP then runs
+        the layer and the activation apart)."""
+        return None
+
+    def kernel_weights(self, layer: "Linear") -> KernelLinear | None:
+        """The layer's weights as the backend's kernels multiply them (for the fused step), or None where they are
+        in a layout of torch's."""
+        return None
 
 
 class UnquantizedMethod(QuantMethod):
@@ -53,15 +65,15 @@ class PrepackedMethod(UnquantizedMethod):
 
 
 class DecodeKernelMethod(UnquantizedMethod):
-    """Plain weights, left where they are: steps of up to kernels.bf16_max_rows() rows (decodes; with AMX also
+    """Plain weights, left where they are: steps of up to kernels.max_rows("bf16") rows (decodes; with AMX also
     prompts and decode batches up to 128 rows) run the backend's small-batch kernel, bigger ones (prefills) and
     anything torch.compile traces run F.linear."""
 
     name = "decode-kernel"
 
-    def __init__(self, kernels) -> None:
+    def __init__(self, kernels: DecodeKernels) -> None:
         self.kernels = kernels
-        self.max_rows = kernels.bf16_max_rows()
+        self.max_rows = kernels.max_rows("bf16")
 
     def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
         if (x.dtype is torch.bfloat16 and x.numel() <= self.max_rows * x.shape[-1]
@@ -69,48 +81,46 @@ class DecodeKernelMethod(UnquantizedMethod):
             return self.kernels.linear_bf16(x, layer.weight, layer.bias)
         return F.linear(x, layer.weight, layer.bias)
 
+    def kernel_weights(self, layer: "Linear") -> KernelLinear:
+        return KernelLinear("bf16", layer.out_features, layer.in_features, layer.bias, weight=layer.weight)
 
-class Bf16cMethod(DecodeKernelMethod):
-    """Plain bf16 weights stored losslessly in 12 bits a weight (kernels/cpu.py pack_bf16c): each weight's low
-    byte plus a 4-bit code into the layer's 16 most common high bytes, the rare others patched in. The kernels
-    decode tiles as they multiply, so a decode step streams 25% fewer weight bytes and the layer holds 0.75x the
-    memory, for the very same products (bitwise those of DecodeKernelMethod on AMX). Every step bf16 and outside
-    torch.compile runs the kernels (the tile GEMM past 16 rows); traced code gets the unpacked weight.
 
-    An MLP's gate_up (a layer marked `silu_pairs`, without bias) is packed with its gate and up rows interleaved
-    16 by 16, so that silu_and_mul() hands the MLP silu(gate) * up straight from the tiles."""
+class CompressedMethod(DecodeKernelMethod):
+    """Plain bf16 weights kept in the kernels' lossless compressed layout (`DecodeKernels.compress`; on x86, 12 bits
+    a weight: kernels/x86.py): a decode step streams fewer weight bytes and the layer holds less memory, for the
+    very same products as DecodeKernelMethod. Every step bf16 and outside torch.compile runs the kernels; traced
+    code gets the dense weight back.
+
+    An MLP's gate_up (a layer marked `silu_pairs`, without bias) is compressed so that silu_and_mul() hands the MLP
+    silu(gate) * up straight from the matmul."""
 
     name = "decode-kernel-12bit"
-    inter = 0  # > 0: a gate_up packed interleaved (kernels.interleave_gate_up), its intermediate size
 
     def process_weights_after_loading(self, layer: "Linear") -> None:
-        w = layer.weight.data
-        if (getattr(layer, "silu_pairs", False) and layer.bias is None and w.shape[0] % 32 == 0):
-            self.inter = w.shape[0] // 2
-        packed = self.kernels.pack_bf16c(w, inter=self.inter)  # (gate and up interleaved where inter > 0)
+        gate_up = getattr(layer, "silu_pairs", False) and layer.bias is None
+        self.weight: CompressedWeight = self.kernels.compress(layer.weight.data, gate_up=gate_up)
         del layer.weight
-        for name, t in packed.items():
-            layer.register_buffer(f"bf16c_{name}", t)
-        self.desc = self.kernels.bf16c_struct(packed)  # points at the buffers above (they live with the layer)
+        for name, t in self.weight.buffers.items():  # (the layer holds the memory: .to(), state_dict, sizes)
+            layer.register_buffer(f"compressed_{name}", t)
 
     def dense_weight(self, layer: "Linear") -> torch.Tensor:
         """The bf16 weight [out, in], bit for bit as loaded."""
-        w = self.kernels.unpack_bf16c(self.desc, layer.out_features, layer.in_features)
-        return self.kernels.deinterleave_gate_up(w) if self.inter else w
+        return self.weight.dense()
 
     def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
             return F.linear(x, self.dense_weight(layer), layer.bias)
-        if x.dtype is torch.bfloat16:  # the tile GEMM decodes as it goes at every size: no unpacked copy
-            return self.kernels.linear_bf16c(x, self.desc, layer.out_features, layer.bias, inter=self.inter)
+        if x.dtype is torch.bfloat16:  # the kernel decodes as it multiplies at every size: no dense copy
+            return self.weight.linear(x, layer.bias)
         return F.linear(x, self.dense_weight(layer).to(x.dtype), layer.bias)
 
     def silu_and_mul(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor | None:
-        """silu(gate) * up of this gate_up layer for x, from the tiles (None where it cannot: not interleaved, not
-        bf16, or traced); rounded as layers/activation.py silu_and_mul on the bf16 gate_up."""
-        if not self.inter or x.dtype is not torch.bfloat16 or torch.compiler.is_compiling():
+        if x.dtype is not torch.bfloat16 or torch.compiler.is_compiling():
             return None
-        return self.kernels.linear_bf16c(x, self.desc, layer.out_features, inter=self.inter, silu=True)
+        return self.weight.silu_and_mul(x)
+
+    def kernel_weights(self, layer: "Linear") -> KernelLinear:
+        return KernelLinear("bf16c", layer.out_features, layer.in_features, layer.bias, compressed=self.weight)
 
 
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard: object = None) -> None:

@@ -6,19 +6,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from infertune.layers.kernel_op import KernelOp
 
-class RMSNorm(nn.Module):
+
+class RMSNorm(KernelOp):
     def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
-        self.kernels = None  # the backend's kernels (runner/fused_decode.use_kernels), same rounding
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
-        if self.kernels is not None and not torch.compiler.is_compiling():
-            out = self.kernels.rms_norm(x, self.weight, self.eps)
-            if out is not None:
-                return out
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
         # Same rounding order as the reference implementation: normalise in fp32, cast, then scale.
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * normed.to(x.dtype)
+
+    def forward_kernels(self, x: torch.Tensor) -> torch.Tensor | None:
+        return self.kernels.rms_norm(x, self.weight, self.eps)

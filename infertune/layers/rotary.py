@@ -9,7 +9,8 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import nn
+
+from infertune.layers.kernel_op import KernelOp
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -34,7 +35,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
     raise ValueError(f"rope type {kind!r} is not supported")
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(KernelOp):
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None) -> None:
         super().__init__()
         self.head_dim = head_dim
@@ -42,7 +43,6 @@ class RotaryEmbedding(nn.Module):
         self.theta = theta
         self.scaling = scaling
         self.register_buffer("cos_sin", torch.empty(max_position, head_dim), persistent=False)
-        self.kernels = None  # the backend's kernels (runner/fused_decode.use_kernels), same rounding
 
     def reset_buffers(self) -> None:
         """Fill the table on whatever device the module now lives on (it is built on the meta device)."""
@@ -57,12 +57,13 @@ class RotaryEmbedding(nn.Module):
         cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
         return cos, sin
 
-    def forward(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward_native(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate qk [T, Hq + Hkv, D] (the query and key heads, side by side) in place; returns it.
 
         Rotated in fp32 and rounded once to qk's dtype, exactly as rotating q and k separately would.
         """
-        if self.kernels is not None and not torch.compiler.is_compiling() and self.kernels.rotary_(qk, cos, sin):
-            return qk
         x1, x2 = qk.float().chunk(2, dim=-1)
         return qk.copy_(torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1))
+
+    def forward_kernels(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+        return qk if self.kernels.rotary_(qk, cos, sin) else None

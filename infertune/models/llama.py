@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from infertune.config import ArchConfig
-from infertune.layers.activation import silu_and_mul
+from infertune.layers.activation import SiluAndMul
 from infertune.layers.attention import AttentionBackend, AttentionMetadata
 from infertune.layers.linear import Linear, PackedLinear
 from infertune.layers.norm import RMSNorm
@@ -64,7 +64,7 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = PackedLinear(cfg.hidden_size, {0: inter, 1: inter}, bias=cfg.mlp_bias, dtype=dtype)
         self.gate_up_proj.silu_pairs = True  # a quant method may pack gate and up side by side for a fused SiLU
         self.down_proj = Linear(inter, cfg.hidden_size, bias=cfg.mlp_bias, dtype=dtype)
-        self.kernels = None  # the backend's kernels (runner/fused_decode.use_kernels), same rounding
+        self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
@@ -78,16 +78,10 @@ class LlamaMLP(nn.Module):
         return self._mlp(x)
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        fused = getattr(self.gate_up_proj.quant_method, "silu_and_mul", None)
-        act = fused(self.gate_up_proj, x) if fused is not None else None  # SiLU in the GEMM's epilogue
-        if act is not None:
-            return self.down_proj(act)
-        gate_up = self.gate_up_proj(x)
-        if self.kernels is not None and not torch.compiler.is_compiling():
-            act = self.kernels.silu_and_mul(gate_up)
-            if act is not None:
-                return self.down_proj(act)
-        return self.down_proj(silu_and_mul(gate_up))
+        act = self.gate_up_proj.quant_method.silu_and_mul(self.gate_up_proj, x)  # SiLU in the GEMM's epilogue
+        if act is None:
+            act = self.act(self.gate_up_proj(x))
+        return self.down_proj(act)
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -8,12 +8,14 @@ import torch
 from torch import nn
 
 from infertune.config import QuantConfig
-from infertune.layers.linear import Bf16cMethod, DecodeKernelMethod, Linear, PrepackedMethod
+from infertune.kernels.interface import DecodeKernels
+from infertune.layers.linear import CompressedMethod, DecodeKernelMethod, Linear, PrepackedMethod
 from infertune.quant.int4 import W4A16Method
 from infertune.quant.int8 import W8A8Method, W8A16Method
 
 
-def make_method(config: QuantConfig, fast_kernels: bool = True, kernel_max_rows: int | None = None, kernels=None):
+def make_method(config: QuantConfig, fast_kernels: bool = True, kernel_max_rows: int | None = None,
+                kernels: DecodeKernels | None = None):
     """kernel_max_rows: above this many rows (prefill) a dequantized dense matmul beats the weight-pack kernels.
     kernels: the backend's own decode kernels (Backend.decode_kernels()), used by the methods that have one."""
     if config.method == "w8a16":
@@ -26,7 +28,8 @@ def make_method(config: QuantConfig, fast_kernels: bool = True, kernel_max_rows:
 
 
 def attach_linear_methods(model: nn.Module, config: QuantConfig | None, backend=None, prepack: bool = True,
-                          dtype: torch.dtype | None = None, kernels=None, compress: bool = False) -> dict[str, str]:
+                          dtype: torch.dtype | None = None, kernels: DecodeKernels | None = None,
+                          compress: bool = False) -> dict[str, str]:
     """Choose each Linear's method before loading: quantized (unless kept in full precision), the backend's
     decode kernels over plain bf16 weights (when `kernels` is given), prepacked into the backend's fast layout,
     or plain. Returns {layer name: method name} for the layers that changed.
@@ -34,7 +37,7 @@ def attach_linear_methods(model: nn.Module, config: QuantConfig | None, backend=
     Norms, rotary, softmax and logits are never quantized. A weight shared with another module (tied
     embeddings) keeps its plain values, since the embedding reads it too; the decode kernels read it in place.
     With `compress`, the other plain bf16 layers under the decode kernels are kept in the kernels' lossless 12-bit
-    layout where their shape and the CPU allow (Bf16cMethod).
+    layout where their shape and the CPU allow (CompressedMethod).
     """
     fast = backend.has_quant_kernels if backend is not None else True
     max_rows = backend.quant_kernel_max_rows if backend is not None else None
@@ -52,8 +55,8 @@ def attach_linear_methods(model: nn.Module, config: QuantConfig | None, backend=
         keep = any(fnmatch.fnmatch(name, p) or name.startswith(p + ".") for p in (config.keep_fp if config else ()))
         if config is not None and config.method is not None and not keep:
             module.quant_method = make_method(config, fast, max_rows, kernels)
-        elif plain_kernel and compress and kernels.bf16c_supported(module.out_features, module.in_features):
-            module.quant_method = Bf16cMethod(kernels)
+        elif plain_kernel and compress and kernels.can_compress(module.out_features, module.in_features):
+            module.quant_method = CompressedMethod(kernels)
         elif plain_kernel:
             module.quant_method = DecodeKernelMethod(kernels)
         elif prepack and backend is not None and backend.can_prepack(dtype or module.weight.dtype, module.in_features):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from infertune.kernels.interface import DecodeKernels, KernelLinear
 from infertune.layers.linear import Linear, UnquantizedMethod
 
 
@@ -42,10 +43,10 @@ class W4A16Method(UnquantizedMethod):
     name = "w4a16"
 
     def __init__(self, group_size: int = 128, symmetric: bool = False, fast_kernel: bool = True,
-                 kernel_max_rows: int | None = None, kernels=None) -> None:
+                 kernel_max_rows: int | None = None, kernels: DecodeKernels | None = None) -> None:
         self.group_size, self.symmetric, self.fast_kernel = group_size, symmetric, fast_kernel
         self.kernel_max_rows = kernel_max_rows  # past this many rows: dequantize once, dense matmul
-        # The backend's own decode kernels (infertune.kernels.cpu): where given, weights are kept in their layout.
+        # The backend's own decode kernels (kernels/interface.py): where given, weights are kept in their layout.
         self.kernels = kernels
         self.own_layout = False
 
@@ -63,7 +64,7 @@ class W4A16Method(UnquantizedMethod):
         device = q.device
         if (self.kernels is not None and device.type == "cpu" and dtype is torch.bfloat16
                 and self.kernels.w4_supported(q.shape[1], self.group_size)):
-            self.own_layout = True  # infertune's int4 kernel: nibbles [N, K/2], fp32 scale and zero [N, K/g]
+            self.own_layout = True  # the kernels' int4 storage (pack_w4), fp32 scale and zero [N, K/g]
             layer.register_buffer("qweight", self.kernels.pack_w4(q))
             layer.register_buffer("w4_scale", scale.float().contiguous())
             layer.register_buffer("w4_zero", low.float().contiguous())
@@ -97,10 +98,16 @@ class W4A16Method(UnquantizedMethod):
         w = (g - 8) * sz[..., 0].t().unsqueeze(-1) + sz[..., 1].t().unsqueeze(-1)
         return w.view(n, -1)
 
+    def kernel_weights(self, layer: Linear) -> KernelLinear | None:
+        if not self.own_layout:
+            return None
+        return KernelLinear("w4", layer.out_features, layer.in_features, layer.bias, qweight=layer.qweight,
+                            scales=layer.w4_scale, zero=layer.w4_zero, group_size=self.group_size)
+
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         if self.own_layout:
-            if x.dtype is torch.bfloat16 and x2.shape[0] <= self.kernels.MAX_ROWS and not torch.compiler.is_compiling():
+            if x.dtype is torch.bfloat16 and x2.shape[0] <= self.kernels.max_rows("w4") and not torch.compiler.is_compiling():
                 return self.kernels.linear_w4(x, layer.qweight, layer.w4_scale, layer.w4_zero, self.group_size,
                                               layer.bias)
             y = F.linear(x, self._dense_weight(layer, x.dtype))

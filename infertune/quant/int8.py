@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from infertune.kernels.interface import DecodeKernels, KernelLinear
 from infertune.layers.linear import Linear, QuantMethod, UnquantizedMethod
 
 
@@ -32,9 +33,10 @@ class W8A16Method(UnquantizedMethod):
 
     name = "w8a16"
 
-    def __init__(self, fast_kernel: bool = True, kernel_max_rows: int | None = None, kernels=None) -> None:
+    def __init__(self, fast_kernel: bool = True, kernel_max_rows: int | None = None,
+                 kernels: DecodeKernels | None = None) -> None:
         self.fast_kernel = fast_kernel
-        # The backend's own small-batch kernels (infertune.kernels.cpu), used for decode steps when given.
+        # The backend's own small-batch kernels (kernels/interface.py), used for decode steps when given.
         self.kernels = kernels
         # The weight-pack kernel is a GEMV at heart: past a few rows (a prefill), dequantizing the weight
         # once and running a dense matmul is much faster (measured 12.9 s -> see BENCHMARKS.md for 16x128).
@@ -54,9 +56,15 @@ class W8A16Method(UnquantizedMethod):
     def dequantized_weight(self, layer: Linear) -> torch.Tensor:
         return layer.qweight.float() * layer.scales.float().unsqueeze(1)
 
+    def kernel_weights(self, layer: Linear) -> KernelLinear | None:
+        if self.kernels is None or not layer.qweight.is_contiguous():
+            return None
+        return KernelLinear("w8", layer.out_features, layer.in_features, layer.bias, qweight=layer.qweight,
+                            scales=layer.scales)
+
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
-        if (self.kernels is not None and x.dtype is torch.bfloat16 and x2.shape[0] <= self.kernels.MAX_ROWS
+        if (self.kernels is not None and x.dtype is torch.bfloat16 and x2.shape[0] <= self.kernels.max_rows("w8")
                 and not torch.compiler.is_compiling()):
             return self.kernels.linear_w8(x, layer.qweight, layer.scales, layer.bias)
         if self.fast_kernel and (self.kernel_max_rows is None or x2.shape[0] <= self.kernel_max_rows):
@@ -86,6 +94,9 @@ class W8A8Method(W8A16Method):
 
     def dequantized_weight(self, layer: Linear) -> torch.Tensor:
         return layer.qweight_t.t().float() * layer.scales.unsqueeze(1)
+
+    def kernel_weights(self, layer: Linear) -> None:
+        return None  # (int8 activations: the kernels multiply bf16 ones)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])

@@ -15,9 +15,10 @@ import torch
 from infertune.backends import Backend
 from infertune.config import EngineConfig
 from infertune.layers.attention import AttentionMetadata, Int8PagedAttention, PrefillChunk, TorchPagedAttention
+from infertune.layers.kernel_op import attach_kernels
 from infertune.models.loader import load_model
 from infertune.runner.compiled import CompiledForward, should_compile
-from infertune.runner.fused_decode import FusedDecode, use_kernels
+from infertune.runner.fused_decode import FusedDecode
 from infertune.runner.request_state import RequestState, RequestStates
 from infertune.runner.sampler import SampleRequest, Sampler, SamplerOutput
 from infertune.scheduler_output import SchedulerOutput
@@ -52,6 +53,10 @@ class ModelRunner:
         # an fp32 model never builds or loads them.
         use = config.model.decode_kernels != "off" and self.dtype is torch.bfloat16
         self.decode_kernels = backend.decode_kernels() if use else None
+        if use and self.decode_kernels is None:
+            log.info("decode kernels off: %s; torch's operators run", backend.kernels_unavailable_reason())
+        elif self.decode_kernels is not None:
+            log.info("decode kernels: %s", self.decode_kernels.name)
         self.attn = Int8PagedAttention(self.dtype) if config.cache.kv_cache_dtype == "int8" else TorchPagedAttention()
         self.model = load_model(
             arch, config.model.model, self.dtype, self.device, config.model.max_model_len, self.attn, show_progress,
@@ -84,7 +89,7 @@ class ModelRunner:
         # Decode-only steps of up to 16 sequences: every layer in one kernel call (runner/fused_decode.py).
         # Not with torch.compile: its warm-up must run (and compile) the graphs that decode steps use.
         if self.decode_kernels is not None and config.model.decode_kernels == "auto":
-            use_kernels(self.model, self.decode_kernels)  # prefills' norms, rotary and SiLU-and-multiply
+            attach_kernels(self.model, self.decode_kernels)  # prefills' norms, rotary and SiLU-and-multiply
         if self.decode_kernels is not None and self.compiled is None and config.model.decode_kernels == "auto":
             # (a step holds at most max_num_batched_tokens tokens, and at most max_num_seqs whole sequences)
             step_rows = min(config.scheduler.max_num_batched_tokens,

@@ -1,0 +1,195 @@
+"""The contract between the engine and a backend's own kernels: `DecodeKernels`, and the plain data it takes.
+
+A backend that has kernels of its own (the CPU backend's x86 package, infertune/kernels/x86.py) returns an object
+that satisfies `DecodeKernels` from `Backend.decode_kernels()`; one that has none returns None and the engine runs
+torch's operators throughout. Everything the engine knows of the kernels goes through this file:
+
+- the linear layers' methods (layers/linear.py, quant/) call `linear_*`, ask `max_rows(kind)` up to which rows the
+  kernel beats torch's GEMM, store weights in the kernels' own layouts through `pack_w4` / `compress` without
+  knowing those layouts, and describe themselves to the fused step as a `KernelLinear`;
+- the modules with an elementwise kernel (RMSNorm, rotary, SiLU-and-multiply: layers/kernel_op.py `KernelOp`) are
+  given the kernels once at load and call `rms_norm` / `rotary_` / `silu_and_mul`, which return None (False for
+  rotary) where a layout does not fit, and the module then runs its PyTorch formula;
+- the runner hands the whole decoder, as a `FusedModel` of tensors and sizes, to `fused_decoder`, which returns a
+  `FusedDecoder` (one call per step) or the reason it cannot run.
+
+Every kernel rounds as the PyTorch formula it replaces (to bf16 precision); tests/test_kernels.py holds each one
+to its formula, and tests/test_kernel_interface.py runs the engine on a second, pure-PyTorch implementation of
+this contract.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
+
+import torch
+
+# How a linear layer's weight is stored for the kernels:
+#   bf16   the plain bf16 weight [N, K]
+#   bf16c  the same weight, losslessly compressed (CompressedWeight)
+#   w8     int8 [N, K] with per-output-channel scales [N] (bf16 or fp32)
+#   w4     int4 in the kernels' own packing (pack_w4) with fp32 scale and zero [N, K / group_size]
+LinearKind = Literal["bf16", "bf16c", "w8", "w4"]
+
+
+class CompressedWeight(Protocol):
+    """A bf16 weight kept in a kernel's lossless compressed layout (`DecodeKernels.compress`)."""
+
+    buffers: dict[str, torch.Tensor]  # the tensors that hold it: the layer registers them (memory, .to, state)
+    out_features: int
+    in_features: int
+    gate_up: bool  # packed so that silu_and_mul() can run in the GEMM's epilogue
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., K] bf16 -> x W^T + bias [..., N] bf16, the very products of linear_bf16 on the plain weight."""
+        ...
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up of a gate_up weight for x, rounded as the separate activation; None where not packed so."""
+        ...
+
+    def dense(self) -> torch.Tensor:
+        """The bf16 weight [N, K], bit for bit as it was given."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class KernelLinear:
+    """A linear layer's weights as the kernels see them (what a QuantMethod hands the fused step)."""
+
+    kind: LinearKind
+    out_features: int
+    in_features: int
+    bias: torch.Tensor | None = None
+    weight: torch.Tensor | None = None  # bf16
+    qweight: torch.Tensor | None = None  # w8: int8 [N, K]; w4: pack_w4's bytes
+    scales: torch.Tensor | None = None  # w8 [N]; w4 [N, K / group_size] fp32
+    zero: torch.Tensor | None = None  # w4
+    group_size: int = 0  # w4
+    compressed: CompressedWeight | None = None  # bf16c
+
+
+@dataclass(slots=True)
+class FusedLayer:
+    """One decoder layer (pre-norm attention + gated MLP, Llama family) for the fused step."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: KernelLinear
+    o: KernelLinear
+    gate_up: KernelLinear
+    down: KernelLinear
+    kv_cache: torch.Tensor  # this layer's paged cache, as the attention backend allocated it
+
+
+@dataclass(slots=True)
+class FusedModel:
+    """The decoder handed to `DecodeKernels.fused_decoder`: sizes, and the tensors the step reads in place."""
+
+    hidden: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    inter: int
+    block_size: int
+    eps: float  # the layers' RMSNorm epsilon
+    scale: float  # attention's softmax scale
+    cos_sin: torch.Tensor  # rotary table [max_position, head_dim] fp32: cos half, then sin half
+    kv_int8: bool  # the cache holds int8 rows with a per-token, per-head scale (Int8PagedAttention)
+    embed: torch.Tensor  # [vocab, hidden]
+    final_norm: torch.Tensor
+    final_eps: float
+    layers: list[FusedLayer] = field(default_factory=list)
+    max_context: int = 0  # the longest context a sequence can reach, in tokens (a multiple of block_size)
+    step_rows: int = 0  # the most tokens one step can hold
+
+
+class FusedDecoder(Protocol):
+    """Every decoder layer of a step in one call, then the final norm."""
+
+    max_rows: int  # decode-only steps of up to this many sequences
+    max_prefill_rows: int  # steps of fresh prompts only, of up to this many tokens in all (0: none)
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                 block_tables: torch.Tensor, context_lens: torch.Tensor,
+                 out_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm (a view of a buffer the next step overwrites). Each row
+        attends to the first context_lens[row] tokens of its block table row. out_rows (int64, ascending): the
+        only rows the caller reads; past the last layer's attention just those go on."""
+        ...
+
+
+@runtime_checkable
+class DecodeKernels(Protocol):
+    """A backend's own kernels. Rows are tokens of a step; every tensor is on the backend's device."""
+
+    name: str  # e.g. "x86 avx512-bf16 + amx"
+    fused_parts: tuple[str, ...]  # the parts of the fused step that fused_step_timers() reports
+
+    def max_rows(self, kind: LinearKind) -> int:
+        """Rows up to which linear_*(kind) beats torch's GEMM here (past them the method takes the dense path)."""
+        ...
+
+    def linear_bf16(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., K] bf16, weight [N, K] bf16 -> [..., N] bf16 (fp32 accumulation)."""
+        ...
+
+    def linear_w8(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                  bias: torch.Tensor | None = None) -> torch.Tensor: ...
+
+    def dequant_w8(self, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """int8 [N, K] and scales [N] -> bf16 [N, K], w = bf16(q * bf16(s))."""
+        ...
+
+    def w4_supported(self, in_features: int, group_size: int) -> bool: ...
+
+    def pack_w4(self, q: torch.Tensor) -> torch.Tensor:
+        """Integers [N, K] in 0..15 -> the kernels' int4 storage (its layout is theirs alone)."""
+        ...
+
+    def unpack_w4(self, packed: torch.Tensor) -> torch.Tensor:
+        """The inverse of pack_w4: uint8 [N, K] in 0..15."""
+        ...
+
+    def linear_w4(self, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                  group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., K] bf16 times w = q * scale + zero (per group of group_size inputs) -> [..., N] bf16."""
+        ...
+
+    def dequant_w4(self, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                   group_size: int) -> torch.Tensor: ...
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+        """bf16(w * bf16(x / rms(x))) with fp32 statistics; None where x's layout does not fit."""
+        ...
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor | None:
+        """[T, 2I] -> bf16(bf16(silu(gate)) * up) [T, I]; None where it does not fit."""
+        ...
+
+    def rotary_(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+        """Rotate qk [T, heads, D] in place (neox layout, fp32 products); False, untouched, where it cannot."""
+        ...
+
+    def can_compress(self, out_features: int, in_features: int) -> bool:
+        """Whether compress() takes a weight of this shape here."""
+        ...
+
+    def compress(self, weight: torch.Tensor, gate_up: bool = False) -> CompressedWeight:
+        """A bf16 weight [N, K] in the kernels' lossless compressed layout. gate_up: the weight is [gate; up] of an
+        MLP (no bias), packed so that its silu_and_mul() works."""
+        ...
+
+    def fused_decoder(self, model: FusedModel) -> FusedDecoder | str:
+        """The fused step for this decoder, or why it cannot run (a sentence)."""
+        ...
+
+    def fused_step_timers(self, reset: bool = False) -> dict[str, float]:
+        """Seconds spent in each of fused_parts since the last reset, plus "calls" and "rows"."""
+        ...
+
+    def profiled(self, name: str) -> AbstractContextManager:
+        """A profiler range `infertune_kernels::<name>` while torch.profiler runs (kernel calls are not aten ops)."""
+        ...

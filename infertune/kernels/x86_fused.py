@@ -1,0 +1,120 @@
+"""The fused step on x86: every decoder layer of a step in one call to it_decode_layers (cpu_kernels.c).
+
+At batch 1 the eager PyTorch forward of a 24-layer model spends ~15 ms a step outside its matmuls: a dozen aten
+dispatches, Python module calls and temporaries per layer. Here the whole stack (norms, projections, rotary, the
+paged-KV write, attention, SiLU-and-multiply and the residuals) runs in one C function per step, with all scratch
+in one workspace allocated once and the residual stream and output in reused buffers, so a step allocates no
+tensor. Which steps may run here is decided from the model alone (`build`); the runner (runner/fused_decode.py)
+decides per step from its attention metadata.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from infertune.kernels import cpu
+from infertune.kernels.interface import FusedModel, KernelLinear
+
+# The C side's kinds of linear weight (cpu_kernels.c it_lin.kind)
+_KIND = {"bf16": 0, "w8": 1, "w4": 2, "bf16c": 3}
+
+
+class X86FusedDecoder:
+    def __init__(self, model: FusedModel, cmodel, layers, keep, max_rows: int, max_prefill_rows: int) -> None:
+        self.cmodel, self.layers, self._keep = cmodel, layers, keep
+        self.max_rows, self.max_prefill_rows = max_rows, max_prefill_rows
+        self.lib = cpu.library()
+        self.hidden = model.hidden
+        rows = max(max_rows, max_prefill_rows)
+        nbytes = self.lib.it_decode_workspace_bytes(ctypes.byref(cmodel), rows, model.max_context)
+        self.workspace = torch.empty(nbytes + 64, dtype=torch.uint8)  # the step's only scratch, reused
+        self.step = cpu.ItStep(work=(self.workspace.data_ptr() + 63) // 64 * 64, work_bytes=nbytes)
+        # The residual stream and the final norm's output: reused every step (the next step overwrites them).
+        self.x = torch.empty(rows, self.hidden, dtype=torch.bfloat16)
+        self.out = torch.empty(rows, self.hidden, dtype=torch.bfloat16)
+        self.embed, self.final_norm, self.final_eps = model.embed, model.final_norm, model.final_eps
+
+    @classmethod
+    def build(cls, model: FusedModel, amx: bool) -> "X86FusedDecoder | str":
+        if model.head_dim % 16:
+            return f"head_dim={model.head_dim} (the fused step needs a multiple of 16)"
+        if model.embed.dtype is not torch.bfloat16 or any(
+                t.dtype is not torch.bfloat16 for layer in model.layers for t in (layer.input_norm, layer.post_norm)):
+            return "the fused step runs bf16 weights and norms"
+        cmodel = cpu.ItModel(
+            hidden=model.hidden, n_heads=model.n_heads, n_kv_heads=model.n_kv_heads, head_dim=model.head_dim,
+            inter=model.inter, num_blocks=model.layers[0].kv_cache.shape[1], block_size=model.block_size,
+            cos_sin=model.cos_sin.data_ptr(), eps=model.eps, scale=model.scale, nthreads=torch.get_num_threads(),
+            n_layers=len(model.layers), kv_int8=int(model.kv_int8))
+        keep = [model.cos_sin, model.final_norm]  # tensors whose memory the C side points at
+        layers = (cpu.ItLayer * len(model.layers))()
+        for c, layer in zip(layers, model.layers):
+            c.input_norm, c.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
+            c.kv_cache = layer.kv_cache.data_ptr()
+            keep += [layer.input_norm, layer.post_norm, layer.kv_cache]
+            for name in ("qkv", "o", "gate_up", "down"):
+                keep += _fill_lin(getattr(c, name), getattr(layer, name))
+        kinds = {lin.kind for layer in model.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)}
+        # Short prompts too, where every projection is bf16 (plain or 12-bit: the prefill's tile GEMM, AMX only) and
+        # the cache is bf16 (an int8 cache would make a prompt attend to its own K/V quantized, which the PyTorch
+        # path does not). With every projection 12-bit the tile GEMM (decoding as it multiplies, SiLU in the
+        # gate_up's epilogue) beats torch's at every size: whole prefill steps run here.
+        prefill_rows = 0
+        if amx and kinds <= {"bf16", "bf16c"} and not model.kv_int8:
+            prefill_rows = cpu.AMX_GEMM_MAX_ROWS
+            if kinds == {"bf16c"}:
+                prefill_rows = max(prefill_rows, model.step_rows)
+        cmodel.gate_up_fused = int(all(c.gate_up.kind == _KIND["bf16c"] and c.gate_up.inter > 0 for c in layers))
+        return cls(model, cmodel, layers, keep, cpu.MAX_ROWS, prefill_rows)
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                 block_tables: torch.Tensor, context_lens: torch.Tensor,
+                 out_rows: torch.Tensor | None = None) -> torch.Tensor:
+        t = input_ids.shape[0]
+        x = torch.index_select(self.embed, 0, input_ids, out=self.x[:t])  # updated in place by the kernel
+        s = self.step
+        s.T = t
+        s.positions, s.slots = positions.data_ptr(), slot_mapping.data_ptr()
+        s.block_tables, s.context_lens, s.max_blocks = block_tables.data_ptr(), context_lens.data_ptr(), block_tables.shape[1]
+        if out_rows is not None:
+            assert out_rows.dtype == torch.int64 and out_rows.is_contiguous()
+            s.out_rows, s.n_out = out_rows.data_ptr(), out_rows.numel()
+        else:
+            s.out_rows, s.n_out = None, 0
+        with cpu.profiled("fused_decode_layers"):
+            rc = self.lib.it_decode_layers(ctypes.byref(self.cmodel), self.layers, ctypes.byref(s), x.data_ptr())
+        if rc != 0:
+            raise RuntimeError(f"it_decode_layers failed ({rc}): "
+                               f"{'workspace too small' if rc == -1 else 'unsupported shapes'}")
+        out = self.out[:t]
+        with cpu.profiled("rms_norm"):
+            self.lib.it_rmsnorm_mt(x.data_ptr(), self.final_norm.data_ptr(), out.data_ptr(), t, self.hidden,
+                                   self.final_eps, self.cmodel.nthreads)
+        return out
+
+
+def _fill_lin(c, lin: KernelLinear) -> list[torch.Tensor]:
+    """Point the C description of one linear layer at its tensors; returns them (to keep them alive)."""
+    c.kind = _KIND[lin.kind]
+    c.bias = lin.bias.data_ptr() if lin.bias is not None else None
+    c.N, c.K = lin.out_features, lin.in_features
+    keep = [lin.bias] if lin.bias is not None else []
+    if lin.kind == "bf16c":
+        w = lin.compressed
+        c.w, c.inter = ctypes.addressof(w.desc), w.inter
+        return keep + list(w.buffers.values()) + [w]  # (w holds the C description itself)
+    if lin.kind == "bf16":
+        assert lin.weight.is_contiguous() and lin.weight.dtype is torch.bfloat16
+        c.w = lin.weight.data_ptr()
+        return keep + [lin.weight]
+    q, s = lin.qweight, lin.scales
+    assert q.is_contiguous() and s.is_contiguous()
+    c.w, c.scale = q.data_ptr(), s.data_ptr()
+    if lin.kind == "w4":
+        c.zero, c.group = lin.zero.data_ptr(), lin.group_size
+        return keep + [q, s, lin.zero]
+    assert q.dtype is torch.int8
+    c.scale_is_f32 = int(s.dtype is torch.float32)
+    return keep + [q, s]

@@ -1,0 +1,250 @@
+"""The kernels' contract (infertune/kernels/interface.py): the x86 kernels satisfy it member for member, and the
+engine runs on a second implementation of it written here in plain PyTorch (with storage layouts of its own and
+a fused step of its own) as accurately, against HF transformers, as on torch's operators. So a new ISA's kernels
+(AVX2, Arm) plug in at this one seam, and no layer, quant method or runner knows the x86 layouts."""
+
+from __future__ import annotations
+
+import inspect
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from infertune.kernels import cpu
+from infertune.kernels.interface import DecodeKernels, FusedModel, KernelLinear
+
+
+def _protocol_members() -> list[str]:
+    return [n for n in dir(DecodeKernels) if not n.startswith("_") and n not in ("fused_parts", "name")]
+
+
+@pytest.mark.skipif(not cpu.available(), reason=f"x86 kernels: {cpu.unavailable_reason()}")
+def test_x86_kernels_satisfy_the_contract():
+    from infertune.backends.cpu import CPUBackend
+    from infertune.kernels.x86 import X86Kernels
+
+    k = CPUBackend().decode_kernels()
+    assert isinstance(k, X86Kernels) and isinstance(k, DecodeKernels)
+    for name in _protocol_members():
+        want = inspect.signature(getattr(DecodeKernels, name))
+        got = inspect.signature(getattr(X86Kernels, name))
+        assert list(got.parameters) == list(want.parameters), (name, got, want)
+    assert isinstance(k.name, str) and "x86" in k.name and set(k.fused_step_timers()) >= set(k.fused_parts)
+
+
+def test_a_backend_without_kernels_says_why():
+    from infertune.backends.base import Backend
+
+    assert Backend.decode_kernels(None) is None
+    assert "no kernels" in Backend.kernels_unavailable_reason(None)
+
+
+# ---- a second implementation, in plain PyTorch ---------------------------------------------------------------
+
+def _rms(x, w, eps):
+    return w * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+class TorchCompressed:
+    """'Compressed' as an int16 view with the gate and up halves swapped: a layout nobody above the seam knows."""
+
+    def __init__(self, w: torch.Tensor, gate_up: bool) -> None:
+        self.out_features, self.in_features = w.shape
+        self.gate_up = gate_up
+        self.buffers = {"bits": w.flip(0).contiguous().view(torch.int16)}
+
+    def dense(self):
+        return self.buffers["bits"].view(torch.bfloat16).flip(0)
+
+    def linear(self, x, bias=None):
+        return F.linear(x, self.dense(), bias)
+
+    def silu_and_mul(self, x):
+        if not self.gate_up:
+            return None
+        gate, up = self.linear(x).chunk(2, dim=-1)
+        return F.silu(gate).mul_(up)
+
+
+class TorchFused:
+    """A fused step from the FusedModel alone (nothing but its tensors and sizes): proves the model description
+    carries all a step needs."""
+
+    max_rows, max_prefill_rows = 16, 64
+
+    def __init__(self, model: FusedModel, kernels: "TorchKernels") -> None:
+        self.m, self.k = model, kernels
+
+    def _linear(self, lin: KernelLinear, x):
+        k = self.k
+        if lin.kind == "bf16":
+            return k.linear_bf16(x, lin.weight, lin.bias)
+        if lin.kind == "bf16c":
+            return lin.compressed.linear(x, lin.bias)
+        if lin.kind == "w8":
+            return k.linear_w8(x, lin.qweight, lin.scales, lin.bias)
+        return k.linear_w4(x, lin.qweight, lin.scales, lin.zero, lin.group_size, lin.bias)
+
+    def __call__(self, input_ids, positions, slot_mapping, block_tables, context_lens, out_rows=None):
+        m = self.m
+        self.k.calls["fused_step"] += 1
+        t, hq, hkv, d, bs = input_ids.shape[0], m.n_heads, m.n_kv_heads, m.head_dim, m.block_size
+        x = m.embed[input_ids]
+        cos, sin = m.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
+        for layer in m.layers:
+            qkv = self._linear(layer.qkv, _rms(x, layer.input_norm, m.eps)).view(t, hq + 2 * hkv, d)
+            x1, x2 = qkv[:, : hq + hkv].float().chunk(2, dim=-1)
+            qkv[:, : hq + hkv] = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(qkv.dtype)
+            cache = layer.kv_cache
+            cache[0].view(-1, hkv, d)[slot_mapping] = qkv[:, hq : hq + hkv]
+            cache[1].view(-1, hkv, d)[slot_mapping] = qkv[:, hq + hkv :]
+            o = torch.empty(t, hq, d, dtype=x.dtype)
+            for r in range(t):
+                n = int(context_lens[r])
+                pos = torch.arange(n)
+                slots = block_tables[r][pos // bs] * bs + pos % bs
+                keys = cache[0].view(-1, hkv, d)[slots].float().repeat_interleave(hq // hkv, dim=1)
+                vals = cache[1].view(-1, hkv, d)[slots].float().repeat_interleave(hq // hkv, dim=1)
+                att = torch.einsum("hd,nhd->hn", qkv[r, :hq].float(), keys) * m.scale
+                o[r] = torch.einsum("hn,nhd->hd", att.softmax(-1), vals).to(x.dtype)
+            x = x + self._linear(layer.o, o.view(t, hq * d))
+            h = _rms(x, layer.post_norm, m.eps)
+            act = layer.gate_up.compressed.silu_and_mul(h) if layer.gate_up.kind == "bf16c" else None
+            if act is None:
+                act = self.k.silu_and_mul(self._linear(layer.gate_up, h))
+            x = x + self._linear(layer.down, act)
+        return _rms(x, m.final_norm, m.final_eps)
+
+
+class TorchKernels:
+    """DecodeKernels in PyTorch, with int4 stored one byte a weight in a [K, N] layout of its own."""
+
+    name = "torch reference"
+    fused_parts = ("step",)
+
+    def __init__(self, fused: bool = True) -> None:
+        self.calls: Counter = Counter()
+        self.fused = fused
+
+    def max_rows(self, kind):
+        return 16
+
+    def linear_bf16(self, x, weight, bias=None):
+        self.calls["linear_bf16"] += 1
+        return F.linear(x, weight, bias)
+
+    def linear_w8(self, x, qweight, scales, bias=None):
+        self.calls["linear_w8"] += 1
+        return F.linear(x, self.dequant_w8(qweight, scales), bias)
+
+    def dequant_w8(self, qweight, scales):
+        return (qweight.float() * scales.float().unsqueeze(1)).bfloat16()
+
+    def w4_supported(self, in_features, group_size):
+        return in_features % group_size == 0
+
+    def pack_w4(self, q):
+        return q.to(torch.uint8).t().contiguous()  # [K, N]
+
+    def unpack_w4(self, packed):
+        return packed.t()
+
+    def linear_w4(self, x, packed, scale, zero, group_size, bias=None):
+        self.calls["linear_w4"] += 1
+        return F.linear(x, self.dequant_w4(packed, scale, zero, group_size), bias)
+
+    def dequant_w4(self, packed, scale, zero, group_size):
+        q = self.unpack_w4(packed).float()
+        n, k = q.shape
+        w = q.view(n, k // group_size, group_size) * scale.unsqueeze(-1) + zero.unsqueeze(-1)
+        return w.view(n, k).bfloat16()
+
+    def rms_norm(self, x, weight, eps):
+        self.calls["rms_norm"] += 1
+        return _rms(x, weight, eps)
+
+    def silu_and_mul(self, gate_up):
+        self.calls["silu_and_mul"] += 1
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate).mul_(up)
+
+    def rotary_(self, qk, cos, sin):
+        self.calls["rotary"] += 1
+        x1, x2 = qk.float().chunk(2, dim=-1)
+        qk.copy_(torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1))
+        return True
+
+    def can_compress(self, out_features, in_features):
+        return True
+
+    def compress(self, weight, gate_up=False):
+        self.calls["compress"] += 1
+        return TorchCompressed(weight, gate_up)
+
+    def fused_decoder(self, model):
+        return TorchFused(model, self) if self.fused else "the reference kernels were asked not to fuse"
+
+    def fused_step_timers(self, reset=False):
+        return {"step": 0.0, "calls": float(self.calls["fused_step"]), "rows": 0.0}
+
+    def profiled(self, name):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+
+def test_the_reference_implementation_satisfies_the_contract():
+    assert isinstance(TorchKernels(), DecodeKernels)
+    for name in _protocol_members():
+        want = inspect.signature(getattr(DecodeKernels, name))
+        assert list(inspect.signature(getattr(TorchKernels, name)).parameters) == list(want.parameters), name
+
+
+def _run(model, monkeypatch, kernels, **options):
+    from test_kernels import _hf_logprob_errors
+
+    from infertune import LLM, SamplingParams
+    from infertune.backends.cpu import CPUBackend
+    from conftest import hf_model
+
+    monkeypatch.setattr(CPUBackend, "decode_kernels", lambda self: kernels)
+    llm = LLM(str(model), dtype="bfloat16", max_model_len=96, block_size=16, enable_prefix_caching=False,
+              **options)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [{"prompt_token_ids": torch.randint(3, 250, (n,), generator=gen).tolist()} for n in (4, 21, 40)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1)
+    return llm, max(_hf_logprob_errors(llm, prompts, params, hf_model(model).float(), argmax=False))
+
+
+@pytest.mark.parametrize("quant,compress,fused", [(None, "off", True), (None, "auto", True), ("w8a16", "off", True),
+                                                  ("w4a16", "off", True), (None, "off", False)])
+def test_the_engine_runs_on_a_second_implementation(tmp_path, monkeypatch, quant, compress, fused):
+    """Every seam is taken (the counts), the fused step runs from the FusedModel alone, and the logprobs against
+    HF transformers in float32 are as close as those of the engine with no kernels (same quantization)."""
+    from conftest import make_checkpoint
+
+    from infertune.layers.linear import CompressedMethod, DecodeKernelMethod, Linear
+
+    model = make_checkpoint(tmp_path / "m", "llama", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                            dtype=torch.bfloat16)
+    options = dict(quantization=quant, quant_group_size=64, compress_weights=compress)
+    _, plain = _run(model, monkeypatch, None, **options)
+    ref = TorchKernels(fused=fused)
+    llm, mine = _run(model, monkeypatch, ref, **options)
+    runner = llm.engine.executor.runner
+    assert runner.decode_kernels is ref and (runner.fused is not None) == fused
+    methods = {type(m.quant_method) for m in runner.model.modules() if isinstance(m, Linear)}
+    if quant is None:
+        assert methods == ({CompressedMethod} if compress == "auto" else {DecodeKernelMethod})
+        assert (ref.calls["compress"] > 0) == (compress == "auto")
+    if fused:
+        assert ref.calls["fused_step"] >= 7  # (the decode steps; prompts of up to 64 tokens too)
+    else:
+        assert ref.calls["rms_norm"] and ref.calls["rotary"] and ref.calls["fused_step"] == 0
+        assert ref.calls["silu_and_mul"] and ref.calls["linear_bf16"]
+    if quant == "w4a16":
+        q = runner.model.model.layers[0].mlp.down_proj.qweight
+        assert q.shape == (256, 128) and q.dtype is torch.uint8  # the reference's own [K, N] layout
+    assert mine <= 1.5 * plain + 0.02, (mine, plain)
