@@ -9,7 +9,7 @@ from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[1] / "infertune"
 
-# ARCHITECTURE.md's layering, bottom (1) to top (7).
+# docs/ARCHITECTURE.md's layering, bottom (1) to top (7) (test_the_architecture_page_states_these_layers keeps them equal).
 RANKS = {
     "config": 1, "sampling_params": 1, "scheduler_output": 1, "kernels": 1, "backends": 1, "quant": 2,
     "layers": 2,
@@ -20,6 +20,21 @@ RANKS = {
     "llm": 7, "cli": 7, "serve": 7, "bench": 7, "profile": 7, "plan": 7, "tune": 7, "distill": 7, "assets": 7,
     "evaluate": 7, "tools": 7, "plotting": 7, "__main__": 7,
 }
+
+
+def test_the_architecture_page_states_these_layers():
+    """docs/ARCHITECTURE.md's folder table names every top-level module and package with the layer used here."""
+    import re
+
+    page = (PKG.parent / "docs" / "ARCHITECTURE.md").read_text()
+    stated = {}
+    for row in re.findall(r"^\| (.+?) \| (\d) \| .+\|$", page, flags=re.M):
+        for name in re.findall(r"`([a-z_]+)(?:/|\.py)`", row[0]):
+            stated[name] = int(row[1])
+    assert stated == {k: v for k, v in RANKS.items() if k != "__main__"}
+    present = {p.stem if p.is_file() else p.name for p in PKG.iterdir()
+               if (p.suffix == ".py" or (p.is_dir() and p.name not in ("__pycache__",))) and p.name != "__init__.py"}
+    assert present - {"__main__"} == set(stated), "a module or package the page does not place"
 
 
 def _top_level_imports(tree: ast.Module) -> list[str]:
