@@ -55,10 +55,14 @@ class ServerThread:
         self.thread.join(10)
 
 
-def metric(url: str, name: str) -> float:
+def metric(url: str, name: str, default: float | None = None) -> float:
+    """A sample's value from /metrics; `default` for a labelled series that has no sample yet (a counter whose
+    label value never occurred), else KeyError."""
     for line in httpx.get(url + "/metrics").text.splitlines():
         if line.startswith(name + " ") or line.startswith(name + "{"):
             return float(line.rsplit(" ", 1)[1])
+    if default is not None:
+        return default
     raise KeyError(name)
 
 

@@ -1,5 +1,6 @@
 """The peers of `bench throughput`: GGUF export (checked by reading the file back and by rotary algebra), skipped
-peers, and the side-by-side table with an infertune-eager row (tiny model, no timing asserted)."""
+peers, the side-by-side table with an infertune-eager row (tiny model, no timing asserted), and the worker
+protocol (prompts, result line) the peers share with infertune's workers."""
 
 from __future__ import annotations
 
@@ -197,3 +198,49 @@ def test_random_presets_build_their_family_and_vocabulary(tmp_path, monkeypatch)
     with torch.no_grad():
         ref = hf_model(out)(torch.tensor([ids])).logits[0]
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_vllm_peer_gets_the_workers_prompts_and_reads_its_marked_line(tmp_path, monkeypatch):
+    """spawn_vllm hands vLLM's interpreter the prompts every worker uses (worker_protocol.make_prompts, warm-up run
+    -1 included) and takes its result from the line that carries the shared marker."""
+    import argparse
+
+    from infertune.bench.worker_protocol import RESULT_MARKER, make_prompts
+
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"vocab_size": 50}))
+    fake = tmp_path / "python"  # stands in for the vLLM venv's interpreter: echoes the job back
+    fake.write_text(f"#!{sys.executable}\nimport json, sys\njob = json.load(open(sys.argv[2]))\nprint('noise')\n"
+                    f"print({RESULT_MARKER!r} + json.dumps(dict(system='vllm', job=job)))\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("LD_PRELOAD", "")
+    args = argparse.Namespace(vllm_python=str(fake), dtype="float32", input_len=3, output_len=2, repeats=2,
+                              threads=1, seed=7, worker_timeout=60)
+    res = peers.spawn_vllm(args, model, 2)
+    assert res["job"]["prompts"] == {str(r): make_prompts(7, 2, r, 3, 50) for r in (-1, 0, 1)}
+    assert res["job"]["batch"] == 2 and res["worker_wall_s"] > 0
+
+
+def test_llama_cpp_worker_process_reports_through_the_shared_marker(tmp_path, monkeypatch, capsys):
+    """run_worker hands a llama.cpp pair to peers.worker_llama_cpp (no torch there) and prints its result line."""
+    import argparse
+
+    from infertune.bench import offline_workers
+    from infertune.bench.worker_protocol import RESULT_MARKER
+
+    seen = []
+
+    def fake_worker(args, model_dir, batch):
+        seen.append((args.worker, model_dir, batch))
+        return dict(load_s=0.1, warmup_s=0.2, rss_after_load_mib=1.0, runs=[], extra={})
+
+    monkeypatch.setattr(offline_workers, "worker_llama_cpp", fake_worker)
+    args = argparse.Namespace(model=str(tmp_path), worker="llama.cpp-q8_0", worker_batch=3, threads=2)
+    assert offline_workers.run_worker(args) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith(RESULT_MARKER)
+    result = json.loads(line[len(RESULT_MARKER):])
+    assert seen == [("llama.cpp-q8_0", tmp_path, 3)]
+    assert (result["system"], result["batch"], result["torch_threads"]) == ("llama.cpp-q8_0", 3, 2)
+    assert result["peak_rss_mib"] > 0 and result["rss_end_mib"] > 0

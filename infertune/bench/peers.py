@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from infertune.bench.offline_models import log, read_model_config
+from infertune.bench.worker_protocol import RESULT_MARKER, current_rss_mib, make_prompts, warm_and_time
 
 LLAMA_CPP_SYSTEMS = {"llama.cpp": "bf16", "llama.cpp-q8_0": "q8_0", "llama.cpp-q4_0": "q4_0"}
 GGUF_FORMAT_VERSION = 1
@@ -187,7 +188,7 @@ def ensure_gguf(model_dir: Path, variant: str, threads: int, dtype: str, cache_d
 # --------------------------------------------------------------------------------------------------
 # llama.cpp worker (runs in the benchmark's worker process)
 # --------------------------------------------------------------------------------------------------
-def worker_llama_cpp(args, model_dir: Path, batch: int, make_prompts) -> dict:
+def worker_llama_cpp(args, model_dir: Path, batch: int) -> dict:
     import ctypes
 
     import numpy as np
@@ -217,8 +218,6 @@ def worker_llama_cpp(args, model_dir: Path, batch: int, make_prompts) -> dict:
     if not ctx:
         raise RuntimeError("llama.cpp could not create a context")
     load_s = time.perf_counter() - t0
-    from infertune.bench.offline_workers import current_rss_mib, warm_and_time
-
     rss_after_load = current_rss_mib()
     n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
     cap = max(cparams.n_batch, batch)
@@ -279,7 +278,7 @@ def vllm_python(args) -> str:
     return exe
 
 
-def spawn_vllm(args, model_dir: Path, batch: int, make_prompts, result_marker: str) -> dict:
+def spawn_vllm(args, model_dir: Path, batch: int) -> dict:
     """Run peer_vllm.py under the vLLM interpreter; returns its result dict (or raises PeerUnavailable)."""
     exe = vllm_python(args)
     cfg = read_model_config(model_dir)
@@ -307,10 +306,10 @@ def spawn_vllm(args, model_dir: Path, batch: int, make_prompts, result_marker: s
         return dict(system="vllm", batch=batch, error=f"worker timed out after {args.worker_timeout} s")
     finally:
         job_file.unlink(missing_ok=True)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(result_marker)]
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_MARKER)]
     if proc.returncode != 0 or not lines:
         return dict(system="vllm", batch=batch, error=f"vLLM worker exited with {proc.returncode} (see stderr above)")
-    result = json.loads(lines[-1][len(result_marker):])
+    result = json.loads(lines[-1][len(RESULT_MARKER):])
     result["worker_wall_s"] = time.perf_counter() - t0
     return result
 

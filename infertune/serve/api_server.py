@@ -103,148 +103,165 @@ async def _until_disconnected(request: Request) -> None:
 
 def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = None,
                max_body_bytes: int = 4 * 2**20) -> FastAPI:
-    metrics = ServerMetrics(engine)
-    tokenizer = engine.engine.tokenizer
-    limits = engine.limits
-    # What the server keeps of a finished non-streamed request (its response body) counts in its host cost.
-    measure = Formatter("measure", model_name, tokenizer, chat=False)
-    if not engine.started:
-        engine.measure_host_cost(lambda out: json.dumps(measure.response([out], len(out.outputs))))
+    """The FastAPI app of one engine: the OpenAI routes of an APIServer, its error handlers and its limits."""
+    server = APIServer(engine, model_name, api_key)
+    app = FastAPI(title="infertune", description="OpenAI-compatible LLM server", lifespan=server.lifespan)
+    app.state.engine, app.state.metrics, app.state.server = engine, server.metrics, server
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes,
+                       on_reject=lambda: server.metrics.refuse(413, "request_too_large"))
+    app.add_exception_handler(APIError, server.on_api_error)
+    app.add_exception_handler(RequestValidationError, server.on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, _on_http_error)
+    app.add_exception_handler(Exception, _on_internal_error)
+    app.middleware("http")(server.check_api_key)
+    server.add_routes(app)
+    return app
+
+
+async def _on_http_error(request: Request, err: StarletteHTTPException):
+    type_ = "not_found_error" if err.status_code == 404 else "invalid_request_error"
+    return _error(APIError(err.status_code, str(err.detail), type_))
+
+
+async def _on_internal_error(request: Request, err: Exception):
+    log.exception("internal error")
+    return _error(APIError(500, f"internal error: {err}", "internal_error"))
+
+
+_REFUSALS = error_responses(400, 401, 404, 408, 413, 429, 503)
+
+
+class APIServer:
+    """What the routes of one app share: the engine, its tokenizer and limits, the served name, the metrics.
+
+    The route handlers carry no docstrings on purpose: FastAPI would publish them in the OpenAPI schema.
+    """
+
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, api_key: str | None = None) -> None:
+        self.engine, self.model_name, self.api_key = engine, model_name, api_key
+        self.metrics = ServerMetrics(engine)
+        self.tokenizer = engine.engine.tokenizer
+        self.limits = engine.limits
+        # What the server keeps of a finished non-streamed request (its response body) counts in its host cost.
+        measure = Formatter("measure", model_name, self.tokenizer, chat=False)
+        if not engine.started:
+            engine.measure_host_cost(lambda out: json.dumps(measure.response([out], len(out.outputs))))
+
+    def add_routes(self, app: FastAPI) -> None:
+        app.get("/health", responses=error_responses(503))(self.health)
+        app.get("/metrics", response_class=Response, responses={200: {
+            "content": {"text/plain": {}}, "description": "Prometheus text exposition format"}})(self.prometheus)
+        app.get("/v1/models", responses=error_responses(401))(self.models)
+        app.post("/v1/completions", responses=STREAMED | _REFUSALS)(self.completions)
+        app.post("/v1/chat/completions", responses=STREAMED | _REFUSALS)(self.chat_completions)
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
-        if not engine.started:
-            engine.start()
+    async def lifespan(self, app: FastAPI):
+        if not self.engine.started:
+            self.engine.start()
         yield
-        engine.shutdown()
+        self.engine.shutdown()
 
-    app = FastAPI(title="infertune", description="OpenAI-compatible LLM server", lifespan=lifespan)
-    app.state.engine, app.state.metrics = engine, metrics
-    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes,
-                       on_reject=lambda: metrics.refuse(413, "request_too_large"))
-
-    @app.exception_handler(APIError)
-    async def on_api_error(request: Request, err: APIError):
-        metrics.refuse(err.status, err.code or err.type)
+    # ---- errors and the API key ---------------------------------------------------------------
+    async def on_api_error(self, request: Request, err: APIError):
+        self.metrics.refuse(err.status, err.code or err.type)
         return _error(err)
 
-    @app.exception_handler(RequestValidationError)
-    async def on_validation_error(request: Request, err: RequestValidationError):
+    async def on_validation_error(self, request: Request, err: RequestValidationError):
         first = err.errors()[0] if err.errors() else {}
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
         if first.get("type") == "json_invalid":
             return _error(APIError(400, "the request body is not valid JSON"))
         param = ".".join(loc) or None
-        metrics.refuse(400, "invalid_request")
+        self.metrics.refuse(400, "invalid_request")
         return _error(APIError(400, f"{param or 'body'}: {first.get('msg', 'invalid value')}", param=param))
 
-    @app.exception_handler(StarletteHTTPException)
-    async def on_http_error(request: Request, err: StarletteHTTPException):
-        type_ = "not_found_error" if err.status_code == 404 else "invalid_request_error"
-        return _error(APIError(err.status_code, str(err.detail), type_))
-
-    @app.exception_handler(Exception)
-    async def on_internal_error(request: Request, err: Exception):
-        log.exception("internal error")
-        return _error(APIError(500, f"internal error: {err}", "internal_error"))
-
-    @app.middleware("http")
-    async def check_api_key(request: Request, call_next):
-        if api_key and request.url.path.startswith("/v1/"):
-            if request.headers.get("authorization", "") != f"Bearer {api_key}":
+    async def check_api_key(self, request: Request, call_next):
+        if self.api_key and request.url.path.startswith("/v1/"):
+            if request.headers.get("authorization", "") != f"Bearer {self.api_key}":
                 return _error(APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                                        "authentication_error", code="invalid_api_key"))
         return await call_next(request)
 
-    @app.get("/health", responses=error_responses(503))
-    async def health():
-        if not engine.is_running:
-            return _error(APIError(503, f"engine is not running: {engine.error}", "service_unavailable"))
+    # ---- routes (no docstrings: see the class's) -----------------------------------------------
+    async def health(self):
+        if not self.engine.is_running:
+            return _error(APIError(503, f"engine is not running: {self.engine.error}", "service_unavailable"))
         return {"status": "ok"}
 
-    @app.get("/metrics", response_class=Response, responses={200: {
-        "content": {"text/plain": {}}, "description": "Prometheus text exposition format"}})
-    async def prometheus():
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+    async def prometheus(self):
+        return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models", responses=error_responses(401))
-    async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "infertune",
-                                            "max_model_len": engine.engine.max_model_len}]}
+    async def models(self):
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
+                                            "owned_by": "infertune",
+                                            "max_model_len": self.engine.engine.max_model_len}]}
 
-    def check_model(name: str | None) -> None:
-        if name is not None and name != model_name:
-            raise APIError(404, f"the model {name!r} does not exist; this server serves {model_name!r}",
+    async def completions(self, req: CompletionRequest, request: Request):
+        self.check_model(req.model)
+        params = self.params_of(lambda: req.sampling_params(req.max_tokens, req.logprobs))
+        prompts = req.prompts()
+        if len(prompts) > self.limits.max_prompts:
+            raise APIError(400, f"{len(prompts)} prompts in one request is more than this server's limit of "
+                           f"{self.limits.max_prompts} (engine option max_prompts); send them in several requests",
+                           param="prompt", code="request_too_large")
+        fmt = Formatter(f"cmpl-{uuid.uuid4().hex}", self.model_name, self.tokenizer, chat=False)
+        streams = await self.submit(fmt.id, prompts, params, "prompt")
+        return await self.respond(request, fmt, streams, params.n, req.stream, req.include_usage)
+
+    async def chat_completions(self, req: ChatCompletionRequest, request: Request):
+        self.check_model(req.model)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        params = self.params_of(lambda: req.sampling_params(max_tokens, req.logprobs_k()))
+        try:
+            prompt = await asyncio.to_thread(self.engine.engine.render_chat, req.conversation(),
+                                             add_generation_prompt=req.add_generation_prompt)
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from None
+        fmt = Formatter(f"chatcmpl-{uuid.uuid4().hex}", self.model_name, self.tokenizer, chat=True)
+        streams = await self.submit(fmt.id, [prompt], params, "messages")
+        return await self.respond(request, fmt, streams, params.n, req.stream, req.include_usage)
+
+    # ---- from a request to the engine's streams ---------------------------------------------------
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
                            "not_found_error", param="model", code="model_not_found")
 
+    @staticmethod
     def params_of(make) -> SamplingParams:
         try:
             return make()
         except ParamError as e:
             raise APIError(400, str(e), param=e.param) from None
 
-    def tokenized(prompts: list[object]) -> list[dict]:
+    def tokenized(self, prompts: list[object]) -> list[dict]:
         """Text prompts as {"prompt", "prompt_token_ids"}, so the engine thread does not tokenize (run off-loop)."""
         out = []
         for p in prompts:
-            text, ids = engine.engine.tokenize(p)
+            text, ids = self.engine.engine.tokenize(p)
             out.append({"prompt": text, "prompt_token_ids": ids})
         return out
 
-    async def submit(request_id: str, prompts: list[object], params: SamplingParams, param: str
+    async def submit(self, request_id: str, prompts: list[object], params: SamplingParams, param: str
                      ) -> list[RequestStream]:
         try:
-            engine.engine.check_params(params)  # cheap bounds first: no tokenizing for a request refused anyway
-            prompts = await asyncio.to_thread(tokenized, prompts)
-            return await engine.add_requests(request_id, prompts, params)
+            self.engine.engine.check_params(params)  # cheap bounds first: no tokenizing for a request refused anyway
+            prompts = await asyncio.to_thread(self.tokenized, prompts)
+            return await self.engine.add_requests(request_id, prompts, params)
         except Exception as e:  # noqa: BLE001 - refusals become their HTTP answers, anything else a 500
             err = _api_error(e, param)
             if err is None:
                 raise
             raise err from None
 
-    @app.post("/v1/completions", responses=STREAMED | error_responses(400, 401, 404, 408, 413, 429, 503))
-    async def completions(req: CompletionRequest, request: Request):
-        check_model(req.model)
-        params = params_of(lambda: req.sampling_params(req.max_tokens, req.logprobs))
-        prompts = req.prompts()
-        if len(prompts) > limits.max_prompts:
-            raise APIError(400, f"{len(prompts)} prompts in one request is more than this server's limit of "
-                           f"{limits.max_prompts} (engine option max_prompts); send them in several requests",
-                           param="prompt", code="request_too_large")
-        fmt = Formatter(f"cmpl-{uuid.uuid4().hex}", model_name, tokenizer, chat=False)
-        streams = await submit(fmt.id, prompts, params, "prompt")
-        return await respond(request, fmt, streams, params.n, req.stream, req.include_usage)
-
-    @app.post("/v1/chat/completions", responses=STREAMED | error_responses(400, 401, 404, 408, 413, 429, 503))
-    async def chat_completions(req: ChatCompletionRequest, request: Request):
-        check_model(req.model)
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = params_of(lambda: req.sampling_params(max_tokens, req.logprobs_k()))
-        try:
-            prompt = await asyncio.to_thread(engine.engine.render_chat, req.conversation(),
-                                             add_generation_prompt=req.add_generation_prompt)
-        except ValueError as e:
-            raise APIError(400, str(e), param="messages") from None
-        fmt = Formatter(f"chatcmpl-{uuid.uuid4().hex}", model_name, tokenizer, chat=True)
-        streams = await submit(fmt.id, [prompt], params, "messages")
-        return await respond(request, fmt, streams, params.n, req.stream, req.include_usage)
-
-    async def respond(request: Request, fmt: Formatter, streams: list[RequestStream], n: int, stream: bool,
+    # ---- from the streams to the client -----------------------------------------------------------
+    async def respond(self, request: Request, fmt: Formatter, streams: list[RequestStream], n: int, stream: bool,
                       include_usage: bool):
         if stream:
-            return StreamingResponse(stream_events(fmt, streams, n, include_usage), media_type="text/event-stream")
-
-        async def collect() -> list[RequestOutput]:
-            finals = []
-            for s in streams:
-                last = None
-                async for last in s:
-                    pass
-                finals.append(last)
-            return finals
-
-        collecting = asyncio.ensure_future(collect())
+            return StreamingResponse(self.stream_events(fmt, streams, n, include_usage),
+                                     media_type="text/event-stream")
+        collecting = asyncio.ensure_future(_collect(streams))
         gone = asyncio.ensure_future(_until_disconnected(request))
         try:
             await asyncio.wait({collecting, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -264,10 +281,10 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
                 raise
             raise err from None
         for out in finals:
-            metrics.observe_finished(out)
+            self.metrics.observe_finished(out)
         return fmt.response(finals, n)
 
-    async def stream_events(fmt: Formatter, streams: list[RequestStream], n: int, include_usage: bool
+    async def stream_events(self, fmt: Formatter, streams: list[RequestStream], n: int, include_usage: bool
                             ) -> AsyncIterator[str]:
         sent_text: dict[int, int] = {}
         sent_logprobs: dict[int, int] = {}
@@ -286,19 +303,28 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = No
                     sent_logprobs[index] = len(c.logprobs or [])
                 if out.finished:
                     finals[i] = out
-                    metrics.observe_finished(out)
+                    self.metrics.observe_finished(out)
             if include_usage:
                 yield sse(fmt.usage_chunk([finals[i] for i in sorted(finals)]))
             yield sse("[DONE]")
         except (EngineDeadError, RequestTimeoutError) as e:
             err = _api_error(e, "prompt")
-            metrics.refuse(err.status, err.code)
+            self.metrics.refuse(err.status, err.code)
             yield sse(err.body())
         finally:
             for s in streams:
                 s.abort()
 
-    return app
+
+async def _collect(streams: list[RequestStream]) -> list[RequestOutput]:
+    """The final output of each stream, in order."""
+    finals = []
+    for s in streams:
+        last = None
+        async for last in s:
+            pass
+        finals.append(last)
+    return finals
 
 
 async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
