@@ -1,4 +1,9 @@
-"""The `infertune` command. Subcommands: generate (more arrive with the server, bench and tuning tools)."""
+"""The `infertune` command: generate and serve; the tools profile, doctor, audit, debug-layers, plan, tune, ledger,
+eval, quantize, distill and train; and bench throughput / latency / serve / soak. Run `infertune COMMAND --help`.
+
+The engine and request-limit flags are made from the options' declarations in infertune/config.py (help, choices,
+default, flag), as are the README's options tables (engine_table, limits_table; tests keep the README equal).
+"""
 
 from __future__ import annotations
 
@@ -10,111 +15,98 @@ import time
 from pathlib import Path
 
 
+def _engine_groups() -> tuple[str, ...]:
+    """The config groups of the engine flags: every option group but the request limits (they have their own)."""
+    from infertune.config import OPTION_GROUPS
+
+    return tuple(g for g in OPTION_GROUPS if g != "limits")
+
+
+def _flagged(*groups: str) -> list:
+    """The declared options of these config groups that have a CLI flag, in order."""
+    from infertune.config import engine_flag, option_fields
+
+    return [f for f in option_fields(*groups) if engine_flag(f.name)]
+
+
+def _add_flags(g, groups: tuple[str, ...]) -> None:
+    from infertune.config import engine_flag, engine_option_kwargs
+
+    for f in _flagged(*groups):
+        g.add_argument(engine_flag(f.name), dest=f.name, **engine_option_kwargs(f.name))
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="Hugging Face model folder (default: the built-in demo model)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weights and activations dtype; auto = the checkpoint's, as the device supports (default: auto)")
-    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "npu"],
-                   help="where to run; auto prefers cuda, then npu, then cpu (default: auto)")
-    g.add_argument("--max-model-len", type=int, default=None,
-                   help="longest prompt + output in tokens (default: the model's max_position_embeddings)")
-    g.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded together (default: 64)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                   help="token budget of one step; long prompts are prefilled in chunks of it (default: 2048)")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block (default: 16)")
-    g.add_argument("--kv-cache-memory-bytes", type=int, default=None,
-                   help="KV-cache budget in bytes (default: a fraction of free memory, see --kv-cache-memory-fraction)")
-    g.add_argument("--kv-cache-memory-fraction", type=float, default=0.5,
-                   help="share of free memory the KV cache may take when no byte budget is given (default: 0.5)")
-    g.add_argument("--no-prefix-caching", action="store_true", help="disable the automatic prefix cache")
-    g.add_argument("--max-running-tokens", type=int, default=None,
-                   help="dynamic batch by input length: admit sequences only while their lengths sum to at most "
-                   "this many tokens, so short inputs batch wider than long ones (default: off)")
-    g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling (default: 0)")
-    g.add_argument("--quantization", default=None, choices=["w8a16", "w4a16", "w8a8"],
-                   help="quantize linear weights after loading: int8 per channel (w8a16), int4 per group "
-                   "(w4a16), or int8 weights and activations (w8a8); norms, rotary and logits stay full precision")
-    g.add_argument("--quant-group-size", type=int, default=128, help="w4a16 group size (default: 128)")
-    g.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
-                   help="torch.compile the decoder's dense stages (norms, projections, rotary, MLP) in a warm-up "
-                   "before serving: fewer, fused ops per step for a start-up cost of seconds to tens of seconds; "
-                   "auto = on only for models of >= 100M parameters on backends where it measured faster (none "
-                   "yet: on CPU it measured slower, so auto runs eager); off = eager (default: auto)")
-    g.add_argument("--decode-kernels", default="auto", choices=["auto", "linear", "off"],
-                   help="infertune's own decode kernels, on x86 CPUs with AVX-512 BF16 and VNNI (built with the "
-                   "system C compiler on first use and cached): auto = GEMV / AMX kernels for steps of up to 16 "
-                   "rows plus the fused decode step (every layer of a decode-only step in one call); linear = the "
-                   "linear kernels only, under the PyTorch forward; off = torch's matmuls (default: auto)")
-    g.add_argument("--compress-weights", default="auto", choices=["auto", "off"],
-                   help="auto = where the decode kernels run on a CPU with AMX, keep plain bf16 projections "
-                   "losslessly in 12 bits a weight (bit-identical outputs; decode steps read 25%% fewer bytes, "
-                   "the weights take 0.76x the memory, load takes ~2 ms more per million weights); off = keep "
-                   "them as loaded (default: auto)")
-    g.add_argument("--distributed-executor-backend", default="uni", choices=["uni", "mp"],
-                   help="where the model runs: uni = in this process; mp = in a worker process of its own, reached "
-                   "by pickled per-step scheduler outputs (start-up takes a few seconds more) (default: uni)")
-    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
-                   help="KV-cache storage: the model dtype, or int8 with per-token, per-head scales (about half the "
-                   "bytes, so about twice the tokens in the same budget) (default: auto)")
+    """The engine's flags, made from the option declarations of infertune/config.py (ModelConfig ... ParallelConfig)."""
+    _add_flags(p.add_argument_group("engine", "how the model is loaded, batched and cached (the LLM(...) options "
+                                    "of the same names)"), _engine_groups())
 
 
 def add_limits_args(p: argparse.ArgumentParser) -> None:
     """The request limits' flags, made from LimitsConfig's fields (their help, types and defaults live there)."""
-    from dataclasses import MISSING, fields
+    _add_flags(p.add_argument_group("request limits", "what one request may cost, checked before it is queued"),
+               ("limits",))
 
-    from infertune.config import LimitsConfig, parse_size
 
-    def size(text: str) -> int:
-        try:
-            return parse_size(text)
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
+def _default_said(f) -> tuple[str, str]:
+    """(help without its "(default: ...)", the default as the README says it)."""
+    from dataclasses import MISSING
 
-    g = p.add_argument_group("request limits", "what one request may cost, checked before it is queued")
-    for f in fields(LimitsConfig):
-        kind = size if f.metadata.get("size") else float if "float" in str(f.type) else int
-        default = None if f.default is MISSING else f.default
-        text = f.metadata["help"]
-        if "(default:" not in text:
-            text += f" (default: {default})"
-        g.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=default, help=text)
+    text, _, said = f.metadata["help"].partition(" (default: ")
+    if said:
+        return text, said.removesuffix(")")
+    default = None if f.default is MISSING else f.default
+    return text, f"`{default}`" if isinstance(default, str) else f"`{default!r}`"
 
 
 def limits_table() -> str:
     """The README's table of the request-limit options, made from LimitsConfig's fields (a test keeps them equal)."""
-    from dataclasses import MISSING, fields
-
-    from infertune.config import LimitsConfig
+    from infertune.config import engine_flag
 
     rows = ["| `serve` flag | engine option | default | meaning |", "|---|---|---|---|"]
-    for f in fields(LimitsConfig):
-        default = None if f.default is MISSING else f.default
-        text = f.metadata["help"].replace("%%", "%")
-        text, _, said = text.partition(" (default: ")
-        shown = said.rstrip(")") if said else f"`{default}`"
-        rows.append(f"| `--{f.name.replace('_', '-')}` | `{f.name}` | {shown} | {text} |")
+    for f in _flagged("limits"):
+        text, shown = _default_said(f)
+        rows.append(f"| `{engine_flag(f.name)}` | `{f.name}` | {shown} | {text} |")
     return "\n".join(rows)
 
 
-def _limits_kwargs(args: argparse.Namespace) -> dict:
-    from dataclasses import fields
+def _values(f) -> str:
+    """What an option takes, for the README: its choices, else its type."""
+    from infertune.config import engine_choices
 
-    from infertune.config import LimitsConfig
+    if engine_choices(f.name):
+        shown = ", ".join(f"`{c}`" for c in engine_choices(f.name))
+        return shown + (" or `None`" if f.default is None else "")
+    if f.metadata.get("size"):
+        return "bytes (`8G`, `512Mi`, `1000000`)" + (" or `None`" if f.default is None else "")
+    return str(f.type).replace(" | None", " or `None`").replace("tuple[str, ...]", "patterns")
 
-    return {f.name: getattr(args, f.name) for f in fields(LimitsConfig) if hasattr(args, f.name)}
+
+def engine_table() -> str:
+    """The README's table of the engine options, made from their declarations (a test keeps them equal)."""
+    from infertune.config import engine_flag, option_fields
+
+    rows = ["| option | flag | default | values | meaning |", "|---|---|---|---|---|"]
+    for f in option_fields(*_engine_groups()):
+        text, shown = _default_said(f)
+        if f.metadata.get("see"):
+            section = f.metadata["see"]
+            text += f"; see [{section}](#{section.lower().replace(' ', '-')})"
+        text = text.replace("*", "\\*")  # a literal * in markdown (*.safetensors, layers.0.*)
+        flag = f"`{engine_flag(f.name)}`" if engine_flag(f.name) else "none: Python or `serve --config`"
+        rows.append(f"| `{f.name}` | {flag} | {shown} | {_values(f)} | {text} |")
+    limits = option_fields("limits")
+    rows.append(f"| {', '.join(f'`{f.name}`' for f in limits)} | `serve` flags | in that table | | what one request "
+                "may cost (n and stops offline too); see [One request never takes the server down]"
+                "(#one-request-never-takes-the-server-down) |")
+    return "\n".join(rows)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    return _limits_kwargs(args) | dict(
-        dtype=args.dtype, device=args.device, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
-        enable_prefix_caching=not args.no_prefix_caching, seed=args.seed, max_running_tokens=args.max_running_tokens,
-        quantization=args.quantization, quant_group_size=args.quant_group_size, kv_cache_dtype=args.kv_cache_dtype,
-        compile=args.compile, decode_kernels=args.decode_kernels, compress_weights=args.compress_weights,
-        distributed_executor_backend=args.distributed_executor_backend,
-    )
+    """The LLM(...) options the engine and request-limit flags of `args` give, by their declared names; --model is
+    left out, the commands pass it as LLM's first argument."""
+    engine = {f.name: getattr(args, f.name) for f in _flagged(*_engine_groups()) if f.name != "model"}
+    return {f.name: getattr(args, f.name) for f in _flagged("limits") if hasattr(args, f.name)} | engine
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -172,14 +164,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="infertune",
-        description="LLM inference engine and tuning toolkit. Run `infertune COMMAND --help` for a command's options.",
-    )
-    parser.add_argument("-v", "--verbose", action="store_true", help="log engine details")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
+def _add_generate(sub) -> None:
     gen = sub.add_parser("generate", help="generate text for one prompt and print one line of stats",
                          description="Generate a completion for PROMPT and print it, then a stats line on stderr "
                          "(prompt tokens, time to first token, decode tokens/s). With no --model the built-in demo "
@@ -196,6 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
 
+
+def _add_serve(sub) -> None:
     srv = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server",
                          description="Serve a model over an OpenAI-compatible HTTP API: /v1/completions, "
                          "/v1/chat/completions (streaming with stream=true), /v1/models, /health and Prometheus "
@@ -215,6 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_limits_args(srv)
     srv.set_defaults(func=cmd_serve)
 
+
+def _tools() -> tuple:
+    """(name, module, help, description) of the tools that bring their own add_arguments(parser) / run(args)."""
     from infertune.distill import command as distill_command
     from infertune.evaluate import command as eval_command
     from infertune.plan import command as plan_command
@@ -223,8 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     from infertune.tune import command as tune_command
     from infertune.tune import ledger as ledger_command
 
-    # Tools that bring their own add_arguments(parser) / run(args) (imported lazily inside run: --help stays fast).
-    tools = (
+    return (
         ("profile", profile_cmd, "where the time goes: categories for prefill and decode, top ops, hints",
          profile_cmd.DESCRIPTION),
         ("doctor", doctor, "check versions (torch / torch_npu / CANN / CUDA), CPU features, threads",
@@ -253,34 +242,36 @@ def build_parser() -> argparse.ArgumentParser:
         ("train", distill_command.TRAIN, "train a model from scratch with cross-entropy (same data pipeline)",
          distill_command.TRAIN_DESCRIPTION),
     )
-    for name, module, help_, description in tools:
+
+
+def _add_tools(sub) -> None:
+    # Each module imports its heavy dependencies lazily inside run, so --help stays fast.
+    for name, module, help_, description in _tools():
         tool = sub.add_parser(name, help=help_, description=description)
         module.add_arguments(tool)
         tool.set_defaults(func=module.run)
+
+
+def _add_bench(sub) -> None:
+    from infertune.bench import offline, serve_load, soak
 
     bench = sub.add_parser("bench", help="benchmarks: bench throughput / latency (offline), bench serve / soak (HTTP)",
                            description="Benchmarks. `bench throughput` and `bench latency` run infertune beside HF "
                            "transformers on the same model and workload; `bench serve` load-tests any OpenAI-compatible "
                            "server.")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
-    from infertune.bench import serve_load
-
     bench_serve = bench_sub.add_parser(
         "serve", help="load-test an OpenAI-compatible server (Poisson arrivals, TTFT/TPOT/ITL percentiles)",
         description="Send a workload to an OpenAI-compatible server (infertune, vLLM, llama.cpp) and report "
         "throughput, TTFT / TPOT / ITL / end-to-end latency percentiles, goodput under an SLO, and failures.")
     serve_load.add_arguments(bench_serve)
     bench_serve.set_defaults(func=serve_load.run)
-    from infertune.bench import soak
-
     bench_soak = bench_sub.add_parser(
         "soak", help="soak-test an infertune server: many requests, hanging-up clients, /health and RSS watched",
         description=soak.__doc__.split("\n\n")[0], epilog="\n\n".join(soak.__doc__.split("\n\n")[1:]),
         formatter_class=argparse.RawDescriptionHelpFormatter)
     soak.add_arguments(bench_soak)
     bench_soak.set_defaults(func=soak.run)
-    from infertune.bench import offline
-
     for name, batches, help_ in (
         ("throughput", [1, 16], "offline throughput: infertune vs HF transformers (and quantized variants), side by side"),
         ("latency", [1], "batch-1 latency: TTFT and decode tok/s, infertune vs HF transformers"),
@@ -290,6 +281,19 @@ def build_parser() -> argparse.ArgumentParser:
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
         offline.add_arguments(cmd, default_batch=batches)
         cmd.set_defaults(func=offline.run)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="infertune",
+        description="LLM inference engine and tuning toolkit. Run `infertune COMMAND --help` for a command's options.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log engine details")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_generate(sub)
+    _add_serve(sub)
+    _add_tools(sub)
+    _add_bench(sub)
     return parser
 
 

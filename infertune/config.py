@@ -1,5 +1,8 @@
 """EngineConfig tree: what to load (model), how to cache (cache), how to batch (scheduler), where to run (device).
 
+Every engine option is declared once, as a dataclass field made by _opt: its default, help, and where it has a
+fixed set its choices; __post_init__ checks the choices given there, and the CLI flags (infertune.cli
+add_engine_args, and the tools through engine_option_kwargs) and the README's options tables are made from them.
 Every dataclass validates itself in __post_init__ and raises ValueError naming the field to change.
 This module imports no torch, so the engine core and its tests stay pure Python.
 """
@@ -8,11 +11,18 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import MISSING, Field, dataclass, field, fields
 from pathlib import Path
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda", "npu")
+DECODE_KERNELS = ("auto", "linear", "off")
+COMPRESS_WEIGHTS = ("auto", "off")
+COMPILE_MODES = ("auto", "on", "off")
+KV_CACHE_DTYPES = ("auto", "int8")
+QUANT_METHODS = ("w8a16", "w4a16", "w8a8")
+QUANT_GROUP_SIZES = (32, 64, 128, 256)
+EXECUTOR_BACKENDS = ("uni", "mp")
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -20,6 +30,29 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 def default_model_path() -> str:
     """The small model that ships inside the package, used when no --model is given."""
     return str(Path(__file__).parent / "assets" / "demo-model")
+
+
+def _opt(default=MISSING, help: str = "", *, factory=MISSING, **kw) -> Field:
+    """One engine option, declared once: a dataclass field whose metadata the CLI flags and README tables are made of.
+
+    help: what it does, in plain text ("(default: ...)" at its end says the default in words where the value does
+    not); choices: the values it takes (checked by _check_choices, offered by the flag; None also passes where it
+    is the default); flag: the CLI flag when it is not --the-name (for a bool that is on by default a --no-...
+    flag that turns it off), or None for an option with no flag (Python and --config only); size: a byte count
+    that the flag also takes as 8G / 512Mi; see: the README section the options table links to.
+    """
+    return field(default=default, default_factory=factory, metadata={"help": help, **kw})
+
+
+def _check_choices(config) -> None:
+    """ValueError naming the field whose value is not one of its declared choices (None passes where it is the
+    default)."""
+    for f in fields(config):
+        choices = f.metadata.get("choices")
+        value = getattr(config, f.name)
+        if choices is None or value in choices or (value is None and f.default is None):
+            continue
+        raise ValueError(f"{f.name}={value!r} is not one of {choices}" + (" (or None)" if f.default is None else ""))
 
 
 @dataclass(slots=True)
@@ -138,37 +171,43 @@ def _arch_from_model_type(model_type: str | None) -> str:
 
 @dataclass(slots=True)
 class ModelConfig:
-    model: str = field(default_factory=default_model_path)
-    tokenizer: str | None = None
-    dtype: str = "auto"
-    max_model_len: int | None = None
-    seed: int = 0
+    model: str = _opt(factory=default_model_path, help="Hugging Face model folder (config.json, *.safetensors and "
+                      "tokenizer files) (default: the built-in demo model)")
+    tokenizer: str | None = _opt(None, "tokenizer folder (default: the model folder)", flag=None)
+    dtype: str = _opt("auto", "weights and activations dtype; auto = the checkpoint's, as the device supports",
+                      choices=DTYPES)
+    max_model_len: int | None = _opt(
+        None, "longest prompt + output, in tokens (default: the model's max_position_embeddings)")
+    seed: int = _opt(0, "engine seed for unseeded sampling")
     # Reorder plain weights once into the backend's fastest matmul layout (oneDNN blocked bf16 on CPU).
-    prepack_weights: bool = True
-    # The backend's own small-batch linear kernels for decode steps (infertune/kernels on CPU: AVX-512 BF16 / VNNI
-    # and AMX): "auto" uses them where the backend has them, with the fused decode step (every layer of a
-    # decode-only step in one call); "linear" only the linear kernels under the PyTorch forward; "off" keeps
-    # torch's matmuls.
-    decode_kernels: str = "auto"
-    # Plain bf16 weights under the decode kernels kept losslessly in 12 bits a weight (layers/linear.py
-    # Bf16cMethod): "auto" where the kernels run and the CPU has AMX (not with compile="on"), "off" keeps them as
-    # loaded. Same outputs bit for bit; decode steps stream 25% fewer bytes.
-    compress_weights: str = "auto"
-    # torch.compile the dense stages of each decoder layer: "auto" (models >= 100M parameters, on backends that
-    # support it), "on" or "off". Compilation happens in a warm-up before serving; see runner/compiled.py.
-    compile: str = "auto"
+    prepack_weights: bool = _opt(
+        True, "where the decode kernels are off or unavailable: reorder bf16 weights once into oneDNN's blocked "
+        "layout on CPUs with native bf16 (faster decode); False keeps plain weights", flag=None)
+    # The backend's own small-batch linear kernels for decode steps (infertune/kernels on CPU).
+    decode_kernels: str = _opt(
+        "auto", "infertune's own decode kernels, on x86 CPUs with AVX-512 BF16 and VNNI (built with the system C "
+        "compiler on first use and cached): auto = GEMV / AMX kernels (bf16, W8A16 and W4A16) for steps of up to "
+        "16 rows plus the fused decode step (every layer of a decode-only step in one call); linear = the linear "
+        "kernels only, under the per-op PyTorch forward; off = torch's matmuls",
+        choices=DECODE_KERNELS, see="Decode kernels")
+    # Plain bf16 weights under the decode kernels kept losslessly in 12 bits a weight (layers/linear.py Bf16cMethod).
+    compress_weights: str = _opt(
+        "auto", "auto = where the decode kernels run on a CPU with AMX (and compile is not on), keep plain bf16 "
+        "projections losslessly in 12 bits a weight (bit-identical outputs; decode steps read 25% fewer bytes, the "
+        "weights take 0.76x the memory, load takes ~2 ms more per million weights); off = keep them as loaded",
+        choices=COMPRESS_WEIGHTS, see="Decode kernels")
+    # torch.compile the dense stages of each decoder layer; see runner/compiled.py.
+    compile: str = _opt(
+        "auto", "torch.compile (Inductor) the decoder's dense stages (norms, projections, rotary, MLP, residuals; "
+        "attention stays eager) in a warm-up before serving, so no request waits on a compile: fewer, fused ops per "
+        "step for a start-up cost of seconds to tens of seconds; on = always; off = eager, instant start; auto = on "
+        "only for models of >= 100M parameters on backends where it measured faster (none yet: on CPU it measured "
+        "slower, so auto runs eager)", choices=COMPILE_MODES, see="Compiled decode")
     arch: ArchConfig | None = None
 
     def __post_init__(self) -> None:
         self.model = os.fspath(self.model)
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype={self.dtype!r} is not one of {DTYPES}")
-        if self.decode_kernels not in ("auto", "linear", "off"):
-            raise ValueError(f"decode_kernels={self.decode_kernels!r} is not one of ('auto', 'linear', 'off')")
-        if self.compress_weights not in ("auto", "off"):
-            raise ValueError(f"compress_weights={self.compress_weights!r} is not one of ('auto', 'off')")
-        if self.compile not in ("auto", "on", "off"):
-            raise ValueError(f"compile={self.compile!r} is not one of ('auto', 'on', 'off')")
+        _check_choices(self)
         if self.arch is None:
             self.arch = ArchConfig.from_model_dir(self.model)
         if self.tokenizer is None:
@@ -193,13 +232,21 @@ class ModelConfig:
 
 @dataclass(slots=True)
 class CacheConfig:
-    block_size: int = 16
+    block_size: int = _opt(16, "tokens per KV-cache block (a power of two)")
     # An absolute budget wins over the fraction; None means "fraction of the memory free after loading".
-    kv_cache_memory_bytes: int | None = None
-    kv_cache_memory_fraction: float = 0.5
-    enable_prefix_caching: bool = True
-    # "int8": K/V stored as int8 with one fp32 scale per token and head, ~0.53x the bytes of bf16 at head_dim 64
-    kv_cache_dtype: str = "auto"
+    kv_cache_memory_bytes: int | None = _opt(
+        None, "KV-cache budget in bytes (suffixes K, M, G, Ki, Mi, Gi allowed); wins over the fraction (default: "
+        "kv_cache_memory_fraction of the free memory)", size=True)
+    kv_cache_memory_fraction: float = _opt(
+        0.5, "share of the memory free after loading that the KV cache may take when no byte budget is given "
+        "(capped at what max_num_seqs full-length sequences can use)")
+    enable_prefix_caching: bool = _opt(
+        True, "reuse the KV of shared prompt prefixes (full blocks); --no-prefix-caching turns this automatic prefix "
+        "cache off", flag="--no-prefix-caching")
+    kv_cache_dtype: str = _opt(
+        "auto", "KV-cache storage: auto = the model dtype; int8 = K/V as int8 with one fp32 scale per token and "
+        "head, (D + 4) / 2D of a bf16 cache at head_dim D, so about twice the tokens in the same budget",
+        choices=KV_CACHE_DTYPES)
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -208,19 +255,21 @@ class CacheConfig:
             raise ValueError(f"kv_cache_memory_bytes={self.kv_cache_memory_bytes} must be positive")
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
             raise ValueError(f"kv_cache_memory_fraction={self.kv_cache_memory_fraction} must be in (0, 1]")
-        if self.kv_cache_dtype not in ("auto", "int8"):
-            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} must be 'auto' (the model dtype) or 'int8'")
+        _check_choices(self)
 
 
 @dataclass(slots=True)
 class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    enable_chunked_prefill: bool = True
-    # Dynamic batch by input length (the seeds' policy): admit a sequence only while the running sequences'
-    # lengths, its own included, sum to at most this many tokens, so short inputs run in larger batches than
-    # long ones. None: only max_num_seqs and the KV blocks limit the batch.
-    max_running_tokens: int | None = None
+    max_num_seqs: int = _opt(64, "sequences decoded together")
+    max_num_batched_tokens: int = _opt(2048, "token budget of one step; long prompts are prefilled in chunks of it")
+    enable_chunked_prefill: bool = _opt(
+        True, "split long prompts across steps (False: a prompt must fit one step, so max_num_batched_tokens must "
+        "be >= max_model_len)", flag=None)
+    # Dynamic batch by input length (the seeds' policy): the running sequences' lengths, its own included.
+    # None: only max_num_seqs and the KV blocks limit the batch.
+    max_running_tokens: int | None = _opt(
+        None, "dynamic batch by input length: admit sequences only while their lengths sum to at most this many "
+        "tokens, so short inputs batch wider than long ones (default: off)")
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0:
@@ -231,24 +280,23 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be positive")
 
 
-QUANT_METHODS = ("w8a16", "w4a16", "w8a8")
-
-
 @dataclass(slots=True)
 class QuantConfig:
     """Weight (and activation) quantization applied on the fly after loading; None keeps the model dtype."""
 
-    quantization: str | None = None
-    quant_group_size: int = 128  # W4A16 group size along the input dim
-    quant_symmetric: bool = False  # W4A16: symmetric groups (-8..7) instead of [min, max] -> 0..15
-    # Layers left in full precision: fnmatch patterns or module prefixes ("lm_head", "model.layers.0.*").
-    keep_fp: tuple[str, ...] = ("lm_head",)
+    quantization: str | None = _opt(
+        None, "quantize linear weights after loading: int8 per output channel (w8a16), int4 per group (w4a16), or "
+        "int8 weights and dynamic per-token int8 activations (w8a8); norms, rotary and logits stay full precision "
+        "(default: none)", choices=QUANT_METHODS, see="Quantization")
+    quant_group_size: int = _opt(128, "w4a16 group size along the input dim", choices=QUANT_GROUP_SIZES)
+    quant_symmetric: bool = _opt(
+        False, "w4a16: symmetric groups (-8..7) instead of [min, max] -> 0..15", flag=None)
+    keep_fp: tuple[str, ...] = _opt(
+        ("lm_head",), 'layers left in full precision: fnmatch patterns or module prefixes (e.g. "model.layers.0.*")',
+        flag=None)
 
     def __post_init__(self) -> None:
-        if self.quantization is not None and self.quantization not in QUANT_METHODS:
-            raise ValueError(f"quantization={self.quantization!r} is not one of {QUANT_METHODS} (or None)")
-        if self.quant_group_size not in (32, 64, 128, 256):
-            raise ValueError(f"quant_group_size={self.quant_group_size} must be 32, 64, 128 or 256")
+        _check_choices(self)
         self.keep_fp = tuple(self.keep_fp)
 
     @property
@@ -266,7 +314,8 @@ class QuantConfig:
 
 @dataclass(slots=True)
 class DeviceConfig:
-    device: str = "auto"
+    device: str = _opt("auto", "where to run: auto prefers cuda, then npu, then cpu (from Python also with an "
+                       "index, e.g. cuda:1)", choices=DEVICES)
 
     def __post_init__(self) -> None:
         kind, _, index = self.device.partition(":")
@@ -274,25 +323,19 @@ class DeviceConfig:
             raise ValueError(f"device={self.device!r} is not one of {DEVICES} (optionally with an index, e.g. 'cuda:1')")
 
 
-EXECUTOR_BACKENDS = ("uni", "mp")
-
-
 @dataclass(slots=True)
 class ParallelConfig:
     """Where the model runner lives: "uni" in the engine's own process, "mp" in a worker process of its own that
     gets each step's SchedulerOutput pickled over a pipe (the seam tensor parallel and Ray workers build on)."""
 
-    distributed_executor_backend: str = "uni"
+    distributed_executor_backend: str = _opt(
+        "uni", "where the model runs: uni = in this process; mp = in a worker process of its own, reached by each "
+        "step's pickled SchedulerOutput (spawned: a script that builds the engine keeps its top level under "
+        "`if __name__ == \"__main__\":`; start-up takes a few seconds more); the profile, eval and quantize tools "
+        "need uni", choices=EXECUTOR_BACKENDS)
 
     def __post_init__(self) -> None:
-        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
-            raise ValueError(f"distributed_executor_backend={self.distributed_executor_backend!r} is not one of "
-                             f"{EXECUTOR_BACKENDS}")
-
-
-def _opt(default, help: str, **kw):
-    """A dataclass field whose help text the CLI flags are made from (one declaration per option)."""
-    return field(default=default, metadata={"help": help, **kw})
+        _check_choices(self)
 
 
 @dataclass(slots=True)
@@ -316,7 +359,7 @@ class LimitsConfig:
         "(default: no deadline)")
     memory_limit: int | None = _opt(
         None, "host-memory ceiling in bytes (suffixes K, M, G, Ki, Mi, Gi allowed); requests that would take the "
-        "process past it are refused with 429 / 503 and Retry-After (default: 90%% of the memory available at "
+        "process past it are refused with 429 / 503 and Retry-After (default: 90% of the memory available at "
         "start-up plus what the process holds, within any cgroup limit)", size=True)
 
     def __post_init__(self) -> None:
@@ -335,6 +378,78 @@ class LimitsConfig:
     def max_seqs_per_request(self) -> int:
         """The most sequences one request may put in the waiting queue."""
         return max(1, int(self.max_waiting * self.max_request_share))
+
+
+# The option groups, in the order the CLI flags and the README tables list them; EngineConfig.create maps each flat
+# option name to the group that declares it.
+OPTION_GROUPS = {"model": ModelConfig, "device": DeviceConfig, "scheduler": SchedulerConfig, "cache": CacheConfig,
+                 "quant": QuantConfig, "parallel": ParallelConfig, "limits": LimitsConfig}
+
+
+def option_fields(*groups: str) -> list[Field]:
+    """The declared options of the named groups (all when none are named), in order; ModelConfig.arch is none."""
+    return [f for g in (groups or OPTION_GROUPS) for f in fields(OPTION_GROUPS[g]) if "help" in f.metadata]
+
+
+def engine_option(name: str) -> Field:
+    """The declaration of option `name` (KeyError naming the known ones when there is none)."""
+    for f in option_fields():
+        if f.name == name:
+            return f
+    raise KeyError(f"no engine option {name!r}; known: {', '.join(f.name for f in option_fields())}")
+
+
+def engine_flag(name: str) -> str | None:
+    """The CLI flag of option `name`: --the-name unless the declaration names another one, or None for no flag."""
+    return engine_option(name).metadata.get("flag", "--" + name.replace("_", "-"))
+
+
+def engine_choices(name: str) -> tuple:
+    """The values option `name` takes (its declared choices; () where it has no fixed set)."""
+    return tuple(engine_option(name).metadata.get("choices", ()))
+
+
+def _size_arg(text: str) -> int:
+    import argparse
+
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _list_arg(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def _value_parser(f: Field):
+    """What turns the flag's text into the field's value (the annotations are strings here, see __future__)."""
+    if f.metadata.get("size"):
+        return _size_arg
+    kind = str(f.type)
+    return next((parse for prefix, parse in (("int", int), ("float", float), ("tuple", _list_arg))
+                 if kind.startswith(prefix)), None)
+
+
+def engine_option_kwargs(name: str, **overrides) -> dict:
+    """argparse add_argument keywords for option `name`, from its declaration: type (a store_true / store_false
+    action for a bool), default, choices, and help that says the default. Keywords given replace those; a tool's
+    choices= may only narrow the declared ones, so no tool offers a value the engine refuses."""
+    f = engine_option(name)
+    declared = engine_choices(name)
+    narrowed = overrides.get("choices")
+    if narrowed is not None and not set(narrowed) <= set(declared):
+        raise ValueError(f"choices {tuple(narrowed)} for {name} are not among its declared {declared}")
+    help_ = f.metadata["help"].replace("%", "%%")  # argparse formats help with %
+    if str(f.type) == "bool":
+        return {"action": "store_false" if f.default else "store_true", "help": help_, **overrides}
+    kw = {"type": _value_parser(f), "default": None if f.default is MISSING else f.default, "help": help_}
+    if declared:
+        kw["choices"] = declared
+    kw.update(overrides)
+    if "help" not in overrides and ("default" in overrides or "(default:" not in help_):
+        kw["help"] = help_.split(" (default: ")[0] + f" (default: {kw['default']})"
+    return kw
 
 
 def parse_size(text: str) -> int:
@@ -372,10 +487,9 @@ class EngineConfig:
             )
 
     @classmethod
-    def create(cls, model: str | None = None, **kwargs) -> "EngineConfig":
+    def create(cls, model: str | None = None, **kwargs) -> EngineConfig:
         """Build the tree from flat keyword arguments (the LLM(...) and CLI surface)."""
-        groups = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "device": DeviceConfig,
-                  "quant": QuantConfig, "limits": LimitsConfig, "parallel": ParallelConfig}
+        groups = OPTION_GROUPS
         parts: dict[str, dict] = {name: {} for name in groups}
         for key, value in kwargs.items():
             owner = next((g for g, c in groups.items() if key in c.__dataclass_fields__ and key != "arch"), None)

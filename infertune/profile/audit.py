@@ -6,6 +6,13 @@ native, fallback (to the CPU), unsupported, unknown (outside the table's coverag
 composite op the backend never sees; its parts are judged instead). It also flags what breaks static
 graphs: ops whose output shape depends on the data, host syncs, shapes that change between the two
 steps, float64 and integer matmuls, and dtypes the table warns about.
+
+Where the engine has native kernels (on x86 CPUs: the fused C decode step, one call for every decoder layer,
+and the kernels' linears), those are C calls that never reach the dispatcher. So the audit first runs the
+steps through the engine as configured and reports what ran natively, per step (whether the fused step ran,
+which kernels, the aten ops still dispatched around them); then it traces the torch path on a second engine
+with decode_kernels="off" and judges that against the table, labelled as such: the path the engine takes on
+every other backend, in float32, and wherever the native kernels do not apply.
 """
 
 from __future__ import annotations
@@ -15,13 +22,12 @@ import json
 import sys
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-
 from typing import TYPE_CHECKING
 
 from infertune.profile.op_tables import BACKEND_TABLES, AtenFacts, OpTable, Resolution, resolve
 
 if TYPE_CHECKING:  # torch is imported only when a trace is taken, so building the CLI stays fast
-    from infertune.profile.op_trace import OpEvent, OpTrace
+    from infertune.profile.op_trace import NativeTrace, OpEvent, OpTrace
 
 # Hints that hold on any backend. A table's own "hints" (with its sources) take precedence.
 DATA_DEPENDENT = ("output size depends on the data: a device->host sync per call, a graph break / recompile "
@@ -81,6 +87,8 @@ class AuditReport:
     hazards: dict[str, list[dict]]
     context: dict = field(default_factory=dict)
     table_hint_keys: frozenset[str] = frozenset()
+    native: dict | None = None  # the default path's native kernels per step (native_summary), None: not run
+    torch_path: dict = field(default_factory=dict)  # which engine the traced (torch-path) steps ran on, and why
 
     def rows(self, status: str) -> list[OpRow]:
         return [r for r in self.ops if r.status == status]
@@ -92,7 +100,7 @@ class AuditReport:
     def to_dict(self) -> dict:
         return {"context": self.context, "backend": self.backend, "table": self.table, "phases": self.phases,
                 "summary": self.summary(), "ops": [asdict(r) | {"total": r.total} for r in self.ops],
-                "hazards": self.hazards}
+                "hazards": self.hazards, "default_path": self.native, "torch_path": self.torch_path}
 
 
 def _fmt_sig(sig) -> str:
@@ -167,6 +175,24 @@ def audit_trace(trace: OpTrace, table: OpTable, aten: AtenFacts | None = None) -
                        table_hint_keys=frozenset(table.hints))
 
 
+def native_summary(native: NativeTrace) -> dict:
+    """The default path's native side as plain data: how many decode / prefill steps the fused C step ran, which
+    kernels ran (calls over all steps), and each step's record."""
+    decode = [st for st in native.steps if st.phase.startswith("decode")]
+    prefill = [st for st in native.steps if st.phase == "prefill"]
+    kernels: Counter = Counter()
+    for st in native.steps:
+        kernels.update(st.kernels)
+    fused_decode = [st for st in decode if st.fused]
+    parts = ({k: sum(st.fused_ms.get(k, 0.0) for st in fused_decode) / len(fused_decode)
+              for k in fused_decode[0].fused_ms} if fused_decode else {})
+    return {"decode_kernels": native.decode_kernels, "fused_built": native.fused_built,
+            "decode_steps": len(decode), "fused_decode_steps": len(fused_decode),
+            "prefill_steps": len(prefill), "fused_prefill_steps": sum(st.fused for st in prefill),
+            "kernels": dict(kernels.most_common()), "fused_ms_per_decode_step": parts,
+            "steps": [asdict(st) for st in native.steps]}
+
+
 def _hazards(events: list[OpEvent], phase_sigs: dict, trace: OpTrace, table: OpTable) -> dict[str, list[dict]]:
     dynamic: dict[str, dict] = {}
     float64: Counter = Counter()
@@ -215,39 +241,70 @@ def _hazards(events: list[OpEvent], phase_sigs: dict, trace: OpTrace, table: OpT
 # ---- command line ----------------------------------------------------------------------------------------
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="Hugging Face model folder (default: the built-in demo model)")
+    from infertune.config import engine_option_kwargs as option  # the engine options' help, choices and defaults
+
+    p.add_argument("--model", **option("model"))
     p.add_argument("--backend", required=True, choices=sorted(BACKEND_TABLES),
                    help="target backend whose op table the trace is judged against")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+    p.add_argument("--dtype", **option("dtype", choices=("auto", "float32", "bfloat16"),
                    help="dtype to trace in (tracing runs on the CPU, which refuses float16: audit an fp16 deployment "
-                        "with bfloat16, the op set is the same) (default: auto)")
+                        "with bfloat16, the op set is the same) (default: auto)"))
     p.add_argument("--prompt-len", type=int, default=32, help="tokens in the traced prefill (default: 32)")
     p.add_argument("--sample", action="store_true",
                    help="trace random sampling (temperature 0.8, top-p 0.95, top-k 50) instead of greedy")
-    p.add_argument("--quantization", default=None, choices=["w8a16", "w4a16", "w8a8"],
-                   help="audit the model quantized on the fly, as `generate --quantization` runs it")
+    p.add_argument("--quantization", **option(
+                   "quantization", help="audit the model quantized on the fly, as `generate --quantization` runs it"))
     p.add_argument("--op-table", default=None, help="audit against this JSON op table instead of the shipped one")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "npu"],
-                   help="where to run the traced steps (default: cpu; the target needs no hardware)")
+    p.add_argument("--device", **option("device", choices=("cpu", "cuda", "npu"), default="cpu",
+                   help="where to run the traced steps (default: cpu; the target needs no hardware)"))
     p.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
+NATIVE_DECODE_STEPS = 3  # decode steps run through the engine as configured, to count those the fused step ran
+
+
 def run(args: argparse.Namespace) -> int:
+    import gc
+
     from infertune.llm import LLM
-    from infertune.profile.op_trace import trace_engine_steps
+    from infertune.profile.op_trace import trace_engine_steps, trace_native_steps
 
     table = OpTable.load(args.op_table or args.backend)
     if args.op_table and table.backend != args.backend:
         print(f"note: --op-table describes backend {table.backend!r}, --backend is {args.backend!r}", file=sys.stderr)
     quant = {"quantization": args.quantization} if getattr(args, "quantization", None) else {}
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=1, **quant,
-              max_num_batched_tokens=max(2048, args.prompt_len),
-              max_model_len=_fit_len(args.model, args.prompt_len + 2))
+    max_len = _fit_len(args.model, args.prompt_len + 2)  # (raises, naming --prompt-len, when even one decode won't fit)
+    decode_steps = max(1, min(NATIVE_DECODE_STEPS, _fit_len(args.model, None) - args.prompt_len - 1))
+    max_len = max(max_len, args.prompt_len + decode_steps + 1)
+
+    def engine(**kw):
+        return LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=1, **quant,
+                   max_num_batched_tokens=max(2048, args.prompt_len), max_model_len=max_len, **kw)
+
+    # 1. The engine as configured: what ran outside the dispatcher (the fused C step, the kernels), per step.
+    llm = engine()
+    setting = llm.config.model.decode_kernels
+    native = trace_native_steps(llm, args.prompt_len, sample=args.sample, decode_steps=decode_steps)
+    # 2. The torch path, which the op table judges: the same engine where it has no native kernels, else a second
+    # one with decode_kernels="off".
+    if native.decode_kernels:
+        del llm
+        gc.collect()
+        llm = engine(decode_kernels="off")
+        torch_path = {"engine": "second", "decode_kernels": "off",
+                      "why": "the default engine runs native kernels (C calls the dispatcher never sees); the ops "
+                             "below are its torch path: what runs on every other backend, in float32, and in the "
+                             "steps the kernels do not take"}
+    else:
+        torch_path = {"engine": "same", "decode_kernels": setting,
+                      "why": "the engine has no native kernels here (runner.decode_kernels is None): the torch path "
+                             "is the path it runs"}
     trace = trace_engine_steps(llm, args.prompt_len, sample=args.sample)
     report = audit_trace(trace, table)
+    report.native, report.torch_path = native_summary(native), torch_path
     report.context = {"model": llm.config.model.model, "dtype": str(llm.engine.executor.runner.dtype).removeprefix(
         "torch."), "traced_on": llm.engine.executor.backend.describe(), "sampling": "random" if args.sample else "greedy",
-                      "quantization": args.quantization}
+                      "quantization": args.quantization, "decode_kernels": setting}
     if args.json:
         print(json.dumps(report.to_dict(), indent=1))
     else:
@@ -255,13 +312,52 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _fit_len(model: str | None, want: int) -> int:
+def _fit_len(model: str | None, want: int | None) -> int:
+    """want positions, checked against the model's max_position_embeddings (want=None: that limit)."""
     from infertune.config import ArchConfig, default_model_path
 
     limit = ArchConfig.from_model_dir(model or default_model_path()).max_position_embeddings
+    if want is None:
+        return limit
     if want > limit:
         raise ValueError(f"--prompt-len needs {want} positions but the model has max_position_embeddings={limit}")
     return want
+
+
+def format_native(report: AuditReport) -> list[str]:
+    """The default path's native section: the fused C step and the kernels per step, then the torch path's label."""
+    n, tp = report.native, report.torch_path
+    if n is None:
+        return []
+    setting = report.context.get("decode_kernels", "?")
+    lines = [f"default path (the engine as configured, decode_kernels={setting}):"]
+    if not n["decode_kernels"]:
+        lines.append("  no native kernels on this engine (runner.decode_kernels is None: a float32 model, not the CPU, "
+                     "or the kernels off / unavailable, see `infertune doctor`): every op reaches the dispatcher")
+    else:
+        kernels = ", ".join(f"{k} x{v}" for k, v in n["kernels"].items()) or "none"
+        built = "" if n["fused_built"] else " (runner.fused is None: the fused step is not built for this model)"
+        prefill = (f", and {n['fused_prefill_steps']} of {n['prefill_steps']} prefill steps"
+                   if n["prefill_steps"] else "")
+        lines.append(f"  fused C step: {n['fused_decode_steps']} of {n['decode_steps']} decode steps ran in it"
+                     f"{prefill}{built}; native kernels: {kernels}")
+        lines.append(f"  {'step':<9} {'tokens':>6} {'fused':>6} {'rows':>5} {'aten ops':>8}  native kernels (calls)")
+        for st in n["steps"]:
+            ks = ", ".join(f"{k} {v}" for k, v in st["kernels"].items()) or "-"
+            lines.append(f"  {st['phase']:<9} {st['tokens']:>6} {'yes' if st['fused'] else 'no':>6} "
+                         f"{st['fused_rows'] if st['fused'] else '-':>5} {st['aten_ops']:>8}  {ks}")
+        parts = n.get("fused_ms_per_decode_step") or {}
+        if parts:
+            lines.append("  fused step by part (its C timers), ms per decode step: "
+                         + ", ".join(f"{k} {v:.3f}" for k, v in parts.items()))
+        lines.append("  these are C calls, not aten ops: no op table judges them (they are infertune's CPU kernels; "
+                     "other backends run the torch path)")
+    if tp:
+        engine = ("a second engine with decode_kernels=\"off\"" if tp.get("engine") == "second"
+                  else "the same engine")
+        lines.append(f"torch path audited below: {engine}: {tp.get('why', '')}")
+    lines.append("")
+    return lines
 
 
 def format_report(report: AuditReport) -> str:
@@ -271,10 +367,12 @@ def format_report(report: AuditReport) -> str:
     if ctx:
         lines.append(f"infertune audit: {ctx.get('model')} ({ctx.get('dtype')}, {ctx.get('sampling')} sampling, "
                      f"traced on {ctx.get('traced_on')}) -> target {report.backend}")
+    lines += format_native(report)
     lines.append(f"op table: {t['path']}\n  source: {t['source']}\n  version: {t['version']}; "
                  f"{'complete' if t['complete'] else 'PARTIAL coverage: unlisted ops are unknown'}; "
                  f"missing ops {'fall back to the CPU' if t['on_missing'] == 'fallback-to-cpu' else 'are unsupported'}")
-    lines.append("steps: " + ", ".join(f"{p} ({v.get('tokens_seen') or v.get('tokens')} tokens, "
+    prefix = "torch-path steps: " if report.native is not None else "steps: "
+    lines.append(prefix + ", ".join(f"{p} ({v.get('tokens_seen') or v.get('tokens')} tokens, "
                                         f"{sum(r.counts.get(p, 0) for r in report.ops if r.status != 'decomposed')} "
                                         f"kernel calls)" for p, v in report.phases.items()))
     header = f"{'status':<11} " + " ".join(f"{p[:8]:>8}" for p in phases) + f"  {'op':<52} example inputs"

@@ -5,9 +5,12 @@ test and in float32 as the reference (on the CPU by default), the same prompt is
 and forward hooks capture the output of every submodule: the embedding, each decoder layer with its
 norms, attention (qkv / rotary / o_proj) and MLP, the final norm, and lm_head (called by compute_logits).
 Per module it reports max-abs and mean-abs difference, each divided by the reference output's scale
-(max |ref| and mean |ref|), and the share of non-finite values; then it names the first module, in the
-order outputs were produced, that has NaN/Inf the reference does not have, or whose relative max error
-exceeds the threshold. Children finish before their parents, so the innermost culprit is named.
+(max |ref| and mean |ref|), and the share of non-finite values in each run; then it names the first module, in
+the order outputs were produced, that has NaN/Inf where the reference is finite (the dtype under test is at
+fault), whose reference output itself has NaN/Inf (the checkpoint or the prompt is at fault: both runs are
+broken there), or whose relative max error exceeds the threshold. Children finish before their parents, so the
+innermost culprit is named. It never reports "no divergence" while any module's output, in either run, is
+non-finite.
 """
 
 from __future__ import annotations
@@ -15,8 +18,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # torch is imported inside the functions, so building the CLI does not load it
     import torch
@@ -34,9 +38,15 @@ class ModuleDiff:
     rel_mean: float  # mean_abs / mean |ref|
     nonfinite_share: float  # in the run under test
     ref_nonfinite_share: float
+    new_nonfinite_share: float = 0.0  # non-finite under test where the reference is finite
 
     def diverges(self, threshold: float) -> str | None:
-        if self.nonfinite_share > self.ref_nonfinite_share:
+        """Why this module is flagged: "reference non-finite" (the fp32 reference itself has NaN/Inf here: the
+        checkpoint or the prompt is broken, whatever the run under test does), "non-finite" (NaN/Inf under test
+        where the reference is finite), "error above threshold", or None."""
+        if self.ref_nonfinite_share > 0:
+            return "reference non-finite"
+        if self.new_nonfinite_share > 0:
             return "non-finite"
         if self.rel_max > threshold:
             return "error above threshold"
@@ -52,9 +62,23 @@ class LayerDebugReport:
     prompt_tokens: int
     threshold: float
     modules: list[ModuleDiff]
-    first_divergent: dict | None = None
-    first_nonfinite: dict | None = None
+    first_divergent: dict | None = None  # the first flagged module: {"module", "index", "reason"}
+    first_nonfinite: dict | None = None  # the first with NaN/Inf under test where the reference is finite
+    first_ref_nonfinite: dict | None = None  # the first whose fp32 reference output itself has NaN/Inf
     notes: list[str] = field(default_factory=list)
+
+    def verdict(self) -> str:
+        """One line: the first module to go non-finite (under test, or in the reference) or to drift, or that none did."""
+        d, r = self.first_divergent, self.first_ref_nonfinite
+        if d is None:
+            return f"no divergence: every module is finite in both runs and within {self.threshold} of the reference"
+        if d["reason"] == "reference non-finite":
+            return (f"REFERENCE NON-FINITE: the {self.ref_dtype} reference itself is non-finite at {r['module']} "
+                    f"(#{r['index']}): the checkpoint's weights (or the prompt) are broken there, not the {self.dtype} dtype")
+        if d["reason"] == "non-finite":
+            return (f"FIRST NON-FINITE MODULE: {d['module']} (#{d['index']}): NaN/Inf under {self.dtype} where the "
+                    f"{self.ref_dtype} reference is finite")
+        return f"FIRST DIVERGENT MODULE: {d['module']} (#{d['index']}, {d['reason']})"
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -62,6 +86,7 @@ class LayerDebugReport:
             for k, v in m.items():
                 if isinstance(v, float) and not math.isfinite(v):
                     m[k] = str(v)
+        d["verdict"] = self.verdict()
         return d
 
 
@@ -139,6 +164,7 @@ def compare(label: str, index: int, test: list[torch.Tensor], ref: list[torch.Te
         rel_max=max_abs / max(scale_max, tiny) if max_abs != 0 else 0.0,
         rel_mean=mean_abs / max(scale_mean, tiny) if mean_abs != 0 else 0.0,
         nonfinite_share=float((~fin_a).float().mean()), ref_nonfinite_share=float((~fin_r).float().mean()),
+        new_nonfinite_share=float((~fin_a & fin_r).float().mean()),
     )
 
 
@@ -153,8 +179,9 @@ def run_prefill_captured(llm, token_ids: list[int]) -> list[tuple[str, list[torc
     return capture.records
 
 
-def plant_nan(module_name: str) -> Callable[[nn.Module], None]:
-    """A perturbation for debug_layers: set one weight of the named module to NaN (to test the hunt itself)."""
+def plant_nan(module_name: str, value: float = float("nan")) -> Callable[[nn.Module], None]:
+    """A perturbation for debug_layers: set one weight of the named module to NaN (or value, e.g. inf) in the model
+    under test only (to test the hunt itself)."""
 
     def perturb(model: nn.Module) -> None:
         import torch
@@ -168,7 +195,7 @@ def plant_nan(module_name: str) -> Callable[[nn.Module], None]:
         if not isinstance(weight, torch.Tensor):
             raise ValueError(f"--plant-nan {module_name!r}: the module has no weight tensor")
         with torch.no_grad():
-            weight.view(-1)[0] = float("nan")
+            weight.view(-1)[0] = value
 
     return perturb
 
@@ -228,36 +255,43 @@ def debug_layers(model: str | None, prompt: str | list[int], dtype: str = "bfloa
         why = m.diverges(threshold)
         if why and report.first_divergent is None:
             report.first_divergent = {"module": m.module, "index": m.index, "reason": why}
-        if why == "non-finite" and report.first_nonfinite is None:
+        if m.new_nonfinite_share > 0 and report.first_nonfinite is None:
             report.first_nonfinite = {"module": m.module, "index": m.index}
-    if any(m.ref_nonfinite_share > 0 for m in modules):
-        first = next(m for m in modules if m.ref_nonfinite_share > 0)
-        notes.append(f"the fp32 reference itself has non-finite values from {first.module} on: the checkpoint or the "
-                     f"prompt is at fault, not the dtype")
+        if m.ref_nonfinite_share > 0 and report.first_ref_nonfinite is None:
+            report.first_ref_nonfinite = {"module": m.module, "index": m.index}
+    # Every non-finite value under test is either where the reference is finite or where it is not: both flag.
+    assert report.first_divergent is not None or not any(m.nonfinite_share or m.ref_nonfinite_share for m in modules)
     return report
 
 
 def format_report(report: LayerDebugReport, show: str = "all") -> str:
     lines = [f"infertune debug-layers: {report.prompt_tokens} prompt tokens, {report.dtype} on {report.device} vs "
              f"{report.ref_dtype} on {report.ref_device}; threshold {report.threshold} (max-abs error / max |ref|)", ""]
-    header = f"{'#':>4}  {'module':<46} {'max-abs':>10} {'rel-max':>9} {'mean-abs':>10} {'rel-mean':>9} {'non-finite':>10}"
+    header = (f"{'#':>4}  {'module':<46} {'max-abs':>10} {'rel-max':>9} {'mean-abs':>10} {'rel-mean':>9} "
+              f"{'non-finite':>10} {'ref n-f':>8}")
     lines += [header, "-" * len(header)]
-    first = report.first_divergent["index"] if report.first_divergent else -1
+    firsts = {f["index"] for f in (report.first_divergent, report.first_nonfinite, report.first_ref_nonfinite) if f}
     for m in report.modules:
         why = m.diverges(report.threshold)
-        if show == "layers" and m.index != first and m.module.count(".") > 2:
+        if show == "layers" and m.index not in firsts and m.module.count(".") > 2:
             continue
         flag = "  <- " + why if why else ""
         lines.append(f"{m.index:>4}  {m.module:<46} {m.max_abs:>10.3g} {m.rel_max:>9.3g} {m.mean_abs:>10.3g} "
-                     f"{m.rel_mean:>9.3g} {m.nonfinite_share:>10.1%}{flag}")
-    lines.append("")
-    if report.first_divergent is None:
-        lines.append(f"no divergence: every module is finite and within {report.threshold} of the reference")
-    else:
-        d = report.first_divergent
-        lines.append(f"FIRST DIVERGENT MODULE: {d['module']} (#{d['index']}, {d['reason']})")
-        if report.first_nonfinite and report.first_nonfinite["module"] != d["module"]:
-            lines.append(f"first non-finite output: {report.first_nonfinite['module']}")
+                     f"{m.rel_mean:>9.3g} {m.nonfinite_share:>10.1%} {m.ref_nonfinite_share:>8.1%}{flag}")
+    lines += ["", report.verdict()]
+    d, t, r = report.first_divergent, report.first_nonfinite, report.first_ref_nonfinite
+    if d is not None and d["reason"] == "reference non-finite":
+        m = report.modules[r["index"]]
+        lines.append(f"non-finite there: {m.nonfinite_share:.1%} of its outputs under test, {m.ref_nonfinite_share:.1%} "
+                     f"in the reference; later modules' errors are measured only over the values finite in both runs")
+        lines.append("what to do: check that module's weights in the checkpoint for NaN/Inf (torch.isfinite over its "
+                     "tensors), and the prompt's token ids; switching the dtype will not help")
+    elif d is not None:
+        if t is not None and t["index"] != d["index"]:
+            lines.append(f"first non-finite output under {report.dtype}: {t['module']} (#{t['index']})")
+        if r is not None:
+            lines.append(f"the {report.ref_dtype} reference itself goes non-finite later, at {r['module']} "
+                         f"(#{r['index']}): the checkpoint or the prompt is broken there too")
         lines.append("what to do: check that module's weights for NaN/Inf and its inputs' range; for a dtype overflow "
                      "keep that op in float32 (norms and softmax already are), or try float16 <-> bfloat16")
     lines += [f"note: {n}" for n in report.notes]
@@ -265,13 +299,17 @@ def format_report(report: LayerDebugReport, show: str = "all") -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="Hugging Face model folder (default: the built-in demo model)")
+    from infertune.config import engine_option_kwargs as option  # the engine options' help, choices and defaults
+
+    devices = ("cpu", "cuda", "npu")
+    p.add_argument("--model", **option("model"))
     p.add_argument("--prompt", required=True, help="text to prefill through both runs")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
-                   help="dtype under test (default: bfloat16)")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "npu"], help="device under test (default: cpu)")
-    p.add_argument("--ref-device", default="cpu", choices=["cpu", "cuda", "npu"],
-                   help="device of the float32 reference (default: cpu)")
+    p.add_argument("--dtype", **option("dtype", choices=("float32", "bfloat16", "float16"), default="bfloat16",
+                                       help="dtype under test (default: bfloat16)"))
+    p.add_argument("--device", **option("device", choices=devices, default="cpu",
+                                        help="device under test (default: cpu)"))
+    p.add_argument("--ref-device", **option("device", choices=devices, default="cpu",
+                                            help="device of the float32 reference (default: cpu)"))
     p.add_argument("--threshold", type=float, default=0.05,
                    help="flag a module whose max-abs error exceeds this share of its reference's max |value| "
                         "(default: 0.05)")
@@ -279,8 +317,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="set one weight of MODULE (e.g. model.layers.1.mlp.down_proj) to NaN in the run under test, "
                         "to see the hunt work")
     p.add_argument("--only-layers", action="store_true",
-                   help="print decoder-layer level rows (and every flagged module) instead of every submodule")
+                   help="print decoder-layer level rows (and the first flagged modules) instead of every submodule")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    if p.epilog is None:
+        p.epilog = EXIT_STATUS
+
+
+EXIT_STATUS = ("exit status: 0 when every module's output is finite in both runs and within --threshold of the "
+               "reference; 1 when a module is flagged: NaN/Inf under the dtype under test, NaN/Inf already in the "
+               "float32 reference (a broken checkpoint or prompt), or an error above --threshold")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -4,10 +4,16 @@ CompositeImplicitAutograd ops (linear, matmul, scaled_dot_product_attention, ein
 then decomposed inside the mode, so the ops they turn into are recorded too, with the composite as their
 parent: a backend table can then judge either level. Nothing runs on a target device; tracing is CPU-only
 unless the caller's code itself uses another device.
+
+Native kernels (the CPU's fused C decode step, the kernels' linears) are C calls, not aten ops: they never reach
+the dispatcher, so no TorchDispatchMode sees them. `trace_native_steps` records what an engine runs there
+instead, per step: whether the fused step ran (its own C timers), and which kernels ran (the
+`infertune_kernels::<name>` ranges the kernels open while a profiler runs).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -88,30 +94,43 @@ class OpRecorder(TorchDispatchMode):
         return out
 
 
-def trace_engine_steps(llm, prompt_len: int, sample: bool = False, decode_steps: int = 1) -> OpTrace:
-    """Run one prefill of prompt_len tokens and decode_steps decode steps through llm's real engine, recorded.
+REQUEST_ID = "infertune-audit"
 
-    The prompt is a fixed, deterministic run of token ids, so traces are reproducible. The request is
-    aborted afterwards, leaving the engine as it was.
-    """
+
+def _audit_request(engine, prompt_len: int, sample: bool, decode_steps: int, salt: int = 0) -> list[tuple[str, int]]:
+    """Queue the audit's request (a fixed, deterministic prompt, so traces are reproducible); its steps' phases.
+
+    Another salt gives a prompt that shares no prefix with salt 0's, so that an engine that ran one still prefills
+    all of the other (no prefix-cache hit shortens the traced prefill)."""
     from infertune.sampling_params import SamplingParams
 
-    engine = llm.engine
     vocab = engine.config.model.arch.vocab_size
     if prompt_len < 2:
         raise ValueError(f"prompt_len={prompt_len}: give at least 2 tokens so the prefill differs from a decode")
     if prompt_len + decode_steps >= engine.max_model_len:
         raise ValueError(f"prompt_len={prompt_len} + {decode_steps} decode step(s) does not fit max_model_len="
                          f"{engine.max_model_len}; lower --prompt-len")
-    token_ids = [(17 + 7919 * i) % vocab for i in range(prompt_len)]
+    token_ids = [(17 + 7919 * i + 104729 * salt) % vocab for i in range(prompt_len)]
     params = (SamplingParams(max_tokens=decode_steps + 1, temperature=0.8, top_p=0.95, top_k=50, seed=0, ignore_eos=True)
               if sample else SamplingParams(max_tokens=decode_steps + 1, temperature=0.0, ignore_eos=True))
-    request_id = "infertune-audit"
-    engine.add_request(request_id, {"prompt_token_ids": token_ids}, params)
+    engine.add_request(REQUEST_ID, {"prompt_token_ids": token_ids}, params)
+    return [("prefill", prompt_len)] + [(f"decode{i + 1}" if decode_steps > 1 else "decode", 1)
+                                        for i in range(decode_steps)]
+
+
+
+def trace_engine_steps(llm, prompt_len: int, sample: bool = False, decode_steps: int = 1) -> OpTrace:
+    """Run one prefill of prompt_len tokens and decode_steps decode steps through llm's real engine, recorded.
+
+    The prompt is a fixed, deterministic run of token ids, so traces are reproducible. The request is
+    aborted afterwards, leaving the engine as it was. Native kernels the engine calls (see trace_native_steps)
+    are invisible here: trace an engine with decode_kernels="off" to see every op of the PyTorch path.
+    """
+    engine = llm.engine
+    phases = _audit_request(engine, prompt_len, sample, decode_steps)
+    request_id = REQUEST_ID
     recorder = OpRecorder()
     trace = recorder.trace
-    phases = [("prefill", prompt_len)] + [(f"decode{i + 1}" if decode_steps > 1 else "decode", 1)
-                                          for i in range(decode_steps)]
     try:
         for phase, tokens in phases:
             recorder.phase = phase
@@ -121,6 +140,88 @@ def trace_engine_steps(llm, prompt_len: int, sample: bool = False, decode_steps:
     finally:
         engine.abort_request(request_id)
     return trace
+
+
+@dataclass(slots=True)
+class NativeStep:
+    """What one engine step ran outside the dispatcher."""
+
+    phase: str  # "prefill", "decode" / "decode<i>"
+    tokens: int
+    fused: bool  # the fused C step (every decoder layer in one call) ran in this step
+    fused_rows: int  # token rows it took
+    fused_ms: dict[str, float]  # its C timers: ms per part (the kernels' FUSED_PARTS)
+    kernels: dict[str, int]  # native kernel -> calls (its infertune_kernels::<name> ranges)
+    aten_ops: int  # outermost aten ops the step still dispatched (embedding lookup, sampler, glue)
+
+
+@dataclass(slots=True)
+class NativeTrace:
+    decode_kernels: bool  # the engine has native kernels (runner.decode_kernels is not None)
+    fused_built: bool  # runner.fused is not None: the fused step exists for this model
+    steps: list[NativeStep] = field(default_factory=list)
+
+
+KERNEL_RANGE = "infertune_kernels::"
+_STEP_MARK = "infertune_audit::step#"
+
+
+def trace_native_steps(llm, prompt_len: int, sample: bool = False, decode_steps: int = 1) -> NativeTrace:
+    """Run the audit's request (one prefill, decode_steps decodes) through llm's engine as it is configured, and
+    record per step whether the fused C step ran and which native kernels ran, with the aten ops still dispatched.
+
+    Reads the engine only through runner.fused (None or the fused step) and runner.decode_kernels (None or the
+    kernels, whose fused_step_timers(reset) give the fused step's calls, rows and seconds per part). Like
+    trace_engine_steps, the request is aborted afterwards.
+    """
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    engine = llm.engine
+    runner = engine.executor.runner
+    kernels = getattr(runner, "decode_kernels", None)
+    timers = getattr(kernels, "fused_step_timers", None) if kernels is not None else None
+    native = NativeTrace(decode_kernels=kernels is not None, fused_built=getattr(runner, "fused", None) is not None)
+    # (its own prompt: the torch-path trace may run on this engine afterwards and must not hit this one's prefix)
+    phases = _audit_request(engine, prompt_len, sample, decode_steps, salt=1)
+    parts: list[dict] = []
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:  # the kernels open their ranges only under one
+            for i in range(len(phases)):
+                if timers is not None:
+                    timers(reset=True)
+                with record_function(f"{_STEP_MARK}{i}"):
+                    engine.step()
+                parts.append(timers(reset=True) if timers is not None else {})
+    finally:
+        engine.abort_request(REQUEST_ID)
+    events = list(prof.events())
+    marks = {int(e.name[len(_STEP_MARK):]): (e.time_range.start, e.time_range.end)
+             for e in events if e.name.startswith(_STEP_MARK)}
+    counts = [Counter() for _ in phases]
+    aten = [0] * len(phases)
+
+    def step_of(e) -> int | None:
+        t = e.time_range.start
+        return next((i for i, (a, b) in marks.items() if a <= t <= b), None)
+
+    for e in events:
+        if e.name.startswith(KERNEL_RANGE):
+            i = step_of(e)
+            if i is not None:
+                counts[i][e.name[len(KERNEL_RANGE):]] += 1
+        elif e.name.startswith("aten::"):
+            parent = e.cpu_parent
+            while parent is not None and not parent.name.startswith("aten::"):
+                parent = parent.cpu_parent
+            i = step_of(e) if parent is None else None
+            if i is not None:
+                aten[i] += 1
+    for i, (phase, tokens) in enumerate(phases):
+        t = dict(parts[i])
+        calls, rows = int(t.pop("calls", 0)), int(t.pop("rows", 0))
+        native.steps.append(NativeStep(phase, tokens, calls > 0, rows, {k: 1000 * v for k, v in t.items()} if calls else {},
+                                       dict(counts[i].most_common()), aten[i]))
+    return native
 
 
 def tokens_embedded(trace: OpTrace, phase: str) -> int | None:

@@ -26,6 +26,9 @@ LABELS = {
 }
 
 SCOPE_PREFIX = "infertune::"
+# What a step ran (timeline.batch_phase), in report order: only prefill chunks, prefill chunks next to decodes (a
+# chunked prefill overlapping decoding sequences: its own phase, counted as neither), only decodes.
+PHASES = ("prefill", "mixed", "decode")
 STEP_KIND = "step"
 # Ranges around host-side engine work: every op inside them is host work (e.g. building input tensors from lists).
 HOST_SCOPES = frozenset({"schedule", "prepare_inputs", "update", "detokenize"})

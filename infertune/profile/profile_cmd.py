@@ -2,8 +2,9 @@
 
 It runs a representative workload (batch x input_len prompt tokens, output_len new tokens each) through the real
 engine twice: once plain, to warm up and time the steps unprofiled, then under torch.profiler with ranges around
-the engine's parts (see timeline.py). It prints the time share of each category for prefill and decode steps
-(they add up to the steps' wall time), the ops per decode step and their estimated launch overhead, the top ops by
+the engine's parts (see timeline.py). It prints the time share of each category for prefill, decode and mixed
+steps (a mixed step runs prefill chunks next to decodes: its own phase, never counted as either; the shares add
+up to the steps' wall time), the ops per decode step and their estimated launch overhead, the top ops by
 self time, and hints tied to the figures; --trace, --json and --plot write the Chrome trace, a JSON summary and a
 stacked bar chart.
 """
@@ -17,29 +18,28 @@ import sys
 from pathlib import Path
 
 from infertune.plotting import pyplot
-from infertune.profile.profile_categories import CATEGORIES, LABELS
+from infertune.profile.profile_categories import CATEGORIES, LABELS, PHASES
 from infertune.profile.profile_hints import derive_hints
 
 DESCRIPTION = __doc__.split("\n\n")[1].replace("\n", " ")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="Hugging Face model folder (default: the built-in demo model)")
+    from infertune.config import engine_option_kwargs as option  # the engine options' help, choices and defaults
+
+    p.add_argument("--model", **option("model"))
     p.add_argument("--input-len", type=int, default=128, help="prompt tokens per request (default: 128)")
     p.add_argument("--output-len", type=int, default=32, help="new tokens per request (default: 32)")
     p.add_argument("--batch", type=int, default=4, help="requests run together (default: 4)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weights and activations dtype (default: auto)")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "npu"], help="where to run (default: auto)")
-    p.add_argument("--quantization", default=None, choices=["w8a16", "w4a16", "w8a8"],
-                   help="quantize linear weights after loading (default: none)")
-    p.add_argument("--quant-group-size", type=int, default=128, help="w4a16 group size (default: 128)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                   help="token budget of one step; longer prefills are chunked (default: 2048)")
-    p.add_argument("--decode-kernels", default="auto", choices=["auto", "linear", "off"],
-                   help="infertune's decode kernels as the engine runs them (auto: the fused decode step shows as one "
-                   "category); linear: the per-op forward on the kernels' linears, to split a decode step by op; "
-                   "off: torch's matmuls (default: auto)")
+    p.add_argument("--dtype", **option("dtype"))
+    p.add_argument("--device", **option("device"))
+    p.add_argument("--quantization", **option("quantization"))
+    p.add_argument("--quant-group-size", **option("quant_group_size"))
+    p.add_argument("--max-num-batched-tokens", **option("max_num_batched_tokens"))
+    p.add_argument("--decode-kernels", **option(
+        "decode_kernels", help="infertune's decode kernels as the engine runs them (auto: the fused decode step shows "
+        "as one category); linear: the per-op forward on the kernels' linears, to split a decode step by op; off: "
+        "torch's matmuls (default: auto)"))
     p.add_argument("--greedy", action="store_true",
                    help="greedy decoding (default: temperature 0.8, top_p 0.95, as a served workload would sample)")
     p.add_argument("--no-warmup", action="store_true",
@@ -115,10 +115,11 @@ def _quantile(xs: list[float], q: float) -> float | None:
 def build_summary(result, context: dict, top: int = 12) -> dict:
     """The JSON summary (what --json writes, and what the report, the plot and the hints read)."""
     phases = {}
-    for name in ("prefill", "decode"):
+    for name in PHASES:
         ph = result.phases.get(name)
         if ph is None:
             continue
+        profiled = [r for r in result.records if r.phase == name]
         wall = ph.wall_us or 1.0
         base = result.baseline.get(name, [])
         jitter = base or [r.wall_us for r in result.records if r.phase == name]
@@ -133,6 +134,8 @@ def build_summary(result, context: dict, top: int = 12) -> dict:
             "step_ms_p50": _median(jitter) / 1000 if jitter else None,
             "step_ms_p90": _quantile(jitter, 0.9) / 1000 if jitter else None,
             "tokens_per_step": ph.tokens / ph.steps,
+            "prefill_tokens_per_step": sum(r.num_prefill_tokens for r in profiled) / len(profiled) if profiled else None,
+            "decode_tokens_per_step": sum(r.num_decode_tokens for r in profiled) / len(profiled) if profiled else None,
             "page_faults_per_step": _median(faults),
             "seqs_per_step": sum(ph.seqs_per_step) / ph.steps,
             "share": ph.share(),
@@ -150,7 +153,8 @@ def build_summary(result, context: dict, top: int = 12) -> dict:
             "fused_step_ms": ({k: 1000 * statistics.mean(f[k] for f in fused) for k in fused[0]} if fused else None),
         }
     steps = [{"index": r.index, "phase": r.phase, "seqs": r.num_seqs, "tokens": r.num_tokens,
-              "prefill_tokens": r.num_prefill_tokens, "wall_ms": r.wall_us / 1000} for r in result.records]
+              "prefill_tokens": r.num_prefill_tokens, "decode_tokens": r.num_decode_tokens,
+              "wall_ms": r.wall_us / 1000} for r in result.records]
     summary = {"context": context, "categories": list(CATEGORIES), "labels": LABELS, "phases": phases, "steps": steps,
                "launch": {}, "instrumentation": {"instrumented": result.instrumented, "missing": result.missing,
                                                  "range_us": result.range_us},
@@ -176,7 +180,7 @@ def build_summary(result, context: dict, top: int = 12) -> dict:
 
 def format_report(s: dict) -> str:
     ctx, phases = s["context"], s["phases"]
-    names = [p for p in ("prefill", "decode") if p in phases]
+    names = [p for p in PHASES if p in phases]
     lines = [f"infertune profile: {ctx['model']} ({ctx['dtype']}{', ' + ctx['quantization'] if ctx['quantization'] else ''}"
              f", {ctx['device']}, {ctx['torch_threads']} threads) batch {ctx['batch']} x ({ctx['input_len']} in + "
              f"{ctx['output_len']} out), sampling {ctx['sampling']}; {ctx['timeline']} timeline"]
@@ -185,8 +189,12 @@ def format_report(s: dict) -> str:
         base = f", {ph['unprofiled_ms_per_step']:.2f} unprofiled" if ph["unprofiled_ms_per_step"] else ""
         faults = ph.get("page_faults_per_step")
         faults = f", {faults:,.0f} page faults/step" if faults is not None else ""
-        lines.append(f"  {p}: {ph['steps']} step(s), {ph['tokens_per_step']:.0f} tokens / {ph['seqs_per_step']:.1f} "
-                     f"seqs per step, {ph['ms_per_step']:.2f} ms/step profiled{base}{faults}")
+        split = ""
+        if p == "mixed" and ph.get("prefill_tokens_per_step") is not None:
+            split = (f" ({ph['prefill_tokens_per_step']:.0f} prefill + {ph['decode_tokens_per_step']:.0f} decode, "
+                     "prefill chunks run next to decodes)")
+        lines.append(f"  {p}: {ph['steps']} step(s), {ph['tokens_per_step']:.0f} tokens{split} / "
+                     f"{ph['seqs_per_step']:.1f} seqs per step, {ph['ms_per_step']:.2f} ms/step profiled{base}{faults}")
     lines += ["", "time by category (share of step wall time; self time of each op and range goes to exactly one "
               "category, so each column adds up to 100%)"]
     lines.append(f"  {'category':<28}" + "".join(f"{p:>22}" for p in names))
@@ -243,7 +251,8 @@ def write_trace(result, path: str) -> None:
     """The profiler's Chrome / Perfetto trace, with each step's range renamed to say what the step was."""
     result.prof.export_chrome_trace(path)
     labels = {f"infertune::step#{r.index}": f"infertune::step#{r.index} {r.phase} ({r.num_seqs} seqs, "
-              f"{r.num_tokens} tokens)" for r in result.records}
+              f"{r.num_tokens} tokens" + (f": {r.num_prefill_tokens} prefill + {r.num_decode_tokens} decode"
+                                          if r.phase == "mixed" else "") + ")" for r in result.records}
     trace = json.loads(Path(path).read_text())
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     for e in events:
@@ -255,7 +264,7 @@ def write_trace(result, path: str) -> None:
 def write_plot(summary: dict, path: str) -> None:
     """A stacked bar per phase: each category's share of the step wall time."""
     plt = _pyplot()
-    phases = [p for p in ("prefill", "decode") if p in summary["phases"]]
+    phases = [p for p in PHASES if p in summary["phases"]]
     fig, ax = plt.subplots(figsize=(7, 5))
     cmap = plt.get_cmap("tab20")
     bottoms = [0.0] * len(phases)

@@ -4,7 +4,8 @@ The engine is never edited: `Instrumentation` wraps instance attributes of the e
 executor, runner, attention backend, sampler) in callables that open `record_function("infertune::<kind>")`,
 and registers forward pre/post hooks on the model's modules that open one range per module call; leaving the
 `with` block undoes all of it. Each engine step runs inside `infertune::step#<i>`; the batch it ran decides
-whether it was a prefill step (it had prefill chunks) or a decode step (only decodes).
+its phase: a prefill step (only prefill chunks), a decode step (only decodes) or a mixed step (prefill chunks
+and decodes together, as chunked prefill runs a long prompt next to sequences that decode).
 """
 
 from __future__ import annotations
@@ -38,24 +39,36 @@ def minor_faults() -> int:
 @dataclass(slots=True)
 class StepRecord:
     index: int
-    phase: str = "empty"  # "prefill" (the batch had prefill chunks), "decode" (only decodes), "empty"
+    phase: str = "empty"  # "prefill" (only prefill chunks), "decode" (only decodes), "mixed" (both), "empty"
     num_seqs: int = 0
     num_tokens: int = 0
     num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
     wall_us: float = 0.0  # perf_counter around engine.step()
     page_faults: int = 0  # the process's minor page faults during the step (fresh pages the step touched)
     fused: dict | None = None  # seconds per part of the fused step (kernels.FUSED_PARTS), where it ran this step
 
 
 def batch_phase(batch) -> tuple[str, int]:
-    """("prefill" | "decode", prefill tokens) of a ScheduledBatch, read before the step runs.
+    """("prefill" | "mixed" | "decode", prefill tokens) of a ScheduledBatch, read before the step runs.
 
     An entry is a prefill chunk while its sequence has not computed its whole prompt (a recompute after preemption
-    counts as prefill too); a step with any prefill chunk is a prefill step.
+    counts as prefill too), else a decode; a step with both is a mixed step, counted apart from either.
     """
-    prefill_tokens = sum(n for seq, n in zip(batch.seqs, batch.num_scheduled_tokens)
-                         if seq.num_computed_tokens < seq.num_prompt_tokens)
-    return ("prefill" if prefill_tokens else "decode"), prefill_tokens
+    prefill_tokens, decode_tokens = batch_tokens(batch)
+    phase = ("mixed" if decode_tokens else "prefill") if prefill_tokens else "decode"
+    return phase, prefill_tokens
+
+
+def batch_tokens(batch) -> tuple[int, int]:
+    """(prefill tokens, decode tokens) of a ScheduledBatch, read before the step runs."""
+    prefill = decode = 0
+    for seq, n in zip(batch.seqs, batch.num_scheduled_tokens):
+        if seq.num_computed_tokens < seq.num_prompt_tokens:
+            prefill += n
+        else:
+            decode += n
+    return prefill, decode
 
 
 class _Ranged:
@@ -162,6 +175,7 @@ class Instrumentation:
             return
         rec = self.records[-1]
         rec.phase, rec.num_prefill_tokens = batch_phase(batch)
+        rec.num_decode_tokens = batch_tokens(batch)[1]
         rec.num_seqs = len(batch.seqs)
         rec.num_tokens = sum(batch.num_scheduled_tokens)
 

@@ -77,7 +77,11 @@ def variant_label(options: dict) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="Hugging Face model folder (default: the built-in demo model)")
+    from infertune.config import engine_choices  # the engine options' declared values
+    from infertune.config import engine_option_kwargs as option
+
+    kv_dtypes, quants = engine_choices("kv_cache_dtype"), ("none", *engine_choices("quantization"))
+    p.add_argument("--model", **option("model"))
     p.add_argument("--slo", default=None, metavar="TERMS",
                    help="latency SLO for the online pick, e.g. ttft_p90=100ms,tpot_p90=50ms (metrics: ttft/tpot "
                         "p50/p90/p99; units ms, s, us; bare numbers are ms)")
@@ -91,18 +95,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="max_num_batched_tokens values tried (default: 512,2048)")
     p.add_argument("--num-prompts", type=int, default=None,
                    help="requests per setting (default: 2 x --max-batch, or the workload file's count)")
-    p.add_argument("--dtype", default="bfloat16", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="(default: bfloat16)")
-    p.add_argument("--kv-cache-dtype", type=_choice_list("auto", "int8"), default=["auto"], metavar="D[,D...]",
-                   help="KV-cache dtypes to try: auto, int8 (default: auto)")
-    p.add_argument("--quantization", type=_choice_list("none", "w8a16", "w4a16", "w8a8"), default=["none"],
-                   metavar="Q[,Q...]", help="weight quantizations to try: none, w8a16, w4a16, w8a8 (default: none)")
+    p.add_argument("--dtype", **option("dtype", default="bfloat16"))
+    p.add_argument("--kv-cache-dtype", type=_choice_list(*kv_dtypes), default=["auto"], metavar="D[,D...]",
+                   help=f"KV-cache dtypes to try: {', '.join(kv_dtypes)} (default: auto)")
+    p.add_argument("--quantization", type=_choice_list(*quants), default=["none"],
+                   metavar="Q[,Q...]", help=f"weight quantizations to try: {', '.join(quants)} (default: none)")
     p.add_argument("--max-running-tokens", type=_choice_list("none", numbers=True), default=["none"],
                    metavar="N[,N...]", help="dynamic batch by input length: caps on the running sequences' summed "
                    "lengths to try, and 'none' for no cap (default: none)")
-    p.add_argument("--kv-cache-memory-bytes", type=int, default=None,
-                   help="fixed KV budget for every setting; a setting whose budget cannot hold one full sequence is "
-                        "an OOM row (default: the engine's default, sized to max_num_seqs)")
+    p.add_argument("--kv-cache-memory-bytes", **option(
+        "kv_cache_memory_bytes", help="fixed KV budget in bytes (8G, 512Mi, ...) for every setting; a setting whose "
+        "budget cannot hold one full sequence is an OOM row (default: the engine's default, sized to max_num_seqs)"))
     p.add_argument("--repeats", type=int, default=1, help="timed runs per setting, best kept (default: 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default: 0)")
     p.add_argument("--config-for", choices=["online", "offline"], default="online",

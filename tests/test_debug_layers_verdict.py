@@ -1,0 +1,140 @@
+"""`infertune debug-layers` verdicts when outputs go non-finite: under the dtype under test only, or already in the
+float32 reference (a broken checkpoint).
+
+Oracles: the value planted, and where: a NaN / Inf written into one weight of the saved safetensors file (both
+runs load it, so the fp32 reference is non-finite from that module on), an Inf set in the model under test only
+(through debug_layers' perturb seam), and a checkpoint value that torch itself says is finite in float32 but
+rounds to Inf in bfloat16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+
+import pytest
+import torch
+from conftest import make_checkpoint
+from safetensors.torch import load_file, save_file
+
+from infertune.profile import debug_layers
+from infertune.profile.debug_layers import LayerDebugReport, compare, format_report
+
+PROMPT_IDS = [5, 17, 42, 99, 7, 63, 120, 3]
+CULPRIT = "model.layers.1.mlp.down_proj"
+CLEAN = "every module is finite"
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("dl-base"), "llama")
+
+
+def planted(base, dest, tensor: str, index: tuple, value: float):
+    """A copy of the checkpoint with one value of one tensor replaced in its safetensors file."""
+    shutil.copytree(base, dest)
+    path = dest / "model.safetensors"
+    weights = load_file(path)
+    weights[tensor][index] = value
+    save_file(weights, path, metadata={"format": "pt"})
+    stored = load_file(path)[tensor][index]
+    assert stored.isnan().item() if math.isnan(value) else stored.item() == torch.tensor(value, dtype=stored.dtype).item()
+    return dest
+
+
+def check_never_claims_clean(report: LayerDebugReport, text: str) -> None:
+    if any(m.nonfinite_share > 0 or m.ref_nonfinite_share > 0 for m in report.modules):
+        assert CLEAN not in text and "no divergence" not in text
+        assert report.first_divergent is not None
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_a_non_finite_weight_in_the_checkpoint_is_blamed_on_the_checkpoint(base, tmp_path, value, capsys):
+    ckpt = planted(base, tmp_path / "ckpt", f"{CULPRIT}.weight", (0, 0), value)
+    report = debug_layers.debug_layers(str(ckpt), PROMPT_IDS, dtype="bfloat16")
+    names = [m.module for m in report.modules]
+    at = names.index(CULPRIT)
+    # Both runs loaded the planted value: every module before the culprit is finite in both, the culprit is not.
+    assert all(m.nonfinite_share == 0 and m.ref_nonfinite_share == 0 for m in report.modules[:at])
+    culprit = report.modules[at]
+    assert culprit.ref_nonfinite_share > 0 and culprit.nonfinite_share > 0
+    assert report.first_ref_nonfinite == {"module": CULPRIT, "index": at}
+    assert report.first_divergent == {"module": CULPRIT, "index": at, "reason": "reference non-finite"}
+    assert report.first_nonfinite is None  # nothing is non-finite under bf16 where fp32 is finite
+    assert report.modules[-1].module == "lm_head" and report.modules[-1].ref_nonfinite_share == 1.0
+
+    for show in ("all", "layers"):
+        text = format_report(report, show)
+        check_never_claims_clean(report, text)
+        verdict = next(line for line in text.splitlines() if line.startswith("REFERENCE NON-FINITE"))
+        assert CULPRIT in verdict and "float32 reference" in verdict and "checkpoint" in verdict
+        assert f"{CULPRIT:<46}" in text  # the culprit's row is printed even with --only-layers
+    assert report.to_dict()["verdict"] == report.verdict()
+
+    parser = argparse.ArgumentParser()
+    debug_layers.add_arguments(parser)
+    assert debug_layers.run(parser.parse_args(["--model", str(ckpt), "--prompt", "hi there", "--only-layers"])) == 1
+    out = capsys.readouterr().out
+    assert f"REFERENCE NON-FINITE: the float32 reference itself is non-finite at {CULPRIT}" in out
+    assert CLEAN not in out
+    assert debug_layers.run(parser.parse_args(["--model", str(ckpt), "--prompt", "hi there", "--json"])) == 1
+    js = json.loads(capsys.readouterr().out)
+    assert js["first_ref_nonfinite"]["module"] == CULPRIT and js["first_divergent"]["reason"] == "reference non-finite"
+    assert CULPRIT in js["verdict"]
+
+
+def test_an_inf_in_the_model_under_test_only_is_blamed_on_the_run(base):
+    report = debug_layers.debug_layers(str(base), PROMPT_IDS, dtype="bfloat16",
+                                       perturb=debug_layers.plant_nan(CULPRIT, float("inf")))
+    at = [m.module for m in report.modules].index(CULPRIT)
+    assert report.first_divergent == {"module": CULPRIT, "index": at, "reason": "non-finite"}
+    assert report.first_nonfinite == {"module": CULPRIT, "index": at} and report.first_ref_nonfinite is None
+    assert all(m.ref_nonfinite_share == 0 for m in report.modules)
+    text = format_report(report)
+    check_never_claims_clean(report, text)
+    assert f"FIRST NON-FINITE MODULE: {CULPRIT} (#{at}): NaN/Inf under bfloat16 where the float32 reference is finite" \
+        in text
+    assert "REFERENCE NON-FINITE" not in text
+
+
+def test_a_value_beyond_bf16s_range_is_blamed_on_the_dtype(base, tmp_path):
+    big = 3.4e38  # below float32's max, above bfloat16's: rounds to Inf in bf16
+    assert math.isfinite(torch.tensor(big, dtype=torch.float32).item())
+    assert torch.tensor(big, dtype=torch.float32).to(torch.bfloat16).isinf().item()
+    token = PROMPT_IDS[1]
+    ckpt = planted(base, tmp_path / "ckpt", "model.embed_tokens.weight", (token, 3), big)
+    report = debug_layers.debug_layers(str(ckpt), PROMPT_IDS, dtype="bfloat16")
+    assert report.modules[0].module == "model.embed_tokens"
+    # The fp32 embedding output holds the value itself, finite; bf16's holds Inf at exactly that position.
+    assert report.modules[0].ref_nonfinite_share == 0
+    assert report.modules[0].nonfinite_share == pytest.approx(1 / (len(PROMPT_IDS) * 64))
+    assert report.first_nonfinite == {"module": "model.embed_tokens", "index": 0}
+    assert report.first_divergent["reason"] == "non-finite" and report.first_divergent["module"] == "model.embed_tokens"
+    text = format_report(report, "layers")
+    check_never_claims_clean(report, text)
+    assert "FIRST NON-FINITE MODULE: model.embed_tokens (#0)" in text
+    if report.first_ref_nonfinite is not None:  # the reference may overflow later; then it says where
+        assert f"reference itself goes non-finite later, at {report.first_ref_nonfinite['module']}" in text
+
+
+def test_modules_non_finite_in_both_runs_are_never_reported_clean():
+    """The issue's case in miniature: rows 100% non-finite in both runs, equal shares, nothing measurable."""
+    nan = torch.full((2, 4), float("nan"))
+    inf = torch.full((2, 4), float("inf"))
+    ok = torch.ones(2, 4)
+    rows = [compare("a", 0, [ok], [ok]), compare("b", 1, [nan], [nan]), compare("c", 2, [inf], [nan])]
+    assert [m.diverges(0.05) for m in rows] == [None, "reference non-finite", "reference non-finite"]
+    report = LayerDebugReport("bfloat16", "float32", "cpu", "cpu", 2, 0.05, rows)
+    for m in rows:  # as debug_layers fills them
+        if m.diverges(0.05) and report.first_divergent is None:
+            report.first_divergent = {"module": m.module, "index": m.index, "reason": m.diverges(0.05)}
+    report.first_ref_nonfinite = {"module": "b", "index": 1}
+    text = format_report(report)
+    check_never_claims_clean(report, text)
+    assert "REFERENCE NON-FINITE: the float32 reference itself is non-finite at b (#1)" in text
+    # Non-finite under test where the reference is finite is the run's fault.
+    half = torch.tensor([1.0, float("nan")])
+    m = compare("d", 0, [half], [torch.ones(2)])
+    assert m.diverges(0.05) == "non-finite" and m.new_nonfinite_share == 0.5 and m.ref_nonfinite_share == 0
