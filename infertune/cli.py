@@ -82,6 +82,11 @@ def _values(f) -> str:
     return str(f.type).replace(" | None", " or `None`").replace("tuple[str, ...]", "patterns")
 
 
+# Where the README's options table sends a reader for more on an option (field metadata "see")
+_SEE = {"Decode kernels": "docs/kernels.md#decode-kernels", "Compiled decode": "docs/kernels.md#compiled-decode",
+        "Quantization": "docs/tools.md#quantize-and-evaluate"}
+
+
 def engine_table() -> str:
     """The README's table of the engine options, made from their declarations (a test keeps them equal)."""
     from infertune.config import engine_flag, option_fields
@@ -91,7 +96,7 @@ def engine_table() -> str:
         text, shown = _default_said(f)
         if f.metadata.get("see"):
             section = f.metadata["see"]
-            text += f"; see [{section}](#{section.lower().replace(' ', '-')})"
+            text += f"; see [{section}]({_SEE[section]})"
         text = text.replace("*", "\\*")  # a literal * in markdown (*.safetensors, layers.0.*)
         flag = f"`{engine_flag(f.name)}`" if engine_flag(f.name) else "none: Python or `serve --config`"
         rows.append(f"| `{f.name}` | {flag} | {shown} | {_values(f)} | {text} |")

@@ -205,5 +205,10 @@ def test_readme_engine_table_is_the_one_made_from_the_config():
     assert block == engine_table(), "README's engine options table is stale; paste infertune.cli.engine_table() there"
     for f in option_fields(*ENGINE_GROUPS):
         assert f"| `{f.name}` |" in block
-    for section in ("decode-kernels", "compiled-decode", "quantization"):
-        assert f"(#{section})" in block and f"\n## {section.replace('-', ' ').capitalize()}\n" in readme
+    links = re.findall(r"\]\(([^)#]*)#([^)]+)\)", block)
+    assert {path for path, _ in links} >= {"docs/kernels.md", "docs/tools.md", ""}, links
+    for path, anchor in links:  # every link lands on a heading (GitHub's slug of it)
+        page = (README.parent / path).read_text() if path else readme
+        slugs = {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+                 for h in re.findall(r"^#+ (.+)$", page, re.M)}
+        assert anchor in slugs, (path, anchor)
