@@ -52,8 +52,8 @@ def main() -> int:
     print("|---:|---:|---:|---:|---:|---:|")
     for m in (int(r) for r in args.rows.split(",")):
         xs = {k: torch.randn(m, k, generator=gen).to(torch.bfloat16) for k in {k for _, k in SHAPES}}
-        times = alternating_ms({"bf16": lambda: [kernels.linear_bf16(xs[w.shape[1]], w) for w in raw],
-                                "12-bit": lambda: [kernels.linear_bf16c(xs[w.shape[1]], desc, n)
+        times = alternating_ms({"bf16": lambda xs=xs: [kernels.linear_bf16(xs[w.shape[1]], w) for w in raw],
+                                "12-bit": lambda xs=xs: [kernels.linear_bf16c(xs[w.shape[1]], desc, n)
                                                    for (_, desc, n), w in zip(packed, raw)]}, args.steps)
         a, b = statistics.median(times["bf16"]), statistics.median(times["12-bit"])
         print(f"| {m} | {a:.1f} | {b:.1f} | {a / b:.2f}x | {raw_mb / a:.1f} | {raw_mb / b:.1f} |")

@@ -53,9 +53,12 @@ def main() -> int:
             x = torch.randn(m, k).bfloat16()
             w = (torch.randn(n, k) / k**0.5).bfloat16()
             y_k, y_t = torch.empty(m, n, dtype=torch.bfloat16), torch.empty(m, n, dtype=torch.bfloat16)
-            run_k = lambda: lib.it_linear_bf16(x.data_ptr(), k, w.data_ptr(), None, y_k.data_ptr(), n, m, n, k,
-                                               args.threads)
-            run_t = lambda: torch.matmul(x, w.t(), out=y_t)
+            def run_k(x=x, w=w, y_k=y_k, m=m, n=n, k=k):
+                lib.it_linear_bf16(x.data_ptr(), k, w.data_ptr(), None, y_k.data_ptr(), n, m, n, k, args.threads)
+
+            def run_t(x=x, w=w, y_t=y_t):
+                torch.matmul(x, w.t(), out=y_t)
+
             tk, tt = timed(run_k), timed(run_t)
             tk, tt = min(tk, timed(run_k)), min(tt, timed(run_t))
             torch.testing.assert_close(y_k.float(), y_t.float(), rtol=2**-6, atol=2**-6)

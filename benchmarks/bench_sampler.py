@@ -47,7 +47,7 @@ def main() -> int:
     import torch
 
     from infertune import SamplingParams
-    from infertune.runner.sampler import SampleRequest, Sampler
+    from infertune.runner.sampler import Sampler, SampleRequest
 
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
@@ -66,8 +66,8 @@ def main() -> int:
         for name, kw in settings.items():
             params = [SamplingParams(**kw) for _ in range(b)]
             rows = [SampleRequest(p, [0], []) for p in params]
-            times = alternating_ms({"race": lambda: race_sampler(logits, params, gen),
-                                    "infertune": lambda: sampler(logits, rows)}, args.iters)
+            times = alternating_ms({"race": lambda logits=logits, params=params: race_sampler(logits, params, gen),
+                                    "infertune": lambda logits=logits, rows=rows: sampler(logits, rows)}, args.iters)
             a, n = statistics.median(times["race"]), statistics.median(times["infertune"])
             print(f"| {kind} | {name} | {a:.2f} | {n:.2f} | {a / n:.1f}x |")
     return 0

@@ -81,7 +81,7 @@ class ArchConfig:
     bos_token_id: int | None
 
     @classmethod
-    def from_dict(cls, cfg: dict, where: str = "config.json") -> "ArchConfig":
+    def from_dict(cls, cfg: dict, where: str = "config.json") -> ArchConfig:
         archs = cfg.get("architectures") or []
         arch = archs[0] if archs else _arch_from_model_type(cfg.get("model_type"))
         if arch not in SUPPORTED_ARCHITECTURES:
@@ -144,7 +144,7 @@ class ArchConfig:
         )
 
     @classmethod
-    def from_model_dir(cls, model: str) -> "ArchConfig":
+    def from_model_dir(cls, model: str) -> ArchConfig:
         path = Path(model) / "config.json"
         if not Path(model).is_dir():
             raise FileNotFoundError(

@@ -77,7 +77,7 @@ class SamplingParams:
     def uses_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
-    def for_sample(self, index: int) -> "SamplingParams":
+    def for_sample(self, index: int) -> SamplingParams:
         """The parameters of the index-th of n samples: n=1 and, when seeded, its own derived seed."""
         from dataclasses import replace
 

@@ -541,7 +541,9 @@ def main(argv: list[str] | None = None) -> int:
              "teacher_speed": student_rep.get("teacher_speed"),
              "student_params": student_rep["student_parameters"], "student_ppl": student_rep["student_ppl"],
              "student_speed": student_rep.get("student_speed")}
-    rel = lambda p: os.path.relpath(p, REPO_ROOT) if str(p).startswith(str(REPO_ROOT)) else str(p)
+    def rel(p):
+        return os.path.relpath(p, REPO_ROOT) if str(p).startswith(str(REPO_ROOT)) else str(p)
+
     write_readme(out, dict(
         transformers=transformers.__version__, tokenizers=tokenizers.__version__, torch=torch.__version__,
         python=platform.python_version(), machine=_cpu_name(), n_params=n_params, eot_id=eot_id, seed=args.seed,

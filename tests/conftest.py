@@ -34,7 +34,14 @@ def make_tokenizer():
 def make_checkpoint(path: Path, arch: str = "llama", seed: int = 0, shard_size: str | None = None,
                     dtype: torch.dtype = torch.float32, **overrides) -> Path:
     """Save a tiny random model of the given family (plus tokenizer) to path and return path."""
-    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     tok = make_tokenizer()
     base = dict(

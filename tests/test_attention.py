@@ -67,12 +67,12 @@ def test_mixed_decode_and_prefill_match_reference(seed):
     scale = D**-0.5
     out = attn.forward(torch.cat(qs), torch.cat(ks), torch.cat(vs), cache, meta, scale)
     offset = 0
-    for past, new, table, q, k, v in seqs:
+    for _past, new, _table, q, k, v in seqs:
         ref = reference_causal_attention(q, k, v, scale)
         torch.testing.assert_close(out[offset : offset + new], ref, atol=1e-5, rtol=1e-5)
         offset += new
     # And the new KV landed in the cache at the mapped slots.
-    for past, new, table, q, k, v in seqs:
+    for past, new, table, _q, k, _v in seqs:
         got = cache[0].view(-1, HKV, D)[torch.tensor(_slots(table, range(past + new)))]
         torch.testing.assert_close(got, k)
 

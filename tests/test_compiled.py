@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import hf_model, make_checkpoint
+
 from infertune import LLM, SamplingParams
 from infertune.backends.cpu import CPUBackend
 from infertune.runner.compiled import AUTO_MIN_PARAMETERS, should_compile

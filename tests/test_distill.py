@@ -80,8 +80,14 @@ def _cfg(root, teacher, data, out, **kw):
 
 def test_kd_steps_reduce_loss_on_fixed_batch(setup):
     from infertune.distill.data import build_corpus
-    from infertune.distill.trainer import (build_student, load_teacher, load_tokenizer, make_optimizer, step_loss,
-                                           student_config)
+    from infertune.distill.trainer import (
+        build_student,
+        load_teacher,
+        load_tokenizer,
+        make_optimizer,
+        step_loss,
+        student_config,
+    )
 
     root, teacher_dir, data = setup
     cfg = _cfg(root, teacher_dir, data, root / "unused", lr=1e-2)

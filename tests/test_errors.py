@@ -7,8 +7,8 @@ import math
 from pathlib import Path
 
 import pytest
-
 from conftest import make_checkpoint, read_config
+
 from infertune import LLM, SamplingParams
 
 MAX_LEN = 128

@@ -8,8 +8,8 @@ import math
 
 import pytest
 import torch
-
 from conftest import hf_model
+
 from infertune.evaluate import command
 from infertune.evaluate.accuracy import (
     common_prefix_length,

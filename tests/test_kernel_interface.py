@@ -74,7 +74,7 @@ class TorchFused:
 
     max_rows, max_prefill_rows = 16, 64
 
-    def __init__(self, model: FusedModel, kernels: "TorchKernels") -> None:
+    def __init__(self, model: FusedModel, kernels: TorchKernels) -> None:
         self.m, self.k = model, kernels
 
     def _linear(self, lin: KernelLinear, x):
@@ -203,11 +203,11 @@ def test_the_reference_implementation_satisfies_the_contract():
 
 
 def _run(model, monkeypatch, kernels, **options):
+    from conftest import hf_model
     from test_kernels import _hf_logprob_errors
 
     from infertune import LLM, SamplingParams
     from infertune.backends.cpu import CPUBackend
-    from conftest import hf_model
 
     monkeypatch.setattr(CPUBackend, "decode_kernels", lambda self: kernels)
     llm = LLM(str(model), dtype="bfloat16", max_model_len=96, block_size=16, enable_prefix_caching=False,

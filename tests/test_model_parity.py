@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import hf_model, make_checkpoint
+
 from infertune import LLM, SamplingParams
 
 BLOCK = 4  # small blocks so short prompts span several

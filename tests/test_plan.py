@@ -10,10 +10,28 @@ from pathlib import Path
 
 import pytest
 
-from infertune.plan import (Device, DeviceFileError, KVFormat, ModelSpec, PlanRequest, Roofline, WeightFormat,
-                            calibrate_decode, find_device, kv_bytes, kv_bytes_per_sequence, kv_bytes_per_token,
-                            load_catalog, load_device_file, make_plan, memory_budget, pd_split, tokens_per_joule,
-                            usd_per_million_tokens, weight_breakdown)
+from infertune.plan import (
+    Device,
+    DeviceFileError,
+    KVFormat,
+    ModelSpec,
+    PlanRequest,
+    Roofline,
+    WeightFormat,
+    calibrate_decode,
+    find_device,
+    kv_bytes,
+    kv_bytes_per_sequence,
+    kv_bytes_per_token,
+    load_catalog,
+    load_device_file,
+    make_plan,
+    memory_budget,
+    pd_split,
+    tokens_per_joule,
+    usd_per_million_tokens,
+    weight_breakdown,
+)
 from infertune.plan.command import main as plan_main
 from infertune.plan.memory import kv_shard_fraction, weight_bytes_per_card
 
@@ -163,8 +181,14 @@ TINY_CONFIGS = [
 def test_param_count_matches_transformers(family, overrides):
     """Oracle: a real transformers model built from the same config on the meta device (no memory, no init)."""
     import torch
-    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-                              Qwen2ForCausalLM)
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     base = dict(vocab_size=1000, hidden_size=64, intermediate_size=176, num_hidden_layers=3, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=256)

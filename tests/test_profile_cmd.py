@@ -11,13 +11,19 @@ import argparse
 import json
 
 import pytest
+from conftest import make_checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import make_checkpoint
 from infertune.llm import LLM
 from infertune.profile import profile_cmd
 from infertune.profile.profile_categories import (
-    CATEGORIES, Span, attribute_cpu, attribute_device, classify, module_scope_kind, scope_kind,
+    CATEGORIES,
+    Span,
+    attribute_cpu,
+    attribute_device,
+    classify,
+    module_scope_kind,
+    scope_kind,
 )
 from infertune.profile.profile_hints import derive_hints
 from infertune.profile.timeline import STEP_RANGE, profile_workload

@@ -13,8 +13,8 @@ from dataclasses import replace
 
 import pytest
 import torch
-
 from conftest import make_checkpoint
+
 from infertune.profile import audit, debug_layers, doctor
 from infertune.profile.doctor import check_all, check_cann, check_cuda, check_threads, check_torch_npu, load_compat
 from infertune.profile.env_facts import EnvFacts, gather, read_cann_version

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import hf_model, make_checkpoint
+
 from infertune import LLM
 from infertune.config import QuantConfig
 from infertune.layers.linear import Linear, PackedLinear

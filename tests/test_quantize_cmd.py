@@ -11,10 +11,10 @@ import shutil
 
 import pytest
 import torch
+from conftest import hf_model, make_checkpoint, make_tokenizer
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from conftest import hf_model, make_checkpoint, make_tokenizer
 from infertune import LLM, SamplingParams
 from infertune.config import default_model_path
 from infertune.quant.int4 import quantize_int4_groupwise
@@ -22,8 +22,8 @@ from infertune.quant.int8 import quantize_int8_per_channel
 from infertune.tools import quantize as command
 from infertune.tools.calibration import ActivationStats, calibration_samples, collect, nearest_rank
 from infertune.tools.quant_format import pack_int4, unpack_int4
-from infertune.tools.weight_clipping import parse_clip, quantize_int4, quantize_int8, reconstruction_error
 from infertune.tools.quantizer import plan_layers, quantize, read_tensors, smooth
+from infertune.tools.weight_clipping import parse_clip, quantize_int4, quantize_int8, reconstruction_error
 
 needs_loader = pytest.mark.skipif(
     not command.loader_reads_quantized_checkpoints(),

@@ -6,10 +6,10 @@ import math
 
 import pytest
 import torch
-
 from conftest import hf_model
+
 from infertune import LLM, SamplingParams
-from infertune.runner.sampler import SampleRequest, Sampler, apply_penalties, apply_top_k_top_p_min_p
+from infertune.runner.sampler import Sampler, SampleRequest, apply_penalties, apply_top_k_top_p_min_p
 
 PROMPTS = ["hello world", "The quick brown fox", "a", "Sampling is fun, isn't it?"]
 INF = float("-inf")
@@ -439,8 +439,9 @@ def _reference_kept(row: torch.Tensor, p: SamplingParams) -> set[int]:
         return set(order[:k].tolist())
     probs = vals[:k].softmax(dim=0)
     mass, n = 0.0, 0
-    for n, q in enumerate(probs.tolist(), start=1):
+    for q in probs.tolist():
         mass += q
+        n += 1
         if mass >= p.top_p:
             break
     return set(order[:n].tolist())

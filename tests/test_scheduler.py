@@ -166,7 +166,7 @@ def test_fcfs_order():
     for s in seqs:
         sched.add(s)
     finished = []
-    for b, fin in run_to_end(sched):
+    for _b, fin in run_to_end(sched):
         finished += fin
     assert finished == seqs
 
@@ -428,7 +428,7 @@ def test_chunked_prefill_disabled_never_splits_a_prompt():
     b2, _ = step(sched)
     assert plan(b2) == [("a", 1, True), ("b", 6, True)]
     for batch, _ in run_to_end(sched):
-        for s, n in zip(batch.seqs, batch.num_scheduled_tokens):
+        for _s, n in zip(batch.seqs, batch.num_scheduled_tokens):
             assert n == 1  # decodes only
     assert a.num_output_tokens == 3 and b.num_output_tokens == 3
 

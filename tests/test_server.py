@@ -12,7 +12,6 @@ import time
 import httpx
 import openai
 import pytest
-
 from server_utils import ENGINE, MAX_LEN, MODEL, ServerThread, free_port, metric
 
 from infertune import LLM, SamplingParams

@@ -127,7 +127,7 @@ def test_non_streamed_request_is_aborted_when_its_client_hangs_up(tiny_llama):
             body = {**body, "max_tokens": 200, "temperature": 0, "ignore_eos": True, "n": 3}
             with pytest.raises(httpx.ReadTimeout):
                 httpx.post(s.url + path, json=body, timeout=httpx.Timeout(10, read=0.3))
-            assert wait_until(lambda: metric(s.url, "infertune_requests_aborted_total") == before + 1 and idle(s))
+            assert wait_until(lambda before=before: metric(s.url, "infertune_requests_aborted_total") == before + 1 and idle(s))
         assert metric(s.url, "infertune_generation_tokens_total") == 0  # neither ran to its end
 
 

@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import make_checkpoint
+
 from infertune.engine.detokenizer import IncrementalDetokenizer
 from infertune.engine.tokenizer import FastTokenizer, load_tokenizer
 

@@ -130,7 +130,7 @@ def test_ledger_end_to_end_on_the_demo_model(tmp_path, capsys):
     steps = {s["step"]: s for s in doc["steps"]}
     assert list(steps) == ["hf", "eager", "batching", "prepack", "compiled", "kernels", "int8_kv", "w8a16", "w4a16",
                            "tuned"]
-    for key, s in steps.items():
+    for s in steps.values():
         assert s["status"] == "ok", s
         assert s["output_tok_s"] > 0 and s["ttft_p50_s"] > 0
         assert s["cumulative_vs_hf"] > 0

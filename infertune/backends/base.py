@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import abc
-
 from typing import TYPE_CHECKING
 
 import torch
@@ -65,7 +64,7 @@ class Backend(abc.ABC):
         None."""
         return None
 
-    def decode_kernels(self) -> "DecodeKernels | None":
+    def decode_kernels(self) -> DecodeKernels | None:
         """This backend's own kernels (the contract: kernels/interface.py), or None where torch's operators are all
         there is. The CPU backend's are x86's (kernels/x86.py), where the CPU and a C compiler allow."""
         return None

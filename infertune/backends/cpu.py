@@ -131,7 +131,7 @@ class CPUBackend(Backend):
     def prepare_host_memory(self) -> str | None:
         return keep_host_memory()
 
-    def decode_kernels(self) -> "DecodeKernels | None":
+    def decode_kernels(self) -> DecodeKernels | None:
         from infertune.kernels import x86  # built on first use; None where the CPU or the compiler lacks
 
         return x86.kernels()

@@ -48,12 +48,26 @@ from pathlib import Path
 
 from infertune.bench import peers
 from infertune.bench.offline_models import (  # noqa: F401  re-exported: other code imports these from here
-    COMMON_SHAPE, DTYPE_BYTES, MODEL_FORMAT_VERSION, PRESETS, SAFETENSORS_DTYPE_BYTES, SPECIAL_TOKENS, VOCAB_SIZE,
-    checkpoint_param_count, ensure_model, kv_bytes_per_token, log, make_tokenizer, read_model_config,
+    COMMON_SHAPE,
+    DTYPE_BYTES,
+    MODEL_FORMAT_VERSION,
+    PRESETS,
+    SAFETENSORS_DTYPE_BYTES,
+    SPECIAL_TOKENS,
+    VOCAB_SIZE,
+    checkpoint_param_count,
+    ensure_model,
+    kv_bytes_per_token,
+    log,
+    make_tokenizer,
+    read_model_config,
 )
 from infertune.bench.offline_workers import run_worker, worker_hf, worker_infertune  # noqa: F401  re-exported
 from infertune.bench.worker_protocol import (  # noqa: F401  re-exported: other code imports these from here
-    RESULT_MARKER, current_rss_mib, make_prompts, peak_rss_mib,
+    RESULT_MARKER,
+    current_rss_mib,
+    make_prompts,
+    peak_rss_mib,
 )
 from infertune.plotting import pyplot, require_matplotlib
 

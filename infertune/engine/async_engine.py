@@ -173,7 +173,7 @@ class AsyncLLMEngine:
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
     # ---- asyncio side ----------------------------------------------------------------------------
-    async def add_request(self, request_id: str, prompt: object, params: SamplingParams) -> "RequestStream":
+    async def add_request(self, request_id: str, prompt: object, params: SamplingParams) -> RequestStream:
         """Submit one request; return once the engine thread accepted it.
 
         Raises ValueError (invalid: NeverFits / ParamError), Overloaded (not now: 429 / 503) or EngineDeadError.
@@ -181,13 +181,13 @@ class AsyncLLMEngine:
         return (await self._submit(request_id, [request_id], [prompt], params))[0]
 
     async def add_requests(self, request_id: str, prompts: list[object], params: SamplingParams
-                           ) -> list["RequestStream"]:
+                           ) -> list[RequestStream]:
         """Submit several prompts as one request (ids request_id-0, -1, ...): all are accepted or none."""
         ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         return await self._submit(request_id, ids, list(prompts), params)
 
     async def _submit(self, key: str, request_ids: list[str], prompts: list[object], params: SamplingParams
-                      ) -> list["RequestStream"]:
+                      ) -> list[RequestStream]:
         if self.error is not None:
             raise EngineDeadError(f"the engine stopped after an error: {self.error}")
         if self._stop.is_set():

@@ -55,7 +55,7 @@ class RequestOutput:
     error: str | None = None  # set when the request was rejected; the other requests of a batch still run
 
     @classmethod
-    def rejected(cls, request_id: str, prompt: object, error: str) -> "RequestOutput":
+    def rejected(cls, request_id: str, prompt: object, error: str) -> RequestOutput:
         text = prompt if isinstance(prompt, str) else None
         ids = list(prompt.get("prompt_token_ids") or []) if isinstance(prompt, dict) else []
         return cls(request_id, text, ids, [CompletionOutput(0, "", [], "error")], True, error=error)

@@ -37,7 +37,7 @@ class X86FusedDecoder:
         self.embed, self.final_norm, self.final_eps = model.embed, model.final_norm, model.final_eps
 
     @classmethod
-    def build(cls, model: FusedModel, amx: bool) -> "X86FusedDecoder | str":
+    def build(cls, model: FusedModel, amx: bool) -> X86FusedDecoder | str:
         if model.head_dim % 16:
             return f"head_dim={model.head_dim} (the fused step needs a multiple of 16)"
         if model.embed.dtype is not torch.bfloat16 or any(

@@ -19,30 +19,30 @@ class QuantMethod(abc.ABC):
     """How a linear layer's weights are created, post-processed after loading, and multiplied."""
 
     @abc.abstractmethod
-    def create_weights(self, layer: "Linear", dtype: torch.dtype) -> None: ...
+    def create_weights(self, layer: Linear, dtype: torch.dtype) -> None: ...
 
-    def process_weights_after_loading(self, layer: "Linear") -> None:
+    def process_weights_after_loading(self, layer: Linear) -> None:
         """Repack or quantize once the checkpoint is in place (no-op for plain weights)."""
 
     @abc.abstractmethod
-    def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor: ...
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor: ...
 
-    def silu_and_mul(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor | None:
+    def silu_and_mul(self, layer: Linear, x: torch.Tensor) -> torch.Tensor | None:
         """For an MLP's gate_up layer: silu(gate) * up of x straight from the matmul, or None (the MLP then runs
         the layer and the activation apart)."""
         return None
 
-    def kernel_weights(self, layer: "Linear") -> KernelLinear | None:
+    def kernel_weights(self, layer: Linear) -> KernelLinear | None:
         """The layer's weights as the backend's kernels multiply them (for the fused step), or None where they are
         in a layout of torch's."""
         return None
 
 
 class UnquantizedMethod(QuantMethod):
-    def create_weights(self, layer: "Linear", dtype: torch.dtype) -> None:
+    def create_weights(self, layer: Linear, dtype: torch.dtype) -> None:
         layer.weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features, dtype=dtype), requires_grad=False)
 
-    def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, layer.weight, layer.bias)
 
 
@@ -54,13 +54,13 @@ class PrepackedMethod(UnquantizedMethod):
     def __init__(self, backend) -> None:
         self.backend = backend
 
-    def process_weights_after_loading(self, layer: "Linear") -> None:
+    def process_weights_after_loading(self, layer: Linear) -> None:
         packed = self.backend.prepack_linear_weight(layer.weight.data)
         assert packed is not None, "attach PrepackedMethod only where the backend packs such weights"
         del layer.weight
         layer.register_buffer("packed_weight", packed)
 
-    def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         return self.backend.packed_linear(x, layer.packed_weight, layer.bias)
 
 
@@ -75,13 +75,13 @@ class DecodeKernelMethod(UnquantizedMethod):
         self.kernels = kernels
         self.max_rows = kernels.max_rows("bf16")
 
-    def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if (x.dtype is torch.bfloat16 and x.numel() <= self.max_rows * x.shape[-1]
                 and not torch.compiler.is_compiling()):
             return self.kernels.linear_bf16(x, layer.weight, layer.bias)
         return F.linear(x, layer.weight, layer.bias)
 
-    def kernel_weights(self, layer: "Linear") -> KernelLinear:
+    def kernel_weights(self, layer: Linear) -> KernelLinear:
         return KernelLinear("bf16", layer.out_features, layer.in_features, layer.bias, weight=layer.weight)
 
 
@@ -96,30 +96,30 @@ class CompressedMethod(DecodeKernelMethod):
 
     name = "decode-kernel-12bit"
 
-    def process_weights_after_loading(self, layer: "Linear") -> None:
+    def process_weights_after_loading(self, layer: Linear) -> None:
         gate_up = getattr(layer, "silu_pairs", False) and layer.bias is None
         self.weight: CompressedWeight = self.kernels.compress(layer.weight.data, gate_up=gate_up)
         del layer.weight
         for name, t in self.weight.buffers.items():  # (the layer holds the memory: .to(), state_dict, sizes)
             layer.register_buffer(f"compressed_{name}", t)
 
-    def dense_weight(self, layer: "Linear") -> torch.Tensor:
+    def dense_weight(self, layer: Linear) -> torch.Tensor:
         """The bf16 weight [out, in], bit for bit as loaded."""
         return self.weight.dense()
 
-    def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
             return F.linear(x, self.dense_weight(layer), layer.bias)
         if x.dtype is torch.bfloat16:  # the kernel decodes as it multiplies at every size: no dense copy
             return self.weight.linear(x, layer.bias)
         return F.linear(x, self.dense_weight(layer).to(x.dtype), layer.bias)
 
-    def silu_and_mul(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor | None:
+    def silu_and_mul(self, layer: Linear, x: torch.Tensor) -> torch.Tensor | None:
         if x.dtype is not torch.bfloat16 or torch.compiler.is_compiling():
             return None
         return self.weight.silu_and_mul(x)
 
-    def kernel_weights(self, layer: "Linear") -> KernelLinear:
+    def kernel_weights(self, layer: Linear) -> KernelLinear:
         return KernelLinear("bf16c", layer.out_features, layer.in_features, layer.bias, compressed=self.weight)
 
 

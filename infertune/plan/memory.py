@@ -37,7 +37,7 @@ class ModelSpec:
     num_windowed_layers: int  # layers whose KV is capped at arch.sliding_window tokens
 
     @classmethod
-    def from_dict(cls, cfg: dict, name: str = "model", where: str = "config.json") -> "ModelSpec":
+    def from_dict(cls, cfg: dict, name: str = "model", where: str = "config.json") -> ModelSpec:
         arch = ArchConfig.from_dict(cfg, where=where)
         layers = arch.num_hidden_layers
         windowed = 0
@@ -52,7 +52,7 @@ class ModelSpec:
         return cls(name=name, arch=arch, num_windowed_layers=max(0, min(layers, windowed)))
 
     @classmethod
-    def load(cls, path: str | Path) -> "ModelSpec":
+    def load(cls, path: str | Path) -> ModelSpec:
         """A Hugging Face model folder or a config.json file."""
         p = Path(path)
         file = p / "config.json" if p.is_dir() else p

@@ -9,9 +9,25 @@ from dataclasses import dataclass, field
 
 from infertune.plan.catalog import Device
 from infertune.plan.cost import pd_split, tokens_per_joule, usd_per_million_tokens
-from infertune.plan.memory import (KVFormat, ModelSpec, WeightFormat, kv_bytes, kv_bytes_per_sequence,
-                                   kv_bytes_per_token, kv_shard_fraction, memory_budget, weight_bytes_per_card)
-from infertune.plan.roofline import BATCH_SWEEP, Efficiency, Roofline, calibrate_decode, calibrate_prefill, default_efficiency
+from infertune.plan.memory import (
+    KVFormat,
+    ModelSpec,
+    WeightFormat,
+    kv_bytes,
+    kv_bytes_per_sequence,
+    kv_bytes_per_token,
+    kv_shard_fraction,
+    memory_budget,
+    weight_bytes_per_card,
+)
+from infertune.plan.roofline import (
+    BATCH_SWEEP,
+    Efficiency,
+    Roofline,
+    calibrate_decode,
+    calibrate_prefill,
+    default_efficiency,
+)
 
 
 @dataclass

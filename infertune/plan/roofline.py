@@ -24,8 +24,17 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from infertune.plan.catalog import Device
-from infertune.plan.memory import (KVFormat, ModelSpec, WeightFormat, check_tensor_parallel, kv_bytes_per_sequence,
-                                   kv_bytes_per_token, kv_shard_fraction, kv_token_layers, weight_breakdown)
+from infertune.plan.memory import (
+    KVFormat,
+    ModelSpec,
+    WeightFormat,
+    check_tensor_parallel,
+    kv_bytes_per_sequence,
+    kv_bytes_per_token,
+    kv_shard_fraction,
+    kv_token_layers,
+    weight_breakdown,
+)
 
 BATCH_SWEEP = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 

@@ -57,7 +57,7 @@ class EnvFacts:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "EnvFacts":
+    def from_dict(cls, d: dict) -> EnvFacts:
         names = {f.name for f in fields(cls)}
         unknown = set(d) - names
         if unknown:

@@ -44,7 +44,7 @@ class AtenFacts:
     structured_delegate: dict[str, str]
 
     @classmethod
-    def load(cls, path: Path | None = None) -> "AtenFacts":
+    def load(cls, path: Path | None = None) -> AtenFacts:
         d = json.loads((path or DATA_DIR / "aten_ops.json").read_text())
         return cls(d["torch_version"], frozenset(d["composite_implicit"]), frozenset(d["composite_explicit"]),
                    dict(d["structured_delegate"]))
@@ -78,7 +78,7 @@ class OpTable:
         return "fallback" if self.on_missing == "fallback-to-cpu" else "unsupported"
 
     @classmethod
-    def from_dict(cls, d: dict, path: str = "") -> "OpTable":
+    def from_dict(cls, d: dict, path: str = "") -> OpTable:
         for key in ("backend", "source", "version", "complete", "on_missing"):
             if key not in d:
                 raise ValueError(f"op table {path or '(dict)'} lacks the field {key!r}")
@@ -93,7 +93,7 @@ class OpTable:
         )
 
     @classmethod
-    def load(cls, backend_or_path: str) -> "OpTable":
+    def load(cls, backend_or_path: str) -> OpTable:
         """A backend name ("npu") loads the shipped table; anything else is read as a JSON file path."""
         if backend_or_path in BACKEND_TABLES:
             path = DATA_DIR / BACKEND_TABLES[backend_or_path]

@@ -20,7 +20,14 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from infertune.profile.profile_categories import (
-    SCOPE_PREFIX, PhaseSummary, Span, StepProfile, attribute_cpu, attribute_device, module_scope_kind, scope_kind,
+    SCOPE_PREFIX,
+    PhaseSummary,
+    Span,
+    StepProfile,
+    attribute_cpu,
+    attribute_device,
+    module_scope_kind,
+    scope_kind,
 )
 
 try:

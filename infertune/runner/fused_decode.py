@@ -34,7 +34,7 @@ class FusedDecode:
 
     @classmethod
     def build(cls, model, kv_caches: list[torch.Tensor], attn, kernels: DecodeKernels | None, max_model_len: int,
-              block_size: int, dtype: torch.dtype, step_rows: int = 0) -> "FusedDecode | None":
+              block_size: int, dtype: torch.dtype, step_rows: int = 0) -> FusedDecode | None:
         """The fused step for this model, or None where it cannot run (logged). step_rows: the most tokens a step
         can hold (the kernels may run whole prefill steps of up to that many)."""
         spec = cls.describe(model, kv_caches, attn, kernels, dtype)

@@ -20,7 +20,7 @@ from infertune.models.loader import load_model
 from infertune.runner.compiled import CompiledForward, should_compile
 from infertune.runner.fused_decode import FusedDecode
 from infertune.runner.request_state import RequestState, RequestStates
-from infertune.runner.sampler import SampleRequest, Sampler, SamplerOutput
+from infertune.runner.sampler import Sampler, SampleRequest, SamplerOutput
 from infertune.scheduler_output import SchedulerOutput
 
 log = logging.getLogger(__name__)

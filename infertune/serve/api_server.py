@@ -321,8 +321,8 @@ async def _collect(streams: list[RequestStream]) -> list[RequestOutput]:
     finals = []
     for s in streams:
         last = None
-        async for last in s:
-            pass
+        async for out in s:
+            last = out
         finals.append(last)
     return finals
 

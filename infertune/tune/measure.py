@@ -167,8 +167,8 @@ def run_isolated(fn_name: str, threads: int | None = None, timeout: float | None
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
     payload = json.dumps(dict(fn=fn_name, threads=threads, kwargs=kwargs))
     try:
-        proc = subprocess.run([sys.executable, "-m", "infertune.tune.measure"], input=payload, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env, timeout=timeout)
+        proc = subprocess.run([sys.executable, "-m", "infertune.tune.measure"], input=payload, capture_output=True,
+                              text=True, env=env, timeout=timeout)
     except subprocess.TimeoutExpired:
         return dict(status="error", error=f"the measuring process timed out after {timeout} s")
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_MARKER)]
