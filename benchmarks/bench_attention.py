@@ -47,7 +47,7 @@ def main() -> int:
     lens = torch.full((b,), ctx, dtype=torch.int64)
     caches = [torch.randn(2, num_blocks, bs, hkv, d, generator=gen).to(torch.bfloat16) for _ in range(args.layers)]
     q = torch.randn(b, hq, d, generator=gen).to(torch.bfloat16)
-    scale = d ** -0.5
+    scale = d**-0.5
     torch_attn = TorchPagedAttention()
     flush = torch.ones(64 << 20)  # 256 MiB
 
@@ -63,8 +63,10 @@ def main() -> int:
         del paths["kernel, AMX"]
     steps = {name: (lambda fn=fn: [fn(cache) for cache in caches]) for name, fn in paths.items()}
     times = alternating_ms(steps, args.steps, before=flush.sum)
-    print(f"$ python benchmarks/bench_attention.py --batch {b} --context {ctx} --layers {args.layers} "
-          f"--heads {args.heads} --block-size {bs} --steps {args.steps}")
+    print(
+        f"$ python benchmarks/bench_attention.py --batch {b} --context {ctx} --layers {args.layers} "
+        f"--heads {args.heads} --block-size {bs} --steps {args.steps}"
+    )
     print(f"{args.threads} threads; medians over {args.steps} steps, the paths alternating")
     print("| path | ms per step | vs torch |")
     print("|---|---:|---:|")

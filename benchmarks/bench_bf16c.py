@@ -46,15 +46,23 @@ def main() -> int:
     raw_mb = sum(w.numel() * 2 for w in raw) / 1e6
     packed_mb = sum(sum(t.numel() * t.element_size() for t in p.values()) for p, _, _ in packed) / 1e6
     print(f"$ python benchmarks/bench_bf16c.py --rows {args.rows} --layers {args.layers} --steps {args.steps}")
-    print(f"{args.threads} threads; {raw_mb:.0f} MB of bf16 weights, {packed_mb:.0f} MB packed "
-          f"({packed_mb / raw_mb:.3f}); median over {args.steps} steps, the layouts alternating")
+    print(
+        f"{args.threads} threads; {raw_mb:.0f} MB of bf16 weights, {packed_mb:.0f} MB packed "
+        f"({packed_mb / raw_mb:.3f}); median over {args.steps} steps, the layouts alternating"
+    )
     print("| rows | bf16 ms per step | 12-bit ms per step | speed-up | bf16 GB/s | 12-bit GB/s (bf16-equivalent) |")
     print("|---:|---:|---:|---:|---:|---:|")
     for m in (int(r) for r in args.rows.split(",")):
         xs = {k: torch.randn(m, k, generator=gen).to(torch.bfloat16) for k in {k for _, k in SHAPES}}
-        times = alternating_ms({"bf16": lambda xs=xs: [kernels.linear_bf16(xs[w.shape[1]], w) for w in raw],
-                                "12-bit": lambda xs=xs: [kernels.linear_bf16c(xs[w.shape[1]], desc, n)
-                                                   for (_, desc, n), w in zip(packed, raw)]}, args.steps)
+        times = alternating_ms(
+            {
+                "bf16": lambda xs=xs: [kernels.linear_bf16(xs[w.shape[1]], w) for w in raw],
+                "12-bit": lambda xs=xs: [
+                    kernels.linear_bf16c(xs[w.shape[1]], desc, n) for (_, desc, n), w in zip(packed, raw)
+                ],
+            },
+            args.steps,
+        )
         a, b = statistics.median(times["bf16"]), statistics.median(times["12-bit"])
         print(f"| {m} | {a:.1f} | {b:.1f} | {a / b:.2f}x | {raw_mb / a:.1f} | {raw_mb / b:.1f} |")
     return 0

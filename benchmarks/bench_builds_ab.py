@@ -54,16 +54,33 @@ def main() -> int:
     for name, root in sides.items():
         if not (root / "infertune" / "__init__.py").is_file():
             ap.error(f"--{name.lower()} {root}: no infertune/ package there")
-    print(f"$ python benchmarks/bench_builds_ab.py --a {args.a} --b {args.b} --batch {args.batch} "
-          f"--input-len {args.input_len} --output-len {args.output_len} --rounds {args.rounds} --repeats {args.repeats}")
+    print(
+        f"$ python benchmarks/bench_builds_ab.py --a {args.a} --b {args.b} --batch {args.batch} "
+        f"--input-len {args.input_len} --output-len {args.output_len} --rounds {args.rounds} --repeats {args.repeats}"
+    )
     print(f"model {model}, bf16, {args.threads} threads; medians over {args.rounds} workers x {args.repeats} generates")
     res: dict[str, list[dict]] = {"A": [], "B": []}
     for r in range(args.rounds):
         for name in ("A", "B") if r % 2 == 0 else ("B", "A"):
             env = {**os.environ, "PYTHONPATH": str(sides[name])}
-            out = subprocess.run([sys.executable, "-c", WORKER, here, str(model), str(args.batch), str(args.input_len),
-                                  str(args.output_len), str(args.repeats), str(args.threads)],
-                                 env=env, capture_output=True, text=True, cwd=str(sides[name]))
+            out = subprocess.run(
+                [
+                    sys.executable,
+                    "-c",
+                    WORKER,
+                    here,
+                    str(model),
+                    str(args.batch),
+                    str(args.input_len),
+                    str(args.output_len),
+                    str(args.repeats),
+                    str(args.threads),
+                ],
+                env=env,
+                capture_output=True,
+                text=True,
+                cwd=str(sides[name]),
+            )
             if out.returncode:
                 print(out.stderr[-3000:], file=sys.stderr)
                 return 1
@@ -72,16 +89,22 @@ def main() -> int:
                 print(f"side {name} did not import infertune from {sides[name]}", file=sys.stderr)
                 return 1
             res[name].append(row)
-            print(f"  round {r} {name}: TTFT {row['ttft']:.3f} s, decode {row['dec']:.1f} tok/s, "
-                  f"output {row['out']:.1f} tok/s", file=sys.stderr, flush=True)
+            print(
+                f"  round {r} {name}: TTFT {row['ttft']:.3f} s, decode {row['dec']:.1f} tok/s, "
+                f"output {row['out']:.1f} tok/s",
+                file=sys.stderr,
+                flush=True,
+            )
     print("| side | checkout | TTFT s | decode tok/s | output tok/s | output B / A per round |")
     print("|---|---|---:|---:|---:|---|")
     ratios = ", ".join(f"{b['out'] / a['out']:.2f}" for a, b in zip(res["A"], res["B"]))
     for name in ("A", "B"):
         rows = res[name]
-        print(f"| {name} | {sides[name]} | {statistics.median(x['ttft'] for x in rows):.3f} | "
-              f"{statistics.median(x['dec'] for x in rows):.1f} | {statistics.median(x['out'] for x in rows):.1f} | "
-              f"{ratios if name == 'B' else ''} |")
+        print(
+            f"| {name} | {sides[name]} | {statistics.median(x['ttft'] for x in rows):.3f} | "
+            f"{statistics.median(x['dec'] for x in rows):.1f} | {statistics.median(x['out'] for x in rows):.1f} | "
+            f"{ratios if name == 'B' else ''} |"
+        )
     return 0
 
 

@@ -30,25 +30,38 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     model = bench_model(args.model)
     vocab = read_model_config(model)["vocab_size"]
-    opts = dict(dtype="bfloat16", max_model_len=args.input_len + args.output_len, max_num_seqs=args.batch,
-                kv_cache_memory_bytes=512 << 20, enable_prefix_caching=False)
+    opts = dict(
+        dtype="bfloat16",
+        max_model_len=args.input_len + args.output_len,
+        max_num_seqs=args.batch,
+        kv_cache_memory_bytes=512 << 20,
+        enable_prefix_caching=False,
+    )
     engines = {"eager": LLM(str(model), compile="off", **opts)}
     t0 = time.perf_counter()
     engines["compiled"] = LLM(str(model), compile="on", **opts)
     load_compiled = time.perf_counter() - t0
     compile_s = engines["compiled"].engine.executor.runner.compile_seconds
     res = interleave(engines, args.batch, args.input_len, args.output_len, vocab, args.rounds)
-    print(f"$ python benchmarks/bench_compile_ab.py --batch {args.batch} --input-len {args.input_len} "
-          f"--output-len {args.output_len} --rounds {args.rounds}")
-    print(f"model {model}, bf16, {args.threads} threads; compiled engine load {load_compiled:.1f} s "
-          f"(compile {compile_s:.1f} s)")
+    print(
+        f"$ python benchmarks/bench_compile_ab.py --batch {args.batch} --input-len {args.input_len} "
+        f"--output-len {args.output_len} --rounds {args.rounds}"
+    )
+    print(
+        f"model {model}, bf16, {args.threads} threads; compiled engine load {load_compiled:.1f} s "
+        f"(compile {compile_s:.1f} s)"
+    )
     print("| engine | TTFT s | decode tok/s | output tok/s |\n|---|---:|---:|---:|")
     for name, rows in res.items():
-        print(f"| {name} | {statistics.median(r['ttft'] for r in rows):.3f} | "
-              f"{statistics.median(r['dec'] for r in rows):.1f} | {statistics.median(r['out'] for r in rows):.1f} |")
+        print(
+            f"| {name} | {statistics.median(r['ttft'] for r in rows):.3f} | "
+            f"{statistics.median(r['dec'] for r in rows):.1f} | {statistics.median(r['out'] for r in rows):.1f} |"
+        )
     ratios = {k: [c[k] / e[k] for c, e in zip(res["compiled"], res["eager"])] for k in ("ttft", "dec", "out")}
-    print("per-round compiled / eager: " + "; ".join(
-        f"{k} " + ", ".join(f"{v:.2f}" for v in vals) for k, vals in ratios.items()))
+    print(
+        "per-round compiled / eager: "
+        + "; ".join(f"{k} " + ", ".join(f"{v:.2f}" for v in vals) for k, vals in ratios.items())
+    )
     return 0
 
 

@@ -22,16 +22,22 @@ from ab_common import ab_parser, bench_model, interleave
 
 # engine name -> its options: decode_kernels, and for "auto-bf16" the plain bf16 weights (compress_weights="off")
 # instead of the default lossless 12-bit layout
-MODES = {"off": dict(decode_kernels="off"), "linear": dict(decode_kernels="linear"), "auto": dict(decode_kernels="auto"),
-         "auto-bf16": dict(decode_kernels="auto", compress_weights="off")}
+MODES = {
+    "off": dict(decode_kernels="off"),
+    "linear": dict(decode_kernels="linear"),
+    "auto": dict(decode_kernels="auto"),
+    "auto-bf16": dict(decode_kernels="auto", compress_weights="off"),
+}
 
 
 def main() -> int:
     ap = ab_parser(__doc__, batch=1, output_len=64, rounds=3, rounds_help="timed rounds over every engine")
     ap.add_argument("--quantization", default="none", help="comma list of none, w8a16, w4a16 (default: none)")
-    ap.add_argument("--modes", default="off,linear,auto",
-                    help=f"comma list of engines among {', '.join(MODES)}; ratios are against the first "
-                    "(default: off,linear,auto)")
+    ap.add_argument(
+        "--modes",
+        default="off,linear,auto",
+        help=f"comma list of engines among {', '.join(MODES)}; ratios are against the first (default: off,linear,auto)",
+    )
     args = ap.parse_args()
     modes = args.modes.split(",")
     if not modes or any(m not in MODES for m in modes):
@@ -45,22 +51,33 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     model = bench_model(args.model)
     vocab = read_model_config(model)["vocab_size"]
-    print(f"$ python benchmarks/bench_decode_ab.py --batch {args.batch} --input-len {args.input_len} "
-          f"--output-len {args.output_len} --rounds {args.rounds} --quantization {args.quantization} --modes {args.modes}")
+    print(
+        f"$ python benchmarks/bench_decode_ab.py --batch {args.batch} --input-len {args.input_len} "
+        f"--output-len {args.output_len} --rounds {args.rounds} --quantization {args.quantization} --modes {args.modes}"
+    )
     print(f"model {model}, bf16, {args.threads} threads, batch {args.batch}")
     print(f"| weights | engine | TTFT s | decode tok/s | output tok/s | decode vs {modes[0]} (per round) |")
     print("|---|---|---:|---:|---:|---|")
     for quant in args.quantization.split(","):
         q = None if quant == "none" else quant
-        opts = dict(dtype="bfloat16", max_model_len=args.input_len + args.output_len, max_num_seqs=args.batch,
-                    kv_cache_memory_bytes=256 << 20, enable_prefix_caching=False, quantization=q)
+        opts = dict(
+            dtype="bfloat16",
+            max_model_len=args.input_len + args.output_len,
+            max_num_seqs=args.batch,
+            kv_cache_memory_bytes=256 << 20,
+            enable_prefix_caching=False,
+            quantization=q,
+        )
         engines = {mode: LLM(str(model), **MODES[mode], **opts) for mode in modes}
         res = interleave(engines, args.batch, args.input_len, args.output_len, vocab, args.rounds)
         for name, rows in res.items():
             ratio = ", ".join(f"{a['dec'] / b['dec']:.2f}" for a, b in zip(rows, res[modes[0]]))
-            print(f"| {quant} | {name} | {statistics.median(r['ttft'] for r in rows):.3f} | "
-                  f"{statistics.median(r['dec'] for r in rows):.1f} | {statistics.median(r['out'] for r in rows):.1f} "
-                  f"| {ratio} |", flush=True)
+            print(
+                f"| {quant} | {name} | {statistics.median(r['ttft'] for r in rows):.3f} | "
+                f"{statistics.median(r['dec'] for r in rows):.1f} | {statistics.median(r['out'] for r in rows):.1f} "
+                f"| {ratio} |",
+                flush=True,
+            )
         del engines
     return 0
 

@@ -26,20 +26,33 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     model = bench_model(args.model)
     kv = args.batch * (args.input_len + args.output_len)
-    engines = {b: LLM(str(model), dtype="bfloat16", enable_prefix_caching=False, distributed_executor_backend=b,
-                      max_num_seqs=max(args.batch, 1), max_model_len=args.input_len + args.output_len)
-               for b in ("uni", "mp")}
+    engines = {
+        b: LLM(
+            str(model),
+            dtype="bfloat16",
+            enable_prefix_caching=False,
+            distributed_executor_backend=b,
+            max_num_seqs=max(args.batch, 1),
+            max_model_len=args.input_len + args.output_len,
+        )
+        for b in ("uni", "mp")
+    }
     vocab = read_model_config(model)["vocab_size"]
     res = interleave(engines, args.batch, args.input_len, args.output_len, vocab, args.rounds)
-    print(f"batch {args.batch}, {args.input_len} + {args.output_len} tokens, {args.rounds} rounds, {model} "
-          f"({kv} KV tokens)")
+    print(
+        f"batch {args.batch}, {args.input_len} + {args.output_len} tokens, {args.rounds} rounds, {model} "
+        f"({kv} KV tokens)"
+    )
     print("| executor | output tok/s | decode tok/s | TTFT ms |\n|---|---:|---:|---:|")
     for name, runs in res.items():
         out, dec = (statistics.median(r[k] for r in runs) for k in ("out", "dec"))
         print(f"| {name} | {out:.1f} | {dec:.1f} | {statistics.median(r['ttft'] for r in runs) * 1e3:.1f} |")
     ratios = [m["dec"] / u["dec"] for m, u in zip(res["mp"], res["uni"])]
-    print("mp / uni decode tok/s per round: " + " ".join(f"{x:.3f}" for x in ratios) +
-          f"; median {statistics.median(ratios):.3f}")
+    print(
+        "mp / uni decode tok/s per round: "
+        + " ".join(f"{x:.3f}" for x in ratios)
+        + f"; median {statistics.median(ratios):.3f}"
+    )
     engines["mp"].engine.shutdown()
     return 0
 

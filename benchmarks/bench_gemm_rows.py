@@ -53,6 +53,7 @@ def main() -> int:
             x = torch.randn(m, k).bfloat16()
             w = (torch.randn(n, k) / k**0.5).bfloat16()
             y_k, y_t = torch.empty(m, n, dtype=torch.bfloat16), torch.empty(m, n, dtype=torch.bfloat16)
+
             def run_k(x=x, w=w, y_k=y_k, m=m, n=n, k=k):
                 lib.it_linear_bf16(x.data_ptr(), k, w.data_ptr(), None, y_k.data_ptr(), n, m, n, k, args.threads)
 
@@ -63,8 +64,9 @@ def main() -> int:
             tk, tt = min(tk, timed(run_k)), min(tt, timed(run_t))
             torch.testing.assert_close(y_k.float(), y_t.float(), rtol=2**-6, atol=2**-6)
             fl = 2 * m * k * n
-            print(f"| {m} | {name} ({k} x {n}) | {fl / tk / 1e9:.0f} | {fl / tt / 1e9:.0f} | {tt / tk:.2f}x |",
-                  flush=True)
+            print(
+                f"| {m} | {name} ({k} x {n}) | {fl / tk / 1e9:.0f} | {fl / tt / 1e9:.0f} | {tt / tk:.2f}x |", flush=True
+            )
     return 0
 
 

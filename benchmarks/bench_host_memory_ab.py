@@ -55,8 +55,10 @@ def main() -> int:
 
     model = bench_model(args.model)
     here = str(Path(__file__).resolve().parent)
-    print(f"$ python benchmarks/bench_host_memory_ab.py --batch {args.batch} --input-len {args.input_len} "
-          f"--rounds {args.rounds} --repeats {args.repeats}")
+    print(
+        f"$ python benchmarks/bench_host_memory_ab.py --batch {args.batch} --input-len {args.input_len} "
+        f"--rounds {args.rounds} --repeats {args.repeats}"
+    )
     print(f"model {model}, bf16, {args.threads} threads; medians over {args.rounds} workers x {args.repeats} prefills")
     print("| prompts | host memory | TTFT s | page faults per prefill | TTFT off / on (per round) |")
     print("|---:|---|---:|---:|---|")
@@ -65,8 +67,22 @@ def main() -> int:
         for r in range(args.rounds):
             for side in ("off", "on") if r % 2 == 0 else ("on", "off"):
                 env = {**os.environ, "INFERTUNE_KEEP_HOST_MEMORY": "1" if side == "on" else "0"}
-                out = subprocess.run([sys.executable, "-c", WORKER, here, str(model), str(batch), str(args.input_len),
-                                      str(args.repeats), str(args.threads)], env=env, capture_output=True, text=True)
+                out = subprocess.run(
+                    [
+                        sys.executable,
+                        "-c",
+                        WORKER,
+                        here,
+                        str(model),
+                        str(batch),
+                        str(args.input_len),
+                        str(args.repeats),
+                        str(args.threads),
+                    ],
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                )
                 if out.returncode:
                     print(out.stderr[-2000:], file=sys.stderr)
                     return 1
@@ -74,8 +90,11 @@ def main() -> int:
         ratios = ", ".join(f"{a['ttft'] / b['ttft']:.2f}" for a, b in zip(res["off"], res["on"]))
         for side in ("off", "on"):
             rows = res[side]
-            print(f"| {batch} | {side} | {statistics.median(x['ttft'] for x in rows):.3f} | "
-                  f"{statistics.median(x['faults'] for x in rows):,.0f} | {ratios if side == 'on' else ''} |", flush=True)
+            print(
+                f"| {batch} | {side} | {statistics.median(x['ttft'] for x in rows):.3f} | "
+                f"{statistics.median(x['faults'] for x in rows):,.0f} | {ratios if side == 'on' else ''} |",
+                flush=True,
+            )
     return 0
 
 

@@ -59,16 +59,20 @@ def main() -> int:
         rng = random.Random(0)
         times: list[list[float]] = [[], []]
         parts: list[list[dict]] = [[], []]  # the fused step's own split per generate (kernels.FUSED_PARTS), if it ran
-        print(f"$ python benchmarks/bench_kernel_builds.py --a {args.a} --b {args.b} --batch {args.batch} "
-              f"--input-len {args.input_len} --output-len {args.output_len} --rounds {args.rounds}")
+        print(
+            f"$ python benchmarks/bench_kernel_builds.py --a {args.a} --b {args.b} --batch {args.batch} "
+            f"--input-len {args.input_len} --output-len {args.output_len} --rounds {args.rounds}"
+        )
         try:
             for r in range(args.rounds + 1):  # round 0 warms both builds up, untimed
-                for i in ((0, 1) if r % 2 == 0 else (1, 0)):
+                for i in (0, 1) if r % 2 == 0 else (1, 0):
                     kernels._lib = builds[i]  # every kernel call from here on: linears, norms, the fused step
                     if fused is not None:
                         fused.decoder.lib = builds[i]
-                    prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(args.input_len)]}
-                               for _ in range(args.batch)]
+                    prompts = [
+                        {"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(args.input_len)]}
+                        for _ in range(args.batch)
+                    ]
                     kernels.fused_step_timers(reset=True)
                     t = time.perf_counter()
                     llm.generate(prompts, params, use_tqdm=False)

@@ -22,15 +22,26 @@ args = parser.parse_args()
 g = torch.Generator().manual_seed(0)
 llm = None
 for kv in ("auto", "int8"):
-    llm = LLM(args.model, dtype="bfloat16", max_model_len=256, max_num_seqs=args.requests, kv_cache_dtype=kv,
-              kv_cache_memory_bytes=8 * 256 * 24 * 2 * 2 * 64 * 2)  # bf16 room for 8 sequences of 256 tokens
+    llm = LLM(
+        args.model,
+        dtype="bfloat16",
+        max_model_len=256,
+        max_num_seqs=args.requests,
+        kv_cache_dtype=kv,
+        kv_cache_memory_bytes=8 * 256 * 24 * 2 * 2 * 64 * 2,
+    )  # bf16 room for 8 sequences of 256 tokens
     warm = [{"prompt_token_ids": torch.randint(0, 32000, (128,), generator=g).tolist()} for _ in range(2)]
     llm.generate(warm, SamplingParams(max_tokens=4), use_tqdm=False)
-    prompts = [{"prompt_token_ids": torch.randint(0, 32000, (128,), generator=g).tolist()} for _ in range(args.requests)]
+    prompts = [
+        {"prompt_token_ids": torch.randint(0, 32000, (128,), generator=g).tolist()} for _ in range(args.requests)
+    ]
     t = time.perf_counter()
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=128, ignore_eos=True), use_tqdm=False)
     dt = time.perf_counter() - t
-    print(f"kv_cache_dtype={kv}: {llm.engine.describe_kv_cache()}; {args.requests} requests: "
-          f"{args.requests * 128 / dt:.1f} output tok/s, {llm.engine.scheduler.num_preemptions} preemptions", flush=True)
+    print(
+        f"kv_cache_dtype={kv}: {llm.engine.describe_kv_cache()}; {args.requests} requests: "
+        f"{args.requests * 128 / dt:.1f} output tok/s, {llm.engine.scheduler.num_preemptions} preemptions",
+        flush=True,
+    )
     del llm
     gc.collect()

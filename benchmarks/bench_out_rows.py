@@ -45,8 +45,11 @@ def main() -> int:
     for name in names:
         print(f"| {name} | {statistics.median(ttft[name]):.1f} |")
     ratios = [a / b for a, b in zip(ttft[names[0]], ttft[names[1]])]
-    print(f"{names[0]} / {names[1]} per round: " + " ".join(f"{x:.2f}" for x in ratios) +
-          f"; median {statistics.median(ratios):.2f}")
+    print(
+        f"{names[0]} / {names[1]} per round: "
+        + " ".join(f"{x:.2f}" for x in ratios)
+        + f"; median {statistics.median(ratios):.2f}"
+    )
     return 0
 
 

@@ -53,10 +53,15 @@ def main() -> int:
     gen = torch.Generator().manual_seed(0)
     b, v = args.batch, args.vocab
     ramp = -torch.log1p(torch.arange(v, dtype=torch.float32)) * 2  # Zipf-like
-    kinds = {"peaked": torch.randn(b, v, generator=gen) * 4 + ramp[torch.randperm(v, generator=gen)],
-             "flat": torch.randn(b, v, generator=gen) * 0.01}
-    settings = {"temperature 1.0": dict(temperature=1.0), "temperature 0.8, top_p 0.95": dict(temperature=0.8, top_p=0.95),
-                "temperature 0.7, top_k 50": dict(temperature=0.7, top_k=50)}
+    kinds = {
+        "peaked": torch.randn(b, v, generator=gen) * 4 + ramp[torch.randperm(v, generator=gen)],
+        "flat": torch.randn(b, v, generator=gen) * 0.01,
+    }
+    settings = {
+        "temperature 1.0": dict(temperature=1.0),
+        "temperature 0.8, top_p 0.95": dict(temperature=0.8, top_p=0.95),
+        "temperature 0.7, top_k 50": dict(temperature=0.7, top_k=50),
+    }
     sampler = Sampler(seed=0)
     print(f"$ python benchmarks/bench_sampler.py --batch {b} --vocab {v} --iters {args.iters}")
     print(f"{args.threads} threads; median ms per call over {args.iters} calls, the two samplers alternating")
@@ -66,8 +71,13 @@ def main() -> int:
         for name, kw in settings.items():
             params = [SamplingParams(**kw) for _ in range(b)]
             rows = [SampleRequest(p, [0], []) for p in params]
-            times = alternating_ms({"race": lambda logits=logits, params=params: race_sampler(logits, params, gen),
-                                    "infertune": lambda logits=logits, rows=rows: sampler(logits, rows)}, args.iters)
+            times = alternating_ms(
+                {
+                    "race": lambda logits=logits, params=params: race_sampler(logits, params, gen),
+                    "infertune": lambda logits=logits, rows=rows: sampler(logits, rows),
+                },
+                args.iters,
+            )
             a, n = statistics.median(times["race"]), statistics.median(times["infertune"])
             print(f"| {kind} | {name} | {a:.2f} | {n:.2f} | {a / n:.1f}x |")
     return 0

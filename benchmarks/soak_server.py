@@ -37,8 +37,20 @@ def free_port() -> int:
 
 
 def start(args, port: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "infertune.cli", "serve", "--port", str(port), "--max-waiting", "4096",
-           "--graceful-timeout", str(args.grace), *(["--model", args.model] if args.model else []), *args.serve_args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "infertune.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--max-waiting",
+        "4096",
+        "--graceful-timeout",
+        str(args.grace),
+        *(["--model", args.model] if args.model else []),
+        *args.serve_args,
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
@@ -66,6 +78,7 @@ async def sigterm_under_load(url: str, proc: subprocess.Popen, grace: float) -> 
     body = {"prompt": "under load", "max_tokens": 64, "temperature": 0, "ignore_eos": True}
     outcomes: dict[str, int] = {}
     async with httpx.AsyncClient(base_url=url, timeout=120) as h:
+
         async def one():
             try:
                 r = await h.post("/v1/completions", json=body)
@@ -100,8 +113,17 @@ def main() -> int:
     try:
         print(f"soak: {args.requests} requests, {args.concurrency} concurrent, {args.hangup:.0%} hang up")
         reports = []
-        soaking = threading.Thread(target=lambda: reports.append(run_soak(
-            url, requests=args.requests, concurrency=args.concurrency, hangup=args.hangup, long_words=args.long_words)))
+        soaking = threading.Thread(
+            target=lambda: reports.append(
+                run_soak(
+                    url,
+                    requests=args.requests,
+                    concurrency=args.concurrency,
+                    hangup=args.hangup,
+                    long_words=args.long_words,
+                )
+            )
+        )
         soaking.start()
         time.sleep(5)
         print("hostile requests while the soak runs:")

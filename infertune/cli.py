@@ -38,14 +38,19 @@ def _add_flags(g, groups: tuple[str, ...]) -> None:
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """The engine's flags, made from the option declarations of infertune/config.py (ModelConfig ... ParallelConfig)."""
-    _add_flags(p.add_argument_group("engine", "how the model is loaded, batched and cached (the LLM(...) options "
-                                    "of the same names)"), _engine_groups())
+    _add_flags(
+        p.add_argument_group(
+            "engine", "how the model is loaded, batched and cached (the LLM(...) options of the same names)"
+        ),
+        _engine_groups(),
+    )
 
 
 def add_limits_args(p: argparse.ArgumentParser) -> None:
     """The request limits' flags, made from LimitsConfig's fields (their help, types and defaults live there)."""
-    _add_flags(p.add_argument_group("request limits", "what one request may cost, checked before it is queued"),
-               ("limits",))
+    _add_flags(
+        p.add_argument_group("request limits", "what one request may cost, checked before it is queued"), ("limits",)
+    )
 
 
 def _default_said(f) -> tuple[str, str]:
@@ -83,8 +88,11 @@ def _values(f) -> str:
 
 
 # Where the README's options table sends a reader for more on an option (field metadata "see")
-_SEE = {"Decode kernels": "docs/kernels.md#decode-kernels", "Compiled decode": "docs/kernels.md#compiled-decode",
-        "Quantization": "docs/tools.md#quantize-and-evaluate"}
+_SEE = {
+    "Decode kernels": "docs/kernels.md#decode-kernels",
+    "Compiled decode": "docs/kernels.md#compiled-decode",
+    "Quantization": "docs/tools.md#quantize-and-evaluate",
+}
 
 
 def engine_table() -> str:
@@ -101,9 +109,11 @@ def engine_table() -> str:
         flag = f"`{engine_flag(f.name)}`" if engine_flag(f.name) else "none: Python or `serve --config`"
         rows.append(f"| `{f.name}` | {flag} | {shown} | {_values(f)} | {text} |")
     limits = option_fields("limits")
-    rows.append(f"| {', '.join(f'`{f.name}`' for f in limits)} | `serve` flags | in that table | | what one request "
-                "may cost (n and stops offline too); see [One request never takes the server down]"
-                "(#one-request-never-takes-the-server-down) |")
+    rows.append(
+        f"| {', '.join(f'`{f.name}`' for f in limits)} | `serve` flags | in that table | | what one request "
+        "may cost (n and stops offline too); see [One request never takes the server down]"
+        "(#one-request-never-takes-the-server-down) |"
+    )
     return "\n".join(rows)
 
 
@@ -122,8 +132,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     llm = LLM(args.model, show_progress=True, **engine_kwargs(args))
     load_s = time.perf_counter() - t0
     params = SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens,
-        seed=args.sample_seed, stop=args.stop or None, ignore_eos=args.ignore_eos,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        seed=args.sample_seed,
+        stop=args.stop or None,
+        ignore_eos=args.ignore_eos,
     )
     if args.chat:
         out = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)[0]
@@ -164,16 +179,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
     options = {**engine_kwargs(args), **load_config_file(args.config)}
     model = options.pop("model", None) or args.model
     return serve(
-        model, host=args.host, port=args.port, api_key=args.api_key, served_model_name=args.served_model_name, max_body_bytes=args.max_body_bytes,
-        graceful_timeout_s=args.graceful_timeout, **options,
+        model,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        served_model_name=args.served_model_name,
+        max_body_bytes=args.max_body_bytes,
+        graceful_timeout_s=args.graceful_timeout,
+        **options,
     )
 
 
 def _add_generate(sub) -> None:
-    gen = sub.add_parser("generate", help="generate text for one prompt and print one line of stats",
-                         description="Generate a completion for PROMPT and print it, then a stats line on stderr "
-                         "(prompt tokens, time to first token, decode tokens/s). With no --model the built-in demo "
-                         "model is used.")
+    gen = sub.add_parser(
+        "generate",
+        help="generate text for one prompt and print one line of stats",
+        description="Generate a completion for PROMPT and print it, then a stats line on stderr "
+        "(prompt tokens, time to first token, decode tokens/s). With no --model the built-in demo "
+        "model is used.",
+    )
     gen.add_argument("prompt", help="the prompt text (with --chat: the user's message)")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     gen.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate (default: 64)")
@@ -188,21 +212,36 @@ def _add_generate(sub) -> None:
 
 
 def _add_serve(sub) -> None:
-    srv = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server",
-                         description="Serve a model over an OpenAI-compatible HTTP API: /v1/completions, "
-                         "/v1/chat/completions (streaming with stream=true), /v1/models, /health and Prometheus "
-                         "/metrics. With no --model the built-in demo model is served. SIGTERM stops accepting, "
-                         "lets in-flight requests finish within --graceful-timeout, then exits 0.")
+    srv = sub.add_parser(
+        "serve",
+        help="run the OpenAI-compatible HTTP server",
+        description="Serve a model over an OpenAI-compatible HTTP API: /v1/completions, "
+        "/v1/chat/completions (streaming with stream=true), /v1/models, /health and Prometheus "
+        "/metrics. With no --model the built-in demo model is served. SIGTERM stops accepting, "
+        "lets in-flight requests finish within --graceful-timeout, then exits 0.",
+    )
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     srv.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* routes")
     srv.add_argument("--served-model-name", default=None, help="model name clients send (default: the folder's name)")
-    srv.add_argument("--max-body-bytes", type=int, default=4 * 2**20,
-                     help="largest request body accepted; larger gets 413 (default: 4 MiB)")
-    srv.add_argument("--config", default=None, metavar="FILE.json",
-                     help="engine options as JSON (e.g. from `infertune tune --out-config`); they override the flags")
-    srv.add_argument("--graceful-timeout", type=float, default=10.0,
-                     help="seconds in-flight requests get to finish after SIGTERM (default: 10)")
+    srv.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=4 * 2**20,
+        help="largest request body accepted; larger gets 413 (default: 4 MiB)",
+    )
+    srv.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE.json",
+        help="engine options as JSON (e.g. from `infertune tune --out-config`); they override the flags",
+    )
+    srv.add_argument(
+        "--graceful-timeout",
+        type=float,
+        default=10.0,
+        help="seconds in-flight requests get to finish after SIGTERM (default: 10)",
+    )
     add_engine_args(srv)
     add_limits_args(srv)
     srv.set_defaults(func=cmd_serve)
@@ -219,33 +258,77 @@ def _tools() -> tuple:
     from infertune.tune import ledger as ledger_command
 
     return (
-        ("profile", profile_cmd, "where the time goes: categories for prefill and decode, top ops, hints",
-         profile_cmd.DESCRIPTION),
-        ("doctor", doctor, "check versions (torch / torch_npu / CANN / CUDA), CPU features, threads",
-         "Check Python, torch, transformers, torch_npu and CANN, CUDA and driver against a compatibility matrix "
-         "kept as data; CPU features and thread settings; what to fix. Exits 1 on a hard mismatch."),
-        ("audit", audit, "list the aten ops a model step launches and how a backend runs each",
-         "Trace a prefill and a decode step of the model, list every aten op with counts and example shapes, and "
-         "mark which the target backend runs natively and which would fall back to the CPU, with mapping hints and "
-         "dynamic-shape hazards. Needs no target hardware."),
-        ("debug-layers", debug_layers, "find the first module that goes NaN/Inf or drifts from an fp32 run",
-         "Run the prompt in the chosen dtype and in fp32 with hooks on every module and report the first module "
-         "whose output is non-finite or diverges beyond --threshold (the equivalent of ASCEND_LAYER_DEBUG=1). "
-         "Exits 1 when it finds one."),
-        ("plan", plan_command, "capacity, speed and cost of a model on a device (no hardware needed)",
-         plan_command.DESCRIPTION),
-        ("tune", tune_command, "sweep batch settings under an SLO; recommend online and offline configs",
-         tune_command.DESCRIPTION),
-        ("ledger", ledger_command, "the step-by-step optimization table, measured on this machine",
-         ledger_command.DESCRIPTION),
-        ("eval", eval_command, "accuracy against a reference: perplexity, KL, top-1 agreement, greedy prefix",
-         eval_command.DESCRIPTION),
-        ("quantize", quantize_command, "write a quantized checkpoint (w8a16 / w4a16 / w8a8, calibration), then eval it",
-         quantize_command.DESCRIPTION),
-        ("distill", distill_command, "distil a teacher into a small student (KD loss, checkpoints, resume)",
-         distill_command.DESCRIPTION),
-        ("train", distill_command.TRAIN, "train a model from scratch with cross-entropy (same data pipeline)",
-         distill_command.TRAIN_DESCRIPTION),
+        (
+            "profile",
+            profile_cmd,
+            "where the time goes: categories for prefill and decode, top ops, hints",
+            profile_cmd.DESCRIPTION,
+        ),
+        (
+            "doctor",
+            doctor,
+            "check versions (torch / torch_npu / CANN / CUDA), CPU features, threads",
+            "Check Python, torch, transformers, torch_npu and CANN, CUDA and driver against a compatibility matrix "
+            "kept as data; CPU features and thread settings; what to fix. Exits 1 on a hard mismatch.",
+        ),
+        (
+            "audit",
+            audit,
+            "list the aten ops a model step launches and how a backend runs each",
+            "Trace a prefill and a decode step of the model, list every aten op with counts and example shapes, and "
+            "mark which the target backend runs natively and which would fall back to the CPU, with mapping hints and "
+            "dynamic-shape hazards. Needs no target hardware.",
+        ),
+        (
+            "debug-layers",
+            debug_layers,
+            "find the first module that goes NaN/Inf or drifts from an fp32 run",
+            "Run the prompt in the chosen dtype and in fp32 with hooks on every module and report the first module "
+            "whose output is non-finite or diverges beyond --threshold (the equivalent of ASCEND_LAYER_DEBUG=1). "
+            "Exits 1 when it finds one.",
+        ),
+        (
+            "plan",
+            plan_command,
+            "capacity, speed and cost of a model on a device (no hardware needed)",
+            plan_command.DESCRIPTION,
+        ),
+        (
+            "tune",
+            tune_command,
+            "sweep batch settings under an SLO; recommend online and offline configs",
+            tune_command.DESCRIPTION,
+        ),
+        (
+            "ledger",
+            ledger_command,
+            "the step-by-step optimization table, measured on this machine",
+            ledger_command.DESCRIPTION,
+        ),
+        (
+            "eval",
+            eval_command,
+            "accuracy against a reference: perplexity, KL, top-1 agreement, greedy prefix",
+            eval_command.DESCRIPTION,
+        ),
+        (
+            "quantize",
+            quantize_command,
+            "write a quantized checkpoint (w8a16 / w4a16 / w8a8, calibration), then eval it",
+            quantize_command.DESCRIPTION,
+        ),
+        (
+            "distill",
+            distill_command,
+            "distil a teacher into a small student (KD loss, checkpoints, resume)",
+            distill_command.DESCRIPTION,
+        ),
+        (
+            "train",
+            distill_command.TRAIN,
+            "train a model from scratch with cross-entropy (same data pipeline)",
+            distill_command.TRAIN_DESCRIPTION,
+        ),
     )
 
 
@@ -260,30 +343,46 @@ def _add_tools(sub) -> None:
 def _add_bench(sub) -> None:
     from infertune.bench import offline, serve_load, soak
 
-    bench = sub.add_parser("bench", help="benchmarks: bench throughput / latency (offline), bench serve / soak (HTTP)",
-                           description="Benchmarks. `bench throughput` and `bench latency` run infertune beside HF "
-                           "transformers on the same model and workload; `bench serve` load-tests any OpenAI-compatible "
-                           "server.")
+    bench = sub.add_parser(
+        "bench",
+        help="benchmarks: bench throughput / latency (offline), bench serve / soak (HTTP)",
+        description="Benchmarks. `bench throughput` and `bench latency` run infertune beside HF "
+        "transformers on the same model and workload; `bench serve` load-tests any OpenAI-compatible "
+        "server.",
+    )
     bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
     bench_serve = bench_sub.add_parser(
-        "serve", help="load-test an OpenAI-compatible server (Poisson arrivals, TTFT/TPOT/ITL percentiles)",
+        "serve",
+        help="load-test an OpenAI-compatible server (Poisson arrivals, TTFT/TPOT/ITL percentiles)",
         description="Send a workload to an OpenAI-compatible server (infertune, vLLM, llama.cpp) and report "
-        "throughput, TTFT / TPOT / ITL / end-to-end latency percentiles, goodput under an SLO, and failures.")
+        "throughput, TTFT / TPOT / ITL / end-to-end latency percentiles, goodput under an SLO, and failures.",
+    )
     serve_load.add_arguments(bench_serve)
     bench_serve.set_defaults(func=serve_load.run)
     bench_soak = bench_sub.add_parser(
-        "soak", help="soak-test an infertune server: many requests, hanging-up clients, /health and RSS watched",
-        description=soak.__doc__.split("\n\n")[0], epilog="\n\n".join(soak.__doc__.split("\n\n")[1:]),
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        "soak",
+        help="soak-test an infertune server: many requests, hanging-up clients, /health and RSS watched",
+        description=soak.__doc__.split("\n\n")[0],
+        epilog="\n\n".join(soak.__doc__.split("\n\n")[1:]),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     soak.add_arguments(bench_soak)
     bench_soak.set_defaults(func=soak.run)
     for name, batches, help_ in (
-        ("throughput", [1, 16], "offline throughput: infertune vs HF transformers (and quantized variants), side by side"),
+        (
+            "throughput",
+            [1, 16],
+            "offline throughput: infertune vs HF transformers (and quantized variants), side by side",
+        ),
         ("latency", [1], "batch-1 latency: TTFT and decode tok/s, infertune vs HF transformers"),
     ):
-        cmd = bench_sub.add_parser(name, help=help_, description=offline.__doc__.split("\n\n")[0],
-                                   epilog="\n\n".join(offline.__doc__.split("\n\n")[1:]),
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+        cmd = bench_sub.add_parser(
+            name,
+            help=help_,
+            description=offline.__doc__.split("\n\n")[0],
+            epilog="\n\n".join(offline.__doc__.split("\n\n")[1:]),
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
         offline.add_arguments(cmd, default_batch=batches)
         cmd.set_defaults(func=offline.run)
 
@@ -305,7 +404,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError, RuntimeError) as e:

@@ -86,8 +86,7 @@ class ArchConfig:
         arch = archs[0] if archs else _arch_from_model_type(cfg.get("model_type"))
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
-                f"{where}: architecture {arch!r} is not supported; infertune runs "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)}."
+                f"{where}: architecture {arch!r} is not supported; infertune runs {', '.join(SUPPORTED_ARCHITECTURES)}."
             )
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
@@ -171,38 +170,56 @@ def _arch_from_model_type(model_type: str | None) -> str:
 
 @dataclass(slots=True)
 class ModelConfig:
-    model: str = _opt(factory=default_model_path, help="Hugging Face model folder (config.json, *.safetensors and "
-                      "tokenizer files) (default: the built-in demo model)")
+    model: str = _opt(
+        factory=default_model_path,
+        help="Hugging Face model folder (config.json, *.safetensors and "
+        "tokenizer files) (default: the built-in demo model)",
+    )
     tokenizer: str | None = _opt(None, "tokenizer folder (default: the model folder)", flag=None)
-    dtype: str = _opt("auto", "weights and activations dtype; auto = the checkpoint's, as the device supports",
-                      choices=DTYPES)
+    dtype: str = _opt(
+        "auto", "weights and activations dtype; auto = the checkpoint's, as the device supports", choices=DTYPES
+    )
     max_model_len: int | None = _opt(
-        None, "longest prompt + output, in tokens (default: the model's max_position_embeddings)")
+        None, "longest prompt + output, in tokens (default: the model's max_position_embeddings)"
+    )
     seed: int = _opt(0, "engine seed for unseeded sampling")
     # Reorder plain weights once into the backend's fastest matmul layout (oneDNN blocked bf16 on CPU).
     prepack_weights: bool = _opt(
-        True, "where the decode kernels are off or unavailable: reorder bf16 weights once into oneDNN's blocked "
-        "layout on CPUs with native bf16 (faster decode); False keeps plain weights", flag=None)
+        True,
+        "where the decode kernels are off or unavailable: reorder bf16 weights once into oneDNN's blocked "
+        "layout on CPUs with native bf16 (faster decode); False keeps plain weights",
+        flag=None,
+    )
     # The backend's own small-batch linear kernels for decode steps (infertune/kernels on CPU).
     decode_kernels: str = _opt(
-        "auto", "infertune's own decode kernels, on x86 CPUs with AVX-512 BF16 and VNNI (built with the system C "
+        "auto",
+        "infertune's own decode kernels, on x86 CPUs with AVX-512 BF16 and VNNI (built with the system C "
         "compiler on first use and cached): auto = GEMV / AMX kernels (bf16, W8A16 and W4A16) for steps of up to "
         "16 rows plus the fused decode step (every layer of a decode-only step in one call); linear = the linear "
         "kernels only, under the per-op PyTorch forward; off = torch's matmuls",
-        choices=DECODE_KERNELS, see="Decode kernels")
+        choices=DECODE_KERNELS,
+        see="Decode kernels",
+    )
     # Plain bf16 weights under the decode kernels kept losslessly in 12 bits a weight (layers/linear.py Bf16cMethod).
     compress_weights: str = _opt(
-        "auto", "auto = where the decode kernels run on a CPU with AMX (and compile is not on), keep plain bf16 "
+        "auto",
+        "auto = where the decode kernels run on a CPU with AMX (and compile is not on), keep plain bf16 "
         "projections losslessly in 12 bits a weight (bit-identical outputs; decode steps read 25% fewer bytes, the "
         "weights take 0.76x the memory, load takes ~2 ms more per million weights); off = keep them as loaded",
-        choices=COMPRESS_WEIGHTS, see="Decode kernels")
+        choices=COMPRESS_WEIGHTS,
+        see="Decode kernels",
+    )
     # torch.compile the dense stages of each decoder layer; see runner/compiled.py.
     compile: str = _opt(
-        "auto", "torch.compile (Inductor) the decoder's dense stages (norms, projections, rotary, MLP, residuals; "
+        "auto",
+        "torch.compile (Inductor) the decoder's dense stages (norms, projections, rotary, MLP, residuals; "
         "attention stays eager) in a warm-up before serving, so no request waits on a compile: fewer, fused ops per "
         "step for a start-up cost of seconds to tens of seconds; on = always; off = eager, instant start; auto = on "
         "only for models of >= 100M parameters on backends where it measured faster (none yet: on CPU it measured "
-        "slower, so auto runs eager)", choices=COMPILE_MODES, see="Compiled decode")
+        "slower, so auto runs eager)",
+        choices=COMPILE_MODES,
+        see="Compiled decode",
+    )
     arch: ArchConfig | None = None
 
     def __post_init__(self) -> None:
@@ -235,18 +252,28 @@ class CacheConfig:
     block_size: int = _opt(16, "tokens per KV-cache block (a power of two)")
     # An absolute budget wins over the fraction; None means "fraction of the memory free after loading".
     kv_cache_memory_bytes: int | None = _opt(
-        None, "KV-cache budget in bytes (suffixes K, M, G, Ki, Mi, Gi allowed); wins over the fraction (default: "
-        "kv_cache_memory_fraction of the free memory)", size=True)
+        None,
+        "KV-cache budget in bytes (suffixes K, M, G, Ki, Mi, Gi allowed); wins over the fraction (default: "
+        "kv_cache_memory_fraction of the free memory)",
+        size=True,
+    )
     kv_cache_memory_fraction: float = _opt(
-        0.5, "share of the memory free after loading that the KV cache may take when no byte budget is given "
-        "(capped at what max_num_seqs full-length sequences can use)")
+        0.5,
+        "share of the memory free after loading that the KV cache may take when no byte budget is given "
+        "(capped at what max_num_seqs full-length sequences can use)",
+    )
     enable_prefix_caching: bool = _opt(
-        True, "reuse the KV of shared prompt prefixes (full blocks); --no-prefix-caching turns this automatic prefix "
-        "cache off", flag="--no-prefix-caching")
+        True,
+        "reuse the KV of shared prompt prefixes (full blocks); --no-prefix-caching turns this automatic prefix "
+        "cache off",
+        flag="--no-prefix-caching",
+    )
     kv_cache_dtype: str = _opt(
-        "auto", "KV-cache storage: auto = the model dtype; int8 = K/V as int8 with one fp32 scale per token and "
+        "auto",
+        "KV-cache storage: auto = the model dtype; int8 = K/V as int8 with one fp32 scale per token and "
         "head, (D + 4) / 2D of a bf16 cache at head_dim D, so about twice the tokens in the same budget",
-        choices=KV_CACHE_DTYPES)
+        choices=KV_CACHE_DTYPES,
+    )
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -263,13 +290,18 @@ class SchedulerConfig:
     max_num_seqs: int = _opt(64, "sequences decoded together")
     max_num_batched_tokens: int = _opt(2048, "token budget of one step; long prompts are prefilled in chunks of it")
     enable_chunked_prefill: bool = _opt(
-        True, "split long prompts across steps (False: a prompt must fit one step, so max_num_batched_tokens must "
-        "be >= max_model_len)", flag=None)
+        True,
+        "split long prompts across steps (False: a prompt must fit one step, so max_num_batched_tokens must "
+        "be >= max_model_len)",
+        flag=None,
+    )
     # Dynamic batch by input length (the seeds' policy): the running sequences' lengths, its own included.
     # None: only max_num_seqs and the KV blocks limit the batch.
     max_running_tokens: int | None = _opt(
-        None, "dynamic batch by input length: admit sequences only while their lengths sum to at most this many "
-        "tokens, so short inputs batch wider than long ones (default: off)")
+        None,
+        "dynamic batch by input length: admit sequences only while their lengths sum to at most this many "
+        "tokens, so short inputs batch wider than long ones (default: off)",
+    )
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0:
@@ -285,15 +317,20 @@ class QuantConfig:
     """Weight (and activation) quantization applied on the fly after loading; None keeps the model dtype."""
 
     quantization: str | None = _opt(
-        None, "quantize linear weights after loading: int8 per output channel (w8a16), int4 per group (w4a16), or "
+        None,
+        "quantize linear weights after loading: int8 per output channel (w8a16), int4 per group (w4a16), or "
         "int8 weights and dynamic per-token int8 activations (w8a8); norms, rotary and logits stay full precision "
-        "(default: none)", choices=QUANT_METHODS, see="Quantization")
+        "(default: none)",
+        choices=QUANT_METHODS,
+        see="Quantization",
+    )
     quant_group_size: int = _opt(128, "w4a16 group size along the input dim", choices=QUANT_GROUP_SIZES)
-    quant_symmetric: bool = _opt(
-        False, "w4a16: symmetric groups (-8..7) instead of [min, max] -> 0..15", flag=None)
+    quant_symmetric: bool = _opt(False, "w4a16: symmetric groups (-8..7) instead of [min, max] -> 0..15", flag=None)
     keep_fp: tuple[str, ...] = _opt(
-        ("lm_head",), 'layers left in full precision: fnmatch patterns or module prefixes (e.g. "model.layers.0.*")',
-        flag=None)
+        ("lm_head",),
+        'layers left in full precision: fnmatch patterns or module prefixes (e.g. "model.layers.0.*")',
+        flag=None,
+    )
 
     def __post_init__(self) -> None:
         _check_choices(self)
@@ -314,13 +351,18 @@ class QuantConfig:
 
 @dataclass(slots=True)
 class DeviceConfig:
-    device: str = _opt("auto", "where to run: auto prefers cuda, then npu, then cpu (from Python also with an "
-                       "index, e.g. cuda:1)", choices=DEVICES)
+    device: str = _opt(
+        "auto",
+        "where to run: auto prefers cuda, then npu, then cpu (from Python also with an index, e.g. cuda:1)",
+        choices=DEVICES,
+    )
 
     def __post_init__(self) -> None:
         kind, _, index = self.device.partition(":")
         if kind not in DEVICES or (index and (kind == "auto" or not index.isdigit())):
-            raise ValueError(f"device={self.device!r} is not one of {DEVICES} (optionally with an index, e.g. 'cuda:1')")
+            raise ValueError(
+                f"device={self.device!r} is not one of {DEVICES} (optionally with an index, e.g. 'cuda:1')"
+            )
 
 
 @dataclass(slots=True)
@@ -329,10 +371,13 @@ class ParallelConfig:
     gets each step's SchedulerOutput pickled over a pipe (the seam tensor parallel and Ray workers build on)."""
 
     distributed_executor_backend: str = _opt(
-        "uni", "where the model runs: uni = in this process; mp = in a worker process of its own, reached by each "
+        "uni",
+        "where the model runs: uni = in this process; mp = in a worker process of its own, reached by each "
         "step's pickled SchedulerOutput (spawned: a script that builds the engine keeps its top level under "
-        "`if __name__ == \"__main__\":`; start-up takes a few seconds more); the profile, eval and quantize tools "
-        "need uni", choices=EXECUTOR_BACKENDS)
+        '`if __name__ == "__main__":`; start-up takes a few seconds more); the profile, eval and quantize tools '
+        "need uni",
+        choices=EXECUTOR_BACKENDS,
+    )
 
     def __post_init__(self) -> None:
         _check_choices(self)
@@ -353,14 +398,20 @@ class LimitsConfig:
     max_stop_token_ids: int = _opt(256, "most stop_token_ids in one request")
     max_waiting: int = _opt(512, "sequences (a request counts n per prompt) queued before new requests get 429")
     max_request_share: float = _opt(
-        0.5, "largest share of --max-waiting that one request's sequences may take; a larger request is a 400")
+        0.5, "largest share of --max-waiting that one request's sequences may take; a larger request is a 400"
+    )
     request_timeout: float | None = _opt(
-        None, "seconds from arrival after which a request is aborted and answered with a timeout error (408) "
-        "(default: no deadline)")
+        None,
+        "seconds from arrival after which a request is aborted and answered with a timeout error (408) "
+        "(default: no deadline)",
+    )
     memory_limit: int | None = _opt(
-        None, "host-memory ceiling in bytes (suffixes K, M, G, Ki, Mi, Gi allowed); requests that would take the "
+        None,
+        "host-memory ceiling in bytes (suffixes K, M, G, Ki, Mi, Gi allowed); requests that would take the "
         "process past it are refused with 429 / 503 and Retry-After (default: 90% of the memory available at "
-        "start-up plus what the process holds, within any cgroup limit)", size=True)
+        "start-up plus what the process holds, within any cgroup limit)",
+        size=True,
+    )
 
     def __post_init__(self) -> None:
         for name in ("max_n", "max_prompts", "max_stop", "max_stop_len", "max_stop_token_ids", "max_waiting"):
@@ -382,8 +433,15 @@ class LimitsConfig:
 
 # The option groups, in the order the CLI flags and the README tables list them; EngineConfig.create maps each flat
 # option name to the group that declares it.
-OPTION_GROUPS = {"model": ModelConfig, "device": DeviceConfig, "scheduler": SchedulerConfig, "cache": CacheConfig,
-                 "quant": QuantConfig, "parallel": ParallelConfig, "limits": LimitsConfig}
+OPTION_GROUPS = {
+    "model": ModelConfig,
+    "device": DeviceConfig,
+    "scheduler": SchedulerConfig,
+    "cache": CacheConfig,
+    "quant": QuantConfig,
+    "parallel": ParallelConfig,
+    "limits": LimitsConfig,
+}
 
 
 def option_fields(*groups: str) -> list[Field]:
@@ -427,8 +485,10 @@ def _value_parser(f: Field):
     if f.metadata.get("size"):
         return _size_arg
     kind = str(f.type)
-    return next((parse for prefix, parse in (("int", int), ("float", float), ("tuple", _list_arg))
-                 if kind.startswith(prefix)), None)
+    return next(
+        (parse for prefix, parse in (("int", int), ("float", float), ("tuple", _list_arg)) if kind.startswith(prefix)),
+        None,
+    )
 
 
 def engine_option_kwargs(name: str, **overrides) -> dict:
@@ -454,11 +514,10 @@ def engine_option_kwargs(name: str, **overrides) -> dict:
 
 def parse_size(text: str) -> int:
     """'8G', '512Mi', '1000000' -> bytes (K/M/G are powers of 1000, Ki/Mi/Gi of 1024)."""
-    units = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
-             "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+    units = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
     s = str(text).strip().lower().removesuffix("b")
     number = s.rstrip("kmgti")
-    unit = s[len(number):]
+    unit = s[len(number) :]
     try:
         value = float(number)
     except ValueError:

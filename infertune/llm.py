@@ -48,9 +48,7 @@ class LLM:
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
-            raise ValueError(
-                f"prompts must be a string, a dict, or a list of them, not {type(prompts).__name__}"
-            )
+            raise ValueError(f"prompts must be a string, a dict, or a list of them, not {type(prompts).__name__}")
         prompts = list(prompts)
         if not prompts:
             return []
@@ -58,7 +56,9 @@ class LLM:
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         elif len(params) != len(prompts):
-            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; pass one, or one per prompt")
+            raise ValueError(
+                f"got {len(params)} SamplingParams for {len(prompts)} prompts; pass one, or one per prompt"
+            )
 
         results: dict[str, RequestOutput] = {}
         order: list[str] = []

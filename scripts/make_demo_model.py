@@ -132,9 +132,20 @@ CHAT_TEMPLATE = (
 # Files save_pretrained may write (in this or other transformers versions);
 # removed from --out before saving so the folder holds exactly one model.
 STALE_FILES = [
-    "config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
-    "pytorch_model.bin", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-    "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json", "README.md",
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+    "README.md",
 ]
 
 # Directories (path components) that hold tests, IDLE, or non-stdlib code.
@@ -274,14 +285,14 @@ def _fmt_bytes(n: int) -> str:
 def _row(name: str, rep: dict, key: str) -> str:
     speed = rep.get(f"{key}_speed") or {}
     tps = f"{speed['tokens_per_s']:.0f}" if "tokens_per_s" in speed else "n/a"
-    return f"| {name} | {rep[key + '_params']:,} | {rep[key + '_ppl']:.2f} | {math.log(rep[key + '_ppl']):.3f} | {tps} |"
+    return (
+        f"| {name} | {rep[key + '_params']:,} | {rep[key + '_ppl']:.2f} | {math.log(rep[key + '_ppl']):.3f} | {tps} |"
+    )
 
 
 def write_readme(out: Path, info: dict) -> None:
     files = "\n".join(f"| `{name}` | {size:,} |" for name, size in info["files"])
-    samples = "\n\n".join(
-        f"Prompt `{json.dumps(p)}`:\n\n```text\n{s}\n```" for p, s in info["samples"].items()
-    )
+    samples = "\n\n".join(f"Prompt `{json.dumps(p)}`:\n\n```text\n{s}\n```" for p, s in info["samples"].items())
     t, st = info["teacher"], info["student"]
     text = f"""# infertune demo model
 
@@ -417,11 +428,21 @@ def _shell(argv: list[str]) -> str:
 # --------------------------------------------------------------------------- #
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output folder (default: {DEFAULT_OUT.relative_to(REPO_ROOT)})")
-    ap.add_argument("--work", type=Path, default=REPO_ROOT / "build" / "demo-model",
-                    help="folder for the corpus, tokenizer, teacher and checkpoints (default: build/demo-model)")
-    ap.add_argument("--teacher-steps", type=int, default=TEACHER_STEPS, help=f"teacher steps (default: {TEACHER_STEPS})")
-    ap.add_argument("--student-steps", type=int, default=STUDENT_STEPS, help=f"student steps (default: {STUDENT_STEPS})")
+    ap.add_argument(
+        "--out", type=Path, default=DEFAULT_OUT, help=f"output folder (default: {DEFAULT_OUT.relative_to(REPO_ROOT)})"
+    )
+    ap.add_argument(
+        "--work",
+        type=Path,
+        default=REPO_ROOT / "build" / "demo-model",
+        help="folder for the corpus, tokenizer, teacher and checkpoints (default: build/demo-model)",
+    )
+    ap.add_argument(
+        "--teacher-steps", type=int, default=TEACHER_STEPS, help=f"teacher steps (default: {TEACHER_STEPS})"
+    )
+    ap.add_argument(
+        "--student-steps", type=int, default=STUDENT_STEPS, help=f"student steps (default: {STUDENT_STEPS})"
+    )
     ap.add_argument("--seed", type=int, default=0, help="seed for init and batch sampling (default: 0)")
     ap.add_argument("--resume", action="store_true", help="continue interrupted training from --work's checkpoints")
     args = ap.parse_args(argv)
@@ -438,8 +459,11 @@ def main(argv: list[str] | None = None) -> int:
     val_texts = [t for _, t in val_docs]
     train_bytes = sum(len(t.encode("utf-8")) for t in train_texts)
     val_bytes = sum(len(t.encode("utf-8")) for t in val_texts)
-    print(f"corpus: {stdlib}: {len(train_docs)} train files ({train_bytes / 1e6:.2f} MB), "
-          f"{len(val_docs)} val files ({val_bytes / 1e6:.2f} MB)", flush=True)
+    print(
+        f"corpus: {stdlib}: {len(train_docs)} train files ({train_bytes / 1e6:.2f} MB), "
+        f"{len(val_docs)} val files ({val_bytes / 1e6:.2f} MB)",
+        flush=True,
+    )
     for split, docs in (("train", train_docs), ("val", val_docs)):
         root = work / "corpus" / split
         if root.exists():
@@ -455,8 +479,11 @@ def main(argv: list[str] | None = None) -> int:
     eot_id = tok.token_to_id(EOT)
     train_tokens = encode_stream(tok, train_texts, eot_id).numel()
     val_tokens = encode_stream(tok, val_texts, eot_id).numel()
-    print(f"tokenizer: vocab {tok.get_vocab_size()}, {train_tokens:,} train tokens, {val_tokens:,} val tokens "
-          f"({train_bytes / train_tokens:.2f} bytes/token), {time.perf_counter() - t0:.0f}s", flush=True)
+    print(
+        f"tokenizer: vocab {tok.get_vocab_size()}, {train_tokens:,} train tokens, {val_tokens:,} val tokens "
+        f"({train_bytes / train_tokens:.2f} bytes/token), {time.perf_counter() - t0:.0f}s",
+        flush=True,
+    )
     probe = "def f(x):\n\treturn 'héllo wörld ✓ 🐍' + \"\\n\"  \r\n   # ünïcode\x00\n"
     assert tok.decode(tok.encode(probe).ids, skip_special_tokens=False) == probe, "byte-level round trip failed"
     tok_dir = work / "tokenizer"
@@ -475,16 +502,60 @@ def main(argv: list[str] | None = None) -> int:
     teacher_cfg.write_text(json.dumps(TEACHER_KW, indent=2) + "\n", encoding="utf-8")
 
     # 3. teacher, 4. student --------------------------------------------------------------
-    common = ["--data", str(work / "corpus" / "train"), "--val-data", str(work / "corpus" / "val"),
-              "--batch", str(BATCH_SIZE), "--seq-len", str(SEQ_LEN), "--seed", str(args.seed),
-              "--eval-windows", str(MAX_VAL_SEQS), "--threads", str(THREADS), "--save-every", "100"]
+    common = [
+        "--data",
+        str(work / "corpus" / "train"),
+        "--val-data",
+        str(work / "corpus" / "val"),
+        "--batch",
+        str(BATCH_SIZE),
+        "--seq-len",
+        str(SEQ_LEN),
+        "--seed",
+        str(args.seed),
+        "--eval-windows",
+        str(MAX_VAL_SEQS),
+        "--threads",
+        str(THREADS),
+        "--save-every",
+        "100",
+    ]
     resume = ["--resume"] if args.resume else []
-    train_argv = ["train", "--tokenizer", str(tok_dir), "--model-config", str(teacher_cfg), *common,
-                  "--steps", str(args.teacher_steps), "--lr", str(TEACHER_LR), "--out", str(work / "teacher"), *resume]
+    train_argv = [
+        "train",
+        "--tokenizer",
+        str(tok_dir),
+        "--model-config",
+        str(teacher_cfg),
+        *common,
+        "--steps",
+        str(args.teacher_steps),
+        "--lr",
+        str(TEACHER_LR),
+        "--out",
+        str(work / "teacher"),
+        *resume,
+    ]
     teacher_rep = _run_tool(train_argv)
-    distill_argv = ["distill", "--teacher", str(work / "teacher"), "--student-config", "small", *common,
-                    "--temperature", str(TEMPERATURE), "--alpha", str(ALPHA),
-                    "--steps", str(args.student_steps), "--lr", str(STUDENT_LR), "--out", str(work / "student"), *resume]
+    distill_argv = [
+        "distill",
+        "--teacher",
+        str(work / "teacher"),
+        "--student-config",
+        "small",
+        *common,
+        "--temperature",
+        str(TEMPERATURE),
+        "--alpha",
+        str(ALPHA),
+        "--steps",
+        str(args.student_steps),
+        "--lr",
+        str(STUDENT_LR),
+        "--out",
+        str(work / "student"),
+        *resume,
+    ]
     student_rep = _run_tool(distill_argv)
 
     # 5. ship the student ---------------------------------------------------------------------
@@ -502,7 +573,8 @@ def main(argv: list[str] | None = None) -> int:
     assert tok2.decode(tok2(probe).input_ids) == probe, "reloaded tokenizer does not round-trip"
     chat = tok2.apply_chat_template(
         [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}, {"role": "assistant", "content": "A"}],
-        tokenize=False, add_generation_prompt=True,
+        tokenize=False,
+        add_generation_prompt=True,
     )
     assert chat == "<|system|>\nS<|end|>\n<|user|>\nU<|end|>\n<|assistant|>\nA<|end|>\n<|assistant|>\n", repr(chat)
     n_params = sum(p.numel() for p in model2.parameters())
@@ -513,11 +585,17 @@ def main(argv: list[str] | None = None) -> int:
     samples = {}
     for prompt in SAMPLE_PROMPTS + EXTRA_SAMPLE_PROMPTS:
         samples[prompt] = greedy(model2, tok2, prompt)
-        ours = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=SAMPLE_NEW_TOKENS, ignore_eos=True),
-                            use_tqdm=False)[0].outputs[0].token_ids
+        ours = (
+            llm.generate(
+                prompt, SamplingParams(temperature=0, max_tokens=SAMPLE_NEW_TOKENS, ignore_eos=True), use_tqdm=False
+            )[0]
+            .outputs[0]
+            .token_ids
+        )
         hf_ids = tok2(prompt).input_ids
-        ref = model2.generate(torch.tensor([hf_ids]), max_new_tokens=SAMPLE_NEW_TOKENS, do_sample=False,
-                              min_new_tokens=SAMPLE_NEW_TOKENS)[0, len(hf_ids):].tolist()
+        ref = model2.generate(
+            torch.tensor([hf_ids]), max_new_tokens=SAMPLE_NEW_TOKENS, do_sample=False, min_new_tokens=SAMPLE_NEW_TOKENS
+        )[0, len(hf_ids) :].tolist()
         assert list(ours) == ref, f"infertune and transformers disagree on {prompt!r}"
         if prompt in SAMPLE_PROMPTS:
             print(f"--- greedy sample, prompt {prompt!r}:\n{samples[prompt]}\n---", flush=True)
@@ -537,28 +615,58 @@ def main(argv: list[str] | None = None) -> int:
         cmd_args += ["--student-steps", str(args.student_steps)]
     if args.seed != 0:
         cmd_args += ["--seed", str(args.seed)]
-    table = {"teacher_params": teacher_rep["student_parameters"], "teacher_ppl": student_rep["teacher_ppl"],
-             "teacher_speed": student_rep.get("teacher_speed"),
-             "student_params": student_rep["student_parameters"], "student_ppl": student_rep["student_ppl"],
-             "student_speed": student_rep.get("student_speed")}
+    table = {
+        "teacher_params": teacher_rep["student_parameters"],
+        "teacher_ppl": student_rep["teacher_ppl"],
+        "teacher_speed": student_rep.get("teacher_speed"),
+        "student_params": student_rep["student_parameters"],
+        "student_ppl": student_rep["student_ppl"],
+        "student_speed": student_rep.get("student_speed"),
+    }
+
     def rel(p):
         return os.path.relpath(p, REPO_ROOT) if str(p).startswith(str(REPO_ROOT)) else str(p)
 
-    write_readme(out, dict(
-        transformers=transformers.__version__, tokenizers=tokenizers.__version__, torch=torch.__version__,
-        python=platform.python_version(), machine=_cpu_name(), n_params=n_params, eot_id=eot_id, seed=args.seed,
-        n_train_files=len(train_docs), n_val_files=len(val_docs), train_bytes=train_bytes, val_bytes=val_bytes,
-        train_tokens=train_tokens, val_tokens=val_tokens, teacher=teacher_rep, student=student_rep, table=table,
-        samples=samples, files=files, total_bytes=total_bytes, command=" ".join(cmd_args),
-        total_seconds=time.perf_counter() - t_start,
-        train_command=_shell([rel(a) for a in train_argv]),
-        distill_command=_shell([rel(a) for a in distill_argv]),
-    ))
+    write_readme(
+        out,
+        dict(
+            transformers=transformers.__version__,
+            tokenizers=tokenizers.__version__,
+            torch=torch.__version__,
+            python=platform.python_version(),
+            machine=_cpu_name(),
+            n_params=n_params,
+            eot_id=eot_id,
+            seed=args.seed,
+            n_train_files=len(train_docs),
+            n_val_files=len(val_docs),
+            train_bytes=train_bytes,
+            val_bytes=val_bytes,
+            train_tokens=train_tokens,
+            val_tokens=val_tokens,
+            teacher=teacher_rep,
+            student=student_rep,
+            table=table,
+            samples=samples,
+            files=files,
+            total_bytes=total_bytes,
+            command=" ".join(cmd_args),
+            total_seconds=time.perf_counter() - t_start,
+            train_command=_shell([rel(a) for a in train_argv]),
+            distill_command=_shell([rel(a) for a in distill_argv]),
+        ),
+    )
     sha = hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest()
-    print(f"held-out perplexity: teacher {table['teacher_ppl']:.2f}, student {table['student_ppl']:.2f} "
-          f"(uniform {VOCAB_SIZE})", flush=True)
-    print(f"wrote {out} ({(total_bytes + (out / 'README.md').stat().st_size) / 1e6:.2f} MB); "
-          f"model.safetensors sha256 {sha[:16]}; total {time.perf_counter() - t_start:.0f}s", flush=True)
+    print(
+        f"held-out perplexity: teacher {table['teacher_ppl']:.2f}, student {table['student_ppl']:.2f} "
+        f"(uniform {VOCAB_SIZE})",
+        flush=True,
+    )
+    print(
+        f"wrote {out} ({(total_bytes + (out / 'README.md').stat().st_size) / 1e6:.2f} MB); "
+        f"model.safetensors sha256 {sha[:16]}; total {time.perf_counter() - t_start:.0f}s",
+        flush=True,
+    )
     return 0
 
 

@@ -31,8 +31,14 @@ def make_tokenizer():
     return fast
 
 
-def make_checkpoint(path: Path, arch: str = "llama", seed: int = 0, shard_size: str | None = None,
-                    dtype: torch.dtype = torch.float32, **overrides) -> Path:
+def make_checkpoint(
+    path: Path,
+    arch: str = "llama",
+    seed: int = 0,
+    shard_size: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    **overrides,
+) -> Path:
     """Save a tiny random model of the given family (plus tokenizer) to path and return path."""
     from transformers import (
         LlamaConfig,
@@ -45,9 +51,18 @@ def make_checkpoint(path: Path, arch: str = "llama", seed: int = 0, shard_size: 
 
     tok = make_tokenizer()
     base = dict(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0,
-        tie_word_embeddings=False, eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id,
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.eos_token_id,
     )
     base.update(overrides)
     cfg_cls, model_cls = {

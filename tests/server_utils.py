@@ -66,7 +66,6 @@ def metric(url: str, name: str, default: float | None = None) -> float:
     raise KeyError(name)
 
 
-
 def wait_until(predicate, timeout: float = 15.0) -> bool:
     """Poll predicate every 50 ms until it holds or timeout passes; its last value."""
     deadline = time.time() + timeout
@@ -97,9 +96,29 @@ class ServerProcess:
     def __init__(self, model, *flags: str, grace: float = 10.0) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.args = [sys.executable, "-m", "infertune.cli", "serve", "--model", str(model), "--port", str(self.port),
-                     "--served-model-name", MODEL, "--dtype", "float32", "--max-model-len", str(MAX_LEN),
-                     "--block-size", "4", "--max-num-seqs", "16", "--graceful-timeout", str(grace), *flags]
+        self.args = [
+            sys.executable,
+            "-m",
+            "infertune.cli",
+            "serve",
+            "--model",
+            str(model),
+            "--port",
+            str(self.port),
+            "--served-model-name",
+            MODEL,
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            str(MAX_LEN),
+            "--block-size",
+            "4",
+            "--max-num-seqs",
+            "16",
+            "--graceful-timeout",
+            str(grace),
+            *flags,
+        ]
         self.proc: subprocess.Popen | None = None
         self.log = ""
 

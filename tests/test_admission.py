@@ -39,8 +39,10 @@ def test_n_copies_that_the_kv_cache_cannot_hold_at_once_never_fit():
     assert a.cost([7], [9], n=5, logprobs=None).seqs == 5  # 5 x ceil(16 / 4) = 20 blocks: exactly the cache
     with pytest.raises(NeverFits) as e:
         a.cost([7], [10], n=5, logprobs=None)  # 5 x ceil(17 / 4) = 25 blocks
-    assert all(s in str(e.value) for s in ("n=5", "prompt 7", "max_tokens 10", "25 KV-cache blocks", "holds 20",
-                                           "5 sequences side by side"))
+    assert all(
+        s in str(e.value)
+        for s in ("n=5", "prompt 7", "max_tokens 10", "25 KV-cache blocks", "holds 20", "5 sequences side by side")
+    )
     with pytest.raises(NeverFits) as e:
         a.cost([50], [31], n=1, logprobs=None)  # one sequence of 81 tokens: 21 blocks
     assert e.value.param == "max_tokens"
@@ -91,8 +93,14 @@ def test_reserve_queue_memory_and_rss_refusals_and_release():
 def test_limits_config_validates_and_sizes_parse():
     assert LimitsConfig().max_seqs_per_request == 256
     assert LimitsConfig(max_waiting=1, max_request_share=0.1).max_seqs_per_request == 1
-    for bad in (dict(max_n=0), dict(max_request_share=0.0), dict(max_request_share=1.5), dict(request_timeout=0),
-                dict(memory_limit=-1), dict(max_waiting=2.5)):
+    for bad in (
+        dict(max_n=0),
+        dict(max_request_share=0.0),
+        dict(max_request_share=1.5),
+        dict(request_timeout=0),
+        dict(memory_limit=-1),
+        dict(max_waiting=2.5),
+    ):
         with pytest.raises(ValueError, match=next(iter(bad))):
             LimitsConfig(**bad)
     assert parse_size("1000000") == 10**6
@@ -119,9 +127,11 @@ def test_measured_host_cost_matches_what_a_real_request_holds(tiny_llama):
         tracemalloc.start()
         try:
             before = tracemalloc.get_traced_memory()[0]
-            engine.add_request("r", {"prompt_token_ids": prompt},
-                               SamplingParams(n=n, max_tokens=max_tokens, logprobs=logprobs, ignore_eos=True,
-                                              temperature=1.0, seed=1))
+            engine.add_request(
+                "r",
+                {"prompt_token_ids": prompt},
+                SamplingParams(n=n, max_tokens=max_tokens, logprobs=logprobs, ignore_eos=True, temperature=1.0, seed=1),
+            )
             peak, final = 0, None
             while engine.has_unfinished_requests():
                 for out in engine.step():

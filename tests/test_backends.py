@@ -57,7 +57,6 @@ def test_backends_name_their_distributed_backend():
     assert (CPUBackend.dist_backend, CUDABackend.dist_backend, NPUBackend.dist_backend) == ("gloo", "nccl", "hccl")
 
 
-
 _LAYER_PATTERN = """
 import resource, sys, torch
 from infertune.backends.cpu import CPUBackend
@@ -84,10 +83,12 @@ def test_cpu_backend_keeps_freed_host_memory_for_the_next_step():
     or two (usually nothing).
     With malloc left alone (INFERTUNE_KEEP_HOST_MEMORY=0) glibc maps the 38 MiB block afresh every time (~9,700
     faults of 4 KiB a layer)."""
+
     def run(keep: str) -> tuple[str, int]:
         env = {**os.environ, "INFERTUNE_KEEP_HOST_MEMORY": keep}
-        out = subprocess.run([sys.executable, "-c", _LAYER_PATTERN], env=env, capture_output=True, text=True,
-                             check=True).stdout.splitlines()
+        out = subprocess.run(
+            [sys.executable, "-c", _LAYER_PATTERN], env=env, capture_output=True, text=True, check=True
+        ).stdout.splitlines()
         return out[0], int(out[1])
 
     done, faults = run("1")

@@ -72,11 +72,13 @@ def test_gguf_export_reads_back(tmp_path):
 
     assert torch.equal(back("token_embd.weight").float(), hf["model.embed_tokens.weight"].float())
     q = back("blk.1.attn_q.weight").float()
-    assert torch.equal(q, peers._permute_rows(hf["model.layers.1.self_attn.q_proj.weight"].float(),
-                                              cfg["num_attention_heads"]))
+    assert torch.equal(
+        q, peers._permute_rows(hf["model.layers.1.self_attn.q_proj.weight"].float(), cfg["num_attention_heads"])
+    )
     k = back("blk.0.attn_k.weight").float()
-    assert torch.equal(k, peers._permute_rows(hf["model.layers.0.self_attn.k_proj.weight"].float(),
-                                              cfg["num_key_value_heads"]))
+    assert torch.equal(
+        k, peers._permute_rows(hf["model.layers.0.self_attn.k_proj.weight"].float(), cfg["num_key_value_heads"])
+    )
     assert torch.equal(back("blk.0.ffn_down.weight").float(), hf["model.layers.0.mlp.down_proj.weight"].float())
     assert back("blk.0.attn_norm.weight").dtype == torch.float32
     fields = reader.fields
@@ -106,10 +108,31 @@ def test_bench_reports_missing_peers_as_skipped_and_compares_eager(tmp_path, mon
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # as if llama-cpp-python were not installed
     monkeypatch.delenv("INFERTUNE_VLLM_PYTHON", raising=False)
     model = make_checkpoint(tmp_path / "m", "llama", dtype=torch.bfloat16)
-    rc = offline.main(["--model", str(model), "--input-len", "6", "--output-len", "3", "--batch", "1",
-                       "--repeats", "1", "--probe-gib", "0", "--systems", "infertune-eager",
-                       "--baseline", "llama.cpp", "--baseline", "vllm", "--json", str(tmp_path / "r.json"),
-                       *(["--plot", str(tmp_path / "r.png")] if has_matplotlib else [])])
+    rc = offline.main(
+        [
+            "--model",
+            str(model),
+            "--input-len",
+            "6",
+            "--output-len",
+            "3",
+            "--batch",
+            "1",
+            "--repeats",
+            "1",
+            "--probe-gib",
+            "0",
+            "--systems",
+            "infertune-eager",
+            "--baseline",
+            "llama.cpp",
+            "--baseline",
+            "vllm",
+            "--json",
+            str(tmp_path / "r.json"),
+            *(["--plot", str(tmp_path / "r.png")] if has_matplotlib else []),
+        ]
+    )
     assert rc == 0  # a peer that is not installed is skipped, not a failure
     doc = json.loads((tmp_path / "r.json").read_text())
     if has_matplotlib:  # the plot draws the medians of the JSON, skipped peers left out
@@ -128,7 +151,6 @@ def test_bench_reports_missing_peers_as_skipped_and_compares_eager(tmp_path, mon
     assert "| llama.cpp BF16 | 1 | skipped:" in out and "infertune (compile off)" in out
 
 
-
 def test_rounds_alternate_the_order_and_report_each_rounds_ratios(tmp_path, capsys):
     """--rounds 2: every worker runs twice, the systems in reverse order in the second round; the medians are
     those of both rounds' runs together, and each round's ratio is that round's medians divided."""
@@ -137,14 +159,37 @@ def test_rounds_alternate_the_order_and_report_each_rounds_ratios(tmp_path, caps
     from infertune.bench import offline
 
     model = make_checkpoint(tmp_path / "m", "llama", dtype=torch.bfloat16)
-    rc = offline.main(["--model", str(model), "--input-len", "6", "--output-len", "3", "--batch", "1",
-                       "--repeats", "2", "--rounds", "2", "--probe-gib", "0", "--systems", "infertune,infertune-bf16",
-                       "--json", str(tmp_path / "r.json")])
+    rc = offline.main(
+        [
+            "--model",
+            str(model),
+            "--input-len",
+            "6",
+            "--output-len",
+            "3",
+            "--batch",
+            "1",
+            "--repeats",
+            "2",
+            "--rounds",
+            "2",
+            "--probe-gib",
+            "0",
+            "--systems",
+            "infertune,infertune-bf16",
+            "--json",
+            str(tmp_path / "r.json"),
+        ]
+    )
     assert rc == 0
     captured = capsys.readouterr()
     started = [line.split("starting worker ")[1] for line in captured.err.splitlines() if "starting worker" in line]
-    assert started == ["infertune b1 (round 1/2)", "infertune-bf16 b1 (round 1/2)",
-                       "infertune-bf16 b1 (round 2/2)", "infertune b1 (round 2/2)"]
+    assert started == [
+        "infertune b1 (round 1/2)",
+        "infertune-bf16 b1 (round 1/2)",
+        "infertune-bf16 b1 (round 2/2)",
+        "infertune b1 (round 2/2)",
+    ]
     doc = json.loads((tmp_path / "r.json").read_text())
     assert doc["workload"]["rounds"] == 2
     by = {r["system"]: r for r in doc["results"]}
@@ -152,7 +197,9 @@ def test_rounds_alternate_the_order_and_report_each_rounds_ratios(tmp_path, caps
         assert [run["round"] for run in r["runs"]] == [0, 0, 1, 1] and len(r["rounds"]) == 2
         assert r["median"]["ttft_s"] == statistics.median(run["ttft_s"] for run in r["runs"])
         for i in (0, 1):
-            assert r["rounds"][i]["ttft_s"] == statistics.median(run["ttft_s"] for run in r["runs"] if run["round"] == i)
+            assert r["rounds"][i]["ttft_s"] == statistics.median(
+                run["ttft_s"] for run in r["runs"] if run["round"] == i
+            )
     (row,) = [x for x in doc["ratios"] if x["system"] == "infertune" and x["peer"] == "infertune-bf16"]
     a, b = by["infertune"], by["infertune-bf16"]
     assert row["per_round"]["ttft_s"] == [a["rounds"][i]["ttft_s"] / b["rounds"][i]["ttft_s"] for i in (0, 1)]
@@ -167,8 +214,13 @@ def test_plot_series_takes_each_systems_medians_and_leaves_out_what_did_not_run(
     def ran(system, batch, tok):
         return dict(system=system, batch=batch, median=dict(output_tok_s=tok, decode_tok_s=2 * tok, ttft_s=1 / tok))
 
-    results = [ran("infertune", 1, 40.0), ran("hf", 1, 10.0), dict(system="vllm", batch=1, skipped="not installed"),
-               ran("infertune", 16, 300.0), dict(system="hf", batch=16, error="out of memory")]
+    results = [
+        ran("infertune", 1, 40.0),
+        ran("hf", 1, 10.0),
+        dict(system="vllm", batch=1, skipped="not installed"),
+        ran("infertune", 16, 300.0),
+        dict(system="hf", batch=16, error="out of memory"),
+    ]
     labels, batches, series = offline.plot_series(results)
     assert labels == ["infertune", "HF transformers"] and batches == [1, 16]
     assert series["output_tok_s"] == {1: [40.0, 10.0], 16: [300.0, None]}
@@ -183,9 +235,19 @@ def test_random_presets_build_their_family_and_vocabulary(tmp_path, monkeypatch)
     from infertune import LLM
     from infertune.bench import offline_models
 
-    monkeypatch.setitem(offline_models.PRESETS, "tiny-qwen2", dict(
-        family="qwen2", hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=128, vocab_size=70000))
+    monkeypatch.setitem(
+        offline_models.PRESETS,
+        "tiny-qwen2",
+        dict(
+            family="qwen2",
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=128,
+            vocab_size=70000,
+        ),
+    )
     out = offline_models.ensure_model("tiny-qwen2", tmp_path)
     assert out.name.startswith("qwen2-tiny-qwen2-")
     cfg = json.loads((out / "config.json").read_text())
@@ -211,12 +273,22 @@ def test_vllm_peer_gets_the_workers_prompts_and_reads_its_marked_line(tmp_path, 
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"vocab_size": 50}))
     fake = tmp_path / "python"  # stands in for the vLLM venv's interpreter: echoes the job back
-    fake.write_text(f"#!{sys.executable}\nimport json, sys\njob = json.load(open(sys.argv[2]))\nprint('noise')\n"
-                    f"print({RESULT_MARKER!r} + json.dumps(dict(system='vllm', job=job)))\n")
+    fake.write_text(
+        f"#!{sys.executable}\nimport json, sys\njob = json.load(open(sys.argv[2]))\nprint('noise')\n"
+        f"print({RESULT_MARKER!r} + json.dumps(dict(system='vllm', job=job)))\n"
+    )
     fake.chmod(0o755)
     monkeypatch.setenv("LD_PRELOAD", "")
-    args = argparse.Namespace(vllm_python=str(fake), dtype="float32", input_len=3, output_len=2, repeats=2,
-                              threads=1, seed=7, worker_timeout=60)
+    args = argparse.Namespace(
+        vllm_python=str(fake),
+        dtype="float32",
+        input_len=3,
+        output_len=2,
+        repeats=2,
+        threads=1,
+        seed=7,
+        worker_timeout=60,
+    )
     res = peers.spawn_vllm(args, model, 2)
     assert res["job"]["prompts"] == {str(r): make_prompts(7, 2, r, 3, 50) for r in (-1, 0, 1)}
     assert res["job"]["batch"] == 2 and res["worker_wall_s"] > 0
@@ -240,7 +312,7 @@ def test_llama_cpp_worker_process_reports_through_the_shared_marker(tmp_path, mo
     assert offline_workers.run_worker(args) == 0
     line = capsys.readouterr().out.strip()
     assert line.startswith(RESULT_MARKER)
-    result = json.loads(line[len(RESULT_MARKER):])
+    result = json.loads(line[len(RESULT_MARKER) :])
     assert seen == [("llama.cpp-q8_0", tmp_path, 3)]
     assert (result["system"], result["batch"], result["torch_threads"]) == ("llama.cpp-q8_0", 3, 2)
     assert result["peak_rss_mib"] > 0 and result["rss_end_mib"] > 0

@@ -47,9 +47,18 @@ def test_summarize_known_list():
 
 
 def _result(i, ttft, latency, out, ok=True, itl=(), prompt_tokens=None, prompt_len=10):
-    return sl.RequestResult(index=i, success=ok, ttft=ttft, latency=latency, output_tokens=out, itl=list(itl),
-                            prompt_tokens=prompt_tokens, prompt_len=prompt_len, usage_reported=ok,
-                            error=None if ok else "HTTP 500: boom")
+    return sl.RequestResult(
+        index=i,
+        success=ok,
+        ttft=ttft,
+        latency=latency,
+        output_tokens=out,
+        itl=list(itl),
+        prompt_tokens=prompt_tokens,
+        prompt_len=prompt_len,
+        usage_reported=ok,
+        error=None if ok else "HTTP 500: boom",
+    )
 
 
 def test_summarize_results_exact():
@@ -148,7 +157,7 @@ def _decode(pieces):
 
 def test_sse_decoder_any_split():
     assert _decode([RECORDED]) == EXPECTED
-    assert _decode([RECORDED[i:i + 1] for i in range(len(RECORDED))]) == EXPECTED  # byte by byte
+    assert _decode([RECORDED[i : i + 1] for i in range(len(RECORDED))]) == EXPECTED  # byte by byte
     for cut in range(1, len(RECORDED)):  # every single cut: inside "\r\n", inside the UTF-8 of é and 😀, ...
         assert _decode([RECORDED[:cut], RECORDED[cut:]]) == EXPECTED, cut
     for a in range(1, len(RECORDED), 5):
@@ -181,8 +190,14 @@ def test_load_jsonl_both_shapes(tmp_path):
     records = [
         {"prompt": "hello there", "output_len": 7},
         {"prompt": "no length given"},
-        {"conversations": [{"from": "system", "value": "be nice"}, {"from": "human", "value": "question one"},
-                           {"from": "gpt", "value": "x" * 40}, {"from": "human", "value": "later"}]},
+        {
+            "conversations": [
+                {"from": "system", "value": "be nice"},
+                {"from": "human", "value": "question one"},
+                {"from": "gpt", "value": "x" * 40},
+                {"from": "human", "value": "later"},
+            ]
+        },
         {"conversations": [{"role": "user", "content": "q2"}, {"role": "assistant", "content": "abcdefgh"}]},
         {"conversations": [{"from": "gpt", "value": "an answer with no question"}]},  # skipped
         {"other": 1},  # skipped
@@ -190,12 +205,14 @@ def test_load_jsonl_both_shapes(tmp_path):
     path.write_text("\n".join(json.dumps(r) for r in records) + "\n\n")
     specs = sl.load_dataset(str(path), 4, input_len=99, output_len=5, seed=0)
     got = sorted((s.prompt, s.prompt_len, s.output_len) for s in specs)
-    assert got == sorted([
-        ("hello there", 3, 7),  # 11 chars -> ~3 tokens
-        ("no length given", 4, 5),  # --output-len
-        ("question one", 3, 10),  # 40-char answer -> ~10 tokens
-        ("q2", 1, 2),
-    ])
+    assert got == sorted(
+        [
+            ("hello there", 3, 7),  # 11 chars -> ~3 tokens
+            ("no length given", 4, 5),  # --output-len
+            ("question one", 3, 10),  # 40-char answer -> ~10 tokens
+            ("q2", 1, 2),
+        ]
+    )
     assert [s.prompt for s in specs] == [s.prompt for s in sl.load_dataset(str(path), 4, 99, 5, seed=0)]
     # more prompts than records: cycled; an exact tokenizer replaces the estimate
     specs = sl.load_dataset(str(path), 9, 99, 5, seed=1, count_tokens=lambda t: len(t.split()))
@@ -230,8 +247,14 @@ def test_random_prompts():
 def test_payload_and_urls():
     spec = sl.PromptSpec("hi", 1, 4)
     body = sl.build_payload("completions", "m", spec)
-    assert body == {"model": "m", "prompt": "hi", "max_tokens": 4, "stream": True,
-                    "stream_options": {"include_usage": True}, "ignore_eos": True}
+    assert body == {
+        "model": "m",
+        "prompt": "hi",
+        "max_tokens": 4,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
     chat = sl.build_payload("chat", "m", spec, ignore_eos=False, temperature=0.0)
     assert chat["messages"] == [{"role": "user", "content": "hi"}] and "ignore_eos" not in chat
     assert chat["max_completion_tokens"] == 4 and chat["temperature"] == 0.0
@@ -248,7 +271,14 @@ def _args(*argv):
 def test_argument_defaults():
     a = _args()
     assert (a.url, a.endpoint, a.model, a.dataset, a.input_len, a.output_len, a.num_prompts) == (
-        "http://127.0.0.1:8000", "completions", None, "random", 128, 128, 100)
+        "http://127.0.0.1:8000",
+        "completions",
+        None,
+        "random",
+        128,
+        128,
+        100,
+    )
     assert math.isinf(a.request_rate) and a.ignore_eos and a.max_concurrency is None and a.seed == 0
     assert _args("--request-rate", "2.5", "--no-ignore-eos").request_rate == 2.5
     with pytest.raises(SystemExit):
@@ -291,8 +321,11 @@ def _fake_app():
         usage = (body.get("stream_options") or {}).get("include_usage") and "NOUSAGE" not in prompt
 
         def chunk(text, finish=None):
-            choice = ({"index": 0, "delta": {"content": text} if text else {}, "finish_reason": finish} if chat
-                      else {"index": 0, "text": text, "finish_reason": finish})
+            choice = (
+                {"index": 0, "delta": {"content": text} if text else {}, "finish_reason": finish}
+                if chat
+                else {"index": 0, "text": text, "finish_reason": finish}
+            )
             return sse({"id": "x", "object": "chunk", "choices": [choice]})
 
         async def events():
@@ -309,8 +342,16 @@ def _fake_app():
                     yield chunk(f"t{i} ")
                 yield chunk("", "length")
                 if usage:
-                    yield sse({"choices": [], "usage": {"prompt_tokens": len(prompt.split()), "completion_tokens": n,
-                                                        "total_tokens": len(prompt.split()) + n}})
+                    yield sse(
+                        {
+                            "choices": [],
+                            "usage": {
+                                "prompt_tokens": len(prompt.split()),
+                                "completion_tokens": n,
+                                "total_tokens": len(prompt.split()) + n,
+                            },
+                        }
+                    )
                 yield "data: [DONE]\n\n"
             finally:
                 app.state.in_flight -= 1
@@ -366,8 +407,21 @@ def test_run_completions_with_failures(fake_server, tmp_path, capsys):
     ]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "res" / "out.json"
-    args = _args("--url", url + "/v1", "--model", "fake-model", "--dataset", str(data), "--num-prompts", "7",
-                 "--json", str(out), "--no-progress", "--timeout", "30")
+    args = _args(
+        "--url",
+        url + "/v1",
+        "--model",
+        "fake-model",
+        "--dataset",
+        str(data),
+        "--num-prompts",
+        "7",
+        "--json",
+        str(out),
+        "--no-progress",
+        "--timeout",
+        "30",
+    )
     assert sl.run(args) == 0
     report = capsys.readouterr().out
     assert "Successful requests:" in report and "HTTP 500" in report
@@ -408,9 +462,31 @@ def test_run_chat_discovers_model_limits_concurrency(fake_server, tmp_path, caps
     app.state.auth.clear()
     app.state.max_in_flight = 0
     out = tmp_path / "chat.json"
-    args = _args("--url", url, "--endpoint", "chat", "--api-key", API_KEY, "--num-prompts", "6", "--input-len", "8",
-                 "--output-len", "3", "--request-rate", "200", "--max-concurrency", "2", "--slo-ttft-ms", "5000",
-                 "--slo-tpot-ms", "5000", "--json", str(out), "--no-progress")
+    args = _args(
+        "--url",
+        url,
+        "--endpoint",
+        "chat",
+        "--api-key",
+        API_KEY,
+        "--num-prompts",
+        "6",
+        "--input-len",
+        "8",
+        "--output-len",
+        "3",
+        "--request-rate",
+        "200",
+        "--max-concurrency",
+        "2",
+        "--slo-ttft-ms",
+        "5000",
+        "--slo-tpot-ms",
+        "5000",
+        "--json",
+        str(out),
+        "--no-progress",
+    )
     assert sl.run(args) == 0
     s = json.loads(out.read_text())["summary"]
     assert (s["completed"], s["failed"], s["total_output_tokens"], s["total_input_tokens"]) == (6, 0, 18, 48)
@@ -428,8 +504,21 @@ def test_run_unreachable_server(capsys):
     sock.bind(("127.0.0.1", 0))
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     sock.close()  # nothing listens there now
-    args = _args("--url", url, "--model", "m", "--num-prompts", "3", "--input-len", "4", "--output-len", "2",
-                 "--no-progress", "--timeout", "5")
+    args = _args(
+        "--url",
+        url,
+        "--model",
+        "m",
+        "--num-prompts",
+        "3",
+        "--input-len",
+        "4",
+        "--output-len",
+        "2",
+        "--no-progress",
+        "--timeout",
+        "5",
+    )
     assert sl.run(args) == 1  # every request failed, but the run finished and reported it
     assert "ConnectError" in capsys.readouterr().out
     assert sl.run(_args("--url", url, "--num-prompts", "1", "--no-progress")) == 2  # cannot ask for the model

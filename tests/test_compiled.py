@@ -30,8 +30,9 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def compiled(ckpt):
-    return LLM(str(ckpt[0]), dtype="float32", block_size=BLOCK, max_model_len=96, compile="on",
-               max_num_batched_tokens=16)
+    return LLM(
+        str(ckpt[0]), dtype="float32", block_size=BLOCK, max_model_len=96, compile="on", max_num_batched_tokens=16
+    )
 
 
 def _prompts(vocab: int) -> list[list[int]]:
@@ -60,8 +61,9 @@ def test_compiled_greedy_matches_eager_and_serving_never_compiles(ckpt, compiled
     graphs_before = dyn.counters["stats"]["unique_graphs"]
     out_c = compiled.generate(prompts, params, use_tqdm=False)
     assert dyn.counters["stats"]["unique_graphs"] == graphs_before, "a request triggered a compile"
-    eager = LLM(str(path), dtype="float32", block_size=BLOCK, max_model_len=96, compile="off",
-                max_num_batched_tokens=16)
+    eager = LLM(
+        str(path), dtype="float32", block_size=BLOCK, max_model_len=96, compile="off", max_num_batched_tokens=16
+    )
     assert _runner(eager).compiled is None
     out_e = eager.generate(prompts, params, use_tqdm=False)
     for c, e, n in zip(out_c, out_e, (3, 9, 14, 20, 6)):

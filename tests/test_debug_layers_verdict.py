@@ -40,7 +40,9 @@ def planted(base, dest, tensor: str, index: tuple, value: float):
     weights[tensor][index] = value
     save_file(weights, path, metadata={"format": "pt"})
     stored = load_file(path)[tensor][index]
-    assert stored.isnan().item() if math.isnan(value) else stored.item() == torch.tensor(value, dtype=stored.dtype).item()
+    assert (
+        stored.isnan().item() if math.isnan(value) else stored.item() == torch.tensor(value, dtype=stored.dtype).item()
+    )
     return dest
 
 
@@ -86,16 +88,19 @@ def test_a_non_finite_weight_in_the_checkpoint_is_blamed_on_the_checkpoint(base,
 
 
 def test_an_inf_in_the_model_under_test_only_is_blamed_on_the_run(base):
-    report = debug_layers.debug_layers(str(base), PROMPT_IDS, dtype="bfloat16",
-                                       perturb=debug_layers.plant_nan(CULPRIT, float("inf")))
+    report = debug_layers.debug_layers(
+        str(base), PROMPT_IDS, dtype="bfloat16", perturb=debug_layers.plant_nan(CULPRIT, float("inf"))
+    )
     at = [m.module for m in report.modules].index(CULPRIT)
     assert report.first_divergent == {"module": CULPRIT, "index": at, "reason": "non-finite"}
     assert report.first_nonfinite == {"module": CULPRIT, "index": at} and report.first_ref_nonfinite is None
     assert all(m.ref_nonfinite_share == 0 for m in report.modules)
     text = format_report(report)
     check_never_claims_clean(report, text)
-    assert f"FIRST NON-FINITE MODULE: {CULPRIT} (#{at}): NaN/Inf under bfloat16 where the float32 reference is finite" \
+    assert (
+        f"FIRST NON-FINITE MODULE: {CULPRIT} (#{at}): NaN/Inf under bfloat16 where the float32 reference is finite"
         in text
+    )
     assert "REFERENCE NON-FINITE" not in text
 
 

@@ -45,8 +45,13 @@ def test_kd_loss_matches_hand_computation(T, alpha):
     s = [[1.0, -0.5, 2.0, 0.3], [0.2, 0.1, -1.0, 3.0], [0.0, 0.0, 0.0, 0.0], [-2.0, 1.5, 0.5, 0.25]]
     t = [[0.5, 0.5, 1.0, -1.0], [2.0, -0.3, 0.0, 1.0], [1.0, 2.0, 3.0, 4.0], [0.0, 0.0, 0.0, 9.0]]
     y = [2, 0, -100, 3]  # one padding position, ignored by both terms
-    got = kd_loss(torch.tensor(s, dtype=torch.float64).view(2, 2, 4), torch.tensor(t, dtype=torch.float64).view(2, 2, 4),
-                  torch.tensor(y).view(2, 2), temperature=T, alpha=alpha)
+    got = kd_loss(
+        torch.tensor(s, dtype=torch.float64).view(2, 2, 4),
+        torch.tensor(t, dtype=torch.float64).view(2, 2, 4),
+        torch.tensor(y).view(2, 2),
+        temperature=T,
+        alpha=alpha,
+    )
     assert got.item() == pytest.approx(_hand_kd(s, t, y, T, alpha), rel=1e-6, abs=1e-6)
     if alpha == 0.0:  # pure cross-entropy, no teacher needed
         ce = kd_loss(torch.tensor(s).view(2, 2, 4), None, torch.tensor(y).view(2, 2), temperature=T, alpha=0.0)
@@ -72,8 +77,21 @@ def setup(tmp_path_factory):
 def _cfg(root, teacher, data, out, **kw):
     from infertune.distill.trainer import TrainConfig
 
-    base = dict(data=str(data), out=str(out), teacher=str(teacher), student_config="small", steps=6, batch=4,
-                seq_len=32, lr=3e-3, save_every=3, eval_windows=4, speed_tokens=0, progress=False, val_fraction=0.2)
+    base = dict(
+        data=str(data),
+        out=str(out),
+        teacher=str(teacher),
+        student_config="small",
+        steps=6,
+        batch=4,
+        seq_len=32,
+        lr=3e-3,
+        save_every=3,
+        eval_windows=4,
+        speed_tokens=0,
+        progress=False,
+        val_fraction=0.2,
+    )
     base.update(kw)
     return TrainConfig(**base)
 
@@ -140,7 +158,7 @@ def test_distill_output_loads_in_infertune_and_hf_and_resume_is_exact(setup):
     with torch.no_grad():
         for _ in range(8):
             ids = torch.cat([ids, hf(input_ids=ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
-    hf_tokens = ids[0, len(prompt):].tolist()
+    hf_tokens = ids[0, len(prompt) :].tolist()
     llm = LLM(str(out), dtype="float32", device="cpu", max_model_len=64)
     got = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     assert list(got[0].outputs[0].token_ids) == hf_tokens

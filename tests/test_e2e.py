@@ -29,7 +29,7 @@ def test_golden_greedy_text_matches_hf(demo):
     assert out.outputs[0].text == GOLDEN
     hf = AutoModelForCausalLM.from_pretrained(default_model_path(), dtype=torch.float32).eval()
     ids = torch.tensor([out.prompt_token_ids])
-    ref = hf.generate(ids, max_new_tokens=24, do_sample=False)[0, ids.shape[1]:].tolist()
+    ref = hf.generate(ids, max_new_tokens=24, do_sample=False)[0, ids.shape[1] :].tolist()
     assert out.outputs[0].token_ids == ref
 
 

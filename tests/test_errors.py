@@ -383,8 +383,12 @@ def test_yarn_rope_scaling_is_refused(tmp_path, style):
     path = make_checkpoint(tmp_path)
     cfg = read_config(path)
     if style == "rope_parameters":  # transformers >= 5 layout
-        cfg["rope_parameters"] = {"rope_type": "yarn", "factor": 2.0, "rope_theta": 10000.0,
-                                  "original_max_position_embeddings": 128}
+        cfg["rope_parameters"] = {
+            "rope_type": "yarn",
+            "factor": 2.0,
+            "rope_theta": 10000.0,
+            "original_max_position_embeddings": 128,
+        }
     else:  # older layout
         cfg.pop("rope_parameters", None)
         cfg["rope_theta"] = 10000.0

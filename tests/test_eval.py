@@ -57,7 +57,9 @@ def test_common_prefix_length():
     assert common_prefix_length([], [1]) == 0 and common_prefix_length([7], [8]) == 0
 
 
-@pytest.mark.parametrize("n,context,stride", [(2, 4, 2), (10, 4, 2), (100, 16, 8), (100, 16, 16), (37, 8, 3), (5, 64, 32)])
+@pytest.mark.parametrize(
+    "n,context,stride", [(2, 4, 2), (10, 4, 2), (100, 16, 8), (100, 16, 16), (37, 8, 3), (5, 64, 32)]
+)
 def test_sliding_windows_score_every_target_once_with_history(n, context, stride):
     windows = sliding_windows(n, context, stride)
     scored = [t for w in windows for t in range(w.score_from, w.end)]
@@ -78,8 +80,17 @@ def test_parse_gate():
 def test_compare_matches_hf_transformers_and_a_model_against_itself(tiny_llama, tmp_path):
     text = tmp_path / "held.txt"
     text.write_text("def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n" * 4)
-    report = compare(str(tiny_llama), str(tiny_llama), data=str(text), context=64, stride=32, num_prompts=2,
-                     prompt_tokens=8, greedy_tokens=6, engine_options={"dtype": "float32"})
+    report = compare(
+        str(tiny_llama),
+        str(tiny_llama),
+        data=str(text),
+        context=64,
+        stride=32,
+        num_prompts=2,
+        prompt_tokens=8,
+        greedy_tokens=6,
+        engine_options={"dtype": "float32"},
+    )
     assert report.kl_mean == 0.0 and report.top1_agreement == 1.0
     assert report.perplexity == report.ref_perplexity and report.perplexity_change == 0.0
     assert report.greedy_prefix == [6, 6] and report.passes_gate(0.0)
@@ -95,8 +106,11 @@ def test_compare_matches_hf_transformers_and_a_model_against_itself(tiny_llama, 
         for w in sliding_windows(len(ids), 64, 32):
             logits = model(torch.tensor([ids[w.begin : w.end]])).logits[0]
             rows = logits[w.score_from - 1 - w.begin : w.end - 1 - w.begin]
-            total += float(torch.nn.functional.cross_entropy(rows.double(), torch.tensor(ids[w.score_from : w.end]),
-                                                             reduction="sum"))
+            total += float(
+                torch.nn.functional.cross_entropy(
+                    rows.double(), torch.tensor(ids[w.score_from : w.end]), reduction="sum"
+                )
+            )
     assert report.perplexity == pytest.approx(math.exp(total / report.num_tokens), rel=1e-5)
 
 
@@ -119,8 +133,9 @@ def test_gate_on_the_demo_model(capsys):
     bad = LLM(quantization="w8a16", enable_prefix_caching=False, max_num_seqs=2)
     layer = dict(bad.engine.executor.runner.model.named_modules())["model.layers.1.mlp.down_proj"]
     layer.register_forward_hook(lambda module, args, y: y * 4.0)  # = every scale of the layer x 4
-    report = compare(bad, LLM(enable_prefix_caching=False, max_num_seqs=2), max_tokens=3000, num_prompts=2,
-                     greedy_tokens=8)
+    report = compare(
+        bad, LLM(enable_prefix_caching=False, max_num_seqs=2), max_tokens=3000, num_prompts=2, greedy_tokens=8
+    )
     assert report.perplexity_change > 0.05 and report.kl_mean > 0.01
     assert command.report_and_gate(report, "1%", as_json=True) == 1
     out = capsys.readouterr()

@@ -26,9 +26,10 @@ MATMULS = {"mm", "addmm", "matmul", "linear", "bmm"}
 # The op one bf16 linear becomes on the CPU's torch path (torch's GEMM, or oneDNN's with prepacked weights).
 LINEAR_OPS = {"aten.mm.default", "aten.addmm.default", "mkldnn._linear_pointwise.default"}
 
-needs_kernels = pytest.mark.skipif(not cpu_kernels.available(),
-                                   reason=f"infertune's CPU kernels are unavailable here: "
-                                          f"{cpu_kernels.unavailable_reason()}")
+needs_kernels = pytest.mark.skipif(
+    not cpu_kernels.available(),
+    reason=f"infertune's CPU kernels are unavailable here: {cpu_kernels.unavailable_reason()}",
+)
 
 
 @pytest.fixture(scope="module")
@@ -139,8 +140,9 @@ def test_without_native_kernels_the_audit_says_the_torch_path_is_the_path(tiny3,
     parser = argparse.ArgumentParser()
     audit.add_arguments(parser)
     prompt_len = 40  # past two 16-token blocks: the traced prefill must not hit the native run's prefix cache
-    args = parser.parse_args(["--model", str(tiny3), "--backend", "cpu", "--dtype", "float32", "--prompt-len",
-                              str(prompt_len), "--json"])
+    args = parser.parse_args(
+        ["--model", str(tiny3), "--backend", "cpu", "--dtype", "float32", "--prompt-len", str(prompt_len), "--json"]
+    )
     assert audit.run(args) == 0
     out = json.loads(capsys.readouterr().out)
     # The same engine ran the native steps and then the traced ones: the trace still prefilled the whole prompt.

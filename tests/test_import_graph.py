@@ -152,13 +152,21 @@ def without(graph: Graph, arrows) -> Graph:
 def test_graph_sees_every_kind_of_import():
     """The resolver itself: absolute, `from pkg import submodule`, relative, in functions and TYPE_CHECKING."""
     rel = "infertune/serve/api_server.py"
-    src = ("from typing import TYPE_CHECKING\n"
-           "if TYPE_CHECKING:\n    from infertune.engine.outputs import RequestOutput\n"
-           "def f():\n    from . import protocol\n    from .responses import sse\n    import infertune.serve.metrics\n"
-           "    from infertune.bench import offline\n    from infertune import LLM\n")
+    src = (
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from infertune.engine.outputs import RequestOutput\n"
+        "def f():\n    from . import protocol\n    from .responses import sse\n    import infertune.serve.metrics\n"
+        "    from infertune.bench import offline\n    from infertune import LLM\n"
+    )
     found = {f for node in ast.walk(ast.parse(src)) for f in _targets(rel, node)}
-    assert found == {"infertune/engine/outputs.py", "infertune/serve/protocol.py", "infertune/serve/responses.py",
-                     "infertune/serve/metrics.py", "infertune/bench/offline.py", "infertune/__init__.py"}
+    assert found == {
+        "infertune/engine/outputs.py",
+        "infertune/serve/protocol.py",
+        "infertune/serve/responses.py",
+        "infertune/serve/metrics.py",
+        "infertune/bench/offline.py",
+        "infertune/__init__.py",
+    }
 
 
 def test_cycle_finder_reports_the_files():
@@ -171,6 +179,7 @@ def test_cycle_finder_reports_the_files():
 def test_import_graph_has_no_cycles():
     graph = import_graph()
     rest = strongly_connected(graph)
-    report = [f"circle of {len(c)} files ({', '.join(c)}), e.g.\n    {describe(graph, a_cycle(graph, c))}"
-              for c in rest]
-    assert not report, ("import circles (files as nodes):\n" + "\n".join(report))
+    report = [
+        f"circle of {len(c)} files ({', '.join(c)}), e.g.\n    {describe(graph, a_cycle(graph, c))}" for c in rest
+    ]
+    assert not report, "import circles (files as nodes):\n" + "\n".join(report)

@@ -43,6 +43,7 @@ def test_a_backend_without_kernels_says_why():
 
 # ---- a second implementation, in plain PyTorch ---------------------------------------------------------------
 
+
 def _rms(x, w, eps):
     return w * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
@@ -210,16 +211,17 @@ def _run(model, monkeypatch, kernels, **options):
     from infertune.backends.cpu import CPUBackend
 
     monkeypatch.setattr(CPUBackend, "decode_kernels", lambda self: kernels)
-    llm = LLM(str(model), dtype="bfloat16", max_model_len=96, block_size=16, enable_prefix_caching=False,
-              **options)
+    llm = LLM(str(model), dtype="bfloat16", max_model_len=96, block_size=16, enable_prefix_caching=False, **options)
     gen = torch.Generator().manual_seed(3)
     prompts = [{"prompt_token_ids": torch.randint(3, 250, (n,), generator=gen).tolist()} for n in (4, 21, 40)]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1)
     return llm, max(_hf_logprob_errors(llm, prompts, params, hf_model(model).float(), argmax=False))
 
 
-@pytest.mark.parametrize("quant,compress,fused", [(None, "off", True), (None, "auto", True), ("w8a16", "off", True),
-                                                  ("w4a16", "off", True), (None, "off", False)])
+@pytest.mark.parametrize(
+    "quant,compress,fused",
+    [(None, "off", True), (None, "auto", True), ("w8a16", "off", True), ("w4a16", "off", True), (None, "off", False)],
+)
 def test_the_engine_runs_on_a_second_implementation(tmp_path, monkeypatch, quant, compress, fused):
     """Every seam is taken (the counts), the fused step runs from the FusedModel alone, and the logprobs against
     HF transformers in float32 are as close as those of the engine with no kernels (same quantization)."""
@@ -227,8 +229,9 @@ def test_the_engine_runs_on_a_second_implementation(tmp_path, monkeypatch, quant
 
     from infertune.layers.linear import CompressedMethod, DecodeKernelMethod, Linear
 
-    model = make_checkpoint(tmp_path / "m", "llama", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                            dtype=torch.bfloat16)
+    model = make_checkpoint(
+        tmp_path / "m", "llama", hidden_size=128, intermediate_size=256, num_hidden_layers=2, dtype=torch.bfloat16
+    )
     options = dict(quantization=quant, quant_group_size=64, compress_weights=compress)
     _, plain = _run(model, monkeypatch, None, **options)
     ref = TorchKernels(fused=fused)

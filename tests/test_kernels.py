@@ -18,13 +18,25 @@ needs_kernels = pytest.mark.skipif(not kernels.available(), reason=f"CPU kernels
 # (M rows, N outputs, K inputs): one row (the AVX-512 path), several rows (AMX where the CPU has it), output
 # counts that leave a partial 16- / 64-feature tile, K not a multiple of 32 (masked tails), K past the int8
 # kernel's 4096-column flush.
-SHAPES = [(1, 7, 45), (1, 64, 896), (2, 20, 64), (3, 130, 96), (5, 9, 100), (16, 80, 256), (16, 64, 4864),
-          (17, 48, 128), (1, 33, 8200),
-          # past 16 rows the 2 x 2 blocked AMX GEMM: an odd count of row tiles, a lone 16-feature tile, a feature
-          # tail past the last 16, two blocks of rows (K = 64: 256 rows a block; K = 4864: 64)
-          (33, 50, 128), (100, 96, 256), (300, 72, 64), (70, 40, 4864),
-          # K so long that a block of 32 rows exceeds the L2 share (the scratch must still hold it)
-          (40, 20, 16384)]
+SHAPES = [
+    (1, 7, 45),
+    (1, 64, 896),
+    (2, 20, 64),
+    (3, 130, 96),
+    (5, 9, 100),
+    (16, 80, 256),
+    (16, 64, 4864),
+    (17, 48, 128),
+    (1, 33, 8200),
+    # past 16 rows the 2 x 2 blocked AMX GEMM: an odd count of row tiles, a lone 16-feature tile, a feature
+    # tail past the last 16, two blocks of rows (K = 64: 256 rows a block; K = 4864: 64)
+    (33, 50, 128),
+    (100, 96, 256),
+    (300, 72, 64),
+    (70, 40, 4864),
+    # K so long that a block of 32 rows exceeds the L2 share (the scratch must still hold it)
+    (40, 20, 16384),
+]
 
 
 def _bf16_ints(*shape, lo=-2, hi=2, gen=None):
@@ -108,8 +120,9 @@ def test_w8_exact_when_activations_are_representable():
 
 
 @needs_kernels
-@pytest.mark.parametrize("m,n,k,gs", [(1, 8, 128, 64), (3, 20, 256, 128), (16, 64, 896, 128), (5, 9, 4864, 128),
-                                      (17, 33, 64, 64)])
+@pytest.mark.parametrize(
+    "m,n,k,gs", [(1, 8, 128, 64), (3, 20, 256, 128), (16, 64, 896, 128), (5, 9, 4864, 128), (17, 33, 64, 64)]
+)
 def test_w4_within_its_error_bound(m, n, k, gs):
     """y = sum_g (x_g . q_g) s_g + (sum x_g) z_g: the int16 rounding of x moves it by at most
     sum_k |q_k s_g| s_x / 2 (at 2-16 rows on AMX the weights are rounded to bf16 instead: 2^-8 of sum |x w|);
@@ -225,9 +238,16 @@ def _hf_logprob_errors(llm, prompts, params, hf, argmax: bool) -> list[float]:
 
 
 @needs_kernels
-@pytest.mark.parametrize("arch,quant,kv", [("llama", None, "auto"), ("llama", "w8a16", "auto"),
-                                           ("llama", "w4a16", "auto"), ("llama", None, "int8"),
-                                           ("qwen2", None, "auto")])
+@pytest.mark.parametrize(
+    "arch,quant,kv",
+    [
+        ("llama", None, "auto"),
+        ("llama", "w8a16", "auto"),
+        ("llama", "w4a16", "auto"),
+        ("llama", None, "int8"),
+        ("qwen2", None, "auto"),
+    ],
+)
 def test_engine_with_kernels_matches_hf(tmp_path, arch, quant, kv):
     """bf16 engine, greedy decode of a batch through the fused decode step and the kernels, against HF
     transformers in float32 on the same weights: unquantized, every greedy token is HF's argmax (up to near-ties
@@ -237,15 +257,29 @@ def test_engine_with_kernels_matches_hf(tmp_path, arch, quant, kv):
 
     from infertune import LLM, SamplingParams
 
-    model = make_checkpoint(tmp_path / "m", arch, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
-                            tie_word_embeddings=True, dtype=torch.bfloat16)  # qwen2: q/k/v biases
+    model = make_checkpoint(
+        tmp_path / "m",
+        arch,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=3,
+        tie_word_embeddings=True,
+        dtype=torch.bfloat16,
+    )  # qwen2: q/k/v biases
     prompts = [{"prompt_token_ids": [3 + i, 11, 25, 40 + i]} for i in range(5)]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1)
     hf = hf_model(model).float()
     worst = {}
     for mode in ("auto", "off"):
-        llm = LLM(str(model), dtype="bfloat16", decode_kernels=mode, quantization=quant, max_model_len=64,
-                  quant_group_size=64, kv_cache_dtype=kv)
+        llm = LLM(
+            str(model),
+            dtype="bfloat16",
+            decode_kernels=mode,
+            quantization=quant,
+            max_model_len=64,
+            quant_group_size=64,
+            kv_cache_dtype=kv,
+        )
         runner = llm.engine.executor.runner
         methods = {type(m.quant_method).__name__ for m in runner.model.modules() if isinstance(m, Linear)}
         if mode == "auto":
@@ -267,8 +301,9 @@ def test_fused_decode_forward_allocates_nothing(tmp_path):
 
     from infertune import LLM, SamplingParams
 
-    model = make_checkpoint(tmp_path / "m", "llama", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                            dtype=torch.bfloat16)
+    model = make_checkpoint(
+        tmp_path / "m", "llama", hidden_size=128, intermediate_size=256, num_hidden_layers=2, dtype=torch.bfloat16
+    )
     counts = {}
     for mode in ("auto", "off"):
         llm = LLM(str(model), dtype="bfloat16", decode_kernels=mode, max_model_len=64)
@@ -284,8 +319,11 @@ def test_fused_decode_forward_allocates_nothing(tmp_path):
             return out
 
         runner._forward = profiled
-        llm.generate([{"prompt_token_ids": [3, 4, 5]}, {"prompt_token_ids": [6, 7]}],
-                     SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+        llm.generate(
+            [{"prompt_token_ids": [3, 4, 5]}, {"prompt_token_ids": [6, 7]}],
+            SamplingParams(max_tokens=4, ignore_eos=True),
+            use_tqdm=False,
+        )
         counts[mode] = seen
     assert len(counts["auto"]) >= 3 and all(n == 0 for n in counts["auto"]), counts
     assert all(n > 10 for n in counts["off"]), counts  # the probe does see the PyTorch path's allocations
@@ -334,8 +372,9 @@ def test_profile_sees_the_kernels(tmp_path):
     from infertune import LLM, SamplingParams
     from infertune.profile.timeline import profile_workload
 
-    model = make_checkpoint(tmp_path / "m", "llama", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                            dtype=torch.bfloat16)
+    model = make_checkpoint(
+        tmp_path / "m", "llama", hidden_size=128, intermediate_size=256, num_hidden_layers=2, dtype=torch.bfloat16
+    )
     greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     shares, fused = {}, {}
     for mode in ("auto", "linear"):
@@ -376,7 +415,7 @@ def test_decode_attention_matches_float64(hq, hkv, d, bs, kv):
     t = len(lens)
     max_blocks = -(-int(lens.max()) // bs) + 1
     num_blocks = t * max_blocks + 3
-    tables = torch.randperm(num_blocks, generator=gen)[:t * max_blocks].view(t, max_blocks)
+    tables = torch.randperm(num_blocks, generator=gen)[: t * max_blocks].view(t, max_blocks)
     q = (torch.randn(t, hq, d, generator=gen) * 2).to(torch.bfloat16)
     k = torch.randn(num_blocks * bs, hkv, d, generator=gen).to(torch.bfloat16)
     v = torch.randn(num_blocks * bs, hkv, d, generator=gen).to(torch.bfloat16)
@@ -387,11 +426,13 @@ def test_decode_attention_matches_float64(hq, hkv, d, bs, kv):
         k, v = (attn._decoded(cache[i].view(num_blocks * bs, hkv, d + 4)) for i in (0, 1))  # what is read
     else:
         cache = torch.stack([k.view(num_blocks, bs, hkv, d), v.view(num_blocks, bs, hkv, d)])
-    scale = d ** -0.5
-    outs = {amx: kernels.decode_attention(q, cache, tables, lens, hkv, scale, kv_int8=kv == "int8", use_amx=amx)
-            for amx in (True, False)}
+    scale = d**-0.5
+    outs = {
+        amx: kernels.decode_attention(q, cache, tables, lens, hkv, scale, kv_int8=kv == "int8", use_amx=amx)
+        for amx in (True, False)
+    }
     for i in range(t):
-        slots = (tables[i, :, None] * bs + torch.arange(bs)).flatten()[:lens[i]]
+        slots = (tables[i, :, None] * bs + torch.arange(bs)).flatten()[: lens[i]]
         ki = k[slots].double().repeat_interleave(hq // hkv, dim=1)  # [L, Hq, D]
         vi = v[slots].double().repeat_interleave(hq // hkv, dim=1)
         p = torch.softmax(torch.einsum("hd,lhd->hl", q[i].double(), ki) * scale, dim=-1)
@@ -419,7 +460,7 @@ def test_prompt_rows_attention_matches_float64(hq, hkv, d, bs):
     plens = [21, 1, 16, 40]
     max_blocks = -(-max(plens) // bs) + 1
     num_blocks = len(plens) * max_blocks + 2
-    seq_tables = torch.randperm(num_blocks, generator=gen)[:len(plens) * max_blocks].view(len(plens), max_blocks)
+    seq_tables = torch.randperm(num_blocks, generator=gen)[: len(plens) * max_blocks].view(len(plens), max_blocks)
     rows = [(i, j) for i, n in enumerate(plens) for j in range(n)]  # (prompt, position)
     rows.insert(30, (0, plens[0] + 5))  # a decode row of prompt 0 (its context 27 keys), between prompts' rows
     tables = torch.stack([seq_tables[i] for i, _ in rows])
@@ -428,10 +469,10 @@ def test_prompt_rows_attention_matches_float64(hq, hkv, d, bs):
     k = torch.randn(num_blocks * bs, hkv, d, generator=gen).to(torch.bfloat16)
     v = torch.randn(num_blocks * bs, hkv, d, generator=gen).to(torch.bfloat16)
     cache = torch.stack([k.view(num_blocks, bs, hkv, d), v.view(num_blocks, bs, hkv, d)])
-    scale = d ** -0.5
+    scale = d**-0.5
     outs = {amx: kernels.decode_attention(q, cache, tables, lens, hkv, scale, use_amx=amx) for amx in (True, False)}
     for r in range(len(rows)):
-        slots = (tables[r, :, None] * bs + torch.arange(bs)).flatten()[:lens[r]]
+        slots = (tables[r, :, None] * bs + torch.arange(bs)).flatten()[: lens[r]]
         kr = k[slots].double().repeat_interleave(hq // hkv, dim=1)
         vr = v[slots].double().repeat_interleave(hq // hkv, dim=1)
         p = torch.softmax(torch.einsum("hd,lhd->hl", q[r].double(), kr) * scale, dim=-1)
@@ -445,8 +486,9 @@ def test_prompt_rows_attention_matches_float64(hq, hkv, d, bs):
         assert not torch.equal(outs[True], outs[False])
 
 
-needs_bf16c = pytest.mark.skipif(not (kernels.available() and kernels.bf16c_supported(16, 32)),
-                                 reason="the 12-bit layout decodes on AMX tiles")
+needs_bf16c = pytest.mark.skipif(
+    not (kernels.available() and kernels.bf16c_supported(16, 32)), reason="the 12-bit layout decodes on AMX tiles"
+)
 
 
 @needs_bf16c
@@ -457,7 +499,7 @@ def test_bf16c_round_trip_is_bit_exact(n, k):
     gen = torch.Generator().manual_seed(n + k)
     w = (torch.randn(n, k, generator=gen) * 0.02).to(torch.bfloat16)
     specials = torch.tensor([0.0, -0.0, 1e-40, -1e-39, float("inf"), float("-inf"), float("nan"), 3e38, -7.5, 1e-20])
-    w.view(-1)[torch.randperm(n * k, generator=gen)[:len(specials)]] = specials.to(torch.bfloat16)
+    w.view(-1)[torch.randperm(n * k, generator=gen)[: len(specials)]] = specials.to(torch.bfloat16)
     packed = kernels.pack_bf16c(w)
     out = kernels.unpack_bf16c(kernels.bf16c_struct(packed), n, k)
     assert torch.equal(out.view(torch.int16), w.view(torch.int16))
@@ -470,8 +512,23 @@ def test_bf16c_round_trip_is_bit_exact(n, k):
 
 
 @needs_bf16c
-@pytest.mark.parametrize("m,k", [(1, 896), (2, 896), (7, 896), (16, 896), (17, 896), (33, 896), (48, 896),
-                                 (100, 896), (530, 896), (100, 4096), (47, 6144), (530, 2048)])
+@pytest.mark.parametrize(
+    "m,k",
+    [
+        (1, 896),
+        (2, 896),
+        (7, 896),
+        (16, 896),
+        (17, 896),
+        (33, 896),
+        (48, 896),
+        (100, 896),
+        (530, 896),
+        (100, 4096),
+        (47, 6144),
+        (530, 2048),
+    ],
+)
 def test_bf16c_linear_is_the_bf16_kernel_bit_for_bit(m, k):
     """The 12-bit linear against the bf16 kernel on the unpacked weight: the same bits from 2 rows up (the same
     tile products; one row takes the tiles here where the bf16 kernel takes VDPBF16PS), and within the float64
@@ -547,11 +604,23 @@ def test_engine_with_12bit_weights_is_the_engine_with_bf16_weights(tmp_path, mon
     unpacks, fused, steps = [], [], []
     real_unpack, real_linear, real_call = kernels.unpack_bf16c, kernels.linear_bf16c, FusedDecode.__call__
     monkeypatch.setattr(kernels, "unpack_bf16c", lambda *a: unpacks.append(a[1:]) or real_unpack(*a))
-    monkeypatch.setattr(kernels, "linear_bf16c",
-                        lambda x, *a, **k: (fused.append(x.shape[0]) if k.get("silu") else None) or real_linear(x, *a, **k))
-    monkeypatch.setattr(FusedDecode, "__call__", lambda self, ids, *a: steps.append(ids.shape[0]) or real_call(self, ids, *a))
-    model = make_checkpoint(tmp_path / "m", "llama", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                            tie_word_embeddings=True, dtype=torch.bfloat16)
+    monkeypatch.setattr(
+        kernels,
+        "linear_bf16c",
+        lambda x, *a, **k: (fused.append(x.shape[0]) if k.get("silu") else None) or real_linear(x, *a, **k),
+    )
+    monkeypatch.setattr(
+        FusedDecode, "__call__", lambda self, ids, *a: steps.append(ids.shape[0]) or real_call(self, ids, *a)
+    )
+    model = make_checkpoint(
+        tmp_path / "m",
+        "llama",
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        tie_word_embeddings=True,
+        dtype=torch.bfloat16,
+    )
     prompts = [{"prompt_token_ids": [5 + i, 17, 33, 2 + i, 60]} for i in range(4)]
     long = [{"prompt_token_ids": [(7 * i) % 250 + 3 for i in range(150)]}]
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2)
@@ -563,11 +632,15 @@ def test_engine_with_12bit_weights_is_the_engine_with_bf16_weights(tmp_path, mon
         assert ("CompressedMethod" in methods) == (mode == "auto")
         fused.clear()
         steps.clear()
-        runs[mode, kernel_mode] = [(o.outputs[0].token_ids, [(lp.token_id, lp.logprob) for lp in o.outputs[0].logprobs])
-                                   for batch in (prompts, long) for o in llm.generate(batch, params, use_tqdm=False)]
+        runs[mode, kernel_mode] = [
+            (o.outputs[0].token_ids, [(lp.token_id, lp.logprob) for lp in o.outputs[0].logprobs])
+            for batch in (prompts, long)
+            for o in llm.generate(batch, params, use_tqdm=False)
+        ]
         if kernel_mode == "linear":  # 12-bit: every MLP call; the long prefill's: per layer 3 row blocks (64, 64, 22)
-            assert steps == [] and (fused == [] if mode == "off" else
-                                    [n for n in fused if n > 20] == [64, 64, 22] * 2 and 20 in fused), fused
+            assert steps == [] and (
+                fused == [] if mode == "off" else [n for n in fused if n > 20] == [64, 64, 22] * 2 and 20 in fused
+            ), fused
         else:  # the prefill steps fused: with 12-bit weights the long one too, as loaded only the short ones
             assert fused == [] and (150 in steps) == (mode == "auto") and 20 in steps, steps
     assert unpacks == []
@@ -588,8 +661,15 @@ def test_fused_prefill_takes_only_the_read_rows_through_the_last_layers_mlp(tmp_
 
     from infertune import LLM, SamplingParams
 
-    model = make_checkpoint(tmp_path / "m", "llama", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                            tie_word_embeddings=True, dtype=torch.bfloat16)
+    model = make_checkpoint(
+        tmp_path / "m",
+        "llama",
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        tie_word_embeddings=True,
+        dtype=torch.bfloat16,
+    )
     llm = LLM(str(model), dtype="bfloat16", max_model_len=128, block_size=16, enable_prefix_caching=False)
     runner = llm.engine.executor.runner
     gen = torch.Generator().manual_seed(5)
@@ -634,8 +714,15 @@ def test_fused_step_runs_prompts_as_accurately_as_pytorch(tmp_path, monkeypatch)
     calls = []
     real = FusedDecode._prefill_tables
     monkeypatch.setattr(FusedDecode, "_prefill_tables", lambda self, meta, t: calls.append(t) or real(self, meta, t))
-    model = make_checkpoint(tmp_path / "m", "llama", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                            tie_word_embeddings=True, dtype=torch.bfloat16)
+    model = make_checkpoint(
+        tmp_path / "m",
+        "llama",
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        tie_word_embeddings=True,
+        dtype=torch.bfloat16,
+    )
     gen = torch.Generator().manual_seed(11)
     prompts = [{"prompt_token_ids": torch.randint(3, 250, (n,), generator=gen).tolist()} for n in (5, 21, 40, 90)]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1)
@@ -644,8 +731,14 @@ def test_fused_step_runs_prompts_as_accurately_as_pytorch(tmp_path, monkeypatch)
     twelve = kernels.bf16c_supported(16, 32)
     for mode in ("auto", "linear"):
         calls.clear()
-        llm = LLM(str(model), dtype="bfloat16", decode_kernels=mode, max_model_len=128, block_size=16,
-                  enable_prefix_caching=False)  # (the second step's prompts fresh again)
+        llm = LLM(
+            str(model),
+            dtype="bfloat16",
+            decode_kernels=mode,
+            max_model_len=128,
+            block_size=16,
+            enable_prefix_caching=False,
+        )  # (the second step's prompts fresh again)
         worst[mode] = max(_hf_logprob_errors(llm, prompts[:3], params, hf, argmax=True))  # one step of 66 rows
         assert calls == ([66] if mode == "auto" else []), calls
         if twelve:  # and one of 156 rows

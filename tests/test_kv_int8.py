@@ -38,9 +38,13 @@ def test_int8_cache_round_trip_and_attention_bounds(dtype):
     assert ((got_k - k[:past].double()).abs() <= step / 2 + tol * 4).all()
     # Decode through the int8 cache vs fp attention over the original K/V.
     q = torch.randn(new, H, D).to(dtype)
-    meta = AttentionMetadata(slot_mapping=slots[past:], num_decode_tokens=1,
-                             decode_block_tables=torch.tensor([table]), decode_context_lens=torch.tensor([past + 1]),
-                             decode_max_context_len=past + 1)
+    meta = AttentionMetadata(
+        slot_mapping=slots[past:],
+        num_decode_tokens=1,
+        decode_block_tables=torch.tensor([table]),
+        decode_context_lens=torch.tensor([past + 1]),
+        decode_max_context_len=past + 1,
+    )
     out = attn.forward(q, k[past:], v[past:], cache, meta, D**-0.5)
     ref_fp = reference_causal_attention(q.double(), k.double(), v.double(), D**-0.5)
     ref_q = reference_causal_attention(q.double(), quantize_rows(k.double()), quantize_rows(v.double()), D**-0.5)

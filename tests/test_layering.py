@@ -11,14 +11,30 @@ PKG = Path(__file__).resolve().parents[1] / "infertune"
 
 # docs/ARCHITECTURE.md's layering, bottom (1) to top (7) (test_the_architecture_page_states_these_layers keeps them equal).
 RANKS = {
-    "config": 1, "sampling_params": 1, "scheduler_output": 1, "kernels": 1, "backends": 1, "quant": 2,
+    "config": 1,
+    "sampling_params": 1,
+    "scheduler_output": 1,
+    "kernels": 1,
+    "backends": 1,
+    "quant": 2,
     "layers": 2,
     "models": 3,
     "runner": 4,
     "executor": 5,
     "engine": 6,
-    "llm": 7, "cli": 7, "serve": 7, "bench": 7, "profile": 7, "plan": 7, "tune": 7, "distill": 7, "assets": 7,
-    "evaluate": 7, "tools": 7, "plotting": 7, "__main__": 7,
+    "llm": 7,
+    "cli": 7,
+    "serve": 7,
+    "bench": 7,
+    "profile": 7,
+    "plan": 7,
+    "tune": 7,
+    "distill": 7,
+    "assets": 7,
+    "evaluate": 7,
+    "tools": 7,
+    "plotting": 7,
+    "__main__": 7,
 }
 
 
@@ -32,8 +48,11 @@ def test_the_architecture_page_states_these_layers():
         for name in re.findall(r"`([a-z_]+)(?:/|\.py)`", row[0]):
             stated[name] = int(row[1])
     assert stated == {k: v for k, v in RANKS.items() if k != "__main__"}
-    present = {p.stem if p.is_file() else p.name for p in PKG.iterdir()
-               if (p.suffix == ".py" or (p.is_dir() and p.name not in ("__pycache__",))) and p.name != "__init__.py"}
+    present = {
+        p.stem if p.is_file() else p.name
+        for p in PKG.iterdir()
+        if (p.suffix == ".py" or (p.is_dir() and p.name not in ("__pycache__",))) and p.name != "__init__.py"
+    }
     assert present - {"__main__"} == set(stated), "a module or package the page does not place"
 
 

@@ -22,9 +22,16 @@ VARIANTS = {
     "llama-head-dim-32": dict(arch="llama", head_dim=32),
     "llama-bias": dict(arch="llama", attention_bias=True),
     "llama-rope-linear": dict(arch="llama", rope_scaling={"rope_type": "linear", "factor": 2.0}),
-    "llama3-rope": dict(arch="llama", rope_scaling={
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 32}),
+    "llama3-rope": dict(
+        arch="llama",
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+    ),
     "qwen2": dict(arch="qwen2"),
     "qwen2-tied-mha": dict(arch="qwen2", tie_word_embeddings=True, num_key_value_heads=4),
     "mistral": dict(arch="mistral", sliding_window=MAX_LEN),

@@ -84,8 +84,11 @@ def test_every_config_field_is_a_declared_option():
 @pytest.mark.parametrize("command", ["generate", "serve"])
 def test_every_flag_maps_to_an_option_and_round_trips(command, model_dir):
     parser = _subparser(command)
-    groups, titles = (ENGINE_GROUPS + ("limits",), ("engine", "request limits")) if command == "serve" else \
-        (ENGINE_GROUPS, ("engine",))
+    groups, titles = (
+        (ENGINE_GROUPS + ("limits",), ("engine", "request limits"))
+        if command == "serve"
+        else (ENGINE_GROUPS, ("engine",))
+    )
     assert {g.title for g in parser._action_groups} >= set(titles)
     actions = [a for title in titles for a in _group_actions(parser, title)]
     flagged = {f.name: f for f in option_fields(*groups) if engine_flag(f.name)}
@@ -119,9 +122,18 @@ def test_every_flag_maps_to_an_option_and_round_trips(command, model_dir):
 
 
 def test_flat_python_keywords_are_unchanged():
-    config = EngineConfig.create(None, max_num_seqs=3, quantization="w8a16", kv_cache_dtype="int8", device="cpu",
-                                 enable_prefix_caching=False, decode_kernels="off", distributed_executor_backend="mp",
-                                 max_n=2, keep_fp=["lm_head", "model.layers.0.*"])
+    config = EngineConfig.create(
+        None,
+        max_num_seqs=3,
+        quantization="w8a16",
+        kv_cache_dtype="int8",
+        device="cpu",
+        enable_prefix_caching=False,
+        decode_kernels="off",
+        distributed_executor_backend="mp",
+        max_n=2,
+        keep_fp=["lm_head", "model.layers.0.*"],
+    )
     assert (config.scheduler.max_num_seqs, config.quant.quantization) == (3, "w8a16")
     assert (config.cache.kv_cache_dtype, config.cache.enable_prefix_caching) == ("int8", False)
     assert (config.device.device, config.model.decode_kernels) == ("cpu", "off")
@@ -136,8 +148,17 @@ CHOICE_OPTIONS = [f.name for f in option_fields(*ENGINE_GROUPS) if engine_choice
 
 @pytest.mark.parametrize("name", CHOICE_OPTIONS)
 def test_parser_choices_are_the_values_the_config_accepts(name, capsys):
-    assert set(CHOICE_OPTIONS) >= {"dtype", "device", "decode_kernels", "compress_weights", "compile",
-                                   "kv_cache_dtype", "quantization", "quant_group_size", "distributed_executor_backend"}
+    assert set(CHOICE_OPTIONS) >= {
+        "dtype",
+        "device",
+        "decode_kernels",
+        "compress_weights",
+        "compile",
+        "kv_cache_dtype",
+        "quantization",
+        "quant_group_size",
+        "distributed_executor_backend",
+    }
     parser = _subparser("serve")
     action = next(a for a in _group_actions(parser, "engine") if a.dest == name)
     assert tuple(action.choices) == engine_choices(name)
@@ -179,8 +200,13 @@ def test_every_tool_offers_only_values_the_engine_takes():
                     yield path, flag, action.choices
 
     seen = list(walk(build_parser(), "infertune"))
-    assert {p for p, _, _ in seen} >= {"infertune profile", "infertune audit", "infertune debug-layers",
-                                       "infertune eval", "infertune bench throughput"}
+    assert {p for p, _, _ in seen} >= {
+        "infertune profile",
+        "infertune audit",
+        "infertune debug-layers",
+        "infertune eval",
+        "infertune bench throughput",
+    }
     for path, flag, choices in seen:
         assert set(choices) <= set(engine_choices(flags[flag])), f"{path} {flag} offers {choices}"
     with pytest.raises(ValueError, match="not among its declared"):
@@ -209,6 +235,7 @@ def test_readme_engine_table_is_the_one_made_from_the_config():
     assert {path for path, _ in links} >= {"docs/kernels.md", "docs/tools.md", ""}, links
     for path, anchor in links:  # every link lands on a heading (GitHub's slug of it)
         page = (README.parent / path).read_text() if path else readme
-        slugs = {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
-                 for h in re.findall(r"^#+ (.+)$", page, re.M)}
+        slugs = {
+            re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in re.findall(r"^#+ (.+)$", page, re.M)
+        }
         assert anchor in slugs, (path, anchor)

@@ -39,12 +39,29 @@ DATA = Path(__file__).parent / "data"
 QWEN7B = DATA / "qwen2.5-7b-instruct"
 
 # BASELINES.md's benchmark model: 386M LlamaForCausalLM, tied embeddings.
-BENCH_386M = dict(architectures=["LlamaForCausalLM"], hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
-                  num_key_value_heads=2, intermediate_size=4864, vocab_size=32000, tie_word_embeddings=True,
-                  rope_theta=1e6, max_position_embeddings=4096, torch_dtype="bfloat16")
+BENCH_386M = dict(
+    architectures=["LlamaForCausalLM"],
+    hidden_size=896,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    intermediate_size=4864,
+    vocab_size=32000,
+    tie_word_embeddings=True,
+    rope_theta=1e6,
+    max_position_embeddings=4096,
+    torch_dtype="bfloat16",
+)
 # BASELINES.md's machine: 30.5 GB/s read bandwidth, ~376 GFLOP/s bf16 matmul; measured, so efficiency 1.0.
-BASELINE_CPU = Device(name="baseline-cpu", display_name="BASELINES.md machine", memory_bytes=23 * 10**9,
-                      memory_bandwidth_bytes_per_s=30.5e9, bf16_tflops=0.376, source=("BASELINES.md",), measured=True)
+BASELINE_CPU = Device(
+    name="baseline-cpu",
+    display_name="BASELINES.md machine",
+    memory_bytes=23 * 10**9,
+    memory_bandwidth_bytes_per_s=30.5e9,
+    bf16_tflops=0.376,
+    source=("BASELINES.md",),
+    measured=True,
+)
 
 
 @pytest.fixture(scope="module")
@@ -131,8 +148,9 @@ def test_bench_386m_exact_and_roofline_matches_baselines():
     assert b1.bound == "memory" and round(b1.tokens_per_s) == 39
     assert b1.tokens_per_s == pytest.approx(30.5e9 / 773_084_928, rel=1e-3)
     # int8 79 / int4 158 there count every weight at 1 / 0.5 byte; with the lm_head quantized and scales counted:
-    assert Roofline(spec, BASELINE_CPU, WeightFormat("w8a16", quantize_lm_head=True)).decode_step(1, 1).tokens_per_s \
-        == pytest.approx(79, rel=0.01)
+    assert Roofline(spec, BASELINE_CPU, WeightFormat("w8a16", quantize_lm_head=True)).decode_step(
+        1, 1
+    ).tokens_per_s == pytest.approx(79, rel=0.01)
     # "Batch-16 in bf16: decode is compute-bound at about 485 tok/s; the end-to-end limit for 16 x (128 + 128) is
     # about 250 output tok/s" (this model adds attention FLOPs, hence a little lower).
     b16 = roof.decode_step(16, 192)
@@ -177,7 +195,9 @@ TINY_CONFIGS = [
 ]
 
 
-@pytest.mark.parametrize("family,overrides", TINY_CONFIGS, ids=["llama-tied-hd24-bias", "llama-mha", "qwen2-tied", "mistral"])
+@pytest.mark.parametrize(
+    "family,overrides", TINY_CONFIGS, ids=["llama-tied-hd24-bias", "llama-mha", "qwen2-tied", "mistral"]
+)
 def test_param_count_matches_transformers(family, overrides):
     """Oracle: a real transformers model built from the same config on the meta device (no memory, no init)."""
     import torch
@@ -190,10 +210,20 @@ def test_param_count_matches_transformers(family, overrides):
         Qwen2ForCausalLM,
     )
 
-    base = dict(vocab_size=1000, hidden_size=64, intermediate_size=176, num_hidden_layers=3, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=256)
-    cfg_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-                          "mistral": (MistralConfig, MistralForCausalLM)}[family]
+    base = dict(
+        vocab_size=1000,
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    cfg_cls, model_cls = {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "mistral": (MistralConfig, MistralForCausalLM),
+    }[family]
     hf_cfg = cfg_cls(**{**base, **overrides})
     with torch.device("meta"):
         model = model_cls(hf_cfg)
@@ -208,9 +238,19 @@ def test_param_count_matches_transformers(family, overrides):
 
 
 def test_sliding_window_caps_kv():
-    mistral = ModelSpec.from_dict(dict(architectures=["MistralForCausalLM"], hidden_size=4096, num_hidden_layers=32,
-                                       num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,
-                                       vocab_size=32000, sliding_window=4096, max_position_embeddings=32768))
+    mistral = ModelSpec.from_dict(
+        dict(
+            architectures=["MistralForCausalLM"],
+            hidden_size=4096,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            intermediate_size=14336,
+            vocab_size=32000,
+            sliding_window=4096,
+            max_position_embeddings=32768,
+        )
+    )
     assert mistral.num_windowed_layers == 32
     per_token = 2 * 32 * 8 * 128 * 2
     assert kv_bytes_per_sequence(mistral, 2048) == 2048 * per_token
@@ -237,19 +277,28 @@ def test_catalog_loads_with_sources():
         find_device(catalog, "tpu-v9")
 
 
-GOOD = dict(name="mychip", display_name="My chip", memory_bytes=32 * 10**9, memory_bandwidth_bytes_per_s=1e12,
-            bf16_tflops=100, source="my datasheet")
+GOOD = dict(
+    name="mychip",
+    display_name="My chip",
+    memory_bytes=32 * 10**9,
+    memory_bandwidth_bytes_per_s=1e12,
+    bf16_tflops=100,
+    source="my datasheet",
+)
 
 
-@pytest.mark.parametrize("change,field", [
-    ({"memory_bytes": "32GB"}, "memory_bytes"),
-    ({"bf16_tflops": -1}, "bf16_tflops"),
-    ({"source": []}, "source"),
-    ({"bandwith": 1e12}, "bandwith"),
-    ({"price": {"usd_per_hour": 1.0, "kind": "cloud", "provider": "x", "source": "y"}}, "date"),
-    ({"price": {"usd_per_hour": 1.0, "kind": "cloud", "provider": "x", "source": "y", "date": "May 2026"}}, "date"),
-    ({"interconnect": {"name": "link", "bandwidth_bytes_per_s": 0}}, "bandwidth_bytes_per_s"),
-])
+@pytest.mark.parametrize(
+    "change,field",
+    [
+        ({"memory_bytes": "32GB"}, "memory_bytes"),
+        ({"bf16_tflops": -1}, "bf16_tflops"),
+        ({"source": []}, "source"),
+        ({"bandwith": 1e12}, "bandwith"),
+        ({"price": {"usd_per_hour": 1.0, "kind": "cloud", "provider": "x", "source": "y"}}, "date"),
+        ({"price": {"usd_per_hour": 1.0, "kind": "cloud", "provider": "x", "source": "y", "date": "May 2026"}}, "date"),
+        ({"interconnect": {"name": "link", "bandwidth_bytes_per_s": 0}}, "bandwidth_bytes_per_s"),
+    ],
+)
 def test_bad_device_file_names_file_and_field(tmp_path, change, field):
     path = tmp_path / "bad.json"
     path.write_text(json.dumps({"devices": [GOOD, {**GOOD, "name": "second", **change}]}))
@@ -270,8 +319,21 @@ def test_missing_required_field_and_bad_json(tmp_path):
 
 def test_user_device_file_through_the_command(tmp_path, capsys):
     path = tmp_path / "chip.json"
-    path.write_text(json.dumps({**GOOD, "tdp_watts": 200, "price": {"usd_per_hour": 2.0, "kind": "cloud on-demand",
-                                "provider": "me", "date": "2026-11-30", "source": "my invoice"}}))
+    path.write_text(
+        json.dumps(
+            {
+                **GOOD,
+                "tdp_watts": 200,
+                "price": {
+                    "usd_per_hour": 2.0,
+                    "kind": "cloud on-demand",
+                    "provider": "me",
+                    "date": "2026-11-30",
+                    "source": "my invoice",
+                },
+            }
+        )
+    )
     # The file's only device is picked without --device.
     rc = plan_main(["--model", str(QWEN7B), "--device-file", str(path), "--batch", "8", "--json"])
     assert rc == 0
@@ -343,11 +405,13 @@ def test_command_json_and_text(capsys):
 
 
 def test_plan_imports_no_torch():
-    code = ("import sys, io, contextlib\n"
-            "from infertune.plan.command import main\n"
-            "with contextlib.redirect_stdout(io.StringIO()):\n"
-            f"    assert main(['--model', {str(QWEN7B)!r}, '--device', 'h100', '--json']) == 0\n"
-            "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    code = (
+        "import sys, io, contextlib\n"
+        "from infertune.plan.command import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        f"    assert main(['--model', {str(QWEN7B)!r}, '--device', 'h100', '--json']) == 0\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

@@ -50,6 +50,7 @@ def result(llm):
 
 # ---- the real engine under the profiler --------------------------------------------------------------------
 
+
 def test_categories_add_up_to_the_profiled_step_time(result):
     assert {r.phase for r in result.records} == {"prefill", "decode"}
     assert result.phases["prefill"].steps == 1 and result.phases["decode"].steps == OUTPUT_LEN - 1
@@ -74,10 +75,20 @@ def test_known_ops_get_the_category_of_the_module_they_run_in(result):
     op_category = {}
     for step in result.steps:
         op_category |= step.op_category
-    expected = {"aten::mm": "matmul", "aten::scaled_dot_product_attention": "attention",
-                "aten::index_copy_": "kv_cache", "aten::rsqrt": "norm", "aten::argmax": "sampling"}
-    innermost = {"aten::mm": "linear", "aten::scaled_dot_product_attention": "attention_backend",
-                 "aten::index_copy_": "kv_write", "aten::rsqrt": "norm", "aten::argmax": "sampler"}
+    expected = {
+        "aten::mm": "matmul",
+        "aten::scaled_dot_product_attention": "attention",
+        "aten::index_copy_": "kv_cache",
+        "aten::rsqrt": "norm",
+        "aten::argmax": "sampling",
+    }
+    innermost = {
+        "aten::mm": "linear",
+        "aten::scaled_dot_product_attention": "attention_backend",
+        "aten::index_copy_": "kv_write",
+        "aten::rsqrt": "norm",
+        "aten::argmax": "sampler",
+    }
     seen = {name: 0 for name in expected}
     qkv_mm = 0
     for e in result.prof.events():
@@ -136,9 +147,17 @@ def test_instrumentation_leaves_the_engine_as_it_was(llm, result):
     engine = llm.engine
     runner = engine.executor.runner
     assert result.missing == []
-    for owner, attr in [(engine, "_on_new_token"), (engine, "_output"), (engine.scheduler, "schedule"),
-                        (engine.scheduler, "update"), (engine.executor, "execute_model"), (runner, "_prepare"),
-                        (runner.attn, "forward"), (runner.attn, "write_kv"), (runner.model, "compute_logits")]:
+    for owner, attr in [
+        (engine, "_on_new_token"),
+        (engine, "_output"),
+        (engine.scheduler, "schedule"),
+        (engine.scheduler, "update"),
+        (engine.executor, "execute_model"),
+        (runner, "_prepare"),
+        (runner.attn, "forward"),
+        (runner.attn, "write_kv"),
+        (runner.model, "compute_logits"),
+    ]:
         assert attr not in vars(owner), attr
     assert type(runner.sampler).__name__ == "Sampler"
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in runner.model.modules())
@@ -148,8 +167,24 @@ def test_cli_writes_json_trace_and_explains_a_missing_matplotlib(ckpt, tmp_path,
     parser = argparse.ArgumentParser()
     profile_cmd.add_arguments(parser)
     out_json, out_trace = tmp_path / "s.json", tmp_path / "t.json"
-    args = parser.parse_args(["--model", str(ckpt), "--device", "cpu", "--input-len", "10", "--output-len", "3",
-                              "--batch", "2", "--json", str(out_json), "--trace", str(out_trace)])
+    args = parser.parse_args(
+        [
+            "--model",
+            str(ckpt),
+            "--device",
+            "cpu",
+            "--input-len",
+            "10",
+            "--output-len",
+            "3",
+            "--batch",
+            "2",
+            "--json",
+            str(out_json),
+            "--trace",
+            str(out_trace),
+        ]
+    )
     assert profile_cmd.run(args) == 0
     summary = json.loads(out_json.read_text())
     for ph in summary["phases"].values():
@@ -173,6 +208,7 @@ def test_cli_writes_json_trace_and_explains_a_missing_matplotlib(ckpt, tmp_path,
 
 
 # ---- attribution and classification, pure --------------------------------------------------------------
+
 
 def test_attribution_gives_each_microsecond_to_one_category():
     step = Span("infertune::step#0", 0.0, 100.0)
@@ -200,67 +236,115 @@ def test_attribution_gives_each_microsecond_to_one_category():
     assert prof.by_category["attention"] == pytest.approx(10.0)  # sdpa 56..66, its child clipped to it
     assert prof.by_category["sampling"] == pytest.approx(7.0)
     assert prof.by_category["host"] == pytest.approx(100.0 - 26 - 6 - 4 - 10 - 7)
-    assert prof.op_category == {1: "matmul", 2: "matmul", 3: "norm", 4: "kv_cache", 5: "attention", 6: "attention",
-                                7: "sampling"}
+    assert prof.op_category == {
+        1: "matmul",
+        2: "matmul",
+        3: "norm",
+        4: "kv_cache",
+        5: "attention",
+        6: "attention",
+        7: "sampling",
+    }
     assert prof.num_ops == 5  # linear, rsqrt, index, sdpa, argmax: nested ops are not dispatched from Python
     assert prof.host_detail["schedule"] == pytest.approx(4.0)
     # On a device timeline the same step splits by kernel time; the device's idle time is host overhead.
-    kernels = [Span("gemm_kernel", 20.0, 30.0, id=2), Span("flash_fwd", 60.0, 64.0, id=6),
-               Span("argmax_kernel", 84.0, 85.0, id=7)]
+    kernels = [
+        Span("gemm_kernel", 20.0, 30.0, id=2),
+        Span("flash_fwd", 60.0, 64.0, id=6),
+        Span("argmax_kernel", 84.0, 85.0, id=7),
+    ]
     dev = attribute_device(step, kernels, prof)
     assert dev.num_kernels == 3
     assert (dev.by_category["matmul"], dev.by_category["attention"], dev.by_category["sampling"]) == (10.0, 4.0, 1.0)
     assert sum(dev.by_category.values()) == pytest.approx(100.0) and dev.by_category["host"] == pytest.approx(85.0)
 
 
-@pytest.mark.parametrize("root, scopes, category", [
-    ("aten::mm", ("forward", "layer", "attention_block", "linear"), "matmul"),
-    ("aten::mul", ("forward", "layer", "norm"), "norm"),
-    ("aten::mul", ("forward", "layer", "mlp"), "activation"),
-    ("aten::cat", ("forward", "layer", "attention_block", "rotary"), "rotary"),
-    ("aten::index", ("forward", "layer", "attention_block", "attention_backend"), "kv_cache"),
-    ("aten::index_copy_", ("forward", "layer", "attention_block"), "kv_cache"),
-    ("aten::mm", ("forward", "layer", "moe", "linear"), "moe"),  # expert and router matmuls are MoE time
-    ("aten::topk", ("forward", "layer", "moe"), "moe"),
-    ("aten::sort", ("execute", "sampler"), "sampling"),
-    ("aten::empty", ("execute", "prepare_inputs"), "host"),
-    ("c10d::allreduce_", ("forward", "layer"), "communication"),
-    ("aten::add", ("forward", "layer"), "other"),
-    ("aten::_weight_int8pack_mm", (), "matmul"),  # no scope: the name decides
-    ("aten::_fused_rms_norm", (), "norm"),
-])
+@pytest.mark.parametrize(
+    "root, scopes, category",
+    [
+        ("aten::mm", ("forward", "layer", "attention_block", "linear"), "matmul"),
+        ("aten::mul", ("forward", "layer", "norm"), "norm"),
+        ("aten::mul", ("forward", "layer", "mlp"), "activation"),
+        ("aten::cat", ("forward", "layer", "attention_block", "rotary"), "rotary"),
+        ("aten::index", ("forward", "layer", "attention_block", "attention_backend"), "kv_cache"),
+        ("aten::index_copy_", ("forward", "layer", "attention_block"), "kv_cache"),
+        ("aten::mm", ("forward", "layer", "moe", "linear"), "moe"),  # expert and router matmuls are MoE time
+        ("aten::topk", ("forward", "layer", "moe"), "moe"),
+        ("aten::sort", ("execute", "sampler"), "sampling"),
+        ("aten::empty", ("execute", "prepare_inputs"), "host"),
+        ("c10d::allreduce_", ("forward", "layer"), "communication"),
+        ("aten::add", ("forward", "layer"), "other"),
+        ("aten::_weight_int8pack_mm", (), "matmul"),  # no scope: the name decides
+        ("aten::_fused_rms_norm", (), "norm"),
+    ],
+)
 def test_classify(root, scopes, category):
     assert classify(root, scopes) == category
 
 
-@pytest.mark.parametrize("names, kind", [
-    (["LlamaRotaryEmbedding"], "rotary"), (["RotaryEmbedding"], "rotary"), (["RMSNorm"], "norm"),
-    (["PackedLinear", "Linear"], "linear"), (["Linear"], "linear"), (["LlamaAttention"], "attention_block"),
-    (["LlamaMLP"], "mlp"), (["Qwen2MoeSparseMoeBlock"], "moe"), (["LlamaDecoderLayer"], "layer"),
-    (["Embedding"], "embedding"), (["SiLU"], "activation"), (["ModuleList"], None), (["LlamaModel"], None),
-])
+@pytest.mark.parametrize(
+    "names, kind",
+    [
+        (["LlamaRotaryEmbedding"], "rotary"),
+        (["RotaryEmbedding"], "rotary"),
+        (["RMSNorm"], "norm"),
+        (["PackedLinear", "Linear"], "linear"),
+        (["Linear"], "linear"),
+        (["LlamaAttention"], "attention_block"),
+        (["LlamaMLP"], "mlp"),
+        (["Qwen2MoeSparseMoeBlock"], "moe"),
+        (["LlamaDecoderLayer"], "layer"),
+        (["Embedding"], "embedding"),
+        (["SiLU"], "activation"),
+        (["ModuleList"], None),
+        (["LlamaModel"], None),
+    ],
+)
 def test_module_scope_kind(names, kind):
     assert module_scope_kind(names) == kind
 
 
 # ---- hints, pure --------------------------------------------------------------------------------------------
 
-def summary(decode: dict | None = None, prefill: dict | None = None, seqs: float = 4, launch_share: float = 0.02,
-            instrumentation: float = 0.0, quantization=None, **decode_extra) -> dict:
+
+def summary(
+    decode: dict | None = None,
+    prefill: dict | None = None,
+    seqs: float = 4,
+    launch_share: float = 0.02,
+    instrumentation: float = 0.0,
+    quantization=None,
+    **decode_extra,
+) -> dict:
     """A synthetic profile summary: unnamed categories share what is left as 'host' (below its threshold)."""
+
     def phase(shares: dict) -> dict:
         share = dict.fromkeys(CATEGORIES, 0.0) | shares
         share["other"] += 1.0 - sum(share.values())
-        return {"share": share, "ms_per_step": 10.0, "ms_per_step_by_category": {k: 10 * v for k, v in share.items()},
-                "seqs_per_step": seqs, "kv_detail_share": {"read": share["kv_cache"] * 0.8, "write": share["kv_cache"] * 0.2},
-                "host_detail_share": {"python_in_forward": share["host"]}, "top_ops": []}
+        return {
+            "share": share,
+            "ms_per_step": 10.0,
+            "ms_per_step_by_category": {k: 10 * v for k, v in share.items()},
+            "seqs_per_step": seqs,
+            "kv_detail_share": {"read": share["kv_cache"] * 0.8, "write": share["kv_cache"] * 0.2},
+            "host_detail_share": {"python_in_forward": share["host"]},
+            "top_ops": [],
+        }
+
     balanced = {"matmul": 0.4, "attention": 0.15, "kv_cache": 0.1, "norm": 0.05, "sampling": 0.05, "host": 0.15}
     dec = phase(decode or balanced) | decode_extra
-    return {"context": {"batch": seqs, "input_len": 128, "quantization": quantization, "torch_threads": 2},
-            "phases": {"decode": dec, "prefill": phase(prefill or {"matmul": 0.5, "attention": 0.2, "host": 0.2})},
-            "launch": {"share_of_decode_step": launch_share, "launches_per_decode_step": 380, "per_launch_us": 2.0,
-                       "overhead_us_per_decode_step": 760.0, "counted": "aten ops"},
-            "instrumentation": {"share_of_decode_step": instrumentation}}
+    return {
+        "context": {"batch": seqs, "input_len": 128, "quantization": quantization, "torch_threads": 2},
+        "phases": {"decode": dec, "prefill": phase(prefill or {"matmul": 0.5, "attention": 0.2, "host": 0.2})},
+        "launch": {
+            "share_of_decode_step": launch_share,
+            "launches_per_decode_step": 380,
+            "per_launch_us": 2.0,
+            "overhead_us_per_decode_step": 760.0,
+            "counted": "aten ops",
+        },
+        "instrumentation": {"share_of_decode_step": instrumentation},
+    }
 
 
 def rules(s: dict) -> set[str]:
@@ -271,17 +355,20 @@ def test_a_balanced_profile_gets_no_hints():
     assert derive_hints(summary()) == []
 
 
-@pytest.mark.parametrize("decode, rule, words", [
-    ({"attention": 0.38}, "attention_decode", "attention is 38% of decode"),
-    ({"kv_cache": 0.27}, "kv_cache", "kv_cache_dtype=int8"),
-    ({"matmul": 0.85}, "matmul_memory_bound", "quantization=w8a16"),
-    ({"sampling": 0.2}, "sampling", "sampling is 20% of decode"),
-    ({"norm": 0.1, "activation": 0.06, "rotary": 0.06}, "elementwise", "22% of decode"),
-    ({"host": 0.45}, "host_overhead", "larger batch"),
-    ({"other": 0.5, "attention": 0.2, "matmul": 0.3}, "unclassified", "50% of decode"),
-    ({"moe": 0.3}, "moe", "grouped GEMM"),
-    ({"communication": 0.15}, "communication", "communication is 15%"),
-])
+@pytest.mark.parametrize(
+    "decode, rule, words",
+    [
+        ({"attention": 0.38}, "attention_decode", "attention is 38% of decode"),
+        ({"kv_cache": 0.27}, "kv_cache", "kv_cache_dtype=int8"),
+        ({"matmul": 0.85}, "matmul_memory_bound", "quantization=w8a16"),
+        ({"sampling": 0.2}, "sampling", "sampling is 20% of decode"),
+        ({"norm": 0.1, "activation": 0.06, "rotary": 0.06}, "elementwise", "22% of decode"),
+        ({"host": 0.45}, "host_overhead", "larger batch"),
+        ({"other": 0.5, "attention": 0.2, "matmul": 0.3}, "unclassified", "50% of decode"),
+        ({"moe": 0.3}, "moe", "grouped GEMM"),
+        ({"communication": 0.15}, "communication", "communication is 15%"),
+    ],
+)
 def test_each_hint_fires_on_its_figure_and_names_it(decode, rule, words):
     hints = {h["rule"]: h for h in derive_hints(summary(decode=decode, seqs=1))}
     assert rule in hints and words in hints[rule]["text"]
@@ -292,11 +379,15 @@ def test_hint_thresholds_and_conditions():
     assert "attention_decode" not in rules(summary(decode={"attention": 0.2}))
     # A matmul-heavy decode is memory-bound only at a small batch; quantized already, the advice is the batch.
     assert "matmul_memory_bound" not in rules(summary(decode={"matmul": 0.85}, seqs=32))
-    quantized = {h["rule"]: h["text"] for h in derive_hints(summary(decode={"matmul": 0.85}, seqs=1, quantization="w8a16"))}
+    quantized = {
+        h["rule"]: h["text"] for h in derive_hints(summary(decode={"matmul": 0.85}, seqs=1, quantization="w8a16"))
+    }
     assert "raise the batch" in quantized["matmul_memory_bound"]
     # Launch overhead: fires on its share, and says the count.
     launch = {h["rule"]: h["text"] for h in derive_hints(summary(launch_share=0.3))}
-    assert "380 aten ops per decode step" in launch["launch_overhead"] and "compiled decode" in launch["launch_overhead"]
+    assert (
+        "380 aten ops per decode step" in launch["launch_overhead"] and "compiled decode" in launch["launch_overhead"]
+    )
     # The profiler's own ranges are not the engine's host overhead.
     assert "host_overhead" not in rules(summary(decode={"host": 0.35}, instrumentation=0.1))
     assert "host_overhead" in rules(summary(decode={"host": 0.35}, instrumentation=0.0))

@@ -31,8 +31,14 @@ def ckpt(tmp_path_factory):
 
 
 def test_a_step_of_prefill_chunks_and_decodes_is_a_mixed_step(ckpt):
-    llm = LLM(str(ckpt), device="cpu", max_model_len=64, max_num_seqs=BATCH, max_num_batched_tokens=BUDGET,
-              kv_cache_memory_bytes=2**20)
+    llm = LLM(
+        str(ckpt),
+        device="cpu",
+        max_model_len=64,
+        max_num_seqs=BATCH,
+        max_num_batched_tokens=BUDGET,
+        kv_cache_memory_bytes=2**20,
+    )
     runner = llm.engine.executor.runner
     real = runner._prepare
     ran: list[tuple[bool, bool]] = []  # per model step: (had prefill chunks, had decode rows)
@@ -62,9 +68,27 @@ def test_the_report_and_json_show_the_mixed_phase(ckpt, tmp_path, capsys):
     parser = argparse.ArgumentParser()
     profile_cmd.add_arguments(parser)
     out_json, out_trace = tmp_path / "s.json", tmp_path / "t.json"
-    args = parser.parse_args(["--model", str(ckpt), "--device", "cpu", "--input-len", str(INPUT_LEN), "--output-len",
-                              str(OUTPUT_LEN), "--batch", str(BATCH), "--max-num-batched-tokens", str(BUDGET),
-                              "--greedy", "--json", str(out_json), "--trace", str(out_trace)])
+    args = parser.parse_args(
+        [
+            "--model",
+            str(ckpt),
+            "--device",
+            "cpu",
+            "--input-len",
+            str(INPUT_LEN),
+            "--output-len",
+            str(OUTPUT_LEN),
+            "--batch",
+            str(BATCH),
+            "--max-num-batched-tokens",
+            str(BUDGET),
+            "--greedy",
+            "--json",
+            str(out_json),
+            "--trace",
+            str(out_trace),
+        ]
+    )
     assert profile_cmd.run(args) == 0
     summary = json.loads(out_json.read_text())
     assert list(summary["phases"]) == ["prefill", "mixed", "decode"]

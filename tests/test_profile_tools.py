@@ -27,15 +27,31 @@ PROMPT_LEN = 12
 
 # ---- doctor ----------------------------------------------------------------------------------------------
 
+
 def facts(**changes) -> EnvFacts:
     """A healthy CPU-only machine; tests change one fact at a time."""
     base = EnvFacts(
-        python="3.11.7", platform="Linux x86_64",
-        packages={"torch": "2.13.0+cpu", "transformers": "5.24.0", "tokenizers": "0.23.3", "safetensors": "0.8.0",
-                  "infertune": "0.1.0", "torch_npu": None},
+        python="3.11.7",
+        platform="Linux x86_64",
+        packages={
+            "torch": "2.13.0+cpu",
+            "transformers": "5.24.0",
+            "tokenizers": "0.23.3",
+            "safetensors": "0.8.0",
+            "infertune": "0.1.0",
+            "torch_npu": None,
+        },
         requirements=["torch>=2.5", "transformers>=4.45", "tokenizers>=0.20", "safetensors>=0.4"],
-        requires_python=">=3.10", cpu_model="test cpu", cpu_flags=["avx2", "avx512f"], cpu_capability="AVX512",
-        torch_threads=2, affinity_cpus=2, os_cpus=2, load_1m=0.0, mem_total=16 * 2**30, mem_available=8 * 2**30,
+        requires_python=">=3.10",
+        cpu_model="test cpu",
+        cpu_flags=["avx2", "avx512f"],
+        cpu_capability="AVX512",
+        torch_threads=2,
+        affinity_cpus=2,
+        os_cpus=2,
+        load_1m=0.0,
+        mem_total=16 * 2**30,
+        mem_available=8 * 2**30,
     )
     return replace(base, **changes)
 
@@ -86,20 +102,26 @@ def test_cann_version_is_read_from_the_toolkit_files(tmp_path):
     home = tmp_path / "toolkit"
     (home / "aarch64-linux").mkdir(parents=True)
     (home / "aarch64-linux" / "ascend_toolkit_install.info").write_text(
-        "package_name=Ascend-cann-toolkit\nversion=7.0.T13\ninnerversion=V100R001C15B100\n")
+        "package_name=Ascend-cann-toolkit\nversion=7.0.T13\ninnerversion=V100R001C15B100\n"
+    )
     assert read_cann_version({"ASCEND_TOOLKIT_HOME": str(home)}) == (
-        "7.0.T13", str(home / "aarch64-linux" / "ascend_toolkit_install.info"))
+        "7.0.T13",
+        str(home / "aarch64-linux" / "ascend_toolkit_install.info"),
+    )
     cfg_home = tmp_path / "old"
     cfg_home.mkdir()
-    (cfg_home / "version.cfg").write_text("runtime_running_version=[7.3.0.1.231:8.0.RC2]\n"
-                                          "toolkit_running_version=[7.3.0.1.231:8.0.RC2]\n")
+    (cfg_home / "version.cfg").write_text(
+        "runtime_running_version=[7.3.0.1.231:8.0.RC2]\ntoolkit_running_version=[7.3.0.1.231:8.0.RC2]\n"
+    )
     assert read_cann_version({"ASCEND_HOME_PATH": str(cfg_home)})[0] == "8.0.RC2"
 
 
 def test_doctor_cuda_driver_floor_and_threads(compat):
     assert check_cuda(facts(torch_cuda="12.4", cuda_driver="470.82.01", gpus=["A100"]), compat).status == "FAIL"
-    assert check_cuda(facts(torch_cuda="12.4", cuda_driver="550.54.15", gpus=["A100"], cuda_available=True),
-                      compat).status == "OK"
+    assert (
+        check_cuda(facts(torch_cuda="12.4", cuda_driver="550.54.15", gpus=["A100"], cuda_available=True), compat).status
+        == "OK"
+    )
     busy = {c.name: c for c in check_threads(facts(load_1m=1.5))}
     assert busy["threads.load"].status == "WARN" and "OMP_NUM_THREADS=1" in busy["threads.load"].fix
     assert {c.name: c.status for c in check_threads(facts(torch_threads=4))}["threads.count"] == "WARN"
@@ -140,6 +162,7 @@ def test_doctor_passes_on_this_machine_and_its_json_round_trips(compat, capsys):
 
 # ---- audit -----------------------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def tiny3(tmp_path_factory):
     return make_checkpoint(tmp_path_factory.mktemp("llama3"), "llama", num_hidden_layers=LAYERS)
@@ -154,7 +177,9 @@ def engine_trace(tiny3):
     llm = LLM(str(tiny3), dtype="float32", device="cpu", max_model_len=64, max_num_seqs=1)
     model = llm.engine.executor.runner.model
     linear_calls = []
-    hooks = [m.register_forward_hook(lambda *_: linear_calls.append(1)) for m in model.modules() if isinstance(m, Linear)]
+    hooks = [
+        m.register_forward_hook(lambda *_: linear_calls.append(1)) for m in model.modules() if isinstance(m, Linear)
+    ]
     try:
         trace = trace_engine_steps(llm, PROMPT_LEN)
     finally:
@@ -185,8 +210,9 @@ def test_audit_op_counts_match_the_model(engine_trace):
 def test_audit_against_the_cpu_table_finds_nothing_missing(engine_trace):
     # The trace ran on the CPU, so a correct resolution must call every op the CPU ran native.
     report = audit.audit_trace(engine_trace[0], OpTable.load("cpu"))
-    assert {r.status for r in report.ops} <= {"native", "decomposed"}, [(r.op, r.status) for r in report.ops
-                                                                         if r.status not in ("native", "decomposed")]
+    assert {r.status for r in report.ops} <= {"native", "decomposed"}, [
+        (r.op, r.status) for r in report.ops if r.status not in ("native", "decomposed")
+    ]
 
 
 def test_audit_reports_an_op_missing_from_the_table_as_fallback_with_its_hint(engine_trace, tmp_path):
@@ -273,8 +299,9 @@ def test_audit_command_json(tiny3, capsys):
     assert audit.run(args) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["backend"] == "npu" and out["phases"]["prefill"]["tokens_seen"] == 8
-    assert out["summary"]["fallback"] == 0 and any(op["op"] == "aten.mm.default" or op["op"] == "aten.matmul.default"
-                                                   for op in out["ops"])
+    assert out["summary"]["fallback"] == 0 and any(
+        op["op"] == "aten.mm.default" or op["op"] == "aten.matmul.default" for op in out["ops"]
+    )
 
 
 # ---- debug-layers ----------------------------------------------------------------------------------------
@@ -285,7 +312,11 @@ PROMPT_IDS = [5, 17, 42, 99, 7, 63, 120, 3]
 @pytest.mark.parametrize("culprit", ["model.layers.1.mlp.down_proj", "model.layers.2.self_attn.o_proj"])
 def test_debug_layers_names_the_module_with_a_planted_nan(tiny3, culprit):
     report = debug_layers.debug_layers(str(tiny3), PROMPT_IDS, dtype="float32", perturb=debug_layers.plant_nan(culprit))
-    assert report.first_divergent == {"module": culprit, "index": report.first_divergent["index"], "reason": "non-finite"}
+    assert report.first_divergent == {
+        "module": culprit,
+        "index": report.first_divergent["index"],
+        "reason": "non-finite",
+    }
     before = report.modules[: report.first_divergent["index"]]
     assert before and all(m.nonfinite_share == 0 and m.max_abs == 0 for m in before)
     assert report.modules[-1].module == "lm_head" and report.modules[-1].nonfinite_share == 1.0
@@ -298,8 +329,15 @@ def test_debug_layers_clean_fp32_run_has_no_divergence(tiny3):
     names = [m.module for m in report.modules]
     # Every decoder layer, its norms / attention / rotary / MLP, the final norm and lm_head, in execution order.
     for i in range(LAYERS):
-        for part in ("input_layernorm", "self_attn.qkv_proj", "self_attn.rotary", "self_attn.o_proj",
-                     "post_attention_layernorm", "mlp.gate_up_proj", "mlp.down_proj"):
+        for part in (
+            "input_layernorm",
+            "self_attn.qkv_proj",
+            "self_attn.rotary",
+            "self_attn.o_proj",
+            "post_attention_layernorm",
+            "mlp.gate_up_proj",
+            "mlp.down_proj",
+        ):
             assert f"model.layers.{i}.{part}" in names
     assert names[0] == "model.embed_tokens" and names.index("model.norm") < names.index("lm_head")
 
@@ -313,8 +351,19 @@ def test_debug_layers_threshold_flags_bf16_rounding(tiny3, capsys):
 
     parser = argparse.ArgumentParser()
     debug_layers.add_arguments(parser)
-    args = parser.parse_args(["--model", str(tiny3), "--prompt", "hi there", "--dtype", "float32",
-                              "--plant-nan", "model.layers.0.mlp.down_proj", "--json"])
+    args = parser.parse_args(
+        [
+            "--model",
+            str(tiny3),
+            "--prompt",
+            "hi there",
+            "--dtype",
+            "float32",
+            "--plant-nan",
+            "model.layers.0.mlp.down_proj",
+            "--json",
+        ]
+    )
     assert debug_layers.run(args) == 1
     out = json.loads(capsys.readouterr().out)
     assert out["first_divergent"]["module"] == "model.layers.0.mlp.down_proj"

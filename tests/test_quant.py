@@ -164,8 +164,9 @@ def test_w4a16_model_matches_hf_with_dequantized_weights(ckpt):
 
 
 def test_keep_fp_patterns(ckpt):
-    llm = LLM(str(ckpt), dtype="float32", max_model_len=64, quantization="w8a16",
-              keep_fp=("lm_head", "model.layers.0.*"))
+    llm = LLM(
+        str(ckpt), dtype="float32", max_model_len=64, quantization="w8a16", keep_fp=("lm_head", "model.layers.0.*")
+    )
     model = llm.engine.executor.runner.model
     assert hasattr(model.model.layers[0].self_attn.qkv_proj, "weight")
     assert hasattr(model.lm_head, "weight")

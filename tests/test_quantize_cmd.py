@@ -54,15 +54,21 @@ def test_calibration_matches_hf_hooks_on_known_inputs(tiny_llama):
     equal the same numbers computed by hand from HF transformers' layer inputs on the same token ids."""
     samples = [[5, 9, 14, 3, 77, 120, 8], [200, 1, 1, 60, 33], [42] * 9]
     llm = LLM(str(tiny_llama), dtype="float32", enable_prefix_caching=False, max_num_seqs=1)
-    names = ["model.layers.0.self_attn.qkv_proj", "model.layers.1.self_attn.o_proj",
-             "model.layers.0.mlp.gate_up_proj", "model.layers.1.mlp.down_proj"]
+    names = [
+        "model.layers.0.self_attn.qkv_proj",
+        "model.layers.1.self_attn.o_proj",
+        "model.layers.0.mlp.gate_up_proj",
+        "model.layers.1.mlp.down_proj",
+    ]
     stats = collect(llm.engine.executor.runner, names, samples, 90.0, show_progress=False)
 
     model = hf_model(tiny_llama)
-    hf_names = {"model.layers.0.self_attn.qkv_proj": "model.layers.0.self_attn.q_proj",
-                "model.layers.1.self_attn.o_proj": "model.layers.1.self_attn.o_proj",
-                "model.layers.0.mlp.gate_up_proj": "model.layers.0.mlp.gate_proj",
-                "model.layers.1.mlp.down_proj": "model.layers.1.mlp.down_proj"}
+    hf_names = {
+        "model.layers.0.self_attn.qkv_proj": "model.layers.0.self_attn.q_proj",
+        "model.layers.1.self_attn.o_proj": "model.layers.1.self_attn.o_proj",
+        "model.layers.0.mlp.gate_up_proj": "model.layers.0.mlp.gate_proj",
+        "model.layers.1.mlp.down_proj": "model.layers.1.mlp.down_proj",
+    }
     seen: dict[str, list[torch.Tensor]] = {n: [] for n in names}
     modules = dict(model.named_modules())
     for ours, theirs in hf_names.items():
@@ -98,8 +104,9 @@ def test_weight_clipping():
         minmax = reconstruction_error(w, method, "minmax", **kw)
         assert reconstruction_error(w, method, "mse", **kw) <= minmax  # r = 1 (minmax) is among the candidates
     # 15 levels leave room to trade the tails for a finer step (with 255 levels minmax is about optimal)
-    assert reconstruction_error(w, "w4a16", "mse", group_size=128) < 0.95 * reconstruction_error(w, "w4a16", "minmax",
-                                                                                                  group_size=128)
+    assert reconstruction_error(w, "w4a16", "mse", group_size=128) < 0.95 * reconstruction_error(
+        w, "w4a16", "minmax", group_size=128
+    )
     assert parse_clip("percentile:99.9") == ("percentile", 99.9)
     with pytest.raises(ValueError, match="clip"):
         parse_clip("max")
@@ -115,16 +122,28 @@ def test_int4_packing_by_hand():
 def test_checkpoint_layout(tmp_path):
     src = make_checkpoint(tmp_path / "src", "qwen2", tie_word_embeddings=False)
     out = tmp_path / "w4"
-    result = quantize(str(src), "w4a16", str(out), group_size=32, keep_fp=("lm_head", "model.layers.1.mlp.*"),
-                      show_progress=False)
+    result = quantize(
+        str(src), "w4a16", str(out), group_size=32, keep_fp=("lm_head", "model.layers.1.mlp.*"), show_progress=False
+    )
     cfg = json.loads((out / "config.json").read_text())
     qc = cfg["quantization_config"]
     assert qc["quant_method"] == "compressed-tensors" and qc["format"] == "infertune-int4-uint8"
     assert qc["config_groups"]["group_0"]["weights"] == {
-        "num_bits": 4, "type": "int", "symmetric": False, "strategy": "group", "group_size": 32, "dynamic": False,
-        "observer": "minmax", "actorder": None}
-    assert qc["ignore"] == ["lm_head", "model.layers.1.mlp.down_proj", "model.layers.1.mlp.gate_proj",
-                            "model.layers.1.mlp.up_proj"]
+        "num_bits": 4,
+        "type": "int",
+        "symmetric": False,
+        "strategy": "group",
+        "group_size": 32,
+        "dynamic": False,
+        "observer": "minmax",
+        "actorder": None,
+    }
+    assert qc["ignore"] == [
+        "lm_head",
+        "model.layers.1.mlp.down_proj",
+        "model.layers.1.mlp.gate_proj",
+        "model.layers.1.mlp.up_proj",
+    ]
     assert qc["infertune"]["source_model"] == str(src.resolve())
     assert {"tokenizer.json", "tokenizer_config.json"} <= {p.name for p in out.iterdir()}
     t = load_file(out / "model.safetensors")
@@ -179,7 +198,9 @@ def test_saved_checkpoint_reproduces_on_the_fly_quantization(tmp_path, arch):
         lb = saved.engine.executor.runner.prompt_logits(ids, [0, 1])
         torch.testing.assert_close(lb, la, atol=1e-5, rtol=0, msg=f"{method}: logits differ")
         prompts = [{"prompt_token_ids": ids[:6]}, {"prompt_token_ids": ids[6:9]}]
-        tokens = [[o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] for llm in (fly, saved)]
+        tokens = [
+            [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] for llm in (fly, saved)
+        ]
         assert tokens[0] == tokens[1], method
         with pytest.raises(ValueError, match="already quantized"):
             LLM(str(out), quantization="w4a16" if method != "w4a16" else "w8a16", **opts)
@@ -189,8 +210,16 @@ def test_saved_checkpoint_reproduces_on_the_fly_quantization(tmp_path, arch):
 def test_static_activation_scales_are_stored_and_used(tmp_path):
     src = make_checkpoint(tmp_path / "src", "llama")
     out = tmp_path / "static"
-    result = quantize(str(src), "w8a8", str(out), static_activations=True, smoothquant=0.5, num_samples=6,
-                      seq_len=16, show_progress=False)
+    result = quantize(
+        str(src),
+        "w8a8",
+        str(out),
+        static_activations=True,
+        smoothquant=0.5,
+        num_samples=6,
+        seq_len=16,
+        show_progress=False,
+    )
     name = "model.layers.0.mlp.down_proj"
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         stored = float(f.get_tensor(f"{name}.input_scale"))

@@ -57,8 +57,10 @@ def test_seeded_sampling_independent_of_batch_composition(llm):
     mixed = llm.generate(["Sampling is fun, isn't it?", "The quick brown fox", "a", "hello world"], others)
     assert mixed[1].outputs[0].token_ids == alone
     # The same seeded prompt twice in one batch: both streams equal the solo run.
-    twice = llm.generate(["The quick brown fox", "xyz", "The quick brown fox"],
-                         [seeded, SamplingParams(temperature=1.0, max_tokens=5), seeded])
+    twice = llm.generate(
+        ["The quick brown fox", "xyz", "The quick brown fox"],
+        [seeded, SamplingParams(temperature=1.0, max_tokens=5), seeded],
+    )
     assert twice[0].outputs[0].token_ids == alone
     assert twice[2].outputs[0].token_ids == alone
     assert _all_blocks_free(llm)
@@ -86,7 +88,8 @@ def test_seeded_request_joining_a_running_batch(llm):
 def test_different_seeds_give_different_outputs(llm):
     outs = [
         llm.generate("hello world", SamplingParams(temperature=1.0, seed=s, max_tokens=16, ignore_eos=True))[0]
-        .outputs[0].token_ids
+        .outputs[0]
+        .token_ids
         for s in (1, 2, 3)
     ]
     assert outs[0] != outs[1] and outs[1] != outs[2] and outs[0] != outs[2]
@@ -289,8 +292,9 @@ def test_sampler_respects_temperature_and_top_k_statistically():
     sq = torch.tensor([0.01, 0.04, 0.09, 0.16])
     _assert_matches(_draw_counts(logits, SamplingParams(temperature=0.5)), sq / sq.sum())
     # top_k=2 renormalises the two best
-    _assert_matches(_draw_counts(logits, SamplingParams(temperature=1.0, top_k=2)),
-                    torch.tensor([0.0, 0.0, 3 / 7, 4 / 7]))
+    _assert_matches(
+        _draw_counts(logits, SamplingParams(temperature=1.0, top_k=2)), torch.tensor([0.0, 0.0, 3 / 7, 4 / 7])
+    )
 
 
 def test_sampler_greedy_rows_take_argmax_and_seeded_rows_are_reproducible():
@@ -307,8 +311,9 @@ def test_sampler_greedy_rows_take_argmax_and_seeded_rows_are_reproducible():
 
 
 # ---- logprobs --------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("k, sp_kw", [(5, dict(temperature=1.0, seed=3)), (3, dict(temperature=0.0)),
-                                      (1, dict(temperature=1.0, seed=8))])
+@pytest.mark.parametrize(
+    "k, sp_kw", [(5, dict(temperature=1.0, seed=3)), (3, dict(temperature=0.0)), (1, dict(temperature=1.0, seed=8))]
+)
 def test_logprobs_match_hf_transformers(llm, tiny_llama, k, sp_kw):
     sp = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=k, **sp_kw)
     outs = llm.generate(["hello world", "The quick brown fox"], sp)
@@ -383,8 +388,9 @@ def _pick_stop(text: str, length: int = 2) -> tuple[int, str]:
 def test_stop_string_cuts_text(llm, greedy30, prompt_index, include):
     ref = greedy30[prompt_index].outputs[0]
     idx, stop = _pick_stop(ref.text)
-    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop, "\x00never\x00"],
-                        include_stop_str_in_output=include)
+    sp = SamplingParams(
+        temperature=0, max_tokens=30, ignore_eos=True, stop=[stop, "\x00never\x00"], include_stop_str_in_output=include
+    )
     out = llm.generate(PROMPTS[prompt_index], sp)[0].outputs[0]
     assert out.text == (ref.text[: idx + len(stop)] if include else ref.text[:idx])
     assert out.finish_reason == "stop"
@@ -397,8 +403,9 @@ def test_stop_string_cuts_text(llm, greedy30, prompt_index, include):
 def test_stop_token_ids_end_output_at_that_token(llm, greedy30):
     ref = greedy30[1].outputs[0].token_ids
     k = next(i for i in range(3, len(ref)) if ref[i] not in ref[:i])
-    out = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
-                                                  stop_token_ids=[ref[k]]))[0].outputs[0]
+    out = llm.generate(
+        PROMPTS[1], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop_token_ids=[ref[k]])
+    )[0].outputs[0]
     assert out.token_ids == ref[: k + 1]
     assert out.finish_reason == "stop"
     assert out.stop_reason == ref[k]
@@ -406,8 +413,12 @@ def test_stop_token_ids_end_output_at_that_token(llm, greedy30):
     full = greedy30[1].outputs[0].text
     assert full.startswith(out.text) and len(out.text) < len(full)
     assert out.text == llm.tokenizer.decode(ref[:k])
-    kept = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop_token_ids=[ref[k]],
-                                                   include_stop_str_in_output=True))[0].outputs[0]
+    kept = llm.generate(
+        PROMPTS[1],
+        SamplingParams(
+            temperature=0, max_tokens=30, ignore_eos=True, stop_token_ids=[ref[k]], include_stop_str_in_output=True
+        ),
+    )[0].outputs[0]
     assert kept.text == llm.tokenizer.decode(ref[: k + 1])
 
 
@@ -453,8 +464,14 @@ def test_top_k_top_p_over_candidates_equal_a_full_sort(spread):
 
     gen = torch.Generator().manual_seed(5)
     vocab = 5000
-    params = [SamplingParams(top_p=0.9), SamplingParams(top_k=40), SamplingParams(top_k=300, top_p=0.8),
-              SamplingParams(), SamplingParams(top_p=0.5, min_p=0.01), SamplingParams(top_k=3, top_p=0.99)]
+    params = [
+        SamplingParams(top_p=0.9),
+        SamplingParams(top_k=40),
+        SamplingParams(top_k=300, top_p=0.8),
+        SamplingParams(),
+        SamplingParams(top_p=0.5, min_p=0.01),
+        SamplingParams(top_k=3, top_p=0.99),
+    ]
     logits = torch.randn(len(params), vocab, generator=gen) * spread
     out = apply_top_k_top_p_min_p(logits.clone(), params)
     for i, p in enumerate(params):

@@ -555,8 +555,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert all(s in self.sched.running for s in batch.seqs)  # nothing newly admitted
         worker_step = self.worker.begin_step(pickle.loads(pickle.dumps(self.sched.scheduler_output(batch))))
         assert len(worker_step) == len(batch.seqs)
-        for (state, n, samples), seq, num_tokens, sample in zip(worker_step, batch.seqs, batch.num_scheduled_tokens,
-                                                                batch.sample):
+        for (state, n, samples), seq, num_tokens, sample in zip(
+            worker_step, batch.seqs, batch.num_scheduled_tokens, batch.sample
+        ):
             assert (state.token_ids, state.num_prompt_tokens) == (seq.token_ids, seq.num_prompt_tokens)
             assert (state.block_table, state.num_computed_tokens) == (seq.block_table, seq.num_computed_tokens)
             assert (n, samples) == (num_tokens, sample)
@@ -665,8 +666,9 @@ def test_dynamic_batch_by_input_length():
     from infertune.engine.sequence import Sequence
 
     def admitted(prompt_len: int, n: int) -> int:
-        sched = Scheduler(SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=4096, max_running_tokens=256),
-                          BlockManager(512, 4))
+        sched = Scheduler(
+            SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=4096, max_running_tokens=256), BlockManager(512, 4)
+        )
         for _ in range(n):
             sched.add(Sequence(list(range(prompt_len)), 4))
         sched.schedule()

@@ -49,8 +49,16 @@ def test_completion_matches_offline_and_stream(client, offline):
     assert r.choices[0].finish_reason == "length"
     assert r.usage.prompt_tokens == len(ref.prompt_token_ids)
     assert r.usage.completion_tokens == 12 and r.usage.total_tokens == r.usage.prompt_tokens + 12
-    chunks = list(client.completions.create(model=MODEL, prompt="The cache", stream=True, extra_body=NO_EOS,
-                                            stream_options={"include_usage": True}, **GREEDY))
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt="The cache",
+            stream=True,
+            extra_body=NO_EOS,
+            stream_options={"include_usage": True},
+            **GREEDY,
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == ref.outputs[0].text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].usage.completion_tokens == 12 and not chunks[-1].choices
@@ -63,8 +71,9 @@ def test_chat_matches_offline_and_stream(client, offline):
     assert r.choices[0].message.role == "assistant"
     assert r.choices[0].message.content == ref.outputs[0].text
     assert r.usage.prompt_tokens == len(ref.prompt_token_ids) and r.usage.completion_tokens == 12
-    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, stream=True, extra_body=NO_EOS,
-                                                 **GREEDY))
+    chunks = list(
+        client.chat.completions.create(model=MODEL, messages=messages, stream=True, extra_body=NO_EOS, **GREEDY)
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref.outputs[0].text
 
@@ -73,15 +82,18 @@ def test_stop_string_and_several_prompts_and_n(client, offline):
     full = offline.generate("abc", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0].outputs[0].text
     stop = full[5:8]
     cut = full[: full.index(stop)]
-    r = client.completions.create(model=MODEL, prompt="abc", stop=[stop], temperature=0, max_tokens=20,
-                                  extra_body=NO_EOS)
+    r = client.completions.create(
+        model=MODEL, prompt="abc", stop=[stop], temperature=0, max_tokens=20, extra_body=NO_EOS
+    )
     assert r.choices[0].text == cut and r.choices[0].finish_reason == "stop"
-    streamed = client.completions.create(model=MODEL, prompt="abc", stop=[stop], temperature=0, max_tokens=20,
-                                         stream=True, extra_body=NO_EOS)
+    streamed = client.completions.create(
+        model=MODEL, prompt="abc", stop=[stop], temperature=0, max_tokens=20, stream=True, extra_body=NO_EOS
+    )
     assert "".join(c.choices[0].text for c in streamed) == cut
     # Two prompts x n=2: choices are indexed prompt-major, 4 in all.
-    r = client.completions.create(model=MODEL, prompt=["abc", "xyz"], n=2, temperature=0, max_tokens=5,
-                                  extra_body=NO_EOS)
+    r = client.completions.create(
+        model=MODEL, prompt=["abc", "xyz"], n=2, temperature=0, max_tokens=5, extra_body=NO_EOS
+    )
     assert sorted(c.index for c in r.choices) == [0, 1, 2, 3]
     by_index = {c.index: c.text for c in r.choices}
     assert by_index[0] == by_index[1] == full[: len(by_index[0])]
@@ -89,13 +101,21 @@ def test_stop_string_and_several_prompts_and_n(client, offline):
 
 def test_logprobs(client, offline):
     ref = offline.generate("hello", SamplingParams(temperature=0, max_tokens=4, logprobs=2, ignore_eos=True))[0]
-    r = client.completions.create(model=MODEL, prompt="hello", temperature=0, max_tokens=4, logprobs=2,
-                                  extra_body=NO_EOS)
+    r = client.completions.create(
+        model=MODEL, prompt="hello", temperature=0, max_tokens=4, logprobs=2, extra_body=NO_EOS
+    )
     lp = r.choices[0].logprobs
     assert lp.token_logprobs == pytest.approx([e.logprob for e in ref.outputs[0].logprobs], abs=1e-5)
     assert all(len(top) <= 2 for top in lp.top_logprobs)
-    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], temperature=0,
-                                          max_tokens=3, logprobs=True, top_logprobs=2, extra_body=NO_EOS)
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "x"}],
+        temperature=0,
+        max_tokens=3,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body=NO_EOS,
+    )
     content = chat.choices[0].logprobs.content
     assert len(content) == 3 and all(len(c.top_logprobs) == 2 for c in content)
     assert all(c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob for c in content)
@@ -108,9 +128,12 @@ def test_64_concurrent_requests_match_offline(server, offline):
     async def go():
         aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
         async with aclient:
-            return await asyncio.gather(*[
-                aclient.completions.create(model=MODEL, prompt=p, temperature=0, max_tokens=8, extra_body=NO_EOS)
-                for p in prompts])
+            return await asyncio.gather(
+                *[
+                    aclient.completions.create(model=MODEL, prompt=p, temperature=0, max_tokens=8, extra_body=NO_EOS)
+                    for p in prompts
+                ]
+            )
 
     results = asyncio.run(go())
     assert [r.choices[0].text for r in results] == [o.outputs[0].text for o in refs]
@@ -119,8 +142,14 @@ def test_64_concurrent_requests_match_offline(server, offline):
 def test_disconnect_mid_stream_frees_blocks_and_counts_abort(tiny_llama):
     # A long request (240 tokens) on its own server, so it is surely still running when the client leaves.
     with ServerThread(tiny_llama, max_model_len=256) as server:
-        body = {"model": MODEL, "prompt": "a long story", "max_tokens": 240, "temperature": 0,
-                "ignore_eos": True, "stream": True}
+        body = {
+            "model": MODEL,
+            "prompt": "a long story",
+            "max_tokens": 240,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
         with httpx.Client(timeout=10) as h, h.stream("POST", server.url + "/v1/completions", json=body) as resp:
             assert resp.status_code == 200
             lines = resp.iter_lines()
@@ -128,8 +157,10 @@ def test_disconnect_mid_stream_frees_blocks_and_counts_abort(tiny_llama):
             assert got  # mid-stream
         deadline = time.time() + 10
         while time.time() < deadline:
-            if (metric(server.url, "infertune_requests_aborted_total") > 0
-                    and metric(server.url, "infertune_kv_blocks_used") == 0):
+            if (
+                metric(server.url, "infertune_requests_aborted_total") > 0
+                and metric(server.url, "infertune_kv_blocks_used") == 0
+            ):
                 break
             time.sleep(0.05)
         assert metric(server.url, "infertune_requests_aborted_total") == 1
@@ -140,16 +171,19 @@ def post(server, path, body, **kw):
     return httpx.post(server.url + path, json=body, timeout=30, **kw)
 
 
-@pytest.mark.parametrize("body, param, fragment", [
-    ({"prompt": "x", "max_tokens": 0}, "max_tokens", ">= 1"),
-    ({"prompt": "x", "temperature": -1}, "temperature", ">= 0"),
-    ({"prompt": "x", "top_p": 1.5}, "top_p", "(0, 1]"),
-    ({"prompt": "x", "n": "two"}, "n", "integer"),
-    ({"prompt": "x", "logprobs": 99}, "logprobs", "[0, 20]"),
-    ({"prompt": ""}, "prompt", "empty"),
-    ({"prompt": [[]]}, "prompt", "empty"),
-    ({}, "prompt", "required"),
-])
+@pytest.mark.parametrize(
+    "body, param, fragment",
+    [
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens", ">= 1"),
+        ({"prompt": "x", "temperature": -1}, "temperature", ">= 0"),
+        ({"prompt": "x", "top_p": 1.5}, "top_p", "(0, 1]"),
+        ({"prompt": "x", "n": "two"}, "n", "integer"),
+        ({"prompt": "x", "logprobs": 99}, "logprobs", "[0, 20]"),
+        ({"prompt": ""}, "prompt", "empty"),
+        ({"prompt": [[]]}, "prompt", "empty"),
+        ({}, "prompt", "required"),
+    ],
+)
 def test_invalid_parameters_are_400_naming_the_parameter(server, body, param, fragment):
     r = post(server, "/v1/completions", body)
     assert r.status_code == 400
@@ -216,28 +250,87 @@ def test_full_queue_is_429_and_nothing_leaks(tiny_llama):
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
-          "min_p", "n", "stop", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs",
-          "top_logprobs", "ignore_eos", "stream", "stream_options", "user", "echo", "unknown_field"]
+FIELDS = [
+    "model",
+    "prompt",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "n",
+    "stop",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logprobs",
+    "top_logprobs",
+    "ignore_eos",
+    "stream",
+    "stream_options",
+    "user",
+    "echo",
+    "unknown_field",
+]
 scalars = st.one_of(
-    st.none(), st.booleans(), st.integers(min_value=-2**70, max_value=2**70), st.sampled_from([0, 1, -1, 2**31, 64]),
-    st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=20), st.sampled_from(["", "x", MODEL]),
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.sampled_from([0, 1, -1, 2**31, 64]),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=20),
+    st.sampled_from(["", "x", MODEL]),
 )
-values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
-    st.sampled_from(["role", "content", "type", "text", "include_usage"]), inner, max_size=3), max_leaves=8)
-message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "bogus"]),
-                                 "content": st.one_of(st.text(max_size=30), values)})
-bodies = st.dictionaries(st.sampled_from(FIELDS), values, max_size=8) | st.fixed_dictionaries(
-    {"prompt": st.one_of(st.text(max_size=40), st.lists(st.integers(-5, 400), max_size=70)),
-     "max_tokens": st.integers(-3, 10**9), "temperature": st.floats(-1, 3), "stream": st.booleans()},
-    optional={"n": st.integers(-1, 3), "stop": values, "logprobs": st.integers(-2, 30),
-              "top_p": st.floats(-1, 2), "top_k": st.integers(-3, 500), "seed": st.integers(-2**63, 2**64)},
-) | st.fixed_dictionaries({"messages": st.lists(message, max_size=3)}, optional={
-    "max_completion_tokens": st.integers(-3, 10**9), "logprobs": values, "top_logprobs": values, "stream": values})
+values = st.recursive(
+    scalars,
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.dictionaries(st.sampled_from(["role", "content", "type", "text", "include_usage"]), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+message = st.fixed_dictionaries(
+    {
+        "role": st.sampled_from(["user", "system", "assistant", "bogus"]),
+        "content": st.one_of(st.text(max_size=30), values),
+    }
+)
+bodies = (
+    st.dictionaries(st.sampled_from(FIELDS), values, max_size=8)
+    | st.fixed_dictionaries(
+        {
+            "prompt": st.one_of(st.text(max_size=40), st.lists(st.integers(-5, 400), max_size=70)),
+            "max_tokens": st.integers(-3, 10**9),
+            "temperature": st.floats(-1, 3),
+            "stream": st.booleans(),
+        },
+        optional={
+            "n": st.integers(-1, 3),
+            "stop": values,
+            "logprobs": st.integers(-2, 30),
+            "top_p": st.floats(-1, 2),
+            "top_k": st.integers(-3, 500),
+            "seed": st.integers(-(2**63), 2**64),
+        },
+    )
+    | st.fixed_dictionaries(
+        {"messages": st.lists(message, max_size=3)},
+        optional={
+            "max_completion_tokens": st.integers(-3, 10**9),
+            "logprobs": values,
+            "top_logprobs": values,
+            "stream": values,
+        },
+    )
+)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                  HealthCheck.too_slow])
+@settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 @given(body=bodies, chat=st.booleans())
 def test_fuzzed_bodies_never_5xx(server, body, chat):
     path = "/v1/chat/completions" if chat else "/v1/completions"
@@ -271,9 +364,27 @@ def test_sigterm_finishes_in_flight_and_exits_zero(tiny_llama):
     config = tiny_llama.parent / "serve-config.json"  # what `infertune tune --out-config` writes
     config.write_text(json.dumps({"max_model_len": 200, "max_num_seqs": 4}))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "infertune.cli", "serve", "--model", str(tiny_llama), "--port", str(port),
-         "--dtype", "float32", "--max-model-len", "256", "--config", str(config), "--graceful-timeout", "20"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            sys.executable,
+            "-m",
+            "infertune.cli",
+            "serve",
+            "--model",
+            str(tiny_llama),
+            "--port",
+            str(port),
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "256",
+            "--config",
+            str(config),
+            "--graceful-timeout",
+            "20",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     url = f"http://127.0.0.1:{port}"
     try:

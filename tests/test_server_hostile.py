@@ -65,8 +65,10 @@ class Watchdog:
 
 
 def idle(url: str) -> bool:
-    return all(metric(url, m) == 0 for m in ("infertune_kv_blocks_used", "infertune_requests_waiting",
-                                             "infertune_requests_running"))
+    return all(
+        metric(url, m) == 0
+        for m in ("infertune_kv_blocks_used", "infertune_requests_waiting", "infertune_requests_running")
+    )
 
 
 def schemathesis_run(url: str, seed: int, report_dir) -> tuple[subprocess.CompletedProcess, int, int]:
@@ -76,22 +78,48 @@ def schemathesis_run(url: str, seed: int, report_dir) -> tuple[subprocess.Comple
 
     # A high recursion limit: hypothesis describes deeply nested strategies, and CPython 3.11's ast.parse can fail
     # there ("AST constructor recursion depth mismatch"), an error of the generator, not of the server.
-    cli = [sys.executable, "-c", "import sys; sys.setrecursionlimit(20000); from schemathesis.cli import "
-           "schemathesis; sys.exit(schemathesis())"]
+    cli = [
+        sys.executable,
+        "-c",
+        "import sys; sys.setrecursionlimit(20000); from schemathesis.cli import schemathesis; sys.exit(schemathesis())",
+    ]
     report_dir.mkdir(parents=True, exist_ok=True)
     run = subprocess.run(
-        [*cli, "run", url + "/openapi.json", "--checks", ",".join(CHECKS), "--max-examples", "700",
-         "--request-timeout", "60", "--workers", "2", "--seed", str(seed), "--no-color",
-         "--report", "junit", "--report-dir", str(report_dir)],
-        capture_output=True, text=True, timeout=600, cwd=report_dir)
+        [
+            *cli,
+            "run",
+            url + "/openapi.json",
+            "--checks",
+            ",".join(CHECKS),
+            "--max-examples",
+            "700",
+            "--request-timeout",
+            "60",
+            "--workers",
+            "2",
+            "--seed",
+            str(seed),
+            "--no-color",
+            "--report",
+            "junit",
+            "--report-dir",
+            str(report_dir),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=report_dir,
+    )
     suite = ET.parse(next(report_dir.glob("junit-*.xml"))).getroot()
     return run, int(suite.get("failures")), int(suite.get("errors"))
 
 
 def test_schemathesis_thousands_of_bodies_no_5xx_rss_under_ceiling_health_throughout(tiny_llama, tmp_path):
     pytest.importorskip("schemathesis", reason="schemathesis is not installed (pip install -e '.[test]' brings it)")
-    with ServerProcess(tiny_llama, "--memory-limit", str(MEMORY_LIMIT)) as server, \
-            Watchdog(server.url, server.proc.pid, MEMORY_LIMIT) as dog:
+    with (
+        ServerProcess(tiny_llama, "--memory-limit", str(MEMORY_LIMIT)) as server,
+        Watchdog(server.url, server.proc.pid, MEMORY_LIMIT) as dog,
+    ):
         for attempt, seed in enumerate((20261201, 20261202)):
             run, failures, errors = schemathesis_run(server.url, seed, tmp_path / str(seed))
             summary = run.stdout[-3000:]
@@ -110,8 +138,16 @@ def test_schemathesis_thousands_of_bodies_no_5xx_rss_under_ceiling_health_throug
 
 def test_soak_with_hanging_up_clients_loses_nothing_and_leaves_nothing(tiny_llama):
     with ServerProcess(tiny_llama, "--memory-limit", str(MEMORY_LIMIT)) as server:
-        report = run_soak(server.url, requests=1500, concurrency=128, hangup=0.2, max_n=4, long_words=6,
-                          progress=False, probe_every=0.25)
+        report = run_soak(
+            server.url,
+            requests=1500,
+            concurrency=128,
+            hangup=0.2,
+            max_n=4,
+            long_words=6,
+            progress=False,
+            probe_every=0.25,
+        )
     print(report.summary())
     assert report.passed, report.summary()
     assert report.ok >= 0.7 * report.requests and report.refused_other == 0
@@ -125,6 +161,7 @@ def test_sigterm_under_load_drains_in_flight_and_exits_zero(tiny_llama):
 
         async def load():
             async with httpx.AsyncClient(base_url=server.url, timeout=60) as h:
+
                 async def one(i: int):
                     try:
                         if i % 2:
@@ -158,7 +195,8 @@ def test_sigterm_under_load_drains_in_flight_and_exits_zero(tiny_llama):
 def test_sigkill_of_a_client_process_loses_nothing_on_the_server(tiny_llama, tmp_path):
     with ServerProcess(tiny_llama, "--max-model-len", "256", "--max-num-seqs", "1") as server:
         client = tmp_path / "client.py"
-        client.write_text(textwrap.dedent(f"""
+        client.write_text(
+            textwrap.dedent(f"""
             import asyncio, httpx, sys
             async def main():
                 async with httpx.AsyncClient(base_url={server.url!r}, timeout=300) as h:
@@ -173,7 +211,8 @@ def test_sigkill_of_a_client_process_loses_nothing_on_the_server(tiny_llama, tmp
                     print("sent", flush=True)
                     await gathered
             asyncio.run(main())
-        """))
+        """)
+        )
         proc = subprocess.Popen([sys.executable, str(client)], stdout=subprocess.PIPE, text=True)
         assert proc.stdout.readline().strip() == "sent"
         assert metric(server.url, "infertune_requests_running") + metric(server.url, "infertune_requests_waiting") > 0
@@ -181,7 +220,9 @@ def test_sigkill_of_a_client_process_loses_nothing_on_the_server(tiny_llama, tmp
         proc.wait(10)
         assert wait_until(lambda: idle(server.url), 10)
         # Nothing lost: each of the 12 requests either finished or was aborted; one runs at a time, so most aborted.
-        finished = metric(server.url, 'infertune_requests_total{finish_reason="length"}', default=0.0)  # (none, if slow)
+        finished = metric(
+            server.url, 'infertune_requests_total{finish_reason="length"}', default=0.0
+        )  # (none, if slow)
         aborted = metric(server.url, "infertune_requests_aborted_total")
         assert finished + aborted == 12 and aborted >= 6, (finished, aborted)
         r = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 3}, timeout=30)

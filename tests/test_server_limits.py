@@ -36,8 +36,11 @@ def reference(tiny_llama):
 
 
 def idle(server) -> bool:
-    return (metric(server.url, "infertune_kv_blocks_used") == 0 and metric(server.url, "infertune_requests_waiting")
-            == 0 and metric(server.url, "infertune_requests_running") == 0)
+    return (
+        metric(server.url, "infertune_kv_blocks_used") == 0
+        and metric(server.url, "infertune_requests_waiting") == 0
+        and metric(server.url, "infertune_requests_running") == 0
+    )
 
 
 HOSTILE = [
@@ -121,13 +124,17 @@ def test_queue_counts_sequences_and_429_says_when_to_retry(tiny_llama):
 def test_non_streamed_request_is_aborted_when_its_client_hangs_up(tiny_llama):
     with ServerThread(tiny_llama, max_model_len=256) as s:
         s.engine.step_listeners.append(lambda outputs, seconds: time.sleep(0.01))  # 200 steps take >= 2 s
-        for path, body in (("/v1/completions", {"prompt": "a long story"}),
-                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a long story"}]})):
+        for path, body in (
+            ("/v1/completions", {"prompt": "a long story"}),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a long story"}]}),
+        ):
             before = metric(s.url, "infertune_requests_aborted_total")
             body = {**body, "max_tokens": 200, "temperature": 0, "ignore_eos": True, "n": 3}
             with pytest.raises(httpx.ReadTimeout):
                 httpx.post(s.url + path, json=body, timeout=httpx.Timeout(10, read=0.3))
-            assert wait_until(lambda before=before: metric(s.url, "infertune_requests_aborted_total") == before + 1 and idle(s))
+            assert wait_until(
+                lambda before=before: metric(s.url, "infertune_requests_aborted_total") == before + 1 and idle(s)
+            )
         assert metric(s.url, "infertune_generation_tokens_total") == 0  # neither ran to its end
 
 
@@ -162,8 +169,9 @@ def test_memory_budget_refuses_what_would_not_fit_and_the_rss_ceiling_sheds_load
 
         async def two():
             async with httpx.AsyncClient(timeout=60) as h:
-                return await asyncio.gather(h.post(s.url + "/v1/completions", json=body),
-                                            h.post(s.url + "/v1/completions", json=body))
+                return await asyncio.gather(
+                    h.post(s.url + "/v1/completions", json=body), h.post(s.url + "/v1/completions", json=body)
+                )
 
         codes = sorted(r.status_code for r in asyncio.run(two()))
         assert codes == [200, 429]
@@ -176,5 +184,9 @@ def test_memory_budget_refuses_what_would_not_fit_and_the_rss_ceiling_sheds_load
         assert httpx.get(s.url + "/health").status_code == 200
         assert metric(s.url, "infertune_process_resident_memory_bytes") > ceiling
         del ballast
-        assert wait_until(lambda: httpx.post(s.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1},
-                                           timeout=30).status_code == 200)
+        assert wait_until(
+            lambda: (
+                httpx.post(s.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1}, timeout=30).status_code
+                == 200
+            )
+        )

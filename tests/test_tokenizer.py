@@ -14,8 +14,16 @@ from infertune.engine.detokenizer import IncrementalDetokenizer
 from infertune.engine.tokenizer import FastTokenizer, load_tokenizer
 
 TEXTS = [
-    "", "the hello", "  two leading spaces", "tabs\tand\nnew lines\n\n", "héllo wörld, 日本語 🤖",
-    "<|user|>hi<|end|>", "</s>", "a</s>b<s>c", "the<|user|> the <|end|>", "Ünïcödé ǅ ﬁ №",
+    "",
+    "the hello",
+    "  two leading spaces",
+    "tabs\tand\nnew lines\n\n",
+    "héllo wörld, 日本語 🤖",
+    "<|user|>hi<|end|>",
+    "</s>",
+    "a</s>b<s>c",
+    "the<|user|> the <|end|>",
+    "Ünïcödé ǅ ﬁ №",
 ]
 
 
@@ -62,9 +70,14 @@ def sentencepiece_unigram(path: Path, **kw) -> Path:
     tok = Tokenizer(models.Unigram(vocab, unk_id=0, byte_fallback=True))
     tok.normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Replace(" ", "▁")])
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
-    tok.decoder = decoders.Sequence([
-        decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0),
-    ])
+    tok.decoder = decoders.Sequence(
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", 1)])
     return _save(tok, path, **kw)
 
@@ -76,14 +89,18 @@ def older_transformers_bpe(path: Path) -> Path:
     added = json.loads((path / "tokenizer.json").read_text())["added_tokens"]
     decoder = {str(t["id"]): {k: v for k, v in t.items() if k != "id"} for t in added}
     cfg = json.loads((path / "tokenizer_config.json").read_text())
-    cfg.update(tokenizer_class="PreTrainedTokenizerFast", added_tokens_decoder=decoder,
-               clean_up_tokenization_spaces=True)
+    cfg.update(
+        tokenizer_class="PreTrainedTokenizerFast", added_tokens_decoder=decoder, clean_up_tokenization_spaces=True
+    )
     (path / "tokenizer_config.json").write_text(json.dumps(cfg))
     return path
 
 
-BUILDERS = {"byte_level_bpe": byte_level_bpe, "sentencepiece_unigram": sentencepiece_unigram,
-            "older_transformers_bpe": older_transformers_bpe}
+BUILDERS = {
+    "byte_level_bpe": byte_level_bpe,
+    "sentencepiece_unigram": sentencepiece_unigram,
+    "older_transformers_bpe": older_transformers_bpe,
+}
 
 
 @pytest.fixture(scope="module", params=sorted(BUILDERS))
@@ -151,15 +168,18 @@ def test_the_rest_of_the_api_comes_from_transformers(pair):
     assert ours.decode([ids, ids]) == hf.decode([ids, ids])  # batched: handed to transformers
 
 
-@pytest.mark.parametrize("change, expected", [
-    ("chat_template_file", "chat_template.jinja"),
-    ("chat_template_key", "chat_template"),
-    ("qwen2", "model_type 'qwen2'"),
-    ("add_bos_token", "add_bos_token"),
-    ("slow_class", "tokenizer_class 'LlamaTokenizer'"),
-    ("special_not_in_json", "<|system|>"),
-    ("special_stripped", "<|user|>"),
-])
+@pytest.mark.parametrize(
+    "change, expected",
+    [
+        ("chat_template_file", "chat_template.jinja"),
+        ("chat_template_key", "chat_template"),
+        ("qwen2", "model_type 'qwen2'"),
+        ("add_bos_token", "add_bos_token"),
+        ("slow_class", "tokenizer_class 'LlamaTokenizer'"),
+        ("special_not_in_json", "<|system|>"),
+        ("special_stripped", "<|user|>"),
+    ],
+)
 def test_other_folders_get_transformers(tmp_path, caplog, change, expected):
     """A folder transformers would build or wrap differently gets AutoTokenizer itself."""
     import logging

@@ -14,20 +14,36 @@ from infertune.tune.recommend import knee, parse_slo, recommend, slo_violations
 def row(b, tok_s, ttft_ms=10.0, tpot_ms=5.0, status="ok", tokens=2048):
     r = dict(max_num_seqs=b, max_num_batched_tokens=tokens, status=status)
     if status == "ok":
-        r.update(output_tok_s=tok_s, ttft_p50_s=ttft_ms / 2e3, ttft_p90_s=ttft_ms / 1e3, ttft_p99_s=ttft_ms / 1e3,
-                 tpot_p50_s=tpot_ms / 2e3, tpot_p90_s=tpot_ms / 1e3, tpot_p99_s=tpot_ms / 1e3)
+        r.update(
+            output_tok_s=tok_s,
+            ttft_p50_s=ttft_ms / 2e3,
+            ttft_p90_s=ttft_ms / 1e3,
+            ttft_p99_s=ttft_ms / 1e3,
+            tpot_p50_s=tpot_ms / 2e3,
+            tpot_p90_s=tpot_ms / 1e3,
+            tpot_p99_s=tpot_ms / 1e3,
+        )
     else:
         r.update(output_tok_s=None, error="ValueError: the KV-cache budget ...")
     return r
 
 
 # A seeds-style batch table: throughput rises, then flattens; latency grows with the batch; the largest OOMs.
-TABLE = [row(1, 100, 20, 10), row(2, 190, 30, 11), row(4, 350, 60, 12), row(8, 600, 90, 20),
-         row(16, 620, 150, 40), row(32, None, status="oom")]
+TABLE = [
+    row(1, 100, 20, 10),
+    row(2, 190, 30, 11),
+    row(4, 350, 60, 12),
+    row(8, 600, 90, 20),
+    row(16, 620, 150, 40),
+    row(32, None, status="oom"),
+]
 
 
 def test_parse_slo_units_and_errors():
-    assert parse_slo("ttft_p90=100ms,tpot_p90=0.05s") == {"ttft_p90": pytest.approx(0.1), "tpot_p90": pytest.approx(0.05)}
+    assert parse_slo("ttft_p90=100ms,tpot_p90=0.05s") == {
+        "ttft_p90": pytest.approx(0.1),
+        "tpot_p90": pytest.approx(0.05),
+    }
     assert parse_slo("ttft_p50=250") == {"ttft_p50": pytest.approx(0.25)}  # bare numbers are ms
     assert parse_slo(None) == {} and parse_slo("") == {}
     for bad in ("ttft=100ms", "ttft_p90", "ttft_p90=fast", "ttft_p90=-3ms"):
@@ -79,8 +95,23 @@ def test_tune_tiny_sweep_writes_a_config_llm_accepts(tmp_path, capsys):
     from infertune.tune import command
 
     out = tmp_path / "cfg.json"
-    args = _args(command, ["--input-len", "8", "--output-len", "4", "--max-batch", "2", "--batched-tokens", "64",
-                           "--slo", "ttft_p90=60s", "--out-config", str(out)])
+    args = _args(
+        command,
+        [
+            "--input-len",
+            "8",
+            "--output-len",
+            "4",
+            "--max-batch",
+            "2",
+            "--batched-tokens",
+            "64",
+            "--slo",
+            "ttft_p90=60s",
+            "--out-config",
+            str(out),
+        ],
+    )
     assert command.run(args) == 0
     text = capsys.readouterr().out
     assert "| variant | batch | batched tokens | tokens/s | TTFT" in text and "online: base, max_num_seqs=" in text
@@ -89,8 +120,22 @@ def test_tune_tiny_sweep_writes_a_config_llm_accepts(tmp_path, capsys):
     LLM(**cfg)  # the written options are engine options
 
     # A KV budget too small for one sequence: every setting is an OOM row and nothing is recommended.
-    args = _args(command, ["--input-len", "8", "--output-len", "4", "--max-batch", "2", "--batched-tokens", "64",
-                           "--kv-cache-memory-bytes", "64", "--json"])
+    args = _args(
+        command,
+        [
+            "--input-len",
+            "8",
+            "--output-len",
+            "4",
+            "--max-batch",
+            "2",
+            "--batched-tokens",
+            "64",
+            "--kv-cache-memory-bytes",
+            "64",
+            "--json",
+        ],
+    )
     assert command.run(args) == 1
     doc = json.loads(capsys.readouterr().out)
     assert {r["status"] for r in doc["rows"]} == {"oom"} and doc["offline"] is None
@@ -99,16 +144,40 @@ def test_tune_tiny_sweep_writes_a_config_llm_accepts(tmp_path, capsys):
 def test_tune_sweeps_kv_dtype_quantization_and_dynamic_batch(capsys):
     from infertune.tune import command
 
-    args = _args(command, ["--input-len", "8", "--output-len", "4", "--max-batch", "2", "--batched-tokens", "64",
-                           "--kv-cache-dtype", "auto,int8", "--quantization", "none,w8a16",
-                           "--max-running-tokens", "none,12", "--json"])
+    args = _args(
+        command,
+        [
+            "--input-len",
+            "8",
+            "--output-len",
+            "4",
+            "--max-batch",
+            "2",
+            "--batched-tokens",
+            "64",
+            "--kv-cache-dtype",
+            "auto,int8",
+            "--quantization",
+            "none,w8a16",
+            "--max-running-tokens",
+            "none,12",
+            "--json",
+        ],
+    )
     assert command.run(args) == 0
     doc = json.loads(capsys.readouterr().out)
     rows = doc["rows"]
     assert len(rows) == 2 * 2 * 2 * 2  # variants x batches 1, 2
-    assert {r["variant"] for r in rows} == {"", "kv int8", "w8a16", "dynamic <= 12 tok", "kv int8, w8a16",
-                                            "kv int8, dynamic <= 12 tok", "w8a16, dynamic <= 12 tok",
-                                            "kv int8, w8a16, dynamic <= 12 tok"}
+    assert {r["variant"] for r in rows} == {
+        "",
+        "kv int8",
+        "w8a16",
+        "dynamic <= 12 tok",
+        "kv int8, w8a16",
+        "kv int8, dynamic <= 12 tok",
+        "w8a16, dynamic <= 12 tok",
+        "kv int8, w8a16, dynamic <= 12 tok",
+    }
     for r in rows:
         assert r["status"] == "ok" and r["output_tok_s"] > 0
         assert r["options"].get("kv_cache_dtype", "auto") == ("int8" if "kv int8" in r["variant"] else "auto")
@@ -123,13 +192,39 @@ def test_ledger_end_to_end_on_the_demo_model(tmp_path, capsys):
     from infertune.tune import ledger
 
     out_json, out_md = tmp_path / "ledger.json", tmp_path / "ledger.md"
-    args = _args(ledger, ["--input-len", "16", "--output-len", "8", "--batch", "2", "--accuracy-tokens", "512", "--in-process",
-                          "--json", str(out_json), "--md", str(out_md)])
+    args = _args(
+        ledger,
+        [
+            "--input-len",
+            "16",
+            "--output-len",
+            "8",
+            "--batch",
+            "2",
+            "--accuracy-tokens",
+            "512",
+            "--in-process",
+            "--json",
+            str(out_json),
+            "--md",
+            str(out_md),
+        ],
+    )
     assert ledger.run(args) == 0
     doc = json.loads(out_json.read_text())
     steps = {s["step"]: s for s in doc["steps"]}
-    assert list(steps) == ["hf", "eager", "batching", "prepack", "compiled", "kernels", "int8_kv", "w8a16", "w4a16",
-                           "tuned"]
+    assert list(steps) == [
+        "hf",
+        "eager",
+        "batching",
+        "prepack",
+        "compiled",
+        "kernels",
+        "int8_kv",
+        "w8a16",
+        "w4a16",
+        "tuned",
+    ]
     for s in steps.values():
         assert s["status"] == "ok", s
         assert s["output_tok_s"] > 0 and s["ttft_p50_s"] > 0
@@ -140,7 +235,9 @@ def test_ledger_end_to_end_on_the_demo_model(tmp_path, capsys):
     assert steps["prepack"]["options"]["prepack_weights"] is True and steps["prepack"]["options"]["compile"] == "off"
     assert steps["compiled"]["options"]["compile"] == "on" and steps["compiled"]["options"]["decode_kernels"] == "off"
     assert steps["kernels"]["options"]["decode_kernels"] == "auto" and steps["w8a16"]["options"]["compile"] == "off"
-    assert steps["w4a16"]["options"]["quantization"] == "w4a16" and steps["w4a16"]["options"]["kv_cache_dtype"] == "int8"
+    assert (
+        steps["w4a16"]["options"]["quantization"] == "w4a16" and steps["w4a16"]["options"]["kv_cache_dtype"] == "int8"
+    )
     for key in ("int8_kv", "w8a16", "w4a16"):  # lossy steps carry a measured perplexity on the trained demo model
         acc = steps[key]["accuracy"]
         assert acc["perplexity"] > 0 and acc["ref_perplexity"] > 0
@@ -153,18 +250,31 @@ def test_ledger_end_to_end_on_the_demo_model(tmp_path, capsys):
 def test_isolated_measurement_reports_its_own_peak_rss():
     from infertune.tune.measure import run_isolated
 
-    row = run_isolated("measure_infertune", threads=1, model=None,
-                       options=dict(dtype="bfloat16", max_model_len=12, max_num_seqs=2, enable_prefix_caching=False),
-                       prompts=[[5, 6, 7, 8], [9, 10, 11, 12]], output_lens=[4, 4], timeout=120)
+    row = run_isolated(
+        "measure_infertune",
+        threads=1,
+        model=None,
+        options=dict(dtype="bfloat16", max_model_len=12, max_num_seqs=2, enable_prefix_caching=False),
+        prompts=[[5, 6, 7, 8], [9, 10, 11, 12]],
+        output_lens=[4, 4],
+        timeout=120,
+    )
     assert row["status"] == "ok" and row["output_tok_s"] > 0 and row["peak_rss_mib"] > 0
-    oom = run_isolated("measure_infertune", threads=1, model=None,
-                       options=dict(max_model_len=12, kv_cache_memory_bytes=8), prompts=[[5]], output_lens=[2])
+    oom = run_isolated(
+        "measure_infertune",
+        threads=1,
+        model=None,
+        options=dict(max_model_len=12, kv_cache_memory_bytes=8),
+        prompts=[[5]],
+        output_lens=[2],
+    )
     assert oom["status"] == "oom" and "KV-cache budget" in oom["error"]
 
 
 def test_plot_without_matplotlib_is_a_clear_error(tmp_path):
     try:
         import matplotlib  # noqa: F401
+
         pytest.skip("matplotlib is installed")
     except ImportError:
         pass
@@ -180,7 +290,22 @@ def test_tune_plot_is_written(tmp_path, capsys):
     from infertune.tune import command
 
     out = tmp_path / "tune.png"
-    args = _args(command, ["--input-len", "8", "--output-len", "4", "--max-batch", "2", "--batched-tokens", "64",
-                           "--kv-cache-dtype", "auto,int8", "--plot", str(out)])
+    args = _args(
+        command,
+        [
+            "--input-len",
+            "8",
+            "--output-len",
+            "4",
+            "--max-batch",
+            "2",
+            "--batched-tokens",
+            "64",
+            "--kv-cache-dtype",
+            "auto,int8",
+            "--plot",
+            str(out),
+        ],
+    )
     assert command.run(args) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000

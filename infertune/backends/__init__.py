@@ -11,7 +11,7 @@ _BACKENDS: dict[str, type[Backend]] = {"cuda": CUDABackend, "npu": NPUBackend, "
 
 
 def get_backend(device: str = "auto") -> Backend:
-    """"auto" prefers CUDA, then NPU, then CPU. A forced device that is absent is a clear error."""
+    """ "auto" prefers CUDA, then NPU, then CPU. A forced device that is absent is a clear error."""
     name, _, index = device.partition(":")
     if name == "auto":
         for cls in _BACKENDS.values():

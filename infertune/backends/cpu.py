@@ -60,11 +60,19 @@ def keep_host_memory() -> str:
     if mallopt is None:
         _host_memory_done = "left alone (no glibc mallopt)"
     else:
-        ok = all(mallopt(param, value) == 1 for param, value in (
-            (_M_MMAP_THRESHOLD, _KEEP_MMAP_THRESHOLD), (_M_TRIM_THRESHOLD, _KEEP_TRIM_THRESHOLD),
-            (_M_TOP_PAD, _KEEP_TOP_PAD)))
-        _host_memory_done = ("freed blocks up to 64 MiB are reused (glibc mmap threshold 64 MiB, trim threshold "
-                             "512 MiB)" if ok else "left alone (glibc refused mallopt)")
+        ok = all(
+            mallopt(param, value) == 1
+            for param, value in (
+                (_M_MMAP_THRESHOLD, _KEEP_MMAP_THRESHOLD),
+                (_M_TRIM_THRESHOLD, _KEEP_TRIM_THRESHOLD),
+                (_M_TOP_PAD, _KEEP_TOP_PAD),
+            )
+        )
+        _host_memory_done = (
+            "freed blocks up to 64 MiB are reused (glibc mmap threshold 64 MiB, trim threshold 512 MiB)"
+            if ok
+            else "left alone (glibc refused mallopt)"
+        )
     logger.info("host memory: %s", _host_memory_done)
     return _host_memory_done
 

@@ -71,23 +71,49 @@ from infertune.bench.worker_protocol import (  # noqa: F401  re-exported: other 
 )
 from infertune.plotting import pyplot, require_matplotlib
 
-SYSTEMS = ("infertune", "hf", "infertune-eager", "infertune-bf16", "infertune-w8a16", "infertune-w4a16", "infertune-w8a8",
-           "infertune-torch", "infertune-w8a16-torch", "llama.cpp", "llama.cpp-q8_0", "llama.cpp-q4_0", "vllm")
-SYSTEM_LABELS = {"infertune": "infertune", "hf": "HF transformers", "infertune-eager": "infertune (compile off)",
-                 "infertune-bf16": "infertune (weights as loaded, 12-bit off)",
-                 "infertune-w8a16": "infertune W8A16", "infertune-w4a16": "infertune W4A16 (g128)",
-                 "infertune-w8a8": "infertune W8A8",
-                 "infertune-torch": "infertune (torch matmuls)", "infertune-w8a16-torch": "infertune W8A16 (torch matmuls)",
-                 "llama.cpp": "llama.cpp BF16", "llama.cpp-q8_0": "llama.cpp Q8_0",
-                 "llama.cpp-q4_0": "llama.cpp Q4_0", "vllm": "vLLM-CPU"}
+SYSTEMS = (
+    "infertune",
+    "hf",
+    "infertune-eager",
+    "infertune-bf16",
+    "infertune-w8a16",
+    "infertune-w4a16",
+    "infertune-w8a8",
+    "infertune-torch",
+    "infertune-w8a16-torch",
+    "llama.cpp",
+    "llama.cpp-q8_0",
+    "llama.cpp-q4_0",
+    "vllm",
+)
+SYSTEM_LABELS = {
+    "infertune": "infertune",
+    "hf": "HF transformers",
+    "infertune-eager": "infertune (compile off)",
+    "infertune-bf16": "infertune (weights as loaded, 12-bit off)",
+    "infertune-w8a16": "infertune W8A16",
+    "infertune-w4a16": "infertune W4A16 (g128)",
+    "infertune-w8a8": "infertune W8A8",
+    "infertune-torch": "infertune (torch matmuls)",
+    "infertune-w8a16-torch": "infertune W8A16 (torch matmuls)",
+    "llama.cpp": "llama.cpp BF16",
+    "llama.cpp-q8_0": "llama.cpp Q8_0",
+    "llama.cpp-q4_0": "llama.cpp Q4_0",
+    "vllm": "vLLM-CPU",
+}
 BASELINES = ("hf", "llama.cpp", "llama.cpp-q8_0", "llama.cpp-q4_0", "vllm")
 DEFAULT_SYSTEMS = ("infertune", "hf")
 # Which peers each infertune variant is compared with, when both ran (same precision class).
-PEER_OF = {"infertune": ("hf", "llama.cpp", "vllm", "infertune-torch", "infertune-bf16"),
-           "infertune-eager": ("hf", "llama.cpp", "vllm"), "infertune-bf16": ("hf", "llama.cpp", "vllm"),
-           "infertune-torch": ("hf", "llama.cpp", "vllm"), "infertune-w8a16-torch": ("llama.cpp-q8_0",),
-           "infertune-w8a16": ("llama.cpp-q8_0", "infertune-w8a16-torch"), "infertune-w8a8": ("llama.cpp-q8_0",),
-           "infertune-w4a16": ("llama.cpp-q4_0",)}
+PEER_OF = {
+    "infertune": ("hf", "llama.cpp", "vllm", "infertune-torch", "infertune-bf16"),
+    "infertune-eager": ("hf", "llama.cpp", "vllm"),
+    "infertune-bf16": ("hf", "llama.cpp", "vllm"),
+    "infertune-torch": ("hf", "llama.cpp", "vllm"),
+    "infertune-w8a16-torch": ("llama.cpp-q8_0",),
+    "infertune-w8a16": ("llama.cpp-q8_0", "infertune-w8a16-torch"),
+    "infertune-w8a8": ("llama.cpp-q8_0",),
+    "infertune-w4a16": ("llama.cpp-q4_0",),
+}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -133,61 +159,145 @@ def add_arguments(p: argparse.ArgumentParser, default_batch: list[int] | None = 
     from infertune.config import engine_option_kwargs as option  # the engine options' choices
 
     g = p.add_argument_group("model")
-    g.add_argument("--model", metavar="DIR", help="a Hugging Face model folder (Llama/Qwen2/Mistral, safetensors). "
-                   "Default: build a random-weight Llama of --preset once and cache it under --cache-dir")
-    g.add_argument("--preset", "--random-config", dest="preset", choices=sorted(PRESETS), default="386m",
-                   help="shape of the built model: 386m = hidden 896, 24 layers, 14 heads, 2 KV heads, "
-                        "intermediate 4864, vocab 32000, tied (the BASELINES.md model); small = hidden 128, "
-                        "4 layers, for quick checks (default: 386m; ignored with --model)")
-    g.add_argument("--cache-dir", type=Path, default=Path("/tmp/infertune-bench"),
-                   help="where built models are cached (default: /tmp/infertune-bench)")
+    g.add_argument(
+        "--model",
+        metavar="DIR",
+        help="a Hugging Face model folder (Llama/Qwen2/Mistral, safetensors). "
+        "Default: build a random-weight Llama of --preset once and cache it under --cache-dir",
+    )
+    g.add_argument(
+        "--preset",
+        "--random-config",
+        dest="preset",
+        choices=sorted(PRESETS),
+        default="386m",
+        help="shape of the built model: 386m = hidden 896, 24 layers, 14 heads, 2 KV heads, "
+        "intermediate 4864, vocab 32000, tied (the BASELINES.md model); small = hidden 128, "
+        "4 layers, for quick checks (default: 386m; ignored with --model)",
+    )
+    g.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=Path("/tmp/infertune-bench"),
+        help="where built models are cached (default: /tmp/infertune-bench)",
+    )
     g = p.add_argument_group("workload")
     g.add_argument("--input-len", type=positive_int, default=128, help="prompt tokens per sequence (default: 128)")
-    g.add_argument("--output-len", type=positive_int, default=128,
-                   help="generated tokens per sequence, EOS ignored (default: 128)")
-    g.add_argument("--batch", type=int_list, default=default_batch or [1, 16], metavar="B[,B...]",
-                   help="batch sizes: prompts submitted together (default: 1,16)")
-    g.add_argument("--systems", type=system_list, default=list(DEFAULT_SYSTEMS), metavar="S[,S...]",
-                   help="systems to run: infertune, hf (transformers generate), infertune-bf16 (infertune with its "
-                   "bf16 weights as loaded: compress_weights off), infertune-w8a16, infertune-w4a16, "
-                   "infertune-w8a8, infertune-eager (compile off), infertune-torch and infertune-w8a16-torch (the "
-                   "same engine on torch's matmuls: --decode-kernels off) (default: infertune,hf)")
-    g.add_argument("--baseline", action="append", default=[], choices=BASELINES, metavar="PEER",
-                   help=f"add a peer system to --systems (repeatable): {', '.join(BASELINES)}")
-    g.add_argument("--vllm-python", default=None, metavar="PYTHON",
-                   help="interpreter of the venv holding vllm-cpu (default: $INFERTUNE_VLLM_PYTHON)")
-    g.add_argument("--dtype", **option("dtype", choices=("bfloat16", "float32"), default="bfloat16",
-                                       help="compute dtype of both systems (default: bfloat16)"))
-    g.add_argument("--threads", type=positive_int, default=2,
-                   help="torch.set_num_threads (and OMP/MKL threads) in every worker (default: 2)")
-    g.add_argument("--repeats", type=positive_int, default=3,
-                   help="timed runs per (system, batch) after one untimed warm-up; medians reported (default: 3)")
-    g.add_argument("--rounds", type=positive_int, default=1,
-                   help="run every (system, batch) worker this many times, the order of the systems reversed on "
-                        "every other round, so that a slow phase of the machine hits all alike; medians over every "
-                        "round's runs, and the ratios of each round too (default: 1)")
+    g.add_argument(
+        "--output-len", type=positive_int, default=128, help="generated tokens per sequence, EOS ignored (default: 128)"
+    )
+    g.add_argument(
+        "--batch",
+        type=int_list,
+        default=default_batch or [1, 16],
+        metavar="B[,B...]",
+        help="batch sizes: prompts submitted together (default: 1,16)",
+    )
+    g.add_argument(
+        "--systems",
+        type=system_list,
+        default=list(DEFAULT_SYSTEMS),
+        metavar="S[,S...]",
+        help="systems to run: infertune, hf (transformers generate), infertune-bf16 (infertune with its "
+        "bf16 weights as loaded: compress_weights off), infertune-w8a16, infertune-w4a16, "
+        "infertune-w8a8, infertune-eager (compile off), infertune-torch and infertune-w8a16-torch (the "
+        "same engine on torch's matmuls: --decode-kernels off) (default: infertune,hf)",
+    )
+    g.add_argument(
+        "--baseline",
+        action="append",
+        default=[],
+        choices=BASELINES,
+        metavar="PEER",
+        help=f"add a peer system to --systems (repeatable): {', '.join(BASELINES)}",
+    )
+    g.add_argument(
+        "--vllm-python",
+        default=None,
+        metavar="PYTHON",
+        help="interpreter of the venv holding vllm-cpu (default: $INFERTUNE_VLLM_PYTHON)",
+    )
+    g.add_argument(
+        "--dtype",
+        **option(
+            "dtype",
+            choices=("bfloat16", "float32"),
+            default="bfloat16",
+            help="compute dtype of both systems (default: bfloat16)",
+        ),
+    )
+    g.add_argument(
+        "--threads",
+        type=positive_int,
+        default=2,
+        help="torch.set_num_threads (and OMP/MKL threads) in every worker (default: 2)",
+    )
+    g.add_argument(
+        "--repeats",
+        type=positive_int,
+        default=3,
+        help="timed runs per (system, batch) after one untimed warm-up; medians reported (default: 3)",
+    )
+    g.add_argument(
+        "--rounds",
+        type=positive_int,
+        default=1,
+        help="run every (system, batch) worker this many times, the order of the systems reversed on "
+        "every other round, so that a slow phase of the machine hits all alike; medians over every "
+        "round's runs, and the ratios of each round too (default: 1)",
+    )
     g.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default: 0)")
     g = p.add_argument_group("system options")
-    g.add_argument("--hf-attn", default="sdpa", choices=["sdpa", "eager"],
-                   help="attn_implementation of the HF model (default: sdpa, as in BASELINES.md)")
-    g.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
-                   help="infertune's per-step token budget (default: the engine's default, 2048)")
-    g.add_argument("--compile", **option("compile", help="infertune's --compile for the infertune systems "
-                                         "(infertune-eager is always off) (default: auto)"))
-    g.add_argument("--kv-cache-dtype", **option("kv_cache_dtype", help="infertune's KV-cache storage (default: auto "
-                                                "= the model dtype)"))
-    g.add_argument("--no-prefix-caching", action="store_true",
-                   help="start infertune with enable_prefix_caching=False (prompts differ on every run anyway, "
-                        "so the cache should never hit)")
+    g.add_argument(
+        "--hf-attn",
+        default="sdpa",
+        choices=["sdpa", "eager"],
+        help="attn_implementation of the HF model (default: sdpa, as in BASELINES.md)",
+    )
+    g.add_argument(
+        "--max-num-batched-tokens",
+        type=positive_int,
+        default=None,
+        help="infertune's per-step token budget (default: the engine's default, 2048)",
+    )
+    g.add_argument(
+        "--compile",
+        **option(
+            "compile",
+            help="infertune's --compile for the infertune systems (infertune-eager is always off) (default: auto)",
+        ),
+    )
+    g.add_argument(
+        "--kv-cache-dtype",
+        **option("kv_cache_dtype", help="infertune's KV-cache storage (default: auto = the model dtype)"),
+    )
+    g.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="start infertune with enable_prefix_caching=False (prompts differ on every run anyway, "
+        "so the cache should never hit)",
+    )
     g = p.add_argument_group("output")
     g.add_argument("--json", type=Path, metavar="OUT", help="also write every number (per-run too) to this JSON file")
-    g.add_argument("--plot", type=Path, metavar="OUT.png",
-                   help="also draw output tok/s, decode tok/s and TTFT of every system, a bar per batch size "
-                        "(needs matplotlib)")
-    g.add_argument("--probe-gib", type=float, default=1.0,
-                   help="size of the bandwidth-probe tensor in GiB; 0 disables the probe (default: 1.0)")
-    g.add_argument("--worker-timeout", type=float, default=None, metavar="S",
-                   help="kill a worker that runs longer than this many seconds (default: no limit)")
+    g.add_argument(
+        "--plot",
+        type=Path,
+        metavar="OUT.png",
+        help="also draw output tok/s, decode tok/s and TTFT of every system, a bar per batch size (needs matplotlib)",
+    )
+    g.add_argument(
+        "--probe-gib",
+        type=float,
+        default=1.0,
+        help="size of the bandwidth-probe tensor in GiB; 0 disables the probe (default: 1.0)",
+    )
+    g.add_argument(
+        "--worker-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="kill a worker that runs longer than this many seconds (default: no limit)",
+    )
     # Internal: the parent re-invokes the script with these to run one (system, batch size) pair.
     p.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
     p.add_argument("--worker-batch", type=positive_int, help=argparse.SUPPRESS)
@@ -223,28 +333,51 @@ def spawn_worker(args, system: str, batch: int, model_dir: Path) -> dict:
             peers.ensure_gguf(model_dir, peers.LLAMA_CPP_SYSTEMS[system], args.threads, args.dtype, args.cache_dir)
     except peers.PeerUnavailable as e:
         return dict(system=system, batch=batch, skipped=str(e))
-    cmd = [sys.executable, "-m", "infertune.bench.offline", "--worker", system, "--worker-batch", str(batch),
-           "--model", str(model_dir), "--input-len", str(args.input_len), "--output-len", str(args.output_len),
-           "--dtype", args.dtype, "--threads", str(args.threads), "--repeats", str(args.repeats),
-           "--seed", str(args.seed), "--hf-attn", args.hf_attn, "--cache-dir", str(args.cache_dir)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "infertune.bench.offline",
+        "--worker",
+        system,
+        "--worker-batch",
+        str(batch),
+        "--model",
+        str(model_dir),
+        "--input-len",
+        str(args.input_len),
+        "--output-len",
+        str(args.output_len),
+        "--dtype",
+        args.dtype,
+        "--threads",
+        str(args.threads),
+        "--repeats",
+        str(args.repeats),
+        "--seed",
+        str(args.seed),
+        "--hf-attn",
+        args.hf_attn,
+        "--cache-dir",
+        str(args.cache_dir),
+    ]
     if args.max_num_batched_tokens:
         cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     if args.no_prefix_caching:
         cmd.append("--no-prefix-caching")
     cmd += ["--kv-cache-dtype", args.kv_cache_dtype, "--compile", args.compile]
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads),
-               TOKENIZERS_PARALLELISM="false")
+    env = dict(
+        os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false"
+    )
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None, text=True, env=env,
-                              timeout=args.worker_timeout)
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None, text=True, env=env, timeout=args.worker_timeout)
     except subprocess.TimeoutExpired:
         return dict(system=system, batch=batch, error=f"worker timed out after {args.worker_timeout} s")
     wall = time.perf_counter() - t0
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_MARKER)]
     if proc.returncode != 0 or not lines:
         return dict(system=system, batch=batch, error=f"worker exited with {proc.returncode} (see stderr above)")
-    result = json.loads(lines[-1][len(RESULT_MARKER):])
+    result = json.loads(lines[-1][len(RESULT_MARKER) :])
     result["worker_wall_s"] = wall
     return result
 
@@ -260,8 +393,9 @@ def summarize(result: dict, batch: int, out_len: int, weight_bytes: int, in_len:
     for key in ("ttft_s", "total_s", "output_tok_s", "decode_tok_s", "prefill_tok_s"):
         vals = [r[key] for r in result["runs"] if r.get(key) is not None]
         med[key] = statistics.median(vals) if vals else None
-    med["decode_gb_s"] = (weight_bytes * med["decode_tok_s"] / 1e9
-                          if batch == 1 and med["decode_tok_s"] is not None else None)
+    med["decode_gb_s"] = (
+        weight_bytes * med["decode_tok_s"] / 1e9 if batch == 1 and med["decode_tok_s"] is not None else None
+    )
     result["median"] = med
     return result
 
@@ -281,9 +415,13 @@ def merge_rounds(per_round: list[list[dict]], args, weight_bytes: int) -> list[d
         if bad is not None:
             merged.append(bad)
             continue
-        res = dict(first, runs=[dict(run, round=i) for i, r in enumerate(same) for run in r["runs"]],
-                   rounds=[r["median"] for r in same], peak_rss_mib=max(r["peak_rss_mib"] for r in same),
-                   probes_gb_s=[r["probe_gb_s"] for r in same])
+        res = dict(
+            first,
+            runs=[dict(run, round=i) for i, r in enumerate(same) for run in r["runs"]],
+            rounds=[r["median"] for r in same],
+            peak_rss_mib=max(r["peak_rss_mib"] for r in same),
+            probes_gb_s=[r["probe_gb_s"] for r in same],
+        )
         probes = [p for p in res["probes_gb_s"] if p is not None]
         res["probe_gb_s"] = statistics.median(probes) if probes else None
         merged.append(summarize(res, first["batch"], args.output_len, weight_bytes, args.input_len))
@@ -297,8 +435,12 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
         while n < min(len(x), len(y)) and x[n] == y[n]:
             n += 1
         prefixes.append(n)
-    return dict(identical_sequences=sum(p == len(x) for p, x in zip(prefixes, a)), sequences=len(prefixes),
-                mean_common_prefix=statistics.fmean(prefixes) if prefixes else 0.0, tokens_per_sequence=len(a[0]))
+    return dict(
+        identical_sequences=sum(p == len(x) for p, x in zip(prefixes, a)),
+        sequences=len(prefixes),
+        mean_common_prefix=statistics.fmean(prefixes) if prefixes else 0.0,
+        tokens_per_sequence=len(a[0]),
+    )
 
 
 def fmt(value, spec: str) -> str:
@@ -347,20 +489,32 @@ def run_parent(args) -> int:
 
     date = _dt.datetime.now().astimezone().isoformat(timespec="seconds")
     ratios, ratio_lines = ratio_table(args, results)
-    lines = [*header_lines(args, setup, date), *results_table(results), *ratio_lines,
-             *per_round_table(args, ratios), *startup_table(results), *probe_lines(args, per_round, probe_end)]
+    lines = [
+        *header_lines(args, setup, date),
+        *results_table(results),
+        *ratio_lines,
+        *per_round_table(args, ratios),
+        *startup_table(results),
+        *probe_lines(args, per_round, probe_end),
+    ]
     elapsed = time.perf_counter() - t_begin
     load_end = os.getloadavg()[0]
-    lines += [f"1-min load average: {setup.load_start:.2f} at start, {load_end:.2f} at end (the benchmark itself adds "
-              f"about 1). Benchmark wall time: {elapsed:.0f} s."]
+    lines += [
+        f"1-min load average: {setup.load_start:.2f} at start, {load_end:.2f} at end (the benchmark itself adds "
+        f"about 1). Benchmark wall time: {elapsed:.0f} s."
+    ]
     print("\n".join(lines), flush=True)
 
     if args.json:
         write_json(args, setup, date, results, ratios, probe_end, load_end, elapsed)
     if args.plot:
-        write_plot(results, args.plot, f"{setup.model_name}: {args.input_len} + {args.output_len} tokens, "
-                                       f"{args.dtype}, {args.threads} threads "
-                                       f"(medians of {args.repeats * args.rounds} runs)")
+        write_plot(
+            results,
+            args.plot,
+            f"{setup.model_name}: {args.input_len} + {args.output_len} tokens, "
+            f"{args.dtype}, {args.threads} threads "
+            f"(medians of {args.repeats * args.rounds} runs)",
+        )
         log(f"wrote {args.plot}")
     return 1 if any("error" in r for r in results) else 0  # a skipped peer (not installed) is not a failure
 
@@ -370,8 +524,10 @@ def prepare_run(args, t_begin: float) -> ParentRun:
     command = shlex.join(["python", *sys.argv])
     load_start = os.getloadavg()[0]
     if load_start > 0.5:
-        log(f"warning: the 1-min load average is {load_start:.1f} before starting; other work competes for the "
-            f"CPUs, and {args.threads}-thread OpenMP regions slow down badly when a core is taken")
+        log(
+            f"warning: the 1-min load average is {load_start:.1f} before starting; other work competes for the "
+            f"CPUs, and {args.threads}-thread OpenMP regions slow down badly when a core is taken"
+        )
     if args.model:
         model_dir = Path(args.model).resolve()
         if not (model_dir / "config.json").is_file():
@@ -384,12 +540,15 @@ def prepare_run(args, t_begin: float) -> ParentRun:
     cfg = read_model_config(model_dir)
     max_pos = cfg.get("max_position_embeddings", 2048)
     if args.input_len + args.output_len > max_pos:
-        raise SystemExit(f"error: --input-len + --output-len = {args.input_len + args.output_len} exceeds the "
-                         f"model's max_position_embeddings ({max_pos})")
+        raise SystemExit(
+            f"error: --input-len + --output-len = {args.input_len + args.output_len} exceeds the "
+            f"model's max_position_embeddings ({max_pos})"
+        )
     n_params = checkpoint_param_count(model_dir)
     weight_bytes = n_params * DTYPE_BYTES[args.dtype]
-    setup = ParentRun(command, t_begin, load_start, model_dir, model_name, cfg, n_params, weight_bytes,
-                      environment_line(args.threads))
+    setup = ParentRun(
+        command, t_begin, load_start, model_dir, model_name, cfg, n_params, weight_bytes, environment_line(args.threads)
+    )
     log(f"model: {model_name}: {n_params / 1e6:.1f}M parameters, {weight_bytes / 2**20:.0f} MiB at {args.dtype}")
     return setup
 
@@ -400,9 +559,11 @@ def environment_line(threads: int) -> str:
 
     import infertune
 
-    return (f"{cpu_model()}, {os.cpu_count()} CPUs, {threads} threads; torch {torch.__version__}, "
-            f"transformers {transformers.__version__}, infertune {infertune.__version__}; "
-            f"Python {platform.python_version()}")
+    return (
+        f"{cpu_model()}, {os.cpu_count()} CPUs, {threads} threads; torch {torch.__version__}, "
+        f"transformers {transformers.__version__}, infertune {infertune.__version__}; "
+        f"Python {platform.python_version()}"
+    )
 
 
 def run_round(args, setup: ParentRun, rnd: int) -> list[dict]:
@@ -431,8 +592,10 @@ def run_pair(args, setup: ParentRun, system: str, batch: int, tag: str) -> dict:
     else:
         summarize(res, batch, args.output_len, setup.weight_bytes, args.input_len)
         m = res["median"]
-        log(f"{tag}: TTFT {m['ttft_s']:.3f} s, output {m['output_tok_s']:.1f} tok/s, "
-            f"decode {fmt(m['decode_tok_s'], '.1f')} tok/s, peak RSS {res['peak_rss_mib']:.0f} MiB")
+        log(
+            f"{tag}: TTFT {m['ttft_s']:.3f} s, output {m['output_tok_s']:.1f} tok/s, "
+            f"decode {fmt(m['decode_tok_s'], '.1f')} tok/s, peak RSS {res['peak_rss_mib']:.0f} MiB"
+        )
     return res
 
 
@@ -441,8 +604,9 @@ def run_pair(args, setup: ParentRun, system: str, batch: int, tag: str) -> dict:
 # --------------------------------------------------------------------------------------------------
 def header_lines(args, setup: ParentRun, date: str) -> list[str]:
     """The command, the machine, the model and the workload, then the head of the results table."""
-    rounds = (f" in each of {args.rounds} rounds (the systems in reverse order every other round)"
-              if args.rounds > 1 else "")
+    rounds = (
+        f" in each of {args.rounds} rounds (the systems in reverse order every other round)" if args.rounds > 1 else ""
+    )
     return [
         f"$ {setup.command}",
         "",
@@ -471,10 +635,12 @@ def results_table(results: list[dict]) -> list[str]:
             lines.append(f"| {label} | {r['batch']} | failed: {r['error']} | | | | | | {fmt(r['probe_gb_s'], '.1f')} |")
             continue
         m = r["median"]
-        lines.append(f"| {label} | {r['batch']} | {m['ttft_s']:.3f} | {fmt(m['prefill_tok_s'], '.0f')} | "
-                     f"{fmt(m['decode_tok_s'], '.1f')} | "
-                     f"{m['output_tok_s']:.1f} | {r['peak_rss_mib']:.0f} | {fmt(m['decode_gb_s'], '.2f')} | "
-                     f"{fmt(r['probe_gb_s'], '.1f')} |")
+        lines.append(
+            f"| {label} | {r['batch']} | {m['ttft_s']:.3f} | {fmt(m['prefill_tok_s'], '.0f')} | "
+            f"{fmt(m['decode_tok_s'], '.1f')} | "
+            f"{m['output_tok_s']:.1f} | {r['peak_rss_mib']:.0f} | {fmt(m['decode_gb_s'], '.2f')} | "
+            f"{fmt(r['probe_gb_s'], '.1f')} |"
+        )
     return lines
 
 
@@ -485,34 +651,46 @@ def ratio_table(args, results: list[dict]) -> tuple[list[dict], list[str]]:
     if not pairs:
         return [], []
     ratios = []
-    lines = ["", "Ratios, infertune variant / peer, side by side in this run (above 1 is better for tok/s, "
-             "below 1 is better for TTFT and RSS):", "",
-             "| infertune | peer | batch | decode tok/s | output tok/s | TTFT | peak RSS | greedy agreement (run 1) |",
-             "|---|---|---:|---:|---:|---:|---:|---|"]
+    lines = [
+        "",
+        "Ratios, infertune variant / peer, side by side in this run (above 1 is better for tok/s, "
+        "below 1 is better for TTFT and RSS):",
+        "",
+        "| infertune | peer | batch | decode tok/s | output tok/s | TTFT | peak RSS | greedy agreement (run 1) |",
+        "|---|---|---:|---:|---:|---:|---:|---|",
+    ]
     for ours, peer in pairs:
         for batch in args.batch:
             a, b = by_key.get((ours, batch)), by_key.get((peer, batch))
             if not a or not b:
                 continue
             ma, mb = a["median"], b["median"]
-            row = dict(system=ours, peer=peer, batch=batch,
-                       decode_tok_s=_div(ma["decode_tok_s"], mb["decode_tok_s"]),
-                       output_tok_s=_div(ma["output_tok_s"], mb["output_tok_s"]),
-                       ttft_s=_div(ma["ttft_s"], mb["ttft_s"]),
-                       peak_rss_mib=_div(a["peak_rss_mib"], b["peak_rss_mib"]))
+            row = dict(
+                system=ours,
+                peer=peer,
+                batch=batch,
+                decode_tok_s=_div(ma["decode_tok_s"], mb["decode_tok_s"]),
+                output_tok_s=_div(ma["output_tok_s"], mb["output_tok_s"]),
+                ttft_s=_div(ma["ttft_s"], mb["ttft_s"]),
+                peak_rss_mib=_div(a["peak_rss_mib"], b["peak_rss_mib"]),
+            )
             # Greedy agreement on the first timed run (informational: bf16 rounding differs between kernels,
             # and random weights give near-tied logits, so sequences may diverge with neither system wrong).
             ag = row["agreement"] = agreement(a["runs"][0]["tokens"], b["runs"][0]["tokens"])
             if "rounds" in a and "rounds" in b:  # each round's ratio, of that round's medians
-                row["per_round"] = {k: [_div(x[k], y[k]) for x, y in zip(a["rounds"], b["rounds"])]
-                                    for k in ("ttft_s", "output_tok_s", "decode_tok_s")}
+                row["per_round"] = {
+                    k: [_div(x[k], y[k]) for x, y in zip(a["rounds"], b["rounds"])]
+                    for k in ("ttft_s", "output_tok_s", "decode_tok_s")
+                }
             ratios.append(row)
-            lines.append(f"| {SYSTEM_LABELS[ours]} | {SYSTEM_LABELS[peer]} | {batch} | "
-                         f"{ratio(ma['decode_tok_s'], mb['decode_tok_s'])} | "
-                         f"{ratio(ma['output_tok_s'], mb['output_tok_s'])} | {ratio(ma['ttft_s'], mb['ttft_s'])} | "
-                         f"{ratio(a['peak_rss_mib'], b['peak_rss_mib'])} | {ag['identical_sequences']}/"
-                         f"{ag['sequences']} identical, mean common prefix {ag['mean_common_prefix']:.1f}/"
-                         f"{ag['tokens_per_sequence']} |")
+            lines.append(
+                f"| {SYSTEM_LABELS[ours]} | {SYSTEM_LABELS[peer]} | {batch} | "
+                f"{ratio(ma['decode_tok_s'], mb['decode_tok_s'])} | "
+                f"{ratio(ma['output_tok_s'], mb['output_tok_s'])} | {ratio(ma['ttft_s'], mb['ttft_s'])} | "
+                f"{ratio(a['peak_rss_mib'], b['peak_rss_mib'])} | {ag['identical_sequences']}/"
+                f"{ag['sequences']} identical, mean common prefix {ag['mean_common_prefix']:.1f}/"
+                f"{ag['tokens_per_sequence']} |"
+            )
     return ratios, lines
 
 
@@ -521,30 +699,41 @@ def per_round_table(args, ratios: list[dict]) -> list[str]:
     per_round_rows = [r for r in ratios if "per_round" in r]
     if not per_round_rows:
         return []
-    lines = ["", f"Each round's ratios ({args.rounds} rounds, the systems in reverse order every other round; "
-             "where the rounds disagree on which side is ahead, the difference is within the machine's noise):", "",
-             "| infertune | peer | batch | TTFT per round | output tok/s per round | decode tok/s per round |",
-             "|---|---|---:|---|---|---|"]
+    lines = [
+        "",
+        f"Each round's ratios ({args.rounds} rounds, the systems in reverse order every other round; "
+        "where the rounds disagree on which side is ahead, the difference is within the machine's noise):",
+        "",
+        "| infertune | peer | batch | TTFT per round | output tok/s per round | decode tok/s per round |",
+        "|---|---|---:|---|---|---|",
+    ]
     for r in per_round_rows:
         cells = [" ".join(fmt(x, ".2f") for x in r["per_round"][k]) for k in ("ttft_s", "output_tok_s", "decode_tok_s")]
-        lines.append(f"| {SYSTEM_LABELS[r['system']]} | {SYSTEM_LABELS[r['peer']]} | {r['batch']} | "
-                     + " | ".join(cells) + " |")
+        lines.append(
+            f"| {SYSTEM_LABELS[r['system']]} | {SYSTEM_LABELS[r['peer']]} | {r['batch']} | " + " | ".join(cells) + " |"
+        )
     return lines
 
 
 def startup_table(results: list[dict]) -> list[str]:
     """Load, compile and warm-up seconds and the RSS after load and at the end, of every pair that ran."""
-    lines = ["", "Start-up (load = LLM(...) / from_pretrained, Python imports excluded; warm-up = the untimed first "
-             "generate) and RSS outside the peak (peak RSS can come from a loading transient rather than from "
-             "generation):", "",
-             "| system | batch | load s | of which compile s | warm-up s | RSS after load MiB | RSS at end MiB |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "",
+        "Start-up (load = LLM(...) / from_pretrained, Python imports excluded; warm-up = the untimed first "
+        "generate) and RSS outside the peak (peak RSS can come from a loading transient rather than from "
+        "generation):",
+        "",
+        "| system | batch | load s | of which compile s | warm-up s | RSS after load MiB | RSS at end MiB |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in results:
         if "error" not in r and "skipped" not in r:
             compile_s = (r.get("extra") or {}).get("compile_s")
-            lines.append(f"| {SYSTEM_LABELS[r['system']]} | {r['batch']} | {r['load_s']:.2f} | "
-                         f"{fmt(compile_s, '.2f')} | "
-                         f"{r['warmup_s']:.2f} | {r['rss_after_load_mib']:.0f} | {r['rss_end_mib']:.0f} |")
+            lines.append(
+                f"| {SYSTEM_LABELS[r['system']]} | {r['batch']} | {r['load_s']:.2f} | "
+                f"{fmt(compile_s, '.2f')} | "
+                f"{r['warmup_s']:.2f} | {r['rss_after_load_mib']:.0f} | {r['rss_end_mib']:.0f} |"
+            )
     return lines
 
 
@@ -555,27 +744,61 @@ def probe_lines(args, per_round: list[list[dict]], probe_end: float | None) -> l
         probes.append(probe_end)
     if not probes:
         return []
-    return ["", f"Memory bandwidth probe (sum of a {args.probe_gib:g} GiB float32 tensor, {args.threads} threads): "
-            f"{min(probes):.1f}–{max(probes):.1f} GB/s over the run ({len(probes)} probes; "
-            f"last {fmt(probe_end, '.1f')})."]
+    return [
+        "",
+        f"Memory bandwidth probe (sum of a {args.probe_gib:g} GiB float32 tensor, {args.threads} threads): "
+        f"{min(probes):.1f}–{max(probes):.1f} GB/s over the run ({len(probes)} probes; "
+        f"last {fmt(probe_end, '.1f')}).",
+    ]
 
 
-def write_json(args, setup: ParentRun, date: str, results: list[dict], ratios: list[dict], probe_end: float | None,
-               load_end: float, elapsed: float) -> None:
+def write_json(
+    args,
+    setup: ParentRun,
+    date: str,
+    results: list[dict],
+    ratios: list[dict],
+    probe_end: float | None,
+    load_end: float,
+    elapsed: float,
+) -> None:
     """Every number of the run to --json, the token ids dropped (only the agreement check needs them)."""
     for r in results:  # keep the JSON readable: token ids are only needed for the agreement check
         for run in r.get("runs", []):
             run.pop("tokens", None)
-    doc = dict(command=setup.command, date=date, environment=setup.env_line, model=dict(
-        name=setup.model_name, path=str(setup.model_dir), params=setup.n_params, weight_bytes=setup.weight_bytes,
-        config=setup.cfg),
-        workload=dict(input_len=args.input_len, output_len=args.output_len, batches=args.batch, dtype=args.dtype,
-                      rounds=args.rounds,
-                      threads=args.threads, repeats=args.repeats, seed=args.seed, greedy=True, ignore_eos=True),
-        results=results, ratios=ratios,
-        greedy_agreement={str(r["batch"]): r["agreement"] for r in ratios
-                          if r["system"] == "infertune" and r["peer"] == "hf"},
-        probe_end_gb_s=probe_end, load_average_start=setup.load_start, load_average_end=load_end, wall_s=elapsed)
+    doc = dict(
+        command=setup.command,
+        date=date,
+        environment=setup.env_line,
+        model=dict(
+            name=setup.model_name,
+            path=str(setup.model_dir),
+            params=setup.n_params,
+            weight_bytes=setup.weight_bytes,
+            config=setup.cfg,
+        ),
+        workload=dict(
+            input_len=args.input_len,
+            output_len=args.output_len,
+            batches=args.batch,
+            dtype=args.dtype,
+            rounds=args.rounds,
+            threads=args.threads,
+            repeats=args.repeats,
+            seed=args.seed,
+            greedy=True,
+            ignore_eos=True,
+        ),
+        results=results,
+        ratios=ratios,
+        greedy_agreement={
+            str(r["batch"]): r["agreement"] for r in ratios if r["system"] == "infertune" and r["peer"] == "hf"
+        },
+        probe_end_gb_s=probe_end,
+        load_average_start=setup.load_start,
+        load_average_end=load_end,
+        wall_s=elapsed,
+    )
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(doc, indent=2) + "\n")
     log(f"wrote {args.json}")
@@ -591,8 +814,10 @@ def plot_series(results: list[dict]) -> tuple[list[str], list[int], dict[str, di
     systems = list(dict.fromkeys(r["system"] for r in ran))
     batches = sorted({r["batch"] for r in ran})
     med = {(r["system"], r["batch"]): r["median"] for r in ran}
-    series = {key: {b: [med[(s, b)][key] if (s, b) in med else None for s in systems] for b in batches}
-              for key, _ in PLOT_METRICS}
+    series = {
+        key: {b: [med[(s, b)][key] if (s, b) in med else None for s in systems] for b in batches}
+        for key, _ in PLOT_METRICS
+    }
     return [SYSTEM_LABELS.get(s, s) for s in systems], batches, series
 
 
@@ -606,8 +831,13 @@ def write_plot(results: list[dict], path: Path, title: str) -> None:
     for ax, (key, name) in zip(axes, PLOT_METRICS):
         for i, b in enumerate(batches):
             drawn = [(j, v) for j, v in enumerate(series[key][b]) if v is not None]
-            ax.barh([j + i * width for j, _ in drawn], [v for _, v in drawn], height=width, color=f"C{i}",
-                    label=f"batch {b}")
+            ax.barh(
+                [j + i * width for j, _ in drawn],
+                [v for _, v in drawn],
+                height=width,
+                color=f"C{i}",
+                label=f"batch {b}",
+            )
         ax.set_yticks([j + width * (len(batches) - 1) / 2 for j in range(len(labels))], labels)
         ax.invert_yaxis()
         if key == "ttft_s":

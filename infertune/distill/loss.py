@@ -15,8 +15,13 @@ import torch.nn.functional as F
 IGNORE_INDEX = -100
 
 
-def kd_loss_parts(student_logits: torch.Tensor, teacher_logits: torch.Tensor | None, labels: torch.Tensor,
-                  temperature: float = 4.0, ignore_index: int = IGNORE_INDEX) -> tuple[torch.Tensor, torch.Tensor]:
+def kd_loss_parts(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor | None,
+    labels: torch.Tensor,
+    temperature: float = 4.0,
+    ignore_index: int = IGNORE_INDEX,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(mean per-token KL at temperature T, without the T^2 factor; mean cross-entropy). KL is 0 without a teacher."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -42,8 +47,14 @@ def kd_loss_parts(student_logits: torch.Tensor, teacher_logits: torch.Tensor | N
     return kl, ce
 
 
-def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor | None, labels: torch.Tensor,
-            temperature: float = 4.0, alpha: float = 0.7, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+def kd_loss(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor | None,
+    labels: torch.Tensor,
+    temperature: float = 4.0,
+    alpha: float = 0.7,
+    ignore_index: int = IGNORE_INDEX,
+) -> torch.Tensor:
     """alpha * T^2 * KL(softmax(teacher/T) || softmax(student/T)) + (1 - alpha) * CE(student, labels).
 
     Mean over non-ignored tokens. ``teacher_logits`` may be None only when alpha == 0 (plain training).
@@ -56,5 +67,5 @@ def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor | None, l
     if alpha == 0.0:
         return ce
     if alpha == 1.0:
-        return temperature ** 2 * kl
-    return alpha * temperature ** 2 * kl + (1.0 - alpha) * ce
+        return temperature**2 * kl
+    return alpha * temperature**2 * kl + (1.0 - alpha) * ce

@@ -23,21 +23,41 @@ from infertune.distill.loss import kd_loss
 MIN_LR_FRACTION = 0.1
 WARMUP_FRACTION = 0.05
 BETAS = (0.9, 0.95)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "chat_template.json", "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+)
 
-SMALL = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
-             num_key_value_heads=2, hidden_act="silu", rope_theta=10000.0, rms_norm_eps=1e-5,
-             tie_word_embeddings=True, initializer_range=0.02, attention_bias=False, mlp_bias=False)
+SMALL = dict(
+    hidden_size=128,
+    intermediate_size=384,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    hidden_act="silu",
+    rope_theta=10000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+    initializer_range=0.02,
+    attention_bias=False,
+    mlp_bias=False,
+)
 
 
 @dataclass
 class TrainConfig:
     data: str
     out: str
-    teacher: str | None = None          # None: plain training (alpha must be 0)
-    tokenizer: str | None = None        # defaults to the teacher folder
-    student_config: str = "small"       # "small" or a config.json path
+    teacher: str | None = None  # None: plain training (alpha must be 0)
+    tokenizer: str | None = None  # defaults to the teacher folder
+    student_config: str = "small"  # "small" or a config.json path
     temperature: float = 4.0
     alpha: float = 0.7
     steps: int = 200
@@ -49,11 +69,11 @@ class TrainConfig:
     seed: int = 0
     save_every: int = 100
     resume: bool = False
-    stop_after: int | None = None       # stop (with a checkpoint) after this step; None = run to `steps`
+    stop_after: int | None = None  # stop (with a checkpoint) after this step; None = run to `steps`
     val_fraction: float = 0.05
-    val_data: str | None = None         # explicit held-out documents (else split --data by file hash)
+    val_data: str | None = None  # explicit held-out documents (else split --data by file hash)
     eval_windows: int = 64
-    speed_tokens: int = 64              # greedy tokens per prompt for the tokens/s measure; 0 skips it
+    speed_tokens: int = 64  # greedy tokens per prompt for the tokens/s measure; 0 skips it
     device: str = "cpu"
     progress: bool = True
     extra: dict = field(default_factory=dict)
@@ -87,9 +107,11 @@ def student_config(spec: str, vocab_size: int, tokenizer, max_positions: int, te
     """``small`` (Llama, hidden 128, 4 layers, 4 heads, 2 KV heads, MLP 384, tied) or a config.json file."""
     from transformers import AutoConfig, LlamaConfig
 
-    special = dict(bos_token_id=tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id,
-                   eos_token_id=tokenizer.eos_token_id,
-                   pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
+    special = dict(
+        bos_token_id=tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+    )
     if spec == "small":
         if teacher_config is not None:
             max_positions = max(max_positions, getattr(teacher_config, "max_position_embeddings", 0) or 0)
@@ -115,17 +137,25 @@ def build_student(config, seed: int):
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).float()
-    model.generation_config = GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
-                                               pad_token_id=config.pad_token_id, do_sample=False)
+    model.generation_config = GenerationConfig(
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+        pad_token_id=config.pad_token_id,
+        do_sample=False,
+    )
     return model
 
 
 def make_optimizer(model, cfg: TrainConfig) -> torch.optim.Optimizer:
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}],
-                             lr=cfg.lr, betas=BETAS, eps=1e-8, foreach=False)
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr,
+        betas=BETAS,
+        eps=1e-8,
+        foreach=False,
+    )
 
 
 def step_loss(student, teacher, batch: torch.Tensor, cfg: TrainConfig) -> torch.Tensor:
@@ -147,16 +177,27 @@ def latest_checkpoint(out: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def save_checkpoint(out: Path, model, opt, step: int, losses: list[float], cfg: TrainConfig,
-                    train_seconds: float = 0.0) -> Path:
+def save_checkpoint(
+    out: Path, model, opt, step: int, losses: list[float], cfg: TrainConfig, train_seconds: float = 0.0
+) -> Path:
     d = _ckpt_dir(out)
     d.mkdir(parents=True, exist_ok=True)
     path = d / f"step-{step:07d}.pt"
     tmp = path.with_suffix(".tmp")
-    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step, "losses": losses,
-                "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
-                "config": model.config.to_dict(), "train_config": asdict(cfg),
-                "train_seconds": train_seconds}, tmp)
+    torch.save(
+        {
+            "model": model.state_dict(),
+            "optimizer": opt.state_dict(),
+            "step": step,
+            "losses": losses,
+            "torch_rng": torch.get_rng_state(),
+            "python_rng": random.getstate(),
+            "config": model.config.to_dict(),
+            "train_config": asdict(cfg),
+            "train_seconds": train_seconds,
+        },
+        tmp,
+    )
     tmp.replace(path)
     for old in sorted(d.glob("step-*.pt"))[:-2]:
         old.unlink()
@@ -172,10 +213,11 @@ def perplexity(model, windows: torch.Tensor, batch: int = 8) -> float:
     device = next(model.parameters()).device
     total, count = 0.0, 0
     for i in range(0, windows.size(0), batch):
-        chunk = windows[i: i + batch].to(device)
+        chunk = windows[i : i + batch].to(device)
         logits = model(input_ids=chunk[:, :-1], use_cache=False).logits
-        total += torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)).double(),
-                                                   chunk[:, 1:].reshape(-1), reduction="sum").item()
+        total += torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.size(-1)).double(), chunk[:, 1:].reshape(-1), reduction="sum"
+        ).item()
         count += chunk[:, 1:].numel()
     return math.exp(total / count)
 
@@ -223,14 +265,18 @@ def run_training(cfg: TrainConfig, log=print) -> dict:
     vocab = teacher.config.vocab_size if teacher is not None else len(tokenizer)
     t0 = time.perf_counter()
     corpus: Corpus = build_corpus(cfg.data, tokenizer, cfg.seq_len, cfg.val_fraction, cfg.val_data)
-    log(f"[data] {corpus.train.numel():,} train tokens ({corpus.n_train_docs} docs), {corpus.val.numel():,} "
-        f"held-out tokens ({corpus.n_val_docs} docs, split {corpus.split}), {time.perf_counter() - t0:.1f}s")
+    log(
+        f"[data] {corpus.train.numel():,} train tokens ({corpus.n_train_docs} docs), {corpus.val.numel():,} "
+        f"held-out tokens ({corpus.n_val_docs} docs, split {corpus.split}), {time.perf_counter() - t0:.1f}s"
+    )
 
-    config = student_config(cfg.student_config, vocab, tokenizer, max(cfg.seq_len, 1024),
-                            teacher.config if teacher is not None else None)
+    config = student_config(
+        cfg.student_config, vocab, tokenizer, max(cfg.seq_len, 1024), teacher.config if teacher is not None else None
+    )
     if config.max_position_embeddings < cfg.seq_len:
-        raise ValueError(f"--seq-len {cfg.seq_len} exceeds the student's max_position_embeddings "
-                         f"{config.max_position_embeddings}")
+        raise ValueError(
+            f"--seq-len {cfg.seq_len} exceeds the student's max_position_embeddings {config.max_position_embeddings}"
+        )
     student = build_student(config, cfg.seed).to(cfg.device)
     opt = make_optimizer(student, cfg)
     start, losses, seconds_before = 0, [], 0.0  # seconds_before: training time of the runs this one resumes
@@ -251,16 +297,25 @@ def run_training(cfg: TrainConfig, log=print) -> dict:
             random.setstate(ckpt["python_rng"])
             log(f"[resume] {ckpt_path.name}: continuing at step {start}/{cfg.steps}")
     n_params = sum(p.numel() for p in student.parameters())
-    log(f"[model] {'student' if teacher is not None else 'model'} {config.model_type}, {n_params:,} parameters; "
-        f"{'teacher ' + cfg.teacher + f', T={cfg.temperature}, alpha={cfg.alpha}' if teacher is not None else 'no teacher (cross-entropy)'}")
+    log(
+        f"[model] {'student' if teacher is not None else 'model'} {config.model_type}, {n_params:,} parameters; "
+        f"{'teacher ' + cfg.teacher + f', T={cfg.temperature}, alpha={cfg.alpha}' if teacher is not None else 'no teacher (cross-entropy)'}"
+    )
 
     end = cfg.steps if cfg.stop_after is None else min(cfg.steps, cfg.stop_after)
     tokens_per_step = cfg.batch * cfg.seq_len
     student.train()
     from tqdm import tqdm
 
-    bar = tqdm(total=cfg.steps, initial=start, desc="distill" if teacher is not None else "train", unit="step",
-               dynamic_ncols=True, mininterval=1.0, disable=not cfg.progress)
+    bar = tqdm(
+        total=cfg.steps,
+        initial=start,
+        desc="distill" if teacher is not None else "train",
+        unit="step",
+        dynamic_ncols=True,
+        mininterval=1.0,
+        disable=not cfg.progress,
+    )
     t_train = time.perf_counter()
     for step in range(start, end):
         for group in opt.param_groups:
@@ -275,16 +330,23 @@ def run_training(cfg: TrainConfig, log=print) -> dict:
         losses.append(loss.item())
         elapsed = time.perf_counter() - t_train
         bar.update(1)
-        bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{(step + 1 - start) * tokens_per_step / elapsed:,.0f}",
-                        refresh=False)
+        bar.set_postfix(
+            loss=f"{losses[-1]:.3f}", tok_s=f"{(step + 1 - start) * tokens_per_step / elapsed:,.0f}", refresh=False
+        )
         done = step + 1
         if (cfg.save_every > 0 and done % cfg.save_every == 0) or done == end:
             save_checkpoint(out, student, opt, done, losses, cfg, seconds_before + time.perf_counter() - t_train)
     bar.close()
     train_seconds = seconds_before + time.perf_counter() - t_train  # over every run that led here
     student.eval()
-    report = {"steps_done": len(losses), "steps": cfg.steps, "losses": losses, "train_seconds": train_seconds,
-              "student_parameters": n_params, "train_config": asdict(cfg)}
+    report = {
+        "steps_done": len(losses),
+        "steps": cfg.steps,
+        "losses": losses,
+        "train_seconds": train_seconds,
+        "student_parameters": n_params,
+        "train_config": asdict(cfg),
+    }
     if len(losses) < cfg.steps:
         log(f"[stop] stopped after step {len(losses)}/{cfg.steps}; continue with --resume")
         return report
@@ -313,17 +375,24 @@ def run_training(cfg: TrainConfig, log=print) -> dict:
 
 
 def format_report(report: dict) -> str:
-    lines = [f"trained {report['steps_done']} steps in {report['train_seconds']:.1f}s; "
-             f"final loss {report['losses'][-1]:.4f}" if report["losses"] else "no steps run"]
+    lines = [
+        f"trained {report['steps_done']} steps in {report['train_seconds']:.1f}s; final loss {report['losses'][-1]:.4f}"
+        if report["losses"]
+        else "no steps run"
+    ]
     if "student_ppl" in report:
-        lines.append(f"held-out perplexity on {report['eval_tokens']:,} tokens: student {report['student_ppl']:.2f}"
-                     + (f", teacher {report['teacher_ppl']:.2f}" if report.get("teacher_ppl") is not None else "")
-                     + f" (uniform {report['uniform_ppl']:.0f})")
+        lines.append(
+            f"held-out perplexity on {report['eval_tokens']:,} tokens: student {report['student_ppl']:.2f}"
+            + (f", teacher {report['teacher_ppl']:.2f}" if report.get("teacher_ppl") is not None else "")
+            + f" (uniform {report['uniform_ppl']:.0f})"
+        )
     for who in ("student", "teacher"):
         sp = report.get(f"{who}_speed")
         if sp and "tokens_per_s" in sp:
-            lines.append(f"{who} greedy generation (infertune): {sp['tokens_per_s']:.1f} tokens/s "
-                         f"({sp['tokens']} tokens in {sp['seconds']:.2f}s)")
+            lines.append(
+                f"{who} greedy generation (infertune): {sp['tokens_per_s']:.1f} tokens/s "
+                f"({sp['tokens']} tokens in {sp['seconds']:.2f}s)"
+            )
         elif sp:
             lines.append(f"{who} greedy generation: not measured ({sp['error']})")
     return "\n".join(lines)

@@ -63,8 +63,17 @@ def _mib(n: float) -> str:
 class Admission:
     """The ledger of admitted requests' costs, and the checks a new one must pass. Used by one thread only."""
 
-    def __init__(self, limits: LimitsConfig, kv_blocks: int, block_size: int, host: HostCost | None,
-                 ceiling_bytes: int, baseline_bytes: int, rss: Callable[[], int], max_num_seqs: int = 2**31) -> None:
+    def __init__(
+        self,
+        limits: LimitsConfig,
+        kv_blocks: int,
+        block_size: int,
+        host: HostCost | None,
+        ceiling_bytes: int,
+        baseline_bytes: int,
+        rss: Callable[[], int],
+        max_num_seqs: int = 2**31,
+    ) -> None:
         self.limits = limits
         self.max_num_seqs = max_num_seqs  # the most sequences that ever run (hold KV) at once
         self.kv_blocks, self.block_size = kv_blocks, block_size
@@ -85,45 +94,67 @@ class Admission:
         seqs = n * len(prompt_lens)
         share = self.limits.max_seqs_per_request
         if seqs > share:
-            raise NeverFits("n", (
-                f"this request asks for {seqs} sequences ({len(prompt_lens)} prompt(s) x n={n}) but one request may "
-                f"queue at most {share} ({self.limits.max_request_share:g} of max_waiting={self.limits.max_waiting}); "
-                f"lower n or send fewer prompts at once"))
+            raise NeverFits(
+                "n",
+                (
+                    f"this request asks for {seqs} sequences ({len(prompt_lens)} prompt(s) x n={n}) but one request may "
+                    f"queue at most {share} ({self.limits.max_request_share:g} of max_waiting={self.limits.max_waiting}); "
+                    f"lower n or send fewer prompts at once"
+                ),
+            )
         host_bytes = 0
         together = min(n, self.max_num_seqs)  # the samples of one prompt run side by side, as many as may run
         for p, m in zip(prompt_lens, max_tokens):
             blocks = together * -(-(p + m) // self.block_size)
             if blocks > self.kv_blocks:
-                raise NeverFits("n" if n > 1 else "max_tokens", (
-                    f"n={n} x (prompt {p} + max_tokens {m} tokens) needs {blocks} KV-cache blocks at once "
-                    f"({together} sequences side by side) but the cache holds {self.kv_blocks} "
-                    f"({self.kv_blocks * self.block_size} tokens); lower n or max_tokens"))
+                raise NeverFits(
+                    "n" if n > 1 else "max_tokens",
+                    (
+                        f"n={n} x (prompt {p} + max_tokens {m} tokens) needs {blocks} KV-cache blocks at once "
+                        f"({together} sequences side by side) but the cache holds {self.kv_blocks} "
+                        f"({self.kv_blocks * self.block_size} tokens); lower n or max_tokens"
+                    ),
+                )
             host_bytes += self.host.bytes(n, p + m, logprobs)
         if host_bytes > self.budget_bytes:
-            raise NeverFits("n" if n > 1 else "max_tokens", (
-                f"this request would hold about {_mib(host_bytes)} of host memory ({seqs} sequence(s), "
-                f"logprobs={logprobs}) but the server's budget for requests is {_mib(self.budget_bytes)} "
-                f"(ceiling {_mib(self.ceiling_bytes)} less {_mib(self.baseline_bytes)} at start-up); lower n, "
-                f"max_tokens or logprobs"))
+            raise NeverFits(
+                "n" if n > 1 else "max_tokens",
+                (
+                    f"this request would hold about {_mib(host_bytes)} of host memory ({seqs} sequence(s), "
+                    f"logprobs={logprobs}) but the server's budget for requests is {_mib(self.budget_bytes)} "
+                    f"(ceiling {_mib(self.ceiling_bytes)} less {_mib(self.baseline_bytes)} at start-up); lower n, "
+                    f"max_tokens or logprobs"
+                ),
+            )
         return Cost(seqs, host_bytes)
 
     def reserve(self, key: str, cost: Cost, num_waiting: int) -> None:
         """Hold cost under key, or raise Overloaded when the queue or the memory has no room now."""
         assert key not in self._held, f"{key!r} is already admitted"
         if num_waiting + cost.seqs > self.limits.max_waiting:
-            raise Overloaded("queue_full", (
-                f"the server is at capacity ({num_waiting} of {self.limits.max_waiting} waiting sequences taken, "
-                f"this request needs {cost.seqs}); retry later"))
+            raise Overloaded(
+                "queue_full",
+                (
+                    f"the server is at capacity ({num_waiting} of {self.limits.max_waiting} waiting sequences taken, "
+                    f"this request needs {cost.seqs}); retry later"
+                ),
+            )
         if self.reserved_bytes + cost.host_bytes > self.budget_bytes:
-            raise Overloaded("memory", (
-                f"the server's host-memory budget is taken ({_mib(self.reserved_bytes)} of "
-                f"{_mib(self.budget_bytes)} held by running requests, this one needs {_mib(cost.host_bytes)}); "
-                f"retry later"))
+            raise Overloaded(
+                "memory",
+                (
+                    f"the server's host-memory budget is taken ({_mib(self.reserved_bytes)} of "
+                    f"{_mib(self.budget_bytes)} held by running requests, this one needs {_mib(cost.host_bytes)}); "
+                    f"retry later"
+                ),
+            )
         rss = self.rss()
         if rss > self.ceiling_bytes:
-            raise Overloaded("memory_rss", (
-                f"the server's memory ({_mib(rss)}) is over its ceiling ({_mib(self.ceiling_bytes)}); retry later"),
-                retry_after=5.0)
+            raise Overloaded(
+                "memory_rss",
+                (f"the server's memory ({_mib(rss)}) is over its ceiling ({_mib(self.ceiling_bytes)}); retry later"),
+                retry_after=5.0,
+            )
         self._held[key] = cost
         self.reserved_bytes += cost.host_bytes
 

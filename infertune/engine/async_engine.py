@@ -106,8 +106,16 @@ class AsyncLLMEngine:
         info = engine.executor.kv_cache_info
         ceiling = self.limits.memory_limit or auto_ceiling(baseline)
         # The host cost is measured once, by measure_host_cost() (the server's, with its response body) or at start.
-        self.admission = Admission(self.limits, info.num_blocks, info.block_size, None, ceiling, baseline,
-                                   process_rss, engine.config.scheduler.max_num_seqs)
+        self.admission = Admission(
+            self.limits,
+            info.num_blocks,
+            info.block_size,
+            None,
+            ceiling,
+            baseline,
+            process_rss,
+            engine.config.scheduler.max_num_seqs,
+        )
         self._inbox: list[_Submission] = []
         self._aborts: list[str] = []
         self._lock = threading.Lock()
@@ -180,21 +188,22 @@ class AsyncLLMEngine:
         """
         return (await self._submit(request_id, [request_id], [prompt], params))[0]
 
-    async def add_requests(self, request_id: str, prompts: list[object], params: SamplingParams
-                           ) -> list[RequestStream]:
+    async def add_requests(self, request_id: str, prompts: list[object], params: SamplingParams) -> list[RequestStream]:
         """Submit several prompts as one request (ids request_id-0, -1, ...): all are accepted or none."""
         ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         return await self._submit(request_id, ids, list(prompts), params)
 
-    async def _submit(self, key: str, request_ids: list[str], prompts: list[object], params: SamplingParams
-                      ) -> list[RequestStream]:
+    async def _submit(
+        self, key: str, request_ids: list[str], prompts: list[object], params: SamplingParams
+    ) -> list[RequestStream]:
         if self.error is not None:
             raise EngineDeadError(f"the engine stopped after an error: {self.error}")
         if self._stop.is_set():
             raise EngineDeadError("the server is shutting down")
         loop = asyncio.get_running_loop()
-        sub = _Submission(key, request_ids, prompts, params, loop, loop.create_future(),
-                          [_Mailbox(loop) for _ in request_ids])
+        sub = _Submission(
+            key, request_ids, prompts, params, loop, loop.create_future(), [_Mailbox(loop) for _ in request_ids]
+        )
         with self._lock:
             self._inbox.append(sub)
         self._wake.set()
@@ -271,8 +280,9 @@ class AsyncLLMEngine:
         engine, params = self.engine, sub.params
         try:
             prepared = [engine.prepare(p, params, self.cap_max_tokens) for p in sub.prompts]
-            cost = self.admission.cost([len(p.token_ids) for p in prepared], [p.max_tokens for p in prepared],
-                                       params.n, params.logprobs)
+            cost = self.admission.cost(
+                [len(p.token_ids) for p in prepared], [p.max_tokens for p in prepared], params.n, params.logprobs
+            )
             self.admission.reserve(sub.key, cost, engine.scheduler.num_waiting)
         except (ValueError, Overloaded) as e:
             _resolve(sub.loop, sub.accepted, e)
@@ -293,8 +303,9 @@ class AsyncLLMEngine:
             self._group_of[request_id] = sub.key
         self._group_left[sub.key] = len(sub.request_ids)
         if self.limits.request_timeout is not None:
-            heapq.heappush(self._deadlines, (sub.arrival + self.limits.request_timeout, sub.key,
-                                             tuple(sub.request_ids)))
+            heapq.heappush(
+                self._deadlines, (sub.arrival + self.limits.request_timeout, sub.key, tuple(sub.request_ids))
+            )
         _resolve(sub.loop, sub.accepted)
 
     def _expire_deadlines(self) -> None:
@@ -306,7 +317,8 @@ class AsyncLLMEngine:
             self.num_timed_out += 1
             error = RequestTimeoutError(
                 f"the request did not finish within the server's request timeout of {self.limits.request_timeout:g} s"
-                " and was aborted")
+                " and was aborted"
+            )
             for request_id in request_ids:
                 box = self._mailboxes.get(request_id)
                 if self.engine.abort_request(request_id) and box is not None:

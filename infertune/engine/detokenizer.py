@@ -36,7 +36,6 @@ class IncrementalDetokenizer:
         self.text += delta
         return delta
 
-
     def flush(self) -> str:
         """At the end of the stream: emit whatever is held back, incomplete characters included."""
         before = self._decode(self.ids[self.prefix_offset : self.read_offset])

@@ -111,8 +111,9 @@ class LLMEngine:
             return None, list(prompt)
         raise ValueError(f"a prompt must be a string, a list of token ids or a dict, not {type(prompt).__name__}")
 
-    def render_chat(self, conversation: list[dict], chat_template: str | None = None,
-                    add_generation_prompt: bool = True) -> dict:
+    def render_chat(
+        self, conversation: list[dict], chat_template: str | None = None, add_generation_prompt: bool = True
+    ) -> dict:
         """A conversation -> a prompt dict, through the checkpoint's chat template (or the one given)."""
         tok = self.tokenizer
         if chat_template is None and not getattr(tok, "chat_template", None):
@@ -131,8 +132,13 @@ class LLMEngine:
         # The template already holds any BOS / special tokens: do not add them twice.
         return {"prompt": text, "add_special_tokens": False}
 
-    def add_request(self, request_id: str, prompt: str | dict | list[int], params: SamplingParams | None = None,
-                    cap_max_tokens: bool = True) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | dict | list[int],
+        params: SamplingParams | None = None,
+        cap_max_tokens: bool = True,
+    ) -> None:
         """Validate and queue a request. A bad request raises ValueError and leaves the engine unchanged.
 
         A max_tokens that would run past max_model_len is capped to fit (finish_reason "length"), or with
@@ -141,8 +147,9 @@ class LLMEngine:
         params = params or SamplingParams()
         self.enqueue(request_id, self.prepare(prompt, params, cap_max_tokens), params)
 
-    def prepare(self, prompt: str | dict | list[int], params: SamplingParams, cap_max_tokens: bool = True
-                ) -> PreparedPrompt:
+    def prepare(
+        self, prompt: str | dict | list[int], params: SamplingParams, cap_max_tokens: bool = True
+    ) -> PreparedPrompt:
         """Tokenize and validate one prompt for params: its text, token ids and the max_tokens it will run to."""
         self.check_params(params)
         text, ids = self.tokenize(prompt)
@@ -158,10 +165,14 @@ class LLMEngine:
             )
         room = self.max_model_len - len(ids)
         if not cap_max_tokens and params.max_tokens is not None and params.max_tokens > room:
-            raise ParamError("max_tokens", (
-                f"this model's context is max_model_len={self.max_model_len} tokens, but the prompt has {len(ids)} "
-                f"and max_tokens={params.max_tokens} asks for {len(ids) + params.max_tokens}; lower max_tokens to "
-                f"at most {room} or shorten the prompt"))
+            raise ParamError(
+                "max_tokens",
+                (
+                    f"this model's context is max_model_len={self.max_model_len} tokens, but the prompt has {len(ids)} "
+                    f"and max_tokens={params.max_tokens} asks for {len(ids) + params.max_tokens}; lower max_tokens to "
+                    f"at most {room} or shorten the prompt"
+                ),
+            )
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         return PreparedPrompt(text, ids, max_tokens)
 
@@ -169,23 +180,29 @@ class LLMEngine:
         """The engine's bounds on what one request may ask for (LimitsConfig), beyond SamplingParams' own rules."""
         lim = self.config.limits
         if params.n > lim.max_n:
-            raise ParamError("n", f"n={params.n} is more than the engine's limit of {lim.max_n} samples a request "
-                             "(engine option max_n)")
+            raise ParamError(
+                "n",
+                f"n={params.n} is more than the engine's limit of {lim.max_n} samples a request (engine option max_n)",
+            )
         if len(params.stop_list) > lim.max_stop:
             raise ParamError("stop", f"{len(params.stop_list)} stop strings is more than the limit of {lim.max_stop}")
         longest = max((len(x) for x in params.stop_list), default=0)
         if longest > lim.max_stop_len:
-            raise ParamError("stop", f"a stop string of {longest} characters is longer than the limit of "
-                             f"{lim.max_stop_len}")
+            raise ParamError(
+                "stop", f"a stop string of {longest} characters is longer than the limit of {lim.max_stop_len}"
+            )
         if len(params.stop_token_ids) > lim.max_stop_token_ids:
-            raise ParamError("stop_token_ids", f"{len(params.stop_token_ids)} stop_token_ids is more than the limit "
-                             f"of {lim.max_stop_token_ids}")
+            raise ParamError(
+                "stop_token_ids",
+                f"{len(params.stop_token_ids)} stop_token_ids is more than the limit of {lim.max_stop_token_ids}",
+            )
         vocab = self.config.model.arch.vocab_size
         if any(not 0 <= t < vocab for t in params.stop_token_ids):
             raise ParamError("stop_token_ids", f"stop_token_ids must be token ids in [0, {vocab}) for this model")
 
-    def enqueue(self, request_id: str, prepared: PreparedPrompt, params: SamplingParams,
-                arrival_time: float | None = None) -> None:
+    def enqueue(
+        self, request_id: str, prepared: PreparedPrompt, params: SamplingParams, arrival_time: float | None = None
+    ) -> None:
         """Queue a prompt that prepare() accepted, as params.n sequences (arrival_time: perf_counter seconds)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -199,8 +216,11 @@ class LLMEngine:
             seq = Sequence(ids, max_tokens, sample_params, request_id=request_id)
             seq.stop_token_ids = frozenset(stop_ids)
             req.samples.append(
-                _Sample(seq, IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens),
-                        logprobs=[] if params.logprobs is not None else None)
+                _Sample(
+                    seq,
+                    IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens),
+                    logprobs=[] if params.logprobs is not None else None,
+                )
             )
         self.requests[request_id] = req
         for s in req.samples:
@@ -291,8 +311,14 @@ class LLMEngine:
                 hold = max(len(stop) for stop in req.params.stop_list) - 1
                 text = text[: max(len(text) - hold, 0)]
             completions.append(
-                CompletionOutput(i, text, list(seq.output_token_ids), reason, stop_reason,
-                                 list(s.logprobs) if s.logprobs is not None else None)
+                CompletionOutput(
+                    i,
+                    text,
+                    list(seq.output_token_ids),
+                    reason,
+                    stop_reason,
+                    list(s.logprobs) if s.logprobs is not None else None,
+                )
             )
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, finished, req.metrics)
 
@@ -318,8 +344,9 @@ class LLMEngine:
             req = _Request("measure", None, prompt, params)
             for _ in range(seqs):
                 seq = Sequence(prompt, num_tokens, params, request_id="measure")
-                sample = _Sample(seq, IncrementalDetokenizer(self.tokenizer, prompt, True),
-                                 logprobs=[] if k is not None else None)
+                sample = _Sample(
+                    seq, IncrementalDetokenizer(self.tokenizer, prompt, True), logprobs=[] if k is not None else None
+                )
                 for _ in range(num_tokens):
                     token = rng.randrange(vocab)
                     seq.append_token(token)

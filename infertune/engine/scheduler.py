@@ -106,8 +106,10 @@ class Scheduler:
         running_tokens = sum(len(s) for s in self.running) if self.config.max_running_tokens else 0
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not batch.preempted:
             seq = self.waiting[0]
-            if self.config.max_running_tokens and self.running and (
-                running_tokens + len(seq) > self.config.max_running_tokens
+            if (
+                self.config.max_running_tokens
+                and self.running
+                and (running_tokens + len(seq) > self.config.max_running_tokens)
             ):
                 break  # dynamic batch: a long input waits for room; a lone sequence is always admitted
             hits = bm.get_computed_blocks(seq)
@@ -139,11 +141,20 @@ class Scheduler:
         for seq, num_tokens in zip(batch.seqs, batch.num_scheduled_tokens):
             sent = self._sent.get(seq.seq_id)
             if sent is None:
-                out.new_requests.append(NewRequest(str(seq.seq_id), list(seq.token_ids), seq.num_prompt_tokens,
-                                                   seq.params, list(seq.block_table), seq.num_computed_tokens))
+                out.new_requests.append(
+                    NewRequest(
+                        str(seq.seq_id),
+                        list(seq.token_ids),
+                        seq.num_prompt_tokens,
+                        seq.params,
+                        list(seq.block_table),
+                        seq.num_computed_tokens,
+                    )
+                )
             else:
-                out.cached_requests.append(CachedRequest(str(seq.seq_id), seq.block_table[sent[1]:],
-                                                         seq.num_computed_tokens))
+                out.cached_requests.append(
+                    CachedRequest(str(seq.seq_id), seq.block_table[sent[1] :], seq.num_computed_tokens)
+                )
             self._sent[seq.seq_id] = (seq, len(seq.block_table), seq.num_preemptions)
             out.req_ids.append(str(seq.seq_id))
             out.num_scheduled_tokens.append(num_tokens)

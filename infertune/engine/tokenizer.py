@@ -26,13 +26,28 @@ _NAMED_SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token
 _LIST_SPECIAL = ("extra_special_tokens", "additional_special_tokens")
 # tokenizer_config.json keys that change nothing in encode / decode / eos_token_id (the special tokens and
 # added_tokens_decoder are checked against tokenizer.json below). Any other key sends the folder to transformers.
-_NEUTRAL_KEYS = frozenset({
-    "tokenizer_class", "backend", "model_max_length", "model_input_names", "padding_side", "truncation_side",
-    "clean_up_tokenization_spaces", "added_tokens_decoder", *_NAMED_SPECIAL, *_LIST_SPECIAL,
-})
+_NEUTRAL_KEYS = frozenset(
+    {
+        "tokenizer_class",
+        "backend",
+        "model_max_length",
+        "model_input_names",
+        "padding_side",
+        "truncation_side",
+        "clean_up_tokenization_spaces",
+        "added_tokens_decoder",
+        *_NAMED_SPECIAL,
+        *_LIST_SPECIAL,
+    }
+)
 # Files transformers reads besides tokenizer.json and tokenizer_config.json (special tokens, chat templates).
-_OTHER_FILES = ("special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json",
-                "additional_chat_templates")
+_OTHER_FILES = (
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "additional_chat_templates",
+)
 _STRIP_FLAGS = ("single_word", "lstrip", "rstrip", "normalized")
 _TOKEN_FLAGS = (*_STRIP_FLAGS, "special")
 

@@ -5,13 +5,29 @@ from __future__ import annotations
 
 def __getattr__(name: str):
     # accuracy pulls in torch and the engine; keep `import infertune.evaluate` (and the CLI's --help) light.
-    if name in ("compare", "AccuracyReport", "parse_gate", "kl_divergence", "token_nll", "top1_agreement",
-                "common_prefix_length", "sliding_windows"):
+    if name in (
+        "compare",
+        "AccuracyReport",
+        "parse_gate",
+        "kl_divergence",
+        "token_nll",
+        "top1_agreement",
+        "common_prefix_length",
+        "sliding_windows",
+    ):
         from infertune.evaluate import accuracy
 
         return getattr(accuracy, name)
     raise AttributeError(name)
 
 
-__all__ = ["compare", "AccuracyReport", "parse_gate", "kl_divergence", "token_nll", "top1_agreement",
-           "common_prefix_length", "sliding_windows"]
+__all__ = [
+    "compare",
+    "AccuracyReport",
+    "parse_gate",
+    "kl_divergence",
+    "token_nll",
+    "top1_agreement",
+    "common_prefix_length",
+    "sliding_windows",
+]

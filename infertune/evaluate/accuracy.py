@@ -157,8 +157,9 @@ class AccuracyReport:
         if self.reference is not None:
             ref = f"{self.reference}" + (f" ({self.reference_quantization})" if self.reference_quantization else "")
             lines[0] += f"\n         vs {ref}"
-        lines.append(f"text: {self.data}: {self.num_tokens:,} tokens scored, windows of {self.context} "
-                     f"(stride {self.stride})")
+        lines.append(
+            f"text: {self.data}: {self.num_tokens:,} tokens scored, windows of {self.context} (stride {self.stride})"
+        )
         if self.ref_perplexity is None:
             lines.append(f"perplexity {self.perplexity:.4f}   NLL {self.nll:.5f} nats/token")
         else:
@@ -305,11 +306,16 @@ def compare(
 
     n = len(ids) - 1
     report = AccuracyReport(
-        model=cand.config.model.model, quantization=_stored_method(cand),
+        model=cand.config.model.model,
+        quantization=_stored_method(cand),
         reference=ref.config.model.model if ref is not None else None,
         reference_quantization=_stored_method(ref) if ref is not None else None,
-        data=data, num_tokens=n, context=context, stride=stride,
-        nll=nll_sum / n, perplexity=math.exp(nll_sum / n),
+        data=data,
+        num_tokens=n,
+        context=context,
+        stride=stride,
+        nll=nll_sum / n,
+        perplexity=math.exp(nll_sum / n),
     )
     if ref is not None:
         kl = torch.cat(kls).double()

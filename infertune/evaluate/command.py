@@ -14,7 +14,9 @@ DESCRIPTION = (
     "KL(P_ref || P_cand) of the next-token distributions, top-1 agreement, and how many greedily decoded tokens "
     "stay identical. With --quantization and no --compare the reference is the same model unquantized; for a "
     "checkpoint written by `infertune quantize` it is the model it was made from. The default text is the "
-    "built-in model's held-out split (Python stdlib files it never saw, PSF-2.0).")
+    "built-in model's held-out split (Python stdlib files it never saw, PSF-2.0)."
+)
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from infertune.config import engine_option_kwargs as option  # the engine options' help, choices and defaults
@@ -22,24 +24,44 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="candidate model folder (default: the built-in demo model)")
     p.add_argument("--compare", default=None, metavar="REF", help="reference model folder (default: see above)")
     p.add_argument("--quantization", **option("quantization", help="quantize the candidate on the fly"))
-    p.add_argument("--compare-quantization", **option(
-        "quantization", help="quantize the reference on the fly (default: none)"))
-    p.add_argument("--quant-group-size", **option(
-        "quant_group_size", help="candidate w4a16 group size (default: 128)"))
-    p.add_argument("--keep-fp", default=None, metavar="LAYERS",
-                   help="comma-separated layers the candidate keeps in full precision (default: lm_head)")
-    p.add_argument("--data", default=None, metavar="FILE",
-                   help="held-out text: .txt (one document) or .jsonl ({\"text\": ...} per line)")
-    p.add_argument("--max-tokens", type=int, default=None, help="score at most this many tokens of the text (default: all)")
-    p.add_argument("--context", type=int, default=None,
-                   help="window length in tokens (default: the model's max_model_len, at most 2048)")
+    p.add_argument(
+        "--compare-quantization", **option("quantization", help="quantize the reference on the fly (default: none)")
+    )
+    p.add_argument("--quant-group-size", **option("quant_group_size", help="candidate w4a16 group size (default: 128)"))
+    p.add_argument(
+        "--keep-fp",
+        default=None,
+        metavar="LAYERS",
+        help="comma-separated layers the candidate keeps in full precision (default: lm_head)",
+    )
+    p.add_argument(
+        "--data",
+        default=None,
+        metavar="FILE",
+        help='held-out text: .txt (one document) or .jsonl ({"text": ...} per line)',
+    )
+    p.add_argument(
+        "--max-tokens", type=int, default=None, help="score at most this many tokens of the text (default: all)"
+    )
+    p.add_argument(
+        "--context",
+        type=int,
+        default=None,
+        help="window length in tokens (default: the model's max_model_len, at most 2048)",
+    )
     p.add_argument("--stride", type=int, default=None, help="window step (default: half the context)")
-    p.add_argument("--num-prompts", type=int, default=8, help="prompts for the greedy-prefix check; 0 skips it (default: 8)")
+    p.add_argument(
+        "--num-prompts", type=int, default=8, help="prompts for the greedy-prefix check; 0 skips it (default: 8)"
+    )
     p.add_argument("--greedy-tokens", type=int, default=64, help="tokens decoded per prompt (default: 64)")
     p.add_argument("--dtype", **option("dtype"))
     p.add_argument("--device", **option("device"))
-    p.add_argument("--gate", default=None, metavar="PCT",
-                   help="exit 1 when perplexity rises more than PCT percent over the reference, e.g. 1%%")
+    p.add_argument(
+        "--gate",
+        default=None,
+        metavar="PCT",
+        help="exit 1 when perplexity rises more than PCT percent over the reference, e.g. 1%%",
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
@@ -54,8 +76,10 @@ def report_and_gate(report, gate: str | None, as_json: bool) -> int:
     if report.passes_gate(limit):
         print(f"gate passed: perplexity {100 * report.perplexity_change:+.3f}% <= +{100 * limit:g}%", file=sys.stderr)
         return 0
-    print(f"gate FAILED: perplexity {100 * report.perplexity_change:+.3f}% > +{100 * limit:g}% over the reference",
-          file=sys.stderr)
+    print(
+        f"gate FAILED: perplexity {100 * report.perplexity_change:+.3f}% > +{100 * limit:g}% over the reference",
+        file=sys.stderr,
+    )
     return 1
 
 
@@ -68,10 +92,18 @@ def run(args: argparse.Namespace) -> int:
     if args.keep_fp is not None:
         candidate["keep_fp"] = tuple(s.strip() for s in args.keep_fp.split(",") if s.strip())
     report = compare(
-        args.model, args.compare, quantization=args.quantization, reference_quantization=args.compare_quantization,
-        data=args.data, max_tokens=args.max_tokens, context=args.context, stride=args.stride,
-        num_prompts=args.num_prompts, greedy_tokens=args.greedy_tokens,
-        engine_options={"dtype": args.dtype, "device": args.device}, candidate_options=candidate,
+        args.model,
+        args.compare,
+        quantization=args.quantization,
+        reference_quantization=args.compare_quantization,
+        data=args.data,
+        max_tokens=args.max_tokens,
+        context=args.context,
+        stride=args.stride,
+        num_prompts=args.num_prompts,
+        greedy_tokens=args.greedy_tokens,
+        engine_options={"dtype": args.dtype, "device": args.device},
+        candidate_options=candidate,
         show_progress=sys.stderr.isatty(),
     )
     if args.gate is not None and report.ref_perplexity is None:

@@ -34,7 +34,7 @@ def load_documents(path: str) -> list[str]:
         return [text]
     docs = [text for _, text in read_jsonl_texts(path) if text.strip()]
     if not docs:
-        raise ValueError(f"{path} holds no documents; each line must be {{\"text\": ...}}")
+        raise ValueError(f'{path} holds no documents; each line must be {{"text": ...}}')
     return docs
 
 
@@ -47,10 +47,10 @@ def read_jsonl_texts(path: str) -> list[tuple[int, str]]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{lineno} is not valid JSON ({e}); each line must be {{\"text\": ...}}") from e
+            raise ValueError(f'{path}:{lineno} is not valid JSON ({e}); each line must be {{"text": ...}}') from e
         text = record if isinstance(record, str) else record.get("text") if isinstance(record, dict) else None
         if not isinstance(text, str):
-            raise ValueError(f"{path}:{lineno} has no \"text\" string; each line must be {{\"text\": ...}}")
+            raise ValueError(f'{path}:{lineno} has no "text" string; each line must be {{"text": ...}}')
         texts.append((lineno, text))
     return texts
 

@@ -61,16 +61,19 @@ class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig, show_progress: bool = False) -> None:
         ctx = mp.get_context("spawn")  # a fresh interpreter: no forked torch threads or locks
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_worker_main, args=(child, config, show_progress), name="infertune-worker",
-                                 daemon=True)
+        self._proc = ctx.Process(
+            target=_worker_main, args=(child, config, show_progress), name="infertune-worker", daemon=True
+        )
         self._proc.start()
         child.close()
         try:
             self._kv_info, self._describe = self._call(None)
         except WorkerError as e:
-            raise WorkerError(f"{e} while starting; the worker is spawned, so a script that builds the engine must "
-                              "keep its top level under `if __name__ == '__main__':` (the worker's log above says "
-                              "more)") from None
+            raise WorkerError(
+                f"{e} while starting; the worker is spawned, so a script that builds the engine must "
+                "keep its top level under `if __name__ == '__main__':` (the worker's log above says "
+                "more)"
+            ) from None
 
     def _call(self, message):
         try:
@@ -93,8 +96,10 @@ class MultiprocExecutor(Executor):
 
     @property
     def runner(self):
-        raise AttributeError("the model runner lives in the worker process; the tools that read it (profile, eval, "
-                             "quantize, debug-layers, tune) need distributed_executor_backend='uni'")
+        raise AttributeError(
+            "the model runner lives in the worker process; the tools that read it (profile, eval, "
+            "quantize, debug-layers, tune) need distributed_executor_backend='uni'"
+        )
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> SamplerOutput:
         return self._call(("step", scheduler_output))

@@ -34,8 +34,20 @@ MAX_ROWS = 16
 # benchmarks/bench_gemm_rows.py): decode steps past 16 sequences, prompts up to 128 tokens, mixed steps.
 AMX_GEMM_MAX_ROWS = 128
 REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni")
-CFLAGS = ["-O3", "-std=c11", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
-          "-mavx512bf16", "-mavx512vnni", "-mfma", "-mf16c"]
+CFLAGS = [
+    "-O3",
+    "-std=c11",
+    "-shared",
+    "-fPIC",
+    "-fopenmp",
+    "-mavx512f",
+    "-mavx512bw",
+    "-mavx512vl",
+    "-mavx512bf16",
+    "-mavx512vnni",
+    "-mfma",
+    "-mf16c",
+]
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -46,7 +58,8 @@ _amx = False  # it_amx_init said the tiles are usable
 
 def cache_dir() -> Path:
     root = os.environ.get("INFERTUNE_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "infertune")
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "infertune"
+    )
     return Path(root) / "kernels"
 
 
@@ -161,35 +174,72 @@ def declare(lib: ctypes.CDLL) -> None:
 
 # The structs of it_decode_layers (cpu_kernels.c), field for field.
 class ItLin(ctypes.Structure):
-    _fields_ = [("kind", ctypes.c_int32), ("scale_is_f32", ctypes.c_int32), ("w", ctypes.c_void_p),
-                ("scale", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("N", ctypes.c_int64), ("K", ctypes.c_int64),
-                ("zero", ctypes.c_void_p), ("group", ctypes.c_int64), ("inter", ctypes.c_int64)]
+    _fields_ = [
+        ("kind", ctypes.c_int32),
+        ("scale_is_f32", ctypes.c_int32),
+        ("w", ctypes.c_void_p),
+        ("scale", ctypes.c_void_p),
+        ("bias", ctypes.c_void_p),
+        ("N", ctypes.c_int64),
+        ("K", ctypes.c_int64),
+        ("zero", ctypes.c_void_p),
+        ("group", ctypes.c_int64),
+        ("inter", ctypes.c_int64),
+    ]
 
 
 class ItLayer(ctypes.Structure):
-    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qkv", ItLin), ("o", ItLin),
-                ("gate_up", ItLin), ("down", ItLin), ("kv_cache", ctypes.c_void_p)]
+    _fields_ = [
+        ("input_norm", ctypes.c_void_p),
+        ("post_norm", ctypes.c_void_p),
+        ("qkv", ItLin),
+        ("o", ItLin),
+        ("gate_up", ItLin),
+        ("down", ItLin),
+        ("kv_cache", ctypes.c_void_p),
+    ]
 
 
 class ItModel(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_int64) for name in
-                ("hidden", "n_heads", "n_kv_heads", "head_dim", "inter", "num_blocks", "block_size")] + [
-        ("cos_sin", ctypes.c_void_p), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
-        ("nthreads", ctypes.c_int32), ("n_layers", ctypes.c_int32), ("kv_int8", ctypes.c_int32),
-        ("gate_up_fused", ctypes.c_int32)]
+    _fields_ = [
+        (name, ctypes.c_int64)
+        for name in ("hidden", "n_heads", "n_kv_heads", "head_dim", "inter", "num_blocks", "block_size")
+    ] + [
+        ("cos_sin", ctypes.c_void_p),
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+        ("nthreads", ctypes.c_int32),
+        ("n_layers", ctypes.c_int32),
+        ("kv_int8", ctypes.c_int32),
+        ("gate_up_fused", ctypes.c_int32),
+    ]
 
 
 class Bf16c(ctypes.Structure):
     """A bf16 weight in the kernels' lossless 12-bit layout (cpu_kernels.c, bf16c); see pack_bf16c."""
-    _fields_ = [("codes", ctypes.c_void_p), ("table", ctypes.c_void_p), ("esc_start", ctypes.c_void_p),
-                ("esc_pos", ctypes.c_void_p), ("esc_val", ctypes.c_void_p)]
+
+    _fields_ = [
+        ("codes", ctypes.c_void_p),
+        ("table", ctypes.c_void_p),
+        ("esc_start", ctypes.c_void_p),
+        ("esc_pos", ctypes.c_void_p),
+        ("esc_val", ctypes.c_void_p),
+    ]
 
 
 class ItStep(ctypes.Structure):
-    _fields_ = [("T", ctypes.c_int64), ("positions", ctypes.c_void_p), ("slots", ctypes.c_void_p),
-                ("block_tables", ctypes.c_void_p), ("context_lens", ctypes.c_void_p), ("max_blocks", ctypes.c_int64),
-                ("work", ctypes.c_void_p), ("work_bytes", ctypes.c_int64), ("out_rows", ctypes.c_void_p),
-                ("n_out", ctypes.c_int64)]
+    _fields_ = [
+        ("T", ctypes.c_int64),
+        ("positions", ctypes.c_void_p),
+        ("slots", ctypes.c_void_p),
+        ("block_tables", ctypes.c_void_p),
+        ("context_lens", ctypes.c_void_p),
+        ("max_blocks", ctypes.c_int64),
+        ("work", ctypes.c_void_p),
+        ("work_bytes", ctypes.c_int64),
+        ("out_rows", ctypes.c_void_p),
+        ("n_out", ctypes.c_int64),
+    ]
 
 
 def library() -> ctypes.CDLL:
@@ -247,14 +297,24 @@ def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     m, (n, k) = x2.shape[0], weight.shape
     y = torch.empty((m, n), dtype=torch.bfloat16)
     with profiled("linear_bf16"):
-        _lib.it_linear_bf16(x2.data_ptr(), x2.stride(0), weight.data_ptr(),
-                            bias.data_ptr() if bias is not None else None, y.data_ptr(), n, m, n, k,
-                            torch.get_num_threads())
+        _lib.it_linear_bf16(
+            x2.data_ptr(),
+            x2.stride(0),
+            weight.data_ptr(),
+            bias.data_ptr() if bias is not None else None,
+            y.data_ptr(),
+            n,
+            m,
+            n,
+            k,
+            torch.get_num_threads(),
+        )
     return y.view(*x.shape[:-1], n)
 
 
-def linear_w8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-              bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear_w8(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """x [..., K] bf16, qweight [N, K] int8, scales [N] (bf16 or fp32) -> [..., N] bf16.
 
     x is rounded per row to int16 (|x - x_q s_x| <= s_x / 2, s_x = max|x| / 32512) and multiplied exactly in int32.
@@ -262,15 +322,29 @@ def linear_w8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     _load()
     x2 = _rows(x)
     _check(x2, qweight, bias)
-    if (qweight.dtype is not torch.int8 or scales.dtype not in (torch.bfloat16, torch.float32)
-            or not scales.is_contiguous()):
+    if (
+        qweight.dtype is not torch.int8
+        or scales.dtype not in (torch.bfloat16, torch.float32)
+        or not scales.is_contiguous()
+    ):
         raise ValueError(f"need int8 weights and contiguous bf16/fp32 scales, got {qweight.dtype} / {scales.dtype}")
     m, (n, k) = x2.shape[0], qweight.shape
     y = torch.empty((m, n), dtype=torch.bfloat16)
     with profiled("linear_w8"):
-        _lib.it_linear_w8(x2.data_ptr(), x2.stride(0), qweight.data_ptr(), scales.data_ptr(),
-                          int(scales.dtype is torch.float32), bias.data_ptr() if bias is not None else None,
-                          y.data_ptr(), n, m, n, k, torch.get_num_threads())
+        _lib.it_linear_w8(
+            x2.data_ptr(),
+            x2.stride(0),
+            qweight.data_ptr(),
+            scales.data_ptr(),
+            int(scales.dtype is torch.float32),
+            bias.data_ptr() if bias is not None else None,
+            y.data_ptr(),
+            n,
+            m,
+            n,
+            k,
+            torch.get_num_threads(),
+        )
     return y.view(*x.shape[:-1], n)
 
 
@@ -295,16 +369,26 @@ def unpack_w4(packed: torch.Tensor) -> torch.Tensor:
     return torch.cat([r & 0xF, r >> 4], dim=2).reshape(n, half * 2)
 
 
-def linear_w4(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
-              bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear_w4(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
     """x [..., K] bf16, packed (pack_w4) [N, K / 2], scale and zero fp32 [N, K / group_size] -> [..., N] bf16,
     with w = q * scale + zero. x is rounded to int16 per row as in linear_w8; the zero term uses the exact
     sums of x."""
     _load()
     x2 = _rows(x)
     n, k = packed.shape[0], packed.shape[1] * 2
-    if (x2.dtype is not torch.bfloat16 or x2.shape[1] != k or packed.dtype is not torch.uint8
-            or not packed.is_contiguous()):
+    if (
+        x2.dtype is not torch.bfloat16
+        or x2.shape[1] != k
+        or packed.dtype is not torch.uint8
+        or not packed.is_contiguous()
+    ):
         raise ValueError(f"need bf16 x [.., {k}] and contiguous uint8 packed weights, got {x2.dtype} {tuple(x2.shape)}")
     if not w4_supported(k, group_size):
         raise ValueError(f"group_size={group_size} must be a multiple of 64 and K={k} a multiple of it")
@@ -316,9 +400,21 @@ def linear_w4(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: 
     m = x2.shape[0]
     y = torch.empty((m, n), dtype=torch.bfloat16)
     with profiled("linear_w4"):
-        _lib.it_linear_w4(x2.data_ptr(), x2.stride(0), packed.data_ptr(), scale.data_ptr(), zero.data_ptr(), group_size,
-                          bias.data_ptr() if bias is not None else None, y.data_ptr(), n, m, n, k,
-                          torch.get_num_threads())
+        _lib.it_linear_w4(
+            x2.data_ptr(),
+            x2.stride(0),
+            packed.data_ptr(),
+            scale.data_ptr(),
+            zero.data_ptr(),
+            group_size,
+            bias.data_ptr() if bias is not None else None,
+            y.data_ptr(),
+            n,
+            m,
+            n,
+            k,
+            torch.get_num_threads(),
+        )
     return y.view(*x.shape[:-1], n)
 
 
@@ -326,13 +422,23 @@ def dequant_w8(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """int8 [N, K] and scales [N] (bf16 or fp32) -> bf16 [N, K], w = bf16(q * bf16(s)): a prefill's dense weight."""
     _load()
     n, k = qweight.shape
-    if (qweight.dtype is not torch.int8 or not qweight.is_contiguous()
-            or scales.dtype not in (torch.bfloat16, torch.float32)):
+    if (
+        qweight.dtype is not torch.int8
+        or not qweight.is_contiguous()
+        or scales.dtype not in (torch.bfloat16, torch.float32)
+    ):
         raise ValueError("need contiguous int8 weights and bf16 / fp32 scales")
     out = torch.empty((n, k), dtype=torch.bfloat16)
     with profiled("dequant_w8"):
-        _lib.it_dequant_w8(qweight.data_ptr(), scales.contiguous().data_ptr(), int(scales.dtype is torch.float32),
-                           out.data_ptr(), n, k, torch.get_num_threads())
+        _lib.it_dequant_w8(
+            qweight.data_ptr(),
+            scales.contiguous().data_ptr(),
+            int(scales.dtype is torch.float32),
+            out.data_ptr(),
+            n,
+            k,
+            torch.get_num_threads(),
+        )
     return out
 
 
@@ -340,17 +446,25 @@ def dequant_w4(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, gr
     """pack_w4 nibbles [N, K / 2] with fp32 scale and zero [N, K / g] -> bf16 [N, K], w = bf16(q * s + z)."""
     _load()
     n, k = packed.shape[0], packed.shape[1] * 2
-    if not (w4_supported(k, group_size) and packed.is_contiguous() and scale.is_contiguous()
-            and zero.is_contiguous()):
+    if not (w4_supported(k, group_size) and packed.is_contiguous() and scale.is_contiguous() and zero.is_contiguous()):
         raise ValueError("need contiguous pack_w4 weights, scale and zero, the group size a multiple of 64")
     out = torch.empty((n, k), dtype=torch.bfloat16)
     with profiled("dequant_w4"):
-        _lib.it_dequant_w4(packed.data_ptr(), scale.data_ptr(), zero.data_ptr(), group_size, out.data_ptr(), n, k,
-                           torch.get_num_threads())
+        _lib.it_dequant_w4(
+            packed.data_ptr(),
+            scale.data_ptr(),
+            zero.data_ptr(),
+            group_size,
+            out.data_ptr(),
+            n,
+            k,
+            torch.get_num_threads(),
+        )
     return out
 
 
 # ---- the elementwise work of prefills: the same roundings as layers/norm.py, activation.py and rotary.py
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """RMSNorm of bf16 rows (fp32 statistics, bf16(w * bf16(x / rms))); None where x does not fit (the caller
@@ -360,8 +474,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     _load()
     out = torch.empty_like(x)
     with profiled("rms_norm"):
-        _lib.it_rmsnorm_mt(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps,
-                           torch.get_num_threads())
+        _lib.it_rmsnorm_mt(
+            x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps, torch.get_num_threads()
+        )
     return out
 
 
@@ -380,9 +495,16 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
 def rotary_(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """Rotate qk [T, heads, D] (bf16, rows may be strided) in place with cos / sin [T, 1, D/2] fp32 views of one
     [T, D] table (cos half, then sin half); False, untouched, where the layout does not fit."""
-    if (qk.dtype is not torch.bfloat16 or qk.dim() != 3 or qk.stride(2) != 1 or qk.stride(1) != qk.shape[2]
-            or cos.dtype is not torch.float32 or cos.stride(-1) != 1 or sin.stride(0) != cos.stride(0)
-            or sin.data_ptr() != cos.data_ptr() + 4 * cos.shape[-1]):
+    if (
+        qk.dtype is not torch.bfloat16
+        or qk.dim() != 3
+        or qk.stride(2) != 1
+        or qk.stride(1) != qk.shape[2]
+        or cos.dtype is not torch.float32
+        or cos.stride(-1) != 1
+        or sin.stride(0) != cos.stride(0)
+        or sin.data_ptr() != cos.data_ptr() + 4 * cos.shape[-1]
+    ):
         return False
     _load()
     t, heads, d = qk.shape
@@ -391,8 +513,16 @@ def rotary_(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     return True
 
 
-def decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
-                     n_kv_heads: int, scale: float, kv_int8: bool = False, use_amx: bool = True) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    n_kv_heads: int,
+    scale: float,
+    kv_int8: bool = False,
+    use_amx: bool = True,
+) -> torch.Tensor:
     """The fused decode step's attention alone (for tests and benchmarks): q [T, Hq, D] bf16, one layer's paged
     cache ([2, num_blocks, block_size, Hkv, D] bf16, or the int8 rows of Int8PagedAttention as uint8 / int8
     [2, num_blocks, block_size, Hkv, D + 4]), block tables [T, max_blocks] and context lengths [T] (int64).
@@ -402,28 +532,44 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.T
     num_blocks, block_size = cache.shape[1], cache.shape[2]
     # the kernel reads the queries from rows of [q | k | v]; k and v are not read
     qkv = torch.zeros(t, (hq + 2 * n_kv_heads) * d, dtype=torch.bfloat16)
-    qkv[:, :hq * d] = q.reshape(t, hq * d)
+    qkv[:, : hq * d] = q.reshape(t, hq * d)
     tables = block_tables.to(torch.int64).contiguous()
     lens = context_lens.to(torch.int64).contiguous()
-    cmodel = ItModel(hidden=hq * d, n_heads=hq, n_kv_heads=n_kv_heads, head_dim=d, inter=hq * d,
-                     num_blocks=num_blocks, block_size=block_size, scale=scale, nthreads=torch.get_num_threads(),
-                     n_layers=1, kv_int8=int(kv_int8))
+    cmodel = ItModel(
+        hidden=hq * d,
+        n_heads=hq,
+        n_kv_heads=n_kv_heads,
+        head_dim=d,
+        inter=hq * d,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        scale=scale,
+        nthreads=torch.get_num_threads(),
+        n_layers=1,
+        kv_int8=int(kv_int8),
+    )
     nbytes = _lib.it_decode_workspace_bytes(ctypes.byref(cmodel), t, tables.shape[1] * block_size)
     work = torch.empty(nbytes + 64, dtype=torch.uint8)
-    step = ItStep(T=t, block_tables=tables.data_ptr(), context_lens=lens.data_ptr(), max_blocks=tables.shape[1],
-                  work=(work.data_ptr() + 63) // 64 * 64, work_bytes=nbytes)
+    step = ItStep(
+        T=t,
+        block_tables=tables.data_ptr(),
+        context_lens=lens.data_ptr(),
+        max_blocks=tables.shape[1],
+        work=(work.data_ptr() + 63) // 64 * 64,
+        work_bytes=nbytes,
+    )
     o = torch.empty(t, hq, d, dtype=torch.bfloat16)
     cache = cache.contiguous()
-    rc = _lib.it_decode_attention(ctypes.byref(cmodel), ctypes.byref(step), qkv.data_ptr(), cache.data_ptr(),
-                                  o.data_ptr(), int(use_amx))
+    rc = _lib.it_decode_attention(
+        ctypes.byref(cmodel), ctypes.byref(step), qkv.data_ptr(), cache.data_ptr(), o.data_ptr(), int(use_amx)
+    )
     if rc != 0:
         raise ValueError(f"it_decode_attention refused the shapes ({rc})")
     return o
 
 
 # The parts of the fused step that it_decode_layers times (cpu_kernels.c FT_*), in order
-FUSED_PARTS = ("norm", "qkv", "rotary + K/V write", "attention", "o_proj", "residual adds", "gate_up (+ SiLU)",
-               "down")
+FUSED_PARTS = ("norm", "qkv", "rotary + K/V write", "attention", "o_proj", "residual adds", "gate_up (+ SiLU)", "down")
 
 
 def fused_step_timers(reset: bool = False) -> dict[str, float]:
@@ -432,7 +578,7 @@ def fused_step_timers(reset: bool = False) -> dict[str, float]:
     _load()
     out = (ctypes.c_double * (len(FUSED_PARTS) + 2))()
     _lib.it_fused_timers(out, int(reset))
-    return {**dict(zip(FUSED_PARTS, out[:len(FUSED_PARTS)])), "calls": out[-2], "rows": out[-1]}
+    return {**dict(zip(FUSED_PARTS, out[: len(FUSED_PARTS)])), "calls": out[-2], "rows": out[-1]}
 
 
 # ---- bf16 weights in 12 bits, losslessly (cpu_kernels.c: bf16c) ------------------------------------------------
@@ -442,8 +588,15 @@ BF16C_FIELDS = ("codes", "table", "esc_start", "esc_pos", "esc_val")
 def bf16c_supported(n: int, k: int) -> bool:
     """Whether a [n, k] weight can take the 12-bit layout here (the decoder runs on AMX tiles)."""
     _load()
-    return (_lib is not None and _amx and "avx512vbmi" in _cpu_flags()  # the packer's VPERMB
-            and n % 16 == 0 and k % 32 == 0 and n > 0 and k > 0)
+    return (
+        _lib is not None
+        and _amx
+        and "avx512vbmi" in _cpu_flags()  # the packer's VPERMB
+        and n % 16 == 0
+        and k % 32 == 0
+        and n > 0
+        and k > 0
+    )
 
 
 def bf16c_slabs(m: int, k: int) -> int:
@@ -466,9 +619,13 @@ def pack_bf16c(w: torch.Tensor, inter: int = 0) -> dict[str, torch.Tensor]:
     inter > 0: w is a gate_up [2 inter, K] (inter a multiple of 16), packed as interleave_gate_up(w) would be
     (for linear_bf16c's inter / silu), without the copy."""
     if w.dtype is not torch.bfloat16 or w.dim() != 2 or w.shape[1] % 32:
-        raise ValueError(f"pack_bf16c takes a bf16 [N, K] weight with K a multiple of 32, got {w.dtype} {tuple(w.shape)}")
+        raise ValueError(
+            f"pack_bf16c takes a bf16 [N, K] weight with K a multiple of 32, got {w.dtype} {tuple(w.shape)}"
+        )
     if inter and (w.shape[0] != 2 * inter or inter % 16):
-        raise ValueError(f"pack_bf16c: inter={inter} needs a [2 inter, K] weight with inter a multiple of 16, got {tuple(w.shape)}")
+        raise ValueError(
+            f"pack_bf16c: inter={inter} needs a [2 inter, K] weight with inter a multiple of 16, got {tuple(w.shape)}"
+        )
     _load()
     w = w.contiguous()
     n, k = w.shape
@@ -488,10 +645,10 @@ def pack_bf16c(w: torch.Tensor, inter: int = 0) -> dict[str, torch.Tensor]:
     pos = torch.empty(total, dtype=torch.int16)
     val = torch.empty(total, dtype=torch.bfloat16)
     if total:
-        _lib.it_bf16c_escapes(w.data_ptr(), n, k, inter, code_of.data_ptr(), start.data_ptr(), pos.data_ptr(),
-                              val.data_ptr(), threads)
-    return {"codes": codes, "table": table, "esc_start": start, "esc_pos": pos,
-            "esc_val": val}
+        _lib.it_bf16c_escapes(
+            w.data_ptr(), n, k, inter, code_of.data_ptr(), start.data_ptr(), pos.data_ptr(), val.data_ptr(), threads
+        )
+    return {"codes": codes, "table": table, "esc_start": start, "esc_pos": pos, "esc_val": val}
 
 
 def bf16c_struct(packed: dict[str, torch.Tensor]) -> Bf16c:
@@ -508,8 +665,15 @@ def unpack_bf16c(desc: Bf16c, n: int, k: int) -> torch.Tensor:
     return w
 
 
-def linear_bf16c(x: torch.Tensor, desc: Bf16c, n: int, bias: torch.Tensor | None = None, inter: int = 0,
-                 silu: bool = False, add_to: torch.Tensor | None = None) -> torch.Tensor:
+def linear_bf16c(
+    x: torch.Tensor,
+    desc: Bf16c,
+    n: int,
+    bias: torch.Tensor | None = None,
+    inter: int = 0,
+    silu: bool = False,
+    add_to: torch.Tensor | None = None,
+) -> torch.Tensor:
     """x [..., K] bf16 times a 12-bit packed weight [n, K] (+ bias) -> [..., n] bf16, on AMX: the very products of
     linear_bf16 on the unpacked weight (up to 16 rows one pass, more on the tile GEMM decoding 64 features at a
     time while it multiplies by the previous 64).
@@ -533,12 +697,25 @@ def linear_bf16c(x: torch.Tensor, desc: Bf16c, n: int, bias: torch.Tensor | None
     else:
         y = torch.empty(m, width, dtype=torch.bfloat16)
     with profiled("linear_bf16c"):
-        rc = _lib.it_linear_bf16c(x2.data_ptr(), x2.stride(0), ctypes.byref(desc),
-                                  bias.data_ptr() if bias is not None else None, y.data_ptr(), width, m, n, k,
-                                  torch.get_num_threads(), inter, int(silu or add_to is not None))
+        rc = _lib.it_linear_bf16c(
+            x2.data_ptr(),
+            x2.stride(0),
+            ctypes.byref(desc),
+            bias.data_ptr() if bias is not None else None,
+            y.data_ptr(),
+            width,
+            m,
+            n,
+            k,
+            torch.get_num_threads(),
+            inter,
+            int(silu or add_to is not None),
+        )
     if rc != 0:
-        raise ValueError(f"it_linear_bf16c refused {m} x {k} -> {n} (needs AMX, N a multiple of 16, K of 32; with "
-                         f"inter: N = 2 inter, inter a multiple of 16, no bias)")
+        raise ValueError(
+            f"it_linear_bf16c refused {m} x {k} -> {n} (needs AMX, N a multiple of 16, K of 32; with "
+            f"inter: N = 2 inter, inter a multiple of 16, no bias)"
+        )
     return add_to if add_to is not None else y.view(*x.shape[:-1], width)
 
 

@@ -112,9 +112,15 @@ class FusedDecoder(Protocol):
     max_rows: int  # decode-only steps of up to this many sequences
     max_prefill_rows: int  # steps of fresh prompts only, of up to this many tokens in all (0: none)
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-                 block_tables: torch.Tensor, context_lens: torch.Tensor,
-                 out_rows: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        out_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm (a view of a buffer the next step overwrites). Each row
         attends to the first context_lens[row] tokens of its block table row. out_rows (int64, ascending): the
         only rows the caller reads; past the last layer's attention just those go on."""
@@ -136,8 +142,9 @@ class DecodeKernels(Protocol):
         """x [..., K] bf16, weight [N, K] bf16 -> [..., N] bf16 (fp32 accumulation)."""
         ...
 
-    def linear_w8(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                  bias: torch.Tensor | None = None) -> torch.Tensor: ...
+    def linear_w8(
+        self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor: ...
 
     def dequant_w8(self, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         """int8 [N, K] and scales [N] -> bf16 [N, K], w = bf16(q * bf16(s))."""
@@ -153,13 +160,21 @@ class DecodeKernels(Protocol):
         """The inverse of pack_w4: uint8 [N, K] in 0..15."""
         ...
 
-    def linear_w4(self, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                  group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def linear_w4(
+        self,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        scale: torch.Tensor,
+        zero: torch.Tensor,
+        group_size: int,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """x [..., K] bf16 times w = q * scale + zero (per group of group_size inputs) -> [..., N] bf16."""
         ...
 
-    def dequant_w4(self, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                   group_size: int) -> torch.Tensor: ...
+    def dequant_w4(
+        self, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int
+    ) -> torch.Tensor: ...
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
         """bf16(w * bf16(x / rms(x))) with fp32 statistics; None where x's layout does not fit."""

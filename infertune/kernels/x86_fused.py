@@ -41,13 +41,24 @@ class X86FusedDecoder:
         if model.head_dim % 16:
             return f"head_dim={model.head_dim} (the fused step needs a multiple of 16)"
         if model.embed.dtype is not torch.bfloat16 or any(
-                t.dtype is not torch.bfloat16 for layer in model.layers for t in (layer.input_norm, layer.post_norm)):
+            t.dtype is not torch.bfloat16 for layer in model.layers for t in (layer.input_norm, layer.post_norm)
+        ):
             return "the fused step runs bf16 weights and norms"
         cmodel = cpu.ItModel(
-            hidden=model.hidden, n_heads=model.n_heads, n_kv_heads=model.n_kv_heads, head_dim=model.head_dim,
-            inter=model.inter, num_blocks=model.layers[0].kv_cache.shape[1], block_size=model.block_size,
-            cos_sin=model.cos_sin.data_ptr(), eps=model.eps, scale=model.scale, nthreads=torch.get_num_threads(),
-            n_layers=len(model.layers), kv_int8=int(model.kv_int8))
+            hidden=model.hidden,
+            n_heads=model.n_heads,
+            n_kv_heads=model.n_kv_heads,
+            head_dim=model.head_dim,
+            inter=model.inter,
+            num_blocks=model.layers[0].kv_cache.shape[1],
+            block_size=model.block_size,
+            cos_sin=model.cos_sin.data_ptr(),
+            eps=model.eps,
+            scale=model.scale,
+            nthreads=torch.get_num_threads(),
+            n_layers=len(model.layers),
+            kv_int8=int(model.kv_int8),
+        )
         keep = [model.cos_sin, model.final_norm]  # tensors whose memory the C side points at
         layers = (cpu.ItLayer * len(model.layers))()
         for c, layer in zip(layers, model.layers):
@@ -69,15 +80,25 @@ class X86FusedDecoder:
         cmodel.gate_up_fused = int(all(c.gate_up.kind == _KIND["bf16c"] and c.gate_up.inter > 0 for c in layers))
         return cls(model, cmodel, layers, keep, cpu.MAX_ROWS, prefill_rows)
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-                 block_tables: torch.Tensor, context_lens: torch.Tensor,
-                 out_rows: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        out_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         t = input_ids.shape[0]
         x = torch.index_select(self.embed, 0, input_ids, out=self.x[:t])  # updated in place by the kernel
         s = self.step
         s.T = t
         s.positions, s.slots = positions.data_ptr(), slot_mapping.data_ptr()
-        s.block_tables, s.context_lens, s.max_blocks = block_tables.data_ptr(), context_lens.data_ptr(), block_tables.shape[1]
+        s.block_tables, s.context_lens, s.max_blocks = (
+            block_tables.data_ptr(),
+            context_lens.data_ptr(),
+            block_tables.shape[1],
+        )
         if out_rows is not None:
             assert out_rows.dtype == torch.int64 and out_rows.is_contiguous()
             s.out_rows, s.n_out = out_rows.data_ptr(), out_rows.numel()
@@ -86,12 +107,20 @@ class X86FusedDecoder:
         with cpu.profiled("fused_decode_layers"):
             rc = self.lib.it_decode_layers(ctypes.byref(self.cmodel), self.layers, ctypes.byref(s), x.data_ptr())
         if rc != 0:
-            raise RuntimeError(f"it_decode_layers failed ({rc}): "
-                               f"{'workspace too small' if rc == -1 else 'unsupported shapes'}")
+            raise RuntimeError(
+                f"it_decode_layers failed ({rc}): {'workspace too small' if rc == -1 else 'unsupported shapes'}"
+            )
         out = self.out[:t]
         with cpu.profiled("rms_norm"):
-            self.lib.it_rmsnorm_mt(x.data_ptr(), self.final_norm.data_ptr(), out.data_ptr(), t, self.hidden,
-                                   self.final_eps, self.cmodel.nthreads)
+            self.lib.it_rmsnorm_mt(
+                x.data_ptr(),
+                self.final_norm.data_ptr(),
+                out.data_ptr(),
+                t,
+                self.hidden,
+                self.final_eps,
+                self.cmodel.nthreads,
+            )
         return out
 
 

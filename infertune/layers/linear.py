@@ -40,7 +40,9 @@ class QuantMethod(abc.ABC):
 
 class UnquantizedMethod(QuantMethod):
     def create_weights(self, layer: Linear, dtype: torch.dtype) -> None:
-        layer.weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features, dtype=dtype), requires_grad=False)
+        layer.weight = nn.Parameter(
+            torch.empty(layer.out_features, layer.in_features, dtype=dtype), requires_grad=False
+        )
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, layer.weight, layer.bias)
@@ -76,8 +78,7 @@ class DecodeKernelMethod(UnquantizedMethod):
         self.max_rows = kernels.max_rows("bf16")
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        if (x.dtype is torch.bfloat16 and x.numel() <= self.max_rows * x.shape[-1]
-                and not torch.compiler.is_compiling()):
+        if x.dtype is torch.bfloat16 and x.numel() <= self.max_rows * x.shape[-1] and not torch.compiler.is_compiling():
             return self.kernels.linear_bf16(x, layer.weight, layer.bias)
         return F.linear(x, layer.weight, layer.bias)
 

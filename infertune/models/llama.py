@@ -27,11 +27,18 @@ from infertune.layers.rotary import RotaryEmbedding
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, attn: AttentionBackend, dtype: torch.dtype) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        )
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
         self.qkv_proj = PackedLinear(
-            cfg.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}, bias=cfg.attention_bias, dtype=dtype
+            cfg.hidden_size,
+            {"q": self.q_size, "k": self.kv_size, "v": self.kv_size},
+            bias=cfg.attention_bias,
+            dtype=dtype,
         )
         # Llama's attention_bias also covers o_proj; Qwen2's q/k/v bias does not.
         o_bias = cfg.attention_bias and cfg.architecture != "Qwen2ForCausalLM"
@@ -46,8 +53,9 @@ class LlamaAttention(nn.Module):
         qk = self.rotary(qkv[:, : self.num_heads + self.num_kv_heads], cos, sin)
         return qk[:, : self.num_heads], qk[:, self.num_heads :], qkv[:, self.num_heads + self.num_kv_heads :]
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         q, k, v = self.project(x, cos, sin)
         o = self.attn.forward(q, k, v, kv_cache, meta, self.scale)  # [T, H, D]
         return self.o_proj(o.reshape(x.shape[0], self.q_size))
@@ -118,7 +126,9 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=weight, _freeze=True)
         # One table shared by every layer.
         self.rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, self.rotary, attn, dtype) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, self.rotary, attn, dtype) for _ in range(cfg.num_hidden_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
     def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:

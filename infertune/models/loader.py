@@ -40,9 +40,11 @@ def checkpoint_files(model_dir: str) -> list[Path]:
         return files
     files = sorted(root.glob("*.safetensors"))
     if not files:
-        hint = " (found PyTorch .bin weights: re-save with save_pretrained(safe_serialization=True))" if any(
-            root.glob("*.bin")
-        ) else ""
+        hint = (
+            " (found PyTorch .bin weights: re-save with save_pretrained(safe_serialization=True))"
+            if any(root.glob("*.bin"))
+            else ""
+        )
         raise FileNotFoundError(f"{model_dir}: no *.safetensors weights found{hint}")
     return files
 
@@ -71,8 +73,17 @@ def _empty_on(meta: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def load_model(
-    arch: ArchConfig, model_dir: str, dtype: torch.dtype, device: torch.device, max_position: int, attn: AttentionBackend,
-    show_progress: bool = False, quant: QuantConfig | None = None, backend=None, prepack: bool = True, kernels=None,
+    arch: ArchConfig,
+    model_dir: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_position: int,
+    attn: AttentionBackend,
+    show_progress: bool = False,
+    quant: QuantConfig | None = None,
+    backend=None,
+    prepack: bool = True,
+    kernels=None,
     compress: bool = False,
 ) -> nn.Module:
     files = checkpoint_files(model_dir)

@@ -4,21 +4,40 @@ questions from a model's config.json alone. Pure arithmetic; only the `local` de
 from infertune.plan.catalog import Device, DeviceFileError, find_device, load_catalog, load_device_file
 from infertune.plan.cost import PDSplit, pd_split, tokens_per_joule, usd_per_million_tokens
 from infertune.plan.memory import (
-                                   KVFormat,
-                                   ModelSpec,
-                                   WeightFormat,
-                                   kv_bytes,
-                                   kv_bytes_per_sequence,
-                                   kv_bytes_per_token,
-                                   memory_budget,
-                                   weight_breakdown,
+    KVFormat,
+    ModelSpec,
+    WeightFormat,
+    kv_bytes,
+    kv_bytes_per_sequence,
+    kv_bytes_per_token,
+    memory_budget,
+    weight_breakdown,
 )
 from infertune.plan.planner import PlanRequest, make_plan
 from infertune.plan.roofline import Efficiency, Roofline, calibrate_decode, calibrate_prefill
 
 __all__ = [
-    "Device", "DeviceFileError", "Efficiency", "KVFormat", "ModelSpec", "PDSplit", "PlanRequest", "Roofline",
-    "WeightFormat", "calibrate_decode", "calibrate_prefill", "find_device", "kv_bytes", "kv_bytes_per_sequence",
-    "kv_bytes_per_token", "load_catalog", "load_device_file", "make_plan", "memory_budget", "pd_split",
-    "tokens_per_joule", "usd_per_million_tokens", "weight_breakdown",
+    "Device",
+    "DeviceFileError",
+    "Efficiency",
+    "KVFormat",
+    "ModelSpec",
+    "PDSplit",
+    "PlanRequest",
+    "Roofline",
+    "WeightFormat",
+    "calibrate_decode",
+    "calibrate_prefill",
+    "find_device",
+    "kv_bytes",
+    "kv_bytes_per_sequence",
+    "kv_bytes_per_token",
+    "load_catalog",
+    "load_device_file",
+    "make_plan",
+    "memory_budget",
+    "pd_split",
+    "tokens_per_joule",
+    "usd_per_million_tokens",
+    "weight_breakdown",
 ]

@@ -80,8 +80,14 @@ class Device:
         return d
 
 
-_REQUIRED = {"name": str, "display_name": str, "memory_bytes": int, "memory_bandwidth_bytes_per_s": float,
-             "bf16_tflops": float, "source": "sources"}
+_REQUIRED = {
+    "name": str,
+    "display_name": str,
+    "memory_bytes": int,
+    "memory_bandwidth_bytes_per_s": float,
+    "bf16_tflops": float,
+    "source": "sources",
+}
 _OPTIONAL_NUMBERS = ("fp16_tflops", "fp32_tflops", "int8_tops", "tdp_watts", "purchase_price_usd")
 _KNOWN = set(_REQUIRED) | set(_OPTIONAL_NUMBERS) | {"aliases", "vendor", "notes", "price", "interconnect", "measured"}
 _PRICE_FIELDS = {"usd_per_hour", "kind", "provider", "date", "source"}
@@ -118,7 +124,9 @@ def device_from_dict(obj, where: str) -> Device:
             raise DeviceFileError(f"{where}: required field {key!r} is missing")
     name = _string(where, "name", obj["name"])
     if not re.fullmatch(r"[a-z0-9][a-z0-9._-]*", name):
-        raise DeviceFileError(f"{where}: field 'name' must be lower case letters, digits, '.', '_' or '-' (got {name!r})")
+        raise DeviceFileError(
+            f"{where}: field 'name' must be lower case letters, digits, '.', '_' or '-' (got {name!r})"
+        )
     src = obj["source"]
     sources = [src] if isinstance(src, str) else src
     if not isinstance(sources, list) or not sources or not all(isinstance(s, str) and s.strip() for s in sources):
@@ -138,8 +146,13 @@ def device_from_dict(obj, where: str) -> Device:
             raise DeviceFileError(f"{pw}: required field {missing[0]!r} is missing")
         if not isinstance(price["date"], str) or not re.fullmatch(r"\d{4}-\d{2}-\d{2}", price["date"]):
             raise DeviceFileError(f"{pw}: field 'date' must be YYYY-MM-DD (got {price['date']!r})")
-        price = Price(float(_positive(pw, "usd_per_hour", price["usd_per_hour"])), _string(pw, "kind", price["kind"]),
-                      _string(pw, "provider", price["provider"]), price["date"], _string(pw, "source", price["source"]))
+        price = Price(
+            float(_positive(pw, "usd_per_hour", price["usd_per_hour"])),
+            _string(pw, "kind", price["kind"]),
+            _string(pw, "provider", price["provider"]),
+            price["date"],
+            _string(pw, "source", price["source"]),
+        )
     link = obj.get("interconnect")
     if link is not None:
         iw = f"{where}: interconnect"
@@ -147,19 +160,28 @@ def device_from_dict(obj, where: str) -> Device:
             raise DeviceFileError(f"{iw} must be an object or null (got {link!r})")
         _unknown(iw, link, _INTERCONNECT_FIELDS)
         bw = link.get("bandwidth_bytes_per_s")
-        link = Interconnect(_string(iw, "name", link.get("name")),
-                            None if bw is None else float(_positive(iw, "bandwidth_bytes_per_s", bw)))
+        link = Interconnect(
+            _string(iw, "name", link.get("name")),
+            None if bw is None else float(_positive(iw, "bandwidth_bytes_per_s", bw)),
+        )
     measured = obj.get("measured", False)
     if not isinstance(measured, bool):
         raise DeviceFileError(f"{where}: field 'measured' must be true or false (got {measured!r})")
     return Device(
-        name=name, display_name=_string(where, "display_name", obj["display_name"]),
+        name=name,
+        display_name=_string(where, "display_name", obj["display_name"]),
         memory_bytes=_positive(where, "memory_bytes", obj["memory_bytes"], integer=True),
-        memory_bandwidth_bytes_per_s=float(_positive(where, "memory_bandwidth_bytes_per_s",
-                                                     obj["memory_bandwidth_bytes_per_s"])),
+        memory_bandwidth_bytes_per_s=float(
+            _positive(where, "memory_bandwidth_bytes_per_s", obj["memory_bandwidth_bytes_per_s"])
+        ),
         bf16_tflops=float(_positive(where, "bf16_tflops", obj["bf16_tflops"])),
-        source=tuple(sources), aliases=tuple(a.lower() for a in aliases), vendor=obj.get("vendor", "") or "",
-        notes=obj.get("notes", "") or "", price=price, interconnect=link, measured=measured,
+        source=tuple(sources),
+        aliases=tuple(a.lower() for a in aliases),
+        vendor=obj.get("vendor", "") or "",
+        notes=obj.get("notes", "") or "",
+        price=price,
+        interconnect=link,
+        measured=measured,
         **{k: (None if v is None else float(v)) for k, v in numbers.items()},
     )
 
@@ -190,7 +212,9 @@ def load_catalog(extra_files: list[str | Path] = ()) -> dict[str, Device]:
     for path in sorted(DATA_DIR.glob("*.json")):
         for dev in load_device_file(path):
             if dev.name in catalog:
-                raise DeviceFileError(f"{path}: device name {dev.name!r} is already defined in {catalog[dev.name].origin}")
+                raise DeviceFileError(
+                    f"{path}: device name {dev.name!r} is already defined in {catalog[dev.name].origin}"
+                )
             catalog[dev.name] = dev
     for path in extra_files:
         for dev in load_device_file(path):

@@ -14,45 +14,85 @@ from infertune.plan.memory import KV_DTYPES, WEIGHT_DTYPES, KVFormat, WeightForm
 DESCRIPTION = (
     "Plan a deployment without running it: exact weight and KV-cache bytes from the model's config.json, the "
     "concurrent sequences that fit, roofline prefill / decode speed by batch size (TTFT, TPOT), $ per million "
-    "tokens, tokens per joule and a prefill / decode card split. --device local measures this machine first.")
+    "tokens, tokens per joule and a prefill / decode card split. --device local measures this machine first."
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from infertune.config import default_model_path
 
-    p.add_argument("--model", default=default_model_path(),
-                   help="Hugging Face model folder or its config.json (default: the built-in demo model)")
-    p.add_argument("--device", default=None,
-                   help="catalog device (910b, 910b2, 910c, h100, h200, a100, l40s, rtx4090, ...) or 'local' / "
-                        "'local:cpu|cuda|npu' to measure this machine (default: the one device of --device-file, "
-                        "else local)")
-    p.add_argument("--device-file", action="append", default=[], metavar="F",
-                   help="JSON file with your own device(s) (repeatable); see infertune/plan/catalog.py for the fields")
+    p.add_argument(
+        "--model",
+        default=default_model_path(),
+        help="Hugging Face model folder or its config.json (default: the built-in demo model)",
+    )
+    p.add_argument(
+        "--device",
+        default=None,
+        help="catalog device (910b, 910b2, 910c, h100, h200, a100, l40s, rtx4090, ...) or 'local' / "
+        "'local:cpu|cuda|npu' to measure this machine (default: the one device of --device-file, "
+        "else local)",
+    )
+    p.add_argument(
+        "--device-file",
+        action="append",
+        default=[],
+        metavar="F",
+        help="JSON file with your own device(s) (repeatable); see infertune/plan/catalog.py for the fields",
+    )
     p.add_argument("--list-devices", action="store_true", help="list the catalog (with sources) and exit")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel cards per instance (default: 1)")
     p.add_argument("--input-len", type=int, default=None, help="prompt tokens per request (default: 1536)")
     p.add_argument("--output-len", type=int, default=None, help="generated tokens per request (default: 512)")
-    p.add_argument("--context", type=int, default=None,
-                   help="tokens per sequence for KV sizing and max concurrency (default: input + output; with only "
-                        "--context given, output = min(512, context/4) and input = the rest)")
+    p.add_argument(
+        "--context",
+        type=int,
+        default=None,
+        help="tokens per sequence for KV sizing and max concurrency (default: input + output; with only "
+        "--context given, output = min(512, context/4) and input = the rest)",
+    )
     p.add_argument("--batch", type=int, default=None, help="batch to highlight, size the KV for, and calibrate at")
-    p.add_argument("--weight-dtype", choices=WEIGHT_DTYPES, default="bf16",
-                   help="bf16-12bit: infertune's lossless 12-bit layout of bf16 weights (the default engine's on CPUs "
-                        "with AMX; same outputs, 0.75x the bytes); w8a16 / w4a16: quantized (default: bf16)")
+    p.add_argument(
+        "--weight-dtype",
+        choices=WEIGHT_DTYPES,
+        default="bf16",
+        help="bf16-12bit: infertune's lossless 12-bit layout of bf16 weights (the default engine's on CPUs "
+        "with AMX; same outputs, 0.75x the bytes); w8a16 / w4a16: quantized (default: bf16)",
+    )
     p.add_argument("--group-size", type=int, default=128, help="W4A16 quantization group size (default: 128)")
     p.add_argument("--quantize-lm-head", action="store_true", help="quantize the lm_head too (default: kept in bf16)")
-    p.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto",
-                   help="KV-cache dtype; auto = 16-bit; int8 adds an fp16 scale per token and KV head (default: auto)")
-    p.add_argument("--memory-utilization", type=float, default=0.90,
-                   help="share of card memory the engine may use; the rest is runtime overhead (default: 0.90)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                   help="tokens per step: prefill chunk and activation reserve (default: 2048, the engine's)")
+    p.add_argument(
+        "--kv-dtype",
+        choices=KV_DTYPES,
+        default="auto",
+        help="KV-cache dtype; auto = 16-bit; int8 adds an fp16 scale per token and KV head (default: auto)",
+    )
+    p.add_argument(
+        "--memory-utilization",
+        type=float,
+        default=0.90,
+        help="share of card memory the engine may use; the rest is runtime overhead (default: 0.90)",
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="tokens per step: prefill chunk and activation reserve (default: 2048, the engine's)",
+    )
     p.add_argument("--eff-bw", type=float, default=None, help="bandwidth efficiency 0-1 (default: 0.82; local: 1.0)")
     p.add_argument("--eff-compute", type=float, default=None, help="compute efficiency 0-1 (default: 0.50; local: 1.0)")
-    p.add_argument("--measured-decode-tps", type=float, default=None,
-                   help="calibrate: decode tokens/s you measured at --batch (default 1) on this device")
-    p.add_argument("--measured-prefill-tps", type=float, default=None,
-                   help="calibrate: prefill tokens/s you measured for one --input-len prompt")
+    p.add_argument(
+        "--measured-decode-tps",
+        type=float,
+        default=None,
+        help="calibrate: decode tokens/s you measured at --batch (default 1) on this device",
+    )
+    p.add_argument(
+        "--measured-prefill-tps",
+        type=float,
+        default=None,
+        help="calibrate: prefill tokens/s you measured for one --input-len prompt",
+    )
     p.add_argument("--price-per-hour", type=float, default=None, help="USD per card-hour (overrides the catalog)")
     p.add_argument("--cards", type=int, default=8, help="cards for the prefill / decode split; 0 skips it (default: 8)")
     p.add_argument("--rate", type=float, default=None, help="requests/s the P/D split must sustain")
@@ -96,26 +136,49 @@ def run(args: argparse.Namespace) -> int:
             print(json.dumps({k: v.to_dict() for k, v in catalog.items()}, indent=2))
         else:
             for dev in catalog.values():
-                price = f"${dev.price.usd_per_hour:g}/h ({dev.price.provider}, {dev.price.date})" if dev.price else "no price"
-                print(f"{dev.name:9s} {dev.display_name}: {dev.memory_bytes / 1e9:g} GB, "
-                      f"{dev.memory_bandwidth_bytes_per_s / 1e12:g} TB/s, {dev.bf16_tflops:g} TFLOPS bf16, "
-                      f"{_num(dev.tdp_watts, 'W')}, {price}\n          source: {'; '.join(dev.source)}")
+                price = (
+                    f"${dev.price.usd_per_hour:g}/h ({dev.price.provider}, {dev.price.date})"
+                    if dev.price
+                    else "no price"
+                )
+                print(
+                    f"{dev.name:9s} {dev.display_name}: {dev.memory_bytes / 1e9:g} GB, "
+                    f"{dev.memory_bandwidth_bytes_per_s / 1e12:g} TB/s, {dev.bf16_tflops:g} TFLOPS bf16, "
+                    f"{_num(dev.tdp_watts, 'W')}, {price}\n          source: {'; '.join(dev.source)}"
+                )
         return 0
     spec = ModelSpec.load(args.model)
     device = _device(args)
     eff = None
     if args.eff_bw is not None or args.eff_compute is not None:
         base = default_efficiency(device)
-        eff = Efficiency(args.eff_bw if args.eff_bw is not None else base.bandwidth,
-                         args.eff_compute if args.eff_compute is not None else base.compute, "set on the command line")
+        eff = Efficiency(
+            args.eff_bw if args.eff_bw is not None else base.bandwidth,
+            args.eff_compute if args.eff_compute is not None else base.compute,
+            "set on the command line",
+        )
     inp, out, ctx = _lengths(args)
-    plan = make_plan(PlanRequest(
-        spec=spec, device=device, tp=args.tp, input_len=inp, output_len=out, context=ctx, batch=args.batch,
-        weight_format=WeightFormat(args.weight_dtype, args.group_size, quantize_lm_head=args.quantize_lm_head),
-        kv_format=KVFormat(args.kv_dtype), efficiency=eff, measured_decode_tps=args.measured_decode_tps,
-        measured_prefill_tps=args.measured_prefill_tps, memory_utilization=args.memory_utilization,
-        tokens_per_step=args.max_num_batched_tokens, price_per_hour=args.price_per_hour, cards=args.cards or None,
-        rate=args.rate))
+    plan = make_plan(
+        PlanRequest(
+            spec=spec,
+            device=device,
+            tp=args.tp,
+            input_len=inp,
+            output_len=out,
+            context=ctx,
+            batch=args.batch,
+            weight_format=WeightFormat(args.weight_dtype, args.group_size, quantize_lm_head=args.quantize_lm_head),
+            kv_format=KVFormat(args.kv_dtype),
+            efficiency=eff,
+            measured_decode_tps=args.measured_decode_tps,
+            measured_prefill_tps=args.measured_prefill_tps,
+            memory_utilization=args.memory_utilization,
+            tokens_per_step=args.max_num_batched_tokens,
+            price_per_hour=args.price_per_hour,
+            cards=args.cards or None,
+            rate=args.rate,
+        )
+    )
     if args.json:
         json.dump(plan, sys.stdout, indent=2)
         print()

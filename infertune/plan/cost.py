@@ -71,12 +71,26 @@ def pd_split(instances: int, prefill_rps: float, decode_rps: float, rate: float 
         if served > best * (1 + 1e-12):
             best_n, best = n, served
     p_side, d_side = best_n * prefill_rps, (instances - best_n) * decode_rps
-    bottleneck = "balanced" if math.isclose(p_side, d_side, rel_tol=1e-9) else ("prefill" if p_side < d_side else "decode")
+    bottleneck = (
+        "balanced" if math.isclose(p_side, d_side, rel_tol=1e-9) else ("prefill" if p_side < d_side else "decode")
+    )
     share = (1 / prefill_rps) / (1 / prefill_rps + 1 / decode_rps)
     need_p = need_d = None
     if rate is not None:
         if rate <= 0:
             raise ValueError(f"--rate must be positive (got {rate})")
         need_p, need_d = math.ceil(rate / prefill_rps - 1e-9), math.ceil(rate / decode_rps - 1e-9)
-    return PDSplit(instances, best_n, instances - best_n, prefill_rps, decode_rps, best,
-                   instances / (1 / prefill_rps + 1 / decode_rps), share, bottleneck, rate, need_p, need_d)
+    return PDSplit(
+        instances,
+        best_n,
+        instances - best_n,
+        prefill_rps,
+        decode_rps,
+        best,
+        instances / (1 / prefill_rps + 1 / decode_rps),
+        share,
+        bottleneck,
+        rate,
+        need_p,
+        need_d,
+    )

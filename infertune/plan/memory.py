@@ -57,7 +57,9 @@ class ModelSpec:
         p = Path(path)
         file = p / "config.json" if p.is_dir() else p
         if not file.is_file():
-            raise FileNotFoundError(f"{path!r}: no config.json there; pass a Hugging Face model folder or its config.json")
+            raise FileNotFoundError(
+                f"{path!r}: no config.json there; pass a Hugging Face model folder or its config.json"
+            )
         try:
             cfg = json.loads(file.read_text())
         except json.JSONDecodeError as e:
@@ -278,8 +280,10 @@ def activation_reserve_bytes(spec: ModelSpec, tokens_per_step: int, batch: int, 
     scores are not materialized (flash / paged attention).
     """
     a = spec.arch
-    per_token = 2 * a.hidden_size + ((a.num_attention_heads + 2 * a.num_key_value_heads) * a.head_dim
-                                     + 3 * a.intermediate_size) // tp
+    per_token = (
+        2 * a.hidden_size
+        + ((a.num_attention_heads + 2 * a.num_key_value_heads) * a.head_dim + 3 * a.intermediate_size) // tp
+    )
     return tokens_per_step * per_token * 2 + batch * a.vocab_size * 4
 
 
@@ -298,9 +302,17 @@ class MemoryBudget:
         return self.max_concurrent_sequences > 0
 
 
-def memory_budget(spec: ModelSpec, fmt: WeightFormat, kv: KVFormat, device_bytes: int, context: int,
-                  tp: int = 1, memory_utilization: float = 0.90, tokens_per_step: int = 2048,
-                  batch_for_logits: int = 256) -> MemoryBudget:
+def memory_budget(
+    spec: ModelSpec,
+    fmt: WeightFormat,
+    kv: KVFormat,
+    device_bytes: int,
+    context: int,
+    tp: int = 1,
+    memory_utilization: float = 0.90,
+    tokens_per_step: int = 2048,
+    batch_for_logits: int = 256,
+) -> MemoryBudget:
     """What is left for the KV cache on each card, and how many `context`-token sequences it holds.
 
     Reserve: (1 - memory_utilization) of the card (runtime context, allocator slack, graphs; vLLM's default

@@ -59,8 +59,10 @@ def _validate(req: PlanRequest) -> list[str]:
     if req.context is None:
         req.context = req.input_len + req.output_len
     if req.context < req.input_len + req.output_len:
-        raise ValueError(f"--context {req.context} is shorter than --input-len + --output-len "
-                         f"({req.input_len} + {req.output_len}); raise --context or shorten the workload")
+        raise ValueError(
+            f"--context {req.context} is shorter than --input-len + --output-len "
+            f"({req.input_len} + {req.output_len}); raise --context or shorten the workload"
+        )
     if req.batch is not None and req.batch < 1:
         raise ValueError(f"--batch must be >= 1 (got {req.batch})")
     limit = req.spec.arch.max_position_embeddings
@@ -76,29 +78,59 @@ def make_plan(req: PlanRequest) -> dict:
     avg_context = req.input_len + max(1, req.output_len // 2)
     calib_batch = req.batch or 1
     if req.measured_decode_tps is not None:
-        roof = Roofline(spec, dev, req.weight_format, req.kv_format, tp,
-                        calibrate_decode(roof, req.measured_decode_tps, calib_batch, avg_context))
+        roof = Roofline(
+            spec,
+            dev,
+            req.weight_format,
+            req.kv_format,
+            tp,
+            calibrate_decode(roof, req.measured_decode_tps, calib_batch, avg_context),
+        )
     if req.measured_prefill_tps is not None:
-        roof = Roofline(spec, dev, req.weight_format, req.kv_format, tp,
-                        calibrate_prefill(roof, req.measured_prefill_tps, req.input_len))
+        roof = Roofline(
+            spec,
+            dev,
+            req.weight_format,
+            req.kv_format,
+            tp,
+            calibrate_prefill(roof, req.measured_prefill_tps, req.input_len),
+        )
     w = roof.weights
-    mem = memory_budget(spec, req.weight_format, req.kv_format, dev.memory_bytes, req.context, tp,
-                        req.memory_utilization, req.tokens_per_step, batch_for_logits=min(256, req.batch or 256))
+    mem = memory_budget(
+        spec,
+        req.weight_format,
+        req.kv_format,
+        dev.memory_bytes,
+        req.context,
+        tp,
+        req.memory_utilization,
+        req.tokens_per_step,
+        batch_for_logits=min(256, req.batch or 256),
+    )
     if not mem.fits:
-        warnings.append(f"not even one {req.context}-token sequence fits on {dev.name} with --tp {tp}: "
-                        f"weights {mem.weights_bytes / 1e9:.2f} GB per card, KV budget {mem.kv_budget_bytes / 1e9:.2f} GB")
+        warnings.append(
+            f"not even one {req.context}-token sequence fits on {dev.name} with --tp {tp}: "
+            f"weights {mem.weights_bytes / 1e9:.2f} GB per card, KV budget {mem.kv_budget_bytes / 1e9:.2f} GB"
+        )
     if tp > 1 and not (dev.interconnect and dev.interconnect.bandwidth_bytes_per_s):
-        warnings.append(f"{dev.name} has no interconnect bandwidth in the catalog: tensor-parallel communication is not counted")
+        warnings.append(
+            f"{dev.name} has no interconnect bandwidth in the catalog: tensor-parallel communication is not counted"
+        )
     price = req.price_per_hour if req.price_per_hour is not None else (dev.price.usd_per_hour if dev.price else None)
 
     batches = sorted(set(BATCH_SWEEP) | ({req.batch} if req.batch else set()))
     rows = []
     for b in batches:
         gen = roof.generation(req.input_len, req.output_len, b)
-        rows.append({**gen, "fits": b <= mem.max_concurrent_sequences,
-                     "kv_bytes_per_card": int(kv_bytes(spec, req.context, b, req.kv_format) * kv_shard_fraction(spec, tp)),
-                     "usd_per_million_output_tokens": usd_per_million_tokens(price, tp, gen["output_tokens_per_s"]),
-                     "output_tokens_per_joule": tokens_per_joule(gen["output_tokens_per_s"], dev.tdp_watts, tp)})
+        rows.append(
+            {
+                **gen,
+                "fits": b <= mem.max_concurrent_sequences,
+                "kv_bytes_per_card": int(kv_bytes(spec, req.context, b, req.kv_format) * kv_shard_fraction(spec, tp)),
+                "usd_per_million_output_tokens": usd_per_million_tokens(price, tp, gen["output_tokens_per_s"]),
+                "output_tokens_per_joule": tokens_per_joule(gen["output_tokens_per_s"], dev.tdp_watts, tp),
+            }
+        )
 
     single = roof.prefill(req.input_len, 1)
     k = max(1, req.tokens_per_step // req.input_len)
@@ -108,49 +140,84 @@ def make_plan(req: PlanRequest) -> dict:
         if req.cards % tp:
             raise ValueError(f"--cards {req.cards} is not a multiple of --tp {tp}")
         decode_batch = req.batch or max(1, min(256, mem.max_concurrent_sequences))
-        pd = pd_split(req.cards // tp, roof.prefill_requests_per_s(req.input_len, req.tokens_per_step),
-                      roof.decode_requests_per_s(req.input_len, req.output_len, decode_batch), req.rate).to_dict()
+        pd = pd_split(
+            req.cards // tp,
+            roof.prefill_requests_per_s(req.input_len, req.tokens_per_step),
+            roof.decode_requests_per_s(req.input_len, req.output_len, decode_batch),
+            req.rate,
+        ).to_dict()
         pd.update(cards=req.cards, cards_per_instance=tp, decode_batch=decode_batch)
 
     fp16_kv = kv_bytes_per_token(spec, KVFormat("bf16"))
     return {
         "model": {
-            "name": spec.name, "architecture": a.architecture, "layers": a.num_hidden_layers, "hidden_size": a.hidden_size,
-            "intermediate_size": a.intermediate_size, "heads": a.num_attention_heads, "kv_heads": a.num_key_value_heads,
-            "head_dim": a.head_dim, "vocab_size": a.vocab_size, "tied_embeddings": a.tie_word_embeddings,
-            "attention_bias": a.attention_bias, "sliding_window": a.sliding_window,
-            "windowed_layers": spec.num_windowed_layers, "max_position_embeddings": a.max_position_embeddings,
+            "name": spec.name,
+            "architecture": a.architecture,
+            "layers": a.num_hidden_layers,
+            "hidden_size": a.hidden_size,
+            "intermediate_size": a.intermediate_size,
+            "heads": a.num_attention_heads,
+            "kv_heads": a.num_key_value_heads,
+            "head_dim": a.head_dim,
+            "vocab_size": a.vocab_size,
+            "tied_embeddings": a.tie_word_embeddings,
+            "attention_bias": a.attention_bias,
+            "sliding_window": a.sliding_window,
+            "windowed_layers": spec.num_windowed_layers,
+            "max_position_embeddings": a.max_position_embeddings,
         },
         "device": dev.to_dict(),
         "settings": {
-            "tp": tp, "context": req.context, "input_len": req.input_len, "output_len": req.output_len,
-            "batch": req.batch, "weight_dtype": req.weight_format.name, "group_size": req.weight_format.group_size,
-            "quantize_lm_head": req.weight_format.quantize_lm_head, "kv_dtype": req.kv_format.name,
+            "tp": tp,
+            "context": req.context,
+            "input_len": req.input_len,
+            "output_len": req.output_len,
+            "batch": req.batch,
+            "weight_dtype": req.weight_format.name,
+            "group_size": req.weight_format.group_size,
+            "quantize_lm_head": req.weight_format.quantize_lm_head,
+            "kv_dtype": req.kv_format.name,
             "kv_int8_scale_bytes": req.kv_format.scale_bytes if req.kv_format.name == "int8" else None,
-            "memory_utilization": req.memory_utilization, "tokens_per_step": req.tokens_per_step,
+            "memory_utilization": req.memory_utilization,
+            "tokens_per_step": req.tokens_per_step,
             "price_usd_per_hour_per_card": price,
             "efficiency": {"bandwidth": roof.eff.bandwidth, "compute": roof.eff.compute, "source": roof.eff.source},
         },
         "weights": {
-            "params": w.total_params, "params_embedding": w.params_embedding, "params_lm_head": w.params_lm_head,
-            "params_attention": w.params_attention, "params_mlp": w.params_mlp, "params_norms": w.params_norms,
-            "bytes": w.total_bytes, "bytes_quant_scales": w.bytes_quant_scales,
-            "bytes_per_card": weight_bytes_per_card(w, tp), "bytes_streamed_per_step": w.streamed_bytes_per_step,
+            "params": w.total_params,
+            "params_embedding": w.params_embedding,
+            "params_lm_head": w.params_lm_head,
+            "params_attention": w.params_attention,
+            "params_mlp": w.params_mlp,
+            "params_norms": w.params_norms,
+            "bytes": w.total_bytes,
+            "bytes_quant_scales": w.bytes_quant_scales,
+            "bytes_per_card": weight_bytes_per_card(w, tp),
+            "bytes_streamed_per_step": w.streamed_bytes_per_step,
         },
         "kv": {
-            "bytes_per_token": kv_bytes_per_token(spec, req.kv_format), "bytes_per_token_16bit": fp16_kv,
+            "bytes_per_token": kv_bytes_per_token(spec, req.kv_format),
+            "bytes_per_token_16bit": fp16_kv,
             "factor_vs_16bit": kv_bytes_per_token(spec, req.kv_format) / fp16_kv,
             "bytes_per_sequence": kv_bytes_per_sequence(spec, req.context, req.kv_format),
             "bytes_for_batch": kv_bytes(spec, req.context, req.batch, req.kv_format) if req.batch else None,
         },
         "memory": {
-            "device_bytes": mem.device_bytes, "usable_bytes": mem.usable_bytes, "weights_bytes_per_card": mem.weights_bytes,
-            "activation_reserve_bytes": mem.activation_bytes, "kv_budget_bytes_per_card": mem.kv_budget_bytes,
+            "device_bytes": mem.device_bytes,
+            "usable_bytes": mem.usable_bytes,
+            "weights_bytes_per_card": mem.weights_bytes,
+            "activation_reserve_bytes": mem.activation_bytes,
+            "kv_budget_bytes_per_card": mem.kv_budget_bytes,
             "kv_bytes_per_sequence_per_card": mem.kv_bytes_per_sequence,
             "max_concurrent_sequences": mem.max_concurrent_sequences,
         },
-        "prefill": {"ttft_s": single.time_s, "bound": single.bound, "chunk_prompts": k,
-                    "tokens_per_s": chunk.tokens_per_s, "chunk_bound": chunk.bound},
+        "prefill": {
+            "ttft_s": single.time_s,
+            "bound": single.bound,
+            "chunk_prompts": k,
+            "tokens_per_s": chunk.tokens_per_s,
+            "chunk_bound": chunk.bound,
+        },
         "by_batch": rows,
         "pd_split": pd,
         "warnings": warnings,

@@ -69,18 +69,27 @@ def probe_local(device: str = "auto", budget_s: float = 0.3) -> Device:
     dev, sync = backend.device, backend.synchronize
     has_bf16 = torch.bfloat16 in backend.supported_dtypes()
     raw_bandwidth = measure_bandwidth(torch, dev, sync, budget_s=budget_s)
-    bandwidth = measure_gemv_bandwidth(torch, dev, sync, torch.bfloat16 if has_bf16 else torch.float32, budget_s=budget_s)
+    bandwidth = measure_gemv_bandwidth(
+        torch, dev, sync, torch.bfloat16 if has_bf16 else torch.float32, budget_s=budget_s
+    )
     fp32 = measure_matmul(torch, dev, sync, torch.float32, budget_s=budget_s)
     bf16 = measure_matmul(torch, dev, sync, torch.bfloat16, budget_s=budget_s) if has_bf16 else fp32
     today = datetime.date.today().isoformat()
     return Device(
-        name="local", display_name=f"this machine ({backend.describe()}, measured {today})", vendor="",
-        memory_bytes=int(backend.total_memory_bytes()), memory_bandwidth_bytes_per_s=bandwidth,
-        bf16_tflops=bf16 / 1e12, fp32_tflops=fp32 / 1e12,
-        source=(f"measured by infertune.plan.probe on {today}: bandwidth = what a 128 MiB matrix-vector product "
-                f"streams (decode's pattern; a plain 256 MiB sum read {raw_bandwidth / 1e9:.1f} GB/s), "
-                f"2048^3 bf16 / fp32 matmuls (median of ~{budget_s:g} s each), torch {torch.__version__}",),
+        name="local",
+        display_name=f"this machine ({backend.describe()}, measured {today})",
+        vendor="",
+        memory_bytes=int(backend.total_memory_bytes()),
+        memory_bandwidth_bytes_per_s=bandwidth,
+        bf16_tflops=bf16 / 1e12,
+        fp32_tflops=fp32 / 1e12,
+        source=(
+            f"measured by infertune.plan.probe on {today}: bandwidth = what a 128 MiB matrix-vector product "
+            f"streams (decode's pattern; a plain 256 MiB sum read {raw_bandwidth / 1e9:.1f} GB/s), "
+            f"2048^3 bf16 / fp32 matmuls (median of ~{budget_s:g} s each), torch {torch.__version__}",
+        ),
         notes="Measured, so efficiency factors default to 1.0. Memory is the device total (system RAM on CPU). "
-              "Bandwidth on shared machines moves from run to run; re-run or calibrate with --measured-decode-tps.",
-        measured=True, origin="probe",
+        "Bandwidth on shared machines moves from run to run; re-run or calibrate with --measured-decode-tps.",
+        measured=True,
+        origin="probe",
     )

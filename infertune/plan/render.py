@@ -27,52 +27,80 @@ def render_text(plan: dict) -> str:
     m, d, s, w, kv, mem, pre = (plan[k] for k in ("model", "device", "settings", "weights", "kv", "memory", "prefill"))
     tp, ctx = s["tp"], s["context"]
     eff = s["efficiency"]
-    out = [f"infertune plan: {m['name']} ({m['architecture']}) on {d['display_name']}"
-           + (f", tensor parallel {tp}" if tp > 1 else ""),
-           f"  workload    {s['input_len']} input + {s['output_len']} output tokens; KV sized for {ctx}-token sequences",
-           f"  weights     {w['params']:,} params in {s['weight_dtype']}"
-           + (f" (group {s['group_size']})" if s["weight_dtype"] == "w4a16" else "")
-           + f": {_gb(w['bytes'])} ({w['bytes']:,} B)"
-           + (f", of which quant scales {_gb(w['bytes_quant_scales'])}" if w["bytes_quant_scales"] else "")
-           + f"; {_gb(w['bytes_per_card'])} per card; {_gb(w['bytes_streamed_per_step'])} read per forward step",
-           f"  KV cache    {kv['bytes_per_token']:,} B per token ({'16-bit' if s['kv_dtype'] == 'auto' else s['kv_dtype']}"
-           + (f", {kv['factor_vs_16bit']:.4f} x 16-bit" if s["kv_dtype"] == "int8" else "")
-           + f"); {_gb(kv['bytes_per_sequence'])} per {ctx}-token sequence"
-           + (f"; {_gb(kv['bytes_for_batch'])} for batch {s['batch']}" if kv["bytes_for_batch"] is not None else ""),
-           f"  memory      {_gb(mem['device_bytes'])} per card, {_gb(mem['usable_bytes'])} usable "
-           f"({s['memory_utilization']:.0%}); weights {_gb(mem['weights_bytes_per_card'])}, activations "
-           f"{_gb(mem['activation_reserve_bytes'])}, KV budget {_gb(mem['kv_budget_bytes_per_card'])}",
-           f"              -> at most {mem['max_concurrent_sequences']:,} concurrent {ctx}-token sequences",
-           f"  roofline    {d['memory_bandwidth_bytes_per_s'] / 1e9:,.1f} GB/s x {eff['bandwidth']:.0%}, "
-           f"{d['bf16_tflops']:,.3g} TFLOPS x {eff['compute']:.0%}  [{eff['source']}]",
-           f"  prefill     TTFT of one {s['input_len']}-token prompt {pre['ttft_s'] * 1e3:,.1f} ms ({pre['bound']}-bound); "
-           f"{pre['tokens_per_s']:,.0f} prompt tok/s in steps of {pre['chunk_prompts']} prompt(s)",
-           ""]
-    headers = ["batch", "fits", "TTFT ms", "TPOT ms", "decode", "decode tok/s", "e2e out tok/s", "KV/card",
-               "$/M out tok", "out tok/J"]
+    out = [
+        f"infertune plan: {m['name']} ({m['architecture']}) on {d['display_name']}"
+        + (f", tensor parallel {tp}" if tp > 1 else ""),
+        f"  workload    {s['input_len']} input + {s['output_len']} output tokens; KV sized for {ctx}-token sequences",
+        f"  weights     {w['params']:,} params in {s['weight_dtype']}"
+        + (f" (group {s['group_size']})" if s["weight_dtype"] == "w4a16" else "")
+        + f": {_gb(w['bytes'])} ({w['bytes']:,} B)"
+        + (f", of which quant scales {_gb(w['bytes_quant_scales'])}" if w["bytes_quant_scales"] else "")
+        + f"; {_gb(w['bytes_per_card'])} per card; {_gb(w['bytes_streamed_per_step'])} read per forward step",
+        f"  KV cache    {kv['bytes_per_token']:,} B per token ({'16-bit' if s['kv_dtype'] == 'auto' else s['kv_dtype']}"
+        + (f", {kv['factor_vs_16bit']:.4f} x 16-bit" if s["kv_dtype"] == "int8" else "")
+        + f"); {_gb(kv['bytes_per_sequence'])} per {ctx}-token sequence"
+        + (f"; {_gb(kv['bytes_for_batch'])} for batch {s['batch']}" if kv["bytes_for_batch"] is not None else ""),
+        f"  memory      {_gb(mem['device_bytes'])} per card, {_gb(mem['usable_bytes'])} usable "
+        f"({s['memory_utilization']:.0%}); weights {_gb(mem['weights_bytes_per_card'])}, activations "
+        f"{_gb(mem['activation_reserve_bytes'])}, KV budget {_gb(mem['kv_budget_bytes_per_card'])}",
+        f"              -> at most {mem['max_concurrent_sequences']:,} concurrent {ctx}-token sequences",
+        f"  roofline    {d['memory_bandwidth_bytes_per_s'] / 1e9:,.1f} GB/s x {eff['bandwidth']:.0%}, "
+        f"{d['bf16_tflops']:,.3g} TFLOPS x {eff['compute']:.0%}  [{eff['source']}]",
+        f"  prefill     TTFT of one {s['input_len']}-token prompt {pre['ttft_s'] * 1e3:,.1f} ms ({pre['bound']}-bound); "
+        f"{pre['tokens_per_s']:,.0f} prompt tok/s in steps of {pre['chunk_prompts']} prompt(s)",
+        "",
+    ]
+    headers = [
+        "batch",
+        "fits",
+        "TTFT ms",
+        "TPOT ms",
+        "decode",
+        "decode tok/s",
+        "e2e out tok/s",
+        "KV/card",
+        "$/M out tok",
+        "out tok/J",
+    ]
     rows = []
     for r in plan["by_batch"]:
         mark = "*" if r["batch"] == s["batch"] else ""
-        rows.append([f"{mark}{r['batch']}", "yes" if r["fits"] else "OOM", f"{r['ttft_s'] * 1e3:,.1f}",
-                     f"{r['tpot_s'] * 1e3:,.2f}", r["decode_bound"], f"{r['decode_tokens_per_s']:,.1f}",
-                     f"{r['output_tokens_per_s']:,.1f}", _gb(r["kv_bytes_per_card"]),
-                     _opt(r["usd_per_million_output_tokens"], ",.3f"), _opt(r["output_tokens_per_joule"], ",.2f")])
+        rows.append(
+            [
+                f"{mark}{r['batch']}",
+                "yes" if r["fits"] else "OOM",
+                f"{r['ttft_s'] * 1e3:,.1f}",
+                f"{r['tpot_s'] * 1e3:,.2f}",
+                r["decode_bound"],
+                f"{r['decode_tokens_per_s']:,.1f}",
+                f"{r['output_tokens_per_s']:,.1f}",
+                _gb(r["kv_bytes_per_card"]),
+                _opt(r["usd_per_million_output_tokens"], ",.3f"),
+                _opt(r["output_tokens_per_joule"], ",.2f"),
+            ]
+        )
     out += _table(headers, rows)
     price = s["price_usd_per_hour_per_card"]
-    out.append(f"  e2e = {s['input_len']}-token prefill of the whole batch, then {s['output_len'] - 1} decode steps; "
-               + (f"$ at {price:g} USD/h per card" if price is not None else "no price: pass --price-per-hour")
-               + ("" if d.get("tdp_watts") else "; no TDP in the catalog"))
+    out.append(
+        f"  e2e = {s['input_len']}-token prefill of the whole batch, then {s['output_len'] - 1} decode steps; "
+        + (f"$ at {price:g} USD/h per card" if price is not None else "no price: pass --price-per-hour")
+        + ("" if d.get("tdp_watts") else "; no TDP in the catalog")
+    )
     pd = plan["pd_split"]
     if pd:
-        out += ["",
-                f"  P/D split   {pd['cards']} cards ({pd['instances']} instances of {pd['cards_per_instance']}): "
-                f"{pd['prefill_instances']} prefill + {pd['decode_instances']} decode -> {pd['requests_per_s']:,.2f} req/s "
-                f"({pd['bottleneck']}-limited; decode batch {pd['decode_batch']})",
-                f"              per instance: prefill {pd['prefill_requests_per_s_per_instance']:,.2f} req/s, decode "
-                f"{pd['decode_requests_per_s_per_instance']:,.2f} req/s; ideal prefill share "
-                f"{pd['ideal_prefill_share']:.1%}; colocated {pd['colocated_requests_per_s']:,.2f} req/s"]
+        out += [
+            "",
+            f"  P/D split   {pd['cards']} cards ({pd['instances']} instances of {pd['cards_per_instance']}): "
+            f"{pd['prefill_instances']} prefill + {pd['decode_instances']} decode -> {pd['requests_per_s']:,.2f} req/s "
+            f"({pd['bottleneck']}-limited; decode batch {pd['decode_batch']})",
+            f"              per instance: prefill {pd['prefill_requests_per_s_per_instance']:,.2f} req/s, decode "
+            f"{pd['decode_requests_per_s_per_instance']:,.2f} req/s; ideal prefill share "
+            f"{pd['ideal_prefill_share']:.1%}; colocated {pd['colocated_requests_per_s']:,.2f} req/s",
+        ]
         if pd["rate"] is not None:
-            out.append(f"              for {pd['rate']:g} req/s: {pd['prefill_instances_for_rate']} prefill + "
-                       f"{pd['decode_instances_for_rate']} decode instances")
+            out.append(
+                f"              for {pd['rate']:g} req/s: {pd['prefill_instances_for_rate']} prefill + "
+                f"{pd['decode_instances_for_rate']} decode instances"
+            )
     out += [f"  warning: {msg}" for msg in plan["warnings"]]
     return "\n".join(out)

@@ -81,10 +81,17 @@ class StepEstimate:
         return self.tokens / self.time_s
 
     def to_dict(self) -> dict:
-        return {"tokens": self.tokens, "bytes_per_card": self.bytes_per_card, "flops_per_card": self.flops_per_card,
-                "memory_time_s": self.memory_time_s, "compute_time_s": self.compute_time_s,
-                "comm_time_s": self.comm_time_s, "time_s": self.time_s, "bound": self.bound,
-                "tokens_per_s": self.tokens_per_s}
+        return {
+            "tokens": self.tokens,
+            "bytes_per_card": self.bytes_per_card,
+            "flops_per_card": self.flops_per_card,
+            "memory_time_s": self.memory_time_s,
+            "compute_time_s": self.compute_time_s,
+            "comm_time_s": self.comm_time_s,
+            "time_s": self.time_s,
+            "bound": self.bound,
+            "tokens_per_s": self.tokens_per_s,
+        }
 
 
 def causal_pairs(length: int, window: int | None) -> int:
@@ -95,8 +102,15 @@ def causal_pairs(length: int, window: int | None) -> int:
 
 
 class Roofline:
-    def __init__(self, spec: ModelSpec, device: Device, weight_format: WeightFormat = WeightFormat(),
-                 kv_format: KVFormat = KVFormat(), tp: int = 1, efficiency: Efficiency | None = None) -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        device: Device,
+        weight_format: WeightFormat = WeightFormat(),
+        kv_format: KVFormat = KVFormat(),
+        tp: int = 1,
+        efficiency: Efficiency | None = None,
+    ) -> None:
         check_tensor_parallel(spec, tp)
         self.spec, self.device, self.fmt, self.kv, self.tp = spec, device, weight_format, kv_format, tp
         self.eff = efficiency or default_efficiency(device)
@@ -117,8 +131,14 @@ class Roofline:
             a = self.spec.arch
             per_card = 2 * a.num_hidden_layers * 2 * (self.tp - 1) / self.tp * allreduce_rows * a.hidden_size * 2
             comm = per_card / (link / 2)
-        return StepEstimate(tokens, nbytes, flops, nbytes / (d.memory_bandwidth_bytes_per_s * e.bandwidth),
-                            flops / (d.peak_flops_16bit * e.compute), comm)
+        return StepEstimate(
+            tokens,
+            nbytes,
+            flops,
+            nbytes / (d.memory_bandwidth_bytes_per_s * e.bandwidth),
+            flops / (d.peak_flops_16bit * e.compute),
+            comm,
+        )
 
     def decode_step(self, batch: int, context: int) -> StepEstimate:
         """One decode step of `batch` sequences, each attending to `context` tokens (including the new one)."""
@@ -127,17 +147,26 @@ class Roofline:
         kv_write = batch * kv_bytes_per_token(self.spec, self.kv) * self.kv_fraction
         matmul = 2 * (w.params_layer_linear_weights + w.lm_head_matmul_params) * batch
         attention = self.attn_flops_per_token_layer * kv_token_layers(self.spec, context) * batch
-        return self._times(batch, self.streamed_bytes_per_card + kv_read + kv_write,
-                           (matmul + attention) / self.tp, allreduce_rows=batch)
+        return self._times(
+            batch,
+            self.streamed_bytes_per_card + kv_read + kv_write,
+            (matmul + attention) / self.tp,
+            allreduce_rows=batch,
+        )
 
     def prefill(self, prompt_len: int, batch: int = 1) -> StepEstimate:
         """Prefill of `batch` prompts of `prompt_len` tokens in one step (logits for the last position only)."""
         s, w = self.spec, self.weights
         tokens = prompt_len * batch
         full = s.arch.num_hidden_layers - s.num_windowed_layers
-        pairs = full * causal_pairs(prompt_len, None) + s.num_windowed_layers * causal_pairs(prompt_len, s.arch.sliding_window)
-        flops = (2 * w.params_layer_linear_weights * tokens + 2 * w.lm_head_matmul_params * batch
-                 + self.attn_flops_per_token_layer * pairs * batch)
+        pairs = full * causal_pairs(prompt_len, None) + s.num_windowed_layers * causal_pairs(
+            prompt_len, s.arch.sliding_window
+        )
+        flops = (
+            2 * w.params_layer_linear_weights * tokens
+            + 2 * w.lm_head_matmul_params * batch
+            + self.attn_flops_per_token_layer * pairs * batch
+        )
         kv_write = batch * kv_bytes_per_sequence(s, prompt_len, self.kv) * self.kv_fraction
         return self._times(tokens, self.streamed_bytes_per_card + kv_write, flops / self.tp, allreduce_rows=tokens)
 
@@ -152,9 +181,15 @@ class Roofline:
         prefill = self.prefill(input_len, batch)
         step = self.decode_step(batch, input_len + max(1, output_len // 2))
         total = prefill.time_s + (output_len - 1) * step.time_s
-        return {"batch": batch, "ttft_s": prefill.time_s, "tpot_s": step.time_s, "decode_bound": step.bound,
-                "decode_tokens_per_s": step.tokens_per_s, "request_latency_s": total,
-                "output_tokens_per_s": batch * output_len / total}
+        return {
+            "batch": batch,
+            "ttft_s": prefill.time_s,
+            "tpot_s": step.time_s,
+            "decode_bound": step.bound,
+            "decode_tokens_per_s": step.tokens_per_s,
+            "request_latency_s": total,
+            "output_tokens_per_s": batch * output_len / total,
+        }
 
     def prefill_requests_per_s(self, input_len: int, chunk_tokens: int = 2048) -> float:
         """Requests a prefill instance finishes per second, packing prompts into steps of ~chunk_tokens."""
@@ -173,14 +208,22 @@ def _calibrated(roof: Roofline, measured_step_s: float, ideal: StepEstimate, wha
     busy = measured_step_s - ideal.comm_time_s
     ratio = (ideal.memory_time_s if ideal.bound == "memory" else ideal.compute_time_s) / busy
     if ratio > 1.5:
-        raise ValueError(f"the measured {what} is {ratio:.1f}x faster than {roof.device.name}'s peak "
-                         f"{'bandwidth' if ideal.bound == 'memory' else 'FLOP/s'} allows; check the device figures, "
-                         "--batch and the input / output lengths it was measured at")
+        raise ValueError(
+            f"the measured {what} is {ratio:.1f}x faster than {roof.device.name}'s peak "
+            f"{'bandwidth' if ideal.bound == 'memory' else 'FLOP/s'} allows; check the device figures, "
+            "--batch and the input / output lengths it was measured at"
+        )
     if ideal.bound == "memory":
-        return replace(roof.eff, bandwidth=round(ideal.memory_time_s / busy, 4),
-                       source=f"bandwidth calibrated from a measured {what} ({ideal.memory_time_s / busy:.0%} of peak)")
-    return replace(roof.eff, compute=round(ideal.compute_time_s / busy, 4),
-                   source=f"compute calibrated from a measured {what} ({ideal.compute_time_s / busy:.0%} of peak)")
+        return replace(
+            roof.eff,
+            bandwidth=round(ideal.memory_time_s / busy, 4),
+            source=f"bandwidth calibrated from a measured {what} ({ideal.memory_time_s / busy:.0%} of peak)",
+        )
+    return replace(
+        roof.eff,
+        compute=round(ideal.compute_time_s / busy, 4),
+        source=f"compute calibrated from a measured {what} ({ideal.compute_time_s / busy:.0%} of peak)",
+    )
 
 
 def _ideal(roof: Roofline) -> Roofline:
@@ -192,11 +235,15 @@ def calibrate_decode(roof: Roofline, measured_tokens_per_s: float, batch: int, c
     if measured_tokens_per_s <= 0:
         raise ValueError(f"measured decode tokens/s must be positive (got {measured_tokens_per_s})")
     ideal = _ideal(roof).decode_step(batch, context)
-    return _calibrated(roof, batch / measured_tokens_per_s, ideal, f"decode of {measured_tokens_per_s:g} tok/s at batch {batch}")
+    return _calibrated(
+        roof, batch / measured_tokens_per_s, ideal, f"decode of {measured_tokens_per_s:g} tok/s at batch {batch}"
+    )
 
 
 def calibrate_prefill(roof: Roofline, measured_tokens_per_s: float, prompt_len: int, batch: int = 1) -> Efficiency:
     if measured_tokens_per_s <= 0:
         raise ValueError(f"measured prefill tokens/s must be positive (got {measured_tokens_per_s})")
     ideal = _ideal(roof).prefill(prompt_len, batch)
-    return _calibrated(roof, prompt_len * batch / measured_tokens_per_s, ideal, f"prefill of {measured_tokens_per_s:g} tok/s")
+    return _calibrated(
+        roof, prompt_len * batch / measured_tokens_per_s, ideal, f"prefill of {measured_tokens_per_s:g} tok/s"
+    )

@@ -30,12 +30,14 @@ if TYPE_CHECKING:  # torch is imported only when a trace is taken, so building t
     from infertune.profile.op_trace import NativeTrace, OpEvent, OpTrace
 
 # Hints that hold on any backend. A table's own "hints" (with its sources) take precedence.
-DATA_DEPENDENT = ("output size depends on the data: a device->host sync per call, a graph break / recompile "
-                  "under torch.compile or graph capture; use a fixed-size mask (where / masked_fill) or pad to a "
-                  "static size")
+DATA_DEPENDENT = (
+    "output size depends on the data: a device->host sync per call, a graph break / recompile "
+    "under torch.compile or graph capture; use a fixed-size mask (where / masked_fill) or pad to a "
+    "static size"
+)
 GENERAL_HINTS = {
     "einsum": "einsum decomposes into permute/reshape + bmm (see the rows it expands to); where einsum is slow, "
-              "write the matmul + sum explicitly",
+    "write the matmul + sum explicitly",
     "nonzero": DATA_DEPENDENT,
     "where": "one-argument where() is nonzero(): " + DATA_DEPENDENT,
     "masked_select": DATA_DEPENDENT,
@@ -44,14 +46,14 @@ GENERAL_HINTS = {
     "unique_dim": DATA_DEPENDENT,
     "unique_consecutive": DATA_DEPENDENT,
     "repeat_interleave.self_Tensor": "output length = sum(repeats), known only on the device; pass output_size= "
-                                     "or " + DATA_DEPENDENT,
+    "or " + DATA_DEPENDENT,
     "index.Tensor": "advanced indexing: with a bool mask its output size depends on the data (like masked_select);"
-                    " prefer integer indices, index_select or where",
+    " prefer integer indices, index_select or where",
     "index_put_": "with a bool mask this is data-dependent; prefer masked_fill_ / where, or index_copy_ with "
-                  "integer indices",
+    "integer indices",
     "_index_put_impl_": "with a bool mask this is data-dependent; prefer masked_fill_ / where",
     "_local_scalar_dense": ".item() / .tolist() / bool(tensor): a host sync, and a graph break under capture; "
-                           "keep it out of the forward (the engine allows one per step, in the sampler)",
+    "keep it out of the forward (the engine allows one per step, in the sampler)",
 }
 MATMUL_OPS = {"mm", "bmm", "addmm", "baddbmm", "matmul", "mv", "dot", "addmv", "linear", "addbmm"}
 INDEX_OPS = {"index.Tensor", "index_put", "index_put_", "_index_put_impl_"}
@@ -98,9 +100,17 @@ class AuditReport:
         return {s: c.get(s, 0) for s in SEVERITY} | {k: len(v) for k, v in self.hazards.items()}
 
     def to_dict(self) -> dict:
-        return {"context": self.context, "backend": self.backend, "table": self.table, "phases": self.phases,
-                "summary": self.summary(), "ops": [asdict(r) | {"total": r.total} for r in self.ops],
-                "hazards": self.hazards, "default_path": self.native, "torch_path": self.torch_path}
+        return {
+            "context": self.context,
+            "backend": self.backend,
+            "table": self.table,
+            "phases": self.phases,
+            "summary": self.summary(),
+            "ops": [asdict(r) | {"total": r.total} for r in self.ops],
+            "hazards": self.hazards,
+            "default_path": self.native,
+            "torch_path": self.torch_path,
+        }
 
 
 def _fmt_sig(sig) -> str:
@@ -110,17 +120,23 @@ def _fmt_sig(sig) -> str:
 
 def _generic_hint(status: str, backend: str, key: str) -> str:
     if key.endswith("_for_cpu") and backend != "cpu":
-        return ("a CPU-only kernel that the CPU trace chose (attention / quantized matmul paths pick a kernel per "
-                f"device); on {backend} the same layer calls that device's own kernel: audit it there, or check the "
-                "layer's code path for this backend")
+        return (
+            "a CPU-only kernel that the CPU trace chose (attention / quantized matmul paths pick a kernel per "
+            f"device); on {backend} the same layer calls that device's own kernel: audit it there, or check the "
+            "layer's code path for this backend"
+        )
     if status == "fallback":
-        return (f"no {backend} kernel: it runs on the host, with a device->host copy of its inputs and a copy back "
-                f"on every call; map {key} to an op the backend has, or move it out of the per-token loop")
+        return (
+            f"no {backend} kernel: it runs on the host, with a device->host copy of its inputs and a copy back "
+            f"on every call; map {key} to an op the backend has, or move it out of the per-token loop"
+        )
     if status == "unsupported":
         return f"no {backend} kernel and no fallback: this raises NotImplementedError on {backend}"
     if status == "unknown":
-        return ("outside the table's coverage: run once on the device (a fallback prints a warning naming the op) "
-                "and add the op to the table with its source")
+        return (
+            "outside the table's coverage: run once on the device (a fallback prints a warning naming the op) "
+            "and add the op to the table with its source"
+        )
     return ""
 
 
@@ -147,8 +163,9 @@ def audit_trace(trace: OpTrace, table: OpTable, aten: AtenFacts | None = None) -
         r = status[i]
         row = rows.get((e.name, r.status))
         if row is None:
-            row = rows[(e.name, r.status)] = OpRow(e.name, e.key, r.status, r.basis, {},
-                                                   [_fmt_sig(s) for s in e.inputs], [])
+            row = rows[(e.name, r.status)] = OpRow(
+                e.name, e.key, r.status, r.basis, {}, [_fmt_sig(s) for s in e.inputs], []
+            )
         row.counts[e.phase] = row.counts.get(e.phase, 0) + 1
         for _, dtype in e.inputs + e.outputs:
             if dtype not in row.dtypes:
@@ -169,10 +186,17 @@ def audit_trace(trace: OpTrace, table: OpTable, aten: AtenFacts | None = None) -
     ops = sorted(rows.values(), key=lambda r: (SEVERITY.get(r.status, 9), -r.total, r.op))
     kernels = [e for i, e in enumerate(events) if visible[i] and status[i].status != "decomposed"]
     hazards = _hazards(kernels, phase_sigs, trace, table)
-    table_info = {"path": table.path, "source": table.source, "version": table.version,
-                  "complete": table.complete, "on_missing": table.on_missing, "coverage": table.coverage}
-    return AuditReport(table.backend, table_info, dict(trace.phases), ops, hazards,
-                       table_hint_keys=frozenset(table.hints))
+    table_info = {
+        "path": table.path,
+        "source": table.source,
+        "version": table.version,
+        "complete": table.complete,
+        "on_missing": table.on_missing,
+        "coverage": table.coverage,
+    }
+    return AuditReport(
+        table.backend, table_info, dict(trace.phases), ops, hazards, table_hint_keys=frozenset(table.hints)
+    )
 
 
 def native_summary(native: NativeTrace) -> dict:
@@ -184,13 +208,22 @@ def native_summary(native: NativeTrace) -> dict:
     for st in native.steps:
         kernels.update(st.kernels)
     fused_decode = [st for st in decode if st.fused]
-    parts = ({k: sum(st.fused_ms.get(k, 0.0) for st in fused_decode) / len(fused_decode)
-              for k in fused_decode[0].fused_ms} if fused_decode else {})
-    return {"decode_kernels": native.decode_kernels, "fused_built": native.fused_built,
-            "decode_steps": len(decode), "fused_decode_steps": len(fused_decode),
-            "prefill_steps": len(prefill), "fused_prefill_steps": sum(st.fused for st in prefill),
-            "kernels": dict(kernels.most_common()), "fused_ms_per_decode_step": parts,
-            "steps": [asdict(st) for st in native.steps]}
+    parts = (
+        {k: sum(st.fused_ms.get(k, 0.0) for st in fused_decode) / len(fused_decode) for k in fused_decode[0].fused_ms}
+        if fused_decode
+        else {}
+    )
+    return {
+        "decode_kernels": native.decode_kernels,
+        "fused_built": native.fused_built,
+        "decode_steps": len(decode),
+        "fused_decode_steps": len(fused_decode),
+        "prefill_steps": len(prefill),
+        "fused_prefill_steps": sum(st.fused for st in prefill),
+        "kernels": dict(kernels.most_common()),
+        "fused_ms_per_decode_step": parts,
+        "steps": [asdict(st) for st in native.steps],
+    }
 
 
 def _hazards(events: list[OpEvent], phase_sigs: dict, trace: OpTrace, table: OpTable) -> dict[str, list[dict]]:
@@ -204,8 +237,9 @@ def _hazards(events: list[OpEvent], phase_sigs: dict, trace: OpTrace, table: OpT
         if e.key == "where" and len(e.inputs) == 1:
             data_dependent = True
         if data_dependent:
-            d = dynamic.setdefault(e.name, {"op": e.name, "count": 0, "phases": [],
-                                            "why": GENERAL_HINTS.get(e.key, DATA_DEPENDENT)})
+            d = dynamic.setdefault(
+                e.name, {"op": e.name, "count": 0, "phases": [], "why": GENERAL_HINTS.get(e.key, DATA_DEPENDENT)}
+            )
             d["count"] += 1
             if e.phase not in d["phases"]:
                 d["phases"].append(e.phase)
@@ -228,11 +262,23 @@ def _hazards(events: list[OpEvent], phase_sigs: dict, trace: OpTrace, table: OpT
     dtype_notes = [{"dtype": d, "note": note} for d, note in table.dtype_notes.items() if d in seen_dtypes]
     return {
         "data_dependent_shape": list(dynamic.values()),
-        "float64": [{"op": k, "count": v, "why": "float64 doubles memory traffic and has no fast path on most "
-                     "accelerators; keep float32"} for k, v in float64.items()],
-        "integer_matmul": [{"op": k, "count": v, "why": "integer matmuls skip the matrix units on GPUs/NPUs and "
-                            "are often not implemented there; compute in float or use the int8 kernels"}
-                           for k, v in int_matmul.items()],
+        "float64": [
+            {
+                "op": k,
+                "count": v,
+                "why": "float64 doubles memory traffic and has no fast path on most accelerators; keep float32",
+            }
+            for k, v in float64.items()
+        ],
+        "integer_matmul": [
+            {
+                "op": k,
+                "count": v,
+                "why": "integer matmuls skip the matrix units on GPUs/NPUs and "
+                "are often not implemented there; compute in float or use the int8 kernels",
+            }
+            for k, v in int_matmul.items()
+        ],
         "shape_varies_between_steps": varying,
         "dtype_notes": dtype_notes,
     }
@@ -240,23 +286,46 @@ def _hazards(events: list[OpEvent], phase_sigs: dict, trace: OpTrace, table: OpT
 
 # ---- command line ----------------------------------------------------------------------------------------
 
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from infertune.config import engine_option_kwargs as option  # the engine options' help, choices and defaults
 
     p.add_argument("--model", **option("model"))
-    p.add_argument("--backend", required=True, choices=sorted(BACKEND_TABLES),
-                   help="target backend whose op table the trace is judged against")
-    p.add_argument("--dtype", **option("dtype", choices=("auto", "float32", "bfloat16"),
-                   help="dtype to trace in (tracing runs on the CPU, which refuses float16: audit an fp16 deployment "
-                        "with bfloat16, the op set is the same) (default: auto)"))
+    p.add_argument(
+        "--backend",
+        required=True,
+        choices=sorted(BACKEND_TABLES),
+        help="target backend whose op table the trace is judged against",
+    )
+    p.add_argument(
+        "--dtype",
+        **option(
+            "dtype",
+            choices=("auto", "float32", "bfloat16"),
+            help="dtype to trace in (tracing runs on the CPU, which refuses float16: audit an fp16 deployment "
+            "with bfloat16, the op set is the same) (default: auto)",
+        ),
+    )
     p.add_argument("--prompt-len", type=int, default=32, help="tokens in the traced prefill (default: 32)")
-    p.add_argument("--sample", action="store_true",
-                   help="trace random sampling (temperature 0.8, top-p 0.95, top-k 50) instead of greedy")
-    p.add_argument("--quantization", **option(
-                   "quantization", help="audit the model quantized on the fly, as `generate --quantization` runs it"))
+    p.add_argument(
+        "--sample",
+        action="store_true",
+        help="trace random sampling (temperature 0.8, top-p 0.95, top-k 50) instead of greedy",
+    )
+    p.add_argument(
+        "--quantization",
+        **option("quantization", help="audit the model quantized on the fly, as `generate --quantization` runs it"),
+    )
     p.add_argument("--op-table", default=None, help="audit against this JSON op table instead of the shipped one")
-    p.add_argument("--device", **option("device", choices=("cpu", "cuda", "npu"), default="cpu",
-                   help="where to run the traced steps (default: cpu; the target needs no hardware)"))
+    p.add_argument(
+        "--device",
+        **option(
+            "device",
+            choices=("cpu", "cuda", "npu"),
+            default="cpu",
+            help="where to run the traced steps (default: cpu; the target needs no hardware)",
+        ),
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
@@ -278,8 +347,16 @@ def run(args: argparse.Namespace) -> int:
     max_len = max(max_len, args.prompt_len + decode_steps + 1)
 
     def engine(**kw):
-        return LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=1, **quant,
-                   max_num_batched_tokens=max(2048, args.prompt_len), max_model_len=max_len, **kw)
+        return LLM(
+            args.model,
+            dtype=args.dtype,
+            device=args.device,
+            max_num_seqs=1,
+            **quant,
+            max_num_batched_tokens=max(2048, args.prompt_len),
+            max_model_len=max_len,
+            **kw,
+        )
 
     # 1. The engine as configured: what ran outside the dispatcher (the fused C step, the kernels), per step.
     llm = engine()
@@ -291,20 +368,31 @@ def run(args: argparse.Namespace) -> int:
         del llm
         gc.collect()
         llm = engine(decode_kernels="off")
-        torch_path = {"engine": "second", "decode_kernels": "off",
-                      "why": "the default engine runs native kernels (C calls the dispatcher never sees); the ops "
-                             "below are its torch path: what runs on every other backend, in float32, and in the "
-                             "steps the kernels do not take"}
+        torch_path = {
+            "engine": "second",
+            "decode_kernels": "off",
+            "why": "the default engine runs native kernels (C calls the dispatcher never sees); the ops "
+            "below are its torch path: what runs on every other backend, in float32, and in the "
+            "steps the kernels do not take",
+        }
     else:
-        torch_path = {"engine": "same", "decode_kernels": setting,
-                      "why": "the engine has no native kernels here (runner.decode_kernels is None): the torch path "
-                             "is the path it runs"}
+        torch_path = {
+            "engine": "same",
+            "decode_kernels": setting,
+            "why": "the engine has no native kernels here (runner.decode_kernels is None): the torch path "
+            "is the path it runs",
+        }
     trace = trace_engine_steps(llm, args.prompt_len, sample=args.sample)
     report = audit_trace(trace, table)
     report.native, report.torch_path = native_summary(native), torch_path
-    report.context = {"model": llm.config.model.model, "dtype": str(llm.engine.executor.runner.dtype).removeprefix(
-        "torch."), "traced_on": llm.engine.executor.backend.describe(), "sampling": "random" if args.sample else "greedy",
-                      "quantization": args.quantization, "decode_kernels": setting}
+    report.context = {
+        "model": llm.config.model.model,
+        "dtype": str(llm.engine.executor.runner.dtype).removeprefix("torch."),
+        "traced_on": llm.engine.executor.backend.describe(),
+        "sampling": "random" if args.sample else "greedy",
+        "quantization": args.quantization,
+        "decode_kernels": setting,
+    }
     if args.json:
         print(json.dumps(report.to_dict(), indent=1))
     else:
@@ -332,29 +420,39 @@ def format_native(report: AuditReport) -> list[str]:
     setting = report.context.get("decode_kernels", "?")
     lines = [f"default path (the engine as configured, decode_kernels={setting}):"]
     if not n["decode_kernels"]:
-        lines.append("  no native kernels on this engine (runner.decode_kernels is None: a float32 model, not the CPU, "
-                     "or the kernels off / unavailable, see `infertune doctor`): every op reaches the dispatcher")
+        lines.append(
+            "  no native kernels on this engine (runner.decode_kernels is None: a float32 model, not the CPU, "
+            "or the kernels off / unavailable, see `infertune doctor`): every op reaches the dispatcher"
+        )
     else:
         kernels = ", ".join(f"{k} x{v}" for k, v in n["kernels"].items()) or "none"
         built = "" if n["fused_built"] else " (runner.fused is None: the fused step is not built for this model)"
-        prefill = (f", and {n['fused_prefill_steps']} of {n['prefill_steps']} prefill steps"
-                   if n["prefill_steps"] else "")
-        lines.append(f"  fused C step: {n['fused_decode_steps']} of {n['decode_steps']} decode steps ran in it"
-                     f"{prefill}{built}; native kernels: {kernels}")
+        prefill = (
+            f", and {n['fused_prefill_steps']} of {n['prefill_steps']} prefill steps" if n["prefill_steps"] else ""
+        )
+        lines.append(
+            f"  fused C step: {n['fused_decode_steps']} of {n['decode_steps']} decode steps ran in it"
+            f"{prefill}{built}; native kernels: {kernels}"
+        )
         lines.append(f"  {'step':<9} {'tokens':>6} {'fused':>6} {'rows':>5} {'aten ops':>8}  native kernels (calls)")
         for st in n["steps"]:
             ks = ", ".join(f"{k} {v}" for k, v in st["kernels"].items()) or "-"
-            lines.append(f"  {st['phase']:<9} {st['tokens']:>6} {'yes' if st['fused'] else 'no':>6} "
-                         f"{st['fused_rows'] if st['fused'] else '-':>5} {st['aten_ops']:>8}  {ks}")
+            lines.append(
+                f"  {st['phase']:<9} {st['tokens']:>6} {'yes' if st['fused'] else 'no':>6} "
+                f"{st['fused_rows'] if st['fused'] else '-':>5} {st['aten_ops']:>8}  {ks}"
+            )
         parts = n.get("fused_ms_per_decode_step") or {}
         if parts:
-            lines.append("  fused step by part (its C timers), ms per decode step: "
-                         + ", ".join(f"{k} {v:.3f}" for k, v in parts.items()))
-        lines.append("  these are C calls, not aten ops: no op table judges them (they are infertune's CPU kernels; "
-                     "other backends run the torch path)")
+            lines.append(
+                "  fused step by part (its C timers), ms per decode step: "
+                + ", ".join(f"{k} {v:.3f}" for k, v in parts.items())
+            )
+        lines.append(
+            "  these are C calls, not aten ops: no op table judges them (they are infertune's CPU kernels; "
+            "other backends run the torch path)"
+        )
     if tp:
-        engine = ("a second engine with decode_kernels=\"off\"" if tp.get("engine") == "second"
-                  else "the same engine")
+        engine = 'a second engine with decode_kernels="off"' if tp.get("engine") == "second" else "the same engine"
         lines.append(f"torch path audited below: {engine}: {tp.get('why', '')}")
     lines.append("")
     return lines
@@ -365,16 +463,26 @@ def format_report(report: AuditReport) -> str:
     phases = list(report.phases)
     lines = []
     if ctx:
-        lines.append(f"infertune audit: {ctx.get('model')} ({ctx.get('dtype')}, {ctx.get('sampling')} sampling, "
-                     f"traced on {ctx.get('traced_on')}) -> target {report.backend}")
+        lines.append(
+            f"infertune audit: {ctx.get('model')} ({ctx.get('dtype')}, {ctx.get('sampling')} sampling, "
+            f"traced on {ctx.get('traced_on')}) -> target {report.backend}"
+        )
     lines += format_native(report)
-    lines.append(f"op table: {t['path']}\n  source: {t['source']}\n  version: {t['version']}; "
-                 f"{'complete' if t['complete'] else 'PARTIAL coverage: unlisted ops are unknown'}; "
-                 f"missing ops {'fall back to the CPU' if t['on_missing'] == 'fallback-to-cpu' else 'are unsupported'}")
+    lines.append(
+        f"op table: {t['path']}\n  source: {t['source']}\n  version: {t['version']}; "
+        f"{'complete' if t['complete'] else 'PARTIAL coverage: unlisted ops are unknown'}; "
+        f"missing ops {'fall back to the CPU' if t['on_missing'] == 'fallback-to-cpu' else 'are unsupported'}"
+    )
     prefix = "torch-path steps: " if report.native is not None else "steps: "
-    lines.append(prefix + ", ".join(f"{p} ({v.get('tokens_seen') or v.get('tokens')} tokens, "
-                                        f"{sum(r.counts.get(p, 0) for r in report.ops if r.status != 'decomposed')} "
-                                        f"kernel calls)" for p, v in report.phases.items()))
+    lines.append(
+        prefix
+        + ", ".join(
+            f"{p} ({v.get('tokens_seen') or v.get('tokens')} tokens, "
+            f"{sum(r.counts.get(p, 0) for r in report.ops if r.status != 'decomposed')} "
+            f"kernel calls)"
+            for p, v in report.phases.items()
+        )
+    )
     header = f"{'status':<11} " + " ".join(f"{p[:8]:>8}" for p in phases) + f"  {'op':<52} example inputs"
     lines += ["", header, "-" * len(header)]
     for r in report.ops:
@@ -382,8 +490,13 @@ def format_report(report: AuditReport) -> str:
         lines.append(f"{r.status:<11} {counts}  {r.op:<52} {', '.join(r.example_inputs)[:70] or '-'}")
         if r.status == "decomposed" and r.decomposes_into:
             lines.append(f"{'':<11} {'':>{9 * len(phases) - 1}}    -> {', '.join(r.decomposes_into)}")
-    attention = [r for r in report.ops if r.status in ("fallback", "unsupported", "unknown")
-                 or r.key in TROUBLEMAKERS or r.key in report.table_hint_keys]
+    attention = [
+        r
+        for r in report.ops
+        if r.status in ("fallback", "unsupported", "unknown")
+        or r.key in TROUBLEMAKERS
+        or r.key in report.table_hint_keys
+    ]
     if attention:
         lines += ["", "what to look at:"]
         for r in attention:
@@ -404,12 +517,13 @@ def format_report(report: AuditReport) -> str:
     varying = hz["shape_varies_between_steps"]
     if varying and len(phases) >= 2:
         a, b = phases[0], phases[1]
-        lines.append(f"  {len(varying)} op kinds see different input shapes in {a} and {b}: each distinct shape is a "
-                     f"separate graph under capture / a recompile under torch.compile without dynamic shapes; bucket "
-                     f"the token count (pad to fixed sizes) and warm each bucket up. For example:")
+        lines.append(
+            f"  {len(varying)} op kinds see different input shapes in {a} and {b}: each distinct shape is a "
+            f"separate graph under capture / a recompile under torch.compile without dynamic shapes; bucket "
+            f"the token count (pad to fixed sizes) and warm each bucket up. For example:"
+        )
         for d in varying[:8]:
             lines.append(f"    {d['op']}: {a} {', '.join(d[a])[:60]} | {b} {', '.join(d[b])[:60]}")
     s = report.summary()
     lines += ["", "summary: " + ", ".join(f"{v} {k}" for k, v in s.items())]
     return "\n".join(lines)
-

@@ -73,11 +73,15 @@ class LayerDebugReport:
         if d is None:
             return f"no divergence: every module is finite in both runs and within {self.threshold} of the reference"
         if d["reason"] == "reference non-finite":
-            return (f"REFERENCE NON-FINITE: the {self.ref_dtype} reference itself is non-finite at {r['module']} "
-                    f"(#{r['index']}): the checkpoint's weights (or the prompt) are broken there, not the {self.dtype} dtype")
+            return (
+                f"REFERENCE NON-FINITE: the {self.ref_dtype} reference itself is non-finite at {r['module']} "
+                f"(#{r['index']}): the checkpoint's weights (or the prompt) are broken there, not the {self.dtype} dtype"
+            )
         if d["reason"] == "non-finite":
-            return (f"FIRST NON-FINITE MODULE: {d['module']} (#{d['index']}): NaN/Inf under {self.dtype} where the "
-                    f"{self.ref_dtype} reference is finite")
+            return (
+                f"FIRST NON-FINITE MODULE: {d['module']} (#{d['index']}): NaN/Inf under {self.dtype} where the "
+                f"{self.ref_dtype} reference is finite"
+            )
         return f"FIRST DIVERGENT MODULE: {d['module']} (#{d['index']}, {d['reason']})"
 
     def to_dict(self) -> dict:
@@ -160,10 +164,15 @@ def compare(label: str, index: int, test: list[torch.Tensor], ref: list[torch.Te
     scale_mean = float(ref_abs.mean()) if ref_abs.numel() else 0.0
     tiny = torch.finfo(torch.float32).tiny
     return ModuleDiff(
-        index=index, module=label, shape=list(test[0].shape), max_abs=max_abs, mean_abs=mean_abs,
+        index=index,
+        module=label,
+        shape=list(test[0].shape),
+        max_abs=max_abs,
+        mean_abs=mean_abs,
         rel_max=max_abs / max(scale_max, tiny) if max_abs != 0 else 0.0,
         rel_mean=mean_abs / max(scale_mean, tiny) if mean_abs != 0 else 0.0,
-        nonfinite_share=float((~fin_a).float().mean()), ref_nonfinite_share=float((~fin_r).float().mean()),
+        nonfinite_share=float((~fin_a).float().mean()),
+        ref_nonfinite_share=float((~fin_r).float().mean()),
         new_nonfinite_share=float((~fin_a & fin_r).float().mean()),
     )
 
@@ -189,8 +198,9 @@ def plant_nan(module_name: str, value: float = float("nan")) -> Callable[[nn.Mod
         try:
             module = model.get_submodule(module_name)
         except AttributeError as e:
-            raise ValueError(f"--plant-nan {module_name!r}: no such module ({e}); names look like "
-                             f"model.layers.0.mlp.down_proj") from e
+            raise ValueError(
+                f"--plant-nan {module_name!r}: no such module ({e}); names look like model.layers.0.mlp.down_proj"
+            ) from e
         weight = getattr(module, "weight", None)
         if not isinstance(weight, torch.Tensor):
             raise ValueError(f"--plant-nan {module_name!r}: the module has no weight tensor")
@@ -206,14 +216,29 @@ def _load(model: str | None, dtype: str, device: str, max_model_len: int):
     # decode_kernels="linear": the kernels under the per-module forward, so that every module runs and its hooks
     # see it (the fused step would run short prompts as one call, with no modules to compare); plain bf16 weights,
     # since the 12-bit gate_up hands the MLP its activation without running the gate_up module
-    return LLM(model, dtype=dtype, device=device, max_model_len=max_model_len, max_num_seqs=1,
-               max_num_batched_tokens=max(2048, max_model_len), enable_prefix_caching=False,
-               decode_kernels="linear", compress_weights="off")
+    return LLM(
+        model,
+        dtype=dtype,
+        device=device,
+        max_model_len=max_model_len,
+        max_num_seqs=1,
+        max_num_batched_tokens=max(2048, max_model_len),
+        enable_prefix_caching=False,
+        decode_kernels="linear",
+        compress_weights="off",
+    )
 
 
-def debug_layers(model: str | None, prompt: str | list[int], dtype: str = "bfloat16", device: str = "cpu",
-                 ref_dtype: str = "float32", ref_device: str = "cpu", threshold: float = 0.05,
-                 perturb: Callable[[nn.Module], None] | None = None) -> LayerDebugReport:
+def debug_layers(
+    model: str | None,
+    prompt: str | list[int],
+    dtype: str = "bfloat16",
+    device: str = "cpu",
+    ref_dtype: str = "float32",
+    ref_device: str = "cpu",
+    threshold: float = 0.05,
+    perturb: Callable[[nn.Module], None] | None = None,
+) -> LayerDebugReport:
     """Compare every submodule's output in (dtype, device) against (ref_dtype, ref_device) for one prefill.
 
     perturb(model) is applied to the model under test after loading (tests plant a NaN this way).
@@ -248,8 +273,14 @@ def debug_layers(model: str | None, prompt: str | list[int], dtype: str = "bfloa
         raise RuntimeError("the two runs called different modules; the model code must not depend on dtype/device")
     modules = [compare(label, i, t, r) for i, ((label, t), (_, r)) in enumerate(zip(test_records, ref_records))]
     report = LayerDebugReport(
-        dtype=str(runner.dtype).removeprefix("torch."), ref_dtype=ref_dtype_name, device=runner.backend.describe(),
-        ref_device=ref_device, prompt_tokens=len(token_ids), threshold=threshold, modules=modules, notes=notes,
+        dtype=str(runner.dtype).removeprefix("torch."),
+        ref_dtype=ref_dtype_name,
+        device=runner.backend.describe(),
+        ref_device=ref_device,
+        prompt_tokens=len(token_ids),
+        threshold=threshold,
+        modules=modules,
+        notes=notes,
     )
     for m in modules:
         why = m.diverges(threshold)
@@ -265,10 +296,15 @@ def debug_layers(model: str | None, prompt: str | list[int], dtype: str = "bfloa
 
 
 def format_report(report: LayerDebugReport, show: str = "all") -> str:
-    lines = [f"infertune debug-layers: {report.prompt_tokens} prompt tokens, {report.dtype} on {report.device} vs "
-             f"{report.ref_dtype} on {report.ref_device}; threshold {report.threshold} (max-abs error / max |ref|)", ""]
-    header = (f"{'#':>4}  {'module':<46} {'max-abs':>10} {'rel-max':>9} {'mean-abs':>10} {'rel-mean':>9} "
-              f"{'non-finite':>10} {'ref n-f':>8}")
+    lines = [
+        f"infertune debug-layers: {report.prompt_tokens} prompt tokens, {report.dtype} on {report.device} vs "
+        f"{report.ref_dtype} on {report.ref_device}; threshold {report.threshold} (max-abs error / max |ref|)",
+        "",
+    ]
+    header = (
+        f"{'#':>4}  {'module':<46} {'max-abs':>10} {'rel-max':>9} {'mean-abs':>10} {'rel-mean':>9} "
+        f"{'non-finite':>10} {'ref n-f':>8}"
+    )
     lines += [header, "-" * len(header)]
     firsts = {f["index"] for f in (report.first_divergent, report.first_nonfinite, report.first_ref_nonfinite) if f}
     for m in report.modules:
@@ -276,24 +312,34 @@ def format_report(report: LayerDebugReport, show: str = "all") -> str:
         if show == "layers" and m.index not in firsts and m.module.count(".") > 2:
             continue
         flag = "  <- " + why if why else ""
-        lines.append(f"{m.index:>4}  {m.module:<46} {m.max_abs:>10.3g} {m.rel_max:>9.3g} {m.mean_abs:>10.3g} "
-                     f"{m.rel_mean:>9.3g} {m.nonfinite_share:>10.1%} {m.ref_nonfinite_share:>8.1%}{flag}")
+        lines.append(
+            f"{m.index:>4}  {m.module:<46} {m.max_abs:>10.3g} {m.rel_max:>9.3g} {m.mean_abs:>10.3g} "
+            f"{m.rel_mean:>9.3g} {m.nonfinite_share:>10.1%} {m.ref_nonfinite_share:>8.1%}{flag}"
+        )
     lines += ["", report.verdict()]
     d, t, r = report.first_divergent, report.first_nonfinite, report.first_ref_nonfinite
     if d is not None and d["reason"] == "reference non-finite":
         m = report.modules[r["index"]]
-        lines.append(f"non-finite there: {m.nonfinite_share:.1%} of its outputs under test, {m.ref_nonfinite_share:.1%} "
-                     f"in the reference; later modules' errors are measured only over the values finite in both runs")
-        lines.append("what to do: check that module's weights in the checkpoint for NaN/Inf (torch.isfinite over its "
-                     "tensors), and the prompt's token ids; switching the dtype will not help")
+        lines.append(
+            f"non-finite there: {m.nonfinite_share:.1%} of its outputs under test, {m.ref_nonfinite_share:.1%} "
+            f"in the reference; later modules' errors are measured only over the values finite in both runs"
+        )
+        lines.append(
+            "what to do: check that module's weights in the checkpoint for NaN/Inf (torch.isfinite over its "
+            "tensors), and the prompt's token ids; switching the dtype will not help"
+        )
     elif d is not None:
         if t is not None and t["index"] != d["index"]:
             lines.append(f"first non-finite output under {report.dtype}: {t['module']} (#{t['index']})")
         if r is not None:
-            lines.append(f"the {report.ref_dtype} reference itself goes non-finite later, at {r['module']} "
-                         f"(#{r['index']}): the checkpoint or the prompt is broken there too")
-        lines.append("what to do: check that module's weights for NaN/Inf and its inputs' range; for a dtype overflow "
-                     "keep that op in float32 (norms and softmax already are), or try float16 <-> bfloat16")
+            lines.append(
+                f"the {report.ref_dtype} reference itself goes non-finite later, at {r['module']} "
+                f"(#{r['index']}): the checkpoint or the prompt is broken there too"
+            )
+        lines.append(
+            "what to do: check that module's weights for NaN/Inf and its inputs' range; for a dtype overflow "
+            "keep that op in float32 (norms and softmax already are), or try float16 <-> bfloat16"
+        )
     lines += [f"note: {n}" for n in report.notes]
     return "\n".join(lines)
 
@@ -304,33 +350,62 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     devices = ("cpu", "cuda", "npu")
     p.add_argument("--model", **option("model"))
     p.add_argument("--prompt", required=True, help="text to prefill through both runs")
-    p.add_argument("--dtype", **option("dtype", choices=("float32", "bfloat16", "float16"), default="bfloat16",
-                                       help="dtype under test (default: bfloat16)"))
-    p.add_argument("--device", **option("device", choices=devices, default="cpu",
-                                        help="device under test (default: cpu)"))
-    p.add_argument("--ref-device", **option("device", choices=devices, default="cpu",
-                                            help="device of the float32 reference (default: cpu)"))
-    p.add_argument("--threshold", type=float, default=0.05,
-                   help="flag a module whose max-abs error exceeds this share of its reference's max |value| "
-                        "(default: 0.05)")
-    p.add_argument("--plant-nan", default=None, metavar="MODULE",
-                   help="set one weight of MODULE (e.g. model.layers.1.mlp.down_proj) to NaN in the run under test, "
-                        "to see the hunt work")
-    p.add_argument("--only-layers", action="store_true",
-                   help="print decoder-layer level rows (and the first flagged modules) instead of every submodule")
+    p.add_argument(
+        "--dtype",
+        **option(
+            "dtype",
+            choices=("float32", "bfloat16", "float16"),
+            default="bfloat16",
+            help="dtype under test (default: bfloat16)",
+        ),
+    )
+    p.add_argument(
+        "--device", **option("device", choices=devices, default="cpu", help="device under test (default: cpu)")
+    )
+    p.add_argument(
+        "--ref-device",
+        **option("device", choices=devices, default="cpu", help="device of the float32 reference (default: cpu)"),
+    )
+    p.add_argument(
+        "--threshold",
+        type=float,
+        default=0.05,
+        help="flag a module whose max-abs error exceeds this share of its reference's max |value| (default: 0.05)",
+    )
+    p.add_argument(
+        "--plant-nan",
+        default=None,
+        metavar="MODULE",
+        help="set one weight of MODULE (e.g. model.layers.1.mlp.down_proj) to NaN in the run under test, "
+        "to see the hunt work",
+    )
+    p.add_argument(
+        "--only-layers",
+        action="store_true",
+        help="print decoder-layer level rows (and the first flagged modules) instead of every submodule",
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     if p.epilog is None:
         p.epilog = EXIT_STATUS
 
 
-EXIT_STATUS = ("exit status: 0 when every module's output is finite in both runs and within --threshold of the "
-               "reference; 1 when a module is flagged: NaN/Inf under the dtype under test, NaN/Inf already in the "
-               "float32 reference (a broken checkpoint or prompt), or an error above --threshold")
+EXIT_STATUS = (
+    "exit status: 0 when every module's output is finite in both runs and within --threshold of the "
+    "reference; 1 when a module is flagged: NaN/Inf under the dtype under test, NaN/Inf already in the "
+    "float32 reference (a broken checkpoint or prompt), or an error above --threshold"
+)
 
 
 def run(args: argparse.Namespace) -> int:
-    report = debug_layers(args.model, args.prompt, dtype=args.dtype, device=args.device, ref_device=args.ref_device,
-                          threshold=args.threshold, perturb=plant_nan(args.plant_nan) if args.plant_nan else None)
+    report = debug_layers(
+        args.model,
+        args.prompt,
+        dtype=args.dtype,
+        device=args.device,
+        ref_device=args.ref_device,
+        threshold=args.threshold,
+        perturb=plant_nan(args.plant_nan) if args.plant_nan else None,
+    )
     if args.json:
         print(json.dumps(report.to_dict(), indent=1))
     else:

@@ -24,12 +24,20 @@ GiB = 2**30
 CPU_FEATURES = {
     "avx2": ("avx2", "vectorized fp32 kernels (ATen's AVX2 level); without it every CPU op runs the slow default path"),
     "avx512": ("avx512f", "AVX-512 kernels (ATen's AVX512 level): wider fp32 vectors for matmul, norms, softmax"),
-    "vnni": ("avx512_vnni|avx_vnni", "int8 dot-product instructions: fast int8 matmuls for weight-only / W8A8 "
-             "quantized models (oneDNN)"),
-    "bf16": ("avx512_bf16|amx_bf16", "native bf16 math: infertune's CPU backend runs dtype=auto checkpoints in "
-             "bfloat16, half the memory traffic of fp32"),
-    "amx": ("amx_tile", "AMX tile units: oneDNN's bf16 / int8 matmuls run several times faster than with "
-            "AVX-512, most visible in prefill"),
+    "vnni": (
+        "avx512_vnni|avx_vnni",
+        "int8 dot-product instructions: fast int8 matmuls for weight-only / W8A8 quantized models (oneDNN)",
+    ),
+    "bf16": (
+        "avx512_bf16|amx_bf16",
+        "native bf16 math: infertune's CPU backend runs dtype=auto checkpoints in "
+        "bfloat16, half the memory traffic of fp32",
+    ),
+    "amx": (
+        "amx_tile",
+        "AMX tile units: oneDNN's bf16 / int8 matmuls run several times faster than with "
+        "AVX-512, most visible in prefill",
+    ),
 }
 
 
@@ -77,6 +85,7 @@ def _fmt(v: tuple[int, ...]) -> str:
 
 # ---- the checks ------------------------------------------------------------------------------------------
 
+
 def check_python(f: EnvFacts) -> Check:
     spec = f.requires_python
     if not spec:
@@ -86,8 +95,12 @@ def check_python(f: EnvFacts) -> Check:
         return Check("python", "SKIP", f"Python {f.python}; cannot parse Requires-Python {spec!r}")
     if ok:
         return Check("python", "OK", f"Python {f.python} satisfies {spec}")
-    return Check("python", "FAIL", f"Python {f.python} does not satisfy infertune's {spec}",
-                 f"use a Python {spec} interpreter (e.g. pyenv install 3.11)")
+    return Check(
+        "python",
+        "FAIL",
+        f"Python {f.python} does not satisfy infertune's {spec}",
+        f"use a Python {spec} interpreter (e.g. pyenv install 3.11)",
+    )
 
 
 def _satisfies(version: str, spec: str) -> bool | None:
@@ -118,11 +131,18 @@ def check_requirements(f: EnvFacts) -> list[Check]:
             continue  # only the packages doctor reports on
         installed = f.packages[name]
         if installed is None:
-            checks.append(Check(f"package.{name}", "FAIL", f"{name} is not installed (infertune needs {req})",
-                                f"pip install '{req}'"))
+            checks.append(
+                Check(
+                    f"package.{name}",
+                    "FAIL",
+                    f"{name} is not installed (infertune needs {req})",
+                    f"pip install '{req}'",
+                )
+            )
         elif _satisfies(installed, str(req.specifier) or ">=0") is False:
-            checks.append(Check(f"package.{name}", "FAIL", f"{name} {installed} does not satisfy {req}",
-                                f"pip install '{req}'"))
+            checks.append(
+                Check(f"package.{name}", "FAIL", f"{name} {installed} does not satisfy {req}", f"pip install '{req}'")
+            )
         else:
             checks.append(Check(f"package.{name}", "OK", f"{name} {installed} ({req})"))
     return checks
@@ -133,17 +153,28 @@ def check_torch_npu(f: EnvFacts, compat: dict) -> Check:
     if npu is None:
         return Check("torch_npu~torch", "SKIP", "torch_npu not installed (no Ascend NPU stack)")
     if torch_v is None:
-        return Check("torch_npu~torch", "FAIL", f"torch_npu {npu} is installed but torch is not",
-                     f"pip install torch=={_fmt(_base(npu))}")
+        return Check(
+            "torch_npu~torch",
+            "FAIL",
+            f"torch_npu {npu} is installed but torch is not",
+            f"pip install torch=={_fmt(_base(npu))}",
+        )
     src = "Ascend/pytorch README: torch_npu is versioned after the torch it supports"
     if _base(npu, 2) != _base(torch_v, 2):
-        return Check("torch_npu~torch", "FAIL",
-                     f"torch_npu {npu} is built for torch {_fmt(_base(npu))}, but torch {torch_v} is installed: "
-                     f"major.minor must match ({src})",
-                     f"pip install torch=={_fmt(_base(npu))} (or the torch_npu release for torch {_fmt(_base(torch_v, 2))})")
+        return Check(
+            "torch_npu~torch",
+            "FAIL",
+            f"torch_npu {npu} is built for torch {_fmt(_base(npu))}, but torch {torch_v} is installed: "
+            f"major.minor must match ({src})",
+            f"pip install torch=={_fmt(_base(npu))} (or the torch_npu release for torch {_fmt(_base(torch_v, 2))})",
+        )
     if _base(npu) != _base(torch_v):
-        return Check("torch_npu~torch", "WARN", f"torch_npu {npu} targets torch {_fmt(_base(npu))}; torch {torch_v} "
-                     f"differs in the patch version ({src})", f"pip install torch=={_fmt(_base(npu))}")
+        return Check(
+            "torch_npu~torch",
+            "WARN",
+            f"torch_npu {npu} targets torch {_fmt(_base(npu))}; torch {torch_v} differs in the patch version ({src})",
+            f"pip install torch=={_fmt(_base(npu))}",
+        )
     return Check("torch_npu~torch", "OK", f"torch_npu {npu} matches torch {torch_v}")
 
 
@@ -151,9 +182,13 @@ def check_cann(f: EnvFacts, compat: dict) -> Check:
     npu, torch_v = f.packages.get("torch_npu"), f.packages.get("torch")
     if f.cann is None:
         if npu is not None:
-            return Check("cann~torch", "WARN", f"torch_npu {npu} is installed but no CANN toolkit was found "
-                         "(ASCEND_TOOLKIT_HOME unset, no ascend_toolkit_install.info / version.cfg in the default dirs)",
-                         "install CANN and `source /usr/local/Ascend/ascend-toolkit/set_env.sh` before running")
+            return Check(
+                "cann~torch",
+                "WARN",
+                f"torch_npu {npu} is installed but no CANN toolkit was found "
+                "(ASCEND_TOOLKIT_HOME unset, no ascend_toolkit_install.info / version.cfg in the default dirs)",
+                "install CANN and `source /usr/local/Ascend/ascend-toolkit/set_env.sh` before running",
+            )
         return Check("cann~torch", "SKIP", "no CANN toolkit found (not an Ascend machine)")
     cann = _norm_cann(f.cann)
     rows = [r for r in compat["cann_torch"] if _norm_cann(r["cann"]) == cann]
@@ -167,9 +202,13 @@ def check_cann(f: EnvFacts, compat: dict) -> Check:
     where = f" (read from {f.cann_source})" if f.cann_source else ""
     if not rows:
         known = sorted({r["cann"] for r in compat["cann_torch"]})
-        return Check("cann~torch", "WARN", f"CANN {f.cann}{where} is not in the compatibility matrix, so torch "
-                     f"{torch_v} cannot be verified against it (known: {', '.join(known)})",
-                     "check the Ascend/pytorch README table for this CANN release and add a row to compat.json")
+        return Check(
+            "cann~torch",
+            "WARN",
+            f"CANN {f.cann}{where} is not in the compatibility matrix, so torch "
+            f"{torch_v} cannot be verified against it (known: {', '.join(known)})",
+            "check the Ascend/pytorch README table for this CANN release and add a row to compat.json",
+        )
     sources = sorted({r["source"] for r in rows})
     supported = sorted({r["torch"] for r in rows}, key=release)
     if torch_v is None or _base(torch_v) not in {_base(t) for t in supported}:
@@ -177,43 +216,73 @@ def check_cann(f: EnvFacts, compat: dict) -> Check:
         alt = f", or a CANN that supports torch {torch_v}: {', '.join(other)}" if other else ""
         npu_for = {r["torch"]: r["torch_npu"] for r in rows if r.get("torch_npu")}
         pin = f" with torch_npu=={npu_for[supported[-1]]}" if supported[-1] in npu_for else ""
-        return Check("cann~torch", "FAIL",
-                     f"CANN {f.cann}{where} pairs with torch {', '.join(supported)} ({', '.join(sources)}), but torch "
-                     f"{torch_v} is installed: a CANN / PyTorch mismatch is a known cause of NaN output",
-                     f"pip install torch=={supported[-1]}{pin}{alt}")
+        return Check(
+            "cann~torch",
+            "FAIL",
+            f"CANN {f.cann}{where} pairs with torch {', '.join(supported)} ({', '.join(sources)}), but torch "
+            f"{torch_v} is installed: a CANN / PyTorch mismatch is a known cause of NaN output",
+            f"pip install torch=={supported[-1]}{pin}{alt}",
+        )
     row = next(r for r in rows if _base(r["torch"]) == _base(torch_v))
     note = f" (matched as {matched})" if matched != cann else ""
     if npu is not None and row.get("torch_npu") and npu != row["torch_npu"]:
-        return Check("cann~torch", "WARN", f"CANN {f.cann}{note} + torch {torch_v} is a listed pair, whose torch_npu "
-                     f"is {row['torch_npu']}; {npu} is installed ({row['source']})",
-                     f"pip install torch_npu=={row['torch_npu']}")
+        return Check(
+            "cann~torch",
+            "WARN",
+            f"CANN {f.cann}{note} + torch {torch_v} is a listed pair, whose torch_npu "
+            f"is {row['torch_npu']}; {npu} is installed ({row['source']})",
+            f"pip install torch_npu=={row['torch_npu']}",
+        )
     return Check("cann~torch", "OK", f"CANN {f.cann}{note}{where} supports torch {torch_v} ({row['source']})")
 
 
 def check_cuda(f: EnvFacts, compat: dict) -> Check:
     if f.torch_cuda is None:
         if f.cuda_driver:
-            return Check("cuda", "WARN", f"an NVIDIA driver {f.cuda_driver} ({', '.join(f.gpus)}) is present but torch "
-                         "is a CPU-only build", "install a CUDA build of torch (https://pytorch.org/get-started/locally/)")
+            return Check(
+                "cuda",
+                "WARN",
+                f"an NVIDIA driver {f.cuda_driver} ({', '.join(f.gpus)}) is present but torch is a CPU-only build",
+                "install a CUDA build of torch (https://pytorch.org/get-started/locally/)",
+            )
         return Check("cuda", "SKIP", "torch is a CPU build and no NVIDIA driver was found")
     if f.cuda_driver is None:
         status = "WARN" if not f.cuda_available else "OK"
-        return Check("cuda", status, f"torch built with CUDA {f.torch_cuda}; nvidia-smi not found"
-                     + ("" if f.cuda_available else " and CUDA is not available"),
-                     "" if f.cuda_available else "install the NVIDIA driver, or use --device cpu")
+        return Check(
+            "cuda",
+            status,
+            f"torch built with CUDA {f.torch_cuda}; nvidia-smi not found"
+            + ("" if f.cuda_available else " and CUDA is not available"),
+            "" if f.cuda_available else "install the NVIDIA driver, or use --device cpu",
+        )
     need = next((r for r in compat["cuda_min_driver"] if r["cuda_major"] == _base(f.torch_cuda, 1)[0]), None)
     if need is None:
-        return Check("cuda", "WARN", f"CUDA {f.torch_cuda} is not in the matrix; driver {f.cuda_driver}",
-                     "check NVIDIA's CUDA compatibility guide and add a row to compat.json")
+        return Check(
+            "cuda",
+            "WARN",
+            f"CUDA {f.torch_cuda} is not in the matrix; driver {f.cuda_driver}",
+            "check NVIDIA's CUDA compatibility guide and add a row to compat.json",
+        )
     if release(f.cuda_driver) < release(need["min_driver"]):
-        return Check("cuda", "FAIL", f"torch's CUDA {f.torch_cuda} needs driver >= {need['min_driver']}, found "
-                     f"{f.cuda_driver} ({need['source']})",
-                     f"upgrade the NVIDIA driver to >= {need['min_driver']}, or install a torch built for an older CUDA")
+        return Check(
+            "cuda",
+            "FAIL",
+            f"torch's CUDA {f.torch_cuda} needs driver >= {need['min_driver']}, found "
+            f"{f.cuda_driver} ({need['source']})",
+            f"upgrade the NVIDIA driver to >= {need['min_driver']}, or install a torch built for an older CUDA",
+        )
     if not f.cuda_available:
-        return Check("cuda", "WARN", f"driver {f.cuda_driver} is new enough for CUDA {f.torch_cuda}, but torch cannot "
-                     "use the GPU", "check CUDA_VISIBLE_DEVICES and that the GPU is not in use by another container")
-    return Check("cuda", "OK", f"CUDA {f.torch_cuda}, driver {f.cuda_driver} (>= {need['min_driver']}): "
-                 f"{', '.join(f.gpus) or 'GPU'}")
+        return Check(
+            "cuda",
+            "WARN",
+            f"driver {f.cuda_driver} is new enough for CUDA {f.torch_cuda}, but torch cannot use the GPU",
+            "check CUDA_VISIBLE_DEVICES and that the GPU is not in use by another container",
+        )
+    return Check(
+        "cuda",
+        "OK",
+        f"CUDA {f.torch_cuda}, driver {f.cuda_driver} (>= {need['min_driver']}): {', '.join(f.gpus) or 'GPU'}",
+    )
 
 
 def check_cpu(f: EnvFacts) -> list[Check]:
@@ -225,28 +294,61 @@ def check_cpu(f: EnvFacts) -> list[Check]:
         if present:
             out.append(Check(f"cpu.{name}", "OK", f"{'/'.join(present)}: {meaning}"))
         elif name == "avx2":
-            out.append(Check("cpu.avx2", "WARN", f"no AVX2: {meaning}",
-                             "run on a newer CPU, or check that the VM/container exposes AVX2"))
+            out.append(
+                Check(
+                    "cpu.avx2",
+                    "WARN",
+                    f"no AVX2: {meaning}",
+                    "run on a newer CPU, or check that the VM/container exposes AVX2",
+                )
+            )
         elif name == "bf16":
-            out.append(Check("cpu.bf16", "OK", "no native bf16: bf16 is emulated and slow; dtype=auto runs float32 "
-                             "here, avoid --dtype bfloat16 on this CPU"))
+            out.append(
+                Check(
+                    "cpu.bf16",
+                    "OK",
+                    "no native bf16: bf16 is emulated and slow; dtype=auto runs float32 "
+                    "here, avoid --dtype bfloat16 on this CPU",
+                )
+            )
         else:
             out.append(Check(f"cpu.{name}", "OK", f"absent ({meaning})"))
     if f.cpu_kernels_unavailable is None:
-        twelve = ("; with AMX and VBMI here, plain bf16 projections are also kept losslessly in 12 bits a weight "
-                  "(compress_weights=auto: a decode step reads 0.76x the bytes)"
-                  if {"amx_tile", "amx_bf16", "avx512vbmi"} <= set(f.cpu_flags) else "")
-        out.append(Check("cpu.kernels", "OK", "infertune's decode kernels (bf16 / W8A16 / W4A16 GEMV, fused decode "
-                         f"step) are built and loaded: bf16 models decode on them{twelve}"))
+        twelve = (
+            "; with AMX and VBMI here, plain bf16 projections are also kept losslessly in 12 bits a weight "
+            "(compress_weights=auto: a decode step reads 0.76x the bytes)"
+            if {"amx_tile", "amx_bf16", "avx512vbmi"} <= set(f.cpu_flags)
+            else ""
+        )
+        out.append(
+            Check(
+                "cpu.kernels",
+                "OK",
+                "infertune's decode kernels (bf16 / W8A16 / W4A16 GEMV, fused decode "
+                f"step) are built and loaded: bf16 models decode on them{twelve}",
+            )
+        )
     elif "disabled" in f.cpu_kernels_unavailable or "lacks" in f.cpu_kernels_unavailable:
         out.append(Check("cpu.kernels", "OK", f"decode kernels off: {f.cpu_kernels_unavailable}; torch's matmuls run"))
     else:
-        out.append(Check("cpu.kernels", "WARN", f"decode kernels unavailable: {f.cpu_kernels_unavailable}",
-                         "install a C compiler with OpenMP (gcc) so infertune can build its decode kernels "
-                         "(1.4-2x faster batch-1 decode in bf16 / W8A16 / W4A16)"))
+        out.append(
+            Check(
+                "cpu.kernels",
+                "WARN",
+                f"decode kernels unavailable: {f.cpu_kernels_unavailable}",
+                "install a C compiler with OpenMP (gcc) so infertune can build its decode kernels "
+                "(1.4-2x faster batch-1 decode in bf16 / W8A16 / W4A16)",
+            )
+        )
     if "avx512f" in f.cpu_flags and f.cpu_capability and "AVX512" not in f.cpu_capability.upper():
-        out.append(Check("cpu.capability", "WARN", f"the CPU has AVX-512 but torch dispatches at {f.cpu_capability}",
-                         "unset ATEN_CPU_CAPABILITY (it caps the kernel level) unless you set it on purpose"))
+        out.append(
+            Check(
+                "cpu.capability",
+                "WARN",
+                f"the CPU has AVX-512 but torch dispatches at {f.cpu_capability}",
+                "unset ATEN_CPU_CAPABILITY (it caps the kernel level) unless you set it on purpose",
+            )
+        )
     return out
 
 
@@ -257,8 +359,14 @@ def check_threads(f: EnvFacts) -> list[Check]:
     out = []
     limit = f"{cpus} usable CPU(s)" + (f" (cgroup quota {f.cgroup_cpus:g})" if f.cgroup_cpus else "")
     if f.torch_threads > cpus:
-        out.append(Check("threads.count", "WARN", f"torch uses {f.torch_threads} threads on {limit}: threads preempt "
-                         "each other", f"export OMP_NUM_THREADS={cpus} (or torch.set_num_threads({cpus}))"))
+        out.append(
+            Check(
+                "threads.count",
+                "WARN",
+                f"torch uses {f.torch_threads} threads on {limit}: threads preempt each other",
+                f"export OMP_NUM_THREADS={cpus} (or torch.set_num_threads({cpus}))",
+            )
+        )
     else:
         out.append(Check("threads.count", "OK", f"torch uses {f.torch_threads} threads on {limit}"))
     bad = []
@@ -267,21 +375,29 @@ def check_threads(f: EnvFacts) -> list[Check]:
         if v is not None and (not v.strip().isdigit() or int(v) > cpus or int(v) < 1):
             bad.append(f"{var}={v}")
     if bad:
-        out.append(Check("threads.env", "WARN", f"{', '.join(bad)} on {limit}",
-                         f"set them to an integer between 1 and {cpus}"))
+        out.append(
+            Check("threads.env", "WARN", f"{', '.join(bad)} on {limit}", f"set them to an integer between 1 and {cpus}")
+        )
     else:
-        shown = ", ".join(f"{k}={v}" for k, v in f.thread_env.items()) or "no thread variables set (torch uses one "\
-            "thread per core)"
+        shown = (
+            ", ".join(f"{k}={v}" for k, v in f.thread_env.items())
+            or "no thread variables set (torch uses one thread per core)"
+        )
         out.append(Check("threads.env", "OK", shown))
     if f.load_1m is not None:
         free = cpus - f.load_1m
         if f.torch_threads > 1 and f.torch_threads > free + 0.5:
             fit = max(1, int(free))
-            out.append(Check("threads.load", "WARN",
-                             f"load average {f.load_1m:.1f} on {limit} leaves about {max(free, 0):.1f} CPU(s) idle, but "
-                             f"torch runs {f.torch_threads} OpenMP threads: they spin-wait on each other while another "
-                             "process holds a core, which can make small models many times slower",
-                             f"export OMP_NUM_THREADS={fit} while the machine is shared (or free the CPUs)"))
+            out.append(
+                Check(
+                    "threads.load",
+                    "WARN",
+                    f"load average {f.load_1m:.1f} on {limit} leaves about {max(free, 0):.1f} CPU(s) idle, but "
+                    f"torch runs {f.torch_threads} OpenMP threads: they spin-wait on each other while another "
+                    "process holds a core, which can make small models many times slower",
+                    f"export OMP_NUM_THREADS={fit} while the machine is shared (or free the CPUs)",
+                )
+            )
         else:
             out.append(Check("threads.load", "OK", f"load average {f.load_1m:.1f} on {limit}"))
     return out
@@ -292,14 +408,24 @@ def check_memory(f: EnvFacts) -> Check:
         return Check("memory", "SKIP", "free memory unknown")
     detail = f"{f.mem_available / GiB:.1f} GiB available of {(f.mem_total or 0) / GiB:.1f} GiB"
     if f.mem_available < GiB:
-        return Check("memory", "WARN", detail + ": models and the KV cache may not fit",
-                     "close other processes, or give the engine kv_cache_memory_bytes explicitly")
+        return Check(
+            "memory",
+            "WARN",
+            detail + ": models and the KV cache may not fit",
+            "close other processes, or give the engine kv_cache_memory_bytes explicitly",
+        )
     return Check("memory", "OK", detail + " (the KV cache takes kv_cache_memory_fraction of what is free)")
 
 
 def check_all(f: EnvFacts, compat: dict) -> list[Check]:
-    return ([check_python(f)] + check_requirements(f) + [check_torch_npu(f, compat), check_cann(f, compat),
-            check_cuda(f, compat)] + check_cpu(f) + check_threads(f) + [check_memory(f)])
+    return (
+        [check_python(f)]
+        + check_requirements(f)
+        + [check_torch_npu(f, compat), check_cann(f, compat), check_cuda(f, compat)]
+        + check_cpu(f)
+        + check_threads(f)
+        + [check_memory(f)]
+    )
 
 
 def exit_code(checks: list[Check]) -> int:
@@ -308,8 +434,12 @@ def exit_code(checks: list[Check]) -> int:
 
 def report_dict(facts: EnvFacts, checks: list[Check]) -> dict:
     counts = {s: sum(c.status == s for c in checks) for s in STATUSES}
-    return {"facts": facts.to_dict(), "checks": [asdict(c) for c in checks], "summary": counts,
-            "exit_code": exit_code(checks)}
+    return {
+        "facts": facts.to_dict(),
+        "checks": [asdict(c) for c in checks],
+        "summary": counts,
+        "exit_code": exit_code(checks),
+    }
 
 
 def format_report(facts: EnvFacts, checks: list[Check]) -> str:
@@ -338,8 +468,11 @@ def format_report(facts: EnvFacts, checks: list[Check]) -> str:
         lines += ["", "what to fix:"]
         lines += [f"  {c.status} {c.name}: {c.fix}" for c in todo]
     code = exit_code(checks)
-    lines += ["", "result: " + ("FAIL (a hard mismatch; exit 1)" if code else
-                                "no hard mismatch" + (" (see the warnings)" if todo else ""))]
+    lines += [
+        "",
+        "result: "
+        + ("FAIL (a hard mismatch; exit 1)" if code else "no hard mismatch" + (" (see the warnings)" if todo else "")),
+    ]
     return "\n".join(lines)
 
 

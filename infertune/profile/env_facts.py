@@ -18,11 +18,23 @@ from dataclasses import asdict, dataclass, field, fields
 
 PACKAGES = ("torch", "transformers", "tokenizers", "safetensors", "infertune", "torch_npu")
 THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "KMP_BLOCKTIME", "OMP_WAIT_POLICY")
-CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "avx512vbmi", "amx_tile", "amx_bf16",
-             "amx_int8")
+CPU_FLAGS = (
+    "avx2",
+    "avx512f",
+    "avx512_vnni",
+    "avx_vnni",
+    "avx512_bf16",
+    "avx512vbmi",
+    "amx_tile",
+    "amx_bf16",
+    "amx_int8",
+)
 ASCEND_HOME_VARS = ("ASCEND_TOOLKIT_HOME", "ASCEND_HOME_PATH")
-ASCEND_DEFAULT_DIRS = ("/usr/local/Ascend/ascend-toolkit/latest", "/usr/local/Ascend/cann",
-                       os.path.expanduser("~/Ascend/ascend-toolkit/latest"))
+ASCEND_DEFAULT_DIRS = (
+    "/usr/local/Ascend/ascend-toolkit/latest",
+    "/usr/local/Ascend/cann",
+    os.path.expanduser("~/Ascend/ascend-toolkit/latest"),
+)
 
 
 @dataclass(slots=True)
@@ -82,13 +94,16 @@ def _version(dist: str) -> str | None:
     return None
 
 
-def read_cann_version(env: dict[str, str] | None = None, extra_dirs: tuple[str, ...] = ()) -> tuple[str | None, str | None]:
+def read_cann_version(
+    env: dict[str, str] | None = None, extra_dirs: tuple[str, ...] = ()
+) -> tuple[str | None, str | None]:
     """(CANN version, file it came from), looking where set_env.sh points first, then the default install dirs."""
     env = os.environ if env is None else env
     dirs = [env[v] for v in ASCEND_HOME_VARS if env.get(v)] + list(extra_dirs) + list(ASCEND_DEFAULT_DIRS)
     for d in dirs:
         for info in sorted(glob.glob(os.path.join(d, "*-linux", "ascend_toolkit_install.info"))) + [
-                os.path.join(d, "ascend_toolkit_install.info")]:
+            os.path.join(d, "ascend_toolkit_install.info")
+        ]:
             version = _read_key(info, "version")
             if version:
                 return version, info
@@ -137,8 +152,12 @@ def _nvidia_smi() -> tuple[str | None, list[str]]:
     if not exe:
         return None, []
     try:
-        out = subprocess.run([exe, "--query-gpu=driver_version,name", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=15)
+        out = subprocess.run(
+            [exe, "--query-gpu=driver_version,name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=15,
+        )
     except (OSError, subprocess.SubprocessError):
         return None, []
     rows = [line.split(",", 1) for line in out.stdout.strip().splitlines() if "," in line]
@@ -171,15 +190,29 @@ def gather() -> EnvFacts:
     from infertune.kernels import cpu as cpu_kernels  # builds them on first use (about 1 s)
 
     return EnvFacts(
-        python=platform.python_version(), platform=f"{platform.system()} {platform.machine()}",
-        packages=packages, requirements=[r for r in requirements if "extra ==" not in r],
-        requires_python=requires_python, torch_cuda=torch.version.cuda, cuda_available=torch.cuda.is_available(),
-        cuda_driver=driver, gpus=gpus, cann=cann, cann_source=cann_source,
+        python=platform.python_version(),
+        platform=f"{platform.system()} {platform.machine()}",
+        packages=packages,
+        requirements=[r for r in requirements if "extra ==" not in r],
+        requires_python=requires_python,
+        torch_cuda=torch.version.cuda,
+        cuda_available=torch.cuda.is_available(),
+        cuda_driver=driver,
+        gpus=gpus,
+        cann=cann,
+        cann_source=cann_source,
         ascend_driver=_read_key("/usr/local/Ascend/driver/version.info", "Version"),
-        cpu_model=model, cpu_flags=flags, cpu_capability=torch.backends.cpu.get_cpu_capability(),
-        torch_threads=torch.get_num_threads(), affinity_cpus=affinity, cgroup_cpus=_cgroup_cpus(),
-        os_cpus=os.cpu_count(), load_1m=load, thread_env={k: os.environ[k] for k in THREAD_ENV if k in os.environ},
-        mem_total=vm.total, mem_available=vm.available,
+        cpu_model=model,
+        cpu_flags=flags,
+        cpu_capability=torch.backends.cpu.get_cpu_capability(),
+        torch_threads=torch.get_num_threads(),
+        affinity_cpus=affinity,
+        cgroup_cpus=_cgroup_cpus(),
+        os_cpus=os.cpu_count(),
+        load_1m=load,
+        thread_env={k: os.environ[k] for k in THREAD_ENV if k in os.environ},
+        mem_total=vm.total,
+        mem_available=vm.available,
         cpu_kernels_unavailable=None if cpu_kernels.available() else cpu_kernels.unavailable_reason(),
     )
 

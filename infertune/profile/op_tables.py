@@ -46,8 +46,12 @@ class AtenFacts:
     @classmethod
     def load(cls, path: Path | None = None) -> AtenFacts:
         d = json.loads((path or DATA_DIR / "aten_ops.json").read_text())
-        return cls(d["torch_version"], frozenset(d["composite_implicit"]), frozenset(d["composite_explicit"]),
-                   dict(d["structured_delegate"]))
+        return cls(
+            d["torch_version"],
+            frozenset(d["composite_implicit"]),
+            frozenset(d["composite_explicit"]),
+            dict(d["structured_delegate"]),
+        )
 
 
 @dataclass(slots=True)
@@ -86,10 +90,17 @@ class OpTable:
         if isinstance(native, dict):  # {"where it is registered": [ops]}
             native = [op for ops in native.values() for op in ops]
         return cls(
-            backend=d["backend"], source=d["source"], version=d["version"], complete=bool(d["complete"]),
-            on_missing=d["on_missing"], native=frozenset(native), status=dict(d.get("status", {})),
-            hints=dict(d.get("hints", {})), dtype_notes=dict(d.get("dtype_notes", {})),
-            coverage=d.get("coverage", ""), path=path,
+            backend=d["backend"],
+            source=d["source"],
+            version=d["version"],
+            complete=bool(d["complete"]),
+            on_missing=d["on_missing"],
+            native=frozenset(native),
+            status=dict(d.get("status", {})),
+            hints=dict(d.get("hints", {})),
+            dtype_notes=dict(d.get("dtype_notes", {})),
+            coverage=d.get("coverage", ""),
+            path=path,
         )
 
     @classmethod
@@ -100,8 +111,10 @@ class OpTable:
         else:
             path = Path(backend_or_path)
             if not path.is_file():
-                raise FileNotFoundError(f"op table {backend_or_path!r} not found; give a backend "
-                                        f"({', '.join(BACKEND_TABLES)}) or a JSON file")
+                raise FileNotFoundError(
+                    f"op table {backend_or_path!r} not found; give a backend "
+                    f"({', '.join(BACKEND_TABLES)}) or a JSON file"
+                )
         try:
             d = json.loads(path.read_text())
         except json.JSONDecodeError as e:
@@ -139,6 +152,7 @@ def resolve(key: str, namespace: str, table: OpTable, aten: AtenFacts, has_child
 
 # ---- regenerating the torch-derived files ----------------------------------------------------------------
 
+
 def _kernel_keys(entry: dict) -> set[str]:
     keys: set[str] = set()
     for k in entry.get("dispatch") or {}:
@@ -172,30 +186,40 @@ def generate_from_native_functions(yaml_path: str | Path, torch_version: str) ->
         keys_of[name] = keys
     for name, target in delegate.items():  # a structured op runs where its out= kernel runs
         keys_of[name] = keys_of[name] | keys_of.get(target, set())
-    source_note = (f"torchgen/packaged/ATen/native/native_functions.yaml shipped with torch {torch_version} "
-                   "(dispatch keys per op; regenerate with `python -m infertune.profile.op_tables`)")
+    source_note = (
+        f"torchgen/packaged/ATen/native/native_functions.yaml shipped with torch {torch_version} "
+        "(dispatch keys per op; regenerate with `python -m infertune.profile.op_tables`)"
+    )
     out = {
         "aten_ops.json": {
-            "source": source_note, "torch_version": torch_version,
-            "composite_implicit": sorted(implicit), "composite_explicit": sorted(explicit - implicit),
+            "source": source_note,
+            "torch_version": torch_version,
+            "composite_implicit": sorted(implicit),
+            "composite_explicit": sorted(explicit - implicit),
             "structured_delegate": dict(sorted(delegate.items())),
         }
     }
     for backend, key in (("cpu", "CPU"), ("cuda", "CUDA")):
         table = {
-            "backend": backend, "source": source_note + f"; an op is native when it has a {key} kernel",
-            "version": f"torch {torch_version}", "complete": True, "on_missing": "unsupported",
+            "backend": backend,
+            "source": source_note + f"; an op is native when it has a {key} kernel",
+            "version": f"torch {torch_version}",
+            "complete": True,
+            "on_missing": "unsupported",
             "coverage": f"every aten op in native_functions.yaml with a {key} dispatch entry; composite ops "
-                        "are resolved from aten_ops.json",
+            "are resolved from aten_ops.json",
             "native": sorted(n for n, k in keys_of.items() if key in k),
         }
         if backend != "cpu" and key in keys_of.get("_fused_sdp_choice", set()):
             # scaled_dot_product_attention decomposes into a kernel chosen per device; a CPU trace records the
             # CPU one, so judge the composite itself on devices that have their own choice function.
             table["status"] = {"scaled_dot_product_attention": "native"}
-            table["hints"] = {"scaled_dot_product_attention": (
-                f"decomposed per device: _fused_sdp_choice has a {key} kernel and picks flash / memory-efficient / "
-                "cuDNN / math attention there; the CPU trace shows the CPU kernel instead")}
+            table["hints"] = {
+                "scaled_dot_product_attention": (
+                    f"decomposed per device: _fused_sdp_choice has a {key} kernel and picks flash / memory-efficient / "
+                    "cuDNN / math attention there; the CPU trace shows the CPU kernel instead"
+                )
+            }
         out[BACKEND_TABLES[backend]] = table
     return out
 

@@ -73,8 +73,12 @@ class OpRecorder(TorchDispatchMode):
         events = self.trace.events
         index = len(events)
         event = OpEvent(
-            name=str(func), key=op_key(func), namespace=op_namespace(func), phase=self.phase,
-            parent=self._parents[-1] if self._parents else None, inputs=_sigs((args, kwargs)),
+            name=str(func),
+            key=op_key(func),
+            namespace=op_namespace(func),
+            phase=self.phase,
+            parent=self._parents[-1] if self._parents else None,
+            inputs=_sigs((args, kwargs)),
             tags=tuple(t.name for t in func.tags),
         )
         events.append(event)
@@ -108,15 +112,20 @@ def _audit_request(engine, prompt_len: int, sample: bool, decode_steps: int, sal
     if prompt_len < 2:
         raise ValueError(f"prompt_len={prompt_len}: give at least 2 tokens so the prefill differs from a decode")
     if prompt_len + decode_steps >= engine.max_model_len:
-        raise ValueError(f"prompt_len={prompt_len} + {decode_steps} decode step(s) does not fit max_model_len="
-                         f"{engine.max_model_len}; lower --prompt-len")
+        raise ValueError(
+            f"prompt_len={prompt_len} + {decode_steps} decode step(s) does not fit max_model_len="
+            f"{engine.max_model_len}; lower --prompt-len"
+        )
     token_ids = [(17 + 7919 * i + 104729 * salt) % vocab for i in range(prompt_len)]
-    params = (SamplingParams(max_tokens=decode_steps + 1, temperature=0.8, top_p=0.95, top_k=50, seed=0, ignore_eos=True)
-              if sample else SamplingParams(max_tokens=decode_steps + 1, temperature=0.0, ignore_eos=True))
+    params = (
+        SamplingParams(max_tokens=decode_steps + 1, temperature=0.8, top_p=0.95, top_k=50, seed=0, ignore_eos=True)
+        if sample
+        else SamplingParams(max_tokens=decode_steps + 1, temperature=0.0, ignore_eos=True)
+    )
     engine.add_request(REQUEST_ID, {"prompt_token_ids": token_ids}, params)
-    return [("prefill", prompt_len)] + [(f"decode{i + 1}" if decode_steps > 1 else "decode", 1)
-                                        for i in range(decode_steps)]
-
+    return [("prefill", prompt_len)] + [
+        (f"decode{i + 1}" if decode_steps > 1 else "decode", 1) for i in range(decode_steps)
+    ]
 
 
 def trace_engine_steps(llm, prompt_len: int, sample: bool = False, decode_steps: int = 1) -> OpTrace:
@@ -195,8 +204,11 @@ def trace_native_steps(llm, prompt_len: int, sample: bool = False, decode_steps:
     finally:
         engine.abort_request(REQUEST_ID)
     events = list(prof.events())
-    marks = {int(e.name[len(_STEP_MARK):]): (e.time_range.start, e.time_range.end)
-             for e in events if e.name.startswith(_STEP_MARK)}
+    marks = {
+        int(e.name[len(_STEP_MARK) :]): (e.time_range.start, e.time_range.end)
+        for e in events
+        if e.name.startswith(_STEP_MARK)
+    }
     counts = [Counter() for _ in phases]
     aten = [0] * len(phases)
 
@@ -208,7 +220,7 @@ def trace_native_steps(llm, prompt_len: int, sample: bool = False, decode_steps:
         if e.name.startswith(KERNEL_RANGE):
             i = step_of(e)
             if i is not None:
-                counts[i][e.name[len(KERNEL_RANGE):]] += 1
+                counts[i][e.name[len(KERNEL_RANGE) :]] += 1
         elif e.name.startswith("aten::"):
             parent = e.cpu_parent
             while parent is not None and not parent.name.startswith("aten::"):
@@ -219,8 +231,17 @@ def trace_native_steps(llm, prompt_len: int, sample: bool = False, decode_steps:
     for i, (phase, tokens) in enumerate(phases):
         t = dict(parts[i])
         calls, rows = int(t.pop("calls", 0)), int(t.pop("rows", 0))
-        native.steps.append(NativeStep(phase, tokens, calls > 0, rows, {k: 1000 * v for k, v in t.items()} if calls else {},
-                                       dict(counts[i].most_common()), aten[i]))
+        native.steps.append(
+            NativeStep(
+                phase,
+                tokens,
+                calls > 0,
+                rows,
+                {k: 1000 * v for k, v in t.items()} if calls else {},
+                dict(counts[i].most_common()),
+                aten[i],
+            )
+        )
     return native
 
 

@@ -17,12 +17,33 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-CATEGORIES = ("attention", "kv_cache", "moe", "matmul", "fused_decode", "norm", "activation", "rotary", "sampling",
-              "communication", "host", "other")
+CATEGORIES = (
+    "attention",
+    "kv_cache",
+    "moe",
+    "matmul",
+    "fused_decode",
+    "norm",
+    "activation",
+    "rotary",
+    "sampling",
+    "communication",
+    "host",
+    "other",
+)
 LABELS = {
-    "attention": "attention", "kv_cache": "KV-cache read/write", "moe": "MoE router + experts",
-    "matmul": "matmul / linear", "fused_decode": "fused decode step (C)", "norm": "norm", "activation": "activation", "rotary": "rotary",
-    "sampling": "sampling", "communication": "communication", "host": "host / Python + idle gaps", "other": "other",
+    "attention": "attention",
+    "kv_cache": "KV-cache read/write",
+    "moe": "MoE router + experts",
+    "matmul": "matmul / linear",
+    "fused_decode": "fused decode step (C)",
+    "norm": "norm",
+    "activation": "activation",
+    "rotary": "rotary",
+    "sampling": "sampling",
+    "communication": "communication",
+    "host": "host / Python + idle gaps",
+    "other": "other",
 }
 
 SCOPE_PREFIX = "infertune::"
@@ -33,34 +54,112 @@ STEP_KIND = "step"
 # Ranges around host-side engine work: every op inside them is host work (e.g. building input tensors from lists).
 HOST_SCOPES = frozenset({"schedule", "prepare_inputs", "update", "detokenize"})
 # A module scope that decides the category of everything inside it.
-LEAF_SCOPE_CATEGORY = {"linear": "matmul", "norm": "norm", "rotary": "rotary", "activation": "activation",
-                       "embedding": "other"}
+LEAF_SCOPE_CATEGORY = {
+    "linear": "matmul",
+    "norm": "norm",
+    "rotary": "rotary",
+    "activation": "activation",
+    "embedding": "other",
+}
 # A container module: ops it runs itself (outside child modules) get this category unless their name says better.
 CONTAINER_DEFAULT = {"attention_block": "attention", "mlp": "activation"}
 
 # Op names (aten spelling, no namespace, no overload).
-MATMUL_OPS = frozenset({
-    "mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "mv", "addmv", "dot", "einsum", "_int_mm",
-    "_addmm_activation", "_scaled_mm", "_weight_int8pack_mm", "_weight_int4pack_mm", "_weight_int4pack_mm_for_cpu",
-    "_weight_int4pack_mm_with_scales_and_zeros", "_mixed_dtypes_linear", "npu_quant_matmul", "npu_weight_quant_batchmatmul",
-    # infertune's CPU kernels (infertune_kernels:: ranges), and the dequantization / unpacking feeding a prefill's
-    # GEMM
-    "linear_bf16", "linear_w8", "linear_w4", "dequant_w8", "dequant_w4", "linear_bf16c", "unpack_bf16c",
-})
+MATMUL_OPS = frozenset(
+    {
+        "mm",
+        "addmm",
+        "bmm",
+        "baddbmm",
+        "addbmm",
+        "matmul",
+        "linear",
+        "mv",
+        "addmv",
+        "dot",
+        "einsum",
+        "_int_mm",
+        "_addmm_activation",
+        "_scaled_mm",
+        "_weight_int8pack_mm",
+        "_weight_int4pack_mm",
+        "_weight_int4pack_mm_for_cpu",
+        "_weight_int4pack_mm_with_scales_and_zeros",
+        "_mixed_dtypes_linear",
+        "npu_quant_matmul",
+        "npu_weight_quant_batchmatmul",
+        # infertune's CPU kernels (infertune_kernels:: ranges), and the dequantization / unpacking feeding a prefill's
+        # GEMM
+        "linear_bf16",
+        "linear_w8",
+        "linear_w4",
+        "dequant_w8",
+        "dequant_w4",
+        "linear_bf16c",
+        "unpack_bf16c",
+    }
+)
 # Gathers of cached K/V (reads) and scatters into the cache (writes), inside attention.
-KV_WRITE_OPS = frozenset({"index_copy_", "index_copy", "index_put_", "index_put", "_index_put_impl_", "scatter_",
-                          "reshape_and_cache", "_reshape_and_cache", "npu_scatter_nd_update_", "scatter_update_"})
+KV_WRITE_OPS = frozenset(
+    {
+        "index_copy_",
+        "index_copy",
+        "index_put_",
+        "index_put",
+        "_index_put_impl_",
+        "scatter_",
+        "reshape_and_cache",
+        "_reshape_and_cache",
+        "npu_scatter_nd_update_",
+        "scatter_update_",
+    }
+)
 KV_READ_OPS = frozenset({"index", "index_select", "gather", "take"})
 KV_OPS = KV_WRITE_OPS | KV_READ_OPS
 # Ops that only make a view, alias or allocate: no arithmetic, no device kernel.
-VIEW_OPS = frozenset({
-    "view", "_unsafe_view", "reshape", "transpose", "t", "permute", "select", "slice", "unsqueeze", "squeeze",
-    "expand", "as_strided", "chunk", "split", "split_with_sizes", "unbind", "narrow", "detach", "detach_", "alias",
-    "lift_fresh", "empty", "empty_like", "empty_strided", "resolve_conj", "resolve_neg", "result_type", "view_as",
-    "_reshape_alias", "unflatten", "flatten", "movedim", "numpy_T", "contiguous",
-})
-_COMM_NAME = re.compile(r"all_?reduce|all_?gather|reduce_scatter|all_?to_?all|broadcast|barrier|nccl|gloo|hccl|"
-                        r"record_param_comms|^c10d::|^_c10d_functional::|send|recv", re.IGNORECASE)
+VIEW_OPS = frozenset(
+    {
+        "view",
+        "_unsafe_view",
+        "reshape",
+        "transpose",
+        "t",
+        "permute",
+        "select",
+        "slice",
+        "unsqueeze",
+        "squeeze",
+        "expand",
+        "as_strided",
+        "chunk",
+        "split",
+        "split_with_sizes",
+        "unbind",
+        "narrow",
+        "detach",
+        "detach_",
+        "alias",
+        "lift_fresh",
+        "empty",
+        "empty_like",
+        "empty_strided",
+        "resolve_conj",
+        "resolve_neg",
+        "result_type",
+        "view_as",
+        "_reshape_alias",
+        "unflatten",
+        "flatten",
+        "movedim",
+        "numpy_T",
+        "contiguous",
+    }
+)
+_COMM_NAME = re.compile(
+    r"all_?reduce|all_?gather|reduce_scatter|all_?to_?all|broadcast|barrier|nccl|gloo|hccl|"
+    r"record_param_comms|^c10d::|^_c10d_functional::|send|recv",
+    re.IGNORECASE,
+)
 
 
 def op_base(name: str) -> str:
@@ -83,7 +182,7 @@ def scope_kind(name: str) -> str | None:
     """'infertune::linear model.layers.0.mlp.down_proj' -> 'linear'; 'infertune::step#3' -> 'step'; else None."""
     if not name.startswith(SCOPE_PREFIX):
         return None
-    return name[len(SCOPE_PREFIX):].split(" ", 1)[0].split("#", 1)[0]
+    return name[len(SCOPE_PREFIX) :].split(" ", 1)[0].split("#", 1)[0]
 
 
 def is_counted_op(name: str) -> bool:
@@ -133,8 +232,18 @@ def category_by_op_name(base: str) -> str:
         return "norm"
     if "rotary" in base or "rope" in base:
         return "rotary"
-    if base.rstrip("_") in ("silu", "gelu", "relu", "sigmoid", "tanh", "softplus", "swiglu", "npu_swiglu", "mish",
-                            "silu_and_mul"):
+    if base.rstrip("_") in (
+        "silu",
+        "gelu",
+        "relu",
+        "sigmoid",
+        "tanh",
+        "softplus",
+        "swiglu",
+        "npu_swiglu",
+        "mish",
+        "silu_and_mul",
+    ):
         return "activation"
     return "other"
 
@@ -177,8 +286,11 @@ def host_label(scopes: tuple[str, ...]) -> str:
             return kind
         if kind == "sampler":
             return "python_in_sampler"
-        if kind in ("forward", "logits", "layer", "attention_backend", "kv_write", "moe") or kind in CONTAINER_DEFAULT \
-                or kind in LEAF_SCOPE_CATEGORY:
+        if (
+            kind in ("forward", "logits", "layer", "attention_backend", "kv_write", "moe")
+            or kind in CONTAINER_DEFAULT
+            or kind in LEAF_SCOPE_CATEGORY
+        ):
             return "python_in_forward"
         if kind == "execute":
             return "python_in_runner"
@@ -190,6 +302,7 @@ def kv_label(root_op: str, scopes: tuple[str, ...]) -> str:
 
 
 # ---- attribution -------------------------------------------------------------------------------------------
+
 
 @dataclass(slots=True)
 class Span:
@@ -232,8 +345,10 @@ def attribute_cpu(step: Span, spans: list[Span]) -> StepProfile:
     more than their parent and the self times sum to the step's wall time exactly.
     """
     prof = StepProfile(wall_us=step.end - step.start)
-    inside = sorted((s for s in spans if s is not step and step.start <= s.start < step.end),
-                    key=lambda s: (s.start, -(s.end - s.start)))
+    inside = sorted(
+        (s for s in spans if s is not step and step.start <= s.start < step.end),
+        key=lambda s: (s.start, -(s.end - s.start)),
+    )
     # frame: [span, end (clipped), scopes, root op name or None, children's time, category]
     stack: list[list] = [[step, step.end, (), None, 0.0, "host"]]
 
@@ -276,8 +391,9 @@ def attribute_cpu(step: Span, spans: list[Span]) -> StepProfile:
         if p_root is None and is_counted_op(span.name):
             prof.num_ops += 1
             prof.num_view_ops += op_base(span.name) in VIEW_OPS
-            where = next((k for k in reversed(p_scopes) if k in HOST_SCOPES or k in ("forward", "logits", "sampler")),
-                         "other")
+            where = next(
+                (k for k in reversed(p_scopes) if k in HOST_SCOPES or k in ("forward", "logits", "sampler")), "other"
+            )
             prof.ops_by_scope[where] = prof.ops_by_scope.get(where, 0) + 1
     while len(stack) > 1:
         close(stack.pop())
@@ -293,8 +409,14 @@ def attribute_device(step: Span, kernels: list[Span], cpu: StepProfile) -> StepP
     """The device-timeline split of a step: kernel time by the category of the CPU op that launched each kernel
     (cpu.op_category, by correlation id); the rest of the step's wall time, the device idle, is host / gaps."""
     # Top "ops" on the device timeline are kernels: name -> [category, device us, launches].
-    prof = StepProfile(wall_us=step.end - step.start, timeline="device", num_ops=cpu.num_ops,
-                       num_view_ops=cpu.num_view_ops, ops_by_scope=dict(cpu.ops_by_scope), num_ranges=cpu.num_ranges)
+    prof = StepProfile(
+        wall_us=step.end - step.start,
+        timeline="device",
+        num_ops=cpu.num_ops,
+        num_view_ops=cpu.num_view_ops,
+        ops_by_scope=dict(cpu.ops_by_scope),
+        num_ranges=cpu.num_ranges,
+    )
     mine = sorted((k for k in kernels if step.start <= k.start < step.end), key=lambda k: k.start)
     prof.num_kernels = len(mine)
     cursor = step.start
@@ -320,6 +442,7 @@ def attribute_device(step: Span, kernels: list[Span], cpu: StepProfile) -> StepP
 
 
 # ---- phases ------------------------------------------------------------------------------------------------
+
 
 @dataclass(slots=True)
 class PhaseSummary:
@@ -372,5 +495,13 @@ class PhaseSummary:
         total = self.wall_us or 1.0
         rows = sorted(self.ops.items(), key=lambda kv: -kv[1][0])[:n]
         steps = self.steps or 1
-        return [{"op": name, "category": cat, "self_us_per_step": us / steps, "calls_per_step": calls / steps,
-                 "share": us / total} for (name, cat), (us, calls) in rows]
+        return [
+            {
+                "op": name,
+                "category": cat,
+                "self_us_per_step": us / steps,
+                "calls_per_step": calls / steps,
+                "share": us / total,
+            }
+            for (name, cat), (us, calls) in rows
+        ]

@@ -36,15 +36,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", **option("quantization"))
     p.add_argument("--quant-group-size", **option("quant_group_size"))
     p.add_argument("--max-num-batched-tokens", **option("max_num_batched_tokens"))
-    p.add_argument("--decode-kernels", **option(
-        "decode_kernels", help="infertune's decode kernels as the engine runs them (auto: the fused decode step shows "
-        "as one category); linear: the per-op forward on the kernels' linears, to split a decode step by op; off: "
-        "torch's matmuls (default: auto)"))
-    p.add_argument("--greedy", action="store_true",
-                   help="greedy decoding (default: temperature 0.8, top_p 0.95, as a served workload would sample)")
-    p.add_argument("--no-warmup", action="store_true",
-                   help="skip the unprofiled warm-up run: no baseline timings, and the first profiled step pays "
-                   "one-time costs")
+    p.add_argument(
+        "--decode-kernels",
+        **option(
+            "decode_kernels",
+            help="infertune's decode kernels as the engine runs them (auto: the fused decode step shows "
+            "as one category); linear: the per-op forward on the kernels' linears, to split a decode step by op; off: "
+            "torch's matmuls (default: auto)",
+        ),
+    )
+    p.add_argument(
+        "--greedy",
+        action="store_true",
+        help="greedy decoding (default: temperature 0.8, top_p 0.95, as a served workload would sample)",
+    )
+    p.add_argument(
+        "--no-warmup",
+        action="store_true",
+        help="skip the unprofiled warm-up run: no baseline timings, and the first profiled step pays one-time costs",
+    )
     p.add_argument("--top", type=int, default=12, help="top ops listed per phase (default: 12)")
     p.add_argument("--trace", metavar="OUT.json", default=None, help="write the Chrome / Perfetto trace here")
     p.add_argument("--json", metavar="OUT", default=None, help="write the summary as JSON here")
@@ -71,21 +81,39 @@ def run(args: argparse.Namespace) -> int:
     if need > limit:
         raise ValueError(f"--input-len + --output-len = {need} exceeds the model's max_position_embeddings={limit}")
     quant = {"quantization": args.quantization, "quant_group_size": args.quant_group_size} if args.quantization else {}
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=need, max_num_seqs=args.batch,
-              max_num_batched_tokens=args.max_num_batched_tokens, decode_kernels=args.decode_kernels, **quant)
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=need,
+        max_num_seqs=args.batch,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        decode_kernels=args.decode_kernels,
+        **quant,
+    )
     sampling = "greedy" if args.greedy else "temperature 0.8, top_p 0.95"
-    params = (SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True) if args.greedy else
-              SamplingParams(max_tokens=args.output_len, temperature=0.8, top_p=0.95, ignore_eos=True))
+    params = (
+        SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+        if args.greedy
+        else SamplingParams(max_tokens=args.output_len, temperature=0.8, top_p=0.95, ignore_eos=True)
+    )
     result = profile_workload(llm, args.input_len, args.output_len, args.batch, params, warmup=not args.no_warmup)
     import torch
 
     runner = llm.engine.executor.runner
     context = {
-        "model": llm.config.model.model, "device": llm.engine.executor.backend.describe(),
-        "dtype": str(runner.dtype).removeprefix("torch."), "quantization": args.quantization,
+        "model": llm.config.model.model,
+        "device": llm.engine.executor.backend.describe(),
+        "dtype": str(runner.dtype).removeprefix("torch."),
+        "quantization": args.quantization,
         "decode_kernels": args.decode_kernels if runner.decode_kernels is not None else "off",
-        "batch": args.batch, "input_len": args.input_len, "output_len": args.output_len, "sampling": sampling,
-        "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "timeline": result.timeline,
+        "batch": args.batch,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "sampling": sampling,
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "timeline": result.timeline,
     }
     summary = build_summary(result, context, args.top)
     if args.trace:
@@ -134,7 +162,9 @@ def build_summary(result, context: dict, top: int = 12) -> dict:
             "step_ms_p50": _median(jitter) / 1000 if jitter else None,
             "step_ms_p90": _quantile(jitter, 0.9) / 1000 if jitter else None,
             "tokens_per_step": ph.tokens / ph.steps,
-            "prefill_tokens_per_step": sum(r.num_prefill_tokens for r in profiled) / len(profiled) if profiled else None,
+            "prefill_tokens_per_step": sum(r.num_prefill_tokens for r in profiled) / len(profiled)
+            if profiled
+            else None,
             "decode_tokens_per_step": sum(r.num_decode_tokens for r in profiled) / len(profiled) if profiled else None,
             "page_faults_per_step": _median(faults),
             "seqs_per_step": sum(ph.seqs_per_step) / ph.steps,
@@ -152,13 +182,32 @@ def build_summary(result, context: dict, top: int = 12) -> dict:
             "top_ops": ph.top_ops(top),
             "fused_step_ms": ({k: 1000 * statistics.mean(f[k] for f in fused) for k in fused[0]} if fused else None),
         }
-    steps = [{"index": r.index, "phase": r.phase, "seqs": r.num_seqs, "tokens": r.num_tokens,
-              "prefill_tokens": r.num_prefill_tokens, "decode_tokens": r.num_decode_tokens,
-              "wall_ms": r.wall_us / 1000} for r in result.records]
-    summary = {"context": context, "categories": list(CATEGORIES), "labels": LABELS, "phases": phases, "steps": steps,
-               "launch": {}, "instrumentation": {"instrumented": result.instrumented, "missing": result.missing,
-                                                 "range_us": result.range_us},
-               "files": {}}
+    steps = [
+        {
+            "index": r.index,
+            "phase": r.phase,
+            "seqs": r.num_seqs,
+            "tokens": r.num_tokens,
+            "prefill_tokens": r.num_prefill_tokens,
+            "decode_tokens": r.num_decode_tokens,
+            "wall_ms": r.wall_us / 1000,
+        }
+        for r in result.records
+    ]
+    summary = {
+        "context": context,
+        "categories": list(CATEGORIES),
+        "labels": LABELS,
+        "phases": phases,
+        "steps": steps,
+        "launch": {},
+        "instrumentation": {
+            "instrumented": result.instrumented,
+            "missing": result.missing,
+            "range_us": result.range_us,
+        },
+        "files": {},
+    }
     dec = phases.get("decode")
     if dec:
         kernels = dec["kernels_per_step"]
@@ -167,13 +216,17 @@ def build_summary(result, context: dict, top: int = 12) -> dict:
         overhead = n * result.launch_us
         summary["launch"] = {
             "counted": "device kernels" if kernels is not None else "aten ops",
-            "launches_per_decode_step": n, "per_launch_us": result.launch_us,
-            "overhead_us_per_decode_step": overhead, "share_of_decode_step": overhead / step_us,
+            "launches_per_decode_step": n,
+            "per_launch_us": result.launch_us,
+            "overhead_us_per_decode_step": overhead,
+            "share_of_decode_step": overhead / step_us,
             "step_basis": "unprofiled" if dec["unprofiled_ms_per_step"] else "profiled",
         }
         ranges_us = (dec["ranges_per_step"] or 0) * result.range_us
-        summary["instrumentation"] |= {"ranges_per_decode_step": dec["ranges_per_step"],
-                                       "share_of_decode_step": ranges_us / (1000 * dec["ms_per_step"])}
+        summary["instrumentation"] |= {
+            "ranges_per_decode_step": dec["ranges_per_step"],
+            "share_of_decode_step": ranges_us / (1000 * dec["ms_per_step"]),
+        }
     summary["hints"] = derive_hints(summary)
     return summary
 
@@ -181,9 +234,11 @@ def build_summary(result, context: dict, top: int = 12) -> dict:
 def format_report(s: dict) -> str:
     ctx, phases = s["context"], s["phases"]
     names = [p for p in PHASES if p in phases]
-    lines = [f"infertune profile: {ctx['model']} ({ctx['dtype']}{', ' + ctx['quantization'] if ctx['quantization'] else ''}"
-             f", {ctx['device']}, {ctx['torch_threads']} threads) batch {ctx['batch']} x ({ctx['input_len']} in + "
-             f"{ctx['output_len']} out), sampling {ctx['sampling']}; {ctx['timeline']} timeline"]
+    lines = [
+        f"infertune profile: {ctx['model']} ({ctx['dtype']}{', ' + ctx['quantization'] if ctx['quantization'] else ''}"
+        f", {ctx['device']}, {ctx['torch_threads']} threads) batch {ctx['batch']} x ({ctx['input_len']} in + "
+        f"{ctx['output_len']} out), sampling {ctx['sampling']}; {ctx['timeline']} timeline"
+    ]
     for p in names:
         ph = phases[p]
         base = f", {ph['unprofiled_ms_per_step']:.2f} unprofiled" if ph["unprofiled_ms_per_step"] else ""
@@ -191,19 +246,30 @@ def format_report(s: dict) -> str:
         faults = f", {faults:,.0f} page faults/step" if faults is not None else ""
         split = ""
         if p == "mixed" and ph.get("prefill_tokens_per_step") is not None:
-            split = (f" ({ph['prefill_tokens_per_step']:.0f} prefill + {ph['decode_tokens_per_step']:.0f} decode, "
-                     "prefill chunks run next to decodes)")
-        lines.append(f"  {p}: {ph['steps']} step(s), {ph['tokens_per_step']:.0f} tokens{split} / "
-                     f"{ph['seqs_per_step']:.1f} seqs per step, {ph['ms_per_step']:.2f} ms/step profiled{base}{faults}")
-    lines += ["", "time by category (share of step wall time; self time of each op and range goes to exactly one "
-              "category, so each column adds up to 100%)"]
+            split = (
+                f" ({ph['prefill_tokens_per_step']:.0f} prefill + {ph['decode_tokens_per_step']:.0f} decode, "
+                "prefill chunks run next to decodes)"
+            )
+        lines.append(
+            f"  {p}: {ph['steps']} step(s), {ph['tokens_per_step']:.0f} tokens{split} / "
+            f"{ph['seqs_per_step']:.1f} seqs per step, {ph['ms_per_step']:.2f} ms/step profiled{base}{faults}"
+        )
+    lines += [
+        "",
+        "time by category (share of step wall time; self time of each op and range goes to exactly one "
+        "category, so each column adds up to 100%)",
+    ]
     lines.append(f"  {'category':<28}" + "".join(f"{p:>22}" for p in names))
     for cat in CATEGORIES:
-        cells = "".join(f"{100 * phases[p]['share'][cat]:>9.1f}% {phases[p]['ms_per_step_by_category'][cat]:>7.3f} ms"
-                        for p in names)
+        cells = "".join(
+            f"{100 * phases[p]['share'][cat]:>9.1f}% {phases[p]['ms_per_step_by_category'][cat]:>7.3f} ms"
+            for p in names
+        )
         lines.append(f"  {LABELS[cat]:<28}{cells}")
-    lines.append(f"  {'total (per step)':<28}" + "".join(
-        f"{100 * sum(phases[p]['share'].values()):>9.1f}% {phases[p]['ms_per_step']:>7.3f} ms" for p in names))
+    lines.append(
+        f"  {'total (per step)':<28}"
+        + "".join(f"{100 * sum(phases[p]['share'].values()):>9.1f}% {phases[p]['ms_per_step']:>7.3f} ms" for p in names)
+    )
     for p in names:
         ph = phases[p]
         host = ", ".join(f"{k} {100 * v:.1f}%" for k, v in ph["host_detail_share"].items() if v >= 0.0005)
@@ -214,32 +280,44 @@ def format_report(s: dict) -> str:
         split = phases[p].get("fused_step_ms")
         if split:
             total = sum(split.values()) or 1.0
-            parts = ", ".join(f"{k} {v:.2f} ms ({100 * v / total:.0f}%)" for k, v in sorted(split.items(), key=lambda kv: -kv[1]))
+            parts = ", ".join(
+                f"{k} {v:.2f} ms ({100 * v / total:.0f}%)" for k, v in sorted(split.items(), key=lambda kv: -kv[1])
+            )
             lines.append(f"  {p} fused step (C), {total:.2f} ms a step where it ran: {parts}")
     inst = s["instrumentation"]
     if inst.get("ranges_per_decode_step") is not None:
-        lines.append(f"  instrumentation: {inst['ranges_per_decode_step']:g} ranges per decode step x "
-                     f"{inst['range_us']:.1f} us = {100 * inst['share_of_decode_step']:.1f}% of the decode step "
-                     "(inside python_in_forward)")
+        lines.append(
+            f"  instrumentation: {inst['ranges_per_decode_step']:g} ranges per decode step x "
+            f"{inst['range_us']:.1f} us = {100 * inst['share_of_decode_step']:.1f}% of the decode step "
+            "(inside python_in_forward)"
+        )
     if inst["missing"]:
         lines.append(f"  not instrumented (absent in this engine): {', '.join(inst['missing'])}")
     launch = s["launch"]
     if launch:
         dec = phases["decode"]
         scopes = ", ".join(f"{k} {v:g}" for k, v in sorted(dec["ops_per_step_by_scope"].items(), key=lambda kv: -kv[1]))
-        lines += ["", f"launches: {dec['ops_per_step']:g} aten ops per decode step ({dec['view_ops_per_step']:g} of them "
-                  f"views / allocations; by scope: {scopes})"
-                  + (f", {dec['kernels_per_step']:g} device kernels" if dec["kernels_per_step"] is not None else ""),
-                  f"  one trivial op costs {launch['per_launch_us']:.2f} us here: {launch['launches_per_decode_step']:g} "
-                  f"{launch['counted']} x {launch['per_launch_us']:.2f} us = "
-                  f"{launch['overhead_us_per_decode_step'] / 1000:.2f} ms of launch overhead per decode step "
-                  f"({100 * launch['share_of_decode_step']:.0f}% of the {launch['step_basis']} step)"]
+        lines += [
+            "",
+            f"launches: {dec['ops_per_step']:g} aten ops per decode step ({dec['view_ops_per_step']:g} of them "
+            f"views / allocations; by scope: {scopes})"
+            + (f", {dec['kernels_per_step']:g} device kernels" if dec["kernels_per_step"] is not None else ""),
+            f"  one trivial op costs {launch['per_launch_us']:.2f} us here: {launch['launches_per_decode_step']:g} "
+            f"{launch['counted']} x {launch['per_launch_us']:.2f} us = "
+            f"{launch['overhead_us_per_decode_step'] / 1000:.2f} ms of launch overhead per decode step "
+            f"({100 * launch['share_of_decode_step']:.0f}% of the {launch['step_basis']} step)",
+        ]
     for p in names:
-        lines += ["", f"top ops by self time ({p}, per step)",
-                  f"  {'op':<52} {'category':<14} {'ms':>8} {'calls':>7} {'share':>7}"]
+        lines += [
+            "",
+            f"top ops by self time ({p}, per step)",
+            f"  {'op':<52} {'category':<14} {'ms':>8} {'calls':>7} {'share':>7}",
+        ]
         for r in phases[p]["top_ops"]:
-            lines.append(f"  {r['op'][:52]:<52} {r['category']:<14} {r['self_us_per_step'] / 1000:>8.3f} "
-                         f"{r['calls_per_step']:>7.1f} {100 * r['share']:>6.1f}%")
+            lines.append(
+                f"  {r['op'][:52]:<52} {r['category']:<14} {r['self_us_per_step'] / 1000:>8.3f} "
+                f"{r['calls_per_step']:>7.1f} {100 * r['share']:>6.1f}%"
+            )
     lines += ["", "hints"]
     lines += [f"  - {h['text']}" for h in s["hints"]] or ["  none: no category crossed its threshold"]
     for k, v in s["files"].items():
@@ -250,9 +328,13 @@ def format_report(s: dict) -> str:
 def write_trace(result, path: str) -> None:
     """The profiler's Chrome / Perfetto trace, with each step's range renamed to say what the step was."""
     result.prof.export_chrome_trace(path)
-    labels = {f"infertune::step#{r.index}": f"infertune::step#{r.index} {r.phase} ({r.num_seqs} seqs, "
-              f"{r.num_tokens} tokens" + (f": {r.num_prefill_tokens} prefill + {r.num_decode_tokens} decode"
-                                          if r.phase == "mixed" else "") + ")" for r in result.records}
+    labels = {
+        f"infertune::step#{r.index}": f"infertune::step#{r.index} {r.phase} ({r.num_seqs} seqs, "
+        f"{r.num_tokens} tokens"
+        + (f": {r.num_prefill_tokens} prefill + {r.num_decode_tokens} decode" if r.phase == "mixed" else "")
+        + ")"
+        for r in result.records
+    }
     trace = json.loads(Path(path).read_text())
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     for e in events:
@@ -278,8 +360,10 @@ def write_plot(summary: dict, path: str) -> None:
     ax.set_ylim(0, 100)
     ctx = summary["context"]
     quant = f" {ctx['quantization']}" if ctx.get("quantization") else ""
-    ax.set_title(f"infertune profile: batch {ctx['batch']}, {ctx['input_len']} in + {ctx['output_len']} out, "
-                 f"{ctx['dtype']}{quant}")
+    ax.set_title(
+        f"infertune profile: batch {ctx['batch']}, {ctx['input_len']} in + {ctx['output_len']} out, "
+        f"{ctx['dtype']}{quant}"
+    )
     ax.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

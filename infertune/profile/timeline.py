@@ -156,14 +156,20 @@ class Instrumentation:
         if not isinstance(model, nn.Module):
             self.missing.append("model module hooks")
             return
-        backends = {id(b): b for b in [getattr(runner, "attn", None)] + [getattr(m, "attn", None) for m in model.modules()]
-                    if b is not None and not isinstance(b, nn.Module) and hasattr(b, "write_kv")}
+        backends = {
+            id(b): b
+            for b in [getattr(runner, "attn", None)] + [getattr(m, "attn", None) for m in model.modules()]
+            if b is not None and not isinstance(b, nn.Module) and hasattr(b, "write_kv")
+        }
         for b in backends.values():
             self._wrap(b, "forward", "attention_backend", f"{type(b).__name__}.forward (attention backend)")
             self._wrap(b, "write_kv", "kv_write", f"{type(b).__name__}.write_kv (KV-cache write)")
         for qualname, module in model.named_modules():
-            kind = "forward" if module is model else module_scope_kind(
-                [c.__name__ for c in type(module).__mro__ if c not in (nn.Module, object)])
+            kind = (
+                "forward"
+                if module is model
+                else module_scope_kind([c.__name__ for c in type(module).__mro__ if c not in (nn.Module, object)])
+            )
             if kind is not None:
                 self._hook(module, f"{SCOPE_PREFIX}{kind} {qualname or type(module).__name__}")
         self.instrumented.append("model module hooks")
@@ -236,8 +242,9 @@ def add_range_hooks(module: nn.Module, name: str, stack: list) -> tuple:
 
 def make_prompts(vocab_size: int, input_len: int, batch: int, salt: int) -> list[list[int]]:
     """Deterministic prompts that share no prefix with each other or with another salt's (no prefix-cache hits)."""
-    return [[(17 + 7919 * i + 104729 * b + 1299709 * salt) % vocab_size for i in range(input_len)]
-            for b in range(batch)]
+    return [
+        [(17 + 7919 * i + 104729 * b + 1299709 * salt) % vocab_size for i in range(input_len)] for b in range(batch)
+    ]
 
 
 def measure_launch_us(backend, repeats: int = 2000) -> float:
@@ -312,8 +319,11 @@ def split_events(events) -> tuple[dict[int, list[Span]], list[Span]]:
         if e.device_type == DeviceType.CPU:
             if not e.is_async:
                 threads.setdefault(e.thread, []).append(Span(e.name, start, end, e.id))
-        elif (getattr(e, "linked_correlation_id", 0) > 0 and not getattr(e, "is_user_annotation", False)
-              and scope_kind(e.name) is None):
+        elif (
+            getattr(e, "linked_correlation_id", 0) > 0
+            and not getattr(e, "is_user_annotation", False)
+            and scope_kind(e.name) is None
+        ):
             # Device copies of the ranges (gpu_user_annotation) would count their kernels twice: only kernels,
             # memcpys and memsets, which point at the CPU op that launched them, are kept.
             kernels.append(Span(e.name, start, end, e.linked_correlation_id))
@@ -333,10 +343,10 @@ def analyse(events, records: list[StepRecord]) -> tuple[list[StepProfile], dict[
         for span in spans:
             if not span.name.startswith(STEP_RANGE):
                 continue
-            rec = by_index.get(int(span.name[len(STEP_RANGE):]))
+            rec = by_index.get(int(span.name[len(STEP_RANGE) :]))
             if rec is None or rec.phase == "empty":
                 continue
-            step = attribute_cpu(span, spans[bisect_left(starts, span.start):bisect_left(starts, span.end)])
+            step = attribute_cpu(span, spans[bisect_left(starts, span.start) : bisect_left(starts, span.end)])
             if kernels:
                 step = attribute_device(span, kernels, step)
             steps.append(step)
@@ -375,5 +385,17 @@ def profile_workload(llm, input_len: int, output_len: int, batch: int, params, w
             range_us = measure_range_us()
             ins.run(make_prompts(vocab, input_len, batch, salt=2), params)
     steps, phases, timeline = analyse(prof.events(), ins.records)
-    return TimelineResult(ins.records, steps, phases, timeline, ins.instrumented, ins.missing, baseline, launch_us,
-                          range_us, prof, baseline_faults, baseline_fused)
+    return TimelineResult(
+        ins.records,
+        steps,
+        phases,
+        timeline,
+        ins.instrumented,
+        ins.missing,
+        baseline,
+        launch_us,
+        range_us,
+        prof,
+        baseline_faults,
+        baseline_fused,
+    )

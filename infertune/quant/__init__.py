@@ -14,8 +14,12 @@ from infertune.quant.int4 import W4A16Method
 from infertune.quant.int8 import W8A8Method, W8A16Method
 
 
-def make_method(config: QuantConfig, fast_kernels: bool = True, kernel_max_rows: int | None = None,
-                kernels: DecodeKernels | None = None):
+def make_method(
+    config: QuantConfig,
+    fast_kernels: bool = True,
+    kernel_max_rows: int | None = None,
+    kernels: DecodeKernels | None = None,
+):
     """kernel_max_rows: above this many rows (prefill) a dequantized dense matmul beats the weight-pack kernels.
     kernels: the backend's own decode kernels (Backend.decode_kernels()), used by the methods that have one."""
     if config.method == "w8a16":
@@ -27,9 +31,15 @@ def make_method(config: QuantConfig, fast_kernels: bool = True, kernel_max_rows:
     raise ValueError(f"quantization={config.method!r} is unknown")
 
 
-def attach_linear_methods(model: nn.Module, config: QuantConfig | None, backend=None, prepack: bool = True,
-                          dtype: torch.dtype | None = None, kernels: DecodeKernels | None = None,
-                          compress: bool = False) -> dict[str, str]:
+def attach_linear_methods(
+    model: nn.Module,
+    config: QuantConfig | None,
+    backend=None,
+    prepack: bool = True,
+    dtype: torch.dtype | None = None,
+    kernels: DecodeKernels | None = None,
+    compress: bool = False,
+) -> dict[str, str]:
     """Choose each Linear's method before loading: quantized (unless kept in full precision), the backend's
     decode kernels over plain bf16 weights (when `kernels` is given), prepacked into the backend's fast layout,
     or plain. Returns {layer name: method name} for the layers that changed.

@@ -63,8 +63,11 @@ def read_stored_quant(model_dir: str) -> StoredQuant | None:
     if acts and (acts.get("num_bits") != 8 or acts.get("strategy") not in ("token", "tensor")):
         raise ValueError(f"{path}: input activation scheme {acts} is not supported (int8 per token or per tensor)")
     return StoredQuant(
-        method=method, group_size=weights.get("group_size"), symmetric=bool(weights.get("symmetric", False)),
-        static_activations=bool(acts) and not acts.get("dynamic", True), ignore=tuple(qc.get("ignore") or ()),
+        method=method,
+        group_size=weights.get("group_size"),
+        symmetric=bool(weights.get("symmetric", False)),
+        static_activations=bool(acts) and not acts.get("dynamic", True),
+        ignore=tuple(qc.get("ignore") or ()),
     )
 
 
@@ -131,7 +134,9 @@ class StoredW4A16(W4A16Method):
     def create_weights(self, layer: Linear, dtype: torch.dtype) -> None:
         n, k, g = layer.out_features, layer.in_features, self.group_size
         if k % g or k % 2:
-            raise ValueError(f"in_features={k} does not fit int4 groups of {g}; is config.json right for these weights?")
+            raise ValueError(
+                f"in_features={k} does not fit int4 groups of {g}; is config.json right for these weights?"
+            )
         self.params_dtype = dtype
         del layer.weight
         _slot(layer, "weight_packed", (n, k // 2), torch.uint8)
@@ -150,8 +155,14 @@ def _hf_modules(name: str, module: Linear, packed: dict[str, tuple[str, object]]
     return [f"{prefix}.{hf}" if prefix else hf for hf in shards] or [name]
 
 
-def attach_stored_methods(model: nn.Module, stored: StoredQuant, packed: dict[str, tuple[str, object]],
-                          dtype: torch.dtype, backend=None, kernels=None) -> dict[str, str]:
+def attach_stored_methods(
+    model: nn.Module,
+    stored: StoredQuant,
+    packed: dict[str, tuple[str, object]],
+    dtype: torch.dtype,
+    backend=None,
+    kernels=None,
+) -> dict[str, str]:
     """Give each Linear the checkpoint says is quantized a Stored* method and create its integer slots.
 
     Call before the model is materialized (on the meta device) and after the plain layers got their
@@ -167,8 +178,10 @@ def attach_stored_methods(model: nn.Module, stored: StoredQuant, packed: dict[st
         if all(ignored):
             continue
         if any(ignored):
-            raise ValueError(f"quantization_config ignores only some of the projections packed into {name}; "
-                             "quantize all of them or none")
+            raise ValueError(
+                f"quantization_config ignores only some of the projections packed into {name}; "
+                "quantize all of them or none"
+            )
         if stored.method == "w8a16":
             method = StoredW8A16(fast_kernels, kernel_max_rows, kernels)
         elif stored.method == "w8a8":

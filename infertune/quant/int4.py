@@ -9,8 +9,9 @@ from infertune.kernels.interface import DecodeKernels, KernelLinear
 from infertune.layers.linear import Linear, UnquantizedMethod
 
 
-def quantize_int4_groupwise(w: torch.Tensor, group_size: int, symmetric: bool = False
-                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_int4_groupwise(
+    w: torch.Tensor, group_size: int, symmetric: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """w [N, K] -> (q int32 in [0, 15] [N, K], scale fp32 [N, K/g], min fp32 [N, K/g]); w ~ q * scale + min.
 
     Asymmetric: [min, max] of each group maps onto 0..15. Symmetric: [-amax, amax] onto -8..7 around 8
@@ -42,8 +43,14 @@ class W4A16Method(UnquantizedMethod):
 
     name = "w4a16"
 
-    def __init__(self, group_size: int = 128, symmetric: bool = False, fast_kernel: bool = True,
-                 kernel_max_rows: int | None = None, kernels: DecodeKernels | None = None) -> None:
+    def __init__(
+        self,
+        group_size: int = 128,
+        symmetric: bool = False,
+        fast_kernel: bool = True,
+        kernel_max_rows: int | None = None,
+        kernels: DecodeKernels | None = None,
+    ) -> None:
         self.group_size, self.symmetric, self.fast_kernel = group_size, symmetric, fast_kernel
         self.kernel_max_rows = kernel_max_rows  # past this many rows: dequantize once, dense matmul
         # The backend's own decode kernels (kernels/interface.py): where given, weights are kept in their layout.
@@ -57,13 +64,18 @@ class W4A16Method(UnquantizedMethod):
         del layer.weight
         self.pack_weights(layer, q, scale, low, dtype)
 
-    def pack_weights(self, layer: Linear, q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor,
-                     dtype: torch.dtype) -> None:
+    def pack_weights(
+        self, layer: Linear, q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, dtype: torch.dtype
+    ) -> None:
         """q int32 [N, K] in 0..15, scale and low fp32 [N, K/g] -> the kernel's buffers (also for pre-quantized
         checkpoints)."""
         device = q.device
-        if (self.kernels is not None and device.type == "cpu" and dtype is torch.bfloat16
-                and self.kernels.w4_supported(q.shape[1], self.group_size)):
+        if (
+            self.kernels is not None
+            and device.type == "cpu"
+            and dtype is torch.bfloat16
+            and self.kernels.w4_supported(q.shape[1], self.group_size)
+        ):
             self.own_layout = True  # the kernels' int4 storage (pack_w4), fp32 scale and zero [N, K/g]
             layer.register_buffer("qweight", self.kernels.pack_w4(q))
             layer.register_buffer("w4_scale", scale.float().contiguous())
@@ -78,7 +90,9 @@ class W4A16Method(UnquantizedMethod):
         # The kernel computes (q - 8) * scale + zero, so zero = low + 8 * scale; layout [K/g, N, 2].
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
         layer.register_buffer("qweight", packed)
-        layer.register_buffer("scales_and_zeros", torch.stack([scale.t(), (low + 8 * scale).t()], dim=-1).to(dtype).contiguous())
+        layer.register_buffer(
+            "scales_and_zeros", torch.stack([scale.t(), (low + 8 * scale).t()], dim=-1).to(dtype).contiguous()
+        )
         # Prefills need the dense weight; read it back from the kernel's layout when we know that layout,
         # else keep our own copy of the integers (one byte each).
         self.unpack_known = torch.equal(_unpack_cpu_int4(packed, *q.shape), q) if q.shape[0] % 64 == 0 else False
@@ -101,15 +115,28 @@ class W4A16Method(UnquantizedMethod):
     def kernel_weights(self, layer: Linear) -> KernelLinear | None:
         if not self.own_layout:
             return None
-        return KernelLinear("w4", layer.out_features, layer.in_features, layer.bias, qweight=layer.qweight,
-                            scales=layer.w4_scale, zero=layer.w4_zero, group_size=self.group_size)
+        return KernelLinear(
+            "w4",
+            layer.out_features,
+            layer.in_features,
+            layer.bias,
+            qweight=layer.qweight,
+            scales=layer.w4_scale,
+            zero=layer.w4_zero,
+            group_size=self.group_size,
+        )
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         if self.own_layout:
-            if x.dtype is torch.bfloat16 and x2.shape[0] <= self.kernels.max_rows("w4") and not torch.compiler.is_compiling():
-                return self.kernels.linear_w4(x, layer.qweight, layer.w4_scale, layer.w4_zero, self.group_size,
-                                              layer.bias)
+            if (
+                x.dtype is torch.bfloat16
+                and x2.shape[0] <= self.kernels.max_rows("w4")
+                and not torch.compiler.is_compiling()
+            ):
+                return self.kernels.linear_w4(
+                    x, layer.qweight, layer.w4_scale, layer.w4_zero, self.group_size, layer.bias
+                )
             y = F.linear(x, self._dense_weight(layer, x.dtype))
         elif not self.fast_kernel:
             w = dequantize_int4(layer.q_ref.to(torch.int32), layer.scale_ref, layer.low_ref, self.group_size)

@@ -33,8 +33,9 @@ class W8A16Method(UnquantizedMethod):
 
     name = "w8a16"
 
-    def __init__(self, fast_kernel: bool = True, kernel_max_rows: int | None = None,
-                 kernels: DecodeKernels | None = None) -> None:
+    def __init__(
+        self, fast_kernel: bool = True, kernel_max_rows: int | None = None, kernels: DecodeKernels | None = None
+    ) -> None:
         self.fast_kernel = fast_kernel
         # The backend's own small-batch kernels (kernels/interface.py), used for decode steps when given.
         self.kernels = kernels
@@ -59,13 +60,18 @@ class W8A16Method(UnquantizedMethod):
     def kernel_weights(self, layer: Linear) -> KernelLinear | None:
         if self.kernels is None or not layer.qweight.is_contiguous():
             return None
-        return KernelLinear("w8", layer.out_features, layer.in_features, layer.bias, qweight=layer.qweight,
-                            scales=layer.scales)
+        return KernelLinear(
+            "w8", layer.out_features, layer.in_features, layer.bias, qweight=layer.qweight, scales=layer.scales
+        )
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
-        if (self.kernels is not None and x.dtype is torch.bfloat16 and x2.shape[0] <= self.kernels.max_rows("w8")
-                and not torch.compiler.is_compiling()):
+        if (
+            self.kernels is not None
+            and x.dtype is torch.bfloat16
+            and x2.shape[0] <= self.kernels.max_rows("w8")
+            and not torch.compiler.is_compiling()
+        ):
             return self.kernels.linear_w8(x, layer.qweight, layer.scales, layer.bias)
         if self.fast_kernel and (self.kernel_max_rows is None or x2.shape[0] <= self.kernel_max_rows):
             y = torch._weight_int8pack_mm(x2, layer.qweight, layer.scales).view(*x.shape[:-1], -1)

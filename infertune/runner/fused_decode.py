@@ -33,8 +33,17 @@ class FusedDecode:
         self.block_size = block_size
 
     @classmethod
-    def build(cls, model, kv_caches: list[torch.Tensor], attn, kernels: DecodeKernels | None, max_model_len: int,
-              block_size: int, dtype: torch.dtype, step_rows: int = 0) -> FusedDecode | None:
+    def build(
+        cls,
+        model,
+        kv_caches: list[torch.Tensor],
+        attn,
+        kernels: DecodeKernels | None,
+        max_model_len: int,
+        block_size: int,
+        dtype: torch.dtype,
+        step_rows: int = 0,
+    ) -> FusedDecode | None:
         """The fused step for this model, or None where it cannot run (logged). step_rows: the most tokens a step
         can hold (the kernels may run whole prefill steps of up to that many)."""
         spec = cls.describe(model, kv_caches, attn, kernels, dtype)
@@ -66,20 +75,39 @@ class FusedDecode:
         decoder = model.model
         first = decoder.layers[0]
         spec = FusedModel(
-            hidden=cfg.hidden_size, n_heads=cfg.num_attention_heads, n_kv_heads=cfg.num_key_value_heads,
-            head_dim=cfg.head_dim, inter=cfg.intermediate_size, block_size=kv_caches[0].shape[2],
-            eps=float(first.input_layernorm.eps), scale=first.self_attn.scale, cos_sin=decoder.rotary.cos_sin,
-            kv_int8=isinstance(attn, Int8PagedAttention), embed=decoder.embed_tokens.weight,
-            final_norm=decoder.norm.weight, final_eps=float(decoder.norm.eps))
+            hidden=cfg.hidden_size,
+            n_heads=cfg.num_attention_heads,
+            n_kv_heads=cfg.num_key_value_heads,
+            head_dim=cfg.head_dim,
+            inter=cfg.intermediate_size,
+            block_size=kv_caches[0].shape[2],
+            eps=float(first.input_layernorm.eps),
+            scale=first.self_attn.scale,
+            cos_sin=decoder.rotary.cos_sin,
+            kv_int8=isinstance(attn, Int8PagedAttention),
+            embed=decoder.embed_tokens.weight,
+            final_norm=decoder.norm.weight,
+            final_eps=float(decoder.norm.eps),
+        )
         for i, (layer, cache) in enumerate(zip(decoder.layers, kv_caches)):
             lins = {}
-            for field, lin in (("qkv", layer.self_attn.qkv_proj), ("o", layer.self_attn.o_proj),
-                               ("gate_up", layer.mlp.gate_up_proj), ("down", layer.mlp.down_proj)):
+            for field, lin in (
+                ("qkv", layer.self_attn.qkv_proj),
+                ("o", layer.self_attn.o_proj),
+                ("gate_up", layer.mlp.gate_up_proj),
+                ("down", layer.mlp.down_proj),
+            ):
                 lins[field] = lin.quant_method.kernel_weights(lin)
                 if lins[field] is None:
                     return f"layer model.layers.{i} runs {lin.quant_method.name} in {field}, which the kernels do not"
-            spec.layers.append(FusedLayer(input_norm=layer.input_layernorm.weight,
-                                          post_norm=layer.post_attention_layernorm.weight, kv_cache=cache, **lins))
+            spec.layers.append(
+                FusedLayer(
+                    input_norm=layer.input_layernorm.weight,
+                    post_norm=layer.post_attention_layernorm.weight,
+                    kv_cache=cache,
+                    **lins,
+                )
+            )
         return spec
 
     def applicable(self, num_tokens: int, meta: AttentionMetadata) -> bool:
@@ -87,8 +115,11 @@ class FusedDecode:
         only (no cached context) of at most max_prefill_rows tokens in all."""
         if not meta.prefills:
             return meta.num_decode_tokens == num_tokens <= self.max_rows
-        return (num_tokens <= self.max_prefill_rows and meta.num_decode_tokens == 0
-                and all(c.context_slots is None and c.context_len == c.query_len for c in meta.prefills))
+        return (
+            num_tokens <= self.max_prefill_rows
+            and meta.num_decode_tokens == 0
+            and all(c.context_slots is None and c.context_len == c.query_len for c in meta.prefills)
+        )
 
     def _prefill_tables(self, meta: AttentionMetadata, t: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Per token row of fresh prompts: its prompt's block table (from the slots of the prompt's first token in
@@ -104,8 +135,13 @@ class FusedDecode:
             lens[s : s + n] = torch.arange(1, n + 1)
         return tables, lens
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                 out_rows: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        out_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm: a view of a buffer the next step overwrites.
 
         out_rows (int64, ascending, unique): the only rows the caller reads. Past the last layer's attention just

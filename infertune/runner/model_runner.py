@@ -59,13 +59,24 @@ class ModelRunner:
             log.info("decode kernels: %s", self.decode_kernels.name)
         self.attn = Int8PagedAttention(self.dtype) if config.cache.kv_cache_dtype == "int8" else TorchPagedAttention()
         self.model = load_model(
-            arch, config.model.model, self.dtype, self.device, config.model.max_model_len, self.attn, show_progress,
-            quant=config.quant, backend=backend, prepack=config.model.prepack_weights, kernels=self.decode_kernels,
+            arch,
+            config.model.model,
+            self.dtype,
+            self.device,
+            config.model.max_model_len,
+            self.attn,
+            show_progress,
+            quant=config.quant,
+            backend=backend,
+            prepack=config.model.prepack_weights,
+            kernels=self.decode_kernels,
             compress=config.model.compress_weights == "auto" and config.model.compile != "on",
         )
         self.block_size = config.cache.block_size
         self.kv_info = self._plan_kv_cache()
-        shape = self.attn.kv_cache_shape(self.kv_info.num_blocks, self.block_size, arch.num_key_value_heads, arch.head_dim)
+        shape = self.attn.kv_cache_shape(
+            self.kv_info.num_blocks, self.block_size, arch.num_key_value_heads, arch.head_dim
+        )
         # One allocation for every layer; each layer gets a view. torch.zeros so stale memory is never read as KV.
         cache_dtype = self.attn.cache_dtype or self.dtype
         self._kv_storage = torch.zeros((arch.num_hidden_layers, *shape), dtype=cache_dtype, device=self.device)
@@ -83,8 +94,10 @@ class ModelRunner:
             except Exception as e:  # no C++ compiler, an Inductor bug, ...: auto falls back, on says why
                 self.compiled = None
                 if config.model.compile == "on":
-                    raise RuntimeError(f"compile='on': torch.compile failed ({type(e).__name__}: {e}); "
-                                       "run with compile='off' (--compile off)") from e
+                    raise RuntimeError(
+                        f"compile='on': torch.compile failed ({type(e).__name__}: {e}); "
+                        "run with compile='off' (--compile off)"
+                    ) from e
                 log.warning("torch.compile failed (%s: %s); running eager (compile='auto')", type(e).__name__, e)
         # Decode-only steps of up to 16 sequences: every layer in one kernel call (runner/fused_decode.py).
         # Not with torch.compile: its warm-up must run (and compile) the graphs that decode steps use.
@@ -92,10 +105,19 @@ class ModelRunner:
             attach_kernels(self.model, self.decode_kernels)  # prefills' norms, rotary and SiLU-and-multiply
         if self.decode_kernels is not None and self.compiled is None and config.model.decode_kernels == "auto":
             # (a step holds at most max_num_batched_tokens tokens, and at most max_num_seqs whole sequences)
-            step_rows = min(config.scheduler.max_num_batched_tokens,
-                            config.scheduler.max_num_seqs * config.model.max_model_len)
-            self.fused = FusedDecode.build(self.model, self.kv_caches, self.attn, self.decode_kernels,
-                                           config.model.max_model_len, self.block_size, self.dtype, step_rows)
+            step_rows = min(
+                config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs * config.model.max_model_len
+            )
+            self.fused = FusedDecode.build(
+                self.model,
+                self.kv_caches,
+                self.attn,
+                self.decode_kernels,
+                config.model.max_model_len,
+                self.block_size,
+                self.dtype,
+                step_rows,
+            )
 
     def _num_weights(self) -> int:
         """Parameters plus buffers (prepacked and quantized weights live in buffers)."""
@@ -214,7 +236,9 @@ class ModelRunner:
                 prefills.append(PrefillChunk(q_start, n, start + n, context))
             last_rows[i] = len(input_ids) - 1
 
-        meta = AttentionMetadata(slot_mapping=self._tensor(slots), num_decode_tokens=len(decode_lens), prefills=prefills)
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(slots), num_decode_tokens=len(decode_lens), prefills=prefills
+        )
         if decode_lens:
             width = max(len(t) for t in decode_tables)
             meta.decode_block_tables = self._tensor([t + [0] * (width - len(t)) for t in decode_tables])

@@ -29,8 +29,9 @@ class RequestStates:
             self.requests.pop(req_id, None)
         for new in out.new_requests:
             assert new.req_id not in self.requests, f"request {new.req_id} sent as new twice"
-            self.requests[new.req_id] = RequestState(list(new.token_ids), new.num_prompt_tokens, new.params,
-                                                     list(new.block_ids), new.num_computed_tokens)
+            self.requests[new.req_id] = RequestState(
+                list(new.token_ids), new.num_prompt_tokens, new.params, list(new.block_ids), new.num_computed_tokens
+            )
         for cached in out.cached_requests:
             state = self.requests[cached.req_id]
             state.block_table.extend(cached.new_block_ids)

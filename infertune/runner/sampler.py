@@ -142,8 +142,11 @@ def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams], cap: int) -
             # the mass of each candidate over what top-k leaves: the k best where top-k is set (all among the
             # candidates), the whole row otherwise
             cut = torch.tensor([0 < p.top_k < vocab for p in params], device=device).unsqueeze(1)
-            norm = torch.where(cut, vals.masked_fill(drop, float("-inf")).logsumexp(dim=-1, keepdim=True),
-                               logits.logsumexp(dim=-1, keepdim=True))
+            norm = torch.where(
+                cut,
+                vals.masked_fill(drop, float("-inf")).logsumexp(dim=-1, keepdim=True),
+                logits.logsumexp(dim=-1, keepdim=True),
+            )
             probs = (vals - norm).exp().masked_fill(drop, 0.0)
             held = probs.sum(dim=-1, keepdim=True)
             if bool(((top_p < 1.0) & ~cut & (held < top_p)).any()):

@@ -62,11 +62,17 @@ class BodySizeLimit:
     async def _reject(self, send) -> None:
         if self.on_reject is not None:
             self.on_reject()
-        err = APIError(413, f"request body is larger than the server's limit of {self.max_bytes} bytes",
-                       code="request_too_large")
+        err = APIError(
+            413, f"request body is larger than the server's limit of {self.max_bytes} bytes", code="request_too_large"
+        )
         body = json.dumps(err.body()).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
 
@@ -82,8 +88,13 @@ def _api_error(e: BaseException, param: str) -> APIError | None:
     """The HTTP answer to an engine's refusal, or None for an exception that is not one."""
     if isinstance(e, Overloaded):
         status = 503 if e.reason == "memory_rss" else 429
-        return APIError(status, str(e), "rate_limit_error" if status == 429 else "service_unavailable",
-                        code=e.reason, retry_after=e.retry_after)
+        return APIError(
+            status,
+            str(e),
+            "rate_limit_error" if status == 429 else "service_unavailable",
+            code=e.reason,
+            retry_after=e.retry_after,
+        )
     if isinstance(e, EngineDeadError):
         return APIError(503, str(e), "service_unavailable", code="engine_unavailable", retry_after=5)
     if isinstance(e, RequestTimeoutError):
@@ -101,14 +112,16 @@ async def _until_disconnected(request: Request) -> None:
         pass
 
 
-def create_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = None,
-               max_body_bytes: int = 4 * 2**20) -> FastAPI:
+def create_app(
+    engine: AsyncLLMEngine, model_name: str, api_key: str | None = None, max_body_bytes: int = 4 * 2**20
+) -> FastAPI:
     """The FastAPI app of one engine: the OpenAI routes of an APIServer, its error handlers and its limits."""
     server = APIServer(engine, model_name, api_key)
     app = FastAPI(title="infertune", description="OpenAI-compatible LLM server", lifespan=server.lifespan)
     app.state.engine, app.state.metrics, app.state.server = engine, server.metrics, server
-    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes,
-                       on_reject=lambda: server.metrics.refuse(413, "request_too_large"))
+    app.add_middleware(
+        BodySizeLimit, max_bytes=max_body_bytes, on_reject=lambda: server.metrics.refuse(413, "request_too_large")
+    )
     app.add_exception_handler(APIError, server.on_api_error)
     app.add_exception_handler(RequestValidationError, server.on_validation_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_error)
@@ -149,8 +162,11 @@ class APIServer:
 
     def add_routes(self, app: FastAPI) -> None:
         app.get("/health", responses=error_responses(503))(self.health)
-        app.get("/metrics", response_class=Response, responses={200: {
-            "content": {"text/plain": {}}, "description": "Prometheus text exposition format"}})(self.prometheus)
+        app.get(
+            "/metrics",
+            response_class=Response,
+            responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text exposition format"}},
+        )(self.prometheus)
         app.get("/v1/models", responses=error_responses(401))(self.models)
         app.post("/v1/completions", responses=STREAMED | _REFUSALS)(self.completions)
         app.post("/v1/chat/completions", responses=STREAMED | _REFUSALS)(self.chat_completions)
@@ -179,8 +195,14 @@ class APIServer:
     async def check_api_key(self, request: Request, call_next):
         if self.api_key and request.url.path.startswith("/v1/"):
             if request.headers.get("authorization", "") != f"Bearer {self.api_key}":
-                return _error(APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                                       "authentication_error", code="invalid_api_key"))
+                return _error(
+                    APIError(
+                        401,
+                        "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                        "authentication_error",
+                        code="invalid_api_key",
+                    )
+                )
         return await call_next(request)
 
     # ---- routes (no docstrings: see the class's) -----------------------------------------------
@@ -193,18 +215,31 @@ class APIServer:
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
 
     async def models(self):
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
-                                            "owned_by": "infertune",
-                                            "max_model_len": self.engine.engine.max_model_len}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": self.model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "infertune",
+                    "max_model_len": self.engine.engine.max_model_len,
+                }
+            ],
+        }
 
     async def completions(self, req: CompletionRequest, request: Request):
         self.check_model(req.model)
         params = self.params_of(lambda: req.sampling_params(req.max_tokens, req.logprobs))
         prompts = req.prompts()
         if len(prompts) > self.limits.max_prompts:
-            raise APIError(400, f"{len(prompts)} prompts in one request is more than this server's limit of "
-                           f"{self.limits.max_prompts} (engine option max_prompts); send them in several requests",
-                           param="prompt", code="request_too_large")
+            raise APIError(
+                400,
+                f"{len(prompts)} prompts in one request is more than this server's limit of "
+                f"{self.limits.max_prompts} (engine option max_prompts); send them in several requests",
+                param="prompt",
+                code="request_too_large",
+            )
         fmt = Formatter(f"cmpl-{uuid.uuid4().hex}", self.model_name, self.tokenizer, chat=False)
         streams = await self.submit(fmt.id, prompts, params, "prompt")
         return await self.respond(request, fmt, streams, params.n, req.stream, req.include_usage)
@@ -214,8 +249,9 @@ class APIServer:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = self.params_of(lambda: req.sampling_params(max_tokens, req.logprobs_k()))
         try:
-            prompt = await asyncio.to_thread(self.engine.engine.render_chat, req.conversation(),
-                                             add_generation_prompt=req.add_generation_prompt)
+            prompt = await asyncio.to_thread(
+                self.engine.engine.render_chat, req.conversation(), add_generation_prompt=req.add_generation_prompt
+            )
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
         fmt = Formatter(f"chatcmpl-{uuid.uuid4().hex}", self.model_name, self.tokenizer, chat=True)
@@ -225,8 +261,13 @@ class APIServer:
     # ---- from a request to the engine's streams ---------------------------------------------------
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
-            raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
-                           "not_found_error", param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+                "not_found_error",
+                param="model",
+                code="model_not_found",
+            )
 
     @staticmethod
     def params_of(make) -> SamplingParams:
@@ -243,8 +284,9 @@ class APIServer:
             out.append({"prompt": text, "prompt_token_ids": ids})
         return out
 
-    async def submit(self, request_id: str, prompts: list[object], params: SamplingParams, param: str
-                     ) -> list[RequestStream]:
+    async def submit(
+        self, request_id: str, prompts: list[object], params: SamplingParams, param: str
+    ) -> list[RequestStream]:
         try:
             self.engine.engine.check_params(params)  # cheap bounds first: no tokenizing for a request refused anyway
             prompts = await asyncio.to_thread(self.tokenized, prompts)
@@ -256,11 +298,11 @@ class APIServer:
             raise err from None
 
     # ---- from the streams to the client -----------------------------------------------------------
-    async def respond(self, request: Request, fmt: Formatter, streams: list[RequestStream], n: int, stream: bool,
-                      include_usage: bool):
+    async def respond(
+        self, request: Request, fmt: Formatter, streams: list[RequestStream], n: int, stream: bool, include_usage: bool
+    ):
         if stream:
-            return StreamingResponse(self.stream_events(fmt, streams, n, include_usage),
-                                     media_type="text/event-stream")
+            return StreamingResponse(self.stream_events(fmt, streams, n, include_usage), media_type="text/event-stream")
         collecting = asyncio.ensure_future(_collect(streams))
         gone = asyncio.ensure_future(_until_disconnected(request))
         try:
@@ -284,8 +326,9 @@ class APIServer:
             self.metrics.observe_finished(out)
         return fmt.response(finals, n)
 
-    async def stream_events(self, fmt: Formatter, streams: list[RequestStream], n: int, include_usage: bool
-                            ) -> AsyncIterator[str]:
+    async def stream_events(
+        self, fmt: Formatter, streams: list[RequestStream], n: int, include_usage: bool
+    ) -> AsyncIterator[str]:
         sent_text: dict[int, int] = {}
         sent_logprobs: dict[int, int] = {}
         finals: dict[int, RequestOutput] = {}

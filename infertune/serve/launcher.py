@@ -15,9 +15,17 @@ from infertune.serve.api_server import create_app
 log = logging.getLogger("infertune.serve")
 
 
-def serve(model: str | None, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-          served_model_name: str | None = None, max_body_bytes: int = 4 * 2**20,
-          graceful_timeout_s: float = 10.0, log_level: str = "info", **engine_options) -> int:
+def serve(
+    model: str | None,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    served_model_name: str | None = None,
+    max_body_bytes: int = 4 * 2**20,
+    graceful_timeout_s: float = 10.0,
+    log_level: str = "info",
+    **engine_options,
+) -> int:
     import uvicorn
 
     config = EngineConfig.create(model, **engine_options)
@@ -27,11 +35,18 @@ def serve(model: str | None, host: str = "127.0.0.1", port: int = 8000, api_key:
     app = create_app(async_engine, name, api_key=api_key, max_body_bytes=max_body_bytes)
 
     log.info("%s", async_engine.describe_limits())
-    log.info("serving %r (%s) on http://%s:%d/v1 with %s", name, config.model.model, host, port,
-             engine.executor.describe())
-    server = _graceful_server_class()(uvicorn.Config(
-        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=graceful_timeout_s,
-    ))
+    log.info(
+        "serving %r (%s) on http://%s:%d/v1 with %s", name, config.model.model, host, port, engine.executor.describe()
+    )
+    server = _graceful_server_class()(
+        uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_level=log_level,
+            timeout_graceful_shutdown=graceful_timeout_s,
+        )
+    )
     server.run()  # returns after SIGINT / SIGTERM once in-flight requests finish or the grace period ends
     return 0
 

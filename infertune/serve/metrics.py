@@ -28,25 +28,36 @@ class _EngineCollector:
         yield GaugeMetricFamily("infertune_requests_waiting", "Sequences queued for admission", s["num_waiting"])
         used = s["kv_blocks_total"] - s["kv_blocks_free"]
         yield GaugeMetricFamily("infertune_kv_blocks_used", "KV-cache blocks held by sequences", used)
-        yield GaugeMetricFamily("infertune_kv_blocks_free", "KV-cache blocks free (cached prefixes included)",
-                                s["kv_blocks_free"])
-        yield GaugeMetricFamily("infertune_kv_cache_usage", "Share of KV-cache blocks in use",
-                                used / max(s["kv_blocks_total"], 1))
-        yield GaugeMetricFamily("infertune_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache",
-                                s["prefix_cache_hit_rate"])
-        yield CounterMetricFamily("infertune_preemptions", "Sequences preempted for lack of KV blocks",
-                                  s["num_preemptions"])
-        yield CounterMetricFamily("infertune_requests_aborted", "Requests aborted before finishing (client gone)",
-                                  self.engine.num_aborted)
-        yield CounterMetricFamily("infertune_requests_timed_out", "Requests aborted at their deadline",
-                                  self.engine.num_timed_out)
+        yield GaugeMetricFamily(
+            "infertune_kv_blocks_free", "KV-cache blocks free (cached prefixes included)", s["kv_blocks_free"]
+        )
+        yield GaugeMetricFamily(
+            "infertune_kv_cache_usage", "Share of KV-cache blocks in use", used / max(s["kv_blocks_total"], 1)
+        )
+        yield GaugeMetricFamily(
+            "infertune_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache", s["prefix_cache_hit_rate"]
+        )
+        yield CounterMetricFamily(
+            "infertune_preemptions", "Sequences preempted for lack of KV blocks", s["num_preemptions"]
+        )
+        yield CounterMetricFamily(
+            "infertune_requests_aborted", "Requests aborted before finishing (client gone)", self.engine.num_aborted
+        )
+        yield CounterMetricFamily(
+            "infertune_requests_timed_out", "Requests aborted at their deadline", self.engine.num_timed_out
+        )
         a = self.engine.admission
-        yield GaugeMetricFamily("infertune_process_resident_memory_bytes", "Resident host memory of the server process",
-                                process_rss())
-        yield GaugeMetricFamily("infertune_host_memory_ceiling_bytes", "Host memory the server refuses work above",
-                                a.ceiling_bytes)
-        yield GaugeMetricFamily("infertune_host_memory_reserved_bytes",
-                                "Host memory held by admitted requests, by their estimated cost", a.reserved_bytes)
+        yield GaugeMetricFamily(
+            "infertune_process_resident_memory_bytes", "Resident host memory of the server process", process_rss()
+        )
+        yield GaugeMetricFamily(
+            "infertune_host_memory_ceiling_bytes", "Host memory the server refuses work above", a.ceiling_bytes
+        )
+        yield GaugeMetricFamily(
+            "infertune_host_memory_reserved_bytes",
+            "Host memory held by admitted requests, by their estimated cost",
+            a.reserved_bytes,
+        )
 
 
 class ServerMetrics:
@@ -56,18 +67,33 @@ class ServerMetrics:
         r = self.registry
         self.prompt_tokens = Counter("infertune_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("infertune_generation_tokens", "Generated tokens", registry=r)
-        self.requests = Counter("infertune_requests", "Finished requests by finish reason", ["finish_reason"],
-                                registry=r)
-        self.rejected = Counter("infertune_requests_rejected", "Requests refused, by HTTP status and reason",
-                                ["status", "reason"], registry=r)
-        self.queue_time = Histogram("infertune_request_queue_time_seconds", "Arrival to the first scheduled step",
-                                    registry=r, buckets=_LATENCY_BUCKETS)
-        self.ttft = Histogram("infertune_time_to_first_token_seconds", "Time to first token", registry=r,
-                              buckets=_LATENCY_BUCKETS)
-        self.tpot = Histogram("infertune_time_per_output_token_seconds", "Mean time between output tokens",
-                              registry=r, buckets=_TPOT_BUCKETS)
-        self.e2e = Histogram("infertune_e2e_request_latency_seconds", "Arrival to last token", registry=r,
-                             buckets=_LATENCY_BUCKETS)
+        self.requests = Counter(
+            "infertune_requests", "Finished requests by finish reason", ["finish_reason"], registry=r
+        )
+        self.rejected = Counter(
+            "infertune_requests_rejected",
+            "Requests refused, by HTTP status and reason",
+            ["status", "reason"],
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "infertune_request_queue_time_seconds",
+            "Arrival to the first scheduled step",
+            registry=r,
+            buckets=_LATENCY_BUCKETS,
+        )
+        self.ttft = Histogram(
+            "infertune_time_to_first_token_seconds", "Time to first token", registry=r, buckets=_LATENCY_BUCKETS
+        )
+        self.tpot = Histogram(
+            "infertune_time_per_output_token_seconds",
+            "Mean time between output tokens",
+            registry=r,
+            buckets=_TPOT_BUCKETS,
+        )
+        self.e2e = Histogram(
+            "infertune_e2e_request_latency_seconds", "Arrival to last token", registry=r, buckets=_LATENCY_BUCKETS
+        )
 
     def refuse(self, status: int, reason: str) -> None:
         self.rejected.labels(str(status), reason).inc()

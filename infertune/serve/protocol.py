@@ -12,8 +12,15 @@ from infertune.sampling_params import SamplingParams
 class APIError(Exception):
     """An error that becomes {"error": {message, type, param, code}} with an HTTP status."""
 
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None, retry_after: float | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        retry_after: float | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
         self.retry_after = retry_after
@@ -39,8 +46,12 @@ class ErrorBody(BaseModel):
     error: ErrorDetail
 
 
-STREAMED = {200: {"content": {"text/event-stream": {}},
-                   "description": "the completion as JSON, or with stream=true its chunks as server-sent events"}}
+STREAMED = {
+    200: {
+        "content": {"text/event-stream": {}},
+        "description": "the completion as JSON, or with stream=true its chunks as server-sent events",
+    }
+}
 
 
 def error_responses(*statuses: int) -> dict:
@@ -86,11 +97,21 @@ class _SamplingFields(BaseModel):
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         fields = dict(
-            n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty, seed=self.seed, stop=self.stop,
-            stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
-            include_stop_str_in_output=self.include_stop_str_in_output, skip_special_tokens=self.skip_special_tokens,
+            n=self.n,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            seed=self.seed,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
         )
         # None means "the default"; max_tokens None means "up to the context length".
         return SamplingParams(max_tokens=max_tokens, **{k: v for k, v in fields.items() if v is not None})

@@ -39,12 +39,16 @@ class Formatter:
         if entries is None:
             return None
         if self.chat:
+
             def item(tid: int, lp: float) -> dict:
                 tok = self._token(tid)
                 return {"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8"))}
 
-            return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, v) for t, v in e.top]}
-                                for e in entries]}
+            return {
+                "content": [
+                    {**item(e.token_id, e.logprob), "top_logprobs": [item(t, v) for t, v in e.top]} for e in entries
+                ]
+            }
         tokens = [self._token(e.token_id) for e in entries]
         offsets, pos = [], text_offset
         for t in tokens:
@@ -58,8 +62,12 @@ class Formatter:
         }
 
     def choice(self, index: int, c: CompletionOutput) -> dict:
-        choice = {"index": index, "logprobs": self.logprobs(c.logprobs), "finish_reason": c.finish_reason,
-                  "stop_reason": c.stop_reason}
+        choice = {
+            "index": index,
+            "logprobs": self.logprobs(c.logprobs),
+            "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
+        }
         if self.chat:
             choice["message"] = {"role": "assistant", "content": c.text}
         else:
@@ -70,8 +78,9 @@ class Formatter:
         choices = [self.choice(i * n + c.index, c) for i, o in enumerate(outputs) for c in o.outputs]
         return self._envelope("chat.completion" if self.chat else "text_completion", choices, usage(outputs))
 
-    def chunk(self, index: int, text: str, finish_reason: str | None, logprobs: dict | None = None,
-              first: bool = False) -> dict:
+    def chunk(
+        self, index: int, text: str, finish_reason: str | None, logprobs: dict | None = None, first: bool = False
+    ) -> dict:
         if self.chat:
             delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}

@@ -79,9 +79,15 @@ def calibration_samples(tokenizer, docs: list[str], num_samples: int, seq_len: i
     return samples
 
 
-def collect(runner, layer_names: list[str], samples: list[list[int]], percentile: float,
-            divisors: dict[str, torch.Tensor] | None = None, desc: str = "calibrating",
-            show_progress: bool = True) -> dict[str, ActivationStats]:
+def collect(
+    runner,
+    layer_names: list[str],
+    samples: list[list[int]],
+    percentile: float,
+    divisors: dict[str, torch.Tensor] | None = None,
+    desc: str = "calibrating",
+    show_progress: bool = True,
+) -> dict[str, ActivationStats]:
     """Forward every sample (one sequence at a time) through runner's model with hooks on the named layers."""
     modules = dict(runner.model.named_modules())
     stats = {name: ActivationStats(modules[name].in_features, percentile) for name in layer_names}
@@ -90,6 +96,7 @@ def collect(runner, layer_names: list[str], samples: list[list[int]], percentile
     def hook_for(name):
         def hook(module, args):
             stats[name].update(args[0], divisors.get(name))
+
         return hook
 
     handles = [modules[name].register_forward_pre_hook(hook_for(name)) for name in layer_names]

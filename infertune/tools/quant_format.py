@@ -35,8 +35,16 @@ FORMAT_INT8 = "int-quantized"
 FORMAT_INT4 = "infertune-int4-uint8"
 FORMAT_VERSION = 1
 # Files of a Hugging Face folder that describe weights; everything else (tokenizer, templates) is copied.
-_WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.pt", "*.pth",
-                 "config.json", "README.md")
+_WEIGHT_FILES = (
+    "*.safetensors",
+    "*.safetensors.index.json",
+    "*.bin",
+    "*.bin.index.json",
+    "*.pt",
+    "*.pth",
+    "config.json",
+    "README.md",
+)
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
@@ -56,23 +64,53 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 def weight_scheme(method: str, group_size: int, symmetric: bool, clip: str) -> dict:
     observer = clip.partition(":")[0]
     if method == "w4a16":
-        return {"num_bits": 4, "type": "int", "symmetric": symmetric, "strategy": "group", "group_size": group_size,
-                "dynamic": False, "observer": observer, "actorder": None}
-    return {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "group_size": None,
-            "dynamic": False, "observer": observer, "actorder": None}
+        return {
+            "num_bits": 4,
+            "type": "int",
+            "symmetric": symmetric,
+            "strategy": "group",
+            "group_size": group_size,
+            "dynamic": False,
+            "observer": observer,
+            "actorder": None,
+        }
+    return {
+        "num_bits": 8,
+        "type": "int",
+        "symmetric": True,
+        "strategy": "channel",
+        "group_size": None,
+        "dynamic": False,
+        "observer": observer,
+        "actorder": None,
+    }
 
 
 def input_scheme(method: str, static: bool, act_clip: str) -> dict | None:
     if method != "w8a8":
         return None
     if static:
-        return {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "tensor", "dynamic": False,
-                "observer": act_clip.partition(":")[0]}
+        return {
+            "num_bits": 8,
+            "type": "int",
+            "symmetric": True,
+            "strategy": "tensor",
+            "dynamic": False,
+            "observer": act_clip.partition(":")[0],
+        }
     return {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True, "observer": None}
 
 
-def quantization_config(method: str, group_size: int, symmetric: bool, clip: str, static: bool, act_clip: str,
-                        ignore: list[str], extra: dict) -> dict:
+def quantization_config(
+    method: str,
+    group_size: int,
+    symmetric: bool,
+    clip: str,
+    static: bool,
+    act_clip: str,
+    ignore: list[str],
+    extra: dict,
+) -> dict:
     return {
         "quant_method": "compressed-tensors",
         "format": FORMAT_INT4 if method == "w4a16" else FORMAT_INT8,
@@ -95,11 +133,17 @@ def layer_tensors(prefix: str, method: str, quantized: tuple, input_scale: float
     """The stored tensors of one quantized linear layer (see the module docstring)."""
     if method == "w4a16":
         q, scale, zero = quantized
-        out = {f"{prefix}.weight_packed": pack_int4(q), f"{prefix}.weight_scale": scale.float().contiguous(),
-               f"{prefix}.weight_zero": zero.float().contiguous()}
+        out = {
+            f"{prefix}.weight_packed": pack_int4(q),
+            f"{prefix}.weight_scale": scale.float().contiguous(),
+            f"{prefix}.weight_zero": zero.float().contiguous(),
+        }
     else:
         q, scale = quantized
-        out = {f"{prefix}.weight": q.to(torch.int8).contiguous(), f"{prefix}.weight_scale": scale.float().reshape(-1, 1)}
+        out = {
+            f"{prefix}.weight": q.to(torch.int8).contiguous(),
+            f"{prefix}.weight_scale": scale.float().reshape(-1, 1),
+        }
     if input_scale is not None:
         out[f"{prefix}.input_scale"] = torch.tensor([input_scale], dtype=torch.float32)
     return out

@@ -66,22 +66,30 @@ class QuantizeResult:
         ]
         if self.stats:
             first = next(iter(self.stats.values()))
-            lines.append(f"calibration: {first.samples} samples, {first.tokens:,} tokens, {self.calib_seconds:.1f} s; "
-                         f"activation |x| per layer input (percentile {first.percentile:g} = mean of per-sample "
-                         f"nearest-rank values):")
-            lines.append(f"  {'layer':40}{'max':>10}{'p' + format(first.percentile, 'g'):>10}{'clip/max':>10}"
-                         f"{'static scale':>14}")
+            lines.append(
+                f"calibration: {first.samples} samples, {first.tokens:,} tokens, {self.calib_seconds:.1f} s; "
+                f"activation |x| per layer input (percentile {first.percentile:g} = mean of per-sample "
+                f"nearest-rank values):"
+            )
+            lines.append(
+                f"  {'layer':40}{'max':>10}{'p' + format(first.percentile, 'g'):>10}{'clip/max':>10}"
+                f"{'static scale':>14}"
+            )
             for name, s in self.stats.items():
                 scale = self.input_scales.get(name)
-                lines.append(f"  {name:40}{s.max:10.4g}{s.percentile_value:10.4g}"
-                             f"{s.percentile_value / max(s.max, 1e-12):10.3f}"
-                             f"{'' if scale is None else format(scale, '.4g'):>14}")
+                lines.append(
+                    f"  {name:40}{s.max:10.4g}{s.percentile_value:10.4g}"
+                    f"{s.percentile_value / max(s.max, 1e-12):10.3f}"
+                    f"{'' if scale is None else format(scale, '.4g'):>14}"
+                )
         elif self.method != "w8a8":
-            lines.append(f"calibration: none needed ({self.method} quantizes weights only; activations stay in the "
-                         "model dtype)")
+            lines.append(
+                f"calibration: none needed ({self.method} quantizes weights only; activations stay in the model dtype)"
+            )
         if self.smooth_alpha is not None:
-            lines.append(f"SmoothQuant alpha {self.smooth_alpha:g} folded into the norms before "
-                         f"{', '.join(SMOOTHABLE)}")
+            lines.append(
+                f"SmoothQuant alpha {self.smooth_alpha:g} folded into the norms before {', '.join(SMOOTHABLE)}"
+            )
         lines.append(f"({self.seconds:.1f} s)")
         return "\n".join(lines)
 
@@ -101,8 +109,9 @@ def _linear_layout(arch: ArchConfig):
     return linears, shared, getattr(cls, "packed_modules", {})
 
 
-def plan_layers(model: str, keep_fp: tuple[str, ...], tensors: dict[str, torch.Tensor]
-                ) -> tuple[list[str], dict[str, tuple[str, object]]]:
+def plan_layers(
+    model: str, keep_fp: tuple[str, ...], tensors: dict[str, torch.Tensor]
+) -> tuple[list[str], dict[str, tuple[str, object]]]:
     """(engine layers to quantize, {HF weight name: (engine layer, shard)}) under the engine's rule."""
     linears, shared, packed = _linear_layout(ArchConfig.from_model_dir(model))
     chosen = sorted(n for n in linears if n not in shared and not _kept(n, keep_fp))
@@ -126,8 +135,9 @@ def read_tensors(model: str) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _smoothing_factors(stats: dict[str, ActivationStats], weights: dict[str, list[torch.Tensor]], alpha: float
-                       ) -> dict[str, torch.Tensor]:
+def _smoothing_factors(
+    stats: dict[str, ActivationStats], weights: dict[str, list[torch.Tensor]], alpha: float
+) -> dict[str, torch.Tensor]:
     """engine layer -> s [K] for the layers fed by a norm; weights[layer] = its HF shards."""
     out = {}
     for name, s in stats.items():
@@ -140,8 +150,12 @@ def _smoothing_factors(stats: dict[str, ActivationStats], weights: dict[str, lis
     return out
 
 
-def smooth(tensors: dict[str, torch.Tensor], targets: dict[str, tuple[str, object]],
-           stats: dict[str, ActivationStats], alpha: float) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def smooth(
+    tensors: dict[str, torch.Tensor],
+    targets: dict[str, tuple[str, object]],
+    stats: dict[str, ActivationStats],
+    alpha: float,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """SmoothQuant: (factors {engine layer: s [K]}, {tensor name: rescaled tensor}) for the norm-fed layers.
 
     Linear weights come back in fp32 (they are quantized next); norm weights in their stored dtype.
@@ -218,8 +232,10 @@ def quantize(
     if method == "w4a16":
         for name in targets:
             if tensors[name].shape[1] % group_size:
-                raise ValueError(f"{name}: in_features={tensors[name].shape[1]} is not a multiple of --group-size "
-                                 f"{group_size}; pick one dividing it")
+                raise ValueError(
+                    f"{name}: in_features={tensors[name].shape[1]} is not a multiple of --group-size "
+                    f"{group_size}; pick one dividing it"
+                )
 
     result = QuantizeResult(str(out_path), method, [], [], 0, 0, smooth_alpha=smoothquant)
     weights = {name: tensors[name] for name in targets}
@@ -229,18 +245,31 @@ def quantize(
         tc = time.perf_counter()
         llm = LLM(model, dtype=dtype, device=device, enable_prefix_caching=False, max_num_seqs=1)
         runner = llm.engine.executor.runner
-        samples = calibration_samples(llm.tokenizer, load_documents(calib or default_calib_path()), num_samples, seq_len)
+        samples = calibration_samples(
+            llm.tokenizer, load_documents(calib or default_calib_path()), num_samples, seq_len
+        )
         if len(samples) < num_samples:
-            log.warning("calibration text gives %d samples of <= %d tokens, fewer than --num-samples %d",
-                        len(samples), seq_len, num_samples)
+            log.warning(
+                "calibration text gives %d samples of <= %d tokens, fewer than --num-samples %d",
+                len(samples),
+                seq_len,
+                num_samples,
+            )
         result.stats = collect(runner, chosen, samples, percentile, show_progress=show_progress)
         if smoothquant is not None:
             factors, smoothed = smooth(tensors, targets, result.stats, smoothquant)
             for name, t in smoothed.items():
                 (weights if name in targets else tensors)[name] = t
             # The smoothed layers now see x / s: measure those inputs for the report and the static scales.
-            result.stats = collect(runner, chosen, samples, percentile, divisors=factors,
-                                   desc="calibrating (smoothed)", show_progress=show_progress)
+            result.stats = collect(
+                runner,
+                chosen,
+                samples,
+                percentile,
+                divisors=factors,
+                desc="calibrating (smoothed)",
+                show_progress=show_progress,
+            )
         del llm, runner
         result.calib_seconds = time.perf_counter() - tc
         result.input_scales = {n: s.clip_value(act_kind) / 127.0 for n, s in result.stats.items()}
@@ -274,13 +303,18 @@ def quantize(
         "weight_clip": clip,
         "activation_clip": act_clip if calibrate else None,
         "smoothquant_alpha": smoothquant,
-        "calibration": None if not calibrate else {
-            "file": str(calib or default_calib_path()), "samples": next(iter(result.stats.values())).samples,
-            "seq_len": seq_len, "percentile": percentile,
+        "calibration": None
+        if not calibrate
+        else {
+            "file": str(calib or default_calib_path()),
+            "samples": next(iter(result.stats.values())).samples,
+            "seq_len": seq_len,
+            "percentile": percentile,
         },
     }
-    qcfg = ckpt.quantization_config(method, group_size, symmetric, clip, static_activations, act_clip,
-                                    result.kept, extra)
+    qcfg = ckpt.quantization_config(
+        method, group_size, symmetric, clip, static_activations, act_clip, result.kept, extra
+    )
     ckpt.write_config(model, str(out_path), qcfg)
     ckpt.copy_side_files(model, str(out_path))
     result.seconds = time.perf_counter() - t0

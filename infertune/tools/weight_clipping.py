@@ -119,8 +119,9 @@ def int4_clip_range(w: torch.Tensor, group_size: int, symmetric: bool, clip: str
     return _shrink(low0, high0, best_r)
 
 
-def quantize_int4(w: torch.Tensor, group_size: int, symmetric: bool = False, clip: str = "minmax"
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_int4(
+    w: torch.Tensor, group_size: int, symmetric: bool = False, clip: str = "minmax"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """w [N, K] -> (q int32 in 0..15 [N, K], scale fp32 [N, K/g], zero fp32 [N, K/g]); w ~ q * scale + zero."""
     n, k = w.shape
     if k % group_size:
@@ -134,8 +135,9 @@ def quantize_int4(w: torch.Tensor, group_size: int, symmetric: bool = False, cli
     return quantize_int4_groupwise(w, group_size, symmetric)
 
 
-def reconstruction_error(w: torch.Tensor, method: str, clip: str, group_size: int = 128, symmetric: bool = False
-                         ) -> float:
+def reconstruction_error(
+    w: torch.Tensor, method: str, clip: str, group_size: int = 128, symmetric: bool = False
+) -> float:
     """Sum of squared weight errors after quantization (for the report and the tests)."""
     w = w.float()
     if method == "w4a16":

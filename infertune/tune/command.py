@@ -20,7 +20,8 @@ DESCRIPTION = (
     "Sweep max_num_seqs over powers of two up to --max-batch (and max_num_batched_tokens over a few values) on a "
     "workload, measure output tok/s, TTFT and TPOT percentiles and memory per setting, print the batch table "
     "(marking OOM and where throughput stops rising), and recommend an online config (max throughput under --slo) "
-    "and an offline one (max tok/s). --out-config writes engine options that LLM(**config) accepts.")
+    "and an offline one (max tok/s). --out-config writes engine options that LLM(**config) accepts."
+)
 
 
 def powers_of_two(limit: int) -> list[int]:
@@ -51,6 +52,7 @@ def _choice_list(*choices: str, numbers: bool = False):
             allowed = ", ".join(choices) + (", or positive integers" if numbers else "")
             raise argparse.ArgumentTypeError(f"{text!r}: choose from {allowed}")
         return list(dict.fromkeys(vals))
+
     return parse
 
 
@@ -60,8 +62,13 @@ def variants(args) -> list[dict]:
     for kv in args.kv_cache_dtype:
         for q in args.quantization:
             for cap in args.max_running_tokens:
-                out.append(dict(kv_cache_dtype=kv, quantization=None if q == "none" else q,
-                                max_running_tokens=None if cap == "none" else int(cap)))
+                out.append(
+                    dict(
+                        kv_cache_dtype=kv,
+                        quantization=None if q == "none" else q,
+                        max_running_tokens=None if cap == "none" else int(cap),
+                    )
+                )
     return out
 
 
@@ -82,36 +89,80 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     kv_dtypes, quants = engine_choices("kv_cache_dtype"), ("none", *engine_choices("quantization"))
     p.add_argument("--model", **option("model"))
-    p.add_argument("--slo", default=None, metavar="TERMS",
-                   help="latency SLO for the online pick, e.g. ttft_p90=100ms,tpot_p90=50ms (metrics: ttft/tpot "
-                        "p50/p90/p99; units ms, s, us; bare numbers are ms)")
+    p.add_argument(
+        "--slo",
+        default=None,
+        metavar="TERMS",
+        help="latency SLO for the online pick, e.g. ttft_p90=100ms,tpot_p90=50ms (metrics: ttft/tpot "
+        "p50/p90/p99; units ms, s, us; bare numbers are ms)",
+    )
     p.add_argument("--input-len", type=int, default=128, help="prompt tokens per request (default: 128)")
     p.add_argument("--output-len", type=int, default=64, help="generated tokens per request (default: 64)")
-    p.add_argument("--workload", type=Path, default=None, metavar="FILE.jsonl",
-                   help="one request a line: {\"input_len\": N, \"output_len\": M} or {\"prompt_token_ids\": [...], "
-                        "\"output_len\": M}; overrides --input-len / --output-len")
+    p.add_argument(
+        "--workload",
+        type=Path,
+        default=None,
+        metavar="FILE.jsonl",
+        help='one request a line: {"input_len": N, "output_len": M} or {"prompt_token_ids": [...], '
+        '"output_len": M}; overrides --input-len / --output-len',
+    )
     p.add_argument("--max-batch", type=int, default=32, help="largest max_num_seqs tried (default: 32)")
-    p.add_argument("--batched-tokens", type=_int_list, default=[512, 2048], metavar="T[,T...]",
-                   help="max_num_batched_tokens values tried (default: 512,2048)")
-    p.add_argument("--num-prompts", type=int, default=None,
-                   help="requests per setting (default: 2 x --max-batch, or the workload file's count)")
+    p.add_argument(
+        "--batched-tokens",
+        type=_int_list,
+        default=[512, 2048],
+        metavar="T[,T...]",
+        help="max_num_batched_tokens values tried (default: 512,2048)",
+    )
+    p.add_argument(
+        "--num-prompts",
+        type=int,
+        default=None,
+        help="requests per setting (default: 2 x --max-batch, or the workload file's count)",
+    )
     p.add_argument("--dtype", **option("dtype", default="bfloat16"))
-    p.add_argument("--kv-cache-dtype", type=_choice_list(*kv_dtypes), default=["auto"], metavar="D[,D...]",
-                   help=f"KV-cache dtypes to try: {', '.join(kv_dtypes)} (default: auto)")
-    p.add_argument("--quantization", type=_choice_list(*quants), default=["none"],
-                   metavar="Q[,Q...]", help=f"weight quantizations to try: {', '.join(quants)} (default: none)")
-    p.add_argument("--max-running-tokens", type=_choice_list("none", numbers=True), default=["none"],
-                   metavar="N[,N...]", help="dynamic batch by input length: caps on the running sequences' summed "
-                   "lengths to try, and 'none' for no cap (default: none)")
-    p.add_argument("--kv-cache-memory-bytes", **option(
-        "kv_cache_memory_bytes", help="fixed KV budget in bytes (8G, 512Mi, ...) for every setting; a setting whose "
-        "budget cannot hold one full sequence is an OOM row (default: the engine's default, sized to max_num_seqs)"))
+    p.add_argument(
+        "--kv-cache-dtype",
+        type=_choice_list(*kv_dtypes),
+        default=["auto"],
+        metavar="D[,D...]",
+        help=f"KV-cache dtypes to try: {', '.join(kv_dtypes)} (default: auto)",
+    )
+    p.add_argument(
+        "--quantization",
+        type=_choice_list(*quants),
+        default=["none"],
+        metavar="Q[,Q...]",
+        help=f"weight quantizations to try: {', '.join(quants)} (default: none)",
+    )
+    p.add_argument(
+        "--max-running-tokens",
+        type=_choice_list("none", numbers=True),
+        default=["none"],
+        metavar="N[,N...]",
+        help="dynamic batch by input length: caps on the running sequences' summed "
+        "lengths to try, and 'none' for no cap (default: none)",
+    )
+    p.add_argument(
+        "--kv-cache-memory-bytes",
+        **option(
+            "kv_cache_memory_bytes",
+            help="fixed KV budget in bytes (8G, 512Mi, ...) for every setting; a setting whose "
+            "budget cannot hold one full sequence is an OOM row (default: the engine's default, sized to max_num_seqs)",
+        ),
+    )
     p.add_argument("--repeats", type=int, default=1, help="timed runs per setting, best kept (default: 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default: 0)")
-    p.add_argument("--config-for", choices=["online", "offline"], default="online",
-                   help="which pick --out-config holds (default: online; offline when no row meets the SLO)")
+    p.add_argument(
+        "--config-for",
+        choices=["online", "offline"],
+        default="online",
+        help="which pick --out-config holds (default: online; offline when no row meets the SLO)",
+    )
     p.add_argument("--out-config", type=Path, default=None, metavar="OUT.json", help="write the picked engine options")
-    p.add_argument("--plot", type=Path, default=None, metavar="OUT.png", help="throughput and TTFT vs batch (matplotlib)")
+    p.add_argument(
+        "--plot", type=Path, default=None, metavar="OUT.png", help="throughput and TTFT vs batch (matplotlib)"
+    )
     p.add_argument("--json", action="store_true", help="print the rows and picks as JSON instead of tables")
 
 
@@ -129,13 +180,16 @@ def load_workload(args, vocab: int) -> tuple[list[list[int]], list[int]]:
                 ids = item.get("prompt_token_ids") or [rng.randrange(high) for _ in range(int(item["input_len"]))]
                 out = int(item.get("output_len", item.get("max_tokens", args.output_len)))
             except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"{args.workload}:{n}: expected {{\"input_len\": N, \"output_len\": M}}: {e}") from None
+                raise ValueError(f'{args.workload}:{n}: expected {{"input_len": N, "output_len": M}}: {e}') from None
             prompts.append([int(x) for x in ids])
             outs.append(out)
         if not prompts:
             raise ValueError(f"{args.workload} holds no requests")
         if args.num_prompts:
-            prompts, outs = (prompts * args.num_prompts)[:args.num_prompts], (outs * args.num_prompts)[:args.num_prompts]
+            prompts, outs = (
+                (prompts * args.num_prompts)[: args.num_prompts],
+                (outs * args.num_prompts)[: args.num_prompts],
+            )
         return prompts, outs
     n = args.num_prompts or 2 * args.max_batch
     return [[rng.randrange(high) for _ in range(args.input_len)] for _ in range(n)], [args.output_len] * n
@@ -151,8 +205,17 @@ def model_vocab(model: str | None) -> tuple[str | None, int]:
     return model, json.loads(cfg_file.read_text())["vocab_size"]
 
 
-def sweep(model: str | None, base: dict, batches: list[int], token_values: list[int], prompts, output_lens,
-          repeats: int = 1, progress: bool = True, extra: list[dict] | None = None) -> list[dict]:
+def sweep(
+    model: str | None,
+    base: dict,
+    batches: list[int],
+    token_values: list[int],
+    prompts,
+    output_lens,
+    repeats: int = 1,
+    progress: bool = True,
+    extra: list[dict] | None = None,
+) -> list[dict]:
     """Measure every (variant, max_num_batched_tokens, max_num_seqs) setting; OOM / failed ones become rows too."""
     from tqdm import tqdm
 
@@ -165,8 +228,9 @@ def sweep(model: str | None, base: dict, batches: list[int], token_values: list[
     for v, b, t in bar:
         label = variant_label(v)
         bar.set_postfix_str(f"{label + ' ' if label else ''}max_num_seqs={b} max_num_batched_tokens={t}")
-        options = {k: val for k, val in dict(base, **v, max_num_seqs=b, max_num_batched_tokens=t).items()
-                   if val is not None}
+        options = {
+            k: val for k, val in dict(base, **v, max_num_seqs=b, max_num_batched_tokens=t).items() if val is not None
+        }
         row = measure_infertune(model, options, prompts, output_lens, warmup_prompts=warm, repeats=repeats)
         row.update(max_num_seqs=b, max_num_batched_tokens=t, variant=label)
         rows.append(row)
@@ -185,14 +249,19 @@ def _ms(v) -> str:
 
 def render_table(rows: list[dict], slo: dict) -> str:
     knees = knee(rows)
-    lines = ["| variant | batch | batched tokens | tokens/s | TTFT p50 ms | TTFT p90 ms | TPOT p50 ms | TPOT p90 ms | "
-             "memory (KV MiB / RSS +MiB) | note |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines = [
+        "| variant | batch | batched tokens | tokens/s | TTFT p50 ms | TTFT p90 ms | TPOT p50 ms | TPOT p90 ms | "
+        "memory (KV MiB / RSS +MiB) | note |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
     for r in rows:
         variant = r.get("variant") or "base"
         if r["status"] != "ok":
             label = "OOM" if r["status"] == "oom" else "failed"
-            lines.append(f"| {variant} | {r['max_num_seqs']} | {r['max_num_batched_tokens']} | {label} | | | | | | "
-                         f"{r.get('error', '')[:120]} |")
+            lines.append(
+                f"| {variant} | {r['max_num_seqs']} | {r['max_num_batched_tokens']} | {label} | | | | | | "
+                f"{r.get('error', '')[:120]} |"
+            )
             continue
         notes = []
         if knees.get(series_key(r)) == r["max_num_seqs"]:
@@ -200,9 +269,11 @@ def render_table(rows: list[dict], slo: dict) -> str:
         if slo:
             v = slo_violations(r, slo)
             notes.append("meets SLO" if not v else "misses SLO: " + "; ".join(v))
-        lines.append(f"| {variant} | {r['max_num_seqs']} | {r['max_num_batched_tokens']} | {r['output_tok_s']:.1f} | "
-                     f"{_ms(r['ttft_p50_s'])} | {_ms(r['ttft_p90_s'])} | {_ms(r['tpot_p50_s'])} | {_ms(r['tpot_p90_s'])} | "
-                     f"{r['kv_cache_bytes'] / 2**20:.1f} / {r['rss_growth_mib']:.0f} | {', '.join(notes)} |")
+        lines.append(
+            f"| {variant} | {r['max_num_seqs']} | {r['max_num_batched_tokens']} | {r['output_tok_s']:.1f} | "
+            f"{_ms(r['ttft_p50_s'])} | {_ms(r['ttft_p90_s'])} | {_ms(r['tpot_p50_s'])} | {_ms(r['tpot_p90_s'])} | "
+            f"{r['kv_cache_bytes'] / 2**20:.1f} / {r['rss_growth_mib']:.0f} | {', '.join(notes)} |"
+        )
     return "\n".join(lines)
 
 
@@ -213,7 +284,9 @@ def write_plot(rows: list[dict], path: Path, title: str) -> None:
         ok = [r for r in rows if series_key(r) == key and r["status"] == "ok"]
         if not ok:
             continue
-        label = ", ".join(x for x in ((ok[0].get("variant") or ""), f"{ok[0]['max_num_batched_tokens']} tokens/step") if x)
+        label = ", ".join(
+            x for x in ((ok[0].get("variant") or ""), f"{ok[0]['max_num_batched_tokens']} tokens/step") if x
+        )
         ax1.plot([r["max_num_seqs"] for r in ok], [r["output_tok_s"] for r in ok], marker="o", label=label)
         ax2.plot([r["max_num_seqs"] for r in ok], [r["ttft_p90_s"] * 1e3 for r in ok], marker="o", label=label)
     for ax, ylabel in ((ax1, "output tokens/s"), (ax2, "TTFT p90 ms")):
@@ -238,11 +311,23 @@ def run(args: argparse.Namespace) -> int:
     model, vocab = model_vocab(args.model)
     prompts, output_lens = load_workload(args, vocab)
     max_len = max(len(p) + o for p, o in zip(prompts, output_lens))
-    base = dict(dtype=args.dtype, max_model_len=max_len, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-                enable_prefix_caching=False)
+    base = dict(
+        dtype=args.dtype,
+        max_model_len=max_len,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        enable_prefix_caching=False,
+    )
     base = {k: v for k, v in base.items() if v is not None}
-    rows = sweep(model, base, powers_of_two(args.max_batch), args.batched_tokens, prompts, output_lens, args.repeats,
-                 extra=variants(args))
+    rows = sweep(
+        model,
+        base,
+        powers_of_two(args.max_batch),
+        args.batched_tokens,
+        prompts,
+        output_lens,
+        args.repeats,
+        extra=variants(args),
+    )
     rec = recommend(rows, slo)
     picks = {"online": rec.online, "offline": rec.offline}
     configs = {k: engine_config(model, r) if r else None for k, r in picks.items()}
@@ -253,11 +338,24 @@ def run(args: argparse.Namespace) -> int:
     if args.plot is not None:
         write_plot(rows, args.plot, f"infertune tune: {model or 'demo model'}")
     if args.json:
-        print(json.dumps(dict(model=model, slo=slo, workload=dict(requests=len(prompts), max_model_len=max_len),
-                              rows=rows, online=configs["online"], offline=configs["offline"],
-                              messages=rec.messages,
-                              knee={" / ".join(map(str, k)) if isinstance(k, tuple) else str(k): v
-                                    for k, v in knee(rows).items()}), indent=2, default=str))
+        print(
+            json.dumps(
+                dict(
+                    model=model,
+                    slo=slo,
+                    workload=dict(requests=len(prompts), max_model_len=max_len),
+                    rows=rows,
+                    online=configs["online"],
+                    offline=configs["offline"],
+                    messages=rec.messages,
+                    knee={
+                        " / ".join(map(str, k)) if isinstance(k, tuple) else str(k): v for k, v in knee(rows).items()
+                    },
+                ),
+                indent=2,
+                default=str,
+            )
+        )
     else:
         print(f"Workload: {len(prompts)} requests, longest {max_len} tokens; SLO: {format_slo(slo)}\n")
         print(render_table(rows, slo))
@@ -265,10 +363,12 @@ def run(args: argparse.Namespace) -> int:
         for kind in ("online", "offline"):
             r = picks[kind]
             if r:
-                print(f"{kind}: {(r.get('variant') or 'base') + ', '}max_num_seqs={r['max_num_seqs']} "
-                      f"max_num_batched_tokens={r['max_num_batched_tokens']} "
-                      f"-> {r['output_tok_s']:.1f} tok/s, TTFT p90 {_ms(r['ttft_p90_s'])} ms, TPOT p90 "
-                      f"{_ms(r['tpot_p90_s'])} ms")
+                print(
+                    f"{kind}: {(r.get('variant') or 'base') + ', '}max_num_seqs={r['max_num_seqs']} "
+                    f"max_num_batched_tokens={r['max_num_batched_tokens']} "
+                    f"-> {r['output_tok_s']:.1f} tok/s, TTFT p90 {_ms(r['ttft_p90_s'])} ms, TPOT p90 "
+                    f"{_ms(r['tpot_p90_s'])} ms"
+                )
             else:
                 print(f"{kind}: none")
         for m in rec.messages:

@@ -22,7 +22,8 @@ DESCRIPTION = (
     "Measure the optimization ledger on this machine: HF transformers generate, then infertune eager, + paged KV "
     "and continuous batching, + prepacked weights, + compiled decode, + decode kernels, + INT8 KV, + W8A16, "
     "+ W4A16, + tuned batch; tokens/s, TTFT, memory, gain per step and cumulative vs HF, and the perplexity "
-    "change of lossy steps. Markdown table by default; --json / --md / --plot write files.")
+    "change of lossy steps. Markdown table by default; --json / --md / --plot write files."
+)
 
 NOT_AVAILABLE = "not available"
 
@@ -30,24 +31,37 @@ NOT_AVAILABLE = "not available"
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--model", default=None, help="Hugging Face model folder (default: the built-in demo model)")
-    g.add_argument("--preset", choices=["small", "386m"], default=None,
-                   help="a random-weight Llama built once by `bench throughput` (accuracy is then n/a)")
+    g.add_argument(
+        "--preset",
+        choices=["small", "386m"],
+        default=None,
+        help="a random-weight Llama built once by `bench throughput` (accuracy is then n/a)",
+    )
     p.add_argument("--cache-dir", type=Path, default=Path("/tmp/infertune-bench"), help="where presets are built")
     p.add_argument("--input-len", type=int, default=128, help="prompt tokens per request (default: 128)")
     p.add_argument("--output-len", type=int, default=64, help="generated tokens per request (default: 64)")
-    p.add_argument("--batch", type=int, default=8, help="batch of HF generate and max_num_seqs of the batched "
-                   "steps (default: 8)")
+    p.add_argument(
+        "--batch", type=int, default=8, help="batch of HF generate and max_num_seqs of the batched steps (default: 8)"
+    )
     p.add_argument("--num-prompts", type=int, default=None, help="requests per step (default: 2 x --batch)")
-    p.add_argument("--max-batch", type=int, default=None,
-                   help="largest max_num_seqs the tuned-batch step tries (default: --num-prompts)")
+    p.add_argument(
+        "--max-batch",
+        type=int,
+        default=None,
+        help="largest max_num_seqs the tuned-batch step tries (default: --num-prompts)",
+    )
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="(default: bfloat16)")
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers row")
     p.add_argument("--no-accuracy", action="store_true", help="skip the perplexity deltas")
-    p.add_argument("--accuracy-tokens", type=int, default=4096,
-                   help="held-out tokens scored per lossy step (default: 4096)")
-    p.add_argument("--in-process", action="store_true",
-                   help="measure every step in this process (faster; memory is then RSS growth, not each step's "
-                        "own peak RSS in a fresh process)")
+    p.add_argument(
+        "--accuracy-tokens", type=int, default=4096, help="held-out tokens scored per lossy step (default: 4096)"
+    )
+    p.add_argument(
+        "--in-process",
+        action="store_true",
+        help="measure every step in this process (faster; memory is then RSS growth, not each step's "
+        "own peak RSS in a fresh process)",
+    )
     p.add_argument("--repeats", type=int, default=1, help="timed runs per step, best kept (default: 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default: 0)")
     p.add_argument("--json", type=Path, default=None, metavar="OUT", help="write every figure as JSON")
@@ -96,11 +110,26 @@ def accuracy_delta(model: str | None, options: dict, args) -> dict:
     # Perplexity scoring runs each window as one prefill, which attends to the fresh K/V rather than reading the
     # cache back, so an INT8 KV cache shows up only in decoding: the greedy prefix (tokens decoded identically
     # to the reference from a few prompts) covers it.
-    rep = compare(path, reference=path, quantization=options.get("quantization"), max_tokens=args.accuracy_tokens,
-                  num_prompts=4, greedy_tokens=32, engine_options=dict(dtype=args.dtype), candidate_options=cand)
-    return dict(perplexity=rep.perplexity, ref_perplexity=rep.ref_perplexity, perplexity_change=rep.perplexity_change,
-                kl_mean=rep.kl_mean, top1_agreement=rep.top1_agreement, tokens=rep.num_tokens,
-                greedy_prefix_mean=rep.greedy_prefix_mean, greedy_tokens=rep.greedy_tokens)
+    rep = compare(
+        path,
+        reference=path,
+        quantization=options.get("quantization"),
+        max_tokens=args.accuracy_tokens,
+        num_prompts=4,
+        greedy_tokens=32,
+        engine_options=dict(dtype=args.dtype),
+        candidate_options=cand,
+    )
+    return dict(
+        perplexity=rep.perplexity,
+        ref_perplexity=rep.ref_perplexity,
+        perplexity_change=rep.perplexity_change,
+        kl_mean=rep.kl_mean,
+        top1_agreement=rep.top1_agreement,
+        tokens=rep.num_tokens,
+        greedy_prefix_mean=rep.greedy_prefix_mean,
+        greedy_tokens=rep.greedy_tokens,
+    )
 
 
 def build_ledger(args, progress: bool = True) -> dict:
@@ -119,8 +148,16 @@ def build_ledger(args, progress: bool = True) -> dict:
     warm = make_prompts(args.seed, 1, -1, min(args.input_len, 8), vocab)
     outs = [args.output_len] * n
     max_len = args.input_len + args.output_len
-    current = dict(dtype=args.dtype, max_model_len=max_len, enable_prefix_caching=False, prepack_weights=False,
-                   max_num_seqs=1, compile="off", decode_kernels="off")
+    current = dict(
+        dtype=args.dtype,
+        max_model_len=max_len,
+        enable_prefix_caching=False,
+        prepack_weights=False,
+        max_num_seqs=1,
+        compile="off",
+        decode_kernels="off",
+    )
+
     def call(fn_name: str, **kwargs) -> dict:
         if args.in_process:
             return getattr(measure, fn_name)(**kwargs)
@@ -135,8 +172,16 @@ def build_ledger(args, progress: bool = True) -> dict:
             if args.no_hf:
                 row.update(status="skipped")
             else:
-                row.update(call("measure_hf", model_dir=hf_dir, dtype=args.dtype, prompts=prompts,
-                                output_len=args.output_len, batch=args.batch))
+                row.update(
+                    call(
+                        "measure_hf",
+                        model_dir=hf_dir,
+                        dtype=args.dtype,
+                        prompts=prompts,
+                        output_len=args.output_len,
+                        batch=args.batch,
+                    )
+                )
                 row["options"] = dict(batch=args.batch, dtype=args.dtype, attn_implementation="sdpa")
             rows.append(row)
             continue
@@ -149,18 +194,36 @@ def build_ledger(args, progress: bool = True) -> dict:
             step_opts[k] = args.batch if v == "batch" else v
         if key == "tuned":
             limit = args.max_batch or n
-            tried = sweep(model, {k: v for k, v in step_opts.items() if k not in ("max_num_seqs", "max_num_batched_tokens")},
-                          powers_of_two(limit), [2048], prompts, outs, progress=False)
+            tried = sweep(
+                model,
+                {k: v for k, v in step_opts.items() if k not in ("max_num_seqs", "max_num_batched_tokens")},
+                powers_of_two(limit),
+                [2048],
+                prompts,
+                outs,
+                progress=False,
+            )
             pick = recommend(tried).offline
             if pick is None:
                 row.update(status="error", error="every tuned setting failed")
                 rows.append(row)
                 continue
             step_opts["max_num_seqs"] = pick["max_num_seqs"]
-            row["tuner_rows"] = [dict(max_num_seqs=r["max_num_seqs"], status=r["status"],
-                                      output_tok_s=r.get("output_tok_s")) for r in tried]
-        row.update(call("measure_infertune", model=model, options=step_opts, prompts=prompts, output_lens=outs,
-                        warmup_prompts=warm, repeats=args.repeats))
+            row["tuner_rows"] = [
+                dict(max_num_seqs=r["max_num_seqs"], status=r["status"], output_tok_s=r.get("output_tok_s"))
+                for r in tried
+            ]
+        row.update(
+            call(
+                "measure_infertune",
+                model=model,
+                options=step_opts,
+                prompts=prompts,
+                output_lens=outs,
+                warmup_prompts=warm,
+                repeats=args.repeats,
+            )
+        )
         row["options"] = step_opts
         if row["status"] == "ok":
             current = step_opts
@@ -181,11 +244,22 @@ def build_ledger(args, progress: bool = True) -> dict:
         r["gain_vs_previous"] = r["output_tok_s"] / prev["output_tok_s"] if prev else None
         r["cumulative_vs_hf"] = r["output_tok_s"] / hf["output_tok_s"] if hf else None
         prev = r
-    return dict(model=model or "built-in demo model", hf_model_dir=hf_dir, trained_weights=trained,
-                isolated=not args.in_process,
-                workload=dict(requests=n, input_len=args.input_len, output_len=args.output_len, batch=args.batch,
-                              dtype=args.dtype, greedy=True, ignore_eos=True),
-                steps=rows)
+    return dict(
+        model=model or "built-in demo model",
+        hf_model_dir=hf_dir,
+        trained_weights=trained,
+        isolated=not args.in_process,
+        workload=dict(
+            requests=n,
+            input_len=args.input_len,
+            output_len=args.output_len,
+            batch=args.batch,
+            dtype=args.dtype,
+            greedy=True,
+            ignore_eos=True,
+        ),
+        steps=rows,
+    )
 
 
 def _acc_text(r: dict) -> str:
@@ -206,10 +280,14 @@ def render_markdown(doc: dict) -> str:
     w = doc["workload"]
     isolated = doc.get("isolated", False)
     mem_label = "peak RSS MiB" if isolated else "RSS +MiB"
-    lines = [f"Model: {doc['model']}. Workload: {w['requests']} requests of {w['input_len']} prompt + {w['output_len']} "
-             f"generated tokens, greedy, {w['dtype']}, batch {w['batch']}. Each step keeps the ones above it.", "",
-             f"| step | tokens/s | TTFT p50 ms | memory (KV MiB / {mem_label}) | gain vs previous | cumulative vs HF | "
-             "accuracy |", "|---|---:|---:|---:|---:|---:|---|"]
+    lines = [
+        f"Model: {doc['model']}. Workload: {w['requests']} requests of {w['input_len']} prompt + {w['output_len']} "
+        f"generated tokens, greedy, {w['dtype']}, batch {w['batch']}. Each step keeps the ones above it.",
+        "",
+        f"| step | tokens/s | TTFT p50 ms | memory (KV MiB / {mem_label}) | gain vs previous | cumulative vs HF | "
+        "accuracy |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
     for r in doc["steps"]:
         st = r.get("status")
         if st != "ok":
@@ -222,18 +300,27 @@ def render_markdown(doc: dict) -> str:
         cum = "–" if r.get("cumulative_vs_hf") is None else f"{r['cumulative_vs_hf']:.2f}x"
         label = r["label"] + (f" (max_num_seqs={r['options']['max_num_seqs']})" if r["step"] == "tuned" else "")
         ttft = "–" if r.get("ttft_p50_s") is None else f"{r['ttft_p50_s'] * 1e3:.1f}"
-        lines.append(f"| {label} | {r['output_tok_s']:.1f} | {ttft} | {kv} / {r['peak_rss_mib' if isolated else 'rss_growth_mib']:.0f} | {gain} | {cum} | "
-                     f"{_acc_text(r)} |")
-    memory_note = ("the peak RSS of the fresh process that ran the step (Python and torch imports included; "
-                   "transformers where the step uses it: HF generate, and an engine whose tokenizer folder needs "
-                   "AutoTokenizer)" if isolated else "the growth of this process's RSS over load + "
-                   "generate (one process for all steps, so memory an earlier step freed and this one reused is not "
-                   "counted)")
-    lines += ["", "TTFT is per request from the submission of the whole workload (queueing included). Memory: the "
-              f"engine's KV-cache allocation, and {memory_note}. Accuracy: perplexity of the "
-              "step's whole configuration vs the unquantized model on held-out text (prefill scoring, which does not "
-              "read the KV cache back, so INT8 KV shows in the greedy prefix: tokens decoded identically to the "
-              "reference out of N). Figures on a shared machine move between runs; use --repeats for steadier ones."]
+        lines.append(
+            f"| {label} | {r['output_tok_s']:.1f} | {ttft} | {kv} / {r['peak_rss_mib' if isolated else 'rss_growth_mib']:.0f} | {gain} | {cum} | "
+            f"{_acc_text(r)} |"
+        )
+    memory_note = (
+        "the peak RSS of the fresh process that ran the step (Python and torch imports included; "
+        "transformers where the step uses it: HF generate, and an engine whose tokenizer folder needs "
+        "AutoTokenizer)"
+        if isolated
+        else "the growth of this process's RSS over load + "
+        "generate (one process for all steps, so memory an earlier step freed and this one reused is not "
+        "counted)"
+    )
+    lines += [
+        "",
+        "TTFT is per request from the submission of the whole workload (queueing included). Memory: the "
+        f"engine's KV-cache allocation, and {memory_note}. Accuracy: perplexity of the "
+        "step's whole configuration vs the unquantized model on held-out text (prefill scoring, which does not "
+        "read the KV cache back, so INT8 KV shows in the greedy prefix: tokens decoded identically to the "
+        "reference out of N). Figures on a shared machine move between runs; use --repeats for steadier ones.",
+    ]
     return "\n".join(lines)
 
 

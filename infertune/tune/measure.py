@@ -51,8 +51,14 @@ def is_oom(exc: BaseException) -> bool:
     return any(m in text for m in OOM_MARKERS)
 
 
-def measure_infertune(model: str | None, options: dict, prompts: list[list[int]], output_lens: list[int],
-                      warmup_prompts: list[list[int]] | None = None, repeats: int = 1) -> dict:
+def measure_infertune(
+    model: str | None,
+    options: dict,
+    prompts: list[list[int]],
+    output_lens: list[int],
+    warmup_prompts: list[list[int]] | None = None,
+    repeats: int = 1,
+) -> dict:
     """Build LLM(model, **options), warm it up, time `repeats` generate calls (the fastest is kept)."""
     import infertune.executor.uniproc  # noqa: F401  engine modules load lazily: import them before the RSS baseline
     from infertune import LLM, SamplingParams
@@ -68,9 +74,11 @@ def measure_infertune(model: str | None, options: dict, prompts: list[list[int]]
     try:
         params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
         if warmup_prompts:
-            llm.generate([{"prompt_token_ids": p} for p in warmup_prompts],
-                         SamplingParams(temperature=0.0, max_tokens=min(4, max(output_lens)), ignore_eos=True),
-                         use_tqdm=False)
+            llm.generate(
+                [{"prompt_token_ids": p} for p in warmup_prompts],
+                SamplingParams(temperature=0.0, max_tokens=min(4, max(output_lens)), ignore_eos=True),
+                use_tqdm=False,
+            )
         best = None
         for _ in range(max(repeats, 1)):
             t_start = time.perf_counter()
@@ -81,14 +89,23 @@ def measure_infertune(model: str | None, options: dict, prompts: list[list[int]]
                 raise RuntimeError(f"the engine rejected a prompt: {errors[0]}")
             n_tok = sum(len(o.outputs[0].token_ids) for o in outs)
             ttfts = [o.metrics.first_token_time - o.metrics.arrival_time for o in outs]
-            tpots = [(o.metrics.finished_time - o.metrics.first_token_time) / (len(o.outputs[0].token_ids) - 1)
-                     for o in outs if len(o.outputs[0].token_ids) > 1]
+            tpots = [
+                (o.metrics.finished_time - o.metrics.first_token_time) / (len(o.outputs[0].token_ids) - 1)
+                for o in outs
+                if len(o.outputs[0].token_ids) > 1
+            ]
             run = dict(total_s=total, output_tokens=n_tok, output_tok_s=n_tok / total, **latency_summary(ttfts, tpots))
             if best is None or run["output_tok_s"] > best["output_tok_s"]:
                 best = run
         kv_bytes = llm.engine.executor.kv_cache_info.total_bytes
-        row = dict(status="ok", load_s=load_s, kv_cache_bytes=int(kv_bytes), rss_growth_mib=rss_mib() - rss0,
-                   options=options, **best)
+        row = dict(
+            status="ok",
+            load_s=load_s,
+            kv_cache_bytes=int(kv_bytes),
+            rss_growth_mib=rss_mib() - rss0,
+            options=options,
+            **best,
+        )
     except Exception as e:  # noqa: BLE001
         row = dict(status="oom" if is_oom(e) else "error", error=f"{type(e).__name__}: {e}", options=options)
     finally:
@@ -97,8 +114,15 @@ def measure_infertune(model: str | None, options: dict, prompts: list[list[int]]
     return row
 
 
-def measure_hf(model_dir: str, dtype: str, prompts: list[list[int]], output_len: int, batch: int,
-               warmup: bool = True, attn: str = "sdpa") -> dict:
+def measure_hf(
+    model_dir: str,
+    dtype: str,
+    prompts: list[list[int]],
+    output_len: int,
+    batch: int,
+    warmup: bool = True,
+    attn: str = "sdpa",
+) -> dict:
     """HF transformers generate ("PyTorch native"): the prompts in static batches of `batch`, greedy, exactly
     `output_len` new tokens each. TTFT of a request = the wall time before its batch started + a separate
     generate(max_new_tokens=1) of that batch (as in `bench throughput`); TPOT = (batch time - TTFT) / (N - 1)."""
@@ -110,7 +134,9 @@ def measure_hf(model_dir: str, dtype: str, prompts: list[list[int]], output_len:
     gc.collect()
     rss0 = rss_mib()
     t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype), attn_implementation=attn).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=getattr(torch, dtype), attn_implementation=attn
+    ).eval()
     load_s = time.perf_counter() - t0
     pad = model.generation_config.pad_token_id
     if pad is None:
@@ -118,11 +144,17 @@ def measure_hf(model_dir: str, dtype: str, prompts: list[list[int]], output_len:
         pad = pad[0] if isinstance(pad, list) else (pad if pad is not None else 0)
 
     def gen(ids: torch.Tensor, n: int) -> torch.Tensor:
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
-                             min_new_tokens=n, pad_token_id=pad)
-        return out[:, ids.shape[1]:]
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            pad_token_id=pad,
+        )
+        return out[:, ids.shape[1] :]
 
-    chunks = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
+    chunks = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
     try:
         with torch.inference_mode():
             if warmup:
@@ -141,8 +173,16 @@ def measure_hf(model_dir: str, dtype: str, prompts: list[list[int]], output_len:
                 if output_len > 1:
                     tpots += [max(total - ttft, 0.0) / (output_len - 1)] * len(chunk)
                 elapsed += total
-        return dict(status="ok", load_s=load_s, total_s=elapsed, output_tokens=n_tok, output_tok_s=n_tok / elapsed,
-                    rss_growth_mib=rss_mib() - rss0, kv_cache_bytes=None, **latency_summary(ttfts, tpots))
+        return dict(
+            status="ok",
+            load_s=load_s,
+            total_s=elapsed,
+            output_tokens=n_tok,
+            output_tok_s=n_tok / elapsed,
+            rss_growth_mib=rss_mib() - rss0,
+            kv_cache_bytes=None,
+            **latency_summary(ttfts, tpots),
+        )
     except Exception as e:  # noqa: BLE001
         return dict(status="oom" if is_oom(e) else "error", error=f"{type(e).__name__}: {e}")
     finally:
@@ -167,17 +207,25 @@ def run_isolated(fn_name: str, threads: int | None = None, timeout: float | None
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
     payload = json.dumps(dict(fn=fn_name, threads=threads, kwargs=kwargs))
     try:
-        proc = subprocess.run([sys.executable, "-m", "infertune.tune.measure"], input=payload, capture_output=True,
-                              text=True, env=env, timeout=timeout)
+        proc = subprocess.run(
+            [sys.executable, "-m", "infertune.tune.measure"],
+            input=payload,
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=timeout,
+        )
     except subprocess.TimeoutExpired:
         return dict(status="error", error=f"the measuring process timed out after {timeout} s")
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_MARKER)]
     if proc.returncode != 0 or not lines:
         tail = proc.stderr.strip().splitlines()[-1:] or [""]
         oom = proc.returncode in (-9, 137)  # killed, most likely by the kernel's OOM killer
-        return dict(status="oom" if oom else "error",
-                    error=f"the measuring process exited with {proc.returncode}: {tail[0][:300]}")
-    return json.loads(lines[-1][len(RESULT_MARKER):])
+        return dict(
+            status="oom" if oom else "error",
+            error=f"the measuring process exited with {proc.returncode}: {tail[0][:300]}",
+        )
+    return json.loads(lines[-1][len(RESULT_MARKER) :])
 
 
 def _child_main() -> int:

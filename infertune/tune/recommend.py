@@ -65,8 +65,11 @@ def slo_violations(row: dict, slo: dict[str, float]) -> list[str]:
 
 def _best(rows: list[dict]) -> dict | None:
     # Highest throughput; on a tie the smaller batch and token budget (less memory, lower latency).
-    return max(rows, key=lambda r: (r["output_tok_s"], -r["max_num_seqs"], -(r.get("max_num_batched_tokens") or 0)),
-               default=None)
+    return max(
+        rows,
+        key=lambda r: (r["output_tok_s"], -r["max_num_seqs"], -(r.get("max_num_batched_tokens") or 0)),
+        default=None,
+    )
 
 
 @dataclass
@@ -82,8 +85,10 @@ def recommend(rows: list[dict], slo: dict[str, float] | None = None) -> Recommen
     usable = [r for r in rows if is_usable(r)]
     rec = Recommendation(offline=_best(usable), online=None, slo=slo)
     if not usable:
-        rec.messages.append("no setting ran: every row is OOM or failed; lower --max-batch or the lengths, or give "
-                            "a larger --kv-cache-memory-bytes")
+        rec.messages.append(
+            "no setting ran: every row is OOM or failed; lower --max-batch or the lengths, or give "
+            "a larger --kv-cache-memory-bytes"
+        )
         return rec
     meeting = [r for r in usable if not slo_violations(r, slo)]
     rec.online = _best(meeting)
@@ -92,7 +97,8 @@ def recommend(rows: list[dict], slo: dict[str, float] | None = None) -> Recommen
         rec.messages.append(
             f"no measured setting meets the SLO ({format_slo(slo)}); the closest is max_num_seqs="
             f"{closest['max_num_seqs']} ({'; '.join(slo_violations(closest, slo))}). Relax the SLO, shorten the "
-            f"workload, use a smaller model or quantization, or faster hardware")
+            f"workload, use a smaller model or quantization, or faster hardware"
+        )
     elif not slo:
         rec.messages.append("no SLO given: the online pick is the offline pick; pass --slo ttft_p90=...,tpot_p90=...")
     return rec

@@ -46,7 +46,9 @@ class AttentionBackend(abc.ABC):
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         return (2, num_blocks, block_size, num_kv_heads, head_dim)
 
-    def write_kv(self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    def write_kv(
+        self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
         # key, value [T, Hkv, D] -> the cache's flat slot dim
         _, num_blocks, block_size, hkv, d = kv_cache.shape
         kv_cache[0].view(num_blocks * block_size, hkv, d).index_copy_(0, slot_mapping, key)
