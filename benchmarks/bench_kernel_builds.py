@@ -8,8 +8,8 @@ B A, ...). Only the fused step's entry point (it_decode_layers) is switched, so 
 structs (it_model, it_layer, it_step) as they are. Each generate is `--batch` prompts of `--input-len` random
 tokens and `--output-len` new tokens, greedy; prompts of up to 128 tokens in all run through the fused step.
 
-    git show HEAD~1:infertune/kernels/cpu_kernels.c > /tmp/base.c
-    python benchmarks/bench_kernel_builds.py --a /tmp/base.c --b infertune/kernels/cpu_kernels.c
+    git worktree add -f /tmp/base HEAD~1 --detach
+    python benchmarks/bench_kernel_builds.py --a /tmp/base/infertune/kernels/csrc/x86/avx512/avx512.c
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from ab_common import ab_parser, bench_model
 
 def main() -> int:
     ap = ab_parser(__doc__, batch=1, output_len=1, rounds=12, rounds_help="timed generates per build")
-    ap.add_argument("--a", required=True, help="the baseline kernels source (a cpu_kernels.c)")
-    ap.add_argument("--b", default="infertune/kernels/cpu_kernels.c", help="the changed source")
+    ap.add_argument("--a", required=True, help="the baseline kernels source (a tree's csrc/x86/avx512/avx512.c)")
+    ap.add_argument("--b", default="infertune/kernels/csrc/x86/avx512/avx512.c", help="the changed source")
     args = ap.parse_args()
 
     import torch
@@ -45,7 +45,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for name, src in (("A", args.a), ("B", args.b)):
             so = Path(tmp) / f"lib{name}.so"
-            subprocess.run([cc, *kernels.CFLAGS, src, "-o", str(so), "-lm"], check=True)
+            own = f"-I{Path(src).resolve().parents[2]}"  # that tree's csrc/ headers before this one's
+            subprocess.run([cc, own, *kernels.CFLAGS, src, "-o", str(so), "-lm"], check=True)
             lib = ctypes.CDLL(str(so))
             kernels.declare(lib)
             lib.it_amx_init(int(kernels._amx))

@@ -34,6 +34,24 @@ def test_x86_kernels_satisfy_the_contract():
     assert isinstance(k.name, str) and "x86" in k.name and set(k.fused_step_timers()) >= set(k.fused_parts)
 
 
+def test_the_avx2_kernels_satisfy_the_contract():
+    """The AVX2 + FMA variant (forced on here where the CPU has AVX2): member for member, no fused step (a reason)."""
+    from infertune.kernels.x86 import Avx2Kernels
+
+    lib = cpu.load_variant("avx2")
+    if isinstance(lib, str):
+        pytest.skip(lib)
+    k = Avx2Kernels(lib)
+    assert isinstance(k, DecodeKernels)
+    for name in _protocol_members():
+        want = inspect.signature(getattr(DecodeKernels, name))
+        got = inspect.signature(getattr(Avx2Kernels, name))
+        assert list(got.parameters) == list(want.parameters), (name, got, want)
+    assert "avx2" in k.name and set(k.fused_step_timers()) >= set(k.fused_parts)
+    assert "AVX-512" in k.fused_decoder(None) and not k.can_compress(64, 64)
+    assert k.max_rows("bf16") == k.max_rows("w8") == k.max_rows("w4") == cpu.MAX_ROWS
+
+
 def test_a_backend_without_kernels_says_why():
     from infertune.backends.base import Backend
 

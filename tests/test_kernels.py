@@ -39,13 +39,26 @@ SHAPES = [
 ]
 
 
+# The kernel variants every GEMV / dequantization / elementwise oracle below runs on, each forced on where this CPU
+# can run it: the AVX-512 library (AMX where present) and the AVX2 + FMA one (built with -mavx2 -mfma -mf16c only).
+@pytest.fixture(params=["avx512", "avx2"])
+def ks(request):
+    if request.param == "avx512":
+        if kernels.variant() not in ("avx512", "avx512-noamx"):
+            pytest.skip(f"the AVX-512 kernels are not this process's: {kernels.describe()}")
+        return x86.kernels()
+    lib = kernels.load_variant("avx2")
+    if isinstance(lib, str):
+        pytest.skip(lib)
+    return x86.Avx2Kernels(lib)
+
+
 def _bf16_ints(*shape, lo=-2, hi=2, gen=None):
     return torch.randint(lo, hi + 1, shape, generator=gen).to(torch.bfloat16)
 
 
-@needs_kernels
 @pytest.mark.parametrize("m,n,k", SHAPES)
-def test_bf16_exact_on_small_integers(m, n, k):
+def test_bf16_exact_on_small_integers(ks, m, n, k):
     """Integer inputs whose sums stay within bf16's exact integers (|y| <= 256): the kernel must be exact."""
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     k_eff = min(k, 64)  # at most 64 nonzero columns of |x w| <= 4, so |y| <= 256
@@ -55,39 +68,36 @@ def test_bf16_exact_on_small_integers(m, n, k):
     bias = _bf16_ints(n, lo=-8, hi=8, gen=g)
     ref = x.long() @ w.long().T + bias.long()
     assert ref.abs().max() <= 256
-    assert torch.equal(kernels.linear_bf16(x, w, bias).long(), ref)
+    assert torch.equal(ks.linear_bf16(x, w, bias).long(), ref)
 
 
-@needs_kernels
 @pytest.mark.parametrize("m,n,k", SHAPES)
-def test_bf16_matches_float64(m, n, k):
+def test_bf16_matches_float64(ks, m, n, k):
     g = torch.Generator().manual_seed(k)
     x = torch.randn(m, k, generator=g).bfloat16()
     w = torch.randn(n, k, generator=g).bfloat16()
     ref = x.double() @ w.double().T
-    y = kernels.linear_bf16(x, w).double()
+    y = ks.linear_bf16(x, w).double()
     # bf16 products are exact in fp32; fp32 sums add at most k * 2^-24 of sum |x w|; rounding to bf16 (8
     # significant bits) moves the result by at most its unit roundoff, 2^-8 relative.
     bound = 2.0**-8 * ref.abs() + k * 2.0**-23 * (x.double().abs() @ w.double().abs().T) + 1e-30
     assert ((y - ref).abs() <= bound * 1.01).all(), float(((y - ref).abs() / bound).max())
 
 
-@needs_kernels
-def test_bf16_strided_rows_and_leading_dims():
+def test_bf16_strided_rows_and_leading_dims(ks):
     """x may be a view with a row stride > K and extra leading dims (as the packed qkv slices are)."""
     g = torch.Generator().manual_seed(1)
     big = torch.randn(2, 3, 200, generator=g).bfloat16()
     x = big[..., 8:136]  # [2, 3, 128], row stride 200
     w = torch.randn(40, 128, generator=g).bfloat16()
-    y = kernels.linear_bf16(x, w)
+    y = ks.linear_bf16(x, w)
     assert y.shape == (2, 3, 40)
     torch.testing.assert_close(y.float(), (x.double() @ w.double().T).float(), rtol=2**-7, atol=1e-3)
 
 
-@needs_kernels
 @pytest.mark.parametrize("m,n,k", SHAPES)
 @pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float32])
-def test_w8_within_its_error_bound(m, n, k, scale_dtype):
+def test_w8_within_its_error_bound(ks, m, n, k, scale_dtype):
     """y = (x . q) s: at one row x is rounded to int16 per row, |x - x_q s_x| <= s_x / 2 with s_x = max|x| / 32512,
     so |y - y_exact| <= s * sum|q| * s_x / 2; at 2-16 rows on AMX the weights are rounded to bf16 instead (as a
     prefill's), at most 2^-8 of sum |x w|. Plus the bf16 rounding of y and fp32 sums."""
@@ -101,12 +111,11 @@ def test_w8_within_its_error_bound(m, n, k, scale_dtype):
     sx = x.double().abs().amax(dim=1, keepdim=True) / 32512
     xw = x.double().abs() @ w.abs().T
     bound = (s.double() * q.double().abs().sum(1)) * sx / 2 + 2.0**-8 * ref.abs() + (k * 2.0**-23 + 2.0**-8) * xw
-    y = kernels.linear_w8(x, q, s, bias).double()
+    y = ks.linear_w8(x, q, s, bias).double()
     assert ((y - ref).abs() <= bound * 1.01 + 1e-6).all(), float(((y - ref).abs() - bound).max())
 
 
-@needs_kernels
-def test_w8_exact_when_activations_are_representable():
+def test_w8_exact_when_activations_are_representable(ks):
     """x = +-max or 0 quantizes exactly (to +-32512) and the int32 sums stay below 2^24, so y = (sum q x) s is
     computed to within fp32 rounding of a value bf16 holds exactly (|sum| <= 192 times powers of two)."""
     g = torch.Generator().manual_seed(3)
@@ -116,14 +125,13 @@ def test_w8_exact_when_activations_are_representable():
     s = torch.full((24,), 2.0**-6)
     ref = (x.double() @ q.double().T) * 2.0**-6
     assert torch.equal(ref.to(torch.bfloat16).double(), ref)  # representable
-    assert torch.equal(kernels.linear_w8(x, q, s).double(), ref)
+    assert torch.equal(ks.linear_w8(x, q, s).double(), ref)
 
 
-@needs_kernels
 @pytest.mark.parametrize(
     "m,n,k,gs", [(1, 8, 128, 64), (3, 20, 256, 128), (16, 64, 896, 128), (5, 9, 4864, 128), (17, 33, 64, 64)]
 )
-def test_w4_within_its_error_bound(m, n, k, gs):
+def test_w4_within_its_error_bound(ks, m, n, k, gs):
     """y = sum_g (x_g . q_g) s_g + (sum x_g) z_g: the int16 rounding of x moves it by at most
     sum_k |q_k s_g| s_x / 2 (at 2-16 rows on AMX the weights are rounded to bf16 instead: 2^-8 of sum |x w|);
     the rest is bf16 output rounding and fp32 sums. Also: the nibble layout round-trips."""
@@ -131,8 +139,8 @@ def test_w4_within_its_error_bound(m, n, k, gs):
 
     g = torch.Generator().manual_seed(m + n + k)
     q, s, z = quantize_int4_groupwise(torch.randn(n, k, generator=g), gs)
-    packed = kernels.pack_w4(q)
-    assert packed.shape == (n, k // 2) and torch.equal(kernels.unpack_w4(packed).int(), q)
+    packed = ks.pack_w4(q)
+    assert packed.shape == (n, k // 2) and torch.equal(ks.unpack_w4(packed).int(), q)
     x = torch.randn(m, k, generator=g).bfloat16()
     bias = torch.randn(n, generator=g).bfloat16()
     w = dequantize_int4(q, s, z, gs).double()
@@ -140,22 +148,21 @@ def test_w4_within_its_error_bound(m, n, k, gs):
     sx = x.double().abs().amax(dim=1, keepdim=True) / 32512
     qs = (q.double().view(n, -1, gs) * s.double().unsqueeze(-1)).view(n, k).abs().sum(1)
     bound = qs * sx / 2 + 2.0**-8 * ref.abs() + (k * 2.0**-23 + 2.0**-8) * (x.double().abs() @ w.abs().T)
-    y = kernels.linear_w4(x, packed, s.contiguous(), z.contiguous(), gs, bias).double()
+    y = ks.linear_w4(x, packed, s.contiguous(), z.contiguous(), gs, bias).double()
     assert ((y - ref).abs() <= bound * 1.01 + 1e-6).all(), float(((y - ref).abs() - bound).max())
 
 
-@needs_kernels
-def test_prefill_dequantization_matches_the_reference_rounding():
+def test_prefill_dequantization_matches_the_reference_rounding(ks):
     """The dense bf16 weights a quantized prefill multiplies: bit for bit the PyTorch formulas."""
     g = torch.Generator().manual_seed(5)
     q = torch.randint(-127, 128, (40, 96), generator=g, dtype=torch.int8)
     for s in (torch.rand(40, generator=g).bfloat16(), torch.rand(40, generator=g)):
         ref = q.to(torch.bfloat16) * s.to(torch.bfloat16).unsqueeze(1)
-        assert torch.equal(kernels.dequant_w8(q, s), ref)
+        assert torch.equal(ks.dequant_w8(q, s), ref)
     q4 = torch.randint(0, 16, (24, 128), generator=g)
     scale, zero = torch.rand(24, 2, generator=g), torch.randn(24, 2, generator=g)
     ref = ((q4.float().view(24, 2, 64) * scale.unsqueeze(-1)) + zero.unsqueeze(-1)).view(24, 128).to(torch.bfloat16)
-    assert torch.equal(kernels.dequant_w4(kernels.pack_w4(q4), scale, zero, 64), ref)
+    assert torch.equal(ks.dequant_w4(ks.pack_w4(q4), scale, zero, 64), ref)
 
 
 @needs_kernels
@@ -329,8 +336,7 @@ def test_fused_decode_forward_allocates_nothing(tmp_path):
     assert all(n > 10 for n in counts["off"]), counts  # the probe does see the PyTorch path's allocations
 
 
-@needs_kernels
-def test_elementwise_kernels_round_as_the_pytorch_formulas():
+def test_elementwise_kernels_round_as_the_pytorch_formulas(ks):
     """Prefill elementwise kernels against layers/norm.py, activation.py and rotary.py in PyTorch: rotary bit for
     bit (the same fp32 products); RMSNorm and SiLU within one bf16 step (fp32 sum order, exp polynomial), and
     almost everywhere identical."""
@@ -349,18 +355,18 @@ def test_elementwise_kernels_round_as_the_pytorch_formulas():
         x = (torch.randn(t, h, generator=g) * 3).bfloat16()
         norm = RMSNorm(h, 1e-6, torch.bfloat16)
         norm.weight.data.copy_(torch.randn(h, generator=g))
-        close_to_bf16(kernels.rms_norm(x, norm.weight, 1e-6), norm(x))
+        close_to_bf16(ks.rms_norm(x, norm.weight, 1e-6), norm(x))
         gu = (torch.randn(t, 2 * h, generator=g) * 4).bfloat16()
-        close_to_bf16(kernels.silu_and_mul(gu), silu_and_mul(gu))
+        close_to_bf16(ks.silu_and_mul(gu), silu_and_mul(gu))
     rot = RotaryEmbedding(48, 64, 10000.0, None)
     rot.reset_buffers()
     qkv = torch.randn(9, 7, 48, generator=g).bfloat16()
     cos, sin = rot.cos_sin_at(torch.arange(3, 12))
     ref = rot(qkv[:, :5].clone(), cos, sin)
     mine = qkv.clone()
-    assert kernels.rotary_(mine[:, :5], cos, sin)
+    assert ks.rotary_(mine[:, :5], cos, sin)
     assert torch.equal(mine[:, :5], ref) and torch.equal(mine[:, 5:], qkv[:, 5:])
-    assert kernels.rms_norm(x.float(), norm.weight, 1e-6) is None  # fp32: the caller's PyTorch path
+    assert ks.rms_norm(x.float(), norm.weight, 1e-6) is None  # fp32: the caller's PyTorch path
 
 
 @needs_kernels

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 from typing import TYPE_CHECKING
@@ -15,19 +16,63 @@ from infertune.backends.base import Backend
 if TYPE_CHECKING:
     from infertune.kernels.interface import DecodeKernels
 
+logger = logging.getLogger(__name__)
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+# oneDNN's ONEDNN_MAX_CPU_ISA values (oneDNN docs, "CPU dispatcher control") that stop short of AVX-512 BF16
+_ONEDNN_BELOW_BF16 = frozenset(
+    {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI", "AVX512_MIC"}
+)
+
+
+def torch_isa_limits() -> str | None:
+    """Why torch will not run native bf16 math here although the CPU may have it (ATEN_CPU_CAPABILITY below AVX512,
+    or ONEDNN_MAX_CPU_ISA below AVX512_CORE_BF16), or None."""
+    cap = torch.backends.cpu.get_cpu_capability()  # what ATen dispatches to: DEFAULT, AVX2, AVX512, ...
+    if not cap.startswith("AVX512"):
+        return f"ATen runs its {cap} kernels"
+    isa = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "ALL").strip().upper()
+    if isa in _ONEDNN_BELOW_BF16:
+        return f"oneDNN is limited to {isa} (ONEDNN_MAX_CPU_ISA)"
+    return None
+
 
 def cpu_supports_bf16() -> bool:
-    """True where the CPU has native bf16 math (AVX512-BF16 or AMX); elsewhere bf16 is emulated and slow."""
-    try:
-        flags = open("/proc/cpuinfo").read()
-    except OSError:
+    """True where the CPU has native bf16 math (AVX512-BF16 or AMX) and torch will use it: ATen's dispatch
+    (ATEN_CPU_CAPABILITY) and oneDNN's (ONEDNN_MAX_CPU_ISA) are not limited below it. Elsewhere bf16 is emulated
+    and slow, and oneDNN's bf16 weight packing refuses to run."""
+    flags = _cpu_flags()
+    return ("avx512_bf16" in flags or "amx_bf16" in flags) and torch_isa_limits() is None
+
+
+@functools.lru_cache(maxsize=1)
+def _bf16_prepack_works() -> bool:
+    """oneDNN packs a bf16 weight here (a probe on a tiny one: the ISA oneDNN picks is its own decision, and a
+    refusal raises, it does not fall back)."""
+    if not (cpu_supports_bf16() and torch.backends.mkldnn.is_available()):
         return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 32, dtype=torch.bfloat16), 1)
+    except RuntimeError as e:
+        logger.info("oneDNN bf16 weight packing unavailable: %s", str(e).splitlines()[0])
+        return False
+    return True
 
 
 _PREPACK_MAX_IN_FEATURES = 2048
 
-logger = logging.getLogger(__name__)
 
 # glibc's mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
@@ -124,7 +169,7 @@ class CPUBackend(Backend):
         # stay plain. fp32 gains nothing.
         if in_features is not None and in_features > _PREPACK_MAX_IN_FEATURES:
             return False
-        return dtype is torch.bfloat16 and cpu_supports_bf16() and torch.backends.mkldnn.is_available()
+        return dtype is torch.bfloat16 and _bf16_prepack_works()
 
     def prepack_linear_weight(self, weight: torch.Tensor) -> torch.Tensor | None:
         if not self.can_prepack(weight.dtype, weight.shape[1]):

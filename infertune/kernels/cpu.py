@@ -1,16 +1,25 @@
-"""Build, load and call infertune's small-batch CPU linear kernels (cpu_kernels.c).
+"""Build, load and call infertune's CPU kernels (the C sources in csrc/, one library per ISA variant).
 
-The C source is compiled on first use with the system C compiler into a per-user cache
-($INFERTUNE_CACHE_DIR, else $XDG_CACHE_HOME/infertune, else ~/.cache/infertune), keyed by a hash of the source,
-the flags and the compiler, so later runs load it in milliseconds. It needs x86-64 with AVX-512 BF16 and VNNI
-and a C compiler with OpenMP; where either is missing, or INFERTUNE_CPU_KERNELS=0, `available()` is False,
-`unavailable_reason()` says why, and the engine keeps torch's kernels.
+Each variant is one translation unit (csrc/x86/avx512/avx512.c, csrc/x86/avx2/avx2.c) that #includes its parts and
+the shared headers (csrc/bf16.h, csrc/abi.h). It is compiled on first use with the system C compiler, with
+-Wall -Wextra, into a per-user cache ($INFERTUNE_CACHE_DIR, else $XDG_CACHE_HOME/infertune, else
+~/.cache/infertune), keyed by a hash of every file under csrc/, the flags and the compiler, so later runs load it in
+milliseconds. At load the library's ABI version and the sizes and field offsets of every struct both sides share
+are checked against the ctypes declarations here (`check_abi`): a mismatch disables the kernels with the reason.
+
+Variants (`INFERTUNE_CPU_ISA` forces one; the default, auto, takes the first this CPU and torch's limits allow):
+  avx512        AVX-512 BF16 / VNNI, AMX tiles where the CPU has them: every kernel and the fused step
+  avx512-noamx  the same library with the AMX paths off (what a Zen 4 / 5 runs)
+  avx2          AVX2 + FMA + F16C: the GEMVs (bf16, W8A16, W4A16), dequantization and the elementwise kernels
+Where none fits, no compiler is present, or INFERTUNE_CPU_KERNELS=0, `available()` is False, `unavailable_reason()`
+says why, and the engine keeps torch's kernels.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import enum
 import functools
 import hashlib
 import logging
@@ -19,13 +28,14 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
+CSRC = Path(__file__).with_name("csrc")
 # Rows (tokens in a step) up to which the engine calls these kernels; bigger steps are prefills, where torch's
 # GEMMs (oneDNN / AMX) win. At 16 rows the AMX kernel still streams the weights at the speed of memory.
 MAX_ROWS = 16
@@ -33,27 +43,61 @@ MAX_ROWS = 16
 # torch's GEMM on the 386M model's shapes, 2 threads: 1.4-1.8x at 64 rows, 1.1-1.4x at 128, 0.8-1.1x at 256;
 # benchmarks/bench_gemm_rows.py): decode steps past 16 sequences, prompts up to 128 tokens, mixed steps.
 AMX_GEMM_MAX_ROWS = 128
-REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni")
-CFLAGS = [
-    "-O3",
-    "-std=c11",
-    "-shared",
-    "-fPIC",
-    "-fopenmp",
-    "-mavx512f",
-    "-mavx512bw",
-    "-mavx512vl",
-    "-mavx512bf16",
-    "-mavx512vnni",
-    "-mfma",
-    "-mf16c",
-]
+# The C side's ABI (csrc/abi.h IT_ABI_VERSION): bump both together when a shared struct or a signature changes.
+ABI_VERSION = 2
+WARN_FLAGS = ["-Wall", "-Wextra"]
+COMMON_FLAGS = ["-O3", "-std=c11", "-shared", "-fPIC", "-fopenmp", *WARN_FLAGS, f"-I{CSRC}"]
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One build of the kernels for one ISA: its translation unit, its -m flags and the /proc/cpuinfo flags it needs."""
+
+    name: str
+    source: Path
+    isa_flags: tuple[str, ...]
+    required: tuple[str, ...]
+    title: str  # the DecodeKernels name
+
+    @property
+    def cflags(self) -> list[str]:
+        return [*COMMON_FLAGS, *self.isa_flags]
+
+
+VARIANTS = {
+    "avx512": Variant(
+        "avx512",
+        CSRC / "x86" / "avx512" / "avx512.c",
+        ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mfma", "-mf16c"),
+        ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni"),
+        "x86 avx512-bf16/vnni",
+    ),
+    "avx2": Variant(
+        "avx2", CSRC / "x86" / "avx2" / "avx2.c", ("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c"), "x86 avx2+fma"
+    ),
+}
+# (kept for the scripts that build a second copy of the AVX-512 library: benchmarks/bench_kernel_builds.py)
+SOURCE = VARIANTS["avx512"].source
+REQUIRED_FLAGS = VARIANTS["avx512"].required
+CFLAGS = VARIANTS["avx512"].cflags
+ISA_CHOICES = ("auto", "avx512", "avx512-noamx", "avx2")
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _reason: str | None = None
 _loaded = False
 _amx = False  # it_amx_init said the tiles are usable
+_variant: str | None = None  # the ISA_CHOICES entry that loaded
+_variant_libs: dict[str, ctypes.CDLL | str] = {}  # variant name -> its library, or why it cannot load
+
+
+class WeightKind(enum.IntEnum):
+    """it_lin.kind (csrc/abi.h it_kind): how a linear layer's weight is stored for the fused step."""
+
+    BF16 = 0
+    W8 = 1
+    W4 = 2
+    BF16C = 3
 
 
 def cache_dir() -> Path:
@@ -79,100 +123,167 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
 
-def _build(cc: str) -> Path:
+def sources_digest() -> bytes:
+    """Every file under csrc/ (names and contents): the cache key covers any header or part a variant includes."""
+    h = hashlib.sha256()
+    for f in sorted(p for p in CSRC.rglob("*") if p.is_file() and p.suffix in (".c", ".h")):
+        h.update(str(f.relative_to(CSRC)).encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.digest()
+
+
+def build_library(variant: Variant, cc: str, extra_flags: tuple[str, ...] = (), out_dir: Path | None = None) -> Path:
+    """Compile one variant (cached by the sources' hash, the flags and the compiler); raises RuntimeError with the
+    compiler's message. extra_flags (e.g. -Werror, in tests) are part of the key."""
+    flags = [*variant.cflags, *extra_flags]
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS + version).encode()).hexdigest()[:16]
-    out = cache_dir() / key / "libinfertune_cpu.so"
+    key = hashlib.sha256(sources_digest() + " ".join([variant.name, *flags, *version]).encode()).hexdigest()[:16]
+    out = (out_dir or cache_dir()) / key / f"libinfertune_{variant.name}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp_so = Path(tmp) / out.name
-        proc = subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", str(tmp_so), "-lm"], capture_output=True, text=True)
+        proc = subprocess.run(
+            [cc, *flags, str(variant.source), "-o", str(tmp_so), "-lm"], capture_output=True, text=True
+        )
         if proc.returncode != 0:
             raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-2000:]}")
+        if proc.stderr.strip():
+            log.warning("compiling the %s kernels warned: %s", variant.name, proc.stderr.strip()[-2000:])
         os.replace(tmp_so, out)  # atomic: a concurrent builder finds a whole file or none
-    log.info("built the CPU kernels into %s", out)
+    log.info("built the %s CPU kernels into %s", variant.name, out)
     return out
 
 
+def _disabled() -> bool:
+    return os.environ.get("INFERTUNE_CPU_KERNELS", "1").lower() in ("0", "false", "off", "no")
+
+
+def load_variant(name: str) -> ctypes.CDLL | str:
+    """The library of one variant ("avx512" or "avx2"), built and ABI-checked, or why it cannot run here. Cached:
+    a process loads each variant once (tests and benchmarks use several side by side)."""
+    with _lock:
+        if name not in _variant_libs:
+            _variant_libs[name] = _load_variant(VARIANTS[name])
+        return _variant_libs[name]
+
+
+def _load_variant(v: Variant) -> ctypes.CDLL | str:
+    if os.uname().machine not in ("x86_64", "AMD64"):
+        return f"the {v.name} kernels are for x86-64, this is {os.uname().machine}"
+    missing = [f for f in v.required if f not in _cpu_flags()]
+    if missing:
+        return f"this CPU lacks {', '.join(missing)} (the {v.name} kernels)"
+    cc = _compiler()
+    if cc is None:
+        return "no C compiler (cc, gcc or clang) on PATH"
+    try:
+        lib = ctypes.CDLL(str(build_library(v, cc)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        return f"building the {v.name} kernels failed: {e}"
+    problem = check_abi(lib)
+    if problem:
+        return f"the {v.name} kernels do not match infertune/kernels/cpu.py: {problem}"
+    declare(lib)
+    return lib
+
+
+def _torch_capability_below_avx512() -> bool:
+    return not torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+
+
+def _choose() -> tuple[str, ...]:
+    """The variants to try, best first (INFERTUNE_CPU_ISA, else what the CPU and torch's own ISA limit allow)."""
+    forced = os.environ.get("INFERTUNE_CPU_ISA", "auto").strip().lower() or "auto"
+    if forced not in ISA_CHOICES:
+        raise ValueError(f"INFERTUNE_CPU_ISA={forced!r}: choose one of {', '.join(ISA_CHOICES)}")
+    if forced != "auto":
+        return (forced,)
+    # torch limited to AVX2 (ATEN_CPU_CAPABILITY=avx2: what an AVX2-only CPU gets): the kernels follow it
+    return ("avx2",) if _torch_capability_below_avx512() else ("avx512", "avx2")
+
+
 def _load() -> None:
-    global _lib, _reason, _loaded
+    global _lib, _reason, _loaded, _amx, _variant
+    if _loaded:
+        return
     with _lock:
         if _loaded:
             return
-        _loaded = True
-        if os.environ.get("INFERTUNE_CPU_KERNELS", "1").lower() in ("0", "false", "off", "no"):
-            _reason = "disabled by INFERTUNE_CPU_KERNELS=0"
+        if _disabled():
+            _reason, _loaded = "disabled by INFERTUNE_CPU_KERNELS=0", True
             return
-        if os.uname().machine not in ("x86_64", "AMD64"):
-            _reason = f"the kernels are for x86-64, this is {os.uname().machine}"
-            return
-        missing = [f for f in REQUIRED_FLAGS if f not in _cpu_flags()]
-        if missing:
-            _reason = f"this CPU lacks {', '.join(missing)}"
-            return
-        cc = _compiler()
-        if cc is None:
-            _reason = "no C compiler (cc, gcc or clang) on PATH"
-            return
-        try:
-            lib = ctypes.CDLL(str(_build(cc)))
-        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-            _reason = f"building the kernels failed: {e}"
-            log.warning("CPU kernels unavailable, using torch's: %s", _reason)
-            return
-        declare(lib)
-        global _amx
-        _amx = bool(lib.it_amx_init(int({"amx_tile", "amx_bf16"} <= _cpu_flags())))  # asks Linux for the tile state
-        _lib = lib
+    reasons = []
+    try:
+        choices = _choose()
+    except ValueError as e:
+        choices, reasons = (), [str(e)]
+    for choice in choices:
+        got = load_variant("avx512" if choice.startswith("avx512") else choice)
+        if isinstance(got, str):
+            reasons.append(got)
+            continue
+        amx = False
+        if choice == "avx512":  # asks Linux for the tile state
+            amx = bool(got.it_amx_init(int({"amx_tile", "amx_bf16"} <= _cpu_flags())))
+        elif choice == "avx512-noamx":
+            got.it_amx_init(0)
+        with _lock:
+            _lib, _amx, _variant = got, amx, choice
+            _loaded = True
+        return
+    with _lock:
+        _reason, _loaded = "; ".join(reasons) or "no kernel variant fits this CPU", True
+    log.warning("CPU kernels unavailable, using torch's: %s", _reason)
+
+
+def variant() -> str | None:
+    """The variant the process's kernels run ("avx512", "avx512-noamx", "avx2"), or None."""
+    _load()
+    return _variant
+
+
+def describe() -> str:
+    """One line for start-up logs: which kernel variant runs, or why none."""
+    _load()
+    if _lib is None:
+        return f"none ({_reason})"
+    return f"{_variant}" + (" + amx" if _amx else "")
 
 
 def declare(lib: ctypes.CDLL) -> None:
-    """Give a build of cpu_kernels.c its functions' C signatures (benchmarks load a second build this way)."""
+    """Give a build of the kernels its functions' C signatures (benchmarks load a second build this way). A variant
+    declares what it has: the AVX2 library has no 12-bit weights, attention or fused step."""
     i64, ptr, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    lib.it_linear_bf16.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, cint]
-    lib.it_linear_bf16.restype = None
-    lib.it_linear_w8.argtypes = [ptr, i64, ptr, ptr, cint, ptr, ptr, i64, i64, i64, i64, cint]
-    lib.it_linear_w8.restype = None
-    lib.it_linear_w4.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, cint]
-    lib.it_linear_w4.restype = None
-    lib.it_dequant_w8.argtypes = [ptr, ptr, cint, ptr, i64, i64, cint]
-    lib.it_dequant_w8.restype = None
-    lib.it_dequant_w4.argtypes = [ptr, ptr, ptr, i64, ptr, i64, i64, cint]
-    lib.it_dequant_w4.restype = None
-    lib.it_rmsnorm_mt.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float, cint]
-    lib.it_rmsnorm_mt.restype = None
-    lib.it_silu_mul.argtypes = [ptr, ptr, i64, i64, cint]
-    lib.it_silu_mul.restype = None
-    lib.it_rotary.argtypes = [ptr, i64, i64, i64, i64, ptr, i64, cint]
-    lib.it_rotary.restype = None
-    lib.it_amx_init.argtypes = [cint]
-    lib.it_amx_init.restype = cint
-    lib.it_decode_workspace_bytes.argtypes = [ctypes.POINTER(ItModel), i64, i64]
-    lib.it_decode_workspace_bytes.restype = i64
-    lib.it_decode_layers.argtypes = [ctypes.POINTER(ItModel), ctypes.POINTER(ItLayer), ctypes.POINTER(ItStep), ptr]
-    lib.it_decode_layers.restype = cint
-    lib.it_fused_timers.argtypes = [ptr, cint]
-    lib.it_fused_timers.restype = None
-    lib.it_decode_attention.argtypes = [ctypes.POINTER(ItModel), ctypes.POINTER(ItStep), ptr, ptr, ptr, cint]
-    lib.it_decode_attention.restype = cint
-    lib.it_linear_bf16c.argtypes = [ptr, i64, ctypes.POINTER(Bf16c), ptr, ptr, i64, i64, i64, i64, cint, i64, cint]
-    lib.it_linear_bf16c.restype = cint
-    if hasattr(lib, "it_bf16c_slabs"):  # (an older build, loaded beside this one by bench_kernel_builds.py, lacks it)
-        lib.it_bf16c_slabs.argtypes = [i64, i64]
-        lib.it_bf16c_slabs.restype = i64
-    lib.it_unpack_bf16c.argtypes = [ctypes.POINTER(Bf16c), ptr, i64, i64, cint]
-    lib.it_unpack_bf16c.restype = None
-    lib.it_bf16c_hist.argtypes = [ptr, i64, ptr, cint]
-    lib.it_bf16c_hist.restype = None
-    lib.it_bf16c_pack.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, cint]
-    lib.it_bf16c_pack.restype = None
-    lib.it_bf16c_escapes.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, cint]
-    lib.it_bf16c_escapes.restype = None
+    model, step, layer, bf16c = (ctypes.POINTER(c) for c in (ItModel, ItStep, ItLayer, Bf16c))
+    signatures = {
+        "it_linear_bf16": ([ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, cint], None),
+        "it_linear_w8": ([ptr, i64, ptr, ptr, cint, ptr, ptr, i64, i64, i64, i64, cint], None),
+        "it_linear_w4": ([ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, cint], None),
+        "it_dequant_w8": ([ptr, ptr, cint, ptr, i64, i64, cint], None),
+        "it_dequant_w4": ([ptr, ptr, ptr, i64, ptr, i64, i64, cint], None),
+        "it_rmsnorm_mt": ([ptr, ptr, ptr, i64, i64, ctypes.c_float, cint], None),
+        "it_silu_mul": ([ptr, ptr, i64, i64, cint], None),
+        "it_rotary": ([ptr, i64, i64, i64, i64, ptr, i64, cint], None),
+        "it_amx_init": ([cint], cint),
+        "it_decode_workspace_bytes": ([model, i64, i64], i64),
+        "it_decode_layers": ([model, layer, step, ptr], cint),
+        "it_fused_timers": ([ptr, cint], None),
+        "it_decode_attention": ([model, step, ptr, ptr, ptr, cint], cint),
+        "it_linear_bf16c": ([ptr, i64, bf16c, ptr, ptr, i64, i64, i64, i64, cint, i64, cint], cint),
+        "it_bf16c_slabs": ([i64, i64], i64),  # (an older build, loaded by bench_kernel_builds.py, lacks it)
+        "it_unpack_bf16c": ([bf16c, ptr, i64, i64, cint], None),
+        "it_bf16c_hist": ([ptr, i64, ptr, cint], None),
+        "it_bf16c_pack": ([ptr, i64, i64, i64, ptr, ptr, ptr, cint], None),
+        "it_bf16c_escapes": ([ptr, i64, i64, i64, ptr, ptr, ptr, ptr, cint], None),
+    }
+    for name, (args, res) in signatures.items():
+        fn = getattr(lib, name, None)
+        if fn is not None:
+            fn.argtypes, fn.restype = args, res
 
 
-# The structs of it_decode_layers (cpu_kernels.c), field for field.
+# The structs of csrc/abi.h, field for field (check_abi holds the two sides to each other at load).
 class ItLin(ctypes.Structure):
     _fields_ = [
         ("kind", ctypes.c_int32),
@@ -216,7 +327,7 @@ class ItModel(ctypes.Structure):
 
 
 class Bf16c(ctypes.Structure):
-    """A bf16 weight in the kernels' lossless 12-bit layout (cpu_kernels.c, bf16c); see pack_bf16c."""
+    """A bf16 weight in the kernels' lossless 12-bit layout (csrc/abi.h bf16c); see pack_bf16c."""
 
     _fields_ = [
         ("codes", ctypes.c_void_p),
@@ -242,6 +353,79 @@ class ItStep(ctypes.Structure):
     ]
 
 
+# What it_struct_sizes (csrc/abi.c) writes, in order: per struct its size and each field's offset and width, then the
+# weight kinds.
+def abi_layout(structs: dict[str, type[ctypes.Structure]] | None = None) -> list[tuple[str, int]]:
+    """The (name, value) list the C side must report: from these ctypes classes (structs overrides some, in tests)."""
+    structs = {"it_lin": ItLin, "it_layer": ItLayer, "it_model": ItModel, "it_step": ItStep, "bf16c": Bf16c} | (
+        structs or {}
+    )
+    fields = {
+        "it_lin": ("kind", "scale_is_f32", "w", "scale", "bias", "N", "K", "zero", "group", "inter"),
+        "it_layer": ("input_norm", "post_norm", "qkv", "o", "gate_up", "down", "kv_cache"),
+        "it_model": (
+            "hidden",
+            "n_heads",
+            "n_kv_heads",
+            "head_dim",
+            "inter",
+            "num_blocks",
+            "block_size",
+            "cos_sin",
+            "eps",
+            "scale",
+            "nthreads",
+            "n_layers",
+            "kv_int8",
+            "gate_up_fused",
+        ),  # fmt: skip
+        "it_step": (
+            "T",
+            "positions",
+            "slots",
+            "block_tables",
+            "context_lens",
+            "max_blocks",
+            "work",
+            "work_bytes",
+            "out_rows",
+            "n_out",
+        ),  # fmt: skip
+        "bf16c": ("codes", "table", "esc_start", "esc_pos", "esc_val"),
+    }
+    out: list[tuple[str, int]] = []
+    for sname, names in fields.items():
+        cls = structs[sname]
+        out.append((f"sizeof({sname})", ctypes.sizeof(cls)))
+        for f in names:
+            desc = getattr(cls, f, None)
+            out.append((f"offsetof({sname}, {f})", desc.offset if desc is not None else -1))
+            out.append((f"sizeof({sname}.{f})", desc.size if desc is not None else -1))
+    out += [(f"it_kind {k.name}", int(k)) for k in WeightKind]
+    return out
+
+
+def check_abi(lib: ctypes.CDLL, structs: dict[str, type[ctypes.Structure]] | None = None) -> str | None:
+    """None where the library's ABI version, struct sizes, field offsets and weight kinds are those declared here;
+    else what differs (a sentence). Nothing else of the library is called before this passes."""
+    try:
+        abi, sizes = lib.it_abi, lib.it_struct_sizes
+    except AttributeError:
+        return "the library has no it_abi / it_struct_sizes (built from an older source)"
+    abi.argtypes, abi.restype = [], ctypes.c_int
+    sizes.argtypes, sizes.restype = [ctypes.c_void_p, ctypes.c_int64], ctypes.c_int64
+    if abi() != ABI_VERSION:
+        return f"ABI version {abi()} in C, {ABI_VERSION} in Python"
+    want = abi_layout(structs)
+    n = int(sizes(None, 0))
+    got = (ctypes.c_int64 * n)()
+    sizes(got, n)
+    if n != len(want):
+        return f"the C side reports {n} struct sizes / offsets, Python expects {len(want)}"
+    bad = [f"{name}: C {c}, Python {p}" for (name, p), c in zip(want, got) if c != p]
+    return ("; ".join(bad[:6]) + (f" (and {len(bad) - 6} more)" if len(bad) > 6 else "")) if bad else None
+
+
 def library() -> ctypes.CDLL:
     """The loaded kernel library (raises where it is unavailable)."""
     if not available():
@@ -253,6 +437,16 @@ def bf16_max_rows() -> int:
     """Rows up to which linear_bf16 beats torch's GEMM here: AMX_GEMM_MAX_ROWS with AMX, else MAX_ROWS."""
     _load()
     return AMX_GEMM_MAX_ROWS if _amx else MAX_ROWS
+
+
+def _pick(lib: ctypes.CDLL | None) -> ctypes.CDLL:
+    """The library a call runs on: the one given (a variant loaded by load_variant) or the process's."""
+    if lib is not None:
+        return lib
+    _load()
+    if _lib is None:
+        raise RuntimeError(f"the CPU kernels are unavailable: {_reason}")
+    return _lib
 
 
 def available() -> bool:
@@ -287,9 +481,11 @@ def _check(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> None
         raise ValueError("bias must be a contiguous bf16 tensor")
 
 
-def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear_bf16(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, lib: ctypes.CDLL | None = None
+) -> torch.Tensor:
     """x [..., K] bf16, weight [N, K] bf16 -> [..., N] bf16 (fp32 accumulation)."""
-    _load()
+    lib = _pick(lib)
     x2 = _rows(x)
     _check(x2, weight, bias)
     if weight.dtype is not torch.bfloat16:
@@ -297,7 +493,7 @@ def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     m, (n, k) = x2.shape[0], weight.shape
     y = torch.empty((m, n), dtype=torch.bfloat16)
     with profiled("linear_bf16"):
-        _lib.it_linear_bf16(
+        lib.it_linear_bf16(
             x2.data_ptr(),
             x2.stride(0),
             weight.data_ptr(),
@@ -313,13 +509,18 @@ def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 
 def linear_w8(
-    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    lib: ctypes.CDLL | None = None,
 ) -> torch.Tensor:
     """x [..., K] bf16, qweight [N, K] int8, scales [N] (bf16 or fp32) -> [..., N] bf16.
 
     x is rounded per row to int16 (|x - x_q s_x| <= s_x / 2, s_x = max|x| / 32512) and multiplied exactly in int32.
     """
-    _load()
+    lib = _pick(lib)
     x2 = _rows(x)
     _check(x2, qweight, bias)
     if (
@@ -331,7 +532,7 @@ def linear_w8(
     m, (n, k) = x2.shape[0], qweight.shape
     y = torch.empty((m, n), dtype=torch.bfloat16)
     with profiled("linear_w8"):
-        _lib.it_linear_w8(
+        lib.it_linear_w8(
             x2.data_ptr(),
             x2.stride(0),
             qweight.data_ptr(),
@@ -376,11 +577,13 @@ def linear_w4(
     zero: torch.Tensor,
     group_size: int,
     bias: torch.Tensor | None = None,
+    *,
+    lib: ctypes.CDLL | None = None,
 ) -> torch.Tensor:
     """x [..., K] bf16, packed (pack_w4) [N, K / 2], scale and zero fp32 [N, K / group_size] -> [..., N] bf16,
     with w = q * scale + zero. x is rounded to int16 per row as in linear_w8; the zero term uses the exact
     sums of x."""
-    _load()
+    lib = _pick(lib)
     x2 = _rows(x)
     n, k = packed.shape[0], packed.shape[1] * 2
     if (
@@ -400,7 +603,7 @@ def linear_w4(
     m = x2.shape[0]
     y = torch.empty((m, n), dtype=torch.bfloat16)
     with profiled("linear_w4"):
-        _lib.it_linear_w4(
+        lib.it_linear_w4(
             x2.data_ptr(),
             x2.stride(0),
             packed.data_ptr(),
@@ -418,9 +621,9 @@ def linear_w4(
     return y.view(*x.shape[:-1], n)
 
 
-def dequant_w8(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def dequant_w8(qweight: torch.Tensor, scales: torch.Tensor, *, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """int8 [N, K] and scales [N] (bf16 or fp32) -> bf16 [N, K], w = bf16(q * bf16(s)): a prefill's dense weight."""
-    _load()
+    lib = _pick(lib)
     n, k = qweight.shape
     if (
         qweight.dtype is not torch.int8
@@ -430,7 +633,7 @@ def dequant_w8(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         raise ValueError("need contiguous int8 weights and bf16 / fp32 scales")
     out = torch.empty((n, k), dtype=torch.bfloat16)
     with profiled("dequant_w8"):
-        _lib.it_dequant_w8(
+        lib.it_dequant_w8(
             qweight.data_ptr(),
             scales.contiguous().data_ptr(),
             int(scales.dtype is torch.float32),
@@ -442,15 +645,17 @@ def dequant_w8(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def dequant_w4(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int) -> torch.Tensor:
+def dequant_w4(
+    packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int, *, lib: ctypes.CDLL | None = None
+) -> torch.Tensor:
     """pack_w4 nibbles [N, K / 2] with fp32 scale and zero [N, K / g] -> bf16 [N, K], w = bf16(q * s + z)."""
-    _load()
+    lib = _pick(lib)
     n, k = packed.shape[0], packed.shape[1] * 2
     if not (w4_supported(k, group_size) and packed.is_contiguous() and scale.is_contiguous() and zero.is_contiguous()):
         raise ValueError("need contiguous pack_w4 weights, scale and zero, the group size a multiple of 64")
     out = torch.empty((n, k), dtype=torch.bfloat16)
     with profiled("dequant_w4"):
-        _lib.it_dequant_w4(
+        lib.it_dequant_w4(
             packed.data_ptr(),
             scale.data_ptr(),
             zero.data_ptr(),
@@ -466,33 +671,35 @@ def dequant_w4(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, gr
 # ---- the elementwise work of prefills: the same roundings as layers/norm.py, activation.py and rotary.py
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, *, lib: ctypes.CDLL | None = None
+) -> torch.Tensor | None:
     """RMSNorm of bf16 rows (fp32 statistics, bf16(w * bf16(x / rms))); None where x does not fit (the caller
     then runs the PyTorch formula)."""
     if x.dtype is not torch.bfloat16 or x.dim() != 2 or not x.is_contiguous() or weight.dtype is not torch.bfloat16:
         return None
-    _load()
+    lib = _pick(lib)
     out = torch.empty_like(x)
     with profiled("rms_norm"):
-        _lib.it_rmsnorm_mt(
+        lib.it_rmsnorm_mt(
             x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps, torch.get_num_threads()
         )
     return out
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+def silu_and_mul(gate_up: torch.Tensor, *, lib: ctypes.CDLL | None = None) -> torch.Tensor | None:
     """[T, 2I] bf16 -> bf16(bf16(silu(gate)) * up) [T, I]; None where the input does not fit."""
     if gate_up.dtype is not torch.bfloat16 or gate_up.dim() != 2 or not gate_up.is_contiguous():
         return None
-    _load()
+    lib = _pick(lib)
     t, two_i = gate_up.shape
     out = torch.empty((t, two_i // 2), dtype=torch.bfloat16)
     with profiled("silu_and_mul"):
-        _lib.it_silu_mul(gate_up.data_ptr(), out.data_ptr(), t, two_i // 2, torch.get_num_threads())
+        lib.it_silu_mul(gate_up.data_ptr(), out.data_ptr(), t, two_i // 2, torch.get_num_threads())
     return out
 
 
-def rotary_(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+def rotary_(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, lib: ctypes.CDLL | None = None) -> bool:
     """Rotate qk [T, heads, D] (bf16, rows may be strided) in place with cos / sin [T, 1, D/2] fp32 views of one
     [T, D] table (cos half, then sin half); False, untouched, where the layout does not fit."""
     if (
@@ -506,10 +713,10 @@ def rotary_(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
         or sin.data_ptr() != cos.data_ptr() + 4 * cos.shape[-1]
     ):
         return False
-    _load()
+    lib = _pick(lib)
     t, heads, d = qk.shape
     with profiled("rotary"):
-        _lib.it_rotary(qk.data_ptr(), qk.stride(0), t, heads, d, cos.data_ptr(), cos.stride(0), torch.get_num_threads())
+        lib.it_rotary(qk.data_ptr(), qk.stride(0), t, heads, d, cos.data_ptr(), cos.stride(0), torch.get_num_threads())
     return True
 
 
@@ -568,7 +775,7 @@ def decode_attention(
     return o
 
 
-# The parts of the fused step that it_decode_layers times (cpu_kernels.c FT_*), in order
+# The parts of the fused step that it_decode_layers times (csrc/x86/avx512/fused_step.c FT_*), in order
 FUSED_PARTS = ("norm", "qkv", "rotary + K/V write", "attention", "o_proj", "residual adds", "gate_up (+ SiLU)", "down")
 
 
@@ -581,7 +788,7 @@ def fused_step_timers(reset: bool = False) -> dict[str, float]:
     return {**dict(zip(FUSED_PARTS, out[: len(FUSED_PARTS)])), "calls": out[-2], "rows": out[-1]}
 
 
-# ---- bf16 weights in 12 bits, losslessly (cpu_kernels.c: bf16c) ------------------------------------------------
+# ---- bf16 weights in 12 bits, losslessly (csrc/x86/avx512/bf16c_*.c) ------------------------------------------------
 BF16C_FIELDS = ("codes", "table", "esc_start", "esc_pos", "esc_val")
 
 
@@ -612,7 +819,7 @@ def pack_bf16c(w: torch.Tensor, inter: int = 0) -> dict[str, torch.Tensor]:
     listed aside (position, value) and patched in when a tile is decoded. Exact: unpack_bf16c gives w back.
     Layout: chunks of 64 output features (zero-padded), each K / 32 tiles of 64 features x 32 weights stored in
     the order the AMX B operand wants them (VNNI: per 16 features, row p holds their weights 2p and 2p + 1), as
-    32 row pairs x 96 bytes (the 64 low bytes in the order the decoder's byte unpacks undo, cpu_kernels.c
+    32 row pairs x 96 bytes (the 64 low bytes in the order the decoder's byte unpacks undo, bf16c_api.c
     BF16C_ORDER, then 32 bytes whose byte i holds the codes of low bytes i and i + 32 in its two nibbles). The
     kernels multiply x by decoded tiles as they are. Packed in C, ~2 ms per million weights on 2 threads.
 

@@ -1,7 +1,8 @@
-"""The x86 CPU kernels behind the `DecodeKernels` contract (kernels/interface.py).
+"""The x86 CPU kernels behind the `DecodeKernels` contract (kernels/interface.py), one class per ISA variant.
 
-`kernels/cpu.py` builds, loads and binds the C library (cpu_kernels.c: AVX-512 BF16 / VNNI, AMX tiles where the
-CPU has them); this class is what the engine sees of it. The x86 package's own knowledge stays here and in
+`kernels/cpu.py` builds, loads and binds the C libraries (csrc/x86/avx512: AVX-512 BF16 / VNNI, AMX tiles where the
+CPU has them; csrc/x86/avx2: AVX2 + FMA); `X86Kernels` and `Avx2Kernels` are what the engine sees of them, and
+`kernels()` picks the one the process loaded (cpu.variant()). The x86 package's own knowledge stays here and in
 x86_fused.py: which row counts each kernel wins at (AMX or not), the 12-bit weight layout and its gate/up
 interleaving, the nibble order of int4 weights, the C structs of the fused step.
 """
@@ -49,7 +50,7 @@ class X86Kernels:
         if not cpu.available():
             raise RuntimeError(f"the x86 kernels are unavailable: {cpu.unavailable_reason()}")
         self.amx = cpu.bf16_max_rows() > cpu.MAX_ROWS
-        self.name = "x86 avx512-bf16/vnni" + (" + amx" if self.amx else "")
+        self.name = cpu.VARIANTS["avx512"].title + (" + amx" if self.amx else "")
 
     def __repr__(self) -> str:
         return f"X86Kernels({self.name})"
@@ -110,12 +111,87 @@ class X86Kernels:
         return cpu.profiled(name)
 
 
-_instance: X86Kernels | None = None
+class Avx2Kernels:
+    """The AVX2 + FMA variant (x86 CPUs without AVX-512): the GEMVs (bf16, W8A16, W4A16), the prefills'
+    dequantization and the elementwise kernels; no 12-bit weights and no fused step (those need AVX-512 / AMX).
+    lib: a library from cpu.load_variant("avx2") (default: the process's, where it is the AVX2 one)."""
+
+    fused_parts = cpu.FUSED_PARTS
+
+    def __init__(self, lib=None) -> None:
+        if lib is None:
+            got = cpu.load_variant("avx2")
+            if isinstance(got, str):
+                raise RuntimeError(f"the AVX2 kernels are unavailable: {got}")
+            lib = got
+        self.lib = lib
+        self.name = cpu.VARIANTS["avx2"].title
+
+    def __repr__(self) -> str:
+        return f"Avx2Kernels({self.name})"
+
+    def max_rows(self, kind: LinearKind) -> int:
+        # GEMVs at heart (MR2 = 2 rows a pass over a block of 4 weight rows, from L1 after the first): up to 16 rows
+        # they stream the weights once, as the AVX-512 GEMVs without AMX do. Not yet measured against torch's AVX2
+        # GEMMs on an AVX2-only CPU (benchmarks/bench_isa_ab.py measures it); 12-bit weights do not exist here.
+        return 0 if kind == "bf16c" else cpu.MAX_ROWS
+
+    def linear_bf16(self, x, weight, bias=None):
+        return cpu.linear_bf16(x, weight, bias, lib=self.lib)
+
+    def linear_w8(self, x, qweight, scales, bias=None):
+        return cpu.linear_w8(x, qweight, scales, bias, lib=self.lib)
+
+    def dequant_w8(self, qweight, scales):
+        return cpu.dequant_w8(qweight, scales, lib=self.lib)
+
+    def w4_supported(self, in_features: int, group_size: int) -> bool:
+        return cpu.w4_supported(in_features, group_size)
+
+    def pack_w4(self, q):
+        return cpu.pack_w4(q)
+
+    def unpack_w4(self, packed):
+        return cpu.unpack_w4(packed)
+
+    def linear_w4(self, x, packed, scale, zero, group_size, bias=None):
+        return cpu.linear_w4(x, packed, scale, zero, group_size, bias, lib=self.lib)
+
+    def dequant_w4(self, packed, scale, zero, group_size):
+        return cpu.dequant_w4(packed, scale, zero, group_size, lib=self.lib)
+
+    def rms_norm(self, x, weight, eps):
+        return cpu.rms_norm(x, weight, eps, lib=self.lib)
+
+    def silu_and_mul(self, gate_up):
+        return cpu.silu_and_mul(gate_up, lib=self.lib)
+
+    def rotary_(self, qk, cos, sin) -> bool:
+        return cpu.rotary_(qk, cos, sin, lib=self.lib)
+
+    def can_compress(self, out_features: int, in_features: int) -> bool:
+        return False
+
+    def compress(self, weight: torch.Tensor, gate_up: bool = False):
+        raise NotImplementedError("the 12-bit weights need AVX-512 VBMI and AMX (can_compress is False here)")
+
+    def fused_decoder(self, model: FusedModel) -> FusedDecoder | str:
+        return "the fused step needs AVX-512 (this is the AVX2 variant)"
+
+    def fused_step_timers(self, reset: bool = False) -> dict[str, float]:
+        return {**dict.fromkeys(cpu.FUSED_PARTS, 0.0), "calls": 0.0, "rows": 0.0}
+
+    def profiled(self, name: str) -> AbstractContextManager:
+        return cpu.profiled(name)
 
 
-def kernels() -> X86Kernels | None:
-    """The process's x86 kernels, or None where they cannot run here (cpu.unavailable_reason() says why)."""
+_instance: X86Kernels | Avx2Kernels | None = None
+
+
+def kernels() -> X86Kernels | Avx2Kernels | None:
+    """The process's x86 kernels (the variant cpu.variant() loaded), or None where none can run here
+    (cpu.unavailable_reason() says why)."""
     global _instance
     if _instance is None and cpu.available():
-        _instance = X86Kernels()
+        _instance = Avx2Kernels(cpu.library()) if cpu.variant() == "avx2" else X86Kernels()
     return _instance if cpu.available() else None

@@ -1,4 +1,4 @@
-"""The fused step on x86: every decoder layer of a step in one call to it_decode_layers (cpu_kernels.c).
+"""The fused step on x86: every decoder layer of a step in one call to it_decode_layers (csrc/x86/avx512/fused_step.c).
 
 At batch 1 the eager PyTorch forward of a 24-layer model spends ~15 ms a step outside its matmuls: a dozen aten
 dispatches, Python module calls and temporaries per layer. Here the whole stack (norms, projections, rotary, the
@@ -16,9 +16,6 @@ import torch
 
 from infertune.kernels import cpu
 from infertune.kernels.interface import FusedModel, KernelLinear
-
-# The C side's kinds of linear weight (cpu_kernels.c it_lin.kind)
-_KIND = {"bf16": 0, "w8": 1, "w4": 2, "bf16c": 3}
 
 
 class X86FusedDecoder:
@@ -77,7 +74,7 @@ class X86FusedDecoder:
             prefill_rows = cpu.AMX_GEMM_MAX_ROWS
             if kinds == {"bf16c"}:
                 prefill_rows = max(prefill_rows, model.step_rows)
-        cmodel.gate_up_fused = int(all(c.gate_up.kind == _KIND["bf16c"] and c.gate_up.inter > 0 for c in layers))
+        cmodel.gate_up_fused = int(all(c.gate_up.kind == cpu.WeightKind.BF16C and c.gate_up.inter > 0 for c in layers))
         return cls(model, cmodel, layers, keep, cpu.MAX_ROWS, prefill_rows)
 
     def __call__(
@@ -126,7 +123,7 @@ class X86FusedDecoder:
 
 def _fill_lin(c, lin: KernelLinear) -> list[torch.Tensor]:
     """Point the C description of one linear layer at its tensors; returns them (to keep them alive)."""
-    c.kind = _KIND[lin.kind]
+    c.kind = cpu.WeightKind[lin.kind.upper()]  # csrc/abi.h it_kind (check_abi holds the two to each other)
     c.bias = lin.bias.data_ptr() if lin.bias is not None else None
     c.N, c.K = lin.out_features, lin.in_features
     keep = [lin.bias] if lin.bias is not None else []

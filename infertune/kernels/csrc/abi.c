@@ -1,0 +1,31 @@
+/* The ABI of abi.h, for the loader's check (kernels/cpu.py check_abi): the version, then for each shared struct
+ * its size and the offset and size of each field, in the order it_struct_sizes writes them (cpu.py ABI_LAYOUT). */
+#include <stddef.h>
+#include "abi.h"
+
+int it_abi(void) { return IT_ABI_VERSION; }
+
+#define SZ(T) (int64_t)sizeof(T)
+#define OF(T, f) (int64_t)offsetof(T, f), (int64_t)sizeof(((T*)0)->f) /* where a field is, and its width */
+
+/* Writes up to n values into out; returns how many there are (call with n = 0 to ask). */
+int64_t it_struct_sizes(int64_t* out, int64_t n) {
+    const int64_t v[] = {
+        SZ(it_lin), OF(it_lin, kind), OF(it_lin, scale_is_f32), OF(it_lin, w), OF(it_lin, scale), OF(it_lin, bias),
+        OF(it_lin, N), OF(it_lin, K), OF(it_lin, zero), OF(it_lin, group), OF(it_lin, inter),
+        SZ(it_layer), OF(it_layer, input_norm), OF(it_layer, post_norm), OF(it_layer, qkv), OF(it_layer, o),
+        OF(it_layer, gate_up), OF(it_layer, down), OF(it_layer, kv_cache),
+        SZ(it_model), OF(it_model, hidden), OF(it_model, n_heads), OF(it_model, n_kv_heads), OF(it_model, head_dim),
+        OF(it_model, inter), OF(it_model, num_blocks), OF(it_model, block_size), OF(it_model, cos_sin),
+        OF(it_model, eps), OF(it_model, scale), OF(it_model, nthreads), OF(it_model, n_layers), OF(it_model, kv_int8),
+        OF(it_model, gate_up_fused),
+        SZ(it_step), OF(it_step, T), OF(it_step, positions), OF(it_step, slots), OF(it_step, block_tables),
+        OF(it_step, context_lens), OF(it_step, max_blocks), OF(it_step, work), OF(it_step, work_bytes),
+        OF(it_step, out_rows), OF(it_step, n_out),
+        SZ(bf16c), OF(bf16c, codes), OF(bf16c, table), OF(bf16c, esc_start), OF(bf16c, esc_pos), OF(bf16c, esc_val),
+        IT_KIND_BF16, IT_KIND_W8, IT_KIND_W4, IT_KIND_BF16C,
+    };
+    const int64_t count = (int64_t)(sizeof v / sizeof v[0]);
+    for (int64_t i = 0; i < count && i < n; i++) out[i] = v[i];
+    return count;
+}

@@ -1,0 +1,72 @@
+/* What the C side shares with Python (infertune/kernels/cpu.py declares the same structs as ctypes classes):
+ * the ABI version, the weight kinds (cpu.py WeightKind mirrors them) and the structs of the 12-bit weights and of
+ * the fused step. it_abi() and it_struct_sizes() (abi.c) let the loader check, before any call, that both sides
+ * agree; change a struct here, bump IT_ABI_VERSION and update cpu.py together. */
+#ifndef IT_ABI_H
+#define IT_ABI_H
+#include "bf16.h"
+
+#define IT_ABI_VERSION 2
+
+/* it_lin.kind: how a linear layer's weight is stored */
+typedef enum { IT_KIND_BF16 = 0, IT_KIND_W8 = 1, IT_KIND_W4 = 2, IT_KIND_BF16C = 3 } it_kind;
+
+/* A bf16 weight in the lossless 12-bit layout (bf16c_codec.c) */
+typedef struct {
+    const uint8_t* codes;      /* [N64 / 64][K / 32][64][48] */
+    const uint8_t* table;      /* [16] high bytes */
+    const int32_t* esc_start;  /* [N64 / 64 * K / 32 + 1]: the escapes of tile t are esc_start[t] .. esc_start[t + 1] */
+    const uint16_t* esc_pos;   /* r * 32 + j within the decoded tile (VNNI row r, element j) */
+    const bf16* esc_val;       /* the weight */
+} bf16c;
+
+/* The fused step (fused_step.c): one linear layer, one decoder layer, the model, one step */
+typedef struct {
+    int32_t kind;         /* 0: bf16 weight [N, K]; 1: int8 [N, K], per-row scale; 2: int4 (it_linear_w4's layout);
+                             3: bf16 in 12 bits (w points at a bf16c; N % 16 == 0, K % 32 == 0, AMX) */
+    int32_t scale_is_f32; /* kind 1: scale is fp32 (1) or bf16 (0) */
+    const void* w;
+    const void* scale;    /* kind 1: [N]; kind 2: fp32 [N, K / group] */
+    const bf16* bias;     /* [N] or NULL */
+    int64_t N, K;
+    const float* zero;    /* kind 2: fp32 [N, K / group] */
+    int64_t group;        /* kind 2: columns per group */
+    int64_t inter;        /* kind 3: > 0 where the weight is a gate_up with gate and up rows interleaved 16 by 16
+                             (linear_bf16c); the MLP then takes act straight from its tiles */
+} it_lin;
+
+typedef struct {
+    const bf16* input_norm;    /* [hidden] */
+    const bf16* post_norm;     /* [hidden] */
+    it_lin qkv, o, gate_up, down;
+    void* kv_cache;            /* [2, num_blocks, block_size, Hkv, D] bf16 (or int8 rows, see it_model.kv_int8) */
+} it_layer;
+
+typedef struct {
+    int64_t hidden, n_heads, n_kv_heads, head_dim, inter;
+    int64_t num_blocks, block_size;
+    const float* cos_sin;      /* [max_position, head_dim]: cos of the D/2 frequencies, then sin */
+    float eps, scale;
+    int32_t nthreads, n_layers;
+    int32_t kv_int8; /* 1: the cache holds int8 rows of D values + their fp32 scale (layers/attention/paged.py
+                        Int8PagedAttention), [2, num_blocks, block_size, Hkv, D + 4] bytes */
+    int32_t gate_up_fused; /* 1: every layer's gate_up hands act straight over (it_lin.inter): no [T, 2I] scratch */
+} it_model;
+
+typedef struct {
+    int64_t T;                   /* decode rows, one per sequence */
+    const int64_t* positions;    /* [T] */
+    const int64_t* slots;        /* [T] cache slot of each new token */
+    const int64_t* block_tables; /* [T, max_blocks] */
+    const int64_t* context_lens; /* [T], the new token included */
+    int64_t max_blocks;
+    void* work;                  /* it_decode_workspace_bytes(model, T, max_blocks * block_size) bytes, aligned */
+    int64_t work_bytes;
+    const int64_t* out_rows;     /* [n_out], ascending: the rows whose hidden state the caller reads (the last of
+                                    each sampled sequence); n_out = 0: every row */
+    int64_t n_out;
+} it_step;
+
+int it_abi(void);
+int64_t it_struct_sizes(int64_t* out, int64_t n);
+#endif

@@ -1,0 +1,56 @@
+/* infertune's CPU kernels for decode steps and the elementwise work of prefills, x86-64 with AVX-512 BF16 and
+ * VNNI (AMX where present).
+ *
+ * At a few rows a linear layer is a matrix-vector product: every weight byte is read once, so the step runs at
+ * the speed of memory. These kernels stream each weight once for up to MR rows of activations at a time and
+ * prefetch ahead of the stream, which is what the generic GEMM paths do not do at M = 1.
+ *
+ *   it_linear_bf16  y = x W^T (+ b)            bf16 x, bf16 W [N, K], fp32 accumulation (VDPBF16PS at one row,
+ *                                              AMX tiles at 2+ rows where the CPU has them)
+ *   it_linear_w8    y = (x W_q^T) * s (+ b)    bf16 x, int8 W_q [N, K], per-row scale s; x is rounded to
+ *                                              int16 per row (dynamic, symmetric) and multiplied in int32
+ *                                              (VPDPBUSD on its two bytes), so |x - x_q * s_x| <= s_x / 2,
+ *                                              s_x = max|x| / 32512
+ *   it_linear_w4    y = sum_g (x_g . q_g) s_g + (sum x_g) z_g (+ b)
+ *                                              bf16 x, 4-bit W (two per byte, see below), per-group scale s
+ *                                              and offset z (w = q * s + z), x in int16 as above (VPDPWSSD)
+ *   it_dequant_w8 / it_dequant_w4              a quantized layer's bf16 weights, for a prefill's GEMM
+ *   it_linear_bf16c                            y = x W^T (+ b) with W in the lossless 12-bit layout (bf16c below),
+ *                                              any M on AMX (SiLU-and-multiply in the epilogue for a gate_up);
+ *                                              it_bf16c_hist / _pack / _escapes build it, it_unpack_bf16c undoes it
+ *   it_rmsnorm_mt / it_silu_mul / it_rotary    the elementwise work of prefills, rounded as the PyTorch code
+ *   it_decode_layers                           a whole decode step of a Llama decoder, or a step of fresh prompts
+ *                                              (see its comment); it_fused_timers: its split by part;
+ *                                              it_decode_attention: its attention alone
+ *
+ * The linear kernels take x [M, K] with row stride ldx and write y [M, N] (bf16) with row stride ldy. Threads
+ * split the output features with OpenMP; the library links the libgomp torch has already loaded, so the two
+ * share one thread pool.
+ *
+ * Built at run time by infertune/kernels/cpu.py as one translation unit (this file #includes the others, so the
+ * compiler sees and inlines across all of them exactly as it did the one file they came from): cc -O3
+ * -mavx512bf16 -mavx512vnni ... -fopenmp, loaded with ctypes; where it cannot be built, the engine keeps torch's
+ * kernels.
+ */
+#define _GNU_SOURCE
+#include <immintrin.h>
+#include <time.h>
+#include <omp.h>
+#include "bf16.h"
+#include "vec512.h"
+#include "abi.h"
+
+#include "abi.c"
+#include "gemv_bf16.c"
+#include "amx.c"
+#include "bf16c_codec.c"
+#include "gemm_amx.c"
+#include "bf16c_gemm.c"
+#include "linear_bf16.c"
+#include "quant_amx.c"
+#include "bf16c_api.c"
+#include "gemv_quant.c"
+#include "decode_ws.c"
+#include "elementwise.c"
+#include "attention.c"
+#include "fused_step.c"

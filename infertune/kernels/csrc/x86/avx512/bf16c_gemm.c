@@ -1,0 +1,323 @@
+/* ------------------------------------------------------------------ 12-bit weights on the tiles
+ *
+ * C = x W^T with x as the A operand (16 rows x 32 k, read in place) and the decoded tiles of W as B operands (VNNI,
+ * 16 k-pairs x 16 features); each accumulator tile is 16 rows x 16 features of y. The products are those of
+ * linear_bf16's tiles (each output the same pairs summed in the same order), so the bits match.
+ */
+
+/* bf16(a + b) into x (m lanes), as f2bf rounds, a NaN sum quiet: the residual add */
+static inline void store_sum_bf16x16(bf16* x, __m512 a, __m512 b, __mmask16 m) {
+    const __m512 v = _mm512_add_ps(a, b);
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    const __m256i q = _mm256_or_si256(_mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)),
+                                      _mm256_set1_epi16(0x40));
+    _mm256_mask_storeu_epi16(x, m, _mm256_mask_blend_epi16(nan, round_bf16x16(v), q));
+}
+
+/* rows (<= 16) fp32 accumulator rows c [rows][16] + bias -> bf16 y[m][n .. n + 15]; with add, that bf16 is added
+ * into y instead (bf16(y + bf16(c + bias)): the residual add of add_rows, on the product as it would be stored) */
+static inline void tile_rows_out(const float* c, const bf16* bias, int64_t n, bf16* y, int64_t ldy, int rows, int add) {
+    const __m512 bv = bias ? load_bf16x16(bias + n, 0xffff) : _mm512_setzero_ps();
+    for (int m = 0; m < rows; m++) {
+        const __m256i r = round_bf16x16(_mm512_add_ps(_mm512_loadu_ps(c + 16 * m), bv));
+        bf16* out = y + m * ldy + n;
+        if (add)
+            store_sum_bf16x16(out, load_bf16x16(out, 0xffff),
+                              _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(r), 16)), 0xffff);
+        else
+            _mm256_storeu_si256((__m256i*)out, r);
+    }
+}
+
+/* A gate_up weight packed with its gate and up rows interleaved 16 by 16 (feature tile 2 p: gate features
+ * 16 p .. 16 p + 15, tile 2 p + 1: the same up features; inter = the intermediate size): the accumulator rows of
+ * pair p, cg and cu [rows][16], become either gate_up's columns (gate at 16 p, up at inter + 16 p) or, with silu,
+ * act = bf16(bf16(silu(g)) * u) at column 16 p, rounded as silu_mul_rows (g and u first rounded to bf16). */
+static inline void tile_pair_out(const float* cg, const float* cu, int64_t p, bf16* y, int64_t ldy, int rows,
+                                 int64_t inter, int silu) {
+    for (int m = 0; m < rows; m++) {
+        const __m512 zero = _mm512_setzero_ps(); /* (+ 0, as tile_rows_out adds a missing bias: -0 becomes +0) */
+        const __m512 g = bf16_round_f32(_mm512_add_ps(_mm512_loadu_ps(cg + 16 * m), zero));
+        const __m512 u = bf16_round_f32(_mm512_add_ps(_mm512_loadu_ps(cu + 16 * m), zero));
+        if (silu) {
+            _mm256_storeu_si256((__m256i*)(y + m * ldy + 16 * p), round_bf16x16(_mm512_mul_ps(bf16_round_f32(silu512(g)), u)));
+        } else {
+            _mm256_storeu_si256((__m256i*)(y + m * ldy + 16 * p), round_bf16x16(g));
+            _mm256_storeu_si256((__m256i*)(y + m * ldy + inter + 16 * p), round_bf16x16(u));
+        }
+    }
+}
+
+/* Up to 16 rows, one pass: each thread decodes its chunks' tiles one at a time (into 4 KB on the stack) and
+ * multiplies the mr rows of x by them. Tiles 0-3: C (mr rows), 4-5: W, 7: x (mr rows). */
+__attribute__((target("amx-tile,amx-bf16")))
+static void linear_bf16c_rows(const bf16* x, int64_t ldx, const bf16c* cw, const bf16* bias, bf16* y, int64_t ldy,
+                              int mr, int64_t N16, int64_t K, int nthreads, int64_t inter, int epi) {
+    const int64_t nchunks = (N16 + 63) / 64, KS = K / 32;
+    const int nt = pick_threads(nchunks, N16 * K * 3 / 2, nthreads);
+#pragma omp parallel num_threads(nt)
+    {
+        amx_tiles(8, 4, mr);
+        bf16 dec[64 * 32] __attribute__((aligned(64)));
+        float c[4][256] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+        for (int64_t ch = 0; ch < nchunks; ch++) {
+            const int64_t n0 = ch * 64;
+            const int nblk = chunk_tiles(N16, ch);
+            _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+            for (int64_t ks = 0; ks < KS; ks++) {
+                bf16c_tile(cw, KS, ch, ks, 16 * nblk, dec, 32);
+                _tile_loadd(7, x + ks * 32, ldx * 2);
+                _tile_loadd(4, dec, 64);
+                _tile_dpbf16ps(0, 7, 4);
+                if (nblk > 1) { _tile_loadd(5, dec + 512, 64); _tile_dpbf16ps(1, 7, 5); }
+                if (nblk > 2) { _tile_loadd(4, dec + 1024, 64); _tile_dpbf16ps(2, 7, 4); }
+                if (nblk > 3) { _tile_loadd(5, dec + 1536, 64); _tile_dpbf16ps(3, 7, 5); }
+            }
+            _tile_stored(0, c[0], 64);
+            if (nblk > 1) _tile_stored(1, c[1], 64);
+            if (nblk > 2) _tile_stored(2, c[2], 64);
+            if (nblk > 3) _tile_stored(3, c[3], 64);
+            if (inter) /* (a chunk holds whole pairs: N16 / 16 is even) */
+                for (int b = 0; b < nblk; b += 2) tile_pair_out(c[b], c[b + 1], n0 / 32 + b / 2, y, ldy, mr, inter, epi);
+            else
+                for (int b = 0; b < nblk; b++) tile_rows_out(c[b], bias, n0 + 16 * b, y, ldy, mr, epi);
+        }
+        _tile_release();
+    }
+}
+
+/* A slab of a chunk being decoded a few row pairs at a time into out [ke - k0][64][32]: the B operand of k-step ks,
+ * features 16 g.., at out + (ks - k0) * 2048 + g * 512 (64-byte rows) */
+typedef struct {
+    const bf16c* cw;
+    int64_t chunk, KS, ks, k0, ke; /* tiles k0 .. ke - 1 of the chunk (a slab); ks: the next one */
+    int rows, r;
+    bf16* out; /* tile k0's rows */
+} chunk_decoder;
+
+/* Decodes `pairs` more row pairs (fewer at the end); a tile's escapes are patched after its last pair */
+static inline void decode_some(chunk_decoder* d, int pairs) {
+    if (d->ks >= d->ke) return;
+    const int64_t t = d->chunk * d->KS + d->ks;
+    bf16* out = d->out + (d->ks - d->k0) * 2048;
+    const int r1 = d->r + 2 * pairs < d->rows ? d->r + 2 * pairs : d->rows;
+    bf16c_pairs(d->cw, t, d->r, r1, out, 32);
+    d->r = r1;
+    if (d->r >= d->rows) {
+        bf16c_patch(d->cw, t, out, 32);
+        d->ks++;
+        d->r = 0;
+    }
+}
+
+/* The decoder of a GEMM step's weights (steps: block-major, then slab of KSL k-steps, then chunk) into out */
+static inline chunk_decoder step_decoder(const bf16c* cw, int64_t step, int64_t nchunks, int64_t nslabs, int64_t KSL,
+                                         int64_t KS, int64_t N16, bf16* out) {
+    const int64_t c = step % nchunks, k0 = step / nchunks % nslabs * KSL;
+    return (chunk_decoder){cw, c, KS, k0, k0, k0 + KSL < KS ? k0 + KSL : KS, 16 * chunk_tiles(N16, c), 0, out};
+}
+
+/* The output rows of a finished 2 x 2 block (its accumulators stored in c), written a few rows at a time while
+ * the tiles multiply the next block: the vector work of rounding (and SiLU) overlaps the tiles' work. Row i of
+ * the job is row i of token tile 0 for i < r0, else row i - r0 of token tile 1. */
+typedef struct {
+    const float (*c)[256];
+    const bf16* bias;
+    bf16* y; /* row 0 of token tile 0 */
+    int64_t ldy, n, inter; /* n: the first feature (column) of feature tile 0 */
+    int na, r0, r1, epi, next, per_step; /* epi: as linear_bf16c's */
+} epi_job;
+
+static inline void epi_some(epi_job* e, int rows) {
+    for (; rows > 0 && e->next < e->r0 + e->r1; rows--, e->next++) {
+        const int tt = e->next >= e->r0, m = tt ? e->next - e->r0 : e->next;
+        bf16* yr = e->y + (16 * tt + m) * e->ldy;
+        const float* c0 = e->c[2 * tt] + 16 * m;
+        if (e->inter) {
+            tile_pair_out(c0, e->c[2 * tt + 1] + 16 * m, e->n / 32, yr, e->ldy, 1, e->inter, e->epi);
+        } else {
+            tile_rows_out(c0, e->bias, e->n, yr, e->ldy, 1, e->epi);
+            if (e->na == 2) tile_rows_out(e->c[2 * tt + 1] + 16 * m, e->bias, e->n + 16, yr, e->ldy, 1, e->epi);
+        }
+    }
+}
+
+/* One 2 x 2 block over K columns (all of K, or a slab): row tiles a0 (and a1, where given) of x against feature
+ * tiles wb (and wb + 512 where na == 2) of a decoded chunk; c[2 r + f] gets row tile r x feature tile f, added to
+ * cin's (the previous slabs' sums) where given, else to zero. Tiles 0-3: C, 4-5: x, 6-7: W. Each k-step also
+ * decodes `pairs` row pairs of the next chunk (where d is given): its codes stream in from memory while the
+ * tiles multiply. */
+__attribute__((target("amx-tile,amx-bf16")))
+static inline void bf16c_block(const bf16* a0, int64_t lda0, const bf16* a1, int64_t lda1, const bf16* wb, int na,
+                               int64_t K, const float (*cin)[256], float c[4][256], chunk_decoder* d, int pairs,
+                               epi_job* e) {
+    if (cin) {
+        _tile_loadd(0, cin[0], 64);
+        if (na == 2) _tile_loadd(1, cin[1], 64);
+        if (a1) {
+            _tile_loadd(2, cin[2], 64);
+            if (na == 2) _tile_loadd(3, cin[3], 64);
+        }
+    } else {
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    }
+    for (int64_t k = 0; k < K; k += 32) {
+        const bf16* b = wb + k * 64;
+        _tile_loadd(6, b, 64);
+        _tile_loadd(4, a0 + k, lda0);
+        _tile_dpbf16ps(0, 4, 6);
+        if (na == 2) { _tile_loadd(7, b + 512, 64); _tile_dpbf16ps(1, 4, 7); }
+        if (a1) {
+            _tile_loadd(5, a1 + k, lda1);
+            _tile_dpbf16ps(2, 5, 6);
+            if (na == 2) _tile_dpbf16ps(3, 5, 7);
+        }
+        if (d) decode_some(d, pairs);
+        epi_some(e, e->per_step);
+    }
+    epi_some(e, 32); /* (whatever rounding left) */
+    _tile_stored(0, c[0], 64);
+    if (na == 2) _tile_stored(1, c[1], 64);
+    if (a1) {
+        _tile_stored(2, c[2], 64);
+        if (na == 2) _tile_stored(3, c[3], 64);
+    }
+}
+
+#define BF16C_GEMM_ROWS 512 /* rows of x per block: each thread decodes a chunk once per block */
+#define BF16C_SLAB_BYTES (1536 * 1024) /* a block's x and two decoded chunks over one slab of K fit this (L2) */
+
+static inline int64_t bf16c_block_rows(int64_t M) {
+    const int64_t rows = (M + 15) / 16 * 16;
+    return rows < BF16C_GEMM_ROWS ? rows : BF16C_GEMM_ROWS;
+}
+
+/* k-steps (of 32) per slab of K: the whole of K unless a block's rows of x and a thread's two decoded chunks over
+ * all of K would overflow BF16C_SLAB_BYTES; then equal slabs that fit */
+static inline int64_t bf16c_slab_ks(int64_t M, int64_t K) {
+    const int64_t KS = K / 32;
+    int64_t fit = BF16C_SLAB_BYTES / (64 * bf16c_block_rows(M) + 8192); /* x row tile bytes + 2 chunks, a k-step */
+    fit = fit < 4 ? 4 : fit;
+    if (fit >= KS) return KS;
+    const int64_t n = (KS + fit - 1) / fit;
+    return (KS + n - 1) / n;
+}
+
+/* The GEMM's dec buffer: each thread's two decoded chunks [2][64, K], then, where K is cut into slabs, the fp32
+ * sums of a block of rows over the slabs done so far, 2 x 2 tiles by 2 x 2 tiles [N64 / 64][rows / 32][2][4][256] */
+static inline int64_t bf16c_bufs_bytes(int64_t K, int nthreads) { /* the decoded chunks' part */
+    return ((int64_t)(nthreads > 0 ? nthreads : 1) * 128 * K * 2 + 63) & ~(int64_t)63;
+}
+static inline int64_t bf16c_dec_bytes(int64_t M, int64_t N16, int64_t K, int nthreads) {
+    if (M <= 16) return 0;
+    const int64_t bufs = bf16c_bufs_bytes(K, nthreads);
+    const int64_t spill = bf16c_slab_ks(M, K) < K / 32 ? (N16 + 63) / 64 * 64 * ((bf16c_block_rows(M) + 31) / 32 * 32) * 4 : 0;
+    return bufs + spill;
+}
+
+/* More than 16 rows: the steps (a block of up to BF16C_GEMM_ROWS rows, a slab of K, a 64-feature chunk of W) go
+ * out one at a time to whichever thread is free (a thread that falls behind, a core taken away for a while, takes
+ * fewer). A thread multiplies every row of the block by its decoded chunk's slab 2 x 2 tiles at a time while it
+ * decodes its next step's into its other buffer (dec: two [64, K] a thread). The slabs of one chunk run in order
+ * (a step waits for the chunk's previous one), their sums kept in dec past the buffers; where K is one slab the
+ * sums stay in the tiles. x is read in place; a last partial row tile is copied zero-padded into xtail [16, K]
+ * first, so no tile load reads past the M rows. */
+__attribute__((target("amx-tile,amx-bf16")))
+static void linear_bf16c_gemm(const bf16* x, int64_t ldx, const bf16c* cw, const bf16* bias, bf16* y, int64_t ldy,
+                              int64_t M, int64_t N16, int64_t K, int nthreads, bf16* xtail, bf16* wdec, int64_t inter,
+                              int epi) {
+    const int64_t nchunks = (N16 + 63) / 64, tiles = (M + 15) / 16, full = M / 16, KS = K / 32;
+    const int64_t KSL = bf16c_slab_ks(M, K), nslabs = (KS + KSL - 1) / KSL, per_block = nslabs * nchunks;
+    const int64_t bt = BF16C_GEMM_ROWS / 16, pairs_per_block = (bf16c_block_rows(M) + 31) / 32;
+    if (full < tiles) {
+        memset(xtail, 0, (size_t)(16 * K * 2));
+        for (int64_t m = 16 * full; m < M; m++) memcpy(xtail + (m - 16 * full) * K, x + m * ldx, (size_t)(K * 2));
+    }
+    float* spill = (float*)((char*)wdec + bf16c_bufs_bytes(K, nthreads));
+    int64_t done[nslabs > 1 ? nchunks : 1]; /* per chunk: the slab steps finished (block b's slab s is b nslabs + s) */
+    memset(done, 0, sizeof done);
+    const int nt = pick_threads(nchunks, N16 * K * tiles, nthreads);
+    int64_t next_step = 0;
+#pragma omp parallel num_threads(nt)
+    {
+        amx_configure(8);
+        float cb[2][4][256] __attribute__((aligned(64))); /* a block's accumulators, and the previous block's */
+        int cur_c = 0;
+        epi_job job = {0};
+        const int tid = omp_get_thread_num();
+        bf16* buf[2] = {wdec + (int64_t)tid * 128 * K, wdec + (int64_t)tid * 128 * K + 64 * K};
+        const int64_t steps = (tiles + bt - 1) / bt * per_block;
+        int cur = 0;
+        /* Steps block-major, then slab, then chunk. Each thread decodes the step it will take next while it
+           multiplies. */
+        int64_t step = __atomic_fetch_add(&next_step, 1, __ATOMIC_RELAXED);
+        if (step < steps) { /* (the first step's slab up front) */
+            chunk_decoder d0 = step_decoder(cw, step, nchunks, nslabs, KSL, KS, N16, buf[0]);
+            while (d0.ks < d0.ke) decode_some(&d0, 32);
+        }
+        while (step < steps) {
+            const int64_t b = step / per_block, s = step / nchunks % nslabs, ch = step % nchunks;
+            const int64_t t0 = b * bt, t1 = t0 + bt < tiles ? t0 + bt : tiles;
+            const int64_t k0 = s * KSL, k1 = k0 + KSL < KS ? k0 + KSL : KS, klen = (k1 - k0) * 32;
+            const int64_t n0 = ch * 64;
+            const int nblk = chunk_tiles(N16, ch);
+            const int64_t next = __atomic_fetch_add(&next_step, 1, __ATOMIC_RELAXED);
+            chunk_decoder dn, *d = NULL;
+            if (next < steps && next % per_block != step % per_block) { /* (the same slab of a chunk stays decoded) */
+                dn = step_decoder(cw, next, nchunks, nslabs, KSL, KS, N16, buf[cur ^ 1]);
+                d = &dn;
+            }
+            const int64_t ksteps = ((t1 - t0 + 1) / 2) * ((nblk + 1) / 2) * (k1 - k0);
+            const int pairs = d ? (int)(((dn.ke - dn.k0) * dn.rows / 2 + ksteps - 1) / ksteps) : 0;
+            if (nslabs > 1) /* the chunk's previous slab (or, at s = 0, the previous block's last) must be done */
+                while (__atomic_load_n(&done[ch], __ATOMIC_ACQUIRE) < b * nslabs + s) _mm_pause();
+            const bf16* wc = buf[cur];
+            const int last = s == nslabs - 1;
+            for (int64_t t = t0; t < t1; t += 2) {
+                const int two = t + 1 < t1;
+                const bf16* a0 = (t < full ? x + 16 * t * ldx : xtail) + k0 * 32;
+                const bf16* a1 = !two ? NULL : (t + 1 < full ? x + 16 * (t + 1) * ldx : xtail) + k0 * 32;
+                const int64_t lda0 = t < full ? ldx * 2 : K * 2, lda1 = t + 1 < full ? ldx * 2 : K * 2;
+                const int r0 = (int)(M - 16 * t < 16 ? M - 16 * t : 16);
+                const int r1 = two ? (int)(M - 16 * (t + 1) < 16 ? M - 16 * (t + 1) : 16) : 0;
+                for (int g = 0; g < nblk; g += 2) {
+                    const int na = nblk - g >= 2 ? 2 : 1;
+                    float (*sp)[256] = nslabs > 1 ? (float (*)[256])(spill + ((ch * pairs_per_block + (t - t0) / 2) * 2 + g / 2) * 1024) : NULL;
+                    bf16c_block(a0, lda0, a1, lda1, wc + g * 512, na, klen, s > 0 ? (const float (*)[256])sp : NULL,
+                                last ? cb[cur_c] : sp, d, pairs, &job);
+                    if (!last) continue;
+                    /* this block's rows go out during the next block (or below, after the last) */
+                    job = (epi_job){(const float (*)[256])cb[cur_c], bias, y + 16 * t * ldy, ldy, n0 + 16 * g, inter,
+                                    na, r0, two ? r1 : 0, epi, 0, (int)((r0 + r1 + k1 - k0 - 1) / (k1 - k0))};
+                    cur_c ^= 1;
+                }
+            }
+            if (nslabs > 1) __atomic_store_n(&done[ch], b * nslabs + s + 1, __ATOMIC_RELEASE);
+            if (d) {
+                while (dn.ks < dn.ke) decode_some(&dn, 32); /* (rounding left a few pairs) */
+                cur ^= 1;
+            }
+            step = next;
+        }
+        epi_some(&job, 32); /* the last block's rows */
+        _tile_release();
+    }
+}
+
+/* x [M, K] times a 12-bit weight: scratch holds bf16c_scratch_bytes(M, K); dec bf16c_dec_bytes(M, N16, K, nthreads) */
+static inline int64_t bf16c_scratch_bytes(int64_t M, int64_t K) { return M > 16 ? ((16 * K * 2 + 63) & ~(int64_t)63) : 0; }
+
+/* inter > 0: the weight is a gate_up with its rows interleaved (see tile_pair_out), and epi = 1 writes act
+ * [M, inter] (SiLU-and-multiply); inter = 0: epi = 1 adds the product into y (y += x W^T + bias, each product
+ * rounded to bf16 first, as add_rows adds it: a residual) */
+static void linear_bf16c(const bf16* x, int64_t ldx, const bf16c* cw, const bf16* bias, bf16* y, int64_t ldy,
+                         int64_t M, int64_t N16, int64_t K, int nthreads, bf16* scratch, bf16* dec, int64_t inter,
+                         int epi) {
+    if (M <= 16)
+        linear_bf16c_rows(x, ldx, cw, bias, y, ldy, (int)M, N16, K, nthreads, inter, epi);
+    else
+        linear_bf16c_gemm(x, ldx, cw, bias, y, ldy, M, N16, K, nthreads, scratch, dec, inter, epi);
+}
+
+/* scratch: bf16_scratch_bytes(M, K), 64-byte aligned (the transposed activations of the AMX path) */

@@ -1,0 +1,135 @@
+/* ------------------------------------------------------------------ a whole decode step of a Llama decoder
+ *
+ * it_decode_layers runs every decoder layer of a decode-only step (T <= 16 sequences, one new token each) in one
+ * call: per layer RMSNorm, the qkv projection, rotary, the K/V write into the paged cache, attention over each
+ * sequence's blocks, o_proj and the residual, RMSNorm, gate/up, SiLU-and-multiply, down and the residual. It
+ * rounds to bf16 where the PyTorch path (models/llama.py) does, so the two agree to bf16 rounding; what it
+ * saves is the ~15 ms of per-op dispatch a 24-layer step otherwise spends outside the matmuls. All scratch
+ * lives in one caller-owned workspace (it_decode_workspace_bytes): the step allocates nothing.
+ */
+
+
+#define ALIGN64(n) (((n) + 63) & ~(int64_t)63)
+
+static int64_t lin_scratch_bytes(int64_t T, int64_t K, int nthreads) {
+    /* (int8 / int4 weights only ever see decode rows here: steps with prompts take bf16 projections only) */
+    const int64_t amx = bf16_scratch_bytes(T, K), w8 = qlin_scratch_bytes(T < 16 ? T : 16, K, nthreads);
+    return ALIGN64(amx > w8 ? amx : w8);
+}
+
+typedef struct {
+    float* sc;   /* [G, max_ctx] scores, fp32 */
+    bf16* pb;    /* [G, ldp] exponentials, bf16, zero past len up to a multiple of 32 */
+    bf16* qt;    /* [D / 32][16 pairs][16 heads][2] */
+    float* cbuf; /* [16, 16] */
+    bf16* tmp;   /* [32, D] gathered or dequantized K/V rows */
+    bf16* vb;    /* [2][16 pairs][16 dims][2] */
+    bf16* zero;  /* [D] */
+    bf16* vpack; /* steps of prompt rows only: [max_ctx / 32][D / 16][16 pairs][16 dims][2], a sequence's V as tiles */
+    int64_t ldp;
+} attn_ws;
+
+static inline int64_t attn_ldp(int64_t max_ctx) { return (max_ctx + 31) & ~(int64_t)31; }
+
+/* per attention thread, in floats: the parts of attn_ws, each 64-byte aligned */
+/* Rows of scores per attention thread: a decode row's query heads (up to 16 at a time), or, in steps of more than
+ * 16 rows (prompts), 16 rows of one query head (attn_rows_amx) */
+static inline int64_t attn_score_rows(int64_t group, int64_t T) { return T > 16 || group > 16 ? 16 : group; }
+
+static inline int64_t attn_floats(int64_t G, int64_t max_ctx, int64_t D, int rows) {
+    return ALIGN64(G * max_ctx * 4) / 4 + ALIGN64(G * attn_ldp(max_ctx) * 2) / 4 + ALIGN64(D * 32) / 4 + 256 +
+           ALIGN64(32 * D * 2) / 4 + 512 + ALIGN64(D * 2) / 4 + (rows ? ALIGN64(attn_ldp(max_ctx) * D * 2) / 4 : 0);
+}
+
+static attn_ws attn_workspace(float* base, int64_t G, int64_t max_ctx, int64_t D) {
+    attn_ws w;
+    char* p = (char*)base;
+    w.ldp = attn_ldp(max_ctx);
+    w.sc = (float*)p;   p += ALIGN64(G * max_ctx * 4);
+    w.pb = (bf16*)p;    p += ALIGN64(G * w.ldp * 2);
+    w.qt = (bf16*)p;    p += ALIGN64(D * 32);
+    w.cbuf = (float*)p; p += 1024;
+    w.tmp = (bf16*)p;   p += ALIGN64(32 * D * 2);
+    w.vb = (bf16*)p;    p += 2048;
+    w.zero = (bf16*)p;  p += ALIGN64(D * 2);
+    w.vpack = (bf16*)p; /* (there only where attn_floats counted it) */
+    return w;
+}
+
+
+/* Offsets of the workspace's parts, in bytes. */
+typedef struct { int64_t h, qkv, o, gu, act, y, lin, dec, attn, total; } ws_layout;
+
+static ws_layout workspace(const it_model* m, int64_t T, int64_t max_ctx) {
+    ws_layout l;
+    const int64_t hq = m->n_heads * m->head_dim, qkv = (m->n_heads + 2 * m->n_kv_heads) * m->head_dim;
+    const int64_t group = m->n_heads / m->n_kv_heads;
+    int64_t off = 0;
+    l.h = off;    off += ALIGN64(T * m->hidden * 2);
+    l.qkv = off;  off += ALIGN64(T * qkv * 2);
+    l.o = off;    off += ALIGN64(T * hq * 2);
+    l.gu = off;   off += m->gate_up_fused ? 0 : ALIGN64(T * 2 * m->inter * 2);
+    l.act = off;  off += ALIGN64(T * m->inter * 2);
+    l.y = off;    off += ALIGN64(T * m->hidden * 2);
+    /* a linear's scratch: the largest over the layers' input widths (the transposed block of the tile GEMM is not
+       monotonic in K); past 16 rows then each thread's [64, K] rows of a 12-bit weight, decoded for the GEMM */
+    int64_t lin = 0;
+    const int64_t widths[3] = {m->hidden, hq, m->inter};
+    for (int i = 0; i < 3; i++) {
+        const int64_t b = lin_scratch_bytes(T, widths[i], m->nthreads);
+        lin = b > lin ? b : lin;
+    }
+    l.lin = off;  off += lin;
+    /* (the largest over the four projections' shapes; bf16 ones need less) */
+    const int64_t shapes[4][2] = {{qkv, m->hidden}, {m->hidden, hq}, {2 * m->inter, m->hidden}, {m->hidden, m->inter}};
+    int64_t dec = 0;
+    for (int i = 0; i < 4; i++) {
+        const int64_t b = bf16c_dec_bytes(T, (shapes[i][0] + 15) / 16 * 16, shapes[i][1], m->nthreads);
+        dec = b > dec ? b : dec;
+    }
+    l.dec = off;  off += ALIGN64(dec);
+    /* attention, per thread: scores [group, max_ctx] and output accumulators [group, D], fp32 */
+    l.attn = off; off += ALIGN64((int64_t)(m->nthreads > 0 ? m->nthreads : 1) *
+                                 attn_floats(attn_score_rows(group, T), max_ctx, m->head_dim, T > 16) * 4);
+    l.total = off;
+    return l;
+}
+
+int64_t it_decode_workspace_bytes(const it_model* m, int64_t T, int64_t max_ctx) {
+    return workspace(m, T, max_ctx).total;
+}
+
+/* x[t] = bf16(x[t] + y[t]), as f2bf rounds (NaN kept quiet) */
+static void add_rows(bf16* x, const bf16* y, int64_t n) {
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 m = mask16(n - i);
+        store_sum_bf16x16(x + i, load_bf16x16(x + i, m), load_bf16x16(y + i, m), m);
+    }
+}
+
+static void run_lin(const it_lin* L, const bf16* x, int64_t ldx, bf16* y, int64_t ldy, int64_t M, int nthreads,
+                    void* scratch, bf16* dec, int silu) { /* (silu: a 12-bit gate_up's act, see linear_bf16c) */
+    if (L->kind == IT_KIND_BF16)
+        linear_bf16(x, ldx, (const bf16*)L->w, L->bias, y, ldy, M, L->N, L->K, nthreads, scratch);
+    else if (L->kind == IT_KIND_BF16C) /* past 16 rows (a fused prefill's) each thread decodes 64 features of W at a time into dec */
+        linear_bf16c(x, ldx, (const bf16c*)L->w, L->bias, y, ldy, M, L->N, L->K, nthreads, (bf16*)scratch, dec,
+                     L->inter, silu);
+    else if (L->kind == IT_KIND_W4)
+        linear_w4(x, ldx, (const uint8_t*)L->w, (const float*)L->scale, L->zero, L->group, L->bias, y, ldy, M, L->N,
+                  L->K, nthreads, scratch);
+    else
+        linear_w8(x, ldx, (const int8_t*)L->w, L->scale, L->scale_is_f32, L->bias, y, ldy, M, L->N, L->K, nthreads,
+                  scratch);
+}
+
+/* x_res += x W^T (+ bias), each product rounded to bf16 first: a 12-bit weight adds in its epilogue, any other
+ * writes y, then add_rows */
+static void run_lin_add(const it_lin* L, const bf16* x, int64_t ldx, bf16* x_res, bf16* y, int64_t H, int64_t M,
+                        int nthreads, void* scratch, bf16* dec) { /* x_res, y: [M, H] */
+    if (L->kind == IT_KIND_BF16C && !L->inter) {
+        linear_bf16c(x, ldx, (const bf16c*)L->w, L->bias, x_res, H, M, L->N, L->K, nthreads, (bf16*)scratch, dec, 0, 1);
+    } else {
+        run_lin(L, x, ldx, y, H, M, nthreads, scratch, dec, 0);
+        add_rows(x_res, y, M * H);
+    }
+}

@@ -1,0 +1,92 @@
+/* Wall time of the fused step's parts, summed over calls (it_fused_timers reads them): a step's split for
+ * `infertune profile`, at one clock read a part and layer. */
+enum { FT_NORM, FT_QKV, FT_ROTARY_KV, FT_ATTN, FT_O, FT_RESIDUAL, FT_GATE_UP, FT_DOWN, FT_PARTS };
+static double fused_time[FT_PARTS];
+static int64_t fused_calls, fused_rows;
+
+static inline double now_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+/* out [FT_PARTS + 2]: seconds per part (norm, qkv, rotary + K/V write, attention, o_proj, residual adds, gate_up
+ * (+ SiLU), down), then calls and rows; reset: zero them after reading */
+void it_fused_timers(double* out, int reset) {
+    for (int i = 0; i < FT_PARTS; i++) out[i] = fused_time[i];
+    out[FT_PARTS] = (double)fused_calls;
+    out[FT_PARTS + 1] = (double)fused_rows;
+    if (reset) {
+        memset(fused_time, 0, sizeof fused_time);
+        fused_calls = fused_rows = 0;
+    }
+}
+
+/* x [T, hidden] bf16 (T decode rows, or the rows of fresh prompts), updated in place through every layer.
+ * Returns 0, or -1 if the workspace is too small, -2 if the shapes are outside what this path handles (head_dim
+ * not a multiple of 16, ...). */
+int it_decode_layers(const it_model* m, const it_layer* layers, const it_step* s, bf16* x) {
+    const int64_t T = s->T, H = m->hidden, D = m->head_dim, max_ctx = s->max_blocks * m->block_size;
+    if (D % 16 || m->n_heads % m->n_kv_heads || T < 1) return -2;
+    const ws_layout l = workspace(m, T, max_ctx);
+    if (l.total > s->work_bytes) return -1;
+    char* w = (char*)s->work;
+    bf16 *h = (bf16*)(w + l.h), *qkv = (bf16*)(w + l.qkv), *o = (bf16*)(w + l.o), *gu = (bf16*)(w + l.gu);
+    bf16 *act = (bf16*)(w + l.act), *y = (bf16*)(w + l.y);
+    void* lin = w + l.lin;
+    bf16* dec = (bf16*)(w + l.dec);
+    float* attn = (float*)(w + l.attn);
+    const int64_t hkv = m->n_kv_heads, width = (m->n_heads + 2 * hkv) * D, hq = m->n_heads * D;
+    double t0 = now_s(), t1;
+#define PART(i) (t1 = now_s(), fused_time[i] += t1 - t0, t0 = t1)
+    /* Past the last layer's attention only the rows the caller reads go on: the other rows' K / V are all written
+       by then, and nothing else reads their hidden states. They are moved to the front here (rows ascending, so
+       in place) and back at the end; x's other rows are left undefined. */
+    const int sub = s->n_out > 0 && s->n_out < T;
+    for (int li = 0; li < m->n_layers; li++) {
+        const it_layer* L = layers + li;
+        rmsnorm_rows(x, L->input_norm, h, T, H, m->eps, m->nthreads);
+        PART(FT_NORM);
+        run_lin(&L->qkv, h, H, qkv, width, T, m->nthreads, lin, dec, 0);
+        PART(FT_QKV);
+        rotary_rows(m, s, qkv);
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t g = 0; g < hkv; g++) {
+                kv_write(m, L->kv_cache, 0, s->slots[t] * hkv + g, qkv + t * width + hq + g * D);
+                kv_write(m, L->kv_cache, 1, s->slots[t] * hkv + g, qkv + t * width + hq + (hkv + g) * D);
+            }
+        PART(FT_ROTARY_KV);
+        attention_rows(m, s, qkv, L->kv_cache, o, attn, max_ctx, 1);
+        int64_t R = T; /* rows from here on */
+        if (sub && li == m->n_layers - 1) {
+            for (int64_t i = 0; i < s->n_out; i++)
+                if (s->out_rows[i] != i) {
+                    memcpy(o + i * hq, o + s->out_rows[i] * hq, (size_t)hq * 2);
+                    memcpy(x + i * H, x + s->out_rows[i] * H, (size_t)H * 2);
+                }
+            R = s->n_out;
+        }
+        PART(FT_ATTN);
+        run_lin_add(&L->o, o, hq, x, y, H, R, m->nthreads, lin, dec); /* (the residual add with it) */
+        PART(FT_O);
+        rmsnorm_rows(x, L->post_norm, h, R, H, m->eps, m->nthreads);
+        PART(FT_NORM);
+        if (L->gate_up.kind == IT_KIND_BF16C && L->gate_up.inter) { /* SiLU-and-multiply in the GEMM's epilogue */
+            run_lin(&L->gate_up, h, H, act, m->inter, R, m->nthreads, lin, dec, 1);
+        } else {
+            run_lin(&L->gate_up, h, H, gu, 2 * m->inter, R, m->nthreads, lin, dec, 0);
+            silu_mul_rows(gu, act, R, m->inter, m->nthreads);
+        }
+        PART(FT_GATE_UP);
+        run_lin_add(&L->down, act, m->inter, x, y, H, R, m->nthreads, lin, dec);
+        PART(FT_DOWN);
+        if (R < T)
+            for (int64_t i = R - 1; i >= 0; i--)
+                if (s->out_rows[i] != i) memcpy(x + s->out_rows[i] * H, x + i * H, (size_t)H * 2);
+        PART(FT_RESIDUAL);
+    }
+#undef PART
+    fused_calls++;
+    fused_rows += T;
+    return 0;
+}

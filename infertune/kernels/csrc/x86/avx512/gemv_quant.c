@@ -1,0 +1,273 @@
+
+/* Whether linear_w8 / linear_w4 take the AMX path for these shapes */
+static inline int use_q_amx(int64_t M, int64_t N, int64_t K) {
+    return amx_state == 1 && M >= AMX_MIN_ROWS && M <= 16 && K % 32 == 0 && N >= 16;
+}
+
+#include "act_i16.h" /* quantize_rows_i16, X_QMAX */
+
+/* ------------------------------------------------------------------ int8 weights, int16 activations */
+
+/* x_q = 256 h + l with l = ((x_q + 128) & 255) - 128 and h = (x_q - l) / 256, both signed bytes (|x_q| <= 32512
+ * keeps h <= 127, see quantize_rows_i16). The weight goes in as the unsigned operand of VPDPBUSD, flipped to
+ * q + 128 with one XOR, 64 columns per instruction:
+ *   sum q x_q = 256 (sum (q + 128) h - 128 sum h) + (sum (q + 128) l - 128 sum l)
+ * Lanes sum 4 products of at most 255 * 128 per instruction, so int32 holds any K below ~4M. */
+/* (the weight vectors of rows past nr are never loaded nor used: GCC cannot see that through the j < nr tests) */
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+static inline __attribute__((always_inline)) void w8_block(
+    const int8_t* xh, const int8_t* xl, int64_t Kp, const int32_t* hsum, const int32_t* lsum, int mr,
+    const int8_t* w, int nr, int64_t K, float out[MR][NR]) {
+    __m512i ah[MR][NR], al[MR][NR];
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < NR; j++) ah[i][j] = al[i][j] = _mm512_setzero_si512();
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    for (int64_t k = 0; k < K; k += 64) {
+        const int64_t left = K - k;
+        const __mmask64 m = left >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << left) - 1);
+        __m512i wv[NR];
+        for (int j = 0; j < NR; j++) {
+            if (j < nr) {
+                _mm_prefetch((const char*)(w + j * K + k) + PF_BYTES / 2, _MM_HINT_T0);
+                /* past K: q = 0 -> 128, against x = 0 (padded): no contribution */
+                wv[j] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(m, w + j * K + k), flip);
+            }
+        }
+        for (int i = 0; i < MR; i++) {
+            if (i < mr) {
+                const __m512i hv = _mm512_loadu_si512(xh + i * Kp + k), lv = _mm512_loadu_si512(xl + i * Kp + k);
+                for (int j = 0; j < NR; j++) {
+                    if (j < nr) {
+                        ah[i][j] = _mm512_dpbusd_epi32(ah[i][j], wv[j], hv);
+                        al[i][j] = _mm512_dpbusd_epi32(al[i][j], wv[j], lv);
+                    }
+                }
+            }
+        }
+    }
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < NR; j++)
+            if (i < mr && j < nr) {
+                const double h = (double)_mm512_reduce_add_epi32(ah[i][j]) - 128.0 * hsum[i];
+                const double l = (double)_mm512_reduce_add_epi32(al[i][j]) - 128.0 * lsum[i];
+                out[i][j] = (float)(256.0 * h + l); /* the exact integer sum, rounded once */
+            }
+}
+#pragma GCC diagnostic pop
+
+/* x_q (int16 rows, padded to Kp) -> the signed bytes h and l of each value and their row sums */
+static void split_rows_i16(const int16_t* xq, int64_t M, int64_t Kp, int8_t* xh, int8_t* xl, int32_t* hsum,
+                           int32_t* lsum) {
+    for (int64_t m = 0; m < M; m++) {
+        int32_t hs = 0, ls = 0;
+        for (int64_t k = 0; k < Kp; k++) {
+            const int32_t v = xq[m * Kp + k], l = ((v + 128) & 255) - 128, h = (v - l) / 256;
+            xh[m * Kp + k] = (int8_t)h;
+            xl[m * Kp + k] = (int8_t)l;
+            hs += h;
+            ls += l;
+        }
+        hsum[m] = hs;
+        lsum[m] = ls;
+    }
+}
+
+#define W8_CASE(MRC, NRC) w8_block(xh + m0 * Kp, xl + m0 * Kp, Kp, hsum + m0, lsum + m0, MRC, wb, NRC, K, out)
+
+/* int16 activations [M, Kp] (Kp = K rounded up to 64), their scales [M], (int4) group sums [M, K / 32 at most],
+ * (int8) the activations' signed high and low bytes [M, Kp] each and their row sums [M] each */
+static inline int64_t w8_scratch_bytes(int64_t M, int64_t K) {
+    const int64_t Kp = (K + 63) & ~(int64_t)63;
+    return (M * Kp * 2 + M * 4 + M * (K / 32 + 1) * 4 + M * Kp * 2 + M * 8 + 255) & ~(int64_t)63;
+}
+
+/* linear_w8 / linear_w4: the VNNI path's scratch, then the AMX path's */
+static inline int64_t qlin_scratch_bytes(int64_t M, int64_t K, int nthreads) {
+    return w8_scratch_bytes(M, K) + q_amx_scratch_bytes(K, nthreads);
+}
+
+/* scale: per output row, bf16 (scale_is_f32 = 0) or fp32 (1). scratch: qlin_scratch_bytes(M, K, nthreads). */
+static void linear_w8(const bf16* x, int64_t ldx, const int8_t* w, const void* scale, int scale_is_f32,
+                      const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads,
+                      void* scratch) {
+    if (use_q_amx(M, N, K)) {
+        const qweight q = {IT_KIND_W8, w, scale, scale_is_f32, NULL, 0};
+        const int64_t n16 = N & ~(int64_t)15;
+        linear_q_amx(&q, x, ldx, bias, y, ldy, M, n16, K, nthreads, (char*)scratch + w8_scratch_bytes(M, K));
+        if (n16 == N) return;
+        w += n16 * K; /* the last N % 16 features: the VNNI path below */
+        scale = (const char*)scale + n16 * (scale_is_f32 ? 4 : 2);
+        bias = bias ? bias + n16 : NULL;
+        y += n16;
+        N -= n16;
+    }
+    const int64_t Kp = (K + 63) & ~(int64_t)63;
+    int16_t* xq = (int16_t*)scratch;
+    float* sx = (float*)(xq + M * Kp);
+    int8_t* xh = (int8_t*)(sx + M + M * (K / 32 + 1));
+    int8_t* xl = xh + M * Kp;
+    int32_t* hsum = (int32_t*)(xl + M * Kp);
+    int32_t* lsum = hsum + M;
+    quantize_rows_i16(x, ldx, M, K, Kp, xq, sx, NULL, 1);
+    split_rows_i16(xq, M, Kp, xh, xl, hsum, lsum);
+    const int64_t nblocks = (N + NR - 1) / NR;
+    const int nt = pick_threads(nblocks, N * K, nthreads);
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t b = 0; b < nblocks; b++) {
+        const int64_t n0 = b * NR;
+        const int nr = (int)(N - n0 < NR ? N - n0 : NR);
+        const int8_t* wb = w + n0 * K;
+        for (int64_t m0 = 0; m0 < M; m0 += MR) {
+            const int mr = (int)(M - m0 < MR ? M - m0 : MR);
+            float out[MR][NR];
+            DISPATCH_BLOCK(W8_CASE)
+            for (int i = 0; i < mr; i++)
+                for (int j = 0; j < nr; j++) {
+                    const int64_t n = n0 + j;
+                    const float s = scale_is_f32 ? ((const float*)scale)[n] : bf2f(((const bf16*)scale)[n]);
+                    y[(m0 + i) * ldy + n] = f2bf(out[i][j] * sx[m0 + i] * s + (bias ? bf2f(bias[n]) : 0.0f));
+                }
+        }
+    }
+}
+
+void it_linear_w8(const bf16* x, int64_t ldx, const int8_t* w, const void* scale, int scale_is_f32,
+                  const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads) {
+    void* scratch = aligned_alloc(64, (size_t)qlin_scratch_bytes(M, K, nthreads));
+    linear_w8(x, ldx, w, scale, scale_is_f32, bias, y, ldy, M, N, K, nthreads, scratch);
+    free(scratch);
+}
+
+/* ------------------------------------------------------------------ int4 weights, int16 activations
+ *
+ * Layout (kernels/cpu.py pack_w4): row n of W is K / 2 bytes; in each run of 64 columns starting at k0, byte
+ * b (0..31) holds column k0 + b in its low nibble and k0 + 32 + b in its high nibble, so one 32-byte load
+ * widens to 32 int16 whose low and high nibbles are columns k0 .. k0 + 31 and k0 + 32 .. k0 + 63. Values q in
+ * 0..15 with, per row and group of gs columns (gs a multiple of 64), w = q * scale + zero (fp32 [N, K / gs]).
+ */
+/* (the weight vectors of rows past nr are never loaded nor used: GCC cannot see that through the j < nr tests) */
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+static inline __attribute__((always_inline)) void w4_block(
+    const int16_t* xq, int64_t Kp, const float* xsum, int mr, const uint8_t* w, int nr, int64_t K, int64_t gs,
+    const float* scale, const float* zero, float out[MR][NR], float zout[MR][NR]) {
+    const int64_t G = K / gs;
+    __m512 accf[MR][NR];
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < NR; j++) accf[i][j] = _mm512_setzero_ps();
+    const __m512i lo4 = _mm512_set1_epi16(0x0f);
+    for (int64_t g = 0; g < G; g++) {
+        __m512i acc[MR][NR];
+        for (int i = 0; i < MR; i++)
+            for (int j = 0; j < NR; j++) acc[i][j] = _mm512_setzero_si512();
+        for (int64_t k = g * gs; k < (g + 1) * gs; k += 64) {
+            __m512i wlo[NR], whi[NR];
+            for (int j = 0; j < NR; j++) {
+                if (j < nr) {
+                    const uint8_t* p = w + j * (K / 2) + k / 2;
+                    _mm_prefetch((const char*)p + PF_BYTES, _MM_HINT_T0);
+                    const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)p));
+                    wlo[j] = _mm512_and_si512(b, lo4);  /* columns k .. k + 31 */
+                    whi[j] = _mm512_srli_epi16(b, 4);   /* columns k + 32 .. k + 63 */
+                }
+            }
+            for (int i = 0; i < MR; i++) {
+                if (i < mr) {
+                    const __m512i xlo = _mm512_loadu_si512(xq + i * Kp + k);
+                    const __m512i xhi = _mm512_loadu_si512(xq + i * Kp + k + 32);
+                    for (int j = 0; j < NR; j++)
+                        if (j < nr) acc[i][j] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(acc[i][j], wlo[j], xlo), whi[j], xhi);
+                }
+            }
+        }
+        for (int j = 0; j < NR; j++) {
+            if (j < nr) {
+                const __m512 sv = _mm512_set1_ps(scale[j * G + g]);
+                for (int i = 0; i < MR; i++)
+                    if (i < mr) accf[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i][j]), sv, accf[i][j]);
+            }
+        }
+    }
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < NR; j++)
+            if (i < mr && j < nr) {
+                float z = 0.0f; /* sum_g zero_g * (sum of x over g), with the exact sums of x */
+                for (int64_t g = 0; g < G; g++) z += zero[j * G + g] * xsum[i * G + g];
+                out[i][j] = _mm512_reduce_add_ps(accf[i][j]);
+                zout[i][j] = z;
+            }
+}
+#pragma GCC diagnostic pop
+
+#define W4_CASE(MRC, NRC) w4_block(xq + m0 * Kp, Kp, xsum + m0 * G, MRC, wb, NRC, K, gs, scale + n0 * G, \
+                                   zero + n0 * G, out, zout)
+
+/* scratch: qlin_scratch_bytes(M, K, nthreads), aligned */
+static void linear_w4(const bf16* x, int64_t ldx, const uint8_t* w, const float* scale, const float* zero, int64_t gs,
+                      const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads,
+                      void* scratch) {
+    if (use_q_amx(M, N, K)) {
+        const qweight q = {IT_KIND_W4, w, scale, 0, zero, gs};
+        const int64_t n16 = N & ~(int64_t)15;
+        linear_q_amx(&q, x, ldx, bias, y, ldy, M, n16, K, nthreads, (char*)scratch + w8_scratch_bytes(M, K));
+        if (n16 == N) return;
+        w += n16 * (K / 2); /* the last N % 16 features: the VNNI path below */
+        scale += n16 * (K / gs);
+        zero += n16 * (K / gs);
+        bias = bias ? bias + n16 : NULL;
+        y += n16;
+        N -= n16;
+    }
+    const int64_t Kp = (K + 31) & ~(int64_t)31, G = K / gs;
+    int16_t* xq = (int16_t*)scratch;
+    float* sx = (float*)(xq + M * Kp);
+    float* xsum = sx + M;
+    quantize_rows_i16(x, ldx, M, K, Kp, xq, sx, xsum, gs);
+    const int64_t nblocks = (N + NR - 1) / NR;
+    const int nt = pick_threads(nblocks, N * K / 2, nthreads);
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t b = 0; b < nblocks; b++) {
+        const int64_t n0 = b * NR;
+        const int nr = (int)(N - n0 < NR ? N - n0 : NR);
+        const uint8_t* wb = w + n0 * (K / 2);
+        for (int64_t m0 = 0; m0 < M; m0 += MR) {
+            const int mr = (int)(M - m0 < MR ? M - m0 : MR);
+            float out[MR][NR], zout[MR][NR];
+            DISPATCH_BLOCK(W4_CASE)
+            for (int i = 0; i < mr; i++)
+                for (int j = 0; j < nr; j++) {
+                    const int64_t n = n0 + j;
+                    y[(m0 + i) * ldy + n] = f2bf(out[i][j] * sx[m0 + i] + zout[i][j] + (bias ? bf2f(bias[n]) : 0.0f));
+                }
+        }
+    }
+}
+
+/* K % gs == 0, gs % 64 == 0 (checked by the caller) */
+void it_linear_w4(const bf16* x, int64_t ldx, const uint8_t* w, const float* scale, const float* zero, int64_t gs,
+                  const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads) {
+    void* scratch = aligned_alloc(64, (size_t)qlin_scratch_bytes(M, K, nthreads));
+    linear_w4(x, ldx, w, scale, zero, gs, bias, y, ldy, M, N, K, nthreads, scratch);
+    free(scratch);
+}
+
+/* ------------------------------------------------------------------ dense weights for prefills
+ *
+ * Past 16 rows torch's GEMM (oneDNN / AMX) beats the kernels above, so a quantized layer's prefill multiplies a
+ * bf16 copy of its weights, rebuilt here per call, in parallel and in one pass: w = bf16(q * s) for int8 (as the
+ * PyTorch reference rounds it), w = bf16(q * s + z) in fp32 for int4.
+ */
+void it_dequant_w8(const int8_t* q, const void* scale, int scale_is_f32, bf16* out, int64_t N, int64_t K,
+                   int nthreads) {
+#pragma omp parallel for num_threads(nthreads > 0 ? nthreads : 1) schedule(static)
+    for (int64_t n = 0; n < N; n++) dequant_w8_row(q + n * K, w8_scale(scale, scale_is_f32, n), out + n * K, K);
+}
+
+void it_dequant_w4(const uint8_t* packed, const float* scale, const float* zero, int64_t gs, bf16* out, int64_t N,
+                   int64_t K, int nthreads) {
+    const int64_t G = K / gs;
+#pragma omp parallel for num_threads(nthreads > 0 ? nthreads : 1) schedule(static)
+    for (int64_t n = 0; n < N; n++) dequant_w4_row(packed + n * (K / 2), scale + n * G, zero + n * G, gs, out + n * K, K);
+}
+

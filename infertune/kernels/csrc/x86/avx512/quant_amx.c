@@ -1,0 +1,58 @@
+/* ------------------------------------------------------------------ quantized weights at 2-16 rows on AMX
+ *
+ * At several rows the int16 VNNI kernels below become compute-bound. Where the CPU has AMX, each thread instead
+ * rebuilds 64 rows of the weight in bf16 in its own L2-sized buffer (the prefill's rounding: dequant_w8_row /
+ * dequant_w4_row) and multiplies them on the tiles like a bf16 weight; the weight bytes still stream once.
+ */
+typedef struct {
+    int kind; /* 1: int8, 2: int4 (it_lin's kinds) */
+    const void* w;
+    const void* scale;
+    int scale_is_f32;
+    const float* zero;
+    int64_t gs;
+} qweight;
+
+static inline int64_t q_amx_scratch_bytes(int64_t K, int nthreads) {
+    return (K * 32 + (int64_t)(nthreads > 0 ? nthreads : 1) * 64 * K * 2 + 127) & ~(int64_t)63;
+}
+
+static inline void dequant_rows(const qweight* q, int64_t n0, int64_t rows, int64_t K, bf16* out) {
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t n = n0 + r;
+        if (q->kind == IT_KIND_W8)
+            dequant_w8_row((const int8_t*)q->w + n * K, w8_scale(q->scale, q->scale_is_f32, n), out + r * K, K);
+        else
+            dequant_w4_row((const uint8_t*)q->w + n * (K / 2), (const float*)q->scale + n * (K / q->gs),
+                           q->zero + n * (K / q->gs), q->gs, out + r * K, K);
+    }
+}
+
+/* M <= 16, K % 32 == 0, N16 a multiple of 16; scratch: q_amx_scratch_bytes(K, nthreads), aligned */
+__attribute__((target("amx-tile,amx-bf16")))
+static void linear_q_amx(const qweight* q, const bf16* x, int64_t ldx, const bf16* bias, bf16* y, int64_t ldy,
+                         int64_t M, int64_t N16, int64_t K, int nthreads, void* scratch) {
+    bf16* xt = (bf16*)scratch;
+    bf16* bufs = xt + K * 16;
+    const int mr = (int)M;
+    transpose_rows_amx(x, ldx, mr, K, xt);
+    const int64_t nchunks = (N16 / 16 + 3) / 4;
+    const int nt = pick_threads(nchunks, N16 * K, nthreads);
+#pragma omp parallel num_threads(nt)
+    {
+        bf16* buf = bufs + (int64_t)omp_get_thread_num() * 64 * K;
+        amx_configure(7);
+#pragma omp for schedule(static)
+        for (int64_t c = 0; c < nchunks; c++) {
+            const int64_t n0 = c * 64;
+            const int nblk = chunk_tiles(N16, c);
+            dequant_rows(q, n0, 16 * nblk, K, buf);
+            amx_rows(buf, xt, bias, y, ldy, mr, n0, nblk, K);
+        }
+        _tile_release();
+    }
+}
+
+/* Any M: up to 16 rows one pass decoding tile by tile, more on the 2 x 2 blocked GEMM, each thread decoding 64
+ * features of W at a time; epi as linear_bf16c's. Returns 0, or -2 where the shapes or the CPU do not fit (N % 16,
+ * K % 32, no AMX). */

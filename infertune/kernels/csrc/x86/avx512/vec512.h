@@ -1,0 +1,100 @@
+/* AVX-512 helpers shared by the AVX-512 kernels: masked bf16 loads, rounding to bf16, the dequantized rows of
+ * quantized weights, exp / SiLU in fp32, and the GEMV blocking. */
+#ifndef IT_VEC512_H
+#define IT_VEC512_H
+#include <immintrin.h>
+#include "bf16.h"
+
+#define NR 4          /* weight rows per block */
+#define MR 4          /* activation rows per pass over a block */
+#define PF_BYTES 1024 /* software prefetch distance along a weight row */
+#ifndef PF_KEYS
+#define PF_KEYS 32    /* ... and along a sequence's K/V rows in the decode attention */
+#endif
+
+static inline __mmask16 mask16(int64_t left) { /* the first min(left, 16) lanes */
+    return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+}
+
+static inline __m512 load_bf16x16(const bf16* p, __mmask16 m) { /* 16 bf16 (masked) -> fp32 */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+
+static inline __m256i round_bf16x16(__m512 v) { /* 16 fp32 -> bf16, nearest even, as f2bf (finite values) */
+    __m512i u = _mm512_castps_si512(v);
+    u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                             _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
+}
+
+static inline int chunk_tiles(int64_t N16, int64_t ch) {
+    return (int)((N16 - ch * 64) / 16 < 4 ? (N16 - ch * 64) / 16 : 4);
+}
+
+/* One row of a quantized weight as bf16, rounded as the PyTorch references: bf16(q * bf16(s)) for int8,
+ * bf16(q * s + z) (fp32 multiply, then add) for int4 in the 64-column nibble layout. */
+static inline void dequant_w8_row(const int8_t* q, float s, bf16* out, int64_t K) {
+    const __m512 sv = _mm512_set1_ps(s);
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + k))));
+        _mm256_storeu_si256((__m256i*)(out + k), round_bf16x16(_mm512_mul_ps(v, sv)));
+    }
+    for (; k < K; k++) out[k] = f2bf((float)q[k] * s);
+}
+
+static inline void dequant_w4_row(const uint8_t* p, const float* scale, const float* zero, int64_t gs, bf16* out,
+                                  int64_t K) {
+    for (int64_t k0 = 0; k0 < K; k0 += 64) { /* 32 bytes: columns k0 + b (low) and k0 + 32 + b (high) */
+        const int64_t g = k0 / gs;
+        const __m512 sv = _mm512_set1_ps(scale[g]), zv = _mm512_set1_ps(zero[g]);
+        for (int64_t h = 0; h < 2; h++) { /* bytes 16 h .. 16 h + 15 */
+            const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(p + k0 / 2 + 16 * h)));
+            const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0xF)));
+            const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+            _mm256_storeu_si256((__m256i*)(out + k0 + 16 * h), round_bf16x16(_mm512_add_ps(_mm512_mul_ps(lo, sv), zv)));
+            _mm256_storeu_si256((__m256i*)(out + k0 + 32 + 16 * h),
+                                round_bf16x16(_mm512_add_ps(_mm512_mul_ps(hi, sv), zv)));
+        }
+    }
+}
+
+static inline float w8_scale(const void* scale, int scale_is_f32, int64_t n) {
+    /* the reference multiplies in bf16: q.to(bf16) * s.to(bf16) */
+    return bf2f(scale_is_f32 ? f2bf(((const float*)scale)[n]) : ((const bf16*)scale)[n]);
+}
+
+static inline __m512 bf16_round_f32(__m512 v) { /* fp32 -> the nearest bf16, back in fp32 */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(round_bf16x16(v)), 16));
+}
+
+static inline __m512 exp512(__m512 x) { /* e^x, relative error ~1e-7 over the clamped range */
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 5040);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+
+
+/* 1 / d to ~1 ulp: the 14-bit estimate and one Newton step (a division costs ~4x as much here) */
+static inline __m512 rcp512(__m512 d) {
+    const __m512 r = _mm512_rcp14_ps(d);
+    return _mm512_fmadd_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(1.0f)), r);
+}
+
+static inline __m512 silu512(__m512 g) { /* g / (1 + e^-g) in fp32 */
+    return _mm512_mul_ps(g, rcp512(_mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
+}
+
+#endif
