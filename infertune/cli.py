@@ -186,6 +186,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name,
         max_body_bytes=args.max_body_bytes,
         graceful_timeout_s=args.graceful_timeout,
+        tool_call_parser=args.tool_call_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
         **options,
     )
 
@@ -224,6 +226,20 @@ def _add_serve(sub) -> None:
     srv.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* routes")
     srv.add_argument("--served-model-name", default=None, help="model name clients send (default: the folder's name)")
+    from infertune.serve.tool_parsers import TOOL_PARSERS
+
+    srv.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=sorted(TOOL_PARSERS),
+        help="how the model writes tool calls, to turn its output into OpenAI tool_calls: hermes (Hermes, Qwen2.5 / "
+        "Qwen3; alias qwen2_5), llama3_json (Llama 3.x), mistral (docs/server.md)",
+    )
+    srv.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let the model decide to call tools (tool_choice "auto", the default with tools); needs --tool-call-parser',
+    )
     srv.add_argument(
         "--max-body-bytes",
         type=int,

@@ -94,6 +94,16 @@ class LLM:
         prompts = [self.engine.render_chat(c, chat_template, add_generation_prompt) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
+    def check_consistency(self, prompts: list | None = None, long: int | None = None, **kwargs) -> dict:
+        """Run this LLM's model and options along the paths that must agree (batch 1 vs N, prefix cache, chunked
+        prefill, preemption, kernels vs torch; int8 KV / quantization against a gate), or with long=N one long
+        generation; each path builds its own engine. See infertune/profile/consistency.py and docs/consistency.md."""
+        from infertune.profile import consistency
+
+        if long is not None:
+            return consistency.check_long(self.config, long, prompt=prompts[0] if prompts else None, **kwargs)
+        return consistency.check_consistency(self.config, prompts, **kwargs)
+
     def _run(self, results: dict[str, RequestOutput], total: int, use_tqdm: bool) -> None:
         bar = tqdm(total=total, desc="generating", unit="req", disable=not use_tqdm)
         out_tokens = 0

@@ -31,8 +31,13 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs returned with each sampled token
+    # Logprobs of the prompt's own tokens (None for the first), each with this many top alternatives (vLLM's name).
+    # With it, max_tokens=0 is allowed: the prompt is scored and nothing is generated.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Constrained decoding: a JSON schema, regex, choice, grammar or any JSON object (docs/structured-output.md).
+    structured_outputs: StructuredOutputsParams | None = None
     stop_list: tuple[str, ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
@@ -57,8 +62,13 @@ class SamplingParams:
             raise bad("presence_penalty", "must be in [-2, 2]")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             raise bad("frequency_penalty", "must be in [-2, 2]")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise bad("max_tokens", "must be an integer >= 1")
+        if self.prompt_logprobs is not None and (
+            not isinstance(self.prompt_logprobs, int) or not 0 <= self.prompt_logprobs <= 20
+        ):
+            raise bad("prompt_logprobs", "must be an integer in [0, 20]")
+        least = 0 if self.prompt_logprobs is not None else 1
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < least):
+            raise bad("max_tokens", "must be an integer >= 1 (0 only with prompt_logprobs: score the prompt alone)")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             raise bad("logprobs", "must be an integer in [0, 20]")
         if self.seed is not None and not isinstance(self.seed, int):
@@ -68,6 +78,12 @@ class SamplingParams:
             raise bad("stop", "must be a non-empty string or a list of non-empty strings")
         self.stop_list = tuple(stops)
         self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
+        # -- structured output (docs/structured-output.md) --
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise bad("structured_outputs", "must be a StructuredOutputsParams (or a dict of its fields)")
+        # -- end structured output --
 
     @property
     def greedy(self) -> bool:
@@ -83,3 +99,60 @@ class SamplingParams:
 
         seed = None if self.seed is None else self.seed + index
         return replace(self, n=1, seed=seed)
+
+
+# ---- structured output (docs/structured-output.md) ---------------------------------------------------------------
+_STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+@dataclass(slots=True)
+class StructuredOutputsParams:
+    """What the output must match, vLLM's names: exactly one of json (a JSON schema, dict or text), regex, choice
+    (a list of strings), grammar (Lark, or GBNF / EBNF as llama.cpp writes it) or json_object=True (any JSON
+    object). The options shape JSON: disable_any_whitespace (compact JSON, no free whitespace),
+    disable_additional_properties (objects without "additionalProperties" get false), whitespace_pattern (a regex
+    for the whitespace JSON may have). structural_tag is vLLM's too, and refused here (not supported yet)."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.json_object is False:
+            self.json_object = None
+        given = [k for k in _STRUCTURED_KINDS if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ParamError(
+                "structured_outputs",
+                "structured_outputs needs exactly one of json, regex, choice, grammar, json_object"
+                + (f"; got {', '.join(given)}" if given else ""),
+            )
+        if self.structural_tag is not None:
+            raise ParamError("structured_outputs", "structural_tag is not supported; use json, regex or grammar")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ParamError("structured_outputs", "json must be a JSON schema: a dict or its JSON text")
+        if self.regex is not None and not isinstance(self.regex, str):
+            raise ParamError("structured_outputs", "regex must be a string")
+        if self.grammar is not None and not isinstance(self.grammar, str):
+            raise ParamError("structured_outputs", "grammar must be a string")
+        if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)) or not self.choice:
+                raise ParamError("structured_outputs", "choice must be a non-empty list of strings")
+            if any(not isinstance(c, str) for c in self.choice):
+                raise ParamError("structured_outputs", "choice must be a list of strings")
+            self.choice = list(self.choice)
+        if self.json_object is not None and self.json_object is not True:
+            raise ParamError("structured_outputs", "json_object must be true")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in _STRUCTURED_KINDS if getattr(self, k) is not None)
+
+
+# ---- end structured output ----------------------------------------------------------------------------------------

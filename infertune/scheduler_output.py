@@ -43,6 +43,18 @@ class NewRequest:
     params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int  # tokens whose KV is already in the cache (prefix-cache hits)
+    # The grammar its output must match (structured output), None if unconstrained. The worker builds a matcher
+    # from it and advances it by the outputs already in token_ids (after a preemption) and by each token sampled.
+    structured_output: GrammarSpec | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class GrammarSpec:
+    """A compiled, validated structured-output grammar as plain data (docs/structured-output.md)."""
+
+    key: str  # what it was compiled from (kind, options, schema text): the workers' cache key
+    grammar: str  # the library's grammar (llguidance's serialized form), already validated by the engine
+    eos_token_ids: tuple[int, ...]  # the tokens that end the output once the grammar accepts
 
 
 @dataclass(slots=True)

@@ -23,6 +23,7 @@ RANKS = {
     "executor": 5,
     "engine": 6,
     "llm": 7,
+    "async_llm": 7,
     "cli": 7,
     "serve": 7,
     "bench": 7,

@@ -92,7 +92,7 @@ def schemathesis_run(url: str, seed: int, report_dir) -> tuple[subprocess.Comple
             "--checks",
             ",".join(CHECKS),
             "--max-examples",
-            "700",
+            "150",  # (a run over the nine operations generates ~1,800 bodies, most in the coverage phase)
             "--request-timeout",
             "60",
             "--workers",
@@ -130,7 +130,7 @@ def test_schemathesis_thousands_of_bodies_no_5xx_rss_under_ceiling_health_throug
             assert attempt == 0, summary
         assert run.returncode == 0, summary
         generated = int(re.search(r"(\d+) generated", summary).group(1))
-        assert generated >= 1500, summary  # "thousands": coverage + fuzzing over the five operations
+        assert generated >= 1500, summary  # "thousands": coverage + fuzzing over the nine operations
         assert wait_until(lambda: idle(server.url))
     assert not dog.failures, dog.failures[:5]
     assert dog.readings >= 20 and 0 < dog.peak_rss < MEMORY_LIMIT

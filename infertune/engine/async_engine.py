@@ -345,6 +345,10 @@ class AsyncLLMEngine:
             self._close(out.request_id)
 
 
+class RequestCancelled(Exception):
+    """What cancel() hands a waiting consumer: its iteration ends (no exception reaches it)."""
+
+
 class RequestStream:
     """The outputs of one accepted request. Leaving the iteration before the end aborts the request."""
 
@@ -358,6 +362,8 @@ class RequestStream:
         try:
             while not self.finished:
                 item = await self._mailbox.get()
+                if isinstance(item, RequestCancelled):
+                    return
                 if isinstance(item, BaseException):
                     raise item
                 self.finished = item.finished
@@ -370,3 +376,10 @@ class RequestStream:
         if not self.finished:
             self.finished = True
             self.engine.abort(self.request_id)
+
+    def cancel(self) -> None:
+        """Abort from outside the iteration (another task, e.g. AsyncLLM.abort): a consumer waiting for the next
+        output wakes and its iteration ends."""
+        if not self.finished:
+            self.abort()
+            self._mailbox.put(RequestCancelled())

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from infertune.config import EngineConfig
@@ -20,6 +20,7 @@ from infertune.engine.outputs import CompletionOutput, Logprob, RequestMetrics, 
 from infertune.engine.scheduler import Scheduler
 from infertune.engine.sequence import Sequence, SequenceStatus
 from infertune.engine.tokenizer import load_tokenizer
+from infertune.runner.grammar import GrammarCompiler
 from infertune.sampling_params import ParamError, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,7 @@ class _Sample:
     text: str = ""
     stop_reason: str | int | None = None
     logprobs: list[Logprob] | None = None
+    discard: bool = False  # max_tokens=0 (prompt logprobs alone): the one token sampled after the prompt is dropped
 
 
 @dataclass(slots=True)
@@ -49,6 +51,7 @@ class _Request:
     params: SamplingParams
     samples: list[_Sample] = field(default_factory=list)
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.perf_counter()))
+    prompt_logprobs: list[Logprob | None] | None = None
 
 
 class LLMEngine:
@@ -63,6 +66,7 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.eos_token_ids = self._eos_token_ids()
+        self.grammars = GrammarCompiler(self.eos_token_ids)  # structured output: compiled once per schema (LRU)
         self.requests: dict[str, _Request] = {}
         self.num_steps = 0
         log.info("%s", self.describe_kv_cache())
@@ -112,9 +116,15 @@ class LLMEngine:
         raise ValueError(f"a prompt must be a string, a list of token ids or a dict, not {type(prompt).__name__}")
 
     def render_chat(
-        self, conversation: list[dict], chat_template: str | None = None, add_generation_prompt: bool = True
+        self,
+        conversation: list[dict],
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
     ) -> dict:
-        """A conversation -> a prompt dict, through the checkpoint's chat template (or the one given)."""
+        """A conversation -> a prompt dict, through the checkpoint's chat template (or the one given); `tools`
+        (OpenAI's function tools) go to the template as HF apply_chat_template(tools=...) hands them. A message the
+        template refuses (raise_exception, a role it does not know) is a ValueError that says why."""
         tok = self.tokenizer
         if chat_template is None and not getattr(tok, "chat_template", None):
             raise ValueError(
@@ -126,9 +136,18 @@ class LLMEngine:
         for m in conversation:
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise ValueError(f"each chat message must be a dict with 'role' and 'content', got {m!r}")
-        text = tok.apply_chat_template(
-            conversation, chat_template=chat_template, tokenize=False, add_generation_prompt=add_generation_prompt
-        )
+        from jinja2 import TemplateError
+
+        try:
+            text = tok.apply_chat_template(
+                conversation,
+                chat_template=chat_template,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                tools=tools,
+            )
+        except (TemplateError, TypeError, KeyError, IndexError) as e:  # the template's own checks, or bad shapes
+            raise ValueError(f"the chat template cannot render these messages: {e}") from None
         # The template already holds any BOS / special tokens: do not add them twice.
         return {"prompt": text, "add_special_tokens": False}
 
@@ -174,7 +193,8 @@ class LLMEngine:
                 ),
             )
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        return PreparedPrompt(text, ids, max_tokens)
+        # (max_tokens=0, allowed with prompt_logprobs: the prompt runs, and the token sampled after it is dropped)
+        return PreparedPrompt(text, ids, max(max_tokens, 1))
 
     def check_params(self, params: SamplingParams) -> None:
         """The engine's bounds on what one request may ask for (LimitsConfig), beyond SamplingParams' own rules."""
@@ -199,6 +219,19 @@ class LLMEngine:
         vocab = self.config.model.arch.vocab_size
         if any(not 0 <= t < vocab for t in params.stop_token_ids):
             raise ParamError("stop_token_ids", f"stop_token_ids must be token ids in [0, {vocab}) for this model")
+        self.structured_output_spec(params)  # a schema the library cannot compile: ParamError, with its reason
+
+    def structured_output_spec(self, params: SamplingParams):
+        """The compiled grammar (scheduler_output.GrammarSpec) of params.structured_outputs, None without one;
+        ParamError where it cannot be compiled. Cached by the schema's text, so a second call costs a lookup."""
+        if (
+            params.structured_outputs is not None
+            and not (Path(self.config.model.tokenizer) / "tokenizer.json").is_file()
+        ):
+            raise ParamError(
+                "structured_outputs", "structured output needs the tokenizer's tokenizer.json (a fast tokenizer)"
+            )
+        return self.grammars.spec(params)
 
     def enqueue(
         self, request_id: str, prepared: PreparedPrompt, params: SamplingParams, arrival_time: float | None = None
@@ -208,18 +241,29 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids, max_tokens = prepared.text, prepared.token_ids, prepared.max_tokens
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+        grammar = self.structured_output_spec(params)
+        if grammar is not None:  # the grammar allows EOS only where it accepts, and ends there (even with ignore_eos)
+            stop_ids |= set(grammar.eos_token_ids)
         req = _Request(request_id, text, ids, params)
         if arrival_time is not None:
             req.metrics.arrival_time = arrival_time
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None] * len(ids)
         for i in range(params.n):
             sample_params = params.for_sample(i) if params.n > 1 else params
+            if i > 0 and params.prompt_logprobs is not None:  # the prompt is scored once, by the first sample
+                sample_params = replace(sample_params, prompt_logprobs=None)
             seq = Sequence(ids, max_tokens, sample_params, request_id=request_id)
             seq.stop_token_ids = frozenset(stop_ids)
+            seq.structured_output = grammar
+            # A prefix-cache hit would skip the logits of the cached tokens: a scored prompt is computed whole.
+            seq.skip_prefix_cache = sample_params.prompt_logprobs is not None
             req.samples.append(
                 _Sample(
                     seq,
                     IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens),
                     logprobs=[] if params.logprobs is not None else None,
+                    discard=params.max_tokens == 0,
                 )
             )
         self.requests[request_id] = req
@@ -255,6 +299,12 @@ class LLMEngine:
         self.num_steps += 1
         now = time.perf_counter()
         touched: dict[str, _Request] = {}
+        for seq, scored in zip(batch.seqs, out.prompt_logprobs or ()):
+            req = self.requests.get(seq.request_id)
+            if scored is not None and req is not None and req.prompt_logprobs is not None:
+                first, entries = scored  # (a recomputed prefill scores the same tokens again: overwrite them)
+                for j, (value, top) in enumerate(entries):
+                    req.prompt_logprobs[first + j] = Logprob(req.prompt_token_ids[first + j], value, top)
         for seq, token, lp in zip(batch.seqs, out.token_ids, out.logprobs):
             req = self.requests.get(seq.request_id)
             if token is None or req is None:
@@ -275,6 +325,8 @@ class LLMEngine:
         return outputs
 
     def _on_new_token(self, sample: _Sample, token: int, lp, params: SamplingParams) -> None:
+        if sample.discard:
+            return
         if sample.logprobs is not None and lp is not None:
             sample.logprobs.append(Logprob(token, lp[0], lp[1]))
         seq = sample.seq
@@ -303,7 +355,9 @@ class LLMEngine:
             seq = s.seq
             reason = seq.status.value if seq.is_finished else None
             stop_reason = s.stop_reason
-            if reason == "stop" and stop_reason is None and seq.output_token_ids:
+            if s.discard and reason is not None and reason != "abort":
+                reason = "length"  # (max_tokens=0: no token was asked for)
+            elif reason == "stop" and stop_reason is None and seq.output_token_ids:
                 stop_reason = seq.output_token_ids[-1]
             text = s.text
             if req.params.stop_list and not seq.is_finished:
@@ -314,13 +368,16 @@ class LLMEngine:
                 CompletionOutput(
                     i,
                     text,
-                    list(seq.output_token_ids),
+                    [] if s.discard else list(seq.output_token_ids),
                     reason,
                     stop_reason,
                     list(s.logprobs) if s.logprobs is not None else None,
                 )
             )
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, finished, req.metrics)
+        prompt_logprobs = list(req.prompt_logprobs) if req.prompt_logprobs is not None else None
+        return RequestOutput(
+            req.request_id, req.prompt, req.prompt_token_ids, completions, finished, req.metrics, None, prompt_logprobs
+        )
 
     # ---- introspection ---------------------------------------------------------------------------
     def measure_host_cost(self, response_of=None, seqs: int = 4, tokens: int = 128, logprobs: int = 5) -> HostCost:

@@ -112,7 +112,7 @@ class Scheduler:
                 and (running_tokens + len(seq) > self.config.max_running_tokens)
             ):
                 break  # dynamic batch: a long input waits for room; a lone sequence is always admitted
-            hits = bm.get_computed_blocks(seq)
+            hits = [] if seq.skip_prefix_cache else bm.get_computed_blocks(seq)
             num_cached = len(hits) * bm.block_size
             num_tokens = len(seq) - num_cached
             if not self.config.enable_chunked_prefill and num_tokens > budget:
@@ -149,6 +149,7 @@ class Scheduler:
                         seq.params,
                         list(seq.block_table),
                         seq.num_computed_tokens,
+                        seq.structured_output,
                     )
                 )
             else:

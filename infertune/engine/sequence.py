@@ -55,6 +55,9 @@ class Sequence(TokenView):
         self.num_hashed_blocks = 0  # leading blocks of block_table already offered to the prefix cache
         self.stop_token_ids: frozenset[int] = frozenset()
         self.num_preemptions = 0
+        self.structured_output = None  # a scheduler_output.GrammarSpec where the output is constrained
+        # Admit without prefix-cache hits: every prompt token is computed (prompt_logprobs need each one's logits).
+        self.skip_prefix_cache = False
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -211,12 +211,17 @@ def plant_nan(module_name: str, value: float = float("nan")) -> Callable[[nn.Mod
 
 
 def _load(model: str | None, dtype: str, device: str, max_model_len: int):
-    from infertune.llm import LLM
+    from types import SimpleNamespace
+
+    from infertune.config import EngineConfig
+    from infertune.engine.llm_engine import LLMEngine
 
     # decode_kernels="linear": the kernels under the per-module forward, so that every module runs and its hooks
     # see it (the fused step would run short prompts as one call, with no modules to compare); plain bf16 weights,
-    # since the 12-bit gate_up hands the MLP its activation without running the gate_up module
-    return LLM(
+    # since the 12-bit gate_up hands the MLP its activation without running the gate_up module.
+    # (An engine, not infertune.llm.LLM: LLM.check_consistency reaches this module, so that import would be a circle.)
+    make = lambda model, **options: SimpleNamespace(engine=LLMEngine(EngineConfig.create(model, **options)))  # noqa: E731
+    return make(
         model,
         dtype=dtype,
         device=device,

@@ -477,17 +477,36 @@ def format_report(facts: EnvFacts, checks: list[Check]) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--json", action="store_true", help="print facts and checks as JSON")
+    from infertune.profile import consistency
+
+    p.add_argument(
+        "--json",
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="OUT",
+        help="the facts and checks (or the --consistency report) as JSON: written to OUT, or printed without OUT",
+    )
     p.add_argument("--compat", default=None, help="compatibility matrix JSON to use instead of the shipped one")
+    consistency.add_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
     from infertune.profile.env_facts import gather
 
+    if getattr(args, "consistency", False) or getattr(args, "long", None) is not None:
+        from infertune.profile import consistency
+
+        return consistency.run(args)
+
     facts = gather()
     checks = check_all(facts, load_compat(args.compat))
     if args.json:
-        print(json.dumps(report_dict(facts, checks), indent=1))
+        text = json.dumps(report_dict(facts, checks), indent=1)
+        if isinstance(args.json, str):  # --json OUT
+            Path(args.json).write_text(text + "\n")
+        else:
+            print(text)
     else:
         print(format_report(facts, checks))
     return exit_code(checks)

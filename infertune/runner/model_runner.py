@@ -21,6 +21,7 @@ from infertune.runner.compiled import CompiledForward, should_compile
 from infertune.runner.fused_decode import FusedDecode
 from infertune.runner.request_state import RequestState, RequestStates
 from infertune.runner.sampler import Sampler, SampleRequest, SamplerOutput
+from infertune.runner.structured_output import StructuredOutputs
 from infertune.scheduler_output import SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -86,6 +87,8 @@ class ModelRunner:
         self.sampler = Sampler(config.model.seed, self.device)
         self.fused: FusedDecode | None = None
         self.requests = RequestStates()  # the requests this worker knows, kept from each SchedulerOutput
+        # structured output: the grammar matchers of the constrained requests (runner/structured_output.py)
+        self.structured = StructuredOutputs(config.model.tokenizer, arch.vocab_size)
         self.compiled: CompiledForward | None = None
         if config.model.compile != "off" and should_compile(config.model.compile, backend, self._num_weights()):
             try:
@@ -180,15 +183,61 @@ class ModelRunner:
         tokens: list[int | None] = [None] * n_entries
         logprobs: list = [None] * n_entries
         sampled = [i for i, (_, _, samples) in enumerate(step) if samples]
-        # (only the sampled rows' hidden states are read: a step with nothing to sample still fills the KV cache)
-        hidden = self._forward(input_ids, positions, meta, sorted({last_rows[i] for i in sampled}))  # [T, hidden]
+        # structured output: the sampled rows' token masks start filling (in a thread) before the forward
+        sampled_ids = [scheduler_output.req_ids[i] for i in sampled]
+        mask = self.structured.begin_step(scheduler_output, sampled_ids)
+        scored = self._prompt_rows(step, last_rows)  # entry -> (first prompt token scored, its rows)
+        # (only the rows read are computed to the end: a step with nothing to sample still fills the KV cache)
+        read = {last_rows[i] for i in sampled} | {r for _, rows in scored.values() for r in rows}
+        hidden = self._forward(input_ids, positions, meta, sorted(read))  # [T, hidden]
         if sampled:
             logits = self.model.compute_logits(hidden[self._tensor([last_rows[i] for i in sampled])])  # [N, V]
-            out = self.sampler(logits, [self._sample_request(step[i][0]) for i in sampled])
+            out = self.sampler(logits, [self._sample_request(step[i][0]) for i in sampled], mask)
+            self.structured.accept(sampled_ids, out.token_ids)
             for i, token, lp in zip(sampled, out.token_ids, out.logprobs):
                 tokens[i], logprobs[i] = token, lp
+        prompt_logprobs = None
+        if scored:
+            prompt_logprobs = [None] * n_entries
+            for i, (first, rows) in scored.items():
+                state = step[i][0]
+                targets = state.token_ids[first : first + len(rows)]
+                prompt_logprobs[i] = (first, self._score_rows(hidden, rows, targets, state.params.prompt_logprobs))
         self.requests.end_step(step, tokens)
-        return SamplerOutput(tokens, logprobs)
+        return SamplerOutput(tokens, logprobs, prompt_logprobs)
+
+    @staticmethod
+    def _prompt_rows(step, last_rows: list[int]) -> dict[int, tuple[int, list[int]]]:
+        """For each entry that asked for prompt_logprobs: the first prompt token this step scores, and the rows whose
+        logits score it and the ones after it (the row at position p predicts the token at p + 1)."""
+        scored = {}
+        for i, (state, n, _) in enumerate(step):
+            if state.params.prompt_logprobs is None:
+                continue
+            start = state.num_computed_tokens
+            end = min(start + n, state.num_prompt_tokens - 1)  # positions start .. end - 1 predict prompt tokens
+            if end > start:
+                first_row = last_rows[i] - n + 1
+                scored[i] = (start + 1, list(range(first_row, first_row + end - start)))
+        return scored
+
+    # Rows of logits computed at once when scoring a prompt ([rows, vocab] fp32 each).
+    SCORE_CHUNK_ROWS = 256
+
+    def _score_rows(self, hidden: torch.Tensor, rows: list[int], targets: list[int], k: int) -> list:
+        """Per row: (logprob of its target token, its top-k (token, logprob)), over the full vocabulary in fp32."""
+        out = []
+        for s in range(0, len(rows), self.SCORE_CHUNK_ROWS):
+            idx = self._tensor(rows[s : s + self.SCORE_CHUNK_ROWS])
+            logp = torch.log_softmax(self.model.compute_logits(hidden[idx]), dim=-1)
+            chosen = logp.gather(1, self._tensor(targets[s : s + len(idx)]).unsqueeze(1)).squeeze(1).tolist()
+            if k:
+                vals, ids = logp.topk(k, dim=-1)
+                tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
+            else:
+                tops = [[] for _ in chosen]
+            out.extend(zip(chosen, tops))
+        return out
 
     @staticmethod
     def _sample_request(state: RequestState) -> SampleRequest:

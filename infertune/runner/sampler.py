@@ -15,10 +15,14 @@ sort.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from infertune.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from infertune.runner.structured_output import StepMask
 
 
 @dataclass(slots=True)
@@ -41,6 +45,9 @@ class SamplerOutput:
     token_ids: list[int]
     # Per row, when logprobs were asked for: (logprob of the sampled token, [(token, logprob)] top-k).
     logprobs: list[tuple[float, list[tuple[int, float]]] | None]
+    # Per row, where prompt_logprobs were asked for and the step computed prompt tokens: (index of the first prompt
+    # token scored, [(its logprob, top-k)] for it and the ones after it).
+    prompt_logprobs: list[tuple[int, list[tuple[float, list[tuple[int, float]]]]] | None] | None = None
 
 
 class Sampler:
@@ -48,8 +55,10 @@ class Sampler:
         # Unseeded requests share the engine's generator, so a whole run is reproducible from LLM(seed=...).
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, rows: list[SampleRequest]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, rows: list[SampleRequest], mask: StepMask | None = None) -> SamplerOutput:
         # logits [N, V] fp32
+        if mask is not None:  # structured output: the grammar's disallowed tokens at -inf (runner/structured_output.py)
+            logits = mask.apply(logits)
         params = [r.params for r in rows]
         want_logprobs = [p.logprobs for p in params]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(k is not None for k in want_logprobs) else None

@@ -27,6 +27,8 @@ from infertune.sampling_params import ParamError, SamplingParams
 from infertune.serve.metrics import ServerMetrics
 from infertune.serve.protocol import STREAMED, APIError, ChatCompletionRequest, CompletionRequest, error_responses
 from infertune.serve.responses import Formatter, sse
+from infertune.serve.tokenizer_routes import add_tokenizer_routes
+from infertune.serve.tools import ToolFormatter, ToolPlan, template_tools
 
 log = logging.getLogger(__name__)
 
@@ -113,10 +115,18 @@ async def _until_disconnected(request: Request) -> None:
 
 
 def create_app(
-    engine: AsyncLLMEngine, model_name: str, api_key: str | None = None, max_body_bytes: int = 4 * 2**20
+    engine: AsyncLLMEngine,
+    model_name: str,
+    api_key: str | None = None,
+    max_body_bytes: int = 4 * 2**20,
+    tool_call_parser: str | None = None,
+    enable_auto_tool_choice: bool = False,
 ) -> FastAPI:
-    """The FastAPI app of one engine: the OpenAI routes of an APIServer, its error handlers and its limits."""
+    """The FastAPI app of one engine: the OpenAI routes of an APIServer, its error handlers and its limits.
+
+    tool_call_parser (serve/tool_parsers.py) and enable_auto_tool_choice: tool_choice "auto", as vLLM's flags."""
     server = APIServer(engine, model_name, api_key)
+    server.tool_call_parser, server.enable_auto_tool_choice = tool_call_parser, enable_auto_tool_choice
     app = FastAPI(title="infertune", description="OpenAI-compatible LLM server", lifespan=server.lifespan)
     app.state.engine, app.state.metrics, app.state.server = engine, server.metrics, server
     app.add_middleware(
@@ -152,6 +162,8 @@ class APIServer:
 
     def __init__(self, engine: AsyncLLMEngine, model_name: str, api_key: str | None = None) -> None:
         self.engine, self.model_name, self.api_key = engine, model_name, api_key
+        self.tool_call_parser: str | None = None  # tool_choice "auto" (set by create_app)
+        self.enable_auto_tool_choice = False
         self.metrics = ServerMetrics(engine)
         self.tokenizer = engine.engine.tokenizer
         self.limits = engine.limits
@@ -170,6 +182,7 @@ class APIServer:
         app.get("/v1/models", responses=error_responses(401))(self.models)
         app.post("/v1/completions", responses=STREAMED | _REFUSALS)(self.completions)
         app.post("/v1/chat/completions", responses=STREAMED | _REFUSALS)(self.chat_completions)
+        add_tokenizer_routes(app, self)  # /tokenize, /detokenize, /tokenizer_info, /version
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: FastAPI):
@@ -230,7 +243,7 @@ class APIServer:
 
     async def completions(self, req: CompletionRequest, request: Request):
         self.check_model(req.model)
-        params = self.params_of(lambda: req.sampling_params(req.max_tokens, req.logprobs))
+        params = self.params_of(req.completion_params)
         prompts = req.prompts()
         if len(prompts) > self.limits.max_prompts:
             raise APIError(
@@ -240,7 +253,7 @@ class APIServer:
                 param="prompt",
                 code="request_too_large",
             )
-        fmt = Formatter(f"cmpl-{uuid.uuid4().hex}", self.model_name, self.tokenizer, chat=False)
+        fmt = Formatter(f"cmpl-{uuid.uuid4().hex}", self.model_name, self.tokenizer, chat=False, echo=req.echo)
         streams = await self.submit(fmt.id, prompts, params, "prompt")
         return await self.respond(request, fmt, streams, params.n, req.stream, req.include_usage)
 
@@ -248,13 +261,23 @@ class APIServer:
         self.check_model(req.model)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = self.params_of(lambda: req.sampling_params(max_tokens, req.logprobs_k()))
+        # Tool calling (serve/tools.py): the plan checks tool_choice, adjusts params, parses the output.
+        tools = template_tools(req.tools)
+        plan = ToolPlan.of(
+            tools, req.tool_choice, req.parallel_tool_calls, self.tool_call_parser, self.enable_auto_tool_choice
+        )
+        params = self.params_of(lambda: plan.sampling_params(params))
         try:
             prompt = await asyncio.to_thread(
-                self.engine.engine.render_chat, req.conversation(), add_generation_prompt=req.add_generation_prompt
+                self.engine.engine.render_chat,
+                req.conversation(),
+                add_generation_prompt=req.add_generation_prompt,
+                tools=tools,
             )
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
-        fmt = Formatter(f"chatcmpl-{uuid.uuid4().hex}", self.model_name, self.tokenizer, chat=True)
+        fmt_args = (f"chatcmpl-{uuid.uuid4().hex}", self.model_name, self.tokenizer)
+        fmt = ToolFormatter(plan, *fmt_args, chat=True) if plan.active else Formatter(*fmt_args, chat=True)
         streams = await self.submit(fmt.id, [prompt], params, "messages")
         return await self.respond(request, fmt, streams, params.n, req.stream, req.include_usage)
 
@@ -288,6 +311,8 @@ class APIServer:
         self, request_id: str, prompts: list[object], params: SamplingParams, param: str
     ) -> list[RequestStream]:
         try:
+            if params.structured_outputs is not None:  # compile (or find cached) the grammar off the event loop
+                await asyncio.to_thread(self.engine.engine.structured_output_spec, params)
             self.engine.engine.check_params(params)  # cheap bounds first: no tokenizing for a request refused anyway
             prompts = await asyncio.to_thread(self.tokenized, prompts)
             return await self.engine.add_requests(request_id, prompts, params)
@@ -331,6 +356,7 @@ class APIServer:
     ) -> AsyncIterator[str]:
         sent_text: dict[int, int] = {}
         sent_logprobs: dict[int, int] = {}
+        next_offset: dict[int, int] = {}  # choice -> the text offset of its next logprob entry
         finals: dict[int, RequestOutput] = {}
         try:
             async for i, out in merge(streams):
@@ -339,8 +365,18 @@ class APIServer:
                     first = index not in sent_text
                     start, lp_start = sent_text.get(index, 0), sent_logprobs.get(index, 0)
                     delta = c.text[start:]
-                    lp = fmt.logprobs(c.logprobs[lp_start:], start) if c.logprobs is not None else None
-                    if delta or first or c.finish_reason or (lp and c.logprobs[lp_start:]):
+                    if first and fmt.echo:  # the prompt (and its logprobs) go out with the first chunk
+                        delta = fmt.prompt_text(out) + delta
+                        lp = fmt.echoed(out, c, c.logprobs[lp_start:])[1] if c.logprobs is not None else None
+                    else:  # (text offsets run on from the last token's, as in the whole response)
+                        offset = next_offset.get(index, len(fmt.prompt_text(out)) if fmt.echo else 0)
+                        lp = fmt.logprobs(c.logprobs[lp_start:], offset) if c.logprobs is not None else None
+                    if lp and lp.get("tokens"):
+                        next_offset[index] = lp["text_offset"][-1] + len(lp["tokens"][-1])
+                    if isinstance(fmt, ToolFormatter):  # tool calling: content and tool-call deltas
+                        for chunk in fmt.tool_chunks(index, c, lp, first):
+                            yield sse(chunk)
+                    elif delta or first or c.finish_reason or (lp and c.logprobs[lp_start:]):
                         yield sse(fmt.chunk(index, delta, c.finish_reason, lp, first=first))
                     sent_text[index] = len(c.text)
                     sent_logprobs[index] = len(c.logprobs or [])

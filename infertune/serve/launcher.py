@@ -24,15 +24,27 @@ def serve(
     max_body_bytes: int = 4 * 2**20,
     graceful_timeout_s: float = 10.0,
     log_level: str = "info",
+    tool_call_parser: str | None = None,
+    enable_auto_tool_choice: bool = False,
     **engine_options,
 ) -> int:
     import uvicorn
+
+    if enable_auto_tool_choice and not tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser NAME (docs/server.md)")
 
     config = EngineConfig.create(model, **engine_options)
     engine = LLMEngine(config, show_progress=True)
     name = served_model_name or Path(config.model.model).name
     async_engine = AsyncLLMEngine(engine)
-    app = create_app(async_engine, name, api_key=api_key, max_body_bytes=max_body_bytes)
+    app = create_app(
+        async_engine,
+        name,
+        api_key=api_key,
+        max_body_bytes=max_body_bytes,
+        tool_call_parser=tool_call_parser,
+        enable_auto_tool_choice=enable_auto_tool_choice,
+    )
 
     log.info("%s", async_engine.describe_limits())
     log.info(

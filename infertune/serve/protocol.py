@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from infertune.sampling_params import SamplingParams
+from infertune.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 class APIError(Exception):
@@ -71,7 +72,75 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _SamplingFields(BaseModel):
+# ---- structured output (docs/structured-output.md): OpenAI's response_format, vLLM's guided_* -------------------
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    schema_: dict | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class _StructuredFields(BaseModel):
+    response_format: ResponseFormat | None = None
+    guided_json: str | dict | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    structured_outputs: dict | None = None  # vLLM's newer name: {"json": ..., "regex": ..., ...}
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The one constraint the request asks for (None: none); 400 where it asks for several or is malformed."""
+        asked: list[tuple[str, dict]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            asked.append(("response_format", {"json_object": True}))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise APIError(
+                    400, "response_format of type json_schema needs json_schema.schema", param="response_format"
+                )
+            asked.append(("response_format", {"json": rf.json_schema.schema_}))
+        for name, key in (
+            ("guided_json", "json"),
+            ("guided_regex", "regex"),
+            ("guided_choice", "choice"),
+            ("guided_grammar", "grammar"),
+        ):
+            if getattr(self, name) is not None:
+                asked.append((name, {key: getattr(self, name)}))
+        if self.structured_outputs is not None:
+            asked.append(("structured_outputs", dict(self.structured_outputs)))
+        if not asked:
+            return None
+        if len(asked) > 1:
+            raise APIError(
+                400,
+                f"ask for one output constraint, not {len(asked)}: {', '.join(n for n, _ in asked)}",
+                param=asked[1][0],
+            )
+        name, fields = asked[0]
+        if self.guided_whitespace_pattern is not None:
+            fields.setdefault("whitespace_pattern", self.guided_whitespace_pattern)
+        try:
+            return StructuredOutputsParams(**fields)
+        except TypeError as e:  # an unknown key in structured_outputs
+            raise APIError(400, f"{name}: {e}", param=name) from None
+        except ValueError as e:
+            raise APIError(400, f"{name}: {e}", param=name) from None
+
+
+# ---- end structured output ----------------------------------------------------------------------------------------
+
+
+class _SamplingFields(_StructuredFields):
     # Unknown fields are ignored, as OpenAI clients send options a server may not know.
     model_config = ConfigDict(extra="ignore")
 
@@ -95,8 +164,11 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
         fields = dict(
+            prompt_logprobs=prompt_logprobs,
             n=self.n,
             temperature=self.temperature,
             top_p=self.top_p,
@@ -112,6 +184,7 @@ class _SamplingFields(BaseModel):
             logprobs=logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
+            structured_outputs=self.structured_outputs_params(),
         )
         # None means "the default"; max_tokens None means "up to the context length".
         return SamplingParams(max_tokens=max_tokens, **{k: v for k, v in fields.items() if v is not None})
@@ -125,7 +198,13 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = Field(default=None)
+    # The prompt comes back before the completion (its text, and with logprobs each prompt token's logprob, the first
+    # null): what eval harnesses read to score a continuation. max_tokens=0 then returns the prompt alone.
     echo: bool = False
+
+    def completion_params(self) -> SamplingParams:
+        scored = self.echo and (self.logprobs is not None or self.max_tokens == 0)
+        return self.sampling_params(self.max_tokens, self.logprobs, (self.logprobs or 0) if scored else None)
 
     def prompts(self) -> list[object]:
         p = self.prompt
@@ -148,10 +227,78 @@ class ContentPart(BaseModel):
     text: str
 
 
+# ---- tool calling (serve/tools.py): the request's tools and tool_choice, assistant tool_calls, tool messages ----
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class ChatTool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(BaseModel):
+    name: str = Field(min_length=1)
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"] = "function"
+    function: ToolChoiceFunction
+
+
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    arguments: str | dict = "{}"  # a JSON string (OpenAI); a dict is accepted too
+
+
+class MessageToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+    def for_template(self) -> dict:
+        # HF templates expect the arguments as a dict (`| tojson`), as vLLM hands them: parse the JSON string.
+        arguments = self.function.arguments
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                pass
+        call = {"type": "function", "function": {"name": self.function.name, "arguments": arguments}}
+        if self.id is not None:
+            call["id"] = self.id
+        return call
+
+
+# ---- end of tool calling ------------------------------------------------------------------------------------
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart] | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    name: str | None = None
+
+    def for_template(self) -> dict:
+        """The message as the chat template reads it ("developer" is OpenAI's newer name for the system role)."""
+        message = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.tool_calls:
+            message["tool_calls"] = [c.for_template() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            message["name"] = self.name
+        return message
 
     def text(self) -> str:
         if self.content is None:
@@ -167,10 +314,12 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     def conversation(self) -> list[dict]:
-        # "developer" is OpenAI's newer name for the system role.
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+        return [m.for_template() for m in self.messages]
 
     def logprobs_k(self) -> int | None:
         if not self.logprobs:

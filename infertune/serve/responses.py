@@ -22,8 +22,9 @@ def usage(outputs: list[RequestOutput]) -> dict:
 class Formatter:
     """Knows the request's id, model and tokenizer; renders choices, chunks and logprobs."""
 
-    def __init__(self, request_id: str, model: str, tokenizer, chat: bool) -> None:
+    def __init__(self, request_id: str, model: str, tokenizer, chat: bool, echo: bool = False) -> None:
         self.id, self.model, self.tokenizer, self.chat = request_id, model, tokenizer, chat
+        self.echo = echo and not chat  # (completions only: the prompt comes back before the completion)
         self.created = int(time.time())
 
     def _envelope(self, object_: str, choices: list[dict], usage_: dict | None = None) -> dict:
@@ -35,7 +36,17 @@ class Formatter:
     def _token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
-    def logprobs(self, entries: list[Logprob] | None, text_offset: int = 0) -> dict | None:
+    def prompt_text(self, out: RequestOutput) -> str:
+        return out.prompt if out.prompt is not None else self.tokenizer.decode(out.prompt_token_ids)
+
+    @staticmethod
+    def prompt_entries(out: RequestOutput) -> list[Logprob | tuple[int]]:
+        """The prompt's tokens as logprob entries: the first (and any the engine did not score) as (token_id,)."""
+        scored = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+        return [e if e is not None else (t,) for t, e in zip(out.prompt_token_ids, scored)]
+
+    def logprobs(self, entries: list | None, text_offset: int = 0) -> dict | None:
+        """OpenAI's logprobs object of these entries (Logprob, or (token_id,) for a prompt token without one)."""
         if entries is None:
             return None
         if self.chat:
@@ -49,33 +60,39 @@ class Formatter:
                     {**item(e.token_id, e.logprob), "top_logprobs": [item(t, v) for t, v in e.top]} for e in entries
                 ]
             }
-        tokens = [self._token(e.token_id) for e in entries]
+        tokens = [self._token(e[0] if isinstance(e, tuple) else e.token_id) for e in entries]
         offsets, pos = [], text_offset
         for t in tokens:
             offsets.append(pos)
             pos += len(t)
         return {
             "tokens": tokens,
-            "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{self._token(t): v for t, v in e.top} for e in entries],
+            "token_logprobs": [None if isinstance(e, tuple) else e.logprob for e in entries],
+            "top_logprobs": [None if isinstance(e, tuple) else {self._token(t): v for t, v in e.top} for e in entries],
             "text_offset": offsets,
         }
 
-    def choice(self, index: int, c: CompletionOutput) -> dict:
-        choice = {
-            "index": index,
-            "logprobs": self.logprobs(c.logprobs),
-            "finish_reason": c.finish_reason,
-            "stop_reason": c.stop_reason,
-        }
+    def echoed(self, out: RequestOutput, c: CompletionOutput, logprobs: list | None) -> tuple[str, dict | None]:
+        """The text and logprobs of a completion choice, after the prompt's when echoing."""
+        if not self.echo:
+            return c.text, self.logprobs(logprobs)
+        prompt = self.prompt_text(out)
+        if logprobs is None:
+            return prompt + c.text, None
+        head, tail = self.logprobs(self.prompt_entries(out)), self.logprobs(logprobs, len(prompt))
+        return prompt + c.text, {k: head[k] + tail[k] for k in head}
+
+    def choice(self, index: int, c: CompletionOutput, out: RequestOutput | None = None) -> dict:
+        text, logprobs = self.echoed(out, c, c.logprobs) if out is not None else (c.text, self.logprobs(c.logprobs))
+        choice = {"index": index, "logprobs": logprobs, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
         if self.chat:
-            choice["message"] = {"role": "assistant", "content": c.text}
+            choice["message"] = {"role": "assistant", "content": text}
         else:
-            choice["text"] = c.text
+            choice["text"] = text
         return choice
 
     def response(self, outputs: list[RequestOutput], n: int) -> dict:
-        choices = [self.choice(i * n + c.index, c) for i, o in enumerate(outputs) for c in o.outputs]
+        choices = [self.choice(i * n + c.index, c, o) for i, o in enumerate(outputs) for c in o.outputs]
         return self._envelope("chat.completion" if self.chat else "text_completion", choices, usage(outputs))
 
     def chunk(

@@ -1,0 +1,100 @@
+"""Async Python facade with vLLM's shape: AsyncLLM(model, **engine options), `async for out in generate(...)`.
+
+    async with AsyncLLM("path/to/model", max_model_len=2048) as engine:
+        async for out in engine.generate("The cache", SamplingParams(max_tokens=32), "req-1"):
+            print(out.outputs[0].text)  # cumulative: the text so far
+        await engine.abort("req-2")  # from another task: req-2's iteration ends, its KV blocks are freed
+
+The engine loop runs in its own thread (engine/async_engine.py, the server's); any number of generate() calls
+run concurrently on one event loop and are batched together. Requests are admitted as the server admits them
+(engine/admission.py: ValueError when one can never fit, Overloaded when the queue is full now), and a
+max_tokens past the context is shortened to fit, as LLM.generate does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator
+from itertools import count
+
+from infertune.config import EngineConfig
+from infertune.engine.async_engine import AsyncLLMEngine, RequestStream
+from infertune.engine.llm_engine import LLMEngine
+from infertune.engine.outputs import RequestOutput
+from infertune.sampling_params import SamplingParams
+
+
+class AsyncLLM:
+    """Load a Hugging Face folder once, then stream generations for concurrent requests from asyncio.
+
+    Engine options are LLM's (see infertune.LLM and the README's options table). The engine thread starts here;
+    shutdown() (or leaving `async with`) stops it.
+    """
+
+    def __init__(self, model: str | None = None, **engine_options) -> None:
+        self.config = EngineConfig.create(model, **engine_options)
+        self.engine = AsyncLLMEngine(LLMEngine(self.config), cap_max_tokens=True)
+        self.engine.start()
+        self._streams: dict[str, RequestStream] = {}
+        self._ids = count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.engine.tokenizer
+
+    async def generate(
+        self,
+        prompt: str | dict | list[int],
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Submit one prompt (text, token ids or {"prompt_token_ids": [...]}) and yield its RequestOutput after
+        every step that advanced it (outputs are cumulative; the last has finished=True). Leaving the loop early
+        aborts the request. After abort(request_id) the iteration ends with an output whose unfinished
+        completions say finish_reason "abort" (none if nothing was generated yet)."""
+        request_id = str(request_id) if request_id is not None else f"async-{next(self._ids)}"
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        stream = await self.engine.add_request(request_id, prompt, sampling_params or SamplingParams())
+        self._streams[request_id] = stream
+        last: RequestOutput | None = None
+        try:
+            async for out in stream:
+                last = out
+                yield out
+            if last is not None and not last.finished:  # aborted: say so once
+                yield _aborted(last)
+        finally:
+            self._streams.pop(request_id, None)
+            stream.abort()
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a request: its KV blocks are freed within a step and its generate() iteration ends. An unknown or
+        finished id is ignored."""
+        stream = self._streams.get(str(request_id))
+        if stream is not None:
+            stream.cancel()
+
+    def chat(self, messages: list[dict], chat_template: str | None = None, add_generation_prompt: bool = True) -> dict:
+        """A conversation rendered through the model's chat template, as a prompt for generate()."""
+        return self.engine.engine.render_chat(messages, chat_template, add_generation_prompt)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        stats = self.engine.stats
+        return stats["num_running"] + stats["num_waiting"]
+
+    def shutdown(self) -> None:
+        """Stop the engine thread and its workers; running requests end with an EngineDeadError."""
+        self.engine.shutdown()
+
+    async def __aenter__(self) -> AsyncLLM:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.shutdown()
+
+
+def _aborted(out: RequestOutput) -> RequestOutput:
+    outputs = [c if c.finished else dataclasses.replace(c, finish_reason="abort") for c in out.outputs]
+    return dataclasses.replace(out, outputs=outputs, finished=True)

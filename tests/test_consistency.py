@@ -1,0 +1,255 @@
+"""`infertune doctor --consistency` / LLM.check_consistency: the paths that must agree do on a correct engine, a
+near-tie is noise, and deliberately broken paths are caught on the right pair with the step and the first module
+whose activations differ; `--long` reports a flat memory curve, and a planted leak."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import make_checkpoint
+
+from infertune.profile import consistency
+from infertune.profile import consistency_pairs as cp
+
+FAST = dict(max_tokens=6)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models on a shared 2-core machine: OpenMP threads spin-waiting on each other cost 10x; one is enough."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    return {a: make_checkpoint(tmp_path_factory.mktemp(a), a, seed=3) for a in ("llama", "qwen2", "mistral")}
+
+
+# ---- judging, on crafted numbers ------------------------------------------------------------------------------
+
+
+def test_tolerance_follows_the_dtype():
+    assert cp.tolerance("float32", 10.0) < cp.tolerance("bfloat16", 10.0) / 100
+    assert cp.tolerance("bfloat16", 10.0) == pytest.approx(4 * 2**-7 * 10)
+    assert cp.tolerance("bfloat16", 0.1) == cp.tolerance("bfloat16", 1.0)  # the scale is at least 1
+
+
+def test_near_tie_is_noise_and_a_clear_margin_is_a_failure():
+    tol = cp.tolerance("bfloat16", 8.0)  # 0.25
+    ref_top = [(5, -1.00), (9, -1.01), (2, -3.0)]
+    test_top = [(9, -1.00), (5, -1.02), (2, -3.0)]
+    d = cp.judge_divergence(0, 4, 5, 9, ref_top, test_top, tol)
+    assert d.verdict == "noise" and d.margin == pytest.approx(0.02) and not d.lower_bound
+    clear = cp.judge_divergence(0, 4, 5, 9, [(5, -0.1), (9, -2.0)], [(9, -1.0), (5, -1.01)], tol)
+    assert clear.verdict == "FAIL" and clear.margin == pytest.approx(1.9)
+    # the other path's pick is not even in the reference's top-k: at least the gap to the k-th
+    out = cp.judge_divergence(1, 0, 5, 7, [(5, -0.1), (9, -2.0)], [(7, -1.0), (5, -1.001)], tol)
+    assert out.verdict == "FAIL" and out.lower_bound and out.margin == pytest.approx(1.9)
+    assert cp.first_divergence([1, 2, 3], [1, 2, 3]) is None and cp.first_divergence([1, 2, 3], [1, 4, 3]) == 1
+
+
+def test_memory_repetition_and_drift_judges():
+    flat = [(100 * i, 500 * 2**20 + (i % 2) * 2**20) for i in range(1, 11)]
+    assert cp.memory_verdict(flat)["verdict"] == "flat"
+    growing = [(100 * i, 500 * 2**20 + i * 20 * 2**20) for i in range(1, 11)]
+    assert cp.memory_verdict(growing)["verdict"] == "GROWING"
+    assert cp.repetition([1, 2, 3, 4, 5, 6, 7, 8] * 2 + [9, 10] * 20)["period"] == 2
+    assert not cp.repetition(list(range(100)))["collapsed"]
+    assert cp.drift([1.0] * 20 + [5.0] * 20)["drifting"] and not cp.drift([3.0] * 40)["drifting"]
+
+
+# ---- a correct engine -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_every_pair_passes_on_a_correct_engine(ckpts, arch):
+    report = consistency.check_consistency(str(ckpts[arch]), **FAST)
+    verdicts = {r.key: r.verdict for r in report["results"]}
+    assert set(verdicts) == {"batch", "prefix", "chunked", "preempt", "kernels"}
+    assert all(v in ("pass", "noise", "n/a") for v in verdicts.values()), consistency.format_report(report)
+    assert verdicts["batch"] == verdicts["prefix"] == "pass"  # fp32: these paths are identical
+    assert report["exit_code"] == 0
+    notes = " ".join(n for r in report["results"] for n in r.notes)
+    assert "no prefix-cache hit" not in notes and "no preemption happened" not in notes
+
+
+def _tie(delta: float):
+    """Make every step a near-tie: the runner-up's logit sits delta below (reference path) or above (path under
+    test) the best one, so the two paths pick different tokens with a margin of about delta."""
+
+    def instrument(engine, label):
+        model = engine.executor.runner.model
+        orig = model.compute_logits
+        sign = 1.0 if label.startswith("batch") and label != "batch 1" else -1.0
+
+        def tied(hidden):
+            logits = orig(hidden).clone()
+            top = logits.topk(2, dim=-1)
+            logits.scatter_(1, top.indices[:, 1:], top.values[:, :1] + sign * delta)
+            return logits
+
+        model.compute_logits = tied
+
+    return instrument
+
+
+def test_a_constructed_near_tie_is_noise_end_to_end(ckpts):
+    report = consistency.check_consistency(str(ckpts["llama"]), pairs=["batch"], instrument=_tie(1e-5), **FAST)
+    (r,) = report["results"]
+    assert r.verdict == "noise" and r.identical == 0 and report["exit_code"] == 0
+    assert all(d.verdict == "noise" and d.margin < r.tolerance for d in r.divergences)
+    failing = consistency.check_consistency(str(ckpts["llama"]), pairs=["batch"], instrument=_tie(0.5), **FAST)
+    assert failing["results"][0].verdict == "FAIL"  # the same flip with a clear margin is not noise
+
+
+def test_int8_kv_is_judged_by_the_accuracy_gate(ckpts):
+    report = consistency.check_consistency(
+        str(ckpts["llama"]), options={"kv_cache_dtype": "int8"}, pairs=["kv-int8"], **FAST
+    )
+    (r,) = report["results"]
+    assert r.accuracy["positions"] > 0 and r.accuracy["mean_abs_logprob"] > 0  # the int8 cache is really read back
+    assert r.verdict == "pass (gate)", consistency.format_report(report)
+    strict = consistency.check_consistency(
+        str(ckpts["llama"]),
+        options={"kv_cache_dtype": "int8"},
+        pairs=["kv-int8"],
+        gates={"mean_abs_logprob": 0.0},
+        **FAST,
+    )
+    assert strict["results"][0].verdict == "FAIL (gate)" and strict["exit_code"] == 1
+
+
+# ---- broken paths are caught on the right pair, at the right place ------------------------------------------
+
+
+def _wrap_execute(engine, hook):
+    runner = engine.executor.runner
+    orig = runner.execute_model
+
+    def execute(so):
+        hook(runner, so, "before")
+        out = orig(so)
+        hook(runner, so, "after")
+        return out
+
+    runner.execute_model = execute
+
+
+def corrupt_kv_when_batched(engine, label):
+    """(a) Add 1.0 to layer 1's KV in the first block of the step's first sequence, only in steps of >1 sequence."""
+
+    def hook(runner, so, when):
+        if when == "after" and len(so.req_ids) > 1:
+            block = runner.requests.requests[so.req_ids[0]].block_table[0]
+            runner.kv_caches[1][:, block] += 1.0
+
+    _wrap_execute(engine, hook)
+
+
+def zero_cached_prefix(engine, label):
+    """(b) A prefix-cache hit reads zeros: the KV of a new request's cached blocks is wiped before its step."""
+
+    def hook(runner, so, when):
+        if when == "before":
+            for new in so.new_requests:
+                for b in new.block_ids[: new.num_computed_tokens // runner.block_size]:
+                    for cache in runner.kv_caches:
+                        cache[:, b].zero_()
+
+    _wrap_execute(engine, hook)
+
+
+def test_kv_corruption_under_batching_fails_batch_pair_with_location(ckpts):
+    report = consistency.check_consistency(
+        str(ckpts["llama"]), pairs=["batch"], instrument=corrupt_kv_when_batched, **FAST
+    )
+    (r,) = report["results"]
+    assert r.verdict == "FAIL" and report["exit_code"] == 1
+    h = r.headline()
+    assert h.step >= 1  # the corruption is written by one step and read by the next ones
+    assert r.location["module"].startswith("model.layers.1."), r.location  # layer 0 agrees; layer 1 reads the KV
+    assert "--pair batch" in r.reproduce and "doctor --consistency" in r.reproduce
+    text = consistency.format_report(report)
+    assert "FAIL batch 1 vs N" in text and f"step {h.step}" in text and r.location["module"] in text
+
+
+def test_skipped_cached_block_fails_prefix_pair(ckpts):
+    report = consistency.check_consistency(str(ckpts["llama"]), pairs=["prefix"], instrument=zero_cached_prefix, **FAST)
+    (r,) = report["results"]
+    assert r.verdict == "FAIL", consistency.format_report(report)
+    assert r.location["module"].startswith("model.layers.0."), r.location  # the first layer already reads zeros
+
+
+def perturb_fast_path_mlp(engine, label):
+    """(c) The seam: a forward hook on model.layers.1.mlp that perturbs its output only where the decode kernels
+    run (runner.decode_kernels is set: decode_kernels=auto / linear). Under auto the hook fires on the steps the
+    fused step does not take (prefill mixed with decode), where the per-module forward runs the kernels."""
+    runner = engine.executor.runner
+    if runner.decode_kernels is None:
+        return
+    runner.model.get_submodule("model.layers.1.mlp").register_forward_hook(
+        lambda m, a, out: out + 0.5 * out.abs().max()
+    )
+
+
+def test_fast_path_perturbation_fails_kernels_pair_naming_the_layer(ckpts):
+    report = consistency.check_consistency(
+        str(ckpts["llama"]), options={"dtype": "bfloat16"}, pairs=["kernels"], instrument=perturb_fast_path_mlp, **FAST
+    )
+    (r,) = report["results"]
+    if r.skipped:
+        pytest.skip(f"no decode kernels here: {r.skipped}")
+    assert r.verdict == "FAIL", consistency.format_report(report)
+    assert r.location["module"] == "model.layers.1.mlp", r.location
+
+
+# ---- --long ---------------------------------------------------------------------------------------------------
+
+
+def test_long_run_on_the_demo_model_is_flat_and_a_planted_leak_is_reported():
+    report = consistency.check_long(None, 300)
+    assert report["tokens"] == 300 and report["interval"] == 30 and len(report["rss"]) == 10
+    assert report["memory"]["verdict"] == "flat" and report["nonfinite_steps"] == 0, cp.format_long(report)
+    kept = []
+    leak = consistency.check_long(None, 300, step_listeners=[lambda outs, s: kept.append(torch.ones(2**17))])
+    assert leak["memory"]["verdict"] == "GROWING" and leak["exit_code"] == 1, cp.format_long(leak)
+    assert "MEMORY GROWING" in cp.format_long(leak)
+
+
+# ---- the command and the Python face --------------------------------------------------------------------------
+
+
+def test_cli_exit_status_json_and_plot(ckpts, tmp_path, monkeypatch, capsys):
+    from infertune.cli import main
+
+    out, png = tmp_path / "c.json", tmp_path / "c.png"
+    args = ["doctor", "--consistency", "--model", str(ckpts["qwen2"]), "--pair", "batch", "--max-tokens", "4"]
+    assert main([*args, "--json", str(out), "--plot", str(png)]) == 0
+    data = json.loads(out.read_text())
+    assert data["exit_code"] == 0 and data["pairs"][0]["verdict"] == "pass" and png.stat().st_size > 1000
+    assert "batch 1 vs N" in capsys.readouterr().out
+
+    build = consistency._build
+    monkeypatch.setattr(consistency, "_build", lambda m, o, i, label: build(m, o, corrupt_kv_when_batched, label))
+    assert main([*args, "--json", str(out)]) == 1
+    bad = json.loads(out.read_text())["pairs"][0]
+    assert bad["verdict"] == "FAIL" and bad["reproduce"].startswith("infertune doctor --consistency --model")
+    assert bad["location"]["module"].startswith("model.layers.1.")
+
+    monkeypatch.setattr(consistency, "_build", build)
+    assert main(["doctor", "--consistency", "--long", "40", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["memory"]["verdict"] in ("flat", "too few readings")
+
+
+def test_llm_check_consistency(ckpts):
+    from infertune.llm import LLM
+
+    llm = LLM(str(ckpts["mistral"]), max_num_seqs=4, enable_prefix_caching=False)
+    report = llm.check_consistency(pairs=["batch", "chunked"], max_tokens=4)
+    assert report["batch"] == 4 and report["exit_code"] == 0
+    assert report["options"]["max_num_seqs"] == 4 and report["options"]["enable_prefix_caching"] is False
