@@ -204,7 +204,7 @@ def test_methods_use_kernels_only_for_decode_rows(monkeypatch):
     prefill-sized input takes F.linear; both agree."""
     calls = []
     real = kernels.linear_bf16
-    monkeypatch.setattr(kernels, "linear_bf16", lambda *a: calls.append(a[0].shape) or real(*a))
+    monkeypatch.setattr(kernels, "linear_bf16", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
     layer = Linear(64, 48, dtype=torch.bfloat16, quant_method=DecodeKernelMethod(x86.kernels()))
     layer.weight.data.copy_(torch.randn(48, 64))
     rows = kernels.bf16_max_rows()

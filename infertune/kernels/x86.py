@@ -49,6 +49,7 @@ class X86Kernels:
     def __init__(self) -> None:
         if not cpu.available():
             raise RuntimeError(f"the x86 kernels are unavailable: {cpu.unavailable_reason()}")
+        self.lib = None  # (None: the library the process loaded)
         self.amx = cpu.bf16_max_rows() > cpu.MAX_ROWS
         self.name = cpu.VARIANTS["avx512"].title + (" + amx" if self.amx else "")
 
@@ -58,83 +59,6 @@ class X86Kernels:
     def max_rows(self, kind: LinearKind) -> int:
         # bf16 (plain or 12-bit) keeps the AMX tile GEMM up to 128 rows; the int8 / int4 kernels are GEMVs at heart
         return cpu.bf16_max_rows() if kind in ("bf16", "bf16c") else cpu.MAX_ROWS
-
-    def linear_bf16(self, x, weight, bias=None):
-        return cpu.linear_bf16(x, weight, bias)
-
-    def linear_w8(self, x, qweight, scales, bias=None):
-        return cpu.linear_w8(x, qweight, scales, bias)
-
-    def dequant_w8(self, qweight, scales):
-        return cpu.dequant_w8(qweight, scales)
-
-    def w4_supported(self, in_features: int, group_size: int) -> bool:
-        return cpu.w4_supported(in_features, group_size)
-
-    def pack_w4(self, q):
-        return cpu.pack_w4(q)
-
-    def unpack_w4(self, packed):
-        return cpu.unpack_w4(packed)
-
-    def linear_w4(self, x, packed, scale, zero, group_size, bias=None):
-        return cpu.linear_w4(x, packed, scale, zero, group_size, bias)
-
-    def dequant_w4(self, packed, scale, zero, group_size):
-        return cpu.dequant_w4(packed, scale, zero, group_size)
-
-    def rms_norm(self, x, weight, eps):
-        return cpu.rms_norm(x, weight, eps)
-
-    def silu_and_mul(self, gate_up):
-        return cpu.silu_and_mul(gate_up)
-
-    def rotary_(self, qk, cos, sin) -> bool:
-        return cpu.rotary_(qk, cos, sin)
-
-    def can_compress(self, out_features: int, in_features: int) -> bool:
-        return cpu.bf16c_supported(out_features, in_features)
-
-    def compress(self, weight: torch.Tensor, gate_up: bool = False) -> Bf16cWeight:
-        # (the tile pairs of an interleaved gate_up need whole pairs of 16 features)
-        return Bf16cWeight(weight, gate_up and weight.shape[0] % 32 == 0)
-
-    def fused_decoder(self, model: FusedModel) -> FusedDecoder | str:
-        from infertune.kernels.x86_fused import X86FusedDecoder
-
-        return X86FusedDecoder.build(model, amx=self.amx)
-
-    def fused_step_timers(self, reset: bool = False) -> dict[str, float]:
-        return cpu.fused_step_timers(reset)
-
-    def profiled(self, name: str) -> AbstractContextManager:
-        return cpu.profiled(name)
-
-
-class Avx2Kernels:
-    """The AVX2 + FMA variant (x86 CPUs without AVX-512): the GEMVs (bf16, W8A16, W4A16), the prefills'
-    dequantization and the elementwise kernels; no 12-bit weights and no fused step (those need AVX-512 / AMX).
-    lib: a library from cpu.load_variant("avx2") (default: the process's, where it is the AVX2 one)."""
-
-    fused_parts = cpu.FUSED_PARTS
-
-    def __init__(self, lib=None) -> None:
-        if lib is None:
-            got = cpu.load_variant("avx2")
-            if isinstance(got, str):
-                raise RuntimeError(f"the AVX2 kernels are unavailable: {got}")
-            lib = got
-        self.lib = lib
-        self.name = cpu.VARIANTS["avx2"].title
-
-    def __repr__(self) -> str:
-        return f"Avx2Kernels({self.name})"
-
-    def max_rows(self, kind: LinearKind) -> int:
-        # GEMVs at heart (MR2 = 2 rows a pass over a block of 4 weight rows, from L1 after the first): up to 16 rows
-        # they stream the weights once, as the AVX-512 GEMVs without AMX do. Not yet measured against torch's AVX2
-        # GEMMs on an AVX2-only CPU (benchmarks/bench_isa_ab.py measures it); 12-bit weights do not exist here.
-        return 0 if kind == "bf16c" else cpu.MAX_ROWS
 
     def linear_bf16(self, x, weight, bias=None):
         return cpu.linear_bf16(x, weight, bias, lib=self.lib)
@@ -170,6 +94,50 @@ class Avx2Kernels:
         return cpu.rotary_(qk, cos, sin, lib=self.lib)
 
     def can_compress(self, out_features: int, in_features: int) -> bool:
+        return cpu.bf16c_supported(out_features, in_features)
+
+    def compress(self, weight: torch.Tensor, gate_up: bool = False) -> Bf16cWeight:
+        # (the tile pairs of an interleaved gate_up need whole pairs of 16 features)
+        return Bf16cWeight(weight, gate_up and weight.shape[0] % 32 == 0)
+
+    def fused_decoder(self, model: FusedModel) -> FusedDecoder | str:
+        from infertune.kernels.x86_fused import X86FusedDecoder
+
+        return X86FusedDecoder.build(model, amx=self.amx)
+
+    def fused_step_timers(self, reset: bool = False) -> dict[str, float]:
+        return cpu.fused_step_timers(reset)
+
+    def profiled(self, name: str) -> AbstractContextManager:
+        return cpu.profiled(name)
+
+
+class Avx2Kernels(X86Kernels):
+    """The AVX2 + FMA variant (x86 CPUs without AVX-512): the GEMVs (bf16, W8A16, W4A16), the prefills'
+    dequantization and the elementwise kernels, through X86Kernels' calls on its own library; no 12-bit weights and
+    no fused step (those need AVX-512 / AMX). lib: a library from cpu.load_variant("avx2") (default: the process's,
+    where it is the AVX2 one)."""
+
+    def __init__(self, lib=None) -> None:
+        if lib is None:
+            got = cpu.load_variant("avx2")
+            if isinstance(got, str):
+                raise RuntimeError(f"the AVX2 kernels are unavailable: {got}")
+            lib = got
+        self.lib = lib
+        self.amx = False
+        self.name = cpu.VARIANTS["avx2"].title
+
+    def __repr__(self) -> str:
+        return f"Avx2Kernels({self.name})"
+
+    def max_rows(self, kind: LinearKind) -> int:
+        # GEMVs at heart (MR2 = 2 rows a pass over a block of 4 weight rows, from L1 after the first): up to 16 rows
+        # they stream the weights once, as the AVX-512 GEMVs without AMX do. Not yet measured against torch's AVX2
+        # GEMMs on an AVX2-only CPU (benchmarks/bench_isa_ab.py measures it); 12-bit weights do not exist here.
+        return 0 if kind == "bf16c" else cpu.MAX_ROWS
+
+    def can_compress(self, out_features: int, in_features: int) -> bool:
         return False
 
     def compress(self, weight: torch.Tensor, gate_up: bool = False):
@@ -180,9 +148,6 @@ class Avx2Kernels:
 
     def fused_step_timers(self, reset: bool = False) -> dict[str, float]:
         return {**dict.fromkeys(cpu.FUSED_PARTS, 0.0), "calls": 0.0, "rows": 0.0}
-
-    def profiled(self, name: str) -> AbstractContextManager:
-        return cpu.profiled(name)
 
 
 _instance: X86Kernels | Avx2Kernels | None = None
