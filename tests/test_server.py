@@ -142,6 +142,8 @@ def test_64_concurrent_requests_match_offline(server, offline):
 def test_disconnect_mid_stream_frees_blocks_and_counts_abort(tiny_llama):
     # A long request (240 tokens) on its own server, so it is surely still running when the client leaves.
     with ServerThread(tiny_llama, max_model_len=256) as server:
+        # (the tiny model is fast enough to finish 240 tokens before the client reads 6 lines: slow its steps down)
+        server.engine.step_listeners.append(lambda outputs, seconds: time.sleep(0.01))
         body = {
             "model": MODEL,
             "prompt": "a long story",

@@ -260,7 +260,11 @@ class APIServer:
     async def chat_completions(self, req: ChatCompletionRequest, request: Request):
         self.check_model(req.model)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = self.params_of(lambda: req.sampling_params(max_tokens, req.logprobs_k()))
+        # (a bad max_completion_tokens is named as the client sent it)
+        renamed = {"logprobs": "top_logprobs"}  # (chat's logprobs is a switch; the count is top_logprobs)
+        if req.max_completion_tokens is not None:
+            renamed["max_tokens"] = "max_completion_tokens"
+        params = self.params_of(lambda: req.sampling_params(max_tokens, req.logprobs_k()), renamed)
         # Tool calling (serve/tools.py): the plan checks tool_choice, adjusts params, parses the output.
         tools = template_tools(req.tools)
         plan = ToolPlan.of(
@@ -293,11 +297,12 @@ class APIServer:
             )
 
     @staticmethod
-    def params_of(make) -> SamplingParams:
+    def params_of(make, renamed: dict[str, str] | None = None) -> SamplingParams:
         try:
             return make()
         except ParamError as e:
-            raise APIError(400, str(e), param=e.param) from None
+            param = (renamed or {}).get(e.param, e.param)
+            raise APIError(400, str(e).replace(e.param, param, 1), param=param) from None
 
     def tokenized(self, prompts: list[object]) -> list[dict]:
         """Text prompts as {"prompt", "prompt_token_ids"}, so the engine thread does not tokenize (run off-loop)."""

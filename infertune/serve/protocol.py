@@ -140,23 +140,29 @@ class _StructuredFields(BaseModel):
 # ---- end structured output ----------------------------------------------------------------------------------------
 
 
+def _stated(default, **bounds):
+    """A field whose bounds the OpenAPI schema states. SamplingParams enforces them (a 400 naming the parameter and
+    its range, tests/test_server.py), so the schema says what the server does without a second validator."""
+    return Field(default=default, json_schema_extra=bounds)
+
+
 class _SamplingFields(_StructuredFields):
     # Unknown fields are ignored, as OpenAI clients send options a server may not know.
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    n: int = 1
+    max_tokens: int | None = _stated(None, minimum=1)
+    temperature: float | None = _stated(None, minimum=0)
+    top_p: float | None = _stated(None, exclusiveMinimum=0, maximum=1)
+    top_k: int | None = _stated(None, minimum=-1)
+    min_p: float | None = _stated(None, minimum=0, maximum=1)
+    n: int = _stated(1, minimum=1)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
+    presence_penalty: float | None = _stated(None, minimum=-2, maximum=2)
+    frequency_penalty: float | None = _stated(None, minimum=-2, maximum=2)
+    repetition_penalty: float | None = _stated(None, exclusiveMinimum=0)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -195,9 +201,10 @@ class _SamplingFields(_StructuredFields):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = Field(default=None)
+    # (an empty string or list is a 400: the schema says so for the string and the outer list)
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(json_schema_extra={"minLength": 1, "minItems": 1})
+    max_tokens: int | None = _stated(16, minimum=0)  # (0 only with echo: the prompt alone)
+    logprobs: int | None = _stated(None, minimum=0, maximum=20)
     # The prompt comes back before the completion (its text, and with logprobs each prompt token's logprob, the first
     # null): what eval harnesses read to score a continuation. max_tokens=0 then returns the prompt alone.
     echo: bool = False
@@ -310,9 +317,9 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = _stated(None, minimum=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = _stated(None, minimum=0, maximum=20)
     add_generation_prompt: bool = True
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None

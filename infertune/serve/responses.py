@@ -3,9 +3,18 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 
 from infertune.engine.outputs import CompletionOutput, Logprob, RequestOutput
+
+# What a logprob of -inf (a token the sampling parameters ruled out) or NaN (logits overflowed, e.g. under an extreme
+# repetition_penalty) is sent as: JSON has no infinities, and vLLM answers the same floor.
+LOGPROB_FLOOR = -9999.0
+
+
+def _finite(v: float) -> float:
+    return v if math.isfinite(v) else (-LOGPROB_FLOOR if v > 0 else LOGPROB_FLOOR)
 
 
 def sse(payload: dict | str) -> str:
@@ -53,7 +62,7 @@ class Formatter:
 
             def item(tid: int, lp: float) -> dict:
                 tok = self._token(tid)
-                return {"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8"))}
+                return {"token": tok, "logprob": _finite(lp), "bytes": list(tok.encode("utf-8"))}
 
             return {
                 "content": [
@@ -67,8 +76,10 @@ class Formatter:
             pos += len(t)
         return {
             "tokens": tokens,
-            "token_logprobs": [None if isinstance(e, tuple) else e.logprob for e in entries],
-            "top_logprobs": [None if isinstance(e, tuple) else {self._token(t): v for t, v in e.top} for e in entries],
+            "token_logprobs": [None if isinstance(e, tuple) else _finite(e.logprob) for e in entries],
+            "top_logprobs": [
+                None if isinstance(e, tuple) else {self._token(t): _finite(v) for t, v in e.top} for e in entries
+            ],
             "text_offset": offsets,
         }
 
