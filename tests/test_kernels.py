@@ -14,6 +14,12 @@ from infertune.layers.linear import DecodeKernelMethod, Linear
 from infertune.quant.int8 import W8A16Method, quantize_int8_per_channel
 
 needs_kernels = pytest.mark.skipif(not kernels.available(), reason=f"CPU kernels: {kernels.unavailable_reason()}")
+# The fused step and its attention are AVX-512 code: where the process runs the AVX2 variant (an AVX2-only CPU, or
+# INFERTUNE_CPU_ISA=avx2) those tests skip; the AVX2 variant's own end-to-end test is in tests/test_cpu_isa.py.
+needs_avx512 = pytest.mark.skipif(
+    kernels.variant() not in ("avx512", "avx512-noamx"),
+    reason=f"the AVX-512 kernels do not run here: {kernels.describe()}",
+)
 
 # (M rows, N outputs, K inputs): one row (the AVX-512 path), several rows (AMX where the CPU has it), output
 # counts that leave a partial 16- / 64-feature tile, K not a multiple of 32 (masked tails), K past the int8
@@ -245,6 +251,7 @@ def _hf_logprob_errors(llm, prompts, params, hf, argmax: bool) -> list[float]:
 
 
 @needs_kernels
+@needs_avx512
 @pytest.mark.parametrize(
     "arch,quant,kv",
     [
@@ -300,6 +307,7 @@ def test_engine_with_kernels_matches_hf(tmp_path, arch, quant, kv):
 
 
 @needs_kernels
+@needs_avx512
 def test_fused_decode_forward_allocates_nothing(tmp_path):
     """The seeds' "pre-allocate memory": a decode step's forward through the fused path allocates no tensor
     (torch.profiler's memory accounting); the PyTorch path allocates per op."""
@@ -370,6 +378,7 @@ def test_elementwise_kernels_round_as_the_pytorch_formulas(ks):
 
 
 @needs_kernels
+@needs_avx512
 def test_profile_sees_the_kernels(tmp_path):
     """`infertune profile` on a bf16 model: the fused step's time lands in its own category, and the C linear
     calls count as matmul, not as Python (they are not aten ops; the kernels open profiler ranges)."""
@@ -407,6 +416,7 @@ ATTN_SHAPES = [(14, 2, 64, 16), (4, 4, 32, 8), (9, 1, 48, 16), (20, 1, 32, 32), 
 
 
 @needs_kernels
+@needs_avx512
 @pytest.mark.parametrize("hq,hkv,d,bs", ATTN_SHAPES)
 @pytest.mark.parametrize("kv", ["bf16", "int8"])
 def test_decode_attention_matches_float64(hq, hkv, d, bs, kv):
@@ -456,6 +466,7 @@ def test_decode_attention_matches_float64(hq, hkv, d, bs, kv):
 
 
 @needs_kernels
+@needs_avx512
 @pytest.mark.parametrize("hq,hkv,d,bs", [(14, 2, 64, 16), (4, 4, 32, 32), (18, 1, 128, 16)])
 def test_prompt_rows_attention_matches_float64(hq, hkv, d, bs):
     """A step of prompts' rows (each row one more key of its prompt, through the prompt's block table): on AMX the

@@ -101,7 +101,6 @@ def test_the_fused_step_scores_prompts_too(tmp_path):
         llm = LLM(str(model), dtype="bfloat16", max_model_len=64, decode_kernels=mode)
         runs = []
         if mode == "auto" and llm.engine.executor.runner.fused is not None:
-            real = llm.engine.executor.runner.fused.__call__
             llm.engine.executor.runner.fused = _Spy(llm.engine.executor.runner.fused, runs)
         out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1, prompt_logprobs=1))[0]
         ref = _hf_prompt_logprobs(hf, prompt)
@@ -110,7 +109,6 @@ def test_the_fused_step_scores_prompts_too(tmp_path):
         )
         if mode == "auto" and runs:
             assert runs[0] == len(prompt)  # the prompt's step ran fused, every scored row read
-            del real
     assert worst["auto"] <= 1.5 * worst["off"] + 0.02, worst
 
 
