@@ -23,7 +23,17 @@ KV_CACHE_DTYPES = ("auto", "int8")
 QUANT_METHODS = ("w8a16", "w4a16", "w8a8")
 QUANT_GROUP_SIZES = (32, 64, 128, 256)
 EXECUTOR_BACKENDS = ("uni", "mp")
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "MistralForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
+)
+MOE_SCORING = ("softmax", "sigmoid")
+MOE_TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -55,6 +65,50 @@ def _check_choices(config) -> None:
         raise ValueError(f"{f.name}={value!r} is not one of {choices}" + (" (or None)" if f.default is None else ""))
 
 
+@dataclass(slots=True, frozen=True)
+class MoeArch:
+    """A mixture-of-experts MLP: which layers have one, the router, and the experts' shape."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of one routed expert
+    layers: tuple[int, ...]  # decoder layers whose MLP is the MoE (the others are dense)
+    norm_topk_prob: bool  # renormalise the top-k weights to sum to 1
+    scoring: str = "softmax"  # router score: softmax over experts, or a per-expert sigmoid (DeepSeek-V3)
+    # greedy: top-k of the scores; group_limited_greedy (DeepSeek-V2): top-k within the topk_group groups of
+    # highest max score; noaux_tc (DeepSeek-V3): groups ranked by the sum of their top-2 biased scores, experts
+    # picked by biased score, weighted by the unbiased one.
+    topk_method: str = "greedy"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    correction_bias: bool = False  # e_score_correction_bias: added to the scores for selection only
+    shared_intermediate_size: int = 0  # a shared expert every token runs (0: none)
+    shared_gate: bool = False  # Qwen2-MoE: the shared expert's output is scaled by sigmoid(shared_expert_gate(x))
+    router_fp32: bool = False  # DeepSeek: the router's weight and matmul are fp32 whatever the model dtype
+
+    def active_experts(self) -> int:
+        return self.top_k
+
+
+@dataclass(slots=True, frozen=True)
+class MlaArch:
+    """DeepSeek's multi-head latent attention: K/V come from a per-token latent of kv_lora_rank values plus one
+    rotary key of qk_rope_head_dim shared by every head; the KV cache keeps only those."""
+
+    q_lora_rank: int | None  # None: q is one projection of the hidden state (DeepSeek-V2-Lite)
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool = True  # the rotary dims of the checkpoint are interleaved pairs (DeepSeek's layout)
+
+    @property
+    def cache_width(self) -> int:
+        """Values one token keeps per layer: the latent plus the shared rotary key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
 @dataclass(slots=True)
 class ArchConfig:
     """The parts of a Hugging Face config.json that the model code needs, parsed without transformers."""
@@ -79,6 +133,11 @@ class ArchConfig:
     torch_dtype: str | None
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before rotary
+    moe: MoeArch | None = None
+    mla: MlaArch | None = None
+    # Checkpoint tensors of layers the engine does not run (DeepSeek's multi-token-prediction layers): skipped.
+    skip_layers_from: int | None = None
 
     @classmethod
     def from_dict(cls, cfg: dict, where: str = "config.json") -> ArchConfig:
@@ -110,7 +169,7 @@ class ArchConfig:
         # Qwen2 configs carry a sliding_window that is inactive unless use_sliding_window is true, and
         # then only for layers from max_window_layers on; explicit layer_types say it directly.
         layers = int(cfg["num_hidden_layers"])
-        if arch == "Qwen2ForCausalLM" and (
+        if arch.startswith("Qwen") and (
             not cfg.get("use_sliding_window", False) or int(cfg.get("max_window_layers", 0)) >= layers
         ):
             window = None
@@ -118,6 +177,7 @@ class ArchConfig:
             window = None
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        mla = _mla_arch(cfg, arch)
         return cls(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
@@ -125,21 +185,26 @@ class ArchConfig:
             intermediate_size=int(cfg["intermediate_size"]),
             num_hidden_layers=int(cfg["num_hidden_layers"]),
             num_attention_heads=heads,
-            num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            # MLA caches one latent "head" of kv_lora_rank + qk_rope_head_dim values a token.
+            num_key_value_heads=1 if mla else int(cfg.get("num_key_value_heads") or heads),
+            head_dim=mla.cache_width if mla else int(cfg.get("head_dim") or hidden // heads),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            # Qwen2 always has q/k/v bias and no flag for it.
-            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            # Qwen2 and Qwen2-MoE always have q/k/v bias and no flag for it.
+            attention_bias=bool(cfg.get("attention_bias", arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"))),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             hidden_act="silu",
             sliding_window=int(window) if window else None,
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            moe=_moe_arch(cfg, arch, layers, where),
+            mla=mla,
+            skip_layers_from=layers if int(cfg.get("num_nextn_predict_layers") or 0) else None,
         )
 
     @classmethod
@@ -159,12 +224,99 @@ class ArchConfig:
         return cls.from_dict(cfg, where=str(path))
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * dtype_bytes
+        planes = 1 if self.mla else 2  # MLA keeps one latent per token, not a K and a V
+        return planes * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * dtype_bytes
+
+
+_MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+}
 
 
 def _arch_from_model_type(model_type: str | None) -> str:
-    return {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}.get(
-        model_type or "", f"model_type={model_type!r}"
+    return _MODEL_TYPES.get(model_type or "", f"model_type={model_type!r}")
+
+
+def _moe_arch(cfg: dict, arch: str, layers: int, where: str) -> MoeArch | None:
+    """The MoE part of a config.json, each family's knobs read under their own names (None for a dense model)."""
+    if arch == "MixtralForCausalLM":
+        return MoeArch(
+            num_experts=int(cfg.get("num_local_experts", 8)),
+            top_k=int(cfg.get("num_experts_per_tok", 2)),
+            intermediate_size=int(cfg["intermediate_size"]),
+            layers=tuple(range(layers)),
+            norm_topk_prob=True,
+        )
+    if arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+        experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+        step = int(cfg.get("decoder_sparse_step", 1) or 1)
+        dense = set(cfg.get("mlp_only_layers") or ())
+        moe_layers = tuple(i for i in range(layers) if experts > 0 and i not in dense and (i + 1) % step == 0)
+        shared = int(cfg.get("shared_expert_intermediate_size") or 0) if arch == "Qwen2MoeForCausalLM" else 0
+        return MoeArch(
+            num_experts=experts,
+            top_k=int(cfg["num_experts_per_tok"]),
+            intermediate_size=int(cfg["moe_intermediate_size"]),
+            layers=moe_layers,
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", arch == "Qwen3MoeForCausalLM")),
+            shared_intermediate_size=shared,
+            shared_gate=shared > 0,
+        )
+    if arch in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):
+        experts = int(cfg.get("n_routed_experts") or 0)
+        if not experts:
+            return None
+        v3 = arch == "DeepseekV3ForCausalLM"
+        scoring = cfg.get("scoring_func", "sigmoid" if v3 else "softmax")
+        if scoring not in MOE_SCORING:
+            raise ValueError(f"{where}: scoring_func {scoring!r} is not supported; infertune implements {MOE_SCORING}")
+        method = cfg.get("topk_method", "noaux_tc" if v3 else "greedy")
+        if method not in MOE_TOPK_METHODS:
+            raise ValueError(
+                f"{where}: topk_method {method!r} is not supported; infertune implements {MOE_TOPK_METHODS}"
+            )
+        first_dense = int(cfg.get("first_k_dense_replace", 0) or 0)
+        freq = int(cfg.get("moe_layer_freq", 1) or 1)
+        n_group, topk_group = int(cfg.get("n_group") or 1), int(cfg.get("topk_group") or 1)
+        if experts % n_group or topk_group > n_group:
+            raise ValueError(f"{where}: n_group={n_group}, topk_group={topk_group} do not fit {experts} experts")
+        return MoeArch(
+            num_experts=experts,
+            top_k=int(cfg["num_experts_per_tok"]),
+            intermediate_size=int(cfg["moe_intermediate_size"]),
+            layers=tuple(i for i in range(layers) if i >= first_dense and i % freq == 0),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", v3)),
+            scoring=scoring,
+            topk_method=method,
+            n_group=n_group if method != "greedy" else 1,
+            topk_group=topk_group if method != "greedy" else 1,
+            routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0) or 1.0),
+            correction_bias=method == "noaux_tc",
+            shared_intermediate_size=int(cfg.get("n_shared_experts") or 0) * int(cfg["moe_intermediate_size"]),
+            router_fp32=True,
+        )
+    return None
+
+
+def _mla_arch(cfg: dict, arch: str) -> MlaArch | None:
+    if arch not in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):
+        return None
+    q_lora = cfg.get("q_lora_rank")
+    return MlaArch(
+        q_lora_rank=int(q_lora) if q_lora else None,
+        kv_lora_rank=int(cfg["kv_lora_rank"]),
+        qk_nope_head_dim=int(cfg["qk_nope_head_dim"]),
+        qk_rope_head_dim=int(cfg["qk_rope_head_dim"]),
+        v_head_dim=int(cfg["v_head_dim"]),
+        rope_interleave=bool(cfg.get("rope_interleave", True)),
     )
 
 

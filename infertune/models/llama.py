@@ -1,4 +1,6 @@
-"""Llama-family decoder (Llama, Qwen2 with q/k/v bias, Mistral) over a flattened batch and a paged KV cache.
+"""Llama-family decoder over a flattened batch and a paged KV cache: Llama, Qwen2 (q/k/v bias), Mistral, Qwen3
+(per-head q / k RMSNorm), and their mixture-of-experts kin (Qwen2-MoE with its gated shared expert, Qwen3-MoE,
+Mixtral), whose MoE layers are layers/moe.py MoE in place of the MLP.
 
 The forward takes every scheduled token of the step as one [T] run; attention finds each sequence's context
 through the AttentionMetadata. Weights for q/k/v and gate/up are packed.
@@ -20,6 +22,7 @@ from infertune.config import ArchConfig
 from infertune.layers.activation import SiluAndMul
 from infertune.layers.attention import AttentionBackend, AttentionMetadata
 from infertune.layers.linear import Linear, PackedLinear
+from infertune.layers.moe import MoE
 from infertune.layers.norm import RMSNorm
 from infertune.layers.rotary import RotaryEmbedding
 
@@ -40,18 +43,31 @@ class LlamaAttention(nn.Module):
             bias=cfg.attention_bias,
             dtype=dtype,
         )
-        # Llama's attention_bias also covers o_proj; Qwen2's q/k/v bias does not.
-        o_bias = cfg.attention_bias and cfg.architecture != "Qwen2ForCausalLM"
+        # Llama's (and Qwen3's) attention_bias also covers o_proj; Qwen2's q/k/v bias does not.
+        o_bias = cfg.attention_bias and cfg.architecture not in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=o_bias, dtype=dtype)
         self.rotary = rotary
         self.attn = attn
+        # Qwen3: each head of q and of k is RMS-normalised (over head_dim) before rotary.
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [T, hidden] (normed) -> q [T, H, D], k, v [T, Hkv, D]: views of one qkv buffer, q and k rotated."""
         t = x.shape[0]
-        qkv = self.qkv_proj(x).view(t, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
-        qk = self.rotary(qkv[:, : self.num_heads + self.num_kv_heads], cos, sin)
-        return qk[:, : self.num_heads], qk[:, self.num_heads :], qkv[:, self.num_heads + self.num_kv_heads :]
+        h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x).view(t, h + 2 * hkv, d)
+        qk = qkv[:, : h + hkv]
+        if self.q_norm is not None:
+            qk = torch.cat(
+                [
+                    self.q_norm(qk[:, :h].reshape(t * h, d)).view(t, h, d),
+                    self.k_norm(qk[:, h:].reshape(t * hkv, d)).view(t, hkv, d),
+                ],
+                dim=1,
+            )
+        qk = self.rotary(qk, cos, sin)
+        return qk[:, :h], qk[:, h:], qkv[:, h + hkv :]
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
@@ -66,9 +82,9 @@ MLP_CHUNK_ROWS = 512
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ArchConfig, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ArchConfig, dtype: torch.dtype, intermediate_size: int | None = None) -> None:
         super().__init__()
-        inter = cfg.intermediate_size
+        inter = intermediate_size or cfg.intermediate_size
         self.gate_up_proj = PackedLinear(cfg.hidden_size, {0: inter, 1: inter}, bias=cfg.mlp_bias, dtype=dtype)
         self.gate_up_proj.silu_pairs = True  # a quant method may pack gate and up side by side for a fused SiLU
         self.down_proj = Linear(inter, cfg.hidden_size, bias=cfg.mlp_bias, dtype=dtype)
@@ -92,13 +108,22 @@ class LlamaMLP(nn.Module):
         return self.down_proj(act)
 
 
+def moe_mlp(cfg: ArchConfig, dtype: torch.dtype) -> MoE:
+    """The MoE block of a Llama-family MoE model (Qwen2-MoE's shared expert included)."""
+    moe = cfg.moe
+    shared = LlamaMLP(cfg, dtype, moe.shared_intermediate_size) if moe.shared_intermediate_size else None
+    return MoE(cfg.hidden_size, moe, dtype, shared=shared, shared_name="shared_expert")
+
+
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, attn: AttentionBackend, dtype: torch.dtype) -> None:
+    def __init__(
+        self, cfg: ArchConfig, rotary: RotaryEmbedding, attn: AttentionBackend, dtype: torch.dtype, index: int = 0
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn = LlamaAttention(cfg, rotary, attn, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = LlamaMLP(cfg, dtype)
+        self.mlp = moe_mlp(cfg, dtype) if cfg.moe is not None and index in cfg.moe.layers else LlamaMLP(cfg, dtype)
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Stage 1: input norm, qkv projection and rotary -> q, k, v."""
@@ -127,7 +152,7 @@ class LlamaModel(nn.Module):
         # One table shared by every layer.
         self.rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, self.rotary, attn, dtype) for _ in range(cfg.num_hidden_layers)
+            LlamaDecoderLayer(cfg, self.rotary, attn, dtype, i) for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
@@ -148,6 +173,8 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
+    # Mixtral's MoE block is called block_sparse_moe in its checkpoints.
+    checkpoint_renames = {"block_sparse_moe": "mlp"}
 
     def __init__(self, cfg: ArchConfig, max_position: int, attn: AttentionBackend, dtype: torch.dtype) -> None:
         super().__init__()

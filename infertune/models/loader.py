@@ -7,6 +7,8 @@ slot (packed q/k/v and gate/up shards into their slices), so the weights never e
 from __future__ import annotations
 
 import json
+import logging
+import re
 from pathlib import Path
 
 import torch
@@ -21,8 +23,15 @@ from infertune.models.safetensors_io import CorruptCheckpointError, iter_tensors
 from infertune.quant import attach_linear_methods
 from infertune.quant.checkpoint import attach_stored_methods, read_stored_quant
 
+log = logging.getLogger("infertune")
+
 # Checkpoint tensors that carry no weights of ours (recomputed at load time).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# One routed expert's projection in the per-expert layout (Qwen-MoE / DeepSeek names, and Mixtral's w1 / w3 / w2)
+# -> its slice of the fused 3-D tensors of layers/moe.py Experts.
+_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<n>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_EXPERT_SLOT = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1}
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def checkpoint_files(model_dir: str) -> list[Path]:
@@ -91,6 +100,7 @@ def load_model(
     with torch.device("meta"):
         model = cls(arch, max_position, attn, dtype)
     packed = getattr(cls, "packed_modules", {})
+    renames = getattr(cls, "checkpoint_renames", {})
     stored = read_stored_quant(model_dir)
     if stored is None:
         attach_linear_methods(model, quant, backend, prepack, dtype, kernels, compress)
@@ -102,12 +112,16 @@ def load_model(
     materialize(model, device)
     params = dict(model.named_parameters(remove_duplicate=False))
     missing = _expected_shards(model)  # param name -> shards still to load (None = the whole tensor)
+    skipped = 0
     for path in tqdm(files, desc="loading weights", unit="file", disable=not show_progress or len(files) < 2):
         try:
             for name, tensor in iter_tensors(path):
                 if name.endswith(_IGNORED_SUFFIXES) or (arch.tie_word_embeddings and name == "lm_head.weight"):
                     continue
-                target, shard = map_checkpoint_name(name, packed)
+                if arch.skip_layers_from is not None and _layer_index(name, arch.skip_layers_from):
+                    skipped += 1
+                    continue
+                target, shard = map_checkpoint_name(name, packed, renames)
                 if target not in params:
                     raise ValueError(
                         f"{path.name}: tensor {name!r} has no place in {arch.architecture}; "
@@ -119,9 +133,19 @@ def load_model(
                     load(param, _cast(tensor, param), shard)
                 except ValueError as e:
                     raise ValueError(f"{path.name}: {name}: {e}") from e
-                missing.get(target, set()).discard(shard)
+                if shard is None:  # the whole tensor: every slice of it is filled
+                    missing.pop(target, None)
+                else:
+                    missing.get(target, set()).discard(shard)
         except CorruptCheckpointError as e:
             raise ValueError(f"{path} is not a readable safetensors file ({e}); re-download or re-save it") from e
+    if skipped:
+        log.info(
+            "skipped %d checkpoint tensors of layers %d and up (multi-token-prediction layers, which infertune "
+            "does not run)",
+            skipped,
+            arch.skip_layers_from,
+        )
     del params  # drop our references, so a method replacing a weight (quantize, prepack) frees it at once
     absent = sorted(_checkpoint_name(name, s, packed) for name, shards in missing.items() for s in shards)
     if absent:
@@ -144,8 +168,25 @@ def _cast(tensor: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def map_checkpoint_name(name: str, packed: dict[str, tuple[str, object]]) -> tuple[str, object]:
-    """A checkpoint name -> (our name, shard): model.layers.0.self_attn.q_proj.weight -> (...qkv_proj.weight, 'q')."""
+def _layer_index(name: str, first_skipped: int) -> bool:
+    m = _LAYER.match(name)
+    return m is not None and int(m.group(1)) >= first_skipped
+
+
+def map_checkpoint_name(
+    name: str, packed: dict[str, tuple[str, object]], renames: dict[str, str] | None = None
+) -> tuple[str, object]:
+    """A checkpoint name -> (our name, shard): model.layers.0.self_attn.q_proj.weight -> (...qkv_proj.weight, 'q');
+    model.layers.1.mlp.experts.3.up_proj.weight -> (...mlp.experts.gate_up_proj, (3, 1)). `renames` maps a
+    family's module names onto ours (Mixtral's block_sparse_moe -> mlp)."""
+    if renames:
+        name = ".".join(renames.get(p, p) for p in name.split("."))
+    m = _EXPERT.match(name)
+    if m:
+        n, proj = int(m["n"]), m["proj"]
+        if proj in ("down_proj", "w2"):
+            return f"{m['prefix']}.down_proj", n
+        return f"{m['prefix']}.gate_up_proj", (n, _EXPERT_SLOT[proj])
     parts = name.split(".")
     for i, part in enumerate(parts):
         if part in packed:
@@ -158,6 +199,10 @@ def _checkpoint_name(name: str, shard: object, packed: dict[str, tuple[str, obje
     """Our (packed name, shard) back to the tensor name the checkpoint should have had."""
     if shard is None:
         return name
+    if name.endswith(".experts.gate_up_proj"):
+        return f"{name[: -len('gate_up_proj')]}{shard[0]}.{('gate_proj', 'up_proj')[shard[1]]}.weight"
+    if name.endswith(".experts.down_proj"):
+        return f"{name[: -len('down_proj')]}{shard}.down_proj.weight"
     for hf_part, (ours, key) in packed.items():
         if key == shard and f".{ours}." in name:
             return name.replace(f".{ours}.", f".{hf_part}.")
@@ -167,9 +212,10 @@ def _checkpoint_name(name: str, shard: object, packed: dict[str, tuple[str, obje
 def _expected_shards(model: nn.Module) -> dict[str, set]:
     expected: dict[str, set] = {}
     for mod_name, module in model.named_modules():
-        for p_name, _ in module.named_parameters(recurse=False):
+        for p_name, param in module.named_parameters(recurse=False):
             full = f"{mod_name}.{p_name}" if mod_name else p_name
-            expected[full] = set(getattr(module, "shard_offsets", {None: None}))
+            shards = getattr(param, "expected_shards", None)  # a weight that loads in slices (MoE experts)
+            expected[full] = set(shards) if shards else set(getattr(module, "shard_offsets", {None: None}))
     # A tied weight is reachable under two names; the checkpoint fills it once.
     for name, _ in model.named_parameters(remove_duplicate=False):
         if name not in dict(model.named_parameters()):

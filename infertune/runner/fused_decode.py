@@ -72,6 +72,12 @@ class FusedDecode:
             return f"{cfg.num_attention_heads} heads over {cfg.num_key_value_heads} KV heads"
         if getattr(cfg, "hidden_act", "silu") not in ("silu", None):
             return f"hidden_act={cfg.hidden_act}"
+        if getattr(cfg, "moe", None) is not None:
+            return "mixture-of-experts layers (the fused step runs dense MLPs only)"
+        if getattr(cfg, "mla", None) is not None:
+            return "latent attention (MLA)"
+        if getattr(cfg, "qk_norm", False):
+            return "per-head q / k norms (Qwen3)"
         decoder = model.model
         first = decoder.layers[0]
         spec = FusedModel(
