@@ -310,6 +310,18 @@ def test_sampler_greedy_rows_take_argmax_and_seeded_rows_are_reproducible():
     assert a[1] == b[1]
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1e-3, 1.0])
+def test_overflowing_or_nan_logits_never_pick_a_masked_token(temperature):
+    """A grammar masks tokens to -inf; the model's allowed logits may be huge (overflowing to inf once divided by a
+    tiny temperature, so softmax gives NaN) or NaN. The sampler must still pick an allowed token: the best one."""
+    inf = float("inf")
+    rows = [SampleRequest(SamplingParams(temperature=temperature, seed=1), [0], [])]
+    overflow = torch.tensor([[-inf, 3e38, 1e38, -inf, -inf]])
+    assert Sampler(seed=0)(overflow, rows).token_ids == [1]
+    nan = torch.tensor([[-inf, float("nan"), 2.0, -inf, -inf]])
+    assert Sampler(seed=0)(nan, rows).token_ids == [2]
+
+
 # ---- logprobs --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "k, sp_kw", [(5, dict(temperature=1.0, seed=3)), (3, dict(temperature=0.0)), (1, dict(temperature=1.0, seed=8))]

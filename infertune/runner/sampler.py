@@ -66,7 +66,7 @@ class Sampler:
             logits = apply_penalties(logits.clone(), rows)
         greedy = [p.greedy for p in params]
         if all(greedy):
-            tokens = logits.argmax(dim=-1)
+            tokens = logits.nan_to_num(nan=float("-inf")).argmax(dim=-1)  # argmax takes NaN as the largest
         else:
             tokens = self._sample(logits, params, rows, greedy)
         token_list = tokens.tolist()  # the step's one host sync
@@ -91,9 +91,14 @@ class Sampler:
                 g = torch.Generator(device=device).manual_seed(_mix(p.seed, r.position))
                 u[i] = torch.rand(1, generator=g, device=device, dtype=torch.float64)
         sampled = inverse_cdf(probs, u)
+        # A row whose scaled logits overflow (a huge logit over a tiny temperature, or a NaN from the model) has no
+        # distribution to draw from: it takes its best token instead, NaNs counted as -inf so that a token a
+        # grammar masked out (-inf) is never chosen. No host sync: a where over the batch.
+        best = logits.nan_to_num(nan=float("-inf")).argmax(dim=-1)
+        sampled = torch.where(probs.isnan().any(dim=-1), best, sampled)
         if not any(greedy):
             return sampled
-        return torch.where(torch.tensor(greedy, device=device), logits.argmax(dim=-1), sampled)
+        return torch.where(torch.tensor(greedy, device=device), best, sampled)
 
 
 def _mix(seed: int, position: int) -> int:
