@@ -133,6 +133,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     load_s = time.perf_counter() - t0
     params = SamplingParams(
         temperature=args.temperature,
+        token_healing=args.token_healing,
         top_p=args.top_p,
         top_k=args.top_k,
         max_tokens=args.max_tokens,
@@ -209,6 +210,12 @@ def _add_generate(sub) -> None:
     gen.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed for reproducible output")
     gen.add_argument("--stop", action="append", help="stop string (repeatable); not included in the output")
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
+    gen.add_argument(
+        "--token-healing",
+        action="store_true",
+        help="take the prompt's last token off and make the output start with its text, so that a prompt ending in "
+        "a space or half a word lets the model choose the token boundary (the printed text continues the prompt)",
+    )
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
 

@@ -33,6 +33,10 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def get_tokenizer(self):
+        """The engine's tokenizer (vLLM's name for it)."""
+        return self.engine.tokenizer
+
     def generate(
         self,
         prompts: str | dict | list,

@@ -38,6 +38,11 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # Constrained decoding: a JSON schema, regex, choice, grammar or any JSON object (docs/structured-output.md).
     structured_outputs: StructuredOutputsParams | None = None
+    # Token healing: the prompt's last token is taken off and the output must start with its text, so the model
+    # picks the token boundary there itself (a prompt ending in a space or half a word no longer lands the model
+    # on a boundary it never saw in training). The returned text continues the prompt as given; the first output
+    # token may re-spell its end. Not with structured_outputs or prompt_logprobs.
+    token_healing: bool = False
     stop_list: tuple[str, ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
@@ -84,6 +89,10 @@ class SamplingParams:
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise bad("structured_outputs", "must be a StructuredOutputsParams (or a dict of its fields)")
         # -- end structured output --
+        if self.token_healing and self.structured_outputs is not None:
+            raise bad("token_healing", "cannot be combined with structured_outputs (both constrain the output)")
+        if self.token_healing and self.prompt_logprobs is not None:
+            raise bad("token_healing", "cannot be combined with prompt_logprobs (the healed prompt is one token short)")
 
     @property
     def greedy(self) -> bool:

@@ -11,9 +11,13 @@ _CONTEXT_TOKENS = 4
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True, strip_prefix: str = ""
+    ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        # Token healing: the output starts with the text taken off the prompt's end, which the caller already has.
+        self.strip_prefix = strip_prefix
         # A little prompt context so the first output token keeps the leading space some tokenizers fold in.
         self.ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0
@@ -33,6 +37,12 @@ class IncrementalDetokenizer:
         delta = after[len(before) :]
         self.prefix_offset = max(self.read_offset - _CONTEXT_TOKENS, 0)
         self.read_offset = len(self.ids)
+        return self._emit(delta)
+
+    def _emit(self, delta: str) -> str:
+        if self.strip_prefix:  # (the grammar made the output start with it: drop it as it comes)
+            cut = min(len(self.strip_prefix), len(delta))
+            self.strip_prefix, delta = self.strip_prefix[cut:], delta[cut:]
         self.text += delta
         return delta
 
@@ -42,8 +52,7 @@ class IncrementalDetokenizer:
         after = self._decode(self.ids[self.prefix_offset :])
         delta = after[len(before) :] if len(after) > len(before) else ""
         self.read_offset = len(self.ids)
-        self.text += delta
-        return delta
+        return self._emit(delta)
 
 
 def find_stop(text: str, delta_len: int, stops: tuple[str, ...]) -> tuple[int, str] | None:

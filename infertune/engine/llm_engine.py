@@ -21,7 +21,7 @@ from infertune.engine.scheduler import Scheduler
 from infertune.engine.sequence import Sequence, SequenceStatus
 from infertune.engine.tokenizer import load_tokenizer
 from infertune.runner.grammar import GrammarCompiler
-from infertune.sampling_params import ParamError, SamplingParams
+from infertune.sampling_params import ParamError, SamplingParams, StructuredOutputsParams
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +31,7 @@ class PreparedPrompt:
     text: str | None
     token_ids: list[int]
     max_tokens: int  # what the request runs to at most: its max_tokens, or the room left in max_model_len
+    healed: str = ""  # token healing: the text of the prompt token taken off, which the output must start with
 
 
 @dataclass(slots=True)
@@ -194,7 +195,23 @@ class LLMEngine:
             )
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         # (max_tokens=0, allowed with prompt_logprobs: the prompt runs, and the token sampled after it is dropped)
+        if params.token_healing:
+            ids, healed = self.heal(ids)
+            if healed:
+                return PreparedPrompt(text, ids, max(max_tokens, 1), healed)
         return PreparedPrompt(text, ids, max(max_tokens, 1))
+
+    def heal(self, ids: list[int]) -> tuple[list[int], str]:
+        """Token healing: (the prompt without its last token, that token's text), or (ids, "") where there is
+        nothing to heal: a one-token prompt, a special last token, or a tokenizer whose text does not split there."""
+        if len(ids) < 2 or ids[-1] in set(getattr(self.tokenizer, "all_special_ids", ())):
+            return ids, ""
+        tail = ids[-5:]  # a few tokens of context, so a leading space folded into the last token survives decoding
+        full = self.tokenizer.decode(tail, skip_special_tokens=False)
+        head = self.tokenizer.decode(tail[:-1], skip_special_tokens=False)
+        if len(full) <= len(head) or not full.startswith(head) or "\ufffd" in full:
+            return ids, ""
+        return ids[:-1], full[len(head) :]
 
     def check_params(self, params: SamplingParams) -> None:
         """The engine's bounds on what one request may ask for (LimitsConfig), beyond SamplingParams' own rules."""
@@ -224,13 +241,10 @@ class LLMEngine:
     def structured_output_spec(self, params: SamplingParams):
         """The compiled grammar (scheduler_output.GrammarSpec) of params.structured_outputs, None without one;
         ParamError where it cannot be compiled. Cached by the schema's text, so a second call costs a lookup."""
-        if (
-            params.structured_outputs is not None
-            and not (Path(self.config.model.tokenizer) / "tokenizer.json").is_file()
-        ):
-            raise ParamError(
-                "structured_outputs", "structured output needs the tokenizer's tokenizer.json (a fast tokenizer)"
-            )
+        constrained = "structured_outputs" if params.structured_outputs is not None else None
+        constrained = constrained or ("token_healing" if params.token_healing else None)
+        if constrained and not (Path(self.config.model.tokenizer) / "tokenizer.json").is_file():
+            raise ParamError(constrained, f"{constrained} needs the tokenizer's tokenizer.json (a fast tokenizer)")
         return self.grammars.spec(params)
 
     def enqueue(
@@ -242,6 +256,8 @@ class LLMEngine:
         text, ids, max_tokens = prepared.text, prepared.token_ids, prepared.max_tokens
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
         grammar = self.structured_output_spec(params)
+        if prepared.healed:  # the output must start with the text taken off the prompt, then anything
+            grammar = self.grammars.compile(StructuredOutputsParams(regex=_starts_with(prepared.healed)))
         if grammar is not None:  # the grammar allows EOS only where it accepts, and ends there (even with ignore_eos)
             stop_ids |= set(grammar.eos_token_ids)
         req = _Request(request_id, text, ids, params)
@@ -261,7 +277,7 @@ class LLMEngine:
             req.samples.append(
                 _Sample(
                     seq,
-                    IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens),
+                    IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens, prepared.healed),
                     logprobs=[] if params.logprobs is not None else None,
                     discard=params.max_tokens == 0,
                 )
@@ -449,3 +465,8 @@ class LLMEngine:
             "prefix_cache_hit_rate": bm.prefix_hit_rate,
             "num_preemptions": self.scheduler.num_preemptions,
         }
+
+
+def _starts_with(text: str) -> str:
+    """A regex of every string that starts with `text` (each character escaped by its code point)."""
+    return "".join(c if c.isalnum() and c.isascii() else f"\\x{{{ord(c):x}}}" for c in text) + r"[\s\S]*"

@@ -144,9 +144,9 @@ class GrammarCompiler:
         self.cache = _LRU(size)
 
     def spec(self, params: SamplingParams) -> GrammarSpec | None:
-        so = params.structured_outputs
-        if so is None:
-            return None
+        return None if params.structured_outputs is None else self.compile(params.structured_outputs)
+
+    def compile(self, so: StructuredOutputsParams) -> GrammarSpec:
         key = grammar_key(so)
         spec = self.cache.get(key)
         if spec is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -208,10 +209,13 @@ class CompletionRequest(_SamplingFields):
     # The prompt comes back before the completion (its text, and with logprobs each prompt token's logprob, the first
     # null): what eval harnesses read to score a continuation. max_tokens=0 then returns the prompt alone.
     echo: bool = False
+    # infertune's extension (docs/server.md): heal the prompt's last token boundary (SamplingParams.token_healing).
+    token_healing: bool = False
 
     def completion_params(self) -> SamplingParams:
         scored = self.echo and (self.logprobs is not None or self.max_tokens == 0)
-        return self.sampling_params(self.max_tokens, self.logprobs, (self.logprobs or 0) if scored else None)
+        params = self.sampling_params(self.max_tokens, self.logprobs, (self.logprobs or 0) if scored else None)
+        return replace(params, token_healing=True) if self.token_healing else params
 
     def prompts(self) -> list[object]:
         p = self.prompt
