@@ -84,6 +84,8 @@ def _values(f) -> str:
         return shown + (" or `None`" if f.default is None else "")
     if f.metadata.get("size"):
         return "bytes (`8G`, `512Mi`, `1000000`)" + (" or `None`" if f.default is None else "")
+    if f.metadata.get("json"):
+        return "a dict (JSON text on the command line)" + (" or `None`" if f.default is None else "")
     return str(f.type).replace(" | None", " or `None`").replace("tuple[str, ...]", "patterns")
 
 
@@ -92,6 +94,7 @@ _SEE = {
     "Decode kernels": "docs/kernels.md#decode-kernels",
     "Compiled decode": "docs/kernels.md#compiled-decode",
     "Quantization": "docs/tools.md#quantize-and-evaluate",
+    "Speculative decoding": "docs/server.md#speculative-decoding",
 }
 
 

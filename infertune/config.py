@@ -23,6 +23,7 @@ KV_CACHE_DTYPES = ("auto", "int8")
 QUANT_METHODS = ("w8a16", "w4a16", "w8a8")
 QUANT_GROUP_SIZES = (32, 64, 128, 256)
 EXECUTOR_BACKENDS = ("uni", "mp")
+SPECULATIVE_METHODS = ("ngram",)
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "Qwen2ForCausalLM",
@@ -31,10 +32,15 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM",
     "MixtralForCausalLM",
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
 )
+GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 MOE_SCORING = ("softmax", "sigmoid")
 MOE_TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def default_model_path() -> str:
@@ -49,7 +55,8 @@ def _opt(default=MISSING, help: str = "", *, factory=MISSING, **kw) -> Field:
     not); choices: the values it takes (checked by _check_choices, offered by the flag; None also passes where it
     is the default); flag: the CLI flag when it is not --the-name (for a bool that is on by default a --no-...
     flag that turns it off), or None for an option with no flag (Python and --config only); size: a byte count
-    that the flag also takes as 8G / 512Mi; see: the README section the options table links to.
+    that the flag also takes as 8G / 512Mi; json: a dict that the flag takes as JSON text; see: the README
+    section the options table links to.
     """
     return field(default=default, default_factory=factory, metadata={"help": help, **kw})
 
@@ -129,15 +136,24 @@ class ArchConfig:
     attention_bias: bool
     mlp_bias: bool
     hidden_act: str
-    sliding_window: int | None
+    sliding_window: int | None  # the longest window of a windowed layer (None: every layer attends to all it has)
     torch_dtype: str | None
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
-    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before rotary
+    qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over each head of q and k before rotary
     moe: MoeArch | None = None
     mla: MlaArch | None = None
     # Checkpoint tensors of layers the engine does not run (DeepSeek's multi-token-prediction layers): skipped.
     skip_layers_from: int | None = None
+    # Per decoder layer, the sliding window it attends within (None: its whole context); None where no layer has one.
+    # A window of W keeps the last W keys, the query's own included (transformers' masking_utils).
+    layer_windows: tuple[int | None, ...] | None = None
+    query_pre_attn_scalar: float | None = None  # Gemma: the softmax scale is its ** -0.5 (None: head_dim's)
+    attn_logit_softcapping: float | None = None  # Gemma 2: attention scores -> cap * tanh(scores / cap)
+    final_logit_softcapping: float | None = None  # Gemma 2 / 3: the same on the logits
+    # Gemma 3: the rope of the sliding layers (base rope_local_base_freq), where it is not the other layers'
+    local_rope_theta: float | None = None
+    local_rope_scaling: dict | None = None
 
     @classmethod
     def from_dict(cls, cfg: dict, where: str = "config.json") -> ArchConfig:
@@ -149,32 +165,32 @@ class ArchConfig:
             )
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
-        # transformers >= 5 nests rope_theta inside rope_parameters; older configs keep rope_theta + rope_scaling.
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or None
-        rope_theta = float(cfg.get("rope_theta") or (rope or {}).get("rope_theta") or 10000.0)
-        if rope is not None:
-            rope = dict(rope)
-            rope_type = rope.get("rope_type", rope.get("type", "default"))
-            if rope_type not in SUPPORTED_ROPE_TYPES:
-                raise ValueError(
-                    f"{where}: rope type {rope_type!r} is not supported; infertune implements "
-                    f"{', '.join(SUPPORTED_ROPE_TYPES)}."
-                )
-            rope["rope_type"] = rope_type
-            if rope_type == "default":
-                rope = None
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"{where}: hidden_act {cfg.get('hidden_act')!r} is not supported; only 'silu' is.")
-        window = cfg.get("sliding_window")
-        # Qwen2 configs carry a sliding_window that is inactive unless use_sliding_window is true, and
-        # then only for layers from max_window_layers on; explicit layer_types say it directly.
+        gemma = arch in GEMMA_ARCHITECTURES
+        # transformers >= 5 nests rope_theta inside rope_parameters (Gemma 3's keyed by layer type); older configs
+        # keep rope_theta + rope_scaling (and Gemma 3 its rope_local_base_freq).
+        params = cfg.get("rope_parameters") or {}
+        by_type = "full_attention" in params
+        global_theta = 1_000_000.0 if arch == "Gemma3ForCausalLM" else 10000.0
+        rope_theta, rope = _rope(
+            params["full_attention"] if by_type else params or cfg.get("rope_scaling"),
+            cfg.get("rope_theta"),
+            global_theta,
+            cfg,
+            where,
+        )
+        local_theta, local_rope = None, None
+        if arch == "Gemma3ForCausalLM":
+            local = params.get("sliding_attention") if by_type else None
+            local_theta, local_rope = _rope(local, cfg.get("rope_local_base_freq"), 10000.0, cfg, where)
+        # The MLP's activation: Gemma's GeLU (tanh approximation, named in hidden_activation), SiLU elsewhere.
+        act_key, allowed = ("hidden_activation", "gelu_pytorch_tanh") if gemma else ("hidden_act", "silu")
+        act = cfg.get(act_key, allowed)
+        if act != allowed:
+            raise ValueError(f"{where}: {act_key} {act!r} is not supported for {arch}; only {allowed!r} is.")
+        if cfg.get("use_bidirectional_attention"):
+            raise ValueError(f"{where}: use_bidirectional_attention (an encoder) is not supported; infertune decodes.")
         layers = int(cfg["num_hidden_layers"])
-        if arch.startswith("Qwen") and (
-            not cfg.get("use_sliding_window", False) or int(cfg.get("max_window_layers", 0)) >= layers
-        ):
-            window = None
-        if cfg.get("layer_types") and "sliding_attention" not in cfg["layer_types"]:
-            window = None
+        windows = _layer_windows(cfg, arch, layers, where)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         mla = _mla_arch(cfg, arch)
@@ -192,19 +208,33 @@ class ArchConfig:
             rope_theta=rope_theta,
             rope_scaling=rope,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            # Qwen2 and Qwen2-MoE always have q/k/v bias and no flag for it.
-            attention_bias=bool(cfg.get("attention_bias", arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"))),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
+            # Qwen2 always has q/k/v bias and no flag for it; Qwen2-MoE's flag is qkv_bias (transformers: True).
+            attention_bias=bool(cfg.get("qkv_bias", True))
+            if arch == "Qwen2MoeForCausalLM"
+            else bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            hidden_act="silu",
-            sliding_window=int(window) if window else None,
+            hidden_act=act,
+            sliding_window=max((w for w in windows or () if w is not None), default=None),
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
             moe=_moe_arch(cfg, arch, layers, where),
             mla=mla,
             skip_layers_from=layers if int(cfg.get("num_nextn_predict_layers") or 0) else None,
+            layer_windows=windows,
+            query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)) if gemma else None,
+            attn_logit_softcapping=_float_or_none(cfg.get("attn_logit_softcapping", 50.0))
+            if arch == "Gemma2ForCausalLM"  # Gemma 3's attention ignores it, as transformers' does
+            else None,
+            final_logit_softcapping=_float_or_none(
+                cfg.get("final_logit_softcapping", 30.0 if arch == "Gemma2ForCausalLM" else None)
+            )
+            if gemma
+            else None,
+            local_rope_theta=local_theta,
+            local_rope_scaling=local_rope,
         )
 
     @classmethod
@@ -238,11 +268,73 @@ _MODEL_TYPES = {
     "mixtral": "MixtralForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 
 
 def _arch_from_model_type(model_type: str | None) -> str:
     return _MODEL_TYPES.get(model_type or "", f"model_type={model_type!r}")
+
+
+def _float_or_none(value) -> float | None:
+    return None if value is None else float(value)
+
+
+def _rope(params: dict | None, theta, default_theta: float, cfg: dict, where: str) -> tuple[float, dict | None]:
+    """(rope_theta, its frequency scaling: None for plain rope) from one rope_parameters / rope_scaling dict and the
+    older top-level base `theta` (which wins where both are given)."""
+    rope_theta = float(theta or (params or {}).get("rope_theta") or default_theta)
+    if not params:
+        return rope_theta, None
+    rope = dict(params)
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"{where}: rope type {rope_type!r} is not supported; infertune implements {', '.join(SUPPORTED_ROPE_TYPES)}."
+        )
+    rope["rope_type"] = rope_type
+    if rope_type == "yarn":  # Hugging Face's defaults: the pretrained context is max_position_embeddings
+        max_pos = int(cfg.get("max_position_embeddings", 2048))
+        original = rope.get("original_max_position_embeddings") or max_pos
+        rope["original_max_position_embeddings"] = original
+        rope["factor"] = float(rope.get("factor") or max_pos / original)
+    return rope_theta, None if rope_type == "default" else rope
+
+
+# Families whose config's sliding_window applies only with use_sliding_window true (transformers sets it to None,
+# or 0 for Qwen2-MoE, otherwise).
+_OPT_IN_WINDOW = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+# Families that window every layer whenever sliding_window is set (their modeling ignores layer_types).
+_EVERY_LAYER_WINDOWED = ("MistralForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM")
+
+
+def _layer_windows(cfg: dict, arch: str, layers: int, where: str) -> tuple[int | None, ...] | None:
+    """Each decoder layer's sliding window (None: full attention), as transformers reads each family's config: its
+    layer_types where the config has them, else the family's own rule; None where no layer is windowed."""
+    # (a key left out takes transformers' default: None for Mixtral, 4096 for the others)
+    window = cfg.get("sliding_window", None if arch == "MixtralForCausalLM" else 4096) or None
+    if arch in _OPT_IN_WINDOW and not cfg.get("use_sliding_window", False):
+        window = None
+    if window is None or arch.startswith(("Llama", "Deepseek")):  # Llama and DeepSeek always attend in full
+        return None
+    if arch in _EVERY_LAYER_WINDOWED:
+        kinds = ["sliding_attention"] * layers
+    elif cfg.get("layer_types"):
+        kinds = list(cfg["layer_types"])
+        if len(kinds) != layers:
+            raise ValueError(f"{where}: layer_types names {len(kinds)} layers, num_hidden_layers is {layers}")
+    elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):  # the layers from max_window_layers on
+        first = int(cfg.get("max_window_layers", 28))
+        kinds = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    elif arch == "Qwen2MoeForCausalLM":  # every other layer below max_window_layers
+        below = int(cfg.get("max_window_layers", 28))
+        kinds = ["sliding_attention" if (i + 1) % 2 and i < below else "full_attention" for i in range(layers)]
+    else:  # Gemma 2 alternates sliding and full from layer 0; Gemma 3 has one full layer in every `pattern`
+        pattern = 2 if arch == "Gemma2ForCausalLM" else int(cfg.get("sliding_window_pattern", 6))
+        kinds = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    windows = tuple(int(window) if kind == "sliding_attention" else None for kind in kinds)
+    return windows if any(w is not None for w in windows) else None
 
 
 def _moe_arch(cfg: dict, arch: str, layers: int, where: str) -> MoeArch | None:
@@ -266,7 +358,7 @@ def _moe_arch(cfg: dict, arch: str, layers: int, where: str) -> MoeArch | None:
             top_k=int(cfg["num_experts_per_tok"]),
             intermediate_size=int(cfg["moe_intermediate_size"]),
             layers=moe_layers,
-            norm_topk_prob=bool(cfg.get("norm_topk_prob", arch == "Qwen3MoeForCausalLM")),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),  # transformers' default for both
             shared_intermediate_size=shared,
             shared_gate=shared > 0,
         )
@@ -316,7 +408,8 @@ def _mla_arch(cfg: dict, arch: str) -> MlaArch | None:
         qk_nope_head_dim=int(cfg["qk_nope_head_dim"]),
         qk_rope_head_dim=int(cfg["qk_rope_head_dim"]),
         v_head_dim=int(cfg["v_head_dim"]),
-        rope_interleave=bool(cfg.get("rope_interleave", True)),
+        # DeepSeek-V2 always rotates interleaved pairs (its config has no such field); V3 says which.
+        rope_interleave=arch == "DeepseekV2ForCausalLM" or bool(cfg.get("rope_interleave", True)),
     )
 
 
@@ -391,12 +484,6 @@ class ModelConfig:
                 f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings={limit}; "
                 "lower max_model_len."
             )
-        window = self.arch.sliding_window
-        if window is not None and window < self.max_model_len:
-            raise ValueError(
-                f"{self.arch.architecture} uses sliding-window attention (window {window}), which infertune does "
-                f"not implement yet; set max_model_len <= {window} so full attention is exact."
-            )
 
 
 @dataclass(slots=True)
@@ -437,6 +524,49 @@ class CacheConfig:
         _check_choices(self)
 
 
+@dataclass(slots=True, frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, vLLM's speculative_config: each decode step proposes up to num_speculative_tokens draft
+    tokens by n-gram prompt lookup (the last prompt_lookup_min .. prompt_lookup_max tokens found earlier in the
+    sequence, and what followed them there), and verifies them in the step's forward (docs/server.md)."""
+
+    num_speculative_tokens: int
+    method: str = "ngram"
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+
+    @classmethod
+    def from_dict(cls, value: dict) -> SpeculativeConfig:
+        """From vLLM's dict form; ValueError naming the key to change."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown keys {unknown}; known: {sorted(known)}")
+        if "num_speculative_tokens" not in value:
+            raise ValueError('speculative_config needs "num_speculative_tokens" (the drafts a step proposes, e.g. 3)')
+        return cls(**value)
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative_config method={self.method!r} is not one of {SPECULATIVE_METHODS} (a draft model is "
+                "not supported yet)"
+            )
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"speculative_config {name}={value!r} must be an integer >= 1")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"speculative_config prompt_lookup_min={self.prompt_lookup_min} must be <= "
+                f"prompt_lookup_max={self.prompt_lookup_max}"
+            )
+
+    def __str__(self) -> str:
+        """The JSON the --speculative-config flag takes."""
+        return json.dumps({f.name: getattr(self, f.name) for f in fields(self)})
+
+
 @dataclass(slots=True)
 class SchedulerConfig:
     max_num_seqs: int = _opt(64, "sequences decoded together")
@@ -454,8 +584,24 @@ class SchedulerConfig:
         "dynamic batch by input length: admit sequences only while their lengths sum to at most this many "
         "tokens, so short inputs batch wider than long ones (default: off)",
     )
+    speculative_config: SpeculativeConfig | None = _opt(
+        None,
+        'speculative decoding, as vLLM\'s speculative_config: {"method": "ngram", "num_speculative_tokens": K, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 1} drafts up to K tokens a decode step from where the '
+        "sequence's last tokens occurred before, verified in one forward; greedy output is unchanged and sampled "
+        "output keeps its distribution (default: off)",
+        json=True,
+        see="Speculative decoding",
+    )
 
     def __post_init__(self) -> None:
+        if isinstance(self.speculative_config, dict):
+            self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
+        elif not isinstance(self.speculative_config, (SpeculativeConfig, type(None))):
+            raise ValueError(
+                f"speculative_config={self.speculative_config!r} must be a dict such as "
+                '{"method": "ngram", "num_speculative_tokens": 4} (or None)'
+            )
         if self.max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs={self.max_num_seqs} must be positive")
         if self.max_running_tokens is not None and self.max_running_tokens <= 0:
@@ -632,10 +778,24 @@ def _list_arg(text: str) -> tuple[str, ...]:
     return tuple(x.strip() for x in text.split(",") if x.strip())
 
 
+def _json_arg(text: str) -> dict:
+    import argparse
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object")
+    return value
+
+
 def _value_parser(f: Field):
     """What turns the flag's text into the field's value (the annotations are strings here, see __future__)."""
     if f.metadata.get("size"):
         return _size_arg
+    if f.metadata.get("json"):
+        return _json_arg
     kind = str(f.type)
     return next(
         (parse for prefix, parse in (("int", int), ("float", float), ("tuple", _list_arg)) if kind.startswith(prefix)),

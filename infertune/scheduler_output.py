@@ -60,8 +60,11 @@ class GrammarSpec:
 @dataclass(slots=True)
 class CachedRequest:
     req_id: str
-    new_block_ids: list[int]  # appended to the worker's block table
+    new_block_ids: list[int]  # appended to the worker's block table, after it is cut to num_kept_blocks
     num_computed_tokens: int
+    # How many of the blocks sent before the request still holds: all of them, but where speculative decoding gave
+    # back the blocks that only rejected drafts used.
+    num_kept_blocks: int
 
 
 @dataclass(slots=True)
@@ -72,3 +75,6 @@ class SchedulerOutput:
     req_ids: list[str] = field(default_factory=list)
     num_scheduled_tokens: list[int] = field(default_factory=list)
     finished_req_ids: list[str] = field(default_factory=list)  # forget these before running the step
+    # Speculative decoding: req_id -> the draft tokens that follow its last token in this step (its scheduled tokens
+    # are that token plus them); the worker answers the drafts it accepted and one token after them.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)

@@ -37,16 +37,26 @@ def make_checkpoint(
     seed: int = 0,
     shard_size: str | None = None,
     dtype: torch.dtype = torch.float32,
+    std: float = 0.1,
     **overrides,
 ) -> Path:
-    """Save a tiny random model of the given family (plus tokenizer) to path and return path."""
+    """Save a tiny random model of the given family (plus tokenizer) to path and return path. Every matrix is
+    drawn from N(0, std) (MoE tests take a wider one, so that the routers' weights are far from uniform)."""
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
         MistralConfig,
         MistralForCausalLM,
+        MixtralConfig,
+        MixtralForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
+        Qwen2MoeConfig,
+        Qwen2MoeForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
     )
 
     tok = make_tokenizer()
@@ -69,6 +79,10 @@ def make_checkpoint(
         "llama": (LlamaConfig, LlamaForCausalLM),
         "qwen2": (Qwen2Config, Qwen2ForCausalLM),
         "mistral": (MistralConfig, MistralForCausalLM),
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+        "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
+        "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+        "mixtral": (MixtralConfig, MixtralForCausalLM),
     }[arch]
     torch.manual_seed(seed)
     model = model_cls(cfg_cls(**base)).to(dtype)
@@ -81,7 +95,7 @@ def make_checkpoint(
             elif p.dim() == 1:
                 p.copy_(0.1 * torch.randn_like(p))
             else:
-                p.normal_(0.0, 0.1)
+                p.normal_(0.0, std)
     kw = {"max_shard_size": shard_size} if shard_size else {}
     model.save_pretrained(path, safe_serialization=True, **kw)
     tok.save_pretrained(path)

@@ -163,11 +163,14 @@ def shutil_which(name):
         ({"INFERTUNE_CPU_ISA": "avx2"}, "avx2", "x86 avx2+fma"),
         ({"INFERTUNE_CPU_ISA": "avx512-noamx"}, "avx512-noamx", "x86 avx512-bf16/vnni"),
         ({"ATEN_CPU_CAPABILITY": "avx2"}, "avx2", "x86 avx2+fma"),
-        ({"INFERTUNE_CPU_ISA": "neon"}, None, None),
+        ({"INFERTUNE_CPU_ISA": "sve"}, None, None),  # not a variant: the reason lists the choices
+        ({"INFERTUNE_CPU_ISA": "neon"}, None, "aarch64"),  # a variant for another machine: the reason says so
     ],
 )
 def test_the_variant_is_forced_by_the_environment(env, variant, name):
     needed = {"avx2": ("avx2", "fma", "f16c"), "avx512-noamx": cpu.REQUIRED_FLAGS, None: ()}[variant]
+    other_machine = name if variant is None else None
+    name = None if variant is None else name
     if not all(f in cpu._cpu_flags() for f in needed) or cpu._compiler() is None:
         pytest.skip("this CPU cannot run that variant")
     code = """
@@ -181,8 +184,10 @@ def test_the_variant_is_forced_by_the_environment(env, variant, name):
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["variant"] == variant and got["name"] == name, got
-    if variant is None:
-        assert "INFERTUNE_CPU_ISA" in got["reason"] and "avx2" in got["reason"], got
+    if other_machine:
+        assert f"for {other_machine}, this is x86_64" in got["reason"], got
+    elif variant is None:
+        assert "INFERTUNE_CPU_ISA" in got["reason"] and "neon" in got["reason"], got
     else:
         assert got["bf16_rows"] == cpu.MAX_ROWS  # no AMX tile GEMM on either
 

@@ -354,12 +354,14 @@ def test_tensor_with_wrong_shape_is_named(tmp_path):
 
 
 def test_mistral_sliding_window_shorter_than_max_model_len(tmp_path):
+    """Refused while infertune had no window; now the window is exact (tests/test_sliding_window.py), and the start-up
+    line says that the cache still keeps every token (blocks behind the window are not freed yet)."""
     path = make_checkpoint(tmp_path, "mistral", sliding_window=64)
-    with pytest.raises(ValueError, match=r"(?i)sliding.window") as info:
-        _load(path)
-    assert "64" in str(info.value)
-    # Within the window, full attention is exact and the model loads.
-    _load(path, max_model_len=64)
+    llm = _load(path, max_model_len=200)
+    assert llm.config.model.arch.layer_windows == (64, 64)
+    line = llm.engine.describe_kv_cache()
+    assert "2 of 2 layers attend within a sliding window of 64 tokens" in line
+    assert "keeps every token" in line
 
 
 def test_unknown_engine_option():
@@ -379,12 +381,12 @@ def test_bad_dtype(tiny_llama):
 
 
 @pytest.mark.parametrize("style", ["rope_parameters", "rope_scaling"])
-def test_yarn_rope_scaling_is_refused(tmp_path, style):
+def test_unsupported_rope_scaling_is_refused(tmp_path, style):
     path = make_checkpoint(tmp_path)
     cfg = read_config(path)
     if style == "rope_parameters":  # transformers >= 5 layout
         cfg["rope_parameters"] = {
-            "rope_type": "yarn",
+            "rope_type": "longrope",
             "factor": 2.0,
             "rope_theta": 10000.0,
             "original_max_position_embeddings": 128,
@@ -392,9 +394,9 @@ def test_yarn_rope_scaling_is_refused(tmp_path, style):
     else:  # older layout
         cfg.pop("rope_parameters", None)
         cfg["rope_theta"] = 10000.0
-        cfg["rope_scaling"] = {"type": "yarn", "factor": 2.0, "original_max_position_embeddings": 128}
+        cfg["rope_scaling"] = {"type": "longrope", "factor": 2.0, "original_max_position_embeddings": 128}
     _write_config(path, cfg)
-    with pytest.raises(ValueError, match="yarn"):
+    with pytest.raises(ValueError, match="longrope"):
         _load(path)
 
 

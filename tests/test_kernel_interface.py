@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from infertune.kernels import cpu
-from infertune.kernels.interface import DecodeKernels, FusedModel, KernelLinear
+from infertune.kernels.interface import DecodeKernels, FusedModel, KernelLinear, MoeRouting
 
 
 def _protocol_members() -> list[str]:
@@ -201,6 +201,38 @@ class TorchKernels:
     def compress(self, weight, gate_up=False):
         self.calls["compress"] += 1
         return TorchCompressed(weight, gate_up)
+
+    def moe_route(self, logits, moe, correction_bias=None):
+        from infertune.layers.moe import group_by_expert, route
+
+        self.calls["moe_route"] += 1
+        weights, ids = route(logits, moe, correction_bias)
+        return MoeRouting(weights, ids, *group_by_expert(ids, moe.num_experts))
+
+    def moe_experts(self, x, experts, routing):
+        from infertune.layers.moe import run_experts
+
+        self.calls["moe_experts"] += 1
+
+        def matmul(lin: KernelLinear):
+            if lin.kind == "bf16":
+                return lambda e, rows: F.linear(rows, lin.weight[e])
+            if lin.kind == "w8":
+                return lambda e, rows: F.linear(rows, self.dequant_w8(lin.qweight[e], lin.scales[e]))
+            return lambda e, rows: F.linear(
+                rows, self.dequant_w4(lin.qweight[e], lin.scales[e], lin.zero[e], lin.group_size)
+            )
+
+        grouping = (routing.order, routing.counts)
+        return run_experts(
+            x,
+            routing.weights,
+            routing.ids,
+            experts.num_experts,
+            matmul(experts.gate_up),
+            matmul(experts.down),
+            grouping,
+        )
 
     def fused_decoder(self, model):
         return TorchFused(model, self) if self.fused else "the reference kernels were asked not to fuse"

@@ -46,9 +46,26 @@ SHAPES = [
 
 
 # The kernel variants every GEMV / dequantization / elementwise oracle below runs on, each forced on where this CPU
-# can run it: the AVX-512 library (AMX where present) and the AVX2 + FMA one (built with -mavx2 -mfma -mf16c only).
-@pytest.fixture(params=["avx512", "avx2"])
+# can run it: the AVX-512 library (AMX where present), the AVX2 + FMA one (built with -mavx2 -mfma -mf16c only), and
+# the AArch64 NEON one, cross-compiled and run under qemu-user (tests/neon_qemu.py) where those tools are installed.
+@pytest.fixture(scope="session")
+def neon_harness(tmp_path_factory):
+    from neon_qemu import build_harness, missing_tools
+
+    why = missing_tools()
+    if why:
+        pytest.skip(why)
+    return build_harness(tmp_path_factory.mktemp("neon"))
+
+
+@pytest.fixture(params=["avx512", "avx2", "neon"])
 def ks(request):
+    if request.param == "neon":
+        from neon_qemu import QemuNeonLib
+
+        from infertune.kernels.arm import NeonKernels
+
+        return NeonKernels(QemuNeonLib(request.getfixturevalue("neon_harness")))
     if request.param == "avx512":
         if kernels.variant() not in ("avx512", "avx512-noamx"):
             pytest.skip(f"the AVX-512 kernels are not this process's: {kernels.describe()}")

@@ -9,11 +9,18 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import hf_model, make_checkpoint
+from parity_utils import (
+    BLOCK,
+    MAX_LEN,
+    assert_mode_matches,
+    assert_teacher_forced,
+    engine_modes,
+    prompts_for,
+    run,
+    run_one_at_a_time,
+)
 
 from infertune import LLM, SamplingParams
-
-BLOCK = 4  # small blocks so short prompts span several
-MAX_LEN = 96
 
 VARIANTS = {
     "llama-gqa": dict(arch="llama"),
@@ -39,35 +46,11 @@ VARIANTS = {
 }
 
 
-def prompts_for(vocab: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(1)
-    # 1 token, shorter than a block, exactly two blocks, several blocks and a partial one
-    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (1, 3, 2 * BLOCK, 37)]
-
-
-def assert_teacher_forced(hf, prompt: list[int], output: list[int], tol: float = 1e-3) -> None:
-    assert output, "expected generated tokens"
-    ids = torch.tensor([prompt + output])
-    with torch.no_grad():
-        logits = hf(ids).logits[0, len(prompt) - 1 : -1].double()  # [len(output), V]
-    picked = logits.gather(1, torch.tensor(output).unsqueeze(1)).squeeze(1)
-    gap = logits.max(dim=1).values - picked
-    assert (gap <= tol).all(), f"token {int(gap.argmax())} is {float(gap.max()):.2e} below HF's best logit"
-
-
 @pytest.fixture(scope="module", params=list(VARIANTS))
 def variant(request, tmp_path_factory):
     kw = dict(VARIANTS[request.param])
     path = make_checkpoint(tmp_path_factory.mktemp(request.param), **kw)
     return request.param, path, hf_model(path)
-
-
-def run(path, prompts, **engine):
-    engine = {"max_model_len": MAX_LEN, **engine}
-    llm = LLM(str(path), dtype="float32", block_size=BLOCK, **engine)
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return llm, [o.outputs[0].token_ids for o in outs]
 
 
 def test_prompt_logits_match_hf(variant):
@@ -100,34 +83,20 @@ def llama(tmp_path_factory):
     return path, hf, prompts, reference
 
 
-ENGINE_MODES = {
-    "prefix-cache-on": dict(enable_prefix_caching=True),
-    "tiny-chunked-prefill": dict(max_num_batched_tokens=5),
-    "one-seq-at-a-time": dict(max_num_seqs=1),
-    # 512 bytes of fp32 KV per token in this model: 16 blocks of 4, where the batch needs 24 at its peak
-    "preemption": dict(kv_cache_memory_bytes=512 * 64, max_model_len=64),
-}
+# 512 bytes of fp32 KV per token in this model (2 layers x K and V x 2 heads x 16 x 4 bytes)
+ENGINE_MODES = engine_modes(512)
 
 
 @pytest.mark.parametrize("mode", list(ENGINE_MODES))
 def test_engine_modes_match_hf(llama, mode):
     path, hf, prompts, reference = llama
     llm, outs = run(path, prompts, **ENGINE_MODES[mode])
-    for p, o in zip(prompts, outs):
-        assert_teacher_forced(hf, p, o)
-    assert outs == reference
-    if mode == "preemption":
-        assert llm.engine.scheduler.num_preemptions > 0
-    bm = llm.engine.block_manager
-    assert bm.num_free_blocks == bm.num_blocks  # nothing leaked
+    assert_mode_matches(llm, mode, hf, prompts, outs, reference)
 
 
 def test_batch_of_one_equals_batched(llama):
     path, hf, prompts, reference = llama
-    llm = LLM(str(path), dtype="float32", max_model_len=MAX_LEN, block_size=BLOCK)
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    alone = [llm.generate({"prompt_token_ids": p}, params)[0].outputs[0].token_ids for p in prompts]
-    assert alone == reference
+    assert run_one_at_a_time(path, prompts) == reference
 
 
 def test_prefix_cache_hits_keep_outputs_exact(llama):

@@ -15,6 +15,7 @@ from infertune.cli import build_parser, engine_kwargs, engine_table
 from infertune.config import (
     OPTION_GROUPS,
     EngineConfig,
+    SpeculativeConfig,
     default_model_path,
     engine_choices,
     engine_flag,
@@ -33,6 +34,7 @@ SAMPLES = {
     "max_num_seqs": ("3", 3),
     "max_num_batched_tokens": ("512", 512),
     "max_running_tokens": ("100", 100),
+    "speculative_config": ('{"method": "ngram", "num_speculative_tokens": 2}', SpeculativeConfig(2)),
     "block_size": ("8", 8),
     "kv_cache_memory_bytes": ("64Mi", 64 * 2**20),
     "kv_cache_memory_fraction": ("0.25", 0.25),

@@ -422,3 +422,258 @@ def test_local_probe_measures_this_machine():
     assert dev.measured and dev.name == "local"
     assert 1e8 < dev.memory_bandwidth_bytes_per_s < 1e13 and 0 < dev.bf16_tflops < 100
     assert dev.memory_bytes > 10**8
+
+
+# ----------------------------------------------------------------------------------- MoE, MLA, FP8: shipped configs
+
+
+def counts_from_config(cfg: dict) -> tuple[int, int]:
+    """(total, active) parameters written out from config.json's numbers, independently of the planner.
+
+    Per layer: attention (MLA's q_a / q_a_layernorm / q_b or q_proj, kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj,
+    o_proj; else q / k / v / o plus Qwen3's q / k norms), two norms, then a dense MLP (3 h I) or a MoE block: E
+    routed experts of 3 h I_e, the router E x h (+ DeepSeek-V3's correction bias E), a shared expert of 3 h I_s.
+    Untied embedding and lm_head, and the final norm. A token runs top_k of the E experts."""
+    h, layers, vocab, heads = (
+        cfg["hidden_size"],
+        cfg["num_hidden_layers"],
+        cfg["vocab_size"],
+        cfg["num_attention_heads"],
+    )
+    if "kv_lora_rank" in cfg:
+        r, nope, rope, v, ql = (
+            cfg[k] for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "q_lora_rank")
+        )
+        q = h * ql + ql + ql * heads * (nope + rope) if ql else h * heads * (nope + rope)
+        attn = q + h * (r + rope) + r + r * heads * (nope + v) + heads * v * h
+    else:
+        hd, kvh = cfg.get("head_dim") or h // heads, cfg["num_key_value_heads"]
+        attn = 2 * h * heads * hd + 2 * h * kvh * hd + (2 * hd if cfg["model_type"].startswith("qwen3") else 0)
+    mixtral = cfg["architectures"][0] == "MixtralForCausalLM"
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts") or 0
+    k = cfg.get("num_experts_per_tok", 0)
+    inter_e = cfg["intermediate_size"] if mixtral else cfg.get("moe_intermediate_size", 0)
+    shared = cfg.get("n_shared_experts", 0) * inter_e  # DeepSeek's shared experts, fused into one MLP
+    dense_layers = cfg.get("first_k_dense_replace", 0) if experts else layers
+    bias = experts if cfg.get("topk_method") == "noaux_tc" else 0  # DeepSeek-V3's e_score_correction_bias
+    moe_layers = layers - dense_layers
+    moe_block = experts * 3 * h * inter_e + experts * h + bias + 3 * h * shared
+    total = (
+        2 * vocab * h
+        + h
+        + layers * (attn + 2 * h)
+        + dense_layers * 3 * h * cfg["intermediate_size"]
+        + moe_layers * moe_block
+    )
+    return total, total - moe_layers * (experts - k) * 3 * h * inter_e
+
+
+# name: published total, published active, the unit of the active figure's last digit, and whether the vendor's active
+# figure counts the input embedding (Mistral and Qwen do; DeepSeek counts what a step reads: no embedding table).
+PUBLISHED = {
+    "deepseek-v3": (671e9, 37e9, 1e9, False),
+    "deepseek-v2-lite": (15.7e9, 2.4e9, 0.1e9, False),
+    "qwen3-30b-a3b": (30.5e9, 3.3e9, 0.1e9, True),
+    "qwen3-235b-a22b": (235e9, 22e9, 1e9, True),
+    "mixtral-8x7b": (46.7e9, 12.9e9, 0.1e9, True),
+    "qwen3-8b": (8.2e9, 8.2e9, 0.1e9, True),
+}
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_shipped_config_params_exact_and_as_published(name):
+    from infertune.plan import shipped_models
+
+    assert name in shipped_models()
+    spec = ModelSpec.load(name)
+    cfg = json.loads((Path(__file__).parents[1] / "infertune/plan/data/models" / f"{name}.json").read_text())
+    total, active = counts_from_config(cfg)
+    w = weight_breakdown(spec)
+    assert (w.total_params, w.params_active) == (total, active)
+    assert w.params_active_streamed == active - cfg["vocab_size"] * cfg["hidden_size"]  # untied: less the embedding
+    published_total, published_active, unit, with_embedding = PUBLISHED[name]
+    assert abs(total - published_total) <= 0.01 * published_total
+    # The active figures are given to two or three digits (37B, 2.4B, 3.3B): within one unit of the last one.
+    ours = w.params_active if with_embedding else w.params_active_streamed
+    assert abs(ours - published_active) < unit, f"{ours / 1e9:.3f}B against the published {published_active / 1e9}B"
+
+
+def test_deepseek_v3_exact_counts_and_latent_kv():
+    spec = ModelSpec.load("deepseek-v3")  # 61 layers: the MTP layer (num_nextn_predict_layers) is not counted
+    assert spec.arch.num_hidden_layers == 61 and spec.weight_format.name == "fp8"
+    w = weight_breakdown(spec)
+    assert w.total_params == 671_026_419_200  # by hand: see counts_from_config
+    assert w.params_active == 37_552_297_472 and w.params_active_streamed == 36_625_618_432
+    assert kv_bytes_per_token(spec) == (512 + 64) * 61 * 2 == 70_272
+    assert kv_bytes_per_token(spec, KVFormat("int8")) == 61 * (576 + 2)  # one row, one fp16 scale
+    assert kv_bytes_per_token(spec, KVFormat("int8", scale_bytes=4)) == 61 * (576 + 4)  # the engine's fp32 scale
+    assert kv_bytes_per_sequence(spec, 4096) == 70_272 * 4096
+    # Tensor parallel: the latent is replicated on every card; the experts are split (expert parallel).
+    assert kv_shard_fraction(spec, 8) == 1.0
+    tp8 = memory_budget(spec, WeightFormat("fp8"), KVFormat(), 141 * 10**9, 4096, tp=8)
+    assert tp8.kv_bytes_per_sequence == 70_272 * 4096
+    mixtral = ModelSpec.load("mixtral-8x7b")  # 8 experts cannot be dealt to 16 cards
+    with pytest.raises(ValueError, match="num_experts=8"):
+        memory_budget(mixtral, WeightFormat(), KVFormat(), 80 * 10**9, 4096, tp=16)
+    v2 = ModelSpec.load("deepseek-v2-lite")
+    assert kv_bytes_per_token(v2) == (512 + 64) * 27 * 2 == 31_104
+
+
+def test_deepseek_v3_fp8_and_bf16_bytes_exact():
+    """fp8: one byte a weight of every layer matrix but the router, one fp32 scale per 128 x 128 block (partial
+    blocks count), bf16 embeddings / norms, the fp32 router and correction bias (as infertune holds them)."""
+    spec = ModelSpec.load("deepseek-v3")
+    blocks = lambda n, k: -(-n // 128) * -(-k // 128)  # noqa: E731
+    attn = [(1536, 7168), (24576, 1536), (576, 7168), (32768, 512), (7168, 16384)]
+    dense = [(18432, 7168), (18432, 7168), (7168, 18432)]
+    expert = [(2048, 7168), (2048, 7168), (7168, 2048)]
+    mats = 61 * attn + 3 * dense + 58 * 257 * expert  # 256 routed + 1 shared expert per MoE layer
+    norms = 61 * (2 * 7168 + 1536 + 512) + 7168
+    routers = 58 * (256 * 7168 + 256)
+    fp8 = sum(n * k + 4 * blocks(n, k) for n, k in mats) + 2 * 129280 * 7168 * 2 + 2 * norms + 4 * routers
+    assert weight_breakdown(spec, WeightFormat("fp8")).total_bytes == fp8
+    assert weight_breakdown(spec, WeightFormat("fp8")).bytes_quant_scales == sum(4 * blocks(n, k) for n, k in mats)
+    total = weight_breakdown(spec).total_params
+    assert weight_breakdown(spec, WeightFormat("bf16")).total_bytes == 2 * total + 2 * routers  # fp32 routers
+
+
+def test_expected_experts_touched_exact_for_small_cases():
+    """E (1 - (1 - k/E)^b) against exact enumeration: every token picks one of the C(E, k) subsets, equally likely."""
+    import itertools
+    from fractions import Fraction
+
+    from infertune.plan import expected_experts_touched
+
+    for e, k, b in [(4, 1, 3), (4, 2, 3), (5, 2, 2), (6, 3, 3), (8, 2, 3)]:
+        subsets = list(itertools.combinations(range(e), k))
+        touched = [len(set().union(*pick)) for pick in itertools.product(subsets, repeat=b)]
+        exact = Fraction(sum(touched), len(touched))
+        assert exact == e * (1 - (1 - Fraction(k, e)) ** b)
+        assert expected_experts_touched(e, k, b) == pytest.approx(float(exact), rel=1e-12)
+    assert expected_experts_touched(256, 8, 1) == pytest.approx(8)  # one token: exactly its k experts
+
+
+def test_moe_decode_reads_only_the_touched_experts():
+    """Qwen3-30B-A3B decode bytes: the non-expert weights once, plus per MoE layer the expected distinct experts
+    of the batch, plus the KV; its FLOPs are those of the k experts a token runs."""
+    from infertune.plan import expected_experts_touched
+
+    spec = ModelSpec.load("qwen3-30b-a3b")
+    w = weight_breakdown(spec)
+    roof = Roofline(spec, BASELINE_CPU)
+    expert_bytes = 3 * 2048 * 768 * 2
+    assert w.bytes_expert == expert_bytes and w.moe_layers == 48
+    everything = w.total_bytes - 151936 * 2048 * 2  # every weight but the (untied) input embedding
+    for batch in (1, 4, 64):
+        step = roof.decode_step(batch, 100)
+        touched = 128 * (1 - (1 - 8 / 128) ** batch)
+        assert touched == pytest.approx(expected_experts_touched(128, 8, batch))
+        weights = everything - 48 * (128 - touched) * expert_bytes
+        kv = batch * 100 * kv_bytes_per_token(spec) + batch * kv_bytes_per_token(spec)
+        assert step.bytes_per_card == pytest.approx(weights + kv, rel=1e-12)
+        active_matmul = w.params_active - 151936 * 2048 - w.params_norms  # embedding and norms are no matmul
+        attention = 4 * 32 * 128 * 48 * 100
+        assert step.flops_per_card == pytest.approx(batch * (2 * active_matmul + attention), rel=1e-12)
+    # Batch 1 reads about the active weights, far below the total.
+    assert roof.decode_step(1, 1).bytes_per_card < 0.11 * w.total_bytes
+
+
+def test_mla_attention_flops_absorbed_at_decode_decompressed_at_prefill():
+    spec = ModelSpec.load("deepseek-v2-lite")
+    roof = Roofline(spec, BASELINE_CPU)
+    assert roof.attn_flops_per_token_layer == 2 * 16 * ((512 + 64) + 512)  # scores over 576 dims, output over 512
+    assert roof.prefill_attn_flops_per_pair == 2 * 16 * (128 + 64 + 128)
+    w = weight_breakdown(spec)
+    step = roof.decode_step(2, 50)
+    matmul = 2 * (w.params_active_linear_weights + w.lm_head_matmul_params) * 2
+    assert step.flops_per_card == pytest.approx(matmul + 2 * 16 * 1088 * 27 * 50 * 2, rel=1e-12)
+
+
+MOE_TINY = [
+    ("qwen3", dict(head_dim=24)),
+    ("qwen3_moe", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, mlp_only_layers=[1])),
+    ("qwen3_moe", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, decoder_sparse_step=2)),
+    (
+        "qwen2_moe",
+        dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, shared_expert_intermediate_size=80),
+    ),
+    ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=True)),
+    ("deepseek_v2", dict(q_lora_rank=None, attention_bias=True, n_shared_experts=2, first_k_dense_replace=1)),
+    ("deepseek_v3", dict(q_lora_rank=48, n_group=2, topk_group=1, first_k_dense_replace=2, attention_bias=True)),
+]
+
+
+@pytest.mark.parametrize(
+    "family,overrides",
+    MOE_TINY,
+    ids=[
+        "qwen3",
+        "qwen3-moe-mlp-only",
+        "qwen3-moe-sparse-step",
+        "qwen2-moe-shared",
+        "mixtral-tied",
+        "deepseek-v2-lite",
+        "deepseek-v3",
+    ],
+)
+def test_moe_and_mla_param_count_matches_transformers(family, overrides):
+    """Oracle: the transformers model of the same config (meta device). DeepSeek-V3's e_score_correction_bias is a
+    buffer there and a parameter here (loaded from the checkpoint either way), so it joins the sum."""
+    import torch
+    import transformers
+
+    cls = {
+        "qwen3": "Qwen3",
+        "qwen3_moe": "Qwen3Moe",
+        "qwen2_moe": "Qwen2Moe",
+        "mixtral": "Mixtral",
+        "deepseek_v2": "DeepseekV2",
+        "deepseek_v3": "DeepseekV3",
+    }[family]
+    base = dict(
+        vocab_size=1000,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    if family.startswith("deepseek"):
+        base.update(
+            num_key_value_heads=4,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            kv_lora_rank=32,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+        )
+    hf_cfg = getattr(transformers, f"{cls}Config")(**{**base, **overrides})
+    with torch.device("meta"):
+        model = getattr(transformers, f"{cls}ForCausalLM")(hf_cfg)
+    named = {**dict(model.named_parameters()), **{n: b for n, b in model.named_buffers() if "correction_bias" in n}}
+    w = weight_breakdown(ModelSpec.from_dict(hf_cfg.to_dict(), family))
+    assert w.total_params == sum(p.numel() for p in named.values())
+    assert w.params_norms == sum(p.numel() for n, p in named.items() if "norm" in n)
+    assert w.params_attention == sum(p.numel() for n, p in named.items() if "self_attn" in n and "norm" not in n)
+    assert w.params_mlp == sum(p.numel() for n, p in named.items() if ".mlp." in n)
+    assert w.params_routed_experts == sum(p.numel() for n, p in named.items() if ".experts." in n)
+
+
+def test_command_plans_a_shipped_moe_mla_model(capsys):
+    assert plan_main(["--model", "DeepSeek-V3", "--device", "h200", "--tp", "8", "--context", "4096", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["settings"]["weight_dtype"] == "fp8" and plan["settings"]["fp8_block"] == [128, 128]
+    assert plan["kv"]["bytes_per_token"] == 70_272 and plan["model"]["mla"]["kv_lora_rank"] == 512
+    assert plan["weights"]["params"] == 671_026_419_200 and plan["weights"]["params_active"] == 37_552_297_472
+    rows = {r["batch"]: r for r in plan["by_batch"]}
+    assert rows[1]["experts_touched_per_layer"] == pytest.approx(8.0)
+    assert rows[1]["weight_bytes_read_per_card"] < rows[256]["weight_bytes_read_per_card"]
+    assert plan_main(["--model", "qwen3-30b-a3b", "--device", "h100", "--weight-dtype", "w8a16"]) == 0
+    text = capsys.readouterr().out
+    assert "128 experts, top-8, in 48 layers" in text and "3,353,032,704 params active" in text
+    assert plan_main(["--model", "no-such-model", "--device", "h100"]) == 2
+    assert "deepseek-v3" in capsys.readouterr().err  # the error lists the shipped configs

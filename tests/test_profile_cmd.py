@@ -62,7 +62,7 @@ def test_categories_add_up_to_the_profiled_step_time(result):
         attributed = sum(ph.by_category.values())
         assert attributed == pytest.approx(total, rel=0.01)
         assert set(ph.by_category) == set(CATEGORIES)
-        assert ph.by_category["moe"] == 0 and ph.by_category["communication"] == 0  # dense, one process
+        assert ph.by_category["moe_router"] == 0 and ph.by_category["communication"] == 0  # dense, one process
         for cat in ("attention", "kv_cache", "matmul", "norm", "rotary", "sampling", "host"):
             assert ph.by_category[cat] > 0, (name, cat)
     # A step's range encloses the timer the driver reads around engine.step().
@@ -268,8 +268,20 @@ def test_attribution_gives_each_microsecond_to_one_category():
         ("aten::cat", ("forward", "layer", "attention_block", "rotary"), "rotary"),
         ("aten::index", ("forward", "layer", "attention_block", "attention_backend"), "kv_cache"),
         ("aten::index_copy_", ("forward", "layer", "attention_block"), "kv_cache"),
-        ("aten::mm", ("forward", "layer", "moe", "linear"), "moe"),  # expert and router matmuls are MoE time
-        ("aten::topk", ("forward", "layer", "moe"), "moe"),
+        # MoE: the router module is router time (its matmul too); inside the experts, matmuls are matmul, the
+        # activation is activation, the gathers / scatters around them are dispatch (router time); a shared expert
+        # is an MLP like any other
+        ("aten::mm", ("forward", "layer", "moe_block", "moe_router"), "moe_router"),
+        ("aten::topk", ("forward", "layer", "moe_block", "moe_router"), "moe_router"),
+        ("aten::linear", ("forward", "layer", "moe_block", "experts"), "matmul"),
+        ("aten::silu", ("forward", "layer", "moe_block", "experts"), "activation"),
+        ("aten::index_add_", ("forward", "layer", "moe_block", "experts"), "moe_router"),
+        ("aten::argsort", ("forward", "layer", "moe_block", "experts"), "moe_router"),
+        ("infertune_kernels::moe_experts", ("forward", "layer", "moe_block", "experts"), "matmul"),
+        ("aten::mm", ("forward", "layer", "moe_block", "mlp", "linear"), "matmul"),
+        ("aten::sigmoid", ("forward", "layer", "moe_block"), "activation"),
+        ("aten::add", ("forward", "layer", "moe_block"), "other"),
+        ("aten::bincount", ("forward", "layer", "moe_block", "instrumentation"), "host"),
         ("aten::sort", ("execute", "sampler"), "sampling"),
         ("aten::empty", ("execute", "prepare_inputs"), "host"),
         ("c10d::allreduce_", ("forward", "layer"), "communication"),
@@ -292,7 +304,16 @@ def test_classify(root, scopes, category):
         (["Linear"], "linear"),
         (["LlamaAttention"], "attention_block"),
         (["LlamaMLP"], "mlp"),
-        (["Qwen2MoeSparseMoeBlock"], "moe"),
+        (["Qwen2MoeSparseMoeBlock"], "moe_block"),
+        (["MoE"], "moe_block"),
+        (["Router"], "moe_router"),
+        (["Qwen3MoeTopKRouter"], "moe_router"),
+        (["MoEGate"], "moe_router"),
+        (["Experts"], "experts"),
+        (["Qwen2MoeExperts"], "experts"),
+        (["Qwen2MoeMLP"], "mlp"),  # a MoE family's dense MLP / shared expert
+        (["Qwen3MoeAttention"], "attention_block"),
+        (["Qwen3MoeRMSNorm"], "norm"),
         (["LlamaDecoderLayer"], "layer"),
         (["Embedding"], "embedding"),
         (["SiLU"], "activation"),
@@ -365,7 +386,7 @@ def test_a_balanced_profile_gets_no_hints():
         ({"norm": 0.1, "activation": 0.06, "rotary": 0.06}, "elementwise", "22% of decode"),
         ({"host": 0.45}, "host_overhead", "larger batch"),
         ({"other": 0.5, "attention": 0.2, "matmul": 0.3}, "unclassified", "50% of decode"),
-        ({"moe": 0.3}, "moe", "grouped GEMM"),
+        ({"moe_router": 0.2}, "moe_router", "fused gating top-k"),
         ({"communication": 0.15}, "communication", "communication is 15%"),
     ],
 )

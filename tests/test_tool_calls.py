@@ -71,13 +71,13 @@ class ScriptedServer(ServerThread):
         llm = self.engine.engine
         original = llm.scheduler.update
 
-        def update(batch, sampled):
+        def update(batch, sampled, num_accepted=None):
             if self.script is not None:
                 ids = llm.tokenizer.encode(self.script, add_special_tokens=False) + [llm.tokenizer.eos_token_id]
                 for k, (seq, token) in enumerate(zip(batch.seqs, sampled)):
                     if token is not None:
                         sampled[k] = ids[min(seq.num_output_tokens, len(ids) - 1)]
-            return original(batch, sampled)
+            return original(batch, sampled, num_accepted)
 
         llm.scheduler.update = update
 

@@ -185,9 +185,9 @@ class CPUBackend(Backend):
         return keep_host_memory()
 
     def decode_kernels(self) -> DecodeKernels | None:
-        from infertune.kernels import x86  # built on first use; None where the CPU or the compiler lacks
+        from infertune.kernels import arm, cpu, x86  # built on first use; None where the CPU or the compiler lacks
 
-        return x86.kernels()
+        return arm.kernels() if cpu.variant() == "neon" else x86.kernels()
 
     def kernels_unavailable_reason(self) -> str | None:
         from infertune.kernels import cpu

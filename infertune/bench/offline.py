@@ -173,7 +173,8 @@ def add_arguments(p: argparse.ArgumentParser, default_batch: list[int] | None = 
         default="386m",
         help="shape of the built model: 386m = hidden 896, 24 layers, 14 heads, 2 KV heads, "
         "intermediate 4864, vocab 32000, tied (the BASELINES.md model); small = hidden 128, "
-        "4 layers, for quick checks (default: 386m; ignored with --model)",
+        "4 layers, for quick checks; moe = a scaled Qwen3-30B-A3B (hidden 1024, 16 layers, 64 experts of 384, "
+        "top-8) (default: 386m; ignored with --model)",
     )
     g.add_argument(
         "--cache-dir",
@@ -272,6 +273,15 @@ def add_arguments(p: argparse.ArgumentParser, default_batch: list[int] | None = 
         **option("kv_cache_dtype", help="infertune's KV-cache storage (default: auto = the model dtype)"),
     )
     g.add_argument(
+        "--speculative-config",
+        metavar="JSON",
+        **option(
+            "speculative_config",
+            help='infertune\'s speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'; the '
+            "report gives its mean accepted length (default: off)",
+        ),
+    )
+    g.add_argument(
         "--no-prefix-caching",
         action="store_true",
         help="start infertune with enable_prefix_caching=False (prompts differ on every run anyway, "
@@ -365,6 +375,8 @@ def spawn_worker(args, system: str, batch: int, model_dir: Path) -> dict:
     if args.no_prefix_caching:
         cmd.append("--no-prefix-caching")
     cmd += ["--kv-cache-dtype", args.kv_cache_dtype, "--compile", args.compile]
+    if args.speculative_config:
+        cmd += ["--speculative-config", json.dumps(args.speculative_config)]
     env = dict(
         os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false"
     )
@@ -492,6 +504,7 @@ def run_parent(args) -> int:
     lines = [
         *header_lines(args, setup, date),
         *results_table(results),
+        *spec_decode_lines(results),
         *ratio_lines,
         *per_round_table(args, ratios),
         *startup_table(results),
@@ -642,6 +655,22 @@ def results_table(results: list[dict]) -> list[str]:
             f"{fmt(r['probe_gb_s'], '.1f')} |"
         )
     return lines
+
+
+def spec_decode_lines(results: list[dict]) -> list[str]:
+    """The acceptance of each infertune run with speculative decoding (warm-up and timed runs together)."""
+    lines = []
+    for r in results:
+        spec = r.get("extra", {}).get("spec_decode")
+        if spec is None:
+            continue
+        drafts, drafted, accepted = spec["num_drafts"], spec["num_draft_tokens"], spec["num_accepted_tokens"]
+        mean = f"{1 + accepted / drafts:.2f}" if drafts else "- (nothing drafted)"
+        lines.append(
+            f"Speculative decoding, {SYSTEM_LABELS[r['system']]} batch {r['batch']}: {accepted} of {drafted} draft "
+            f"tokens accepted, mean accepted length {mean}."
+        )
+    return [""] + lines if lines else []
 
 
 def ratio_table(args, results: list[dict]) -> tuple[list[dict], list[str]]:

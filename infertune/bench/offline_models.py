@@ -18,7 +18,8 @@ MODEL_FORMAT_VERSION = 1  # bump when the built model changes, so stale caches a
 # Random-weight model shapes (LlamaForCausalLM unless "family" says otherwise; COMMON_SHAPE fills the rest).
 # "386m" is the model of /work/shared/BASELINES.md (Qwen2.5-0.5B's body with a 32k vocabulary);
 # "qwen2.5-0.5b" is Qwen2.5-0.5B's shape with its real vocabulary and q/k/v biases (494M); "llama-1b" is
-# Llama-3.2-1B's shape (1.24B, 2.5 GB in bf16).
+# Llama-3.2-1B's shape (1.24B, 2.5 GB in bf16); "moe" is Qwen3-30B-A3B scaled to fit here (64 experts of 384, top-8,
+# renormalised, every layer MoE: 1.3B parameters, 0.2B active a token).
 PRESETS = {
     "386m": dict(
         hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, intermediate_size=4864
@@ -43,6 +44,19 @@ PRESETS = {
         intermediate_size=8192,
         vocab_size=128256,
         rope_theta=5e5,
+    ),
+    "moe": dict(
+        family="qwen3_moe",
+        hidden_size=1024,
+        num_hidden_layers=16,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=64,
+        intermediate_size=3072,  # (unused: no dense layer)
+        moe_intermediate_size=384,
+        num_experts=64,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
     ),
 }
 COMMON_SHAPE = dict(
@@ -105,9 +119,16 @@ def ensure_model(preset: str, cache_dir: Path) -> Path:
         log(f"using cached model {out}")
         return out
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    import transformers
 
-    config_cls, model_cls = (Qwen2Config, Qwen2ForCausalLM) if family == "qwen2" else (LlamaConfig, LlamaForCausalLM)
+    config_cls, model_cls = (
+        getattr(transformers, name)
+        for name in {
+            "llama": ("LlamaConfig", "LlamaForCausalLM"),
+            "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+            "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+        }[family]
+    )
     log(f"building random-weight {model_cls.__name__} '{preset}' into {out} (once) ...")
     t0 = time.perf_counter()
     cache_dir.mkdir(parents=True, exist_ok=True)

@@ -50,6 +50,8 @@ def worker_infertune(args, model_dir: Path, batch: int) -> dict:
         options["enable_prefix_caching"] = False
     if args.kv_cache_dtype != "auto":
         options["kv_cache_dtype"] = args.kv_cache_dtype
+    if args.speculative_config:
+        options["speculative_config"] = args.speculative_config
     log(f"infertune b{batch}: loading LLM({model_dir.name!r}, {options})")
     t0 = time.perf_counter()
     llm = LLM(str(model_dir), **options)
@@ -90,6 +92,13 @@ def worker_infertune(args, model_dir: Path, batch: int) -> dict:
         "engine_options": options,
         "compile_s": llm.engine.executor.runner.compile_seconds,
     }
+    if args.speculative_config:
+        sched = llm.engine.scheduler
+        extra["spec_decode"] = dict(
+            num_drafts=sched.num_drafts,
+            num_draft_tokens=sched.num_draft_tokens,
+            num_accepted_tokens=sched.num_accepted_tokens,
+        )
     return dict(load_s=load_s, warmup_s=warmup_s, rss_after_load_mib=rss_after_load, runs=runs, extra=extra)
 
 

@@ -116,6 +116,20 @@ class BlockManager:
         seq.block_table = []
         seq.num_hashed_blocks = 0
 
+    def trim(self, seq: Sequence, num_tokens: int) -> int:
+        """Give back seq's blocks past those num_tokens need (speculative decoding: the blocks only rejected drafts
+        used); returns how many. They hold no computed token of seq, so they are private and unhashed."""
+        keep = self.blocks_needed(num_tokens)
+        freed = 0
+        while len(seq.block_table) > keep:
+            block = self.blocks[seq.block_table.pop()]
+            assert block.ref_count == 1 and block.hash is None, "a trimmed block must be private and unhashed"
+            block.ref_count = 0
+            self._free[block.block_id] = None
+            self._free.move_to_end(block.block_id, last=False)  # nothing worth keeping: reuse it first
+            freed += 1
+        return freed
+
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register the blocks that became full of computed KV, so later requests can share them."""
         if not self.enable_prefix_caching:

@@ -1,7 +1,9 @@
 """LLMEngine: add_request / step / abort. Owns the tokenizer, the scheduler and the executor.
 
 A request becomes n Sequences (one per sample). Each step schedules, runs the executor once, lets the
-scheduler advance the sequences, then detokenizes new tokens and applies stop strings.
+scheduler advance the sequences, then detokenizes new tokens and applies stop strings. With speculative decoding a
+step may give a sequence several tokens: they are detokenized and checked in order, and a stop string ends the
+output at the token that completes it.
 """
 
 from __future__ import annotations
@@ -75,11 +77,19 @@ class LLMEngine:
     def describe_kv_cache(self) -> str:
         info = self.executor.kv_cache_info
         per_seq = -(-self.max_model_len // info.block_size)
-        return (
+        text = (
             f"KV cache: {info.num_blocks} blocks x {info.block_size} tokens = {info.num_tokens} tokens "
             f"({info.total_bytes / 2**20:.1f} MiB); up to {info.num_blocks // per_seq} sequences of "
             f"max_model_len={self.max_model_len} at once"
         )
+        windows = self.config.model.arch.layer_windows
+        if windows:  # attention is exact within the windows, but the blocks behind them are not freed yet
+            windowed = [w for w in windows if w is not None]
+            text += (
+                f"; {len(windowed)} of {len(windows)} layers attend within a sliding window of {max(windowed)} "
+                "tokens, but the cache still keeps every token of theirs"
+            )
+        return text
 
     def _eos_token_ids(self) -> frozenset[int]:
         ids = set(self.config.model.arch.eos_token_ids)
@@ -261,6 +271,7 @@ class LLMEngine:
         if grammar is not None:  # the grammar allows EOS only where it accepts, and ends there (even with ignore_eos)
             stop_ids |= set(grammar.eos_token_ids)
         req = _Request(request_id, text, ids, params)
+        speculate = self.config.scheduler.speculative_config is not None
         if arrival_time is not None:
             req.metrics.arrival_time = arrival_time
         if params.prompt_logprobs is not None:
@@ -272,6 +283,9 @@ class LLMEngine:
             seq = Sequence(ids, max_tokens, sample_params, request_id=request_id)
             seq.stop_token_ids = frozenset(stop_ids)
             seq.structured_output = grammar
+            # Drafts are verified by sampling each of their rows alone: not with a grammar's masks (they advance a
+            # matcher token by token) nor with logprobs (one entry a row). Those requests decode a token a step.
+            seq.spec_decode = speculate and grammar is None and params.logprobs is None
             # A prefix-cache hit would skip the logits of the cached tokens: a scored prompt is computed whole.
             seq.skip_prefix_cache = sample_params.prompt_logprobs is not None
             req.samples.append(
@@ -311,7 +325,7 @@ class LLMEngine:
             if req is not None and req.metrics.scheduled_time is None:
                 req.metrics.scheduled_time = started
         out = self.executor.execute_model(self.scheduler.scheduler_output(batch))
-        self.scheduler.update(batch, out.token_ids)
+        self.scheduler.update(batch, out.token_ids, out.num_accepted)
         self.num_steps += 1
         now = time.perf_counter()
         touched: dict[str, _Request] = {}
@@ -321,16 +335,21 @@ class LLMEngine:
                 first, entries = scored  # (a recomputed prefill scores the same tokens again: overwrite them)
                 for j, (value, top) in enumerate(entries):
                     req.prompt_logprobs[first + j] = Logprob(req.prompt_token_ids[first + j], value, top)
-        for seq, token, lp in zip(batch.seqs, out.token_ids, out.logprobs):
+        for seq, new, lp in zip(batch.seqs, batch.new_token_ids, out.logprobs):
             req = self.requests.get(seq.request_id)
-            if token is None or req is None:
+            if not new or req is None:
                 continue
             touched[req.request_id] = req
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
                 req.metrics.num_cached_tokens = seq.num_cached_tokens
             sample = next(s for s in req.samples if s.seq is seq)
-            self._on_new_token(sample, token, lp, req.params)
+            for k, token in enumerate(new):
+                last = k == len(new) - 1
+                self._on_new_token(sample, token, lp if last else None, req.params, last)
+                if sample.stop_reason is not None and not last:  # a stop string inside accepted drafts ends there
+                    del seq.token_ids[len(seq) - (len(new) - 1 - k) :]
+                    break
         outputs = []
         for req in touched.values():
             done = all(s.seq.is_finished for s in req.samples)
@@ -340,16 +359,18 @@ class LLMEngine:
             outputs.append(self._output(req, done))
         return outputs
 
-    def _on_new_token(self, sample: _Sample, token: int, lp, params: SamplingParams) -> None:
+    def _on_new_token(self, sample: _Sample, token: int, lp, params: SamplingParams, last: bool = True) -> None:
+        """One token of the output, in order; `last`: the last one this step gave (only it can have finished seq)."""
         if sample.discard:
             return
         if sample.logprobs is not None and lp is not None:
             sample.logprobs.append(Logprob(token, lp[0], lp[1]))
         seq = sample.seq
-        stopped_by_token = seq.status is SequenceStatus.FINISHED_STOPPED and token in seq.stop_token_ids
+        ended = last and seq.is_finished
+        stopped_by_token = ended and seq.status is SequenceStatus.FINISHED_STOPPED and token in seq.stop_token_ids
         # Like a stop string, a stop token's own text stays out of the output unless asked for.
         delta = "" if stopped_by_token and not params.include_stop_str_in_output else sample.detok.add(token)
-        if seq.is_finished:
+        if ended:
             delta += sample.detok.flush()
         if not delta or sample.stop_reason is not None:
             return
@@ -464,6 +485,9 @@ class LLMEngine:
             "kv_blocks_free": bm.num_free_blocks,
             "prefix_cache_hit_rate": bm.prefix_hit_rate,
             "num_preemptions": self.scheduler.num_preemptions,
+            "spec_decode_num_drafts": self.scheduler.num_drafts,
+            "spec_decode_num_draft_tokens": self.scheduler.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": self.scheduler.num_accepted_tokens,
         }
 
 

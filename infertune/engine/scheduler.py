@@ -5,6 +5,12 @@ computed yet (1 for a decode, the rest of its prompt for a chunked prefill), cap
 budget. Then waiting sequences are admitted while budget, max_num_seqs and KV blocks allow. When a
 running sequence cannot get a block, the newest running sequence is preempted: its blocks are freed and
 it goes back to the front of the queue, to be recomputed later (its tokens are kept).
+
+With speculative decoding (SchedulerConfig.speculative_config) a decode also carries the draft tokens the n-gram
+proposer (engine/spec_decode.py) finds for it: 1 + d new tokens against the budget, with KV slots for all of them,
+the drafts capped so that what the step may accept stays within max_tokens. Drafts never preempt anything: they are
+dropped where their blocks are not to be had. After the step the sequence keeps the drafts the runner accepted plus
+its one new token, and gives back the blocks only rejected drafts used.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from dataclasses import dataclass, field
 from infertune.config import SchedulerConfig
 from infertune.engine.block_manager import BlockManager
 from infertune.engine.sequence import Sequence, SequenceStatus
+from infertune.engine.spec_decode import NgramProposer
 from infertune.scheduler_output import CachedRequest, NewRequest, SchedulerOutput
 
 
@@ -25,11 +32,16 @@ class ScheduledBatch:
     # True where this step completes the sequence's known tokens, so the step samples its next token.
     sample: list[bool] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # Speculative decoding: the draft tokens each sequence carries after its last token (counted in its scheduled
+    # tokens); and, once update() ran, the tokens each sequence was given (its accepted drafts, then the new one).
+    draft_token_ids: list[list[int]] = field(default_factory=list)
+    new_token_ids: list[list[int]] = field(default_factory=list)
 
-    def add(self, seq: Sequence, num_tokens: int) -> None:
+    def add(self, seq: Sequence, num_tokens: int, drafts: list[int] = ()) -> None:
         self.seqs.append(seq)
-        self.num_scheduled_tokens.append(num_tokens)
+        self.num_scheduled_tokens.append(num_tokens + len(drafts))
         self.sample.append(seq.num_computed_tokens + num_tokens == len(seq))
+        self.draft_token_ids.append(list(drafts))
 
     @property
     def total_tokens(self) -> int:
@@ -49,6 +61,12 @@ class Scheduler:
         self.num_preemptions = 0
         # What the workers were told of each sequence: seq_id -> (seq, block ids sent, its preemptions then).
         self._sent: dict[int, tuple[Sequence, int, int]] = {}
+        spec = config.speculative_config
+        self.proposer = NgramProposer(spec) if spec is not None else None
+        # Speculative decoding's counts (vLLM's): steps of a sequence with drafts, drafts proposed, drafts accepted.
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
 
     # ---- queue -----------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -91,6 +109,9 @@ class Scheduler:
             seq = self.running[i]
             num_tokens = min(len(seq) - seq.num_computed_tokens, budget)
             assert num_tokens > 0
+            drafts = self._propose(seq, budget - 1, len(self.running) - i - 1) if num_tokens == 1 else []
+            if drafts and not bm.allocate_slots(seq, len(seq) + len(drafts)):
+                drafts = []
             while not bm.allocate_slots(seq, seq.num_computed_tokens + num_tokens):
                 victim = self.running.pop()  # newest first: FCFS keeps the oldest progressing
                 self._preempt(victim)
@@ -98,8 +119,8 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                batch.add(seq, num_tokens)
-                budget -= num_tokens
+                batch.add(seq, num_tokens, drafts)
+                budget -= num_tokens + len(drafts)
                 i += 1
 
         # No admissions after a preemption: memory is short, and the preempted go first next time.
@@ -130,6 +151,23 @@ class Scheduler:
             budget -= num_tokens
         return batch
 
+    def _propose(self, seq: Sequence, room: int, num_after: int) -> list[int]:
+        """Drafts for a decoding seq: at most `room` (what is left of the step's budget), never so many that the
+        step could take it past max_tokens, and only where their blocks leave one free block for each of the
+        num_after running sequences still to schedule (drafts must not cost another sequence its step)."""
+        if self.proposer is None or not seq.spec_decode:
+            return []
+        k = min(self.proposer.num_speculative_tokens, room, seq.max_tokens - seq.num_output_tokens - 1)
+        if k <= 0:
+            return []
+        drafts = self.proposer.propose(seq, k)
+        bm = self.block_manager
+        need = bm.blocks_needed(len(seq) + len(drafts)) - len(seq.block_table)  # its token's block included
+        extra = need - max(bm.blocks_needed(len(seq)) - len(seq.block_table), 0)  # the drafts' own blocks
+        if extra > 0 and bm.num_free_blocks - need < num_after:
+            return []
+        return drafts
+
     def scheduler_output(self, batch: ScheduledBatch) -> SchedulerOutput:
         """The batch as plain data for the workers: new sequences whole, known ones by what changed, and the
         sequences they should forget (finished, aborted, or preempted since they were sent)."""
@@ -138,7 +176,7 @@ class Scheduler:
             if seq.is_finished or seq.num_preemptions != preemptions:
                 out.finished_req_ids.append(str(seq_id))
                 del self._sent[seq_id]
-        for seq, num_tokens in zip(batch.seqs, batch.num_scheduled_tokens):
+        for seq, num_tokens, drafts in zip(batch.seqs, batch.num_scheduled_tokens, batch.draft_token_ids):
             sent = self._sent.get(seq.seq_id)
             if sent is None:
                 out.new_requests.append(
@@ -154,11 +192,13 @@ class Scheduler:
                 )
             else:
                 out.cached_requests.append(
-                    CachedRequest(str(seq.seq_id), seq.block_table[sent[1] :], seq.num_computed_tokens)
+                    CachedRequest(str(seq.seq_id), seq.block_table[sent[1] :], seq.num_computed_tokens, sent[1])
                 )
             self._sent[seq.seq_id] = (seq, len(seq.block_table), seq.num_preemptions)
             out.req_ids.append(str(seq.seq_id))
             out.num_scheduled_tokens.append(num_tokens)
+            if drafts:
+                out.scheduled_spec_decode_tokens[str(seq.seq_id)] = list(drafts)
         return out
 
     def _preempt(self, seq: Sequence) -> None:
@@ -169,24 +209,49 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def update(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Sequence]:
-        """Advance the batch by what the step computed; append sampled tokens; return newly finished seqs."""
+    def update(
+        self, batch: ScheduledBatch, sampled: list[int | None], num_accepted: list[int] | None = None
+    ) -> list[Sequence]:
+        """Advance the batch by what the step computed; append each sequence's accepted drafts (num_accepted, where
+        the step had drafts) and its sampled token, stopping at the first stop token or at max_tokens; record them
+        in batch.new_token_ids; return the newly finished seqs."""
         finished = []
-        for seq, num_tokens, samples, token in zip(batch.seqs, batch.num_scheduled_tokens, batch.sample, sampled):
+        batch.new_token_ids = [[] for _ in batch.seqs]
+        for j, (seq, num_tokens, samples, token) in enumerate(
+            zip(batch.seqs, batch.num_scheduled_tokens, batch.sample, sampled)
+        ):
             if seq.is_finished:  # aborted while the step ran
                 continue
-            seq.num_computed_tokens += num_tokens
-            self.block_manager.cache_full_blocks(seq)
             if not samples:
+                seq.num_computed_tokens += num_tokens
+                self.block_manager.cache_full_blocks(seq)
                 continue
             assert token is not None
-            seq.append_token(token)
-            if token in seq.stop_token_ids:
-                status = SequenceStatus.FINISHED_STOPPED
-            elif seq.num_output_tokens >= seq.max_tokens:
-                status = SequenceStatus.FINISHED_LENGTH
-            else:
-                continue
-            self.finish(seq, status)
-            finished.append(seq)
+            drafts = batch.draft_token_ids[j]
+            accepted = drafts[: num_accepted[j]] if drafts else []
+            if drafts:
+                self.num_drafts += 1
+                self.num_draft_tokens += len(drafts)
+                self.num_accepted_tokens += len(accepted)
+            status = None
+            for t in [*accepted, token]:
+                seq.append_token(t)
+                batch.new_token_ids[j].append(t)
+                if t in seq.stop_token_ids:
+                    status = SequenceStatus.FINISHED_STOPPED
+                elif seq.num_output_tokens >= seq.max_tokens:
+                    status = SequenceStatus.FINISHED_LENGTH
+                else:
+                    continue
+                break
+            # KV now holds the last token and the accepted drafts (those the tokens kept still reach)
+            seq.num_computed_tokens = min(seq.num_computed_tokens + num_tokens - len(drafts) + len(accepted), len(seq))
+            self.block_manager.cache_full_blocks(seq)
+            if status is not None:
+                self.finish(seq, status)
+                finished.append(seq)
+            elif drafts and self.block_manager.trim(seq, len(seq)):
+                sent = self._sent.get(seq.seq_id)
+                if sent is not None:  # the worker cuts its table to these at the next step (CachedRequest)
+                    self._sent[seq.seq_id] = (seq, min(sent[1], len(seq.block_table)), sent[2])
         return finished

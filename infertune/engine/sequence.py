@@ -58,6 +58,10 @@ class Sequence(TokenView):
         self.structured_output = None  # a scheduler_output.GrammarSpec where the output is constrained
         # Admit without prefix-cache hits: every prompt token is computed (prompt_logprobs need each one's logits).
         self.skip_prefix_cache = False
+        # Speculative decoding: propose drafts for its decode steps (off where a request needs per-token grammar masks
+        # or logprobs), and the n-gram proposer's index of token_ids (engine/spec_decode.py).
+        self.spec_decode = False
+        self.ngram_index = None
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -11,6 +11,8 @@ Variants (`INFERTUNE_CPU_ISA` forces one; the default, auto, takes the first thi
   avx512        AVX-512 BF16 / VNNI, AMX tiles where the CPU has them: every kernel and the fused step
   avx512-noamx  the same library with the AMX paths off (what a Zen 4 / 5 runs)
   avx2          AVX2 + FMA + F16C: the GEMVs (bf16, W8A16, W4A16), dequantization and the elementwise kernels
+  neon          AArch64 Advanced SIMD (csrc/arm/neon/neon.c): the same subset as avx2; tested under qemu-user for
+                correctness (tests/test_neon.py), not yet measured on Arm hardware
 Where none fits, no compiler is present, or INFERTUNE_CPU_KERNELS=0, `available()` is False, `unavailable_reason()`
 says why, and the engine keeps torch's kernels.
 """
@@ -44,7 +46,7 @@ MAX_ROWS = 16
 # benchmarks/bench_gemm_rows.py): decode steps past 16 sequences, prompts up to 128 tokens, mixed steps.
 AMX_GEMM_MAX_ROWS = 128
 # The C side's ABI (csrc/abi.h IT_ABI_VERSION): bump both together when a shared struct or a signature changes.
-ABI_VERSION = 2
+ABI_VERSION = 3
 WARN_FLAGS = ["-Wall", "-Wextra"]
 COMMON_FLAGS = ["-O3", "-std=c11", "-shared", "-fPIC", "-fopenmp", *WARN_FLAGS, f"-I{CSRC}"]
 
@@ -58,6 +60,7 @@ class Variant:
     isa_flags: tuple[str, ...]
     required: tuple[str, ...]
     title: str  # the DecodeKernels name
+    machine: str = "x86_64"  # os.uname().machine it runs on
 
     @property
     def cflags(self) -> list[str]:
@@ -75,12 +78,22 @@ VARIANTS = {
     "avx2": Variant(
         "avx2", CSRC / "x86" / "avx2" / "avx2.c", ("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c"), "x86 avx2+fma"
     ),
+    # Baseline Armv8-A: every AArch64 CPU has Advanced SIMD ("asimd" in /proc/cpuinfo's Features). No FMA
+    # contraction, so the dequantization and rotary round as the PyTorch formulas (as on x86).
+    "neon": Variant(
+        "neon",
+        CSRC / "arm" / "neon" / "neon.c",
+        ("-march=armv8-a", "-ffp-contract=off"),
+        ("asimd",),
+        "arm neon",
+        machine="aarch64",
+    ),
 }
 # (kept for the scripts that build a second copy of the AVX-512 library: benchmarks/bench_kernel_builds.py)
 SOURCE = VARIANTS["avx512"].source
 REQUIRED_FLAGS = VARIANTS["avx512"].required
 CFLAGS = VARIANTS["avx512"].cflags
-ISA_CHOICES = ("auto", "avx512", "avx512-noamx", "avx2")
+ISA_CHOICES = ("auto", "avx512", "avx512-noamx", "avx2", "neon")
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -112,7 +125,7 @@ def _cpu_flags() -> frozenset[str]:
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
+                if line.startswith(("flags", "Features")):  # (x86, AArch64)
                     return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
@@ -169,8 +182,8 @@ def load_variant(name: str) -> ctypes.CDLL | str:
 
 
 def _load_variant(v: Variant) -> ctypes.CDLL | str:
-    if os.uname().machine not in ("x86_64", "AMD64"):
-        return f"the {v.name} kernels are for x86-64, this is {os.uname().machine}"
+    if os.uname().machine != v.machine:
+        return f"the {v.name} kernels are for {v.machine}, this is {os.uname().machine}"
     missing = [f for f in v.required if f not in _cpu_flags()]
     if missing:
         return f"this CPU lacks {', '.join(missing)} (the {v.name} kernels)"
@@ -199,6 +212,8 @@ def _choose() -> tuple[str, ...]:
         raise ValueError(f"INFERTUNE_CPU_ISA={forced!r}: choose one of {', '.join(ISA_CHOICES)}")
     if forced != "auto":
         return (forced,)
+    if os.uname().machine == "aarch64":
+        return ("neon",)
     # torch limited to AVX2 (ATEN_CPU_CAPABILITY=avx2: what an AVX2-only CPU gets): the kernels follow it
     return ("avx2",) if _torch_capability_below_avx512() else ("avx512", "avx2")
 
@@ -255,7 +270,7 @@ def declare(lib: ctypes.CDLL) -> None:
     """Give a build of the kernels its functions' C signatures (benchmarks load a second build this way). A variant
     declares what it has: the AVX2 library has no 12-bit weights, attention or fused step."""
     i64, ptr, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    model, step, layer, bf16c = (ctypes.POINTER(c) for c in (ItModel, ItStep, ItLayer, Bf16c))
+    model, step, layer, bf16c, lin = (ctypes.POINTER(c) for c in (ItModel, ItStep, ItLayer, Bf16c, ItLin))
     signatures = {
         "it_linear_bf16": ([ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, cint], None),
         "it_linear_w8": ([ptr, i64, ptr, ptr, cint, ptr, ptr, i64, i64, i64, i64, cint], None),
@@ -276,6 +291,8 @@ def declare(lib: ctypes.CDLL) -> None:
         "it_bf16c_hist": ([ptr, i64, ptr, cint], None),
         "it_bf16c_pack": ([ptr, i64, i64, i64, ptr, ptr, ptr, cint], None),
         "it_bf16c_escapes": ([ptr, i64, i64, i64, ptr, ptr, ptr, ptr, cint], None),
+        "it_moe_route": ([ptr, cint, i64, i64, ctypes.POINTER(ItMoe), ptr, ptr, ptr, ptr, ptr, cint], cint),
+        "it_moe_experts": ([ptr, i64, i64, lin, lin, i64, i64, ptr, ptr, ptr, ptr, cint], cint),
     }
     for name, (args, res) in signatures.items():
         fn = getattr(lib, name, None)
@@ -353,13 +370,32 @@ class ItStep(ctypes.Structure):
     ]
 
 
+class ItMoe(ctypes.Structure):
+    """A mixture-of-experts layer's routing rule (csrc/abi.h it_moe; MOE_SCORING / MOE_TOPK_METHOD give the codes)."""
+
+    _fields_ = [
+        (name, ctypes.c_int32)
+        for name in ("num_experts", "top_k", "scoring", "topk_method", "n_group", "topk_group", "norm_topk_prob")
+    ] + [("routed_scaling_factor", ctypes.c_float)]
+
+
+# it_moe.scoring and it_moe.topk_method (csrc/abi.h IT_MOE_*): MoeArch's names -> the C codes
+MOE_SCORING = {"softmax": 0, "sigmoid": 1}
+MOE_TOPK_METHOD = {"greedy": 0, "group_limited_greedy": 1, "noaux_tc": 2}
+
+
 # What it_struct_sizes (csrc/abi.c) writes, in order: per struct its size and each field's offset and width, then the
-# weight kinds.
+# weight kinds and the MoE rules' codes.
 def abi_layout(structs: dict[str, type[ctypes.Structure]] | None = None) -> list[tuple[str, int]]:
     """The (name, value) list the C side must report: from these ctypes classes (structs overrides some, in tests)."""
-    structs = {"it_lin": ItLin, "it_layer": ItLayer, "it_model": ItModel, "it_step": ItStep, "bf16c": Bf16c} | (
-        structs or {}
-    )
+    structs = {
+        "it_lin": ItLin,
+        "it_layer": ItLayer,
+        "it_model": ItModel,
+        "it_step": ItStep,
+        "bf16c": Bf16c,
+        "it_moe": ItMoe,
+    } | (structs or {})
     fields = {
         "it_lin": ("kind", "scale_is_f32", "w", "scale", "bias", "N", "K", "zero", "group", "inter"),
         "it_layer": ("input_norm", "post_norm", "qkv", "o", "gate_up", "down", "kv_cache"),
@@ -392,6 +428,7 @@ def abi_layout(structs: dict[str, type[ctypes.Structure]] | None = None) -> list
             "n_out",
         ),  # fmt: skip
         "bf16c": ("codes", "table", "esc_start", "esc_pos", "esc_val"),
+        "it_moe": tuple(f for f, _ in ItMoe._fields_),
     }
     out: list[tuple[str, int]] = []
     for sname, names in fields.items():
@@ -402,6 +439,8 @@ def abi_layout(structs: dict[str, type[ctypes.Structure]] | None = None) -> list
             out.append((f"offsetof({sname}, {f})", desc.offset if desc is not None else -1))
             out.append((f"sizeof({sname}.{f})", desc.size if desc is not None else -1))
     out += [(f"it_kind {k.name}", int(k)) for k in WeightKind]
+    out += [(f"it_moe.scoring {k}", v) for k, v in MOE_SCORING.items()]
+    out += [(f"it_moe.topk_method {k}", v) for k, v in MOE_TOPK_METHOD.items()]
     return out
 
 
@@ -937,3 +976,134 @@ def deinterleave_gate_up(w: torch.Tensor) -> torch.Tensor:
     """The inverse of interleave_gate_up."""
     i = w.shape[0] // 2
     return w.reshape(i // 16, 2, 16, *w.shape[1:]).transpose(0, 1).reshape(w.shape)
+
+
+# ---- mixture-of-experts layers (csrc/moe.h) -------------------------------------------------------------------------
+def moe_route(
+    logits: torch.Tensor, rule: ItMoe, bias: torch.Tensor | None = None, *, lib: ctypes.CDLL | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Router logits [T, E] (fp32 or bf16, rows may be strided) -> (weights [T, k] fp32, ids [T, k], order [T k],
+    counts [E]) in one call (see csrc/moe.h it_moe_route); None where the logits do not fit, or where a tie at the
+    top-k (or top group) boundary decides some token's experts (route() then decides, as torch.topk does)."""
+    e, k = rule.num_experts, rule.top_k
+    if logits.dtype not in (torch.float32, torch.bfloat16) or logits.dim() != 2 or logits.stride(1) != 1:
+        return None
+    if logits.shape[1] != e or (bias is not None and bias.numel() != e):
+        return None
+    lib = _pick(lib)
+    t = logits.shape[0]
+    bias = bias.float().contiguous() if bias is not None else None
+    weights = torch.empty(t, k, dtype=torch.float32)
+    ids = torch.empty(t, k, dtype=torch.int64)
+    order = torch.empty(t * k, dtype=torch.int64)
+    counts = torch.empty(e, dtype=torch.int64)
+    with profiled("moe_route"):
+        rc = lib.it_moe_route(
+            logits.data_ptr(),
+            int(logits.dtype is torch.bfloat16),
+            logits.stride(0),
+            t,
+            ctypes.byref(rule),
+            bias.data_ptr() if bias is not None else None,
+            weights.data_ptr(),
+            ids.data_ptr(),
+            counts.data_ptr(),
+            order.data_ptr(),
+            torch.get_num_threads(),
+        )
+    if rc == 1:
+        return None
+    if rc != 0:
+        raise ValueError(f"it_moe_route refused the rule {rule_str(rule)}")
+    return weights, ids, order, counts
+
+
+def rule_str(rule: ItMoe) -> str:
+    return ", ".join(f"{name}={getattr(rule, name)}" for name, _ in ItMoe._fields_)
+
+
+def expert_lin(
+    kind: WeightKind,
+    num_experts: int,
+    n: int,
+    k: int,
+    w: torch.Tensor,
+    scales: torch.Tensor | None = None,
+    zero: torch.Tensor | None = None,
+    group_size: int = 0,
+) -> ItLin | str:
+    """Expert 0's it_lin of a projection stacked over num_experts experts (csrc/moe.h moe_expert_lin steps to expert
+    e), or why the tensors do not fit: bf16 w [E, n, k]; int8 w [E, n, k] with scales [E, n] (bf16 or fp32); int4
+    pack_w4 bytes [E, n, k / 2] with fp32 scales and zero [E, n, k / group_size]. The tensors must outlive it."""
+    want = {
+        WeightKind.BF16: (torch.bfloat16, (num_experts, n, k)),
+        WeightKind.W8: (torch.int8, (num_experts, n, k)),
+        WeightKind.W4: (torch.uint8, (num_experts, n, k // 2)),
+    }.get(kind)
+    if want is None:
+        return f"weight kind {kind.name} (experts take bf16, int8 or int4)"
+    if w.dtype is not want[0] or tuple(w.shape) != want[1] or not w.is_contiguous():
+        return f"weights {w.dtype} {tuple(w.shape)}, need contiguous {want[0]} {want[1]}"
+    lin = ItLin(kind=int(kind), w=w.data_ptr(), N=n, K=k)
+    if kind == WeightKind.W8:
+        if scales is None or scales.dtype not in (torch.bfloat16, torch.float32) or not scales.is_contiguous():
+            return "int8 experts need contiguous bf16 / fp32 scales [E, N]"
+        if tuple(scales.shape) != (num_experts, n):
+            return f"scales {tuple(scales.shape)}, need {(num_experts, n)}"
+        lin.scale, lin.scale_is_f32 = scales.data_ptr(), int(scales.dtype is torch.float32)
+    elif kind == WeightKind.W4:
+        if not w4_supported(k, group_size):
+            return f"group_size={group_size} with K={k} (the int4 kernel needs a multiple of 64 dividing K)"
+        for t in (scales, zero):
+            shape = (num_experts, n, k // group_size)
+            if t is None or t.dtype is not torch.float32 or not t.is_contiguous() or tuple(t.shape) != shape:
+                return f"int4 experts need contiguous fp32 scales and zero {shape}"
+        lin.scale, lin.zero, lin.group = scales.data_ptr(), zero.data_ptr(), group_size
+    return lin
+
+
+def moe_experts(
+    x: torch.Tensor,
+    gate_up: ItLin,
+    down: ItLin,
+    num_experts: int,
+    weights: torch.Tensor,
+    order: torch.Tensor,
+    counts: torch.Tensor,
+    *,
+    lib: ctypes.CDLL | None = None,
+) -> torch.Tensor:
+    """The routed experts of a step as one grouped GEMM (csrc/moe.h it_moe_experts): x [T, H] bf16, the experts'
+    it_lin (expert_lin), the routing's weights [T, k] fp32, order [T k] and counts [E] int64 -> [T, H] bf16."""
+    x2 = _rows(x)
+    t, h = x2.shape
+    k = weights.shape[1]
+    if x2.dtype is not torch.bfloat16 or h != gate_up.K or weights.shape[0] != t or order.numel() != t * k:
+        raise ValueError(f"moe_experts: x {x2.dtype} {tuple(x2.shape)}, weights {tuple(weights.shape)} do not fit")
+    for name, v, dtype in (
+        ("weights", weights, torch.float32),
+        ("order", order, torch.int64),
+        ("counts", counts, torch.int64),
+    ):
+        if v.dtype is not dtype or not v.is_contiguous():
+            raise ValueError(f"moe_experts: {name} must be contiguous {dtype}, got {v.dtype}")
+    lib = _pick(lib)
+    out = torch.empty(t, h, dtype=torch.bfloat16)
+    with profiled("moe_experts"):
+        rc = lib.it_moe_experts(
+            x2.data_ptr(),
+            x2.stride(0),
+            t,
+            ctypes.byref(gate_up),
+            ctypes.byref(down),
+            num_experts,
+            k,
+            weights.data_ptr(),
+            order.data_ptr(),
+            counts.data_ptr(),
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+    if rc != 0:
+        raise ValueError(f"it_moe_experts refused {t} x {h} rows, top-{k}, the experts' shapes ({rc})")
+    return out.view(*x.shape[:-1], h)

@@ -11,7 +11,11 @@ torch's operators throughout. Everything the engine knows of the kernels goes th
   given the kernels once at load and call `rms_norm` / `rotary_` / `silu_and_mul`, which return None (False for
   rotary) where a layout does not fit, and the module then runs its PyTorch formula;
 - the runner hands the whole decoder, as a `FusedModel` of tensors and sizes, to `fused_decoder`, which returns a
-  `FusedDecoder` (one call per step) or the reason it cannot run.
+  `FusedDecoder` (one call per step) or the reason it cannot run;
+- a mixture-of-experts layer (layers/moe.py: its `Router` and `Experts` are KernelOps) routes through `moe_route`
+  (scores, top-k, weights and the grouping by expert in one call, a `MoeRouting`) and runs its experts through
+  `moe_experts` (one grouped GEMM over the rows sorted by expert, the weights described as a `KernelExperts`); both
+  return None where they do not fit, and the module then runs layers/moe.py's PyTorch reference.
 
 Every kernel rounds as the PyTorch formula it replaces (to bf16 precision); tests/test_kernels.py holds each one
 to its formula, and tests/test_kernel_interface.py runs the engine on a second, pure-PyTorch implementation of
@@ -22,9 +26,12 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Literal, NamedTuple, Protocol, runtime_checkable
 
 import torch
+
+if TYPE_CHECKING:
+    from infertune.config import MoeArch
 
 # How a linear layer's weight is stored for the kernels:
 #   bf16   the plain bf16 weight [N, K]
@@ -69,6 +76,27 @@ class KernelLinear:
     zero: torch.Tensor | None = None  # w4
     group_size: int = 0  # w4
     compressed: CompressedWeight | None = None  # bf16c
+
+
+class MoeRouting(NamedTuple):
+    """Where each token of a step goes in a mixture-of-experts layer (a Router's output; `moe_route`'s result)."""
+
+    weights: torch.Tensor  # [T, k] fp32, slot j of a token the j-th best expert
+    ids: torch.Tensor  # [T, k] int64
+    order: torch.Tensor  # [T * k] int64: the flat (token, slot) indices t * k + j sorted by expert, stable
+    counts: torch.Tensor  # [E] int64: how many rows each expert got
+
+
+@dataclass(frozen=True, slots=True, eq=False, weakref_slot=True)  # (a kernel may keep what it makes of one)
+class KernelExperts:
+    """A mixture-of-experts layer's routed experts as the kernels see them: each projection a KernelLinear whose
+    tensors carry a leading expert dimension (bf16: weight [E, N, K]; w8: qweight [E, N, K], scales [E, N]; w4:
+    pack_w4's bytes of each expert stacked [E, ...], scales and zero [E, N, K / group_size]). gate_up's N rows are
+    the I gate rows, then the I up rows."""
+
+    num_experts: int
+    gate_up: KernelLinear  # [E, 2I, H]
+    down: KernelLinear  # [E, H, I]
 
 
 @dataclass(slots=True)
@@ -195,6 +223,21 @@ class DecodeKernels(Protocol):
     def compress(self, weight: torch.Tensor, gate_up: bool = False) -> CompressedWeight:
         """A bf16 weight [N, K] in the kernels' lossless compressed layout. gate_up: the weight is [gate; up] of an
         MLP (no bias), packed so that its silu_and_mul() works."""
+        ...
+
+    def moe_route(
+        self, logits: torch.Tensor, moe: MoeArch, correction_bias: torch.Tensor | None = None
+    ) -> MoeRouting | None:
+        """Router logits [T, E] (fp32 or bf16) -> each token's top_k experts and weights by moe's rule, the grouping
+        of group_by_expert with them: the experts of layers/moe.py route(), each with its weight within 1e-6, in its
+        order (best first) except among equal scores (the lower index first here; torch.topk's own order there);
+        None where the rule or the layout does not fit, or where a tie at the boundary (the k-th best expert or the
+        topk_group-th best group equal to the next) decides which experts a token gets: route() then decides."""
+        ...
+
+    def moe_experts(self, x: torch.Tensor, experts: KernelExperts, routing: MoeRouting) -> torch.Tensor | None:
+        """x [T, H] bf16 -> the routed experts' weighted sum [T, H] bf16 (experts_reference, rounded as it rounds);
+        None where the weights' kinds or the step do not fit (too many rows, ...)."""
         ...
 
     def fused_decoder(self, model: FusedModel) -> FusedDecoder | str:

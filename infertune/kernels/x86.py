@@ -9,12 +9,18 @@ interleaving, the nibble order of int4 weights, the C structs of the fused step.
 
 from __future__ import annotations
 
+import functools
+import weakref
 from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING
 
 import torch
 
 from infertune.kernels import cpu
-from infertune.kernels.interface import FusedDecoder, FusedModel, LinearKind
+from infertune.kernels.interface import FusedDecoder, FusedModel, KernelLinear, LinearKind, MoeRouting
+
+if TYPE_CHECKING:
+    from infertune.config import MoeArch
 
 
 class Bf16cWeight:
@@ -52,6 +58,7 @@ class X86Kernels:
         self.lib = None  # (None: the library the process loaded)
         self.amx = cpu.bf16_max_rows() > cpu.MAX_ROWS
         self.name = cpu.VARIANTS["avx512"].title + (" + amx" if self.amx else "")
+        self._experts_lins = weakref.WeakKeyDictionary()  # KernelExperts -> its two it_lin, or why it does not fit
 
     def __repr__(self) -> str:
         return f"X86Kernels({self.name})"
@@ -100,6 +107,27 @@ class X86Kernels:
         # (the tile pairs of an interleaved gate_up need whole pairs of 16 features)
         return Bf16cWeight(weight, gate_up and weight.shape[0] % 32 == 0)
 
+    def moe_route(self, logits, moe, correction_bias=None):
+        rule = _moe_rule(moe)
+        got = cpu.moe_route(logits, rule, correction_bias, lib=self.lib) if rule is not None else None
+        return MoeRouting(*got) if got is not None else None
+
+    def moe_experts(self, x, experts, routing):
+        # Up to as many rows per expert, on average, as the linears take (one expert may get every row: the tile GEMM
+        # takes any count)
+        kind = experts.gate_up.kind
+        if x.dim() != 2 or x.shape[0] * routing.ids.shape[1] > self.max_rows(kind) * experts.num_experts:
+            return None
+        lins = self._experts_lins.get(experts)
+        if lins is None:  # (checked once per layer: the tensors it points at are the layer's, kept alive by it)
+            lins = [_expert_lin(lin, experts.num_experts) for lin in (experts.gate_up, experts.down)]
+            self._experts_lins[experts] = lins
+        if any(isinstance(lin, str) for lin in lins):
+            return None
+        return cpu.moe_experts(
+            x, *lins, experts.num_experts, routing.weights, routing.order, routing.counts, lib=self.lib
+        )
+
     def fused_decoder(self, model: FusedModel) -> FusedDecoder | str:
         from infertune.kernels.x86_fused import X86FusedDecoder
 
@@ -127,6 +155,7 @@ class Avx2Kernels(X86Kernels):
         self.lib = lib
         self.amx = False
         self.name = cpu.VARIANTS["avx2"].title
+        self._experts_lins = weakref.WeakKeyDictionary()
 
     def __repr__(self) -> str:
         return f"Avx2Kernels({self.name})"
@@ -150,6 +179,35 @@ class Avx2Kernels(X86Kernels):
         return {**dict.fromkeys(cpu.FUSED_PARTS, 0.0), "calls": 0.0, "rows": 0.0}
 
 
+@functools.lru_cache(maxsize=64)
+def _moe_rule(moe: MoeArch) -> cpu.ItMoe | None:
+    """A MoeArch's routing rule for it_moe_route (None for a rule the C side does not know: route() raises on it)."""
+    if moe.scoring not in cpu.MOE_SCORING or moe.topk_method not in cpu.MOE_TOPK_METHOD:
+        return None
+    return cpu.ItMoe(
+        num_experts=moe.num_experts,
+        top_k=moe.top_k,
+        scoring=cpu.MOE_SCORING[moe.scoring],
+        topk_method=cpu.MOE_TOPK_METHOD[moe.topk_method],
+        n_group=moe.n_group,
+        topk_group=moe.topk_group,
+        norm_topk_prob=int(moe.norm_topk_prob),
+        routed_scaling_factor=moe.routed_scaling_factor,
+    )
+
+
+_EXPERT_KINDS = {"bf16": cpu.WeightKind.BF16, "w8": cpu.WeightKind.W8, "w4": cpu.WeightKind.W4}
+
+
+def _expert_lin(lin: KernelLinear, num_experts: int) -> cpu.ItLin | str:
+    kind = _EXPERT_KINDS.get(lin.kind)
+    if kind is None or lin.bias is not None:
+        return f"{lin.kind} experts{' with a bias' if lin.bias is not None else ''}"
+    w = lin.weight if kind == cpu.WeightKind.BF16 else lin.qweight
+    n, k = lin.out_features, lin.in_features
+    return cpu.expert_lin(kind, num_experts, n, k, w, lin.scales, lin.zero, lin.group_size)
+
+
 _instance: X86Kernels | Avx2Kernels | None = None
 
 
@@ -157,6 +215,6 @@ def kernels() -> X86Kernels | Avx2Kernels | None:
     """The process's x86 kernels (the variant cpu.variant() loaded), or None where none can run here
     (cpu.unavailable_reason() says why)."""
     global _instance
-    if _instance is None and cpu.available():
+    if _instance is None and cpu.available() and cpu.variant() != "neon":  # (neon: kernels/arm.py)
         _instance = Avx2Kernels(cpu.library()) if cpu.variant() == "avx2" else X86Kernels()
     return _instance if cpu.available() else None

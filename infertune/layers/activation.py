@@ -1,9 +1,10 @@
-"""SiLU-and-multiply over a merged [gate | up] projection."""
+"""SiLU-and-multiply (and Gemma's GeLU-and-multiply) over a merged [gate | up] projection."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from infertune.layers.kernel_op import KernelOp
 
@@ -19,3 +20,11 @@ class SiluAndMul(KernelOp):
 
     def forward_kernels(self, gate_up: torch.Tensor) -> torch.Tensor | None:
         return self.kernels.silu_and_mul(gate_up)
+
+
+class GeluAndMul(nn.Module):
+    """gelu(gate) * up with GeLU's tanh approximation (transformers' gelu_pytorch_tanh); no kernel of its own."""
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh").mul_(up)

@@ -1,6 +1,6 @@
 """Modules with two forwards: PyTorch's, and the backend's own kernel, chosen once at load.
 
-A `KernelOp` (RMSNorm, rotary, SiLU-and-multiply) defines `forward_native`, the PyTorch formula (the reference the
+A `KernelOp` (RMSNorm, rotary, SiLU-and-multiply, a MoE layer's router and experts) defines `forward_native`, the PyTorch formula (the reference the
 kernel is tested against, and what torch.compile traces), and `forward_kernels`, the same computation through the
 backend's `DecodeKernels` (kernels/interface.py), rounded the same way. The runner calls `attach_kernels` once
 after loading; a module without kernels, or inside a torch.compile trace, runs forward_native. forward_kernels may

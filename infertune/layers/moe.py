@@ -5,19 +5,30 @@ Three stages, each a plain function of tensors so that tests and other backends 
   route(logits, moe, bias)          scores -> top-k expert ids and weights, every routing rule of MoeArch
   group_by_expert(ids, E)           the (token, slot) pairs sorted by expert, and how many each expert got
   experts_reference(...)            the experts over the grouped rows, one matmul pair per expert picked
+                                    (run_experts: the same with each expert's matmuls as callables, e.g. a
+                                    quantized method's, quant/experts.py)
 
 `MoE` is the module: a `Router` (weight [E, H], DeepSeek-V3's e_score_correction_bias), `Experts` (the weights
 as 3-D tensors, transformers v5's fused layout: gate_up_proj [E, 2I, H], down_proj [E, H, I]; per-expert
 checkpoint tensors load into their slices), and an optional shared expert built by the model.
+
+Router and Experts are KernelOps: with a backend's kernels (kernels/interface.py) the router's scores, top-k,
+weights and grouping are one `moe_route` call, and the experts one grouped GEMM (`moe_experts`); these functions
+are their forward_native and the reference the kernels are tested against (the kernel's router hands a step back
+to route() where a tie at the top-k boundary decides a token's experts: see csrc/moe.h).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from infertune.config import MoeArch
+from infertune.kernels.interface import KernelExperts, KernelLinear, MoeRouting
+from infertune.layers.kernel_op import KernelOp
 
 
 def route(
@@ -54,29 +65,56 @@ def group_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, 
     return flat.argsort(stable=True), torch.bincount(flat, minlength=num_experts)
 
 
+# One expert's matmul: (expert, rows [n, K]) -> rows times that expert's weight, [n, N].
+ExpertMatmul = Callable[[int, torch.Tensor], torch.Tensor]
+
+
 def experts_reference(
     x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
 ) -> torch.Tensor:
     """The routed experts in plain PyTorch: rows sorted by expert, one gate_up / down matmul per expert that any
     token picked, each row scaled by its weight, and scattered back with a sum. x [T, H] -> [T, H]."""
-    t, k = ids.shape
-    inter = down.shape[-1]
-    order, counts = group_by_expert(ids, gate_up.shape[0])
+    return run_experts(
+        x,
+        weights,
+        ids,
+        gate_up.shape[0],
+        lambda e, rows: F.linear(rows, gate_up[e]),
+        lambda e, rows: F.linear(rows, down[e]),
+    )
+
+
+def run_experts(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    num_experts: int,
+    gate_up: ExpertMatmul,
+    down: ExpertMatmul,
+    grouping: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """experts_reference with each expert's two matmuls given as callables (a quantized method's, which
+    dequantizes or runs an int kernel on that expert's slice only): called for the experts some token picked.
+    grouping: group_by_expert(ids, num_experts) where the router already has it."""
+    k = ids.shape[1]
+    order, counts = grouping if grouping is not None else group_by_expert(ids, num_experts)
     token = order // k
     rows = x[token]  # [T * k, H], grouped by expert
     out = torch.empty_like(rows)
     start = 0
     for expert, n in enumerate(counts.tolist()):
         if n:
-            h = F.linear(rows[start : start + n], gate_up[expert])
-            out[start : start + n] = F.linear(F.silu(h[:, :inter]) * h[:, inter:], down[expert])
+            h = gate_up(expert, rows[start : start + n])  # [n, 2I]
+            inter = h.shape[-1] // 2
+            out[start : start + n] = down(expert, F.silu(h[:, :inter]) * h[:, inter:])
             start += n
     out *= weights.reshape(-1)[order].unsqueeze(1).to(out.dtype)
     return torch.zeros_like(x).index_add_(0, token, out)
 
 
-class Router(nn.Module):
-    """The router's weight [E, H] (fp32 where the family computes it in fp32) and DeepSeek-V3's selection bias."""
+class Router(KernelOp):
+    """The router's weight [E, H] (fp32 where the family computes it in fp32) and DeepSeek-V3's selection bias.
+    x [T, H] -> MoeRouting: weights [T, k] fp32, ids [T, k] and the grouping by expert."""
 
     def __init__(self, hidden: int, moe: MoeArch, dtype: torch.dtype) -> None:
         super().__init__()
@@ -88,14 +126,27 @@ class Router(nn.Module):
             nn.Parameter(torch.empty(moe.num_experts, dtype=torch.float32)) if moe.correction_bias else None
         )
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H] -> (weights [T, k] fp32, ids [T, k])."""
-        logits = F.linear(x.to(self.weight.dtype), self.weight)
-        return route(logits, self.moe, self.e_score_correction_bias)
+    def forward_native(self, x: torch.Tensor) -> MoeRouting:
+        return self._route(F.linear(x.to(self.weight.dtype), self.weight))
+
+    def forward_kernels(self, x: torch.Tensor) -> MoeRouting:
+        k = self.kernels
+        if x.dtype is self.weight.dtype is torch.bfloat16 and x.shape[0] <= k.max_rows("bf16"):
+            logits = k.linear_bf16(x, self.weight)  # [T, E]
+        else:
+            logits = F.linear(x.to(self.weight.dtype), self.weight)
+        routing = k.moe_route(logits, self.moe, self.e_score_correction_bias)
+        # (None: a tie at the top-k boundary, or a layout the kernel does not take; route() settles it)
+        return routing if routing is not None else self._route(logits)
+
+    def _route(self, logits: torch.Tensor) -> MoeRouting:
+        weights, ids = route(logits, self.moe, self.e_score_correction_bias)
+        return MoeRouting(weights, ids, *group_by_expert(ids, self.moe.num_experts))
 
 
-class Experts(nn.Module):
+class Experts(KernelOp):
     """The routed experts' weights, fused: gate_up_proj [E, 2I, H] (gate rows, then up rows), down_proj [E, H, I].
+    (x [T, H], MoeRouting) -> [T, H]: the reference (run_experts) or the kernels' grouped GEMM.
 
     Loads either layout: a whole 3-D tensor (shard None) or one expert's projection, shard (expert, 0 | 1) for
     gate / up and expert for down."""
@@ -111,6 +162,7 @@ class Experts(nn.Module):
         # what a checkpoint must fill: the whole tensor, or every expert's slices (see loader._expected_shards)
         self.gate_up_proj.expected_shards = {(i, j) for i in range(e) for j in (0, 1)}
         self.down_proj.expected_shards = set(range(e))
+        self.quant_method: ExpertsMethod = ExpertsMethod()  # quant/__init__.py attaches a quantized one
 
     def _load_gate_up(self, param: torch.Tensor, tensor: torch.Tensor, shard) -> None:
         if shard is None:
@@ -129,8 +181,49 @@ class Experts(nn.Module):
             "experts.down_proj" if shard is None else f"expert {shard} down",
         )
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return experts_reference(x, self.gate_up_proj, self.down_proj, weights, ids)
+    def forward_native(self, x: torch.Tensor, routing: MoeRouting) -> torch.Tensor:
+        gate_up, down = self.quant_method.matmuls(self)
+        grouping = (routing.order, routing.counts)
+        return run_experts(x, routing.weights, routing.ids, self.num_experts, gate_up, down, grouping)
+
+    def forward_kernels(self, x: torch.Tensor, routing: MoeRouting) -> torch.Tensor | None:
+        if x.dtype is not torch.bfloat16 or self._kernel_experts is None:
+            return None
+        return self.kernels.moe_experts(x, self._kernel_experts, routing)
+
+    def use_kernels(self, kernels) -> None:
+        super().use_kernels(kernels)
+        # (after loading and quantization: the tensors the description points at are final)
+        self._kernel_experts = self.quant_method.kernel_experts(self) if kernels is not None else None
+
+
+class ExpertsMethod:
+    """How Experts keeps its weights and multiplies one expert's rows by them: plain 3-D tensors here; the quantized
+    methods (quant/experts.py) keep integers per expert instead (the experts' counterpart of a Linear's
+    QuantMethod)."""
+
+    name = "unquantized"
+
+    def process_weights_after_loading(self, layer: Experts) -> None:
+        """Quantize or repack once the checkpoint is in place (nothing for plain weights)."""
+
+    def matmuls(self, layer: Experts) -> tuple[ExpertMatmul, ExpertMatmul]:
+        """(gate_up, down) matmuls of one expert at a time."""
+        return (lambda e, rows: F.linear(rows, layer.gate_up_proj[e])), (
+            lambda e, rows: F.linear(rows, layer.down_proj[e])
+        )
+
+    def kernel_experts(self, layer: Experts) -> KernelExperts | None:
+        """The stacked weights as the kernels' grouped GEMM reads them (None: a layout only the matmuls know)."""
+        if layer.gate_up_proj.dtype is not torch.bfloat16:
+            return None
+        e, inter = layer.num_experts, layer.intermediate_size
+        hidden = layer.gate_up_proj.shape[-1]
+        return KernelExperts(
+            e,
+            KernelLinear("bf16", 2 * inter, hidden, weight=layer.gate_up_proj.detach()),
+            KernelLinear("bf16", hidden, inter, weight=layer.down_proj.detach()),
+        )
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
@@ -161,8 +254,7 @@ class MoE(nn.Module):
         self.shared_expert_gate = _GateWeight(hidden, dtype) if shared is not None and moe.shared_gate else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.gate(x)
-        out = self.experts(x, weights, ids)
+        out = self.experts(x, self.gate(x))
         if self.shared_name is not None:
             shared = getattr(self, self.shared_name)(x)
             if self.shared_expert_gate is not None:

@@ -3,7 +3,8 @@
 Mixtral), whose MoE layers are layers/moe.py MoE in place of the MLP.
 
 The forward takes every scheduled token of the step as one [T] run; attention finds each sequence's context
-through the AttentionMetadata. Weights for q/k/v and gate/up are packed.
+through the AttentionMetadata, within the layer's sliding window where it has one (Mistral, Qwen2's
+use_sliding_window: ArchConfig.layer_windows). Weights for q/k/v and gate/up are packed.
 
 A decoder layer is three stages, so that the runner can compile the dense parts and keep attention (whose shapes
 follow the context lengths) eager:
@@ -28,7 +29,9 @@ from infertune.layers.rotary import RotaryEmbedding
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, attn: AttentionBackend, dtype: torch.dtype) -> None:
+    def __init__(
+        self, cfg: ArchConfig, rotary: RotaryEmbedding, attn: AttentionBackend, dtype: torch.dtype, index: int = 0
+    ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_attention_heads,
@@ -48,6 +51,8 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=o_bias, dtype=dtype)
         self.rotary = rotary
         self.attn = attn
+        self.window = cfg.layer_windows[index] if cfg.layer_windows else None  # this layer's sliding window
+        self.softcap = None  # attention logit soft-capping (Gemma 2 sets it)
         # Qwen3: each head of q and of k is RMS-normalised (over head_dim) before rotary.
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
@@ -69,11 +74,14 @@ class LlamaAttention(nn.Module):
         qk = self.rotary(qk, cos, sin)
         return qk[:, :h], qk[:, h:], qkv[:, h + hkv :]
 
+    def attend(self, q, k, v, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The attention backend over this layer's cache, within its window -> o [T, H, D]."""
+        return self.attn.forward(q, k, v, kv_cache, meta, self.scale, window=self.window, softcap=self.softcap)
+
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        q, k, v = self.project(x, cos, sin)
-        o = self.attn.forward(q, k, v, kv_cache, meta, self.scale)  # [T, H, D]
+        o = self.attend(*self.project(x, cos, sin), kv_cache, meta)  # [T, H, D]
         return self.o_proj(o.reshape(x.shape[0], self.q_size))
 
 
@@ -121,7 +129,7 @@ class LlamaDecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(cfg, rotary, attn, dtype)
+        self.self_attn = LlamaAttention(cfg, rotary, attn, dtype, index)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = moe_mlp(cfg, dtype) if cfg.moe is not None and index in cfg.moe.layers else LlamaMLP(cfg, dtype)
 
@@ -131,7 +139,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def attend(self, q, k, v, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Stage 2: the attention backend (writes this step's K/V, reads the paged cache) -> o [T, H, D]."""
-        return self.self_attn.attn.forward(q, k, v, kv_cache, meta, self.self_attn.scale)
+        return self.self_attn.attend(q, k, v, kv_cache, meta)
 
     def finish(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Stage 3: o_proj and residual, post-attention norm, MLP and residual -> the layer's output."""

@@ -22,14 +22,19 @@ from infertune.models.registry import get_model_class
 from infertune.models.safetensors_io import CorruptCheckpointError, iter_tensors
 from infertune.quant import attach_linear_methods
 from infertune.quant.checkpoint import attach_stored_methods, read_stored_quant
+from infertune.quant.fp8 import Fp8Dequantizer, read_fp8_checkpoint, requantize_config
 
 log = logging.getLogger("infertune")
 
 # Checkpoint tensors that carry no weights of ours (recomputed at load time).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # One routed expert's projection in the per-expert layout (Qwen-MoE / DeepSeek names, and Mixtral's w1 / w3 / w2)
-# -> its slice of the fused 3-D tensors of layers/moe.py Experts.
-_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<n>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+# -> its slice of the fused 3-D tensors of layers/moe.py Experts. A quantized checkpoint's P.weight_<x> (scales,
+# packed nibbles: tools/quant_format.py) goes to the slot gate_up_proj_weight_<x> / down_proj_weight_<x>.
+_EXPERT = re.compile(
+    r"^(?P<prefix>.*\.experts)\.(?P<n>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)\.weight(?P<tensor>_\w+)?$"
+)
+_OUR_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<proj>gate_up_proj|down_proj)(?:_(?P<tensor>weight\w*))?$")
 _EXPERT_SLOT = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1}
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
@@ -102,6 +107,9 @@ def load_model(
     packed = getattr(cls, "packed_modules", {})
     renames = getattr(cls, "checkpoint_renames", {})
     stored = read_stored_quant(model_dir)
+    fp8 = read_fp8_checkpoint(model_dir)  # block-scaled fp8: dequantized as it loads, then like a 16-bit checkpoint
+    if fp8 is not None and quant is not None and quant.method is not None:
+        quant = requantize_config(model, fp8, quant, packed)
     if stored is None:
         attach_linear_methods(model, quant, backend, prepack, dtype, kernels, compress)
     else:  # already quantized: the stored integers are loaded as they are, then only packed for the kernels
@@ -112,16 +120,22 @@ def load_model(
     materialize(model, device)
     params = dict(model.named_parameters(remove_duplicate=False))
     missing = _expected_shards(model)  # param name -> shards still to load (None = the whole tensor)
+    expert_names: dict[str, str] = {}  # fused experts param -> one per-expert tensor name that filled it
     skipped = 0
+    skips = lambda name: arch.skip_layers_from is not None and _layer_index(name, arch.skip_layers_from)  # noqa: E731
+    dequant = Fp8Dequantizer(fp8, dtype, passes=skips) if fp8 is not None else None
     for path in tqdm(files, desc="loading weights", unit="file", disable=not show_progress or len(files) < 2):
         try:
-            for name, tensor in iter_tensors(path):
+            tensors = iter_tensors(path)
+            for name, tensor in dequant.stream(tensors) if dequant is not None else tensors:
                 if name.endswith(_IGNORED_SUFFIXES) or (arch.tie_word_embeddings and name == "lm_head.weight"):
                     continue
-                if arch.skip_layers_from is not None and _layer_index(name, arch.skip_layers_from):
+                if skips(name):
                     skipped += 1
                     continue
                 target, shard = map_checkpoint_name(name, packed, renames)
+                if shard is not None and ".experts." in name:
+                    expert_names.setdefault(target, name)  # how this checkpoint names experts, for errors
                 if target not in params:
                     raise ValueError(
                         f"{path.name}: tensor {name!r} has no place in {arch.architecture}; "
@@ -139,6 +153,8 @@ def load_model(
                     missing.get(target, set()).discard(shard)
         except CorruptCheckpointError as e:
             raise ValueError(f"{path} is not a readable safetensors file ({e}); re-download or re-save it") from e
+    if dequant is not None:
+        dequant.finish()  # every fp8 weight met its scales
     if skipped:
         log.info(
             "skipped %d checkpoint tensors of layers %d and up (multi-token-prediction layers, which infertune "
@@ -147,7 +163,9 @@ def load_model(
             arch.skip_layers_from,
         )
     del params  # drop our references, so a method replacing a weight (quantize, prepack) frees it at once
-    absent = sorted(_checkpoint_name(name, s, packed) for name, shards in missing.items() for s in shards)
+    absent = sorted(
+        _checkpoint_name(name, s, packed, expert_names.get(name)) for name, shards in missing.items() for s in shards
+    )
     if absent:
         raise ValueError(f"{model_dir}: checkpoint is missing tensors: {', '.join(absent[:8])}")
     for module in model.modules():
@@ -161,6 +179,11 @@ def load_model(
 def _cast(tensor: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """Float tensors take the slot's dtype (the model dtype, or fp32 for quantization scales); integer tensors
     (pre-quantized weights) must be stored in the slot's dtype already."""
+    if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise ValueError(
+            f"stored as {tensor.dtype}, which needs its block scales: config.json has no quantization_config with "
+            "quant_method 'fp8'"
+        )
     if tensor.is_floating_point() and param.is_floating_point():
         return tensor.to(param.dtype)
     if tensor.dtype != param.dtype:
@@ -183,10 +206,10 @@ def map_checkpoint_name(
         name = ".".join(renames.get(p, p) for p in name.split("."))
     m = _EXPERT.match(name)
     if m:
-        n, proj = int(m["n"]), m["proj"]
+        n, proj, tensor = int(m["n"]), m["proj"], f"_weight{m['tensor']}" if m["tensor"] else ""
         if proj in ("down_proj", "w2"):
-            return f"{m['prefix']}.down_proj", n
-        return f"{m['prefix']}.gate_up_proj", (n, _EXPERT_SLOT[proj])
+            return f"{m['prefix']}.down_proj{tensor}", n
+        return f"{m['prefix']}.gate_up_proj{tensor}", (n, _EXPERT_SLOT[proj])
     parts = name.split(".")
     for i, part in enumerate(parts):
         if part in packed:
@@ -195,14 +218,24 @@ def map_checkpoint_name(
     return name, None
 
 
-def _checkpoint_name(name: str, shard: object, packed: dict[str, tuple[str, object]]) -> str:
-    """Our (packed name, shard) back to the tensor name the checkpoint should have had."""
+def _checkpoint_name(
+    name: str, shard: object, packed: dict[str, tuple[str, object]], example: str | None = None
+) -> str:
+    """Our (packed name, shard) back to the tensor name the checkpoint should have had; for an expert, named like
+    `example` (another expert's tensor of the same checkpoint) where there is one: Mixtral's are
+    block_sparse_moe.experts.N.w1 / w3 / w2."""
     if shard is None:
         return name
-    if name.endswith(".experts.gate_up_proj"):
-        return f"{name[: -len('gate_up_proj')]}{shard[0]}.{('gate_proj', 'up_proj')[shard[1]]}.weight"
-    if name.endswith(".experts.down_proj"):
-        return f"{name[: -len('down_proj')]}{shard}.down_proj.weight"
+    m = _OUR_EXPERT.match(name)
+    if m and example is not None and (ex := _EXPERT.match(example)):
+        projs = ("w1", "w3", "w2") if ex["proj"] in ("w1", "w2", "w3") else ("gate_proj", "up_proj", "down_proj")
+        n, proj = (shard[0], projs[shard[1]]) if isinstance(shard, tuple) else (shard, projs[2])
+        return f"{ex['prefix']}.{n}.{proj}.weight{ex.groupdict().get('tensor') or ''}"
+    if m:
+        tensor = m["tensor"] or "weight"
+        if m["proj"] == "gate_up_proj":
+            return f"{m['prefix']}.{shard[0]}.{('gate_proj', 'up_proj')[shard[1]]}.{tensor}"
+        return f"{m['prefix']}.{shard}.down_proj.{tensor}"
     for hf_part, (ours, key) in packed.items():
         if key == shard and f".{ours}." in name:
             return name.replace(f".{ours}.", f".{hf_part}.")

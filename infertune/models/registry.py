@@ -5,6 +5,8 @@ from __future__ import annotations
 from torch import nn
 
 from infertune.config import SUPPORTED_ARCHITECTURES
+from infertune.models.deepseek import DeepseekForCausalLM
+from infertune.models.gemma import GemmaForCausalLM
 from infertune.models.llama import LlamaForCausalLM
 
 _REGISTRY: dict[str, type[nn.Module]] = {
@@ -15,6 +17,10 @@ _REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen2MoeForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": LlamaForCausalLM,
     "MixtralForCausalLM": LlamaForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekForCausalLM,
+    "Gemma2ForCausalLM": GemmaForCausalLM,
+    "Gemma3ForCausalLM": GemmaForCausalLM,
 }
 assert set(_REGISTRY) == set(SUPPORTED_ARCHITECTURES)
 

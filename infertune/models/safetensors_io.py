@@ -29,6 +29,8 @@ _DTYPES = {
     "I8": torch.int8,
     "U8": torch.uint8,
     "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,  # fp8 checkpoints (quant/fp8.py)
+    "F8_E5M2": torch.float8_e5m2,
 }
 _MAX_HEADER = 100 * 2**20
 # Read buffers: private anonymous mappings, pre-faulted where the OS can (the read fills every page anyway, and

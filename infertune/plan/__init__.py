@@ -11,10 +11,12 @@ from infertune.plan.memory import (
     kv_bytes_per_sequence,
     kv_bytes_per_token,
     memory_budget,
+    shipped_models,
     weight_breakdown,
 )
 from infertune.plan.planner import PlanRequest, make_plan
 from infertune.plan.roofline import Efficiency, Roofline, calibrate_decode, calibrate_prefill
+from infertune.plan.weights import expected_experts_touched
 
 __all__ = [
     "Device",
@@ -28,6 +30,7 @@ __all__ = [
     "WeightFormat",
     "calibrate_decode",
     "calibrate_prefill",
+    "expected_experts_touched",
     "find_device",
     "kv_bytes",
     "kv_bytes_per_sequence",
@@ -37,6 +40,7 @@ __all__ = [
     "make_plan",
     "memory_budget",
     "pd_split",
+    "shipped_models",
     "tokens_per_joule",
     "usd_per_million_tokens",
     "weight_breakdown",

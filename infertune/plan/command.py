@@ -9,7 +9,8 @@ import argparse
 import json
 import sys
 
-from infertune.plan.memory import KV_DTYPES, WEIGHT_DTYPES, KVFormat, WeightFormat
+from infertune.plan.memory import KV_DTYPES, KVFormat, WeightFormat, shipped_models
+from infertune.plan.weights import WEIGHT_DTYPES
 
 DESCRIPTION = (
     "Plan a deployment without running it: exact weight and KV-cache bytes from the model's config.json, the "
@@ -24,7 +25,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
         default=default_model_path(),
-        help="Hugging Face model folder or its config.json (default: the built-in demo model)",
+        help="Hugging Face model folder or its config.json, or a shipped config: "
+        f"{', '.join(shipped_models())} (default: the built-in demo model)",
     )
     p.add_argument(
         "--device",
@@ -55,9 +57,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--weight-dtype",
         choices=WEIGHT_DTYPES,
-        default="bf16",
+        default=None,
         help="bf16-12bit: infertune's lossless 12-bit layout of bf16 weights (the default engine's on CPUs "
-        "with AMX; same outputs, 0.75x the bytes); w8a16 / w4a16: quantized (default: bf16)",
+        "with AMX; same outputs, 0.75x the bytes); w8a16 / w4a16: quantized; fp8: a block-scaled fp8 checkpoint "
+        "(1 byte a weight + fp32 block scales, what DeepSeek-V3 and Qwen3-*-FP8 publish; infertune dequantizes "
+        "it to bf16 at load) (default: the checkpoint's, fp8 for an fp8 checkpoint, else bf16)",
     )
     p.add_argument("--group-size", type=int, default=128, help="W4A16 quantization group size (default: 128)")
     p.add_argument("--quantize-lm-head", action="store_true", help="quantize the lm_head too (default: kept in bf16)")
@@ -158,6 +162,13 @@ def run(args: argparse.Namespace) -> int:
             "set on the command line",
         )
     inp, out, ctx = _lengths(args)
+    fmt = None  # the checkpoint's
+    if args.weight_dtype is not None:
+        block = spec.weight_format.block if spec.weight_format is not None else (128, 128)
+        fmt = WeightFormat(args.weight_dtype, args.group_size, quantize_lm_head=args.quantize_lm_head, block=block)
+    elif args.quantize_lm_head or args.group_size != 128:
+        base = spec.weight_format or WeightFormat()
+        fmt = WeightFormat(base.name, args.group_size, quantize_lm_head=args.quantize_lm_head, block=base.block)
     plan = make_plan(
         PlanRequest(
             spec=spec,
@@ -167,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
             output_len=out,
             context=ctx,
             batch=args.batch,
-            weight_format=WeightFormat(args.weight_dtype, args.group_size, quantize_lm_head=args.quantize_lm_head),
+            weight_format=fmt,
             kv_format=KVFormat(args.kv_dtype),
             efficiency=eff,
             measured_decode_tps=args.measured_decode_tps,

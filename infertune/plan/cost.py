@@ -11,7 +11,7 @@ min(n Rp, (N - n) Rd) requests/s; the best n balances the two, i.e. prefill gets
 comes out when decoding a request costs about three times the card-time of prefilling it. Qwen2.5-7B on the
 seeds' 910B with 1024-token prompts, 512-token outputs and the seeds' batch 32: a card prefills 11.8 requests/s
 and decodes 3.7 requests/s, a 24% prefill share, so 2 prefill + 6 decode of 8 cards
-(`infertune plan --model Qwen2.5-7B --device 910b --input-len 1024 --output-len 512 --batch 32`).
+(`infertune plan --model qwen2.5-7b-instruct --device 910b --input-len 1024 --output-len 512 --batch 32`).
 A roofline cannot show the gain the seeds measured (+19%): at the ideal ratio, colocated cards that alternate
 prefill and decode reach the same N / (1 / Rp + 1 / Rd). The gain of disaggregation comes from what a roofline
 leaves out (prefill chunks stalling decode steps, decode batches limited by memory shared with prefill), so the

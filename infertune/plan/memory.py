@@ -1,18 +1,22 @@
 """Memory model: exact weight bytes, KV-cache bytes and the sequences that fit, all from a model's config.json.
 
-Pure integer arithmetic on `ArchConfig` (no torch). Every count here is exact for the Llama / Qwen2 / Mistral
-layer layout that infertune runs; the tests check it against `sum(p.numel())` of a real transformers model.
+Pure integer arithmetic on `ArchConfig` (no torch); the weights' side is weights.py. Every count here is exact for
+the layer layouts that infertune runs; the tests check it against `sum(p.numel())` of a real transformers model.
 
 Conventions:
 - bytes are exact integers; a "GB" in a message is 1e9 bytes;
-- W8A16 = int8 weights + one scale per output channel; W4A16 = int4 weights + a scale and a zero point per group
-  of `group_size` input elements of each output row (the `scales_and_zeros` layout of aten's int4 kernels, which
-  infertune's quant/int4.py uses; zero_bytes=0 models a scale-only format). Scales and zeros are bf16 (2 bytes).
-  Only the seven linear layers of each decoder layer are quantized unless `quantize_lm_head` (infertune keeps the
-  lm_head in full precision by default too); embeddings, norms and biases stay in bf16;
+- weight formats (bf16, the 12-bit layout, W8A16, W4A16, FP8 block-scaled checkpoints), MoE and MLA weights:
+  see weights.py;
 - INT8 KV stores one scale per token, per layer, per KV head, for K and for V (`kv_scale_bytes`, fp16: 2), so a
   token costs 2 x layers x kv_heads x (head_dim + kv_scale_bytes) bytes: a factor (head_dim + 2) / (2 x head_dim)
-  of the 16-bit cache (0.5078 for head_dim 128). With kv_scale_bytes=0 (one scale per tensor) it is exactly half.
+  of the 16-bit cache (0.5078 for head_dim 128). With kv_scale_bytes=0 (one scale per tensor) it is exactly half;
+- MLA (DeepSeek) caches one plane of kv_lora_rank + qk_rope_head_dim values a token and layer (the latent and the
+  shared rotary key, no K and V pair): DeepSeek-V3 keeps (512 + 64) x 61 layers x 2 bytes = 70,272 B a token in
+  bf16; in INT8 that row has one scale: 61 x (576 + 2) bytes;
+- tensor parallel (--tp N): attention heads and dense matrices are split over the N cards, and the routed experts
+  are dealt whole to them (expert parallel: E / N each, so N must divide E); norms, routers and MLA's latent
+  down-projections (q_a_proj, kv_a_proj_with_mqa) are replicated, and so is MLA's latent cache (one row a token on
+  every card, like a single KV head). MoE all-to-all traffic is not modelled.
 """
 
 from __future__ import annotations
@@ -23,181 +27,66 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from infertune.config import ArchConfig
+from infertune.plan.weights import BF16, WeightBreakdown, WeightFormat, weight_breakdown_of
 
-WEIGHT_DTYPES = ("bf16", "bf16-12bit", "w8a16", "w4a16")
 KV_DTYPES = ("auto", "bf16", "fp16", "fp32", "int8")
+# Config files of published models, shipped so that `plan --model deepseek-v3` needs no download (SOURCE.md there).
+SHIPPED_DIR = Path(__file__).parent / "data" / "models"
+
+
+def shipped_models() -> list[str]:
+    return sorted(p.stem for p in SHIPPED_DIR.glob("*.json"))
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """An ArchConfig plus what the planner needs beyond it: which layers use a sliding window."""
+    """An ArchConfig plus what the planner needs beyond it: which layers use a sliding window, and how the checkpoint
+    stores its weights where config.json says (`weight_format`: a block-scaled fp8 checkpoint; None: 16-bit)."""
 
     name: str
     arch: ArchConfig
     num_windowed_layers: int  # layers whose KV is capped at arch.sliding_window tokens
+    weight_format: WeightFormat | None = None
+    quant_method: str | None = None  # quantization_config's quant_method, also where the planner does not model it
 
     @classmethod
     def from_dict(cls, cfg: dict, name: str = "model", where: str = "config.json") -> ModelSpec:
         arch = ArchConfig.from_dict(cfg, where=where)
-        layers = arch.num_hidden_layers
-        windowed = 0
-        if arch.sliding_window is not None:
-            if cfg.get("layer_types"):
-                windowed = sum(1 for t in cfg["layer_types"] if t == "sliding_attention")
-            elif arch.architecture == "Qwen2ForCausalLM":
-                # Qwen2 windows the layers from max_window_layers on (transformers' Qwen2Config.layer_types).
-                windowed = layers - int(cfg.get("max_window_layers", layers))
-            else:
-                windowed = layers
-        return cls(name=name, arch=arch, num_windowed_layers=max(0, min(layers, windowed)))
+        qc = cfg.get("quantization_config") or {}
+        stored = None
+        if qc.get("quant_method") == "fp8":
+            block = qc.get("weight_block_size")
+            stored = WeightFormat("fp8", block=None if block is None else tuple(int(b) for b in block))
+        return cls(
+            name=name,
+            arch=arch,
+            num_windowed_layers=sum(w is not None for w in arch.layer_windows or ()),
+            weight_format=stored,
+            quant_method=qc.get("quant_method"),
+        )
 
     @classmethod
     def load(cls, path: str | Path) -> ModelSpec:
-        """A Hugging Face model folder or a config.json file."""
+        """A Hugging Face model folder, its config.json, or the name of a shipped config (`shipped_models()`)."""
         p = Path(path)
         file = p / "config.json" if p.is_dir() else p
+        name = (p if p.is_dir() else p.parent).name or "model"
+        if not file.is_file() and (SHIPPED_DIR / f"{str(path).lower()}.json").is_file():
+            file, name = SHIPPED_DIR / f"{str(path).lower()}.json", str(path).lower()
         if not file.is_file():
             raise FileNotFoundError(
-                f"{path!r}: no config.json there; pass a Hugging Face model folder or its config.json"
+                f"{path!r}: no config.json there; pass a Hugging Face model folder, its config.json, or one of "
+                f"the shipped configs: {', '.join(shipped_models())}"
             )
         try:
             cfg = json.loads(file.read_text())
         except json.JSONDecodeError as e:
             raise ValueError(f"{file} is not valid JSON: {e}") from e
-        name = (p if p.is_dir() else p.parent).name or "model"
         return cls.from_dict(cfg, name=name, where=str(file))
 
 
-# ---------------------------------------------------------------------------------------------- weights
-
-
-@dataclass(frozen=True)
-class WeightFormat:
-    name: str = "bf16"
-    group_size: int = 128  # W4A16 only
-    scale_bytes: int = 2  # bf16 scales
-    zero_bytes: int = 2  # W4A16 only: bf16 zero point per group
-    quantize_lm_head: bool = False
-
-    def __post_init__(self) -> None:
-        if self.name not in WEIGHT_DTYPES:
-            raise ValueError(f"weight dtype {self.name!r} is unknown; choose one of {', '.join(WEIGHT_DTYPES)}")
-        if self.group_size <= 0:
-            raise ValueError(f"group_size must be positive (got {self.group_size})")
-
-    @property
-    def bits(self) -> int:
-        return {"bf16": 16, "bf16-12bit": 12, "w8a16": 8, "w4a16": 4}[self.name]
-
-    def linear_bytes(self, out_features: int, in_features: int) -> tuple[int, int]:
-        """(weight bytes, scale bytes) of one [out, in] matrix in this format.
-
-        bf16-12bit is the CPU kernels' lossless layout (kernels/cpu.py pack_bf16c, on by default on CPUs with AMX):
-        12 bits a weight in tiles of 64 output features (padded) x 32, a 16-byte table and one 4-byte escape index
-        per tile. The escapes themselves (weights whose high byte is not among the layer's 16 commonest, 4 bytes
-        each) depend on the values and are not counted: ~0.01% of the weights on a random or trained model."""
-        if self.name == "bf16":
-            return out_features * in_features * 2, 0
-        if self.name == "bf16-12bit":
-            tiles = -(-out_features // 64) * (in_features // 32)
-            return tiles * 64 * 48 + 16 + (tiles + 1) * 4, 0
-        data = (out_features * in_features * self.bits + 7) // 8
-        if self.name == "w8a16":
-            return data, out_features * self.scale_bytes
-        groups = out_features * math.ceil(in_features / self.group_size)
-        return data, groups * (self.scale_bytes + self.zero_bytes)
-
-
-@dataclass(frozen=True)
-class WeightBreakdown:
-    """Exact parameter counts and bytes. `params_*` are element counts of the unquantized model."""
-
-    params_embedding: int
-    params_lm_head: int  # 0 when tied (the embedding matrix is the lm_head)
-    params_attention: int  # q/k/v/o weights and biases, all layers
-    params_mlp: int  # gate/up/down weights and biases, all layers
-    params_norms: int  # per-layer norms and the final norm
-    params_layer_linear_weights: int  # the seven matrices per layer, all layers (what matmuls touch)
-    bytes_embedding: int
-    bytes_lm_head: int  # a separate lm_head copy (untied, or tied but quantized); 0 when it is the embedding
-    bytes_layers: int  # attention + mlp + per-layer norms incl. quant scales
-    bytes_final_norm: int
-    bytes_quant_scales: int  # scales (and W4A16 zero points), included in bytes_layers / bytes_lm_head
-    tied: bool
-
-    @property
-    def total_params(self) -> int:
-        return self.params_embedding + self.params_lm_head + self.params_attention + self.params_mlp + self.params_norms
-
-    @property
-    def total_bytes(self) -> int:
-        return self.bytes_embedding + self.bytes_lm_head + self.bytes_layers + self.bytes_final_norm
-
-    @property
-    def streamed_bytes_per_step(self) -> int:
-        """Bytes one forward step reads at least once: every layer, the final norm and the lm_head matrix.
-
-        The input embedding is a row lookup (a few KB per token), so an untied embedding table is not streamed;
-        a tied one is, because it is also the lm_head.
-        """
-        head = self.bytes_lm_head if self.bytes_lm_head else (self.bytes_embedding if self.tied else 0)
-        return self.bytes_layers + self.bytes_final_norm + head
-
-    @property
-    def lm_head_matmul_params(self) -> int:
-        return self.params_lm_head or self.params_embedding
-
-    @property
-    def replicated_bytes(self) -> int:
-        """Norm weights: copied to every tensor-parallel rank (everything else is sharded)."""
-        return self.params_norms * 2
-
-
-def weight_breakdown(spec: ModelSpec, fmt: WeightFormat = WeightFormat()) -> WeightBreakdown:
-    a = spec.arch
-    h, layers, hd = a.hidden_size, a.num_hidden_layers, a.head_dim
-    q_out, kv_out = a.num_attention_heads * hd, a.num_key_value_heads * hd
-    # Qwen2: bias on q/k/v only; Llama/Mistral `attention_bias`: bias on q/k/v and o.
-    qkv_bias = a.attention_bias
-    o_bias = a.attention_bias and a.architecture != "Qwen2ForCausalLM"
-    attn_mats = [(q_out, h), (kv_out, h), (kv_out, h), (h, q_out)]
-    attn_bias = (q_out + 2 * kv_out if qkv_bias else 0) + (h if o_bias else 0)
-    mlp_mats = [(a.intermediate_size, h), (a.intermediate_size, h), (h, a.intermediate_size)]
-    mlp_bias = 2 * a.intermediate_size + h if a.mlp_bias else 0
-
-    def mats_bytes(mats):
-        data = scales = 0
-        for out_f, in_f in mats:
-            d, s = fmt.linear_bytes(out_f, in_f)
-            data, scales = data + d, scales + s
-        return data, scales
-
-    attn_w = sum(o * i for o, i in attn_mats)
-    mlp_w = sum(o * i for o, i in mlp_mats)
-    (ad, asc), (md, msc) = mats_bytes(attn_mats), mats_bytes(mlp_mats)
-    layer_norms = 2 * h
-    per_layer_bytes = ad + asc + md + msc + (attn_bias + mlp_bias + layer_norms) * 2
-    vocab_h = a.vocab_size * h
-    if a.tie_word_embeddings and not fmt.quantize_lm_head:
-        head_bytes = head_scales = 0
-    elif fmt.quantize_lm_head:
-        head_bytes, head_scales = fmt.linear_bytes(a.vocab_size, h)
-    else:
-        head_bytes, head_scales = vocab_h * 2, 0
-    return WeightBreakdown(
-        params_embedding=vocab_h,
-        params_lm_head=0 if a.tie_word_embeddings else vocab_h,
-        params_attention=layers * (attn_w + attn_bias),
-        params_mlp=layers * (mlp_w + mlp_bias),
-        params_norms=layers * layer_norms + h,
-        params_layer_linear_weights=layers * (attn_w + mlp_w),
-        bytes_embedding=vocab_h * 2,
-        bytes_lm_head=head_bytes + head_scales,
-        bytes_layers=layers * per_layer_bytes,
-        bytes_final_norm=h * 2,
-        bytes_quant_scales=layers * (asc + msc) + head_scales,
-        tied=a.tie_word_embeddings,
-    )
+def weight_breakdown(spec: ModelSpec, fmt: WeightFormat = BF16) -> WeightBreakdown:
+    return weight_breakdown_of(spec.arch, fmt)
 
 
 # ---------------------------------------------------------------------------------------------- KV cache
@@ -206,7 +95,7 @@ def weight_breakdown(spec: ModelSpec, fmt: WeightFormat = WeightFormat()) -> Wei
 @dataclass(frozen=True)
 class KVFormat:
     name: str = "auto"
-    scale_bytes: int = 2  # int8 only: one fp16 scale per token, layer, KV head, for K and for V
+    scale_bytes: int = 2  # int8 only: one fp16 scale per token, layer, KV head, for K and for V (MLA: its one row)
 
     def __post_init__(self) -> None:
         if self.name not in KV_DTYPES:
@@ -221,11 +110,13 @@ class KVFormat:
 def kv_bytes_per_token_per_layer(spec: ModelSpec, kv: KVFormat = KVFormat()) -> int:
     a = spec.arch
     scale = kv.scale_bytes if kv.name == "int8" else 0
-    return 2 * a.num_key_value_heads * (a.head_dim * kv.element_bytes + scale)
+    planes = 1 if a.mla else 2  # MLA: one latent row (ArchConfig's one "head" of cache_width); else K and V
+    return planes * a.num_key_value_heads * (a.head_dim * kv.element_bytes + scale)
 
 
 def kv_bytes_per_token(spec: ModelSpec, kv: KVFormat = KVFormat()) -> int:
-    """2 (K and V) x layers x kv_heads x head_dim x dtype bytes (+ INT8 scales); ignores any sliding window."""
+    """2 (K and V; 1 for MLA's latent) x layers x kv_heads x head_dim x dtype bytes (+ INT8 scales); ignores any
+    sliding window."""
     return spec.arch.num_hidden_layers * kv_bytes_per_token_per_layer(spec, kv)
 
 
@@ -258,10 +149,16 @@ def check_tensor_parallel(spec: ModelSpec, tp: int) -> None:
     kv = a.num_key_value_heads
     if kv % tp and tp % kv:
         raise ValueError(f"--tp {tp} and num_key_value_heads={kv}: one must divide the other")
+    if a.moe is not None and a.moe.num_experts % tp:
+        raise ValueError(
+            f"--tp {tp} does not divide num_experts={a.moe.num_experts}: the planner deals the routed experts "
+            "whole to the cards (expert parallel); pick a divisor"
+        )
 
 
 def kv_shard_fraction(spec: ModelSpec, tp: int) -> float:
-    """Share of a sequence's KV each rank stores: kv_heads/tp heads, or one replicated head when tp > kv_heads."""
+    """Share of a sequence's KV each rank stores: kv_heads/tp heads, or one replicated head when tp > kv_heads
+    (MLA's latent is that one head: every rank keeps all of it)."""
     kv = spec.arch.num_key_value_heads
     return max(1, kv // tp) / kv
 
@@ -275,15 +172,22 @@ def activation_reserve_bytes(spec: ModelSpec, tokens_per_step: int, batch: int, 
     """Peak activation workspace of one step, per card.
 
     Per token in flight, a decoder layer holds at most: the residual and normed hidden (2 x hidden), the q/k/v
-    projection ((heads + 2 kv_heads) x head_dim) and the MLP's gate, up and product (3 x intermediate), 2 bytes
-    each, /tp for the sharded parts. Plus fp32 logits for the rows that sample (batch x vocab x 4). Attention
-    scores are not materialized (flash / paged attention).
+    projection ((heads + 2 kv_heads) x head_dim; MLA: q, the latent row, and the K and V a prefill decompresses)
+    and the MLP's gate, up and product (3 x intermediate; a MoE layer: 3 x (top_k x expert + shared) intermediate),
+    2 bytes each, /tp for the sharded parts. Plus fp32 logits for the rows that sample (batch x vocab x 4).
+    Attention scores are not materialized (flash / paged attention).
     """
-    a = spec.arch
-    per_token = (
-        2 * a.hidden_size
-        + ((a.num_attention_heads + 2 * a.num_key_value_heads) * a.head_dim + 3 * a.intermediate_size) // tp
-    )
+    a, moe = spec.arch, spec.arch.moe
+    if a.mla is not None:
+        m = a.mla
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        attn = a.num_attention_heads * (2 * qk + m.v_head_dim) // tp + m.cache_width
+    else:
+        attn = (a.num_attention_heads + 2 * a.num_key_value_heads) * a.head_dim // tp
+    inter = a.intermediate_size if moe is None or len(moe.layers) < a.num_hidden_layers else 0
+    if moe is not None:
+        inter = max(inter, moe.top_k * moe.intermediate_size + moe.shared_intermediate_size)
+    per_token = 2 * a.hidden_size + attn + 3 * inter // tp
     return tokens_per_step * per_token * 2 + batch * a.vocab_size * 4
 
 

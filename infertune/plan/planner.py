@@ -39,7 +39,7 @@ class PlanRequest:
     output_len: int = 512
     context: int | None = None  # tokens per sequence for KV sizing; default input_len + output_len
     batch: int | None = None  # the batch to highlight (and for calibration / the decode side of the P/D split)
-    weight_format: WeightFormat = field(default_factory=WeightFormat)
+    weight_format: WeightFormat | None = None  # default: the checkpoint's (fp8 for an fp8 checkpoint), else bf16
     kv_format: KVFormat = field(default_factory=KVFormat)
     efficiency: Efficiency | None = None
     measured_decode_tps: float | None = None
@@ -68,6 +68,13 @@ def _validate(req: PlanRequest) -> list[str]:
     limit = req.spec.arch.max_position_embeddings
     if req.context > limit:
         warnings.append(f"context {req.context} exceeds the model's max_position_embeddings ({limit})")
+    if req.weight_format is None:
+        req.weight_format = req.spec.weight_format or WeightFormat()
+        if req.spec.quant_method and req.spec.weight_format is None:
+            warnings.append(
+                f"config.json's quantization_config (quant_method={req.spec.quant_method!r}) is not modelled: "
+                "weights are counted in bf16; pass --weight-dtype for another format"
+            )
     return warnings
 
 
@@ -126,6 +133,8 @@ def make_plan(req: PlanRequest) -> dict:
             {
                 **gen,
                 "fits": b <= mem.max_concurrent_sequences,
+                "weight_bytes_read_per_card": roof.weight_bytes_per_card(b),
+                "experts_touched_per_layer": w.experts_touched(b) if w.moe_layers else None,
                 "kv_bytes_per_card": int(kv_bytes(spec, req.context, b, req.kv_format) * kv_shard_fraction(spec, tp)),
                 "usd_per_million_output_tokens": usd_per_million_tokens(price, tp, gen["output_tokens_per_s"]),
                 "output_tokens_per_joule": tokens_per_joule(gen["output_tokens_per_s"], dev.tdp_watts, tp),
@@ -136,7 +145,12 @@ def make_plan(req: PlanRequest) -> dict:
     k = max(1, req.tokens_per_step // req.input_len)
     chunk = roof.prefill(req.input_len, k)
     pd = None
-    if req.cards:
+    if req.cards and req.cards // tp < 2:
+        warnings.append(
+            f"no prefill / decode split: --cards {req.cards} makes one instance of --tp {tp}; "
+            f"pass --cards {2 * tp} or more for one"
+        )
+    elif req.cards:
         if req.cards % tp:
             raise ValueError(f"--cards {req.cards} is not a multiple of --tp {tp}")
         decode_batch = req.batch or max(1, min(256, mem.max_concurrent_sequences))
@@ -161,6 +175,24 @@ def make_plan(req: PlanRequest) -> dict:
             "head_dim": a.head_dim,
             "vocab_size": a.vocab_size,
             "tied_embeddings": a.tie_word_embeddings,
+            "moe": None
+            if a.moe is None
+            else {
+                "num_experts": a.moe.num_experts,
+                "top_k": a.moe.top_k,
+                "expert_intermediate_size": a.moe.intermediate_size,
+                "shared_intermediate_size": a.moe.shared_intermediate_size,
+                "moe_layers": len(a.moe.layers),
+            },
+            "mla": None
+            if a.mla is None
+            else {
+                "q_lora_rank": a.mla.q_lora_rank,
+                "kv_lora_rank": a.mla.kv_lora_rank,
+                "qk_nope_head_dim": a.mla.qk_nope_head_dim,
+                "qk_rope_head_dim": a.mla.qk_rope_head_dim,
+                "v_head_dim": a.mla.v_head_dim,
+            },
             "attention_bias": a.attention_bias,
             "sliding_window": a.sliding_window,
             "windowed_layers": spec.num_windowed_layers,
@@ -175,6 +207,7 @@ def make_plan(req: PlanRequest) -> dict:
             "batch": req.batch,
             "weight_dtype": req.weight_format.name,
             "group_size": req.weight_format.group_size,
+            "fp8_block": list(req.weight_format.block or ()) if req.weight_format.name == "fp8" else None,
             "quantize_lm_head": req.weight_format.quantize_lm_head,
             "kv_dtype": req.kv_format.name,
             "kv_int8_scale_bytes": req.kv_format.scale_bytes if req.kv_format.name == "int8" else None,
@@ -185,6 +218,9 @@ def make_plan(req: PlanRequest) -> dict:
         },
         "weights": {
             "params": w.total_params,
+            "params_active": w.params_active,
+            "params_active_streamed": w.params_active_streamed,
+            "params_routed_experts": w.params_routed_experts,
             "params_embedding": w.params_embedding,
             "params_lm_head": w.params_lm_head,
             "params_attention": w.params_attention,
@@ -194,6 +230,7 @@ def make_plan(req: PlanRequest) -> dict:
             "bytes_quant_scales": w.bytes_quant_scales,
             "bytes_per_card": weight_bytes_per_card(w, tp),
             "bytes_streamed_per_step": w.streamed_bytes_per_step,
+            "bytes_expert": w.bytes_expert,
         },
         "kv": {
             "bytes_per_token": kv_bytes_per_token(spec, req.kv_format),

@@ -23,6 +23,21 @@ def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
     return [line(headers), "  ".join("-" * w for w in widths), *(line(r) for r in rows)]
 
 
+def _moe_line(m: dict, w: dict, rows: list[dict]) -> list[str]:
+    """The MoE summary: active parameters, and the experts (and weight bytes) a decode step touches by batch."""
+    moe = m["moe"]
+    if moe is None:
+        return []
+    first, last = rows[0], rows[-1]
+    return [
+        f"  MoE         {moe['num_experts']} experts, top-{moe['top_k']}, in {moe['moe_layers']} layers"
+        + (f" (+ a shared expert of {moe['shared_intermediate_size']})" if moe["shared_intermediate_size"] else "")
+        + f": {w['params_active']:,} params active a token ({w['params_active_streamed']:,} without the input "
+        f"embedding); a decode step touches {first['experts_touched_per_layer']:.1f} experts a layer at batch "
+        f"{first['batch']}, {last['experts_touched_per_layer']:.1f} at batch {last['batch']}"
+    ]
+
+
 def render_text(plan: dict) -> str:
     m, d, s, w, kv, mem, pre = (plan[k] for k in ("model", "device", "settings", "weights", "kv", "memory", "prefill"))
     tp, ctx = s["tp"], s["context"]
@@ -33,11 +48,15 @@ def render_text(plan: dict) -> str:
         f"  workload    {s['input_len']} input + {s['output_len']} output tokens; KV sized for {ctx}-token sequences",
         f"  weights     {w['params']:,} params in {s['weight_dtype']}"
         + (f" (group {s['group_size']})" if s["weight_dtype"] == "w4a16" else "")
+        + (f" (blocks of {' x '.join(map(str, s['fp8_block']))})" if s["fp8_block"] else "")
         + f": {_gb(w['bytes'])} ({w['bytes']:,} B)"
         + (f", of which quant scales {_gb(w['bytes_quant_scales'])}" if w["bytes_quant_scales"] else "")
-        + f"; {_gb(w['bytes_per_card'])} per card; {_gb(w['bytes_streamed_per_step'])} read per forward step",
+        + f"; {_gb(w['bytes_per_card'])} per card; {_gb(w['bytes_streamed_per_step'])} read per forward step"
+        + (" that touches every expert" if m["moe"] else ""),
+        *_moe_line(m, w, plan["by_batch"]),
         f"  KV cache    {kv['bytes_per_token']:,} B per token ({'16-bit' if s['kv_dtype'] == 'auto' else s['kv_dtype']}"
         + (f", {kv['factor_vs_16bit']:.4f} x 16-bit" if s["kv_dtype"] == "int8" else "")
+        + (f"; MLA latent of {m['mla']['kv_lora_rank']} + {m['mla']['qk_rope_head_dim']} a layer" if m["mla"] else "")
         + f"); {_gb(kv['bytes_per_sequence'])} per {ctx}-token sequence"
         + (f"; {_gb(kv['bytes_for_batch'])} for batch {s['batch']}" if kv["bytes_for_batch"] is not None else ""),
         f"  memory      {_gb(mem['device_bytes'])} per card, {_gb(mem['usable_bytes'])} usable "
@@ -58,6 +77,7 @@ def render_text(plan: dict) -> str:
         "decode",
         "decode tok/s",
         "e2e out tok/s",
+        "weights read/card",
         "KV/card",
         "$/M out tok",
         "out tok/J",
@@ -74,6 +94,7 @@ def render_text(plan: dict) -> str:
                 r["decode_bound"],
                 f"{r['decode_tokens_per_s']:,.1f}",
                 f"{r['output_tokens_per_s']:,.1f}",
+                _gb(r["weight_bytes_read_per_card"]),
                 _gb(r["kv_bytes_per_card"]),
                 _opt(r["usd_per_million_output_tokens"], ",.3f"),
                 _opt(r["output_tokens_per_joule"], ",.2f"),

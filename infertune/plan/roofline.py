@@ -4,14 +4,18 @@
 
 Decode step of `batch` sequences at `context` tokens:
   bytes = weights streamed once (every layer, final norm, lm_head; not an untied input embedding, which is a row
-          lookup) + the batch's KV cache read (+ the new token's KV written)
-  flops = 2 x (layer matmul weights + lm_head) x batch + attention 4 x heads x head_dim x (tokens attended, summed
-          over layers) x batch
-Prefill of `batch` prompts of `prompt_len` tokens: the same weights once, 2 x layer matmul weights x tokens, the
-lm_head for the last position of each prompt only, causal attention (i attends to min(i, window) tokens) and the
-prompt's KV written. With --tp N every term is divided over N cards and each layer adds two all-reduces of
-batch x hidden x 2 bytes (ring: 2 (N-1) / N of it crosses each card's link, at half its bidirectional bandwidth);
-link latency is not modelled.
+          lookup; in a MoE layer only the experts the batch touches, E (1 - (1 - k/E)^batch) in expectation) + the
+          batch's KV cache read (+ the new token's KV written)
+  flops = 2 x (layer matmul weights a token uses + lm_head) x batch + attention x (tokens attended, summed over
+          layers) x batch, where attention per attended token and layer is 4 x heads x head_dim (QK^T and PV), and
+          for MLA's absorbed decode 2 x heads x ((kv_lora_rank + qk_rope_head_dim) + kv_lora_rank): scores against
+          the cached latent row, the output in latent space (W_UK and W_UV count with the layer's matmuls)
+Prefill of `batch` prompts of `prompt_len` tokens: the weights the batch's tokens touch, once; 2 x layer matmul
+weights x tokens, the lm_head for the last position of each prompt only, causal attention (i attends to
+min(i, window) tokens; MLA decompresses, 2 x heads x (qk_nope + qk_rope + v_head) a pair) and the prompt's KV
+written. With --tp N every term is divided over N cards (the routed experts too: expert parallel) and each layer
+adds two all-reduces of batch x hidden x 2 bytes (ring: 2 (N-1) / N of it crosses each card's link, at half its
+bidirectional bandwidth); link latency and MoE all-to-all traffic are not modelled.
 
 Efficiency factors say how much of the datasheet peak a real engine reaches. Defaults come from the seeds:
 82% of HBM bandwidth once buffers are pre-allocated and reused (deepseek-qwen-on-910b.txt), and "most customers
@@ -115,11 +119,21 @@ class Roofline:
         self.spec, self.device, self.fmt, self.kv, self.tp = spec, device, weight_format, kv_format, tp
         self.eff = efficiency or default_efficiency(device)
         self.weights = weight_breakdown(spec, weight_format)
-        norms = self.weights.replicated_bytes
-        self.streamed_bytes_per_card = (self.weights.streamed_bytes_per_step - norms) / tp + norms
         self.kv_fraction = kv_shard_fraction(spec, tp)
         a = spec.arch
-        self.attn_flops_per_token_layer = 4 * a.num_attention_heads * a.head_dim  # QK^T and PV, per attended token
+        if a.mla is not None:  # per attended token: absorbed at decode, decompressed at prefill
+            m = a.mla
+            self.attn_flops_per_token_layer = 2 * a.num_attention_heads * (m.cache_width + m.kv_lora_rank)
+            qk_v = m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim
+            self.prefill_attn_flops_per_pair = 2 * a.num_attention_heads * qk_v
+        else:
+            self.attn_flops_per_token_layer = 4 * a.num_attention_heads * a.head_dim  # QK^T and PV
+            self.prefill_attn_flops_per_pair = self.attn_flops_per_token_layer
+
+    def weight_bytes_per_card(self, tokens: int) -> float:
+        """Weight bytes each card reads in a step of `tokens` tokens (replicated parts whole, the rest 1/tp)."""
+        replicated = self.weights.replicated_bytes
+        return (self.weights.weight_bytes_read(tokens) - replicated) / self.tp + replicated
 
     # -- pieces -----------------------------------------------------------------------------------------
 
@@ -145,11 +159,11 @@ class Roofline:
         w = self.weights
         kv_read = batch * kv_bytes_per_sequence(self.spec, context, self.kv) * self.kv_fraction
         kv_write = batch * kv_bytes_per_token(self.spec, self.kv) * self.kv_fraction
-        matmul = 2 * (w.params_layer_linear_weights + w.lm_head_matmul_params) * batch
+        matmul = 2 * (w.params_active_linear_weights + w.lm_head_matmul_params) * batch
         attention = self.attn_flops_per_token_layer * kv_token_layers(self.spec, context) * batch
         return self._times(
             batch,
-            self.streamed_bytes_per_card + kv_read + kv_write,
+            self.weight_bytes_per_card(batch) + kv_read + kv_write,
             (matmul + attention) / self.tp,
             allreduce_rows=batch,
         )
@@ -163,12 +177,14 @@ class Roofline:
             prompt_len, s.arch.sliding_window
         )
         flops = (
-            2 * w.params_layer_linear_weights * tokens
+            2 * w.params_active_linear_weights * tokens
             + 2 * w.lm_head_matmul_params * batch
-            + self.attn_flops_per_token_layer * pairs * batch
+            + self.prefill_attn_flops_per_pair * pairs * batch
         )
         kv_write = batch * kv_bytes_per_sequence(s, prompt_len, self.kv) * self.kv_fraction
-        return self._times(tokens, self.streamed_bytes_per_card + kv_write, flops / self.tp, allreduce_rows=tokens)
+        return self._times(
+            tokens, self.weight_bytes_per_card(tokens) + kv_write, flops / self.tp, allreduce_rows=tokens
+        )
 
     # -- workload ---------------------------------------------------------------------------------------
 

@@ -98,11 +98,13 @@ class OutputCapture:
     """Forward hooks on every submodule; records (label, output tensors in fp32 on the CPU) in completion order.
 
     A module called from several places (the shared rotary embedding) is labelled by where its caller holds it,
-    e.g. model.layers.3.self_attn.rotary, so each call has its own row.
+    e.g. model.layers.3.self_attn.rotary, so each call has its own row. Integer outputs are indices, not values:
+    they are left out of the records, and a MoE router's expert ids [T, k] are kept apart in `routes`.
     """
 
     def __init__(self, model: nn.Module) -> None:
         self.records: list[tuple[str, list[torch.Tensor]]] = []
+        self.routes: dict[str, torch.Tensor] = {}  # label -> expert ids [T, k] of a router's call
         self._stack: list[str] = []
         self._handles = []
         self._all_names: dict[int, list[str]] = {}  # every name a module is reachable under (shared ones: several)
@@ -133,11 +135,16 @@ class OutputCapture:
 
         def hook(module, args, output):
             label = self._stack.pop()
-            leaves = output if isinstance(output, (tuple, list)) else [output]
+            leaves = [
+                t for t in (output if isinstance(output, (tuple, list)) else [output]) if isinstance(t, torch.Tensor)
+            ]
             # clone: an output may be a view of a buffer that later stages write in place
-            tensors = [t.detach().float().cpu().clone() for t in leaves if isinstance(t, torch.Tensor)]
+            tensors = [t.detach().float().cpu().clone() for t in leaves if t.is_floating_point()]
             if tensors:
                 self.records.append((label, tensors))
+            ids = next((t for t in leaves if not t.is_floating_point() and t.dim() == 2), None)
+            if ids is not None:
+                self.routes[label] = ids.detach().cpu().clone()
 
         return hook
 
@@ -177,7 +184,7 @@ def compare(label: str, index: int, test: list[torch.Tensor], ref: list[torch.Te
     )
 
 
-def run_prefill_captured(llm, token_ids: list[int]) -> list[tuple[str, list[torch.Tensor]]]:
+def run_prefill_captured(llm, token_ids: list[int]) -> OutputCapture:
     """Prefill token_ids into a fresh engine's blocks 0.. and capture every submodule's output."""
     runner = llm.engine.executor.runner
     capture = OutputCapture(runner.model)
@@ -185,7 +192,12 @@ def run_prefill_captured(llm, token_ids: list[int]) -> list[tuple[str, list[torc
         runner.prompt_logits(token_ids, list(range(-(-len(token_ids) // runner.block_size))))
     finally:
         capture.remove()
-    return capture.records
+    return capture
+
+
+def rerouted_tokens(test: torch.Tensor, ref: torch.Tensor) -> int:
+    """Tokens (rows of expert ids [T, k]) sent to a different set of experts in the two runs."""
+    return int((test.sort(dim=-1).values != ref.sort(dim=-1).values).any(dim=-1).sum())
 
 
 def plant_nan(module_name: str, value: float = float("nan")) -> Callable[[nn.Module], None]:
@@ -202,6 +214,8 @@ def plant_nan(module_name: str, value: float = float("nan")) -> Callable[[nn.Mod
                 f"--plant-nan {module_name!r}: no such module ({e}); names look like model.layers.0.mlp.down_proj"
             ) from e
         weight = getattr(module, "weight", None)
+        if not isinstance(weight, torch.Tensor):  # e.g. MoE experts: gate_up_proj [E, 2I, H], down_proj
+            weight = next(module.parameters(recurse=False), None)
         if not isinstance(weight, torch.Tensor):
             raise ValueError(f"--plant-nan {module_name!r}: the module has no weight tensor")
         with torch.no_grad():
@@ -263,17 +277,27 @@ def debug_layers(
     # The KV cache only needs to hold this prompt.
     max_len = len(token_ids) + 1
     ref = _load(model, ref_dtype, ref_device, max_len)
-    ref_records = run_prefill_captured(ref, token_ids)
+    ref_capture = run_prefill_captured(ref, token_ids)
+    ref_records = ref_capture.records
     ref_dtype_name = str(ref.engine.executor.runner.dtype).removeprefix("torch.")
     del ref
 
     test = _load(model, dtype, device, max_len)
     if perturb is not None:
         perturb(test.engine.executor.runner.model)
-    test_records = run_prefill_captured(test, token_ids)
+    test_capture = run_prefill_captured(test, token_ids)
+    test_records = test_capture.records
     runner = test.engine.executor.runner
 
     notes = []
+    for label, ids in test_capture.routes.items():
+        ref_ids = ref_capture.routes.get(label)
+        moved = rerouted_tokens(ids, ref_ids) if ref_ids is not None and ref_ids.shape == ids.shape else 0
+        if moved:
+            notes.append(
+                f"{label}: {moved} of {ids.shape[0]} tokens routed to other experts than in the {ref_dtype_name} run "
+                "(near-ties in the router's scores); those tokens' expert outputs differ by more than rounding"
+            )
     if [label for label, _ in test_records] != [label for label, _ in ref_records]:
         raise RuntimeError("the two runs called different modules; the model code must not depend on dtype/device")
     modules = [compare(label, i, t, r) for i, ((label, t), (_, r)) in enumerate(zip(test_records, ref_records))]

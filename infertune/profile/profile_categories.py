@@ -6,6 +6,9 @@ Every microsecond of a step goes to exactly one category: each span's SELF time 
 goes to the category of the innermost context it belongs to, so the categories add up to the step's wall time
 by construction. Self time of an op goes to the op's category (decided by the instrumented scopes it runs in,
 then by its outermost aten op's name); self time of a range (Python between ops, the gaps) goes to "host".
+A MoE layer splits three ways: its router module (router matmul, scores, top-k, grouping by expert) and the
+dispatch around the experts (rows gathered in expert order, weighted, scattered back) are "moe_router", the
+experts' matmuls are "matmul", their SiLU is "activation".
 
 On a device with an asynchronous queue (CUDA) the categories are taken from the device timeline instead: each
 kernel's time goes to the category of the CPU op that launched it, and the step's wall time the device was idle
@@ -20,7 +23,7 @@ from dataclasses import dataclass, field
 CATEGORIES = (
     "attention",
     "kv_cache",
-    "moe",
+    "moe_router",
     "matmul",
     "fused_decode",
     "norm",
@@ -34,7 +37,7 @@ CATEGORIES = (
 LABELS = {
     "attention": "attention",
     "kv_cache": "KV-cache read/write",
-    "moe": "MoE router + experts",
+    "moe_router": "MoE router + dispatch",
     "matmul": "matmul / linear",
     "fused_decode": "fused decode step (C)",
     "norm": "norm",
@@ -51,8 +54,10 @@ SCOPE_PREFIX = "infertune::"
 # chunked prefill overlapping decoding sequences: its own phase, counted as neither), only decodes.
 PHASES = ("prefill", "mixed", "decode")
 STEP_KIND = "step"
+# A range the profiler's own bookkeeping opens (counting the experts' load): its ops are host time, not the model's.
+INSTRUMENTATION_SCOPE = "instrumentation"
 # Ranges around host-side engine work: every op inside them is host work (e.g. building input tensors from lists).
-HOST_SCOPES = frozenset({"schedule", "prepare_inputs", "update", "detokenize"})
+HOST_SCOPES = frozenset({"schedule", "prepare_inputs", "update", "detokenize", INSTRUMENTATION_SCOPE})
 # A module scope that decides the category of everything inside it.
 LEAF_SCOPE_CATEGORY = {
     "linear": "matmul",
@@ -62,7 +67,12 @@ LEAF_SCOPE_CATEGORY = {
     "embedding": "other",
 }
 # A container module: ops it runs itself (outside child modules) get this category unless their name says better.
-CONTAINER_DEFAULT = {"attention_block": "attention", "mlp": "activation"}
+# A MoE block's own ops (the shared expert's gate and the sums) are "other" unless named; inside its experts, what
+# is neither a matmul nor the activation is the dispatch around them (rows gathered in expert order, weighted and
+# scattered back), which the router's grouping decides and a fused router / grouped GEMM removes.
+CONTAINER_DEFAULT = {"attention_block": "attention", "mlp": "activation", "moe_block": "other", "experts": "moe_router"}
+# The MoE router module (router matmul, scores, top-k, and the grouping by expert where it runs): all its ops.
+ROUTER_SCOPE = "moe_router"
 
 # Op names (aten spelling, no namespace, no overload).
 MATMUL_OPS = frozenset(
@@ -198,8 +208,10 @@ def module_scope_kind(class_names: list[str]) -> str | None:
     """
     for raw in class_names:
         n = raw.lower()
-        if "moe" in n or "expert" in n or "router" in n:
-            return "moe"
+        if "router" in n or ("moe" in n and "gate" in n):  # Router, Qwen3MoeTopKRouter, DeepSeek's MoEGate
+            return ROUTER_SCOPE
+        if "expert" in n and "shared" not in n:  # the routed experts (a shared expert is an MLP)
+            return "experts"
         if "rotary" in n or "rope" in n:
             return "rotary"
         if "norm" in n:
@@ -216,6 +228,8 @@ def module_scope_kind(class_names: list[str]) -> str | None:
             return "embedding"
         if n in ("silu", "gelu", "relu", "sigmoid", "tanh", "siluandmul", "geluandmul") or n.endswith("activation"):
             return "activation"
+        if "moe" in n:  # the block around router and experts (MoE, Qwen2MoeSparseMoeBlock), after Qwen2MoeMLP & co.
+            return "moe_block"
     return None
 
 
@@ -262,8 +276,8 @@ def classify(root_op: str, scopes: tuple[str, ...]) -> str:
         return "host"
     if "sampler" in kinds:
         return "sampling"
-    if "moe" in kinds:
-        return "moe"
+    if ROUTER_SCOPE in kinds:
+        return "moe_router"
     if "kv_write" in kinds:
         return "kv_cache"
     if "attention_backend" in kinds:
@@ -274,9 +288,22 @@ def classify(root_op: str, scopes: tuple[str, ...]) -> str:
         if kind in CONTAINER_DEFAULT:
             if kind == "attention_block" and base in KV_OPS:
                 return "kv_cache"
+            if kind == "experts":
+                return _experts_category(root_op, base)
             by_name = category_by_op_name(base)
             return by_name if by_name != "other" else CONTAINER_DEFAULT[kind]
     return category_by_op_name(base)
+
+
+def _experts_category(root_op: str, base: str) -> str:
+    """Inside the routed experts: their matmuls (and a backend kernel's grouped GEMM) are matmul, SiLU-and-mul is
+    activation, the rest (argsort / gather / index_add_ around them) is the MoE dispatch."""
+    by_name = category_by_op_name(base)
+    if by_name in ("matmul", "activation"):
+        return by_name
+    if op_namespace(root_op) not in ("", "aten", "prims"):  # a kernel call (infertune_kernels::...): the GEMM
+        return "matmul"
+    return "moe_router"
 
 
 def host_label(scopes: tuple[str, ...]) -> str:
@@ -287,7 +314,7 @@ def host_label(scopes: tuple[str, ...]) -> str:
         if kind == "sampler":
             return "python_in_sampler"
         if (
-            kind in ("forward", "logits", "layer", "attention_backend", "kv_write", "moe")
+            kind in ("forward", "logits", "layer", "attention_backend", "kv_write", ROUTER_SCOPE)
             or kind in CONTAINER_DEFAULT
             or kind in LEAF_SCOPE_CATEGORY
         ):

@@ -5,8 +5,9 @@ engine twice: once plain, to warm up and time the steps unprofiled, then under t
 the engine's parts (see timeline.py). It prints the time share of each category for prefill, decode and mixed
 steps (a mixed step runs prefill chunks next to decodes: its own phase, never counted as either; the shares add
 up to the steps' wall time), the ops per decode step and their estimated launch overhead, the top ops by
-self time, and hints tied to the figures; --trace, --json and --plot write the Chrome trace, a JSON summary and a
-stacked bar chart.
+self time, and hints tied to the figures; on a MoE model, the load of each layer's experts (tokens routed to each,
+the busiest against the mean). --trace, --json and --plot write the Chrome trace, a JSON summary and a stacked bar
+chart.
 """
 
 from __future__ import annotations
@@ -206,6 +207,7 @@ def build_summary(result, context: dict, top: int = 12) -> dict:
             "missing": result.missing,
             "range_us": result.range_us,
         },
+        "expert_load": expert_load_rows(result.expert_load),
         "files": {},
     }
     dec = phases.get("decode")
@@ -229,6 +231,49 @@ def build_summary(result, context: dict, top: int = 12) -> dict:
         }
     summary["hints"] = derive_hints(summary)
     return summary
+
+
+HOTTEST_EXPERTS = 3
+
+
+def expert_load_rows(load: dict[str, list[int]]) -> list[dict]:
+    """Per MoE layer (router name -> tokens routed to each expert over the profiled run): the busiest expert against
+    the mean (imbalance: what an expert-parallel step waits on), the experts nobody picked, the hottest ones."""
+    rows = []
+    for name, counts in load.items():
+        routed = sum(counts)
+        mean = routed / len(counts)
+        hottest = sorted(range(len(counts)), key=lambda e: (-counts[e], e))[:HOTTEST_EXPERTS]
+        rows.append(
+            {
+                "layer": name,
+                "experts": len(counts),
+                "routed": routed,
+                "max": max(counts),
+                "mean": mean,
+                "imbalance": max(counts) / mean if routed else None,
+                "idle_experts": sum(c == 0 for c in counts),
+                "hottest": [[e, counts[e]] for e in hottest],
+                "counts": counts,
+            }
+        )
+    return rows
+
+
+def _format_expert_load(rows: list[dict]) -> list[str]:
+    lines = [
+        "",
+        "expert load (token-to-expert assignments over the profiled run; imbalance = busiest expert / mean)",
+        f"  {'router':<36} {'experts':>7} {'routed':>8} {'max':>6} {'mean':>7} {'imbalance':>9} {'idle':>5}  hottest",
+    ]
+    for r in rows:
+        imbalance = f"{r['imbalance']:.2f}x" if r["imbalance"] is not None else "-"
+        hottest = ", ".join(f"#{e} {n}" for e, n in r["hottest"])
+        lines.append(
+            f"  {r['layer'][-36:]:<36} {r['experts']:>7} {r['routed']:>8} {r['max']:>6} {r['mean']:>7.1f} "
+            f"{imbalance:>9} {r['idle_experts']:>5}  {hottest}"
+        )
+    return lines
 
 
 def format_report(s: dict) -> str:
@@ -318,6 +363,8 @@ def format_report(s: dict) -> str:
                 f"  {r['op'][:52]:<52} {r['category']:<14} {r['self_us_per_step'] / 1000:>8.3f} "
                 f"{r['calls_per_step']:>7.1f} {100 * r['share']:>6.1f}%"
             )
+    if s.get("expert_load"):
+        lines += _format_expert_load(s["expert_load"])
     lines += ["", "hints"]
     lines += [f"  - {h['text']}" for h in s["hints"]] or ["  none: no category crossed its threshold"]
     for k, v in s["files"].items():

@@ -18,7 +18,7 @@ LAUNCH_DECODE = 0.15
 HOST_DECODE = 0.30
 SAMPLING_DECODE = 0.10
 ELEMENTWISE_DECODE = 0.20
-MOE = 0.20
+MOE_ROUTER = 0.15
 COMMUNICATION = 0.10
 OTHER = 0.20
 JITTER = 1.5  # decode step p90 / median
@@ -74,16 +74,17 @@ def derive_hints(summary: dict) -> list[dict]:
                 )
             )
         share = ph["share"]
-        if share.get("moe", 0) >= MOE:
+        if share.get("moe_router", 0) >= MOE_ROUTER:
             hints.append(
                 _hint(
-                    "moe",
+                    "moe_router",
                     name,
-                    share["moe"],
-                    MOE,
+                    share["moe_router"],
+                    MOE_ROUTER,
                     (
-                        f"MoE router + experts are {_pct(share['moe'])} of {name}: run the experts as one grouped GEMM "
-                        "instead of a loop of small matmuls, or spread experts over devices (expert parallelism)"
+                        f"the MoE router and the dispatch around the experts are {_pct(share['moe_router'])} of {name}: "
+                        "compute scores, top-k and the grouping by expert in one fused gating top-k, and run the experts "
+                        "as one grouped GEMM instead of a loop of small matmuls with gathers and scatters around them"
                     ),
                 )
             )

@@ -5,7 +5,9 @@ executor, runner, attention backend, sampler) in callables that open `record_fun
 and registers forward pre/post hooks on the model's modules that open one range per module call; leaving the
 `with` block undoes all of it. Each engine step runs inside `infertune::step#<i>`; the batch it ran decides
 its phase: a prefill step (only prefill chunks), a decode step (only decodes) or a mixed step (prefill chunks
-and decodes together, as chunked prefill runs a long prompt next to sequences that decode).
+and decodes together, as chunked prefill runs a long prompt next to sequences that decode). On a MoE model a hook
+on each router counts the tokens sent to each expert (one bincount a layer, on the device, inside an
+`infertune::instrumentation` range so that it counts as host time): `expert_load`.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from infertune.profile.profile_categories import (
+    INSTRUMENTATION_SCOPE,
+    ROUTER_SCOPE,
     SCOPE_PREFIX,
     PhaseSummary,
     Span,
@@ -109,6 +113,8 @@ class Instrumentation:
         self.missing: list[str] = []
         self._undo: list = []
         self._hook_stack: list[record_function] = []
+        # router module name -> tokens routed to each expert [E] (on the model's device) over the ranged steps
+        self.expert_load: dict[str, torch.Tensor] = {}
 
     # ---- install / restore -----------------------------------------------------------------------------------
     def __enter__(self) -> Instrumentation:
@@ -172,11 +178,30 @@ class Instrumentation:
             )
             if kind is not None:
                 self._hook(module, f"{SCOPE_PREFIX}{kind} {qualname or type(module).__name__}")
+            if kind == ROUTER_SCOPE:
+                self._count_routed(module, qualname)
         self.instrumented.append("model module hooks")
 
     def _hook(self, module: nn.Module, name: str) -> None:
         handles = add_range_hooks(module, name, self._hook_stack)
         self._undo.append(lambda: [h.remove() for h in handles])
+
+    def _count_routed(self, router: nn.Module, name: str) -> None:
+        """Add each call's expert ids (the integer [T, k] tensor among the router's outputs) to expert_load[name]."""
+        experts = getattr(router, "num_experts", None) or getattr(getattr(router, "moe", None), "num_experts", None)
+        experts = experts or router.weight.shape[0]  # a router's weight is [E, H]
+        label = f"{SCOPE_PREFIX}{INSTRUMENTATION_SCOPE} expert_load"
+
+        def count(_module, _args, output) -> None:
+            ids = next((t for t in (output if isinstance(output, tuple) else (output,)) if _is_expert_ids(t)), None)
+            if ids is None:
+                return
+            with record_function(label):
+                counts = torch.bincount(ids.reshape(-1), minlength=experts)
+                self.expert_load[name] = self.expert_load.get(name, 0) + counts
+
+        handle = router.register_forward_hook(count)
+        self._undo.append(handle.remove)
 
     def _restore(self) -> None:
         while self._undo:
@@ -224,6 +249,10 @@ class Instrumentation:
             for request_id in ids:
                 self.engine.abort_request(request_id)
         return self.records[first:]
+
+
+def _is_expert_ids(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.dim() == 2 and not t.is_floating_point() and t.dtype is not torch.bool
 
 
 def add_range_hooks(module: nn.Module, name: str, stack: list) -> tuple:
@@ -308,6 +337,7 @@ class TimelineResult:
     prof: profile | None = None
     baseline_faults: dict[str, list[int]] = field(default_factory=dict)  # phase -> page faults of unprofiled steps
     baseline_fused: dict[str, list[dict]] = field(default_factory=dict)  # phase -> fused-step splits, unprofiled
+    expert_load: dict[str, list[int]] = field(default_factory=dict)  # router -> tokens per expert, profiled run
 
 
 def split_events(events) -> tuple[dict[int, list[Span]], list[Span]]:
@@ -398,4 +428,5 @@ def profile_workload(llm, input_len: int, output_len: int, batch: int, params, w
         prof,
         baseline_faults,
         baseline_fused,
+        {name: counts.tolist() for name, counts in ins.expert_load.items()},
     )

@@ -1,4 +1,4 @@
-"""Quantization methods attached to linear layers, and the policy choosing which layers get them."""
+"""Quantization methods attached to linear layers (and MoE experts), and the policy choosing which layers get them."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from torch import nn
 from infertune.config import QuantConfig
 from infertune.kernels.interface import DecodeKernels
 from infertune.layers.linear import CompressedMethod, DecodeKernelMethod, Linear, PrepackedMethod
+from infertune.layers.moe import Experts
+from infertune.quant.experts import QuantizedExperts
 from infertune.quant.int4 import W4A16Method
 from infertune.quant.int8 import W8A8Method, W8A16Method
 
@@ -44,6 +46,10 @@ def attach_linear_methods(
     decode kernels over plain bf16 weights (when `kernels` is given), prepacked into the backend's fast layout,
     or plain. Returns {layer name: method name} for the layers that changed.
 
+    MoE experts (layers/moe.py Experts) follow the same rule: quantized, each expert as a Linear of its shape
+    (quant/experts.py), unless keep_fp matches the experts module; the router and Qwen2-MoE's shared-expert gate are
+    never quantized (they are not Linears), a shared expert's Linears are like any other.
+
     Norms, rotary, softmax and logits are never quantized. A weight shared with another module (tied
     embeddings) keeps its plain values, since the embedding reads it too; the decode kernels read it in place.
     With `compress`, the other plain bf16 layers under the decode kernels are kept in the kernels' lossless 12-bit
@@ -55,6 +61,11 @@ def attach_linear_methods(
     chosen: dict[str, str] = {}
     plain_kernel = kernels is not None and (dtype or torch.float32) is torch.bfloat16
     for name, module in model.named_modules():
+        if isinstance(module, Experts):
+            if config is not None and config.method is not None and not keeps(config, name):
+                module.quant_method = QuantizedExperts(lambda: make_method(config, fast, max_rows, kernels))
+                chosen[name] = module.quant_method.name
+            continue
         if not isinstance(module, Linear):
             continue
         if id(module.weight) in shared:
@@ -62,8 +73,7 @@ def attach_linear_methods(
                 module.quant_method = DecodeKernelMethod(kernels)
                 chosen[name] = module.quant_method.name
             continue
-        keep = any(fnmatch.fnmatch(name, p) or name.startswith(p + ".") for p in (config.keep_fp if config else ()))
-        if config is not None and config.method is not None and not keep:
+        if config is not None and config.method is not None and not keeps(config, name):
             module.quant_method = make_method(config, fast, max_rows, kernels)
         elif plain_kernel and compress and kernels.can_compress(module.out_features, module.in_features):
             module.quant_method = CompressedMethod(kernels)
@@ -75,6 +85,11 @@ def attach_linear_methods(
             continue
         chosen[name] = module.quant_method.name
     return chosen
+
+
+def keeps(config: QuantConfig, name: str) -> bool:
+    """Whether the module `name` stays in full precision (a keep_fp pattern or module prefix matches it)."""
+    return any(fnmatch.fnmatch(name, p) or name.startswith(p + ".") for p in config.keep_fp)
 
 
 def shared_parameters(model: nn.Module) -> set[int]:

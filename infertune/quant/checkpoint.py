@@ -7,6 +7,8 @@ Stored tensors per quantized layer P (Hugging Face names; see infertune/tools/qu
                                         for static W8A8 activations)
   int4 (format "infertune-int4-uint8"): P.weight_packed uint8 [N, K/2] (column 2j low nibble, 2j+1 high),
                                         P.weight_scale fp32 [N, K/g], P.weight_zero fp32 [N, K/g]; w = q*scale + zero
+MoE experts are stored per expert (P = ...experts.N.gate_proj | up_proj | down_proj, Mixtral's w1 | w3 | w2) with
+the same tensors; StoredExperts loads them into [E, ...] slots and packs each expert as the Linear methods do.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from infertune.layers.linear import Linear
+from infertune.layers.linear import Linear, QuantMethod
+from infertune.layers.moe import Experts
+from infertune.quant.experts import PROJECTIONS, QuantizedExperts
 from infertune.quant.int4 import W4A16Method
 from infertune.quant.int8 import W8A8Method, W8A16Method
 
@@ -40,16 +44,18 @@ class StoredQuant:
 
 
 def read_stored_quant(model_dir: str) -> StoredQuant | None:
-    """The checkpoint's quantization, or None for a plain checkpoint."""
+    """The checkpoint's quantization, or None for a plain checkpoint (or a block-scaled fp8 one, which quant/fp8.py
+    dequantizes as it loads)."""
     path = Path(model_dir) / "config.json"
     qc = json.loads(path.read_text()).get("quantization_config")
-    if not qc:
+    if not qc or qc.get("quant_method") == "fp8":
         return None
     fmt, groups = qc.get("format"), qc.get("config_groups") or {}
     if qc.get("quant_method") != "compressed-tensors" or fmt not in (FORMAT_INT8, FORMAT_INT4) or len(groups) != 1:
         raise ValueError(
             f"{path}: quantization_config (quant_method={qc.get('quant_method')!r}, format={fmt!r}) is not one infertune "
-            f"reads; it loads checkpoints written by `infertune quantize` (formats {FORMAT_INT8}, {FORMAT_INT4})"
+            f"reads; it loads checkpoints written by `infertune quantize` (formats {FORMAT_INT8}, {FORMAT_INT4}) and "
+            "block-scaled fp8 ones (quant_method 'fp8', as DeepSeek-V3 and Qwen3-*-FP8 publish them)"
         )
     scheme = next(iter(groups.values()))
     weights, acts = scheme.get("weights") or {}, scheme.get("input_activations")
@@ -148,7 +154,65 @@ class StoredW4A16(W4A16Method):
         self.pack_weights(layer, unpack_int4(packed), scale, zero, self.params_dtype)
 
 
-def _hf_modules(name: str, module: Linear, packed: dict[str, tuple[str, object]]) -> list[str]:
+class StoredExperts(QuantizedExperts):
+    """Routed experts whose checkpoint holds the integers: slots [E, ...] for each projection's stored tensors (the
+    per-expert checkpoint tensors load into their slices, as plain ones do), packed expert by expert after loading
+    by the Linear method, exactly as a Stored* Linear of that shape is. Under w8a8 the experts take dynamic
+    per-token activation scales (calibration measures the Linears' inputs only)."""
+
+    def __init__(self, stored: StoredQuant, make_linear_method) -> None:
+        super().__init__(make_linear_method)
+        self.stored = stored
+
+    def create_weights(self, layer: Experts, dtype: torch.dtype) -> None:
+        self.params_dtype = dtype
+        self.loaded_shapes = {proj: tuple(getattr(layer, proj).shape) for proj in PROJECTIONS}  # [E, N, K]
+        g = self.stored.group_size
+        for proj, (e, n, k) in self.loaded_shapes.items():
+            plain = getattr(layer, proj)
+            if self.stored.method == "w4a16":
+                if k % g or k % 2:
+                    raise ValueError(
+                        f"experts' {proj} has in_features={k}, which does not fit int4 groups of {g}; "
+                        "is config.json right for these weights?"
+                    )
+                slots = {"weight_packed": ((e, n, k // 2), torch.uint8), "weight_scale": ((e, n, k // g), None)}
+                slots["weight_zero"] = ((e, n, k // g), None)
+            else:
+                slots = {"weight": ((e, n, k), torch.int8), "weight_scale": ((e, n, 1), None)}
+            delattr(layer, proj)
+            for name, (shape, slot_dtype) in slots.items():
+                param = nn.Parameter(torch.empty(shape, dtype=slot_dtype or torch.float32), requires_grad=False)
+                param.weight_loader, param.expected_shards = plain.weight_loader, plain.expected_shards
+                setattr(layer, proj if name == "weight" else f"{proj}_{name}", param)
+
+    def process_weights_after_loading(self, layer: Experts) -> None:
+        dtype = self.params_dtype
+        for proj, method in self.linear_methods.items():
+            if self.stored.method == "w4a16":
+                packed, scale, zero = (getattr(layer, f"{proj}_weight_{t}").data for t in ("packed", "scale", "zero"))
+
+                def pack_one(view, e, method=method, packed=packed, scale=scale, zero=zero):
+                    method.pack_weights(view, unpack_int4(packed[e]), scale[e], zero[e], dtype)
+            else:
+                q, scale = getattr(layer, proj).data, getattr(layer, f"{proj}_weight_scale").data
+
+                def pack_one(view, e, method=method, q=q, scale=scale):
+                    method.pack_weights(view, q[e], scale[e].view(-1), dtype)
+
+            self.stack(layer, proj, self.loaded_shapes[proj], pack_one)
+
+
+def _linear_method(stored: StoredQuant, fast_kernels: bool, kernel_max_rows: int | None, kernels) -> QuantMethod:
+    """The Linear method whose layout a stored expert's integers are packed into."""
+    if stored.method == "w8a16":
+        return W8A16Method(fast_kernels, kernel_max_rows, kernels)
+    if stored.method == "w8a8":
+        return W8A8Method(fast_kernels)
+    return W4A16Method(stored.group_size, stored.symmetric, fast_kernels, kernel_max_rows, kernels)
+
+
+def hf_modules(name: str, module: Linear, packed: dict[str, tuple[str, object]]) -> list[str]:
     """Our module name -> the Hugging Face module names stored for it (one per shard of a packed layer)."""
     prefix, _, last = name.rpartition(".")
     shards = [hf for hf, (ours, _) in packed.items() if ours == last]
@@ -163,7 +227,8 @@ def attach_stored_methods(
     backend=None,
     kernels=None,
 ) -> dict[str, str]:
-    """Give each Linear the checkpoint says is quantized a Stored* method and create its integer slots.
+    """Give each Linear the checkpoint says is quantized a Stored* method and create its integer slots (and each
+    MoE experts module not in the ignore list, by its module name, a StoredExperts method).
 
     Call before the model is materialized (on the meta device) and after the plain layers got their
     methods (prepacking), so unquantized layers run exactly as they would in an unquantized model.
@@ -172,9 +237,17 @@ def attach_stored_methods(
     kernel_max_rows = backend.quant_kernel_max_rows if backend is not None else None
     chosen = {}
     for name, module in model.named_modules():
+        if isinstance(module, Experts):
+            if not stored.ignores(name):
+                module.quant_method = StoredExperts(
+                    stored, lambda: _linear_method(stored, fast_kernels, kernel_max_rows, kernels)
+                )
+                module.quant_method.create_weights(module, dtype)
+                chosen[name] = module.quant_method.name
+            continue
         if not isinstance(module, Linear):
             continue
-        ignored = [stored.ignores(hf) for hf in _hf_modules(name, module, packed)]
+        ignored = [stored.ignores(hf) for hf in hf_modules(name, module, packed)]
         if all(ignored):
             continue
         if any(ignored):

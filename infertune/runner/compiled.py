@@ -75,6 +75,11 @@ class CompiledForward:
         layers = model.model.layers
         if not layers or not all(hasattr(layer, "project") and hasattr(layer, "finish") for layer in layers):
             raise ValueError(f"{type(model).__name__} does not expose project / attend / finish stages to compile")
+        if getattr(getattr(model, "config", None), "moe", None) is not None:
+            raise ValueError(
+                "a mixture-of-experts model does not compile as one graph: its experts run on data-dependent row "
+                "counts (or in the backend's kernels)"
+            )
         # One shape variant per graph (dynamic token count) is expected; the headroom is for mixed layer kinds.
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 16)
         opts = dict(fullgraph=True, dynamic=None)

@@ -10,7 +10,8 @@ Longer prefills, mixed steps and bigger batches keep the PyTorch path.
 
 It takes over only where it computes what the PyTorch path computes (rounded the same way, to bf16 precision):
 a Llama-family decoder in bf16 whose every projection the kernels can multiply (`QuantMethod.kernel_weights`),
-a bf16 or INT8 paged KV cache, SiLU. `FusedDecode.build` returns None, with the reason logged, anywhere else.
+a bf16 or INT8 paged KV cache, SiLU, full attention in every layer (no sliding window). `FusedDecode.build` returns
+None, with the reason logged, anywhere else.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import logging
 
 import torch
 
+from infertune.config import GEMMA_ARCHITECTURES
 from infertune.kernels.interface import DecodeKernels, FusedDecoder, FusedLayer, FusedModel
 from infertune.layers.attention import AttentionMetadata
 from infertune.layers.attention.paged import Int8PagedAttention, TorchPagedAttention
@@ -70,6 +72,10 @@ class FusedDecode:
             return f"{type(model).__name__} is not a Llama-family decoder"
         if cfg.num_attention_heads % cfg.num_key_value_heads:
             return f"{cfg.num_attention_heads} heads over {cfg.num_key_value_heads} KV heads"
+        if getattr(cfg, "layer_windows", None):
+            return "sliding-window attention (the fused step attends to the whole context)"
+        if getattr(cfg, "architecture", None) in GEMMA_ARCHITECTURES:
+            return "Gemma's (1 + w) norms, GeLU MLP and soft-capping"
         if getattr(cfg, "hidden_act", "silu") not in ("silu", None):
             return f"hidden_act={cfg.hidden_act}"
         if getattr(cfg, "moe", None) is not None:

@@ -14,13 +14,13 @@ import torch
 
 from infertune.backends import Backend
 from infertune.config import EngineConfig
-from infertune.layers.attention import AttentionMetadata, Int8PagedAttention, PrefillChunk, TorchPagedAttention
+from infertune.layers.attention import AttentionMetadata, PrefillChunk, attention_backend
 from infertune.layers.kernel_op import attach_kernels
 from infertune.models.loader import load_model
 from infertune.runner.compiled import CompiledForward, should_compile
 from infertune.runner.fused_decode import FusedDecode
 from infertune.runner.request_state import RequestState, RequestStates
-from infertune.runner.sampler import Sampler, SampleRequest, SamplerOutput
+from infertune.runner.sampler import Sampler, SampleRequest, SamplerOutput, verify_drafts
 from infertune.runner.structured_output import StructuredOutputs
 from infertune.scheduler_output import SchedulerOutput
 
@@ -58,7 +58,7 @@ class ModelRunner:
             log.info("decode kernels off: %s; torch's operators run", backend.kernels_unavailable_reason())
         elif self.decode_kernels is not None:
             log.info("decode kernels: %s", self.decode_kernels.name)
-        self.attn = Int8PagedAttention(self.dtype) if config.cache.kv_cache_dtype == "int8" else TorchPagedAttention()
+        self.attn = attention_backend(arch, config.cache.kv_cache_dtype, self.dtype)
         self.model = load_model(
             arch,
             config.model.model,
@@ -175,27 +175,41 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> SamplerOutput:
-        """Run one step; one sampled token per scheduled request (None where a prefill chunk is unfinished)."""
+        """Run one step; one sampled token per scheduled request (None where a prefill chunk is unfinished), after
+        the drafts it accepted where it had some (speculative decoding: SamplerOutput.num_accepted)."""
         step = self.requests.begin_step(scheduler_output)
-        entries = [(state.token_ids, state.num_computed_tokens, n, state.block_table) for state, n, _ in step]
-        input_ids, positions, meta, last_rows = self._prepare(entries)
-        n_entries = len(entries)
+        drafts = [scheduler_output.scheduled_spec_decode_tokens.get(r, []) for r in scheduler_output.req_ids]
+        entries, entries_of = self._entries(step, drafts)
+        input_ids, positions, meta, entry_rows = self._prepare(entries)
+        rows_of = [[entry_rows[e] for e in of] for of in entries_of]  # per request: its row, or its 1 + d rows
+        last_rows = [r[-1] for r in rows_of]
+        n_entries = len(step)
         tokens: list[int | None] = [None] * n_entries
         logprobs: list = [None] * n_entries
+        num_accepted = [0] * n_entries if any(drafts) else None
         sampled = [i for i, (_, _, samples) in enumerate(step) if samples]
         # structured output: the sampled rows' token masks start filling (in a thread) before the forward
-        sampled_ids = [scheduler_output.req_ids[i] for i in sampled]
+        # (a request with drafts is never constrained: the engine does not speculate for it)
+        sampled_ids = [scheduler_output.req_ids[i] for i in sampled for _ in rows_of[i]]
         mask = self.structured.begin_step(scheduler_output, sampled_ids)
         scored = self._prompt_rows(step, last_rows)  # entry -> (first prompt token scored, its rows)
         # (only the rows read are computed to the end: a step with nothing to sample still fills the KV cache)
-        read = {last_rows[i] for i in sampled} | {r for _, rows in scored.values() for r in rows}
+        read = {r for i in sampled for r in rows_of[i]} | {r for _, rs in scored.values() for r in rs}
         hidden = self._forward(input_ids, positions, meta, sorted(read))  # [T, hidden]
         if sampled:
-            logits = self.model.compute_logits(hidden[self._tensor([last_rows[i] for i in sampled])])  # [N, V]
-            out = self.sampler(logits, [self._sample_request(step[i][0]) for i in sampled], mask)
+            logits = self.model.compute_logits(hidden[self._tensor([r for i in sampled for r in rows_of[i]])])  # [N, V]
+            requests = [
+                self._sample_request(step[i][0], drafts[i][:t]) for i in sampled for t in range(len(rows_of[i]))
+            ]
+            out = self.sampler(logits, requests, mask)
             self.structured.accept(sampled_ids, out.token_ids)
-            for i, token, lp in zip(sampled, out.token_ids, out.logprobs):
-                tokens[i], logprobs[i] = token, lp
+            k = 0
+            for i in sampled:
+                if drafts[i]:
+                    num_accepted[i], tokens[i] = verify_drafts(out.token_ids[k : k + len(rows_of[i])], drafts[i])
+                else:
+                    tokens[i], logprobs[i] = out.token_ids[k], out.logprobs[k]
+                k += len(rows_of[i])
         prompt_logprobs = None
         if scored:
             prompt_logprobs = [None] * n_entries
@@ -203,8 +217,26 @@ class ModelRunner:
                 state = step[i][0]
                 targets = state.token_ids[first : first + len(rows)]
                 prompt_logprobs[i] = (first, self._score_rows(hidden, rows, targets, state.params.prompt_logprobs))
-        self.requests.end_step(step, tokens)
-        return SamplerOutput(tokens, logprobs, prompt_logprobs)
+        self.requests.end_step(step, tokens, drafts, num_accepted)
+        return SamplerOutput(tokens, logprobs, prompt_logprobs, num_accepted)
+
+    @staticmethod
+    def _entries(step, drafts: list[list[int]]) -> tuple[list[tuple[list[int], int, int, list[int]]], list[range]]:
+        """The step's entries for _prepare, and per request the range of its entries. A request with d drafts is
+        1 + d one-token entries (decode rows: its last token, then each draft at the position after), each
+        attending to the cache up to itself. Every row's KV is written before any row attends, so a draft sees the
+        KV of those before it; and a decode-only step stays one (the fused step, the small-batch kernels)."""
+        entries: list[tuple[list[int], int, int, list[int]]] = []
+        entries_of = []
+        for (state, n, _), d in zip(step, drafts):
+            first = len(entries)
+            if d:
+                ids = state.token_ids + d
+                entries.extend((ids, state.num_computed_tokens + t, 1, state.block_table) for t in range(n))
+            else:
+                entries.append((state.token_ids, state.num_computed_tokens, n, state.block_table))
+            entries_of.append(range(first, len(entries)))
+        return entries, entries_of
 
     @staticmethod
     def _prompt_rows(step, last_rows: list[int]) -> dict[int, tuple[int, list[int]]]:
@@ -240,10 +272,12 @@ class ModelRunner:
         return out
 
     @staticmethod
-    def _sample_request(state: RequestState) -> SampleRequest:
+    def _sample_request(state: RequestState, drafts: list[int] = ()) -> SampleRequest:
+        """The sampler's view of state's next token; with drafts, of the token after them (a draft row: its output
+        position, and penalties over the drafts before it, as if they had been accepted)."""
         if state.params.uses_penalties:  # only penalties read the tokens: avoid copying them every step otherwise
-            return SampleRequest(state.params, state.prompt_token_ids, state.output_token_ids)
-        return SampleRequest(state.params, [], [], state.num_output_tokens)
+            return SampleRequest(state.params, state.prompt_token_ids, state.output_token_ids + list(drafts))
+        return SampleRequest(state.params, [], [], state.num_output_tokens + len(drafts))
 
     @torch.inference_mode()
     def prompt_logits(self, token_ids: list[int], block_table: list[int]) -> torch.Tensor:

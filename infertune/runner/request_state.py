@@ -18,13 +18,14 @@ class RequestState(TokenView):
 
 
 class RequestStates:
-    """req_id -> RequestState. `begin_step` applies a SchedulerOutput; `end_step` appends the sampled tokens."""
+    """req_id -> RequestState. `begin_step` applies a SchedulerOutput; `end_step` appends the accepted drafts and the
+    sampled tokens."""
 
     def __init__(self) -> None:
         self.requests: dict[str, RequestState] = {}
 
     def begin_step(self, out: SchedulerOutput) -> list[tuple[RequestState, int, bool]]:
-        """Apply out; return the step's (state, new tokens, samples this step) in batch order."""
+        """Apply out; return the step's (state, new tokens (drafts included), samples this step) in batch order."""
         for req_id in out.finished_req_ids:
             self.requests.pop(req_id, None)
         for new in out.new_requests:
@@ -34,16 +35,31 @@ class RequestStates:
             )
         for cached in out.cached_requests:
             state = self.requests[cached.req_id]
+            del state.block_table[cached.num_kept_blocks :]
             state.block_table.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
         step = []
         for req_id, n in zip(out.req_ids, out.num_scheduled_tokens):
             state = self.requests[req_id]
-            step.append((state, n, state.num_computed_tokens + n == len(state.token_ids)))
+            num_drafts = len(out.scheduled_spec_decode_tokens.get(req_id, ()))
+            step.append((state, n, state.num_computed_tokens + n - num_drafts == len(state.token_ids)))
         return step
 
-    def end_step(self, step: list[tuple[RequestState, int, bool]], sampled: list[int | None]) -> None:
-        for (state, n, _), token in zip(step, sampled):
-            state.num_computed_tokens += n
+    def end_step(
+        self,
+        step: list[tuple[RequestState, int, bool]],
+        sampled: list[int | None],
+        drafts: list[list[int]] | None = None,
+        num_accepted: list[int] | None = None,
+    ) -> None:
+        """Per entry: its accepted drafts (the first num_accepted of its drafts) and its sampled token are appended;
+        the rejected drafts' KV does not count as computed."""
+        for i, ((state, n, _), token) in enumerate(zip(step, sampled)):
+            if drafts and drafts[i]:
+                accepted = drafts[i][: num_accepted[i]]
+                state.num_computed_tokens += n - len(drafts[i]) + len(accepted)
+                state.token_ids.extend(accepted)
+            else:
+                state.num_computed_tokens += n
             if token is not None:
                 state.token_ids.append(token)

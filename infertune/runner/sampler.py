@@ -6,6 +6,10 @@ vocabulary entry) took one per token: at 16 rows x 32k tokens the race's draws a
 2 CPU cores, the CDF ~0.5 ms. Seeded requests draw u from a generator seeded by (seed, output position), so
 their tokens do not depend on what else is in the batch, nor on preemption.
 
+Speculative decoding adds a row for each draft token (`verify_drafts`): a sequence's row t is sampled as its output
+position num_output_tokens + t would be without drafts (the same uniform when seeded, penalties over the drafts
+before it), and a draft is accepted while it equals what its row drew.
+
 Top-k / top-p look at the best `CANDIDATES` tokens of each row (torch.topk, ~1-3 ms) instead of sorting the
 vocabulary (~19 ms at 16 x 32k): exact whenever every top-p row's best candidates already hold its mass, as
 on a trained model's peaked distributions; otherwise (a flat distribution) the step falls back to the full
@@ -48,6 +52,9 @@ class SamplerOutput:
     # Per row, where prompt_logprobs were asked for and the step computed prompt tokens: (index of the first prompt
     # token scored, [(its logprob, top-k)] for it and the ones after it).
     prompt_logprobs: list[tuple[int, list[tuple[float, list[tuple[int, float]]]]] | None] | None = None
+    # Speculative decoding, where the step had drafts: per row, how many of its drafts were accepted; the row's
+    # tokens are those drafts, then token_ids[row].
+    num_accepted: list[int] | None = None
 
 
 class Sampler:
@@ -99,6 +106,22 @@ class Sampler:
         if not any(greedy):
             return sampled
         return torch.where(torch.tensor(greedy, device=device), best, sampled)
+
+
+def verify_drafts(row_tokens: list[int], drafts: list[int]) -> tuple[int, int]:
+    """Speculative decoding's verification of one sequence: row_tokens are the tokens its 1 + d rows drew (row t
+    after the drafts before t), drafts its d draft tokens. Returns (drafts accepted, the token that follows them).
+
+    A draft is accepted while it equals its row's token; the row of the first mismatch (or the row after the last
+    draft: the bonus token) gives the token after them. Greedy rows accept while the draft is the argmax. A random
+    row's token is an inverse-CDF draw from the same p as sampling without drafts, so the draft x is accepted with
+    probability p(x), and on rejection the token is distributed as p with x taken out, renormalised: the rejection
+    sampling of a proposal that puts all its mass on x, with one uniform a position. The output distribution is
+    exactly that of sampling without drafts; a seeded request even gives the same tokens."""
+    accepted = 0
+    while accepted < len(drafts) and row_tokens[accepted] == drafts[accepted]:
+        accepted += 1
+    return accepted, row_tokens[accepted]
 
 
 def _mix(seed: int, position: int) -> int:

@@ -41,6 +41,21 @@ class _EngineCollector:
             "infertune_preemptions", "Sequences preempted for lack of KV blocks", s["num_preemptions"]
         )
         yield CounterMetricFamily(
+            "infertune_spec_decode_num_drafts",
+            "Speculative decoding: decode steps of a sequence that carried drafts",
+            s["spec_decode_num_drafts"],
+        )
+        yield CounterMetricFamily(
+            "infertune_spec_decode_num_draft_tokens",
+            "Speculative decoding: draft tokens proposed",
+            s["spec_decode_num_draft_tokens"],
+        )
+        yield CounterMetricFamily(
+            "infertune_spec_decode_num_accepted_tokens",
+            "Speculative decoding: draft tokens accepted (mean acceptance length = 1 + accepted / drafts)",
+            s["spec_decode_num_accepted_tokens"],
+        )
+        yield CounterMetricFamily(
             "infertune_requests_aborted", "Requests aborted before finishing (client gone)", self.engine.num_aborted
         )
         yield CounterMetricFamily(

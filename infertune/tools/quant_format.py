@@ -11,6 +11,15 @@ Tensors (safetensors, Hugging Face names; for a quantized linear layer P, e.g. m
     P.bias and every other tensor (embeddings, norms, layers kept in full precision) as in the source,
     except the norms SmoothQuant rescales.
 
+MoE experts are stored in Hugging Face's per-expert layout, each expert's projection as the linear layer it is there:
+P = model.layers.L.mlp.experts.N.gate_proj | up_proj | down_proj (Mixtral: model.layers.L.block_sparse_moe.experts.N.
+w1 | w3 | w2), with the tensors above for its [N, K] weight. A source in transformers v5's fused layout
+(P.experts.gate_up_proj [E, 2I, H], gate rows then up rows; P.experts.down_proj [E, H, I]) is written under the
+per-expert names (split_fused_experts). Expert e's tensors are exactly what quantizing that expert at load gives.
+An experts block kept in full precision is listed in `ignore` once, under its module name model.layers.L.mlp.experts
+(the name transformers v5 and infertune give it in every family). Routers (mlp.gate) and Qwen2-MoE's
+shared_expert_gate are never quantized; under w8a8 the experts take dynamic per-token activation scales.
+
 config.json gets "quantization_config" after compressed-tensors (quant_method "compressed-tensors",
 config_groups with weights / input_activations schemes, ignore = the Linear modules left unquantized,
 quantization_status "compressed"). Deviations, each because exactness with the engine wins:
@@ -146,6 +155,20 @@ def layer_tensors(prefix: str, method: str, quantized: tuple, input_scale: float
         }
     if input_scale is not None:
         out[f"{prefix}.input_scale"] = torch.tensor([input_scale], dtype=torch.float32)
+    return out
+
+
+def split_fused_experts(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A fused experts tensor (P.gate_up_proj [E, 2I, H] or P.down_proj [E, H, I], P = ...experts) -> its per-expert
+    weights {P.N.gate_proj.weight | P.N.up_proj.weight | P.N.down_proj.weight: [N, K]}."""
+    prefix, _, proj = name.rpartition(".")
+    if proj == "down_proj":
+        return {f"{prefix}.{e}.down_proj.weight": tensor[e] for e in range(tensor.shape[0])}
+    inter = tensor.shape[1] // 2
+    out = {}
+    for e in range(tensor.shape[0]):
+        out[f"{prefix}.{e}.gate_proj.weight"] = tensor[e, :inter]
+        out[f"{prefix}.{e}.up_proj.weight"] = tensor[e, inter:]
     return out
 
 

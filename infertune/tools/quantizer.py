@@ -3,7 +3,8 @@
 Weights are read from the source safetensors and quantized per Hugging Face projection (q_proj, k_proj, ...);
 every scheme is per output row, so this equals quantizing the engine's packed qkv / gate-up weights. Which
 layers are quantized follows the engine's own rule: every Linear except those matching keep_fp and those
-sharing their weight with another module (a tied lm_head). Calibration (W8A8 only: nothing in weight-only
+sharing their weight with another module (a tied lm_head), and every MoE experts block keep_fp does not match
+(each expert's projections quantized as Linears, stored per expert). Calibration (W8A8 only: nothing in weight-only
 quantization uses activations here) runs sample text through the engine with hooks (calibration.py); it
 gives the static activation scales and the SmoothQuant factors.
 
@@ -25,10 +26,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from infertune.config import QUANT_METHODS, ArchConfig, default_model_path
+from infertune.config import GEMMA_ARCHITECTURES, QUANT_METHODS, ArchConfig, default_model_path
 from infertune.evaluate.data import default_calib_path, load_documents
 from infertune.layers.attention import TorchPagedAttention
 from infertune.layers.linear import Linear
+from infertune.layers.moe import Experts
 from infertune.models.loader import checkpoint_files, map_checkpoint_name
 from infertune.models.registry import get_model_class
 from infertune.quant import shared_parameters
@@ -98,11 +100,16 @@ def _kept(name: str, keep_fp: tuple[str, ...]) -> bool:
     return any(fnmatch.fnmatch(name, p) or name.startswith(p + ".") for p in keep_fp)
 
 
+def _meta_model(arch: ArchConfig):
+    cls = get_model_class(arch.architecture)
+    with torch.device("meta"):
+        return cls(arch, arch.max_position_embeddings, TorchPagedAttention(), torch.float32)
+
+
 def _linear_layout(arch: ArchConfig):
     """The engine's Linear modules (on the meta device): {name: module}, and the names whose weight is shared."""
     cls = get_model_class(arch.architecture)
-    with torch.device("meta"):
-        model = cls(arch, arch.max_position_embeddings, TorchPagedAttention(), torch.float32)
+    model = _meta_model(arch)
     tied = shared_parameters(model)
     linears = {n: m for n, m in model.named_modules() if isinstance(m, Linear)}
     shared = {n for n, m in linears.items() if id(m.weight) in tied}
@@ -124,6 +131,23 @@ def plan_layers(
             if layer in chosen:
                 targets[name] = (layer, shard)
     return chosen, targets
+
+
+def plan_experts(
+    model: str, keep_fp: tuple[str, ...], tensors: dict[str, torch.Tensor]
+) -> tuple[dict[str, str], list[str]]:
+    """({HF tensor name: engine experts module} of the expert weights to quantize, experts modules kept in full
+    precision): per-expert weights (...experts.N.gate_proj.weight) and fused ones (...experts.gate_up_proj) alike."""
+    arch = ArchConfig.from_model_dir(model)
+    experts = {n for n, m in _meta_model(arch).named_modules() if isinstance(m, Experts)}
+    renames = getattr(get_model_class(arch.architecture), "checkpoint_renames", {})
+    kept = sorted(n for n in experts if _kept(n, keep_fp))
+    targets = {}
+    for name in tensors:
+        module, _, proj = map_checkpoint_name(name, {}, renames)[0].rpartition(".")
+        if module in experts and module not in kept and proj in ("gate_up_proj", "down_proj"):
+            targets[name] = module
+    return targets, kept
 
 
 def read_tensors(model: str) -> dict[str, torch.Tensor]:
@@ -226,14 +250,20 @@ def quantize(
         raise ValueError(f"--out {out} exists and is not empty; choose a new folder")
 
     arch = ArchConfig.from_model_dir(model)
+    if smoothquant is not None and arch.architecture in GEMMA_ARCHITECTURES:
+        raise ValueError(
+            f"--smoothquant divides Llama-style norm weights; {arch.architecture}'s (1 + w) norms do not take its "
+            "factors: drop --smoothquant"
+        )
     linears, _, packed = _linear_layout(arch)
     tensors = read_tensors(model)
     chosen, targets = plan_layers(model, keep_fp, tensors)
+    expert_targets, kept_experts = plan_experts(model, keep_fp, tensors)
     if method == "w4a16":
-        for name in targets:
-            if tensors[name].shape[1] % group_size:
+        for name in [*targets, *expert_targets]:
+            if tensors[name].shape[-1] % group_size:
                 raise ValueError(
-                    f"{name}: in_features={tensors[name].shape[1]} is not a multiple of --group-size "
+                    f"{name}: in_features={tensors[name].shape[-1]} is not a multiple of --group-size "
                     f"{group_size}; pick one dividing it"
                 )
 
@@ -275,7 +305,19 @@ def quantize(
         result.input_scales = {n: s.clip_value(act_kind) / 127.0 for n, s in result.stats.items()}
 
     stored: dict[str, torch.Tensor] = {}
+    quantized_experts = []
     for name, t in tensors.items():
+        if name in expert_targets:  # each expert's projection as a Linear of its own (dynamic activations)
+            per_expert = ckpt.split_fused_experts(name, t) if t.dim() == 3 else {name: t}
+            for wname, w in per_expert.items():
+                w = w.float()
+                q = quantize_int4(w, group_size, symmetric, clip) if method == "w4a16" else quantize_int8(w, clip)
+                new = ckpt.layer_tensors(wname.removesuffix(".weight"), method, q)
+                stored.update(new)
+                quantized_experts.append(wname.removesuffix(".weight"))
+                result.weight_bytes_after += sum(v.numel() * v.element_size() for v in new.values())
+            result.weight_bytes_before += t.numel() * t.element_size()
+            continue
         if name not in targets:
             stored[name] = t.contiguous()
             continue
@@ -287,14 +329,14 @@ def quantize(
         stored.update(new)
         result.weight_bytes_before += t.numel() * t.element_size()
         result.weight_bytes_after += sum(v.numel() * v.element_size() for v in new.values())
-    result.quantized = sorted(n.removesuffix(".weight") for n in targets)
+    result.quantized = sorted([*(n.removesuffix(".weight") for n in targets), *quantized_experts])
     hf_linears = set()
     for name in tensors:
         if name.endswith(".weight") and map_checkpoint_name(name.removesuffix(".weight"), packed)[0] in linears:
             hf_linears.add(name.removesuffix(".weight"))
     if arch.tie_word_embeddings and "lm_head" in linears:
         hf_linears.add("lm_head")  # tied: no tensor of its own, still a Linear the scheme leaves alone
-    result.kept = sorted(hf_linears - set(result.quantized))
+    result.kept = sorted((hf_linears - set(result.quantized)) | set(kept_experts))
 
     out_path.mkdir(parents=True, exist_ok=True)
     save_file(stored, str(out_path / "model.safetensors"), metadata={"format": "pt"})

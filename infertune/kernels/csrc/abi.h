@@ -1,12 +1,12 @@
 /* What the C side shares with Python (infertune/kernels/cpu.py declares the same structs as ctypes classes):
- * the ABI version, the weight kinds (cpu.py WeightKind mirrors them) and the structs of the 12-bit weights and of
- * the fused step. it_abi() and it_struct_sizes() (abi.c) let the loader check, before any call, that both sides
+ * the ABI version, the weight kinds (cpu.py WeightKind mirrors them), the structs of the 12-bit weights and of
+ * the fused step, and a mixture-of-experts layer's routing rule. it_abi() and it_struct_sizes() (abi.c) let the loader check, before any call, that both sides
  * agree; change a struct here, bump IT_ABI_VERSION and update cpu.py together. */
 #ifndef IT_ABI_H
 #define IT_ABI_H
 #include "bf16.h"
 
-#define IT_ABI_VERSION 2
+#define IT_ABI_VERSION 3
 
 /* it_lin.kind: how a linear layer's weight is stored */
 typedef enum { IT_KIND_BF16 = 0, IT_KIND_W8 = 1, IT_KIND_W4 = 2, IT_KIND_BF16C = 3 } it_kind;
@@ -66,6 +66,18 @@ typedef struct {
                                     each sampled sequence); n_out = 0: every row */
     int64_t n_out;
 } it_step;
+
+/* A mixture-of-experts layer's routing rule (config.py MoeArch; moe.h it_moe_route) */
+enum { IT_MOE_SOFTMAX = 0, IT_MOE_SIGMOID = 1 };                              /* it_moe.scoring */
+enum { IT_MOE_GREEDY = 0, IT_MOE_GROUP_LIMITED = 1, IT_MOE_NOAUX_TC = 2 };    /* it_moe.topk_method */
+typedef struct {
+    int32_t num_experts, top_k;
+    int32_t scoring;
+    int32_t topk_method;
+    int32_t n_group, topk_group;  /* the groups of experts, and how many of them a token's experts come from */
+    int32_t norm_topk_prob;       /* 1: the top-k weights renormalised to sum to 1 */
+    float routed_scaling_factor;
+} it_moe;
 
 int it_abi(void);
 int64_t it_struct_sizes(int64_t* out, int64_t n);

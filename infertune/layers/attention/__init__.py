@@ -1,6 +1,18 @@
 """Attention backends over the paged KV cache."""
 
 from infertune.layers.attention.base import AttentionBackend, AttentionMetadata, PrefillChunk
+from infertune.layers.attention.mla import Int8MlaAttention, LatentUpProjection, MlaAttention
 from infertune.layers.attention.paged import Int8PagedAttention, TorchPagedAttention
+from infertune.layers.attention.select import attention_backend
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "Int8PagedAttention", "PrefillChunk", "TorchPagedAttention"]
+__all__ = [
+    "AttentionBackend",
+    "AttentionMetadata",
+    "Int8MlaAttention",
+    "Int8PagedAttention",
+    "LatentUpProjection",
+    "MlaAttention",
+    "PrefillChunk",
+    "TorchPagedAttention",
+    "attention_backend",
+]

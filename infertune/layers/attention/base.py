@@ -63,5 +63,9 @@ class AttentionBackend(abc.ABC):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:  # [T, H, D]
-        """Write this step's KV into the cache, then attend every query to its sequence's causal context."""
+        """Write this step's KV into the cache, then attend every query to its sequence's causal context: with a
+        window W, to its last W keys only (its own included: key j is seen from query i iff i - W < j <= i); with a
+        softcap c, over scores c * tanh(scores / c) (Gemma 2)."""

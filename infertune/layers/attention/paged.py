@@ -3,6 +3,11 @@
 Decode rows are batched: their blocks are gathered into a padded [B, Hkv, L, D] view with a length mask.
 A fresh prefill attends to its own K/V with a causal SDPA (flash kernel where the device has one); a
 chunk with earlier context (prefix-cache hit, chunked prefill) gathers that context from the cache.
+
+A layer with a sliding window W (key j seen from query i iff i - W < j <= i, as transformers masks it) reads only
+the keys its window can reach: a decode row the blocks that hold its last W positions, a chunk the slots from its
+first query's window on; a fresh prefill takes a banded mask. With a softcap (Gemma 2) the scores are capped before
+the softmax, which SDPA cannot do: those layers run a plain matmul-softmax.
 """
 
 from __future__ import annotations
@@ -11,6 +16,33 @@ import torch
 import torch.nn.functional as F
 
 from infertune.layers.attention.base import AttentionBackend, AttentionMetadata
+
+
+def _attend(q, k, v, mask: torch.Tensor | None, scale: float, softcap: float | None) -> torch.Tensor:
+    """softmax(q k^T * scale, masked) v over [..., H, n, D] queries and [..., Hkv, C, D] keys / values; mask (True:
+    seen) broadcasts to [..., n, C], None is causal. A softcap runs transformers' eager order: scores in q's dtype,
+    capped, masked, softmax in fp32, rounded back to q's dtype."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
+        )
+    if mask is None:
+        n, c = q.shape[-2], k.shape[-2]
+        mask = torch.ones(n, c, dtype=torch.bool, device=q.device).tril(c - n)
+    rep = q.shape[-3] // k.shape[-3]
+    k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)  # each KV head serves rep heads
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(-1, dtype=torch.float32).to(q.dtype), v)
+
+
+def _band(qpos: torch.Tensor, kpos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[n, C] True where the query at qpos [n] sees the key at kpos [C]: causal, and within the window if any."""
+    seen = kpos.unsqueeze(0) <= qpos.unsqueeze(1)
+    if window is not None:
+        seen &= kpos.unsqueeze(0) > qpos.unsqueeze(1) - window
+    return seen
 
 
 def _fresh_runs(prefills) -> list[tuple[int, int, int]]:
@@ -31,29 +63,43 @@ def _fresh_runs(prefills) -> list[tuple[int, int, int]]:
 class TorchPagedAttention(AttentionBackend):
     name = "torch-paged"
 
-    def forward(self, query, key, value, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        kv_cache,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
         self.write_kv(kv_cache, key, value, meta.slot_mapping)
         out = torch.empty_like(query)
         nd = meta.num_decode_tokens
         if nd:
-            out[:nd] = self._decode(query[:nd], kv_cache, meta, scale)
+            out[:nd] = self._decode(query[:nd], kv_cache, meta, scale, window, softcap)
         for s, g, n in _fresh_runs(meta.prefills):  # g fresh prompts of n tokens each, back to back from s
             q, k, v = (t[s : s + g * n].view(g, n, *t.shape[1:]).transpose(1, 2) for t in (query, key, value))
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)  # [g, H, n, D]
+            pos = torch.arange(n, device=query.device)
+            mask = _band(pos, pos, window) if window is not None and window < n else None  # None: causal
+            o = _attend(q, k, v, mask, scale, softcap)  # [g, H, n, D]
             out[s : s + g * n] = o.transpose(1, 2).reshape(g * n, *query.shape[1:])
         for chunk in meta.prefills:  # chunks that continue earlier context (prefix-cache hit, chunked prefill)
             if chunk.context_slots is None:  # done above
                 continue
             s, n = chunk.query_start, chunk.query_len
-            q = query[s : s + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-            k = self._read_slots(kv_cache, 0, chunk.context_slots).transpose(0, 1).unsqueeze(0)  # [1, Hkv, C, D]
-            v = self._read_slots(kv_cache, 1, chunk.context_slots).transpose(0, 1).unsqueeze(0)
             past = chunk.context_len - n
-            # Query i sits at absolute position past + i and sees keys 0 .. past + i.
-            qpos = torch.arange(past, past + n, device=query.device).unsqueeze(1)
-            kpos = torch.arange(chunk.context_len, device=query.device).unsqueeze(0)
-            mask = kpos <= qpos  # [n, C]
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+            # Query i sits at absolute position past + i and sees keys 0 .. past + i (the last `window` of them):
+            # only keys from the first query's window on are read.
+            first = 0 if window is None else max(0, past - window + 1)
+            slots = chunk.context_slots[first:]
+            q = query[s : s + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+            k = self._read_slots(kv_cache, 0, slots).transpose(0, 1).unsqueeze(0)  # [1, Hkv, C, D]
+            v = self._read_slots(kv_cache, 1, slots).transpose(0, 1).unsqueeze(0)
+            qpos = torch.arange(past, past + n, device=query.device)
+            mask = _band(qpos, torch.arange(first, chunk.context_len, device=query.device), window)  # [n, C]
+            o = _attend(q, k, v, mask, scale, softcap)
             out[s : s + n] = o.squeeze(0).transpose(0, 1)
         return out
 
@@ -66,20 +112,37 @@ class TorchPagedAttention(AttentionBackend):
         """Cache entries -> values in the compute dtype (identity for a cache kept in the model dtype)."""
         return raw
 
-    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def _decode(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window, softcap
+    ) -> torch.Tensor:
         _, _, block_size, hkv, _ = kv_cache.shape
-        tables = meta.decode_block_tables  # [B, M]
+        view = meta.step_cache.get(("decode", window))
+        if view is None:  # the same for every layer of the step with this window: built once
+            view = meta.step_cache[("decode", window)] = _decode_view(meta, block_size, window)
+        tables, mask = view  # [B, M], [B, 1, 1, M * block]
         b, m = tables.shape
-        length = m * block_size
-        mask = meta.step_cache.get("decode_mask")
-        if mask is None:  # the same for every layer of the step: built once
-            kpos = torch.arange(length, device=q.device)
-            mask = (kpos.unsqueeze(0) < meta.decode_context_lens.unsqueeze(1)).view(b, 1, 1, length)
-            meta.step_cache["decode_mask"] = mask
         kv = self._decoded(kv_cache[:, tables])  # K and V in one gather: [2, B, M, block, Hkv, D]
-        kv = kv.view(2, b, length, hkv, -1).transpose(2, 3)  # [2, B, Hkv, L, D]
-        o = F.scaled_dot_product_attention(q.unsqueeze(2), kv[0], kv[1], attn_mask=mask, scale=scale, enable_gqa=True)
-        return o.squeeze(2)  # [B, H, D]
+        kv = kv.view(2, b, m * block_size, hkv, -1).transpose(2, 3)  # [2, B, Hkv, L, D]
+        return _attend(q.unsqueeze(2), kv[0], kv[1], mask, scale, softcap).squeeze(2)  # [B, H, D]
+
+
+def _decode_view(meta: AttentionMetadata, block_size: int, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decode rows' block tables [B, M'] and key mask [B, 1, 1, M' * block]: the whole tables with a window of
+    None; with a window W, only the blocks that can hold a row's last W positions (at most ceil(W / block) + 1)."""
+    tables, lens = meta.decode_block_tables, meta.decode_context_lens  # [B, M], [B] (the new token included)
+    b, m = tables.shape
+    first = torch.zeros_like(lens)  # [B] the first block read, per row
+    span = m if window is None else -(-window // block_size) + 1  # blocks W positions can touch
+    if span < m:
+        first = (lens - window).clamp(min=0) // block_size
+        idx = first.unsqueeze(1) + torch.arange(span, device=lens.device)
+        tables = tables.gather(1, idx.clamp(max=m - 1))  # past a row's last block: masked out below
+    length = tables.shape[1] * block_size
+    kpos = first.unsqueeze(1) * block_size + torch.arange(length, device=lens.device)  # [B, L] absolute positions
+    seen = kpos < lens.unsqueeze(1)
+    if window is not None:
+        seen &= kpos >= (lens - window).unsqueeze(1)
+    return tables, seen.view(b, 1, 1, length)
 
 
 class Int8PagedAttention(TorchPagedAttention):

@@ -1,6 +1,7 @@
 /* infertune's CPU kernels for x86-64 with AVX2 + FMA + F16C and no AVX-512 (Haswell and later, Zen 1 and later):
  * the small-batch linears (bf16, W8A16, W4A16), the dequantization of quantized weights for prefills, and the
- * elementwise kernels (RMSNorm, SiLU-and-multiply, rotary), with the same entry points and contracts as the AVX-512
+ * elementwise kernels (RMSNorm, SiLU-and-multiply, rotary), the mixture-of-experts routing and grouped experts
+ * (csrc/moe.h over these GEMVs), with the same entry points and contracts as the AVX-512
  * library (csrc/x86/avx512/avx512.c), so kernels/cpu.py calls either. The 12-bit weights, the decode attention and
  * the fused decoder step are AVX-512 / AMX only (the engine runs those on torch here).
  *
@@ -16,3 +17,4 @@
 #include "abi.c"
 #include "x86/avx2/gemv.c"
 #include "x86/avx2/elementwise.c"
+#include "x86/avx2/moe.c"

@@ -22,6 +22,8 @@
  *   it_decode_layers                           a whole decode step of a Llama decoder, or a step of fresh prompts
  *                                              (see its comment); it_fused_timers: its split by part;
  *                                              it_decode_attention: its attention alone
+ *   it_moe_route / it_moe_experts              a mixture-of-experts layer's routing and its experts as one grouped
+ *                                              GEMM (csrc/moe.h, over the linears above: moe.c)
  *
  * The linear kernels take x [M, K] with row stride ldx and write y [M, N] (bf16) with row stride ldy. Threads
  * split the output features with OpenMP; the library links the libgomp torch has already loaded, so the two
@@ -54,3 +56,4 @@
 #include "elementwise.c"
 #include "attention.c"
 #include "fused_step.c"
+#include "moe.c"

@@ -1,0 +1,41 @@
+"""The Arm CPU kernels behind the `DecodeKernels` contract (kernels/interface.py): `NeonKernels`, AArch64 Advanced SIMD.
+
+`kernels/cpu.py` builds and binds the C library (csrc/arm/neon) with the x86 libraries' entry points, so the calls
+are the AVX2 variant's (`x86.Avx2Kernels`: the GEMVs, the prefills' dequantization, the elementwise kernels, the
+MoE routing and grouped experts; no 12-bit weights and no fused step) on another library. Verified for correctness
+under qemu-user on x86 (tests/test_neon.py runs every GEMV / dequantization / elementwise oracle of
+tests/test_kernels.py on it); its speed on Arm hardware, and its row limits, are not measured yet.
+"""
+
+from __future__ import annotations
+
+from infertune.kernels import cpu
+from infertune.kernels.x86 import Avx2Kernels
+
+_instance: NeonKernels | None = None
+
+
+class NeonKernels(Avx2Kernels):
+    """lib: a library from cpu.load_variant("neon") (default: the process's), or a stand-in with its entry points
+    (tests/neon_qemu.py runs them under qemu)."""
+
+    def __init__(self, lib=None) -> None:
+        if lib is None:
+            got = cpu.load_variant("neon")
+            if isinstance(got, str):
+                raise RuntimeError(f"the NEON kernels are unavailable: {got}")
+            lib = got
+        self.lib = lib
+        self.amx = False
+        self.name = cpu.VARIANTS["neon"].title
+
+    def __repr__(self) -> str:
+        return f"NeonKernels({self.name})"
+
+
+def kernels() -> NeonKernels | None:
+    """The process's Arm kernels where cpu.variant() loaded them, else None (cpu.unavailable_reason() says why)."""
+    global _instance
+    if _instance is None and cpu.available() and cpu.variant() == "neon":
+        _instance = NeonKernels(cpu.library())
+    return _instance if cpu.available() else None

@@ -1,0 +1,21 @@
+/* infertune's CPU kernels for AArch64 (Armv8-A Advanced SIMD, the NEON every 64-bit Arm server and laptop has:
+ * Graviton, Ampere, Apple M, Cobalt, Grace): the small-batch linears (bf16, W8A16, W4A16), the dequantization of
+ * quantized weights for prefills, the elementwise kernels (RMSNorm, SiLU-and-multiply, rotary) and the
+ * mixture-of-experts routing and grouped experts (csrc/moe.h over these GEMVs), with the same entry points and
+ * contracts as the x86 libraries, so kernels/cpu.py calls any of them. No 12-bit weights, decode attention or fused
+ * step (x86 AVX-512 / AMX only). Tested for correctness under qemu-user (tests/test_neon.py); not yet measured
+ * on Arm hardware.
+ *
+ * One translation unit (this file #includes its parts); built by kernels/cpu.py with -march=armv8-a. */
+#define _GNU_SOURCE
+#include <arm_neon.h>
+#include <omp.h>
+#include "bf16.h"
+#include "abi.h"
+#include "act_i16.h"
+#include "arm/neon/vec128.h"
+
+#include "abi.c"
+#include "arm/neon/gemv.c"
+#include "arm/neon/elementwise.c"
+#include "arm/neon/moe.c"

@@ -1,0 +1,264 @@
+/* Mixture-of-experts layers: the routing (GatingTopK) and the routed experts as one grouped GEMM. Portable C over
+ * a variant's linear kernels, shared by every ISA's library.
+ *
+ *   it_moe_route    router logits [T, E] -> each token's top_k experts and their weights, by every rule of
+ *                   config.py MoeArch exactly as layers/moe.py route() applies it, plus the grouping: how many rows
+ *                   each expert got and the (token, slot) rows sorted by expert, stable (group_by_expert)
+ *   it_moe_experts  the routed experts over those rows: per expert that got n > 0 rows, its n rows of x gathered,
+ *                   gate_up, SiLU-and-multiply, down, each row scaled by its weight and summed into its token's
+ *                   output (experts nobody picked cost nothing), rounded to bf16 where experts_reference rounds
+ *
+ * Ties: route() takes torch.topk's picks, whose order among equal values is that of its algorithm (an nth_element
+ * and a sort: no rule one could write down). Here, among equal values the lower index comes first; that decides only
+ * the order of a token's slots, never which experts it gets (the layer's output does not depend on the order)
+ * unless the tie sits at the boundary: the k-th best expert equal to the next one, or the topk_group-th best group
+ * equal to the next. There it_moe_route hands back (returns 1) and the caller routes with route(), whose picks are
+ * then the engine's with or without kernels, and transformers'. In bf16, where router logits tie often, a boundary
+ * tie takes ~4% of a layer's tokens (the 64-expert benchmark model); NaN scores hand back too.
+ *
+ * A variant defines, before it includes this file:
+ *   moe_linear(L, x, ldx, y, ldy, M, nthreads, scratch)  y = x W^T (+ bias) for one expert's it_lin (bf16, w8, w4)
+ *   moe_linear_scratch(M, K, nthreads)                    the bytes of scratch moe_linear needs at up to M rows
+ *   moe_silu_mul(gu, act, M, I, nthreads)                 act = bf16(bf16(silu(gate)) * up), as it_silu_mul
+ */
+#ifndef IT_MOE_H
+#define IT_MOE_H
+#include <omp.h>
+#include "bf16.h"
+#include "abi.h"
+
+#define MOE_ALIGN64(n) (((n) + 63) & ~(int64_t)63)
+/* it_moe_experts runs experts side by side (one per thread at a time) from this many experts with rows per thread,
+   else one after the other with each one's features split over the threads (benchmarks/bench_moe_kernels.py builds
+   other values to compare the two) */
+#ifndef IT_MOE_SIDE_BY_SIDE
+#define IT_MOE_SIDE_BY_SIDE 1
+#endif
+
+/* The index of the best of v[0 .. n) not yet taken: the highest value, the lowest index among equal ones (a value
+   no comparison prefers, NaN, stands only where it is the first one left). */
+static inline int64_t moe_best(const float* v, const uint8_t* taken, int64_t n) {
+    int64_t best = -1;
+    for (int64_t i = 0; i < n; i++)
+        if (!taken[i] && (best < 0 || v[i] > v[best])) best = i;
+    return best;
+}
+
+/* One token: scores [E] and choice [E] (scratch), taken [E] and group scratch [n_group] (+ taken [n_group]).
+ * Returns 1 where a tie (or a NaN) decides which experts the token gets, else 0. */
+static int moe_route_row(const it_moe* m, const float* logit, const float* bias, float* scores, float* choice,
+                          uint8_t* taken, float* gscore, uint8_t* gtaken, float* w, int64_t* ids) {
+    const int64_t E = m->num_experts, k = m->top_k;
+    if (m->scoring == IT_MOE_SOFTMAX) { /* as torch: exp(l - max), times 1 / sum */
+        float mx = logit[0];
+        for (int64_t e = 1; e < E; e++) mx = logit[e] > mx ? logit[e] : mx;
+        float sum = 0.0f;
+        for (int64_t e = 0; e < E; e++) {
+            scores[e] = expf(logit[e] - mx);
+            sum += scores[e];
+        }
+        const float inv = 1.0f / sum;
+        for (int64_t e = 0; e < E; e++) scores[e] *= inv;
+    } else {
+        for (int64_t e = 0; e < E; e++) scores[e] = 1.0f / (1.0f + expf(-logit[e]));
+    }
+    int tied = 0;
+    for (int64_t e = 0; e < E; e++) {
+        choice[e] = bias ? scores[e] + bias[e] : scores[e];
+        tied |= choice[e] != choice[e];
+    }
+    if (m->topk_method != IT_MOE_GREEDY && m->n_group > 1) {
+        const int64_t G = m->n_group, per = E / G;
+        for (int64_t g = 0; g < G; g++) {
+            const float* c = choice + g * per;
+            if (m->topk_method == IT_MOE_NOAUX_TC) { /* a group is worth the sum of its two best choices */
+                memset(taken, 0, (size_t)per);
+                const int64_t a = moe_best(c, taken, per);
+                taken[a] = 1;
+                gscore[g] = per > 1 ? c[a] + c[moe_best(c, taken, per)] : c[a];
+            } else { /* group_limited_greedy: its best one */
+                float mx = c[0];
+                for (int64_t i = 1; i < per; i++) mx = c[i] > mx ? c[i] : mx;
+                gscore[g] = mx;
+            }
+        }
+        memset(gtaken, 0, (size_t)G);
+        int64_t last = 0;
+        for (int64_t j = 0; j < m->topk_group; j++) gtaken[last = moe_best(gscore, gtaken, G)] = 1;
+        if (m->topk_group < G) tied |= gscore[moe_best(gscore, gtaken, G)] == gscore[last];
+        const float fill = m->topk_method == IT_MOE_NOAUX_TC ? -INFINITY : 0.0f; /* as route() masks them */
+        for (int64_t g = 0; g < G; g++)
+            if (!gtaken[g])
+                for (int64_t i = 0; i < per; i++) choice[g * per + i] = fill;
+    }
+    memset(taken, 0, (size_t)E);
+    float sum = 0.0f;
+    for (int64_t j = 0; j < k; j++) {
+        const int64_t e = moe_best(choice, taken, E);
+        taken[e] = 1;
+        ids[j] = e;
+        w[j] = scores[e]; /* the unbiased score */
+        sum += w[j];
+    }
+    if (k < E) tied |= choice[moe_best(choice, taken, E)] == choice[ids[k - 1]];
+    if (m->norm_topk_prob) {
+        const float den = sum + (m->scoring == IT_MOE_SIGMOID ? 1e-20f : 0.0f);
+        for (int64_t j = 0; j < k; j++) w[j] /= den;
+    }
+    if (m->routed_scaling_factor != 1.0f)
+        for (int64_t j = 0; j < k; j++) w[j] *= m->routed_scaling_factor;
+    return tied;
+}
+
+/* logits [T, E], fp32 (logits_bf16 = 0) or bf16, rows ld apart; bias [E] fp32 or NULL (selection only) ->
+ * weights [T, k] fp32, ids [T, k], counts [E], order [T k] (the flat t * k + j sorted by expert, stable).
+ * Returns 0; 1 where a tie at the boundary decides some token's experts (see above: nothing is grouped, the caller
+ * routes with route()); -2 where the rule does not fit (E not a multiple of n_group, k or topk_group out of range). */
+int it_moe_route(const void* logits, int logits_bf16, int64_t ld, int64_t T, const it_moe* m, const float* bias,
+                 float* weights, int64_t* ids, int64_t* counts, int64_t* order, int nthreads) {
+    const int64_t E = m->num_experts, k = m->top_k, G = m->n_group > 1 ? m->n_group : 1;
+    if (E < 1 || k < 1 || k > E || E % G || m->topk_group < 1 || m->topk_group > G) return -2;
+    /* ~1 us a token: a second thread pays off from a prefill's few dozen tokens */
+    const int nt = T * E >= 4096 && nthreads > 1 ? nthreads : 1;
+    int tied = 0;
+#pragma omp parallel num_threads(nt) reduction(| : tied)
+    {
+        float* buf = (float*)malloc((size_t)((3 * E + G) * 4 + E + G));
+        float *scores = buf, *choice = buf + E, *lrow = buf + 2 * E, *gscore = buf + 3 * E;
+        uint8_t* taken = (uint8_t*)(gscore + G);
+        uint8_t* gtaken = taken + E;
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++) {
+            const float* l = (const float*)logits + t * ld;
+            if (logits_bf16) {
+                for (int64_t e = 0; e < E; e++) lrow[e] = bf2f(((const bf16*)logits)[t * ld + e]);
+                l = lrow;
+            }
+            tied |= moe_route_row(m, l, bias, scores, choice, taken, gscore, gtaken, weights + t * k, ids + t * k);
+        }
+        free(buf);
+    }
+    if (tied) return 1;
+    /* counting sort by expert: stable, so each expert's rows stay in (token, slot) order */
+    memset(counts, 0, (size_t)E * 8);
+    for (int64_t f = 0; f < T * k; f++) counts[ids[f]]++;
+    int64_t* next = (int64_t*)malloc((size_t)E * 8);
+    for (int64_t e = 0, s = 0; e < E; e++) {
+        next[e] = s;
+        s += counts[e];
+    }
+    for (int64_t f = 0; f < T * k; f++) order[next[ids[f]]++] = f;
+    free(next);
+    return 0;
+}
+
+/* Expert e's slice of a stacked projection: L describes expert 0 ([E, N, K] weights, scales [E, N] or
+ * [E, N, K / group], bias [E, N] or NULL) */
+static it_lin moe_expert_lin(const it_lin* L, int64_t e) {
+    it_lin r = *L;
+    const int64_t N = L->N, K = L->K;
+    if (L->kind == IT_KIND_BF16) {
+        r.w = (const bf16*)L->w + e * N * K;
+    } else if (L->kind == IT_KIND_W8) {
+        r.w = (const int8_t*)L->w + e * N * K;
+        r.scale = (const char*)L->scale + e * N * (L->scale_is_f32 ? 4 : 2);
+    } else { /* IT_KIND_W4 */
+        r.w = (const uint8_t*)L->w + e * N * (K / 2);
+        r.scale = (const float*)L->scale + e * N * (K / L->group);
+        r.zero = L->zero + e * N * (K / L->group);
+    }
+    if (L->bias) r.bias = L->bias + e * N;
+    return r;
+}
+
+/* out[t] = bf16 of the fp32 sum over its slots, in the order of their rows (ascending expert), of
+ * bf16(y[row] * bf16(w)): experts_reference's index_add_ into zeros (torch sums bf16 sources in fp32) */
+static void moe_combine(const bf16* ys, const float* weights, const int64_t* order, const int64_t* pos, int64_t T,
+                        int64_t k, int64_t H, bf16* out, int nthreads) {
+    const int nt = T > 1 && T * k * H >= (1 << 16) && nthreads > 1 ? (int)(T < nthreads ? T : nthreads) : 1;
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        int64_t rows[64], n = 0; /* the token's rows, ascending (k <= 64, checked by the caller) */
+        for (int64_t j = 0; j < k; j++) {
+            int64_t r = pos[t * k + j], i = n++;
+            for (; i > 0 && rows[i - 1] > r; i--) rows[i] = rows[i - 1];
+            rows[i] = r;
+        }
+        float w[64];
+        for (int64_t i = 0; i < n; i++) w[i] = bf2f(f2bf(weights[order[rows[i]]]));
+        bf16* o = out + t * H;
+        for (int64_t h = 0; h < H; h++) {
+            float acc = 0.0f;
+            for (int64_t i = 0; i < n; i++) acc += bf2f(f2bf(bf2f(ys[rows[i] * H + h]) * w[i]));
+            o[h] = f2bf(acc);
+        }
+    }
+}
+
+/* x [T, H] bf16 (rows ldx apart); gate_up and down: expert 0's it_lin of the stacked [E, 2I, H] and [E, H, I]
+ * projections (gate rows, then up rows); weights [T, k], order [T k], counts [E] from it_moe_route -> out [T, H]
+ * bf16. Experts side by side on the threads where at least as many experts have rows as there are threads (each
+ * streams its own weights, one parallel region a call), else one after the other with their features split.
+ * Returns 0, or -2 where the shapes, or the grouping (counts summing to T k, order a permutation of 0 .. T k - 1),
+ * do not fit. */
+int it_moe_experts(const bf16* x, int64_t ldx, int64_t T, const it_lin* gate_up, const it_lin* down, int64_t E,
+                   int64_t k, const float* weights, const int64_t* order, const int64_t* counts, bf16* out,
+                   int nthreads) {
+    const int64_t H = gate_up->K, I = down->K, R = T * k;
+    if (gate_up->N != 2 * I || down->N != H || k < 1 || k > 64 || T < 1) return -2;
+    for (int i = 0; i < 2; i++) {
+        const it_lin* L = i ? down : gate_up;
+        if (L->kind != IT_KIND_BF16 && L->kind != IT_KIND_W8 && L->kind != IT_KIND_W4) return -2;
+        if (L->kind == IT_KIND_W4 && (L->group < 1 || L->K % L->group || L->K % 2)) return -2;
+    }
+    if (nthreads < 1) nthreads = 1;
+    int64_t* idx = (int64_t*)malloc((size_t)(2 * E + R) * 8);
+    int64_t *start = idx, *active = idx + E, *pos = idx + 2 * E;
+    int64_t na = 0, maxn = 0, rows = 0;
+    for (int64_t e = 0; e < E; e++) {
+        start[e] = rows;
+        rows += counts[e] > 0 ? counts[e] : 0;
+        if (counts[e] > 0) active[na++] = e;
+        maxn = counts[e] > maxn ? counts[e] : maxn;
+    }
+    int bad = rows != R;
+    for (int64_t r = 0; r < R; r++) pos[r] = -1;
+    for (int64_t r = 0; r < R && !bad; r++) {
+        bad = order[r] < 0 || order[r] >= R || pos[order[r]] >= 0;
+        if (!bad) pos[order[r]] = r;
+    }
+    if (bad) { /* not a grouping of these T k rows */
+        free(idx);
+        return -2;
+    }
+    /* the busiest experts first, so that the last ones to start are short */
+    for (int64_t i = 1; i < na; i++) {
+        const int64_t e = active[i];
+        int64_t j = i;
+        for (; j > 0 && counts[active[j - 1]] < counts[e]; j--) active[j] = active[j - 1];
+        active[j] = e;
+    }
+    const int outer = na >= (int64_t)IT_MOE_SIDE_BY_SIDE * nthreads ? nthreads : 1, inner = outer > 1 ? 1 : nthreads;
+    int64_t s_h = moe_linear_scratch(maxn, H, inner), s_i = moe_linear_scratch(maxn, I, inner);
+    const int64_t scratch = MOE_ALIGN64(s_h > s_i ? s_h : s_i);
+    const int64_t o_gu = MOE_ALIGN64(R * H * 2), o_act = o_gu + MOE_ALIGN64(R * 2 * I * 2);
+    const int64_t o_y = o_act + MOE_ALIGN64(R * I * 2), o_s = o_y + MOE_ALIGN64(R * H * 2);
+    char* work = (char*)aligned_alloc(64, (size_t)(o_s + outer * scratch));
+    bf16 *xs = (bf16*)work, *gu = (bf16*)(work + o_gu), *act = (bf16*)(work + o_act), *ys = (bf16*)(work + o_y);
+#pragma omp parallel for num_threads(outer) schedule(dynamic, 1) if (outer > 1)
+    for (int64_t a = 0; a < na; a++) {
+        const int64_t e = active[a], r0 = start[e], n = counts[e];
+        void* s = work + o_s + (int64_t)omp_get_thread_num() * scratch;
+        for (int64_t i = 0; i < n; i++)
+            memcpy(xs + (r0 + i) * H, x + (order[r0 + i] / k) * ldx, (size_t)H * 2);
+        const it_lin g = moe_expert_lin(gate_up, e), d = moe_expert_lin(down, e);
+        moe_linear(&g, xs + r0 * H, H, gu + r0 * 2 * I, 2 * I, n, inner, s);
+        moe_silu_mul(gu + r0 * 2 * I, act + r0 * I, n, I, inner);
+        moe_linear(&d, act + r0 * I, I, ys + r0 * H, H, n, inner, s);
+    }
+    moe_combine(ys, weights, order, pos, T, k, H, out, nthreads);
+    free(work);
+    free(idx);
+    return 0;
+}
+#endif

@@ -1,0 +1,18 @@
+"""Which attention backend a model runs: the one place the choice is made (the runner asks here)."""
+
+from __future__ import annotations
+
+import torch
+
+from infertune.config import ArchConfig
+from infertune.layers.attention.base import AttentionBackend
+from infertune.layers.attention.mla import Int8MlaAttention, MlaAttention
+from infertune.layers.attention.paged import Int8PagedAttention, TorchPagedAttention
+
+
+def attention_backend(arch: ArchConfig, kv_cache_dtype: str, dtype: torch.dtype) -> AttentionBackend:
+    """The latent cache for an MLA model (DeepSeek), the paged K/V cache for the others; int8 or the model dtype."""
+    int8 = kv_cache_dtype == "int8"
+    if arch.mla is not None:
+        return Int8MlaAttention(arch.mla, dtype) if int8 else MlaAttention(arch.mla)
+    return Int8PagedAttention(dtype) if int8 else TorchPagedAttention()

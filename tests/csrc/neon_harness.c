@@ -1,0 +1,75 @@
+/* Runs one entry point of the NEON kernels (csrc/arm/neon) on buffers read from files, for tests/test_neon.py,
+ * which builds this for AArch64 and runs it under qemu-user:
+ *   neon_harness OP SCALARS... BUFFER_FILES...
+ * Each buffer file is read whole ("-" is NULL); after the call the last file (the output, which may also be an
+ * input: it is read first) is written back. Scalars are integers, eps a decimal float. */
+#include "arm/neon/neon.c"
+#include <stdio.h>
+
+static void* slurp(const char* path, long* size) {
+    if (path[0] == '-' && path[1] == 0) return NULL;
+    FILE* f = fopen(path, "rb");
+    if (!f) { perror(path); exit(2); }
+    fseek(f, 0, SEEK_END);
+    *size = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    void* p = malloc((size_t)*size + 64);
+    if (fread(p, 1, (size_t)*size, f) != (size_t)*size) { perror(path); exit(2); }
+    fclose(f);
+    return p;
+}
+
+static void spit(const char* path, const void* p, long size) {
+    FILE* f = fopen(path, "wb");
+    if (!f || fwrite(p, 1, (size_t)size, f) != (size_t)size) { perror(path); exit(2); }
+    fclose(f);
+}
+
+#define I(k) atoll(argv[2 + (k)])
+#define NEED(n) if (argc != 2 + (n)) { fprintf(stderr, "%s: %d arguments expected\n", op, (n)); return 2; }
+
+int main(int argc, char** argv) {
+    if (argc < 2) return 2;
+    const char* op = argv[1];
+    if (!strcmp(op, "it_abi")) { /* OUT: the ABI version, the count of struct sizes / offsets, then those */
+        if (argc != 3) return 2;
+        const int64_t n = it_struct_sizes(NULL, 0);
+        int64_t* v = malloc((size_t)(n + 2) * 8);
+        v[0] = it_abi(), v[1] = n;
+        it_struct_sizes(v + 2, n);
+        spit(argv[2], v, (long)(n + 2) * 8);
+        return 0;
+    }
+    void* b[6] = {0};
+    long sz[6] = {0};
+    int first = 0, nbuf = 0;
+    if (!strcmp(op, "it_linear_bf16")) { NEED(9) first = 5, nbuf = 4; }        /* ldx ldy M N K | x w bias y */
+    else if (!strcmp(op, "it_linear_w8")) { NEED(11) first = 6, nbuf = 5; }   /* sf32 ldx ldy M N K | x w s bias y */
+    else if (!strcmp(op, "it_linear_w4")) { NEED(12) first = 6, nbuf = 6; }   /* gs ldx ldy M N K | x w s z bias y */
+    else if (!strcmp(op, "it_dequant_w8")) { NEED(6) first = 3, nbuf = 3; }   /* sf32 N K | q s out */
+    else if (!strcmp(op, "it_dequant_w4")) { NEED(7) first = 3, nbuf = 4; }   /* gs N K | packed s z out */
+    else if (!strcmp(op, "it_rmsnorm_mt")) { NEED(6) first = 3, nbuf = 3; }   /* T H eps | x w out */
+    else if (!strcmp(op, "it_silu_mul")) { NEED(4) first = 2, nbuf = 2; }     /* T I | gu act */
+    else if (!strcmp(op, "it_rotary")) { NEED(7) first = 5, nbuf = 2; }       /* ld T heads D ld_cs | cs qk */
+    else { fprintf(stderr, "unknown op %s\n", op); return 2; }
+    for (int i = 0; i < nbuf; i++) b[i] = slurp(argv[2 + first + i], &sz[i]);
+    const int nt = 2;
+    if (!strcmp(op, "it_linear_bf16"))
+        it_linear_bf16(b[0], I(0), b[1], b[2], b[3], I(1), I(2), I(3), I(4), nt);
+    else if (!strcmp(op, "it_linear_w8"))
+        it_linear_w8(b[0], I(1), b[1], b[2], (int)I(0), b[3], b[4], I(2), I(3), I(4), I(5), nt);
+    else if (!strcmp(op, "it_linear_w4"))
+        it_linear_w4(b[0], I(1), b[1], b[2], b[3], I(0), b[4], b[5], I(2), I(3), I(4), I(5), nt);
+    else if (!strcmp(op, "it_dequant_w8"))
+        it_dequant_w8(b[0], b[1], (int)I(0), b[2], I(1), I(2), nt);
+    else if (!strcmp(op, "it_dequant_w4"))
+        it_dequant_w4(b[0], b[1], b[2], I(0), b[3], I(1), I(2), nt);
+    else if (!strcmp(op, "it_rmsnorm_mt"))
+        it_rmsnorm_mt(b[0], b[1], b[2], I(0), I(1), (float)atof(argv[4]), nt);
+    else if (!strcmp(op, "it_silu_mul"))
+        it_silu_mul(b[0], b[1], I(0), I(1), nt);
+    else
+        it_rotary(b[1], I(0), I(1), I(2), I(3), b[0], I(4), nt);
+    spit(argv[2 + first + nbuf - 1], b[nbuf - 1], sz[nbuf - 1]);
+    return 0;
+}

@@ -1,0 +1,68 @@
+"""What the parity tests share (test_model_parity.py, test_moe_models.py): the prompts, the teacher-forcing oracle
+against HF transformers, one greedy engine run, and the engine modes that must not change a greedy output."""
+
+from __future__ import annotations
+
+import torch
+
+from infertune import LLM, SamplingParams
+
+BLOCK = 4  # small blocks so short prompts span several
+MAX_LEN = 96
+NEW_TOKENS = 12
+
+
+def prompts_for(vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    # 1 token, shorter than a block, exactly two blocks, several blocks and a partial one
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (1, 3, 2 * BLOCK, 37)]
+
+
+def assert_teacher_forced(hf, prompt: list[int], output: list[int], tol: float = 1e-3) -> None:
+    """Every token the engine picked is one HF ranks top (within tol in logit) when fed the same prefix."""
+    assert output, "expected generated tokens"
+    ids = torch.tensor([prompt + output])
+    with torch.no_grad():
+        logits = hf(ids).logits[0, len(prompt) - 1 : -1].double()  # [len(output), V]
+    picked = logits.gather(1, torch.tensor(output).unsqueeze(1)).squeeze(1)
+    gap = logits.max(dim=1).values - picked
+    assert (gap <= tol).all(), f"token {int(gap.argmax())} is {float(gap.max()):.2e} below HF's best logit"
+
+
+def run(path, prompts, **engine):
+    """Greedy NEW_TOKENS for each prompt, batched, in fp32 -> (the LLM, the token ids per prompt)."""
+    engine = {"max_model_len": MAX_LEN, **engine}
+    llm = LLM(str(path), dtype="float32", block_size=BLOCK, **engine)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return llm, [o.outputs[0].token_ids for o in outs]
+
+
+def run_one_at_a_time(path, prompts) -> list[list[int]]:
+    """The same as run(), each prompt alone in its own generate call."""
+    llm = LLM(str(path), dtype="float32", max_model_len=MAX_LEN, block_size=BLOCK)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    return [llm.generate({"prompt_token_ids": p}, params)[0].outputs[0].token_ids for p in prompts]
+
+
+def engine_modes(kv_bytes_per_token: int) -> dict[str, dict]:
+    """Engine settings that must give the default run's tokens (prefix caching off), for a model whose KV cache
+    takes kv_bytes_per_token (fp32, every layer)."""
+    return {
+        "prefix-cache-on": dict(enable_prefix_caching=True),
+        "tiny-chunked-prefill": dict(max_num_batched_tokens=5),
+        "one-seq-at-a-time": dict(max_num_seqs=1),
+        # 16 blocks of BLOCK tokens, where the batch of prompts_for needs 24 at its peak
+        "preemption": dict(kv_cache_memory_bytes=kv_bytes_per_token * 16 * BLOCK, max_model_len=64),
+    }
+
+
+def assert_mode_matches(llm, mode: str, hf, prompts, outs, reference) -> None:
+    """A run in one of engine_modes: HF's greedy tokens, the default run's, preempted where asked, no block leaked."""
+    for p, o in zip(prompts, outs):
+        assert_teacher_forced(hf, p, o)
+    assert outs == reference
+    if mode == "preemption":
+        assert llm.engine.scheduler.num_preemptions > 0
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks  # nothing leaked

@@ -1,0 +1,403 @@
+"""The mixture-of-experts kernels (csrc/moe.h, behind kernels/interface.py moe_route / moe_experts) against
+layers/moe.py: the fused router against route() on random logits full of ties and equal group scores, every routing
+rule; the grouped expert GEMM against experts_reference in fp32 from the same bf16 weights, and against the
+per-expert loop in bf16 (it rounds where that loop rounds); int8 / int4 experts against the per-expert loop of their
+own methods and against their dequantized weights; a tiny Qwen3-MoE engine with the kernels against the engine on
+torch's operators, and on the pure-PyTorch implementation of the contract. Each oracle runs on the AVX-512 library
+(AMX where present) and on the AVX2 one, each where this CPU can run it."""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+from infertune.config import MoeArch
+from infertune.kernels import cpu, x86
+from infertune.kernels.interface import KernelExperts, KernelLinear, MoeRouting
+from infertune.layers.moe import Experts, experts_reference, group_by_expert, route
+
+
+@pytest.fixture(params=["avx512", "avx2"])
+def ks(request):
+    if request.param == "avx512":
+        if cpu.variant() not in ("avx512", "avx512-noamx"):
+            pytest.skip(f"the AVX-512 kernels are not this process's: {cpu.describe()}")
+        return x86.kernels()
+    lib = cpu.load_variant("avx2")
+    if isinstance(lib, str):
+        pytest.skip(lib)
+    return x86.Avx2Kernels(lib)
+
+
+def moe_arch(e: int, k: int, **kw) -> MoeArch:
+    return MoeArch(num_experts=e, top_k=k, intermediate_size=32, layers=(0,), **kw)
+
+
+# Every rule of MoeArch, at the sizes of the families that use it (DeepSeek-V2's 160 experts scaled to 64).
+RULES = {
+    "softmax-raw": moe_arch(64, 8, norm_topk_prob=False),  # Qwen2-MoE, Qwen3-MoE with norm_topk_prob off
+    "softmax-renormalised": moe_arch(64, 8, norm_topk_prob=True),  # Qwen3-MoE
+    "mixtral": moe_arch(8, 2, norm_topk_prob=True),
+    "v2-greedy-scaled": moe_arch(64, 6, norm_topk_prob=False, routed_scaling_factor=1.5),
+    "v2-groups": moe_arch(
+        64,
+        6,
+        norm_topk_prob=False,
+        topk_method="group_limited_greedy",
+        n_group=8,
+        topk_group=3,
+        routed_scaling_factor=16.0,
+    ),
+    "v3": moe_arch(
+        256,
+        8,
+        norm_topk_prob=True,
+        scoring="sigmoid",
+        topk_method="noaux_tc",
+        n_group=8,
+        topk_group=4,
+        routed_scaling_factor=2.5,
+        correction_bias=True,
+    ),
+    "v3-one-group": moe_arch(
+        32,
+        4,
+        norm_topk_prob=True,
+        scoring="sigmoid",
+        topk_method="noaux_tc",
+        n_group=4,
+        topk_group=1,
+        correction_bias=True,
+    ),
+    "sigmoid-greedy-bias": moe_arch(32, 4, norm_topk_prob=True, scoring="sigmoid", correction_bias=True),
+}
+
+
+def router_inputs(moe: MoeArch, kind: str, t: int, g: torch.Generator):
+    """Logits [T, E] and a correction bias (or None): fp32 normal, bf16 normal (the router's output in a bf16
+    model), a grid of 13 values (ties everywhere, at the boundary too), and equal groups (group 1 a permutation of
+    group 0, its bias permuted alike, the two lifted to the top: equal group scores, every expert tied with one in
+    the other group; without groups, the two halves of the experts)."""
+    e = moe.num_experts
+    bias = 0.05 * torch.randn(e, generator=g) if moe.correction_bias else None
+    if kind == "grid":  # (a bias of 5 values: equal logits and bias, equal choice)
+        bias = torch.randint(-2, 3, (e,), generator=g) / 64.0 if moe.correction_bias else None
+        return torch.randint(-6, 7, (t, e), generator=g) / 4.0, bias
+    logits = torch.randn(t, e, generator=g)
+    if kind == "bf16":
+        return logits.bfloat16(), bias
+    if kind == "equal-groups":
+        size = e // (moe.n_group if moe.n_group > 1 else 2)
+        perm = torch.randperm(size, generator=g)
+        logits[:, :size] += 6.0
+        logits[:, size : 2 * size] = logits[:, :size][:, perm]
+        if bias is not None:  # (a sigmoid saturates: the bias lifts them too)
+            bias[:size] += 0.5
+            bias[size : 2 * size] = bias[:size][perm]
+    return logits, bias
+
+
+def choice_and_boundary_ties(logits, moe: MoeArch, bias):
+    """The values route() ranks (scores + bias, dropped groups masked) and, per row, whether a tie at the boundary
+    (the k-th best expert equal to the next, or the topk_group-th best group equal to the next) or a NaN decides the
+    row's experts. An independent statement of where the tie rule matters."""
+    scores = logits.float().softmax(-1) if moe.scoring == "softmax" else logits.float().sigmoid()
+    choice = scores if bias is None else scores + bias
+    t, e = choice.shape
+    tied = choice.isnan().any(-1)
+    if moe.topk_method != "greedy" and moe.n_group > 1:
+        grouped = choice.view(t, moe.n_group, -1)
+        gscore = grouped.topk(2, -1).values.sum(-1) if moe.topk_method == "noaux_tc" else grouped.amax(-1)
+        ranked = gscore.sort(-1, descending=True)
+        if moe.topk_group < moe.n_group:
+            tied |= ranked.values[:, moe.topk_group - 1] == ranked.values[:, moe.topk_group]
+        keep = torch.zeros_like(gscore, dtype=torch.bool).scatter_(1, ranked.indices[:, : moe.topk_group], True)
+        fill = float("-inf") if moe.topk_method == "noaux_tc" else 0.0
+        choice = choice.masked_fill(~keep.repeat_interleave(e // moe.n_group, dim=1), fill)
+    best = choice.sort(-1, descending=True).values
+    if moe.top_k < e:
+        tied |= best[:, moe.top_k - 1] == best[:, moe.top_k]
+    return choice, tied
+
+
+def check_routing(got: MoeRouting, logits, moe: MoeArch, bias) -> None:
+    """The kernel's routing of rows without a boundary tie: route()'s experts, each with its weight (within 1e-6);
+    route()'s order
+    where no two of a row's picks tie, the lower index first among those that do; the grouping of its ids."""
+    weights, ids = route(logits, moe, bias)
+    choice, _ = choice_and_boundary_ties(logits, moe, bias)
+    mine, ref = got.ids.sort(dim=1), ids.sort(dim=1)
+    assert torch.equal(mine.values, ref.values)
+    # (within 1e-6 before the routed_scaling_factor: the scores' exp and sums agree to an ulp or two)
+    tol = 1e-6 * max(1.0, moe.routed_scaling_factor)
+    torch.testing.assert_close(got.weights.gather(1, mine.indices), weights.gather(1, ref.indices), atol=tol, rtol=0)
+    picked = choice.gather(1, got.ids)  # best first; among equal values the lower index first
+    assert (picked[:, :-1] >= picked[:, 1:]).all()
+    assert ((picked[:, :-1] > picked[:, 1:]) | (got.ids[:, :-1] < got.ids[:, 1:])).all()
+    distinct = (picked[:, :-1] != picked[:, 1:]).all(dim=1)
+    assert torch.equal(got.ids[distinct], ids[distinct])
+    order, counts = group_by_expert(got.ids, moe.num_experts)
+    assert torch.equal(got.order, order) and torch.equal(got.counts, counts)
+
+
+@pytest.mark.parametrize("name", list(RULES))
+@pytest.mark.parametrize("kind", ["normal", "bf16", "grid", "equal-groups"])
+def test_fused_router_matches_route(ks, name, kind):
+    """Row by row (where ties inside the top-k are common and boundary ties hand back), and a whole batch (threaded
+    past 4096 scores): the kernel answers exactly where no row has a boundary tie."""
+    moe = RULES[name]
+    g = torch.Generator().manual_seed(zlib.crc32(f"{name} {kind}".encode()))
+    logits, bias = router_inputs(moe, kind, 96, g)
+    choice, tied = choice_and_boundary_ties(logits, moe, bias)
+    answered = inside_ties = 0
+    for r in range(logits.shape[0]):
+        got = ks.moe_route(logits[r : r + 1], moe, bias)
+        assert (got is None) == bool(tied[r]), (r, logits[r])
+        if got is not None:
+            check_routing(got, logits[r : r + 1], moe, bias)
+            answered += 1
+            inside_ties += len(set(choice[r, got.ids[0]].tolist())) < moe.top_k
+    for rows in (slice(0, 96), slice(None, None, 2)):  # (a strided batch too)
+        got = ks.moe_route(logits[rows], moe, bias)
+        assert (got is None) == bool(tied[rows].any())
+        clear = ~tied
+        if got is None and clear.sum() > 0:
+            got = ks.moe_route(logits[clear], moe, bias)
+            logits_checked = logits[clear]
+        else:
+            logits_checked = logits[rows]
+        if got is not None:
+            check_routing(got, logits_checked, moe, bias)
+    # what each input is for: the grid, ties inside the top-k (answered) and at the boundary (handed back); equal
+    # groups, pairs of tied experts inside the top-k (k is even), and the two best groups tied: kept together where
+    # more than one group is kept, a boundary tie on every row where one is
+    if kind == "grid":
+        assert inside_ties > 0 and tied.any()
+    if kind == "equal-groups" and moe.topk_method != "greedy" and moe.topk_group == 1:
+        assert tied.all() and answered == 0
+    elif kind == "equal-groups":
+        assert not tied.any() and inside_ties == answered == logits.shape[0]
+    else:
+        assert answered > 0
+
+
+def test_router_kernel_hands_back_nan_and_refuses_what_it_does_not_fit(ks):
+    moe = RULES["softmax-renormalised"]
+    logits = torch.randn(3, 64)
+    logits[1, 7] = float("nan")
+    assert ks.moe_route(logits, moe) is None  # route() decides what a NaN router does
+    assert ks.moe_route(torch.randn(3, 32), moe) is None  # not this rule's experts
+    assert ks.moe_route(torch.randn(3, 64, dtype=torch.float64), moe) is None
+    assert ks.moe_route(torch.randn(64, 3).t(), moe) is None  # columns strided
+
+
+# ---- the grouped expert GEMM -------------------------------------------------------------------------------
+
+
+def expert_weights(e: int, hidden: int, inter: int, g: torch.Generator):
+    gate_up = (torch.randn(e, 2 * inter, hidden, generator=g) / hidden**0.5).bfloat16()
+    down = (torch.randn(e, hidden, inter, generator=g) / inter**0.5).bfloat16()
+    return gate_up, down
+
+
+def bf16_experts(gate_up, down) -> KernelExperts:
+    e, two_i, hidden = gate_up.shape
+    return KernelExperts(
+        e, KernelLinear("bf16", two_i, hidden, weight=gate_up), KernelLinear("bf16", hidden, two_i // 2, weight=down)
+    )
+
+
+def reference_routing(t: int, e: int, k: int, g: torch.Generator, unpicked: int, hot: int | None) -> MoeRouting:
+    """route()'s routing of random logits where the last `unpicked` experts never win and expert `hot` (if any)
+    is in every token's top-k."""
+    logits = torch.randn(t, e, generator=g)
+    logits[:, e - unpicked :] = -30.0
+    if hot is not None:
+        logits[:, hot] = 30.0
+    weights, ids = route(logits, moe_arch(e, k, norm_topk_prob=True))
+    return MoeRouting(weights, ids, *group_by_expert(ids, e))
+
+
+@pytest.mark.parametrize("t,hot", [(1, None), (3, None), (16, None), (64, None), (64, 5)])
+@pytest.mark.parametrize("hidden,inter", [(256, 96), (200, 40)])  # AMX tiles / K not a multiple of 32, N tails
+def test_grouped_experts_match_the_reference(ks, t, hot, hidden, inter):
+    """Against experts_reference in fp32 on the same bf16 weights, within 2^-7 (the rtol of the linear kernels'
+    tests; atol 2^-7 of the output's scale, for elements that cancel); against the per-expert loop in bf16 almost
+    everywhere bit for bit (the same roundings: gate_up, SiLU-and-multiply, down, the weighted rows summed in fp32).
+    Three experts are never picked (their weights are NaN: never read) and, in one case, one expert takes every
+    token (64 rows: the tile GEMM with AMX)."""
+    e, k = 16, 4
+    g = torch.Generator().manual_seed(t * 1000 + hidden)
+    gate_up, down = expert_weights(e, hidden, inter, g)
+    gate_up[e - 3 :] = float("nan")
+    down[e - 3 :] = float("nan")
+    experts = bf16_experts(gate_up, down)
+    x = torch.randn(t, hidden, generator=g).bfloat16()
+    routing = reference_routing(t, e, k, g, unpicked=3, hot=hot)
+    assert routing.counts[e - 3 :].sum() == 0 and (hot is None or routing.counts[hot] == t)
+    y = ks.moe_experts(x, experts, routing)
+    assert y is not None and y.dtype is torch.bfloat16 and y.shape == (t, hidden)
+    ref = experts_reference(x.float(), gate_up.float(), down.float(), routing.weights, routing.ids)
+    assert ref.isfinite().all() and y.isfinite().all()
+    torch.testing.assert_close(y.float(), ref, rtol=2**-7, atol=2**-7 * float(ref.abs().max()))
+    loop = experts_reference(x, gate_up, down, routing.weights, routing.ids)
+    assert (y == loop).float().mean() >= 0.999
+    torch.testing.assert_close(y.float(), loop.float(), rtol=2**-7, atol=2**-8 * float(ref.abs().max()))
+
+
+def test_grouped_experts_refuse_what_they_do_not_fit(ks):
+    g = torch.Generator().manual_seed(2)
+    gate_up, down = expert_weights(8, 64, 32, g)
+    routing = reference_routing(4, 8, 2, g, unpicked=0, hot=None)
+    x = torch.randn(4, 64, generator=g).bfloat16()
+    transposed = KernelExperts(8, bf16_experts(gate_up, down).gate_up, KernelLinear("bf16", 64, 32, weight=down.mT))
+    assert ks.moe_experts(x, transposed, routing) is None  # not contiguous [E, N, K]
+    too_many = torch.randn(ks.max_rows("bf16") * 4 + 1, 64).bfloat16()  # more rows per expert than the linears take
+    wide = reference_routing(too_many.shape[0], 8, 2, g, unpicked=0, hot=None)
+    assert ks.moe_experts(too_many, bf16_experts(gate_up, down), wide) is None
+    # a grouping that is not one of these rows is an error, never read past
+    twice = routing.order.clone()
+    twice[1] = twice[0]
+    for bad in (routing._replace(order=twice), routing._replace(counts=routing.counts + 1)):
+        with pytest.raises(ValueError, match="it_moe_experts refused"):
+            ks.moe_experts(x, bf16_experts(gate_up, down), bad)
+
+
+@pytest.mark.parametrize("method", ["w8a16", "w4a16"])
+@pytest.mark.parametrize("t", [1, 5, 40])
+def test_quantized_experts_match_their_per_expert_loop(ks, method, t):
+    """Int8 / int4 experts (quant/experts.py: the Linear methods' buffers stacked over the experts) through the
+    grouped kernel: the same int kernels as the per-expert loop runs on each expert's slice (bit for bit almost
+    everywhere; past 16 rows an expert's loop multiplies its dequantized weight with torch's GEMM), and within
+    2^-7 of experts_reference in fp32 on the dequantized weights."""
+    from infertune.quant.experts import QuantizedExperts
+    from infertune.quant.int4 import W4A16Method
+    from infertune.quant.int8 import W8A16Method
+
+    e, k, hidden, inter = 8, 2, 128, 64
+    g = torch.Generator().manual_seed(t)
+    layer = Experts(hidden, MoeArch(e, k, inter, layers=(0,), norm_topk_prob=True), torch.bfloat16)
+    gate_up, down = expert_weights(e, hidden, inter, g)
+    with torch.no_grad():
+        layer.gate_up_proj.copy_(gate_up)
+        layer.down_proj.copy_(down)
+    make = (lambda: W8A16Method(kernels=ks)) if method == "w8a16" else (lambda: W4A16Method(group_size=64, kernels=ks))
+    layer.quant_method = QuantizedExperts(make)
+    layer.quant_method.process_weights_after_loading(layer)
+    experts = layer.quant_method.kernel_experts(layer)
+    assert experts is not None and experts.gate_up.kind == method[:2]
+    x = torch.randn(t, hidden, generator=g).bfloat16()
+    routing = reference_routing(t, e, k, g, unpicked=1, hot=None)
+    y = ks.moe_experts(x, experts, routing)
+    assert y is not None
+    loop = layer.forward_native(x, routing)
+    assert (y == loop).float().mean() >= 0.99
+    dq_gate_up = layer.quant_method.dequantized_weight(layer, "gate_up_proj")
+    dq_down = layer.quant_method.dequantized_weight(layer, "down_proj")
+    ref = experts_reference(x.float(), dq_gate_up.float(), dq_down.float(), routing.weights, routing.ids)
+    torch.testing.assert_close(y.float(), ref, rtol=2**-7, atol=2**-7 * float(ref.abs().max()))
+
+
+# ---- the engine ----------------------------------------------------------------------------------------------
+
+TINY_MOE = dict(
+    arch="qwen3_moe",
+    hidden_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    num_experts=16,
+    num_experts_per_tok=4,
+    moe_intermediate_size=64,
+    norm_topk_prob=True,
+    dtype=torch.bfloat16,
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory):
+    from conftest import make_checkpoint
+
+    return make_checkpoint(tmp_path_factory.mktemp("qwen3moe"), **TINY_MOE)
+
+
+def _greedy(llm, prompts, max_tokens=12):
+    from infertune import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=1)
+    return llm.generate(prompts, params, use_tqdm=False), params
+
+
+@pytest.mark.skipif(cpu.variant() not in ("avx512", "avx512-noamx"), reason=f"AVX-512 kernels: {cpu.describe()}")
+def test_engine_with_moe_kernels_matches_the_engine_on_torch(tiny_moe, monkeypatch):
+    """bf16 Qwen3-MoE, greedy, a batch of 5 (prefill rows and decode rows through the kernels): with the kernels
+    every experts call and nearly every router call takes them (a tie at the top-k boundary hands a router call
+    back) and the tokens are those of decode_kernels="off"; both engines' logprobs are as close to HF
+    transformers' in fp32 (within the margin the dense engine tests allow)."""
+    from conftest import hf_model
+
+    from infertune import LLM
+
+    calls = {"route": 0, "experts": 0}
+    route_call, experts_call = x86.X86Kernels.moe_route, x86.X86Kernels.moe_experts
+
+    def counting(key, fn):
+        def wrapped(self, *args):
+            out = fn(self, *args)
+            calls[key] += out is not None
+            return out
+
+        return wrapped
+
+    monkeypatch.setattr(x86.X86Kernels, "moe_route", counting("route", route_call))
+    monkeypatch.setattr(x86.X86Kernels, "moe_experts", counting("experts", experts_call))
+    gen = torch.Generator().manual_seed(4)
+    prompts = [{"prompt_token_ids": torch.randint(3, 250, (n,), generator=gen).tolist()} for n in (4, 9, 21, 3, 40)]
+    outs = {}
+    for mode in ("auto", "off"):
+        llm = LLM(str(tiny_moe), dtype="bfloat16", decode_kernels=mode, max_model_len=96, block_size=16)
+        before = dict(calls)
+        outs[mode] = _greedy(llm, prompts)[0]
+        used = {key: calls[key] - before[key] for key in calls}
+        if mode == "auto":
+            steps = 12 * 3  # at least one call per MoE layer and step
+            assert used["experts"] >= steps and used["route"] >= steps * 0.8, used
+        else:
+            assert used == {"route": 0, "experts": 0}
+        del llm
+    assert [o.outputs[0].token_ids for o in outs["auto"]] == [o.outputs[0].token_ids for o in outs["off"]]
+    hf = hf_model(tiny_moe).float()
+    worst = dict.fromkeys(outs, 0.0)
+    for i, out in enumerate(outs["off"]):
+        ids = out.prompt_token_ids + out.outputs[0].token_ids
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].double(), dim=-1)
+        p = len(out.prompt_token_ids)
+        for mode in outs:
+            for j, lp in enumerate(outs[mode][i].outputs[0].logprobs):
+                worst[mode] = max(worst[mode], abs(lp.logprob - ref[p - 1 + j, lp.token_id].item()))
+    assert worst["auto"] <= 1.5 * worst["off"] + 0.02, worst
+
+
+def test_engine_runs_moe_on_the_reference_implementation(tiny_moe, monkeypatch):
+    """The contract's pure-PyTorch implementation (tests/test_kernel_interface.py TorchKernels) serves the MoE
+    layers through the same seam: every router and experts call reaches it, and the greedy tokens are the engine's
+    on torch's operators."""
+    from test_kernel_interface import TorchKernels
+
+    from infertune import LLM
+    from infertune.backends.cpu import CPUBackend
+
+    gen = torch.Generator().manual_seed(5)
+    prompts = [{"prompt_token_ids": torch.randint(3, 250, (n,), generator=gen).tolist()} for n in (5, 17)]
+    plain = LLM(str(tiny_moe), dtype="bfloat16", decode_kernels="off", max_model_len=96, block_size=16)
+    want = [o.outputs[0].token_ids for o in _greedy(plain, prompts, 8)[0]]
+    ref = TorchKernels(fused=False)
+    monkeypatch.setattr(CPUBackend, "decode_kernels", lambda self: ref)
+    llm = LLM(str(tiny_moe), dtype="bfloat16", max_model_len=96, block_size=16)
+    got = [o.outputs[0].token_ids for o in _greedy(llm, prompts, 8)[0]]
+    assert ref.calls["moe_route"] >= 8 * 3 and ref.calls["moe_experts"] == ref.calls["moe_route"]
+    assert got == want
