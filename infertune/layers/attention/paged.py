@@ -106,7 +106,8 @@ class TorchPagedAttention(AttentionBackend):
     def _read_slots(self, kv_cache: torch.Tensor, which: int, slots: torch.Tensor) -> torch.Tensor:
         """K (0) or V (1) of the given cache slots: [len(slots), Hkv, D] in the compute dtype."""
         _, num_blocks, block_size, hkv, width = kv_cache.shape
-        return self._decoded(kv_cache[which].view(num_blocks * block_size, hkv, width)[slots])
+        # (index_select, not advanced indexing: measured 2-3x faster for these gathers on CPU)
+        return self._decoded(kv_cache[which].view(num_blocks * block_size, hkv, width).index_select(0, slots))
 
     def _decoded(self, raw: torch.Tensor) -> torch.Tensor:
         """Cache entries -> values in the compute dtype (identity for a cache kept in the model dtype)."""
@@ -121,7 +122,7 @@ class TorchPagedAttention(AttentionBackend):
             view = meta.step_cache[("decode", window)] = _decode_view(meta, block_size, window)
         tables, mask = view  # [B, M], [B, 1, 1, M * block]
         b, m = tables.shape
-        kv = self._decoded(kv_cache[:, tables])  # K and V in one gather: [2, B, M, block, Hkv, D]
+        kv = self._decoded(kv_cache.index_select(1, tables.view(-1)))  # K and V in one gather: [2, B * M, block, ...]
         kv = kv.view(2, b, m * block_size, hkv, -1).transpose(2, 3)  # [2, B, Hkv, L, D]
         return _attend(q.unsqueeze(2), kv[0], kv[1], mask, scale, softcap).squeeze(2)  # [B, H, D]
 
