@@ -26,7 +26,7 @@ from infertune.layers.linear import Linear
 from infertune.layers.moe import MoE
 from infertune.layers.norm import RMSNorm
 from infertune.layers.rotary import RotaryEmbedding, yarn_mscale
-from infertune.models.llama import LlamaMLP
+from infertune.models.llama import LlamaForCausalLM, LlamaMLP, LlamaModel
 
 # Hugging Face builds q_a_layernorm and kv_a_layernorm with the default eps, whatever rms_norm_eps says.
 LATENT_NORM_EPS = 1e-6
@@ -113,43 +113,14 @@ class DeepseekDecoderLayer(nn.Module):
         return self.finish(self.attend(*self.project(x, cos, sin), kv_cache, meta), x)
 
 
-class DeepseekModel(nn.Module):
-    def __init__(self, cfg: ArchConfig, max_position: int, attn, dtype: torch.dtype) -> None:
-        super().__init__()
-        # An uninitialised weight, as in LlamaModel: the checkpoint overwrites it.
-        weight = torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=weight, _freeze=True)
-        # Rotary covers only the qk_rope_head_dim dims of each head (and k_pe); one table for every layer.
-        self.rotary = RotaryEmbedding(cfg.mla.qk_rope_head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(
-            DeepseekDecoderLayer(cfg, self.rotary, attn, dtype, i) for i in range(cfg.num_hidden_layers)
-        )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-
-    def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # [T, hidden]
-        cos, sin = self.rotary.cos_sin_at(positions)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, kv_cache, meta)
-        return self.norm(x)
-
-
-class DeepseekForCausalLM(nn.Module):
-    """DeepseekV2ForCausalLM and DeepseekV3ForCausalLM (checkpoint names as Hugging Face's)."""
+class DeepseekForCausalLM(LlamaForCausalLM):
+    """DeepseekV2ForCausalLM and DeepseekV3ForCausalLM (checkpoint names as Hugging Face's): LlamaForCausalLM's
+    embedding, final norm and head around DeepseekDecoderLayers, whose one rotary table covers only the
+    qk_rope_head_dim dims of each head (and k_pe)."""
 
     packed_modules = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    checkpoint_renames = {}
 
-    def __init__(self, cfg: ArchConfig, max_position: int, attn, dtype: torch.dtype) -> None:
-        super().__init__()
+    def build_model(self, cfg: ArchConfig, max_position: int, attn, dtype: torch.dtype) -> nn.Module:
         assert cfg.mla is not None, "DeepSeek models have latent attention"
-        self.config = cfg
-        self.model = DeepseekModel(cfg, max_position, attn, dtype)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:  # -> [T, hidden]
-        return self.model(input_ids, positions, kv_caches, meta)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V] fp32
-        return self.lm_head(hidden).float()
+        return LlamaModel(cfg, max_position, attn, dtype, DeepseekDecoderLayer, cfg.mla.qk_rope_head_dim)

@@ -151,17 +151,27 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ArchConfig, max_position: int, attn: AttentionBackend, dtype: torch.dtype) -> None:
+    """Embedding, the decoder layers (layer_cls: LlamaDecoderLayer, or a family's own with its signature) around one
+    rotary table of rotary_dim (default head_dim), and the final norm."""
+
+    def __init__(
+        self,
+        cfg: ArchConfig,
+        max_position: int,
+        attn: AttentionBackend,
+        dtype: torch.dtype,
+        layer_cls: type[nn.Module] | None = None,
+        rotary_dim: int | None = None,
+    ) -> None:
         super().__init__()
         # Built around an uninitialised weight: the checkpoint overwrites it, and nn.Embedding's own normal_()
         # init on the meta device imports torch._dynamo and sympy (~70 MiB of resident memory for nothing).
         weight = torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=weight, _freeze=True)
         # One table shared by every layer.
-        self.rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, self.rotary, attn, dtype, i) for i in range(cfg.num_hidden_layers)
-        )
+        self.rotary = RotaryEmbedding(rotary_dim or cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
+        layer_cls = layer_cls or LlamaDecoderLayer
+        self.layers = nn.ModuleList(layer_cls(cfg, self.rotary, attn, dtype, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
     def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
@@ -187,10 +197,13 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ArchConfig, max_position: int, attn: AttentionBackend, dtype: torch.dtype) -> None:
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, max_position, attn, dtype)
+        self.model = self.build_model(cfg, max_position, attn, dtype)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def build_model(self, cfg: ArchConfig, max_position: int, attn: AttentionBackend, dtype: torch.dtype) -> nn.Module:
+        return LlamaModel(cfg, max_position, attn, dtype)
 
     def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:  # -> [T, hidden]
         return self.model(input_ids, positions, kv_caches, meta)
