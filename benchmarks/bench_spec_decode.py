@@ -5,7 +5,8 @@ Two workloads, EOS ignored: "copy" (greedy) asks for code the prompt already hol
 set, then the first line of the same snippet again), so the output copies the prompt and many drafts are accepted;
 "novel" samples (temperature 1, seeded) from a short prompt, so the output rarely repeats itself and drafts are
 mostly rejected: their verification is then pure cost (greedy decoding of this small model falls into loops, which
-drafts predict well). Both settings must give the same tokens (a seeded request's draws do not change with
+drafts predict well); "rejected" is "novel" with every decode step forced to carry K drafts that its own sampling
+almost surely rejects (the last token K times), the worst case of the verification's cost. Both settings must give the same tokens (a seeded request's draws do not change with
 drafts), and the script checks that they do. Per workload and setting: decode tok/s ((output tokens - 1) / (total - TTFT)), forward
 steps per output token, and the acceptance (mean accepted length = 1 + accepted / steps with drafts, as vLLM
 reports it). Plain and speculative runs alternate, the order reversed every other round; medians.
@@ -98,11 +99,15 @@ def main() -> int:
             for i in range(args.prompts)
         ],
     }
+    workloads["rejected"] = workloads["novel"]
+    proposer = engines["ngram"].engine.scheduler.proposer
+    ngram_propose = proposer.propose
     for llm in engines.values():  # warm-up
         run_once(llm, NOVEL, SamplingParams(max_tokens=8))
     results = {(w, e): [] for w in workloads for e in engines}
     for r in range(args.rounds):
         for w, runs_of in workloads.items():
+            proposer.propose = (lambda seq, k: [seq.token_ids[-1]] * k) if w == "rejected" else ngram_propose
             for prompt, params in runs_of:
                 names = list(engines) if r % 2 == 0 else list(engines)[::-1]
                 runs = {e: run_once(engines[e], prompt, params) for e in names}

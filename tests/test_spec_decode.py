@@ -485,11 +485,11 @@ def test_requests_with_logprobs_or_a_grammar_do_not_speculate(tiny_llama, refere
 @pytest.mark.parametrize("family", ["qwen3", "mixtral"])
 def test_greedy_tokens_identical_with_speculation_on_other_families(tmp_path, family):
     path = make_checkpoint(tmp_path / family, family)
-    prompts = PROMPTS[:3]
-    _, plain = generate(path, prompts, greedy(24))
-    llm, spec = generate(path, prompts, greedy(24), speculative_config=SPEC)
+    prompts = PROMPTS[:2]
+    _, plain = generate(path, prompts, greedy(20))
+    llm, spec = generate(path, prompts, greedy(20), speculative_config=SPEC)
     assert tokens(spec) == tokens(plain)
-    assert llm.engine.stats()["spec_decode_num_draft_tokens"] > 0
+    assert llm.engine.stats()["spec_decode_num_accepted_tokens"] > 0
 
 
 def test_fused_decode_step_verifies_drafts(tiny_llama):
