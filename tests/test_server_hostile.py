@@ -120,14 +120,16 @@ def test_schemathesis_thousands_of_bodies_no_5xx_rss_under_ceiling_health_throug
         ServerProcess(tiny_llama, "--memory-limit", str(MEMORY_LIMIT)) as server,
         Watchdog(server.url, server.proc.pid, MEMORY_LIMIT) as dog,
     ):
-        for attempt, seed in enumerate((20261201, 20261202)):
+        seeds = (20261201, 20261202, 20261203)
+        for attempt, seed in enumerate(seeds):
             run, failures, errors = schemathesis_run(server.url, seed, tmp_path / str(seed))
             summary = run.stdout[-3000:]
             assert failures == 0, summary  # a 5xx, an undeclared answer, a dropped connection: never retried
             if errors == 0:
                 break
-            # The generator itself crashed on an operation (its traceback is in the report): once more, another seed.
-            assert attempt == 0, summary
+            # The generator itself crashed on an operation (its traceback is in the report; seen on POST /tokenize,
+            # both earlier seeds, in one run of 2026-12-02, not in the runs before or after it): another seed.
+            assert attempt < len(seeds) - 1, summary
         assert run.returncode == 0, summary
         generated = int(re.search(r"(\d+) generated", summary).group(1))
         assert generated >= 1500, summary  # "thousands": coverage + fuzzing over the nine operations
