@@ -19,18 +19,7 @@ class NeonKernels(Avx2Kernels):
     """lib: a library from cpu.load_variant("neon") (default: the process's), or a stand-in with its entry points
     (tests/neon_qemu.py runs them under qemu)."""
 
-    def __init__(self, lib=None) -> None:
-        if lib is None:
-            got = cpu.load_variant("neon")
-            if isinstance(got, str):
-                raise RuntimeError(f"the NEON kernels are unavailable: {got}")
-            lib = got
-        self.lib = lib
-        self.amx = False
-        self.name = cpu.VARIANTS["neon"].title
-
-    def __repr__(self) -> str:
-        return f"NeonKernels({self.name})"
+    variant = "neon"
 
 
 def kernels() -> NeonKernels | None:

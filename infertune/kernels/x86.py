@@ -143,22 +143,24 @@ class X86Kernels:
 class Avx2Kernels(X86Kernels):
     """The AVX2 + FMA variant (x86 CPUs without AVX-512): the GEMVs (bf16, W8A16, W4A16), the prefills'
     dequantization and the elementwise kernels, through X86Kernels' calls on its own library; no 12-bit weights and
-    no fused step (those need AVX-512 / AMX). lib: a library from cpu.load_variant("avx2") (default: the process's,
-    where it is the AVX2 one)."""
+    no fused step (those need AVX-512 / AMX). lib: a library from cpu.load_variant(variant) (default: the process's,
+    where it is that one). kernels/arm.py's NeonKernels is the same set on the NEON library."""
+
+    variant = "avx2"
 
     def __init__(self, lib=None) -> None:
         if lib is None:
-            got = cpu.load_variant("avx2")
+            got = cpu.load_variant(self.variant)
             if isinstance(got, str):
-                raise RuntimeError(f"the AVX2 kernels are unavailable: {got}")
+                raise RuntimeError(f"the {self.variant} kernels are unavailable: {got}")
             lib = got
         self.lib = lib
         self.amx = False
-        self.name = cpu.VARIANTS["avx2"].title
+        self.name = cpu.VARIANTS[self.variant].title
         self._experts_lins = weakref.WeakKeyDictionary()
 
     def __repr__(self) -> str:
-        return f"Avx2Kernels({self.name})"
+        return f"{type(self).__name__}({self.name})"
 
     def max_rows(self, kind: LinearKind) -> int:
         # GEMVs at heart (MR2 = 2 rows a pass over a block of 4 weight rows, from L1 after the first): up to 16 rows

@@ -18,4 +18,4 @@
 #include "abi.c"
 #include "arm/neon/gemv.c"
 #include "arm/neon/elementwise.c"
-#include "arm/neon/moe.c"
+#include "moe_gemv.h"

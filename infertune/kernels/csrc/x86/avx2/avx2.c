@@ -17,4 +17,4 @@
 #include "abi.c"
 #include "x86/avx2/gemv.c"
 #include "x86/avx2/elementwise.c"
-#include "x86/avx2/moe.c"
+#include "moe_gemv.h"

@@ -1,4 +1,7 @@
-/* The mixture-of-experts kernels (moe.h) over this library's GEMVs (gemv.c; each allocates its own scratch). */
+/* The mixture-of-experts kernels (moe.h) over a library's small-batch linears (it_linear_bf16 / _w8 / _w4, each
+ * allocating its own scratch): the AVX2 and NEON libraries include this after their gemv.c and elementwise.c. */
+#ifndef IT_MOE_GEMV_H
+#define IT_MOE_GEMV_H
 
 static void moe_linear(const it_lin* L, const bf16* x, int64_t ldx, bf16* y, int64_t ldy, int64_t M, int nthreads,
                        void* scratch) {
@@ -20,3 +23,4 @@ static inline int64_t moe_linear_scratch(int64_t M, int64_t K, int nthreads) {
 #define moe_silu_mul it_silu_mul
 
 #include "moe.h"
+#endif
