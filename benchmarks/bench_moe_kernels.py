@@ -7,9 +7,10 @@ from memory as a decode step does. Per token count T it times, in alternation (t
 
   router   torch: F.linear + route() + group_by_expert (Router.forward_native); F.linear + the fused top-k
            (moe_route); the kernels' GEMV + the fused top-k (Router.forward_kernels)
-  experts  torch: the loop over the experts picked (Experts.forward_native); the grouped GEMM with the experts side
-           by side on the threads (the default build); the grouped GEMM with each expert's features split over the
-           threads (a second build, -DIT_MOE_SIDE_BY_SIDE=1000000)
+  experts  torch: the loop over the experts picked (Experts.forward_native); the grouped GEMM as built (which picks
+           by rows per expert, csrc/moe.h IT_MOE_SIDE_BY_SIDE_ROWS), and from two more builds that force the experts
+           side by side on the threads (-DIT_MOE_SIDE_BY_SIDE_ROWS=0) or each expert's features split over the
+           threads (-DIT_MOE_SIDE_BY_SIDE_ROWS=1000000)
 
 and prints the median ms of each, with what the experts' weights read comes to in GB/s.
 
@@ -51,14 +52,16 @@ def main() -> int:
         print(f"the AVX-512 kernels do not run here: {cpu.describe()}")
         return 1
     print(f"CPU: {cpu_model()}; kernels: {cpu.describe()}; torch {torch.__version__}, {args.threads} threads")
-    split_lib = ctypes.CDLL(
-        str(cpu.build_library(cpu.VARIANTS["avx512"], cpu._compiler(), ("-DIT_MOE_SIDE_BY_SIDE=1000000",)))
-    )
-    assert cpu.check_abi(split_lib) is None
-    cpu.declare(split_lib)
-    split_lib.it_amx_init(int(cpu.variant() == "avx512" and x86.kernels().amx))
-    kernels, split = x86.kernels(), x86.X86Kernels()
-    split.lib = split_lib
+    kernels = x86.kernels()
+    forced = {}  # the same kernels with the experts' threading forced one way
+    for name, rows in (("side by side", 0), ("features split", 1000000)):
+        flag = f"-DIT_MOE_SIDE_BY_SIDE_ROWS={rows}"
+        lib = ctypes.CDLL(str(cpu.build_library(cpu.VARIANTS["avx512"], cpu._compiler(), (flag,))))
+        assert cpu.check_abi(lib) is None
+        cpu.declare(lib)
+        lib.it_amx_init(int(kernels.amx))
+        forced[name] = x86.X86Kernels()
+        forced[name].lib = lib
 
     shape = PRESETS["moe"]
     hidden, inter = shape["hidden_size"], shape["moe_intermediate_size"]
@@ -90,7 +93,7 @@ def main() -> int:
         xs = [torch.randn(t, hidden, generator=g).bfloat16() for _ in range(args.layers)]
         routings = [r.forward_native(x) for r, x in zip(routers, xs)]
         touched = statistics.mean(int((rt.counts > 0).sum()) for rt in routings)
-        calls = layer_calls(routers, experts, described, kernels, split, moe, xs, routings)
+        calls = layer_calls(routers, experts, described, kernels, forced, moe, xs, routings)
         times = alternating_ms(cycled(calls, args.layers), args.steps * args.layers)
         for name, ms in times.items():
             med = statistics.median(ms)
@@ -100,16 +103,18 @@ def main() -> int:
     return 0
 
 
-def layer_calls(routers, experts, described, kernels, split, moe, xs, routings) -> dict:
+def layer_calls(routers, experts, described, kernels, forced, moe, xs, routings) -> dict:
     """The paths timed, each a function of the layer index."""
-    return {
+    calls = {
         "router: torch (F.linear, route, group_by_expert)": lambda j: routers[j].forward_native(xs[j]),
         "router: F.linear + fused top-k": lambda j: kernels.moe_route(F.linear(xs[j], routers[j].weight), moe),
         "router: kernels' GEMV + fused top-k": lambda j: routers[j].forward_kernels(xs[j]),
         "experts: torch, a loop over the experts picked": lambda j: experts[j].forward_native(xs[j], routings[j]),
-        "experts: grouped GEMM, experts side by side": lambda j: kernels.moe_experts(xs[j], described[j], routings[j]),
-        "experts: grouped GEMM, features split": lambda j: split.moe_experts(xs[j], described[j], routings[j]),
+        "experts: grouped GEMM (as built)": lambda j: kernels.moe_experts(xs[j], described[j], routings[j]),
     }
+    for name, k in forced.items():
+        calls[f"experts: grouped GEMM, {name}"] = lambda j, k=k: k.moe_experts(xs[j], described[j], routings[j])
+    return calls
 
 
 def cycled(calls: dict, layers: int) -> dict:

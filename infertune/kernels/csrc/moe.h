@@ -28,11 +28,14 @@
 #include "abi.h"
 
 #define MOE_ALIGN64(n) (((n) + 63) & ~(int64_t)63)
-/* it_moe_experts runs experts side by side (one per thread at a time) from this many experts with rows per thread,
-   else one after the other with each one's features split over the threads (benchmarks/bench_moe_kernels.py builds
-   other values to compare the two) */
-#ifndef IT_MOE_SIDE_BY_SIDE
-#define IT_MOE_SIDE_BY_SIDE 1
+/* it_moe_experts runs the experts side by side (one per thread at a time) where they hold this many rows each on
+   average (and are at least as many as the threads), else one after the other with each one's output features split
+   over the threads. On the MoE preset's experts with 2 threads (benchmarks/bench_moe_kernels.py, which builds the
+   library with 0 and with 1000000 here to force either): at one row an expert (a batch-1 decode, top-8) split
+   streams faster, 0.93-1.05 against 1.15-1.26 ms; at 4 tokens (1.2 rows an expert) they tie; at 16 tokens (2.2)
+   side by side wins, 8.2-10.0 against 9.4-10.7 ms. */
+#ifndef IT_MOE_SIDE_BY_SIDE_ROWS
+#define IT_MOE_SIDE_BY_SIDE_ROWS 2
 #endif
 
 /* The index of the best of v[0 .. n) not yet taken: the highest value, the lowest index among equal ones (a value
@@ -195,10 +198,31 @@ static void moe_combine(const bf16* ys, const float* weights, const int64_t* ord
     }
 }
 
+/* What an expert's rows read and write in it_moe_experts: x and the projections, the grouping, the buffers of the
+ * grouped rows (gathered x [R, H], gate_up [R, 2I], act [R, I], down [R, H]) */
+typedef struct {
+    const bf16* x;
+    int64_t ldx, k, H, I;
+    const it_lin *gate_up, *down;
+    const int64_t *order, *start, *counts;
+    bf16 *xs, *gu, *act, *ys;
+} moe_rows;
+
+/* Expert e's rows: gathered, gate_up, SiLU-and-multiply, down (nthreads: the linears' threads) */
+static void moe_expert(const moe_rows* m, int64_t e, int nthreads, void* scratch) {
+    const int64_t r0 = m->start[e], n = m->counts[e], H = m->H, I = m->I;
+    for (int64_t i = 0; i < n; i++)
+        memcpy(m->xs + (r0 + i) * H, m->x + (m->order[r0 + i] / m->k) * m->ldx, (size_t)H * 2);
+    const it_lin g = moe_expert_lin(m->gate_up, e), d = moe_expert_lin(m->down, e);
+    moe_linear(&g, m->xs + r0 * H, H, m->gu + r0 * 2 * I, 2 * I, n, nthreads, scratch);
+    moe_silu_mul(m->gu + r0 * 2 * I, m->act + r0 * I, n, I, nthreads);
+    moe_linear(&d, m->act + r0 * I, I, m->ys + r0 * H, H, n, nthreads, scratch);
+}
+
 /* x [T, H] bf16 (rows ldx apart); gate_up and down: expert 0's it_lin of the stacked [E, 2I, H] and [E, H, I]
  * projections (gate rows, then up rows); weights [T, k], order [T k], counts [E] from it_moe_route -> out [T, H]
- * bf16. Experts side by side on the threads where at least as many experts have rows as there are threads (each
- * streams its own weights, one parallel region a call), else one after the other with their features split.
+ * bf16. The experts side by side on the threads (each streams its own weights; one parallel region a call, a dynamic
+ * schedule, the busiest first) or one after the other with their features split: IT_MOE_SIDE_BY_SIDE_ROWS.
  * Returns 0, or -2 where the shapes, or the grouping (counts summing to T k, order a permutation of 0 .. T k - 1),
  * do not fit. */
 int it_moe_experts(const bf16* x, int64_t ldx, int64_t T, const it_lin* gate_up, const it_lin* down, int64_t E,
@@ -238,23 +262,21 @@ int it_moe_experts(const bf16* x, int64_t ldx, int64_t T, const it_lin* gate_up,
         for (; j > 0 && counts[active[j - 1]] < counts[e]; j--) active[j] = active[j - 1];
         active[j] = e;
     }
-    const int outer = na >= (int64_t)IT_MOE_SIDE_BY_SIDE * nthreads ? nthreads : 1, inner = outer > 1 ? 1 : nthreads;
+    const int outer = na >= nthreads && R >= (int64_t)IT_MOE_SIDE_BY_SIDE_ROWS * na ? nthreads : 1;
+    const int inner = outer > 1 ? 1 : nthreads;
     int64_t s_h = moe_linear_scratch(maxn, H, inner), s_i = moe_linear_scratch(maxn, I, inner);
     const int64_t scratch = MOE_ALIGN64(s_h > s_i ? s_h : s_i);
     const int64_t o_gu = MOE_ALIGN64(R * H * 2), o_act = o_gu + MOE_ALIGN64(R * 2 * I * 2);
     const int64_t o_y = o_act + MOE_ALIGN64(R * I * 2), o_s = o_y + MOE_ALIGN64(R * H * 2);
     char* work = (char*)aligned_alloc(64, (size_t)(o_s + outer * scratch));
     bf16 *xs = (bf16*)work, *gu = (bf16*)(work + o_gu), *act = (bf16*)(work + o_act), *ys = (bf16*)(work + o_y);
-#pragma omp parallel for num_threads(outer) schedule(dynamic, 1) if (outer > 1)
-    for (int64_t a = 0; a < na; a++) {
-        const int64_t e = active[a], r0 = start[e], n = counts[e];
-        void* s = work + o_s + (int64_t)omp_get_thread_num() * scratch;
-        for (int64_t i = 0; i < n; i++)
-            memcpy(xs + (r0 + i) * H, x + (order[r0 + i] / k) * ldx, (size_t)H * 2);
-        const it_lin g = moe_expert_lin(gate_up, e), d = moe_expert_lin(down, e);
-        moe_linear(&g, xs + r0 * H, H, gu + r0 * 2 * I, 2 * I, n, inner, s);
-        moe_silu_mul(gu + r0 * 2 * I, act + r0 * I, n, I, inner);
-        moe_linear(&d, act + r0 * I, I, ys + r0 * H, H, n, inner, s);
+    const moe_rows rows_of = {x, ldx, k, H, I, gate_up, down, order, start, counts, xs, gu, act, ys};
+    if (outer > 1) { /* (a region of its own only here: the linears' regions nested in one would not reuse threads) */
+#pragma omp parallel for num_threads(outer) schedule(dynamic, 1)
+        for (int64_t a = 0; a < na; a++)
+            moe_expert(&rows_of, active[a], 1, work + o_s + (int64_t)omp_get_thread_num() * scratch);
+    } else {
+        for (int64_t a = 0; a < na; a++) moe_expert(&rows_of, active[a], nthreads, work + o_s);
     }
     moe_combine(ys, weights, order, pos, T, k, H, out, nthreads);
     free(work);
