@@ -363,8 +363,11 @@ def test_engine_with_moe_kernels_matches_the_engine_on_torch(tiny_moe, monkeypat
         outs[mode] = _greedy(llm, prompts)[0]
         used = {key: calls[key] - before[key] for key in calls}
         if mode == "auto":
-            steps = 12 * 3  # at least one call per MoE layer and step
-            assert used["experts"] >= steps and used["route"] >= steps * 0.8, used
+            # at least one call per MoE layer and step: the 11 decode steps, and the prompt step where its 77 rows fit
+            # the experts kernel (only with AMX's tile GEMM: without AMX the linears take at most 16 rows)
+            amx = x86.kernels().max_rows("bf16") > 16
+            steps = (12 if amx else 11) * 3
+            assert used["experts"] >= steps and used["route"] >= 12 * 3 * 0.8, used
         else:
             assert used == {"route": 0, "experts": 0}
         del llm
