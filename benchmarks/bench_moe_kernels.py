@@ -2,15 +2,16 @@
 """A mixture-of-experts layer's router and experts, torch's reference path against the kernels (csrc/moe.h), per call.
 
 The layer has the MoE preset's shape (`infertune bench throughput --preset moe`: hidden 1024, 64 experts of 384,
-top-8); --layers copies of it (1.2 GB of experts at 8) are cycled so that each call streams its experts' weights
-from memory as a decode step does. Per token count T it times, in alternation (the first round untimed):
+top-8); --layers copies of it (1.2 GB of experts at 8) are cycled, and before each timed call a --evict-mb buffer
+is read (untimed) so that the call streams its experts' weights from memory, as a decode step of a whole model does
+(this CPU's L3 can hold 300 MB). Per token count T it times, in alternation (the first round untimed):
 
   router   torch: F.linear + route() + group_by_expert (Router.forward_native); F.linear + the fused top-k
-           (moe_route); the kernels' GEMV + the fused top-k (Router.forward_kernels)
-  experts  torch: the loop over the experts picked (Experts.forward_native); the grouped GEMM as built (which picks
-           by rows per expert, csrc/moe.h IT_MOE_SIDE_BY_SIDE_ROWS), and from two more builds that force the experts
-           side by side on the threads (-DIT_MOE_SIDE_BY_SIDE_ROWS=0) or each expert's features split over the
-           threads (-DIT_MOE_SIDE_BY_SIDE_ROWS=1000000)
+           (moe_route); the router as the layer runs it with the kernels (Router.forward_kernels: their GEMV and
+           the fused top-k up to ROUTER_KERNEL_ROWS tokens, route() on a boundary tie and past them)
+  experts  torch: the loop over the experts picked (Experts.forward_native); the grouped GEMM as built (the experts
+           side by side on the threads, csrc/moe.h IT_MOE_SIDE_BY_SIDE_ROWS), and from a second build that runs
+           them one after the other with each one's features split over the threads (-DIT_MOE_SIDE_BY_SIDE_ROWS=1000000)
 
 and prints the median ms of each, with what the experts' weights read comes to in GB/s.
 
@@ -34,12 +35,13 @@ def main() -> int:
     ap.add_argument("--tokens", default="1,4,16,64,128", help="token counts T (default: 1,4,16,64,128)")
     ap.add_argument("--layers", type=int, default=8, help="copies of the layer cycled through (default: 8)")
     ap.add_argument("--steps", type=int, default=40, help="timed calls of each path per T (default: 40)")
+    ap.add_argument("--evict-mb", type=int, default=512, help="read before each call, untimed (default: 512)")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
     print(
         f"$ python benchmarks/bench_moe_kernels.py --tokens {args.tokens} --layers {args.layers} "
-        f"--steps {args.steps} --threads {args.threads}"
+        f"--steps {args.steps} --evict-mb {args.evict_mb} --threads {args.threads}"
     )
 
     from infertune.bench.offline import PRESETS, cpu_model
@@ -54,7 +56,7 @@ def main() -> int:
     print(f"CPU: {cpu_model()}; kernels: {cpu.describe()}; torch {torch.__version__}, {args.threads} threads")
     kernels = x86.kernels()
     forced = {}  # the same kernels with the experts' threading forced one way
-    for name, rows in (("side by side", 0), ("features split", 1000000)):
+    for name, rows in (("features split", 1000000),):
         flag = f"-DIT_MOE_SIDE_BY_SIDE_ROWS={rows}"
         lib = ctypes.CDLL(str(cpu.build_library(cpu.VARIANTS["avx512"], cpu._compiler(), (flag,))))
         assert cpu.check_abi(lib) is None
@@ -86,6 +88,7 @@ def main() -> int:
         routers.append(r)
         experts.append(e)
     described = [e._kernel_experts for e in experts]
+    evict = torch.ones(args.evict_mb << 18)  # fp32: evict_mb MiB
     expert_bytes = 3 * hidden * inter * 2
 
     print(f"\n{'T':>4} {'path':<48} {'ms':>8} {'GB/s':>6}")
@@ -94,7 +97,7 @@ def main() -> int:
         routings = [r.forward_native(x) for r, x in zip(routers, xs)]
         touched = statistics.mean(int((rt.counts > 0).sum()) for rt in routings)
         calls = layer_calls(routers, experts, described, kernels, forced, moe, xs, routings)
-        times = alternating_ms(cycled(calls, args.layers), args.steps * args.layers)
+        times = alternating_ms(cycled(calls, args.layers), args.steps * args.layers, before=evict.sum)
         for name, ms in times.items():
             med = statistics.median(ms)
             gbs = f"{touched * expert_bytes / med / 1e6:6.1f}" if name.startswith("experts") else ""
@@ -108,7 +111,7 @@ def layer_calls(routers, experts, described, kernels, forced, moe, xs, routings)
     calls = {
         "router: torch (F.linear, route, group_by_expert)": lambda j: routers[j].forward_native(xs[j]),
         "router: F.linear + fused top-k": lambda j: kernels.moe_route(F.linear(xs[j], routers[j].weight), moe),
-        "router: kernels' GEMV + fused top-k": lambda j: routers[j].forward_kernels(xs[j]),
+        "router: as the layer runs it (forward_kernels)": lambda j: routers[j].forward_kernels(xs[j]),
         "experts: torch, a loop over the experts picked": lambda j: experts[j].forward_native(xs[j], routings[j]),
         "experts: grouped GEMM (as built)": lambda j: kernels.moe_experts(xs[j], described[j], routings[j]),
     }

@@ -220,16 +220,20 @@ def reference_routing(t: int, e: int, k: int, g: torch.Generator, unpicked: int,
     return MoeRouting(weights, ids, *group_by_expert(ids, e))
 
 
-@pytest.mark.parametrize("t,hot", [(1, None), (3, None), (16, None), (64, None), (64, 5)])
+# (tokens, the expert every token picks or None, top_k): at top-1 with one expert picked, that expert's features are
+# split over the threads; else the experts run side by side
+@pytest.mark.parametrize(
+    "t,hot,k", [(1, None, 4), (3, None, 4), (16, None, 4), (64, None, 4), (64, 5, 4), (1, None, 1), (20, 5, 1)]
+)
 @pytest.mark.parametrize("hidden,inter", [(256, 96), (200, 40)])  # AMX tiles / K not a multiple of 32, N tails
-def test_grouped_experts_match_the_reference(ks, t, hot, hidden, inter):
+def test_grouped_experts_match_the_reference(ks, t, hot, k, hidden, inter):
     """Against experts_reference in fp32 on the same bf16 weights, within 2^-7 (the rtol of the linear kernels'
-    tests; atol 2^-7 of the output's scale, for elements that cancel); against the per-expert loop in bf16 almost
-    everywhere bit for bit (the same roundings: gate_up, SiLU-and-multiply, down, the weighted rows summed in fp32).
-    Three experts are never picked (their weights are NaN: never read) and, in one case, one expert takes every
-    token (64 rows: the tile GEMM with AMX)."""
-    e, k = 16, 4
-    g = torch.Generator().manual_seed(t * 1000 + hidden)
+    tests; atol 2^-7 of the output's scale, for elements that cancel); against the per-expert loop in bf16 bit for
+    bit in 98% of the elements or more (the same roundings: gate_up, SiLU-and-multiply, down, the weighted rows
+    summed in fp32). Three experts are never picked (their weights are NaN: never read); one expert takes every token
+    (64 rows: the tile GEMM with AMX), or at top-1 is the only one picked (its features split over the threads)."""
+    e = 16
+    g = torch.Generator().manual_seed(t * 1000 + hidden + k)
     gate_up, down = expert_weights(e, hidden, inter, g)
     gate_up[e - 3 :] = float("nan")
     down[e - 3 :] = float("nan")
@@ -243,7 +247,9 @@ def test_grouped_experts_match_the_reference(ks, t, hot, hidden, inter):
     assert ref.isfinite().all() and y.isfinite().all()
     torch.testing.assert_close(y.float(), ref, rtol=2**-7, atol=2**-7 * float(ref.abs().max()))
     loop = experts_reference(x, gate_up, down, routing.weights, routing.ids)
-    assert (y == loop).float().mean() >= 0.999
+    # (a GEMM of its own fp32 order differs from torch's by one bf16 step now and then; rounding anywhere else
+    # than the loop does, e.g. the weighted sum in bf16, leaves about half the elements equal)
+    assert (y == loop).float().mean() >= 0.98
     torch.testing.assert_close(y.float(), loop.float(), rtol=2**-7, atol=2**-8 * float(ref.abs().max()))
 
 
@@ -363,11 +369,13 @@ def test_engine_with_moe_kernels_matches_the_engine_on_torch(tiny_moe, monkeypat
         outs[mode] = _greedy(llm, prompts)[0]
         used = {key: calls[key] - before[key] for key in calls}
         if mode == "auto":
-            # at least one call per MoE layer and step: the 11 decode steps, and the prompt step where its 77 rows fit
-            # the experts kernel (only with AMX's tile GEMM: without AMX the linears take at most 16 rows)
+            # an experts call per MoE layer and step: the 11 decode steps, and the prompt step where its 77 rows fit
+            # the experts kernel (only with AMX's tile GEMM: without AMX the linears take at most 16 rows); a router
+            # call per layer and decode step (the prompt's 77 rows take route(): ROUTER_KERNEL_ROWS), but for the few
+            # a boundary tie hands back
             amx = x86.kernels().max_rows("bf16") > 16
             steps = (12 if amx else 11) * 3
-            assert used["experts"] >= steps and used["route"] >= 12 * 3 * 0.8, used
+            assert used["experts"] >= steps and used["route"] >= 11 * 3 * 0.8, used
         else:
             assert used == {"route": 0, "experts": 0}
         del llm
@@ -402,5 +410,6 @@ def test_engine_runs_moe_on_the_reference_implementation(tiny_moe, monkeypatch):
     monkeypatch.setattr(CPUBackend, "decode_kernels", lambda self: ref)
     llm = LLM(str(tiny_moe), dtype="bfloat16", max_model_len=96, block_size=16)
     got = [o.outputs[0].token_ids for o in _greedy(llm, prompts, 8)[0]]
-    assert ref.calls["moe_route"] >= 8 * 3 and ref.calls["moe_experts"] == ref.calls["moe_route"]
+    # (the prompt step's 22 rows route in torch: ROUTER_KERNEL_ROWS)
+    assert ref.calls["moe_experts"] >= 8 * 3 and ref.calls["moe_route"] >= 7 * 3
     assert got == want

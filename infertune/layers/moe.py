@@ -112,6 +112,14 @@ def run_experts(
     return torch.zeros_like(x).index_add_(0, token, out)
 
 
+# Tokens up to which a bf16 router takes the kernels: their GEMV for its matmul (past this, with only E outputs to
+# split over the threads, torch's wins: 0.77 against 1.37 ms at 128 tokens), and the fused top-k, which hands a call
+# back wherever one row has a tie at the top-k boundary: bf16 logits tie there in ~4% of the rows, so most calls of
+# 128 tokens would hand back (router and top-k at 16 tokens: 0.55 ms against 0.84; benchmarks/bench_moe_kernels.py).
+# An fp32 router's logits (DeepSeek's) take the fused top-k at any count.
+ROUTER_KERNEL_ROWS = 16
+
+
 class Router(KernelOp):
     """The router's weight [E, H] (fp32 where the family computes it in fp32) and DeepSeek-V3's selection bias.
     x [T, H] -> MoeRouting: weights [T, k] fp32, ids [T, k] and the grouping by expert."""
@@ -131,6 +139,8 @@ class Router(KernelOp):
 
     def forward_kernels(self, x: torch.Tensor) -> MoeRouting:
         k = self.kernels
+        if self.weight.dtype is torch.bfloat16 and x.shape[0] > ROUTER_KERNEL_ROWS:
+            return self.forward_native(x)
         if x.dtype is self.weight.dtype is torch.bfloat16 and x.shape[0] <= k.max_rows("bf16"):
             logits = k.linear_bf16(x, self.weight)  # [T, E]
         else:

@@ -28,14 +28,13 @@
 #include "abi.h"
 
 #define MOE_ALIGN64(n) (((n) + 63) & ~(int64_t)63)
-/* it_moe_experts runs the experts side by side (one per thread at a time) where they hold this many rows each on
-   average (and are at least as many as the threads), else one after the other with each one's output features split
-   over the threads. On the MoE preset's experts with 2 threads (benchmarks/bench_moe_kernels.py, which builds the
-   library with 0 and with 1000000 here to force either): at one row an expert (a batch-1 decode, top-8) split
-   streams faster, 0.93-1.05 against 1.15-1.26 ms; at 4 tokens (1.2 rows an expert) they tie; at 16 tokens (2.2)
-   side by side wins, 8.2-10.0 against 9.4-10.7 ms. */
+/* it_moe_experts runs the experts side by side (one per thread at a time) where at least as many as the threads hold
+   rows, and they hold this many rows each on average; else one after the other with each one's output features split
+   over the threads. On the MoE preset's experts with 2 threads, streamed from memory (benchmarks/bench_moe_kernels.py
+   builds the library with 1000000 here to compare): at one row an expert (top-8 at batch 1) the two tie, 1.48 and
+   1.49 ms; at 16 tokens side by side takes 8.97 ms against 10.13, at 128 tokens 13.2 against 16.3. */
 #ifndef IT_MOE_SIDE_BY_SIDE_ROWS
-#define IT_MOE_SIDE_BY_SIDE_ROWS 2
+#define IT_MOE_SIDE_BY_SIDE_ROWS 0
 #endif
 
 /* The index of the best of v[0 .. n) not yet taken: the highest value, the lowest index among equal ones (a value
