@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import MISSING, Field, dataclass, field, fields
+from dataclasses import MISSING, Field, dataclass, field, fields, replace
 from pathlib import Path
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -154,6 +154,48 @@ class ArchConfig:
     # Gemma 3: the rope of the sliding layers (base rope_local_base_freq), where it is not the other layers'
     local_rope_theta: float | None = None
     local_rope_scaling: dict | None = None
+
+    def for_tensor_parallel(self, size: int) -> ArchConfig:
+        """The shape one of `size` tensor-parallel ranks builds: its share of the attention heads, of the KV heads
+        (one replica each where there are fewer KV heads than ranks), of the MLP's and each expert's features. The
+        vocabulary, hidden size and expert count stay whole (layers/parallel.py splits the embedding and the head's
+        rows itself). A shape that does not split evenly is a ValueError that says which."""
+        if size == 1:
+            return self
+
+        def split(what: str, n: int) -> int:
+            if n % size:
+                raise ValueError(
+                    f"tensor_parallel_size={size} does not divide {what} ({n}) of {self.architecture}; "
+                    f"choose a size that divides it"
+                )
+            return n // size
+
+        heads = split("num_attention_heads", self.num_attention_heads)
+        kv = self.num_key_value_heads
+        if self.mla is None and kv % size and size % kv:
+            raise ValueError(
+                f"tensor_parallel_size={size} neither divides nor is a multiple of num_key_value_heads ({kv}) of "
+                f"{self.architecture}"
+            )
+        moe = self.moe
+        if moe is not None:
+            moe = replace(
+                moe,
+                intermediate_size=split("moe_intermediate_size", moe.intermediate_size),
+                shared_intermediate_size=split("the shared experts' intermediate size", moe.shared_intermediate_size)
+                if moe.shared_intermediate_size
+                else 0,
+            )
+        dense = moe is None or len(moe.layers) < self.num_hidden_layers
+        return replace(
+            self,
+            num_attention_heads=heads,
+            # (MLA's one latent per token is every head's: each rank keeps it whole)
+            num_key_value_heads=kv if self.mla is not None else max(1, kv // size),
+            intermediate_size=split("intermediate_size", self.intermediate_size) if dense else self.intermediate_size,
+            moe=moe,
+        )
 
     @classmethod
     def from_dict(cls, cfg: dict, where: str = "config.json") -> ArchConfig:
@@ -670,15 +712,26 @@ class ParallelConfig:
 
     distributed_executor_backend: str = _opt(
         "uni",
-        "where the model runs: uni = in this process; mp = in a worker process of its own, reached by each "
-        "step's pickled SchedulerOutput (spawned: a script that builds the engine keeps its top level under "
-        '`if __name__ == "__main__":`; start-up takes a few seconds more); the profile, eval and quantize tools '
-        "need uni",
+        "where the model runs: uni = in this process; mp = in worker processes, one per tensor-parallel rank, "
+        "reached by each step's pickled SchedulerOutput (spawned: a script that builds the engine keeps its top "
+        'level under `if __name__ == "__main__":`; start-up takes a few seconds more); the profile, eval and '
+        "quantize tools need uni. A tensor_parallel_size above 1 with uni runs mp",
         choices=EXECUTOR_BACKENDS,
+    )
+    tensor_parallel_size: int = _opt(
+        1,
+        "ranks the model is split over (attention heads, MLP and expert features, vocabulary), one worker process "
+        "each, joined by torch.distributed (gloo on CPU); each rank gets its share of the CPU cores. It must "
+        "divide the attention heads, the KV heads (or be a multiple of them: KV heads are then replicated) and "
+        "the MLP widths",
     )
 
     def __post_init__(self) -> None:
         _check_choices(self)
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size!r} must be an integer >= 1")
+        if self.tensor_parallel_size > 1 and self.distributed_executor_backend == "uni":
+            self.distributed_executor_backend = "mp"  # one process per rank
 
 
 @dataclass(slots=True)

@@ -32,6 +32,7 @@ SAMPLES = {
     "max_model_len": ("32", 32),
     "seed": ("7", 7),
     "max_num_seqs": ("3", 3),
+    "tensor_parallel_size": ("2", 2),
     "max_num_batched_tokens": ("512", 512),
     "max_running_tokens": ("100", 100),
     "speculative_config": ('{"method": "ngram", "num_speculative_tokens": 2}', SpeculativeConfig(2)),

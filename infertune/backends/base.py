@@ -95,5 +95,10 @@ class Backend(abc.ABC):
     def seed(self, seed: int) -> None:
         torch.manual_seed(seed)
 
+    def bind_rank(self, rank: int, size: int) -> str:
+        """Give this process (tensor-parallel rank `rank` of `size`) its share of the device; -> what it got, for
+        logs. Here: nothing (a device backend names its device by index)."""
+        return f"{self.name}:{self.index}"
+
     def describe(self) -> str:
         return f"{self.name}:{self.index}"

@@ -194,6 +194,16 @@ class CPUBackend(Backend):
 
         return cpu.unavailable_reason()
 
+    def bind_rank(self, rank: int, size: int) -> str:
+        """Rank `rank` of `size` on one host: its block of the CPUs this process may use (pinned, so that the ranks'
+        OpenMP threads never share a core), one torch (and kernel) thread per CPU of it."""
+        cpus = sorted(os.sched_getaffinity(0))
+        share = max(1, len(cpus) // size)
+        mine = cpus[rank * share : (rank + 1) * share] or [cpus[rank % len(cpus)]]  # more ranks than CPUs: shared
+        os.sched_setaffinity(0, mine)
+        torch.set_num_threads(len(mine))
+        return f"cpu {','.join(map(str, mine))}, {len(mine)} thread{'s' * (len(mine) > 1)}"
+
     def free_memory_bytes(self) -> int:
         return psutil.virtual_memory().available
 

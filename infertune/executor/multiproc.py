@@ -1,17 +1,26 @@
-"""Multiprocess executor: the model runner in a worker process of its own (spawned), reached by pickled messages.
+"""Multiprocess executor: the model runner in worker processes of their own (spawned), one per tensor-parallel rank,
+reached by pickled messages.
 
-The driver sends each step's SchedulerOutput (plain data) down a pipe and gets the SamplerOutput back; the worker
-keeps its own request states, so nothing but that step's message crosses. A failure in the worker comes back as
-the driver's exception (a ValueError from loading stays a ValueError); a worker that died is a RuntimeError that
-says so. This is the process seam that tensor-parallel ranks (one worker per rank, torch.distributed between them)
-and Ray actors build on; today it runs one worker.
+The driver sends each step's SchedulerOutput (plain data) down every worker's pipe and gets rank 0's SamplerOutput
+back (the other ranks, which computed the same, answer only that they are done); each worker keeps its own request
+states, so nothing but that step's message crosses. With tensor_parallel_size > 1 the workers form a
+torch.distributed group (the backend's: gloo on CPU) on 127.0.0.1, each pinned to its share of the CPUs
+(Backend.bind_rank).
+
+Failures: a worker's exception comes back as the driver's (a ValueError from loading stays a ValueError); with one
+worker it stays up for the next call. A worker that dies is a WorkerError that names its rank; with several ranks
+any failure stops the whole group (the others would wait in a collective for the missing rank forever), so later
+calls fail at once with the first error.
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import socket
 import traceback
+from datetime import timedelta
+from multiprocessing.connection import wait
 
 from infertune.config import EngineConfig
 from infertune.executor.base import Executor
@@ -21,9 +30,15 @@ from infertune.scheduler_output import SchedulerOutput
 
 log = logging.getLogger(__name__)
 
+# How long the ranks wait for each other at start-up and in any collective (a rank that died is seen at once by the
+# driver; this bounds what a stuck one can hold up).
+GROUP_TIMEOUT = timedelta(minutes=5)
+# After one rank fails, how long the others get to answer before the group is stopped.
+FAILURE_GRACE_S = 5.0
+
 
 class WorkerError(RuntimeError):
-    """The worker process failed; the message carries its traceback."""
+    """A worker process failed; the message carries its traceback or says which rank died."""
 
 
 def _portable(e: BaseException) -> BaseException:
@@ -33,13 +48,35 @@ def _portable(e: BaseException) -> BaseException:
     return WorkerError(f"the model worker failed: {type(e).__name__}: {e}\n{traceback.format_exc()}")
 
 
-def _worker_main(conn, config: EngineConfig, show_progress: bool) -> None:
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker_main(conn, config: EngineConfig, show_progress: bool, rank: int = 0, size: int = 1, port: int = 0):
     from infertune.backends import get_backend
     from infertune.runner.model_runner import ModelRunner
 
     try:
         backend = get_backend(config.device.device)
-        runner = ModelRunner(config, backend, show_progress)
+        tp = None
+        if size > 1:
+            import torch.distributed as dist
+
+            from infertune.layers.parallel import TensorParallel
+
+            where = backend.bind_rank(rank, size)
+            dist.init_process_group(
+                backend.dist_backend,
+                init_method=f"tcp://127.0.0.1:{port}",
+                rank=rank,
+                world_size=size,
+                timeout=GROUP_TIMEOUT,
+            )
+            tp = TensorParallel(rank, size)
+            log.info("tensor-parallel rank %d of %d: %s", rank, size, where)
+        runner = ModelRunner(config, backend, show_progress and rank == 0, tp)
         conn.send(("ready", (runner.kv_info, f"{backend.describe()}, {str(runner.dtype).removeprefix('torch.')}")))
     except BaseException as e:  # noqa: BLE001 - handed to the driver, which raises it
         conn.send(("error", _portable(e)))
@@ -52,20 +89,31 @@ def _worker_main(conn, config: EngineConfig, show_progress: bool) -> None:
         if kind == "stop":
             return
         try:
-            conn.send(("ok", runner.execute_model(payload)))
+            out = runner.execute_model(payload)
+            conn.send(("ok", out if rank == 0 else None))  # the other ranks computed the same
         except BaseException as e:  # noqa: BLE001 - the driver decides; the worker stays up for the next call
             conn.send(("error", _portable(e)))
 
 
 class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig, show_progress: bool = False) -> None:
+        self.size = size = config.parallel.tensor_parallel_size
+        config.model.arch.for_tensor_parallel(size)  # a shape that does not split: its error before any spawn
         ctx = mp.get_context("spawn")  # a fresh interpreter: no forked torch threads or locks
-        self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(
-            target=_worker_main, args=(child, config, show_progress), name="infertune-worker", daemon=True
-        )
-        self._proc.start()
-        child.close()
+        port = _free_port() if size > 1 else 0
+        self._conns, self._procs = [], []
+        self._failed: BaseException | None = None
+        for rank in range(size):
+            conn, child = ctx.Pipe()
+            name = "infertune-worker" if size == 1 else f"infertune-tp{rank}"
+            proc = ctx.Process(
+                target=_worker_main, args=(child, config, show_progress, rank, size, port), name=name, daemon=True
+            )
+            proc.start()
+            child.close()
+            self._conns.append(conn)
+            self._procs.append(proc)
+        self._proc = self._procs[0]  # rank 0 (the one worker without tensor parallel)
         try:
             self._kv_info, self._describe = self._call(None)
         except WorkerError as e:
@@ -75,24 +123,71 @@ class MultiprocExecutor(Executor):
                 "more)"
             ) from None
 
+    def _rank_name(self, rank: int) -> str:
+        return "the model worker process" if self.size == 1 else f"tensor-parallel rank {rank} (worker process)"
+
     def _call(self, message):
-        try:
+        """Send `message` to every rank (None: only listen, at start-up) and return rank 0's answer."""
+        if self._failed is not None:
+            raise WorkerError(f"the tensor-parallel workers were stopped after an earlier failure: {self._failed}")
+        for rank, conn in enumerate(self._conns):
             if message is not None:
-                self._conn.send(message)
-            kind, payload = self._conn.recv()
-        except (EOFError, BrokenPipeError, ConnectionResetError):
-            self._proc.join(1)
-            raise WorkerError(f"the model worker process exited (exit code {self._proc.exitcode})") from None
-        if kind == "error":
-            raise payload
-        return payload
+                try:
+                    conn.send(message)
+                except (BrokenPipeError, OSError):
+                    self._procs[rank].join(1)
+                    return self._fail(rank, self._died(rank))
+        answers: dict[int, tuple[str, object]] = {}
+        pending = dict(enumerate(self._conns))
+        first_error = None
+        while pending:
+            sentinels = {self._procs[r].sentinel: r for r in pending}
+            ready = wait([*pending.values(), *sentinels], timeout=FAILURE_GRACE_S if first_error is not None else None)
+            if not ready:  # ranks still waiting on the failed one: stop the group
+                break
+            for obj in ready:
+                rank = sentinels.get(obj)
+                if rank is None:
+                    rank = next(r for r, c in pending.items() if c is obj)
+                    try:
+                        answers[rank] = pending.pop(rank).recv()
+                    except (EOFError, ConnectionResetError, OSError):
+                        pending.pop(rank, None)
+                        answers[rank] = ("error", self._died(rank))
+                elif rank in pending and not pending[rank].poll():  # exited without answering
+                    self._procs[rank].join(1)
+                    pending.pop(rank)
+                    answers[rank] = ("error", self._died(rank))
+                if answers.get(rank, ("",))[0] == "error" and first_error is None:
+                    first_error = rank
+        if first_error is not None:
+            error = answers[first_error][1]
+            if self.size == 1:
+                raise error  # (one worker stays up, unless it died)
+            return self._fail(first_error, error)
+        return answers[0][1]
+
+    def _died(self, rank: int) -> WorkerError:
+        proc = self._procs[rank]
+        return WorkerError(f"{self._rank_name(rank)} exited (pid {proc.pid}, exit code {proc.exitcode})")
+
+    def _fail(self, rank: int, error: BaseException):
+        """Stop every rank after `rank` failed (they cannot go on without it) and raise its error."""
+        if self.size > 1:
+            self._failed = error
+            log.error("tensor-parallel rank %d failed (%s); stopping the other ranks", rank, error)
+            self._stop_all(grace=0.0)
+        raise error
 
     @property
     def kv_cache_info(self) -> KVCacheInfo:
         return self._kv_info
 
     def describe(self) -> str:
-        return f"{self._describe} in worker process {self._proc.pid}"
+        if self.size == 1:
+            return f"{self._describe} in worker process {self._proc.pid}"
+        pids = ", ".join(str(p.pid) for p in self._procs)
+        return f"{self._describe}, tensor parallel over {self.size} worker processes ({pids})"
 
     @property
     def runner(self):
@@ -104,14 +199,21 @@ class MultiprocExecutor(Executor):
     def execute_model(self, scheduler_output: SchedulerOutput) -> SamplerOutput:
         return self._call(("step", scheduler_output))
 
+    def _stop_all(self, grace: float) -> None:
+        for conn, proc in zip(self._conns, self._procs):
+            if proc.is_alive() and grace:
+                try:
+                    conn.send(("stop", None))
+                except (BrokenPipeError, OSError):
+                    pass
+        for proc in self._procs:
+            if grace:
+                proc.join(grace)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+
     def shutdown(self) -> None:
-        if self._proc.is_alive():
-            try:
-                self._conn.send(("stop", None))
-            except (BrokenPipeError, OSError):
-                pass
-            self._proc.join(10)
-        if self._proc.is_alive():
-            self._proc.kill()
-            self._proc.join(5)
-        self._conn.close()
+        self._stop_all(grace=10.0)
+        for conn in self._conns:
+            conn.close()

@@ -245,6 +245,10 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
 class MoE(nn.Module):
     """Router + routed experts (+ the model's shared expert, registered under the checkpoint's name for it)."""
 
+    # tensor parallel (layers/parallel.py): every expert's features split, the router whole, the block's output
+    # (routed plus shared) summed over the ranks once
+    tp_plan = {"": "reduce", "experts": "experts"}
+
     def __init__(
         self,
         hidden: int,

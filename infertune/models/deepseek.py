@@ -38,6 +38,9 @@ def deinterleave(x: torch.Tensor) -> torch.Tensor:
 
 
 class DeepseekAttention(nn.Module):
+    # heads split over the ranks; the latent (kv_a_proj_with_mqa) and q's low-rank down-projection are every head's
+    tp_plan = {"q_proj": "colwise", "q_b_proj": "colwise", "kv_b_proj": "colwise", "o_proj": "rowwise"}
+
     def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, attn, dtype: torch.dtype) -> None:
         super().__init__()
         mla = cfg.mla

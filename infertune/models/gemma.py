@@ -138,6 +138,7 @@ class GemmaForCausalLM(nn.Module):
     """Gemma2ForCausalLM and Gemma3ForCausalLM (text only; checkpoint names as Hugging Face's)."""
 
     packed_modules = LlamaForCausalLM.packed_modules
+    tp_plan = LlamaForCausalLM.tp_plan
 
     def __init__(self, cfg: ArchConfig, max_position: int, attn: AttentionBackend, dtype: torch.dtype) -> None:
         super().__init__()

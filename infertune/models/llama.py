@@ -29,6 +29,8 @@ from infertune.layers.rotary import RotaryEmbedding
 
 
 class LlamaAttention(nn.Module):
+    tp_plan = {"qkv_proj": "colwise", "o_proj": "rowwise"}  # heads split over the ranks (layers/parallel.py)
+
     def __init__(
         self, cfg: ArchConfig, rotary: RotaryEmbedding, attn: AttentionBackend, dtype: torch.dtype, index: int = 0
     ) -> None:
@@ -90,6 +92,8 @@ MLP_CHUNK_ROWS = 512
 
 
 class LlamaMLP(nn.Module):
+    tp_plan = {"gate_up_proj": "colwise", "down_proj": "rowwise"}
+
     def __init__(self, cfg: ArchConfig, dtype: torch.dtype, intermediate_size: int | None = None) -> None:
         super().__init__()
         inter = intermediate_size or cfg.intermediate_size
@@ -183,6 +187,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    tp_plan = {"model.embed_tokens": "vocab_embed", "lm_head": "vocab_head"}  # (the embedding first: tied heads)
     # Hugging Face projection name -> (our packed module, shard key)
     packed_modules = {
         "q_proj": ("qkv_proj", "q"),

@@ -18,6 +18,7 @@ from tqdm import tqdm
 from infertune.config import ArchConfig, QuantConfig
 from infertune.layers.attention import AttentionBackend
 from infertune.layers.linear import default_weight_loader
+from infertune.layers.parallel import TensorParallel, shard_model
 from infertune.models.registry import get_model_class
 from infertune.models.safetensors_io import CorruptCheckpointError, iter_tensors
 from infertune.quant import attach_linear_methods
@@ -99,14 +100,25 @@ def load_model(
     prepack: bool = True,
     kernels=None,
     compress: bool = False,
+    tp: TensorParallel | None = None,
 ) -> nn.Module:
+    """`arch` is the shape this process builds: with tensor parallel `tp`, one rank's share
+    (ArchConfig.for_tensor_parallel), whose slices of each checkpoint tensor the loader copies (layers/parallel.py)."""
     files = checkpoint_files(model_dir)
     cls = get_model_class(arch.architecture)
     with torch.device("meta"):
         model = cls(arch, max_position, attn, dtype)
+        if tp is not None:
+            shard_model(model, tp)
     packed = getattr(cls, "packed_modules", {})
     renames = getattr(cls, "checkpoint_renames", {})
     stored = read_stored_quant(model_dir)
+    if stored is not None and tp is not None and tp.size > 1:
+        raise ValueError(
+            f"{model_dir} is stored quantized ({stored.method}), which tensor parallel does not split yet: serve "
+            f"its 16-bit checkpoint with quantization={stored.method!r} (quantized as it loads, per rank) or run "
+            "tensor_parallel_size=1"
+        )
     fp8 = read_fp8_checkpoint(model_dir)  # block-scaled fp8: dequantized as it loads, then like a 16-bit checkpoint
     if fp8 is not None and quant is not None and quant.method is not None:
         quant = requantize_config(model, fp8, quant, packed)

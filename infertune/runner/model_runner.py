@@ -16,6 +16,7 @@ from infertune.backends import Backend
 from infertune.config import EngineConfig
 from infertune.layers.attention import AttentionMetadata, PrefillChunk, attention_backend
 from infertune.layers.kernel_op import attach_kernels
+from infertune.layers.parallel import TensorParallel
 from infertune.models.loader import load_model
 from infertune.runner.compiled import CompiledForward, should_compile
 from infertune.runner.fused_decode import FusedDecode
@@ -43,11 +44,18 @@ class KVCacheInfo:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, backend: Backend, show_progress: bool = False) -> None:
+    def __init__(
+        self, config: EngineConfig, backend: Backend, show_progress: bool = False, tp: TensorParallel | None = None
+    ) -> None:
+        """tp: this worker's rank of a tensor-parallel group (its process group initialised), None for one process.
+        Every rank runs every step alike (the same SchedulerOutput, the same logits after the head's gather, the
+        same seeded sampler), so each keeps the same request states; the executor reads rank 0's output."""
         self.config = config
         self.backend = backend
         self.device = backend.device
-        arch = config.model.arch
+        self.tp = tp if tp is not None and tp.size > 1 else None
+        # the shape this process builds and caches: with tensor parallel, its share of the heads and features
+        self.arch = arch = config.model.arch.for_tensor_parallel(tp.size) if self.tp else config.model.arch
         self.dtype = backend.resolve_dtype(config.model.dtype, arch.torch_dtype)
         backend.seed(config.model.seed)
         # The backend's own small-batch linear kernels (None: torch's matmuls throughout). They are bf16 kernels:
@@ -72,6 +80,7 @@ class ModelRunner:
             prepack=config.model.prepack_weights,
             kernels=self.decode_kernels,
             compress=config.model.compress_weights == "auto" and config.model.compile != "on",
+            tp=self.tp,
         )
         self.block_size = config.cache.block_size
         self.kv_info = self._plan_kv_cache()
@@ -90,7 +99,13 @@ class ModelRunner:
         # structured output: the grammar matchers of the constrained requests (runner/structured_output.py)
         self.structured = StructuredOutputs(config.model.tokenizer, arch.vocab_size)
         self.compiled: CompiledForward | None = None
-        if config.model.compile != "off" and should_compile(config.model.compile, backend, self._num_weights()):
+        if self.tp is not None and config.model.compile == "on":
+            raise ValueError("compile='on' does not run with tensor parallel yet; use compile='auto' or 'off'")
+        if (
+            self.tp is None
+            and config.model.compile != "off"
+            and should_compile(config.model.compile, backend, self._num_weights())
+        ):
             try:
                 self.compiled = CompiledForward(self.model)
                 self.compiled.warm_up(self._warm_up_step)
@@ -106,7 +121,9 @@ class ModelRunner:
         # Not with torch.compile: its warm-up must run (and compile) the graphs that decode steps use.
         if self.decode_kernels is not None and config.model.decode_kernels == "auto":
             attach_kernels(self.model, self.decode_kernels)  # prefills' norms, rotary and SiLU-and-multiply
-        if self.decode_kernels is not None and self.compiled is None and config.model.decode_kernels == "auto":
+        # (not with tensor parallel: the fused step runs every layer in one call, with no all-reduce between them)
+        fuse = self.tp is None and config.model.decode_kernels == "auto"
+        if self.decode_kernels is not None and self.compiled is None and fuse:
             # (a step holds at most max_num_batched_tokens tokens, and at most max_num_seqs whole sequences)
             step_rows = min(
                 config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs * config.model.max_model_len
@@ -151,20 +168,25 @@ class ModelRunner:
         self.model.compute_logits(self._forward(input_ids, positions, meta))
 
     def _plan_kv_cache(self) -> KVCacheInfo:
-        cfg, arch = self.config, self.config.model.arch
+        """Blocks of the KV cache. With tensor parallel each rank keeps its heads' share of every block, in its
+        share of the budget (the ranks share the host's memory), and all take the fewest blocks any of them fits."""
+        cfg, arch = self.config, self.arch
+        ranks = self.tp.size if self.tp is not None else 1
         bytes_per_token = arch.num_hidden_layers * self.attn.kv_bytes_per_token(
             arch.num_key_value_heads, arch.head_dim, self.dtype
         )
         block_bytes = bytes_per_token * self.block_size
         max_len = cfg.model.max_model_len
         if cfg.cache.kv_cache_memory_bytes is not None:
-            budget = cfg.cache.kv_cache_memory_bytes
+            budget = cfg.cache.kv_cache_memory_bytes // ranks
             num_blocks = budget // block_bytes
         else:
-            budget = int(cfg.cache.kv_cache_memory_fraction * self.backend.free_memory_bytes())
+            budget = int(cfg.cache.kv_cache_memory_fraction * self.backend.free_memory_bytes()) // ranks
             # More blocks than max_num_seqs full-length sequences can use would only waste memory.
             useful = cfg.scheduler.max_num_seqs * -(-max_len // self.block_size)
             num_blocks = min(budget // block_bytes, useful)
+        if self.tp is not None:
+            num_blocks = self.tp.min_over_ranks(int(num_blocks))
         if num_blocks * self.block_size < max_len:
             need = -(-max_len // self.block_size) * block_bytes
             raise ValueError(

@@ -1,0 +1,122 @@
+"""Tensor parallel (layers/parallel.py, executor/multiproc.py): two ranks on gloo over 127.0.0.1, one CPU each.
+
+Oracles: the same engine with one rank, greedy token for token in fp32, on each family's sharding (Llama with one KV
+head replicated and a vocabulary that does not split evenly, Qwen3's q/k norms and qkv bias, Mixtral's experts,
+Qwen2-MoE's gated shared expert, Gemma 2's soft-caps and windows, DeepSeek-V3's latent attention) with prefix caching,
+chunked prefill and preemption on at once; HF transformers' greedy tokens by teacher forcing; exact arithmetic for how
+a tensor splits; and a rank killed mid-run is reported by rank without a hang.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from conftest import hf_model, make_checkpoint
+from parity_utils import BLOCK, assert_teacher_forced, prompts_for, run
+from test_deepseek import VARIANTS as DEEPSEEK_VARIANTS
+from test_deepseek import make_deepseek_checkpoint
+from test_gemma import VARIANTS as GEMMA_VARIANTS
+from test_gemma import make_gemma
+from test_moe_models import VARIANTS as MOE_VARIANTS
+
+from infertune import LLM, SamplingParams
+from infertune.config import ArchConfig
+from infertune.executor.multiproc import WorkerError
+from infertune.layers.parallel import TensorParallel, _vocab_rows, block_of
+
+
+def test_a_tensor_splits_by_rank_and_small_blocks_are_replicated():
+    # 8 rows over 2 ranks of 4: rank r takes rows 4r..4r+3
+    assert [block_of(8, 4, TensorParallel(r, 2)) for r in range(2)] == [0, 4]
+    # one KV head of 16 rows, 4 ranks each keeping one head: every rank the same block
+    assert [block_of(16, 16, TensorParallel(r, 4)) for r in range(4)] == [0, 0, 0, 0]
+    # two KV heads, 4 ranks: ranks 0-1 share head 0, ranks 2-3 head 1 (their q heads' group)
+    assert [block_of(32, 16, TensorParallel(r, 4)) for r in range(4)] == [0, 0, 16, 16]
+    with pytest.raises(ValueError, match="does not split"):
+        block_of(24, 16, TensorParallel(0, 2))
+    # a vocabulary of 261 over 2 ranks: blocks of 131, the last one with 130 real rows and one of padding
+    assert [_vocab_rows(261, TensorParallel(r, 2)) for r in range(2)] == [(131, 0, 131), (131, 131, 130)]
+
+
+def test_shapes_that_do_not_split_are_clear_errors_before_any_worker_starts(tiny_llama):
+    arch = ArchConfig.from_model_dir(str(tiny_llama))  # 4 heads, 2 KV heads, intermediate 128
+    assert arch.for_tensor_parallel(2).num_attention_heads == 2 and arch.for_tensor_parallel(4).num_key_value_heads == 1
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="does not divide num_attention_heads"):
+        LLM(str(tiny_llama), dtype="float32", tensor_parallel_size=3)
+    assert time.monotonic() - start < 5  # raised by the driver, not by spawned workers
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        LLM(str(tiny_llama), dtype="float32", tensor_parallel_size=0)
+
+
+def _checkpoint(kind: str, path):
+    if kind == "llama-kv1-odd-vocab":  # one KV head for two ranks (replicated), 261 rows of vocabulary (padded)
+        return make_checkpoint(path, "llama", num_key_value_heads=1, vocab_size=261, tie_word_embeddings=True)
+    if kind == "qwen3":  # q/k norms and explicit head_dim, with q/k/v/o bias (o's added on one rank only)
+        return make_checkpoint(path, "qwen3", head_dim=16, attention_bias=True)
+    if kind in MOE_VARIANTS:  # (the same tiny MoE models as test_moe_models.py)
+        return make_checkpoint(path, **MOE_VARIANTS[kind])
+    if kind == "gemma2":
+        return make_gemma(path, **GEMMA_VARIANTS["gemma2"])
+    assert kind == "deepseek-v3"
+    return make_deepseek_checkpoint(path, **DEEPSEEK_VARIANTS["v3"])
+
+
+@pytest.mark.parametrize("kind", ["llama-kv1-odd-vocab", "qwen3", "mixtral", "qwen2-moe", "gemma2", "deepseek-v3"])
+def test_two_ranks_give_one_rank_s_greedy_tokens(kind, tmp_path):
+    path = _checkpoint(kind, tmp_path / kind)
+    hf = hf_model(path)
+    prompts = prompts_for(hf.config.vocab_size)
+    one, reference = run(path, prompts)
+    # prefix caching, 5-token chunks of prefill and a pool of 16 blocks a rank, where the batch needs 24 at its peak
+    # (preemption). A rank keeps its share of the KV heads, all of an MLA latent, and a replica of a KV head it
+    # shares with another rank. (Not for Gemma's windowed layers, whose KV needs are their own: test_kv_groups.py.)
+    arch = ArchConfig.from_model_dir(str(path))
+    share = 1.0 if arch.mla else arch.for_tensor_parallel(2).num_key_value_heads / arch.num_key_value_heads
+    per_rank = int(one.engine.executor.kv_cache_info.bytes_per_token * share)
+    pool = {} if arch.layer_windows else dict(kv_cache_memory_bytes=2 * per_rank * 16 * BLOCK)  # (all ranks')
+    llm, got = run(
+        path,
+        prompts,
+        tensor_parallel_size=2,
+        enable_prefix_caching=True,
+        max_num_batched_tokens=5,
+        max_model_len=64,
+        **pool,
+    )
+    try:
+        assert "tensor parallel over 2 worker processes" in llm.engine.executor.describe()
+        assert got == reference
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        again = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in again] == reference
+        stats = llm.engine.stats()
+        assert stats["prefix_cache_hit_rate"] > 0 and (stats["num_preemptions"] > 0 or not pool), stats
+    finally:
+        llm.engine.shutdown()
+    for prompt, out in zip(prompts, got):
+        assert_teacher_forced(hf, prompt, out)
+    assert not any(p.is_alive() for p in llm.engine.executor._procs)
+
+
+def test_a_rank_that_dies_is_named_and_nothing_hangs(tiny_llama):
+    llm = LLM(str(tiny_llama), dtype="float32", max_model_len=64, block_size=4, tensor_parallel_size=2)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        assert len(llm.generate("x", params)[0].outputs[0].token_ids) == 4
+        victim = llm.engine.executor._procs[1]
+        long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+        threading.Timer(0.5, victim.kill).start()  # mid-run
+        start = time.monotonic()
+        with pytest.raises(WorkerError, match="tensor-parallel rank 1"):
+            for _ in range(100):
+                llm.generate(["x y z"] * 4, long, use_tqdm=False)
+        assert time.monotonic() - start < 30
+        time.sleep(0.2)
+        assert not any(p.is_alive() for p in llm.engine.executor._procs)  # the other rank was stopped too
+        with pytest.raises(WorkerError, match="stopped after an earlier failure"):
+            llm.generate("x", params)
+    finally:
+        llm.engine.shutdown()
