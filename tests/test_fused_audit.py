@@ -131,7 +131,11 @@ def test_audit_reports_the_fused_step_and_still_audits_the_torch_path(tiny3, cap
     n = native["decode_steps"]
     assert f"fused C step: {n} of {n} decode steps ran in it" in text
     line = next(ln for ln in text.splitlines() if "fused C step:" in ln)
-    assert "native kernels: fused_decode_layers x" in line
+    # Every kernel that ran is named with its calls; the prompt step's own kernels (where it is not fused: no
+    # AMX) are listed beside the fused step's.
+    listed = dict(item.rsplit(" x", 1) for item in line.split("native kernels: ", 1)[1].split(", "))
+    assert {k: int(v) for k, v in listed.items()} == native["kernels"]
+    assert listed["fused_decode_layers"] == str(native["kernels"]["fused_decode_layers"])
     assert 'torch path audited below: a second engine with decode_kernels="off"' in text
     assert "torch-path steps: prefill" in text and "status " in text  # the op table's audit follows
 
