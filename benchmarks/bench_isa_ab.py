@@ -5,6 +5,7 @@ processes (the variant, and whether AMX is on, is per process), the order revers
 Variants (each a child process; the one that runs is printed from inside it, `kernels.cpu.describe()`):
   avx512        INFERTUNE_CPU_ISA=avx512        AVX-512 BF16 / VNNI + AMX where present, the fused step
   avx512-noamx  INFERTUNE_CPU_ISA=avx512-noamx  the same library with the AMX paths off (what a Zen 4 / 5 runs)
+  noamx-gemv    ... and INFERTUNE_NOAMX_GEMM=0     without its VDPBF16PS GEMM (the GEMV to 16 rows, torch's GEMM past)
   avx2          INFERTUNE_CPU_ISA=avx2          the AVX2 + FMA GEMVs and elementwise kernels (no fused step)
   torch         INFERTUNE_CPU_KERNELS=0         torch's operators only
 With --torch-avx2, the avx2 and torch rows also run torch limited to AVX2 (ATEN_CPU_CAPABILITY=avx2,
@@ -30,6 +31,7 @@ from pathlib import Path
 VARIANTS = {
     "avx512": {"INFERTUNE_CPU_ISA": "avx512"},
     "avx512-noamx": {"INFERTUNE_CPU_ISA": "avx512-noamx"},
+    "noamx-gemv": {"INFERTUNE_CPU_ISA": "avx512-noamx", "INFERTUNE_NOAMX_GEMM": "0"},
     "avx2": {"INFERTUNE_CPU_ISA": "avx2"},
     "torch": {"INFERTUNE_CPU_KERNELS": "0"},
 }
@@ -51,7 +53,7 @@ def runnable() -> list[str]:
     flags = _flags()
     out = []
     if {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni"} <= flags:
-        out += ["avx512", "avx512-noamx"]
+        out += ["avx512", "avx512-noamx", "noamx-gemv"]
     if {"avx2", "fma", "f16c"} <= flags:
         out.append("avx2")
     return out + ["torch"]

@@ -22,8 +22,8 @@ COMPILE_MODES = ("auto", "on", "off")
 KV_CACHE_DTYPES = ("auto", "int8")
 QUANT_METHODS = ("w8a16", "w4a16", "w8a8")
 QUANT_GROUP_SIZES = (32, 64, 128, 256)
-EXECUTOR_BACKENDS = ("uni", "mp")
-SPECULATIVE_METHODS = ("ngram",)
+EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "Qwen2ForCausalLM",
@@ -569,13 +569,23 @@ class CacheConfig:
 @dataclass(slots=True, frozen=True)
 class SpeculativeConfig:
     """Speculative decoding, vLLM's speculative_config: each decode step proposes up to num_speculative_tokens draft
-    tokens by n-gram prompt lookup (the last prompt_lookup_min .. prompt_lookup_max tokens found earlier in the
-    sequence, and what followed them there), and verifies them in the step's forward (docs/server.md)."""
+    tokens, by n-gram prompt lookup (method "ngram": the last prompt_lookup_min .. prompt_lookup_max tokens found
+    earlier in the sequence, and what followed them there) or by a small draft model with the target's vocabulary
+    (method "draft_model", model = its folder), and verifies them in the step's forward (docs/server.md). With
+    adaptive (the default) each sequence drafts only as many tokens as its acceptance pays for, down to none
+    (engine/spec_decode.py)."""
 
     num_speculative_tokens: int
     method: str = "ngram"
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
+    model: str | None = None  # the draft model's folder (method "draft_model")
+    adaptive: bool = True
+    # The cost of one draft row as a share of a decode step without drafts (adaptive K's cost model). Measured with
+    # benchmarks/bench_spec_decode.py: 0.01-0.02 on the 386M model, 0.05-0.12 on the 1.3M built-in one.
+    draft_cost: float = 0.05
+    acceptance_decay: float = 0.8  # the weight an older step's acceptance keeps at each new one
+    probe_interval: int = 16  # decode steps without drafts before a sequence that stopped drafting tries one
 
     @classmethod
     def from_dict(cls, value: dict) -> SpeculativeConfig:
@@ -590,11 +600,8 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
-            raise ValueError(
-                f"speculative_config method={self.method!r} is not one of {SPECULATIVE_METHODS} (a draft model is "
-                "not supported yet)"
-            )
-        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            raise ValueError(f"speculative_config method={self.method!r} is not one of {SPECULATIVE_METHODS}")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "probe_interval"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"speculative_config {name}={value!r} must be an integer >= 1")
@@ -603,6 +610,21 @@ class SpeculativeConfig:
                 f"speculative_config prompt_lookup_min={self.prompt_lookup_min} must be <= "
                 f"prompt_lookup_max={self.prompt_lookup_max}"
             )
+        if self.method == "draft_model":
+            if not isinstance(self.model, str) or not Path(self.model).is_dir():
+                raise ValueError(
+                    f'speculative_config method "draft_model" needs "model": the draft model\'s folder (got '
+                    f"{self.model!r}), a small model with the target's tokenizer"
+                )
+        elif self.model is not None:
+            raise ValueError(f'speculative_config "model" is for method "draft_model", not {self.method!r}; drop it')
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"speculative_config adaptive={self.adaptive!r} must be true or false")
+        if isinstance(self.draft_cost, bool) or not isinstance(self.draft_cost, (int, float)) or self.draft_cost < 0:
+            raise ValueError(f"speculative_config draft_cost={self.draft_cost!r} must be a number >= 0 (e.g. 0.1)")
+        decay = self.acceptance_decay
+        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 < decay <= 1:
+            raise ValueError(f"speculative_config acceptance_decay={decay!r} must be in (0, 1] (e.g. 0.8)")
 
     def __str__(self) -> str:
         """The JSON the --speculative-config flag takes."""
@@ -630,8 +652,10 @@ class SchedulerConfig:
         None,
         'speculative decoding, as vLLM\'s speculative_config: {"method": "ngram", "num_speculative_tokens": K, '
         '"prompt_lookup_max": 4, "prompt_lookup_min": 1} drafts up to K tokens a decode step from where the '
-        "sequence's last tokens occurred before, verified in one forward; greedy output is unchanged and sampled "
-        "output keeps its distribution (default: off)",
+        'sequence\'s last tokens occurred before, {"method": "draft_model", "model": DIR, '
+        '"num_speculative_tokens": K} by a small model with the same tokenizer; verified in one forward, K adapting '
+        "to each sequence's acceptance; greedy output is unchanged and sampled output keeps its distribution "
+        "(default: off)",
         json=True,
         see="Speculative decoding",
     )
@@ -715,7 +739,9 @@ class ParallelConfig:
         "where the model runs: uni = in this process; mp = in worker processes, one per tensor-parallel rank, "
         "reached by each step's pickled SchedulerOutput (spawned: a script that builds the engine keeps its top "
         'level under `if __name__ == "__main__":`; start-up takes a few seconds more); the profile, eval and '
-        "quantize tools need uni. A tensor_parallel_size above 1 with uni runs mp",
+        "quantize tools need uni. A tensor_parallel_size above 1 with uni runs mp; ray = the ranks as Ray actors "
+        "on the nodes of a Ray cluster (RAY_ADDRESS, the one `ray start` began here, or a local one; pip install "
+        "'infertune[ray]')",
         choices=EXECUTOR_BACKENDS,
     )
     tensor_parallel_size: int = _opt(

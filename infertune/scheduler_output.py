@@ -6,6 +6,12 @@ A worker keeps its own per-request state (runner/request_state.py), appends the 
 forgets the requests in `finished_req_ids` (finished, aborted or preempted; a preempted one comes back later as
 a NewRequest with the tokens it had). Everything here is picklable plain data, so a worker can live in another
 process. It sits at the bottom of the layering because the engine, the executors and the runner all read it.
+
+KV cache groups (`KVCacheGroup`, vLLM's hybrid KV cache): the layers are grouped by the window they attend within
+(full attention, or each sliding window), and each group has its own block table per request; the first group's
+travels as `block_ids`, the others' as `group_block_ids`. A windowed group frees the blocks that fall wholly out of
+its window (engine/kv_cache_coordinator.py); a worker is not told, as no query reads them again, so its copy keeps
+their old ids, and an entry a new request never had is NULL_BLOCK (-1).
 """
 
 from __future__ import annotations
@@ -13,6 +19,37 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from infertune.sampling_params import SamplingParams
+
+# A windowed group's block-table entry with no block (out of the window since before the worker was told of the
+# request): a worker's tensors may hold any valid id there, as no query reads it.
+NULL_BLOCK = -1
+
+
+@dataclass(slots=True, frozen=True)
+class KVCacheGroup:
+    """Layers that share one block table per request: those attending within the same window (None: in full)."""
+
+    window: int | None
+    layers: tuple[int, ...]
+
+    def max_blocks(self, num_tokens: int, block_size: int, chunk: int) -> int:
+        """The most blocks a sequence of num_tokens holds at once in this group, with prefill chunks of at most
+        `chunk` tokens: all of them in full attention; in a window W, those the positions from its chunk's first
+        query's window on (W - 1 before the chunk) to the chunk's end can touch (W / block + 1 for a decode)."""
+        need = -(-num_tokens // block_size)
+        if self.window is None:
+            return need
+        return min(need, -(-(self.window - 2 + min(chunk, num_tokens)) // block_size) + 1)
+
+
+def kv_cache_groups(
+    layer_windows: tuple[int | None, ...] | None, num_layers: int, max_model_len: int
+) -> tuple[KVCacheGroup, ...]:
+    """The layers grouped by window, the full-attention group first, then each window in order of first use. A
+    window of max_model_len or more never drops a token, so its layers join the full group."""
+    windows = [None if w is None or w >= max_model_len else w for w in (layer_windows or (None,) * num_layers)]
+    order = sorted(set(windows), key=lambda w: (w is not None, windows.index(w)))
+    return tuple(KVCacheGroup(w, tuple(i for i, x in enumerate(windows) if x == w)) for w in order)
 
 
 class TokenView:
@@ -46,6 +83,8 @@ class NewRequest:
     # The grammar its output must match (structured output), None if unconstrained. The worker builds a matcher
     # from it and advances it by the outputs already in token_ids (after a preemption) and by each token sampled.
     structured_output: GrammarSpec | None = None
+    # The block tables of the KV cache groups after the first (block_ids), NULL_BLOCK where out of their window.
+    group_block_ids: list[list[int]] = field(default_factory=list)
 
 
 @dataclass(slots=True, frozen=True)
@@ -65,6 +104,9 @@ class CachedRequest:
     # How many of the blocks sent before the request still holds: all of them, but where speculative decoding gave
     # back the blocks that only rejected drafts used.
     num_kept_blocks: int
+    # The same two for each KV cache group after the first (new_block_ids and num_kept_blocks are the first's).
+    group_new_block_ids: list[list[int]] = field(default_factory=list)
+    group_num_kept_blocks: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -78,3 +120,6 @@ class SchedulerOutput:
     # Speculative decoding: req_id -> the draft tokens that follow its last token in this step (its scheduled tokens
     # are that token plus them); the worker answers the drafts it accepted and one token after them.
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # A draft model (speculative method "draft_model"): req_id -> how many drafts its worker proposes, after this
+    # step, for the next one (runner/draft_model.py); they come back in SamplerOutput.draft_token_ids.
+    num_drafts_to_propose: dict[str, int] = field(default_factory=dict)

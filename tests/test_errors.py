@@ -354,14 +354,14 @@ def test_tensor_with_wrong_shape_is_named(tmp_path):
 
 
 def test_mistral_sliding_window_shorter_than_max_model_len(tmp_path):
-    """Refused while infertune had no window; now the window is exact (tests/test_sliding_window.py), and the start-up
-    line says that the cache still keeps every token (blocks behind the window are not freed yet)."""
+    """Refused while infertune had no window; now the window is exact (tests/test_sliding_window.py) and its blocks
+    are freed as they leave it (tests/test_kv_groups.py): the start-up line gives the window's layer group."""
     path = make_checkpoint(tmp_path, "mistral", sliding_window=64)
-    llm = _load(path, max_model_len=200)
+    llm = _load(path, max_model_len=200, max_num_batched_tokens=32)
     assert llm.config.model.arch.layer_windows == (64, 64)
     line = llm.engine.describe_kv_cache()
-    assert "2 of 2 layers attend within a sliding window of 64 tokens" in line
-    assert "keeps every token" in line
+    # with chunks of 32, a sequence touches at most ceil((64 - 1 + 32 - 1) / 16) + 1 = 7 blocks of 16
+    assert "sliding window 64 (layers 0,1): 7 blocks = 112 tokens a sequence" in line
 
 
 def test_unknown_engine_option():

@@ -180,6 +180,24 @@ def test_prefix_cache_hit_past_the_window(gemma):
         assert_teacher_forced(hf, p, out.outputs[0].token_ids)
 
 
+def test_local_layers_hold_only_their_window(gemma):
+    """Two KV cache groups (full: layers 1, 3; sliding: 0, 2): decoding a 34-token prompt 28 tokens on, the full
+    group holds every block and the sliding one the ceil((6 - 1) / 4) + 1 = 3 its window can touch; HF's tokens."""
+    _, path, hf, prompts, reference = gemma
+    llm = LLM(str(path), dtype="float32", max_model_len=MAX_LEN, block_size=BLOCK)
+    engine, bm = llm.engine, llm.engine.block_manager
+    assert [g.layers for g in engine.executor.kv_cache_info.groups] == [(1, 3), (0, 2)]
+    params = SamplingParams(temperature=0, max_tokens=28, ignore_eos=True)
+    engine.add_request("r", {"prompt_token_ids": prompts[-1]}, params)
+    held, tokens = [], None
+    while engine.has_unfinished_requests():
+        held += [(len(s), bm.blocks_in_use(s)) for s in engine.scheduler.running]
+        tokens = next((o.outputs[0].token_ids for o in engine.step() if o.finished), tokens)
+    assert all(full == -(-(n - 1) // BLOCK) for n, (full, _) in held)
+    assert max(w for n, (_, w) in held if n > len(prompts[-1]) + 1) == 3
+    assert list(tokens) == reference[-1][:28] and bm.num_free_blocks == bm.num_blocks
+
+
 def test_int8_kv_cache_tracks_hf(gemma):
     """Within tests/test_kv_int8.py's bound: every pick at most 0.5 below HF's best logit, nearly all exactly it."""
     _, path, hf, prompts, _ = gemma

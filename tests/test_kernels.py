@@ -118,6 +118,83 @@ def test_bf16_strided_rows_and_leading_dims(ks):
     torch.testing.assert_close(y.float(), (x.double() @ w.double().T).float(), rtol=2**-7, atol=1e-3)
 
 
+# The VDPBF16PS GEMM of the AVX-512 library without AMX (csrc/x86/avx512/gemm_dpbf16.c), called directly (so it runs
+# on AMX machines too): row counts that leave each micro-kernel tail (6 rows a pass: 4, 7, 13), more rows than one
+# pass over a packed slab (128: 129, 300), feature counts that leave a partial 16- / 64-feature block, K past one
+# 256-column slab with a partial last slab (600, 2050) and K not a multiple of 32 (100).
+NOAMX_GEMM_SHAPES = [
+    (4, 64, 64),
+    (7, 50, 100),
+    (13, 130, 600),
+    (16, 1152, 896),
+    (64, 17, 2050),
+    (129, 80, 96),
+    (300, 200, 256),
+]
+
+
+@needs_avx512
+@pytest.mark.parametrize("m,n,k", NOAMX_GEMM_SHAPES)
+def test_noamx_gemm_exact_on_integers_and_within_the_float64_bound(m, n, k):
+    g = torch.Generator().manual_seed(m * 7 + n + k)
+    k_eff = min(k, 64)
+    xi = torch.zeros(m, k, dtype=torch.bfloat16)
+    xi[:, :k_eff] = _bf16_ints(m, k_eff, gen=g)
+    wi, bias = _bf16_ints(n, k, gen=g), _bf16_ints(n, lo=-8, hi=8, gen=g)
+    ref = xi.long() @ wi.long().T + bias.long()
+    assert torch.equal(kernels.linear_bf16_path(xi, wi, bias, path="gemm").long(), ref)
+    x, w = torch.randn(m, k, generator=g).bfloat16(), torch.randn(n, k, generator=g).bfloat16()
+    ref = x.double() @ w.double().T
+    y = kernels.linear_bf16_path(x, w, path="gemm").double()
+    bound = 2.0**-8 * ref.abs() + k * 2.0**-23 * (x.double().abs() @ w.double().abs().T) + 1e-30
+    assert ((y - ref).abs() <= bound * 1.01).all(), float(((y - ref).abs() / bound).max())
+
+
+@needs_avx512
+def test_noamx_gemm_keeps_nans_and_strided_rows():
+    """A NaN in a row of x makes that row's outputs NaN, as torch's (the rounding keeps NaN a NaN), and only that row;
+    x may be a strided view, as the packed qkv slices are."""
+    g = torch.Generator().manual_seed(3)
+    big = torch.randn(9, 300, generator=g).bfloat16()
+    x = big[:, 10:266]  # [9, 256], row stride 300
+    x[4, 17] = float("nan")
+    w = torch.randn(70, 256, generator=g).bfloat16()
+    y = kernels.linear_bf16_path(x, w, path="gemm")
+    assert y[4].isnan().all() and not y[torch.arange(9) != 4].isnan().any()
+    ok = torch.arange(9) != 4
+    torch.testing.assert_close(y[ok].double(), x[ok].double() @ w.double().T, rtol=2**-7, atol=1e-3)
+
+
+@needs_avx512
+@pytest.mark.skipif(kernels.amx(), reason="with AMX the tiles take every row count from 2 (the GEMM is not used)")
+def test_linear_bf16_without_amx_takes_the_gemv_then_the_gemm():
+    """Without AMX, it_linear_bf16 runs the GEMV below it_gemm_rows_noamx() rows (4x that where K > 2048) and the GEMM
+    from there (bit for bit the one or the other), and the GEMV wherever K is odd; the engine sends bf16 linears of
+    up to bf16_max_rows() rows (NOAMX_GEMM_MAX_ROWS) to it."""
+    lib = kernels.library()
+    start = lib.it_gemm_rows_noamx(0)
+    assert 1 < start <= kernels.MAX_ROWS and kernels.bf16_max_rows() == kernels.NOAMX_GEMM_MAX_ROWS
+    g = torch.Generator().manual_seed(4)
+    for k, rows in ((640, (start - 1, start, 40)), (2560, (4 * start - 1, 4 * start))):
+        w = torch.randn(32, k, generator=g).bfloat16()
+        w[:, 0] = w[:, -1] = 1
+        gemm_from = start if k <= 2048 else 4 * start
+        for m in rows:
+            # (+-2^20 in the first and the last column: the sums of the other products are rounded to that size on
+            # the way, differently in the two summation orders, so the two paths' results differ in most places)
+            x = torch.randn(m, k, generator=g).bfloat16()
+            x[:, 0], x[:, -1] = 2.0**20, -(2.0**20)
+            want = kernels.linear_bf16_path(x, w, path="gemm" if m >= gemm_from else "gemv").view(torch.int16)
+            other = kernels.linear_bf16_path(x, w, path="gemv" if m >= gemm_from else "gemm").view(torch.int16)
+            assert torch.equal(kernels.linear_bf16(x, w).view(torch.int16), want), (m, k)
+            assert not torch.equal(want, other)  # (the two sum in different orders: the check tells them apart)
+    x = torch.randn(40, 641, generator=g).bfloat16()
+    w = torch.randn(96, 641, generator=g).bfloat16()
+    assert torch.equal(kernels.linear_bf16(x, w), kernels.linear_bf16_path(x, w, path="gemv"))
+    with pytest.raises(ValueError, match="even K"):
+        kernels.linear_bf16_path(x, w, path="gemm")
+
+
 @pytest.mark.parametrize("m,n,k", SHAPES)
 @pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float32])
 def test_w8_within_its_error_bound(ks, m, n, k, scale_dtype):
@@ -732,11 +809,14 @@ def test_fused_prefill_takes_only_the_read_rows_through_the_last_layers_mlp(tmp_
 
 
 @needs_kernels
-@pytest.mark.skipif(kernels.bf16_max_rows() <= 16, reason="fused prompts need the tile GEMM (AMX)")
+@pytest.mark.skipif(
+    kernels.bf16_max_rows() <= 16, reason="fused prompts need the AVX-512 GEMMs (AMX tiles, or VDPBF16PS without)"
+)
 def test_fused_step_runs_prompts_as_accurately_as_pytorch(tmp_path, monkeypatch):
     """A step of fresh prompts runs through the fused step (each token a row attending to its prompt up to itself,
     through the prompt's block table; on AMX 16 rows of a prompt at a time): with 12-bit weights (the default on
-    AMX) a step of any size, with the weights as loaded up to kernels.bf16_max_rows() tokens in all. Prompts of 5,
+    AMX) a step of any size, with the weights as loaded up to kernels.bf16_max_rows() tokens in all (without AMX
+    through the VDPBF16PS GEMM). Prompts of 5,
     21, 40 and 90 tokens (several blocks of 16, partial last blocks; 156 rows) in one step, then decoding. The
     logprobs against HF transformers in float32 are as close as those of the PyTorch forward
     (decode_kernels="linear")."""

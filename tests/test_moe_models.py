@@ -564,12 +564,6 @@ def test_quantize_w8a16_writes_int8_linears_and_experts_and_keeps_the_routers(qw
     torch.testing.assert_close(prompt_logits(saved, prompt), prompt_logits(fly, prompt), atol=1e-5, rtol=0)
 
 
-def test_compile_on_refuses_a_moe_model_and_says_why(qwen2_moe):
-    path, _ = qwen2_moe
-    with pytest.raises(RuntimeError, match="compile='on'.*mixture-of-experts model does not compile"):
-        LLM(str(path), dtype="float32", max_model_len=MAX_LEN, compile="on")
-
-
 # ---- loaded in place --------------------------------------------------------------------------------------------
 
 LOAD_AND_MEASURE = """

@@ -18,7 +18,7 @@ from infertune.config import EngineConfig, SchedulerConfig, SpeculativeConfig
 from infertune.engine.block_manager import BlockManager
 from infertune.engine.scheduler import Scheduler
 from infertune.engine.sequence import Sequence, SequenceStatus
-from infertune.engine.spec_decode import NgramProposer
+from infertune.engine.spec_decode import AdaptiveK, NgramProposer
 from infertune.runner.request_state import RequestStates
 from infertune.runner.sampler import Sampler, SampleRequest, apply_top_k_top_p_min_p, inverse_cdf, verify_drafts
 
@@ -78,8 +78,15 @@ def test_speculative_config_is_checked():
     assert eval(repr(SpeculativeConfig(4)), {"SpeculativeConfig": SpeculativeConfig}) == SpeculativeConfig(4)
     for bad, says in (
         ({"method": "ngram"}, 'needs "num_speculative_tokens"'),
-        ({**SPEC, "model": "x"}, "unknown keys \\['model'\\]"),
-        ({**SPEC, "method": "draft_model"}, "method='draft_model' is not one of"),
+        ({**SPEC, "drafter": "x"}, "unknown keys \\['drafter'\\]"),
+        ({**SPEC, "method": "medusa"}, "method='medusa' is not one of"),
+        ({**SPEC, "model": "x"}, '"model" is for method "draft_model", not \'ngram\''),
+        ({**SPEC, "method": "draft_model"}, 'method "draft_model" needs "model"'),
+        ({**SPEC, "method": "draft_model", "model": "/no/such/dir"}, "the draft model's folder \\(got '/no/such/dir'"),
+        ({**SPEC, "draft_cost": -1}, "draft_cost=-1 must be a number >= 0"),
+        ({**SPEC, "acceptance_decay": 0}, "acceptance_decay=0 must be in \\(0, 1\\]"),
+        ({**SPEC, "probe_interval": 0}, "probe_interval=0 must be an integer >= 1"),
+        ({**SPEC, "adaptive": "yes"}, "adaptive='yes' must be true or false"),
         ({**SPEC, "num_speculative_tokens": 0}, "num_speculative_tokens=0 must be"),
         ({**SPEC, "prompt_lookup_min": 5}, "prompt_lookup_min=5 must be <= prompt_lookup_max=4"),
         (json.dumps(SPEC), "must be a dict such as"),
@@ -537,3 +544,202 @@ def test_server_streams_speculated_tokens_and_counts_them(tiny_llama):
         steps = metric(s.url, "infertune_spec_decode_num_drafts_total")
     assert whole == streamed == want.outputs[0].text
     assert drafts > 0 and 0 < accepted <= drafts and steps > 0
+
+
+# ---- adaptive K: the policy on synthetic acceptance sequences ---------------------------------------------------
+def tokens_per_cost(a: float, d: int, cost: float) -> float:
+    """By enumeration of the outcomes: m < d drafts accepted with probability a^m (1 - a), all d with a^d; a step
+    gives m + 1 tokens for 1 + cost * d of a plain step's cost."""
+    expected = sum((m + 1) * a**m * (1 - a) for m in range(d)) + (d + 1) * a**d
+    return expected / (1 + cost * d)
+
+
+@pytest.mark.parametrize("cost", [0.01, 0.05, 0.3])
+def test_adaptive_k_takes_the_number_of_drafts_with_the_most_tokens_per_cost(cost):
+    policy = AdaptiveK(SpeculativeConfig(6, draft_cost=cost))
+    for i in range(101):
+        a = i / 100
+        values = [tokens_per_cost(a, d, cost) for d in range(7)]
+        k = policy.best_k(a)
+        assert values[k] >= max(values) * (1 - 1e-9), (a, k, values)
+        # no number of drafts pays while a draft is accepted less often than its row costs
+        assert (k == 0) == (a <= cost), (a, k)
+
+
+def decisions(spec: SpeculativeConfig, accepted, steps: int) -> list[int]:
+    """The drafts the policy gives a sequence at each of `steps` decode steps, where accepted(step, d) of them are."""
+    policy, seq = AdaptiveK(spec), Sequence([1], 10**6)
+    out = []
+    for i in range(steps):
+        d = policy.num_drafts(seq)
+        out.append(d)
+        policy.record(seq, d, accepted(i, d))
+    return out
+
+
+def test_adaptive_k_stops_drafting_where_nothing_is_accepted_and_probes_now_and_then():
+    spec = SpeculativeConfig(4)  # the defaults: draft_cost 0.05, acceptance_decay 0.8, probe_interval 16
+    ks = decisions(spec, lambda i, d: 0, 300)
+    assert ks[0] == 4  # a new sequence starts at K
+    off = ks.index(0)
+    assert off <= 10 and ks[:off] == sorted(ks[:off], reverse=True)
+    probes = [i for i in range(off, 300) if ks[i]]
+    assert all(ks[i] == 1 for i in probes)
+    assert probes[0] == off + 16 and all(b - a == 17 for a, b in zip(probes, probes[1:]))  # 16 steps off, then one
+    assert sum(ks) <= sum(ks[:off]) + 300 // 17
+    # fixed K (adaptive off) drafts K every step, whatever is accepted
+    assert decisions(SpeculativeConfig(4, adaptive=False), lambda i, d: 0, 50) == [4] * 50
+
+
+def test_adaptive_k_keeps_k_while_drafts_are_accepted_and_resumes_when_they_are_again():
+    assert decisions(SpeculativeConfig(4), lambda i, d: d, 100) == [4] * 100
+    ks = decisions(SpeculativeConfig(4), lambda i, d: 0 if i < 100 else d, 200)
+    assert ks[99] == 0
+    first_probe = next(i for i in range(100, 200) if ks[i])
+    # one accepted probe brings drafts back, and a few accepted steps K
+    assert first_probe <= 117 and 0 < ks[first_probe + 1] <= ks[first_probe + 2] <= ks[first_probe + 3] == 4
+    assert ks[first_probe + 3 :] == [4] * (200 - first_probe - 3)
+
+
+def test_adaptive_k_estimates_the_acceptance_of_each_next_draft():
+    """Outcomes drawn as a draft accepted with probability a given the one before was: the decayed-count estimate
+    (without decay) converges to a, whatever the number of drafts (accepted / proposed would not)."""
+    import random
+
+    rng = random.Random(0)
+    for a in (0.3, 0.6, 0.9):
+        policy, seq = AdaptiveK(SpeculativeConfig(4, acceptance_decay=1.0)), Sequence([1], 10**6)
+        for i in range(4000):
+            d = 1 + i % 4
+            m = 0
+            while m < d and rng.random() < a:
+                m += 1
+            policy.record(seq, d, m)
+        assert abs(AdaptiveK.acceptance(seq.spec_state) - a) < 0.03
+
+
+def test_adaptive_k_in_the_scheduler_drafts_little_where_every_draft_is_rejected():
+    """A proposer whose drafts the fake model never gives: the same tokens as plain decoding, and after a few steps
+    only a probe every 16 steps (fixed K drafts K every step)."""
+
+    def run(spec):
+        cfg = SchedulerConfig(max_num_batched_tokens=64, speculative_config=spec)
+        sched = Scheduler(cfg, BlockManager(64, BS))
+        if spec is not None:
+            sched.proposer.propose = lambda seq, k: [99] * k  # fake_next never gives 99
+        seq = Sequence([5, 1, 2, 5, 1, 2, 5], 120)
+        seq.spec_decode = True
+        return sched, seq, drive(sched, [seq])
+
+    plain, plain_seq, plain_steps = run(None)
+    fixed, fixed_seq, _ = run(SpeculativeConfig(4, adaptive=False))
+    adaptive, adaptive_seq, adaptive_steps = run(SpeculativeConfig(4))
+    assert adaptive_seq.output_token_ids == fixed_seq.output_token_ids == plain_seq.output_token_ids
+    assert adaptive_steps == plain_steps == 120 and adaptive.num_accepted_tokens == 0
+    assert fixed.num_draft_tokens >= 4 * 110
+    assert adaptive.num_draft_tokens <= 16 + 120 // 17
+
+
+def test_greedy_tokens_identical_with_fixed_k(tiny_llama, reference):
+    llm, outs = generate(tiny_llama, PROMPTS, greedy(), speculative_config={**SPEC, "adaptive": False})
+    assert tokens(outs) == reference
+    stats = llm.engine.stats()
+    assert stats["spec_decode_num_draft_tokens"] > stats["spec_decode_num_accepted_tokens"] > 0
+
+
+# ---- a draft model ----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def noisy_draft(tiny_llama, tmp_path_factory):
+    """The tiny target with every weight perturbed: a draft model that agrees with it on some tokens, not all."""
+    from conftest import hf_model
+    from transformers import AutoTokenizer
+
+    model = hf_model(tiny_llama)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn(p.shape, generator=gen))
+    path = tmp_path_factory.mktemp("noisy-draft")
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(tiny_llama).save_pretrained(path)
+    return path
+
+
+def draft_spec(path, **kw) -> dict:
+    return {"method": "draft_model", "model": str(path), "num_speculative_tokens": 4, **kw}
+
+
+@pytest.mark.parametrize("draft, mode", [("target", "prefix-cache-on"), ("noisy", "preemption")])
+def test_draft_model_greedy_tokens_identical(tiny_llama, noisy_draft, reference, draft, mode):
+    """Greedy output is the target's without speculation; the target drafting for itself has every draft accepted;
+    the rejected drafts' blocks come back, under preemption too."""
+    path = tiny_llama if draft == "target" else noisy_draft
+    llm, outs = generate(tiny_llama, PROMPTS, greedy(), speculative_config=draft_spec(path), **MODES[mode])
+    assert tokens(outs) == reference
+    stats = llm.engine.stats()
+    drafted, accepted = stats["spec_decode_num_draft_tokens"], stats["spec_decode_num_accepted_tokens"]
+    if draft == "target":
+        assert drafted == accepted > 2 * len(PROMPTS) * NEW / 3
+    else:
+        assert drafted > accepted > 0
+        assert stats["num_preemptions"] > 0
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    # the draft model's own blocks: each held by one request the worker still knows (it learns of the finished ones
+    # at its next step), none lost
+    runner = llm.engine.executor.runner
+    drafter = runner.drafter
+    held = [b for state in drafter.states.values() for b in state.block_table]
+    assert set(drafter.states) <= set(runner.requests.requests)
+    num_blocks = runner.kv_info.num_blocks + llm.engine.config.scheduler.max_num_seqs
+    assert sorted(held + drafter.free_blocks) == list(range(num_blocks))
+
+
+def test_draft_model_seeded_sampling_gives_the_same_tokens(tiny_llama, noisy_draft):
+    params = [
+        SamplingParams(temperature=0.3, top_p=0.9, seed=7, max_tokens=NEW, ignore_eos=True),
+        SamplingParams(temperature=0.2, repetition_penalty=1.1, seed=11, max_tokens=NEW, ignore_eos=True),
+    ]
+    _, plain = generate(tiny_llama, PROMPTS[1:3], params)
+    llm, spec = generate(tiny_llama, PROMPTS[1:3], params, speculative_config=draft_spec(noisy_draft))
+    assert tokens(spec) == tokens(plain)
+    assert llm.engine.stats()["spec_decode_num_accepted_tokens"] > 0
+
+
+def test_draft_model_sampling_distribution_chi_square(tiny_llama, noisy_draft):
+    """Unseeded samples of the first two tokens (top-2, temperature 1), the second verified against the draft
+    model's draft: their joint distribution is the target's, computed with HF transformers (chi-square)."""
+    from conftest import hf_model
+    from scipy.stats import chisquare
+
+    prompt, n = [77], 1200  # one token: each sample's prefill is a decode row, so the samples batch cheaply
+    hf = hf_model(tiny_llama)
+
+    def top2(ids: list[int]) -> tuple[list[int], torch.Tensor]:
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids])).logits[0, -1].double()
+        vals, idx = logits.topk(2)
+        return idx.tolist(), vals.softmax(0)
+
+    expected, cells = [], []
+    first, p_first = top2(prompt)
+    for t0, p0 in zip(first, p_first):
+        second, p_second = top2(prompt + [t0])
+        for t1, p1 in zip(second, p_second):
+            cells.append((t0, t1))
+            expected.append((p0 * p1).item() * n)
+    params = SamplingParams(temperature=1.0, top_k=2, n=100, max_tokens=3, ignore_eos=True)
+    llm, outs = generate(
+        tiny_llama, [prompt] * (n // 100), params, speculative_config=draft_spec(noisy_draft), max_num_seqs=128
+    )
+    pairs = [tuple(c.token_ids[:2]) for o in outs for c in o.outputs]
+    assert set(pairs) <= set(cells)
+    counts = [pairs.count(c) for c in cells]
+    assert chisquare(counts, expected).pvalue > 1e-4
+    stats = llm.engine.stats()
+    assert stats["spec_decode_num_draft_tokens"] > stats["spec_decode_num_accepted_tokens"] > 0.1 * n
+
+
+def test_draft_model_with_another_vocabulary_is_refused(tiny_llama, tmp_path):
+    path = make_checkpoint(tmp_path / "other-vocab", "llama", vocab_size=300)
+    with pytest.raises(ValueError, match="vocabulary of 300 tokens, the target 2[0-9][0-9]: a draft model must use"):
+        LLM(str(tiny_llama), dtype="float32", max_model_len=MAX_LEN, speculative_config=draft_spec(path))

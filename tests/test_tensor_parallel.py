@@ -13,6 +13,7 @@ import threading
 import time
 
 import pytest
+import torch
 from conftest import hf_model, make_checkpoint
 from parity_utils import BLOCK, assert_teacher_forced, prompts_for, run
 from test_deepseek import VARIANTS as DEEPSEEK_VARIANTS
@@ -120,3 +121,65 @@ def test_a_rank_that_dies_is_named_and_nothing_hangs(tiny_llama):
             llm.generate("x", params)
     finally:
         llm.engine.shutdown()
+
+
+@pytest.fixture
+def ray_head(monkeypatch):
+    """A Ray head on 127.0.0.1 started for the test (`ray start --head`) and stopped after it."""
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None:  # (not imported here: Ray reads its token settings at import)
+        pytest.skip("Ray is not installed (pip install 'infertune[ray]'); CI installs it")
+    import secrets
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from infertune.executor.worker import free_port
+
+    ray_cli = shutil.which("ray") or str(Path(sys.executable).with_name("ray"))
+    port = free_port()
+    # Ray >= 2.59 authenticates a local cluster's clients by token: one for this head, its workers and the driver
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    monkeypatch.setenv("RAY_AUTH_TOKEN", secrets.token_hex(32))
+    start = [ray_cli, "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1", "--num-cpus=2"]
+    subprocess.run(
+        [*start, "--include-dashboard=false", "--disable-usage-stats"], check=True, capture_output=True, timeout=180
+    )
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
+    try:
+        yield
+    finally:
+        subprocess.run([ray_cli, "stop", "--force"], capture_output=True, timeout=120)
+
+
+def test_ray_actors_give_the_same_greedy_tokens(ray_head, tiny_llama):
+    prompts = prompts_for(256)
+    _, reference = run(tiny_llama, prompts)
+    llm, got = run(tiny_llama, prompts, tensor_parallel_size=2, distributed_executor_backend="ray")
+    try:
+        assert "tensor parallel over 2 Ray actors on 1 node(s)" in llm.engine.executor.describe()
+        assert got == reference
+    finally:
+        llm.engine.shutdown()
+
+
+def _prompt_logprobs(path, **engine) -> list[float]:
+    llm = LLM(str(path), dtype="float32", max_model_len=64, block_size=BLOCK, **engine)
+    try:
+        ids = list(range(3, 40))
+        out = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
+        return [e.logprob for e in out.prompt_logprobs[1:]]
+    finally:
+        llm.engine.shutdown()
+
+
+def test_each_rank_quantizes_its_share_within_the_one_rank_error(tiny_llama):
+    """W8A16 quantizes each rank's slices as they load: column-split layers get one rank's scales exactly; a row-split
+    layer's per-channel scales span only a rank's input columns (finer, not coarser). Oracle: the fp32 model's prompt
+    logprobs; the quantized two-rank model stays within the one-rank quantized model's error (plus a margin)."""
+    exact = torch.tensor(_prompt_logprobs(tiny_llama))
+    one = (torch.tensor(_prompt_logprobs(tiny_llama, quantization="w8a16")) - exact).abs().max()
+    two = (torch.tensor(_prompt_logprobs(tiny_llama, quantization="w8a16", tensor_parallel_size=2)) - exact).abs().max()
+    assert 0 < one < 0.25 and 0 < two <= 1.5 * one + 1e-3, (float(one), float(two))

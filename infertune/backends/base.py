@@ -18,6 +18,9 @@ class Backend(abc.ABC):
     # Whether the aten int8 / int4 weight-pack matmuls run here; else quantized layers use a reference path.
     has_quant_kernels: bool = False
     supports_compile: bool = False  # torch.compile (Inductor) of the decoder's dense stages works here
+    # Tensor-parallel ranks on this host may sum small activations through shared memory (layers/shm_allreduce.py):
+    # host memory whose plain stores other cores see in order (x86-64)
+    shm_allreduce: bool = False
     compile_by_default: bool = False  # compile="auto" turns it on (only where it was measured faster)
 
     def __init__(self, index: int = 0) -> None:

@@ -6,6 +6,7 @@ import ctypes
 import functools
 import logging
 import os
+import platform
 from typing import TYPE_CHECKING
 
 import psutil
@@ -193,6 +194,8 @@ class CPUBackend(Backend):
         from infertune.kernels import cpu
 
         return cpu.unavailable_reason()
+
+    shm_allreduce = platform.machine().lower() in ("x86_64", "amd64")
 
     def bind_rank(self, rank: int, size: int) -> str:
         """Rank `rank` of `size` on one host: its block of the CPUs this process may use (pinned, so that the ranks'

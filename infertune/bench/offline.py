@@ -81,6 +81,7 @@ SYSTEMS = (
     "infertune-w8a8",
     "infertune-torch",
     "infertune-w8a16-torch",
+    "infertune-tp2",
     "llama.cpp",
     "llama.cpp-q8_0",
     "llama.cpp-q4_0",
@@ -96,6 +97,7 @@ SYSTEM_LABELS = {
     "infertune-w8a8": "infertune W8A8",
     "infertune-torch": "infertune (torch matmuls)",
     "infertune-w8a16-torch": "infertune W8A16 (torch matmuls)",
+    "infertune-tp2": "infertune TP=2 (2 ranks, 1 thread each)",
     "llama.cpp": "llama.cpp BF16",
     "llama.cpp-q8_0": "llama.cpp Q8_0",
     "llama.cpp-q4_0": "llama.cpp Q4_0",
@@ -113,6 +115,7 @@ PEER_OF = {
     "infertune-w8a16": ("llama.cpp-q8_0", "infertune-w8a16-torch"),
     "infertune-w8a8": ("llama.cpp-q8_0",),
     "infertune-w4a16": ("llama.cpp-q4_0",),
+    "infertune-tp2": ("infertune",),
 }
 
 
@@ -202,7 +205,8 @@ def add_arguments(p: argparse.ArgumentParser, default_batch: list[int] | None = 
         help="systems to run: infertune, hf (transformers generate), infertune-bf16 (infertune with its "
         "bf16 weights as loaded: compress_weights off), infertune-w8a16, infertune-w4a16, "
         "infertune-w8a8, infertune-eager (compile off), infertune-torch and infertune-w8a16-torch (the "
-        "same engine on torch's matmuls: --decode-kernels off) (default: infertune,hf)",
+        "same engine on torch's matmuls: --decode-kernels off), infertune-tp2 (tensor parallel over 2 worker "
+        "processes, the CPUs split between them) (default: infertune,hf)",
     )
     g.add_argument(
         "--baseline",

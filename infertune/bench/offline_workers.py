@@ -42,6 +42,8 @@ def worker_infertune(args, model_dir: Path, batch: int) -> dict:
         options["decode_kernels"] = "off"
     if system == "infertune-bf16":  # the bf16 weights as loaded, not in the lossless 12-bit layout
         options["compress_weights"] = "off"
+    if system == "infertune-tp2":  # tensor parallel over 2 worker processes, the CPUs split between them
+        options["tensor_parallel_size"] = 2
     if system.startswith("infertune-w"):  # a quantized variant: infertune-w8a16, -w4a16, -w8a8
         options["quantization"] = system.split("-", 1)[1]
     if args.max_num_batched_tokens:

@@ -2,9 +2,9 @@
 
 llama.cpp
     Needs the optional `llama-cpp-python` and `gguf` packages (`pip install "infertune[peers]"`; llama-cpp-python
-    builds from source, ~5 min on 2 cores). The Hugging Face folder is written once to GGUF by `export_gguf` below
-    (Llama architecture; bf16 or f32 matrices, f32 norms; q_proj / k_proj rows permuted into llama.cpp's rotary
-    layout) and, for the Q8_0 / Q4_0 variants, quantized with `llama_model_quantize`. Generation uses the
+    builds from source, ~5 min on 2 cores). The Hugging Face folder is written once to GGUF by `export_gguf`
+    (gguf_export.py: Llama and Qwen3-MoE; bf16 or f32 matrices, f32 norms) and, for the Q8_0 / Q4_0 variants,
+    quantized with `llama_model_quantize`. Generation uses the
     low-level batch API, as llama.cpp's own batched-bench does: the whole batch's prompts in one `llama_decode`
     (split at n_batch), then one decode call per step for all sequences, greedy by argmax of the logits, EOS
     ignored. Threads: --threads for both prefill and decode.
@@ -26,143 +26,12 @@ import sys
 import time
 from pathlib import Path
 
+from infertune.bench.gguf_export import PeerUnavailable, _permute_rows, export_gguf  # noqa: F401  (peers' API)
 from infertune.bench.offline_models import log, read_model_config
 from infertune.bench.worker_protocol import RESULT_MARKER, current_rss_mib, make_prompts, warm_and_time
 
 LLAMA_CPP_SYSTEMS = {"llama.cpp": "bf16", "llama.cpp-q8_0": "q8_0", "llama.cpp-q4_0": "q4_0"}
 GGUF_FORMAT_VERSION = 1
-
-
-class PeerUnavailable(RuntimeError):
-    """The peer's software is not installed here; the benchmark reports the row as skipped with this reason."""
-
-
-# --------------------------------------------------------------------------------------------------
-# GGUF export (Llama)
-# --------------------------------------------------------------------------------------------------
-def _permute_rows(w, n_head: int):
-    """HF's rotate-half q/k rows -> llama.cpp's interleaved-pair layout (LLM_ARCH_LLAMA applies GPT-J rotary)."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def _gguf_tensor_name(name: str) -> str | None:
-    fixed = {
-        "model.embed_tokens.weight": "token_embd.weight",
-        "model.norm.weight": "output_norm.weight",
-        "lm_head.weight": "output.weight",
-    }
-    if name in fixed:
-        return fixed[name]
-    parts = name.split(".")
-    if len(parts) < 5 or parts[:2] != ["model", "layers"]:
-        return None
-    layer, rest = parts[2], ".".join(parts[3:])
-    table = {
-        "input_layernorm.weight": "attn_norm.weight",
-        "post_attention_layernorm.weight": "ffn_norm.weight",
-        "self_attn.q_proj.weight": "attn_q.weight",
-        "self_attn.k_proj.weight": "attn_k.weight",
-        "self_attn.v_proj.weight": "attn_v.weight",
-        "self_attn.o_proj.weight": "attn_output.weight",
-        "mlp.gate_proj.weight": "ffn_gate.weight",
-        "mlp.up_proj.weight": "ffn_up.weight",
-        "mlp.down_proj.weight": "ffn_down.weight",
-    }
-    return f"blk.{layer}.{table[rest]}" if rest in table else None
-
-
-def export_gguf(model_dir: Path, out: Path, dtype: str = "bfloat16") -> Path:
-    """Write a Llama-architecture HF folder as GGUF (matrices in bf16 or f32, norms f32)."""
-    try:
-        import gguf
-    except ImportError:
-        raise PeerUnavailable("the `gguf` package is not installed (pip install gguf, or infertune[peers])") from None
-    import numpy as np
-    import torch
-    from safetensors import safe_open
-
-    cfg = read_model_config(model_dir)
-    if cfg.get("architectures", ["LlamaForCausalLM"])[0] != "LlamaForCausalLM":
-        raise PeerUnavailable(f"GGUF export here covers LlamaForCausalLM only, not {cfg.get('architectures')}")
-    if cfg.get("attention_bias") or cfg.get("mlp_bias") or cfg.get("rope_scaling"):
-        raise PeerUnavailable("GGUF export here covers plain Llama (no biases, no rope scaling)")
-    n_head, n_kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
-    hidden = cfg["hidden_size"]
-    head_dim = cfg.get("head_dim") or hidden // n_head
-    rope_theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-    tmp = out.with_suffix(".tmp")
-    w = gguf.GGUFWriter(str(tmp), "llama")
-    w.add_name(model_dir.name)
-    w.add_context_length(cfg.get("max_position_embeddings", 2048))
-    w.add_embedding_length(hidden)
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(n_head)
-    w.add_head_count_kv(n_kv)
-    w.add_rope_dimension_count(head_dim)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_rope_freq_base(float(rope_theta))
-    w.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps", 1e-6)))
-    w.add_vocab_size(cfg["vocab_size"])
-    big = gguf.GGMLQuantizationType.BF16 if dtype == "bfloat16" else gguf.GGMLQuantizationType.F32
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_BF16 if dtype == "bfloat16" else gguf.LlamaFileType.ALL_F32)
-
-    # Tokenizer: the folder's byte-level BPE vocabulary (ids are fed directly, so merges only need to load).
-    tok = json.loads((model_dir / "tokenizer.json").read_text(encoding="utf-8"))
-    vocab: dict[str, int] = dict(tok["model"]["vocab"])
-    specials = {}
-    for added in tok.get("added_tokens", []):
-        vocab[added["content"]] = added["id"]
-        specials[added["id"]] = added["content"]
-    tokens = [""] * cfg["vocab_size"]
-    for text, i in vocab.items():
-        if i < len(tokens):
-            tokens[i] = text
-    for i, t in enumerate(tokens):
-        if not t:
-            tokens[i] = f"[PAD{i}]"
-            specials[i] = tokens[i]
-    merges = tok["model"].get("merges") or []
-    merges = [" ".join(m) if isinstance(m, list) else m for m in merges] or ["Ġ Ġ"]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([gguf.TokenType.CONTROL if i in specials else gguf.TokenType.NORMAL for i in range(len(tokens))])
-    w.add_token_merges(merges)
-    eos = cfg.get("eos_token_id", 0)
-    eos = eos[0] if isinstance(eos, list) else eos
-    w.add_eos_token_id(int(eos if eos is not None else 0))
-    w.add_bos_token_id(int(cfg.get("bos_token_id") if cfg.get("bos_token_id") is not None else 0))
-
-    files = sorted(model_dir.glob("*.safetensors"))
-    for path in files:
-        with safe_open(str(path), "pt") as f:
-            for name in f.keys():  # noqa: SIM118  (safe_open is not a mapping)
-                gname = _gguf_tensor_name(name)
-                if gname is None:
-                    continue
-                t = f.get_tensor(name)
-                if name.endswith("q_proj.weight"):
-                    t = _permute_rows(t, n_head)
-                elif name.endswith("k_proj.weight"):
-                    t = _permute_rows(t, n_kv)
-                if t.dim() == 1:
-                    w.add_tensor(gname, t.float().numpy())
-                elif big == gguf.GGMLQuantizationType.BF16:
-                    w.add_tensor(
-                        gname,
-                        t.to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16),
-                        raw_dtype=big,
-                    )
-                else:
-                    w.add_tensor(gname, t.float().numpy())
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    tmp.replace(out)
-    return out
 
 
 def ensure_gguf(model_dir: Path, variant: str, threads: int, dtype: str, cache_dir: Path | None = None) -> Path:

@@ -115,6 +115,7 @@ class AsyncLLMEngine:
             baseline,
             process_rss,
             engine.config.scheduler.max_num_seqs,
+            engine.block_manager.max_blocks_per_seq,
         )
         self._inbox: list[_Submission] = []
         self._aborts: list[str] = []

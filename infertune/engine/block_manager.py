@@ -51,8 +51,21 @@ class BlockManager:
     def usage(self) -> float:
         return 1.0 - len(self._free) / self.num_blocks
 
+    @property
+    def blocks_used_by_group(self) -> list[int]:
+        """Per KV cache group, the blocks some sequence holds: one group here."""
+        return [self.num_blocks - len(self._free)]
+
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def max_blocks_per_seq(self, num_tokens: int) -> int:
+        """The most blocks a sequence of num_tokens holds at once (the KV cache coordinator's differ by group)."""
+        return self.blocks_needed(num_tokens)
+
+    def num_hit_tokens(self, computed_blocks: list[int]) -> int:
+        """Tokens of KV that get_computed_blocks' answer covers."""
+        return len(computed_blocks) * self.block_size
 
     def get_computed_blocks(self, seq: Sequence) -> list[int]:
         """Cached blocks holding a prefix of seq (full blocks only, never the last token). Changes nothing."""

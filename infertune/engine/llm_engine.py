@@ -16,14 +16,15 @@ from pathlib import Path
 
 from infertune.config import EngineConfig
 from infertune.engine.admission import HostCost
-from infertune.engine.block_manager import BlockManager
 from infertune.engine.detokenizer import IncrementalDetokenizer, find_stop
+from infertune.engine.kv_cache_coordinator import describe_groups, kv_cache_manager
 from infertune.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from infertune.engine.scheduler import Scheduler
 from infertune.engine.sequence import Sequence, SequenceStatus
 from infertune.engine.tokenizer import load_tokenizer
 from infertune.runner.grammar import GrammarCompiler
 from infertune.sampling_params import ParamError, SamplingParams, StructuredOutputsParams
+from infertune.scheduler_output import KVCacheGroup
 
 log = logging.getLogger(__name__)
 
@@ -64,10 +65,15 @@ class LLMEngine:
         self.config = config
         self.tokenizer = load_tokenizer(config.model.tokenizer)
         self.executor = create_executor(config, show_progress)
-        self.block_manager = BlockManager(
-            self.executor.kv_cache_info.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
+        # (a KV cache coordinator where layers attend within sliding windows: their groups free what leaves them)
+        self.block_manager = kv_cache_manager(
+            self.executor.kv_cache_info, config.cache.enable_prefix_caching, config.scheduler.max_num_batched_tokens
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        groups = self.executor.kv_cache_info.groups
+        self._kv_group_labels = [
+            "full" if g.window is None else f"window_{g.window}" for g in groups or [KVCacheGroup(None, ())]
+        ]
         self.eos_token_ids = self._eos_token_ids()
         self.grammars = GrammarCompiler(self.eos_token_ids)  # structured output: compiled once per schema (LRU)
         self.requests: dict[str, _Request] = {}
@@ -76,18 +82,15 @@ class LLMEngine:
 
     def describe_kv_cache(self) -> str:
         info = self.executor.kv_cache_info
-        per_seq = -(-self.max_model_len // info.block_size)
+        per_seq = info.max_blocks_per_seq or -(-self.max_model_len // info.block_size)
         text = (
             f"KV cache: {info.num_blocks} blocks x {info.block_size} tokens = {info.num_tokens} tokens "
             f"({info.total_bytes / 2**20:.1f} MiB); up to {info.num_blocks // per_seq} sequences of "
             f"max_model_len={self.max_model_len} at once"
         )
-        windows = self.config.model.arch.layer_windows
-        if windows:  # attention is exact within the windows, but the blocks behind them are not freed yet
-            windowed = [w for w in windows if w is not None]
-            text += (
-                f"; {len(windowed)} of {len(windows)} layers attend within a sliding window of {max(windowed)} "
-                "tokens, but the cache still keeps every token of theirs"
+        if any(g.window is not None for g in info.groups):  # each group's share of a sequence (its own table)
+            text += "; KV cache groups, each block a page of every group: " + "; ".join(
+                describe_groups(info, self.max_model_len, self.config.scheduler.max_num_batched_tokens)
             )
         return text
 
@@ -326,6 +329,8 @@ class LLMEngine:
                 req.metrics.scheduled_time = started
         out = self.executor.execute_model(self.scheduler.scheduler_output(batch))
         self.scheduler.update(batch, out.token_ids, out.num_accepted)
+        if out.draft_token_ids is not None:  # a draft model's drafts for the next step
+            self.scheduler.keep_proposals(batch, out.draft_token_ids)
         self.num_steps += 1
         now = time.perf_counter()
         touched: dict[str, _Request] = {}
@@ -483,6 +488,9 @@ class LLMEngine:
             "num_waiting": self.scheduler.num_waiting,
             "kv_blocks_total": bm.num_blocks,
             "kv_blocks_free": bm.num_free_blocks,
+            # per KV cache group (full attention, each sliding window): its label and the blocks sequences hold in it
+            "kv_groups": list(zip(self._kv_group_labels, bm.blocks_used_by_group)),
+            "kv_block_size": bm.block_size,
             "prefix_cache_hit_rate": bm.prefix_hit_rate,
             "num_preemptions": self.scheduler.num_preemptions,
             "spec_decode_num_drafts": self.scheduler.num_drafts,

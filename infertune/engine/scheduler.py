@@ -10,7 +10,9 @@ With speculative decoding (SchedulerConfig.speculative_config) a decode also car
 proposer (engine/spec_decode.py) finds for it: 1 + d new tokens against the budget, with KV slots for all of them,
 the drafts capped so that what the step may accept stays within max_tokens. Drafts never preempt anything: they are
 dropped where their blocks are not to be had. After the step the sequence keeps the drafts the runner accepted plus
-its one new token, and gives back the blocks only rejected drafts used.
+its one new token, and gives back the blocks only rejected drafts used. How many drafts a sequence carries adapts to
+its acceptance (spec_decode.AdaptiveK); with a draft model, the drafts are those its worker proposed after the last
+step (asked for in SchedulerOutput.num_drafts_to_propose, returned with the step's output).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from dataclasses import dataclass, field
 from infertune.config import SchedulerConfig
 from infertune.engine.block_manager import BlockManager
 from infertune.engine.sequence import Sequence, SequenceStatus
-from infertune.engine.spec_decode import NgramProposer
+from infertune.engine.spec_decode import AdaptiveK, make_proposer
 from infertune.scheduler_output import CachedRequest, NewRequest, SchedulerOutput
 
 
@@ -59,10 +61,12 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        # What the workers were told of each sequence: seq_id -> (seq, block ids sent, its preemptions then).
-        self._sent: dict[int, tuple[Sequence, int, int]] = {}
+        # What the workers were told of each sequence: seq_id -> (seq, block ids sent per KV cache group, its
+        # preemptions then).
+        self._sent: dict[int, tuple[Sequence, tuple[int, ...], int]] = {}
         spec = config.speculative_config
-        self.proposer = NgramProposer(spec) if spec is not None else None
+        self.proposer = make_proposer(spec) if spec is not None else None
+        self.adaptive_k = AdaptiveK(spec) if spec is not None else None
         # Speculative decoding's counts (vLLM's): steps of a sequence with drafts, drafts proposed, drafts accepted.
         self.num_drafts = 0
         self.num_draft_tokens = 0
@@ -71,7 +75,7 @@ class Scheduler:
     # ---- queue -----------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         assert seq.status is SequenceStatus.WAITING
-        need = self.block_manager.blocks_needed(seq.num_prompt_tokens + seq.max_tokens - 1)
+        need = self.block_manager.max_blocks_per_seq(seq.num_prompt_tokens + seq.max_tokens - 1)
         assert need <= self.block_manager.num_blocks, "the engine must reject sequences larger than the KV pool"
         self.waiting.append(seq)
 
@@ -134,7 +138,7 @@ class Scheduler:
             ):
                 break  # dynamic batch: a long input waits for room; a lone sequence is always admitted
             hits = [] if seq.skip_prefix_cache else bm.get_computed_blocks(seq)
-            num_cached = len(hits) * bm.block_size
+            num_cached = bm.num_hit_tokens(hits)
             num_tokens = len(seq) - num_cached
             if not self.config.enable_chunked_prefill and num_tokens > budget:
                 break
@@ -157,7 +161,7 @@ class Scheduler:
         num_after running sequences still to schedule (drafts must not cost another sequence its step)."""
         if self.proposer is None or not seq.spec_decode:
             return []
-        k = min(self.proposer.num_speculative_tokens, room, seq.max_tokens - seq.num_output_tokens - 1)
+        k = min(self.adaptive_k.num_drafts(seq), room, seq.max_tokens - seq.num_output_tokens - 1)
         if k <= 0:
             return []
         drafts = self.proposer.propose(seq, k)
@@ -188,17 +192,28 @@ class Scheduler:
                         list(seq.block_table),
                         seq.num_computed_tokens,
                         seq.structured_output,
+                        [list(t) for t in seq.block_tables[1:]],
                     )
                 )
             else:
+                kept = sent[1]
+                new_ids = [t[k:] for t, k in zip(seq.block_tables, kept)]
                 out.cached_requests.append(
-                    CachedRequest(str(seq.seq_id), seq.block_table[sent[1] :], seq.num_computed_tokens, sent[1])
+                    CachedRequest(
+                        str(seq.seq_id), new_ids[0], seq.num_computed_tokens, kept[0], new_ids[1:], list(kept[1:])
+                    )
                 )
-            self._sent[seq.seq_id] = (seq, len(seq.block_table), seq.num_preemptions)
+            self._sent[seq.seq_id] = (seq, tuple(len(t) for t in seq.block_tables), seq.num_preemptions)
             out.req_ids.append(str(seq.seq_id))
             out.num_scheduled_tokens.append(num_tokens)
             if drafts:
                 out.scheduled_spec_decode_tokens[str(seq.seq_id)] = list(drafts)
+        if self.config.speculative_config is not None and self.config.speculative_config.method == "draft_model":
+            for seq, samples in zip(batch.seqs, batch.sample):
+                # the drafts for its next step, which starts at least one token further on
+                k = min(self.adaptive_k.num_drafts(seq), seq.max_tokens - seq.num_output_tokens - 2)
+                if samples and seq.spec_decode and k > 0:
+                    out.num_drafts_to_propose[str(seq.seq_id)] = k
         return out
 
     def _preempt(self, seq: Sequence) -> None:
@@ -208,6 +223,12 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
+
+    def keep_proposals(self, batch: ScheduledBatch, draft_token_ids: list[list[int] | None]) -> None:
+        """Keep the drafts a draft model proposed, after the batch's step, for each sequence's next step."""
+        for seq, drafts in zip(batch.seqs, draft_token_ids):
+            if drafts and seq.spec_decode and self.adaptive_k is not None:
+                self.adaptive_k.state(seq).proposal = list(drafts)
 
     def update(
         self, batch: ScheduledBatch, sampled: list[int | None], num_accepted: list[int] | None = None
@@ -233,6 +254,8 @@ class Scheduler:
                 self.num_drafts += 1
                 self.num_draft_tokens += len(drafts)
                 self.num_accepted_tokens += len(accepted)
+            if seq.spec_decode and self.adaptive_k is not None:
+                self.adaptive_k.record(seq, len(drafts), len(accepted))
             status = None
             for t in [*accepted, token]:
                 seq.append_token(t)
@@ -253,5 +276,6 @@ class Scheduler:
             elif drafts and self.block_manager.trim(seq, len(seq)):
                 sent = self._sent.get(seq.seq_id)
                 if sent is not None:  # the worker cuts its table to these at the next step (CachedRequest)
-                    self._sent[seq.seq_id] = (seq, min(sent[1], len(seq.block_table)), sent[2])
+                    kept = tuple(min(k, len(t)) for k, t in zip(sent[1], seq.block_tables))
+                    self._sent[seq.seq_id] = (seq, kept, sent[2])
         return finished

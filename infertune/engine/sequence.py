@@ -50,7 +50,9 @@ class Sequence(TokenView):
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at the last admission
-        self.block_table: list[int] = []
+        # One block table per KV cache group (layers grouped by sliding window: engine/kv_cache_coordinator.py);
+        # block_table is the first group's, the only one of a model without windows.
+        self.block_tables: list[list[int]] = [[]]
         self.block_hashes: list[int] = []  # chained hashes of the full blocks of token_ids (memo)
         self.num_hashed_blocks = 0  # leading blocks of block_table already offered to the prefix cache
         self.stop_token_ids: frozenset[int] = frozenset()
@@ -59,9 +61,18 @@ class Sequence(TokenView):
         # Admit without prefix-cache hits: every prompt token is computed (prompt_logprobs need each one's logits).
         self.skip_prefix_cache = False
         # Speculative decoding: propose drafts for its decode steps (off where a request needs per-token grammar masks
-        # or logprobs), and the n-gram proposer's index of token_ids (engine/spec_decode.py).
+        # or logprobs), the n-gram proposer's index of token_ids, and its acceptance and drafts (engine/spec_decode.py).
         self.spec_decode = False
         self.ngram_index = None
+        self.spec_state = None
+
+    @property
+    def block_table(self) -> list[int]:
+        return self.block_tables[0]
+
+    @block_table.setter
+    def block_table(self, table: list[int]) -> None:
+        self.block_tables[0] = table
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -7,6 +7,10 @@ from infertune.executor.base import Executor
 
 
 def create_executor(config: EngineConfig, show_progress: bool = False) -> Executor:
+    if config.parallel.distributed_executor_backend == "ray":
+        from infertune.executor.ray_executor import RayExecutor
+
+        return RayExecutor(config, show_progress)
     if config.parallel.distributed_executor_backend == "mp":
         from infertune.executor.multiproc import MultiprocExecutor
 

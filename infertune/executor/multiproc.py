@@ -17,22 +17,18 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
-import socket
 import traceback
-from datetime import timedelta
 from multiprocessing.connection import wait
 
 from infertune.config import EngineConfig
 from infertune.executor.base import Executor
+from infertune.executor.worker import free_port, start_worker
 from infertune.runner.model_runner import KVCacheInfo
 from infertune.runner.sampler import SamplerOutput
 from infertune.scheduler_output import SchedulerOutput
 
 log = logging.getLogger(__name__)
 
-# How long the ranks wait for each other at start-up and in any collective (a rank that died is seen at once by the
-# driver; this bounds what a stuck one can hold up).
-GROUP_TIMEOUT = timedelta(minutes=5)
 # After one rank fails, how long the others get to answer before the group is stopped.
 FAILURE_GRACE_S = 5.0
 
@@ -48,36 +44,10 @@ def _portable(e: BaseException) -> BaseException:
     return WorkerError(f"the model worker failed: {type(e).__name__}: {e}\n{traceback.format_exc()}")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker_main(conn, config: EngineConfig, show_progress: bool, rank: int = 0, size: int = 1, port: int = 0):
-    from infertune.backends import get_backend
-    from infertune.runner.model_runner import ModelRunner
-
     try:
-        backend = get_backend(config.device.device)
-        tp = None
-        if size > 1:
-            import torch.distributed as dist
-
-            from infertune.layers.parallel import TensorParallel
-
-            where = backend.bind_rank(rank, size)
-            dist.init_process_group(
-                backend.dist_backend,
-                init_method=f"tcp://127.0.0.1:{port}",
-                rank=rank,
-                world_size=size,
-                timeout=GROUP_TIMEOUT,
-            )
-            tp = TensorParallel(rank, size)
-            log.info("tensor-parallel rank %d of %d: %s", rank, size, where)
-        runner = ModelRunner(config, backend, show_progress and rank == 0, tp)
-        conn.send(("ready", (runner.kv_info, f"{backend.describe()}, {str(runner.dtype).removeprefix('torch.')}")))
+        runner, describe = start_worker(config, show_progress, rank, size, f"tcp://127.0.0.1:{port}")
+        conn.send(("ready", (runner.kv_info, describe)))
     except BaseException as e:  # noqa: BLE001 - handed to the driver, which raises it
         conn.send(("error", _portable(e)))
         return
@@ -100,7 +70,7 @@ class MultiprocExecutor(Executor):
         self.size = size = config.parallel.tensor_parallel_size
         config.model.arch.for_tensor_parallel(size)  # a shape that does not split: its error before any spawn
         ctx = mp.get_context("spawn")  # a fresh interpreter: no forked torch threads or locks
-        port = _free_port() if size > 1 else 0
+        port = free_port() if size > 1 else 0
         self._conns, self._procs = [], []
         self._failed: BaseException | None = None
         for rank in range(size):

@@ -45,6 +45,11 @@ MAX_ROWS = 16
 # torch's GEMM on the 386M model's shapes, 2 threads: 1.4-1.8x at 64 rows, 1.1-1.4x at 128, 0.8-1.1x at 256;
 # benchmarks/bench_gemm_rows.py): decode steps past 16 sequences, prompts up to 128 tokens, mixed steps.
 AMX_GEMM_MAX_ROWS = 128
+# Without AMX (Zen 4 / 5, INFERTUNE_CPU_ISA=avx512-noamx) bf16 linears keep the kernels up to this many rows too:
+# from it_gemm_rows_noamx() rows the VDPBF16PS GEMM (csrc/x86/avx512/gemm_dpbf16.c, the weights repacked per thread
+# a slab at a time), below it the GEMV (benchmarks/bench_gemm_noamx.py measures both against torch's oneDNN GEMM).
+# INFERTUNE_NOAMX_GEMM=0 keeps the behaviour from before that GEMM: the GEMV up to MAX_ROWS, torch's GEMM past it.
+NOAMX_GEMM_MAX_ROWS = 128
 # The C side's ABI (csrc/abi.h IT_ABI_VERSION): bump both together when a shared struct or a signature changes.
 ABI_VERSION = 3
 WARN_FLAGS = ["-Wall", "-Wextra"]
@@ -100,6 +105,7 @@ _lib: ctypes.CDLL | None = None
 _reason: str | None = None
 _loaded = False
 _amx = False  # it_amx_init said the tiles are usable
+_noamx_gemm = False  # the AVX-512 library runs without AMX and its VDPBF16PS GEMM is on
 _variant: str | None = None  # the ISA_CHOICES entry that loaded
 _variant_libs: dict[str, ctypes.CDLL | str] = {}  # variant name -> its library, or why it cannot load
 
@@ -219,7 +225,7 @@ def _choose() -> tuple[str, ...]:
 
 
 def _load() -> None:
-    global _lib, _reason, _loaded, _amx, _variant
+    global _lib, _reason, _loaded, _amx, _variant, _noamx_gemm
     if _loaded:
         return
     with _lock:
@@ -228,9 +234,9 @@ def _load() -> None:
         if _disabled():
             _reason, _loaded = "disabled by INFERTUNE_CPU_KERNELS=0", True
             return
-    reasons = []
+    reasons, gemm_wanted = [], True
     try:
-        choices = _choose()
+        choices, gemm_wanted = _choose(), _noamx_gemm_wanted()
     except ValueError as e:
         choices, reasons = (), [str(e)]
     for choice in choices:
@@ -243,13 +249,29 @@ def _load() -> None:
             amx = bool(got.it_amx_init(int({"amx_tile", "amx_bf16"} <= _cpu_flags())))
         elif choice == "avx512-noamx":
             got.it_amx_init(0)
+        noamx_gemm = choice.startswith("avx512") and not amx and gemm_wanted
+        if choice.startswith("avx512") and not amx and not noamx_gemm:
+            got.it_gemm_rows_noamx(1 << 62)  # the GEMV at every row count, as before the GEMM
         with _lock:
-            _lib, _amx, _variant = got, amx, choice
+            _lib, _amx, _variant, _noamx_gemm = got, amx, choice, noamx_gemm
             _loaded = True
         return
     with _lock:
         _reason, _loaded = "; ".join(reasons) or "no kernel variant fits this CPU", True
     log.warning("CPU kernels unavailable, using torch's: %s", _reason)
+
+
+def _noamx_gemm_wanted() -> bool:
+    v = os.environ.get("INFERTUNE_NOAMX_GEMM", "1").strip().lower()
+    if v not in ("0", "1", "false", "true", "off", "on", "no", "yes", ""):
+        raise ValueError(f"INFERTUNE_NOAMX_GEMM={v!r}: use 1 (the default) or 0 (the GEMV up to {MAX_ROWS} rows only)")
+    return v not in ("0", "false", "off", "no")
+
+
+def amx() -> bool:
+    """Whether the process's kernels run AMX tiles."""
+    _load()
+    return _amx
 
 
 def variant() -> str | None:
@@ -263,7 +285,7 @@ def describe() -> str:
     _load()
     if _lib is None:
         return f"none ({_reason})"
-    return f"{_variant}" + (" + amx" if _amx else "")
+    return f"{_variant}" + (" + amx" if _amx else "") + (" + vdpbf16ps gemm" if _noamx_gemm else "")
 
 
 def declare(lib: ctypes.CDLL) -> None:
@@ -273,6 +295,9 @@ def declare(lib: ctypes.CDLL) -> None:
     model, step, layer, bf16c, lin = (ctypes.POINTER(c) for c in (ItModel, ItStep, ItLayer, Bf16c, ItLin))
     signatures = {
         "it_linear_bf16": ([ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, cint], None),
+        "it_linear_bf16_gemv": ([ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, cint], None),
+        "it_linear_bf16_gemm_noamx": ([ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, cint], cint),
+        "it_gemm_rows_noamx": ([i64], i64),
         "it_linear_w8": ([ptr, i64, ptr, ptr, cint, ptr, ptr, i64, i64, i64, i64, cint], None),
         "it_linear_w4": ([ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, cint], None),
         "it_dequant_w8": ([ptr, ptr, cint, ptr, i64, i64, cint], None),
@@ -473,9 +498,10 @@ def library() -> ctypes.CDLL:
 
 
 def bf16_max_rows() -> int:
-    """Rows up to which linear_bf16 beats torch's GEMM here: AMX_GEMM_MAX_ROWS with AMX, else MAX_ROWS."""
+    """Rows up to which linear_bf16 beats torch's GEMM here: AMX_GEMM_MAX_ROWS with AMX, NOAMX_GEMM_MAX_ROWS on the
+    AVX-512 library without AMX (its VDPBF16PS GEMM), else MAX_ROWS (AVX2, NEON, or INFERTUNE_NOAMX_GEMM=0)."""
     _load()
-    return AMX_GEMM_MAX_ROWS if _amx else MAX_ROWS
+    return AMX_GEMM_MAX_ROWS if _amx else NOAMX_GEMM_MAX_ROWS if _noamx_gemm else MAX_ROWS
 
 
 def _pick(lib: ctypes.CDLL | None) -> ctypes.CDLL:
@@ -544,6 +570,31 @@ def linear_bf16(
             k,
             torch.get_num_threads(),
         )
+    return y.view(*x.shape[:-1], n)
+
+
+def linear_bf16_path(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    path: str,
+    lib: ctypes.CDLL | None = None,
+) -> torch.Tensor:
+    """linear_bf16 through one of the AVX-512 library's non-AMX paths whatever the rows (tests, benchmarks): "gemm"
+    (the VDPBF16PS GEMM; K even) or "gemv" (the GEMV, what every row count ran before the GEMM)."""
+    lib = _pick(lib)
+    x2 = _rows(x)
+    _check(x2, weight, bias)
+    fn = {"gemm": getattr(lib, "it_linear_bf16_gemm_noamx", None), "gemv": getattr(lib, "it_linear_bf16_gemv", None)}
+    if fn.get(path) is None:
+        raise ValueError(f"path={path!r}: this library has {[p for p, f in fn.items() if f is not None]}")
+    m, (n, k) = x2.shape[0], weight.shape
+    if path == "gemm" and k % 2:
+        raise ValueError(f"the VDPBF16PS GEMM needs an even K, got {k}")
+    y = torch.empty((m, n), dtype=torch.bfloat16)
+    b = bias.data_ptr() if bias is not None else None
+    fn[path](x2.data_ptr(), x2.stride(0), weight.data_ptr(), b, y.data_ptr(), n, m, n, k, torch.get_num_threads())
     return y.view(*x.shape[:-1], n)
 
 

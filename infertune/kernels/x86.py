@@ -56,7 +56,7 @@ class X86Kernels:
         if not cpu.available():
             raise RuntimeError(f"the x86 kernels are unavailable: {cpu.unavailable_reason()}")
         self.lib = None  # (None: the library the process loaded)
-        self.amx = cpu.bf16_max_rows() > cpu.MAX_ROWS
+        self.amx = cpu.amx()
         self.name = cpu.VARIANTS["avx512"].title + (" + amx" if self.amx else "")
         self._experts_lins = weakref.WeakKeyDictionary()  # KernelExperts -> its two it_lin, or why it does not fit
 
@@ -64,7 +64,8 @@ class X86Kernels:
         return f"X86Kernels({self.name})"
 
     def max_rows(self, kind: LinearKind) -> int:
-        # bf16 (plain or 12-bit) keeps the AMX tile GEMM up to 128 rows; the int8 / int4 kernels are GEMVs at heart
+        # bf16 (plain or 12-bit) keeps the AMX tile GEMM up to 128 rows, without AMX the VDPBF16PS GEMM; the int8 /
+        # int4 kernels are GEMVs at heart
         return cpu.bf16_max_rows() if kind in ("bf16", "bf16c") else cpu.MAX_ROWS
 
     def linear_bf16(self, x, weight, bias=None):

@@ -35,9 +35,13 @@ class TensorParallel:
     rank: int
     size: int
     group: Any = None  # a torch.distributed ProcessGroup; None: the default group
+    # the ranks of one host: small all-reduces (decode steps) through shared memory (layers/shm_allreduce.py)
+    shm: Any = None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over the ranks, in place (in fp32 where x is narrower, then rounded once)."""
+        if self.shm is not None and self.shm.fits(x):
+            return self.shm.all_reduce(x)
         if x.dtype in (torch.float32, torch.float64):
             dist.all_reduce(x, group=self.group)
             return x

@@ -238,6 +238,7 @@ def make_plan(req: PlanRequest) -> dict:
             "factor_vs_16bit": kv_bytes_per_token(spec, req.kv_format) / fp16_kv,
             "bytes_per_sequence": kv_bytes_per_sequence(spec, req.context, req.kv_format),
             "bytes_for_batch": kv_bytes(spec, req.context, req.batch, req.kv_format) if req.batch else None,
+            "groups": _kv_groups(spec, req.context, req.kv_format),
         },
         "memory": {
             "device_bytes": mem.device_bytes,
@@ -259,3 +260,26 @@ def make_plan(req: PlanRequest) -> dict:
         "pd_split": pd,
         "warnings": warnings,
     }
+
+
+def _kv_groups(spec, context: int, kv) -> list[dict]:
+    """Per KV cache group (the layers attending within one window, or in full: the engine's block tables), the
+    tokens and bytes of KV one `context`-token sequence keeps in it: a window's layers at most the window (the
+    engine holds up to one block more)."""
+    from infertune.plan.memory import kv_bytes_per_token_per_layer
+    from infertune.scheduler_output import kv_cache_groups
+
+    a = spec.arch
+    per_layer = kv_bytes_per_token_per_layer(spec, kv)
+    out = []
+    for g in kv_cache_groups(a.layer_windows, a.num_hidden_layers, 2**62):
+        tokens = context if g.window is None else min(context, g.window)
+        out.append(
+            {
+                "window": g.window,
+                "layers": len(g.layers),
+                "tokens_per_sequence": tokens,
+                "bytes_per_sequence": tokens * len(g.layers) * per_layer,
+            }
+        )
+    return out

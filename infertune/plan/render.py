@@ -59,6 +59,7 @@ def render_text(plan: dict) -> str:
         + (f"; MLA latent of {m['mla']['kv_lora_rank']} + {m['mla']['qk_rope_head_dim']} a layer" if m["mla"] else "")
         + f"); {_gb(kv['bytes_per_sequence'])} per {ctx}-token sequence"
         + (f"; {_gb(kv['bytes_for_batch'])} for batch {s['batch']}" if kv["bytes_for_batch"] is not None else ""),
+        *_kv_group_lines(kv, ctx),
         f"  memory      {_gb(mem['device_bytes'])} per card, {_gb(mem['usable_bytes'])} usable "
         f"({s['memory_utilization']:.0%}); weights {_gb(mem['weights_bytes_per_card'])}, activations "
         f"{_gb(mem['activation_reserve_bytes'])}, KV budget {_gb(mem['kv_budget_bytes_per_card'])}",
@@ -125,3 +126,16 @@ def render_text(plan: dict) -> str:
             )
     out += [f"  warning: {msg}" for msg in plan["warnings"]]
     return "\n".join(out)
+
+
+def _kv_group_lines(kv: dict, ctx: int) -> list[str]:
+    """Where layers attend within sliding windows: each layer group's tokens and bytes of KV a sequence."""
+    groups = kv.get("groups") or []
+    if all(g["window"] is None for g in groups):
+        return []
+    parts = [
+        f"{'full attention' if g['window'] is None else 'window ' + str(g['window'])}: {g['layers']} layers x "
+        f"{g['tokens_per_sequence']:,} tokens = {_gb(g['bytes_per_sequence'])}"
+        for g in groups
+    ]
+    return [f"  KV groups   per {ctx}-token sequence: " + "; ".join(parts)]

@@ -24,7 +24,8 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
-from infertune.profile.op_tables import BACKEND_TABLES, AtenFacts, OpTable, Resolution, resolve
+from infertune.profile.audit_stages import format_stages, stage_ops
+from infertune.profile.op_tables import BACKEND_TABLES, SEVERITY, AtenFacts, OpTable, Resolution, resolve
 
 if TYPE_CHECKING:  # torch is imported only when a trace is taken, so building the CLI stays fast
     from infertune.profile.op_trace import NativeTrace, OpEvent, OpTrace
@@ -59,7 +60,6 @@ MATMUL_OPS = {"mm", "bmm", "addmm", "baddbmm", "matmul", "mv", "dot", "addmv", "
 INDEX_OPS = {"index.Tensor", "index_put", "index_put_", "_index_put_impl_"}
 # Ops worth a note wherever they appear (index ops only matter with bool masks: see the hazards).
 TROUBLEMAKERS = set(GENERAL_HINTS) - INDEX_OPS
-SEVERITY = {"fallback": 0, "unsupported": 1, "unknown": 2, "decomposed": 3, "native": 4}
 
 
 @dataclass(slots=True)
@@ -90,6 +90,9 @@ class AuditReport:
     context: dict = field(default_factory=dict)
     table_hint_keys: frozenset[str] = frozenset()
     native: dict | None = None  # the default path's native kernels per step (native_summary), None: not run
+    # MoE / MLA stage -> its kernel-level ops [{op, status, counts}], and the target's fused op for it (fused_stages)
+    stages: dict[str, list[dict]] = field(default_factory=dict)
+    fused_stages: dict[str, str] = field(default_factory=dict)
     torch_path: dict = field(default_factory=dict)  # which engine the traced (torch-path) steps ran on, and why
 
     def rows(self, status: str) -> list[OpRow]:
@@ -110,6 +113,8 @@ class AuditReport:
             "hazards": self.hazards,
             "default_path": self.native,
             "torch_path": self.torch_path,
+            "stages": self.stages,
+            "fused_stages": {k: v for k, v in self.fused_stages.items() if k in self.stages},
         }
 
 
@@ -186,6 +191,7 @@ def audit_trace(trace: OpTrace, table: OpTable, aten: AtenFacts | None = None) -
     ops = sorted(rows.values(), key=lambda r: (SEVERITY.get(r.status, 9), -r.total, r.op))
     kernels = [e for i, e in enumerate(events) if visible[i] and status[i].status != "decomposed"]
     hazards = _hazards(kernels, phase_sigs, trace, table)
+    stage_rows = stage_ops(events, visible, status)
     table_info = {
         "path": table.path,
         "source": table.source,
@@ -195,7 +201,14 @@ def audit_trace(trace: OpTrace, table: OpTable, aten: AtenFacts | None = None) -
         "coverage": table.coverage,
     }
     return AuditReport(
-        table.backend, table_info, dict(trace.phases), ops, hazards, table_hint_keys=frozenset(table.hints)
+        table.backend,
+        table_info,
+        dict(trace.phases),
+        ops,
+        hazards,
+        table_hint_keys=frozenset(table.hints),
+        stages=stage_rows,
+        fused_stages=dict(table.fused_stages),
     )
 
 
@@ -367,13 +380,13 @@ def run(args: argparse.Namespace) -> int:
     if native.decode_kernels:
         del llm
         gc.collect()
-        llm = engine(decode_kernels="off")
+        llm = engine(decode_kernels="off", prepack_weights=False)
         torch_path = {
             "engine": "second",
             "decode_kernels": "off",
             "why": "the default engine runs native kernels (C calls the dispatcher never sees); the ops "
-            "below are its torch path: what runs on every other backend, in float32, and in the "
-            "steps the kernels do not take",
+            "below are its torch path (plain weights: prepacking into oneDNN's layout is the CPU's own): what runs "
+            "on every other backend, in float32, and in the steps the kernels do not take",
         }
     else:
         torch_path = {
@@ -502,6 +515,7 @@ def format_report(report: AuditReport) -> str:
         for r in attention:
             via = f" (inside {', '.join(r.called_from)})" if r.called_from else ""
             lines.append(f"  {r.status.upper():<11} {r.op}{via}: {r.hint}")
+    lines += format_stages(report.stages, report.fused_stages, report.backend, phases)
     lines += ["", "hazards for static graphs (torch.compile, graph capture):"]
     hz = report.hazards
     if not any(hz.values()):

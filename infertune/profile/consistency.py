@@ -443,9 +443,11 @@ def check_consistency(
         if opts.pop("__tiny_kv__", False):
             if not bytes_per_token:
                 eng = _build(model, base, None, "probe")
-                bytes_per_token.append(eng.executor.kv_cache_info.bytes_per_token)
+                info = eng.executor.kv_cache_info
+                # (the blocks one max_model_len sequence holds: fewer than its tokens' where windows free theirs)
+                bytes_per_token.extend((info.bytes_per_token, info.max_blocks_per_seq or -(-max_len // bs)))
                 del eng
-            opts["kv_cache_memory_bytes"] = bytes_per_token[0] * bs * (-(-max_len // bs) + 1)
+            opts["kv_cache_memory_bytes"] = bytes_per_token[0] * bs * (bytes_per_token[1] + 1)
         return opts
 
     def run_of(opts: dict, label: str, engine=None) -> dict:

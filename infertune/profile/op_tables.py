@@ -21,6 +21,8 @@ BACKEND_TABLES = {"cpu": "ops_cpu.json", "cuda": "ops_cuda.json", "npu": "ops_np
 # What happens to an op the backend has no kernel for.
 ON_MISSING = ("fallback-to-cpu", "unsupported")
 STATUSES = ("native", "fallback", "unsupported", "unknown")
+# How the audit orders its rows: what needs attention first.
+SEVERITY = {"fallback": 0, "unsupported": 1, "unknown": 2, "decomposed": 3, "native": 4}
 
 
 def op_key(func) -> str:
@@ -67,6 +69,8 @@ class OpTable:
     dtype_notes: dict[str, str] = field(default_factory=dict)  # dtype name -> caveat on this backend
     coverage: str = ""
     path: str = ""
+    # MoE / MLA stage (op_trace.STAGE_FRAMES) -> the backend's own fused op for it, with its source
+    fused_stages: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.on_missing not in ON_MISSING:
@@ -101,6 +105,7 @@ class OpTable:
             dtype_notes=dict(d.get("dtype_notes", {})),
             coverage=d.get("coverage", ""),
             path=path,
+            fused_stages=dict(d.get("fused_stages", {})),
         )
 
     @classmethod

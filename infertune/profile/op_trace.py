@@ -13,6 +13,7 @@ instead, per step: whether the fused step ran (its own C timers), and which kern
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -34,6 +35,44 @@ def _is_composite_implicit(func) -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd")
 
 
+# The model stages the audit reports op by op (a MoE layer's, MLA's): an op belongs to the innermost frame of
+# one of these functions it runs under. (file suffix, function name, class of `self` or None) -> stage key.
+STAGE_FRAMES = {
+    ("layers/moe.py", "route", None): "moe_router",
+    ("layers/moe.py", "_route", None): "moe_router",
+    ("layers/moe.py", "forward_native", "Router"): "moe_router",
+    ("layers/moe.py", "forward_kernels", "Router"): "moe_router",
+    ("layers/moe.py", "group_by_expert", None): "moe_grouping",
+    ("layers/moe.py", "run_experts", None): "moe_experts",
+    ("layers/moe.py", "forward_native", "Experts"): "moe_experts",
+    ("quant/experts.py", None, None): "moe_experts",
+    ("layers/moe.py", "forward", "MoE"): "moe_shared",
+    ("models/deepseek.py", "project", "DeepseekAttention"): "mla_project",
+    ("layers/attention/mla.py", "write_kv", None): "mla_cache_write",
+    ("layers/attention/mla.py", "_decode", None): "mla_decode",
+    ("layers/attention/mla.py", "decompress", None): "mla_decompress",
+    ("layers/attention/mla.py", "_read_slots", None): "mla_cache_read",
+    ("layers/attention/mla.py", "forward", None): "mla_prefill",
+}
+_STAGE_FILES = tuple(sorted({f for f, _, _ in STAGE_FRAMES}))
+
+
+def stage_of(frame) -> str | None:
+    """The stage (STAGE_FRAMES) of the innermost matching frame from `frame` outwards, None outside them all."""
+    while frame is not None:
+        code = frame.f_code
+        path = code.co_filename.replace("\\", "/")
+        if path.endswith(_STAGE_FILES):
+            suffix = next(f for f in _STAGE_FILES if path.endswith(f))
+            owner = frame.f_locals.get("self")
+            cls = type(owner).__name__ if owner is not None else None
+            for key in ((suffix, code.co_name, cls), (suffix, code.co_name, None), (suffix, None, None)):
+                if key in STAGE_FRAMES:
+                    return STAGE_FRAMES[key]
+        frame = frame.f_back
+    return None
+
+
 @dataclass(slots=True)
 class OpEvent:
     name: str  # "aten.mm.default"
@@ -45,6 +84,7 @@ class OpEvent:
     outputs: tuple[TensorSig, ...] = ()
     tags: tuple[str, ...] = ()
     has_children: bool = False
+    stage: str | None = None  # the MoE / MLA stage it ran in (STAGE_FRAMES), None elsewhere
 
 
 @dataclass(slots=True)
@@ -80,6 +120,7 @@ class OpRecorder(TorchDispatchMode):
             parent=self._parents[-1] if self._parents else None,
             inputs=_sigs((args, kwargs)),
             tags=tuple(t.name for t in func.tags),
+            stage=self._parent_stage() if self._parents else stage_of(sys._getframe(1)),
         )
         events.append(event)
         if self.decompose and _is_composite_implicit(func):
@@ -96,6 +137,9 @@ class OpRecorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         event.outputs = _sigs(out)
         return out
+
+    def _parent_stage(self) -> str | None:
+        return self.trace.events[self._parents[-1]].stage  # a decomposition's parts run where their composite did
 
 
 REQUEST_ID = "infertune-audit"

@@ -101,6 +101,14 @@ def run(args: argparse.Namespace) -> int:
     result = profile_workload(llm, args.input_len, args.output_len, args.batch, params, warmup=not args.no_warmup)
     import torch
 
+    from infertune.profile.kv_bytes import measure_decode_kv_reads
+    from infertune.profile.timeline import make_prompts
+
+    vocab = llm.engine.config.model.arch.vocab_size
+    kv_reads = measure_decode_kv_reads(
+        llm, args.input_len, args.batch, make_prompts(vocab, args.input_len, args.batch, 4)
+    )
+
     runner = llm.engine.executor.runner
     context = {
         "model": llm.config.model.model,
@@ -117,6 +125,7 @@ def run(args: argparse.Namespace) -> int:
         "timeline": result.timeline,
     }
     summary = build_summary(result, context, args.top)
+    summary["kv_reads"] = kv_reads.to_dict()
     if args.trace:
         write_trace(result, args.trace)
         summary["files"]["trace"] = args.trace
@@ -365,6 +374,9 @@ def format_report(s: dict) -> str:
             )
     if s.get("expert_load"):
         lines += _format_expert_load(s["expert_load"])
+    from infertune.profile.kv_bytes import format_kv_reads  # (imports torch: not when the CLI is built)
+
+    lines += format_kv_reads(s.get("kv_reads") or {})
     lines += ["", "hints"]
     lines += [f"  - {h['text']}" for h in s["hints"]] or ["  none: no category crossed its threshold"]
     for k, v in s["files"].items():

@@ -48,7 +48,8 @@ def attach_linear_methods(
 
     MoE experts (layers/moe.py Experts) follow the same rule: quantized, each expert as a Linear of its shape
     (quant/experts.py), unless keep_fp matches the experts module; the router and Qwen2-MoE's shared-expert gate are
-    never quantized (they are not Linears), a shared expert's Linears are like any other.
+    never quantized (they are not Linears), a shared expert's Linears are like any other. MLA's kv_b_proj
+    (layers/attention/mla.py LatentUpProjection) stays in the model dtype too: its docstring says why.
 
     Norms, rotary, softmax and logits are never quantized. A weight shared with another module (tied
     embeddings) keeps its plain values, since the embedding reads it too; the decode kernels read it in place.

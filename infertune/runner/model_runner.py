@@ -19,11 +19,12 @@ from infertune.layers.kernel_op import attach_kernels
 from infertune.layers.parallel import TensorParallel
 from infertune.models.loader import load_model
 from infertune.runner.compiled import CompiledForward, should_compile
+from infertune.runner.draft_model import DraftModel
 from infertune.runner.fused_decode import FusedDecode
 from infertune.runner.request_state import RequestState, RequestStates
 from infertune.runner.sampler import Sampler, SampleRequest, SamplerOutput, verify_drafts
 from infertune.runner.structured_output import StructuredOutputs
-from infertune.scheduler_output import SchedulerOutput
+from infertune.scheduler_output import KVCacheGroup, SchedulerOutput, kv_cache_groups
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +33,10 @@ log = logging.getLogger(__name__)
 class KVCacheInfo:
     num_blocks: int
     block_size: int
-    bytes_per_token: int
+    bytes_per_token: int  # of one block id (a page of each KV cache group's layers, its i-th layer the i-th page)
+    # The layers grouped by sliding window, each group with its own block tables (one group without windows).
+    groups: tuple[KVCacheGroup, ...] = ()
+    max_blocks_per_seq: int = 0  # the blocks one sequence of max_model_len holds at most, every group's together
 
     @property
     def num_tokens(self) -> int:
@@ -83,17 +87,34 @@ class ModelRunner:
             tp=self.tp,
         )
         self.block_size = config.cache.block_size
+        # KV cache groups (scheduler_output.KVCacheGroup): a block id is a page of every group's cache, the i-th
+        # layer of each group in the i-th tensor, so the tensors are as many as the largest group's layers.
+        self.kv_groups = kv_cache_groups(arch.layer_windows, arch.num_hidden_layers, config.model.max_model_len)
+        self._group_of_window = {
+            w: next(g for g, group in enumerate(self.kv_groups) if i in group.layers)
+            for i, w in enumerate(arch.layer_windows or (None,) * arch.num_hidden_layers)
+        }
         self.kv_info = self._plan_kv_cache()
         shape = self.attn.kv_cache_shape(
             self.kv_info.num_blocks, self.block_size, arch.num_key_value_heads, arch.head_dim
         )
         # One allocation for every layer; each layer gets a view. torch.zeros so stale memory is never read as KV.
         cache_dtype = self.attn.cache_dtype or self.dtype
-        self._kv_storage = torch.zeros((arch.num_hidden_layers, *shape), dtype=cache_dtype, device=self.device)
+        pages = max(len(g.layers) for g in self.kv_groups)
+        self._kv_storage = torch.zeros((pages, *shape), dtype=cache_dtype, device=self.device)
         self.kv_caches = list(self._kv_storage.unbind(0))
+        if len(self.kv_groups) > 1:  # layer i: the page of its rank in its group
+            page_of = {i: r for g in self.kv_groups for r, i in enumerate(g.layers)}
+            self.kv_caches = [self.kv_caches[page_of[i]] for i in range(arch.num_hidden_layers)]
         # After the load, so that its transients go back to the OS as before; the steps then reuse their memory.
         backend.prepare_host_memory()
         self.sampler = Sampler(config.model.seed, self.device)
+        spec = config.scheduler.speculative_config  # a draft model proposes at the end of each step
+        self.drafter = None
+        if spec is not None and spec.method == "draft_model":
+            self.drafter = DraftModel(
+                config, backend, self.dtype, self.kv_info.num_blocks, self._prepare, self.decode_kernels
+            )
         self.fused: FusedDecode | None = None
         self.requests = RequestStates()  # the requests this worker knows, kept from each SchedulerOutput
         # structured output: the grammar matchers of the constrained requests (runner/structured_output.py)
@@ -163,8 +184,11 @@ class ModelRunner:
         """A decode step of n one-token sequences, each in slot i of block 0 (no block is in use before serving)."""
         assert n <= self.block_size, "warm-up rows must fit one block"
         entries = [([1], 0, 1, [0]) for _ in range(n)]
+        if len(self.kv_groups) > 1:
+            entries = [(t, s, k, [[0]] * len(self.kv_groups)) for t, s, k, _ in entries]
         input_ids, positions, meta, _ = self._prepare(entries)
-        meta.slot_mapping = self._tensor(list(range(n)))
+        for m in {id(m): m for m in (meta.by_window or {None: meta}).values()}.values():
+            m.slot_mapping = self._tensor(list(range(n)))
         self.model.compute_logits(self._forward(input_ids, positions, meta))
 
     def _plan_kv_cache(self) -> KVCacheInfo:
@@ -172,28 +196,32 @@ class ModelRunner:
         share of the budget (the ranks share the host's memory), and all take the fewest blocks any of them fits."""
         cfg, arch = self.config, self.arch
         ranks = self.tp.size if self.tp is not None else 1
-        bytes_per_token = arch.num_hidden_layers * self.attn.kv_bytes_per_token(
-            arch.num_key_value_heads, arch.head_dim, self.dtype
-        )
+        pages = max(len(g.layers) for g in self.kv_groups)  # all the layers, with one group
+        bytes_per_token = pages * self.attn.kv_bytes_per_token(arch.num_key_value_heads, arch.head_dim, self.dtype)
         block_bytes = bytes_per_token * self.block_size
         max_len = cfg.model.max_model_len
+        chunk = cfg.scheduler.max_num_batched_tokens
+        per_seq = sum(g.max_blocks(max_len, self.block_size, chunk) for g in self.kv_groups)
         if cfg.cache.kv_cache_memory_bytes is not None:
             budget = cfg.cache.kv_cache_memory_bytes // ranks
             num_blocks = budget // block_bytes
         else:
             budget = int(cfg.cache.kv_cache_memory_fraction * self.backend.free_memory_bytes()) // ranks
             # More blocks than max_num_seqs full-length sequences can use would only waste memory.
-            useful = cfg.scheduler.max_num_seqs * -(-max_len // self.block_size)
+            useful = cfg.scheduler.max_num_seqs * per_seq
             num_blocks = min(budget // block_bytes, useful)
         if self.tp is not None:
             num_blocks = self.tp.min_over_ranks(int(num_blocks))
-        if num_blocks * self.block_size < max_len:
-            need = -(-max_len // self.block_size) * block_bytes
+        if num_blocks < per_seq:
+            need = per_seq * block_bytes
+            held = f"{num_blocks * self.block_size} tokens, fewer than max_model_len={max_len}"
+            if len(self.kv_groups) > 1 or self.kv_groups[0].window is not None:
+                held = f"{num_blocks} blocks, fewer than the {per_seq} one sequence of max_model_len={max_len} holds"
             raise ValueError(
-                f"the KV-cache budget ({budget / 2**20:.1f} MiB) holds {num_blocks * self.block_size} tokens, fewer "
-                f"than max_model_len={max_len}; give kv_cache_memory_bytes >= {need} or lower max_model_len"
+                f"the KV-cache budget ({budget / 2**20:.1f} MiB) holds {held}; give kv_cache_memory_bytes >= {need} "
+                "or lower max_model_len"
             )
-        return KVCacheInfo(int(num_blocks), self.block_size, bytes_per_token)
+        return KVCacheInfo(int(num_blocks), self.block_size, bytes_per_token, self.kv_groups, per_seq)
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> SamplerOutput:
@@ -240,7 +268,8 @@ class ModelRunner:
                 targets = state.token_ids[first : first + len(rows)]
                 prompt_logprobs[i] = (first, self._score_rows(hidden, rows, targets, state.params.prompt_logprobs))
         self.requests.end_step(step, tokens, drafts, num_accepted)
-        return SamplerOutput(tokens, logprobs, prompt_logprobs, num_accepted)
+        proposals = self.drafter.propose(scheduler_output, self.requests, tokens) if self.drafter else None
+        return SamplerOutput(tokens, logprobs, prompt_logprobs, num_accepted, proposals)
 
     @staticmethod
     def _entries(step, drafts: list[list[int]]) -> tuple[list[tuple[list[int], int, int, list[int]]], list[range]]:
@@ -252,11 +281,12 @@ class ModelRunner:
         entries_of = []
         for (state, n, _), d in zip(step, drafts):
             first = len(entries)
+            tables = state.block_tables if len(state.block_tables) > 1 else state.block_table  # per KV cache group
             if d:
                 ids = state.token_ids + d
-                entries.extend((ids, state.num_computed_tokens + t, 1, state.block_table) for t in range(n))
+                entries.extend((ids, state.num_computed_tokens + t, 1, tables) for t in range(n))
             else:
-                entries.append((state.token_ids, state.num_computed_tokens, n, state.block_table))
+                entries.append((state.token_ids, state.num_computed_tokens, n, tables))
             entries_of.append(range(first, len(entries)))
         return entries, entries_of
 
@@ -305,16 +335,29 @@ class ModelRunner:
     def prompt_logits(self, token_ids: list[int], block_table: list[int]) -> torch.Tensor:
         """fp32 logits at every position of one sequence, prefilled into block_table (the caller owns the blocks).
 
-        For perplexity / evaluation and parity checks; generation goes through execute_model.
+        For perplexity / evaluation and parity checks; generation goes through execute_model. With several KV cache
+        groups, group g takes block_table's ids moved up by g * (max(block_table) + 1): the caller owns those too.
         """
-        input_ids, positions, meta, _ = self._prepare([(token_ids, 0, len(token_ids), block_table)])
+        tables = block_table
+        if len(self.kv_groups) > 1:
+            span = max(block_table) + 1
+            if span * len(self.kv_groups) > self.kv_info.num_blocks:
+                raise ValueError(
+                    f"prompt_logits needs {span * len(self.kv_groups)} KV blocks for this model's "
+                    f"{len(self.kv_groups)} KV cache groups; the pool has {self.kv_info.num_blocks}"
+                )
+            tables = [[b + g * span for b in block_table] for g in range(len(self.kv_groups))]
+        input_ids, positions, meta, _ = self._prepare([(token_ids, 0, len(token_ids), tables)])
         return self.model.compute_logits(self._forward(input_ids, positions, meta))  # [n, V]
 
     def _prepare(self, entries: list[tuple[list[int], int, int, list[int]]]):
         """(token_ids, num_computed, num_new, block_table) per entry -> flat inputs and attention metadata.
 
-        Returns input_ids [T], positions [T], AttentionMetadata, and per entry the row of its last new token.
+        Returns input_ids [T], positions [T], AttentionMetadata, and per entry the row of its last new token. With
+        several KV cache groups, block_table is one table per group.
         """
+        if len(self.kv_groups) > 1 and entries and isinstance(entries[0][3][0], list):
+            return self._prepare_groups(entries)
         bs = self.block_size
         # Entries with one new token (decodes) first, then prefill chunks: the layout AttentionMetadata expects.
         order = [i for i, e in enumerate(entries) if e[2] == 1] + [i for i, e in enumerate(entries) if e[2] > 1]
@@ -350,6 +393,16 @@ class ModelRunner:
             meta.decode_context_lens = self._tensor(decode_lens)
             meta.decode_max_context_len = max(decode_lens)
         return self._tensor(input_ids), self._tensor(positions), meta, last_rows
+
+    def _prepare_groups(self, entries):
+        """_prepare with one block table per KV cache group: the inputs once, an AttentionMetadata per group (its
+        slots, block tables and context slots), and each layer's found by its window (AttentionMetadata.for_window)."""
+        metas = []
+        for g in range(len(self.kv_groups)):
+            input_ids, positions, meta, last_rows = self._prepare([(t, s, n, tables[g]) for t, s, n, tables in entries])
+            metas.append(meta)
+        metas[0].by_window = {w: metas[g] for w, g in self._group_of_window.items()}
+        return input_ids, positions, metas[0], last_rows
 
     def _tensor(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

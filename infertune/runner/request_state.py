@@ -13,8 +13,15 @@ class RequestState(TokenView):
     token_ids: list[int]
     num_prompt_tokens: int
     params: SamplingParams
-    block_table: list[int]
+    # One block table per KV cache group (scheduler_output.KVCacheGroup); entries a windowed group freed keep their
+    # old id (or are NULL_BLOCK): out of the window, no query reads them.
+    block_tables: list[list[int]]
     num_computed_tokens: int
+
+    @property
+    def block_table(self) -> list[int]:
+        """The first KV cache group's (the only one of a model without sliding windows)."""
+        return self.block_tables[0]
 
 
 class RequestStates:
@@ -31,12 +38,19 @@ class RequestStates:
         for new in out.new_requests:
             assert new.req_id not in self.requests, f"request {new.req_id} sent as new twice"
             self.requests[new.req_id] = RequestState(
-                list(new.token_ids), new.num_prompt_tokens, new.params, list(new.block_ids), new.num_computed_tokens
+                list(new.token_ids),
+                new.num_prompt_tokens,
+                new.params,
+                # (a windowed group's NULL_BLOCK entries, out of its window: block 0, a valid id no query reads)
+                [[max(b, 0) for b in t] for t in (new.block_ids, *new.group_block_ids)],
+                new.num_computed_tokens,
             )
         for cached in out.cached_requests:
             state = self.requests[cached.req_id]
-            del state.block_table[cached.num_kept_blocks :]
-            state.block_table.extend(cached.new_block_ids)
+            kept = [cached.num_kept_blocks, *cached.group_num_kept_blocks]
+            for table, k, ids in zip(state.block_tables, kept, [cached.new_block_ids, *cached.group_new_block_ids]):
+                del table[k:]
+                table.extend(ids)
             state.num_computed_tokens = cached.num_computed_tokens
         step = []
         for req_id, n in zip(out.req_ids, out.num_scheduled_tokens):

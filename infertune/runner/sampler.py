@@ -55,6 +55,8 @@ class SamplerOutput:
     # Speculative decoding, where the step had drafts: per row, how many of its drafts were accepted; the row's
     # tokens are those drafts, then token_ids[row].
     num_accepted: list[int] | None = None
+    # A draft model: per row, the drafts it proposed for the row's next step (None where it proposed none).
+    draft_token_ids: list[list[int] | None] | None = None
 
 
 class Sampler:

@@ -34,6 +34,19 @@ class _EngineCollector:
         yield GaugeMetricFamily(
             "infertune_kv_cache_usage", "Share of KV-cache blocks in use", used / max(s["kv_blocks_total"], 1)
         )
+        by_group = GaugeMetricFamily(
+            "infertune_kv_blocks_used_by_group",
+            "KV-cache blocks held in each layer group (full attention, each sliding window: its own block tables)",
+            labels=["group"],
+        )
+        tokens = GaugeMetricFamily(
+            "infertune_kv_tokens_by_group", "Tokens of KV held in each layer group", labels=["group"]
+        )
+        for label, blocks in s.get("kv_groups", ()):
+            by_group.add_metric([label], blocks)
+            tokens.add_metric([label], blocks * s["kv_block_size"])
+        yield by_group
+        yield tokens
         yield GaugeMetricFamily(
             "infertune_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache", s["prefix_cache_hit_rate"]
         )

@@ -2,7 +2,11 @@
 
 HF transformers generate ("PyTorch native") -> infertune eager, one sequence at a time -> + paged KV and
 continuous batching -> + prepacked weights -> + compiled decode (torch.compile) -> + infertune's decode kernels
-(fused decode step; replaces torch.compile) -> + INT8 KV -> + W8A16 -> + W4A16 -> + tuned batch. Every step keeps the ones before it. Steps whose feature is not built are reported as
+(fused decode step; replaces torch.compile) -> + INT8 KV -> + W8A16 -> + W4A16 -> + tuned batch. Every step keeps the
+ones before it. On a MoE model the kernels step leaves the MoE layers in PyTorch (route() and the per-expert loop)
+and two more steps follow, the seeds' MoE fusions: the fused gating top-k (router kernel), then the grouped expert
+GEMM; W8A16 / W4A16 quantize the experts too. On an MLA model the seeds' "decompressed cache -> latent cache" step is
+listed as not available (infertune only has the latent cache), with both caches' bytes per token. Steps whose feature is not built are reported as
 "not available", never measured or estimated. Lossy steps carry the perplexity change of the step's whole
 configuration against the unquantized model (`infertune.evaluate.compare`), where the weights are trained.
 
@@ -33,9 +37,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=None, help="Hugging Face model folder (default: the built-in demo model)")
     g.add_argument(
         "--preset",
-        choices=["small", "386m"],
+        choices=["small", "386m", "moe"],
         default=None,
-        help="a random-weight Llama built once by `bench throughput` (accuracy is then n/a)",
+        help="a random-weight model built once by `bench throughput`: small / 386m Llamas, moe = the scaled "
+        "Qwen3-30B-A3B (accuracy is then n/a)",
     )
     p.add_argument("--cache-dir", type=Path, default=Path("/tmp/infertune-bench"), help="where presets are built")
     p.add_argument("--input-len", type=int, default=128, help="prompt tokens per request (default: 128)")
@@ -51,6 +56,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="largest max_num_seqs the tuned-batch step tries (default: --num-prompts)",
     )
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="(default: bfloat16)")
+    p.add_argument(
+        "--quant-group-size",
+        type=int,
+        default=None,
+        help="W4A16 group size (default: the largest of 32 / 64 / 128 dividing every quantized layer's input)",
+    )
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers row")
     p.add_argument("--no-accuracy", action="store_true", help="skip the perplexity deltas")
     p.add_argument(
@@ -78,11 +89,78 @@ STEPS = [
     ("compiled", "+ compiled decode (torch.compile)", dict(compile="on"), False),
     # infertune's own kernels and fused decode step take the place of torch.compile (the two do not combine).
     ("kernels", "+ decode kernels, fused decode step (compile off)", dict(decode_kernels="auto", compile="off"), False),
+    # MoE models (STEPS_MOE): the kernels step leaves the MoE layers in PyTorch, then the seeds' two MoE fusions.
+    ("moe_router", "+ fused gating top-k (router scores, top-k, weights, grouping: one kernel call)", None, False),
+    ("moe_experts", "+ grouped expert GEMM (per-expert loop -> one kernel call)", None, False),
+    # MLA models: the step from a decompressed K/V cache to the latent cache with the absorbed decode.
+    ("mla_latent", "+ latent MLA cache, absorbed decode (vs decompressed K/V)", None, False),
     ("int8_kv", "+ INT8 KV cache", dict(kv_cache_dtype="int8"), True),
     ("w8a16", "+ W8A16 weights", dict(quantization="w8a16"), True),
     ("w4a16", "+ W4A16 weights", dict(quantization="w4a16"), True),
     ("tuned", "+ tuned batch (the tuner's offline pick)", dict(max_num_seqs="tuned"), False),
 ]
+
+
+MOE_STEP_OPTIONS = {
+    "kernels": dict(decode_kernels="auto", compile="off", moe_kernels="none"),
+    "moe_router": dict(moe_kernels="router"),
+    "moe_experts": dict(moe_kernels="all"),
+}
+MOE_LABELS = {
+    "kernels": "+ decode kernels for the dense stages (MoE router and experts in PyTorch; compile off)",
+    "w8a16": "+ W8A16 weights (experts included)",
+    "w4a16": "+ W4A16 weights (experts included)",
+}
+# infertune caches MLA's latent only: the decompressed cache the seed's step starts from does not exist to measure.
+MLA_NOTE = "only the latent cache exists: {latent} B/token; decompressed K/V would take {full} B/token"
+
+
+def steps_for(arch) -> list[tuple[str, str, dict | None, bool]]:
+    """STEPS as they apply to this model: the MoE steps on a MoE model, the MLA step on an MLA model, each step's
+    label and options adjusted to the model (the others' rows would measure nothing new)."""
+    out = []
+    for key, label, adds, lossy in STEPS:
+        if key in ("moe_router", "moe_experts") and arch.moe is None:
+            continue
+        if key == "mla_latent" and arch.mla is None:
+            continue
+        if arch.moe is not None:
+            adds = MOE_STEP_OPTIONS.get(key, adds)
+            label = MOE_LABELS.get(key, label)
+        out.append((key, label, adds, lossy))
+    return out
+
+
+def quant_group_size(arch, wanted: int | None) -> int:
+    """W4A16's group size: `wanted`, or the largest of QUANT_GROUP_SIZES up to 128 that divides every quantized
+    layer's input width (a tiny test model's 64-wide layers take 64)."""
+    from infertune.config import QUANT_GROUP_SIZES
+
+    if wanted is not None:
+        return wanted
+    m, moe = arch.mla, arch.moe
+    # the input widths: o_proj's (heads x v_head_dim under MLA), the MLP's and experts', MLA's q_b / kv_b / q_proj
+    widths = [
+        arch.hidden_size,
+        arch.intermediate_size,
+        arch.num_attention_heads * (m.v_head_dim if m else arch.head_dim),
+    ]
+    widths += [moe.intermediate_size, moe.shared_intermediate_size] if moe is not None else []
+    widths += [m.kv_lora_rank, m.q_lora_rank or arch.hidden_size] if m is not None else []
+    fits = [g for g in QUANT_GROUP_SIZES if g <= 128 and all(w % g == 0 for w in widths if w)]
+    return max(fits) if fits else 128
+
+
+def mla_note(arch, elem: int) -> str:
+    m = arch.mla
+    latent = arch.num_hidden_layers * m.cache_width * elem
+    full = (
+        arch.num_hidden_layers
+        * arch.num_attention_heads
+        * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim)
+        * elem
+    )
+    return MLA_NOTE.format(latent=latent, full=full)
 
 
 def resolve_model(args) -> tuple[str | None, str, bool]:
@@ -135,12 +213,16 @@ def accuracy_delta(model: str | None, options: dict, args) -> dict:
 def build_ledger(args, progress: bool = True) -> dict:
     from tqdm import tqdm
 
+    from infertune.config import ArchConfig
     from infertune.tune import measure
     from infertune.tune.command import powers_of_two, sweep
     from infertune.tune.recommend import recommend
 
     model, hf_dir, trained = resolve_model(args)
     vocab = json.loads((Path(hf_dir) / "config.json").read_text())["vocab_size"]
+    arch = ArchConfig.from_model_dir(hf_dir)
+    group_size = quant_group_size(arch, getattr(args, "quant_group_size", None))
+    steps = steps_for(arch)
     from infertune.bench.offline import make_prompts
 
     n = args.num_prompts or 2 * args.batch
@@ -164,7 +246,7 @@ def build_ledger(args, progress: bool = True) -> dict:
         return measure.run_isolated(fn_name, **kwargs)
 
     rows = []
-    bar = tqdm(STEPS, desc="ledger", unit="step", disable=not progress, file=sys.stderr)
+    bar = tqdm(steps, desc="ledger", unit="step", disable=not progress, file=sys.stderr)
     for key, label, adds, lossy in bar:
         bar.set_postfix_str(key)
         row = dict(step=key, label=label, lossy=lossy)
@@ -186,12 +268,19 @@ def build_ledger(args, progress: bool = True) -> dict:
             rows.append(row)
             continue
         if adds is None:
-            row.update(status=NOT_AVAILABLE, note="no compiled / fused decode path in infertune yet")
+            elem = 2 if args.dtype == "bfloat16" else 4
+            row.update(status=NOT_AVAILABLE, note=mla_note(arch, elem) if key == "mla_latent" else "not built")
             rows.append(row)
             continue
-        step_opts = dict(current)
+        if key.startswith("moe_") and not current.get("decode_kernels_ran"):
+            row.update(status=NOT_AVAILABLE, note="no decode kernels on this machine (see the kernels row)")
+            rows.append(row)
+            continue
+        step_opts = {k: v for k, v in current.items() if k != "decode_kernels_ran"}
         for k, v in adds.items():
             step_opts[k] = args.batch if v == "batch" else v
+        if step_opts.get("quantization") == "w4a16":
+            step_opts["quant_group_size"] = group_size
         if key == "tuned":
             limit = args.max_batch or n
             tried = sweep(
@@ -226,7 +315,7 @@ def build_ledger(args, progress: bool = True) -> dict:
         )
         row["options"] = step_opts
         if row["status"] == "ok":
-            current = step_opts
+            current = dict(step_opts, decode_kernels_ran=row.get("decode_kernels") is not None)
         if lossy and row["status"] == "ok":
             if not trained:
                 row["accuracy"] = "n/a (random weights)"

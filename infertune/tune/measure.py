@@ -63,15 +63,20 @@ def measure_infertune(
     import infertune.executor.uniproc  # noqa: F401  engine modules load lazily: import them before the RSS baseline
     from infertune import LLM, SamplingParams
 
+    engine_options = {k: v for k, v in options.items() if k != "moe_kernels"}
     gc.collect()
     rss0 = rss_mib()
     t0 = time.perf_counter()
     try:
-        llm = LLM(model, **options)
+        llm = LLM(model, **engine_options)
     except Exception as e:  # noqa: BLE001  a row, not a crash: OOM or an unsupported option
         return dict(status="oom" if is_oom(e) else "error", error=f"{type(e).__name__}: {e}", options=options)
     load_s = time.perf_counter() - t0
+    runner = llm.engine.executor.runner
+    kernels = runner.decode_kernels.name if runner.decode_kernels is not None else None
     try:
+        if "moe_kernels" in options:
+            limit_moe_kernels(runner.model, options["moe_kernels"])
         params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
         if warmup_prompts:
             llm.generate(
@@ -102,6 +107,7 @@ def measure_infertune(
             status="ok",
             load_s=load_s,
             kv_cache_bytes=int(kv_bytes),
+            decode_kernels=kernels,
             rss_growth_mib=rss_mib() - rss0,
             options=options,
             **best,
@@ -112,6 +118,26 @@ def measure_infertune(
         del llm
         gc.collect()
     return row
+
+
+# The ledger's MoE steps: which of a MoE layer's stages keep the decode kernels (the rest run their PyTorch
+# reference: route() then a per-expert matmul loop, layers/moe.py). A measurement switch, not an engine option.
+MOE_KERNEL_STAGES = {"none": (), "router": ("router",), "all": ("router", "experts")}
+
+
+def limit_moe_kernels(model, stages: str) -> int:
+    """Take the decode kernels off the MoE routers and / or experts not in MOE_KERNEL_STAGES[stages]; returns
+    how many modules went back to PyTorch."""
+    from infertune.layers.moe import Experts, Router
+
+    keep = MOE_KERNEL_STAGES[stages]
+    n = 0
+    for m in model.modules():
+        if (isinstance(m, Router) and "router" not in keep) or (isinstance(m, Experts) and "experts" not in keep):
+            if m.kernels is not None:
+                m.use_kernels(None)
+                n += 1
+    return n
 
 
 def measure_hf(

@@ -33,6 +33,13 @@ class AttentionMetadata:
     prefills: list[PrefillChunk] = field(default_factory=list)
     # Per-step values a backend derives once and every layer reuses (e.g. the decode length mask).
     step_cache: dict = field(default_factory=dict)
+    # With several KV cache groups (layers grouped by sliding window, each with its own block tables): a layer's
+    # window -> its group's metadata (slot mapping, block tables, context slots). None: one group, this one.
+    by_window: dict | None = None
+
+    def for_window(self, window: int | None) -> AttentionMetadata:
+        """The metadata of the KV cache group whose layers attend within `window`."""
+        return self if self.by_window is None else self.by_window[window]
 
 
 class AttentionBackend(abc.ABC):

@@ -6,7 +6,8 @@ chunk with earlier context (prefix-cache hit, chunked prefill) gathers that cont
 
 A layer with a sliding window W (key j seen from query i iff i - W < j <= i, as transformers masks it) reads only
 the keys its window can reach: a decode row the blocks that hold its last W positions, a chunk the slots from its
-first query's window on; a fresh prefill takes a banded mask. With a softcap (Gemma 2) the scores are capped before
+first query's window on; a fresh prefill takes a banded mask. So a windowed layer never reads a block-table entry
+below its window: the engine frees those blocks (engine/kv_cache_coordinator.py), and the entries may hold any id. With a softcap (Gemma 2) the scores are capped before
 the softmax, which SDPA cannot do: those layers run a plain matmul-softmax.
 """
 
@@ -74,6 +75,7 @@ class TorchPagedAttention(AttentionBackend):
         window: int | None = None,
         softcap: float | None = None,
     ) -> torch.Tensor:
+        meta = meta.for_window(window)  # this layer's KV cache group: its slots and block tables
         self.write_kv(kv_cache, key, value, meta.slot_mapping)
         out = torch.empty_like(query)
         nd = meta.num_decode_tokens

@@ -6,7 +6,8 @@
  * prefetch ahead of the stream, which is what the generic GEMM paths do not do at M = 1.
  *
  *   it_linear_bf16  y = x W^T (+ b)            bf16 x, bf16 W [N, K], fp32 accumulation (VDPBF16PS at one row,
- *                                              AMX tiles at 2+ rows where the CPU has them)
+ *                                              AMX tiles at 2+ rows where the CPU has them; without AMX the
+ *                                              VDPBF16PS GEMM from gemm_rows_noamx rows, gemm_dpbf16.c)
  *   it_linear_w8    y = (x W_q^T) * s (+ b)    bf16 x, int8 W_q [N, K], per-row scale s; x is rounded to
  *                                              int16 per row (dynamic, symmetric) and multiplied in int32
  *                                              (VPDPBUSD on its two bytes), so |x - x_q * s_x| <= s_x / 2,
@@ -47,6 +48,7 @@
 #include "amx.c"
 #include "bf16c_codec.c"
 #include "gemm_amx.c"
+#include "gemm_dpbf16.c"
 #include "bf16c_gemm.c"
 #include "linear_bf16.c"
 #include "quant_amx.c"

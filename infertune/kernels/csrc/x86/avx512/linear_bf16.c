@@ -20,7 +20,30 @@ static void linear_bf16(const bf16* x, int64_t ldx, const bf16* w, const bf16* b
             linear_bf16_avx512(x, ldx, w + n16 * K, bias ? bias + n16 : NULL, y + n16, ldy, M, N - n16, K, nthreads);
         return;
     }
+    if (amx_state != 1 && gemm_noamx_takes(M, K)) { /* (AMX machines never come here) */
+        linear_bf16_dpbf16_gemm(x, ldx, w, bias, y, ldy, M, N, K, nthreads);
+        return;
+    }
     linear_bf16_avx512(x, ldx, w, bias, y, ldy, M, N, K, nthreads);
+}
+
+/* Sets (rows > 0) and returns gemm_rows_noamx (gemm_dpbf16.c) */
+int64_t it_gemm_rows_noamx(int64_t rows) {
+    if (rows > 0) gemm_rows_noamx = rows;
+    return gemm_rows_noamx;
+}
+
+/* The two non-AMX paths on their own, whatever the rows (benchmarks and tests): the GEMV, and the GEMM (K even) */
+void it_linear_bf16_gemv(const bf16* x, int64_t ldx, const bf16* w, const bf16* bias, bf16* y, int64_t ldy,
+                         int64_t M, int64_t N, int64_t K, int nthreads) {
+    linear_bf16_avx512(x, ldx, w, bias, y, ldy, M, N, K, nthreads);
+}
+
+int it_linear_bf16_gemm_noamx(const bf16* x, int64_t ldx, const bf16* w, const bf16* bias, bf16* y, int64_t ldy,
+                              int64_t M, int64_t N, int64_t K, int nthreads) {
+    if (K % 2) return -1;
+    linear_bf16_dpbf16_gemm(x, ldx, w, bias, y, ldy, M, N, K, nthreads);
+    return 0;
 }
 
 void it_linear_bf16(const bf16* x, int64_t ldx, const bf16* w, const bf16* bias, bf16* y, int64_t ldy,

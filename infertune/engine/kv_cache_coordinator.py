@@ -1,0 +1,244 @@
+"""KV cache coordinator: one block pool, one block table per layer group and sequence (vLLM's hybrid KV cache). Pure
+Python.
+
+The layers are grouped by the window they attend within (scheduler_output.KVCacheGroup: full attention, or a sliding
+window W). A block id is one page of every group's cache at once (the runner gives the groups' layers the same
+tensors, layer i of each group the i-th), so the pool and its free list are shared, and each group's table holds
+its own ids. A full group keeps every block, as BlockManager does. A windowed group frees the blocks that fall
+wholly out of its window as the sequence advances: a query at position p sees keys p - W + 1 .. p, so before a step
+whose first new token sits at p = num_computed_tokens, the blocks below (p - W + 1) // block_size are never read
+again; they go back to the pool (kept as a cached prefix where hashed) and their entries become NULL_BLOCK. A
+sequence then holds at most ceil((W - 1 + chunk) / block) + 1 blocks of the group, W / block + 1 when it decodes.
+
+Prefix caching: each group caches its own blocks under (group, chained hash). A hit of h blocks needs, in a full
+group, the chain of all h; in a windowed group only the blocks the next query's window reaches,
+(h * block - W + 1) // block .. h - 1, so a prefix whose early blocks were evicted still hits. The hit is the longest
+h every group has.
+
+Invariants (beside BlockManager's): a NULL_BLOCK entry only ever precedes a windowed group's first live block; a
+hashed block is never written (a hit never covers the last token); every live entry holds one reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+from infertune.engine.block_manager import BlockManager
+from infertune.engine.sequence import Sequence
+from infertune.scheduler_output import NULL_BLOCK, KVCacheGroup
+
+
+class KVCacheCoordinator(BlockManager):
+    """BlockManager's API over several layer groups; `windows[g]` is group g's window (None: full attention).
+
+    get_computed_blocks answers one list per group (NULL_BLOCK before a windowed group's window), which
+    allocate_slots adopts; chunk is the longest prefill chunk (the scheduler's max_num_batched_tokens)."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        windows: Seq[int | None],
+        enable_prefix_caching: bool = True,
+        chunk: int | None = None,
+    ) -> None:
+        super().__init__(num_blocks, block_size, enable_prefix_caching)
+        assert windows and all(w is None or w > 0 for w in windows)
+        self.windows = tuple(windows)
+        self.chunk = chunk
+        self._blocks_used = [0] * len(self.windows)  # per group, the blocks some sequence holds (for /metrics)
+
+    @property
+    def blocks_used_by_group(self) -> list[int]:
+        return list(self._blocks_used)
+
+    # ---- queries -------------------------------------------------------------------------------
+    def max_blocks_per_seq(self, num_tokens: int) -> int:
+        chunk = self.chunk or num_tokens
+        return sum(KVCacheGroup(w, ()).max_blocks(num_tokens, self.block_size, chunk) for w in self.windows)
+
+    def num_hit_tokens(self, computed_blocks: list[list[int]]) -> int:
+        return len(computed_blocks[0]) * self.block_size
+
+    def first_live_block(self, group: int, num_computed: int) -> int:
+        """The first block of `group` that a query at position num_computed (or later) reads."""
+        window = self.windows[group]
+        return 0 if window is None else max(0, num_computed - window + 1) // self.block_size
+
+    def blocks_in_use(self, seq: Sequence) -> list[int]:
+        """Per group, the blocks seq holds."""
+        return [sum(b != NULL_BLOCK for b in t) for t in self._tables(seq)]
+
+    def _tables(self, seq: Sequence) -> list[list[int]]:
+        while len(seq.block_tables) < len(self.windows):
+            seq.block_tables.append([])
+        return seq.block_tables
+
+    def get_computed_blocks(self, seq: Sequence) -> list[list[int]]:
+        """Per group, the cached blocks of seq's longest prefix hit that every group has (full blocks only, never the
+        last token); a windowed group's list is NULL_BLOCK up to the hit's window. Changes nothing."""
+        num_groups = len(self.windows)
+        if not self.enable_prefix_caching:
+            return [[] for _ in range(num_groups)]
+        limit = (len(seq) - 1) // self.block_size
+        chains: dict[int, list[int]] = {}
+        for g, window in enumerate(self.windows):
+            if window is None:  # the chain of every block from the first, as BlockManager follows it
+                chain: list[int] = []
+                for i in range(limit):
+                    block_id = self._cached(g, seq, i)
+                    if block_id is None or self.blocks[block_id].parent_block_id != (chain[-1] if chain else None):
+                        break
+                    chain.append(block_id)
+                chains[g] = chain
+                limit = len(chain)
+        # Windowed groups: per block, its cached block (or None) and the run of linked cached blocks ending there.
+        cached: dict[int, list[int | None]] = {}
+        runs: dict[int, list[int]] = {}
+        for g, window in enumerate(self.windows):
+            if window is not None:
+                cached[g], runs[g] = [], []
+                for i in range(limit):
+                    block_id = self._cached(g, seq, i)
+                    linked = block_id is not None and i and cached[g][i - 1] is not None
+                    if linked and self.blocks[block_id].parent_block_id not in (None, cached[g][i - 1]):
+                        linked = False  # registered after another copy of the previous block: not this chain
+                    cached[g].append(block_id)
+                    runs[g].append(0 if block_id is None else (runs[g][i - 1] + 1 if linked else 1))
+        hit = limit
+        while hit > 0 and not all(
+            hit - self.first_live_block(g, hit * self.block_size) <= runs[g][hit - 1] for g in runs
+        ):
+            hit -= 1
+        out = []
+        for g in range(num_groups):
+            if g in chains:
+                out.append(chains[g][:hit])
+            else:
+                first = self.first_live_block(g, hit * self.block_size)
+                out.append([NULL_BLOCK] * first + cached[g][first:hit])
+        return out
+
+    def _cached(self, group: int, seq: Sequence, i: int) -> int | None:
+        """The block group caches for seq's i-th full block (its chained hash, double-checked on its tokens)."""
+        block_id = self._hash_to_block.get((group, self._block_hash(seq, i)))
+        if block_id is None or self.blocks[block_id].token_ids != self._block_tokens(seq, i):
+            return None
+        return block_id
+
+    # ---- allocation ----------------------------------------------------------------------------
+    def allocate_slots(self, seq: Sequence, num_tokens: int, computed_blocks: list[list[int]] = ()) -> bool:
+        """Free each windowed group's blocks below its window, then grow every group's table (after adopting
+        computed_blocks) to hold num_tokens. All or nothing, but for the freeing: those blocks are dead either way."""
+        tables = self._tables(seq)
+        computed = list(computed_blocks) or [[] for _ in self.windows]
+        for g, window in enumerate(self.windows):
+            if window is not None:
+                self._free_below(g, tables[g], self.first_live_block(g, seq.num_computed_tokens))
+        hits_in_free = sum(1 for hits in computed for b in hits if b != NULL_BLOCK and self.blocks[b].ref_count == 0)
+        want = self.blocks_needed(num_tokens)
+        needed = [max(want - len(t) - len(c), 0) for t, c in zip(tables, computed)]
+        if sum(needed) > len(self._free) - hits_in_free:
+            return False
+        for g, (table, hits) in enumerate(zip(tables, computed)):  # every group's hits first: none is taken fresh
+            for block_id in hits:
+                if block_id != NULL_BLOCK:
+                    block = self.blocks[block_id]
+                    if block.ref_count == 0:
+                        del self._free[block_id]
+                        self._blocks_used[g] += 1
+                    block.ref_count += 1
+                table.append(block_id)
+        for g, (table, n) in enumerate(zip(tables, needed)):
+            for _ in range(n):
+                block_id, _ = self._free.popitem(last=False)
+                block = self.blocks[block_id]
+                self._forget(block)
+                block.ref_count = 1
+                table.append(block_id)
+            self._blocks_used[g] += n
+        return True
+
+    def _free_below(self, group: int, table: list[int], first: int) -> None:
+        """Release table's blocks before index first (out of the window), in order: the oldest is evicted first."""
+        for i in range(min(first, len(table))):
+            if table[i] != NULL_BLOCK:
+                self._release(group, table[i])
+                table[i] = NULL_BLOCK
+
+    def _release(self, group: int, block_id: int) -> None:
+        block = self.blocks[block_id]
+        assert block.ref_count > 0, f"double free of block {block_id}"
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self._blocks_used[group] -= 1
+            self._free[block_id] = None
+            if block.hash is None:  # nothing worth keeping: reuse before cached blocks
+                self._free.move_to_end(block_id, last=False)
+
+    def free(self, seq: Sequence) -> None:
+        for g, table in enumerate(self._tables(seq)):
+            for block_id in reversed(table):
+                if block_id != NULL_BLOCK:
+                    self._release(g, block_id)
+        seq.block_tables = [[] for _ in self.windows]
+        seq.num_hashed_blocks = 0
+
+    def trim(self, seq: Sequence, num_tokens: int) -> int:
+        keep = self.blocks_needed(num_tokens)
+        freed = 0
+        for g, table in enumerate(self._tables(seq)):
+            while len(table) > keep:
+                block = self.blocks[table.pop()]
+                assert block.ref_count == 1 and block.hash is None, "a trimmed block must be private and unhashed"
+                self._release(g, block.block_id)
+                freed += 1
+        return freed
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register each group's blocks that became full of computed KV. A full group extends its cached chain only;
+        a windowed group registers a block whose previous one it no longer holds too (a hit needs only the window)."""
+        if not self.enable_prefix_caching:
+            return
+        end = seq.num_computed_tokens // self.block_size
+        for g, table in enumerate(self._tables(seq)):
+            for i in range(seq.num_hashed_blocks, end):
+                block = self.blocks[table[i]] if table[i] != NULL_BLOCK else None
+                parent = table[i - 1] if i and table[i - 1] != NULL_BLOCK else None
+                if parent is not None and self._hash_to_block.get((g, self._block_hash(seq, i - 1))) != parent:
+                    if self.windows[g] is None:
+                        break  # the previous block stayed private, so this prefix has no cached chain to extend
+                    parent = None
+                key = (g, self._block_hash(seq, i))
+                if block is not None and block.hash is None and key not in self._hash_to_block:
+                    block.hash, block.token_ids, block.parent_block_id = key, self._block_tokens(seq, i), parent
+                    self._hash_to_block[key] = block.block_id
+        seq.num_hashed_blocks = max(seq.num_hashed_blocks, end)
+
+
+def kv_cache_manager(info, enable_prefix_caching: bool, chunk: int) -> BlockManager:
+    """The engine's block manager for the runner's KV cache (runner.KVCacheInfo): BlockManager where every layer
+    attends in full (one group, exactly as without windows), else a coordinator over the groups."""
+    groups = info.groups or (KVCacheGroup(None, ()),)
+    if len(groups) == 1 and groups[0].window is None:
+        return BlockManager(info.num_blocks, info.block_size, enable_prefix_caching)
+    windows = [g.window for g in groups]
+    return KVCacheCoordinator(info.num_blocks, info.block_size, windows, enable_prefix_caching, chunk)
+
+
+def describe_groups(info, max_model_len: int, chunk: int) -> list[str]:
+    """Per KV cache group: its window and layers, and the most blocks, tokens and bytes of KV one sequence of
+    max_model_len holds in it (prefill chunks of at most `chunk`): a windowed group's stay near window / block + 1
+    blocks however long the sequence."""
+    pages = max(len(g.layers) for g in info.groups)
+    lines = []
+    for g in info.groups:
+        blocks = g.max_blocks(max_model_len, info.block_size, chunk)
+        tokens = blocks * info.block_size
+        kind = "full attention" if g.window is None else f"sliding window {g.window}"
+        nbytes = tokens * info.bytes_per_token * len(g.layers) // pages
+        lines.append(
+            f"{kind} (layers {','.join(map(str, g.layers))}): {blocks} blocks = {tokens} tokens a sequence "
+            f"({nbytes / 2**10:.1f} KiB)"
+        )
+    return lines

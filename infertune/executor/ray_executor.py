@@ -1,0 +1,165 @@
+"""Ray executor: the tensor-parallel ranks as Ray actors, on any nodes of a Ray cluster (distributed_executor_backend
+"ray"; `pip install 'infertune[ray]'`).
+
+It joins the cluster that ray.init() finds (RAY_ADDRESS, or the one `ray start` began on this machine) or starts a
+local one, places one actor per rank in a placement group packed onto as few nodes as hold them, and forms the
+torch.distributed group (gloo on CPU) at rank 0's node address. Each step's SchedulerOutput goes to every actor and
+rank 0's SamplerOutput comes back, as with the multiprocess executor; an actor that dies is a WorkerError naming its
+rank, and any failure stops the group. Ranks that share one node sum small activations through shared memory.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from infertune.config import EngineConfig
+from infertune.executor.base import Executor
+from infertune.executor.multiproc import WorkerError
+from infertune.runner.model_runner import KVCacheInfo
+from infertune.runner.sampler import SamplerOutput
+from infertune.scheduler_output import SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+
+class _RankActor:
+    """One rank: a ModelRunner in a Ray actor process."""
+
+    def __init__(self, config: EngineConfig, show_progress: bool) -> None:
+        self.config, self.show_progress, self.rank, self.runner = config, show_progress, 0, None
+
+    def where(self) -> tuple[str, str]:
+        import ray
+
+        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+
+    def free_port(self, host: str) -> int:
+        from infertune.executor.worker import free_port
+
+        return free_port(host)
+
+    def start(self, rank: int, size: int, init_method: str, one_host: bool):
+        import ray
+        import torch
+
+        from infertune.executor.worker import start_worker
+
+        self.rank = rank
+        cpus = int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1)) or 1
+        torch.set_num_threads(cpus)
+        self.runner, describe = start_worker(
+            self.config, self.show_progress, rank, size, init_method, one_host=one_host, bind=False
+        )
+        return self.runner.kv_info, f"{describe}, {cpus} thread{'s' * (cpus > 1)}"
+
+    def execute_model(self, scheduler_output: SchedulerOutput):
+        out = self.runner.execute_model(scheduler_output)
+        return out if self.rank == 0 else None  # the other ranks computed the same
+
+
+def _cause(e: BaseException) -> BaseException:
+    """A Ray error -> what the driver raises: a user's ValueError / TypeError as itself, else a WorkerError."""
+    import ray.exceptions as rex
+
+    if isinstance(e, rex.RayTaskError):
+        inner = getattr(e, "cause", None)
+        if isinstance(inner, (ValueError, TypeError, MemoryError)) and type(inner).__module__ == "builtins":
+            return inner
+    return WorkerError(f"a Ray tensor-parallel worker failed: {e}")
+
+
+class RayExecutor(Executor):
+    def __init__(self, config: EngineConfig, show_progress: bool = False) -> None:
+        try:
+            import ray
+            from ray.util.placement_group import placement_group
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        except ImportError:
+            raise ValueError(
+                "distributed_executor_backend='ray' needs Ray: pip install 'infertune[ray]' (or use 'mp' on one host)"
+            ) from None
+        self.size = size = config.parallel.tensor_parallel_size
+        config.model.arch.for_tensor_parallel(size)  # a shape that does not split: its error before any actor
+        self._ray = ray
+        self._connected = not ray.is_initialized()
+        if self._connected:
+            ray.init(log_to_driver=True, include_dashboard=False)
+        cpus = int(ray.cluster_resources().get("CPU", 1))
+        per_rank = max(1, cpus // size)
+        self._pg = placement_group([{"CPU": per_rank}] * size, strategy="PACK")
+        ray.get(self._pg.ready(), timeout=120)
+        actor = ray.remote(_RankActor)
+        self._actors = [
+            actor.options(
+                num_cpus=per_rank,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=rank),
+            ).remote(config, show_progress)
+            for rank in range(size)
+        ]
+        self._failed: BaseException | None = None
+        try:
+            places = ray.get([a.where.remote() for a in self._actors])
+            host = places[0][1]
+            init = f"tcp://{host}:{ray.get(self._actors[0].free_port.remote(host))}"
+            one_host = len({node for node, _ in places}) == 1
+            answers = self._gather([a.start.remote(r, size, init, one_host) for r, a in enumerate(self._actors)])
+        except BaseException:
+            self.shutdown()
+            raise
+        self._kv_info, self._describe = answers[0]
+        self._nodes = len({node for node, _ in places})
+
+    def _gather(self, refs: list) -> list:
+        """Every rank's answer; the first failure (in completion order) stops the group and is raised."""
+        ray = self._ray
+        if self._failed is not None:
+            raise WorkerError(f"the tensor-parallel workers were stopped after an earlier failure: {self._failed}")
+        rank_of = {ref: r for r, ref in enumerate(refs)}
+        answers: list = [None] * len(refs)
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            rank = rank_of[ready[0]]
+            try:
+                answers[rank] = ray.get(ready[0])
+            except ray.exceptions.RayActorError as e:
+                self._fail(WorkerError(f"tensor-parallel rank {rank} (Ray actor) died: {e}"))
+            except ray.exceptions.RayError as e:
+                self._fail(_cause(e))
+        return answers
+
+    def _fail(self, error: BaseException):
+        self._failed = error
+        log.error("stopping the tensor-parallel group: %s", error)
+        for a in self._actors:
+            self._ray.kill(a, no_restart=True)
+        raise error
+
+    @property
+    def kv_cache_info(self) -> KVCacheInfo:
+        return self._kv_info
+
+    def describe(self) -> str:
+        return f"{self._describe}, tensor parallel over {self.size} Ray actors on {self._nodes} node(s)"
+
+    @property
+    def runner(self):
+        raise AttributeError(
+            "the model runner lives in the Ray actors; the tools that read it (profile, eval, quantize, "
+            "debug-layers, tune) need distributed_executor_backend='uni'"
+        )
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> SamplerOutput:
+        return self._gather([a.execute_model.remote(scheduler_output) for a in self._actors])[0]
+
+    def shutdown(self) -> None:
+        ray = self._ray
+        for a in getattr(self, "_actors", []):
+            ray.kill(a, no_restart=True)
+        self._actors = []
+        if getattr(self, "_pg", None) is not None:
+            ray.util.remove_placement_group(self._pg)
+            self._pg = None
+        if self._connected and ray.is_initialized():
+            ray.shutdown()  # (disconnects; stops the cluster only where this executor started it)
+            self._connected = False

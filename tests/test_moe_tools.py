@@ -1,0 +1,276 @@
+"""The tools on MoE and MLA models: the ledger's MoE steps, the audit's MoE / MLA stages, profile's count of the KV
+bytes a decode step reads, torch.compile of a MoE decode, and the GGUF export of Qwen3-MoE for llama.cpp.
+
+Oracles: the kernels' own call counts (the ledger's switch takes the MoE kernels off, stage by stage); op tables
+and the stage's own code (which ops a router, a grouping, an expert loop and MLA's absorbed decode issue); exact
+arithmetic from config.json for the KV bytes (the block tables' latent rows, not decompressed K / V); the eager
+engine's greedy tokens for the compiled one; the checkpoint's own tensors for the GGUF file, and HF transformers'
+greedy tokens through llama.cpp.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from conftest import hf_model, make_checkpoint, read_config
+from parity_utils import BLOCK, MAX_LEN, NEW_TOKENS, prompts_for, run
+from test_deepseek import MLA_DIMS, make_deepseek_checkpoint
+
+from infertune import LLM, SamplingParams
+from infertune.config import ArchConfig
+
+QWEN3_MOE = dict(
+    arch="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, std=0.2
+)
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("qwen3-moe"), **QWEN3_MOE)
+
+
+@pytest.fixture(scope="module")
+def deepseek_v2_lite(tmp_path_factory):
+    path = tmp_path_factory.mktemp("v2-lite")
+    return make_deepseek_checkpoint(path, v3=False, q_lora_rank=None, topk_method="greedy", n_shared_experts=2)
+
+
+# ---- ledger ------------------------------------------------------------------------------------------------------
+
+
+def test_ledger_steps_follow_the_model(qwen3_moe, deepseek_v2_lite):
+    from infertune.tune import ledger
+
+    dense_arch = dataclasses.replace(ArchConfig.from_model_dir(str(qwen3_moe)), moe=None)
+    dense = [k for k, *_ in ledger.steps_for(dense_arch)]
+    moe = {k: (label, adds) for k, label, adds, _ in ledger.steps_for(ArchConfig.from_model_dir(str(qwen3_moe)))}
+    mla = [k for k, *_ in ledger.steps_for(ArchConfig.from_model_dir(str(deepseek_v2_lite)))]
+    assert "moe_router" not in dense and "mla_latent" not in dense
+    # the kernels step leaves the MoE layers in PyTorch, then the two MoE fusions, one at a time
+    assert list(moe)[list(moe).index("kernels") :][:3] == ["kernels", "moe_router", "moe_experts"]
+    assert [moe[k][1]["moe_kernels"] for k in ("kernels", "moe_router", "moe_experts")] == ["none", "router", "all"]
+    assert "experts" in moe["w4a16"][0] and "mla_latent" not in moe
+    assert "mla_latent" in mla and "moe_experts" in mla  # DeepSeek is both
+    # W4A16's group size: the largest of 32 / 64 / 128 dividing every quantized input width (64 and 32 here)
+    assert ledger.quant_group_size(ArchConfig.from_model_dir(str(qwen3_moe)), None) == 32
+    assert ledger.quant_group_size(ArchConfig.from_model_dir(str(deepseek_v2_lite)), 64) == 64
+    # the MLA row's bytes: the latent row against decompressed K / V, from config.json
+    cfg = read_config(deepseek_v2_lite)
+    latent = cfg["num_hidden_layers"] * (MLA_DIMS["kv_lora_rank"] + MLA_DIMS["qk_rope_head_dim"]) * 2
+    full = (
+        cfg["num_hidden_layers"]
+        * cfg["num_attention_heads"]
+        * (MLA_DIMS["qk_nope_head_dim"] + MLA_DIMS["qk_rope_head_dim"] + MLA_DIMS["v_head_dim"])
+        * 2
+    )
+    assert ledger.mla_note(ArchConfig.from_model_dir(str(deepseek_v2_lite)), 2) == ledger.MLA_NOTE.format(
+        latent=latent, full=full
+    )
+
+
+def test_ledger_moe_switch_takes_the_kernels_off_stage_by_stage(qwen3_moe):
+    """measure_infertune's moe_kernels: "none" runs route() and the per-expert loop, "router" the fused top-k with
+    the loop, "all" both kernels; counted at the kernels' own entry points over one generate call."""
+    from infertune.tune import measure
+
+    llm = LLM(str(qwen3_moe), dtype="bfloat16", max_model_len=64, decode_kernels="auto")
+    runner = llm.engine.executor.runner
+    if runner.decode_kernels is None:
+        pytest.skip("no decode kernels on this machine: the ledger reports the MoE steps as not available")
+    ks = runner.decode_kernels
+    calls = {"moe_route": 0, "moe_experts": 0}
+    for name in calls:
+        inner = getattr(ks, name)
+
+        def counted(*a, _inner=inner, _name=name, **kw):
+            calls[_name] += 1
+            return _inner(*a, **kw)
+
+        setattr(ks, name, counted)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    seen = {}
+    outs = {}
+    for stages in ("all", "router", "none"):  # each takes more kernels off the same engine
+        measure.limit_moe_kernels(runner.model, stages)
+        calls.update(moe_route=0, moe_experts=0)
+        outs[stages] = llm.generate({"prompt_token_ids": list(range(3, 11))}, params, use_tqdm=False)[0]
+        seen[stages] = dict(calls)
+    layers = len(ArchConfig.from_model_dir(str(qwen3_moe)).moe.layers)
+    decode_steps = 3  # 4 tokens: a prefill and 3 one-token decodes, each through every MoE layer
+    assert seen["all"]["moe_route"] >= layers * decode_steps and seen["all"]["moe_experts"] >= layers * decode_steps
+    assert seen["router"]["moe_route"] == seen["all"]["moe_route"] and seen["router"]["moe_experts"] == 0
+    assert seen["none"] == {"moe_route": 0, "moe_experts": 0}
+    assert measure.limit_moe_kernels(runner.model, "none") == 0  # nothing left to take off
+
+
+# ---- audit -------------------------------------------------------------------------------------------------------
+
+
+def _audit(path, backend: str):
+    from infertune.profile.audit import audit_trace
+    from infertune.profile.op_tables import OpTable
+    from infertune.profile.op_trace import trace_engine_steps
+
+    llm = LLM(str(path), dtype="float32", max_model_len=64, decode_kernels="off", prepack_weights=False)
+    return audit_trace(trace_engine_steps(llm, 12), OpTable.load(backend))
+
+
+def _ops(report, stage: str) -> dict[str, dict]:
+    return {r["op"]: r for r in report.stages[stage]}
+
+
+def test_audit_lists_the_moe_stages_with_npu_fused_ops(qwen3_moe):
+    report = _audit(qwen3_moe, "npu")
+    assert list(report.stages)[:3] == ["moe_router", "moe_grouping", "moe_experts"]
+    router, grouping, experts = (_ops(report, s) for s in ("moe_router", "moe_grouping", "moe_experts"))
+    layers = read_config(qwen3_moe)["num_hidden_layers"]
+    for phase in ("prefill", "decode"):  # one top-k, one grouping and one scatter back per MoE layer and step
+        assert router["aten.topk.default"]["counts"][phase] == layers
+        assert router["aten.softmax.int"]["counts"][phase] == layers
+        assert grouping["aten.bincount.default"]["counts"][phase] == layers
+        assert experts["aten.index_add_.default"]["counts"][phase] == layers
+    # (op-plugin's yaml @ a110bc30 registers bincount and floor_divide: the grouping is native on the NPU)
+    assert all(r["status"] == "native" for s in ("moe_router", "moe_grouping", "moe_experts") for r in report.stages[s])
+    assert "aten.topk.default" not in experts and "aten.index_add_.default" not in router
+    assert "npu_moe_gating_top_k" in report.fused_stages["moe_router"]
+    assert "npu_grouped_matmul" in report.fused_stages["moe_experts"]
+    # the one-decode-token step runs one gate_up and one down matmul per picked expert: top_k experts at most
+    k = QWEN3_MOE["num_experts_per_tok"]
+    mm = experts["aten.matmul.default"]["counts"]["decode"]  # (the table has matmul: its parts are not the NPU's)
+    assert 2 * layers <= mm <= 2 * k * layers
+
+
+def test_audit_lists_the_mla_stages(deepseek_v2_lite):
+    from infertune.profile.audit import format_report
+
+    report = _audit(deepseek_v2_lite, "npu")
+    decode, decompress = _ops(report, "mla_decode"), _ops(report, "mla_decompress")
+    layers = read_config(deepseek_v2_lite)["num_hidden_layers"]
+    # the absorbed decode reads the block tables' latent rows (one gather a layer) and multiplies by W_UK / W_UV;
+    # only a prefill decompresses
+    assert decode["aten.index_select.default"]["counts"] == {"decode": layers}
+    assert decode["aten.bmm.default"]["counts"]["decode"] == 2 * layers
+    assert all(r["counts"].get("decode", 0) == 0 for r in decompress.values())
+    assert _ops(report, "mla_cache_write")["aten.index_copy_.default"]["counts"] == {
+        "prefill": layers,
+        "decode": layers,
+    }
+    text = format_report(report)
+    assert "MLA absorbed decode" in text and "npu_fused_infer_attention_score" in text
+
+
+# ---- profile: the KV bytes of a decode step ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model", ["deepseek_v2_lite", "qwen3_moe"])
+def test_profile_counts_the_kv_bytes_a_decode_step_reads(model, request):
+    from infertune.profile.kv_bytes import format_kv_reads, measure_decode_kv_reads
+
+    path = request.getfixturevalue(model)
+    llm = LLM(str(path), dtype="float32", max_model_len=64, block_size=BLOCK, decode_kernels="off")
+    cfg, input_len, seqs = read_config(path), 13, 3
+    prompts = [[(7 * i + 31 * s) % cfg["vocab_size"] for i in range(input_len)] for s in range(seqs)]
+    r = measure_decode_kv_reads(llm, input_len, seqs, prompts)
+    layers, ctx = cfg["num_hidden_layers"], input_len + 1
+    if model == "deepseek_v2_lite":  # one latent row a token and layer: kv_lora_rank + qk_rope_head_dim values
+        per_token = layers * (MLA_DIMS["kv_lora_rank"] + MLA_DIMS["qk_rope_head_dim"]) * 4
+        heads = cfg["num_attention_heads"]
+        dims = MLA_DIMS["qk_nope_head_dim"] + MLA_DIMS["qk_rope_head_dim"] + MLA_DIMS["v_head_dim"]
+        assert r.decompressed_bytes == seqs * ctx * layers * heads * dims * 4
+    else:  # K and V
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        per_token = layers * 2 * cfg["num_key_value_heads"] * head_dim * 4
+        assert r.decompressed_bytes is None
+    assert r.bytes_per_token == per_token and r.context_bytes == seqs * ctx * per_token
+    # a paged read gathers the block tables' whole blocks, nothing else
+    assert r.read_bytes == seqs * math.ceil(ctx / BLOCK) * BLOCK * per_token == r.block_bytes
+    assert 1.0 <= r.ratio <= math.ceil(ctx / BLOCK) * BLOCK / ctx
+    assert set(r.readers) == {"index_select"}
+    assert "read" in "\n".join(format_kv_reads(r.to_dict()))
+    assert not llm.engine.has_unfinished_requests()  # its requests are gone again
+
+
+# ---- compile ------------------------------------------------------------------------------------------------------
+
+
+def test_compiled_moe_decode_matches_eager(qwen3_moe):
+    """Each MoE block runs eager between compiled graphs (o_proj and the norm before it; the residual and the next
+    layer's projections after it, or the final norm): the greedy tokens of a batch are the eager engine's."""
+    path = qwen3_moe
+    prompts = prompts_for(read_config(path)["vocab_size"])
+    _, eager = run(path, prompts)
+    llm, compiled = run(path, prompts, compile="on")
+    runner = llm.engine.executor.runner
+    assert runner.compiled is not None and runner.compiled.moe_layers == {0, 1}
+    assert compiled == eager and all(len(o) == NEW_TOKENS for o in compiled)
+
+
+# ---- GGUF export for llama.cpp ---------------------------------------------------------------------------------------
+
+
+def test_qwen3_moe_gguf_holds_the_checkpoint(qwen3_moe, tmp_path):
+    gguf = pytest.importorskip("gguf")
+    from safetensors.torch import load_file
+
+    from infertune.bench.gguf_export import export_gguf
+
+    out = export_gguf(qwen3_moe, tmp_path / "m.gguf", "float32")
+    reader = gguf.GGUFReader(str(out))
+    tensors = {t.name: torch.from_numpy(t.data.copy()) for t in reader.tensors}
+    hf = load_file(str(qwen3_moe / "model.safetensors"))
+    cfg = read_config(qwen3_moe)
+    e = QWEN3_MOE["num_experts"]
+    for layer in range(cfg["num_hidden_layers"]):
+        for proj in ("gate", "up", "down"):
+            stacked = torch.stack([hf[f"model.layers.{layer}.mlp.experts.{i}.{proj}_proj.weight"] for i in range(e)])
+            assert torch.equal(tensors[f"blk.{layer}.ffn_{proj}_exps.weight"].reshape(stacked.shape), stacked)
+        router = hf[f"model.layers.{layer}.mlp.gate.weight"]
+        assert torch.equal(tensors[f"blk.{layer}.ffn_gate_inp.weight"].reshape(router.shape), router)
+        q = hf[f"model.layers.{layer}.self_attn.q_proj.weight"]  # NeoX rotary in llama.cpp's qwen3moe: unpermuted
+        assert torch.equal(tensors[f"blk.{layer}.attn_q.weight"].reshape(q.shape), q)
+        assert torch.equal(
+            tensors[f"blk.{layer}.attn_k_norm.weight"], hf[f"model.layers.{layer}.self_attn.k_norm.weight"]
+        )
+    fields = reader.fields
+    assert int(fields["qwen3moe.expert_count"].parts[-1][0]) == e
+    assert int(fields["qwen3moe.expert_used_count"].parts[-1][0]) == QWEN3_MOE["num_experts_per_tok"]
+    assert int(fields["qwen3moe.expert_feed_forward_length"].parts[-1][0]) == QWEN3_MOE["moe_intermediate_size"]
+
+
+def test_qwen3_moe_gguf_refuses_what_llama_cpp_would_run_differently(tmp_path):
+    pytest.importorskip("gguf")
+    from infertune.bench.gguf_export import PeerUnavailable, export_gguf
+
+    src = make_checkpoint(tmp_path / "raw", **QWEN3_MOE | dict(norm_topk_prob=False))
+    with pytest.raises(PeerUnavailable, match="norm_topk_prob"):
+        export_gguf(src, tmp_path / "raw.gguf")
+
+
+def test_llama_cpp_runs_the_exported_qwen3_moe_greedy_like_hf(qwen3_moe, tmp_path):
+    """The exported file through llama.cpp (f32, one sequence): every greedy token is HF's top on the same prefix."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (the llama.cpp peer is optional)")
+    import inspect
+
+    import llama_cpp
+    from parity_utils import assert_teacher_forced
+
+    from infertune.bench.gguf_export import export_gguf
+
+    out = export_gguf(qwen3_moe, tmp_path / "m.gguf", "float32")
+    # f32 all the way: llama.cpp's default f16 KV cache (and flash attention's f16 products) would round what the
+    # oracle compares at 1e-3
+    opts = dict(type_k=0, type_v=0, flash_attn=False)  # 0 = GGML_TYPE_F32
+    known = inspect.signature(llama_cpp.Llama.__init__).parameters
+    opts = {k: v for k, v in opts.items() if k in known}
+    llm = llama_cpp.Llama(model_path=str(out), n_ctx=MAX_LEN, n_threads=2, verbose=False, **opts)
+    hf = hf_model(qwen3_moe)
+    for prompt in prompts_for(read_config(qwen3_moe)["vocab_size"])[1:3]:
+        tokens = []
+        for tok in llm.generate(prompt, temp=0.0, top_k=1, repeat_penalty=1.0, reset=True):
+            tokens.append(int(tok))
+            if len(tokens) == NEW_TOKENS:
+                break
+        assert_teacher_forced(hf, prompt, tokens)
