@@ -183,3 +183,39 @@ def test_each_rank_quantizes_its_share_within_the_one_rank_error(tiny_llama):
     one = (torch.tensor(_prompt_logprobs(tiny_llama, quantization="w8a16")) - exact).abs().max()
     two = (torch.tensor(_prompt_logprobs(tiny_llama, quantization="w8a16", tensor_parallel_size=2)) - exact).abs().max()
     assert 0 < one < 0.25 and 0 < two <= 1.5 * one + 1e-3, (float(one), float(two))
+
+
+def test_profile_splits_each_step_into_compute_communication_and_driver(tiny_llama, tmp_path, capsys):
+    """`infertune profile --tensor-parallel-size 2`: every rank times its collectives. Oracle: exact arithmetic of
+    the sharding — a Llama step all-reduces once after the embedding and after each layer's o_proj and down_proj
+    (2L + 1 calls) of rows x hidden fp32 values, and gathers the vocabulary-split head's logits once (a row a
+    sequence, ceil(V / 2) values a rank)."""
+    from conftest import read_config
+
+    from infertune.cli import main
+
+    cfg = read_config(tiny_llama)
+    batch, input_len, output_len = 2, 12, 5
+    out = tmp_path / "tp.json"
+    args = ["profile", "--model", str(tiny_llama), "--dtype", "float32", "--tensor-parallel-size", "2", "--greedy"]
+    args += ["--batch", str(batch), "--input-len", str(input_len), "--output-len", str(output_len), "--json", str(out)]
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "tensor parallel over 2 ranks" in text and "communication" in text
+    import json
+
+    s = json.loads(out.read_text())
+    assert set(s["phases"]) == {"prefill", "decode"}
+    assert s["phases"]["prefill"]["steps"] == 1 and s["phases"]["decode"]["steps"] == output_len - 1
+    hidden, layers, vocab = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+    for phase, rows in (("prefill", batch * input_len), ("decode", batch)):
+        p = s["phases"][phase]
+        reduce = p["collectives_per_step"]["all_reduce (shared memory)"]
+        gather = p["collectives_per_step"]["all_gather (shared memory)"]
+        assert reduce["calls"] == 2 * layers + 1 and reduce["bytes_per_call"] == rows * hidden * 4, (phase, reduce)
+        assert gather["calls"] == 1 and gather["bytes_per_call"] == batch * -(-vocab // 2) * 4, (phase, gather)
+        parts = p["ms_per_step"]
+        assert all(v >= 0 for v in parts.values()) and parts["communication"] > 0
+        assert sum(parts.values()) == pytest.approx(p["step_ms_mean"], rel=1e-6) or parts["driver + IPC"] == 0
+        for r in p["ranks"]:
+            assert 0 < r["communication_ms"] < r["step_ms"]

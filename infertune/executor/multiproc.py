@@ -22,7 +22,7 @@ from multiprocessing.connection import wait
 
 from infertune.config import EngineConfig
 from infertune.executor.base import Executor
-from infertune.executor.worker import free_port, start_worker
+from infertune.executor.worker import free_port, run_step, start_worker, take_comm_stats
 from infertune.runner.model_runner import KVCacheInfo
 from infertune.runner.sampler import SamplerOutput
 from infertune.scheduler_output import SchedulerOutput
@@ -59,7 +59,10 @@ def _worker_main(conn, config: EngineConfig, show_progress: bool, rank: int = 0,
         if kind == "stop":
             return
         try:
-            out = runner.execute_model(payload)
+            if kind == "comm_stats":
+                conn.send(("ok", take_comm_stats()))
+                continue
+            out = run_step(runner, payload)
             conn.send(("ok", out if rank == 0 else None))  # the other ranks computed the same
         except BaseException as e:  # noqa: BLE001 - the driver decides; the worker stays up for the next call
             conn.send(("error", _portable(e)))
@@ -96,8 +99,9 @@ class MultiprocExecutor(Executor):
     def _rank_name(self, rank: int) -> str:
         return "the model worker process" if self.size == 1 else f"tensor-parallel rank {rank} (worker process)"
 
-    def _call(self, message):
-        """Send `message` to every rank (None: only listen, at start-up) and return rank 0's answer."""
+    def _call(self, message, every: bool = False):
+        """Send `message` to every rank (None: only listen, at start-up) and return rank 0's answer (every: the list
+        of every rank's answers)."""
         if self._failed is not None:
             raise WorkerError(f"the tensor-parallel workers were stopped after an earlier failure: {self._failed}")
         for rank, conn in enumerate(self._conns):
@@ -135,7 +139,7 @@ class MultiprocExecutor(Executor):
             if self.size == 1:
                 raise error  # (one worker stays up, unless it died)
             return self._fail(first_error, error)
-        return answers[0][1]
+        return [answers[r][1] for r in range(self.size)] if every else answers[0][1]
 
     def _died(self, rank: int) -> WorkerError:
         proc = self._procs[rank]
@@ -162,12 +166,16 @@ class MultiprocExecutor(Executor):
     @property
     def runner(self):
         raise AttributeError(
-            "the model runner lives in the worker process; the tools that read it (profile, eval, "
+            "the model runner lives in the worker process; the tools that read it (profile's op table, eval, "
             "quantize, debug-layers, tune) need distributed_executor_backend='uni'"
         )
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> SamplerOutput:
         return self._call(("step", scheduler_output))
+
+    def comm_stats(self) -> list[dict]:
+        """Each rank's step time and collectives since the last call (CommStats.take), rank order."""
+        return self._call(("comm_stats", None), every=True)
 
     def _stop_all(self, grace: float) -> None:
         for conn, proc in zip(self._conns, self._procs):

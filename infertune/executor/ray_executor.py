@@ -53,8 +53,15 @@ class _RankActor:
         return self.runner.kv_info, f"{describe}, {cpus} thread{'s' * (cpus > 1)}"
 
     def execute_model(self, scheduler_output: SchedulerOutput):
-        out = self.runner.execute_model(scheduler_output)
+        from infertune.executor.worker import run_step
+
+        out = run_step(self.runner, scheduler_output)
         return out if self.rank == 0 else None  # the other ranks computed the same
+
+    def comm_stats(self) -> dict:
+        from infertune.executor.worker import take_comm_stats
+
+        return take_comm_stats()
 
 
 def _cause(e: BaseException) -> BaseException:
@@ -151,6 +158,10 @@ class RayExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> SamplerOutput:
         return self._gather([a.execute_model.remote(scheduler_output) for a in self._actors])[0]
+
+    def comm_stats(self) -> list[dict]:
+        """Each rank's step time and collectives since the last call (CommStats.take), rank order."""
+        return self._gather([a.comm_stats.remote() for a in self._actors])
 
     def shutdown(self) -> None:
         ray = self._ray

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from datetime import timedelta
 
 from infertune.config import EngineConfig
@@ -59,10 +60,33 @@ def start_worker(
         if one_host and backend.shm_allreduce and os.environ.get("INFERTUNE_TP_SHM", "1") != "0":
             from infertune.layers.shm_allreduce import ShmAllReduce
 
-            # decode-sized steps' activations (prefill chunks go through gloo)
-            numel = min(config.scheduler.max_num_batched_tokens, SHM_MAX_TOKENS) * config.model.arch.hidden_size
+            # decode-sized steps' activations, and the vocabulary-split head's logits of one row a sequence
+            # (longer prefill chunks and prompt logprobs go through gloo)
+            arch, sched = config.model.arch, config.scheduler
+            numel = max(
+                min(sched.max_num_batched_tokens, SHM_MAX_TOKENS) * arch.hidden_size,
+                sched.max_num_seqs * -(-arch.vocab_size // size),
+            )
             shm = ShmAllReduce.connect(rank, size, numel, dist.barrier, init_method.rsplit(":", 1)[-1])
         tp = TensorParallel(rank, size, shm=shm)
         log.info("tensor-parallel rank %d of %d: %s%s", rank, size, where, ", shared-memory all-reduce" * bool(shm))
     runner = ModelRunner(config, backend, show_progress and rank == 0, tp)
     return runner, f"{backend.describe()}, {str(runner.dtype).removeprefix('torch.')}"
+
+
+def run_step(runner, scheduler_output):
+    """One step on this rank, its time added to the rank's collective counts (layers/parallel.py COMM)."""
+    from infertune.layers.parallel import COMM
+
+    t0 = time.perf_counter_ns()
+    try:
+        return runner.execute_model(scheduler_output)
+    finally:
+        COMM.exec_ns += time.perf_counter_ns() - t0
+        COMM.steps += 1
+
+
+def take_comm_stats() -> dict:
+    from infertune.layers.parallel import COMM
+
+    return COMM.take()

@@ -20,12 +20,46 @@ layers). Forward hooks add the collectives, so the model files keep their single
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+
+@dataclass
+class CommStats:
+    """What this rank spent in collectives since the last take(), by kind: calls, bytes sent in, nanoseconds (each
+    call timed with perf_counter_ns, ~0.1 us against collectives of 20 us and more). A rank's time in a collective
+    includes waiting for the slowest rank to arrive, so load imbalance between ranks shows here too. The step time
+    (exec_ns, the runner's whole execute_model) is recorded by the worker (executor/worker.py run_step)."""
+
+    calls: dict[str, int] = field(default_factory=dict)
+    nbytes: dict[str, int] = field(default_factory=dict)
+    ns: dict[str, int] = field(default_factory=dict)
+    exec_ns: int = 0
+    steps: int = 0
+
+    def add(self, kind: str, nbytes: int, ns: int) -> None:
+        self.calls[kind] = self.calls.get(kind, 0) + 1
+        self.nbytes[kind] = self.nbytes.get(kind, 0) + nbytes
+        self.ns[kind] = self.ns.get(kind, 0) + ns
+
+    def take(self) -> dict:
+        """The counts as plain data, and start again from zero."""
+        out = {
+            "steps": self.steps,
+            "exec_ns": self.exec_ns,
+            "collectives": {k: {"calls": self.calls[k], "bytes": self.nbytes[k], "ns": self.ns[k]} for k in self.calls},
+        }
+        self.calls, self.nbytes, self.ns, self.exec_ns, self.steps = {}, {}, {}, 0, 0
+        return out
+
+
+# This process's counts (one rank per process).
+COMM = CommStats()
 
 
 @dataclass(frozen=True)
@@ -40,14 +74,18 @@ class TensorParallel:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over the ranks, in place (in fp32 where x is narrower, then rounded once)."""
+        t0 = time.perf_counter_ns()
         if self.shm is not None and self.shm.fits(x):
-            return self.shm.all_reduce(x)
-        if x.dtype in (torch.float32, torch.float64):
+            out, kind = self.shm.all_reduce(x), "all_reduce (shared memory)"
+        elif x.dtype in (torch.float32, torch.float64):
             dist.all_reduce(x, group=self.group)
-            return x
-        wide = x.float()
-        dist.all_reduce(wide, group=self.group)
-        return x.copy_(wide)
+            out, kind = x, "all_reduce (gloo)"
+        else:
+            wide = x.float()
+            dist.all_reduce(wide, group=self.group)
+            out, kind = x.copy_(wide), "all_reduce (gloo)"
+        COMM.add(kind, x.numel() * x.element_size(), time.perf_counter_ns() - t0)
+        return out
 
     def min_over_ranks(self, n: int) -> int:
         t = torch.tensor([n], dtype=torch.int64)
@@ -56,9 +94,15 @@ class TensorParallel:
 
     def gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """[..., n] on each rank -> [..., size * n], rank order."""
-        parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
-        return torch.cat(parts, dim=-1)
+        t0 = time.perf_counter_ns()
+        if self.shm is not None and self.shm.fits(x):
+            out, kind = self.shm.all_gather_last(x), "all_gather (shared memory)"
+        else:
+            parts = [torch.empty_like(x) for _ in range(self.size)]
+            dist.all_gather(parts, x.contiguous(), group=self.group)
+            out, kind = torch.cat(parts, dim=-1), "all_gather (gloo)"
+        COMM.add(kind, x.numel() * x.element_size(), time.perf_counter_ns() - t0)
+        return out
 
 
 def block_of(rows: int, local: int, tp: TensorParallel) -> int:

@@ -58,8 +58,9 @@ class ShmAllReduce:
     def fits(self, x: torch.Tensor) -> bool:
         return x.numel() <= self.max_numel
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """x summed over the ranks, in place (summed in fp32, rank order, then rounded once to x's dtype)."""
+    def _exchange(self, x: torch.Tensor) -> torch.Tensor:
+        """Publish x in this rank's slot, wait for every rank's, and return the [size, x.numel()] fp32 slots (valid
+        until this rank's next call but one)."""
         n = x.numel()
         self._seq += 1
         seq = self._seq
@@ -71,8 +72,20 @@ class ShmAllReduce:
             spins += 1
             if spins > SPINS_BEFORE_YIELD:
                 os.sched_yield() if hasattr(os, "sched_yield") else time.sleep(0)
+        return slots
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """x summed over the ranks, in place (summed in fp32, rank order, then rounded once to x's dtype)."""
+        slots = self._exchange(x)
         total = slots.sum(dim=0) if self.size > 2 else slots[0] + slots[1]
         return x.copy_(total.view(x.shape))
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., n] on each rank -> [..., size * n] in rank order (through fp32: exact for fp32 / bf16 / fp16)."""
+        slots = self._exchange(x)
+        parts = slots.view(self.size, -1, x.shape[-1])  # [size, rows, n]
+        out = parts.permute(1, 0, 2).reshape(*x.shape[:-1], self.size * x.shape[-1])
+        return out.to(x.dtype)  # a copy: the slots are reused
 
     def close(self) -> None:
         self._slots = self._counters = None

@@ -38,6 +38,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quant-group-size", **option("quant_group_size"))
     p.add_argument("--max-num-batched-tokens", **option("max_num_batched_tokens"))
     p.add_argument(
+        "--tensor-parallel-size",
+        **option(
+            "tensor_parallel_size",
+            help="ranks the model runs on (default: 1). Above 1 the report splits each phase's step into compute, "
+            "communication (the all-reduces and gathers, timed on every rank) and driver + IPC, instead of the op "
+            "table (torch.profiler sees one process)",
+        ),
+    )
+    p.add_argument(
+        "--distributed-executor-backend",
+        **option("distributed_executor_backend", choices=["mp", "ray"], default="mp"),
+    )
+    p.add_argument(
         "--decode-kernels",
         **option(
             "decode_kernels",
@@ -82,6 +95,8 @@ def run(args: argparse.Namespace) -> int:
     if need > limit:
         raise ValueError(f"--input-len + --output-len = {need} exceeds the model's max_position_embeddings={limit}")
     quant = {"quantization": args.quantization, "quant_group_size": args.quant_group_size} if args.quantization else {}
+    if args.tensor_parallel_size > 1:
+        return _run_tensor_parallel(args, need, quant)
     llm = LLM(
         args.model,
         dtype=args.dtype,
@@ -136,6 +151,51 @@ def run(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps(summary, indent=1))
         summary["files"]["json"] = args.json
     print(format_report(summary))
+    return 0
+
+
+def _sampling(args) -> tuple[str, object]:
+    from infertune.sampling_params import SamplingParams
+
+    if args.greedy:
+        return "greedy", SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    return "temperature 0.8, top_p 0.95", SamplingParams(
+        max_tokens=args.output_len, temperature=0.8, top_p=0.95, ignore_eos=True
+    )
+
+
+def _run_tensor_parallel(args: argparse.Namespace, need: int, quant: dict) -> int:
+    from infertune.llm import LLM
+    from infertune.profile.tp_profile import format_tp_report, profile_tensor_parallel, write_tp_plot
+
+    if args.trace:
+        raise ValueError("--trace needs the model in this process: run it without --tensor-parallel-size")
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=need,
+        max_num_seqs=args.batch,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        decode_kernels=args.decode_kernels,
+        tensor_parallel_size=args.tensor_parallel_size,
+        distributed_executor_backend=args.distributed_executor_backend,
+        **quant,
+    )
+    try:
+        sampling, params = _sampling(args)
+        summary = profile_tensor_parallel(
+            llm, args.input_len, args.output_len, args.batch, params, warmup=not args.no_warmup
+        )
+    finally:
+        llm.engine.executor.shutdown()
+    context = {"batch": args.batch, "input_len": args.input_len, "output_len": args.output_len, "sampling": sampling}
+    summary["context"] = {**context, "model": llm.config.model.model, "dtype": args.dtype}
+    if args.plot:
+        write_tp_plot(summary, args.plot)
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=1))
+    print(format_tp_report(summary, context))
     return 0
 
 
