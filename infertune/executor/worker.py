@@ -19,8 +19,8 @@ log = logging.getLogger(__name__)
 # How long the ranks wait for each other at start-up and in any collective (a rank that died is seen at once by the
 # driver; this bounds what a stuck one can hold up).
 GROUP_TIMEOUT = timedelta(minutes=5)
-# The most tokens of activations an all-reduce takes through shared memory (more: gloo); INFERTUNE_TP_SHM=0 turns
-# the shared-memory path off (for A/B measurements).
+# The tokens of activations one shared-memory slot holds (a bigger all-reduce goes through it in pieces);
+# INFERTUNE_TP_SHM=0 turns the shared-memory path off (for A/B measurements).
 SHM_MAX_TOKENS = 256
 
 
@@ -60,8 +60,8 @@ def start_worker(
         if one_host and backend.shm_allreduce and os.environ.get("INFERTUNE_TP_SHM", "1") != "0":
             from infertune.layers.shm_allreduce import ShmAllReduce
 
-            # decode-sized steps' activations, and the vocabulary-split head's logits of one row a sequence
-            # (longer prefill chunks and prompt logprobs go through gloo)
+            # a slot: decode-sized steps' activations, and the vocabulary-split head's logits of one row a
+            # sequence (all-reduces take bigger tensors in pieces; gathers of more rows, prompt logprobs, use gloo)
             arch, sched = config.model.arch, config.scheduler
             numel = max(
                 min(sched.max_num_batched_tokens, SHM_MAX_TOKENS) * arch.hidden_size,
