@@ -89,10 +89,14 @@ def worker_infertune(args, model_dir: Path, batch: int) -> dict:
 
     log(f"infertune b{batch}: loaded in {load_s:.1f} s")
     warmup_s, runs = warm_and_time(f"infertune b{batch}", once, args.repeats)
+    try:
+        runner = llm.engine.executor.runner
+    except AttributeError:  # the model runs in worker processes (tensor parallel)
+        runner = None
     extra = {
         "kv_cache_bytes": kv_bytes,
         "engine_options": options,
-        "compile_s": llm.engine.executor.runner.compile_seconds,
+        "compile_s": getattr(runner, "compile_seconds", None),
     }
     if args.speculative_config:
         sched = llm.engine.scheduler
