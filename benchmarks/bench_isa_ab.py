@@ -30,8 +30,13 @@ from pathlib import Path
 
 VARIANTS = {
     "avx512": {"INFERTUNE_CPU_ISA": "avx512"},
-    "avx512-noamx": {"INFERTUNE_CPU_ISA": "avx512-noamx"},
-    "noamx-gemv": {"INFERTUNE_CPU_ISA": "avx512-noamx", "INFERTUNE_NOAMX_GEMM": "0"},
+    # (oneDNN limited too: on an AMX machine torch's bf16 GEMM would otherwise take the tiles a Zen lacks)
+    "avx512-noamx": {"INFERTUNE_CPU_ISA": "avx512-noamx", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"},
+    "noamx-gemv": {
+        "INFERTUNE_CPU_ISA": "avx512-noamx",
+        "INFERTUNE_NOAMX_GEMM": "0",
+        "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16",
+    },
     "avx2": {"INFERTUNE_CPU_ISA": "avx2"},
     "torch": {"INFERTUNE_CPU_KERNELS": "0"},
 }
