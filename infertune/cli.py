@@ -128,15 +128,19 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from infertune.config import default_model_path
     from infertune.llm import LLM
     from infertune.sampling_params import SamplingParams
 
     t0 = time.perf_counter()
     llm = LLM(args.model, show_progress=True, **engine_kwargs(args))
     load_s = time.perf_counter() - t0
+    healing = args.token_healing
+    if healing is None:  # on for the built-in demo model's plain prompts (chat prompts are not healed)
+        healing = not args.chat and Path(llm.config.model.model).resolve() == Path(default_model_path()).resolve()
     params = SamplingParams(
         temperature=args.temperature,
-        token_healing=args.token_healing,
+        token_healing=healing,
         top_p=args.top_p,
         top_k=args.top_k,
         max_tokens=args.max_tokens,
@@ -157,7 +161,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     print(
         f"[infertune] prompt {len(out.prompt_token_ids)} tok | output {n_out} tok ({completion.finish_reason}) | "
         f"TTFT {m.ttft * 1000:.1f} ms | decode {decode_tps:.1f} tok/s | load {load_s:.1f} s | "
-        f"{llm.engine.executor.describe()}",
+        f"{llm.engine.executor.describe()}" + (" | token healing (--no-token-healing: off)" if healing else ""),
         file=sys.stderr,
     )
     return 0
@@ -215,9 +219,11 @@ def _add_generate(sub) -> None:
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     gen.add_argument(
         "--token-healing",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="take the prompt's last token off and make the output start with its text, so that a prompt ending in "
-        "a space or half a word lets the model choose the token boundary (the printed text continues the prompt)",
+        "a space or half a word lets the model choose the token boundary (the printed text continues the prompt). "
+        "Default: on for the built-in demo model's plain prompts, off otherwise (and for --chat)",
     )
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)

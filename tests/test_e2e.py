@@ -48,11 +48,24 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_cli_generate_prints_text_and_stats():
-    r = run_cli("generate", PROMPT, "--max-tokens", "24", "--dtype", "float32")
+    r = run_cli("generate", PROMPT, "--max-tokens", "24", "--dtype", "float32", "--no-token-healing")
     assert r.returncode == 0, r.stderr
     assert r.stdout.rstrip("\n") == GOLDEN
     stats = r.stderr.strip().splitlines()[-1]
-    assert re.search(r"prompt \d+ tok \| output 24 tok \(length\) \| TTFT [\d.]+ ms \| decode [\d.]+ tok/s", stats)
+    assert re.search(r"prompt 5 tok \| output 24 tok \(length\) \| TTFT [\d.]+ ms \| decode [\d.]+ tok/s", stats)
+    assert "token healing" not in stats
+
+
+def test_cli_heals_the_demo_models_prompts_by_default(demo):
+    """On the built-in model `generate` heals the prompt's last token unless told not to: the printed text is the
+    offline API's healed output (which test_token_healing.py holds to HF), one prompt token fewer."""
+    healed = demo.generate(PROMPT, SamplingParams(temperature=0, max_tokens=24, token_healing=True))[0].outputs[0]
+    assert healed.text != GOLDEN  # (healing this prompt changes the output: the test can tell the two apart)
+    r = run_cli("generate", PROMPT, "--max-tokens", "24", "--dtype", "float32")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.rstrip("\n") == healed.text
+    stats = r.stderr.strip().splitlines()[-1]
+    assert "prompt 4 tok | output 24 tok" in stats and "token healing (--no-token-healing: off)" in stats
 
 
 def test_cli_chat_and_errors():
