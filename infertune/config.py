@@ -155,11 +155,12 @@ class ArchConfig:
     local_rope_theta: float | None = None
     local_rope_scaling: dict | None = None
 
-    def for_tensor_parallel(self, size: int) -> ArchConfig:
+    def for_tensor_parallel(self, size: int, expert_parallel: bool = False) -> ArchConfig:
         """The shape one of `size` tensor-parallel ranks builds: its share of the attention heads, of the KV heads
         (one replica each where there are fewer KV heads than ranks), of the MLP's and each expert's features. The
         vocabulary, hidden size and expert count stay whole (layers/parallel.py splits the embedding and the head's
-        rows itself). A shape that does not split evenly is a ValueError that says which."""
+        rows itself, and with expert_parallel the experts: each rank keeps num_experts / size of them whole, so
+        their features are not split). A shape that does not split evenly is a ValueError that says which."""
         if size == 1:
             return self
 
@@ -179,10 +180,14 @@ class ArchConfig:
                 f"{self.architecture}"
             )
         moe = self.moe
+        if moe is not None and expert_parallel:
+            split("num_experts (enable_expert_parallel keeps whole experts on each rank)", moe.num_experts)
         if moe is not None:
             moe = replace(
                 moe,
-                intermediate_size=split("moe_intermediate_size", moe.intermediate_size),
+                intermediate_size=moe.intermediate_size
+                if expert_parallel
+                else split("moe_intermediate_size", moe.intermediate_size),
                 shared_intermediate_size=split("the shared experts' intermediate size", moe.shared_intermediate_size)
                 if moe.shared_intermediate_size
                 else 0,
@@ -750,6 +755,13 @@ class ParallelConfig:
         "each, joined by torch.distributed (gloo on CPU); each rank gets its share of the CPU cores. It must "
         "divide the attention heads, the KV heads (or be a multiple of them: KV heads are then replicated) and "
         "the MLP widths",
+    )
+    enable_expert_parallel: bool = _opt(
+        False,
+        "with tensor_parallel_size N, split a MoE model's routed experts over the ranks whole (expert parallel: "
+        "each rank keeps num_experts / N experts and runs the tokens routed to them) instead of splitting every "
+        "expert's features; attention, shared experts and dense layers stay tensor-parallel. N must divide "
+        "num_experts",
     )
 
     def __post_init__(self) -> None:

@@ -219,3 +219,62 @@ def test_profile_splits_each_step_into_compute_communication_and_driver(tiny_lla
         assert sum(parts.values()) == pytest.approx(p["step_ms_mean"], rel=1e-6) or parts["driver + IPC"] == 0
         for r in p["ranks"]:
             assert 0 < r["communication_ms"] < r["step_ms"]
+
+
+@pytest.mark.parametrize("kind", ["qwen2-moe", "deepseek-v3"])
+def test_expert_parallel_gives_one_rank_s_greedy_tokens(kind, tmp_path):
+    """enable_expert_parallel: each rank keeps half the routed experts whole and runs only the pairs routed to them
+    (Qwen2-MoE's gated shared expert and DeepSeek-V3's shared experts stay feature-split); the block's all-reduce
+    sums the parts. Oracle: one rank's greedy tokens, with prefix caching and chunked prefill on."""
+    path = _checkpoint(kind, tmp_path / kind)
+    prompts = prompts_for(ArchConfig.from_model_dir(str(path)).vocab_size)
+    _, reference = run(path, prompts)
+    llm, got = run(
+        path,
+        prompts,
+        tensor_parallel_size=2,
+        enable_expert_parallel=True,
+        enable_prefix_caching=True,
+        max_num_batched_tokens=5,
+        max_model_len=64,
+    )
+    try:
+        assert got == reference
+    finally:
+        llm.engine.shutdown()
+
+
+def test_expert_parallel_loads_each_rank_s_experts_whole(tmp_path):
+    """Exact oracle: rank r's experts are the checkpoint's experts r * E / 2 .. (r + 1) * E / 2 - 1, unsplit, from
+    per-expert tensors; a count of experts the ranks do not divide is a clear error before any worker starts."""
+    from safetensors.torch import load_file
+
+    from infertune.layers.attention import attention_backend
+    from infertune.models.loader import load_model
+
+    path = _checkpoint("mixtral", tmp_path / "mixtral")  # 4 experts, per-expert w1 / w2 / w3 tensors
+    arch = ArchConfig.from_model_dir(str(path))
+    tensors = {}
+    for f in sorted(path.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    e, local = arch.moe.num_experts, arch.moe.num_experts // 2
+    for rank in range(2):
+        tp = TensorParallel(rank, 2, expert_parallel=True)
+        shape = arch.for_tensor_parallel(2, expert_parallel=True)
+        assert shape.moe.intermediate_size == arch.moe.intermediate_size  # whole experts
+        model = load_model(shape, str(path), torch.float32, torch.device("cpu"), 64,
+                           attention_backend(shape, "auto", torch.float32), tp=tp)  # fmt: skip
+        experts = model.model.layers[0].mlp.experts
+        assert experts.gate_up_proj.shape[0] == local and experts.expert_offset == rank * local
+        for i in range(local):
+            name = f"model.layers.0.block_sparse_moe.experts.{rank * local + i}"
+            want = torch.cat([tensors[f"{name}.w1.weight"], tensors[f"{name}.w3.weight"]])
+            torch.testing.assert_close(experts.gate_up_proj[i], want, rtol=0, atol=0)
+            torch.testing.assert_close(experts.down_proj[i], tensors[f"{name}.w2.weight"], rtol=0, atol=0)
+    assert e == 4
+    six = make_checkpoint(tmp_path / "six", **(MOE_VARIANTS["mixtral"] | dict(num_local_experts=6)))
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=r"does not divide num_experts \(enable_expert_parallel"):
+        LLM(str(six), dtype="float32", tensor_parallel_size=4, enable_expert_parallel=True)
+    assert time.monotonic() - start < 5  # the driver's check, before any worker
+    LLM(str(six), dtype="float32", tensor_parallel_size=1, enable_expert_parallel=True)  # (one rank: nothing to split)

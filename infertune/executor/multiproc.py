@@ -71,7 +71,9 @@ def _worker_main(conn, config: EngineConfig, show_progress: bool, rank: int = 0,
 class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig, show_progress: bool = False) -> None:
         self.size = size = config.parallel.tensor_parallel_size
-        config.model.arch.for_tensor_parallel(size)  # a shape that does not split: its error before any spawn
+        config.model.arch.for_tensor_parallel(
+            size, config.parallel.enable_expert_parallel
+        )  # a shape that does not split: its error before any spawn
         ctx = mp.get_context("spawn")  # a fresh interpreter: no forked torch threads or locks
         port = free_port() if size > 1 else 0
         self._conns, self._procs = [], []

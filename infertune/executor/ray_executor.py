@@ -86,7 +86,9 @@ class RayExecutor(Executor):
                 "distributed_executor_backend='ray' needs Ray: pip install 'infertune[ray]' (or use 'mp' on one host)"
             ) from None
         self.size = size = config.parallel.tensor_parallel_size
-        config.model.arch.for_tensor_parallel(size)  # a shape that does not split: its error before any actor
+        config.model.arch.for_tensor_parallel(
+            size, config.parallel.enable_expert_parallel
+        )  # a shape that does not split: its error before any actor
         self._ray = ray
         self._connected = not ray.is_initialized()
         if self._connected:

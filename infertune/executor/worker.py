@@ -68,7 +68,7 @@ def start_worker(
                 sched.max_num_seqs * -(-arch.vocab_size // size),
             )
             shm = ShmAllReduce.connect(rank, size, numel, dist.barrier, init_method.rsplit(":", 1)[-1])
-        tp = TensorParallel(rank, size, shm=shm)
+        tp = TensorParallel(rank, size, shm=shm, expert_parallel=config.parallel.enable_expert_parallel)
         log.info("tensor-parallel rank %d of %d: %s%s", rank, size, where, ", shared-memory all-reduce" * bool(shm))
     runner = ModelRunner(config, backend, show_progress and rank == 0, tp)
     return runner, f"{backend.describe()}, {str(runner.dtype).removeprefix('torch.')}"

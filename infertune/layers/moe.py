@@ -92,17 +92,29 @@ def run_experts(
     gate_up: ExpertMatmul,
     down: ExpertMatmul,
     grouping: tuple[torch.Tensor, torch.Tensor] | None = None,
+    first: int = 0,
+    local: int | None = None,
 ) -> torch.Tensor:
     """experts_reference with each expert's two matmuls given as callables (a quantized method's, which
     dequantizes or runs an int kernel on that expert's slice only): called for the experts some token picked.
-    grouping: group_by_expert(ids, num_experts) where the router already has it."""
+    grouping: group_by_expert(ids, num_experts) where the router already has it. first / local: only experts
+    first .. first + local - 1 run (expert parallel: this rank's), the matmuls indexed from 0 for them; the other
+    experts' (token, slot) pairs contribute nothing here."""
     k = ids.shape[1]
     order, counts = grouping if grouping is not None else group_by_expert(ids, num_experts)
+    if first or local is not None:
+        local = num_experts - first if local is None else local
+        counts = counts.tolist()
+        lo = sum(counts[:first])
+        counts = counts[first : first + local]
+        order = order[lo : lo + sum(counts)]  # (sorted by expert: this rank's pairs are one run of it)
+    else:
+        counts = counts.tolist()
     token = order // k
-    rows = x[token]  # [T * k, H], grouped by expert
+    rows = x[token]  # [pairs, H], grouped by expert
     out = torch.empty_like(rows)
     start = 0
-    for expert, n in enumerate(counts.tolist()):
+    for expert, n in enumerate(counts):
         if n:
             h = gate_up(expert, rows[start : start + n])  # [n, 2I]
             inter = h.shape[-1] // 2
@@ -165,6 +177,9 @@ class Experts(KernelOp):
         super().__init__()
         e, inter = moe.num_experts, moe.intermediate_size
         self.num_experts, self.intermediate_size = e, inter
+        # expert parallel (layers/parallel.py): this module keeps experts expert_offset .. + num_experts - 1 of
+        # the router's global_experts
+        self.global_experts, self.expert_offset = e, 0
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * inter, hidden, dtype=dtype))
         self.down_proj = nn.Parameter(torch.empty(e, hidden, inter, dtype=dtype))
         self.gate_up_proj.weight_loader = self._load_gate_up
@@ -194,11 +209,18 @@ class Experts(KernelOp):
     def forward_native(self, x: torch.Tensor, routing: MoeRouting) -> torch.Tensor:
         gate_up, down = self.quant_method.matmuls(self)
         grouping = (routing.order, routing.counts)
-        return run_experts(x, routing.weights, routing.ids, self.num_experts, gate_up, down, grouping)
+        if self.num_experts == self.global_experts:
+            return run_experts(x, routing.weights, routing.ids, self.num_experts, gate_up, down, grouping)
+        return run_experts(
+            x, routing.weights, routing.ids, self.global_experts, gate_up, down, grouping,
+            first=self.expert_offset, local=self.num_experts,
+        )  # fmt: skip
 
     def forward_kernels(self, x: torch.Tensor, routing: MoeRouting) -> torch.Tensor | None:
         if x.dtype is not torch.bfloat16 or self._kernel_experts is None:
             return None
+        if self.num_experts != self.global_experts:  # expert parallel: the grouped GEMM takes every expert's
+            return None  # pairs; the reference runs only this rank's (not yet in the kernels)
         return self.kernels.moe_experts(x, self._kernel_experts, routing)
 
     def use_kernels(self, kernels) -> None:

@@ -7,7 +7,8 @@ Each module class says how its children split in a `tp_plan` class attribute, {c
                 size // rows-blocks consecutive ranks, each keeping a replica
   rowwise       input features split: rank r keeps its block of columns, and the output is summed over the ranks
                 (all-reduce) after the module; the bias is added on rank 0 only
-  experts       layers/moe.py Experts: every expert's features split, gate / up rows and down columns
+  experts       layers/moe.py Experts: every expert's features split, gate / up rows and down columns; with
+                expert_parallel the experts themselves split, each rank keeping E / size of them whole
   vocab_embed   an embedding's rows split into blocks of ceil(V / size): each rank looks up the ids in its block,
                 the others give zeros, and the all-reduce sums the one row that is not
   vocab_head    the head's rows split the same way: each rank's logits gathered and cut back to V
@@ -71,6 +72,8 @@ class TensorParallel:
     group: Any = None  # a torch.distributed ProcessGroup; None: the default group
     # the ranks of one host: small all-reduces (decode steps) through shared memory (layers/shm_allreduce.py)
     shm: Any = None
+    # MoE routed experts split whole over the ranks (the "experts" style below), not by their features
+    expert_parallel: bool = False
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over the ranks, in place (in fp32 where x is narrower, then rounded once)."""
@@ -198,6 +201,49 @@ def _rowwise(module: nn.Module, tp: TensorParallel, reduced: bool, parent=None, 
 
 
 def _experts(module: nn.Module, tp: TensorParallel, reduced: bool, parent=None, path="") -> None:
+    if tp.expert_parallel:
+        _whole_experts(module, tp)
+    else:
+        _expert_features(module, tp)
+    if not reduced:
+        module.register_forward_hook(lambda m, args, out: tp.all_reduce(out))
+
+
+def _whole_experts(module: nn.Module, tp: TensorParallel) -> None:
+    """Expert parallel: rank r keeps experts [r * E / N, (r + 1) * E / N) whole ([local, 2I, H] and [local, H, I]),
+    loads only their tensors, and runs the (token, slot) pairs routed to them; the block's all-reduce sums the
+    ranks' parts (a token's experts on other ranks contribute there)."""
+    total = module.num_experts
+    if total % tp.size:
+        raise ValueError(f"enable_expert_parallel: {tp.size} ranks do not divide the {total} experts")
+    local = total // tp.size
+    first = tp.rank * local
+    for name in ("gate_up_proj", "down_proj"):
+        old = getattr(module, name)
+        new = nn.Parameter(torch.empty(local, *old.shape[1:], dtype=old.dtype, device=old.device), requires_grad=False)
+        inner = old.weight_loader  # Experts' own: (param, tensor, shard) with shard (expert, half) | expert | None
+
+        def load(p, loaded, shard, inner=inner, name=name):
+            if shard is None:  # the fused 3-D tensor of every expert: this rank's block of them
+                if loaded.shape[0] != total:
+                    raise ValueError(f"experts.{name}: checkpoint holds {loaded.shape[0]} experts, the model {total}")
+                inner(p, loaded.narrow(0, first, local), None)
+                return
+            expert = shard[0] if isinstance(shard, tuple) else shard
+            if first <= expert < first + local:  # (another rank's expert: not loaded here)
+                local_shard = (expert - first, shard[1]) if isinstance(shard, tuple) else expert - first
+                inner(p, loaded, local_shard)
+
+        new.weight_loader = load
+        # the shards the checkpoint must fill on this rank, named as the checkpoint names them (global ids)
+        new.expected_shards = {
+            s for s in old.expected_shards if (s[0] if isinstance(s, tuple) else s) in range(first, first + local)
+        }
+        setattr(module, name, new)
+    module.num_experts, module.expert_offset = local, first
+
+
+def _expert_features(module: nn.Module, tp: TensorParallel) -> None:
     inter = module.intermediate_size  # this rank's features of each expert
 
     def gate_up(loaded, shard):
@@ -208,8 +254,6 @@ def _experts(module: nn.Module, tp: TensorParallel, reduced: bool, parent=None, 
 
     _wrap_loader(module.gate_up_proj, gate_up)
     _wrap_loader(module.down_proj, lambda loaded, shard: take(loaded, 2 if shard is None else 1, inter, tp))
-    if not reduced:
-        module.register_forward_hook(lambda m, args, out: tp.all_reduce(out))
 
 
 def _vocab_rows(vocab: int, tp: TensorParallel) -> tuple[int, int, int]:

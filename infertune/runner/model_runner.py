@@ -59,7 +59,9 @@ class ModelRunner:
         self.device = backend.device
         self.tp = tp if tp is not None and tp.size > 1 else None
         # the shape this process builds and caches: with tensor parallel, its share of the heads and features
-        self.arch = arch = config.model.arch.for_tensor_parallel(tp.size) if self.tp else config.model.arch
+        self.arch = arch = (
+            config.model.arch.for_tensor_parallel(tp.size, tp.expert_parallel) if self.tp else config.model.arch
+        )
         self.dtype = backend.resolve_dtype(config.model.dtype, arch.torch_dtype)
         backend.seed(config.model.seed)
         # The backend's own small-batch linear kernels (None: torch's matmuls throughout). They are bf16 kernels:
