@@ -278,3 +278,22 @@ def test_expert_parallel_loads_each_rank_s_experts_whole(tmp_path):
         LLM(str(six), dtype="float32", tensor_parallel_size=4, enable_expert_parallel=True)
     assert time.monotonic() - start < 5  # the driver's check, before any worker
     LLM(str(six), dtype="float32", tensor_parallel_size=1, enable_expert_parallel=True)  # (one rank: nothing to split)
+
+
+@pytest.mark.parametrize("method", ["w8a16", "w4a16"])
+def test_a_stored_quantized_checkpoint_splits_over_the_ranks(method, tmp_path):
+    """`infertune quantize`'s output under TP=2: each rank loads its slices of the stored integers and scales (a
+    row-split layer's per-channel scales are every rank's; int4 groups split with the columns). Oracle: the same
+    stored checkpoint on one rank — the ranks multiply by the same dequantized weights, so the prompt logprobs agree
+    to fp32 rounding; and the MoE experts of a stored Qwen2-MoE, split whole (expert parallel) or by features."""
+    from infertune.tools.quantizer import quantize
+
+    # (int4 groups of 32 do not divide the tiny Qwen2-MoE's shared expert of 48: the MoE case runs under w8a16)
+    for kind in ("llama-kv1-odd-vocab", "qwen2-moe") if method == "w8a16" else ("llama-kv1-odd-vocab",):
+        src = _checkpoint(kind, tmp_path / kind)
+        out = tmp_path / f"{kind}-{method}"
+        quantize(str(src), method, str(out), group_size=32, num_samples=2, show_progress=False)
+        one = torch.tensor(_prompt_logprobs(out))
+        for extra in ({}, {"enable_expert_parallel": True}) if kind == "qwen2-moe" else ({},):
+            two = torch.tensor(_prompt_logprobs(out, tensor_parallel_size=2, **extra))
+            torch.testing.assert_close(two, one, atol=1e-4, rtol=0, msg=f"{kind} {method} {extra}")

@@ -161,12 +161,12 @@ def _has(module: nn.Module, path: str) -> bool:
         return False
 
 
-def _wrap_loader(param: nn.Parameter, slicer) -> None:
-    """The parameter's loader, fed the rank's slice of each checkpoint tensor: slicer(loaded, shard) -> slice."""
-    inner = getattr(param, "weight_loader", None)
+def sliced_loader(inner, slicer):
+    """A loader (p, loaded, shard) that feeds `inner` (None: a plain copy) the rank's slice of each checkpoint
+    tensor, slicer(loaded, shard, p) -> slice, where p is the slot being filled (its shape is this rank's)."""
 
     def load(p: torch.Tensor, loaded: torch.Tensor, shard: object = None) -> None:
-        sliced = slicer(loaded, shard)
+        sliced = slicer(loaded, shard, p)
         if inner is None:
             if p.shape != sliced.shape:
                 raise ValueError(f"checkpoint slice {tuple(sliced.shape)}, the model expects {tuple(p.shape)}")
@@ -174,28 +174,38 @@ def _wrap_loader(param: nn.Parameter, slicer) -> None:
         else:
             inner(p, sliced, shard)
 
-    param.weight_loader = load
+    return load
+
+
+def _wrap_loader(param: nn.Parameter, slicer) -> None:
+    param.weight_loader = sliced_loader(getattr(param, "weight_loader", None), slicer)
 
 
 def _colwise(module: nn.Module, tp: TensorParallel, reduced: bool, parent=None, path="") -> None:
     offsets = getattr(module, "shard_offsets", None)
+
+    def slicer(loaded, shard, p):  # output rows: of the weight, its bias, and a stored layer's integers and scales
+        local = offsets[shard][1] if offsets and shard is not None else p.shape[0]
+        return take(loaded, 0, local, tp)
+
+    module.tp_slicer = slicer  # (quant/checkpoint.py: the slots of a stored quantized layer load through it too)
     for name in ("weight", "bias"):
         param = getattr(module, name, None)
         if isinstance(param, nn.Parameter):
-
-            def slicer(loaded, shard, param=param):
-                local = offsets[shard][1] if offsets and shard is not None else param.shape[0]
-                return take(loaded, 0, local, tp)
-
             _wrap_loader(param, slicer)
 
 
 def _rowwise(module: nn.Module, tp: TensorParallel, reduced: bool, parent=None, path="") -> None:
-    weight = module.weight
-    _wrap_loader(weight, lambda loaded, shard: take(loaded, 1, weight.shape[1], tp))
+    # input columns of the weight, and of a stored layer's slots: int8 [N, K], packed int4 [N, K/2], group scales
+    # [N, K/g] each split at the slot's own width; a per-channel scale [N, 1] is every rank's (a replica)
+    def slicer(loaded, shard, p):
+        return take(loaded, 1, p.shape[1], tp)
+
+    module.tp_slicer = slicer
+    _wrap_loader(module.weight, slicer)
     bias = getattr(module, "bias", None)
     if isinstance(bias, nn.Parameter):  # summed over the ranks: added once
-        _wrap_loader(bias, lambda loaded, shard: loaded if tp.rank == 0 else torch.zeros_like(loaded))
+        _wrap_loader(bias, lambda loaded, shard, p: loaded if tp.rank == 0 else torch.zeros_like(loaded))
     if not reduced:
         module.register_forward_hook(lambda m, args, out: tp.all_reduce(out))
 
@@ -246,14 +256,18 @@ def _whole_experts(module: nn.Module, tp: TensorParallel) -> None:
 def _expert_features(module: nn.Module, tp: TensorParallel) -> None:
     inter = module.intermediate_size  # this rank's features of each expert
 
-    def gate_up(loaded, shard):
+    def gate_up(loaded, shard, p):
         if shard is None:  # [E, 2I, H]: the gate rows, then the up rows
             gate, up = loaded.chunk(2, dim=1)
             return torch.cat([take(gate, 1, inter, tp), take(up, 1, inter, tp)], dim=1)
-        return take(loaded, 0, inter, tp)  # one expert's gate or up [I, H]
+        return take(loaded, 0, inter, tp)  # one expert's gate or up [I, H] (or its stored integers / scales)
+
+    def down(loaded, shard, p):  # the input features: split at the slot's width (a stored layer's [E, H, K/2],
+        # [E, H, K/g]; a per-channel scale [E, H, 1] is every rank's)
+        return take(loaded, 2 if shard is None else 1, p.shape[-1], tp)
 
     _wrap_loader(module.gate_up_proj, gate_up)
-    _wrap_loader(module.down_proj, lambda loaded, shard: take(loaded, 2 if shard is None else 1, inter, tp))
+    _wrap_loader(module.down_proj, down)
 
 
 def _vocab_rows(vocab: int, tp: TensorParallel) -> tuple[int, int, int]:

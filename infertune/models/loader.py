@@ -113,12 +113,7 @@ def load_model(
     packed = getattr(cls, "packed_modules", {})
     renames = getattr(cls, "checkpoint_renames", {})
     stored = read_stored_quant(model_dir)
-    if stored is not None and tp is not None and tp.size > 1:
-        raise ValueError(
-            f"{model_dir} is stored quantized ({stored.method}), which tensor parallel does not split yet: serve "
-            f"its 16-bit checkpoint with quantization={stored.method!r} (quantized as it loads, per rank) or run "
-            "tensor_parallel_size=1"
-        )
+
     fp8 = read_fp8_checkpoint(model_dir)  # block-scaled fp8: dequantized as it loads, then like a 16-bit checkpoint
     if fp8 is not None and quant is not None and quant.method is not None:
         quant = requantize_config(model, fp8, quant, packed)

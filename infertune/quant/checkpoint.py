@@ -86,6 +86,11 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 def _slot(layer: Linear, name: str, shape: tuple[int, ...], dtype: torch.dtype, loader=None) -> None:
     param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
     param.weight_loader = loader or layer.weight_loader
+    slicer = getattr(layer, "tp_slicer", None)  # tensor parallel (layers/parallel.py): this rank's slice
+    if slicer is not None and loader is None:
+        from infertune.layers.parallel import sliced_loader
+
+        param.weight_loader = sliced_loader(param.weight_loader, slicer)
     setattr(layer, name, param)
 
 
