@@ -43,6 +43,7 @@ def test_worker_process_greedy_matches_hf_and_the_cli_runs_it():
             "float32",
             "--distributed-executor-backend",
             "mp",
+            "--no-token-healing",  # (on by default for the demo model: the offline run above is not healed)
         ],
         capture_output=True,
         text=True,

@@ -155,9 +155,9 @@ def format_tp_report(s: dict, context: dict) -> str:
 
 
 def write_tp_plot(s: dict, path: str) -> None:
-    from infertune.profile.profile_cmd import _pyplot
+    from infertune.plotting import pyplot
 
-    plt = _pyplot()
+    plt = pyplot(RuntimeError)
     phases = list(s["phases"])
     fig, ax = plt.subplots(figsize=(6, 1.2 + 0.6 * len(phases)))
     left = [0.0] * len(phases)
