@@ -6,7 +6,7 @@ Variants (each a child process; the one that runs is printed from inside it, `ke
   avx512        INFERTUNE_CPU_ISA=avx512        AVX-512 BF16 / VNNI + AMX where present, the fused step
   avx512-noamx  INFERTUNE_CPU_ISA=avx512-noamx  the same library with the AMX paths off (what a Zen 4 / 5 runs)
   noamx-gemv    ... and INFERTUNE_NOAMX_GEMM=0     without its VDPBF16PS GEMM (the GEMV to 16 rows, torch's GEMM past)
-  avx2          INFERTUNE_CPU_ISA=avx2          the AVX2 + FMA GEMVs and elementwise kernels (no fused step)
+  avx2          INFERTUNE_CPU_ISA=avx2          the AVX2 + FMA GEMVs, FMA GEMM, elementwise kernels and fused step
   torch         INFERTUNE_CPU_KERNELS=0         torch's operators only
 With --torch-avx2, the avx2 and torch rows also run torch limited to AVX2 (ATEN_CPU_CAPABILITY=avx2,
 ONEDNN_MAX_CPU_ISA=AVX2): what an AVX2-only CPU gets.

@@ -95,6 +95,7 @@ _SEE = {
     "Compiled decode": "docs/kernels.md#compiled-decode",
     "Quantization": "docs/tools.md#quantize-and-evaluate",
     "Speculative decoding": "docs/server.md#speculative-decoding",
+    "KV compression": "docs/long_context.md#kv-compression",
 }
 
 
@@ -184,6 +185,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from infertune.serve.launcher import serve
 
     logging.getLogger("infertune").setLevel(logging.INFO)
+    if args.data_parallel_size > 1:  # N replicas in child processes, the router in this one
+        from infertune.router.launch import serve_data_parallel
+
+        return serve_data_parallel(
+            args.argv[args.argv.index("serve") + 1 :], args.data_parallel_size, args.host, args.port
+        )
     options = {**engine_kwargs(args), **load_config_file(args.config)}
     model = options.pop("model", None) or args.model
     return serve(
@@ -274,6 +281,13 @@ def _add_serve(sub) -> None:
         default=10.0,
         help="seconds in-flight requests get to finish after SIGTERM (default: 10)",
     )
+    srv.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="replicas of this server, each in its own process with its share of the CPUs, behind `infertune "
+        "router` on --host/--port (prefix-cache affinity, requests in flight; docs/distributed.md) (default: 1)",
+    )
     add_engine_args(srv)
     add_limits_args(srv)
     srv.set_defaults(func=cmd_serve)
@@ -285,6 +299,7 @@ def _tools() -> tuple:
     from infertune.evaluate import command as eval_command
     from infertune.plan import command as plan_command
     from infertune.profile import audit, debug_layers, doctor, profile_cmd
+    from infertune.router import command as router_command
     from infertune.tools import quantize as quantize_command
     from infertune.tune import command as tune_command
     from infertune.tune import ledger as ledger_command
@@ -330,6 +345,12 @@ def _tools() -> tuple:
             tune_command,
             "sweep batch settings under an SLO; recommend online and offline configs",
             tune_command.DESCRIPTION,
+        ),
+        (
+            "router",
+            router_command,
+            "one OpenAI endpoint over prefill + decode instances (P/D) or replicas (data parallel)",
+            router_command.DESCRIPTION,
         ),
         (
             "ledger",
@@ -436,6 +457,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # (serve --data-parallel-size relaunches with them)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )

@@ -14,6 +14,8 @@ import os
 from dataclasses import MISSING, Field, dataclass, field, fields, replace
 from pathlib import Path
 
+from infertune.kv_compression import KVCompressionConfig
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda", "npu")
 DECODE_KERNELS = ("auto", "linear", "off")
@@ -23,6 +25,9 @@ KV_CACHE_DTYPES = ("auto", "int8")
 QUANT_METHODS = ("w8a16", "w4a16", "w8a8")
 QUANT_GROUP_SIZES = (32, 64, 128, 256)
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+KV_ROLES = ("producer", "consumer")
+KV_CONNECTORS = ("local",)
+KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -560,8 +565,26 @@ class CacheConfig:
         "head, (D + 4) / 2D of a bf16 cache at head_dim D, so about twice the tokens in the same budget",
         choices=KV_CACHE_DTYPES,
     )
+    kv_compression: KVCompressionConfig | None = _opt(
+        None,
+        "KV compression at the end of each prefill, kvpress's presses and parameters: "
+        '{"press": "snapkv", "compression_ratio": 0.5, "window_size": 16, "kernel_size": 5}, '
+        '{"press": "streaming_llm", "compression_ratio": 0.5, "n_sink": 4}, "pyramidkv" (+ "beta"), '
+        '"layer_ratios": [...] per layer; or a policy by layer and prompt length: {"policy": [{"layers": "0-1", '
+        '"window": 128}, {"max_length": 4096, "press": "none"}, {"press": "snapkv", "compression_ratio": 0.25}]}; '
+        "the freed blocks go back to the pool; compressed sequences skip the prefix cache (default: off)",
+        json=True,
+        see="KV compression",
+    )
 
     def __post_init__(self) -> None:
+        if isinstance(self.kv_compression, dict):
+            self.kv_compression = KVCompressionConfig.from_dict(self.kv_compression)
+        elif not isinstance(self.kv_compression, (KVCompressionConfig, type(None))):
+            raise ValueError(
+                f"kv_compression={self.kv_compression!r} must be a dict such as "
+                '{"press": "snapkv", "compression_ratio": 0.5} (or None)'
+            )
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size={self.block_size} must be a positive power of two (e.g. 16)")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
@@ -763,6 +786,35 @@ class ParallelConfig:
         "expert's features; attention, shared experts and dense layers stay tensor-parallel. N must divide "
         "num_experts",
     )
+    # Prefill/decode disaggregation (docs/distributed.md#prefilldecode-disaggregation): infertune/kv_transfer/.
+    kv_role: str | None = _opt(
+        None,
+        "prefill/decode disaggregation: producer = a prefill instance that keeps each finished prompt's KV blocks "
+        "for a consumer (requests with kv_transfer_params do_remote_decode); consumer = a decode instance that "
+        "loads them instead of computing the prompt (kv_transfer_params do_remote_prefill, as the producer "
+        "returned them); put `infertune router` in front (default: neither)",
+        choices=KV_ROLES,
+    )
+    kv_connector: str | None = _opt(
+        None,
+        "how KV blocks move between the instances: local = one host, the producer's KV cache in a shared-memory "
+        "file that the consumer copies blocks from (default: local where kv_role is set; unused without it)",
+        choices=KV_CONNECTORS,
+    )
+    kv_connector_config: dict | None = _opt(
+        None,
+        'the connector\'s settings as JSON: {"path": directory both sides share (default /dev/shm/infertune-kv), '
+        '"lease_s": seconds a producer keeps unconfirmed blocks (30), "margin_s": the least lease a consumer '
+        "starts a copy with (1)}; read only with kv_role (default: those)",
+        json=True,
+    )
+    kv_load_failure_policy: str = _opt(
+        "recompute",
+        "a consumer's answer to a transfer that cannot be used at admission (the prefill failed, the producer is "
+        "gone, its lease ran out): recompute = prefill the prompt here; fail = refuse the request with a 503 that "
+        "names the cause",
+        choices=KV_LOAD_FAILURE_POLICIES,
+    )
 
     def __post_init__(self) -> None:
         _check_choices(self)
@@ -770,6 +822,17 @@ class ParallelConfig:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size!r} must be an integer >= 1")
         if self.tensor_parallel_size > 1 and self.distributed_executor_backend == "uni":
             self.distributed_executor_backend = "mp"  # one process per rank
+        if self.kv_connector_config is not None and not isinstance(self.kv_connector_config, dict):
+            raise ValueError(f"kv_connector_config={self.kv_connector_config!r} must be a dict (JSON object)")
+        if self.kv_role is not None:
+            self.kv_connector = self.kv_connector or "local"
+            # One id per engine, made here in the driver so every rank (spawned with this config) shares it.
+            cfg = dict(self.kv_connector_config or {})
+            if not cfg.get("engine_id"):
+                import uuid
+
+                cfg["engine_id"] = uuid.uuid4().hex[:12]
+            self.kv_connector_config = cfg
 
 
 @dataclass(slots=True)
@@ -947,6 +1010,14 @@ class EngineConfig:
                 f"with chunked prefill off, max_num_batched_tokens ({sched.max_num_batched_tokens}) must be >= "
                 f"max_model_len ({self.model.max_model_len}) so every prompt fits in one step"
             )
+        if self.cache.kv_compression is not None:
+            self.cache.kv_compression.check(self.model.arch.num_hidden_layers)
+            if self.model.arch.mla is not None:
+                raise ValueError("kv_compression does not run with DeepSeek's latent (MLA) cache yet; drop it")
+            if sched.speculative_config is not None:
+                raise ValueError("kv_compression does not run with speculative decoding yet; drop one of them")
+            if getattr(self.parallel, "kv_role", None) is not None:
+                raise ValueError("kv_compression does not run with a KV connector (kv_role) yet; drop one of them")
 
     @classmethod
     def create(cls, model: str | None = None, **kwargs) -> EngineConfig:

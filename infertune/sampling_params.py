@@ -43,6 +43,9 @@ class SamplingParams:
     # on a boundary it never saw in training). The returned text continues the prompt as given; the first output
     # token may re-spell its end. Not with structured_outputs or prompt_logprobs.
     token_healing: bool = False
+    # Prefill/decode disaggregation (infertune/kv_transfer/): {"do_remote_decode": True} asks a producer to keep the
+    # prompt's KV for a consumer; what it answers ({"do_remote_prefill": True, ...}) tells a consumer what to load.
+    kv_transfer_params: dict | None = None
     stop_list: tuple[str, ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
@@ -93,6 +96,8 @@ class SamplingParams:
             raise bad("token_healing", "cannot be combined with structured_outputs (both constrain the output)")
         if self.token_healing and self.prompt_logprobs is not None:
             raise bad("token_healing", "cannot be combined with prompt_logprobs (the healed prompt is one token short)")
+        if self.kv_transfer_params is not None and not isinstance(self.kv_transfer_params, dict):
+            raise bad("kv_transfer_params", "must be a JSON object")
 
     @property
     def greedy(self) -> bool:

@@ -31,6 +31,9 @@ class KVCacheGroup:
 
     window: int | None
     layers: tuple[int, ...]
+    # KV compression (kv_compression.py) may drop tokens of these layers once a prefill is done; every layer of the
+    # group keeps the same count (a group per budget).
+    compressed: bool = False
 
     def max_blocks(self, num_tokens: int, block_size: int, chunk: int) -> int:
         """The most blocks a sequence of num_tokens holds at once in this group, with prefill chunks of at most
@@ -43,13 +46,19 @@ class KVCacheGroup:
 
 
 def kv_cache_groups(
-    layer_windows: tuple[int | None, ...] | None, num_layers: int, max_model_len: int
+    layer_windows: tuple[int | None, ...] | None, num_layers: int, max_model_len: int, layer_keys: tuple | None = None
 ) -> tuple[KVCacheGroup, ...]:
     """The layers grouped by window, the full-attention group first, then each window in order of first use. A
-    window of max_model_len or more never drops a token, so its layers join the full group."""
+    window of max_model_len or more never drops a token, so its layers join the full group. layer_keys (KV
+    compression: KVCompressionConfig.layer_key per layer, None where never compressed) split the full layers further,
+    one group per key, after the uncompressed ones."""
     windows = [None if w is None or w >= max_model_len else w for w in (layer_windows or (None,) * num_layers)]
-    order = sorted(set(windows), key=lambda w: (w is not None, windows.index(w)))
-    return tuple(KVCacheGroup(w, tuple(i for i, x in enumerate(windows) if x == w)) for w in order)
+    keys = [None if w is not None or layer_keys is None else layer_keys[i] for i, w in enumerate(windows)]
+    kinds = list(zip(windows, keys))
+    order = sorted(set(kinds), key=lambda k: (k[0] is not None, k[1] is not None, kinds.index(k)))
+    return tuple(
+        KVCacheGroup(w, tuple(i for i, x in enumerate(kinds) if x == (w, key)), key is not None) for w, key in order
+    )
 
 
 class TokenView:
@@ -85,6 +94,9 @@ class NewRequest:
     structured_output: GrammarSpec | None = None
     # The block tables of the KV cache groups after the first (block_ids), NULL_BLOCK where out of their window.
     group_block_ids: list[list[int]] = field(default_factory=list)
+    # KV compression: per KV cache group, the tokens of KV it keeps once the prefill of token_ids is computed (the
+    # worker evicts the others at the end of that step and the engine takes their blocks back); None: no press.
+    kv_kept: list[int] | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -123,3 +135,6 @@ class SchedulerOutput:
     # A draft model (speculative method "draft_model"): req_id -> how many drafts its worker proposes, after this
     # step, for the next one (runner/draft_model.py); they come back in SamplerOutput.draft_token_ids.
     num_drafts_to_propose: dict[str, int] = field(default_factory=dict)
+    # A KV connector's instructions to the workers this step (kv_transfer.base.KVConnectorMetadata, plain data; None:
+    # nothing): the prompt KV each rank loads from a producer before the forward.
+    kv_connector_metadata: object = None

@@ -189,8 +189,10 @@ def test_the_variant_is_forced_by_the_environment(env, variant, name):
     elif variant is None:
         assert "INFERTUNE_CPU_ISA" in got["reason"] and "neon" in got["reason"], got
     else:
-        # no AMX tile GEMM on either; without AMX the AVX-512 library's VDPBF16PS GEMM takes bf16 rows past the GEMV's
-        assert got["bf16_rows"] == (cpu.NOAMX_GEMM_MAX_ROWS if variant == "avx512-noamx" else cpu.MAX_ROWS), got
+        # no AMX tile GEMM on either; without AMX the AVX-512 library's VDPBF16PS GEMM takes bf16 rows past the GEMV's,
+        # on AVX2 the FMA GEMM (every step size)
+        want = {"avx512-noamx": cpu.NOAMX_GEMM_MAX_ROWS, "avx2": cpu.AVX2_GEMM_MAX_ROWS}[variant]
+        assert got["bf16_rows"] == want, got
 
 
 def test_the_engine_says_at_start_up_which_variant_runs(tmp_path):
@@ -218,9 +220,10 @@ def test_the_engine_says_at_start_up_which_variant_runs(tmp_path):
 
 @pytest.mark.parametrize("quant", [None, "w8a16", "w4a16"])
 def test_engine_on_the_avx2_kernels_matches_hf(tmp_path, monkeypatch, quant):
-    """The bf16 engine with the AVX2 kernels (GEMVs, elementwise kernels; no fused step) against HF transformers in
-    float32: unquantized every greedy token is HF's argmax up to bf16 noise; the logprobs are as close to HF's as
-    those of the engine on torch's matmuls (tests/test_kernels.py's tolerances)."""
+    """The bf16 engine with the AVX2 kernels against HF transformers in float32, both with the linear and elementwise
+    kernels under the per-op forward (the fused step refused) and with the fused step (every decode step, and the
+    prompt step, in one C call): unquantized every greedy token is HF's argmax up to bf16 noise; the logprobs are
+    as close to HF's as those of the engine on torch's matmuls (tests/test_kernels.py's tolerances)."""
     from conftest import hf_model, make_checkpoint
     from test_kernels import _hf_logprob_errors
 
@@ -230,6 +233,7 @@ def test_engine_on_the_avx2_kernels_matches_hf(tmp_path, monkeypatch, quant):
     from infertune.layers.linear import DecodeKernelMethod, Linear
 
     ks = x86.Avx2Kernels(_variant_lib("avx2"))
+    fused_decoder = ks.fused_decoder
     calls = []
     for name in ("linear_bf16", "linear_w8", "linear_w4", "rms_norm", "silu_and_mul", "rotary_"):
         real = getattr(ks, name)
@@ -247,16 +251,22 @@ def test_engine_on_the_avx2_kernels_matches_hf(tmp_path, monkeypatch, quant):
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1)
     hf = hf_model(model).float()
     worst = {}
-    for mode in ("avx2", "off"):
-        monkeypatch.setattr(CPUBackend, "decode_kernels", lambda self, mode=mode: ks if mode == "avx2" else None)
+    for mode in ("avx2", "avx2-fused", "off"):
+        monkeypatch.setattr(CPUBackend, "decode_kernels", lambda self, mode=mode: ks if mode != "off" else None)
+        ks.fused_decoder = fused_decoder if mode == "avx2-fused" else (lambda model: "refused for this test")
         llm = LLM(str(model), dtype="bfloat16", quantization=quant, max_model_len=64, quant_group_size=64)
         runner = llm.engine.executor.runner
         methods = {type(m.quant_method).__name__ for m in runner.model.modules() if isinstance(m, Linear)}
-        if mode == "avx2":
-            assert runner.decode_kernels is ks and runner.fused is None
+        if mode != "off":
+            assert runner.decode_kernels is ks and (runner.fused is None) == (mode == "avx2")
             assert DecodeKernelMethod.__name__ in methods
+        ks.fused_step_timers(reset=True)
         worst[mode] = max(_hf_logprob_errors(llm, prompts, params, hf, argmax=quant is None))
-    used = set(calls)
-    assert {"rms_norm", "silu_and_mul", "rotary_"} <= used, used
-    assert {None: "linear_bf16", "w8a16": "linear_w8", "w4a16": "linear_w4"}[quant] in used, used
+        if mode == "avx2-fused":  # every decode step (5 sequences, 11 steps) ran through it
+            assert ks.fused_step_timers()["calls"] >= 11, ks.fused_step_timers()
+        if mode == "avx2":
+            used = set(calls)
+            assert {"rms_norm", "silu_and_mul", "rotary_"} <= used, used
+            assert {None: "linear_bf16", "w8a16": "linear_w8", "w4a16": "linear_w4"}[quant] in used, used
     assert worst["avx2"] <= 1.5 * worst["off"] + 0.02, worst
+    assert worst["avx2-fused"] <= 1.5 * worst["off"] + 0.02, worst

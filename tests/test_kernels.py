@@ -14,11 +14,17 @@ from infertune.layers.linear import DecodeKernelMethod, Linear
 from infertune.quant.int8 import W8A16Method, quantize_int8_per_channel
 
 needs_kernels = pytest.mark.skipif(not kernels.available(), reason=f"CPU kernels: {kernels.unavailable_reason()}")
-# The fused step and its attention are AVX-512 code: where the process runs the AVX2 variant (an AVX2-only CPU, or
-# INFERTUNE_CPU_ISA=avx2) those tests skip; the AVX2 variant's own end-to-end test is in tests/test_cpu_isa.py.
+# The AVX-512 library's own paths (the VDPBF16PS GEMM called directly): where the process runs the AVX2 variant (an
+# AVX2-only CPU, or INFERTUNE_CPU_ISA=avx2) those tests skip.
 needs_avx512 = pytest.mark.skipif(
     kernels.variant() not in ("avx512", "avx512-noamx"),
     reason=f"the AVX-512 kernels do not run here: {kernels.describe()}",
+)
+# The fused step: the AVX-512 library's, or the AVX2 one's (csrc/fused_step.h over csrc/x86/avx2/fused.c); the engine
+# tests below run it on whichever variant the process loaded (.ci/run forces each).
+needs_fused = pytest.mark.skipif(
+    kernels.variant() not in ("avx512", "avx512-noamx", "avx2"),
+    reason=f"no x86 fused step here: {kernels.describe()}",
 )
 
 # (M rows, N outputs, K inputs): one row (the AVX-512 path), several rows (AMX where the CPU has it), output
@@ -195,6 +201,105 @@ def test_linear_bf16_without_amx_takes_the_gemv_then_the_gemm():
         kernels.linear_bf16_path(x, w, path="gemm")
 
 
+# The FMA GEMM of the AVX2 library (csrc/x86/avx2/gemm.c), called directly on the AVX2 library (built with -mavx2
+# -mfma -mf16c only; forced on where this CPU has AVX2): row counts that leave each micro-kernel tail (6 rows a pass:
+# 1, 4, 7, 13) and more than one pass over a slab (132 rows: 133, 300), feature counts that leave a partial 8- / 16- /
+# 64-feature block, K past one 256-column slab with a partial last one (600, 2050) and K not a multiple of 8 (5, 100).
+FMA_GEMM_SHAPES = [
+    (1, 64, 64),
+    (4, 17, 5),
+    (7, 50, 100),
+    (13, 130, 600),
+    (16, 1152, 896),
+    (133, 70, 2050),
+    (300, 9, 256),
+]
+
+
+@pytest.fixture(scope="module")
+def avx2_lib():
+    lib = kernels.load_variant("avx2")
+    if isinstance(lib, str):
+        pytest.skip(lib)
+    return lib
+
+
+def _sequential_fp32(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x W^T (+ bias) as one fp32 sum over k in order per output (each bf16 product exact in fp32), + bias in fp32,
+    rounded once to bf16: what the FMA GEMM computes, bit for bit."""
+    acc = torch.zeros(x.shape[0], w.shape[0], dtype=torch.float32)
+    xf, wf = x.float(), w.float()
+    for k in range(x.shape[1]):
+        acc = acc + xf[:, k : k + 1] * wf[:, k][None, :]
+    return (acc + bias.float() if bias is not None else acc).bfloat16()
+
+
+@pytest.mark.parametrize("m,n,k", FMA_GEMM_SHAPES)
+def test_avx2_gemm_is_the_sequential_fp32_sum(avx2_lib, m, n, k):
+    """Bit for bit the fp32 sum of the exact products over k in order (+ bias, one rounding), which holds it within
+    the float64 bound of test_bf16_matches_float64 too; exact on small integers."""
+    g = torch.Generator().manual_seed(m * 13 + n + k)
+    x, w = torch.randn(m, k, generator=g).bfloat16(), torch.randn(n, k, generator=g).bfloat16()
+    bias = torch.randn(n, generator=g).bfloat16()
+    y = kernels.linear_bf16_path(x, w, bias, path="gemm", lib=avx2_lib)
+    assert torch.equal(y.view(torch.int16), _sequential_fp32(x, w, bias).view(torch.int16))
+    k_eff = min(k, 64)
+    xi = torch.zeros(m, k, dtype=torch.bfloat16)
+    xi[:, :k_eff] = _bf16_ints(m, k_eff, gen=g)
+    wi, bi = _bf16_ints(n, k, gen=g), _bf16_ints(n, lo=-8, hi=8, gen=g)
+    ref = xi.long() @ wi.long().T + bi.long()
+    assert torch.equal(kernels.linear_bf16_path(xi, wi, bi, path="gemm", lib=avx2_lib).long(), ref)
+
+
+def test_avx2_gemm_keeps_nans_and_strided_rows(avx2_lib):
+    """A NaN in a row of x makes that row's outputs NaN (the rounding keeps NaN a NaN), and only that row's; x may be
+    a strided view, as the packed qkv slices are."""
+    g = torch.Generator().manual_seed(3)
+    big = torch.randn(9, 300, generator=g).bfloat16()
+    x = big[:, 10:266]  # [9, 256], row stride 300
+    x[4, 17] = float("nan")
+    w = torch.randn(70, 256, generator=g).bfloat16()
+    y = kernels.linear_bf16_path(x, w, path="gemm", lib=avx2_lib)
+    ok = torch.arange(9) != 4
+    assert y[4].isnan().all() and not y[ok].isnan().any()
+    assert torch.equal(y[ok], _sequential_fp32(x[ok], w, None))
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 7, 45), (2, 20, 64), (3, 130, 96), (5, 9, 100), (16, 80, 4864), (13, 33, 8200)])
+def test_avx2_gemv_on_widened_x_is_the_gemv_bit_for_bit(avx2_lib, m, n, k):
+    """The GEMV on x widened once (linear_bf16_gemvx) adds the same products in the same order per lane as the GEMV
+    (the unpack order, lanes summed at the end, the columns past the last 16 in order): bit for bit, with bias; row
+    and feature counts off its 4 x 2 blocks, K off its 16-column groups."""
+    g = torch.Generator().manual_seed(m + n + k)
+    x, w = torch.randn(m, k, generator=g).bfloat16(), torch.randn(n, k, generator=g).bfloat16()
+    bias = torch.randn(n, generator=g).bfloat16()
+    got = kernels.linear_bf16_path(x, w, bias, path="gemvx", lib=avx2_lib)
+    assert torch.equal(
+        got.view(torch.int16), kernels.linear_bf16_path(x, w, bias, path="gemv", lib=avx2_lib).view(torch.int16)
+    )
+
+
+def test_avx2_linear_bf16_takes_the_gemv_then_the_gemm(avx2_lib):
+    """it_linear_bf16 on AVX2 runs the GEMV below it_gemm_rows_fma() rows (on x widened once from it_gemvx_rows():
+    the same bits) and the FMA GEMM from there (bit for bit the one or the other), and Avx2Kernels sends bf16 linears
+    of every step size up to AVX2_GEMM_MAX_ROWS to it."""
+    start = avx2_lib.it_gemm_rows_fma(0)
+    assert 1 < avx2_lib.it_gemvx_rows(0) <= start <= 4 * kernels.MAX_ROWS
+    assert x86.Avx2Kernels(avx2_lib).max_rows("bf16") == kernels.AVX2_GEMM_MAX_ROWS >= 2048
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(40, 640, generator=g).bfloat16()
+    w[:, 0] = w[:, -1] = 1
+    for m in (1, start - 1, start, 3 * start + 1):
+        # (+-2^20 in the first and the last column: the sums of the other products round on the way at that size,
+        # differently in the GEMV's and the GEMM's orders, so the two paths differ in most places)
+        x = torch.randn(m, 640, generator=g).bfloat16()
+        x[:, 0], x[:, -1] = 2.0**20, -(2.0**20)
+        paths = {p: kernels.linear_bf16_path(x, w, path=p, lib=avx2_lib).view(torch.int16) for p in ("gemv", "gemm")}
+        want = "gemm" if m >= start else "gemv"
+        assert torch.equal(kernels.linear_bf16(x, w, lib=avx2_lib).view(torch.int16), paths[want]), m
+        assert not torch.equal(paths["gemv"], paths["gemm"])
+
+
 @pytest.mark.parametrize("m,n,k", SHAPES)
 @pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float32])
 def test_w8_within_its_error_bound(ks, m, n, k, scale_dtype):
@@ -300,15 +405,20 @@ def test_disabled_by_environment(monkeypatch):
 
 @needs_kernels
 def test_methods_use_kernels_only_for_decode_rows(monkeypatch):
-    """Up to bf16_max_rows() rows (MAX_ROWS, or AMX_GEMM_MAX_ROWS with AMX) the layer calls the kernel; a
-    prefill-sized input takes F.linear; both agree."""
+    """Up to bf16_max_rows() rows (AMX_GEMM_MAX_ROWS with AMX, NOAMX_GEMM_MAX_ROWS without, AVX2_GEMM_MAX_ROWS on
+    AVX2) the layer calls the kernel; a bigger input takes F.linear; both agree."""
     calls = []
     real = kernels.linear_bf16
     monkeypatch.setattr(kernels, "linear_bf16", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
     layer = Linear(64, 48, dtype=torch.bfloat16, quant_method=DecodeKernelMethod(x86.kernels()))
     layer.weight.data.copy_(torch.randn(48, 64))
     rows = kernels.bf16_max_rows()
-    assert rows in (kernels.MAX_ROWS, kernels.AMX_GEMM_MAX_ROWS)
+    assert rows in (
+        kernels.MAX_ROWS,
+        kernels.AMX_GEMM_MAX_ROWS,
+        kernels.NOAMX_GEMM_MAX_ROWS,
+        kernels.AVX2_GEMM_MAX_ROWS,
+    )
     small, edge = torch.randn(3, 64).bfloat16(), torch.randn(rows, 64).bfloat16()
     big = torch.randn(rows + 1, 64).bfloat16()
     torch.testing.assert_close(layer(small), torch.nn.functional.linear(small, layer.weight), rtol=2**-7, atol=1e-2)
@@ -345,7 +455,7 @@ def _hf_logprob_errors(llm, prompts, params, hf, argmax: bool) -> list[float]:
 
 
 @needs_kernels
-@needs_avx512
+@needs_fused
 @pytest.mark.parametrize(
     "arch,quant,kv",
     [
@@ -401,7 +511,7 @@ def test_engine_with_kernels_matches_hf(tmp_path, arch, quant, kv):
 
 
 @needs_kernels
-@needs_avx512
+@needs_fused
 def test_fused_decode_forward_allocates_nothing(tmp_path):
     """The seeds' "pre-allocate memory": a decode step's forward through the fused path allocates no tensor
     (torch.profiler's memory accounting); the PyTorch path allocates per op."""
@@ -472,7 +582,7 @@ def test_elementwise_kernels_round_as_the_pytorch_formulas(ks):
 
 
 @needs_kernels
-@needs_avx512
+@needs_fused
 def test_profile_sees_the_kernels(tmp_path):
     """`infertune profile` on a bf16 model: the fused step's time lands in its own category, and the C linear
     calls count as matmul, not as Python (they are not aten ops; the kernels open profiler ranges)."""
@@ -509,14 +619,26 @@ def test_profile_sees_the_kernels(tmp_path):
 ATTN_SHAPES = [(14, 2, 64, 16), (4, 4, 32, 8), (9, 1, 48, 16), (20, 1, 32, 32), (8, 2, 128, 16)]
 
 
-@needs_kernels
-@needs_avx512
+@pytest.fixture(params=["avx512", "avx2"])
+def attn_lib(request):
+    """The library whose fused-step attention a test runs: None for the process's AVX-512 one (AMX and not), or the
+    AVX2 library (csrc/x86/avx2/fused.c), forced on where this CPU has AVX2."""
+    if request.param == "avx512":
+        if kernels.variant() not in ("avx512", "avx512-noamx"):
+            pytest.skip(f"the AVX-512 kernels are not this process's: {kernels.describe()}")
+        return None
+    lib = kernels.load_variant("avx2")
+    if isinstance(lib, str):
+        pytest.skip(lib)
+    return lib
+
+
 @pytest.mark.parametrize("hq,hkv,d,bs", ATTN_SHAPES)
 @pytest.mark.parametrize("kv", ["bf16", "int8"])
-def test_decode_attention_matches_float64(hq, hkv, d, bs, kv):
-    """The fused step's paged decode attention, on AMX tiles and on AVX-512, against softmax(q K^T s) V in
-    float64 over the same cache rows: context lengths around the 16- and 32-key steps of the kernel, scattered
-    blocks. AVX-512 keeps P in fp32, so only the bf16 output rounds; AMX multiplies P rounded to bf16 (as
+def test_decode_attention_matches_float64(attn_lib, hq, hkv, d, bs, kv):
+    """The fused step's paged decode attention, on AMX tiles, on AVX-512 and on AVX2, against softmax(q K^T s) V in
+    float64 over the same cache rows: context lengths around the 8-, 16- and 32-key steps of the kernels, scattered
+    blocks. AVX-512 and AVX2 keep P in fp32, so only the bf16 output rounds; AMX multiplies P rounded to bf16 (as
     torch's CPU flash attention does), which adds up to 2^-8 of the sum of p |v| it averages."""
     from infertune.layers.attention.paged import Int8PagedAttention
 
@@ -538,8 +660,10 @@ def test_decode_attention_matches_float64(hq, hkv, d, bs, kv):
         cache = torch.stack([k.view(num_blocks, bs, hkv, d), v.view(num_blocks, bs, hkv, d)])
     scale = d**-0.5
     outs = {
-        amx: kernels.decode_attention(q, cache, tables, lens, hkv, scale, kv_int8=kv == "int8", use_amx=amx)
-        for amx in (True, False)
+        amx: kernels.decode_attention(
+            q, cache, tables, lens, hkv, scale, kv_int8=kv == "int8", use_amx=amx, lib=attn_lib
+        )
+        for amx in ((True, False) if attn_lib is None else (False,))
     }
     for i in range(t):
         slots = (tables[i, :, None] * bs + torch.arange(bs)).flatten()[: lens[i]]
@@ -553,18 +677,18 @@ def test_decode_attention_matches_float64(hq, hkv, d, bs, kv):
             # bf16 rounding (unit roundoff 2^-8) of the output; on AMX also of each exponential in P
             bound = 2.0**-8 * ref.abs() + (1.01 * 2.0**-8 if amx else 1e-5) * spread
             assert (err <= bound).all(), (amx, i, float((err - bound).max()))
+    if attn_lib is not None:
+        return
     if kernels._amx and d % 32 == 0:  # the AMX path really ran: its bf16 P moves some bits
         assert not torch.equal(outs[True], outs[False])
     else:
         assert torch.equal(outs[True], outs[False])
 
 
-@needs_kernels
-@needs_avx512
 @pytest.mark.parametrize("hq,hkv,d,bs", [(14, 2, 64, 16), (4, 4, 32, 32), (18, 1, 128, 16)])
-def test_prompt_rows_attention_matches_float64(hq, hkv, d, bs):
+def test_prompt_rows_attention_matches_float64(attn_lib, hq, hkv, d, bs):
     """A step of prompts' rows (each row one more key of its prompt, through the prompt's block table): on AMX the
-    rows go 16 at a time per query head (attn_rows_amx), on AVX-512 one by one. Both against causal softmax
+    rows go 16 at a time per query head (attn_rows_amx), on AVX-512 and AVX2 one by one. Each against causal softmax
     attention in float64 over the prompt's scattered blocks, with the decode attention's bound; prompts of 1, 16,
     21 and 40 rows (partial blocks of rows, a block of 16 exactly), and a lone decode row between them."""
     gen = torch.Generator().manual_seed(hq + d + bs)
@@ -581,7 +705,10 @@ def test_prompt_rows_attention_matches_float64(hq, hkv, d, bs):
     v = torch.randn(num_blocks * bs, hkv, d, generator=gen).to(torch.bfloat16)
     cache = torch.stack([k.view(num_blocks, bs, hkv, d), v.view(num_blocks, bs, hkv, d)])
     scale = d**-0.5
-    outs = {amx: kernels.decode_attention(q, cache, tables, lens, hkv, scale, use_amx=amx) for amx in (True, False)}
+    outs = {
+        amx: kernels.decode_attention(q, cache, tables, lens, hkv, scale, use_amx=amx, lib=attn_lib)
+        for amx in ((True, False) if attn_lib is None else (False,))
+    }
     for r in range(len(rows)):
         slots = (tables[r, :, None] * bs + torch.arange(bs)).flatten()[: lens[r]]
         kr = k[slots].double().repeat_interleave(hq // hkv, dim=1)
@@ -593,7 +720,7 @@ def test_prompt_rows_attention_matches_float64(hq, hkv, d, bs):
             err = (o[r].double() - ref).abs()
             bound = 2.0**-8 * ref.abs() + (1.01 * 2.0**-8 if amx else 1e-5) * spread
             assert (err <= bound).all(), (amx, r, rows[r], float((err - bound).max()))
-    if kernels._amx and d % 32 == 0:
+    if attn_lib is None and kernels._amx and d % 32 == 0:
         assert not torch.equal(outs[True], outs[False])
 
 

@@ -22,6 +22,7 @@ from infertune.config import (
     engine_option_kwargs,
     option_fields,
 )
+from infertune.kv_compression import KVCompressionConfig
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 ENGINE_GROUPS = ("model", "device", "scheduler", "cache", "quant", "parallel")  # the groups of the "engine" flags
@@ -36,6 +37,10 @@ SAMPLES = {
     "max_num_batched_tokens": ("512", 512),
     "max_running_tokens": ("100", 100),
     "speculative_config": ('{"method": "ngram", "num_speculative_tokens": 2}', SpeculativeConfig(2)),
+    "kv_compression": (
+        '{"press": "snapkv", "compression_ratio": 0.5}',
+        KVCompressionConfig.from_dict({"press": "snapkv", "compression_ratio": 0.5}),
+    ),
     "block_size": ("8", 8),
     "kv_cache_memory_bytes": ("64Mi", 64 * 2**20),
     "kv_cache_memory_fraction": ("0.25", 0.25),
@@ -48,6 +53,7 @@ SAMPLES = {
     "max_request_share": ("0.25", 0.25),
     "request_timeout": ("2.5", 2.5),
     "memory_limit": ("1.5Gi", 3 * 2**29),
+    "kv_connector_config": ('{"path": "/tmp/kv", "lease_s": 5}', {"path": "/tmp/kv", "lease_s": 5}),
 }
 
 

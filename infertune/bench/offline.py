@@ -286,6 +286,15 @@ def add_arguments(p: argparse.ArgumentParser, default_batch: list[int] | None = 
         ),
     )
     g.add_argument(
+        "--kv-compression",
+        metavar="JSON",
+        **option(
+            "kv_compression",
+            help='infertune\'s KV compression, e.g. \'{"press": "snapkv", "compression_ratio": 0.75}\' or a policy '
+            "(docs/long_context.md) (default: off)",
+        ),
+    )
+    g.add_argument(
         "--no-prefix-caching",
         action="store_true",
         help="start infertune with enable_prefix_caching=False (prompts differ on every run anyway, "
@@ -381,6 +390,8 @@ def spawn_worker(args, system: str, batch: int, model_dir: Path) -> dict:
     cmd += ["--kv-cache-dtype", args.kv_cache_dtype, "--compile", args.compile]
     if args.speculative_config:
         cmd += ["--speculative-config", json.dumps(args.speculative_config)]
+    if args.kv_compression:
+        cmd += ["--kv-compression", json.dumps(args.kv_compression)]
     env = dict(
         os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false"
     )
@@ -749,23 +760,25 @@ def per_round_table(args, ratios: list[dict]) -> list[str]:
 
 
 def startup_table(results: list[dict]) -> list[str]:
-    """Load, compile and warm-up seconds and the RSS after load and at the end, of every pair that ran."""
+    """Load, compile and warm-up seconds, the RSS after load and at the end, and the kernels (infertune's variant and
+    whether its fused step ran; llama.cpp's build features), of every pair that ran."""
     lines = [
         "",
         "Start-up (load = LLM(...) / from_pretrained, Python imports excluded; warm-up = the untimed first "
         "generate) and RSS outside the peak (peak RSS can come from a loading transient rather than from "
         "generation):",
         "",
-        "| system | batch | load s | of which compile s | warm-up s | RSS after load MiB | RSS at end MiB |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| system | batch | load s | of which compile s | warm-up s | RSS after load MiB | RSS at end MiB | kernels |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in results:
         if "error" not in r and "skipped" not in r:
-            compile_s = (r.get("extra") or {}).get("compile_s")
+            extra = r.get("extra") or {}
             lines.append(
                 f"| {SYSTEM_LABELS[r['system']]} | {r['batch']} | {r['load_s']:.2f} | "
-                f"{fmt(compile_s, '.2f')} | "
-                f"{r['warmup_s']:.2f} | {r['rss_after_load_mib']:.0f} | {r['rss_end_mib']:.0f} |"
+                f"{fmt(extra.get('compile_s'), '.2f')} | "
+                f"{r['warmup_s']:.2f} | {r['rss_after_load_mib']:.0f} | {r['rss_end_mib']:.0f} | "
+                f"{extra.get('kernels', '–')} |"
             )
     return lines
 

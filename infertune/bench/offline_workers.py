@@ -54,6 +54,8 @@ def worker_infertune(args, model_dir: Path, batch: int) -> dict:
         options["kv_cache_dtype"] = args.kv_cache_dtype
     if args.speculative_config:
         options["speculative_config"] = args.speculative_config
+    if args.kv_compression:
+        options["kv_compression"] = args.kv_compression
     log(f"infertune b{batch}: loading LLM({model_dir.name!r}, {options})")
     t0 = time.perf_counter()
     llm = LLM(str(model_dir), **options)
@@ -91,12 +93,16 @@ def worker_infertune(args, model_dir: Path, batch: int) -> dict:
     warmup_s, runs = warm_and_time(f"infertune b{batch}", once, args.repeats)
     try:
         runner = llm.engine.executor.runner
-    except AttributeError:  # the model runs in worker processes (tensor parallel)
+    except AttributeError:  # the model runs in worker processes (tensor parallel): their kernels are per rank
         runner = None
+    kernels = getattr(runner, "decode_kernels", None)  # which ISA path ran (the every-CPU issue's reports say it)
     extra = {
         "kv_cache_bytes": kv_bytes,
         "engine_options": options,
         "compile_s": getattr(runner, "compile_seconds", None),
+        "kernels": (kernels.name + (" + fused step" if getattr(runner, "fused", None) is not None else ""))
+        if kernels is not None
+        else ("torch's" if runner is not None else "per rank (worker processes)"),
     }
     if args.speculative_config:
         sched = llm.engine.scheduler

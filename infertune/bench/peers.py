@@ -146,8 +146,18 @@ def worker_llama_cpp(args, model_dir: Path, batch: int) -> dict:
         "gguf": str(path),
         "gguf_bytes": path.stat().st_size,
         "llama_cpp_python": L.__version__ if hasattr(L, "__version__") else None,
+        # which build ran: the library's own list of the CPU features it was built with (LLAMA_CPP_LIB_PATH may point
+        # llama-cpp-python at a separately built libllama, e.g. an AVX2-only build)
+        "kernels": _llama_features(L.llama_print_system_info().decode(errors="replace")),
+        "lib_path": os.environ.get("LLAMA_CPP_LIB_PATH"),
     }
     return dict(load_s=load_s, warmup_s=warmup_s, rss_after_load_mib=rss_after_load, runs=runs, extra=extra)
+
+
+def _llama_features(info: str) -> str:
+    """llama_print_system_info()'s "CPU : SSE3 = 1 | AVX2 = 1 | ..." -> "llama.cpp cpu: SSE3 AVX2 ..." (those = 1)."""
+    on = [part.split("=")[0].strip() for part in info.replace("CPU :", "|").split("|") if part.strip().endswith("= 1")]
+    return "llama.cpp cpu: " + (" ".join(on) if on else info.strip()[:120])
 
 
 # --------------------------------------------------------------------------------------------------

@@ -243,6 +243,7 @@ class AsyncLLMEngine:
                     for listener in self.step_listeners:
                         listener(outputs, elapsed)
                 else:
+                    self.engine.poll_kv_transfers()  # (a producer frees confirmed or expired leases while idle)
                     self.stats = self.engine.stats()
                     wait = self.idle_wait_s
                     if self._deadlines:

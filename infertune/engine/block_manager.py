@@ -129,6 +129,10 @@ class BlockManager:
         seq.block_table = []
         seq.num_hashed_blocks = 0
 
+    def compress(self, seq: Sequence) -> bool:
+        """KV compression's block give-back after a prefill (engine/kv_cache_coordinator.py); never here."""
+        return False
+
     def trim(self, seq: Sequence, num_tokens: int) -> int:
         """Give back seq's blocks past those num_tokens need (speculative decoding: the blocks only rejected drafts
         used); returns how many. They hold no computed token of seq, so they are private and unhashed."""

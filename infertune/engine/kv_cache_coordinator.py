@@ -15,6 +15,12 @@ group, the chain of all h; in a windowed group only the blocks the next query's 
 (h * block - W + 1) // block .. h - 1, so a prefix whose early blocks were evicted still hits. The hit is the longest
 h every group has.
 
+KV compression (kv_compression.py): `plan(n)` says, per group, how many tokens of a prefill of n it keeps. A sequence
+the plan compresses is admitted without prefix-cache hits and never registers a block (its KV is rewritten in place
+when the prefill ends, so it no longer matches the token hashes); once the step that completes its prefill is done,
+`compress` gives back each group's blocks past ceil(kept / block), and from then on the group holds
+num_computed_tokens - num_evicted[g] tokens' KV (positions go on counting; slots are fewer).
+
 Invariants (beside BlockManager's): a NULL_BLOCK entry only ever precedes a windowed group's first live block; a
 hashed block is never written (a hit never covers the last token); every live entry holds one reference.
 """
@@ -41,11 +47,13 @@ class KVCacheCoordinator(BlockManager):
         windows: Seq[int | None],
         enable_prefix_caching: bool = True,
         chunk: int | None = None,
+        plan=None,
     ) -> None:
         super().__init__(num_blocks, block_size, enable_prefix_caching)
         assert windows and all(w is None or w > 0 for w in windows)
         self.windows = tuple(windows)
         self.chunk = chunk
+        self.plan = plan  # KV compression: prefill length -> tokens kept per group (None: whole), or no press
         self._blocks_used = [0] * len(self.windows)  # per group, the blocks some sequence holds (for /metrics)
 
     @property
@@ -78,8 +86,8 @@ class KVCacheCoordinator(BlockManager):
         """Per group, the cached blocks of seq's longest prefix hit that every group has (full blocks only, never the
         last token); a windowed group's list is NULL_BLOCK up to the hit's window. Changes nothing."""
         num_groups = len(self.windows)
-        if not self.enable_prefix_caching:
-            return [[] for _ in range(num_groups)]
+        if not self.enable_prefix_caching or (self.plan is not None and self.plan(len(seq)) is not None):
+            return [[] for _ in range(num_groups)]  # (a sequence to compress computes and owns all its KV)
         limit = (len(seq) - 1) // self.block_size
         chains: dict[int, list[int]] = {}
         for g, window in enumerate(self.windows):
@@ -132,12 +140,16 @@ class KVCacheCoordinator(BlockManager):
         computed_blocks) to hold num_tokens. All or nothing, but for the freeing: those blocks are dead either way."""
         tables = self._tables(seq)
         computed = list(computed_blocks) or [[] for _ in self.windows]
+        if self.plan is not None and seq.num_computed_tokens == 0 and not any(tables):  # admitted (again)
+            seq.kv_kept, seq.num_evicted = self.plan(len(seq)), None
         for g, window in enumerate(self.windows):
             if window is not None:
                 self._free_below(g, tables[g], self.first_live_block(g, seq.num_computed_tokens))
         hits_in_free = sum(1 for hits in computed for b in hits if b != NULL_BLOCK and self.blocks[b].ref_count == 0)
-        want = self.blocks_needed(num_tokens)
-        needed = [max(want - len(t) - len(c), 0) for t, c in zip(tables, computed)]
+        evicted = seq.num_evicted or [0] * len(self.windows)
+        needed = [
+            max(self.blocks_needed(num_tokens - e) - len(t) - len(c), 0) for t, c, e in zip(tables, computed, evicted)
+        ]
         if sum(needed) > len(self._free) - hits_in_free:
             return False
         for g, (table, hits) in enumerate(zip(tables, computed)):  # every group's hits first: none is taken fresh
@@ -183,6 +195,24 @@ class KVCacheCoordinator(BlockManager):
                     self._release(g, block_id)
         seq.block_tables = [[] for _ in self.windows]
         seq.num_hashed_blocks = 0
+        seq.kv_kept = seq.num_evicted = None
+
+    def compress(self, seq: Sequence) -> bool:
+        """After the step that computed seq's prefill: the press kept seq.kv_kept[g] tokens of each group, so give
+        back the blocks past those; True where a table got shorter (the workers cut theirs to it)."""
+        if seq.kv_kept is None or seq.num_evicted is not None:
+            return False
+        n = seq.num_computed_tokens
+        seq.num_evicted = [n - k for k in seq.kv_kept]
+        shrunk = False
+        for g, (table, kept) in enumerate(zip(self._tables(seq), seq.kv_kept)):
+            keep = self.blocks_needed(kept)
+            while len(table) > keep:
+                block_id = table.pop()
+                assert self.blocks[block_id].hash is None, "a compressed sequence never registers a block"
+                self._release(g, block_id)
+                shrunk = True
+        return shrunk
 
     def trim(self, seq: Sequence, num_tokens: int) -> int:
         keep = self.blocks_needed(num_tokens)
@@ -198,7 +228,7 @@ class KVCacheCoordinator(BlockManager):
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register each group's blocks that became full of computed KV. A full group extends its cached chain only;
         a windowed group registers a block whose previous one it no longer holds too (a hit needs only the window)."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.kv_kept is not None:
             return
         end = seq.num_computed_tokens // self.block_size
         for g, table in enumerate(self._tables(seq)):
@@ -216,14 +246,24 @@ class KVCacheCoordinator(BlockManager):
         seq.num_hashed_blocks = max(seq.num_hashed_blocks, end)
 
 
-def kv_cache_manager(info, enable_prefix_caching: bool, chunk: int) -> BlockManager:
+def kv_cache_manager(info, enable_prefix_caching: bool, chunk: int, kv_compression=None) -> BlockManager:
     """The engine's block manager for the runner's KV cache (runner.KVCacheInfo): BlockManager where every layer
-    attends in full (one group, exactly as without windows), else a coordinator over the groups."""
+    attends in full (one group, exactly as without windows), else a coordinator over the groups (and with KV
+    compression, kv_compression.KVCompressionConfig, where some group is compressed)."""
     groups = info.groups or (KVCacheGroup(None, ()),)
-    if len(groups) == 1 and groups[0].window is None:
+    compressed = kv_compression is not None and any(g.compressed for g in groups)
+    if len(groups) == 1 and groups[0].window is None and not compressed:
         return BlockManager(info.num_blocks, info.block_size, enable_prefix_caching)
     windows = [g.window for g in groups]
-    return KVCacheCoordinator(info.num_blocks, info.block_size, windows, enable_prefix_caching, chunk)
+    plan = (lambda n: kv_compression.plan(groups, n)) if compressed else None
+    return KVCacheCoordinator(info.num_blocks, info.block_size, windows, enable_prefix_caching, chunk, plan)
+
+
+def group_label(group: KVCacheGroup) -> str:
+    """A KV cache group's name in /metrics and stats: full, window_W, or compressed_L (its first layer)."""
+    if group.window is not None:
+        return f"window_{group.window}"
+    return f"compressed_{group.layers[0]}" if group.compressed else "full"
 
 
 def describe_groups(info, max_model_len: int, chunk: int) -> list[str]:
@@ -236,6 +276,8 @@ def describe_groups(info, max_model_len: int, chunk: int) -> list[str]:
         blocks = g.max_blocks(max_model_len, info.block_size, chunk)
         tokens = blocks * info.block_size
         kind = "full attention" if g.window is None else f"sliding window {g.window}"
+        if g.compressed:  # (its most: a prefill holds every token until the press runs)
+            kind = "full attention, compressed after the prefill"
         nbytes = tokens * info.bytes_per_token * len(g.layers) // pages
         lines.append(
             f"{kind} (layers {','.join(map(str, g.layers))}): {blocks} blocks = {tokens} tokens a sequence "

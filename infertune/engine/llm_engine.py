@@ -17,11 +17,12 @@ from pathlib import Path
 from infertune.config import EngineConfig
 from infertune.engine.admission import HostCost
 from infertune.engine.detokenizer import IncrementalDetokenizer, find_stop
-from infertune.engine.kv_cache_coordinator import describe_groups, kv_cache_manager
+from infertune.engine.kv_cache_coordinator import describe_groups, group_label, kv_cache_manager
 from infertune.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from infertune.engine.scheduler import Scheduler
 from infertune.engine.sequence import Sequence, SequenceStatus
 from infertune.engine.tokenizer import load_tokenizer
+from infertune.kv_transfer import scheduler_connector
 from infertune.runner.grammar import GrammarCompiler
 from infertune.sampling_params import ParamError, SamplingParams, StructuredOutputsParams
 from infertune.scheduler_output import KVCacheGroup
@@ -67,13 +68,17 @@ class LLMEngine:
         self.executor = create_executor(config, show_progress)
         # (a KV cache coordinator where layers attend within sliding windows: their groups free what leaves them)
         self.block_manager = kv_cache_manager(
-            self.executor.kv_cache_info, config.cache.enable_prefix_caching, config.scheduler.max_num_batched_tokens
+            self.executor.kv_cache_info,
+            config.cache.enable_prefix_caching,
+            config.scheduler.max_num_batched_tokens,
+            config.cache.kv_compression,
         )
-        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        # prefill/decode disaggregation (config.parallel.kv_role): the KV connector's scheduler side, else None
+        self.kv_connector = scheduler_connector(config, self.executor.kv_cache_info)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.kv_connector)
+        self.num_prefill_tokens = 0  # prompt tokens computed here (not loaded from a producer nor prefix-cached)
         groups = self.executor.kv_cache_info.groups
-        self._kv_group_labels = [
-            "full" if g.window is None else f"window_{g.window}" for g in groups or [KVCacheGroup(None, ())]
-        ]
+        self._kv_group_labels = [group_label(g) for g in groups or [KVCacheGroup(None, ())]]
         self.eos_token_ids = self._eos_token_ids()
         self.grammars = GrammarCompiler(self.eos_token_ids)  # structured output: compiled once per schema (LRU)
         self.requests: dict[str, _Request] = {}
@@ -88,7 +93,7 @@ class LLMEngine:
             f"({info.total_bytes / 2**20:.1f} MiB); up to {info.num_blocks // per_seq} sequences of "
             f"max_model_len={self.max_model_len} at once"
         )
-        if any(g.window is not None for g in info.groups):  # each group's share of a sequence (its own table)
+        if any(g.window is not None or g.compressed for g in info.groups):  # each group's share (its own table)
             text += "; KV cache groups, each block a page of every group: " + "; ".join(
                 describe_groups(info, self.max_model_len, self.config.scheduler.max_num_batched_tokens)
             )
@@ -106,6 +111,8 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the executor's workers (a worker process, with distributed_executor_backend="mp")."""
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
         self.executor.shutdown()
 
     @property
@@ -273,6 +280,10 @@ class LLMEngine:
             grammar = self.grammars.compile(StructuredOutputsParams(regex=_starts_with(prepared.healed)))
         if grammar is not None:  # the grammar allows EOS only where it accepts, and ends there (even with ignore_eos)
             stop_ids |= set(grammar.eos_token_ids)
+        # (a consumer: what to load from the producer; a KVTransferError refuses the request, changing nothing)
+        remote = self.kv_connector.check_request(params.kv_transfer_params, ids) if self.kv_connector else None
+        if remote is not None:
+            remote.users = params.n
         req = _Request(request_id, text, ids, params)
         speculate = self.config.scheduler.speculative_config is not None
         if arrival_time is not None:
@@ -286,6 +297,7 @@ class LLMEngine:
             seq = Sequence(ids, max_tokens, sample_params, request_id=request_id)
             seq.stop_token_ids = frozenset(stop_ids)
             seq.structured_output = grammar
+            seq.kv_transfer = remote
             # Drafts are verified by sampling each of their rows alone: not with a grammar's masks (they advance a
             # matcher token by token) nor with logprobs (one entry a row). Those requests decode a token a step.
             seq.spec_decode = speculate and grammar is None and params.logprobs is None
@@ -315,11 +327,19 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def poll_kv_transfers(self) -> None:
+        """Free the blocks a KV connector released (a producer's confirmed or expired leases); steps do it too, an
+        idle server calls this between them."""
+        self.scheduler.release_kv_transfers()
+
     # ---- one step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; return the current state of every request that progressed."""
         batch = self.scheduler.schedule()
         if batch.is_empty:
+            if self.kv_connector is not None and self.kv_connector.holds_blocks():
+                time.sleep(0.002)  # a producer's leases hold the blocks the queue needs: they end by confirm or expiry
+                return []
             assert not self.scheduler.has_unfinished(), "scheduler made no progress with requests pending"
             return []
         started = time.perf_counter()
@@ -327,7 +347,17 @@ class LLMEngine:
             req = self.requests.get(seq.request_id)
             if req is not None and req.metrics.scheduled_time is None:
                 req.metrics.scheduled_time = started
-        out = self.executor.execute_model(self.scheduler.scheduler_output(batch))
+        self.num_prefill_tokens += sum(
+            max(0, min(s.num_computed_tokens + n, s.num_prompt_tokens) - s.num_computed_tokens)
+            for s, n in zip(batch.seqs, batch.num_scheduled_tokens)
+        )
+        scheduled = self.scheduler.scheduler_output(batch)
+        out = self.executor.execute_model(scheduled)
+        if self.kv_connector is not None and scheduled.kv_connector_metadata is not None:
+            failed = out.kv_load_failed or []
+            self.kv_connector.after_step(scheduled.kv_connector_metadata, failed)
+            loads = scheduled.kv_connector_metadata.loads
+            self.num_prefill_tokens += sum(x.num_loaded_tokens for x in loads if x.req_id in set(failed))
         self.scheduler.update(batch, out.token_ids, out.num_accepted)
         if out.draft_token_ids is not None:  # a draft model's drafts for the next step
             self.scheduler.keep_proposals(batch, out.draft_token_ids)
@@ -417,8 +447,17 @@ class LLMEngine:
                 )
             )
         prompt_logprobs = list(req.prompt_logprobs) if req.prompt_logprobs is not None else None
+        transfer = next((s.seq.kv_transfer_params for s in req.samples if s.seq.kv_transfer_params), None)
         return RequestOutput(
-            req.request_id, req.prompt, req.prompt_token_ids, completions, finished, req.metrics, None, prompt_logprobs
+            req.request_id,
+            req.prompt,
+            req.prompt_token_ids,
+            completions,
+            finished,
+            req.metrics,
+            None,
+            prompt_logprobs,
+            transfer,
         )
 
     # ---- introspection ---------------------------------------------------------------------------
@@ -496,6 +535,9 @@ class LLMEngine:
             "spec_decode_num_drafts": self.scheduler.num_drafts,
             "spec_decode_num_draft_tokens": self.scheduler.num_draft_tokens,
             "spec_decode_num_accepted_tokens": self.scheduler.num_accepted_tokens,
+            "prefill_tokens_computed": self.num_prefill_tokens,
+            # name -> (value, kind, help) of the KV connector's counters (prefill/decode disaggregation)
+            "kv_transfer": self.kv_connector.stats() if self.kv_connector is not None else {},
         }
 
 

@@ -55,6 +55,8 @@ class RequestOutput:
     error: str | None = None  # set when the request was rejected; the other requests of a batch still run
     # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing predicts it).
     prompt_logprobs: list[Logprob | None] | None = None
+    # A producer's answer for a consumer (prefill/decode disaggregation), once finished: see SamplingParams.
+    kv_transfer_params: dict | None = None
 
     @classmethod
     def rejected(cls, request_id: str, prompt: object, error: str) -> RequestOutput:

@@ -55,9 +55,13 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, kv_connector=None) -> None:
         self.config = config
         self.block_manager = block_manager
+        # Prefill/decode disaggregation: the scheduler side of a KV connector (kv_transfer.base.KVConnectorScheduler)
+        # or None. A consumer loads prompt KV into a sequence's blocks at admission; a producer keeps a finished
+        # prefill's blocks for a consumer until the connector releases them.
+        self.kv_connector = kv_connector
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -100,13 +104,27 @@ class Scheduler:
         else:
             self.waiting.remove(seq)
         seq.status = status
+        self._free_finished(seq)
+
+    def _free_finished(self, seq: Sequence) -> None:
+        if self.kv_connector is not None:
+            delay, seq.kv_transfer_params = self.kv_connector.request_finished(seq, seq.block_table)
+            if delay:
+                return  # the connector holds the blocks (a lease) and hands seq back through released()
         self.block_manager.free(seq)
+
+    def release_kv_transfers(self) -> None:
+        """Free the blocks of finished prefills the KV connector no longer holds (confirmed, or the lease ran out)."""
+        if self.kv_connector is not None:
+            for seq in self.kv_connector.released():
+                self.block_manager.free(seq)
 
     # ---- one step --------------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
         bm = self.block_manager
+        self.release_kv_transfers()
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -139,16 +157,21 @@ class Scheduler:
                 break  # dynamic batch: a long input waits for room; a lone sequence is always admitted
             hits = [] if seq.skip_prefix_cache else bm.get_computed_blocks(seq)
             num_cached = bm.num_hit_tokens(hits)
-            num_tokens = len(seq) - num_cached
+            # (a consumer: the prompt tokens after the hits whose KV a producer computed, loaded instead)
+            external = self.kv_connector.get_num_new_matched_tokens(seq, num_cached) if self.kv_connector else 0
+            num_tokens = len(seq) - num_cached - external
             if not self.config.enable_chunked_prefill and num_tokens > budget:
                 break
             num_tokens = min(num_tokens, budget)
-            if not bm.allocate_slots(seq, num_cached + num_tokens, hits):
+            if not bm.allocate_slots(seq, num_cached + external + num_tokens, hits):
                 break
             bm.record_prefix_lookup(len(seq), num_cached)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             seq.num_computed_tokens = seq.num_cached_tokens = num_cached
+            if self.kv_connector is not None:
+                self.kv_connector.update_state_after_alloc(seq, seq.block_table, external)
+                seq.num_computed_tokens += external
             self.running.append(seq)
             running_tokens += len(seq)
             batch.add(seq, num_tokens)
@@ -193,6 +216,7 @@ class Scheduler:
                         seq.num_computed_tokens,
                         seq.structured_output,
                         [list(t) for t in seq.block_tables[1:]],
+                        kv_kept=seq.kv_kept,
                     )
                 )
             else:
@@ -208,6 +232,8 @@ class Scheduler:
             out.num_scheduled_tokens.append(num_tokens)
             if drafts:
                 out.scheduled_spec_decode_tokens[str(seq.seq_id)] = list(drafts)
+        if self.kv_connector is not None:
+            out.kv_connector_metadata = self.kv_connector.build_connector_meta()
         if self.config.speculative_config is not None and self.config.speculative_config.method == "draft_model":
             for seq, samples in zip(batch.seqs, batch.sample):
                 # the drafts for its next step, which starts at least one token further on
@@ -276,6 +302,11 @@ class Scheduler:
             elif drafts and self.block_manager.trim(seq, len(seq)):
                 sent = self._sent.get(seq.seq_id)
                 if sent is not None:  # the worker cuts its table to these at the next step (CachedRequest)
+                    kept = tuple(min(k, len(t)) for k, t in zip(sent[1], seq.block_tables))
+                    self._sent[seq.seq_id] = (seq, kept, sent[2])
+            if status is None and self.block_manager.compress(seq):  # KV compression gave its tail blocks back
+                sent = self._sent.get(seq.seq_id)
+                if sent is not None:  # (the worker cuts its tables to these too)
                     kept = tuple(min(k, len(t)) for k, t in zip(sent[1], seq.block_tables))
                     self._sent[seq.seq_id] = (seq, kept, sent[2])
         return finished

@@ -65,6 +65,15 @@ class Sequence(TokenView):
         self.spec_decode = False
         self.ngram_index = None
         self.spec_state = None
+        # Prefill/decode disaggregation: what a consumer loads for it (the connector's RemoteKV, until admitted) and
+        # what a producer answered when it finished (its kv_transfer_params, for the consumer).
+        self.kv_transfer = None
+        self.kv_transfer_params: dict | None = None
+        # KV compression (engine/kv_cache_coordinator.py): per KV cache group, the tokens kept once this admission's
+        # prefill is computed (None: no press), and the tokens' KV dropped since; a group holds the KV of
+        # num_computed_tokens - num_evicted[g] tokens, so positions and cache slots part ways. Reset when freed.
+        self.kv_kept: list[int] | None = None
+        self.num_evicted: list[int] | None = None
 
     @property
     def block_table(self) -> list[int]:

@@ -10,6 +10,7 @@ tests/test_kernels.py on it); its speed on Arm hardware, and its row limits, are
 from __future__ import annotations
 
 from infertune.kernels import cpu
+from infertune.kernels.interface import FusedDecoder, FusedModel
 from infertune.kernels.x86 import Avx2Kernels
 
 _instance: NeonKernels | None = None
@@ -20,6 +21,13 @@ class NeonKernels(Avx2Kernels):
     (tests/neon_qemu.py runs them under qemu)."""
 
     variant = "neon"
+    bf16_rows = cpu.MAX_ROWS  # (a GEMV only: no GEMM in the NEON library yet)
+
+    def fused_decoder(self, model: FusedModel) -> FusedDecoder | str:
+        return "the fused step has no NEON variant yet (AVX-512 and AVX2 only)"
+
+    def fused_step_timers(self, reset: bool = False) -> dict[str, float]:
+        return {**dict.fromkeys(cpu.FUSED_PARTS, 0.0), "calls": 0.0, "rows": 0.0}
 
 
 def kernels() -> NeonKernels | None:

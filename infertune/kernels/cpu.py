@@ -10,7 +10,8 @@ are checked against the ctypes declarations here (`check_abi`): a mismatch disab
 Variants (`INFERTUNE_CPU_ISA` forces one; the default, auto, takes the first this CPU and torch's limits allow):
   avx512        AVX-512 BF16 / VNNI, AMX tiles where the CPU has them: every kernel and the fused step
   avx512-noamx  the same library with the AMX paths off (what a Zen 4 / 5 runs)
-  avx2          AVX2 + FMA + F16C: the GEMVs (bf16, W8A16, W4A16), dequantization and the elementwise kernels
+  avx2          AVX2 + FMA + F16C: the GEMVs (bf16, W8A16, W4A16), the bf16 FMA GEMM (prompts, batches),
+                dequantization, the elementwise kernels and the fused step (no 12-bit weights)
   neon          AArch64 Advanced SIMD (csrc/arm/neon/neon.c): the same subset as avx2; tested under qemu-user for
                 correctness (tests/test_neon.py), not yet measured on Arm hardware
 Where none fits, no compiler is present, or INFERTUNE_CPU_KERNELS=0, `available()` is False, `unavailable_reason()`
@@ -50,6 +51,13 @@ AMX_GEMM_MAX_ROWS = 128
 # a slab at a time), below it the GEMV (benchmarks/bench_gemm_noamx.py measures both against torch's oneDNN GEMM).
 # INFERTUNE_NOAMX_GEMM=0 keeps the behaviour from before that GEMM: the GEMV up to MAX_ROWS, torch's GEMM past it.
 NOAMX_GEMM_MAX_ROWS = 128
+# On AVX2 (no AVX-512: csrc/x86/avx2/gemm.c, the FMA GEMM from it_gemm_rows_fma() rows, the GEMV below) bf16 linears
+# keep the kernels at every step size up to this: torch's bf16 GEMM limited to AVX2 is far slower at every size
+# measured (benchmarks/bench_gemm_avx2.py, docs/kernels.md "AVX2"), so this only bounds a step, not a crossover.
+AVX2_GEMM_MAX_ROWS = 1 << 16
+# The AVX2 fused step takes steps of fresh prompts of up to this many tokens in all (bf16 weights, bf16 cache), as the
+# AVX-512 library without AMX does (NOAMX_GEMM_MAX_ROWS): each prompt row's attention runs on its own.
+AVX2_FUSED_PREFILL_ROWS = 128
 # The C side's ABI (csrc/abi.h IT_ABI_VERSION): bump both together when a shared struct or a signature changes.
 ABI_VERSION = 3
 WARN_FLAGS = ["-Wall", "-Wextra"]
@@ -298,6 +306,10 @@ def declare(lib: ctypes.CDLL) -> None:
         "it_linear_bf16_gemv": ([ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, cint], None),
         "it_linear_bf16_gemm_noamx": ([ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, cint], cint),
         "it_gemm_rows_noamx": ([i64], i64),
+        "it_linear_bf16_gemm_fma": ([ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, cint], cint),
+        "it_gemm_rows_fma": ([i64], i64),
+        "it_linear_bf16_gemvx": ([ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, cint], cint),
+        "it_gemvx_rows": ([i64], i64),
         "it_linear_w8": ([ptr, i64, ptr, ptr, cint, ptr, ptr, i64, i64, i64, i64, cint], None),
         "it_linear_w4": ([ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, cint], None),
         "it_dequant_w8": ([ptr, ptr, cint, ptr, i64, i64, cint], None),
@@ -499,8 +511,11 @@ def library() -> ctypes.CDLL:
 
 def bf16_max_rows() -> int:
     """Rows up to which linear_bf16 beats torch's GEMM here: AMX_GEMM_MAX_ROWS with AMX, NOAMX_GEMM_MAX_ROWS on the
-    AVX-512 library without AMX (its VDPBF16PS GEMM), else MAX_ROWS (AVX2, NEON, or INFERTUNE_NOAMX_GEMM=0)."""
+    AVX-512 library without AMX (its VDPBF16PS GEMM), AVX2_GEMM_MAX_ROWS on AVX2 (its FMA GEMM), else MAX_ROWS
+    (NEON, or INFERTUNE_NOAMX_GEMM=0)."""
     _load()
+    if _variant == "avx2":
+        return AVX2_GEMM_MAX_ROWS
     return AMX_GEMM_MAX_ROWS if _amx else NOAMX_GEMM_MAX_ROWS if _noamx_gemm else MAX_ROWS
 
 
@@ -581,16 +596,22 @@ def linear_bf16_path(
     path: str,
     lib: ctypes.CDLL | None = None,
 ) -> torch.Tensor:
-    """linear_bf16 through one of the AVX-512 library's non-AMX paths whatever the rows (tests, benchmarks): "gemm"
-    (the VDPBF16PS GEMM; K even) or "gemv" (the GEMV, what every row count ran before the GEMM)."""
+    """linear_bf16 through one of the non-AMX paths whatever the rows (tests, benchmarks): "gemm" (the AVX-512
+    library's VDPBF16PS GEMM, K even; the AVX2 library's FMA GEMM, any K), "gemv" (the GEMV, what every row count
+    ran before the GEMM) or, on AVX2, "gemvx" (the GEMV on x widened once, for a few rows)."""
     lib = _pick(lib)
     x2 = _rows(x)
     _check(x2, weight, bias)
-    fn = {"gemm": getattr(lib, "it_linear_bf16_gemm_noamx", None), "gemv": getattr(lib, "it_linear_bf16_gemv", None)}
+    fma = getattr(lib, "it_linear_bf16_gemm_fma", None)
+    fn = {
+        "gemm": fma or getattr(lib, "it_linear_bf16_gemm_noamx", None),
+        "gemv": getattr(lib, "it_linear_bf16_gemv", None),
+        "gemvx": getattr(lib, "it_linear_bf16_gemvx", None),
+    }
     if fn.get(path) is None:
         raise ValueError(f"path={path!r}: this library has {[p for p, f in fn.items() if f is not None]}")
     m, (n, k) = x2.shape[0], weight.shape
-    if path == "gemm" and k % 2:
+    if path == "gemm" and k % 2 and fma is None:
         raise ValueError(f"the VDPBF16PS GEMM needs an even K, got {k}")
     y = torch.empty((m, n), dtype=torch.bfloat16)
     b = bias.data_ptr() if bias is not None else None
@@ -819,12 +840,15 @@ def decode_attention(
     scale: float,
     kv_int8: bool = False,
     use_amx: bool = True,
+    *,
+    lib: ctypes.CDLL | None = None,
 ) -> torch.Tensor:
     """The fused decode step's attention alone (for tests and benchmarks): q [T, Hq, D] bf16, one layer's paged
     cache ([2, num_blocks, block_size, Hkv, D] bf16, or the int8 rows of Int8PagedAttention as uint8 / int8
     [2, num_blocks, block_size, Hkv, D + 4]), block tables [T, max_blocks] and context lengths [T] (int64).
-    Returns o [T, Hq, D] bf16. use_amx=False takes the AVX-512 path where the CPU has AMX."""
-    _load()
+    Returns o [T, Hq, D] bf16. use_amx=False takes the AVX-512 path where the CPU has AMX. lib: a variant's library
+    (load_variant; default the process's)."""
+    lib = _pick(lib)
     t, hq, d = q.shape
     num_blocks, block_size = cache.shape[1], cache.shape[2]
     # the kernel reads the queries from rows of [q | k | v]; k and v are not read
@@ -845,7 +869,7 @@ def decode_attention(
         n_layers=1,
         kv_int8=int(kv_int8),
     )
-    nbytes = _lib.it_decode_workspace_bytes(ctypes.byref(cmodel), t, tables.shape[1] * block_size)
+    nbytes = lib.it_decode_workspace_bytes(ctypes.byref(cmodel), t, tables.shape[1] * block_size)
     work = torch.empty(nbytes + 64, dtype=torch.uint8)
     step = ItStep(
         T=t,
@@ -857,7 +881,7 @@ def decode_attention(
     )
     o = torch.empty(t, hq, d, dtype=torch.bfloat16)
     cache = cache.contiguous()
-    rc = _lib.it_decode_attention(
+    rc = lib.it_decode_attention(
         ctypes.byref(cmodel), ctypes.byref(step), qkv.data_ptr(), cache.data_ptr(), o.data_ptr(), int(use_amx)
     )
     if rc != 0:
@@ -865,16 +889,17 @@ def decode_attention(
     return o
 
 
-# The parts of the fused step that it_decode_layers times (csrc/x86/avx512/fused_step.c FT_*), in order
+# The parts of the fused step that it_decode_layers times (csrc/fused_step.h FT_*), in order
 FUSED_PARTS = ("norm", "qkv", "rotary + K/V write", "attention", "o_proj", "residual adds", "gate_up (+ SiLU)", "down")
 
 
-def fused_step_timers(reset: bool = False) -> dict[str, float]:
+def fused_step_timers(reset: bool = False, *, lib: ctypes.CDLL | None = None) -> dict[str, float]:
     """Wall seconds of each part of the fused step (FUSED_PARTS), summed over its calls since the last reset,
-    with "calls" and "rows" (tokens). reset=True zeroes them after reading."""
-    _load()
+    with "calls" and "rows" (tokens). reset=True zeroes them after reading. lib: a variant's library (default the
+    process's)."""
+    lib = _pick(lib)
     out = (ctypes.c_double * (len(FUSED_PARTS) + 2))()
-    _lib.it_fused_timers(out, int(reset))
+    lib.it_fused_timers(out, int(reset))
     return {**dict(zip(FUSED_PARTS, out[: len(FUSED_PARTS)])), "calls": out[-2], "rows": out[-1]}
 
 

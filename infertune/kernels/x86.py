@@ -142,12 +142,14 @@ class X86Kernels:
 
 
 class Avx2Kernels(X86Kernels):
-    """The AVX2 + FMA variant (x86 CPUs without AVX-512): the GEMVs (bf16, W8A16, W4A16), the prefills'
-    dequantization and the elementwise kernels, through X86Kernels' calls on its own library; no 12-bit weights and
-    no fused step (those need AVX-512 / AMX). lib: a library from cpu.load_variant(variant) (default: the process's,
-    where it is that one). kernels/arm.py's NeonKernels is the same set on the NEON library."""
+    """The AVX2 + FMA variant (x86 CPUs without AVX-512): the GEMVs (bf16, W8A16, W4A16), the bf16 FMA GEMM, the
+    prefills' dequantization, the elementwise kernels and the fused step (csrc/fused_step.h over
+    csrc/x86/avx2/fused.c), through X86Kernels' calls on its own library; no 12-bit weights (those need AVX-512 VBMI
+    and AMX). lib: a library from cpu.load_variant(variant) (default: the process's, where it is that one).
+    kernels/arm.py's NeonKernels is the same set on the NEON library, less the GEMM and the fused step."""
 
     variant = "avx2"
+    bf16_rows = cpu.AVX2_GEMM_MAX_ROWS  # (bf16 linears: the GEMV, then the FMA GEMM from it_gemm_rows_fma() rows)
 
     def __init__(self, lib=None) -> None:
         if lib is None:
@@ -164,10 +166,13 @@ class Avx2Kernels(X86Kernels):
         return f"{type(self).__name__}({self.name})"
 
     def max_rows(self, kind: LinearKind) -> int:
-        # GEMVs at heart (MR2 = 2 rows a pass over a block of 4 weight rows, from L1 after the first): up to 16 rows
-        # they stream the weights once, as the AVX-512 GEMVs without AMX do. Not yet measured against torch's AVX2
-        # GEMMs on an AVX2-only CPU (benchmarks/bench_isa_ab.py measures it); 12-bit weights do not exist here.
-        return 0 if kind == "bf16c" else cpu.MAX_ROWS
+        # bf16: the GEMV below it_gemm_rows_fma() rows, the FMA GEMM past it, at every step size (torch's bf16 GEMM
+        # limited to AVX2 is slower at every size: benchmarks/bench_gemm_avx2.py). W8A16 / W4A16: GEMVs at heart
+        # (MR2 = 2 rows a pass over a block of 4 weight rows), up to 16 rows; past them the layer dequantizes and
+        # runs linear_bf16. 12-bit weights do not exist here.
+        if kind == "bf16c":
+            return 0
+        return self.bf16_rows if kind == "bf16" else cpu.MAX_ROWS
 
     def can_compress(self, out_features: int, in_features: int) -> bool:
         return False
@@ -176,10 +181,12 @@ class Avx2Kernels(X86Kernels):
         raise NotImplementedError("the 12-bit weights need AVX-512 VBMI and AMX (can_compress is False here)")
 
     def fused_decoder(self, model: FusedModel) -> FusedDecoder | str:
-        return "the fused step needs AVX-512 (this is the AVX2 variant)"
+        from infertune.kernels.x86_fused import X86FusedDecoder
+
+        return X86FusedDecoder.build(model, amx=False, avx2_lib=self.lib)
 
     def fused_step_timers(self, reset: bool = False) -> dict[str, float]:
-        return {**dict.fromkeys(cpu.FUSED_PARTS, 0.0), "calls": 0.0, "rows": 0.0}
+        return cpu.fused_step_timers(reset, lib=self.lib)
 
 
 @functools.lru_cache(maxsize=64)

@@ -1,4 +1,5 @@
-"""The fused step on x86: every decoder layer of a step in one call to it_decode_layers (csrc/x86/avx512/fused_step.c).
+"""The fused step on x86: every decoder layer of a step in one call to it_decode_layers (csrc/fused_step.h, over the
+AVX-512 library's parts or the AVX2 library's, csrc/x86/avx2/fused.c).
 
 At batch 1 the eager PyTorch forward of a 24-layer model spends ~15 ms a step outside its matmuls: a dozen aten
 dispatches, Python module calls and temporaries per layer. Here the whole stack (norms, projections, rotary, the
@@ -19,10 +20,10 @@ from infertune.kernels.interface import FusedModel, KernelLinear
 
 
 class X86FusedDecoder:
-    def __init__(self, model: FusedModel, cmodel, layers, keep, max_rows: int, max_prefill_rows: int) -> None:
+    def __init__(self, model: FusedModel, cmodel, layers, keep, max_rows: int, max_prefill_rows: int, lib) -> None:
         self.cmodel, self.layers, self._keep = cmodel, layers, keep
         self.max_rows, self.max_prefill_rows = max_rows, max_prefill_rows
-        self.lib = cpu.library()
+        self.lib = lib
         self.hidden = model.hidden
         rows = max(max_rows, max_prefill_rows)
         nbytes = self.lib.it_decode_workspace_bytes(ctypes.byref(cmodel), rows, model.max_context)
@@ -34,7 +35,9 @@ class X86FusedDecoder:
         self.embed, self.final_norm, self.final_eps = model.embed, model.final_norm, model.final_eps
 
     @classmethod
-    def build(cls, model: FusedModel, amx: bool) -> X86FusedDecoder | str:
+    def build(cls, model: FusedModel, amx: bool, avx2_lib=None) -> X86FusedDecoder | str:
+        """avx2_lib: the AVX2 library (Avx2Kernels'), whose parts run bf16 / int8 / int4 projections (no 12-bit
+        weights) and attention with P in fp32; else the process's AVX-512 library."""
         if model.head_dim % 16:
             return f"head_dim={model.head_dim} (the fused step needs a multiple of 16)"
         if model.embed.dtype is not torch.bfloat16 or any(
@@ -65,6 +68,13 @@ class X86FusedDecoder:
             for name in ("qkv", "o", "gate_up", "down"):
                 keep += _fill_lin(getattr(c, name), getattr(layer, name))
         kinds = {lin.kind for layer in model.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)}
+        if avx2_lib is not None:
+            if "bf16c" in kinds:
+                return "12-bit weights (the AVX2 library has no decoder for them)"
+            # Short prompts too with bf16 weights as loaded and a bf16 cache, as without AMX below: the FMA GEMM
+            # (csrc/x86/avx2/gemm.c) and each prompt row's attention on its own
+            prefill_rows = cpu.AVX2_FUSED_PREFILL_ROWS if kinds == {"bf16"} and not model.kv_int8 else 0
+            return cls(model, cmodel, layers, keep, cpu.MAX_ROWS, prefill_rows, avx2_lib)
         # Short prompts too, where every projection is bf16 (plain or 12-bit: the prefill's tile GEMM, AMX only) and
         # the cache is bf16 (an int8 cache would make a prompt attend to its own K/V quantized, which the PyTorch
         # path does not). With every projection 12-bit the tile GEMM (decoding as it multiplies, SiLU in the
@@ -79,7 +89,7 @@ class X86FusedDecoder:
         elif not amx and kinds == {"bf16"} and not model.kv_int8 and cpu.bf16_max_rows() > cpu.MAX_ROWS:
             prefill_rows = cpu.bf16_max_rows()
         cmodel.gate_up_fused = int(all(c.gate_up.kind == cpu.WeightKind.BF16C and c.gate_up.inter > 0 for c in layers))
-        return cls(model, cmodel, layers, keep, cpu.MAX_ROWS, prefill_rows)
+        return cls(model, cmodel, layers, keep, cpu.MAX_ROWS, prefill_rows, cpu.library())
 
     def __call__(
         self,

@@ -53,6 +53,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=o_bias, dtype=dtype)
         self.rotary = rotary
         self.attn = attn
+        self.index = index
         self.window = cfg.layer_windows[index] if cfg.layer_windows else None  # this layer's sliding window
         self.softcap = None  # attention logit soft-capping (Gemma 2 sets it)
         # Qwen3: each head of q and of k is RMS-normalised (over head_dim) before rotary.
@@ -78,6 +79,9 @@ class LlamaAttention(nn.Module):
 
     def attend(self, q, k, v, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The attention backend over this layer's cache, within its window -> o [T, H, D]."""
+        if meta.press_rows is not None:  # KV compression: the observation window's queries (SnapKV)
+            meta.press_queries[self.index] = q.index_select(0, meta.press_rows)
+        meta = meta.for_layer(self.index)  # this layer's KV cache group
         return self.attn.forward(q, k, v, kv_cache, meta, self.scale, window=self.window, softcap=self.softcap)
 
     def forward(

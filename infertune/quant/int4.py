@@ -137,7 +137,15 @@ class W4A16Method(UnquantizedMethod):
                 return self.kernels.linear_w4(
                     x, layer.qweight, layer.w4_scale, layer.w4_zero, self.group_size, layer.bias
                 )
-            y = F.linear(x, self._dense_weight(layer, x.dtype))
+            w = self._dense_weight(layer, x.dtype)
+            if (
+                x.dtype is torch.bfloat16
+                and x2.shape[0] <= self.kernels.max_rows("bf16")
+                and not torch.compiler.is_compiling()
+            ):  # the kernels' bf16 GEMM where it beats torch's at this size (AVX2: every size; AMX: up to 128 rows)
+                y = self.kernels.linear_bf16(x, w)
+            else:
+                y = F.linear(x, w)
         elif not self.fast_kernel:
             w = dequantize_int4(layer.q_ref.to(torch.int32), layer.scale_ref, layer.low_ref, self.group_size)
             y = F.linear(x, w.to(x.dtype))

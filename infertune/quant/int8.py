@@ -76,8 +76,10 @@ class W8A16Method(UnquantizedMethod):
         if self.fast_kernel and (self.kernel_max_rows is None or x2.shape[0] <= self.kernel_max_rows):
             y = torch._weight_int8pack_mm(x2, layer.qweight, layer.scales).view(*x.shape[:-1], -1)
         elif self.kernels is not None and x.dtype is torch.bfloat16 and not torch.compiler.is_compiling():
-            # a prefill: the reference's rounding below, in one parallel pass
-            y = F.linear(x, self.kernels.dequant_w8(layer.qweight, layer.scales))
+            # a prefill: the reference's rounding below, in one parallel pass; then the kernels' bf16 GEMM where it
+            # beats torch's at this size (AVX2: every size; AMX: up to 128 rows)
+            w = self.kernels.dequant_w8(layer.qweight, layer.scales)
+            y = self.kernels.linear_bf16(x, w) if x2.shape[0] <= self.kernels.max_rows("bf16") else F.linear(x, w)
         else:
             w = layer.qweight.to(x.dtype) * layer.scales.to(x.dtype).unsqueeze(1)  # [N, K]
             y = F.linear(x, w)

@@ -8,13 +8,15 @@ The KV cache is allocated once, at start-up, from a memory budget, and reused fo
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from infertune.backends import Backend
 from infertune.config import EngineConfig
+from infertune.kv_transfer import kv_layout, worker_connector
 from infertune.layers.attention import AttentionMetadata, PrefillChunk, attention_backend
+from infertune.layers.attention.press import KVPress
 from infertune.layers.kernel_op import attach_kernels
 from infertune.layers.parallel import TensorParallel
 from infertune.models.loader import load_model
@@ -37,6 +39,8 @@ class KVCacheInfo:
     # The layers grouped by sliding window, each group with its own block tables (one group without windows).
     groups: tuple[KVCacheGroup, ...] = ()
     max_blocks_per_seq: int = 0  # the blocks one sequence of max_model_len holds at most, every group's together
+    # With a KV connector (config.parallel.kv_role): what a peer's blocks must match to be copied (kv_transfer).
+    kv_layout: dict | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -62,6 +66,10 @@ class ModelRunner:
         self.arch = arch = (
             config.model.arch.for_tensor_parallel(tp.size, tp.expert_parallel) if self.tp else config.model.arch
         )
+        self.kv_compression = config.cache.kv_compression
+        if self.kv_compression is not None:  # its window rules: sliding windows on those layers
+            windows = self.kv_compression.layer_windows(arch.layer_windows, arch.num_hidden_layers)
+            self.arch = arch = replace(arch, layer_windows=windows)
         self.dtype = backend.resolve_dtype(config.model.dtype, arch.torch_dtype)
         backend.seed(config.model.seed)
         # The backend's own small-batch linear kernels (None: torch's matmuls throughout). They are bf16 kernels:
@@ -91,7 +99,18 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         # KV cache groups (scheduler_output.KVCacheGroup): a block id is a page of every group's cache, the i-th
         # layer of each group in the i-th tensor, so the tensors are as many as the largest group's layers.
-        self.kv_groups = kv_cache_groups(arch.layer_windows, arch.num_hidden_layers, config.model.max_model_len)
+        # (KV compression: the full layers grouped further by what they keep, kv_compression.layer_key)
+        keys = None
+        if self.kv_compression is not None:
+            keys = tuple(self.kv_compression.layer_key(i) for i in range(arch.num_hidden_layers))
+        self.kv_groups = kv_cache_groups(arch.layer_windows, arch.num_hidden_layers, config.model.max_model_len, keys)
+        self._group_of_layer = [
+            next(g for g, group in enumerate(self.kv_groups) if i in group.layers)
+            for i in range(arch.num_hidden_layers)
+        ]
+        self.press = None
+        if self.kv_compression is not None and any(g.compressed for g in self.kv_groups):
+            self.press = KVPress(self.kv_compression, arch.num_hidden_layers, arch.num_attention_heads, self.attn)
         self._group_of_window = {
             w: next(g for g, group in enumerate(self.kv_groups) if i in group.layers)
             for i, w in enumerate(arch.layer_windows or (None,) * arch.num_hidden_layers)
@@ -103,7 +122,16 @@ class ModelRunner:
         # One allocation for every layer; each layer gets a view. torch.zeros so stale memory is never read as KV.
         cache_dtype = self.attn.cache_dtype or self.dtype
         pages = max(len(g.layers) for g in self.kv_groups)
-        self._kv_storage = torch.zeros((pages, *shape), dtype=cache_dtype, device=self.device)
+        # A KV connector (prefill/decode disaggregation) may keep the storage where a peer reads it (shared memory).
+        self.kv_connector = worker_connector(config, self.tp.rank if self.tp else 0, self.device.type)
+        storage = self.kv_connector.allocate((pages, *shape), cache_dtype) if self.kv_connector else None
+        if storage is None:
+            storage = torch.zeros((pages, *shape), dtype=cache_dtype, device=self.device)
+        self._kv_storage = storage
+        if self.kv_connector is not None:
+            self.kv_info.kv_layout = kv_layout(
+                config, tuple(storage.shape), str(cache_dtype).removeprefix("torch."), self.kv_groups
+            )
         self.kv_caches = list(self._kv_storage.unbind(0))
         if len(self.kv_groups) > 1:  # layer i: the page of its rank in its group
             page_of = {i: r for g in self.kv_groups for r, i in enumerate(g.layers)}
@@ -146,6 +174,10 @@ class ModelRunner:
             attach_kernels(self.model, self.decode_kernels)  # prefills' norms, rotary and SiLU-and-multiply
         # (not with tensor parallel: the fused step runs every layer in one call, with no all-reduce between them)
         fuse = self.tp is None and config.model.decode_kernels == "auto"
+        if fuse and self.press is not None and self.decode_kernels is not None:
+            # (the fused C step reads positions as cache slots: a compressed sequence's part ways; honest gap)
+            log.info("kv_compression: the fused decode step does not know it; decode runs the per-op path")
+            fuse = False
         if self.decode_kernels is not None and self.compiled is None and fuse:
             # (a step holds at most max_num_batched_tokens tokens, and at most max_num_seqs whole sequences)
             step_rows = min(
@@ -174,6 +206,8 @@ class ModelRunner:
     def _forward(self, input_ids, positions, meta, out_rows: list[int] | None = None) -> torch.Tensor:
         """Hidden states [T, hidden]; where out_rows (ascending) is given, only those rows are sure to be
         computed (the fused step takes just them through the last layer's o_proj and MLP)."""
+        if meta.press_rows is not None:  # (the layers write the queries KV compression keeps: eager)
+            return self.model(input_ids, positions, self.kv_caches, meta)
         if self.fused is not None and self.fused.applicable(input_ids.shape[0], meta):
             rows = self._tensor(out_rows) if out_rows and len(out_rows) < input_ids.shape[0] else None
             return self.fused(input_ids, positions, meta, rows)
@@ -189,7 +223,7 @@ class ModelRunner:
         if len(self.kv_groups) > 1:
             entries = [(t, s, k, [[0]] * len(self.kv_groups)) for t, s, k, _ in entries]
         input_ids, positions, meta, _ = self._prepare(entries)
-        for m in {id(m): m for m in (meta.by_window or {None: meta}).values()}.values():
+        for m in {id(m): m for m in [*(meta.by_window or {None: meta}).values(), *(meta.by_layer or ())]}.values():
             m.slot_mapping = self._tensor(list(range(n)))
         self.model.compute_logits(self._forward(input_ids, positions, meta))
 
@@ -230,6 +264,7 @@ class ModelRunner:
         """Run one step; one sampled token per scheduled request (None where a prefill chunk is unfinished), after
         the drafts it accepted where it had some (speculative decoding: SamplerOutput.num_accepted)."""
         step = self.requests.begin_step(scheduler_output)
+        load_failed = self._load_kv(scheduler_output, step)
         drafts = [scheduler_output.scheduled_spec_decode_tokens.get(r, []) for r in scheduler_output.req_ids]
         entries, entries_of = self._entries(step, drafts)
         input_ids, positions, meta, entry_rows = self._prepare(entries)
@@ -247,7 +282,14 @@ class ModelRunner:
         scored = self._prompt_rows(step, last_rows)  # entry -> (first prompt token scored, its rows)
         # (only the rows read are computed to the end: a step with nothing to sample still fills the KV cache)
         read = {r for i in sampled for r in rows_of[i]} | {r for _, rs in scored.values() for r in rs}
+        captured = self._press_capture(step, rows_of, meta) if self.press is not None else []
         hidden = self._forward(input_ids, positions, meta, sorted(read))  # [T, hidden]
+        if self.press is not None:
+            self._press_after_forward(step, captured, meta)
+        if self.kv_connector is not None:  # (after the whole forward: the model has no per-layer hook yet)
+            for layer, cache in enumerate(self.kv_caches):
+                self.kv_connector.save_kv_layer(layer, cache, scheduler_output.kv_connector_metadata)
+            self.kv_connector.wait_for_save()
         if sampled:
             logits = self.model.compute_logits(hidden[self._tensor([r for i in sampled for r in rows_of[i]])])  # [N, V]
             requests = [
@@ -271,7 +313,65 @@ class ModelRunner:
                 prompt_logprobs[i] = (first, self._score_rows(hidden, rows, targets, state.params.prompt_logprobs))
         self.requests.end_step(step, tokens, drafts, num_accepted)
         proposals = self.drafter.propose(scheduler_output, self.requests, tokens) if self.drafter else None
-        return SamplerOutput(tokens, logprobs, prompt_logprobs, num_accepted, proposals)
+        return SamplerOutput(tokens, logprobs, prompt_logprobs, num_accepted, proposals, load_failed)
+
+    def _load_kv(self, scheduler_output: SchedulerOutput, step: list) -> list[str] | None:
+        """Load the prompt KV the connector's metadata asks for into this rank's blocks, before the forward. A load
+        that fails (on any rank: they agree, or their collectives would differ) is recomputed in this step: its
+        entry computes the loaded tokens too, into the blocks already allocated for them. Returns those req ids."""
+        meta = scheduler_output.kv_connector_metadata
+        if meta is None or self.kv_connector is None or not meta.loads:
+            return None
+        failed = self.kv_connector.start_load_kv(meta, self._kv_storage)
+        if self.tp is not None and self.tp.min_over_ranks(0 if failed else 1) == 0:
+            failed = [load.req_id for load in meta.loads]  # some rank failed: every rank recomputes them all
+        if failed:
+            log.warning("KV load failed for %d request(s); computing their prompts in this step", len(failed))
+            row = {r: i for i, r in enumerate(scheduler_output.req_ids)}
+            for load in meta.loads:
+                if load.req_id in failed:
+                    state, n, samples = step[row[load.req_id]]
+                    state.num_computed_tokens = load.num_local_tokens
+                    step[row[load.req_id]] = (state, n + load.num_loaded_tokens, samples)
+        return failed or None
+
+    def _press_capture(self, step, rows_of, meta: AttentionMetadata) -> list[tuple[RequestState, int]]:
+        """KV compression: mark the rows whose queries the press will read (the last window_size positions of each
+        prefill still to compress) in meta.press_rows; return (state, rows) in that order."""
+        rows: list[int] = []
+        captured = []
+        for i, (state, n, _) in enumerate(step):
+            if state.kv_kept is None or state.num_evicted is not None:
+                continue
+            first = self.press.capture_from(len(state.token_ids))  # (token_ids is the prefill until it is done)
+            start = state.num_computed_tokens
+            lo = start + n if first is None else max(start, first)
+            if lo < start + n:
+                last = rows_of[i][-1]  # the row of position start + n - 1
+                rows.extend(range(last - (start + n - 1 - lo), last + 1))
+                captured.append((state, start + n - lo))
+        if rows:
+            meta.press_rows = self._tensor(rows)
+        return captured
+
+    def _press_after_forward(self, step, captured, meta: AttentionMetadata) -> None:
+        """Keep each prefill's captured queries; compress the sequences whose prefill this step completed."""
+        k = 0
+        for state, count in captured:
+            stash = state.press_queries if state.press_queries is not None else {}
+            for layer, q in meta.press_queries.items():
+                stash.setdefault(layer, []).append(q[k : k + count])
+            state.press_queries = stash
+            k += count
+        for state, _, samples in step:
+            if samples and state.kv_kept is not None and state.num_evicted is None:
+                n = len(state.token_ids)
+                queries = {layer: torch.cat(qs) for layer, qs in (state.press_queries or {}).items()}
+                self.press.compress(
+                    self.kv_caches, self.kv_groups, state.block_tables, state.kv_kept, n, queries, self.block_size
+                )
+                state.num_evicted = [n - kept for kept in state.kv_kept]
+                state.press_queries = None
 
     @staticmethod
     def _entries(step, drafts: list[list[int]]) -> tuple[list[tuple[list[int], int, int, list[int]]], list[range]]:
@@ -284,11 +384,13 @@ class ModelRunner:
         for (state, n, _), d in zip(step, drafts):
             first = len(entries)
             tables = state.block_tables if len(state.block_tables) > 1 else state.block_table  # per KV cache group
+            offsets = state.slot_offsets()  # KV compression: position - cache slot, per group
+            offsets = offsets if len(state.block_tables) > 1 else offsets[0]
             if d:
                 ids = state.token_ids + d
-                entries.extend((ids, state.num_computed_tokens + t, 1, tables) for t in range(n))
+                entries.extend((ids, state.num_computed_tokens + t, 1, tables, offsets) for t in range(n))
             else:
-                entries.append((state.token_ids, state.num_computed_tokens, n, tables))
+                entries.append((state.token_ids, state.num_computed_tokens, n, tables, offsets))
             entries_of.append(range(first, len(entries)))
         return entries, entries_of
 
@@ -353,10 +455,12 @@ class ModelRunner:
         return self.model.compute_logits(self._forward(input_ids, positions, meta))  # [n, V]
 
     def _prepare(self, entries: list[tuple[list[int], int, int, list[int]]]):
-        """(token_ids, num_computed, num_new, block_table) per entry -> flat inputs and attention metadata.
+        """(token_ids, num_computed, num_new, block_table[, slot offset]) per entry -> flat inputs and attention
+        metadata.
 
         Returns input_ids [T], positions [T], AttentionMetadata, and per entry the row of its last new token. With
-        several KV cache groups, block_table is one table per group.
+        several KV cache groups, block_table is one table per group (and the offset one per group). The offset
+        (KV compression: the tokens evicted) puts position p in cache slot p - offset; positions stay true.
         """
         if len(self.kv_groups) > 1 and entries and isinstance(entries[0][3][0], list):
             return self._prepare_groups(entries)
@@ -371,15 +475,17 @@ class ModelRunner:
         decode_lens: list[int] = []
         prefills: list[PrefillChunk] = []
         for i in order:
-            token_ids, start, n, table = entries[i]
+            token_ids, start, n, table = entries[i][:4]
+            off = entries[i][4] if len(entries[i]) > 4 else 0
             q_start = len(input_ids)
             input_ids.extend(token_ids[start : start + n])
             positions.extend(range(start, start + n))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            slots.extend(table[(p - off) // bs] * bs + (p - off) % bs for p in range(start, start + n))
             if n == 1:
-                decode_tables.append(table[: start // bs + 1])
-                decode_lens.append(start + 1)
+                decode_tables.append(table[: (start - off) // bs + 1])
+                decode_lens.append(start - off + 1)  # (the slots it reads: every kept token and its own)
             else:
+                assert off == 0, "a compressed sequence prefills no more (a preempted one comes back whole)"
                 context = None
                 if start > 0:  # earlier KV (prefix-cache hit or previous chunk) is read back from the cache
                     context = self._tensor([table[p // bs] * bs + p % bs for p in range(start + n)])
@@ -401,9 +507,13 @@ class ModelRunner:
         slots, block tables and context slots), and each layer's found by its window (AttentionMetadata.for_window)."""
         metas = []
         for g in range(len(self.kv_groups)):
-            input_ids, positions, meta, last_rows = self._prepare([(t, s, n, tables[g]) for t, s, n, tables in entries])
+            per_group = [(e[0], e[1], e[2], e[3][g], e[4][g] if len(e) > 4 else 0) for e in entries]
+            input_ids, positions, meta, last_rows = self._prepare(per_group)
             metas.append(meta)
-        metas[0].by_window = {w: metas[g] for w, g in self._group_of_window.items()}
+        if self.press is not None:  # full layers in more than one group: found by layer
+            metas[0].by_layer = [metas[g] for g in self._group_of_layer]
+        else:
+            metas[0].by_window = {w: metas[g] for w, g in self._group_of_window.items()}
         return input_ids, positions, metas[0], last_rows
 
     def _tensor(self, values) -> torch.Tensor:

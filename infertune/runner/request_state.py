@@ -17,6 +17,16 @@ class RequestState(TokenView):
     # old id (or are NULL_BLOCK): out of the window, no query reads them.
     block_tables: list[list[int]]
     num_computed_tokens: int
+    # KV compression (kv_compression.py): per KV cache group, the tokens kept once the prefill (all of token_ids as
+    # sent) is computed, None: no press; then the tokens evicted per group. Positions count every token
+    # (num_computed_tokens), a group's cache slots num_computed_tokens - num_evicted[g]: they part ways here.
+    kv_kept: list[int] | None = None
+    num_evicted: list[int] | None = None
+    press_queries: dict | None = None  # layer -> the prefill's last queries so far, while a SnapKV prefill runs
+
+    def slot_offsets(self) -> list[int]:
+        """Per KV cache group, position - slot (the tokens compression dropped; 0 before or without it)."""
+        return self.num_evicted or [0] * len(self.block_tables)
 
     @property
     def block_table(self) -> list[int]:
@@ -44,6 +54,7 @@ class RequestStates:
                 # (a windowed group's NULL_BLOCK entries, out of its window: block 0, a valid id no query reads)
                 [[max(b, 0) for b in t] for t in (new.block_ids, *new.group_block_ids)],
                 new.num_computed_tokens,
+                new.kv_kept,
             )
         for cached in out.cached_requests:
             state = self.requests[cached.req_id]

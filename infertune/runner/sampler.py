@@ -57,6 +57,8 @@ class SamplerOutput:
     num_accepted: list[int] | None = None
     # A draft model: per row, the drafts it proposed for the row's next step (None where it proposed none).
     draft_token_ids: list[list[int] | None] | None = None
+    # A KV connector's loads the workers could not do this step (their prompts were computed instead).
+    kv_load_failed: list[str] | None = None
 
 
 class Sampler:

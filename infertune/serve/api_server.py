@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from infertune.engine.admission import NeverFits, Overloaded
 from infertune.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream, RequestTimeoutError
 from infertune.engine.outputs import RequestOutput
+from infertune.kv_transfer import KVTransferError
 from infertune.sampling_params import ParamError, SamplingParams
 from infertune.serve.metrics import ServerMetrics
 from infertune.serve.protocol import STREAMED, APIError, ChatCompletionRequest, CompletionRequest, error_responses
@@ -101,6 +102,9 @@ def _api_error(e: BaseException, param: str) -> APIError | None:
         return APIError(503, str(e), "service_unavailable", code="engine_unavailable", retry_after=5)
     if isinstance(e, RequestTimeoutError):
         return APIError(408, str(e), "timeout_error", code="request_timeout")
+    if isinstance(e, KVTransferError):  # prefill/decode disaggregation: the two sides' mismatch, or a failed transfer
+        type_ = "service_unavailable" if e.status == 503 else "internal_error"
+        return APIError(e.status, str(e), type_, code=e.code)
     if isinstance(e, NeverFits):
         return APIError(400, str(e), param=e.param, code="request_too_large")
     if isinstance(e, ValueError):

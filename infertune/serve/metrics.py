@@ -69,6 +69,14 @@ class _EngineCollector:
             s["spec_decode_num_accepted_tokens"],
         )
         yield CounterMetricFamily(
+            "infertune_prefill_tokens_computed",
+            "Prompt tokens computed here (not served by the prefix cache nor loaded from a prefill instance)",
+            s.get("prefill_tokens_computed", 0),
+        )
+        for name, (value, kind, help_) in s.get("kv_transfer", {}).items():  # prefill/decode disaggregation
+            family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            yield family(f"infertune_{name}", help_, value)
+        yield CounterMetricFamily(
             "infertune_requests_aborted", "Requests aborted before finishing (client gone)", self.engine.num_aborted
         )
         yield CounterMetricFamily(

@@ -170,6 +170,8 @@ class _SamplingFields(_StructuredFields):
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # Prefill/decode disaggregation (vLLM's field): what `infertune router` passes a producer and then a consumer.
+    kv_transfer_params: dict | None = None
 
     def sampling_params(
         self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
@@ -192,6 +194,7 @@ class _SamplingFields(_StructuredFields):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             structured_outputs=self.structured_outputs_params(),
+            kv_transfer_params=self.kv_transfer_params,
         )
         # None means "the default"; max_tokens None means "up to the context length".
         return SamplingParams(max_tokens=max_tokens, **{k: v for k, v in fields.items() if v is not None})

@@ -104,7 +104,11 @@ class Formatter:
 
     def response(self, outputs: list[RequestOutput], n: int) -> dict:
         choices = [self.choice(i * n + c.index, c, o) for i, o in enumerate(outputs) for c in o.outputs]
-        return self._envelope("chat.completion" if self.chat else "text_completion", choices, usage(outputs))
+        body = self._envelope("chat.completion" if self.chat else "text_completion", choices, usage(outputs))
+        transfer = next((o.kv_transfer_params for o in outputs if o.kv_transfer_params), None)
+        if transfer is not None:  # a producer's answer, for the consumer (infertune router reads it)
+            body["kv_transfer_params"] = transfer
+        return body
 
     def chunk(
         self, index: int, text: str, finish_reason: str | None, logprobs: dict | None = None, first: bool = False

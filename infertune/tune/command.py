@@ -164,6 +164,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--plot", type=Path, default=None, metavar="OUT.png", help="throughput and TTFT vs batch (matplotlib)"
     )
     p.add_argument("--json", action="store_true", help="print the rows and picks as JSON instead of tables")
+    p.add_argument(
+        "--kv-compression",
+        metavar="JSON",
+        **option(
+            "kv_compression",
+            help='a press, e.g. \'{"press": "snapkv", "compression_ratio": 0.75}\': time one request per '
+            "--kv-threshold-lengths with and without it and write the policy (full up to the length where it stops "
+            "paying, the press above) into the configs (default: off)",
+        ),
+    )
+    p.add_argument(
+        "--kv-threshold-lengths",
+        type=_int_list,
+        default=[512, 1024, 2048, 4096],
+        metavar="N[,N...]",
+        help="prompt lengths timed for --kv-compression (default: 512,1024,2048,4096)",
+    )
 
 
 def load_workload(args, vocab: int) -> tuple[list[list[int]], list[int]]:
@@ -308,6 +325,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--max-batch must be at least 1")
     if args.plot is not None:  # fail before the sweep, not after it
         require_matplotlib()
+    if args.kv_compression is not None:  # a bad press fails before the sweep
+        from infertune.kv_compression import KVCompressionConfig
+
+        KVCompressionConfig.from_dict(args.kv_compression)
     model, vocab = model_vocab(args.model)
     prompts, output_lens = load_workload(args, vocab)
     max_len = max(len(p) + o for p, o in zip(prompts, output_lens))
@@ -332,6 +353,19 @@ def run(args: argparse.Namespace) -> int:
     picks = {"online": rec.online, "offline": rec.offline}
     configs = {k: engine_config(model, r) if r else None for k, r in picks.items()}
     chosen = args.config_for if configs[args.config_for] else "offline"
+    kv_rows = kv_said = None
+    if args.kv_compression is not None:  # where the press starts to pay: its policy joins the configs
+        from infertune.tune import kv_threshold
+
+        kv_base = {k: v for k, v in base.items() if k != "max_model_len"}
+        kv_rows = kv_threshold.measure(
+            model, kv_base, args.kv_compression, args.kv_threshold_lengths, args.output_len, vocab, args.seed
+        )
+        threshold = kv_threshold.pick_threshold(kv_rows)
+        kv_said = kv_threshold.render(kv_rows, threshold)
+        for config in configs.values():
+            if config:
+                config["kv_compression"] = kv_threshold.policy(args.kv_compression, threshold)
     if args.out_config is not None and configs[chosen]:
         args.out_config.parent.mkdir(parents=True, exist_ok=True)
         args.out_config.write_text(json.dumps(configs[chosen], indent=2) + "\n")
@@ -348,6 +382,7 @@ def run(args: argparse.Namespace) -> int:
                     online=configs["online"],
                     offline=configs["offline"],
                     messages=rec.messages,
+                    kv_compression_rows=kv_rows,
                     knee={
                         " / ".join(map(str, k)) if isinstance(k, tuple) else str(k): v for k, v in knee(rows).items()
                     },
@@ -373,6 +408,8 @@ def run(args: argparse.Namespace) -> int:
                 print(f"{kind}: none")
         for m in rec.messages:
             print(f"note: {m}")
+        if kv_said:
+            print(f"\n{kv_said}")
         if args.out_config is not None and configs[chosen]:
             print(f"wrote the {chosen} config to {args.out_config}")
         if args.plot is not None:

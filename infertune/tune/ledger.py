@@ -26,7 +26,8 @@ DESCRIPTION = (
     "Measure the optimization ledger on this machine: HF transformers generate, then infertune eager, + paged KV "
     "and continuous batching, + prepacked weights, + compiled decode, + decode kernels, + INT8 KV, + W8A16, "
     "+ W4A16, + tuned batch; tokens/s, TTFT, memory, gain per step and cumulative vs HF, and the perplexity "
-    "change of lossy steps. Markdown table by default; --json / --md / --plot write files."
+    "change of lossy steps; --pd adds the P/D split step (2 colocated replicas -> 1 prefill + 1 decode behind the router, "
+    "TTFT / TPOT percentiles). Markdown table by default; --json / --md / --plot write files."
 )
 
 NOT_AVAILABLE = "not available"
@@ -78,6 +79,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", type=Path, default=None, metavar="OUT", help="write every figure as JSON")
     p.add_argument("--md", type=Path, default=None, metavar="OUT", help="write the Markdown table")
     p.add_argument("--plot", type=Path, default=None, metavar="OUT.png", help="tokens/s per step (matplotlib)")
+    p.add_argument(
+        "--pd",
+        action="store_true",
+        help="then the seeds' P/D split step: the model served as 2 colocated replicas, then as 1 prefill + 1 "
+        "decode instance, behind `infertune router`, under long prompts mixed with long outputs: TTFT / TPOT "
+        "p50 and p99 (starts 3 server processes per setup, one thread each; minutes; infertune/bench/pd.py)",
+    )
+    p.add_argument("--pd-num-prompts", type=int, default=16, help="requests of the P/D step (default: 16)")
+    p.add_argument("--pd-request-rate", type=float, default=0.5, help="their arrival rate, req/s (default: 0.5)")
 
 
 # (key, label, engine options added by this step, lossy?). None options = not built yet.
@@ -413,6 +423,24 @@ def render_markdown(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def pd_split(args) -> tuple[dict, str]:
+    """The seeds' "P/D split" step (colocated -> 1 prefill + 1 decode behind the router): {setup: bench serve's
+    summary} and its Markdown, with the engine's default options on every instance."""
+    from infertune.bench.pd import Workload, compare, render
+    from infertune.config import ArchConfig
+
+    _, hf_dir, _ = resolve_model(args)
+    max_len = min(ArchConfig.from_model_dir(hf_dir).max_position_embeddings, 4096)
+    w = Workload(args.pd_num_prompts, args.pd_request_rate, 4 * args.input_len, 16, args.output_len, 4)
+    flags = ["--model", hf_dir, "--dtype", args.dtype, "--max-model-len", str(max_len)]
+    results = compare(["--max-num-seqs", str(max(args.batch, 2)), *flags], w, log=lambda m: print(m, file=sys.stderr))
+    head = (
+        f"P/D split: {w.num_prompts} requests at {w.request_rate:g}/s alternating {w.long_input} prompt words + "
+        f"{w.short_output} tokens with {w.short_input} + {w.long_output}, each instance one thread, engine defaults."
+    )
+    return results, head + "\n\n" + render(results)
+
+
 def write_plot(doc: dict, path: Path) -> None:
     plt = pyplot()
     rows = doc["steps"]
@@ -435,6 +463,9 @@ def run(args: argparse.Namespace) -> int:
         require_matplotlib()
     doc = build_ledger(args)
     md = render_markdown(doc)
+    if getattr(args, "pd", False):
+        doc["pd_split"], text = pd_split(args)
+        md += "\n\n" + text
     print(md)
     if args.md is not None:
         args.md.parent.mkdir(parents=True, exist_ok=True)

@@ -36,10 +36,21 @@ class AttentionMetadata:
     # With several KV cache groups (layers grouped by sliding window, each with its own block tables): a layer's
     # window -> its group's metadata (slot mapping, block tables, context slots). None: one group, this one.
     by_window: dict | None = None
+    # The same per layer (layer index -> its group's metadata), where groups are more than windows (KV compression
+    # splits the full layers by budget). None: found by window.
+    by_layer: list | None = None
+    # KV compression (SnapKV's observation window): the rows whose queries each layer keeps, [R], and what the
+    # layers put there: layer index -> q[press_rows] [R, H, D] (after rotary, as the keys are cached).
+    press_rows: torch.Tensor | None = None
+    press_queries: dict = field(default_factory=dict)
 
     def for_window(self, window: int | None) -> AttentionMetadata:
         """The metadata of the KV cache group whose layers attend within `window`."""
         return self if self.by_window is None else self.by_window[window]
+
+    def for_layer(self, layer: int) -> AttentionMetadata:
+        """The metadata of layer's KV cache group where groups are found by layer (else this, found by window)."""
+        return self if self.by_layer is None else self.by_layer[layer]
 
 
 class AttentionBackend(abc.ABC):

@@ -9,7 +9,7 @@ static inline int rows_threads2(int64_t T, int64_t elems, int nthreads) {
 }
 
 /* out = w * bf16(x / rms(x)) */
-void it_rmsnorm_mt(const bf16* x, const bf16* w, bf16* out, int64_t T, int64_t H, float eps, int nthreads) {
+static void rmsnorm_rows(const bf16* x, const bf16* w, bf16* out, int64_t T, int64_t H, float eps, int nthreads) {
 #pragma omp parallel for num_threads(rows_threads2(T, T * H, nthreads)) schedule(static)
     for (int64_t t = 0; t < T; t++) {
         const bf16* xr = x + t * H;
@@ -39,7 +39,7 @@ void it_rmsnorm_mt(const bf16* x, const bf16* w, bf16* out, int64_t T, int64_t H
 }
 
 /* act[t, i] = bf16(bf16(silu(g)) * u), gate | up side by side in gu [T, 2I] */
-void it_silu_mul(const bf16* gu, bf16* act, int64_t T, int64_t I, int nthreads) {
+static void silu_mul_rows(const bf16* gu, bf16* act, int64_t T, int64_t I, int nthreads) {
 #pragma omp parallel for num_threads(rows_threads2(T, T * I, nthreads)) schedule(static)
     for (int64_t t = 0; t < T; t++) {
         const bf16* g = gu + t * 2 * I;
@@ -63,15 +63,16 @@ void it_silu_mul(const bf16* gu, bf16* act, int64_t T, int64_t I, int nthreads) 
     }
 }
 
-/* Rotate `heads` heads of D at the start of each row of qk (row stride ld) in place: cs[t] (row stride ld_cs)
- * holds the D / 2 cosines then the D / 2 sines of row t's position. fp32 products, one rounding to bf16: bit for
- * bit the PyTorch formula (no FMA: x1 c - x2 s as two products and a difference). */
-void it_rotary(bf16* qk, int64_t ld, int64_t T, int64_t heads, int64_t D, const float* cs, int64_t ld_cs,
-               int nthreads) {
+/* Rotate `heads` heads of D at the start of each row of qk (row stride ld) in place: cs[p] (row stride ld_cs)
+ * holds the D / 2 cosines then the D / 2 sines of position p, row t's position positions[t] (NULL: t). fp32
+ * products, one rounding to bf16: bit for bit the PyTorch formula (no FMA: x1 c - x2 s as two products and a
+ * difference). */
+static void rotary_apply(bf16* qk, int64_t ld, int64_t T, int64_t heads, int64_t D, const float* cs, int64_t ld_cs,
+                         const int64_t* positions, int nthreads) {
     const int64_t half = D / 2, h8 = half & ~(int64_t)7;
 #pragma omp parallel for num_threads(rows_threads2(T, T * heads * D, nthreads)) schedule(static)
     for (int64_t t = 0; t < T; t++) {
-        const float* c = cs + t * ld_cs;
+        const float* c = cs + (positions ? positions[t] : t) * ld_cs;
         for (int64_t h = 0; h < heads; h++) {
             bf16* v = qk + t * ld + h * D;
             for (int64_t i = 0; i < h8; i += 8) {
@@ -93,4 +94,24 @@ void it_rotary(bf16* qk, int64_t ld, int64_t T, int64_t heads, int64_t D, const 
             }
         }
     }
+}
+
+/* rotary (rotate-half) of the q and k heads of the fused step's qkv [T, (Hq + 2 Hkv) D] at each row's position */
+static void rotary_rows(const it_model* m, const it_step* s, bf16* qkv) {
+    const int64_t D = m->head_dim, width = (m->n_heads + 2 * m->n_kv_heads) * D;
+    rotary_apply(qkv, width, s->T, m->n_heads + m->n_kv_heads, D, m->cos_sin, D, s->positions, m->nthreads);
+}
+
+/* The elementwise work of prefills (any T), on rows */
+void it_rmsnorm_mt(const bf16* x, const bf16* w, bf16* out, int64_t T, int64_t H, float eps, int nthreads) {
+    rmsnorm_rows(x, w, out, T, H, eps, nthreads);
+}
+
+void it_silu_mul(const bf16* gu, bf16* act, int64_t T, int64_t I, int nthreads) {
+    silu_mul_rows(gu, act, T, I, nthreads);
+}
+
+void it_rotary(bf16* qk, int64_t ld, int64_t T, int64_t heads, int64_t D, const float* cs, int64_t ld_cs,
+               int nthreads) {
+    rotary_apply(qk, ld, T, heads, D, cs, ld_cs, NULL, nthreads);
 }

@@ -55,8 +55,9 @@ static inline __attribute__((always_inline)) void bf16_block2(
 
 #define BF16_CASE2(MRC, NRC) bf16_block2(x + m0 * ldx, ldx, MRC, wb, NRC, K, out)
 
-void it_linear_bf16(const bf16* x, int64_t ldx, const bf16* w, const bf16* bias, bf16* y, int64_t ldy,
-                    int64_t M, int64_t N, int64_t K, int nthreads) {
+/* (it_linear_bf16, gemm.c, takes this GEMV below gemm_rows_fma rows) */
+static void linear_bf16_gemv2(const bf16* x, int64_t ldx, const bf16* w, const bf16* bias, bf16* y, int64_t ldy,
+                              int64_t M, int64_t N, int64_t K, int nthreads) {
     const int64_t nblocks = (N + NR2 - 1) / NR2;
     const int nt = pick_threads(nblocks, N * K * 2, nthreads);
 #pragma omp parallel for num_threads(nt) schedule(static)
@@ -73,6 +74,110 @@ void it_linear_bf16(const bf16* x, int64_t ldx, const bf16* w, const bf16* bias,
                     y[(m0 + i) * ldy + n0 + j] = f2bf(out[i][j] + (bias ? bf2f(bias[n0 + j]) : 0.0f));
         }
     }
+}
+
+/* ---- bf16, a few rows: x widened once, so the inner loop unpacks only the weights
+ *
+ * The GEMV above unpacks a 16-column group of x for every block of weight rows it meets and a group of W for every
+ * pass of rows: 12 shuffles per 16 FMA, which on the shuffle ports costs more than the FMAs themselves (it ran at
+ * ~60% of the FMA peak at 16 rows). Here x is widened to fp32 once per call, in the order the unpacks of W give
+ * (per 16 columns: 0-3, 8-11, then 4-7, 12-15), into a buffer the calling thread keeps (grown, never shrunk: no
+ * allocation once a step's largest x has been seen); the FMAs read it straight from memory (L1: MRX rows of a few
+ * KB). Per 16 columns: 2 weight loads, 4 unpacks, 16 FMA for MRX (4) rows x NRX (2) weight rows, 8 accumulators.
+ * Sums: per lane in k order (the lo half of a 16-column group, then its hi half), the 8 lanes added at the end, +
+ * the columns past the last 16 in order: the very order of the GEMV above, so the two give the same bits. */
+#define MRX 4 /* rows of x per pass over a block */
+#define NRX 2 /* weight rows per block */
+
+static __thread float* xf_buf; /* this thread's widened x, xf_cap floats (see above) */
+static __thread int64_t xf_cap;
+
+static float* widened_x(const bf16* x, int64_t ldx, int64_t M, int64_t K16) {
+    if (M * K16 > xf_cap) {
+        free(xf_buf);
+        xf_cap = M * K16;
+        xf_buf = aligned_alloc(64, (size_t)((xf_cap * 4 + 63) & ~(int64_t)63));
+        if (!xf_buf) {
+            xf_cap = 0;
+            return NULL;
+        }
+    }
+    const __m256i z = _mm256_setzero_si256();
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t k = 0; k < K16; k += 16) {
+            const __m256i v = _mm256_loadu_si256((const __m256i*)(x + m * ldx + k));
+            _mm256_store_ps(xf_buf + m * K16 + k, _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, v)));
+            _mm256_store_ps(xf_buf + m * K16 + k + 8, _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, v)));
+        }
+    return xf_buf;
+}
+
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized" /* (rows past mr / nr are never loaded nor used) */
+static inline __attribute__((always_inline)) void bf16_blockx(const float* xf, int64_t K16, const bf16* x,
+                                                              int64_t ldx, int mr, const bf16* w, int nr, int64_t K,
+                                                              float out[MRX][NRX]) {
+    __m256 acc[MRX][NRX];
+    for (int i = 0; i < MRX; i++)
+        for (int j = 0; j < NRX; j++) acc[i][j] = _mm256_setzero_ps();
+    const __m256i z = _mm256_setzero_si256();
+    for (int64_t k = 0; k < K16; k += 16) {
+        __m256 wl[NRX], wh[NRX];
+        for (int j = 0; j < NRX; j++)
+            if (j < nr) {
+                _mm_prefetch((const char*)(w + j * K + k) + PF2_BYTES, _MM_HINT_T0);
+                const __m256i wv = _mm256_loadu_si256((const __m256i*)(w + j * K + k));
+                wl[j] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, wv));
+                wh[j] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, wv));
+            }
+        for (int i = 0; i < MRX; i++)
+            if (i < mr)
+                for (int j = 0; j < NRX; j++)
+                    if (j < nr) {
+                        acc[i][j] = _mm256_fmadd_ps(_mm256_load_ps(xf + i * K16 + k), wl[j], acc[i][j]);
+                        acc[i][j] = _mm256_fmadd_ps(_mm256_load_ps(xf + i * K16 + k + 8), wh[j], acc[i][j]);
+                    }
+    }
+    for (int i = 0; i < MRX; i++)
+        for (int j = 0; j < NRX; j++)
+            if (i < mr && j < nr) {
+                float t = hsum8(acc[i][j]);
+                for (int64_t k = K16; k < K; k++) t += bf2f(x[i * ldx + k]) * bf2f(w[j * K + k]);
+                out[i][j] = t;
+            }
+}
+#pragma GCC diagnostic pop
+
+#define BF16X_CASE(MRC, NRC) bf16_blockx(xf + m0 * K16, K16, x + m0 * ldx, ldx, MRC, wb, NRC, K, out)
+
+/* Returns 0, or -1 where the widened x could not be allocated (nothing written; the caller takes the GEMV above) */
+static int linear_bf16_gemvx(const bf16* x, int64_t ldx, const bf16* w, const bf16* bias, bf16* y, int64_t ldy,
+                             int64_t M, int64_t N, int64_t K, int nthreads) {
+    const int64_t K16 = K & ~(int64_t)15;
+    const float* xf = widened_x(x, ldx, M, K16);
+    if (!xf && M * K16 > 0) return -1;
+    const int64_t nblocks = (N + NRX - 1) / NRX;
+    const int nt = pick_threads(nblocks, N * K * 2, nthreads);
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t b = 0; b < nblocks; b++) {
+        const int64_t n0 = b * NRX;
+        const int nr = (int)(N - n0 < NRX ? N - n0 : NRX);
+        const bf16* wb = w + n0 * K;
+        for (int64_t m0 = 0; m0 < M; m0 += MRX) {
+            const int mr = (int)(M - m0 < MRX ? M - m0 : MRX);
+            float out[MRX][NRX];
+            if (nr == NRX) {
+                if (mr == MRX) BF16X_CASE(MRX, NRX);
+                else BF16X_CASE(mr, NRX);
+            } else {
+                BF16X_CASE(mr, nr);
+            }
+            for (int i = 0; i < mr; i++)
+                for (int j = 0; j < nr; j++)
+                    y[(m0 + i) * ldy + n0 + j] = f2bf(out[i][j] + (bias ? bf2f(bias[n0 + j]) : 0.0f));
+        }
+    }
+    return 0;
 }
 
 /* ---- int8 weights, int16 activations */
@@ -124,10 +229,11 @@ static inline int64_t q_scratch_bytes(int64_t M, int64_t K) {
     return (M * Kp * 2 + M * 4 + M * (K / 64 + 1) * 4 + 255) & ~(int64_t)63;
 }
 
-void it_linear_w8(const bf16* x, int64_t ldx, const int8_t* w, const void* scale, int scale_is_f32,
-                  const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads) {
+/* scratch: q_scratch_bytes(M, K), 64-byte aligned */
+static void linear_w8(const bf16* x, int64_t ldx, const int8_t* w, const void* scale, int scale_is_f32,
+                      const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads,
+                      void* scratch) {
     const int64_t Kp = (K + 63) & ~(int64_t)63;
-    void* scratch = aligned_alloc(64, (size_t)q_scratch_bytes(M, K));
     int16_t* xq = (int16_t*)scratch;
     float* sx = (float*)(xq + M * Kp);
     quantize_rows_i16(x, ldx, M, K, Kp, xq, sx, NULL, 1);
@@ -150,6 +256,12 @@ void it_linear_w8(const bf16* x, int64_t ldx, const int8_t* w, const void* scale
                 }
         }
     }
+}
+
+void it_linear_w8(const bf16* x, int64_t ldx, const int8_t* w, const void* scale, int scale_is_f32,
+                  const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads) {
+    void* scratch = aligned_alloc(64, (size_t)q_scratch_bytes(M, K));
+    linear_w8(x, ldx, w, scale, scale_is_f32, bias, y, ldy, M, N, K, nthreads, scratch);
     free(scratch);
 }
 
@@ -209,10 +321,11 @@ static inline __attribute__((always_inline)) void w4_block2(
 #define W4_CASE2(MRC, NRC) w4_block2(xq + m0 * Kp, Kp, xsum + m0 * G, MRC, wb, NRC, K, gs, scale + n0 * G, \
                                      zero + n0 * G, out, zout)
 
-void it_linear_w4(const bf16* x, int64_t ldx, const uint8_t* w, const float* scale, const float* zero, int64_t gs,
-                  const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads) {
+/* scratch: q_scratch_bytes(M, K), 64-byte aligned */
+static void linear_w4(const bf16* x, int64_t ldx, const uint8_t* w, const float* scale, const float* zero, int64_t gs,
+                      const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads,
+                      void* scratch) {
     const int64_t Kp = (K + 63) & ~(int64_t)63, G = K / gs;
-    void* scratch = aligned_alloc(64, (size_t)q_scratch_bytes(M, K));
     int16_t* xq = (int16_t*)scratch;
     float* sx = (float*)(xq + M * Kp);
     float* xsum = sx + M;
@@ -235,6 +348,12 @@ void it_linear_w4(const bf16* x, int64_t ldx, const uint8_t* w, const float* sca
                 }
         }
     }
+}
+
+void it_linear_w4(const bf16* x, int64_t ldx, const uint8_t* w, const float* scale, const float* zero, int64_t gs,
+                  const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads) {
+    void* scratch = aligned_alloc(64, (size_t)q_scratch_bytes(M, K));
+    linear_w4(x, ldx, w, scale, zero, gs, bias, y, ldy, M, N, K, nthreads, scratch);
     free(scratch);
 }
 

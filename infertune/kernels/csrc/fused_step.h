@@ -1,3 +1,12 @@
+/* The fused decoder step, it_decode_layers, over a library's parts (portable C: the AVX-512 library includes it after
+ * its decode_ws.c / attention.c / elementwise.c, the AVX2 one after x86/avx2/fused.c). What a library provides:
+ * ws_layout / workspace(m, T, max_ctx) (offsets h, qkv, o, gu, act, y, lin, dec, attn, total), rmsnorm_rows,
+ * silu_mul_rows, rotary_rows, run_lin / run_lin_add (a linear, and one added into the residual), attention_rows, and
+ * kv_write (kv_cache.h). */
+#ifndef IT_FUSED_STEP_H
+#define IT_FUSED_STEP_H
+#include <time.h>
+
 /* Wall time of the fused step's parts, summed over calls (it_fused_timers reads them): a step's split for
  * `infertune profile`, at one clock read a part and layer. */
 enum { FT_NORM, FT_QKV, FT_ROTARY_KV, FT_ATTN, FT_O, FT_RESIDUAL, FT_GATE_UP, FT_DOWN, FT_PARTS };
@@ -90,3 +99,4 @@ int it_decode_layers(const it_model* m, const it_layer* layers, const it_step* s
     fused_rows += T;
     return 0;
 }
+#endif

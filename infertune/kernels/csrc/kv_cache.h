@@ -1,0 +1,76 @@
+/* The paged KV cache as the fused step reads and writes it (portable C, shared by the AVX-512 and AVX2 libraries):
+ * a layer's cache is [2 (K, V), num_blocks * block_size * n_kv_heads rows, head_dim] bf16, or int8 rows of head_dim
+ * values and one fp32 scale (Int8PagedAttention's layout). */
+#ifndef IT_KV_CACHE_H
+#define IT_KV_CACHE_H
+#include "bf16.h"
+#include "abi.h"
+
+/* Cache row `row` (slot * Hkv + head) of K (which = 0) or V (1) as bf16: in place for a bf16 cache; for an int8
+ * cache dequantized into tmp, rounded to bf16 as Int8PagedAttention._decoded does. */
+static inline const bf16* kv_row(const it_model* m, const void* cache, int which, int64_t row, bf16* tmp) {
+    const int64_t D = m->head_dim, rows = m->num_blocks * m->block_size * m->n_kv_heads;
+    if (!m->kv_int8) return (const bf16*)cache + (which * rows + row) * D;
+    const int8_t* q = (const int8_t*)cache + (which * rows + row) * (D + 4);
+    float sc;
+    memcpy(&sc, q + D, 4);
+    for (int64_t d = 0; d < D; d++) tmp[d] = f2bf((float)q[d] * sc);
+    return tmp;
+}
+
+/* The cache slot of key j of a sequence with block table `table` (bs, the block size, is a power of two: a 64-bit
+ * division here had cost more than the dot products) */
+static inline int64_t kv_slot(const int64_t* table, int64_t j, int64_t bs) {
+    const int sh = __builtin_ctzll((unsigned long long)bs);
+    return (table[j >> sh] << sh) | (j & (bs - 1));
+}
+
+/* K (0) or V (1) rows of keys j0 .. j0 + nb - 1 of a sequence (block table `table`, kv head g) into rows[] */
+static inline void kv_rows(const it_model* m, const void* cache, int which, const int64_t* table, int64_t j0, int nb,
+                           int64_t g, bf16* tmp, const bf16** rows) {
+    const int64_t D = m->head_dim, bs = m->block_size, hkv = m->n_kv_heads;
+    for (int jj = 0; jj < nb; jj++) {
+        const int64_t j = j0 + jj;
+        rows[jj] = kv_row(m, cache, which, kv_slot(table, j, bs) * hkv + g, tmp + jj * D);
+    }
+}
+
+/* Write one K or V row (bf16 [D]) into the cache; int8: symmetric amax / 127 scale, as Int8PagedAttention. */
+static inline void kv_write(const it_model* m, void* cache, int which, int64_t row, const bf16* x) {
+    const int64_t D = m->head_dim, rows = m->num_blocks * m->block_size * m->n_kv_heads;
+    if (!m->kv_int8) {
+        memcpy((bf16*)cache + (which * rows + row) * D, x, (size_t)D * 2);
+        return;
+    }
+    int8_t* q = (int8_t*)cache + (which * rows + row) * (D + 4);
+    float amax = 0.0f;
+    for (int64_t d = 0; d < D; d++) { const float a = fabsf(bf2f(x[d])); amax = a > amax ? a : amax; }
+    float sc = amax / 127.0f;
+    sc = sc < 1e-8f ? 1e-8f : sc;
+    for (int64_t d = 0; d < D; d++) {
+        float v = nearbyintf(bf2f(x[d]) / sc);
+        v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
+        q[d] = (int8_t)v;
+    }
+    memcpy(q + D, &sc, 4);
+}
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+/* Asks for the cache lines of entries i0 .. i0 + 15 of one sequence's K/V stream (its K rows 0 .. len - 1, then its
+ * V rows; a bf16 cache) ahead of their use: the rows sit in scattered blocks the hardware prefetchers do not follow. */
+static inline void kv_prefetch(const it_model* m, const void* cache, const int64_t* table, int64_t len, int64_t g,
+                               int64_t i0) {
+    if (m->kv_int8) return;
+    const int64_t D = m->head_dim, bs = m->block_size, hkv = m->n_kv_heads, rows = m->num_blocks * bs * hkv;
+    const int64_t end = i0 + 16 < 2 * len ? i0 + 16 : 2 * len;
+    for (int64_t i = i0; i < end; i++) {
+        const int64_t which = i >= len, j = i - which * len;
+        const char* r = (const char*)((const bf16*)cache + (which * rows + kv_slot(table, j, bs) * hkv + g) * D);
+        for (int64_t b = 0; b < D * 2; b += 64) _mm_prefetch(r + b, _MM_HINT_T0);
+    }
+}
+
+#endif
+#endif
