@@ -81,9 +81,7 @@ def _pyplot():
 
 def run(args: argparse.Namespace) -> int:
     from infertune.config import ArchConfig, default_model_path
-    from infertune.llm import LLM
     from infertune.profile.timeline import profile_workload
-    from infertune.sampling_params import SamplingParams
 
     for name in ("input_len", "output_len", "batch"):
         if getattr(args, name) < 1:
@@ -94,25 +92,10 @@ def run(args: argparse.Namespace) -> int:
     need = args.input_len + args.output_len
     if need > limit:
         raise ValueError(f"--input-len + --output-len = {need} exceeds the model's max_position_embeddings={limit}")
-    quant = {"quantization": args.quantization, "quant_group_size": args.quant_group_size} if args.quantization else {}
     if args.tensor_parallel_size > 1:
-        return _run_tensor_parallel(args, need, quant)
-    llm = LLM(
-        args.model,
-        dtype=args.dtype,
-        device=args.device,
-        max_model_len=need,
-        max_num_seqs=args.batch,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        decode_kernels=args.decode_kernels,
-        **quant,
-    )
-    sampling = "greedy" if args.greedy else "temperature 0.8, top_p 0.95"
-    params = (
-        SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
-        if args.greedy
-        else SamplingParams(max_tokens=args.output_len, temperature=0.8, top_p=0.95, ignore_eos=True)
-    )
+        return _run_tensor_parallel(args, need)
+    llm = _engine(args, need)
+    sampling, params = _sampling(args)
     result = profile_workload(llm, args.input_len, args.output_len, args.batch, params, warmup=not args.no_warmup)
     import torch
 
@@ -164,13 +147,12 @@ def _sampling(args) -> tuple[str, object]:
     )
 
 
-def _run_tensor_parallel(args: argparse.Namespace, need: int, quant: dict) -> int:
+def _engine(args: argparse.Namespace, need: int, **extra):
+    """The engine the profile runs: the workload's shape, the flags' dtype, kernels and quantization."""
     from infertune.llm import LLM
-    from infertune.profile.tp_profile import format_tp_report, profile_tensor_parallel, write_tp_plot
 
-    if args.trace:
-        raise ValueError("--trace needs the model in this process: run it without --tensor-parallel-size")
-    llm = LLM(
+    quant = {"quantization": args.quantization, "quant_group_size": args.quant_group_size} if args.quantization else {}
+    return LLM(
         args.model,
         dtype=args.dtype,
         device=args.device,
@@ -178,9 +160,21 @@ def _run_tensor_parallel(args: argparse.Namespace, need: int, quant: dict) -> in
         max_num_seqs=args.batch,
         max_num_batched_tokens=args.max_num_batched_tokens,
         decode_kernels=args.decode_kernels,
+        **quant,
+        **extra,
+    )
+
+
+def _run_tensor_parallel(args: argparse.Namespace, need: int) -> int:
+    from infertune.profile.tp_profile import format_tp_report, profile_tensor_parallel, write_tp_plot
+
+    if args.trace:
+        raise ValueError("--trace needs the model in this process: run it without --tensor-parallel-size")
+    llm = _engine(
+        args,
+        need,
         tensor_parallel_size=args.tensor_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,
-        **quant,
     )
     try:
         sampling, params = _sampling(args)
