@@ -489,9 +489,21 @@ def test_requests_with_logprobs_or_a_grammar_do_not_speculate(tiny_llama, refere
     assert [s.seq.spec_decode for r in ("g", "p") for s in llm.engine.requests[r].samples] == [False, True]
 
 
-@pytest.mark.parametrize("family", ["qwen3", "mixtral"])
+def _family_checkpoint(path, family):
+    if family == "gemma2":  # windowed layers (their blocks freed out of the window) and soft-caps
+        from test_gemma import VARIANTS, make_gemma
+
+        return make_gemma(path, **VARIANTS["gemma2"])
+    if family == "deepseek-v3":  # the latent (MLA) cache and sigmoid routing
+        from test_deepseek import VARIANTS, make_deepseek_checkpoint
+
+        return make_deepseek_checkpoint(path, **VARIANTS["v3"])
+    return make_checkpoint(path, family)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "mixtral", "gemma2", "deepseek-v3"])
 def test_greedy_tokens_identical_with_speculation_on_other_families(tmp_path, family):
-    path = make_checkpoint(tmp_path / family, family)
+    path = _family_checkpoint(tmp_path / family, family)
     prompts = PROMPTS[:2]
     _, plain = generate(path, prompts, greedy(20))
     llm, spec = generate(path, prompts, greedy(20), speculative_config=SPEC)
