@@ -20,23 +20,11 @@ import argparse
 import functools
 import itertools
 import os
-import platform
-import statistics
 import sys
-import time
 
-SHAPES = {"qkv": (896, 1152), "o_proj": (896, 896), "gate_up": (896, 9728), "down": (4864, 896)}  # (K, N)
+from gemm_common import SHAPES, median_seconds
 
-
-def _cpu() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
+from infertune.bench.offline import cpu_model
 
 
 def main() -> int:
@@ -65,7 +53,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     print(f"$ python benchmarks/bench_gemm_avx2.py {' '.join(sys.argv[1:])}")
     print(
-        f"CPU: {_cpu()}, {args.threads} threads, load average {' '.join(f'{v:.2f}' for v in os.getloadavg())}, "
+        f"CPU: {cpu_model()}, {args.threads} threads, load average {' '.join(f'{v:.2f}' for v in os.getloadavg())}, "
         f"torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()}, "
         f"ONEDNN_MAX_CPU_ISA={os.environ.get('ONEDNN_MAX_CPU_ISA', 'unset')})"
     )
@@ -76,13 +64,7 @@ def main() -> int:
     )
 
     def timed(fn) -> float:
-        fn()
-        ts = []
-        for _ in range(args.iters):
-            t = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t)
-        return statistics.median(ts)
+        return median_seconds(fn, args.iters)
 
     print(
         "| rows | shape (K x N) | GEMV GFLOP/s | GEMV, x widened GFLOP/s | FMA GEMM GFLOP/s | torch GFLOP/s | "

@@ -18,23 +18,11 @@ import argparse
 import functools
 import itertools
 import os
-import platform
-import statistics
 import sys
-import time
 
-SHAPES = {"qkv": (896, 1152), "o_proj": (896, 896), "gate_up": (896, 9728), "down": (4864, 896)}  # (K, N)
+from gemm_common import SHAPES, median_seconds
 
-
-def _cpu() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
+from infertune.bench.offline import cpu_model
 
 
 def main() -> int:
@@ -60,7 +48,7 @@ def main() -> int:
     flags = kernels._cpu_flags()
     print(f"$ python benchmarks/bench_gemm_noamx.py {' '.join(sys.argv[1:])}")
     print(
-        f"CPU: {_cpu()} ({'AMX present, switched off here' if 'amx_bf16' in flags else 'no AMX'}), "
+        f"CPU: {cpu_model()} ({'AMX present, switched off here' if 'amx_bf16' in flags else 'no AMX'}), "
         f"{args.threads} threads, load average {' '.join(f'{v:.2f}' for v in os.getloadavg())}, torch "
         f"{torch.__version__} ({torch.backends.cpu.get_cpu_capability()})"
     )
@@ -68,13 +56,7 @@ def main() -> int:
     print(f"it_linear_bf16 takes the GEMM from {gemm_from} rows; the engine sends up to {kernels.bf16_max_rows()}")
 
     def timed(fn) -> float:
-        fn()
-        ts = []
-        for _ in range(args.iters):
-            t = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t)
-        return statistics.median(ts)
+        return median_seconds(fn, args.iters)
 
     print("| rows | shape (K x N) | old GEMV GFLOP/s | new GEMM GFLOP/s | torch GFLOP/s | GEMM / torch | GEMM / GEMV |")
     print("|---:|---|---:|---:|---:|---:|---:|")

@@ -12,10 +12,8 @@ kernels.bf16_max_rows() rows to the kernel.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
-SHAPES = {"qkv": (896, 1152), "o_proj": (896, 896), "gate_up": (896, 9728), "down": (4864, 896)}  # (K, N)
+from gemm_common import SHAPES, median_seconds
 
 
 def main() -> int:
@@ -36,13 +34,7 @@ def main() -> int:
     lib = kernels.library()
 
     def timed(fn) -> float:
-        fn()
-        ts = []
-        for _ in range(args.iters):
-            t = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t)
-        return statistics.median(ts)
+        return median_seconds(fn, args.iters)
 
     print(f"$ python benchmarks/bench_gemm_rows.py --rows {args.rows} --threads {args.threads}")
     print(f"kernel's row limit here: {kernels.bf16_max_rows()}")

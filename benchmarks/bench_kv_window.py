@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shlex
 import sys
 import tempfile
@@ -26,6 +25,7 @@ from pathlib import Path
 import torch
 
 from infertune import LLM, SamplingParams
+from infertune.bench.offline import cpu_model
 
 ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 ap.add_argument("--contexts", default="1024,4096,16384,32768")
@@ -42,16 +42,6 @@ ap.add_argument("--fit-seqs", type=int, default=24, help="sequences submitted to
 ap.add_argument("--fit-decode", type=int, default=256, help="tokens each decodes there (long enough to pile up)")
 args = ap.parse_args()
 contexts = [int(c) for c in args.contexts.split(",")]
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def build(path: Path, window: int | None) -> Path:
@@ -145,7 +135,7 @@ def fit_at_once(path: Path, context: int, budget: int) -> int:
 
 
 print("$", shlex.join([sys.executable, *sys.argv]))
-print(f"CPU: {cpu_name()}, {os.cpu_count()} cores; load average {os.getloadavg()[0]:.2f}; torch {torch.__version__}")
+print(f"CPU: {cpu_model()}, {os.cpu_count()} cores; load average {os.getloadavg()[0]:.2f}; torch {torch.__version__}")
 budget = int(args.budget_mib * 2**20)
 with tempfile.TemporaryDirectory() as tmp:
     models = {

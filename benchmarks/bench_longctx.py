@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shlex
 import statistics
 import sys
@@ -39,6 +38,7 @@ from pathlib import Path
 import torch
 
 from infertune import LLM, SamplingParams
+from infertune.bench.offline import cpu_model
 
 ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 ap.add_argument("--contexts", default="1024,4096,16384,32768")
@@ -78,16 +78,6 @@ CONFIGS = {
         ]
     },
 }
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def build(path: Path) -> Path:
@@ -254,7 +244,7 @@ def accuracy_rows() -> list[dict]:
 
 print("$", shlex.join([sys.executable, *sys.argv]))
 print(
-    f"CPU: {cpu_name()}, {os.cpu_count()} cores, {args.threads} torch thread(s); load average {os.getloadavg()}; "
+    f"CPU: {cpu_model()}, {os.cpu_count()} cores, {args.threads} torch thread(s); load average {os.getloadavg()}; "
     f"torch {torch.__version__}"
 )
 out: dict = {}
@@ -305,7 +295,7 @@ if args.plot and "speed" in out:
         ax.grid(True, alpha=0.3)
     a.set_yscale("log")
     a.legend(fontsize=8)
-    fig.suptitle("infertune: KV compression on a fixed budget (" + cpu_name() + ")", fontsize=9)
+    fig.suptitle("infertune: KV compression on a fixed budget (" + cpu_model() + ")", fontsize=9)
     fig.tight_layout()
     fig.savefig(args.plot, dpi=110)
     print(f"plot: {args.plot}")

@@ -102,14 +102,11 @@ def run_experts(
     experts' (token, slot) pairs contribute nothing here."""
     k = ids.shape[1]
     order, counts = grouping if grouping is not None else group_by_expert(ids, num_experts)
+    counts = counts.tolist()
     if first or local is not None:
-        local = num_experts - first if local is None else local
-        counts = counts.tolist()
         lo = sum(counts[:first])
-        counts = counts[first : first + local]
+        counts = counts[first : first + (num_experts - first if local is None else local)]
         order = order[lo : lo + sum(counts)]  # (sorted by expert: this rank's pairs are one run of it)
-    else:
-        counts = counts.tolist()
     token = order // k
     rows = x[token]  # [pairs, H], grouped by expert
     out = torch.empty_like(rows)
@@ -209,8 +206,7 @@ class Experts(KernelOp):
     def forward_native(self, x: torch.Tensor, routing: MoeRouting) -> torch.Tensor:
         gate_up, down = self.quant_method.matmuls(self)
         grouping = (routing.order, routing.counts)
-        if self.num_experts == self.global_experts:
-            return run_experts(x, routing.weights, routing.ids, self.num_experts, gate_up, down, grouping)
+        # (expert parallel: this module's experts only; else offset 0 and every expert)
         return run_experts(
             x, routing.weights, routing.ids, self.global_experts, gate_up, down, grouping,
             first=self.expert_offset, local=self.num_experts,
