@@ -408,11 +408,18 @@ def test_prefill_instance_killed_mid_run(tiny_llama, tmp_path, reference):
         RouterThread(prefill=[p.url], decode=[strict.url], connect_timeout_s=2.0) as strict_router,
     ):
         assert _run_all(router.url, requests[:4], workers=2) == expected[:4]
+        # One prefill done on the producer, as the router does it, whose blocks the producer holds when it dies: its
+        # load must fail and recompute, however fast the requests in flight below finish before the kill.
+        path, body = requests[0]
+        ask = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
+        held = httpx.post(p.url + path, json=ask, timeout=60).json()["kv_transfer_params"]
         with ThreadPoolExecutor(4) as pool:
             running = pool.map(lambda r: _answer_of(router.url, *r), requests[4:])
             time.sleep(0.3)
             p.proc.kill()
             assert list(running) == expected[4:]
+        p.proc.wait(10)
+        assert _answer_of(d.url, path, {**body, "kv_transfer_params": held}) == expected[0]
         assert metric(d.url, "infertune_kv_transfer_load_failures_total") >= 1
         assert wait_until(lambda: metric(d.url, "infertune_kv_blocks_used") == 0, 5)
         status, text = _answer_of(strict_router.url, *requests[0])
