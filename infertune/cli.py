@@ -394,11 +394,11 @@ def _add_tools(sub) -> None:
 
 
 def _add_bench(sub) -> None:
-    from infertune.bench import offline, serve_load, soak
+    from infertune.bench import longctx, offline, serve_load, soak
 
     bench = sub.add_parser(
         "bench",
-        help="benchmarks: bench throughput / latency (offline), bench serve / soak (HTTP)",
+        help="benchmarks: bench throughput / latency (offline), bench serve / soak (HTTP), bench longctx",
         description="Benchmarks. `bench throughput` and `bench latency` run infertune beside HF "
         "transformers on the same model and workload; `bench serve` load-tests any OpenAI-compatible "
         "server.",
@@ -421,6 +421,15 @@ def _add_bench(sub) -> None:
     )
     soak.add_arguments(bench_soak)
     bench_soak.set_defaults(func=soak.run)
+    bench_longctx = bench_sub.add_parser(
+        "longctx",
+        help="long contexts on a fixed KV budget: full / window / SnapKV / the seeds' policy, memory, speed, accuracy",
+        description=longctx.__doc__.split("\n\n")[0],
+        epilog="\n\n".join(longctx.__doc__.split("\n\n")[1:]),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    longctx.add_arguments(bench_longctx)
+    bench_longctx.set_defaults(func=longctx.run)
     for name, batches, help_ in (
         (
             "throughput",

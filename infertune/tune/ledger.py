@@ -27,7 +27,9 @@ DESCRIPTION = (
     "and continuous batching, + prepacked weights, + compiled decode, + decode kernels, + INT8 KV, + W8A16, "
     "+ W4A16, + tuned batch; tokens/s, TTFT, memory, gain per step and cumulative vs HF, and the perplexity "
     "change of lossy steps; --pd adds the P/D split step (2 colocated replicas -> 1 prefill + 1 decode behind the router, "
-    "TTFT / TPOT percentiles). Markdown table by default; --json / --md / --plot write files."
+    "TTFT / TPOT percentiles); --longctx adds the long-context step (full KV -> window + compression policy: KV per "
+    "sequence, sequences in a budget, speed, KL against full KV). Markdown table by default; --json / --md / --plot "
+    "write files."
 )
 
 NOT_AVAILABLE = "not available"
@@ -87,6 +89,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "p50 and p99 (starts 3 server processes per setup, one thread each; minutes; infertune/bench/pd.py)",
     )
     p.add_argument("--pd-num-prompts", type=int, default=16, help="requests of the P/D step (default: 16)")
+    p.add_argument(
+        "--longctx",
+        action="store_true",
+        help="then the seeds' long-context step, full KV -> window + compression policy (layers 0-1 in a window of "
+        "128, full attention up to --longctx-threshold prompt tokens, SnapKV above): KV per sequence, sequences in "
+        "a 1 GiB budget, TTFT and decode tok/s at --longctx-context tokens (a tiny random Llama, fp32), and KL / "
+        "top-1 agreement against full KV on the built-in model's held-out text (infertune/bench/longctx.py)",
+    )
+    p.add_argument(
+        "--longctx-context", type=int, default=16384, help="prompt tokens of the long-context step (default: 16384)"
+    )
+    p.add_argument(
+        "--longctx-keep", type=float, default=0.25, help="the share of the prompt SnapKV keeps (default: 0.25)"
+    )
+    p.add_argument(
+        "--longctx-threshold",
+        type=int,
+        default=4096,
+        help="the policy's longest full-attention prompt (default: 4096; `infertune tune --kv-compression` "
+        "measures where compression starts to pay)",
+    )
+    p.add_argument(
+        "--longctx-decode", type=int, default=32, help="decode steps timed in the long-context step (default: 32)"
+    )
     p.add_argument("--pd-request-rate", type=float, default=0.5, help="their arrival rate, req/s (default: 0.5)")
 
 
@@ -441,6 +467,51 @@ def pd_split(args) -> tuple[dict, str]:
     return results, head + "\n\n" + render(results)
 
 
+def longctx_step(args, log=None) -> tuple[dict, str]:
+    """The seeds' step "full KV -> window + compression policy" on a long-context workload: {"speed": rows of full
+    and the policy, "accuracy": the policy's KL / top-1 against full KV} and its Markdown."""
+    from infertune.bench import longctx
+
+    log = log or (lambda m: print(m, file=sys.stderr))
+    s = longctx.Settings(
+        contexts=[args.longctx_context],
+        decode=args.longctx_decode,
+        keep=args.longctx_keep,
+        threshold=args.longctx_threshold,
+        acc_windows=4,
+    )
+    s.check()
+    policy = longctx.seeds_policy(s.keep, s.threshold)
+    path = longctx.model_path(args.cache_dir, s)
+    doc: dict = {"speed": longctx.speed_rows(path, s, {"full": None, "policy": policy}, log=log, warmup=False)}
+    # On the built-in model's 768-token spans the threshold is scaled down so that the policy compresses there.
+    acc_policy = longctx.seeds_policy(s.keep, min(s.threshold, s.acc_prompt // 2))
+    if args.no_accuracy:
+        doc["accuracy"] = []
+    else:
+        doc["accuracy"] = longctx.accuracy_rows(s, {"policy": acc_policy}, log=log)
+    full, pol = (next(r for r in doc["speed"] if r["config"] == c) for c in ("full", "policy"))
+    acc = doc["accuracy"][0] if doc["accuracy"] else None
+    kl, top1 = (f"{acc['kl']:.4f}", f"{acc['top1']:.3f}") if acc else ("skipped", "skipped")
+    doc.update(context=s.contexts[0], policy=policy, accuracy_policy=acc_policy)
+    lines = [
+        f"Long-context step: one sequence of {s.contexts[0]} prompt tokens + {s.decode} decoded, a tiny random Llama "
+        f"({s.layers} layers, fp32, batch 1); policy = {json.dumps(policy)}; sequences in a {s.budget_mib:g} MiB KV "
+        f"budget. Accuracy: the built-in model on held-out text, {s.acc_prompt}-token prompts, the policy's "
+        f"threshold scaled to {acc_policy['policy'][1]['max_length']} tokens.",
+        "",
+        "| step | KV / sequence | sequences in budget | TTFT | decode tok/s | KL(full ‖ step), nats | top-1 agreement |",
+        "|---|---|---|---|---|---|---|",
+        f"| full KV | {full['kv'] / 2**20:.2f} MiB | {full['seqs']} | {full['ttft']:.2f} s | {full['tok_s']:.1f} | 0 | 1 |",
+        f"| + window + compression policy | {pol['kv'] / 2**20:.2f} MiB | {pol['seqs']} | {pol['ttft']:.2f} s "
+        f"| {pol['tok_s']:.1f} | {kl} | {top1} |",
+        "",
+        f"Gain: {full['kv'] / pol['kv']:.1f}x the sequences in the same budget, {pol['tok_s'] / full['tok_s']:.2f}x "
+        f"decode tok/s, TTFT {pol['ttft'] / full['ttft']:.2f}x.",
+    ]
+    return doc, "\n".join(lines)
+
+
 def write_plot(doc: dict, path: Path) -> None:
     plt = pyplot()
     rows = doc["steps"]
@@ -459,12 +530,21 @@ def write_plot(doc: dict, path: Path) -> None:
 def run(args: argparse.Namespace) -> int:
     if min(args.input_len, args.output_len, args.batch) < 1:
         raise ValueError("--input-len, --output-len and --batch must be positive")
+    if getattr(args, "longctx", False):  # a bad long-context setting fails before the other steps run
+        from infertune.bench.longctx import Settings
+
+        Settings(
+            [args.longctx_context], decode=args.longctx_decode, keep=args.longctx_keep, threshold=args.longctx_threshold
+        ).check()
     if args.plot is not None:
         require_matplotlib()
     doc = build_ledger(args)
     md = render_markdown(doc)
     if getattr(args, "pd", False):
         doc["pd_split"], text = pd_split(args)
+        md += "\n\n" + text
+    if getattr(args, "longctx", False):
+        doc["longctx"], text = longctx_step(args)
         md += "\n\n" + text
     print(md)
     if args.md is not None:

@@ -1,0 +1,120 @@
+"""`infertune bench longctx` and `infertune ledger --longctx`: the KV a sequence holds per configuration (against
+the bytes a token's K and V take, computed from the checkpoint's config), the accuracy harness (its full-KV
+teacher-forced log-probs against HF transformers' on the same tokens), and clear errors for bad settings."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import pytest
+import torch
+
+from infertune.bench import longctx
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    s = longctx.Settings(contexts=[200], layers=2, decode=5, block_size=16, chunk=128)
+    return s, longctx.model_path(tmp_path_factory.mktemp("longctx"), s)
+
+
+def _token_bytes(path) -> int:
+    """K and V of one token over every layer, fp32: the oracle the engine's blocks are counted against."""
+    cfg = json.loads((path / "config.json").read_text())
+    return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * 4
+
+
+def test_kv_per_sequence_follows_each_configuration(tiny):
+    s, path = tiny
+    configs = {"full": None, "window 64": {"policy": [{"window": 64}]}, "snapkv keep 0.25": longctx.snapkv(0.25)}
+    rows = {r["config"]: r for r in longctx.speed_rows(path, s, configs, log=lambda m: None, warmup=False)}
+    tok, bs, ctx = _token_bytes(path), s.block_size, s.contexts[0]
+    budget = int(s.budget_mib * 2**20)
+    # Full attention: every token's K and V, in whole blocks (the prompt plus the tokens decoded while timed).
+    assert math.ceil((ctx + 2) / bs) * bs * tok <= rows["full"]["kv"] <= math.ceil((ctx + s.decode) / bs) * bs * tok
+    # A window of 64 in every layer: at least the window, at most its blocks plus the one being filled.
+    assert 64 * tok <= rows["window 64"]["kv"] <= (math.ceil(64 / bs) + 1) * bs * tok
+    # SnapKV keeping a quarter of the prompt: the kept tokens and the decoded ones, in whole blocks.
+    kept = int(ctx * 0.25)
+    assert kept * tok <= rows["snapkv keep 0.25"]["kv"] <= math.ceil((kept + s.decode) / bs + 1) * bs * tok
+    for r in rows.values():
+        assert r["seqs"] == budget // r["kv"] and r["tok_s"] > 0 and r["ttft"] > 0
+    assert "| 200 | snapkv keep 0.25 |" in longctx.render({"speed": list(rows.values())}, s.budget_mib)
+
+
+def test_full_kv_teacher_forcing_matches_hf_and_a_window_wider_than_the_text_changes_nothing():
+    from transformers import AutoModelForCausalLM
+
+    from infertune import LLM
+    from infertune.config import default_model_path
+
+    model = default_model_path()
+    s = longctx.Settings(acc_prompt=48, acc_cont=6, acc_windows=2)
+    w = longctx.heldout_windows(model, s.acc_prompt + s.acc_cont, 1)[0]
+    got = longctx.teacher_forced(LLM(model, dtype="float32"), w[: s.acc_prompt], w[s.acc_prompt :])
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = hf(torch.tensor([w])).logits[0, s.acc_prompt - 1 : -1]
+    torch.testing.assert_close(got, torch.log_softmax(logits.float(), -1), atol=1e-3, rtol=0)
+
+    rows = longctx.accuracy_rows(
+        s,
+        {"wide window": {"policy": [{"window": 4096}]}, "snapkv keep 0.25": longctx.snapkv(0.25, window_size=8)},
+        log=lambda m: None,
+    )
+    by = {r["config"]: r for r in rows}
+    assert by["wide window"]["kl"] == pytest.approx(0.0, abs=1e-6) and by["wide window"]["top1"] == 1.0
+    assert by["snapkv keep 0.25"]["kl"] > 1e-4  # three quarters of the prompt evicted: the distributions move
+    assert all(r["positions"] == 2 * (s.acc_cont - 1) for r in rows)
+
+
+def test_ledger_longctx_step_reports_the_policy_beside_full_kv(tmp_path):
+    from infertune.tune import ledger
+
+    p = argparse.ArgumentParser()
+    ledger.add_arguments(p)
+    args = p.parse_args(
+        [
+            "--longctx",
+            "--longctx-context",
+            "160",
+            "--longctx-decode",
+            "4",
+            "--longctx-threshold",
+            "64",
+            "--no-accuracy",
+            "--cache-dir",
+            str(tmp_path),
+        ]
+    )
+    doc, md = ledger.longctx_step(args, log=lambda m: None)
+    full, pol = (next(r for r in doc["speed"] if r["config"] == c) for c in ("full", "policy"))
+    assert doc["context"] == 160 and doc["policy"]["policy"][1]["max_length"] == 64
+    assert pol["kv"] < full["kv"] and pol["seqs"] > full["seqs"]  # above the threshold the policy compresses
+    assert "| + window + compression policy |" in md and "| full KV |" in md
+    assert f"{full['kv'] / pol['kv']:.1f}x the sequences" in md
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["bench", "longctx", "--keep", "1.5", "--skip-accuracy"], "must lie in (0, 1)"),
+        (["bench", "longctx", "--decode", "2", "--skip-accuracy"], "at least 3 decode steps"),
+        (["ledger", "--longctx", "--longctx-keep", "0"], "must lie in (0, 1)"),
+    ],
+)
+def test_bad_settings_are_clear_errors_before_anything_runs(argv, message, capsys):
+    from infertune.cli import main
+
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_contexts_must_be_positive_token_counts(capsys):
+    from infertune.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["bench", "longctx", "--contexts", "1024,abc"])
+    assert "comma-separated token counts" in capsys.readouterr().err
