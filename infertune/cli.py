@@ -182,15 +182,32 @@ def load_config_file(path: str | None) -> dict:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from infertune.serve.launcher import serve
-
     logging.getLogger("infertune").setLevel(logging.INFO)
-    if args.data_parallel_size > 1:  # N replicas in child processes, the router in this one
+    own_argv = args.argv[args.argv.index("serve") + 1 :]
+    if args.pd is not None:  # P prefill + D decode instances in child processes (or Ray actors), the router here
+        from infertune.router.launch import parse_pd, serve_pd
+
+        if args.data_parallel_size > 1:
+            raise ValueError("--pd and --data-parallel-size are two ways to run instances: give one of them")
+        pd = parse_pd(args.pd)
+        if args.kv_role is not None or "kv_role" in load_config_file(args.config):
+            raise ValueError("--pd sets each instance's kv_role (producer / consumer) itself: drop kv_role")
+        if pd == 2:  # auto on 2 instances: the one split there is (no device to measure)
+            logging.getLogger("infertune.router").info("--pd auto: 2 instances split only as 1:1 (auto:N for more)")
+            pd = (1, 1)
+        elif isinstance(pd, int):  # auto:N
+            from infertune.plan.pd import choose_pd
+
+            pd = choose_pd(args.model, pd, args.pd_device, args.max_model_len, args.max_num_seqs).split
+        return serve_pd(own_argv, pd, args.host, args.port, args.placement, args.kv_connector_config)
+    if args.data_parallel_size > 1:  # N replicas in child processes (or Ray actors), the router in this one
         from infertune.router.launch import serve_data_parallel
 
-        return serve_data_parallel(
-            args.argv[args.argv.index("serve") + 1 :], args.data_parallel_size, args.host, args.port
-        )
+        return serve_data_parallel(own_argv, args.data_parallel_size, args.host, args.port, args.placement)
+    if args.placement != "local":
+        raise ValueError("--placement places the instances of --pd or --data-parallel-size: give one of them")
+    from infertune.serve.launcher import serve
+
     options = {**engine_kwargs(args), **load_config_file(args.config)}
     model = options.pop("model", None) or args.model
     return serve(
@@ -287,6 +304,32 @@ def _add_serve(sub) -> None:
         default=1,
         help="replicas of this server, each in its own process with its share of the CPUs, behind `infertune "
         "router` on --host/--port (prefix-cache affinity, requests in flight; docs/distributed.md) (default: 1)",
+    )
+    srv.add_argument(
+        "--pd",
+        default=None,
+        metavar="P:D|auto[:N]",
+        help="prefill/decode disaggregation from one command: P prefill instances (kv_role producer) and D decode "
+        "instances (kv_role consumer) with the local KV connector in a KV directory of their own, each with its "
+        "share of the CPUs, behind `infertune router` on --host/--port; auto: N instances in all (default 2), split "
+        "by the planner's prefill and decode requests/s on --pd-device (docs/distributed.md) (default: off)",
+    )
+    srv.add_argument(
+        "--pd-device",
+        default="local",
+        help="the device whose roofline --pd auto splits by: a catalog name (infertune plan --list-devices) or "
+        "local, measured first (a few seconds where bf16 matmuls are native; minutes on a CPU without them) "
+        "(default: local)",
+    )
+    from infertune.router.launch import PLACEMENTS
+
+    srv.add_argument(
+        "--placement",
+        choices=PLACEMENTS,
+        default="local",
+        help="where the instances of --pd / --data-parallel-size run: local = child processes on 127.0.0.1; ray = "
+        "Ray actors on one node of the cluster ray.init() finds, or a local one (pip install 'infertune[ray]') "
+        "(default: local)",
     )
     add_engine_args(srv)
     add_limits_args(srv)

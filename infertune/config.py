@@ -26,7 +26,7 @@ QUANT_METHODS = ("w8a16", "w4a16", "w8a8")
 QUANT_GROUP_SIZES = (32, 64, 128, 256)
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 KV_ROLES = ("producer", "consumer")
-KV_CONNECTORS = ("local",)
+KV_CONNECTORS = ("local", "p2p")
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 SUPPORTED_ARCHITECTURES = (
@@ -572,7 +572,9 @@ class CacheConfig:
         '{"press": "streaming_llm", "compression_ratio": 0.5, "n_sink": 4}, "pyramidkv" (+ "beta"), '
         '"layer_ratios": [...] per layer; or a policy by layer and prompt length: {"policy": [{"layers": "0-1", '
         '"window": 128}, {"max_length": 4096, "press": "none"}, {"press": "snapkv", "compression_ratio": 0.25}]}; '
-        "the freed blocks go back to the pool; compressed sequences skip the prefix cache (default: off)",
+        "the freed blocks go back to the pool; compressed sequences skip the prefix cache; set (even to "
+        '{"press": "none"}), it lets each request ask for its own press (SamplingParams / body field kv_compression) '
+        "(default: off)",
         json=True,
         see="KV compression",
     )
@@ -798,14 +800,19 @@ class ParallelConfig:
     kv_connector: str | None = _opt(
         None,
         "how KV blocks move between the instances: local = one host, the producer's KV cache in a shared-memory "
-        "file that the consumer copies blocks from (default: local where kv_role is set; unused without it)",
+        "file that the consumer copies blocks from; p2p = across hosts, the consumer pulls the blocks from the "
+        "producer over torch.distributed (a TCPStore the producer hosts, gloo point-to-point) "
+        "(default: local where kv_role is set; unused without it)",
         choices=KV_CONNECTORS,
     )
     kv_connector_config: dict | None = _opt(
         None,
-        'the connector\'s settings as JSON: {"path": directory both sides share (default /dev/shm/infertune-kv), '
-        '"lease_s": seconds a producer keeps unconfirmed blocks (30), "margin_s": the least lease a consumer '
-        "starts a copy with (1)}; read only with kv_role (default: those)",
+        'the connector\'s settings as JSON. local: {"path": directory both sides share (default '
+        '/dev/shm/infertune-kv), "lease_s": seconds a producer keeps unconfirmed blocks (30), "margin_s": the least '
+        'lease a consumer starts a copy with (1)}. p2p: {"host", "port": the producer\'s store, the address '
+        "consumers reach it at (127.0.0.1, 29650; on a consumer, optional: its producer, checked at start-up), "
+        '"timeout_s": the longest wait for the producer (5), "lease_s", "margin_s"}; read only with kv_role '
+        "(default: those)",
         json=True,
     )
     kv_load_failure_policy: str = _opt(
@@ -1012,12 +1019,20 @@ class EngineConfig:
             )
         if self.cache.kv_compression is not None:
             self.cache.kv_compression.check(self.model.arch.num_hidden_layers)
-            if self.model.arch.mla is not None:
-                raise ValueError("kv_compression does not run with DeepSeek's latent (MLA) cache yet; drop it")
-            if sched.speculative_config is not None:
-                raise ValueError("kv_compression does not run with speculative decoding yet; drop one of them")
-            if getattr(self.parallel, "kv_role", None) is not None:
-                raise ValueError("kv_compression does not run with a KV connector (kv_role) yet; drop one of them")
+            refusal = self.kv_compression_refusal()
+            if refusal is not None:
+                drop = "drop it" if self.model.arch.mla is not None else "drop one of them"
+                raise ValueError(f"kv_compression does not run with {refusal} yet; {drop}")
+
+    def kv_compression_refusal(self) -> str | None:
+        """What of this engine KV compression does not run with yet (engine-wide or per request); None: nothing."""
+        if self.model.arch.mla is not None:
+            return "DeepSeek's latent (MLA) cache"
+        if self.scheduler.speculative_config is not None:
+            return "speculative decoding"
+        if getattr(self.parallel, "kv_role", None) is not None:
+            return "a KV connector (kv_role)"
+        return None
 
     @classmethod
     def create(cls, model: str | None = None, **kwargs) -> EngineConfig:

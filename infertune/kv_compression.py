@@ -252,10 +252,12 @@ class KVCompressionConfig:
         return None if all(k[2] == "none" for k in key) else key
 
     def plan(self, groups, n: int) -> list[int] | None:
-        """Per KV cache group (scheduler_output.KVCacheGroup), the tokens of a prefill of n it keeps (n in a group
-        that is not compressed); None where no group drops any."""
+        """Per KV cache group (scheduler_output.KVCacheGroup), the tokens of a prefill of n it keeps (n in a windowed
+        group, which no press compresses); None where no group drops any. The groups are the engine's: every layer
+        of a full-attention group keeps the same count under this config (the engine's own, by its grouping; a
+        request's, checked at admission), so its first layer's count is the group's."""
         num_layers = sum(len(g.layers) for g in groups)
-        kept = [self.kept_tokens(g.layers[0], num_layers, n) if g.compressed else n for g in groups]
+        kept = [self.kept_tokens(g.layers[0], num_layers, n) if g.window is None else n for g in groups]
         return kept if any(k < n for k in kept) else None
 
     @property

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from infertune.kv_compression import KVCompressionConfig
+
 _GREEDY_EPS = 1e-5
 
 
@@ -46,6 +48,12 @@ class SamplingParams:
     # Prefill/decode disaggregation (infertune/kv_transfer/): {"do_remote_decode": True} asks a producer to keep the
     # prompt's KV for a consumer; what it answers ({"do_remote_prefill": True, ...}) tells a consumer what to load.
     kv_transfer_params: dict | None = None
+    # KV compression for this request alone (kv_compression.py's forms, kvpress's names): a press, or a policy of
+    # press rules by layer and prompt length; {"press": "none"} keeps its full KV. None: the engine's kv_compression.
+    # Here rather than in an engine call because it is per request like the rest (it reaches the workers with the
+    # params) and the OpenAI body's field of the same name maps onto it. Parsed into a KVCompressionConfig; what
+    # the engine can do with it (its KV cache groups, the model's layers) is checked at admission.
+    kv_compression: KVCompressionConfig | dict | None = None
     stop_list: tuple[str, ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
@@ -98,6 +106,17 @@ class SamplingParams:
             raise bad("token_healing", "cannot be combined with prompt_logprobs (the healed prompt is one token short)")
         if self.kv_transfer_params is not None and not isinstance(self.kv_transfer_params, dict):
             raise bad("kv_transfer_params", "must be a JSON object")
+        if self.kv_compression is not None and not isinstance(self.kv_compression, KVCompressionConfig):
+            try:
+                self.kv_compression = KVCompressionConfig.from_dict(self.kv_compression)
+            except ValueError as e:
+                raise ParamError("kv_compression", str(e)) from None
+        if self.kv_compression is not None and any(r.window is not None for r in self.kv_compression.rules):
+            raise ParamError(
+                "kv_compression",
+                "kv_compression: a request cannot add window rules (sliding windows shape the engine's KV cache "
+                "groups); put them in the engine's kv_compression, and send press rules only",
+            )
 
     @property
     def greedy(self) -> bool:

@@ -97,6 +97,9 @@ class NewRequest:
     # KV compression: per KV cache group, the tokens of KV it keeps once the prefill of token_ids is computed (the
     # worker evicts the others at the end of that step and the engine takes their blocks back); None: no press.
     kv_kept: list[int] | None = None
+    # The press behind kv_kept where the request brought its own (its kv_compression.KVCompressionConfig, frozen plain
+    # data); None: the engine's kv_compression.
+    kv_compression: object = None
 
 
 @dataclass(slots=True, frozen=True)

@@ -93,6 +93,65 @@ class QemuNeonLib:
         bufs = [(x, ((m - 1) * ldx + k) * 2), (w, n * k * 2), (bias, n * 2), (y, ((m - 1) * ldy + n) * 2)]
         self._run("it_linear_bf16", [ldx, ldy, m, n, k], bufs)
 
+    def it_linear_bf16_gemv(self, x, ldx, w, bias, y, ldy, m, n, k, nthreads):
+        bufs = [(x, ((m - 1) * ldx + k) * 2), (w, n * k * 2), (bias, n * 2), (y, ((m - 1) * ldy + n) * 2)]
+        self._run("it_linear_bf16_gemv", [ldx, ldy, m, n, k], bufs)
+
+    def it_linear_bf16_gemm_fma(self, x, ldx, w, bias, y, ldy, m, n, k, nthreads):
+        bufs = [(x, ((m - 1) * ldx + k) * 2), (w, n * k * 2), (bias, n * 2), (y, ((m - 1) * ldy + n) * 2)]
+        self._run("it_linear_bf16_gemm_fma", [ldx, ldy, m, n, k], bufs)
+        return 0
+
+    def it_gemm_rows_fma(self, rows):
+        """The library's default (each call is a fresh process: a row count set here would not last)."""
+        if rows > 0:
+            raise ValueError("under qemu every call is a new process: it_gemm_rows_fma cannot be set here")
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "rows"
+            r = subprocess.run(
+                [QEMU, str(self.harness), "it_gemm_rows_fma", str(out)], capture_output=True, text=True, timeout=60
+            )
+            if r.returncode != 0:
+                raise RuntimeError(f"it_gemm_rows_fma under qemu failed: {r.stderr}")
+            return int.from_bytes(out.read_bytes(), "little", signed=True)
+
+    # The fused step: its structs and every buffer they point at go over in one blob (pointers as offsets into it,
+    # _StepBlob), and the buffers the step writes (x, each layer's cache, the stats) come back.
+    def it_decode_workspace_bytes(self, model, t, max_ctx):
+        blob = _StepBlob()
+        m = _copy(model)
+        m.cos_sin = None
+        return blob.run(self, "it_decode_workspace_bytes", blob.add(bytes(m)), 0, 0, 0, 0, t, max_ctx)
+
+    def it_decode_layers(self, model, layers, step, x):
+        from infertune.kernels import cpu
+
+        blob, m, st = _StepBlob(), _copy(model), _copy(step)
+        t, d, hkv = st.T, m.head_dim, m.n_kv_heads
+        positions = (ctypes.c_int64 * t).from_address(st.positions)
+        m.cos_sin = blob.buf(m.cos_sin, (max(positions) + 1) * d * 4)
+        copies = (cpu.ItLayer * m.n_layers)()
+        for c, layer in zip(copies, layers[: m.n_layers]):
+            ctypes.pointer(c)[0] = layer
+            c.input_norm, c.post_norm = blob.buf(c.input_norm, m.hidden * 2), blob.buf(c.post_norm, m.hidden * 2)
+            row = d + 4 if m.kv_int8 else d * 2
+            c.kv_cache = blob.buf(c.kv_cache, 2 * m.num_blocks * m.block_size * hkv * row, back=True)
+            for name in ("qkv", "o", "gate_up", "down"):
+                lin = getattr(c, name)
+                n, k = lin.N, lin.K
+                w_bytes = {0: n * k * 2, 1: n * k, 2: n * k // 2}[lin.kind]
+                s_bytes = n * (4 if lin.scale_is_f32 else 2) if lin.kind == 1 else n * (k // max(lin.group, 1)) * 4
+                lin.w, lin.bias = blob.buf(lin.w, w_bytes), blob.buf(lin.bias, n * 2)
+                lin.scale, lin.zero = blob.buf(lin.scale, s_bytes), blob.buf(lin.zero, s_bytes)
+        st.positions, st.slots = blob.buf(st.positions, t * 8), blob.buf(st.slots, t * 8)
+        st.block_tables = blob.buf(st.block_tables, t * st.max_blocks * 8)
+        st.context_lens, st.out_rows = blob.buf(st.context_lens, t * 8), blob.buf(st.out_rows, st.n_out * 8)
+        st.stats = blob.buf(st.stats, ctypes.sizeof(cpu.ItStepStats), back=True)
+        st.work = None  # (the harness allocates work_bytes)
+        offs = blob.add(bytes(m)), blob.add(bytes(copies)), blob.add(bytes(st))
+        x_off = blob.buf(x, t * m.hidden * 2, back=True)
+        return blob.run(self, "it_decode_layers", *offs, x_off, m.n_layers, t, 0)
+
     def it_linear_w8(self, x, ldx, w, scale, scale_is_f32, bias, y, ldy, m, n, k, nthreads):
         bufs = [(x, ((m - 1) * ldx + k) * 2), (w, n * k), (scale, n * (4 if scale_is_f32 else 2)), (bias, n * 2)]
         self._run("it_linear_w8", [scale_is_f32, ldx, ldy, m, n, k], [*bufs, (y, ((m - 1) * ldy + n) * 2)])
@@ -119,6 +178,49 @@ class QemuNeonLib:
     def it_rotary(self, qk, ld, t, heads, d, cs, ld_cs, nthreads):
         bufs = [(cs, ((t - 1) * ld_cs + d) * 4), (qk, ((t - 1) * ld + heads * d) * 2)]
         self._run("it_rotary", [ld, t, heads, d, ld_cs], bufs)
+
+
+def _copy(ref):
+    """A copy of the struct a ctypes.byref() (or the struct itself) refers to."""
+    obj = getattr(ref, "_obj", ref)
+    return type(obj).from_buffer_copy(obj)
+
+
+class _StepBlob:
+    """One file for the harness's fused-step ops: a header of 8 int64, then the structs and buffers, 64-byte aligned."""
+
+    def __init__(self) -> None:
+        self.data = bytearray(64)
+        self.back: list[tuple[int, int, int]] = []  # (offset, pointer here, bytes) to copy back after the call
+
+    def add(self, raw: bytes) -> int:
+        self.data += bytes(-len(self.data) % 64)
+        off = len(self.data)
+        self.data += raw
+        return off
+
+    def buf(self, ptr, nbytes: int, back: bool = False) -> int | None:
+        if not ptr:
+            return None
+        off = self.add(ctypes.string_at(ptr, nbytes))
+        if back:
+            self.back.append((off, ptr, nbytes))
+        return off
+
+    def run(self, lib: QemuNeonLib, op: str, *header: int) -> int:
+        assert len(header) == 7  # (the eighth: the return code, from the harness)
+        self.data[:64] = b"".join(int(v).to_bytes(8, "little", signed=True) for v in (*header, 0))
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "blob"
+            path.write_bytes(bytes(self.data))
+            r = subprocess.run([QEMU, str(lib.harness), op, str(path)], capture_output=True, text=True, timeout=300)
+            if r.returncode != 0:
+                raise RuntimeError(f"{op} under qemu failed ({r.returncode}): {r.stderr}")
+            out = path.read_bytes()
+        for off, ptr, nbytes in self.back:
+            ctypes.memmove(ptr, out[off : off + nbytes], nbytes)
+        lib.calls += 1
+        return int.from_bytes(out[56:64], "little", signed=True)
 
 
 class _Fn:

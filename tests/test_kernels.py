@@ -334,7 +334,8 @@ def test_w8_exact_when_activations_are_representable(ks):
 
 
 @pytest.mark.parametrize(
-    "m,n,k,gs", [(1, 8, 128, 64), (3, 20, 256, 128), (16, 64, 896, 128), (5, 9, 4864, 128), (17, 33, 64, 64)]
+    "m,n,k,gs",
+    [(1, 8, 128, 64), (3, 20, 256, 128), (16, 64, 896, 128), (5, 9, 4864, 128), (17, 33, 64, 64), (130, 21, 4864, 128)],
 )
 def test_w4_within_its_error_bound(ks, m, n, k, gs):
     """y = sum_g (x_g . q_g) s_g + (sum x_g) z_g: the int16 rounding of x moves it by at most
@@ -529,11 +530,11 @@ def test_fused_decode_forward_allocates_nothing(tmp_path):
         runner = llm.engine.executor.runner
         forward, seen = runner._forward, []
 
-        def profiled(ids, pos, meta, rows=None, *, forward=forward, seen=seen):
+        def profiled(ids, pos, meta, rows=None, fusable=True, *, forward=forward, seen=seen):
             if meta.prefills:
-                return forward(ids, pos, meta, rows)
+                return forward(ids, pos, meta, rows, fusable)
             with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-                out = forward(ids, pos, meta, rows)
+                out = forward(ids, pos, meta, rows, fusable)
             seen.append(sum(1 for e in prof.events() if e.self_cpu_memory_usage > 0))
             return out
 

@@ -8,6 +8,9 @@ waiting queue it must pass, in this order:
 2. what it cannot get now (429 / 503 with Retry-After, `Overloaded`): room in the waiting queue, room in the
    host-memory budget (the sum of admitted requests' estimates), and the process's measured RSS below the ceiling.
 
+A request's own kv_compression (SamplingParams.kv_compression) is checked against the engine before any of that
+(`check_kv_compression`): a press the engine cannot run for it is a 400 naming the field.
+
 The host-memory estimate is linear: bytes per sequence, per token, and per logprob entry a token carries, with
 coefficients measured on the engine's own per-request structures (see `HostCost`).
 """
@@ -17,7 +20,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from infertune.config import LimitsConfig
+from infertune.config import EngineConfig, LimitsConfig
+from infertune.kv_compression import KVCompressionConfig
+from infertune.sampling_params import ParamError
 
 
 class NeverFits(ValueError):
@@ -170,3 +175,45 @@ class Admission:
     @property
     def num_held(self) -> int:
         return len(self._held)
+
+
+def check_kv_compression(request: KVCompressionConfig | None, config: EngineConfig, groups) -> None:
+    """A request's own kv_compression against the engine (its options, its KV cache groups: scheduler_output.
+    KVCacheGroup): ParamError("kv_compression", why) where the engine cannot run it. A press of "none" (full KV) runs
+    anywhere. Any other needs an engine started with kv_compression (its coordinator plans each sequence and its
+    runner evicts), not refused there (MLA, speculative decoding, a KV connector), layers the model has, and the same
+    count kept in every layer of each full-attention group, since a group's layers share one block table."""
+    if request is None:
+        return
+
+    def bad(message: str) -> ParamError:
+        return ParamError("kv_compression", f"kv_compression: {message}")
+
+    try:
+        request.check(config.model.arch.num_hidden_layers)
+    except ValueError as e:
+        raise bad(str(e).removeprefix("kv_compression ")) from None
+    if not request.presses:
+        return
+    refusal = config.kv_compression_refusal()
+    if refusal is not None:
+        raise bad(f"this engine runs {refusal}, which KV compression does not run with yet; drop it from the request")
+    if config.cache.kv_compression is None:
+        raise bad(
+            "this engine was started without kv_compression, so it cannot drop a request's KV; start it with "
+            'kv_compression (--kv-compression \'{"press": "none"}\' keeps full KV unless a request asks for a press)'
+        )
+    for group in groups:
+        if group.window is not None:
+            continue  # (no press compresses a windowed layer: it keeps its window)
+        keys = {}
+        for layer in group.layers:
+            keys.setdefault(request.layer_key(layer), []).append(layer)
+        if len(keys) > 1:
+            a, b = (layers[0] for layers in list(keys.values())[:2])
+            raise bad(
+                f"this press keeps different token counts in layers {a} and {b}, which share one KV cache group (one "
+                f"block table: layers {','.join(map(str, group.layers))}) in this engine; per-layer budgets "
+                "(pyramidkv, layer_ratios, rules over some layers) need an engine whose own kv_compression splits "
+                "its layers alike (start it with such a press), or send a press that treats every layer alike"
+            )

@@ -15,11 +15,14 @@ group, the chain of all h; in a windowed group only the blocks the next query's 
 (h * block - W + 1) // block .. h - 1, so a prefix whose early blocks were evicted still hits. The hit is the longest
 h every group has.
 
-KV compression (kv_compression.py): `plan(n)` says, per group, how many tokens of a prefill of n it keeps. A sequence
-the plan compresses is admitted without prefix-cache hits and never registers a block (its KV is rewritten in place
-when the prefill ends, so it no longer matches the token hashes); once the step that completes its prefill is done,
-`compress` gives back each group's blocks past ceil(kept / block), and from then on the group holds
-num_computed_tokens - num_evicted[g] tokens' KV (positions go on counting; slots are fewer).
+KV compression (kv_compression.py): `plan(n)` says, per group, how many tokens of a prefill of n it keeps under the
+engine's kv_compression; a sequence with its own (`Sequence.kv_compression`, a request's) is planned by that one over
+the same groups, so each sequence frees blocks by its own press, and one whose press is "none" (or that its policy
+leaves whole) caches and hits prefixes as without compression. A sequence its plan compresses is admitted without
+prefix-cache hits and never registers a block (its KV is rewritten in place when the prefill ends, so it no longer
+matches the token hashes); once the step that completes its prefill is done, `compress` gives back each group's
+blocks past ceil(kept / block), and from then on the group holds num_computed_tokens - num_evicted[g] tokens' KV
+(positions go on counting; slots are fewer).
 
 Invariants (beside BlockManager's): a NULL_BLOCK entry only ever precedes a windowed group's first live block; a
 hashed block is never written (a hit never covers the last token); every live entry holds one reference.
@@ -48,12 +51,16 @@ class KVCacheCoordinator(BlockManager):
         enable_prefix_caching: bool = True,
         chunk: int | None = None,
         plan=None,
+        groups: tuple[KVCacheGroup, ...] | None = None,
     ) -> None:
+        """plan: the engine's KV compression plan (prefill length -> tokens kept per group, or None), or None
+        without one; groups: the KV cache groups a sequence's own kv_compression is planned over."""
         super().__init__(num_blocks, block_size, enable_prefix_caching)
         assert windows and all(w is None or w > 0 for w in windows)
         self.windows = tuple(windows)
         self.chunk = chunk
         self.plan = plan  # KV compression: prefill length -> tokens kept per group (None: whole), or no press
+        self.groups = groups
         self._blocks_used = [0] * len(self.windows)  # per group, the blocks some sequence holds (for /metrics)
 
     @property
@@ -86,7 +93,7 @@ class KVCacheCoordinator(BlockManager):
         """Per group, the cached blocks of seq's longest prefix hit that every group has (full blocks only, never the
         last token); a windowed group's list is NULL_BLOCK up to the hit's window. Changes nothing."""
         num_groups = len(self.windows)
-        if not self.enable_prefix_caching or (self.plan is not None and self.plan(len(seq)) is not None):
+        if not self.enable_prefix_caching or self._plan(seq) is not None:
             return [[] for _ in range(num_groups)]  # (a sequence to compress computes and owns all its KV)
         limit = (len(seq) - 1) // self.block_size
         chains: dict[int, list[int]] = {}
@@ -127,6 +134,13 @@ class KVCacheCoordinator(BlockManager):
                 out.append([NULL_BLOCK] * first + cached[g][first:hit])
         return out
 
+    def _plan(self, seq: Sequence) -> list[int] | None:
+        """Per group, the tokens seq keeps once its prefill (all of its tokens now) is computed; None: all of them."""
+        if seq.kv_compression is not None:  # its own press (a request's), over the engine's groups
+            assert self.groups is not None, "a sequence's own kv_compression needs the coordinator's groups"
+            return seq.kv_compression.plan(self.groups, len(seq))
+        return self.plan(len(seq)) if self.plan is not None else None
+
     def _cached(self, group: int, seq: Sequence, i: int) -> int | None:
         """The block group caches for seq's i-th full block (its chained hash, double-checked on its tokens)."""
         block_id = self._hash_to_block.get((group, self._block_hash(seq, i)))
@@ -140,8 +154,8 @@ class KVCacheCoordinator(BlockManager):
         computed_blocks) to hold num_tokens. All or nothing, but for the freeing: those blocks are dead either way."""
         tables = self._tables(seq)
         computed = list(computed_blocks) or [[] for _ in self.windows]
-        if self.plan is not None and seq.num_computed_tokens == 0 and not any(tables):  # admitted (again)
-            seq.kv_kept, seq.num_evicted = self.plan(len(seq)), None
+        if seq.num_computed_tokens == 0 and not any(tables):  # admitted (again): its plan for this prefill
+            seq.kv_kept, seq.num_evicted = self._plan(seq), None
         for g, window in enumerate(self.windows):
             if window is not None:
                 self._free_below(g, tables[g], self.first_live_block(g, seq.num_computed_tokens))
@@ -248,15 +262,17 @@ class KVCacheCoordinator(BlockManager):
 
 def kv_cache_manager(info, enable_prefix_caching: bool, chunk: int, kv_compression=None) -> BlockManager:
     """The engine's block manager for the runner's KV cache (runner.KVCacheInfo): BlockManager where every layer
-    attends in full (one group, exactly as without windows), else a coordinator over the groups (and with KV
-    compression, kv_compression.KVCompressionConfig, where some group is compressed)."""
+    attends in full (one group, exactly as without windows) and there is no KV compression, else a coordinator over
+    the groups. With kv_compression (kv_compression.KVCompressionConfig, even one that compresses nothing, such as
+    {"press": "none"}) requests may bring their own press, so the coordinator plans each sequence."""
     groups = info.groups or (KVCacheGroup(None, ()),)
-    compressed = kv_compression is not None and any(g.compressed for g in groups)
-    if len(groups) == 1 and groups[0].window is None and not compressed:
+    if len(groups) == 1 and groups[0].window is None and kv_compression is None:
         return BlockManager(info.num_blocks, info.block_size, enable_prefix_caching)
     windows = [g.window for g in groups]
+    compressed = kv_compression is not None and any(g.compressed for g in groups)
     plan = (lambda n: kv_compression.plan(groups, n)) if compressed else None
-    return KVCacheCoordinator(info.num_blocks, info.block_size, windows, enable_prefix_caching, chunk, plan)
+    own = tuple(groups) if kv_compression is not None else None
+    return KVCacheCoordinator(info.num_blocks, info.block_size, windows, enable_prefix_caching, chunk, plan, own)
 
 
 def group_label(group: KVCacheGroup) -> str:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from infertune.config import EngineConfig
-from infertune.engine.admission import HostCost
+from infertune.engine.admission import HostCost, check_kv_compression
 from infertune.engine.detokenizer import IncrementalDetokenizer, find_stop
 from infertune.engine.kv_cache_coordinator import describe_groups, group_label, kv_cache_manager
 from infertune.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -257,6 +257,9 @@ class LLMEngine:
         if any(not 0 <= t < vocab for t in params.stop_token_ids):
             raise ParamError("stop_token_ids", f"stop_token_ids must be token ids in [0, {vocab}) for this model")
         self.structured_output_spec(params)  # a schema the library cannot compile: ParamError, with its reason
+        groups = self.executor.kv_cache_info.groups
+        groups = groups or (KVCacheGroup(None, tuple(range(self.config.model.arch.num_hidden_layers))),)
+        check_kv_compression(params.kv_compression, self.config, groups)  # a press this engine cannot run: 400
 
     def structured_output_spec(self, params: SamplingParams):
         """The compiled grammar (scheduler_output.GrammarSpec) of params.structured_outputs, None without one;
@@ -298,6 +301,7 @@ class LLMEngine:
             seq.stop_token_ids = frozenset(stop_ids)
             seq.structured_output = grammar
             seq.kv_transfer = remote
+            seq.kv_compression = params.kv_compression  # its own press (None: the engine's), checked in prepare
             # Drafts are verified by sampling each of their rows alone: not with a grammar's masks (they advance a
             # matcher token by token) nor with logprobs (one entry a row). Those requests decode a token a step.
             seq.spec_decode = speculate and grammar is None and params.logprobs is None

@@ -217,6 +217,7 @@ class Scheduler:
                         seq.structured_output,
                         [list(t) for t in seq.block_tables[1:]],
                         kv_kept=seq.kv_kept,
+                        kv_compression=seq.kv_compression if seq.kv_kept is not None else None,
                     )
                 )
             else:

@@ -75,24 +75,38 @@ def _cause(e: BaseException) -> BaseException:
     return WorkerError(f"a Ray tensor-parallel worker failed: {e}")
 
 
+def import_ray(what: str, otherwise: str):
+    """The ray module, or a ValueError saying that `what` needs it (and `otherwise`: what to use instead)."""
+    try:
+        import ray
+        import ray.util.placement_group  # noqa: F401
+        import ray.util.scheduling_strategies  # noqa: F401
+    except ImportError:
+        raise ValueError(f"{what} needs Ray: pip install 'infertune[ray]' (or {otherwise})") from None
+    return ray
+
+
+def init_ray(ray) -> bool:
+    """Join the cluster ray.init() finds (RAY_ADDRESS, or the one `ray start` began here) or start a local one;
+    whether this call connected (then the caller's ray.shutdown() disconnects)."""
+    if ray.is_initialized():
+        return False
+    ray.init(log_to_driver=True, include_dashboard=False)
+    return True
+
+
 class RayExecutor(Executor):
     def __init__(self, config: EngineConfig, show_progress: bool = False) -> None:
-        try:
-            import ray
-            from ray.util.placement_group import placement_group
-            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-        except ImportError:
-            raise ValueError(
-                "distributed_executor_backend='ray' needs Ray: pip install 'infertune[ray]' (or use 'mp' on one host)"
-            ) from None
+        ray = import_ray("distributed_executor_backend='ray'", "use 'mp' on one host")
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
         self.size = size = config.parallel.tensor_parallel_size
         config.model.arch.for_tensor_parallel(
             size, config.parallel.enable_expert_parallel
         )  # a shape that does not split: its error before any actor
         self._ray = ray
-        self._connected = not ray.is_initialized()
-        if self._connected:
-            ray.init(log_to_driver=True, include_dashboard=False)
+        self._connected = init_ray(ray)
         cpus = int(ray.cluster_resources().get("CPU", 1))
         per_rank = max(1, cpus // size)
         self._pg = placement_group([{"CPU": per_rank}] * size, strategy="PACK")

@@ -1,16 +1,15 @@
 """The Arm CPU kernels behind the `DecodeKernels` contract (kernels/interface.py): `NeonKernels`, AArch64 Advanced SIMD.
 
 `kernels/cpu.py` builds and binds the C library (csrc/arm/neon) with the x86 libraries' entry points, so the calls
-are the AVX2 variant's (`x86.Avx2Kernels`: the GEMVs, the prefills' dequantization, the elementwise kernels, the
-MoE routing and grouped experts; no 12-bit weights and no fused step) on another library. Verified for correctness
-under qemu-user on x86 (tests/test_neon.py runs every GEMV / dequantization / elementwise oracle of
-tests/test_kernels.py on it); its speed on Arm hardware, and its row limits, are not measured yet.
+are the AVX2 variant's (`x86.Avx2Kernels`: the GEMVs, the bf16 GEMM, the prefills' dequantization, the elementwise
+kernels, the fused decoder step, the MoE routing and grouped experts; no 12-bit weights) on another library.
+Verified for correctness under qemu-user on x86 (tests/test_neon.py; every GEMV / dequantization / elementwise
+oracle of tests/test_kernels.py runs on it too); its speed on Arm hardware, and its row limits, are not measured.
 """
 
 from __future__ import annotations
 
 from infertune.kernels import cpu
-from infertune.kernels.interface import FusedDecoder, FusedModel
 from infertune.kernels.x86 import Avx2Kernels
 
 _instance: NeonKernels | None = None
@@ -21,13 +20,10 @@ class NeonKernels(Avx2Kernels):
     (tests/neon_qemu.py runs them under qemu)."""
 
     variant = "neon"
-    bf16_rows = cpu.MAX_ROWS  # (a GEMV only: no GEMM in the NEON library yet)
-
-    def fused_decoder(self, model: FusedModel) -> FusedDecoder | str:
-        return "the fused step has no NEON variant yet (AVX-512 and AVX2 only)"
-
-    def fused_step_timers(self, reset: bool = False) -> dict[str, float]:
-        return {**dict.fromkeys(cpu.FUSED_PARTS, 0.0), "calls": 0.0, "rows": 0.0}
+    # bf16 linears up to 16 rows (the GEMV, the GEMM from it_gemm_rows_fma() rows), torch's GEMM past them: no Arm
+    # timing says where, if anywhere, the NEON GEMM beats torch's (oneDNN / ACL) GEMMs
+    bf16_rows = cpu.MAX_ROWS
+    # (fused_decoder: Avx2Kernels', kernels/x86_fused.py over this library's it_decode_layers, csrc/arm/neon/fused.c)
 
 
 def kernels() -> NeonKernels | None:

@@ -55,11 +55,14 @@ NOAMX_GEMM_MAX_ROWS = 128
 # keep the kernels at every step size up to this: torch's bf16 GEMM limited to AVX2 is far slower at every size
 # measured (benchmarks/bench_gemm_avx2.py, docs/kernels.md "AVX2"), so this only bounds a step, not a crossover.
 AVX2_GEMM_MAX_ROWS = 1 << 16
+# On AVX2 the W8A16 / W4A16 layers keep the integer kernels up to this many rows (prompts too: x86.Avx2Kernels.max_rows
+# says why); past it they dequantize and run the FMA GEMM, whose blocking keeps x in the caches at any size.
+AVX2_QUANT_MAX_ROWS = 512
 # The AVX2 fused step takes steps of fresh prompts of up to this many tokens in all (bf16 weights, bf16 cache), as the
 # AVX-512 library without AMX does (NOAMX_GEMM_MAX_ROWS): each prompt row's attention runs on its own.
 AVX2_FUSED_PREFILL_ROWS = 128
 # The C side's ABI (csrc/abi.h IT_ABI_VERSION): bump both together when a shared struct or a signature changes.
-ABI_VERSION = 3
+ABI_VERSION = 4
 WARN_FLAGS = ["-Wall", "-Wextra"]
 COMMON_FLAGS = ["-O3", "-std=c11", "-shared", "-fPIC", "-fopenmp", *WARN_FLAGS, f"-I{CSRC}"]
 
@@ -320,7 +323,6 @@ def declare(lib: ctypes.CDLL) -> None:
         "it_amx_init": ([cint], cint),
         "it_decode_workspace_bytes": ([model, i64, i64], i64),
         "it_decode_layers": ([model, layer, step, ptr], cint),
-        "it_fused_timers": ([ptr, cint], None),
         "it_decode_attention": ([model, step, ptr, ptr, ptr, cint], cint),
         "it_linear_bf16c": ([ptr, i64, bf16c, ptr, ptr, i64, i64, i64, i64, cint, i64, cint], cint),
         "it_bf16c_slabs": ([i64, i64], i64),  # (an older build, loaded by bench_kernel_builds.py, lacks it)
@@ -404,7 +406,19 @@ class ItStep(ctypes.Structure):
         ("work_bytes", ctypes.c_int64),
         ("out_rows", ctypes.c_void_p),
         ("n_out", ctypes.c_int64),
+        ("stats", ctypes.c_void_p),  # an ItStepStats the caller owns (one per engine), or None: not timed
     ]
+
+
+# The parts of the fused step that it_decode_layers times (csrc/abi.h IT_FT_*), in order
+FUSED_PARTS = ("norm", "qkv", "rotary + K/V write", "attention", "o_proj", "residual adds", "gate_up (+ SiLU)", "down")
+
+
+class ItStepStats(ctypes.Structure):
+    """The fused step's seconds per part (FUSED_PARTS), calls and rows, summed over the steps that point at it
+    (csrc/abi.h it_step_stats): each fused decoder owns one, so engines in one process count apart."""
+
+    _fields_ = [("seconds", ctypes.c_double * len(FUSED_PARTS)), ("calls", ctypes.c_int64), ("rows", ctypes.c_int64)]
 
 
 class ItMoe(ctypes.Structure):
@@ -430,6 +444,7 @@ def abi_layout(structs: dict[str, type[ctypes.Structure]] | None = None) -> list
         "it_layer": ItLayer,
         "it_model": ItModel,
         "it_step": ItStep,
+        "it_step_stats": ItStepStats,
         "bf16c": Bf16c,
         "it_moe": ItMoe,
     } | (structs or {})
@@ -463,7 +478,9 @@ def abi_layout(structs: dict[str, type[ctypes.Structure]] | None = None) -> list
             "work_bytes",
             "out_rows",
             "n_out",
+            "stats",
         ),  # fmt: skip
+        "it_step_stats": ("seconds", "calls", "rows"),
         "bf16c": ("codes", "table", "esc_start", "esc_pos", "esc_val"),
         "it_moe": tuple(f for f, _ in ItMoe._fields_),
     }
@@ -478,6 +495,7 @@ def abi_layout(structs: dict[str, type[ctypes.Structure]] | None = None) -> list
     out += [(f"it_kind {k.name}", int(k)) for k in WeightKind]
     out += [(f"it_moe.scoring {k}", v) for k, v in MOE_SCORING.items()]
     out += [(f"it_moe.topk_method {k}", v) for k, v in MOE_TOPK_METHOD.items()]
+    out.append(("IT_FT_PARTS (the fused step's timed parts)", len(FUSED_PARTS)))
     return out
 
 
@@ -597,8 +615,8 @@ def linear_bf16_path(
     lib: ctypes.CDLL | None = None,
 ) -> torch.Tensor:
     """linear_bf16 through one of the non-AMX paths whatever the rows (tests, benchmarks): "gemm" (the AVX-512
-    library's VDPBF16PS GEMM, K even; the AVX2 library's FMA GEMM, any K), "gemv" (the GEMV, what every row count
-    ran before the GEMM) or, on AVX2, "gemvx" (the GEMV on x widened once, for a few rows)."""
+    library's VDPBF16PS GEMM, K even; the AVX2 and NEON libraries' FMA GEMM, any K), "gemv" (the GEMV, what every
+    row count ran before the GEMM) or, on AVX2, "gemvx" (the GEMV on x widened once, for a few rows)."""
     lib = _pick(lib)
     x2 = _rows(x)
     _check(x2, weight, bias)
@@ -889,18 +907,14 @@ def decode_attention(
     return o
 
 
-# The parts of the fused step that it_decode_layers times (csrc/fused_step.h FT_*), in order
-FUSED_PARTS = ("norm", "qkv", "rotary + K/V write", "attention", "o_proj", "residual adds", "gate_up (+ SiLU)", "down")
-
-
-def fused_step_timers(reset: bool = False, *, lib: ctypes.CDLL | None = None) -> dict[str, float]:
-    """Wall seconds of each part of the fused step (FUSED_PARTS), summed over its calls since the last reset,
-    with "calls" and "rows" (tokens). reset=True zeroes them after reading. lib: a variant's library (default the
-    process's)."""
-    lib = _pick(lib)
-    out = (ctypes.c_double * (len(FUSED_PARTS) + 2))()
-    lib.it_fused_timers(out, int(reset))
-    return {**dict(zip(FUSED_PARTS, out[: len(FUSED_PARTS)])), "calls": out[-2], "rows": out[-1]}
+def fused_step_timers(stats: ItStepStats, reset: bool = False) -> dict[str, float]:
+    """Wall seconds of each part of the fused step (FUSED_PARTS), summed over the calls that wrote into stats (one
+    engine's, it_step.stats) since its last reset, with "calls" and "rows" (tokens). reset=True zeroes them after
+    reading. Read between steps: only the thread running a step writes them."""
+    got = {**dict(zip(FUSED_PARTS, stats.seconds)), "calls": float(stats.calls), "rows": float(stats.rows)}
+    if reset:
+        ctypes.memset(ctypes.addressof(stats), 0, ctypes.sizeof(stats))
+    return got
 
 
 # ---- bf16 weights in 12 bits, losslessly (csrc/x86/avx512/bf16c_*.c) ------------------------------------------------

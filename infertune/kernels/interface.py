@@ -154,13 +154,18 @@ class FusedDecoder(Protocol):
         only rows the caller reads; past the last layer's attention just those go on."""
         ...
 
+    def step_timers(self, reset: bool = False) -> dict[str, float]:
+        """This decoder's own counts (each engine has its own: nothing is shared across a process): seconds in each
+        of the kernels' fused_parts over its steps since the last reset, plus "calls" and "rows"."""
+        ...
+
 
 @runtime_checkable
 class DecodeKernels(Protocol):
     """A backend's own kernels. Rows are tokens of a step; every tensor is on the backend's device."""
 
     name: str  # e.g. "x86 avx512-bf16 + amx"
-    fused_parts: tuple[str, ...]  # the parts of the fused step that fused_step_timers() reports
+    fused_parts: tuple[str, ...]  # the parts of the fused step that its FusedDecoder.step_timers() reports
 
     def max_rows(self, kind: LinearKind) -> int:
         """Rows up to which linear_*(kind) beats torch's GEMM here (past them the method takes the dense path)."""
@@ -242,10 +247,6 @@ class DecodeKernels(Protocol):
 
     def fused_decoder(self, model: FusedModel) -> FusedDecoder | str:
         """The fused step for this decoder, or why it cannot run (a sentence)."""
-        ...
-
-    def fused_step_timers(self, reset: bool = False) -> dict[str, float]:
-        """Seconds spent in each of fused_parts since the last reset, plus "calls" and "rows"."""
         ...
 
     def profiled(self, name: str) -> AbstractContextManager:

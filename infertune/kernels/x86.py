@@ -48,7 +48,8 @@ class Bf16cWeight:
 
 
 class X86Kernels:
-    """infertune's x86 kernels (one instance per process is enough: it holds no state of its own)."""
+    """infertune's x86 kernels (one instance per process is enough: it holds no state of its own; each fused decoder
+    it builds keeps its own step counters)."""
 
     fused_parts = cpu.FUSED_PARTS
 
@@ -134,9 +135,6 @@ class X86Kernels:
 
         return X86FusedDecoder.build(model, amx=self.amx)
 
-    def fused_step_timers(self, reset: bool = False) -> dict[str, float]:
-        return cpu.fused_step_timers(reset)
-
     def profiled(self, name: str) -> AbstractContextManager:
         return cpu.profiled(name)
 
@@ -167,12 +165,16 @@ class Avx2Kernels(X86Kernels):
 
     def max_rows(self, kind: LinearKind) -> int:
         # bf16: the GEMV below it_gemm_rows_fma() rows, the FMA GEMM past it, at every step size (torch's bf16 GEMM
-        # limited to AVX2 is slower at every size: benchmarks/bench_gemm_avx2.py). W8A16 / W4A16: GEMVs at heart
-        # (MR2 = 2 rows a pass over a block of 4 weight rows), up to 16 rows; past them the layer dequantizes and
-        # runs linear_bf16. 12-bit weights do not exist here.
+        # limited to AVX2 is slower at every size: benchmarks/bench_gemm_avx2.py). W8A16 / W4A16: the integer
+        # kernels (x rounded to int16 per row, VPMADDWD against the int8 / int4 weights, MR2 = 2 rows a pass over a
+        # block of 4 weight rows) up to AVX2_QUANT_MAX_ROWS rows, prompts included: there they beat dequantizing to
+        # bf16 and the FMA GEMM (two multiply-adds a 32-bit lane an instruction against one, and no dense copy of
+        # the weight written and read back: benchmarks/bench_quant_rows.py), and x's int16 rounding (2^-15 of
+        # max|x|) is finer than the weights' bf16 one. Past them the layer dequantizes and runs linear_bf16.
+        # 12-bit weights do not exist here.
         if kind == "bf16c":
             return 0
-        return self.bf16_rows if kind == "bf16" else cpu.MAX_ROWS
+        return self.bf16_rows if kind == "bf16" else cpu.AVX2_QUANT_MAX_ROWS
 
     def can_compress(self, out_features: int, in_features: int) -> bool:
         return False
@@ -184,9 +186,6 @@ class Avx2Kernels(X86Kernels):
         from infertune.kernels.x86_fused import X86FusedDecoder
 
         return X86FusedDecoder.build(model, amx=False, avx2_lib=self.lib)
-
-    def fused_step_timers(self, reset: bool = False) -> dict[str, float]:
-        return cpu.fused_step_timers(reset, lib=self.lib)
 
 
 @functools.lru_cache(maxsize=64)

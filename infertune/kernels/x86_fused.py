@@ -1,5 +1,6 @@
-"""The fused step on x86: every decoder layer of a step in one call to it_decode_layers (csrc/fused_step.h, over the
-AVX-512 library's parts or the AVX2 library's, csrc/x86/avx2/fused.c).
+"""The fused step on x86 (and on Arm): every decoder layer of a step in one call to it_decode_layers (csrc/fused_step.h,
+over the AVX-512 library's parts, the AVX2 library's, csrc/x86/avx2/fused.c, or the NEON library's, csrc/arm/neon/
+fused.c, which kernels/arm.py hands in as the AVX2 library's stand-in).
 
 At batch 1 the eager PyTorch forward of a 24-layer model spends ~15 ms a step outside its matmuls: a dozen aten
 dispatches, Python module calls and temporaries per layer. Here the whole stack (norms, projections, rotary, the
@@ -28,7 +29,11 @@ class X86FusedDecoder:
         rows = max(max_rows, max_prefill_rows)
         nbytes = self.lib.it_decode_workspace_bytes(ctypes.byref(cmodel), rows, model.max_context)
         self.workspace = torch.empty(nbytes + 64, dtype=torch.uint8)  # the step's only scratch, reused
-        self.step = cpu.ItStep(work=(self.workspace.data_ptr() + 63) // 64 * 64, work_bytes=nbytes)
+        # This decoder's own counters (one per engine: the library keeps none), written by each step it runs
+        self.stats = cpu.ItStepStats()
+        self.step = cpu.ItStep(
+            work=(self.workspace.data_ptr() + 63) // 64 * 64, work_bytes=nbytes, stats=ctypes.addressof(self.stats)
+        )
         # The residual stream and the final norm's output: reused every step (the next step overwrites them).
         self.x = torch.empty(rows, self.hidden, dtype=torch.bfloat16)
         self.out = torch.empty(rows, self.hidden, dtype=torch.bfloat16)
@@ -133,6 +138,9 @@ class X86FusedDecoder:
                 self.cmodel.nthreads,
             )
         return out
+
+    def step_timers(self, reset: bool = False) -> dict[str, float]:
+        return cpu.fused_step_timers(self.stats, reset)
 
 
 def _fill_lin(c, lin: KernelLinear) -> list[torch.Tensor]:

@@ -1,8 +1,9 @@
 """KV connectors: moving prompt KV between engines for prefill/decode disaggregation (docs/distributed.md).
 
-`base.py` is the contract (scheduler side, worker side, the plain-data metadata between them); `local.py` the one
-connector built so far, for engines on one host. Not built yet: a connector across hosts (torch.distributed
-point-to-point), and the NIXL / Mooncake / LMCache transports the contract leaves room for.
+`base.py` is the contract (scheduler side, worker side, the plain-data metadata between them); `local.py` the
+connector for engines on one host (shared-memory files); `p2p.py` the one across hosts (a TCPStore the producer hosts,
+the blocks' bytes over a gloo pair per rank: torch.distributed point-to-point). Not built yet: the NIXL / Mooncake /
+LMCache transports the contract leaves room for.
 """
 
 from __future__ import annotations
@@ -50,10 +51,12 @@ def kv_layout(config, cache_shape: tuple[int, ...], cache_dtype: str, groups) ->
 
 def _settings(config) -> dict:
     p = config.parallel
-    if p.kv_connector != "local":
-        raise ValueError(f"kv_connector={p.kv_connector!r}: only 'local' (one host) is built")
-    from infertune.kv_transfer.local import connector_settings
-
+    if p.kv_connector == "p2p":
+        from infertune.kv_transfer.p2p import connector_settings
+    elif p.kv_connector == "local":
+        from infertune.kv_transfer.local import connector_settings
+    else:
+        raise ValueError(f"kv_connector={p.kv_connector!r}: 'local' (one host) and 'p2p' (across hosts) are built")
     return connector_settings(p.kv_connector_config)
 
 
@@ -69,9 +72,12 @@ def scheduler_connector(config, kv_info) -> KVConnectorScheduler | None:
         )
     if len(kv_info.groups) > 1 or any(g.window is not None for g in kv_info.groups):
         raise ValueError("KV transfer (kv_role) does not support sliding-window models yet (more than one KV group)")
-    from infertune.kv_transfer.local import LocalConnectorScheduler
+    if p.kv_connector == "p2p":
+        from infertune.kv_transfer.p2p import P2PConnectorScheduler as cls
+    else:
+        from infertune.kv_transfer.local import LocalConnectorScheduler as cls
 
-    return LocalConnectorScheduler(
+    return cls(
         p.kv_role,
         _settings(config),
         kv_info.kv_layout,
@@ -87,7 +93,12 @@ def worker_connector(config, rank: int, device_type: str) -> KVConnectorWorker |
     if p.kv_role is None:
         return None
     if device_type != "cpu":
-        raise ValueError(f"the local KV connector shares the KV cache through host memory: CPU only, not {device_type}")
-    from infertune.kv_transfer.local import LocalConnectorWorker
+        raise ValueError(
+            f"the {p.kv_connector} KV connector moves the KV cache through host memory: CPU only, not {device_type}"
+        )
+    if p.kv_connector == "p2p":
+        from infertune.kv_transfer.p2p import P2PConnectorWorker as cls
+    else:
+        from infertune.kv_transfer.local import LocalConnectorWorker as cls
 
-    return LocalConnectorWorker(p.kv_role, _settings(config), rank)
+    return cls(p.kv_role, _settings(config), rank)

@@ -71,6 +71,7 @@ class KVLoad:
     num_local_tokens: int  # prompt tokens this engine had already (prefix cache): a failed load recomputes from here
     num_loaded_tokens: int  # prompt tokens the load covers (after num_local_tokens)
     transfer_id: str = ""  # the producer's lease on the blocks
+    peer: str = ""  # where the producer serves them ("host:port" of its store: the p2p connector; "" for local)
 
 
 @dataclass(slots=True)

@@ -100,6 +100,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--price-per-hour", type=float, default=None, help="USD per card-hour (overrides the catalog)")
     p.add_argument("--cards", type=int, default=8, help="cards for the prefill / decode split; 0 skips it (default: 8)")
     p.add_argument("--rate", type=float, default=None, help="requests/s the P/D split must sustain")
+    p.add_argument(
+        "--pd",
+        action="store_true",
+        help="also print the `infertune serve --pd P:D` command that runs the P/D split of --cards (JSON: "
+        "serve_command), and the reason for it",
+    )
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
 
 
@@ -190,11 +196,20 @@ def run(args: argparse.Namespace) -> int:
             rate=args.rate,
         )
     )
+    if args.pd:
+        from infertune.plan.pd import explain, serve_command
+
+        if not plan["pd_split"]:
+            raise ValueError(f"--pd: no prefill / decode split with --cards {args.cards} and --tp {args.tp}")
+        plan["serve_command"] = serve_command(args.model, plan["pd_split"])
+        plan["serve_reason"] = explain(plan["pd_split"], spec.name, device.name)
     if args.json:
         json.dump(plan, sys.stdout, indent=2)
         print()
     else:
         print(render_text(plan))
+        if args.pd:
+            print(f"\n  serve it:   {plan['serve_command']}\n              ({plan['serve_reason']})")
     return 0
 
 

@@ -52,7 +52,22 @@ def measure_gemv_bandwidth(torch, device, sync, dtype, nbytes: int = 128 * 2**20
 
 
 def measure_matmul(torch, device, sync, dtype, n: int = 2048, budget_s: float = 0.3) -> float:
-    """FLOP/s of an n x n x n matmul in `dtype` (2 n^3 FLOPs)."""
+    """FLOP/s of an n x n x n matmul in `dtype` (2 n^3 FLOPs).
+
+    n shrinks (down to 256) where one matmul of this dtype would take more than a quarter of the budget: torch's
+    bf16 matmul on a CPU without AVX-512 (an AVX2-only x86, e.g. AMD Zen 3) runs near 1 GFLOP/s, where one
+    2048^3 product takes ~20 s and the probe would take minutes."""
+    size = 256
+    while size < n:
+        a = torch.randn(size, size, device=device).to(dtype)
+        (a @ a).sum().item()  # first call: allocation, kernel selection
+        t0 = time.perf_counter()
+        a @ a
+        sync()
+        if (time.perf_counter() - t0) * 8 > budget_s / 4:  # the next size takes 8x as long
+            break
+        size *= 2
+    n = min(n, size)
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
     t = _timed(lambda: a @ b, sync, budget_s)

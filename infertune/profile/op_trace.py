@@ -223,8 +223,8 @@ def trace_native_steps(llm, prompt_len: int, sample: bool = False, decode_steps:
     """Run the audit's request (one prefill, decode_steps decodes) through llm's engine as it is configured, and
     record per step whether the fused C step ran and which native kernels ran, with the aten ops still dispatched.
 
-    Reads the engine only through runner.fused (None or the fused step) and runner.decode_kernels (None or the
-    kernels, whose fused_step_timers(reset) give the fused step's calls, rows and seconds per part). Like
+    Reads the engine only through runner.fused (None or the fused step, whose step_timers(reset) give this
+    engine's fused calls, rows and seconds per part) and runner.decode_kernels (None or the kernels). Like
     trace_engine_steps, the request is aborted afterwards.
     """
     from torch.profiler import ProfilerActivity, profile, record_function
@@ -232,7 +232,7 @@ def trace_native_steps(llm, prompt_len: int, sample: bool = False, decode_steps:
     engine = llm.engine
     runner = engine.executor.runner
     kernels = getattr(runner, "decode_kernels", None)
-    timers = getattr(kernels, "fused_step_timers", None) if kernels is not None else None
+    timers = getattr(getattr(runner, "fused", None), "step_timers", None)
     native = NativeTrace(decode_kernels=kernels is not None, fused_built=getattr(runner, "fused", None) is not None)
     # (its own prompt: the torch-path trace may run on this engine afterwards and must not hit this one's prefix)
     phases = _audit_request(engine, prompt_len, sample, decode_steps, salt=1)

@@ -220,7 +220,8 @@ class Instrumentation:
     def step(self) -> StepRecord:
         rec = StepRecord(len(self.records))
         self.records.append(rec)
-        timers = getattr(getattr(self.engine.executor.runner, "decode_kernels", None), "fused_step_timers", None)
+        # (this engine's own fused step: its counters are its own, whatever else runs in the process)
+        timers = getattr(getattr(self.engine.executor.runner, "fused", None), "step_timers", None)
         if timers is not None:
             timers(reset=True)
         with record_function(f"{STEP_RANGE}{rec.index}"):

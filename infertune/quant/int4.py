@@ -95,7 +95,16 @@ class W4A16Method(UnquantizedMethod):
         )
         # Prefills need the dense weight; read it back from the kernel's layout when we know that layout,
         # else keep our own copy of the integers (one byte each).
-        self.unpack_known = torch.equal(_unpack_cpu_int4(packed, *q.shape), q) if q.shape[0] % 64 == 0 else False
+        n, k = q.shape
+        self.unpack_layout = next(
+            (
+                name
+                for name, (rows, _) in CPU_INT4_LAYOUTS.items()
+                if n % rows == 0 and k % 2 == 0 and torch.equal(_unpack_cpu_int4(packed, n, k, name), q)
+            ),
+            None,
+        )
+        self.unpack_known = self.unpack_layout is not None
         layer.register_buffer("q_dense", None if self.unpack_known else q.to(torch.uint8))
 
     def _dense_weight(self, layer: Linear, dtype: torch.dtype) -> torch.Tensor:
@@ -106,7 +115,11 @@ class W4A16Method(UnquantizedMethod):
             q = self.kernels.unpack_w4(layer.qweight).view(n, -1, self.group_size).float()
             w = q * layer.w4_scale.unsqueeze(-1) + layer.w4_zero.unsqueeze(-1)
             return w.view(n, -1).to(dtype)
-        q = _unpack_cpu_int4(layer.qweight, n, layer.in_features) if self.unpack_known else layer.q_dense
+        q = (
+            _unpack_cpu_int4(layer.qweight, n, layer.in_features, self.unpack_layout)
+            if self.unpack_known
+            else layer.q_dense
+        )
         g = q.view(n, -1, self.group_size).to(dtype)
         sz = layer.scales_and_zeros.to(dtype)  # [K/g, N, 2]
         w = (g - 8) * sz[..., 0].t().unsqueeze(-1) + sz[..., 1].t().unsqueeze(-1)
@@ -157,9 +170,35 @@ class W4A16Method(UnquantizedMethod):
         return y if layer.bias is None else y + layer.bias
 
 
-def _unpack_cpu_int4(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """Integers [N, K] from _convert_weight_to_int4pack_for_cpu's layout (torch 2.x, N a multiple of 64):
-    per block of 64 rows, byte (k, j) holds row j of column k in its low nibble and row j + 32 in its high."""
+def _unpack_avx512(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Per block of 64 rows, byte (k, j) holds row j of column k in its low nibble and row j + 32 in its high."""
     b = packed.view(n // 64, k, 32)
     rows = torch.cat([b & 0xF, b >> 4], dim=2)  # [N/64, K, 64]
     return rows.permute(0, 2, 1).reshape(n, k).to(torch.int32)
+
+
+def _unpack_avx2(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Per block of 32 rows and pair of columns (2c, 2c + 1), 32 bytes: byte 16 i + j (i = 0, 1; j < 16) holds row j
+    of column 2c + i in its low nibble and row j + 16 in its high."""
+    b = packed.view(n // 32, k // 2, 2, 16)
+    rows = torch.cat([b & 0xF, b >> 4], dim=3)  # [N/32, K/2, 2, 32]
+    return rows.permute(0, 3, 1, 2).reshape(n, k).to(torch.int32)
+
+
+def _unpack_default(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """As _unpack_avx2, but byte 16 i + j holds rows 2 j (low nibble) and 2 j + 1 (high) of its block of 32."""
+    b = packed.view(n // 32, k // 2, 2, 16)
+    rows = torch.stack([b & 0xF, b >> 4], dim=4).view(n // 32, k // 2, 2, 32)
+    return rows.permute(0, 3, 1, 2).reshape(n, k).to(torch.int32)
+
+
+# torch's _convert_weight_to_int4pack_for_cpu lays the nibbles out by the kernels it dispatches to on this CPU
+# (torch 2.x; torch.backends.cpu.get_cpu_capability()): AVX-512's blocks of 64 rows, AVX2's blocks of 32, or the
+# scalar (DEFAULT) kernel's blocks of 32 with neighbouring rows in one byte. {name: (rows a block, unpack)}
+CPU_INT4_LAYOUTS = {"avx512": (64, _unpack_avx512), "avx2": (32, _unpack_avx2), "default": (32, _unpack_default)}
+
+
+def _unpack_cpu_int4(packed: torch.Tensor, n: int, k: int, layout: str = "avx512") -> torch.Tensor:
+    """Integers [N, K] from _convert_weight_to_int4pack_for_cpu's `layout` (CPU_INT4_LAYOUTS; N a multiple of its
+    block of rows). The caller checks the result against the integers it packed before relying on it."""
+    return CPU_INT4_LAYOUTS[layout][1](packed, n, k)

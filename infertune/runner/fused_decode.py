@@ -164,3 +164,7 @@ class FusedDecode:
         else:
             tables, lens = meta.decode_block_tables, meta.decode_context_lens
         return self.decoder(input_ids, positions, meta.slot_mapping, tables, lens, out_rows)
+
+    def step_timers(self, reset: bool = False) -> dict[str, float]:
+        """This engine's fused step: seconds per part since the last reset, "calls" and "rows" (FusedDecoder's)."""
+        return self.decoder.step_timers(reset)

@@ -108,8 +108,9 @@ class ModelRunner:
             next(g for g, group in enumerate(self.kv_groups) if i in group.layers)
             for i in range(arch.num_hidden_layers)
         ]
+        # (with kv_compression, even one that compresses nothing by default, a request may bring its own press)
         self.press = None
-        if self.kv_compression is not None and any(g.compressed for g in self.kv_groups):
+        if self.kv_compression is not None:
             self.press = KVPress(self.kv_compression, arch.num_hidden_layers, arch.num_attention_heads, self.attn)
         self._group_of_window = {
             w: next(g for g, group in enumerate(self.kv_groups) if i in group.layers)
@@ -174,8 +175,10 @@ class ModelRunner:
             attach_kernels(self.model, self.decode_kernels)  # prefills' norms, rotary and SiLU-and-multiply
         # (not with tensor parallel: the fused step runs every layer in one call, with no all-reduce between them)
         fuse = self.tp is None and config.model.decode_kernels == "auto"
-        if fuse and self.press is not None and self.decode_kernels is not None:
-            # (the fused C step reads positions as cache slots: a compressed sequence's part ways; honest gap)
+        # (the fused C step reads positions as cache slots: a compressed sequence's part ways; honest gap. Where the
+        # engine compresses nothing by default it stays, and a step holding a sequence a request's press compressed
+        # runs the per-op path: _forward)
+        if fuse and self.decode_kernels is not None and any(g.compressed for g in self.kv_groups):
             log.info("kv_compression: the fused decode step does not know it; decode runs the per-op path")
             fuse = False
         if self.decode_kernels is not None and self.compiled is None and fuse:
@@ -203,12 +206,15 @@ class ModelRunner:
         """Start-up time spent compiling (None when the forward runs eager)."""
         return self.compiled.warmup_seconds if self.compiled is not None else None
 
-    def _forward(self, input_ids, positions, meta, out_rows: list[int] | None = None) -> torch.Tensor:
+    def _forward(
+        self, input_ids, positions, meta, out_rows: list[int] | None = None, fusable: bool = True
+    ) -> torch.Tensor:
         """Hidden states [T, hidden]; where out_rows (ascending) is given, only those rows are sure to be
-        computed (the fused step takes just them through the last layer's o_proj and MLP)."""
+        computed (the fused step takes just them through the last layer's o_proj and MLP). fusable=False: the step
+        holds a sequence KV compression drops tokens of (its positions and cache slots part ways)."""
         if meta.press_rows is not None:  # (the layers write the queries KV compression keeps: eager)
             return self.model(input_ids, positions, self.kv_caches, meta)
-        if self.fused is not None and self.fused.applicable(input_ids.shape[0], meta):
+        if fusable and self.fused is not None and self.fused.applicable(input_ids.shape[0], meta):
             rows = self._tensor(out_rows) if out_rows and len(out_rows) < input_ids.shape[0] else None
             return self.fused(input_ids, positions, meta, rows)
         if self.compiled is not None and input_ids.shape[0] >= self.compiled.min_tokens:
@@ -283,7 +289,10 @@ class ModelRunner:
         # (only the rows read are computed to the end: a step with nothing to sample still fills the KV cache)
         read = {r for i in sampled for r in rows_of[i]} | {r for _, rs in scored.values() for r in rs}
         captured = self._press_capture(step, rows_of, meta) if self.press is not None else []
-        hidden = self._forward(input_ids, positions, meta, sorted(read))  # [T, hidden]
+        # (a sequence a press compresses, or will at the end of this prefill, runs the per-op path, as it does in an
+        # engine whose default compresses: a request's press gives that engine's tokens, in bf16 too)
+        fusable = self.press is None or all(state.kv_kept is None for state, _, _ in step)
+        hidden = self._forward(input_ids, positions, meta, sorted(read), fusable)  # [T, hidden]
         if self.press is not None:
             self._press_after_forward(step, captured, meta)
         if self.kv_connector is not None:  # (after the whole forward: the model has no per-layer hook yet)
@@ -343,7 +352,8 @@ class ModelRunner:
         for i, (state, n, _) in enumerate(step):
             if state.kv_kept is None or state.num_evicted is not None:
                 continue
-            first = self.press.capture_from(len(state.token_ids))  # (token_ids is the prefill until it is done)
+            # (token_ids is the prefill until it is done; the request's own press, or the engine's)
+            first = self.press.capture_from(len(state.token_ids), state.kv_compression)
             start = state.num_computed_tokens
             lo = start + n if first is None else max(start, first)
             if lo < start + n:
@@ -368,7 +378,14 @@ class ModelRunner:
                 n = len(state.token_ids)
                 queries = {layer: torch.cat(qs) for layer, qs in (state.press_queries or {}).items()}
                 self.press.compress(
-                    self.kv_caches, self.kv_groups, state.block_tables, state.kv_kept, n, queries, self.block_size
+                    self.kv_caches,
+                    self.kv_groups,
+                    state.block_tables,
+                    state.kv_kept,
+                    n,
+                    queries,
+                    self.block_size,
+                    state.kv_compression,
                 )
                 state.num_evicted = [n - kept for kept in state.kv_kept]
                 state.press_queries = None

@@ -23,6 +23,7 @@ class RequestState(TokenView):
     kv_kept: list[int] | None = None
     num_evicted: list[int] | None = None
     press_queries: dict | None = None  # layer -> the prefill's last queries so far, while a SnapKV prefill runs
+    kv_compression: object = None  # the request's own press (NewRequest.kv_compression); None: the engine's
 
     def slot_offsets(self) -> list[int]:
         """Per KV cache group, position - slot (the tokens compression dropped; 0 before or without it)."""
@@ -55,6 +56,7 @@ class RequestStates:
                 [[max(b, 0) for b in t] for t in (new.block_ids, *new.group_block_ids)],
                 new.num_computed_tokens,
                 new.kv_kept,
+                kv_compression=new.kv_compression,
             )
         for cached in out.cached_requests:
             state = self.requests[cached.req_id]

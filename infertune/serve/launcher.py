@@ -7,11 +7,6 @@ import logging
 import signal
 from pathlib import Path
 
-from infertune.config import EngineConfig
-from infertune.engine.async_engine import AsyncLLMEngine
-from infertune.engine.llm_engine import LLMEngine
-from infertune.serve.api_server import create_app
-
 log = logging.getLogger("infertune.serve")
 
 
@@ -29,6 +24,13 @@ def serve(
     **engine_options,
 ) -> int:
     import uvicorn
+
+    # (imported here: the launcher of `serve --pd` / --data-parallel-size takes only the server class below, and its
+    # process need not load torch)
+    from infertune.config import EngineConfig
+    from infertune.engine.async_engine import AsyncLLMEngine
+    from infertune.engine.llm_engine import LLMEngine
+    from infertune.serve.api_server import create_app
 
     if enable_auto_tool_choice and not tool_call_parser:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser NAME (docs/server.md)")

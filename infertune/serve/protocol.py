@@ -172,6 +172,9 @@ class _SamplingFields(_StructuredFields):
     stream_options: StreamOptions | None = None
     # Prefill/decode disaggregation (vLLM's field): what `infertune router` passes a producer and then a consumer.
     kv_transfer_params: dict | None = None
+    # infertune's extension (docs/server.md): this request's own KV compression (SamplingParams.kv_compression), e.g.
+    # {"press": "snapkv", "compression_ratio": 0.5} or {"press": "none"} for full KV in a compressing engine.
+    kv_compression: dict | None = None
 
     def sampling_params(
         self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
@@ -195,6 +198,7 @@ class _SamplingFields(_StructuredFields):
             skip_special_tokens=self.skip_special_tokens,
             structured_outputs=self.structured_outputs_params(),
             kv_transfer_params=self.kv_transfer_params,
+            kv_compression=self.kv_compression,
         )
         # None means "the default"; max_tokens None means "up to the context length".
         return SamplingParams(max_tokens=max_tokens, **{k: v for k, v in fields.items() if v is not None})

@@ -40,10 +40,51 @@ int main(int argc, char** argv) {
         spit(argv[2], v, (long)(n + 2) * 8);
         return 0;
     }
+    if (!strcmp(op, "it_decode_workspace_bytes") || !strcmp(op, "it_decode_layers")) {
+        /* BLOB: a header of 8 int64 (offsets of the it_model, the it_layer array, the it_step and x; n_layers; T and
+         * max_ctx for the workspace's size; the return code, written here), then the structs and every buffer they
+         * point at, each pointer stored as its offset in the blob (0: NULL). The blob is written back whole. */
+        if (argc != 3) return 2;
+        long size = 0;
+        char* blob = slurp(argv[2], &size);
+        int64_t* hdr = (int64_t*)blob;
+        it_model* m = (it_model*)(blob + hdr[0]);
+        if (!strcmp(op, "it_decode_workspace_bytes")) {
+            hdr[7] = it_decode_workspace_bytes(m, hdr[5], hdr[6]);
+        } else {
+#define RELOC(p) ((p) = (p) ? (void*)(blob + (intptr_t)(p)) : NULL)
+            it_layer* layers = (it_layer*)(blob + hdr[1]);
+            it_step* st = (it_step*)(blob + hdr[2]);
+            RELOC(*(void**)&m->cos_sin);
+            for (int64_t i = 0; i < hdr[4]; i++) {
+                it_layer* L = layers + i;
+                RELOC(*(void**)&L->input_norm), RELOC(*(void**)&L->post_norm), RELOC(L->kv_cache);
+                it_lin* lins[4] = {&L->qkv, &L->o, &L->gate_up, &L->down};
+                for (int j = 0; j < 4; j++)
+                    RELOC(*(void**)&lins[j]->w), RELOC(*(void**)&lins[j]->scale), RELOC(*(void**)&lins[j]->bias),
+                        RELOC(*(void**)&lins[j]->zero);
+            }
+            RELOC(*(void**)&st->positions), RELOC(*(void**)&st->slots), RELOC(*(void**)&st->block_tables);
+            RELOC(*(void**)&st->context_lens), RELOC(*(void**)&st->out_rows), RELOC(*(void**)&st->stats);
+#undef RELOC
+            st->work = aligned_alloc(64, (size_t)((st->work_bytes + 63) & ~(int64_t)63));
+            hdr[7] = it_decode_layers(m, layers, st, (bf16*)(blob + hdr[3]));
+        }
+        spit(argv[2], blob, size);
+        return 0;
+    }
+    if (!strcmp(op, "it_gemm_rows_fma")) { /* OUT: the library's default row count for the GEMM (int64) */
+        if (argc != 3) return 2;
+        const int64_t rows = it_gemm_rows_fma(0);
+        spit(argv[2], &rows, 8);
+        return 0;
+    }
     void* b[6] = {0};
     long sz[6] = {0};
     int first = 0, nbuf = 0;
-    if (!strcmp(op, "it_linear_bf16")) { NEED(9) first = 5, nbuf = 4; }        /* ldx ldy M N K | x w bias y */
+    if (!strcmp(op, "it_linear_bf16") || !strcmp(op, "it_linear_bf16_gemv") || !strcmp(op, "it_linear_bf16_gemm_fma")) {
+        NEED(9) first = 5, nbuf = 4;                                             /* ldx ldy M N K | x w bias y */
+    }
     else if (!strcmp(op, "it_linear_w8")) { NEED(11) first = 6, nbuf = 5; }   /* sf32 ldx ldy M N K | x w s bias y */
     else if (!strcmp(op, "it_linear_w4")) { NEED(12) first = 6, nbuf = 6; }   /* gs ldx ldy M N K | x w s z bias y */
     else if (!strcmp(op, "it_dequant_w8")) { NEED(6) first = 3, nbuf = 3; }   /* sf32 N K | q s out */
@@ -56,6 +97,10 @@ int main(int argc, char** argv) {
     const int nt = 2;
     if (!strcmp(op, "it_linear_bf16"))
         it_linear_bf16(b[0], I(0), b[1], b[2], b[3], I(1), I(2), I(3), I(4), nt);
+    else if (!strcmp(op, "it_linear_bf16_gemv"))
+        it_linear_bf16_gemv(b[0], I(0), b[1], b[2], b[3], I(1), I(2), I(3), I(4), nt);
+    else if (!strcmp(op, "it_linear_bf16_gemm_fma"))
+        it_linear_bf16_gemm_fma(b[0], I(0), b[1], b[2], b[3], I(1), I(2), I(3), I(4), nt);
     else if (!strcmp(op, "it_linear_w8"))
         it_linear_w8(b[0], I(1), b[1], b[2], (int)I(0), b[3], b[4], I(2), I(3), I(4), I(5), nt);
     else if (!strcmp(op, "it_linear_w4"))

@@ -1,6 +1,6 @@
 /* The ABI of abi.h, for the loader's check (kernels/cpu.py check_abi): the version, then for each shared struct
  * its size and the offset and size of each field, in the order it_struct_sizes writes them (cpu.py abi_layout),
- * then the weight kinds and the MoE routing rules' values. */
+ * then the weight kinds, the MoE routing rules' values and the fused step's count of timed parts. */
 #include <stddef.h>
 #include "abi.h"
 
@@ -22,12 +22,13 @@ int64_t it_struct_sizes(int64_t* out, int64_t n) {
         OF(it_model, gate_up_fused),
         SZ(it_step), OF(it_step, T), OF(it_step, positions), OF(it_step, slots), OF(it_step, block_tables),
         OF(it_step, context_lens), OF(it_step, max_blocks), OF(it_step, work), OF(it_step, work_bytes),
-        OF(it_step, out_rows), OF(it_step, n_out),
+        OF(it_step, out_rows), OF(it_step, n_out), OF(it_step, stats),
+        SZ(it_step_stats), OF(it_step_stats, seconds), OF(it_step_stats, calls), OF(it_step_stats, rows),
         SZ(bf16c), OF(bf16c, codes), OF(bf16c, table), OF(bf16c, esc_start), OF(bf16c, esc_pos), OF(bf16c, esc_val),
         SZ(it_moe), OF(it_moe, num_experts), OF(it_moe, top_k), OF(it_moe, scoring), OF(it_moe, topk_method),
         OF(it_moe, n_group), OF(it_moe, topk_group), OF(it_moe, norm_topk_prob), OF(it_moe, routed_scaling_factor),
         IT_KIND_BF16, IT_KIND_W8, IT_KIND_W4, IT_KIND_BF16C,
-        IT_MOE_SOFTMAX, IT_MOE_SIGMOID, IT_MOE_GREEDY, IT_MOE_GROUP_LIMITED, IT_MOE_NOAUX_TC,
+        IT_MOE_SOFTMAX, IT_MOE_SIGMOID, IT_MOE_GREEDY, IT_MOE_GROUP_LIMITED, IT_MOE_NOAUX_TC, IT_FT_PARTS,
     };
     const int64_t count = (int64_t)(sizeof v / sizeof v[0]);
     for (int64_t i = 0; i < count && i < n; i++) out[i] = v[i];

@@ -6,7 +6,7 @@
 #define IT_ABI_H
 #include "bf16.h"
 
-#define IT_ABI_VERSION 3
+#define IT_ABI_VERSION 4
 
 /* it_lin.kind: how a linear layer's weight is stored */
 typedef enum { IT_KIND_BF16 = 0, IT_KIND_W8 = 1, IT_KIND_W4 = 2, IT_KIND_BF16C = 3 } it_kind;
@@ -53,6 +53,18 @@ typedef struct {
     int32_t gate_up_fused; /* 1: every layer's gate_up hands act straight over (it_lin.inter): no [T, 2I] scratch */
 } it_model;
 
+/* The fused step's wall time per part, summed over calls, and its calls and rows: one per engine, owned by the
+ * caller (it_step.stats points at it; kernels/x86_fused.py keeps one per fused decoder), so two engines in one
+ * process keep their own counts and the library holds no counters of its own. Only the thread running the step
+ * writes it; the caller reads or zeroes it between steps. */
+enum { IT_FT_NORM, IT_FT_QKV, IT_FT_ROTARY_KV, IT_FT_ATTN, IT_FT_O, IT_FT_RESIDUAL, IT_FT_GATE_UP, IT_FT_DOWN,
+       IT_FT_PARTS };
+typedef struct {
+    double seconds[IT_FT_PARTS]; /* norm, qkv, rotary + K/V write, attention, o_proj, residual adds, gate_up (+ SiLU),
+                                    down (cpu.py FUSED_PARTS) */
+    int64_t calls, rows;
+} it_step_stats;
+
 typedef struct {
     int64_t T;                   /* decode rows, one per sequence */
     const int64_t* positions;    /* [T] */
@@ -65,6 +77,7 @@ typedef struct {
     const int64_t* out_rows;     /* [n_out], ascending: the rows whose hidden state the caller reads (the last of
                                     each sampled sequence); n_out = 0: every row */
     int64_t n_out;
+    it_step_stats* stats;        /* where the step adds its time, calls and rows; NULL: not timed (no clock reads) */
 } it_step;
 
 /* A mixture-of-experts layer's routing rule (config.py MoeArch; moe.h it_moe_route) */

@@ -1,5 +1,6 @@
 /* The fused decoder step, it_decode_layers, over a library's parts (portable C: the AVX-512 library includes it after
- * its decode_ws.c / attention.c / elementwise.c, the AVX2 one after x86/avx2/fused.c). What a library provides:
+ * its decode_ws.c / attention.c / elementwise.c, the AVX2 one after x86/avx2/fused.c, the NEON one after
+ * arm/neon/fused.c). What a library provides:
  * ws_layout / workspace(m, T, max_ctx) (offsets h, qkv, o, gu, act, y, lin, dec, attn, total), rmsnorm_rows,
  * silu_mul_rows, rotary_rows, run_lin / run_lin_add (a linear, and one added into the residual), attention_rows, and
  * kv_write (kv_cache.h). */
@@ -7,28 +8,12 @@
 #define IT_FUSED_STEP_H
 #include <time.h>
 
-/* Wall time of the fused step's parts, summed over calls (it_fused_timers reads them): a step's split for
- * `infertune profile`, at one clock read a part and layer. */
-enum { FT_NORM, FT_QKV, FT_ROTARY_KV, FT_ATTN, FT_O, FT_RESIDUAL, FT_GATE_UP, FT_DOWN, FT_PARTS };
-static double fused_time[FT_PARTS];
-static int64_t fused_calls, fused_rows;
-
+/* The step's split by part for `infertune profile` (it_step.stats, abi.h it_step_stats: the caller's, one per
+ * engine), at one clock read a part and layer; none where stats is NULL. */
 static inline double now_s(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
     return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
-
-/* out [FT_PARTS + 2]: seconds per part (norm, qkv, rotary + K/V write, attention, o_proj, residual adds, gate_up
- * (+ SiLU), down), then calls and rows; reset: zero them after reading */
-void it_fused_timers(double* out, int reset) {
-    for (int i = 0; i < FT_PARTS; i++) out[i] = fused_time[i];
-    out[FT_PARTS] = (double)fused_calls;
-    out[FT_PARTS + 1] = (double)fused_rows;
-    if (reset) {
-        memset(fused_time, 0, sizeof fused_time);
-        fused_calls = fused_rows = 0;
-    }
 }
 
 /* x [T, hidden] bf16 (T decode rows, or the rows of fresh prompts), updated in place through every layer.
@@ -46,8 +31,16 @@ int it_decode_layers(const it_model* m, const it_layer* layers, const it_step* s
     bf16* dec = (bf16*)(w + l.dec);
     float* attn = (float*)(w + l.attn);
     const int64_t hkv = m->n_kv_heads, width = (m->n_heads + 2 * hkv) * D, hq = m->n_heads * D;
-    double t0 = now_s(), t1;
-#define PART(i) (t1 = now_s(), fused_time[i] += t1 - t0, t0 = t1)
+    it_step_stats* stats = s->stats;
+    double t0 = stats ? now_s() : 0.0;
+#define PART(i)                                  \
+    do {                                         \
+        if (stats) {                             \
+            const double t1 = now_s();           \
+            stats->seconds[i] += t1 - t0;        \
+            t0 = t1;                             \
+        }                                        \
+    } while (0)
     /* Past the last layer's attention only the rows the caller reads go on: the other rows' K / V are all written
        by then, and nothing else reads their hidden states. They are moved to the front here (rows ascending, so
        in place) and back at the end; x's other rows are left undefined. */
@@ -55,16 +48,16 @@ int it_decode_layers(const it_model* m, const it_layer* layers, const it_step* s
     for (int li = 0; li < m->n_layers; li++) {
         const it_layer* L = layers + li;
         rmsnorm_rows(x, L->input_norm, h, T, H, m->eps, m->nthreads);
-        PART(FT_NORM);
+        PART(IT_FT_NORM);
         run_lin(&L->qkv, h, H, qkv, width, T, m->nthreads, lin, dec, 0);
-        PART(FT_QKV);
+        PART(IT_FT_QKV);
         rotary_rows(m, s, qkv);
         for (int64_t t = 0; t < T; t++)
             for (int64_t g = 0; g < hkv; g++) {
                 kv_write(m, L->kv_cache, 0, s->slots[t] * hkv + g, qkv + t * width + hq + g * D);
                 kv_write(m, L->kv_cache, 1, s->slots[t] * hkv + g, qkv + t * width + hq + (hkv + g) * D);
             }
-        PART(FT_ROTARY_KV);
+        PART(IT_FT_ROTARY_KV);
         attention_rows(m, s, qkv, L->kv_cache, o, attn, max_ctx, 1);
         int64_t R = T; /* rows from here on */
         if (sub && li == m->n_layers - 1) {
@@ -75,28 +68,30 @@ int it_decode_layers(const it_model* m, const it_layer* layers, const it_step* s
                 }
             R = s->n_out;
         }
-        PART(FT_ATTN);
+        PART(IT_FT_ATTN);
         run_lin_add(&L->o, o, hq, x, y, H, R, m->nthreads, lin, dec); /* (the residual add with it) */
-        PART(FT_O);
+        PART(IT_FT_O);
         rmsnorm_rows(x, L->post_norm, h, R, H, m->eps, m->nthreads);
-        PART(FT_NORM);
+        PART(IT_FT_NORM);
         if (L->gate_up.kind == IT_KIND_BF16C && L->gate_up.inter) { /* SiLU-and-multiply in the GEMM's epilogue */
             run_lin(&L->gate_up, h, H, act, m->inter, R, m->nthreads, lin, dec, 1);
         } else {
             run_lin(&L->gate_up, h, H, gu, 2 * m->inter, R, m->nthreads, lin, dec, 0);
             silu_mul_rows(gu, act, R, m->inter, m->nthreads);
         }
-        PART(FT_GATE_UP);
+        PART(IT_FT_GATE_UP);
         run_lin_add(&L->down, act, m->inter, x, y, H, R, m->nthreads, lin, dec);
-        PART(FT_DOWN);
+        PART(IT_FT_DOWN);
         if (R < T)
             for (int64_t i = R - 1; i >= 0; i--)
                 if (s->out_rows[i] != i) memcpy(x + s->out_rows[i] * H, x + i * H, (size_t)H * 2);
-        PART(FT_RESIDUAL);
+        PART(IT_FT_RESIDUAL);
     }
 #undef PART
-    fused_calls++;
-    fused_rows += T;
+    if (stats) {
+        stats->calls++;
+        stats->rows += T;
+    }
     return 0;
 }
 #endif

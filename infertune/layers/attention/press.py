@@ -51,7 +51,8 @@ def snapkv_scores(keys: torch.Tensor, queries: torch.Tensor, window: int, kernel
 
 
 class KVPress:
-    """The runner's side of kv_compression: compress(...) after the step that computed a sequence's prefill."""
+    """The runner's side of kv_compression: compress(...) after the step that computed a sequence's prefill, by the
+    engine's config or by the request's own (`config=`, SamplingParams.kv_compression)."""
 
     def __init__(self, config: KVCompressionConfig, num_layers: int, num_heads: int, attn) -> None:
         self.config = config
@@ -60,9 +61,10 @@ class KVPress:
         self.attn = attn  # reads (dequantizes) cache slots: TorchPagedAttention._read_slots
         self.window = config.observation_window()  # queries kept per layer while a prefill runs (0: none)
 
-    def capture_from(self, prefill_len: int) -> int | None:
+    def capture_from(self, prefill_len: int, config: KVCompressionConfig | None = None) -> int | None:
         """The first position whose queries a prefill of prefill_len must keep (None: none needed)."""
-        return max(0, prefill_len - self.window) if self.window else None
+        window = self.window if config is None else config.observation_window()
+        return max(0, prefill_len - window) if window else None
 
     @torch.inference_mode()
     def compress(
@@ -74,17 +76,20 @@ class KVPress:
         n: int,
         queries: dict[int, torch.Tensor] | None,
         block_size: int,
+        config: KVCompressionConfig | None = None,
     ) -> None:
-        """Evict in every compressed group g (tables[g] its block table) down to kept[g] of the n tokens."""
+        """Evict in every group g that keeps fewer than n (tables[g] its block table) down to kept[g] of the n
+        tokens, by config's presses (None: the engine's)."""
+        config = config or self.config
         device = kv_caches[0].device
         for g, group in enumerate(groups):
-            if not group.compressed or kept[g] >= n:
+            if group.window is not None or kept[g] >= n:
                 continue
             table = torch.tensor(tables[g], dtype=torch.long, device=device)
             pos = torch.arange(n, device=device)
             slots = table[pos // block_size] * block_size + pos % block_size  # [n]
             for layer in group.layers:
-                press = self.config.press_for(layer, n)
+                press = config.press_for(layer, n)
                 assert press is not None and press.kept_tokens(layer, self.num_layers, n) == kept[g]
                 cache = kv_caches[layer]
                 keys = self.attn._read_slots(cache, 0, slots)  # [n, Hkv, D]

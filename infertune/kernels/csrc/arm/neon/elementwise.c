@@ -59,15 +59,16 @@ void it_silu_mul(const bf16* gu, bf16* act, int64_t T, int64_t I, int nthreads) 
     }
 }
 
-/* Rotate `heads` heads of D at the start of each row of qk (row stride ld) in place: cs[t] (row stride ld_cs)
- * holds the D / 2 cosines then the D / 2 sines of row t's position. fp32 products, one rounding to bf16: bit for
- * bit the PyTorch formula (no FMA: x1 c - x2 s as two products and a difference). */
-void it_rotary(bf16* qk, int64_t ld, int64_t T, int64_t heads, int64_t D, const float* cs, int64_t ld_cs,
-               int nthreads) {
+/* Rotate `heads` heads of D at the start of each row of qk (row stride ld) in place: cs[p] (row stride ld_cs)
+ * holds the D / 2 cosines then the D / 2 sines of position p, row t's position positions[t] (NULL: t). fp32
+ * products, one rounding to bf16: bit for bit the PyTorch formula (no FMA: x1 c - x2 s as two products and a
+ * difference). */
+static void rotary_apply(bf16* qk, int64_t ld, int64_t T, int64_t heads, int64_t D, const float* cs, int64_t ld_cs,
+                         const int64_t* positions, int nthreads) {
     const int64_t half = D / 2, h4 = half & ~(int64_t)3;
 #pragma omp parallel for num_threads(rows_threadsn(T, T * heads * D, nthreads)) schedule(static)
     for (int64_t t = 0; t < T; t++) {
-        const float* c = cs + t * ld_cs;
+        const float* c = cs + (positions ? positions[t] : t) * ld_cs;
         for (int64_t h = 0; h < heads; h++) {
             bf16* v = qk + t * ld + h * D;
             for (int64_t i = 0; i < h4; i += 4) {
@@ -89,4 +90,9 @@ void it_rotary(bf16* qk, int64_t ld, int64_t T, int64_t heads, int64_t D, const 
             }
         }
     }
+}
+
+void it_rotary(bf16* qk, int64_t ld, int64_t T, int64_t heads, int64_t D, const float* cs, int64_t ld_cs,
+               int nthreads) {
+    rotary_apply(qk, ld, T, heads, D, cs, ld_cs, NULL, nthreads);
 }

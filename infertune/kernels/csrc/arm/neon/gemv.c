@@ -49,8 +49,9 @@ static inline __attribute__((always_inline)) void bf16_blockn(
 
 #define BF16_CASEN(MRC, NRC) bf16_blockn(x + m0 * ldx, ldx, MRC, wb, NRC, K, out)
 
-void it_linear_bf16(const bf16* x, int64_t ldx, const bf16* w, const bf16* bias, bf16* y, int64_t ldy,
-                    int64_t M, int64_t N, int64_t K, int nthreads) {
+/* (it_linear_bf16 in gemm.c: this GEMV at a few rows, the GEMM past them) */
+static void linear_bf16_gemvn(const bf16* x, int64_t ldx, const bf16* w, const bf16* bias, bf16* y, int64_t ldy,
+                              int64_t M, int64_t N, int64_t K, int nthreads) {
     const int64_t nblocks = (N + NRN - 1) / NRN;
     const int nt = pick_threads(nblocks, N * K * 2, nthreads);
 #pragma omp parallel for num_threads(nt) schedule(static)
@@ -120,10 +121,11 @@ static inline int64_t q_scratch_bytes(int64_t M, int64_t K) {
     return (M * Kp * 2 + M * 4 + M * (K / 64 + 1) * 4 + 255) & ~(int64_t)63;
 }
 
-void it_linear_w8(const bf16* x, int64_t ldx, const int8_t* w, const void* scale, int scale_is_f32,
-                  const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads) {
+/* scratch: q_scratch_bytes(M, K), 64-byte aligned (the fused step's comes from its workspace) */
+static void linear_w8(const bf16* x, int64_t ldx, const int8_t* w, const void* scale, int scale_is_f32,
+                      const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads,
+                      void* scratch) {
     const int64_t Kp = (K + 63) & ~(int64_t)63;
-    void* scratch = aligned_alloc(64, (size_t)q_scratch_bytes(M, K));
     int16_t* xq = (int16_t*)scratch;
     float* sx = (float*)(xq + M * Kp);
     quantize_rows_i16(x, ldx, M, K, Kp, xq, sx, NULL, 1);
@@ -146,6 +148,12 @@ void it_linear_w8(const bf16* x, int64_t ldx, const int8_t* w, const void* scale
                 }
         }
     }
+}
+
+void it_linear_w8(const bf16* x, int64_t ldx, const int8_t* w, const void* scale, int scale_is_f32,
+                  const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads) {
+    void* scratch = aligned_alloc(64, (size_t)q_scratch_bytes(M, K));
+    linear_w8(x, ldx, w, scale, scale_is_f32, bias, y, ldy, M, N, K, nthreads, scratch);
     free(scratch);
 }
 
@@ -215,10 +223,10 @@ static inline __attribute__((always_inline)) void w4_blockn(
 #define W4_CASEN(MRC, NRC) w4_blockn(xq + m0 * Kp, Kp, xsum + m0 * G, MRC, wb, NRC, K, gs, scale + n0 * G, \
                                      zero + n0 * G, out, zout)
 
-void it_linear_w4(const bf16* x, int64_t ldx, const uint8_t* w, const float* scale, const float* zero, int64_t gs,
-                  const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads) {
+static void linear_w4(const bf16* x, int64_t ldx, const uint8_t* w, const float* scale, const float* zero,
+                      int64_t gs, const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads,
+                      void* scratch) {
     const int64_t Kp = (K + 63) & ~(int64_t)63, G = K / gs;
-    void* scratch = aligned_alloc(64, (size_t)q_scratch_bytes(M, K));
     int16_t* xq = (int16_t*)scratch;
     float* sx = (float*)(xq + M * Kp);
     float* xsum = sx + M;
@@ -241,6 +249,12 @@ void it_linear_w4(const bf16* x, int64_t ldx, const uint8_t* w, const float* sca
                 }
         }
     }
+}
+
+void it_linear_w4(const bf16* x, int64_t ldx, const uint8_t* w, const float* scale, const float* zero, int64_t gs,
+                  const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads) {
+    void* scratch = aligned_alloc(64, (size_t)q_scratch_bytes(M, K));
+    linear_w4(x, ldx, w, scale, zero, gs, bias, y, ldy, M, N, K, nthreads, scratch);
     free(scratch);
 }
 

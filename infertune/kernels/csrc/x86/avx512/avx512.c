@@ -21,8 +21,8 @@
  *                                              it_bf16c_hist / _pack / _escapes build it, it_unpack_bf16c undoes it
  *   it_rmsnorm_mt / it_silu_mul / it_rotary    the elementwise work of prefills, rounded as the PyTorch code
  *   it_decode_layers                           a whole decode step of a Llama decoder, or a step of fresh prompts
- *                                              (see its comment); it_fused_timers: its split by part;
- *                                              it_decode_attention: its attention alone
+ *                                              (see its comment; its split by part into the caller's
+ *                                              it_step.stats); it_decode_attention: its attention alone
  *   it_moe_route / it_moe_experts              a mixture-of-experts layer's routing and its experts as one grouped
  *                                              GEMM (csrc/moe.h, over the linears above: moe.c)
  *
