@@ -56,8 +56,10 @@ NOAMX_GEMM_MAX_ROWS = 128
 # measured (benchmarks/bench_gemm_avx2.py, docs/kernels.md "AVX2"), so this only bounds a step, not a crossover.
 AVX2_GEMM_MAX_ROWS = 1 << 16
 # On AVX2 the W8A16 / W4A16 layers keep the integer kernels up to this many rows (prompts too: x86.Avx2Kernels.max_rows
-# says why); past it they dequantize and run the FMA GEMM, whose blocking keeps x in the caches at any size.
-AVX2_QUANT_MAX_ROWS = 512
+# says why; on an AMD EPYC Zen 3, 2 threads, they ran 1.1-2.0x (W8A16) and 1.0-1.6x (W4A16) dequantize + FMA GEMM at
+# every size from 16 to 2048 rows: benchmarks/bench_quant_rows.py, BENCHMARKS.md); past it they dequantize and run
+# the FMA GEMM, whose blocking keeps x in the caches at any size (the GEMVs re-read all of x per 4 weight rows).
+AVX2_QUANT_MAX_ROWS = 2048
 # The AVX2 fused step takes steps of fresh prompts of up to this many tokens in all (bf16 weights, bf16 cache), as the
 # AVX-512 library without AMX does (NOAMX_GEMM_MAX_ROWS): each prompt row's attention runs on its own.
 AVX2_FUSED_PREFILL_ROWS = 128
