@@ -10,7 +10,17 @@ import torch
 from infertune.distill.loss import kd_loss
 from tests.conftest import make_checkpoint
 
-torch.set_num_threads(1)
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One torch thread for this module's training steps, restored after it (set at import, it held for the whole
+    session: every later in-process engine then ran one thread while worker processes ran two, and fp32 results
+    that depend on the thread count told the executors apart)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
 
 TEXT = [
     "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n",

@@ -297,6 +297,22 @@ class LocalConnectorScheduler(KVConnectorScheduler):
                     "kv_transfer_mismatch",
                 )
             self._cards[eid] = card
+        self._check_transfer(p, prompt_token_ids, card)
+        if not (self.path / "leases" / f"{eid}.{p['transfer_id']}").exists():
+            raise _Failed(f"transfer {p['transfer_id']} was used already, or the producer released it")
+        return RemoteKV(
+            eid,
+            str(p["transfer_id"]),
+            [int(b) for b in p["block_ids"]],
+            int(p["num_tokens"]),
+            float(p["expires_at"]),
+            int(card["num_blocks"]),
+        )
+
+    def _check_transfer(self, p: dict, prompt_token_ids: list[int], card: dict) -> None:
+        """What every connector checks of a producer's answer against the prompt and the producer's card: the same
+        prompt, its blocks in the producer's pool, a lease with margin left (clocks apart: the producer checks it
+        too)."""
         if int(p["num_tokens"]) != len(prompt_token_ids) or p.get("prompt_hash") != prompt_hash(prompt_token_ids):
             raise _Failed(
                 f"the prompt's {len(prompt_token_ids)} tokens are not the {p['num_tokens']} the producer prefilled "
@@ -313,16 +329,6 @@ class LocalConnectorScheduler(KVConnectorScheduler):
             )
         if time.time() > float(p["expires_at"]) - self.margin_s:
             raise _Failed(f"the producer's lease on transfer {p['transfer_id']} has run out")
-        if not (self.path / "leases" / f"{eid}.{p['transfer_id']}").exists():
-            raise _Failed(f"transfer {p['transfer_id']} was used already, or the producer released it")
-        return RemoteKV(
-            eid,
-            str(p["transfer_id"]),
-            [int(b) for b in p["block_ids"]],
-            int(p["num_tokens"]),
-            float(p["expires_at"]),
-            int(card["num_blocks"]),
-        )
 
     def get_num_new_matched_tokens(self, seq, num_computed_tokens: int) -> int:
         remote = getattr(seq, "kv_transfer", None)

@@ -267,22 +267,8 @@ class P2PConnectorScheduler(LocalConnectorScheduler):
                     "kv_transfer_mismatch",
                 )
             self._cards[peer] = card
-        if int(p["num_tokens"]) != len(prompt_token_ids) or p.get("prompt_hash") != prompt_hash(prompt_token_ids):
-            raise _Failed(
-                f"the prompt's {len(prompt_token_ids)} tokens are not the {p['num_tokens']} the producer prefilled "
-                "(another tokenizer or chat template?)"
-            )
+        self._check_transfer(p, prompt_token_ids, card)
         blocks, pool = p["block_ids"], int(card.get("num_blocks", 0))
-        if (
-            not isinstance(blocks, list)
-            or len(blocks) != -(-int(p["num_tokens"]) // self.block_size)
-            or not all(isinstance(b, int) and 0 <= b < pool for b in blocks)
-        ):
-            raise _Failed(
-                f"kv_transfer_params' block_ids are not {p['num_tokens']} tokens' blocks of the producer's pool"
-            )
-        if time.time() > float(p["expires_at"]) - self.margin_s:  # (clocks apart: the producer checks it too)
-            raise _Failed(f"the producer's lease on transfer {p['transfer_id']} has run out")
         if not self._ask(peer, "lease", lambda client: client.check([f"lease/{p['transfer_id']}"])):
             raise _Failed(f"transfer {p['transfer_id']} was used already, or the producer released it")
         return PeerKV(
