@@ -46,14 +46,11 @@ contexts = [int(c) for c in args.contexts.split(",")]
 
 def build(path: Path, window: int | None) -> Path:
     """A tiny random Mistral with a byte-level tokenizer (every byte one token; only token ids are fed here)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import MistralConfig, MistralForCausalLM, PreTrainedTokenizerFast
+    from transformers import MistralConfig, MistralForCausalLM
 
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+    from infertune.bench.offline_models import SPECIAL_TOKENS, make_tokenizer
+
+    fast = make_tokenizer(256 + len(SPECIAL_TOKENS))  # every byte one token, nothing padded
     cfg = MistralConfig(
         vocab_size=len(fast),
         hidden_size=128,

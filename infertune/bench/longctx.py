@@ -115,14 +115,11 @@ def build_model(path: Path, layers: int, max_positions: int) -> Path:
         if cfg.get("num_hidden_layers") == layers and cfg.get("max_position_embeddings", 0) >= max_positions:
             return path
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+    from infertune.bench.offline_models import SPECIAL_TOKENS, make_tokenizer
+
+    fast = make_tokenizer(256 + len(SPECIAL_TOKENS))  # every byte one token, nothing padded
     cfg = LlamaConfig(
         vocab_size=len(fast),
         hidden_size=128,

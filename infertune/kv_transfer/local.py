@@ -208,6 +208,11 @@ class LocalConnectorScheduler(KVConnectorScheduler):
                 seq.kv_transfer = None
                 self._drop_user(remote)
             return False, None
+        return self._grant(seq, block_ids)
+
+    def _grant(self, seq, block_ids: list[int]) -> tuple[bool, dict | None]:
+        """A producer's finished prefill asked for remote decode: lease its prompt blocks (_publish_lease) and answer
+        with what a consumer needs to load them (plus _where())."""
         params = getattr(seq.params, "kv_transfer_params", None) or {}
         if not params.get("do_remote_decode") or seq.status.value == "abort":
             return False, None
@@ -216,7 +221,7 @@ class LocalConnectorScheduler(KVConnectorScheduler):
             return False, None
         transfer_id = uuid.uuid4().hex[:16]
         expires = time.time() + self.lease_s
-        (self.path / "leases" / f"{self.engine_id}.{transfer_id}").touch()
+        self._publish_lease(transfer_id, expires)
         self._leases[transfer_id] = (seq, expires)
         self.counts["transfers_granted"] += 1
         return True, {
@@ -227,8 +232,16 @@ class LocalConnectorScheduler(KVConnectorScheduler):
             "num_tokens": n,
             "prompt_hash": prompt_hash(seq.prompt_token_ids),
             "expires_at": expires,
-            "path": str(self.path),
+            **self._where(),
         }
+
+    def _publish_lease(self, transfer_id: str, expires: float) -> None:
+        """Where consumers see that the lease stands: a file under the shared path."""
+        (self.path / "leases" / f"{self.engine_id}.{transfer_id}").touch()
+
+    def _where(self) -> dict:
+        """How a consumer reaches this producer, in its answer."""
+        return {"path": str(self.path)}
 
     def holds_blocks(self) -> bool:
         return bool(self._leases)

@@ -37,7 +37,7 @@ import uuid
 from dataclasses import dataclass
 
 from infertune.kv_transfer.base import KVConnectorMetadata, KVConnectorWorker, KVTransferError, layout_mismatch
-from infertune.kv_transfer.local import LocalConnectorScheduler, RemoteKV, _Failed, prompt_hash
+from infertune.kv_transfer.local import LocalConnectorScheduler, RemoteKV, _Failed
 
 log = logging.getLogger(__name__)
 
@@ -204,29 +204,11 @@ class P2PConnectorScheduler(LocalConnectorScheduler):
         self._peers.clear()
 
     # ---- producer ------------------------------------------------------------------------------
-    def request_finished(self, seq, block_ids: list[int]) -> tuple[bool, dict | None]:
-        if self.role == "consumer":
-            return super().request_finished(seq, block_ids)
-        params = getattr(seq.params, "kv_transfer_params", None) or {}
-        n = seq.num_prompt_tokens
-        if not params.get("do_remote_decode") or seq.status.value == "abort" or seq.num_computed_tokens < n:
-            return False, None
-        transfer_id = uuid.uuid4().hex[:16]
-        expires = time.time() + self.lease_s
-        self._own.set(f"lease/{transfer_id}", str(expires))
-        self._leases[transfer_id] = (seq, expires)
-        self.counts["transfers_granted"] += 1
-        return True, {
-            "do_remote_prefill": True,
-            "engine_id": self.engine_id,
-            "transfer_id": transfer_id,
-            "block_ids": list(block_ids[: -(-n // self.block_size)]),
-            "num_tokens": n,
-            "prompt_hash": prompt_hash(seq.prompt_token_ids),
-            "expires_at": expires,
-            "host": self.host,
-            "port": self.port,
-        }
+    def _publish_lease(self, transfer_id: str, expires: float) -> None:
+        self._own.set(f"lease/{transfer_id}", str(expires))  # a key in the store this producer hosts
+
+    def _where(self) -> dict:
+        return {"host": self.host, "port": self.port}
 
     def released(self) -> list:
         if not self._leases:
