@@ -216,8 +216,62 @@ def _load_variant(v: Variant) -> ctypes.CDLL | str:
     problem = check_abi(lib)
     if problem:
         return f"the {v.name} kernels do not match infertune/kernels/cpu.py: {problem}"
+    try:
+        prefetch = prefetch_bytes()
+    except ValueError as e:
+        return str(e)
     declare(lib)
+    if hasattr(lib, "it_set_prefetch"):
+        lib.it_set_prefetch(prefetch)
     return lib
+
+
+# How far ahead the GEMVs ask for their weights (csrc/bf16.h pf_weights): 0 is "near" (a fixed distance along each
+# weight row, into L1: what the kernels were tuned with on Intel Xeons), > 0 is "far" (the same columns of the rows
+# whole blocks ahead, at least this many bytes, into L2). On AMD Zen 4 far streams a batch-1 decode step's weights
+# ~1.7x faster (benchmarks/bench_prefetch.py); on Intel it is not measured, so Intel keeps near.
+PREFETCH_FAR_BYTES = 4096
+PREFETCH_CHOICES = ("auto", "near", "far")
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_vendor() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def prefetch_bytes() -> int:
+    """The GEMVs' prefetch for this process: INFERTUNE_PREFETCH=near|far|BYTES, else (auto) far on AMD CPUs, near
+    elsewhere. Returns the bytes that it_set_prefetch takes (0: near)."""
+    v = os.environ.get("INFERTUNE_PREFETCH", "auto").strip().lower() or "auto"
+    if v.isdigit():
+        return int(v)
+    if v not in PREFETCH_CHOICES:
+        raise ValueError(
+            f"INFERTUNE_PREFETCH={v!r}: use auto, near, far or a distance in bytes (far is {PREFETCH_FAR_BYTES})"
+        )
+    if v == "auto":
+        v = "far" if _cpu_vendor() == "AuthenticAMD" else "near"
+    return PREFETCH_FAR_BYTES if v == "far" else 0
+
+
+def set_prefetch(far_bytes: int, *, lib: ctypes.CDLL | None = None) -> int:
+    """Set a loaded library's GEMV prefetch (0: near; > 0: far, at least that many bytes ahead); returns the old
+    setting. For A/B benchmarks: call it between steps, never while a kernel runs."""
+    lib = _pick(lib)
+    old = int(lib.it_get_prefetch())
+    lib.it_set_prefetch(int(far_bytes))
+    return old
+
+
+def prefetch_name(far_bytes: int) -> str:
+    return "near" if far_bytes <= 0 else f"far ({far_bytes} B, into L2)"
 
 
 def _torch_capability_below_avx512() -> bool:
@@ -298,7 +352,13 @@ def describe() -> str:
     _load()
     if _lib is None:
         return f"none ({_reason})"
-    return f"{_variant}" + (" + amx" if _amx else "") + (" + vdpbf16ps gemm" if _noamx_gemm else "")
+    far = int(_lib.it_get_prefetch()) if hasattr(_lib, "it_get_prefetch") else 0
+    return (
+        f"{_variant}"
+        + (" + amx" if _amx else "")
+        + (" + vdpbf16ps gemm" if _noamx_gemm else "")
+        + (" + far prefetch" if far else "")
+    )
 
 
 def declare(lib: ctypes.CDLL) -> None:
@@ -311,6 +371,8 @@ def declare(lib: ctypes.CDLL) -> None:
         "it_linear_bf16_gemv": ([ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, cint], None),
         "it_linear_bf16_gemm_noamx": ([ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, cint], cint),
         "it_gemm_rows_noamx": ([i64], i64),
+        "it_set_prefetch": ([i64], None),
+        "it_get_prefetch": ([], i64),
         "it_linear_bf16_gemm_fma": ([ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, cint], cint),
         "it_gemm_rows_fma": ([i64], i64),
         "it_linear_bf16_gemvx": ([ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, cint], cint),

@@ -31,4 +31,32 @@ static inline int pick_threads(int64_t n_blocks, int64_t bytes, int nthreads) {
 }
 
 /* Feature tiles (of 16) in 64-feature chunk ch of an N16-feature weight: 4, fewer in a last partial chunk */
+/* ------------------------------------------------------------------ the GEMVs' prefetch of the weight stream
+ *
+ * near (pf_far_bytes 0, the default): each weight row asks for its own bytes a fixed distance ahead, into L1; tuned
+ * on Intel Xeons. far: each row asks for the same columns of the row a whole number of blocks ahead (at least
+ * pf_far_bytes), into L2. On AMD Zen 4 (2 cores) near leaves a bf16 GEMV at ~19 GB/s against a 26-30 GB/s sum; far
+ * reads at ~33 (benchmarks/bench_prefetch.py). Set once at load by kernels/cpu.py (it_set_prefetch), before any
+ * kernel runs; the kernels only read it.
+ */
+static int64_t pf_far_bytes;
+
+void it_set_prefetch(int64_t far_bytes) { pf_far_bytes = far_bytes > 0 ? far_bytes : 0; }
+
+int64_t it_get_prefetch(void) { return pf_far_bytes; }
+
+/* how far ahead a block of block_bytes (weight rows side by side in memory) asks for its weights: 0 when near */
+static inline int64_t pf_far_offset(int64_t block_bytes) {
+    if (pf_far_bytes <= 0 || block_bytes <= 0) return 0;
+    return (pf_far_bytes + block_bytes - 1) / block_bytes * block_bytes;
+}
+
+/* ask for the weight bytes far_off ahead of p into L2 (far), or near_off ahead into L1 (near) */
+static inline void pf_weights(const void* p, int64_t far_off, int64_t near_off) {
+    if (far_off)
+        __builtin_prefetch((const char*)p + far_off, 0, 2);
+    else
+        __builtin_prefetch((const char*)p + near_off, 0, 3);
+}
+
 #endif

@@ -22,11 +22,12 @@ static inline __attribute__((always_inline)) void bf16_block2(
         for (int j = 0; j < NR2; j++) acc[i][j] = _mm256_setzero_ps();
     const __m256i z = _mm256_setzero_si256();
     const int64_t k16 = K & ~(int64_t)15;
+    const int64_t far = pf_far_offset(NR2 * K * 2);
     for (int64_t k = 0; k < k16; k += 16) {
         __m256i wv[NR2];
         for (int j = 0; j < NR2; j++)
             if (j < nr) {
-                _mm_prefetch((const char*)(w + j * K + k) + PF2_BYTES, _MM_HINT_T0);
+                pf_weights(w + j * K + k, far, PF2_BYTES);
                 wv[j] = _mm256_loadu_si256((const __m256i*)(w + j * K + k));
             }
         for (int i = 0; i < MR2; i++) {
@@ -121,11 +122,12 @@ static inline __attribute__((always_inline)) void bf16_blockx(const float* xf, i
     for (int i = 0; i < MRX; i++)
         for (int j = 0; j < NRX; j++) acc[i][j] = _mm256_setzero_ps();
     const __m256i z = _mm256_setzero_si256();
+    const int64_t far = pf_far_offset(NRX * K * 2);
     for (int64_t k = 0; k < K16; k += 16) {
         __m256 wl[NRX], wh[NRX];
         for (int j = 0; j < NRX; j++)
             if (j < nr) {
-                _mm_prefetch((const char*)(w + j * K + k) + PF2_BYTES, _MM_HINT_T0);
+                pf_weights(w + j * K + k, far, PF2_BYTES);
                 const __m256i wv = _mm256_loadu_si256((const __m256i*)(w + j * K + k));
                 wl[j] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, wv));
                 wh[j] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, wv));
@@ -192,13 +194,14 @@ static inline __attribute__((always_inline)) void w8_block2(
     for (int i = 0; i < MR2; i++)
         for (int j = 0; j < NR2; j++) tot[i][j] = 0, acc[i][j] = _mm256_setzero_si256();
     const int64_t k16 = K & ~(int64_t)15;
+    const int64_t far = pf_far_offset(NR2 * K);
     for (int64_t k0 = 0; k0 < k16; k0 += W8_FLUSH) {
         const int64_t k1 = k0 + W8_FLUSH < k16 ? k0 + W8_FLUSH : k16;
         for (int64_t k = k0; k < k1; k += 16) {
             __m256i wv[NR2];
             for (int j = 0; j < NR2; j++)
                 if (j < nr) {
-                    _mm_prefetch((const char*)(w + j * K + k) + PF2_BYTES / 2, _MM_HINT_T0);
+                    pf_weights(w + j * K + k, far, PF2_BYTES / 2);
                     wv[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(w + j * K + k)));
                 }
             for (int i = 0; i < MR2; i++)
@@ -277,6 +280,7 @@ static inline __attribute__((always_inline)) void w4_block2(
     for (int i = 0; i < MR2; i++)
         for (int j = 0; j < NR2; j++) tot[i][j] = 0.0f;
     const __m256i lo4 = _mm256_set1_epi16(0x0f);
+    const int64_t far = pf_far_offset(NR2 * (K / 2));
     for (int64_t g = 0; g < G; g++) {
         __m256i acc[MR2][NR2];
         for (int i = 0; i < MR2; i++)
@@ -285,7 +289,7 @@ static inline __attribute__((always_inline)) void w4_block2(
             for (int j = 0; j < NR2; j++) {
                 if (j < nr) {
                     const uint8_t* p = w + j * (K / 2) + k / 2;
-                    _mm_prefetch((const char*)p + PF2_BYTES, _MM_HINT_T0);
+                    pf_weights(p, far, PF2_BYTES);
                     const __m256i b0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p));
                     const __m256i b1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(p + 16)));
                     const __m256i w0 = _mm256_and_si256(b0, lo4), w1 = _mm256_and_si256(b1, lo4); /* k .. k + 31 */

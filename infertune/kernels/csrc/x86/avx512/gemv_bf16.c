@@ -10,12 +10,12 @@ static inline __attribute__((always_inline)) void bf16_block(
     __m512 acc[MR][NR];
     for (int i = 0; i < MR; i++)
         for (int j = 0; j < NR; j++) acc[i][j] = _mm512_setzero_ps();
-    const int64_t kfull = K & ~(int64_t)31;
+    const int64_t kfull = K & ~(int64_t)31, far = pf_far_offset(NR * K * 2);
     for (int64_t k = 0; k < kfull; k += 32) {
         __m512bh wv[NR];
         for (int j = 0; j < NR; j++) {
             if (j < nr) {
-                _mm_prefetch((const char*)(w + j * K + k) + PF_BYTES, _MM_HINT_T0);
+                pf_weights(w + j * K + k, far, PF_BYTES);
                 wv[j] = (__m512bh)_mm512_loadu_si512(w + j * K + k);
             }
         }

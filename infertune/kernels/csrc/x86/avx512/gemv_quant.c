@@ -23,13 +23,14 @@ static inline __attribute__((always_inline)) void w8_block(
     for (int i = 0; i < MR; i++)
         for (int j = 0; j < NR; j++) ah[i][j] = al[i][j] = _mm512_setzero_si512();
     const __m512i flip = _mm512_set1_epi8((char)0x80);
+    const int64_t far = pf_far_offset(NR * K);
     for (int64_t k = 0; k < K; k += 64) {
         const int64_t left = K - k;
         const __mmask64 m = left >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << left) - 1);
         __m512i wv[NR];
         for (int j = 0; j < NR; j++) {
             if (j < nr) {
-                _mm_prefetch((const char*)(w + j * K + k) + PF_BYTES / 2, _MM_HINT_T0);
+                pf_weights(w + j * K + k, far, PF_BYTES / 2);
                 /* past K: q = 0 -> 128, against x = 0 (padded): no contribution */
                 wv[j] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(m, w + j * K + k), flip);
             }
@@ -157,6 +158,7 @@ static inline __attribute__((always_inline)) void w4_block(
     for (int i = 0; i < MR; i++)
         for (int j = 0; j < NR; j++) accf[i][j] = _mm512_setzero_ps();
     const __m512i lo4 = _mm512_set1_epi16(0x0f);
+    const int64_t far = pf_far_offset(NR * (K / 2));
     for (int64_t g = 0; g < G; g++) {
         __m512i acc[MR][NR];
         for (int i = 0; i < MR; i++)
@@ -166,7 +168,7 @@ static inline __attribute__((always_inline)) void w4_block(
             for (int j = 0; j < NR; j++) {
                 if (j < nr) {
                     const uint8_t* p = w + j * (K / 2) + k / 2;
-                    _mm_prefetch((const char*)p + PF_BYTES, _MM_HINT_T0);
+                    pf_weights(p, far, PF_BYTES);
                     const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)p));
                     wlo[j] = _mm512_and_si512(b, lo4);  /* columns k .. k + 31 */
                     whi[j] = _mm512_srli_epi16(b, 4);   /* columns k + 32 .. k + 63 */
