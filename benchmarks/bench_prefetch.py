@@ -116,7 +116,7 @@ def main() -> int:
     model = bench_model(args.model)
     vocab = read_model_config(model)["vocab_size"]
     print(f"\nEngine: {model.name}, batch {args.batch}, {args.input_len} + {args.output_len}, fused decode step\n")
-    print(f"| weights | setting | TTFT s | decode tok/s | decode vs near (per round) |")
+    print("| weights | setting | TTFT s | decode tok/s | decode vs near (per round) |")
     print("|---|---|---:|---:|---|")
     for quant in args.quantization.split(","):
         llm = LLM(
