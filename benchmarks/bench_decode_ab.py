@@ -12,6 +12,7 @@ processes minutes apart differ by more than some of these effects, which is why 
     python benchmarks/bench_decode_ab.py --batch 1 --quantization none,w8a16,w4a16
     python benchmarks/bench_decode_ab.py --batch 16
     python benchmarks/bench_decode_ab.py --batch 16 --output-len 128 --modes auto-bf16,auto
+    python benchmarks/bench_decode_ab.py --batch 1 --quantization w8a16,w4a16 --modes auto,auto-q8head
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ MODES = {
     "linear": dict(decode_kernels="linear"),
     "auto": dict(decode_kernels="auto"),
     "auto-bf16": dict(decode_kernels="auto", compress_weights="off"),
+    "auto-q8head": dict(decode_kernels="auto", quantize_lm_head=True),  # (with --quantization w8a16 / w4a16)
 }
 
 
@@ -42,6 +44,8 @@ def main() -> int:
     modes = args.modes.split(",")
     if not modes or any(m not in MODES for m in modes):
         ap.error(f"--modes {args.modes}: each must be one of {', '.join(MODES)}")
+    if "auto-q8head" in modes and "none" in args.quantization.split(","):
+        ap.error("--modes auto-q8head quantizes the LM head of a quantized model: give --quantization w8a16 / w4a16")
 
     import torch
 

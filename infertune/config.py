@@ -725,10 +725,19 @@ class QuantConfig:
         'layers left in full precision: fnmatch patterns or module prefixes (e.g. "model.layers.0.*")',
         flag=None,
     )
+    quantize_lm_head: bool = _opt(
+        False,
+        "with a quantization: the LM head too, in int8 per output channel (W8A16 whatever the quantization), also "
+        "when it is tied to the embedding (the embedding keeps its full-precision copy); a batch-1 decode step reads "
+        "the head whole (vocab x hidden), so this cuts its bytes by half (default: off, the head stays in full "
+        "precision)",
+    )
 
     def __post_init__(self) -> None:
         _check_choices(self)
         self.keep_fp = tuple(self.keep_fp)
+        if self.quantize_lm_head and self.quantization is None:
+            raise ValueError("quantize_lm_head needs a quantization (w8a16, w4a16 or w8a8): none is set")
 
     @property
     def method(self) -> str | None:

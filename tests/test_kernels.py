@@ -335,7 +335,12 @@ def test_w8_exact_when_activations_are_representable(ks):
 
 @pytest.mark.parametrize(
     "m,n,k,gs",
-    [(1, 8, 128, 64), (3, 20, 256, 128), (16, 64, 896, 128), (5, 9, 4864, 128), (17, 33, 64, 64), (130, 21, 4864, 128)],
+    [
+        *[(1, 8, 128, 64), (3, 20, 256, 128), (16, 64, 896, 128), (5, 9, 4864, 128), (17, 33, 64, 64)],
+        (130, 21, 4864, 128),
+        # one row with groups of 128 or more: the AVX-512 library's nibbles-as-bytes GEMV (gemv_quant.c w4b_block)
+        *[(1, 37, 896, 128), (1, 5, 4864, 128), (1, 130, 1024, 256), (1, 4, 128, 128)],
+    ],
 )
 def test_w4_within_its_error_bound(ks, m, n, k, gs):
     """y = sum_g (x_g . q_g) s_g + (sum x_g) z_g: the int16 rounding of x moves it by at most
@@ -458,16 +463,17 @@ def _hf_logprob_errors(llm, prompts, params, hf, argmax: bool) -> list[float]:
 @needs_kernels
 @needs_fused
 @pytest.mark.parametrize(
-    "arch,quant,kv",
+    "arch,quant,kv,group,n_prompts",
     [
-        ("llama", None, "auto"),
-        ("llama", "w8a16", "auto"),
-        ("llama", "w4a16", "auto"),
-        ("llama", None, "int8"),
-        ("qwen2", None, "auto"),
+        ("llama", None, "auto", 64, 5),
+        ("llama", "w8a16", "auto", 64, 5),
+        ("llama", "w4a16", "auto", 64, 5),
+        ("llama", "w4a16", "auto", 128, 1),  # one decode row, groups of 128: the nibbles-as-bytes W4A16 GEMV
+        ("llama", None, "int8", 64, 5),
+        ("qwen2", None, "auto", 64, 5),
     ],
 )
-def test_engine_with_kernels_matches_hf(tmp_path, arch, quant, kv):
+def test_engine_with_kernels_matches_hf(tmp_path, arch, quant, kv, group, n_prompts):
     """bf16 engine, greedy decode of a batch through the fused decode step and the kernels, against HF
     transformers in float32 on the same weights: unquantized, every greedy token is HF's argmax (up to near-ties
     within bf16 noise); in every case the logprobs are as close to HF's as those of the engine on torch's
@@ -485,7 +491,7 @@ def test_engine_with_kernels_matches_hf(tmp_path, arch, quant, kv):
         tie_word_embeddings=True,
         dtype=torch.bfloat16,
     )  # qwen2: q/k/v biases
-    prompts = [{"prompt_token_ids": [3 + i, 11, 25, 40 + i]} for i in range(5)]
+    prompts = [{"prompt_token_ids": [3 + i, 11, 25, 40 + i]} for i in range(n_prompts)]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1)
     hf = hf_model(model).float()
     worst = {}
@@ -496,7 +502,7 @@ def test_engine_with_kernels_matches_hf(tmp_path, arch, quant, kv):
             decode_kernels=mode,
             quantization=quant,
             max_model_len=64,
-            quant_group_size=64,
+            quant_group_size=group,
             kv_cache_dtype=kv,
         )
         runner = llm.engine.executor.runner

@@ -55,6 +55,8 @@ SAMPLES = {
     "memory_limit": ("1.5Gi", 3 * 2**29),
     "kv_connector_config": ('{"path": "/tmp/kv", "lease_s": 5}', {"path": "/tmp/kv", "lease_s": 5}),
 }
+# options that are only valid beside another (the config refuses them alone): the flags that go with them
+COMPANIONS = {"quantize_lm_head": ["--quantization", "w8a16"]}
 
 
 def _subparser(name: str) -> argparse.ArgumentParser:
@@ -120,7 +122,7 @@ def test_every_flag_maps_to_an_option_and_round_trips(command, model_dir):
             text, expected = SAMPLES[name]
             argv = [action.option_strings[0], text]
         assert expected != f.default, name
-        args = parser.parse_args([*prefix, *argv])
+        args = parser.parse_args([*prefix, *argv, *COMPANIONS.get(name, [])])
         kwargs = engine_kwargs(args)
         assert "model" not in kwargs  # the commands pass --model as LLM's first argument
         config = EngineConfig.create(args.model, **kwargs)

@@ -13,7 +13,7 @@ from infertune.quant.int8 import quantize_int8_per_channel
 # (M, N, K): one row and several; N leaving a partial block of 4 rows; K short (the far distance spans several
 # blocks), long (one block is past the distance) and not a multiple of 32 / 64; enough blocks for both threads.
 SHAPES = [(1, 37, 100), (1, 130, 896), (3, 64, 4864), (1, 1030, 128), (5, 21, 8200)]
-W4_SHAPES = [(1, 37, 128), (1, 130, 896), (3, 64, 4864), (1, 1030, 256)]
+W4_SHAPES = [(1, 37, 128, 64), (1, 130, 896, 128), (3, 64, 4864, 128), (1, 1030, 256, 128), (2, 40, 256, 64)]
 
 
 @pytest.fixture(params=["avx512", "avx2"])
@@ -73,13 +73,13 @@ def test_w8_far_is_near_bit_for_bit(lib, m, n, k):
         assert torch.equal(y.view(torch.int16), near.view(torch.int16))
 
 
-@pytest.mark.parametrize("m,n,k", W4_SHAPES)
-def test_w4_far_is_near_bit_for_bit(lib, m, n, k):
+@pytest.mark.parametrize("m,n,k,gs", W4_SHAPES)
+def test_w4_far_is_near_bit_for_bit(lib, m, n, k, gs):
     g = torch.Generator().manual_seed(m + n * k)
-    q, s, z = quantize_int4_groupwise(torch.randn(n, k, generator=g), 64)
+    q, s, z = quantize_int4_groupwise(torch.randn(n, k, generator=g), gs)
     packed = kernels.pack_w4(q)
     x = torch.randn(m, k, generator=g).bfloat16()
-    near, *fars = _both(lib, lambda: kernels.linear_w4(x, packed, s, z, 64, lib=lib))
+    near, *fars = _both(lib, lambda: kernels.linear_w4(x, packed, s, z, gs, lib=lib))
     for y in fars:
         assert torch.equal(y.view(torch.int16), near.view(torch.int16))
 

@@ -78,6 +78,8 @@ SYSTEMS = (
     "infertune-bf16",
     "infertune-w8a16",
     "infertune-w4a16",
+    "infertune-w8a16-q8head",
+    "infertune-w4a16-q8head",
     "infertune-w8a8",
     "infertune-torch",
     "infertune-w8a16-torch",
@@ -94,6 +96,8 @@ SYSTEM_LABELS = {
     "infertune-bf16": "infertune (weights as loaded, 12-bit off)",
     "infertune-w8a16": "infertune W8A16",
     "infertune-w4a16": "infertune W4A16 (g128)",
+    "infertune-w8a16-q8head": "infertune W8A16 + int8 LM head",
+    "infertune-w4a16-q8head": "infertune W4A16 (g128) + int8 LM head",
     "infertune-w8a8": "infertune W8A8",
     "infertune-torch": "infertune (torch matmuls)",
     "infertune-w8a16-torch": "infertune W8A16 (torch matmuls)",
@@ -115,6 +119,9 @@ PEER_OF = {
     "infertune-w8a16": ("llama.cpp-q8_0", "infertune-w8a16-torch"),
     "infertune-w8a8": ("llama.cpp-q8_0",),
     "infertune-w4a16": ("llama.cpp-q4_0",),
+    # llama.cpp's quantizer stores a model's output matrix (the tied embedding too) in a 6-8-bit type
+    "infertune-w8a16-q8head": ("llama.cpp-q8_0", "infertune-w8a16"),
+    "infertune-w4a16-q8head": ("llama.cpp-q4_0", "infertune-w4a16"),
     "infertune-tp2": ("infertune",),
 }
 
@@ -203,7 +210,8 @@ def add_arguments(p: argparse.ArgumentParser, default_batch: list[int] | None = 
         default=list(DEFAULT_SYSTEMS),
         metavar="S[,S...]",
         help="systems to run: infertune, hf (transformers generate), infertune-bf16 (infertune with its "
-        "bf16 weights as loaded: compress_weights off), infertune-w8a16, infertune-w4a16, "
+        "bf16 weights as loaded: compress_weights off), infertune-w8a16, infertune-w4a16 (-q8head: with "
+        "quantize_lm_head), "
         "infertune-w8a8, infertune-eager (compile off), infertune-torch and infertune-w8a16-torch (the "
         "same engine on torch's matmuls: --decode-kernels off), infertune-tp2 (tensor parallel over 2 worker "
         "processes, the CPUs split between them) (default: infertune,hf)",

@@ -44,8 +44,9 @@ def worker_infertune(args, model_dir: Path, batch: int) -> dict:
         options["compress_weights"] = "off"
     if system == "infertune-tp2":  # tensor parallel over 2 worker processes, the CPUs split between them
         options["tensor_parallel_size"] = 2
-    if system.startswith("infertune-w"):  # a quantized variant: infertune-w8a16, -w4a16, -w8a8
-        options["quantization"] = system.split("-", 1)[1]
+    if system.startswith("infertune-w"):  # a quantized variant: infertune-w8a16, -w4a16, -w8a8 (-q8head: int8 head)
+        options["quantization"] = system.split("-")[1]
+        options["quantize_lm_head"] = system.endswith("-q8head")
     if args.max_num_batched_tokens:
         options["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.no_prefix_caching:

@@ -64,7 +64,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "it to bf16 at load) (default: the checkpoint's, fp8 for an fp8 checkpoint, else bf16)",
     )
     p.add_argument("--group-size", type=int, default=128, help="W4A16 quantization group size (default: 128)")
-    p.add_argument("--quantize-lm-head", action="store_true", help="quantize the lm_head too (default: kept in bf16)")
+    p.add_argument(
+        "--quantize-lm-head",
+        action="store_true",
+        help="the lm_head in int8 per vocabulary row too, as the engine's --quantize-lm-head (default: kept in bf16)",
+    )
     p.add_argument(
         "--kv-dtype",
         choices=KV_DTYPES,

@@ -6,8 +6,9 @@ MoE families, DeepSeek's MLA); the tests check it against `sum(p.numel())` of re
 - W8A16 = int8 weights + one scale per output channel; W4A16 = int4 weights + a scale and a zero point per group
   of `group_size` input elements of each output row (the `scales_and_zeros` layout of aten's int4 kernels, which
   infertune's quant/int4.py uses; zero_bytes=0 models a scale-only format). Scales and zeros are bf16 (2 bytes).
-  Only the decoder layers' projections (and routed experts) are quantized unless `quantize_lm_head` (infertune
-  keeps the lm_head in full precision by default too); embeddings, norms, biases and MoE routers stay in bf16.
+  Only the decoder layers' projections (and routed experts) are quantized; with `quantize_lm_head` the lm_head is
+  int8 + one scale per vocabulary row whatever the format (as the engine's `quantize_lm_head` keeps it), beside a
+  tied embedding's bf16 copy; embeddings, norms, biases and MoE routers stay in bf16.
 - FP8 = a block-scaled fp8 checkpoint as published (DeepSeek-V3, Qwen3-*-FP8): one byte a weight plus one fp32
   scale per `block` (128 x 128) of each matrix, the last block row / column partial; the same matrices as W8A16
   plus MLA's kv_b_proj, which those checkpoints store in fp8 too (infertune dequantizes them at load: plan that
@@ -289,8 +290,8 @@ def weight_breakdown_of(a: ArchConfig, fmt: WeightFormat) -> WeightBreakdown:
     vocab_h = a.vocab_size * h
     if a.tie_word_embeddings and not fmt.quantize_lm_head:
         head_bytes = head_scales = 0
-    elif fmt.quantize_lm_head:
-        head_bytes, head_scales = fmt.linear_bytes(a.vocab_size, h)
+    elif fmt.quantize_lm_head:  # int8 per channel whatever the format (QuantConfig.quantize_lm_head)
+        head_bytes, head_scales = WeightFormat("w8a16", scale_bytes=fmt.scale_bytes).linear_bytes(a.vocab_size, h)
     else:
         head_bytes, head_scales = vocab_h * 2, 0
     return WeightBreakdown(

@@ -69,6 +69,12 @@ def attach_linear_methods(
             continue
         if not isinstance(module, Linear):
             continue
+        if config is not None and config.method is not None and config.quantize_lm_head and is_lm_head(name):
+            # int8 per channel whatever the method: the head's rounding moves every logit, and int8 halves its bytes.
+            # W8A16Method drops only this module's reference to a tied weight: the embedding keeps the tensor.
+            module.quant_method = W8A16Method(fast, max_rows, kernels)
+            chosen[name] = module.quant_method.name
+            continue
         if id(module.weight) in shared:
             if plain_kernel:
                 module.quant_method = DecodeKernelMethod(kernels)
@@ -86,6 +92,11 @@ def attach_linear_methods(
             continue
         chosen[name] = module.quant_method.name
     return chosen
+
+
+def is_lm_head(name: str) -> bool:
+    """Whether the module `name` is a model's LM head (what QuantConfig.quantize_lm_head quantizes)."""
+    return name == "lm_head" or name.endswith(".lm_head")
 
 
 def keeps(config: QuantConfig, name: str) -> bool:

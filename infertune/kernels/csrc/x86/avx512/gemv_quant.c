@@ -205,6 +205,103 @@ static inline __attribute__((always_inline)) void w4_block(
 #define W4_CASE(MRC, NRC) w4_block(xq + m0 * Kp, Kp, xsum + m0 * G, MRC, wb, NRC, K, gs, scale + n0 * G, \
                                    zero + n0 * G, out, zout)
 
+/* ------------------------------------------------------------------ int4 weights at one row: the nibbles as bytes
+ *
+ * With gs a multiple of 128, one 64-byte load holds 128 weights: its low nibbles are columns k .. k + 31 and
+ * k + 64 .. k + 95, its high nibbles k + 32 .. k + 63 and k + 96 .. k + 127 (pack_w4's runs of 64, two of them).
+ * Masked to bytes they are the unsigned operand of VPDPBUSD as they are (0..15: no flip, no widening), against
+ * the signed high and low bytes of the int16 activations (x_q = 256 h + l, as w8_block), which w4b_split_row lays
+ * out per 128 columns in the nibbles' order. Per 128 weights: one load, three byte ops and four VPDPBUSD, against
+ * two widening loads, four ops and four VPDPWSSD in w4_block; the per-group int32 sums 256 H + L are exact and
+ * the same integers w4_block sums, so the error bound is the same. Decode rows beyond W4B_MAX_ROWS keep w4_block,
+ * which widens each weight once for all its rows. */
+#ifndef W4B_MAX_ROWS
+#define W4B_MAX_ROWS 1
+#endif
+
+/* x_q (int16 [K], K % 128 == 0) -> h and l bytes [K] each, per 128 columns: [A (64) | B (64)], where A pairs with the
+ * low nibbles (columns 0..31, 64..95 of the 128) and B with the high ones (32..63, 96..127) */
+static void w4b_split_row(const int16_t* xq, int64_t K, int8_t* xh, int8_t* xl) {
+    static const int src[4] = {0, 64, 32, 96}; /* where each 32-byte quarter of [A | B] comes from */
+    for (int64_t k = 0; k < K; k += 128)
+        for (int part = 0; part < 4; part++)
+            for (int b = 0; b < 32; b++) {
+                const int32_t v = xq[k + src[part] + b], l = ((v + 128) & 255) - 128;
+                xh[k + part * 32 + b] = (int8_t)((v - l) / 256);
+                xl[k + part * 32 + b] = (int8_t)l;
+            }
+}
+
+/* (the weight vectors of rows past nr are never loaded nor used: GCC cannot see that through the j < nr tests) */
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+static inline __attribute__((always_inline)) void w4b_block(const int8_t* xh, const int8_t* xl, const float* xsum,
+                                                            const uint8_t* w, int nr, int64_t K, int64_t gs,
+                                                            const float* scale, const float* zero, float out[NR],
+                                                            float zout[NR]) {
+    const int64_t G = K / gs, far = pf_far_offset(NR * (K / 2));
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    __m512 accf[NR];
+    for (int j = 0; j < NR; j++) accf[j] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        __m512i ah[NR], al[NR];
+        for (int j = 0; j < NR; j++) ah[j] = al[j] = _mm512_setzero_si512();
+        for (int64_t k = g * gs; k < (g + 1) * gs; k += 128) {
+            const __m512i xah = _mm512_loadu_si512(xh + k), xbh = _mm512_loadu_si512(xh + k + 64);
+            const __m512i xal = _mm512_loadu_si512(xl + k), xbl = _mm512_loadu_si512(xl + k + 64);
+            for (int j = 0; j < NR; j++) {
+                if (j < nr) {
+                    const uint8_t* p = w + j * (K / 2) + k / 2;
+                    pf_weights(p, far, PF_BYTES);
+                    const __m512i b = _mm512_loadu_si512(p);
+                    const __m512i lo = _mm512_and_si512(b, m4), hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), m4);
+                    ah[j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(ah[j], lo, xah), hi, xbh);
+                    al[j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(al[j], lo, xal), hi, xbl);
+                }
+            }
+        }
+        for (int j = 0; j < NR; j++) {
+            if (j < nr) {
+                const __m512i sum = _mm512_add_epi32(_mm512_slli_epi32(ah[j], 8), al[j]); /* 256 H + L, exact */
+                accf[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(scale[j * G + g]), accf[j]);
+            }
+        }
+    }
+    for (int j = 0; j < nr; j++) {
+        float z = 0.0f;
+        for (int64_t g = 0; g < G; g++) z += zero[j * G + g] * xsum[g];
+        out[j] = _mm512_reduce_add_ps(accf[j]);
+        zout[j] = z;
+    }
+}
+#pragma GCC diagnostic pop
+
+/* linear_w4 for M <= W4B_MAX_ROWS rows, gs % 128 == 0; xq / sx / xsum as quantize_rows_i16 left them, xh / xl
+ * scratch of M * K bytes each */
+static void linear_w4b(const int16_t* xq, int64_t Kp, const float* sx, const float* xsum, int8_t* xh, int8_t* xl,
+                       const uint8_t* w, const float* scale, const float* zero, int64_t gs, const bf16* bias, bf16* y,
+                       int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads) {
+    const int64_t G = K / gs, nblocks = (N + NR - 1) / NR;
+    for (int64_t m = 0; m < M; m++) w4b_split_row(xq + m * Kp, K, xh + m * K, xl + m * K);
+    const int nt = pick_threads(nblocks, N * K / 2, nthreads);
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t b = 0; b < nblocks; b++) {
+        const int64_t n0 = b * NR;
+        const int nr = (int)(N - n0 < NR ? N - n0 : NR);
+        for (int64_t m = 0; m < M; m++) {
+            float out[NR], zout[NR];
+            if (nr == NR)
+                w4b_block(xh + m * K, xl + m * K, xsum + m * G, w + n0 * (K / 2), NR, K, gs, scale + n0 * G,
+                          zero + n0 * G, out, zout);
+            else
+                w4b_block(xh + m * K, xl + m * K, xsum + m * G, w + n0 * (K / 2), nr, K, gs, scale + n0 * G,
+                          zero + n0 * G, out, zout);
+            for (int j = 0; j < nr; j++)
+                y[m * ldy + n0 + j] = f2bf(out[j] * sx[m] + zout[j] + (bias ? bf2f(bias[n0 + j]) : 0.0f));
+        }
+    }
+}
+
 /* scratch: qlin_scratch_bytes(M, K, nthreads), aligned */
 static void linear_w4(const bf16* x, int64_t ldx, const uint8_t* w, const float* scale, const float* zero, int64_t gs,
                       const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads,
@@ -226,6 +323,11 @@ static void linear_w4(const bf16* x, int64_t ldx, const uint8_t* w, const float*
     float* sx = (float*)(xq + M * Kp);
     float* xsum = sx + M;
     quantize_rows_i16(x, ldx, M, K, Kp, xq, sx, xsum, gs);
+    if (M <= W4B_MAX_ROWS && gs % 128 == 0) {
+        int8_t* xh = (int8_t*)(xsum + M * (K / 32 + 1)); /* (w8_scratch_bytes' h and l bytes: M * Kp each) */
+        linear_w4b(xq, Kp, sx, xsum, xh, xh + M * K, w, scale, zero, gs, bias, y, ldy, M, N, K, nthreads);
+        return;
+    }
     const int64_t nblocks = (N + NR - 1) / NR;
     const int nt = pick_threads(nblocks, N * K / 2, nthreads);
 #pragma omp parallel for num_threads(nt) schedule(static)

@@ -1,0 +1,93 @@
+"""quantize_lm_head: the LM head in int8 per output channel (tied or not), against HF transformers running the same
+dequantized weights; the tied embedding keeps the checkpoint's values."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import hf_model, make_checkpoint
+
+from infertune import LLM
+from infertune.config import QuantConfig
+from infertune.layers.linear import Linear, PackedLinear
+from infertune.quant import W8A16Method
+from infertune.quant.int4 import dequantize_int4, quantize_int4_groupwise
+from infertune.quant.int8 import quantize_int8_per_channel
+
+
+@pytest.fixture(scope="module")
+def tied(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("tied"), "llama", tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="module")
+def untied(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("untied"), "qwen2", tie_word_embeddings=False)
+
+
+def _hf_with_dequantized(ckpt, method: str, group: int):
+    """HF in fp32 with every projection replaced by its dequantized weights (int8 per channel or int4 per group, as
+    the engine's quantizers round them) and the head by its int8 per-channel dequantization, untied from the
+    embedding, which keeps the checkpoint's values."""
+    hf = hf_model(ckpt)
+    for name, p in hf.named_parameters():
+        if name.endswith("proj.weight"):
+            if method == "w8a16":
+                q, s = quantize_int8_per_channel(p.data)
+                p.data.copy_(q.float() * s.float().unsqueeze(1))
+            else:
+                q, scale, low = quantize_int4_groupwise(p.data, group)
+                p.data.copy_(dequantize_int4(q, scale, low, group))
+    head = hf.get_output_embeddings().weight.data.clone()
+    q, s = quantize_int8_per_channel(head)
+    hf.lm_head.weight = torch.nn.Parameter(q.float() * s.float().unsqueeze(1))  # (unties it)
+    return hf
+
+
+@pytest.mark.parametrize("which", ["tied", "untied"])
+@pytest.mark.parametrize("method,group", [("w8a16", 128), ("w4a16", 32)])
+def test_quantized_head_matches_hf_with_the_same_dequantized_weights(request, which, method, group):
+    ckpt = request.getfixturevalue(which)
+    llm = LLM(
+        str(ckpt),
+        dtype="float32",
+        max_model_len=64,
+        quantization=method,
+        quant_group_size=group,
+        quantize_lm_head=True,
+    )
+    model = llm.engine.executor.runner.model
+    head = model.lm_head
+    assert isinstance(head.quant_method, W8A16Method) and not hasattr(head, "weight")
+    assert head.qweight.dtype == torch.int8  # int8 whatever the method
+    hf = hf_model(ckpt)
+    # the embedding is still the checkpoint's, in full precision
+    assert torch.equal(model.model.embed_tokens.weight.float(), hf.get_input_embeddings().weight.float())
+    ref_model = _hf_with_dequantized(ckpt, method, group)
+    prompt = torch.randint(0, hf.config.vocab_size, (13,), generator=torch.Generator().manual_seed(7)).tolist()
+    ours = llm.engine.executor.runner.prompt_logits(prompt, list(range(5)))
+    with torch.no_grad():
+        ref = ref_model(torch.tensor([prompt])).logits[0]
+        fp = hf(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(ours, ref, atol=1e-3, rtol=0)
+    # and the int8 head moves the logits by more than kernel noise: the oracle tells the two heads apart
+    plain = LLM(str(ckpt), dtype="float32", max_model_len=64, quantization=method, quant_group_size=group)
+    theirs = plain.engine.executor.runner.prompt_logits(prompt, list(range(5)))
+    assert (theirs - ref).abs().max() > 1e-3
+    if method == "w8a16":  # int8 everywhere stays near the full-precision model (int4 on these weights does not)
+        assert (ours - fp).abs().max() < 0.05 * fp.abs().max()
+
+
+def test_the_head_stays_full_precision_by_default(tied):
+    llm = LLM(str(tied), dtype="float32", max_model_len=64, quantization="w8a16")
+    model = llm.engine.executor.runner.model
+    assert hasattr(model.lm_head, "weight") and not hasattr(model.lm_head, "qweight")
+    quantized = [n for n, m in model.named_modules() if isinstance(m, (Linear, PackedLinear)) and hasattr(m, "qweight")]
+    assert quantized and "lm_head" not in quantized
+
+
+def test_quantize_lm_head_needs_a_quantization(tied):
+    with pytest.raises(ValueError, match="quantize_lm_head needs a quantization"):
+        QuantConfig(quantize_lm_head=True)
+    with pytest.raises(ValueError, match="quantize_lm_head needs a quantization"):
+        LLM(str(tied), quantize_lm_head=True)
