@@ -732,8 +732,17 @@ def test_prompt_rows_attention_matches_float64(attn_lib, hq, hkv, d, bs):
 
 
 needs_bf16c = pytest.mark.skipif(
-    not (kernels.available() and kernels.bf16c_supported(16, 32)), reason="the 12-bit layout decodes on AMX tiles"
+    not (kernels.available() and kernels.bf16c_supported(16, 32)),
+    reason=f"the 12-bit layout needs the AVX-512 library (with or without AMX): {kernels.describe()}",
 )
+
+
+def _bf16_twin(x, w, bias=None):
+    """What the 12-bit linear equals bit for bit on the unpacked weight: with AMX the bf16 kernel's tile products
+    (from 2 rows), without AMX the VDPBF16PS GEMM's sums (at every row count: csrc/x86/avx512/bf16c_noamx.c)."""
+    if kernels.amx():
+        return kernels.linear_bf16(x, w, bias)
+    return kernels.linear_bf16_path(x, w, bias, path="gemm")
 
 
 @needs_bf16c
@@ -776,7 +785,8 @@ def test_bf16c_round_trip_is_bit_exact(n, k):
 )
 def test_bf16c_linear_is_the_bf16_kernel_bit_for_bit(m, k):
     """The 12-bit linear against the bf16 kernel on the unpacked weight: the same bits from 2 rows up (the same
-    tile products; one row takes the tiles here where the bf16 kernel takes VDPBF16PS), and within the float64
+    tile products; one row takes the tiles here where the bf16 kernel takes VDPBF16PS; without AMX the VDPBF16PS
+    GEMM's bits at every row count), and within the float64
     bound of test_bf16_matches_float64 at every row count. Bias and a row count past one decode pass included;
     wide K cut into slabs whose fp32 sums wait in memory between slabs (at 530 rows, in two blocks of rows)."""
     gen = torch.Generator().manual_seed(m)
@@ -789,8 +799,8 @@ def test_bf16c_linear_is_the_bf16_kernel_bit_for_bit(m, k):
     desc = kernels.bf16c_struct(packed := kernels.pack_bf16c(w))
     y = kernels.linear_bf16c(x, desc, n, bias)
     assert packed["esc_val"].numel() >= 1
-    if m > 1:
-        assert torch.equal(y.view(torch.int16), kernels.linear_bf16(x, w, bias).view(torch.int16))
+    if m > 1 or not kernels.amx():
+        assert torch.equal(y.view(torch.int16), _bf16_twin(x, w, bias).view(torch.int16))
     ref = x.double() @ w.double().T + bias.double()
     bound = 2.0**-8 * ref.abs() + k * 2.0**-23 * (x.double().abs() @ w.double().abs().T) + 1e-6
     assert ((y.double() - ref).abs() <= bound).all()
@@ -818,9 +828,10 @@ def test_bf16c_gate_up_with_silu_is_the_unfused_mlp_bit_for_bit(m, k):
     assert torch.equal(packed["codes"], kernels.pack_bf16c(kernels.interleave_gate_up(w))["codes"])
     desc = kernels.bf16c_struct(packed)
     assert torch.equal(kernels.deinterleave_gate_up(kernels.interleave_gate_up(w)), w)
-    ref = kernels.linear_bf16(x, w) if m > 1 else (x.float() @ w.float().T).to(torch.bfloat16)
+    twin = m > 1 or not kernels.amx()
+    ref = _bf16_twin(x, w) if twin else (x.float() @ w.float().T).to(torch.bfloat16)
     gate_up = kernels.linear_bf16c(x, desc, 2 * inter, inter=inter)
-    if m > 1:
+    if twin:
         assert torch.equal(gate_up.view(torch.int16), ref.view(torch.int16))
     act = kernels.linear_bf16c(x, desc, 2 * inter, inter=inter, silu=True)
     assert act.shape == (m, inter)
@@ -830,6 +841,7 @@ def test_bf16c_gate_up_with_silu_is_the_unfused_mlp_bit_for_bit(m, k):
 
 
 @needs_bf16c
+@pytest.mark.skipif(not kernels.amx(), reason="AMX's routing (without AMX: the test below)")
 def test_engine_with_12bit_weights_is_the_engine_with_bf16_weights(tmp_path, monkeypatch):
     """compress_weights="auto" (the default) against "off" on one checkpoint: the plain bf16 projections are held
     in the 12-bit layout and the outputs are bit for bit the same. A batch of 4 short prompts, then one of 150
@@ -896,6 +908,61 @@ def test_engine_with_12bit_weights_is_the_engine_with_bf16_weights(tmp_path, mon
 
 
 @needs_bf16c
+@pytest.mark.skipif(kernels.amx(), reason="the AVX-512 library without AMX (Zen 4 / 5; INFERTUNE_CPU_ISA=avx512-noamx)")
+def test_engine_with_12bit_weights_without_amx_is_the_bf16_engine_on_the_gemm(tmp_path):
+    """Without AMX the 12-bit linears multiply the decoded tiles with VDPBF16PS, each output's products summed in
+    k order: the sums of the VDPBF16PS GEMM on the bf16 weights. With that GEMM taken at every row count (the
+    library's it_gemm_rows_noamx(1); by default the GEMV takes fewer than 16 rows, summing in another order), the
+    engine with compress_weights="auto" gives the bf16 engine's tokens and logprobs bit for bit, through the fused
+    decode step and through the per-module forward (where the MLP takes SiLU-and-multiply from the gate_up's
+    epilogue); prompts up to 128 tokens (past that the bf16 engine's per-module prefill takes torch's GEMM), fused
+    (each prompt row's attention on its own) in both engines or per module in both. No weight is ever unpacked."""
+    from conftest import make_checkpoint
+
+    from infertune import LLM, SamplingParams
+    from infertune.runner.fused_decode import FusedDecode
+
+    lib = kernels.library()
+    model = make_checkpoint(
+        tmp_path / "m",
+        "llama",
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        tie_word_embeddings=True,
+        dtype=torch.bfloat16,
+    )
+    prompts = [{"prompt_token_ids": [5 + i, 17, 33, 2 + i, 60]} for i in range(4)]
+    long = [{"prompt_token_ids": [(7 * i) % 250 + 3 for i in range(100)]}]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2)
+    runs, old = {}, lib.it_gemm_rows_noamx(1)
+    real_unpack, unpacks, steps = kernels.unpack_bf16c, [], []
+    real_call = FusedDecode.__call__
+    try:
+        kernels.unpack_bf16c = lambda *a: unpacks.append(a[1:]) or real_unpack(*a)
+        FusedDecode.__call__ = lambda self, ids, *a: steps.append(ids.shape[0]) or real_call(self, ids, *a)
+        for mode, kernel_mode in (("auto", "auto"), ("auto", "linear"), ("off", "auto"), ("off", "linear")):
+            llm = LLM(str(model), dtype="bfloat16", compress_weights=mode, decode_kernels=kernel_mode, max_model_len=192)
+            runner = llm.engine.executor.runner
+            methods = {type(m.quant_method).__name__ for m in runner.model.modules() if isinstance(m, Linear)}
+            assert ("CompressedMethod" in methods) == (mode == "auto")
+            steps.clear()
+            runs[mode, kernel_mode] = [
+                (o.outputs[0].token_ids, [(lp.token_id, lp.logprob) for lp in o.outputs[0].logprobs])
+                for batch in (prompts, long)
+                for o in llm.generate(batch, params, use_tqdm=False)
+            ]
+            if kernel_mode == "auto":  # the prompts' steps (4 x 5 and 100 tokens) and the decode steps fused
+                assert {20, 100, 4, 1} <= set(steps), steps
+    finally:
+        kernels.unpack_bf16c, FusedDecode.__call__ = real_unpack, real_call
+        lib.it_gemm_rows_noamx(old)
+    assert unpacks == []
+    assert runs["auto", "auto"] == runs["off", "auto"]
+    assert runs["auto", "linear"] == runs["off", "linear"]
+
+
+@needs_bf16c
 def test_fused_prefill_takes_only_the_read_rows_through_the_last_layers_mlp(tmp_path):
     """A step of three fresh prompts through the fused step with out_rows (their last tokens, what execute_model
     samples from): past the last layer's attention only those rows go on, and their hidden states are bit for bit
@@ -935,10 +1002,10 @@ def test_fused_prefill_takes_only_the_read_rows_through_the_last_layers_mlp(tmp_
 
     seen = []
     forward = runner._forward
-    runner._forward = lambda ids, pos, meta, rows=None: seen.append(rows) or forward(ids, pos, meta, rows)
+    runner._forward = lambda ids, pos, meta, rows=None, *a: seen.append(rows) or forward(ids, pos, meta, rows, *a)
     sub = run()
     assert seen[0] == sorted(last_rows)  # (the prefill step read three rows)
-    runner._forward = lambda ids, pos, meta, rows=None: forward(ids, pos, meta)
+    runner._forward = lambda ids, pos, meta, rows=None, *a: forward(ids, pos, meta, None, *a)
     assert sub == run()
 
 
@@ -950,7 +1017,7 @@ def test_fused_step_runs_prompts_as_accurately_as_pytorch(tmp_path, monkeypatch)
     """A step of fresh prompts runs through the fused step (each token a row attending to its prompt up to itself,
     through the prompt's block table; on AMX 16 rows of a prompt at a time): with 12-bit weights (the default on
     AMX) a step of any size, with the weights as loaded up to kernels.bf16_max_rows() tokens in all (without AMX
-    through the VDPBF16PS GEMM). Prompts of 5,
+    through the VDPBF16PS GEMM, 12-bit too). Prompts of 5,
     21, 40 and 90 tokens (several blocks of 16, partial last blocks; 156 rows) in one step, then decoding. The
     logprobs against HF transformers in float32 are as close as those of the PyTorch forward
     (decode_kernels="linear")."""
@@ -976,7 +1043,7 @@ def test_fused_step_runs_prompts_as_accurately_as_pytorch(tmp_path, monkeypatch)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1)
     hf = hf_model(model).float()
     worst = {}
-    twelve = kernels.bf16c_supported(16, 32)
+    twelve = kernels.bf16c_supported(16, 32) and kernels.amx()  # (12-bit steps of any size: AMX's tile GEMM)
     for mode in ("auto", "linear"):
         calls.clear()
         llm = LLM(

@@ -986,11 +986,12 @@ BF16C_FIELDS = ("codes", "table", "esc_start", "esc_pos", "esc_val")
 
 
 def bf16c_supported(n: int, k: int) -> bool:
-    """Whether a [n, k] weight can take the 12-bit layout here (the decoder runs on AMX tiles)."""
+    """Whether a [n, k] weight can take the 12-bit layout here (decoded onto AMX tiles, or without AMX multiplied by
+    VDPBF16PS from the decoded tiles: csrc/x86/avx512/bf16c_noamx.c)."""
     _load()
     return (
         _lib is not None
-        and _amx
+        and _variant in ("avx512", "avx512-noamx")
         and "avx512vbmi" in _cpu_flags()  # the packer's VPERMB
         and n % 16 == 0
         and k % 32 == 0

@@ -84,14 +84,15 @@ class X86FusedDecoder:
         # the cache is bf16 (an int8 cache would make a prompt attend to its own K/V quantized, which the PyTorch
         # path does not). With every projection 12-bit the tile GEMM (decoding as it multiplies, SiLU in the
         # gate_up's epilogue) beats torch's at every size: whole prefill steps run here.
-        # Without AMX the same short prompts with bf16 weights as loaded, through the VDPBF16PS GEMM (csrc/x86/avx512/
-        # gemm_dpbf16.c), each prompt row's attention on its own (P in fp32, as the decode rows' AVX-512 attention).
+        # Without AMX the same short prompts with bf16 weights (as loaded: the VDPBF16PS GEMM, csrc/x86/avx512/
+        # gemm_dpbf16.c; 12-bit: the same sums from the decoded tiles, bf16c_noamx.c), each prompt row's attention on
+        # its own (P in fp32, as the decode rows' AVX-512 attention).
         prefill_rows = 0
         if amx and kinds <= {"bf16", "bf16c"} and not model.kv_int8:
             prefill_rows = cpu.AMX_GEMM_MAX_ROWS
             if kinds == {"bf16c"}:
                 prefill_rows = max(prefill_rows, model.step_rows)
-        elif not amx and kinds == {"bf16"} and not model.kv_int8 and cpu.bf16_max_rows() > cpu.MAX_ROWS:
+        elif not amx and kinds <= {"bf16", "bf16c"} and not model.kv_int8 and cpu.bf16_max_rows() > cpu.MAX_ROWS:
             prefill_rows = cpu.bf16_max_rows()
         cmodel.gate_up_fused = int(all(c.gate_up.kind == cpu.WeightKind.BF16C and c.gate_up.inter > 0 for c in layers))
         return cls(model, cmodel, layers, keep, cpu.MAX_ROWS, prefill_rows, cpu.library())

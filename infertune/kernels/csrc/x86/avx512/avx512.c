@@ -17,7 +17,8 @@
  *                                              and offset z (w = q * s + z), x in int16 as above (VPDPWSSD)
  *   it_dequant_w8 / it_dequant_w4              a quantized layer's bf16 weights, for a prefill's GEMM
  *   it_linear_bf16c                            y = x W^T (+ b) with W in the lossless 12-bit layout (bf16c below),
- *                                              any M on AMX (SiLU-and-multiply in the epilogue for a gate_up);
+ *                                              any M on AMX (SiLU-and-multiply in the epilogue for a gate_up),
+ *                                              without AMX VDPBF16PS on the decoded tiles (bf16c_noamx.c);
  *                                              it_bf16c_hist / _pack / _escapes build it, it_unpack_bf16c undoes it
  *   it_rmsnorm_mt / it_silu_mul / it_rotary    the elementwise work of prefills, rounded as the PyTorch code
  *   it_decode_layers                           a whole decode step of a Llama decoder, or a step of fresh prompts
@@ -50,6 +51,7 @@
 #include "gemm_amx.c"
 #include "gemm_dpbf16.c"
 #include "bf16c_gemm.c"
+#include "bf16c_noamx.c"
 #include "linear_bf16.c"
 #include "quant_amx.c"
 #include "bf16c_api.c"

@@ -2,10 +2,11 @@
 
 int it_linear_bf16c(const bf16* x, int64_t ldx, const bf16c* cw, const bf16* bias, bf16* y, int64_t ldy, int64_t M,
                     int64_t N, int64_t K, int nthreads, int64_t inter, int epi) {
-    if (amx_state != 1 || M < 1 || N % 16 || K % 32) return -2;
+    if (M < 1 || N % 16 || K % 32) return -2;
     if (inter && (N != 2 * inter || inter % 16 || bias)) return -3;
-    bf16* scratch = M > 16 ? aligned_alloc(64, (size_t)bf16c_scratch_bytes(M, K)) : NULL;
-    bf16* wdec = M > 16 ? aligned_alloc(64, (size_t)bf16c_dec_bytes(M, N, K, nthreads)) : NULL;
+    const int tiles = amx_state == 1 && M > 16; /* (without AMX: bf16c_noamx.c, no scratch) */
+    bf16* scratch = tiles ? aligned_alloc(64, (size_t)bf16c_scratch_bytes(M, K)) : NULL;
+    bf16* wdec = tiles ? aligned_alloc(64, (size_t)bf16c_dec_bytes(M, N, K, nthreads)) : NULL;
     linear_bf16c(x, ldx, cw, bias, y, ldy, M, N, K, nthreads, scratch, wdec, inter, epi);
     free(wdec);
     free(scratch);

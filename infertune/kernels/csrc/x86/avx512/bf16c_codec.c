@@ -29,7 +29,8 @@ static inline void bf16c_pairs(const bf16c* c, int64_t t, int r0, int r1, bf16* 
     for (int r = r0; r < r1; r += 2) {
         const uint8_t* p = b + r * 48;
         if ((r & 3) == 0) /* 4 rows = 3 lines */
-            for (int l = 0; l < 192; l += 64) _mm_prefetch((const char*)p + BF16C_PF_TILES * BF16C_TILE_BYTES + l, _MM_HINT_T0);
+            for (int l = 0; l < 192; l += 64) /* into L2 where the GEMVs prefetch far (AMD), else L1 */
+                pf_weights(p + l, pf_far_bytes ? BF16C_PF_TILES * BF16C_TILE_BYTES : 0, BF16C_PF_TILES * BF16C_TILE_BYTES);
         const __m256i nib = _mm256_loadu_si256((const __m256i*)(p + 64));
         const __m512i code = _mm512_and_si512(
             _mm512_inserti64x4(_mm512_castsi256_si512(nib), _mm256_srli_epi16(nib, 4), 1), nibble);

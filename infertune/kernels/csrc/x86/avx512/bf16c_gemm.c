@@ -311,10 +311,15 @@ static inline int64_t bf16c_scratch_bytes(int64_t M, int64_t K) { return M > 16 
 /* inter > 0: the weight is a gate_up with its rows interleaved (see tile_pair_out), and epi = 1 writes act
  * [M, inter] (SiLU-and-multiply); inter = 0: epi = 1 adds the product into y (y += x W^T + bias, each product
  * rounded to bf16 first, as add_rows adds it: a residual) */
+static void linear_bf16c_noamx(const bf16* x, int64_t ldx, const bf16c* cw, const bf16* bias, bf16* y, int64_t ldy,
+                               int64_t M, int64_t N16, int64_t K, int nthreads, int64_t inter, int epi);
+
 static void linear_bf16c(const bf16* x, int64_t ldx, const bf16c* cw, const bf16* bias, bf16* y, int64_t ldy,
                          int64_t M, int64_t N16, int64_t K, int nthreads, bf16* scratch, bf16* dec, int64_t inter,
                          int epi) {
-    if (M <= 16)
+    if (amx_state != 1) /* (bf16c_noamx.c: VDPBF16PS on the decoded tiles) */
+        linear_bf16c_noamx(x, ldx, cw, bias, y, ldy, M, N16, K, nthreads, inter, epi);
+    else if (M <= 16)
         linear_bf16c_rows(x, ldx, cw, bias, y, ldy, (int)M, N16, K, nthreads, inter, epi);
     else
         linear_bf16c_gemm(x, ldx, cw, bias, y, ldy, M, N16, K, nthreads, scratch, dec, inter, epi);
