@@ -7,9 +7,14 @@
  * operands in gemm_micro's order, + bias in fp32, rounded once: the very sums of linear_bf16_dpbf16_gemm on the
  * bf16 weights, bit for bit, while a decode step streams 0.75x the bytes. Up to 4 rows' accumulators (16) stay in
  * registers across a tile; with more rows, every 4 rows' sums wait in c between tiles (a store and a load: exact).
- * Past 16 rows the rows go 16 at a time (each pass decodes the weights again). The epilogues are the AMX path's
- * (bias, residual add, SiLU-and-multiply of an interleaved gate_up).
+ * From BF16C_NOAMX_GEMM_ROWS rows (prompts) the tiles are decoded a slab of GEMM_KC columns at a time straight into
+ * the packed-slab order of gemm_dpbf16.c and multiplied by its micro-kernel (6 rows x 64 features), each slab once
+ * per GEMM_MB rows: the same sums again. The epilogues are the AMX path's (bias, residual add, SiLU-and-multiply
+ * of an interleaved gate_up).
  */
+#ifndef BF16C_NOAMX_GEMM_ROWS
+#define BF16C_NOAMX_GEMM_ROWS 16
+#endif
 
 /* acc[i][b] (+)= rows i < R of x (k-pairs of tile ks) . decoded tile dec, feature groups b < NB */
 #define BF16C_NOAMX_ROWS(R, NB)                                                                          \
@@ -81,9 +86,75 @@ static void linear_bf16c_rows_noamx(const bf16* x, int64_t ldx, const bf16c* cw,
 }
 #undef BF16C_NOAMX_ROWS
 
+/* Tile t (rows 16 g + p: features 16 g.., k-pair p; g < rows / 16) decoded into wp in gemm_pack_slab's order: the
+ * pair vector of (p, g) at wp + (p * 4 + g) * 16, escapes patched */
+static inline void bf16c_tile_slab(const bf16c* c, int64_t t, int rows, uint32_t* wp) {
+    const uint8_t* b = c->codes + t * BF16C_TILE_BYTES;
+    const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)c->table));
+    const __m512i nibble = _mm512_set1_epi8(0x0f);
+    const int64_t far = pf_far_bytes ? BF16C_PF_TILES * BF16C_TILE_BYTES : 0;
+    for (int r = 0; r < rows; r += 2) {
+        const uint8_t* p = b + r * 48;
+        if ((r & 3) == 0)
+            for (int l = 0; l < 192; l += 64) pf_weights(p + l, far, BF16C_PF_TILES * BF16C_TILE_BYTES);
+        const __m256i nib = _mm256_loadu_si256((const __m256i*)(p + 64));
+        const __m512i code = _mm512_and_si512(
+            _mm512_inserti64x4(_mm512_castsi256_si512(nib), _mm256_srli_epi16(nib, 4), 1), nibble);
+        const __m512i hi = _mm512_shuffle_epi8(table, code), lo = _mm512_loadu_si512((const void*)p);
+        _mm512_store_si512(wp + ((r % 16) * 4 + r / 16) * 16, _mm512_unpacklo_epi8(lo, hi));
+        _mm512_store_si512(wp + (((r + 1) % 16) * 4 + (r + 1) / 16) * 16, _mm512_unpackhi_epi8(lo, hi));
+    }
+    for (int32_t e = c->esc_start[t]; e < c->esc_start[t + 1]; e++) {
+        const int r = c->esc_pos[e] >> 5;
+        ((bf16*)wp)[((r % 16) * 4 + r / 16) * 32 + (c->esc_pos[e] & 31)] = c->esc_val[e];
+    }
+}
+
+/* From BF16C_NOAMX_GEMM_ROWS rows: slabs of decoded tiles through gemm_dpbf16.c's micro-kernel */
+static void linear_bf16c_gemm_noamx(const bf16* x, int64_t ldx, const bf16c* cw, const bf16* bias, bf16* y,
+                                    int64_t ldy, int64_t M, int64_t N16, int64_t K, int nthreads, int64_t inter,
+                                    int epi) {
+    const int64_t nchunks = (N16 + 63) / 64, KS = K / 32, SL = GEMM_KC / 32; /* tiles a slab */
+    const int nt = pick_threads(nchunks, N16 * K * 3 / 2, nthreads);
+#pragma omp parallel num_threads(nt)
+    {
+        uint32_t wp[GEMM_KC / 2 * 64] __attribute__((aligned(64)));
+        float acc[GEMM_MB * 64] __attribute__((aligned(64)));
+        float c[4][GEMM_MR * 16] __attribute__((aligned(64)));
+        const gemm_pf nopf = {0};
+#pragma omp for schedule(static)
+        for (int64_t ch = 0; ch < nchunks; ch++) {
+            const int64_t n0 = ch * 64;
+            const int nblk = chunk_tiles(N16, ch);
+            if (nblk < 4) memset(wp, 0, sizeof wp); /* (the missing feature groups multiply as zeros, never stored) */
+            for (int64_t m0 = 0; m0 < M; m0 += GEMM_MB) {
+                const int64_t rows = M - m0 < GEMM_MB ? M - m0 : GEMM_MB;
+                for (int64_t k0 = 0; k0 < KS; k0 += SL) {
+                    const int64_t ns = KS - k0 < SL ? KS - k0 : SL;
+                    for (int64_t j = 0; j < ns; j++) bf16c_tile_slab(cw, ch * KS + k0 + j, 16 * nblk, wp + j * 16 * 64);
+                    for (int64_t i0 = 0; i0 < rows; i0 += GEMM_MR) {
+                        const int mr = (int)(rows - i0 < GEMM_MR ? rows - i0 : GEMM_MR);
+                        float* a = acc + i0 * 64;
+                        gemm_micro_by_rows[mr](x + (m0 + i0) * ldx + k0 * 32, ldx, wp, ns * 16, a, k0 == 0, &nopf);
+                        if (k0 + ns < KS) continue;
+                        for (int b = 0; b < nblk; b++) /* [row][64] -> [group][row][16], for the epilogues */
+                            for (int i = 0; i < mr; i++) memcpy(c[b] + 16 * i, a + 64 * i + 16 * b, 64);
+                        bf16* yo = y + (m0 + i0) * ldy;
+                        if (inter)
+                            for (int b = 0; b < nblk; b += 2) tile_pair_out(c[b], c[b + 1], n0 / 32 + b / 2, yo, ldy, mr, inter, epi);
+                        else
+                            for (int b = 0; b < nblk; b++) tile_rows_out(c[b], bias, n0 + 16 * b, yo, ldy, mr, epi);
+                    }
+                }
+            }
+        }
+    }
+}
+
 static void linear_bf16c_noamx(const bf16* x, int64_t ldx, const bf16c* cw, const bf16* bias, bf16* y, int64_t ldy,
                                int64_t M, int64_t N16, int64_t K, int nthreads, int64_t inter, int epi) {
-    for (int64_t m0 = 0; m0 < M; m0 += 16)
-        linear_bf16c_rows_noamx(x + m0 * ldx, ldx, cw, bias, y + m0 * ldy, ldy, (int)(M - m0 < 16 ? M - m0 : 16), N16,
-                                K, nthreads, inter, epi);
+    if (M >= BF16C_NOAMX_GEMM_ROWS)
+        linear_bf16c_gemm_noamx(x, ldx, cw, bias, y, ldy, M, N16, K, nthreads, inter, epi);
+    else
+        linear_bf16c_rows_noamx(x, ldx, cw, bias, y, ldy, (int)M, N16, K, nthreads, inter, epi);
 }
