@@ -942,7 +942,9 @@ def test_engine_with_12bit_weights_without_amx_is_the_bf16_engine_on_the_gemm(tm
         kernels.unpack_bf16c = lambda *a: unpacks.append(a[1:]) or real_unpack(*a)
         FusedDecode.__call__ = lambda self, ids, *a: steps.append(ids.shape[0]) or real_call(self, ids, *a)
         for mode, kernel_mode in (("auto", "auto"), ("auto", "linear"), ("off", "auto"), ("off", "linear")):
-            llm = LLM(str(model), dtype="bfloat16", compress_weights=mode, decode_kernels=kernel_mode, max_model_len=192)
+            llm = LLM(
+                str(model), dtype="bfloat16", compress_weights=mode, decode_kernels=kernel_mode, max_model_len=192
+            )
             runner = llm.engine.executor.runner
             methods = {type(m.quant_method).__name__ for m in runner.model.modules() if isinstance(m, Linear)}
             assert ("CompressedMethod" in methods) == (mode == "auto")
