@@ -731,6 +731,21 @@ def test_prompt_rows_attention_matches_float64(attn_lib, hq, hkv, d, bs):
         assert not torch.equal(outs[True], outs[False])
 
 
+def _tiny_bf16_llama(tmp_path):
+    """The fused-step tests' checkpoint: a 2-layer bf16 Llama, hidden 128, tied embeddings."""
+    from conftest import make_checkpoint
+
+    return make_checkpoint(
+        tmp_path / "m",
+        "llama",
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        tie_word_embeddings=True,
+        dtype=torch.bfloat16,
+    )
+
+
 needs_bf16c = pytest.mark.skipif(
     not (kernels.available() and kernels.bf16c_supported(16, 32)),
     reason=f"the 12-bit layout needs the AVX-512 library (with or without AMX): {kernels.describe()}",
@@ -851,7 +866,6 @@ def test_engine_with_12bit_weights_is_the_engine_with_bf16_weights(tmp_path, mon
     and the separate activation: every output the same. With the fused step (the default) both run the short
     prompts and decode steps fused, the same again; the 12-bit engine runs the 150-token prefill fused too (its
     accuracy: test_fused_step_runs_prompts_as_accurately_as_pytorch). No weight is ever unpacked."""
-    from conftest import make_checkpoint
 
     from infertune import LLM, SamplingParams
     from infertune.models import llama
@@ -869,15 +883,7 @@ def test_engine_with_12bit_weights_is_the_engine_with_bf16_weights(tmp_path, mon
     monkeypatch.setattr(
         FusedDecode, "__call__", lambda self, ids, *a: steps.append(ids.shape[0]) or real_call(self, ids, *a)
     )
-    model = make_checkpoint(
-        tmp_path / "m",
-        "llama",
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        tie_word_embeddings=True,
-        dtype=torch.bfloat16,
-    )
+    model = _tiny_bf16_llama(tmp_path)
     prompts = [{"prompt_token_ids": [5 + i, 17, 33, 2 + i, 60]} for i in range(4)]
     long = [{"prompt_token_ids": [(7 * i) % 250 + 3 for i in range(150)]}]
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2)
@@ -917,21 +923,12 @@ def test_engine_with_12bit_weights_without_amx_is_the_bf16_engine_on_the_gemm(tm
     decode step and through the per-module forward (where the MLP takes SiLU-and-multiply from the gate_up's
     epilogue); prompts up to 128 tokens (past that the bf16 engine's per-module prefill takes torch's GEMM), fused
     (each prompt row's attention on its own) in both engines or per module in both. No weight is ever unpacked."""
-    from conftest import make_checkpoint
 
     from infertune import LLM, SamplingParams
     from infertune.runner.fused_decode import FusedDecode
 
     lib = kernels.library()
-    model = make_checkpoint(
-        tmp_path / "m",
-        "llama",
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        tie_word_embeddings=True,
-        dtype=torch.bfloat16,
-    )
+    model = _tiny_bf16_llama(tmp_path)
     prompts = [{"prompt_token_ids": [5 + i, 17, 33, 2 + i, 60]} for i in range(4)]
     long = [{"prompt_token_ids": [(7 * i) % 250 + 3 for i in range(100)]}]
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2)
@@ -971,19 +968,10 @@ def test_fused_prefill_takes_only_the_read_rows_through_the_last_layers_mlp(tmp_
     those of the step computing every row (12-bit weights: the tile products of a row do not depend on how many
     rows multiply with it). One row alone too, as a batch-1 prefill's. The K / V of every row are still written:
     decoding after a step with out_rows gives the same tokens."""
-    from conftest import make_checkpoint
 
     from infertune import LLM, SamplingParams
 
-    model = make_checkpoint(
-        tmp_path / "m",
-        "llama",
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        tie_word_embeddings=True,
-        dtype=torch.bfloat16,
-    )
+    model = _tiny_bf16_llama(tmp_path)
     llm = LLM(str(model), dtype="bfloat16", max_model_len=128, block_size=16, enable_prefix_caching=False)
     runner = llm.engine.executor.runner
     gen = torch.Generator().manual_seed(5)
@@ -1023,7 +1011,7 @@ def test_fused_step_runs_prompts_as_accurately_as_pytorch(tmp_path, monkeypatch)
     21, 40 and 90 tokens (several blocks of 16, partial last blocks; 156 rows) in one step, then decoding. The
     logprobs against HF transformers in float32 are as close as those of the PyTorch forward
     (decode_kernels="linear")."""
-    from conftest import hf_model, make_checkpoint
+    from conftest import hf_model
 
     from infertune import LLM, SamplingParams
     from infertune.runner.fused_decode import FusedDecode
@@ -1031,15 +1019,7 @@ def test_fused_step_runs_prompts_as_accurately_as_pytorch(tmp_path, monkeypatch)
     calls = []
     real = FusedDecode._prefill_tables
     monkeypatch.setattr(FusedDecode, "_prefill_tables", lambda self, meta, t: calls.append(t) or real(self, meta, t))
-    model = make_checkpoint(
-        tmp_path / "m",
-        "llama",
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        tie_word_embeddings=True,
-        dtype=torch.bfloat16,
-    )
+    model = _tiny_bf16_llama(tmp_path)
     gen = torch.Generator().manual_seed(11)
     prompts = [{"prompt_token_ids": torch.randint(3, 250, (n,), generator=gen).tolist()} for n in (5, 21, 40, 90)]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1)

@@ -22,21 +22,33 @@
  * rows a step: their 64 low bytes (in the order VPUNPCKL/HBW interleave, see pack_bf16c), then 32 bytes of codes (byte i:
  * low byte i's code in its low nibble, low byte i + 32's in its high nibble); one VPSHUFB looks up the 64 high
  * bytes, and the two unpacks write the two rows. */
+/* Rows r and r + 1 of a tile from their 144 bytes at p (r even): prefetches the stream ahead every 4 rows (3 lines;
+ * into L2 where the GEMVs prefetch far, else L1), looks the high bytes up in table and interleaves them with the
+ * low bytes into *row0 and *row1 */
+static inline void bf16c_row_pair(const uint8_t* p, int r, __m512i table, __m512i* row0, __m512i* row1) {
+    if ((r & 3) == 0)
+        for (int l = 0; l < 192; l += 64)
+            pf_weights(p + l, pf_far_bytes ? BF16C_PF_TILES * BF16C_TILE_BYTES : 0, BF16C_PF_TILES * BF16C_TILE_BYTES);
+    const __m256i nib = _mm256_loadu_si256((const __m256i*)(p + 64));
+    const __m512i code = _mm512_and_si512(
+        _mm512_inserti64x4(_mm512_castsi256_si512(nib), _mm256_srli_epi16(nib, 4), 1), _mm512_set1_epi8(0x0f));
+    const __m512i hi = _mm512_shuffle_epi8(table, code), lo = _mm512_loadu_si512((const void*)p);
+    *row0 = _mm512_unpacklo_epi8(lo, hi);
+    *row1 = _mm512_unpackhi_epi8(lo, hi);
+}
+
+static inline __m512i bf16c_table(const bf16c* c) {
+    return _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)c->table));
+}
+
 static inline void bf16c_pairs(const bf16c* c, int64_t t, int r0, int r1, bf16* out, int64_t ld) {
     const uint8_t* b = c->codes + t * BF16C_TILE_BYTES;
-    const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)c->table));
-    const __m512i nibble = _mm512_set1_epi8(0x0f);
+    const __m512i table = bf16c_table(c);
     for (int r = r0; r < r1; r += 2) {
-        const uint8_t* p = b + r * 48;
-        if ((r & 3) == 0) /* 4 rows = 3 lines */
-            for (int l = 0; l < 192; l += 64) /* into L2 where the GEMVs prefetch far (AMD), else L1 */
-                pf_weights(p + l, pf_far_bytes ? BF16C_PF_TILES * BF16C_TILE_BYTES : 0, BF16C_PF_TILES * BF16C_TILE_BYTES);
-        const __m256i nib = _mm256_loadu_si256((const __m256i*)(p + 64));
-        const __m512i code = _mm512_and_si512(
-            _mm512_inserti64x4(_mm512_castsi256_si512(nib), _mm256_srli_epi16(nib, 4), 1), nibble);
-        const __m512i hi = _mm512_shuffle_epi8(table, code), lo = _mm512_loadu_si512((const void*)p);
-        _mm512_storeu_si512(out + r * ld, _mm512_unpacklo_epi8(lo, hi));
-        _mm512_storeu_si512(out + (r + 1) * ld, _mm512_unpackhi_epi8(lo, hi));
+        __m512i a, z;
+        bf16c_row_pair(b + r * 48, r, table, &a, &z);
+        _mm512_storeu_si512(out + r * ld, a);
+        _mm512_storeu_si512(out + (r + 1) * ld, z);
     }
 }
 

@@ -90,19 +90,12 @@ static void linear_bf16c_rows_noamx(const bf16* x, int64_t ldx, const bf16c* cw,
  * pair vector of (p, g) at wp + (p * 4 + g) * 16, escapes patched */
 static inline void bf16c_tile_slab(const bf16c* c, int64_t t, int rows, uint32_t* wp) {
     const uint8_t* b = c->codes + t * BF16C_TILE_BYTES;
-    const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)c->table));
-    const __m512i nibble = _mm512_set1_epi8(0x0f);
-    const int64_t far = pf_far_bytes ? BF16C_PF_TILES * BF16C_TILE_BYTES : 0;
+    const __m512i table = bf16c_table(c);
     for (int r = 0; r < rows; r += 2) {
-        const uint8_t* p = b + r * 48;
-        if ((r & 3) == 0)
-            for (int l = 0; l < 192; l += 64) pf_weights(p + l, far, BF16C_PF_TILES * BF16C_TILE_BYTES);
-        const __m256i nib = _mm256_loadu_si256((const __m256i*)(p + 64));
-        const __m512i code = _mm512_and_si512(
-            _mm512_inserti64x4(_mm512_castsi256_si512(nib), _mm256_srli_epi16(nib, 4), 1), nibble);
-        const __m512i hi = _mm512_shuffle_epi8(table, code), lo = _mm512_loadu_si512((const void*)p);
-        _mm512_store_si512(wp + ((r % 16) * 4 + r / 16) * 16, _mm512_unpacklo_epi8(lo, hi));
-        _mm512_store_si512(wp + (((r + 1) % 16) * 4 + (r + 1) / 16) * 16, _mm512_unpackhi_epi8(lo, hi));
+        __m512i a, z;
+        bf16c_row_pair(b + r * 48, r, table, &a, &z);
+        _mm512_store_si512(wp + ((r % 16) * 4 + r / 16) * 16, a);
+        _mm512_store_si512(wp + (((r + 1) % 16) * 4 + (r + 1) / 16) * 16, z);
     }
     for (int32_t e = c->esc_start[t]; e < c->esc_start[t + 1]; e++) {
         const int r = c->esc_pos[e] >> 5;
