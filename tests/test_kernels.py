@@ -174,24 +174,23 @@ def test_noamx_gemm_keeps_nans_and_strided_rows():
 @needs_avx512
 @pytest.mark.skipif(kernels.amx(), reason="with AMX the tiles take every row count from 2 (the GEMM is not used)")
 def test_linear_bf16_without_amx_takes_the_gemv_then_the_gemm():
-    """Without AMX, it_linear_bf16 runs the GEMV below it_gemm_rows_noamx() rows (4x that where K > 2048) and the GEMM
-    from there (bit for bit the one or the other), and the GEMV wherever K is odd; the engine sends bf16 linears of
-    up to bf16_max_rows() rows (NOAMX_GEMM_MAX_ROWS) to it."""
+    """Without AMX, it_linear_bf16 runs the GEMV below it_gemm_rows_noamx() rows and the GEMM from there (bit for bit
+    the one or the other, short and long K alike), and the GEMV wherever K is odd; the engine sends bf16 linears of up
+    to bf16_max_rows() rows (NOAMX_GEMM_MAX_ROWS) to it."""
     lib = kernels.library()
     start = lib.it_gemm_rows_noamx(0)
-    assert 1 < start <= kernels.MAX_ROWS and kernels.bf16_max_rows() == kernels.NOAMX_GEMM_MAX_ROWS
+    assert 16 < start <= kernels.NOAMX_GEMM_MAX_ROWS and kernels.bf16_max_rows() == kernels.NOAMX_GEMM_MAX_ROWS
     g = torch.Generator().manual_seed(4)
-    for k, rows in ((640, (start - 1, start, 40)), (2560, (4 * start - 1, 4 * start))):
+    for k in (640, 2560):
         w = torch.randn(32, k, generator=g).bfloat16()
         w[:, 0] = w[:, -1] = 1
-        gemm_from = start if k <= 2048 else 4 * start
-        for m in rows:
+        for m in (16, start - 1, start, start + 7):
             # (+-2^20 in the first and the last column: the sums of the other products are rounded to that size on
             # the way, differently in the two summation orders, so the two paths' results differ in most places)
             x = torch.randn(m, k, generator=g).bfloat16()
             x[:, 0], x[:, -1] = 2.0**20, -(2.0**20)
-            want = kernels.linear_bf16_path(x, w, path="gemm" if m >= gemm_from else "gemv").view(torch.int16)
-            other = kernels.linear_bf16_path(x, w, path="gemv" if m >= gemm_from else "gemm").view(torch.int16)
+            want = kernels.linear_bf16_path(x, w, path="gemm" if m >= start else "gemv").view(torch.int16)
+            other = kernels.linear_bf16_path(x, w, path="gemv" if m >= start else "gemm").view(torch.int16)
             assert torch.equal(kernels.linear_bf16(x, w).view(torch.int16), want), (m, k)
             assert not torch.equal(want, other)  # (the two sum in different orders: the check tells them apart)
     x = torch.randn(40, 641, generator=g).bfloat16()
@@ -856,6 +855,49 @@ def test_bf16c_gate_up_with_silu_is_the_unfused_mlp_bit_for_bit(m, k):
 
 
 @needs_bf16c
+@pytest.mark.skipif(kernels.amx(), reason="the register paths are the AVX-512 library's without AMX")
+def test_bf16c_register_paths_without_amx_are_the_gemm_bit_for_bit():
+    """Without AMX, 1-16 rows multiply each tile's rows straight from the registers they are decoded into (4 rows and
+    fewer k-pair-major, 5-16 group-major), the escapes patched there. Against the slab GEMM on the same 12-bit
+    weight (it_bf16c_reg_rows(0)) and the VDPBF16PS GEMM on the bf16 weight: the same bits, at every row count, with
+    escapes in many tiles (in both rows of a pair, several in one row, the first and the last lane, every feature
+    group) and in the epilogues (bias, residual add, gate_up in order and SiLU-and-multiply)."""
+    lib = kernels.library()
+    assert lib.it_bf16c_reg_rows(-1) == 16
+    gen = torch.Generator().manual_seed(7)
+    n, k, inter = 208, 160, 112  # 4 chunks, the last one with one feature group of 16; 5 tiles a chunk
+    w = (torch.randn(2 * inter, k, generator=gen) * 0.02).to(torch.bfloat16)  # (gate_up: 2 inter rows, plain: n)
+    # values whose high bytes miss the table: escapes all over (rows 2p and 2p + 1 of a tile, lanes 0 and 31)
+    rows, cols = torch.randint(0, 2 * inter, (300,), generator=gen), torch.randint(0, k, (300,), generator=gen)
+    w[rows, cols] = torch.randn(300, generator=gen).to(torch.bfloat16) * 1e4
+    w[5, 64:96] = -3e5  # one whole tile row of one feature
+    w[6, 64] = w[7, 95] = 7e6
+    bias = torch.randn(n, generator=gen).to(torch.bfloat16)
+    packed, gate_up = kernels.pack_bf16c(w[:n]), kernels.pack_bf16c(w, inter=inter)
+    assert packed["esc_val"].numel() > 100 and (packed["esc_start"].diff() > 0).sum() >= 16  # (of 20 tiles)
+    desc, desc_gu = kernels.bf16c_struct(packed), kernels.bf16c_struct(gate_up)
+    try:
+        for m in (*range(1, 17), 17):
+            x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+            res = torch.randn(m, n, generator=gen).to(torch.bfloat16)
+            got = {}
+            for reg in (16, 0):
+                lib.it_bf16c_reg_rows(reg)
+                got[reg] = [
+                    kernels.linear_bf16c(x, desc, n, bias),
+                    kernels.linear_bf16c(x, desc, n, bias, add_to=res.clone()),
+                    kernels.linear_bf16c(x, desc_gu, 2 * inter, inter=inter),
+                    kernels.linear_bf16c(x, desc_gu, 2 * inter, inter=inter, silu=True),
+                ]
+            assert torch.equal(got[16][0].view(torch.int16), _bf16_twin(x, w[:n], bias).view(torch.int16)), m
+            assert torch.equal(got[16][2].view(torch.int16), _bf16_twin(x, w).view(torch.int16)), m
+            for a, b in zip(got[16], got[0]):
+                assert torch.equal(a.view(torch.int16), b.view(torch.int16)), m
+    finally:
+        lib.it_bf16c_reg_rows(16)
+
+
+@needs_bf16c
 @pytest.mark.skipif(not kernels.amx(), reason="AMX's routing (without AMX: the test below)")
 def test_engine_with_12bit_weights_is_the_engine_with_bf16_weights(tmp_path, monkeypatch):
     """compress_weights="auto" (the default) against "off" on one checkpoint: the plain bf16 projections are held
@@ -918,7 +960,7 @@ def test_engine_with_12bit_weights_is_the_engine_with_bf16_weights(tmp_path, mon
 def test_engine_with_12bit_weights_without_amx_is_the_bf16_engine_on_the_gemm(tmp_path):
     """Without AMX the 12-bit linears multiply the decoded tiles with VDPBF16PS, each output's products summed in
     k order: the sums of the VDPBF16PS GEMM on the bf16 weights. With that GEMM taken at every row count (the
-    library's it_gemm_rows_noamx(1); by default the GEMV takes fewer than 16 rows, summing in another order), the
+    library's it_gemm_rows_noamx(1); by default the GEMV takes fewer than 64 rows, summing in another order), the
     engine with compress_weights="auto" gives the bf16 engine's tokens and logprobs bit for bit, through the fused
     decode step and through the per-module forward (where the MLP takes SiLU-and-multiply from the gate_up's
     epilogue); prompts up to 128 tokens (past that the bf16 engine's per-module prefill takes torch's GEMM), fused

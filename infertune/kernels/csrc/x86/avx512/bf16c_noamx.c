@@ -1,90 +1,159 @@
 /* ------------------------------------------------------------------ 12-bit weights without AMX (Zen 4 / 5)
  *
- * A decoded tile row (bf16c_pairs) is one k-pair of 16 output features in VNNI order: exactly the weight operand of
- * VDPBF16PS against x's pair (x[m, 2 p], x[m, 2 p + 1]) broadcast to every lane, as the GEMM without AMX multiplies
- * (gemm_dpbf16.c). So each thread decodes its chunks' tiles one at a time into 4 KB (L1, escapes patched) and
- * multiplies up to 16 rows of x by each: per fp32 lane one output, its products summed over k in order from zero,
- * operands in gemm_micro's order, + bias in fp32, rounded once: the very sums of linear_bf16_dpbf16_gemm on the
- * bf16 weights, bit for bit, while a decode step streams 0.75x the bytes. Up to 4 rows' accumulators (16) stay in
- * registers across a tile; with more rows, every 4 rows' sums wait in c between tiles (a store and a load: exact).
- * From BF16C_NOAMX_GEMM_ROWS rows (prompts) the tiles are decoded a slab of GEMM_KC columns at a time straight into
- * the packed-slab order of gemm_dpbf16.c and multiplied by its micro-kernel (6 rows x 64 features), each slab once
- * per GEMM_MB rows: the same sums again. The epilogues are the AMX path's (bias, residual add, SiLU-and-multiply
- * of an interleaved gate_up).
+ * A decoded tile row (bf16c_row_pair) is one k-pair of 16 output features in VNNI order: exactly the weight operand
+ * of VDPBF16PS against x's pair (x[m, 2 p], x[m, 2 p + 1]) broadcast to every lane, as the GEMM without AMX
+ * multiplies (gemm_dpbf16.c). Per fp32 lane one output, its products summed over k in order from zero, + bias in
+ * fp32, rounded once: the very sums of linear_bf16_dpbf16_gemm on the bf16 weights, bit for bit, on every path
+ * below, while a decode step streams 0.75x the bytes. The epilogues are the AMX path's (bias, residual add,
+ * SiLU-and-multiply of an interleaved gate_up).
+ *
+ * Up to bf16c_reg_max (16) rows, decode steps: the tiles are never stored decoded. Each row pair of a tile is
+ * decoded into two registers (rows 16 g + p and + 1: feature group g's k-pairs p and p + 1), its escapes patched
+ * there (a tile lists its escapes in row order), and multiplied at once by the rows' broadcast pairs of x.
+ *   1-4 rows (bf16c_reg_rows): k-pair-major (for p: for g), all 4 groups' accumulators in registers, 4
+ *       independent chains a row, x's pairs broadcast once per k-pair for the 4 groups.
+ *   5-16 rows (bf16c_reg_wide): group-major (for g: for p), only group g's accumulators live (one chain a row),
+ *       waiting in memory between groups (a store and a load per 16 VDPBF16PS a row: exact).
+ * Against decoding each tile into 4 KB and reading it back (the path before), a tile's 64 stores and 64 loads go
+ * and the wide rows no longer split in fours: a decode step's linears at 1 / 8 / 16 rows took 1.11x / 1.30x /
+ * 1.44x less time on a quiet Zen 4 (no change where memory bound them).
+ * More rows (prompts, linear_bf16c_gemm_noamx): the tiles are decoded a slab of GEMM_KC columns at a time straight
+ * into the packed-slab order of gemm_dpbf16.c and multiplied by its micro-kernel (6 rows x 64 features), each
+ * slab once per GEMM_MB rows. (Past 16 rows, the register path run 16 rows at a time, re-decoding, was 0.85-0.96x
+ * this.)
  */
-#ifndef BF16C_NOAMX_GEMM_ROWS
-#define BF16C_NOAMX_GEMM_ROWS 16
+#ifndef BF16C_REG_ROWS
+#define BF16C_REG_ROWS 16
 #endif
+/* rows up to which linear_bf16c_noamx takes the register paths (it_bf16c_reg_rows; 0: the slab GEMM at every row
+ * count, for benchmarks) */
+static int bf16c_reg_max = BF16C_REG_ROWS;
 
-/* acc[i][b] (+)= rows i < R of x (k-pairs of tile ks) . decoded tile dec, feature groups b < NB */
-#define BF16C_NOAMX_ROWS(R, NB)                                                                          \
-    do {                                                                                                  \
-        __m512 acc[R][NB];                                                                                \
-        for (int i = 0; i < (R); i++)                                                                     \
-            for (int b = 0; b < (NB); b++) acc[i][b] = _mm512_load_ps(c[b] + 16 * (m0 + i));              \
-        for (int p = 0; p < 16; p++) {                                                                    \
-            __m512bh wv[NB];                                                                              \
-            for (int b = 0; b < (NB); b++) wv[b] = (__m512bh)_mm512_load_si512(dec + (16 * b + p) * 32); \
-            for (int i = 0; i < (R); i++) {                                                               \
-                int32_t pair;                                                                             \
-                memcpy(&pair, x + (m0 + i) * ldx + ks * 32 + 2 * p, 4);                                   \
-                const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);                                    \
-                for (int b = 0; b < (NB); b++) acc[i][b] = _mm512_dpbf16_ps(acc[i][b], wv[b], xb);       \
-            }                                                                                             \
-        }                                                                                                 \
-        for (int i = 0; i < (R); i++)                                                                     \
-            for (int b = 0; b < (NB); b++) _mm512_store_ps(c[b] + 16 * (m0 + i), acc[i][b]);              \
-    } while (0)
-
-/* mr <= 16 rows of x times the whole 12-bit weight */
-static void linear_bf16c_rows_noamx(const bf16* x, int64_t ldx, const bf16c* cw, const bf16* bias, bf16* y,
-                                    int64_t ldy, int mr, int64_t N16, int64_t K, int nthreads, int64_t inter, int epi) {
-    const int64_t nchunks = (N16 + 63) / 64, KS = K / 32;
-    const int nt = pick_threads(nchunks, N16 * K * 3 / 2, nthreads);
-#pragma omp parallel num_threads(nt)
-    {
-        bf16 dec[64 * 32] __attribute__((aligned(64)));
-        float c[4][256] __attribute__((aligned(64))); /* [feature group][row][16] */
-#pragma omp for schedule(static)
-        for (int64_t ch = 0; ch < nchunks; ch++) {
-            const int64_t n0 = ch * 64;
-            const int nblk = chunk_tiles(N16, ch);
-            for (int b = 0; b < nblk; b++) memset(c[b], 0, (size_t)mr * 16 * sizeof(float));
-            for (int64_t ks = 0; ks < KS; ks++) {
-                bf16c_tile(cw, KS, ch, ks, 16 * nblk, dec, 32);
-                for (int m0 = 0; m0 < mr; m0 += 4) {
-                    const int r = mr - m0 < 4 ? mr - m0 : 4;
-                    if (nblk == 4) {
-                        if (r == 4) BF16C_NOAMX_ROWS(4, 4);
-                        else if (r == 3) BF16C_NOAMX_ROWS(3, 4);
-                        else if (r == 2) BF16C_NOAMX_ROWS(2, 4);
-                        else BF16C_NOAMX_ROWS(1, 4);
-                    } else if (nblk == 3) {
-                        if (r == 4) BF16C_NOAMX_ROWS(4, 3);
-                        else if (r == 3) BF16C_NOAMX_ROWS(3, 3);
-                        else if (r == 2) BF16C_NOAMX_ROWS(2, 3);
-                        else BF16C_NOAMX_ROWS(1, 3);
-                    } else if (nblk == 2) {
-                        if (r == 4) BF16C_NOAMX_ROWS(4, 2);
-                        else if (r == 3) BF16C_NOAMX_ROWS(3, 2);
-                        else if (r == 2) BF16C_NOAMX_ROWS(2, 2);
-                        else BF16C_NOAMX_ROWS(1, 2);
-                    } else {
-                        if (r == 4) BF16C_NOAMX_ROWS(4, 1);
-                        else if (r == 3) BF16C_NOAMX_ROWS(3, 1);
-                        else if (r == 2) BF16C_NOAMX_ROWS(2, 1);
-                        else BF16C_NOAMX_ROWS(1, 1);
-                    }
-                }
-            }
-            if (inter) /* (a chunk holds whole pairs: N16 / 16 is even) */
-                for (int b = 0; b < nblk; b += 2) tile_pair_out(c[b], c[b + 1], n0 / 32 + b / 2, y, ldy, mr, inter, epi);
-            else
-                for (int b = 0; b < nblk; b++) tile_rows_out(c[b], bias, n0 + 16 * b, y, ldy, mr, epi);
-        }
+static inline __attribute__((always_inline)) void bf16c_patch_pair(const bf16c* cw, int32_t* e, int32_t end, int r,
+                                                                   __m512i* v0, __m512i* v1) {
+    for (; *e < end && (cw->esc_pos[*e] >> 5) < r + 2; (*e)++) { /* (rare: most tiles have none) */
+        const int row = cw->esc_pos[*e] >> 5, lane = cw->esc_pos[*e] & 31;
+        const __m512i val = _mm512_set1_epi16((short)cw->esc_val[*e]);
+        if (row == r) *v0 = _mm512_mask_mov_epi16(*v0, (__mmask32)1u << lane, val);
+        else *v1 = _mm512_mask_mov_epi16(*v1, (__mmask32)1u << lane, val);
     }
 }
-#undef BF16C_NOAMX_ROWS
+
+static inline __attribute__((always_inline)) void bf16c_reg_rows(const bf16* x, int64_t ldx, const bf16c* cw,
+                                                                 const bf16* bias, bf16* y, int64_t ldy, const int R,
+                                                                 int64_t ch, int nblk, int64_t N16, int64_t KS,
+                                                                 int64_t inter, int epi) {
+    const __m512i table = bf16c_table(cw);
+    __m512 acc[4][4];
+    for (int i = 0; i < R; i++)
+        for (int g = 0; g < 4; g++) acc[i][g] = _mm512_setzero_ps();
+    for (int64_t ks = 0; ks < KS; ks++) {
+        const int64_t t = ch * KS + ks;
+        const uint8_t* b = cw->codes + t * BF16C_TILE_BYTES;
+        const int32_t end = cw->esc_start[t + 1];
+        int32_t eg[4] = {end, end, end, end}; /* per feature group, its next escape (rows visited in order) */
+        if (cw->esc_start[t] < end)
+            for (int32_t e = cw->esc_start[t], g = 0; g < nblk; g++) {
+                while (e < end && (cw->esc_pos[e] >> 5) < 16 * g) e++;
+                eg[g] = e;
+            }
+        for (int p = 0; p < 16; p += 2) {
+            __m512bh x0[4], x1[4];
+            for (int i = 0; i < R; i++) {
+                int32_t pr[2];
+                memcpy(pr, x + i * ldx + ks * 32 + 2 * p, 8);
+                x0[i] = (__m512bh)_mm512_set1_epi32(pr[0]);
+                x1[i] = (__m512bh)_mm512_set1_epi32(pr[1]);
+            }
+            for (int g = 0; g < nblk; g++) {
+                const int r = 16 * g + p;
+                __m512i v0, v1;
+                bf16c_row_pair(b + r * 48, r, table, &v0, &v1);
+                if (eg[g] < end) bf16c_patch_pair(cw, &eg[g], end, r, &v0, &v1);
+                for (int i = 0; i < R; i++)
+                    acc[i][g] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[i][g], (__m512bh)v0, x0[i]), (__m512bh)v1, x1[i]);
+            }
+        }
+    }
+    float c[4][4 * 16] __attribute__((aligned(64)));
+    for (int g = 0; g < nblk; g++)
+        for (int i = 0; i < R; i++) _mm512_store_ps(c[g] + 16 * i, acc[i][g]);
+    const int64_t n0 = ch * 64;
+    if (inter)
+        for (int g = 0; g < nblk; g += 2) tile_pair_out(c[g], c[g + 1], n0 / 32 + g / 2, y, ldy, R, inter, epi);
+    else
+        for (int g = 0; g < nblk; g++) tile_rows_out(c[g], bias, n0 + 16 * g, y, ldy, R, epi);
+    (void)N16;
+}
+
+/* 5 .. 16 rows: the row pairs go feature-group-major (for g: for p), so only group g's R accumulators (R
+ * independent chains) are live while its 8 row pairs are decoded; between groups and tiles they wait in c (a store
+ * and a load per 16 R VDPBF16PS: exact). x's pairs are broadcast from memory into each VDPBF16PS. Each lane still
+ * sums p = 0 .. 15 tile by tile in order: the same sums again. */
+static inline __attribute__((always_inline)) void bf16c_reg_wide(const bf16* x, int64_t ldx, const bf16c* cw,
+                                                                 const bf16* bias, bf16* y, int64_t ldy, const int R,
+                                                                 int64_t ch, int nblk, int64_t KS, int64_t inter,
+                                                                 int epi) {
+    const __m512i table = bf16c_table(cw);
+    float c[4][16 * 16] __attribute__((aligned(64))); /* [group][row][16] */
+    for (int64_t ks = 0; ks < KS; ks++) {
+        const int64_t t = ch * KS + ks;
+        const uint8_t* b = cw->codes + t * BF16C_TILE_BYTES;
+        const int32_t end = cw->esc_start[t + 1];
+        int32_t e = cw->esc_start[t];
+        const bf16* xk = x + ks * 32;
+        for (int g = 0; g < nblk; g++) {
+            __m512 acc[16];
+            for (int i = 0; i < R; i++) acc[i] = ks == 0 ? _mm512_setzero_ps() : _mm512_load_ps(c[g] + 16 * i);
+            for (int p = 0; p < 16; p += 2) {
+                const int r = 16 * g + p;
+                __m512i v0, v1;
+                bf16c_row_pair(b + r * 48, r, table, &v0, &v1);
+                if (e < end) bf16c_patch_pair(cw, &e, end, r, &v0, &v1); /* (rows in order here) */
+                for (int i = 0; i < R; i++) {
+                    int32_t p0, p1;
+                    memcpy(&p0, xk + i * ldx + 2 * p, 4);
+                    memcpy(&p1, xk + i * ldx + 2 * p + 2, 4);
+                    acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)v0, (__m512bh)_mm512_set1_epi32(p0));
+                    acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)v1, (__m512bh)_mm512_set1_epi32(p1));
+                }
+            }
+            for (int i = 0; i < R; i++) _mm512_store_ps(c[g] + 16 * i, acc[i]);
+        }
+    }
+    const int64_t n0 = ch * 64;
+    if (inter)
+        for (int g = 0; g < nblk; g += 2) tile_pair_out(c[g], c[g + 1], n0 / 32 + g / 2, y, ldy, R, inter, epi);
+    else
+        for (int g = 0; g < nblk; g++) tile_rows_out(c[g], bias, n0 + 16 * g, y, ldy, R, epi);
+}
+
+#define BF16C_REG(R, BODY) static void bf16c_reg_rows_##R(const bf16* x, int64_t ldx, const bf16c* cw,        \
+    const bf16* bias, bf16* y, int64_t ldy, int64_t ch, int nblk, int64_t N16, int64_t KS, int64_t inter, int epi) { \
+    (void)N16; BODY; }
+#define BF16C_NARROW(R) BF16C_REG(R, bf16c_reg_rows(x, ldx, cw, bias, y, ldy, R, ch, nblk, N16, KS, inter, epi))
+#define BF16C_WIDE(R) BF16C_REG(R, bf16c_reg_wide(x, ldx, cw, bias, y, ldy, R, ch, nblk, KS, inter, epi))
+BF16C_NARROW(1) BF16C_NARROW(2) BF16C_NARROW(3) BF16C_NARROW(4)
+BF16C_WIDE(5) BF16C_WIDE(6) BF16C_WIDE(7) BF16C_WIDE(8) BF16C_WIDE(9) BF16C_WIDE(10) BF16C_WIDE(11) BF16C_WIDE(12)
+BF16C_WIDE(13) BF16C_WIDE(14) BF16C_WIDE(15) BF16C_WIDE(16)
+#undef BF16C_WIDE
+#undef BF16C_NARROW
+#undef BF16C_REG
+typedef void (*bf16c_reg_fn)(const bf16*, int64_t, const bf16c*, const bf16*, bf16*, int64_t, int64_t, int, int64_t,
+                             int64_t, int64_t, int);
+static const bf16c_reg_fn bf16c_reg_by_rows[17] = {
+    0, bf16c_reg_rows_1, bf16c_reg_rows_2, bf16c_reg_rows_3, bf16c_reg_rows_4, bf16c_reg_rows_5, bf16c_reg_rows_6,
+    bf16c_reg_rows_7, bf16c_reg_rows_8, bf16c_reg_rows_9, bf16c_reg_rows_10, bf16c_reg_rows_11, bf16c_reg_rows_12,
+    bf16c_reg_rows_13, bf16c_reg_rows_14, bf16c_reg_rows_15, bf16c_reg_rows_16};
+
+static void linear_bf16c_reg_noamx(const bf16* x, int64_t ldx, const bf16c* cw, const bf16* bias, bf16* y,
+                                   int64_t ldy, int mr, int64_t N16, int64_t K, int nthreads, int64_t inter, int epi) {
+    const int64_t nchunks = (N16 + 63) / 64, KS = K / 32;
+    const int nt = pick_threads(nchunks, N16 * K * 3 / 2, nthreads);
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t ch = 0; ch < nchunks; ch++)
+        bf16c_reg_by_rows[mr](x, ldx, cw, bias, y, ldy, ch, chunk_tiles(N16, ch), N16, KS, inter, epi);
+}
 
 /* Tile t (rows 16 g + p: features 16 g.., k-pair p; g < rows / 16) decoded into wp in gemm_pack_slab's order: the
  * pair vector of (p, g) at wp + (p * 4 + g) * 16, escapes patched */
@@ -103,7 +172,7 @@ static inline void bf16c_tile_slab(const bf16c* c, int64_t t, int rows, uint32_t
     }
 }
 
-/* From BF16C_NOAMX_GEMM_ROWS rows: slabs of decoded tiles through gemm_dpbf16.c's micro-kernel */
+/* Past bf16c_reg_max rows: slabs of decoded tiles through gemm_dpbf16.c's micro-kernel */
 static void linear_bf16c_gemm_noamx(const bf16* x, int64_t ldx, const bf16c* cw, const bf16* bias, bf16* y,
                                     int64_t ldy, int64_t M, int64_t N16, int64_t K, int nthreads, int64_t inter,
                                     int epi) {
@@ -146,8 +215,8 @@ static void linear_bf16c_gemm_noamx(const bf16* x, int64_t ldx, const bf16c* cw,
 
 static void linear_bf16c_noamx(const bf16* x, int64_t ldx, const bf16c* cw, const bf16* bias, bf16* y, int64_t ldy,
                                int64_t M, int64_t N16, int64_t K, int nthreads, int64_t inter, int epi) {
-    if (M >= BF16C_NOAMX_GEMM_ROWS)
-        linear_bf16c_gemm_noamx(x, ldx, cw, bias, y, ldy, M, N16, K, nthreads, inter, epi);
+    if (M <= bf16c_reg_max)
+        linear_bf16c_reg_noamx(x, ldx, cw, bias, y, ldy, (int)M, N16, K, nthreads, inter, epi);
     else
-        linear_bf16c_rows_noamx(x, ldx, cw, bias, y, ldy, (int)M, N16, K, nthreads, inter, epi);
+        linear_bf16c_gemm_noamx(x, ldx, cw, bias, y, ldy, M, N16, K, nthreads, inter, epi);
 }

@@ -23,20 +23,20 @@
 #ifndef GEMM_PREFETCH
 #define GEMM_PREFETCH 1 /* (0: no software prefetch of the next slab, to measure what it brings) */
 #endif
-/* The crossover from the GEMV (benchmarks/bench_gemm_noamx.py, 386M model shapes, 2 threads, Zen 4): at 16 rows the
- * two tie where K = 896 and the GEMM leads from 24; where K = 4864 (the MLP's down) the GEMV, whose per-block sums
- * across lanes are then few against its long rows, leads up to ~48 rows. So: the GEMM from GEMM_NOAMX_MIN_ROWS rows,
- * from 4x that where K > GEMM_LONG_K. */
+/* The crossover from the GEMV (benchmarks/bench_gemm_noamx.py, 386M model shapes, 2 threads, a quiet Zen 4): the
+ * GEMV, which reads each weight once for all the rows, leads up to 32 rows (1.3-2.1x at 16, 1.3-1.6x at 32, the MLP's
+ * down with K = 4864 most), the two tie at 48 and the GEMM leads from 64 (0.96-1.23x) and 128 (1.1-1.3x), at every K
+ * measured. So: the GEMM from GEMM_NOAMX_MIN_ROWS rows. (A first measurement under a load of 14-17 had put the
+ * crossover at 16 rows, 64 for long K.) */
 #ifndef GEMM_NOAMX_MIN_ROWS
-#define GEMM_NOAMX_MIN_ROWS 16
+#define GEMM_NOAMX_MIN_ROWS 64
 #endif
-#define GEMM_LONG_K 2048
 /* Without AMX, bf16 linears of at least this many rows take this GEMM, fewer the GEMV (linear_bf16.c): set once at
  * load (kernels/cpu.py; INFERTUNE_NOAMX_GEMM=0 sets a huge value: the GEMV at every size, the behaviour before) */
 static int64_t gemm_rows_noamx = GEMM_NOAMX_MIN_ROWS;
 
 static inline int gemm_noamx_takes(int64_t M, int64_t K) {
-    return K % 2 == 0 && M >= gemm_rows_noamx && (K <= GEMM_LONG_K || M >= 4 * gemm_rows_noamx);
+    return K % 2 == 0 && M >= gemm_rows_noamx;
 }
 
 /* 16 fp32 -> bf16 as f2bf rounds, NaN included (round_bf16x16 is for finite values) */

@@ -53,3 +53,10 @@ void it_linear_bf16(const bf16* x, int64_t ldx, const bf16* w, const bf16* bias,
     free(scratch);
 }
 
+
+/* Sets (rows >= 0) and returns the rows up to which 12-bit weights without AMX take the register path
+ * (bf16c_noamx.c bf16c_reg_max, at most BF16C_REG_ROWS; 0: the slab GEMM at every row count) */
+int64_t it_bf16c_reg_rows(int64_t rows) {
+    if (rows >= 0) bf16c_reg_max = (int)(rows < BF16C_REG_ROWS ? rows : BF16C_REG_ROWS);
+    return bf16c_reg_max;
+}
