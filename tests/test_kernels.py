@@ -303,8 +303,9 @@ def test_avx2_linear_bf16_takes_the_gemv_then_the_gemm(avx2_lib):
 @pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float32])
 def test_w8_within_its_error_bound(ks, m, n, k, scale_dtype):
     """y = (x . q) s: at one row x is rounded to int16 per row, |x - x_q s_x| <= s_x / 2 with s_x = max|x| / 32512,
-    so |y - y_exact| <= s * sum|q| * s_x / 2; at 2-16 rows on AMX the weights are rounded to bf16 instead (as a
-    prefill's), at most 2^-8 of sum |x w|. Plus the bf16 rounding of y and fp32 sums."""
+    so |y - y_exact| <= s * sum|q| * s_x / 2; at 2-16 rows on AMX (without AMX from it_q_dq_rows(1) rows) the
+    weights are rounded to bf16 instead (as a prefill's), at most 2^-8 of sum |x w|. Plus the bf16 rounding of y and
+    fp32 sums."""
     g = torch.Generator().manual_seed(n + k)
     x = torch.randn(m, k, generator=g).bfloat16()
     q, s = quantize_int8_per_channel(torch.randn(n, k, generator=g))
@@ -343,7 +344,8 @@ def test_w8_exact_when_activations_are_representable(ks):
 )
 def test_w4_within_its_error_bound(ks, m, n, k, gs):
     """y = sum_g (x_g . q_g) s_g + (sum x_g) z_g: the int16 rounding of x moves it by at most
-    sum_k |q_k s_g| s_x / 2 (at 2-16 rows on AMX the weights are rounded to bf16 instead: 2^-8 of sum |x w|);
+    sum_k |q_k s_g| s_x / 2 (at 2-16 rows on AMX, and without AMX from it_q_dq_rows(2) rows, the weights are rounded
+    to bf16 instead: 2^-8 of sum |x w|);
     the rest is bf16 output rounding and fp32 sums. Also: the nibble layout round-trips."""
     from infertune.quant.int4 import dequantize_int4, quantize_int4_groupwise
 
@@ -362,17 +364,69 @@ def test_w4_within_its_error_bound(ks, m, n, k, gs):
     assert ((y - ref).abs() <= bound * 1.01 + 1e-6).all(), float(((y - ref).abs() - bound).max())
 
 
+@needs_avx512
+@pytest.mark.skipif(kernels.amx(), reason="with AMX, 2-16 rows of quantized weights take the tiles")
+def test_quantized_rows_without_amx_are_the_bf16_gemv_on_the_dequantized_weight():
+    """Without AMX, W8A16 from it_q_dq_rows(1) rows and W4A16 from it_q_dq_rows(2) rows up to 16 rebuild each block of
+    weight rows in bf16 (VCVTNE2PS2BF16 where no product can be denormal, the exact rounding elsewhere) and run the
+    bf16 GEMV on them: bit for bit the GEMV on dequant_w8 / dequant_w4's weight (the PyTorch reference's), with a
+    partial last block, K past the last full 32 (W8A16), bias; rows whose scales would make denormal products (there
+    the fast rounding would flush what the reference rounds up to FLT_MIN) or that are zero, and W4A16 groups with
+    tiny offsets or scales, take the exact rounding. Below the threshold the
+    int16-activation kernels run (their results differ)."""
+    from infertune.quant.int4 import quantize_int4_groupwise
+
+    lib = kernels.library()
+    w8_from, w4_from = lib.it_q_dq_rows(1, 0), lib.it_q_dq_rows(2, 0)
+    assert 1 < w8_from <= 16 and 1 < w4_from <= 16
+    g = torch.Generator().manual_seed(11)
+    n, k8, k4 = 42, 200, 384
+    q8, s8 = quantize_int8_per_channel(torch.randn(n, k8, generator=g))
+    # row 3: +-16 times the denormal scale 2^-130 - 2^-149, products 2^-126 - 2^-145 (denormal) that the reference
+    # rounds up to 2^-126 in bf16 (so they count: VDPBF16PS ignores only denormal operands) and VCVTNE2PS2BF16 would
+    # flush to zero; row 7 a zero scale; row 9 the least normal one
+    s8[3], s8[7], s8[9] = (2**19 - 1) * 2.0**-149, 0.0, -(2.0**-126)
+    q8[3] = torch.where(torch.rand(k8, generator=g) < 0.5, 16, -16).to(torch.int8)
+    qq, s4, z4 = quantize_int4_groupwise(torch.randn(n, k4, generator=g), 128)
+    # row 6: 15 x (2^-126 / 15, rounded down), a denormal that bf16 rounds up to 2^-126, which VCVTNE2PS2BF16 would
+    # flush (so the row's outputs would be zero); row 5: a group with a tiny offset
+    z4[5, 1], qq[6], s4[6], z4[6] = 2.0**-110, 15, 559240 * 2.0**-149, 0.0
+    packed = kernels.pack_w4(qq)
+    w8 = kernels.dequant_w8(q8, s8)
+    w4 = kernels.dequant_w4(packed, s4.contiguous(), z4.contiguous(), 128)
+    assert (w8[3].abs() == 2.0**-126).all()
+    bias = torch.randn(n, generator=g).bfloat16()
+    bias[3] = bias[6] = 0  # (rows 3 and 6 sum denormal weights only: their outputs show a flush, a bias would hide it)
+    for m in sorted({1, w8_from - 1, w8_from, w4_from - 1, w4_from, 16}):
+        x8, x4 = (torch.randn(m, kk, generator=g).bfloat16() for kk in (k8, k4))
+        got8, got4 = kernels.linear_w8(x8, q8, s8, bias), kernels.linear_w4(x4, packed, s4, z4, 128, bias)
+        want8 = kernels.linear_bf16_path(x8, w8, bias, path="gemv")
+        want4 = kernels.linear_bf16_path(x4, w4, bias, path="gemv")
+        assert (want8[:, 3] != 0).all() and (want4[:, 6] != 0).all()
+        assert torch.equal(got8.view(torch.int16), want8.view(torch.int16)) == (m >= w8_from), m
+        assert torch.equal(got4.view(torch.int16), want4.view(torch.int16)) == (m >= w4_from), m
+
+
 def test_prefill_dequantization_matches_the_reference_rounding(ks):
-    """The dense bf16 weights a quantized prefill multiplies: bit for bit the PyTorch formulas."""
+    """The dense bf16 weights a quantized prefill multiplies: bit for bit the PyTorch formulas, denormal weights
+    included (the AVX-512 library rounds 32 values an instruction where no value can be denormal, and keeps the
+    exact rounding for rows with a denormal scale, or int4 groups whose scale or offset is below 2^-102)."""
     g = torch.Generator().manual_seed(5)
-    q = torch.randint(-127, 128, (40, 96), generator=g, dtype=torch.int8)
+    q = torch.randint(-127, 128, (40, 100), generator=g, dtype=torch.int8)
     for s in (torch.rand(40, generator=g).bfloat16(), torch.rand(40, generator=g)):
+        s[3], s[4], s[5] = 2.0**-133, 0.0, 2.0**-126  # denormal weights; zeros of both signs; the least normal
         ref = q.to(torch.bfloat16) * s.to(torch.bfloat16).unsqueeze(1)
-        assert torch.equal(ks.dequant_w8(q, s), ref)
+        assert (ref[3] != 0).any() and (ref[3].abs() < 2.0**-126).all()
+        assert torch.equal(ks.dequant_w8(q, s).view(torch.int16), ref.view(torch.int16))
     q4 = torch.randint(0, 16, (24, 128), generator=g)
     scale, zero = torch.rand(24, 2, generator=g), torch.randn(24, 2, generator=g)
+    # row 2: 15 x (2^-126 / 15, rounded down) is a denormal just under 2^-126, which bf16 rounds up to 2^-126
+    q4[2], scale[2], zero[2] = 15, 559240 * 2.0**-149, 0.0
+    scale[3, 1], zero[3, 1] = 2.0**-140, 2.0**-135  # a group of denormal weights
     ref = ((q4.float().view(24, 2, 64) * scale.unsqueeze(-1)) + zero.unsqueeze(-1)).view(24, 128).to(torch.bfloat16)
-    assert torch.equal(ks.dequant_w4(ks.pack_w4(q4), scale, zero, 64), ref)
+    assert (ref[2].abs() == 2.0**-126).all()
+    got = ks.dequant_w4(ks.pack_w4(q4), scale, zero, 64)
+    assert torch.equal(got.view(torch.int16), ref.view(torch.int16))
 
 
 @needs_kernels

@@ -80,7 +80,7 @@ static inline __attribute__((always_inline)) void bf16c_reg_rows(const bf16* x, 
         for (int i = 0; i < R; i++) _mm512_store_ps(c[g] + 16 * i, acc[i][g]);
     const int64_t n0 = ch * 64;
     if (inter)
-        for (int g = 0; g < nblk; g += 2) tile_pair_out(c[g], c[g + 1], n0 / 32 + g / 2, y, ldy, R, inter, epi);
+        for (int g = 0; g + 1 < nblk; g += 2) tile_pair_out(c[g], c[g + 1], n0 / 32 + g / 2, y, ldy, R, inter, epi);
     else
         for (int g = 0; g < nblk; g++) tile_rows_out(c[g], bias, n0 + 16 * g, y, ldy, R, epi);
     (void)N16;
@@ -123,7 +123,7 @@ static inline __attribute__((always_inline)) void bf16c_reg_wide(const bf16* x, 
     }
     const int64_t n0 = ch * 64;
     if (inter)
-        for (int g = 0; g < nblk; g += 2) tile_pair_out(c[g], c[g + 1], n0 / 32 + g / 2, y, ldy, R, inter, epi);
+        for (int g = 0; g + 1 < nblk; g += 2) tile_pair_out(c[g], c[g + 1], n0 / 32 + g / 2, y, ldy, R, inter, epi);
     else
         for (int g = 0; g < nblk; g++) tile_rows_out(c[g], bias, n0 + 16 * g, y, ldy, R, epi);
 }

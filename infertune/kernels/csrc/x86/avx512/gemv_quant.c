@@ -6,6 +6,73 @@ static inline int use_q_amx(int64_t M, int64_t N, int64_t K) {
 
 #include "act_i16.h" /* quantize_rows_i16, X_QMAX */
 
+/* ------------------------------------------------------------------ 2-16 rows without AMX: dequantize, then bf16
+ *
+ * The int16-activation kernels below multiply a 64-column run of weights once per row of x, two VPDPBUSD per run a
+ * row for W8A16 (the activation's two bytes), and their 4 x 4 blocks' 32 accumulators do not fit the 32 registers:
+ * on a Zen 4 a 16-row step's linears took 3x the bf16 GEMV's time. So without AMX, from q_dq_rows rows to 16,
+ * each thread rebuilds its block's NR weight rows in bf16 in its cache (w = bf16(q s) for int8, bf16(q s + z) in
+ * fp32 for int4: exactly what it_dequant_w8 / _w4 and the PyTorch reference compute) and runs the bf16 GEMV's block
+ * (bf16_block) on them for every row of x: the result is the bf16 GEMV on the dequantized weight bit for bit, the
+ * AMX path's contract without its tiles, and the weights still stream from memory as int8 / int4. */
+/* From how many rows (per kind) this pays over the int16-activation kernels: interleaved on a Zen 4, a decode step's
+ * linears of the 386M model, W8A16 at 2 / 4 / 8 / 16 rows 0.80x / 1.29x / 1.63x / 2.06x, W4A16 0.55x / 0.84x / 1.17x /
+ * 1.51x (its dequantization, q s + z, takes more work a weight). */
+#ifndef QDQ_W8_ROWS
+#define QDQ_W8_ROWS 4
+#endif
+#ifndef QDQ_W4_ROWS
+#define QDQ_W4_ROWS 8
+#endif
+#ifndef QDQ_PF_BLOCKS
+#define QDQ_PF_BLOCKS 2 /* the weight rows this many blocks on are asked into L2 */
+#endif
+static int64_t q_dq_rows[3] = {0, QDQ_W8_ROWS, QDQ_W4_ROWS}; /* by it_kind (it_q_dq_rows; 17: off, for A/B runs) */
+
+static inline int use_q_dq(int64_t M, it_kind kind) {
+    return amx_state != 1 && M >= q_dq_rows[kind] && M <= 16;
+}
+
+#define DQ_CASE(MRC, NRC) bf16_block(x + m0 * ldx, ldx, MRC, wd, NRC, K, out)
+
+/* scratch: the AMX path's per-thread weight rows (q_amx_scratch_bytes(K, nthreads), aligned; NR rows a thread) */
+static void linear_q_dq(const qweight* q, const bf16* x, int64_t ldx, const bf16* bias, bf16* y, int64_t ldy,
+                        int64_t M, int64_t N, int64_t K, int nthreads, void* scratch) {
+    const int64_t nblocks = (N + NR - 1) / NR;
+    const int nt = pick_threads(nblocks, q->kind == IT_KIND_W8 ? N * K : N * K / 2, nthreads);
+#pragma omp parallel num_threads(nt)
+    {
+        bf16* wd = (bf16*)((char*)scratch + K * 32) + (int64_t)omp_get_thread_num() * 64 * K;
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < nblocks; b++) {
+            const int64_t n0 = b * NR;
+            const int nr = (int)(N - n0 < NR ? N - n0 : NR);
+            if (b + QDQ_PF_BLOCKS < nblocks) { /* the weight rows a few blocks on, into L2, while these multiply */
+                const int64_t rb = q->kind == IT_KIND_W8 ? K : K / 2; /* (a thread's blocks are consecutive) */
+                const char* nx = (const char*)q->w + (n0 + QDQ_PF_BLOCKS * NR) * rb;
+                for (int64_t o = 0; o < NR * rb; o += 64) _mm_prefetch(nx + o, _MM_HINT_T1);
+            }
+            for (int r = 0; r < nr; r++) { /* (dequant_rows' values, rounded 32 at a time) */
+                const int64_t n = n0 + r;
+                if (q->kind == IT_KIND_W8)
+                    dequant_w8_row_fast((const int8_t*)q->w + n * K, w8_scale(q->scale, q->scale_is_f32, n), wd + r * K, K);
+                else
+                    dequant_w4_row_fast((const uint8_t*)q->w + n * (K / 2), (const float*)q->scale + n * (K / q->gs),
+                                        q->zero + n * (K / q->gs), q->gs, wd + r * K, K);
+            }
+            for (int64_t m0 = 0; m0 < M; m0 += MR) {
+                const int mr = (int)(M - m0 < MR ? M - m0 : MR);
+                float out[MR][NR];
+                DISPATCH_BLOCK(DQ_CASE)
+                for (int i = 0; i < mr; i++)
+                    for (int j = 0; j < nr; j++)
+                        y[(m0 + i) * ldy + n0 + j] = f2bf(out[i][j] + (bias ? bf2f(bias[n0 + j]) : 0.0f));
+            }
+        }
+    }
+}
+#undef DQ_CASE
+
 /* ------------------------------------------------------------------ int8 weights, int16 activations */
 
 /* x_q = 256 h + l with l = ((x_q + 128) & 255) - 128 and h = (x_q - l) / 256, both signed bytes (|x_q| <= 32512
@@ -102,6 +169,11 @@ static void linear_w8(const bf16* x, int64_t ldx, const int8_t* w, const void* s
         bias = bias ? bias + n16 : NULL;
         y += n16;
         N -= n16;
+    }
+    if (use_q_dq(M, IT_KIND_W8)) {
+        const qweight q = {IT_KIND_W8, w, scale, scale_is_f32, NULL, 0};
+        linear_q_dq(&q, x, ldx, bias, y, ldy, M, N, K, nthreads, (char*)scratch + w8_scratch_bytes(M, K));
+        return;
     }
     const int64_t Kp = (K + 63) & ~(int64_t)63;
     int16_t* xq = (int16_t*)scratch;
@@ -318,6 +390,11 @@ static void linear_w4(const bf16* x, int64_t ldx, const uint8_t* w, const float*
         y += n16;
         N -= n16;
     }
+    if (use_q_dq(M, IT_KIND_W4)) {
+        const qweight q = {IT_KIND_W4, w, scale, 0, zero, gs};
+        linear_q_dq(&q, x, ldx, bias, y, ldy, M, N, K, nthreads, (char*)scratch + w8_scratch_bytes(M, K));
+        return;
+    }
     const int64_t Kp = (K + 31) & ~(int64_t)31, G = K / gs;
     int16_t* xq = (int16_t*)scratch;
     float* sx = (float*)(xq + M * Kp);
@@ -365,13 +442,21 @@ void it_linear_w4(const bf16* x, int64_t ldx, const uint8_t* w, const float* sca
 void it_dequant_w8(const int8_t* q, const void* scale, int scale_is_f32, bf16* out, int64_t N, int64_t K,
                    int nthreads) {
 #pragma omp parallel for num_threads(nthreads > 0 ? nthreads : 1) schedule(static)
-    for (int64_t n = 0; n < N; n++) dequant_w8_row(q + n * K, w8_scale(scale, scale_is_f32, n), out + n * K, K);
+    for (int64_t n = 0; n < N; n++) dequant_w8_row_fast(q + n * K, w8_scale(scale, scale_is_f32, n), out + n * K, K);
 }
 
 void it_dequant_w4(const uint8_t* packed, const float* scale, const float* zero, int64_t gs, bf16* out, int64_t N,
                    int64_t K, int nthreads) {
     const int64_t G = K / gs;
 #pragma omp parallel for num_threads(nthreads > 0 ? nthreads : 1) schedule(static)
-    for (int64_t n = 0; n < N; n++) dequant_w4_row(packed + n * (K / 2), scale + n * G, zero + n * G, gs, out + n * K, K);
+    for (int64_t n = 0; n < N; n++)
+        dequant_w4_row_fast(packed + n * (K / 2), scale + n * G, zero + n * G, gs, out + n * K, K);
 }
 
+/* Sets (rows > 0) and returns the rows from which W8A16 (kind 1) / W4A16 (kind 2) without AMX dequantize a block at a
+ * time and run the bf16 GEMV (q_dq_rows; up to 16 rows; 17 or more: the int16-activation kernels at every row count) */
+int64_t it_q_dq_rows(int64_t kind, int64_t rows) {
+    if (kind != IT_KIND_W8 && kind != IT_KIND_W4) return -1;
+    if (rows > 0) q_dq_rows[kind] = rows;
+    return q_dq_rows[kind];
+}

@@ -59,6 +59,60 @@ static inline void dequant_w4_row(const uint8_t* p, const float* scale, const fl
     }
 }
 
+/* The same rows with VCVTNE2PS2BF16 rounding 32 values an instruction. It rounds to nearest even as f2bf does, but
+ * flushes denormals (inputs and results) to zero, so these are taken only where no product can be a nonzero
+ * denormal (dq_row_is_normal): an int8 row whose scale is 0 or at least FLT_MIN (then |q s| >= |s|); an int4 row
+ * whose every scale and offset is 0 or at least 2^-102 (each is then a multiple of 2^-125, and so are q s and
+ * q s + z, exactly and once rounded: a nonzero result is at least 2^-125 > FLT_MIN). NaN or infinite scales keep
+ * the exact path too. Same bits as dequant_w8_row / dequant_w4_row, ~2x fewer instructions. */
+static inline int dq_scale_ok(float v, float least) {
+    const float a = v < 0 ? -v : v;
+    return v == 0.0f || (a >= least && a <= 3.4028234e38f);
+}
+
+static inline int dq_w4_row_is_normal(const float* scale, const float* zero, int64_t G) {
+    for (int64_t g = 0; g < G; g++)
+        if (!dq_scale_ok(scale[g], 0x1p-102f) || !dq_scale_ok(zero[g], 0x1p-102f)) return 0;
+    return 1;
+}
+
+static inline void dequant_w8_row_fast(const int8_t* q, float s, bf16* out, int64_t K) {
+    if (!dq_scale_ok(s, 0x1p-126f)) {
+        dequant_w8_row(q, s, out, K);
+        return;
+    }
+    const __m512 sv = _mm512_set1_ps(s);
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+        const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + k))));
+        const __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + k + 16))));
+        _mm512_storeu_si512(out + k, (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(b, sv), _mm512_mul_ps(a, sv)));
+    }
+    if (k < K) dequant_w8_row(q + k, s, out + k, K - k);
+}
+
+static inline void dequant_w4_row_fast(const uint8_t* p, const float* scale, const float* zero, int64_t gs, bf16* out,
+                                       int64_t K) {
+    if (!dq_w4_row_is_normal(scale, zero, K / gs)) {
+        dequant_w4_row(p, scale, zero, gs, out, K);
+        return;
+    }
+    for (int64_t k0 = 0; k0 < K; k0 += 64) { /* 32 bytes: columns k0 + b (low nibbles) and k0 + 32 + b (high) */
+        const int64_t g = k0 / gs;
+        const __m512 sv = _mm512_set1_ps(scale[g]), zv = _mm512_set1_ps(zero[g]);
+        const __m256i raw = _mm256_loadu_si256((const __m256i*)(p + k0 / 2));
+        const __m512i b0 = _mm512_cvtepu8_epi32(_mm256_castsi256_si128(raw));
+        const __m512i b1 = _mm512_cvtepu8_epi32(_mm256_extracti128_si256(raw, 1));
+        const __m512i m = _mm512_set1_epi32(0xF);
+        const __m512 l0 = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b0, m)), sv), zv);
+        const __m512 l1 = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b1, m)), sv), zv);
+        const __m512 h0 = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b0, 4)), sv), zv);
+        const __m512 h1 = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b1, 4)), sv), zv);
+        _mm512_storeu_si512(out + k0, (__m512i)_mm512_cvtne2ps_pbh(l1, l0));
+        _mm512_storeu_si512(out + k0 + 32, (__m512i)_mm512_cvtne2ps_pbh(h1, h0));
+    }
+}
+
 static inline float w8_scale(const void* scale, int scale_is_f32, int64_t n) {
     /* the reference multiplies in bf16: q.to(bf16) * s.to(bf16) */
     return bf2f(scale_is_f32 ? f2bf(((const float*)scale)[n]) : ((const bf16*)scale)[n]);
