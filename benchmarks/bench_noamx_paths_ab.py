@@ -87,7 +87,9 @@ def main() -> int:
     )
     print(f"CPU: {cpu_model()}; kernels: {kernels.describe()}; {args.threads} threads; defaults {defaults}")
     try:
-        print("\n| weights | rows | off: ms a step's linears | on | speed-up (off ms / on ms) |\n|---|---:|---:|---:|---:|")
+        print(
+            "\n| weights | rows | off: ms a step's linears | on | speed-up (off ms / on ms) |\n|---|---:|---:|---:|---:|"
+        )
         for quant in quants:
             calls = step_calls(torch, kernels, args.path, quant, args.layers)
             for m in (int(r) for r in args.rows.split(",")):

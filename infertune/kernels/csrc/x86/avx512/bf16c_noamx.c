@@ -15,8 +15,8 @@
  *   5-16 rows (bf16c_reg_wide): group-major (for g: for p), only group g's accumulators live (one chain a row),
  *       waiting in memory between groups (a store and a load per 16 VDPBF16PS a row: exact).
  * Against decoding each tile into 4 KB and reading it back (the path before), a tile's 64 stores and 64 loads go
- * and the wide rows no longer split in fours: a decode step's linears at 1 / 8 / 16 rows took 1.11x / 1.30x /
- * 1.44x less time on a quiet Zen 4 (no change where memory bound them).
+ * and the wide rows no longer split in fours: a decode step's linears at 1 / 8 / 16 rows ran 1.11x / 1.30x / 1.44x
+ * faster on a quiet Zen 4 (no change where memory bound them).
  * More rows (prompts, linear_bf16c_gemm_noamx): the tiles are decoded a slab of GEMM_KC columns at a time straight
  * into the packed-slab order of gemm_dpbf16.c and multiplied by its micro-kernel (6 rows x 64 features), each
  * slab once per GEMM_MB rows. (Past 16 rows, the register path run 16 rows at a time, re-decoding, was 0.85-0.96x
@@ -41,8 +41,8 @@ static inline __attribute__((always_inline)) void bf16c_patch_pair(const bf16c* 
 
 static inline __attribute__((always_inline)) void bf16c_reg_rows(const bf16* x, int64_t ldx, const bf16c* cw,
                                                                  const bf16* bias, bf16* y, int64_t ldy, const int R,
-                                                                 int64_t ch, int nblk, int64_t N16, int64_t KS,
-                                                                 int64_t inter, int epi) {
+                                                                 int64_t ch, int nblk, int64_t KS, int64_t inter,
+                                                                 int epi) {
     const __m512i table = bf16c_table(cw);
     __m512 acc[4][4];
     for (int i = 0; i < R; i++)
@@ -83,7 +83,6 @@ static inline __attribute__((always_inline)) void bf16c_reg_rows(const bf16* x, 
         for (int g = 0; g + 1 < nblk; g += 2) tile_pair_out(c[g], c[g + 1], n0 / 32 + g / 2, y, ldy, R, inter, epi);
     else
         for (int g = 0; g < nblk; g++) tile_rows_out(c[g], bias, n0 + 16 * g, y, ldy, R, epi);
-    (void)N16;
 }
 
 /* 5 .. 16 rows: the row pairs go feature-group-major (for g: for p), so only group g's R accumulators (R
@@ -129,9 +128,8 @@ static inline __attribute__((always_inline)) void bf16c_reg_wide(const bf16* x, 
 }
 
 #define BF16C_REG(R, BODY) static void bf16c_reg_rows_##R(const bf16* x, int64_t ldx, const bf16c* cw,        \
-    const bf16* bias, bf16* y, int64_t ldy, int64_t ch, int nblk, int64_t N16, int64_t KS, int64_t inter, int epi) { \
-    (void)N16; BODY; }
-#define BF16C_NARROW(R) BF16C_REG(R, bf16c_reg_rows(x, ldx, cw, bias, y, ldy, R, ch, nblk, N16, KS, inter, epi))
+    const bf16* bias, bf16* y, int64_t ldy, int64_t ch, int nblk, int64_t KS, int64_t inter, int epi) { BODY; }
+#define BF16C_NARROW(R) BF16C_REG(R, bf16c_reg_rows(x, ldx, cw, bias, y, ldy, R, ch, nblk, KS, inter, epi))
 #define BF16C_WIDE(R) BF16C_REG(R, bf16c_reg_wide(x, ldx, cw, bias, y, ldy, R, ch, nblk, KS, inter, epi))
 BF16C_NARROW(1) BF16C_NARROW(2) BF16C_NARROW(3) BF16C_NARROW(4)
 BF16C_WIDE(5) BF16C_WIDE(6) BF16C_WIDE(7) BF16C_WIDE(8) BF16C_WIDE(9) BF16C_WIDE(10) BF16C_WIDE(11) BF16C_WIDE(12)
@@ -140,7 +138,7 @@ BF16C_WIDE(13) BF16C_WIDE(14) BF16C_WIDE(15) BF16C_WIDE(16)
 #undef BF16C_NARROW
 #undef BF16C_REG
 typedef void (*bf16c_reg_fn)(const bf16*, int64_t, const bf16c*, const bf16*, bf16*, int64_t, int64_t, int, int64_t,
-                             int64_t, int64_t, int);
+                             int64_t, int);
 static const bf16c_reg_fn bf16c_reg_by_rows[17] = {
     0, bf16c_reg_rows_1, bf16c_reg_rows_2, bf16c_reg_rows_3, bf16c_reg_rows_4, bf16c_reg_rows_5, bf16c_reg_rows_6,
     bf16c_reg_rows_7, bf16c_reg_rows_8, bf16c_reg_rows_9, bf16c_reg_rows_10, bf16c_reg_rows_11, bf16c_reg_rows_12,
@@ -152,7 +150,7 @@ static void linear_bf16c_reg_noamx(const bf16* x, int64_t ldx, const bf16c* cw, 
     const int nt = pick_threads(nchunks, N16 * K * 3 / 2, nthreads);
 #pragma omp parallel for num_threads(nt) schedule(static)
     for (int64_t ch = 0; ch < nchunks; ch++)
-        bf16c_reg_by_rows[mr](x, ldx, cw, bias, y, ldy, ch, chunk_tiles(N16, ch), N16, KS, inter, epi);
+        bf16c_reg_by_rows[mr](x, ldx, cw, bias, y, ldy, ch, chunk_tiles(N16, ch), KS, inter, epi);
 }
 
 /* Tile t (rows 16 g + p: features 16 g.., k-pair p; g < rows / 16) decoded into wp in gemm_pack_slab's order: the

@@ -6,11 +6,12 @@ static inline int use_q_amx(int64_t M, int64_t N, int64_t K) {
 
 #include "act_i16.h" /* quantize_rows_i16, X_QMAX */
 
-/* ------------------------------------------------------------------ 2-16 rows without AMX: dequantize, then bf16
+/* ------------------------------------------------------------------ 4 / 8-16 rows without AMX: dequantize, then bf16
  *
  * The int16-activation kernels below multiply a 64-column run of weights once per row of x, two VPDPBUSD per run a
- * row for W8A16 (the activation's two bytes), and their 4 x 4 blocks' 32 accumulators do not fit the 32 registers:
- * on a Zen 4 a 16-row step's linears took 3x the bf16 GEMV's time. So without AMX, from q_dq_rows rows to 16,
+ * row for W8A16 (the activation's two bytes), with per-row horizontal sums, and their 4 x 4 blocks' 32 accumulators
+ * spill: on a Zen 4 a 16-row step's linears took 3x the bf16 GEMV's time (2.5x with 2-row passes, which do not
+ * spill). So without AMX, from q_dq_rows rows to 16,
  * each thread rebuilds its block's NR weight rows in bf16 in its cache (w = bf16(q s) for int8, bf16(q s + z) in
  * fp32 for int4: exactly what it_dequant_w8 / _w4 and the PyTorch reference compute) and runs the bf16 GEMV's block
  * (bf16_block) on them for every row of x: the result is the bf16 GEMV on the dequantized weight bit for bit, the
