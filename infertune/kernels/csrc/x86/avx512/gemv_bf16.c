@@ -60,6 +60,19 @@ static inline __attribute__((always_inline)) void bf16_block(
 
 #define BF16_CASE(MRC, NRC) bf16_block(x + m0 * ldx, ldx, MRC, wb, NRC, K, out)
 
+/* Every row of x times the nr weight rows at wb (features n0 ..), + bias, rounded into y: one block of the GEMV */
+static inline void bf16_rows_block(const bf16* x, int64_t ldx, const bf16* wb, int nr, int64_t n0, int64_t M,
+                                   int64_t K, const bf16* bias, bf16* y, int64_t ldy) {
+    for (int64_t m0 = 0; m0 < M; m0 += MR) {
+        const int mr = (int)(M - m0 < MR ? M - m0 : MR);
+        float out[MR][NR];
+        DISPATCH_BLOCK(BF16_CASE)
+        for (int i = 0; i < mr; i++)
+            for (int j = 0; j < nr; j++)
+                y[(m0 + i) * ldy + n0 + j] = f2bf(out[i][j] + (bias ? bf2f(bias[n0 + j]) : 0.0f));
+    }
+}
+
 static void linear_bf16_avx512(const bf16* x, int64_t ldx, const bf16* w, const bf16* bias, bf16* y,
                                int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads) {
     const int64_t nblocks = (N + NR - 1) / NR;
@@ -67,16 +80,7 @@ static void linear_bf16_avx512(const bf16* x, int64_t ldx, const bf16* w, const 
 #pragma omp parallel for num_threads(nt) schedule(static)
     for (int64_t b = 0; b < nblocks; b++) {
         const int64_t n0 = b * NR;
-        const int nr = (int)(N - n0 < NR ? N - n0 : NR);
-        const bf16* wb = w + n0 * K;
-        for (int64_t m0 = 0; m0 < M; m0 += MR) {
-            const int mr = (int)(M - m0 < MR ? M - m0 : MR);
-            float out[MR][NR];
-            DISPATCH_BLOCK(BF16_CASE)
-            for (int i = 0; i < mr; i++)
-                for (int j = 0; j < nr; j++)
-                    y[(m0 + i) * ldy + n0 + j] = f2bf(out[i][j] + (bias ? bf2f(bias[n0 + j]) : 0.0f));
-        }
+        bf16_rows_block(x, ldx, w + n0 * K, (int)(N - n0 < NR ? N - n0 : NR), n0, M, K, bias, y, ldy);
     }
 }
 

@@ -34,8 +34,6 @@ static inline int use_q_dq(int64_t M, it_kind kind) {
     return amx_state != 1 && M >= q_dq_rows[kind] && M <= 16;
 }
 
-#define DQ_CASE(MRC, NRC) bf16_block(x + m0 * ldx, ldx, MRC, wd, NRC, K, out)
-
 /* scratch: the AMX path's per-thread weight rows (q_amx_scratch_bytes(K, nthreads), aligned; NR rows a thread) */
 static void linear_q_dq(const qweight* q, const bf16* x, int64_t ldx, const bf16* bias, bf16* y, int64_t ldy,
                         int64_t M, int64_t N, int64_t K, int nthreads, void* scratch) {
@@ -53,26 +51,11 @@ static void linear_q_dq(const qweight* q, const bf16* x, int64_t ldx, const bf16
                 const char* nx = (const char*)q->w + (n0 + QDQ_PF_BLOCKS * NR) * rb;
                 for (int64_t o = 0; o < NR * rb; o += 64) _mm_prefetch(nx + o, _MM_HINT_T1);
             }
-            for (int r = 0; r < nr; r++) { /* (dequant_rows' values, rounded 32 at a time) */
-                const int64_t n = n0 + r;
-                if (q->kind == IT_KIND_W8)
-                    dequant_w8_row_fast((const int8_t*)q->w + n * K, w8_scale(q->scale, q->scale_is_f32, n), wd + r * K, K);
-                else
-                    dequant_w4_row_fast((const uint8_t*)q->w + n * (K / 2), (const float*)q->scale + n * (K / q->gs),
-                                        q->zero + n * (K / q->gs), q->gs, wd + r * K, K);
-            }
-            for (int64_t m0 = 0; m0 < M; m0 += MR) {
-                const int mr = (int)(M - m0 < MR ? M - m0 : MR);
-                float out[MR][NR];
-                DISPATCH_BLOCK(DQ_CASE)
-                for (int i = 0; i < mr; i++)
-                    for (int j = 0; j < nr; j++)
-                        y[(m0 + i) * ldy + n0 + j] = f2bf(out[i][j] + (bias ? bf2f(bias[n0 + j]) : 0.0f));
-            }
+            dequant_rows(q, n0, nr, K, wd);
+            bf16_rows_block(x, ldx, wd, nr, n0, M, K, bias, y, ldy);
         }
     }
 }
-#undef DQ_CASE
 
 /* ------------------------------------------------------------------ int8 weights, int16 activations */
 

@@ -18,13 +18,13 @@ static inline int64_t q_amx_scratch_bytes(int64_t K, int nthreads) {
 }
 
 static inline void dequant_rows(const qweight* q, int64_t n0, int64_t rows, int64_t K, bf16* out) {
-    for (int64_t r = 0; r < rows; r++) {
+    for (int64_t r = 0; r < rows; r++) { /* (the exact rounding, 32 values an instruction where none can be denormal) */
         const int64_t n = n0 + r;
         if (q->kind == IT_KIND_W8)
-            dequant_w8_row((const int8_t*)q->w + n * K, w8_scale(q->scale, q->scale_is_f32, n), out + r * K, K);
+            dequant_w8_row_fast((const int8_t*)q->w + n * K, w8_scale(q->scale, q->scale_is_f32, n), out + r * K, K);
         else
-            dequant_w4_row((const uint8_t*)q->w + n * (K / 2), (const float*)q->scale + n * (K / q->gs),
-                           q->zero + n * (K / q->gs), q->gs, out + r * K, K);
+            dequant_w4_row_fast((const uint8_t*)q->w + n * (K / 2), (const float*)q->scale + n * (K / q->gs),
+                                q->zero + n * (K / q->gs), q->gs, out + r * K, K);
     }
 }
 
