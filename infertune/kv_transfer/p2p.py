@@ -90,9 +90,15 @@ def _td(seconds: float) -> datetime.timedelta:
 
 
 def _client(host: str, port: int, timeout_s: float):
-    """A client of the producer's store; a torch.distributed error (RuntimeError) after timeout_s if none answers."""
+    """A client of the producer's store; RuntimeError within timeout_s if none answers. (A plain connect first: where
+    nothing listens, e.g. the producer died, TCPStore's own connect retries with a random back-off of seconds on top
+    of the timeout, so a refused connection would take longer than timeout_s to report.)"""
     import torch.distributed as dist
 
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError as e:
+        raise RuntimeError(f"no store listens at {host}:{port} ({e})") from e
     return dist.TCPStore(host, port, None, False, _td(timeout_s))
 
 
