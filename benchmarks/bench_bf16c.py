@@ -7,11 +7,6 @@ weights (512 MB packed) from memory, as in a real decode step; the two layouts a
 median ms per step's linears (qkv, o_proj, gate_up, down of every layer) for each row count and the speed-up.
 
     python benchmarks/bench_bf16c.py --rows 1,16
-    python benchmarks/bench_bf16c.py --rows 1,2,4,8,12,16 --reg-ab
-
---reg-ab (the AVX-512 library without AMX): a third engine, the same 12-bit weights with it_bf16c_reg_rows(0), so
-every row count takes the slab GEMM (tiles decoded into the GEMM's packed slabs) instead of the register paths
-(csrc/x86/avx512/bf16c_noamx.c); the last column is its time over the register paths'.
 """
 
 from __future__ import annotations
@@ -30,7 +25,6 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--reg-ab", action="store_true", help="also time the slab GEMM at every row count (see above)")
     args = ap.parse_args()
 
     import torch
@@ -40,11 +34,6 @@ def main() -> int:
     if not kernels.available() or not kernels.bf16c_supported(16, 32):
         print(f"the 12-bit layout does not run here: {kernels.describe()}")
         return 1
-    lib = kernels.library()
-    if args.reg_ab and (kernels.amx() or not hasattr(lib, "it_bf16c_reg_rows")):
-        print("--reg-ab compares the AVX-512 library's paths without AMX; this CPU runs the AMX tiles")
-        return 1
-    reg_max = lib.it_bf16c_reg_rows(-1) if args.reg_ab else 0
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
     raw, packed = [], []
@@ -56,45 +45,26 @@ def main() -> int:
             packed.append((p, kernels.bf16c_struct(p), n))
     raw_mb = sum(w.numel() * 2 for w in raw) / 1e6
     packed_mb = sum(sum(t.numel() * t.element_size() for t in p.values()) for p, _, _ in packed) / 1e6
-    print(
-        f"$ python benchmarks/bench_bf16c.py --rows {args.rows} --layers {args.layers} --steps {args.steps}"
-        + (" --reg-ab" if args.reg_ab else "")
-    )
-    print(f"kernels: {kernels.describe()}")
+    print(f"$ python benchmarks/bench_bf16c.py --rows {args.rows} --layers {args.layers} --steps {args.steps}")
     print(
         f"{args.threads} threads; {raw_mb:.0f} MB of bf16 weights, {packed_mb:.0f} MB packed "
         f"({packed_mb / raw_mb:.3f}); median over {args.steps} steps, the layouts alternating"
     )
-    extra = " 12-bit, slab GEMM ms | slab GEMM / register paths |" if args.reg_ab else ""
-    print(
-        f"| rows | bf16 ms per step | 12-bit ms per step | speed-up | bf16 GB/s | 12-bit GB/s (bf16-equivalent) |{extra}"
-    )
-    print("|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if args.reg_ab else ""))
-
-    def twelve(xs, reg: int) -> list:
-        if args.reg_ab:
-            lib.it_bf16c_reg_rows(reg)
-        return [kernels.linear_bf16c(xs[w.shape[1]], desc, n) for (_, desc, n), w in zip(packed, raw)]
-
+    print("| rows | bf16 ms per step | 12-bit ms per step | speed-up | bf16 GB/s | 12-bit GB/s (bf16-equivalent) |")
+    print("|---:|---:|---:|---:|---:|---:|")
     for m in (int(r) for r in args.rows.split(",")):
         xs = {k: torch.randn(m, k, generator=gen).to(torch.bfloat16) for k in {k for _, k in SHAPES}}
-        engines = {
-            "bf16": lambda xs=xs: [kernels.linear_bf16(xs[w.shape[1]], w) for w in raw],
-            "12-bit": lambda xs=xs: twelve(xs, reg_max),
-        }
-        if args.reg_ab:
-            engines["slab"] = lambda xs=xs: twelve(xs, 0)
-        try:
-            times = alternating_ms(engines, args.steps)
-        finally:
-            if args.reg_ab:
-                lib.it_bf16c_reg_rows(reg_max)
+        times = alternating_ms(
+            {
+                "bf16": lambda xs=xs: [kernels.linear_bf16(xs[w.shape[1]], w) for w in raw],
+                "12-bit": lambda xs=xs: [
+                    kernels.linear_bf16c(xs[w.shape[1]], desc, n) for (_, desc, n), w in zip(packed, raw)
+                ],
+            },
+            args.steps,
+        )
         a, b = statistics.median(times["bf16"]), statistics.median(times["12-bit"])
-        row = f"| {m} | {a:.1f} | {b:.1f} | {a / b:.2f}x | {raw_mb / a:.1f} | {raw_mb / b:.1f} |"
-        if args.reg_ab:
-            c = statistics.median(times["slab"])
-            row += f" {c:.1f} | {c / b:.2f}x |"
-        print(row, flush=True)
+        print(f"| {m} | {a:.1f} | {b:.1f} | {a / b:.2f}x | {raw_mb / a:.1f} | {raw_mb / b:.1f} |")
     return 0
 
 

@@ -48,6 +48,17 @@ static inline void tile_pair_out(const float* cg, const float* cu, int64_t p, bf
     }
 }
 
+/* A 64-feature chunk's sums out: group g's rows at c + g * gstride ([rows][16] fp32), nblk groups, as tile_pair_out
+ * (an interleaved gate_up: a chunk holds whole gate / up pairs, N16 / 16 even) or tile_rows_out (+ bias) */
+static inline void chunk_rows_out(const float* c, int64_t gstride, int nblk, int64_t n0, const bf16* bias, bf16* y,
+                                  int64_t ldy, int rows, int64_t inter, int epi) {
+    if (inter)
+        for (int g = 0; g + 1 < nblk; g += 2)
+            tile_pair_out(c + g * gstride, c + (g + 1) * gstride, n0 / 32 + g / 2, y, ldy, rows, inter, epi);
+    else
+        for (int g = 0; g < nblk; g++) tile_rows_out(c + g * gstride, bias, n0 + 16 * g, y, ldy, rows, epi);
+}
+
 /* Up to 16 rows, one pass: each thread decodes its chunks' tiles one at a time (into 4 KB on the stack) and
  * multiplies the mr rows of x by them. Tiles 0-3: C (mr rows), 4-5: W, 7: x (mr rows). */
 __attribute__((target("amx-tile,amx-bf16")))
@@ -78,10 +89,7 @@ static void linear_bf16c_rows(const bf16* x, int64_t ldx, const bf16c* cw, const
             if (nblk > 1) _tile_stored(1, c[1], 64);
             if (nblk > 2) _tile_stored(2, c[2], 64);
             if (nblk > 3) _tile_stored(3, c[3], 64);
-            if (inter) /* (a chunk holds whole pairs: N16 / 16 is even) */
-                for (int b = 0; b < nblk; b += 2) tile_pair_out(c[b], c[b + 1], n0 / 32 + b / 2, y, ldy, mr, inter, epi);
-            else
-                for (int b = 0; b < nblk; b++) tile_rows_out(c[b], bias, n0 + 16 * b, y, ldy, mr, epi);
+            chunk_rows_out(c[0], sizeof c[0] / sizeof(float), nblk, n0, bias, y, ldy, mr, inter, epi);
         }
         _tile_release();
     }

@@ -78,11 +78,7 @@ static inline __attribute__((always_inline)) void bf16c_reg_rows(const bf16* x, 
     float c[4][4 * 16] __attribute__((aligned(64)));
     for (int g = 0; g < nblk; g++)
         for (int i = 0; i < R; i++) _mm512_store_ps(c[g] + 16 * i, acc[i][g]);
-    const int64_t n0 = ch * 64;
-    if (inter)
-        for (int g = 0; g + 1 < nblk; g += 2) tile_pair_out(c[g], c[g + 1], n0 / 32 + g / 2, y, ldy, R, inter, epi);
-    else
-        for (int g = 0; g < nblk; g++) tile_rows_out(c[g], bias, n0 + 16 * g, y, ldy, R, epi);
+    chunk_rows_out(c[0], sizeof c[0] / sizeof(float), nblk, ch * 64, bias, y, ldy, R, inter, epi);
 }
 
 /* 5 .. 16 rows: the row pairs go feature-group-major (for g: for p), so only group g's R accumulators (R
@@ -120,11 +116,7 @@ static inline __attribute__((always_inline)) void bf16c_reg_wide(const bf16* x, 
             for (int i = 0; i < R; i++) _mm512_store_ps(c[g] + 16 * i, acc[i]);
         }
     }
-    const int64_t n0 = ch * 64;
-    if (inter)
-        for (int g = 0; g + 1 < nblk; g += 2) tile_pair_out(c[g], c[g + 1], n0 / 32 + g / 2, y, ldy, R, inter, epi);
-    else
-        for (int g = 0; g < nblk; g++) tile_rows_out(c[g], bias, n0 + 16 * g, y, ldy, R, epi);
+    chunk_rows_out(c[0], sizeof c[0] / sizeof(float), nblk, ch * 64, bias, y, ldy, R, inter, epi);
 }
 
 #define BF16C_REG(R, BODY) static void bf16c_reg_rows_##R(const bf16* x, int64_t ldx, const bf16c* cw,        \
@@ -199,11 +191,7 @@ static void linear_bf16c_gemm_noamx(const bf16* x, int64_t ldx, const bf16c* cw,
                         if (k0 + ns < KS) continue;
                         for (int b = 0; b < nblk; b++) /* [row][64] -> [group][row][16], for the epilogues */
                             for (int i = 0; i < mr; i++) memcpy(c[b] + 16 * i, a + 64 * i + 16 * b, 64);
-                        bf16* yo = y + (m0 + i0) * ldy;
-                        if (inter)
-                            for (int b = 0; b < nblk; b += 2) tile_pair_out(c[b], c[b + 1], n0 / 32 + b / 2, yo, ldy, mr, inter, epi);
-                        else
-                            for (int b = 0; b < nblk; b++) tile_rows_out(c[b], bias, n0 + 16 * b, yo, ldy, mr, epi);
+                        chunk_rows_out(c[0], sizeof c[0] / sizeof(float), nblk, n0, bias, y + (m0 + i0) * ldy, ldy, mr, inter, epi);
                     }
                 }
             }
