@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from infertune.kernels import cpu
-from infertune.kernels.interface import DecodeKernels, FusedModel, KernelLinear, MoeRouting
+from infertune.kernels.interface import DecodeKernels, FusedModel, FusedMoE, KernelLinear, MoeRouting
 
 
 def _protocol_members() -> list[str]:
@@ -125,6 +125,9 @@ class TorchFused:
         cos, sin = m.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
         for layer in m.layers:
             qkv = self._linear(layer.qkv, _rms(x, layer.input_norm, m.eps)).view(t, hq + 2 * hkv, d)
+            if layer.q_norm is not None:  # Qwen3: each head of q and k RMS-normalised
+                qkv[:, :hq] = _rms(qkv[:, :hq], layer.q_norm, m.eps)
+                qkv[:, hq : hq + hkv] = _rms(qkv[:, hq : hq + hkv], layer.k_norm, m.eps)
             x1, x2 = qkv[:, : hq + hkv].float().chunk(2, dim=-1)
             qkv[:, : hq + hkv] = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(qkv.dtype)
             cache = layer.kv_cache
@@ -141,11 +144,27 @@ class TorchFused:
                 o[r] = torch.einsum("hn,nhd->hd", att.softmax(-1), vals).to(x.dtype)
             x = x + self._linear(layer.o, o.view(t, hq * d))
             h = _rms(x, layer.post_norm, m.eps)
-            act = layer.gate_up.compressed.silu_and_mul(h) if layer.gate_up.kind == "bf16c" else None
-            if act is None:
-                act = self.k.silu_and_mul(self._linear(layer.gate_up, h))
-            x = x + self._linear(layer.down, act)
+            x = x + (self._moe(layer.moe, h) if layer.moe is not None else self._mlp(layer.gate_up, layer.down, h))
         return _rms(x, m.final_norm, m.final_eps)
+
+    def _mlp(self, gate_up: KernelLinear, down: KernelLinear, h):
+        act = gate_up.compressed.silu_and_mul(h) if gate_up.kind == "bf16c" else None
+        if act is None:
+            act = self.k.silu_and_mul(self._linear(gate_up, h))
+        return self._linear(down, act)
+
+    def _moe(self, moe: FusedMoE, h):
+        """The router's logits, the routing (the kernels', or the module's where they hand it back), the experts,
+        and the shared expert scaled by its gate."""
+        logits = self.k.linear_bf16(h, moe.router)
+        routing = self.k.moe_route(logits, moe.moe, moe.correction_bias) or moe.route(logits)
+        out = self.k.moe_experts(h, moe.experts, routing)
+        if moe.shared_down is not None:
+            shared = self._mlp(moe.shared_gate_up, moe.shared_down, h)
+            if moe.shared_gate is not None:
+                shared = torch.sigmoid(F.linear(h, moe.shared_gate)) * shared
+            out = out + shared
+        return out
 
 
 class TorchKernels:

@@ -339,13 +339,16 @@ def _greedy(llm, prompts, max_tokens=12):
 
 @pytest.mark.skipif(cpu.variant() not in ("avx512", "avx512-noamx"), reason=f"AVX-512 kernels: {cpu.describe()}")
 def test_engine_with_moe_kernels_matches_the_engine_on_torch(tiny_moe, monkeypatch):
-    """bf16 Qwen3-MoE, greedy, a batch of 5 (prefill rows and decode rows through the kernels): with the kernels
-    every experts call and nearly every router call takes them (a tie at the top-k boundary hands a router call
-    back) and the tokens are those of decode_kernels="off"; both engines' logprobs are as close to HF
-    transformers' in fp32 (within the margin the dense engine tests allow)."""
+    """bf16 Qwen3-MoE, greedy, a batch of 5 (prefill rows and decode rows through the kernels). Per module (the fused
+    step off): every experts call and nearly every router call takes the kernels (a tie at the top-k boundary hands
+    a router call back) and the tokens are those of decode_kernels="off". With the fused step (the default) every
+    decode step runs in it (its C attention rounds otherwise than torch's SDPA, so tokens may part from there: the
+    layers' own exactness is test_fused_step_runs_moe_and_qk_norm_layers_as_the_modules_do). Every engine's logprobs
+    are as close to HF transformers' in fp32 as the dense engine tests allow."""
     from conftest import hf_model
 
     from infertune import LLM
+    from infertune.runner.fused_decode import FusedDecode
 
     calls = {"route": 0, "experts": 0}
     route_call, experts_call = x86.X86Kernels.moe_route, x86.X86Kernels.moe_experts
@@ -363,41 +366,162 @@ def test_engine_with_moe_kernels_matches_the_engine_on_torch(tiny_moe, monkeypat
     gen = torch.Generator().manual_seed(4)
     prompts = [{"prompt_token_ids": torch.randint(3, 250, (n,), generator=gen).tolist()} for n in (4, 9, 21, 3, 40)]
     outs = {}
-    for mode in ("auto", "off"):
-        llm = LLM(str(tiny_moe), dtype="bfloat16", decode_kernels=mode, max_model_len=96, block_size=16)
+    build = FusedDecode.build
+    for mode in ("auto", "per-module", "off"):
+        monkeypatch.setattr(FusedDecode, "build", (lambda *a, **k: None) if mode == "per-module" else build)
+        llm = LLM(
+            str(tiny_moe),
+            dtype="bfloat16",
+            decode_kernels="off" if mode == "off" else "auto",
+            max_model_len=96,
+            block_size=16,
+        )
+        fused = llm.engine.executor.runner.fused
+        assert (fused is not None) == (mode == "auto")
         before = dict(calls)
         outs[mode] = _greedy(llm, prompts)[0]
         used = {key: calls[key] - before[key] for key in calls}
-        if mode == "auto":
+        amx = x86.kernels().max_rows("bf16") > 16
+        if mode == "per-module":
             # an experts call per MoE layer and step: the 11 decode steps, and the prompt step where its 77 rows fit
             # the experts kernel (only with AMX's tile GEMM: without AMX the linears take at most 16 rows); a router
             # call per layer and decode step (the prompt's 77 rows take route(): ROUTER_KERNEL_ROWS), but for the few
             # a boundary tie hands back
-            amx = x86.kernels().max_rows("bf16") > 16
             steps = (12 if amx else 11) * 3
             assert used["experts"] >= steps and used["route"] >= 11 * 3 * 0.8, used
+        elif mode == "auto":  # the decode steps in the fused step, the prompt step per module
+            assert fused.step_timers()["calls"] == 11 and used["route"] == 0, used
+            assert fused.step_timers()["experts"] > 0
         else:
             assert used == {"route": 0, "experts": 0}
         del llm
-    assert [o.outputs[0].token_ids for o in outs["auto"]] == [o.outputs[0].token_ids for o in outs["off"]]
+    assert [o.outputs[0].token_ids for o in outs["per-module"]] == [o.outputs[0].token_ids for o in outs["off"]]
     hf = hf_model(tiny_moe).float()
     worst = dict.fromkeys(outs, 0.0)
-    for i, out in enumerate(outs["off"]):
-        ids = out.prompt_token_ids + out.outputs[0].token_ids
-        with torch.no_grad():
-            ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].double(), dim=-1)
-        p = len(out.prompt_token_ids)
-        for mode in outs:
-            for j, lp in enumerate(outs[mode][i].outputs[0].logprobs):
+    for mode in outs:
+        for out in outs[mode]:
+            ids = out.prompt_token_ids + out.outputs[0].token_ids
+            with torch.no_grad():
+                ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].double(), dim=-1)
+            p = len(out.prompt_token_ids)
+            for j, lp in enumerate(out.outputs[0].logprobs):
                 worst[mode] = max(worst[mode], abs(lp.logprob - ref[p - 1 + j, lp.token_id].item()))
-    assert worst["auto"] <= 1.5 * worst["off"] + 0.02, worst
+    assert max(worst["auto"], worst["per-module"]) <= 1.5 * worst["off"] + 0.02, worst
 
 
-def test_engine_runs_moe_on_the_reference_implementation(tiny_moe, monkeypatch):
+def _attention_free_checkpoint(tmp_path, arch: str, ties: bool = False):
+    """A tiny bf16 checkpoint of arch whose o_proj is zero (attention adds nothing to the residual stream: the fused
+    step's C attention and torch's SDPA round differently, and nothing else may); ties: every router row the same."""
+    from conftest import make_checkpoint
+    from safetensors.torch import load_file, save_file
+
+    shape = dict(hidden_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2)
+    shape |= {
+        "qwen3": dict(head_dim=32),
+        "qwen3_moe": dict(head_dim=32, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=64),
+        "qwen2_moe": dict(
+            num_experts=16, num_experts_per_tok=4, moe_intermediate_size=64, shared_expert_intermediate_size=128
+        ),
+        "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=96),
+    }[arch]
+    path = make_checkpoint(tmp_path / arch, arch, dtype=torch.bfloat16, std=0.1 if arch == "qwen3" else 0.3, **shape)
+    state = load_file(path / "model.safetensors")
+    for name, t in state.items():
+        if "o_proj" in name:
+            state[name] = torch.zeros_like(t)
+        if ties and name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
+            state[name] = t[:1].expand_as(t).contiguous()
+    save_file(state, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+@pytest.mark.skipif(cpu.variant() not in ("avx512", "avx512-noamx"), reason=f"AVX-512 kernels: {cpu.describe()}")
+def test_profile_counts_the_expert_load_of_the_fused_steps(tmp_path, monkeypatch):
+    """`infertune profile` on a bf16 MoE model whose decode steps run in the fused step (routing in C, past the
+    routers' hooks): the expert-load table still counts every row of every step, the same counts as with the fused
+    step off (attention-free checkpoint: both paths pick the same experts), and the steps' C timers show the router
+    and the experts."""
+    from infertune import LLM, SamplingParams
+    from infertune.profile.timeline import profile_workload
+    from infertune.runner.fused_decode import FusedDecode
+
+    path = _attention_free_checkpoint(tmp_path, "qwen3_moe")
+    input_len, output_len, batch = 9, 5, 2
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    loads, build = {}, FusedDecode.build
+    for fused in (True, False):
+        monkeypatch.setattr(FusedDecode, "build", build if fused else (lambda *a, **k: None))
+        llm = LLM(str(path), dtype="bfloat16", max_model_len=32, max_num_seqs=batch)
+        assert (llm.engine.executor.runner.fused is not None) == fused
+        result = profile_workload(llm, input_len, output_len, batch, params, warmup=False)
+        loads[fused] = {name: list(counts) for name, counts in result.expert_load.items()}
+        parts = [r.fused for r in result.records if r.fused is not None]
+        if fused:
+            assert len(parts) == output_len - 1 and all(p["experts"] > 0 and p["MoE router"] > 0 for p in parts)
+            assert llm.engine.executor.runner.fused.decoder.step.expert_load is None  # counting left with profile
+        else:
+            assert parts == []
+    assert len(loads[True]) == 3 and loads[True] == loads[False]
+    assert all(sum(c) == (input_len + output_len - 1) * batch * 4 for c in loads[True].values())
+
+
+@pytest.mark.skipif(cpu.variant() not in ("avx512", "avx512-noamx", "avx2"), reason=f"x86 kernels: {cpu.describe()}")
+@pytest.mark.parametrize(
+    "arch,quant,ties",
+    [
+        ("qwen3", None, False),  # q / k norms
+        ("qwen3_moe", None, False),
+        ("qwen3_moe", "w8a16", True),
+        ("qwen2_moe", "w4a16", True),  # the shared expert and its sigmoid gate
+        ("mixtral", None, False),
+    ],
+)
+def test_fused_step_runs_moe_and_qk_norm_layers_as_the_modules_do(tmp_path, arch, quant, ties):
+    """The fused step's q / k norms and MoE layers (router, top-k, grouped experts, shared expert) against the same
+    model's modules on the kernels, step by step, bit for bit. Attention is the one part the two paths round
+    differently (the C attention against torch's SDPA), so the checkpoint's o_proj is zero: each layer's attention
+    adds nothing, and every other part must then agree exactly, the hidden states and every K / V the step writes
+    (the k norm's output). ties: every router row the same, so every token's experts tie at the top-k boundary and
+    every MoE layer of every step is handed back to route() and resumed."""
+    from infertune import LLM, SamplingParams
+
+    path = _attention_free_checkpoint(tmp_path, arch, ties)
+    llm = LLM(str(path), dtype="bfloat16", max_model_len=96, block_size=16, quantization=quant, quant_group_size=64)
+    runner = llm.engine.executor.runner
+    assert runner.fused is not None
+    forward, steps = runner._forward, []
+
+    def both(ids, pos, meta, rows=None, fusable=True):
+        if meta.prefills:
+            return forward(ids, pos, meta, rows, fusable)
+        want = runner.model(ids, pos, runner.kv_caches, meta).clone()  # the modules, on the kernels
+        want_kv = [c.clone() for c in runner.kv_caches]
+        got = runner.fused(ids, pos, meta)
+        assert torch.equal(got, want)
+        assert all(torch.equal(a, b) for a, b in zip(runner.kv_caches, want_kv))
+        steps.append(ids.shape[0])
+        return got
+
+    runner._forward = both
+    gen = torch.Generator().manual_seed(4)
+    prompts = [{"prompt_token_ids": torch.randint(3, 250, (n,), generator=gen).tolist()} for n in (4, 9, 21, 3, 40)]
+    llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    assert steps == [5] * 5
+    handbacks = runner.fused.decoder.handbacks
+    moe_layers = 0 if arch == "qwen3" else 3
+    assert handbacks == 5 * moe_layers if ties else handbacks < 5 * max(moe_layers, 1), handbacks
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_engine_runs_moe_on_the_reference_implementation(tiny_moe, monkeypatch, fused):
     """The contract's pure-PyTorch implementation (tests/test_kernel_interface.py TorchKernels) serves the MoE
-    layers through the same seam: every router and experts call reaches it, and the greedy tokens are the engine's
-    on torch's operators."""
+    layers through the same seam: every router and experts call reaches it, per module or from the fused step's
+    FusedModel alone (its MoE layers' FusedMoE carry all a step needs). Per module the greedy tokens are the
+    engine's on torch's operators; the fused step's own attention (fp32 scores, not SDPA) may part tokens from
+    there, and its logprobs are as close to HF transformers' in fp32 as the engine's on torch."""
+    from conftest import hf_model
     from test_kernel_interface import TorchKernels
+    from test_kernels import _hf_logprob_errors
 
     from infertune import LLM
     from infertune.backends.cpu import CPUBackend
@@ -405,11 +529,21 @@ def test_engine_runs_moe_on_the_reference_implementation(tiny_moe, monkeypatch):
     gen = torch.Generator().manual_seed(5)
     prompts = [{"prompt_token_ids": torch.randint(3, 250, (n,), generator=gen).tolist()} for n in (5, 17)]
     plain = LLM(str(tiny_moe), dtype="bfloat16", decode_kernels="off", max_model_len=96, block_size=16)
-    want = [o.outputs[0].token_ids for o in _greedy(plain, prompts, 8)[0]]
-    ref = TorchKernels(fused=False)
+    outs, params = _greedy(plain, prompts, 8)
+    want = [o.outputs[0].token_ids for o in outs]
+    ref = TorchKernels(fused=fused)
     monkeypatch.setattr(CPUBackend, "decode_kernels", lambda self: ref)
     llm = LLM(str(tiny_moe), dtype="bfloat16", max_model_len=96, block_size=16)
+    assert (llm.engine.executor.runner.fused is not None) == fused
     got = [o.outputs[0].token_ids for o in _greedy(llm, prompts, 8)[0]]
-    # (the prompt step's 22 rows route in torch: ROUTER_KERNEL_ROWS)
+    # (the prompt step's 22 rows route in torch: ROUTER_KERNEL_ROWS; the fused step's take moe_route too)
     assert ref.calls["moe_experts"] >= 8 * 3 and ref.calls["moe_route"] >= 7 * 3
-    assert got == want
+    if not fused:
+        assert got == want
+        return
+    assert ref.calls["fused_step"] >= 7
+    hf = hf_model(tiny_moe).float()
+    errors = {}
+    for name, engine in (("plain", plain), ("fused", llm)):
+        errors[name] = max(_hf_logprob_errors(engine, prompts, params, hf, argmax=False))
+    assert errors["fused"] <= 1.5 * errors["plain"] + 0.02, errors

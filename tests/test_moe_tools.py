@@ -50,8 +50,9 @@ def test_ledger_steps_follow_the_model(qwen3_moe, deepseek_v2_lite):
     mla = [k for k, *_ in ledger.steps_for(ArchConfig.from_model_dir(str(deepseek_v2_lite)))]
     assert "moe_router" not in dense and "mla_latent" not in dense
     # the kernels step leaves the MoE layers in PyTorch, then the two MoE fusions, one at a time
-    assert list(moe)[list(moe).index("kernels") :][:3] == ["kernels", "moe_router", "moe_experts"]
-    assert [moe[k][1]["moe_kernels"] for k in ("kernels", "moe_router", "moe_experts")] == ["none", "router", "all"]
+    steps = ["kernels", "moe_router", "moe_experts", "moe_fused"]
+    assert list(moe)[list(moe).index("kernels") :][:4] == steps
+    assert [moe[k][1]["moe_kernels"] for k in steps] == ["none", "router", "experts", "all"]
     assert "experts" in moe["w4a16"][0] and "mla_latent" not in moe
     assert "mla_latent" in mla and "moe_experts" in mla  # DeepSeek is both
     # W4A16's group size: the largest of 32 / 64 / 128 dividing every quantized input width (64 and 32 here)
@@ -71,9 +72,10 @@ def test_ledger_steps_follow_the_model(qwen3_moe, deepseek_v2_lite):
     )
 
 
-def test_ledger_moe_switch_takes_the_kernels_off_stage_by_stage(qwen3_moe):
+def test_ledger_moe_switch_takes_the_kernels_off_stage_by_stage(qwen3_moe, monkeypatch):
     """measure_infertune's moe_kernels: "none" runs route() and the per-expert loop, "router" the fused top-k with
-    the loop, "all" both kernels; counted at the kernels' own entry points over one generate call."""
+    the loop, "experts" both kernels per module, "all" the fused decode step too (which runs both inside its C call);
+    counted at the kernels' own entry points and the fused step's calls over one generate call."""
     from infertune.tune import measure
 
     llm = LLM(str(qwen3_moe), dtype="bfloat16", max_model_len=64, decode_kernels="auto")
@@ -89,21 +91,27 @@ def test_ledger_moe_switch_takes_the_kernels_off_stage_by_stage(qwen3_moe):
             calls[_name] += 1
             return _inner(*a, **kw)
 
-        setattr(ks, name, counted)
+        monkeypatch.setattr(ks, name, counted)  # (the process's kernels: undone after the test)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     seen = {}
     outs = {}
-    for stages in ("all", "router", "none"):  # each takes more kernels off the same engine
-        measure.limit_moe_kernels(runner.model, stages)
+    fused = runner.fused
+    for stages in ("all", "experts", "router", "none"):  # each takes more kernels off the same engine
+        measure.limit_moe_kernels(runner, stages)
         calls.update(moe_route=0, moe_experts=0)
+        before = fused.step_timers()["calls"] if fused is not None else 0
         outs[stages] = llm.generate({"prompt_token_ids": list(range(3, 11))}, params, use_tqdm=False)[0]
-        seen[stages] = dict(calls)
+        seen[stages] = dict(calls, fused=(fused.step_timers()["calls"] - before) if fused is not None else 0)
+        assert (runner.fused is not None) == (stages == "all" and fused is not None)
     layers = len(ArchConfig.from_model_dir(str(qwen3_moe)).moe.layers)
     decode_steps = 3  # 4 tokens: a prefill and 3 one-token decodes, each through every MoE layer
-    assert seen["all"]["moe_route"] >= layers * decode_steps and seen["all"]["moe_experts"] >= layers * decode_steps
-    assert seen["router"]["moe_route"] == seen["all"]["moe_route"] and seen["router"]["moe_experts"] == 0
-    assert seen["none"] == {"moe_route": 0, "moe_experts": 0}
-    assert measure.limit_moe_kernels(runner.model, "none") == 0  # nothing left to take off
+    if fused is not None:  # (a bf16 model with the x86 kernels: the decode steps in the fused step)
+        assert seen["all"]["fused"] == decode_steps
+    per_module = seen["experts"]
+    assert per_module["moe_route"] >= layers * decode_steps and per_module["moe_experts"] >= layers * decode_steps
+    assert seen["router"]["moe_route"] == per_module["moe_route"] and seen["router"]["moe_experts"] == 0
+    assert seen["none"] == {"moe_route": 0, "moe_experts": 0, "fused": 0}
+    assert measure.limit_moe_kernels(runner, "none") == 0  # nothing left to take off
 
 
 # ---- audit -------------------------------------------------------------------------------------------------------

@@ -64,7 +64,7 @@ AVX2_QUANT_MAX_ROWS = 2048
 # AVX-512 library without AMX does (NOAMX_GEMM_MAX_ROWS): each prompt row's attention runs on its own.
 AVX2_FUSED_PREFILL_ROWS = 128
 # The C side's ABI (csrc/abi.h IT_ABI_VERSION): bump both together when a shared struct or a signature changes.
-ABI_VERSION = 4
+ABI_VERSION = 5
 WARN_FLAGS = ["-Wall", "-Wextra"]
 COMMON_FLAGS = ["-O3", "-std=c11", "-shared", "-fPIC", "-fopenmp", *WARN_FLAGS, f"-I{CSRC}"]
 
@@ -430,6 +430,9 @@ class ItLayer(ctypes.Structure):
         ("gate_up", ItLin),
         ("down", ItLin),
         ("kv_cache", ctypes.c_void_p),
+        ("q_norm", ctypes.c_void_p),
+        ("k_norm", ctypes.c_void_p),
+        ("moe", ctypes.c_void_p),  # an ItMoeLayer, or None: the dense MLP
     ]
 
 
@@ -445,6 +448,8 @@ class ItModel(ctypes.Structure):
         ("n_layers", ctypes.c_int32),
         ("kv_int8", ctypes.c_int32),
         ("gate_up_fused", ctypes.c_int32),
+        ("moe_experts", ctypes.c_int32),
+        ("moe_top_k", ctypes.c_int32),
     ]
 
 
@@ -473,11 +478,31 @@ class ItStep(ctypes.Structure):
         ("out_rows", ctypes.c_void_p),
         ("n_out", ctypes.c_int64),
         ("stats", ctypes.c_void_p),  # an ItStepStats the caller owns (one per engine), or None: not timed
+        # mixture-of-experts layers: a tie at the top-k boundary hands the step back (csrc/abi.h it_step)
+        ("router_logits", ctypes.c_void_p),
+        ("first_layer", ctypes.c_int32),
+        ("handed_back", ctypes.c_int32),
+        ("route_rows", ctypes.c_int64),
+        ("route_weights", ctypes.c_void_p),
+        ("route_order", ctypes.c_void_p),
+        ("route_counts", ctypes.c_void_p),
+        ("expert_load", ctypes.c_void_p),
     ]
 
 
 # The parts of the fused step that it_decode_layers times (csrc/abi.h IT_FT_*), in order
-FUSED_PARTS = ("norm", "qkv", "rotary + K/V write", "attention", "o_proj", "residual adds", "gate_up (+ SiLU)", "down")
+FUSED_PARTS = (
+    "norm",
+    "qkv",
+    "rotary + K/V write",
+    "attention",
+    "o_proj",
+    "residual adds",
+    "gate_up (+ SiLU)",
+    "down",
+    "MoE router",
+    "experts",
+)
 
 
 class ItStepStats(ctypes.Structure):
@@ -494,6 +519,22 @@ class ItMoe(ctypes.Structure):
         (name, ctypes.c_int32)
         for name in ("num_experts", "top_k", "scoring", "topk_method", "n_group", "topk_group", "norm_topk_prob")
     ] + [("routed_scaling_factor", ctypes.c_float)]
+
+
+class ItMoeLayer(ctypes.Structure):
+    """A mixture-of-experts layer of the fused step (csrc/abi.h it_moe_layer): the routing rule, the router's weight,
+    the routed experts (expert 0's ItLin of each stacked projection) and an optional shared expert."""
+
+    _fields_ = [
+        ("rule", ItMoe),
+        ("router", ctypes.c_void_p),
+        ("bias", ctypes.c_void_p),
+        ("gate_up", ItLin),
+        ("down", ItLin),
+        ("shared_gate_up", ItLin),
+        ("shared_down", ItLin),
+        ("shared_gate", ctypes.c_void_p),
+    ]
 
 
 # it_moe.scoring and it_moe.topk_method (csrc/abi.h IT_MOE_*): MoeArch's names -> the C codes
@@ -513,10 +554,11 @@ def abi_layout(structs: dict[str, type[ctypes.Structure]] | None = None) -> list
         "it_step_stats": ItStepStats,
         "bf16c": Bf16c,
         "it_moe": ItMoe,
+        "it_moe_layer": ItMoeLayer,
     } | (structs or {})
     fields = {
         "it_lin": ("kind", "scale_is_f32", "w", "scale", "bias", "N", "K", "zero", "group", "inter"),
-        "it_layer": ("input_norm", "post_norm", "qkv", "o", "gate_up", "down", "kv_cache"),
+        "it_layer": ("input_norm", "post_norm", "qkv", "o", "gate_up", "down", "kv_cache", "q_norm", "k_norm", "moe"),
         "it_model": (
             "hidden",
             "n_heads",
@@ -532,6 +574,8 @@ def abi_layout(structs: dict[str, type[ctypes.Structure]] | None = None) -> list
             "n_layers",
             "kv_int8",
             "gate_up_fused",
+            "moe_experts",
+            "moe_top_k",
         ),  # fmt: skip
         "it_step": (
             "T",
@@ -545,10 +589,19 @@ def abi_layout(structs: dict[str, type[ctypes.Structure]] | None = None) -> list
             "out_rows",
             "n_out",
             "stats",
+            "router_logits",
+            "first_layer",
+            "handed_back",
+            "route_rows",
+            "route_weights",
+            "route_order",
+            "route_counts",
+            "expert_load",
         ),  # fmt: skip
         "it_step_stats": ("seconds", "calls", "rows"),
         "bf16c": ("codes", "table", "esc_start", "esc_pos", "esc_val"),
         "it_moe": tuple(f for f, _ in ItMoe._fields_),
+        "it_moe_layer": tuple(f for f, _ in ItMoeLayer._fields_),
     }
     out: list[tuple[str, int]] = []
     for sname, names in fields.items():

@@ -24,6 +24,7 @@ this contract.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, NamedTuple, Protocol, runtime_checkable
@@ -100,16 +101,35 @@ class KernelExperts:
 
 
 @dataclass(slots=True)
+class FusedMoE:
+    """A mixture-of-experts MLP for the fused step (layers/moe.py MoE): the router, the routed experts, an optional
+    shared expert. The kernels route each step themselves (as `moe_route`) and hand a step's routing to `route`
+    where `moe_route` would hand it back (a tie at the top-k boundary), so the picks are the per-module path's."""
+
+    moe: MoeArch
+    router: torch.Tensor  # [E, hidden] bf16
+    correction_bias: torch.Tensor | None  # [E] fp32: DeepSeek-V3's, for selection only
+    experts: KernelExperts
+    route: Callable[[torch.Tensor], MoeRouting]  # router logits [T, E] -> the routing (layers/moe.py Router._route)
+    shared_gate_up: KernelLinear | None = None  # the shared expert (Qwen2-MoE), None: none
+    shared_down: KernelLinear | None = None
+    shared_gate: torch.Tensor | None = None  # [1, hidden] bf16: sigmoid(x . g) scales the shared expert's output
+
+
+@dataclass(slots=True)
 class FusedLayer:
-    """One decoder layer (pre-norm attention + gated MLP, Llama family) for the fused step."""
+    """One decoder layer (pre-norm attention + gated MLP or mixture of experts, Llama family) for the fused step."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
     qkv: KernelLinear
     o: KernelLinear
-    gate_up: KernelLinear
-    down: KernelLinear
+    gate_up: KernelLinear | None  # the dense MLP (None where moe is set)
+    down: KernelLinear | None
     kv_cache: torch.Tensor  # this layer's paged cache, as the attention backend allocated it
+    q_norm: torch.Tensor | None = None  # [head_dim]: Qwen3's per-head RMSNorm of q and k before rotary
+    k_norm: torch.Tensor | None = None
+    moe: FusedMoE | None = None
 
 
 @dataclass(slots=True)
@@ -120,9 +140,9 @@ class FusedModel:
     n_heads: int
     n_kv_heads: int
     head_dim: int
-    inter: int
+    inter: int  # the widest intermediate size of the dense MLPs and shared experts
     block_size: int
-    eps: float  # the layers' RMSNorm epsilon
+    eps: float  # the layers' RMSNorm epsilon (q / k norms' too)
     scale: float  # attention's softmax scale
     cos_sin: torch.Tensor  # rotary table [max_position, head_dim] fp32: cos half, then sin half
     kv_int8: bool  # the cache holds int8 rows with a per-token, per-head scale (Int8PagedAttention)

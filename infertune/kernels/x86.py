@@ -9,7 +9,6 @@ interleaving, the nibble order of int4 weights, the C structs of the fused step.
 
 from __future__ import annotations
 
-import functools
 import weakref
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING
@@ -17,10 +16,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from infertune.kernels import cpu
-from infertune.kernels.interface import FusedDecoder, FusedModel, KernelLinear, LinearKind, MoeRouting
+from infertune.kernels.interface import FusedDecoder, FusedModel, LinearKind, MoeRouting
+from infertune.kernels.x86_fused import X86FusedDecoder, expert_lin, moe_rule
 
 if TYPE_CHECKING:
-    from infertune.config import MoeArch
+    pass
 
 
 class Bf16cWeight:
@@ -110,7 +110,7 @@ class X86Kernels:
         return Bf16cWeight(weight, gate_up and weight.shape[0] % 32 == 0)
 
     def moe_route(self, logits, moe, correction_bias=None):
-        rule = _moe_rule(moe)
+        rule = moe_rule(moe)
         got = cpu.moe_route(logits, rule, correction_bias, lib=self.lib) if rule is not None else None
         return MoeRouting(*got) if got is not None else None
 
@@ -122,7 +122,7 @@ class X86Kernels:
             return None
         lins = self._experts_lins.get(experts)
         if lins is None:  # (checked once per layer: the tensors it points at are the layer's, kept alive by it)
-            lins = [_expert_lin(lin, experts.num_experts) for lin in (experts.gate_up, experts.down)]
+            lins = [expert_lin(lin, experts.num_experts) for lin in (experts.gate_up, experts.down)]
             self._experts_lins[experts] = lins
         if any(isinstance(lin, str) for lin in lins):
             return None
@@ -131,8 +131,6 @@ class X86Kernels:
         )
 
     def fused_decoder(self, model: FusedModel) -> FusedDecoder | str:
-        from infertune.kernels.x86_fused import X86FusedDecoder
-
         return X86FusedDecoder.build(model, amx=self.amx)
 
     def profiled(self, name: str) -> AbstractContextManager:
@@ -183,38 +181,7 @@ class Avx2Kernels(X86Kernels):
         raise NotImplementedError("the 12-bit weights need AVX-512 VBMI and AMX (can_compress is False here)")
 
     def fused_decoder(self, model: FusedModel) -> FusedDecoder | str:
-        from infertune.kernels.x86_fused import X86FusedDecoder
-
         return X86FusedDecoder.build(model, amx=False, avx2_lib=self.lib)
-
-
-@functools.lru_cache(maxsize=64)
-def _moe_rule(moe: MoeArch) -> cpu.ItMoe | None:
-    """A MoeArch's routing rule for it_moe_route (None for a rule the C side does not know: route() raises on it)."""
-    if moe.scoring not in cpu.MOE_SCORING or moe.topk_method not in cpu.MOE_TOPK_METHOD:
-        return None
-    return cpu.ItMoe(
-        num_experts=moe.num_experts,
-        top_k=moe.top_k,
-        scoring=cpu.MOE_SCORING[moe.scoring],
-        topk_method=cpu.MOE_TOPK_METHOD[moe.topk_method],
-        n_group=moe.n_group,
-        topk_group=moe.topk_group,
-        norm_topk_prob=int(moe.norm_topk_prob),
-        routed_scaling_factor=moe.routed_scaling_factor,
-    )
-
-
-_EXPERT_KINDS = {"bf16": cpu.WeightKind.BF16, "w8": cpu.WeightKind.W8, "w4": cpu.WeightKind.W4}
-
-
-def _expert_lin(lin: KernelLinear, num_experts: int) -> cpu.ItLin | str:
-    kind = _EXPERT_KINDS.get(lin.kind)
-    if kind is None or lin.bias is not None:
-        return f"{lin.kind} experts{' with a bias' if lin.bias is not None else ''}"
-    w = lin.weight if kind == cpu.WeightKind.BF16 else lin.qweight
-    n, k = lin.out_features, lin.in_features
-    return cpu.expert_lin(kind, num_experts, n, k, w, lin.scales, lin.zero, lin.group_size)
 
 
 _instance: X86Kernels | Avx2Kernels | None = None

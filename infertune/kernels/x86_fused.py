@@ -13,11 +13,16 @@ decides per step from its attention metadata.
 from __future__ import annotations
 
 import ctypes
+import functools
+from typing import TYPE_CHECKING
 
 import torch
 
 from infertune.kernels import cpu
-from infertune.kernels.interface import FusedModel, KernelLinear
+from infertune.kernels.interface import FusedModel, FusedMoE, KernelLinear
+
+if TYPE_CHECKING:
+    from infertune.config import MoeArch
 
 
 class X86FusedDecoder:
@@ -34,6 +39,15 @@ class X86FusedDecoder:
         self.step = cpu.ItStep(
             work=(self.workspace.data_ptr() + 63) // 64 * 64, work_bytes=nbytes, stats=ctypes.addressof(self.stats)
         )
+        # MoE layers: where their router logits go, and the PyTorch routing a tie at the top-k boundary hands back to
+        self.routes = {
+            i: (layer.moe.route, layer.moe.moe.num_experts) for i, layer in enumerate(model.layers) if layer.moe
+        }
+        self.router_logits = torch.empty(rows, max(cmodel.moe_experts, 1), dtype=torch.bfloat16)
+        self.step.router_logits = self.router_logits.data_ptr()
+        self.handbacks = 0  # steps' layers routed by route() (ties), since the decoder was built
+        # the rows each MoE layer sent to each expert (it_step.expert_load), where counting is on (count_experts)
+        self._expert_load = torch.zeros(len(model.layers), max(cmodel.moe_experts, 1), dtype=torch.int64)
         # The residual stream and the final norm's output: reused every step (the next step overwrites them).
         self.x = torch.empty(rows, self.hidden, dtype=torch.bfloat16)
         self.out = torch.empty(rows, self.hidden, dtype=torch.bfloat16)
@@ -66,19 +80,45 @@ class X86FusedDecoder:
         )
         keep = [model.cos_sin, model.final_norm]  # tensors whose memory the C side points at
         layers = (cpu.ItLayer * len(model.layers))()
+        gate_ups = []  # every gated MLP's gate_up: the dense layers' and the shared experts'
         for c, layer in zip(layers, model.layers):
             c.input_norm, c.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
             c.kv_cache = layer.kv_cache.data_ptr()
             keep += [layer.input_norm, layer.post_norm, layer.kv_cache]
+            if layer.q_norm is not None:
+                if layer.q_norm.dtype is not torch.bfloat16 or layer.k_norm.dtype is not torch.bfloat16:
+                    return "the fused step runs bf16 q / k norms"
+                c.q_norm, c.k_norm = layer.q_norm.data_ptr(), layer.k_norm.data_ptr()
+                keep += [layer.q_norm, layer.k_norm]
             for name in ("qkv", "o", "gate_up", "down"):
-                keep += _fill_lin(getattr(c, name), getattr(layer, name))
-        kinds = {lin.kind for layer in model.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)}
+                if getattr(layer, name) is not None:
+                    keep += _fill_lin(getattr(c, name), getattr(layer, name))
+            if layer.gate_up is not None:
+                gate_ups.append(c.gate_up)
+            if layer.moe is not None:
+                cmoe = _moe_layer(layer.moe, keep)
+                if isinstance(cmoe, str):
+                    return cmoe
+                c.moe = ctypes.addressof(cmoe)
+                cmodel.moe_experts = max(cmodel.moe_experts, layer.moe.moe.num_experts)
+                cmodel.moe_top_k = max(cmodel.moe_top_k, layer.moe.moe.top_k)
+                if cmoe.shared_down.N:
+                    gate_ups.append(cmoe.shared_gate_up)
+        lins = [
+            lin
+            for layer in model.layers
+            for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
+            + ((layer.moe.shared_gate_up, layer.moe.shared_down) if layer.moe is not None else ())
+            if lin is not None
+        ]
+        kinds = {lin.kind for lin in lins}
+        moe = cmodel.moe_experts > 0
         if avx2_lib is not None:
             if "bf16c" in kinds:
                 return "12-bit weights (the AVX2 library has no decoder for them)"
             # Short prompts too with bf16 weights as loaded and a bf16 cache, as without AMX below: the FMA GEMM
             # (csrc/x86/avx2/gemm.c) and each prompt row's attention on its own
-            prefill_rows = cpu.AVX2_FUSED_PREFILL_ROWS if kinds == {"bf16"} and not model.kv_int8 else 0
+            prefill_rows = cpu.AVX2_FUSED_PREFILL_ROWS if kinds == {"bf16"} and not model.kv_int8 and not moe else 0
             return cls(model, cmodel, layers, keep, cpu.MAX_ROWS, prefill_rows, avx2_lib)
         # Short prompts too, where every projection is bf16 (plain or 12-bit: the prefill's tile GEMM, AMX only) and
         # the cache is bf16 (an int8 cache would make a prompt attend to its own K/V quantized, which the PyTorch
@@ -87,14 +127,18 @@ class X86FusedDecoder:
         # Without AMX the same short prompts with bf16 weights (as loaded: the VDPBF16PS GEMM, csrc/x86/avx512/
         # gemm_dpbf16.c; 12-bit: the same sums from the decoded tiles, bf16c_noamx.c), each prompt row's attention on
         # its own (P in fp32, as the decode rows' AVX-512 attention).
+        # (MoE models: decode steps only. Their prompts keep the per-module path, whose router takes torch's matmul
+        # past 16 rows: the fused step's GEMV would round its logits differently.)
         prefill_rows = 0
-        if amx and kinds <= {"bf16", "bf16c"} and not model.kv_int8:
+        if moe:
+            pass
+        elif amx and kinds <= {"bf16", "bf16c"} and not model.kv_int8:
             prefill_rows = cpu.AMX_GEMM_MAX_ROWS
             if kinds == {"bf16c"}:
                 prefill_rows = max(prefill_rows, model.step_rows)
         elif not amx and kinds <= {"bf16", "bf16c"} and not model.kv_int8 and cpu.bf16_max_rows() > cpu.MAX_ROWS:
             prefill_rows = cpu.bf16_max_rows()
-        cmodel.gate_up_fused = int(all(c.gate_up.kind == cpu.WeightKind.BF16C and c.gate_up.inter > 0 for c in layers))
+        cmodel.gate_up_fused = int(all(g.kind == cpu.WeightKind.BF16C and g.inter > 0 for g in gate_ups))
         return cls(model, cmodel, layers, keep, cpu.MAX_ROWS, prefill_rows, cpu.library())
 
     def __call__(
@@ -121,8 +165,20 @@ class X86FusedDecoder:
             s.out_rows, s.n_out = out_rows.data_ptr(), out_rows.numel()
         else:
             s.out_rows, s.n_out = None, 0
+        s.first_layer, s.route_weights, s.route_order, s.route_counts = 0, None, None, None
         with cpu.profiled("fused_decode_layers"):
             rc = self.lib.it_decode_layers(ctypes.byref(self.cmodel), self.layers, ctypes.byref(s), x.data_ptr())
+            while rc == 1:  # a MoE layer's tie at the top-k boundary: route() picks as the per-module path does
+                self.handbacks += 1
+                route, experts = self.routes[s.handed_back]
+                routing = route(self.router_logits[: s.route_rows, :experts])
+                s.first_layer = s.handed_back
+                s.route_weights, s.route_order, s.route_counts = (
+                    routing.weights.data_ptr(),
+                    routing.order.data_ptr(),
+                    routing.counts.data_ptr(),
+                )
+                rc = self.lib.it_decode_layers(ctypes.byref(self.cmodel), self.layers, ctypes.byref(s), x.data_ptr())
         if rc != 0:
             raise RuntimeError(
                 f"it_decode_layers failed ({rc}): {'workspace too small' if rc == -1 else 'unsupported shapes'}"
@@ -142,6 +198,17 @@ class X86FusedDecoder:
 
     def step_timers(self, reset: bool = False) -> dict[str, float]:
         return cpu.fused_step_timers(self.stats, reset)
+
+    def count_experts(self, on: bool) -> None:
+        """Count the rows each MoE layer routes to each expert from the next step on (or stop counting)."""
+        self.step.expert_load = self._expert_load.data_ptr() if on and self.routes else None
+
+    def expert_load(self, reset: bool = False) -> dict[int, torch.Tensor]:
+        """Layer index -> rows routed to each expert [E] since counting began (or the last reset)."""
+        got = {i: self._expert_load[i, :experts].clone() for i, (_, experts) in self.routes.items()}
+        if reset:
+            self._expert_load.zero_()
+        return got
 
 
 def _fill_lin(c, lin: KernelLinear) -> list[torch.Tensor]:
@@ -167,3 +234,61 @@ def _fill_lin(c, lin: KernelLinear) -> list[torch.Tensor]:
     assert q.dtype is torch.int8
     c.scale_is_f32 = int(s.dtype is torch.float32)
     return keep + [q, s]
+
+
+def _moe_layer(moe: FusedMoE, keep: list) -> cpu.ItMoeLayer | str:
+    """The C description of a MoE layer (csrc/abi.h it_moe_layer); its tensors (and itself) go into keep."""
+    rule = moe_rule(moe.moe)
+    if rule is None:
+        return f"the routing rule {moe.moe.scoring} / {moe.moe.topk_method} (the kernels' router does not know it)"
+    if moe.moe.top_k > 64:
+        return f"top_k={moe.moe.top_k} (the grouped experts take up to 64)"
+    e = moe.experts.num_experts
+    lins = [expert_lin(lin, e) for lin in (moe.experts.gate_up, moe.experts.down)]
+    for lin in lins:
+        if isinstance(lin, str):
+            return f"{lin} (the grouped experts' kernel does not take them)"
+    router = moe.router.contiguous()
+    c = cpu.ItMoeLayer(rule=rule, router=router.data_ptr(), gate_up=lins[0], down=lins[1])
+    keep += [router, moe.experts]
+    if moe.correction_bias is not None:
+        c.bias = moe.correction_bias.data_ptr()
+        keep.append(moe.correction_bias)
+    if moe.shared_down is not None:
+        keep += _fill_lin(c.shared_gate_up, moe.shared_gate_up) + _fill_lin(c.shared_down, moe.shared_down)
+        if moe.shared_gate is not None:
+            gate = moe.shared_gate.contiguous()
+            c.shared_gate = gate.data_ptr()
+            keep.append(gate)
+    keep.append(c)
+    return c
+
+
+@functools.lru_cache(maxsize=64)
+def moe_rule(moe: MoeArch) -> cpu.ItMoe | None:
+    """A MoeArch's routing rule for it_moe_route (None for a rule the C side does not know: route() raises on it)."""
+    if moe.scoring not in cpu.MOE_SCORING or moe.topk_method not in cpu.MOE_TOPK_METHOD:
+        return None
+    return cpu.ItMoe(
+        num_experts=moe.num_experts,
+        top_k=moe.top_k,
+        scoring=cpu.MOE_SCORING[moe.scoring],
+        topk_method=cpu.MOE_TOPK_METHOD[moe.topk_method],
+        n_group=moe.n_group,
+        topk_group=moe.topk_group,
+        norm_topk_prob=int(moe.norm_topk_prob),
+        routed_scaling_factor=moe.routed_scaling_factor,
+    )
+
+
+_EXPERT_KINDS = {"bf16": cpu.WeightKind.BF16, "w8": cpu.WeightKind.W8, "w4": cpu.WeightKind.W4}
+
+
+def expert_lin(lin: KernelLinear, num_experts: int) -> cpu.ItLin | str:
+    """Expert 0's it_lin of a stacked expert projection (cpu.expert_lin), or why the kernels do not take it."""
+    kind = _EXPERT_KINDS.get(lin.kind)
+    if kind is None or lin.bias is not None:
+        return f"{lin.kind} experts{' with a bias' if lin.bias is not None else ''}"
+    w = lin.weight if kind == cpu.WeightKind.BF16 else lin.qweight
+    n, k = lin.out_features, lin.in_features
+    return cpu.expert_lin(kind, num_experts, n, k, w, lin.scales, lin.zero, lin.group_size)

@@ -181,6 +181,32 @@ class Instrumentation:
             if kind == ROUTER_SCOPE:
                 self._count_routed(module, qualname)
         self.instrumented.append("model module hooks")
+        self._count_fused_routed(runner, model)
+
+    def _count_fused_routed(self, runner, model: nn.Module) -> None:
+        """The fused step routes its MoE layers in C, past the routers' hooks: it counts them itself
+        (runner/fused_decode.py expert_load), added to expert_load under each layer's router name at the end."""
+        fused = getattr(runner, "fused", None)
+        if fused is None or not hasattr(fused, "count_experts") or not fused.count_experts(True):
+            return
+        fused.expert_load(reset=True)
+        names = {}  # decoder layer index -> its router's name
+        for qualname, module in model.named_modules():
+            kinds = [c.__name__ for c in type(module).__mro__ if c not in (nn.Module, object)]
+            parts = qualname.split(".")
+            if module_scope_kind(kinds) == ROUTER_SCOPE and "layers" in parts[:-1]:
+                index = parts[parts.index("layers") + 1]
+                if index.isdigit():
+                    names[int(index)] = qualname
+
+        def collect() -> None:
+            for layer, counts in fused.expert_load(reset=True).items():
+                name = names.get(layer, f"model.layers.{layer} (fused)")
+                self.expert_load[name] = self.expert_load.get(name, 0) + counts
+            fused.count_experts(False)
+
+        self._undo.append(collect)
+        self.instrumented.append("fused step expert load")
 
     def _hook(self, module: nn.Module, name: str) -> None:
         handles = add_range_hooks(module, name, self._hook_stack)

@@ -10,8 +10,11 @@ Longer prefills, mixed steps and bigger batches keep the PyTorch path.
 
 It takes over only where it computes what the PyTorch path computes (rounded the same way, to bf16 precision):
 a Llama-family decoder in bf16 whose every projection the kernels can multiply (`QuantMethod.kernel_weights`),
-a bf16 or INT8 paged KV cache, SiLU, full attention in every layer (no sliding window). `FusedDecode.build` returns
-None, with the reason logged, anywhere else.
+a bf16 or INT8 paged KV cache, SiLU, full attention in every layer (no sliding window); Qwen3's q / k norms; and
+mixture-of-experts layers (Qwen2-MoE, Qwen3-MoE, Mixtral: a bf16 router, experts the grouped kernel takes, a shared
+expert with its gate), whose routing the kernels hand back to the module's `route()` wherever a tie at the top-k
+boundary decides a token's experts, as the per-module kernel path does. `FusedDecode.build` returns None, with the
+reason logged, anywhere else.
 """
 
 from __future__ import annotations
@@ -21,9 +24,10 @@ import logging
 import torch
 
 from infertune.config import GEMMA_ARCHITECTURES
-from infertune.kernels.interface import DecodeKernels, FusedDecoder, FusedLayer, FusedModel
+from infertune.kernels.interface import DecodeKernels, FusedDecoder, FusedLayer, FusedModel, FusedMoE, KernelLinear
 from infertune.layers.attention import AttentionMetadata
 from infertune.layers.attention.paged import Int8PagedAttention, TorchPagedAttention
+from infertune.layers.moe import MoE
 
 log = logging.getLogger(__name__)
 
@@ -78,20 +82,17 @@ class FusedDecode:
             return "Gemma's (1 + w) norms, GeLU MLP and soft-capping"
         if getattr(cfg, "hidden_act", "silu") not in ("silu", None):
             return f"hidden_act={cfg.hidden_act}"
-        if getattr(cfg, "moe", None) is not None:
-            return "mixture-of-experts layers (the fused step runs dense MLPs only)"
         if getattr(cfg, "mla", None) is not None:
             return "latent attention (MLA)"
-        if getattr(cfg, "qk_norm", False):
-            return "per-head q / k norms (Qwen3)"
         decoder = model.model
         first = decoder.layers[0]
+        eps = float(first.input_layernorm.eps)
         spec = FusedModel(
             hidden=cfg.hidden_size,
             n_heads=cfg.num_attention_heads,
             n_kv_heads=cfg.num_key_value_heads,
             head_dim=cfg.head_dim,
-            inter=cfg.intermediate_size,
+            inter=0,
             block_size=kv_caches[0].shape[2],
             eps=float(first.input_layernorm.eps),
             scale=first.self_attn.scale,
@@ -102,24 +103,72 @@ class FusedDecode:
             final_eps=float(decoder.norm.eps),
         )
         for i, (layer, cache) in enumerate(zip(decoder.layers, kv_caches)):
+            attn_mod, mlp = layer.self_attn, layer.mlp
             lins = {}
-            for field, lin in (
-                ("qkv", layer.self_attn.qkv_proj),
-                ("o", layer.self_attn.o_proj),
-                ("gate_up", layer.mlp.gate_up_proj),
-                ("down", layer.mlp.down_proj),
-            ):
-                lins[field] = lin.quant_method.kernel_weights(lin)
-                if lins[field] is None:
-                    return f"layer model.layers.{i} runs {lin.quant_method.name} in {field}, which the kernels do not"
+            projections = [("qkv", attn_mod.qkv_proj), ("o", attn_mod.o_proj)]
+            if not isinstance(mlp, MoE):
+                projections += [("gate_up", mlp.gate_up_proj), ("down", mlp.down_proj)]
+            for field, lin in projections:
+                lins[field] = _kernel_weights(lin)
+                if isinstance(lins[field], str):
+                    return f"layer model.layers.{i} {lins[field]} in {field}"
+            moe = FusedDecode._describe_moe(mlp, i) if isinstance(mlp, MoE) else None
+            if isinstance(moe, str):
+                return moe
+            q_norm = getattr(attn_mod, "q_norm", None)
+            if q_norm is not None and not (float(q_norm.eps) == float(attn_mod.k_norm.eps) == eps):
+                return f"q / k norms with epsilon {q_norm.eps} beside the layers' {eps}"
+            for down in (lins.get("down"), moe and moe.shared_down):
+                if down is not None:
+                    spec.inter = max(spec.inter, down.in_features)
             spec.layers.append(
                 FusedLayer(
                     input_norm=layer.input_layernorm.weight,
                     post_norm=layer.post_attention_layernorm.weight,
                     kv_cache=cache,
-                    **lins,
+                    qkv=lins["qkv"],
+                    o=lins["o"],
+                    gate_up=lins.get("gate_up"),
+                    down=lins.get("down"),
+                    q_norm=q_norm.weight if q_norm is not None else None,
+                    k_norm=attn_mod.k_norm.weight if q_norm is not None else None,
+                    moe=moe,
                 )
             )
+        return spec
+
+    @staticmethod
+    def _describe_moe(mlp: MoE, i: int) -> FusedMoE | str:
+        """A MoE layer as the kernels' FusedMoE, or why they could not run it."""
+        where = f"the MoE of model.layers.{i}"
+        router, experts = mlp.gate, mlp.experts
+        if router.weight.dtype is not torch.bfloat16:
+            return f"{where} routes in {router.weight.dtype} (the fused step takes bf16 routers)"
+        if experts.num_experts != experts.global_experts:
+            return f"{where} holds a share of the experts (expert parallel)"
+        kernel_experts = experts.quant_method.kernel_experts(experts)
+        if kernel_experts is None:
+            return f"{where} keeps its experts as {experts.quant_method.name}, which the grouped kernel does not take"
+        spec = FusedMoE(
+            moe=mlp.moe,
+            router=router.weight.detach(),
+            correction_bias=(
+                router.e_score_correction_bias.detach().float().contiguous()
+                if router.e_score_correction_bias is not None
+                else None
+            ),
+            experts=kernel_experts,
+            route=router._route,
+        )
+        if mlp.shared_name is not None:
+            shared = getattr(mlp, mlp.shared_name)
+            for field, lin in (("shared_gate_up", shared.gate_up_proj), ("shared_down", shared.down_proj)):
+                got = _kernel_weights(lin)
+                if isinstance(got, str):
+                    return f"{where}: its shared expert {got}"
+                setattr(spec, field, got)
+            if mlp.shared_expert_gate is not None:
+                spec.shared_gate = mlp.shared_expert_gate.weight.detach()
         return spec
 
     def applicable(self, num_tokens: int, meta: AttentionMetadata) -> bool:
@@ -168,3 +217,23 @@ class FusedDecode:
     def step_timers(self, reset: bool = False) -> dict[str, float]:
         """This engine's fused step: seconds per part since the last reset, "calls" and "rows" (FusedDecoder's)."""
         return self.decoder.step_timers(reset)
+
+    def count_experts(self, on: bool) -> bool:
+        """Count the rows each MoE layer of the fused steps routes to each expert (`expert_load`); False where the
+        decoder does not count (no MoE layer, or kernels that do not)."""
+        count = getattr(self.decoder, "count_experts", None)
+        if count is None or not getattr(self.decoder, "routes", None):
+            return False
+        count(on)
+        return True
+
+    def expert_load(self, reset: bool = False) -> dict[int, torch.Tensor]:
+        """Decoder layer index -> rows its MoE layer routed to each expert [E] in the fused steps counted."""
+        load = getattr(self.decoder, "expert_load", None)
+        return load(reset) if load is not None else {}
+
+
+def _kernel_weights(lin) -> KernelLinear | str:
+    """A linear layer as the kernels see it, or (a phrase) why they do not take it."""
+    got = lin.quant_method.kernel_weights(lin)
+    return got if got is not None else f"runs {lin.quant_method.name}, which the kernels do not"

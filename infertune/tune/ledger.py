@@ -128,6 +128,7 @@ STEPS = [
     # MoE models (STEPS_MOE): the kernels step leaves the MoE layers in PyTorch, then the seeds' two MoE fusions.
     ("moe_router", "+ fused gating top-k (router scores, top-k, weights, grouping: one kernel call)", None, False),
     ("moe_experts", "+ grouped expert GEMM (per-expert loop -> one kernel call)", None, False),
+    ("moe_fused", "+ MoE layers in the fused decode step (router, top-k, experts: inside its one C call)", None, False),
     # MLA models: the step from a decompressed K/V cache to the latent cache with the absorbed decode.
     ("mla_latent", "+ latent MLA cache, absorbed decode (vs decompressed K/V)", None, False),
     ("int8_kv", "+ INT8 KV cache", dict(kv_cache_dtype="int8"), True),
@@ -140,7 +141,8 @@ STEPS = [
 MOE_STEP_OPTIONS = {
     "kernels": dict(decode_kernels="auto", compile="off", moe_kernels="none"),
     "moe_router": dict(moe_kernels="router"),
-    "moe_experts": dict(moe_kernels="all"),
+    "moe_experts": dict(moe_kernels="experts"),
+    "moe_fused": dict(moe_kernels="all"),
 }
 MOE_LABELS = {
     "kernels": "+ decode kernels for the dense stages (MoE router and experts in PyTorch; compile off)",
@@ -156,7 +158,7 @@ def steps_for(arch) -> list[tuple[str, str, dict | None, bool]]:
     label and options adjusted to the model (the others' rows would measure nothing new)."""
     out = []
     for key, label, adds, lossy in STEPS:
-        if key in ("moe_router", "moe_experts") and arch.moe is None:
+        if key in ("moe_router", "moe_experts", "moe_fused") and arch.moe is None:
             continue
         if key == "mla_latent" and arch.mla is None:
             continue

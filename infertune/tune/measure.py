@@ -76,7 +76,7 @@ def measure_infertune(
     kernels = runner.decode_kernels.name if runner.decode_kernels is not None else None
     try:
         if "moe_kernels" in options:
-            limit_moe_kernels(runner.model, options["moe_kernels"])
+            limit_moe_kernels(runner, options["moe_kernels"])
         params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
         if warmup_prompts:
             llm.generate(
@@ -122,21 +122,33 @@ def measure_infertune(
 
 # The ledger's MoE steps: which of a MoE layer's stages keep the decode kernels (the rest run their PyTorch
 # reference: route() then a per-expert matmul loop, layers/moe.py). A measurement switch, not an engine option.
-MOE_KERNEL_STAGES = {"none": (), "router": ("router",), "all": ("router", "experts")}
+# The MoE kernels a ledger step keeps: the fused gating top-k, the grouped experts, and the fused decode step, which
+# runs both inside its one C call a step (so it goes whenever either is off)
+MOE_KERNEL_STAGES = {
+    "none": (),
+    "router": ("router",),
+    "experts": ("router", "experts"),
+    "all": ("router", "experts", "fused"),
+}
 
 
-def limit_moe_kernels(model, stages: str) -> int:
-    """Take the decode kernels off the MoE routers and / or experts not in MOE_KERNEL_STAGES[stages]; returns
-    how many modules went back to PyTorch."""
+def limit_moe_kernels(runner, stages: str) -> int:
+    """Take the decode kernels off the MoE routers and / or experts not in MOE_KERNEL_STAGES[stages], and the fused
+    decode step off a MoE model unless it is kept; returns how many modules (and fused steps) went back to PyTorch."""
     from infertune.layers.moe import Experts, Router
 
     keep = MOE_KERNEL_STAGES[stages]
     n = 0
-    for m in model.modules():
+    moe = False
+    for m in runner.model.modules():
+        moe = moe or isinstance(m, Router)
         if (isinstance(m, Router) and "router" not in keep) or (isinstance(m, Experts) and "experts" not in keep):
             if m.kernels is not None:
                 m.use_kernels(None)
                 n += 1
+    if moe and "fused" not in keep and getattr(runner, "fused", None) is not None:
+        runner.fused = None
+        n += 1
     return n
 
 

@@ -6,7 +6,7 @@
 #define IT_ABI_H
 #include "bf16.h"
 
-#define IT_ABI_VERSION 4
+#define IT_ABI_VERSION 5
 
 /* it_lin.kind: how a linear layer's weight is stored */
 typedef enum { IT_KIND_BF16 = 0, IT_KIND_W8 = 1, IT_KIND_W4 = 2, IT_KIND_BF16C = 3 } it_kind;
@@ -35,11 +35,38 @@ typedef struct {
                              (linear_bf16c); the MLP then takes act straight from its tiles */
 } it_lin;
 
+/* A mixture-of-experts layer's routing rule (config.py MoeArch; moe.h it_moe_route) */
+enum { IT_MOE_SOFTMAX = 0, IT_MOE_SIGMOID = 1 };                              /* it_moe.scoring */
+enum { IT_MOE_GREEDY = 0, IT_MOE_GROUP_LIMITED = 1, IT_MOE_NOAUX_TC = 2 };    /* it_moe.topk_method */
+typedef struct {
+    int32_t num_experts, top_k;
+    int32_t scoring;
+    int32_t topk_method;
+    int32_t n_group, topk_group;  /* the groups of experts, and how many of them a token's experts come from */
+    int32_t norm_topk_prob;       /* 1: the top-k weights renormalised to sum to 1 */
+    float routed_scaling_factor;
+} it_moe;
+
+/* A mixture-of-experts layer in the fused step (fused_step.h moe_mlp): the router, the routed experts and an optional
+ * shared expert, as layers/moe.py MoE computes them through the kernels */
+typedef struct {
+    it_moe rule;
+    const bf16* router;         /* [E, hidden] bf16 */
+    const float* bias;          /* [E] selection bias (DeepSeek-V3's e_score_correction_bias) or NULL */
+    it_lin gate_up, down;       /* the routed experts: expert 0's it_lin of the stacked [E, 2I, H] and [E, H, I] */
+    it_lin shared_gate_up;      /* the shared expert's gate_up [2 I_s, H] (N = 0: no shared expert) */
+    it_lin shared_down;         /* [H, I_s] */
+    const bf16* shared_gate;    /* [hidden]: sigmoid(x . g) scales the shared expert's output (Qwen2-MoE); NULL: not */
+} it_moe_layer;
+
 typedef struct {
     const bf16* input_norm;    /* [hidden] */
     const bf16* post_norm;     /* [hidden] */
-    it_lin qkv, o, gate_up, down;
+    it_lin qkv, o, gate_up, down; /* (gate_up and down unused where moe is set) */
     void* kv_cache;            /* [2, num_blocks, block_size, Hkv, D] bf16 (or int8 rows, see it_model.kv_int8) */
+    const bf16* q_norm;        /* [head_dim]: Qwen3's per-head RMSNorm of q before rotary (NULL: none) */
+    const bf16* k_norm;        /* [head_dim]: the same for k (set with q_norm) */
+    const it_moe_layer* moe;   /* NULL: the dense MLP (gate_up, down) */
 } it_layer;
 
 typedef struct {
@@ -51,6 +78,7 @@ typedef struct {
     int32_t kv_int8; /* 1: the cache holds int8 rows of D values + their fp32 scale (layers/attention/paged.py
                         Int8PagedAttention), [2, num_blocks, block_size, Hkv, D + 4] bytes */
     int32_t gate_up_fused; /* 1: every layer's gate_up hands act straight over (it_lin.inter): no [T, 2I] scratch */
+    int32_t moe_experts, moe_top_k; /* the most experts and top-k of the MoE layers (0: none): the routing's scratch */
 } it_model;
 
 /* The fused step's wall time per part, summed over calls, and its calls and rows: one per engine, owned by the
@@ -58,10 +86,11 @@ typedef struct {
  * process keep their own counts and the library holds no counters of its own. Only the thread running the step
  * writes it; the caller reads or zeroes it between steps. */
 enum { IT_FT_NORM, IT_FT_QKV, IT_FT_ROTARY_KV, IT_FT_ATTN, IT_FT_O, IT_FT_RESIDUAL, IT_FT_GATE_UP, IT_FT_DOWN,
-       IT_FT_PARTS };
+       IT_FT_ROUTER, IT_FT_EXPERTS, IT_FT_PARTS };
 typedef struct {
     double seconds[IT_FT_PARTS]; /* norm, qkv, rotary + K/V write, attention, o_proj, residual adds, gate_up (+ SiLU),
-                                    down (cpu.py FUSED_PARTS) */
+                                    down, the MoE router (+ top-k), the routed experts (cpu.py FUSED_PARTS); a
+                                    shared expert counts as gate_up and down */
     int64_t calls, rows;
 } it_step_stats;
 
@@ -78,19 +107,21 @@ typedef struct {
                                     each sampled sequence); n_out = 0: every row */
     int64_t n_out;
     it_step_stats* stats;        /* where the step adds its time, calls and rows; NULL: not timed (no clock reads) */
+    /* Mixture-of-experts layers: where a tie at the top-k boundary decides a token's experts (moe.h), the step hands
+       back (it_decode_layers returns 1) with the layer in handed_back, its routed rows in route_rows and their
+       router logits in router_logits; the caller routes them (route()) and calls again from that layer with the
+       routing in route_weights / route_order / route_counts, first_layer = handed_back. */
+    bf16* router_logits;         /* [rows, moe_experts]: caller-owned */
+    int32_t first_layer;         /* in: the layer to start at (0: the whole step) */
+    int32_t handed_back;         /* out: where 1 was returned, the MoE layer whose routing the caller decides */
+    int64_t route_rows;          /* out: that layer's routed rows */
+    const float* route_weights;  /* in, first_layer's MoE only (NULL: route it here): [route_rows, k] */
+    const int64_t* route_order;  /* [route_rows k] */
+    const int64_t* route_counts; /* [E] */
+    int64_t* expert_load;        /* [n_layers, moe_experts]: the rows each MoE layer routed to each expert are added
+                                    here (`infertune profile`'s expert-load table); NULL: not counted */
 } it_step;
 
-/* A mixture-of-experts layer's routing rule (config.py MoeArch; moe.h it_moe_route) */
-enum { IT_MOE_SOFTMAX = 0, IT_MOE_SIGMOID = 1 };                              /* it_moe.scoring */
-enum { IT_MOE_GREEDY = 0, IT_MOE_GROUP_LIMITED = 1, IT_MOE_NOAUX_TC = 2 };    /* it_moe.topk_method */
-typedef struct {
-    int32_t num_experts, top_k;
-    int32_t scoring;
-    int32_t topk_method;
-    int32_t n_group, topk_group;  /* the groups of experts, and how many of them a token's experts come from */
-    int32_t norm_topk_prob;       /* 1: the top-k weights renormalised to sum to 1 */
-    float routed_scaling_factor;
-} it_moe;
 
 int it_abi(void);
 int64_t it_struct_sizes(int64_t* out, int64_t n);

@@ -16,14 +16,115 @@ static inline double now_s(void) {
     return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
 
-/* x [T, hidden] bf16 (T decode rows, or the rows of fresh prompts), updated in place through every layer.
- * Returns 0, or -1 if the workspace is too small, -2 if the shapes are outside what this path handles (head_dim
- * not a multiple of 16, ...). */
-int it_decode_layers(const it_model* m, const it_layer* layers, const it_step* s, bf16* x) {
+/* The routing's part of the workspace, after the library's (ws_layout): a MoE layer's output and its shared expert's
+ * [T, hidden], the top-k weights [T, k] fp32, the grouping (ids and order [T k], counts [E]). */
+typedef struct { int64_t y2, weights, ids, order, counts, total; } moe_ws;
+
+static moe_ws moe_workspace(const it_model* m, int64_t T, int64_t base) {
+    moe_ws l;
+    const int64_t k = m->moe_top_k, E = m->moe_experts;
+    int64_t off = base;
+    l.y2 = off;      off += (T * m->hidden * 2 + 63) & ~(int64_t)63;
+    l.weights = off; off += (T * k * 4 + 63) & ~(int64_t)63;
+    l.ids = off;     off += (T * k * 8 + 63) & ~(int64_t)63;
+    l.order = off;   off += (T * k * 8 + 63) & ~(int64_t)63;
+    l.counts = off;  off += (E * 8 + 63) & ~(int64_t)63;
+    l.total = off;
+    return l;
+}
+
+int64_t it_decode_workspace_bytes(const it_model* m, int64_t T, int64_t max_ctx) {
+    return moe_workspace(m, T, workspace(m, T, max_ctx).total).total;
+}
+
+/* Qwen3's per-head RMSNorm of q and k (before rotary), in place in qkv [T, (Hq + 2 Hkv) D]: each head as the
+ * kernels' RMSNorm rounds a row (layers/norm.py) */
+static void qk_norm_rows(const it_model* m, const it_layer* L, bf16* qkv, int64_t T) {
+    const int64_t D = m->head_dim, hq = m->n_heads, width = (m->n_heads + 2 * m->n_kv_heads) * D;
+    for (int64_t t = 0; t < T; t++) { /* (one thread: T (Hq + Hkv) rows of D are a few microseconds) */
+        rmsnorm_rows(qkv + t * width, L->q_norm, qkv + t * width, hq, D, m->eps, 1);
+        rmsnorm_rows(qkv + t * width + hq * D, L->k_norm, qkv + t * width + hq * D, m->n_kv_heads, D, m->eps, 1);
+    }
+}
+
+/* act [R, inter] = SiLU(gate) * up of h [R, H] (gu [R, 2 inter]: scratch) */
+static void gate_up_rows(const it_model* m, const it_lin* gate_up, const bf16* h, bf16* act, int64_t R, int64_t inter,
+                         bf16* gu, void* lin, bf16* dec) {
+    if (gate_up->kind == IT_KIND_BF16C && gate_up->inter) { /* SiLU-and-multiply in the GEMM's epilogue */
+        run_lin(gate_up, h, m->hidden, act, inter, R, m->nthreads, lin, dec, 1);
+    } else {
+        run_lin(gate_up, h, m->hidden, gu, 2 * inter, R, m->nthreads, lin, dec, 0);
+        silu_mul_rows(gu, act, R, inter, m->nthreads);
+    }
+}
+
+/* A mixture-of-experts layer's MLP over h [R, H] (the post-attention norm's rows), into y [R, H], as layers/moe.py
+ * MoE computes it through the kernels: the router's logits (the bf16 linear), it_moe_route, it_moe_experts, and the
+ * shared expert (scaled by bf16(sigmoid(bf16(h . g))) where gated), added as bf16(routed + shared).
+ * route: the caller's routing (resuming after a hand-back) or NULL. Returns 0, 1 where the routing hands back (a
+ * tie at the top-k boundary: the logits are in s->router_logits), -2 where the kernels refuse the layer. */
+static int moe_mlp(const it_model* m, const it_moe_layer* M, const it_step* s, int li, int resume, const bf16* h,
+                   bf16* y, int64_t R, char* w, const moe_ws* ml, bf16* gu, bf16* act, void* lin, bf16* dec,
+                   double* t0) {
+    const int64_t H = m->hidden, E = M->rule.num_experts, k = M->rule.top_k;
+    it_step_stats* stats = s->stats;
+    const float* weights = s->route_weights;
+    const int64_t *order = s->route_order, *counts = s->route_counts;
+    if (!resume) {
+        const it_lin router = {.kind = IT_KIND_BF16, .w = M->router, .N = E, .K = H};
+        run_lin(&router, h, H, s->router_logits, E, R, m->nthreads, lin, dec, 0);
+        float* wts = (float*)(w + ml->weights);
+        int64_t *o = (int64_t*)(w + ml->order), *c = (int64_t*)(w + ml->counts);
+        const int rc = it_moe_route(s->router_logits, 1, E, R, &M->rule, M->bias, wts, (int64_t*)(w + ml->ids), c, o,
+                                    m->nthreads);
+        if (rc) return rc == 1 ? 1 : -2;
+        weights = wts, order = o, counts = c;
+    }
+    if (s->expert_load)
+        for (int64_t e = 0; e < E; e++) s->expert_load[li * m->moe_experts + e] += counts[e];
+    if (stats) {
+        const double t1 = now_s();
+        stats->seconds[IT_FT_ROUTER] += t1 - *t0;
+        *t0 = t1;
+    }
+    if (it_moe_experts(h, H, R, &M->gate_up, &M->down, E, k, weights, order, counts, y, m->nthreads)) return -2;
+    if (stats) {
+        const double t1 = now_s();
+        stats->seconds[IT_FT_EXPERTS] += t1 - *t0;
+        *t0 = t1;
+    }
+    if (M->shared_down.N) {
+        bf16* y2 = (bf16*)(w + ml->y2);
+        gate_up_rows(m, &M->shared_gate_up, h, act, R, M->shared_down.K, gu, lin, dec);
+        run_lin(&M->shared_down, act, M->shared_down.K, y2, H, R, m->nthreads, lin, dec, 0);
+        if (M->shared_gate)
+            for (int64_t t = 0; t < R; t++) { /* sigmoid(F.linear(h, g)) * shared, each rounded to bf16 */
+                float dot = 0.0f;
+                for (int64_t i = 0; i < H; i++) dot += bf2f(h[t * H + i]) * bf2f(M->shared_gate[i]);
+                const float g = bf2f(f2bf(1.0f / (1.0f + expf(-bf2f(f2bf(dot))))));
+                for (int64_t i = 0; i < H; i++) y2[t * H + i] = f2bf(bf2f(y2[t * H + i]) * g);
+            }
+        add_rows(y, y2, R * H);
+        if (stats) {
+            const double t1 = now_s();
+            stats->seconds[IT_FT_GATE_UP] += t1 - *t0;
+            *t0 = t1;
+        }
+    }
+    return 0;
+}
+
+/* x [T, hidden] bf16 (T decode rows, or the rows of fresh prompts), updated in place through every layer from
+ * s->first_layer (resuming at its MLP where s->route_weights is set: see it_step). Returns 0; 1 where a MoE layer's
+ * routing is handed back to the caller (it_step); -1 if the workspace is too small, -2 if the shapes are outside what
+ * this path handles (head_dim not a multiple of 16, a MoE layer the kernels refuse, ...). */
+int it_decode_layers(const it_model* m, const it_layer* layers, it_step* s, bf16* x) {
     const int64_t T = s->T, H = m->hidden, D = m->head_dim, max_ctx = s->max_blocks * m->block_size;
     if (D % 16 || m->n_heads % m->n_kv_heads || T < 1) return -2;
     const ws_layout l = workspace(m, T, max_ctx);
-    if (l.total > s->work_bytes) return -1;
+    const moe_ws ml = moe_workspace(m, T, l.total);
+    if (ml.total > s->work_bytes) return -1;
+    if (s->first_layer < 0 || s->first_layer >= m->n_layers) return -2;
     char* w = (char*)s->work;
     bf16 *h = (bf16*)(w + l.h), *qkv = (bf16*)(w + l.qkv), *o = (bf16*)(w + l.o), *gu = (bf16*)(w + l.gu);
     bf16 *act = (bf16*)(w + l.act), *y = (bf16*)(w + l.y);
@@ -45,43 +146,56 @@ int it_decode_layers(const it_model* m, const it_layer* layers, const it_step* s
        by then, and nothing else reads their hidden states. They are moved to the front here (rows ascending, so
        in place) and back at the end; x's other rows are left undefined. */
     const int sub = s->n_out > 0 && s->n_out < T;
-    for (int li = 0; li < m->n_layers; li++) {
+    for (int li = s->first_layer; li < m->n_layers; li++) {
         const it_layer* L = layers + li;
-        rmsnorm_rows(x, L->input_norm, h, T, H, m->eps, m->nthreads);
-        PART(IT_FT_NORM);
-        run_lin(&L->qkv, h, H, qkv, width, T, m->nthreads, lin, dec, 0);
-        PART(IT_FT_QKV);
-        rotary_rows(m, s, qkv);
-        for (int64_t t = 0; t < T; t++)
-            for (int64_t g = 0; g < hkv; g++) {
-                kv_write(m, L->kv_cache, 0, s->slots[t] * hkv + g, qkv + t * width + hq + g * D);
-                kv_write(m, L->kv_cache, 1, s->slots[t] * hkv + g, qkv + t * width + hq + (hkv + g) * D);
-            }
-        PART(IT_FT_ROTARY_KV);
-        attention_rows(m, s, qkv, L->kv_cache, o, attn, max_ctx, 1);
-        int64_t R = T; /* rows from here on */
-        if (sub && li == m->n_layers - 1) {
-            for (int64_t i = 0; i < s->n_out; i++)
-                if (s->out_rows[i] != i) {
-                    memcpy(o + i * hq, o + s->out_rows[i] * hq, (size_t)hq * 2);
-                    memcpy(x + i * H, x + s->out_rows[i] * H, (size_t)H * 2);
+        /* rows from the last layer's o_proj on */
+        const int64_t R = sub && li == m->n_layers - 1 ? s->n_out : T;
+        /* resuming at this layer's MoE with the caller's routing: its attention (and the move of the read rows to
+           the front) ran in the call that handed back */
+        const int resume = li == s->first_layer && s->route_weights != NULL;
+        if (resume && (!L->moe || s->route_rows != R)) return -2;
+        if (!resume) {
+            rmsnorm_rows(x, L->input_norm, h, T, H, m->eps, m->nthreads);
+            PART(IT_FT_NORM);
+            run_lin(&L->qkv, h, H, qkv, width, T, m->nthreads, lin, dec, 0);
+            PART(IT_FT_QKV);
+            if (L->q_norm) qk_norm_rows(m, L, qkv, T);
+            rotary_rows(m, s, qkv);
+            for (int64_t t = 0; t < T; t++)
+                for (int64_t g = 0; g < hkv; g++) {
+                    kv_write(m, L->kv_cache, 0, s->slots[t] * hkv + g, qkv + t * width + hq + g * D);
+                    kv_write(m, L->kv_cache, 1, s->slots[t] * hkv + g, qkv + t * width + hq + (hkv + g) * D);
                 }
-            R = s->n_out;
+            PART(IT_FT_ROTARY_KV);
+            attention_rows(m, s, qkv, L->kv_cache, o, attn, max_ctx, 1);
+            if (R < T)
+                for (int64_t i = 0; i < R; i++)
+                    if (s->out_rows[i] != i) {
+                        memcpy(o + i * hq, o + s->out_rows[i] * hq, (size_t)hq * 2);
+                        memcpy(x + i * H, x + s->out_rows[i] * H, (size_t)H * 2);
+                    }
+            PART(IT_FT_ATTN);
+            run_lin_add(&L->o, o, hq, x, y, H, R, m->nthreads, lin, dec); /* (the residual add with it) */
+            PART(IT_FT_O);
         }
-        PART(IT_FT_ATTN);
-        run_lin_add(&L->o, o, hq, x, y, H, R, m->nthreads, lin, dec); /* (the residual add with it) */
-        PART(IT_FT_O);
         rmsnorm_rows(x, L->post_norm, h, R, H, m->eps, m->nthreads);
         PART(IT_FT_NORM);
-        if (L->gate_up.kind == IT_KIND_BF16C && L->gate_up.inter) { /* SiLU-and-multiply in the GEMM's epilogue */
-            run_lin(&L->gate_up, h, H, act, m->inter, R, m->nthreads, lin, dec, 1);
+        if (L->moe) {
+            const int rc = moe_mlp(m, L->moe, s, li, resume, h, y, R, w, &ml, gu, act, lin, dec, &t0);
+            if (rc == 1) { /* the caller routes this layer's rows (it_step) and calls again from here */
+                s->handed_back = li;
+                s->route_rows = R;
+                return 1;
+            }
+            if (rc) return rc;
+            add_rows(x, y, R * H);
+            PART(IT_FT_RESIDUAL);
         } else {
-            run_lin(&L->gate_up, h, H, gu, 2 * m->inter, R, m->nthreads, lin, dec, 0);
-            silu_mul_rows(gu, act, R, m->inter, m->nthreads);
+            gate_up_rows(m, &L->gate_up, h, act, R, L->down.K, gu, lin, dec);
+            PART(IT_FT_GATE_UP);
+            run_lin_add(&L->down, act, L->down.K, x, y, H, R, m->nthreads, lin, dec);
+            PART(IT_FT_DOWN);
         }
-        PART(IT_FT_GATE_UP);
-        run_lin_add(&L->down, act, m->inter, x, y, H, R, m->nthreads, lin, dec);
-        PART(IT_FT_DOWN);
         if (R < T)
             for (int64_t i = R - 1; i >= 0; i--)
                 if (s->out_rows[i] != i) memcpy(x + s->out_rows[i] * H, x + i * H, (size_t)H * 2);

@@ -35,7 +35,8 @@ static ws_layout workspace(const it_model* m, int64_t T, int64_t max_ctx) {
     /* the int16 activations of the W8A16 / W4A16 GEMVs, the largest over the layers' input widths */
     int64_t lin = 0;
     const int64_t widths[3] = {m->hidden, hq, m->inter};
-    for (int i = 0; i < 3; i++) {
+    for (int i = 0; i < 3; i++) { /* (inter is 0 where every MLP is a mixture of experts) */
+        if (widths[i] < 1) continue;
         const int64_t b = q_scratch_bytes(T, widths[i]);
         lin = b > lin ? b : lin;
     }
@@ -47,9 +48,6 @@ static ws_layout workspace(const it_model* m, int64_t T, int64_t max_ctx) {
     return l;
 }
 
-int64_t it_decode_workspace_bytes(const it_model* m, int64_t T, int64_t max_ctx) {
-    return workspace(m, T, max_ctx).total;
-}
 
 static void rmsnorm_rows(const bf16* x, const bf16* w, bf16* out, int64_t T, int64_t H, float eps, int nthreads) {
     it_rmsnorm_mt(x, w, out, T, H, eps, nthreads);

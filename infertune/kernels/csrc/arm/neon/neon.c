@@ -22,5 +22,5 @@
 #include "arm/neon/elementwise.c"
 #include "kv_cache.h"
 #include "arm/neon/fused.c"
-#include "fused_step.h"
 #include "moe_gemv.h"
+#include "fused_step.h"

@@ -21,5 +21,5 @@
 #include "x86/avx2/elementwise.c"
 #include "kv_cache.h"
 #include "x86/avx2/fused.c"
-#include "fused_step.h"
 #include "moe_gemv.h"
+#include "fused_step.h"

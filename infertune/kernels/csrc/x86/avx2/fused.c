@@ -38,7 +38,8 @@ static ws_layout workspace(const it_model* m, int64_t T, int64_t max_ctx) {
        need none: the GEMM's scratch is on its threads' stacks) */
     int64_t lin = 0;
     const int64_t widths[3] = {m->hidden, hq, m->inter};
-    for (int i = 0; i < 3; i++) {
+    for (int i = 0; i < 3; i++) { /* (inter is 0 where every MLP is a mixture of experts) */
+        if (widths[i] < 1) continue;
         const int64_t b = q_scratch_bytes(T, widths[i]);
         lin = b > lin ? b : lin;
     }
@@ -50,9 +51,6 @@ static ws_layout workspace(const it_model* m, int64_t T, int64_t max_ctx) {
     return l;
 }
 
-int64_t it_decode_workspace_bytes(const it_model* m, int64_t T, int64_t max_ctx) {
-    return workspace(m, T, max_ctx).total;
-}
 
 /* x[i] = bf16(x[i] + y[i]), as f2bf rounds (NaN kept quiet) */
 static void add_rows(bf16* x, const bf16* y, int64_t n) {

@@ -59,5 +59,5 @@
 #include "decode_ws.c"
 #include "elementwise.c"
 #include "attention.c"
-#include "fused_step.h"
 #include "moe.c"
+#include "fused_step.h"

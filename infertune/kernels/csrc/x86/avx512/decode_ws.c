@@ -75,7 +75,8 @@ static ws_layout workspace(const it_model* m, int64_t T, int64_t max_ctx) {
        monotonic in K); past 16 rows then each thread's [64, K] rows of a 12-bit weight, decoded for the GEMM */
     int64_t lin = 0;
     const int64_t widths[3] = {m->hidden, hq, m->inter};
-    for (int i = 0; i < 3; i++) {
+    for (int i = 0; i < 3; i++) { /* (inter is 0 where every MLP is a mixture of experts) */
+        if (widths[i] < 1) continue;
         const int64_t b = lin_scratch_bytes(T, widths[i], m->nthreads);
         lin = b > lin ? b : lin;
     }
@@ -84,6 +85,7 @@ static ws_layout workspace(const it_model* m, int64_t T, int64_t max_ctx) {
     const int64_t shapes[4][2] = {{qkv, m->hidden}, {m->hidden, hq}, {2 * m->inter, m->hidden}, {m->hidden, m->inter}};
     int64_t dec = 0;
     for (int i = 0; i < 4; i++) {
+        if (shapes[i][0] < 1 || shapes[i][1] < 1) continue;
         const int64_t b = bf16c_dec_bytes(T, (shapes[i][0] + 15) / 16 * 16, shapes[i][1], m->nthreads);
         dec = b > dec ? b : dec;
     }
@@ -95,9 +97,6 @@ static ws_layout workspace(const it_model* m, int64_t T, int64_t max_ctx) {
     return l;
 }
 
-int64_t it_decode_workspace_bytes(const it_model* m, int64_t T, int64_t max_ctx) {
-    return workspace(m, T, max_ctx).total;
-}
 
 /* x[t] = bf16(x[t] + y[t]), as f2bf rounds (NaN kept quiet) */
 static void add_rows(bf16* x, const bf16* y, int64_t n) {
