@@ -247,6 +247,8 @@ class TorchKernels:
         def matmul(lin: KernelLinear):
             if lin.kind == "bf16":
                 return lambda e, rows: F.linear(rows, lin.weight[e])
+            if lin.kind == "bf16c":  # each expert's own compress(): the reference's swapped int16 view
+                return lambda e, rows: lin.compressed_experts[e].linear(rows)
             if lin.kind == "w8":
                 return lambda e, rows: F.linear(rows, self.dequant_w8(lin.qweight[e], lin.scales[e]))
             return lambda e, rows: F.linear(

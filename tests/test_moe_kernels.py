@@ -306,6 +306,110 @@ def test_quantized_experts_match_their_per_expert_loop(ks, method, t):
     torch.testing.assert_close(y.float(), ref, rtol=2**-7, atol=2**-7 * float(ref.abs().max()))
 
 
+needs_bf16c = pytest.mark.skipif(
+    not (cpu.available() and cpu.bf16c_supported(16, 32)),
+    reason=f"the 12-bit layout needs the AVX-512 library (with or without AMX): {cpu.describe()}",
+)
+
+
+@needs_bf16c
+@pytest.mark.parametrize("t", [1, 3, 16, 40])
+def test_12bit_experts_are_the_bf16_experts_bit_for_bit(t):
+    """Each expert's projections in the lossless 12-bit layout (the gate_up packed for SiLU in its epilogue, so the
+    grouped kernel takes act straight from it): the grouped experts give the bf16 experts' output bit for bit, at 1
+    to 40 tokens (40 x top-4 over 8 experts: experts with more than 16 rows, taken 16 a pass). Without AMX the bf16
+    experts take the VDPBF16PS GEMM at every row count (it_gemm_rows_noamx(1)), whose sums the 12-bit register path
+    makes; weights with rare high bytes make escapes in most tiles, and an expert no token picks is NaN."""
+    ks = x86.kernels()
+    lib = cpu.library()
+    e, k, hidden, inter = 8, 4, 128, 96
+    gen = torch.Generator().manual_seed(7 + t)
+    gate_up = (torch.randn(e, 2 * inter, hidden, generator=gen) * 0.05).bfloat16()
+    down = (torch.randn(e, hidden, inter, generator=gen) * 0.05).bfloat16()
+    for w in (gate_up, down):  # a few tiny weights far below the common exponents, each rare: escapes
+        flat = w.view(-1)
+        n = flat.numel() // 100
+        flat[torch.randint(0, flat.numel(), (n,), generator=gen)] = torch.ldexp(
+            torch.ones(n), -torch.randint(20, 110, (n,), generator=gen)
+        ).bfloat16()
+    x = torch.randn(t, hidden, generator=gen).bfloat16()
+    ids = torch.stack([torch.randperm(e - 1, generator=gen)[:k] for _ in range(t)])  # expert e - 1: nobody's
+    gate_up[e - 1] = down[e - 1] = float("nan")
+    routing = MoeRouting(torch.rand(t, k, generator=gen), ids, *group_by_expert(ids, e))
+    plain = KernelExperts(
+        e, KernelLinear("bf16", 2 * inter, hidden, weight=gate_up), KernelLinear("bf16", hidden, inter, weight=down)
+    )
+    packed = {name: [ks.compress(w[i], gate_up=name == "gate_up") for i in range(e)] for name, w in
+              (("gate_up", gate_up), ("down", down))}  # fmt: skip
+    assert (
+        all(cw.inter == inter for cw in packed["gate_up"])
+        and sum(int(cw.buffers["esc_pos"].numel()) for cw in packed["gate_up"]) > e * 15
+    )
+    compressed = KernelExperts(
+        e,
+        KernelLinear("bf16c", 2 * inter, hidden, compressed_experts=tuple(packed["gate_up"])),
+        KernelLinear("bf16c", hidden, inter, compressed_experts=tuple(packed["down"])),
+    )
+    old = lib.it_gemm_rows_noamx(0)  # (0: only read it)
+    lib.it_gemm_rows_noamx(1)
+    try:
+        want = ks.moe_experts(x, plain, routing)
+        got = ks.moe_experts(x, compressed, routing)
+    finally:
+        lib.it_gemm_rows_noamx(old)
+    assert want is not None and got is not None and not want.isnan().any()
+    assert torch.equal(got, want)
+
+
+@needs_bf16c
+def test_engine_with_12bit_experts_is_the_engine_with_bf16_experts(tmp_path, monkeypatch):
+    """compress_weights="auto" keeps a MoE model's experts in the 12-bit layout too (CompressedExperts: 0.76x the
+    bytes); with the bf16 linears on the VDPBF16PS GEMM at every row count (as above), the engine's tokens and
+    logprobs are compress_weights="off"'s bit for bit, through the fused decode step and through the per-module
+    forward, and no expert is ever unpacked."""
+    from conftest import make_checkpoint
+
+    from infertune import LLM, SamplingParams
+    from infertune.layers.moe import CompressedExperts
+
+    path = make_checkpoint(tmp_path / "m", **TINY_MOE)
+    lib = cpu.library()
+    dense_calls = []
+    real_dense = x86.Bf16cWeight.dense
+    monkeypatch.setattr(x86.Bf16cWeight, "dense", lambda self: dense_calls.append(1) or real_dense(self))
+    gen = torch.Generator().manual_seed(4)
+    prompts = [{"prompt_token_ids": torch.randint(3, 250, (n,), generator=gen).tolist()} for n in (4, 9, 21, 3)]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2)
+    runs, old = {}, lib.it_gemm_rows_noamx(0)  # (0: only read it)
+    lib.it_gemm_rows_noamx(1)
+    try:
+        for compress, kernel_mode in (("auto", "auto"), ("auto", "linear"), ("off", "auto"), ("off", "linear")):
+            llm = LLM(
+                str(path),
+                dtype="bfloat16",
+                compress_weights=compress,
+                decode_kernels=kernel_mode,
+                max_model_len=96,
+                block_size=16,
+            )
+            runner = llm.engine.executor.runner
+            experts = [m for m in runner.model.modules() if isinstance(m, Experts)]
+            assert all(isinstance(m.quant_method, CompressedExperts) == (compress == "auto") for m in experts)
+            assert (runner.fused is not None) == (kernel_mode == "auto")
+            runs[compress, kernel_mode] = [
+                (o.outputs[0].token_ids, [(lp.token_id, lp.logprob) for lp in o.outputs[0].logprobs])
+                for o in llm.generate(prompts, params, use_tqdm=False)
+            ]
+            if compress == "auto":
+                size = sum(b.numel() * b.element_size() for m in experts for b in m.buffers())
+                assert size < 0.8 * sum(m.num_experts for m in experts) * 3 * 128 * 64 * 2  # (bf16: 2 bytes)
+    finally:
+        lib.it_gemm_rows_noamx(old)
+    assert dense_calls == []
+    assert runs["auto", "auto"] == runs["off", "auto"]
+    assert runs["auto", "linear"] == runs["off", "linear"]
+
+
 # ---- the engine ----------------------------------------------------------------------------------------------
 
 TINY_MOE = dict(

@@ -77,6 +77,7 @@ class KernelLinear:
     zero: torch.Tensor | None = None  # w4
     group_size: int = 0  # w4
     compressed: CompressedWeight | None = None  # bf16c
+    compressed_experts: tuple[CompressedWeight, ...] | None = None  # bf16c experts (KernelExperts): expert e's is [e]
 
 
 class MoeRouting(NamedTuple):
@@ -92,8 +93,9 @@ class MoeRouting(NamedTuple):
 class KernelExperts:
     """A mixture-of-experts layer's routed experts as the kernels see them: each projection a KernelLinear whose
     tensors carry a leading expert dimension (bf16: weight [E, N, K]; w8: qweight [E, N, K], scales [E, N]; w4:
-    pack_w4's bytes of each expert stacked [E, ...], scales and zero [E, N, K / group_size]). gate_up's N rows are
-    the I gate rows, then the I up rows."""
+    pack_w4's bytes of each expert stacked [E, ...], scales and zero [E, N, K / group_size]; bf16c: each expert's
+    `compress` of its weight, in compressed_experts). gate_up's N rows are the I gate rows, then the I up rows (a
+    compressed gate_up packed with gate_up=True: its silu_and_mul pairs them)."""
 
     num_experts: int
     gate_up: KernelLinear  # [E, 2I, H]

@@ -250,7 +250,7 @@ def _moe_layer(moe: FusedMoE, keep: list) -> cpu.ItMoeLayer | str:
             return f"{lin} (the grouped experts' kernel does not take them)"
     router = moe.router.contiguous()
     c = cpu.ItMoeLayer(rule=rule, router=router.data_ptr(), gate_up=lins[0], down=lins[1])
-    keep += [router, moe.experts]
+    keep += [router, moe.experts, *lins]
     if moe.correction_bias is not None:
         c.bias = moe.correction_bias.data_ptr()
         keep.append(moe.correction_bias)
@@ -285,7 +285,20 @@ _EXPERT_KINDS = {"bf16": cpu.WeightKind.BF16, "w8": cpu.WeightKind.W8, "w4": cpu
 
 
 def expert_lin(lin: KernelLinear, num_experts: int) -> cpu.ItLin | str:
-    """Expert 0's it_lin of a stacked expert projection (cpu.expert_lin), or why the kernels do not take it."""
+    """Expert 0's it_lin of a stacked expert projection (cpu.expert_lin), or why the kernels do not take it. 12-bit
+    experts: an it_lin whose w points at their num_experts bf16c descriptions (held by the returned ItLin)."""
+    if lin.kind == "bf16c" and lin.bias is None and lin.compressed_experts is not None:
+        weights = lin.compressed_experts
+        if len(weights) != num_experts or not all(hasattr(w, "desc") for w in weights):
+            return "12-bit experts in a layout these kernels did not pack"
+        inter = {w.inter for w in weights}
+        if len(inter) != 1 or not cpu.bf16c_supported(lin.out_features, lin.in_features):
+            return f"12-bit experts of shape [{lin.out_features}, {lin.in_features}] packed unlike each other"
+        descs = (cpu.Bf16c * num_experts)(*(w.desc for w in weights))
+        c = cpu.ItLin(kind=cpu.WeightKind.BF16C, w=ctypes.addressof(descs), N=lin.out_features, K=lin.in_features)
+        c.inter = inter.pop()
+        c._keep = (descs, weights)  # (the descriptions, and the weights whose buffers they point at)
+        return c
     kind = _EXPERT_KINDS.get(lin.kind)
     if kind is None or lin.bias is not None:
         return f"{lin.kind} experts{' with a bias' if lin.bias is not None else ''}"

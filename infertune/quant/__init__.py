@@ -10,7 +10,7 @@ from torch import nn
 from infertune.config import QuantConfig
 from infertune.kernels.interface import DecodeKernels
 from infertune.layers.linear import CompressedMethod, DecodeKernelMethod, Linear, PrepackedMethod
-from infertune.layers.moe import Experts
+from infertune.layers.moe import CompressedExperts, Experts
 from infertune.quant.experts import QuantizedExperts
 from infertune.quant.int4 import W4A16Method
 from infertune.quant.int8 import W8A8Method, W8A16Method
@@ -66,6 +66,9 @@ def attach_linear_methods(
             if config is not None and config.method is not None and not keeps(config, name):
                 module.quant_method = QuantizedExperts(lambda: make_method(config, fast, max_rows, kernels))
                 chosen[name] = module.quant_method.name
+            elif plain_kernel and compress and _compressible_experts(module, kernels):
+                module.quant_method = CompressedExperts(kernels)
+                chosen[name] = module.quant_method.name
             continue
         if not isinstance(module, Linear):
             continue
@@ -92,6 +95,13 @@ def attach_linear_methods(
             continue
         chosen[name] = module.quant_method.name
     return chosen
+
+
+def _compressible_experts(experts: Experts, kernels: DecodeKernels) -> bool:
+    """Whether every expert of both projections can take the kernels' compressed layout (a tensor-parallel rank's
+    share too: its own shapes)."""
+    (_, n_gu, k_gu), (_, n_d, k_d) = experts.gate_up_proj.shape, experts.down_proj.shape
+    return kernels.can_compress(n_gu, k_gu) and kernels.can_compress(n_d, k_d)
 
 
 def is_lm_head(name: str) -> bool:

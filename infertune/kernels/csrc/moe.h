@@ -17,9 +17,14 @@
  * tie takes ~4% of a layer's tokens (the 64-expert benchmark model); NaN scores hand back too.
  *
  * A variant defines, before it includes this file:
- *   moe_linear(L, x, ldx, y, ldy, M, nthreads, scratch)  y = x W^T (+ bias) for one expert's it_lin (bf16, w8, w4)
- *   moe_linear_scratch(M, K, nthreads)                    the bytes of scratch moe_linear needs at up to M rows
- *   moe_silu_mul(gu, act, M, I, nthreads)                 act = bf16(bf16(silu(gate)) * up), as it_silu_mul
+ *   moe_linear(L, x, ldx, y, ldy, M, nthreads, scratch, silu)
+ *                                           y = x W^T (+ bias) for one expert's it_lin (bf16, w8, w4; 12-bit where
+ *                                           MOE_BF16C is defined); silu (a 12-bit gate_up with inter > 0 only):
+ *                                           y = act [M, inter], SiLU-and-multiply in the GEMM's epilogue
+ *   moe_linear_scratch(M, K, nthreads)      the bytes of scratch moe_linear needs at up to M rows
+ *   moe_silu_mul(gu, act, M, I, nthreads)   act = bf16(bf16(silu(gate)) * up), as it_silu_mul
+ * and MOE_BF16C where its moe_linear takes 12-bit experts: their it_lin's w points at E bf16c descriptions (expert
+ * e's weight is the e-th), each a bf16 weight in the lossless 12-bit layout, bit for bit the bf16 expert's products.
  */
 #ifndef IT_MOE_H
 #define IT_MOE_H
@@ -164,6 +169,10 @@ static it_lin moe_expert_lin(const it_lin* L, int64_t e) {
     } else if (L->kind == IT_KIND_W8) {
         r.w = (const int8_t*)L->w + e * N * K;
         r.scale = (const char*)L->scale + e * N * (L->scale_is_f32 ? 4 : 2);
+#ifdef MOE_BF16C
+    } else if (L->kind == IT_KIND_BF16C) {
+        r.w = (const bf16c*)L->w + e;
+#endif
     } else { /* IT_KIND_W4 */
         r.w = (const uint8_t*)L->w + e * N * (K / 2);
         r.scale = (const float*)L->scale + e * N * (K / L->group);
@@ -213,9 +222,13 @@ static void moe_expert(const moe_rows* m, int64_t e, int nthreads, void* scratch
     for (int64_t i = 0; i < n; i++)
         memcpy(m->xs + (r0 + i) * H, m->x + (m->order[r0 + i] / m->k) * m->ldx, (size_t)H * 2);
     const it_lin g = moe_expert_lin(m->gate_up, e), d = moe_expert_lin(m->down, e);
-    moe_linear(&g, m->xs + r0 * H, H, m->gu + r0 * 2 * I, 2 * I, n, nthreads, scratch);
-    moe_silu_mul(m->gu + r0 * 2 * I, m->act + r0 * I, n, I, nthreads);
-    moe_linear(&d, m->act + r0 * I, I, m->ys + r0 * H, H, n, nthreads, scratch);
+    if (g.kind == IT_KIND_BF16C && g.inter) { /* gate and up interleaved: act straight from the epilogue */
+        moe_linear(&g, m->xs + r0 * H, H, m->act + r0 * I, I, n, nthreads, scratch, 1);
+    } else {
+        moe_linear(&g, m->xs + r0 * H, H, m->gu + r0 * 2 * I, 2 * I, n, nthreads, scratch, 0);
+        moe_silu_mul(m->gu + r0 * 2 * I, m->act + r0 * I, n, I, nthreads);
+    }
+    moe_linear(&d, m->act + r0 * I, I, m->ys + r0 * H, H, n, nthreads, scratch, 0);
 }
 
 /* x [T, H] bf16 (rows ldx apart); gate_up and down: expert 0's it_lin of the stacked [E, 2I, H] and [E, H, I]
@@ -231,7 +244,11 @@ int it_moe_experts(const bf16* x, int64_t ldx, int64_t T, const it_lin* gate_up,
     if (gate_up->N != 2 * I || down->N != H || k < 1 || k > 64 || T < 1) return -2;
     for (int i = 0; i < 2; i++) {
         const it_lin* L = i ? down : gate_up;
-        if (L->kind != IT_KIND_BF16 && L->kind != IT_KIND_W8 && L->kind != IT_KIND_W4) return -2;
+        int known = L->kind == IT_KIND_BF16 || L->kind == IT_KIND_W8 || L->kind == IT_KIND_W4;
+#ifdef MOE_BF16C
+        known |= L->kind == IT_KIND_BF16C && L->N % 16 == 0 && L->K % 32 == 0 && (!L->inter || 2 * L->inter == L->N);
+#endif
+        if (!known) return -2;
         if (L->kind == IT_KIND_W4 && (L->group < 1 || L->K % L->group || L->K % 2)) return -2;
     }
     if (nthreads < 1) nthreads = 1;

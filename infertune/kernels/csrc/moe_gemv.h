@@ -4,8 +4,8 @@
 #define IT_MOE_GEMV_H
 
 static void moe_linear(const it_lin* L, const bf16* x, int64_t ldx, bf16* y, int64_t ldy, int64_t M, int nthreads,
-                       void* scratch) {
-    (void)scratch;
+                       void* scratch, int silu) { /* (silu: 12-bit experts only, which these libraries refuse) */
+    (void)scratch, (void)silu;
     if (L->kind == IT_KIND_BF16)
         it_linear_bf16(x, ldx, (const bf16*)L->w, L->bias, y, ldy, M, L->N, L->K, nthreads);
     else if (L->kind == IT_KIND_W8)
