@@ -497,12 +497,14 @@ class ModelConfig:
         choices=DECODE_KERNELS,
         see="Decode kernels",
     )
-    # Plain bf16 weights under the decode kernels kept losslessly in 12 bits a weight (layers/linear.py Bf16cMethod).
+    # Plain bf16 weights under the decode kernels kept losslessly in 12 bits a weight (layers/linear.py
+    # CompressedMethod, layers/moe.py CompressedExperts).
     compress_weights: str = _opt(
         "auto",
-        "auto = where the decode kernels run on a CPU with AMX (and compile is not on), keep plain bf16 "
-        "projections losslessly in 12 bits a weight (bit-identical outputs; decode steps read 25% fewer bytes, the "
-        "weights take 0.76x the memory, load takes ~2 ms more per million weights); off = keep them as loaded",
+        "auto = where the decode kernels run on a CPU with AVX-512 VBMI, AMX or not (and compile is not on), keep "
+        "plain bf16 projections and MoE experts losslessly in 12 bits a weight (bit-identical outputs; decode steps "
+        "read 25% fewer bytes, the weights take 0.76x the memory, load takes ~2-4 ms more per million weights); "
+        "off = keep them as loaded",
         choices=COMPRESS_WEIGHTS,
         see="Decode kernels",
     )

@@ -127,6 +127,8 @@ def load_model(
     materialize(model, device)
     params = dict(model.named_parameters(remove_duplicate=False))
     missing = _expected_shards(model)  # param name -> shards still to load (None = the whole tensor)
+    ready = _ReadyModules(model)  # modules whose weights are all in: quantized / packed as soon as they are
+    early: dict[str, set] = {}  # the parameters of the modules processed so: name -> the shards they took
     expert_names: dict[str, str] = {}  # fused experts param -> one per-expert tensor name that filled it
     skipped = 0
     skips = lambda name: arch.skip_layers_from is not None and _layer_index(name, arch.skip_layers_from)  # noqa: E731
@@ -143,6 +145,10 @@ def load_model(
                 target, shard = map_checkpoint_name(name, packed, renames)
                 if shard is not None and ".experts." in name:
                     expert_names.setdefault(target, name)  # how this checkpoint names experts, for errors
+                if target in early:
+                    if shard is not None and shard not in early[target]:
+                        continue  # another rank's expert (expert parallel): not loaded here, as its loader would do
+                    raise ValueError(f"{path.name}: tensor {name!r} comes again after its layer was loaded whole")
                 if target not in params:
                     raise ValueError(
                         f"{path.name}: tensor {name!r} has no place in {arch.architecture}; "
@@ -158,6 +164,18 @@ def load_model(
                     missing.pop(target, None)
                 else:
                     missing.get(target, set()).discard(shard)
+                if not missing.get(target):
+                    complete = ready.loaded(param)
+                    del param
+                    gone = None
+                    for module in complete:
+                        # (our own references first, so that a method replacing a weight frees it at once: the
+                        # checkpoint's full-precision layers are never all in memory together)
+                        for n in ready.param_names(module):
+                            gone = params.pop(n, None)
+                            early[n] = set(getattr(gone, "expected_shards", None) or ())
+                        del gone
+                        module.quant_method.process_weights_after_loading(module)
         except CorruptCheckpointError as e:
             raise ValueError(f"{path} is not a readable safetensors file ({e}); re-download or re-save it") from e
     if dequant is not None:
@@ -176,11 +194,51 @@ def load_model(
     if absent:
         raise ValueError(f"{model_dir}: checkpoint is missing tensors: {', '.join(absent[:8])}")
     for module in model.modules():
-        if hasattr(module, "quant_method"):
+        if hasattr(module, "quant_method") and not ready.processed(module):
             module.quant_method.process_weights_after_loading(module)
         if hasattr(module, "reset_buffers"):
             module.reset_buffers()
     return model.eval()
+
+
+class _ReadyModules:
+    """Which modules with a quant_method have every parameter of their own loaded (a tied weight counts once it is in,
+    under whichever name): the loader quantizes / packs each such module at once, so a quantized or compressed
+    model's peak memory is its packed layers plus about one layer in the checkpoint's precision, not the whole
+    checkpoint at that precision."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.left: dict[nn.Module, set[int]] = {}  # module -> ids of its parameters not yet whole
+        self.owners: dict[int, list[nn.Module]] = {}  # parameter id -> the modules waiting on it
+        self.names: dict[nn.Module, list[str]] = {}
+        self.done: set[nn.Module] = set()
+        for mod_name, module in model.named_modules(remove_duplicate=False):
+            if not hasattr(module, "quant_method"):
+                continue
+            own = list(module.named_parameters(recurse=False))
+            if module in self.left or not own:
+                continue
+            self.left[module] = {id(p) for _, p in own}
+            self.names[module] = [f"{mod_name}.{n}" if mod_name else n for n, _ in own]
+            for _, p in own:
+                self.owners.setdefault(id(p), []).append(module)
+
+    def loaded(self, param: torch.Tensor) -> list[nn.Module]:
+        """param is whole now: the modules this completes (each returned once)."""
+        out = []
+        for module in self.owners.pop(id(param), []):
+            left = self.left[module]
+            left.discard(id(param))
+            if not left:
+                self.done.add(module)
+                out.append(module)
+        return out
+
+    def param_names(self, module: nn.Module) -> list[str]:
+        return self.names.get(module, [])
+
+    def processed(self, module: nn.Module) -> bool:
+        return module in self.done
 
 
 def _cast(tensor: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
