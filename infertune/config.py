@@ -502,9 +502,9 @@ class ModelConfig:
     compress_weights: str = _opt(
         "auto",
         "auto = where the decode kernels run on a CPU with AVX-512 VBMI, AMX or not (and compile is not on), keep "
-        "plain bf16 projections and MoE experts losslessly in 12 bits a weight (bit-identical outputs; decode steps "
-        "read 25% fewer bytes, the weights take 0.76x the memory, load takes ~2-4 ms more per million weights); "
-        "off = keep them as loaded",
+        "plain bf16 projections and MoE experts losslessly in 12 bits a weight, and a tied LM head as a 12-bit copy "
+        "beside the embedding's table (bit-identical outputs; decode steps read 25% fewer bytes, the weights take "
+        "0.76x the memory, load takes ~2-4 ms more per million weights); off = keep them as loaded",
         choices=COMPRESS_WEIGHTS,
         see="Decode kernels",
     )

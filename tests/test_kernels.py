@@ -1059,6 +1059,52 @@ def test_engine_with_12bit_weights_without_amx_is_the_bf16_engine_on_the_gemm(tm
 
 
 @needs_bf16c
+def test_tied_head_multiplies_a_12bit_copy_and_the_embedding_keeps_its_table(tmp_path):
+    """compress_weights="auto" with tied embeddings: the head multiplies a lossless 12-bit copy of the shared matrix
+    (0.76x the bytes a step streams through it), while the embedding keeps the bf16 table its lookups read; the
+    tokens and logprobs are compress_weights="off"'s bit for bit (without AMX both sides' bf16 linears on the
+    VDPBF16PS GEMM, whose sums the 12-bit path makes: as above)."""
+    from conftest import make_checkpoint
+
+    from infertune import LLM, SamplingParams
+    from infertune.layers.linear import CompressedMethod, DecodeKernelMethod
+
+    path = make_checkpoint(
+        tmp_path / "m",
+        "llama",
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        tie_word_embeddings=True,
+        vocab_size=272,  # (a multiple of 16: the 12-bit layout's rows)
+        dtype=torch.bfloat16,
+    )
+    prompts = [{"prompt_token_ids": [5 + i, 17, 33, 2 + i, 60]} for i in range(3)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3)
+    lib = kernels.library()
+    runs, old = {}, lib.it_gemm_rows_noamx(0)  # (0: only read it)
+    lib.it_gemm_rows_noamx(1)
+    try:
+        for mode in ("auto", "off"):
+            llm = LLM(str(path), dtype="bfloat16", compress_weights=mode, max_model_len=64)
+            model = llm.engine.executor.runner.model
+            head, table = model.lm_head, model.model.embed_tokens.weight
+            assert table.dtype is torch.bfloat16 and tuple(table.shape) == (272, 128)
+            if mode == "auto":
+                assert type(head.quant_method) is CompressedMethod and not hasattr(head, "weight")
+                assert torch.equal(head.quant_method.dense_weight(head), table)
+            else:
+                assert type(head.quant_method) is DecodeKernelMethod and head.weight is table
+            runs[mode] = [
+                (o.outputs[0].token_ids, [(lp.token_id, lp.logprob) for lp in o.outputs[0].logprobs])
+                for o in llm.generate(prompts, params, use_tqdm=False)
+            ]
+    finally:
+        lib.it_gemm_rows_noamx(old)
+    assert runs["auto"] == runs["off"]
+
+
+@needs_bf16c
 def test_fused_prefill_takes_only_the_read_rows_through_the_last_layers_mlp(tmp_path):
     """A step of three fresh prompts through the fused step with out_rows (their last tokens, what execute_model
     samples from): past the last layer's attention only those rows go on, and their hidden states are bit for bit
