@@ -171,7 +171,9 @@ class X86FusedDecoder:
             while rc == 1:  # a MoE layer's tie at the top-k boundary: route() picks as the per-module path does
                 self.handbacks += 1
                 route, experts = self.routes[s.handed_back]
-                routing = route(self.router_logits[: s.route_rows, :experts])
+                # (the step writes the layer's logits as rows of its own experts, [route_rows, experts], packed)
+                logits = self.router_logits.view(-1)[: s.route_rows * experts].view(s.route_rows, experts)
+                routing = route(logits)
                 s.first_layer = s.handed_back
                 s.route_weights, s.route_order, s.route_counts = (
                     routing.weights.data_ptr(),

@@ -1,9 +1,9 @@
 /* The fused decoder step, it_decode_layers, over a library's parts (portable C: the AVX-512 library includes it after
- * its decode_ws.c / attention.c / elementwise.c, the AVX2 one after x86/avx2/fused.c, the NEON one after
- * arm/neon/fused.c). What a library provides:
+ * its decode_ws.c / attention.c / elementwise.c / moe.c, the AVX2 one after x86/avx2/fused.c and moe_gemv.h, the NEON
+ * one after arm/neon/fused.c and moe_gemv.h). What a library provides:
  * ws_layout / workspace(m, T, max_ctx) (offsets h, qkv, o, gu, act, y, lin, dec, attn, total), rmsnorm_rows,
- * silu_mul_rows, rotary_rows, run_lin / run_lin_add (a linear, and one added into the residual), attention_rows, and
- * kv_write (kv_cache.h). */
+ * silu_mul_rows, rotary_rows, run_lin / run_lin_add (a linear, and one added into the residual), add_rows,
+ * attention_rows, kv_write (kv_cache.h), and the MoE kernels it_moe_route / it_moe_experts (moe.h). */
 #ifndef IT_FUSED_STEP_H
 #define IT_FUSED_STEP_H
 #include <time.h>
@@ -61,8 +61,9 @@ static void gate_up_rows(const it_model* m, const it_lin* gate_up, const bf16* h
 /* A mixture-of-experts layer's MLP over h [R, H] (the post-attention norm's rows), into y [R, H], as layers/moe.py
  * MoE computes it through the kernels: the router's logits (the bf16 linear), it_moe_route, it_moe_experts, and the
  * shared expert (scaled by bf16(sigmoid(bf16(h . g))) where gated), added as bf16(routed + shared).
- * route: the caller's routing (resuming after a hand-back) or NULL. Returns 0, 1 where the routing hands back (a
- * tie at the top-k boundary: the logits are in s->router_logits), -2 where the kernels refuse the layer. */
+ * resume: route with the caller's routing (s->route_weights / _order / _counts, after a hand-back) instead. Returns
+ * 0, 1 where the routing hands back (a tie at the top-k boundary: the logits are in s->router_logits), -2 where the
+ * kernels refuse the layer. */
 static int moe_mlp(const it_model* m, const it_moe_layer* M, const it_step* s, int li, int resume, const bf16* h,
                    bf16* y, int64_t R, char* w, const moe_ws* ml, bf16* gu, bf16* act, void* lin, bf16* dec,
                    double* t0) {
