@@ -784,18 +784,21 @@ def test_prompt_rows_attention_matches_float64(attn_lib, hq, hkv, d, bs):
         assert not torch.equal(outs[True], outs[False])
 
 
-def _tiny_bf16_llama(tmp_path):
-    """The fused-step tests' checkpoint: a 2-layer bf16 Llama, hidden 128, tied embeddings."""
+def _tiny_bf16_llama(tmp_path, **overrides):
+    """The fused-step tests' checkpoint: a 2-layer bf16 Llama, hidden 128, tied embeddings (overrides: config keys)."""
     from conftest import make_checkpoint
 
     return make_checkpoint(
         tmp_path / "m",
         "llama",
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        tie_word_embeddings=True,
-        dtype=torch.bfloat16,
+        **{
+            "hidden_size": 128,
+            "intermediate_size": 256,
+            "num_hidden_layers": 2,
+            "tie_word_embeddings": True,
+            "dtype": torch.bfloat16,
+        }
+        | overrides,
     )
 
 
@@ -1064,21 +1067,10 @@ def test_tied_head_multiplies_a_12bit_copy_and_the_embedding_keeps_its_table(tmp
     (0.76x the bytes a step streams through it), while the embedding keeps the bf16 table its lookups read; the
     tokens and logprobs are compress_weights="off"'s bit for bit (without AMX both sides' bf16 linears on the
     VDPBF16PS GEMM, whose sums the 12-bit path makes: as above)."""
-    from conftest import make_checkpoint
-
     from infertune import LLM, SamplingParams
     from infertune.layers.linear import CompressedMethod, DecodeKernelMethod
 
-    path = make_checkpoint(
-        tmp_path / "m",
-        "llama",
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        tie_word_embeddings=True,
-        vocab_size=272,  # (a multiple of 16: the 12-bit layout's rows)
-        dtype=torch.bfloat16,
-    )
+    path = _tiny_bf16_llama(tmp_path, vocab_size=272)  # (a multiple of 16: the 12-bit layout's rows)
     prompts = [{"prompt_token_ids": [5 + i, 17, 33, 2 + i, 60]} for i in range(3)]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3)
     lib = kernels.library()

@@ -201,9 +201,11 @@ class X86FusedDecoder:
     def step_timers(self, reset: bool = False) -> dict[str, float]:
         return cpu.fused_step_timers(self.stats, reset)
 
-    def count_experts(self, on: bool) -> None:
-        """Count the rows each MoE layer routes to each expert from the next step on (or stop counting)."""
+    def count_experts(self, on: bool) -> bool:
+        """Count the rows each MoE layer routes to each expert from the next step on (or stop counting); False where
+        the model has no MoE layer (nothing to count)."""
         self.step.expert_load = self._expert_load.data_ptr() if on and self.routes else None
+        return bool(self.routes)
 
     def expert_load(self, reset: bool = False) -> dict[int, torch.Tensor]:
         """Layer index -> rows routed to each expert [E] since counting began (or the last reset)."""

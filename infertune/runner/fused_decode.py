@@ -222,10 +222,7 @@ class FusedDecode:
         """Count the rows each MoE layer of the fused steps routes to each expert (`expert_load`); False where the
         decoder does not count (no MoE layer, or kernels that do not)."""
         count = getattr(self.decoder, "count_experts", None)
-        if count is None or not getattr(self.decoder, "routes", None):
-            return False
-        count(on)
-        return True
+        return bool(count is not None and count(on))
 
     def expert_load(self, reset: bool = False) -> dict[int, torch.Tensor]:
         """Decoder layer index -> rows its MoE layer routed to each expert [E] in the fused steps counted."""
