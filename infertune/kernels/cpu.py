@@ -65,7 +65,7 @@ AVX2_QUANT_MAX_ROWS = 2048
 AVX2_FUSED_PREFILL_ROWS = 128
 # The C side's ABI (csrc/abi.h IT_ABI_VERSION): bump both together when a shared struct or a signature changes.
 ABI_VERSION = 5
-WARN_FLAGS = ["-Wall", "-Wextra"]
+WARN_FLAGS = ["-Wall", "-Wextra", "-Wpointer-arith"]
 COMMON_FLAGS = ["-O3", "-std=c11", "-shared", "-fPIC", "-fopenmp", *WARN_FLAGS, f"-I{CSRC}"]
 
 

@@ -216,6 +216,13 @@ typedef struct {
     bf16 *xs, *gu, *act, *ys;
 } moe_rows;
 
+#ifdef MOE_ONE_ROW
+/* A variant's path for steps where every expert picked holds one row (a decode step of one token, or of tokens that
+   picked different experts): returns 1 where it computed ys (the rows' down outputs, as moe_expert computes them), 0
+   where the experts' kinds are not its own (then the per-expert path runs) */
+static int MOE_ONE_ROW(const moe_rows* m, const int64_t* active, int64_t na, int64_t T, int nthreads);
+#endif
+
 /* Expert e's rows: gathered, gate_up, SiLU-and-multiply, down (nthreads: the linears' threads) */
 static void moe_expert(const moe_rows* m, int64_t e, int nthreads, void* scratch) {
     const int64_t r0 = m->start[e], n = m->counts[e], H = m->H, I = m->I;
@@ -287,7 +294,12 @@ int it_moe_experts(const bf16* x, int64_t ldx, int64_t T, const it_lin* gate_up,
     char* work = (char*)aligned_alloc(64, (size_t)(o_s + outer * scratch));
     bf16 *xs = (bf16*)work, *gu = (bf16*)(work + o_gu), *act = (bf16*)(work + o_act), *ys = (bf16*)(work + o_y);
     const moe_rows rows_of = {x, ldx, k, H, I, gate_up, down, order, start, counts, xs, gu, act, ys};
-    if (outer > 1) { /* (a region of its own only here: the linears' regions nested in one would not reuse threads) */
+    int done = 0;
+#ifdef MOE_ONE_ROW
+    done = maxn == 1 && MOE_ONE_ROW(&rows_of, active, na, T, nthreads);
+#endif
+    if (done) { /* (the variant's one-row path computed ys) */
+    } else if (outer > 1) { /* (a region of its own only here: the linears' regions nested in one would not reuse threads) */
 #pragma omp parallel for num_threads(outer) schedule(dynamic, 1)
         for (int64_t a = 0; a < na; a++)
             moe_expert(&rows_of, active[a], 1, work + o_s + (int64_t)omp_get_thread_num() * scratch);

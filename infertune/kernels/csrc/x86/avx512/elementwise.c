@@ -25,27 +25,27 @@ static void rmsnorm_rows(const bf16* x, const bf16* w, bf16* out, int64_t T, int
 }
 
 
+/* act[i] = bf16(bf16(silu(g)) * u) over one row, gate g and up u [I] each (layers/activation.py) */
+static void silu_mul_row(const bf16* g, const bf16* u, bf16* a, int64_t I) {
+    int64_t i = 0;
+    for (; i + 64 <= I; i += 64) { /* four independent vectors a pass: the exp chains overlap */
+        __m512 sv[4];
+        for (int j = 0; j < 4; j++) sv[j] = silu512(load_bf16x16(g + i + 16 * j, 0xffff));
+        for (int j = 0; j < 4; j++)
+            _mm256_storeu_si256((__m256i*)(a + i + 16 * j),
+                                round_bf16x16(_mm512_mul_ps(bf16_round_f32(sv[j]), load_bf16x16(u + i + 16 * j, 0xffff))));
+    }
+    for (; i < I; i += 16) {
+        const __mmask16 m = mask16(I - i);
+        const __m512 s = silu512(load_bf16x16(g + i, m));
+        _mm256_mask_storeu_epi16(a + i, m, round_bf16x16(_mm512_mul_ps(bf16_round_f32(s), load_bf16x16(u + i, m))));
+    }
+}
+
 /* act[t, i] = bf16(bf16(silu(g)) * u), gate | up side by side in gu [T, 2I] (layers/activation.py) */
 static void silu_mul_rows(const bf16* gu, bf16* act, int64_t T, int64_t I, int nthreads) {
 #pragma omp parallel for num_threads(rows_threads(T, T * I, nthreads)) schedule(static)
-    for (int64_t t = 0; t < T; t++) {
-        const bf16* g = gu + t * 2 * I;
-        const bf16* u = g + I;
-        bf16* a = act + t * I;
-        int64_t i = 0;
-        for (; i + 64 <= I; i += 64) { /* four independent vectors a pass: the exp chains overlap */
-            __m512 sv[4];
-            for (int j = 0; j < 4; j++) sv[j] = silu512(load_bf16x16(g + i + 16 * j, 0xffff));
-            for (int j = 0; j < 4; j++)
-                _mm256_storeu_si256((__m256i*)(a + i + 16 * j),
-                                    round_bf16x16(_mm512_mul_ps(bf16_round_f32(sv[j]), load_bf16x16(u + i + 16 * j, 0xffff))));
-        }
-        for (; i < I; i += 16) {
-            const __mmask16 m = mask16(I - i);
-            const __m512 s = silu512(load_bf16x16(g + i, m));
-            _mm256_mask_storeu_epi16(a + i, m, round_bf16x16(_mm512_mul_ps(bf16_round_f32(s), load_bf16x16(u + i, m))));
-        }
-    }
+    for (int64_t t = 0; t < T; t++) silu_mul_row(gu + t * 2 * I, gu + t * 2 * I + I, act + t * I, I);
 }
 
 /* rotary (rotate-half) of q and k heads in qkv [T, (Hq + 2 Hkv) D], in fp32, rounded once to bf16 */
