@@ -13,9 +13,12 @@ is read (untimed) so that the call streams its experts' weights from memory, as 
            side by side on the threads, csrc/moe.h IT_MOE_SIDE_BY_SIDE_ROWS), and from a second build that runs
            them one after the other with each one's features split over the threads (-DIT_MOE_SIDE_BY_SIDE_ROWS=1000000)
 
-and prints the median ms of each, with what the experts' weights read comes to in GB/s.
+and prints the median ms of each, with what the experts' weights read comes to in GB/s. With --quant w4a16 the
+experts are int4 (groups of 128, quant/experts.py) and the second build is the library without the one-row path of
+int4 experts (moe.c moe_one_row, -DMOE_ONE_ROW_OFF=1: each expert's linears on their own, as before it).
 
     python benchmarks/bench_moe_kernels.py --tokens 1,4,16,64,128 --threads 2
+    python benchmarks/bench_moe_kernels.py --quant w4a16 --tokens 1,2 --threads 2
 """
 
 from __future__ import annotations
@@ -37,17 +40,20 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=40, help="timed calls of each path per T (default: 40)")
     ap.add_argument("--evict-mb", type=int, default=512, help="read before each call, untimed (default: 512)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--quant", choices=("none", "w4a16"), default="none", help="the experts' weights (default: bf16)")
     args = ap.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
     print(
         f"$ python benchmarks/bench_moe_kernels.py --tokens {args.tokens} --layers {args.layers} "
-        f"--steps {args.steps} --evict-mb {args.evict_mb} --threads {args.threads}"
+        f"--steps {args.steps} --evict-mb {args.evict_mb} --threads {args.threads} --quant {args.quant}"
     )
 
     from infertune.bench.offline import PRESETS, cpu_model
     from infertune.config import MoeArch
     from infertune.kernels import cpu, x86
     from infertune.layers.moe import Experts, Router
+    from infertune.quant.experts import QuantizedExperts
+    from infertune.quant.int4 import W4A16Method
 
     torch.set_num_threads(args.threads)
     if cpu.variant() not in ("avx512", "avx512-noamx"):
@@ -56,8 +62,9 @@ def main() -> int:
     print(f"CPU: {cpu_model()}; kernels: {cpu.describe()}; torch {torch.__version__}, {args.threads} threads")
     kernels = x86.kernels()
     forced = {}  # the same kernels with the experts' threading forced one way
-    for name, rows in (("features split", 1000000),):
-        flag = f"-DIT_MOE_SIDE_BY_SIDE_ROWS={rows}"
+    builds = {"features split": "-DIT_MOE_SIDE_BY_SIDE_ROWS=1000000", "one-row path off": "-DMOE_ONE_ROW_OFF=1"}
+    for name in ("one-row path off",) if args.quant == "w4a16" else ("features split",):
+        flag = builds[name]
         lib = ctypes.CDLL(str(cpu.build_library(cpu.VARIANTS["avx512"], cpu._compiler(), (flag,))))
         assert cpu.check_abi(lib) is None
         cpu.declare(lib)
@@ -82,6 +89,9 @@ def main() -> int:
         e = Experts(hidden, moe, torch.bfloat16)
         e.gate_up_proj.data = (0.02 * torch.randn(e.gate_up_proj.shape, generator=g)).bfloat16()
         e.down_proj.data = (0.02 * torch.randn(e.down_proj.shape, generator=g)).bfloat16()
+        if args.quant == "w4a16":
+            e.quant_method = QuantizedExperts(lambda: W4A16Method(group_size=128, kernels=kernels))
+            e.quant_method.process_weights_after_loading(e)
         for m in (r, e):
             m.requires_grad_(False)
             m.use_kernels(kernels)
@@ -89,7 +99,7 @@ def main() -> int:
         experts.append(e)
     described = [e._kernel_experts for e in experts]
     evict = torch.ones(args.evict_mb << 18)  # fp32: evict_mb MiB
-    expert_bytes = 3 * hidden * inter * 2
+    expert_bytes = 3 * hidden * inter * (2 if args.quant == "none" else 0.5 + 8 / 128)  # int4: + fp32 scale, zero
 
     print(f"\n{'T':>4} {'path':<48} {'ms':>8} {'GB/s':>6}")
     for t in tokens:
