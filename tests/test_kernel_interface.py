@@ -131,13 +131,16 @@ class TorchFused:
             x1, x2 = qkv[:, : hq + hkv].float().chunk(2, dim=-1)
             qkv[:, : hq + hkv] = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(qkv.dtype)
             cache = layer.kv_cache
-            cache[0].view(-1, hkv, d)[slot_mapping] = qkv[:, hq : hq + hkv]
-            cache[1].view(-1, hkv, d)[slot_mapping] = qkv[:, hq + hkv :]
+            # (KV cache groups: slots and tables stacked by group, each layer reading its own)
+            grouped = block_tables.dim() == 3
+            sm, bt = (slot_mapping[layer.group], block_tables[layer.group]) if grouped else (slot_mapping, block_tables)
+            cache[0].view(-1, hkv, d)[sm] = qkv[:, hq : hq + hkv]
+            cache[1].view(-1, hkv, d)[sm] = qkv[:, hq + hkv :]
             o = torch.empty(t, hq, d, dtype=x.dtype)
             for r in range(t):
                 n = int(context_lens[r])
-                pos = torch.arange(n)
-                slots = block_tables[r][pos // bs] * bs + pos % bs
+                pos = torch.arange(max(0, n - layer.window) if layer.window else 0, n)  # a window: the last keys
+                slots = bt[r][pos // bs] * bs + pos % bs
                 keys = cache[0].view(-1, hkv, d)[slots].float().repeat_interleave(hq // hkv, dim=1)
                 vals = cache[1].view(-1, hkv, d)[slots].float().repeat_interleave(hq // hkv, dim=1)
                 att = torch.einsum("hd,nhd->hn", qkv[r, :hq].float(), keys) * m.scale

@@ -64,7 +64,9 @@ AVX2_QUANT_MAX_ROWS = 2048
 # AVX-512 library without AMX does (NOAMX_GEMM_MAX_ROWS): each prompt row's attention runs on its own.
 AVX2_FUSED_PREFILL_ROWS = 128
 # The C side's ABI (csrc/abi.h IT_ABI_VERSION): bump both together when a shared struct or a signature changes.
-ABI_VERSION = 5
+ABI_VERSION = 6
+# The KV cache groups a fused step reads at most (csrc/abi.h IT_MAX_KV_GROUPS): layers grouped by sliding window
+MAX_KV_GROUPS = 8
 WARN_FLAGS = ["-Wall", "-Wextra", "-Wpointer-arith"]
 COMMON_FLAGS = ["-O3", "-std=c11", "-shared", "-fPIC", "-fopenmp", *WARN_FLAGS, f"-I{CSRC}"]
 
@@ -433,6 +435,8 @@ class ItLayer(ctypes.Structure):
         ("q_norm", ctypes.c_void_p),
         ("k_norm", ctypes.c_void_p),
         ("moe", ctypes.c_void_p),  # an ItMoeLayer, or None: the dense MLP
+        ("window", ctypes.c_int64),  # > 0: the layer's sliding window; 0: the whole context
+        ("group", ctypes.c_int64),  # its KV cache group (ItStep.group_slots / group_tables)
     ]
 
 
@@ -487,6 +491,9 @@ class ItStep(ctypes.Structure):
         ("route_order", ctypes.c_void_p),
         ("route_counts", ctypes.c_void_p),
         ("expert_load", ctypes.c_void_p),
+        ("n_groups", ctypes.c_int64),  # 0: every layer reads slots / block_tables; else its group's below
+        ("group_slots", ctypes.c_void_p * MAX_KV_GROUPS),
+        ("group_tables", ctypes.c_void_p * MAX_KV_GROUPS),
     ]
 
 
@@ -558,7 +565,20 @@ def abi_layout(structs: dict[str, type[ctypes.Structure]] | None = None) -> list
     } | (structs or {})
     fields = {
         "it_lin": ("kind", "scale_is_f32", "w", "scale", "bias", "N", "K", "zero", "group", "inter"),
-        "it_layer": ("input_norm", "post_norm", "qkv", "o", "gate_up", "down", "kv_cache", "q_norm", "k_norm", "moe"),
+        "it_layer": (
+            "input_norm",
+            "post_norm",
+            "qkv",
+            "o",
+            "gate_up",
+            "down",
+            "kv_cache",
+            "q_norm",
+            "k_norm",
+            "moe",
+            "window",
+            "group",
+        ),  # fmt: skip
         "it_model": (
             "hidden",
             "n_heads",
@@ -597,6 +617,9 @@ def abi_layout(structs: dict[str, type[ctypes.Structure]] | None = None) -> list
             "route_order",
             "route_counts",
             "expert_load",
+            "n_groups",
+            "group_slots",
+            "group_tables",
         ),  # fmt: skip
         "it_step_stats": ("seconds", "calls", "rows"),
         "bf16c": ("codes", "table", "esc_start", "esc_pos", "esc_val"),

@@ -132,6 +132,8 @@ class FusedLayer:
     q_norm: torch.Tensor | None = None  # [head_dim]: Qwen3's per-head RMSNorm of q and k before rotary
     k_norm: torch.Tensor | None = None
     moe: FusedMoE | None = None
+    window: int = 0  # > 0: a sliding window (the row attends to its last `window` keys, its own included); 0: all
+    group: int = 0  # the KV cache group whose slots and block tables the layer reads (FusedModel.kv_groups)
 
 
 @dataclass(slots=True)
@@ -154,6 +156,10 @@ class FusedModel:
     layers: list[FusedLayer] = field(default_factory=list)
     max_context: int = 0  # the longest context a sequence can reach, in tokens (a multiple of block_size)
     step_rows: int = 0  # the most tokens one step can hold
+    # KV cache groups (layers grouped by sliding window, each group with its own block tables): with more than one,
+    # a step's slot_mapping and block_tables come stacked by group ([G, T] and [G, T, max_blocks]). An
+    # implementation that does not know windows or groups returns why (fused_decoder) where a layer has one.
+    kv_groups: int = 1
 
 
 class FusedDecoder(Protocol):
@@ -172,8 +178,10 @@ class FusedDecoder(Protocol):
         out_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm (a view of a buffer the next step overwrites). Each row
-        attends to the first context_lens[row] tokens of its block table row. out_rows (int64, ascending): the
-        only rows the caller reads; past the last layer's attention just those go on."""
+        attends to the first context_lens[row] tokens of its block table row (a layer with a window to the last
+        `window` of them; with FusedModel.kv_groups > 1, the slots and block tables come stacked by group and each
+        layer reads its group's). out_rows (int64, ascending): the only rows the caller reads; past the last
+        layer's attention just those go on."""
         ...
 
     def step_timers(self, reset: bool = False) -> dict[str, float]:

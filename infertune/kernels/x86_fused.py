@@ -59,6 +59,8 @@ class X86FusedDecoder:
         weights) and attention with P in fp32; else the process's AVX-512 library."""
         if model.head_dim % 16:
             return f"head_dim={model.head_dim} (the fused step needs a multiple of 16)"
+        if model.kv_groups > cpu.MAX_KV_GROUPS:
+            return f"{model.kv_groups} KV cache groups (the fused step reads {cpu.MAX_KV_GROUPS} at most)"
         if model.embed.dtype is not torch.bfloat16 or any(
             t.dtype is not torch.bfloat16 for layer in model.layers for t in (layer.input_norm, layer.post_norm)
         ):
@@ -84,6 +86,7 @@ class X86FusedDecoder:
         for c, layer in zip(layers, model.layers):
             c.input_norm, c.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
             c.kv_cache = layer.kv_cache.data_ptr()
+            c.window, c.group = layer.window, layer.group
             keep += [layer.input_norm, layer.post_norm, layer.kv_cache]
             if layer.q_norm is not None:
                 if layer.q_norm.dtype is not torch.bfloat16 or layer.k_norm.dtype is not torch.bfloat16:
@@ -112,13 +115,17 @@ class X86FusedDecoder:
             if lin is not None
         ]
         kinds = {lin.kind for lin in lins}
-        moe = cmodel.moe_experts > 0
+        # (MoE models and windowed ones: decode steps only. A prompt step's block tables come from its slots, one
+        # group's; a MoE prompt's router takes torch's matmul past 16 rows, see below.)
+        decode_only = cmodel.moe_experts > 0 or model.kv_groups > 1 or any(layer.window for layer in model.layers)
         if avx2_lib is not None:
             if "bf16c" in kinds:
                 return "12-bit weights (the AVX2 library has no decoder for them)"
             # Short prompts too with bf16 weights as loaded and a bf16 cache, as without AMX below: the FMA GEMM
             # (csrc/x86/avx2/gemm.c) and each prompt row's attention on its own
-            prefill_rows = cpu.AVX2_FUSED_PREFILL_ROWS if kinds == {"bf16"} and not model.kv_int8 and not moe else 0
+            prefill_rows = (
+                cpu.AVX2_FUSED_PREFILL_ROWS if kinds == {"bf16"} and not model.kv_int8 and not decode_only else 0
+            )
             return cls(model, cmodel, layers, keep, cpu.MAX_ROWS, prefill_rows, avx2_lib)
         # Short prompts too, where every projection is bf16 (plain or 12-bit: the prefill's tile GEMM, AMX only) and
         # the cache is bf16 (an int8 cache would make a prompt attend to its own K/V quantized, which the PyTorch
@@ -130,7 +137,7 @@ class X86FusedDecoder:
         # (MoE models: decode steps only. Their prompts keep the per-module path, whose router takes torch's matmul
         # past 16 rows: the fused step's GEMV would round its logits differently.)
         prefill_rows = 0
-        if moe:
+        if decode_only:
             pass
         elif amx and kinds <= {"bf16", "bf16c"} and not model.kv_int8:
             prefill_rows = cpu.AMX_GEMM_MAX_ROWS
@@ -154,6 +161,13 @@ class X86FusedDecoder:
         x = torch.index_select(self.embed, 0, input_ids, out=self.x[:t])  # updated in place by the kernel
         s = self.step
         s.T = t
+        s.n_groups = 0
+        if block_tables.dim() == 3:  # KV cache groups: [G, T] slots, [G, T, max_blocks] tables (contiguous)
+            assert slot_mapping.is_contiguous() and block_tables.is_contiguous()
+            s.n_groups = block_tables.shape[0]
+            for g in range(s.n_groups):
+                s.group_slots[g], s.group_tables[g] = slot_mapping[g].data_ptr(), block_tables[g].data_ptr()
+            slot_mapping, block_tables = slot_mapping[0], block_tables[0]
         s.positions, s.slots = positions.data_ptr(), slot_mapping.data_ptr()
         s.block_tables, s.context_lens, s.max_blocks = (
             block_tables.data_ptr(),

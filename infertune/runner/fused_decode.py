@@ -10,7 +10,8 @@ Longer prefills, mixed steps and bigger batches keep the PyTorch path.
 
 It takes over only where it computes what the PyTorch path computes (rounded the same way, to bf16 precision):
 a Llama-family decoder in bf16 whose every projection the kernels can multiply (`QuantMethod.kernel_weights`),
-a bf16 or INT8 paged KV cache, SiLU, full attention in every layer (no sliding window); Qwen3's q / k norms; and
+a bf16 or INT8 paged KV cache, SiLU, full or sliding-window attention (each KV cache group's block tables: the
+runner's groups, `kv_groups`); Qwen3's q / k norms; and
 mixture-of-experts layers (Qwen2-MoE, Qwen3-MoE, Mixtral: a bf16 router, experts the grouped kernel takes, a shared
 expert with its gate), whose routing the kernels hand back to the module's `route()` wherever a tie at the top-k
 boundary decides a token's experts, as the per-module kernel path does. `FusedDecode.build` returns None, with the
@@ -33,8 +34,9 @@ log = logging.getLogger(__name__)
 
 
 class FusedDecode:
-    def __init__(self, decoder: FusedDecoder, block_size: int) -> None:
+    def __init__(self, decoder: FusedDecoder, block_size: int, windows: tuple = (None,)) -> None:
         self.decoder = decoder
+        self.windows = windows  # each KV cache group's window: the key of its metadata (AttentionMetadata.for_window)
         self.max_rows, self.max_prefill_rows = decoder.max_rows, decoder.max_prefill_rows
         self.block_size = block_size
 
@@ -49,10 +51,23 @@ class FusedDecode:
         block_size: int,
         dtype: torch.dtype,
         step_rows: int = 0,
+        kv_groups: tuple | None = None,
     ) -> FusedDecode | None:
         """The fused step for this model, or None where it cannot run (logged). step_rows: the most tokens a step
-        can hold (the kernels may run whole prefill steps of up to that many)."""
+        can hold (the kernels may run whole prefill steps of up to that many). kv_groups: the runner's KV cache
+        groups (scheduler_output.KVCacheGroup: each layer's window and block tables); None: one, without a window."""
         spec = cls.describe(model, kv_caches, attn, kernels, dtype)
+        windows: tuple = (None,)
+        if not isinstance(spec, str) and kv_groups is not None:
+            windows = tuple(g.window for g in kv_groups)
+            spec.kv_groups = len(kv_groups)
+            for g, group in enumerate(kv_groups):
+                for i in group.layers:
+                    spec.layers[i].window, spec.layers[i].group = group.window or 0, g
+        elif not isinstance(spec, str):
+            cut = [w for w in getattr(model.config, "layer_windows", None) or () if w is not None and w < max_model_len]
+            if cut:
+                spec = f"sliding windows ({cut[0]} tokens) without the runner's KV cache groups"
         if not isinstance(spec, str):
             spec.max_context = -(-max_model_len // block_size) * block_size
             spec.step_rows = step_rows
@@ -60,7 +75,7 @@ class FusedDecode:
         if isinstance(spec, str):
             log.info("fused decode off: %s", spec)
             return None
-        return cls(spec, block_size)
+        return cls(spec, block_size, windows)
 
     @staticmethod
     def describe(model, kv_caches, attn, kernels, dtype) -> FusedModel | str:
@@ -76,8 +91,6 @@ class FusedDecode:
             return f"{type(model).__name__} is not a Llama-family decoder"
         if cfg.num_attention_heads % cfg.num_key_value_heads:
             return f"{cfg.num_attention_heads} heads over {cfg.num_key_value_heads} KV heads"
-        if getattr(cfg, "layer_windows", None):
-            return "sliding-window attention (the fused step attends to the whole context)"
         if getattr(cfg, "architecture", None) in GEMMA_ARCHITECTURES:
             return "Gemma's (1 + w) norms, GeLU MLP and soft-capping"
         if getattr(cfg, "hidden_act", "silu") not in ("silu", None):
@@ -212,7 +225,18 @@ class FusedDecode:
             tables, lens = self._prefill_tables(meta, input_ids.shape[0])
         else:
             tables, lens = meta.decode_block_tables, meta.decode_context_lens
-        return self.decoder(input_ids, positions, meta.slot_mapping, tables, lens, out_rows)
+        slots = meta.slot_mapping
+        if len(self.windows) > 1:  # each group's slots and block tables, stacked (the tables to one width)
+            metas = [meta.for_window(w) for w in self.windows]
+            width = max(m.decode_block_tables.shape[1] for m in metas)
+            slots = torch.stack([m.slot_mapping for m in metas])
+            tables = torch.stack(
+                [
+                    torch.nn.functional.pad(m.decode_block_tables, (0, width - m.decode_block_tables.shape[1]))
+                    for m in metas
+                ]
+            )
+        return self.decoder(input_ids, positions, slots, tables, lens, out_rows)
 
     def step_timers(self, reset: bool = False) -> dict[str, float]:
         """This engine's fused step: seconds per part since the last reset, "calls" and "rows" (FusedDecoder's)."""

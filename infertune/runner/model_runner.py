@@ -195,6 +195,7 @@ class ModelRunner:
                 self.block_size,
                 self.dtype,
                 step_rows,
+                self.kv_groups,
             )
 
     def _num_weights(self) -> int:

@@ -6,7 +6,8 @@
 #define IT_ABI_H
 #include "bf16.h"
 
-#define IT_ABI_VERSION 5
+#define IT_ABI_VERSION 6
+#define IT_MAX_KV_GROUPS 8 /* it_step's KV cache groups at most (cpu.py MAX_KV_GROUPS) */
 
 /* it_lin.kind: how a linear layer's weight is stored */
 typedef enum { IT_KIND_BF16 = 0, IT_KIND_W8 = 1, IT_KIND_W4 = 2, IT_KIND_BF16C = 3 } it_kind;
@@ -67,6 +68,10 @@ typedef struct {
     const bf16* q_norm;        /* [head_dim]: Qwen3's per-head RMSNorm of q before rotary (NULL: none) */
     const bf16* k_norm;        /* [head_dim]: the same for k (set with q_norm) */
     const it_moe_layer* moe;   /* NULL: the dense MLP (gate_up, down) */
+    int64_t window;            /* > 0: a sliding window, each row attends to its last `window` keys (its own
+                                  included), as transformers masks it; 0: to its whole context */
+    int64_t group;             /* the KV cache group whose slots and block tables the layer reads (it_step.group_*;
+                                  0 where the step has one) */
 } it_layer;
 
 typedef struct {
@@ -120,6 +125,13 @@ typedef struct {
     const int64_t* route_counts; /* [E] */
     int64_t* expert_load;        /* [n_layers, moe_experts]: the rows each MoE layer routed to each expert are added
                                     here (`infertune profile`'s expert-load table); NULL: not counted */
+    /* KV cache groups (layers grouped by sliding window, each group with its own block tables: the blocks that fall
+       out of a window are freed, and a table's entries below a row's window may hold any id): n_groups > 0 gives
+       each group's slots [T] and block tables [T, max_blocks], read by the layers whose it_layer.group it is;
+       0: every layer reads slots and block_tables above */
+    int64_t n_groups;
+    const int64_t* group_slots[IT_MAX_KV_GROUPS];
+    const int64_t* group_tables[IT_MAX_KV_GROUPS];
 } it_step;
 
 

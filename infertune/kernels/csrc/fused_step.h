@@ -3,7 +3,7 @@
  * one after arm/neon/fused.c and moe_gemv.h). What a library provides:
  * ws_layout / workspace(m, T, max_ctx) (offsets h, qkv, o, gu, act, y, lin, dec, attn, total), rmsnorm_rows,
  * silu_mul_rows, rotary_rows, run_lin / run_lin_add (a linear, and one added into the residual), add_rows,
- * attention_rows, kv_write (kv_cache.h), and the MoE kernels it_moe_route / it_moe_experts (moe.h). */
+ * attention_rows (with a layer's sliding window: kv_window), kv_write (kv_cache.h), and the MoE kernels it_moe_route / it_moe_experts (moe.h). */
 #ifndef IT_FUSED_STEP_H
 #define IT_FUSED_STEP_H
 #include <time.h>
@@ -156,6 +156,13 @@ int it_decode_layers(const it_model* m, const it_layer* layers, it_step* s, bf16
         const int resume = li == s->first_layer && s->route_weights != NULL;
         if (resume && (!L->moe || s->route_rows != R)) return -2;
         if (!resume) {
+            /* the layer's KV cache group: its slots and block tables (the same max_blocks columns as every group's) */
+            it_step ls = *s;
+            if (s->n_groups > 0) {
+                if (L->group < 0 || L->group >= s->n_groups || s->n_groups > IT_MAX_KV_GROUPS) return -2;
+                ls.slots = s->group_slots[L->group];
+                ls.block_tables = s->group_tables[L->group];
+            }
             rmsnorm_rows(x, L->input_norm, h, T, H, m->eps, m->nthreads);
             PART(IT_FT_NORM);
             run_lin(&L->qkv, h, H, qkv, width, T, m->nthreads, lin, dec, 0);
@@ -164,11 +171,11 @@ int it_decode_layers(const it_model* m, const it_layer* layers, it_step* s, bf16
             rotary_rows(m, s, qkv);
             for (int64_t t = 0; t < T; t++)
                 for (int64_t g = 0; g < hkv; g++) {
-                    kv_write(m, L->kv_cache, 0, s->slots[t] * hkv + g, qkv + t * width + hq + g * D);
-                    kv_write(m, L->kv_cache, 1, s->slots[t] * hkv + g, qkv + t * width + hq + (hkv + g) * D);
+                    kv_write(m, L->kv_cache, 0, ls.slots[t] * hkv + g, qkv + t * width + hq + g * D);
+                    kv_write(m, L->kv_cache, 1, ls.slots[t] * hkv + g, qkv + t * width + hq + (hkv + g) * D);
                 }
             PART(IT_FT_ROTARY_KV);
-            attention_rows(m, s, qkv, L->kv_cache, o, attn, max_ctx, 1);
+            attention_rows(m, &ls, qkv, L->kv_cache, o, attn, max_ctx, 1, L->window);
             if (R < T)
                 for (int64_t i = 0; i < R; i++)
                     if (s->out_rows[i] != i) {

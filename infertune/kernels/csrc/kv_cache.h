@@ -35,6 +35,30 @@ static inline void kv_rows(const it_model* m, const void* cache, int which, cons
     }
 }
 
+/* A row's keys under a sliding window (window > 0): it attends to its last `window` keys, len - window .. len - 1
+ * (transformers' mask: key j seen from query i iff i - window < j <= i). The blocks below the window's first may be
+ * freed (their table entries hold any id), so the row reads from the block that holds that key on: *table advanced
+ * to it and *len the keys from there. Returns how many of those keys lie before the window (fewer than a block),
+ * which the caller masks (kv_mask_scores, then kv_zero_probs). window 0, or a context within it: the whole. */
+static inline int64_t kv_window(int64_t window, int64_t block_size, const int64_t** table, int64_t* len) {
+    if (window <= 0 || *len <= window) return 0;
+    const int64_t first = *len - window, b0 = first / block_size;
+    *table += b0;
+    *len -= b0 * block_size;
+    return first - b0 * block_size;
+}
+
+/* The first skip scores of G rows (ld apart) out of the softmax: -inf before it (so they do not count in a row's
+ * max), and their probabilities zero after it (the exp of a clamped -inf is tiny, not zero) */
+static inline void kv_mask_scores(float* sc, int64_t ld, int64_t G, int64_t skip) {
+    for (int64_t h = 0; h < G; h++)
+        for (int64_t j = 0; j < skip; j++) sc[h * ld + j] = -INFINITY;
+}
+static inline void kv_zero_probs(float* p, int64_t ld, int64_t G, int64_t skip) {
+    for (int64_t h = 0; h < G; h++)
+        for (int64_t j = 0; j < skip; j++) p[h * ld + j] = 0.0f;
+}
+
 /* Write one K or V row (bf16 [D]) into the cache; int8: symmetric amax / 127 scale, as Int8PagedAttention. */
 static inline void kv_write(const it_model* m, void* cache, int which, int64_t row, const bf16* x) {
     const int64_t D = m->head_dim, rows = m->num_blocks * m->block_size * m->n_kv_heads;

@@ -185,11 +185,15 @@ static inline __attribute__((always_inline)) void attn2_values16(const it_model*
 }
 #pragma GCC diagnostic pop
 
-/* One sequence's attention for the G query heads q (rows D apart) of KV head g into o (rows D apart) */
-static void attn2_heads(const it_model* m, const void* cache, const int64_t* table, int64_t len, int64_t g,
-                        const bf16* q, int64_t G, float* sc, int64_t max_ctx, bf16* o, bf16* tmp, const bf16* zero) {
+/* One sequence's attention for the G query heads q (rows D apart) of KV head g into o (rows D apart); the first skip
+ * keys masked (kv_window) */
+static void attn2_heads(const it_model* m, const void* cache, const int64_t* table, int64_t len, int64_t skip,
+                        int64_t g, const bf16* q, int64_t G, float* sc, int64_t max_ctx, bf16* o, bf16* tmp,
+                        const bf16* zero) {
     attn2_scores(m, cache, table, len, g, q, G, sc, max_ctx, tmp, zero);
+    if (skip) kv_mask_scores(sc, max_ctx, G, skip);
     for (int64_t h = 0; h < G; h++) softmax_row2(sc + h * max_ctx, len);
+    if (skip) kv_zero_probs(sc, max_ctx, G, skip);
     for (int64_t d = 0; d < m->head_dim; d += 16)
         for (int64_t h0 = 0; h0 < G; h0 += ATT2_HEADS) {
             const int hn = (int)(G - h0 < ATT2_HEADS ? G - h0 : ATT2_HEADS);
@@ -199,10 +203,11 @@ static void attn2_heads(const it_model* m, const void* cache, const int64_t* tab
 }
 
 /* Attention of each row over its sequence's paged K/V (row t attends to its first context_lens[t] keys: a decode
- * row to its whole context, a prompt's row to its prompt up to itself); o [T, Hq, D] bf16. One task per (row, KV
- * head), dynamic schedule. (use_amx: the AVX-512 library's switch; nothing here) */
+ * row to its whole context, a prompt's row to its prompt up to itself; with a window, to the last `window` of them);
+ * o [T, Hq, D] bf16. One task per (row, KV head), dynamic schedule. (use_amx: the AVX-512 library's switch; nothing
+ * here) */
 static void attention_rows(const it_model* m, const it_step* s, const bf16* qkv, const void* cache, bf16* o,
-                           float* scratch, int64_t max_ctx, int use_amx) {
+                           float* scratch, int64_t max_ctx, int use_amx, int64_t window) {
     (void)use_amx;
     const int64_t D = m->head_dim, hkv = m->n_kv_heads, group = m->n_heads / hkv, T = s->T;
     const int64_t width = (m->n_heads + 2 * hkv) * D, tasks = T * hkv, per = attn2_bytes(group, max_ctx, D);
@@ -217,9 +222,11 @@ static void attention_rows(const it_model* m, const it_step* s, const bf16* qkv,
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tasks; task++) {
             const int64_t t = task / hkv, g = task % hkv;
-            attn2_heads(m, cache, s->block_tables + t * s->max_blocks, s->context_lens[t], g,
-                        qkv + t * width + g * group * D, group, sc, max_ctx, o + (t * m->n_heads + g * group) * D, tmp,
-                        zero);
+            const int64_t* table = s->block_tables + t * s->max_blocks;
+            int64_t len = s->context_lens[t];
+            const int64_t skip = kv_window(window, m->block_size, &table, &len);
+            attn2_heads(m, cache, table, len, skip, g, qkv + t * width + g * group * D, group, sc, max_ctx,
+                        o + (t * m->n_heads + g * group) * D, tmp, zero);
         }
     }
 }
@@ -231,6 +238,6 @@ int it_decode_attention(const it_model* m, const it_step* s, const bf16* qkv, co
     if (m->head_dim % 16 || m->n_heads % m->n_kv_heads || s->T < 1) return -2;
     const ws_layout l = workspace(m, s->T, max_ctx);
     if (l.total > s->work_bytes) return -1;
-    attention_rows(m, s, qkv, cache, o, (float*)((char*)s->work + l.attn), max_ctx, use_amx);
+    attention_rows(m, s, qkv, cache, o, (float*)((char*)s->work + l.attn), max_ctx, use_amx, 0);
     return 0;
 }

@@ -107,24 +107,27 @@ static inline __attribute__((always_inline)) void attn_values(const it_model* m,
     }
 }
 
-/* One sequence's attention for G (<= 8, a compile-time constant where inlined) query heads of KV head g */
+/* One sequence's attention for G (<= 8, a compile-time constant where inlined) query heads of KV head g; the first
+ * skip keys masked (kv_window) */
 static inline __attribute__((always_inline)) void attn_heads(const it_model* m, const void* cache,
-                                                             const int64_t* table, int64_t len, int64_t g,
-                                                             const bf16* q, const int G, float* sc, int64_t max_ctx,
-                                                             bf16* o, bf16* tmp, const bf16* zero) {
+                                                             const int64_t* table, int64_t len, int64_t skip,
+                                                             int64_t g, const bf16* q, const int G, float* sc,
+                                                             int64_t max_ctx, bf16* o, bf16* tmp, const bf16* zero) {
     attn_scores(m, cache, table, len, g, q, G, sc, max_ctx, tmp, zero);
+    if (skip) kv_mask_scores(sc, max_ctx, G, skip);
     for (int h = 0; h < G; h++) softmax_row(sc + h * max_ctx, len);
+    if (skip) kv_zero_probs(sc, max_ctx, G, skip);
     attn_values(m, cache, table, len, g, G, sc, max_ctx, o, tmp);
 }
 
 #define ATTN_G(G) static void attn_heads_##G(const it_model* m, const void* cache, const int64_t* table, int64_t len, \
-    int64_t g, const bf16* q, float* sc, int64_t max_ctx, bf16* o, bf16* tmp, const bf16* zero) { \
-    attn_heads(m, cache, table, len, g, q, G, sc, max_ctx, o, tmp, zero); }
+    int64_t skip, int64_t g, const bf16* q, float* sc, int64_t max_ctx, bf16* o, bf16* tmp, const bf16* zero) { \
+    attn_heads(m, cache, table, len, skip, g, q, G, sc, max_ctx, o, tmp, zero); }
 ATTN_G(1) ATTN_G(2) ATTN_G(3) ATTN_G(4) ATTN_G(5) ATTN_G(6) ATTN_G(7) ATTN_G(8)
 #undef ATTN_G
 
-typedef void (*attn_heads_fn)(const it_model*, const void*, const int64_t*, int64_t, int64_t, const bf16*, float*,
-                              int64_t, bf16*, bf16*, const bf16*);
+typedef void (*attn_heads_fn)(const it_model*, const void*, const int64_t*, int64_t, int64_t, int64_t, const bf16*,
+                              float*, int64_t, bf16*, bf16*, const bf16*);
 static const attn_heads_fn attn_heads_by_g[9] = {0, attn_heads_1, attn_heads_2, attn_heads_3, attn_heads_4,
                                                   attn_heads_5, attn_heads_6, attn_heads_7, attn_heads_8};
 
@@ -220,8 +223,8 @@ static void attn_pv_amx(const it_model* m, const void* cache, const int64_t* tab
 }
 
 __attribute__((target("amx-tile,amx-bf16")))
-static void attn_heads_amx(const it_model* m, const void* cache, const int64_t* table, int64_t len, int64_t g,
-                           const bf16* q, int G, bf16* o, const attn_ws* w, int64_t max_ctx) {
+static void attn_heads_amx(const it_model* m, const void* cache, const int64_t* table, int64_t len, int64_t skip,
+                           int64_t g, const bf16* q, int G, bf16* o, const attn_ws* w, int64_t max_ctx) {
     const int64_t D = m->head_dim, bs = m->block_size, hkv = m->n_kv_heads;
     /* Q^T: the (k, k + 1) pair of head h is 32-bit word (k / 32) * 256 + ((k % 32) / 2) * 16 + h of qt */
     memset(w->qt, 0, (size_t)D * 32);
@@ -258,10 +261,14 @@ static void attn_heads_amx(const it_model* m, const void* cache, const int64_t* 
         transpose16x16_ps(w->cbuf, s); /* s[h] = the 16 keys' scores of head h */
         for (int h = 0; h < G; h++) _mm512_mask_storeu_ps(w->sc + h * max_ctx + j0, mask16(nb), _mm512_mul_ps(s[h], scale));
     }
-    /* softmax numerators in bf16, zero up to the next multiple of 32 keys; their sums in fp32 */
+    /* softmax numerators in bf16, zero up to the next multiple of 32 keys; their sums in fp32 (the first skip keys
+       masked: kv_window) */
     float inv[16];
     const int64_t len32 = (len + 31) & ~(int64_t)31;
+    if (skip) kv_mask_scores(w->sc, max_ctx, G, skip);
     for (int h = 0; h < G; h++) inv[h] = softmax_bf16_row(w->sc + h * max_ctx, len, len32, w->pb + h * w->ldp);
+    for (int h = 0; h < G; h++)
+        for (int64_t j = 0; j < skip; j++) w->pb[h * w->ldp + j] = 0;
     attn_pv_amx(m, cache, table, len, g, w, G, inv, o, D);
 }
 
@@ -363,7 +370,7 @@ static void attn_rows_amx(const it_model* m, const void* cache, const int64_t* t
  * On AMX with a bf16 cache, rows that continue the previous row's sequence (same block table, one more key: a
  * prompt's rows) go in blocks of up to 16 to attn_rows_amx instead, a task per (block, KV head). */
 static void attention_rows(const it_model* m, const it_step* s, const bf16* qkv, const void* cache, bf16* o,
-                           float* scratch, int64_t max_ctx, int use_amx) {
+                           float* scratch, int64_t max_ctx, int use_amx, int64_t window) {
     const int64_t D = m->head_dim, hkv = m->n_kv_heads, group = m->n_heads / hkv, T = s->T;
     const int64_t width = (m->n_heads + 2 * hkv) * D;
     const int amx = use_amx && amx_state == 1 && D % 32 == 0, step = amx ? 16 : 8;
@@ -372,7 +379,7 @@ static void attention_rows(const it_model* m, const it_step* s, const bf16* qkv,
     int64_t small[32];
     int64_t* start = T <= 16 ? small : malloc((size_t)T * 2 * sizeof(int64_t));
     int64_t* rows = start + T, nblocks = 0;
-    const int blocks_ok = amx && T > 16 && !m->kv_int8 && m->block_size % 16 == 0;
+    const int blocks_ok = amx && T > 16 && !m->kv_int8 && m->block_size % 16 == 0 && window <= 0;
     for (int64_t t = 0; t < T; t++) {
         const int64_t* tab = s->block_tables + t * s->max_blocks;
         if (blocks_ok && nblocks > 0 && rows[nblocks - 1] < 16 && s->context_lens[t] == s->context_lens[t - 1] + 1 &&
@@ -396,6 +403,8 @@ static void attention_rows(const it_model* m, const it_step* s, const bf16* qkv,
         for (int64_t task = 0; task < tasks; task++) {
             const int64_t b = task / hkv, g = task % hkv, t = start[b];
             const int64_t* table = s->block_tables + t * s->max_blocks;
+            int64_t len = s->context_lens[t];
+            const int64_t skip = rows[b] > 1 ? 0 : kv_window(window, m->block_size, &table, &len);
             if (rows[b] > 1) {
                 if (tiles != 16) { attn_tiles(16); tiles = 16; }
                 attn_rows_amx(m, cache, table, s->context_lens[t + rows[b] - 1], (int)rows[b], g, qkv, width, t, o,
@@ -408,9 +417,9 @@ static void attention_rows(const it_model* m, const it_step* s, const bf16* qkv,
                 bf16* out = o + (t * m->n_heads + g * group + h0) * D;
                 if (amx) {
                     if (tiles != Gh) { attn_tiles(Gh); tiles = Gh; }
-                    attn_heads_amx(m, cache, table, s->context_lens[t], g, q, Gh, out, &w, max_ctx);
+                    attn_heads_amx(m, cache, table, len, skip, g, q, Gh, out, &w, max_ctx);
                 } else {
-                    attn_heads_by_g[Gh](m, cache, table, s->context_lens[t], g, q, w.sc, max_ctx, out, w.tmp, w.zero);
+                    attn_heads_by_g[Gh](m, cache, table, len, skip, g, q, w.sc, max_ctx, out, w.tmp, w.zero);
                 }
             }
         }
@@ -426,6 +435,6 @@ int it_decode_attention(const it_model* m, const it_step* s, const bf16* qkv, co
     if (m->head_dim % 16 || m->n_heads % m->n_kv_heads || s->T < 1) return -2;
     const ws_layout l = workspace(m, s->T, max_ctx);
     if (l.total > s->work_bytes) return -1;
-    attention_rows(m, s, qkv, cache, o, (float*)((char*)s->work + l.attn), max_ctx, use_amx);
+    attention_rows(m, s, qkv, cache, o, (float*)((char*)s->work + l.attn), max_ctx, use_amx, 0);
     return 0;
 }

@@ -1,0 +1,105 @@
+#!/usr/bin/env python3
+"""Decode speed of a sliding-window model with the fused C decode step against the per-module path (the only path
+windowed models had before: decode_kernels="linear"), and a full-attention model of the same shape through the fused step, at one long prompt.
+
+A random bf16 Mistral-shaped model (transformers' save_pretrained; --hidden, --layers, 8 query heads over 2 KV heads,
+--window on every layer; --qwen2-full-layers N keeps the first N layers full, as Qwen2's max_window_layers, so the
+step reads two KV cache groups) decodes --new tokens after a --prompt-token prompt, batch 1, greedy, in rounds that
+alternate the engines (each built once); decode tok/s is the tokens after the first over the time from the first
+token to the last (the engine's request metrics).
+
+    python benchmarks/bench_window_fused.py --prompt 2048 --window 256 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+
+def build(path: Path, arch: str, hidden: int, layers: int, window: int | None, full_layers: int) -> Path:
+    import transformers
+
+    common = dict(
+        hidden_size=hidden,
+        intermediate_size=hidden * 3,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        vocab_size=32000,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+    )
+    if arch == "mistral":
+        cfg = transformers.MistralConfig(sliding_window=window, **common)
+    else:
+        cfg = transformers.Qwen2Config(
+            use_sliding_window=True, sliding_window=window, max_window_layers=full_layers, **common
+        )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
+    model.save_pretrained(path)
+    from infertune.bench.offline_models import make_tokenizer
+
+    make_tokenizer(32000).save_pretrained(path)
+    return path
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--prompt", type=int, default=2048)
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--window", type=int, default=256)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--qwen2-full-layers", type=int, default=0, help="a Qwen2 model with its first N layers full")
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    print(f"$ python benchmarks/bench_window_fused.py {' '.join(sys.argv[1:])}")
+    from infertune import LLM, SamplingParams
+    from infertune.bench.offline import cpu_model
+    from infertune.kernels import cpu
+
+    print(
+        f"CPU: {cpu_model()}; kernels: {cpu.describe()}; torch {torch.__version__}, {torch.get_num_threads()} threads"
+    )
+    tmp = Path(tempfile.mkdtemp())
+    arch = "qwen2" if args.qwen2_full_layers else "mistral"
+    windowed = build(tmp / "windowed", arch, args.hidden, args.layers, args.window, args.qwen2_full_layers)
+    full = build(tmp / "full", "mistral", args.hidden, args.layers, None, 0)
+    max_len = args.prompt + args.new + 16
+    engines = {
+        f"window {args.window}, fused step": LLM(str(windowed), dtype="bfloat16", max_model_len=max_len),
+        f"window {args.window}, per-module kernels (decode_kernels linear: the path windowed models took before)": LLM(
+            str(windowed), dtype="bfloat16", max_model_len=max_len, decode_kernels="linear"
+        ),
+        "full attention, fused step": LLM(str(full), dtype="bfloat16", max_model_len=max_len),
+    }
+    for name, llm in engines.items():
+        print(
+            f"  {name}: fused step {'on' if llm.engine.executor.runner.fused is not None else 'off'}, "
+            f"KV cache groups {len(llm.engine.executor.runner.kv_groups)}"
+        )
+    params = SamplingParams(max_tokens=args.new, temperature=0.0, ignore_eos=True)
+    g = torch.Generator().manual_seed(1)
+    rates: dict[str, list[float]] = {name: [] for name in engines}
+    for r in range(args.rounds + 1):  # (the first round warms up, untimed)
+        prompt = torch.randint(0, 32000, (args.prompt,), generator=g).tolist()
+        for name, llm in engines.items():
+            m = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].metrics
+            if r:
+                rates[name].append((args.new - 1) / (m.finished_time - m.first_token_time))
+    print(f"\n| {args.prompt}-token prompt, batch 1 | decode tok/s (median of {args.rounds}) | rounds |")
+    print("|---|---:|---|")
+    for name, v in rates.items():
+        print(f"| {name} | {statistics.median(v):.1f} | {', '.join(f'{x:.1f}' for x in v)} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
