@@ -131,11 +131,14 @@ class QemuNeonLib:
         positions = (ctypes.c_int64 * t).from_address(st.positions)
         m.cos_sin = blob.buf(m.cos_sin, (max(positions) + 1) * d * 4)
         copies = (cpu.ItLayer * m.n_layers)()
+        caches: dict[int, int] = {}  # (layers of different KV cache groups share a cache tensor: one copy of it)
         for c, layer in zip(copies, layers[: m.n_layers]):
             ctypes.pointer(c)[0] = layer
             c.input_norm, c.post_norm = blob.buf(c.input_norm, m.hidden * 2), blob.buf(c.post_norm, m.hidden * 2)
             row = d + 4 if m.kv_int8 else d * 2
-            c.kv_cache = blob.buf(c.kv_cache, 2 * m.num_blocks * m.block_size * hkv * row, back=True)
+            if c.kv_cache not in caches:
+                caches[c.kv_cache] = blob.buf(c.kv_cache, 2 * m.num_blocks * m.block_size * hkv * row, back=True)
+            c.kv_cache = caches[c.kv_cache]
             for name in ("qkv", "o", "gate_up", "down"):
                 lin = getattr(c, name)
                 n, k = lin.N, lin.K
@@ -145,6 +148,9 @@ class QemuNeonLib:
                 lin.scale, lin.zero = blob.buf(lin.scale, s_bytes), blob.buf(lin.zero, s_bytes)
         st.positions, st.slots = blob.buf(st.positions, t * 8), blob.buf(st.slots, t * 8)
         st.block_tables = blob.buf(st.block_tables, t * st.max_blocks * 8)
+        for g in range(st.n_groups):  # KV cache groups: each one's slots and block tables
+            st.group_slots[g] = blob.buf(st.group_slots[g], t * 8)
+            st.group_tables[g] = blob.buf(st.group_tables[g], t * st.max_blocks * 8)
         st.context_lens, st.out_rows = blob.buf(st.context_lens, t * 8), blob.buf(st.out_rows, st.n_out * 8)
         st.stats = blob.buf(st.stats, ctypes.sizeof(cpu.ItStepStats), back=True)
         st.work = None  # (the harness allocates work_bytes)

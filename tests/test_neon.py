@@ -199,12 +199,16 @@ def test_neon_fused_step_matches_the_pytorch_step(lib, kind):
     assert (timers["calls"], timers["rows"]) == (1, 3) and timers["attention"] > 0, timers
 
 
-@pytest.mark.parametrize("kv", ["auto", "int8"])
-def test_the_engine_on_the_neon_kernels_matches_hf(lib, tmp_path, monkeypatch, kv):
+@pytest.mark.parametrize(
+    "arch,kv",
+    [("llama", "auto"), ("llama", "int8"), ("mistral", "auto"), ("qwen2", "auto")],
+)
+def test_the_engine_on_the_neon_kernels_matches_hf(lib, tmp_path, monkeypatch, arch, kv):
     """The bf16 engine on NeonKernels (every kernel call under qemu), its fused step taking the decode steps (and,
-    with a bf16 cache, the prompts), against HF transformers in float32: HF's greedy tokens up to bf16 noise (bf16
-    cache), and logprobs as close as the engine's without kernels on the same cache; the fused step ran every decode
-    step (that engine's own counters)."""
+    with a bf16 cache and no window, the prompts), against HF transformers in float32: HF's greedy tokens up to bf16
+    noise (bf16 cache), and logprobs as close as the engine's without kernels on the same cache; the fused step ran
+    every decode step (that engine's own counters). Mistral: a window of 3 on every layer; Qwen2: layer 1 windowed
+    beside a full layer 0 (two KV cache groups, each with its own block tables)."""
     from conftest import hf_model, make_checkpoint
     from test_kernels import _hf_logprob_errors
 
@@ -212,14 +216,20 @@ def test_the_engine_on_the_neon_kernels_matches_hf(lib, tmp_path, monkeypatch, k
     from infertune.backends.cpu import CPUBackend
     from infertune.kernels.arm import NeonKernels
 
+    window = {
+        "llama": {},
+        "mistral": dict(sliding_window=3),
+        "qwen2": dict(use_sliding_window=True, sliding_window=3, max_window_layers=1),
+    }[arch]
     model = make_checkpoint(
         tmp_path / "m",
-        "llama",
+        arch,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
         tie_word_embeddings=True,
         dtype=torch.bfloat16,
+        **window,
     )
     prompts = [{"prompt_token_ids": [3, 11, 25, 40]}, {"prompt_token_ids": [7, 9, 60]}]
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=1)
@@ -242,7 +252,7 @@ def test_the_engine_on_the_neon_kernels_matches_hf(lib, tmp_path, monkeypatch, k
             assert runner.decode_kernels is ks and runner.fused is not None
             runner.fused.step_timers(reset=True)
         worst[mode] = max(_hf_logprob_errors(llm, prompts, params, hf, argmax=kv == "auto"))
-        if mode == "neon":  # the 4 decode steps at least (and the prompts' step with a bf16 cache)
-            want = 5 if kv == "auto" else 4
+        if mode == "neon":  # the 4 decode steps at least (and the prompts' step with a bf16 cache, no window)
+            want = 5 if kv == "auto" and not window else 4
             assert runner.fused.step_timers()["calls"] >= want, runner.fused.step_timers()
     assert worst["neon"] <= 1.5 * worst["off"] + 0.02, worst

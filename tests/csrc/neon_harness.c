@@ -66,6 +66,8 @@ int main(int argc, char** argv) {
             }
             RELOC(*(void**)&st->positions), RELOC(*(void**)&st->slots), RELOC(*(void**)&st->block_tables);
             RELOC(*(void**)&st->context_lens), RELOC(*(void**)&st->out_rows), RELOC(*(void**)&st->stats);
+            for (int64_t g = 0; g < st->n_groups && g < IT_MAX_KV_GROUPS; g++)
+                RELOC(*(void**)&st->group_slots[g]), RELOC(*(void**)&st->group_tables[g]);
 #undef RELOC
             st->work = aligned_alloc(64, (size_t)((st->work_bytes + 63) & ~(int64_t)63));
             hdr[7] = it_decode_layers(m, layers, st, (bf16*)(blob + hdr[3]));
