@@ -14,8 +14,10 @@ is read (untimed) so that the call streams its experts' weights from memory, as 
            them one after the other with each one's features split over the threads (-DIT_MOE_SIDE_BY_SIDE_ROWS=1000000)
 
 and prints the median ms of each, with what the experts' weights read comes to in GB/s. With --quant w4a16 the
-experts are int4 (groups of 128, quant/experts.py) and the second build is the library without the one-row path of
-int4 experts (moe.c moe_one_row, -DMOE_ONE_ROW_OFF=1: each expert's linears on their own, as before it).
+experts are int4 (groups of 128, quant/experts.py; --quant w8a16: int8) and the second build is the library without
+the one-row path of quantized experts (moe.c moe_one_row, -DMOE_ONE_ROW_OFF=1: each expert's linears on their own,
+as before it); with
+--quant 12bit they are kept in the lossless 12-bit layout (layers/moe.py CompressedExperts).
 
     python benchmarks/bench_moe_kernels.py --tokens 1,4,16,64,128 --threads 2
     python benchmarks/bench_moe_kernels.py --quant w4a16 --tokens 1,2 --threads 2
@@ -40,7 +42,12 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=40, help="timed calls of each path per T (default: 40)")
     ap.add_argument("--evict-mb", type=int, default=512, help="read before each call, untimed (default: 512)")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--quant", choices=("none", "w4a16"), default="none", help="the experts' weights (default: bf16)")
+    ap.add_argument(
+        "--quant",
+        choices=("none", "w8a16", "w4a16", "12bit"),
+        default="none",
+        help="the experts' weights (default: bf16)",
+    )
     args = ap.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
     print(
@@ -51,9 +58,10 @@ def main() -> int:
     from infertune.bench.offline import PRESETS, cpu_model
     from infertune.config import MoeArch
     from infertune.kernels import cpu, x86
-    from infertune.layers.moe import Experts, Router
+    from infertune.layers.moe import CompressedExperts, Experts, Router
     from infertune.quant.experts import QuantizedExperts
     from infertune.quant.int4 import W4A16Method
+    from infertune.quant.int8 import W8A16Method
 
     torch.set_num_threads(args.threads)
     if cpu.variant() not in ("avx512", "avx512-noamx"):
@@ -63,7 +71,7 @@ def main() -> int:
     kernels = x86.kernels()
     forced = {}  # the same kernels with the experts' threading forced one way
     builds = {"features split": "-DIT_MOE_SIDE_BY_SIDE_ROWS=1000000", "one-row path off": "-DMOE_ONE_ROW_OFF=1"}
-    for name in ("one-row path off",) if args.quant == "w4a16" else ("features split",):
+    for name in ("one-row path off",) if args.quant in ("w8a16", "w4a16") else ("features split",):
         flag = builds[name]
         lib = ctypes.CDLL(str(cpu.build_library(cpu.VARIANTS["avx512"], cpu._compiler(), (flag,))))
         assert cpu.check_abi(lib) is None
@@ -89,8 +97,16 @@ def main() -> int:
         e = Experts(hidden, moe, torch.bfloat16)
         e.gate_up_proj.data = (0.02 * torch.randn(e.gate_up_proj.shape, generator=g)).bfloat16()
         e.down_proj.data = (0.02 * torch.randn(e.down_proj.shape, generator=g)).bfloat16()
-        if args.quant == "w4a16":
-            e.quant_method = QuantizedExperts(lambda: W4A16Method(group_size=128, kernels=kernels))
+        if args.quant in ("w8a16", "w4a16"):
+            make = (
+                (lambda: W4A16Method(group_size=128, kernels=kernels))
+                if args.quant == "w4a16"
+                else (lambda: W8A16Method(kernels=kernels))
+            )
+            e.quant_method = QuantizedExperts(make)
+            e.quant_method.process_weights_after_loading(e)
+        elif args.quant == "12bit":
+            e.quant_method = CompressedExperts(kernels)
             e.quant_method.process_weights_after_loading(e)
         for m in (r, e):
             m.requires_grad_(False)
@@ -99,7 +115,8 @@ def main() -> int:
         experts.append(e)
     described = [e._kernel_experts for e in experts]
     evict = torch.ones(args.evict_mb << 18)  # fp32: evict_mb MiB
-    expert_bytes = 3 * hidden * inter * (2 if args.quant == "none" else 0.5 + 8 / 128)  # int4: + fp32 scale, zero
+    # (int4: + fp32 scale and zero per 128; 12-bit: ~0.76x bf16, the codes and their tables)
+    expert_bytes = 3 * hidden * inter * {"none": 2, "w8a16": 1, "w4a16": 0.5 + 8 / 128, "12bit": 2 * 0.76}[args.quant]
 
     print(f"\n{'T':>4} {'path':<48} {'ms':>8} {'GB/s':>6}")
     for t in tokens:

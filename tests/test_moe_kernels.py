@@ -306,27 +306,31 @@ def test_quantized_experts_match_their_per_expert_loop(ks, method, t):
     torch.testing.assert_close(y.float(), ref, rtol=2**-7, atol=2**-7 * float(ref.abs().max()))
 
 
+@pytest.mark.parametrize("method", ["w8a16", "w4a16"])
 @pytest.mark.parametrize("t,overlap", [(1, False), (3, False), (3, True)])
-def test_int4_experts_of_one_row_each_are_their_per_expert_loop_bit_for_bit(ks, t, overlap):
-    """Int4 experts in groups of 128 where every expert picked holds one row (a decode step's token, or tokens that
-    picked different experts) take the AVX-512 library's one-row path (moe.c moe_one_row: each token's row rounded to
-    int16 once, the experts' rows as one stack of row blocks split over the threads): bit for bit the per-expert loop
-    over linear_w4, token by token. With an expert shared by the tokens (two rows for it) the per-expert path runs,
-    bit for bit the loop too."""
+def test_quantized_experts_of_one_row_each_are_their_per_expert_loop_bit_for_bit(ks, method, t, overlap):
+    """Int8 experts, or int4 ones in groups of 128, where every expert picked holds one row (a decode step's token, or
+    tokens that picked different experts) take the AVX-512 library's one-row path (moe.c moe_one_row: each token's
+    row rounded to int16 once, the experts' rows as one stack of row blocks split over the threads): bit for bit the
+    per-expert loop over linear_w8 / linear_w4 (Experts.forward_native) at one row an expert. With an expert shared
+    by the tokens (three rows for it) the per-expert path runs, bit for bit the loop too. (int8: hidden 328, the rows
+    padded to 384 inside the kernel.)"""
     from infertune.quant.experts import QuantizedExperts
     from infertune.quant.int4 import W4A16Method
+    from infertune.quant.int8 import W8A16Method
 
-    e, k, hidden, inter = 16, 4, 384, 256
+    e, k, hidden, inter = 16, 4, 384 if method == "w4a16" else 328, 256
     g = torch.Generator().manual_seed(70 + t)
     layer = Experts(hidden, MoeArch(e, k, inter, layers=(0,), norm_topk_prob=True), torch.bfloat16)
     gate_up, down = expert_weights(e, hidden, inter, g)
     with torch.no_grad():
         layer.gate_up_proj.copy_(gate_up)
         layer.down_proj.copy_(down)
-    layer.quant_method = QuantizedExperts(lambda: W4A16Method(group_size=128, kernels=ks))
+    make = (lambda: W8A16Method(kernels=ks)) if method == "w8a16" else (lambda: W4A16Method(group_size=128, kernels=ks))
+    layer.quant_method = QuantizedExperts(make)
     layer.quant_method.process_weights_after_loading(layer)
     experts = layer.quant_method.kernel_experts(layer)
-    assert experts is not None and experts.gate_up.kind == "w4"
+    assert experts is not None and experts.gate_up.kind == method[:2]
     # token i prefers experts 4i .. 4i + 3 (distinct across tokens), or with overlap expert 15 too
     logits = torch.randn(t, e, generator=g)
     for i in range(t):

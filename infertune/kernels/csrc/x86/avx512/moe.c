@@ -2,8 +2,8 @@
  * rows to the GEMV at one row, the AMX tiles at 2-16 and the tile GEMM past them (VDPBF16PS without AMX); int8 /
  * int4 experts go 16 rows a pass through the W8A16 / W4A16 kernels (AMX rebuilds each weight chunk in bf16), 12-bit
  * experts 16 rows a pass through linear_bf16c (AMX tiles, or the tiles decoded into registers without AMX: no
- * scratch; a prefill's expert with more rows decodes its tiles once a pass). Int4 experts of one row each (a decode
- * step's token) take moe_one_row below. */
+ * scratch; a prefill's expert with more rows decodes its tiles once a pass). Int8 / int4 experts of one row each (a
+ * decode step's token) take moe_one_row below. */
 
 #define MOE_BF16C
 #define MOE_ONE_ROW moe_one_row
@@ -29,56 +29,117 @@ static inline void moe_share(int64_t n, int t, int nt, int64_t* b0, int64_t* b1)
     *b1 = n * (t + 1) / nt;
 }
 
+/* Rows rounded to int16 for the quantized GEMVs at one row, as linear_w8 / linear_w4 round them: per row the int16
+ * values (Kp: K padded to 64 for int8, K for int4), their scale, the signed high and low bytes (split_rows_i16's
+ * layout and row sums for int8, w4b_split_row's for int4) and the int4 groups' sums of x. */
+typedef struct {
+    int64_t K, Kp, G;
+    int16_t* q;
+    float *s, *sum;
+    int8_t *h, *l;
+    int32_t *hs, *ls;
+} moe_qrows;
+
+static int64_t moe_qrows_bytes(const it_lin* L, int64_t rows) {
+    const int64_t K = L->K, Kp = L->kind == IT_KIND_W8 ? (K + 63) & ~(int64_t)63 : K;
+    const int64_t G = L->kind == IT_KIND_W4 ? K / L->group : 0;
+    return MOE_ALIGN64(rows * Kp * 2) + 2 * MOE_ALIGN64(rows * Kp) + MOE_ALIGN64(rows * 4) +
+           MOE_ALIGN64(rows * (G + 1) * 4) + 2 * MOE_ALIGN64(rows * 4);
+}
+
+static moe_qrows moe_qrows_at(const it_lin* L, int64_t rows, char* p) {
+    moe_qrows r;
+    r.K = L->K;
+    r.Kp = L->kind == IT_KIND_W8 ? (r.K + 63) & ~(int64_t)63 : r.K;
+    r.G = L->kind == IT_KIND_W4 ? r.K / L->group : 0;
+    r.q = (int16_t*)p, p += MOE_ALIGN64(rows * r.Kp * 2);
+    r.h = (int8_t*)p, p += MOE_ALIGN64(rows * r.Kp);
+    r.l = (int8_t*)p, p += MOE_ALIGN64(rows * r.Kp);
+    r.s = (float*)p, p += MOE_ALIGN64(rows * 4);
+    r.sum = (float*)p, p += MOE_ALIGN64(rows * (r.G + 1) * 4);
+    r.hs = (int32_t*)p, p += MOE_ALIGN64(rows * 4);
+    r.ls = (int32_t*)p;
+    return r;
+}
+
+/* row i of q from x (K values) */
+static void moe_qrow(const it_lin* L, const moe_qrows* q, int64_t i, const bf16* x) {
+    int16_t* xq = q->q + i * q->Kp;
+    if (L->kind == IT_KIND_W4) {
+        quantize_rows_i16(x, q->K, 1, q->K, q->Kp, xq, q->s + i, q->sum + i * q->G, L->group);
+        w4b_split_row(xq, q->K, q->h + i * q->Kp, q->l + i * q->Kp);
+    } else {
+        quantize_rows_i16(x, q->K, 1, q->K, q->Kp, xq, q->s + i, NULL, 1);
+        split_rows_i16(xq, 1, q->Kp, q->h + i * q->Kp, q->l + i * q->Kp, q->hs + i, q->ls + i);
+    }
+}
+
 /* One projection of the na experts' rows as one stack of NR-feature blocks, this thread's share [b0, b1): expert a's
- * row reads its int16 row (h and l bytes, group sums, scale) at xrow[a] and writes N features at out + rows[a] * N.
+ * row multiplies row xrow[a] of q and writes N features at out + rows[a] * N, as linear_w4 / linear_w8 at one row.
  * At the last blocks of an expert the next one's first bytes are asked for (the in-row prefetch runs past the end). */
-static void moe_w4_blocks(const it_lin* L, const int64_t* active, const int64_t* rows, const int64_t* xrow, int64_t na,
-                          const int8_t* xh, const int8_t* xl, const float* xsum, const float* sx, bf16* out,
-                          int64_t b0, int64_t b1) {
-    const int64_t N = L->N, K = L->K, gs = L->group, G = K / gs, per = (N + NR - 1) / NR;
-    const int64_t ahead = (pf_far_offset(NR * (K / 2)) + NR * (K / 2) - 1) / (NR * (K / 2)); /* blocks */
+static void moe_q_blocks(const it_lin* L, const int64_t* active, const int64_t* rows, const int64_t* xrow, int64_t na,
+                         const moe_qrows* q, bf16* out, int64_t b0, int64_t b1) {
+    const int64_t N = L->N, K = L->K, per = (N + NR - 1) / NR, G = q->G, Kp = q->Kp;
+    const int w4 = L->kind == IT_KIND_W4;
+    const int64_t row_bytes = w4 ? K / 2 : K, ahead = pf_far_offset(NR * row_bytes) / (NR * row_bytes); /* blocks */
     for (int64_t b = b0; b < b1; b++) {
         const int64_t a = b / per, n0 = (b % per) * NR, r = xrow[a];
         const it_lin e = moe_expert_lin(L, active[a]);
         if (b % per == per - 1 - ahead && a + 1 < na && b + ahead + 1 < b1) { /* the next expert's first blocks */
             const it_lin nx = moe_expert_lin(L, active[a + 1]);
-            for (int64_t off = 0; off < (ahead + 1) * NR * (K / 2); off += 64)
+            for (int64_t off = 0; off < (ahead + 1) * NR * row_bytes; off += 64)
                 __builtin_prefetch((const char*)nx.w + off, 0, 2);
         }
         const int nr = (int)(N - n0 < NR ? N - n0 : NR);
-        float o[NR], z[NR];
-        const uint8_t* w = (const uint8_t*)e.w + n0 * (K / 2);
-        const float *s = (const float*)e.scale + n0 * G, *zr = e.zero + n0 * G;
-        if (nr == NR)
-            w4b_block(xh + r * K, xl + r * K, xsum + r * G, w, NR, K, gs, s, zr, o, z);
-        else
-            w4b_block(xh + r * K, xl + r * K, xsum + r * G, w, nr, K, gs, s, zr, o, z);
         bf16* y = out + rows[a] * N + n0;
-        for (int j = 0; j < nr; j++) y[j] = f2bf(o[j] * sx[r] + z[j] + (e.bias ? bf2f(e.bias[n0 + j]) : 0.0f));
+        if (w4) {
+            float o[NR], z[NR];
+            const uint8_t* w = (const uint8_t*)e.w + n0 * (K / 2);
+            const float *s = (const float*)e.scale + n0 * G, *zr = e.zero + n0 * G;
+            const int8_t *xh = q->h + r * Kp, *xl = q->l + r * Kp;
+            if (nr == NR)
+                w4b_block(xh, xl, q->sum + r * G, w, NR, K, L->group, s, zr, o, z);
+            else
+                w4b_block(xh, xl, q->sum + r * G, w, nr, K, L->group, s, zr, o, z);
+            for (int j = 0; j < nr; j++)
+                y[j] = f2bf(o[j] * q->s[r] + z[j] + (e.bias ? bf2f(e.bias[n0 + j]) : 0.0f));
+        } else {
+            float o[MR][NR];
+            const int8_t* w = (const int8_t*)e.w + n0 * K;
+            const int8_t *xh = q->h + r * Kp, *xl = q->l + r * Kp;
+            if (nr == NR)
+                w8_block(xh, xl, Kp, q->hs + r, q->ls + r, 1, w, NR, K, o);
+            else
+                w8_block(xh, xl, Kp, q->hs + r, q->ls + r, 1, w, nr, K, o);
+            for (int j = 0; j < nr; j++) {
+                const int64_t n = n0 + j;
+                const float sc = e.scale_is_f32 ? ((const float*)e.scale)[n] : bf2f(((const bf16*)e.scale)[n]);
+                y[j] = f2bf(o[0][j] * q->s[r] * sc + (e.bias ? bf2f(e.bias[n]) : 0.0f));
+            }
+        }
     }
 }
 
-/* Int4 experts (groups of 128 or more) where every expert picked holds one row: the tokens' rows are rounded to int16
- * once (not once an expert), then the experts' gate_up rows run as one stack of row blocks split evenly over the
- * threads, each row's SiLU-and-multiply and its rounding, then the down rows the same way, in one parallel region.
- * Each product is linear_w4's at one row (quantize_rows_i16, w4b_block), so ys are bit for bit the per-expert
- * path's; what changes is that no thread waits on an expert of its own while the other streams, and the weights of
- * the next expert are asked for before its first block. */
+/* Whether the one-row path takes this projection: int8, or int4 in groups of 128 or more, on the kernels linear_w8 /
+ * linear_w4 run at one row (not the AMX or dequantizing paths, which A/B settings can move to one row) */
+static int moe_one_row_takes(const it_lin* L) {
+    if (L->kind == IT_KIND_W4 && L->group % 128 == 0) return !use_q_dq(1, IT_KIND_W4) && !use_q_amx(1, L->N, L->K);
+    if (L->kind == IT_KIND_W8) return !use_q_dq(1, IT_KIND_W8) && !use_q_amx(1, L->N, L->K);
+    return 0;
+}
+
+/* Int8 / int4 experts where every expert picked holds one row: the tokens' rows are rounded to int16 once (not once
+ * an expert), then the experts' gate_up rows run as one stack of row blocks split evenly over the threads, each
+ * row's SiLU-and-multiply and its rounding, then the down rows the same way, in one parallel region. Each product is
+ * linear_w8's / linear_w4's at one row (quantize_rows_i16, then w8_block / w4b_block), so ys are bit for bit the
+ * per-expert path's; what changes is that no thread waits on an expert of its own while the other streams, and the
+ * weights of the next expert are asked for before its first block. */
 static int moe_one_row(const moe_rows* m, const int64_t* active, int64_t na, int64_t T, int nthreads) {
     const it_lin *gl = m->gate_up, *dl = m->down;
-    if (gl->kind != IT_KIND_W4 || dl->kind != IT_KIND_W4 || gl->group % 128 || dl->group % 128) return 0;
-    if (MOE_ONE_ROW_OFF || use_q_dq(1, IT_KIND_W4) || use_q_amx(1, gl->N, gl->K) || use_q_amx(1, dl->N, dl->K)) return 0; /* (A/B settings) */
-    const int64_t H = m->H, I = m->I, Gh = H / gl->group, Gi = I / dl->group;
-    /* per token: int16 row [H], scale, group sums, then h bytes [T, H] and l bytes [T, H]; per expert row the same over I */
-    const int64_t o_sx = MOE_ALIGN64(T * H * 2), o_xs = o_sx + MOE_ALIGN64(T * 4), o_xh = o_xs + MOE_ALIGN64(T * Gh * 4);
-    const int64_t o_aq = o_xh + MOE_ALIGN64(T * H * 2), o_sa = o_aq + MOE_ALIGN64(na * I * 2);
-    const int64_t o_as = o_sa + MOE_ALIGN64(na * 4), o_ah = o_as + MOE_ALIGN64(na * Gi * 4);
-    const int64_t total = o_ah + MOE_ALIGN64(na * I * 2);
-    char* buf = (char*)aligned_alloc(64, (size_t)total);
-    int16_t *xq = (int16_t*)buf, *aq = (int16_t*)(buf + o_aq);
-    float *sx = (float*)(buf + o_sx), *xsum = (float*)(buf + o_xs), *sa = (float*)(buf + o_sa);
-    float* asum = (float*)(buf + o_as);
-    int8_t *xh = (int8_t*)(buf + o_xh), *ah = (int8_t*)(buf + o_ah);
+    if (MOE_ONE_ROW_OFF || !moe_one_row_takes(gl) || !moe_one_row_takes(dl)) return 0;
+    const int64_t H = m->H, I = m->I, tb = MOE_ALIGN64(moe_qrows_bytes(gl, T));
+    char* buf = (char*)aligned_alloc(64, (size_t)(tb + moe_qrows_bytes(dl, na)));
+    const moe_qrows xq = moe_qrows_at(gl, T, buf), aq = moe_qrows_at(dl, na, buf + tb);
     int64_t* idx = (int64_t*)malloc((size_t)(3 * na) * 8); /* each expert's row, its token, its own index */
     int64_t *rows = idx, *tok = idx + na, *self = idx + 2 * na;
     for (int64_t a = 0; a < na; a++) {
@@ -92,23 +153,19 @@ static int moe_one_row(const moe_rows* m, const int64_t* active, int64_t na, int
     {
         const int t = omp_get_thread_num(), n = omp_get_num_threads();
         int64_t b0, b1;
-        for (int64_t j = t; j < T; j += n) {
-            quantize_rows_i16(m->x + j * m->ldx, m->ldx, 1, H, H, xq + j * H, sx + j, xsum + j * Gh, gl->group);
-            w4b_split_row(xq + j * H, H, xh + j * H, xh + T * H + j * H);
-        }
+        for (int64_t j = t; j < T; j += n) moe_qrow(gl, &xq, j, m->x + j * m->ldx);
 #pragma omp barrier
         moe_share(nb_g, t, n, &b0, &b1);
-        moe_w4_blocks(gl, active, rows, tok, na, xh, xh + T * H, xsum, sx, m->gu, b0, b1);
+        moe_q_blocks(gl, active, rows, tok, na, &xq, m->gu, b0, b1);
 #pragma omp barrier
         for (int64_t a = t; a < na; a += n) {
             const int64_t r = rows[a];
             silu_mul_row(m->gu + r * 2 * I, m->gu + r * 2 * I + I, m->act + r * I, I);
-            quantize_rows_i16(m->act + r * I, I, 1, I, I, aq + a * I, sa + a, asum + a * Gi, dl->group);
-            w4b_split_row(aq + a * I, I, ah + a * I, ah + na * I + a * I);
+            moe_qrow(dl, &aq, a, m->act + r * I);
         }
 #pragma omp barrier
         moe_share(nb_d, t, n, &b0, &b1);
-        moe_w4_blocks(dl, active, rows, self, na, ah, ah + na * I, asum, sa, m->ys, b0, b1);
+        moe_q_blocks(dl, active, rows, self, na, &aq, m->ys, b0, b1);
     }
     free(idx);
     free(buf);
