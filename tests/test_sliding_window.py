@@ -330,6 +330,44 @@ def test_fused_step_runs_windowed_models(family, kv):
     assert mean["auto"] <= 1.25 * mean["off"] + 0.005, mean
 
 
+def test_fused_step_runs_a_policys_window_rules(tmp_path):
+    """The long-context policy's window rules (kv_compression; its KV cache groups are found by layer, not by
+    window) in the fused decode step: the Qwen2 family's weights saved without their windows, and the policy putting
+    them back on layers 1-2, against HF transformers running the checkpoint with its own windows (fp32): logprobs as
+    close as the per-module path's under the same policy. (Reading the groups' metadata by window here gave every
+    layer group 0's tables: the first decoded token already differed.)"""
+    from test_kernels import _hf_logprob_errors, needs_fused
+
+    if needs_fused.args[0]:
+        pytest.skip(needs_fused.kwargs["reason"])
+    windowed = make_checkpoint(tmp_path / "windowed", std=0.2, **FAMILIES["qwen2"])
+    hf = hf_model(windowed).float()
+    plain = tmp_path / "plain"
+    shutil.copytree(windowed, plain)
+    cfg = read_config(plain)
+    cfg.update(use_sliding_window=False, layer_types=["full_attention"] * cfg["num_hidden_layers"])
+    (plain / "config.json").write_text(json.dumps(cfg))
+    policy = {"policy": [{"layers": "1-2", "window": WINDOW}, {"press": "none"}]}
+    reqs = [{"prompt_token_ids": p} for p in _prompts(hf.config.vocab_size)]
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=1)
+    worst, mean = {}, {}
+    for mode in ("auto", "off"):
+        llm = LLM(
+            str(plain),
+            dtype="bfloat16",
+            max_model_len=MAX_LEN,
+            block_size=BLOCK,
+            decode_kernels=mode,
+            kv_compression=policy,
+        )
+        runner = llm.engine.executor.runner
+        assert (runner.fused is not None) == (mode == "auto") and len(runner.kv_groups) == 2
+        errs = _hf_logprob_errors(llm, reqs, params, hf, argmax=False)
+        worst[mode], mean[mode] = max(errs), sum(errs) / len(errs)
+    assert worst["auto"] <= 1.5 * worst["off"] + 0.02, worst
+    assert mean["auto"] <= 1.25 * mean["off"] + 0.005, mean
+
+
 def test_prefix_cache_hits_longer_than_the_window(family):
     """A hit of 3 blocks (12 tokens, twice the window): the chunk after it reads its window back from the cache."""
     _, path, hf, _, _ = family

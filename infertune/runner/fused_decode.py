@@ -34,9 +34,11 @@ log = logging.getLogger(__name__)
 
 
 class FusedDecode:
-    def __init__(self, decoder: FusedDecoder, block_size: int, windows: tuple = (None,)) -> None:
+    def __init__(self, decoder: FusedDecoder, block_size: int, groups: tuple = ((None, 0),)) -> None:
         self.decoder = decoder
-        self.windows = windows  # each KV cache group's window: the key of its metadata (AttentionMetadata.for_window)
+        # each KV cache group's window and first layer: what finds its metadata (AttentionMetadata.for_window, or
+        # for_layer where the runner keys the groups by layer)
+        self.groups = groups
         self.max_rows, self.max_prefill_rows = decoder.max_rows, decoder.max_prefill_rows
         self.block_size = block_size
 
@@ -57,9 +59,9 @@ class FusedDecode:
         can hold (the kernels may run whole prefill steps of up to that many). kv_groups: the runner's KV cache
         groups (scheduler_output.KVCacheGroup: each layer's window and block tables); None: one, without a window."""
         spec = cls.describe(model, kv_caches, attn, kernels, dtype)
-        windows: tuple = (None,)
+        groups: tuple = ((None, 0),)
         if not isinstance(spec, str) and kv_groups is not None:
-            windows = tuple(g.window for g in kv_groups)
+            groups = tuple((g.window, g.layers[0]) for g in kv_groups)
             spec.kv_groups = len(kv_groups)
             for g, group in enumerate(kv_groups):
                 for i in group.layers:
@@ -75,7 +77,7 @@ class FusedDecode:
         if isinstance(spec, str):
             log.info("fused decode off: %s", spec)
             return None
-        return cls(spec, block_size, windows)
+        return cls(spec, block_size, groups)
 
     @staticmethod
     def describe(model, kv_caches, attn, kernels, dtype) -> FusedModel | str:
@@ -226,8 +228,8 @@ class FusedDecode:
         else:
             tables, lens = meta.decode_block_tables, meta.decode_context_lens
         slots = meta.slot_mapping
-        if len(self.windows) > 1:  # each group's slots and block tables, stacked (the tables to one width)
-            metas = [meta.for_window(w) for w in self.windows]
+        if len(self.groups) > 1:  # each group's slots and block tables, stacked (the tables to one width)
+            metas = [meta.for_layer(i) if meta.by_layer is not None else meta.for_window(w) for w, i in self.groups]
             width = max(m.decode_block_tables.shape[1] for m in metas)
             slots = torch.stack([m.slot_mapping for m in metas])
             tables = torch.stack(
