@@ -271,6 +271,28 @@ def test_grouped_experts_refuse_what_they_do_not_fit(ks):
             ks.moe_experts(x, bf16_experts(gate_up, down), bad)
 
 
+def quantized_experts(ks, method: str, group_size: int, e: int, k: int, hidden: int, inter: int, g):
+    """An Experts layer of random bf16 weights quantized (quant/experts.py: "w8a16", or "w4a16" in groups of
+    group_size), and its KernelExperts."""
+    from infertune.quant.experts import QuantizedExperts
+    from infertune.quant.int4 import W4A16Method
+    from infertune.quant.int8 import W8A16Method
+
+    layer = Experts(hidden, MoeArch(e, k, inter, layers=(0,), norm_topk_prob=True), torch.bfloat16)
+    gate_up, down = expert_weights(e, hidden, inter, g)
+    with torch.no_grad():
+        layer.gate_up_proj.copy_(gate_up)
+        layer.down_proj.copy_(down)
+    if method == "w8a16":
+        layer.quant_method = QuantizedExperts(lambda: W8A16Method(kernels=ks))
+    else:
+        layer.quant_method = QuantizedExperts(lambda: W4A16Method(group_size=group_size, kernels=ks))
+    layer.quant_method.process_weights_after_loading(layer)
+    experts = layer.quant_method.kernel_experts(layer)
+    assert experts is not None and experts.gate_up.kind == method[:2]
+    return layer, experts
+
+
 @pytest.mark.parametrize("method", ["w8a16", "w4a16"])
 @pytest.mark.parametrize("t", [1, 5, 40])
 def test_quantized_experts_match_their_per_expert_loop(ks, method, t):
@@ -278,22 +300,9 @@ def test_quantized_experts_match_their_per_expert_loop(ks, method, t):
     grouped kernel: the same int kernels as the per-expert loop runs on each expert's slice (bit for bit almost
     everywhere; past 16 rows an expert's loop multiplies its dequantized weight with torch's GEMM), and within
     2^-7 of experts_reference in fp32 on the dequantized weights."""
-    from infertune.quant.experts import QuantizedExperts
-    from infertune.quant.int4 import W4A16Method
-    from infertune.quant.int8 import W8A16Method
-
     e, k, hidden, inter = 8, 2, 128, 64
     g = torch.Generator().manual_seed(t)
-    layer = Experts(hidden, MoeArch(e, k, inter, layers=(0,), norm_topk_prob=True), torch.bfloat16)
-    gate_up, down = expert_weights(e, hidden, inter, g)
-    with torch.no_grad():
-        layer.gate_up_proj.copy_(gate_up)
-        layer.down_proj.copy_(down)
-    make = (lambda: W8A16Method(kernels=ks)) if method == "w8a16" else (lambda: W4A16Method(group_size=64, kernels=ks))
-    layer.quant_method = QuantizedExperts(make)
-    layer.quant_method.process_weights_after_loading(layer)
-    experts = layer.quant_method.kernel_experts(layer)
-    assert experts is not None and experts.gate_up.kind == method[:2]
+    layer, experts = quantized_experts(ks, method, 64, e, k, hidden, inter, g)
     x = torch.randn(t, hidden, generator=g).bfloat16()
     routing = reference_routing(t, e, k, g, unpicked=1, hot=None)
     y = ks.moe_experts(x, experts, routing)
@@ -315,22 +324,9 @@ def test_quantized_experts_of_one_row_each_are_their_per_expert_loop_bit_for_bit
     per-expert loop over linear_w8 / linear_w4 (Experts.forward_native) at one row an expert. With an expert shared
     by the tokens (three rows for it) the per-expert path runs, bit for bit the loop too. (int8: hidden 328, the rows
     padded to 384 inside the kernel.)"""
-    from infertune.quant.experts import QuantizedExperts
-    from infertune.quant.int4 import W4A16Method
-    from infertune.quant.int8 import W8A16Method
-
     e, k, hidden, inter = 16, 4, 384 if method == "w4a16" else 328, 256
     g = torch.Generator().manual_seed(70 + t)
-    layer = Experts(hidden, MoeArch(e, k, inter, layers=(0,), norm_topk_prob=True), torch.bfloat16)
-    gate_up, down = expert_weights(e, hidden, inter, g)
-    with torch.no_grad():
-        layer.gate_up_proj.copy_(gate_up)
-        layer.down_proj.copy_(down)
-    make = (lambda: W8A16Method(kernels=ks)) if method == "w8a16" else (lambda: W4A16Method(group_size=128, kernels=ks))
-    layer.quant_method = QuantizedExperts(make)
-    layer.quant_method.process_weights_after_loading(layer)
-    experts = layer.quant_method.kernel_experts(layer)
-    assert experts is not None and experts.gate_up.kind == method[:2]
+    layer, experts = quantized_experts(ks, method, 128, e, k, hidden, inter, g)
     # token i prefers experts 4i .. 4i + 3 (distinct across tokens), or with overlap expert 15 too
     logits = torch.randn(t, e, generator=g)
     for i in range(t):

@@ -292,37 +292,27 @@ def test_engine_modes_match_hf(family, mode):
     assert_mode_matches(llm, mode, hf, prompts, outs, reference)
 
 
-@pytest.mark.parametrize("kv", ["auto", "int8"])
-def test_fused_step_runs_windowed_models(family, kv):
-    """bf16, greedy, prompts and decodes several windows long (window 6, blocks of 4: a window's first key mid-block),
-    batch of 4: the fused C decode step takes the windowed layers (Mistral: every layer, one KV cache group; Qwen2:
-    layers 1-2 windowed beside a full layer 0, two groups with their own block tables) and its logprobs are as
-    close to HF transformers' (float32, the same weights), worst and mean, as the per-module path's. (These
-    std-0.2 random models are noisy in bf16: the per-module path's picks fall up to 0.25 nats below HF's best too.) A
-    step that attended to the whole context, or read one group's tables for another's layers, is far off (checked
-    by breaking kv_window and the group choice)."""
+def _fused_against_per_module(path, hf, prompts, groups: int, **engine) -> None:
+    """bf16, greedy, NEW_TOKENS tokens: the engine with the fused decode step (every decode step ran there, its own
+    counters) and with the per-module path, their logprobs against HF transformers' in fp32; the fused step's errors,
+    worst and mean, as small as the per-module path's. (These std-0.2 random models are noisy in bf16: the
+    per-module path's picks fall up to 0.25 nats below HF's best too, so argmax is not asked.)"""
     from test_kernels import _hf_logprob_errors, needs_fused
 
     from infertune.kernels import x86
 
     if needs_fused.args[0]:
         pytest.skip(needs_fused.kwargs["reason"])
-    name, path, hf, prompts, _ = family
-    hf = hf.float()
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=1)
     worst, mean = {}, {}
     for mode in ("auto", "off"):
-        llm = LLM(
-            str(path), dtype="bfloat16", max_model_len=MAX_LEN, block_size=BLOCK, decode_kernels=mode, kv_cache_dtype=kv
-        )
+        llm = LLM(str(path), dtype="bfloat16", max_model_len=MAX_LEN, block_size=BLOCK, decode_kernels=mode, **engine)
         runner = llm.engine.executor.runner
-        assert (runner.fused is not None) == (mode == "auto")
+        assert (runner.fused is not None) == (mode == "auto") and len(runner.kv_groups) == groups
         if mode == "auto":
             assert runner.decode_kernels is x86.kernels()
-            assert len(runner.kv_groups) == {"mistral": 1, "qwen2": 2}[name]
             runner.fused.step_timers(reset=True)
-        reqs = [{"prompt_token_ids": p} for p in prompts]
-        errs = _hf_logprob_errors(llm, reqs, params, hf, argmax=False)
+        errs = _hf_logprob_errors(llm, [{"prompt_token_ids": p} for p in prompts], params, hf, argmax=False)
         worst[mode], mean[mode] = max(errs), sum(errs) / len(errs)
         if mode == "auto":
             assert runner.fused.step_timers()["calls"] >= NEW_TOKENS - 1  # the decode steps ran fused
@@ -330,16 +320,23 @@ def test_fused_step_runs_windowed_models(family, kv):
     assert mean["auto"] <= 1.25 * mean["off"] + 0.005, mean
 
 
+@pytest.mark.parametrize("kv", ["auto", "int8"])
+def test_fused_step_runs_windowed_models(family, kv):
+    """Prompts and decodes several windows long (window 6, blocks of 4: a window's first key mid-block), a batch of
+    4: the fused C decode step takes the windowed layers (Mistral: every layer, one KV cache group; Qwen2: layers 1-2
+    windowed beside a full layer 0, two groups with their own block tables) as exactly as the per-module path
+    (_fused_against_per_module). A step that attended to the whole context, or read one group's tables for
+    another's layers, is far off (checked by breaking kv_window and the group choice)."""
+    name, path, hf, prompts, _ = family
+    _fused_against_per_module(path, hf.float(), prompts, {"mistral": 1, "qwen2": 2}[name], kv_cache_dtype=kv)
+
+
 def test_fused_step_runs_a_policys_window_rules(tmp_path):
     """The long-context policy's window rules (kv_compression; its KV cache groups are found by layer, not by
     window) in the fused decode step: the Qwen2 family's weights saved without their windows, and the policy putting
-    them back on layers 1-2, against HF transformers running the checkpoint with its own windows (fp32): logprobs as
-    close as the per-module path's under the same policy. (Reading the groups' metadata by window here gave every
-    layer group 0's tables: the first decoded token already differed.)"""
-    from test_kernels import _hf_logprob_errors, needs_fused
-
-    if needs_fused.args[0]:
-        pytest.skip(needs_fused.kwargs["reason"])
+    them back on layers 1-2, against HF transformers running the checkpoint with its own windows
+    (_fused_against_per_module). (Reading the groups' metadata by window here gave every layer group 0's tables:
+    the first decoded token already differed.)"""
     windowed = make_checkpoint(tmp_path / "windowed", std=0.2, **FAMILIES["qwen2"])
     hf = hf_model(windowed).float()
     plain = tmp_path / "plain"
@@ -348,24 +345,7 @@ def test_fused_step_runs_a_policys_window_rules(tmp_path):
     cfg.update(use_sliding_window=False, layer_types=["full_attention"] * cfg["num_hidden_layers"])
     (plain / "config.json").write_text(json.dumps(cfg))
     policy = {"policy": [{"layers": "1-2", "window": WINDOW}, {"press": "none"}]}
-    reqs = [{"prompt_token_ids": p} for p in _prompts(hf.config.vocab_size)]
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=1)
-    worst, mean = {}, {}
-    for mode in ("auto", "off"):
-        llm = LLM(
-            str(plain),
-            dtype="bfloat16",
-            max_model_len=MAX_LEN,
-            block_size=BLOCK,
-            decode_kernels=mode,
-            kv_compression=policy,
-        )
-        runner = llm.engine.executor.runner
-        assert (runner.fused is not None) == (mode == "auto") and len(runner.kv_groups) == 2
-        errs = _hf_logprob_errors(llm, reqs, params, hf, argmax=False)
-        worst[mode], mean[mode] = max(errs), sum(errs) / len(errs)
-    assert worst["auto"] <= 1.5 * worst["off"] + 0.02, worst
-    assert mean["auto"] <= 1.25 * mean["off"] + 0.005, mean
+    _fused_against_per_module(plain, hf, _prompts(hf.config.vocab_size), 2, kv_compression=policy)
 
 
 def test_prefix_cache_hits_longer_than_the_window(family):
