@@ -95,8 +95,8 @@ def schemathesis_run(url: str, seed: int, report_dir) -> tuple[subprocess.Comple
             "150",  # (a run over the nine operations generates ~1,800 bodies, most in the coverage phase)
             "--request-timeout",
             "60",
-            "--workers",
-            "2",
+            "--workers",  # (one: hypothesis describes its strategies with ast.parse, which CPython 3.11 cannot run
+            "1",  # on two threads at once: "AST constructor recursion depth mismatch", cpython gh-106905)
             "--seed",
             str(seed),
             "--no-color",

@@ -104,7 +104,7 @@ static void moe_q_blocks(const it_lin* L, const int64_t* active, const int64_t* 
             for (int j = 0; j < nr; j++)
                 y[j] = f2bf(o[j] * q->s[r] + z[j] + (e.bias ? bf2f(e.bias[n0 + j]) : 0.0f));
         } else {
-            float o[MR][NR];
+            float o[MR][NR] = {{0.0f}}; /* (w8_block writes row 0 only: GCC cannot see it) */
             const int8_t* w = (const int8_t*)e.w + n0 * K;
             const int8_t *xh = q->h + r * Kp, *xl = q->l + r * Kp;
             if (nr == NR)
