@@ -115,9 +115,9 @@ class X86FusedDecoder:
             if lin is not None
         ]
         kinds = {lin.kind for lin in lins}
-        # (MoE models and windowed ones: decode steps only. A prompt step's block tables come from its slots, one
-        # group's; a MoE prompt's router takes torch's matmul past 16 rows, see below.)
-        decode_only = cmodel.moe_experts > 0 or model.kv_groups > 1 or any(layer.window for layer in model.layers)
+        # (MoE models: decode steps only, their prompts' router takes torch's matmul past 16 rows, see below. A
+        # windowed layer's prompt rows each attend on their own, to their window: attention_rows.)
+        decode_only = cmodel.moe_experts > 0
         if avx2_lib is not None:
             if "bf16c" in kinds:
                 return "12-bit weights (the AVX2 library has no decoder for them)"

@@ -199,7 +199,8 @@ class FusedDecode:
 
     def _prefill_tables(self, meta: AttentionMetadata, t: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Per token row of fresh prompts: its prompt's block table (from the slots of the prompt's first token in
-        each block; a fresh prompt starts a block) and its context length (its position + 1)."""
+        each block; a fresh prompt starts a block) and its context length (its position + 1). (A windowed KV cache
+        group holds every block of a fresh prompt's step: its rows' windows reach back into the step.)"""
         bs = self.block_size
         width = max(-(-c.query_len // bs) for c in meta.prefills)
         tables = torch.zeros(t, width, dtype=torch.int64)
@@ -223,22 +224,21 @@ class FusedDecode:
         out_rows (int64, ascending, unique): the only rows the caller reads. Past the last layer's attention just
         those rows go on through o_proj and the MLP (a prompt's other rows need their K / V in every layer, not
         their last hidden state); the other rows of the result are then undefined."""
-        if meta.prefills:
-            tables, lens = self._prefill_tables(meta, input_ids.shape[0])
-        else:
-            tables, lens = meta.decode_block_tables, meta.decode_context_lens
-        slots = meta.slot_mapping
-        if len(self.groups) > 1:  # each group's slots and block tables, stacked (the tables to one width)
-            metas = [meta.for_layer(i) if meta.by_layer is not None else meta.for_window(w) for w, i in self.groups]
-            width = max(m.decode_block_tables.shape[1] for m in metas)
-            slots = torch.stack([m.slot_mapping for m in metas])
-            tables = torch.stack(
-                [
-                    torch.nn.functional.pad(m.decode_block_tables, (0, width - m.decode_block_tables.shape[1]))
-                    for m in metas
-                ]
-            )
-        return self.decoder(input_ids, positions, slots, tables, lens, out_rows)
+        t = input_ids.shape[0]
+        if len(self.groups) == 1:
+            tables, lens = self._prefill_tables(meta, t) if meta.prefills else self._decode_tables(meta)
+            return self.decoder(input_ids, positions, meta.slot_mapping, tables, lens, out_rows)
+        # each KV cache group's slots and block tables, stacked (the tables padded to one width)
+        metas = [meta.for_layer(i) if meta.by_layer is not None else meta.for_window(w) for w, i in self.groups]
+        got = [self._prefill_tables(m, t) if meta.prefills else self._decode_tables(m) for m in metas]
+        width = max(tab.shape[1] for tab, _ in got)
+        tables = torch.stack([torch.nn.functional.pad(tab, (0, width - tab.shape[1])) for tab, _ in got])
+        slots = torch.stack([m.slot_mapping for m in metas])
+        return self.decoder(input_ids, positions, slots, tables, got[0][1], out_rows)
+
+    @staticmethod
+    def _decode_tables(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        return meta.decode_block_tables, meta.decode_context_lens
 
     def step_timers(self, reset: bool = False) -> dict[str, float]:
         """This engine's fused step: seconds per part since the last reset, "calls" and "rows" (FusedDecoder's)."""
