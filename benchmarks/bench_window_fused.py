@@ -6,7 +6,7 @@ A random bf16 Mistral-shaped model (transformers' save_pretrained; --hidden, --l
 --window on every layer; --qwen2-full-layers N keeps the first N layers full, as Qwen2's max_window_layers, so the
 step reads two KV cache groups) decodes --new tokens after a --prompt-token prompt, batch 1, greedy, in rounds that
 alternate the engines (each built once); decode tok/s is the tokens after the first over the time from the first
-token to the last (the engine's request metrics).
+token to the last, and TTFT, from the engine's request metrics (a prompt of up to 128 tokens is one fused step).
 
     python benchmarks/bench_window_fused.py --prompt 2048 --window 256 --rounds 3
 """
@@ -88,16 +88,19 @@ def main() -> int:
     params = SamplingParams(max_tokens=args.new, temperature=0.0, ignore_eos=True)
     g = torch.Generator().manual_seed(1)
     rates: dict[str, list[float]] = {name: [] for name in engines}
+    ttfts: dict[str, list[float]] = {name: [] for name in engines}
     for r in range(args.rounds + 1):  # (the first round warms up, untimed)
         prompt = torch.randint(0, 32000, (args.prompt,), generator=g).tolist()
         for name, llm in engines.items():
             m = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].metrics
             if r:
                 rates[name].append((args.new - 1) / (m.finished_time - m.first_token_time))
-    print(f"\n| {args.prompt}-token prompt, batch 1 | decode tok/s (median of {args.rounds}) | rounds |")
-    print("|---|---:|---|")
+                ttfts[name].append(m.ttft)
+    print(f"\n| {args.prompt}-token prompt, batch 1 | decode tok/s (median of {args.rounds}) | rounds | TTFT ms |")
+    print("|---|---:|---|---:|")
     for name, v in rates.items():
-        print(f"| {name} | {statistics.median(v):.1f} | {', '.join(f'{x:.1f}' for x in v)} |")
+        rounds = ", ".join(f"{x:.1f}" for x in v)
+        print(f"| {name} | {statistics.median(v):.1f} | {rounds} | {1e3 * statistics.median(ttfts[name]):.1f} |")
     return 0
 
 
