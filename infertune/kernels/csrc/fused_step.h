@@ -3,7 +3,8 @@
  * one after arm/neon/fused.c and moe_gemv.h). What a library provides:
  * ws_layout / workspace(m, T, max_ctx) (offsets h, qkv, o, gu, act, y, lin, dec, attn, total), rmsnorm_rows,
  * silu_mul_rows, rotary_rows, run_lin / run_lin_add (a linear, and one added into the residual), add_rows,
- * attention_rows (with a layer's sliding window: kv_window), kv_write (kv_cache.h), and the MoE kernels it_moe_route / it_moe_experts (moe.h). */
+ * attention_rows (with a layer's sliding window: kv_window), kv_write (kv_cache.h), and the MoE kernels it_moe_route /
+ * it_moe_experts (moe.h). */
 #ifndef IT_FUSED_STEP_H
 #define IT_FUSED_STEP_H
 #include <time.h>
@@ -126,6 +127,9 @@ int it_decode_layers(const it_model* m, const it_layer* layers, it_step* s, bf16
     const moe_ws ml = moe_workspace(m, T, l.total);
     if (ml.total > s->work_bytes) return -1;
     if (s->first_layer < 0 || s->first_layer >= m->n_layers) return -2;
+    if (s->n_groups < 0 || s->n_groups > IT_MAX_KV_GROUPS) return -2;
+    for (int li = 0; li < m->n_layers; li++) /* each layer's KV cache group one of the step's (0 where it has none) */
+        if (layers[li].group < 0 || layers[li].group >= (s->n_groups > 0 ? s->n_groups : 1)) return -2;
     char* w = (char*)s->work;
     bf16 *h = (bf16*)(w + l.h), *qkv = (bf16*)(w + l.qkv), *o = (bf16*)(w + l.o), *gu = (bf16*)(w + l.gu);
     bf16 *act = (bf16*)(w + l.act), *y = (bf16*)(w + l.y);
@@ -159,7 +163,6 @@ int it_decode_layers(const it_model* m, const it_layer* layers, it_step* s, bf16
             /* the layer's KV cache group: its slots and block tables (the same max_blocks columns as every group's) */
             it_step ls = *s;
             if (s->n_groups > 0) {
-                if (L->group < 0 || L->group >= s->n_groups || s->n_groups > IT_MAX_KV_GROUPS) return -2;
                 ls.slots = s->group_slots[L->group];
                 ls.block_tables = s->group_tables[L->group];
             }

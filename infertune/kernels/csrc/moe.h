@@ -294,16 +294,16 @@ int it_moe_experts(const bf16* x, int64_t ldx, int64_t T, const it_lin* gate_up,
     char* work = (char*)aligned_alloc(64, (size_t)(o_s + outer * scratch));
     bf16 *xs = (bf16*)work, *gu = (bf16*)(work + o_gu), *act = (bf16*)(work + o_act), *ys = (bf16*)(work + o_y);
     const moe_rows rows_of = {x, ldx, k, H, I, gate_up, down, order, start, counts, xs, gu, act, ys};
-    int done = 0;
 #ifdef MOE_ONE_ROW
-    done = maxn == 1 && MOE_ONE_ROW(&rows_of, active, na, T, nthreads);
+    const int one_row = maxn == 1 && MOE_ONE_ROW(&rows_of, active, na, T, nthreads); /* (it computed ys) */
+#else
+    const int one_row = 0;
 #endif
-    if (done) { /* (the variant's one-row path computed ys) */
-    } else if (outer > 1) { /* (a region of its own only here: the linears' regions nested in one would not reuse threads) */
+    if (!one_row && outer > 1) { /* (a region of its own only here: nested in one, the linears' would not reuse threads) */
 #pragma omp parallel for num_threads(outer) schedule(dynamic, 1)
         for (int64_t a = 0; a < na; a++)
             moe_expert(&rows_of, active[a], 1, work + o_s + (int64_t)omp_get_thread_num() * scratch);
-    } else {
+    } else if (!one_row) {
         for (int64_t a = 0; a < na; a++) moe_expert(&rows_of, active[a], nthreads, work + o_s);
     }
     moe_combine(ys, weights, order, pos, T, k, H, out, nthreads);

@@ -75,15 +75,17 @@ static void moe_qrow(const it_lin* L, const moe_qrows* q, int64_t i, const bf16*
 }
 
 /* One projection of the na experts' rows as one stack of NR-feature blocks, this thread's share [b0, b1): expert a's
- * row multiplies row xrow[a] of q and writes N features at out + rows[a] * N, as linear_w4 / linear_w8 at one row.
+ * row (m->start[e], one row an expert) multiplies q's row of its token (by_token: the step's tokens, order / k) or
+ * q's row a (the experts' own rows) and writes N features at out + its row * N, as linear_w4 / linear_w8 at one row.
  * At the last blocks of an expert the next one's first bytes are asked for (the in-row prefetch runs past the end). */
-static void moe_q_blocks(const it_lin* L, const int64_t* active, const int64_t* rows, const int64_t* xrow, int64_t na,
+static void moe_q_blocks(const moe_rows* m, const it_lin* L, const int64_t* active, int64_t na, int by_token,
                          const moe_qrows* q, bf16* out, int64_t b0, int64_t b1) {
     const int64_t N = L->N, K = L->K, per = (N + NR - 1) / NR, G = q->G, Kp = q->Kp;
     const int w4 = L->kind == IT_KIND_W4;
     const int64_t row_bytes = w4 ? K / 2 : K, ahead = pf_far_offset(NR * row_bytes) / (NR * row_bytes); /* blocks */
     for (int64_t b = b0; b < b1; b++) {
-        const int64_t a = b / per, n0 = (b % per) * NR, r = xrow[a];
+        const int64_t a = b / per, n0 = (b % per) * NR, row = m->start[active[a]];
+        const int64_t r = by_token ? m->order[row] / m->k : a;
         const it_lin e = moe_expert_lin(L, active[a]);
         if (b % per == per - 1 - ahead && a + 1 < na && b + ahead + 1 < b1) { /* the next expert's first blocks */
             const it_lin nx = moe_expert_lin(L, active[a + 1]);
@@ -91,7 +93,7 @@ static void moe_q_blocks(const it_lin* L, const int64_t* active, const int64_t* 
                 __builtin_prefetch((const char*)nx.w + off, 0, 2);
         }
         const int nr = (int)(N - n0 < NR ? N - n0 : NR);
-        bf16* y = out + rows[a] * N + n0;
+        bf16* y = out + row * N + n0;
         if (w4) {
             float o[NR], z[NR];
             const uint8_t* w = (const uint8_t*)e.w + n0 * (K / 2);
@@ -140,13 +142,6 @@ static int moe_one_row(const moe_rows* m, const int64_t* active, int64_t na, int
     const int64_t H = m->H, I = m->I, tb = MOE_ALIGN64(moe_qrows_bytes(gl, T));
     char* buf = (char*)aligned_alloc(64, (size_t)(tb + moe_qrows_bytes(dl, na)));
     const moe_qrows xq = moe_qrows_at(gl, T, buf), aq = moe_qrows_at(dl, na, buf + tb);
-    int64_t* idx = (int64_t*)malloc((size_t)(3 * na) * 8); /* each expert's row, its token, its own index */
-    int64_t *rows = idx, *tok = idx + na, *self = idx + 2 * na;
-    for (int64_t a = 0; a < na; a++) {
-        rows[a] = m->start[active[a]];
-        tok[a] = m->order[rows[a]] / m->k;
-        self[a] = a;
-    }
     const int64_t nb_g = na * ((2 * I + NR - 1) / NR), nb_d = na * ((H + NR - 1) / NR);
     const int nt = (int)(nthreads < nb_d ? nthreads : nb_d);
 #pragma omp parallel num_threads(nt)
@@ -156,18 +151,17 @@ static int moe_one_row(const moe_rows* m, const int64_t* active, int64_t na, int
         for (int64_t j = t; j < T; j += n) moe_qrow(gl, &xq, j, m->x + j * m->ldx);
 #pragma omp barrier
         moe_share(nb_g, t, n, &b0, &b1);
-        moe_q_blocks(gl, active, rows, tok, na, &xq, m->gu, b0, b1);
+        moe_q_blocks(m, gl, active, na, 1, &xq, m->gu, b0, b1);
 #pragma omp barrier
         for (int64_t a = t; a < na; a += n) {
-            const int64_t r = rows[a];
+            const int64_t r = m->start[active[a]];
             silu_mul_row(m->gu + r * 2 * I, m->gu + r * 2 * I + I, m->act + r * I, I);
             moe_qrow(dl, &aq, a, m->act + r * I);
         }
 #pragma omp barrier
         moe_share(nb_d, t, n, &b0, &b1);
-        moe_q_blocks(dl, active, rows, self, na, &aq, m->ys, b0, b1);
+        moe_q_blocks(m, dl, active, na, 0, &aq, m->ys, b0, b1);
     }
-    free(idx);
     free(buf);
     return 1;
 }
