@@ -134,7 +134,11 @@ class QemuNeonLib:
         caches: dict[int, int] = {}  # (layers of different KV cache groups share a cache tensor: one copy of it)
         for c, layer in zip(copies, layers[: m.n_layers]):
             ctypes.pointer(c)[0] = layer
-            c.input_norm, c.post_norm = blob.buf(c.input_norm, m.hidden * 2), blob.buf(c.post_norm, m.hidden * 2)
+            w = 4 if m.norm_f32 else 2  # (Gemma's norms: fp32 factors)
+            for name in ("input_norm", "post_norm", "pre_ff_norm", "post_ff_norm"):
+                setattr(c, name, blob.buf(getattr(c, name), m.hidden * w))
+            c.q_norm, c.k_norm = blob.buf(c.q_norm, d * w), blob.buf(c.k_norm, d * w)
+            c.cos_sin = blob.buf(c.cos_sin, (max(positions) + 1) * d * 4)
             row = d + 4 if m.kv_int8 else d * 2
             if c.kv_cache not in caches:
                 caches[c.kv_cache] = blob.buf(c.kv_cache, 2 * m.num_blocks * m.block_size * hkv * row, back=True)
@@ -180,6 +184,12 @@ class QemuNeonLib:
 
     def it_silu_mul(self, gu, act, t, i, nthreads):
         self._run("it_silu_mul", [t, i], [(gu, t * 2 * i * 2), (act, t * i * 2)])
+
+    def it_gelu_mul(self, gu, act, t, i, nthreads):
+        self._run("it_gelu_mul", [t, i], [(gu, t * 2 * i * 2), (act, t * i * 2)])
+
+    def it_rmsnorm_f32w(self, x, f, out, t, h, eps, nthreads):
+        self._run("it_rmsnorm_f32w", [t, h, repr(float(eps))], [(x, t * h * 2), (f, h * 4), (out, t * h * 2)])
 
     def it_rotary(self, qk, ld, t, heads, d, cs, ld_cs, nthreads):
         bufs = [(cs, ((t - 1) * ld_cs + d) * 4), (qk, ((t - 1) * ld + heads * d) * 2)]

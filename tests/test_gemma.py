@@ -334,3 +334,17 @@ def test_what_gemma_does_not_run_is_named(change, match):
     cfg.update(num_hidden_layers=2, num_attention_heads=4, **change)
     with pytest.raises(ValueError, match=match):
         ArchConfig.from_dict(cfg)
+
+
+@pytest.mark.parametrize("kv,quant", [("auto", None), ("int8", None), ("auto", "w8a16")])
+def test_fused_step_runs_gemma(gemma, kv, quant):
+    """The fused C decode step takes Gemma (the (1 + w) norms in fp32, four a layer; GeLU-tanh; the scaled embeddings;
+    Gemma 3's q / k norms and its sliding layers' own rotary table; Gemma 2's soft-capped scores) as exactly as the
+    per-module path, both against HF transformers in fp32 (test_sliding_window._fused_against_per_module: every
+    decode step fused, and the prompts' step where the kernels take prompts). A step without the soft-cap, with SiLU,
+    without the embedding scale, without the MLP's output norm, or with one rotary table for every layer is far off
+    (each checked by breaking it)."""
+    from test_sliding_window import _fused_against_per_module
+
+    _, path, hf, prompts, _ = gemma
+    _fused_against_per_module(path, hf.float(), prompts, 2, kv_cache_dtype=kv, quantization=quant)

@@ -65,8 +65,10 @@ def test_a_backend_without_kernels_says_why():
 # ---- a second implementation, in plain PyTorch ---------------------------------------------------------------
 
 
-def _rms(x, w, eps):
-    return w * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+def _rms(x, w, eps, gemma=False):
+    """Llama's RMSNorm (w times the normalised x rounded), or Gemma's ((1 + w) in fp32, rounded once)."""
+    normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
+    return (normed * (1.0 + w.float())).to(x.dtype) if gemma else w * normed.to(x.dtype)
 
 
 class TorchCompressed:
@@ -121,13 +123,19 @@ class TorchFused:
         self.k.calls["fused_step"] += 1
         self.steps, self.rows = self.steps + 1, self.rows + input_ids.shape[0]
         t, hq, hkv, d, bs = input_ids.shape[0], m.n_heads, m.n_kv_heads, m.head_dim, m.block_size
-        x = m.embed[input_ids]
-        cos, sin = m.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
+        gemma = m.norm == "gemma"
+        x = m.embed[input_ids] * m.embed_scale
+
+        def rms(x, w):
+            return _rms(x, w, m.eps, gemma)
+
         for layer in m.layers:
-            qkv = self._linear(layer.qkv, _rms(x, layer.input_norm, m.eps)).view(t, hq + 2 * hkv, d)
-            if layer.q_norm is not None:  # Qwen3: each head of q and k RMS-normalised
-                qkv[:, :hq] = _rms(qkv[:, :hq], layer.q_norm, m.eps)
-                qkv[:, hq : hq + hkv] = _rms(qkv[:, hq : hq + hkv], layer.k_norm, m.eps)
+            table = layer.cos_sin if layer.cos_sin is not None else m.cos_sin  # (Gemma 3: each layer kind its own)
+            cos, sin = table[positions].unsqueeze(1).chunk(2, dim=-1)
+            qkv = self._linear(layer.qkv, rms(x, layer.input_norm)).view(t, hq + 2 * hkv, d)
+            if layer.q_norm is not None:  # Qwen3, Gemma 3: each head of q and k RMS-normalised
+                qkv[:, :hq] = rms(qkv[:, :hq], layer.q_norm)
+                qkv[:, hq : hq + hkv] = rms(qkv[:, hq : hq + hkv], layer.k_norm)
             x1, x2 = qkv[:, : hq + hkv].float().chunk(2, dim=-1)
             qkv[:, : hq + hkv] = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(qkv.dtype)
             cache = layer.kv_cache
@@ -144,13 +152,24 @@ class TorchFused:
                 keys = cache[0].view(-1, hkv, d)[slots].float().repeat_interleave(hq // hkv, dim=1)
                 vals = cache[1].view(-1, hkv, d)[slots].float().repeat_interleave(hq // hkv, dim=1)
                 att = torch.einsum("hd,nhd->hn", qkv[r, :hq].float(), keys) * m.scale
+                if m.attn_softcap:  # Gemma 2
+                    att = torch.tanh(att / m.attn_softcap) * m.attn_softcap
                 o[r] = torch.einsum("hn,nhd->hd", att.softmax(-1), vals).to(x.dtype)
-            x = x + self._linear(layer.o, o.view(t, hq * d))
-            h = _rms(x, layer.post_norm, m.eps)
-            x = x + (self._moe(layer.moe, h) if layer.moe is not None else self._mlp(layer.gate_up, layer.down, h))
-        return _rms(x, m.final_norm, m.final_eps)
+            attn_out = self._linear(layer.o, o.view(t, hq * d))
+            if layer.pre_ff_norm is None:
+                x = x + attn_out
+                h = rms(x, layer.post_norm)
+            else:  # Gemma's sandwich: each branch normed before its residual add
+                x = x + rms(attn_out, layer.post_norm)
+                h = rms(x, layer.pre_ff_norm)
+            mlp = self._moe(layer.moe, h) if layer.moe is not None else self._mlp(layer.gate_up, layer.down, h)
+            x = x + (mlp if layer.post_ff_norm is None else rms(mlp, layer.post_ff_norm))
+        return _rms(x, m.final_norm, m.final_eps, gemma)
 
     def _mlp(self, gate_up: KernelLinear, down: KernelLinear, h):
+        if self.m.act == "gelu_tanh":  # Gemma
+            gate, up = self._linear(gate_up, h).chunk(2, dim=-1)
+            return self._linear(down, F.gelu(gate, approximate="tanh") * up)
         act = gate_up.compressed.silu_and_mul(h) if gate_up.kind == "bf16c" else None
         if act is None:
             act = self.k.silu_and_mul(self._linear(gate_up, h))
@@ -221,6 +240,15 @@ class TorchKernels:
         self.calls["silu_and_mul"] += 1
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate).mul_(up)
+
+    def gemma_rms_norm(self, x, weight, eps):
+        self.calls["gemma_rms_norm"] += 1
+        return _rms(x, weight, eps, gemma=True)
+
+    def gelu_and_mul(self, gate_up):
+        self.calls["gelu_and_mul"] += 1
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
 
     def rotary_(self, qk, cos, sin):
         self.calls["rotary"] += 1
@@ -332,4 +360,25 @@ def test_the_engine_runs_on_a_second_implementation(tmp_path, monkeypatch, quant
     if quant == "w4a16":
         q = runner.model.model.layers[0].mlp.down_proj.qweight
         assert q.shape == (256, 128) and q.dtype is torch.uint8  # the reference's own [K, N] layout
+    assert mine <= 1.5 * plain + 0.02, (mine, plain)
+
+
+@pytest.mark.parametrize("variant,fused", [("gemma2", True), ("gemma3", True), ("gemma3", False)])
+def test_gemma_runs_on_a_second_implementation(tmp_path, monkeypatch, variant, fused):
+    """Gemma's (1 + w) norms, four a layer, GeLU-tanh, the scaled embeddings, each layer kind's rotary table and Gemma
+    2's soft-capped scores all reach a backend through the FusedModel: the pure-PyTorch step built from it alone is as
+    close to HF transformers (float32) as the engine without kernels. Unfused, the modules call gemma_rms_norm and
+    gelu_and_mul."""
+    from test_gemma import VARIANTS, make_gemma
+
+    model = make_gemma(tmp_path / variant, **VARIANTS[variant])
+    _, plain = _run(model, monkeypatch, None)
+    ref = TorchKernels(fused=fused)
+    llm, mine = _run(model, monkeypatch, ref)
+    if fused:
+        spec = llm.engine.executor.runner.fused.decoder.m
+        assert (spec.act, spec.norm, spec.attn_softcap > 0) == ("gelu_tanh", "gemma", variant == "gemma2")
+        assert ref.calls["fused_step"] >= 7
+    else:
+        assert ref.calls["gemma_rms_norm"] and ref.calls["gelu_and_mul"] and ref.calls["rms_norm"] == 0
     assert mine <= 1.5 * plain + 0.02, (mine, plain)

@@ -610,10 +610,10 @@ def test_fused_decode_forward_allocates_nothing(tmp_path):
 
 def test_elementwise_kernels_round_as_the_pytorch_formulas(ks):
     """Prefill elementwise kernels against layers/norm.py, activation.py and rotary.py in PyTorch: rotary bit for
-    bit (the same fp32 products); RMSNorm and SiLU within one bf16 step (fp32 sum order, exp polynomial), and
-    almost everywhere identical."""
-    from infertune.layers.activation import silu_and_mul
-    from infertune.layers.norm import RMSNorm
+    bit (the same fp32 products), GeLU-tanh too; RMSNorm (Llama's and Gemma's) and SiLU within one bf16 step (fp32
+    sum order, exp polynomial), and almost everywhere identical."""
+    from infertune.layers.activation import GeluAndMul, silu_and_mul
+    from infertune.layers.norm import GemmaRMSNorm, RMSNorm
     from infertune.layers.rotary import RotaryEmbedding
 
     g = torch.Generator().manual_seed(9)
@@ -630,6 +630,15 @@ def test_elementwise_kernels_round_as_the_pytorch_formulas(ks):
         close_to_bf16(ks.rms_norm(x, norm.weight, 1e-6), norm(x))
         gu = (torch.randn(t, 2 * h, generator=g) * 4).bfloat16()
         close_to_bf16(ks.silu_and_mul(gu), silu_and_mul(gu))
+        gemma = GemmaRMSNorm(h, 1e-6, torch.bfloat16)
+        gemma.weight.data.copy_(torch.randn(h, generator=g) * 0.5)
+        close_to_bf16(ks.gemma_rms_norm(x, gemma.weight, 1e-6), gemma.forward_native(x))
+        assert torch.equal(ks.gelu_and_mul(gu), GeluAndMul().forward_native(gu))
+    # GeLU-tanh bit for bit at every finite bf16 gate (torch's tanh is +-1 past |y| = 8.66: the kernels' too)
+    gates = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    gates = gates[torch.isfinite(gates)]
+    gu = torch.cat([gates, torch.full_like(gates, 1.5)]).view(1, -1)
+    assert torch.equal(ks.gelu_and_mul(gu), GeluAndMul().forward_native(gu))
     rot = RotaryEmbedding(48, 64, 10000.0, None)
     rot.reset_buffers()
     qkv = torch.randn(9, 7, 48, generator=g).bfloat16()

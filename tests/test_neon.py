@@ -201,14 +201,22 @@ def test_neon_fused_step_matches_the_pytorch_step(lib, kind):
 
 @pytest.mark.parametrize(
     "arch,kv",
-    [("llama", "auto"), ("llama", "int8"), ("mistral", "auto"), ("qwen2", "auto")],
+    [
+        ("llama", "auto"),
+        ("llama", "int8"),
+        ("mistral", "auto"),
+        ("qwen2", "auto"),
+        ("gemma2", "auto"),
+        ("gemma3", "auto"),
+    ],
 )
 def test_the_engine_on_the_neon_kernels_matches_hf(lib, tmp_path, monkeypatch, arch, kv):
     """The bf16 engine on NeonKernels (every kernel call under qemu), its fused step taking the decode steps (and,
     with a bf16 cache, the prompts), against HF transformers in float32: HF's greedy tokens up to bf16
     noise (bf16 cache), and logprobs as close as the engine's without kernels on the same cache; the fused step ran
     every decode step (that engine's own counters). Mistral: a window of 3 on every layer; Qwen2: layer 1 windowed
-    beside a full layer 0 (two KV cache groups, each with its own block tables)."""
+    beside a full layer 0 (two KV cache groups, each with its own block tables); Gemma 2 / 3: test_gemma's models
+    (sandwich norms, GeLU, soft-capping, each layer kind's rotary table, windows of 6 on alternate layers)."""
     from conftest import hf_model, make_checkpoint
     from test_kernels import _hf_logprob_errors
 
@@ -217,20 +225,27 @@ def test_the_engine_on_the_neon_kernels_matches_hf(lib, tmp_path, monkeypatch, a
     from infertune.kernels.arm import NeonKernels
 
     window = {
+        "gemma2": {},
+        "gemma3": {},
         "llama": {},
         "mistral": dict(sliding_window=3),
         "qwen2": dict(use_sliding_window=True, sliding_window=3, max_window_layers=1),
     }[arch]
-    model = make_checkpoint(
-        tmp_path / "m",
-        arch,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        tie_word_embeddings=True,
-        dtype=torch.bfloat16,
-        **window,
-    )
+    if arch.startswith("gemma"):
+        from test_gemma import VARIANTS, make_gemma
+
+        model = make_gemma(tmp_path / "m", **VARIANTS[arch])
+    else:
+        model = make_checkpoint(
+            tmp_path / "m",
+            arch,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            tie_word_embeddings=True,
+            dtype=torch.bfloat16,
+            **window,
+        )
     prompts = [{"prompt_token_ids": [3, 11, 25, 40]}, {"prompt_token_ids": [7, 9, 60]}]
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=1)
     hf = hf_model(model).float()

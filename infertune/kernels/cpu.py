@@ -64,7 +64,7 @@ AVX2_QUANT_MAX_ROWS = 2048
 # AVX-512 library without AMX does (NOAMX_GEMM_MAX_ROWS): each prompt row's attention runs on its own.
 AVX2_FUSED_PREFILL_ROWS = 128
 # The C side's ABI (csrc/abi.h IT_ABI_VERSION): bump both together when a shared struct or a signature changes.
-ABI_VERSION = 6
+ABI_VERSION = 7
 # The KV cache groups a fused step reads at most (csrc/abi.h IT_MAX_KV_GROUPS): layers grouped by sliding window
 MAX_KV_GROUPS = 8
 WARN_FLAGS = ["-Wall", "-Wextra", "-Wpointer-arith"]
@@ -387,6 +387,8 @@ def declare(lib: ctypes.CDLL) -> None:
         "it_dequant_w4": ([ptr, ptr, ptr, i64, ptr, i64, i64, cint], None),
         "it_rmsnorm_mt": ([ptr, ptr, ptr, i64, i64, ctypes.c_float, cint], None),
         "it_silu_mul": ([ptr, ptr, i64, i64, cint], None),
+        "it_gelu_mul": ([ptr, ptr, i64, i64, cint], None),
+        "it_rmsnorm_f32w": ([ptr, ptr, ptr, i64, i64, ctypes.c_float, cint], None),
         "it_rotary": ([ptr, i64, i64, i64, i64, ptr, i64, cint], None),
         "it_amx_init": ([cint], cint),
         "it_decode_workspace_bytes": ([model, i64, i64], i64),
@@ -437,6 +439,9 @@ class ItLayer(ctypes.Structure):
         ("moe", ctypes.c_void_p),  # an ItMoeLayer, or None: the dense MLP
         ("window", ctypes.c_int64),  # > 0: the layer's sliding window; 0: the whole context
         ("group", ctypes.c_int64),  # its KV cache group (ItStep.group_slots / group_tables)
+        ("pre_ff_norm", ctypes.c_void_p),  # Gemma's MLP input norm (post_norm is then o_proj's output's); None: Llama's
+        ("post_ff_norm", ctypes.c_void_p),  # Gemma's norm of the MLP's output
+        ("cos_sin", ctypes.c_void_p),  # the layer's own rotary table (Gemma 3's sliding layers); None: the model's
     ]
 
 
@@ -454,7 +459,14 @@ class ItModel(ctypes.Structure):
         ("gate_up_fused", ctypes.c_int32),
         ("moe_experts", ctypes.c_int32),
         ("moe_top_k", ctypes.c_int32),
+        ("act", ctypes.c_int32),  # ACT_SILU / ACT_GELU_TANH
+        ("norm_f32", ctypes.c_int32),  # 1: every norm's weight is fp32 factors (Gemma's 1 + w)
+        ("softcap", ctypes.c_float),  # > 0: attention scores soft-capped (Gemma 2)
     ]
+
+
+# The gated MLP's activation (csrc/abi.h it_model.act)
+ACT_SILU, ACT_GELU_TANH = 0, 1
 
 
 class Bf16c(ctypes.Structure):
@@ -578,6 +590,9 @@ def abi_layout(structs: dict[str, type[ctypes.Structure]] | None = None) -> list
             "moe",
             "window",
             "group",
+            "pre_ff_norm",
+            "post_ff_norm",
+            "cos_sin",
         ),  # fmt: skip
         "it_model": (
             "hidden",
@@ -596,6 +611,9 @@ def abi_layout(structs: dict[str, type[ctypes.Structure]] | None = None) -> list
             "gate_up_fused",
             "moe_experts",
             "moe_top_k",
+            "act",
+            "norm_f32",
+            "softcap",
         ),  # fmt: skip
         "it_step": (
             "T",
@@ -638,6 +656,7 @@ def abi_layout(structs: dict[str, type[ctypes.Structure]] | None = None) -> list
     out += [(f"it_moe.scoring {k}", v) for k, v in MOE_SCORING.items()]
     out += [(f"it_moe.topk_method {k}", v) for k, v in MOE_TOPK_METHOD.items()]
     out.append(("IT_FT_PARTS (the fused step's timed parts)", len(FUSED_PARTS)))
+    out += [("IT_ACT_SILU", ACT_SILU), ("IT_ACT_GELU_TANH", ACT_GELU_TANH)]
     return out
 
 
@@ -958,15 +977,43 @@ def rms_norm(
     return out
 
 
+def gemma_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, *, lib: ctypes.CDLL | None = None
+) -> torch.Tensor | None:
+    """Gemma's RMSNorm of bf16 rows: bf16((x / rms(x)) * (1 + w)), the factors and the product in fp32, one rounding
+    (layers/norm.py GemmaRMSNorm); None where x does not fit."""
+    if x.dtype is not torch.bfloat16 or x.dim() != 2 or not x.is_contiguous():
+        return None
+    lib = _pick(lib)
+    factors = 1.0 + weight.float()  # (as the module computes them: exact for a bf16 w)
+    out = torch.empty_like(x)
+    with profiled("rms_norm"):
+        lib.it_rmsnorm_f32w(
+            x.data_ptr(), factors.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps, torch.get_num_threads()
+        )
+    return out
+
+
 def silu_and_mul(gate_up: torch.Tensor, *, lib: ctypes.CDLL | None = None) -> torch.Tensor | None:
     """[T, 2I] bf16 -> bf16(bf16(silu(gate)) * up) [T, I]; None where the input does not fit."""
+    return _act_and_mul(gate_up, "silu_and_mul", lib, gelu=False)
+
+
+def gelu_and_mul(gate_up: torch.Tensor, *, lib: ctypes.CDLL | None = None) -> torch.Tensor | None:
+    """[T, 2I] bf16 -> bf16(bf16(gelu_tanh(gate)) * up) [T, I] (Gemma's MLP); None where the input does not fit."""
+    return _act_and_mul(gate_up, "gelu_and_mul", lib, gelu=True)
+
+
+def _act_and_mul(gate_up: torch.Tensor, name: str, lib: ctypes.CDLL | None, gelu: bool) -> torch.Tensor | None:
     if gate_up.dtype is not torch.bfloat16 or gate_up.dim() != 2 or not gate_up.is_contiguous():
         return None
     lib = _pick(lib)
     t, two_i = gate_up.shape
     out = torch.empty((t, two_i // 2), dtype=torch.bfloat16)
-    with profiled("silu_and_mul"):
-        lib.it_silu_mul(gate_up.data_ptr(), out.data_ptr(), t, two_i // 2, torch.get_num_threads())
+    with profiled(name):
+        (lib.it_gelu_mul if gelu else lib.it_silu_mul)(
+            gate_up.data_ptr(), out.data_ptr(), t, two_i // 2, torch.get_num_threads()
+        )
     return out
 
 

@@ -7,9 +7,10 @@ torch's operators throughout. Everything the engine knows of the kernels goes th
 - the linear layers' methods (layers/linear.py, quant/) call `linear_*`, ask `max_rows(kind)` up to which rows the
   kernel beats torch's GEMM, store weights in the kernels' own layouts through `pack_w4` / `compress` without
   knowing those layouts, and describe themselves to the fused step as a `KernelLinear`;
-- the modules with an elementwise kernel (RMSNorm, rotary, SiLU-and-multiply: layers/kernel_op.py `KernelOp`) are
-  given the kernels once at load and call `rms_norm` / `rotary_` / `silu_and_mul`, which return None (False for
-  rotary) where a layout does not fit, and the module then runs its PyTorch formula;
+- the modules with an elementwise kernel (RMSNorm and Gemma's, rotary, SiLU- and GeLU-and-multiply:
+  layers/kernel_op.py `KernelOp`) are given the kernels once at load and call `rms_norm` / `gemma_rms_norm` /
+  `rotary_` / `silu_and_mul` / `gelu_and_mul`, which return None (False for rotary) where a layout does not fit,
+  and the module then runs its PyTorch formula;
 - the runner hands the whole decoder, as a `FusedModel` of tensors and sizes, to `fused_decoder`, which returns a
   `FusedDecoder` (one call per step) or the reason it cannot run;
 - a mixture-of-experts layer (layers/moe.py: its `Router` and `Experts` are KernelOps) routes through `moe_route`
@@ -120,10 +121,11 @@ class FusedMoE:
 
 @dataclass(slots=True)
 class FusedLayer:
-    """One decoder layer (pre-norm attention + gated MLP or mixture of experts, Llama family) for the fused step."""
+    """One decoder layer (pre-norm attention + gated MLP or mixture of experts, Llama family; Gemma's sandwich norms)
+    for the fused step."""
 
     input_norm: torch.Tensor
-    post_norm: torch.Tensor
+    post_norm: torch.Tensor  # the MLP's input norm; with pre_ff_norm set, the norm of o_proj's output (Gemma)
     qkv: KernelLinear
     o: KernelLinear
     gate_up: KernelLinear | None  # the dense MLP (None where moe is set)
@@ -134,6 +136,11 @@ class FusedLayer:
     moe: FusedMoE | None = None
     window: int = 0  # > 0: a sliding window (the row attends to its last `window` keys, its own included); 0: all
     group: int = 0  # the KV cache group whose slots and block tables the layer reads (FusedModel.kv_groups)
+    # Gemma: x += post_norm(o_proj(o)); x += post_ff_norm(mlp(pre_ff_norm(x))). None: Llama's x += o_proj(o);
+    # x += mlp(post_norm(x))
+    pre_ff_norm: torch.Tensor | None = None
+    post_ff_norm: torch.Tensor | None = None
+    cos_sin: torch.Tensor | None = None  # the layer's own rotary table (Gemma 3's sliding layers); None: the model's
 
 
 @dataclass(slots=True)
@@ -160,6 +167,15 @@ class FusedModel:
     # a step's slot_mapping and block_tables come stacked by group ([G, T] and [G, T, max_blocks]). An
     # implementation that does not know windows or groups returns why (fused_decoder) where a layer has one.
     kv_groups: int = 1
+    # Gemma. act: the gated MLP's activation ("gelu_tanh": transformers' gelu_pytorch_tanh). norm "gemma": every norm
+    # (the final one and q / k norms too) scales by (1 + w), computed in fp32 and rounded once (layers/norm.py
+    # GemmaRMSNorm); "llama": bf16(w * bf16(x / rms(x))). embed_scale: the embeddings are multiplied by it (a bf16
+    # value; Gemma's sqrt(hidden)). attn_softcap > 0: each attention score s (scaled) becomes cap tanh(s / cap) before
+    # the softmax (Gemma 2). An implementation that does not know one of these returns why where it is set.
+    act: Literal["silu", "gelu_tanh"] = "silu"
+    norm: Literal["llama", "gemma"] = "llama"
+    embed_scale: float = 1.0
+    attn_softcap: float = 0.0
 
 
 class FusedDecoder(Protocol):
@@ -245,6 +261,15 @@ class DecodeKernels(Protocol):
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor | None:
         """[T, 2I] -> bf16(bf16(silu(gate)) * up) [T, I]; None where it does not fit."""
+        ...
+
+    def gemma_rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+        """Gemma's RMSNorm: bf16((x / rms(x)) * (1 + w)), statistics, factors and product in fp32, one rounding; None
+        where x's layout does not fit."""
+        ...
+
+    def gelu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor | None:
+        """[T, 2I] -> bf16(bf16(gelu_tanh(gate)) * up) [T, I] (Gemma's MLP); None where it does not fit."""
         ...
 
     def rotary_(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:

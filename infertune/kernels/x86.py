@@ -99,6 +99,12 @@ class X86Kernels:
     def silu_and_mul(self, gate_up):
         return cpu.silu_and_mul(gate_up, lib=self.lib)
 
+    def gemma_rms_norm(self, x, weight, eps):
+        return cpu.gemma_rms_norm(x, weight, eps, lib=self.lib)
+
+    def gelu_and_mul(self, gate_up):
+        return cpu.gelu_and_mul(gate_up, lib=self.lib)
+
     def rotary_(self, qk, cos, sin) -> bool:
         return cpu.rotary_(qk, cos, sin, lib=self.lib)
 

@@ -26,7 +26,9 @@ if TYPE_CHECKING:
 
 
 class X86FusedDecoder:
-    def __init__(self, model: FusedModel, cmodel, layers, keep, max_rows: int, max_prefill_rows: int, lib) -> None:
+    def __init__(
+        self, model: FusedModel, cmodel, layers, keep, max_rows: int, max_prefill_rows: int, lib, final_norm: int
+    ) -> None:
         self.cmodel, self.layers, self._keep = cmodel, layers, keep
         self.max_rows, self.max_prefill_rows = max_rows, max_prefill_rows
         self.lib = lib
@@ -51,7 +53,10 @@ class X86FusedDecoder:
         # The residual stream and the final norm's output: reused every step (the next step overwrites them).
         self.x = torch.empty(rows, self.hidden, dtype=torch.bfloat16)
         self.out = torch.empty(rows, self.hidden, dtype=torch.bfloat16)
-        self.embed, self.final_norm, self.final_eps = model.embed, model.final_norm, model.final_eps
+        # the final norm as the C side reads it (a pointer into keep: Gemma's fp32 factors, else the bf16 weight)
+        self.embed, self.final_norm, self.final_eps = model.embed, final_norm, model.final_eps
+        self.embed_scale = model.embed_scale
+        self.final_norm_fn = lib.it_rmsnorm_f32w if cmodel.norm_f32 else lib.it_rmsnorm_mt
 
     @classmethod
     def build(cls, model: FusedModel, amx: bool, avx2_lib=None) -> X86FusedDecoder | str:
@@ -61,9 +66,10 @@ class X86FusedDecoder:
             return f"head_dim={model.head_dim} (the fused step needs a multiple of 16)"
         if model.kv_groups > cpu.MAX_KV_GROUPS:
             return f"{model.kv_groups} KV cache groups (the fused step reads {cpu.MAX_KV_GROUPS} at most)"
-        if model.embed.dtype is not torch.bfloat16 or any(
-            t.dtype is not torch.bfloat16 for layer in model.layers for t in (layer.input_norm, layer.post_norm)
-        ):
+        if model.act not in _ACTS or model.norm not in ("llama", "gemma"):
+            return f"activation {model.act} / {model.norm} norms"
+        norms = [t for layer in model.layers for t in _layer_norms(layer) if t is not None]
+        if model.embed.dtype is not torch.bfloat16 or any(t.dtype is not torch.bfloat16 for t in norms):
             return "the fused step runs bf16 weights and norms"
         cmodel = cpu.ItModel(
             hidden=model.hidden,
@@ -79,20 +85,35 @@ class X86FusedDecoder:
             nthreads=torch.get_num_threads(),
             n_layers=len(model.layers),
             kv_int8=int(model.kv_int8),
+            act=_ACTS[model.act],
+            norm_f32=int(model.norm == "gemma"),
+            softcap=model.attn_softcap,
         )
-        keep = [model.cos_sin, model.final_norm]  # tensors whose memory the C side points at
+        keep = [model.cos_sin]  # tensors whose memory the C side points at
+
+        def norm(w: torch.Tensor | None) -> int | None:
+            """A norm's weight as the C side reads it: the bf16 w, or Gemma's fp32 factors 1 + w (it_model.norm_f32)"""
+            if w is None:
+                return None
+            if model.norm == "gemma":
+                w = (1.0 + w.float()).contiguous()
+            keep.append(w)
+            return w.data_ptr()
+
         layers = (cpu.ItLayer * len(model.layers))()
         gate_ups = []  # every gated MLP's gate_up: the dense layers' and the shared experts'
         for c, layer in zip(layers, model.layers):
-            c.input_norm, c.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
+            c.input_norm, c.post_norm, c.q_norm, c.k_norm, c.pre_ff_norm, c.post_ff_norm = map(
+                norm, _layer_norms(layer)
+            )
             c.kv_cache = layer.kv_cache.data_ptr()
             c.window, c.group = layer.window, layer.group
-            keep += [layer.input_norm, layer.post_norm, layer.kv_cache]
-            if layer.q_norm is not None:
-                if layer.q_norm.dtype is not torch.bfloat16 or layer.k_norm.dtype is not torch.bfloat16:
-                    return "the fused step runs bf16 q / k norms"
-                c.q_norm, c.k_norm = layer.q_norm.data_ptr(), layer.k_norm.data_ptr()
-                keep += [layer.q_norm, layer.k_norm]
+            keep.append(layer.kv_cache)
+            if layer.cos_sin is not None:
+                if layer.cos_sin.shape != model.cos_sin.shape or not layer.cos_sin.is_contiguous():
+                    return "a layer's rotary table unlike the model's"
+                c.cos_sin = layer.cos_sin.data_ptr()
+                keep.append(layer.cos_sin)
             for name in ("qkv", "o", "gate_up", "down"):
                 if getattr(layer, name) is not None:
                     keep += _fill_lin(getattr(c, name), getattr(layer, name))
@@ -126,7 +147,7 @@ class X86FusedDecoder:
             prefill_rows = (
                 cpu.AVX2_FUSED_PREFILL_ROWS if kinds == {"bf16"} and not model.kv_int8 and not decode_only else 0
             )
-            return cls(model, cmodel, layers, keep, cpu.MAX_ROWS, prefill_rows, avx2_lib)
+            return cls(model, cmodel, layers, keep, cpu.MAX_ROWS, prefill_rows, avx2_lib, norm(model.final_norm))
         # Short prompts too, where every projection is bf16 (plain or 12-bit: the prefill's tile GEMM, AMX only) and
         # the cache is bf16 (an int8 cache would make a prompt attend to its own K/V quantized, which the PyTorch
         # path does not). With every projection 12-bit the tile GEMM (decoding as it multiplies, SiLU in the
@@ -146,7 +167,7 @@ class X86FusedDecoder:
         elif not amx and kinds <= {"bf16", "bf16c"} and not model.kv_int8 and cpu.bf16_max_rows() > cpu.MAX_ROWS:
             prefill_rows = cpu.bf16_max_rows()
         cmodel.gate_up_fused = int(all(g.kind == cpu.WeightKind.BF16C and g.inter > 0 for g in gate_ups))
-        return cls(model, cmodel, layers, keep, cpu.MAX_ROWS, prefill_rows, cpu.library())
+        return cls(model, cmodel, layers, keep, cpu.MAX_ROWS, prefill_rows, cpu.library(), norm(model.final_norm))
 
     def __call__(
         self,
@@ -159,6 +180,8 @@ class X86FusedDecoder:
     ) -> torch.Tensor:
         t = input_ids.shape[0]
         x = torch.index_select(self.embed, 0, input_ids, out=self.x[:t])  # updated in place by the kernel
+        if self.embed_scale != 1.0:  # (Gemma: times sqrt(hidden) as a bf16 value, rounded once, as the module does)
+            x.mul_(self.embed_scale)
         s = self.step
         s.T = t
         s.n_groups = 0
@@ -201,9 +224,9 @@ class X86FusedDecoder:
             )
         out = self.out[:t]
         with cpu.profiled("rms_norm"):
-            self.lib.it_rmsnorm_mt(
+            self.final_norm_fn(
                 x.data_ptr(),
-                self.final_norm.data_ptr(),
+                self.final_norm,
                 out.data_ptr(),
                 t,
                 self.hidden,
@@ -227,6 +250,14 @@ class X86FusedDecoder:
         if reset:
             self._expert_load.zero_()
         return got
+
+
+_ACTS = {"silu": cpu.ACT_SILU, "gelu_tanh": cpu.ACT_GELU_TANH}
+
+
+def _layer_norms(layer) -> tuple:
+    """A layer's norm weights, in it_layer's order: input, post, q, k, pre- and post-feedforward (None: absent)."""
+    return layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm, layer.pre_ff_norm, layer.post_ff_norm
 
 
 def _fill_lin(c, lin: KernelLinear) -> list[torch.Tensor]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from infertune.layers.kernel_op import KernelOp
 
@@ -22,9 +21,12 @@ class SiluAndMul(KernelOp):
         return self.kernels.silu_and_mul(gate_up)
 
 
-class GeluAndMul(nn.Module):
-    """gelu(gate) * up with GeLU's tanh approximation (transformers' gelu_pytorch_tanh); no kernel of its own."""
+class GeluAndMul(KernelOp):
+    """gelu(gate) * up with GeLU's tanh approximation (transformers' gelu_pytorch_tanh)."""
 
-    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
+    def forward_native(self, gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
         gate, up = gate_up.chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh").mul_(up)
+
+    def forward_kernels(self, gate_up: torch.Tensor) -> torch.Tensor | None:
+        return self.kernels.gelu_and_mul(gate_up)

@@ -26,12 +26,11 @@ class RMSNorm(KernelOp):
 
 class GemmaRMSNorm(RMSNorm):
     """Gemma's RMSNorm: the checkpoint stores w around 0 and the scale is (1 + w); unlike Llama's, the product is
-    taken in fp32 and rounded once to the model dtype. The decode kernels compute Llama's formula, so it always runs
-    PyTorch's."""
+    taken in fp32 and rounded once to the model dtype (the kernels' gemma_rms_norm)."""
 
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:  # [..., hidden]
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return (normed * (1.0 + self.weight.float())).to(x.dtype)
 
-    def forward_kernels(self, x: torch.Tensor) -> None:
-        return None
+    def forward_kernels(self, x: torch.Tensor) -> torch.Tensor | None:
+        return self.kernels.gemma_rms_norm(x, self.weight, self.eps)

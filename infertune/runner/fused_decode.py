@@ -11,7 +11,8 @@ Longer prefills, mixed steps and bigger batches keep the PyTorch path.
 It takes over only where it computes what the PyTorch path computes (rounded the same way, to bf16 precision):
 a Llama-family decoder in bf16 whose every projection the kernels can multiply (`QuantMethod.kernel_weights`),
 a bf16 or INT8 paged KV cache, SiLU, full or sliding-window attention (each KV cache group's block tables: the
-runner's groups, `kv_groups`); Qwen3's q / k norms; and
+runner's groups, `kv_groups`); Qwen3's q / k norms; Gemma 2 / 3 (the (1 + w) norms in fp32, four a layer, GeLU-tanh,
+scaled embeddings, each layer's rotary table, Gemma 2's soft-capped scores); and
 mixture-of-experts layers (Qwen2-MoE, Qwen3-MoE, Mixtral: a bf16 router, experts the grouped kernel takes, a shared
 expert with its gate), whose routing the kernels hand back to the module's `route()` wherever a tie at the top-k
 boundary decides a token's experts, as the per-module kernel path does. `FusedDecode.build` returns None, with the
@@ -93,15 +94,16 @@ class FusedDecode:
             return f"{type(model).__name__} is not a Llama-family decoder"
         if cfg.num_attention_heads % cfg.num_key_value_heads:
             return f"{cfg.num_attention_heads} heads over {cfg.num_key_value_heads} KV heads"
-        if getattr(cfg, "architecture", None) in GEMMA_ARCHITECTURES:
-            return "Gemma's (1 + w) norms, GeLU MLP and soft-capping"
-        if getattr(cfg, "hidden_act", "silu") not in ("silu", None):
+        gemma = getattr(cfg, "architecture", None) in GEMMA_ARCHITECTURES
+        if getattr(cfg, "hidden_act", "silu") not in (("gelu_pytorch_tanh",) if gemma else ("silu", None)):
             return f"hidden_act={cfg.hidden_act}"
         if getattr(cfg, "mla", None) is not None:
             return "latent attention (MLA)"
         decoder = model.model
         first = decoder.layers[0]
         eps = float(first.input_layernorm.eps)
+        # Gemma: the rotary table of each attention kind (Gemma 3's sliding layers have their own base)
+        tables = [t.cos_sin for t in decoder.rotary.tables] if gemma else [decoder.rotary.cos_sin]
         spec = FusedModel(
             hidden=cfg.hidden_size,
             n_heads=cfg.num_attention_heads,
@@ -111,12 +113,16 @@ class FusedDecode:
             block_size=kv_caches[0].shape[2],
             eps=float(first.input_layernorm.eps),
             scale=first.self_attn.scale,
-            cos_sin=decoder.rotary.cos_sin,
+            cos_sin=tables[0],
             kv_int8=isinstance(attn, Int8PagedAttention),
             embed=decoder.embed_tokens.weight,
             final_norm=decoder.norm.weight,
             final_eps=float(decoder.norm.eps),
         )
+        if gemma:  # GemmaRMSNorm everywhere, GeLU-tanh, the scaled embeddings, Gemma 2's soft-capped scores
+            spec.act, spec.norm = "gelu_tanh", "gemma"
+            spec.embed_scale = float(decoder.embed_tokens.scale)
+            spec.attn_softcap = float(first.self_attn.softcap or 0.0)
         for i, (layer, cache) in enumerate(zip(decoder.layers, kv_caches)):
             attn_mod, mlp = layer.self_attn, layer.mlp
             lins = {}
@@ -133,6 +139,9 @@ class FusedDecode:
             q_norm = getattr(attn_mod, "q_norm", None)
             if q_norm is not None and not (float(q_norm.eps) == float(attn_mod.k_norm.eps) == eps):
                 return f"q / k norms with epsilon {q_norm.eps} beside the layers' {eps}"
+            sandwich = (layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm) if gemma else ()
+            if any(float(n.eps) != eps for n in (layer.post_attention_layernorm, *sandwich)):
+                return f"norms of model.layers.{i} with an epsilon other than {eps}"
             for down in (lins.get("down"), moe and moe.shared_down):
                 if down is not None:
                     spec.inter = max(spec.inter, down.in_features)
@@ -148,6 +157,9 @@ class FusedDecode:
                     q_norm=q_norm.weight if q_norm is not None else None,
                     k_norm=attn_mod.k_norm.weight if q_norm is not None else None,
                     moe=moe,
+                    pre_ff_norm=sandwich[0].weight if gemma else None,
+                    post_ff_norm=sandwich[1].weight if gemma else None,
+                    cos_sin=tables[layer.rope_kind] if gemma and layer.rope_kind else None,
                 )
             )
         return spec

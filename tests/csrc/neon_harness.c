@@ -59,6 +59,8 @@ int main(int argc, char** argv) {
             for (int64_t i = 0; i < hdr[4]; i++) {
                 it_layer* L = layers + i;
                 RELOC(*(void**)&L->input_norm), RELOC(*(void**)&L->post_norm), RELOC(L->kv_cache);
+                RELOC(*(void**)&L->q_norm), RELOC(*(void**)&L->k_norm), RELOC(*(void**)&L->pre_ff_norm);
+                RELOC(*(void**)&L->post_ff_norm), RELOC(*(void**)&L->cos_sin);
                 it_lin* lins[4] = {&L->qkv, &L->o, &L->gate_up, &L->down};
                 for (int j = 0; j < 4; j++)
                     RELOC(*(void**)&lins[j]->w), RELOC(*(void**)&lins[j]->scale), RELOC(*(void**)&lins[j]->bias),
@@ -92,7 +94,8 @@ int main(int argc, char** argv) {
     else if (!strcmp(op, "it_dequant_w8")) { NEED(6) first = 3, nbuf = 3; }   /* sf32 N K | q s out */
     else if (!strcmp(op, "it_dequant_w4")) { NEED(7) first = 3, nbuf = 4; }   /* gs N K | packed s z out */
     else if (!strcmp(op, "it_rmsnorm_mt")) { NEED(6) first = 3, nbuf = 3; }   /* T H eps | x w out */
-    else if (!strcmp(op, "it_silu_mul")) { NEED(4) first = 2, nbuf = 2; }     /* T I | gu act */
+    else if (!strcmp(op, "it_rmsnorm_f32w")) { NEED(6) first = 3, nbuf = 3; } /* T H eps | x f out */
+    else if (!strcmp(op, "it_silu_mul") || !strcmp(op, "it_gelu_mul")) { NEED(4) first = 2, nbuf = 2; } /* T I | gu act */
     else if (!strcmp(op, "it_rotary")) { NEED(7) first = 5, nbuf = 2; }       /* ld T heads D ld_cs | cs qk */
     else { fprintf(stderr, "unknown op %s\n", op); return 2; }
     for (int i = 0; i < nbuf; i++) b[i] = slurp(argv[2 + first + i], &sz[i]);
@@ -113,8 +116,12 @@ int main(int argc, char** argv) {
         it_dequant_w4(b[0], b[1], b[2], I(0), b[3], I(1), I(2), nt);
     else if (!strcmp(op, "it_rmsnorm_mt"))
         it_rmsnorm_mt(b[0], b[1], b[2], I(0), I(1), (float)atof(argv[4]), nt);
+    else if (!strcmp(op, "it_rmsnorm_f32w"))
+        it_rmsnorm_f32w(b[0], b[1], b[2], I(0), I(1), (float)atof(argv[4]), nt);
     else if (!strcmp(op, "it_silu_mul"))
         it_silu_mul(b[0], b[1], I(0), I(1), nt);
+    else if (!strcmp(op, "it_gelu_mul"))
+        it_gelu_mul(b[0], b[1], I(0), I(1), nt);
     else
         it_rotary(b[1], I(0), I(1), I(2), I(3), b[0], I(4), nt);
     spit(argv[2 + first + nbuf - 1], b[nbuf - 1], sz[nbuf - 1]);

@@ -1,6 +1,7 @@
 /* The ABI of abi.h, for the loader's check (kernels/cpu.py check_abi): the version, then for each shared struct
  * its size and the offset and size of each field, in the order it_struct_sizes writes them (cpu.py abi_layout),
- * then the weight kinds, the MoE routing rules' values and the fused step's count of timed parts. */
+ * then the weight kinds, the MoE routing rules' values, the fused step's count of timed parts and the activations'
+ * values. */
 #include <stddef.h>
 #include "abi.h"
 
@@ -16,11 +17,13 @@ int64_t it_struct_sizes(int64_t* out, int64_t n) {
         OF(it_lin, N), OF(it_lin, K), OF(it_lin, zero), OF(it_lin, group), OF(it_lin, inter),
         SZ(it_layer), OF(it_layer, input_norm), OF(it_layer, post_norm), OF(it_layer, qkv), OF(it_layer, o),
         OF(it_layer, gate_up), OF(it_layer, down), OF(it_layer, kv_cache), OF(it_layer, q_norm),
-        OF(it_layer, k_norm), OF(it_layer, moe), OF(it_layer, window), OF(it_layer, group),
+        OF(it_layer, k_norm), OF(it_layer, moe), OF(it_layer, window), OF(it_layer, group), OF(it_layer, pre_ff_norm),
+        OF(it_layer, post_ff_norm), OF(it_layer, cos_sin),
         SZ(it_model), OF(it_model, hidden), OF(it_model, n_heads), OF(it_model, n_kv_heads), OF(it_model, head_dim),
         OF(it_model, inter), OF(it_model, num_blocks), OF(it_model, block_size), OF(it_model, cos_sin),
         OF(it_model, eps), OF(it_model, scale), OF(it_model, nthreads), OF(it_model, n_layers), OF(it_model, kv_int8),
-        OF(it_model, gate_up_fused), OF(it_model, moe_experts), OF(it_model, moe_top_k),
+        OF(it_model, gate_up_fused), OF(it_model, moe_experts), OF(it_model, moe_top_k), OF(it_model, act),
+        OF(it_model, norm_f32), OF(it_model, softcap),
         SZ(it_step), OF(it_step, T), OF(it_step, positions), OF(it_step, slots), OF(it_step, block_tables),
         OF(it_step, context_lens), OF(it_step, max_blocks), OF(it_step, work), OF(it_step, work_bytes),
         OF(it_step, out_rows), OF(it_step, n_out), OF(it_step, stats), OF(it_step, router_logits),
@@ -36,6 +39,7 @@ int64_t it_struct_sizes(int64_t* out, int64_t n) {
         OF(it_moe_layer, shared_down), OF(it_moe_layer, shared_gate),
         IT_KIND_BF16, IT_KIND_W8, IT_KIND_W4, IT_KIND_BF16C,
         IT_MOE_SOFTMAX, IT_MOE_SIGMOID, IT_MOE_GREEDY, IT_MOE_GROUP_LIMITED, IT_MOE_NOAUX_TC, IT_FT_PARTS,
+        IT_ACT_SILU, IT_ACT_GELU_TANH,
     };
     const int64_t count = (int64_t)(sizeof v / sizeof v[0]);
     for (int64_t i = 0; i < count && i < n; i++) out[i] = v[i];

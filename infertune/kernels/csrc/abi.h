@@ -6,7 +6,7 @@
 #define IT_ABI_H
 #include "bf16.h"
 
-#define IT_ABI_VERSION 6
+#define IT_ABI_VERSION 7
 #define IT_MAX_KV_GROUPS 8 /* it_step's KV cache groups at most (cpu.py MAX_KV_GROUPS) */
 
 /* it_lin.kind: how a linear layer's weight is stored */
@@ -61,18 +61,28 @@ typedef struct {
 } it_moe_layer;
 
 typedef struct {
-    const bf16* input_norm;    /* [hidden] */
-    const bf16* post_norm;     /* [hidden] */
+    /* The norms' weights: bf16 w, out = bf16(w * bf16(x / rms(x))) (Llama); where it_model.norm_f32 is set, fp32
+       factors f (Gemma's 1 + w, computed in fp32), out = bf16((x / rms(x)) * f), one rounding (layers/norm.py) */
+    const void* input_norm;    /* [hidden] */
+    const void* post_norm;     /* [hidden]: the MLP's input norm; with pre_ff_norm set, the norm of o_proj's output
+                                  before its residual add (Gemma's post-attention norm) */
     it_lin qkv, o, gate_up, down; /* (gate_up and down unused where moe is set) */
     void* kv_cache;            /* [2, num_blocks, block_size, Hkv, D] bf16 (or int8 rows, see it_model.kv_int8) */
-    const bf16* q_norm;        /* [head_dim]: Qwen3's per-head RMSNorm of q before rotary (NULL: none) */
-    const bf16* k_norm;        /* [head_dim]: the same for k (set with q_norm) */
+    const void* q_norm;        /* [head_dim]: a per-head RMSNorm of q before rotary (Qwen3, Gemma 3; NULL: none) */
+    const void* k_norm;        /* [head_dim]: the same for k (set with q_norm) */
     const it_moe_layer* moe;   /* NULL: the dense MLP (gate_up, down) */
     int64_t window;            /* > 0: a sliding window, each row attends to its last `window` keys (its own
                                   included), as transformers masks it; 0: to its whole context */
     int64_t group;             /* the KV cache group whose slots and block tables the layer reads (it_step.group_*;
                                   0 where the step has one) */
+    const void* pre_ff_norm;   /* [hidden]: Gemma's sandwich norms, the MLP's input norm and (post_ff_norm) the norm
+                                  of its output before the residual add; NULL: Llama's two norms a layer */
+    const void* post_ff_norm;
+    const float* cos_sin;      /* the layer's own rotary table (Gemma 3's sliding layers), as it_model.cos_sin;
+                                  NULL: the model's */
 } it_layer;
+
+enum { IT_ACT_SILU = 0, IT_ACT_GELU_TANH = 1 }; /* it_model.act */
 
 typedef struct {
     int64_t hidden, n_heads, n_kv_heads, head_dim, inter;
@@ -84,6 +94,10 @@ typedef struct {
                         Int8PagedAttention), [2, num_blocks, block_size, Hkv, D + 4] bytes */
     int32_t gate_up_fused; /* 1: every layer's gate_up hands act straight over (it_lin.inter): no [T, 2I] scratch */
     int32_t moe_experts, moe_top_k; /* the most experts and top-k of the MoE layers (0: none): the routing's scratch */
+    int32_t act;      /* the gated MLP's activation: IT_ACT_SILU, or IT_ACT_GELU_TANH (Gemma's gelu_pytorch_tanh) */
+    int32_t norm_f32; /* 1: every norm's weight is fp32 factors (Gemma's 1 + w; it_layer) */
+    float softcap;    /* > 0: each attention score s becomes softcap * tanh(s / softcap) before the softmax (Gemma 2's
+                         attn_logit_softcapping); 0: none */
 } it_model;
 
 /* The fused step's wall time per part, summed over calls, and its calls and rows: one per engine, owned by the

@@ -3,8 +3,9 @@
  * one after arm/neon/fused.c and moe_gemv.h). What a library provides:
  * ws_layout / workspace(m, T, max_ctx) (offsets h, qkv, o, gu, act, y, lin, dec, attn, total), rmsnorm_rows,
  * silu_mul_rows, rotary_rows, run_lin / run_lin_add (a linear, and one added into the residual), add_rows,
- * attention_rows (with a layer's sliding window: kv_window), kv_write (kv_cache.h), and the MoE kernels it_moe_route /
- * it_moe_experts (moe.h). */
+ * attention_rows (with a layer's sliding window: kv_window, and Gemma 2's soft-capping: kv_softcap_scores), kv_write
+ * (kv_cache.h), gelu_mul_rows (Gemma's GeLU-tanh), and the MoE kernels it_moe_route / it_moe_experts (moe.h). Gemma's
+ * fp32 (1 + w) norms are here (portable C: a few of a layer's microseconds). */
 #ifndef IT_FUSED_STEP_H
 #define IT_FUSED_STEP_H
 #include <time.h>
@@ -38,24 +39,60 @@ int64_t it_decode_workspace_bytes(const it_model* m, int64_t T, int64_t max_ctx)
     return moe_workspace(m, T, workspace(m, T, max_ctx).total).total;
 }
 
-/* Qwen3's per-head RMSNorm of q and k (before rotary), in place in qkv [T, (Hq + 2 Hkv) D]: each head as the
- * kernels' RMSNorm rounds a row (layers/norm.py) */
-static void qk_norm_rows(const it_model* m, const it_layer* L, bf16* qkv, int64_t T) {
-    const int64_t D = m->head_dim, hq = m->n_heads, width = (m->n_heads + 2 * m->n_kv_heads) * D;
-    for (int64_t t = 0; t < T; t++) { /* (one thread: T (Hq + Hkv) rows of D are a few microseconds) */
-        rmsnorm_rows(qkv + t * width, L->q_norm, qkv + t * width, hq, D, m->eps, 1);
-        rmsnorm_rows(qkv + t * width + hq * D, L->k_norm, qkv + t * width + hq * D, m->n_kv_heads, D, m->eps, 1);
+/* Gemma's RMSNorm of T rows of H: out = bf16((x / rms(x)) * f), f the fp32 factors 1 + w, one rounding
+ * (layers/norm.py GemmaRMSNorm); fp32 sum of squares in 16 lanes. out may be x. */
+static void rmsnorm_f32w_rows(const bf16* x, const float* f, bf16* out, int64_t T, int64_t H, float eps, int nthreads) {
+    const int nt = T > 1 && T * H >= (1 << 16) && nthreads > 1 ? (int)(T < nthreads ? T : nthreads) : 1;
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        const bf16* xr = x + t * H;
+        float acc[16] = {0.0f}, ss = 0.0f;
+        for (int64_t i = 0; i < H; i++) {
+            const float v = bf2f(xr[i]);
+            acc[i & 15] += v * v;
+        }
+        for (int j = 0; j < 16; j++) ss += acc[j];
+        const float r = 1.0f / sqrtf(ss / (float)H + eps);
+        for (int64_t i = 0; i < H; i++) out[t * H + i] = f2bf(bf2f(xr[i]) * r * f[i]);
     }
 }
 
-/* act [R, inter] = SiLU(gate) * up of h [R, H] (gu [R, 2 inter]: scratch) */
+/* The final norm of a Gemma step (and the kernel alone, for tests) */
+void it_rmsnorm_f32w(const bf16* x, const float* f, bf16* out, int64_t T, int64_t H, float eps, int nthreads) {
+    rmsnorm_f32w_rows(x, f, out, T, H, eps, nthreads);
+}
+
+/* A layer's RMSNorm of T rows (in place where out is x): Llama's rounding with bf16 weights, Gemma's with fp32 factors
+ * (it_model.norm_f32) */
+static void norm_rows(const it_model* m, const void* w, const bf16* x, bf16* out, int64_t T, int64_t H, int nthreads) {
+    if (m->norm_f32)
+        rmsnorm_f32w_rows(x, (const float*)w, out, T, H, m->eps, nthreads);
+    else
+        rmsnorm_rows(x, (const bf16*)w, out, T, H, m->eps, nthreads);
+}
+
+/* The per-head RMSNorm of q and k (before rotary; Qwen3, Gemma 3), in place in qkv [T, (Hq + 2 Hkv) D]: each head as
+ * the layers' norms round a row (layers/norm.py) */
+static void qk_norm_rows(const it_model* m, const it_layer* L, bf16* qkv, int64_t T) {
+    const int64_t D = m->head_dim, hq = m->n_heads, width = (m->n_heads + 2 * m->n_kv_heads) * D;
+    for (int64_t t = 0; t < T; t++) { /* (one thread: T (Hq + Hkv) rows of D are a few microseconds) */
+        norm_rows(m, L->q_norm, qkv + t * width, qkv + t * width, hq, D, 1);
+        norm_rows(m, L->k_norm, qkv + t * width + hq * D, qkv + t * width + hq * D, m->n_kv_heads, D, 1);
+    }
+}
+
+/* act [R, inter] = f(gate) * up of h [R, H], f the model's activation (SiLU, or Gemma's GeLU-tanh; gu [R, 2 inter]:
+ * scratch) */
 static void gate_up_rows(const it_model* m, const it_lin* gate_up, const bf16* h, bf16* act, int64_t R, int64_t inter,
                          bf16* gu, void* lin, bf16* dec) {
     if (gate_up->kind == IT_KIND_BF16C && gate_up->inter) { /* SiLU-and-multiply in the GEMM's epilogue */
         run_lin(gate_up, h, m->hidden, act, inter, R, m->nthreads, lin, dec, 1);
     } else {
         run_lin(gate_up, h, m->hidden, gu, 2 * inter, R, m->nthreads, lin, dec, 0);
-        silu_mul_rows(gu, act, R, inter, m->nthreads);
+        if (m->act == IT_ACT_GELU_TANH)
+            gelu_mul_rows(gu, act, R, inter, m->nthreads);
+        else
+            silu_mul_rows(gu, act, R, inter, m->nthreads);
     }
 }
 
@@ -128,8 +165,15 @@ int it_decode_layers(const it_model* m, const it_layer* layers, it_step* s, bf16
     if (ml.total > s->work_bytes) return -1;
     if (s->first_layer < 0 || s->first_layer >= m->n_layers) return -2;
     if (s->n_groups < 0 || s->n_groups > IT_MAX_KV_GROUPS) return -2;
-    for (int li = 0; li < m->n_layers; li++) /* each layer's KV cache group one of the step's (0 where it has none) */
-        if (layers[li].group < 0 || layers[li].group >= (s->n_groups > 0 ? s->n_groups : 1)) return -2;
+    if (m->act != IT_ACT_SILU && m->act != IT_ACT_GELU_TANH) return -2;
+    for (int li = 0; li < m->n_layers; li++) {
+        const it_layer* L = layers + li;
+        /* each layer's KV cache group one of the step's (0 where it has none) */
+        if (L->group < 0 || L->group >= (s->n_groups > 0 ? s->n_groups : 1)) return -2;
+        /* a gate_up packed for SiLU in its epilogue (rows interleaved) under another activation; half a sandwich */
+        if (m->act != IT_ACT_SILU && L->gate_up.kind == IT_KIND_BF16C && L->gate_up.inter) return -2;
+        if (!L->pre_ff_norm != !L->post_ff_norm) return -2;
+    }
     char* w = (char*)s->work;
     bf16 *h = (bf16*)(w + l.h), *qkv = (bf16*)(w + l.qkv), *o = (bf16*)(w + l.o), *gu = (bf16*)(w + l.gu);
     bf16 *act = (bf16*)(w + l.act), *y = (bf16*)(w + l.y);
@@ -166,12 +210,12 @@ int it_decode_layers(const it_model* m, const it_layer* layers, it_step* s, bf16
                 ls.slots = s->group_slots[L->group];
                 ls.block_tables = s->group_tables[L->group];
             }
-            rmsnorm_rows(x, L->input_norm, h, T, H, m->eps, m->nthreads);
+            norm_rows(m, L->input_norm, x, h, T, H, m->nthreads);
             PART(IT_FT_NORM);
             run_lin(&L->qkv, h, H, qkv, width, T, m->nthreads, lin, dec, 0);
             PART(IT_FT_QKV);
             if (L->q_norm) qk_norm_rows(m, L, qkv, T);
-            rotary_rows(m, s, qkv);
+            rotary_rows(m, s, qkv, L->cos_sin ? L->cos_sin : m->cos_sin);
             for (int64_t t = 0; t < T; t++)
                 for (int64_t g = 0; g < hkv; g++) {
                     kv_write(m, L->kv_cache, 0, ls.slots[t] * hkv + g, qkv + t * width + hq + g * D);
@@ -186,10 +230,19 @@ int it_decode_layers(const it_model* m, const it_layer* layers, it_step* s, bf16
                         memcpy(x + i * H, x + s->out_rows[i] * H, (size_t)H * 2);
                     }
             PART(IT_FT_ATTN);
-            run_lin_add(&L->o, o, hq, x, y, H, R, m->nthreads, lin, dec); /* (the residual add with it) */
-            PART(IT_FT_O);
+            if (L->pre_ff_norm) { /* Gemma: o_proj's output normed (post_norm) before its residual add */
+                run_lin(&L->o, o, hq, y, H, R, m->nthreads, lin, dec, 0);
+                PART(IT_FT_O);
+                norm_rows(m, L->post_norm, y, y, R, H, m->nthreads);
+                PART(IT_FT_NORM);
+                add_rows(x, y, R * H);
+                PART(IT_FT_RESIDUAL);
+            } else {
+                run_lin_add(&L->o, o, hq, x, y, H, R, m->nthreads, lin, dec); /* (the residual add with it) */
+                PART(IT_FT_O);
+            }
         }
-        rmsnorm_rows(x, L->post_norm, h, R, H, m->eps, m->nthreads);
+        norm_rows(m, L->pre_ff_norm ? L->pre_ff_norm : L->post_norm, x, h, R, H, m->nthreads);
         PART(IT_FT_NORM);
         if (L->moe) {
             const int rc = moe_mlp(m, L->moe, s, li, resume, h, y, R, w, &ml, gu, act, lin, dec, &t0);
@@ -199,13 +252,24 @@ int it_decode_layers(const it_model* m, const it_layer* layers, it_step* s, bf16
                 return 1;
             }
             if (rc) return rc;
-            add_rows(x, y, R * H);
-            PART(IT_FT_RESIDUAL);
         } else {
             gate_up_rows(m, &L->gate_up, h, act, R, L->down.K, gu, lin, dec);
             PART(IT_FT_GATE_UP);
-            run_lin_add(&L->down, act, L->down.K, x, y, H, R, m->nthreads, lin, dec);
-            PART(IT_FT_DOWN);
+            if (!L->post_ff_norm) {
+                run_lin_add(&L->down, act, L->down.K, x, y, H, R, m->nthreads, lin, dec);
+                PART(IT_FT_DOWN);
+            } else {
+                run_lin(&L->down, act, L->down.K, y, H, R, m->nthreads, lin, dec, 0);
+                PART(IT_FT_DOWN);
+            }
+        }
+        if (L->moe || L->post_ff_norm) { /* the MLP's output y (Gemma: normed first) into the residual */
+            if (L->post_ff_norm) {
+                norm_rows(m, L->post_ff_norm, y, y, R, H, m->nthreads);
+                PART(IT_FT_NORM);
+            }
+            add_rows(x, y, R * H);
+            PART(IT_FT_RESIDUAL);
         }
         if (R < T)
             for (int64_t i = R - 1; i >= 0; i--)

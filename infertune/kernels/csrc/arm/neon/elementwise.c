@@ -36,28 +36,33 @@ void it_rmsnorm_mt(const bf16* x, const bf16* w, bf16* out, int64_t T, int64_t H
     }
 }
 
-/* act[t, i] = bf16(bf16(silu(g)) * u), gate | up side by side in gu [T, 2I] */
-void it_silu_mul(const bf16* gu, bf16* act, int64_t T, int64_t I, int nthreads) {
-#pragma omp parallel for num_threads(rows_threadsn(T, T * I, nthreads)) schedule(static)
-    for (int64_t t = 0; t < T; t++) {
-        const bf16* g = gu + t * 2 * I;
-        const bf16* u = g + I;
-        bf16* a = act + t * I;
-        int64_t i = 0;
-        for (; i + 16 <= I; i += 16) { /* four independent vectors a pass: the exp chains overlap */
-            float32x4_t sv[4];
-            for (int j = 0; j < 4; j++) sv[j] = silu128(load_bf16x4(g + i + 4 * j));
-            for (int j = 0; j < 4; j++)
-                store_bf16x4(a + i + 4 * j, vmulq_f32(bf16_round_f32x4(sv[j]), load_bf16x4(u + i + 4 * j)));
-        }
-        for (; i + 4 <= I; i += 4)
-            store_bf16x4(a + i, vmulq_f32(bf16_round_f32x4(silu128(load_bf16x4(g + i))), load_bf16x4(u + i)));
-        if (i < I) {
-            const float32x4_t s = bf16_round_f32x4(silu128(load_bf16_tail4(g + i, I - i)));
-            store_bf16_tail4(a + i, vmulq_f32(s, load_bf16_tail4(u + i, I - i)), I - i);
-        }
+/* act[t, i] = bf16(bf16(f(g)) * u), gate | up side by side in gu [T, 2I]: f SiLU (it_silu_mul) or GeLU-tanh
+ * (it_gelu_mul) */
+#define ACT_MUL(name, f)                                                                                               \
+    void name(const bf16* gu, bf16* act, int64_t T, int64_t I, int nthreads) {                                         \
+        _Pragma("omp parallel for num_threads(rows_threadsn(T, T * I, nthreads)) schedule(static)")                    \
+        for (int64_t t = 0; t < T; t++) {                                                                              \
+            const bf16* g = gu + t * 2 * I;                                                                            \
+            const bf16* u = g + I;                                                                                     \
+            bf16* a = act + t * I;                                                                                     \
+            int64_t i = 0;                                                                                             \
+            for (; i + 16 <= I; i += 16) { /* four independent vectors a pass: the exp chains overlap */               \
+                float32x4_t sv[4];                                                                                     \
+                for (int j = 0; j < 4; j++) sv[j] = f(load_bf16x4(g + i + 4 * j));                                     \
+                for (int j = 0; j < 4; j++)                                                                            \
+                    store_bf16x4(a + i + 4 * j, vmulq_f32(bf16_round_f32x4(sv[j]), load_bf16x4(u + i + 4 * j)));       \
+            }                                                                                                          \
+            for (; i + 4 <= I; i += 4)                                                                                 \
+                store_bf16x4(a + i, vmulq_f32(bf16_round_f32x4(f(load_bf16x4(g + i))), load_bf16x4(u + i)));           \
+            if (i < I) {                                                                                               \
+                const float32x4_t s = bf16_round_f32x4(f(load_bf16_tail4(g + i, I - i)));                              \
+                store_bf16_tail4(a + i, vmulq_f32(s, load_bf16_tail4(u + i, I - i)), I - i);                           \
+            }                                                                                                          \
+        }                                                                                                              \
     }
-}
+ACT_MUL(it_silu_mul, silu128)
+ACT_MUL(it_gelu_mul, gelu128)
+#undef ACT_MUL
 
 /* Rotate `heads` heads of D at the start of each row of qk (row stride ld) in place: cs[p] (row stride ld_cs)
  * holds the D / 2 cosines then the D / 2 sines of position p, row t's position positions[t] (NULL: t). fp32

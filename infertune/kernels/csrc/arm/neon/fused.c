@@ -57,10 +57,14 @@ static void silu_mul_rows(const bf16* gu, bf16* act, int64_t T, int64_t I, int n
     it_silu_mul(gu, act, T, I, nthreads);
 }
 
+static void gelu_mul_rows(const bf16* gu, bf16* act, int64_t T, int64_t I, int nthreads) {
+    it_gelu_mul(gu, act, T, I, nthreads);
+}
+
 /* rotary (rotate-half) of the q and k heads of the fused step's qkv [T, (Hq + 2 Hkv) D] at each row's position */
-static void rotary_rows(const it_model* m, const it_step* s, bf16* qkv) {
+static void rotary_rows(const it_model* m, const it_step* s, bf16* qkv, const float* cs) {
     const int64_t D = m->head_dim, width = (m->n_heads + 2 * m->n_kv_heads) * D;
-    rotary_apply(qkv, width, s->T, m->n_heads + m->n_kv_heads, D, m->cos_sin, D, s->positions, m->nthreads);
+    rotary_apply(qkv, width, s->T, m->n_heads + m->n_kv_heads, D, cs, D, s->positions, m->nthreads);
 }
 
 /* x[i] = bf16(x[i] + y[i]), as f2bf rounds (NaN kept quiet) */
@@ -128,6 +132,7 @@ static void attnn_heads(const it_model* m, const void* cache, const int64_t* tab
                 sc[h * max_ctx + j0 + jj] = vaddvq_f32(a) * m->scale;
             }
     }
+    if (m->softcap > 0.0f) kv_softcap_scores(sc, max_ctx, G, len, m->softcap);
     if (skip) kv_mask_scores(sc, max_ctx, G, skip);
     for (int64_t h = 0; h < G; h++) softmax_rown(sc + h * max_ctx, len);
     if (skip) kv_zero_probs(sc, max_ctx, G, skip);

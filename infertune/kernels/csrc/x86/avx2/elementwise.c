@@ -38,30 +38,35 @@ static void rmsnorm_rows(const bf16* x, const bf16* w, bf16* out, int64_t T, int
     }
 }
 
-/* act[t, i] = bf16(bf16(silu(g)) * u), gate | up side by side in gu [T, 2I] */
-static void silu_mul_rows(const bf16* gu, bf16* act, int64_t T, int64_t I, int nthreads) {
-#pragma omp parallel for num_threads(rows_threads2(T, T * I, nthreads)) schedule(static)
-    for (int64_t t = 0; t < T; t++) {
-        const bf16* g = gu + t * 2 * I;
-        const bf16* u = g + I;
-        bf16* a = act + t * I;
-        int64_t i = 0;
-        for (; i + 32 <= I; i += 32) { /* four independent vectors a pass: the exp chains overlap */
-            __m256 sv[4];
-            for (int j = 0; j < 4; j++) sv[j] = silu256(load_bf16x8(g + i + 8 * j));
-            for (int j = 0; j < 4; j++)
-                _mm_storeu_si128((__m128i*)(a + i + 8 * j),
-                                 round_bf16x8(_mm256_mul_ps(bf16_round_f32x8(sv[j]), load_bf16x8(u + i + 8 * j))));
-        }
-        for (; i + 8 <= I; i += 8)
-            _mm_storeu_si128((__m128i*)(a + i),
-                             round_bf16x8(_mm256_mul_ps(bf16_round_f32x8(silu256(load_bf16x8(g + i))), load_bf16x8(u + i))));
-        if (i < I) {
-            const __m256 s = bf16_round_f32x8(silu256(load_bf16_tail(g + i, I - i)));
-            store_bf16_tail(a + i, _mm256_mul_ps(s, load_bf16_tail(u + i, I - i)), I - i);
-        }
+/* act[t, i] = bf16(bf16(f(g)) * u), gate | up side by side in gu [T, 2I]: f SiLU (silu_mul_rows) or GeLU-tanh
+ * (gelu_mul_rows) */
+#define ACT_MUL(rows, f)                                                                                               \
+    static void rows(const bf16* gu, bf16* act, int64_t T, int64_t I, int nthreads) {                                  \
+        _Pragma("omp parallel for num_threads(rows_threads2(T, T * I, nthreads)) schedule(static)")                    \
+        for (int64_t t = 0; t < T; t++) {                                                                              \
+            const bf16* g = gu + t * 2 * I;                                                                            \
+            const bf16* u = g + I;                                                                                     \
+            bf16* a = act + t * I;                                                                                     \
+            int64_t i = 0;                                                                                             \
+            for (; i + 32 <= I; i += 32) { /* four independent vectors a pass: the exp chains overlap */               \
+                __m256 sv[4];                                                                                          \
+                for (int j = 0; j < 4; j++) sv[j] = f(load_bf16x8(g + i + 8 * j));                                    \
+                for (int j = 0; j < 4; j++)                                                                            \
+                    _mm_storeu_si128((__m128i*)(a + i + 8 * j),                                                        \
+                                     round_bf16x8(_mm256_mul_ps(bf16_round_f32x8(sv[j]), load_bf16x8(u + i + 8 * j)))); \
+            }                                                                                                          \
+            for (; i + 8 <= I; i += 8)                                                                                 \
+                _mm_storeu_si128((__m128i*)(a + i),                                                                    \
+                                 round_bf16x8(_mm256_mul_ps(bf16_round_f32x8(f(load_bf16x8(g + i))), load_bf16x8(u + i)))); \
+            if (i < I) {                                                                                               \
+                const __m256 s = bf16_round_f32x8(f(load_bf16_tail(g + i, I - i)));                                    \
+                store_bf16_tail(a + i, _mm256_mul_ps(s, load_bf16_tail(u + i, I - i)), I - i);                         \
+            }                                                                                                          \
+        }                                                                                                              \
     }
-}
+ACT_MUL(silu_mul_rows, silu256)
+ACT_MUL(gelu_mul_rows, gelu256)
+#undef ACT_MUL
 
 /* Rotate `heads` heads of D at the start of each row of qk (row stride ld) in place: cs[p] (row stride ld_cs)
  * holds the D / 2 cosines then the D / 2 sines of position p, row t's position positions[t] (NULL: t). fp32
@@ -96,10 +101,11 @@ static void rotary_apply(bf16* qk, int64_t ld, int64_t T, int64_t heads, int64_t
     }
 }
 
-/* rotary (rotate-half) of the q and k heads of the fused step's qkv [T, (Hq + 2 Hkv) D] at each row's position */
-static void rotary_rows(const it_model* m, const it_step* s, bf16* qkv) {
+/* rotary (rotate-half) of the q and k heads of the fused step's qkv [T, (Hq + 2 Hkv) D] at each row's position, from
+ * the layer's table cs (it_model.cos_sin's layout) */
+static void rotary_rows(const it_model* m, const it_step* s, bf16* qkv, const float* cs) {
     const int64_t D = m->head_dim, width = (m->n_heads + 2 * m->n_kv_heads) * D;
-    rotary_apply(qkv, width, s->T, m->n_heads + m->n_kv_heads, D, m->cos_sin, D, s->positions, m->nthreads);
+    rotary_apply(qkv, width, s->T, m->n_heads + m->n_kv_heads, D, cs, D, s->positions, m->nthreads);
 }
 
 /* The elementwise work of prefills (any T), on rows */
@@ -109,6 +115,10 @@ void it_rmsnorm_mt(const bf16* x, const bf16* w, bf16* out, int64_t T, int64_t H
 
 void it_silu_mul(const bf16* gu, bf16* act, int64_t T, int64_t I, int nthreads) {
     silu_mul_rows(gu, act, T, I, nthreads);
+}
+
+void it_gelu_mul(const bf16* gu, bf16* act, int64_t T, int64_t I, int nthreads) {
+    gelu_mul_rows(gu, act, T, I, nthreads);
 }
 
 void it_rotary(bf16* qk, int64_t ld, int64_t T, int64_t heads, int64_t D, const float* cs, int64_t ld_cs,

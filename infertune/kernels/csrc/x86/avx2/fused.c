@@ -191,6 +191,7 @@ static void attn2_heads(const it_model* m, const void* cache, const int64_t* tab
                         int64_t g, const bf16* q, int64_t G, float* sc, int64_t max_ctx, bf16* o, bf16* tmp,
                         const bf16* zero) {
     attn2_scores(m, cache, table, len, g, q, G, sc, max_ctx, tmp, zero);
+    if (m->softcap > 0.0f) kv_softcap_scores(sc, max_ctx, G, len, m->softcap);
     if (skip) kv_mask_scores(sc, max_ctx, G, skip);
     for (int64_t h = 0; h < G; h++) softmax_row2(sc + h * max_ctx, len);
     if (skip) kv_zero_probs(sc, max_ctx, G, skip);

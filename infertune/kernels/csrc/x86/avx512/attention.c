@@ -114,6 +114,7 @@ static inline __attribute__((always_inline)) void attn_heads(const it_model* m, 
                                                              int64_t g, const bf16* q, const int G, float* sc,
                                                              int64_t max_ctx, bf16* o, bf16* tmp, const bf16* zero) {
     attn_scores(m, cache, table, len, g, q, G, sc, max_ctx, tmp, zero);
+    if (m->softcap > 0.0f) kv_softcap_scores(sc, max_ctx, G, len, m->softcap);
     if (skip) kv_mask_scores(sc, max_ctx, G, skip);
     for (int h = 0; h < G; h++) softmax_row(sc + h * max_ctx, len);
     if (skip) kv_zero_probs(sc, max_ctx, G, skip);
@@ -265,6 +266,7 @@ static void attn_heads_amx(const it_model* m, const void* cache, const int64_t* 
        masked: kv_window) */
     float inv[16];
     const int64_t len32 = (len + 31) & ~(int64_t)31;
+    if (m->softcap > 0.0f) kv_softcap_scores(w->sc, max_ctx, G, len, m->softcap);
     if (skip) kv_mask_scores(w->sc, max_ctx, G, skip);
     for (int h = 0; h < G; h++) inv[h] = softmax_bf16_row(w->sc + h * max_ctx, len, len32, w->pb + h * w->ldp);
     for (int h = 0; h < G; h++)
@@ -379,7 +381,8 @@ static void attention_rows(const it_model* m, const it_step* s, const bf16* qkv,
     int64_t small[32];
     int64_t* start = T <= 16 ? small : malloc((size_t)T * 2 * sizeof(int64_t));
     int64_t* rows = start + T, nblocks = 0;
-    const int blocks_ok = amx && T > 16 && !m->kv_int8 && m->block_size % 16 == 0 && window <= 0;
+    const int blocks_ok = amx && T > 16 && !m->kv_int8 && m->block_size % 16 == 0 && window <= 0 &&
+                        m->softcap <= 0.0f; /* (soft-capped scores: each row on its own) */
     for (int64_t t = 0; t < T; t++) {
         const int64_t* tab = s->block_tables + t * s->max_blocks;
         if (blocks_ok && nblocks > 0 && rows[nblocks - 1] < 16 && s->context_lens[t] == s->context_lens[t - 1] + 1 &&

@@ -25,28 +25,31 @@ static void rmsnorm_rows(const bf16* x, const bf16* w, bf16* out, int64_t T, int
 }
 
 
-/* act[i] = bf16(bf16(silu(g)) * u) over one row, gate g and up u [I] each (layers/activation.py) */
-static void silu_mul_row(const bf16* g, const bf16* u, bf16* a, int64_t I) {
-    int64_t i = 0;
-    for (; i + 64 <= I; i += 64) { /* four independent vectors a pass: the exp chains overlap */
-        __m512 sv[4];
-        for (int j = 0; j < 4; j++) sv[j] = silu512(load_bf16x16(g + i + 16 * j, 0xffff));
-        for (int j = 0; j < 4; j++)
-            _mm256_storeu_si256((__m256i*)(a + i + 16 * j),
-                                round_bf16x16(_mm512_mul_ps(bf16_round_f32(sv[j]), load_bf16x16(u + i + 16 * j, 0xffff))));
+/* act[i] = bf16(bf16(f(g)) * u) over one row, gate g and up u [I] each (layers/activation.py), f SiLU (silu_mul_row)
+ * or GeLU-tanh (gelu_mul_row); and over rows, gate | up side by side in gu [T, 2I] (silu_mul_rows, gelu_mul_rows) */
+#define ACT_MUL(row, rows, f)                                                                                          \
+    static void row(const bf16* g, const bf16* u, bf16* a, int64_t I) {                                               \
+        int64_t i = 0;                                                                                                 \
+        for (; i + 64 <= I; i += 64) { /* four independent vectors a pass: the exp chains overlap */                   \
+            __m512 sv[4];                                                                                              \
+            for (int j = 0; j < 4; j++) sv[j] = f(load_bf16x16(g + i + 16 * j, 0xffff));                              \
+            for (int j = 0; j < 4; j++)                                                                                \
+                _mm256_storeu_si256((__m256i*)(a + i + 16 * j),                                                        \
+                                    round_bf16x16(_mm512_mul_ps(bf16_round_f32(sv[j]), load_bf16x16(u + i + 16 * j, 0xffff)))); \
+        }                                                                                                              \
+        for (; i < I; i += 16) {                                                                                       \
+            const __mmask16 m = mask16(I - i);                                                                         \
+            const __m512 s = f(load_bf16x16(g + i, m));                                                                \
+            _mm256_mask_storeu_epi16(a + i, m, round_bf16x16(_mm512_mul_ps(bf16_round_f32(s), load_bf16x16(u + i, m)))); \
+        }                                                                                                              \
+    }                                                                                                                  \
+    static void rows(const bf16* gu, bf16* act, int64_t T, int64_t I, int nthreads) {                                  \
+        _Pragma("omp parallel for num_threads(rows_threads(T, T * I, nthreads)) schedule(static)")                     \
+        for (int64_t t = 0; t < T; t++) row(gu + t * 2 * I, gu + t * 2 * I + I, act + t * I, I);                       \
     }
-    for (; i < I; i += 16) {
-        const __mmask16 m = mask16(I - i);
-        const __m512 s = silu512(load_bf16x16(g + i, m));
-        _mm256_mask_storeu_epi16(a + i, m, round_bf16x16(_mm512_mul_ps(bf16_round_f32(s), load_bf16x16(u + i, m))));
-    }
-}
-
-/* act[t, i] = bf16(bf16(silu(g)) * u), gate | up side by side in gu [T, 2I] (layers/activation.py) */
-static void silu_mul_rows(const bf16* gu, bf16* act, int64_t T, int64_t I, int nthreads) {
-#pragma omp parallel for num_threads(rows_threads(T, T * I, nthreads)) schedule(static)
-    for (int64_t t = 0; t < T; t++) silu_mul_row(gu + t * 2 * I, gu + t * 2 * I + I, act + t * I, I);
-}
+ACT_MUL(silu_mul_row, silu_mul_rows, silu512)
+ACT_MUL(gelu_mul_row, gelu_mul_rows, gelu512)
+#undef ACT_MUL
 
 /* rotary (rotate-half) of q and k heads in qkv [T, (Hq + 2 Hkv) D], in fp32, rounded once to bf16 */
 /* Rotate `heads` heads of D at the start of each row of qk (row stride ld) in place: cs[t] (row stride ld_cs)
@@ -72,9 +75,9 @@ static void rotary_apply(bf16* qk, int64_t ld, int64_t T, int64_t heads, int64_t
     }
 }
 
-static void rotary_rows(const it_model* m, const it_step* s, bf16* qkv) {
+static void rotary_rows(const it_model* m, const it_step* s, bf16* qkv, const float* cs) {
     const int64_t D = m->head_dim, width = (m->n_heads + 2 * m->n_kv_heads) * D;
-    rotary_apply(qkv, width, s->T, m->n_heads + m->n_kv_heads, D, m->cos_sin, D, s->positions, m->nthreads);
+    rotary_apply(qkv, width, s->T, m->n_heads + m->n_kv_heads, D, cs, D, s->positions, m->nthreads);
 }
 
 /* The elementwise work of prefills (any T), on rows: RMSNorm (also the final norm of a fused decode step),
@@ -85,6 +88,10 @@ void it_rmsnorm_mt(const bf16* x, const bf16* w, bf16* out, int64_t T, int64_t H
 
 void it_silu_mul(const bf16* gu, bf16* act, int64_t T, int64_t I, int nthreads) {
     silu_mul_rows(gu, act, T, I, nthreads);
+}
+
+void it_gelu_mul(const bf16* gu, bf16* act, int64_t T, int64_t I, int nthreads) {
+    gelu_mul_rows(gu, act, T, I, nthreads);
 }
 
 void it_rotary(bf16* qk, int64_t ld, int64_t T, int64_t heads, int64_t D, const float* cs, int64_t ld_cs,
