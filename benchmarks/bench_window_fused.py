@@ -9,6 +9,7 @@ alternate the engines (each built once); decode tok/s is the tokens after the fi
 token to the last, and TTFT, from the engine's request metrics (a prompt of up to 128 tokens is one fused step).
 
     python benchmarks/bench_window_fused.py --prompt 2048 --window 256 --rounds 3
+    python benchmarks/bench_window_fused.py --family gemma3 --hidden 1024 --layers 12 --prompt 1024 --window 256
 """
 
 from __future__ import annotations
@@ -37,12 +38,20 @@ def build(path: Path, arch: str, hidden: int, layers: int, window: int | None, f
     )
     if arch == "mistral":
         cfg = transformers.MistralConfig(sliding_window=window, **common)
+    elif arch == "gemma3":  # five sliding layers to one full one, the sliding layers' own rope base, q / k norms
+        kinds = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)]
+        common |= dict(head_dim=hidden // 8, query_pre_attn_scalar=hidden // 8, hidden_activation="gelu_pytorch_tanh")
+        cfg = transformers.Gemma3TextConfig(sliding_window=window, layer_types=kinds, **common)
+    elif arch == "gemma2":  # sliding and full layers alternating, both soft-caps
+        common |= dict(head_dim=hidden // 8, query_pre_attn_scalar=hidden // 8, hidden_activation="gelu_pytorch_tanh")
+        cfg = transformers.Gemma2Config(sliding_window=window, **common)
     else:
         cfg = transformers.Qwen2Config(
             use_sliding_window=True, sliding_window=window, max_window_layers=full_layers, **common
         )
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
+    cls = transformers.Gemma3ForCausalLM if arch == "gemma3" else transformers.AutoModelForCausalLM
+    model = (cls(cfg) if arch == "gemma3" else cls.from_config(cfg)).to(torch.bfloat16)
     model.save_pretrained(path)
     from infertune.bench.offline_models import make_tokenizer
 
@@ -58,6 +67,12 @@ def main() -> int:
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--qwen2-full-layers", type=int, default=0, help="a Qwen2 model with its first N layers full")
+    ap.add_argument(
+        "--family",
+        choices=["gemma2", "gemma3"],
+        help="a Gemma model of the same shape instead (head_dim hidden / 8; Gemma 3: 5 sliding layers to 1 full; "
+        "Gemma 2: alternating, soft-capped), against the path Gemma took before (per-module, decode_kernels linear)",
+    )
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     print(f"$ python benchmarks/bench_window_fused.py {' '.join(sys.argv[1:])}")
@@ -69,17 +84,19 @@ def main() -> int:
         f"CPU: {cpu_model()}; kernels: {cpu.describe()}; torch {torch.__version__}, {torch.get_num_threads()} threads"
     )
     tmp = Path(tempfile.mkdtemp())
-    arch = "qwen2" if args.qwen2_full_layers else "mistral"
+    arch = args.family or ("qwen2" if args.qwen2_full_layers else "mistral")
     windowed = build(tmp / "windowed", arch, args.hidden, args.layers, args.window, args.qwen2_full_layers)
-    full = build(tmp / "full", "mistral", args.hidden, args.layers, None, 0)
     max_len = args.prompt + args.new + 16
+    what = f"{args.family}, " if args.family else ""
     engines = {
-        f"window {args.window}, fused step": LLM(str(windowed), dtype="bfloat16", max_model_len=max_len),
-        f"window {args.window}, per-module kernels (decode_kernels linear: the path windowed models took before)": LLM(
+        f"{what}window {args.window}, fused step": LLM(str(windowed), dtype="bfloat16", max_model_len=max_len),
+        f"{what}window {args.window}, per-module kernels (decode_kernels linear: the path these models took before)": LLM(
             str(windowed), dtype="bfloat16", max_model_len=max_len, decode_kernels="linear"
         ),
-        "full attention, fused step": LLM(str(full), dtype="bfloat16", max_model_len=max_len),
     }
+    if not args.family:
+        full = build(tmp / "full", "mistral", args.hidden, args.layers, None, 0)
+        engines["full attention, fused step"] = LLM(str(full), dtype="bfloat16", max_model_len=max_len)
     for name, llm in engines.items():
         print(
             f"  {name}: fused step {'on' if llm.engine.executor.runner.fused is not None else 'off'}, "

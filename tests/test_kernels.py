@@ -496,11 +496,13 @@ def test_methods_use_kernels_only_for_decode_rows(monkeypatch):
     assert ((q8(small).double() - ref).abs() <= bound * 1.01).all()
 
 
-def _hf_logprob_errors(llm, prompts, params, hf, argmax: bool) -> list[float]:
+def _hf_logprob_errors(llm, prompts, params, hf, argmax: bool, outputs: list | None = None) -> list[float]:
     """|engine logprob - HF transformers' (float32) logprob| of every generated token; with argmax, each token
-    must also be HF's argmax up to bf16 noise (0.1 nats)."""
+    must also be HF's argmax up to bf16 noise (0.1 nats). outputs: where the engine's RequestOutputs go too."""
     errs = []
     for out in llm.generate(prompts, params, use_tqdm=False):
+        if outputs is not None:
+            outputs.append(out)
         ids = out.prompt_token_ids + out.outputs[0].token_ids
         with torch.no_grad():
             ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].double(), dim=-1)
@@ -1161,8 +1163,8 @@ def test_fused_step_runs_prompts_as_accurately_as_pytorch(tmp_path, monkeypatch)
     from infertune.runner.fused_decode import FusedDecode
 
     calls = []
-    real = FusedDecode._prefill_tables
-    monkeypatch.setattr(FusedDecode, "_prefill_tables", lambda self, meta, t: calls.append(t) or real(self, meta, t))
+    real = FusedDecode._step_tables
+    monkeypatch.setattr(FusedDecode, "_step_tables", lambda self, meta, t: calls.append(t) or real(self, meta, t))
     model = _tiny_bf16_llama(tmp_path)
     gen = torch.Generator().manual_seed(11)
     prompts = [{"prompt_token_ids": torch.randint(3, 250, (n,), generator=gen).tolist()} for n in (5, 21, 40, 90)]

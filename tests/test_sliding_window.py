@@ -4,6 +4,7 @@ models with short windows against HF transformers (eager, fp32) on prompts and d
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import random
@@ -292,11 +293,19 @@ def test_engine_modes_match_hf(family, mode):
     assert_mode_matches(llm, mode, hf, prompts, outs, reference)
 
 
-def _fused_against_per_module(path, hf, prompts, groups: int, **engine) -> None:
+def _counted(forward, steps: list, *args, **kwargs):
+    """forward, noting the tokens of each step it runs"""
+    steps.append(args[0].shape[0])
+    return forward(*args, **kwargs)
+
+
+def _fused_against_per_module(path, hf, prompts, groups: int, again=(), every_step: bool = False, **engine) -> None:
     """bf16, greedy, NEW_TOKENS tokens: the engine with the fused decode step (every decode step ran there, and the
-    prompts' step where the kernels take prompts: its own counters) and with the per-module path, their logprobs against HF transformers' in fp32; the fused step's errors,
-    worst and mean, as small as the per-module path's. (These std-0.2 random models are noisy in bf16: the
-    per-module path's picks fall up to 0.25 nats below HF's best too, so argmax is not asked.)"""
+    prompts' step where the kernels take prompts: its own counters) and with the per-module path, their logprobs
+    against HF transformers' in fp32; the fused step's errors, worst and mean, as small as the per-module path's.
+    (These std-0.2 random models are noisy in bf16: the per-module path's picks fall up to 0.25 nats below HF's best
+    too, so argmax is not asked.) again: prompts generated after `prompts` (prefix-cache hits on them); every_step:
+    the fused engine's model never ran a step through its modules (chunked prompts and hits included)."""
     from test_kernels import _hf_logprob_errors, needs_fused
 
     from infertune.kernels import x86
@@ -309,15 +318,25 @@ def _fused_against_per_module(path, hf, prompts, groups: int, **engine) -> None:
         llm = LLM(str(path), dtype="bfloat16", max_model_len=MAX_LEN, block_size=BLOCK, decode_kernels=mode, **engine)
         runner = llm.engine.executor.runner
         assert (runner.fused is not None) == (mode == "auto") and len(runner.kv_groups) == groups
+        module_steps = []
         if mode == "auto":
             assert runner.decode_kernels is x86.kernels()
             runner.fused.step_timers(reset=True)
-        errs = _hf_logprob_errors(llm, [{"prompt_token_ids": p} for p in prompts], params, hf, argmax=False)
+            runner.model.forward = functools.partial(_counted, runner.model.forward, module_steps)
+        errs, later = [], []
+        errs += _hf_logprob_errors(llm, [{"prompt_token_ids": p} for p in prompts], params, hf, argmax=False)
+        if again:
+            batch = [{"prompt_token_ids": p} for p in again]
+            errs += _hf_logprob_errors(llm, batch, params, hf, argmax=False, outputs=later)
         worst[mode], mean[mode] = max(errs), sum(errs) / len(errs)
         if mode == "auto":  # the decode steps ran fused, and with a bf16 cache the prompts' step too
             prompts_fused = runner.fused.max_prefill_rows >= sum(map(len, prompts))
             want = NEW_TOKENS - 1 + (prompts_fused and engine.get("kv_cache_dtype", "auto") == "auto")
             assert runner.fused.step_timers()["calls"] >= want
+            if every_step:
+                assert not module_steps, f"steps of {module_steps} tokens ran through the modules"
+            if engine.get("enable_prefix_caching"):
+                assert all(o.metrics.num_cached_tokens for o in later), "a prompt of `again` missed the prefix cache"
     assert worst["auto"] <= 1.5 * worst["off"] + 0.02, worst
     assert mean["auto"] <= 1.25 * mean["off"] + 0.005, mean
 
@@ -331,6 +350,29 @@ def test_fused_step_runs_windowed_models(family, kv):
     another's layers, is far off (checked by breaking kv_window and the group choice)."""
     name, path, hf, prompts, _ = family
     _fused_against_per_module(path, hf.float(), prompts, {"mistral": 1, "qwen2": 2}[name], kv_cache_dtype=kv)
+
+
+def test_fused_step_runs_chunked_prompts_and_prefix_cache_hits(family):
+    """Prompts in chunks of 8 tokens (each chunk after the first attends to the earlier chunks through the cache,
+    decodes beside it) and prompts that hit the prefix cache: every step of the fused engine runs in the fused step
+    (its modules never run), windows and KV cache groups included, as close to HF as the per-module engine
+    (_fused_against_per_module). A chunk attending to its own tokens only, or reading the first block of its
+    context as its window's, is far off (checked by breaking _step_tables' lengths and tables)."""
+    name, path, hf, prompts, _ = family
+    g = torch.Generator().manual_seed(11)
+    again = [
+        p[:12] + torch.randint(0, hf.config.vocab_size, (k,), generator=g).tolist() for p, k in zip(prompts[2:], (3, 9))
+    ]
+    _fused_against_per_module(
+        path,
+        hf.float(),
+        prompts,
+        {"mistral": 1, "qwen2": 2}[name],
+        again=again,
+        every_step=True,
+        max_num_batched_tokens=8,
+        enable_prefix_caching=True,
+    )
 
 
 def test_fused_step_runs_a_policys_window_rules(tmp_path):

@@ -182,7 +182,7 @@ class FusedDecoder(Protocol):
     """Every decoder layer of a step in one call, then the final norm."""
 
     max_rows: int  # decode-only steps of up to this many sequences
-    max_prefill_rows: int  # steps of fresh prompts only, of up to this many tokens in all (0: none)
+    max_prefill_rows: int  # steps with prompt rows (and decodes), up to this many tokens in all (0: none)
 
     def __call__(
         self,

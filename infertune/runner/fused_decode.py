@@ -5,8 +5,9 @@ dispatches, Python module calls and temporaries per layer. `FusedDecode` hands t
 plain `FusedModel` of kernels/interface.py, to the backend's `DecodeKernels.fused_decoder` (on x86:
 kernels/x86_fused.py, one C call per step), and per step decides from the attention metadata whether the step
 may run there: decode-only steps of up to `max_rows` sequences, and, where the kernels allow
-(`max_prefill_rows`), steps of fresh prompts only (each token a row that attends to its own prompt up to itself).
-Longer prefills, mixed steps and bigger batches keep the PyTorch path.
+(`max_prefill_rows`), steps with prompt chunks of up to that many tokens in all (each token a row that attends to
+its sequence's cached context and its chunk up to itself: fresh prompts, chunked prefills, prefix-cache hits, and
+decodes beside them). Bigger steps keep the PyTorch path.
 
 It takes over only where it computes what the PyTorch path computes (rounded the same way, to bf16 precision):
 a Llama-family decoder in bf16 whose every projection the kernels can multiply (`QuantMethod.kernel_weights`),
@@ -199,29 +200,40 @@ class FusedDecode:
         return spec
 
     def applicable(self, num_tokens: int, meta: AttentionMetadata) -> bool:
-        """A decode-only step (one new token per sequence) of at most max_rows sequences, or a step of fresh prompts
-        only (no cached context) of at most max_prefill_rows tokens in all."""
+        """A decode-only step (one new token per sequence) of at most max_rows sequences, or, where the kernels take
+        prompt rows, any step with prompt chunks (fresh prompts, later chunks of a chunked prefill, prompts after a
+        prefix-cache hit; decodes beside them) of at most max_prefill_rows tokens in all."""
         if not meta.prefills:
             return meta.num_decode_tokens == num_tokens <= self.max_rows
-        return (
-            num_tokens <= self.max_prefill_rows
-            and meta.num_decode_tokens == 0
-            and all(c.context_slots is None and c.context_len == c.query_len for c in meta.prefills)
+        # (a chunk with earlier KV carries the slots of its whole context: its block table comes from them)
+        return num_tokens <= self.max_prefill_rows and all(
+            c.context_slots is not None or c.context_len == c.query_len for c in meta.prefills
         )
 
-    def _prefill_tables(self, meta: AttentionMetadata, t: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per token row of fresh prompts: its prompt's block table (from the slots of the prompt's first token in
-        each block; a fresh prompt starts a block) and its context length (its position + 1). (A windowed KV cache
-        group holds every block of a fresh prompt's step: its rows' windows reach back into the step.)"""
-        bs = self.block_size
-        width = max(-(-c.query_len // bs) for c in meta.prefills)
+    def _step_tables(self, meta: AttentionMetadata, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per token row of a step with prompt chunks: its sequence's block table and its context length (its
+        position + 1). Decode rows (first) keep theirs; a chunk's table comes from the slots of its context (of the
+        chunk's own tokens where it is a whole fresh prompt, which starts a block), so each row attends to the
+        cached context (a prefix-cache hit, the earlier chunks) and its chunk up to itself. (A windowed KV cache group
+        holds every block a row's window reaches.)"""
+        bs, nd = self.block_size, meta.num_decode_tokens
+        blocks = [
+            (c.context_slots if c.context_slots is not None else meta.slot_mapping[c.query_start :])[
+                : c.context_len : bs
+            ]
+            // bs
+            for c in meta.prefills
+        ]
+        width = max([b.numel() for b in blocks] + ([meta.decode_block_tables.shape[1]] if nd else []))
         tables = torch.zeros(t, width, dtype=torch.int64)
         lens = torch.empty(t, dtype=torch.int64)
-        for c in meta.prefills:
+        if nd:
+            tables[:nd, : meta.decode_block_tables.shape[1]] = meta.decode_block_tables
+            lens[:nd] = meta.decode_context_lens
+        for c, b in zip(meta.prefills, blocks):
             s, n = c.query_start, c.query_len
-            blocks = meta.slot_mapping[s : s + n : bs] // bs
-            tables[s : s + n, : blocks.numel()] = blocks
-            lens[s : s + n] = torch.arange(1, n + 1)
+            tables[s : s + n, : b.numel()] = b
+            lens[s : s + n] = torch.arange(c.context_len - n + 1, c.context_len + 1)
         return tables, lens
 
     def __call__(
@@ -238,11 +250,11 @@ class FusedDecode:
         their last hidden state); the other rows of the result are then undefined."""
         t = input_ids.shape[0]
         if len(self.groups) == 1:
-            tables, lens = self._prefill_tables(meta, t) if meta.prefills else self._decode_tables(meta)
+            tables, lens = self._step_tables(meta, t) if meta.prefills else self._decode_tables(meta)
             return self.decoder(input_ids, positions, meta.slot_mapping, tables, lens, out_rows)
         # each KV cache group's slots and block tables, stacked (the tables padded to one width)
         metas = [meta.for_layer(i) if meta.by_layer is not None else meta.for_window(w) for w, i in self.groups]
-        got = [self._prefill_tables(m, t) if meta.prefills else self._decode_tables(m) for m in metas]
+        got = [self._step_tables(m, t) if meta.prefills else self._decode_tables(m) for m in metas]
         width = max(tab.shape[1] for tab, _ in got)
         tables = torch.stack([torch.nn.functional.pad(tab, (0, width - tab.shape[1])) for tab, _ in got])
         slots = torch.stack([m.slot_mapping for m in metas])

@@ -3,7 +3,7 @@
  * one after arm/neon/fused.c and moe_gemv.h). What a library provides:
  * ws_layout / workspace(m, T, max_ctx) (offsets h, qkv, o, gu, act, y, lin, dec, attn, total), rmsnorm_rows,
  * silu_mul_rows, rotary_rows, run_lin / run_lin_add (a linear, and one added into the residual), add_rows,
- * attention_rows (with a layer's sliding window: kv_window, and Gemma 2's soft-capping: kv_softcap_scores), kv_write
+ * attention_rows (with a layer's sliding window: kv_window, and Gemma 2's soft-capping: softcap_scores), kv_write
  * (kv_cache.h), gelu_mul_rows (Gemma's GeLU-tanh), and the MoE kernels it_moe_route / it_moe_experts (moe.h). Gemma's
  * fp32 (1 + w) norms are here (portable C: a few of a layer's microseconds). */
 #ifndef IT_FUSED_STEP_H

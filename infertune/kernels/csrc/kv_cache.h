@@ -54,12 +54,6 @@ static inline void kv_mask_scores(float* sc, int64_t ld, int64_t G, int64_t skip
     for (int64_t h = 0; h < G; h++)
         for (int64_t j = 0; j < skip; j++) sc[h * ld + j] = -INFINITY;
 }
-/* Gemma 2's soft-capping of G rows (ld apart) of len scores (the softmax scale applied): s = cap tanh(s / cap), in
- * fp32 as transformers computes it */
-static inline void kv_softcap_scores(float* sc, int64_t ld, int64_t G, int64_t len, float cap) {
-    for (int64_t h = 0; h < G; h++)
-        for (int64_t j = 0; j < len; j++) sc[h * ld + j] = cap * tanhf(sc[h * ld + j] / cap);
-}
 static inline void kv_zero_probs(float* p, int64_t ld, int64_t G, int64_t skip) {
     for (int64_t h = 0; h < G; h++)
         for (int64_t j = 0; j < skip; j++) p[h * ld + j] = 0.0f;

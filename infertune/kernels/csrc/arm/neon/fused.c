@@ -93,6 +93,21 @@ static void run_lin_add(const it_lin* L, const bf16* x, int64_t ldx, bf16* x_res
     add_rows(x_res, y, M * H);
 }
 
+/* Gemma 2's soft-capping of G rows (ld apart) of len scores: s = cap tanh(s / cap), in fp32 */
+static void softcap_scores(float* sc, int64_t ld, int64_t G, int64_t len, float cap) {
+    const float32x4_t c = vdupq_n_f32(cap);
+    for (int64_t h = 0; h < G; h++) {
+        float* r = sc + h * ld;
+        int64_t j = 0;
+        for (; j + 4 <= len; j += 4) vst1q_f32(r + j, vmulq_f32(c, tanh128(vdivq_f32(vld1q_f32(r + j), c))));
+        if (j < len) {
+            float t[4];
+            vst1q_f32(t, vmulq_f32(c, tanh128(vdivq_f32(load_f32_tail4(r + j, len - j), c))));
+            memcpy(r + j, t, (size_t)(len - j) * 4);
+        }
+    }
+}
+
 /* r = softmax(r) over len entries, in place, fp32 */
 static void softmax_rown(float* r, int64_t len) {
     float mx = -INFINITY;
@@ -132,7 +147,7 @@ static void attnn_heads(const it_model* m, const void* cache, const int64_t* tab
                 sc[h * max_ctx + j0 + jj] = vaddvq_f32(a) * m->scale;
             }
     }
-    if (m->softcap > 0.0f) kv_softcap_scores(sc, max_ctx, G, len, m->softcap);
+    if (m->softcap > 0.0f) softcap_scores(sc, max_ctx, G, len, m->softcap);
     if (skip) kv_mask_scores(sc, max_ctx, G, skip);
     for (int64_t h = 0; h < G; h++) softmax_rown(sc + h * max_ctx, len);
     if (skip) kv_zero_probs(sc, max_ctx, G, skip);

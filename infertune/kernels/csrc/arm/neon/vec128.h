@@ -70,14 +70,18 @@ static inline float32x4_t silu128(float32x4_t g) { /* g / (1 + e^-g) in fp32 */
     return vdivq_f32(g, vaddq_f32(vdupq_n_f32(1.0f), exp128(vnegq_f32(g))));
 }
 
+static inline float32x4_t tanh128(float32x4_t y) { /* tanh as the x86 kernels' tanh512 (SLEEF's cut-off too) */
+    const float32x4_t ay = vabsq_f32(y);
+    const float32x4_t e = exp128(vmulq_f32(vdupq_n_f32(-2.0f), ay));
+    const float32x4_t t = vsubq_f32(vdupq_n_f32(1.0f), vdivq_f32(vaddq_f32(e, e), vaddq_f32(vdupq_n_f32(1.0f), e)));
+    const uint32x4_t big = vcgtq_f32(ay, vdupq_n_f32(8.664339742f));
+    return vbslq_f32(vdupq_n_u32(0x80000000u), y, vbslq_f32(big, vdupq_n_f32(1.0f), t)); /* with y's sign */
+}
+
 static inline float32x4_t gelu128(float32x4_t g) { /* gelu_pytorch_tanh, computed as the x86 kernels' gelu512 */
     const float32x4_t g3 = vmulq_f32(vmulq_f32(g, g), g);
     const float32x4_t y = vmulq_f32(vdupq_n_f32(0.7978845608028654f), vaddq_f32(g, vmulq_f32(vdupq_n_f32(0.044715f), g3)));
-    const float32x4_t e = exp128(vmulq_f32(vdupq_n_f32(-2.0f), vabsq_f32(y)));
-    const float32x4_t t = vsubq_f32(vdupq_n_f32(1.0f), vdivq_f32(vaddq_f32(e, e), vaddq_f32(vdupq_n_f32(1.0f), e)));
-    const uint32x4_t big = vcgtq_f32(vabsq_f32(y), vdupq_n_f32(8.664339742f)); /* (torch's tanh: +-1 past it) */
-    const float32x4_t th = vbslq_f32(vdupq_n_u32(0x80000000u), y, vbslq_f32(big, vdupq_n_f32(1.0f), t));
-    return vmulq_f32(vmulq_f32(vdupq_n_f32(0.5f), g), vaddq_f32(vdupq_n_f32(1.0f), th));
+    return vmulq_f32(vmulq_f32(vdupq_n_f32(0.5f), g), vaddq_f32(vdupq_n_f32(1.0f), tanh128(y)));
 }
 
 /* Call CASE(rows of x, rows of W) with constant trip counts for full blocks, runtime ones for the last block */

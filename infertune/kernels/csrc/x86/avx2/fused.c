@@ -125,6 +125,17 @@ static void attn2_scores(const it_model* m, const void* cache, const int64_t* ta
     }
 }
 
+/* Gemma 2's soft-capping of G rows (ld apart) of len scores: s = cap tanh(s / cap), in fp32 */
+static void softcap_scores(float* sc, int64_t ld, int64_t G, int64_t len, float cap) {
+    const __m256 c = _mm256_set1_ps(cap);
+    for (int64_t h = 0; h < G; h++)
+        for (int64_t j = 0; j < len; j += 8) {
+            const __m256i mk = lanes_below(len - j);
+            const __m256 v = _mm256_maskload_ps(sc + h * ld + j, mk);
+            _mm256_maskstore_ps(sc + h * ld + j, mk, _mm256_mul_ps(c, tanh256(_mm256_div_ps(v, c))));
+        }
+}
+
 /* r = softmax(r) over len entries, in place, fp32 */
 static void softmax_row2(float* r, int64_t len) {
     const __m256 ninf = _mm256_set1_ps(-INFINITY);
@@ -191,7 +202,7 @@ static void attn2_heads(const it_model* m, const void* cache, const int64_t* tab
                         int64_t g, const bf16* q, int64_t G, float* sc, int64_t max_ctx, bf16* o, bf16* tmp,
                         const bf16* zero) {
     attn2_scores(m, cache, table, len, g, q, G, sc, max_ctx, tmp, zero);
-    if (m->softcap > 0.0f) kv_softcap_scores(sc, max_ctx, G, len, m->softcap);
+    if (m->softcap > 0.0f) softcap_scores(sc, max_ctx, G, len, m->softcap);
     if (skip) kv_mask_scores(sc, max_ctx, G, skip);
     for (int64_t h = 0; h < G; h++) softmax_row2(sc + h * max_ctx, len);
     if (skip) kv_zero_probs(sc, max_ctx, G, skip);

@@ -89,15 +89,18 @@ static inline __m256 silu256(__m256 g) { /* g / (1 + e^-g) in fp32 */
     return _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), exp256(_mm256_sub_ps(_mm256_setzero_ps(), g))));
 }
 
+static inline __m256 tanh256(__m256 y) { /* tanh as tanh512 (torch's vectorized tanh, SLEEF's, cut-off included) */
+    const __m256 sign = _mm256_set1_ps(-0.0f), ay = _mm256_andnot_ps(sign, y);
+    const __m256 e = exp256(_mm256_mul_ps(_mm256_set1_ps(-2.0f), ay));
+    const __m256 t = _mm256_sub_ps(_mm256_set1_ps(1.0f), _mm256_div_ps(_mm256_add_ps(e, e), _mm256_add_ps(_mm256_set1_ps(1.0f), e)));
+    const __m256 big = _mm256_cmp_ps(ay, _mm256_set1_ps(8.664339742f), _CMP_GT_OQ);
+    return _mm256_or_ps(_mm256_blendv_ps(t, _mm256_set1_ps(1.0f), big), _mm256_and_ps(sign, y));
+}
+
 static inline __m256 gelu256(__m256 g) { /* gelu_pytorch_tanh, computed as gelu512 */
     const __m256 g3 = _mm256_mul_ps(_mm256_mul_ps(g, g), g);
     const __m256 y = _mm256_mul_ps(_mm256_set1_ps(0.7978845608028654f), _mm256_add_ps(g, _mm256_mul_ps(_mm256_set1_ps(0.044715f), g3)));
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    const __m256 e = exp256(_mm256_mul_ps(_mm256_set1_ps(-2.0f), _mm256_andnot_ps(sign, y)));
-    const __m256 t = _mm256_sub_ps(_mm256_set1_ps(1.0f), _mm256_div_ps(_mm256_add_ps(e, e), _mm256_add_ps(_mm256_set1_ps(1.0f), e)));
-    const __m256 big = _mm256_cmp_ps(_mm256_andnot_ps(sign, y), _mm256_set1_ps(8.664339742f), _CMP_GT_OQ);
-    const __m256 th = _mm256_or_ps(_mm256_blendv_ps(t, _mm256_set1_ps(1.0f), big), _mm256_and_ps(sign, y));
-    return _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), g), _mm256_add_ps(_mm256_set1_ps(1.0f), th));
+    return _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), g), _mm256_add_ps(_mm256_set1_ps(1.0f), tanh256(y)));
 }
 
 /* Call CASE(rows of x, rows of W) with constant trip counts for full blocks, runtime ones for the last block */

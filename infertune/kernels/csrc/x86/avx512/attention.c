@@ -47,6 +47,18 @@ static inline __attribute__((always_inline)) void attn_scores(const it_model* m,
     }
 }
 
+/* Gemma 2's soft-capping of G rows (ld apart) of len scores (the softmax scale applied): s = cap tanh(s / cap), in
+ * fp32 as transformers computes it */
+static void softcap_scores(float* sc, int64_t ld, int64_t G, int64_t len, float cap) {
+    const __m512 c = _mm512_set1_ps(cap);
+    for (int64_t h = 0; h < G; h++)
+        for (int64_t j = 0; j < len; j += 16) {
+            const __mmask16 mk = mask16(len - j);
+            const __m512 v = _mm512_maskz_loadu_ps(mk, sc + h * ld + j);
+            _mm512_mask_storeu_ps(sc + h * ld + j, mk, _mm512_mul_ps(c, tanh512(_mm512_div_ps(v, c))));
+        }
+}
+
 /* the largest of r[0 .. len - 1], in every lane */
 static inline __m512 row_max(const float* r, int64_t len) {
     __m512 mv = _mm512_set1_ps(-INFINITY);
@@ -114,7 +126,7 @@ static inline __attribute__((always_inline)) void attn_heads(const it_model* m, 
                                                              int64_t g, const bf16* q, const int G, float* sc,
                                                              int64_t max_ctx, bf16* o, bf16* tmp, const bf16* zero) {
     attn_scores(m, cache, table, len, g, q, G, sc, max_ctx, tmp, zero);
-    if (m->softcap > 0.0f) kv_softcap_scores(sc, max_ctx, G, len, m->softcap);
+    if (m->softcap > 0.0f) softcap_scores(sc, max_ctx, G, len, m->softcap);
     if (skip) kv_mask_scores(sc, max_ctx, G, skip);
     for (int h = 0; h < G; h++) softmax_row(sc + h * max_ctx, len);
     if (skip) kv_zero_probs(sc, max_ctx, G, skip);
@@ -266,7 +278,7 @@ static void attn_heads_amx(const it_model* m, const void* cache, const int64_t* 
        masked: kv_window) */
     float inv[16];
     const int64_t len32 = (len + 31) & ~(int64_t)31;
-    if (m->softcap > 0.0f) kv_softcap_scores(w->sc, max_ctx, G, len, m->softcap);
+    if (m->softcap > 0.0f) softcap_scores(w->sc, max_ctx, G, len, m->softcap);
     if (skip) kv_mask_scores(w->sc, max_ctx, G, skip);
     for (int h = 0; h < G; h++) inv[h] = softmax_bf16_row(w->sc + h * max_ctx, len, len32, w->pb + h * w->ldp);
     for (int h = 0; h < G; h++)

@@ -151,22 +151,25 @@ static inline __m512 silu512(__m512 g) { /* g / (1 + e^-g) in fp32 */
     return _mm512_mul_ps(g, rcp512(_mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
 }
 
-/* GeLU, tanh approximation (transformers' gelu_pytorch_tanh), as torch's vectorized formula computes it in fp32:
- * 0.5 g (1 + tanh(y)), y = sqrt(2 / pi) (g + 0.044715 g^3); tanh(|y|) = 1 - 2 E / (1 + E), E = e^-2|y|, so that
- * 1 + tanh(y) cancels where torch's does (it is 0 where tanh(y) is -1) */
-static inline __m512 gelu512(__m512 g) {
-    const __m512 g3 = _mm512_mul_ps(_mm512_mul_ps(g, g), g);
-    const __m512 y = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f), _mm512_add_ps(g, _mm512_mul_ps(_mm512_set1_ps(0.044715f), g3)));
+/* tanh(y) in fp32 as torch's vectorized tanh (SLEEF's) gives it: tanh(|y|) = 1 - 2 E / (1 + E), E = e^-2|y|, with
+ * y's sign, and +-1 past |y| = 8.664339742 (where SLEEF returns +-1). (Integer and / or: the float ones are
+ * AVX512DQ.) */
+static inline __m512 tanh512(__m512 y) {
     const __m512 ay = _mm512_abs_ps(y);
     const __m512 e = exp512(_mm512_mul_ps(_mm512_set1_ps(-2.0f), ay));
     const __m512 t = _mm512_sub_ps(_mm512_set1_ps(1.0f), _mm512_div_ps(_mm512_add_ps(e, e), _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
-    /* tanh(y): t >= 0 takes y's sign; 1 past |y| = 8.664339742 (where torch's vectorized tanh, SLEEF's, returns
-       +-1). (Integer and / or: the float ones are AVX512DQ.) */
     const __mmask16 big = _mm512_cmp_ps_mask(ay, _mm512_set1_ps(8.664339742f), _CMP_GT_OQ);
     const __m512i sign = _mm512_and_si512(_mm512_castps_si512(y), _mm512_set1_epi32((int)0x80000000u));
-    const __m512 th = _mm512_castsi512_ps(
-        _mm512_or_si512(_mm512_castps_si512(_mm512_mask_blend_ps(big, t, _mm512_set1_ps(1.0f))), sign));
-    return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), g), _mm512_add_ps(_mm512_set1_ps(1.0f), th));
+    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(_mm512_mask_blend_ps(big, t, _mm512_set1_ps(1.0f))), sign));
+}
+
+/* GeLU, tanh approximation (transformers' gelu_pytorch_tanh), as torch's vectorized formula computes it in fp32:
+ * 0.5 g (1 + tanh(y)), y = sqrt(2 / pi) (g + 0.044715 g^3) (1 + tanh(y) cancels where torch's does: 0 where tanh(y)
+ * is -1) */
+static inline __m512 gelu512(__m512 g) {
+    const __m512 g3 = _mm512_mul_ps(_mm512_mul_ps(g, g), g);
+    const __m512 y = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f), _mm512_add_ps(g, _mm512_mul_ps(_mm512_set1_ps(0.044715f), g3)));
+    return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), g), _mm512_add_ps(_mm512_set1_ps(1.0f), tanh512(y)));
 }
 
 #endif
