@@ -146,7 +146,10 @@ def test_measured_host_cost_matches_what_a_real_request_holds(tiny_llama):
         # (run once untimed: what the engine keeps per batch shape the first time it meets one, e.g. the fused decode
         # step's per-row-count arguments, is the engine's, not the request's)
         held(n, max_tokens, logprobs)
-        measured = held(n, max_tokens, logprobs) - held(1, 1, logprobs)
+        # (each the least of two runs: an allocation the process makes once, at some step of some run (a cache,
+        # a lazily built object), is not the request's either; one such, ~70 KB, doubled a run's figure in a full
+        # suite once in a while)
+        measured = min(held(n, max_tokens, logprobs) for _ in range(2)) - min(held(1, 1, logprobs) for _ in range(2))
         estimate = cost.bytes(n, len(prompt) + max_tokens, logprobs) - cost.bytes(1, len(prompt) + 1, logprobs)
         assert 0.5 * measured <= estimate <= 2.0 * measured, (n, logprobs, estimate, measured)
 

@@ -187,11 +187,13 @@ def test_skipped_cached_block_fails_prefix_pair(ckpts):
 
 def perturb_fast_path_mlp(engine, label):
     """(c) The seam: a forward hook on model.layers.1.mlp that perturbs its output only where the decode kernels
-    run (runner.decode_kernels is set: decode_kernels=auto / linear). Under auto the hook fires on the steps the
-    fused step does not take (prefill mixed with decode), where the per-module forward runs the kernels."""
+    run (runner.decode_kernels is set: decode_kernels=auto / linear), with the fused step off, so that the
+    per-module forward runs the kernels on every step (the fused step takes every step of these short prompts, and
+    module hooks do not fire inside it)."""
     runner = engine.executor.runner
     if runner.decode_kernels is None:
         return
+    runner.fused = None
     runner.model.get_submodule("model.layers.1.mlp").register_forward_hook(
         lambda m, a, out: out + 0.5 * out.abs().max()
     )

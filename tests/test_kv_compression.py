@@ -481,3 +481,42 @@ def test_a_worker_process_compresses_alike(llama):
     finally:
         llm.engine.shutdown()
     assert there == here
+
+
+@pytest.mark.parametrize("press", [SNAP, STREAM], ids=["snapkv", "streaming_llm"])
+def test_the_fused_decode_step_runs_compressed_sequences(llama, press):
+    """bf16 on the CPU's kernels: an engine that compresses keeps the fused step, and the decode steps of its
+    compressed sequences run there (each reads its kept slots through its block table and context length, and
+    rotates at its true position). Each decode step is also run through the modules (the per-op path, held to
+    kvpress above) on the same cache: the two steps' logits agree to bf16 rounding, for the compressed sequences as
+    for a short one the press leaves whole (relative max gaps). (Rotating at the kept slot's index instead of the
+    position fails it.)"""
+    from test_kernels import needs_fused
+
+    if needs_fused.args[0]:
+        pytest.skip(needs_fused.kwargs["reason"])
+    path, _ = llama
+    llm = LLM(str(path), kv_compression=press, dtype="bfloat16", block_size=BS, max_model_len=200)
+    runner = llm.engine.executor.runner
+    assert runner.fused is not None, "the fused step stays with compression"
+    real, gaps = runner._forward, []
+
+    def both(input_ids, positions, meta, out_rows=None):
+        if meta.prefills or meta.press_rows is not None:
+            return real(input_ids, positions, meta, out_rows)
+        assert runner.fused.applicable(input_ids.shape[0], meta)
+        fused = runner.fused(input_ids, positions, meta).clone()
+        modules = runner.model(input_ids, positions, runner.kv_caches, meta)
+        want = runner.model.compute_logits(modules)
+        gap = (runner.model.compute_logits(fused) - want).abs().amax(1) / want.abs().amax(1)
+        whole = int(meta.decode_context_lens.argmin())  # (the short prompt's row: the press keeps all of it)
+        gaps.append((gap.max().item(), gap[whole].item()))
+        return fused
+
+    runner._forward = both
+    prompts = [{"prompt_token_ids": prompt_of(n, 40 + n)} for n in (61, 45, 6)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    llm.generate(prompts, params, use_tqdm=False)
+    assert len(gaps) >= 7, gaps  # (every decode step)
+    worst, whole = max(g for g, _ in gaps), max(w for _, w in gaps)
+    assert worst <= 1.5 * whole + 0.01, gaps

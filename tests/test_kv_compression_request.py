@@ -143,10 +143,10 @@ def test_preemption_replans_by_the_requests_own_press(path):
 
 
 def test_bf16_with_the_fused_step_a_request_press_still_gives_its_engines_tokens(path):
-    """bf16, where the CPU's kernels build the fused step (an engine whose default compresses nothing keeps it): the
-    steps holding a sequence a request's press compresses run the per-op path, as an engine started with that press
-    does throughout, so SnapKV and StreamingLLM asked per request, side by side, give those engines' tokens.
-    (StreamingLLM reads no queries: without that rule its prompt would go through the fused prefill.)"""
+    """bf16, where the CPU's kernels build the fused step (kept with or without a default press): a request's press
+    takes the same paths as in an engine started with it (the fused step for its decode rows and for the prompt
+    steps that record no queries, the per-op path for those that do), so SnapKV and StreamingLLM asked per request,
+    side by side, give those engines' tokens."""
     kw = {**ENGINE, "dtype": "bfloat16", "max_num_batched_tokens": 128}
     want = [
         generate(LLM(str(path), kv_compression=press, **kw), PROMPTS[:2], [None, None])[i]

@@ -175,12 +175,9 @@ class ModelRunner:
             attach_kernels(self.model, self.decode_kernels)  # prefills' norms, rotary and SiLU-and-multiply
         # (not with tensor parallel: the fused step runs every layer in one call, with no all-reduce between them)
         fuse = self.tp is None and config.model.decode_kernels == "auto"
-        # (the fused C step reads positions as cache slots: a compressed sequence's part ways; honest gap. Where the
-        # engine compresses nothing by default it stays, and a step holding a sequence a request's press compressed
-        # runs the per-op path: _forward)
-        if fuse and self.decode_kernels is not None and any(g.compressed for g in self.kv_groups):
-            log.info("kv_compression: the fused decode step does not know it; decode runs the per-op path")
-            fuse = False
+        # (KV compression: a compressed sequence's decode rows read their kept slots through their block table and
+        # context length, and rotate at their true positions, as the per-op path does; the steps whose layers write
+        # the queries a press reads run the per-op path: _forward)
         if self.decode_kernels is not None and self.compiled is None and fuse:
             # (a step holds at most max_num_batched_tokens tokens, and at most max_num_seqs whole sequences)
             step_rows = min(
@@ -207,15 +204,12 @@ class ModelRunner:
         """Start-up time spent compiling (None when the forward runs eager)."""
         return self.compiled.warmup_seconds if self.compiled is not None else None
 
-    def _forward(
-        self, input_ids, positions, meta, out_rows: list[int] | None = None, fusable: bool = True
-    ) -> torch.Tensor:
+    def _forward(self, input_ids, positions, meta, out_rows: list[int] | None = None) -> torch.Tensor:
         """Hidden states [T, hidden]; where out_rows (ascending) is given, only those rows are sure to be
-        computed (the fused step takes just them through the last layer's o_proj and MLP). fusable=False: the step
-        holds a sequence KV compression drops tokens of (its positions and cache slots part ways)."""
+        computed (the fused step takes just them through the last layer's o_proj and MLP)."""
         if meta.press_rows is not None:  # (the layers write the queries KV compression keeps: eager)
             return self.model(input_ids, positions, self.kv_caches, meta)
-        if fusable and self.fused is not None and self.fused.applicable(input_ids.shape[0], meta):
+        if self.fused is not None and self.fused.applicable(input_ids.shape[0], meta):
             rows = self._tensor(out_rows) if out_rows and len(out_rows) < input_ids.shape[0] else None
             return self.fused(input_ids, positions, meta, rows)
         if self.compiled is not None and input_ids.shape[0] >= self.compiled.min_tokens:
@@ -290,10 +284,7 @@ class ModelRunner:
         # (only the rows read are computed to the end: a step with nothing to sample still fills the KV cache)
         read = {r for i in sampled for r in rows_of[i]} | {r for _, rs in scored.values() for r in rs}
         captured = self._press_capture(step, rows_of, meta) if self.press is not None else []
-        # (a sequence a press compresses, or will at the end of this prefill, runs the per-op path, as it does in an
-        # engine whose default compresses: a request's press gives that engine's tokens, in bf16 too)
-        fusable = self.press is None or all(state.kv_kept is None for state, _, _ in step)
-        hidden = self._forward(input_ids, positions, meta, sorted(read), fusable)  # [T, hidden]
+        hidden = self._forward(input_ids, positions, meta, sorted(read))  # [T, hidden]
         if self.press is not None:
             self._press_after_forward(step, captured, meta)
         if self.kv_connector is not None:  # (after the whole forward: the model has no per-layer hook yet)
