@@ -10,11 +10,13 @@ token to the last, and TTFT, from the engine's request metrics (a prompt of up t
 
     python benchmarks/bench_window_fused.py --prompt 2048 --window 256 --rounds 3
     python benchmarks/bench_window_fused.py --family gemma3 --hidden 1024 --layers 12 --prompt 1024 --window 256
+    python benchmarks/bench_window_fused.py --window 0 --kv-compression '{"press": "snapkv", "compression_ratio": 0.75}'
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -68,6 +70,14 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--qwen2-full-layers", type=int, default=0, help="a Qwen2 model with its first N layers full")
     ap.add_argument(
+        "--kv-compression",
+        type=json.loads,
+        default=None,
+        metavar="JSON",
+        help="a kv_compression config for the two engines (e.g. SnapKV; --window 0: no window): the fused step "
+        "against the per-module path on compressed sequences",
+    )
+    ap.add_argument(
         "--family",
         choices=["gemma2", "gemma3"],
         help="a Gemma model of the same shape instead (head_dim hidden / 8; Gemma 3: 5 sliding layers to 1 full; "
@@ -85,13 +95,17 @@ def main() -> int:
     )
     tmp = Path(tempfile.mkdtemp())
     arch = args.family or ("qwen2" if args.qwen2_full_layers else "mistral")
-    windowed = build(tmp / "windowed", arch, args.hidden, args.layers, args.window, args.qwen2_full_layers)
+    windowed = build(tmp / "windowed", arch, args.hidden, args.layers, args.window or None, args.qwen2_full_layers)
     max_len = args.prompt + args.new + 16
     what = f"{args.family}, " if args.family else ""
+    what += f"window {args.window}" if args.window else "no window"
+    if args.kv_compression:
+        what += f", kv_compression {json.dumps(args.kv_compression)}"
+    kw = dict(dtype="bfloat16", max_model_len=max_len, kv_compression=args.kv_compression)
     engines = {
-        f"{what}window {args.window}, fused step": LLM(str(windowed), dtype="bfloat16", max_model_len=max_len),
-        f"{what}window {args.window}, per-module kernels (decode_kernels linear: the path these models took before)": LLM(
-            str(windowed), dtype="bfloat16", max_model_len=max_len, decode_kernels="linear"
+        f"{what}, fused step": LLM(str(windowed), **kw),
+        f"{what}, per-module kernels (decode_kernels linear: the path these models took before)": LLM(
+            str(windowed), decode_kernels="linear", **kw
         ),
     }
     if not args.family:

@@ -591,11 +591,11 @@ def test_fused_decode_forward_allocates_nothing(tmp_path):
         runner = llm.engine.executor.runner
         forward, seen = runner._forward, []
 
-        def profiled(ids, pos, meta, rows=None, fusable=True, *, forward=forward, seen=seen):
+        def profiled(ids, pos, meta, rows=None, *, forward=forward, seen=seen):
             if meta.prefills:
-                return forward(ids, pos, meta, rows, fusable)
+                return forward(ids, pos, meta, rows)
             with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-                out = forward(ids, pos, meta, rows, fusable)
+                out = forward(ids, pos, meta, rows)
             seen.append(sum(1 for e in prof.events() if e.self_cpu_memory_usage > 0))
             return out
 

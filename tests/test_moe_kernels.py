@@ -632,9 +632,9 @@ def test_fused_step_runs_moe_and_qk_norm_layers_as_the_modules_do(tmp_path, arch
     assert runner.fused is not None
     forward, steps = runner._forward, []
 
-    def both(ids, pos, meta, rows=None, fusable=True):
+    def both(ids, pos, meta, rows=None):
         if meta.prefills:
-            return forward(ids, pos, meta, rows, fusable)
+            return forward(ids, pos, meta, rows)
         want = runner.model(ids, pos, runner.kv_caches, meta).clone()  # the modules, on the kernels
         want_kv = [c.clone() for c in runner.kv_caches]
         got = runner.fused(ids, pos, meta)
