@@ -517,7 +517,7 @@ FUSED_PARTS = (
     "attention",
     "o_proj",
     "residual adds",
-    "gate_up (+ SiLU)",
+    "gate_up (+ activation)",
     "down",
     "MoE router",
     "experts",

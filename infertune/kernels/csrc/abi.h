@@ -107,7 +107,7 @@ typedef struct {
 enum { IT_FT_NORM, IT_FT_QKV, IT_FT_ROTARY_KV, IT_FT_ATTN, IT_FT_O, IT_FT_RESIDUAL, IT_FT_GATE_UP, IT_FT_DOWN,
        IT_FT_ROUTER, IT_FT_EXPERTS, IT_FT_PARTS };
 typedef struct {
-    double seconds[IT_FT_PARTS]; /* norm, qkv, rotary + K/V write, attention, o_proj, residual adds, gate_up (+ SiLU),
+    double seconds[IT_FT_PARTS]; /* norm, qkv, rotary + K/V write, attention, o_proj, residual adds, gate_up (+ SiLU / GeLU),
                                     down, the MoE router (+ top-k), the routed experts (cpu.py FUSED_PARTS); a
                                     shared expert counts as gate_up and down */
     int64_t calls, rows;
