@@ -298,6 +298,8 @@ class TorchKernels:
         )
 
     def fused_decoder(self, model):
+        if model.tp_allreduce is not None:
+            return "the reference kernels have no all-reduce (tensor parallel)"
         return TorchFused(model, self) if self.fused else "the reference kernels were asked not to fuse"
 
     def profiled(self, name):

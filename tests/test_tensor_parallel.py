@@ -297,3 +297,37 @@ def test_a_stored_quantized_checkpoint_splits_over_the_ranks(method, tmp_path):
         for extra in ({}, {"enable_expert_parallel": True}) if kind == "qwen2-moe" else ({},):
             two = torch.tensor(_prompt_logprobs(out, tensor_parallel_size=2, **extra))
             torch.testing.assert_close(two, one, atol=1e-4, rtol=0, msg=f"{kind} {method} {extra}")
+
+
+@pytest.mark.parametrize("kind", ["llama-kv1-odd-vocab", "gemma2"])
+def test_two_ranks_run_the_fused_step_in_bf16(kind, tmp_path):
+    """bf16 on the CPU's kernels: each rank runs its share of every layer in one fused C step, summing o_proj's and
+    down's outputs over the ranks through the shared-memory all-reduce in C (csrc/fused_step.h tp_allreduce, the
+    protocol of layers/shm_allreduce.py, whose sequence numbers it shares). Oracle: HF transformers in fp32, the
+    logprobs as close as one rank's fused engine; and the Python collectives that remain (exact counts): per step
+    the embedding's all-reduce and the head's gather, not the 2L + 1 all-reduces of the per-module path."""
+    from test_kernels import _hf_logprob_errors, needs_fused
+
+    if needs_fused.args[0]:
+        pytest.skip(needs_fused.kwargs["reason"])
+    path = _checkpoint(kind, tmp_path / kind)
+    hf = hf_model(path).float()
+    prompts = [{"prompt_token_ids": p} for p in prompts_for(hf.config.vocab_size)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=1)
+    worst = {}
+    for size in (1, 2):
+        llm = LLM(str(path), dtype="bfloat16", block_size=BLOCK, max_model_len=64, tensor_parallel_size=size)
+        try:
+            if size == 2:
+                llm.engine.executor.comm_stats()  # (from zero)
+            worst[size] = max(_hf_logprob_errors(llm, prompts, params, hf, argmax=False))
+            if size == 2:
+                for rank in llm.engine.executor.comm_stats():
+                    calls = {k: v["calls"] for k, v in rank["collectives"].items()}
+                    assert calls == {
+                        "all_reduce (shared memory)": rank["steps"],
+                        "all_gather (shared memory)": rank["steps"],
+                    }, (calls, rank["steps"])
+        finally:
+            llm.engine.shutdown()
+    assert worst[2] <= 1.5 * worst[1] + 0.02, worst

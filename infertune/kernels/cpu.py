@@ -64,7 +64,7 @@ AVX2_QUANT_MAX_ROWS = 2048
 # AVX-512 library without AMX does (NOAMX_GEMM_MAX_ROWS): each prompt row's attention runs on its own.
 AVX2_FUSED_PREFILL_ROWS = 128
 # The C side's ABI (csrc/abi.h IT_ABI_VERSION): bump both together when a shared struct or a signature changes.
-ABI_VERSION = 7
+ABI_VERSION = 8
 # The KV cache groups a fused step reads at most (csrc/abi.h IT_MAX_KV_GROUPS): layers grouped by sliding window
 MAX_KV_GROUPS = 8
 WARN_FLAGS = ["-Wall", "-Wextra", "-Wpointer-arith"]
@@ -506,6 +506,12 @@ class ItStep(ctypes.Structure):
         ("n_groups", ctypes.c_int64),  # 0: every layer reads slots / block_tables; else its group's below
         ("group_slots", ctypes.c_void_p * MAX_KV_GROUPS),
         ("group_tables", ctypes.c_void_p * MAX_KV_GROUPS),
+        # tensor parallel on one host: the shared-memory all-reduce after each row-parallel linear (csrc/abi.h)
+        ("tp_shm", ctypes.c_void_p),
+        ("tp_seq", ctypes.c_void_p),
+        ("tp_rank", ctypes.c_int32),
+        ("tp_size", ctypes.c_int32),
+        ("tp_max_numel", ctypes.c_int64),
     ]
 
 
@@ -638,6 +644,11 @@ def abi_layout(structs: dict[str, type[ctypes.Structure]] | None = None) -> list
             "n_groups",
             "group_slots",
             "group_tables",
+            "tp_shm",
+            "tp_seq",
+            "tp_rank",
+            "tp_size",
+            "tp_max_numel",
         ),  # fmt: skip
         "it_step_stats": ("seconds", "calls", "rows"),
         "bf16c": ("codes", "table", "esc_start", "esc_pos", "esc_val"),

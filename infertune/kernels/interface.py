@@ -143,6 +143,19 @@ class FusedLayer:
     cos_sin: torch.Tensor | None = None  # the layer's own rotary table (Gemma 3's sliding layers); None: the model's
 
 
+@dataclass(frozen=True, slots=True)
+class TpAllReduce:
+    """Tensor parallel on one host: the shared-memory all-reduce (layers/shm_allreduce.py) a fused step runs after
+    each row-parallel linear (o_proj, down), in its protocol: the segment's address, the address of the int64
+    sequence number the Python side's calls advance too, this rank, the ranks, and the slots' fp32 capacity."""
+
+    address: int
+    seq_address: int
+    rank: int
+    size: int
+    max_numel: int
+
+
 @dataclass(slots=True)
 class FusedModel:
     """The decoder handed to `DecodeKernels.fused_decoder`: sizes, and the tensors the step reads in place."""
@@ -176,6 +189,12 @@ class FusedModel:
     norm: Literal["llama", "gemma"] = "llama"
     embed_scale: float = 1.0
     attn_softcap: float = 0.0
+    # Tensor parallel: the model is this rank's share (heads, KV heads and intermediate features local; o_proj and
+    # down row-parallel, their outputs summed over the ranks by tp_allreduce before the residual add); embed_fn gives
+    # the step's input embeddings where they are not a lookup in embed (a vocab-parallel embedding, scale included).
+    # An implementation without a collective returns why where tp_allreduce is set.
+    tp_allreduce: TpAllReduce | None = None
+    embed_fn: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 class FusedDecoder(Protocol):

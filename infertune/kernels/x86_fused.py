@@ -55,7 +55,11 @@ class X86FusedDecoder:
         self.out = torch.empty(rows, self.hidden, dtype=torch.bfloat16)
         # the final norm as the C side reads it (a pointer into keep: Gemma's fp32 factors, else the bf16 weight)
         self.embed, self.final_norm, self.final_eps = model.embed, final_norm, model.final_eps
-        self.embed_scale = model.embed_scale
+        self.embed_scale, self.embed_fn = model.embed_scale, model.embed_fn
+        tp = model.tp_allreduce
+        if tp is not None and tp.size > 1:  # (the all-reduce's segment and sequence number: csrc/abi.h it_step)
+            self.step.tp_shm, self.step.tp_seq = tp.address, tp.seq_address
+            self.step.tp_rank, self.step.tp_size, self.step.tp_max_numel = tp.rank, tp.size, tp.max_numel
         self.final_norm_fn = lib.it_rmsnorm_f32w if cmodel.norm_f32 else lib.it_rmsnorm_mt
 
     @classmethod
@@ -66,6 +70,12 @@ class X86FusedDecoder:
             return f"head_dim={model.head_dim} (the fused step needs a multiple of 16)"
         if model.kv_groups > cpu.MAX_KV_GROUPS:
             return f"{model.kv_groups} KV cache groups (the fused step reads {cpu.MAX_KV_GROUPS} at most)"
+        tp = model.tp_allreduce
+        if tp is not None and tp.size > 1:
+            if any(layer.moe is not None for layer in model.layers):
+                return "MoE layers under tensor parallel"
+            if any(lin is not None and lin.bias is not None for layer in model.layers for lin in (layer.o, layer.down)):
+                return "a row-parallel projection with a bias (added on one rank) under tensor parallel"
         if model.act not in _ACTS or model.norm not in ("llama", "gemma"):
             return f"activation {model.act} / {model.norm} norms"
         norms = [t for layer in model.layers for t in _layer_norms(layer) if t is not None]
@@ -179,9 +189,13 @@ class X86FusedDecoder:
         out_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         t = input_ids.shape[0]
-        x = torch.index_select(self.embed, 0, input_ids, out=self.x[:t])  # updated in place by the kernel
-        if self.embed_scale != 1.0:  # (Gemma: times sqrt(hidden) as a bf16 value, rounded once, as the module does)
-            x.mul_(self.embed_scale)
+        if self.embed_fn is not None:  # (a vocab-parallel embedding: its module, all-reduce included)
+            x = self.x[:t]
+            x.copy_(self.embed_fn(input_ids))
+        else:
+            x = torch.index_select(self.embed, 0, input_ids, out=self.x[:t])  # updated in place by the kernel
+            if self.embed_scale != 1.0:  # (Gemma: times sqrt(hidden) as a bf16 value, rounded once, as the module)
+                x.mul_(self.embed_scale)
         s = self.step
         s.T = t
         s.n_groups = 0

@@ -39,7 +39,11 @@ class ShmAllReduce:
         self._counters = np.ndarray((size,), dtype=np.int64, buffer=buf)
         flat = torch.frombuffer(buf, dtype=torch.float32, offset=8 * size, count=2 * size * max_numel)
         self._slots = flat.view(2, size, max_numel)
-        self._seq = 0
+        # the last call's sequence number, in memory the fused C step (csrc/fused_step.h tp_allreduce) advances too
+        # when it runs the same protocol between these calls
+        self._seq_cell = torch.zeros(1, dtype=torch.int64)
+        self.address = self._counters.ctypes.data  # (the segment's start: the counters come first)
+        self.seq_address = self._seq_cell.data_ptr()
 
     @classmethod
     def connect(cls, rank: int, size: int, max_numel: int, barrier, tag: str) -> ShmAllReduce:
@@ -62,8 +66,8 @@ class ShmAllReduce:
         """Publish x in this rank's slot, wait for every rank's, and return the [size, x.numel()] fp32 slots (valid
         until this rank's next call but one)."""
         n = x.numel()
-        self._seq += 1
-        seq = self._seq
+        self._seq_cell += 1
+        seq = int(self._seq_cell)
         slots = self._slots[seq % 2, :, :n]  # [size, n]
         slots[self.rank].copy_(x.reshape(-1))
         self._counters[self.rank] = seq
@@ -89,6 +93,7 @@ class ShmAllReduce:
 
     def close(self) -> None:
         self._slots = self._counters = None
+        self.address = 0
         self._shm.close()
 
 

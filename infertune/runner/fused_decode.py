@@ -27,7 +27,15 @@ import logging
 import torch
 
 from infertune.config import GEMMA_ARCHITECTURES
-from infertune.kernels.interface import DecodeKernels, FusedDecoder, FusedLayer, FusedModel, FusedMoE, KernelLinear
+from infertune.kernels.interface import (
+    DecodeKernels,
+    FusedDecoder,
+    FusedLayer,
+    FusedModel,
+    FusedMoE,
+    KernelLinear,
+    TpAllReduce,
+)
 from infertune.layers.attention import AttentionMetadata
 from infertune.layers.attention.paged import Int8PagedAttention, TorchPagedAttention
 from infertune.layers.moe import MoE
@@ -56,11 +64,22 @@ class FusedDecode:
         dtype: torch.dtype,
         step_rows: int = 0,
         kv_groups: tuple | None = None,
+        tp=None,
     ) -> FusedDecode | None:
         """The fused step for this model, or None where it cannot run (logged). step_rows: the most tokens a step
         can hold (the kernels may run whole prefill steps of up to that many). kv_groups: the runner's KV cache
-        groups (scheduler_output.KVCacheGroup: each layer's window and block tables); None: one, without a window."""
+        groups (scheduler_output.KVCacheGroup: each layer's window and block tables); None: one, without a window.
+        tp: this rank's layers/parallel.py TensorParallel (None: one process); the step then all-reduces each
+        row-parallel output through its shared-memory segment."""
         spec = cls.describe(model, kv_caches, attn, kernels, dtype)
+        if not isinstance(spec, str) and tp is not None and tp.size > 1:
+            if tp.shm is None:
+                spec = (
+                    "tensor parallel without the shared-memory all-reduce (ranks on more than one host, or gloo only)"
+                )
+            else:
+                spec.tp_allreduce = TpAllReduce(tp.shm.address, tp.shm.seq_address, tp.rank, tp.size, tp.shm.max_numel)
+                spec.embed_fn = model.model.embed_tokens  # (vocab-parallel: its lookup and all-reduce)
         groups: tuple = ((None, 0),)
         if not isinstance(spec, str) and kv_groups is not None:
             groups = tuple((g.window, g.layers[0]) for g in kv_groups)

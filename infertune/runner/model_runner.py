@@ -173,8 +173,9 @@ class ModelRunner:
         # Not with torch.compile: its warm-up must run (and compile) the graphs that decode steps use.
         if self.decode_kernels is not None and config.model.decode_kernels == "auto":
             attach_kernels(self.model, self.decode_kernels)  # prefills' norms, rotary and SiLU-and-multiply
-        # (not with tensor parallel: the fused step runs every layer in one call, with no all-reduce between them)
-        fuse = self.tp is None and config.model.decode_kernels == "auto"
+        # (with tensor parallel, where the ranks share a host: the step sums each row-parallel output over them
+        # through the shared-memory all-reduce, in C)
+        fuse = config.model.decode_kernels == "auto"
         # (KV compression: a compressed sequence's decode rows read their kept slots through their block table and
         # context length, and rotate at their true positions, as the per-op path does; the steps whose layers write
         # the queries a press reads run the per-op path: _forward)
@@ -193,6 +194,7 @@ class ModelRunner:
                 self.dtype,
                 step_rows,
                 self.kv_groups,
+                self.tp,
             )
 
     def _num_weights(self) -> int:

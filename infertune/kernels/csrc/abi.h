@@ -6,7 +6,7 @@
 #define IT_ABI_H
 #include "bf16.h"
 
-#define IT_ABI_VERSION 7
+#define IT_ABI_VERSION 8
 #define IT_MAX_KV_GROUPS 8 /* it_step's KV cache groups at most (cpu.py MAX_KV_GROUPS) */
 
 /* it_lin.kind: how a linear layer's weight is stored */
@@ -146,6 +146,14 @@ typedef struct {
     int64_t n_groups;
     const int64_t* group_slots[IT_MAX_KV_GROUPS];
     const int64_t* group_tables[IT_MAX_KV_GROUPS];
+    /* Tensor parallel on one host: each row-parallel output (o_proj, down; bf16 partial sums) is summed over the
+       ranks before its residual add, through layers/shm_allreduce.py's shared-memory segment and protocol (int64
+       counters [tp_size], then two buffers of tp_size fp32 slots of tp_max_numel; fp32 sums in rank order, rounded
+       once). tp_size <= 1: none. */
+    void* tp_shm;
+    int64_t* tp_seq;             /* the last call's sequence number, shared with the Python side's calls */
+    int32_t tp_rank, tp_size;
+    int64_t tp_max_numel;
 } it_step;
 
 

@@ -8,6 +8,7 @@
  * fp32 (1 + w) norms are here (portable C: a few of a layer's microseconds). */
 #ifndef IT_FUSED_STEP_H
 #define IT_FUSED_STEP_H
+#include <sched.h>
 #include <time.h>
 
 /* The step's split by part for `infertune profile` (it_step.stats, abi.h it_step_stats: the caller's, one per
@@ -153,6 +154,45 @@ static int moe_mlp(const it_model* m, const it_moe_layer* M, const it_step* s, i
     return 0;
 }
 
+/* Tensor parallel: y [n] bf16 (this rank's partial sums of a row-parallel linear) <- their sum over the ranks, as
+ * layers/shm_allreduce.py ShmAllReduce.all_reduce computes it (and with it, call for call: the same segment and
+ * sequence numbers): in pieces of tp_max_numel, each published in this rank's fp32 slot of buffer seq % 2, then,
+ * once every rank's counter reaches seq, the slots summed in rank order in fp32 and rounded once. */
+static void tp_allreduce(const it_step* s, bf16* y, int64_t n) {
+    if (s->tp_size <= 1) return;
+    const int64_t size = s->tp_size, max = s->tp_max_numel;
+    int64_t* counters = (int64_t*)s->tp_shm;
+    float* buffers = (float*)((char*)s->tp_shm + 8 * size);
+    for (int64_t i0 = 0; i0 < n; i0 += max) {
+        const int64_t m = n - i0 < max ? n - i0 : max, seq = ++*s->tp_seq;
+        float* slots = buffers + (seq % 2) * size * max;
+        float* mine = slots + s->tp_rank * max;
+        for (int64_t i = 0; i < m; i++) mine[i] = bf2f(y[i0 + i]);
+        __atomic_store_n(&counters[s->tp_rank], seq, __ATOMIC_RELEASE);
+        for (int64_t r = 0, spins = 0; r < size; r++)
+            while (__atomic_load_n(&counters[r], __ATOMIC_ACQUIRE) < seq)
+                if (++spins > 2000) sched_yield(); /* (SPINS_BEFORE_YIELD: more ranks than CPUs) */
+        for (int64_t i = 0; i < m; i++) {
+            float acc = slots[i];
+            for (int64_t r = 1; r < size; r++) acc += slots[r * max + i];
+            y[i0 + i] = f2bf(acc);
+        }
+    }
+}
+
+/* A row-parallel linear's output into the residual: x += bf16(sum over the ranks of x_in W^T) (one rank: the
+ * library's run_lin_add) */
+static void run_lin_add_tp(const it_lin* L, const bf16* xin, int64_t ldx, bf16* x, bf16* y, int64_t H, int64_t R,
+                           const it_model* m, const it_step* s, void* lin, bf16* dec) {
+    if (s->tp_size <= 1) {
+        run_lin_add(L, xin, ldx, x, y, H, R, m->nthreads, lin, dec);
+        return;
+    }
+    run_lin(L, xin, ldx, y, H, R, m->nthreads, lin, dec, 0);
+    tp_allreduce(s, y, R * H);
+    add_rows(x, y, R * H);
+}
+
 /* x [T, hidden] bf16 (T decode rows, or the rows of fresh prompts), updated in place through every layer from
  * s->first_layer (resuming at its MLP where s->route_weights is set: see it_step). Returns 0; 1 where a MoE layer's
  * routing is handed back to the caller (it_step); -1 if the workspace is too small, -2 if the shapes are outside what
@@ -166,6 +206,9 @@ int it_decode_layers(const it_model* m, const it_layer* layers, it_step* s, bf16
     if (s->first_layer < 0 || s->first_layer >= m->n_layers) return -2;
     if (s->n_groups < 0 || s->n_groups > IT_MAX_KV_GROUPS) return -2;
     if (m->act != IT_ACT_SILU && m->act != IT_ACT_GELU_TANH) return -2;
+    if (s->tp_size > 1 && (m->moe_experts > 0 || !s->tp_shm || !s->tp_seq || s->tp_max_numel < 1 || s->tp_rank < 0 ||
+                           s->tp_rank >= s->tp_size))
+        return -2; /* (MoE layers under tensor parallel: not here) */
     for (int li = 0; li < m->n_layers; li++) {
         const it_layer* L = layers + li;
         /* each layer's KV cache group one of the step's (0 where it has none) */
@@ -232,13 +275,14 @@ int it_decode_layers(const it_model* m, const it_layer* layers, it_step* s, bf16
             PART(IT_FT_ATTN);
             if (L->pre_ff_norm) { /* Gemma: o_proj's output normed (post_norm) before its residual add */
                 run_lin(&L->o, o, hq, y, H, R, m->nthreads, lin, dec, 0);
+                tp_allreduce(s, y, R * H);
                 PART(IT_FT_O);
                 norm_rows(m, L->post_norm, y, y, R, H, m->nthreads);
                 PART(IT_FT_NORM);
                 add_rows(x, y, R * H);
                 PART(IT_FT_RESIDUAL);
             } else {
-                run_lin_add(&L->o, o, hq, x, y, H, R, m->nthreads, lin, dec); /* (the residual add with it) */
+                run_lin_add_tp(&L->o, o, hq, x, y, H, R, m, s, lin, dec); /* (the residual add with it) */
                 PART(IT_FT_O);
             }
         }
@@ -256,10 +300,11 @@ int it_decode_layers(const it_model* m, const it_layer* layers, it_step* s, bf16
             gate_up_rows(m, &L->gate_up, h, act, R, L->down.K, gu, lin, dec);
             PART(IT_FT_GATE_UP);
             if (!L->post_ff_norm) {
-                run_lin_add(&L->down, act, L->down.K, x, y, H, R, m->nthreads, lin, dec);
+                run_lin_add_tp(&L->down, act, L->down.K, x, y, H, R, m, s, lin, dec);
                 PART(IT_FT_DOWN);
             } else {
                 run_lin(&L->down, act, L->down.K, y, H, R, m->nthreads, lin, dec, 0);
+                tp_allreduce(s, y, R * H);
                 PART(IT_FT_DOWN);
             }
         }
