@@ -447,6 +447,9 @@ def test_kernels_build_where_the_cpu_and_a_compiler_allow():
     if not all(f in kernels._cpu_flags() for f in kernels.REQUIRED_FLAGS) or kernels._compiler() is None:
         pytest.skip("this CPU or machine cannot build the kernels")
     assert kernels.available(), kernels.unavailable_reason()
+    # the best variant this CPU (and INFERTUNE_CPU_ISA / torch's ISA limit) allows, not a fallback: an AVX-512 source
+    # that fails to build would otherwise leave the AVX2 library running every test
+    assert kernels.variant() == kernels._choose()[0], kernels.describe()
 
 
 def test_disabled_by_environment(monkeypatch):

@@ -324,6 +324,10 @@ def _load() -> None:
         with _lock:
             _lib, _amx, _variant, _noamx_gemm = got, amx, choice, noamx_gemm
             _loaded = True
+        if reasons:  # (a better variant for this CPU did not build or load: slower kernels, said out loud)
+            log.warning(
+                "CPU kernels: running the %s variant; the better ones did not load: %s", choice, "; ".join(reasons)
+            )
         return
     with _lock:
         _reason, _loaded = "; ".join(reasons) or "no kernel variant fits this CPU", True
