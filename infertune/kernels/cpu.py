@@ -1011,21 +1011,21 @@ def gemma_rms_norm(
 
 def silu_and_mul(gate_up: torch.Tensor, *, lib: ctypes.CDLL | None = None) -> torch.Tensor | None:
     """[T, 2I] bf16 -> bf16(bf16(silu(gate)) * up) [T, I]; None where the input does not fit."""
-    return _act_and_mul(gate_up, "silu_and_mul", lib, gelu=False)
+    return _act_and_mul(gate_up, lib, gelu=False)
 
 
 def gelu_and_mul(gate_up: torch.Tensor, *, lib: ctypes.CDLL | None = None) -> torch.Tensor | None:
     """[T, 2I] bf16 -> bf16(bf16(gelu_tanh(gate)) * up) [T, I] (Gemma's MLP); None where the input does not fit."""
-    return _act_and_mul(gate_up, "gelu_and_mul", lib, gelu=True)
+    return _act_and_mul(gate_up, lib, gelu=True)
 
 
-def _act_and_mul(gate_up: torch.Tensor, name: str, lib: ctypes.CDLL | None, gelu: bool) -> torch.Tensor | None:
+def _act_and_mul(gate_up: torch.Tensor, lib: ctypes.CDLL | None, gelu: bool) -> torch.Tensor | None:
     if gate_up.dtype is not torch.bfloat16 or gate_up.dim() != 2 or not gate_up.is_contiguous():
         return None
     lib = _pick(lib)
     t, two_i = gate_up.shape
     out = torch.empty((t, two_i // 2), dtype=torch.bfloat16)
-    with profiled(name):
+    with profiled("gelu_and_mul" if gelu else "silu_and_mul"):
         (lib.it_gelu_mul if gelu else lib.it_silu_mul)(
             gate_up.data_ptr(), out.data_ptr(), t, two_i // 2, torch.get_num_threads()
         )
