@@ -569,6 +569,14 @@ class CacheConfig:
         "head, (D + 4) / 2D of a bf16 cache at head_dim D, so about twice the tokens in the same budget",
         choices=KV_CACHE_DTYPES,
     )
+    kv_int4_after: int | None = _opt(
+        None,
+        "the int4 tier for old tokens (needs kv_cache_dtype int8): once a sequence's newest N tokens lie after "
+        "them, two full blocks of its oldest int8 tokens are re-stored as one int4 block (one fp16 scale per token "
+        "and head), so its KV past N tokens takes about half the int8 bytes; full-attention layers only (default: "
+        "off)",
+        see="KV compression",
+    )
     kv_compression: KVCompressionConfig | None = _opt(
         None,
         "KV compression at the end of each prefill, kvpress's presses and parameters: "
@@ -593,6 +601,15 @@ class CacheConfig:
             )
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size={self.block_size} must be a positive power of two (e.g. 16)")
+        if self.kv_int4_after is not None:
+            age = self.kv_int4_after
+            if isinstance(age, bool) or not isinstance(age, int) or age < 0:
+                raise ValueError(f"kv_int4_after={self.kv_int4_after!r} must be a token count >= 0 (e.g. 1024)")
+            if self.kv_cache_dtype != "int8":
+                raise ValueError(
+                    f"kv_int4_after needs kv_cache_dtype='int8' (the int4 blocks take the place of int8 ones), "
+                    f"not {self.kv_cache_dtype!r}"
+                )
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError(f"kv_cache_memory_bytes={self.kv_cache_memory_bytes} must be positive")
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
@@ -1036,6 +1053,19 @@ class EngineConfig:
             if refusal is not None:
                 drop = "drop it" if self.model.arch.mla is not None else "drop one of them"
                 raise ValueError(f"kv_compression does not run with {refusal} yet; {drop}")
+        if self.cache.kv_int4_after is not None:
+            spec = sched.speculative_config
+            refusal = (
+                "DeepSeek's latent (MLA) cache"
+                if self.model.arch.mla is not None
+                else "a draft model (its own KV cache)"
+                if spec is not None and spec.method == "draft_model"
+                else "a KV connector (kv_role)"
+                if getattr(self.parallel, "kv_role", None) is not None
+                else None
+            )
+            if refusal is not None:
+                raise ValueError(f"kv_int4_after does not run with {refusal} yet; drop one of them")
 
     def kv_compression_refusal(self) -> str | None:
         """What of this engine KV compression does not run with yet (engine-wide or per request); None: nothing."""

@@ -12,6 +12,13 @@ KV cache groups (`KVCacheGroup`, vLLM's hybrid KV cache): the layers are grouped
 travels as `block_ids`, the others' as `group_block_ids`. A windowed group frees the blocks that fall wholly out of
 its window (engine/kv_cache_coordinator.py); a worker is not told, as no query reads them again, so its copy keeps
 their old ids, and an entry a new request never had is NULL_BLOCK (-1).
+
+The int4 tier for old tokens (CacheConfig.kv_int4_after, an int8 cache): two full int8 blocks of a sequence's
+oldest tokens are re-stored as one int4 block (`SchedulerOutput.kv_packs`), which takes the same bytes: each page
+row's D bytes hold two tokens' nibbles, the first block's in the low nibbles, the second's in the high, and its 4
+scale bytes their two fp16 scales. A table still has one entry per block_size tokens; an int4 block's two entries
+are its id with INT4_LO and INT4_HI set (`int4_entry`), so a token's entry, and its slot (entry * block_size +
+offset), say where and how it is stored. Only the INT4_LO entry holds the block's reference.
 """
 
 from __future__ import annotations
@@ -23,6 +30,27 @@ from infertune.sampling_params import SamplingParams
 # A windowed group's block-table entry with no block (out of the window since before the worker was told of the
 # request): a worker's tensors may hold any valid id there, as no query reads it.
 NULL_BLOCK = -1
+
+# An int4 block's two table entries: its id with one of these set (the bits above any block id).
+INT4_SHIFT = 40
+INT4_LO = 1 << INT4_SHIFT  # its tokens 0 .. block_size - 1: the pages' low nibbles
+INT4_HI = 2 << INT4_SHIFT  # its tokens block_size .. 2 block_size - 1: the high nibbles
+BLOCK_ID_MASK = INT4_LO - 1
+
+
+def int4_entry(block_id: int, high: bool) -> int:
+    """The table entry of one half of int4 block block_id."""
+    return block_id | (INT4_HI if high else INT4_LO)
+
+
+def entry_block(entry: int) -> int:
+    """The block id a table entry reads (NULL_BLOCK stays itself)."""
+    return entry if entry < 0 else entry & BLOCK_ID_MASK
+
+
+def entry_kind(entry: int) -> int:
+    """0: an int8 (or model dtype) block; 1: an int4 block's low half; 2: its high half."""
+    return 0 if entry < 0 else entry >> INT4_SHIFT
 
 
 @dataclass(slots=True, frozen=True)
@@ -141,3 +169,7 @@ class SchedulerOutput:
     # A KV connector's instructions to the workers this step (kv_transfer.base.KVConnectorMetadata, plain data; None:
     # nothing): the prompt KV each rank loads from a producer before the forward.
     kv_connector_metadata: object = None
+    # The int4 tier (CacheConfig.kv_int4_after): (group, first, second, dst) per pair of int8 blocks of a KV cache
+    # group re-stored as one int4 block dst (dst may be first), done before the step's forward; the requests' tables
+    # already name dst (int4_entry) where they held first and second.
+    kv_packs: list[tuple[int, int, int, int]] = field(default_factory=list)

@@ -29,8 +29,19 @@ def _token_bytes(path) -> int:
 def test_kv_per_sequence_follows_each_configuration(tiny):
     s, path = tiny
     configs = {"full": None, "window 64": {"policy": [{"window": 64}]}, "snapkv keep 0.25": longctx.snapkv(0.25)}
+    configs |= {"int8 KV": longctx.int8(), "int8 + int4 after 64": longctx.int8(64)}
     rows = {r["config"]: r for r in longctx.speed_rows(path, s, configs, log=lambda m: None, warmup=False)}
     tok, bs, ctx = _token_bytes(path), s.block_size, s.contexts[0]
+    # int8: D int8 values and a 4-byte scale per token and KV head instead of D fp32 values, every token kept.
+    cfg = json.loads((path / "config.json").read_text())
+    tok8 = tok * (cfg["head_dim"] + 4) // (4 * cfg["head_dim"])
+    assert (
+        math.ceil((ctx + 2) / bs) * bs * tok8 <= rows["int8 KV"]["kv"] <= math.ceil((ctx + s.decode) / bs) * bs * tok8
+    )
+    # ...and with the int4 tier, each pair of blocks wholly 64 tokens behind the computed ones takes one block.
+    lo = math.ceil((ctx + 2) / bs) - (ctx + s.decode - 1 - 64) // bs // 2
+    hi = math.ceil((ctx + s.decode) / bs) - (ctx + 1 - 64) // bs // 2
+    assert lo * bs * tok8 <= rows["int8 + int4 after 64"]["kv"] <= hi * bs * tok8
     budget = int(s.budget_mib * 2**20)
     # Full attention: every token's K and V, in whole blocks (the prompt plus the tokens decoded while timed).
     assert math.ceil((ctx + 2) / bs) * bs * tok <= rows["full"]["kv"] <= math.ceil((ctx + s.decode) / bs) * bs * tok
@@ -42,6 +53,18 @@ def test_kv_per_sequence_follows_each_configuration(tiny):
     for r in rows.values():
         assert r["seqs"] == budget // r["kv"] and r["tok_s"] > 0 and r["ttft"] > 0
     assert "| 200 | snapkv keep 0.25 |" in longctx.render({"speed": list(rows.values())}, s.budget_mib)
+
+
+def test_only_picks_configurations_by_their_first_words():
+    s = longctx.Settings(int4_after=512)
+    speed = longctx.chosen(longctx.speed_configs(s), ["int8", "snapkv"], "speed")
+    assert list(speed) == ["full", "snapkv keep 0.25", "int8 KV", "int8 + int4 after 512"]
+    assert list(longctx.chosen(longctx.accuracy_configs(s), ["int8 +"], "accuracy")) == [
+        "int8 + int4 after 128",
+        "int8 + int4 after 0",
+    ]
+    with pytest.raises(ValueError, match="matches no speed configuration"):
+        longctx.chosen(longctx.speed_configs(s), ["int4"], "speed")
 
 
 def test_full_kv_teacher_forcing_matches_hf_and_a_window_wider_than_the_text_changes_nothing():

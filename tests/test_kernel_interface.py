@@ -300,6 +300,8 @@ class TorchKernels:
     def fused_decoder(self, model):
         if model.tp_allreduce is not None:
             return "the reference kernels have no all-reduce (tensor parallel)"
+        if model.kv_int4:
+            return "the reference kernels read no int4 KV blocks"
         return TorchFused(model, self) if self.fused else "the reference kernels were asked not to fuse"
 
     def profiled(self, name):

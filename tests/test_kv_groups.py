@@ -23,7 +23,7 @@ from infertune.engine.kv_cache_coordinator import KVCacheCoordinator
 from infertune.engine.scheduler import ScheduledBatch, Scheduler
 from infertune.engine.sequence import Sequence, SequenceStatus
 from infertune.runner.request_state import RequestStates
-from infertune.scheduler_output import NULL_BLOCK, KVCacheGroup, kv_cache_groups
+from infertune.scheduler_output import NULL_BLOCK, KVCacheGroup, entry_block, entry_kind, kv_cache_groups
 
 BS = 4
 
@@ -145,7 +145,9 @@ class CoordinatorMachine(RuleBasedStateMachine):
     groups' tables, ref counts and free list agree, windowed groups free exactly what leaves the window, every
     computed in-window position holds its own prefix's KV, a worker fed the pickled SchedulerOutputs reads the same
     live blocks, and after draining nothing is held. With one full group a twin scheduler over BlockManager makes
-    the very same tables."""
+    the very same tables. With the int4 tier (int4_after) the packs the workers are told to do are simulated on the
+    KV (all read, then all written), and every position, int4 halves included, still holds its own prefix's KV; a
+    sequence's int4 entries are a leading run of pairs, all int4_after or more behind its computed tokens."""
 
     @initialize(
         windows=st.sampled_from([(None,), (6,), (None, 6), (None, 3), (4, None, 9)]),
@@ -154,15 +156,19 @@ class CoordinatorMachine(RuleBasedStateMachine):
         budget=st.integers(1, 24),
         prefix=st.booleans(),
         spec=st.booleans(),
+        int4_after=st.sampled_from([None, None, 0, 3, 8]),
     )
-    def setup(self, windows, num_blocks, max_num_seqs, budget, prefix, spec):
+    def setup(self, windows, num_blocks, max_num_seqs, budget, prefix, spec, int4_after):
         self.windows = windows
+        self.int4_after = int4_after
         speculative = {"method": "ngram", "num_speculative_tokens": 3} if spec else None
         cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, speculative_config=speculative)
-        self.bm = KVCacheCoordinator(num_blocks, BS, windows, prefix, chunk=budget)
+        self.bm = KVCacheCoordinator(num_blocks, BS, windows, prefix, chunk=budget, int4_after=int4_after)
         self.sched = Scheduler(cfg, self.bm)
         # BlockManager's twin, run on the same requests: the one-group coordinator must match it exactly
-        self.twin = Scheduler(cfg, BlockManager(num_blocks, BS, prefix)) if windows == (None,) else None
+        self.twin = None
+        if windows == (None,) and int4_after is None:
+            self.twin = Scheduler(cfg, BlockManager(num_blocks, BS, prefix))
         self.seqs: list[tuple[Sequence, Sequence | None]] = []
         self.kv: dict[int, dict[int, tuple[int, ...]]] = {}  # block -> slot -> the prefix whose KV is there
         self.worker = RequestStates()
@@ -191,6 +197,13 @@ class CoordinatorMachine(RuleBasedStateMachine):
             assert [s.token_ids for s in twin.seqs] == [s.token_ids for s in batch.seqs]
             assert [s.block_table for s in twin.seqs] == [s.block_table for s in batch.seqs]
             assert list(self.twin.block_manager._free) == list(self.bm._free)
+        out = pickle.loads(pickle.dumps(self.sched.scheduler_output(batch)))
+        assert not out.kv_packs or self.int4_after is not None
+        packed = {  # the workers' packs, before the step's KV is written: every pair read before any is written
+            dst: {(half, off): self.kv[src][off] for half, src in ((1, first), (2, second)) for off in range(BS)}
+            for _, first, second, dst in out.kv_packs
+        }
+        self.kv.update(packed)
         for seq, n, drafts in zip(batch.seqs, batch.num_scheduled_tokens, batch.draft_token_ids):
             tokens = seq.token_ids + drafts  # a draft's KV is written as if it were accepted
             for g, table in enumerate(seq.block_tables):
@@ -199,10 +212,10 @@ class CoordinatorMachine(RuleBasedStateMachine):
                 assert NULL_BLOCK not in table[first:], "a block in the window was freed"
                 assert len(table) * BS >= seq.num_computed_tokens + n
                 for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + n):  # write the step's KV
+                    assert entry_kind(table[pos // BS]) == 0, "a write into an int4 block"
                     block = self.bm.blocks[table[pos // BS]]
                     assert block.ref_count == 1 and block.hash is None, "a write into a shared or cached block"
                     self.kv.setdefault(block.block_id, {})[pos % BS] = tuple(tokens[: pos + 1])
-        out = pickle.loads(pickle.dumps(self.sched.scheduler_output(batch)))
         step = self.worker.begin_step(out)
         for (state, _, _), seq in zip(step, batch.seqs):
             for mine, theirs in zip(seq.block_tables, state.block_tables, strict=True):
@@ -256,12 +269,26 @@ class CoordinatorMachine(RuleBasedStateMachine):
                 live = [b for b in table if b != NULL_BLOCK]
                 assert table[: len(table) - len(live)] == [NULL_BLOCK] * (len(table) - len(live))  # NULLs lead
                 assert len(live) <= KVCacheGroup(self.windows[g], ()).max_blocks(len(s) + 3, BS, len(s) + 3)
+                kinds = [entry_kind(b) for b in live]
+                n4 = kinds.count(1) + kinds.count(2)
+                assert kinds[:n4] == [1, 2] * (n4 // 2), "int4 entries are a leading run of (low, high) pairs"
+                assert all(entry_block(live[i]) == entry_block(live[i + 1]) for i in range(0, n4, 2))
+                if n4:
+                    assert self.int4_after is not None and self.windows[g] is None
+                    assert n4 * BS <= s.num_computed_tokens - self.int4_after, "an int4 entry younger than the tier"
                 for b in live:
-                    counts[b] += 1
+                    if entry_kind(b) != 2:  # (an int4 block's low entry holds its reference)
+                        counts[entry_block(b)] += 1
         assert [b.ref_count for b in self.bm.blocks] == counts
         assert set(self.bm._free) == {i for i, c in enumerate(counts) if c == 0}
-        used = [len({b for s, _ in self.seqs for t in s.block_tables[g : g + 1] for b in t if b >= 0}) for g in groups]
+        used = [
+            len({entry_block(b) for s, _ in self.seqs for t in s.block_tables[g : g + 1] for b in t if b >= 0})
+            for g in groups
+        ]
         assert self.bm.blocks_used_by_group == used
+        tables = [(g, t) for s, _ in self.seqs for g, t in enumerate(s.block_tables)]
+        int4 = [sum(entry_kind(b) == 1 for h, t in tables if h == g for b in t) for g in groups]
+        assert self.bm.int4_blocks_by_group == int4
         for key, b in self.bm._hash_to_block.items():
             assert self.bm.blocks[b].hash == key
 
@@ -270,8 +297,10 @@ class CoordinatorMachine(RuleBasedStateMachine):
         for s in self.sched.running:
             for table in s.block_tables:
                 for pos in range(s.num_computed_tokens):
-                    if table[pos // BS] != NULL_BLOCK:
-                        assert self.kv.get(table[pos // BS], {}).get(pos % BS) == tuple(s.token_ids[: pos + 1])
+                    entry = table[pos // BS]
+                    if entry != NULL_BLOCK:
+                        key = (entry_kind(entry), pos % BS) if entry_kind(entry) else pos % BS
+                        assert self.kv.get(entry_block(entry), {}).get(key) == tuple(s.token_ids[: pos + 1])
 
     def teardown(self):
         if not hasattr(self, "sched"):

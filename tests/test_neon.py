@@ -204,6 +204,7 @@ def test_neon_fused_step_matches_the_pytorch_step(lib, kind):
     [
         ("llama", "auto"),
         ("llama", "int8"),
+        ("llama", "int8+int4"),
         ("mistral", "auto"),
         ("qwen2", "auto"),
         ("gemma2", "auto"),
@@ -216,7 +217,8 @@ def test_the_engine_on_the_neon_kernels_matches_hf(lib, tmp_path, monkeypatch, a
     noise (bf16 cache), and logprobs as close as the engine's without kernels on the same cache; the fused step ran
     every decode step (that engine's own counters). Mistral: a window of 3 on every layer; Qwen2: layer 1 windowed
     beside a full layer 0 (two KV cache groups, each with its own block tables); Gemma 2 / 3: test_gemma's models
-    (sandwich norms, GeLU, soft-capping, each layer kind's rotary table, windows of 6 on alternate layers)."""
+    (sandwich norms, GeLU, soft-capping, each layer kind's rotary table, windows of 6 on alternate layers);
+    int8+int4: the int4 tier, every two full blocks of 2 tokens packed (the fused step reads int4 entries)."""
     from conftest import hf_model, make_checkpoint
     from test_kernels import _hf_logprob_errors
 
@@ -260,7 +262,8 @@ def test_the_engine_on_the_neon_kernels_matches_hf(lib, tmp_path, monkeypatch, a
             max_model_len=32,
             kv_cache_memory_bytes=1 << 18,
             max_num_seqs=2,
-            kv_cache_dtype=kv,
+            kv_cache_dtype=kv.split("+")[0],
+            **(dict(kv_int4_after=0, block_size=2) if kv == "int8+int4" else {}),
         )
         runner = llm.engine.executor.runner
         if mode == "neon":
@@ -270,4 +273,6 @@ def test_the_engine_on_the_neon_kernels_matches_hf(lib, tmp_path, monkeypatch, a
         if mode == "neon":  # the 4 decode steps at least (and the prompts' step with a bf16 cache)
             want = 5 if kv == "auto" else 4
             assert runner.fused.step_timers()["calls"] >= want, runner.fused.step_timers()
+            if kv == "int8+int4":
+                assert llm.engine.block_manager.num_int4_packs == 2  # (each sequence its first two blocks)
     assert worst["neon"] <= 1.5 * worst["off"] + 0.02, worst

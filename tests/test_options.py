@@ -35,6 +35,7 @@ SAMPLES = {
     "max_num_seqs": ("3", 3),
     "tensor_parallel_size": ("2", 2),
     "max_num_batched_tokens": ("512", 512),
+    "kv_int4_after": ("1024", 1024),
     "max_running_tokens": ("100", 100),
     "speculative_config": ('{"method": "ngram", "num_speculative_tokens": 2}', SpeculativeConfig(2)),
     "kv_compression": (
@@ -56,7 +57,7 @@ SAMPLES = {
     "kv_connector_config": ('{"path": "/tmp/kv", "lease_s": 5}', {"path": "/tmp/kv", "lease_s": 5}),
 }
 # options that are only valid beside another (the config refuses them alone): the flags that go with them
-COMPANIONS = {"quantize_lm_head": ["--quantization", "w8a16"]}
+COMPANIONS = {"quantize_lm_head": ["--quantization", "w8a16"], "kv_int4_after": ["--kv-cache-dtype", "int8"]}
 
 
 def _subparser(name: str) -> argparse.ArgumentParser:

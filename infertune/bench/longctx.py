@@ -7,11 +7,13 @@ decodes --decode tokens; the configurations' engines are stepped in turn, so tha
 alike. TTFT is a run's own steps until its first token; decode tok/s is one over its median decode step (batch 1).
 The KV a sequence holds while decoding is read from the engine's block manager (blocks x the engine's bytes per
 block), and the sequences a --budget-mib pool holds at that size are the budget over it. Every configuration runs
-the same per-op fp32 decode path (the fused C decode step, bf16 only, does not know KV compression).
+in --dtype: float32 (the default) on the per-op path, bfloat16 in the fused C decode step where the CPU has the
+kernels.
 
 The configurations: full attention; every layer in a window of --window; SnapKV keeping --keep of every layer;
 "length policy": full up to --threshold prompt tokens, that SnapKV above; "policy", the seeds' recipe: layers 0-1 in
-a window of 128, the others as the length policy.
+a window of 128, the others as the length policy; the int8 KV cache; and int8 with the int4 tier for tokens
+--int4-after or more behind the newest (kv_int4_after).
 
 Accuracy runs the built-in demo model on its held-out text (infertune/assets/calib/heldout.jsonl, which the model
 never saw): windows of --acc-prompt tokens are prefilled (and compressed), then --acc-cont tokens of the true text
@@ -51,11 +53,18 @@ class Settings:
     acc_prompt: int = 768
     acc_cont: int = 64
     acc_windows: int = 8
+    int4_after: int = 1024  # the int4 tier's configuration: int8, tokens this far behind the newest in int4
+    dtype: str = "float32"  # the engines' dtype (bfloat16: the fused C decode step runs)
+    only: list[str] | None = None  # the configurations run (names or their first words); None: all
 
     def check(self) -> None:
         """Clear errors for settings that cannot be measured (before anything is built)."""
         if not 0 < self.keep < 1:
             raise ValueError(f"keep={self.keep}: the share SnapKV keeps must lie in (0, 1)")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype={self.dtype!r}: float32 or bfloat16")
+        if self.int4_after < 0:
+            raise ValueError(f"int4_after={self.int4_after}: a token count >= 0")
         if self.decode < 3:
             raise ValueError(f"decode={self.decode}: at least 3 decode steps (the first two are not timed)")
         if not self.contexts or min(self.contexts) < 1:
@@ -81,6 +90,30 @@ def seeds_policy(keep: float, threshold: int, window: int = 128) -> dict:
     }
 
 
+def int8(int4_after: int | None = None) -> dict:
+    """A configuration that is engine options, not a press: the int8 KV cache, with the int4 tier if int4_after."""
+    return {"engine": {"kv_cache_dtype": "int8", "kv_int4_after": int4_after}}
+
+
+def engine_options(config: dict | None) -> dict:
+    """A configuration as LLM keywords: a press (or None: full attention) is kv_compression, {"engine": {...}} the
+    options themselves."""
+    if config is None:
+        return {}
+    return dict(config["engine"]) if "engine" in config else {"kv_compression": config}
+
+
+def chosen(configs: dict, only: list[str] | None, kind: str) -> dict:
+    """The configurations whose name starts with one of `only` (all where None); full attention always, as the
+    baseline of the speed part's ratios. A prefix that matches none is an error naming the choices."""
+    if not only:
+        return configs
+    for prefix in only:
+        if not any(name.startswith(prefix) for name in configs):
+            raise ValueError(f"--only {prefix!r} matches no {kind} configuration: {', '.join(configs)}")
+    return {k: v for k, v in configs.items() if (kind == "speed" and k == "full") or any(map(k.startswith, only))}
+
+
 def speed_configs(s: Settings) -> dict[str, dict | None]:
     snap = snapkv(s.keep)
     return {
@@ -89,6 +122,8 @@ def speed_configs(s: Settings) -> dict[str, dict | None]:
         f"snapkv keep {s.keep:g}": snap,
         "length policy": {"policy": [{"max_length": s.threshold, "press": "none"}, snap]},
         "policy": seeds_policy(s.keep, s.threshold),
+        "int8 KV": int8(),
+        f"int8 + int4 after {s.int4_after}": int8(s.int4_after),
     }
 
 
@@ -105,6 +140,9 @@ def accuracy_configs(s: Settings) -> dict[str, dict]:
         },
         "window 256 (all layers)": {"policy": [{"window": 256}]},
         "policy (layers 0-1 window 128, snapkv keep 0.5 above 512)": seeds_policy(0.5, 512),
+        "int8 KV": int8(),
+        "int8 + int4 after 128": int8(128),
+        "int8 + int4 after 0": int8(0),
     }
 
 
@@ -139,20 +177,20 @@ def build_model(path: Path, layers: int, max_positions: int) -> Path:
 class Run:
     """One configuration's engine with one sequence of `context` tokens, stepped by the caller."""
 
-    def __init__(self, path: Path, context: int, press: dict | None, s: Settings) -> None:
+    def __init__(self, path: Path, context: int, config: dict | None, s: Settings) -> None:
         import torch
 
         from infertune import LLM, SamplingParams
 
         llm = LLM(
             str(path),
-            dtype="float32",
+            dtype=s.dtype,
             block_size=s.block_size,
             max_model_len=context + s.decode,
             max_num_seqs=1,
             max_num_batched_tokens=s.chunk,
             enable_prefix_caching=False,
-            kv_compression=press,
+            **engine_options(config),
         )
         self.llm, self.engine = llm, llm.engine
         info = self.engine.executor.kv_cache_info
@@ -204,7 +242,7 @@ def speed_rows(
             warm.step()
         del warm
     for context in tqdm(s.contexts, desc="contexts", unit="ctx", file=sys.stderr, disable=len(s.contexts) < 2):
-        runs = {name: Run(path, context, press, s) for name, press in configs.items()}
+        runs = {name: Run(path, context, config, s) for name, config in configs.items()}
         while any(r.engine.has_unfinished_requests() for r in runs.values()):
             for r in runs.values():
                 if r.engine.has_unfinished_requests():
@@ -274,8 +312,8 @@ def accuracy_rows(
     full = [teacher_forced(llm0, w[: s.acc_prompt], w[s.acc_prompt :]) for w in windows]
     del llm0
     rows = []
-    for name, press in presses.items():
-        llm = LLM(model, dtype="float32", max_model_len=s.acc_prompt + s.acc_cont + 8, kv_compression=press)
+    for name, config in presses.items():
+        llm = LLM(model, dtype="float32", max_model_len=s.acc_prompt + s.acc_cont + 8, **engine_options(config))
         kl, agree, n = 0.0, 0, 0
         for w, ref in zip(windows, full):
             got = teacher_forced(llm, w[: s.acc_prompt], w[s.acc_prompt :])
@@ -368,6 +406,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--acc-cont", type=int, default=d.acc_cont, help="accuracy: teacher-forced tokens (default: 64)")
     p.add_argument("--acc-windows", type=int, default=d.acc_windows, help="accuracy: held-out spans (default: 8)")
     p.add_argument(
+        "--int4-after",
+        type=int,
+        default=d.int4_after,
+        help="the 'int8 + int4' configuration's kv_int4_after: tokens this far behind the newest are int4 (default: "
+        "1024)",
+    )
+    p.add_argument(
+        "--only",
+        default=None,
+        metavar="NAMES",
+        help="run only the configurations whose names start with these, comma-separated (e.g. 'int8,snapkv'; full "
+        "attention always runs in the speed part, as the baseline) (default: all)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default=d.dtype,
+        help="memory and speed: the engines' dtype; bfloat16 decodes in the fused C step where the CPU has the "
+        "kernels (default: float32, the per-op path)",
+    )
+    p.add_argument(
         "--threads", type=int, default=1, help="torch threads (default: 1, so no OpenMP region waits on a busy core)"
     )
     p.add_argument("--cache-dir", type=Path, default=Path("/tmp/infertune-bench"), help="where the model is built")
@@ -391,6 +450,9 @@ def settings_from(args: argparse.Namespace) -> Settings:
         acc_prompt=args.acc_prompt,
         acc_cont=args.acc_cont,
         acc_windows=args.acc_windows,
+        int4_after=args.int4_after,
+        dtype=args.dtype,
+        only=[x.strip() for x in args.only.split(",") if x.strip()] if args.only else None,
     )
     s.check()
     return s
@@ -419,11 +481,11 @@ def run(args: argparse.Namespace) -> int:
     )
     out: dict = {}
     if not args.skip_speed:
-        print("memory and speed (tiny random Llama, fp32, batch 1):", flush=True)
-        out["speed"] = speed_rows(model_path(args.cache_dir, s), s, speed_configs(s))
+        print(f"memory and speed (tiny random Llama, {s.dtype}, batch 1):", flush=True)
+        out["speed"] = speed_rows(model_path(args.cache_dir, s), s, chosen(speed_configs(s), s.only, "speed"))
     if not args.skip_accuracy:
         print(f"accuracy vs full attention (built-in model, held-out text, {s.acc_prompt}-token prompts):", flush=True)
-        out["accuracy"] = accuracy_rows(s, accuracy_configs(s))
+        out["accuracy"] = accuracy_rows(s, chosen(accuracy_configs(s), s.only, "accuracy"))
     print(f"load average after: {os.getloadavg()}\n")
     print(render(out, s.budget_mib))
     if args.json is not None:

@@ -129,6 +129,17 @@ class BlockManager:
         seq.block_table = []
         seq.num_hashed_blocks = 0
 
+    @property
+    def int4_blocks_by_group(self) -> list[int]:
+        """The int4 tier's blocks held (engine/kv_cache_coordinator.py); never any here."""
+        return [0]
+
+    num_int4_packs = 0
+
+    def pack_int4(self, seq: Sequence) -> list[tuple[int, int, int, int, int]]:
+        """The int4 tier's packing before a step (engine/kv_cache_coordinator.py); never here."""
+        return []
+
     def compress(self, seq: Sequence) -> bool:
         """KV compression's block give-back after a prefill (engine/kv_cache_coordinator.py); never here."""
         return False

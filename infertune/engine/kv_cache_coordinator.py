@@ -24,6 +24,13 @@ matches the token hashes); once the step that completes its prefill is done, `co
 blocks past ceil(kept / block), and from then on the group holds num_computed_tokens - num_evicted[g] tokens' KV
 (positions go on counting; slots are fewer).
 
+The int4 tier (`int4_after`, an int8 cache; scheduler_output's INT4_LO / INT4_HI): before a step, `pack_int4` turns
+each pair of a full group's oldest int8 entries whose tokens all lie int4_after or more behind the sequence's
+computed ones into one int4 block: in place (the first block) where that block is private and unhashed, else into
+a fresh block (the two stay valid for whoever else holds or caches them); the table keeps two entries for it, and
+only the INT4_LO one holds the reference. A sequence's int4 entries are always a prefix of its table, so nothing
+written or trimmed ever touches them. A sequence whose prefill a press is still to compress is not packed.
+
 Invariants (beside BlockManager's): a NULL_BLOCK entry only ever precedes a windowed group's first live block; a
 hashed block is never written (a hit never covers the last token); every live entry holds one reference.
 """
@@ -34,7 +41,7 @@ from collections.abc import Sequence as Seq
 
 from infertune.engine.block_manager import BlockManager
 from infertune.engine.sequence import Sequence
-from infertune.scheduler_output import NULL_BLOCK, KVCacheGroup
+from infertune.scheduler_output import NULL_BLOCK, KVCacheGroup, entry_block, entry_kind, int4_entry
 
 
 class KVCacheCoordinator(BlockManager):
@@ -52,9 +59,11 @@ class KVCacheCoordinator(BlockManager):
         chunk: int | None = None,
         plan=None,
         groups: tuple[KVCacheGroup, ...] | None = None,
+        int4_after: int | None = None,
     ) -> None:
         """plan: the engine's KV compression plan (prefill length -> tokens kept per group, or None), or None
-        without one; groups: the KV cache groups a sequence's own kv_compression is planned over."""
+        without one; groups: the KV cache groups a sequence's own kv_compression is planned over; int4_after: the
+        int4 tier's age (CacheConfig.kv_int4_after), None: off."""
         super().__init__(num_blocks, block_size, enable_prefix_caching)
         assert windows and all(w is None or w > 0 for w in windows)
         self.windows = tuple(windows)
@@ -62,10 +71,18 @@ class KVCacheCoordinator(BlockManager):
         self.plan = plan  # KV compression: prefill length -> tokens kept per group (None: whole), or no press
         self.groups = groups
         self._blocks_used = [0] * len(self.windows)  # per group, the blocks some sequence holds (for /metrics)
+        self.int4_after = int4_after
+        self.num_int4_packs = 0  # pairs of int8 blocks re-stored as int4 so far
+        self._int4_used = [0] * len(self.windows)  # per group, the int4 blocks some sequence holds
 
     @property
     def blocks_used_by_group(self) -> list[int]:
         return list(self._blocks_used)
+
+    @property
+    def int4_blocks_by_group(self) -> list[int]:
+        """Per group, the int4 blocks sequences hold (each holds two blocks' tokens)."""
+        return list(self._int4_used)
 
     # ---- queries -------------------------------------------------------------------------------
     def max_blocks_per_seq(self, num_tokens: int) -> int:
@@ -82,7 +99,7 @@ class KVCacheCoordinator(BlockManager):
 
     def blocks_in_use(self, seq: Sequence) -> list[int]:
         """Per group, the blocks seq holds."""
-        return [sum(b != NULL_BLOCK for b in t) for t in self._tables(seq)]
+        return [sum(b != NULL_BLOCK and entry_kind(b) != 2 for b in t) for t in self._tables(seq)]
 
     def _tables(self, seq: Sequence) -> list[list[int]]:
         while len(seq.block_tables) < len(self.windows):
@@ -204,12 +221,56 @@ class KVCacheCoordinator(BlockManager):
 
     def free(self, seq: Sequence) -> None:
         for g, table in enumerate(self._tables(seq)):
-            for block_id in reversed(table):
-                if block_id != NULL_BLOCK:
-                    self._release(g, block_id)
+            for entry in reversed(table):
+                if entry != NULL_BLOCK and entry_kind(entry) != 2:  # (an int4 block's INT4_LO entry holds it)
+                    self._release(g, entry_block(entry))
+                    self._int4_used[g] -= entry_kind(entry) == 1
         seq.block_tables = [[] for _ in self.windows]
         seq.num_hashed_blocks = 0
-        seq.kv_kept = seq.num_evicted = None
+        seq.kv_kept = seq.num_evicted = seq.num_int4_entries = None
+
+    def pack_int4(self, seq: Sequence) -> list[tuple[int, int, int, int, int]]:
+        """The int4 tier, before a step: re-store each pair of seq's oldest int8 blocks (of a full group) whose tokens
+        lie int4_after or more behind its computed ones as one int4 block. Returns (group, table index, first,
+        second, dst) per pair, in order; seq's tables name dst already. A fresh dst comes from the free blocks, and
+        where there is none the pair waits."""
+        if self.int4_after is None or seq.num_computed_tokens == 0:
+            return []
+        if seq.kv_kept is not None and seq.num_evicted is None:  # a press still reads this prefill's KV
+            return []
+        tables = self._tables(seq)
+        if seq.num_int4_entries is None:
+            seq.num_int4_entries = [0] * len(tables)
+        evicted = seq.num_evicted or [0] * len(tables)
+        packs = []
+        for g, table in enumerate(tables):
+            if self.windows[g] is not None:
+                continue  # (a window frees its old blocks instead)
+            old = (seq.num_computed_tokens - evicted[g] - self.int4_after) // self.block_size  # entries wholly old
+            i = seq.num_int4_entries[g]
+            while i + 2 <= min(old, len(table)):
+                first, second = table[i], table[i + 1]
+                block = self.blocks[first]
+                if block.ref_count == 1 and block.hash is None:
+                    dst = first  # (private and unhashed: overwritten in place)
+                    self._release(g, second)
+                else:  # shared or cached: a fresh block, the two stay as they are for the others
+                    if not self._free:
+                        break
+                    dst, _ = self._free.popitem(last=False)
+                    fresh = self.blocks[dst]
+                    self._forget(fresh)
+                    fresh.ref_count = 1
+                    self._blocks_used[g] += 1
+                    self._release(g, first)
+                    self._release(g, second)
+                table[i], table[i + 1] = int4_entry(dst, False), int4_entry(dst, True)
+                self._int4_used[g] += 1
+                packs.append((g, i, first, second, dst))
+                i += 2
+            seq.num_int4_entries[g] = i
+        self.num_int4_packs += len(packs)
+        return packs
 
     def compress(self, seq: Sequence) -> bool:
         """After the step that computed seq's prefill: the press kept seq.kv_kept[g] tokens of each group, so give
@@ -223,6 +284,7 @@ class KVCacheCoordinator(BlockManager):
             keep = self.blocks_needed(kept)
             while len(table) > keep:
                 block_id = table.pop()
+                assert entry_kind(block_id) == 0, "a sequence is packed to int4 only once its press ran"
                 assert self.blocks[block_id].hash is None, "a compressed sequence never registers a block"
                 self._release(g, block_id)
                 shrunk = True
@@ -233,7 +295,9 @@ class KVCacheCoordinator(BlockManager):
         freed = 0
         for g, table in enumerate(self._tables(seq)):
             while len(table) > keep:
-                block = self.blocks[table.pop()]
+                entry = table.pop()
+                assert entry_kind(entry) == 0, "int4 entries hold computed tokens only, never trimmed"
+                block = self.blocks[entry]
                 assert block.ref_count == 1 and block.hash is None, "a trimmed block must be private and unhashed"
                 self._release(g, block.block_id)
                 freed += 1
@@ -247,6 +311,8 @@ class KVCacheCoordinator(BlockManager):
         end = seq.num_computed_tokens // self.block_size
         for g, table in enumerate(self._tables(seq)):
             for i in range(seq.num_hashed_blocks, end):
+                if entry_kind(table[i]) or (i and entry_kind(table[i - 1])):
+                    break  # (int4 blocks hold no token chain a prefix could hit, so nothing after them is cached)
                 block = self.blocks[table[i]] if table[i] != NULL_BLOCK else None
                 parent = table[i - 1] if i and table[i - 1] != NULL_BLOCK else None
                 if parent is not None and self._hash_to_block.get((g, self._block_hash(seq, i - 1))) != parent:
@@ -260,19 +326,24 @@ class KVCacheCoordinator(BlockManager):
         seq.num_hashed_blocks = max(seq.num_hashed_blocks, end)
 
 
-def kv_cache_manager(info, enable_prefix_caching: bool, chunk: int, kv_compression=None) -> BlockManager:
+def kv_cache_manager(
+    info, enable_prefix_caching: bool, chunk: int, kv_compression=None, int4_after: int | None = None
+) -> BlockManager:
     """The engine's block manager for the runner's KV cache (runner.KVCacheInfo): BlockManager where every layer
-    attends in full (one group, exactly as without windows) and there is no KV compression, else a coordinator over
-    the groups. With kv_compression (kv_compression.KVCompressionConfig, even one that compresses nothing, such as
-    {"press": "none"}) requests may bring their own press, so the coordinator plans each sequence."""
+    attends in full (one group, exactly as without windows) and there is neither KV compression nor the int4 tier,
+    else a coordinator over the groups. With kv_compression (kv_compression.KVCompressionConfig, even one that
+    compresses nothing, such as {"press": "none"}) requests may bring their own press, so the coordinator plans each
+    sequence."""
     groups = info.groups or (KVCacheGroup(None, ()),)
-    if len(groups) == 1 and groups[0].window is None and kv_compression is None:
+    if len(groups) == 1 and groups[0].window is None and kv_compression is None and int4_after is None:
         return BlockManager(info.num_blocks, info.block_size, enable_prefix_caching)
     windows = [g.window for g in groups]
     compressed = kv_compression is not None and any(g.compressed for g in groups)
     plan = (lambda n: kv_compression.plan(groups, n)) if compressed else None
     own = tuple(groups) if kv_compression is not None else None
-    return KVCacheCoordinator(info.num_blocks, info.block_size, windows, enable_prefix_caching, chunk, plan, own)
+    return KVCacheCoordinator(
+        info.num_blocks, info.block_size, windows, enable_prefix_caching, chunk, plan, own, int4_after
+    )
 
 
 def group_label(group: KVCacheGroup) -> str:

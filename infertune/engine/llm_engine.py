@@ -72,6 +72,7 @@ class LLMEngine:
             config.cache.enable_prefix_caching,
             config.scheduler.max_num_batched_tokens,
             config.cache.kv_compression,
+            config.cache.kv_int4_after,
         )
         # prefill/decode disaggregation (config.parallel.kv_role): the KV connector's scheduler side, else None
         self.kv_connector = scheduler_connector(config, self.executor.kv_cache_info)
@@ -96,6 +97,11 @@ class LLMEngine:
         if any(g.window is not None or g.compressed for g in info.groups):  # each group's share (its own table)
             text += "; KV cache groups, each block a page of every group: " + "; ".join(
                 describe_groups(info, self.max_model_len, self.config.scheduler.max_num_batched_tokens)
+            )
+        if self.config.cache.kv_int4_after is not None:
+            text += (
+                f"; int4 tier: a sequence's tokens {self.config.cache.kv_int4_after} or more behind its newest are "
+                "re-stored as int4, two int8 blocks in one (full-attention layers)"
             )
         return text
 
@@ -533,6 +539,9 @@ class LLMEngine:
             "kv_blocks_free": bm.num_free_blocks,
             # per KV cache group (full attention, each sliding window): its label and the blocks sequences hold in it
             "kv_groups": list(zip(self._kv_group_labels, bm.blocks_used_by_group)),
+            # the int4 tier (kv_int4_after): per group, the int4 blocks held (two blocks' tokens each), and the packs
+            "kv_int4_blocks": bm.int4_blocks_by_group,
+            "kv_int4_packs": bm.num_int4_packs,
             "kv_block_size": bm.block_size,
             "prefix_cache_hit_rate": bm.prefix_hit_rate,
             "num_preemptions": self.scheduler.num_preemptions,

@@ -65,6 +65,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._packs: list[tuple[int, int, int, int]] = []  # the int4 tier's packs since the last scheduler_output
         # What the workers were told of each sequence: seq_id -> (seq, block ids sent per KV cache group, its
         # preemptions then).
         self._sent: dict[int, tuple[Sequence, tuple[int, ...], int]] = {}
@@ -131,6 +132,7 @@ class Scheduler:
             seq = self.running[i]
             num_tokens = min(len(seq) - seq.num_computed_tokens, budget)
             assert num_tokens > 0
+            self._pack_int4(seq)
             drafts = self._propose(seq, budget - 1, len(self.running) - i - 1) if num_tokens == 1 else []
             if drafts and not bm.allocate_slots(seq, len(seq) + len(drafts)):
                 drafts = []
@@ -177,6 +179,20 @@ class Scheduler:
             batch.add(seq, num_tokens)
             budget -= num_tokens
         return batch
+
+    def _pack_int4(self, seq: Sequence) -> None:
+        """The int4 tier (CacheConfig.kv_int4_after): pack seq's old int8 blocks before its step; the workers do the
+        packs (SchedulerOutput.kv_packs) and re-read its tables from the first entry that changed."""
+        packs = self.block_manager.pack_int4(seq)
+        if not packs:
+            return
+        self._packs.extend((g, first, second, dst) for g, _, first, second, dst in packs)
+        sent = self._sent.get(seq.seq_id)
+        if sent is not None:  # (the worker cuts its tables to the first changed entry and takes the rest again)
+            kept = list(sent[1])
+            for g, index, *_ in packs:
+                kept[g] = min(kept[g], index)
+            self._sent[seq.seq_id] = (seq, tuple(kept), sent[2])
 
     def _propose(self, seq: Sequence, room: int, num_after: int) -> list[int]:
         """Drafts for a decoding seq: at most `room` (what is left of the step's budget), never so many that the
@@ -233,6 +249,7 @@ class Scheduler:
             out.num_scheduled_tokens.append(num_tokens)
             if drafts:
                 out.scheduled_spec_decode_tokens[str(seq.seq_id)] = list(drafts)
+        out.kv_packs, self._packs = self._packs, []
         if self.kv_connector is not None:
             out.kv_connector_metadata = self.kv_connector.build_connector_meta()
         if self.config.speculative_config is not None and self.config.speculative_config.method == "draft_model":

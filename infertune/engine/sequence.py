@@ -74,6 +74,9 @@ class Sequence(TokenView):
         # num_computed_tokens - num_evicted[g] tokens, so positions and cache slots part ways. Reset when freed.
         self.kv_kept: list[int] | None = None
         self.num_evicted: list[int] | None = None
+        # The int4 tier (CacheConfig.kv_int4_after): per KV cache group, its table's leading int4 entries (two per
+        # int4 block); None: none yet. Reset when freed.
+        self.num_int4_entries: list[int] | None = None
         # Its own KV compression (a request's SamplingParams.kv_compression, a KVCompressionConfig), planned over the
         # engine's groups instead of the engine's kv_compression; None: the engine's.
         self.kv_compression = None

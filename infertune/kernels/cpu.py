@@ -64,7 +64,7 @@ AVX2_QUANT_MAX_ROWS = 2048
 # AVX-512 library without AMX does (NOAMX_GEMM_MAX_ROWS): each prompt row's attention runs on its own.
 AVX2_FUSED_PREFILL_ROWS = 128
 # The C side's ABI (csrc/abi.h IT_ABI_VERSION): bump both together when a shared struct or a signature changes.
-ABI_VERSION = 8
+ABI_VERSION = 9
 # The KV cache groups a fused step reads at most (csrc/abi.h IT_MAX_KV_GROUPS): layers grouped by sliding window
 MAX_KV_GROUPS = 8
 WARN_FLAGS = ["-Wall", "-Wextra", "-Wpointer-arith"]

@@ -195,6 +195,10 @@ class FusedModel:
     # An implementation without a collective returns why where tp_allreduce is set.
     tp_allreduce: TpAllReduce | None = None
     embed_fn: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # The int4 tier (CacheConfig.kv_int4_after, an int8 cache): a block-table entry with scheduler_output.INT4_LO or
+    # INT4_HI set reads the low or high nibbles of an int4 block (Int8PagedAttention.pack_int4's layout). An
+    # implementation that does not read them returns why where this is set.
+    kv_int4: bool = False
 
 
 class FusedDecoder(Protocol):

@@ -65,13 +65,17 @@ class FusedDecode:
         step_rows: int = 0,
         kv_groups: tuple | None = None,
         tp=None,
+        kv_int4: bool = False,
     ) -> FusedDecode | None:
         """The fused step for this model, or None where it cannot run (logged). step_rows: the most tokens a step
         can hold (the kernels may run whole prefill steps of up to that many). kv_groups: the runner's KV cache
         groups (scheduler_output.KVCacheGroup: each layer's window and block tables); None: one, without a window.
         tp: this rank's layers/parallel.py TensorParallel (None: one process); the step then all-reduces each
-        row-parallel output through its shared-memory segment."""
+        row-parallel output through its shared-memory segment. kv_int4: the block tables may hold the int4 tier's
+        entries (CacheConfig.kv_int4_after)."""
         spec = cls.describe(model, kv_caches, attn, kernels, dtype)
+        if not isinstance(spec, str):
+            spec.kv_int4 = kv_int4
         if not isinstance(spec, str) and tp is not None and tp.size > 1:
             if tp.shm is None:
                 spec = (

@@ -195,6 +195,7 @@ class ModelRunner:
                 step_rows,
                 self.kv_groups,
                 self.tp,
+                config.cache.kv_int4_after is not None,
             )
 
     def _num_weights(self) -> int:
@@ -267,6 +268,8 @@ class ModelRunner:
         """Run one step; one sampled token per scheduled request (None where a prefill chunk is unfinished), after
         the drafts it accepted where it had some (speculative decoding: SamplerOutput.num_accepted)."""
         step = self.requests.begin_step(scheduler_output)
+        if scheduler_output.kv_packs:  # the int4 tier: before anything reads or writes this step's KV
+            self._pack_int4(scheduler_output.kv_packs)
         load_failed = self._load_kv(scheduler_output, step)
         drafts = [scheduler_output.scheduled_spec_decode_tokens.get(r, []) for r in scheduler_output.req_ids]
         entries, entries_of = self._entries(step, drafts)
@@ -317,6 +320,16 @@ class ModelRunner:
         self.requests.end_step(step, tokens, drafts, num_accepted)
         proposals = self.drafter.propose(scheduler_output, self.requests, tokens) if self.drafter else None
         return SamplerOutput(tokens, logprobs, prompt_logprobs, num_accepted, proposals, load_failed)
+
+    def _pack_int4(self, packs: list[tuple[int, int, int, int]]) -> None:
+        """Re-store each (group, first, second, dst) pair of int8 blocks as int4 block dst, in the pages of the
+        group's layers (the i-th layer of a group in page i). Where two packs write one block, the later wins (the
+        earlier was a sequence preempted in the same schedule, its block since given to another pack)."""
+        packs = list({(p[0], p[3]): p for p in packs}.values())
+        for g in sorted({p[0] for p in packs}):
+            ids = self._tensor([p[1:] for p in packs if p[0] == g])  # [N, 3]
+            pages = self._kv_storage[: len(self.kv_groups[g].layers)]
+            self.attn.pack_int4(pages, ids[:, 0], ids[:, 1], ids[:, 2])
 
     def _load_kv(self, scheduler_output: SchedulerOutput, step: list) -> list[str] | None:
         """Load the prompt KV the connector's metadata asks for into this rank's blocks, before the forward. A load

@@ -42,11 +42,17 @@ class _EngineCollector:
         tokens = GaugeMetricFamily(
             "infertune_kv_tokens_by_group", "Tokens of KV held in each layer group", labels=["group"]
         )
-        for label, blocks in s.get("kv_groups", ()):
+        int4 = s.get("kv_int4_blocks") or [0] * len(s.get("kv_groups", ()))
+        for (label, blocks), packed in zip(s.get("kv_groups", ()), int4):
             by_group.add_metric([label], blocks)
-            tokens.add_metric([label], blocks * s["kv_block_size"])
+            tokens.add_metric([label], (blocks + packed) * s["kv_block_size"])  # (an int4 block: two blocks' tokens)
         yield by_group
         yield tokens
+        yield CounterMetricFamily(
+            "infertune_kv_int4_packs",
+            "The int4 tier (kv_int4_after): pairs of int8 KV blocks re-stored as one int4 block",
+            s.get("kv_int4_packs", 0),
+        )
         yield GaugeMetricFamily(
             "infertune_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache", s["prefix_cache_hit_rate"]
         )

@@ -6,8 +6,12 @@
 #define IT_ABI_H
 #include "bf16.h"
 
-#define IT_ABI_VERSION 8
+#define IT_ABI_VERSION 9
 #define IT_MAX_KV_GROUPS 8 /* it_step's KV cache groups at most (cpu.py MAX_KV_GROUPS) */
+/* A block-table entry of an int4 block (the int4 tier of an int8 cache; scheduler_output.INT4_SHIFT and its
+ * neighbours): the block id with 1 (its low half) or 2 (its high half) at bit IT_INT4_SHIFT */
+#define IT_INT4_SHIFT 40
+#define IT_BLOCK_ID_MASK ((1LL << IT_INT4_SHIFT) - 1)
 
 /* it_lin.kind: how a linear layer's weight is stored */
 typedef enum { IT_KIND_BF16 = 0, IT_KIND_W8 = 1, IT_KIND_W4 = 2, IT_KIND_BF16C = 3 } it_kind;

@@ -18,20 +18,52 @@ static inline const bf16* kv_row(const it_model* m, const void* cache, int which
     return tmp;
 }
 
+/* An IEEE half's bits as a float (the int4 tier's scales: normal or subnormal, never inf or NaN) */
+static inline float kv_h2f(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 31u, mant = h & 0x3ffu;
+    float f;
+    if (e) {
+        uint32_t bits = sign | ((e + 112u) << 23) | (mant << 13);
+        memcpy(&f, &bits, 4);
+        return f;
+    }
+    f = (float)mant * 5.9604644775390625e-08f; /* mant * 2^-24, exact */
+    return sign ? -f : f;
+}
+
+/* Row `row` of an int4 block (the int4 tier, Int8PagedAttention.pack_int4's layout): its low nibbles (kind 1) or
+ * high nibbles (kind 2) times that half's fp16 scale, rounded to bf16 */
+static inline const bf16* kv_row_int4(const it_model* m, const void* cache, int which, int64_t row, int64_t kind,
+                                      bf16* tmp) {
+    const int64_t D = m->head_dim, rows = m->num_blocks * m->block_size * m->n_kv_heads;
+    const int8_t* q = (const int8_t*)cache + (which * rows + row) * (D + 4);
+    uint16_t h;
+    memcpy(&h, q + D + (kind == 1 ? 0 : 2), 2);
+    const float sc = kv_h2f(h);
+    if (kind == 1)
+        for (int64_t d = 0; d < D; d++) tmp[d] = f2bf((float)(((q[d] & 15) ^ 8) - 8) * sc);
+    else
+        for (int64_t d = 0; d < D; d++) tmp[d] = f2bf((float)(q[d] >> 4) * sc);
+    return tmp;
+}
+
 /* The cache slot of key j of a sequence with block table `table` (bs, the block size, is a power of two: a 64-bit
- * division here had cost more than the dot products) */
+ * division here had cost more than the dot products); a bf16 cache's tables never hold an int4 entry */
 static inline int64_t kv_slot(const int64_t* table, int64_t j, int64_t bs) {
     const int sh = __builtin_ctzll((unsigned long long)bs);
     return (table[j >> sh] << sh) | (j & (bs - 1));
 }
 
-/* K (0) or V (1) rows of keys j0 .. j0 + nb - 1 of a sequence (block table `table`, kv head g) into rows[] */
+/* K (0) or V (1) rows of keys j0 .. j0 + nb - 1 of a sequence (block table `table`, kv head g) into rows[]. An entry
+ * with IT_INT4_LO / IT_INT4_HI set (the int4 tier, an int8 cache) reads that half of its int4 block. */
 static inline void kv_rows(const it_model* m, const void* cache, int which, const int64_t* table, int64_t j0, int nb,
                            int64_t g, bf16* tmp, const bf16** rows) {
     const int64_t D = m->head_dim, bs = m->block_size, hkv = m->n_kv_heads;
+    const int sh = __builtin_ctzll((unsigned long long)bs);
     for (int jj = 0; jj < nb; jj++) {
-        const int64_t j = j0 + jj;
-        rows[jj] = kv_row(m, cache, which, kv_slot(table, j, bs) * hkv + g, tmp + jj * D);
+        const int64_t j = j0 + jj, entry = table[j >> sh], kind = entry >> IT_INT4_SHIFT;
+        const int64_t row = ((((entry & IT_BLOCK_ID_MASK) << sh) | (j & (bs - 1))) * hkv) + g;
+        rows[jj] = kind ? kv_row_int4(m, cache, which, row, kind, tmp + jj * D) : kv_row(m, cache, which, row, tmp + jj * D);
     }
 }
 

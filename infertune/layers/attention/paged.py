@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from infertune.layers.attention.base import AttentionBackend, AttentionMetadata
+from infertune.scheduler_output import BLOCK_ID_MASK, INT4_SHIFT
 
 
 def _attend(q, k, v, mask: torch.Tensor | None, scale: float, softcap: float | None) -> torch.Tensor:
@@ -111,6 +112,10 @@ class TorchPagedAttention(AttentionBackend):
         # (index_select, not advanced indexing: measured 2-3x faster for these gathers on CPU)
         return self._decoded(kv_cache[which].view(num_blocks * block_size, hkv, width).index_select(0, slots))
 
+    def _read_blocks(self, kv_cache: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
+        """K and V of the blocks of the given block-table entries: [2, len(entries), block, Hkv, D], compute dtype."""
+        return self._decoded(kv_cache.index_select(1, entries))
+
     def _decoded(self, raw: torch.Tensor) -> torch.Tensor:
         """Cache entries -> values in the compute dtype (identity for a cache kept in the model dtype)."""
         return raw
@@ -124,7 +129,7 @@ class TorchPagedAttention(AttentionBackend):
             view = meta.step_cache[("decode", window)] = _decode_view(meta, block_size, window)
         tables, mask = view  # [B, M], [B, 1, 1, M * block]
         b, m = tables.shape
-        kv = self._decoded(kv_cache.index_select(1, tables.view(-1)))  # K and V in one gather: [2, B * M, block, ...]
+        kv = self._read_blocks(kv_cache, tables.view(-1))  # K and V in one gather: [2, B * M, block, ...]
         kv = kv.view(2, b, m * block_size, hkv, -1).transpose(2, 3)  # [2, B, Hkv, L, D]
         return _attend(q.unsqueeze(2), kv[0], kv[1], mask, scale, softcap).squeeze(2)  # [B, H, D]
 
@@ -155,6 +160,12 @@ class Int8PagedAttention(TorchPagedAttention):
     holds both ([2, blocks, block_size, Hkv, D + 4]): (D + 4) / (2 D) of a bf16 cache, 0.53 at D = 64.
     New K/V are quantized as they are written (symmetric, amax / 127); reads dequantize on the fly. A
     fresh prefill attends to its own unquantized K/V, as it never reads the cache.
+
+    The int4 tier (CacheConfig.kv_int4_after): `pack_int4` re-stores two blocks as one in the same bytes, token t of
+    the first block in the low nibbles of row t, of the second in the high nibbles (symmetric, amax / 7, rounded to
+    the nearest, in [-7, 7]), and the row's 4 scale bytes the two tokens' fp16 scales (low's first). A block-table
+    entry (slot) with INT4_LO / INT4_HI set reads one half (scheduler_output.py); the values are q * scale in fp32,
+    rounded to the compute dtype, as the int8 ones.
     """
 
     name = "torch-paged-int8"
@@ -183,3 +194,45 @@ class Int8PagedAttention(TorchPagedAttention):
         d = raw.shape[-1] - self.SCALE_BYTES
         scale = raw[..., d:].contiguous().view(torch.float32)  # [..., 1]
         return (raw[..., :d].float() * scale).to(self.compute_dtype)
+
+    def _decoded_kinds(self, raw: torch.Tensor, kinds: torch.Tensor) -> torch.Tensor:
+        """raw's rows read as their entries' kinds say (broadcast against raw; 0 int8, 1 / 2 an int4 block's low /
+        high half), in the compute dtype."""
+        d = raw.shape[-1] - self.SCALE_BYTES
+        q = raw[..., :d]
+        low = (q & 15) - ((q & 8) << 1)  # the low nibble, sign-extended
+        scales = raw[..., d:].contiguous()
+        int8 = q.float() * scales.view(torch.float32)
+        lo = low.float() * scales[..., :2].contiguous().view(torch.float16).float()
+        hi = (q >> 4).float() * scales[..., 2:].contiguous().view(torch.float16).float()
+        return torch.where(kinds == 0, int8, torch.where(kinds == 1, lo, hi)).to(self.compute_dtype)
+
+    def _read_blocks(self, kv_cache: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
+        kinds = entries >> INT4_SHIFT
+        if not bool(kinds.any()):
+            return super()._read_blocks(kv_cache, entries)
+        raw = kv_cache.index_select(1, entries & BLOCK_ID_MASK)
+        return self._decoded_kinds(raw, kinds.view(1, -1, 1, 1, 1))
+
+    def _read_slots(self, kv_cache: torch.Tensor, which: int, slots: torch.Tensor) -> torch.Tensor:
+        _, num_blocks, block_size, hkv, width = kv_cache.shape
+        shift = INT4_SHIFT + block_size.bit_length() - 1  # (a slot is its entry * block_size + offset)
+        kinds = slots >> shift
+        if not bool(kinds.any()):
+            return super()._read_slots(kv_cache, which, slots)
+        raw = kv_cache[which].view(num_blocks * block_size, hkv, width).index_select(0, slots & ((1 << shift) - 1))
+        return self._decoded_kinds(raw, kinds.view(-1, 1, 1))
+
+    @torch.inference_mode()
+    def pack_int4(self, pages: torch.Tensor, first: torch.Tensor, second: torch.Tensor, dst: torch.Tensor) -> None:
+        """Re-store int8 blocks first[i] and second[i] as int4 block dst[i] (which may be first[i]) in every page of
+        `pages` ([P, 2, blocks, block_size, Hkv, D + 4]: the layers of one KV cache group); all read before any is
+        written."""
+        d = pages.shape[-1] - self.SCALE_BYTES
+        raw = torch.stack([pages.index_select(2, first), pages.index_select(2, second)], dim=3)  # [P, 2, N, 2, ...]
+        x = raw[..., :d].float() * raw[..., d:].contiguous().view(torch.float32)
+        scale = (x.abs().amax(dim=-1, keepdim=True) / 7.0).clamp(min=2.0**-24, max=65504.0).half()
+        q = torch.round(x / scale.float()).clamp(-7, 7).to(torch.int8)
+        nibbles = (q[:, :, :, 0] & 15) | (q[:, :, :, 1] << 4)  # [P, 2, N, block, Hkv, D]
+        scales = torch.cat([scale[:, :, :, 0].view(torch.int8), scale[:, :, :, 1].view(torch.int8)], dim=-1)
+        pages.index_copy_(2, dst, torch.cat([nibbles, scales], dim=-1))
