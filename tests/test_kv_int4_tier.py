@@ -34,13 +34,15 @@ def int4_of(x8: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def decode_page_rows(raw: np.ndarray, half: int) -> np.ndarray:
-    """Rows [..., D + 4] of an int4 block, read as the docs lay them out, with numpy: half 0 = low nibbles and the
-    first fp16 scale, half 1 = high nibbles and the second."""
-    b = raw[..., :D].astype(np.int16) & 0xFF
-    nib = (b >> (4 * half)) & 0xF
-    q = np.where(nib >= 8, nib - 16, nib).astype(np.float32)
-    scales = np.ascontiguousarray(raw[..., D:]).view(np.float16).astype(np.float32)  # [..., 2]
-    return q * scales[..., half : half + 1]
+    """Rows [..., D + 4] of an int4 block, read as the docs lay them out, with numpy: half 0 = the first token's
+    record (bytes 0 .. D / 2 + 1), half 1 = the second's; a record is D / 2 bytes (value i in the low nibble of
+    byte i, value D / 2 + i in its high nibble) and an fp16 scale."""
+    rec = raw[..., half * (D // 2 + 2) : (half + 1) * (D // 2 + 2)]
+    b = rec[..., : D // 2].astype(np.int16) & 0xFF
+    nibbles = np.concatenate([b & 0xF, b >> 4], axis=-1)
+    q = np.where(nibbles >= 8, nibbles - 16, nibbles).astype(np.float32)
+    scale = np.ascontiguousarray(rec[..., D // 2 :]).view(np.float16).astype(np.float32)  # [..., 1]
+    return q * scale
 
 
 def test_pack_stores_the_exact_int4_of_the_int8_values():

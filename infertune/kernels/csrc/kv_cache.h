@@ -6,6 +6,33 @@
 #include "bf16.h"
 #include "abi.h"
 
+/* n int8 values q (nib 0), or the low (nib 1) / high (nib 2) nibbles of n bytes q sign-extended, times sc, each
+ * rounded to bf16 into out (q * sc in fp32, then to the nearest even: the same numbers in every build) */
+static inline void kv_dequant(const int8_t* q, int64_t n, float sc, int nib, bf16* out) {
+    int64_t d = 0;
+#if defined(__AVX512BW__)
+    const __m512 s = _mm512_set1_ps(sc);
+    for (; d + 16 <= n; d += 16) {
+        __m512i x = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + d)));
+        if (nib == 1) x = _mm512_srai_epi32(_mm512_slli_epi32(x, 28), 28);
+        if (nib == 2) x = _mm512_srai_epi32(x, 4);
+        _mm256_storeu_si256((__m256i*)(out + d), round_bf16x16(_mm512_mul_ps(_mm512_cvtepi32_ps(x), s)));
+    }
+#elif defined(__AVX2__)
+    const __m256 s = _mm256_set1_ps(sc);
+    for (; d + 8 <= n; d += 8) {
+        __m256i x = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(q + d)));
+        if (nib == 1) x = _mm256_srai_epi32(_mm256_slli_epi32(x, 28), 28);
+        if (nib == 2) x = _mm256_srai_epi32(x, 4);
+        _mm_storeu_si128((__m128i*)(out + d), round_bf16x8(_mm256_mul_ps(_mm256_cvtepi32_ps(x), s)));
+    }
+#endif
+    for (; d < n; d++) {
+        const int v = nib == 0 ? q[d] : nib == 1 ? ((q[d] & 15) ^ 8) - 8 : q[d] >> 4;
+        out[d] = f2bf((float)v * sc);
+    }
+}
+
 /* Cache row `row` (slot * Hkv + head) of K (which = 0) or V (1) as bf16: in place for a bf16 cache; for an int8
  * cache dequantized into tmp, rounded to bf16 as Int8PagedAttention._decoded does. */
 static inline const bf16* kv_row(const it_model* m, const void* cache, int which, int64_t row, bf16* tmp) {
@@ -14,12 +41,15 @@ static inline const bf16* kv_row(const it_model* m, const void* cache, int which
     const int8_t* q = (const int8_t*)cache + (which * rows + row) * (D + 4);
     float sc;
     memcpy(&sc, q + D, 4);
-    for (int64_t d = 0; d < D; d++) tmp[d] = f2bf((float)q[d] * sc);
+    kv_dequant(q, D, sc, 0, tmp);
     return tmp;
 }
 
 /* An IEEE half's bits as a float (the int4 tier's scales: normal or subnormal, never inf or NaN) */
 static inline float kv_h2f(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
     const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 31u, mant = h & 0x3ffu;
     float f;
     if (e) {
@@ -29,21 +59,21 @@ static inline float kv_h2f(uint16_t h) {
     }
     f = (float)mant * 5.9604644775390625e-08f; /* mant * 2^-24, exact */
     return sign ? -f : f;
+#endif
 }
 
-/* Row `row` of an int4 block (the int4 tier, Int8PagedAttention.pack_int4's layout): its low nibbles (kind 1) or
- * high nibbles (kind 2) times that half's fp16 scale, rounded to bf16 */
+/* Row `row` of an int4 block (the int4 tier, Int8PagedAttention.pack_int4's layout): its first token's record
+ * (kind 1) or its second's (kind 2), D / 2 bytes of nibbles (values i and D / 2 + i in byte i) and an fp16 scale,
+ * as D bf16 values */
 static inline const bf16* kv_row_int4(const it_model* m, const void* cache, int which, int64_t row, int64_t kind,
                                       bf16* tmp) {
-    const int64_t D = m->head_dim, rows = m->num_blocks * m->block_size * m->n_kv_heads;
-    const int8_t* q = (const int8_t*)cache + (which * rows + row) * (D + 4);
+    const int64_t D = m->head_dim, rows = m->num_blocks * m->block_size * m->n_kv_heads, half = D / 2;
+    const int8_t* q = (const int8_t*)cache + (which * rows + row) * (D + 4) + (kind - 1) * (half + 2);
     uint16_t h;
-    memcpy(&h, q + D + (kind == 1 ? 0 : 2), 2);
+    memcpy(&h, q + half, 2);
     const float sc = kv_h2f(h);
-    if (kind == 1)
-        for (int64_t d = 0; d < D; d++) tmp[d] = f2bf((float)(((q[d] & 15) ^ 8) - 8) * sc);
-    else
-        for (int64_t d = 0; d < D; d++) tmp[d] = f2bf((float)(q[d] >> 4) * sc);
+    kv_dequant(q, half, sc, 1, tmp);
+    kv_dequant(q, half, sc, 2, tmp + half);
     return tmp;
 }
 

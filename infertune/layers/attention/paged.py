@@ -161,11 +161,12 @@ class Int8PagedAttention(TorchPagedAttention):
     New K/V are quantized as they are written (symmetric, amax / 127); reads dequantize on the fly. A
     fresh prefill attends to its own unquantized K/V, as it never reads the cache.
 
-    The int4 tier (CacheConfig.kv_int4_after): `pack_int4` re-stores two blocks as one in the same bytes, token t of
-    the first block in the low nibbles of row t, of the second in the high nibbles (symmetric, amax / 7, rounded to
-    the nearest, in [-7, 7]), and the row's 4 scale bytes the two tokens' fp16 scales (low's first). A block-table
-    entry (slot) with INT4_LO / INT4_HI set reads one half (scheduler_output.py); the values are q * scale in fp32,
-    rounded to the compute dtype, as the int8 ones.
+    The int4 tier (CacheConfig.kv_int4_after): `pack_int4` re-stores two blocks as one in the same bytes (symmetric
+    per token and KV head, scale amax / 7 in fp16, values rounded to the nearest in [-7, 7]): row t (D + 4 bytes) of
+    the int4 block holds token t of the first block, then token t of the second, each as D / 2 bytes (byte i: value
+    i in its low nibble, value D / 2 + i in its high nibble) and its 2-byte scale. So reading an int4 token reads
+    half the bytes of an int8 one. A block-table entry (slot) with INT4_LO / INT4_HI set reads the first or second
+    (scheduler_output.py); the values are q * scale in fp32, rounded to the compute dtype, as the int8 ones.
     """
 
     name = "torch-paged-int8"
@@ -199,13 +200,18 @@ class Int8PagedAttention(TorchPagedAttention):
         """raw's rows read as their entries' kinds say (broadcast against raw; 0 int8, 1 / 2 an int4 block's low /
         high half), in the compute dtype."""
         d = raw.shape[-1] - self.SCALE_BYTES
-        q = raw[..., :d]
-        low = (q & 15) - ((q & 8) << 1)  # the low nibble, sign-extended
-        scales = raw[..., d:].contiguous()
-        int8 = q.float() * scales.view(torch.float32)
-        lo = low.float() * scales[..., :2].contiguous().view(torch.float16).float()
-        hi = (q >> 4).float() * scales[..., 2:].contiguous().view(torch.float16).float()
-        return torch.where(kinds == 0, int8, torch.where(kinds == 1, lo, hi)).to(self.compute_dtype)
+        int8 = raw[..., :d].float() * raw[..., d:].contiguous().view(torch.float32)
+        first, second = (self._int4_values(raw[..., h * (d // 2 + 2) : (h + 1) * (d // 2 + 2)]) for h in (0, 1))
+        return torch.where(kinds == 0, int8, torch.where(kinds == 1, first, second)).to(self.compute_dtype)
+
+    @staticmethod
+    def _int4_values(record: torch.Tensor) -> torch.Tensor:
+        """[..., D / 2 + 2] int4 token records (pack_int4's) -> their D values times their scale, fp32."""
+        half = record.shape[-1] - 2
+        b = record[..., :half]
+        low = (b & 15) - ((b & 8) << 1)  # the low nibble, sign-extended
+        scale = record[..., half:].contiguous().view(torch.float16).float()
+        return torch.cat([low, b >> 4], dim=-1).float() * scale
 
     def _read_blocks(self, kv_cache: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
         kinds = entries >> INT4_SHIFT
@@ -233,6 +239,6 @@ class Int8PagedAttention(TorchPagedAttention):
         x = raw[..., :d].float() * raw[..., d:].contiguous().view(torch.float32)
         scale = (x.abs().amax(dim=-1, keepdim=True) / 7.0).clamp(min=2.0**-24, max=65504.0).half()
         q = torch.round(x / scale.float()).clamp(-7, 7).to(torch.int8)
-        nibbles = (q[:, :, :, 0] & 15) | (q[:, :, :, 1] << 4)  # [P, 2, N, block, Hkv, D]
-        scales = torch.cat([scale[:, :, :, 0].view(torch.int8), scale[:, :, :, 1].view(torch.int8)], dim=-1)
-        pages.index_copy_(2, dst, torch.cat([nibbles, scales], dim=-1))
+        nibbles = (q[..., : d // 2] & 15) | (q[..., d // 2 :] << 4)  # [P, 2, N, 2, block, Hkv, D / 2]
+        records = torch.cat([nibbles, scale.view(torch.int8)], dim=-1)  # [..., D / 2 + 2]
+        pages.index_copy_(2, dst, torch.cat([records[:, :, :, 0], records[:, :, :, 1]], dim=-1))
