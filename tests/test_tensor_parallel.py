@@ -304,8 +304,9 @@ def test_two_ranks_run_the_fused_step_in_bf16(kind, tmp_path):
     """bf16 on the CPU's kernels: each rank runs its share of every layer in one fused C step, summing o_proj's and
     down's outputs over the ranks through the shared-memory all-reduce in C (csrc/fused_step.h tp_allreduce, the
     protocol of layers/shm_allreduce.py, whose sequence numbers it shares). Oracle: HF transformers in fp32, the
-    logprobs as close as one rank's fused engine; and the Python collectives that remain (exact counts): per step
-    the embedding's all-reduce and the head's gather, not the 2L + 1 all-reduces of the per-module path."""
+    logprobs as close as one rank's fused engine; and the collectives (exact counts): per step the embedding's
+    all-reduce and the head's gather in Python, not the 2L + 1 all-reduces of the per-module path, and the 2L in C
+    (counted by the kernels, in the same bytes as the embedding's: rows x hidden fp32)."""
     from test_kernels import _hf_logprob_errors, needs_fused
 
     if needs_fused.args[0]:
@@ -322,12 +323,22 @@ def test_two_ranks_run_the_fused_step_in_bf16(kind, tmp_path):
                 llm.engine.executor.comm_stats()  # (from zero)
             worst[size] = max(_hf_logprob_errors(llm, prompts, params, hf, argmax=False))
             if size == 2:
+                layers = hf.config.num_hidden_layers
                 for rank in llm.engine.executor.comm_stats():
                     calls = {k: v["calls"] for k, v in rank["collectives"].items()}
                     assert calls == {
                         "all_reduce (shared memory)": rank["steps"],
                         "all_gather (shared memory)": rank["steps"],
+                        # o_proj's and down's in every layer of every step, in C (counted by the kernels)
+                        "all_reduce (fused step, in C)": 2 * layers * rank["steps"],
                     }, (calls, rank["steps"])
+                    fused = rank["collectives"]["all_reduce (fused step, in C)"]
+                    assert fused["ns"] > 0 and fused["ns"] < rank["exec_ns"]
+                    # fp32 values of the hidden size a row, twice a layer: each step's rows (the embedding's all-reduce
+                    # sums them in bf16) in every layer but the last, which goes on with the rows sampled only
+                    embedding = rank["collectives"]["all_reduce (shared memory)"]["bytes"] * 2  # (as fp32)
+                    assert fused["bytes"] % (4 * hf.config.hidden_size) == 0
+                    assert 2 * (layers - 1) * embedding < fused["bytes"] <= 2 * layers * embedding
         finally:
             llm.engine.shutdown()
     assert worst[2] <= 1.5 * worst[1] + 0.02, worst

@@ -84,6 +84,10 @@ def run_step(runner, scheduler_output):
     finally:
         COMM.exec_ns += time.perf_counter_ns() - t0
         COMM.steps += 1
+        fused = getattr(runner, "fused", None)  # (its all-reduces run inside the kernels: counted by them)
+        got = fused.take_allreduce() if fused is not None and runner.tp is not None else None
+        if got is not None and got[0]:
+            COMM.add_many("all_reduce (fused step, in C)", got[0], got[1], int(got[2] * 1e9))
 
 
 def take_comm_stats() -> dict:

@@ -64,7 +64,7 @@ AVX2_QUANT_MAX_ROWS = 2048
 # AVX-512 library without AMX does (NOAMX_GEMM_MAX_ROWS): each prompt row's attention runs on its own.
 AVX2_FUSED_PREFILL_ROWS = 128
 # The C side's ABI (csrc/abi.h IT_ABI_VERSION): bump both together when a shared struct or a signature changes.
-ABI_VERSION = 9
+ABI_VERSION = 10
 # The KV cache groups a fused step reads at most (csrc/abi.h IT_MAX_KV_GROUPS): layers grouped by sliding window
 MAX_KV_GROUPS = 8
 WARN_FLAGS = ["-Wall", "-Wextra", "-Wpointer-arith"]
@@ -531,6 +531,7 @@ FUSED_PARTS = (
     "down",
     "MoE router",
     "experts",
+    "all-reduce (tensor parallel)",
 )
 
 
@@ -538,7 +539,13 @@ class ItStepStats(ctypes.Structure):
     """The fused step's seconds per part (FUSED_PARTS), calls and rows, summed over the steps that point at it
     (csrc/abi.h it_step_stats): each fused decoder owns one, so engines in one process count apart."""
 
-    _fields_ = [("seconds", ctypes.c_double * len(FUSED_PARTS)), ("calls", ctypes.c_int64), ("rows", ctypes.c_int64)]
+    _fields_ = [
+        ("seconds", ctypes.c_double * len(FUSED_PARTS)),
+        ("calls", ctypes.c_int64),
+        ("rows", ctypes.c_int64),
+        ("allreduce_calls", ctypes.c_int64),
+        ("allreduce_bytes", ctypes.c_int64),
+    ]
 
 
 class ItMoe(ctypes.Structure):
@@ -654,7 +661,7 @@ def abi_layout(structs: dict[str, type[ctypes.Structure]] | None = None) -> list
             "tp_size",
             "tp_max_numel",
         ),  # fmt: skip
-        "it_step_stats": ("seconds", "calls", "rows"),
+        "it_step_stats": ("seconds", "calls", "rows", "allreduce_calls", "allreduce_bytes"),
         "bf16c": ("codes", "table", "esc_start", "esc_pos", "esc_val"),
         "it_moe": tuple(f for f, _ in ItMoe._fields_),
         "it_moe_layer": tuple(f for f, _ in ItMoeLayer._fields_),
@@ -1118,6 +1125,19 @@ def fused_step_timers(stats: ItStepStats, reset: bool = False) -> dict[str, floa
     got = {**dict(zip(FUSED_PARTS, stats.seconds)), "calls": float(stats.calls), "rows": float(stats.rows)}
     if reset:
         ctypes.memset(ctypes.addressof(stats), 0, ctypes.sizeof(stats))
+    return got
+
+
+def take_fused_allreduce(stats: ItStepStats) -> tuple[int, int, float]:
+    """Tensor parallel: the fused step's all-reduces in C since the last take (their pieces, the fp32 bytes this rank
+    published, their seconds), and start those three from zero (the other timers stay). Read between steps."""
+    got = (
+        int(stats.allreduce_calls),
+        int(stats.allreduce_bytes),
+        float(stats.seconds[FUSED_PARTS.index("all-reduce (tensor parallel)")]),
+    )
+    stats.allreduce_calls = stats.allreduce_bytes = 0
+    stats.seconds[FUSED_PARTS.index("all-reduce (tensor parallel)")] = 0.0
     return got
 
 

@@ -252,6 +252,10 @@ class X86FusedDecoder:
     def step_timers(self, reset: bool = False) -> dict[str, float]:
         return cpu.fused_step_timers(self.stats, reset)
 
+    def take_allreduce(self) -> tuple[int, int, float]:
+        """Tensor parallel: the all-reduces the step ran in C since the last take (pieces, bytes, seconds)."""
+        return cpu.take_fused_allreduce(self.stats)
+
     def count_experts(self, on: bool) -> bool:
         """Count the rows each MoE layer routes to each expert from the next step on (or stop counting); False where
         the model has no MoE layer (nothing to count)."""

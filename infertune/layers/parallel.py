@@ -44,7 +44,11 @@ class CommStats:
     steps: int = 0
 
     def add(self, kind: str, nbytes: int, ns: int) -> None:
-        self.calls[kind] = self.calls.get(kind, 0) + 1
+        self.add_many(kind, 1, nbytes, ns)
+
+    def add_many(self, kind: str, calls: int, nbytes: int, ns: int) -> None:
+        """calls collectives of one kind at once (those counted elsewhere: the fused step's, in C)."""
+        self.calls[kind] = self.calls.get(kind, 0) + calls
         self.nbytes[kind] = self.nbytes.get(kind, 0) + nbytes
         self.ns[kind] = self.ns.get(kind, 0) + ns
 

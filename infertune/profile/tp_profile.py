@@ -1,8 +1,9 @@
 """`infertune profile --tensor-parallel-size N`: where a step's time goes when the model runs on N ranks.
 
 torch.profiler sees one process; under tensor parallel the model runs in the ranks' worker processes. So each
-rank counts what it spends itself (layers/parallel.py CommStats: every collective timed, with its bytes, and the
-runner's whole step, executor/worker.py run_step), and the driver times each step from the outside. A step's time
+rank counts what it spends itself (layers/parallel.py CommStats: every collective timed, with its bytes, the fused
+C step's own all-reduces as the kernels counted them, and the runner's whole step, executor/worker.py run_step), and
+the driver times each step from the outside. A step's time
 splits into:
   compute        rank 0's step minus its time in collectives (the matmuls, attention, sampling of its share)
   communication  rank 0's time inside all-reduces and gathers, waiting for the slower rank included (so an

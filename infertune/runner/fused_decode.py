@@ -291,6 +291,12 @@ class FusedDecode:
         """This engine's fused step: seconds per part since the last reset, "calls" and "rows" (FusedDecoder's)."""
         return self.decoder.step_timers(reset)
 
+    def take_allreduce(self) -> tuple[int, int, float] | None:
+        """Tensor parallel: the all-reduces this engine's fused steps ran inside the kernels since the last take
+        (pieces, bytes, seconds), those counts then zeroed; None where the decoder does not count them."""
+        take = getattr(self.decoder, "take_allreduce", None)
+        return take() if take is not None else None
+
     def count_experts(self, on: bool) -> bool:
         """Count the rows each MoE layer of the fused steps routes to each expert (`expert_load`); False where the
         decoder does not count (no MoE layer, or kernels that do not)."""

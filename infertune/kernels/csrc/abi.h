@@ -6,7 +6,7 @@
 #define IT_ABI_H
 #include "bf16.h"
 
-#define IT_ABI_VERSION 9
+#define IT_ABI_VERSION 10
 #define IT_MAX_KV_GROUPS 8 /* it_step's KV cache groups at most (cpu.py MAX_KV_GROUPS) */
 /* A block-table entry of an int4 block (the int4 tier of an int8 cache; scheduler_output.INT4_SHIFT and its
  * neighbours): the block id with 1 (its low half) or 2 (its high half) at bit IT_INT4_SHIFT */
@@ -109,12 +109,15 @@ typedef struct {
  * process keep their own counts and the library holds no counters of its own. Only the thread running the step
  * writes it; the caller reads or zeroes it between steps. */
 enum { IT_FT_NORM, IT_FT_QKV, IT_FT_ROTARY_KV, IT_FT_ATTN, IT_FT_O, IT_FT_RESIDUAL, IT_FT_GATE_UP, IT_FT_DOWN,
-       IT_FT_ROUTER, IT_FT_EXPERTS, IT_FT_PARTS };
+       IT_FT_ROUTER, IT_FT_EXPERTS, IT_FT_ALLREDUCE, IT_FT_PARTS };
 typedef struct {
     double seconds[IT_FT_PARTS]; /* norm, qkv, rotary + K/V write, attention, o_proj, residual adds, gate_up (+ SiLU / GeLU),
-                                    down, the MoE router (+ top-k), the routed experts (cpu.py FUSED_PARTS); a
-                                    shared expert counts as gate_up and down */
+                                    down, the MoE router (+ top-k), the routed experts, the tensor-parallel
+                                    all-reduces (cpu.py FUSED_PARTS; o_proj / down without theirs); a shared expert
+                                    counts as gate_up and down */
     int64_t calls, rows;
+    int64_t allreduce_calls, allreduce_bytes; /* tensor parallel: the all-reduces' pieces and the fp32 bytes each
+                                                 rank published in them */
 } it_step_stats;
 
 typedef struct {

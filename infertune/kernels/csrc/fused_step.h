@@ -160,6 +160,7 @@ static int moe_mlp(const it_model* m, const it_moe_layer* M, const it_step* s, i
  * once every rank's counter reaches seq, the slots summed in rank order in fp32 and rounded once. */
 static void tp_allreduce(const it_step* s, bf16* y, int64_t n) {
     if (s->tp_size <= 1) return;
+    const double start = s->stats ? now_s() : 0.0;
     const int64_t size = s->tp_size, max = s->tp_max_numel;
     int64_t* counters = (int64_t*)s->tp_shm;
     float* buffers = (float*)((char*)s->tp_shm + 8 * size);
@@ -177,7 +178,12 @@ static void tp_allreduce(const it_step* s, bf16* y, int64_t n) {
             for (int64_t r = 1; r < size; r++) acc += slots[r * max + i];
             y[i0 + i] = f2bf(acc);
         }
+        if (s->stats) {
+            s->stats->allreduce_calls++;
+            s->stats->allreduce_bytes += 4 * m;
+        }
     }
+    if (s->stats) s->stats->seconds[IT_FT_ALLREDUCE] += now_s() - start;
 }
 
 /* A row-parallel linear's output into the residual: x += bf16(sum over the ranks of x_in W^T) (one rank: the
@@ -226,13 +232,15 @@ int it_decode_layers(const it_model* m, const it_layer* layers, it_step* s, bf16
     const int64_t hkv = m->n_kv_heads, width = (m->n_heads + 2 * hkv) * D, hq = m->n_heads * D;
     it_step_stats* stats = s->stats;
     double t0 = stats ? now_s() : 0.0;
-#define PART(i)                                  \
-    do {                                         \
-        if (stats) {                             \
-            const double t1 = now_s();           \
-            stats->seconds[i] += t1 - t0;        \
-            t0 = t1;                             \
-        }                                        \
+    double ar0 = stats ? stats->seconds[IT_FT_ALLREDUCE] : 0.0; /* (a part's all-reduces count there, not in it) */
+#define PART(i)                                                                  \
+    do {                                                                         \
+        if (stats) {                                                             \
+            const double t1 = now_s(), ar = stats->seconds[IT_FT_ALLREDUCE];     \
+            stats->seconds[i] += t1 - t0 - (ar - ar0);                           \
+            t0 = t1;                                                             \
+            ar0 = ar;                                                            \
+        }                                                                        \
     } while (0)
     /* Past the last layer's attention only the rows the caller reads go on: the other rows' K / V are all written
        by then, and nothing else reads their hidden states. They are moved to the front here (rows ascending, so
