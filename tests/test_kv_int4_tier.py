@@ -244,3 +244,26 @@ def test_the_c_side_reads_the_same_entry_bits():
 
     text = (Path(infertune.kernels.__file__).parent / "csrc" / "abi.h").read_text()
     assert int(re.search(r"#define IT_INT4_SHIFT (\d+)", text).group(1)) == INT4_SHIFT
+
+
+def test_a_sequence_is_packed_only_once_its_press_ran():
+    """The coordinator with a press keeping half of every prefill and the tier after 4 tokens (blocks of 4): while
+    the prefill is in chunks nothing is packed (the press reads that KV); once compress() gave back the blocks past
+    the kept 20 tokens, the kept slots' old pairs go to int4, counted in slots (positions go on)."""
+    from infertune.engine.kv_cache_coordinator import KVCacheCoordinator
+    from infertune.engine.sequence import Sequence
+
+    bm = KVCacheCoordinator(64, 4, [None], False, chunk=16, plan=lambda n: [n // 2], int4_after=4)
+    seq = Sequence(list(range(40)), 8)
+    for end in (16, 32, 40):  # the prefill in chunks
+        assert bm.pack_int4(seq) == []
+        assert bm.allocate_slots(seq, end)
+        seq.num_computed_tokens = end
+    assert bm.pack_int4(seq) == [] and seq.kv_kept == [20]
+    assert bm.compress(seq) and seq.num_evicted == [20] and len(seq.block_tables[0]) == 5
+    packs = bm.pack_int4(seq)  # 20 slots held, those 4 behind the newest: entries 0-3 wholly old -> two pairs
+    assert [(g, i) for g, i, *_ in packs] == [(0, 0), (0, 2)]
+    assert [e >> INT4_SHIFT for e in seq.block_tables[0]] == [1, 2, 1, 2, 0]
+    assert bm.blocks_in_use(seq) == [3]
+    bm.free(seq)
+    assert bm.num_free_blocks == 64 and bm.int4_blocks_by_group == [0]
