@@ -9,6 +9,7 @@ a tensor splits; and a rank killed mid-run is reported by rank without a hang.
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 
@@ -299,46 +300,60 @@ def test_a_stored_quantized_checkpoint_splits_over_the_ranks(method, tmp_path):
             torch.testing.assert_close(two, one, atol=1e-4, rtol=0, msg=f"{kind} {method} {extra}")
 
 
-@pytest.mark.parametrize("kind", ["llama-kv1-odd-vocab", "gemma2"])
+@pytest.mark.parametrize("kind", ["llama-kv1-odd-vocab", "gemma2", "qwen2-moe", "qwen2-moe+ep", "mixtral+ep"])
 def test_two_ranks_run_the_fused_step_in_bf16(kind, tmp_path):
     """bf16 on the CPU's kernels: each rank runs its share of every layer in one fused C step, summing o_proj's and
-    down's outputs over the ranks through the shared-memory all-reduce in C (csrc/fused_step.h tp_allreduce, the
-    protocol of layers/shm_allreduce.py, whose sequence numbers it shares). Oracle: HF transformers in fp32, the
-    logprobs as close as one rank's fused engine; and the collectives (exact counts): per step the embedding's
-    all-reduce and the head's gather in Python, not the 2L + 1 all-reduces of the per-module path, and the 2L in C
-    (counted by the kernels, in the same bytes as the embedding's: rows x hidden fp32)."""
+    down's (a MoE block's) outputs over the ranks through the shared-memory all-reduce in C (csrc/fused_step.h
+    tp_allreduce, the protocol of layers/shm_allreduce.py, whose sequence numbers it shares); MoE models with their
+    experts' features split, or with expert parallel (+ep: each rank's block of whole experts, the others' pairs
+    skipped). Oracle: HF transformers in fp32, the logprobs as close as one rank's fused engine; and the
+    collectives (exact counts): per step the embedding's all-reduce and the head's gather in Python, not the 2L + 1
+    all-reduces of the per-module path, and the 2L in C (counted by the kernels, in the same bytes as the
+    embedding's: rows x hidden fp32)."""
     from test_kernels import _hf_logprob_errors, needs_fused
 
     if needs_fused.args[0]:
         pytest.skip(needs_fused.kwargs["reason"])
+    kind, _, ep = kind.partition("+")
     path = _checkpoint(kind, tmp_path / kind)
     hf = hf_model(path).float()
     prompts = [{"prompt_token_ids": p} for p in prompts_for(hf.config.vocab_size)]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=1)
-    worst = {}
+    worst, median = {}, {}
     for size in (1, 2):
-        llm = LLM(str(path), dtype="bfloat16", block_size=BLOCK, max_model_len=64, tensor_parallel_size=size)
+        # (+ep: expert parallel, each rank's fused step runs its block of the experts whole, the shared expert split)
+        extra = {"enable_expert_parallel": True} if ep and size == 2 else {}
+        llm = LLM(str(path), dtype="bfloat16", block_size=BLOCK, max_model_len=64, tensor_parallel_size=size, **extra)
         try:
             if size == 2:
                 llm.engine.executor.comm_stats()  # (from zero)
-            worst[size] = max(_hf_logprob_errors(llm, prompts, params, hf, argmax=False))
+            errs = _hf_logprob_errors(llm, prompts, params, hf, argmax=False)
+            worst[size], median[size] = max(errs), statistics.median(errs)
             if size == 2:
-                layers = hf.config.num_hidden_layers
+                layers, steps = hf.config.num_hidden_layers, None
+                # (MoE models: the prompts' step runs the per-module path, its 2L + 1 all-reduces in Python)
+                module_steps = 1 if kind in MOE_VARIANTS else 0
                 for rank in llm.engine.executor.comm_stats():
+                    steps = rank["steps"]
                     calls = {k: v["calls"] for k, v in rank["collectives"].items()}
                     assert calls == {
-                        "all_reduce (shared memory)": rank["steps"],
-                        "all_gather (shared memory)": rank["steps"],
-                        # o_proj's and down's in every layer of every step, in C (counted by the kernels)
-                        "all_reduce (fused step, in C)": 2 * layers * rank["steps"],
-                    }, (calls, rank["steps"])
+                        "all_reduce (shared memory)": steps + 2 * layers * module_steps,
+                        "all_gather (shared memory)": steps,
+                        # o_proj's and the MLP's (MoE: the block's) in every layer of every fused step, in C
+                        "all_reduce (fused step, in C)": 2 * layers * (steps - module_steps),
+                    }, (calls, steps)
                     fused = rank["collectives"]["all_reduce (fused step, in C)"]
                     assert fused["ns"] > 0 and fused["ns"] < rank["exec_ns"]
-                    # fp32 values of the hidden size a row, twice a layer: each step's rows (the embedding's all-reduce
-                    # sums them in bf16) in every layer but the last, which goes on with the rows sampled only
-                    embedding = rank["collectives"]["all_reduce (shared memory)"]["bytes"] * 2  # (as fp32)
                     assert fused["bytes"] % (4 * hf.config.hidden_size) == 0
-                    assert 2 * (layers - 1) * embedding < fused["bytes"] <= 2 * layers * embedding
+                    if not module_steps:
+                        # fp32 values of the hidden size a row, twice a layer: each step's rows (the embedding's
+                        # all-reduce sums them in bf16) in every layer but the last, which goes on with the rows
+                        # sampled only
+                        embedding = rank["collectives"]["all_reduce (shared memory)"]["bytes"] * 2  # (as fp32)
+                        assert 2 * (layers - 1) * embedding < fused["bytes"] <= 2 * layers * embedding
         finally:
             llm.engine.shutdown()
     assert worst[2] <= 1.5 * worst[1] + 0.02, worst
+    # (these random MoE models in bf16 flip a token's experts now and then, which moves its logprob by nats either
+    # way: the worst errors say little there, the median tells a wrong expert or a missing sum)
+    assert median[2] <= 1.5 * median[1] + 0.02, median

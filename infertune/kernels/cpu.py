@@ -64,7 +64,7 @@ AVX2_QUANT_MAX_ROWS = 2048
 # AVX-512 library without AMX does (NOAMX_GEMM_MAX_ROWS): each prompt row's attention runs on its own.
 AVX2_FUSED_PREFILL_ROWS = 128
 # The C side's ABI (csrc/abi.h IT_ABI_VERSION): bump both together when a shared struct or a signature changes.
-ABI_VERSION = 10
+ABI_VERSION = 11
 # The KV cache groups a fused step reads at most (csrc/abi.h IT_MAX_KV_GROUPS): layers grouped by sliding window
 MAX_KV_GROUPS = 8
 WARN_FLAGS = ["-Wall", "-Wextra", "-Wpointer-arith"]
@@ -570,6 +570,8 @@ class ItMoeLayer(ctypes.Structure):
         ("shared_gate_up", ItLin),
         ("shared_down", ItLin),
         ("shared_gate", ctypes.c_void_p),
+        ("expert_offset", ctypes.c_int64),
+        ("local_experts", ctypes.c_int64),
     ]
 
 

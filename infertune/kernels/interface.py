@@ -117,6 +117,11 @@ class FusedMoE:
     shared_gate_up: KernelLinear | None = None  # the shared expert (Qwen2-MoE), None: none
     shared_down: KernelLinear | None = None
     shared_gate: torch.Tensor | None = None  # [1, hidden] bf16: sigmoid(x . g) scales the shared expert's output
+    # Expert parallel: `experts` holds experts expert_offset .. expert_offset + local_experts - 1 of the router's
+    # moe.num_experts (0: all of them); the layer's output is then this rank's experts' part (summed over the ranks by
+    # the step's all-reduce). An implementation that does not run a part of the experts returns why where it is set.
+    expert_offset: int = 0
+    local_experts: int = 0
 
 
 @dataclass(slots=True)

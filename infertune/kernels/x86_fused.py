@@ -72,8 +72,6 @@ class X86FusedDecoder:
             return f"{model.kv_groups} KV cache groups (the fused step reads {cpu.MAX_KV_GROUPS} at most)"
         tp = model.tp_allreduce
         if tp is not None and tp.size > 1:
-            if any(layer.moe is not None for layer in model.layers):
-                return "MoE layers under tensor parallel"
             if any(lin is not None and lin.bias is not None for layer in model.layers for lin in (layer.o, layer.down)):
                 return "a row-parallel projection with a bias (added on one rank) under tensor parallel"
         if model.act not in _ACTS or model.norm not in ("llama", "gemma"):
@@ -317,6 +315,14 @@ def _moe_layer(moe: FusedMoE, keep: list) -> cpu.ItMoeLayer | str:
             return f"{lin} (the grouped experts' kernel does not take them)"
     router = moe.router.contiguous()
     c = cpu.ItMoeLayer(rule=rule, router=router.data_ptr(), gate_up=lins[0], down=lins[1])
+    if moe.local_experts:  # expert parallel: gate_up / down hold this rank's block of the router's experts
+        if (
+            moe.expert_offset < 0
+            or moe.expert_offset + moe.local_experts > moe.moe.num_experts
+            or e != moe.local_experts
+        ):
+            return f"experts {moe.expert_offset} .. + {moe.local_experts} of {moe.moe.num_experts} (not one block)"
+        c.expert_offset, c.local_experts = moe.expert_offset, moe.local_experts
     keep += [router, moe.experts, *lins]
     if moe.correction_bias is not None:
         c.bias = moe.correction_bias.data_ptr()

@@ -195,8 +195,6 @@ class FusedDecode:
         router, experts = mlp.gate, mlp.experts
         if router.weight.dtype is not torch.bfloat16:
             return f"{where} routes in {router.weight.dtype} (the fused step takes bf16 routers)"
-        if experts.num_experts != experts.global_experts:
-            return f"{where} holds a share of the experts (expert parallel)"
         kernel_experts = experts.quant_method.kernel_experts(experts)
         if kernel_experts is None:
             return f"{where} keeps its experts as {experts.quant_method.name}, which the grouped kernel does not take"
@@ -211,6 +209,8 @@ class FusedDecode:
             experts=kernel_experts,
             route=router._route,
         )
+        if experts.num_experts != experts.global_experts:  # expert parallel: this rank's block of the experts
+            spec.expert_offset, spec.local_experts = experts.expert_offset, experts.num_experts
         if mlp.shared_name is not None:
             shared = getattr(mlp, mlp.shared_name)
             for field, lin in (("shared_gate_up", shared.gate_up_proj), ("shared_down", shared.down_proj)):

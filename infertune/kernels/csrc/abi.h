@@ -6,7 +6,7 @@
 #define IT_ABI_H
 #include "bf16.h"
 
-#define IT_ABI_VERSION 10
+#define IT_ABI_VERSION 11
 #define IT_MAX_KV_GROUPS 8 /* it_step's KV cache groups at most (cpu.py MAX_KV_GROUPS) */
 /* A block-table entry of an int4 block (the int4 tier of an int8 cache; scheduler_output.INT4_SHIFT and its
  * neighbours): the block id with 1 (its low half) or 2 (its high half) at bit IT_INT4_SHIFT */
@@ -62,6 +62,8 @@ typedef struct {
     it_lin shared_gate_up;      /* the shared expert's gate_up [2 I_s, H] (N = 0: no shared expert) */
     it_lin shared_down;         /* [H, I_s] */
     const bf16* shared_gate;    /* [hidden]: sigmoid(x . g) scales the shared expert's output (Qwen2-MoE); NULL: not */
+    int64_t expert_offset;      /* expert parallel: gate_up / down hold experts expert_offset .. + local_experts - 1 */
+    int64_t local_experts;      /* of rule.num_experts (the router's); 0: every expert */
 } it_moe_layer;
 
 typedef struct {

@@ -127,7 +127,10 @@ static int moe_mlp(const it_model* m, const it_moe_layer* M, const it_step* s, i
         stats->seconds[IT_FT_ROUTER] += t1 - *t0;
         *t0 = t1;
     }
-    if (it_moe_experts(h, H, R, &M->gate_up, &M->down, E, k, weights, order, counts, y, m->nthreads)) return -2;
+    /* (expert parallel: this rank's experts only; the block's all-reduce adds the others') */
+    const int64_t local = M->local_experts > 0 ? M->local_experts : E, off = M->local_experts > 0 ? M->expert_offset : 0;
+    if (moe_experts_part(h, H, R, &M->gate_up, &M->down, E, off, local, k, weights, order, counts, y, m->nthreads))
+        return -2;
     if (stats) {
         const double t1 = now_s();
         stats->seconds[IT_FT_EXPERTS] += t1 - *t0;
@@ -212,9 +215,8 @@ int it_decode_layers(const it_model* m, const it_layer* layers, it_step* s, bf16
     if (s->first_layer < 0 || s->first_layer >= m->n_layers) return -2;
     if (s->n_groups < 0 || s->n_groups > IT_MAX_KV_GROUPS) return -2;
     if (m->act != IT_ACT_SILU && m->act != IT_ACT_GELU_TANH) return -2;
-    if (s->tp_size > 1 && (m->moe_experts > 0 || !s->tp_shm || !s->tp_seq || s->tp_max_numel < 1 || s->tp_rank < 0 ||
-                           s->tp_rank >= s->tp_size))
-        return -2; /* (MoE layers under tensor parallel: not here) */
+    if (s->tp_size > 1 && (!s->tp_shm || !s->tp_seq || s->tp_max_numel < 1 || s->tp_rank < 0 || s->tp_rank >= s->tp_size))
+        return -2;
     for (int li = 0; li < m->n_layers; li++) {
         const it_layer* L = layers + li;
         /* each layer's KV cache group one of the step's (0 where it has none) */
@@ -304,6 +306,9 @@ int it_decode_layers(const it_model* m, const it_layer* layers, it_step* s, bf16
                 return 1;
             }
             if (rc) return rc;
+            /* tensor parallel: each rank's experts (and shared expert) hold a share of their features, so y is this
+               rank's part of the block's output, summed over the ranks as layers/moe.py's MoE block is, once */
+            tp_allreduce(s, y, R * H);
         } else {
             gate_up_rows(m, &L->gate_up, h, act, R, L->down.K, gu, lin, dec);
             PART(IT_FT_GATE_UP);

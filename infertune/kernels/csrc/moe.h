@@ -185,13 +185,15 @@ static it_lin moe_expert_lin(const it_lin* L, int64_t e) {
 /* out[t] = bf16 of the fp32 sum over its slots, in the order of their rows (ascending expert), of
  * bf16(y[row] * bf16(w)): experts_reference's index_add_ into zeros (torch sums bf16 sources in fp32) */
 static void moe_combine(const bf16* ys, const float* weights, const int64_t* order, const int64_t* pos, int64_t T,
-                        int64_t k, int64_t H, bf16* out, int nthreads) {
+                        int64_t k, int64_t H, bf16* out, int nthreads, int64_t lo, int64_t hi) {
     const int nt = T > 1 && T * k * H >= (1 << 16) && nthreads > 1 ? (int)(T < nthreads ? T : nthreads) : 1;
 #pragma omp parallel for num_threads(nt) schedule(static)
     for (int64_t t = 0; t < T; t++) {
-        int64_t rows[64], n = 0; /* the token's rows, ascending (k <= 64, checked by the caller) */
+        int64_t rows[64], n = 0; /* the token's rows in [lo, hi) (its slots here), ascending (k <= 64: the caller) */
         for (int64_t j = 0; j < k; j++) {
-            int64_t r = pos[t * k + j], i = n++;
+            int64_t r = pos[t * k + j], i = n;
+            if (r < lo || r >= hi) continue;
+            n++;
             for (; i > 0 && rows[i - 1] > r; i--) rows[i] = rows[i - 1];
             rows[i] = r;
         }
@@ -206,11 +208,12 @@ static void moe_combine(const bf16* ys, const float* weights, const int64_t* ord
     }
 }
 
-/* What an expert's rows read and write in it_moe_experts: x and the projections, the grouping, the buffers of the
- * grouped rows (gathered x [R, H], gate_up [R, 2I], act [R, I], down [R, H]) */
+/* What an expert's rows read and write in it_moe_experts: x and the projections (their expert 0 is expert `off`:
+ * expert parallel), the grouping, the buffers of the grouped rows (gathered x [R, H], gate_up [R, 2I], act [R, I],
+ * down [R, H]) */
 typedef struct {
     const bf16* x;
-    int64_t ldx, k, H, I;
+    int64_t ldx, k, H, I, off;
     const it_lin *gate_up, *down;
     const int64_t *order, *start, *counts;
     bf16 *xs, *gu, *act, *ys;
@@ -228,7 +231,7 @@ static void moe_expert(const moe_rows* m, int64_t e, int nthreads, void* scratch
     const int64_t r0 = m->start[e], n = m->counts[e], H = m->H, I = m->I;
     for (int64_t i = 0; i < n; i++)
         memcpy(m->xs + (r0 + i) * H, m->x + (m->order[r0 + i] / m->k) * m->ldx, (size_t)H * 2);
-    const it_lin g = moe_expert_lin(m->gate_up, e), d = moe_expert_lin(m->down, e);
+    const it_lin g = moe_expert_lin(m->gate_up, e - m->off), d = moe_expert_lin(m->down, e - m->off);
     if (g.kind == IT_KIND_BF16C && g.inter) { /* gate and up interleaved: act straight from the epilogue */
         moe_linear(&g, m->xs + r0 * H, H, m->act + r0 * I, I, n, nthreads, scratch, 1);
     } else {
@@ -244,11 +247,15 @@ static void moe_expert(const moe_rows* m, int64_t e, int nthreads, void* scratch
  * schedule, the busiest first) or one after the other with their features split: IT_MOE_SIDE_BY_SIDE_ROWS.
  * Returns 0, or -2 where the shapes, or the grouping (counts summing to T k, order a permutation of 0 .. T k - 1),
  * do not fit. */
-int it_moe_experts(const bf16* x, int64_t ldx, int64_t T, const it_lin* gate_up, const it_lin* down, int64_t E,
-                   int64_t k, const float* weights, const int64_t* order, const int64_t* counts, bf16* out,
-                   int nthreads) {
+/* it_moe_experts over experts off .. off + local - 1 only (expert parallel: this rank's; gate_up and down describe
+ * expert off), their slots' sum into out, zero for a token with none of them: the rows of the other experts are
+ * another rank's */
+static int moe_experts_part(const bf16* x, int64_t ldx, int64_t T, const it_lin* gate_up, const it_lin* down,
+                            int64_t E, int64_t off, int64_t local, int64_t k, const float* weights,
+                            const int64_t* order, const int64_t* counts, bf16* out, int nthreads) {
     const int64_t H = gate_up->K, I = down->K, R = T * k;
     if (gate_up->N != 2 * I || down->N != H || k < 1 || k > 64 || T < 1) return -2;
+    if (off < 0 || local < 1 || off + local > E) return -2;
     for (int i = 0; i < 2; i++) {
         const it_lin* L = i ? down : gate_up;
         int known = L->kind == IT_KIND_BF16 || L->kind == IT_KIND_W8 || L->kind == IT_KIND_W4;
@@ -265,9 +272,11 @@ int it_moe_experts(const bf16* x, int64_t ldx, int64_t T, const it_lin* gate_up,
     for (int64_t e = 0; e < E; e++) {
         start[e] = rows;
         rows += counts[e] > 0 ? counts[e] : 0;
+        if (e < off || e >= off + local) continue;
         if (counts[e] > 0) active[na++] = e;
         maxn = counts[e] > maxn ? counts[e] : maxn;
     }
+    const int64_t lo = start[off], hi = off + local < E ? start[off + local] : rows; /* this part's rows */
     int bad = rows != R;
     for (int64_t r = 0; r < R; r++) pos[r] = -1;
     for (int64_t r = 0; r < R && !bad; r++) {
@@ -293,7 +302,7 @@ int it_moe_experts(const bf16* x, int64_t ldx, int64_t T, const it_lin* gate_up,
     const int64_t o_y = o_act + MOE_ALIGN64(R * I * 2), o_s = o_y + MOE_ALIGN64(R * H * 2);
     char* work = (char*)aligned_alloc(64, (size_t)(o_s + outer * scratch));
     bf16 *xs = (bf16*)work, *gu = (bf16*)(work + o_gu), *act = (bf16*)(work + o_act), *ys = (bf16*)(work + o_y);
-    const moe_rows rows_of = {x, ldx, k, H, I, gate_up, down, order, start, counts, xs, gu, act, ys};
+    const moe_rows rows_of = {x, ldx, k, H, I, off, gate_up, down, order, start, counts, xs, gu, act, ys};
 #ifdef MOE_ONE_ROW
     const int one_row = maxn == 1 && MOE_ONE_ROW(&rows_of, active, na, T, nthreads); /* (it computed ys) */
 #else
@@ -306,9 +315,15 @@ int it_moe_experts(const bf16* x, int64_t ldx, int64_t T, const it_lin* gate_up,
     } else if (!one_row) {
         for (int64_t a = 0; a < na; a++) moe_expert(&rows_of, active[a], nthreads, work + o_s);
     }
-    moe_combine(ys, weights, order, pos, T, k, H, out, nthreads);
+    moe_combine(ys, weights, order, pos, T, k, H, out, nthreads, lo, hi);
     free(work);
     free(idx);
     return 0;
+}
+
+int it_moe_experts(const bf16* x, int64_t ldx, int64_t T, const it_lin* gate_up, const it_lin* down, int64_t E,
+                   int64_t k, const float* weights, const int64_t* order, const int64_t* counts, bf16* out,
+                   int nthreads) {
+    return moe_experts_part(x, ldx, T, gate_up, down, E, 0, E, k, weights, order, counts, out, nthreads);
 }
 #endif

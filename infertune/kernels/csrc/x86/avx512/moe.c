@@ -86,9 +86,9 @@ static void moe_q_blocks(const moe_rows* m, const it_lin* L, const int64_t* acti
     for (int64_t b = b0; b < b1; b++) {
         const int64_t a = b / per, n0 = (b % per) * NR, row = m->start[active[a]];
         const int64_t r = by_token ? m->order[row] / m->k : a;
-        const it_lin e = moe_expert_lin(L, active[a]);
+        const it_lin e = moe_expert_lin(L, active[a] - m->off);
         if (b % per == per - 1 - ahead && a + 1 < na && b + ahead + 1 < b1) { /* the next expert's first blocks */
-            const it_lin nx = moe_expert_lin(L, active[a + 1]);
+            const it_lin nx = moe_expert_lin(L, active[a + 1] - m->off);
             for (int64_t off = 0; off < (ahead + 1) * NR * row_bytes; off += 64)
                 __builtin_prefetch((const char*)nx.w + off, 0, 2);
         }
