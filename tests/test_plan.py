@@ -109,6 +109,12 @@ def test_qwen7b_kv_matches_seeds(qwen):
     assert kv_bytes(qwen, 2048, 32, KVFormat("int8", scale_bytes=0)) == 3_758_096_384 // 2
     assert kv_bytes_per_token(qwen, KVFormat("int8")) == 2 * 28 * 4 * (128 + 2) == 29_120
     assert kv_bytes(qwen, 2048, 32, KVFormat("int8")) == 29_120 * 2048 * 32 == 1_908_408_320
+    # The engine's int4 tier after 512 tokens: 1536 of the 2048 in int4, head_dim / 2 bytes + an fp16 scale a KV head.
+    int4 = 2 * 28 * 4 * (64 + 2)
+    assert kv_bytes(qwen, 2048, 32, KVFormat("int8", int4_after=512)) == (512 * 29_120 + 1536 * int4) * 32
+    assert kv_bytes(qwen, 300, 1, KVFormat("int8", int4_after=512)) == 300 * 29_120  # (shorter than the tier's age)
+    with pytest.raises(ValueError, match="needs the int8 KV dtype"):
+        KVFormat("bf16", int4_after=512)
 
 
 def test_qwen7b_max_sequences_on_910b(qwen):

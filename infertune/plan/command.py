@@ -76,6 +76,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="KV-cache dtype; auto = 16-bit; int8 adds an fp16 scale per token and KV head (default: auto)",
     )
     p.add_argument(
+        "--kv-int4-after",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --kv-dtype int8: the engine's int4 tier (its --kv-int4-after): a sequence's tokens N or more behind "
+        "its newest counted at head_dim / 2 bytes and an fp16 scale a KV head, in full-attention layers (default: "
+        "off)",
+    )
+    p.add_argument(
         "--memory-utilization",
         type=float,
         default=0.90,
@@ -189,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
             context=ctx,
             batch=args.batch,
             weight_format=fmt,
-            kv_format=KVFormat(args.kv_dtype),
+            kv_format=KVFormat(args.kv_dtype, int4_after=args.kv_int4_after),
             efficiency=eff,
             measured_decode_tps=args.measured_decode_tps,
             measured_prefill_tps=args.measured_prefill_tps,

@@ -96,10 +96,18 @@ def weight_breakdown(spec: ModelSpec, fmt: WeightFormat = BF16) -> WeightBreakdo
 class KVFormat:
     name: str = "auto"
     scale_bytes: int = 2  # int8 only: one fp16 scale per token, layer, KV head, for K and for V (MLA: its one row)
+    # The engine's int4 tier (kv_int4_after, int8 only): a sequence's tokens this many or more behind its newest in
+    # int4 (head_dim / 2 bytes and an fp16 scale a token and KV head) in its full-attention layers; None: off.
+    int4_after: int | None = None
 
     def __post_init__(self) -> None:
         if self.name not in KV_DTYPES:
             raise ValueError(f"KV dtype {self.name!r} is unknown; choose one of {', '.join(KV_DTYPES)}")
+        if self.int4_after is not None and (self.name != "int8" or self.int4_after < 0):
+            raise ValueError(
+                f"the int4 tier (int4_after={self.int4_after}) needs the int8 KV dtype (--kv-dtype int8) and a "
+                "token count >= 0"
+            )
 
     @property
     def element_bytes(self) -> int:
@@ -128,8 +136,22 @@ def kv_token_layers(spec: ModelSpec, context: int) -> int:
     return full * context + spec.num_windowed_layers * capped
 
 
+def kv_int4_bytes_per_token_per_layer(spec: ModelSpec) -> int:
+    """A token's K and V in one layer in the int4 tier: head_dim / 2 bytes of nibbles and an fp16 scale a KV head."""
+    return 2 * spec.arch.num_key_value_heads * (spec.arch.head_dim // 2 + 2)
+
+
 def kv_bytes_per_sequence(spec: ModelSpec, context: int, kv: KVFormat = KVFormat()) -> int:
-    return kv_token_layers(spec, context) * kv_bytes_per_token_per_layer(spec, kv)
+    """With the int4 tier, a full-attention layer keeps int4_after tokens at int8 and the rest in int4 (the engine
+    packs whole pairs of blocks, so up to two blocks more stay int8); windowed layers are not tiered."""
+    if kv.int4_after is None:
+        return kv_token_layers(spec, context) * kv_bytes_per_token_per_layer(spec, kv)
+    if spec.arch.mla:
+        raise ValueError("the int4 tier is the engine's for K / V caches; MLA's latent cache does not take it")
+    old = max(0, context - kv.int4_after)
+    full = spec.arch.num_hidden_layers - spec.num_windowed_layers
+    tiered = full * (old * kv_int4_bytes_per_token_per_layer(spec) - old * kv_bytes_per_token_per_layer(spec, kv))
+    return kv_token_layers(spec, context) * kv_bytes_per_token_per_layer(spec, kv) + tiered
 
 
 def kv_bytes(spec: ModelSpec, context: int, batch: int, kv: KVFormat = KVFormat()) -> int:

@@ -211,6 +211,7 @@ def make_plan(req: PlanRequest) -> dict:
             "quantize_lm_head": req.weight_format.quantize_lm_head,
             "kv_dtype": req.kv_format.name,
             "kv_int8_scale_bytes": req.kv_format.scale_bytes if req.kv_format.name == "int8" else None,
+            "kv_int4_after": req.kv_format.int4_after,
             "memory_utilization": req.memory_utilization,
             "tokens_per_step": req.tokens_per_step,
             "price_usd_per_hour_per_card": price,
@@ -266,7 +267,7 @@ def _kv_groups(spec, context: int, kv) -> list[dict]:
     """Per KV cache group (the layers attending within one window, or in full: the engine's block tables), the
     tokens and bytes of KV one `context`-token sequence keeps in it: a window's layers at most the window (the
     engine holds up to one block more)."""
-    from infertune.plan.memory import kv_bytes_per_token_per_layer
+    from infertune.plan.memory import kv_bytes_per_token_per_layer, kv_int4_bytes_per_token_per_layer
     from infertune.scheduler_output import kv_cache_groups
 
     a = spec.arch
@@ -274,12 +275,16 @@ def _kv_groups(spec, context: int, kv) -> list[dict]:
     out = []
     for g in kv_cache_groups(a.layer_windows, a.num_hidden_layers, 2**62):
         tokens = context if g.window is None else min(context, g.window)
+        nbytes = tokens * len(g.layers) * per_layer
+        if kv.int4_after is not None and g.window is None:  # (the int4 tier: full layers' old tokens)
+            old = max(0, context - kv.int4_after)
+            nbytes -= old * len(g.layers) * (per_layer - kv_int4_bytes_per_token_per_layer(spec))
         out.append(
             {
                 "window": g.window,
                 "layers": len(g.layers),
                 "tokens_per_sequence": tokens,
-                "bytes_per_sequence": tokens * len(g.layers) * per_layer,
+                "bytes_per_sequence": nbytes,
             }
         )
     return out

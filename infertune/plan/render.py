@@ -56,6 +56,11 @@ def render_text(plan: dict) -> str:
         *_moe_line(m, w, plan["by_batch"]),
         f"  KV cache    {kv['bytes_per_token']:,} B per token ({'16-bit' if s['kv_dtype'] == 'auto' else s['kv_dtype']}"
         + (f", {kv['factor_vs_16bit']:.4f} x 16-bit" if s["kv_dtype"] == "int8" else "")
+        + (
+            f"; tokens {s['kv_int4_after']} or more behind the newest in int4 (the int4 tier)"
+            if s.get("kv_int4_after") is not None
+            else ""
+        )
         + (f"; MLA latent of {m['mla']['kv_lora_rank']} + {m['mla']['qk_rope_head_dim']} a layer" if m["mla"] else "")
         + f"); {_gb(kv['bytes_per_sequence'])} per {ctx}-token sequence"
         + (f"; {_gb(kv['bytes_for_batch'])} for batch {s['batch']}" if kv["bytes_for_batch"] is not None else ""),
