@@ -15,7 +15,7 @@ import time
 
 import pytest
 import torch
-from conftest import hf_model, make_checkpoint
+from conftest import hf_model, make_checkpoint, read_config
 from parity_utils import BLOCK, assert_teacher_forced, prompts_for, run
 from test_deepseek import VARIANTS as DEEPSEEK_VARIANTS
 from test_deepseek import make_deepseek_checkpoint
@@ -101,6 +101,23 @@ def test_two_ranks_give_one_rank_s_greedy_tokens(kind, tmp_path):
     for prompt, out in zip(prompts, got):
         assert_teacher_forced(hf, prompt, out)
     assert not any(p.is_alive() for p in llm.engine.executor._procs)
+
+
+def test_two_ranks_pack_the_int4_tier_as_one_rank(tiny_llama):
+    """The int4 tier under tensor parallel: each rank packs its own share of the KV heads as the step's kv_packs say
+    (blocks of 4, int4 after 4 tokens, prefill in chunks of 5 reading int4 context back, prefix caching): the greedy
+    tokens of one rank exactly, and packs happened. A rank that skipped the packs or packed other pages would read
+    garbage where the tables name int4 blocks."""
+    prompts = prompts_for(read_config(tiny_llama)["vocab_size"])
+    tier = dict(kv_cache_dtype="int8", kv_int4_after=4, max_num_batched_tokens=5, enable_prefix_caching=True)
+    one, reference = run(tiny_llama, prompts, **tier)
+    assert one.engine.block_manager.num_int4_packs > 0
+    llm, got = run(tiny_llama, prompts, tensor_parallel_size=2, **tier)
+    try:
+        assert got == reference
+        assert llm.engine.block_manager.num_int4_packs == one.engine.block_manager.num_int4_packs
+    finally:
+        llm.engine.shutdown()
 
 
 def test_a_rank_that_dies_is_named_and_nothing_hangs(tiny_llama):
