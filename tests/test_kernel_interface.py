@@ -291,10 +291,12 @@ class TorchKernels:
             x,
             routing.weights,
             routing.ids,
-            experts.num_experts,
+            experts.total or experts.num_experts,
             matmul(experts.gate_up),
             matmul(experts.down),
             grouping,
+            first=experts.first,  # (expert parallel: this rank's block of the router's experts)
+            local=experts.num_experts,
         )
 
     def fused_decoder(self, model):

@@ -253,6 +253,39 @@ def test_grouped_experts_match_the_reference(ks, t, hot, k, hidden, inter):
     torch.testing.assert_close(y.float(), loop.float(), rtol=2**-7, atol=2**-8 * float(ref.abs().max()))
 
 
+@pytest.mark.parametrize("t", [1, 5])
+def test_a_block_of_the_experts_runs_its_part_of_the_sum(ks, t):
+    """Expert parallel: KernelExperts holding experts first .. first + local - 1 of the router's 16 (first / total)
+    give, for the router's routing, the per-expert loop over the same pairs with every other expert's weight zero
+    (its pairs then add nothing), bit for bit in 98% of the elements or more as the whole layer does; a token none of
+    whose experts is in the block gets zeros; and the blocks' parts add up to the whole layer's output."""
+    import dataclasses
+
+    e, k, hidden, inter = 16, 4, 64, 32
+    g = torch.Generator().manual_seed(40 + t)
+    gate_up, down = expert_weights(e, hidden, inter, g)
+    x = torch.randn(t, hidden, generator=g).bfloat16()
+    routing = reference_routing(t, e, k, g, unpicked=0, hot=None)
+    routing = routing._replace(ids=routing.ids.clone())
+    routing.ids[0] = torch.tensor([0, 1, 2, 3])  # token 0: experts 0-3 only (none in the second block)
+    routing = MoeRouting(routing.weights, routing.ids, *group_by_expert(routing.ids, e))
+    whole = ks.moe_experts(x, bf16_experts(gate_up, down), routing)
+    parts = []
+    for first, local in ((0, 8), (8, 8)):
+        block = dataclasses.replace(
+            bf16_experts(gate_up[first : first + local], down[first : first + local]), first=first, total=e
+        )
+        y = ks.moe_experts(x, block, routing)
+        assert y is not None and y.shape == (t, hidden)
+        inside = (routing.ids >= first) & (routing.ids < first + local)
+        loop = experts_reference(x, gate_up, down, routing.weights * inside, routing.ids)
+        assert (y == loop).float().mean() >= 0.98
+        torch.testing.assert_close(y.float(), loop.float(), rtol=2**-7, atol=2**-8 * float(loop.abs().max()))
+        parts.append(y.float())
+    assert (parts[1][0] == 0).all()  # token 0's experts are all in the first block
+    torch.testing.assert_close(parts[0] + parts[1], whole.float(), rtol=2**-6, atol=2**-6 * float(whole.abs().max()))
+
+
 def test_grouped_experts_refuse_what_they_do_not_fit(ks):
     g = torch.Generator().manual_seed(2)
     gate_up, down = expert_weights(8, 64, 32, g)

@@ -64,7 +64,7 @@ AVX2_QUANT_MAX_ROWS = 2048
 # AVX-512 library without AMX does (NOAMX_GEMM_MAX_ROWS): each prompt row's attention runs on its own.
 AVX2_FUSED_PREFILL_ROWS = 128
 # The C side's ABI (csrc/abi.h IT_ABI_VERSION): bump both together when a shared struct or a signature changes.
-ABI_VERSION = 11
+ABI_VERSION = 12
 # The KV cache groups a fused step reads at most (csrc/abi.h IT_MAX_KV_GROUPS): layers grouped by sliding window
 MAX_KV_GROUPS = 8
 WARN_FLAGS = ["-Wall", "-Wextra", "-Wpointer-arith"]
@@ -406,6 +406,7 @@ def declare(lib: ctypes.CDLL) -> None:
         "it_bf16c_escapes": ([ptr, i64, i64, i64, ptr, ptr, ptr, ptr, cint], None),
         "it_moe_route": ([ptr, cint, i64, i64, ctypes.POINTER(ItMoe), ptr, ptr, ptr, ptr, ptr, cint], cint),
         "it_moe_experts": ([ptr, i64, i64, lin, lin, i64, i64, ptr, ptr, ptr, ptr, cint], cint),
+        "it_moe_experts_part": ([ptr, i64, i64, lin, lin, i64, i64, i64, i64, ptr, ptr, ptr, ptr, cint], cint),
     }
     for name, (args, res) in signatures.items():
         fn = getattr(lib, name, None)
@@ -1388,10 +1389,14 @@ def moe_experts(
     order: torch.Tensor,
     counts: torch.Tensor,
     *,
+    first: int = 0,
+    local: int | None = None,
     lib: ctypes.CDLL | None = None,
 ) -> torch.Tensor:
     """The routed experts of a step as one grouped GEMM (csrc/moe.h it_moe_experts): x [T, H] bf16, the experts'
-    it_lin (expert_lin), the routing's weights [T, k] fp32, order [T k] and counts [E] int64 -> [T, H] bf16."""
+    it_lin (expert_lin), the routing's weights [T, k] fp32, order [T k] and counts [E] int64 -> [T, H] bf16. Expert
+    parallel: gate_up / down hold experts first .. first + local - 1 of the routing's num_experts, and the output is
+    their part alone (it_moe_experts_part)."""
     x2 = _rows(x)
     t, h = x2.shape
     k = weights.shape[1]
@@ -1407,13 +1412,15 @@ def moe_experts(
     lib = _pick(lib)
     out = torch.empty(t, h, dtype=torch.bfloat16)
     with profiled("moe_experts"):
-        rc = lib.it_moe_experts(
+        rc = lib.it_moe_experts_part(
             x2.data_ptr(),
             x2.stride(0),
             t,
             ctypes.byref(gate_up),
             ctypes.byref(down),
             num_experts,
+            first,
+            num_experts if local is None else local,
             k,
             weights.data_ptr(),
             order.data_ptr(),

@@ -101,6 +101,11 @@ class KernelExperts:
     num_experts: int
     gate_up: KernelLinear  # [E, 2I, H]
     down: KernelLinear  # [E, H, I]
+    # Expert parallel: these are experts first .. first + num_experts - 1 of the router's `total` (0: num_experts, all
+    # of them); a routing's ids are the router's, and the experts' output is this block's part (the other ranks add
+    # theirs). An implementation that does not run a block returns None (moe_experts) or why (fused_decoder).
+    first: int = 0
+    total: int = 0
 
 
 @dataclass(slots=True)
@@ -117,11 +122,6 @@ class FusedMoE:
     shared_gate_up: KernelLinear | None = None  # the shared expert (Qwen2-MoE), None: none
     shared_down: KernelLinear | None = None
     shared_gate: torch.Tensor | None = None  # [1, hidden] bf16: sigmoid(x . g) scales the shared expert's output
-    # Expert parallel: `experts` holds experts expert_offset .. expert_offset + local_experts - 1 of the router's
-    # moe.num_experts (0: all of them); the layer's output is then this rank's experts' part (summed over the ranks by
-    # the step's all-reduce). An implementation that does not run a part of the experts returns why where it is set.
-    expert_offset: int = 0
-    local_experts: int = 0
 
 
 @dataclass(slots=True)
@@ -324,8 +324,9 @@ class DecodeKernels(Protocol):
         ...
 
     def moe_experts(self, x: torch.Tensor, experts: KernelExperts, routing: MoeRouting) -> torch.Tensor | None:
-        """x [T, H] bf16 -> the routed experts' weighted sum [T, H] bf16 (experts_reference, rounded as it rounds);
-        None where the weights' kinds or the step do not fit (too many rows, ...)."""
+        """x [T, H] bf16 -> the routed experts' weighted sum [T, H] bf16 (experts_reference, rounded as it rounds; with
+        experts.first / total set, the sum over the block's experts only); None where the weights' kinds or the step
+        do not fit (too many rows, ...)."""
         ...
 
     def fused_decoder(self, model: FusedModel) -> FusedDecoder | str:

@@ -133,7 +133,15 @@ class X86Kernels:
         if any(isinstance(lin, str) for lin in lins):
             return None
         return cpu.moe_experts(
-            x, *lins, experts.num_experts, routing.weights, routing.order, routing.counts, lib=self.lib
+            x,
+            *lins,
+            experts.total or experts.num_experts,
+            routing.weights,
+            routing.order,
+            routing.counts,
+            first=experts.first,
+            local=experts.num_experts,
+            lib=self.lib,
         )
 
     def fused_decoder(self, model: FusedModel) -> FusedDecoder | str:

@@ -315,14 +315,11 @@ def _moe_layer(moe: FusedMoE, keep: list) -> cpu.ItMoeLayer | str:
             return f"{lin} (the grouped experts' kernel does not take them)"
     router = moe.router.contiguous()
     c = cpu.ItMoeLayer(rule=rule, router=router.data_ptr(), gate_up=lins[0], down=lins[1])
-    if moe.local_experts:  # expert parallel: gate_up / down hold this rank's block of the router's experts
-        if (
-            moe.expert_offset < 0
-            or moe.expert_offset + moe.local_experts > moe.moe.num_experts
-            or e != moe.local_experts
-        ):
-            return f"experts {moe.expert_offset} .. + {moe.local_experts} of {moe.moe.num_experts} (not one block)"
-        c.expert_offset, c.local_experts = moe.expert_offset, moe.local_experts
+    if moe.experts.total:  # expert parallel: gate_up / down hold this rank's block of the router's experts
+        first, total = moe.experts.first, moe.experts.total
+        if total != moe.moe.num_experts or first < 0 or first + e > total:
+            return f"experts {first} .. {first + e - 1} of {total} (the router has {moe.moe.num_experts})"
+        c.expert_offset, c.local_experts = first, e
     keep += [router, moe.experts, *lins]
     if moe.correction_bias is not None:
         c.bias = moe.correction_bias.data_ptr()

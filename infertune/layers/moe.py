@@ -20,6 +20,7 @@ to route() where a tie at the top-k boundary decides a token's experts: see csrc
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -215,14 +216,20 @@ class Experts(KernelOp):
     def forward_kernels(self, x: torch.Tensor, routing: MoeRouting) -> torch.Tensor | None:
         if x.dtype is not torch.bfloat16 or self._kernel_experts is None:
             return None
-        if self.num_experts != self.global_experts:  # expert parallel: the grouped GEMM takes every expert's
-            return None  # pairs; the reference runs only this rank's (not yet in the kernels)
         return self.kernels.moe_experts(x, self._kernel_experts, routing)
+
+    def kernel_view(self) -> KernelExperts | None:
+        """The experts as the kernels take them (quant_method.kernel_experts), with this rank's block of the router's
+        experts where they are split whole over the ranks (expert parallel)."""
+        got = self.quant_method.kernel_experts(self)
+        if got is not None and self.num_experts != self.global_experts:
+            got = dataclasses.replace(got, first=self.expert_offset, total=self.global_experts)
+        return got
 
     def use_kernels(self, kernels) -> None:
         super().use_kernels(kernels)
         # (after loading and quantization: the tensors the description points at are final)
-        self._kernel_experts = self.quant_method.kernel_experts(self) if kernels is not None else None
+        self._kernel_experts = self.kernel_view() if kernels is not None else None
 
 
 class ExpertsMethod:

@@ -195,7 +195,7 @@ class FusedDecode:
         router, experts = mlp.gate, mlp.experts
         if router.weight.dtype is not torch.bfloat16:
             return f"{where} routes in {router.weight.dtype} (the fused step takes bf16 routers)"
-        kernel_experts = experts.quant_method.kernel_experts(experts)
+        kernel_experts = experts.kernel_view()  # (expert parallel: this rank's block)
         if kernel_experts is None:
             return f"{where} keeps its experts as {experts.quant_method.name}, which the grouped kernel does not take"
         spec = FusedMoE(
@@ -209,8 +209,6 @@ class FusedDecode:
             experts=kernel_experts,
             route=router._route,
         )
-        if experts.num_experts != experts.global_experts:  # expert parallel: this rank's block of the experts
-            spec.expert_offset, spec.local_experts = experts.expert_offset, experts.num_experts
         if mlp.shared_name is not None:
             shared = getattr(mlp, mlp.shared_name)
             for field, lin in (("shared_gate_up", shared.gate_up_proj), ("shared_down", shared.down_proj)):

@@ -6,7 +6,7 @@
 #define IT_ABI_H
 #include "bf16.h"
 
-#define IT_ABI_VERSION 11
+#define IT_ABI_VERSION 12
 #define IT_MAX_KV_GROUPS 8 /* it_step's KV cache groups at most (cpu.py MAX_KV_GROUPS) */
 /* A block-table entry of an int4 block (the int4 tier of an int8 cache; scheduler_output.INT4_SHIFT and its
  * neighbours): the block id with 1 (its low half) or 2 (its high half) at bit IT_INT4_SHIFT */

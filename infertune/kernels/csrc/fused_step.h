@@ -129,7 +129,7 @@ static int moe_mlp(const it_model* m, const it_moe_layer* M, const it_step* s, i
     }
     /* (expert parallel: this rank's experts only; the block's all-reduce adds the others') */
     const int64_t local = M->local_experts > 0 ? M->local_experts : E, off = M->local_experts > 0 ? M->expert_offset : 0;
-    if (moe_experts_part(h, H, R, &M->gate_up, &M->down, E, off, local, k, weights, order, counts, y, m->nthreads))
+    if (it_moe_experts_part(h, H, R, &M->gate_up, &M->down, E, off, local, k, weights, order, counts, y, m->nthreads))
         return -2;
     if (stats) {
         const double t1 = now_s();

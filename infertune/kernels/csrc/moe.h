@@ -250,9 +250,9 @@ static void moe_expert(const moe_rows* m, int64_t e, int nthreads, void* scratch
 /* it_moe_experts over experts off .. off + local - 1 only (expert parallel: this rank's; gate_up and down describe
  * expert off), their slots' sum into out, zero for a token with none of them: the rows of the other experts are
  * another rank's */
-static int moe_experts_part(const bf16* x, int64_t ldx, int64_t T, const it_lin* gate_up, const it_lin* down,
-                            int64_t E, int64_t off, int64_t local, int64_t k, const float* weights,
-                            const int64_t* order, const int64_t* counts, bf16* out, int nthreads) {
+int it_moe_experts_part(const bf16* x, int64_t ldx, int64_t T, const it_lin* gate_up, const it_lin* down, int64_t E,
+                        int64_t off, int64_t local, int64_t k, const float* weights, const int64_t* order,
+                        const int64_t* counts, bf16* out, int nthreads) {
     const int64_t H = gate_up->K, I = down->K, R = T * k;
     if (gate_up->N != 2 * I || down->N != H || k < 1 || k > 64 || T < 1) return -2;
     if (off < 0 || local < 1 || off + local > E) return -2;
@@ -324,6 +324,6 @@ static int moe_experts_part(const bf16* x, int64_t ldx, int64_t T, const it_lin*
 int it_moe_experts(const bf16* x, int64_t ldx, int64_t T, const it_lin* gate_up, const it_lin* down, int64_t E,
                    int64_t k, const float* weights, const int64_t* order, const int64_t* counts, bf16* out,
                    int nthreads) {
-    return moe_experts_part(x, ldx, T, gate_up, down, E, 0, E, k, weights, order, counts, out, nthreads);
+    return it_moe_experts_part(x, ldx, T, gate_up, down, E, 0, E, k, weights, order, counts, out, nthreads);
 }
 #endif
