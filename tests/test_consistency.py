@@ -124,6 +124,21 @@ def test_int8_kv_is_judged_by_the_accuracy_gate(ckpts):
     assert strict["results"][0].verdict == "FAIL (gate)" and strict["exit_code"] == 1
 
 
+def test_the_int4_tier_is_judged_against_the_model_dtype_cache(ckpts):
+    """With kv_int4_after the accuracy pair's reference drops the tier with the int8 cache (an engine refuses the
+    tier without int8), and the tier's pair measures more loss than the int8 cache's alone (its int4 blocks are
+    really read: prompts of up to 51 tokens, int4 after 4)."""
+    from infertune.profile.consistency_pairs import make_pairs
+
+    (pair,) = [p for p in make_pairs({"kv_cache_dtype": "int8", "kv_int4_after": 4}, 8, 11) if p.key == "kv-int8"]
+    assert pair.ref == {"kv_cache_dtype": "auto", "kv_int4_after": None} and "int4 after 4" in pair.test_label
+    got = {}
+    for options in ({"kv_cache_dtype": "int8"}, {"kv_cache_dtype": "int8", "kv_int4_after": 4}):
+        report = consistency.check_consistency(str(ckpts["llama"]), options=options, pairs=["kv-int8"], **FAST)
+        got[len(options)] = report["results"][0].accuracy["mean_abs_logprob"]
+    assert got[2] > got[1] > 0, got
+
+
 # ---- broken paths are caught on the right pair, at the right place ------------------------------------------
 
 

@@ -80,9 +80,17 @@ def make_pairs(user: dict, batch: int, chunk_tokens: int) -> list[Pair]:
         ),
     ]
     if user.get("kv_cache_dtype", "auto") == "int8":
+        tier = user.get("kv_int4_after")  # (the int4 tier rides on the int8 cache: off with it on the reference side)
+        test = "int8 KV" if tier is None else f"int8 KV, int4 after {tier}"
         pairs.append(
             Pair(
-                "kv-int8", "bf16 KV vs int8 KV", {"kv_cache_dtype": "auto"}, {}, "accuracy", "model-dtype KV", "int8 KV"
+                "kv-int8",
+                f"bf16 KV vs {test}",
+                {"kv_cache_dtype": "auto", "kv_int4_after": None},
+                {},
+                "accuracy",
+                "model-dtype KV",
+                test,
             )
         )
     if user.get("quantization"):
