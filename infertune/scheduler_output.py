@@ -43,6 +43,12 @@ def int4_entry(block_id: int, high: bool) -> int:
     return block_id | (INT4_HI if high else INT4_LO)
 
 
+def int4_entries_due(held: int, age: int, block_size: int) -> int:
+    """The leading table entries that should be int4 once `held` tokens are computed: whole pairs of blocks whose
+    tokens all lie `age` or more behind the newest (the scheduler packs them before a step)."""
+    return max(0, held - age) // block_size // 2 * 2
+
+
 def entry_block(entry: int) -> int:
     """The block id a table entry reads (NULL_BLOCK stays itself)."""
     return entry if entry < 0 else entry & BLOCK_ID_MASK

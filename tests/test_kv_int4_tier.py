@@ -49,7 +49,7 @@ def test_pack_stores_the_exact_int4_of_the_int8_values():
     """Two pairs in one call over two layers' pages, K and V: one packed in place (dst = first), one into a third
     block; each half's nibbles and fp16 scale are the spec's, to the bit, and the untouched blocks stay."""
     torch.manual_seed(0)
-    attn = Int8PagedAttention(torch.float32)
+    attn = Int8PagedAttention(torch.float32, int4_tier=True)
     pages = torch.zeros(2, *attn.kv_cache_shape(BLOCKS, BS, HKV, D), dtype=torch.int8)
     xs = {}
     for layer in range(2):
@@ -106,7 +106,7 @@ def test_decode_and_chunk_over_int4_entries_match_fp64_attention(packs):
     """A decode row and a chunk of 3 queries over a context of 19 tokens (blocks of 4) whose first 2 * packs entries
     are int4: fp64 attention over what the cache holds (int4 there, int8 after) within fp32 rounding; and the int4
     part matters (attention over int8 values everywhere is measurably off)."""
-    attn = Int8PagedAttention(torch.float32)
+    attn = Int8PagedAttention(torch.float32, int4_tier=True)
     n = 19
     cache, table, k, v, held_k, held_v = _tiered_cache(attn, n, packs)
     # decode: the last token's query, its KV written now (int8), the rest read through the table

@@ -41,7 +41,14 @@ from collections.abc import Sequence as Seq
 
 from infertune.engine.block_manager import BlockManager
 from infertune.engine.sequence import Sequence
-from infertune.scheduler_output import NULL_BLOCK, KVCacheGroup, entry_block, entry_kind, int4_entry
+from infertune.scheduler_output import (
+    NULL_BLOCK,
+    KVCacheGroup,
+    entry_block,
+    entry_kind,
+    int4_entries_due,
+    int4_entry,
+)
 
 
 class KVCacheCoordinator(BlockManager):
@@ -194,13 +201,17 @@ class KVCacheCoordinator(BlockManager):
                 table.append(block_id)
         for g, (table, n) in enumerate(zip(tables, needed)):
             for _ in range(n):
-                block_id, _ = self._free.popitem(last=False)
-                block = self.blocks[block_id]
-                self._forget(block)
-                block.ref_count = 1
-                table.append(block_id)
-            self._blocks_used[g] += n
+                table.append(self._take_free(g))
         return True
+
+    def _take_free(self, group: int) -> int:
+        """The next free block (uncached ones first), forgotten by the prefix cache and held once by `group`."""
+        block_id, _ = self._free.popitem(last=False)
+        block = self.blocks[block_id]
+        self._forget(block)
+        block.ref_count = 1
+        self._blocks_used[group] += 1
+        return block_id
 
     def _free_below(self, group: int, table: list[int], first: int) -> None:
         """Release table's blocks before index first (out of the window), in order: the oldest is evicted first."""
@@ -246,9 +257,9 @@ class KVCacheCoordinator(BlockManager):
         for g, table in enumerate(tables):
             if self.windows[g] is not None:
                 continue  # (a window frees its old blocks instead)
-            old = (seq.num_computed_tokens - evicted[g] - self.int4_after) // self.block_size  # entries wholly old
+            due = int4_entries_due(seq.num_computed_tokens - evicted[g], self.int4_after, self.block_size)
             i = seq.num_int4_entries[g]
-            while i + 2 <= min(old, len(table)):
+            while i + 2 <= min(due, len(table)):
                 first, second = table[i], table[i + 1]
                 block = self.blocks[first]
                 if block.ref_count == 1 and block.hash is None:
@@ -257,11 +268,7 @@ class KVCacheCoordinator(BlockManager):
                 else:  # shared or cached: a fresh block, the two stay as they are for the others
                     if not self._free:
                         break
-                    dst, _ = self._free.popitem(last=False)
-                    fresh = self.blocks[dst]
-                    self._forget(fresh)
-                    fresh.ref_count = 1
-                    self._blocks_used[g] += 1
+                    dst = self._take_free(g)
                     self._release(g, first)
                     self._release(g, second)
                 table[i], table[i + 1] = int4_entry(dst, False), int4_entry(dst, True)

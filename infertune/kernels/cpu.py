@@ -1134,13 +1134,10 @@ def fused_step_timers(stats: ItStepStats, reset: bool = False) -> dict[str, floa
 def take_fused_allreduce(stats: ItStepStats) -> tuple[int, int, float]:
     """Tensor parallel: the fused step's all-reduces in C since the last take (their pieces, the fp32 bytes this rank
     published, their seconds), and start those three from zero (the other timers stay). Read between steps."""
-    got = (
-        int(stats.allreduce_calls),
-        int(stats.allreduce_bytes),
-        float(stats.seconds[FUSED_PARTS.index("all-reduce (tensor parallel)")]),
-    )
+    part = FUSED_PARTS.index("all-reduce (tensor parallel)")
+    got = (int(stats.allreduce_calls), int(stats.allreduce_bytes), float(stats.seconds[part]))
     stats.allreduce_calls = stats.allreduce_bytes = 0
-    stats.seconds[FUSED_PARTS.index("all-reduce (tensor parallel)")] = 0.0
+    stats.seconds[part] = 0.0
     return got
 
 

@@ -308,7 +308,7 @@ def _teacher_forced(engine, prompts, ref_tokens) -> list[tuple[list[float], list
     packed before each step as the scheduler packs them (in place), so the steps read the int4 blocks too."""
     import torch
 
-    from infertune.scheduler_output import int4_entry
+    from infertune.scheduler_output import int4_entries_due, int4_entry
 
     runner = engine.executor.runner
     age = engine.config.cache.kv_int4_after if len(runner.kv_groups) == 1 else None
@@ -322,7 +322,7 @@ def _teacher_forced(engine, prompts, ref_tokens) -> list[tuple[list[float], list
             blocks = list(range(-(-len(seq) // runner.block_size)))
             rows, packed = [], 0
             for start, n in [(0, len(p))] + [(j, 1) for j in range(len(p), len(seq))]:
-                while age is not None and packed + 2 <= (start - age) // runner.block_size:
+                while age is not None and packed + 2 <= int4_entries_due(start, age, runner.block_size):
                     first, second = blocks[packed], blocks[packed + 1]
                     runner._pack_int4([(0, first, second, first)])
                     blocks[packed], blocks[packed + 1] = int4_entry(first, False), int4_entry(first, True)

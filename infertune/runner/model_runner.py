@@ -80,7 +80,9 @@ class ModelRunner:
             log.info("decode kernels off: %s; torch's operators run", backend.kernels_unavailable_reason())
         elif self.decode_kernels is not None:
             log.info("decode kernels: %s", self.decode_kernels.name)
-        self.attn = attention_backend(arch, config.cache.kv_cache_dtype, self.dtype)
+        self.attn = attention_backend(
+            arch, config.cache.kv_cache_dtype, self.dtype, config.cache.kv_int4_after is not None
+        )
         self.model = load_model(
             arch,
             config.model.model,

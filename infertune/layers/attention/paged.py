@@ -173,8 +173,10 @@ class Int8PagedAttention(TorchPagedAttention):
     cache_dtype = torch.int8
     SCALE_BYTES = 4
 
-    def __init__(self, compute_dtype: torch.dtype) -> None:
+    def __init__(self, compute_dtype: torch.dtype, int4_tier: bool = False) -> None:
+        """int4_tier: the tables may hold int4 entries (CacheConfig.kv_int4_after); else no read looks for them."""
         self.compute_dtype = compute_dtype
+        self.int4_tier = int4_tier
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         return (2, num_blocks, block_size, num_kv_heads, head_dim + self.SCALE_BYTES)
@@ -214,8 +216,8 @@ class Int8PagedAttention(TorchPagedAttention):
         return torch.cat([low, b >> 4], dim=-1).float() * scale
 
     def _read_blocks(self, kv_cache: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
-        kinds = entries >> INT4_SHIFT
-        if not bool(kinds.any()):
+        kinds = entries >> INT4_SHIFT if self.int4_tier else None
+        if kinds is None or not bool(kinds.any()):
             return super()._read_blocks(kv_cache, entries)
         raw = kv_cache.index_select(1, entries & BLOCK_ID_MASK)
         return self._decoded_kinds(raw, kinds.view(1, -1, 1, 1, 1))
@@ -223,8 +225,8 @@ class Int8PagedAttention(TorchPagedAttention):
     def _read_slots(self, kv_cache: torch.Tensor, which: int, slots: torch.Tensor) -> torch.Tensor:
         _, num_blocks, block_size, hkv, width = kv_cache.shape
         shift = INT4_SHIFT + block_size.bit_length() - 1  # (a slot is its entry * block_size + offset)
-        kinds = slots >> shift
-        if not bool(kinds.any()):
+        kinds = slots >> shift if self.int4_tier else None
+        if kinds is None or not bool(kinds.any()):
             return super()._read_slots(kv_cache, which, slots)
         raw = kv_cache[which].view(num_blocks * block_size, hkv, width).index_select(0, slots & ((1 << shift) - 1))
         return self._decoded_kinds(raw, kinds.view(-1, 1, 1))

@@ -10,9 +10,12 @@ from infertune.layers.attention.mla import Int8MlaAttention, MlaAttention
 from infertune.layers.attention.paged import Int8PagedAttention, TorchPagedAttention
 
 
-def attention_backend(arch: ArchConfig, kv_cache_dtype: str, dtype: torch.dtype) -> AttentionBackend:
-    """The latent cache for an MLA model (DeepSeek), the paged K/V cache for the others; int8 or the model dtype."""
+def attention_backend(
+    arch: ArchConfig, kv_cache_dtype: str, dtype: torch.dtype, int4_tier: bool = False
+) -> AttentionBackend:
+    """The latent cache for an MLA model (DeepSeek), the paged K/V cache for the others; int8 or the model dtype;
+    int4_tier: the int8 cache's tables may hold the int4 tier's entries (CacheConfig.kv_int4_after)."""
     int8 = kv_cache_dtype == "int8"
     if arch.mla is not None:
         return Int8MlaAttention(arch.mla, dtype) if int8 else MlaAttention(arch.mla)
-    return Int8PagedAttention(dtype) if int8 else TorchPagedAttention()
+    return Int8PagedAttention(dtype, int4_tier) if int8 else TorchPagedAttention()
