@@ -511,3 +511,16 @@ def test_cli_generate_runs_a_deepseek_checkpoint(tmp_path, capsys):
     expected = llm.generate("The latent cache", params, use_tqdm=False)[0].outputs[0].text
     assert out == expected + "\n"
     assert "output 6 tok (length)" in err
+
+
+@pytest.mark.parametrize("kv", ["auto", "int8"])
+def test_fused_step_runs_latent_attention(variant, kv):
+    """The fused C decode step takes DeepSeek's layers (MLA: the projections, the latent's norm, de-interleaved
+    rotary, the row written to the cache, the absorbed query, attention over the latent rows, W_UV, o_proj; the fp32
+    router with every routing rule of VARIANTS; the shared experts; the dense first layer) as exactly as the
+    per-module path, both against HF transformers in fp32 (test_sliding_window._fused_against_per_module: every
+    decode step fused), with a bf16 and an int8 latent cache."""
+    from test_sliding_window import _fused_against_per_module
+
+    _, path, hf = variant
+    _fused_against_per_module(path, hf.float(), prompts_for(hf.config.vocab_size), 1, kv_cache_dtype=kv)

@@ -304,6 +304,10 @@ class TorchKernels:
             return "the reference kernels have no all-reduce (tensor parallel)"
         if model.kv_int4:
             return "the reference kernels read no int4 KV blocks"
+        if any(layer.mla is not None for layer in model.layers):
+            return "the reference kernels run no latent attention"
+        if any(layer.moe is not None and layer.moe.router.dtype is not torch.bfloat16 for layer in model.layers):
+            return "the reference kernels route in bf16 only"
         return TorchFused(model, self) if self.fused else "the reference kernels were asked not to fuse"
 
     def profiled(self, name):

@@ -317,13 +317,16 @@ def test_a_stored_quantized_checkpoint_splits_over_the_ranks(method, tmp_path):
             torch.testing.assert_close(two, one, atol=1e-4, rtol=0, msg=f"{kind} {method} {extra}")
 
 
-@pytest.mark.parametrize("kind", ["llama-kv1-odd-vocab", "gemma2", "qwen2-moe", "qwen2-moe+ep", "mixtral+ep"])
+@pytest.mark.parametrize(
+    "kind", ["llama-kv1-odd-vocab", "gemma2", "qwen2-moe", "qwen2-moe+ep", "mixtral+ep", "deepseek-v3+ep"]
+)
 def test_two_ranks_run_the_fused_step_in_bf16(kind, tmp_path):
     """bf16 on the CPU's kernels: each rank runs its share of every layer in one fused C step, summing o_proj's and
     down's (a MoE block's) outputs over the ranks through the shared-memory all-reduce in C (csrc/fused_step.h
     tp_allreduce, the protocol of layers/shm_allreduce.py, whose sequence numbers it shares); MoE models with their
     experts' features split, or with expert parallel (+ep: each rank's block of whole experts, the others' pairs
-    skipped). Oracle: HF transformers in fp32, the logprobs as close as one rank's fused engine; and the
+    skipped); DeepSeek-V3 (latent attention: each rank's heads, the latent replicated; the fp32 router, expert
+    parallel). Oracle: HF transformers in fp32, the logprobs as close as one rank's fused engine; and the
     collectives (exact counts): per step the embedding's all-reduce and the head's gather in Python, not the 2L + 1
     all-reduces of the per-module path, and the 2L in C (counted by the kernels, in the same bytes as the
     embedding's: rows x hidden fp32)."""
@@ -349,7 +352,7 @@ def test_two_ranks_run_the_fused_step_in_bf16(kind, tmp_path):
             if size == 2:
                 layers, steps = hf.config.num_hidden_layers, None
                 # (MoE models: the prompts' step runs the per-module path, its 2L + 1 all-reduces in Python)
-                module_steps = 1 if kind in MOE_VARIANTS else 0
+                module_steps = 1 if kind in MOE_VARIANTS or kind.startswith("deepseek") else 0
                 for rank in llm.engine.executor.comm_stats():
                     steps = rank["steps"]
                     calls = {k: v["calls"] for k, v in rank["collectives"].items()}

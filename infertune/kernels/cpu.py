@@ -64,7 +64,7 @@ AVX2_QUANT_MAX_ROWS = 2048
 # AVX-512 library without AMX does (NOAMX_GEMM_MAX_ROWS): each prompt row's attention runs on its own.
 AVX2_FUSED_PREFILL_ROWS = 128
 # The C side's ABI (csrc/abi.h IT_ABI_VERSION): bump both together when a shared struct or a signature changes.
-ABI_VERSION = 12
+ABI_VERSION = 13
 # The KV cache groups a fused step reads at most (csrc/abi.h IT_MAX_KV_GROUPS): layers grouped by sliding window
 MAX_KV_GROUPS = 8
 WARN_FLAGS = ["-Wall", "-Wextra", "-Wpointer-arith"]
@@ -447,6 +447,7 @@ class ItLayer(ctypes.Structure):
         ("pre_ff_norm", ctypes.c_void_p),  # Gemma's MLP input norm (post_norm is then o_proj's output's); None: Llama's
         ("post_ff_norm", ctypes.c_void_p),  # Gemma's norm of the MLP's output
         ("cos_sin", ctypes.c_void_p),  # the layer's own rotary table (Gemma 3's sliding layers); None: the model's
+        ("mla", ctypes.c_void_p),  # an ItMlaLayer (latent attention), or None: the heads' own K / V
     ]
 
 
@@ -467,6 +468,13 @@ class ItModel(ctypes.Structure):
         ("act", ctypes.c_int32),  # ACT_SILU / ACT_GELU_TANH
         ("norm_f32", ctypes.c_int32),  # 1: every norm's weight is fp32 factors (Gemma's 1 + w)
         ("softcap", ctypes.c_float),  # > 0: attention scores soft-capped (Gemma 2)
+        # latent attention (ItMlaLayer): the latent's, rotary key's, q's no-rotary part's and v's widths per head, q's
+        # low rank; 0: none
+        ("mla_rank", ctypes.c_int64),
+        ("mla_rope", ctypes.c_int64),
+        ("mla_nope", ctypes.c_int64),
+        ("mla_v", ctypes.c_int64),
+        ("mla_q_rank", ctypes.c_int64),
     ]
 
 
@@ -573,6 +581,22 @@ class ItMoeLayer(ctypes.Structure):
         ("shared_gate", ctypes.c_void_p),
         ("expert_offset", ctypes.c_int64),
         ("local_experts", ctypes.c_int64),
+        ("router_f32", ctypes.c_void_p),  # an fp32 router [E, hidden] (DeepSeek's; router unused), or None
+    ]
+
+
+class ItMlaLayer(ctypes.Structure):
+    """A latent-attention layer of the fused step (csrc/abi.h it_mla_layer; the dims are ItModel.mla_*)."""
+
+    _fields_ = [
+        ("q_a", ItLin),  # N = 0: no low-rank q (q_b is q_proj)
+        ("q_b", ItLin),
+        ("kv_a", ItLin),
+        ("q_a_norm", ctypes.c_void_p),
+        ("kv_a_norm", ctypes.c_void_p),
+        ("kv_up", ctypes.c_void_p),  # kv_b_proj [H, nope + v, rank] bf16
+        ("latent_eps", ctypes.c_float),
+        ("interleaved", ctypes.c_int32),
     ]
 
 
@@ -594,6 +618,7 @@ def abi_layout(structs: dict[str, type[ctypes.Structure]] | None = None) -> list
         "bf16c": Bf16c,
         "it_moe": ItMoe,
         "it_moe_layer": ItMoeLayer,
+        "it_mla_layer": ItMlaLayer,
     } | (structs or {})
     fields = {
         "it_lin": ("kind", "scale_is_f32", "w", "scale", "bias", "N", "K", "zero", "group", "inter"),
@@ -613,6 +638,7 @@ def abi_layout(structs: dict[str, type[ctypes.Structure]] | None = None) -> list
             "pre_ff_norm",
             "post_ff_norm",
             "cos_sin",
+            "mla",
         ),  # fmt: skip
         "it_model": (
             "hidden",
@@ -634,6 +660,11 @@ def abi_layout(structs: dict[str, type[ctypes.Structure]] | None = None) -> list
             "act",
             "norm_f32",
             "softcap",
+            "mla_rank",
+            "mla_rope",
+            "mla_nope",
+            "mla_v",
+            "mla_q_rank",
         ),  # fmt: skip
         "it_step": (
             "T",
@@ -668,6 +699,7 @@ def abi_layout(structs: dict[str, type[ctypes.Structure]] | None = None) -> list
         "bf16c": ("codes", "table", "esc_start", "esc_pos", "esc_val"),
         "it_moe": tuple(f for f, _ in ItMoe._fields_),
         "it_moe_layer": tuple(f for f, _ in ItMoeLayer._fields_),
+        "it_mla_layer": tuple(f for f, _ in ItMlaLayer._fields_),
     }
     out: list[tuple[str, int]] = []
     for sname, names in fields.items():

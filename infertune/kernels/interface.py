@@ -115,13 +115,33 @@ class FusedMoE:
     where `moe_route` would hand it back (a tie at the top-k boundary), so the picks are the per-module path's."""
 
     moe: MoeArch
-    router: torch.Tensor  # [E, hidden] bf16
+    router: torch.Tensor  # [E, hidden] bf16, or fp32 (DeepSeek's: the logits in fp32, as F.linear(x.float(), w))
     correction_bias: torch.Tensor | None  # [E] fp32: DeepSeek-V3's, for selection only
     experts: KernelExperts
     route: Callable[[torch.Tensor], MoeRouting]  # router logits [T, E] -> the routing (layers/moe.py Router._route)
     shared_gate_up: KernelLinear | None = None  # the shared expert (Qwen2-MoE), None: none
     shared_down: KernelLinear | None = None
     shared_gate: torch.Tensor | None = None  # [1, hidden] bf16: sigmoid(x . g) scales the shared expert's output
+
+
+@dataclass(frozen=True, slots=True)
+class FusedMla:
+    """A latent-attention layer (DeepSeek-V2 / V3; models/deepseek.py DeepseekAttention over layers/attention/mla.py
+    MlaAttention) for the fused step: the layer's kv_cache keeps one row a token, [c (rank), rotated k_pe (rope)];
+    decode attends with the absorbed weights (W_UK into the query, W_UV after attention) over those rows."""
+
+    q_a: KernelLinear | None  # q_a_proj [q_rank, hidden]; None: q_b is q_proj (no low rank, V2-Lite)
+    q_a_norm: torch.Tensor | None  # [q_rank] bf16
+    q_b: KernelLinear  # q_b_proj (or q_proj): [H (nope + rope), q_rank or hidden]
+    kv_a: KernelLinear  # kv_a_proj_with_mqa [rank + rope, hidden]
+    kv_a_norm: torch.Tensor  # [rank] bf16
+    kv_up: torch.Tensor  # kv_b_proj [H (nope + v), rank] bf16: each head's W_UK rows, then its W_UV rows
+    rank: int
+    rope: int
+    nope: int
+    v_dim: int
+    interleaved: bool  # q_pe / k_pe come as interleaved pairs (DeepSeek's checkpoints): de-interleaved before rotary
+    latent_eps: float  # q_a_layernorm's and kv_a_layernorm's epsilon
 
 
 @dataclass(slots=True)
@@ -131,7 +151,7 @@ class FusedLayer:
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor  # the MLP's input norm; with pre_ff_norm set, the norm of o_proj's output (Gemma)
-    qkv: KernelLinear
+    qkv: KernelLinear | None  # None where mla is set
     o: KernelLinear
     gate_up: KernelLinear | None  # the dense MLP (None where moe is set)
     down: KernelLinear | None
@@ -146,6 +166,9 @@ class FusedLayer:
     pre_ff_norm: torch.Tensor | None = None
     post_ff_norm: torch.Tensor | None = None
     cos_sin: torch.Tensor | None = None  # the layer's own rotary table (Gemma 3's sliding layers); None: the model's
+    # Latent attention (DeepSeek): the layer's projections and up-projection (qkv, q_norm / k_norm unused; o is
+    # o_proj over the heads' v). An implementation that does not know it returns why where it is set.
+    mla: FusedMla | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from infertune.kernels import cpu
-from infertune.kernels.interface import FusedModel, FusedMoE, KernelLinear
+from infertune.kernels.interface import FusedMla, FusedModel, FusedMoE, KernelLinear
 
 if TYPE_CHECKING:
     from infertune.config import MoeArch
@@ -43,9 +43,12 @@ class X86FusedDecoder:
         )
         # MoE layers: where their router logits go, and the PyTorch routing a tie at the top-k boundary hands back to
         self.routes = {
-            i: (layer.moe.route, layer.moe.moe.num_experts) for i, layer in enumerate(model.layers) if layer.moe
+            i: (layer.moe.route, layer.moe.moe.num_experts, layer.moe.router.dtype)
+            for i, layer in enumerate(model.layers)
+            if layer.moe
         }
-        self.router_logits = torch.empty(rows, max(cmodel.moe_experts, 1), dtype=torch.bfloat16)
+        # (fp32 wide: an fp32 router's logits; a bf16 router's are a bf16 view of its first half)
+        self.router_logits = torch.empty(rows, max(cmodel.moe_experts, 1), dtype=torch.float32)
         self.step.router_logits = self.router_logits.data_ptr()
         self.handbacks = 0  # steps' layers routed by route() (ties), since the decoder was built
         # the rows each MoE layer sent to each expert (it_step.expert_load), where counting is on (count_experts)
@@ -76,7 +79,17 @@ class X86FusedDecoder:
                 return "a row-parallel projection with a bias (added on one rank) under tensor parallel"
         if model.act not in _ACTS or model.norm not in ("llama", "gemma"):
             return f"activation {model.act} / {model.norm} norms"
+        mlas = [layer.mla for layer in model.layers if layer.mla is not None]
+        if mlas:
+            dims = {(a.rank, a.rope, a.nope, a.v_dim, a.q_a.out_features if a.q_a else 0) for a in mlas}
+            if len(dims) > 1:
+                return "latent-attention layers of different shapes"
+            if model.n_kv_heads != 1 or model.head_dim != mlas[0].rank + mlas[0].rope or model.attn_softcap:
+                return "latent attention with its cache rows unlike the model's KV heads"
+            if any(layer.window for layer in model.layers):
+                return "latent attention under a sliding window"
         norms = [t for layer in model.layers for t in _layer_norms(layer) if t is not None]
+        norms += [t for a in mlas for t in (a.q_a_norm, a.kv_a_norm, a.kv_up) if t is not None]
         if model.embed.dtype is not torch.bfloat16 or any(t.dtype is not torch.bfloat16 for t in norms):
             return "the fused step runs bf16 weights and norms"
         cmodel = cpu.ItModel(
@@ -97,6 +110,10 @@ class X86FusedDecoder:
             norm_f32=int(model.norm == "gemma"),
             softcap=model.attn_softcap,
         )
+        if mlas:
+            a = mlas[0]
+            cmodel.mla_rank, cmodel.mla_rope, cmodel.mla_nope, cmodel.mla_v = a.rank, a.rope, a.nope, a.v_dim
+            cmodel.mla_q_rank = a.q_a.out_features if a.q_a else 0
         keep = [model.cos_sin]  # tensors whose memory the C side points at
 
         def norm(w: torch.Tensor | None) -> int | None:
@@ -127,6 +144,8 @@ class X86FusedDecoder:
                     keep += _fill_lin(getattr(c, name), getattr(layer, name))
             if layer.gate_up is not None:
                 gate_ups.append(c.gate_up)
+            if layer.mla is not None:
+                c.mla = ctypes.addressof(_mla_layer(layer.mla, keep))
             if layer.moe is not None:
                 cmoe = _moe_layer(layer.moe, keep)
                 if isinstance(cmoe, str):
@@ -141,12 +160,15 @@ class X86FusedDecoder:
             for layer in model.layers
             for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
             + ((layer.moe.shared_gate_up, layer.moe.shared_down) if layer.moe is not None else ())
+            + ((layer.mla.q_a, layer.mla.q_b, layer.mla.kv_a) if layer.mla is not None else ())
             if lin is not None
         ]
         kinds = {lin.kind for lin in lins}
         # (MoE models: decode steps only, their prompts' router takes torch's matmul past 16 rows, see below. A
-        # windowed layer's prompt rows each attend on their own, to their window: attention_rows.)
-        decode_only = cmodel.moe_experts > 0
+        # windowed layer's prompt rows each attend on their own, to their window: attention_rows. Latent attention:
+        # decode steps only, prompts decompress on the PyTorch path, where a long one's attention is cheaper than
+        # absorbed.)
+        decode_only = cmodel.moe_experts > 0 or bool(mlas)
         if avx2_lib is not None:
             if "bf16c" in kinds:
                 return "12-bit weights (the AVX2 library has no decoder for them)"
@@ -219,9 +241,11 @@ class X86FusedDecoder:
             rc = self.lib.it_decode_layers(ctypes.byref(self.cmodel), self.layers, ctypes.byref(s), x.data_ptr())
             while rc == 1:  # a MoE layer's tie at the top-k boundary: route() picks as the per-module path does
                 self.handbacks += 1
-                route, experts = self.routes[s.handed_back]
-                # (the step writes the layer's logits as rows of its own experts, [route_rows, experts], packed)
-                logits = self.router_logits.view(-1)[: s.route_rows * experts].view(s.route_rows, experts)
+                route, experts, dtype = self.routes[s.handed_back]
+                # (the step writes the layer's logits as rows of its own experts, [route_rows, experts], packed, in
+                # the router's dtype)
+                flat = self.router_logits.view(-1).view(dtype)
+                logits = flat[: s.route_rows * experts].view(s.route_rows, experts)
                 routing = route(logits)
                 s.first_layer = s.handed_back
                 s.route_weights, s.route_order, s.route_counts = (
@@ -262,7 +286,7 @@ class X86FusedDecoder:
 
     def expert_load(self, reset: bool = False) -> dict[int, torch.Tensor]:
         """Layer index -> rows routed to each expert [E] since counting began (or the last reset)."""
-        got = {i: self._expert_load[i, :experts].clone() for i, (_, experts) in self.routes.items()}
+        got = {i: self._expert_load[i, :experts].clone() for i, (_, experts, _) in self.routes.items()}
         if reset:
             self._expert_load.zero_()
         return got
@@ -301,6 +325,21 @@ def _fill_lin(c, lin: KernelLinear) -> list[torch.Tensor]:
     return keep + [q, s]
 
 
+def _mla_layer(mla: FusedMla, keep: list) -> cpu.ItMlaLayer:
+    """The C description of a latent-attention layer (csrc/abi.h it_mla_layer); its tensors (and itself) go into
+    keep."""
+    c = cpu.ItMlaLayer(latent_eps=mla.latent_eps, interleaved=int(mla.interleaved))
+    if mla.q_a is not None:
+        keep += _fill_lin(c.q_a, mla.q_a)
+        c.q_a_norm = mla.q_a_norm.data_ptr()
+        keep.append(mla.q_a_norm)
+    keep += _fill_lin(c.q_b, mla.q_b) + _fill_lin(c.kv_a, mla.kv_a)
+    up = mla.kv_up.contiguous()
+    c.kv_a_norm, c.kv_up = mla.kv_a_norm.data_ptr(), up.data_ptr()
+    keep += [mla.kv_a_norm, up, c]
+    return c
+
+
 def _moe_layer(moe: FusedMoE, keep: list) -> cpu.ItMoeLayer | str:
     """The C description of a MoE layer (csrc/abi.h it_moe_layer); its tensors (and itself) go into keep."""
     rule = moe_rule(moe.moe)
@@ -314,7 +353,13 @@ def _moe_layer(moe: FusedMoE, keep: list) -> cpu.ItMoeLayer | str:
         if isinstance(lin, str):
             return f"{lin} (the grouped experts' kernel does not take them)"
     router = moe.router.contiguous()
-    c = cpu.ItMoeLayer(rule=rule, router=router.data_ptr(), gate_up=lins[0], down=lins[1])
+    c = cpu.ItMoeLayer(rule=rule, gate_up=lins[0], down=lins[1])
+    if router.dtype is torch.float32:  # (DeepSeek's: logits in fp32)
+        c.router_f32 = router.data_ptr()
+    elif router.dtype is torch.bfloat16:
+        c.router = router.data_ptr()
+    else:
+        return f"a router in {router.dtype}"
     if moe.experts.total:  # expert parallel: gate_up / down hold this rank's block of the router's experts
         first, total = moe.experts.first, moe.experts.total
         if total != moe.moe.num_experts or first < 0 or first + e > total:

@@ -14,9 +14,10 @@ a Llama-family decoder in bf16 whose every projection the kernels can multiply (
 a bf16 or INT8 paged KV cache, SiLU, full or sliding-window attention (each KV cache group's block tables: the
 runner's groups, `kv_groups`); Qwen3's q / k norms; Gemma 2 / 3 (the (1 + w) norms in fp32, four a layer, GeLU-tanh,
 scaled embeddings, each layer's rotary table, Gemma 2's soft-capped scores); and
-mixture-of-experts layers (Qwen2-MoE, Qwen3-MoE, Mixtral: a bf16 router, experts the grouped kernel takes, a shared
-expert with its gate), whose routing the kernels hand back to the module's `route()` wherever a tie at the top-k
-boundary decides a token's experts, as the per-module kernel path does. `FusedDecode.build` returns None, with the
+mixture-of-experts layers (Qwen2-MoE, Qwen3-MoE, Mixtral, DeepSeek: a bf16 or fp32 router, experts the grouped
+kernel takes, a shared expert with its gate), whose routing the kernels hand back to the module's `route()` wherever
+a tie at the top-k boundary decides a token's experts, as the per-module kernel path does; and DeepSeek's latent
+attention (decode steps: the absorbed query over the cached latent rows, bf16 or INT8, csrc/mla.h). `FusedDecode.build` returns None, with the
 reason logged, anywhere else.
 """
 
@@ -31,12 +32,14 @@ from infertune.kernels.interface import (
     DecodeKernels,
     FusedDecoder,
     FusedLayer,
+    FusedMla,
     FusedModel,
     FusedMoE,
     KernelLinear,
     TpAllReduce,
 )
 from infertune.layers.attention import AttentionMetadata
+from infertune.layers.attention.mla import Int8MlaAttention, MlaAttention
 from infertune.layers.attention.paged import Int8PagedAttention, TorchPagedAttention
 from infertune.layers.moe import MoE
 
@@ -111,7 +114,9 @@ class FusedDecode:
             return "the backend has no kernels of its own"
         if dtype is not torch.bfloat16:
             return f"the model runs in {dtype}, the fused step in bf16"
-        if type(attn) not in (TorchPagedAttention, Int8PagedAttention) or getattr(attn, "SCALE_BYTES", 4) != 4:
+        if type(attn) not in (TorchPagedAttention, Int8PagedAttention, MlaAttention, Int8MlaAttention) or (
+            getattr(attn, "SCALE_BYTES", 4) != 4
+        ):
             return f"attention backend {attn.name} (the fused step reads a bf16 or int8 paged cache)"
         cfg = getattr(model, "config", None)
         if cfg is None or not hasattr(getattr(model, "model", None), "layers"):
@@ -121,8 +126,6 @@ class FusedDecode:
         gemma = getattr(cfg, "architecture", None) in GEMMA_ARCHITECTURES
         if getattr(cfg, "hidden_act", "silu") not in (("gelu_pytorch_tanh",) if gemma else ("silu", None)):
             return f"hidden_act={cfg.hidden_act}"
-        if getattr(cfg, "mla", None) is not None:
-            return "latent attention (MLA)"
         decoder = model.model
         first = decoder.layers[0]
         eps = float(first.input_layernorm.eps)
@@ -138,7 +141,7 @@ class FusedDecode:
             eps=float(first.input_layernorm.eps),
             scale=first.self_attn.scale,
             cos_sin=tables[0],
-            kv_int8=isinstance(attn, Int8PagedAttention),
+            kv_int8=isinstance(attn, (Int8PagedAttention, Int8MlaAttention)),
             embed=decoder.embed_tokens.weight,
             final_norm=decoder.norm.weight,
             final_eps=float(decoder.norm.eps),
@@ -150,7 +153,10 @@ class FusedDecode:
         for i, (layer, cache) in enumerate(zip(decoder.layers, kv_caches)):
             attn_mod, mlp = layer.self_attn, layer.mlp
             lins = {}
-            projections = [("qkv", attn_mod.qkv_proj), ("o", attn_mod.o_proj)]
+            mla = FusedDecode._describe_mla(attn_mod, i) if cfg.mla is not None else None
+            if isinstance(mla, str):
+                return mla
+            projections = [("o", attn_mod.o_proj)] if mla else [("qkv", attn_mod.qkv_proj), ("o", attn_mod.o_proj)]
             if not isinstance(mlp, MoE):
                 projections += [("gate_up", mlp.gate_up_proj), ("down", mlp.down_proj)]
             for field, lin in projections:
@@ -174,7 +180,7 @@ class FusedDecode:
                     input_norm=layer.input_layernorm.weight,
                     post_norm=layer.post_attention_layernorm.weight,
                     kv_cache=cache,
-                    qkv=lins["qkv"],
+                    qkv=lins.get("qkv"),
                     o=lins["o"],
                     gate_up=lins.get("gate_up"),
                     down=lins.get("down"),
@@ -184,17 +190,50 @@ class FusedDecode:
                     pre_ff_norm=sandwich[0].weight if gemma else None,
                     post_ff_norm=sandwich[1].weight if gemma else None,
                     cos_sin=tables[layer.rope_kind] if gemma and layer.rope_kind else None,
+                    mla=mla,
                 )
             )
         return spec
+
+    @staticmethod
+    def _describe_mla(attn_mod, i: int) -> FusedMla | str:
+        """A latent-attention layer (models/deepseek.py DeepseekAttention) as the kernels' FusedMla, or why not."""
+        lins = {}
+        names = ("q_a", "q_a_proj"), ("q_b", "q_b_proj"), ("kv_a", "kv_a_proj_with_mqa")
+        for field, name in names if attn_mod.q_lora else (("q_b", "q_proj"), names[2]):
+            lins[field] = _kernel_weights(getattr(attn_mod, name))
+            if isinstance(lins[field], str):
+                return f"layer model.layers.{i} {lins[field]} in {name}"
+        up = attn_mod.kv_b_proj.weight.detach()
+        if up.dtype is not torch.bfloat16:
+            return f"layer model.layers.{i} keeps kv_b_proj in {up.dtype}"
+        norm_eps = {float(attn_mod.kv_a_layernorm.eps)}
+        if attn_mod.q_lora:
+            norm_eps.add(float(attn_mod.q_a_layernorm.eps))
+        if len(norm_eps) != 1:
+            return f"latent norms of model.layers.{i} with two epsilons {sorted(norm_eps)}"
+        return FusedMla(
+            q_a=lins.get("q_a"),
+            q_a_norm=attn_mod.q_a_layernorm.weight.detach() if attn_mod.q_lora else None,
+            q_b=lins["q_b"],
+            kv_a=lins["kv_a"],
+            kv_a_norm=attn_mod.kv_a_layernorm.weight.detach(),
+            kv_up=up,
+            rank=attn_mod.rank,
+            rope=attn_mod.rope_dim,
+            nope=attn_mod.nope_dim,
+            v_dim=attn_mod.v_dim,
+            interleaved=bool(attn_mod.interleaved),
+            latent_eps=norm_eps.pop(),
+        )
 
     @staticmethod
     def _describe_moe(mlp: MoE, i: int) -> FusedMoE | str:
         """A MoE layer as the kernels' FusedMoE, or why they could not run it."""
         where = f"the MoE of model.layers.{i}"
         router, experts = mlp.gate, mlp.experts
-        if router.weight.dtype is not torch.bfloat16:
-            return f"{where} routes in {router.weight.dtype} (the fused step takes bf16 routers)"
+        if router.weight.dtype not in (torch.bfloat16, torch.float32):
+            return f"{where} routes in {router.weight.dtype} (the fused step takes bf16 and fp32 routers)"
         kernel_experts = experts.kernel_view()  # (expert parallel: this rank's block)
         if kernel_experts is None:
             return f"{where} keeps its experts as {experts.quant_method.name}, which the grouped kernel does not take"

@@ -6,7 +6,7 @@
 #define IT_ABI_H
 #include "bf16.h"
 
-#define IT_ABI_VERSION 12
+#define IT_ABI_VERSION 13
 #define IT_MAX_KV_GROUPS 8 /* it_step's KV cache groups at most (cpu.py MAX_KV_GROUPS) */
 /* A block-table entry of an int4 block (the int4 tier of an int8 cache; scheduler_output.INT4_SHIFT and its
  * neighbours): the block id with 1 (its low half) or 2 (its high half) at bit IT_INT4_SHIFT */
@@ -64,7 +64,24 @@ typedef struct {
     const bf16* shared_gate;    /* [hidden]: sigmoid(x . g) scales the shared expert's output (Qwen2-MoE); NULL: not */
     int64_t expert_offset;      /* expert parallel: gate_up / down hold experts expert_offset .. + local_experts - 1 */
     int64_t local_experts;      /* of rule.num_experts (the router's); 0: every expert */
+    const float* router_f32;    /* [E, hidden] fp32 (DeepSeek's router): the logits in fp32 from the fp32 hidden
+                                   state, as F.linear(x.float(), w); NULL: router (bf16) */
 } it_moe_layer;
+
+/* A latent-attention layer (DeepSeek-V2 / V3, fused_step.h / mla.h), with the model's dims in it_model.mla_*: the
+ * cache keeps one row a token, [latent c (mla_rank), rotated k_pe (mla_rope)] (it_model.head_dim = their sum,
+ * n_kv_heads = 1); the query is absorbed (q_lat = q_nope W_UK per head), attention runs over the rows themselves,
+ * and W_UV takes each head's latent output to its v (layers/attention/mla.py MlaAttention._decode). */
+typedef struct {
+    it_lin q_a;              /* [q_rank, hidden]: q = q_b(norm(q_a(h))); N = 0: no low rank, q = q_b(h) (q_proj) */
+    it_lin q_b;              /* [H (nope + rope), q_rank or hidden] */
+    it_lin kv_a;             /* [rank + rope, hidden]: kv_a_proj_with_mqa */
+    const bf16* q_a_norm;    /* [q_rank] (with q_a) */
+    const bf16* kv_a_norm;   /* [rank]: the latent's RMSNorm */
+    const bf16* kv_up;       /* [H, nope + v, rank] bf16: kv_b_proj, each head's W_UK rows then its W_UV rows */
+    float latent_eps;        /* the two latent norms' epsilon */
+    int32_t interleaved;     /* 1: q_pe / k_pe come as interleaved pairs, de-interleaved before the rotary */
+} it_mla_layer;
 
 typedef struct {
     /* The norms' weights: bf16 w, out = bf16(w * bf16(x / rms(x))) (Llama); where it_model.norm_f32 is set, fp32
@@ -86,6 +103,7 @@ typedef struct {
     const void* post_ff_norm;
     const float* cos_sin;      /* the layer's own rotary table (Gemma 3's sliding layers), as it_model.cos_sin;
                                   NULL: the model's */
+    const it_mla_layer* mla;   /* latent attention (qkv and q_norm / k_norm unused); NULL: the heads' own K / V */
 } it_layer;
 
 enum { IT_ACT_SILU = 0, IT_ACT_GELU_TANH = 1 }; /* it_model.act */
@@ -104,6 +122,9 @@ typedef struct {
     int32_t norm_f32; /* 1: every norm's weight is fp32 factors (Gemma's 1 + w; it_layer) */
     float softcap;    /* > 0: each attention score s becomes softcap * tanh(s / softcap) before the softmax (Gemma 2's
                          attn_logit_softcapping); 0: none */
+    /* Latent attention (it_mla_layer; 0: none): the latent's width, the rotary key's, q's no-rotary part per head,
+       v per head, q's low rank (0: none). cos_sin then covers mla_rope dims. */
+    int64_t mla_rank, mla_rope, mla_nope, mla_v, mla_q_rank;
 } it_model;
 
 /* The fused step's wall time per part, summed over calls, and its calls and rows: one per engine, owned by the

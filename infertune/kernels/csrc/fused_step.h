@@ -36,8 +36,10 @@ static moe_ws moe_workspace(const it_model* m, int64_t T, int64_t base) {
     return l;
 }
 
+#include "mla.h"
+
 int64_t it_decode_workspace_bytes(const it_model* m, int64_t T, int64_t max_ctx) {
-    return moe_workspace(m, T, workspace(m, T, max_ctx).total).total;
+    return mla_workspace(m, T, moe_workspace(m, T, workspace(m, T, max_ctx).total).total).total;
 }
 
 /* Gemma's RMSNorm of T rows of H: out = bf16((x / rms(x)) * f), f the fp32 factors 1 + w, one rounding
@@ -97,6 +99,28 @@ static void gate_up_rows(const it_model* m, const it_lin* gate_up, const bf16* h
     }
 }
 
+/* An fp32 router's logits [R, E] from h [R, H] bf16, as F.linear(h.float(), w) (DeepSeek's): fp32 products and sums
+ * (in the order of mla_dot's lanes, not torch's GEMM's: they differ in the last bits) */
+static void router_f32_rows(const bf16* h, const float* w, float* logits, int64_t R, int64_t E, int64_t H,
+                            int nthreads) {
+    const int nt = pick_threads(E, R * E * H * 4, nthreads);
+#pragma omp parallel num_threads(nt)
+    {
+        float x[1024];
+#pragma omp for schedule(static)
+        for (int64_t e = 0; e < E; e++)
+            for (int64_t t = 0; t < R; t++) {
+                float acc = 0.0f;
+                for (int64_t i0 = 0; i0 < H; i0 += 1024) { /* (the row widened in pieces: no scratch needed) */
+                    const int64_t n = H - i0 < 1024 ? H - i0 : 1024;
+                    mla_widen(h + t * H + i0, x, n);
+                    acc += mla_dot(x, w + e * H + i0, n);
+                }
+                logits[t * E + e] = acc;
+            }
+    }
+}
+
 /* A mixture-of-experts layer's MLP over h [R, H] (the post-attention norm's rows), into y [R, H], as layers/moe.py
  * MoE computes it through the kernels: the router's logits (the bf16 linear), it_moe_route, it_moe_experts, and the
  * shared expert (scaled by bf16(sigmoid(bf16(h . g))) where gated), added as bf16(routed + shared).
@@ -111,12 +135,16 @@ static int moe_mlp(const it_model* m, const it_moe_layer* M, const it_step* s, i
     const float* weights = s->route_weights;
     const int64_t *order = s->route_order, *counts = s->route_counts;
     if (!resume) {
-        const it_lin router = {.kind = IT_KIND_BF16, .w = M->router, .N = E, .K = H};
-        run_lin(&router, h, H, s->router_logits, E, R, m->nthreads, lin, dec, 0);
+        if (M->router_f32) {
+            router_f32_rows(h, M->router_f32, (float*)s->router_logits, R, E, H, m->nthreads);
+        } else {
+            const it_lin router = {.kind = IT_KIND_BF16, .w = M->router, .N = E, .K = H};
+            run_lin(&router, h, H, s->router_logits, E, R, m->nthreads, lin, dec, 0);
+        }
         float* wts = (float*)(w + ml->weights);
         int64_t *o = (int64_t*)(w + ml->order), *c = (int64_t*)(w + ml->counts);
-        const int rc = it_moe_route(s->router_logits, 1, E, R, &M->rule, M->bias, wts, (int64_t*)(w + ml->ids), c, o,
-                                    m->nthreads);
+        const int rc = it_moe_route(s->router_logits, !M->router_f32, E, R, &M->rule, M->bias, wts,
+                                    (int64_t*)(w + ml->ids), c, o, m->nthreads);
         if (rc) return rc == 1 ? 1 : -2;
         weights = wts, order = o, counts = c;
     }
@@ -211,7 +239,8 @@ int it_decode_layers(const it_model* m, const it_layer* layers, it_step* s, bf16
     if (D % 16 || m->n_heads % m->n_kv_heads || T < 1) return -2;
     const ws_layout l = workspace(m, T, max_ctx);
     const moe_ws ml = moe_workspace(m, T, l.total);
-    if (ml.total > s->work_bytes) return -1;
+    const mla_ws al = mla_workspace(m, T, ml.total);
+    if (al.total > s->work_bytes) return -1;
     if (s->first_layer < 0 || s->first_layer >= m->n_layers) return -2;
     if (s->n_groups < 0 || s->n_groups > IT_MAX_KV_GROUPS) return -2;
     if (m->act != IT_ACT_SILU && m->act != IT_ACT_GELU_TANH) return -2;
@@ -219,6 +248,7 @@ int it_decode_layers(const it_model* m, const it_layer* layers, it_step* s, bf16
         return -2;
     for (int li = 0; li < m->n_layers; li++) {
         const it_layer* L = layers + li;
+        if (L->mla && mla_check(m, L)) return -2;
         /* each layer's KV cache group one of the step's (0 where it has none) */
         if (L->group < 0 || L->group >= (s->n_groups > 0 ? s->n_groups : 1)) return -2;
         /* a gate_up packed for SiLU in its epilogue (rows interleaved) under another activation; half a sandwich */
@@ -265,26 +295,44 @@ int it_decode_layers(const it_model* m, const it_layer* layers, it_step* s, bf16
             }
             norm_rows(m, L->input_norm, x, h, T, H, m->nthreads);
             PART(IT_FT_NORM);
-            run_lin(&L->qkv, h, H, qkv, width, T, m->nthreads, lin, dec, 0);
-            PART(IT_FT_QKV);
-            if (L->q_norm) qk_norm_rows(m, L, qkv, T);
-            rotary_rows(m, s, qkv, L->cos_sin ? L->cos_sin : m->cos_sin);
-            for (int64_t t = 0; t < T; t++)
-                for (int64_t g = 0; g < hkv; g++) {
-                    kv_write(m, L->kv_cache, 0, ls.slots[t] * hkv + g, qkv + t * width + hq + g * D);
-                    kv_write(m, L->kv_cache, 1, ls.slots[t] * hkv + g, qkv + t * width + hq + (hkv + g) * D);
-                }
-            PART(IT_FT_ROTARY_KV);
-            attention_rows(m, &ls, qkv, L->kv_cache, o, attn, max_ctx, 1, L->window);
+            /* the attention's output, o_proj's input: [T, o_width] */
+            bf16* ao = o;
+            int64_t o_width = hq;
+            if (L->mla) { /* latent attention (mla.h): W_UK counts as qkv, W_UV as o_proj */
+                mla_project(m, L->mla, h, T, w, &al, lin, dec);
+                PART(IT_FT_QKV);
+                mla_rope_write(m, L, &ls, T, w, &al);
+                PART(IT_FT_ROTARY_KV);
+                mla_absorb_q(m, L->mla, T, w, &al);
+                PART(IT_FT_QKV);
+                mla_attention(m, &ls, L->kv_cache, T, w, &al);
+                PART(IT_FT_ATTN);
+                mla_up_v(m, L->mla, T, w, &al);
+                ao = (bf16*)(w + al.ov);
+                o_width = m->n_heads * m->mla_v;
+                PART(IT_FT_O);
+            } else {
+                run_lin(&L->qkv, h, H, qkv, width, T, m->nthreads, lin, dec, 0);
+                PART(IT_FT_QKV);
+                if (L->q_norm) qk_norm_rows(m, L, qkv, T);
+                rotary_rows(m, s, qkv, L->cos_sin ? L->cos_sin : m->cos_sin);
+                for (int64_t t = 0; t < T; t++)
+                    for (int64_t g = 0; g < hkv; g++) {
+                        kv_write(m, L->kv_cache, 0, ls.slots[t] * hkv + g, qkv + t * width + hq + g * D);
+                        kv_write(m, L->kv_cache, 1, ls.slots[t] * hkv + g, qkv + t * width + hq + (hkv + g) * D);
+                    }
+                PART(IT_FT_ROTARY_KV);
+                attention_rows(m, &ls, qkv, L->kv_cache, o, attn, max_ctx, 1, L->window);
+            }
             if (R < T)
                 for (int64_t i = 0; i < R; i++)
                     if (s->out_rows[i] != i) {
-                        memcpy(o + i * hq, o + s->out_rows[i] * hq, (size_t)hq * 2);
+                        memcpy(ao + i * o_width, ao + s->out_rows[i] * o_width, (size_t)o_width * 2);
                         memcpy(x + i * H, x + s->out_rows[i] * H, (size_t)H * 2);
                     }
             PART(IT_FT_ATTN);
             if (L->pre_ff_norm) { /* Gemma: o_proj's output normed (post_norm) before its residual add */
-                run_lin(&L->o, o, hq, y, H, R, m->nthreads, lin, dec, 0);
+                run_lin(&L->o, ao, o_width, y, H, R, m->nthreads, lin, dec, 0);
                 tp_allreduce(s, y, R * H);
                 PART(IT_FT_O);
                 norm_rows(m, L->post_norm, y, y, R, H, m->nthreads);
@@ -292,7 +340,7 @@ int it_decode_layers(const it_model* m, const it_layer* layers, it_step* s, bf16
                 add_rows(x, y, R * H);
                 PART(IT_FT_RESIDUAL);
             } else {
-                run_lin_add_tp(&L->o, o, hq, x, y, H, R, m, s, lin, dec); /* (the residual add with it) */
+                run_lin_add_tp(&L->o, ao, o_width, x, y, H, R, m, s, lin, dec); /* (the residual add with it) */
                 PART(IT_FT_O);
             }
         }

@@ -34,8 +34,9 @@ static ws_layout workspace(const it_model* m, int64_t T, int64_t max_ctx) {
     l.y = off;    off += ALIGN64(T * m->hidden * 2);
     /* the int16 activations of the W8A16 / W4A16 GEMVs, the largest over the layers' input widths */
     int64_t lin = 0;
-    const int64_t widths[3] = {m->hidden, hq, m->inter};
-    for (int i = 0; i < 3; i++) { /* (inter is 0 where every MLP is a mixture of experts) */
+    /* (latent attention: q_b's input, q's low rank, and o_proj's, heads x v) */
+    const int64_t widths[5] = {m->hidden, hq, m->inter, m->mla_q_rank, m->n_heads * m->mla_v};
+    for (int i = 0; i < 5; i++) { /* (inter is 0 where every MLP is a mixture of experts) */
         if (widths[i] < 1) continue;
         const int64_t b = q_scratch_bytes(T, widths[i]);
         lin = b > lin ? b : lin;

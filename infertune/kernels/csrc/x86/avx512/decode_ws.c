@@ -74,17 +74,22 @@ static ws_layout workspace(const it_model* m, int64_t T, int64_t max_ctx) {
     /* a linear's scratch: the largest over the layers' input widths (the transposed block of the tile GEMM is not
        monotonic in K); past 16 rows then each thread's [64, K] rows of a 12-bit weight, decoded for the GEMM */
     int64_t lin = 0;
-    const int64_t widths[3] = {m->hidden, hq, m->inter};
-    for (int i = 0; i < 3; i++) { /* (inter is 0 where every MLP is a mixture of experts) */
+    /* (latent attention: q_b's input, q's low rank, and o_proj's, heads x v) */
+    const int64_t widths[5] = {m->hidden, hq, m->inter, m->mla_q_rank, m->n_heads * m->mla_v};
+    for (int i = 0; i < 5; i++) { /* (inter is 0 where every MLP is a mixture of experts) */
         if (widths[i] < 1) continue;
         const int64_t b = lin_scratch_bytes(T, widths[i], m->nthreads);
         lin = b > lin ? b : lin;
     }
     l.lin = off;  off += lin;
     /* (the largest over the four projections' shapes; bf16 ones need less) */
-    const int64_t shapes[4][2] = {{qkv, m->hidden}, {m->hidden, hq}, {2 * m->inter, m->hidden}, {m->hidden, m->inter}};
+    /* (latent attention: q_a, q_b (or q_proj), kv_a, o_proj) */
+    const int64_t qb = m->n_heads * (m->mla_nope + m->mla_rope), hv = m->n_heads * m->mla_v;
+    const int64_t shapes[8][2] = {{qkv, m->hidden}, {m->hidden, hq}, {2 * m->inter, m->hidden}, {m->hidden, m->inter},
+                                  {m->mla_q_rank, m->hidden}, {qb, m->mla_q_rank > 0 ? m->mla_q_rank : m->hidden},
+                                  {m->mla_rank > 0 ? m->head_dim : 0, m->hidden}, {m->hidden, hv}};
     int64_t dec = 0;
-    for (int i = 0; i < 4; i++) {
+    for (int i = 0; i < 8; i++) {
         if (shapes[i][0] < 1 || shapes[i][1] < 1) continue;
         const int64_t b = bf16c_dec_bytes(T, (shapes[i][0] + 15) / 16 * 16, shapes[i][1], m->nthreads);
         dec = b > dec ? b : dec;
