@@ -519,8 +519,34 @@ def test_fused_step_runs_latent_attention(variant, kv):
     rotary, the row written to the cache, the absorbed query, attention over the latent rows, W_UV, o_proj; the fp32
     router with every routing rule of VARIANTS; the shared experts; the dense first layer) as exactly as the
     per-module path, both against HF transformers in fp32 (test_sliding_window._fused_against_per_module: every
-    decode step fused), with a bf16 and an int8 latent cache."""
+    decode step fused), with a bf16 and an int8 latent cache; a batch (a task per row) and one sequence alone (its
+    keys split over the threads, the shares merged)."""
     from test_sliding_window import _fused_against_per_module
 
     _, path, hf = variant
-    _fused_against_per_module(path, hf.float(), prompts_for(hf.config.vocab_size), 1, kv_cache_dtype=kv)
+    prompts = prompts_for(hf.config.vocab_size)
+    for batch in (prompts, [prompts[-1][:30]]):  # (30 tokens and NEW_TOKENS more: the keys of two shares)
+        _fused_against_per_module(path, hf.float(), batch, 1, kv_cache_dtype=kv)
+
+
+@pytest.mark.parametrize("kv", ["auto", "int8"])
+def test_the_fused_step_reads_each_latent_row_once(tmp_path, kv):
+    """bf16, the fused C step: the cache bytes its latent attention reads in one decode step (counted by the kernels
+    as they read them, `infertune profile`'s KV-read line) are the sequences' latent rows, each once: 1.00x the
+    rows their tokens hold (the per-module gather reads the padded tables' whole blocks), at batch 1 (a row's keys
+    split over the threads) and at batch 3."""
+    from test_kernels import needs_fused
+
+    from infertune.profile.kv_bytes import measure_decode_kv_reads
+
+    if needs_fused.args[0]:
+        pytest.skip(needs_fused.kwargs["reason"])
+    path = make_deepseek_checkpoint(tmp_path, **VARIANTS["v3"])
+    llm = LLM(str(path), dtype="bfloat16", max_model_len=MAX_LEN, block_size=BLOCK, kv_cache_dtype=kv)
+    assert llm.engine.executor.runner.fused is not None
+    row = W + 4 if kv == "int8" else 2 * W  # one token's row in one layer
+    g = torch.Generator().manual_seed(5)
+    for batch, input_len in ((1, 21), (3, 10)):
+        prompts = [torch.randint(0, 200, (input_len,), generator=g).tolist() for _ in range(batch)]
+        got = measure_decode_kv_reads(llm, input_len, batch, prompts)
+        assert got.read_bytes == batch * (input_len + 1) * LAYERS * row == got.context_bytes, got

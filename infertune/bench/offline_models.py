@@ -19,7 +19,9 @@ MODEL_FORMAT_VERSION = 1  # bump when the built model changes, so stale caches a
 # "386m" is the model of /work/shared/BASELINES.md (Qwen2.5-0.5B's body with a 32k vocabulary);
 # "qwen2.5-0.5b" is Qwen2.5-0.5B's shape with its real vocabulary and q/k/v biases (494M); "llama-1b" is
 # Llama-3.2-1B's shape (1.24B, 2.5 GB in bf16); "moe" is Qwen3-30B-A3B scaled to fit here (64 experts of 384, top-8,
-# renormalised, every layer MoE: 1.3B parameters, 0.2B active a token).
+# renormalised, every layer MoE: 1.3B parameters, 0.2B active a token); "mla" is DeepSeek-V2-Lite scaled the same way
+# (its latent attention as shipped: 16 heads, latent 512 + rope 64, q without low rank; 64 experts of 384, top-6, two
+# shared, the first layer dense: 1.0B parameters, 12 layers).
 PRESETS = {
     "386m": dict(
         hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, intermediate_size=4864
@@ -57,6 +59,28 @@ PRESETS = {
         num_experts=64,
         num_experts_per_tok=8,
         norm_topk_prob=True,
+    ),
+    "mla": dict(
+        family="deepseek_v2",
+        hidden_size=1024,
+        num_hidden_layers=12,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        intermediate_size=2816,  # the first layer's dense MLP
+        q_lora_rank=None,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=128,
+        v_head_dim=128,
+        n_routed_experts=64,
+        moe_intermediate_size=384,
+        num_experts_per_tok=6,
+        n_shared_experts=2,
+        first_k_dense_replace=1,
+        topk_method="greedy",
+        norm_topk_prob=False,
+        n_group=1,
+        topk_group=1,
     ),
 }
 COMMON_SHAPE = dict(
@@ -127,6 +151,7 @@ def ensure_model(preset: str, cache_dir: Path) -> Path:
             "llama": ("LlamaConfig", "LlamaForCausalLM"),
             "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
             "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+            "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
         }[family]
     )
     log(f"building random-weight {model_cls.__name__} '{preset}' into {out} (once) ...")

@@ -554,6 +554,7 @@ class ItStepStats(ctypes.Structure):
         ("rows", ctypes.c_int64),
         ("allreduce_calls", ctypes.c_int64),
         ("allreduce_bytes", ctypes.c_int64),
+        ("kv_read_bytes", ctypes.c_int64),  # latent attention: the cache rows' bytes its attention read
     ]
 
 
@@ -695,7 +696,7 @@ def abi_layout(structs: dict[str, type[ctypes.Structure]] | None = None) -> list
             "tp_size",
             "tp_max_numel",
         ),  # fmt: skip
-        "it_step_stats": ("seconds", "calls", "rows", "allreduce_calls", "allreduce_bytes"),
+        "it_step_stats": ("seconds", "calls", "rows", "allreduce_calls", "allreduce_bytes", "kv_read_bytes"),
         "bf16c": ("codes", "table", "esc_start", "esc_pos", "esc_val"),
         "it_moe": tuple(f for f, _ in ItMoe._fields_),
         "it_moe_layer": tuple(f for f, _ in ItMoeLayer._fields_),

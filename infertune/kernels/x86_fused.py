@@ -88,6 +88,8 @@ class X86FusedDecoder:
                 return "latent attention with its cache rows unlike the model's KV heads"
             if any(layer.window for layer in model.layers):
                 return "latent attention under a sliding window"
+            if mlas[0].rank % 16:
+                return f"a latent of {mlas[0].rank} values (the fused step takes multiples of 16)"
         norms = [t for layer in model.layers for t in _layer_norms(layer) if t is not None]
         norms += [t for a in mlas for t in (a.q_a_norm, a.kv_a_norm, a.kv_up) if t is not None]
         if model.embed.dtype is not torch.bfloat16 or any(t.dtype is not torch.bfloat16 for t in norms):
@@ -273,6 +275,11 @@ class X86FusedDecoder:
 
     def step_timers(self, reset: bool = False) -> dict[str, float]:
         return cpu.fused_step_timers(self.stats, reset)
+
+    def kv_read_bytes(self) -> int:
+        """The cache bytes this decoder's latent attention read since it was built (or its timers' last reset):
+        counted by the kernels as they read (other attention does not count: 0)."""
+        return int(self.stats.kv_read_bytes)
 
     def take_allreduce(self) -> tuple[int, int, float]:
         """Tensor parallel: the all-reduces the step ran in C since the last take (pieces, bytes, seconds)."""

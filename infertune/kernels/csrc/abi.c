@@ -33,7 +33,7 @@ int64_t it_struct_sizes(int64_t* out, int64_t n) {
         OF(it_step, group_slots), OF(it_step, group_tables), OF(it_step, tp_shm), OF(it_step, tp_seq),
         OF(it_step, tp_rank), OF(it_step, tp_size), OF(it_step, tp_max_numel),
         SZ(it_step_stats), OF(it_step_stats, seconds), OF(it_step_stats, calls), OF(it_step_stats, rows),
-        OF(it_step_stats, allreduce_calls), OF(it_step_stats, allreduce_bytes),
+        OF(it_step_stats, allreduce_calls), OF(it_step_stats, allreduce_bytes), OF(it_step_stats, kv_read_bytes),
         SZ(bf16c), OF(bf16c, codes), OF(bf16c, table), OF(bf16c, esc_start), OF(bf16c, esc_pos), OF(bf16c, esc_val),
         SZ(it_moe), OF(it_moe, num_experts), OF(it_moe, top_k), OF(it_moe, scoring), OF(it_moe, topk_method),
         OF(it_moe, n_group), OF(it_moe, topk_group), OF(it_moe, norm_topk_prob), OF(it_moe, routed_scaling_factor),

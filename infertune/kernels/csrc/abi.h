@@ -141,6 +141,7 @@ typedef struct {
     int64_t calls, rows;
     int64_t allreduce_calls, allreduce_bytes; /* tensor parallel: the all-reduces' pieces and the fp32 bytes each
                                                  rank published in them */
+    int64_t kv_read_bytes;                    /* latent attention (mla.h): the cache rows' bytes its attention read */
 } it_step_stats;
 
 typedef struct {

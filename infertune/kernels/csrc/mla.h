@@ -19,14 +19,15 @@
 #define MLA_KEYS 16 /* rows of a sequence scored at a time */
 
 /* The latent attention's part of the workspace (after moe_ws): q [T, H (nope + rope)], q_a [T, q_rank], kv rows
- * [T, W], the rotary parts [T, H + 1, rope], the absorbed queries [T, H, W], o_lat [T, H, rank], o [T, H v], and
- * per thread thr_bytes of fp32 scratch (mla_thread) */
-typedef struct { int64_t q, qa, kv, pe, qf, olat, ov, thr, thr_bytes, total; } mla_ws;
+ * [T, W], the rotary parts [T, H + 1, rope], the absorbed queries [T, H, W], o_lat [T, H, rank], o [T, H v], the
+ * attention's partial results (per task of mla_attention: each head's running max and sum, and its unnormalised
+ * output [H, rank], fp32; T + threads tasks at most), and per thread thr_bytes of scratch (mla_thread) */
+typedef struct { int64_t q, qa, kv, pe, qf, olat, ov, part, part_floats, thr, thr_bytes, total; } mla_ws;
 
-/* A thread's scratch, in floats: the task's queries [H, W] and accumulators [max(H, T), rank] in fp32, each head's
- * running max and sum [H], a block's scores [H, MLA_KEYS], its rows in fp32 [MLA_KEYS, W]; then bf16 [MLA_KEYS, W]
- * (an int8 cache's rows, dequantized) */
-typedef struct { float *q, *acc, *mx, *sum, *sc, *rows; bf16* tmp; } mla_thread;
+/* A thread's scratch: the task's queries [H, W] and a row-major fp32 copy of W_UK's or W_UV's rows / of o_lat
+ * [max(H, T), rank]; a block's scores [H, MLA_KEYS]; its rows in fp32, row-major [MLA_KEYS, W] and transposed
+ * [W, MLA_KEYS]; then bf16 [MLA_KEYS, W] (an int8 cache's rows, dequantized) */
+typedef struct { float *q, *acc, *sc, *rows, *rt; bf16* tmp; } mla_thread;
 
 static inline int64_t mla_acc_rows(const it_model* m, int64_t T) { return m->n_heads > T ? m->n_heads : T; }
 
@@ -37,6 +38,7 @@ static mla_ws mla_workspace(const it_model* m, int64_t T, int64_t base) {
     if (m->mla_rank <= 0) return l;
     const int64_t H = m->n_heads, W = m->head_dim, R = m->mla_rank, rope = m->mla_rope;
     const int64_t qk = m->mla_nope + rope, qr = m->mla_q_rank > 0 ? m->mla_q_rank : 1;
+    const int64_t nthreads = m->nthreads > 0 ? m->nthreads : 1;
     int64_t off = base;
     l.q = off;    off += MLA_ALIGN(T * H * qk * 2);
     l.qa = off;   off += MLA_ALIGN(T * qr * 2);
@@ -45,9 +47,11 @@ static mla_ws mla_workspace(const it_model* m, int64_t T, int64_t base) {
     l.qf = off;   off += MLA_ALIGN(T * H * W * 2);
     l.olat = off; off += MLA_ALIGN(T * H * R * 2);
     l.ov = off;   off += MLA_ALIGN(T * H * m->mla_v * 2);
-    l.thr_bytes = MLA_ALIGN((H * W + mla_acc_rows(m, T) * R + 2 * H + H * MLA_KEYS + MLA_KEYS * W) * 4) +
+    l.part_floats = H * (R + 2);
+    l.part = off; off += MLA_ALIGN((T + nthreads) * l.part_floats * 4);
+    l.thr_bytes = MLA_ALIGN((H * W + mla_acc_rows(m, T) * R + H * MLA_KEYS + 2 * MLA_KEYS * W) * 4) +
                   MLA_ALIGN(MLA_KEYS * W * 2);
-    l.thr = off;  off += (m->nthreads > 0 ? m->nthreads : 1) * l.thr_bytes;
+    l.thr = off;  off += nthreads * l.thr_bytes;
     l.total = off;
     return l;
 }
@@ -58,10 +62,9 @@ static mla_thread mla_thread_scratch(const it_model* m, int64_t T, char* base) {
     float* f = (float*)base;
     w.q = f;     f += H * W;
     w.acc = f;   f += mla_acc_rows(m, T) * R;
-    w.mx = f;    f += H;
-    w.sum = f;   f += H;
     w.sc = f;    f += H * MLA_KEYS;
     w.rows = f;  f += MLA_KEYS * W;
+    w.rt = f;    f += MLA_KEYS * W;
     w.tmp = (bf16*)(base + MLA_ALIGN((char*)f - base));
     return w;
 }
@@ -153,72 +156,176 @@ static void mla_absorb_q(const it_model* m, const it_mla_layer* A, int64_t T, ch
     }
 }
 
-/* Heads h0 .. h0 + nh - 1 of row t over its first len cached rows -> o_lat (bf16) */
-static void mla_attend(const it_model* m, const void* cache, const int64_t* table, int64_t len, const bf16* qf,
-                       int64_t h0, int64_t nh, bf16* olat, const mla_thread* th) {
-    const int64_t W = m->head_dim, R = m->mla_rank;
-    for (int64_t i = 0; i < nh; i++) {
-        mla_widen(qf + (h0 + i) * W, th->q + i * W, W);
-        th->mx[i] = -INFINITY;
-        th->sum[i] = 0.0f;
-    }
-    memset(th->acc, 0, (size_t)(nh * R) * 4);
-    for (int64_t j0 = 0; j0 < len; j0 += MLA_KEYS) {
-        const int nb = (int)(len - j0 < MLA_KEYS ? len - j0 : MLA_KEYS);
-        const bf16* rows[MLA_KEYS];
-        kv_rows(m, cache, 0, table, j0, nb, 0, th->tmp, rows);
-        for (int jj = 0; jj < nb; jj++) mla_widen(rows[jj], th->rows + jj * W, W);
-        for (int64_t i = 0; i < nh; i++) {
-            float* sc = th->sc + i * MLA_KEYS;
-            float bmax = -INFINITY;
-            for (int jj = 0; jj < nb; jj++) {
-                sc[jj] = mla_dot(th->q + i * W, th->rows + jj * W, W) * m->scale;
-                bmax = sc[jj] > bmax ? sc[jj] : bmax;
-            }
-            float* acc = th->acc + i * R;
-            if (bmax > th->mx[i]) { /* a new running max: what was summed so far, rescaled to it */
-                const float c = expf(th->mx[i] - bmax);
-                th->sum[i] *= c;
-                for (int64_t r = 0; r < R; r++) acc[r] *= c;
-                th->mx[i] = bmax;
-            }
-            for (int jj = 0; jj < nb; jj++) {
-                const float p = expf(sc[jj] - th->mx[i]);
-                th->sum[i] += p;
-                mla_axpy(p, th->rows + jj * W, acc, R);
-            }
+/* 16 floats as one value (GCC's vector extension: one AVX-512 register, two AVX2 ones, four NEON ones), so the
+ * accumulators below stay in registers on every ISA; loads and stores through memcpy (no alignment asked) */
+typedef float mla_v16 __attribute__((vector_size(64)));
+/* (macros, not functions: a 64-byte vector passed by value changes the ABI on builds without AVX-512) */
+#define MLA_LD16(v, p) memcpy(&(v), (p), sizeof(mla_v16))
+#define MLA_ST16(p, v) memcpy((p), &(v), sizeof(mla_v16))
+
+/* Scores of a block of MLA_KEYS (16) rows (rt: transposed, [W, 16], zero past the block's rows) for nh heads
+ * (q: [nh, W] fp32) into sc [nh, 16], times scale: four heads a pass, each one vector of the block's 16 keys (one
+ * broadcast multiply-add per value: no sums across lanes) */
+static inline void mla_scores(const float* q, int64_t nh, const float* rt, int64_t W, float scale, float* sc) {
+    int64_t i = 0;
+    mla_v16 r;
+    for (; i + 4 <= nh; i += 4) {
+        mla_v16 s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
+        const float *q0 = q + i * W, *q1 = q0 + W, *q2 = q1 + W, *q3 = q2 + W;
+        for (int64_t d = 0; d < W; d++) {
+            MLA_LD16(r, rt + d * MLA_KEYS);
+            s0 += q0[d] * r;
+            s1 += q1[d] * r;
+            s2 += q2[d] * r;
+            s3 += q3[d] * r;
         }
+        s0 *= scale, s1 *= scale, s2 *= scale, s3 *= scale;
+        MLA_ST16(sc + i * MLA_KEYS, s0);
+        MLA_ST16(sc + (i + 1) * MLA_KEYS, s1);
+        MLA_ST16(sc + (i + 2) * MLA_KEYS, s2);
+        MLA_ST16(sc + (i + 3) * MLA_KEYS, s3);
     }
-    for (int64_t i = 0; i < nh; i++) {
-        const float inv = 1.0f / th->sum[i];
-        for (int64_t r = 0; r < R; r++) olat[(h0 + i) * R + r] = f2bf(th->acc[i * R + r] * inv);
+    for (; i < nh; i++) {
+        mla_v16 s0 = {0};
+        for (int64_t d = 0; d < W; d++) {
+            MLA_LD16(r, rt + d * MLA_KEYS);
+            s0 += q[i * W + d] * r;
+        }
+        s0 *= scale;
+        MLA_ST16(sc + i * MLA_KEYS, s0);
     }
 }
 
-/* Every row's heads over its sequence's cached rows: o_lat [T, H, rank] */
+/* acc[i] += sum over the block's nb rows of p[i][j] c_j (rows: [16, W], c the first R values of a row; R a multiple
+ * of 16) for nh heads: four heads a pass over 16 of the rows' values, in registers over the block's rows */
+static inline void mla_values(const float* p, int64_t nh, int nb, const float* rows, int64_t W, int64_t R,
+                              float* acc) {
+    int64_t i = 0;
+    mla_v16 c, x0, x1, x2, x3;
+    for (; i + 4 <= nh; i += 4) {
+        const float *p0 = p + i * MLA_KEYS, *p1 = p0 + MLA_KEYS, *p2 = p1 + MLA_KEYS, *p3 = p2 + MLA_KEYS;
+        float *a0 = acc + i * R, *a1 = a0 + R, *a2 = a1 + R, *a3 = a2 + R;
+        for (int64_t r = 0; r < R; r += 16) {
+            MLA_LD16(x0, a0 + r);
+            MLA_LD16(x1, a1 + r);
+            MLA_LD16(x2, a2 + r);
+            MLA_LD16(x3, a3 + r);
+            for (int j = 0; j < nb; j++) {
+                MLA_LD16(c, rows + j * W + r);
+                x0 += p0[j] * c;
+                x1 += p1[j] * c;
+                x2 += p2[j] * c;
+                x3 += p3[j] * c;
+            }
+            MLA_ST16(a0 + r, x0);
+            MLA_ST16(a1 + r, x1);
+            MLA_ST16(a2 + r, x2);
+            MLA_ST16(a3 + r, x3);
+        }
+    }
+    for (; i < nh; i++) {
+        const float* p0 = p + i * MLA_KEYS;
+        float* a0 = acc + i * R;
+        for (int64_t r = 0; r < R; r += 16) {
+            MLA_LD16(x0, a0 + r);
+            for (int j = 0; j < nb; j++) {
+                MLA_LD16(c, rows + j * W + r);
+                x0 += p0[j] * c;
+            }
+            MLA_ST16(a0 + r, x0);
+        }
+    }
+}
+
+/* Every head of one row over its cached rows k0 .. k1 - 1 (a task of mla_attention) -> part: each head's running
+ * max and sum [2, H], then its unnormalised output [H, rank], fp32 (online softmax: a block that raises a head's max
+ * rescales what that head summed before) */
+static void mla_attend(const it_model* m, const void* cache, const int64_t* table, int64_t k0, int64_t k1,
+                       const bf16* qf, float* part, const mla_thread* th) {
+    const int64_t H = m->n_heads, W = m->head_dim, R = m->mla_rank;
+    float *mx = part, *sum = part + H, *acc = part + 2 * H;
+    for (int64_t i = 0; i < H; i++) {
+        mla_widen(qf + i * W, th->q + i * W, W);
+        mx[i] = -INFINITY;
+        sum[i] = 0.0f;
+    }
+    memset(acc, 0, (size_t)(H * R) * 4);
+    for (int64_t j0 = k0; j0 < k1; j0 += MLA_KEYS) {
+        const int nb = (int)(k1 - j0 < MLA_KEYS ? k1 - j0 : MLA_KEYS);
+        const bf16* rows[MLA_KEYS];
+        kv_rows(m, cache, 0, table, j0, nb, 0, th->tmp, rows);
+        for (int jj = 0; jj < nb; jj++) mla_widen(rows[jj], th->rows + jj * W, W);
+        for (int64_t d = 0; d < W; d++)
+            for (int jj = 0; jj < MLA_KEYS; jj++) th->rt[d * MLA_KEYS + jj] = jj < nb ? th->rows[jj * W + d] : 0.0f;
+        mla_scores(th->q, H, th->rt, W, m->scale, th->sc);
+        for (int64_t i = 0; i < H; i++) { /* the scores -> softmax numerators, in place */
+            float* sc = th->sc + i * MLA_KEYS;
+            float bmax = -INFINITY;
+            for (int jj = 0; jj < nb; jj++) bmax = sc[jj] > bmax ? sc[jj] : bmax;
+            if (bmax > mx[i]) { /* a new running max: what was summed so far, rescaled to it */
+                const float c = expf(mx[i] - bmax);
+                sum[i] *= c;
+                for (int64_t r = 0; r < R; r++) acc[i * R + r] *= c;
+                mx[i] = bmax;
+            }
+            for (int jj = 0; jj < nb; jj++) {
+                sc[jj] = expf(sc[jj] - mx[i]);
+                sum[i] += sc[jj];
+            }
+        }
+        mla_values(th->sc, H, nb, th->rows, W, R, acc);
+    }
+}
+
+/* Every row's heads over its sequence's cached rows: o_lat [T, H, rank]. A task is a row's keys, or, with fewer
+ * rows than threads, a share of them (whole blocks of MLA_KEYS); each reads its rows once for all H heads, and a
+ * row's shares are merged (each head's sums rescaled to the common max) in a second pass over (row, head). */
 static void mla_attention(const it_model* m, const it_step* ls, const void* cache, int64_t T, char* w,
                           const mla_ws* ml) {
-    const int64_t H = m->n_heads, R = m->mla_rank, W = m->head_dim;
+    const int64_t H = m->n_heads, R = m->mla_rank, W = m->head_dim, P = ml->part_floats;
     const bf16* qf = (const bf16*)(w + ml->qf);
     bf16* olat = (bf16*)(w + ml->olat);
+    float* parts = (float*)(w + ml->part);
     const int nthreads = m->nthreads > 0 ? m->nthreads : 1;
-    /* a row's heads in chunks, so that there are at least as many tasks as threads */
-    int64_t chunks = T >= nthreads ? 1 : (nthreads + T - 1) / T;
-    chunks = chunks < H ? chunks : H;
-    const int64_t hc = (H + chunks - 1) / chunks;
-    chunks = (H + hc - 1) / hc;
-    const int64_t tasks = T * chunks;
+    const int64_t shares = T >= nthreads ? 1 : (nthreads + T - 1) / T, tasks = T * shares;
     const int nt = (int)(tasks < nthreads ? tasks : nthreads);
-#pragma omp parallel num_threads(nt)
+    int64_t read = 0; /* cache rows the tasks read (it_step_stats.kv_read_bytes) */
+#pragma omp parallel num_threads(nt) reduction(+ : read)
     {
         const mla_thread th = mla_thread_scratch(m, T, w + ml->thr + (int64_t)omp_get_thread_num() * ml->thr_bytes);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tasks; task++) {
-            const int64_t t = task / chunks, h0 = (task % chunks) * hc, nh = H - h0 < hc ? H - h0 : hc;
-            mla_attend(m, cache, ls->block_tables + t * ls->max_blocks, ls->context_lens[t], qf + t * H * W, h0, nh,
-                       olat + t * H * R, &th);
+            const int64_t t = task / shares, c = task % shares, len = ls->context_lens[t];
+            const int64_t per = (len + MLA_KEYS * shares - 1) / (MLA_KEYS * shares) * MLA_KEYS;
+            const int64_t k0 = c * per < len ? c * per : len, k1 = k0 + per < len ? k0 + per : len;
+            mla_attend(m, cache, ls->block_tables + t * ls->max_blocks, k0, k1, qf + t * H * W, parts + task * P, &th);
+            read += k1 - k0;
+        }
+#pragma omp for schedule(static)
+        for (int64_t th_ = 0; th_ < T * H; th_++) {
+            const int64_t t = th_ / H, i = th_ % H;
+            float mx = -INFINITY, sum = 0.0f;
+            for (int64_t c = 0; c < shares; c++) {
+                const float v = parts[(t * shares + c) * P + i];
+                mx = v > mx ? v : mx;
+            }
+            for (int64_t c = 0; c < shares; c++) { /* (each share's max becomes its factor: this (row, head)'s own) */
+                float* pc = parts + (t * shares + c) * P;
+                pc[i] = pc[i] == -INFINITY ? 0.0f : expf(pc[i] - mx);
+                sum += pc[H + i] * pc[i];
+            }
+            const float inv = 1.0f / sum;
+            for (int64_t r = 0; r < R; r++) {
+                float o = 0.0f;
+                for (int64_t c = 0; c < shares; c++) {
+                    const float* pc = parts + (t * shares + c) * P;
+                    o += pc[2 * H + i * R + r] * pc[i];
+                }
+                olat[(t * H + i) * R + r] = f2bf(o * inv);
+            }
         }
     }
+    if (ls->stats) ls->stats->kv_read_bytes += read * (m->kv_int8 ? W + 4 : 2 * W);
 }
 
 /* o [T, H v]: per head bf16(o_lat W_UV^T) (fp32 sums over rank) */
@@ -246,7 +353,8 @@ static void mla_up_v(const it_model* m, const it_mla_layer* A, int64_t T, char* 
 static int mla_check(const it_model* m, const it_layer* L) {
     const it_mla_layer* A = L->mla;
     const int64_t H = m->n_heads, qk = m->mla_nope + m->mla_rope;
-    if (m->mla_rank < 1 || m->mla_rope < 2 || m->mla_rope % 2 || m->mla_nope < 1 || m->mla_v < 1) return -2;
+    if (m->mla_rank < 16 || m->mla_rank % 16 || m->mla_rope < 2 || m->mla_rope % 2 || m->mla_nope < 1 || m->mla_v < 1)
+        return -2; /* (the rank a multiple of 16: mla_values' vectors) */
     if (m->head_dim != m->mla_rank + m->mla_rope || m->n_kv_heads != 1 || L->window > 0) return -2;
     if (A->q_b.N != H * qk || A->kv_a.N != m->head_dim || A->kv_a.K != m->hidden || L->o.K != H * m->mla_v) return -2;
     if (A->q_a.N ? A->q_a.N != m->mla_q_rank || A->q_b.K != A->q_a.N || !A->q_a_norm : A->q_b.K != m->hidden)
