@@ -129,7 +129,16 @@ class QemuNeonLib:
         blob, m, st = _StepBlob(), _copy(model), _copy(step)
         t, d, hkv = st.T, m.head_dim, m.n_kv_heads
         positions = (ctypes.c_int64 * t).from_address(st.positions)
-        m.cos_sin = blob.buf(m.cos_sin, (max(positions) + 1) * d * 4)
+        table = (max(positions) + 1) * (m.mla_rope if m.mla_rank else d) * 4  # (latent attention: rope dims)
+        m.cos_sin = blob.buf(m.cos_sin, table)
+
+        def ship(lin, count: int = 1) -> None:  # a linear's buffers into the blob (count: stacked experts)
+            n, k = lin.N * count, lin.K
+            w_bytes = {0: n * k * 2, 1: n * k, 2: n * k // 2}[lin.kind]
+            s_bytes = n * (4 if lin.scale_is_f32 else 2) if lin.kind == 1 else n * (k // max(lin.group, 1)) * 4
+            lin.w, lin.bias = blob.buf(lin.w, w_bytes), blob.buf(lin.bias, n * 2)
+            lin.scale, lin.zero = blob.buf(lin.scale, s_bytes), blob.buf(lin.zero, s_bytes)
+
         copies = (cpu.ItLayer * m.n_layers)()
         caches: dict[int, int] = {}  # (layers of different KV cache groups share a cache tensor: one copy of it)
         for c, layer in zip(copies, layers[: m.n_layers]):
@@ -137,19 +146,35 @@ class QemuNeonLib:
             w = 4 if m.norm_f32 else 2  # (Gemma's norms: fp32 factors)
             for name in ("input_norm", "post_norm", "pre_ff_norm", "post_ff_norm"):
                 setattr(c, name, blob.buf(getattr(c, name), m.hidden * w))
+            if c.moe:  # a MoE layer's description: its router, the stacked experts, the shared expert
+                e = cpu.ItMoeLayer.from_buffer_copy(cpu.ItMoeLayer.from_address(c.moe))
+                experts, hidden = e.rule.num_experts, m.hidden
+                for lin in (e.gate_up, e.down):
+                    ship(lin, e.local_experts or experts)
+                ship(e.shared_gate_up)
+                ship(e.shared_down)
+                e.router, e.router_f32 = (
+                    blob.buf(e.router, experts * hidden * 2),
+                    blob.buf(e.router_f32, experts * hidden * 4),
+                )
+                e.bias, e.shared_gate = blob.buf(e.bias, experts * 4), blob.buf(e.shared_gate, hidden * 2)
+                c.moe = blob.add(bytes(e))
             c.q_norm, c.k_norm = blob.buf(c.q_norm, d * w), blob.buf(c.k_norm, d * w)
-            c.cos_sin = blob.buf(c.cos_sin, (max(positions) + 1) * d * 4)
+            c.cos_sin = blob.buf(c.cos_sin, table)
             row = d + 4 if m.kv_int8 else d * 2
+            planes = 1 if c.mla else 2  # (latent attention: one row a token)
             if c.kv_cache not in caches:
-                caches[c.kv_cache] = blob.buf(c.kv_cache, 2 * m.num_blocks * m.block_size * hkv * row, back=True)
+                caches[c.kv_cache] = blob.buf(c.kv_cache, planes * m.num_blocks * m.block_size * hkv * row, back=True)
             c.kv_cache = caches[c.kv_cache]
             for name in ("qkv", "o", "gate_up", "down"):
-                lin = getattr(c, name)
-                n, k = lin.N, lin.K
-                w_bytes = {0: n * k * 2, 1: n * k, 2: n * k // 2}[lin.kind]
-                s_bytes = n * (4 if lin.scale_is_f32 else 2) if lin.kind == 1 else n * (k // max(lin.group, 1)) * 4
-                lin.w, lin.bias = blob.buf(lin.w, w_bytes), blob.buf(lin.bias, n * 2)
-                lin.scale, lin.zero = blob.buf(lin.scale, s_bytes), blob.buf(lin.zero, s_bytes)
+                ship(getattr(c, name))
+            if c.mla:  # the latent attention's description, its linears, norms and kv_b_proj
+                a = cpu.ItMlaLayer.from_buffer_copy(cpu.ItMlaLayer.from_address(c.mla))
+                for lin in (a.q_a, a.q_b, a.kv_a):
+                    ship(lin)
+                a.q_a_norm, a.kv_a_norm = blob.buf(a.q_a_norm, m.mla_q_rank * 2), blob.buf(a.kv_a_norm, m.mla_rank * 2)
+                a.kv_up = blob.buf(a.kv_up, m.n_heads * (m.mla_nope + m.mla_v) * m.mla_rank * 2)
+                c.mla = blob.add(bytes(a))
         st.positions, st.slots = blob.buf(st.positions, t * 8), blob.buf(st.slots, t * 8)
         st.block_tables = blob.buf(st.block_tables, t * st.max_blocks * 8)
         for g in range(st.n_groups):  # KV cache groups: each one's slots and block tables
@@ -157,10 +182,22 @@ class QemuNeonLib:
             st.group_tables[g] = blob.buf(st.group_tables[g], t * st.max_blocks * 8)
         st.context_lens, st.out_rows = blob.buf(st.context_lens, t * 8), blob.buf(st.out_rows, st.n_out * 8)
         st.stats = blob.buf(st.stats, ctypes.sizeof(cpu.ItStepStats), back=True)
+        # MoE: the router logits a hand-back leaves (fp32 wide), the caller's routing when resuming, the expert load
+        experts, k = max(m.moe_experts, 1), m.moe_top_k
+        st.router_logits = blob.buf(st.router_logits, t * experts * 4, back=True)
+        st.route_weights = blob.buf(st.route_weights, st.route_rows * k * 4)
+        st.route_order = blob.buf(st.route_order, st.route_rows * k * 8)
+        st.route_counts = blob.buf(st.route_counts, experts * 8)
+        st.expert_load = blob.buf(st.expert_load, m.n_layers * experts * 8, back=True)
         st.work = None  # (the harness allocates work_bytes)
         offs = blob.add(bytes(m)), blob.add(bytes(copies)), blob.add(bytes(st))
         x_off = blob.buf(x, t * m.hidden * 2, back=True)
-        return blob.run(self, "it_decode_layers", *offs, x_off, m.n_layers, t, 0)
+        rc = blob.run(self, "it_decode_layers", *offs, x_off, m.n_layers, t, 0)
+        # (a hand-back's layer and rows, in the caller's step)
+        done = cpu.ItStep.from_buffer_copy(blob.out[offs[2] : offs[2] + ctypes.sizeof(cpu.ItStep)])
+        orig = getattr(step, "_obj", step)
+        orig.handed_back, orig.route_rows = done.handed_back, done.route_rows
+        return rc
 
     def it_linear_w8(self, x, ldx, w, scale, scale_is_f32, bias, y, ldy, m, n, k, nthreads):
         bufs = [(x, ((m - 1) * ldx + k) * 2), (w, n * k), (scale, n * (4 if scale_is_f32 else 2)), (bias, n * 2)]
@@ -232,7 +269,7 @@ class _StepBlob:
             r = subprocess.run([QEMU, str(lib.harness), op, str(path)], capture_output=True, text=True, timeout=300)
             if r.returncode != 0:
                 raise RuntimeError(f"{op} under qemu failed ({r.returncode}): {r.stderr}")
-            out = path.read_bytes()
+            out = self.out = path.read_bytes()
         for off, ptr, nbytes in self.back:
             ctypes.memmove(ptr, out[off : off + nbytes], nbytes)
         lib.calls += 1

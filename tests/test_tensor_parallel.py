@@ -318,15 +318,26 @@ def test_a_stored_quantized_checkpoint_splits_over_the_ranks(method, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "kind", ["llama-kv1-odd-vocab", "gemma2", "qwen2-moe", "qwen2-moe+ep", "mixtral+ep", "deepseek-v3+ep"]
+    "kind",
+    [
+        "llama-kv1-odd-vocab",
+        "gemma2",
+        "qwen2-moe",
+        "qwen2-moe+ep",
+        "mixtral+ep",
+        "deepseek-v3+ep",
+        "llama-kv1-odd-vocab+gloo",
+        "deepseek-v3+ep+gloo",
+    ],
 )
-def test_two_ranks_run_the_fused_step_in_bf16(kind, tmp_path):
+def test_two_ranks_run_the_fused_step_in_bf16(kind, tmp_path, monkeypatch):
     """bf16 on the CPU's kernels: each rank runs its share of every layer in one fused C step, summing o_proj's and
     down's (a MoE block's) outputs over the ranks through the shared-memory all-reduce in C (csrc/fused_step.h
     tp_allreduce, the protocol of layers/shm_allreduce.py, whose sequence numbers it shares); MoE models with their
     experts' features split, or with expert parallel (+ep: each rank's block of whole experts, the others' pairs
     skipped); DeepSeek-V3 (latent attention: each rank's heads, the latent replicated; the fp32 router, expert
-    parallel). Oracle: HF transformers in fp32, the logprobs as close as one rank's fused engine; and the
+    parallel); +gloo: no shared-memory segment (INFERTUNE_TP_SHM=0, as ranks on two hosts have none), the step calling
+    back the engine's gloo all-reduce between its kernels. Oracle: HF transformers in fp32, the logprobs as close as one rank's fused engine; and the
     collectives (exact counts): per step the embedding's all-reduce and the head's gather in Python, not the 2L + 1
     all-reduces of the per-module path, and the 2L in C (counted by the kernels, in the same bytes as the
     embedding's: rows x hidden fp32)."""
@@ -334,7 +345,10 @@ def test_two_ranks_run_the_fused_step_in_bf16(kind, tmp_path):
 
     if needs_fused.args[0]:
         pytest.skip(needs_fused.kwargs["reason"])
-    kind, _, ep = kind.partition("+")
+    kind, *flags = kind.split("+")
+    ep, gloo = "ep" in flags, "gloo" in flags
+    if gloo:  # (the workers inherit it)
+        monkeypatch.setenv("INFERTUNE_TP_SHM", "0")
     path = _checkpoint(kind, tmp_path / kind)
     hf = hf_model(path).float()
     prompts = [{"prompt_token_ids": p} for p in prompts_for(hf.config.vocab_size)]
@@ -356,6 +370,13 @@ def test_two_ranks_run_the_fused_step_in_bf16(kind, tmp_path):
                 for rank in llm.engine.executor.comm_stats():
                     steps = rank["steps"]
                     calls = {k: v["calls"] for k, v in rank["collectives"].items()}
+                    if gloo:  # the embedding's and the per-module steps' in Python, the fused steps' called back
+                        assert calls == {
+                            "all_reduce (gloo)": steps + 2 * layers * module_steps,
+                            "all_gather (gloo)": steps,
+                            "all_reduce (gloo, called back by the fused step)": 2 * layers * (steps - module_steps),
+                        }, (calls, steps)
+                        continue
                     assert calls == {
                         "all_reduce (shared memory)": steps + 2 * layers * module_steps,
                         "all_gather (shared memory)": steps,

@@ -83,6 +83,7 @@ SYSTEMS = (
     "infertune-w8a8",
     "infertune-torch",
     "infertune-w8a16-torch",
+    "infertune-modules",
     "infertune-tp2",
     "llama.cpp",
     "llama.cpp-q8_0",
@@ -101,6 +102,7 @@ SYSTEM_LABELS = {
     "infertune-w8a8": "infertune W8A8",
     "infertune-torch": "infertune (torch matmuls)",
     "infertune-w8a16-torch": "infertune W8A16 (torch matmuls)",
+    "infertune-modules": "infertune (kernels per module, fused step off)",
     "infertune-tp2": "infertune TP=2 (2 ranks, 1 thread each)",
     "llama.cpp": "llama.cpp BF16",
     "llama.cpp-q8_0": "llama.cpp Q8_0",
@@ -111,7 +113,8 @@ BASELINES = ("hf", "llama.cpp", "llama.cpp-q8_0", "llama.cpp-q4_0", "vllm")
 DEFAULT_SYSTEMS = ("infertune", "hf")
 # Which peers each infertune variant is compared with, when both ran (same precision class).
 PEER_OF = {
-    "infertune": ("hf", "llama.cpp", "vllm", "infertune-torch", "infertune-bf16"),
+    "infertune": ("hf", "llama.cpp", "vllm", "infertune-torch", "infertune-bf16", "infertune-modules"),
+    "infertune-modules": ("hf", "llama.cpp", "vllm"),
     "infertune-eager": ("hf", "llama.cpp", "vllm"),
     "infertune-bf16": ("hf", "llama.cpp", "vllm"),
     "infertune-torch": ("hf", "llama.cpp", "vllm"),
@@ -213,7 +216,8 @@ def add_arguments(p: argparse.ArgumentParser, default_batch: list[int] | None = 
         "bf16 weights as loaded: compress_weights off), infertune-w8a16, infertune-w4a16 (-q8head: with "
         "quantize_lm_head), "
         "infertune-w8a8, infertune-eager (compile off), infertune-torch and infertune-w8a16-torch (the "
-        "same engine on torch's matmuls: --decode-kernels off), infertune-tp2 (tensor parallel over 2 worker "
+        "same engine on torch's matmuls: --decode-kernels off), infertune-modules (the kernels under the per-module "
+        "forward, the fused step off: --decode-kernels linear), infertune-tp2 (tensor parallel over 2 worker "
         "processes, the CPUs split between them) (default: infertune,hf)",
     )
     g.add_argument(

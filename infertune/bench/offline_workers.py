@@ -40,6 +40,8 @@ def worker_infertune(args, model_dir: Path, batch: int) -> dict:
     system = args.worker.removesuffix("-torch")
     if system != args.worker:  # the same engine with torch's matmuls instead of infertune's decode kernels
         options["decode_kernels"] = "off"
+    if system == "infertune-modules":  # the kernels under the per-module forward, without the fused step
+        options["decode_kernels"] = "linear"
     if system == "infertune-bf16":  # the bf16 weights as loaded, not in the lossless 12-bit layout
         options["compress_weights"] = "off"
     if system == "infertune-tp2":  # tensor parallel over 2 worker processes, the CPUs split between them

@@ -525,8 +525,12 @@ class ItStep(ctypes.Structure):
         ("tp_rank", ctypes.c_int32),
         ("tp_size", ctypes.c_int32),
         ("tp_max_numel", ctypes.c_int64),
+        ("tp_reduce_fn", ctypes.c_void_p),  # without the segment: the caller's all-reduce (TP_REDUCE_FN)
     ]
 
+
+# it_step.tp_reduce_fn's type: int (*)(bf16* y, int64_t n), y summed over the ranks in place
+TP_REDUCE_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_int64)
 
 # The parts of the fused step that it_decode_layers times (csrc/abi.h IT_FT_*), in order
 FUSED_PARTS = (
@@ -695,6 +699,7 @@ def abi_layout(structs: dict[str, type[ctypes.Structure]] | None = None) -> list
             "tp_rank",
             "tp_size",
             "tp_max_numel",
+            "tp_reduce_fn",
         ),  # fmt: skip
         "it_step_stats": ("seconds", "calls", "rows", "allreduce_calls", "allreduce_bytes", "kv_read_bytes"),
         "bf16c": ("codes", "table", "esc_start", "esc_pos", "esc_val"),

@@ -173,15 +173,18 @@ class FusedLayer:
 
 @dataclass(frozen=True, slots=True)
 class TpAllReduce:
-    """Tensor parallel on one host: the shared-memory all-reduce (layers/shm_allreduce.py) a fused step runs after
-    each row-parallel linear (o_proj, down), in its protocol: the segment's address, the address of the int64
-    sequence number the Python side's calls advance too, this rank, the ranks, and the slots' fp32 capacity."""
+    """The all-reduce a fused step runs after each row-parallel linear (o_proj, down) under tensor parallel. On one
+    host, the shared-memory one (layers/shm_allreduce.py) in its protocol: the segment's address, the address of the
+    int64 sequence number the Python side's calls advance too, this rank, the ranks, and the slots' fp32 capacity.
+    Without the segment (ranks on more than one host: gloo), address 0 and `reduce`, the engine's own all-reduce of
+    a bf16 tensor in place (TensorParallel.all_reduce), which the step calls back between its kernels."""
 
     address: int
     seq_address: int
     rank: int
     size: int
     max_numel: int
+    reduce: Callable[[torch.Tensor], object] | None = None
 
 
 @dataclass(slots=True)

@@ -60,9 +60,13 @@ class X86FusedDecoder:
         self.embed, self.final_norm, self.final_eps = model.embed, final_norm, model.final_eps
         self.embed_scale, self.embed_fn = model.embed_scale, model.embed_fn
         tp = model.tp_allreduce
+        self._tp_error: BaseException | None = None  # (the called-back all-reduce's, raised after the step)
         if tp is not None and tp.size > 1:  # (the all-reduce's segment and sequence number: csrc/abi.h it_step)
-            self.step.tp_shm, self.step.tp_seq = tp.address, tp.seq_address
+            self.step.tp_shm, self.step.tp_seq = tp.address or None, tp.seq_address or None
             self.step.tp_rank, self.step.tp_size, self.step.tp_max_numel = tp.rank, tp.size, tp.max_numel
+            if not tp.address:  # no segment: the step calls back the engine's all-reduce (gloo)
+                self._tp_reduce = cpu.TP_REDUCE_FN(functools.partial(_called_back_reduce, self, tp.reduce))
+                self.step.tp_reduce_fn = ctypes.cast(self._tp_reduce, ctypes.c_void_p).value
         self.final_norm_fn = lib.it_rmsnorm_f32w if cmodel.norm_f32 else lib.it_rmsnorm_mt
 
     @classmethod
@@ -256,6 +260,9 @@ class X86FusedDecoder:
                     routing.counts.data_ptr(),
                 )
                 rc = self.lib.it_decode_layers(ctypes.byref(self.cmodel), self.layers, ctypes.byref(s), x.data_ptr())
+        if self._tp_error is not None:
+            err, self._tp_error = self._tp_error, None
+            raise RuntimeError("the tensor-parallel all-reduce failed inside the fused step") from err
         if rc != 0:
             raise RuntimeError(
                 f"it_decode_layers failed ({rc}): {'workspace too small' if rc == -1 else 'unsupported shapes'}"
@@ -300,6 +307,20 @@ class X86FusedDecoder:
 
 
 _ACTS = {"silu": cpu.ACT_SILU, "gelu_tanh": cpu.ACT_GELU_TANH}
+
+
+def _called_back_reduce(decoder: X86FusedDecoder, reduce, ptr: int, n: int) -> int:
+    """it_step.tp_reduce_fn: the step's n bf16 partial sums at ptr, summed over the ranks in place by `reduce` (the
+    engine's all-reduce). An exception cannot cross the C step: it is kept (later calls do nothing) and raised once
+    the step returns."""
+    if decoder._tp_error is not None:
+        return 1
+    try:
+        reduce(torch.frombuffer((ctypes.c_uint16 * n).from_address(ptr), dtype=torch.bfloat16))
+    except BaseException as e:  # (KeyboardInterrupt too: it must not unwind through C)
+        decoder._tp_error = e
+        return 1
+    return 0
 
 
 def _layer_norms(layer) -> tuple:

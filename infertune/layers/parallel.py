@@ -79,7 +79,11 @@ class TensorParallel:
     # MoE routed experts split whole over the ranks (the "experts" style below), not by their features
     expert_parallel: bool = False
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+    def all_reduce_from_fused_step(self, x: torch.Tensor) -> torch.Tensor:
+        """all_reduce, called back by the fused C step where there is no shared-memory segment (counted apart)."""
+        return self.all_reduce(x, ", called back by the fused step")
+
+    def all_reduce(self, x: torch.Tensor, caller: str = "") -> torch.Tensor:
         """The sum over the ranks, in place (in fp32 where x is narrower, then rounded once)."""
         t0 = time.perf_counter_ns()
         if self.shm is not None and x.is_contiguous():
@@ -96,7 +100,7 @@ class TensorParallel:
             wide = x.float()
             dist.all_reduce(wide, group=self.group)
             out, kind = x.copy_(wide), "all_reduce (gloo)"
-        COMM.add(kind, x.numel() * x.element_size(), time.perf_counter_ns() - t0)
+        COMM.add(kind.replace(")", caller + ")"), x.numel() * x.element_size(), time.perf_counter_ns() - t0)
         return out
 
     def min_over_ranks(self, n: int) -> int:

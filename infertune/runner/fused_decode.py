@@ -80,13 +80,11 @@ class FusedDecode:
         if not isinstance(spec, str):
             spec.kv_int4 = kv_int4
         if not isinstance(spec, str) and tp is not None and tp.size > 1:
-            if tp.shm is None:
-                spec = (
-                    "tensor parallel without the shared-memory all-reduce (ranks on more than one host, or gloo only)"
-                )
+            if tp.shm is None:  # (ranks on more than one host, or gloo only: the step calls back tp's all-reduce)
+                spec.tp_allreduce = TpAllReduce(0, 0, tp.rank, tp.size, 0, reduce=tp.all_reduce_from_fused_step)
             else:
                 spec.tp_allreduce = TpAllReduce(tp.shm.address, tp.shm.seq_address, tp.rank, tp.size, tp.shm.max_numel)
-                spec.embed_fn = model.model.embed_tokens  # (vocab-parallel: its lookup and all-reduce)
+            spec.embed_fn = model.model.embed_tokens  # (vocab-parallel: its lookup and all-reduce)
         groups: tuple = ((None, 0),)
         if not isinstance(spec, str) and kv_groups is not None:
             groups = tuple((g.window, g.layers[0]) for g in kv_groups)

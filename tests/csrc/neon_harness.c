@@ -60,14 +60,26 @@ int main(int argc, char** argv) {
                 it_layer* L = layers + i;
                 RELOC(*(void**)&L->input_norm), RELOC(*(void**)&L->post_norm), RELOC(L->kv_cache);
                 RELOC(*(void**)&L->q_norm), RELOC(*(void**)&L->k_norm), RELOC(*(void**)&L->pre_ff_norm);
-                RELOC(*(void**)&L->post_ff_norm), RELOC(*(void**)&L->cos_sin);
-                it_lin* lins[4] = {&L->qkv, &L->o, &L->gate_up, &L->down};
-                for (int j = 0; j < 4; j++)
-                    RELOC(*(void**)&lins[j]->w), RELOC(*(void**)&lins[j]->scale), RELOC(*(void**)&lins[j]->bias),
-                        RELOC(*(void**)&lins[j]->zero);
+                RELOC(*(void**)&L->post_ff_norm), RELOC(*(void**)&L->cos_sin), RELOC(*(void**)&L->mla);
+                it_mla_layer* A = (it_mla_layer*)L->mla; /* latent attention: its own linears and tensors */
+                if (A) RELOC(*(void**)&A->q_a_norm), RELOC(*(void**)&A->kv_a_norm), RELOC(*(void**)&A->kv_up);
+                RELOC(*(void**)&L->moe);
+                it_moe_layer* M = (it_moe_layer*)L->moe; /* a MoE layer: its router and experts */
+                if (M)
+                    RELOC(*(void**)&M->router), RELOC(*(void**)&M->router_f32), RELOC(*(void**)&M->bias),
+                        RELOC(*(void**)&M->shared_gate);
+                it_lin* lins[11] = {&L->qkv, &L->o, &L->gate_up, &L->down, A ? &A->q_a : NULL, A ? &A->q_b : NULL,
+                                    A ? &A->kv_a : NULL, M ? &M->gate_up : NULL, M ? &M->down : NULL,
+                                    M ? &M->shared_gate_up : NULL, M ? &M->shared_down : NULL};
+                for (int j = 0; j < 11; j++)
+                    if (lins[j])
+                        RELOC(*(void**)&lins[j]->w), RELOC(*(void**)&lins[j]->scale), RELOC(*(void**)&lins[j]->bias),
+                            RELOC(*(void**)&lins[j]->zero);
             }
             RELOC(*(void**)&st->positions), RELOC(*(void**)&st->slots), RELOC(*(void**)&st->block_tables);
             RELOC(*(void**)&st->context_lens), RELOC(*(void**)&st->out_rows), RELOC(*(void**)&st->stats);
+            RELOC(*(void**)&st->router_logits), RELOC(*(void**)&st->route_weights), RELOC(*(void**)&st->route_order);
+            RELOC(*(void**)&st->route_counts), RELOC(*(void**)&st->expert_load);
             for (int64_t g = 0; g < st->n_groups && g < IT_MAX_KV_GROUPS; g++)
                 RELOC(*(void**)&st->group_slots[g]), RELOC(*(void**)&st->group_tables[g]);
 #undef RELOC

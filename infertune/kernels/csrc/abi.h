@@ -185,6 +185,11 @@ typedef struct {
     int64_t* tp_seq;             /* the last call's sequence number, shared with the Python side's calls */
     int32_t tp_rank, tp_size;
     int64_t tp_max_numel;
+    /* Tensor parallel without the segment (ranks on more than one host, or INFERTUNE_TP_SHM=0): tp_shm NULL and
+       this the caller's all-reduce, int (*)(bf16* y, int64_t n): y summed over the ranks in place (its collective,
+       gloo), called from the step's own thread between the kernels; its time counts as the all-reduce part, its
+       calls and bytes are the caller's to count. Its return value is ignored (the caller keeps its own error). */
+    void* tp_reduce_fn;
 } it_step;
 
 

@@ -192,6 +192,11 @@ static int moe_mlp(const it_model* m, const it_moe_layer* M, const it_step* s, i
 static void tp_allreduce(const it_step* s, bf16* y, int64_t n) {
     if (s->tp_size <= 1) return;
     const double start = s->stats ? now_s() : 0.0;
+    if (!s->tp_shm) { /* the caller's collective (it_step.tp_reduce_fn), which counts its own calls and bytes */
+        ((int (*)(bf16*, int64_t))s->tp_reduce_fn)(y, n);
+        if (s->stats) s->stats->seconds[IT_FT_ALLREDUCE] += now_s() - start;
+        return;
+    }
     const int64_t size = s->tp_size, max = s->tp_max_numel;
     int64_t* counters = (int64_t*)s->tp_shm;
     float* buffers = (float*)((char*)s->tp_shm + 8 * size);
@@ -244,7 +249,8 @@ int it_decode_layers(const it_model* m, const it_layer* layers, it_step* s, bf16
     if (s->first_layer < 0 || s->first_layer >= m->n_layers) return -2;
     if (s->n_groups < 0 || s->n_groups > IT_MAX_KV_GROUPS) return -2;
     if (m->act != IT_ACT_SILU && m->act != IT_ACT_GELU_TANH) return -2;
-    if (s->tp_size > 1 && (!s->tp_shm || !s->tp_seq || s->tp_max_numel < 1 || s->tp_rank < 0 || s->tp_rank >= s->tp_size))
+    if (s->tp_size > 1 && (s->tp_rank < 0 || s->tp_rank >= s->tp_size ||
+                           (s->tp_shm ? !s->tp_seq || s->tp_max_numel < 1 : !s->tp_reduce_fn)))
         return -2;
     for (int li = 0; li < m->n_layers; li++) {
         const it_layer* L = layers + li;
