@@ -18,6 +18,23 @@
 #define MLA_ALIGN(n) (((n) + 63) & ~(int64_t)63)
 #define MLA_KEYS 16 /* rows of a sequence scored at a time */
 
+/* 16 floats as one value (GCC's vector extension: one AVX-512 register, two AVX2 ones, four NEON ones), so the
+ * accumulators below stay in registers on every ISA; loads and stores through memcpy (no alignment asked) */
+typedef float mla_v16 __attribute__((vector_size(64)));
+/* (macros, not functions: a 64-byte vector passed by value changes the ABI on builds without AVX-512) */
+#define MLA_LD16(v, p) memcpy(&(v), (p), sizeof(mla_v16))
+#define MLA_ST16(p, v) memcpy((p), &(v), sizeof(mla_v16))
+/* 16 bf16 values at p widened to fp32 (the bits shifted up: exact) */
+typedef uint16_t mla_u16x16 __attribute__((vector_size(32)));
+typedef uint32_t mla_u32x16 __attribute__((vector_size(64)));
+#define MLA_LDBF16(v, p)                                                  \
+    do {                                                                  \
+        mla_u16x16 h_;                                                    \
+        memcpy(&h_, (p), sizeof h_);                                      \
+        const mla_u32x16 u_ = __builtin_convertvector(h_, mla_u32x16) << 16; \
+        memcpy(&(v), &u_, sizeof(mla_v16));                               \
+    } while (0)
+
 /* The latent attention's part of the workspace (after moe_ws): q [T, H (nope + rope)], q_a [T, q_rank], kv rows
  * [T, W], the rotary parts [T, H + 1, rope], the absorbed queries [T, H, W], o_lat [T, H, rank], o [T, H v], the
  * attention's partial results (per task of mla_attention: each head's running max and sum, and its unnormalised
@@ -29,7 +46,10 @@ typedef struct { int64_t q, qa, kv, pe, qf, olat, ov, part, part_floats, thr, th
  * [W, MLA_KEYS]; then bf16 [MLA_KEYS, W] (an int8 cache's rows, dequantized) */
 typedef struct { float *q, *acc, *sc, *rows, *rt; bf16* tmp; } mla_thread;
 
-static inline int64_t mla_acc_rows(const it_model* m, int64_t T) { return m->n_heads > T ? m->n_heads : T; }
+/* the accumulators' floats: [max(H, T), max(rank, nope)] (a task's outputs; a head's rows of q_nope or o_lat) */
+static inline int64_t mla_acc_floats(const it_model* m, int64_t T) {
+    return (m->n_heads > T ? m->n_heads : T) * (m->mla_rank > m->mla_nope ? m->mla_rank : m->mla_nope);
+}
 
 static mla_ws mla_workspace(const it_model* m, int64_t T, int64_t base) {
     mla_ws l;
@@ -49,7 +69,7 @@ static mla_ws mla_workspace(const it_model* m, int64_t T, int64_t base) {
     l.ov = off;   off += MLA_ALIGN(T * H * m->mla_v * 2);
     l.part_floats = H * (R + 2);
     l.part = off; off += MLA_ALIGN((T + nthreads) * l.part_floats * 4);
-    l.thr_bytes = MLA_ALIGN((H * W + mla_acc_rows(m, T) * R + H * MLA_KEYS + 2 * MLA_KEYS * W) * 4) +
+    l.thr_bytes = MLA_ALIGN((H * W + mla_acc_floats(m, T) + H * MLA_KEYS + 2 * MLA_KEYS * W) * 4) +
                   MLA_ALIGN(MLA_KEYS * W * 2);
     l.thr = off;  off += nthreads * l.thr_bytes;
     l.total = off;
@@ -57,11 +77,11 @@ static mla_ws mla_workspace(const it_model* m, int64_t T, int64_t base) {
 }
 
 static mla_thread mla_thread_scratch(const it_model* m, int64_t T, char* base) {
-    const int64_t H = m->n_heads, W = m->head_dim, R = m->mla_rank;
+    const int64_t H = m->n_heads, W = m->head_dim;
     mla_thread w;
     float* f = (float*)base;
     w.q = f;     f += H * W;
-    w.acc = f;   f += mla_acc_rows(m, T) * R;
+    w.acc = f;   f += mla_acc_floats(m, T);
     w.sc = f;    f += H * MLA_KEYS;
     w.rows = f;  f += MLA_KEYS * W;
     w.rt = f;    f += MLA_KEYS * W;
@@ -79,11 +99,6 @@ static inline float mla_dot(const float* a, const float* b, int64_t n) {
 #pragma omp simd reduction(+ : s)
     for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
     return s;
-}
-
-static inline void mla_axpy(float a, const float* x, float* y, int64_t n) {
-#pragma omp simd
-    for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
 }
 
 /* The layer's projections: q [T, H (nope + rope)] and kv [T, W] (its latent not yet normed) from h [T, hidden] */
@@ -128,8 +143,69 @@ static void mla_rope_write(const it_model* m, const it_layer* L, const it_step* 
     }
 }
 
+/* NB rows (fp32 q_nope, [NB, nope] at qs) times W_UK's columns r .. r + 31 (two = 0: r .. r + 15) -> out [NB, 32]:
+ * 2 NB vectors of sums in registers, each weight vector widened once for the NB rows */
+#define MLA_ABSORB_ROWS(NB)                                                                                      \
+    static inline void mla_absorb_rows_##NB(const float* qs, int64_t nope, const bf16* wk, int64_t R, int64_t r,  \
+                                            int two, float out[NB][32]) {                                        \
+        mla_v16 a[NB][2], w0, w1;                                                                                 \
+        memset(a, 0, sizeof a);                                                                                   \
+        memset(&w1, 0, sizeof w1);                                                                                \
+        for (int64_t n = 0; n < nope; n++) {                                                                      \
+            MLA_LDBF16(w0, wk + n * R + r);                                                                       \
+            if (two) MLA_LDBF16(w1, wk + n * R + r + 16);                                                         \
+            for (int i = 0; i < NB; i++) {                                                                        \
+                const float qv = qs[i * nope + n];                                                                \
+                a[i][0] += qv * w0;                                                                               \
+                a[i][1] += qv * w1;                                                                               \
+            }                                                                                                     \
+        }                                                                                                         \
+        memcpy(out, a, sizeof a);                                                                                 \
+    }
+MLA_ABSORB_ROWS(8)
+MLA_ABSORB_ROWS(4)
+MLA_ABSORB_ROWS(2)
+MLA_ABSORB_ROWS(1)
+#undef MLA_ABSORB_ROWS
+
+/* NB rows (fp32 o_lat, [NB, R] at xs) against two of W_UV's rows (fp32, wa and wb) -> out [NB][2]: 2 NB vectors of
+ * partial sums over 16-wide slices of rank, summed across their lanes at the end */
+#define MLA_UPV_ROWS(NB)                                                                                           \
+    static inline void mla_upv_rows_##NB(const float* xs, const float* wa, const float* wb, int64_t R,            \
+                                         float out[NB][2]) {                                                        \
+        mla_v16 a[NB][2], x, w0, w1;                                                                              \
+        memset(a, 0, sizeof a);                                                                                   \
+        for (int64_t r = 0; r < R; r += 16) {                                                                     \
+            MLA_LD16(w0, wa + r);                                                                                 \
+            MLA_LD16(w1, wb + r);                                                                                 \
+            for (int i = 0; i < NB; i++) {                                                                        \
+                MLA_LD16(x, xs + i * R + r);                                                                      \
+                a[i][0] += x * w0;                                                                                \
+                a[i][1] += x * w1;                                                                                \
+            }                                                                                                     \
+        }                                                                                                         \
+        for (int i = 0; i < NB; i++)                                                                              \
+            for (int j = 0; j < 2; j++) {                                                                         \
+                float sum = 0.0f;                                                                                 \
+                for (int l = 0; l < 16; l++) sum += a[i][j][l];                                                   \
+                out[i][j] = sum;                                                                                  \
+            }                                                                                                     \
+    }
+MLA_UPV_ROWS(8)
+MLA_UPV_ROWS(4)
+MLA_UPV_ROWS(2)
+MLA_UPV_ROWS(1)
+#undef MLA_UPV_ROWS
+
+/* Rows t0 .. of a step in blocks of 8, then 4, 2, 1: the block's size at t0 */
+static inline int64_t mla_block(int64_t T, int64_t t0) {
+    const int64_t left = T - t0;
+    return left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+}
+
 /* The absorbed queries qf [T, H, W]: per head bf16(q_nope W_UK) (fp32 sums over nope, in order), then its rotated
- * q_pe. One parallel region over the heads, each reading its W_UK [nope, rank] once for every row. */
+ * q_pe. One parallel region over the heads; a head's W_UK [nope, rank] is read once for every block of up to 8 rows
+ * (mla_absorb_rows_*: no sums across lanes). */
 static void mla_absorb_q(const it_model* m, const it_mla_layer* A, int64_t T, char* w, const mla_ws* ml) {
     const int64_t H = m->n_heads, W = m->head_dim, R = m->mla_rank, rope = m->mla_rope, nope = m->mla_nope;
     const int64_t qk = nope + rope, per_head = (nope + m->mla_v) * R;
@@ -139,29 +215,33 @@ static void mla_absorb_q(const it_model* m, const it_mla_layer* A, int64_t T, ch
 #pragma omp parallel num_threads(nt)
     {
         const mla_thread th = mla_thread_scratch(m, T, w + ml->thr + (int64_t)omp_get_thread_num() * ml->thr_bytes);
+        float* qs = th.acc; /* the head's q_nope of every row, fp32 [T, nope] */
 #pragma omp for schedule(static)
         for (int64_t hh = 0; hh < H; hh++) {
             const bf16* wk = A->kv_up + hh * per_head; /* [nope, R] */
-            memset(th.acc, 0, (size_t)(T * R) * 4);
-            for (int64_t n = 0; n < nope; n++) {
-                mla_widen(wk + n * R, th.rows, R);
-                for (int64_t t = 0; t < T; t++) mla_axpy(bf2f(q[(t * H + hh) * qk + n]), th.rows, th.acc + t * R, R);
+            for (int64_t t = 0; t < T; t++) mla_widen(q + (t * H + hh) * qk, qs + t * nope, nope);
+            for (int64_t t0 = 0; t0 < T;) {
+                const int64_t nb = mla_block(T, t0);
+                for (int64_t r = 0; r < R; r += 32) {
+                    const int two = r + 32 <= R;
+                    float out[8][32];
+                    const float* qb = qs + t0 * nope;
+                    if (nb == 8) mla_absorb_rows_8(qb, nope, wk, R, r, two, out);
+                    else if (nb == 4) mla_absorb_rows_4(qb, nope, wk, R, r, two, out);
+                    else if (nb == 2) mla_absorb_rows_2(qb, nope, wk, R, r, two, out);
+                    else mla_absorb_rows_1(qb, nope, wk, R, r, two, out);
+                    for (int64_t i = 0; i < nb; i++) {
+                        bf16* dst = qf + ((t0 + i) * H + hh) * W + r;
+                        for (int l = 0; l < (two ? 32 : 16); l++) dst[l] = f2bf(out[i][l]);
+                    }
+                }
+                t0 += nb;
             }
-            for (int64_t t = 0; t < T; t++) {
-                bf16* dst = qf + (t * H + hh) * W;
-                for (int64_t r = 0; r < R; r++) dst[r] = f2bf(th.acc[t * R + r]);
-                memcpy(dst + R, pe + (t * (H + 1) + hh) * rope, (size_t)rope * 2);
-            }
+            for (int64_t t = 0; t < T; t++)
+                memcpy(qf + (t * H + hh) * W + R, pe + (t * (H + 1) + hh) * rope, (size_t)rope * 2);
         }
     }
 }
-
-/* 16 floats as one value (GCC's vector extension: one AVX-512 register, two AVX2 ones, four NEON ones), so the
- * accumulators below stay in registers on every ISA; loads and stores through memcpy (no alignment asked) */
-typedef float mla_v16 __attribute__((vector_size(64)));
-/* (macros, not functions: a 64-byte vector passed by value changes the ABI on builds without AVX-512) */
-#define MLA_LD16(v, p) memcpy(&(v), (p), sizeof(mla_v16))
-#define MLA_ST16(p, v) memcpy((p), &(v), sizeof(mla_v16))
 
 /* Scores of a block of MLA_KEYS (16) rows (rt: transposed, [W, 16], zero past the block's rows) for nh heads
  * (q: [nh, W] fp32) into sc [nh, 16], times scale: four heads a pass, each one vector of the block's 16 keys (one
@@ -328,7 +408,8 @@ static void mla_attention(const it_model* m, const it_step* ls, const void* cach
     if (ls->stats) ls->stats->kv_read_bytes += read * (m->kv_int8 ? W + 4 : 2 * W);
 }
 
-/* o [T, H v]: per head bf16(o_lat W_UV^T) (fp32 sums over rank) */
+/* o [T, H v]: per head bf16(o_lat W_UV^T) (fp32 sums over rank): the head's o_lat rows widened once, W_UV's rows
+ * two at a time, against blocks of up to 8 rows (mla_upv_rows_*) */
 static void mla_up_v(const it_model* m, const it_mla_layer* A, int64_t T, char* w, const mla_ws* ml) {
     const int64_t H = m->n_heads, R = m->mla_rank, nope = m->mla_nope, V = m->mla_v, per_head = (nope + V) * R;
     const bf16* olat = (const bf16*)(w + ml->olat);
@@ -337,13 +418,29 @@ static void mla_up_v(const it_model* m, const it_mla_layer* A, int64_t T, char* 
 #pragma omp parallel num_threads(nt)
     {
         const mla_thread th = mla_thread_scratch(m, T, w + ml->thr + (int64_t)omp_get_thread_num() * ml->thr_bytes);
+        float *xs = th.acc, *wf = th.rows; /* the head's o_lat rows [T, R]; two W_UV rows [2, R] */
 #pragma omp for schedule(static)
         for (int64_t hh = 0; hh < H; hh++) {
             const bf16* wv = A->kv_up + hh * per_head + nope * R; /* [V, R] */
-            for (int64_t t = 0; t < T; t++) mla_widen(olat + (t * H + hh) * R, th.acc + t * R, R);
-            for (int64_t v = 0; v < V; v++) {
-                mla_widen(wv + v * R, th.rows, R);
-                for (int64_t t = 0; t < T; t++) ov[(t * H + hh) * V + v] = f2bf(mla_dot(th.acc + t * R, th.rows, R));
+            for (int64_t t = 0; t < T; t++) mla_widen(olat + (t * H + hh) * R, xs + t * R, R);
+            for (int64_t v0 = 0; v0 < V; v0 += 2) {
+                const int64_t v1 = v0 + 1 < V ? v0 + 1 : v0; /* (an odd V's last row twice: stored once) */
+                mla_widen(wv + v0 * R, wf, R);
+                mla_widen(wv + v1 * R, wf + R, R);
+                for (int64_t t0 = 0; t0 < T;) {
+                    const int64_t nb = mla_block(T, t0);
+                    float out[8][2];
+                    const float* xb = xs + t0 * R;
+                    if (nb == 8) mla_upv_rows_8(xb, wf, wf + R, R, out);
+                    else if (nb == 4) mla_upv_rows_4(xb, wf, wf + R, R, out);
+                    else if (nb == 2) mla_upv_rows_2(xb, wf, wf + R, R, out);
+                    else mla_upv_rows_1(xb, wf, wf + R, R, out);
+                    for (int64_t i = 0; i < nb; i++) {
+                        ov[((t0 + i) * H + hh) * V + v0] = f2bf(out[i][0]);
+                        if (v1 != v0) ov[((t0 + i) * H + hh) * V + v1] = f2bf(out[i][1]);
+                    }
+                    t0 += nb;
+                }
             }
         }
     }
