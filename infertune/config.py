@@ -577,6 +577,16 @@ class CacheConfig:
         "off)",
         see="KV compression",
     )
+    mla_cache: str = _opt(
+        "latent",
+        "DeepSeek (MLA) models' KV cache: latent = the compressed latent and the shared rotary key of each token "
+        "(kv_lora_rank + qk_rope_head_dim values a layer), decode absorbed; decompressed = each head's K and V, as "
+        "a plain cache keeps them (7-9x the bytes; the seeds' starting point, for comparison: `infertune ledger` "
+        "measures the latent cache against it; runs the per-module path, no INT8); other models' caches hold each "
+        "head's K / V already (no effect there)",
+        choices=("latent", "decompressed"),
+        see="KV compression",
+    )
     kv_compression: KVCompressionConfig | None = _opt(
         None,
         "KV compression at the end of each prefill, kvpress's presses and parameters: "
@@ -1053,6 +1063,9 @@ class EngineConfig:
             if refusal is not None:
                 drop = "drop it" if self.model.arch.mla is not None else "drop one of them"
                 raise ValueError(f"kv_compression does not run with {refusal} yet; {drop}")
+        if self.cache.mla_cache == "decompressed" and self.model.arch.mla is not None:
+            if self.cache.kv_cache_dtype != "auto":
+                raise ValueError("mla_cache='decompressed' keeps K / V in the model dtype; drop kv_cache_dtype")
         if self.cache.kv_int4_after is not None:
             spec = sched.speculative_config
             refusal = (

@@ -30,6 +30,7 @@ from infertune import LLM, SamplingParams
 from infertune.config import ArchConfig, MlaArch
 from infertune.layers.attention import (
     AttentionMetadata,
+    DecompressedMlaAttention,
     Int8MlaAttention,
     LatentUpProjection,
     MlaAttention,
@@ -550,3 +551,32 @@ def test_the_fused_step_reads_each_latent_row_once(tmp_path, kv):
         prompts = [torch.randint(0, 200, (input_len,), generator=g).tolist() for _ in range(batch)]
         got = measure_decode_kv_reads(llm, input_len, batch, prompts)
         assert got.read_bytes == batch * (input_len + 1) * LAYERS * row == got.context_bytes, got
+
+
+def test_the_decompressed_cache_holds_each_heads_k_and_v(variant):
+    """mla_cache="decompressed" (the seeds' starting point, which `infertune ledger` measures the latent cache
+    against): the cache keeps H (nope + rope + v) values a token and layer, not the latent row; it gives HF's greedy
+    tokens (teacher-forced) and the latent cache's in every engine mode (prefix caching, 5-token chunks reading
+    earlier K / V back, one sequence at a time, preemption), nothing leaked; it runs the per-module path (the fused
+    step reads latent rows only); INT8 is refused."""
+    from parity_utils import assert_mode_matches
+
+    name, path, hf = variant
+    if name == "v2-group":
+        pytest.skip("the same attention as v3")
+    prompts = prompts_for(hf.config.vocab_size)
+    _, reference = run(path, prompts, enable_prefix_caching=False)
+    row = LAYERS * 4 * hf.config.num_attention_heads * (NOPE + ROPE + V)  # fp32, every layer
+    assert row > 3 * kv_bytes_per_token(path)
+    llm, outs = run(path, prompts, enable_prefix_caching=False, mla_cache="decompressed")
+    runner = llm.engine.executor.runner
+    assert isinstance(runner.attn, DecompressedMlaAttention) and runner.kv_info.bytes_per_token == row
+    assert_mode_matches(llm, "default", hf, prompts, outs, reference)
+    for mode, opts in engine_modes(row).items():
+        llm, outs = run(path, prompts, mla_cache="decompressed", **opts)
+        assert_mode_matches(llm, mode, hf, prompts, outs, reference)
+    bf16 = LLM(str(path), dtype="bfloat16", max_model_len=MAX_LEN, block_size=BLOCK, mla_cache="decompressed")
+    assert bf16.engine.executor.runner.fused is None
+    with pytest.raises(ValueError, match="drop kv_cache_dtype"):
+        LLM(str(path), dtype="float32", max_model_len=MAX_LEN, mla_cache="decompressed", kv_cache_dtype="int8")
+

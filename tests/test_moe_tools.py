@@ -55,6 +55,12 @@ def test_ledger_steps_follow_the_model(qwen3_moe, deepseek_v2_lite):
     assert [moe[k][1]["moe_kernels"] for k in steps] == ["none", "router", "experts", "all"]
     assert "experts" in moe["w4a16"][0] and "mla_latent" not in moe
     assert "mla_latent" in mla and "moe_experts" in mla  # DeepSeek is both
+    # MLA: the steps up to the kernels keep each head's K / V (the seeds' start); the latent cache next, before the
+    # MoE fusions (whose fused step reads latent rows)
+    mla_steps = {k: adds for k, _, adds, _ in ledger.steps_for(ArchConfig.from_model_dir(str(deepseek_v2_lite)))}
+    assert mla_steps["eager"]["mla_cache"] == "decompressed" and mla_steps["mla_latent"] == {"mla_cache": "latent"}
+    assert mla.index("kernels") + 1 == mla.index("mla_latent") < mla.index("moe_router")
+    assert all("mla_cache" not in (adds or {}) for adds in moe.values() for adds in [adds[1]])
     # W4A16's group size: the largest of 32 / 64 / 128 dividing every quantized input width (64 and 32 here)
     assert ledger.quant_group_size(ArchConfig.from_model_dir(str(qwen3_moe)), None) == 32
     assert ledger.quant_group_size(ArchConfig.from_model_dir(str(deepseek_v2_lite)), 64) == 64

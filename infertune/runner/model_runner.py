@@ -81,7 +81,11 @@ class ModelRunner:
         elif self.decode_kernels is not None:
             log.info("decode kernels: %s", self.decode_kernels.name)
         self.attn = attention_backend(
-            arch, config.cache.kv_cache_dtype, self.dtype, config.cache.kv_int4_after is not None
+            arch,
+            config.cache.kv_cache_dtype,
+            self.dtype,
+            config.cache.kv_int4_after is not None,
+            config.cache.mla_cache,
         )
         self.model = load_model(
             arch,

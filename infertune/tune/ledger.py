@@ -5,8 +5,9 @@ continuous batching -> + prepacked weights -> + compiled decode (torch.compile) 
 (fused decode step; replaces torch.compile) -> + INT8 KV -> + W8A16 -> + W4A16 -> + tuned batch. Every step keeps the
 ones before it. On a MoE model the kernels step leaves the MoE layers in PyTorch (route() and the per-expert loop)
 and two more steps follow, the seeds' MoE fusions: the fused gating top-k (router kernel), then the grouped expert
-GEMM; W8A16 / W4A16 quantize the experts too. On an MLA model the seeds' "decompressed cache -> latent cache" step is
-listed as not available (infertune only has the latent cache), with both caches' bytes per token. Steps whose feature is not built are reported as
+GEMM; W8A16 / W4A16 quantize the experts too. On an MLA model the steps up to the kernels keep each head's
+decompressed K / V (`mla_cache="decompressed"`), and the seeds' "decompressed cache -> latent cache" step follows them,
+with both caches' bytes per token. Steps whose feature is not built are reported as
 "not available", never measured or estimated. Lossy steps carry the perplexity change of the step's whole
 configuration against the unquantized model (`infertune.evaluate.compare`), where the weights are trained.
 
@@ -40,10 +41,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=None, help="Hugging Face model folder (default: the built-in demo model)")
     g.add_argument(
         "--preset",
-        choices=["small", "386m", "moe"],
+        choices=["small", "386m", "moe", "mla"],
         default=None,
         help="a random-weight model built once by `bench throughput`: small / 386m Llamas, moe = the scaled "
-        "Qwen3-30B-A3B (accuracy is then n/a)",
+        "Qwen3-30B-A3B, mla = the scaled DeepSeek-V2-Lite (accuracy is then n/a)",
     )
     p.add_argument("--cache-dir", type=Path, default=Path("/tmp/infertune-bench"), help="where presets are built")
     p.add_argument("--input-len", type=int, default=128, help="prompt tokens per request (default: 128)")
@@ -125,12 +126,14 @@ STEPS = [
     ("compiled", "+ compiled decode (torch.compile)", dict(compile="on"), False),
     # infertune's own kernels and fused decode step take the place of torch.compile (the two do not combine).
     ("kernels", "+ decode kernels, fused decode step (compile off)", dict(decode_kernels="auto", compile="off"), False),
+    # MLA models: the steps before this one keep each head's decompressed K / V (mla_cache="decompressed", the
+    # seeds' starting point); this one the latent cache with the absorbed decode (and the fused step, which reads
+    # latent rows only; a MoE model's MoE steps follow, with it).
+    ("mla_latent", "+ latent MLA cache, absorbed decode (vs decompressed K/V)", dict(mla_cache="latent"), False),
     # MoE models (STEPS_MOE): the kernels step leaves the MoE layers in PyTorch, then the seeds' two MoE fusions.
     ("moe_router", "+ fused gating top-k (router scores, top-k, weights, grouping: one kernel call)", None, False),
     ("moe_experts", "+ grouped expert GEMM (per-expert loop -> one kernel call)", None, False),
     ("moe_fused", "+ MoE layers in the fused decode step (router, top-k, experts: inside its one C call)", None, False),
-    # MLA models: the step from a decompressed K/V cache to the latent cache with the absorbed decode.
-    ("mla_latent", "+ latent MLA cache, absorbed decode (vs decompressed K/V)", None, False),
     ("int8_kv", "+ INT8 KV cache", dict(kv_cache_dtype="int8"), True),
     ("w8a16", "+ W8A16 weights", dict(quantization="w8a16"), True),
     ("w4a16", "+ W4A16 weights", dict(quantization="w4a16"), True),
@@ -149,8 +152,8 @@ MOE_LABELS = {
     "w8a16": "+ W8A16 weights (experts included)",
     "w4a16": "+ W4A16 weights (experts included)",
 }
-# infertune caches MLA's latent only: the decompressed cache the seed's step starts from does not exist to measure.
-MLA_NOTE = "only the latent cache exists: {latent} B/token; decompressed K/V would take {full} B/token"
+# The MLA step's cache bytes: the latent rows against the decompressed K / V the steps before it keep.
+MLA_NOTE = "latent cache {latent} B/token, against {full} B/token of decompressed K/V before it"
 
 
 def steps_for(arch) -> list[tuple[str, str, dict | None, bool]]:
@@ -165,6 +168,8 @@ def steps_for(arch) -> list[tuple[str, str, dict | None, bool]]:
         if arch.moe is not None:
             adds = MOE_STEP_OPTIONS.get(key, adds)
             label = MOE_LABELS.get(key, label)
+        if key == "eager" and arch.mla is not None:  # (until the MLA step: each head's K / V)
+            adds = dict(adds, mla_cache="decompressed")
         out.append((key, label, adds, lossy))
     return out
 
@@ -306,10 +311,11 @@ def build_ledger(args, progress: bool = True) -> dict:
             rows.append(row)
             continue
         if adds is None:
-            elem = 2 if args.dtype == "bfloat16" else 4
-            row.update(status=NOT_AVAILABLE, note=mla_note(arch, elem) if key == "mla_latent" else "not built")
+            row.update(status=NOT_AVAILABLE, note="not built")
             rows.append(row)
             continue
+        if key == "mla_latent":
+            row["note"] = mla_note(arch, 2 if args.dtype == "bfloat16" else 4)
         if key.startswith("moe_") and not current.get("decode_kernels_ran"):
             row.update(status=NOT_AVAILABLE, note="no decode kernels on this machine (see the kernels row)")
             rows.append(row)
@@ -427,9 +433,10 @@ def render_markdown(doc: dict) -> str:
         cum = "–" if r.get("cumulative_vs_hf") is None else f"{r['cumulative_vs_hf']:.2f}x"
         label = r["label"] + (f" (max_num_seqs={r['options']['max_num_seqs']})" if r["step"] == "tuned" else "")
         ttft = "–" if r.get("ttft_p50_s") is None else f"{r['ttft_p50_s'] * 1e3:.1f}"
+        acc = "; ".join(t for t in (_acc_text(r), r.get("note") or "") if t)  # (the MLA step's cache bytes)
         lines.append(
             f"| {label} | {r['output_tok_s']:.1f} | {ttft} | {kv} / {r['peak_rss_mib' if isolated else 'rss_growth_mib']:.0f} | {gain} | {cum} | "
-            f"{_acc_text(r)} |"
+            f"{acc} |"
         )
     memory_note = (
         "the peak RSS of the fresh process that ran the step (Python and torch imports included; "

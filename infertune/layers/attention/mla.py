@@ -184,3 +184,72 @@ class Int8MlaAttention(MlaAttention):
         w = raw.shape[-1] - self.SCALE_BYTES
         scale = raw[..., w:].contiguous().view(torch.float32)  # [..., 1]
         return (raw[..., :w].float() * scale).to(self.compute_dtype)
+
+
+class DecompressedMlaAttention(MlaAttention):
+    """MLA over a cache of decompressed K and V, the seeds' starting point (`mla_cache="decompressed"`): per token
+    and layer one row of each head's K (nope + rope: k_nope = W_UK c, then the shared rotated k_pe) and V (W_UV c),
+    H (nope + rope + v) values, 8.9x the latent row at DeepSeek-V2-Lite's shape (7.1x at V3's). Decode attends to
+    them as any per-head cache (no absorption); prefill as the latent backend. For comparison (`infertune ledger`'s
+    latent-cache step measures against it): the fused step and INT8 do not take it."""
+
+    name = "mla-decompressed"
+
+    def __init__(self, mla: MlaArch, num_heads: int) -> None:
+        super().__init__(mla)
+        self.heads, self.qk, self.v = num_heads, mla.qk_nope_head_dim + mla.qk_rope_head_dim, mla.v_head_dim
+        self.row = num_heads * (self.qk + self.v)
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        super().kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)  # (the model is MLA's)
+        return (1, num_blocks, block_size, 1, self.row)
+
+    def kv_bytes_per_token(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return self.row * torch.empty((), dtype=dtype).element_size()
+
+    def _split(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cache rows [..., row] -> K [..., H, nope + rope], V [..., H, v]."""
+        lead = rows.shape[:-1]
+        k = rows[..., : self.heads * self.qk].reshape(*lead, self.heads, self.qk)
+        return k, rows[..., self.heads * self.qk :].reshape(*lead, self.heads, self.v)
+
+    def forward(self, q_nope, q_pe, latent, kv_cache, meta: AttentionMetadata, scale: float, kv_up):
+        """Decompress the step's latents into their K / V rows, then attend: prompts as MlaAttention does (fresh ones
+        on their own K / V, later chunks on the cached rows), decodes over the cached K / V."""
+        t, h, _ = q_nope.shape
+        k, v = kv_up.decompress(latent[:, : self.rank], latent[:, self.rank :])  # [T, H, qk], [T, H, v]
+        _, num_blocks, block_size, _, width = kv_cache.shape
+        kv_cache[0].view(num_blocks * block_size, width).index_copy_(
+            0, meta.slot_mapping, torch.cat([k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
+        )
+        query = torch.cat([q_nope, q_pe], dim=-1)  # [T, H, qk]
+        out = q_nope.new_empty((t, h, self.v))
+        nd = meta.num_decode_tokens
+        if nd:
+            tables = meta.decode_block_tables  # [B, M]
+            b, m = tables.shape
+            length = m * block_size
+            kpos = torch.arange(length, device=q_nope.device)
+            mask = (kpos.unsqueeze(0) < meta.decode_context_lens.unsqueeze(1)).view(b, 1, 1, length)
+            kc, vc = self._split(kv_cache[0].index_select(0, tables.view(-1)).view(b, length, width))
+            o = F.scaled_dot_product_attention(
+                query[:nd].unsqueeze(2), kc.transpose(1, 2), vc.transpose(1, 2), attn_mask=mask, scale=scale
+            )  # [B, H, 1, v]
+            out[:nd] = o.squeeze(2)
+        for s, g, n in _fresh_runs(meta.prefills):  # g fresh prompts of n tokens each, back to back from s
+            q, kk, vv = (x.view(g, n, h, -1).transpose(1, 2) for x in (query[s : s + g * n], k[s : s + g * n], v[s : s + g * n]))
+            o = F.scaled_dot_product_attention(q, kk, vv, is_causal=True, scale=scale)
+            out[s : s + g * n] = o.transpose(1, 2).reshape(g * n, h, -1)
+        for chunk in meta.prefills:  # chunks that continue earlier context: their K / V rows read back
+            if chunk.context_slots is None:
+                continue
+            s, n = chunk.query_start, chunk.query_len
+            kc, vc = self._split(kv_cache[0].view(num_blocks * block_size, width).index_select(0, chunk.context_slots))
+            past = chunk.context_len - n
+            qpos = torch.arange(past, past + n, device=query.device).unsqueeze(1)
+            mask = torch.arange(chunk.context_len, device=query.device).unsqueeze(0) <= qpos  # [n, C]
+            o = F.scaled_dot_product_attention(
+                query[s : s + n].transpose(0, 1), kc.transpose(0, 1), vc.transpose(0, 1), attn_mask=mask, scale=scale
+            )
+            out[s : s + n] = o.transpose(0, 1)
+        return out
