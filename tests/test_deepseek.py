@@ -579,4 +579,3 @@ def test_the_decompressed_cache_holds_each_heads_k_and_v(variant):
     assert bf16.engine.executor.runner.fused is None
     with pytest.raises(ValueError, match="drop kv_cache_dtype"):
         LLM(str(path), dtype="float32", max_model_len=MAX_LEN, mla_cache="decompressed", kv_cache_dtype="int8")
-

@@ -237,7 +237,9 @@ class DecompressedMlaAttention(MlaAttention):
             )  # [B, H, 1, v]
             out[:nd] = o.squeeze(2)
         for s, g, n in _fresh_runs(meta.prefills):  # g fresh prompts of n tokens each, back to back from s
-            q, kk, vv = (x.view(g, n, h, -1).transpose(1, 2) for x in (query[s : s + g * n], k[s : s + g * n], v[s : s + g * n]))
+            q, kk, vv = (
+                x.view(g, n, h, -1).transpose(1, 2) for x in (query[s : s + g * n], k[s : s + g * n], v[s : s + g * n])
+            )
             o = F.scaled_dot_product_attention(q, kk, vv, is_causal=True, scale=scale)
             out[s : s + g * n] = o.transpose(1, 2).reshape(g * n, h, -1)
         for chunk in meta.prefills:  # chunks that continue earlier context: their K / V rows read back
