@@ -520,13 +520,14 @@ def test_fused_step_runs_latent_attention(variant, kv):
     rotary, the row written to the cache, the absorbed query, attention over the latent rows, W_UV, o_proj; the fp32
     router with every routing rule of VARIANTS; the shared experts; the dense first layer) as exactly as the
     per-module path, both against HF transformers in fp32 (test_sliding_window._fused_against_per_module: every
-    decode step fused), with a bf16 and an int8 latent cache; a batch (a task per row) and one sequence alone (its
-    keys split over the threads, the shares merged)."""
+    decode step fused), with a bf16 and an int8 latent cache; a batch (a task per row), one sequence alone (its
+    keys split over the threads, the shares merged) and two (the one- and two-row paths of W_UK and W_UV)."""
     from test_sliding_window import _fused_against_per_module
 
     _, path, hf = variant
     prompts = prompts_for(hf.config.vocab_size)
-    for batch in (prompts, [prompts[-1][:30]]):  # (30 tokens and NEW_TOKENS more: the keys of two shares)
+    # (one of 30 tokens and NEW_TOKENS more: the keys of two shares; two: W_UV's two-row path)
+    for batch in (prompts, [prompts[-1][:30]], prompts[1:3]):
         _fused_against_per_module(path, hf.float(), batch, 1, kv_cache_dtype=kv)
 
 

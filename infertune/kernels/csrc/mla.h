@@ -143,29 +143,32 @@ static void mla_rope_write(const it_model* m, const it_layer* L, const it_step* 
     }
 }
 
-/* NB rows (fp32 q_nope, [NB, nope] at qs) times W_UK's columns r .. r + 31 (two = 0: r .. r + 15) -> out [NB, 32]:
- * 2 NB vectors of sums in registers, each weight vector widened once for the NB rows */
-#define MLA_ABSORB_ROWS(NB)                                                                                      \
-    static inline void mla_absorb_rows_##NB(const float* qs, int64_t nope, const bf16* wk, int64_t R, int64_t r,  \
-                                            int two, float out[NB][32]) {                                        \
-        mla_v16 a[NB][2], w0, w1;                                                                                 \
+/* NB rows (fp32 q_nope, [NB, nope] at qs) times W_UK's columns r .. r + 16 RC - 1 -> out [NB, 16 RC]: NB RC vectors of
+ * sums in registers, each weight vector widened once for the NB rows; a row of W_UK is read 32 RC bytes at a time */
+#define MLA_ABSORB_ROWS(NB, RC)                                                                                   \
+    static inline void mla_absorb_rows_##NB##_##RC(const float* qs, int64_t nope, const bf16* wk, int64_t R,     \
+                                                   int64_t r, float* out) {                                       \
+        mla_v16 a[NB][RC], wv[RC];                                                                                \
         memset(a, 0, sizeof a);                                                                                   \
-        memset(&w1, 0, sizeof w1);                                                                                \
         for (int64_t n = 0; n < nope; n++) {                                                                      \
-            MLA_LDBF16(w0, wk + n * R + r);                                                                       \
-            if (two) MLA_LDBF16(w1, wk + n * R + r + 16);                                                         \
+            for (int c = 0; c < RC; c++) MLA_LDBF16(wv[c], wk + n * R + r + 16 * c);                              \
             for (int i = 0; i < NB; i++) {                                                                        \
                 const float qv = qs[i * nope + n];                                                                \
-                a[i][0] += qv * w0;                                                                               \
-                a[i][1] += qv * w1;                                                                               \
+                for (int c = 0; c < RC; c++) a[i][c] += qv * wv[c];                                               \
             }                                                                                                     \
         }                                                                                                         \
-        memcpy(out, a, sizeof a);                                                                                 \
+        for (int i = 0; i < NB; i++) memcpy(out + i * 128, a[i], sizeof a[i]);                                    \
     }
-MLA_ABSORB_ROWS(8)
-MLA_ABSORB_ROWS(4)
-MLA_ABSORB_ROWS(2)
-MLA_ABSORB_ROWS(1)
+/* (few rows: wide slices, so each row of W_UK streams in 256 bytes at a time; more rows: narrower, the registers
+   go to the rows) */
+MLA_ABSORB_ROWS(8, 2)
+MLA_ABSORB_ROWS(4, 4)
+MLA_ABSORB_ROWS(2, 8)
+MLA_ABSORB_ROWS(1, 8)
+MLA_ABSORB_ROWS(8, 1)
+MLA_ABSORB_ROWS(4, 1)
+MLA_ABSORB_ROWS(2, 1)
+MLA_ABSORB_ROWS(1, 1)
 #undef MLA_ABSORB_ROWS
 
 /* NB rows (fp32 o_lat, [NB, R] at xs) against two of W_UV's rows (fp32, wa and wb) -> out [NB][2]: 2 NB vectors of
@@ -197,6 +200,31 @@ MLA_UPV_ROWS(2)
 MLA_UPV_ROWS(1)
 #undef MLA_UPV_ROWS
 
+/* NB (1 or 2) rows (fp32 o_lat at xs) against four of W_UV's rows read as bf16 (w, R apart) -> out [NB][4]: for steps of
+ * one or two rows, where W_UV streams from memory once per head and widening it into scratch first would cost a
+ * second pass */
+#define MLA_UPV4_ROWS(NB)                                                                                          \
+    static inline void mla_upv4_rows_##NB(const float* xs, const bf16* w, int64_t R, float out[NB][4]) {         \
+        mla_v16 a[NB][4], x, wv[4];                                                                               \
+        memset(a, 0, sizeof a);                                                                                   \
+        for (int64_t r = 0; r < R; r += 16) {                                                                     \
+            for (int j = 0; j < 4; j++) MLA_LDBF16(wv[j], w + j * R + r);                                         \
+            for (int i = 0; i < NB; i++) {                                                                        \
+                MLA_LD16(x, xs + i * R + r);                                                                      \
+                for (int j = 0; j < 4; j++) a[i][j] += x * wv[j];                                                 \
+            }                                                                                                     \
+        }                                                                                                         \
+        for (int i = 0; i < NB; i++)                                                                              \
+            for (int j = 0; j < 4; j++) {                                                                         \
+                float sum = 0.0f;                                                                                 \
+                for (int l = 0; l < 16; l++) sum += a[i][j][l];                                                   \
+                out[i][j] = sum;                                                                                  \
+            }                                                                                                     \
+    }
+MLA_UPV4_ROWS(2)
+MLA_UPV4_ROWS(1)
+#undef MLA_UPV4_ROWS
+
 /* Rows t0 .. of a step in blocks of 8, then 4, 2, 1: the block's size at t0 */
 static inline int64_t mla_block(int64_t T, int64_t t0) {
     const int64_t left = T - t0;
@@ -222,18 +250,31 @@ static void mla_absorb_q(const it_model* m, const it_mla_layer* A, int64_t T, ch
             for (int64_t t = 0; t < T; t++) mla_widen(q + (t * H + hh) * qk, qs + t * nope, nope);
             for (int64_t t0 = 0; t0 < T;) {
                 const int64_t nb = mla_block(T, t0);
-                for (int64_t r = 0; r < R; r += 32) {
-                    const int two = r + 32 <= R;
-                    float out[8][32];
+                /* the slices' width for this block (16 RC columns), then 16-column slices for the rest of R */
+                const int64_t wide = 16 * (nb == 8 ? 2 : nb == 4 ? 4 : 8);
+                for (int64_t r = 0; r < R;) {
+                    const int64_t cols = R - r >= wide ? wide : 16;
+                    float out[8 * 128];
                     const float* qb = qs + t0 * nope;
-                    if (nb == 8) mla_absorb_rows_8(qb, nope, wk, R, r, two, out);
-                    else if (nb == 4) mla_absorb_rows_4(qb, nope, wk, R, r, two, out);
-                    else if (nb == 2) mla_absorb_rows_2(qb, nope, wk, R, r, two, out);
-                    else mla_absorb_rows_1(qb, nope, wk, R, r, two, out);
+                    if (cols == 16) {
+                        if (nb == 8) mla_absorb_rows_8_1(qb, nope, wk, R, r, out);
+                        else if (nb == 4) mla_absorb_rows_4_1(qb, nope, wk, R, r, out);
+                        else if (nb == 2) mla_absorb_rows_2_1(qb, nope, wk, R, r, out);
+                        else mla_absorb_rows_1_1(qb, nope, wk, R, r, out);
+                    } else if (nb == 8) {
+                        mla_absorb_rows_8_2(qb, nope, wk, R, r, out);
+                    } else if (nb == 4) {
+                        mla_absorb_rows_4_4(qb, nope, wk, R, r, out);
+                    } else if (nb == 2) {
+                        mla_absorb_rows_2_8(qb, nope, wk, R, r, out);
+                    } else {
+                        mla_absorb_rows_1_8(qb, nope, wk, R, r, out);
+                    }
                     for (int64_t i = 0; i < nb; i++) {
                         bf16* dst = qf + ((t0 + i) * H + hh) * W + r;
-                        for (int l = 0; l < (two ? 32 : 16); l++) dst[l] = f2bf(out[i][l]);
+                        for (int64_t l = 0; l < cols; l++) dst[l] = f2bf(out[i * 128 + l]);
                     }
+                    r += cols;
                 }
                 t0 += nb;
             }
@@ -423,6 +464,18 @@ static void mla_up_v(const it_model* m, const it_mla_layer* A, int64_t T, char* 
         for (int64_t hh = 0; hh < H; hh++) {
             const bf16* wv = A->kv_up + hh * per_head + nope * R; /* [V, R] */
             for (int64_t t = 0; t < T; t++) mla_widen(olat + (t * H + hh) * R, xs + t * R, R);
+            if (T <= 2 && V % 4 == 0) { /* one or two rows: W_UV's rows straight from memory, four at a time */
+                for (int64_t v0 = 0; v0 < V; v0 += 4) {
+                    float out[2][4];
+                    if (T == 2)
+                        mla_upv4_rows_2(xs, wv + v0 * R, R, out);
+                    else
+                        mla_upv4_rows_1(xs, wv + v0 * R, R, out);
+                    for (int64_t i = 0; i < T; i++)
+                        for (int j = 0; j < 4; j++) ov[(i * H + hh) * V + v0 + j] = f2bf(out[i][j]);
+                }
+                continue;
+            }
             for (int64_t v0 = 0; v0 < V; v0 += 2) {
                 const int64_t v1 = v0 + 1 < V ? v0 + 1 : v0; /* (an odd V's last row twice: stored once) */
                 mla_widen(wv + v0 * R, wf, R);
