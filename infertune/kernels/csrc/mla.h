@@ -44,7 +44,7 @@ typedef struct { int64_t q, qa, kv, pe, qf, olat, ov, part, part_floats, thr, th
 /* A thread's scratch: the task's queries [H, W] and a row-major fp32 copy of W_UK's or W_UV's rows / of o_lat
  * [max(H, T), rank]; a block's scores [H, MLA_KEYS]; its rows in fp32, row-major [MLA_KEYS, W] and transposed
  * [W, MLA_KEYS]; then bf16 [MLA_KEYS, W] (an int8 cache's rows, dequantized) */
-typedef struct { float *q, *acc, *sc, *rows, *rt; bf16* tmp; } mla_thread;
+typedef struct { float *q, *acc, *sc, *rows, *rt; bf16 *tmp, *zero; } mla_thread;
 
 /* the accumulators' floats: [max(H, T), max(rank, nope)] (a task's outputs; a head's rows of q_nope or o_lat) */
 static inline int64_t mla_acc_floats(const it_model* m, int64_t T) {
@@ -70,7 +70,7 @@ static mla_ws mla_workspace(const it_model* m, int64_t T, int64_t base) {
     l.part_floats = H * (R + 2);
     l.part = off; off += MLA_ALIGN((T + nthreads) * l.part_floats * 4);
     l.thr_bytes = MLA_ALIGN((H * W + mla_acc_floats(m, T) + H * MLA_KEYS + 2 * MLA_KEYS * W) * 4) +
-                  MLA_ALIGN(MLA_KEYS * W * 2);
+                  MLA_ALIGN((MLA_KEYS + 1) * W * 2);
     l.thr = off;  off += nthreads * l.thr_bytes;
     l.total = off;
     return l;
@@ -86,6 +86,7 @@ static mla_thread mla_thread_scratch(const it_model* m, int64_t T, char* base) {
     w.rows = f;  f += MLA_KEYS * W;
     w.rt = f;    f += MLA_KEYS * W;
     w.tmp = (bf16*)(base + MLA_ALIGN((char*)f - base));
+    w.zero = w.tmp + MLA_KEYS * W; /* [W] zeros (a block's rows past its last) */
     return w;
 }
 
@@ -317,6 +318,30 @@ static inline void mla_scores(const float* q, int64_t nh, const float* rt, int64
     }
 }
 
+#if defined(__AVX512BF16__)
+/* The AVX-512 library's scores of a block: the bf16 rows as they are (no widening, no transposing), VDPBF16PS over
+ * 32 values a step for the block's 16 keys, their 16 sums reduced together (attention.c reduce16), one head (q: bf16
+ * [nh, W]) at a time. bf16 x bf16 products are exact in fp32: only the order of the sums differs from
+ * mla_scores'. */
+static inline void mla_scores_bf16(const bf16* q, int64_t nh, const bf16* const* rows, int nb, int64_t W, float scale,
+                                   float* sc, const bf16* zero) {
+    const bf16* kr[MLA_KEYS];
+    for (int jj = 0; jj < MLA_KEYS; jj++) kr[jj] = jj < nb ? rows[jj] : zero;
+    const __m512 s = _mm512_set1_ps(scale);
+    for (int64_t i = 0; i < nh; i++) {
+        __m512 a[MLA_KEYS];
+        for (int jj = 0; jj < MLA_KEYS; jj++) a[jj] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < W; d += 32) {
+            const __mmask32 mk = W - d >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << (W - d)) - 1u);
+            const __m512bh qv = (__m512bh)_mm512_maskz_loadu_epi16(mk, q + i * W + d);
+            for (int jj = 0; jj < MLA_KEYS; jj++)
+                a[jj] = _mm512_dpbf16_ps(a[jj], qv, (__m512bh)_mm512_maskz_loadu_epi16(mk, kr[jj] + d));
+        }
+        _mm512_storeu_ps(sc + i * MLA_KEYS, _mm512_mul_ps(reduce16(a), s));
+    }
+}
+#endif
+
 /* acc[i] += sum over the block's nb rows of p[i][j] c_j (rows: [16, W], c the first R values of a row; R a multiple
  * of 16) for nh heads: four heads a pass over 16 of the rows' values, in registers over the block's rows */
 static inline void mla_values(const float* p, int64_t nh, int nb, const float* rows, int64_t W, int64_t R,
@@ -366,19 +391,29 @@ static void mla_attend(const it_model* m, const void* cache, const int64_t* tabl
     const int64_t H = m->n_heads, W = m->head_dim, R = m->mla_rank;
     float *mx = part, *sum = part + H, *acc = part + 2 * H;
     for (int64_t i = 0; i < H; i++) {
+#if !defined(__AVX512BF16__)
         mla_widen(qf + i * W, th->q + i * W, W);
+#endif
         mx[i] = -INFINITY;
         sum[i] = 0.0f;
     }
     memset(acc, 0, (size_t)(H * R) * 4);
+#if defined(__AVX512BF16__)
+    memset(th->zero, 0, (size_t)W * 2);
+#endif
     for (int64_t j0 = k0; j0 < k1; j0 += MLA_KEYS) {
         const int nb = (int)(k1 - j0 < MLA_KEYS ? k1 - j0 : MLA_KEYS);
         const bf16* rows[MLA_KEYS];
         kv_rows(m, cache, 0, table, j0, nb, 0, th->tmp, rows);
+#if defined(__AVX512BF16__)
+        for (int jj = 0; jj < nb; jj++) mla_widen(rows[jj], th->rows + jj * W, R); /* (the values: c only) */
+        mla_scores_bf16(qf, H, rows, nb, W, m->scale, th->sc, th->zero);
+#else
         for (int jj = 0; jj < nb; jj++) mla_widen(rows[jj], th->rows + jj * W, W);
         for (int64_t d = 0; d < W; d++)
             for (int jj = 0; jj < MLA_KEYS; jj++) th->rt[d * MLA_KEYS + jj] = jj < nb ? th->rows[jj * W + d] : 0.0f;
         mla_scores(th->q, H, th->rt, W, m->scale, th->sc);
+#endif
         for (int64_t i = 0; i < H; i++) { /* the scores -> softmax numerators, in place */
             float* sc = th->sc + i * MLA_KEYS;
             float bmax = -INFINITY;
