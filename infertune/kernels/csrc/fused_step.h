@@ -106,18 +106,17 @@ static void router_f32_rows(const bf16* h, const float* w, float* logits, int64_
     const int nt = pick_threads(E, R * E * H * 4, nthreads);
 #pragma omp parallel num_threads(nt)
     {
+        /* this thread's experts; each piece of a row widened once for all of them (the sums over pieces in order) */
+        const int64_t per = (E + nt - 1) / nt, e0 = omp_get_thread_num() * per, e1 = e0 + per < E ? e0 + per : E;
         float x[1024];
-#pragma omp for schedule(static)
-        for (int64_t e = 0; e < E; e++)
-            for (int64_t t = 0; t < R; t++) {
-                float acc = 0.0f;
-                for (int64_t i0 = 0; i0 < H; i0 += 1024) { /* (the row widened in pieces: no scratch needed) */
-                    const int64_t n = H - i0 < 1024 ? H - i0 : 1024;
-                    mla_widen(h + t * H + i0, x, n);
-                    acc += mla_dot(x, w + e * H + i0, n);
-                }
-                logits[t * E + e] = acc;
+        for (int64_t t = 0; t < R; t++) {
+            for (int64_t e = e0; e < e1; e++) logits[t * E + e] = 0.0f;
+            for (int64_t i0 = 0; i0 < H; i0 += 1024) { /* (the row widened in pieces: no scratch needed) */
+                const int64_t n = H - i0 < 1024 ? H - i0 : 1024;
+                mla_widen(h + t * H + i0, x, n);
+                for (int64_t e = e0; e < e1; e++) logits[t * E + e] += mla_dot(x, w + e * H + i0, n);
             }
+        }
     }
 }
 

@@ -104,7 +104,7 @@ class MlaAttention(AttentionBackend):
         kv_up: LatentUpProjection,
     ) -> torch.Tensor:  # [T, H, v]
         """Write the step's latents into the cache, then attend: decodes absorbed, prefills decompressed."""
-        self.write_kv(kv_cache, latent, meta.slot_mapping)
+        fresh = self._store(kv_cache, latent, meta, kv_up)
         t, h, _ = q_nope.shape
         out = q_nope.new_empty((t, h, kv_up.v_dim))
         nd = meta.num_decode_tokens
@@ -114,7 +114,10 @@ class MlaAttention(AttentionBackend):
             return out
         query = torch.cat([q_nope, q_pe], dim=-1)  # [T, H, nope + rope]
         for s, g, n in _fresh_runs(meta.prefills):  # g fresh prompts of n tokens each, back to back from s
-            k, v = kv_up.decompress(latent[s : s + g * n, : self.rank], latent[s : s + g * n, self.rank :])
+            if fresh is not None:
+                k, v = fresh[0][s : s + g * n], fresh[1][s : s + g * n]
+            else:
+                k, v = kv_up.decompress(latent[s : s + g * n, : self.rank], latent[s : s + g * n, self.rank :])
             q, k, v = (x.view(g, n, h, -1).transpose(1, 2) for x in (query[s : s + g * n], k, v))
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)  # [g, H, n, v]
             out[s : s + g * n] = o.transpose(1, 2).reshape(g * n, h, -1)
@@ -122,8 +125,7 @@ class MlaAttention(AttentionBackend):
             if chunk.context_slots is None:  # done above
                 continue
             s, n = chunk.query_start, chunk.query_len
-            rows = self._read_slots(kv_cache, chunk.context_slots)  # [C, W]
-            k, v = kv_up.decompress(rows[:, : self.rank], rows[:, self.rank :])
+            k, v = self._context_kv(kv_cache, chunk.context_slots, kv_up)
             past = chunk.context_len - n
             # Query i sits at absolute position past + i and sees keys 0 .. past + i.
             qpos = torch.arange(past, past + n, device=query.device).unsqueeze(1)
@@ -132,6 +134,16 @@ class MlaAttention(AttentionBackend):
             o = F.scaled_dot_product_attention(q, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale)
             out[s : s + n] = o.transpose(0, 1)
         return out
+
+    def _store(self, kv_cache: torch.Tensor, latent: torch.Tensor, meta: AttentionMetadata, kv_up):
+        """The step's rows into the cache; -> the step's decompressed (K, V) where storing computed them, else None."""
+        self.write_kv(kv_cache, latent, meta.slot_mapping)
+        return None
+
+    def _context_kv(self, kv_cache: torch.Tensor, slots: torch.Tensor, kv_up) -> tuple[torch.Tensor, torch.Tensor]:
+        """K [C, H, nope + rope] and V [C, H, v] of the cached tokens at slots (their latent rows decompressed)."""
+        rows = self._read_slots(kv_cache, slots)  # [C, W]
+        return kv_up.decompress(rows[:, : self.rank], rows[:, self.rank :])
 
     def _decode(self, q_nope, q_pe, kv_cache, meta: AttentionMetadata, scale: float, kv_up) -> torch.Tensor:
         """The absorbed decode of B one-token sequences -> [B, H, v]."""
@@ -213,45 +225,28 @@ class DecompressedMlaAttention(MlaAttention):
         k = rows[..., : self.heads * self.qk].reshape(*lead, self.heads, self.qk)
         return k, rows[..., self.heads * self.qk :].reshape(*lead, self.heads, self.v)
 
-    def forward(self, q_nope, q_pe, latent, kv_cache, meta: AttentionMetadata, scale: float, kv_up):
-        """Decompress the step's latents into their K / V rows, then attend: prompts as MlaAttention does (fresh ones
-        on their own K / V, later chunks on the cached rows), decodes over the cached K / V."""
-        t, h, _ = q_nope.shape
+    def _store(self, kv_cache: torch.Tensor, latent: torch.Tensor, meta: AttentionMetadata, kv_up):
+        """The step's latents decompressed into K / V rows, written to its slots; -> (K, V) for the fresh prompts."""
+        t = latent.shape[0]
         k, v = kv_up.decompress(latent[:, : self.rank], latent[:, self.rank :])  # [T, H, qk], [T, H, v]
         _, num_blocks, block_size, _, width = kv_cache.shape
         kv_cache[0].view(num_blocks * block_size, width).index_copy_(
             0, meta.slot_mapping, torch.cat([k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
         )
-        query = torch.cat([q_nope, q_pe], dim=-1)  # [T, H, qk]
-        out = q_nope.new_empty((t, h, self.v))
-        nd = meta.num_decode_tokens
-        if nd:
-            tables = meta.decode_block_tables  # [B, M]
-            b, m = tables.shape
-            length = m * block_size
-            kpos = torch.arange(length, device=q_nope.device)
-            mask = (kpos.unsqueeze(0) < meta.decode_context_lens.unsqueeze(1)).view(b, 1, 1, length)
-            kc, vc = self._split(kv_cache[0].index_select(0, tables.view(-1)).view(b, length, width))
-            o = F.scaled_dot_product_attention(
-                query[:nd].unsqueeze(2), kc.transpose(1, 2), vc.transpose(1, 2), attn_mask=mask, scale=scale
-            )  # [B, H, 1, v]
-            out[:nd] = o.squeeze(2)
-        for s, g, n in _fresh_runs(meta.prefills):  # g fresh prompts of n tokens each, back to back from s
-            q, kk, vv = (
-                x.view(g, n, h, -1).transpose(1, 2) for x in (query[s : s + g * n], k[s : s + g * n], v[s : s + g * n])
-            )
-            o = F.scaled_dot_product_attention(q, kk, vv, is_causal=True, scale=scale)
-            out[s : s + g * n] = o.transpose(1, 2).reshape(g * n, h, -1)
-        for chunk in meta.prefills:  # chunks that continue earlier context: their K / V rows read back
-            if chunk.context_slots is None:
-                continue
-            s, n = chunk.query_start, chunk.query_len
-            kc, vc = self._split(kv_cache[0].view(num_blocks * block_size, width).index_select(0, chunk.context_slots))
-            past = chunk.context_len - n
-            qpos = torch.arange(past, past + n, device=query.device).unsqueeze(1)
-            mask = torch.arange(chunk.context_len, device=query.device).unsqueeze(0) <= qpos  # [n, C]
-            o = F.scaled_dot_product_attention(
-                query[s : s + n].transpose(0, 1), kc.transpose(0, 1), vc.transpose(0, 1), attn_mask=mask, scale=scale
-            )
-            out[s : s + n] = o.transpose(0, 1)
-        return out
+        return k, v
+
+    def _context_kv(self, kv_cache: torch.Tensor, slots: torch.Tensor, kv_up) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._split(self._read_slots(kv_cache, slots))
+
+    def _decode(self, q_nope, q_pe, kv_cache, meta: AttentionMetadata, scale: float, kv_up) -> torch.Tensor:
+        """Each sequence's query over its cached K / V (no absorption) -> [B, H, v]."""
+        block_size, width = kv_cache.shape[2], kv_cache.shape[-1]
+        tables = meta.decode_block_tables  # [B, M]
+        b, m = tables.shape
+        length = m * block_size
+        kpos = torch.arange(length, device=q_nope.device)
+        mask = (kpos.unsqueeze(0) < meta.decode_context_lens.unsqueeze(1)).view(b, 1, 1, length)
+        kc, vc = self._split(kv_cache[0].index_select(0, tables.view(-1)).view(b, length, width))
+        query = torch.cat([q_nope, q_pe], dim=-1).unsqueeze(2)  # [B, H, 1, qk]
+        o = F.scaled_dot_product_attention(query, kc.transpose(1, 2), vc.transpose(1, 2), attn_mask=mask, scale=scale)
+        return o.squeeze(2)
