@@ -407,6 +407,51 @@ def test_quantized_rows_without_amx_are_the_bf16_gemv_on_the_dequantized_weight(
         assert torch.equal(got4.view(torch.int16), want4.view(torch.int16)) == (m >= w4_from), m
 
 
+@needs_avx512
+@pytest.mark.skipif(kernels.amx(), reason="with AMX, quantized prompts dequantize and take the tile GEMM")
+def test_quantized_prompts_without_amx_are_the_bf16_gemm_on_the_dequantized_weight():
+    """Without AMX, W8A16 / W4A16 past 16 rows multiply weights rebuilt in bf16 a block (below the GEMM's crossover,
+    it_gemm_rows_noamx) or a 64 x 512 slab (from it) at a time, never the whole layer: bit for bit the bf16 GEMV /
+    VDPBF16PS GEMM on dequant_w8 / dequant_w4's weight. With a partial last feature block (N % 64), a partial last
+    slab (K % 512), int4 groups of 64 / 128 / 256, rows whose scales give denormal weights (the exact rounding) and a
+    bias. Int4 groups that do not divide a slab (192) take the GEMV on rebuilt blocks at every row count."""
+    from infertune.quant.int4 import quantize_int4_groupwise
+
+    lib = kernels.library()
+    gemm_from = lib.it_gemm_rows_noamx(0)
+    assert 16 < gemm_from <= 128
+    g = torch.Generator().manual_seed(12)
+    n, k8 = 70, 1000
+    q8, s8 = quantize_int8_per_channel(torch.randn(n, k8, generator=g))
+    s8[3], s8[7] = (2**19 - 1) * 2.0**-149, 0.0  # denormal products; a zero row
+    q8[3] = torch.where(torch.rand(k8, generator=g) < 0.5, 16, -16).to(torch.int8)
+    w8 = kernels.dequant_w8(q8, s8)
+    assert (w8[3].abs() == 2.0**-126).all()
+    int4 = {}
+    for gs, k4 in ((64, 576), (128, 640), (256, 1536), (192, 1152)):
+        qq, s4, z4 = quantize_int4_groupwise(torch.randn(n, k4, generator=g), gs)
+        qq[6], s4[6], z4[6] = 15, 559240 * 2.0**-149, 0.0  # a denormal that bf16 rounds up to 2^-126
+        z4[5, 1] = 2.0**-110
+        packed, s4, z4 = kernels.pack_w4(qq), s4.contiguous(), z4.contiguous()
+        int4[gs] = (packed, s4, z4, kernels.dequant_w4(packed, s4, z4, gs), k4)
+    bias = torch.randn(n, generator=g).bfloat16()
+    bias[3] = bias[6] = 0
+    for m in (17, gemm_from - 1, gemm_from, 130, 301):
+        path = "gemm" if m >= gemm_from else "gemv"
+        x8 = torch.randn(m, k8, generator=g).bfloat16()
+        want8 = kernels.linear_bf16_path(x8, w8, bias, path=path)
+        assert (want8[:, 3] != 0).float().mean() > 0.5  # (sums under 2^-126 flush to zero)
+        if path == "gemm":  # (the two paths sum in different orders: the test tells them apart)
+            assert not torch.equal(want8, kernels.linear_bf16_path(x8, w8, bias, path="gemv"))
+        assert torch.equal(kernels.linear_w8(x8, q8, s8, bias).view(torch.int16), want8.view(torch.int16)), m
+        for gs, (packed, s4, z4, w4, k4) in int4.items():
+            x4 = torch.randn(m, k4, generator=g).bfloat16()
+            want4 = kernels.linear_bf16_path(x4, w4, bias, path=path if gs != 192 else "gemv")
+            got4 = kernels.linear_w4(x4, packed, s4, z4, gs, bias)
+            assert (want4[:, 6] != 0).float().mean() > 0.5
+            assert torch.equal(got4.view(torch.int16), want4.view(torch.int16)), (m, gs)
+
+
 def test_prefill_dequantization_matches_the_reference_rounding(ks):
     """The dense bf16 weights a quantized prefill multiplies: bit for bit the PyTorch formulas, denormal weights
     included (the AVX-512 library rounds 32 values an instruction where no value can be denormal, and keeps the
@@ -1152,14 +1197,17 @@ def test_fused_prefill_takes_only_the_read_rows_through_the_last_layers_mlp(tmp_
 @pytest.mark.skipif(
     kernels.bf16_max_rows() <= 16, reason="fused prompts need the AVX-512 GEMMs (AMX tiles, or VDPBF16PS without)"
 )
-def test_fused_step_runs_prompts_as_accurately_as_pytorch(tmp_path, monkeypatch):
+@pytest.mark.parametrize("quant", [None, "w8a16", "w4a16"])
+def test_fused_step_runs_prompts_as_accurately_as_pytorch(tmp_path, monkeypatch, quant):
     """A step of fresh prompts runs through the fused step (each token a row attending to its prompt up to itself,
     through the prompt's block table; on AMX 16 rows of a prompt at a time): with 12-bit weights (the default on
     AMX) a step of any size, with the weights as loaded up to kernels.bf16_max_rows() tokens in all (without AMX
-    through the VDPBF16PS GEMM, 12-bit too). Prompts of 5,
-    21, 40 and 90 tokens (several blocks of 16, partial last blocks; 156 rows) in one step, then decoding. The
-    logprobs against HF transformers in float32 are as close as those of the PyTorch forward
-    (decode_kernels="linear")."""
+    through the VDPBF16PS GEMM, 12-bit too; W8A16 / W4A16 too, their slabs rebuilt in bf16 for that GEMM). Prompts
+    of 5, 21, 40 and 90 tokens (several blocks of 16, partial last blocks; 156 rows) in one step, then decoding.
+    The logprobs against HF transformers in float32 are as close as those of the PyTorch forward
+    (decode_kernels="linear", the same quantization)."""
+    if quant is not None and kernels.amx():
+        pytest.skip("with AMX, quantized prompts keep the per-module path")
     from conftest import hf_model
 
     from infertune import LLM, SamplingParams
@@ -1181,14 +1229,17 @@ def test_fused_step_runs_prompts_as_accurately_as_pytorch(tmp_path, monkeypatch)
             str(model),
             dtype="bfloat16",
             decode_kernels=mode,
+            quantization=quant,
+            quant_group_size=64,
             max_model_len=128,
             block_size=16,
             enable_prefix_caching=False,
         )  # (the second step's prompts fresh again)
-        worst[mode] = max(_hf_logprob_errors(llm, prompts[:3], params, hf, argmax=True))  # one step of 66 rows
+        # (one step of 66 rows; quantization moves logits by more than bf16 noise)
+        worst[mode] = max(_hf_logprob_errors(llm, prompts[:3], params, hf, argmax=quant is None))
         assert calls == ([66] if mode == "auto" else []), calls
         if twelve:  # and one of 156 rows
             calls.clear()
-            worst[mode] = max(worst[mode], *_hf_logprob_errors(llm, prompts, params, hf, argmax=True))
+            worst[mode] = max(worst[mode], *_hf_logprob_errors(llm, prompts, params, hf, argmax=quant is None))
             assert calls == ([156] if mode == "auto" else []), calls
     assert worst["auto"] <= 1.5 * worst["linear"] + 0.02, worst

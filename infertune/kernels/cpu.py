@@ -51,6 +51,10 @@ AMX_GEMM_MAX_ROWS = 128
 # a slab at a time), below it the GEMV (benchmarks/bench_gemm_noamx.py measures both against torch's oneDNN GEMM).
 # INFERTUNE_NOAMX_GEMM=0 keeps the behaviour from before that GEMM: the GEMV up to MAX_ROWS, torch's GEMM past it.
 NOAMX_GEMM_MAX_ROWS = 128
+# Without AMX the W8A16 / W4A16 layers keep the kernels up to this many rows: past 16 rows each thread rebuilds its
+# weight rows in bf16 a block (below the GEMM's crossover) or a 64 x 512 slab (from it) at a time and multiplies them
+# there, instead of writing the whole layer in bf16 and reading it back (gemv_quant.c linear_q_gemm).
+NOAMX_QUANT_MAX_ROWS = 1 << 16
 # On AVX2 (no AVX-512: csrc/x86/avx2/gemm.c, the FMA GEMM from it_gemm_rows_fma() rows, the GEMV below) bf16 linears
 # keep the kernels at every step size up to this: torch's bf16 GEMM limited to AVX2 is far slower at every size
 # measured (benchmarks/bench_gemm_avx2.py, docs/kernels.md "AVX2"), so this only bounds a step, not a crossover.
@@ -759,6 +763,14 @@ def bf16_max_rows() -> int:
     if _variant == "avx2":
         return AVX2_GEMM_MAX_ROWS
     return AMX_GEMM_MAX_ROWS if _amx else NOAMX_GEMM_MAX_ROWS if _noamx_gemm else MAX_ROWS
+
+
+def quant_max_rows() -> int:
+    """Rows up to which a W8A16 / W4A16 layer calls linear_w8 / linear_w4 (past them it dequantizes the whole layer
+    and runs the bf16 GEMM): MAX_ROWS, or NOAMX_QUANT_MAX_ROWS on the AVX-512 library without AMX with its GEMM on,
+    where prompts multiply slabs rebuilt from the quantized weights (gemv_quant.c linear_q_gemm)."""
+    _load()
+    return NOAMX_QUANT_MAX_ROWS if _variant == "avx512" and not _amx and _noamx_gemm else MAX_ROWS
 
 
 def _pick(lib: ctypes.CDLL | None) -> ctypes.CDLL:

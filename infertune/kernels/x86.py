@@ -66,8 +66,8 @@ class X86Kernels:
 
     def max_rows(self, kind: LinearKind) -> int:
         # bf16 (plain or 12-bit) keeps the AMX tile GEMM up to 128 rows, without AMX the VDPBF16PS GEMM; the int8 /
-        # int4 kernels are GEMVs at heart
-        return cpu.bf16_max_rows() if kind in ("bf16", "bf16c") else cpu.MAX_ROWS
+        # int4 kernels are GEMVs at heart, except without AMX, where past 16 rows they rebuild slabs for that GEMM
+        return cpu.bf16_max_rows() if kind in ("bf16", "bf16c") else cpu.quant_max_rows()
 
     def linear_bf16(self, x, weight, bias=None):
         return cpu.linear_bf16(x, weight, bias, lib=self.lib)
@@ -124,7 +124,8 @@ class X86Kernels:
         # Up to as many rows per expert, on average, as the linears take (one expert may get every row: the tile GEMM
         # takes any count)
         kind = experts.gate_up.kind
-        if x.dim() != 2 or x.shape[0] * routing.ids.shape[1] > self.max_rows(kind) * experts.num_experts:
+        rows = self.max_rows(kind) if kind in ("bf16", "bf16c") else cpu.MAX_ROWS  # (experts' passes: 16 rows)
+        if x.dim() != 2 or x.shape[0] * routing.ids.shape[1] > rows * experts.num_experts:
             return None
         lins = self._experts_lins.get(experts)
         if lins is None:  # (checked once per layer: the tensors it points at are the layer's, kept alive by it)

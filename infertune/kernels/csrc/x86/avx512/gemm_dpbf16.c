@@ -133,14 +133,26 @@ static inline void gemm_store(const float* acc, int mr, const bf16* bias, int64_
     }
 }
 
-static void linear_bf16_dpbf16_gemm(const bf16* x, int64_t ldx, const bf16* w, const bf16* bias, bf16* y,
-                                    int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads) {
+/* Where a GEMM's weight slabs come from: bf16 rows (w, row stride K), or a quantized layer whose pack rebuilds each
+ * slab's rows in bf16 first (gemv_quant.c's q_pack_slab). bytes_per_2col: a row's bytes per two columns (4 for bf16,
+ * 2 int8, 1 int4), for the prefetch of the next slab's rows from base. */
+typedef struct {
+    const char* base;
+    int64_t bytes_per_2col;
+    void (*pack)(const void* ctx, int64_t K, int64_t n0, int nrows, int64_t k0, int64_t kc, uint32_t* wp, bf16* tmp);
+    const void* ctx;
+} gemm_src;
+
+static inline __attribute__((always_inline)) void dpbf16_gemm(const bf16* x, int64_t ldx, const gemm_src* src,
+                                                              const bf16* bias, bf16* y, int64_t ldy, int64_t M,
+                                                              int64_t N, int64_t K, int nthreads) {
     const int64_t nblocks = (N + 63) / 64;
-    const int nt = pick_threads(nblocks, N * K * 2, nthreads);
+    const int nt = pick_threads(nblocks, N * K / 2 * src->bytes_per_2col, nthreads);
 #pragma omp parallel num_threads(nt)
     {
         uint32_t wp[GEMM_KC / 2 * 64] __attribute__((aligned(64)));
         float acc[GEMM_MB * 64] __attribute__((aligned(64)));
+        bf16 tmp[src->pack ? 64 * GEMM_KC : 1] __attribute__((aligned(64))); /* a quantized slab's rows in bf16 */
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < nblocks; b++) {
             const int64_t n0 = b * 64;
@@ -149,7 +161,10 @@ static void linear_bf16_dpbf16_gemm(const bf16* x, int64_t ldx, const bf16* w, c
                 const int64_t rows = M - m0 < GEMM_MB ? M - m0 : GEMM_MB;
                 for (int64_t k0 = 0; k0 < K; k0 += GEMM_KC) {
                     const int64_t kc = K - k0 < GEMM_KC ? K - k0 : GEMM_KC;
-                    gemm_pack_slab(w, K, n0, nrows, k0, kc, wp);
+                    if (src->pack)
+                        src->pack(src->ctx, K, n0, nrows, k0, kc, wp, tmp);
+                    else
+                        gemm_pack_slab((const bf16*)src->base, K, n0, nrows, k0, kc, wp);
                     /* the slab packed next: this block's next columns, else the next block's first (a thread's
                        blocks are consecutive under the static schedule) */
                     gemm_pf pf = {0};
@@ -158,9 +173,9 @@ static void linear_bf16_dpbf16_gemm(const bf16* x, int64_t ldx, const bf16* w, c
                     if (nn0 < N && GEMM_PREFETCH) {
                         const int64_t nkc = K - nk0 < GEMM_KC ? K - nk0 : GEMM_KC;
                         const int64_t nr = N - nn0 < 64 ? N - nn0 : 64;
-                        pf.base = (const char*)(w + nn0 * K + nk0);
-                        pf.ld = K * 2;
-                        pf.row_lines = (nkc * 2 + 63) / 64;
+                        pf.ld = K / 2 * src->bytes_per_2col;
+                        pf.base = src->base + nn0 * pf.ld + nk0 / 2 * src->bytes_per_2col;
+                        pf.row_lines = (nkc / 2 * src->bytes_per_2col + 63) / 64;
                         pf.count = nr * pf.row_lines;
                     }
                     const int64_t micros = (rows + GEMM_MR - 1) / GEMM_MR, share = (pf.count + micros - 1) / micros;
@@ -177,4 +192,10 @@ static void linear_bf16_dpbf16_gemm(const bf16* x, int64_t ldx, const bf16* w, c
             }
         }
     }
+}
+
+static void linear_bf16_dpbf16_gemm(const bf16* x, int64_t ldx, const bf16* w, const bf16* bias, bf16* y,
+                                    int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads) {
+    const gemm_src src = {(const char*)w, 4, NULL, NULL};
+    dpbf16_gemm(x, ldx, &src, bias, y, ldy, M, N, K, nthreads);
 }

@@ -57,6 +57,44 @@ static void linear_q_dq(const qweight* q, const bf16* x, int64_t ldx, const bf16
     }
 }
 
+/* ------------------------------------------------------------------ prompts without AMX: the GEMM on rebuilt slabs
+ *
+ * Past 16 rows a quantized layer used to be rebuilt whole in bf16 (it_dequant_w8 / _w4: N x K x 2 bytes written,
+ * then read back by the GEMM) before each prompt's GEMM. Here gemm_dpbf16.c's GEMM takes its weight slabs from the
+ * quantized rows instead: each thread rebuilds its 64 features x GEMM_KC columns in bf16 (the same rounding as
+ * it_dequant_w8 / _w4) in a 64 KB buffer and repacks them as it repacks a bf16 slab, so the weights stream once as
+ * int8 / int4 and the result is the GEMM's on the dequantized weight, bit for bit. Int4 needs the slabs to hold
+ * whole groups (GEMM_KC % gs == 0). From gemm_rows_noamx rows (the bf16 GEMM's crossover); below it, and where the
+ * GEMM cannot take the layer (K odd, int4 groups that straddle slabs), the per-block rebuild and the bf16 GEMV
+ * (linear_q_dq), which needs only q_amx_scratch_bytes(K) of scratch at any row count (so the fused step's prompts
+ * fit in the scratch it sizes for 16 rows). */
+static void q_pack_slab(const void* ctx, int64_t K, int64_t n0, int nrows, int64_t k0, int64_t kc, uint32_t* wp,
+                        bf16* tmp) {
+    const qweight* q = (const qweight*)ctx;
+    for (int r = 0; r < nrows; r++) {
+        const int64_t n = n0 + r;
+        if (q->kind == IT_KIND_W8) {
+            dequant_w8_row_fast((const int8_t*)q->w + n * K + k0, w8_scale(q->scale, q->scale_is_f32, n),
+                                tmp + r * GEMM_KC, kc);
+        } else {
+            const int64_t G = K / q->gs;
+            dequant_w4_row_fast((const uint8_t*)q->w + n * (K / 2) + k0 / 2, (const float*)q->scale + n * G + k0 / q->gs,
+                                q->zero + n * G + k0 / q->gs, q->gs, tmp + r * GEMM_KC, kc);
+        }
+    }
+    gemm_pack_slab(tmp, GEMM_KC, 0, nrows, 0, kc, wp);
+}
+
+static inline int use_q_gemm(int64_t M, int64_t K, const qweight* q) {
+    return amx_state != 1 && gemm_noamx_takes(M, K) && (q->kind == IT_KIND_W8 || GEMM_KC % q->gs == 0);
+}
+
+static void linear_q_gemm(const qweight* q, const bf16* x, int64_t ldx, const bf16* bias, bf16* y, int64_t ldy,
+                          int64_t M, int64_t N, int64_t K, int nthreads) {
+    const gemm_src src = {(const char*)q->w, q->kind == IT_KIND_W8 ? 2 : 1, q_pack_slab, q};
+    dpbf16_gemm(x, ldx, &src, bias, y, ldy, M, N, K, nthreads);
+}
+
 /* ------------------------------------------------------------------ int8 weights, int16 activations */
 
 /* x_q = 256 h + l with l = ((x_q + 128) & 255) - 128 and h = (x_q - l) / 256, both signed bytes (|x_q| <= 32512
@@ -159,6 +197,15 @@ static void linear_w8(const bf16* x, int64_t ldx, const int8_t* w, const void* s
         linear_q_dq(&q, x, ldx, bias, y, ldy, M, N, K, nthreads, (char*)scratch + w8_scratch_bytes(M, K));
         return;
     }
+    if (M > 16 && amx_state != 1) { /* prompts without AMX (the fused step's too): scratch needs only the rebuild's */
+        const qweight q = {IT_KIND_W8, w, scale, scale_is_f32, NULL, 0};
+        if (use_q_gemm(M, K, &q)) {
+            linear_q_gemm(&q, x, ldx, bias, y, ldy, M, N, K, nthreads);
+            return;
+        }
+        linear_q_dq(&q, x, ldx, bias, y, ldy, M, N, K, nthreads, scratch); /* (any M) */
+        return;
+    }
     const int64_t Kp = (K + 63) & ~(int64_t)63;
     int16_t* xq = (int16_t*)scratch;
     float* sx = (float*)(xq + M * Kp);
@@ -191,6 +238,11 @@ static void linear_w8(const bf16* x, int64_t ldx, const int8_t* w, const void* s
 
 void it_linear_w8(const bf16* x, int64_t ldx, const int8_t* w, const void* scale, int scale_is_f32,
                   const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads) {
+    const qweight q = {IT_KIND_W8, w, scale, scale_is_f32, NULL, 0};
+    if (M > 16 && use_q_gemm(M, K, &q)) { /* (before the int16 scratch, which grows with M) */
+        linear_q_gemm(&q, x, ldx, bias, y, ldy, M, N, K, nthreads);
+        return;
+    }
     void* scratch = aligned_alloc(64, (size_t)qlin_scratch_bytes(M, K, nthreads));
     linear_w8(x, ldx, w, scale, scale_is_f32, bias, y, ldy, M, N, K, nthreads, scratch);
     free(scratch);
@@ -379,6 +431,15 @@ static void linear_w4(const bf16* x, int64_t ldx, const uint8_t* w, const float*
         linear_q_dq(&q, x, ldx, bias, y, ldy, M, N, K, nthreads, (char*)scratch + w8_scratch_bytes(M, K));
         return;
     }
+    if (M > 16 && amx_state != 1) { /* (as linear_w8) */
+        const qweight q = {IT_KIND_W4, w, scale, 0, zero, gs};
+        if (use_q_gemm(M, K, &q)) {
+            linear_q_gemm(&q, x, ldx, bias, y, ldy, M, N, K, nthreads);
+            return;
+        }
+        linear_q_dq(&q, x, ldx, bias, y, ldy, M, N, K, nthreads, scratch); /* (any M) */
+        return;
+    }
     const int64_t Kp = (K + 31) & ~(int64_t)31, G = K / gs;
     int16_t* xq = (int16_t*)scratch;
     float* sx = (float*)(xq + M * Kp);
@@ -412,6 +473,11 @@ static void linear_w4(const bf16* x, int64_t ldx, const uint8_t* w, const float*
 /* K % gs == 0, gs % 64 == 0 (checked by the caller) */
 void it_linear_w4(const bf16* x, int64_t ldx, const uint8_t* w, const float* scale, const float* zero, int64_t gs,
                   const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads) {
+    const qweight q = {IT_KIND_W4, w, scale, 0, zero, gs};
+    if (M > 16 && use_q_gemm(M, K, &q)) { /* (before the int16 scratch, which grows with M) */
+        linear_q_gemm(&q, x, ldx, bias, y, ldy, M, N, K, nthreads);
+        return;
+    }
     void* scratch = aligned_alloc(64, (size_t)qlin_scratch_bytes(M, K, nthreads));
     linear_w4(x, ldx, w, scale, zero, gs, bias, y, ldy, M, N, K, nthreads, scratch);
     free(scratch);
