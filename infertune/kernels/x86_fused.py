@@ -200,7 +200,12 @@ class X86FusedDecoder:
             prefill_rows = cpu.AMX_GEMM_MAX_ROWS
             if kinds == {"bf16c"}:
                 prefill_rows = max(prefill_rows, model.step_rows)
-        elif not amx and kinds <= {"bf16", "bf16c", "w8", "w4"} and not model.kv_int8 and cpu.bf16_max_rows() > cpu.MAX_ROWS:
+        elif (
+            not amx
+            and kinds <= {"bf16", "bf16c", "w8", "w4"}
+            and not model.kv_int8
+            and cpu.bf16_max_rows() > cpu.MAX_ROWS
+        ):
             # (W8A16 / W4A16 too: past 16 rows their kernels rebuild the weights in bf16 a slab at a time for the
             # same GEMM, gemv_quant.c linear_q_gemm, as the per-module path's linear_w8 / linear_w4 calls do)
             prefill_rows = cpu.bf16_max_rows()
