@@ -1200,8 +1200,8 @@ def test_fused_prefill_takes_only_the_read_rows_through_the_last_layers_mlp(tmp_
 @pytest.mark.parametrize("quant", [None, "w8a16", "w4a16"])
 def test_fused_step_runs_prompts_as_accurately_as_pytorch(tmp_path, monkeypatch, quant):
     """A step of fresh prompts runs through the fused step (each token a row attending to its prompt up to itself,
-    through the prompt's block table; on AMX 16 rows of a prompt at a time): with 12-bit weights (the default on
-    AMX) a step of any size, with the weights as loaded up to kernels.bf16_max_rows() tokens in all (without AMX
+    through the prompt's block table; on AMX 16 rows of a prompt at a time): with 12-bit weights (the default where
+    the kernels compress) a step of any size, with the weights as loaded up to kernels.bf16_max_rows() tokens in all (without AMX
     through the VDPBF16PS GEMM, 12-bit too; W8A16 / W4A16 too, their slabs rebuilt in bf16 for that GEMM). Prompts
     of 5, 21, 40 and 90 tokens (several blocks of 16, partial last blocks; 156 rows) in one step, then decoding.
     The logprobs against HF transformers in float32 are as close as those of the PyTorch forward
@@ -1222,7 +1222,8 @@ def test_fused_step_runs_prompts_as_accurately_as_pytorch(tmp_path, monkeypatch,
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1)
     hf = hf_model(model).float()
     worst = {}
-    twelve = kernels.bf16c_supported(16, 32) and kernels.amx()  # (12-bit steps of any size: AMX's tile GEMM)
+    # (12-bit weights, the default where the kernels compress: steps of any size, AMX's tile GEMM or the slab GEMM)
+    twelve = quant is None and kernels.bf16c_supported(16, 32)
     for mode in ("auto", "linear"):
         calls.clear()
         llm = LLM(
