@@ -30,9 +30,10 @@ import torch
 from ab_common import timed_generate
 from infertune import LLM
 model, batch, input_len, output_len, repeats, threads = sys.argv[2], *map(int, sys.argv[3:8])
+quantization = sys.argv[8] if sys.argv[8] != "none" else None
 torch.set_num_threads(threads)
 llm = LLM(model, dtype="bfloat16", max_model_len=input_len + output_len + 8, max_num_seqs=batch,
-          enable_prefix_caching=False)
+          enable_prefix_caching=False, quantization=quantization)
 vocab = llm.engine.config.model.arch.vocab_size
 timed_generate(llm, batch, input_len, output_len, vocab, -1)
 runs = [timed_generate(llm, batch, input_len, output_len, vocab, r) for r in range(repeats)]
@@ -46,6 +47,7 @@ def main() -> int:
     ap.add_argument("--a", required=True, help="the baseline checkout (a folder holding infertune/)")
     ap.add_argument("--b", default=".", help="the changed checkout (default: .)")
     ap.add_argument("--repeats", type=int, default=2, help="timed generates per worker (default: 2)")
+    ap.add_argument("--quantization", choices=["none", "w8a16", "w4a16"], default="none", help="(default: none)")
     args = ap.parse_args()
 
     model = bench_model(args.model)
@@ -57,8 +59,11 @@ def main() -> int:
     print(
         f"$ python benchmarks/bench_builds_ab.py --a {args.a} --b {args.b} --batch {args.batch} "
         f"--input-len {args.input_len} --output-len {args.output_len} --rounds {args.rounds} --repeats {args.repeats}"
+        + (f" --quantization {args.quantization}" if args.quantization != "none" else "")
     )
-    print(f"model {model}, bf16, {args.threads} threads; medians over {args.rounds} workers x {args.repeats} generates")
+    print(
+        f"model {model}, bf16 ({args.quantization}), {args.threads} threads; medians over {args.rounds} workers x {args.repeats} generates"
+    )
     res: dict[str, list[dict]] = {"A": [], "B": []}
     for r in range(args.rounds):
         for name in ("A", "B") if r % 2 == 0 else ("B", "A"):
@@ -75,6 +80,7 @@ def main() -> int:
                     str(args.output_len),
                     str(args.repeats),
                     str(args.threads),
+                    args.quantization,
                 ],
                 env=env,
                 capture_output=True,

@@ -89,7 +89,10 @@ def test_gguf_export_reads_back(tmp_path):
 def test_gguf_export_refuses_other_architectures(tmp_path):
     pytest.importorskip("gguf")
     src = make_checkpoint(tmp_path / "q", "qwen2")
-    with pytest.raises(peers.PeerUnavailable, match="LlamaForCausalLM only"):
+    with pytest.raises(
+        peers.PeerUnavailable,
+        match="covers LlamaForCausalLM, Qwen3MoeForCausalLM and DeepseekV2 / V3ForCausalLM, not .*Qwen2ForCausalLM",
+    ):
         peers.export_gguf(src, tmp_path / "q.gguf")
 
 

@@ -288,3 +288,86 @@ def test_llama_cpp_runs_the_exported_qwen3_moe_greedy_like_hf(qwen3_moe, tmp_pat
             if len(tokens) == NEW_TOKENS:
                 break
         assert_teacher_forced(hf, prompt, tokens)
+
+
+@pytest.fixture(scope="module")
+def deepseek_v3_one_group(tmp_path_factory):
+    """DeepSeek-V3 (queries through a low rank, sigmoid scores with a correction bias, renormalised and scaled top-k,
+    a shared expert, the first layer dense) in one expert group: what llama.cpp's deepseek2 runs."""
+    return make_deepseek_checkpoint(tmp_path_factory.mktemp("v3-g1"), v3=True, n_group=1, topk_group=1)
+
+
+def test_deepseek_gguf_holds_the_checkpoint(deepseek_v3_one_group, tmp_path):
+    """kv_b_proj splits per head into W_UK transposed ([H, rank, nope]) and W_UV ([H, v, rank]); the latent
+    attention's sizes, the routing and the dense first layer go in as llama.cpp's deepseek2 metadata."""
+    gguf = pytest.importorskip("gguf")
+    from safetensors.torch import load_file
+
+    from infertune.bench.gguf_export import export_gguf
+
+    src = deepseek_v3_one_group
+    out = export_gguf(src, tmp_path / "m.gguf", "float32")
+    reader = gguf.GGUFReader(str(out))
+    tensors = {t.name: torch.from_numpy(t.data.copy()) for t in reader.tensors}
+    hf = load_file(str(src / "model.safetensors"))
+    cfg = read_config(src)
+    h, nope, v, rank = (cfg[k] for k in ("num_attention_heads", "qk_nope_head_dim", "v_head_dim", "kv_lora_rank"))
+    for layer in range(cfg["num_hidden_layers"]):
+        kv_b = hf[f"model.layers.{layer}.self_attn.kv_b_proj.weight"].view(h, nope + v, rank)
+        k_b, v_b = tensors[f"blk.{layer}.attn_k_b.weight"], tensors[f"blk.{layer}.attn_v_b.weight"]
+        assert torch.equal(k_b.reshape(h, rank, nope), kv_b[:, :nope].transpose(1, 2))
+        assert torch.equal(v_b.reshape(h, v, rank), kv_b[:, nope:])
+        assert f"blk.{layer}.attn_kv_b.weight" not in tensors
+        q_a = hf[f"model.layers.{layer}.self_attn.q_a_proj.weight"]  # (adjacent-pair rotary: as HF stores it)
+        assert torch.equal(tensors[f"blk.{layer}.attn_q_a.weight"].reshape(q_a.shape), q_a)
+    bias = hf["model.layers.1.mlp.gate.e_score_correction_bias"]
+    assert torch.equal(tensors["blk.1.exp_probs_b.bias"], bias.float())
+    assert "blk.0.ffn_gate.weight" in tensors and "blk.1.ffn_gate_shexp.weight" in tensors
+
+    def field(key):
+        return reader.fields[f"deepseek2.{key}"].parts[-1][0]
+
+    assert int(field("attention.head_count_kv")) == 1
+    assert int(field("attention.key_length")) == rank + cfg["qk_rope_head_dim"]
+    assert int(field("attention.value_length")) == rank
+    assert int(field("attention.kv_lora_rank")) == rank and int(field("attention.q_lora_rank")) == cfg["q_lora_rank"]
+    assert int(field("leading_dense_block_count")) == 1
+    assert int(field("expert_gating_func")) == int(gguf.ExpertGatingFuncType.SIGMOID)
+    assert float(field("expert_weights_scale")) == cfg["routed_scaling_factor"] and bool(field("expert_weights_norm"))
+
+
+def test_deepseek_gguf_refuses_what_llama_cpp_would_run_differently(deepseek_v2_lite, tmp_path):
+    pytest.importorskip("gguf")
+    from infertune.bench.gguf_export import PeerUnavailable, export_gguf
+
+    with pytest.raises(PeerUnavailable, match="q_lora_rank is null"):
+        export_gguf(deepseek_v2_lite, tmp_path / "lite.gguf")
+    grouped = make_deepseek_checkpoint(tmp_path / "grouped", v3=True)  # n_group 8, topk_group 4
+    with pytest.raises(PeerUnavailable, match="group-limited routing"):
+        export_gguf(grouped, tmp_path / "grouped.gguf")
+
+
+def test_llama_cpp_runs_the_exported_deepseek_greedy_like_hf(deepseek_v3_one_group, tmp_path):
+    """The exported V3 through llama.cpp (f32): every greedy token is HF's top on the same prefix, so the latent
+    attention, the absorbed weights and the routing in the file are the checkpoint's."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (the llama.cpp peer is optional)")
+    import inspect
+
+    import llama_cpp
+    from parity_utils import assert_teacher_forced
+
+    from infertune.bench.gguf_export import export_gguf
+
+    out = export_gguf(deepseek_v3_one_group, tmp_path / "m.gguf", "float32")
+    opts = dict(type_k=0, type_v=0, flash_attn=False)  # (f32 KV: see the Qwen3-MoE test)
+    known = inspect.signature(llama_cpp.Llama.__init__).parameters
+    opts = {k: v for k, v in opts.items() if k in known}
+    llm = llama_cpp.Llama(model_path=str(out), n_ctx=MAX_LEN, n_threads=2, verbose=False, **opts)
+    hf = hf_model(deepseek_v3_one_group)
+    for prompt in prompts_for(read_config(deepseek_v3_one_group)["vocab_size"])[1:3]:
+        tokens = []
+        for tok in llm.generate(prompt, temp=0.0, top_k=1, repeat_penalty=1.0, reset=True):
+            tokens.append(int(tok))
+            if len(tokens) == NEW_TOKENS:
+                break
+        assert_teacher_forced(hf, prompt, tokens)

@@ -1,4 +1,5 @@
-"""Hugging Face folder -> GGUF for llama.cpp, the benchmark's peer: Llama (arch `llama`) and Qwen3-MoE (`qwen3moe`).
+"""Hugging Face folder -> GGUF for llama.cpp, the benchmark's peer: Llama (arch `llama`), Qwen3-MoE (`qwen3moe`) and
+DeepSeek-V2 / V3 (`deepseek2`).
 
 Matrices in bf16 or f32, norms f32, the tokenizer's byte-level BPE vocabulary (the benchmark feeds token ids, so the
 merges only need to load). Written with the `gguf` package's GGUFWriter; tensor names and metadata keys are
@@ -12,6 +13,14 @@ llama.cpp's (its src/llama-arch.cpp and the per-architecture loaders under src/m
   per-expert `mlp.experts.N.*_proj` or transformers v5's fused `mlp.experts.gate_up_proj` / `down_proj`). A
   checkpoint llama.cpp's qwen3moe graph would run differently (norm_topk_prob false, dense layers through
   decoder_sparse_step / mlp_only_layers, rope scaling, attention bias) is refused.
+- DeepSeek-V2 / V3: llama.cpp's deepseek2 runs latent attention as one KV head of kv_lora_rank + rope dims with the
+  absorbed weights, so kv_b_proj [H (nope + v), rank] goes in as `attn_k_b` [H, rank, nope] (each head's W_UK
+  transposed) and `attn_v_b` [H, v, rank]; its rotary takes adjacent pairs, HF's layout as it is (no permutation).
+  The first_k_dense_replace dense layers, the shared experts (`*_shexp`), V3's correction bias (`exp_probs_b`), the
+  routed scaling and renormalisation and the gating function (softmax, or sigmoid for V3) go in as metadata; the
+  MTP layers past num_hidden_layers are left out. Group-limited routing (n_group > 1 with topk_group < n_group) and
+  rope scaling are refused: this llama.cpp's graph would route or rotate differently; so are queries without low
+  rank (q_lora_rank null) outside 27 layers, which llama.cpp recognises as DeepSeek-V2-Lite by its layer count.
 """
 
 from __future__ import annotations
@@ -22,7 +31,12 @@ from pathlib import Path
 
 from infertune.bench.offline_models import read_model_config
 
-ARCHES = {"LlamaForCausalLM": "llama", "Qwen3MoeForCausalLM": "qwen3moe"}
+ARCHES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen3MoeForCausalLM": "qwen3moe",
+    "DeepseekV2ForCausalLM": "deepseek2",
+    "DeepseekV3ForCausalLM": "deepseek2",
+}
 
 
 class PeerUnavailable(RuntimeError):
@@ -47,6 +61,16 @@ _LAYER = {
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
     "mlp.gate.weight": "ffn_gate_inp.weight",  # the MoE router [E, H]
+    # DeepSeek's latent attention and shared experts
+    "self_attn.q_a_proj.weight": "attn_q_a.weight",
+    "self_attn.q_a_layernorm.weight": "attn_q_a_norm.weight",
+    "self_attn.q_b_proj.weight": "attn_q_b.weight",
+    "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa.weight",
+    "self_attn.kv_a_layernorm.weight": "attn_kv_a_norm.weight",
+    "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
+    "mlp.shared_experts.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_experts.down_proj.weight": "ffn_down_shexp.weight",
 }
 _FIXED = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -71,7 +95,8 @@ def _check_supported(cfg: dict) -> str:
     arch = cfg.get("architectures", ["LlamaForCausalLM"])[0]
     if arch not in ARCHES:
         raise PeerUnavailable(
-            f"GGUF export here covers LlamaForCausalLM only (and Qwen3MoeForCausalLM), not {cfg.get('architectures')}"
+            f"GGUF export here covers LlamaForCausalLM, Qwen3MoeForCausalLM and DeepseekV2 / V3ForCausalLM, not "
+            f"{cfg.get('architectures')}"
         )
     scaled = (cfg.get("rope_parameters") or {}).get("rope_type", "default") != "default"
     if cfg.get("attention_bias") or cfg.get("mlp_bias") or cfg.get("rope_scaling") or scaled:
@@ -86,11 +111,55 @@ def _check_supported(cfg: dict) -> str:
             why.append("use_sliding_window is set")
         if why:
             raise PeerUnavailable("GGUF export to llama.cpp's qwen3moe: " + "; ".join(why))
+    if ARCHES[arch] == "deepseek2":
+        n_group, topk_group = int(cfg.get("n_group") or 1), int(cfg.get("topk_group") or 1)
+        if n_group > 1 and topk_group < n_group:
+            raise PeerUnavailable(
+                f"GGUF export to llama.cpp's deepseek2: group-limited routing (n_group={n_group}, "
+                f"topk_group={topk_group}) is not what this llama.cpp runs"
+            )
+        if cfg.get("q_lora_rank") is None and int(cfg["num_hidden_layers"]) != 27:
+            raise PeerUnavailable(
+                "GGUF export to llama.cpp's deepseek2: q_lora_rank is null (queries without low rank), which this "
+                "llama.cpp reads only from a 27-layer model (it tells DeepSeek-V2-Lite by its layer count)"
+            )
+        if _deepseek_gating(cfg, arch) is None:
+            raise PeerUnavailable(f"GGUF export to llama.cpp's deepseek2: scoring_func={cfg.get('scoring_func')!r}")
     return ARCHES[arch]
 
 
+def _deepseek_gating(cfg: dict, arch: str) -> str | None:
+    """softmax or sigmoid (V3's default), as the engine reads scoring_func; None for anything else."""
+    func = cfg.get("scoring_func") or ("sigmoid" if arch == "DeepseekV3ForCausalLM" else "softmax")
+    return func if func in ("softmax", "sigmoid") else None
+
+
+def _add_deepseek_metadata(w, gguf, cfg: dict) -> None:
+    """llama.cpp's deepseek2 hyperparameters: latent attention as one KV head (key = latent + rope, value = latent),
+    the per-head sizes the absorbed weights decompress to, the dense leading layers and the routing."""
+    rank, rope, nope, v = (int(cfg[k]) for k in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"))
+    w.add_head_count_kv(1)
+    w.add_key_length(rank + rope)
+    w.add_value_length(rank)
+    w.add_key_length_mla(nope + rope)
+    w.add_value_length_mla(v)
+    w.add_kv_lora_rank(rank)
+    if cfg.get("q_lora_rank") is not None:
+        w.add_q_lora_rank(int(cfg["q_lora_rank"]))
+    w.add_rope_dimension_count(rope)
+    w.add_leading_dense_block_count(int(cfg.get("first_k_dense_replace") or 0))
+    w.add_expert_count(int(cfg["n_routed_experts"]))
+    w.add_expert_used_count(int(cfg["num_experts_per_tok"]))
+    w.add_expert_feed_forward_length(int(cfg["moe_intermediate_size"]))
+    w.add_expert_shared_count(int(cfg.get("n_shared_experts") or 0))
+    w.add_expert_weights_scale(float(cfg.get("routed_scaling_factor") or 1.0))
+    w.add_expert_weights_norm(bool(cfg.get("norm_topk_prob", False)))
+    sigmoid = _deepseek_gating(cfg, cfg["architectures"][0]) == "sigmoid"
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if sigmoid else gguf.ExpertGatingFuncType.SOFTMAX)
+
+
 def export_gguf(model_dir: Path, out: Path, dtype: str = "bfloat16") -> Path:
-    """Write a Llama or Qwen3-MoE HF folder as GGUF (matrices in bf16 or f32, norms f32)."""
+    """Write a Llama, Qwen3-MoE or DeepSeek-V2 / V3 HF folder as GGUF (matrices in bf16 or f32, norms f32)."""
     try:
         import gguf
     except ImportError:
@@ -113,14 +182,17 @@ def export_gguf(model_dir: Path, out: Path, dtype: str = "bfloat16") -> Path:
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(n_head)
-    w.add_head_count_kv(n_kv)
-    w.add_rope_dimension_count(head_dim)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
+    if arch == "deepseek2":
+        _add_deepseek_metadata(w, gguf, cfg)
+    else:
+        w.add_head_count_kv(n_kv)
+        w.add_rope_dimension_count(head_dim)
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
     w.add_rope_freq_base(float(rope_theta))
     w.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps", 1e-6)))
     w.add_vocab_size(cfg["vocab_size"])
-    num_experts = 0
+    num_experts = int(cfg["n_routed_experts"]) if arch == "deepseek2" else 0
     if arch == "qwen3moe":
         num_experts = int(cfg.get("num_experts") or cfg["num_local_experts"])  # (transformers v5 writes the latter)
         w.add_expert_count(num_experts)
@@ -155,6 +227,15 @@ def export_gguf(model_dir: Path, out: Path, dtype: str = "bfloat16") -> Path:
                         inter = t.shape[1] // 2
                         add(f"blk.{m[1]}.ffn_gate_exps.weight", t[:, :inter])
                         add(f"blk.{m[1]}.ffn_up_exps.weight", t[:, inter:])
+                    continue
+                if (m := re.match(r"model\.layers\.(\d+)\.", name)) and int(m[1]) >= cfg["num_hidden_layers"]:
+                    continue  # (DeepSeek's MTP layers)
+                if arch == "deepseek2" and name.endswith("self_attn.kv_b_proj.weight"):
+                    layer = name.split(".")[2]
+                    nope, v = int(cfg["qk_nope_head_dim"]), int(cfg["v_head_dim"])
+                    kv_b = f.get_tensor(name).reshape(n_head, nope + v, -1)
+                    add(f"blk.{layer}.attn_k_b.weight", kv_b[:, :nope].transpose(1, 2))  # [H, rank, nope]
+                    add(f"blk.{layer}.attn_v_b.weight", kv_b[:, nope:])  # [H, v, rank]
                     continue
                 gname = _gguf_tensor_name(name)
                 if gname is None:

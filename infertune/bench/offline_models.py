@@ -21,7 +21,10 @@ MODEL_FORMAT_VERSION = 1  # bump when the built model changes, so stale caches a
 # Llama-3.2-1B's shape (1.24B, 2.5 GB in bf16); "moe" is Qwen3-30B-A3B scaled to fit here (64 experts of 384, top-8,
 # renormalised, every layer MoE: 1.3B parameters, 0.2B active a token); "mla" is DeepSeek-V2-Lite scaled the same way
 # (its latent attention as shipped: 16 heads, latent 512 + rope 64, q without low rank; 64 experts of 384, top-6, two
-# shared, the first layer dense: 1.0B parameters, 12 layers).
+# shared, the first layer dense: 1.0B parameters, 12 layers); "mla-v3" is the same body with DeepSeek-V3's attention
+# and routing (queries through a low rank of 384, sigmoid scores with a correction bias, top-8 renormalised and
+# scaled by 2.5, one shared expert), in one expert group: the shape llama.cpp's deepseek2 also runs (its GGUF export
+# refuses V2-Lite's full-rank queries outside 27 layers, and group-limited routing).
 PRESETS = {
     "386m": dict(
         hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, intermediate_size=4864
@@ -79,6 +82,28 @@ PRESETS = {
         first_k_dense_replace=1,
         topk_method="greedy",
         norm_topk_prob=False,
+        n_group=1,
+        topk_group=1,
+    ),
+    "mla-v3": dict(
+        family="deepseek_v3",
+        hidden_size=1024,
+        num_hidden_layers=12,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        intermediate_size=2816,
+        q_lora_rank=384,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=128,
+        v_head_dim=128,
+        n_routed_experts=64,
+        moe_intermediate_size=384,
+        num_experts_per_tok=8,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
         n_group=1,
         topk_group=1,
     ),
@@ -152,6 +177,7 @@ def ensure_model(preset: str, cache_dir: Path) -> Path:
             "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
             "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
             "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
+            "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
         }[family]
     )
     log(f"building random-weight {model_cls.__name__} '{preset}' into {out} (once) ...")
