@@ -104,6 +104,7 @@ PRESETS = {
         first_k_dense_replace=1,
         norm_topk_prob=True,
         routed_scaling_factor=2.5,
+        topk_method="noaux_tc",  # (V3's own; vLLM makes room for the correction bias only under it)
         n_group=1,
         topk_group=1,
     ),

@@ -209,9 +209,9 @@ class X86FusedDecoder:
             # (W8A16 / W4A16 too: past 16 rows their kernels rebuild the weights in bf16 a slab at a time for the
             # same GEMM, gemv_quant.c linear_q_gemm, as the per-module path's linear_w8 / linear_w4 calls do)
             prefill_rows = cpu.bf16_max_rows()
-            if kinds == {"bf16c"}:  # (as on AMX: the 12-bit slab GEMM takes any row count; measured on a Zen 4,
-                # 16 x 128-token prompts 2.03 -> 1.73 s, one 2000-token prompt 2.90 -> 2.52 s against the per-module
-                # path, whose attention is torch's SDPA)
+            if kinds <= {"bf16c", "w8", "w4"}:  # (as on AMX: the 12-bit slab GEMM, and the quantized one, take any
+                # row count; measured on a Zen 4, 16 x 128-token prompts 2.03 -> 1.73 s with 12-bit weights, one
+                # 2000-token prompt 2.90 -> 2.52 s, against the per-module path, whose attention is torch's SDPA)
                 prefill_rows = max(prefill_rows, model.step_rows)
         cmodel.gate_up_fused = int(all(g.kind == cpu.WeightKind.BF16C and g.inter > 0 for g in gate_ups))
         return cls(model, cmodel, layers, keep, cpu.MAX_ROWS, prefill_rows, cpu.library(), norm(model.final_norm))
