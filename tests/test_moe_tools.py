@@ -263,8 +263,9 @@ def test_qwen3_moe_gguf_refuses_what_llama_cpp_would_run_differently(tmp_path):
         export_gguf(src, tmp_path / "raw.gguf")
 
 
-def test_llama_cpp_runs_the_exported_qwen3_moe_greedy_like_hf(qwen3_moe, tmp_path):
-    """The exported file through llama.cpp (f32, one sequence): every greedy token is HF's top on the same prefix."""
+def _llama_cpp_follows_hf(model, tmp_path) -> None:
+    """Export `model` (f32), run it through llama.cpp one sequence at a time: every greedy token is HF's top on the
+    same prefix."""
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (the llama.cpp peer is optional)")
     import inspect
 
@@ -273,21 +274,26 @@ def test_llama_cpp_runs_the_exported_qwen3_moe_greedy_like_hf(qwen3_moe, tmp_pat
 
     from infertune.bench.gguf_export import export_gguf
 
-    out = export_gguf(qwen3_moe, tmp_path / "m.gguf", "float32")
+    out = export_gguf(model, tmp_path / "m.gguf", "float32")
     # f32 all the way: llama.cpp's default f16 KV cache (and flash attention's f16 products) would round what the
     # oracle compares at 1e-3
     opts = dict(type_k=0, type_v=0, flash_attn=False)  # 0 = GGML_TYPE_F32
     known = inspect.signature(llama_cpp.Llama.__init__).parameters
     opts = {k: v for k, v in opts.items() if k in known}
     llm = llama_cpp.Llama(model_path=str(out), n_ctx=MAX_LEN, n_threads=2, verbose=False, **opts)
-    hf = hf_model(qwen3_moe)
-    for prompt in prompts_for(read_config(qwen3_moe)["vocab_size"])[1:3]:
+    hf = hf_model(model)
+    for prompt in prompts_for(read_config(model)["vocab_size"])[1:3]:
         tokens = []
         for tok in llm.generate(prompt, temp=0.0, top_k=1, repeat_penalty=1.0, reset=True):
             tokens.append(int(tok))
             if len(tokens) == NEW_TOKENS:
                 break
         assert_teacher_forced(hf, prompt, tokens)
+
+
+def test_llama_cpp_runs_the_exported_qwen3_moe_greedy_like_hf(qwen3_moe, tmp_path):
+    """The exported file through llama.cpp (f32, one sequence): every greedy token is HF's top on the same prefix."""
+    _llama_cpp_follows_hf(qwen3_moe, tmp_path)
 
 
 @pytest.fixture(scope="module")
@@ -350,24 +356,4 @@ def test_deepseek_gguf_refuses_what_llama_cpp_would_run_differently(deepseek_v2_
 def test_llama_cpp_runs_the_exported_deepseek_greedy_like_hf(deepseek_v3_one_group, tmp_path):
     """The exported V3 through llama.cpp (f32): every greedy token is HF's top on the same prefix, so the latent
     attention, the absorbed weights and the routing in the file are the checkpoint's."""
-    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (the llama.cpp peer is optional)")
-    import inspect
-
-    import llama_cpp
-    from parity_utils import assert_teacher_forced
-
-    from infertune.bench.gguf_export import export_gguf
-
-    out = export_gguf(deepseek_v3_one_group, tmp_path / "m.gguf", "float32")
-    opts = dict(type_k=0, type_v=0, flash_attn=False)  # (f32 KV: see the Qwen3-MoE test)
-    known = inspect.signature(llama_cpp.Llama.__init__).parameters
-    opts = {k: v for k, v in opts.items() if k in known}
-    llm = llama_cpp.Llama(model_path=str(out), n_ctx=MAX_LEN, n_threads=2, verbose=False, **opts)
-    hf = hf_model(deepseek_v3_one_group)
-    for prompt in prompts_for(read_config(deepseek_v3_one_group)["vocab_size"])[1:3]:
-        tokens = []
-        for tok in llm.generate(prompt, temp=0.0, top_k=1, repeat_penalty=1.0, reset=True):
-            tokens.append(int(tok))
-            if len(tokens) == NEW_TOKENS:
-                break
-        assert_teacher_forced(hf, prompt, tokens)
+    _llama_cpp_follows_hf(deepseek_v3_one_group, tmp_path)
