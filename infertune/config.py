@@ -493,7 +493,8 @@ class ModelConfig:
         "infertune's own decode kernels, on x86 CPUs with AVX-512 BF16 and VNNI (built with the system C "
         "compiler on first use and cached): auto = GEMV / AMX kernels (bf16, W8A16 and W4A16) for steps of up to "
         "16 rows plus the fused decode step (every layer of a step in one call: decode-only steps of up to 16 "
-        "sequences, and, with bf16 weights and cache, steps with prompt chunks up to the kernels' prompt rows); "
+        "sequences, and, with a bf16 cache, steps of fresh prompts: with bf16 weights up to the kernels' prompt rows, "
+        "with 12-bit weights (and without AMX, W8A16 / W4A16 ones) whole steps); "
         "linear = the linear "
         "kernels only, under the per-op PyTorch forward; off = torch's matmuls",
         choices=DECODE_KERNELS,
