@@ -243,7 +243,10 @@ void it_linear_w8(const bf16* x, int64_t ldx, const int8_t* w, const void* scale
         linear_q_gemm(&q, x, ldx, bias, y, ldy, M, N, K, nthreads);
         return;
     }
-    void* scratch = aligned_alloc(64, (size_t)qlin_scratch_bytes(M, K, nthreads));
+    /* (past 16 rows without AMX only the per-block rebuild's scratch is used, not the int16 rows') */
+    const int64_t bytes =
+        M > 16 && amx_state != 1 ? q_amx_scratch_bytes(K, nthreads) : qlin_scratch_bytes(M, K, nthreads);
+    void* scratch = aligned_alloc(64, (size_t)bytes);
     linear_w8(x, ldx, w, scale, scale_is_f32, bias, y, ldy, M, N, K, nthreads, scratch);
     free(scratch);
 }
@@ -478,7 +481,10 @@ void it_linear_w4(const bf16* x, int64_t ldx, const uint8_t* w, const float* sca
         linear_q_gemm(&q, x, ldx, bias, y, ldy, M, N, K, nthreads);
         return;
     }
-    void* scratch = aligned_alloc(64, (size_t)qlin_scratch_bytes(M, K, nthreads));
+    /* (past 16 rows without AMX only the per-block rebuild's scratch is used, not the int16 rows') */
+    const int64_t bytes =
+        M > 16 && amx_state != 1 ? q_amx_scratch_bytes(K, nthreads) : qlin_scratch_bytes(M, K, nthreads);
+    void* scratch = aligned_alloc(64, (size_t)bytes);
     linear_w4(x, ldx, w, scale, zero, gs, bias, y, ldy, M, N, K, nthreads, scratch);
     free(scratch);
 }
