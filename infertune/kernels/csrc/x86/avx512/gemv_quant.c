@@ -77,9 +77,9 @@ static void q_pack_slab(const void* ctx, int64_t K, int64_t n0, int nrows, int64
             dequant_w8_row_fast((const int8_t*)q->w + n * K + k0, w8_scale(q->scale, q->scale_is_f32, n),
                                 tmp + r * GEMM_KC, kc);
         } else {
-            const int64_t G = K / q->gs;
-            dequant_w4_row_fast((const uint8_t*)q->w + n * (K / 2) + k0 / 2, (const float*)q->scale + n * G + k0 / q->gs,
-                                q->zero + n * G + k0 / q->gs, q->gs, tmp + r * GEMM_KC, kc);
+            const int64_t g0 = n * (K / q->gs) + k0 / q->gs; /* (the slab holds whole groups) */
+            dequant_w4_row_fast((const uint8_t*)q->w + n * (K / 2) + k0 / 2, (const float*)q->scale + g0, q->zero + g0,
+                                q->gs, tmp + r * GEMM_KC, kc);
         }
     }
     gemm_pack_slab(tmp, GEMM_KC, 0, nrows, 0, kc, wp);
