@@ -17,8 +17,8 @@ llama.cpp's (its src/llama-arch.cpp and the per-architecture loaders under src/m
   absorbed weights, so kv_b_proj [H (nope + v), rank] goes in as `attn_k_b` [H, rank, nope] (each head's W_UK
   transposed) and `attn_v_b` [H, v, rank]; its rotary takes adjacent pairs, HF's layout as it is (no permutation).
   The first_k_dense_replace dense layers, the shared experts (`*_shexp`), V3's correction bias (`exp_probs_b`), the
-  routed scaling and renormalisation and the gating function (softmax, or sigmoid for V3) go in as metadata; the
-  MTP layers past num_hidden_layers are left out. Group-limited routing (n_group > 1 with topk_group < n_group) and
+  routed scaling and renormalisation and the gating function go in as metadata, read as the engine reads them
+  (ArchConfig: V3's sigmoid and renormalisation by default); the MTP layers past num_hidden_layers are left out. Group-limited routing (n_group > 1 with topk_group < n_group) and
   rope scaling are refused: this llama.cpp's graph would route or rotate differently; so are queries without low
   rank (q_lora_rank null) outside 27 layers, which llama.cpp recognises as DeepSeek-V2-Lite by its layer count.
 """
@@ -111,50 +111,57 @@ def _check_supported(cfg: dict) -> str:
             why.append("use_sliding_window is set")
         if why:
             raise PeerUnavailable("GGUF export to llama.cpp's qwen3moe: " + "; ".join(why))
-    if ARCHES[arch] == "deepseek2":
-        n_group, topk_group = int(cfg.get("n_group") or 1), int(cfg.get("topk_group") or 1)
-        if n_group > 1 and topk_group < n_group:
-            raise PeerUnavailable(
-                f"GGUF export to llama.cpp's deepseek2: group-limited routing (n_group={n_group}, "
-                f"topk_group={topk_group}) is not what this llama.cpp runs"
-            )
-        if cfg.get("q_lora_rank") is None and int(cfg["num_hidden_layers"]) != 27:
-            raise PeerUnavailable(
-                "GGUF export to llama.cpp's deepseek2: q_lora_rank is null (queries without low rank), which this "
-                "llama.cpp reads only from a 27-layer model (it tells DeepSeek-V2-Lite by its layer count)"
-            )
-        if _deepseek_gating(cfg, arch) is None:
-            raise PeerUnavailable(f"GGUF export to llama.cpp's deepseek2: scoring_func={cfg.get('scoring_func')!r}")
     return ARCHES[arch]
 
 
-def _deepseek_gating(cfg: dict, arch: str) -> str | None:
-    """softmax or sigmoid (V3's default), as the engine reads scoring_func; None for anything else."""
-    func = cfg.get("scoring_func") or ("sigmoid" if arch == "DeepseekV3ForCausalLM" else "softmax")
-    return func if func in ("softmax", "sigmoid") else None
+def _deepseek_arch(model_dir: Path):
+    """The engine's own reading of the checkpoint (ArchConfig: its MoE routing and latent attention, each default
+    as infertune runs it), refused where llama.cpp's deepseek2 would run it differently."""
+    from infertune.config import ArchConfig
+
+    arch = ArchConfig.from_model_dir(str(model_dir))
+    moe, mla, layers = arch.moe, arch.mla, arch.num_hidden_layers
+    why = []
+    if moe is None:
+        why.append("no routed experts")
+    else:
+        first_dense = min(moe.layers, default=layers)
+        if moe.layers != tuple(range(first_dense, layers)):
+            why.append("MoE layers other than every layer after the first dense ones (moe_layer_freq)")
+        if moe.n_group > 1 and moe.topk_group < moe.n_group:
+            why.append(f"group-limited routing (n_group={moe.n_group}, topk_group={moe.topk_group})")
+    if mla.q_lora_rank is None and layers != 27:
+        why.append(
+            "q_lora_rank is null (queries without low rank), which this llama.cpp reads only from a 27-layer "
+            "model (it tells DeepSeek-V2-Lite by its layer count)"
+        )
+    if why:
+        raise PeerUnavailable("GGUF export to llama.cpp's deepseek2: " + "; ".join(why))
+    return arch
 
 
-def _add_deepseek_metadata(w, gguf, cfg: dict) -> None:
+def _add_deepseek_metadata(w, gguf, arch, cfg: dict) -> None:
     """llama.cpp's deepseek2 hyperparameters: latent attention as one KV head (key = latent + rope, value = latent),
     the per-head sizes the absorbed weights decompress to, the dense leading layers and the routing."""
-    rank, rope, nope, v = (int(cfg[k]) for k in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"))
+    moe, mla = arch.moe, arch.mla
+    rank, rope = mla.kv_lora_rank, mla.qk_rope_head_dim
     w.add_head_count_kv(1)
     w.add_key_length(rank + rope)
     w.add_value_length(rank)
-    w.add_key_length_mla(nope + rope)
-    w.add_value_length_mla(v)
+    w.add_key_length_mla(mla.qk_nope_head_dim + rope)
+    w.add_value_length_mla(mla.v_head_dim)
     w.add_kv_lora_rank(rank)
-    if cfg.get("q_lora_rank") is not None:
-        w.add_q_lora_rank(int(cfg["q_lora_rank"]))
+    if mla.q_lora_rank is not None:
+        w.add_q_lora_rank(mla.q_lora_rank)
     w.add_rope_dimension_count(rope)
-    w.add_leading_dense_block_count(int(cfg.get("first_k_dense_replace") or 0))
-    w.add_expert_count(int(cfg["n_routed_experts"]))
-    w.add_expert_used_count(int(cfg["num_experts_per_tok"]))
-    w.add_expert_feed_forward_length(int(cfg["moe_intermediate_size"]))
+    w.add_leading_dense_block_count(min(moe.layers))
+    w.add_expert_count(moe.num_experts)
+    w.add_expert_used_count(moe.top_k)
+    w.add_expert_feed_forward_length(moe.intermediate_size)
     w.add_expert_shared_count(int(cfg.get("n_shared_experts") or 0))
-    w.add_expert_weights_scale(float(cfg.get("routed_scaling_factor") or 1.0))
-    w.add_expert_weights_norm(bool(cfg.get("norm_topk_prob", False)))
-    sigmoid = _deepseek_gating(cfg, cfg["architectures"][0]) == "sigmoid"
+    w.add_expert_weights_scale(moe.routed_scaling_factor)
+    w.add_expert_weights_norm(moe.norm_topk_prob)
+    sigmoid = moe.scoring == "sigmoid"  # (MOE_SCORING: softmax or sigmoid)
     w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if sigmoid else gguf.ExpertGatingFuncType.SOFTMAX)
 
 
@@ -170,6 +177,7 @@ def export_gguf(model_dir: Path, out: Path, dtype: str = "bfloat16") -> Path:
 
     cfg = read_model_config(model_dir)
     arch = _check_supported(cfg)
+    deepseek = _deepseek_arch(model_dir) if arch == "deepseek2" else None
     n_head, n_kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
     hidden = cfg["hidden_size"]
     head_dim = cfg.get("head_dim") or hidden // n_head
@@ -183,7 +191,7 @@ def export_gguf(model_dir: Path, out: Path, dtype: str = "bfloat16") -> Path:
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(n_head)
     if arch == "deepseek2":
-        _add_deepseek_metadata(w, gguf, cfg)
+        _add_deepseek_metadata(w, gguf, deepseek, cfg)
     else:
         w.add_head_count_kv(n_kv)
         w.add_rope_dimension_count(head_dim)
@@ -192,7 +200,7 @@ def export_gguf(model_dir: Path, out: Path, dtype: str = "bfloat16") -> Path:
     w.add_rope_freq_base(float(rope_theta))
     w.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps", 1e-6)))
     w.add_vocab_size(cfg["vocab_size"])
-    num_experts = int(cfg["n_routed_experts"]) if arch == "deepseek2" else 0
+    num_experts = deepseek.moe.num_experts if deepseek is not None else 0
     if arch == "qwen3moe":
         num_experts = int(cfg.get("num_experts") or cfg["num_local_experts"])  # (transformers v5 writes the latter)
         w.add_expert_count(num_experts)
@@ -232,7 +240,7 @@ def export_gguf(model_dir: Path, out: Path, dtype: str = "bfloat16") -> Path:
                     continue  # (DeepSeek's MTP layers)
                 if arch == "deepseek2" and name.endswith("self_attn.kv_b_proj.weight"):
                     layer = name.split(".")[2]
-                    nope, v = int(cfg["qk_nope_head_dim"]), int(cfg["v_head_dim"])
+                    nope, v = deepseek.mla.qk_nope_head_dim, deepseek.mla.v_head_dim
                     kv_b = f.get_tensor(name).reshape(n_head, nope + v, -1)
                     add(f"blk.{layer}.attn_k_b.weight", kv_b[:, :nope].transpose(1, 2))  # [H, rank, nope]
                     add(f"blk.{layer}.attn_v_b.weight", kv_b[:, nope:])  # [H, v, rank]

@@ -21,6 +21,12 @@
 /* 16 floats as one value (GCC's vector extension: one AVX-512 register, two AVX2 ones, four NEON ones), so the
  * accumulators below stay in registers on every ISA; loads and stores through memcpy (no alignment asked) */
 typedef float mla_v16 __attribute__((vector_size(64)));
+/* a vector's 16 lanes summed in order (by pointer: a 64-byte vector passed by value is not the same ABI on every ISA) */
+static inline float mla_sum16(const mla_v16* v) {
+    float sum = 0.0f;
+    for (int l = 0; l < 16; l++) sum += (*v)[l];
+    return sum;
+}
 /* (macros, not functions: a 64-byte vector passed by value changes the ABI on builds without AVX-512) */
 #define MLA_LD16(v, p) memcpy(&(v), (p), sizeof(mla_v16))
 #define MLA_ST16(p, v) memcpy((p), &(v), sizeof(mla_v16))
@@ -189,11 +195,7 @@ MLA_ABSORB_ROWS(1, 1)
             }                                                                                                     \
         }                                                                                                         \
         for (int i = 0; i < NB; i++)                                                                              \
-            for (int j = 0; j < 2; j++) {                                                                         \
-                float sum = 0.0f;                                                                                 \
-                for (int l = 0; l < 16; l++) sum += a[i][j][l];                                                   \
-                out[i][j] = sum;                                                                                  \
-            }                                                                                                     \
+            for (int j = 0; j < 2; j++) out[i][j] = mla_sum16(&a[i][j]);                                          \
     }
 MLA_UPV_ROWS(8)
 MLA_UPV_ROWS(4)
@@ -216,11 +218,7 @@ MLA_UPV_ROWS(1)
             }                                                                                                     \
         }                                                                                                         \
         for (int i = 0; i < NB; i++)                                                                              \
-            for (int j = 0; j < 4; j++) {                                                                         \
-                float sum = 0.0f;                                                                                 \
-                for (int l = 0; l < 16; l++) sum += a[i][j][l];                                                   \
-                out[i][j] = sum;                                                                                  \
-            }                                                                                                     \
+            for (int j = 0; j < 4; j++) out[i][j] = mla_sum16(&a[i][j]);                                          \
     }
 MLA_UPV4_ROWS(2)
 MLA_UPV4_ROWS(1)

@@ -95,6 +95,21 @@ static void linear_q_gemm(const qweight* q, const bf16* x, int64_t ldx, const bf
     dpbf16_gemm(x, ldx, &src, bias, y, ldy, M, N, K, nthreads);
 }
 
+/* Rows past 16 without AMX (prompts, the fused step's too) */
+static inline int q_prompt_rows(int64_t M) { return M > 16 && amx_state != 1; }
+
+/* linear_w8 / linear_w4 at q_prompt_rows: the GEMM on rebuilt slabs, else the per-block rebuild, whose scratch
+ * (q_amx_scratch_bytes) is all it needs. 0: not such a call. */
+static int linear_q_prompt(const qweight* q, const bf16* x, int64_t ldx, const bf16* bias, bf16* y, int64_t ldy,
+                           int64_t M, int64_t N, int64_t K, int nthreads, void* scratch) {
+    if (!q_prompt_rows(M)) return 0;
+    if (use_q_gemm(M, K, q))
+        linear_q_gemm(q, x, ldx, bias, y, ldy, M, N, K, nthreads);
+    else
+        linear_q_dq(q, x, ldx, bias, y, ldy, M, N, K, nthreads, scratch); /* (any M) */
+    return 1;
+}
+
 /* ------------------------------------------------------------------ int8 weights, int16 activations */
 
 /* x_q = 256 h + l with l = ((x_q + 128) & 255) - 128 and h = (x_q - l) / 256, both signed bytes (|x_q| <= 32512
@@ -177,6 +192,14 @@ static inline int64_t qlin_scratch_bytes(int64_t M, int64_t K, int nthreads) {
     return w8_scratch_bytes(M, K) + q_amx_scratch_bytes(K, nthreads);
 }
 
+/* The scratch it_linear_w8 / _w4 allocate for linear_w8 / linear_w4 (free() it after): none where the GEMM on rebuilt
+ * slabs takes the call, the per-block rebuild's for other prompt rows without AMX, else qlin_scratch_bytes */
+static void* q_api_scratch(const qweight* q, int64_t M, int64_t K, int nthreads) {
+    const int prompt = q_prompt_rows(M);
+    if (prompt && use_q_gemm(M, K, q)) return NULL;
+    return aligned_alloc(64, (size_t)(prompt ? q_amx_scratch_bytes(K, nthreads) : qlin_scratch_bytes(M, K, nthreads)));
+}
+
 /* scale: per output row, bf16 (scale_is_f32 = 0) or fp32 (1). scratch: qlin_scratch_bytes(M, K, nthreads). */
 static void linear_w8(const bf16* x, int64_t ldx, const int8_t* w, const void* scale, int scale_is_f32,
                       const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads,
@@ -197,14 +220,9 @@ static void linear_w8(const bf16* x, int64_t ldx, const int8_t* w, const void* s
         linear_q_dq(&q, x, ldx, bias, y, ldy, M, N, K, nthreads, (char*)scratch + w8_scratch_bytes(M, K));
         return;
     }
-    if (M > 16 && amx_state != 1) { /* prompts without AMX (the fused step's too): scratch needs only the rebuild's */
+    {
         const qweight q = {IT_KIND_W8, w, scale, scale_is_f32, NULL, 0};
-        if (use_q_gemm(M, K, &q)) {
-            linear_q_gemm(&q, x, ldx, bias, y, ldy, M, N, K, nthreads);
-            return;
-        }
-        linear_q_dq(&q, x, ldx, bias, y, ldy, M, N, K, nthreads, scratch); /* (any M) */
-        return;
+        if (linear_q_prompt(&q, x, ldx, bias, y, ldy, M, N, K, nthreads, scratch)) return;
     }
     const int64_t Kp = (K + 63) & ~(int64_t)63;
     int16_t* xq = (int16_t*)scratch;
@@ -239,14 +257,7 @@ static void linear_w8(const bf16* x, int64_t ldx, const int8_t* w, const void* s
 void it_linear_w8(const bf16* x, int64_t ldx, const int8_t* w, const void* scale, int scale_is_f32,
                   const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads) {
     const qweight q = {IT_KIND_W8, w, scale, scale_is_f32, NULL, 0};
-    if (M > 16 && use_q_gemm(M, K, &q)) { /* (before the int16 scratch, which grows with M) */
-        linear_q_gemm(&q, x, ldx, bias, y, ldy, M, N, K, nthreads);
-        return;
-    }
-    /* (past 16 rows without AMX only the per-block rebuild's scratch is used, not the int16 rows') */
-    const int64_t bytes =
-        M > 16 && amx_state != 1 ? q_amx_scratch_bytes(K, nthreads) : qlin_scratch_bytes(M, K, nthreads);
-    void* scratch = aligned_alloc(64, (size_t)bytes);
+    void* scratch = q_api_scratch(&q, M, K, nthreads);
     linear_w8(x, ldx, w, scale, scale_is_f32, bias, y, ldy, M, N, K, nthreads, scratch);
     free(scratch);
 }
@@ -434,14 +445,9 @@ static void linear_w4(const bf16* x, int64_t ldx, const uint8_t* w, const float*
         linear_q_dq(&q, x, ldx, bias, y, ldy, M, N, K, nthreads, (char*)scratch + w8_scratch_bytes(M, K));
         return;
     }
-    if (M > 16 && amx_state != 1) { /* (as linear_w8) */
+    {
         const qweight q = {IT_KIND_W4, w, scale, 0, zero, gs};
-        if (use_q_gemm(M, K, &q)) {
-            linear_q_gemm(&q, x, ldx, bias, y, ldy, M, N, K, nthreads);
-            return;
-        }
-        linear_q_dq(&q, x, ldx, bias, y, ldy, M, N, K, nthreads, scratch); /* (any M) */
-        return;
+        if (linear_q_prompt(&q, x, ldx, bias, y, ldy, M, N, K, nthreads, scratch)) return;
     }
     const int64_t Kp = (K + 31) & ~(int64_t)31, G = K / gs;
     int16_t* xq = (int16_t*)scratch;
@@ -477,14 +483,7 @@ static void linear_w4(const bf16* x, int64_t ldx, const uint8_t* w, const float*
 void it_linear_w4(const bf16* x, int64_t ldx, const uint8_t* w, const float* scale, const float* zero, int64_t gs,
                   const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads) {
     const qweight q = {IT_KIND_W4, w, scale, 0, zero, gs};
-    if (M > 16 && use_q_gemm(M, K, &q)) { /* (before the int16 scratch, which grows with M) */
-        linear_q_gemm(&q, x, ldx, bias, y, ldy, M, N, K, nthreads);
-        return;
-    }
-    /* (past 16 rows without AMX only the per-block rebuild's scratch is used, not the int16 rows') */
-    const int64_t bytes =
-        M > 16 && amx_state != 1 ? q_amx_scratch_bytes(K, nthreads) : qlin_scratch_bytes(M, K, nthreads);
-    void* scratch = aligned_alloc(64, (size_t)bytes);
+    void* scratch = q_api_scratch(&q, M, K, nthreads);
     linear_w4(x, ldx, w, scale, zero, gs, bias, y, ldy, M, N, K, nthreads, scratch);
     free(scratch);
 }
