@@ -116,6 +116,8 @@ class TorchFused:
             return lin.compressed.linear(x, lin.bias)
         if lin.kind == "w8":
             return k.linear_w8(x, lin.qweight, lin.scales, lin.bias)
+        if lin.kind == "w8a8":
+            return k.linear_w8a8(x, lin.qweight, lin.scales, lin.input_scale, lin.bias)
         return k.linear_w4(x, lin.qweight, lin.scales, lin.zero, lin.group_size, lin.bias)
 
     def __call__(self, input_ids, positions, slot_mapping, block_tables, context_lens, out_rows=None):
@@ -212,6 +214,18 @@ class TorchKernels:
 
     def dequant_w8(self, qweight, scales):
         return (qweight.float() * scales.float().unsqueeze(1)).bfloat16()
+
+    def linear_w8a8(self, x, qweight, scales, input_scale=None, bias=None):
+        self.calls["linear_w8a8"] += 1
+        x2 = x.reshape(-1, x.shape[-1]).float()
+        if input_scale is None:
+            s = (x2.abs().amax(dim=1, keepdim=True) / 127.0).clamp(min=1e-12)
+        else:
+            s = input_scale
+        xq = torch.round(x2 / s).clamp(-127, 127)
+        acc = (xq.double() @ qweight.double().t()).float()  # exact: integers far below 2^53
+        y = (acc * s * scales).to(x.dtype).view(*x.shape[:-1], -1)
+        return y if bias is None else y + bias
 
     def w4_supported(self, in_features, group_size):
         return in_features % group_size == 0
@@ -340,7 +354,15 @@ def _run(model, monkeypatch, kernels, **options):
 
 @pytest.mark.parametrize(
     "quant,compress,fused",
-    [(None, "off", True), (None, "auto", True), ("w8a16", "off", True), ("w4a16", "off", True), (None, "off", False)],
+    [
+        (None, "off", True),
+        (None, "auto", True),
+        ("w8a16", "off", True),
+        ("w4a16", "off", True),
+        ("w8a8", "off", True),
+        ("w8a8", "off", False),
+        (None, "off", False),
+    ],
 )
 def test_the_engine_runs_on_a_second_implementation(tmp_path, monkeypatch, quant, compress, fused):
     """Every seam is taken (the counts), the fused step runs from the FusedModel alone, and the logprobs against
@@ -367,6 +389,8 @@ def test_the_engine_runs_on_a_second_implementation(tmp_path, monkeypatch, quant
     else:
         assert ref.calls["rms_norm"] and ref.calls["rotary"] and ref.calls["fused_step"] == 0
         assert ref.calls["silu_and_mul"] and ref.calls["linear_bf16"]
+    if quant == "w8a8":  # (the fused step's layers and the per-module ones both through linear_w8a8)
+        assert ref.calls["linear_w8a8"] > 0
     if quant == "w4a16":
         q = runner.model.model.layers[0].mlp.down_proj.qweight
         assert q.shape == (256, 128) and q.dtype is torch.uint8  # the reference's own [K, N] layout

@@ -327,7 +327,7 @@ def test_w8a8_expert_matmuls_equal_exact_integer_arithmetic():
         for matmul, proj, k in ((gate_up, "gate_up_proj", 64), (down, "down_proj", 32)):
             x = torch.randn(5, k, generator=gen)
             xq, xs = quantize_int8_per_token(x)
-            wq = getattr(ex, f"{proj}_qweight_t")[e].t()  # [N, K] int8
+            wq = getattr(ex, f"{proj}_qweight")[e]  # [N, K] int8
             exact = (xq.long() @ wq.long().t()).double() * xs.double() * getattr(ex, f"{proj}_scales")[e].double()
             torch.testing.assert_close(matmul(e, x).double(), exact, rtol=1e-6, atol=1e-6)
 

@@ -97,7 +97,7 @@ def test_w8a8_equals_exact_integer_arithmetic():
     layer, _ = quantized_linear(W8A8Method(), bias=False)
     x = torch.randn(6, 128)
     xq, xs = quantize_int8_per_token(x)
-    wq = layer.qweight_t.t()
+    wq = layer.qweight  # [N, K] int8
     exact = (xq.long() @ wq.long().t()).double() * xs.double() * layer.scales.double()  # int64: no rounding
     torch.testing.assert_close(layer(x).double(), exact, rtol=1e-6, atol=1e-6)
 

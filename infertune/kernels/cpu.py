@@ -68,7 +68,7 @@ AVX2_QUANT_MAX_ROWS = 2048
 # AVX-512 library without AMX does (NOAMX_GEMM_MAX_ROWS): each prompt row's attention runs on its own.
 AVX2_FUSED_PREFILL_ROWS = 128
 # The C side's ABI (csrc/abi.h IT_ABI_VERSION): bump both together when a shared struct or a signature changes.
-ABI_VERSION = 13
+ABI_VERSION = 14
 # The KV cache groups a fused step reads at most (csrc/abi.h IT_MAX_KV_GROUPS): layers grouped by sliding window
 MAX_KV_GROUPS = 8
 WARN_FLAGS = ["-Wall", "-Wextra", "-Wpointer-arith"]
@@ -136,6 +136,7 @@ class WeightKind(enum.IntEnum):
     W8 = 1
     W4 = 2
     BF16C = 3
+    W8A8 = 4  # (the AVX-512 library's only: gemm_i8.c)
 
 
 def cache_dir() -> Path:
@@ -390,6 +391,8 @@ def declare(lib: ctypes.CDLL) -> None:
         "it_linear_bf16_gemvx": ([ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, cint], cint),
         "it_gemvx_rows": ([i64], i64),
         "it_linear_w8": ([ptr, i64, ptr, ptr, cint, ptr, ptr, i64, i64, i64, i64, cint], None),
+        "it_linear_w8a8": ([ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, cint], cint),
+        "it_w8a8_rows": ([i64], i64),
         "it_linear_w4": ([ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, cint], None),
         "it_dequant_w8": ([ptr, ptr, cint, ptr, i64, i64, cint], None),
         "it_dequant_w4": ([ptr, ptr, ptr, i64, ptr, i64, i64, cint], None),
@@ -912,6 +915,70 @@ def linear_w8(
             torch.get_num_threads(),
         )
     return y.view(*x.shape[:-1], n)
+
+
+# W8A8's int32 sums hold K up to this many columns (csrc/x86/avx512/gemm_i8.c I8_MAX_K)
+W8A8_MAX_K = 1 << 16
+
+
+def w8a8_supported(lib: ctypes.CDLL | None = None) -> bool:
+    """Whether the library has the W8A8 kernel (the AVX-512 one: VPDPBUSD)."""
+    try:
+        return getattr(_pick(lib), "it_linear_w8a8", None) is not None
+    except RuntimeError:
+        return False
+
+
+def linear_w8a8(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    input_scale: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    *,
+    lib: ctypes.CDLL | None = None,
+) -> torch.Tensor:
+    """x [..., K] bf16, qweight [N, K] int8, scales fp32 [N] -> [..., N] bf16: quant/int8.py W8A8Method's product bit
+    for bit. x is rounded to int8 per row (s_x = max(max|x| / 127, 1e-12), round half to even, clamp to +-127), or by
+    input_scale (fp32 [1], a calibrated static scale) where given; the int8 products sum exactly in int32; then
+    bf16(float(sum) * s_x * s_w), and a bias added to that and rounded again."""
+    lib = _pick(lib)
+    if getattr(lib, "it_linear_w8a8", None) is None:
+        raise ValueError("this library has no W8A8 kernel (the AVX-512 one has)")
+    x2 = _rows(x)
+    _check(x2, qweight, bias)
+    if qweight.dtype is not torch.int8 or scales.dtype is not torch.float32 or not scales.is_contiguous():
+        raise ValueError(f"need int8 weights and contiguous fp32 scales, got {qweight.dtype} / {scales.dtype}")
+    if input_scale is not None and (input_scale.dtype is not torch.float32 or input_scale.numel() != 1):
+        raise ValueError(f"input_scale: one fp32 value, got {input_scale.dtype} {tuple(input_scale.shape)}")
+    m, (n, k) = x2.shape[0], qweight.shape
+    if k > W8A8_MAX_K:
+        raise ValueError(f"in_features={k}: the int32 sums hold {W8A8_MAX_K} at most")
+    y = torch.empty((m, n), dtype=torch.bfloat16)
+    with profiled("linear_w8a8"):
+        rc = lib.it_linear_w8a8(
+            x2.data_ptr(),
+            x2.stride(0),
+            qweight.data_ptr(),
+            scales.data_ptr(),
+            input_scale.data_ptr() if input_scale is not None else None,
+            bias.data_ptr() if bias is not None else None,
+            y.data_ptr(),
+            n,
+            m,
+            n,
+            k,
+            torch.get_num_threads(),
+        )
+    if rc != 0:
+        raise RuntimeError(f"it_linear_w8a8 returned {rc}")
+    return y.view(*x.shape[:-1], n)
+
+
+def w8a8_gemm_rows(rows: int = 0, *, lib: ctypes.CDLL | None = None) -> int:
+    """From how many rows linear_w8a8 takes its GEMM rather than its GEMV (rows > 0 sets it; returns the count in
+    force): tests reach both paths through it."""
+    return int(_pick(lib).it_w8a8_rows(rows))
 
 
 def w4_supported(k: int, group_size: int) -> bool:

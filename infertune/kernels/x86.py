@@ -66,7 +66,11 @@ class X86Kernels:
 
     def max_rows(self, kind: LinearKind) -> int:
         # bf16 (plain or 12-bit) keeps the AMX tile GEMM up to 128 rows, without AMX the VDPBF16PS GEMM; the int8 /
-        # int4 kernels are GEMVs at heart, except without AMX, where past 16 rows they rebuild slabs for that GEMM
+        # int4 kernels are GEMVs at heart, except without AMX, where past 16 rows they rebuild slabs for that GEMM.
+        # W8A8: its VPDPBUSD GEMV / GEMM (gemm_i8.c) at every row count without AMX; with AMX decode rows only (a
+        # prompt keeps torch._int_mm, oneDNN's AMX int8 there: unmeasured, no AMX machine to try it on)
+        if kind == "w8a8":
+            return (cpu.MAX_ROWS if self.amx else cpu.NOAMX_QUANT_MAX_ROWS) if cpu.w8a8_supported(self.lib) else 0
         return cpu.bf16_max_rows() if kind in ("bf16", "bf16c") else cpu.quant_max_rows()
 
     def linear_bf16(self, x, weight, bias=None):
@@ -77,6 +81,9 @@ class X86Kernels:
 
     def dequant_w8(self, qweight, scales):
         return cpu.dequant_w8(qweight, scales, lib=self.lib)
+
+    def linear_w8a8(self, x, qweight, scales, input_scale=None, bias=None):
+        return cpu.linear_w8a8(x, qweight, scales, input_scale, bias, lib=self.lib)
 
     def w4_supported(self, in_features: int, group_size: int) -> bool:
         return cpu.w4_supported(in_features, group_size)
@@ -185,7 +192,7 @@ class Avx2Kernels(X86Kernels):
         # the weight written and read back: benchmarks/bench_quant_rows.py), and x's int16 rounding (2^-15 of
         # max|x|) is finer than the weights' bf16 one. Past them the layer dequantizes and runs linear_bf16.
         # 12-bit weights do not exist here.
-        if kind == "bf16c":
+        if kind in ("bf16c", "w8a8"):  # (W8A8: VPDPBUSD is AVX-512 VNNI's; AVX-VNNI CPUs have a 256-bit one, unused)
             return 0
         return self.bf16_rows if kind == "bf16" else cpu.AVX2_QUANT_MAX_ROWS
 

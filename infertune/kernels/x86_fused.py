@@ -178,6 +178,8 @@ class X86FusedDecoder:
         if avx2_lib is not None:
             if "bf16c" in kinds:
                 return "12-bit weights (the AVX2 library has no decoder for them)"
+            if "w8a8" in kinds:
+                return "W8A8 layers (the AVX2 library has no int8-activation kernel)"
             # Short prompts too with bf16 weights as loaded and a bf16 cache, as without AMX below: the FMA GEMM
             # (csrc/x86/avx2/gemm.c) and each prompt row's attention on its own
             prefill_rows = (
@@ -202,14 +204,16 @@ class X86FusedDecoder:
                 prefill_rows = max(prefill_rows, model.step_rows)
         elif (
             not amx
-            and kinds <= {"bf16", "bf16c", "w8", "w4"}
+            and kinds <= {"bf16", "bf16c", "w8", "w4", "w8a8"}
             and not model.kv_int8
             and cpu.bf16_max_rows() > cpu.MAX_ROWS
         ):
             # (W8A16 / W4A16 too: past 16 rows their kernels rebuild the weights in bf16 a slab at a time for the
             # same GEMM, gemv_quant.c linear_q_gemm, as the per-module path's linear_w8 / linear_w4 calls do)
             prefill_rows = cpu.bf16_max_rows()
-            if kinds <= {"bf16c", "w8", "w4"}:  # (as on AMX: the 12-bit slab GEMM, and the quantized one, take any
+            if (
+                kinds <= {"bf16c", "w8", "w4", "w8a8"}
+            ):  # (W8A8: its VNNI GEMM, gemm_i8.c, at any row count)  # (as on AMX: the 12-bit slab GEMM, and the quantized one, take any
                 # row count; measured on a Zen 4, 16 x 128-token prompts 2.03 -> 1.73 s with 12-bit weights, one
                 # 2000-token prompt 2.90 -> 2.52 s, against the per-module path, whose attention is torch's SDPA)
                 prefill_rows = max(prefill_rows, model.step_rows)
@@ -360,6 +364,11 @@ def _fill_lin(c, lin: KernelLinear) -> list[torch.Tensor]:
         c.zero, c.group = lin.zero.data_ptr(), lin.group_size
         return keep + [q, s, lin.zero]
     assert q.dtype is torch.int8
+    if lin.kind == "w8a8":  # (fp32 scales; the activations' static scale, if any, where w4 keeps its zero)
+        assert s.dtype is torch.float32
+        if lin.input_scale is not None:
+            c.zero = lin.input_scale.data_ptr()
+            keep.append(lin.input_scale)
     c.scale_is_f32 = int(s.dtype is torch.float32)
     return keep + [q, s]
 

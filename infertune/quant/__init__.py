@@ -27,7 +27,7 @@ def make_method(
     if config.method == "w8a16":
         return W8A16Method(fast_kernels, kernel_max_rows, kernels)
     if config.method == "w8a8":
-        return W8A8Method(fast_kernels)
+        return W8A8Method(fast_kernels, kernels)
     if config.method == "w4a16":
         return W4A16Method(config.group_size, config.symmetric, fast_kernels, kernel_max_rows, kernels)
     raise ValueError(f"quantization={config.method!r} is unknown")

@@ -118,9 +118,12 @@ class StoredW8A16(W8A16Method):
 
 
 class StoredW8A8(W8A8Method):
-    def __init__(self, fast_kernel: bool = True, static_activations: bool = False) -> None:
-        super().__init__(fast_kernel)
+    def __init__(self, fast_kernel: bool = True, static_activations: bool = False, kernels=None) -> None:
+        super().__init__(fast_kernel, kernels)
         self.static_activations = static_activations
+
+    def static_scale(self, layer: Linear) -> torch.Tensor | None:
+        return layer.input_scale if self.static_activations else None
 
     def create_weights(self, layer: Linear, dtype: torch.dtype) -> None:
         StoredW8A16.create_weights(self, layer, dtype)
@@ -213,7 +216,7 @@ def _linear_method(stored: StoredQuant, fast_kernels: bool, kernel_max_rows: int
     if stored.method == "w8a16":
         return W8A16Method(fast_kernels, kernel_max_rows, kernels)
     if stored.method == "w8a8":
-        return W8A8Method(fast_kernels)
+        return W8A8Method(fast_kernels, kernels)
     return W4A16Method(stored.group_size, stored.symmetric, fast_kernels, kernel_max_rows, kernels)
 
 
@@ -263,7 +266,7 @@ def attach_stored_methods(
         if stored.method == "w8a16":
             method = StoredW8A16(fast_kernels, kernel_max_rows, kernels)
         elif stored.method == "w8a8":
-            method = StoredW8A8(fast_kernels, stored.static_activations)
+            method = StoredW8A8(fast_kernels, stored.static_activations, kernels)
         else:
             method = StoredW4A16(stored.group_size, stored.symmetric, fast_kernels, kernel_max_rows, kernels)
         module.quant_method = method

@@ -8,6 +8,8 @@ import torch.nn.functional as F
 from infertune.kernels.interface import DecodeKernels, KernelLinear
 from infertune.layers.linear import Linear, QuantMethod, UnquantizedMethod
 
+W8A8_MAX_K = 1 << 16  # the int32 sums of the kernels' W8A8 hold K up to this (kernels/cpu.py W8A8_MAX_K)
+
 
 def quantize_int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-row int8: w [N, K] -> (q int8 [N, K], scale fp32 [N]); |w - q * scale| <= scale / 2."""
@@ -87,12 +89,20 @@ class W8A16Method(UnquantizedMethod):
 
 
 class W8A8Method(W8A16Method):
-    """Int8 weights and dynamic per-token int8 activations, multiplied in int32 (torch._int_mm)."""
+    """Int8 weights and dynamic per-token int8 activations, multiplied in int32.
+
+    The reference (apply's last lines) is torch._int_mm on the rounded activations; the backend's kernels
+    (DecodeKernels.linear_w8a8: VPDPBUSD on x86 with AVX-512 VNNI) compute the same product bit for bit, at the rows
+    max_rows("w8a8") allows (every row count without AMX; none on AVX2 / NEON), and the fused step takes such
+    layers (kernel_weights)."""
 
     name = "w8a8"
 
+    def __init__(self, fast_kernel: bool = True, kernels: DecodeKernels | None = None) -> None:
+        super().__init__(fast_kernel, None, kernels)
+
     def pack_weights(self, layer: Linear, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> None:
-        layer.register_buffer("qweight_t", q.t().contiguous())  # [K, N] int8, the layout _int_mm wants
+        layer.register_buffer("qweight", q.contiguous())  # [N, K] int8 (_int_mm takes its transpose as a view)
         layer.register_buffer("scales", scale.float())  # [N] fp32
         layer.out_dtype = dtype
 
@@ -100,19 +110,45 @@ class W8A8Method(W8A16Method):
         """x [M, K] -> (int8 [M, K], scale [M, 1]): dynamic per-token (pre-quantized checkpoints may use static)."""
         return quantize_int8_per_token(x)
 
-    def dequantized_weight(self, layer: Linear) -> torch.Tensor:
-        return layer.qweight_t.t().float() * layer.scales.unsqueeze(1)
+    def static_scale(self, layer: Linear) -> torch.Tensor | None:
+        """The activations' calibrated scale, fp32 [1], where every token shares one; None: a scale per token."""
+        return None
 
-    def kernel_weights(self, layer: Linear) -> None:
-        return None  # (int8 activations: the kernels multiply bf16 ones)
+    def dequantized_weight(self, layer: Linear) -> torch.Tensor:
+        return layer.qweight.float() * layer.scales.unsqueeze(1)
+
+    def _kernel_rows(self) -> int:
+        return self.kernels.max_rows("w8a8") if self.kernels is not None else 0
+
+    def kernel_weights(self, layer: Linear) -> KernelLinear | None:
+        if self._kernel_rows() < 1 or not layer.qweight.is_contiguous():
+            return None
+        return KernelLinear(
+            "w8a8",
+            layer.out_features,
+            layer.in_features,
+            layer.bias,
+            qweight=layer.qweight,
+            scales=layer.scales,
+            input_scale=self.static_scale(layer),
+        )
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
+        rows = self._kernel_rows()
+        if (
+            rows > 0
+            and x.dtype is torch.bfloat16
+            and x2.shape[0] <= rows
+            and layer.in_features <= W8A8_MAX_K
+            and not torch.compiler.is_compiling()
+        ):
+            return self.kernels.linear_w8a8(x, layer.qweight, layer.scales, self.static_scale(layer), layer.bias)
         xq, xs = self.quantize_input(layer, x2)
         if self.fast_kernel:
-            acc = torch._int_mm(xq, layer.qweight_t).float()  # [M, N] exact int32 sums
+            acc = torch._int_mm(xq, layer.qweight.t()).float()  # [M, N] exact int32 sums
         else:
-            acc = xq.float() @ layer.qweight_t.float()
+            acc = xq.float() @ layer.qweight.t().float()
         y = (acc * xs * layer.scales).to(x.dtype).view(*x.shape[:-1], -1)
         return y if layer.bias is None else y + layer.bias
 

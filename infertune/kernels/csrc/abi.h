@@ -6,7 +6,7 @@
 #define IT_ABI_H
 #include "bf16.h"
 
-#define IT_ABI_VERSION 13
+#define IT_ABI_VERSION 14
 #define IT_MAX_KV_GROUPS 8 /* it_step's KV cache groups at most (cpu.py MAX_KV_GROUPS) */
 /* A block-table entry of an int4 block (the int4 tier of an int8 cache; scheduler_output.INT4_SHIFT and its
  * neighbours): the block id with 1 (its low half) or 2 (its high half) at bit IT_INT4_SHIFT */
@@ -14,7 +14,7 @@
 #define IT_BLOCK_ID_MASK ((1LL << IT_INT4_SHIFT) - 1)
 
 /* it_lin.kind: how a linear layer's weight is stored */
-typedef enum { IT_KIND_BF16 = 0, IT_KIND_W8 = 1, IT_KIND_W4 = 2, IT_KIND_BF16C = 3 } it_kind;
+typedef enum { IT_KIND_BF16 = 0, IT_KIND_W8 = 1, IT_KIND_W4 = 2, IT_KIND_BF16C = 3, IT_KIND_W8A8 = 4 } it_kind;
 
 /* A bf16 weight in the lossless 12-bit layout (bf16c_codec.c) */
 typedef struct {
@@ -28,13 +28,16 @@ typedef struct {
 /* The fused step (fused_step.c): one linear layer, one decoder layer, the model, one step */
 typedef struct {
     int32_t kind;         /* 0: bf16 weight [N, K]; 1: int8 [N, K], per-row scale; 2: int4 (it_linear_w4's layout);
-                             3: bf16 in 12 bits (w points at a bf16c; N % 16 == 0, K % 32 == 0, AMX) */
+                             3: bf16 in 12 bits (w points at a bf16c; N % 16 == 0, K % 32 == 0, AMX);
+                             4: int8 [N, K] with fp32 scale [N], times int8 activations (W8A8, the AVX-512 library's
+                             gemm_i8.c only) */
     int32_t scale_is_f32; /* kind 1: scale is fp32 (1) or bf16 (0) */
     const void* w;
     const void* scale;    /* kind 1: [N]; kind 2: fp32 [N, K / group] */
     const bf16* bias;     /* [N] or NULL */
     int64_t N, K;
-    const float* zero;    /* kind 2: fp32 [N, K / group] */
+    const float* zero;    /* kind 2: fp32 [N, K / group]; kind 4: the activations' static scale [1], or NULL (a
+                             scale per row) */
     int64_t group;        /* kind 2: columns per group */
     int64_t inter;        /* kind 3: > 0 where the weight is a gate_up with gate and up rows interleaved 16 by 16
                              (linear_bf16c); the MLP then takes act straight from its tiles */

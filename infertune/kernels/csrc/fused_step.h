@@ -238,6 +238,24 @@ static void run_lin_add_tp(const it_lin* L, const bf16* xin, int64_t ldx, bf16* 
  * s->first_layer (resuming at its MLP where s->route_weights is set: see it_step). Returns 0; 1 where a MoE layer's
  * routing is handed back to the caller (it_step); -1 if the workspace is too small, -2 if the shapes are outside what
  * this path handles (head_dim not a multiple of 16, a MoE layer the kernels refuse, ...). */
+/* 1 where a linear's kind is one this library's run_lin takes (W8A8: the AVX-512 library's, FUSED_W8A8) */
+static int lin_kind_ok(const it_lin* L) {
+    if (L->kind != IT_KIND_W8A8) return 1;
+#ifdef FUSED_W8A8
+    return L->K >= 1 && L->K <= I8_MAX_K;
+#else
+    return 0;
+#endif
+}
+
+static int layer_kinds_ok(const it_layer* L) {
+    int ok = lin_kind_ok(&L->qkv) && lin_kind_ok(&L->o) && lin_kind_ok(&L->gate_up) && lin_kind_ok(&L->down);
+    if (L->mla) ok = ok && lin_kind_ok(&L->mla->q_a) && lin_kind_ok(&L->mla->q_b) && lin_kind_ok(&L->mla->kv_a);
+    if (L->moe) ok = ok && lin_kind_ok(&L->moe->shared_gate_up) && lin_kind_ok(&L->moe->shared_down) &&
+                     L->moe->gate_up.kind != IT_KIND_W8A8 && L->moe->down.kind != IT_KIND_W8A8;
+    return ok;
+}
+
 int it_decode_layers(const it_model* m, const it_layer* layers, it_step* s, bf16* x) {
     const int64_t T = s->T, H = m->hidden, D = m->head_dim, max_ctx = s->max_blocks * m->block_size;
     if (D % 16 || m->n_heads % m->n_kv_heads || T < 1) return -2;
@@ -254,6 +272,7 @@ int it_decode_layers(const it_model* m, const it_layer* layers, it_step* s, bf16
     for (int li = 0; li < m->n_layers; li++) {
         const it_layer* L = layers + li;
         if (L->mla && mla_check(m, L)) return -2;
+        if (!layer_kinds_ok(L)) return -2;
         /* each layer's KV cache group one of the step's (0 where it has none) */
         if (L->group < 0 || L->group >= (s->n_groups > 0 ? s->n_groups : 1)) return -2;
         /* a gate_up packed for SiLU in its epilogue (rows interleaved) under another activation; half a sandwich */

@@ -16,6 +16,10 @@
  *                                              bf16 x, 4-bit W (two per byte, see below), per-group scale s
  *                                              and offset z (w = q * s + z), x in int16 as above (VPDPWSSD)
  *   it_dequant_w8 / it_dequant_w4              a quantized layer's bf16 weights, for a prefill's GEMM
+ *   it_linear_w8a8  y = (x_q W_q^T) s_x s_w (+ b)
+ *                                              int8 W_q [N, K] and x rounded to int8 per row (or by a static
+ *                                              scale) as quant/int8.py W8A8Method does, exact int32 sums
+ *                                              (VPDPBUSD; a GEMM on VNNI slabs for prompts, gemm_i8.c)
  *   it_linear_bf16c                            y = x W^T (+ b) with W in the lossless 12-bit layout (bf16c below),
  *                                              any M on AMX (SiLU-and-multiply in the epilogue for a gate_up),
  *                                              without AMX VDPBF16PS on the decoded tiles (bf16c_noamx.c);
@@ -50,6 +54,7 @@
 #include "bf16c_codec.c"
 #include "gemm_amx.c"
 #include "gemm_dpbf16.c"
+#include "gemm_i8.c"
 #include "bf16c_gemm.c"
 #include "bf16c_noamx.c"
 #include "linear_bf16.c"
@@ -60,4 +65,5 @@
 #include "elementwise.c"
 #include "attention.c"
 #include "moe.c"
+#define FUSED_W8A8 /* (it_lin kind 4: gemm_i8.c) */
 #include "fused_step.h"

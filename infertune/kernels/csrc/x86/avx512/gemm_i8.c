@@ -1,0 +1,296 @@
+/* W8A8 on AVX-512 VNNI: y = (x_q W_q^T) * s_x * s_w (+ b), int8 weights [N, K] with an fp32 scale per output row
+ * and int8 activations with an fp32 scale per row of x, multiplied in int32 (VPDPBUSD), exactly as quant/int8.py
+ * W8A8Method's reference (torch._int_mm) multiplies them.
+ *
+ * The activations are rounded here, as quantize_int8_per_token rounds them: per row s_x = max(max|x| / 127, 1e-12)
+ * in fp32, x_q = round_half_even(x / s_x) clamped to +-127 (a true division, as torch's); or, with a calibrated
+ * static scale (StoredW8A8 with static activations), s_x = that scale for every row, and values past it saturate.
+ * The sums of int8 products are exact in int32 (K up to I8_MAX_K), then y = bf16(float(sum) * s_x * s_w) in that
+ * order, and a bias is added to that bf16 value and rounded again, as the reference's `y + bias` does: bit for bit
+ * the PyTorch path's result (finite x).
+ *
+ * VPDPBUSD multiplies unsigned by signed bytes. The weight is the unsigned operand, flipped to q + 128 by one XOR,
+ * and the activations the signed one, so sum q x = sum (q + 128) x - 128 sum x, with sum x (a row's x_q summed) from
+ * the rounding pass.
+ *
+ * Few rows (decode, up to I8_GEMM_MIN_ROWS): a GEMV that streams each weight row once for MR rows of x at a time,
+ * 64 columns an instruction, with a horizontal sum per output at the end (one VPDPBUSD per 64 weights a row of x:
+ * half of W8A16's two, see gemv_quant.c w8_block). Prompts: a GEMM with the weights repacked per thread into slabs
+ * of 64 features x I8_KC columns in VNNI order (each 32-bit lane 4 columns of one feature, 16 features a vector:
+ * the 16 x 16 transpose of 32-bit words gemm_pack_slab does), and a micro-kernel of GEMM_MR rows x 64 features whose
+ * 4 weight vectors serve GEMM_MR broadcast words of x. The int32 sums of a row block wait in `acc` between slabs.
+ */
+#define I8_KC 1024         /* columns per slab: 64 features x 1024 bytes = 64 KB (L2), as the bf16 GEMM's */
+#define I8_MAX_K (1 << 16) /* sums of K products of at most 255 x 127 stay in int32 */
+#ifndef I8_GEMM_MIN_ROWS
+#define I8_GEMM_MIN_ROWS 32 /* from this many rows the GEMM: with the weights streaming from memory (a decode step) the
+                            * GEMV leads up to ~32 rows on a Zen 4 (benchmarks/bench_w8a8.py) */
+#endif
+static int64_t i8_gemm_rows = I8_GEMM_MIN_ROWS;
+
+/* acc += the products of u (unsigned bytes) and s (signed), 4 a lane: VPDPBUSD. (Through the intrinsic GCC 12 copied
+ * each of the micro-kernel's 24 accumulators to the stack and back at every step; as an asm statement with the
+ * accumulator in and out, they stay in registers.) */
+static inline __attribute__((always_inline)) __m512i dpbusd(__m512i acc, __m512i u, __m512i s) {
+    __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(s));
+    return acc;
+}
+
+static inline int64_t i8_kp(int64_t K) { return (K + 63) & ~(int64_t)63; }
+
+/* scratch: x_q [M, Kp] (zero past K), s_x [M], sum x_q [M] */
+static inline int64_t i8_scratch_bytes(int64_t M, int64_t K) { return (M * i8_kp(K) + M * 8 + 127) & ~(int64_t)63; }
+
+/* x [M, K] bf16 -> xq [M, Kp] int8, sx [M], xsum [M]: see the top of this file; static_scale NULL: per row */
+static void quantize_rows_i8(const bf16* x, int64_t ldx, int64_t M, int64_t K, const float* static_scale,
+                             int nthreads, int8_t* xq, float* sx, int32_t* xsum) {
+    const int64_t Kp = i8_kp(K);
+    const int nt = M >= 8 && M * K >= (1 << 16) ? nthreads : 1;
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t m = 0; m < M; m++) {
+        const bf16* xr = x + m * ldx;
+        float s;
+        if (static_scale) {
+            s = *static_scale;
+        } else {
+            __m512 amax = _mm512_setzero_ps();
+            for (int64_t k = 0; k < K; k += 16)
+                amax = _mm512_max_ps(amax, _mm512_abs_ps(load_bf16x16(xr + k, mask16(K - k))));
+            s = _mm512_reduce_max_ps(amax) / 127.0f;
+            s = s < 1e-12f ? 1e-12f : s;
+        }
+        sx[m] = s;
+        const __m512 sv = _mm512_set1_ps(s), lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+        __m512i sum = _mm512_setzero_si512();
+        int8_t* q = xq + m * Kp;
+        for (int64_t k = 0; k < Kp; k += 16) {
+            const __mmask16 mk = K - k > 0 ? mask16(K - k) : 0; /* (none past K: zeros) */
+            __m512 v = _mm512_roundscale_ps(_mm512_div_ps(load_bf16x16(xr + k, mk), sv),
+                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            const __m512i i = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(v, lo), hi));
+            sum = _mm512_add_epi32(sum, i);
+            _mm_storeu_si128((__m128i*)(q + k), _mm512_cvtepi32_epi8(i));
+        }
+        xsum[m] = _mm512_reduce_add_epi32(sum);
+    }
+}
+
+/* y[m, n] from the exact sum: bf16(float(sum) * s_x * s_w), then + bias rounded again */
+static inline bf16 i8_out(int32_t sum, float sx, float sw, const bf16* bias, int64_t n) {
+    const bf16 v = f2bf((float)sum * sx * sw);
+    return bias ? f2bf(bf2f(v) + bf2f(bias[n])) : v;
+}
+
+/* ------------------------------------------------------------------ few rows: the GEMV */
+
+/* (the weight vectors of rows past nr are never loaded nor used: GCC cannot see that through the j < nr tests) */
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+static inline __attribute__((always_inline)) void i8_block(const int8_t* xq, int64_t Kp, const int32_t* xsum, int mr,
+                                                           const int8_t* w, int nr, int64_t K, int32_t out[MR][NR]) {
+    __m512i acc[MR][NR];
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < NR; j++) acc[i][j] = _mm512_setzero_si512();
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    const int64_t far = pf_far_offset(NR * K);
+    for (int64_t k = 0; k < K; k += 64) {
+        const int64_t left = K - k;
+        const __mmask64 m = left >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << left) - 1);
+        __m512i wv[NR];
+        for (int j = 0; j < NR; j++) {
+            if (j < nr) {
+                pf_weights(w + j * K + k, far, PF_BYTES);
+                /* past K: q = 0 -> 128, against x_q = 0 (padded): no contribution */
+                wv[j] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(m, w + j * K + k), flip);
+            }
+        }
+        for (int i = 0; i < MR; i++) {
+            if (i < mr) {
+                const __m512i xv = _mm512_loadu_si512(xq + i * Kp + k);
+                for (int j = 0; j < NR; j++)
+                    if (j < nr) acc[i][j] = dpbusd(acc[i][j], wv[j], xv);
+            }
+        }
+    }
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < NR; j++)
+            if (i < mr && j < nr) out[i][j] = _mm512_reduce_add_epi32(acc[i][j]) - 128 * xsum[i];
+}
+#pragma GCC diagnostic pop
+
+#define I8_CASE(MRC, NRC) i8_block(xq + m0 * Kp, Kp, xsum + m0, MRC, wb, NRC, K, out)
+
+static void w8a8_gemv(const int8_t* xq, const float* sx, const int32_t* xsum, const int8_t* w, const float* scale,
+                      const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads) {
+    const int64_t Kp = i8_kp(K), nblocks = (N + NR - 1) / NR;
+    const int nt = pick_threads(nblocks, N * K, nthreads);
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t b = 0; b < nblocks; b++) {
+        const int64_t n0 = b * NR;
+        const int nr = (int)(N - n0 < NR ? N - n0 : NR);
+        const int8_t* wb = w + n0 * K;
+        for (int64_t m0 = 0; m0 < M; m0 += MR) {
+            const int mr = (int)(M - m0 < MR ? M - m0 : MR);
+            int32_t out[MR][NR];
+            DISPATCH_BLOCK(I8_CASE)
+            for (int i = 0; i < mr; i++)
+                for (int j = 0; j < nr; j++)
+                    y[(m0 + i) * ldy + n0 + j] = i8_out(out[i][j], sx[m0 + i], scale[n0 + j], bias, n0 + j);
+        }
+    }
+}
+
+/* ------------------------------------------------------------------ prompts: the GEMM on VNNI slabs */
+
+/* Weight rows n0 .. n0 + 63 (rows past nrows zero), columns k0 .. k0 + kc - 1 (kc a multiple of 64; columns past K
+ * zero) -> wp[p][v][l] = bytes k0 + 4p .. + 3 of row n0 + 16 v + l, each + 128 (the XOR) */
+static void i8_pack_slab(const int8_t* w, int64_t K, int64_t n0, int nrows, int64_t k0, int64_t kc, uint32_t* wp) {
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    for (int64_t c = 0; c < kc; c += 64) { /* 16 words a row a pass */
+        const int64_t left = K - (k0 + c);
+        const __mmask64 mk = left >= 64 ? ~(__mmask64)0 : left > 0 ? (((__mmask64)1 << left) - 1) : 0;
+        for (int v = 0; v < 4; v++) {
+            float rows[256];
+            for (int l = 0; l < 16; l++) {
+                const int r = 16 * v + l;
+                const __m512i row = r < nrows ? _mm512_maskz_loadu_epi8(mk, w + (n0 + r) * K + k0 + c)
+                                              : _mm512_setzero_si512();
+                _mm512_storeu_si512(rows + 16 * l, _mm512_xor_si512(row, flip));
+            }
+            __m512 t[16];
+            transpose16x16_ps(rows, t); /* t[p] lane l = word p of row l (moved as floats, bit for bit) */
+            for (int p = 0; p < 16; p++) _mm512_store_si512(wp + ((c / 4 + p) * 4 + v) * 16, _mm512_castps_si512(t[p]));
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void i8_micro(const int8_t* xq, int64_t Kp, const int MRC,
+                                                           const uint32_t* wp, int64_t nw, int32_t* acc, int first,
+                                                           const gemm_pf* pf) {
+    __m512i c[GEMM_MR][4];
+    for (int i = 0; i < MRC; i++)
+        for (int v = 0; v < 4; v++) c[i][v] = first ? _mm512_setzero_si512() : _mm512_load_si512(acc + i * 64 + 16 * v);
+    const int64_t lpw = pf->base && nw > 0 ? (pf->count + nw - 1) / nw : 0; /* lines per word */
+    for (int64_t p = 0; p < nw; p++) {
+        for (int64_t j = p * lpw; j < (p + 1) * lpw; j++) gemm_prefetch_line(pf, j);
+        const uint32_t* q = wp + p * 64;
+        const __m512i w0 = _mm512_load_si512(q), w1 = _mm512_load_si512(q + 16);
+        const __m512i w2 = _mm512_load_si512(q + 32), w3 = _mm512_load_si512(q + 48);
+        for (int i = 0; i < MRC; i++) {
+            int32_t word;
+            memcpy(&word, xq + i * Kp + 4 * p, 4);
+            const __m512i xb = _mm512_set1_epi32(word);
+            c[i][0] = dpbusd(c[i][0], w0, xb);
+            c[i][1] = dpbusd(c[i][1], w1, xb);
+            c[i][2] = dpbusd(c[i][2], w2, xb);
+            c[i][3] = dpbusd(c[i][3], w3, xb);
+        }
+    }
+    for (int i = 0; i < MRC; i++)
+        for (int v = 0; v < 4; v++) _mm512_store_si512(acc + i * 64 + 16 * v, c[i][v]);
+}
+
+#define I8_MICRO(R) static void i8_micro_##R(const int8_t* xq, int64_t Kp, const uint32_t* wp, int64_t nw, \
+    int32_t* acc, int first, const gemm_pf* pf) { i8_micro(xq, Kp, R, wp, nw, acc, first, pf); }
+I8_MICRO(1) I8_MICRO(2) I8_MICRO(3) I8_MICRO(4) I8_MICRO(5) I8_MICRO(6)
+#undef I8_MICRO
+typedef void (*i8_micro_fn)(const int8_t*, int64_t, const uint32_t*, int64_t, int32_t*, int, const gemm_pf*);
+static const i8_micro_fn i8_micro_by_rows[GEMM_MR + 1] = {0, i8_micro_1, i8_micro_2, i8_micro_3,
+                                                          i8_micro_4, i8_micro_5, i8_micro_6};
+
+/* The sums of rows [mr, 64] less 128 sum x, scaled, (+ bias), rounded into y's columns n0 .. n0 + nrows - 1 */
+static inline void i8_store(const int32_t* acc, int mr, const float* sx, const int32_t* xsum, const float* scale,
+                            const bf16* bias, int64_t n0, int nrows, bf16* y, int64_t ldy) {
+    for (int v = 0; v < 4 && 16 * v < nrows; v++) {
+        const __mmask16 mk = mask16(nrows - 16 * v);
+        const __m512 sw = _mm512_maskz_loadu_ps(mk, scale + n0 + 16 * v);
+        const __m512 bv = bias ? load_bf16x16(bias + n0 + 16 * v, mk) : _mm512_setzero_ps();
+        for (int i = 0; i < mr; i++) {
+            const __m512i s = _mm512_sub_epi32(_mm512_load_si512(acc + i * 64 + 16 * v), _mm512_set1_epi32(128 * xsum[i]));
+            __m256i o = round_bf16x16_nan(_mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(sx[i])), sw));
+            if (bias) /* (the reference adds the bias to the bf16 product) */
+                o = round_bf16x16_nan(_mm512_add_ps(
+                    _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(o), 16)), bv));
+            _mm256_mask_storeu_epi16(y + i * ldy + n0 + 16 * v, mk, o);
+        }
+    }
+}
+
+static void w8a8_gemm(const int8_t* xq, const float* sx, const int32_t* xsum, const int8_t* w, const float* scale,
+                      const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads) {
+    const int64_t Kp = i8_kp(K), nblocks = (N + 63) / 64;
+    const int nt = pick_threads(nblocks, N * K, nthreads);
+#pragma omp parallel num_threads(nt)
+    {
+        uint32_t wp[I8_KC / 4 * 64] __attribute__((aligned(64)));
+        int32_t acc[GEMM_MB * 64] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < nblocks; b++) {
+            const int64_t n0 = b * 64;
+            const int nrows = (int)(N - n0 < 64 ? N - n0 : 64);
+            for (int64_t m0 = 0; m0 < M; m0 += GEMM_MB) {
+                const int64_t rows = M - m0 < GEMM_MB ? M - m0 : GEMM_MB;
+                for (int64_t k0 = 0; k0 < Kp; k0 += I8_KC) {
+                    const int64_t kc = Kp - k0 < I8_KC ? Kp - k0 : I8_KC;
+                    i8_pack_slab(w, K, n0, nrows, k0, kc, wp);
+                    /* the slab packed next (this block's next columns, else the next block's first), into L2 */
+                    gemm_pf pf = {0};
+                    const int last = k0 + kc >= Kp;
+                    const int64_t nk0 = last ? 0 : k0 + kc, nn0 = last && m0 + GEMM_MB >= M ? n0 + 64 : n0;
+                    if (nn0 < N && nk0 < K) {
+                        const int64_t nkc = K - nk0 < I8_KC ? K - nk0 : I8_KC;
+                        const int64_t nr = N - nn0 < 64 ? N - nn0 : 64;
+                        pf.ld = K;
+                        pf.base = (const char*)w + nn0 * K + nk0;
+                        pf.row_lines = (nkc + 63) / 64;
+                        pf.count = nr * pf.row_lines;
+                    }
+                    const int64_t micros = (rows + GEMM_MR - 1) / GEMM_MR, share = (pf.count + micros - 1) / micros;
+                    for (int64_t i0 = 0; i0 < rows; i0 += GEMM_MR) {
+                        const int mr = (int)(rows - i0 < GEMM_MR ? rows - i0 : GEMM_MR);
+                        int32_t* a = acc + i0 * 64;
+                        gemm_pf part = pf;
+                        part.first = (i0 / GEMM_MR) * share;
+                        part.count = pf.count - part.first < share ? pf.count - part.first : share;
+                        const int64_t m = m0 + i0;
+                        i8_micro_by_rows[mr](xq + m * Kp + k0, Kp, wp, kc / 4, a, k0 == 0, &part);
+                        if (last) i8_store(a, mr, sx + m, xsum + m, scale, bias, n0, nrows, y + m * ldy, ldy);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/* scratch: i8_scratch_bytes(M, K). 0: done; -1: K too large for int32 sums (the caller keeps torch's). */
+static int linear_w8a8(const bf16* x, int64_t ldx, const int8_t* w, const float* scale, const float* static_scale,
+                       const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads,
+                       void* scratch) {
+    if (K > I8_MAX_K || K < 1) return -1;
+    int8_t* xq = (int8_t*)scratch;
+    float* sx = (float*)(xq + M * i8_kp(K));
+    int32_t* xsum = (int32_t*)(sx + M);
+    quantize_rows_i8(x, ldx, M, K, static_scale, nthreads, xq, sx, xsum);
+    if (M >= i8_gemm_rows)
+        w8a8_gemm(xq, sx, xsum, w, scale, bias, y, ldy, M, N, K, nthreads);
+    else
+        w8a8_gemv(xq, sx, xsum, w, scale, bias, y, ldy, M, N, K, nthreads);
+    return 0;
+}
+
+/* static_scale: NULL (per row) or a calibrated scale [1]; returns as linear_w8a8 */
+int it_linear_w8a8(const bf16* x, int64_t ldx, const int8_t* w, const float* scale, const float* static_scale,
+                   const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads) {
+    void* scratch = aligned_alloc(64, (size_t)i8_scratch_bytes(M, K));
+    if (!scratch) return -2;
+    const int rc = linear_w8a8(x, ldx, w, scale, static_scale, bias, y, ldy, M, N, K, nthreads, scratch);
+    free(scratch);
+    return rc;
+}
+
+/* From how many rows linear_w8a8 takes the GEMM (rows < 1: unchanged); returns the count in force (A/B runs and
+ * tests reach both paths through it) */
+int64_t it_w8a8_rows(int64_t rows) {
+    if (rows >= 1) i8_gemm_rows = rows;
+    return i8_gemm_rows;
+}
