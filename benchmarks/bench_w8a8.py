@@ -1,13 +1,13 @@
 #!/usr/bin/env python3
-"""W8A8 linears (int8 weights, activations rounded to int8 per row, int32 sums): the AVX-512 VNNI kernels' two paths
-(it_linear_w8a8: the VPDPBUSD GEMV, and the GEMM on VNNI slabs) against torch._int_mm (W8A8Method's reference path,
-what the engine ran before the kernel), W8A16's kernel and the bf16 kernel, on the 386M model's four linear shapes.
+"""W8A8 linears (int8 weights, activations rounded to int8 per row, int32 sums): the AVX-512 VNNI kernel
+(it_linear_w8a8: VPDPBUSD on the weight packed at load, csrc/x86/avx512/gemm_i8.c) against torch._int_mm
+(W8A8Method's reference path, what the engine ran before the kernel), W8A16's kernel and the bf16 kernel, on the
+386M model's four linear shapes.
 
 The weights stream from memory as in a decode step: each call cycles through --layers copies of every shape (24:
-the model's worth, far past the last-level cache), so a row count's time includes reading the weights. This is what
-sets it_w8a8_rows (from how many rows linear_w8a8 takes the GEMM: csrc/x86/avx512/gemm_i8.c I8_GEMM_MIN_ROWS).
-Every path is first checked against exact integer arithmetic. Per row count the paths take turns, twice; each
-reports the better of its two medians, as ms per set of the four shapes and GOP/s.
+the model's worth, far past the last-level cache), so a row count's time includes reading the weights. Each W8A8
+path is first checked against exact integer arithmetic. Per row count the paths take turns, twice; each reports the
+better of its two medians, as ms per set of the four shapes and GOP/s.
 
     python benchmarks/bench_w8a8.py --rows 1,4,8,16,32,64,128,512 --threads 2
 """
@@ -46,67 +46,59 @@ def main() -> int:
         f"kernels: {cpu.variant()}{' + amx' if cpu.amx() else ''}, torch {torch.__version__}"
     )
     g = torch.Generator().manual_seed(0)
-    layers = []  # per copy: per shape (q, s fp32, s bf16, w bf16)
+    layers = []  # per copy: per shape (q, its packing, s fp32, s bf16, w bf16)
     for _ in range(args.layers):
         copy = []
         for k, n in SHAPES.values():
             w = torch.randn(n, k, generator=g)
             q, s = quantize_int8_per_channel(w)
-            copy.append((q, s, s.bfloat16(), w.bfloat16()))
+            copy.append((q, cpu.pack_w8a8(q), s, s.bfloat16(), w.bfloat16()))
         layers.append(copy)
-    gemm_from = cpu.w8a8_gemm_rows()
 
-    def w8a8(path):
-        def run(x, q, s, sb, wb):
-            cpu.w8a8_gemm_rows(1 if path == "gemm" else 1 << 40)
-            return cpu.linear_w8a8(x, q, s)
-
-        return run
-
-    def int_mm(x, q, s, sb, wb):
+    def int_mm(x, q, qp, s, sb, wb):
         xq, xs = quantize_int8_per_token(x)
         return (torch._int_mm(xq, q.t()).float() * xs * s).bfloat16()
 
     paths = {
-        "w8a8 GEMV": w8a8("gemv"),
-        "w8a8 GEMM": w8a8("gemm"),
+        "w8a8 kernel": lambda x, q, qp, s, sb, wb: cpu.linear_w8a8(x, qp, s),
         "torch._int_mm": int_mm,
-        "w8a16 kernel": lambda x, q, s, sb, wb: cpu.linear_w8(x, q, sb),
-        "bf16 kernel": lambda x, q, s, sb, wb: cpu.linear_bf16(x, wb),
+        "w8a16 kernel": lambda x, q, qp, s, sb, wb: cpu.linear_w8(x, q, sb),
+        "bf16 kernel": lambda x, q, qp, s, sb, wb: cpu.linear_bf16(x, wb),
     }
     # each W8A8 path is the exact product (the other paths round differently: they are timed only)
     for m in (3, 40):
-        for (k, n), (q, s, _, _) in zip(SHAPES.values(), layers[0]):
+        for (k, n), (q, qp, s, _, _) in zip(SHAPES.values(), layers[0]):
             x = torch.randn(m, k, generator=g).bfloat16()
             xq, xs = quantize_int8_per_token(x.float())
             want = ((xq.long() @ q.long().t()).float() * xs * s).bfloat16()
-            for name in ("w8a8 GEMV", "w8a8 GEMM", "torch._int_mm"):
-                assert torch.equal(paths[name](x, q, s, None, None), want), (name, m, k, n)
+            for name in ("w8a8 kernel", "torch._int_mm"):
+                assert torch.equal(paths[name](x, q, qp, s, None, None), want), (name, m, k, n)
     flops_per_row = sum(2 * k * n for k, n in SHAPES.values())
-    print("| rows | " + " | ".join(f"{p} ms (GOP/s)" for p in paths) + " | w8a8 best / bf16 |")
-    print("|---:|" + "---:|" * (len(paths) + 1))
-    try:
-        for m in (int(r) for r in args.rows.split(",")):
-            xs = [torch.randn(m, k, generator=g).bfloat16() for k, _ in SHAPES.values()]
+    print("| rows | " + " | ".join(f"{p} ms (GOP/s)" for p in paths) + " | bf16 / w8a8 | w8a16 / w8a8 |")
+    print("|---:|" + "---:|" * (len(paths) + 2))
+    for m in (int(r) for r in args.rows.split(",")):
+        xs = [torch.randn(m, k, generator=g).bfloat16() for k, _ in SHAPES.values()]
 
-            def one(path, xs=xs):
-                def call():
-                    for copy in layers:
-                        for x, (q, s, sb, wb) in zip(xs, copy):
-                            path(x, q, s, sb, wb)
+        def one(path, xs=xs):
+            def call():
+                for copy in layers:
+                    for x, (q, qp, s, sb, wb) in zip(xs, copy):
+                        path(x, q, qp, s, sb, wb)
 
-                return call
+            return call
 
-            best = {p: float("inf") for p in paths}
-            for _ in range(2):
-                for p, fn in paths.items():
-                    best[p] = min(best[p], median_seconds(one(fn), args.iters) / args.layers)
-            cells = [f"{best[p] * 1e3:.3f} ({m * flops_per_row / best[p] / 1e9:.0f})" for p in paths]
-            ratio = best["bf16 kernel"] / min(best["w8a8 GEMV"], best["w8a8 GEMM"])
-            print(f"| {m} | " + " | ".join(cells) + f" | {ratio:.2f}x |", flush=True)
-    finally:
-        cpu.w8a8_gemm_rows(gemm_from)
-    print(f"(the engine takes the GEMM from {gemm_from} rows)")
+        best = {p: float("inf") for p in paths}
+        for _ in range(2):
+            for p, fn in paths.items():
+                best[p] = min(best[p], median_seconds(one(fn), args.iters) / args.layers)
+        cells = [f"{best[p] * 1e3:.3f} ({m * flops_per_row / best[p] / 1e9:.0f})" for p in paths]
+        w8 = best["w8a8 kernel"]
+        print(
+            f"| {m} | "
+            + " | ".join(cells)
+            + f" | {best['bf16 kernel'] / w8:.2f}x | {best['w8a16 kernel'] / w8:.2f}x |",
+            flush=True,
+        )
     return 0
 
 

@@ -215,8 +215,15 @@ class TorchKernels:
     def dequant_w8(self, qweight, scales):
         return (qweight.float() * scales.float().unsqueeze(1)).bfloat16()
 
-    def linear_w8a8(self, x, qweight, scales, input_scale=None, bias=None):
+    def pack_w8a8(self, q):
+        return q.t().contiguous().view(torch.uint8)  # [K, N] bytes: a layout of its own
+
+    def unpack_w8a8(self, packed, out_features, in_features):
+        return packed.view(torch.int8).t()
+
+    def linear_w8a8(self, x, packed, scales, input_scale=None, bias=None):
         self.calls["linear_w8a8"] += 1
+        qweight = self.unpack_w8a8(packed, scales.numel(), x.shape[-1])
         x2 = x.reshape(-1, x.shape[-1]).float()
         if input_scale is None:
             s = (x2.abs().amax(dim=1, keepdim=True) / 127.0).clamp(min=1e-12)

@@ -454,54 +454,49 @@ def test_quantized_prompts_without_amx_are_the_bf16_gemm_on_the_dequantized_weig
 
 @needs_avx512
 def test_w8a8_is_exact_integer_arithmetic_then_the_reference_rounding():
-    """linear_w8a8 (the VPDPBUSD GEMV below it_w8a8_rows rows, the GEMM on VNNI slabs from it) against exact integer
-    arithmetic: x rounded to int8 per row as quantize_int8_per_token does (or by a static scale, values past it
-    saturating), the int8 products summed in int64, then bf16(float(sum) * s_x * s_w) and a bias added to that: bit
-    for bit, and equal to W8A8Method's torch._int_mm path. Partial feature blocks (N % 64, N % 4), K not a multiple of
-    64 and longer than a slab (1024), a row of tiny values (the 1e-12 floor of s_x), rows of outliers, sums far from
-    zero."""
+    """linear_w8a8 (VPDPBUSD on the weight packed by pack_w8a8, every row count) against exact integer arithmetic: x
+    rounded to int8 per row as quantize_int8_per_token does (or by a static scale, values past it saturating), the
+    int8 products summed in int64, then bf16(float(sum) * s_x * s_w) and a bias added to that: bit for bit, and equal
+    to W8A8Method's torch._int_mm path. Partial feature blocks (N % 64), K not a multiple of 64 and longer than a slab
+    (1024), row counts that leave every remainder of the 6-row micro-kernel and cross the 128-row blocks, a row of
+    tiny values (the 1e-12 floor of s_x), rows of outliers, sums past 2^24 (their rounding to fp32)."""
     from infertune.quant.int8 import W8A8Method, quantize_int8_per_token
 
     g = torch.Generator().manual_seed(21)
-    gemm_from = kernels.w8a8_gemm_rows()
-    assert 1 < gemm_from <= 64
-    try:
-        for n, k in ((64, 64), (70, 100), (131, 1100), (96, 2050)):
-            q, s = quantize_int8_per_channel(torch.randn(n, k, generator=g))
-            q[1] = 127  # (with x near +127 too: the largest sums)
-            bias = torch.randn(n, generator=g).bfloat16()
-            for m in (1, 3, 5, gemm_from, 17, 130):
-                x = (torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g) * 4).bfloat16()
-                x[0, : k // 2] = 7.5  # (x / s_x halfway between integers: round half to even)
-                if m > 2:
-                    x[1] = torch.randn(k, generator=g) * 1e-11  # max|x| / 127 < 1e-12: s_x = 1e-12
-                    x[2, 3] = 900.0  # an outlier: the rest of the row rounds to few levels
-                for static in (None, torch.tensor([0.05])):
-                    if static is None:
-                        xq, sx = quantize_int8_per_token(x.float())
-                    else:
-                        xq, sx = torch.round(x.float() / static).clamp(-127, 127).to(torch.int8), static
-                    exact = xq.long() @ q.long().t()  # int64: the exact sums
-                    assert exact.abs().max() < 2**31  # (int32 holds them; past 2^24 their rounding to fp32 shows)
-                    exact = exact.float()
-                    want = (exact * sx * s).bfloat16()
-                    for b in (None, bias):
-                        ref = want if b is None else want + b
-                        for rows in (gemm_from, 1 << 30):  # the GEMM where m >= gemm_from, then the GEMV at any m
-                            kernels.w8a8_gemm_rows(rows)
-                            got = kernels.linear_w8a8(x, q, s, static, b)
-                            assert torch.equal(got.view(torch.int16), ref.view(torch.int16)), (n, k, m, rows)
-                        kernels.w8a8_gemm_rows(gemm_from)
-            layer = Linear(k, n, dtype=torch.bfloat16, quant_method=W8A8Method(kernels=None))
-            layer.weight.data.copy_(torch.randn(n, k, generator=g))
-            layer.quant_method.process_weights_after_loading(layer)
-            x = torch.randn(40, k, generator=g).bfloat16()
-            got = kernels.linear_w8a8(x, layer.qweight, layer.scales)
-            assert torch.equal(got.view(torch.int16), layer(x).view(torch.int16))  # (torch._int_mm's product)
-    finally:
-        kernels.w8a8_gemm_rows(gemm_from)
+    for n, k in ((64, 64), (70, 100), (131, 1100), (96, 2050)):
+        q, s = quantize_int8_per_channel(torch.randn(n, k, generator=g))
+        q[1] = 127  # (with x near +127 too: the largest sums)
+        packed = kernels.pack_w8a8(q)
+        assert torch.equal(kernels.unpack_w8a8(packed, n, k), q)
+        bias = torch.randn(n, generator=g).bfloat16()
+        for m in (1, 2, 3, 4, 5, 6, 7, 16, 131, 260):
+            x = (torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g) * 4).bfloat16()
+            x[0, : k // 2] = 7.5  # (x / s_x halfway between integers: round half to even)
+            if m > 2:
+                x[1] = torch.randn(k, generator=g) * 1e-11  # max|x| / 127 < 1e-12: s_x = 1e-12
+                x[2, 3] = 900.0  # an outlier: the rest of the row rounds to few levels
+            for static in (None, torch.tensor([0.05])):
+                if static is None:
+                    xq, sx = quantize_int8_per_token(x.float())
+                else:
+                    xq, sx = torch.round(x.float() / static).clamp(-127, 127).to(torch.int8), static
+                exact = xq.long() @ q.long().t()  # int64: the exact sums
+                assert exact.abs().max() < 2**31  # (int32 holds them; past 2^24 their rounding to fp32 shows)
+                want = (exact.float() * sx * s).bfloat16()
+                for b in (None, bias):
+                    ref = want if b is None else want + b
+                    got = kernels.linear_w8a8(x, packed, s, static, b)
+                    assert torch.equal(got.view(torch.int16), ref.view(torch.int16)), (n, k, m, static is None)
+        layer = Linear(k, n, dtype=torch.bfloat16, quant_method=W8A8Method(kernels=None))
+        layer.weight.data.copy_(torch.randn(n, k, generator=g))
+        layer.quant_method.process_weights_after_loading(layer)
+        x = torch.randn(40, k, generator=g).bfloat16()
+        got = kernels.linear_w8a8(x, kernels.pack_w8a8(layer.qweight), layer.scales)
+        assert torch.equal(got.view(torch.int16), layer(x).view(torch.int16))  # (torch._int_mm's product)
     with pytest.raises(ValueError, match="fp32 scales"):
-        kernels.linear_w8a8(x, layer.qweight, layer.scales.bfloat16())
+        kernels.linear_w8a8(x, packed, layer.scales.bfloat16())
+    with pytest.raises(ValueError, match="not a packed"):
+        kernels.linear_w8a8(x, layer.qweight, layer.scales)
 
 
 def test_prefill_dequantization_matches_the_reference_rounding(ks):

@@ -392,7 +392,8 @@ def declare(lib: ctypes.CDLL) -> None:
         "it_gemvx_rows": ([i64], i64),
         "it_linear_w8": ([ptr, i64, ptr, ptr, cint, ptr, ptr, i64, i64, i64, i64, cint], None),
         "it_linear_w8a8": ([ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, cint], cint),
-        "it_w8a8_rows": ([i64], i64),
+        "it_pack_w8a8": ([ptr, i64, i64, ptr, cint], None),
+        "it_unpack_w8a8": ([ptr, i64, i64, ptr], None),
         "it_linear_w4": ([ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, cint], None),
         "it_dequant_w8": ([ptr, ptr, cint, ptr, i64, i64, cint], None),
         "it_dequant_w4": ([ptr, ptr, ptr, i64, ptr, i64, i64, cint], None),
@@ -929,29 +930,61 @@ def w8a8_supported(lib: ctypes.CDLL | None = None) -> bool:
         return False
 
 
+def w8a8_packed_shape(n: int, k: int) -> tuple[int, int, int]:
+    """The packed W8A8 weight's shape (int32 words): [ceil(N / 64), ceil(K / 64) * 16, 64]."""
+    return (n + 63) // 64, (k + 63) // 64 * 16, 64
+
+
+def pack_w8a8(q: torch.Tensor, *, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """int8 [N, K] -> linear_w8a8's weight: int32 words [ceil(N / 64), ceil(K / 64) * 16, 64], word (b, p, l) the
+    4 columns 4p .. 4p + 3 of row 64 b + l, each byte + 128 (VPDPBUSD's unsigned operand); padding holds q = 0."""
+    lib = _pick(lib)
+    if q.dtype is not torch.int8 or q.dim() != 2 or not q.is_contiguous():
+        raise ValueError(f"need a contiguous int8 [N, K] weight, got {q.dtype} {tuple(q.shape)}")
+    n, k = q.shape
+    out = torch.empty(w8a8_packed_shape(n, k), dtype=torch.int32)
+    lib.it_pack_w8a8(q.data_ptr(), n, k, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def unpack_w8a8(packed: torch.Tensor, n: int, k: int, *, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """The inverse of pack_w8a8: int8 [N, K]."""
+    lib = _pick(lib)
+    if packed.dtype is not torch.int32 or tuple(packed.shape) != w8a8_packed_shape(n, k):
+        raise ValueError(f"not a packed [{n}, {k}] W8A8 weight: {packed.dtype} {tuple(packed.shape)}")
+    q = torch.empty((n, k), dtype=torch.int8)
+    lib.it_unpack_w8a8(packed.contiguous().data_ptr(), n, k, q.data_ptr())
+    return q
+
+
 def linear_w8a8(
     x: torch.Tensor,
-    qweight: torch.Tensor,
+    packed: torch.Tensor,
     scales: torch.Tensor,
     input_scale: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     *,
     lib: ctypes.CDLL | None = None,
 ) -> torch.Tensor:
-    """x [..., K] bf16, qweight [N, K] int8, scales fp32 [N] -> [..., N] bf16: quant/int8.py W8A8Method's product bit
-    for bit. x is rounded to int8 per row (s_x = max(max|x| / 127, 1e-12), round half to even, clamp to +-127), or by
-    input_scale (fp32 [1], a calibrated static scale) where given; the int8 products sum exactly in int32; then
-    bf16(float(sum) * s_x * s_w), and a bias added to that and rounded again."""
+    """x [..., K] bf16, packed (pack_w8a8 of an int8 [N, K]), scales fp32 [N] -> [..., N] bf16: quant/int8.py
+    W8A8Method's product bit for bit. x is rounded to int8 per row (s_x = max(max|x| / 127, 1e-12), round half to
+    even, clamp to +-127), or by input_scale (fp32 [1], a calibrated static scale) where given; the int8 products sum
+    exactly in int32; then bf16(float(sum) * s_x * s_w), and a bias added to that and rounded again."""
     lib = _pick(lib)
     if getattr(lib, "it_linear_w8a8", None) is None:
         raise ValueError("this library has no W8A8 kernel (the AVX-512 one has)")
     x2 = _rows(x)
-    _check(x2, qweight, bias)
-    if qweight.dtype is not torch.int8 or scales.dtype is not torch.float32 or not scales.is_contiguous():
-        raise ValueError(f"need int8 weights and contiguous fp32 scales, got {qweight.dtype} / {scales.dtype}")
+    if x2.dtype is not torch.bfloat16 or x2.device.type != "cpu":
+        raise ValueError(f"the CPU kernels take bf16 CPU activations, got {x2.dtype} on {x2.device}")
+    if scales.dtype is not torch.float32 or scales.dim() != 1 or not scales.is_contiguous():
+        raise ValueError(f"need contiguous fp32 scales [N], got {scales.dtype} {tuple(scales.shape)}")
+    m, k, n = x2.shape[0], x2.shape[1], scales.numel()
+    if packed.dtype is not torch.int32 or tuple(packed.shape) != w8a8_packed_shape(n, k) or not packed.is_contiguous():
+        raise ValueError(f"not a packed [{n}, {k}] W8A8 weight: {packed.dtype} {tuple(packed.shape)}")
+    if bias is not None and (bias.dtype is not torch.bfloat16 or not bias.is_contiguous() or bias.numel() != n):
+        raise ValueError("bias must be a contiguous bf16 tensor [N]")
     if input_scale is not None and (input_scale.dtype is not torch.float32 or input_scale.numel() != 1):
         raise ValueError(f"input_scale: one fp32 value, got {input_scale.dtype} {tuple(input_scale.shape)}")
-    m, (n, k) = x2.shape[0], qweight.shape
     if k > W8A8_MAX_K:
         raise ValueError(f"in_features={k}: the int32 sums hold {W8A8_MAX_K} at most")
     y = torch.empty((m, n), dtype=torch.bfloat16)
@@ -959,7 +992,7 @@ def linear_w8a8(
         rc = lib.it_linear_w8a8(
             x2.data_ptr(),
             x2.stride(0),
-            qweight.data_ptr(),
+            packed.data_ptr(),
             scales.data_ptr(),
             input_scale.data_ptr() if input_scale is not None else None,
             bias.data_ptr() if bias is not None else None,
@@ -973,12 +1006,6 @@ def linear_w8a8(
     if rc != 0:
         raise RuntimeError(f"it_linear_w8a8 returned {rc}")
     return y.view(*x.shape[:-1], n)
-
-
-def w8a8_gemm_rows(rows: int = 0, *, lib: ctypes.CDLL | None = None) -> int:
-    """From how many rows linear_w8a8 takes its GEMM rather than its GEMV (rows > 0 sets it; returns the count in
-    force): tests reach both paths through it."""
-    return int(_pick(lib).it_w8a8_rows(rows))
 
 
 def w4_supported(k: int, group_size: int) -> bool:

@@ -40,7 +40,8 @@ if TYPE_CHECKING:
 #   bf16c  the same weight, losslessly compressed (CompressedWeight)
 #   w8     int8 [N, K] with per-output-channel scales [N] (bf16 or fp32)
 #   w4     int4 in the kernels' own packing (pack_w4) with fp32 scale and zero [N, K / group_size]
-#   w8a8   int8 [N, K] with fp32 per-output-channel scales [N], times activations rounded to int8 (linear_w8a8)
+#   w8a8   int8 in the kernels' own packing (pack_w8a8) with fp32 per-output-channel scales [N], times activations
+#          rounded to int8 (linear_w8a8)
 LinearKind = Literal["bf16", "bf16c", "w8", "w4", "w8a8"]
 
 
@@ -74,7 +75,7 @@ class KernelLinear:
     in_features: int
     bias: torch.Tensor | None = None
     weight: torch.Tensor | None = None  # bf16
-    qweight: torch.Tensor | None = None  # w8, w8a8: int8 [N, K]; w4: pack_w4's bytes
+    qweight: torch.Tensor | None = None  # w8: int8 [N, K]; w4: pack_w4's bytes; w8a8: pack_w8a8's
     scales: torch.Tensor | None = None  # w8 [N]; w8a8 fp32 [N]; w4 [N, K / group_size] fp32
     zero: torch.Tensor | None = None  # w4
     group_size: int = 0  # w4
@@ -285,17 +286,25 @@ class DecodeKernels(Protocol):
         """int8 [N, K] and scales [N] -> bf16 [N, K], w = bf16(q * bf16(s))."""
         ...
 
+    def pack_w8a8(self, q: torch.Tensor) -> torch.Tensor:
+        """int8 [N, K] -> the kernels' W8A8 storage (its layout is theirs alone). Only called where
+        max_rows("w8a8") > 0."""
+        ...
+
+    def unpack_w8a8(self, packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+        """The inverse of pack_w8a8: int8 [N, K]."""
+        ...
+
     def linear_w8a8(
         self,
         x: torch.Tensor,
-        qweight: torch.Tensor,
+        packed: torch.Tensor,
         scales: torch.Tensor,
         input_scale: torch.Tensor | None = None,
         bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """x [..., K] bf16 rounded to int8 (per row, or by input_scale [1]) times int8 [N, K] with fp32 scales [N],
-        exact int32 sums -> [..., N] bf16: quant/int8.py W8A8Method's reference product, bit for bit. Only called
-        where max_rows("w8a8") > 0."""
+        """x [..., K] bf16 rounded to int8 (per row, or by input_scale [1]) times pack_w8a8's weight with fp32 scales
+        [N], exact int32 sums -> [..., N] bf16: quant/int8.py W8A8Method's reference product, bit for bit."""
         ...
 
     def w4_supported(self, in_features: int, group_size: int) -> bool: ...

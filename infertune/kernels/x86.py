@@ -67,10 +67,10 @@ class X86Kernels:
     def max_rows(self, kind: LinearKind) -> int:
         # bf16 (plain or 12-bit) keeps the AMX tile GEMM up to 128 rows, without AMX the VDPBF16PS GEMM; the int8 /
         # int4 kernels are GEMVs at heart, except without AMX, where past 16 rows they rebuild slabs for that GEMM.
-        # W8A8: its VPDPBUSD GEMV / GEMM (gemm_i8.c) at every row count without AMX; with AMX decode rows only (a
-        # prompt keeps torch._int_mm, oneDNN's AMX int8 there: unmeasured, no AMX machine to try it on)
+        # W8A8: its VPDPBUSD GEMM on weights packed at load (gemm_i8.c) at every row count without AMX. With AMX
+        # none: torch._int_mm (oneDNN, AMX int8 tiles there) as before; neither measured, no AMX machine here.
         if kind == "w8a8":
-            return (cpu.MAX_ROWS if self.amx else cpu.NOAMX_QUANT_MAX_ROWS) if cpu.w8a8_supported(self.lib) else 0
+            return 0 if self.amx or not cpu.w8a8_supported(self.lib) else cpu.NOAMX_QUANT_MAX_ROWS
         return cpu.bf16_max_rows() if kind in ("bf16", "bf16c") else cpu.quant_max_rows()
 
     def linear_bf16(self, x, weight, bias=None):
@@ -82,8 +82,14 @@ class X86Kernels:
     def dequant_w8(self, qweight, scales):
         return cpu.dequant_w8(qweight, scales, lib=self.lib)
 
-    def linear_w8a8(self, x, qweight, scales, input_scale=None, bias=None):
-        return cpu.linear_w8a8(x, qweight, scales, input_scale, bias, lib=self.lib)
+    def pack_w8a8(self, q):
+        return cpu.pack_w8a8(q, lib=self.lib)
+
+    def unpack_w8a8(self, packed, out_features, in_features):
+        return cpu.unpack_w8a8(packed, out_features, in_features, lib=self.lib)
+
+    def linear_w8a8(self, x, packed, scales, input_scale=None, bias=None):
+        return cpu.linear_w8a8(x, packed, scales, input_scale, bias, lib=self.lib)
 
     def w4_supported(self, in_features: int, group_size: int) -> bool:
         return cpu.w4_supported(in_features, group_size)

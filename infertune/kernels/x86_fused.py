@@ -363,12 +363,13 @@ def _fill_lin(c, lin: KernelLinear) -> list[torch.Tensor]:
     if lin.kind == "w4":
         c.zero, c.group = lin.zero.data_ptr(), lin.group_size
         return keep + [q, s, lin.zero]
-    assert q.dtype is torch.int8
-    if lin.kind == "w8a8":  # (fp32 scales; the activations' static scale, if any, where w4 keeps its zero)
-        assert s.dtype is torch.float32
+    if lin.kind == "w8a8":  # (pack_w8a8's words, fp32 scales; the activations' static scale, if any, in `zero`)
+        assert q.dtype is torch.int32 and s.dtype is torch.float32
         if lin.input_scale is not None:
             c.zero = lin.input_scale.data_ptr()
             keep.append(lin.input_scale)
+        return keep + [q, s]
+    assert q.dtype is torch.int8
     c.scale_is_f32 = int(s.dtype is torch.float32)
     return keep + [q, s]
 

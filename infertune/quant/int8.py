@@ -91,20 +91,40 @@ class W8A16Method(UnquantizedMethod):
 class W8A8Method(W8A16Method):
     """Int8 weights and dynamic per-token int8 activations, multiplied in int32.
 
-    The reference (apply's last lines) is torch._int_mm on the rounded activations; the backend's kernels
-    (DecodeKernels.linear_w8a8: VPDPBUSD on x86 with AVX-512 VNNI) compute the same product bit for bit, at the rows
-    max_rows("w8a8") allows (every row count without AMX; none on AVX2 / NEON), and the fused step takes such
-    layers (kernel_weights)."""
+    The reference (apply's last lines) is torch._int_mm on the rounded activations. Where the backend's kernels have
+    a W8A8 product (DecodeKernels.max_rows("w8a8") > 0: x86 with AVX-512 VNNI and no AMX) and the model runs in bf16
+    on the CPU, the weight is kept in their own layout (pack_w8a8) and every step up to max_rows rows goes through
+    linear_w8a8, bit for bit the reference's product; the fused step takes such layers too (kernel_weights)."""
 
     name = "w8a8"
+    own_layout = False  # qweight is the kernels' pack_w8a8 layout (else int8 [N, K])
 
     def __init__(self, fast_kernel: bool = True, kernels: DecodeKernels | None = None) -> None:
         super().__init__(fast_kernel, None, kernels)
 
+    def _kernel_rows(self) -> int:
+        return self.kernels.max_rows("w8a8") if self.kernels is not None else 0
+
     def pack_weights(self, layer: Linear, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> None:
-        layer.register_buffer("qweight", q.contiguous())  # [N, K] int8 (_int_mm takes its transpose as a view)
-        layer.register_buffer("scales", scale.float())  # [N] fp32
+        """int8 q [N, K] and fp32 scale [N] -> the buffers (also for pre-quantized checkpoints)."""
+        if (
+            self._kernel_rows() > 0
+            and q.device.type == "cpu"
+            and dtype is torch.bfloat16
+            and q.shape[1] <= W8A8_MAX_K
+        ):
+            self.own_layout = True
+            layer.register_buffer("qweight", self.kernels.pack_w8a8(q.contiguous()))
+        else:
+            layer.register_buffer("qweight", q.contiguous())  # [N, K] int8 (_int_mm takes its transpose as a view)
+        layer.register_buffer("scales", scale.float().contiguous())  # [N] fp32
         layer.out_dtype = dtype
+
+    def int8_weight(self, layer: Linear) -> torch.Tensor:
+        """The int8 weight [N, K], whatever the layout it is kept in."""
+        if self.own_layout:
+            return self.kernels.unpack_w8a8(layer.qweight, layer.out_features, layer.in_features)
+        return layer.qweight
 
     def quantize_input(self, layer: Linear, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [M, K] -> (int8 [M, K], scale [M, 1]): dynamic per-token (pre-quantized checkpoints may use static)."""
@@ -115,13 +135,10 @@ class W8A8Method(W8A16Method):
         return None
 
     def dequantized_weight(self, layer: Linear) -> torch.Tensor:
-        return layer.qweight.float() * layer.scales.unsqueeze(1)
-
-    def _kernel_rows(self) -> int:
-        return self.kernels.max_rows("w8a8") if self.kernels is not None else 0
+        return self.int8_weight(layer).float() * layer.scales.unsqueeze(1)
 
     def kernel_weights(self, layer: Linear) -> KernelLinear | None:
-        if self._kernel_rows() < 1 or not layer.qweight.is_contiguous():
+        if not self.own_layout:
             return None
         return KernelLinear(
             "w8a8",
@@ -135,20 +152,19 @@ class W8A8Method(W8A16Method):
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
-        rows = self._kernel_rows()
         if (
-            rows > 0
+            self.own_layout
             and x.dtype is torch.bfloat16
-            and x2.shape[0] <= rows
-            and layer.in_features <= W8A8_MAX_K
+            and x2.shape[0] <= self._kernel_rows()
             and not torch.compiler.is_compiling()
         ):
             return self.kernels.linear_w8a8(x, layer.qweight, layer.scales, self.static_scale(layer), layer.bias)
         xq, xs = self.quantize_input(layer, x2)
+        w = self.int8_weight(layer)
         if self.fast_kernel:
-            acc = torch._int_mm(xq, layer.qweight.t()).float()  # [M, N] exact int32 sums
+            acc = torch._int_mm(xq, w.t()).float()  # [M, N] exact int32 sums
         else:
-            acc = xq.float() @ layer.qweight.t().float()
+            acc = xq.float() @ w.t().float()
         y = (acc * xs * layer.scales).to(x.dtype).view(*x.shape[:-1], -1)
         return y if layer.bias is None else y + layer.bias
 

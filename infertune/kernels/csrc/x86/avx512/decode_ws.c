@@ -121,7 +121,7 @@ static void run_lin(const it_lin* L, const bf16* x, int64_t ldx, bf16* y, int64_
         linear_bf16c(x, ldx, (const bf16c*)L->w, L->bias, y, ldy, M, L->N, L->K, nthreads, (bf16*)scratch, dec,
                      L->inter, silu);
     else if (L->kind == IT_KIND_W8A8) /* (it_decode_layers checked K) */
-        linear_w8a8(x, ldx, (const int8_t*)L->w, (const float*)L->scale, L->zero, L->bias, y, ldy, M, L->N, L->K,
+        linear_w8a8(x, ldx, (const uint32_t*)L->w, (const float*)L->scale, L->zero, L->bias, y, ldy, M, L->N, L->K,
                     nthreads, scratch);
     else if (L->kind == IT_KIND_W4)
         linear_w4(x, ldx, (const uint8_t*)L->w, (const float*)L->scale, L->zero, L->group, L->bias, y, ldy, M, L->N,

@@ -13,20 +13,17 @@
  * and the activations the signed one, so sum q x = sum (q + 128) x - 128 sum x, with sum x (a row's x_q summed) from
  * the rounding pass.
  *
- * Few rows (decode, up to I8_GEMM_MIN_ROWS): a GEMV that streams each weight row once for MR rows of x at a time,
- * 64 columns an instruction, with a horizontal sum per output at the end (one VPDPBUSD per 64 weights a row of x:
- * half of W8A16's two, see gemv_quant.c w8_block). Prompts: a GEMM with the weights repacked per thread into slabs
- * of 64 features x I8_KC columns in VNNI order (each 32-bit lane 4 columns of one feature, 16 features a vector:
- * the 16 x 16 transpose of 32-bit words gemm_pack_slab does), and a micro-kernel of GEMM_MR rows x 64 features whose
- * 4 weight vectors serve GEMM_MR broadcast words of x. The int32 sums of a row block wait in `acc` between slabs.
+ * The weights are packed once, at load (it_pack_w8a8), in VPDPBUSD's order: per 64 output features, each 32-bit
+ * word 4 consecutive columns of one feature, 16 features a vector, the blocks one after another in memory. A
+ * micro-kernel of GEMM_MR rows x 64 features keeps 24 int32 accumulators in registers; per word of the weights its 4
+ * vectors serve GEMM_MR broadcast words of x (no sum across lanes is ever needed). The same kernel runs a decode
+ * step's few rows (the weights stream in order, the next slab asked into L2 as this one multiplies) and a prompt's
+ * thousands (the int32 sums of a 128-row block wait in `acc` between I8_KC-column slabs). Measured on a Zen 4
+ * against the GEMV over [N, K] rows it replaced (benchmarks/bench_w8a8.py, weights streaming from memory): 0.94x
+ * at 1 row (both at the memory's speed), 1.41x at 16, 1.65x at 32; 1.9x the bf16 VDPBF16PS GEMM at 512.
  */
 #define I8_KC 1024         /* columns per slab: 64 features x 1024 bytes = 64 KB (L2), as the bf16 GEMM's */
 #define I8_MAX_K (1 << 16) /* sums of K products of at most 255 x 127 stay in int32 */
-#ifndef I8_GEMM_MIN_ROWS
-#define I8_GEMM_MIN_ROWS 32 /* from this many rows the GEMM: with the weights streaming from memory (a decode step) the
-                            * GEMV leads up to ~32 rows on a Zen 4 (benchmarks/bench_w8a8.py) */
-#endif
-static int64_t i8_gemm_rows = I8_GEMM_MIN_ROWS;
 
 /* acc += the products of u (unsigned bytes) and s (signed), 4 a lane: VPDPBUSD. (Through the intrinsic GCC 12 copied
  * each of the micro-kernel's 24 accumulators to the stack and back at every step; as an asm statement with the
@@ -75,72 +72,7 @@ static void quantize_rows_i8(const bf16* x, int64_t ldx, int64_t M, int64_t K, c
     }
 }
 
-/* y[m, n] from the exact sum: bf16(float(sum) * s_x * s_w), then + bias rounded again */
-static inline bf16 i8_out(int32_t sum, float sx, float sw, const bf16* bias, int64_t n) {
-    const bf16 v = f2bf((float)sum * sx * sw);
-    return bias ? f2bf(bf2f(v) + bf2f(bias[n])) : v;
-}
-
-/* ------------------------------------------------------------------ few rows: the GEMV */
-
-/* (the weight vectors of rows past nr are never loaded nor used: GCC cannot see that through the j < nr tests) */
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-static inline __attribute__((always_inline)) void i8_block(const int8_t* xq, int64_t Kp, const int32_t* xsum, int mr,
-                                                           const int8_t* w, int nr, int64_t K, int32_t out[MR][NR]) {
-    __m512i acc[MR][NR];
-    for (int i = 0; i < MR; i++)
-        for (int j = 0; j < NR; j++) acc[i][j] = _mm512_setzero_si512();
-    const __m512i flip = _mm512_set1_epi8((char)0x80);
-    const int64_t far = pf_far_offset(NR * K);
-    for (int64_t k = 0; k < K; k += 64) {
-        const int64_t left = K - k;
-        const __mmask64 m = left >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << left) - 1);
-        __m512i wv[NR];
-        for (int j = 0; j < NR; j++) {
-            if (j < nr) {
-                pf_weights(w + j * K + k, far, PF_BYTES);
-                /* past K: q = 0 -> 128, against x_q = 0 (padded): no contribution */
-                wv[j] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(m, w + j * K + k), flip);
-            }
-        }
-        for (int i = 0; i < MR; i++) {
-            if (i < mr) {
-                const __m512i xv = _mm512_loadu_si512(xq + i * Kp + k);
-                for (int j = 0; j < NR; j++)
-                    if (j < nr) acc[i][j] = dpbusd(acc[i][j], wv[j], xv);
-            }
-        }
-    }
-    for (int i = 0; i < MR; i++)
-        for (int j = 0; j < NR; j++)
-            if (i < mr && j < nr) out[i][j] = _mm512_reduce_add_epi32(acc[i][j]) - 128 * xsum[i];
-}
-#pragma GCC diagnostic pop
-
-#define I8_CASE(MRC, NRC) i8_block(xq + m0 * Kp, Kp, xsum + m0, MRC, wb, NRC, K, out)
-
-static void w8a8_gemv(const int8_t* xq, const float* sx, const int32_t* xsum, const int8_t* w, const float* scale,
-                      const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads) {
-    const int64_t Kp = i8_kp(K), nblocks = (N + NR - 1) / NR;
-    const int nt = pick_threads(nblocks, N * K, nthreads);
-#pragma omp parallel for num_threads(nt) schedule(static)
-    for (int64_t b = 0; b < nblocks; b++) {
-        const int64_t n0 = b * NR;
-        const int nr = (int)(N - n0 < NR ? N - n0 : NR);
-        const int8_t* wb = w + n0 * K;
-        for (int64_t m0 = 0; m0 < M; m0 += MR) {
-            const int mr = (int)(M - m0 < MR ? M - m0 : MR);
-            int32_t out[MR][NR];
-            DISPATCH_BLOCK(I8_CASE)
-            for (int i = 0; i < mr; i++)
-                for (int j = 0; j < nr; j++)
-                    y[(m0 + i) * ldy + n0 + j] = i8_out(out[i][j], sx[m0 + i], scale[n0 + j], bias, n0 + j);
-        }
-    }
-}
-
-/* ------------------------------------------------------------------ prompts: the GEMM on VNNI slabs */
+/* ------------------------------------------------------------------ the GEMM on the packed weights */
 
 /* Weight rows n0 .. n0 + 63 (rows past nrows zero), columns k0 .. k0 + kc - 1 (kc a multiple of 64; columns past K
  * zero) -> wp[p][v][l] = bytes k0 + 4p .. + 3 of row n0 + 16 v + l, each + 128 (the XOR) */
@@ -216,34 +148,42 @@ static inline void i8_store(const int32_t* acc, int mr, const float* sx, const i
     }
 }
 
-static void w8a8_gemm(const int8_t* xq, const float* sx, const int32_t* xsum, const int8_t* w, const float* scale,
-                      const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads) {
-    const int64_t Kp = i8_kp(K), nblocks = (N + 63) / 64;
+/* The packed weight (it_pack_w8a8): [N64 / 64 blocks][Kp / 4 words][64 features] 32-bit words, each 4 consecutive
+ * columns of one feature + 128 (the weight as VPDPBUSD's unsigned operand); rows past N and columns past K hold
+ * 128 (q = 0), which meets x_q = 0 past K, and rows past N are never stored. A thread's blocks are consecutive and
+ * each block is one run of memory, so the weights stream in order. */
+static inline int64_t i8_packed_words(int64_t N, int64_t K) { return (N + 63) / 64 * (i8_kp(K) / 4) * 64; }
+
+static void w8a8_gemm(const int8_t* xq, const float* sx, const int32_t* xsum, const uint32_t* wpk,
+                      const float* scale, const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K,
+                      int nthreads) {
+    const int64_t Kp = i8_kp(K), nblocks = (N + 63) / 64, block_words = Kp / 4 * 64;
     const int nt = pick_threads(nblocks, N * K, nthreads);
 #pragma omp parallel num_threads(nt)
     {
-        uint32_t wp[I8_KC / 4 * 64] __attribute__((aligned(64)));
         int32_t acc[GEMM_MB * 64] __attribute__((aligned(64)));
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < nblocks; b++) {
             const int64_t n0 = b * 64;
             const int nrows = (int)(N - n0 < 64 ? N - n0 : 64);
+            const uint32_t* wb = wpk + b * block_words;
             for (int64_t m0 = 0; m0 < M; m0 += GEMM_MB) {
                 const int64_t rows = M - m0 < GEMM_MB ? M - m0 : GEMM_MB;
+                const int last_rows = m0 + GEMM_MB >= M;
                 for (int64_t k0 = 0; k0 < Kp; k0 += I8_KC) {
                     const int64_t kc = Kp - k0 < I8_KC ? Kp - k0 : I8_KC;
-                    i8_pack_slab(w, K, n0, nrows, k0, kc, wp);
-                    /* the slab packed next (this block's next columns, else the next block's first), into L2 */
+                    const uint32_t* wp = wb + k0 / 4 * 64;
+                    /* the slab multiplied next, into L2: this block's next columns, or past the last row block the
+                       next block's first (both the words right after this slab's), spread over the slab's words */
                     gemm_pf pf = {0};
-                    const int last = k0 + kc >= Kp;
-                    const int64_t nk0 = last ? 0 : k0 + kc, nn0 = last && m0 + GEMM_MB >= M ? n0 + 64 : n0;
-                    if (nn0 < N && nk0 < K) {
-                        const int64_t nkc = K - nk0 < I8_KC ? K - nk0 : I8_KC;
-                        const int64_t nr = N - nn0 < 64 ? N - nn0 : 64;
-                        pf.ld = K;
-                        pf.base = (const char*)w + nn0 * K + nk0;
-                        pf.row_lines = (nkc + 63) / 64;
-                        pf.count = nr * pf.row_lines;
+                    const int64_t next = k0 + kc < Kp || last_rows ? kc / 4 * 64 : 0; /* words on */
+                    const int64_t left = (nblocks - b) * block_words - (k0 + kc) / 4 * 64; /* words of W after it */
+                    if (next && left > 0) {
+                        const int64_t nw = left < I8_KC / 4 * 64 ? left : I8_KC / 4 * 64;
+                        pf.base = (const char*)(wp + next);
+                        pf.ld = 0;
+                        pf.row_lines = nw * 4 / 64;
+                        pf.count = pf.row_lines;
                     }
                     const int64_t micros = (rows + GEMM_MR - 1) / GEMM_MR, share = (pf.count + micros - 1) / micros;
                     for (int64_t i0 = 0; i0 < rows; i0 += GEMM_MR) {
@@ -254,7 +194,8 @@ static void w8a8_gemm(const int8_t* xq, const float* sx, const int32_t* xsum, co
                         part.count = pf.count - part.first < share ? pf.count - part.first : share;
                         const int64_t m = m0 + i0;
                         i8_micro_by_rows[mr](xq + m * Kp + k0, Kp, wp, kc / 4, a, k0 == 0, &part);
-                        if (last) i8_store(a, mr, sx + m, xsum + m, scale, bias, n0, nrows, y + m * ldy, ldy);
+                        if (k0 + kc >= Kp)
+                            i8_store(a, mr, sx + m, xsum + m, scale, bias, n0, nrows, y + m * ldy, ldy);
                     }
                 }
             }
@@ -262,8 +203,25 @@ static void w8a8_gemm(const int8_t* xq, const float* sx, const int32_t* xsum, co
     }
 }
 
+/* q int8 [N, K] -> the packed weight, i8_packed_words(N, K) words */
+void it_pack_w8a8(const int8_t* q, int64_t N, int64_t K, uint32_t* out, int nthreads) {
+    const int64_t nblocks = (N + 63) / 64, Kp = i8_kp(K);
+#pragma omp parallel for num_threads(nthreads > 0 ? nthreads : 1) schedule(static)
+    for (int64_t b = 0; b < nblocks; b++)
+        i8_pack_slab(q, K, b * 64, (int)(N - b * 64 < 64 ? N - b * 64 : 64), 0, Kp, out + b * (Kp / 4) * 64);
+}
+
+/* the packed weight -> q int8 [N, K] */
+void it_unpack_w8a8(const uint32_t* packed, int64_t N, int64_t K, int8_t* q) {
+    const int64_t Kp = i8_kp(K);
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t* blk = (const uint8_t*)(packed + (n / 64) * (Kp / 4) * 64);
+        for (int64_t k = 0; k < K; k++) q[n * K + k] = (int8_t)(blk[((k / 4) * 64 + n % 64) * 4 + k % 4] ^ 0x80);
+    }
+}
+
 /* scratch: i8_scratch_bytes(M, K). 0: done; -1: K too large for int32 sums (the caller keeps torch's). */
-static int linear_w8a8(const bf16* x, int64_t ldx, const int8_t* w, const float* scale, const float* static_scale,
+static int linear_w8a8(const bf16* x, int64_t ldx, const uint32_t* wpk, const float* scale, const float* static_scale,
                        const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads,
                        void* scratch) {
     if (K > I8_MAX_K || K < 1) return -1;
@@ -271,26 +229,17 @@ static int linear_w8a8(const bf16* x, int64_t ldx, const int8_t* w, const float*
     float* sx = (float*)(xq + M * i8_kp(K));
     int32_t* xsum = (int32_t*)(sx + M);
     quantize_rows_i8(x, ldx, M, K, static_scale, nthreads, xq, sx, xsum);
-    if (M >= i8_gemm_rows)
-        w8a8_gemm(xq, sx, xsum, w, scale, bias, y, ldy, M, N, K, nthreads);
-    else
-        w8a8_gemv(xq, sx, xsum, w, scale, bias, y, ldy, M, N, K, nthreads);
+    w8a8_gemm(xq, sx, xsum, wpk, scale, bias, y, ldy, M, N, K, nthreads);
     return 0;
 }
 
-/* static_scale: NULL (per row) or a calibrated scale [1]; returns as linear_w8a8 */
-int it_linear_w8a8(const bf16* x, int64_t ldx, const int8_t* w, const float* scale, const float* static_scale,
+/* w: the packed weight (it_pack_w8a8); static_scale: NULL (per row) or a calibrated scale [1]; returns as
+ * linear_w8a8 */
+int it_linear_w8a8(const bf16* x, int64_t ldx, const uint32_t* w, const float* scale, const float* static_scale,
                    const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads) {
     void* scratch = aligned_alloc(64, (size_t)i8_scratch_bytes(M, K));
     if (!scratch) return -2;
     const int rc = linear_w8a8(x, ldx, w, scale, static_scale, bias, y, ldy, M, N, K, nthreads, scratch);
     free(scratch);
     return rc;
-}
-
-/* From how many rows linear_w8a8 takes the GEMM (rows < 1: unchanged); returns the count in force (A/B runs and
- * tests reach both paths through it) */
-int64_t it_w8a8_rows(int64_t rows) {
-    if (rows >= 1) i8_gemm_rows = rows;
-    return i8_gemm_rows;
 }
