@@ -107,12 +107,7 @@ class W8A8Method(W8A16Method):
 
     def pack_weights(self, layer: Linear, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> None:
         """int8 q [N, K] and fp32 scale [N] -> the buffers (also for pre-quantized checkpoints)."""
-        if (
-            self._kernel_rows() > 0
-            and q.device.type == "cpu"
-            and dtype is torch.bfloat16
-            and q.shape[1] <= W8A8_MAX_K
-        ):
+        if self._kernel_rows() > 0 and q.device.type == "cpu" and dtype is torch.bfloat16 and q.shape[1] <= W8A8_MAX_K:
             self.own_layout = True
             layer.register_buffer("qweight", self.kernels.pack_w8a8(q.contiguous()))
         else:
