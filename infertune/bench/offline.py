@@ -81,6 +81,7 @@ SYSTEMS = (
     "infertune-w8a16-q8head",
     "infertune-w4a16-q8head",
     "infertune-w8a8",
+    "infertune-w8a8-q8head",
     "infertune-torch",
     "infertune-w8a16-torch",
     "infertune-modules",
@@ -100,6 +101,7 @@ SYSTEM_LABELS = {
     "infertune-w8a16-q8head": "infertune W8A16 + int8 LM head",
     "infertune-w4a16-q8head": "infertune W4A16 (g128) + int8 LM head",
     "infertune-w8a8": "infertune W8A8",
+    "infertune-w8a8-q8head": "infertune W8A8 + int8 LM head",
     "infertune-torch": "infertune (torch matmuls)",
     "infertune-w8a16-torch": "infertune W8A16 (torch matmuls)",
     "infertune-modules": "infertune (kernels per module, fused step off)",
@@ -125,6 +127,7 @@ PEER_OF = {
     # llama.cpp's quantizer stores a model's output matrix (the tied embedding too) in a 6-8-bit type
     "infertune-w8a16-q8head": ("llama.cpp-q8_0", "infertune-w8a16"),
     "infertune-w4a16-q8head": ("llama.cpp-q4_0", "infertune-w4a16"),
+    "infertune-w8a8-q8head": ("llama.cpp-q8_0", "infertune-w8a8"),
     "infertune-tp2": ("infertune",),
 }
 
@@ -213,9 +216,8 @@ def add_arguments(p: argparse.ArgumentParser, default_batch: list[int] | None = 
         default=list(DEFAULT_SYSTEMS),
         metavar="S[,S...]",
         help="systems to run: infertune, hf (transformers generate), infertune-bf16 (infertune with its "
-        "bf16 weights as loaded: compress_weights off), infertune-w8a16, infertune-w4a16 (-q8head: with "
-        "quantize_lm_head), "
-        "infertune-w8a8, infertune-eager (compile off), infertune-torch and infertune-w8a16-torch (the "
+        "bf16 weights as loaded: compress_weights off), infertune-w8a16, infertune-w4a16, infertune-w8a8 (each "
+        "with -q8head: with quantize_lm_head), infertune-eager (compile off), infertune-torch and infertune-w8a16-torch (the "
         "same engine on torch's matmuls: --decode-kernels off), infertune-modules (the kernels under the per-module "
         "forward, the fused step off: --decode-kernels linear), infertune-tp2 (tensor parallel over 2 worker "
         "processes, the CPUs split between them) (default: infertune,hf)",
