@@ -452,9 +452,9 @@ def test_quantized_prompts_without_amx_are_the_bf16_gemm_on_the_dequantized_weig
             assert torch.equal(got4.view(torch.int16), want4.view(torch.int16)), (m, gs)
 
 
-@needs_avx512
-def test_w8a8_is_exact_integer_arithmetic_then_the_reference_rounding():
-    """linear_w8a8 (VPDPBUSD on the weight packed by pack_w8a8, every row count) against exact integer arithmetic: x
+def test_w8a8_is_exact_integer_arithmetic_then_the_reference_rounding(ks):
+    """linear_w8a8 (AVX-512: VPDPBUSD, AVX2: VPMADDUBSW, on the weight packed by pack_w8a8, every row count) against
+    exact integer arithmetic: x
     rounded to int8 per row as quantize_int8_per_token does (or by a static scale, values past it saturating), the
     int8 products summed in int64, then bf16(float(sum) * s_x * s_w) and a bias added to that: bit for bit, and equal
     to W8A8Method's torch._int_mm path. Partial feature blocks (N % 64), K not a multiple of 64 and longer than a slab
@@ -462,12 +462,14 @@ def test_w8a8_is_exact_integer_arithmetic_then_the_reference_rounding():
     tiny values (the 1e-12 floor of s_x), rows of outliers, sums past 2^24 (their rounding to fp32)."""
     from infertune.quant.int8 import W8A8Method, quantize_int8_per_token
 
+    if not kernels.w8a8_supported(ks.lib):
+        pytest.skip(f"{ks.name}: no int8 x int8 kernel (NEON)")
     g = torch.Generator().manual_seed(21)
     for n, k in ((64, 64), (70, 100), (131, 1100), (96, 2050)):
         q, s = quantize_int8_per_channel(torch.randn(n, k, generator=g))
         q[1] = 127  # (with x near +127 too: the largest sums)
-        packed = kernels.pack_w8a8(q)
-        assert torch.equal(kernels.unpack_w8a8(packed, n, k), q)
+        packed = ks.pack_w8a8(q)
+        assert torch.equal(ks.unpack_w8a8(packed, n, k), q)
         bias = torch.randn(n, generator=g).bfloat16()
         for m in (1, 2, 3, 4, 5, 6, 7, 16, 131, 260):
             x = (torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g) * 4).bfloat16()
@@ -485,18 +487,21 @@ def test_w8a8_is_exact_integer_arithmetic_then_the_reference_rounding():
                 want = (exact.float() * sx * s).bfloat16()
                 for b in (None, bias):
                     ref = want if b is None else want + b
-                    got = kernels.linear_w8a8(x, packed, s, static, b)
+                    got = ks.linear_w8a8(x, packed, s, static, b)
                     assert torch.equal(got.view(torch.int16), ref.view(torch.int16)), (n, k, m, static is None)
         layer = Linear(k, n, dtype=torch.bfloat16, quant_method=W8A8Method(kernels=None))
         layer.weight.data.copy_(torch.randn(n, k, generator=g))
         layer.quant_method.process_weights_after_loading(layer)
         x = torch.randn(40, k, generator=g).bfloat16()
-        got = kernels.linear_w8a8(x, kernels.pack_w8a8(layer.qweight), layer.scales)
+        got = ks.linear_w8a8(x, ks.pack_w8a8(layer.qweight), layer.scales)
         assert torch.equal(got.view(torch.int16), layer(x).view(torch.int16))  # (torch._int_mm's product)
     with pytest.raises(ValueError, match="fp32 scales"):
-        kernels.linear_w8a8(x, packed, layer.scales.bfloat16())
+        ks.linear_w8a8(x, packed, layer.scales.bfloat16())
     with pytest.raises(ValueError, match="not a packed"):
-        kernels.linear_w8a8(x, layer.qweight, layer.scales)
+        ks.linear_w8a8(x, layer.qweight, layer.scales)
+    q[0, 0] = -128  # (outside the kernels' range: AVX2's VPMADDUBSW would take it wrong)
+    with pytest.raises(ValueError, match="-128"):
+        ks.pack_w8a8(q)
 
 
 def test_prefill_dequantization_matches_the_reference_rounding(ks):
@@ -1253,7 +1258,9 @@ def test_fused_step_runs_prompts_as_accurately_as_pytorch(tmp_path, monkeypatch,
     of 5, 21, 40 and 90 tokens (several blocks of 16, partial last blocks; 156 rows) in one step, then decoding.
     The logprobs against HF transformers in float32 are as close as those of the PyTorch forward
     (decode_kernels="linear", the same quantization)."""
-    if quant is not None and (kernels.amx() or kernels.variant() != "avx512"):
+    if quant == "w8a8" and (kernels.amx() or not kernels.w8a8_supported()):
+        pytest.skip("W8A8 runs in the fused step on the AVX-512 library without AMX and on the AVX2 one")
+    if quant not in (None, "w8a8") and (kernels.amx() or kernels.variant() != "avx512"):
         pytest.skip("quantized prompts run in the fused step on the AVX-512 library without AMX only")
     from conftest import hf_model
 
@@ -1271,7 +1278,8 @@ def test_fused_step_runs_prompts_as_accurately_as_pytorch(tmp_path, monkeypatch,
     worst = {}
     # (steps of any size: 12-bit weights, the default where the kernels compress, on AMX's tile GEMM or the slab
     # GEMM; without AMX W8A16 / W4A16 too, on slabs rebuilt from the quantized weights)
-    twelve = kernels.bf16c_supported(16, 32) if quant is None else True
+    # (W8A8 on AVX2: prompts of up to AVX2_FUSED_PREFILL_ROWS tokens in all, as bf16 there)
+    twelve = kernels.bf16c_supported(16, 32) if quant is None else kernels.variant() == "avx512"
     for mode in ("auto", "linear"):
         calls.clear()
         llm = LLM(

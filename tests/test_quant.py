@@ -102,6 +102,24 @@ def test_w8a8_equals_exact_integer_arithmetic():
     torch.testing.assert_close(layer(x).double(), exact, rtol=1e-6, atol=1e-6)
 
 
+def test_w8a8_sums_exactly_where_products_are_largest():
+    """Inputs that round to +-127 against weights of +-127 (an outlier channel meeting a row's largest weight): the
+    case oneDNN's int8 GEMM gets wrong on CPUs without VNNI (VPMADDUBSW saturates pairs of products), which the
+    torch path must not inherit. The output is bit for bit the exact integer sums, rounded once."""
+    layer, _ = quantized_linear(W8A8Method(), k=256, n=64, bias=False)
+    wq = layer.quant_method.int8_weight(layer)
+    wq[:8] = torch.where(torch.arange(256) % 3 == 0, -127, 127).to(torch.int8)
+    x = torch.full((20, 256), 3.0)
+    x[:, 1::2] = -3.0
+    x[5:] = torch.randn(15, 256)
+    x[5:, 7] = 40.0  # an outlier: the rest of the row rounds to small integers
+    xq, xs = quantize_int8_per_token(x)
+    exact = xq.long() @ wq.long().t()
+    assert exact.abs().max() > 2**15  # (sums far past int16)
+    want = exact.float() * xs * layer.scales
+    assert torch.equal(layer(x), want)
+
+
 # ---- whole model ------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):

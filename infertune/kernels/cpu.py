@@ -392,7 +392,8 @@ def declare(lib: ctypes.CDLL) -> None:
         "it_gemvx_rows": ([i64], i64),
         "it_linear_w8": ([ptr, i64, ptr, ptr, cint, ptr, ptr, i64, i64, i64, i64, cint], None),
         "it_linear_w8a8": ([ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, cint], cint),
-        "it_pack_w8a8": ([ptr, i64, i64, ptr, cint], None),
+        "it_pack_w8a8": ([ptr, i64, i64, ptr, cint], cint),
+        "it_w8a8_block": ([], i64),
         "it_unpack_w8a8": ([ptr, i64, i64, ptr], None),
         "it_linear_w4": ([ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, cint], None),
         "it_dequant_w8": ([ptr, ptr, cint, ptr, i64, i64, cint], None),
@@ -923,34 +924,38 @@ W8A8_MAX_K = 1 << 16
 
 
 def w8a8_supported(lib: ctypes.CDLL | None = None) -> bool:
-    """Whether the library has the W8A8 kernel (the AVX-512 one: VPDPBUSD)."""
+    """Whether the library has the W8A8 kernel (AVX-512: VPDPBUSD; AVX2: VPMADDUBSW; NEON: none)."""
     try:
         return getattr(_pick(lib), "it_linear_w8a8", None) is not None
     except RuntimeError:
         return False
 
 
-def w8a8_packed_shape(n: int, k: int) -> tuple[int, int, int]:
-    """The packed W8A8 weight's shape (int32 words): [ceil(N / 64), ceil(K / 64) * 16, 64]."""
-    return (n + 63) // 64, (k + 63) // 64 * 16, 64
+def w8a8_packed_shape(n: int, k: int, lib: ctypes.CDLL | None = None) -> tuple[int, int, int]:
+    """The packed W8A8 weight's shape (int32 words): [ceil(N / B), ceil(K / 64) * 16, B], B the library's block of
+    features (it_w8a8_block: 64 on AVX-512, 16 on AVX2)."""
+    b = int(_pick(lib).it_w8a8_block())
+    return (n + b - 1) // b, (k + 63) // 64 * 16, b
 
 
 def pack_w8a8(q: torch.Tensor, *, lib: ctypes.CDLL | None = None) -> torch.Tensor:
-    """int8 [N, K] -> linear_w8a8's weight: int32 words [ceil(N / 64), ceil(K / 64) * 16, 64], word (b, p, l) the
-    4 columns 4p .. 4p + 3 of row 64 b + l, each byte + 128 (VPDPBUSD's unsigned operand); padding holds q = 0."""
+    """int8 [N, K] in -127..127 (quantize_int8_per_channel's range; -128 raises ValueError) -> linear_w8a8's
+    weight: int32 words [ceil(N / B), ceil(K / 64) * 16, B], word (b, p, l) the 4 columns 4p .. 4p + 3 of row B b + l
+    (AVX-512: each byte + 128, VPDPBUSD's unsigned operand; AVX2: as they are); padding holds q = 0."""
     lib = _pick(lib)
     if q.dtype is not torch.int8 or q.dim() != 2 or not q.is_contiguous():
         raise ValueError(f"need a contiguous int8 [N, K] weight, got {q.dtype} {tuple(q.shape)}")
     n, k = q.shape
-    out = torch.empty(w8a8_packed_shape(n, k), dtype=torch.int32)
-    lib.it_pack_w8a8(q.data_ptr(), n, k, out.data_ptr(), torch.get_num_threads())
+    out = torch.empty(w8a8_packed_shape(n, k, lib), dtype=torch.int32)
+    if lib.it_pack_w8a8(q.data_ptr(), n, k, out.data_ptr(), torch.get_num_threads()) != 0:
+        raise ValueError("the W8A8 kernels take weights in -127..127; this one holds -128")
     return out
 
 
 def unpack_w8a8(packed: torch.Tensor, n: int, k: int, *, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """The inverse of pack_w8a8: int8 [N, K]."""
     lib = _pick(lib)
-    if packed.dtype is not torch.int32 or tuple(packed.shape) != w8a8_packed_shape(n, k):
+    if packed.dtype is not torch.int32 or tuple(packed.shape) != w8a8_packed_shape(n, k, lib):
         raise ValueError(f"not a packed [{n}, {k}] W8A8 weight: {packed.dtype} {tuple(packed.shape)}")
     q = torch.empty((n, k), dtype=torch.int8)
     lib.it_unpack_w8a8(packed.contiguous().data_ptr(), n, k, q.data_ptr())
@@ -972,14 +977,18 @@ def linear_w8a8(
     exactly in int32; then bf16(float(sum) * s_x * s_w), and a bias added to that and rounded again."""
     lib = _pick(lib)
     if getattr(lib, "it_linear_w8a8", None) is None:
-        raise ValueError("this library has no W8A8 kernel (the AVX-512 one has)")
+        raise ValueError("this library has no W8A8 kernel (the AVX-512 and AVX2 ones have)")
     x2 = _rows(x)
     if x2.dtype is not torch.bfloat16 or x2.device.type != "cpu":
         raise ValueError(f"the CPU kernels take bf16 CPU activations, got {x2.dtype} on {x2.device}")
     if scales.dtype is not torch.float32 or scales.dim() != 1 or not scales.is_contiguous():
         raise ValueError(f"need contiguous fp32 scales [N], got {scales.dtype} {tuple(scales.shape)}")
     m, k, n = x2.shape[0], x2.shape[1], scales.numel()
-    if packed.dtype is not torch.int32 or tuple(packed.shape) != w8a8_packed_shape(n, k) or not packed.is_contiguous():
+    if (
+        packed.dtype is not torch.int32
+        or tuple(packed.shape) != w8a8_packed_shape(n, k, lib)
+        or not packed.is_contiguous()
+    ):
         raise ValueError(f"not a packed [{n}, {k}] W8A8 weight: {packed.dtype} {tuple(packed.shape)}")
     if bias is not None and (bias.dtype is not torch.bfloat16 or not bias.is_contiguous() or bias.numel() != n):
         raise ValueError("bias must be a contiguous bf16 tensor [N]")

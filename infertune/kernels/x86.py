@@ -198,7 +198,10 @@ class Avx2Kernels(X86Kernels):
         # the weight written and read back: benchmarks/bench_quant_rows.py), and x's int16 rounding (2^-15 of
         # max|x|) is finer than the weights' bf16 one. Past them the layer dequantizes and runs linear_bf16.
         # 12-bit weights do not exist here.
-        if kind in ("bf16c", "w8a8"):  # (W8A8: VPDPBUSD is AVX-512 VNNI's; AVX-VNNI CPUs have a 256-bit one, unused)
+        # W8A8: VPMADDUBSW on weights packed at load (csrc/x86/avx2/gemm_i8.c) at every row count (NEON: none)
+        if kind == "w8a8":
+            return cpu.NOAMX_QUANT_MAX_ROWS if cpu.w8a8_supported(self.lib) else 0
+        if kind == "bf16c":
             return 0
         return self.bf16_rows if kind == "bf16" else cpu.AVX2_QUANT_MAX_ROWS
 

@@ -178,12 +178,13 @@ class X86FusedDecoder:
         if avx2_lib is not None:
             if "bf16c" in kinds:
                 return "12-bit weights (the AVX2 library has no decoder for them)"
-            if "w8a8" in kinds:
-                return "W8A8 layers (the AVX2 library has no int8-activation kernel)"
             # Short prompts too with bf16 weights as loaded and a bf16 cache, as without AMX below: the FMA GEMM
             # (csrc/x86/avx2/gemm.c) and each prompt row's attention on its own
+            # (W8A8 too: its int8 GEMM, csrc/x86/avx2/gemm_i8.c, at any row count)
             prefill_rows = (
-                cpu.AVX2_FUSED_PREFILL_ROWS if kinds == {"bf16"} and not model.kv_int8 and not decode_only else 0
+                cpu.AVX2_FUSED_PREFILL_ROWS
+                if kinds <= {"bf16", "w8a8"} and not model.kv_int8 and not decode_only
+                else 0
             )
             return cls(model, cmodel, layers, keep, cpu.MAX_ROWS, prefill_rows, avx2_lib, norm(model.final_norm))
         # Short prompts too, where every projection is bf16 (plain or 12-bit: the prefill's tile GEMM, AMX only) and

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -17,6 +19,23 @@ def quantize_int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     scale = (w32.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
     q = torch.round(w32 / scale.unsqueeze(1)).clamp(-127, 127).to(torch.int8)
     return q, scale
+
+
+@functools.cache
+def int_mm_is_exact() -> bool:
+    """Whether torch._int_mm sums int8 products exactly on this CPU. oneDNN multiplies s8 x s8 as (x + 128) x w with
+    VPMADDUBSW where the CPU has no VNNI (AVX2-only x86, or torch limited to AVX2), and that instruction saturates
+    each pair of products at 32767: a row of 127s against a column of 127s sums wrong (measured: off by up to 139304
+    with ONEDNN_MAX_CPU_ISA=AVX2). Probed once on exactly that case."""
+    a = torch.full((32, 64), 127, dtype=torch.int8)
+    a[16:] = -127
+    b = torch.full((64, 32), 127, dtype=torch.int8)
+    b[:, 16:] = -127
+    want = (a.long() @ b.long()).to(torch.int32)
+    try:
+        return torch.equal(torch._int_mm(a, b), want)
+    except RuntimeError:
+        return False
 
 
 def quantize_int8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,9 +111,10 @@ class W8A8Method(W8A16Method):
     """Int8 weights and dynamic per-token int8 activations, multiplied in int32.
 
     The reference (apply's last lines) is torch._int_mm on the rounded activations. Where the backend's kernels have
-    a W8A8 product (DecodeKernels.max_rows("w8a8") > 0: x86 with AVX-512 VNNI and no AMX) and the model runs in bf16
-    on the CPU, the weight is kept in their own layout (pack_w8a8) and every step up to max_rows rows goes through
-    linear_w8a8, bit for bit the reference's product; the fused step takes such layers too (kernel_weights)."""
+    a W8A8 product (DecodeKernels.max_rows("w8a8") > 0: x86 with AVX-512 VNNI and no AMX, or AVX2) and the model
+    runs in bf16 on the CPU, the weight is kept in their own layout (pack_w8a8) and every step up to max_rows rows
+    goes through linear_w8a8, bit for bit the reference's product; the fused step takes such layers too
+    (kernel_weights)."""
 
     name = "w8a8"
     own_layout = False  # qweight is the kernels' pack_w8a8 layout (else int8 [N, K])
@@ -107,7 +127,13 @@ class W8A8Method(W8A16Method):
 
     def pack_weights(self, layer: Linear, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> None:
         """int8 q [N, K] and fp32 scale [N] -> the buffers (also for pre-quantized checkpoints)."""
-        if self._kernel_rows() > 0 and q.device.type == "cpu" and dtype is torch.bfloat16 and q.shape[1] <= W8A8_MAX_K:
+        if (
+            self._kernel_rows() > 0
+            and q.device.type == "cpu"
+            and dtype is torch.bfloat16
+            and q.shape[1] <= W8A8_MAX_K
+            and int(q.min()) > -128  # (the kernels' range; a stored checkpoint may hold -128: torch's path then)
+        ):
             self.own_layout = True
             layer.register_buffer("qweight", self.kernels.pack_w8a8(q.contiguous()))
         else:
@@ -156,8 +182,10 @@ class W8A8Method(W8A16Method):
             return self.kernels.linear_w8a8(x, layer.qweight, layer.scales, self.static_scale(layer), layer.bias)
         xq, xs = self.quantize_input(layer, x2)
         w = self.int8_weight(layer)
-        if self.fast_kernel:
+        if self.fast_kernel and (x.device.type != "cpu" or int_mm_is_exact()):
             acc = torch._int_mm(xq, w.t()).float()  # [M, N] exact int32 sums
+        elif x.device.type == "cpu":  # (its int8 GEMM saturates here: float64 holds the integer sums exactly)
+            acc = (xq.double() @ w.t().double()).float()
         else:
             acc = xq.float() @ w.t().float()
         y = (acc * xs * layer.scales).to(x.dtype).view(*x.shape[:-1], -1)

@@ -203,12 +203,19 @@ static void w8a8_gemm(const int8_t* xq, const float* sx, const int32_t* xsum, co
     }
 }
 
-/* q int8 [N, K] -> the packed weight, i8_packed_words(N, K) words */
-void it_pack_w8a8(const int8_t* q, int64_t N, int64_t K, uint32_t* out, int nthreads) {
+/* The features a block of the packed weight holds (the AVX2 library's are 16) */
+int64_t it_w8a8_block(void) { return 64; }
+
+/* q int8 [N, K] -> the packed weight, i8_packed_words(N, K) words. -1 where q holds -128: outside the contract's
+ * -127..127 (the AVX2 library's product needs it; both refuse it alike) */
+int it_pack_w8a8(const int8_t* q, int64_t N, int64_t K, uint32_t* out, int nthreads) {
+    for (int64_t i = 0; i < N * K; i++)
+        if (q[i] == -128) return -1;
     const int64_t nblocks = (N + 63) / 64, Kp = i8_kp(K);
 #pragma omp parallel for num_threads(nthreads > 0 ? nthreads : 1) schedule(static)
     for (int64_t b = 0; b < nblocks; b++)
         i8_pack_slab(q, K, b * 64, (int)(N - b * 64 < 64 ? N - b * 64 : 64), 0, Kp, out + b * (Kp / 4) * 64);
+    return 0;
 }
 
 /* the packed weight -> q int8 [N, K] */

@@ -1,0 +1,199 @@
+/* W8A8 on AVX2: y = (x_q W_q^T) * s_x * s_w (+ b), the AVX-512 library's it_linear_w8a8 contract (csrc/x86/avx512/
+ * gemm_i8.c: the activations rounded to int8 as quantize_int8_per_token rounds them, exact int32 sums, then
+ * bf16(float(sum) * s_x * s_w) and the bias added to that) for x86 CPUs without AVX-512.
+ *
+ * AVX2 has no VPDPBUSD; VPMADDUBSW multiplies unsigned by signed bytes and adds adjacent pairs into int16 lanes,
+ * saturating. With the sign of x moved onto the weight (VPSIGNB) and |x| as the unsigned operand, each pair is at
+ * most 2 x 127 x 127 = 32258: no saturation, provided the weights lie in -127..127 (quantize_int8_per_channel's
+ * range; pack_w8a8 refuses -128). VPMADDWD against ones then adds the pairs into int32 lanes: 4 products a lane,
+ * 32 an instruction triple (sign, multiply-add, widen-add) plus one add. (llama.cpp's Q8_0 dot product takes the
+ * same route, with a float scale per 32 columns; per-channel scales keep the sums in int32 to the end.)
+ *
+ * The weights are packed at load (it_pack_w8a8) in that order: per 16 output features, each 32-bit word 4
+ * consecutive columns of one feature (as they are: signed), 8 features a vector, the blocks one after another.
+ * A micro-kernel of I8_MR rows x 16 features keeps 8 int32 accumulators; the weights stream in order, each block's
+ * I8_KC-column slab serving every row of a 128-row block (their int32 sums wait in `acc` between slabs).
+ */
+#define I8_KC 1024         /* columns per slab: 16 features x 1024 bytes = 16 KB */
+#define I8_MB 128          /* rows per pass over a slab */
+#define I8_MR 4            /* rows per micro-kernel: 8 accumulators, 2 weight vectors, x, |x|, a product, ones */
+#define I8_MAX_K (1 << 16) /* sums of K products of at most 127 x 127 stay in int32 */
+#define I8_PF_WORDS 64     /* how far ahead along the packed weights (words of 16 features: 64 B each) to ask */
+
+static inline int64_t i8_kp(int64_t K) { return (K + 63) & ~(int64_t)63; }
+
+/* scratch: x_q [M, Kp] (zero past K), s_x [M] */
+static inline int64_t i8_scratch_bytes(int64_t M, int64_t K) { return (M * i8_kp(K) + M * 4 + 127) & ~(int64_t)63; }
+
+/* The features a block of the packed weight holds (it_pack_w8a8; the AVX-512 library's are 64) */
+int64_t it_w8a8_block(void) { return 16; }
+
+/* x [M, K] bf16 -> xq [M, Kp] int8 and sx [M], as quantize_int8_per_token (or by *static_scale) */
+static void quantize_rows_i8(const bf16* x, int64_t ldx, int64_t M, int64_t K, const float* static_scale,
+                             int nthreads, int8_t* xq, float* sx) {
+    const int64_t Kp = i8_kp(K), K8 = K & ~(int64_t)7;
+    const int nt = M >= 8 && M * K >= (1 << 16) ? nthreads : 1;
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t m = 0; m < M; m++) {
+        const bf16* xr = x + m * ldx;
+        float s;
+        if (static_scale) {
+            s = *static_scale;
+        } else {
+            const __m256 sign = _mm256_set1_ps(-0.0f);
+            __m256 amax = _mm256_setzero_ps();
+            for (int64_t k = 0; k < K8; k += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, load_bf16x8(xr + k)));
+            float a[8];
+            _mm256_storeu_ps(a, amax);
+            float t = 0.0f;
+            for (int i = 0; i < 8; i++) t = a[i] > t ? a[i] : t;
+            for (int64_t k = K8; k < K; k++) t = fabsf(bf2f(xr[k])) > t ? fabsf(bf2f(xr[k])) : t;
+            s = t / 127.0f;
+            s = s < 1e-12f ? 1e-12f : s;
+        }
+        sx[m] = s;
+        const __m256 sv = _mm256_set1_ps(s), lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+        int8_t* q = xq + m * Kp;
+        for (int64_t k = 0; k < K8; k += 8) {
+            const __m256 v = _mm256_round_ps(_mm256_div_ps(load_bf16x8(xr + k), sv),
+                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            int32_t w[8];
+            _mm256_storeu_si256((__m256i*)w, _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(v, lo), hi)));
+            for (int i = 0; i < 8; i++) q[k + i] = (int8_t)w[i];
+        }
+        for (int64_t k = K8; k < K; k++) {
+            const float v = nearbyintf(bf2f(xr[k]) / s);
+            q[k] = (int8_t)(v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v);
+        }
+        for (int64_t k = K; k < Kp; k++) q[k] = 0;
+    }
+}
+
+static inline __attribute__((always_inline)) void i8_micro(const int8_t* xq, int64_t Kp, const int MRC,
+                                                           const uint32_t* wp, int64_t nw, int32_t* acc, int first) {
+    __m256i c[I8_MR][2];
+    for (int i = 0; i < MRC; i++)
+        for (int v = 0; v < 2; v++)
+            c[i][v] = first ? _mm256_setzero_si256() : _mm256_load_si256((const __m256i*)(acc + i * 16 + 8 * v));
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t p = 0; p < nw; p++) {
+        const uint32_t* q = wp + p * 16;
+        _mm_prefetch((const char*)(q + I8_PF_WORDS * 16), _MM_HINT_T0);
+        const __m256i w0 = _mm256_load_si256((const __m256i*)q), w1 = _mm256_load_si256((const __m256i*)(q + 8));
+        for (int i = 0; i < MRC; i++) {
+            int32_t word;
+            memcpy(&word, xq + i * Kp + 4 * p, 4);
+            const __m256i xb = _mm256_set1_epi32(word), xa = _mm256_abs_epi8(xb);
+            c[i][0] = _mm256_add_epi32(
+                c[i][0], _mm256_madd_epi16(_mm256_maddubs_epi16(xa, _mm256_sign_epi8(w0, xb)), ones));
+            c[i][1] = _mm256_add_epi32(
+                c[i][1], _mm256_madd_epi16(_mm256_maddubs_epi16(xa, _mm256_sign_epi8(w1, xb)), ones));
+        }
+    }
+    for (int i = 0; i < MRC; i++)
+        for (int v = 0; v < 2; v++) _mm256_store_si256((__m256i*)(acc + i * 16 + 8 * v), c[i][v]);
+}
+
+#define I8_MICRO(R) static void i8_micro_##R(const int8_t* xq, int64_t Kp, const uint32_t* wp, int64_t nw, \
+    int32_t* acc, int first) { i8_micro(xq, Kp, R, wp, nw, acc, first); }
+I8_MICRO(1) I8_MICRO(2) I8_MICRO(3) I8_MICRO(4)
+#undef I8_MICRO
+typedef void (*i8_micro_fn)(const int8_t*, int64_t, const uint32_t*, int64_t, int32_t*, int);
+static const i8_micro_fn i8_micro_by_rows[I8_MR + 1] = {0, i8_micro_1, i8_micro_2, i8_micro_3, i8_micro_4};
+
+/* The sums of rows [mr, 16], scaled, (+ bias), rounded into y's columns n0 .. n0 + nrows - 1 */
+static inline void i8_store(const int32_t* acc, int mr, const float* sx, const float* scale, const bf16* bias,
+                            int64_t n0, int nrows, bf16* y, int64_t ldy) {
+    for (int v = 0; v < 2 && 8 * v < nrows; v++) {
+        const int n = nrows - 8 * v < 8 ? nrows - 8 * v : 8, c = (int)n0 + 8 * v;
+        const __m256 sw = n == 8 ? _mm256_loadu_ps(scale + c) : load_f32_tail(scale + c, n);
+        const __m256 bv = !bias ? _mm256_setzero_ps() : n == 8 ? load_bf16x8(bias + c) : load_bf16_tail(bias + c, n);
+        for (int i = 0; i < mr; i++) {
+            const __m256 s = _mm256_cvtepi32_ps(_mm256_load_si256((const __m256i*)(acc + i * 16 + 8 * v)));
+            __m128i o = round_bf16x8_nan(_mm256_mul_ps(_mm256_mul_ps(s, _mm256_set1_ps(sx[i])), sw));
+            if (bias) /* (the reference adds the bias to the bf16 product) */
+                o = round_bf16x8_nan(_mm256_add_ps(bf16x8_f32(o), bv));
+            if (n == 8)
+                _mm_storeu_si128((__m128i*)(y + i * ldy + c), o);
+            else
+                memcpy(y + i * ldy + c, &o, (size_t)n * 2);
+        }
+    }
+}
+
+static void w8a8_gemm(const int8_t* xq, const float* sx, const uint32_t* wpk, const float* scale, const bf16* bias,
+                      bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads) {
+    const int64_t Kp = i8_kp(K), nblocks = (N + 15) / 16, block_words = Kp / 4 * 16;
+    const int nt = pick_threads(nblocks, N * K, nthreads);
+#pragma omp parallel num_threads(nt)
+    {
+        int32_t acc[I8_MB * 16] __attribute__((aligned(32)));
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < nblocks; b++) {
+            const int64_t n0 = b * 16;
+            const int nrows = (int)(N - n0 < 16 ? N - n0 : 16);
+            const uint32_t* wb = wpk + b * block_words;
+            for (int64_t m0 = 0; m0 < M; m0 += I8_MB) {
+                const int64_t rows = M - m0 < I8_MB ? M - m0 : I8_MB;
+                for (int64_t k0 = 0; k0 < Kp; k0 += I8_KC) {
+                    const int64_t kc = Kp - k0 < I8_KC ? Kp - k0 : I8_KC;
+                    for (int64_t i0 = 0; i0 < rows; i0 += I8_MR) {
+                        const int mr = (int)(rows - i0 < I8_MR ? rows - i0 : I8_MR);
+                        const int64_t m = m0 + i0;
+                        i8_micro_by_rows[mr](xq + m * Kp + k0, Kp, wb + k0 / 4 * 16, kc / 4, acc + i0 * 16, k0 == 0);
+                        if (k0 + kc >= Kp) i8_store(acc + i0 * 16, mr, sx + m, scale, bias, n0, nrows, y + m * ldy, ldy);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/* scratch: i8_scratch_bytes(M, K). 0: done; -1: K out of range (the caller keeps torch's). */
+static int linear_w8a8(const bf16* x, int64_t ldx, const uint32_t* wpk, const float* scale, const float* static_scale,
+                       const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads,
+                       void* scratch) {
+    if (K > I8_MAX_K || K < 1) return -1;
+    int8_t* xq = (int8_t*)scratch;
+    float* sx = (float*)(xq + M * i8_kp(K));
+    quantize_rows_i8(x, ldx, M, K, static_scale, nthreads, xq, sx);
+    w8a8_gemm(xq, sx, wpk, scale, bias, y, ldy, M, N, K, nthreads);
+    return 0;
+}
+
+int it_linear_w8a8(const bf16* x, int64_t ldx, const uint32_t* w, const float* scale, const float* static_scale,
+                   const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads) {
+    void* scratch = aligned_alloc(64, (size_t)i8_scratch_bytes(M, K));
+    if (!scratch) return -2;
+    const int rc = linear_w8a8(x, ldx, w, scale, static_scale, bias, y, ldy, M, N, K, nthreads, scratch);
+    free(scratch);
+    return rc;
+}
+
+/* q int8 [N, K] -> the packed weight, i8_packed_words(N, K) words: word (b, p, l) = columns 4p .. 4p + 3 of row
+ * 16 b + l, zero past N and K. Returns -1 (nothing written past the first bad row's block) where q holds -128. */
+int it_pack_w8a8(const int8_t* q, int64_t N, int64_t K, uint32_t* out, int nthreads) {
+    const int64_t Kp = i8_kp(K), nblocks = (N + 15) / 16;
+    int bad = 0;
+#pragma omp parallel for num_threads(nthreads > 0 ? nthreads : 1) schedule(static) reduction(| : bad)
+    for (int64_t b = 0; b < nblocks; b++) {
+        uint8_t* blk = (uint8_t*)(out + b * (Kp / 4) * 16);
+        for (int64_t p = 0; p < Kp / 4; p++)
+            for (int l = 0; l < 16; l++)
+                for (int j = 0; j < 4; j++) {
+                    const int64_t n = b * 16 + l, k = 4 * p + j;
+                    const int8_t v = n < N && k < K ? q[n * K + k] : 0;
+                    bad |= v == -128;
+                    blk[(p * 16 + l) * 4 + j] = (uint8_t)v;
+                }
+    }
+    return bad ? -1 : 0;
+}
+
+void it_unpack_w8a8(const uint32_t* packed, int64_t N, int64_t K, int8_t* q) {
+    const int64_t Kp = i8_kp(K);
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t* blk = (const uint8_t*)(packed + (n / 16) * (Kp / 4) * 16);
+        for (int64_t k = 0; k < K; k++) q[n * K + k] = (int8_t)blk[((k / 4) * 16 + n % 16) * 4 + k % 4];
+    }
+}
