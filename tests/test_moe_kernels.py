@@ -305,11 +305,14 @@ def test_grouped_experts_refuse_what_they_do_not_fit(ks):
 
 
 def quantized_experts(ks, method: str, group_size: int, e: int, k: int, hidden: int, inter: int, g):
-    """An Experts layer of random bf16 weights quantized (quant/experts.py: "w8a16", or "w4a16" in groups of
+    """An Experts layer of random bf16 weights quantized (quant/experts.py: "w8a16", "w8a8", or "w4a16" in groups of
     group_size), and its KernelExperts."""
     from infertune.quant.experts import QuantizedExperts
     from infertune.quant.int4 import W4A16Method
-    from infertune.quant.int8 import W8A16Method
+    from infertune.quant.int8 import W8A8Method, W8A16Method
+
+    if method == "w8a8" and not cpu.w8a8_supported(ks.lib):
+        pytest.skip(f"{ks.name}: no int8 x int8 kernel (NEON)")
 
     layer = Experts(hidden, MoeArch(e, k, inter, layers=(0,), norm_topk_prob=True), torch.bfloat16)
     gate_up, down = expert_weights(e, hidden, inter, g)
@@ -318,21 +321,24 @@ def quantized_experts(ks, method: str, group_size: int, e: int, k: int, hidden: 
         layer.down_proj.copy_(down)
     if method == "w8a16":
         layer.quant_method = QuantizedExperts(lambda: W8A16Method(kernels=ks))
+    elif method == "w8a8":
+        layer.quant_method = QuantizedExperts(lambda: W8A8Method(kernels=ks))
     else:
         layer.quant_method = QuantizedExperts(lambda: W4A16Method(group_size=group_size, kernels=ks))
     layer.quant_method.process_weights_after_loading(layer)
     experts = layer.quant_method.kernel_experts(layer)
-    assert experts is not None and experts.gate_up.kind == method[:2]
+    assert experts is not None and experts.gate_up.kind == {"w8a16": "w8", "w4a16": "w4", "w8a8": "w8a8"}[method]
     return layer, experts
 
 
-@pytest.mark.parametrize("method", ["w8a16", "w4a16"])
+@pytest.mark.parametrize("method", ["w8a16", "w4a16", "w8a8"])
 @pytest.mark.parametrize("t", [1, 5, 40])
 def test_quantized_experts_match_their_per_expert_loop(ks, method, t):
     """Int8 / int4 experts (quant/experts.py: the Linear methods' buffers stacked over the experts) through the
     grouped kernel: the same int kernels as the per-expert loop runs on each expert's slice (bit for bit almost
-    everywhere; past 16 rows an expert's loop multiplies its dequantized weight with torch's GEMM), and within
-    2^-7 of experts_reference in fp32 on the dequantized weights."""
+    everywhere; past 16 rows an expert's loop multiplies its dequantized weight with torch's GEMM; W8A8 bit for bit
+    everywhere: linear_w8a8 at any row count, each row's activations rounded on their own), and within 2^-7 of
+    experts_reference in fp32 on the dequantized weights (2^-5 with W8A8's int8 activations)."""
     e, k, hidden, inter = 8, 2, 128, 64
     g = torch.Generator().manual_seed(t)
     layer, experts = quantized_experts(ks, method, 64, e, k, hidden, inter, g)
@@ -342,10 +348,13 @@ def test_quantized_experts_match_their_per_expert_loop(ks, method, t):
     assert y is not None
     loop = layer.forward_native(x, routing)
     assert (y == loop).float().mean() >= 0.99
+    if method == "w8a8":
+        assert torch.equal(y.view(torch.int16), loop.view(torch.int16))
     dq_gate_up = layer.quant_method.dequantized_weight(layer, "gate_up_proj")
     dq_down = layer.quant_method.dequantized_weight(layer, "down_proj")
     ref = experts_reference(x.float(), dq_gate_up.float(), dq_down.float(), routing.weights, routing.ids)
-    torch.testing.assert_close(y.float(), ref, rtol=2**-7, atol=2**-7 * float(ref.abs().max()))
+    tol = 2**-5 if method == "w8a8" else 2**-7
+    torch.testing.assert_close(y.float(), ref, rtol=tol, atol=tol * float(ref.abs().max()))
 
 
 @pytest.mark.parametrize("method", ["w8a16", "w4a16"])
@@ -646,6 +655,7 @@ def test_profile_counts_the_expert_load_of_the_fused_steps(tmp_path, monkeypatch
         ("qwen3", None, False),  # q / k norms
         ("qwen3_moe", None, False),
         ("qwen3_moe", "w8a16", True),
+        ("qwen3_moe", "w8a8", False),  # experts, attention and routers' inputs rounded to int8 per row
         ("qwen2_moe", "w4a16", True),  # the shared expert and its sigmoid gate
         ("mixtral", None, False),
     ],
@@ -659,6 +669,8 @@ def test_fused_step_runs_moe_and_qk_norm_layers_as_the_modules_do(tmp_path, arch
     every MoE layer of every step is handed back to route() and resumed."""
     from infertune import LLM, SamplingParams
 
+    if quant == "w8a8" and cpu.amx():
+        pytest.skip("W8A8 keeps torch._int_mm on AMX (no kernel layers for the fused step)")
     path = _attention_free_checkpoint(tmp_path, arch, ties)
     llm = LLM(str(path), dtype="bfloat16", max_model_len=96, block_size=16, quantization=quant, quant_group_size=64)
     runner = llm.engine.executor.runner

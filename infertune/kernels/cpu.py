@@ -1499,21 +1499,32 @@ def expert_lin(
     scales: torch.Tensor | None = None,
     zero: torch.Tensor | None = None,
     group_size: int = 0,
+    *,
+    lib: ctypes.CDLL | None = None,
 ) -> ItLin | str:
     """Expert 0's it_lin of a projection stacked over num_experts experts (csrc/moe.h moe_expert_lin steps to expert
     e), or why the tensors do not fit: bf16 w [E, n, k]; int8 w [E, n, k] with scales [E, n] (bf16 or fp32); int4
-    pack_w4 bytes [E, n, k / 2] with fp32 scales and zero [E, n, k / group_size]. The tensors must outlive it."""
+    pack_w4 bytes [E, n, k / 2] with fp32 scales and zero [E, n, k / group_size]; W8A8 each expert's pack_w8a8 (lib's
+    layout) stacked [E, ...] with fp32 scales [E, n]. The tensors must outlive it."""
     want = {
         WeightKind.BF16: (torch.bfloat16, (num_experts, n, k)),
         WeightKind.W8: (torch.int8, (num_experts, n, k)),
         WeightKind.W4: (torch.uint8, (num_experts, n, k // 2)),
     }.get(kind)
+    if kind == WeightKind.W8A8 and w8a8_supported(lib):
+        want = (torch.int32, (num_experts, *w8a8_packed_shape(n, k, lib)))
     if want is None:
-        return f"weight kind {kind.name} (experts take bf16, int8 or int4)"
+        return f"weight kind {kind.name} (experts take bf16, int8, int4 or W8A8 where the library has it)"
     if w.dtype is not want[0] or tuple(w.shape) != want[1] or not w.is_contiguous():
         return f"weights {w.dtype} {tuple(w.shape)}, need contiguous {want[0]} {want[1]}"
     lin = ItLin(kind=int(kind), w=w.data_ptr(), N=n, K=k)
-    if kind == WeightKind.W8:
+    if kind == WeightKind.W8A8:
+        if scales is None or scales.dtype is not torch.float32 or tuple(scales.shape) != (num_experts, n):
+            return f"W8A8 experts need contiguous fp32 scales {(num_experts, n)}"
+        if not scales.is_contiguous() or k > W8A8_MAX_K:
+            return f"W8A8 experts of K={k} (at most {W8A8_MAX_K}) with contiguous scales"
+        lin.scale = scales.data_ptr()
+    elif kind == WeightKind.W8:
         if scales is None or scales.dtype not in (torch.bfloat16, torch.float32) or not scales.is_contiguous():
             return "int8 experts need contiguous bf16 / fp32 scales [E, N]"
         if tuple(scales.shape) != (num_experts, n):

@@ -142,7 +142,7 @@ class X86Kernels:
             return None
         lins = self._experts_lins.get(experts)
         if lins is None:  # (checked once per layer: the tensors it points at are the layer's, kept alive by it)
-            lins = [expert_lin(lin, experts.num_experts) for lin in (experts.gate_up, experts.down)]
+            lins = [expert_lin(lin, experts.num_experts, self.lib) for lin in (experts.gate_up, experts.down)]
             self._experts_lins[experts] = lins
         if any(isinstance(lin, str) for lin in lins):
             return None

@@ -153,7 +153,7 @@ class X86FusedDecoder:
             if layer.mla is not None:
                 c.mla = ctypes.addressof(_mla_layer(layer.mla, keep))
             if layer.moe is not None:
-                cmoe = _moe_layer(layer.moe, keep)
+                cmoe = _moe_layer(layer.moe, keep, avx2_lib)
                 if isinstance(cmoe, str):
                     return cmoe
                 c.moe = ctypes.addressof(cmoe)
@@ -390,15 +390,16 @@ def _mla_layer(mla: FusedMla, keep: list) -> cpu.ItMlaLayer:
     return c
 
 
-def _moe_layer(moe: FusedMoE, keep: list) -> cpu.ItMoeLayer | str:
-    """The C description of a MoE layer (csrc/abi.h it_moe_layer); its tensors (and itself) go into keep."""
+def _moe_layer(moe: FusedMoE, keep: list, lib=None) -> cpu.ItMoeLayer | str:
+    """The C description of a MoE layer (csrc/abi.h it_moe_layer); its tensors (and itself) go into keep. lib: the
+    library the step runs on (None: the process's), whose W8A8 packing the experts' are."""
     rule = moe_rule(moe.moe)
     if rule is None:
         return f"the routing rule {moe.moe.scoring} / {moe.moe.topk_method} (the kernels' router does not know it)"
     if moe.moe.top_k > 64:
         return f"top_k={moe.moe.top_k} (the grouped experts take up to 64)"
     e = moe.experts.num_experts
-    lins = [expert_lin(lin, e) for lin in (moe.experts.gate_up, moe.experts.down)]
+    lins = [expert_lin(lin, e, lib) for lin in (moe.experts.gate_up, moe.experts.down)]
     for lin in lins:
         if isinstance(lin, str):
             return f"{lin} (the grouped experts' kernel does not take them)"
@@ -446,10 +447,15 @@ def moe_rule(moe: MoeArch) -> cpu.ItMoe | None:
     )
 
 
-_EXPERT_KINDS = {"bf16": cpu.WeightKind.BF16, "w8": cpu.WeightKind.W8, "w4": cpu.WeightKind.W4}
+_EXPERT_KINDS = {
+    "bf16": cpu.WeightKind.BF16,
+    "w8": cpu.WeightKind.W8,
+    "w4": cpu.WeightKind.W4,
+    "w8a8": cpu.WeightKind.W8A8,
+}
 
 
-def expert_lin(lin: KernelLinear, num_experts: int) -> cpu.ItLin | str:
+def expert_lin(lin: KernelLinear, num_experts: int, lib=None) -> cpu.ItLin | str:
     """Expert 0's it_lin of a stacked expert projection (cpu.expert_lin), or why the kernels do not take it. 12-bit
     experts: an it_lin whose w points at their num_experts bf16c descriptions (held by the returned ItLin)."""
     if lin.kind == "bf16c" and lin.bias is None and lin.compressed_experts is not None:
@@ -469,4 +475,4 @@ def expert_lin(lin: KernelLinear, num_experts: int) -> cpu.ItLin | str:
         return f"{lin.kind} experts{' with a bias' if lin.bias is not None else ''}"
     w = lin.weight if kind == cpu.WeightKind.BF16 else lin.qweight
     n, k = lin.out_features, lin.in_features
-    return cpu.expert_lin(kind, num_experts, n, k, w, lin.scales, lin.zero, lin.group_size)
+    return cpu.expert_lin(kind, num_experts, n, k, w, lin.scales, lin.zero, lin.group_size, lib=lib)

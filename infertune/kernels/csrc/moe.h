@@ -169,6 +169,11 @@ static it_lin moe_expert_lin(const it_lin* L, int64_t e) {
     } else if (L->kind == IT_KIND_W8) {
         r.w = (const int8_t*)L->w + e * N * K;
         r.scale = (const char*)L->scale + e * N * (L->scale_is_f32 ? 4 : 2);
+#ifdef IT_HAS_W8A8
+    } else if (L->kind == IT_KIND_W8A8) { /* (each expert's pack_w8a8 words, fp32 scales) */
+        r.w = (const uint32_t*)L->w + e * i8_packed_words(N, K);
+        r.scale = (const float*)L->scale + e * N;
+#endif
 #ifdef MOE_BF16C
     } else if (L->kind == IT_KIND_BF16C) {
         r.w = (const bf16c*)L->w + e;
@@ -259,6 +264,9 @@ int it_moe_experts_part(const bf16* x, int64_t ldx, int64_t T, const it_lin* gat
     for (int i = 0; i < 2; i++) {
         const it_lin* L = i ? down : gate_up;
         int known = L->kind == IT_KIND_BF16 || L->kind == IT_KIND_W8 || L->kind == IT_KIND_W4;
+#ifdef IT_HAS_W8A8
+        known |= L->kind == IT_KIND_W8A8 && L->K <= I8_MAX_K && !L->zero; /* (experts: activations per token) */
+#endif
 #ifdef MOE_BF16C
         known |= L->kind == IT_KIND_BF16C && L->N % 16 == 0 && L->K % 32 == 0 && (!L->inter || 2 * L->inter == L->N);
 #endif

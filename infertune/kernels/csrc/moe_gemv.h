@@ -10,6 +10,11 @@ static void moe_linear(const it_lin* L, const bf16* x, int64_t ldx, bf16* y, int
         it_linear_bf16(x, ldx, (const bf16*)L->w, L->bias, y, ldy, M, L->N, L->K, nthreads);
     else if (L->kind == IT_KIND_W8)
         it_linear_w8(x, ldx, (const int8_t*)L->w, L->scale, L->scale_is_f32, L->bias, y, ldy, M, L->N, L->K, nthreads);
+#ifdef IT_HAS_W8A8
+    else if (L->kind == IT_KIND_W8A8) /* (moe.h checked K) */
+        it_linear_w8a8(x, ldx, (const uint32_t*)L->w, (const float*)L->scale, L->zero, L->bias, y, ldy, M, L->N, L->K,
+                       nthreads);
+#endif
     else
         it_linear_w4(x, ldx, (const uint8_t*)L->w, (const float*)L->scale, L->zero, L->group, L->bias, y, ldy, M, L->N,
                      L->K, nthreads);

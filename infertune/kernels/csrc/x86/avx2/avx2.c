@@ -9,6 +9,7 @@
  *
  * One translation unit (this file #includes its parts); built by kernels/cpu.py with -mavx2 -mfma -mf16c only. */
 #define _GNU_SOURCE
+#define IT_HAS_W8A8 /* it_lin kind 4 (W8A8): gemm_i8.c; fused_step.h and moe.h take it */
 #include <immintrin.h>
 #include <omp.h>
 #include "bf16.h"
@@ -24,5 +25,4 @@
 #include "kv_cache.h"
 #include "x86/avx2/fused.c"
 #include "moe_gemv.h"
-#define FUSED_W8A8 /* (it_lin kind 4: gemm_i8.c) */
 #include "fused_step.h"

@@ -25,6 +25,8 @@ static inline int64_t i8_kp(int64_t K) { return (K + 63) & ~(int64_t)63; }
 /* scratch: x_q [M, Kp] (zero past K), s_x [M] */
 static inline int64_t i8_scratch_bytes(int64_t M, int64_t K) { return (M * i8_kp(K) + M * 4 + 127) & ~(int64_t)63; }
 
+static inline int64_t i8_packed_words(int64_t N, int64_t K) { return (N + 15) / 16 * (i8_kp(K) / 4) * 16; }
+
 /* The features a block of the packed weight holds (it_pack_w8a8; the AVX-512 library's are 64) */
 int64_t it_w8a8_block(void) { return 16; }
 

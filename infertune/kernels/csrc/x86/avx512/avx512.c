@@ -41,6 +41,7 @@
  * kernels.
  */
 #define _GNU_SOURCE
+#define IT_HAS_W8A8 /* it_lin kind 4 (W8A8): gemm_i8.c; fused_step.h and moe.h take it */
 #include <immintrin.h>
 #include <time.h>
 #include <omp.h>
@@ -65,5 +66,4 @@
 #include "elementwise.c"
 #include "attention.c"
 #include "moe.c"
-#define FUSED_W8A8 /* (it_lin kind 4: gemm_i8.c) */
 #include "fused_step.h"
