@@ -484,3 +484,60 @@ def test_tensor_parallel_ranks_move_their_own_kv_heads(tiny_llama, tmp_path):
     finally:
         for e in (producer, consumer):
             e.shutdown()
+
+
+@pytest.mark.parametrize(
+    "arch,window",
+    [
+        ("mistral", dict(sliding_window=8)),  # one KV cache group, windowed
+        ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)),  # a full and a windowed group
+    ],
+)
+def test_sliding_window_models_move_each_groups_blocks(tmp_path, arch, window):
+    """A model whose layers attend within a window: the producer's answer carries each KV cache group's table (the
+    windowed group's entries before its window NULL, freed as the chunked prefill went), the consumer loads per group
+    only what the query at the prompt's last token reads, and its greedy tokens are one plain engine's. The producer
+    holds nothing once the consumer confirmed."""
+    from conftest import make_checkpoint
+
+    model = make_checkpoint(tmp_path / arch, arch, **window)
+    base = dict(
+        dtype="float32", max_model_len=96, block_size=4, max_num_seqs=4, kv_cache_memory_bytes=2**20,
+        max_num_batched_tokens=16,
+    )  # fmt: skip
+    kv = {"kv_connector_config": {"path": str(tmp_path / "kv")}}
+    plain = LLMEngine(EngineConfig.create(str(model), **base))
+    producer = LLMEngine(EngineConfig.create(str(model), **base, kv_role="producer", **kv))
+    consumer = LLMEngine(EngineConfig.create(str(model), **base, kv_role="consumer", **kv))
+    prompts = [
+        "The cat sat on the mat and looked at the dog, who",
+        "def add(a, b):\n    return a + b\n\ndef mul(a, b):",
+    ]
+    try:
+        groups = 2 if arch == "qwen2" else 1
+        loaded = 0
+        for i, prompt in enumerate(prompts):
+            want = _generate(plain, f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=8))
+            ask = SamplingParams(temperature=0, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+            answer = _generate(producer, f"p{i}", prompt, ask).kv_transfer_params
+            tables = answer["block_ids"] if groups > 1 else [answer["block_ids"]]
+            n = answer["num_tokens"]
+            assert n > 24 and len(tables) == groups and all(len(t) == -(-n // 4) for t in tables)
+            assert tables[-1][0] == -1 and tables[-1][-1] >= 0  # the windowed group's first blocks were freed
+            if groups > 1:
+                assert all(b >= 0 for b in tables[0])  # the full group keeps every block
+            got = _generate(
+                consumer, f"d{i}", prompt, SamplingParams(temperature=0, max_tokens=8, kv_transfer_params=answer)
+            )
+            assert got.outputs[0].token_ids == want.outputs[0].token_ids
+            loaded += n - 1
+        stats = consumer.stats()
+        kv_stats = {k: v[0] for k, v in stats["kv_transfer"].items()}
+        assert stats["prefill_tokens_computed"] == len(prompts)
+        assert kv_stats["kv_transfer_loads"] == len(prompts) and kv_stats["kv_transfer_load_failures"] == 0
+        assert kv_stats["kv_transfer_tokens_loaded"] == loaded
+        producer.poll_kv_transfers()
+        assert producer.block_manager.num_free_blocks == producer.block_manager.num_blocks
+    finally:
+        for e in (producer, consumer, plain):
+            e.shutdown()

@@ -214,3 +214,33 @@ def test_router_with_a_p2p_producer_process_then_its_death(copies, tiny_llama):
         assert strict.block_manager.num_free_blocks == strict.block_manager.num_blocks
     finally:
         strict.shutdown()
+
+
+def test_a_model_with_a_windowed_kv_group_moves_each_groups_blocks(tmp_path):
+    """Qwen2 with its last layer windowed (a full and a windowed KV cache group): the blocks travel per group over
+    the gloo pair, and the consumer's greedy tokens are one plain engine's (test_pd.py holds the planning to it on
+    the local connector)."""
+    from conftest import make_checkpoint
+
+    model = make_checkpoint(tmp_path / "qwen2", "qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    decode_dir = shutil.copytree(model, tmp_path / "decode")
+    base = {**BASE, "max_model_len": 96, "max_num_batched_tokens": 16}
+    port = free_port()
+    plain = LLMEngine(EngineConfig.create(str(decode_dir), **base))
+    producer = LLMEngine(EngineConfig.create(str(model), **base, **_p2p("producer", port)))
+    consumer = LLMEngine(EngineConfig.create(str(decode_dir), **base, **_p2p("consumer")))
+    try:
+        prompt = "The cat sat on the mat and looked at the dog, who"
+        want = _generate(plain, "r", prompt, SamplingParams(temperature=0, max_tokens=8))
+        ask = SamplingParams(temperature=0, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+        answer = _generate(producer, "p", prompt, ask).kv_transfer_params
+        assert len(answer["block_ids"]) == 2 and answer["block_ids"][1][0] == -1  # (the windowed group's, freed)
+        got = _generate(consumer, "d", prompt, SamplingParams(temperature=0, max_tokens=8, kv_transfer_params=answer))
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        stats = consumer.stats()
+        assert stats["prefill_tokens_computed"] == 1 and stats["kv_transfer"]["kv_transfer_loads"][0] == 1
+        producer.poll_kv_transfers()
+        assert producer.block_manager.num_free_blocks == producer.block_manager.num_blocks
+    finally:
+        for e in (producer, consumer, plain):
+            e.shutdown()

@@ -72,8 +72,6 @@ def scheduler_connector(config, kv_info) -> KVConnectorScheduler | None:
         )
     if getattr(config.cache, "kv_int4_after", None) is not None:
         raise ValueError("KV transfer (kv_role) does not move int4 blocks yet: drop kv_int4_after on both sides")
-    if len(kv_info.groups) > 1 or any(g.window is not None for g in kv_info.groups):
-        raise ValueError("KV transfer (kv_role) does not support sliding-window models yet (more than one KV group)")
     if p.kv_connector == "p2p":
         from infertune.kv_transfer.p2p import P2PConnectorScheduler as cls
     else:

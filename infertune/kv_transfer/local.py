@@ -45,6 +45,7 @@ from infertune.kv_transfer.base import (
     KVTransferError,
     layout_mismatch,
 )
+from infertune.scheduler_output import NULL_BLOCK
 
 log = logging.getLogger(__name__)
 
@@ -108,13 +109,30 @@ def rank_file(path: str, engine_id: str, rank: int) -> Path:
     return Path(path) / f"{engine_id}-rank{rank}.kv"
 
 
+def group_windows(layout: dict) -> list[int | None]:
+    """The KV cache groups' windows a layout names (None: full attention); one full group where it names none."""
+    return list(layout.get("kv_cache_groups") or [None])
+
+
+def needed_from(window: int | None, query: int, block_size: int) -> int:
+    """The first block of a group a query at position `query` (or later) reads: 0 for full attention, else the
+    block of its window's first key (query - window + 1), as KVCacheCoordinator.first_live_block."""
+    return 0 if window is None else max(0, query - window + 1) // block_size
+
+
+def tables_of(seq, num_groups: int) -> list[list[int]]:
+    """seq's block table in each KV cache group (a model of one group: its one table)."""
+    tables = list(getattr(seq, "block_tables", None) or [seq.block_table])
+    return tables + [[] for _ in range(num_groups - len(tables))]
+
+
 @dataclass(slots=True)
 class RemoteKV:
     """What a consumer's request will load: the producer's answer, checked at admission."""
 
     engine_id: str
     transfer_id: str
-    block_ids: list[int]
+    block_ids: list[list[int]]  # per KV cache group (NULL_BLOCK before a windowed group's window)
     num_tokens: int
     expires_at: float
     producer_num_blocks: int
@@ -125,6 +143,7 @@ class LocalConnectorScheduler(KVConnectorScheduler):
     def __init__(self, role: str, settings: dict, layout: dict, num_blocks: int, block_size: int, policy: str):
         assert role in ("producer", "consumer")
         self.role, self.layout, self.block_size, self.policy = role, layout, block_size, policy
+        self.windows = group_windows(layout)
         self.path = Path(settings["path"])
         self.lease_s, self.margin_s = settings["lease_s"], settings["margin_s"]
         self.engine_id = settings["engine_id"]
@@ -219,6 +238,10 @@ class LocalConnectorScheduler(KVConnectorScheduler):
         n = seq.num_prompt_tokens
         if seq.num_computed_tokens < n:
             return False, None
+        # per KV cache group, the prompt's blocks (a windowed group's entries before its window are NULL_BLOCK: freed
+        # as the prefill went; what a consumer's query at the prompt's last token reads is all there)
+        nb = -(-n // self.block_size)
+        tables = [list(t[:nb]) for t in tables_of(seq, len(self.windows))]
         transfer_id = uuid.uuid4().hex[:16]
         expires = time.time() + self.lease_s
         self._publish_lease(transfer_id, expires)
@@ -228,7 +251,7 @@ class LocalConnectorScheduler(KVConnectorScheduler):
             "do_remote_prefill": True,
             "engine_id": self.engine_id,
             "transfer_id": transfer_id,
-            "block_ids": list(block_ids[: -(-n // self.block_size)]),
+            "block_ids": tables[0] if len(tables) == 1 else tables,  # (a model of one group: one flat list)
             "num_tokens": n,
             "prompt_hash": prompt_hash(seq.prompt_token_ids),
             "expires_at": expires,
@@ -316,7 +339,7 @@ class LocalConnectorScheduler(KVConnectorScheduler):
         return RemoteKV(
             eid,
             str(p["transfer_id"]),
-            [int(b) for b in p["block_ids"]],
+            self._group_blocks(p["block_ids"]),
             int(p["num_tokens"]),
             float(p["expires_at"]),
             int(card["num_blocks"]),
@@ -331,17 +354,33 @@ class LocalConnectorScheduler(KVConnectorScheduler):
                 f"the prompt's {len(prompt_token_ids)} tokens are not the {p['num_tokens']} the producer prefilled "
                 "(another tokenizer or chat template?)"
             )
-        blocks, pool = p["block_ids"], int(card.get("num_blocks", 0))
-        if (
-            not isinstance(blocks, list)
-            or len(blocks) != -(-int(p["num_tokens"]) // self.block_size)
-            or not all(isinstance(b, int) and 0 <= b < pool for b in blocks)
-        ):
-            raise _Failed(
-                f"kv_transfer_params' block_ids are not {p['num_tokens']} tokens' blocks of the producer's pool"
-            )
+        n, pool = int(p["num_tokens"]), int(card.get("num_blocks", 0))
+        groups = self._group_blocks(p["block_ids"])
+        nb = -(-n // self.block_size)
+        for blocks, window in zip(groups, self.windows):
+            need = needed_from(window, n - 1, self.block_size)  # (what the query at the last prompt token reads)
+            if (
+                len(blocks) != nb
+                or not all(isinstance(b, int) and 0 <= b < pool for b in blocks[need:])
+                or not all(isinstance(b, int) and (b == NULL_BLOCK or 0 <= b < pool) for b in blocks[:need])
+            ):
+                raise _Failed(
+                    f"kv_transfer_params' block_ids are not {p['num_tokens']} tokens' blocks of the producer's pool"
+                )
         if time.time() > float(p["expires_at"]) - self.margin_s:
             raise _Failed(f"the producer's lease on transfer {p['transfer_id']} has run out")
+
+    def _group_blocks(self, block_ids) -> list[list[int]]:
+        """kv_transfer_params' block_ids as one list per KV cache group: one flat list for a model of one group, a list
+        of lists (one per group, in the layout's order) otherwise."""
+        groups = [block_ids] if len(self.windows) == 1 else block_ids
+        if (
+            not isinstance(groups, list)
+            or len(groups) != len(self.windows)
+            or not all(isinstance(g, list) for g in groups)
+        ):
+            raise _Failed(f"kv_transfer_params' block_ids are not one list for each of {len(self.windows)} KV groups")
+        return [[b if isinstance(b, int) else -2 for b in g] for g in groups]  # (-2: no block id, refused)
 
     def get_num_new_matched_tokens(self, seq, num_computed_tokens: int) -> int:
         remote = getattr(seq, "kv_transfer", None)
@@ -366,13 +405,21 @@ class LocalConnectorScheduler(KVConnectorScheduler):
             return
         start = seq.num_computed_tokens
         first, last = start // self.block_size, -(-(start + num_external_tokens) // self.block_size)
+        # Per KV cache group, the blocks from `first` on, a windowed group's from the window of the first query
+        # computed here (start + external) on: one flat list of pairs (a block id is a page of every group's layers,
+        # so each pair copies the group's own layers' KV with the rest of the block)
+        src, dst = [], []
+        for g, (table, window) in enumerate(zip(tables_of(seq, len(self.windows)), self.windows)):
+            lo = max(first, needed_from(window, start + num_external_tokens, self.block_size))
+            src += remote.block_ids[g][lo:last]
+            dst += table[lo:last]
         req_id = str(seq.seq_id)
         self._loads.append(
             KVLoad(
                 req_id,
                 remote.engine_id,
-                remote.block_ids[first:last],
-                list(block_ids[first:last]),
+                src,
+                dst,
                 remote.producer_num_blocks,
                 remote.expires_at,
                 start,
@@ -413,7 +460,10 @@ class LocalConnectorScheduler(KVConnectorScheduler):
     def stats(self) -> dict[str, tuple[float, str, str]]:
         c = self.counts
         if self.role == "producer":
-            held = sum(len(seq.block_table) for seq, _ in self._leases.values())
+            held = sum(
+                sum(b != NULL_BLOCK for t in tables_of(seq, len(self.windows)) for b in t)
+                for seq, _ in self._leases.values()
+            )
             return {
                 "kv_transfer_leases_held": (
                     len(self._leases),

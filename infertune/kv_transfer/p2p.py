@@ -37,7 +37,7 @@ import uuid
 from dataclasses import dataclass
 
 from infertune.kv_transfer.base import KVConnectorMetadata, KVConnectorWorker, KVTransferError, layout_mismatch
-from infertune.kv_transfer.local import LocalConnectorScheduler, RemoteKV, _Failed
+from infertune.kv_transfer.local import LocalConnectorScheduler, RemoteKV, _Failed, group_windows
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +133,7 @@ class P2PConnectorScheduler(LocalConnectorScheduler):
     def __init__(self, role: str, settings: dict, layout: dict, num_blocks: int, block_size: int, policy: str):
         assert role in ("producer", "consumer")
         self.role, self.layout, self.block_size, self.policy = role, layout, block_size, policy
+        self.windows = group_windows(layout)
         self.host, self.port, self.timeout_s = settings["host"], settings["port"], settings["timeout_s"]
         self.lease_s, self.margin_s = settings["lease_s"], settings["margin_s"]
         self.engine_id = settings["engine_id"]
@@ -260,7 +261,7 @@ class P2PConnectorScheduler(LocalConnectorScheduler):
         if not self._ask(peer, "lease", lambda client: client.check([f"lease/{p['transfer_id']}"])):
             raise _Failed(f"transfer {p['transfer_id']} was used already, or the producer released it")
         return PeerKV(
-            eid, str(p["transfer_id"]), [int(b) for b in blocks], int(p["num_tokens"]), float(p["expires_at"]),
+            eid, str(p["transfer_id"]), self._group_blocks(blocks), int(p["num_tokens"]), float(p["expires_at"]),
             pool, peer=peer,
         )  # fmt: skip
 
