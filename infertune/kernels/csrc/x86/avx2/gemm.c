@@ -113,29 +113,40 @@ static inline void fma_prefetch(const fma_pf* pf, int64_t j) {
     }
 }
 
-/* acc [MRC, 64] columns 16 v .. 16 v + 15 (+)= xp rows [MRC, kc] . panel (first: from zero) */
+/* acc [MRC, 64] columns 16 v .. 16 v + 15 (+)= xp rows [MRC, kc] . panel (first: from zero).
+ * The 12 accumulators are named variables, not an array: with an array of __m256 GCC 12 at -O3 kept them on the
+ * stack, a store each per k step (12 stores for 12 FMAs, seen in the disassembly), which held this GEMM near 60% of
+ * the FMA peak; at -O2, or as scalars, they stay in registers. This call's share of the next slab's lines is asked
+ * for at once, before the FMAs. */
 static inline __attribute__((always_inline)) void fma_micro(const float* xp, const int MRC, const float* panel,
                                                             int64_t kc, float* acc, int first, const fma_pf* pf) {
-    __m256 c[FMA_MR][2];
-    for (int i = 0; i < MRC; i++)
-        for (int v = 0; v < 2; v++) c[i][v] = first ? _mm256_setzero_ps() : _mm256_load_ps(acc + i * FMA_NB + 8 * v);
-    const int64_t every = pf->count > 0 ? (kc + pf->count - 1) / pf->count : kc + 1; /* k steps per line */
-    int64_t j = 0, next = 0; /* (a countdown, not k % every: a division per k step costs as much as its FMAs) */
-    for (int64_t k = 0; k < kc; k++) {
-        if (k == next) {
-            fma_prefetch(pf, j++);
-            next += every;
-        }
-        const __m256 w0 = _mm256_load_ps(panel + k * 16), w1 = _mm256_load_ps(panel + k * 16 + 8);
-        for (int i = 0; i < MRC; i++) {
-            const __m256 xb = _mm256_broadcast_ss(xp + i * FMA_KC + k);
-            c[i][0] = _mm256_fmadd_ps(xb, w0, c[i][0]);
-            c[i][1] = _mm256_fmadd_ps(xb, w1, c[i][1]);
-        }
+#define FMA_DECL(i)                                                                       \
+    __m256 c##i##a = _mm256_setzero_ps(), c##i##b = _mm256_setzero_ps();                \
+    if (MRC > i && !first) {                                                              \
+        c##i##a = _mm256_load_ps(acc + i * FMA_NB);                                       \
+        c##i##b = _mm256_load_ps(acc + i * FMA_NB + 8);                                   \
     }
-    for (; j < pf->count; j++) fma_prefetch(pf, j);
-    for (int i = 0; i < MRC; i++)
-        for (int v = 0; v < 2; v++) _mm256_store_ps(acc + i * FMA_NB + 8 * v, c[i][v]);
+#define FMA_ROW(i)                                                                        \
+    if (MRC > i) {                                                                        \
+        const __m256 xb = _mm256_broadcast_ss(xp + i * FMA_KC + k);                       \
+        c##i##a = _mm256_fmadd_ps(xb, w0, c##i##a);                                       \
+        c##i##b = _mm256_fmadd_ps(xb, w1, c##i##b);                                       \
+    }
+#define FMA_STORE(i)                                                                      \
+    if (MRC > i) {                                                                        \
+        _mm256_store_ps(acc + i * FMA_NB, c##i##a);                                       \
+        _mm256_store_ps(acc + i * FMA_NB + 8, c##i##b);                                   \
+    }
+    FMA_DECL(0) FMA_DECL(1) FMA_DECL(2) FMA_DECL(3) FMA_DECL(4) FMA_DECL(5)
+    for (int64_t j = 0; j < pf->count; j++) fma_prefetch(pf, j);
+    for (int64_t k = 0; k < kc; k++) {
+        const __m256 w0 = _mm256_load_ps(panel + k * 16), w1 = _mm256_load_ps(panel + k * 16 + 8);
+        FMA_ROW(0) FMA_ROW(1) FMA_ROW(2) FMA_ROW(3) FMA_ROW(4) FMA_ROW(5)
+    }
+    FMA_STORE(0) FMA_STORE(1) FMA_STORE(2) FMA_STORE(3) FMA_STORE(4) FMA_STORE(5)
+#undef FMA_DECL
+#undef FMA_ROW
+#undef FMA_STORE
 }
 
 #define FMA_MICRO(R)                                                                                             \

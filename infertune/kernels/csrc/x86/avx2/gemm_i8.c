@@ -71,29 +71,44 @@ static void quantize_rows_i8(const bf16* x, int64_t ldx, int64_t M, int64_t K, c
     }
 }
 
+/* acc [MRC, 16] (+)= x_q rows [MRC, 4 nw] . the packed words. The 8 accumulators are named variables, not an array:
+ * with an array GCC 12 at -O3 kept them on the stack, a store each per step (as it did the FMA GEMM's: gemm.c
+ * fma_micro) */
 static inline __attribute__((always_inline)) void i8_micro(const int8_t* xq, int64_t Kp, const int MRC,
                                                            const uint32_t* wp, int64_t nw, int32_t* acc, int first) {
-    __m256i c[I8_MR][2];
-    for (int i = 0; i < MRC; i++)
-        for (int v = 0; v < 2; v++)
-            c[i][v] = first ? _mm256_setzero_si256() : _mm256_load_si256((const __m256i*)(acc + i * 16 + 8 * v));
+#define I8_DECL(i)                                                                           \
+    __m256i c##i##a = _mm256_setzero_si256(), c##i##b = _mm256_setzero_si256();            \
+    if (MRC > i && !first) {                                                                 \
+        c##i##a = _mm256_load_si256((const __m256i*)(acc + i * 16));                         \
+        c##i##b = _mm256_load_si256((const __m256i*)(acc + i * 16 + 8));                     \
+    }
+#define I8_ROW(i)                                                                            \
+    if (MRC > i) {                                                                           \
+        int32_t word;                                                                        \
+        memcpy(&word, xq + i * Kp + 4 * p, 4);                                               \
+        const __m256i xb = _mm256_set1_epi32(word), xa = _mm256_abs_epi8(xb);                \
+        c##i##a = _mm256_add_epi32(c##i##a,                                                  \
+                                   _mm256_madd_epi16(_mm256_maddubs_epi16(xa, _mm256_sign_epi8(w0, xb)), ones)); \
+        c##i##b = _mm256_add_epi32(c##i##b,                                                  \
+                                   _mm256_madd_epi16(_mm256_maddubs_epi16(xa, _mm256_sign_epi8(w1, xb)), ones)); \
+    }
+#define I8_STORE(i)                                                                          \
+    if (MRC > i) {                                                                           \
+        _mm256_store_si256((__m256i*)(acc + i * 16), c##i##a);                               \
+        _mm256_store_si256((__m256i*)(acc + i * 16 + 8), c##i##b);                           \
+    }
+    I8_DECL(0) I8_DECL(1) I8_DECL(2) I8_DECL(3)
     const __m256i ones = _mm256_set1_epi16(1);
     for (int64_t p = 0; p < nw; p++) {
         const uint32_t* q = wp + p * 16;
         _mm_prefetch((const char*)(q + I8_PF_WORDS * 16), _MM_HINT_T0);
         const __m256i w0 = _mm256_load_si256((const __m256i*)q), w1 = _mm256_load_si256((const __m256i*)(q + 8));
-        for (int i = 0; i < MRC; i++) {
-            int32_t word;
-            memcpy(&word, xq + i * Kp + 4 * p, 4);
-            const __m256i xb = _mm256_set1_epi32(word), xa = _mm256_abs_epi8(xb);
-            c[i][0] = _mm256_add_epi32(
-                c[i][0], _mm256_madd_epi16(_mm256_maddubs_epi16(xa, _mm256_sign_epi8(w0, xb)), ones));
-            c[i][1] = _mm256_add_epi32(
-                c[i][1], _mm256_madd_epi16(_mm256_maddubs_epi16(xa, _mm256_sign_epi8(w1, xb)), ones));
-        }
+        I8_ROW(0) I8_ROW(1) I8_ROW(2) I8_ROW(3)
     }
-    for (int i = 0; i < MRC; i++)
-        for (int v = 0; v < 2; v++) _mm256_store_si256((__m256i*)(acc + i * 16 + 8 * v), c[i][v]);
+    I8_STORE(0) I8_STORE(1) I8_STORE(2) I8_STORE(3)
+#undef I8_DECL
+#undef I8_ROW
+#undef I8_STORE
 }
 
 #define I8_MICRO(R) static void i8_micro_##R(const int8_t* xq, int64_t Kp, const uint32_t* wp, int64_t nw, \
