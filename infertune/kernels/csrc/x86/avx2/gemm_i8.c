@@ -17,22 +17,15 @@
 #define I8_KC 1024         /* columns per slab: 16 features x 1024 bytes = 16 KB */
 #define I8_MB 128          /* rows per pass over a slab */
 #define I8_MR 4            /* rows per micro-kernel: 8 accumulators, 2 weight vectors, x, |x|, a product, ones */
-#define I8_MAX_K (1 << 16) /* sums of K products of at most 127 x 127 stay in int32 */
 #define I8_PF_WORDS 64     /* how far ahead along the packed weights (words of 16 features: 64 B each) to ask */
+#define I8_NB 16           /* output features a block of the packed weight holds */
+#define I8_FLIP 0          /* (the weights as they are: signed) */
+#include "w8a8.h"          /* I8_MAX_K, the scratch, unpacking, the entry points */
 
-static inline int64_t i8_kp(int64_t K) { return (K + 63) & ~(int64_t)63; }
-
-/* scratch: x_q [M, Kp] (zero past K), s_x [M] */
-static inline int64_t i8_scratch_bytes(int64_t M, int64_t K) { return (M * i8_kp(K) + M * 4 + 127) & ~(int64_t)63; }
-
-static inline int64_t i8_packed_words(int64_t N, int64_t K) { return (N + 15) / 16 * (i8_kp(K) / 4) * 16; }
-
-/* The features a block of the packed weight holds (it_pack_w8a8; the AVX-512 library's are 64) */
-int64_t it_w8a8_block(void) { return 16; }
-
-/* x [M, K] bf16 -> xq [M, Kp] int8 and sx [M], as quantize_int8_per_token (or by *static_scale) */
+/* x [M, K] bf16 -> xq [M, Kp] int8, sx [M] and xsum [M] (the rows' sums, which this product does not need: the
+ * AVX-512 one's), as quantize_int8_per_token (or by *static_scale) */
 static void quantize_rows_i8(const bf16* x, int64_t ldx, int64_t M, int64_t K, const float* static_scale,
-                             int nthreads, int8_t* xq, float* sx) {
+                             int nthreads, int8_t* xq, float* sx, int32_t* xsum) {
     const int64_t Kp = i8_kp(K), K8 = K & ~(int64_t)7;
     const int nt = M >= 8 && M * K >= (1 << 16) ? nthreads : 1;
 #pragma omp parallel for num_threads(nt) schedule(static)
@@ -68,6 +61,7 @@ static void quantize_rows_i8(const bf16* x, int64_t ldx, int64_t M, int64_t K, c
             q[k] = (int8_t)(v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v);
         }
         for (int64_t k = K; k < Kp; k++) q[k] = 0;
+        xsum[m] = 0;
     }
 }
 
@@ -138,8 +132,10 @@ static inline void i8_store(const int32_t* acc, int mr, const float* sx, const f
     }
 }
 
-static void w8a8_gemm(const int8_t* xq, const float* sx, const uint32_t* wpk, const float* scale, const bf16* bias,
-                      bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads) {
+static void w8a8_gemm(const int8_t* xq, const float* sx, const int32_t* xsum, const uint32_t* wpk,
+                      const float* scale, const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K,
+                      int nthreads) {
+    (void)xsum; /* (no offset to take back: the weights stay signed) */
     const int64_t Kp = i8_kp(K), nblocks = (N + 15) / 16, block_words = Kp / 4 * 16;
     const int nt = pick_threads(nblocks, N * K, nthreads);
 #pragma omp parallel num_threads(nt)
@@ -166,51 +162,22 @@ static void w8a8_gemm(const int8_t* xq, const float* sx, const uint32_t* wpk, co
     }
 }
 
-/* scratch: i8_scratch_bytes(M, K). 0: done; -1: K out of range (the caller keeps torch's). */
-static int linear_w8a8(const bf16* x, int64_t ldx, const uint32_t* wpk, const float* scale, const float* static_scale,
-                       const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads,
-                       void* scratch) {
-    if (K > I8_MAX_K || K < 1) return -1;
-    int8_t* xq = (int8_t*)scratch;
-    float* sx = (float*)(xq + M * i8_kp(K));
-    quantize_rows_i8(x, ldx, M, K, static_scale, nthreads, xq, sx);
-    w8a8_gemm(xq, sx, wpk, scale, bias, y, ldy, M, N, K, nthreads);
-    return 0;
-}
-
-int it_linear_w8a8(const bf16* x, int64_t ldx, const uint32_t* w, const float* scale, const float* static_scale,
-                   const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads) {
-    void* scratch = aligned_alloc(64, (size_t)i8_scratch_bytes(M, K));
-    if (!scratch) return -2;
-    const int rc = linear_w8a8(x, ldx, w, scale, static_scale, bias, y, ldy, M, N, K, nthreads, scratch);
-    free(scratch);
-    return rc;
-}
 
 /* q int8 [N, K] -> the packed weight, i8_packed_words(N, K) words: word (b, p, l) = columns 4p .. 4p + 3 of row
- * 16 b + l, zero past N and K. Returns -1 (nothing written past the first bad row's block) where q holds -128. */
+ * 16 b + l, zero past N and K. -1 (nothing written) where q holds -128. */
 int it_pack_w8a8(const int8_t* q, int64_t N, int64_t K, uint32_t* out, int nthreads) {
+    if (i8_has_min128(q, N * K)) return -1;
     const int64_t Kp = i8_kp(K), nblocks = (N + 15) / 16;
-    int bad = 0;
-#pragma omp parallel for num_threads(nthreads > 0 ? nthreads : 1) schedule(static) reduction(| : bad)
+#pragma omp parallel for num_threads(nthreads > 0 ? nthreads : 1) schedule(static)
     for (int64_t b = 0; b < nblocks; b++) {
         uint8_t* blk = (uint8_t*)(out + b * (Kp / 4) * 16);
         for (int64_t p = 0; p < Kp / 4; p++)
             for (int l = 0; l < 16; l++)
                 for (int j = 0; j < 4; j++) {
                     const int64_t n = b * 16 + l, k = 4 * p + j;
-                    const int8_t v = n < N && k < K ? q[n * K + k] : 0;
-                    bad |= v == -128;
-                    blk[(p * 16 + l) * 4 + j] = (uint8_t)v;
+                    blk[(p * 16 + l) * 4 + j] = (uint8_t)(n < N && k < K ? q[n * K + k] : 0);
                 }
     }
-    return bad ? -1 : 0;
+    return 0;
 }
 
-void it_unpack_w8a8(const uint32_t* packed, int64_t N, int64_t K, int8_t* q) {
-    const int64_t Kp = i8_kp(K);
-    for (int64_t n = 0; n < N; n++) {
-        const uint8_t* blk = (const uint8_t*)(packed + (n / 16) * (Kp / 4) * 16);
-        for (int64_t k = 0; k < K; k++) q[n * K + k] = (int8_t)blk[((k / 4) * 16 + n % 16) * 4 + k % 4];
-    }
-}

@@ -23,7 +23,9 @@
  * at 1 row (both at the memory's speed), 1.41x at 16, 1.65x at 32; 1.9x the bf16 VDPBF16PS GEMM at 512.
  */
 #define I8_KC 1024         /* columns per slab: 64 features x 1024 bytes = 64 KB (L2), as the bf16 GEMM's */
-#define I8_MAX_K (1 << 16) /* sums of K products of at most 255 x 127 stay in int32 */
+#define I8_NB 64           /* output features a block of the packed weight holds */
+#define I8_FLIP 0x80       /* (the weight as VPDPBUSD's unsigned operand: q + 128) */
+#include "w8a8.h"          /* I8_MAX_K, the scratch, unpacking, the entry points */
 
 /* acc += the products of u (unsigned bytes) and s (signed), 4 a lane: VPDPBUSD. (Through the intrinsic GCC 12 copied
  * each of the micro-kernel's 24 accumulators to the stack and back at every step; as an asm statement with the
@@ -32,11 +34,6 @@ static inline __attribute__((always_inline)) __m512i dpbusd(__m512i acc, __m512i
     __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(s));
     return acc;
 }
-
-static inline int64_t i8_kp(int64_t K) { return (K + 63) & ~(int64_t)63; }
-
-/* scratch: x_q [M, Kp] (zero past K), s_x [M], sum x_q [M] */
-static inline int64_t i8_scratch_bytes(int64_t M, int64_t K) { return (M * i8_kp(K) + M * 8 + 127) & ~(int64_t)63; }
 
 /* x [M, K] bf16 -> xq [M, Kp] int8, sx [M], xsum [M]: see the top of this file; static_scale NULL: per row */
 static void quantize_rows_i8(const bf16* x, int64_t ldx, int64_t M, int64_t K, const float* static_scale,
@@ -152,7 +149,6 @@ static inline void i8_store(const int32_t* acc, int mr, const float* sx, const i
  * columns of one feature + 128 (the weight as VPDPBUSD's unsigned operand); rows past N and columns past K hold
  * 128 (q = 0), which meets x_q = 0 past K, and rows past N are never stored. A thread's blocks are consecutive and
  * each block is one run of memory, so the weights stream in order. */
-static inline int64_t i8_packed_words(int64_t N, int64_t K) { return (N + 63) / 64 * (i8_kp(K) / 4) * 64; }
 
 static void w8a8_gemm(const int8_t* xq, const float* sx, const int32_t* xsum, const uint32_t* wpk,
                       const float* scale, const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K,
@@ -203,50 +199,14 @@ static void w8a8_gemm(const int8_t* xq, const float* sx, const int32_t* xsum, co
     }
 }
 
-/* The features a block of the packed weight holds (the AVX2 library's are 16) */
-int64_t it_w8a8_block(void) { return 64; }
 
 /* q int8 [N, K] -> the packed weight, i8_packed_words(N, K) words. -1 where q holds -128: outside the contract's
  * -127..127 (the AVX2 library's product needs it; both refuse it alike) */
 int it_pack_w8a8(const int8_t* q, int64_t N, int64_t K, uint32_t* out, int nthreads) {
-    for (int64_t i = 0; i < N * K; i++)
-        if (q[i] == -128) return -1;
+    if (i8_has_min128(q, N * K)) return -1;
     const int64_t nblocks = (N + 63) / 64, Kp = i8_kp(K);
 #pragma omp parallel for num_threads(nthreads > 0 ? nthreads : 1) schedule(static)
     for (int64_t b = 0; b < nblocks; b++)
         i8_pack_slab(q, K, b * 64, (int)(N - b * 64 < 64 ? N - b * 64 : 64), 0, Kp, out + b * (Kp / 4) * 64);
     return 0;
-}
-
-/* the packed weight -> q int8 [N, K] */
-void it_unpack_w8a8(const uint32_t* packed, int64_t N, int64_t K, int8_t* q) {
-    const int64_t Kp = i8_kp(K);
-    for (int64_t n = 0; n < N; n++) {
-        const uint8_t* blk = (const uint8_t*)(packed + (n / 64) * (Kp / 4) * 64);
-        for (int64_t k = 0; k < K; k++) q[n * K + k] = (int8_t)(blk[((k / 4) * 64 + n % 64) * 4 + k % 4] ^ 0x80);
-    }
-}
-
-/* scratch: i8_scratch_bytes(M, K). 0: done; -1: K too large for int32 sums (the caller keeps torch's). */
-static int linear_w8a8(const bf16* x, int64_t ldx, const uint32_t* wpk, const float* scale, const float* static_scale,
-                       const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads,
-                       void* scratch) {
-    if (K > I8_MAX_K || K < 1) return -1;
-    int8_t* xq = (int8_t*)scratch;
-    float* sx = (float*)(xq + M * i8_kp(K));
-    int32_t* xsum = (int32_t*)(sx + M);
-    quantize_rows_i8(x, ldx, M, K, static_scale, nthreads, xq, sx, xsum);
-    w8a8_gemm(xq, sx, xsum, wpk, scale, bias, y, ldy, M, N, K, nthreads);
-    return 0;
-}
-
-/* w: the packed weight (it_pack_w8a8); static_scale: NULL (per row) or a calibrated scale [1]; returns as
- * linear_w8a8 */
-int it_linear_w8a8(const bf16* x, int64_t ldx, const uint32_t* w, const float* scale, const float* static_scale,
-                   const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads) {
-    void* scratch = aligned_alloc(64, (size_t)i8_scratch_bytes(M, K));
-    if (!scratch) return -2;
-    const int rc = linear_w8a8(x, ldx, w, scale, static_scale, bias, y, ldy, M, N, K, nthreads, scratch);
-    free(scratch);
-    return rc;
 }

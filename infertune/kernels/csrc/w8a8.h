@@ -1,0 +1,70 @@
+/* W8A8's parts every ISA's kernel shares (csrc/x86/avx512/gemm_i8.c, csrc/x86/avx2/gemm_i8.c): the sizes, the
+ * scratch, the packed weight's blocks, its unpacking, the entry points. Portable C. The including file defines, before
+ * it: I8_NB, the output features a block of the packed weight holds, and I8_FLIP, the byte every weight was XORed
+ * with when packed (0x80 where the weight is VPDPBUSD's unsigned operand, 0 where it stays signed); and, anywhere in
+ * the translation unit, its own
+ *   quantize_rows_i8(x, ldx, M, K, static_scale, nthreads, xq, sx, xsum)   x -> int8 rows, their scales and sums
+ *   w8a8_gemm(xq, sx, xsum, w, scale, bias, y, ldy, M, N, K, nthreads)     the product on the packed weight
+ *   it_pack_w8a8(q, N, K, out, nthreads)                                   the packing (i8_has_min128 first) */
+#ifndef IT_W8A8_H
+#define IT_W8A8_H
+#include "bf16.h"
+
+#define I8_MAX_K (1 << 16) /* sums of K products of at most 255 x 127 stay in int32 */
+
+static inline int64_t i8_kp(int64_t K) { return (K + 63) & ~(int64_t)63; }
+
+/* scratch: x_q [M, Kp] (zero past K), s_x [M], sum x_q [M] */
+static inline int64_t i8_scratch_bytes(int64_t M, int64_t K) { return (M * i8_kp(K) + M * 8 + 127) & ~(int64_t)63; }
+
+static inline int64_t i8_packed_words(int64_t N, int64_t K) { return (N + I8_NB - 1) / I8_NB * (i8_kp(K) / 4) * I8_NB; }
+
+/* 1 where q [n] holds -128: outside the contract's -127..127 (the AVX2 product needs it; every library refuses it) */
+static inline int i8_has_min128(const int8_t* q, int64_t n) {
+    for (int64_t i = 0; i < n; i++)
+        if (q[i] == -128) return 1;
+    return 0;
+}
+
+static void quantize_rows_i8(const bf16* x, int64_t ldx, int64_t M, int64_t K, const float* static_scale,
+                             int nthreads, int8_t* xq, float* sx, int32_t* xsum);
+static void w8a8_gemm(const int8_t* xq, const float* sx, const int32_t* xsum, const uint32_t* wpk,
+                      const float* scale, const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K,
+                      int nthreads);
+
+/* The features a block of the packed weight holds (kernels/cpu.py w8a8_packed_shape) */
+int64_t it_w8a8_block(void) { return I8_NB; }
+
+/* the packed weight -> q int8 [N, K] */
+void it_unpack_w8a8(const uint32_t* packed, int64_t N, int64_t K, int8_t* q) {
+    const int64_t Kp = i8_kp(K);
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t* blk = (const uint8_t*)(packed + (n / I8_NB) * (Kp / 4) * I8_NB);
+        for (int64_t k = 0; k < K; k++) q[n * K + k] = (int8_t)(blk[((k / 4) * I8_NB + n % I8_NB) * 4 + k % 4] ^ I8_FLIP);
+    }
+}
+
+/* scratch: i8_scratch_bytes(M, K). 0: done; -1: K out of range (the caller keeps torch's). */
+static int linear_w8a8(const bf16* x, int64_t ldx, const uint32_t* wpk, const float* scale, const float* static_scale,
+                       const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads,
+                       void* scratch) {
+    if (K > I8_MAX_K || K < 1) return -1;
+    int8_t* xq = (int8_t*)scratch;
+    float* sx = (float*)(xq + M * i8_kp(K));
+    int32_t* xsum = (int32_t*)(sx + M);
+    quantize_rows_i8(x, ldx, M, K, static_scale, nthreads, xq, sx, xsum);
+    w8a8_gemm(xq, sx, xsum, wpk, scale, bias, y, ldy, M, N, K, nthreads);
+    return 0;
+}
+
+/* w: the packed weight (it_pack_w8a8); static_scale: NULL (per row) or a calibrated scale [1]; returns as
+ * linear_w8a8, or -2 where the scratch cannot be had */
+int it_linear_w8a8(const bf16* x, int64_t ldx, const uint32_t* w, const float* scale, const float* static_scale,
+                   const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads) {
+    void* scratch = aligned_alloc(64, (size_t)i8_scratch_bytes(M, K));
+    if (!scratch) return -2;
+    const int rc = linear_w8a8(x, ldx, w, scale, static_scale, bias, y, ldy, M, N, K, nthreads, scratch);
+    free(scratch);
+    return rc;
+}
+#endif
