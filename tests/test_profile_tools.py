@@ -141,6 +141,23 @@ def test_doctor_reports_the_decode_kernels():
     assert kernels(facts(cpu_kernels_unavailable="this CPU lacks avx512_bf16")).status == "OK"
 
 
+def test_doctor_says_which_w8a8_product_runs():
+    """W8A8: infertune's own int8 kernel; else torch._int_mm where its sums are exact; a warning where they are not
+    (oneDNN without VNNI), which the real probe reproduces with torch limited to AVX2 (quant/int8.py)."""
+    from infertune.profile.doctor import check_cpu
+
+    def w8a8(f):
+        return {c.name: c for c in check_cpu(f)}.get("cpu.w8a8")
+
+    assert (
+        w8a8(facts(w8a8_kernel=True)).status == "OK" and "infertune's kernels" in w8a8(facts(w8a8_kernel=True)).detail
+    )
+    assert w8a8(facts(w8a8_kernel=False, int_mm_exact=True)).status == "OK"
+    bad = w8a8(facts(w8a8_kernel=False, int_mm_exact=False))
+    assert bad.status == "WARN" and "float64" in bad.detail and "w8a16" in bad.fix
+    assert w8a8(facts()) is None  # (facts from an older report: nothing said)
+
+
 def test_doctor_passes_on_this_machine_and_its_json_round_trips(compat, capsys):
     real = gather()
     checks = check_all(real, compat)

@@ -324,7 +324,7 @@ def check_cpu(f: EnvFacts) -> list[Check]:
             Check(
                 "cpu.kernels",
                 "OK",
-                "infertune's decode kernels (bf16 / W8A16 / W4A16 GEMV, fused decode "
+                "infertune's decode kernels (bf16 / W8A16 / W4A16 GEMV, W8A8 int8 GEMM, fused decode "
                 f"step) are built and loaded: bf16 models decode on them{twelve}",
             )
         )
@@ -340,6 +340,28 @@ def check_cpu(f: EnvFacts) -> list[Check]:
                 "(1.4-2x faster batch-1 decode in bf16 / W8A16 / W4A16)",
             )
         )
+    if f.w8a8_kernel:
+        out.append(
+            Check(
+                "cpu.w8a8",
+                "OK",
+                "quantization=w8a8 multiplies int8 by int8 in infertune's kernels here (bf16 models): prompts at about "
+                "twice a bf16 GEMM's speed, exact integer sums",
+            )
+        )
+    elif f.int_mm_exact is False:
+        out.append(
+            Check(
+                "cpu.w8a8",
+                "WARN",
+                "torch._int_mm sums int8 products wrong on this CPU (oneDNN without VNNI saturates pairs of "
+                "products): quantization=w8a8 sums in float64 on torch's path instead, exact but slow",
+                "run W8A8 models in bfloat16 with infertune's kernels built (a C compiler), where W8A8 has its own "
+                "exact int8 kernel, or use w8a16",
+            )
+        )
+    elif f.int_mm_exact:
+        out.append(Check("cpu.w8a8", "OK", "quantization=w8a8 runs torch._int_mm (oneDNN), exact here"))
     if "avx512f" in f.cpu_flags and f.cpu_capability and "AVX512" not in f.cpu_capability.upper():
         out.append(
             Check(

@@ -64,6 +64,9 @@ class EnvFacts:
     mem_available: int | None = None
     # infertune's CPU decode kernels: None = built and loaded, else why not (infertune.kernels.cpu)
     cpu_kernels_unavailable: str | None = None
+    # W8A8: the kernels multiply int8 by int8 here (x86 without AMX); torch._int_mm's sums are exact here
+    w8a8_kernel: bool | None = None
+    int_mm_exact: bool | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -188,6 +191,7 @@ def gather() -> EnvFacts:
         load = None
     vm = psutil.virtual_memory()
     from infertune.kernels import cpu as cpu_kernels  # builds them on first use (about 1 s)
+    from infertune.quant.int8 import int_mm_is_exact
 
     return EnvFacts(
         python=platform.python_version(),
@@ -214,6 +218,8 @@ def gather() -> EnvFacts:
         mem_total=vm.total,
         mem_available=vm.available,
         cpu_kernels_unavailable=None if cpu_kernels.available() else cpu_kernels.unavailable_reason(),
+        w8a8_kernel=cpu_kernels.available() and cpu_kernels.w8a8_supported() and not cpu_kernels.amx(),
+        int_mm_exact=int_mm_is_exact(),
     )
 
 
