@@ -222,6 +222,7 @@ def test_ledger_end_to_end_on_the_demo_model(tmp_path, capsys):
         "kernels",
         "int8_kv",
         "w8a16",
+        "w8a8",
         "w4a16",
         "tuned",
     ]
@@ -238,7 +239,13 @@ def test_ledger_end_to_end_on_the_demo_model(tmp_path, capsys):
     assert (
         steps["w4a16"]["options"]["quantization"] == "w4a16" and steps["w4a16"]["options"]["kv_cache_dtype"] == "int8"
     )
-    for key in ("int8_kv", "w8a16", "w4a16"):  # lossy steps carry a measured perplexity on the trained demo model
+    assert steps["w8a8"]["options"]["quantization"] == "w8a8"
+    for key in (
+        "int8_kv",
+        "w8a16",
+        "w8a8",
+        "w4a16",
+    ):  # lossy steps carry a measured perplexity on the trained demo model
         acc = steps[key]["accuracy"]
         assert acc["perplexity"] > 0 and acc["ref_perplexity"] > 0
     assert steps["tuned"]["tuner_rows"]

@@ -2,8 +2,8 @@
 
 HF transformers generate ("PyTorch native") -> infertune eager, one sequence at a time -> + paged KV and
 continuous batching -> + prepacked weights -> + compiled decode (torch.compile) -> + infertune's decode kernels
-(fused decode step; replaces torch.compile) -> + INT8 KV -> + W8A16 -> + W4A16 -> + tuned batch. Every step keeps the
-ones before it. On a MoE model the kernels step leaves the MoE layers in PyTorch (route() and the per-expert loop)
+(fused decode step; replaces torch.compile) -> + INT8 KV -> + W8A16 -> + W8A8 -> + W4A16 -> + tuned batch. Every step
+keeps the ones before it (a quantization replaces the one before). On a MoE model the kernels step leaves the MoE layers in PyTorch (route() and the per-expert loop)
 and two more steps follow, the seeds' MoE fusions: the fused gating top-k (router kernel), then the grouped expert
 GEMM; W8A16 / W4A16 quantize the experts too. On an MLA model the steps up to the kernels keep each head's
 decompressed K / V (`mla_cache="decompressed"`), and the seeds' "decompressed cache -> latent cache" step follows them,
@@ -25,7 +25,7 @@ from infertune.plotting import pyplot, require_matplotlib
 
 DESCRIPTION = (
     "Measure the optimization ledger on this machine: HF transformers generate, then infertune eager, + paged KV "
-    "and continuous batching, + prepacked weights, + compiled decode, + decode kernels, + INT8 KV, + W8A16, "
+    "and continuous batching, + prepacked weights, + compiled decode, + decode kernels, + INT8 KV, + W8A16, + W8A8, "
     "+ W4A16, + tuned batch; tokens/s, TTFT, memory, gain per step and cumulative vs HF, and the perplexity "
     "change of lossy steps; --pd adds the P/D split step (2 colocated replicas -> 1 prefill + 1 decode behind the router, "
     "TTFT / TPOT percentiles); --longctx adds the long-context step (full KV -> window + compression policy: KV per "
@@ -136,6 +136,8 @@ STEPS = [
     ("moe_fused", "+ MoE layers in the fused decode step (router, top-k, experts: inside its one C call)", None, False),
     ("int8_kv", "+ INT8 KV cache", dict(kv_cache_dtype="int8"), True),
     ("w8a16", "+ W8A16 weights", dict(quantization="w8a16"), True),
+    # (the seeds' W8A8: the activations rounded to int8 per token too, int8 x int8 GEMMs; replaces W8A16)
+    ("w8a8", "+ W8A8 (int8 activations too, instead of W8A16)", dict(quantization="w8a8"), True),
     ("w4a16", "+ W4A16 weights", dict(quantization="w4a16"), True),
     ("tuned", "+ tuned batch (the tuner's offline pick)", dict(max_num_seqs="tuned"), False),
 ]
@@ -150,6 +152,7 @@ MOE_STEP_OPTIONS = {
 MOE_LABELS = {
     "kernels": "+ decode kernels for the dense stages (MoE router and experts in PyTorch; compile off)",
     "w8a16": "+ W8A16 weights (experts included)",
+    "w8a8": "+ W8A8 (int8 activations too, instead of W8A16; experts included)",
     "w4a16": "+ W4A16 weights (experts included)",
 }
 # The MLA step's cache bytes: the latent rows against the decompressed K / V the steps before it keep.
