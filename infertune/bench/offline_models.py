@@ -25,6 +25,23 @@ MODEL_FORMAT_VERSION = 1  # bump when the built model changes, so stale caches a
 # and routing (queries through a low rank of 384, sigmoid scores with a correction bias, top-8 renormalised and
 # scaled by 2.5, one shared expert), in one expert group: the shape llama.cpp's deepseek2 also runs (its GGUF export
 # refuses V2-Lite's full-rank queries outside 27 layers, and group-limited routing).
+# The two MLA presets' common body (a DeepSeek-V2-Lite-like shape scaled to fit here)
+_MLA_BODY = dict(
+    hidden_size=1024,
+    num_hidden_layers=12,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    intermediate_size=2816,  # the first layer's dense MLP
+    kv_lora_rank=512,
+    qk_rope_head_dim=64,
+    qk_nope_head_dim=128,
+    v_head_dim=128,
+    n_routed_experts=64,
+    moe_intermediate_size=384,
+    first_k_dense_replace=1,
+    n_group=1,
+    topk_group=1,
+)
 PRESETS = {
     "386m": dict(
         hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, intermediate_size=4864
@@ -64,49 +81,23 @@ PRESETS = {
         norm_topk_prob=True,
     ),
     "mla": dict(
+        _MLA_BODY,
         family="deepseek_v2",
-        hidden_size=1024,
-        num_hidden_layers=12,
-        num_attention_heads=16,
-        num_key_value_heads=16,
-        intermediate_size=2816,  # the first layer's dense MLP
         q_lora_rank=None,
-        kv_lora_rank=512,
-        qk_rope_head_dim=64,
-        qk_nope_head_dim=128,
-        v_head_dim=128,
-        n_routed_experts=64,
-        moe_intermediate_size=384,
         num_experts_per_tok=6,
         n_shared_experts=2,
-        first_k_dense_replace=1,
         topk_method="greedy",
         norm_topk_prob=False,
-        n_group=1,
-        topk_group=1,
     ),
     "mla-v3": dict(
+        _MLA_BODY,
         family="deepseek_v3",
-        hidden_size=1024,
-        num_hidden_layers=12,
-        num_attention_heads=16,
-        num_key_value_heads=16,
-        intermediate_size=2816,
         q_lora_rank=384,
-        kv_lora_rank=512,
-        qk_rope_head_dim=64,
-        qk_nope_head_dim=128,
-        v_head_dim=128,
-        n_routed_experts=64,
-        moe_intermediate_size=384,
         num_experts_per_tok=8,
         n_shared_experts=1,
-        first_k_dense_replace=1,
         norm_topk_prob=True,
         routed_scaling_factor=2.5,
         topk_method="noaux_tc",  # (V3's own; vLLM makes room for the correction bias only under it)
-        n_group=1,
-        topk_group=1,
     ),
 }
 COMMON_SHAPE = dict(

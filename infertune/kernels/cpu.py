@@ -934,7 +934,10 @@ def w8a8_supported(lib: ctypes.CDLL | None = None) -> bool:
 def w8a8_packed_shape(n: int, k: int, lib: ctypes.CDLL | None = None) -> tuple[int, int, int]:
     """The packed W8A8 weight's shape (int32 words): [ceil(N / B), ceil(K / 64) * 16, B], B the library's block of
     features (it_w8a8_block: 64 on AVX-512, 16 on AVX2)."""
-    b = int(_pick(lib).it_w8a8_block())
+    lib = _pick(lib)
+    b = getattr(lib, "_w8a8_block", None)  # (asked once per library: this check runs on every linear_w8a8 call)
+    if b is None:
+        b = lib._w8a8_block = int(lib.it_w8a8_block())
     return (n + b - 1) // b, (k + 63) // 64 * 16, b
 
 

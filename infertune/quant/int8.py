@@ -118,6 +118,7 @@ class W8A8Method(W8A16Method):
 
     name = "w8a8"
     own_layout = False  # qweight is the kernels' pack_w8a8 layout (else int8 [N, K])
+    kernel_rows = 0  # with own_layout: the rows up to which apply() calls linear_w8a8 (max_rows("w8a8"), asked once)
 
     def __init__(self, fast_kernel: bool = True, kernels: DecodeKernels | None = None) -> None:
         super().__init__(fast_kernel, None, kernels)
@@ -127,15 +128,15 @@ class W8A8Method(W8A16Method):
 
     def pack_weights(self, layer: Linear, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> None:
         """int8 q [N, K] and fp32 scale [N] -> the buffers (also for pre-quantized checkpoints)."""
-        if (
-            self._kernel_rows() > 0
-            and q.device.type == "cpu"
-            and dtype is torch.bfloat16
-            and q.shape[1] <= W8A8_MAX_K
-            and int(q.min()) > -128  # (the kernels' range; a stored checkpoint may hold -128: torch's path then)
-        ):
-            self.own_layout = True
-            layer.register_buffer("qweight", self.kernels.pack_w8a8(q.contiguous()))
+        rows, packed = self._kernel_rows(), None
+        if rows > 0 and q.device.type == "cpu" and dtype is torch.bfloat16 and q.shape[1] <= W8A8_MAX_K:
+            try:
+                packed = self.kernels.pack_w8a8(q.contiguous())
+            except ValueError:  # (-128, outside the kernels' range: a stored checkpoint may hold it; torch's path)
+                packed = None
+        if packed is not None:
+            self.own_layout, self.kernel_rows = True, rows
+            layer.register_buffer("qweight", packed)
         else:
             layer.register_buffer("qweight", q.contiguous())  # [N, K] int8 (_int_mm takes its transpose as a view)
         layer.register_buffer("scales", scale.float().contiguous())  # [N] fp32
@@ -175,8 +176,8 @@ class W8A8Method(W8A16Method):
         x2 = x.reshape(-1, x.shape[-1])
         if (
             self.own_layout
+            and x2.shape[0] <= self.kernel_rows
             and x.dtype is torch.bfloat16
-            and x2.shape[0] <= self._kernel_rows()
             and not torch.compiler.is_compiling()
         ):
             return self.kernels.linear_w8a8(x, layer.qweight, layer.scales, self.static_scale(layer), layer.bias)
