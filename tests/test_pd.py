@@ -193,6 +193,31 @@ def test_consumer_policy_on_failed_transfers(tmp_path):
     assert recompute.counts["load_failures"] == len(cases)
 
 
+def test_a_windowed_models_answer_is_checked_group_by_group(tmp_path):
+    """With a full and a windowed KV cache group (window 4, blocks of 4): an answer must hold one table per group, the
+    full group's blocks all real, the windowed group's real from the last prompt token's window on (earlier ones -1).
+    Anything else is a failed transfer the policy decides, saying what was wrong; a good answer is accepted."""
+    layout = {**LAYOUT, "kv_cache_groups": [None, 4]}
+    _producer_card(tmp_path, layout=layout)
+    prompt = list(range(12))  # 3 blocks; the query at token 11 reads tokens 8-11: block 2 of the windowed group
+    recompute = _connector(tmp_path, "consumer", layout=layout)
+    fail = _connector(tmp_path, "consumer", policy="fail", layout=layout)
+    good = _answer(prompt, block_ids=[[40, 41, 42], [-1, -1, 43]])
+    assert recompute.check_request(good, prompt).block_ids == [[40, 41, 42], [-1, -1, 43]]
+    cases = [
+        (_answer(prompt), "not one list for each of 2 KV groups"),  # (a flat list: a one-group producer's answer)
+        (_answer(prompt, block_ids=[[40, 41, 42]]), "not one list for each of 2 KV groups"),
+        (_answer(prompt, block_ids=[[40, -1, 42], [-1, -1, 43]]), "block_ids are not 12 tokens' blocks"),
+        (_answer(prompt, block_ids=[[40, 41, 42], [-1, 42, -1]]), "block_ids are not 12 tokens' blocks"),
+        (_answer(prompt, block_ids=[[40, 41, 42], [-1, 43]]), "block_ids are not 12 tokens' blocks"),
+    ]
+    for params, reason in cases:
+        assert recompute.check_request(params, prompt) is None
+        with pytest.raises(KVTransferError, match=reason):
+            fail.check_request(params, prompt)
+    assert recompute.counts["load_failures"] == len(cases)
+
+
 def test_a_layout_mismatch_at_the_first_transfer_names_both_values(tmp_path):
     conn = _connector(tmp_path, "consumer")
     _producer_card(tmp_path, layout={**LAYOUT, "cache_dtype": "bfloat16"})  # (started after the consumer)
