@@ -373,3 +373,42 @@ def test_reference_layouts_without_int_kernels(make_method, step):
             ref[t] += weights[t, j].double() * (down[e] @ (torch.nn.functional.silu(h[:32]) * h[32:]))
     y = ex.forward_native(x, MoeRouting(weights, ids, *group_by_expert(ids, 4)))
     assert (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max()  # fp32 rounding only
+
+
+def test_stored_w8a8_experts_holding_minus_128_load_in_one_layout(ckpt, tmp_path):
+    """A stored W8A8 checkpoint (written by another tool) whose experts hold -128 in one expert only: the kernels'
+    int8 layout refuses -128, so that projection keeps torch's [E, N, K] for every expert (never half in each), loads,
+    and every expert's product is the exact integer one with the reference's rounding; the other projection keeps the
+    kernels' layout where the CPU has them."""
+    out = tmp_path / "q"
+    quantize(str(ckpt("qwen2_moe")), "w8a8", str(out), keep_fp=("lm_head",), num_samples=0, show_progress=False)
+    tensors = load_file(str(out / "model.safetensors"))
+    name = "model.layers.0.mlp.experts.5.gate_proj.weight"
+    tensors[name][3, 7] = -128
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+    llm = LLM(str(out), dtype="bfloat16", max_model_len=32, block_size=4)
+    ex = _experts(llm.engine.executor.runner.model)["model.layers.0.mlp.experts"]
+    method = ex.quant_method
+    assert (
+        not method.linear_methods["gate_up_proj"].own_layout and method.linear_methods["gate_up_proj"].torch_layout_only
+    )
+    kernels = llm.engine.executor.runner.backend.decode_kernels()
+    with_kernels = kernels is not None and kernels.max_rows("w8a8") > 0
+    assert method.linear_methods["down_proj"].own_layout == with_kernels
+    gate_up, down = method.matmuls(ex)
+    gen = torch.Generator().manual_seed(4)
+    for proj, matmul in (("gate_up_proj", gate_up), ("down_proj", down)):
+        lm = method.linear_methods[proj]
+        n, k = method.shapes[proj]
+        for e in range(ex.num_experts):
+            wq = lm.int8_weight(method.expert_view(ex, proj, e))
+            stored_name = f"model.layers.0.mlp.experts.{e}." + ("gate_proj" if proj == "gate_up_proj" else "down_proj")
+            assert torch.equal(wq[: n // 2 if proj == "gate_up_proj" else n], tensors[f"{stored_name}.weight"])
+            x = torch.randn(3, k, generator=gen).to(torch.bfloat16)
+            xq, xs = quantize_int8_per_token(x.reshape(-1, k))
+            acc = (xq.long() @ wq.long().t()).float()  # exact (|sums| < 2^24)
+            scales = getattr(ex, f"{proj}_scales")[e]
+            assert torch.equal(matmul(e, x), (acc * xs * scales).to(torch.bfloat16))
+    out_tokens = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=4, temperature=0.0))[0].outputs[0].token_ids
+    assert len(out_tokens) == 4

@@ -119,6 +119,11 @@ class W8A8Method(W8A16Method):
     name = "w8a8"
     own_layout = False  # qweight is the kernels' pack_w8a8 layout (else int8 [N, K])
     kernel_rows = 0  # with own_layout: the rows up to which apply() calls linear_w8a8 (max_rows("w8a8"), asked once)
+    # One instance packs every expert of a projection (quant/experts.py), and they must share one layout: the first
+    # weight packed decides it; torch_layout_only keeps torch's [N, K] for all (a stored weight holding -128, which
+    # the kernels refuse, sets it for its whole projection before packing starts).
+    packed_weights = 0
+    torch_layout_only = False
 
     def __init__(self, fast_kernel: bool = True, kernels: DecodeKernels | None = None) -> None:
         super().__init__(fast_kernel, None, kernels)
@@ -129,11 +134,24 @@ class W8A8Method(W8A16Method):
     def pack_weights(self, layer: Linear, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> None:
         """int8 q [N, K] and fp32 scale [N] -> the buffers (also for pre-quantized checkpoints)."""
         rows, packed = self._kernel_rows(), None
-        if rows > 0 and q.device.type == "cpu" and dtype is torch.bfloat16 and q.shape[1] <= W8A8_MAX_K:
+        first = self.packed_weights == 0
+        kernels_layout = not self.torch_layout_only and (first or self.own_layout)
+        if (
+            kernels_layout
+            and rows > 0
+            and q.device.type == "cpu"
+            and dtype is torch.bfloat16
+            and q.shape[1] <= W8A8_MAX_K
+        ):
             try:
                 packed = self.kernels.pack_w8a8(q.contiguous())
             except ValueError:  # (-128, outside the kernels' range: a stored checkpoint may hold it; torch's path)
-                packed = None
+                if not first:
+                    raise ValueError(
+                        "a W8A8 weight holds -128 while the ones packed before it with the same method do not: "
+                        "scan the stacked weights first and set torch_layout_only"
+                    ) from None
+        self.packed_weights += 1
         if packed is not None:
             self.own_layout, self.kernel_rows = True, rows
             layer.register_buffer("qweight", packed)
