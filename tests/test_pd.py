@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +26,8 @@ from infertune.engine.scheduler import Scheduler
 from infertune.engine.sequence import Sequence, SequenceStatus
 from infertune.kv_transfer import KVTransferError
 from infertune.kv_transfer.local import LocalConnectorScheduler, connector_settings, prompt_hash
+from infertune.kv_transfer.p2p import P2PConnectorScheduler
+from infertune.kv_transfer.p2p import connector_settings as p2p_settings
 from infertune.router.app import Router
 from infertune.router.policy import Instance, Picker
 from infertune.sampling_params import SamplingParams
@@ -229,6 +232,30 @@ def test_a_layout_mismatch_at_the_first_transfer_names_both_values(tmp_path):
         conn.check_request(_answer(prompt, path="/elsewhere"), prompt)
 
 
+def test_an_answer_from_another_kind_of_connector_is_a_named_mismatch_under_either_policy(tmp_path):
+    """A local consumer handed a p2p producer's answer (or the other way round): not a failed transfer the policy may
+    recompute silently, but a configuration error (HTTP 500) naming both connectors."""
+    _producer_card(tmp_path)
+    prompt = list(range(8))
+    for policy in ("recompute", "fail"):
+        conn = _connector(tmp_path, "consumer", policy=policy)
+        answer = {**_answer(prompt, kv_connector="p2p"), "host": "10.0.0.2", "port": 5557}
+        with pytest.raises(KVTransferError, match="kv_connector: this consumer has 'local', the producer 'p2p'") as e:
+            conn.check_request(answer, prompt)
+        assert e.value.status == 500 and e.value.code == "kv_transfer_mismatch"
+        assert conn.check_request(_answer(prompt, kv_connector="local"), prompt) is not None
+    p2p = P2PConnectorScheduler(
+        "consumer",
+        {**p2p_settings({"host": "127.0.0.1", "port": free_port()}), "engine_id": "c1", "check_peer": False},
+        LAYOUT,
+        64,
+        4,
+        "recompute",
+    )
+    with pytest.raises(KVTransferError, match="kv_connector: this consumer has 'p2p', the producer 'local'"):
+        p2p.check_request(_answer(prompt, kv_connector="local"), prompt)
+
+
 def test_start_up_refuses_a_peer_with_another_layout(tiny_llama, tmp_path):
     kv = {"path": str(tmp_path)}
     base = dict(dtype="float32", max_model_len=64, max_num_seqs=4, kv_cache_memory_bytes=2**20)
@@ -389,6 +416,7 @@ def test_router_with_one_prefill_and_one_decode_gives_one_servers_outputs(tiny_l
         assert metric(p.url, "infertune_kv_transfer_leases_confirmed_total") == len(requests)
         assert metric(d.url, "infertune_kv_blocks_used") == 0
         assert httpx.get(router.url + "/health").json()["status"] == "ok"
+        assert router.router.check_instances() == []  # each instance is what its place asks, with one layout
         assert httpx.get(router.url + "/v1/models").json()["data"][0]["id"] == MODEL
         # a client's mistake comes back from the prefill instance as its 400, once
         bad = httpx.post(router.url + "/v1/completions", json={"prompt": "x", "temperature": -1})
@@ -566,3 +594,50 @@ def test_sliding_window_models_move_each_groups_blocks(tmp_path, arch, window):
     finally:
         for e in (producer, consumer, plain):
             e.shutdown()
+
+
+def test_the_router_names_instances_that_do_not_fit_their_place(tiny_llama, tmp_path, reference):
+    """Before serving, the router asks each instance what it is (GET /kv_transfer): instances in the wrong place, a
+    plain server as a decode instance, or P and D instances with different KV layouts are one start-up error naming
+    each; an instance that does not answer yet is left to its first transfer."""
+    kv = {"path": str(tmp_path)}
+    with (
+        ServerThread(tiny_llama, kv_role="producer", kv_connector_config=kv) as p,
+        ServerThread(tiny_llama, kv_role="consumer", kv_connector_config={"path": str(tmp_path / "b")}) as d,
+    ):
+        info = httpx.get(p.url + "/kv_transfer").json()
+        assert info["kv_role"] == "producer" and info["kv_connector"] == "local" and info["path"] == str(tmp_path)
+        assert info["layout"]["block_size"] == 4
+        assert httpx.get(reference.url + "/kv_transfer").json() == {"kv_role": None, "kv_connector": None}
+        with pytest.raises(ValueError) as e:
+            Router(prefill=[d.url], decode=[p.url, reference.url]).check_instances()
+        lines = str(e.value).splitlines()[1:]
+        assert lines == [
+            f"  prefill instance {d.url} runs with --kv-role consumer, not --kv-role producer",
+            f"  decode instance {p.url} runs with --kv-role producer, not --kv-role consumer",
+            f"  decode instance {reference.url} runs with no --kv-role, not --kv-role consumer",
+        ]
+        with pytest.raises(ValueError, match="replica instance .* runs with --kv-role producer, not no --kv-role"):
+            Router(replicas=[p.url, reference.url]).check_instances()
+        cli = subprocess.run(
+            [sys.executable, "-m", "infertune.cli", "router", "--prefill", d.url, "--decode", p.url],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert cli.returncode != 0 and f"prefill instance {d.url} runs with --kv-role consumer" in cli.stderr
+        gone = f"http://127.0.0.1:{free_port()}"
+        assert Router(prefill=[p.url], decode=[d.url, gone]).check_instances(timeout_s=1.0) == [gone]
+    with (
+        ServerThread(tiny_llama, kv_role="producer", kv_connector_config=kv) as p,
+        # (under another path: under the same one the consumer itself refuses to start beside this producer)
+        ServerThread(
+            tiny_llama, kv_role="consumer", kv_connector_config={"path": str(tmp_path / "c")}, kv_cache_dtype="int8"
+        ) as d,
+    ):
+        with pytest.raises(
+            ValueError,
+            match=f"the decode instance {d.url} against the prefill instance {p.url}: "
+            "kv_cache_dtype: this consumer has 'int8', the producer",
+        ):
+            Router(prefill=[p.url], decode=[d.url]).check_instances()

@@ -49,6 +49,16 @@ LAYOUT_KEYS = (
 )
 
 
+def connector_mismatch(mine: str, theirs: object, my_role: str, their_role: str) -> str | None:
+    """The line naming two sides' different kv_connector, None where they agree (or theirs says nothing)."""
+    if theirs is None or theirs == mine:
+        return None
+    return (
+        f"KV connector mismatch: kv_connector: this {my_role} has {mine!r}, the {their_role} {theirs!r}; start both "
+        "sides with the same --kv-connector"
+    )
+
+
 def layout_mismatch(mine: dict, theirs: dict, my_role: str, their_role: str) -> list[str]:
     """One line per layout key that differs: 'block_size: this consumer has 4, the producer 8'."""
     return [
@@ -85,6 +95,11 @@ class KVConnectorScheduler(abc.ABC):
     """The scheduler side of a connector: pure Python, in the engine's process."""
 
     role: str  # "producer" | "consumer"
+    name: str = ""  # the kv_connector name ("local", "p2p"): answers carry it, a consumer checks it
+
+    def describe(self) -> dict:
+        """What this side is, as plain data (the server's GET /kv_transfer; the router checks its instances by it)."""
+        return {"kv_role": self.role, "kv_connector": self.name, "layout": getattr(self, "layout", {})}
 
     @abc.abstractmethod
     def get_num_new_matched_tokens(self, seq, num_computed_tokens: int) -> int:

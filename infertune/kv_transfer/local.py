@@ -43,6 +43,7 @@ from infertune.kv_transfer.base import (
     KVConnectorWorker,
     KVLoad,
     KVTransferError,
+    connector_mismatch,
     layout_mismatch,
 )
 from infertune.scheduler_output import NULL_BLOCK
@@ -140,6 +141,8 @@ class RemoteKV:
 
 
 class LocalConnectorScheduler(KVConnectorScheduler):
+    name = "local"
+
     def __init__(self, role: str, settings: dict, layout: dict, num_blocks: int, block_size: int, policy: str):
         assert role in ("producer", "consumer")
         self.role, self.layout, self.block_size, self.policy = role, layout, block_size, policy
@@ -249,6 +252,7 @@ class LocalConnectorScheduler(KVConnectorScheduler):
         self.counts["transfers_granted"] += 1
         return True, {
             "do_remote_prefill": True,
+            "kv_connector": self.name,
             "engine_id": self.engine_id,
             "transfer_id": transfer_id,
             "block_ids": tables[0] if len(tables) == 1 else tables,  # (a model of one group: one flat list)
@@ -308,6 +312,7 @@ class LocalConnectorScheduler(KVConnectorScheduler):
     def _check(self, p: dict, prompt_token_ids: list[int]) -> RemoteKV:
         if p.get("error"):
             raise _Failed(f"the prefill did not run: {p['error']}")
+        self._check_connector(p)
         for key in ("engine_id", "transfer_id", "block_ids", "num_tokens", "expires_at"):
             if key not in p:
                 raise _Failed(f"kv_transfer_params has no {key!r}")
@@ -344,6 +349,12 @@ class LocalConnectorScheduler(KVConnectorScheduler):
             float(p["expires_at"]),
             int(card["num_blocks"]),
         )
+
+    def _check_connector(self, p: dict) -> None:
+        """A producer of another kind (its answer names its kv_connector): a configuration error, named (HTTP 500)."""
+        bad = connector_mismatch(self.name, p.get("kv_connector"), "consumer", "producer")
+        if bad:
+            raise KVTransferError(bad, 500, "kv_transfer_mismatch")
 
     def _check_transfer(self, p: dict, prompt_token_ids: list[int], card: dict) -> None:
         """What every connector checks of a producer's answer against the prompt and the producer's card: the same
@@ -456,6 +467,9 @@ class LocalConnectorScheduler(KVConnectorScheduler):
         if remote.users <= 0:
             with contextlib.suppress(OSError):
                 (self.path / "leases" / f"{remote.engine_id}.{remote.transfer_id}").unlink()
+
+    def describe(self) -> dict:
+        return {**super().describe(), "engine_id": self.engine_id, **self._where()}
 
     def stats(self) -> dict[str, tuple[float, str, str]]:
         c = self.counts

@@ -130,6 +130,8 @@ class P2PConnectorScheduler(LocalConnectorScheduler):
     """The local connector's scheduler side (the same planning, counters and policy), with the cards and leases in
     the producer's store instead of files."""
 
+    name = "p2p"
+
     def __init__(self, role: str, settings: dict, layout: dict, num_blocks: int, block_size: int, policy: str):
         assert role in ("producer", "consumer")
         self.role, self.layout, self.block_size, self.policy = role, layout, block_size, policy
@@ -239,6 +241,7 @@ class P2PConnectorScheduler(LocalConnectorScheduler):
     def _check(self, p: dict, prompt_token_ids: list[int]) -> PeerKV:
         if p.get("error"):
             raise _Failed(f"the prefill did not run: {p['error']}")
+        self._check_connector(p)
         for key in ("engine_id", "transfer_id", "block_ids", "num_tokens", "expires_at", "host", "port"):
             if key not in p:
                 raise _Failed(f"kv_transfer_params has no {key!r} (a producer of the p2p connector sends it)")

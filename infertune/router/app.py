@@ -32,6 +32,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
+from infertune.kv_transfer.base import layout_mismatch
 from infertune.router.policy import Instance, Picker, prompt_key
 
 log = logging.getLogger("infertune.router")
@@ -98,6 +99,47 @@ class Router:
 
     def instances(self) -> list[Instance]:
         return [*(self.prefill.instances if self.prefill else []), *self.serving.instances]
+
+    def check_instances(self, timeout_s: float = 5.0) -> list[str]:
+        """Before serving: ask every instance what it is (GET /kv_transfer). A prefill instance that is not a KV
+        producer, a decode instance that is not a consumer, a replica that is either, or P and D instances with
+        different connectors or KV layouts: a ValueError naming each mismatch and its instance. Returns the instances
+        that could not be asked (not running yet, or not infertune): those are checked by their first transfer."""
+        want = {"prefill": "producer", "decode": "consumer", "replica": None}
+        flag = {"producer": "--kv-role producer", "consumer": "--kv-role consumer", None: "no --kv-role"}
+        seen: dict[str, dict] = {}
+        unchecked, bad = [], []
+        for inst in self.instances():
+            try:
+                r = httpx.get(inst.url + "/kv_transfer", timeout=timeout_s)
+                info = r.json() if r.status_code == 200 else None
+            except (httpx.HTTPError, ValueError):
+                info = None
+            if not isinstance(info, dict) or "kv_role" not in info:
+                unchecked.append(inst.url)
+                continue
+            seen[inst.url] = info
+            if info["kv_role"] != want[inst.role]:
+                bad.append(
+                    f"{inst.role} instance {inst.url} runs with {flag.get(info['kv_role'], info['kv_role'])}, "
+                    f"not {flag[want[inst.role]]}"
+                )
+        first = next(((u, i) for u, i in seen.items() if i["kv_role"] == "producer"), None)
+        for url, info in seen.items():
+            if first is None or info["kv_role"] != "consumer":
+                continue
+            p_url, p_info = first
+            if info.get("kv_connector") != p_info.get("kv_connector"):
+                bad.append(
+                    f"kv_connector: the decode instance {url} has {info.get('kv_connector')!r}, the prefill "
+                    f"instance {p_url} {p_info.get('kv_connector')!r}"
+                )
+                continue
+            for line in layout_mismatch(info.get("layout") or {}, p_info.get("layout") or {}, "consumer", "producer"):
+                bad.append(f"the decode instance {url} against the prefill instance {p_url}: {line}")
+        if bad:
+            raise ValueError("the router's instances do not fit together:\n  " + "\n  ".join(bad))
+        return unchecked
 
     # ---- app -------------------------------------------------------------------------------------
     def app(self) -> FastAPI:

@@ -62,6 +62,12 @@ def run(args: argparse.Namespace) -> int:
     router = build(args)
     log = logging.getLogger("infertune.router")
     logging.getLogger("infertune").setLevel(logging.INFO)
+    try:
+        unchecked = router.check_instances(args.connect_timeout)
+    except ValueError as e:
+        raise SystemExit(f"infertune router: {e}") from None
+    for url in unchecked:
+        log.warning("%s does not answer GET /kv_transfer now: its role and KV layout are checked by its first use", url)
     shown = ", ".join(f"{i.role} {i.url}" for i in router.instances())
     log.info("routing on http://%s:%d/v1 to %s", args.host, args.port, shown)
     uvicorn.run(router.app(), host=args.host, port=args.port, log_level="warning")

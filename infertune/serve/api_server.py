@@ -1,4 +1,4 @@
-"""OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
+"""OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, /kv_transfer.
 
 Client mistakes get OpenAI-style 4xx bodies (never a 500). What a request will cost is weighed before it is
 queued (engine/admission.py): a request that could never be served is a 400 that says the numbers, one that
@@ -184,6 +184,7 @@ class APIServer:
             responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text exposition format"}},
         )(self.prometheus)
         app.get("/v1/models", responses=error_responses(401))(self.models)
+        app.get("/kv_transfer")(self.kv_transfer)  # (what P/D role and KV layout this server has: the router checks it)
         app.post("/v1/completions", responses=STREAMED | _REFUSALS)(self.completions)
         app.post("/v1/chat/completions", responses=STREAMED | _REFUSALS)(self.chat_completions)
         add_tokenizer_routes(app, self)  # /tokenize, /detokenize, /tokenizer_info, /version
@@ -227,6 +228,12 @@ class APIServer:
         if not self.engine.is_running:
             return _error(APIError(503, f"engine is not running: {self.engine.error}", "service_unavailable"))
         return {"status": "ok"}
+
+    async def kv_transfer(self):
+        connector = self.engine.engine.kv_connector
+        if connector is None:
+            return {"kv_role": None, "kv_connector": None}
+        return connector.describe()
 
     async def prometheus(self):
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
