@@ -57,6 +57,31 @@ def test_backends_name_their_distributed_backend():
     assert (CPUBackend.dist_backend, CUDABackend.dist_backend, NPUBackend.dist_backend) == ("gloo", "nccl", "hccl")
 
 
+def test_device_ranks_take_one_device_each_and_ray_asks_for_it(monkeypatch):
+    """Tensor parallel on a device backend: rank r runs on index + r, made the process's current device (NCCL / HCCL
+    need one device a rank); too few devices is a clear error; Ray's rank bundles ask for one device each. (torch's
+    device calls are stood in for: no GPU / NPU here; the real ones are unverified.)"""
+    picked = []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "set_device", picked.append)
+    ranks = [CUDABackend(1) for _ in range(2)]
+    assert [b.bind_rank(r, 2) for r, b in enumerate(ranks)] == ["cuda:1", "cuda:2"]
+    assert picked == [1, 2] and [b.device for b in ranks] == [torch.device("cuda", 1), torch.device("cuda", 2)]
+    with pytest.raises(ValueError, match="rank 3 of 4 needs cuda:4, .* this process sees 4 cuda devices"):
+        CUDABackend(1).bind_rank(3, 4)
+    assert picked == [1, 2]  # (nothing bound on the refusal)
+
+    from infertune.executor import ray_executor
+
+    monkeypatch.setattr(
+        "infertune.backends.get_backend",
+        lambda device: {"cuda": CUDABackend, "npu": NPUBackend}.get(device, CPUBackend)(),
+    )
+    assert ray_executor.rank_bundle("cuda", 3) == ({"CPU": 3, "GPU": 1}, {"num_gpus": 1})
+    assert ray_executor.rank_bundle("npu", 2) == ({"CPU": 2, "NPU": 1}, {"resources": {"NPU": 1}})
+    assert ray_executor.rank_bundle("cpu", 1) == ({"CPU": 1}, {})
+
+
 _LAYER_PATTERN = """
 import resource, sys, torch
 from infertune.backends.cpu import CPUBackend

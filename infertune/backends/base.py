@@ -98,10 +98,32 @@ class Backend(abc.ABC):
     def seed(self, seed: int) -> None:
         torch.manual_seed(seed)
 
+    # The Ray resource one tensor-parallel rank of this backend asks for beside its CPUs ("GPU", "NPU"; None: CPUs only)
+    ray_resource: str | None = None
+
+    def device_count(self) -> int:
+        """Devices of this kind this process sees."""
+        return 1
+
+    def set_device(self, index: int) -> None:
+        """Make `index` this process's current device (NCCL / HCCL take each rank's from there)."""
+
     def bind_rank(self, rank: int, size: int) -> str:
-        """Give this process (tensor-parallel rank `rank` of `size`) its share of the device; -> what it got, for
-        logs. Here: nothing (a device backend names its device by index)."""
-        return f"{self.name}:{self.index}"
+        """Give this process (tensor-parallel rank `rank` of `size`, every rank on this host) its share of the device;
+        -> what it got, for logs. A device backend: one device a rank, index + rank (TP=2 from cuda:0 runs on cuda:0
+        and cuda:1), as NCCL and HCCL need; a clear error where the host has fewer. (Ray gives each rank actor its
+        own device instead: it starts at index 0 of what the actor sees.) UNVERIFIED on GPUs / NPUs: none was lent."""
+        index = self.index + rank
+        count = self.device_count()
+        if index >= count:
+            raise ValueError(
+                f"tensor parallel rank {rank} of {size} needs {self.name}:{index}, one device a rank from "
+                f"{self.name}:{self.index}, but this process sees {count} {self.name} device{'s' * (count != 1)}; "
+                "lower tensor_parallel_size or start from a lower device index"
+            )
+        self.index = index
+        self.set_device(index)
+        return f"{self.name}:{index}"
 
     def describe(self) -> str:
         return f"{self.name}:{self.index}"

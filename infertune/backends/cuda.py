@@ -11,6 +11,7 @@ class CUDABackend(Backend):
     name = "cuda"
     dist_backend = "nccl"
     supports_compile = True  # Inductor with Triton kernels; not verified on a GPU here
+    ray_resource = "GPU"
 
     @property
     def device(self) -> torch.device:
@@ -19,6 +20,12 @@ class CUDABackend(Backend):
     @classmethod
     def is_available(cls) -> bool:
         return torch.cuda.is_available()
+
+    def device_count(self) -> int:
+        return torch.cuda.device_count()
+
+    def set_device(self, index: int) -> None:
+        torch.cuda.set_device(index)
 
     def supported_dtypes(self) -> tuple[torch.dtype, ...]:
         bf16 = torch.cuda.is_bf16_supported()

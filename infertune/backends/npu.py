@@ -22,6 +22,7 @@ def _torch_npu():
 class NPUBackend(Backend):
     name = "npu"
     dist_backend = "hccl"
+    ray_resource = "NPU"  # (Ray's Ascend accelerator resource: it sets ASCEND_RT_VISIBLE_DEVICES for the actor)
 
     @property
     def device(self) -> torch.device:
@@ -34,6 +35,12 @@ class NPUBackend(Backend):
         except ImportError:
             return False
         return bool(torch.npu.is_available())  # type: ignore[attr-defined]
+
+    def device_count(self) -> int:
+        return int(torch.npu.device_count())  # type: ignore[attr-defined]
+
+    def set_device(self, index: int) -> None:
+        torch.npu.set_device(index)  # type: ignore[attr-defined]
 
     def supported_dtypes(self) -> tuple[torch.dtype, ...]:
         return (torch.float16, torch.bfloat16, torch.float32)

@@ -95,6 +95,17 @@ def init_ray(ray) -> bool:
     return True
 
 
+def rank_bundle(device: str, cpus: int) -> tuple[dict, dict]:
+    """(the placement-group bundle of one rank, its actor's device options): CPUs, plus one GPU / NPU where the
+    backend runs on one (Ray then makes that device the only one the actor sees). The CPU backend asks CPUs only."""
+    from infertune.backends import get_backend
+
+    resource = get_backend(device).ray_resource  # (as this, the driver's, node resolves "auto")
+    if resource is None:
+        return {"CPU": cpus}, {}
+    return {"CPU": cpus, resource: 1}, ({"num_gpus": 1} if resource == "GPU" else {"resources": {resource: 1}})
+
+
 class RayExecutor(Executor):
     def __init__(self, config: EngineConfig, show_progress: bool = False) -> None:
         ray = import_ray("distributed_executor_backend='ray'", "use 'mp' on one host")
@@ -109,12 +120,14 @@ class RayExecutor(Executor):
         self._connected = init_ray(ray)
         cpus = int(ray.cluster_resources().get("CPU", 1))
         per_rank = max(1, cpus // size)
-        self._pg = placement_group([{"CPU": per_rank}] * size, strategy="PACK")
+        bundle, device = rank_bundle(config.device.device, per_rank)
+        self._pg = placement_group([bundle] * size, strategy="PACK")
         ray.get(self._pg.ready(), timeout=120)
         actor = ray.remote(_RankActor)
         self._actors = [
             actor.options(
                 num_cpus=per_rank,
+                **device,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=rank),
             ).remote(config, show_progress)
             for rank in range(size)
