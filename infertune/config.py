@@ -842,9 +842,9 @@ class ParallelConfig:
         None,
         "how KV blocks move between the instances: local = one host, the producer's KV cache in a shared-memory "
         "file that the consumer copies blocks from; p2p = across hosts, the consumer pulls the blocks from the "
-        "producer over torch.distributed (a TCPStore the producer hosts, gloo point-to-point) "
+        "producer over torch.distributed (a TCPStore the producer hosts, gloo point-to-point); or pkg.module:NAME, "
+        "another transport's KVConnectorSpec (infertune/kv_transfer/base.py) "
         "(default: local where kv_role is set; unused without it)",
-        choices=KV_CONNECTORS,
     )
     kv_connector_config: dict | None = _opt(
         None,
@@ -872,6 +872,13 @@ class ParallelConfig:
             self.distributed_executor_backend = "mp"  # one process per rank
         if self.kv_connector_config is not None and not isinstance(self.kv_connector_config, dict):
             raise ValueError(f"kv_connector_config={self.kv_connector_config!r} must be a dict (JSON object)")
+        if self.kv_connector is not None and self.kv_connector not in KV_CONNECTORS:
+            module, sep, attr = self.kv_connector.partition(":")
+            if not (sep and module and attr):
+                raise ValueError(
+                    f"kv_connector={self.kv_connector!r}: choose one of {', '.join(KV_CONNECTORS)}, or name another "
+                    "transport's KVConnectorSpec as pkg.module:NAME"
+                )
         if self.kv_role is not None:
             self.kv_connector = self.kv_connector or "local"
             # One id per engine, made here in the driver so every rank (spawned with this config) shares it.

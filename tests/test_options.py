@@ -34,6 +34,7 @@ SAMPLES = {
     "seed": ("7", 7),
     "max_num_seqs": ("3", 3),
     "tensor_parallel_size": ("2", 2),
+    "kv_connector": ("p2p", "p2p"),
     "max_num_batched_tokens": ("512", 512),
     "kv_int4_after": ("1024", 1024),
     "max_running_tokens": ("100", 100),

@@ -539,6 +539,57 @@ def test_tensor_parallel_ranks_move_their_own_kv_heads(tiny_llama, tmp_path):
             e.shutdown()
 
 
+def test_a_plugged_in_layer_by_layer_connector_loads_each_layer_when_the_model_asks(tiny_llama, tmp_path):
+    """kv_connector="pkg.module:NAME" plugs in a transport from outside (tests/kv_layerwise_plugin.py): its consumer
+    copies a layer's blocks only inside wait_for_layer_load, so its greedy tokens are a plain engine's only if the
+    model's layer loop asks for every layer before reading it. Every step with the connector's metadata calls wait /
+    save layer by layer in order (steps without it none: they may run the fused step); the finished loads reach the
+    scheduler side through get_finished -> update_finished."""
+    import kv_layerwise_plugin as plugin
+
+    base = dict(dtype="float32", max_model_len=64, block_size=4, max_num_seqs=4, kv_cache_memory_bytes=2**20)
+    kv = {"kv_connector": "kv_layerwise_plugin:LAYERWISE", "kv_connector_config": {"path": str(tmp_path)}}
+    plain = LLMEngine(EngineConfig.create(str(tiny_llama), **base))
+    producer = LLMEngine(EngineConfig.create(str(tiny_llama), **base, kv_role="producer", **kv))
+    plugin.CALLS.clear()
+    consumer = LLMEngine(EngineConfig.create(str(tiny_llama), **base, kv_role="consumer", **kv))
+    layers = consumer.config.model.arch.num_hidden_layers
+    try:
+        assert plugin.CALLS == [("register", layers)]
+        for i, prompt in enumerate(["The cat sat on the mat and", "def add(a, b): return a + b; print(add"]):
+            want = _generate(plain, f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=8))
+            ask = SamplingParams(temperature=0, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+            answer = _generate(producer, f"p{i}", prompt, ask).kv_transfer_params
+            assert answer["kv_connector"] == "layerwise-test"
+            plugin.CALLS.clear()
+            plugin.FINISHED.clear()
+            got = _generate(
+                consumer, f"d{i}", prompt, SamplingParams(temperature=0, max_tokens=8, kv_transfer_params=answer)
+            )
+            assert got.outputs[0].token_ids == want.outputs[0].token_ids
+            per_layer = [c for n in range(layers) for c in (("wait", n), ("save", n))]
+            (what, loaded), *rest = plugin.CALLS
+            assert what == "start" and len(loaded) == 1 and rest == per_layer  # the load's step only
+            assert plugin.FINISHED == [(set(), set(loaded))]  # (the engine's own id for the request)
+        assert consumer.stats()["prefill_tokens_computed"] == 2  # one token of each prompt: the rest was loaded
+    finally:
+        for e in (producer, consumer):
+            e.shutdown()
+
+
+def test_a_kv_connector_that_is_not_one_is_named(tiny_llama, tmp_path):
+    base = dict(dtype="float32", max_model_len=64, kv_role="consumer", kv_connector_config={"path": str(tmp_path)})
+    with pytest.raises(ValueError, match="choose one of local, p2p, or name another transport's KVConnectorSpec"):
+        EngineConfig.create(str(tiny_llama), **base, kv_connector="nixl")
+    for name, why in [
+        ("no_such_module_here:SPEC", "cannot import it \\(ModuleNotFoundError"),
+        ("kv_layerwise_plugin:MISSING", "cannot import it \\(AttributeError"),
+        ("kv_layerwise_plugin:NOT_A_SPEC", "is a object, not a KVConnectorSpec"),
+    ]:
+        with pytest.raises(ValueError, match=f"kv_connector='{name}':? {why}"):
+            LLMEngine(EngineConfig.create(str(tiny_llama), **base, kv_connector=name))
+
+
 @pytest.mark.parametrize(
     "arch,window",
     [

@@ -363,6 +363,8 @@ class LLMEngine:
         )
         scheduled = self.scheduler.scheduler_output(batch)
         out = self.executor.execute_model(scheduled)
+        if self.kv_connector is not None and out.kv_finished is not None:
+            self.kv_connector.update_finished(*out.kv_finished)
         if self.kv_connector is not None and scheduled.kv_connector_metadata is not None:
             failed = out.kv_load_failed or []
             self.kv_connector.after_step(scheduled.kv_connector_metadata, failed)

@@ -2,20 +2,23 @@
 
 `base.py` is the contract (scheduler side, worker side, the plain-data metadata between them); `local.py` the
 connector for engines on one host (shared-memory files); `p2p.py` the one across hosts (a TCPStore the producer hosts,
-the blocks' bytes over a gloo pair per rank: torch.distributed point-to-point). Not built yet: the NIXL / Mooncake /
-LMCache transports the contract leaves room for.
+the blocks' bytes over a gloo pair per rank: torch.distributed point-to-point). Other transports plug in as
+kv_connector="pkg.module:NAME" (a KVConnectorSpec); NIXL / Mooncake / LMCache ones are not built here.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib
 from pathlib import Path
 
-from infertune.kv_transfer.base import KVConnectorScheduler, KVConnectorWorker, KVTransferError
+from infertune.kv_transfer.base import KVConnectorScheduler, KVConnectorSpec, KVConnectorWorker, KVTransferError
 
 __all__ = [
     "KVConnectorScheduler",
+    "KVConnectorSpec",
     "KVConnectorWorker",
+    "connector_spec",
     "KVTransferError",
     "kv_layout",
     "scheduler_connector",
@@ -49,15 +52,36 @@ def kv_layout(config, cache_shape: tuple[int, ...], cache_dtype: str, groups) ->
     }
 
 
+def connector_spec(name: str) -> KVConnectorSpec:
+    """kv_connector -> its KVConnectorSpec: "local", "p2p", or "pkg.module:NAME" (imported here)."""
+    if name == "local":
+        from infertune.kv_transfer import local
+
+        return KVConnectorSpec(
+            "local", local.LocalConnectorScheduler, local.LocalConnectorWorker, local.connector_settings
+        )
+    if name == "p2p":
+        from infertune.kv_transfer import p2p
+
+        return KVConnectorSpec("p2p", p2p.P2PConnectorScheduler, p2p.P2PConnectorWorker, p2p.connector_settings)
+    module, sep, attr = name.partition(":")
+    if not sep or not module or not attr:
+        raise ValueError(
+            f"kv_connector={name!r}: 'local' (one host), 'p2p' (across hosts), or 'pkg.module:NAME' naming a "
+            "KVConnectorSpec (infertune/kv_transfer/base.py) of another transport"
+        )
+    try:
+        spec = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"kv_connector={name!r}: cannot import it ({type(e).__name__}: {e})") from None
+    if not isinstance(spec, KVConnectorSpec):
+        raise ValueError(f"kv_connector={name!r} is a {type(spec).__name__}, not a KVConnectorSpec")
+    return spec
+
+
 def _settings(config) -> dict:
     p = config.parallel
-    if p.kv_connector == "p2p":
-        from infertune.kv_transfer.p2p import connector_settings
-    elif p.kv_connector == "local":
-        from infertune.kv_transfer.local import connector_settings
-    else:
-        raise ValueError(f"kv_connector={p.kv_connector!r}: 'local' (one host) and 'p2p' (across hosts) are built")
-    return connector_settings(p.kv_connector_config)
+    return connector_spec(p.kv_connector).settings(p.kv_connector_config)
 
 
 def scheduler_connector(config, kv_info) -> KVConnectorScheduler | None:
@@ -72,19 +96,13 @@ def scheduler_connector(config, kv_info) -> KVConnectorScheduler | None:
         )
     if getattr(config.cache, "kv_int4_after", None) is not None:
         raise ValueError("KV transfer (kv_role) does not move int4 blocks yet: drop kv_int4_after on both sides")
-    if p.kv_connector == "p2p":
-        from infertune.kv_transfer.p2p import P2PConnectorScheduler as cls
-    else:
-        from infertune.kv_transfer.local import LocalConnectorScheduler as cls
-
-    return cls(
-        p.kv_role,
-        _settings(config),
-        kv_info.kv_layout,
-        kv_info.num_blocks,
-        kv_info.block_size,
+    spec = connector_spec(p.kv_connector)
+    side = spec.scheduler(
+        p.kv_role, spec.settings(p.kv_connector_config), kv_info.kv_layout, kv_info.num_blocks, kv_info.block_size,
         p.kv_load_failure_policy,
-    )
+    )  # fmt: skip
+    side.name = spec.name  # (what its answers carry and a consumer checks: the name both sides were given)
+    return side
 
 
 def worker_connector(config, rank: int, device_type: str) -> KVConnectorWorker | None:
@@ -92,13 +110,10 @@ def worker_connector(config, rank: int, device_type: str) -> KVConnectorWorker |
     p = config.parallel
     if p.kv_role is None:
         return None
-    if device_type != "cpu":
+    spec = connector_spec(p.kv_connector)
+    if device_type not in spec.devices:
         raise ValueError(
-            f"the {p.kv_connector} KV connector moves the KV cache through host memory: CPU only, not {device_type}"
+            f"the {spec.name} KV connector moves the KV cache on {', '.join(spec.devices)} only, not {device_type}"
+            + (" (through host memory)" if spec.devices == ("cpu",) else "")
         )
-    if p.kv_connector == "p2p":
-        from infertune.kv_transfer.p2p import P2PConnectorWorker as cls
-    else:
-        from infertune.kv_transfer.local import LocalConnectorWorker as cls
-
-    return cls(p.kv_role, _settings(config), rank)
+    return spec.worker(p.kv_role, spec.settings(p.kv_connector_config), rank)

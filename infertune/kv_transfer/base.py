@@ -8,12 +8,17 @@ the workers to do goes down in each step's SchedulerOutput as plain data (`KVCon
 objects, so the same connector works with the in-process, worker-process and tensor-parallel executors: each
 tensor-parallel rank moves its own share of the KV heads.
 
-The worker side runs beside the runner's KV cache: `start_load_kv` before the step's forward, `wait_for_layer_load`
-before a layer reads its cache, `save_kv_layer` after a layer wrote it, `wait_for_save` at the end of the step and
-`get_finished` for what completed. The model calls no per-layer hook yet, so a connector's `start_load_kv` must have
-loaded every layer when it returns (the local connector copies synchronously), and the runner calls
-`save_kv_layer` for each layer after the whole forward. An asynchronous transport (NIXL, Mooncake, LMCache style)
-needs that per-layer hook in the attention layers first.
+The worker side runs beside the runner's KV cache: `register_kv_caches` once (each layer's cache), `start_load_kv`
+before the step's forward, `wait_for_layer_load` before a layer reads its cache, `save_kv_layer` after a layer wrote
+it, `wait_for_save` at the end of the step and `get_finished` after it (what completed since; the engine hands it to
+the scheduler side's `update_finished`). A connector whose worker sets `layerwise = True` gets the two per-layer
+calls from inside the forward, layer by layer, in every step that carries its metadata (those steps run the
+per-module forward, not the fused C step or a compiled graph: a layer-by-layer transport overlaps its transfers with
+the earlier layers' compute); otherwise `start_load_kv` must have loaded every layer when it returns (the local and
+p2p connectors copy synchronously) and the runner calls `save_kv_layer` for each layer after the whole forward.
+
+Other transports (NIXL, Mooncake, LMCache style) plug in without touching infertune: `kv_connector="pkg.module:NAME"`
+names a `KVConnectorSpec` (the two classes and the settings parser) that each process imports.
 
 Roles: a producer (the prefill instance) computes prompts and keeps their KV for a consumer (the decode instance),
 which loads it and decodes without computing the prompt again.
@@ -130,6 +135,11 @@ class KVConnectorScheduler(abc.ABC):
         """Sequences whose delayed blocks may be freed now (confirmed, or their lease expired)."""
         return []
 
+    def update_finished(self, finished_sending: set[str], finished_recving: set[str]) -> None:
+        """What the workers' get_finished reported after a step (rank 0's): req ids whose blocks were sent, or
+        received, since the last report (an asynchronous transport frees or admits by it; the built-ins copy
+        synchronously and ignore it)."""
+
     def holds_blocks(self) -> bool:
         """Whether finished requests' blocks are still held (a step may then find no room, and wait)."""
         return False
@@ -147,6 +157,13 @@ class KVConnectorScheduler(abc.ABC):
 
 class KVConnectorWorker(abc.ABC):
     """The worker side of a connector: beside the runner's KV cache, one per tensor-parallel rank."""
+
+    # True: the runner calls wait_for_layer_load / save_kv_layer from inside the forward, before / after each layer,
+    # in the steps that carry this connector's metadata; False: start_load_kv loads everything, saves follow the step
+    layerwise: bool = False
+
+    def register_kv_caches(self, kv_caches: list) -> None:
+        """Each layer's KV cache (views into the storage: layer i's is kv_caches[i]), once, before the first step."""
 
     def allocate(self, shape: tuple[int, ...], dtype):
         """The KV cache storage [pages, 2, num_blocks, ...] (None: the runner allocates it itself)."""
@@ -171,3 +188,20 @@ class KVConnectorWorker(abc.ABC):
 
     def shutdown(self) -> None:
         """Release the storage."""
+
+
+@dataclass(frozen=True)
+class KVConnectorSpec:
+    """A connector as kv_connector names it: its two halves and its settings. Built-ins: "local", "p2p"; any other
+    is "pkg.module:NAME", NAME a KVConnectorSpec in that module (imported by the engine and by every worker).
+
+    scheduler(role, settings, layout, num_blocks, block_size, policy) -> KVConnectorScheduler
+    worker(role, settings, rank) -> KVConnectorWorker
+    settings(kv_connector_config dict | None) -> dict: the config with its defaults, a ValueError naming a bad key;
+        the result must keep "engine_id" (the engine's id, made in the driver)."""
+
+    name: str
+    scheduler: type
+    worker: type
+    settings: object
+    devices: tuple[str, ...] = ("cpu",)  # the device types whose KV cache it moves

@@ -25,7 +25,7 @@ from infertune.layers.attention import AttentionBackend, AttentionMetadata
 from infertune.layers.linear import Linear
 from infertune.layers.norm import GemmaRMSNorm
 from infertune.layers.rotary import RotaryEmbedding
-from infertune.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+from infertune.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, run_layers
 
 
 class ScaledEmbedding(nn.Embedding):
@@ -129,9 +129,7 @@ class GemmaModel(nn.Module):
     def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rotary.cos_sin_at(positions)  # [T, kinds, D/2]
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, kv_cache, meta)
-        return self.norm(x)
+        return self.norm(run_layers(self.layers, x, cos, sin, kv_caches, meta))
 
 
 class GemmaForCausalLM(nn.Module):

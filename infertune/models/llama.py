@@ -185,9 +185,20 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rotary.cos_sin_at(positions)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, kv_cache, meta)
-        return self.norm(x)
+        return self.norm(run_layers(self.layers, x, cos, sin, kv_caches, meta))
+
+
+def run_layers(layers, x: torch.Tensor, cos, sin, kv_caches: list[torch.Tensor], meta: AttentionMetadata):
+    """x through the decoder layers, each over its KV cache; a layer-by-layer KV connector (meta.kv_hook) waits for
+    layer i's loaded KV before it and is told after it that layer i's KV is written."""
+    hook = meta.kv_hook
+    for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches)):
+        if hook is not None:
+            hook.wait_for_layer_load(i)
+        x = layer(x, cos, sin, kv_cache, meta)
+        if hook is not None:
+            hook.save_kv_layer(i)
+    return x
 
 
 class LlamaForCausalLM(nn.Module):

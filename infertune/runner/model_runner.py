@@ -143,6 +143,8 @@ class ModelRunner:
         if len(self.kv_groups) > 1:  # layer i: the page of its rank in its group
             page_of = {i: r for g in self.kv_groups for r, i in enumerate(g.layers)}
             self.kv_caches = [self.kv_caches[page_of[i]] for i in range(arch.num_hidden_layers)]
+        if self.kv_connector is not None:
+            self.kv_connector.register_kv_caches(self.kv_caches)
         # After the load, so that its transients go back to the OS as before; the steps then reuse their memory.
         backend.prepare_host_memory()
         self.sampler = Sampler(config.model.seed, self.device)
@@ -216,7 +218,8 @@ class ModelRunner:
     def _forward(self, input_ids, positions, meta, out_rows: list[int] | None = None) -> torch.Tensor:
         """Hidden states [T, hidden]; where out_rows (ascending) is given, only those rows are sure to be
         computed (the fused step takes just them through the last layer's o_proj and MLP)."""
-        if meta.press_rows is not None:  # (the layers write the queries KV compression keeps: eager)
+        if meta.press_rows is not None or meta.kv_hook is not None:
+            # (the layers write the queries KV compression keeps; a KV connector's per-layer calls: eager)
             return self.model(input_ids, positions, self.kv_caches, meta)
         if self.fused is not None and self.fused.applicable(input_ids.shape[0], meta):
             rows = self._tensor(out_rows) if out_rows and len(out_rows) < input_ids.shape[0] else None
@@ -280,6 +283,10 @@ class ModelRunner:
         drafts = [scheduler_output.scheduled_spec_decode_tokens.get(r, []) for r in scheduler_output.req_ids]
         entries, entries_of = self._entries(step, drafts)
         input_ids, positions, meta, entry_rows = self._prepare(entries)
+        connector_meta = scheduler_output.kv_connector_metadata
+        layerwise = self.kv_connector is not None and self.kv_connector.layerwise
+        if layerwise and connector_meta is not None:  # (the model's layer loop calls it: the per-module forward)
+            meta.kv_hook = _LayerHook(self.kv_connector, connector_meta, self.kv_caches)
         rows_of = [[entry_rows[e] for e in of] for of in entries_of]  # per request: its row, or its 1 + d rows
         last_rows = [r[-1] for r in rows_of]
         n_entries = len(step)
@@ -298,10 +305,14 @@ class ModelRunner:
         hidden = self._forward(input_ids, positions, meta, sorted(read))  # [T, hidden]
         if self.press is not None:
             self._press_after_forward(step, captured, meta)
-        if self.kv_connector is not None:  # (after the whole forward: the model has no per-layer hook yet)
-            for layer, cache in enumerate(self.kv_caches):
-                self.kv_connector.save_kv_layer(layer, cache, scheduler_output.kv_connector_metadata)
+        kv_finished = None
+        if self.kv_connector is not None:
+            if not layerwise:  # (a layer-by-layer connector was told inside the forward)
+                for layer, cache in enumerate(self.kv_caches):
+                    self.kv_connector.save_kv_layer(layer, cache, connector_meta)
             self.kv_connector.wait_for_save()
+            sending, recving = self.kv_connector.get_finished()
+            kv_finished = (set(sending), set(recving)) if sending or recving else None
         if sampled:
             logits = self.model.compute_logits(hidden[self._tensor([r for i in sampled for r in rows_of[i]])])  # [N, V]
             requests = [
@@ -325,7 +336,7 @@ class ModelRunner:
                 prompt_logprobs[i] = (first, self._score_rows(hidden, rows, targets, state.params.prompt_logprobs))
         self.requests.end_step(step, tokens, drafts, num_accepted)
         proposals = self.drafter.propose(scheduler_output, self.requests, tokens) if self.drafter else None
-        return SamplerOutput(tokens, logprobs, prompt_logprobs, num_accepted, proposals, load_failed)
+        return SamplerOutput(tokens, logprobs, prompt_logprobs, num_accepted, proposals, load_failed, kv_finished)
 
     def _pack_int4(self, packs: list[tuple[int, int, int, int]]) -> None:
         """Re-store each (group, first, second, dst) pair of int8 blocks as int4 block dst, in the pages of the
@@ -548,3 +559,18 @@ class ModelRunner:
 
     def _tensor(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
+
+
+class _LayerHook:
+    """AttentionMetadata.kv_hook for a layer-by-layer KV connector: the model's layer loop calls these two."""
+
+    __slots__ = ("connector", "metadata", "kv_caches")
+
+    def __init__(self, connector, metadata, kv_caches: list[torch.Tensor]) -> None:
+        self.connector, self.metadata, self.kv_caches = connector, metadata, kv_caches
+
+    def wait_for_layer_load(self, layer: int) -> None:
+        self.connector.wait_for_layer_load(layer)
+
+    def save_kv_layer(self, layer: int) -> None:
+        self.connector.save_kv_layer(layer, self.kv_caches[layer], self.metadata)

@@ -59,6 +59,8 @@ class SamplerOutput:
     draft_token_ids: list[list[int] | None] | None = None
     # A KV connector's loads the workers could not do this step (their prompts were computed instead).
     kv_load_failed: list[str] | None = None
+    # A KV connector's workers' get_finished after the step: (req ids whose sending finished, whose receiving did)
+    kv_finished: tuple[set[str], set[str]] | None = None
 
 
 class Sampler:

@@ -43,6 +43,9 @@ class AttentionMetadata:
     # layers put there: layer index -> q[press_rows] [R, H, D] (after rotary, as the keys are cached).
     press_rows: torch.Tensor | None = None
     press_queries: dict = field(default_factory=dict)
+    # A layer-by-layer KV connector's worker (kv_transfer/base.py, layerwise) with this step's metadata: the model's
+    # layer loop calls kv_hook.wait_for_layer_load(i) before layer i and kv_hook.save_kv_layer(i) after it. None: none.
+    kv_hook: object | None = None
 
     def for_window(self, window: int | None) -> AttentionMetadata:
         """The metadata of the KV cache group whose layers attend within `window`."""
