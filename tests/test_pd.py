@@ -394,7 +394,7 @@ def reference(tiny_llama):
 
 def test_router_with_one_prefill_and_one_decode_gives_one_servers_outputs(tiny_llama, tmp_path, reference):
     kv = {"path": str(tmp_path)}
-    requests = _requests(36)
+    requests = _requests(64)
     expected = _run_all(reference.url, requests)
     assert all(status == 200 for status, _ in expected)
     with (

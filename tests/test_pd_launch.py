@@ -17,6 +17,7 @@ import tempfile
 import time
 from fractions import Fraction
 
+import httpx
 import openai
 import psutil
 import pytest
@@ -114,6 +115,24 @@ def test_serve_pd_one_to_one_gives_one_servers_tokens_and_stops_every_child(tiny
     assert not os.path.exists(kv_dir)  # its own KV directory is removed
     text = launched.text()
     assert "[prefill-0]" in text and "[decode-0]" in text  # each instance's output, named
+
+
+def test_serve_data_parallel_runs_two_replicas_behind_the_router(tiny_llama, expected):
+    """`serve --data-parallel-size 2`: two plain replicas and the router in one command; the outputs are one server's,
+    every request reached a replica (their request counters add up), and every child is gone after SIGTERM."""
+    launched = Launched(tiny_llama, "--data-parallel-size", "2")
+    try:
+        assert set(launched.instances) == {"replica-0", "replica-1"}
+        assert _completions(launched.url) == expected
+        served = [metric(url, "infertune_requests_total") for url, _ in launched.instances.values()]
+        assert sum(served) == len(PROMPTS) + 1, served
+        for url, _ in launched.instances.values():
+            assert httpx.get(url + "/kv_transfer").json()["kv_role"] is None
+        pids = [pid for _, pid in launched.instances.values()]
+    finally:
+        code = launched.stop()
+    assert code == 0, launched.text()[-3000:]
+    assert all(_gone(pid) for pid in pids)
 
 
 def test_an_instance_that_dies_at_start_is_named_with_its_log_tail(capsys):

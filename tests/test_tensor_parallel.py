@@ -60,13 +60,26 @@ def _checkpoint(kind: str, path):
         return make_checkpoint(path, "qwen3", head_dim=16, attention_bias=True)
     if kind in MOE_VARIANTS:  # (the same tiny MoE models as test_moe_models.py)
         return make_checkpoint(path, **MOE_VARIANTS[kind])
-    if kind == "gemma2":
-        return make_gemma(path, **GEMMA_VARIANTS["gemma2"])
-    assert kind == "deepseek-v3"
-    return make_deepseek_checkpoint(path, **DEEPSEEK_VARIANTS["v3"])
+    if kind in ("gemma2", "gemma3"):
+        return make_gemma(path, **GEMMA_VARIANTS[kind])
+    assert kind in ("deepseek-v3", "deepseek-v2-lite")
+    return make_deepseek_checkpoint(path, **DEEPSEEK_VARIANTS[kind.removeprefix("deepseek-")])
 
 
-@pytest.mark.parametrize("kind", ["llama-kv1-odd-vocab", "qwen3", "mixtral", "qwen2-moe", "gemma2", "deepseek-v3"])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "llama-kv1-odd-vocab",
+        "qwen3",
+        "mixtral",
+        "qwen2-moe",
+        "qwen3-moe",
+        "gemma2",
+        "gemma3",
+        "deepseek-v3",
+        "deepseek-v2-lite",
+    ],
+)
 def test_two_ranks_give_one_rank_s_greedy_tokens(kind, tmp_path):
     path = _checkpoint(kind, tmp_path / kind)
     hf = hf_model(path)
@@ -193,14 +206,29 @@ def _prompt_logprobs(path, **engine) -> list[float]:
         llm.engine.shutdown()
 
 
-def test_each_rank_quantizes_its_share_within_the_one_rank_error(tiny_llama):
-    """W8A16 quantizes each rank's slices as they load: column-split layers get one rank's scales exactly; a row-split
-    layer's per-channel scales span only a rank's input columns (finer, not coarser). Oracle: the fp32 model's prompt
-    logprobs; the quantized two-rank model stays within the one-rank quantized model's error (plus a margin)."""
+@pytest.mark.parametrize("method", ["w8a16", "w8a8"])
+def test_each_rank_quantizes_its_share_within_the_one_rank_error(tiny_llama, method):
+    """W8A16 / W8A8 quantize each rank's slices as they load: column-split layers get one rank's scales exactly; a
+    row-split layer's per-channel scales (and W8A8's per-token activation scales) span only a rank's input columns
+    (finer, not coarser). Oracle: the fp32 model's prompt logprobs; the quantized two-rank model stays within the
+    one-rank quantized model's error (plus a margin)."""
     exact = torch.tensor(_prompt_logprobs(tiny_llama))
-    one = (torch.tensor(_prompt_logprobs(tiny_llama, quantization="w8a16")) - exact).abs().max()
-    two = (torch.tensor(_prompt_logprobs(tiny_llama, quantization="w8a16", tensor_parallel_size=2)) - exact).abs().max()
+    one = (torch.tensor(_prompt_logprobs(tiny_llama, quantization=method)) - exact).abs().max()
+    two = (torch.tensor(_prompt_logprobs(tiny_llama, quantization=method, tensor_parallel_size=2)) - exact).abs().max()
     assert 0 < one < 0.25 and 0 < two <= 1.5 * one + 1e-3, (float(one), float(two))
+
+
+def test_an_fp8_checkpoint_splits_its_block_scales_over_the_ranks(tmp_path):
+    """A block-scaled FP8 checkpoint (blocks of 32 x 32; an MLP of 80: a rank's 40 rows end inside a block) under
+    TP=2: each rank dequantizes its slices with their blocks' scales. Oracle: the same checkpoint on one rank (the
+    same dequantized weights, so the prompt logprobs agree to fp32 rounding)."""
+    from test_fp8_checkpoint import to_fp8
+
+    src = make_checkpoint(tmp_path / "src", "llama", intermediate_size=80)
+    to_fp8(src, tmp_path / "fp8", (32, 32))
+    one = torch.tensor(_prompt_logprobs(tmp_path / "fp8"))
+    two = torch.tensor(_prompt_logprobs(tmp_path / "fp8", tensor_parallel_size=2))
+    torch.testing.assert_close(two, one, atol=1e-4, rtol=0)
 
 
 def test_profile_splits_each_step_into_compute_communication_and_driver(tiny_llama, tmp_path, capsys):
