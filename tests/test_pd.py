@@ -424,6 +424,32 @@ def test_router_with_one_prefill_and_one_decode_gives_one_servers_outputs(tiny_l
         assert "infertune_router_requests_total" in httpx.get(router.url + "/metrics").text
 
 
+def test_prompts_sharing_a_prefix_go_to_the_prefill_instance_that_holds_it(tiny_llama, tmp_path, reference):
+    """Two prefill instances: requests whose prompts start alike (a long shared system prompt) all go to one of them
+    (affinity), whose prefix cache then computes only their new tails, and the outputs stay one server's."""
+    kv = {"path": str(tmp_path)}
+    system = "You are a helpful assistant: answer briefly. "  # (the tiny model's 64 tokens hold prompt and answer)
+    requests = [
+        ("/v1/completions", {"model": MODEL, "prompt": system + q, "max_tokens": 4, "temperature": 0})
+        for q in ("What is 2 + 2?", "A colour?", "Say hi.", "Count to 3.")
+    ]
+    expected = [_answer_of(reference.url, *r) for r in requests]
+    assert all(status == 200 for status, _ in expected)
+    with (
+        ServerThread(tiny_llama, kv_role="producer", kv_connector_config=kv, enable_prefix_caching=True) as p0,
+        ServerThread(tiny_llama, kv_role="producer", kv_connector_config=kv, enable_prefix_caching=True) as p1,
+        ServerThread(tiny_llama, kv_role="consumer", kv_connector_config=kv) as d,
+        RouterThread(prefill=[p0.url, p1.url], decode=[d.url]) as router,
+    ):
+        assert [_answer_of(router.url, *r) for r in requests] == expected  # one after another
+        granted = [metric(p.url, "infertune_kv_transfer_granted_total") for p in (p0, p1)]
+        assert sorted(granted) == [0, len(requests)], granted
+        busy = (p0, p1)[granted.index(len(requests))]
+        assert metric(busy.url, "infertune_prefix_cache_hit_rate") > 0.3  # the shared prefix computed once
+        text = httpx.get(router.url + "/metrics").text
+        assert f'infertune_router_affinity_hits{{role="prefill"}} {len(requests) - 1}.0' in text
+
+
 def test_lease_expiry_frees_the_producers_blocks(tiny_llama, tmp_path, reference):
     kv = {"path": str(tmp_path), "lease_s": 1.0, "margin_s": 0.2}
     body = {"model": MODEL, "prompt": "The cat sat on", "max_tokens": 6, "temperature": 0}

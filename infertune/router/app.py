@@ -62,14 +62,13 @@ class Router:
         self.pd = bool(decode)
         strip = lambda urls: [u.rstrip("/") for u in urls]  # noqa: E731
         self.prefill = (
-            Picker([Instance(u, "prefill") for u in strip(prefill)], policy or "least_loaded") if prefill else None
+            Picker([Instance(u, "prefill") for u in strip(prefill)], policy or "affinity") if prefill else None
         )
         serving = strip(decode) if decode else strip(replicas)
         role = "decode" if decode else "replica"
-        # (unless told otherwise: replicas by prefix-cache affinity, prefill and decode instances by load)
-        self.serving = Picker(
-            [Instance(u, role) for u in serving], policy or ("affinity" if replicas else "least_loaded")
-        )
+        # (unless told otherwise, every role by prefix-cache affinity: a prefill instance that computed a prompt's
+        # prefix before computes only the rest; a decode instance that holds it loads only the rest)
+        self.serving = Picker([Instance(u, role) for u in serving], policy or "affinity")
         self.prefix_chars = prefix_chars
         self.timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
         self.client: httpx.AsyncClient | None = None
@@ -93,7 +92,8 @@ class Router:
         )
         self.m_affinity = Gauge(
             "infertune_router_affinity_hits",
-            "Requests routed to the replica that last served their prompt's prefix",
+            "Requests routed to the instance that last served their prompt's prefix, by role",
+            ["role"],
             registry=r,
         )
 
@@ -192,7 +192,9 @@ class Router:
     async def metrics(self):
         for inst in self.instances():
             self.m_inflight.labels(inst.role, inst.url).set(inst.inflight)
-        self.m_affinity.set(self.serving.affinity_hits)
+        for picker in (self.prefill, self.serving):
+            if picker is not None:
+                self.m_affinity.labels(picker.instances[0].role).set(picker.affinity_hits)
         return Response(generate_latest(self.registry), media_type="text/plain; version=0.0.4")
 
     # ---- one request -----------------------------------------------------------------------------
@@ -207,7 +209,7 @@ class Router:
         key = prompt_key(body, self.prefix_chars)
         if self.pd and _disaggregable(body):
             self.m_requests.labels(path, "pd").inc()
-            transfer = await self.prefill_step(path, body, headers)
+            transfer = await self.prefill_step(path, body, headers, key)
             if isinstance(transfer, Response):
                 return transfer  # the prefill's 4xx: the client's mistake, said once
             body = {**body, "kv_transfer_params": transfer}
@@ -215,10 +217,12 @@ class Router:
             self.m_requests.labels(path, "pd_direct" if self.pd else "replica").inc()
         return await self.forward(path, body, headers, key, bool(body.get("stream")))
 
-    async def prefill_step(self, path: str, body: dict, headers: dict) -> dict | Response:
+    async def prefill_step(
+        self, path: str, body: dict, headers: dict, key: tuple[str, ...] | None = None
+    ) -> dict | Response:
         """Run the prompt on a prefill instance; its kv_transfer_params (or the reason it failed, for the decode
         side's policy), or its 4xx response."""
-        inst = self.prefill.pick()
+        inst = self.prefill.pick(key)
         ask = copy.deepcopy(body)
         for k in ("stream", "stream_options", "max_completion_tokens", "logprobs", "top_logprobs", "n", "best_of"):
             ask.pop(k, None)
@@ -253,7 +257,7 @@ class Router:
         log.warning("%s; the decode instance decides (its kv_load_failure_policy)", reason)
         return {"do_remote_prefill": True, "error": reason}
 
-    async def forward(self, path: str, body: dict, headers: dict, key: str | None, stream: bool):
+    async def forward(self, path: str, body: dict, headers: dict, key: tuple[str, ...] | None, stream: bool):
         """Send the request to a decode instance (or replica) and return its answer unchanged."""
         tried: set[str] = set()
         while True:

@@ -26,9 +26,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--policy",
         choices=POLICIES,
         default=None,
-        help="how an instance is picked: round_robin, least_loaded (fewest requests in flight; the default with "
-        "--prefill / --decode), affinity (the replica that last served the prompt's first characters, unless it is "
-        "busier; the default with --replica)",
+        help="how an instance of each role is picked: round_robin, least_loaded (fewest requests in flight), "
+        "affinity (the default: the instance that last served the prompt's first characters, where they are likely "
+        "still in its prefix cache, unless it has 4 more requests in flight than the least loaded one)",
     )
     p.add_argument(
         "--prefix-chars",

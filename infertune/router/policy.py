@@ -1,11 +1,12 @@
 """Which upstream instance gets a request: round robin, the fewest requests in flight, or prefix-cache affinity.
 
 The router counts its own requests in flight to each instance (its queue depth as the router sees it: every request
-an instance serves comes through the router). Affinity (data parallel): a request whose prompt starts like an
-earlier one's goes to the instance that served that one, where the prompt's first blocks are likely still in the
-prefix cache, unless that instance has `slack` more requests in flight than the least loaded one. The key is a hash
-of the prompt's first `prefix_chars` characters (the router has no tokenizer; characters stand in for the first
-blocks' tokens).
+an instance serves comes through the router). Affinity: a request whose prompt starts like an earlier one's goes to
+the instance that served that one, where the prompt's first blocks are likely still in the prefix cache, unless that
+instance has `slack` more requests in flight than the least loaded one. The keys are hashes of the prompt's first
+32, 64, 96, ... characters up to `prefix_chars` (the router has no tokenizer; characters stand in for the first
+blocks' tokens): the longest one some instance served wins, so prompts that share only a system prompt of 100
+characters still meet on one instance (a radix tree's lookup, at 32-character steps).
 """
 
 from __future__ import annotations
@@ -27,8 +28,12 @@ class Instance:
     failures: int = 0
 
 
-def prompt_key(body: dict, prefix_chars: int) -> str | None:
-    """The affinity key of an OpenAI request body: its prompt's (or rendered messages') first characters, hashed."""
+KEY_STEP = 32  # characters between two affinity keys of one prompt
+
+
+def prompt_key(body: dict, prefix_chars: int) -> tuple[str, ...] | None:
+    """The affinity keys of an OpenAI request body: its prompt's (or rendered messages') first KEY_STEP, 2 KEY_STEP,
+    ... characters (up to prefix_chars and the text's length), each hashed; shortest first."""
     if "messages" in body:
         text = json.dumps(body.get("messages"), sort_keys=True, ensure_ascii=False)
     else:
@@ -38,7 +43,9 @@ def prompt_key(body: dict, prefix_chars: int) -> str | None:
         text = prompt if isinstance(prompt, str) else json.dumps(prompt)
     if not text:
         return None
-    return hashlib.sha1(text[:prefix_chars].encode("utf-8", "replace")).hexdigest()
+    text = text[:prefix_chars]
+    ends = [*range(KEY_STEP, len(text), KEY_STEP), len(text)]
+    return tuple(hashlib.sha1(text[:end].encode("utf-8", "replace")).hexdigest() for end in ends)
 
 
 class Picker:
@@ -64,7 +71,9 @@ class Picker:
         self._next += 1
         return min(((start + k) % n for k in range(n)), key=lambda i: self.instances[i].inflight)
 
-    def pick(self, key: str | None = None, exclude: set[str] = frozenset()) -> Instance:
+    def pick(self, key: str | tuple[str, ...] | None = None, exclude: set[str] = frozenset()) -> Instance:
+        """key: a prompt's affinity keys, shortest first (prompt_key), or one key."""
+        keys = (key,) if isinstance(key, str) else key
         candidates = [i for i, x in enumerate(self.instances) if x.url not in exclude] or list(
             range(len(self.instances))
         )
@@ -73,19 +82,27 @@ class Picker:
             while i not in candidates:
                 i = self._round_robin()
             return self.instances[i]
-        if self.policy == "affinity" and key is not None:
-            owner = self._owner.get(key)
+        if self.policy == "affinity" and keys:
             least = min(self.instances[i].inflight for i in candidates)
-            if owner in candidates and self.instances[owner].inflight <= least + self.slack:
-                self._owner.move_to_end(key)
-                self.affinity_hits += 1
-                return self.instances[owner]
+            for k in reversed(keys):  # the longest prefix an instance served
+                owner = self._owner.get(k)
+                if owner is None:
+                    continue
+                if owner in candidates and self.instances[owner].inflight <= least + self.slack:
+                    self.affinity_hits += 1
+                    self._remember(keys, owner)
+                    return self.instances[owner]
+                break  # (its holder is busy or excluded: the least loaded takes it, and the prefix moves)
         i = self._least_loaded()
         while i not in candidates:
             i = self._least_loaded()
-        if self.policy == "affinity" and key is not None:
-            self._owner[key] = i
-            self._owner.move_to_end(key)
-            while len(self._owner) > self.capacity:
-                self._owner.popitem(last=False)
+        if self.policy == "affinity" and keys:
+            self._remember(keys, i)
         return self.instances[i]
+
+    def _remember(self, keys: tuple[str, ...], i: int) -> None:
+        for k in keys:
+            self._owner[k] = i
+            self._owner.move_to_end(k)
+        while len(self._owner) > self.capacity:
+            self._owner.popitem(last=False)
