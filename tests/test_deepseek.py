@@ -580,3 +580,148 @@ def test_the_decompressed_cache_holds_each_heads_k_and_v(variant):
     assert bf16.engine.executor.runner.fused is None
     with pytest.raises(ValueError, match="drop kv_cache_dtype"):
         LLM(str(path), dtype="float32", max_model_len=MAX_LEN, mla_cache="decompressed", kv_cache_dtype="int8")
+
+
+# ---- config.json and checkpoint layouts -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name, key, value, supported",
+    [
+        ("v3", "scoring_func", "tanh", "('softmax', 'sigmoid')"),
+        ("v2-lite", "scoring_func", "tanh", "('softmax', 'sigmoid')"),
+        ("v3", "topk_method", "bogus", "('greedy', 'group_limited_greedy', 'noaux_tc')"),
+        ("v2-lite", "topk_method", "bogus", "('greedy', 'group_limited_greedy', 'noaux_tc')"),
+    ],
+)
+def test_an_unknown_routing_rule_is_refused_naming_the_supported_ones(tmp_path, name, key, value, supported):
+    """A scoring_func or topk_method infertune does not implement is a ValueError that names config.json, the key,
+    the value and every value it implements, raised when the engine's config is built (before any weight loads);
+    the same checkpoint with the key as saved loads."""
+    import json
+    import re
+
+    from infertune.config import EngineConfig
+
+    path = make_deepseek_checkpoint(tmp_path, **VARIANTS[name])
+    EngineConfig.create(str(path), dtype="float32", max_model_len=MAX_LEN)  # as saved: accepted
+    cfg_file = path / "config.json"
+    cfg_file.write_text(json.dumps({**json.loads(cfg_file.read_text()), key: value}))
+    expected = f"{cfg_file}: {key} '{value}' is not supported; infertune implements {supported}"
+    with pytest.raises(ValueError, match=f"^{re.escape(expected)}$"):
+        EngineConfig.create(str(path), dtype="float32", max_model_len=MAX_LEN)
+    with pytest.raises(ValueError, match=f"^{re.escape(expected)}$"):
+        LLM(str(path), dtype="float32", max_model_len=MAX_LEN)
+
+
+@pytest.mark.parametrize("name", ["v3", "v2-lite"])
+def test_fused_and_sharded_expert_layouts_give_identical_logits(name, tmp_path):
+    """transformers v5's fused 3-D experts (mlp.experts.gate_up_proj [E, 2I, H], down_proj [E, H, I], written here
+    from the HF model's own state, the V3 router's e_score_correction_bias beside them) and a sharded per-expert
+    checkpoint load the very same weights as the per-expert file: identical logits, and HF's."""
+    from test_moe_models import copy_without_weights
+
+    per_expert = make_deepseek_checkpoint(tmp_path / "per-expert", **VARIANTS[name])
+    assert any(".mlp.experts.0.gate_proj.weight" in k for k in load_file(per_expert / "model.safetensors"))
+    hf = hf_model(per_expert)
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    moe_layers = range(1, LAYERS)  # first_k_dense_replace=1
+    e, inter, hidden = hf.config.n_routed_experts, hf.config.moe_intermediate_size, hf.config.hidden_size
+    for i in moe_layers:  # HF keeps them fused in memory
+        assert state[f"model.layers.{i}.mlp.experts.gate_up_proj"].shape == (e, 2 * inter, hidden)
+        assert state[f"model.layers.{i}.mlp.experts.down_proj"].shape == (e, hidden, inter)
+    assert not any(".experts.0." in k for k in state)
+    fused = copy_without_weights(per_expert, tmp_path / "fused")
+    save_file(state, fused / "model.safetensors", metadata={"format": "pt"})
+    sharded = copy_without_weights(per_expert, tmp_path / "sharded")
+    hf.save_pretrained(sharded, max_shard_size="60KB")
+    assert len(list(sharded.glob("*.safetensors"))) > 2
+    prompt = prompts_for(hf.config.vocab_size)[-1]
+    table = list(range(-(-len(prompt) // BLOCK)))
+    logits = []
+    for path in (per_expert, fused, sharded):
+        llm = LLM(str(path), dtype="float32", max_model_len=MAX_LEN, block_size=BLOCK)
+        logits.append(llm.engine.executor.runner.prompt_logits(prompt, table))
+    assert torch.equal(logits[0], logits[1]) and torch.equal(logits[0], logits[2])
+    with torch.no_grad():
+        torch.testing.assert_close(logits[0], hf(torch.tensor([prompt])).logits[0], atol=1e-4, rtol=0)
+
+
+# ---- the tools on a DeepSeek checkpoint -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def v3_checkpoint(tmp_path_factory):
+    """The V3 variant (q_lora_rank, sigmoid + noaux_tc over groups, shared expert, dense first layer, YaRN) and its
+    HF model."""
+    path = make_deepseek_checkpoint(tmp_path_factory.mktemp("tools-v3"), **VARIANTS["v3"])
+    return path, hf_model(path)
+
+
+def test_serve_answers_a_chat_request_with_hf_greedy_tokens(v3_checkpoint):
+    """`serve`'s /v1/chat/completions on a DeepSeek-V3 checkpoint: the chat template's prompt, and HF's greedy
+    tokens (a full HF forward per token) as the answer."""
+    import openai
+    from server_utils import MODEL, ServerThread
+    from test_moe_models import hf_greedy
+
+    path, hf = v3_checkpoint
+    tok = make_tokenizer()
+    messages = [{"role": "user", "content": "Route me through the latent cache"}]
+    ids = tok.encode(
+        tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), add_special_tokens=False
+    )
+    with ServerThread(path) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        r = client.chat.completions.create(
+            model=MODEL, messages=messages, temperature=0, max_tokens=8, extra_body={"ignore_eos": True}
+        )
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 8
+    assert r.choices[0].message.content == tok.decode(hf_greedy(hf, ids, 8), skip_special_tokens=True)
+
+
+def test_debug_layers_on_a_deepseek_model(v3_checkpoint):
+    """debug-layers (fp32 against fp32) over MLA and DeepSeek MoE: every MLA projection, the router, the experts and
+    the shared experts are compared, and nothing diverges; a NaN planted in layer 1's experts is found there; layer
+    1's router with experts 0 and 1 swapped (weight rows and correction bias: the same group, so the group scores
+    do not move) reroutes exactly the tokens HF's router sends to one of the two, and the note counts them."""
+    from infertune.profile.debug_layers import debug_layers
+
+    path, hf = v3_checkpoint
+    prompt = prompts_for(hf.config.vocab_size)[-1]
+    clean = debug_layers(str(path), prompt, dtype="float32")
+    names = set(m.module for m in clean.modules)
+    for layer in (1, 2):
+        assert {f"model.layers.{layer}.mlp.{m}" for m in ("gate", "experts", "shared_experts")} <= names
+    attn = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj")
+    assert {f"model.layers.0.self_attn.{m}" for m in attn} <= names and "model.layers.0.mlp.experts" not in names
+    assert clean.first_divergent is None and clean.first_nonfinite is None and clean.notes == []
+    assert clean.verdict().startswith("no divergence")
+
+    def nan_in_experts(model) -> None:  # every expert of layer 1: whichever a token picks goes NaN
+        with torch.no_grad():
+            model.model.layers[1].mlp.experts.gate_up_proj[:, 0, 0] = float("nan")
+
+    broken = debug_layers(str(path), prompt, dtype="float32", perturb=nan_in_experts)
+    assert broken.first_nonfinite["module"] == "model.layers.1.mlp.experts"
+    assert broken.verdict().startswith("FIRST NON-FINITE MODULE: model.layers.1.mlp.experts")
+
+    def swap_experts(model) -> None:
+        gate = model.model.layers[1].mlp.gate
+        with torch.no_grad():
+            gate.weight[[0, 1]] = gate.weight[[1, 0]].clone()
+            gate.e_score_correction_bias[[0, 1]] = gate.e_score_correction_bias[[1, 0]].clone()
+
+    rerouted = debug_layers(str(path), prompt, dtype="float32", perturb=swap_experts)
+    picked: list[torch.Tensor] = []
+    hook = hf.model.layers[1].mlp.gate.register_forward_hook(lambda m, a, out: picked.append(out[2]) and None)
+    with torch.no_grad():
+        hf(torch.tensor([prompt]))
+    hook.remove()
+    has0, has1 = (picked[0] == 0).any(dim=1), (picked[0] == 1).any(dim=1)
+    moved = int((has0 ^ has1).sum())
+    assert moved > 0
+    assert [n for n in rerouted.notes if n.startswith("model.layers.1.mlp.gate:")] == [
+        f"model.layers.1.mlp.gate: {moved} of {len(prompt)} tokens routed to other experts than in the float32 run "
+        "(near-ties in the router's scores); those tokens' expert outputs differ by more than rounding"
+    ]

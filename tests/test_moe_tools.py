@@ -15,7 +15,7 @@ import math
 
 import pytest
 import torch
-from conftest import hf_model, make_checkpoint, read_config
+from conftest import hf_model, make_checkpoint, make_tokenizer, read_config
 from parity_utils import BLOCK, MAX_LEN, NEW_TOKENS, prompts_for, run
 from test_deepseek import MLA_DIMS, make_deepseek_checkpoint
 
@@ -357,3 +357,78 @@ def test_llama_cpp_runs_the_exported_deepseek_greedy_like_hf(deepseek_v3_one_gro
     """The exported V3 through llama.cpp (f32): every greedy token is HF's top on the same prefix, so the latent
     attention, the absorbed weights and the routing in the file are the checkpoint's."""
     _llama_cpp_follows_hf(deepseek_v3_one_group, tmp_path)
+
+
+# ---- eval and bench on MoE checkpoints ----------------------------------------------------------------------------
+
+
+def test_eval_scores_a_deepseek_checkpoint_as_hf_does(deepseek_v2_lite, tmp_path, capsys):
+    """`infertune eval --quantization w8a16 --json` on DeepSeek (MLA + MoE): the reference (the same checkpoint
+    unquantized) scores the text with HF transformers' perplexity over the same windows, every token once; the int8
+    candidate is a little worse, close but not identical in its next-token distributions."""
+    import json
+
+    from infertune.cli import main
+    from infertune.evaluate.accuracy import sliding_windows
+
+    path = deepseek_v2_lite
+    text = tmp_path / "held.txt"
+    text.write_text("def route(x, experts):\n    return sorted(experts, key=x.score)[:2]\n" * 3)
+    argv = ["--data", str(text), "--context", "32", "--stride", "16", "--num-prompts", "2", "--greedy-tokens", "6"]
+    rc = main(["eval", "--model", str(path), "--quantization", "w8a16", "--dtype", "float32", *argv, "--json"])
+    assert rc == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["quantization"] == "w8a16" and report["reference_quantization"] is None
+    tok = make_tokenizer()
+    ids = tok.encode(text.read_text(), add_special_tokens=False) + [tok.eos_token_id]
+    assert report["num_tokens"] == len(ids) - 1 and (report["context"], report["stride"]) == (32, 16)
+    hf = hf_model(path)
+    total = 0.0
+    with torch.no_grad():
+        for w in sliding_windows(len(ids), 32, 16):
+            logits = hf(torch.tensor([ids[w.begin : w.end]])).logits[0]
+            rows = logits[w.score_from - 1 - w.begin : w.end - 1 - w.begin].double()
+            total += float(
+                torch.nn.functional.cross_entropy(rows, torch.tensor(ids[w.score_from : w.end]), reduction="sum")
+            )
+    assert report["ref_perplexity"] == pytest.approx(math.exp(total / report["num_tokens"]), rel=1e-5)
+    assert report["perplexity"] != report["ref_perplexity"]
+    assert abs(report["perplexity"] / report["ref_perplexity"] - 1) < 0.1
+    assert 0 < report["kl_mean"] <= report["kl_max"] < 0.5
+    assert 0.5 <= report["top1_agreement"] <= 1.0
+    assert len(report["greedy_prefix"]) == 2 and all(0 <= n <= 6 for n in report["greedy_prefix"])
+
+
+def test_bench_latency_runs_a_moe_checkpoint_beside_hf(qwen3_moe, tmp_path, capsys):
+    """`infertune bench latency` on Qwen3-MoE in fp32, infertune and HF transformers side by side: the model's
+    parameters are HF's count, both produce --output-len tokens, the greedy sequences are identical, and the
+    rates are the token counts over the measured times."""
+    import json
+
+    from infertune.cli import main
+
+    out = tmp_path / "r.json"
+    workload = ["--input-len", "7", "--output-len", "5", "--repeats", "1", "--probe-gib", "0"]
+    rc = main(
+        ["bench", "latency", "--model", str(qwen3_moe), "--dtype", "float32", "--compile", "off", "--hf-attn", "eager"]
+        + [*workload, "--json", str(out)]
+    )
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    hf = hf_model(qwen3_moe)
+    assert doc["model"]["params"] == sum(p.numel() for p in hf.parameters())
+    assert doc["workload"]["batches"] == [1]  # latency: batch 1
+    by = {r["system"]: r for r in doc["results"]}
+    assert set(by) == {"infertune", "hf"} and all("error" not in r and "skipped" not in r for r in by.values())
+    for r in by.values():
+        (run_,) = r["runs"]
+        assert 0 < run_["ttft_s"] <= run_["total_s"]
+        assert run_["output_tok_s"] == pytest.approx(5 / run_["total_s"])
+        assert run_["decode_tok_s"] == pytest.approx(4 / (run_["total_s"] - run_["ttft_s"]))
+    assert doc["greedy_agreement"]["1"] == dict(
+        identical_sequences=1, sequences=1, mean_common_prefix=5.0, tokens_per_sequence=5
+    )
+    row = next(
+        line for line in capsys.readouterr().out.splitlines() if line.startswith("| infertune | HF transformers")
+    )
+    assert row.endswith("| 1/1 identical, mean common prefix 5.0/5 |")
