@@ -1081,8 +1081,6 @@ class EngineConfig:
                 if self.model.arch.mla is not None
                 else "a draft model (its own KV cache)"
                 if spec is not None and spec.method == "draft_model"
-                else "a KV connector (kv_role)"
-                if getattr(self.parallel, "kv_role", None) is not None
                 else f"an odd head_dim ({self.model.arch.head_dim}: a byte holds two values of a token)"
                 if self.model.arch.head_dim % 2
                 else None

@@ -538,6 +538,46 @@ def _generate(engine: LLMEngine, rid: str, prompt: str, params: SamplingParams):
     return done
 
 
+def test_the_int4_tier_runs_on_both_sides_and_the_prompt_moves_as_int8(tiny_llama, tmp_path):
+    """kv_int4_after with a KV connector: a producer never packs a prompt it hands to a consumer (do_remote_decode),
+    even across chunks of its prefill, so the blocks move as int8; the consumer's own tier packs them as its decode
+    ages them. Oracle: a plain engine with the same int8 cache and tier, whose prompt is computed in one step (int8
+    throughout, as the producer's) and whose decode packs by the same ages: the same greedy tokens."""
+    base = dict(
+        dtype="float32", max_model_len=96, block_size=4, max_num_seqs=4, kv_cache_memory_bytes=2**20,
+        kv_cache_dtype="int8", kv_int4_after=8,
+    )  # fmt: skip
+    kv = {"kv_connector_config": {"path": str(tmp_path)}}
+    plain = LLMEngine(EngineConfig.create(str(tiny_llama), **base, max_num_batched_tokens=96))
+    producer = LLMEngine(
+        EngineConfig.create(str(tiny_llama), **base, kv_role="producer", max_num_batched_tokens=8, **kv)
+    )
+    consumer = LLMEngine(EngineConfig.create(str(tiny_llama), **base, kv_role="consumer", **kv))
+    try:
+        prompt = "The cat sat on the mat and looked at the dog, who looked back at the cat and then"
+        want = _generate(plain, "r", prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+        assert plain.block_manager.num_int4_packs > 0  # (its decode packed old blocks)
+        ask = SamplingParams(temperature=0, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+        answer = _generate(producer, "p", prompt, ask).kv_transfer_params
+        assert producer.block_manager.num_int4_packs == 0  # its chunks ran past kv_int4_after, and it packed none
+        assert all(0 <= b < producer.block_manager.num_blocks for b in answer["block_ids"])  # plain int8 blocks
+        got = _generate(
+            consumer,
+            "d",
+            prompt,
+            SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, kv_transfer_params=answer),
+        )
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        assert consumer.block_manager.num_int4_packs == plain.block_manager.num_int4_packs
+        assert consumer.stats()["prefill_tokens_computed"] == 1
+        # a request of the producer's own (no do_remote_decode) is packed there as usual
+        _generate(producer, "own", prompt, SamplingParams(temperature=0, max_tokens=2))
+        assert producer.block_manager.num_int4_packs > 0
+    finally:
+        for e in (producer, consumer):
+            e.shutdown()
+
+
 def test_tensor_parallel_ranks_move_their_own_kv_heads(tiny_llama, tmp_path):
     """TP = 2 on both sides: each rank's share of the KV heads goes through its own shared file, and the greedy
     tokens are one plain engine's (the plain-data metadata reaches the worker processes)."""

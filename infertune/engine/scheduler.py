@@ -183,6 +183,10 @@ class Scheduler:
     def _pack_int4(self, seq: Sequence) -> None:
         """The int4 tier (CacheConfig.kv_int4_after): pack seq's old int8 blocks before its step; the workers do the
         packs (SchedulerOutput.kv_packs) and re-read its tables from the first entry that changed."""
+        if self.kv_connector is not None and self.kv_connector.role == "producer":
+            params = getattr(seq.params, "kv_transfer_params", None) or {}
+            if params.get("do_remote_decode"):
+                return  # (its prompt's blocks go to a consumer as int8; the consumer's own tier packs them there)
         packs = self.block_manager.pack_int4(seq)
         if not packs:
             return

@@ -94,8 +94,6 @@ def scheduler_connector(config, kv_info) -> KVConnectorScheduler | None:
             "KV transfer (kv_role) does not run with kv_compression yet: a compressed prompt's blocks "
             "no longer hold one token a slot"
         )
-    if getattr(config.cache, "kv_int4_after", None) is not None:
-        raise ValueError("KV transfer (kv_role) does not move int4 blocks yet: drop kv_int4_after on both sides")
     spec = connector_spec(p.kv_connector)
     side = spec.scheduler(
         p.kv_role, spec.settings(p.kv_connector_config), kv_info.kv_layout, kv_info.num_blocks, kv_info.block_size,
