@@ -44,8 +44,9 @@ class QemuNeonLib:
         self.harness = harness
         self.calls = 0
 
-    def _run(self, op: str, scalars: list, buffers: list[tuple[int | None, int]]) -> None:
-        """buffers: (pointer or None, bytes); the last is the output (read first, written back after)."""
+    def _run(self, op: str, scalars: list, buffers: list[tuple[int | None, int]]) -> str:
+        """buffers: (pointer or None, bytes); the last is the output (read first, written back after). Returns what
+        the call printed (an entry point's return code, where it has one)."""
         with tempfile.TemporaryDirectory() as tmp:
             paths = []
             for i, (ptr, size) in enumerate(buffers):
@@ -62,6 +63,7 @@ class QemuNeonLib:
             out = Path(paths[-1]).read_bytes()
             ctypes.memmove(buffers[-1][0], out, len(out))
         self.calls += 1
+        return r.stdout
 
     def _abi(self) -> list[int]:
         with tempfile.TemporaryDirectory() as tmp:
@@ -134,10 +136,14 @@ class QemuNeonLib:
 
         def ship(lin, count: int = 1) -> None:  # a linear's buffers into the blob (count: stacked experts)
             n, k = lin.N * count, lin.K
-            w_bytes = {0: n * k * 2, 1: n * k, 2: n * k // 2}[lin.kind]
-            s_bytes = n * (4 if lin.scale_is_f32 else 2) if lin.kind == 1 else n * (k // max(lin.group, 1)) * 4
+            if lin.kind == 4:  # W8A8: the packed words, fp32 scales [N], zero: the static activation scale [1] or NULL
+                w_bytes, s_bytes, z_bytes = count * self._w8a8_bytes(lin.N, k), n * 4, 4
+            else:
+                w_bytes = {0: n * k * 2, 1: n * k, 2: n * k // 2}[lin.kind]
+                s_bytes = n * (4 if lin.scale_is_f32 else 2) if lin.kind == 1 else n * (k // max(lin.group, 1)) * 4
+                z_bytes = s_bytes
             lin.w, lin.bias = blob.buf(lin.w, w_bytes), blob.buf(lin.bias, n * 2)
-            lin.scale, lin.zero = blob.buf(lin.scale, s_bytes), blob.buf(lin.zero, s_bytes)
+            lin.scale, lin.zero = blob.buf(lin.scale, s_bytes), blob.buf(lin.zero, z_bytes)
 
         copies = (cpu.ItLayer * m.n_layers)()
         caches: dict[int, int] = {}  # (layers of different KV cache groups share a cache tensor: one copy of it)
@@ -227,6 +233,33 @@ class QemuNeonLib:
 
     def it_rmsnorm_f32w(self, x, f, out, t, h, eps, nthreads):
         self._run("it_rmsnorm_f32w", [t, h, repr(float(eps))], [(x, t * h * 2), (f, h * 4), (out, t * h * 2)])
+
+    # W8A8 (csrc/arm/neon/gemm_i8.c): the packed weight is i8_packed_words int32 words, [ceil(N / 16), Kp / 4, 16]
+    def it_w8a8_block(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "block"
+            r = subprocess.run(
+                [QEMU, str(self.harness), "it_w8a8_block", str(out)], capture_output=True, text=True, timeout=60
+            )
+            if r.returncode != 0:
+                raise RuntimeError(f"it_w8a8_block under qemu failed: {r.stderr}")
+            return int.from_bytes(out.read_bytes(), "little", signed=True)
+
+    def _w8a8_bytes(self, n: int, k: int) -> int:
+        from infertune.kernels import cpu
+
+        a, b, c = cpu.w8a8_packed_shape(n, k, self)
+        return a * b * c * 4
+
+    def it_pack_w8a8(self, q, n, k, out, nthreads):
+        return int(self._run("it_pack_w8a8", [n, k], [(q, n * k), (out, self._w8a8_bytes(n, k))]))
+
+    def it_unpack_w8a8(self, packed, n, k, q):
+        self._run("it_unpack_w8a8", [n, k], [(packed, self._w8a8_bytes(n, k)), (q, n * k)])
+
+    def it_linear_w8a8(self, x, ldx, w, scale, static, bias, y, ldy, m, n, k, nthreads):
+        bufs = [(x, ((m - 1) * ldx + k) * 2), (w, self._w8a8_bytes(n, k)), (scale, n * 4), (static, 4), (bias, n * 2)]
+        return int(self._run("it_linear_w8a8", [ldx, ldy, m, n, k], [*bufs, (y, ((m - 1) * ldy + n) * 2)]))
 
     def it_rotary(self, qk, ld, t, heads, d, cs, ld_cs, nthreads):
         bufs = [(cs, ((t - 1) * ld_cs + d) * 4), (qk, ((t - 1) * ld + heads * d) * 2)]

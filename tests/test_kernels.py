@@ -463,7 +463,7 @@ def test_w8a8_is_exact_integer_arithmetic_then_the_reference_rounding(ks):
     from infertune.quant.int8 import W8A8Method, quantize_int8_per_token
 
     if not kernels.w8a8_supported(ks.lib):
-        pytest.skip(f"{ks.name}: no int8 x int8 kernel (NEON)")
+        pytest.skip(f"{ks.name}: no int8 x int8 kernel")
     g = torch.Generator().manual_seed(21)
     for n, k in ((64, 64), (70, 100), (131, 1100), (96, 2050)):
         q, s = quantize_int8_per_channel(torch.randn(n, k, generator=g))

@@ -312,7 +312,7 @@ def quantized_experts(ks, method: str, group_size: int, e: int, k: int, hidden: 
     from infertune.quant.int8 import W8A8Method, W8A16Method
 
     if method == "w8a8" and not cpu.w8a8_supported(ks.lib):
-        pytest.skip(f"{ks.name}: no int8 x int8 kernel (NEON)")
+        pytest.skip(f"{ks.name}: no int8 x int8 kernel")
 
     layer = Experts(hidden, MoeArch(e, k, inter, layers=(0,), norm_topk_prob=True), torch.bfloat16)
     gate_up, down = expert_weights(e, hidden, inter, g)

@@ -99,10 +99,11 @@ def test_neon_linear_bf16_takes_the_gemv_then_the_gemm(lib):
         assert not torch.equal(paths["gemv"], paths["gemm"])
 
 
-def _fused_model(kind: str, pack_w4):
+def _fused_model(kind: str, pack_w4, pack_w8a8=None):
     """A 2-layer Llama-shaped FusedModel (GQA 4 / 2 heads of 16, a bf16 paged cache of 16 blocks of 4) with random
-    weights (the same for every call), its projections all `kind`: bf16, int8 per row with fp32 scales, or int4 in
-    groups of 64 (w = q * s + z) stored by pack_w4 (each implementation's own layout)."""
+    weights (the same for every call), its projections all `kind`: bf16, int8 per row with fp32 scales (W8A16, or
+    W8A8: packed by pack_w8a8), or int4 in groups of 64 (w = q * s + z) stored by pack_w4 (each implementation's own
+    layout)."""
     from infertune.kernels.interface import FusedLayer, FusedModel, KernelLinear
 
     g = torch.Generator().manual_seed(5)
@@ -118,6 +119,8 @@ def _fused_model(kind: str, pack_w4):
             return KernelLinear("w4", n, k, qweight=pack_w4(q), scales=s, zero=-7.5 * s, group_size=64)
         s = w.float().abs().amax(dim=1) / 127
         q = torch.round(w.float() / s[:, None]).clamp(-127, 127).to(torch.int8)
+        if kind == "w8a8":
+            return KernelLinear("w8a8", n, k, qweight=pack_w8a8(q), scales=s)
         return KernelLinear("w8", n, k, qweight=q, scales=s)
 
     pos = torch.arange(64, dtype=torch.float32)[:, None] * 10000 ** (-torch.arange(0, d, 2) / d)
@@ -153,7 +156,7 @@ def _fused_model(kind: str, pack_w4):
     return m
 
 
-@pytest.mark.parametrize("kind", ["bf16", "w8", "w4"])
+@pytest.mark.parametrize("kind", ["bf16", "w8", "w4", "w8a8"])
 def test_neon_fused_step_matches_the_pytorch_step(lib, kind):
     """it_decode_layers on NEON (csrc/arm/neon/fused.c under csrc/fused_step.h), through the same X86FusedDecoder the
     engine uses, for a decode step of 3 sequences (contexts of 6, 11 and 1 tokens over scattered blocks, the cache's
@@ -166,7 +169,12 @@ def test_neon_fused_step_matches_the_pytorch_step(lib, kind):
     from infertune.kernels.x86 import Avx2Kernels
 
     ref_kernels = TorchKernels()
-    m, m_ref = _fused_model(kind, cpu.pack_w4), _fused_model(kind, ref_kernels.pack_w4)
+    # (W8A8: packed by the NEON library, whose layout is the AVX2 one's: the AVX2 step below reads the same weights)
+    neon_pack = lambda q: cpu.pack_w8a8(q, lib=lib)  # noqa: E731
+    m, m_ref = (
+        _fused_model(kind, cpu.pack_w4, neon_pack),
+        _fused_model(kind, ref_kernels.pack_w4, ref_kernels.pack_w8a8),
+    )
     caches = [layer.kv_cache.clone() for layer in m.layers]
     ids = torch.tensor([3, 41, 97])
     lens = torch.tensor([6, 11, 1])
@@ -228,6 +236,8 @@ def _fused_moe_only():
         ("deepseek", "auto"),
         ("deepseek", "int8"),
         ("deepseek-moe", "auto"),
+        ("llama", "auto+w8a8"),
+        ("deepseek-moe", "auto+w8a8"),
     ],
 )
 def test_the_engine_on_the_neon_kernels_matches_hf(lib, tmp_path, monkeypatch, arch, kv):
@@ -240,7 +250,9 @@ def test_the_engine_on_the_neon_kernels_matches_hf(lib, tmp_path, monkeypatch, a
     int8+int4: the int4 tier, every two full blocks of 2 tokens packed (the fused step reads int4 entries);
     DeepSeek-V3's latent attention (csrc/mla.h: its 16-wide vectors as NEON registers) over a bf16 and an int8
     latent cache, every layer dense; deepseek-moe: with its MoE layers (the fp32 router with the correction bias and
-    groups, the grouped experts, the shared expert; ties handed back to route())."""
+    groups, the grouped experts, the shared expert; ties handed back to route()); +w8a8: quantization="w8a8" (the
+    NEON int8 x int8 product in the fused step and the per-module linears, the experts too; HF's tokens are then not
+    the oracle, the engine's own torch path on the same int8 weights is: as close to HF's logprobs)."""
     from conftest import hf_model, make_checkpoint
     from test_kernels import _hf_logprob_errors
 
@@ -295,15 +307,31 @@ def test_the_engine_on_the_neon_kernels_matches_hf(lib, tmp_path, monkeypatch, a
             max_num_seqs=2,
             kv_cache_dtype=kv.split("+")[0],
             **(dict(kv_int4_after=0, block_size=2) if kv == "int8+int4" else {}),
+            **(dict(quantization="w8a8") if kv.endswith("+w8a8") else {}),
         )
         runner = llm.engine.executor.runner
         if mode == "neon":
             assert runner.decode_kernels is ks and runner.fused is not None
             runner.fused.step_timers(reset=True)
         worst[mode] = max(_hf_logprob_errors(llm, prompts, params, hf, argmax=kv == "auto"))
+        if mode == "neon" and kv.endswith("+w8a8"):  # (the int8 x int8 product ran in the NEON library)
+            lin = runner.model.model.layers[0].self_attn.o_proj
+            assert lin.quant_method.own_layout and lin.quant_method.kernel_rows > 0
         if mode == "neon":  # the 4 decode steps at least (and the prompts' step with a bf16 cache)
             want = 5 if kv == "auto" and not arch.startswith("deepseek") else 4  # (DeepSeek: decode steps only)
             assert runner.fused.step_timers()["calls"] >= want, runner.fused.step_timers()
             if kv == "int8+int4":
                 assert llm.engine.block_manager.num_int4_packs == 2  # (each sequence its first two blocks)
     assert worst["neon"] <= 1.5 * worst["off"] + 0.02, worst
+
+
+def test_neon_w8a8_without_the_dot_product_is_exact_too(lib, monkeypatch):
+    """W8A8 on a baseline Armv8-A CPU (no FEAT_DotProd: SMULL + SADALP instead of SDOT; qemu has SDOT, so the
+    library is told not to use it): the same exact-integer oracle as tests/test_kernels.py's (which runs the SDOT
+    path on NEON)."""
+    from test_kernels import test_w8a8_is_exact_integer_arithmetic_then_the_reference_rounding as exact_w8a8
+
+    from infertune.kernels.arm import NeonKernels
+
+    monkeypatch.setenv("INFERTUNE_NEON_DOTPROD", "0")  # (each call's qemu process reads it)
+    exact_w8a8(NeonKernels(lib))

@@ -924,7 +924,7 @@ W8A8_MAX_K = 1 << 16
 
 
 def w8a8_supported(lib: ctypes.CDLL | None = None) -> bool:
-    """Whether the library has the W8A8 kernel (AVX-512: VPDPBUSD; AVX2: VPMADDUBSW; NEON: none)."""
+    """Whether the library has the W8A8 kernel (AVX-512: VPDPBUSD; AVX2: VPMADDUBSW; NEON: SDOT or SMULL + SADALP)."""
     try:
         return getattr(_pick(lib), "it_linear_w8a8", None) is not None
     except RuntimeError:
@@ -933,7 +933,7 @@ def w8a8_supported(lib: ctypes.CDLL | None = None) -> bool:
 
 def w8a8_packed_shape(n: int, k: int, lib: ctypes.CDLL | None = None) -> tuple[int, int, int]:
     """The packed W8A8 weight's shape (int32 words): [ceil(N / B), ceil(K / 64) * 16, B], B the library's block of
-    features (it_w8a8_block: 64 on AVX-512, 16 on AVX2)."""
+    features (it_w8a8_block: 64 on AVX-512, 16 on AVX2 and NEON)."""
     lib = _pick(lib)
     b = getattr(lib, "_w8a8_block", None)  # (asked once per library: this check runs on every linear_w8a8 call)
     if b is None:
@@ -944,7 +944,7 @@ def w8a8_packed_shape(n: int, k: int, lib: ctypes.CDLL | None = None) -> tuple[i
 def pack_w8a8(q: torch.Tensor, *, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """int8 [N, K] in -127..127 (quantize_int8_per_channel's range; -128 raises ValueError) -> linear_w8a8's
     weight: int32 words [ceil(N / B), ceil(K / 64) * 16, B], word (b, p, l) the 4 columns 4p .. 4p + 3 of row B b + l
-    (AVX-512: each byte + 128, VPDPBUSD's unsigned operand; AVX2: as they are); padding holds q = 0."""
+    (AVX-512: each byte + 128, VPDPBUSD's unsigned operand; AVX2 and NEON: as they are); padding holds q = 0."""
     lib = _pick(lib)
     if q.dtype is not torch.int8 or q.dim() != 2 or not q.is_contiguous():
         raise ValueError(f"need a contiguous int8 [N, K] weight, got {q.dtype} {tuple(q.shape)}")
@@ -980,7 +980,7 @@ def linear_w8a8(
     exactly in int32; then bf16(float(sum) * s_x * s_w), and a bias added to that and rounded again."""
     lib = _pick(lib)
     if getattr(lib, "it_linear_w8a8", None) is None:
-        raise ValueError("this library has no W8A8 kernel (the AVX-512 and AVX2 ones have)")
+        raise ValueError("this library has no W8A8 kernel (the AVX-512, AVX2 and NEON ones have)")
     x2 = _rows(x)
     if x2.dtype is not torch.bfloat16 or x2.device.type != "cpu":
         raise ValueError(f"the CPU kernels take bf16 CPU activations, got {x2.dtype} on {x2.device}")

@@ -198,7 +198,8 @@ class Avx2Kernels(X86Kernels):
         # the weight written and read back: benchmarks/bench_quant_rows.py), and x's int16 rounding (2^-15 of
         # max|x|) is finer than the weights' bf16 one. Past them the layer dequantizes and runs linear_bf16.
         # 12-bit weights do not exist here.
-        # W8A8: VPMADDUBSW on weights packed at load (csrc/x86/avx2/gemm_i8.c) at every row count (NEON: none)
+        # W8A8: VPMADDUBSW on weights packed at load (csrc/x86/avx2/gemm_i8.c) at every row count (NEON, which
+        # inherits this: SDOT or SMULL + SADALP on the same layout, csrc/arm/neon/gemm_i8.c; no Arm timing)
         if kind == "w8a8":
             return cpu.NOAMX_QUANT_MAX_ROWS if cpu.w8a8_supported(self.lib) else 0
         if kind == "bf16c":

@@ -95,6 +95,12 @@ int main(int argc, char** argv) {
         spit(argv[2], &rows, 8);
         return 0;
     }
+    if (!strcmp(op, "it_w8a8_block")) { /* OUT: the features a block of the packed W8A8 weight holds (int64) */
+        if (argc != 3) return 2;
+        const int64_t block = it_w8a8_block();
+        spit(argv[2], &block, 8);
+        return 0;
+    }
     void* b[6] = {0};
     long sz[6] = {0};
     int first = 0, nbuf = 0;
@@ -109,6 +115,9 @@ int main(int argc, char** argv) {
     else if (!strcmp(op, "it_rmsnorm_f32w")) { NEED(6) first = 3, nbuf = 3; } /* T H eps | x f out */
     else if (!strcmp(op, "it_silu_mul") || !strcmp(op, "it_gelu_mul")) { NEED(4) first = 2, nbuf = 2; } /* T I | gu act */
     else if (!strcmp(op, "it_rotary")) { NEED(7) first = 5, nbuf = 2; }       /* ld T heads D ld_cs | cs qk */
+    else if (!strcmp(op, "it_linear_w8a8")) { NEED(11) first = 5, nbuf = 6; } /* ldx ldy M N K | x w s static bias y */
+    else if (!strcmp(op, "it_pack_w8a8")) { NEED(4) first = 2, nbuf = 2; }    /* N K | q out */
+    else if (!strcmp(op, "it_unpack_w8a8")) { NEED(4) first = 2, nbuf = 2; }  /* N K | packed q */
     else { fprintf(stderr, "unknown op %s\n", op); return 2; }
     for (int i = 0; i < nbuf; i++) b[i] = slurp(argv[2 + first + i], &sz[i]);
     const int nt = 2;
@@ -134,6 +143,12 @@ int main(int argc, char** argv) {
         it_silu_mul(b[0], b[1], I(0), I(1), nt);
     else if (!strcmp(op, "it_gelu_mul"))
         it_gelu_mul(b[0], b[1], I(0), I(1), nt);
+    else if (!strcmp(op, "it_linear_w8a8")) /* (the return code on stdout) */
+        printf("%d\n", it_linear_w8a8(b[0], I(0), b[1], b[2], b[3], b[4], b[5], I(1), I(2), I(3), I(4), nt));
+    else if (!strcmp(op, "it_pack_w8a8"))
+        printf("%d\n", it_pack_w8a8(b[0], I(0), I(1), b[1], nt));
+    else if (!strcmp(op, "it_unpack_w8a8"))
+        it_unpack_w8a8(b[0], I(0), I(1), b[1]);
     else
         it_rotary(b[1], I(0), I(1), I(2), I(3), b[0], I(4), nt);
     spit(argv[2 + first + nbuf - 1], b[nbuf - 1], sz[nbuf - 1]);

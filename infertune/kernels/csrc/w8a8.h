@@ -1,11 +1,12 @@
-/* W8A8's parts every ISA's kernel shares (csrc/x86/avx512/gemm_i8.c, csrc/x86/avx2/gemm_i8.c): the sizes, the
- * scratch, the packed weight's blocks, its unpacking, the entry points. Portable C. The including file defines, before
+/* W8A8's parts every ISA's kernel shares (csrc/x86/avx512/gemm_i8.c, csrc/x86/avx2/gemm_i8.c,
+ * csrc/arm/neon/gemm_i8.c): the sizes, the scratch, the packed weight's blocks, its packing and unpacking, the entry
+ * points. Portable C. The including file defines, before
  * it: I8_NB, the output features a block of the packed weight holds, and I8_FLIP, the byte every weight was XORed
  * with when packed (0x80 where the weight is VPDPBUSD's unsigned operand, 0 where it stays signed); and, anywhere in
  * the translation unit, its own
  *   quantize_rows_i8(x, ldx, M, K, static_scale, nthreads, xq, sx, xsum)   x -> int8 rows, their scales and sums
  *   w8a8_gemm(xq, sx, xsum, w, scale, bias, y, ldy, M, N, K, nthreads)     the product on the packed weight
- *   it_pack_w8a8(q, N, K, out, nthreads)                                   the packing (i8_has_min128 first) */
+ *   it_pack_w8a8(q, N, K, out, nthreads)                                   the packing (i8_pack_words, or its own) */
 #ifndef IT_W8A8_H
 #define IT_W8A8_H
 #include "bf16.h"
@@ -31,6 +32,25 @@ static void quantize_rows_i8(const bf16* x, int64_t ldx, int64_t M, int64_t K, c
 static void w8a8_gemm(const int8_t* xq, const float* sx, const int32_t* xsum, const uint32_t* wpk,
                       const float* scale, const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K,
                       int nthreads);
+
+/* q int8 [N, K] -> the packed weight in this layout, element by element (word (b, p, l) = columns 4p .. 4p + 3 of row
+ * I8_NB b + l, each byte XOR I8_FLIP, zero weights past N and K): the portable packing (AVX2, NEON; the AVX-512
+ * library packs its own way, to the same layout). -1 (nothing written) where q holds -128. */
+static inline int i8_pack_words(const int8_t* q, int64_t N, int64_t K, uint32_t* out, int nthreads) {
+    if (i8_has_min128(q, N * K)) return -1;
+    const int64_t Kp = i8_kp(K), nblocks = (N + I8_NB - 1) / I8_NB;
+#pragma omp parallel for num_threads(nthreads > 0 ? nthreads : 1) schedule(static)
+    for (int64_t b = 0; b < nblocks; b++) {
+        uint8_t* blk = (uint8_t*)(out + b * (Kp / 4) * I8_NB);
+        for (int64_t p = 0; p < Kp / 4; p++)
+            for (int l = 0; l < I8_NB; l++)
+                for (int j = 0; j < 4; j++) {
+                    const int64_t n = b * I8_NB + l, k = 4 * p + j;
+                    blk[(p * I8_NB + l) * 4 + j] = (uint8_t)((uint8_t)(n < N && k < K ? q[n * K + k] : 0) ^ I8_FLIP);
+                }
+    }
+    return 0;
+}
 
 /* The features a block of the packed weight holds (kernels/cpu.py w8a8_packed_shape) */
 int64_t it_w8a8_block(void) { return I8_NB; }

@@ -38,8 +38,9 @@ static ws_layout workspace(const it_model* m, int64_t T, int64_t max_ctx) {
     const int64_t widths[5] = {m->hidden, hq, m->inter, m->mla_q_rank, m->n_heads * m->mla_v};
     for (int i = 0; i < 5; i++) { /* (inter is 0 where every MLP is a mixture of experts) */
         if (widths[i] < 1) continue;
-        const int64_t b = q_scratch_bytes(T, widths[i]);
+        const int64_t b = q_scratch_bytes(T, widths[i]), i8 = i8_scratch_bytes(T, widths[i]);
         lin = b > lin ? b : lin;
+        lin = i8 > lin ? i8 : lin; /* (W8A8 rounds every row of x to int8 first, prompts included) */
     }
     l.lin = off;  off += ALIGN64(lin);
     l.dec = off;
@@ -79,6 +80,9 @@ static void run_lin(const it_lin* L, const bf16* x, int64_t ldx, bf16* y, int64_
     (void)dec, (void)silu;
     if (L->kind == IT_KIND_BF16)
         it_linear_bf16(x, ldx, (const bf16*)L->w, L->bias, y, ldy, M, L->N, L->K, nthreads);
+    else if (L->kind == IT_KIND_W8A8) /* (it_decode_layers checked K) */
+        linear_w8a8(x, ldx, (const uint32_t*)L->w, (const float*)L->scale, L->zero, L->bias, y, ldy, M, L->N, L->K,
+                    nthreads, scratch);
     else if (L->kind == IT_KIND_W4)
         linear_w4(x, ldx, (const uint8_t*)L->w, (const float*)L->scale, L->zero, L->group, L->bias, y, ldy, M, L->N,
                   L->K, nthreads, scratch);

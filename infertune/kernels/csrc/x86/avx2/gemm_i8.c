@@ -163,21 +163,7 @@ static void w8a8_gemm(const int8_t* xq, const float* sx, const int32_t* xsum, co
 }
 
 
-/* q int8 [N, K] -> the packed weight, i8_packed_words(N, K) words: word (b, p, l) = columns 4p .. 4p + 3 of row
- * 16 b + l, zero past N and K. -1 (nothing written) where q holds -128. */
+/* q int8 [N, K] -> the packed weight, i8_packed_words(N, K) words (w8a8.h i8_pack_words: the weights as they are) */
 int it_pack_w8a8(const int8_t* q, int64_t N, int64_t K, uint32_t* out, int nthreads) {
-    if (i8_has_min128(q, N * K)) return -1;
-    const int64_t Kp = i8_kp(K), nblocks = (N + 15) / 16;
-#pragma omp parallel for num_threads(nthreads > 0 ? nthreads : 1) schedule(static)
-    for (int64_t b = 0; b < nblocks; b++) {
-        uint8_t* blk = (uint8_t*)(out + b * (Kp / 4) * 16);
-        for (int64_t p = 0; p < Kp / 4; p++)
-            for (int l = 0; l < 16; l++)
-                for (int j = 0; j < 4; j++) {
-                    const int64_t n = b * 16 + l, k = 4 * p + j;
-                    blk[(p * 16 + l) * 4 + j] = (uint8_t)(n < N && k < K ? q[n * K + k] : 0);
-                }
-    }
-    return 0;
+    return i8_pack_words(q, N, K, out, nthreads);
 }
-
