@@ -52,6 +52,47 @@ static inline int i8_pack_words(const int8_t* q, int64_t N, int64_t K, uint32_t*
     return 0;
 }
 
+#ifdef I8_SIGNED_DRIVER
+/* The product on signed weights in blocks of 16 features (AVX2, NEON: I8_NB 16, I8_FLIP 0), whose including file
+ * defines I8_KC (columns a slab) and I8_MB (rows a pass over a slab), its micro-kernels (acc [mr, 16] (+)= the rows
+ * [mr, 4 nw] . nw packed words; first: = instead of +=) and
+ *   i8_store(acc, mr, sx, scale, bias, n0, nrows, y, ldy)   rows [mr, 16] of sums scaled, (+ bias), rounded into y */
+typedef void (*i8_micro_fn)(const int8_t*, int64_t, const uint32_t*, int64_t, int32_t*, int);
+static inline void i8_store(const int32_t* acc, int mr, const float* sx, const float* scale, const bf16* bias,
+                            int64_t n0, int nrows, bf16* y, int64_t ldy);
+
+/* micro[r] takes r rows (1 .. MR). Threads split the blocks of features; per block, each I8_MB-row pass streams the
+ * block's weights in order, each I8_KC-column slab serving every row of the pass (their sums wait in acc). */
+static inline void i8_gemm_signed(const int8_t* xq, const float* sx, const uint32_t* wpk, const float* scale,
+                                  const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K,
+                                  int nthreads, const i8_micro_fn* micro, int MR) {
+    const int64_t Kp = i8_kp(K), nblocks = (N + 15) / 16, block_words = Kp / 4 * 16;
+    const int nt = pick_threads(nblocks, N * K, nthreads);
+#pragma omp parallel num_threads(nt)
+    {
+        int32_t acc[I8_MB * 16] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < nblocks; b++) {
+            const int64_t n0 = b * 16;
+            const int nrows = (int)(N - n0 < 16 ? N - n0 : 16);
+            const uint32_t* wb = wpk + b * block_words;
+            for (int64_t m0 = 0; m0 < M; m0 += I8_MB) {
+                const int64_t rows = M - m0 < I8_MB ? M - m0 : I8_MB;
+                for (int64_t k0 = 0; k0 < Kp; k0 += I8_KC) {
+                    const int64_t kc = Kp - k0 < I8_KC ? Kp - k0 : I8_KC;
+                    for (int64_t i0 = 0; i0 < rows; i0 += MR) {
+                        const int mr = (int)(rows - i0 < MR ? rows - i0 : MR);
+                        const int64_t m = m0 + i0;
+                        micro[mr](xq + m * Kp + k0, Kp, wb + k0 / 4 * 16, kc / 4, acc + i0 * 16, k0 == 0);
+                        if (k0 + kc >= Kp) i8_store(acc + i0 * 16, mr, sx + m, scale, bias, n0, nrows, y + m * ldy, ldy);
+                    }
+                }
+            }
+        }
+    }
+}
+#endif
+
 /* The features a block of the packed weight holds (kernels/cpu.py w8a8_packed_shape) */
 int64_t it_w8a8_block(void) { return I8_NB; }
 

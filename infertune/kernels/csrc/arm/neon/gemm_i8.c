@@ -21,6 +21,7 @@
 #define I8_MB 128  /* rows per pass over a slab */
 #define I8_NB 16   /* output features a block of the packed weight holds */
 #define I8_FLIP 0  /* (the weights as they are: signed) */
+#define I8_SIGNED_DRIVER /* w8a8.h i8_gemm_signed */
 #include "w8a8.h"  /* I8_MAX_K, the scratch, packing, unpacking, the entry points */
 
 #ifndef HWCAP_ASIMDDP
@@ -160,7 +161,6 @@ static inline __attribute__((always_inline)) void i8_micro_base(const int8_t* xq
 #undef I8_WORD
 #undef I8_ADD_OUT
 
-typedef void (*i8_micro_fn)(const int8_t*, int64_t, const uint32_t*, int64_t, int32_t*, int);
 #define I8_MICRO_BASE(R)                                                                                      \
     static void i8_base_##R(const int8_t* xq, int64_t Kp, const uint32_t* wp, int64_t nw, int32_t* acc,       \
                             int first) {                                                                      \
@@ -188,32 +188,9 @@ static void w8a8_gemm(const int8_t* xq, const float* sx, const int32_t* xsum, co
                       const float* scale, const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K,
                       int nthreads) {
     (void)xsum; /* (no offset to take back: the weights stay signed) */
-    const int64_t Kp = i8_kp(K), nblocks = (N + 15) / 16, block_words = Kp / 4 * 16;
-    const int dot = i8_use_dot(), MR = dot ? 4 : 2;
-    const i8_micro_fn* micro = dot ? i8_dot_by_rows : i8_base_by_rows;
-    const int nt = pick_threads(nblocks, N * K, nthreads);
-#pragma omp parallel num_threads(nt)
-    {
-        int32_t acc[I8_MB * 16] __attribute__((aligned(64)));
-#pragma omp for schedule(static)
-        for (int64_t b = 0; b < nblocks; b++) {
-            const int64_t n0 = b * 16;
-            const int nrows = (int)(N - n0 < 16 ? N - n0 : 16);
-            const uint32_t* wb = wpk + b * block_words;
-            for (int64_t m0 = 0; m0 < M; m0 += I8_MB) {
-                const int64_t rows = M - m0 < I8_MB ? M - m0 : I8_MB;
-                for (int64_t k0 = 0; k0 < Kp; k0 += I8_KC) {
-                    const int64_t kc = Kp - k0 < I8_KC ? Kp - k0 : I8_KC;
-                    for (int64_t i0 = 0; i0 < rows; i0 += MR) {
-                        const int mr = (int)(rows - i0 < MR ? rows - i0 : MR);
-                        const int64_t m = m0 + i0;
-                        micro[mr](xq + m * Kp + k0, Kp, wb + k0 / 4 * 16, kc / 4, acc + i0 * 16, k0 == 0);
-                        if (k0 + kc >= Kp) i8_store(acc + i0 * 16, mr, sx + m, scale, bias, n0, nrows, y + m * ldy, ldy);
-                    }
-                }
-            }
-        }
-    }
+    const int dot = i8_use_dot();
+    i8_gemm_signed(xq, sx, wpk, scale, bias, y, ldy, M, N, K, nthreads, dot ? i8_dot_by_rows : i8_base_by_rows,
+                   dot ? 4 : 2);
 }
 
 /* q int8 [N, K] -> the packed weight, i8_packed_words(N, K) words (w8a8.h i8_pack_words: the weights as they are) */

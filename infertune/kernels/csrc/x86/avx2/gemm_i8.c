@@ -20,6 +20,7 @@
 #define I8_PF_WORDS 64     /* how far ahead along the packed weights (words of 16 features: 64 B each) to ask */
 #define I8_NB 16           /* output features a block of the packed weight holds */
 #define I8_FLIP 0          /* (the weights as they are: signed) */
+#define I8_SIGNED_DRIVER /* w8a8.h i8_gemm_signed */
 #include "w8a8.h"          /* I8_MAX_K, the scratch, unpacking, the entry points */
 
 /* x [M, K] bf16 -> xq [M, Kp] int8, sx [M] and xsum [M] (the rows' sums, which this product does not need: the
@@ -109,7 +110,6 @@ static inline __attribute__((always_inline)) void i8_micro(const int8_t* xq, int
     int32_t* acc, int first) { i8_micro(xq, Kp, R, wp, nw, acc, first); }
 I8_MICRO(1) I8_MICRO(2) I8_MICRO(3) I8_MICRO(4)
 #undef I8_MICRO
-typedef void (*i8_micro_fn)(const int8_t*, int64_t, const uint32_t*, int64_t, int32_t*, int);
 static const i8_micro_fn i8_micro_by_rows[I8_MR + 1] = {0, i8_micro_1, i8_micro_2, i8_micro_3, i8_micro_4};
 
 /* The sums of rows [mr, 16], scaled, (+ bias), rounded into y's columns n0 .. n0 + nrows - 1 */
@@ -136,30 +136,7 @@ static void w8a8_gemm(const int8_t* xq, const float* sx, const int32_t* xsum, co
                       const float* scale, const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K,
                       int nthreads) {
     (void)xsum; /* (no offset to take back: the weights stay signed) */
-    const int64_t Kp = i8_kp(K), nblocks = (N + 15) / 16, block_words = Kp / 4 * 16;
-    const int nt = pick_threads(nblocks, N * K, nthreads);
-#pragma omp parallel num_threads(nt)
-    {
-        int32_t acc[I8_MB * 16] __attribute__((aligned(32)));
-#pragma omp for schedule(static)
-        for (int64_t b = 0; b < nblocks; b++) {
-            const int64_t n0 = b * 16;
-            const int nrows = (int)(N - n0 < 16 ? N - n0 : 16);
-            const uint32_t* wb = wpk + b * block_words;
-            for (int64_t m0 = 0; m0 < M; m0 += I8_MB) {
-                const int64_t rows = M - m0 < I8_MB ? M - m0 : I8_MB;
-                for (int64_t k0 = 0; k0 < Kp; k0 += I8_KC) {
-                    const int64_t kc = Kp - k0 < I8_KC ? Kp - k0 : I8_KC;
-                    for (int64_t i0 = 0; i0 < rows; i0 += I8_MR) {
-                        const int mr = (int)(rows - i0 < I8_MR ? rows - i0 : I8_MR);
-                        const int64_t m = m0 + i0;
-                        i8_micro_by_rows[mr](xq + m * Kp + k0, Kp, wb + k0 / 4 * 16, kc / 4, acc + i0 * 16, k0 == 0);
-                        if (k0 + kc >= Kp) i8_store(acc + i0 * 16, mr, sx + m, scale, bias, n0, nrows, y + m * ldy, ldy);
-                    }
-                }
-            }
-        }
-    }
+    i8_gemm_signed(xq, sx, wpk, scale, bias, y, ldy, M, N, K, nthreads, i8_micro_by_rows, I8_MR);
 }
 
 

@@ -144,8 +144,10 @@ static inline __attribute__((always_inline)) void w8_block(
                 const __m512i hv = _mm512_loadu_si512(xh + i * Kp + k), lv = _mm512_loadu_si512(xl + i * Kp + k);
                 for (int j = 0; j < NR; j++) {
                     if (j < nr) {
-                        ah[i][j] = _mm512_dpbusd_epi32(ah[i][j], wv[j], hv);
-                        al[i][j] = _mm512_dpbusd_epi32(al[i][j], wv[j], lv);
+                        /* (gemm_i8.c's asm VPDPBUSD: through the intrinsic GCC 12 loaded each accumulator from
+                           the stack and stored it back twice at every step, 3 memory ops a product) */
+                        ah[i][j] = dpbusd(ah[i][j], wv[j], hv);
+                        al[i][j] = dpbusd(al[i][j], wv[j], lv);
                     }
                 }
             }
