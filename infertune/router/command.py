@@ -12,7 +12,9 @@ DESCRIPTION = (
     "started with --kv-role producer) and --decode URL... (--kv-role consumer): each request's prompt is computed "
     "on a prefill instance, its KV blocks move to a decode instance (the KV connector), which decodes and answers. "
     "Data parallel: --replica URL... (plain servers): each request goes whole to one replica, by prefix-cache "
-    "affinity and requests in flight. See docs/distributed.md."
+    "affinity and requests in flight. Before serving it asks each instance what it is (GET /kv_transfer) and "
+    "refuses to start, naming each one, where a --prefill URL is not a producer, a --decode URL not a consumer, a "
+    "--replica has a role, or P and D instances differ in connector or KV layout. See docs/distributed.md."
 )
 
 
