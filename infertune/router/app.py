@@ -124,19 +124,19 @@ class Router:
                     f"{inst.role} instance {inst.url} runs with {flag.get(info['kv_role'], info['kv_role'])}, "
                     f"not {flag[want[inst.role]]}"
                 )
-        first = next(((u, i) for u, i in seen.items() if i["kv_role"] == "producer"), None)
-        for url, info in seen.items():
-            if first is None or info["kv_role"] != "consumer":
-                continue
-            p_url, p_info = first
-            if info.get("kv_connector") != p_info.get("kv_connector"):
-                bad.append(
-                    f"kv_connector: the decode instance {url} has {info.get('kv_connector')!r}, the prefill "
-                    f"instance {p_url} {p_info.get('kv_connector')!r}"
-                )
-                continue
-            for line in layout_mismatch(info.get("layout") or {}, p_info.get("layout") or {}, "consumer", "producer"):
-                bad.append(f"the decode instance {url} against the prefill instance {p_url}: {line}")
+        producers = [(u, i) for u, i in seen.items() if i["kv_role"] == "producer"]
+        consumers = [(u, i) for u, i in seen.items() if i["kv_role"] == "consumer"]
+        for url, info in consumers:  # (every pair: any prefill instance may hand any decode instance its blocks)
+            for p_url, p_info in producers:
+                if info.get("kv_connector") != p_info.get("kv_connector"):
+                    bad.append(
+                        f"kv_connector: the decode instance {url} has {info.get('kv_connector')!r}, the prefill "
+                        f"instance {p_url} {p_info.get('kv_connector')!r}"
+                    )
+                    continue
+                mine, theirs = info.get("layout") or {}, p_info.get("layout") or {}
+                for line in layout_mismatch(mine, theirs, "consumer", "producer"):
+                    bad.append(f"the decode instance {url} against the prefill instance {p_url}: {line}")
         if bad:
             raise ValueError("the router's instances do not fit together:\n  " + "\n  ".join(bad))
         return unchecked
