@@ -108,13 +108,15 @@ class QemuNeonLib:
         """The library's default (each call is a fresh process: a row count set here would not last)."""
         if rows > 0:
             raise ValueError("under qemu every call is a new process: it_gemm_rows_fma cannot be set here")
+        return self._int64_op("it_gemm_rows_fma")
+
+    def _int64_op(self, op: str) -> int:
+        """An op of the harness that writes one int64 (a library's constant or default)."""
         with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp) / "rows"
-            r = subprocess.run(
-                [QEMU, str(self.harness), "it_gemm_rows_fma", str(out)], capture_output=True, text=True, timeout=60
-            )
+            out = Path(tmp) / "value"
+            r = subprocess.run([QEMU, str(self.harness), op, str(out)], capture_output=True, text=True, timeout=60)
             if r.returncode != 0:
-                raise RuntimeError(f"it_gemm_rows_fma under qemu failed: {r.stderr}")
+                raise RuntimeError(f"{op} under qemu failed: {r.stderr}")
             return int.from_bytes(out.read_bytes(), "little", signed=True)
 
     # The fused step: its structs and every buffer they point at go over in one blob (pointers as offsets into it,
@@ -236,14 +238,7 @@ class QemuNeonLib:
 
     # W8A8 (csrc/arm/neon/gemm_i8.c): the packed weight is i8_packed_words int32 words, [ceil(N / 16), Kp / 4, 16]
     def it_w8a8_block(self):
-        with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp) / "block"
-            r = subprocess.run(
-                [QEMU, str(self.harness), "it_w8a8_block", str(out)], capture_output=True, text=True, timeout=60
-            )
-            if r.returncode != 0:
-                raise RuntimeError(f"it_w8a8_block under qemu failed: {r.stderr}")
-            return int.from_bytes(out.read_bytes(), "little", signed=True)
+        return self._int64_op("it_w8a8_block")
 
     def _w8a8_bytes(self, n: int, k: int) -> int:
         from infertune.kernels import cpu

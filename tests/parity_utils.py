@@ -66,3 +66,21 @@ def assert_mode_matches(llm, mode: str, hf, prompts, outs, reference) -> None:
         assert llm.engine.scheduler.num_preemptions > 0
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks  # nothing leaked
+
+
+def assert_rerouted_note(hf, report, prompt: list[int], layer: int = 1) -> None:
+    """debug-layers' note on layer `layer`'s router after a perturbation that swapped experts 0 and 1 there: it names
+    as many rerouted tokens as HF's own router picks say moved (tokens that picked exactly one of the two)."""
+    picked: list[torch.Tensor] = []
+    hook = hf.model.layers[layer].mlp.gate.register_forward_hook(lambda m, a, out: picked.append(out[2]) and None)
+    with torch.no_grad():
+        hf(torch.tensor([prompt]))
+    hook.remove()
+    has0, has1 = (picked[0] == 0).any(dim=1), (picked[0] == 1).any(dim=1)
+    moved = int((has0 ^ has1).sum())
+    assert moved > 0
+    gate = f"model.layers.{layer}.mlp.gate"
+    assert [n for n in report.notes if n.startswith(gate + ":")] == [
+        f"{gate}: {moved} of {len(prompt)} tokens routed to other experts than in the float32 run "
+        "(near-ties in the router's scores); those tokens' expert outputs differ by more than rounding"
+    ]

@@ -16,6 +16,7 @@ from parity_utils import (
     BLOCK,
     MAX_LEN,
     NEW_TOKENS,
+    assert_rerouted_note,
     assert_teacher_forced,
     engine_modes,
     prompts_for,
@@ -713,15 +714,4 @@ def test_debug_layers_on_a_deepseek_model(v3_checkpoint):
             gate.e_score_correction_bias[[0, 1]] = gate.e_score_correction_bias[[1, 0]].clone()
 
     rerouted = debug_layers(str(path), prompt, dtype="float32", perturb=swap_experts)
-    picked: list[torch.Tensor] = []
-    hook = hf.model.layers[1].mlp.gate.register_forward_hook(lambda m, a, out: picked.append(out[2]) and None)
-    with torch.no_grad():
-        hf(torch.tensor([prompt]))
-    hook.remove()
-    has0, has1 = (picked[0] == 0).any(dim=1), (picked[0] == 1).any(dim=1)
-    moved = int((has0 ^ has1).sum())
-    assert moved > 0
-    assert [n for n in rerouted.notes if n.startswith("model.layers.1.mlp.gate:")] == [
-        f"model.layers.1.mlp.gate: {moved} of {len(prompt)} tokens routed to other experts than in the float32 run "
-        "(near-ties in the router's scores); those tokens' expert outputs differ by more than rounding"
-    ]
+    assert_rerouted_note(hf, rerouted, prompt)

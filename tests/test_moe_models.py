@@ -26,6 +26,7 @@ from parity_utils import (
     MAX_LEN,
     NEW_TOKENS,
     assert_mode_matches,
+    assert_rerouted_note,
     assert_teacher_forced,
     engine_modes,
     prompts_for,
@@ -529,18 +530,7 @@ def test_debug_layers_on_a_moe_model(qwen2_moe):
             model.model.layers[1].mlp.gate.weight[[0, 1]] = model.model.layers[1].mlp.gate.weight[[1, 0]].clone()
 
     rerouted = debug_layers(str(path), prompt, dtype="float32", perturb=swap_experts)
-    picked: list[torch.Tensor] = []
-    hook = hf.model.layers[1].mlp.gate.register_forward_hook(lambda m, a, out: picked.append(out[2]) and None)
-    with torch.no_grad():
-        hf(torch.tensor([prompt]))
-    hook.remove()
-    has0, has1 = (picked[0] == 0).any(dim=1), (picked[0] == 1).any(dim=1)
-    moved = int((has0 ^ has1).sum())
-    assert moved > 0
-    assert [n for n in rerouted.notes if n.startswith("model.layers.1.mlp.gate:")] == [
-        f"model.layers.1.mlp.gate: {moved} of {len(prompt)} tokens routed to other experts than in the float32 run "
-        "(near-ties in the router's scores); those tokens' expert outputs differ by more than rounding"
-    ]
+    assert_rerouted_note(hf, rerouted, prompt)
 
 
 def test_quantize_w8a16_writes_int8_linears_and_experts_and_keeps_the_routers(qwen2_moe, tmp_path):
