@@ -166,38 +166,39 @@ static inline __attribute__((always_inline)) void w8_block(
 static int w8_row1_on = 1; /* (it_w8_row1(0): w8_block at one row too, for A/B runs) */
 void it_w8_row1(int on) { w8_row1_on = on; }
 
-/* One activation row (a decode step's), output rows [n0, n1): each weight row read whole before the next, so a
- * thread's share is one sequential run of memory (w8_block reads NR rows side by side: NR streams a thread, and at
- * one row it streamed ~0.7x the bytes a second of W8A8's packed weights). Two weight rows at a time, their h / l
- * products in four accumulators; the same exact integer sums as w8_block, so out[j - n0] is bit for bit its out. */
+/* One activation row (a decode step's), output rows [n0, n1): each weight row read whole, one row after the next, so
+ * a thread's share is one sequential stream (w8_block reads NR rows side by side: NR streams a thread, and at one
+ * row it streamed ~0.7x the bytes a second of W8A8's packed weights; two rows side by side here still read 0.78x).
+ * Two 64-column steps a turn, two chains each for h and l; the same exact integer sums as w8_block, so out[j - n0]
+ * is bit for bit its out. */
 static void w8_row1(const int8_t* xh, const int8_t* xl, int64_t Kp, int32_t hsum, int32_t lsum, const int8_t* w,
                     int64_t K, int64_t n0, int64_t n1, float* out) {
     const __m512i flip = _mm512_set1_epi8((char)0x80);
-    const int64_t far = pf_far_offset(2 * K);
-    for (int64_t j = n0; j < n1; j += 2) {
-        const int two = j + 1 < n1;
-        const int8_t *w0 = w + j * K, *w1 = two ? w0 + K : w0;
+    const int64_t far = pf_far_offset(K);
+    const int64_t k128 = K & ~(int64_t)127;
+    for (int64_t j = n0; j < n1; j++) {
+        const int8_t* wr = w + j * K;
         __m512i ah0 = _mm512_setzero_si512(), al0 = ah0, ah1 = ah0, al1 = ah0;
-        for (int64_t k = 0; k < K; k += 64) {
+        int64_t k = 0;
+        for (; k < k128; k += 128) { /* (two 64-column steps: two chains each for h and l) */
+            pf_weights(wr + k, far, PF_BYTES);
+            pf_weights(wr + k + 64, far, PF_BYTES);
+            const __m512i v0 = _mm512_xor_si512(_mm512_loadu_si512(wr + k), flip);
+            const __m512i v1 = _mm512_xor_si512(_mm512_loadu_si512(wr + k + 64), flip);
+            ah0 = dpbusd(ah0, v0, _mm512_loadu_si512(xh + k)), al0 = dpbusd(al0, v0, _mm512_loadu_si512(xl + k));
+            ah1 = dpbusd(ah1, v1, _mm512_loadu_si512(xh + k + 64));
+            al1 = dpbusd(al1, v1, _mm512_loadu_si512(xl + k + 64));
+        }
+        for (; k < K; k += 64) {
             const int64_t left = K - k;
             const __mmask64 m = left >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << left) - 1);
-            pf_weights(w0 + k, far, PF_BYTES);
-            pf_weights(w1 + k, far, PF_BYTES);
             /* past K: q = 0 -> 128, against x = 0 (padded): no contribution */
-            const __m512i v0 = _mm512_xor_si512(_mm512_maskz_loadu_epi8(m, w0 + k), flip);
-            const __m512i v1 = _mm512_xor_si512(_mm512_maskz_loadu_epi8(m, w1 + k), flip);
-            const __m512i hv = _mm512_loadu_si512(xh + k), lv = _mm512_loadu_si512(xl + k);
-            ah0 = dpbusd(ah0, v0, hv), al0 = dpbusd(al0, v0, lv);
-            ah1 = dpbusd(ah1, v1, hv), al1 = dpbusd(al1, v1, lv);
+            const __m512i v0 = _mm512_xor_si512(_mm512_maskz_loadu_epi8(m, wr + k), flip);
+            ah0 = dpbusd(ah0, v0, _mm512_loadu_si512(xh + k)), al0 = dpbusd(al0, v0, _mm512_loadu_si512(xl + k));
         }
-        const double h0 = (double)_mm512_reduce_add_epi32(ah0) - 128.0 * hsum;
-        const double l0 = (double)_mm512_reduce_add_epi32(al0) - 128.0 * lsum;
-        out[j - n0] = (float)(256.0 * h0 + l0);
-        if (two) {
-            const double h1 = (double)_mm512_reduce_add_epi32(ah1) - 128.0 * hsum;
-            const double l1 = (double)_mm512_reduce_add_epi32(al1) - 128.0 * lsum;
-            out[j + 1 - n0] = (float)(256.0 * h1 + l1);
-        }
+        const double h = (double)_mm512_reduce_add_epi32(_mm512_add_epi32(ah0, ah1)) - 128.0 * hsum;
+        const double l = (double)_mm512_reduce_add_epi32(_mm512_add_epi32(al0, al1)) - 128.0 * lsum;
+        out[j - n0] = (float)(256.0 * h + l);
     }
     (void)Kp;
 }
@@ -280,7 +281,7 @@ static void linear_w8(const bf16* x, int64_t ldx, const int8_t* w, const void* s
 #pragma omp parallel num_threads(nt)
         {
             const int t = omp_get_thread_num(), n = omp_get_num_threads();
-            const int64_t r0 = N * t / n & ~(int64_t)1, r1 = t + 1 == n ? N : N * (t + 1) / n & ~(int64_t)1;
+            const int64_t r0 = N * t / n, r1 = N * (t + 1) / n;
             float out[64];
             for (int64_t c0 = r0; c0 < r1; c0 += 64) {
                 const int64_t c1 = c0 + 64 < r1 ? c0 + 64 : r1;
