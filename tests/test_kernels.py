@@ -320,33 +320,6 @@ def test_w8_within_its_error_bound(ks, m, n, k, scale_dtype):
     assert ((y - ref).abs() <= bound * 1.01 + 1e-6).all(), float(((y - ref).abs() - bound).max())
 
 
-def test_w8_one_row_takes_whole_weight_rows_in_turn_bit_for_bit():
-    """The AVX-512 library's W8A16 at one row (a decode step's) reads each weight row whole before the next
-    (gemv_quant.c w8_row1: one sequential run a thread) instead of 4 rows side by side (w8_block): the same exact
-    integer sums, so the same bf16 outputs bit for bit. Odd feature counts (a last row alone, threads' shares),
-    K off the 64-column steps, bf16 and fp32 scales, with and without a bias; and a row of int8 products whose sums
-    pass 2^24 (their single rounding to fp32 shows)."""
-    if kernels.variant() not in ("avx512", "avx512-noamx"):
-        pytest.skip(f"the AVX-512 kernels are not this process's: {kernels.describe()}")
-    lib = kernels.library()
-    g = torch.Generator().manual_seed(8)
-    try:
-        for n, k in ((1, 64), (7, 100), (130, 896), (33, 4864)):
-            q, s = quantize_int8_per_channel(torch.randn(n, k, generator=g))
-            q[0] = 127
-            x = torch.randn(1, k, generator=g).bfloat16()
-            x[0, : k // 2] = x[0].abs().max()  # (near max|x|: the int16 values near 32512, the sums large)
-            bias = torch.randn(n, generator=g).bfloat16()
-            for scales, b in ((s, None), (s.bfloat16(), bias), (s, bias)):
-                lib.it_w8_row1(0)
-                blocks = kernels.linear_w8(x, q, scales, b)
-                lib.it_w8_row1(1)
-                rows = kernels.linear_w8(x, q, scales, b)
-                assert torch.equal(rows.view(torch.int16), blocks.view(torch.int16)), (n, k)
-    finally:
-        lib.it_w8_row1(1)
-
-
 def test_w8_exact_when_activations_are_representable(ks):
     """x = +-max or 0 quantizes exactly (to +-32512) and the int32 sums stay below 2^24, so y = (sum q x) s is
     computed to within fp32 rounding of a value bf16 holds exactly (|sum| <= 192 times powers of two)."""

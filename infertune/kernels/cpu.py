@@ -384,7 +384,6 @@ def declare(lib: ctypes.CDLL) -> None:
         "it_gemm_rows_noamx": ([i64], i64),
         "it_bf16c_reg_rows": ([i64], i64),
         "it_q_dq_rows": ([i64, i64], i64),
-        "it_w8_row1": ([cint], None),  # (AVX-512: W8A16 at one row, whole weight rows in turn; 0 for A/B runs)
         "it_set_prefetch": ([i64], None),
         "it_get_prefetch": ([], i64),
         "it_linear_bf16_gemm_fma": ([ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, cint], cint),

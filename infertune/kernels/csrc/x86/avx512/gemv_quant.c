@@ -163,46 +163,6 @@ static inline __attribute__((always_inline)) void w8_block(
 }
 #pragma GCC diagnostic pop
 
-static int w8_row1_on = 1; /* (it_w8_row1(0): w8_block at one row too, for A/B runs) */
-void it_w8_row1(int on) { w8_row1_on = on; }
-
-/* One activation row (a decode step's), output rows [n0, n1): each weight row read whole, one row after the next, so
- * a thread's share is one sequential stream (w8_block reads NR rows side by side: NR streams a thread, and at one
- * row it streamed ~0.7x the bytes a second of W8A8's packed weights; two rows side by side here still read 0.78x).
- * Two 64-column steps a turn, two chains each for h and l; the same exact integer sums as w8_block, so out[j - n0]
- * is bit for bit its out. */
-static void w8_row1(const int8_t* xh, const int8_t* xl, int64_t Kp, int32_t hsum, int32_t lsum, const int8_t* w,
-                    int64_t K, int64_t n0, int64_t n1, float* out) {
-    const __m512i flip = _mm512_set1_epi8((char)0x80);
-    const int64_t far = pf_far_offset(K);
-    const int64_t k128 = K & ~(int64_t)127;
-    for (int64_t j = n0; j < n1; j++) {
-        const int8_t* wr = w + j * K;
-        __m512i ah0 = _mm512_setzero_si512(), al0 = ah0, ah1 = ah0, al1 = ah0;
-        int64_t k = 0;
-        for (; k < k128; k += 128) { /* (two 64-column steps: two chains each for h and l) */
-            pf_weights(wr + k, far, PF_BYTES);
-            pf_weights(wr + k + 64, far, PF_BYTES);
-            const __m512i v0 = _mm512_xor_si512(_mm512_loadu_si512(wr + k), flip);
-            const __m512i v1 = _mm512_xor_si512(_mm512_loadu_si512(wr + k + 64), flip);
-            ah0 = dpbusd(ah0, v0, _mm512_loadu_si512(xh + k)), al0 = dpbusd(al0, v0, _mm512_loadu_si512(xl + k));
-            ah1 = dpbusd(ah1, v1, _mm512_loadu_si512(xh + k + 64));
-            al1 = dpbusd(al1, v1, _mm512_loadu_si512(xl + k + 64));
-        }
-        for (; k < K; k += 64) {
-            const int64_t left = K - k;
-            const __mmask64 m = left >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << left) - 1);
-            /* past K: q = 0 -> 128, against x = 0 (padded): no contribution */
-            const __m512i v0 = _mm512_xor_si512(_mm512_maskz_loadu_epi8(m, wr + k), flip);
-            ah0 = dpbusd(ah0, v0, _mm512_loadu_si512(xh + k)), al0 = dpbusd(al0, v0, _mm512_loadu_si512(xl + k));
-        }
-        const double h = (double)_mm512_reduce_add_epi32(_mm512_add_epi32(ah0, ah1)) - 128.0 * hsum;
-        const double l = (double)_mm512_reduce_add_epi32(_mm512_add_epi32(al0, al1)) - 128.0 * lsum;
-        out[j - n0] = (float)(256.0 * h + l);
-    }
-    (void)Kp;
-}
-
 /* x_q (int16 rows, padded to Kp) -> the signed bytes h and l of each value and their row sums */
 static void split_rows_i16(const int16_t* xq, int64_t M, int64_t Kp, int8_t* xh, int8_t* xl, int32_t* hsum,
                            int32_t* lsum) {
@@ -277,23 +237,6 @@ static void linear_w8(const bf16* x, int64_t ldx, const int8_t* w, const void* s
     split_rows_i16(xq, M, Kp, xh, xl, hsum, lsum);
     const int64_t nblocks = (N + NR - 1) / NR;
     const int nt = pick_threads(nblocks, N * K, nthreads);
-    if (M == 1 && w8_row1_on) { /* (a decode step of one sequence: each thread one sequential run of rows) */
-#pragma omp parallel num_threads(nt)
-        {
-            const int t = omp_get_thread_num(), n = omp_get_num_threads();
-            const int64_t r0 = N * t / n, r1 = N * (t + 1) / n;
-            float out[64];
-            for (int64_t c0 = r0; c0 < r1; c0 += 64) {
-                const int64_t c1 = c0 + 64 < r1 ? c0 + 64 : r1;
-                w8_row1(xh, xl, Kp, hsum[0], lsum[0], w, K, c0, c1, out);
-                for (int64_t n_ = c0; n_ < c1; n_++) {
-                    const float s = scale_is_f32 ? ((const float*)scale)[n_] : bf2f(((const bf16*)scale)[n_]);
-                    y[n_] = f2bf(out[n_ - c0] * sx[0] * s + (bias ? bf2f(bias[n_]) : 0.0f));
-                }
-            }
-        }
-        return;
-    }
 #pragma omp parallel for num_threads(nt) schedule(static)
     for (int64_t b = 0; b < nblocks; b++) {
         const int64_t n0 = b * NR;
