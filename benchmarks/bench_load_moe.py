@@ -23,12 +23,10 @@ from pathlib import Path
 CHILD = r"""
 import json, sys, time
 import psutil
-def hwm():  # this process's own high-water mark (VmHWM: ru_maxrss would carry its parent's across fork + exec)
-    for line in open("/proc/self/status"):
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
 import torch
 from infertune import LLM
+from infertune.bench.worker_protocol import peak_rss_mib  # (VmHWM: ru_maxrss carries a parent's over fork + exec)
+hwm = lambda: peak_rss_mib() * 2**20
 rss_import = hwm()
 model, kv_bytes, compress = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 t0 = time.perf_counter()

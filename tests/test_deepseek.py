@@ -662,21 +662,11 @@ def v3_checkpoint(tmp_path_factory):
 def test_serve_answers_a_chat_request_with_hf_greedy_tokens(v3_checkpoint):
     """`serve`'s /v1/chat/completions on a DeepSeek-V3 checkpoint: the chat template's prompt, and HF's greedy
     tokens (a full HF forward per token) as the answer."""
-    import openai
-    from server_utils import MODEL, ServerThread
-    from test_moe_models import hf_greedy
+    from test_moe_models import chat_through_server, hf_greedy
 
     path, hf = v3_checkpoint
     tok = make_tokenizer()
-    messages = [{"role": "user", "content": "Route me through the latent cache"}]
-    ids = tok.encode(
-        tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), add_special_tokens=False
-    )
-    with ServerThread(path) as server:
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-        r = client.chat.completions.create(
-            model=MODEL, messages=messages, temperature=0, max_tokens=8, extra_body={"ignore_eos": True}
-        )
+    r, ids = chat_through_server(path, tok, [{"role": "user", "content": "Route me through the latent cache"}], 8)
     assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 8
     assert r.choices[0].message.content == tok.decode(hf_greedy(hf, ids, 8), skip_special_tokens=True)
 

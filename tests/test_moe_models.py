@@ -411,21 +411,27 @@ def test_cli_generate_prints_hf_greedy_text(qwen2_moe, capsys):
     assert capsys.readouterr().out.rstrip("\n") == expected
 
 
-def test_serve_answers_a_chat_request_with_hf_greedy_tokens(qwen2_moe):
+def chat_through_server(path, tok, messages: list[dict], max_tokens: int):
+    """`serve` on the checkpoint at path, one greedy /v1/chat/completions through the openai SDK (EOS ignored) ->
+    (the response, the chat template's prompt ids)."""
     import openai
     from server_utils import MODEL, ServerThread
 
-    path, hf = qwen2_moe
-    tok = make_tokenizer()
-    messages = [{"role": "user", "content": "Route me"}]
     ids = tok.encode(
         tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), add_special_tokens=False
     )
     with ServerThread(path) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
         r = client.chat.completions.create(
-            model=MODEL, messages=messages, temperature=0, max_tokens=8, extra_body={"ignore_eos": True}
+            model=MODEL, messages=messages, temperature=0, max_tokens=max_tokens, extra_body={"ignore_eos": True}
         )
+    return r, ids
+
+
+def test_serve_answers_a_chat_request_with_hf_greedy_tokens(qwen2_moe):
+    path, hf = qwen2_moe
+    tok = make_tokenizer()
+    r, ids = chat_through_server(path, tok, [{"role": "user", "content": "Route me"}], 8)
     assert r.usage.prompt_tokens == len(ids)
     assert r.choices[0].message.content == tok.decode(hf_greedy(hf, ids, 8), skip_special_tokens=True)
 

@@ -538,6 +538,12 @@ def _generate(engine: LLMEngine, rid: str, prompt: str, params: SamplingParams):
     return done
 
 
+def _prefill_for_transfer(producer: LLMEngine, rid: str, prompt: str) -> dict:
+    """The prompt's prefill on a producer (one token, do_remote_decode) -> its kv_transfer_params for a consumer."""
+    ask = SamplingParams(temperature=0, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    return _generate(producer, rid, prompt, ask).kv_transfer_params
+
+
 def test_the_int4_tier_runs_on_both_sides_and_the_prompt_moves_as_int8(tiny_llama, tmp_path):
     """kv_int4_after with a KV connector: a producer never packs a prompt it hands to a consumer (do_remote_decode),
     even across chunks of its prefill, so the blocks move as int8; the consumer's own tier packs them as its decode
@@ -557,8 +563,7 @@ def test_the_int4_tier_runs_on_both_sides_and_the_prompt_moves_as_int8(tiny_llam
         prompt = "The cat sat on the mat and looked at the dog, who looked back at the cat and then"
         want = _generate(plain, "r", prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
         assert plain.block_manager.num_int4_packs > 0  # (its decode packed old blocks)
-        ask = SamplingParams(temperature=0, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
-        answer = _generate(producer, "p", prompt, ask).kv_transfer_params
+        answer = _prefill_for_transfer(producer, "p", prompt)
         assert producer.block_manager.num_int4_packs == 0  # its chunks ran past kv_int4_after, and it packed none
         assert all(0 <= b < producer.block_manager.num_blocks for b in answer["block_ids"])  # plain int8 blocks
         got = _generate(
@@ -590,8 +595,7 @@ def test_tensor_parallel_ranks_move_their_own_kv_heads(tiny_llama, tmp_path):
         assert sorted(p.name.split("-")[-1] for p in tmp_path.glob("*.kv")) == ["rank0.kv", "rank1.kv"]
         for i, prompt in enumerate(["The cat sat on the mat and", "def add(a, b):"]):
             want = _generate(plain, f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=8))
-            ask = SamplingParams(temperature=0, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
-            answer = _generate(producer, f"p{i}", prompt, ask).kv_transfer_params
+            answer = _prefill_for_transfer(producer, f"p{i}", prompt)
             got = _generate(
                 consumer, f"d{i}", prompt, SamplingParams(temperature=0, max_tokens=8, kv_transfer_params=answer)
             )
@@ -624,8 +628,7 @@ def test_a_plugged_in_layer_by_layer_connector_loads_each_layer_when_the_model_a
         assert plugin.CALLS == [("register", layers)]
         for i, prompt in enumerate(["The cat sat on the mat and", "def add(a, b): return a + b; print(add"]):
             want = _generate(plain, f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=8))
-            ask = SamplingParams(temperature=0, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
-            answer = _generate(producer, f"p{i}", prompt, ask).kv_transfer_params
+            answer = _prefill_for_transfer(producer, f"p{i}", prompt)
             assert answer["kv_connector"] == "layerwise-test"
             plugin.CALLS.clear()
             plugin.FINISHED.clear()
@@ -688,8 +691,7 @@ def test_sliding_window_models_move_each_groups_blocks(tmp_path, arch, window):
         loaded = 0
         for i, prompt in enumerate(prompts):
             want = _generate(plain, f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=8))
-            ask = SamplingParams(temperature=0, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
-            answer = _generate(producer, f"p{i}", prompt, ask).kv_transfer_params
+            answer = _prefill_for_transfer(producer, f"p{i}", prompt)
             tables = answer["block_ids"] if groups > 1 else [answer["block_ids"]]
             n = answer["num_tokens"]
             assert n > 24 and len(tables) == groups and all(len(t) == -(-n // 4) for t in tables)

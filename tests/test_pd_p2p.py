@@ -16,7 +16,7 @@ import httpx
 import pytest
 import torch
 from server_utils import ServerProcess, ServerThread, free_port, metric, wait_until
-from test_pd import RouterThread, _answer_of, _generate, _requests, _run_all
+from test_pd import RouterThread, _answer_of, _generate, _prefill_for_transfer, _requests, _run_all
 
 from infertune.config import EngineConfig
 from infertune.engine.llm_engine import LLMEngine
@@ -69,8 +69,7 @@ def test_consumer_loads_the_prompts_kv_and_decodes_like_one_engine_and_hf(copies
         first = None
         for i, prompt in enumerate(PROMPTS):
             want = _generate(plain, f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=8))
-            ask = SamplingParams(temperature=0, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
-            answer = _generate(producer, f"p{i}", prompt, ask).kv_transfer_params
+            answer = _prefill_for_transfer(producer, f"p{i}", prompt)
             assert answer["host"] == "127.0.0.1" and answer["port"] == port and "path" not in answer
             got = _generate(
                 consumer, f"d{i}", prompt, SamplingParams(temperature=0, max_tokens=8, kv_transfer_params=answer)
@@ -112,8 +111,7 @@ def test_a_layout_mismatch_is_refused(copies):
         # not told, it refuses the first transfer from that producer (HTTP 500, whatever the policy)
         consumer = LLMEngine(EngineConfig.create(str(decode_dir), **other, **_p2p("consumer")))
         try:
-            ask = SamplingParams(temperature=0, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
-            answer = _generate(producer, "p", PROMPTS[0], ask).kv_transfer_params
+            answer = _prefill_for_transfer(producer, "p", PROMPTS[0])
             with pytest.raises(KVTransferError, match="block_size: this consumer has 8") as e:
                 consumer.add_request("d", PROMPTS[0], SamplingParams(max_tokens=4, kv_transfer_params=answer))
             assert e.value.status == 500 and e.value.code == "kv_transfer_mismatch"
@@ -135,8 +133,7 @@ def test_worker_receives_the_producers_bytes_and_fails_loads_it_cannot_do(copies
     try:
         source = producer.executor.runner._kv_storage  # [pages, 2, blocks, block_size, heads, head_dim]
         storage = torch.zeros_like(source)
-        ask = SamplingParams(temperature=0, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
-        answer = _generate(producer, "p", PROMPTS[0], ask).kv_transfer_params
+        answer = _prefill_for_transfer(producer, "p", PROMPTS[0])
         src = answer["block_ids"]
         dst = list(range(len(src), 2 * len(src)))
 
@@ -232,8 +229,7 @@ def test_a_model_with_a_windowed_kv_group_moves_each_groups_blocks(tmp_path):
     try:
         prompt = "The cat sat on the mat and looked at the dog, who"
         want = _generate(plain, "r", prompt, SamplingParams(temperature=0, max_tokens=8))
-        ask = SamplingParams(temperature=0, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
-        answer = _generate(producer, "p", prompt, ask).kv_transfer_params
+        answer = _prefill_for_transfer(producer, "p", prompt)
         assert len(answer["block_ids"]) == 2 and answer["block_ids"][1][0] == -1  # (the windowed group's, freed)
         got = _generate(consumer, "d", prompt, SamplingParams(temperature=0, max_tokens=8, kv_transfer_params=answer))
         assert got.outputs[0].token_ids == want.outputs[0].token_ids

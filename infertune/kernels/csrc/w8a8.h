@@ -9,6 +9,7 @@
  *   it_pack_w8a8(q, N, K, out, nthreads)                                   the packing (i8_pack_words, or its own) */
 #ifndef IT_W8A8_H
 #define IT_W8A8_H
+#include <math.h>
 #include "bf16.h"
 
 #define I8_MAX_K (1 << 16) /* sums of K products of at most 255 x 127 stay in int32 */
@@ -19,6 +20,18 @@ static inline int64_t i8_kp(int64_t K) { return (K + 63) & ~(int64_t)63; }
 static inline int64_t i8_scratch_bytes(int64_t M, int64_t K) { return (M * i8_kp(K) + M * 8 + 127) & ~(int64_t)63; }
 
 static inline int64_t i8_packed_words(int64_t N, int64_t K) { return (N + I8_NB - 1) / I8_NB * (i8_kp(K) / 4) * I8_NB; }
+
+/* a row's activation scale from its max |x|, as quantize_int8_per_token: max / 127, at least 1e-12 */
+static inline float i8_row_scale(float amax) {
+    const float s = amax / 127.0f;
+    return s < 1e-12f ? 1e-12f : s;
+}
+
+/* one value of x / s rounded half to even, clamped to -127..127 (the vector loops' tails) */
+static inline int8_t i8_round1(float x, float s) {
+    const float v = nearbyintf(x / s);
+    return (int8_t)(v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v);
+}
 
 /* 1 where q [n] holds -128: outside the contract's -127..127 (the AVX2 product needs it; every library refuses it) */
 static inline int i8_has_min128(const int8_t* q, int64_t n) {

@@ -52,8 +52,7 @@ static void quantize_rows_i8(const bf16* x, int64_t ldx, int64_t M, int64_t K, c
             for (int64_t k = 0; k < K4; k += 4) amax = vmaxq_f32(amax, vabsq_f32(load_bf16x4(xr + k)));
             float t = vmaxvq_f32(amax);
             for (int64_t k = K4; k < K; k++) t = fabsf(bf2f(xr[k])) > t ? fabsf(bf2f(xr[k])) : t;
-            s = t / 127.0f;
-            s = s < 1e-12f ? 1e-12f : s;
+            s = i8_row_scale(t);
         }
         sx[m] = s;
         const float32x4_t sv = vdupq_n_f32(s);
@@ -67,8 +66,7 @@ static void quantize_rows_i8(const bf16* x, int64_t ldx, int64_t M, int64_t K, c
             for (int i = 0; i < 4; i++) q[k + i] = (int8_t)w[i];
         }
         for (int64_t k = K4; k < K; k++) {
-            const float v = nearbyintf(bf2f(xr[k]) / s);
-            q[k] = (int8_t)(v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v);
+            q[k] = i8_round1(bf2f(xr[k]), s);
         }
         for (int64_t k = K; k < Kp; k++) q[k] = 0;
         xsum[m] = 0;

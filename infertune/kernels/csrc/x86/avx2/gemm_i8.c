@@ -44,8 +44,7 @@ static void quantize_rows_i8(const bf16* x, int64_t ldx, int64_t M, int64_t K, c
             float t = 0.0f;
             for (int i = 0; i < 8; i++) t = a[i] > t ? a[i] : t;
             for (int64_t k = K8; k < K; k++) t = fabsf(bf2f(xr[k])) > t ? fabsf(bf2f(xr[k])) : t;
-            s = t / 127.0f;
-            s = s < 1e-12f ? 1e-12f : s;
+            s = i8_row_scale(t);
         }
         sx[m] = s;
         const __m256 sv = _mm256_set1_ps(s), lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
@@ -58,8 +57,7 @@ static void quantize_rows_i8(const bf16* x, int64_t ldx, int64_t M, int64_t K, c
             for (int i = 0; i < 8; i++) q[k + i] = (int8_t)w[i];
         }
         for (int64_t k = K8; k < K; k++) {
-            const float v = nearbyintf(bf2f(xr[k]) / s);
-            q[k] = (int8_t)(v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v);
+            q[k] = i8_round1(bf2f(xr[k]), s);
         }
         for (int64_t k = K; k < Kp; k++) q[k] = 0;
         xsum[m] = 0;

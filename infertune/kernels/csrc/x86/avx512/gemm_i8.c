@@ -50,8 +50,7 @@ static void quantize_rows_i8(const bf16* x, int64_t ldx, int64_t M, int64_t K, c
             __m512 amax = _mm512_setzero_ps();
             for (int64_t k = 0; k < K; k += 16)
                 amax = _mm512_max_ps(amax, _mm512_abs_ps(load_bf16x16(xr + k, mask16(K - k))));
-            s = _mm512_reduce_max_ps(amax) / 127.0f;
-            s = s < 1e-12f ? 1e-12f : s;
+            s = i8_row_scale(_mm512_reduce_max_ps(amax));
         }
         sx[m] = s;
         const __m512 sv = _mm512_set1_ps(s), lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
