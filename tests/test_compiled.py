@@ -72,7 +72,8 @@ def test_compiled_greedy_matches_eager_and_serving_never_compiles(ckpt, compiled
 
 
 def test_compiled_bf16_and_w8a16_are_as_accurate_as_eager(tmp_path):
-    """bf16 with prepacked (oneDNN) weights, and W8A16 int8 weights, inside the compiled graphs.
+    """bf16 with prepacked (oneDNN) weights, W8A16 and W8A8 int8 weights (the packed kernels as opaque custom ops
+    where the weights are packed), inside the compiled graphs.
 
     Fused kernels round bf16 intermediates differently from eager, so neither is bit-exact; the oracle is HF in
     fp32: the compiled logits must be as close to it as the eager engine's (mean abs error within 1.25x), for a
@@ -81,7 +82,7 @@ def test_compiled_bf16_and_w8a16_are_as_accurate_as_eager(tmp_path):
     path = make_checkpoint(tmp_path / "m", "llama", hidden_size=128, intermediate_size=256)
     hf = hf_model(path)
     prompts = _prompts(hf.config.vocab_size)
-    for quant in (None, "w8a16"):
+    for quant in (None, "w8a16", "w8a8"):
         kw = dict(dtype="bfloat16", block_size=BLOCK, max_model_len=64, quantization=quant)
         got, want = LLM(str(path), compile="on", **kw), LLM(str(path), compile="off", **kw)
         for ids in (prompts[3][:2], prompts[3]):

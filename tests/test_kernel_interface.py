@@ -118,6 +118,8 @@ class TorchFused:
             return k.linear_w8(x, lin.qweight, lin.scales, lin.bias)
         if lin.kind == "w8a8":
             return k.linear_w8a8(x, lin.qweight, lin.scales, lin.input_scale, lin.bias)
+        if lin.kind == "w8p":
+            return k.linear_w8p(x, lin.qweight, lin.scales, lin.bias)
         return k.linear_w4(x, lin.qweight, lin.scales, lin.zero, lin.group_size, lin.bias)
 
     def __call__(self, input_ids, positions, slot_mapping, block_tables, context_lens, out_rows=None):
@@ -233,6 +235,18 @@ class TorchKernels:
         acc = (xq.double() @ qweight.double().t()).float()  # exact: integers far below 2^53
         y = (acc * s * scales).to(x.dtype).view(*x.shape[:-1], -1)
         return y if bias is None else y + bias
+
+    def linear_w8p(self, x, packed, scales, bias=None):
+        """W8A16 on the packed weight: x rounded to int16 per row (max|x| / 32512), exact integer sums."""
+        self.calls["linear_w8p"] += 1
+        qweight = self.unpack_w8a8(packed, scales.numel(), x.shape[-1])
+        x2 = x.reshape(-1, x.shape[-1]).float()
+        amax = x2.abs().amax(dim=1, keepdim=True)
+        s = torch.where(amax > 0, amax / 32512.0, torch.ones_like(amax))
+        xq = torch.round(x2 * (1.0 / s)).clamp(-32512, 32512)
+        acc = (xq.double() @ qweight.double().t()).float()
+        y = acc * s * scales + (bias.float() if bias is not None else 0.0)
+        return y.to(x.dtype).view(*x.shape[:-1], -1)
 
     def w4_supported(self, in_features, group_size):
         return in_features % group_size == 0
@@ -398,6 +412,8 @@ def test_the_engine_runs_on_a_second_implementation(tmp_path, monkeypatch, quant
         assert ref.calls["silu_and_mul"] and ref.calls["linear_bf16"]
     if quant == "w8a8":  # (the fused step's layers and the per-module ones both through linear_w8a8)
         assert ref.calls["linear_w8a8"] > 0
+    if quant == "w8a16":  # (packed at load, as max_rows("w8p") > 0 asks: every layer through linear_w8p)
+        assert ref.calls["linear_w8p"] > 0 and ref.calls["linear_w8"] == 0
     if quant == "w4a16":
         q = runner.model.model.layers[0].mlp.down_proj.qweight
         assert q.shape == (256, 128) and q.dtype is torch.uint8  # the reference's own [K, N] layout

@@ -504,6 +504,90 @@ def test_w8a8_is_exact_integer_arithmetic_then_the_reference_rounding(ks):
         ks.pack_w8a8(q)
 
 
+def _w8p_oracle(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """W8A16's arithmetic in exact integers: x rounded to int16 per row as the kernels' act_i16.h does (s_x = max|x| /
+    32512, or 1 for a zero row; x * (1 / s_x) rounded half to even, clamped), the products summed in int64, rounded
+    once to fp32, then bf16(sum * s_x * s_w + bias) in fp32."""
+    x32 = x.float()
+    amax = x32.abs().amax(dim=1, keepdim=True)
+    sx = torch.where(amax > 0, amax / 32512.0, torch.ones_like(amax))
+    xq = torch.round(x32 * (1.0 / sx)).clamp(-32512, 32512).long()
+    exact = xq @ q.long().t()
+    assert exact.abs().max() < 2**53  # (fp64 holds them exactly; fp32 rounds them once)
+    y = exact.double().float() * sx * s.float()
+    return (y + (bias.float() if bias is not None else 0.0)).bfloat16()
+
+
+def test_w8a16_on_the_packed_weight_is_linear_w8s_arithmetic(ks):
+    """linear_w8p (W8A16 on pack_w8a8's weight: int16 activations' two bytes times the packed int8, VPDPBUSD) against
+    exact integer arithmetic at every row count (each remainder of its 3-row micro-kernel, past the 128-row blocks),
+    N not a multiple of 64, K not a multiple of 64 and past a 1024-column slab; a zero row (s_x = 1), values halfway
+    between int16 levels, an outlier, sums far past 2^24; with and without a bias. At 1-3 rows linear_w8 on the
+    unpacked weight runs the same integers through its int16 kernels: the two agree bit for bit there."""
+    if not kernels.w8p_supported(getattr(ks, "lib", None)):
+        pytest.skip(f"{ks.name}: W8A16 keeps [N, K] here (no packed kernel)")
+    g = torch.Generator().manual_seed(29)
+    for n, k in ((64, 64), (70, 100), (131, 1100), (96, 2050)):
+        q, s = quantize_int8_per_channel(torch.randn(n, k, generator=g))
+        q[1] = 127
+        s = s.bfloat16().float()  # (W8A16 keeps its scales in the model dtype)
+        packed = ks.pack_w8a8(q)
+        bias = torch.randn(n, generator=g).bfloat16()
+        for m in (1, 2, 3, 4, 5, 7, 16, 131, 260):
+            x = (torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g) * 4).bfloat16()
+            x[0, 0] = 32512.0 / 4  # (row 0: s_x = 1 / 4 exactly, so x / s_x = 4x:)
+            x[0, 1 : k // 2] = 0.125  # (4 x 0.125 = 0.5, halfway: rounds to even, 0)
+            x[0, 2] = 0.375  # (1.5: rounds to 2)
+            if m > 2:
+                x[1] = 0  # a zero row
+                x[2, 3] = 900.0  # an outlier
+            for b in (None, bias):
+                ref = _w8p_oracle(x, q, s, b)
+                got = ks.linear_w8p(x, packed, s, b)
+                assert torch.equal(got.view(torch.int16), ref.view(torch.int16)), (n, k, m, b is None)
+                if m <= 3:
+                    assert torch.equal(got.view(torch.int16), ks.linear_w8(x, q, s, b).view(torch.int16))
+    with pytest.raises(ValueError, match="fp32 scales"):
+        ks.linear_w8p(x, packed, s.bfloat16())
+    with pytest.raises(ValueError, match="not a packed"):
+        ks.linear_w8p(x, q, s)
+
+
+def test_w8a16_packs_at_load_where_the_kernels_ask_and_keeps_its_results(ks):
+    """W8A16Method keeps its weight in the packed layout where max_rows("w8p") > 0 (AVX-512 without AMX): every row
+    count goes through linear_w8p (the exact-integer oracle above), the unpacked weight and its scales are exactly
+    what quantize_int8_per_channel gives, the fused step's description says "w8p"; a stored weight holding -128 (which
+    the packing refuses) keeps [N, K] and linear_w8, as elsewhere."""
+    if ks.max_rows("w8p") <= 0:
+        pytest.skip(f"{ks.name}: W8A16 keeps [N, K] here")
+    g = torch.Generator().manual_seed(30)
+    n, k = 200, 192
+    w = torch.randn(n, k, generator=g)
+    layer = Linear(k, n, bias=True, dtype=torch.bfloat16, quant_method=W8A16Method(kernels=ks))
+    layer.weight.data.copy_(w)
+    layer.bias.data.copy_(torch.randn(n, generator=g))
+    layer.quant_method.process_weights_after_loading(layer)
+    q, s = quantize_int8_per_channel(layer_weight := w.bfloat16())
+    del layer_weight
+    assert layer.quant_method.own_layout and layer.qweight.dtype is torch.int32
+    assert torch.equal(layer.quant_method.int8_weight(layer), q)
+    assert torch.equal(layer.scales, s.bfloat16().float())
+    assert layer.quant_method.kernel_weights(layer).kind == "w8p"
+    for m in (1, 3, 16, 40):
+        x = torch.randn(m, k, generator=g).bfloat16()
+        ref = _w8p_oracle(x, q, layer.scales, layer.bias)
+        assert torch.equal(layer(x).view(torch.int16), ref.view(torch.int16)), m
+    stored = Linear(k, n, dtype=torch.bfloat16, quant_method=W8A16Method(kernels=ks))
+    del stored.weight
+    q_min = q.clone()
+    q_min[5, 7] = -128
+    stored.quant_method.pack_weights(stored, q_min, s, torch.bfloat16)
+    assert not stored.quant_method.own_layout and torch.equal(stored.qweight, q_min)
+    assert stored.quant_method.kernel_weights(stored).kind == "w8"
+    x = torch.randn(1, k, generator=g).bfloat16()
+    assert torch.equal(stored(x), ks.linear_w8(x, q_min, s.bfloat16()))
+
+
 def test_prefill_dequantization_matches_the_reference_rounding(ks):
     """The dense bf16 weights a quantized prefill multiplies: bit for bit the PyTorch formulas, denormal weights
     included (the AVX-512 library rounds 32 values an instruction where no value can be denormal, and keeps the

@@ -68,7 +68,7 @@ AVX2_QUANT_MAX_ROWS = 2048
 # AVX-512 library without AMX does (NOAMX_GEMM_MAX_ROWS): each prompt row's attention runs on its own.
 AVX2_FUSED_PREFILL_ROWS = 128
 # The C side's ABI (csrc/abi.h IT_ABI_VERSION): bump both together when a shared struct or a signature changes.
-ABI_VERSION = 14
+ABI_VERSION = 15
 # The KV cache groups a fused step reads at most (csrc/abi.h IT_MAX_KV_GROUPS): layers grouped by sliding window
 MAX_KV_GROUPS = 8
 WARN_FLAGS = ["-Wall", "-Wextra", "-Wpointer-arith"]
@@ -136,7 +136,8 @@ class WeightKind(enum.IntEnum):
     W8 = 1
     W4 = 2
     BF16C = 3
-    W8A8 = 4  # (the AVX-512 library's only: gemm_i8.c)
+    W8A8 = 4  # (the libraries with a W8A8 kernel: gemm_i8.c)
+    W8P = 5  # (W8A16 on W8A8's packed weight: the AVX-512 library's gemm_w8p.c)
 
 
 def cache_dir() -> Path:
@@ -392,6 +393,7 @@ def declare(lib: ctypes.CDLL) -> None:
         "it_gemvx_rows": ([i64], i64),
         "it_linear_w8": ([ptr, i64, ptr, ptr, cint, ptr, ptr, i64, i64, i64, i64, cint], None),
         "it_linear_w8a8": ([ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, cint], cint),
+        "it_linear_w8p": ([ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, cint], cint),
         "it_pack_w8a8": ([ptr, i64, i64, ptr, cint], cint),
         "it_w8a8_block": ([], i64),
         "it_unpack_w8a8": ([ptr, i64, i64, ptr], None),
@@ -979,26 +981,9 @@ def linear_w8a8(
     even, clamp to +-127), or by input_scale (fp32 [1], a calibrated static scale) where given; the int8 products sum
     exactly in int32; then bf16(float(sum) * s_x * s_w), and a bias added to that and rounded again."""
     lib = _pick(lib)
-    if getattr(lib, "it_linear_w8a8", None) is None:
-        raise ValueError("this library has no W8A8 kernel (the AVX-512, AVX2 and NEON ones have)")
-    x2 = _rows(x)
-    if x2.dtype is not torch.bfloat16 or x2.device.type != "cpu":
-        raise ValueError(f"the CPU kernels take bf16 CPU activations, got {x2.dtype} on {x2.device}")
-    if scales.dtype is not torch.float32 or scales.dim() != 1 or not scales.is_contiguous():
-        raise ValueError(f"need contiguous fp32 scales [N], got {scales.dtype} {tuple(scales.shape)}")
-    m, k, n = x2.shape[0], x2.shape[1], scales.numel()
-    if (
-        packed.dtype is not torch.int32
-        or tuple(packed.shape) != w8a8_packed_shape(n, k, lib)
-        or not packed.is_contiguous()
-    ):
-        raise ValueError(f"not a packed [{n}, {k}] W8A8 weight: {packed.dtype} {tuple(packed.shape)}")
-    if bias is not None and (bias.dtype is not torch.bfloat16 or not bias.is_contiguous() or bias.numel() != n):
-        raise ValueError("bias must be a contiguous bf16 tensor [N]")
+    x2, m, k, n = _packed_i8_args(lib, "it_linear_w8a8", x, packed, scales, bias)
     if input_scale is not None and (input_scale.dtype is not torch.float32 or input_scale.numel() != 1):
         raise ValueError(f"input_scale: one fp32 value, got {input_scale.dtype} {tuple(input_scale.shape)}")
-    if k > W8A8_MAX_K:
-        raise ValueError(f"in_features={k}: the int32 sums hold {W8A8_MAX_K} at most")
     y = torch.empty((m, n), dtype=torch.bfloat16)
     with profiled("linear_w8a8"):
         rc = lib.it_linear_w8a8(
@@ -1017,6 +1002,73 @@ def linear_w8a8(
         )
     if rc != 0:
         raise RuntimeError(f"it_linear_w8a8 returned {rc}")
+    return y.view(*x.shape[:-1], n)
+
+
+def _packed_i8_args(
+    lib: ctypes.CDLL, symbol: str, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bias
+) -> tuple[torch.Tensor, int, int, int]:
+    """linear_w8a8's / linear_w8p's checks of their arguments -> (x as rows [M, K], M, K, N)"""
+    if getattr(lib, symbol, None) is None:
+        raise ValueError(f"this library has no {symbol} kernel")
+    x2 = _rows(x)
+    if x2.dtype is not torch.bfloat16 or x2.device.type != "cpu":
+        raise ValueError(f"the CPU kernels take bf16 CPU activations, got {x2.dtype} on {x2.device}")
+    if scales.dtype is not torch.float32 or scales.dim() != 1 or not scales.is_contiguous():
+        raise ValueError(f"need contiguous fp32 scales [N], got {scales.dtype} {tuple(scales.shape)}")
+    m, k, n = x2.shape[0], x2.shape[1], scales.numel()
+    if (
+        packed.dtype is not torch.int32
+        or tuple(packed.shape) != w8a8_packed_shape(n, k, lib)
+        or not packed.is_contiguous()
+    ):
+        raise ValueError(f"not a packed [{n}, {k}] int8 weight (pack_w8a8): {packed.dtype} {tuple(packed.shape)}")
+    if bias is not None and (bias.dtype is not torch.bfloat16 or not bias.is_contiguous() or bias.numel() != n):
+        raise ValueError("bias must be a contiguous bf16 tensor [N]")
+    if k > W8A8_MAX_K:
+        raise ValueError(f"in_features={k}: the int32 sums hold {W8A8_MAX_K} at most")
+    return x2, m, k, n
+
+
+def w8p_supported(lib: ctypes.CDLL | None = None) -> bool:
+    """Whether the library has W8A16 on the packed int8 weight (it_linear_w8p: the AVX-512 library)."""
+    try:
+        return getattr(_pick(lib), "it_linear_w8p", None) is not None
+    except RuntimeError:
+        return False
+
+
+def linear_w8p(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    lib: ctypes.CDLL | None = None,
+) -> torch.Tensor:
+    """x [..., K] bf16, packed (pack_w8a8 of an int8 [N, K]), scales fp32 [N] -> [..., N] bf16: W8A16 with linear_w8's
+    arithmetic (csrc/x86/avx512/gemm_w8p.c): x rounded to int16 per row (s_x = max|x| / 32512), the products summed
+    exactly, y = bf16(sum * s_x * s_w + bias) in fp32; linear_w8's result on the unpacked weight bit for bit where
+    linear_w8 runs its int16 kernels."""
+    lib = _pick(lib)
+    x2, m, k, n = _packed_i8_args(lib, "it_linear_w8p", x, packed, scales, bias)
+    y = torch.empty((m, n), dtype=torch.bfloat16)
+    with profiled("linear_w8p"):
+        rc = lib.it_linear_w8p(
+            x2.data_ptr(),
+            x2.stride(0),
+            packed.data_ptr(),
+            scales.data_ptr(),
+            bias.data_ptr() if bias is not None else None,
+            y.data_ptr(),
+            n,
+            m,
+            n,
+            k,
+            torch.get_num_threads(),
+        )
+    if rc != 0:
+        raise RuntimeError(f"it_linear_w8p returned {rc}")
     return y.view(*x.shape[:-1], n)
 
 

@@ -42,7 +42,9 @@ if TYPE_CHECKING:
 #   w4     int4 in the kernels' own packing (pack_w4) with fp32 scale and zero [N, K / group_size]
 #   w8a8   int8 in the kernels' own packing (pack_w8a8) with fp32 per-output-channel scales [N], times activations
 #          rounded to int8 (linear_w8a8)
-LinearKind = Literal["bf16", "bf16c", "w8", "w4", "w8a8"]
+#   w8p    W8A16 on w8a8's packed weight (pack_w8a8) with fp32 scales [N], times activations rounded to int16
+#          (linear_w8p: linear_w8's arithmetic, one weight stream a thread)
+LinearKind = Literal["bf16", "bf16c", "w8", "w4", "w8a8", "w8p"]
 
 
 class CompressedWeight(Protocol):
@@ -75,8 +77,8 @@ class KernelLinear:
     in_features: int
     bias: torch.Tensor | None = None
     weight: torch.Tensor | None = None  # bf16
-    qweight: torch.Tensor | None = None  # w8: int8 [N, K]; w4: pack_w4's bytes; w8a8: pack_w8a8's
-    scales: torch.Tensor | None = None  # w8 [N]; w8a8 fp32 [N]; w4 [N, K / group_size] fp32
+    qweight: torch.Tensor | None = None  # w8: int8 [N, K]; w4: pack_w4's bytes; w8a8 / w8p: pack_w8a8's
+    scales: torch.Tensor | None = None  # w8 [N]; w8a8 / w8p fp32 [N]; w4 [N, K / group_size] fp32
     zero: torch.Tensor | None = None  # w4
     group_size: int = 0  # w4
     compressed: CompressedWeight | None = None  # bf16c
@@ -305,6 +307,13 @@ class DecodeKernels(Protocol):
     ) -> torch.Tensor:
         """x [..., K] bf16 rounded to int8 (per row, or by input_scale [1]) times pack_w8a8's weight with fp32 scales
         [N], exact int32 sums -> [..., N] bf16: quant/int8.py W8A8Method's reference product, bit for bit."""
+        ...
+
+    def linear_w8p(
+        self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """W8A16 on pack_w8a8's weight with fp32 scales [N]: linear_w8's arithmetic (x rounded to int16 per row,
+        exact integer sums, one rounding to bf16) on the packed layout. Only called where max_rows("w8p") > 0."""
         ...
 
     def w4_supported(self, in_features: int, group_size: int) -> bool: ...

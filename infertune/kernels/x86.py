@@ -23,6 +23,34 @@ if TYPE_CHECKING:
     pass
 
 
+# The packed int8 products as opaque custom ops, so that torch.compile (runner/compiled.py) calls them as extern
+# kernels (their weights exist in the packed layout only; ctypes calls are not traceable). The process's library.
+@torch.library.custom_op("infertune::linear_w8p", mutates_args=())
+def _linear_w8p_op(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return cpu.linear_w8p(x, packed, scales, bias)
+
+
+@_linear_w8p_op.register_fake
+def _(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], scales.numel()))
+
+
+@torch.library.custom_op("infertune::linear_w8a8", mutates_args=())
+def _linear_w8a8_op(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    input_scale: torch.Tensor | None,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    return cpu.linear_w8a8(x, packed, scales, input_scale, bias)
+
+
+@_linear_w8a8_op.register_fake
+def _(x, packed, scales, input_scale, bias) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], scales.numel()))
+
+
 class Bf16cWeight:
     """A bf16 weight in the kernels' lossless 12-bit layout (cpu.pack_bf16c), with the C description that points at
     its buffers. gate_up: its gate and up rows are interleaved 16 by 16, so that the SiLU runs in the epilogue."""
@@ -71,6 +99,11 @@ class X86Kernels:
         # none: torch._int_mm (oneDNN, AMX int8 tiles there) as before; neither measured, no AMX machine here.
         if kind == "w8a8":
             return 0 if self.amx or not cpu.w8a8_supported(self.lib) else cpu.NOAMX_QUANT_MAX_ROWS
+        # W8A16 on the packed weight (gemm_w8p.c): without AMX at every row count, where its one weight stream a
+        # thread beats linear_w8's 4 rows side by side (benchmarks/bench_w8p.py). With AMX none: linear_w8's tile
+        # paths on [N, K] stay (no AMX machine to measure the packed one on).
+        if kind == "w8p":
+            return 0 if self.amx or not cpu.w8p_supported(self.lib) else cpu.NOAMX_QUANT_MAX_ROWS
         return cpu.bf16_max_rows() if kind in ("bf16", "bf16c") else cpu.quant_max_rows()
 
     def linear_bf16(self, x, weight, bias=None):
@@ -89,7 +122,14 @@ class X86Kernels:
         return cpu.unpack_w8a8(packed, out_features, in_features, lib=self.lib)
 
     def linear_w8a8(self, x, packed, scales, input_scale=None, bias=None):
+        if torch.compiler.is_compiling() and self.lib is None:
+            return _linear_w8a8_op(x, packed, scales, input_scale, bias)
         return cpu.linear_w8a8(x, packed, scales, input_scale, bias, lib=self.lib)
+
+    def linear_w8p(self, x, packed, scales, bias=None):
+        if torch.compiler.is_compiling() and self.lib is None:
+            return _linear_w8p_op(x, packed, scales, bias)
+        return cpu.linear_w8p(x, packed, scales, bias, lib=self.lib)
 
     def w4_supported(self, in_features: int, group_size: int) -> bool:
         return cpu.w4_supported(in_features, group_size)
@@ -202,7 +242,7 @@ class Avx2Kernels(X86Kernels):
         # inherits this: SDOT or SMULL + SADALP on the same layout, csrc/arm/neon/gemm_i8.c; no Arm timing)
         if kind == "w8a8":
             return cpu.NOAMX_QUANT_MAX_ROWS if cpu.w8a8_supported(self.lib) else 0
-        if kind == "bf16c":
+        if kind in ("bf16c", "w8p"):  # (no 12-bit weights; W8A16 keeps [N, K] and its VPMADDWD kernels here)
             return 0
         return self.bf16_rows if kind == "bf16" else cpu.AVX2_QUANT_MAX_ROWS
 

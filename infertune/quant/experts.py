@@ -51,6 +51,9 @@ class QuantizedExperts(ExpertsMethod):
 
     def __init__(self, make_linear_method: Callable[[], QuantMethod]) -> None:
         self.linear_methods = {proj: make_linear_method() for proj in PROJECTIONS}
+        for method in self.linear_methods.values():
+            if method.name == "w8a16":  # (the grouped expert GEMM reads W8A16 experts as [N, K] rows: no packing)
+                method.torch_layout_only = True
         self.name = self.linear_methods["down_proj"].name
         self.shapes: dict[str, tuple[int, int]] = {}  # projection -> one expert's (N, K)
         self.buffer_names: dict[str, list[str]] = {}

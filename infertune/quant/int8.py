@@ -48,11 +48,22 @@ def quantize_int8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 class W8A16Method(UnquantizedMethod):
     """Loads weights in the model dtype, then keeps int8 weights + per-channel scales and drops the original.
 
-    apply: the aten int8 weight-pack matmul (VNNI / AVX-512 on x86) where the device has it, else a
+    apply: the backend's kernels for a few rows where given; on x86 with AVX-512 and no AMX the weight is kept in
+    their packed layout (pack_w8a8, linear_w8p: one weight stream a thread) and every row count goes through them;
+    else the aten int8 weight-pack matmul (VNNI / AVX-512 on x86) where the device has it, or a
     dequantize-then-matmul reference.
     """
 
     name = "w8a16"
+    kind = "w8p"  # the kernels' packed kind (DecodeKernels.max_rows(kind) > 0: pack at load)
+    own_layout = False  # qweight is the kernels' pack_w8a8 layout (else int8 [N, K])
+    kernel_rows = 0  # with own_layout: the rows up to which apply() calls the packed kernel (max_rows, asked once)
+    # One instance packs every expert of a projection (quant/experts.py), and they must share one layout: the first
+    # weight packed decides it; torch_layout_only keeps torch's [N, K] for all (a stored weight holding -128, which
+    # the kernels refuse, sets it for its whole projection before packing starts; W8A16 experts set it always: the
+    # grouped expert GEMM takes their [N, K] rows, not the packed layout).
+    packed_weights = 0
+    torch_layout_only = False
 
     def __init__(
         self, fast_kernel: bool = True, kernel_max_rows: int | None = None, kernels: DecodeKernels | None = None
@@ -70,15 +81,61 @@ class W8A16Method(UnquantizedMethod):
         del layer.weight
         self.pack_weights(layer, q, scale, dtype)
 
+    def _kernel_rows(self) -> int:
+        return self.kernels.max_rows(self.kind) if self.kernels is not None else 0
+
+    def _pack(self, q: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor | None, int]:
+        """(the kernels' packed weight of int8 q [N, K], the rows they take), or (None, 0): keep torch's layout (no
+        such kernel here, another dtype or device, K too wide, or a stored weight holding -128)."""
+        rows = self._kernel_rows()
+        first = self.packed_weights == 0
+        self.packed_weights += 1
+        if (
+            self.torch_layout_only
+            or not (first or self.own_layout)
+            or rows <= 0
+            or q.device.type != "cpu"
+            or dtype is not torch.bfloat16
+            or q.shape[1] > W8A8_MAX_K
+        ):
+            return None, 0
+        try:
+            packed = self.kernels.pack_w8a8(q.contiguous())
+        except ValueError:  # (-128, outside the kernels' range: a stored checkpoint may hold it; torch's path)
+            if not first:
+                raise ValueError(
+                    f"a {self.name} weight holds -128 while the ones packed before it with the same method do not: "
+                    "scan the stacked weights first and set torch_layout_only"
+                ) from None
+            return None, 0
+        self.own_layout, self.kernel_rows = True, rows
+        return packed, rows
+
     def pack_weights(self, layer: Linear, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> None:
-        """int8 q [N, K] and fp32 scale [N] -> the kernel's buffers (also for pre-quantized checkpoints)."""
-        layer.register_buffer("qweight", q)  # [N, K] int8
-        layer.register_buffer("scales", scale.to(dtype))  # [N]
+        """int8 q [N, K] and fp32 scale [N] -> the kernel's buffers (also for pre-quantized checkpoints). The scale
+        is rounded to the model dtype either way (the packed layout keeps that value in fp32)."""
+        packed, _ = self._pack(q, dtype)
+        if packed is not None:
+            layer.register_buffer("qweight", packed)
+            layer.register_buffer("scales", scale.to(dtype).float().contiguous())  # [N] fp32
+        else:
+            layer.register_buffer("qweight", q)  # [N, K] int8
+            layer.register_buffer("scales", scale.to(dtype))  # [N]
+
+    def int8_weight(self, layer: Linear) -> torch.Tensor:
+        """The int8 weight [N, K], whatever the layout it is kept in."""
+        if self.own_layout:
+            return self.kernels.unpack_w8a8(layer.qweight, layer.out_features, layer.in_features)
+        return layer.qweight
 
     def dequantized_weight(self, layer: Linear) -> torch.Tensor:
-        return layer.qweight.float() * layer.scales.float().unsqueeze(1)
+        return self.int8_weight(layer).float() * layer.scales.float().unsqueeze(1)
 
     def kernel_weights(self, layer: Linear) -> KernelLinear | None:
+        if self.own_layout:
+            return KernelLinear(
+                self.kind, layer.out_features, layer.in_features, layer.bias, qweight=layer.qweight, scales=layer.scales
+            )
         if self.kernels is None or not layer.qweight.is_contiguous():
             return None
         return KernelLinear(
@@ -87,6 +144,13 @@ class W8A16Method(UnquantizedMethod):
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
+        if self.own_layout:
+            if x2.shape[0] <= self.kernel_rows and x.dtype is torch.bfloat16:  # (torch.compile: an opaque op)
+                return self.kernels.linear_w8p(x, layer.qweight, layer.scales, layer.bias)
+            # (another dtype: the reference on the unpacked weight)
+            w = self.int8_weight(layer).to(x.dtype) * layer.scales.to(x.dtype).unsqueeze(1)
+            y = F.linear(x, w)
+            return y if layer.bias is None else y + layer.bias
         if (
             self.kernels is not None
             and x.dtype is torch.bfloat16
@@ -117,54 +181,20 @@ class W8A8Method(W8A16Method):
     (kernel_weights)."""
 
     name = "w8a8"
-    own_layout = False  # qweight is the kernels' pack_w8a8 layout (else int8 [N, K])
-    kernel_rows = 0  # with own_layout: the rows up to which apply() calls linear_w8a8 (max_rows("w8a8"), asked once)
-    # One instance packs every expert of a projection (quant/experts.py), and they must share one layout: the first
-    # weight packed decides it; torch_layout_only keeps torch's [N, K] for all (a stored weight holding -128, which
-    # the kernels refuse, sets it for its whole projection before packing starts).
-    packed_weights = 0
-    torch_layout_only = False
+    kind = "w8a8"
 
     def __init__(self, fast_kernel: bool = True, kernels: DecodeKernels | None = None) -> None:
         super().__init__(fast_kernel, None, kernels)
 
-    def _kernel_rows(self) -> int:
-        return self.kernels.max_rows("w8a8") if self.kernels is not None else 0
-
     def pack_weights(self, layer: Linear, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> None:
         """int8 q [N, K] and fp32 scale [N] -> the buffers (also for pre-quantized checkpoints)."""
-        rows, packed = self._kernel_rows(), None
-        first = self.packed_weights == 0
-        kernels_layout = not self.torch_layout_only and (first or self.own_layout)
-        if (
-            kernels_layout
-            and rows > 0
-            and q.device.type == "cpu"
-            and dtype is torch.bfloat16
-            and q.shape[1] <= W8A8_MAX_K
-        ):
-            try:
-                packed = self.kernels.pack_w8a8(q.contiguous())
-            except ValueError:  # (-128, outside the kernels' range: a stored checkpoint may hold it; torch's path)
-                if not first:
-                    raise ValueError(
-                        "a W8A8 weight holds -128 while the ones packed before it with the same method do not: "
-                        "scan the stacked weights first and set torch_layout_only"
-                    ) from None
-        self.packed_weights += 1
+        packed, _ = self._pack(q, dtype)
         if packed is not None:
-            self.own_layout, self.kernel_rows = True, rows
             layer.register_buffer("qweight", packed)
         else:
             layer.register_buffer("qweight", q.contiguous())  # [N, K] int8 (_int_mm takes its transpose as a view)
         layer.register_buffer("scales", scale.float().contiguous())  # [N] fp32
         layer.out_dtype = dtype
-
-    def int8_weight(self, layer: Linear) -> torch.Tensor:
-        """The int8 weight [N, K], whatever the layout it is kept in."""
-        if self.own_layout:
-            return self.kernels.unpack_w8a8(layer.qweight, layer.out_features, layer.in_features)
-        return layer.qweight
 
     def quantize_input(self, layer: Linear, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [M, K] -> (int8 [M, K], scale [M, 1]): dynamic per-token (pre-quantized checkpoints may use static)."""
@@ -173,9 +203,6 @@ class W8A8Method(W8A16Method):
     def static_scale(self, layer: Linear) -> torch.Tensor | None:
         """The activations' calibrated scale, fp32 [1], where every token shares one; None: a scale per token."""
         return None
-
-    def dequantized_weight(self, layer: Linear) -> torch.Tensor:
-        return self.int8_weight(layer).float() * layer.scales.unsqueeze(1)
 
     def kernel_weights(self, layer: Linear) -> KernelLinear | None:
         if not self.own_layout:
@@ -192,12 +219,7 @@ class W8A8Method(W8A16Method):
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
-        if (
-            self.own_layout
-            and x2.shape[0] <= self.kernel_rows
-            and x.dtype is torch.bfloat16
-            and not torch.compiler.is_compiling()
-        ):
+        if self.own_layout and x2.shape[0] <= self.kernel_rows and x.dtype is torch.bfloat16:  # (compile: opaque)
             return self.kernels.linear_w8a8(x, layer.qweight, layer.scales, self.static_scale(layer), layer.bias)
         xq, xs = self.quantize_input(layer, x2)
         w = self.int8_weight(layer)

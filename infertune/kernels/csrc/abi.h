@@ -6,7 +6,7 @@
 #define IT_ABI_H
 #include "bf16.h"
 
-#define IT_ABI_VERSION 14
+#define IT_ABI_VERSION 15
 #define IT_MAX_KV_GROUPS 8 /* it_step's KV cache groups at most (cpu.py MAX_KV_GROUPS) */
 /* A block-table entry of an int4 block (the int4 tier of an int8 cache; scheduler_output.INT4_SHIFT and its
  * neighbours): the block id with 1 (its low half) or 2 (its high half) at bit IT_INT4_SHIFT */
@@ -14,7 +14,9 @@
 #define IT_BLOCK_ID_MASK ((1LL << IT_INT4_SHIFT) - 1)
 
 /* it_lin.kind: how a linear layer's weight is stored */
-typedef enum { IT_KIND_BF16 = 0, IT_KIND_W8 = 1, IT_KIND_W4 = 2, IT_KIND_BF16C = 3, IT_KIND_W8A8 = 4 } it_kind;
+typedef enum {
+    IT_KIND_BF16 = 0, IT_KIND_W8 = 1, IT_KIND_W4 = 2, IT_KIND_BF16C = 3, IT_KIND_W8A8 = 4, IT_KIND_W8P = 5
+} it_kind;
 
 /* A bf16 weight in the lossless 12-bit layout (bf16c_codec.c) */
 typedef struct {
@@ -29,8 +31,10 @@ typedef struct {
 typedef struct {
     int32_t kind;         /* 0: bf16 weight [N, K]; 1: int8 [N, K], per-row scale; 2: int4 (it_linear_w4's layout);
                              3: bf16 in 12 bits (w points at a bf16c; N % 16 == 0, K % 32 == 0, AMX);
-                             4: int8 [N, K] with fp32 scale [N], times int8 activations (W8A8, the AVX-512 library's
-                             gemm_i8.c only) */
+                             4: int8 packed (it_pack_w8a8) with fp32 scale [N], times int8 activations (W8A8: the
+                             libraries that define IT_HAS_W8A8);
+                             5: int8 packed as kind 4, fp32 scale [N], times bf16 activations rounded to int16 (W8A16
+                             on the packed weight: the AVX-512 library's gemm_w8p.c, IT_HAS_W8P) */
     int32_t scale_is_f32; /* kind 1: scale is fp32 (1) or bf16 (0) */
     const void* w;
     const void* scale;    /* kind 1: [N]; kind 2: fp32 [N, K / group] */

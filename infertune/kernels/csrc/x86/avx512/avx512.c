@@ -42,6 +42,7 @@
  */
 #define _GNU_SOURCE
 #define IT_HAS_W8A8 /* it_lin kind 4 (W8A8): gemm_i8.c; fused_step.h and moe.h take it */
+#define IT_HAS_W8P  /* it_lin kind 5 (W8A16 on the packed weight): gemm_w8p.c; fused_step.h takes it, moe.h not */
 #include <immintrin.h>
 #include <time.h>
 #include <omp.h>
@@ -62,6 +63,7 @@
 #include "quant_amx.c"
 #include "bf16c_api.c"
 #include "gemv_quant.c"
+#include "gemm_w8p.c"
 #include "decode_ws.c"
 #include "elementwise.c"
 #include "attention.c"

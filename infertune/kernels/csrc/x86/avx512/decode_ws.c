@@ -15,8 +15,10 @@ static int64_t lin_scratch_bytes(int64_t T, int64_t K, int nthreads) {
     /* (int8 / int4 weights only ever see decode rows here: steps with prompts take bf16 projections only) */
     /* (W8A8 rounds every row of x to int8 first, prompts included: i8_scratch_bytes) */
     const int64_t amx = bf16_scratch_bytes(T, K), w8 = qlin_scratch_bytes(T < 16 ? T : 16, K, nthreads);
-    const int64_t i8 = i8_scratch_bytes(T, K), most = amx > w8 ? amx : w8;
-    return ALIGN64(most > i8 ? most : i8);
+    /* (W8A16 on the packed weight: every row of x split into int16's two bytes, prompts included) */
+    const int64_t i8 = i8_scratch_bytes(T, K), w8p = w8p_scratch_bytes(T, K), most = amx > w8 ? amx : w8;
+    const int64_t ints = i8 > w8p ? i8 : w8p;
+    return ALIGN64(most > ints ? most : ints);
 }
 
 typedef struct {
@@ -123,6 +125,9 @@ static void run_lin(const it_lin* L, const bf16* x, int64_t ldx, bf16* y, int64_
     else if (L->kind == IT_KIND_W8A8) /* (it_decode_layers checked K) */
         linear_w8a8(x, ldx, (const uint32_t*)L->w, (const float*)L->scale, L->zero, L->bias, y, ldy, M, L->N, L->K,
                     nthreads, scratch);
+    else if (L->kind == IT_KIND_W8P) /* (it_decode_layers checked K) */
+        linear_w8p(x, ldx, (const uint32_t*)L->w, (const float*)L->scale, L->bias, y, ldy, M, L->N, L->K, nthreads,
+                   scratch);
     else if (L->kind == IT_KIND_W4)
         linear_w4(x, ldx, (const uint8_t*)L->w, (const float*)L->scale, L->zero, L->group, L->bias, y, ldy, M, L->N,
                   L->K, nthreads, scratch);

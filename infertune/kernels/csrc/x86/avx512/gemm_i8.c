@@ -149,14 +149,22 @@ static inline void i8_store(const int32_t* acc, int mr, const float* sx, const i
  * 128 (q = 0), which meets x_q = 0 past K, and rows past N are never stored. A thread's blocks are consecutive and
  * each block is one run of memory, so the weights stream in order. */
 
-static void w8a8_gemm(const int8_t* xq, const float* sx, const int32_t* xsum, const uint32_t* wpk,
-                      const float* scale, const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K,
-                      int nthreads) {
+/* One pass of rows over a packed slab: the rows m .. m + mr - 1 of x times the slab's nw words (wp) into acc (first:
+ * from zero), the next slab's lines asked into L2 meanwhile (pf); store: the slab is the block's last, so the sums
+ * go out to y's features n0 .. n0 + nrows - 1. (W8A8 here; W8A16 on the same packed weight, gemm_w8p.c.) */
+typedef void (*i8_rows_fn)(const void* ctx, int64_t m, int mr, int64_t k0, const uint32_t* wp, int64_t nw,
+                           int32_t* acc, int first, const gemm_pf* pf, int store, int64_t n0, int nrows);
+
+/* The driver both products share: threads split the blocks of 64 features (consecutive blocks a thread, each one
+ * run of memory, so the weights stream in order); per block, each I8_MB-row pass streams the block's I8_KC-column
+ * slabs, mr_max rows at a time (acc_row int32 sums a row wait in acc between slabs). */
+static void i8_drive(const uint32_t* wpk, int64_t M, int64_t N, int64_t K, int nthreads, int mr_max, int acc_row,
+                     i8_rows_fn rows_fn, const void* ctx) {
     const int64_t Kp = i8_kp(K), nblocks = (N + 63) / 64, block_words = Kp / 4 * 64;
     const int nt = pick_threads(nblocks, N * K, nthreads);
 #pragma omp parallel num_threads(nt)
     {
-        int32_t acc[GEMM_MB * 64] __attribute__((aligned(64)));
+        int32_t acc[GEMM_MB * 128] __attribute__((aligned(64)));
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < nblocks; b++) {
             const int64_t n0 = b * 64;
@@ -180,22 +188,43 @@ static void w8a8_gemm(const int8_t* xq, const float* sx, const int32_t* xsum, co
                         pf.row_lines = nw * 4 / 64;
                         pf.count = pf.row_lines;
                     }
-                    const int64_t micros = (rows + GEMM_MR - 1) / GEMM_MR, share = (pf.count + micros - 1) / micros;
-                    for (int64_t i0 = 0; i0 < rows; i0 += GEMM_MR) {
-                        const int mr = (int)(rows - i0 < GEMM_MR ? rows - i0 : GEMM_MR);
-                        int32_t* a = acc + i0 * 64;
+                    const int64_t micros = (rows + mr_max - 1) / mr_max, share = (pf.count + micros - 1) / micros;
+                    for (int64_t i0 = 0; i0 < rows; i0 += mr_max) {
+                        const int mr = (int)(rows - i0 < mr_max ? rows - i0 : mr_max);
                         gemm_pf part = pf;
-                        part.first = (i0 / GEMM_MR) * share;
+                        part.first = (i0 / mr_max) * share;
                         part.count = pf.count - part.first < share ? pf.count - part.first : share;
-                        const int64_t m = m0 + i0;
-                        i8_micro_by_rows[mr](xq + m * Kp + k0, Kp, wp, kc / 4, a, k0 == 0, &part);
-                        if (k0 + kc >= Kp)
-                            i8_store(a, mr, sx + m, xsum + m, scale, bias, n0, nrows, y + m * ldy, ldy);
+                        rows_fn(ctx, m0 + i0, mr, k0, wp, kc / 4, acc + i0 * acc_row, k0 == 0, &part, k0 + kc >= Kp,
+                                n0, nrows);
                     }
                 }
             }
         }
     }
+}
+
+typedef struct {
+    const int8_t* xq;
+    const float* sx;
+    const int32_t* xsum;
+    const float* scale;
+    const bf16* bias;
+    bf16* y;
+    int64_t Kp, ldy;
+} i8_job;
+
+static void i8_rows(const void* ctx, int64_t m, int mr, int64_t k0, const uint32_t* wp, int64_t nw, int32_t* acc,
+                    int first, const gemm_pf* pf, int store, int64_t n0, int nrows) {
+    const i8_job* j = (const i8_job*)ctx;
+    i8_micro_by_rows[mr](j->xq + m * j->Kp + k0, j->Kp, wp, nw, acc, first, pf);
+    if (store) i8_store(acc, mr, j->sx + m, j->xsum + m, j->scale, j->bias, n0, nrows, j->y + m * j->ldy, j->ldy);
+}
+
+static void w8a8_gemm(const int8_t* xq, const float* sx, const int32_t* xsum, const uint32_t* wpk,
+                      const float* scale, const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K,
+                      int nthreads) {
+    const i8_job job = {xq, sx, xsum, scale, bias, y, i8_kp(K), ldy};
+    i8_drive(wpk, M, N, K, nthreads, GEMM_MR, 64, i8_rows, &job);
 }
 
 

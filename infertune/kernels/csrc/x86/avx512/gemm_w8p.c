@@ -1,0 +1,178 @@
+/* W8A16 on W8A8's packed weight (it_lin kind 5, IT_KIND_W8P): int8 weights with an fp32 scale per output feature,
+ * kept in it_pack_w8a8's layout, times bf16 activations rounded to int16 per row exactly as linear_w8 rounds them
+ * (act_i16.h quantize_rows_i16: s_x = max|x| / 32512, x_q = round_half_even(x / s_x), computed as x * (1 / s_x)).
+ *
+ * Why: linear_w8's one-row GEMV reads 4 weight rows of [N, K] side by side, 4 streams a thread, and on a Zen 5 read
+ * 35-51 GB/s where W8A8's packed GEMM (one stream a thread) read 68-72 on the same bytes (BENCHMARKS.md). Here
+ * W8A16 streams the packed weight as W8A8 does.
+ *
+ * x_q = 256 h + l with l = ((x_q + 128) & 255) - 128 and h = (x_q - l) / 256, both signed bytes (|x_q| <= 32512
+ * keeps h <= 127); the packed weight holds q + 128 (VPDPBUSD's unsigned operand), so per output feature
+ *   sum q x_q = 256 (sum (q + 128) h - 128 sum h) + (sum (q + 128) l - 128 sum l),
+ * two VPDPBUSD a packed word a row (its h word and its l word broadcast), each lane's int32 sum exact (K <= I8_MAX_K),
+ * and 256 H + L formed exactly in fp64, rounded once to fp32: the same fp32 value w8_block (gemv_quant.c) computes,
+ * and the same epilogue, y = bf16(out * s_x * s_w + bias) in fp32, so the result is linear_w8's on [N, K] bit for bit
+ * at the rows linear_w8 runs its int16 kernels (1-3 without AMX), and the same integer arithmetic at every other row
+ * count (where linear_w8 rebuilds bf16 weights instead). One kernel for every M: the micro-kernel keeps W8P_MR rows
+ * x 64 features x (h, l) = 24 accumulators in registers; the driver is W8A8's (gemm_i8.c i8_drive).
+ *
+ * AVX-512 library only: AVX2 / NEON keep W8A16 on [N, K] (their int16 kernels widen the weight; no measurement says
+ * this layout pays there), and with AMX linear_w8's tile paths keep [N, K] too (kernels/x86.py max_rows("w8p")). */
+#define W8P_MR 3
+
+/* scratch: h and l bytes [M, Kp] each, s_x [M], sum h and sum l [M] each */
+static inline int64_t w8p_scratch_bytes(int64_t M, int64_t K) {
+    return (2 * M * i8_kp(K) + M * 12 + 127) & ~(int64_t)63;
+}
+
+/* x [M, K] bf16 -> xh, xl [M, Kp] (zero past K), sx [M], hsum, lsum [M]: quantize_rows_i16 then split_rows_i16,
+ * vectorised (the same fp32 operations: the max of |x|, max / 32512, its reciprocal, x times it rounded half to
+ * even, clamped to +-32512) */
+static void w8p_quantize_rows(const bf16* x, int64_t ldx, int64_t M, int64_t K, int nthreads, int8_t* xh, int8_t* xl,
+                              float* sx, int32_t* hsum, int32_t* lsum) {
+    const int64_t Kp = i8_kp(K);
+    const int nt = M >= 8 && M * K >= (1 << 16) ? nthreads : 1;
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t m = 0; m < M; m++) {
+        const bf16* xr = x + m * ldx;
+        __m512 amax = _mm512_setzero_ps();
+        for (int64_t k = 0; k < K; k += 16)
+            amax = _mm512_max_ps(amax, _mm512_abs_ps(load_bf16x16(xr + k, mask16(K - k))));
+        const float a = _mm512_reduce_max_ps(amax), s = a > 0.0f ? a / X_QMAX : 1.0f;
+        sx[m] = s;
+        const __m512 inv = _mm512_set1_ps(1.0f / s), lo = _mm512_set1_ps(-X_QMAX), hi = _mm512_set1_ps(X_QMAX);
+        const __m512i c128 = _mm512_set1_epi32(128), c255 = _mm512_set1_epi32(255);
+        __m512i hs = _mm512_setzero_si512(), ls = _mm512_setzero_si512();
+        for (int64_t k = 0; k < Kp; k += 16) {
+            const __mmask16 mk = K - k > 0 ? mask16(K - k) : 0; /* (none past K: zeros) */
+            const __m512 v = _mm512_roundscale_ps(_mm512_mul_ps(load_bf16x16(xr + k, mk), inv),
+                                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            const __m512i q = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(v, lo), hi));
+            const __m512i l = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(q, c128), c255), c128);
+            const __m512i h = _mm512_srai_epi32(_mm512_sub_epi32(q, l), 8); /* (exact: q - l is a multiple of 256) */
+            hs = _mm512_add_epi32(hs, h);
+            ls = _mm512_add_epi32(ls, l);
+            _mm_storeu_si128((__m128i*)(xh + m * Kp + k), _mm512_cvtepi32_epi8(h));
+            _mm_storeu_si128((__m128i*)(xl + m * Kp + k), _mm512_cvtepi32_epi8(l));
+        }
+        hsum[m] = _mm512_reduce_add_epi32(hs);
+        lsum[m] = _mm512_reduce_add_epi32(ls);
+    }
+}
+
+/* acc rows [MRC][h 64 | l 64] (+)= the h and l rows [MRC, 4 nw] . nw packed words */
+static inline __attribute__((always_inline)) void w8p_micro(const int8_t* xh, const int8_t* xl, int64_t Kp,
+                                                            const int MRC, const uint32_t* wp, int64_t nw,
+                                                            int32_t* acc, int first, const gemm_pf* pf) {
+    __m512i ch[W8P_MR][4], cl[W8P_MR][4];
+    for (int i = 0; i < MRC; i++)
+        for (int v = 0; v < 4; v++) {
+            ch[i][v] = first ? _mm512_setzero_si512() : _mm512_load_si512(acc + i * 128 + 16 * v);
+            cl[i][v] = first ? _mm512_setzero_si512() : _mm512_load_si512(acc + i * 128 + 64 + 16 * v);
+        }
+    const int64_t lpw = pf->base && nw > 0 ? (pf->count + nw - 1) / nw : 0; /* lines per word */
+    for (int64_t p = 0; p < nw; p++) {
+        for (int64_t j = p * lpw; j < (p + 1) * lpw; j++) gemm_prefetch_line(pf, j);
+        const uint32_t* q = wp + p * 64;
+        const __m512i w0 = _mm512_load_si512(q), w1 = _mm512_load_si512(q + 16);
+        const __m512i w2 = _mm512_load_si512(q + 32), w3 = _mm512_load_si512(q + 48);
+        for (int i = 0; i < MRC; i++) {
+            int32_t hw, lw;
+            memcpy(&hw, xh + i * Kp + 4 * p, 4);
+            memcpy(&lw, xl + i * Kp + 4 * p, 4);
+            const __m512i hb = _mm512_set1_epi32(hw), lb = _mm512_set1_epi32(lw);
+            ch[i][0] = dpbusd(ch[i][0], w0, hb);
+            ch[i][1] = dpbusd(ch[i][1], w1, hb);
+            ch[i][2] = dpbusd(ch[i][2], w2, hb);
+            ch[i][3] = dpbusd(ch[i][3], w3, hb);
+            cl[i][0] = dpbusd(cl[i][0], w0, lb);
+            cl[i][1] = dpbusd(cl[i][1], w1, lb);
+            cl[i][2] = dpbusd(cl[i][2], w2, lb);
+            cl[i][3] = dpbusd(cl[i][3], w3, lb);
+        }
+    }
+    for (int i = 0; i < MRC; i++)
+        for (int v = 0; v < 4; v++) {
+            _mm512_store_si512(acc + i * 128 + 16 * v, ch[i][v]);
+            _mm512_store_si512(acc + i * 128 + 64 + 16 * v, cl[i][v]);
+        }
+}
+
+#define W8P_MICRO(R) static void w8p_micro_##R(const int8_t* xh, const int8_t* xl, int64_t Kp, const uint32_t* wp, \
+    int64_t nw, int32_t* acc, int first, const gemm_pf* pf) { w8p_micro(xh, xl, Kp, R, wp, nw, acc, first, pf); }
+W8P_MICRO(1) W8P_MICRO(2) W8P_MICRO(3)
+#undef W8P_MICRO
+typedef void (*w8p_micro_fn)(const int8_t*, const int8_t*, int64_t, const uint32_t*, int64_t, int32_t*, int,
+                             const gemm_pf*);
+static const w8p_micro_fn w8p_micro_by_rows[W8P_MR + 1] = {0, w8p_micro_1, w8p_micro_2, w8p_micro_3};
+
+/* 16 exact int32 lanes H and L -> fp32 (256 H + L), formed exactly in fp64 and rounded once */
+static inline __m512 w8p_combine(__m512i H, __m512i L) {
+    const __m512d c256 = _mm512_set1_pd(256.0);
+    const __m256 lo = _mm512_cvtpd_ps(_mm512_fmadd_pd(c256, _mm512_cvtepi32_pd(_mm512_castsi512_si256(H)),
+                                                      _mm512_cvtepi32_pd(_mm512_castsi512_si256(L))));
+    const __m256 hi = _mm512_cvtpd_ps(_mm512_fmadd_pd(c256, _mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(H, 1)),
+                                                      _mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(L, 1))));
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
+}
+
+typedef struct {
+    const int8_t *xh, *xl;
+    const float* sx;
+    const int32_t *hsum, *lsum;
+    const float* scale;
+    const bf16* bias;
+    bf16* y;
+    int64_t Kp, ldy;
+} w8p_job;
+
+/* The rows' sums less 128 sum h / l, combined, y = bf16(out s_x s_w + bias) in fp32 (w8_block's epilogue) */
+static void w8p_store(const w8p_job* j, const int32_t* acc, int64_t m, int mr, int64_t n0, int nrows) {
+    for (int v = 0; v < 4 && 16 * v < nrows; v++) {
+        const __mmask16 mk = mask16(nrows - 16 * v);
+        const __m512 sw = _mm512_maskz_loadu_ps(mk, j->scale + n0 + 16 * v);
+        const __m512 bv = j->bias ? load_bf16x16(j->bias + n0 + 16 * v, mk) : _mm512_setzero_ps();
+        for (int i = 0; i < mr; i++) {
+            const __m512i H = _mm512_sub_epi32(_mm512_load_si512(acc + i * 128 + 16 * v),
+                                               _mm512_set1_epi32(128 * j->hsum[m + i]));
+            const __m512i L = _mm512_sub_epi32(_mm512_load_si512(acc + i * 128 + 64 + 16 * v),
+                                               _mm512_set1_epi32(128 * j->lsum[m + i]));
+            const __m512 o = _mm512_mul_ps(_mm512_mul_ps(w8p_combine(H, L), _mm512_set1_ps(j->sx[m + i])), sw);
+            _mm256_mask_storeu_epi16(j->y + (m + i) * j->ldy + n0 + 16 * v, mk, round_bf16x16_nan(_mm512_add_ps(o, bv)));
+        }
+    }
+}
+
+static void w8p_rows(const void* ctx, int64_t m, int mr, int64_t k0, const uint32_t* wp, int64_t nw, int32_t* acc,
+                     int first, const gemm_pf* pf, int store, int64_t n0, int nrows) {
+    const w8p_job* j = (const w8p_job*)ctx;
+    w8p_micro_by_rows[mr](j->xh + m * j->Kp + k0, j->xl + m * j->Kp + k0, j->Kp, wp, nw, acc, first, pf);
+    if (store) w8p_store(j, acc, m, mr, n0, nrows);
+}
+
+/* scratch: w8p_scratch_bytes(M, K). 0: done; -1: K out of range (the caller keeps torch's). */
+static int linear_w8p(const bf16* x, int64_t ldx, const uint32_t* wpk, const float* scale, const bf16* bias, bf16* y,
+                      int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads, void* scratch) {
+    if (K > I8_MAX_K || K < 1) return -1;
+    const int64_t Kp = i8_kp(K);
+    int8_t* xh = (int8_t*)scratch;
+    int8_t* xl = xh + M * Kp;
+    float* sx = (float*)(xl + M * Kp);
+    int32_t* hsum = (int32_t*)(sx + M);
+    int32_t* lsum = hsum + M;
+    w8p_quantize_rows(x, ldx, M, K, nthreads, xh, xl, sx, hsum, lsum);
+    const w8p_job job = {xh, xl, sx, hsum, lsum, scale, bias, y, Kp, ldy};
+    i8_drive(wpk, M, N, K, nthreads, W8P_MR, 128, w8p_rows, &job);
+    return 0;
+}
+
+/* w: it_pack_w8a8's packed weight of int8 [N, K]; scale fp32 [N]; returns as linear_w8p, or -2 where the scratch
+ * cannot be had */
+int it_linear_w8p(const bf16* x, int64_t ldx, const uint32_t* w, const float* scale, const bf16* bias, bf16* y,
+                  int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads) {
+    void* scratch = aligned_alloc(64, (size_t)w8p_scratch_bytes(M, K));
+    if (!scratch) return -2;
+    const int rc = linear_w8p(x, ldx, w, scale, bias, y, ldy, M, N, K, nthreads, scratch);
+    free(scratch);
+    return rc;
+}
