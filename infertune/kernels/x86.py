@@ -26,7 +26,9 @@ if TYPE_CHECKING:
 # The packed int8 products as opaque custom ops, so that torch.compile (runner/compiled.py) calls them as extern
 # kernels (their weights exist in the packed layout only; ctypes calls are not traceable). The process's library.
 @torch.library.custom_op("infertune::linear_w8p", mutates_args=())
-def _linear_w8p_op(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _linear_w8p_op(
+    x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
     return cpu.linear_w8p(x, packed, scales, bias)
 
 
