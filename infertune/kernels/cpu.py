@@ -59,11 +59,13 @@ NOAMX_QUANT_MAX_ROWS = 1 << 16
 # keep the kernels at every step size up to this: torch's bf16 GEMM limited to AVX2 is far slower at every size
 # measured (benchmarks/bench_gemm_avx2.py, docs/kernels.md "AVX2"), so this only bounds a step, not a crossover.
 AVX2_GEMM_MAX_ROWS = 1 << 16
-# On AVX2 the W8A16 / W4A16 layers keep the integer kernels up to this many rows (prompts too: x86.Avx2Kernels.max_rows
-# says why; on an AMD EPYC Zen 3, 2 threads, they ran 1.1-2.0x (W8A16) and 1.0-1.6x (W4A16) dequantize + FMA GEMM at
-# every size from 16 to 2048 rows: benchmarks/bench_quant_rows.py, BENCHMARKS.md); past it they dequantize and run
-# the FMA GEMM, whose blocking keeps x in the caches at any size (the GEMVs re-read all of x per 4 weight rows).
-AVX2_QUANT_MAX_ROWS = 2048
+# On AVX2 the W8A16 / W4A16 layers keep the integer kernels up to this many rows; past it they dequantize and run the
+# FMA GEMM, whose blocking keeps x in the caches at any size (the GEMVs re-read all of x per 4 weight rows). It was
+# 2048 while the FMA GEMM ran ~130 GFLOP/s (its accumulators spilled; the integer kernels then won at every size on a
+# Zen 3); at 215-250 GFLOP/s, forced to AVX2 on a Zen 5 (benchmarks/bench_quant_rows.py --variant avx2, 2026-12-05),
+# the integer kernels won 1.2-1.4x (W8A16) / 1.15-1.3x (W4A16) at 16 rows, were level (0.92-1.06x / 0.86-0.94x) at 32
+# and lost from 64 (0.77-0.88x / 0.71-0.79x; 0.69-0.79x / 0.61-0.68x at 512).
+AVX2_QUANT_MAX_ROWS = 24
 # The AVX2 fused step takes steps of fresh prompts of up to this many tokens in all (bf16 weights, bf16 cache), as the
 # AVX-512 library without AMX does (NOAMX_GEMM_MAX_ROWS): each prompt row's attention runs on its own.
 AVX2_FUSED_PREFILL_ROWS = 128

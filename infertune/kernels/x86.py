@@ -235,10 +235,8 @@ class Avx2Kernels(X86Kernels):
         # bf16: the GEMV below it_gemm_rows_fma() rows, the FMA GEMM past it, at every step size (torch's bf16 GEMM
         # limited to AVX2 is slower at every size: benchmarks/bench_gemm_avx2.py). W8A16 / W4A16: the integer
         # kernels (x rounded to int16 per row, VPMADDWD against the int8 / int4 weights, MR2 = 2 rows a pass over a
-        # block of 4 weight rows) up to AVX2_QUANT_MAX_ROWS rows, prompts included: there they beat dequantizing to
-        # bf16 and the FMA GEMM (two multiply-adds a 32-bit lane an instruction against one, and no dense copy of
-        # the weight written and read back: benchmarks/bench_quant_rows.py), and x's int16 rounding (2^-15 of
-        # max|x|) is finer than the weights' bf16 one. Past them the layer dequantizes and runs linear_bf16.
+        # block of 4 weight rows) up to AVX2_QUANT_MAX_ROWS rows (24: decode batches; cpu.py says where the FMA GEMM
+        # on the dequantized weight overtakes them). Past them the layer dequantizes and runs linear_bf16.
         # 12-bit weights do not exist here.
         # W8A8: VPMADDUBSW on weights packed at load (csrc/x86/avx2/gemm_i8.c) at every row count (NEON, which
         # inherits this: SDOT or SMULL + SADALP on the same layout, csrc/arm/neon/gemm_i8.c; no Arm timing)
