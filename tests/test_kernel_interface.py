@@ -120,6 +120,8 @@ class TorchFused:
             return k.linear_w8a8(x, lin.qweight, lin.scales, lin.input_scale, lin.bias)
         if lin.kind == "w8p":
             return k.linear_w8p(x, lin.qweight, lin.scales, lin.bias)
+        if lin.kind == "w4p":
+            return k.linear_w4p(x, lin.qweight, lin.scales, lin.zero, lin.group_size, lin.out_features, lin.bias)
         return k.linear_w4(x, lin.qweight, lin.scales, lin.zero, lin.group_size, lin.bias)
 
     def __call__(self, input_ids, positions, slot_mapping, block_tables, context_lens, out_rows=None):
@@ -266,6 +268,17 @@ class TorchKernels:
         n, k = q.shape
         w = q.view(n, k // group_size, group_size) * scale.unsqueeze(-1) + zero.unsqueeze(-1)
         return w.view(n, k).bfloat16()
+
+    def pack_w4p(self, q, scale, zero, group_size):  # (a layout of its own: [K, N] bytes, scale and zero transposed)
+        return q.to(torch.uint8).t().contiguous(), scale.t().contiguous(), zero.t().contiguous()
+
+    def unpack_w4p(self, packed, scale, zero, out_features, in_features):
+        return packed.t(), scale.t(), zero.t()
+
+    def linear_w4p(self, x, packed, scale, zero, group_size, out_features, bias=None):
+        self.calls["linear_w4p"] += 1
+        q, s, z = self.unpack_w4p(packed, scale, zero, out_features, x.shape[-1])
+        return F.linear(x, self.dequant_w4(q.t(), s, z, group_size), bias)
 
     def rms_norm(self, x, weight, eps):
         self.calls["rms_norm"] += 1
@@ -414,9 +427,10 @@ def test_the_engine_runs_on_a_second_implementation(tmp_path, monkeypatch, quant
         assert ref.calls["linear_w8a8"] > 0
     if quant == "w8a16":  # (packed at load, as max_rows("w8p") > 0 asks: every layer through linear_w8p)
         assert ref.calls["linear_w8p"] > 0 and ref.calls["linear_w8"] == 0
-    if quant == "w4a16":
+    if quant == "w4a16":  # (packed at load, as max_rows("w4p") > 0 asks: the reference's own [K, N] bytes)
         q = runner.model.model.layers[0].mlp.down_proj.qweight
-        assert q.shape == (256, 128) and q.dtype is torch.uint8  # the reference's own [K, N] layout
+        assert q.shape == (256, 128) and q.dtype is torch.uint8
+        assert ref.calls["linear_w4p"] > 0 and ref.calls["linear_w4"] == 0
     assert mine <= 1.5 * plain + 0.02, (mine, plain)
 
 

@@ -588,6 +588,93 @@ def test_w8a16_packs_at_load_where_the_kernels_ask_and_keeps_its_results(ks):
     assert torch.equal(stored(x), ks.linear_w8(x, q_min, s.bfloat16()))
 
 
+def _w4p_oracle(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, z: torch.Tensor, gs: int, bias) -> torch.Tensor:
+    """gemm_w4p.c's arithmetic, emulated exactly: x rounded to int16 per row (act_i16.h), x's sums per group in fp32
+    in column order, per group the exact integer sums (int64) of q x_q rounded once to fp32, then per feature group by
+    group acc = acc + S s (fp32 multiply, then add) and z_acc = z_acc + z xsum; y = bf16(acc s_x + z_acc + bias)."""
+    x32 = x.float()
+    m, k = x32.shape
+    amax = x32.abs().amax(dim=1, keepdim=True)
+    sx = torch.where(amax > 0, amax / 32512.0, torch.ones_like(amax))
+    xq = torch.round(x32 * (1.0 / sx)).clamp(-32512, 32512).long()
+    acc = torch.zeros(m, q.shape[0])
+    zacc = torch.zeros(m, q.shape[0])
+    for g in range(k // gs):
+        cols = slice(g * gs, (g + 1) * gs)
+        xsum = torch.zeros(m)
+        for c in range(g * gs, (g + 1) * gs):
+            xsum = xsum + x32[:, c]
+        exact = xq[:, cols] @ q[:, cols].long().t()
+        assert exact.abs().max() < 2**31  # (the kernel's int32 256 H + L holds it)
+        acc = acc + exact.float() * s[:, g]
+        zacc = zacc + z[:, g] * xsum.unsqueeze(1)
+    y = acc * sx + zacc
+    return (y + (bias.float() if bias is not None else 0.0)).bfloat16()
+
+
+def test_w4a16_on_the_packed_weight_against_its_exact_emulation(ks):
+    """linear_w4p (W4A16 on pack_w4p's 64-feature blocks: the nibbles as VPDPBUSD's unsigned bytes against x_q's two
+    bytes) against an exact emulation of its arithmetic below the bf16 GEMM's rows, for group sizes 64 / 128 / 256 /
+    192 (192: no slab of the GEMM holds whole groups, so the int kernel takes every row count), N not a multiple of
+    64, one and two rows a pass and their remainders, a zero row; from the GEMM's rows, linear_w4's prompt path (the
+    GEMM on the same bf16 weights, rebuilt from the packed blocks here): bit for bit. pack_w4p / unpack_w4p round-trip
+    the integers and the scales."""
+    if ks.max_rows("w4p") <= 0 and not kernels.w4p_supported(getattr(ks, "lib", None)):
+        pytest.skip(f"{ks.name}: W4A16 keeps pack_w4's rows here")
+    lib = kernels.library()
+    gemm_from = lib.it_gemm_rows_noamx(0)
+    g = torch.Generator().manual_seed(31)
+    for n, k, gs in ((64, 128, 128), (70, 256, 64), (131, 512, 256), (96, 384, 192)):
+        q = torch.randint(0, 16, (n, k), generator=g)
+        s = torch.rand(n, k // gs, generator=g) * 0.02
+        z = torch.randn(n, k // gs, generator=g) * 0.1
+        packed, sT, zT = ks.pack_w4p(q, s, z, gs)
+        back = ks.unpack_w4p(packed, sT, zT, n, k)
+        assert torch.equal(back[0].long(), q) and torch.equal(back[1], s) and torch.equal(back[2], z)
+        bias = torch.randn(n, generator=g).bfloat16()
+        for m in (1, 2, 3, 5, 16, 33, gemm_from, 130):
+            x = (torch.randn(m, k, generator=g) * 3).bfloat16()
+            if m > 2:
+                x[1] = 0
+            for b in (None, bias):
+                got = ks.linear_w4p(x, packed, sT, zT, gs, n, b)
+                if m >= gemm_from and 512 % gs == 0:  # (gemm_dpbf16.c GEMM_KC: slabs of 512 columns)
+                    want = ks.linear_w4(x, ks.pack_w4(q), s, z, gs, b)
+                else:
+                    want = _w4p_oracle(x, q, s, z, gs, b)
+                assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (n, k, gs, m, b is None)
+    with pytest.raises(ValueError, match="not a packed"):
+        ks.linear_w4p(x, ks.pack_w4(q), sT, zT, gs, n)
+
+
+def test_w4a16_packs_at_load_where_the_kernels_ask(ks):
+    """W4A16Method keeps pack_w4p's blocks where max_rows("w4p") > 0 (AVX-512 without AMX): a decode row through
+    linear_w4p (the emulation above), the fused step's description says "w4p", the dense weight (prompts under
+    torch.compile, other dtypes) is the reference's bf16(q s + z); experts keep pack_w4's rows."""
+    from infertune.quant.experts import QuantizedExperts
+    from infertune.quant.int4 import W4A16Method, quantize_int4_groupwise
+
+    if ks.max_rows("w4p") <= 0:
+        pytest.skip(f"{ks.name}: W4A16 keeps pack_w4's rows here")
+    g = torch.Generator().manual_seed(32)
+    n, k = 100, 256
+    w = torch.randn(n, k, generator=g)
+    layer = Linear(k, n, bias=True, dtype=torch.bfloat16, quant_method=W4A16Method(128, kernels=ks))
+    layer.weight.data.copy_(w)
+    layer.bias.data.copy_(torch.randn(n, generator=g))
+    layer.quant_method.process_weights_after_loading(layer)
+    q, s, z = quantize_int4_groupwise(w.bfloat16(), 128)
+    assert layer.quant_method.kernel_kind == "w4p" and layer.qweight.dtype is torch.int32
+    assert layer.quant_method.kernel_weights(layer).kind == "w4p"
+    x = torch.randn(1, k, generator=g).bfloat16()
+    assert torch.equal(layer(x).view(torch.int16), _w4p_oracle(x, q, s, z, 128, layer.bias).view(torch.int16))
+    dense = layer.quant_method._dense_weight(layer, torch.bfloat16)
+    ref = (q.view(n, 2, 128).float() * s.unsqueeze(-1) + z.unsqueeze(-1)).view(n, k).bfloat16()
+    assert torch.equal(dense, ref)
+    experts = QuantizedExperts(lambda: W4A16Method(128, kernels=ks))
+    assert all(not m.packed_ok for m in experts.linear_methods.values())
+
+
 def test_prefill_dequantization_matches_the_reference_rounding(ks):
     """The dense bf16 weights a quantized prefill multiplies: bit for bit the PyTorch formulas, denormal weights
     included (the AVX-512 library rounds 32 values an instruction where no value can be denormal, and keeps the

@@ -70,7 +70,7 @@ AVX2_QUANT_MAX_ROWS = 24
 # AVX-512 library without AMX does (NOAMX_GEMM_MAX_ROWS): each prompt row's attention runs on its own.
 AVX2_FUSED_PREFILL_ROWS = 128
 # The C side's ABI (csrc/abi.h IT_ABI_VERSION): bump both together when a shared struct or a signature changes.
-ABI_VERSION = 15
+ABI_VERSION = 16
 # The KV cache groups a fused step reads at most (csrc/abi.h IT_MAX_KV_GROUPS): layers grouped by sliding window
 MAX_KV_GROUPS = 8
 WARN_FLAGS = ["-Wall", "-Wextra", "-Wpointer-arith"]
@@ -140,6 +140,7 @@ class WeightKind(enum.IntEnum):
     BF16C = 3
     W8A8 = 4  # (the libraries with a W8A8 kernel: gemm_i8.c)
     W8P = 5  # (W8A16 on W8A8's packed weight: the AVX-512 library's gemm_w8p.c)
+    W4P = 6  # (W4A16 on a packed weight: the AVX-512 library's gemm_w4p.c)
 
 
 def cache_dir() -> Path:
@@ -396,6 +397,7 @@ def declare(lib: ctypes.CDLL) -> None:
         "it_linear_w8": ([ptr, i64, ptr, ptr, cint, ptr, ptr, i64, i64, i64, i64, cint], None),
         "it_linear_w8a8": ([ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, cint], cint),
         "it_linear_w8p": ([ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, cint], cint),
+        "it_linear_w4p": ([ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, cint], cint),
         "it_pack_w8a8": ([ptr, i64, i64, ptr, cint], cint),
         "it_w8a8_block": ([], i64),
         "it_unpack_w8a8": ([ptr, i64, i64, ptr], None),
@@ -1093,6 +1095,105 @@ def unpack_w4(packed: torch.Tensor) -> torch.Tensor:
     n, half = packed.shape
     r = packed.view(n, half // 32, 1, 32)
     return torch.cat([r & 0xF, r >> 4], dim=2).reshape(n, half * 2)
+
+
+def w4p_supported(lib: ctypes.CDLL | None = None) -> bool:
+    """Whether the library has W4A16 on the packed int4 weight (it_linear_w4p: the AVX-512 library)."""
+    try:
+        return getattr(_pick(lib), "it_linear_w4p", None) is not None
+    except RuntimeError:
+        return False
+
+
+def pack_w4p(
+    q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [N, K] in 0..15, scale and zero fp32 [N, K / group_size] -> linear_w4p's weight (csrc/x86/avx512/gemm_w4p.c):
+    int32 words [ceil(N / 64), K / 8, 64], the word (b, p, f) columns 8p .. 8p + 7 of feature 64 b + f (byte j: column
+    8p + j in its low nibble, 8p + 4 + j in its high), and scale / zero fp32 [ceil(N / 64), K / group_size, 64];
+    features past N zero."""
+    n, k = q.shape
+    if not w4_supported(k, group_size):
+        raise ValueError(f"group_size={group_size} must be a multiple of 64 and K={k} a multiple of it")
+    nb = (n + 63) // 64
+    qp = torch.zeros((nb * 64, k), dtype=torch.int32)
+    qp[:n] = q.to(torch.int32)
+    r = qp.view(nb, 64, k // 8, 2, 4)  # [block, feature, octet, low / high nibble, byte]
+    b = r[:, :, :, 0] | (r[:, :, :, 1] << 4)  # the 4 bytes of each word
+    words = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)  # [block, feature, octet]
+
+    def blocked(t: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros((nb * 64, t.shape[1]), dtype=torch.float32)
+        out[:n] = t.float()
+        return out.view(nb, 64, -1).transpose(1, 2).contiguous()
+
+    return words.transpose(1, 2).contiguous(), blocked(scale), blocked(zero)
+
+
+def unpack_w4p(
+    packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, n: int, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inverse of pack_w4p: (q uint8 [N, K] in 0..15, scale, zero fp32 [N, K / group_size])."""
+    nb = packed.shape[0]
+    words = packed.transpose(1, 2)  # [block, feature, octet]
+    shifts = torch.tensor([0, 8, 16, 24, 4, 12, 20, 28], dtype=torch.int32)
+    q = (words.unsqueeze(-1) >> shifts) & 0xF  # [block, feature, octet, 8 columns]
+    q = q.reshape(nb * 64, k)[:n].to(torch.uint8)
+    return q, *(t.transpose(1, 2).reshape(nb * 64, -1)[:n].contiguous() for t in (scale, zero))
+
+
+def linear_w4p(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    group_size: int,
+    n: int,
+    bias: torch.Tensor | None = None,
+    *,
+    lib: ctypes.CDLL | None = None,
+) -> torch.Tensor:
+    """x [..., K] bf16 times pack_w4p's weight of N features -> [..., N] bf16, w = q * scale + zero: x rounded to
+    int16 per row as in linear_w4, exact integer sums per group, fp32 per feature group by group (gemm_w4p.c);
+    from the bf16 GEMM's rows, that GEMM on slabs rebuilt in bf16 (linear_w4's prompt path, bit for bit)."""
+    lib = _pick(lib)
+    if getattr(lib, "it_linear_w4p", None) is None:
+        raise ValueError("this library has no it_linear_w4p kernel")
+    x2 = _rows(x)
+    k = x2.shape[1]
+    nb = (n + 63) // 64
+    if x2.dtype is not torch.bfloat16 or x2.device.type != "cpu":
+        raise ValueError(f"the CPU kernels take bf16 CPU activations, got {x2.dtype} on {x2.device}")
+    if not w4_supported(k, group_size):
+        raise ValueError(f"group_size={group_size} must be a multiple of 64 and K={k} a multiple of it")
+    if packed.dtype is not torch.int32 or tuple(packed.shape) != (nb, k // 8, 64) or not packed.is_contiguous():
+        raise ValueError(f"not a packed [{n}, {k}] int4 weight (pack_w4p): {packed.dtype} {tuple(packed.shape)}")
+    for t in (scale, zero):
+        if t.dtype is not torch.float32 or not t.is_contiguous() or tuple(t.shape) != (nb, k // group_size, 64):
+            raise ValueError(f"scale and zero must be pack_w4p's contiguous fp32 [{nb}, {k // group_size}, 64]")
+    if bias is not None and (bias.dtype is not torch.bfloat16 or not bias.is_contiguous() or bias.numel() != n):
+        raise ValueError("bias must be a contiguous bf16 tensor [N]")
+    m = x2.shape[0]
+    y = torch.empty((m, n), dtype=torch.bfloat16)
+    with profiled("linear_w4p"):
+        rc = lib.it_linear_w4p(
+            x2.data_ptr(),
+            x2.stride(0),
+            packed.data_ptr(),
+            scale.data_ptr(),
+            zero.data_ptr(),
+            group_size,
+            bias.data_ptr() if bias is not None else None,
+            y.data_ptr(),
+            n,
+            m,
+            n,
+            k,
+            torch.get_num_threads(),
+        )
+    if rc != 0:
+        raise RuntimeError(f"it_linear_w4p returned {rc}")
+    return y.view(*x.shape[:-1], n)
 
 
 def linear_w4(

@@ -44,7 +44,8 @@ if TYPE_CHECKING:
 #          rounded to int8 (linear_w8a8)
 #   w8p    W8A16 on w8a8's packed weight (pack_w8a8) with fp32 scales [N], times activations rounded to int16
 #          (linear_w8p: linear_w8's arithmetic, one weight stream a thread)
-LinearKind = Literal["bf16", "bf16c", "w8", "w4", "w8a8", "w8p"]
+#   w4p    W4A16 on a packed int4 weight (pack_w4p) with its fp32 scale and zero in the same blocks (linear_w4p)
+LinearKind = Literal["bf16", "bf16c", "w8", "w4", "w8a8", "w8p", "w4p"]
 
 
 class CompressedWeight(Protocol):
@@ -79,7 +80,7 @@ class KernelLinear:
     weight: torch.Tensor | None = None  # bf16
     qweight: torch.Tensor | None = None  # w8: int8 [N, K]; w4: pack_w4's bytes; w8a8 / w8p: pack_w8a8's
     scales: torch.Tensor | None = None  # w8 [N]; w8a8 / w8p fp32 [N]; w4 [N, K / group_size] fp32
-    zero: torch.Tensor | None = None  # w4
+    zero: torch.Tensor | None = None  # w4, w4p (pack_w4p's)
     group_size: int = 0  # w4
     compressed: CompressedWeight | None = None  # bf16c
     compressed_experts: tuple[CompressedWeight, ...] | None = None  # bf16c experts (KernelExperts): expert e's is [e]
@@ -317,6 +318,33 @@ class DecodeKernels(Protocol):
         ...
 
     def w4_supported(self, in_features: int, group_size: int) -> bool: ...
+
+    def pack_w4p(
+        self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [N, K] in 0..15, scale and zero fp32 [N, K / group_size] -> the packed int4 weight and its scale and
+        zero (the kernels' own layout). Only called where max_rows("w4p") > 0."""
+        ...
+
+    def unpack_w4p(
+        self, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, out_features: int, in_features: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The inverse of pack_w4p: (q uint8 [N, K], scale, zero fp32 [N, K / group_size])."""
+        ...
+
+    def linear_w4p(
+        self,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        scale: torch.Tensor,
+        zero: torch.Tensor,
+        group_size: int,
+        out_features: int,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """W4A16 on pack_w4p's weight, w = q * scale + zero: x rounded to int16 per row, exact integer sums per
+        group, fp32 per feature group by group; prompts on the dequantized weight."""
+        ...
 
     def pack_w4(self, q: torch.Tensor) -> torch.Tensor:
         """Integers [N, K] in 0..15 -> the kernels' int4 storage (its layout is theirs alone)."""

@@ -37,6 +37,24 @@ def _(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bias: torch.T
     return x.new_empty((*x.shape[:-1], scales.numel()))
 
 
+@torch.library.custom_op("infertune::linear_w4p", mutates_args=())
+def _linear_w4p_op(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    group_size: int,
+    n: int,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    return cpu.linear_w4p(x, packed, scale, zero, group_size, n, bias)
+
+
+@_linear_w4p_op.register_fake
+def _(x, packed, scale, zero, group_size, n, bias) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], n))
+
+
 @torch.library.custom_op("infertune::linear_w8a8", mutates_args=())
 def _linear_w8a8_op(
     x: torch.Tensor,
@@ -102,10 +120,14 @@ class X86Kernels:
         if kind == "w8a8":
             return 0 if self.amx or not cpu.w8a8_supported(self.lib) else cpu.NOAMX_QUANT_MAX_ROWS
         # W8A16 on the packed weight (gemm_w8p.c): without AMX at every row count, where its one weight stream a
-        # thread beats linear_w8's 4 rows side by side (benchmarks/bench_w8p.py). With AMX none: linear_w8's tile
+        # thread beats linear_w8's 4 rows side by side (benchmarks/bench_packed_quant.py). With AMX none: linear_w8's tile
         # paths on [N, K] stay (no AMX machine to measure the packed one on).
         if kind == "w8p":
             return 0 if self.amx or not cpu.w8p_supported(self.lib) else cpu.NOAMX_QUANT_MAX_ROWS
+        # W4A16 on its packed weight (gemm_w4p.c): likewise without AMX, every row count
+        # (benchmarks/bench_packed_quant.py --kind w4)
+        if kind == "w4p":
+            return 0 if self.amx or not cpu.w4p_supported(self.lib) else cpu.NOAMX_QUANT_MAX_ROWS
         return cpu.bf16_max_rows() if kind in ("bf16", "bf16c") else cpu.quant_max_rows()
 
     def linear_bf16(self, x, weight, bias=None):
@@ -132,6 +154,17 @@ class X86Kernels:
         if torch.compiler.is_compiling() and self.lib is None:
             return _linear_w8p_op(x, packed, scales, bias)
         return cpu.linear_w8p(x, packed, scales, bias, lib=self.lib)
+
+    def pack_w4p(self, q, scale, zero, group_size):
+        return cpu.pack_w4p(q, scale, zero, group_size)
+
+    def unpack_w4p(self, packed, scale, zero, out_features, in_features):
+        return cpu.unpack_w4p(packed, scale, zero, out_features, in_features)
+
+    def linear_w4p(self, x, packed, scale, zero, group_size, out_features, bias=None):
+        if torch.compiler.is_compiling() and self.lib is None:
+            return _linear_w4p_op(x, packed, scale, zero, group_size, out_features, bias)
+        return cpu.linear_w4p(x, packed, scale, zero, group_size, out_features, bias, lib=self.lib)
 
     def w4_supported(self, in_features: int, group_size: int) -> bool:
         return cpu.w4_supported(in_features, group_size)
@@ -242,7 +275,7 @@ class Avx2Kernels(X86Kernels):
         # inherits this: SDOT or SMULL + SADALP on the same layout, csrc/arm/neon/gemm_i8.c; no Arm timing)
         if kind == "w8a8":
             return cpu.NOAMX_QUANT_MAX_ROWS if cpu.w8a8_supported(self.lib) else 0
-        if kind in ("bf16c", "w8p"):  # (no 12-bit weights; W8A16 keeps [N, K] and its VPMADDWD kernels here)
+        if kind in ("bf16c", "w8p", "w4p"):  # (no 12-bit weights; W8A16 / W4A16 keep their VPMADDWD kernels here)
             return 0
         return self.bf16_rows if kind == "bf16" else cpu.AVX2_QUANT_MAX_ROWS
 

@@ -205,7 +205,7 @@ class X86FusedDecoder:
                 prefill_rows = max(prefill_rows, model.step_rows)
         elif (
             not amx
-            and kinds <= {"bf16", "bf16c", "w8", "w4", "w8a8", "w8p"}
+            and kinds <= {"bf16", "bf16c", "w8", "w4", "w8a8", "w8p", "w4p"}
             and not model.kv_int8
             and cpu.bf16_max_rows() > cpu.MAX_ROWS
         ):
@@ -213,7 +213,7 @@ class X86FusedDecoder:
             # same GEMM, gemv_quant.c linear_q_gemm, as the per-module path's linear_w8 / linear_w4 calls do)
             prefill_rows = cpu.bf16_max_rows()
             if (
-                kinds <= {"bf16c", "w8", "w4", "w8a8", "w8p"}
+                kinds <= {"bf16c", "w8", "w4", "w8a8", "w8p", "w4p"}
             ):  # (W8A8 / packed W8A16: their VNNI GEMMs, gemm_i8.c / gemm_w8p.c, at any row count)  # (as on AMX: the 12-bit slab GEMM, and the quantized one, take any
                 # row count; measured on a Zen 4, 16 x 128-token prompts 2.03 -> 1.73 s with 12-bit weights, one
                 # 2000-token prompt 2.90 -> 2.52 s, against the per-module path, whose attention is torch's SDPA)
@@ -361,7 +361,7 @@ def _fill_lin(c, lin: KernelLinear) -> list[torch.Tensor]:
     q, s = lin.qweight, lin.scales
     assert q.is_contiguous() and s.is_contiguous()
     c.w, c.scale = q.data_ptr(), s.data_ptr()
-    if lin.kind == "w4":
+    if lin.kind in ("w4", "w4p"):  # (w4p: pack_w4p's words, its blocked fp32 scale and zero)
         c.zero, c.group = lin.zero.data_ptr(), lin.group_size
         return keep + [q, s, lin.zero]
     if lin.kind in ("w8a8", "w8p"):  # (pack_w8a8's words, fp32 scales; W8A8's static scale, if any, in `zero`)

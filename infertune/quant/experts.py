@@ -54,6 +54,8 @@ class QuantizedExperts(ExpertsMethod):
         for method in self.linear_methods.values():
             if method.name == "w8a16":  # (the grouped expert GEMM reads W8A16 experts as [N, K] rows: no packing)
                 method.torch_layout_only = True
+            if method.name == "w4a16":  # (and W4A16 experts as pack_w4's rows)
+                method.packed_ok = False
         self.name = self.linear_methods["down_proj"].name
         self.shapes: dict[str, tuple[int, int]] = {}  # projection -> one expert's (N, K)
         self.buffer_names: dict[str, list[str]] = {}

@@ -56,6 +56,10 @@ class W4A16Method(UnquantizedMethod):
         # The backend's own decode kernels (kernels/interface.py): where given, weights are kept in their layout.
         self.kernels = kernels
         self.own_layout = False
+        # own_layout's kind: "w4" (pack_w4's rows, [N, K / 2]) or "w4p" (pack_w4p's blocks, where max_rows("w4p") > 0:
+        # AVX-512 without AMX). packed_ok False keeps "w4" (the experts: the grouped expert GEMM reads pack_w4's rows).
+        self.kernel_kind = "w4"
+        self.packed_ok = True
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         w = layer.weight.data
@@ -76,10 +80,16 @@ class W4A16Method(UnquantizedMethod):
             and dtype is torch.bfloat16
             and self.kernels.w4_supported(q.shape[1], self.group_size)
         ):
-            self.own_layout = True  # the kernels' int4 storage (pack_w4), fp32 scale and zero [N, K/g]
-            layer.register_buffer("qweight", self.kernels.pack_w4(q))
-            layer.register_buffer("w4_scale", scale.float().contiguous())
-            layer.register_buffer("w4_zero", low.float().contiguous())
+            self.own_layout = True
+            if self.packed_ok and self.kernels.max_rows("w4p") > 0:
+                # pack_w4p's 64-feature blocks, its blocked fp32 scale and zero
+                self.kernel_kind = "w4p"
+                packed, scale, low = self.kernels.pack_w4p(q, scale.float(), low.float(), self.group_size)
+            else:  # the kernels' int4 rows (pack_w4), fp32 scale and zero [N, K/g]
+                packed, scale, low = self.kernels.pack_w4(q), scale.float().contiguous(), low.float().contiguous()
+            layer.register_buffer("qweight", packed)
+            layer.register_buffer("w4_scale", scale)
+            layer.register_buffer("w4_zero", low)
             return
         self.fast_kernel = self.fast_kernel and device.type == "cpu"
         if not self.fast_kernel:
@@ -109,6 +119,10 @@ class W4A16Method(UnquantizedMethod):
 
     def _dense_weight(self, layer: Linear, dtype: torch.dtype) -> torch.Tensor:
         n = layer.out_features
+        if self.own_layout and self.kernel_kind == "w4p":  # (prompts: the kernel's GEMM on rebuilt slabs, no copy)
+            q, scale, zero = self.kernels.unpack_w4p(layer.qweight, layer.w4_scale, layer.w4_zero, n, layer.in_features)
+            w = q.view(n, -1, self.group_size).float() * scale.unsqueeze(-1) + zero.unsqueeze(-1)
+            return w.view(n, -1).to(dtype)
         if self.own_layout and dtype is torch.bfloat16 and not torch.compiler.is_compiling():
             return self.kernels.dequant_w4(layer.qweight, layer.w4_scale, layer.w4_zero, self.group_size)
         if self.own_layout:
@@ -129,7 +143,7 @@ class W4A16Method(UnquantizedMethod):
         if not self.own_layout:
             return None
         return KernelLinear(
-            "w4",
+            self.kernel_kind,
             layer.out_features,
             layer.in_features,
             layer.bias,
@@ -141,6 +155,10 @@ class W4A16Method(UnquantizedMethod):
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
+        if self.own_layout and self.kernel_kind == "w4p" and x.dtype is torch.bfloat16:  # (compile: an opaque op)
+            n = layer.out_features
+            y = self.kernels.linear_w4p(x, layer.qweight, layer.w4_scale, layer.w4_zero, self.group_size, n, layer.bias)
+            return y
         if self.own_layout:
             if (
                 x.dtype is torch.bfloat16

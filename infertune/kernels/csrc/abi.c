@@ -44,7 +44,7 @@ int64_t it_struct_sizes(int64_t* out, int64_t n) {
         SZ(it_mla_layer), OF(it_mla_layer, q_a), OF(it_mla_layer, q_b), OF(it_mla_layer, kv_a),
         OF(it_mla_layer, q_a_norm), OF(it_mla_layer, kv_a_norm), OF(it_mla_layer, kv_up), OF(it_mla_layer, latent_eps),
         OF(it_mla_layer, interleaved),
-        IT_KIND_BF16, IT_KIND_W8, IT_KIND_W4, IT_KIND_BF16C, IT_KIND_W8A8, IT_KIND_W8P,
+        IT_KIND_BF16, IT_KIND_W8, IT_KIND_W4, IT_KIND_BF16C, IT_KIND_W8A8, IT_KIND_W8P, IT_KIND_W4P,
         IT_MOE_SOFTMAX, IT_MOE_SIGMOID, IT_MOE_GREEDY, IT_MOE_GROUP_LIMITED, IT_MOE_NOAUX_TC, IT_FT_PARTS,
         IT_ACT_SILU, IT_ACT_GELU_TANH,
     };

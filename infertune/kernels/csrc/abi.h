@@ -6,7 +6,7 @@
 #define IT_ABI_H
 #include "bf16.h"
 
-#define IT_ABI_VERSION 15
+#define IT_ABI_VERSION 16
 #define IT_MAX_KV_GROUPS 8 /* it_step's KV cache groups at most (cpu.py MAX_KV_GROUPS) */
 /* A block-table entry of an int4 block (the int4 tier of an int8 cache; scheduler_output.INT4_SHIFT and its
  * neighbours): the block id with 1 (its low half) or 2 (its high half) at bit IT_INT4_SHIFT */
@@ -15,7 +15,8 @@
 
 /* it_lin.kind: how a linear layer's weight is stored */
 typedef enum {
-    IT_KIND_BF16 = 0, IT_KIND_W8 = 1, IT_KIND_W4 = 2, IT_KIND_BF16C = 3, IT_KIND_W8A8 = 4, IT_KIND_W8P = 5
+    IT_KIND_BF16 = 0, IT_KIND_W8 = 1, IT_KIND_W4 = 2, IT_KIND_BF16C = 3, IT_KIND_W8A8 = 4, IT_KIND_W8P = 5,
+    IT_KIND_W4P = 6
 } it_kind;
 
 /* A bf16 weight in the lossless 12-bit layout (bf16c_codec.c) */
@@ -34,15 +35,17 @@ typedef struct {
                              4: int8 packed (it_pack_w8a8) with fp32 scale [N], times int8 activations (W8A8: the
                              libraries that define IT_HAS_W8A8);
                              5: int8 packed as kind 4, fp32 scale [N], times bf16 activations rounded to int16 (W8A16
-                             on the packed weight: the AVX-512 library's gemm_w8p.c, IT_HAS_W8P) */
+                             on the packed weight: the AVX-512 library's gemm_w8p.c, IT_HAS_W8P);
+                             6: int4 in 64-feature blocks (pack_w4p), scale and zero fp32 [N64 / 64][K / group][64]
+                             (W4A16 on a packed weight: gemm_w4p.c, IT_HAS_W4P) */
     int32_t scale_is_f32; /* kind 1: scale is fp32 (1) or bf16 (0) */
     const void* w;
-    const void* scale;    /* kind 1: [N]; kind 2: fp32 [N, K / group] */
+    const void* scale;    /* kind 1: [N]; kind 2: fp32 [N, K / group]; kind 6: fp32 [N64 / 64][K / group][64] */
     const bf16* bias;     /* [N] or NULL */
     int64_t N, K;
-    const float* zero;    /* kind 2: fp32 [N, K / group]; kind 4: the activations' static scale [1], or NULL (a
-                             scale per row) */
-    int64_t group;        /* kind 2: columns per group */
+    const float* zero;    /* kind 2: fp32 [N, K / group]; kind 6: laid out as its scale; kind 4: the activations'
+                             static scale [1], or NULL (a scale per row) */
+    int64_t group;        /* kinds 2, 6: columns per group */
     int64_t inter;        /* kind 3: > 0 where the weight is a gate_up with gate and up rows interleaved 16 by 16
                              (linear_bf16c); the MLP then takes act straight from its tiles */
 } it_lin;

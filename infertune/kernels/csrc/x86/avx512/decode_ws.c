@@ -16,8 +16,9 @@ static int64_t lin_scratch_bytes(int64_t T, int64_t K, int nthreads) {
     /* (W8A8 rounds every row of x to int8 first, prompts included: i8_scratch_bytes) */
     const int64_t amx = bf16_scratch_bytes(T, K), w8 = qlin_scratch_bytes(T < 16 ? T : 16, K, nthreads);
     /* (W8A16 on the packed weight: every row of x split into int16's two bytes, prompts included) */
-    const int64_t i8 = i8_scratch_bytes(T, K), w8p = w8p_scratch_bytes(T, K), most = amx > w8 ? amx : w8;
-    const int64_t ints = i8 > w8p ? i8 : w8p;
+    /* (W4A16 on the packed weight: up to W4P_CHUNK rows at a time below the GEMM's rows) */
+    const int64_t i8 = i8_scratch_bytes(T, K), w8p = w8p_scratch_bytes(T, K), w4p = w4p_scratch_bytes(T, K);
+    const int64_t most = amx > w8 ? amx : w8, ints = (i8 > w8p ? i8 : w8p) > w4p ? (i8 > w8p ? i8 : w8p) : w4p;
     return ALIGN64(most > ints ? most : ints);
 }
 
@@ -128,6 +129,9 @@ static void run_lin(const it_lin* L, const bf16* x, int64_t ldx, bf16* y, int64_
     else if (L->kind == IT_KIND_W8P) /* (it_decode_layers checked K) */
         linear_w8p(x, ldx, (const uint32_t*)L->w, (const float*)L->scale, L->bias, y, ldy, M, L->N, L->K, nthreads,
                    scratch);
+    else if (L->kind == IT_KIND_W4P) /* (it_decode_layers checked the group) */
+        linear_w4p(x, ldx, (const uint32_t*)L->w, (const float*)L->scale, L->zero, L->group, L->bias, y, ldy, M, L->N,
+                   L->K, nthreads, scratch);
     else if (L->kind == IT_KIND_W4)
         linear_w4(x, ldx, (const uint8_t*)L->w, (const float*)L->scale, L->zero, L->group, L->bias, y, ldy, M, L->N,
                   L->K, nthreads, scratch);

@@ -135,7 +135,8 @@ static inline void gemm_store(const float* acc, int mr, const bf16* bias, int64_
 
 /* Where a GEMM's weight slabs come from: bf16 rows (w, row stride K), or a quantized layer whose pack rebuilds each
  * slab's rows in bf16 first (gemv_quant.c's q_pack_slab). bytes_per_2col: a row's bytes per two columns (4 for bf16,
- * 2 int8, 1 int4), for the prefetch of the next slab's rows from base. */
+ * 2 int8, 1 int4), for the prefetch of the next slab's rows from base (NULL: none, where the slabs do not come from
+ * rows, gemm_w4p.c). */
 typedef struct {
     const char* base;
     int64_t bytes_per_2col;
@@ -170,7 +171,7 @@ static inline __attribute__((always_inline)) void dpbf16_gemm(const bf16* x, int
                     gemm_pf pf = {0};
                     const int last = k0 + kc >= K;
                     const int64_t nk0 = last ? 0 : k0 + kc, nn0 = last && m0 + GEMM_MB >= M ? n0 + 64 : n0;
-                    if (nn0 < N && GEMM_PREFETCH) {
+                    if (nn0 < N && GEMM_PREFETCH && src->base) {
                         const int64_t nkc = K - nk0 < GEMM_KC ? K - nk0 : GEMM_KC;
                         const int64_t nr = N - nn0 < 64 ? N - nn0 : 64;
                         pf.ld = K / 2 * src->bytes_per_2col;
