@@ -988,14 +988,20 @@ def linear_w8a8(
     x2, m, k, n = _packed_i8_args(lib, "it_linear_w8a8", x, packed, scales, bias)
     if input_scale is not None and (input_scale.dtype is not torch.float32 or input_scale.numel() != 1):
         raise ValueError(f"input_scale: one fp32 value, got {input_scale.dtype} {tuple(input_scale.shape)}")
+    weights = (packed.data_ptr(), scales.data_ptr(), input_scale.data_ptr() if input_scale is not None else None)
+    return _packed_linear_call(lib, "it_linear_w8a8", x, x2, weights, bias, n)
+
+
+def _packed_linear_call(lib: ctypes.CDLL, symbol: str, x: torch.Tensor, x2: torch.Tensor, weights: tuple, bias, n: int):
+    """Call one of the packed linears, symbol(x, ldx, *weights, bias, y, ldy, M, N, K, nthreads) -> 0 (else an error),
+    and return y [..., N] bf16."""
+    m, k = x2.shape
     y = torch.empty((m, n), dtype=torch.bfloat16)
-    with profiled("linear_w8a8"):
-        rc = lib.it_linear_w8a8(
+    with profiled(symbol.removeprefix("it_")):
+        rc = getattr(lib, symbol)(
             x2.data_ptr(),
             x2.stride(0),
-            packed.data_ptr(),
-            scales.data_ptr(),
-            input_scale.data_ptr() if input_scale is not None else None,
+            *weights,
             bias.data_ptr() if bias is not None else None,
             y.data_ptr(),
             n,
@@ -1005,7 +1011,7 @@ def linear_w8a8(
             torch.get_num_threads(),
         )
     if rc != 0:
-        raise RuntimeError(f"it_linear_w8a8 returned {rc}")
+        raise RuntimeError(f"{symbol} returned {rc}")
     return y.view(*x.shape[:-1], n)
 
 
@@ -1056,24 +1062,7 @@ def linear_w8p(
     linear_w8 runs its int16 kernels."""
     lib = _pick(lib)
     x2, m, k, n = _packed_i8_args(lib, "it_linear_w8p", x, packed, scales, bias)
-    y = torch.empty((m, n), dtype=torch.bfloat16)
-    with profiled("linear_w8p"):
-        rc = lib.it_linear_w8p(
-            x2.data_ptr(),
-            x2.stride(0),
-            packed.data_ptr(),
-            scales.data_ptr(),
-            bias.data_ptr() if bias is not None else None,
-            y.data_ptr(),
-            n,
-            m,
-            n,
-            k,
-            torch.get_num_threads(),
-        )
-    if rc != 0:
-        raise RuntimeError(f"it_linear_w8p returned {rc}")
-    return y.view(*x.shape[:-1], n)
+    return _packed_linear_call(lib, "it_linear_w8p", x, x2, (packed.data_ptr(), scales.data_ptr()), bias, n)
 
 
 def w4_supported(k: int, group_size: int) -> bool:
@@ -1116,11 +1105,11 @@ def pack_w4p(
     if not w4_supported(k, group_size):
         raise ValueError(f"group_size={group_size} must be a multiple of 64 and K={k} a multiple of it")
     nb = (n + 63) // 64
-    qp = torch.zeros((nb * 64, k), dtype=torch.int32)
-    qp[:n] = q.to(torch.int32)
+    qp = torch.zeros((nb * 64, k), dtype=torch.uint8)  # (one byte a weight: a large layer's transients stay small)
+    qp[:n] = q
     r = qp.view(nb, 64, k // 8, 2, 4)  # [block, feature, octet, low / high nibble, byte]
-    b = r[:, :, :, 0] | (r[:, :, :, 1] << 4)  # the 4 bytes of each word
-    words = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)  # [block, feature, octet]
+    b = r[:, :, :, 0] | (r[:, :, :, 1] << 4)  # the 4 bytes of each word, in memory order (little-endian)
+    words = b.contiguous().view(torch.int32).view(nb, 64, k // 8)  # [block, feature, octet]
 
     def blocked(t: torch.Tensor) -> torch.Tensor:
         out = torch.zeros((nb * 64, t.shape[1]), dtype=torch.float32)
@@ -1173,27 +1162,8 @@ def linear_w4p(
             raise ValueError(f"scale and zero must be pack_w4p's contiguous fp32 [{nb}, {k // group_size}, 64]")
     if bias is not None and (bias.dtype is not torch.bfloat16 or not bias.is_contiguous() or bias.numel() != n):
         raise ValueError("bias must be a contiguous bf16 tensor [N]")
-    m = x2.shape[0]
-    y = torch.empty((m, n), dtype=torch.bfloat16)
-    with profiled("linear_w4p"):
-        rc = lib.it_linear_w4p(
-            x2.data_ptr(),
-            x2.stride(0),
-            packed.data_ptr(),
-            scale.data_ptr(),
-            zero.data_ptr(),
-            group_size,
-            bias.data_ptr() if bias is not None else None,
-            y.data_ptr(),
-            n,
-            m,
-            n,
-            k,
-            torch.get_num_threads(),
-        )
-    if rc != 0:
-        raise RuntimeError(f"it_linear_w4p returned {rc}")
-    return y.view(*x.shape[:-1], n)
+    weights = (packed.data_ptr(), scale.data_ptr(), zero.data_ptr(), group_size)
+    return _packed_linear_call(lib, "it_linear_w4p", x, x2, weights, bias, n)
 
 
 def linear_w4(
