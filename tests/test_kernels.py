@@ -675,6 +675,28 @@ def test_w4a16_packs_at_load_where_the_kernels_ask(ks):
     assert all(not m.packed_ok for m in experts.linear_methods.values())
 
 
+@needs_kernels
+def test_the_packed_linears_profile_as_matmul():
+    """The packed linears' profiler ranges (infertune_kernels::<name>) count as matmul in `infertune profile`'s
+    categories, as linear_w8 / linear_w4 do, wherever they are called from."""
+    from infertune.profile.profile_categories import category_by_op_name
+
+    if not (kernels.w8p_supported() and kernels.w4p_supported()):
+        pytest.skip(f"no packed W8A16 / W4A16 kernels here: {kernels.describe()}")
+    q8 = torch.randint(-127, 128, (64, 128), dtype=torch.int8)
+    q4 = torch.randint(0, 16, (64, 128))
+    s = torch.rand(64)
+    packed4 = kernels.pack_w4p(q4, torch.rand(64, 1), torch.rand(64, 1), 128)
+    x = torch.randn(1, 128).bfloat16()
+    with torch.profiler.profile() as prof:
+        kernels.linear_w8p(x, kernels.pack_w8a8(q8), s)
+        kernels.linear_w8a8(x, kernels.pack_w8a8(q8), s)
+        kernels.linear_w4p(x, *packed4, 128, 64)
+    names = {e.name.removeprefix("infertune_kernels::") for e in prof.events() if "infertune_kernels::" in e.name}
+    assert {"linear_w8p", "linear_w8a8", "linear_w4p"} <= names, names
+    assert {n: category_by_op_name(n) for n in names} == dict.fromkeys(names, "matmul")
+
+
 def test_prefill_dequantization_matches_the_reference_rounding(ks):
     """The dense bf16 weights a quantized prefill multiplies: bit for bit the PyTorch formulas, denormal weights
     included (the AVX-512 library rounds 32 values an instruction where no value can be denormal, and keeps the
