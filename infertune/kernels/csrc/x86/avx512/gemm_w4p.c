@@ -23,7 +23,7 @@
 #define W4P_MR 2
 #define W4P_CHUNK 64 /* rows of x the int kernel quantizes at a time (its scratch: w8_scratch_bytes(64, K) at most) */
 #ifndef W4P_PF
-#define W4P_PF 2048 /* the weight stream is asked into L1 this many bytes ahead */
+#define W4P_PF 2048 /* the weight stream is asked into L1 this many bytes ahead (0: not; one row, A/B: 1.00-1.05x) */
 #endif
 
 static inline int64_t w4p_scratch_bytes(int64_t M, int64_t K) { return w8_scratch_bytes(M < W4P_CHUNK ? M : W4P_CHUNK, K); }
@@ -47,10 +47,12 @@ static inline __attribute__((always_inline)) void w4p_block(const int8_t* xh, co
             for (int v = 0; v < 4; v++) H[i][v] = L[i][v] = _mm512_setzero_si512();
         for (int64_t p = g * per_group; p < (g + 1) * per_group; p++) {
             const uint32_t* q = wb + p * 64;
+#if W4P_PF > 0
             _mm_prefetch((const char*)q + W4P_PF, _MM_HINT_T0);
             _mm_prefetch((const char*)q + W4P_PF + 64, _MM_HINT_T0);
             _mm_prefetch((const char*)q + W4P_PF + 128, _MM_HINT_T0);
             _mm_prefetch((const char*)q + W4P_PF + 192, _MM_HINT_T0);
+#endif
             __m512i ha[W4P_MR], hb[W4P_MR], la[W4P_MR], lb[W4P_MR];
             for (int i = 0; i < MRC; i++) {
                 int32_t t[4];
