@@ -676,6 +676,29 @@ def test_w4a16_packs_at_load_where_the_kernels_ask(ks):
 
 
 @needs_kernels
+def test_with_amx_the_quantized_layers_keep_their_row_layouts(monkeypatch):
+    """The packed W8A16 / W4A16 layouts are the no-AMX paths only (unmeasured on AMX, where linear_w8 / linear_w4 run
+    their tile paths on the row layouts): an AMX machine's kernels offer neither, and the methods keep [N, K] int8 and
+    pack_w4's rows there, as before. (Run here by telling this library's kernels object it has AMX.)"""
+    from infertune.quant.int4 import W4A16Method
+
+    if kernels.variant() not in ("avx512", "avx512-noamx"):
+        pytest.skip(f"the AVX-512 kernels are not this process's: {kernels.describe()}")
+    ks = x86.X86Kernels()
+    monkeypatch.setattr(ks, "amx", True)
+    assert ks.max_rows("w8p") == ks.max_rows("w4p") == ks.max_rows("w8a8") == 0
+    g = torch.Generator().manual_seed(33)
+    for method, kind, dtype in (
+        (W8A16Method(kernels=ks), "w8", torch.int8),
+        (W4A16Method(128, kernels=ks), "w4", torch.uint8),
+    ):
+        layer = Linear(256, 64, dtype=torch.bfloat16, quant_method=method)
+        layer.weight.data.copy_(torch.randn(64, 256, generator=g))
+        method.process_weights_after_loading(layer)
+        assert layer.qweight.dtype is dtype and method.kernel_weights(layer).kind == kind
+
+
+@needs_kernels
 def test_the_packed_linears_profile_as_matmul():
     """The packed linears' profiler ranges (infertune_kernels::<name>) count as matmul in `infertune profile`'s
     categories, as linear_w8 / linear_w4 do, wherever they are called from."""

@@ -156,9 +156,9 @@ class W4A16Method(UnquantizedMethod):
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         if self.own_layout and self.kernel_kind == "w4p" and x.dtype is torch.bfloat16:  # (compile: an opaque op)
-            n = layer.out_features
-            y = self.kernels.linear_w4p(x, layer.qweight, layer.w4_scale, layer.w4_zero, self.group_size, n, layer.bias)
-            return y
+            return self.kernels.linear_w4p(
+                x, layer.qweight, layer.w4_scale, layer.w4_zero, self.group_size, layer.out_features, layer.bias
+            )
         if self.own_layout:
             if (
                 x.dtype is torch.bfloat16

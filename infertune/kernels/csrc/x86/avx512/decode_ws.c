@@ -12,14 +12,16 @@
 #define ALIGN64(n) (((n) + 63) & ~(int64_t)63)
 
 static int64_t lin_scratch_bytes(int64_t T, int64_t K, int nthreads) {
-    /* (int8 / int4 weights only ever see decode rows here: steps with prompts take bf16 projections only) */
+    /* (W8A16 / W4A16 on [N, K]: up to 16 rows a call here; past them, prompts, the slab GEMM needs none and the
+       per-block rebuild its q_amx_scratch_bytes part) */
     /* (W8A8 rounds every row of x to int8 first, prompts included: i8_scratch_bytes) */
     const int64_t amx = bf16_scratch_bytes(T, K), w8 = qlin_scratch_bytes(T < 16 ? T : 16, K, nthreads);
     /* (W8A16 on the packed weight: every row of x split into int16's two bytes, prompts included) */
     /* (W4A16 on the packed weight: up to W4P_CHUNK rows at a time below the GEMM's rows) */
-    const int64_t i8 = i8_scratch_bytes(T, K), w8p = w8p_scratch_bytes(T, K), w4p = w4p_scratch_bytes(T, K);
-    const int64_t most = amx > w8 ? amx : w8, ints = (i8 > w8p ? i8 : w8p) > w4p ? (i8 > w8p ? i8 : w8p) : w4p;
-    return ALIGN64(most > ints ? most : ints);
+    const int64_t sizes[5] = {amx, w8, i8_scratch_bytes(T, K), w8p_scratch_bytes(T, K), w4p_scratch_bytes(T, K)};
+    int64_t most = 0;
+    for (int i = 0; i < 5; i++) most = sizes[i] > most ? sizes[i] : most;
+    return ALIGN64(most);
 }
 
 typedef struct {

@@ -13,23 +13,25 @@
  * and 256 H + L formed exactly in fp64, rounded once to fp32: the same fp32 value w8_block (gemv_quant.c) computes,
  * and the same epilogue, y = bf16(out * s_x * s_w + bias) in fp32, so the result is linear_w8's on [N, K] bit for bit
  * at the rows linear_w8 runs its int16 kernels (1-3 without AMX), and the same integer arithmetic at every other row
- * count (where linear_w8 rebuilds bf16 weights instead). One kernel for every M: the micro-kernel keeps W8P_MR rows
- * x 64 features x (h, l) = 24 accumulators in registers; the driver is W8A8's (gemm_i8.c i8_drive).
+ * count (where linear_w8 rebuilds bf16 weights instead). One kernel for every M: the h and l bytes are rows of an int8
+ * matrix, so W8A8's micro-kernel (gemm_i8.c i8_micro, W8P_MR rows x 64 features x (h, l) = 24 accumulators) and
+ * driver (i8_drive) run them as they are.
  *
  * AVX-512 library only: AVX2 / NEON keep W8A16 on [N, K] (their int16 kernels widen the weight; no measurement says
  * this layout pays there), and with AMX linear_w8's tile paths keep [N, K] too (kernels/x86.py max_rows("w8p")). */
-#define W8P_MR 3
+#define W8P_MR 3 /* rows of x a micro-kernel: W8A8's GEMM_MR int8 rows, h and l of each */
+_Static_assert(2 * W8P_MR <= GEMM_MR, "i8_micro takes both bytes of W8P_MR rows");
 
-/* scratch: h and l bytes [M, Kp] each, s_x [M], sum h and sum l [M] each */
+/* scratch: the h and l bytes as rows 2m and 2m + 1 of one int8 matrix [2M, Kp], s_x [M], sum h and sum l [M] each */
 static inline int64_t w8p_scratch_bytes(int64_t M, int64_t K) {
     return (2 * M * i8_kp(K) + M * 12 + 127) & ~(int64_t)63;
 }
 
-/* x [M, K] bf16 -> xh, xl [M, Kp] (zero past K), sx [M], hsum, lsum [M]: quantize_rows_i16 then split_rows_i16,
- * vectorised (the same fp32 operations: the max of |x|, max / 32512, its reciprocal, x times it rounded half to
- * even, clamped to +-32512) */
-static void w8p_quantize_rows(const bf16* x, int64_t ldx, int64_t M, int64_t K, int nthreads, int8_t* xh, int8_t* xl,
-                              float* sx, int32_t* hsum, int32_t* lsum) {
+/* x [M, K] bf16 -> xhl [2M, Kp] (row 2m: x_m's h bytes, 2m + 1: its l bytes; zero past K), sx [M], hsum, lsum [M]:
+ * quantize_rows_i16 then split_rows_i16, vectorised (the same fp32 operations: the max of |x|, max / 32512, its
+ * reciprocal, x times it rounded half to even, clamped to +-32512) */
+static void w8p_quantize_rows(const bf16* x, int64_t ldx, int64_t M, int64_t K, int nthreads, int8_t* xhl, float* sx,
+                              int32_t* hsum, int32_t* lsum) {
     const int64_t Kp = i8_kp(K);
     const int nt = M >= 8 && M * K >= (1 << 16) ? nthreads : 1;
 #pragma omp parallel for num_threads(nt) schedule(static)
@@ -52,59 +54,13 @@ static void w8p_quantize_rows(const bf16* x, int64_t ldx, int64_t M, int64_t K, 
             const __m512i h = _mm512_srai_epi32(_mm512_sub_epi32(q, l), 8); /* (exact: q - l is a multiple of 256) */
             hs = _mm512_add_epi32(hs, h);
             ls = _mm512_add_epi32(ls, l);
-            _mm_storeu_si128((__m128i*)(xh + m * Kp + k), _mm512_cvtepi32_epi8(h));
-            _mm_storeu_si128((__m128i*)(xl + m * Kp + k), _mm512_cvtepi32_epi8(l));
+            _mm_storeu_si128((__m128i*)(xhl + 2 * m * Kp + k), _mm512_cvtepi32_epi8(h));
+            _mm_storeu_si128((__m128i*)(xhl + (2 * m + 1) * Kp + k), _mm512_cvtepi32_epi8(l));
         }
         hsum[m] = _mm512_reduce_add_epi32(hs);
         lsum[m] = _mm512_reduce_add_epi32(ls);
     }
 }
-
-/* acc rows [MRC][h 64 | l 64] (+)= the h and l rows [MRC, 4 nw] . nw packed words */
-static inline __attribute__((always_inline)) void w8p_micro(const int8_t* xh, const int8_t* xl, int64_t Kp,
-                                                            const int MRC, const uint32_t* wp, int64_t nw,
-                                                            int32_t* acc, int first, const gemm_pf* pf) {
-    __m512i ch[W8P_MR][4], cl[W8P_MR][4];
-    for (int i = 0; i < MRC; i++)
-        for (int v = 0; v < 4; v++) {
-            ch[i][v] = first ? _mm512_setzero_si512() : _mm512_load_si512(acc + i * 128 + 16 * v);
-            cl[i][v] = first ? _mm512_setzero_si512() : _mm512_load_si512(acc + i * 128 + 64 + 16 * v);
-        }
-    const int64_t lpw = pf->base && nw > 0 ? (pf->count + nw - 1) / nw : 0; /* lines per word */
-    for (int64_t p = 0; p < nw; p++) {
-        for (int64_t j = p * lpw; j < (p + 1) * lpw; j++) gemm_prefetch_line(pf, j);
-        const uint32_t* q = wp + p * 64;
-        const __m512i w0 = _mm512_load_si512(q), w1 = _mm512_load_si512(q + 16);
-        const __m512i w2 = _mm512_load_si512(q + 32), w3 = _mm512_load_si512(q + 48);
-        for (int i = 0; i < MRC; i++) {
-            int32_t hw, lw;
-            memcpy(&hw, xh + i * Kp + 4 * p, 4);
-            memcpy(&lw, xl + i * Kp + 4 * p, 4);
-            const __m512i hb = _mm512_set1_epi32(hw), lb = _mm512_set1_epi32(lw);
-            ch[i][0] = dpbusd(ch[i][0], w0, hb);
-            ch[i][1] = dpbusd(ch[i][1], w1, hb);
-            ch[i][2] = dpbusd(ch[i][2], w2, hb);
-            ch[i][3] = dpbusd(ch[i][3], w3, hb);
-            cl[i][0] = dpbusd(cl[i][0], w0, lb);
-            cl[i][1] = dpbusd(cl[i][1], w1, lb);
-            cl[i][2] = dpbusd(cl[i][2], w2, lb);
-            cl[i][3] = dpbusd(cl[i][3], w3, lb);
-        }
-    }
-    for (int i = 0; i < MRC; i++)
-        for (int v = 0; v < 4; v++) {
-            _mm512_store_si512(acc + i * 128 + 16 * v, ch[i][v]);
-            _mm512_store_si512(acc + i * 128 + 64 + 16 * v, cl[i][v]);
-        }
-}
-
-#define W8P_MICRO(R) static void w8p_micro_##R(const int8_t* xh, const int8_t* xl, int64_t Kp, const uint32_t* wp, \
-    int64_t nw, int32_t* acc, int first, const gemm_pf* pf) { w8p_micro(xh, xl, Kp, R, wp, nw, acc, first, pf); }
-W8P_MICRO(1) W8P_MICRO(2) W8P_MICRO(3)
-#undef W8P_MICRO
-typedef void (*w8p_micro_fn)(const int8_t*, const int8_t*, int64_t, const uint32_t*, int64_t, int32_t*, int,
-                             const gemm_pf*);
-static const w8p_micro_fn w8p_micro_by_rows[W8P_MR + 1] = {0, w8p_micro_1, w8p_micro_2, w8p_micro_3};
 
 /* 16 exact int32 lanes H and L -> fp32 (256 H + L), formed exactly in fp64 and rounded once */
 static inline __m512 w8p_combine(__m512i H, __m512i L) {
@@ -117,7 +73,7 @@ static inline __m512 w8p_combine(__m512i H, __m512i L) {
 }
 
 typedef struct {
-    const int8_t *xh, *xl;
+    const int8_t* xhl;
     const float* sx;
     const int32_t *hsum, *lsum;
     const float* scale;
@@ -146,7 +102,8 @@ static void w8p_store(const w8p_job* j, const int32_t* acc, int64_t m, int mr, i
 static void w8p_rows(const void* ctx, int64_t m, int mr, int64_t k0, const uint32_t* wp, int64_t nw, int32_t* acc,
                      int first, const gemm_pf* pf, int store, int64_t n0, int nrows) {
     const w8p_job* j = (const w8p_job*)ctx;
-    w8p_micro_by_rows[mr](j->xh + m * j->Kp + k0, j->xl + m * j->Kp + k0, j->Kp, wp, nw, acc, first, pf);
+    /* W8A8's micro-kernel on 2 mr int8 rows: x_m's h and l sums land in acc's rows 2i and 2i + 1, [h 64 | l 64] */
+    i8_micro_by_rows[2 * mr](j->xhl + 2 * m * j->Kp + k0, j->Kp, wp, nw, acc, first, pf);
     if (store) w8p_store(j, acc, m, mr, n0, nrows);
 }
 
@@ -155,13 +112,12 @@ static int linear_w8p(const bf16* x, int64_t ldx, const uint32_t* wpk, const flo
                       int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads, void* scratch) {
     if (K > I8_MAX_K || K < 1) return -1;
     const int64_t Kp = i8_kp(K);
-    int8_t* xh = (int8_t*)scratch;
-    int8_t* xl = xh + M * Kp;
-    float* sx = (float*)(xl + M * Kp);
+    int8_t* xhl = (int8_t*)scratch;
+    float* sx = (float*)(xhl + 2 * M * Kp);
     int32_t* hsum = (int32_t*)(sx + M);
     int32_t* lsum = hsum + M;
-    w8p_quantize_rows(x, ldx, M, K, nthreads, xh, xl, sx, hsum, lsum);
-    const w8p_job job = {xh, xl, sx, hsum, lsum, scale, bias, y, Kp, ldy};
+    w8p_quantize_rows(x, ldx, M, K, nthreads, xhl, sx, hsum, lsum);
+    const w8p_job job = {xhl, sx, hsum, lsum, scale, bias, y, Kp, ldy};
     i8_drive(wpk, M, N, K, nthreads, W8P_MR, 128, w8p_rows, &job);
     return 0;
 }
