@@ -3,10 +3,13 @@
 
 near: each weight row asks for its own bytes 1 KiB ahead, into L1 (what the kernels were tuned with on Intel Xeons).
 far: each row asks for the same columns of the row whole blocks ahead (at least --far bytes), into L2 (csrc/bf16.h
-pf_weights; the default on AMD CPUs). The kernel section times a decode step's linears of the 386M model (24 layers
-of qkv, o_proj, gate_up, down, each layer its own weights, so every step streams them from memory) in bf16, W8A16
-and W4A16 at one row; the engine section times whole batch-1 generates (fused decode step) with each setting in
-turn. Prints which kernel variant ran, the CPU and a bandwidth probe, so rows from different CPUs are not mixed up.
+pf_weights; the default on AMD CPUs). The 12-bit codec's stream asks 4 tiles ahead either way, into L1 (near) or L2
+(far). "far, bf16 near": far for the int8 / int4 GEMVs, near for bf16 weights (plain and 12-bit): auto on AMD Zen 5
+(kernels/cpu.py prefetch_bf16_bytes). The kernel section times a decode step's linears of the 386M model (24 layers
+of qkv, o_proj, gate_up, down, each layer its own weights, so every step streams them from memory) in bf16, 12-bit
+bf16 (where the library has it), W8A16 and W4A16 at one row; the engine section times whole batch-1 generates (fused
+decode step) with each setting in turn. Prints which kernel variant ran, the CPU and a bandwidth probe, so rows from
+different CPUs are not mixed up.
 
     python benchmarks/bench_prefetch.py
     python benchmarks/bench_prefetch.py --far 4096,16384 --quantization none,w8a16,w4a16 --rounds 3
@@ -40,9 +43,10 @@ def kernel_steps(torch, kernels, settings: dict, layers: int, steps: int) -> Non
 
     gen = torch.Generator().manual_seed(0)
     x = {k: torch.randn(1, k, generator=gen).to(torch.bfloat16) for _, k in SHAPES}
-    print(f"| weights | MB a step | {' | '.join(f'{s} ms (GB/s)' for s in settings)} | far / near |")
+    print(f"| weights | MB a step | {' | '.join(f'{s} ms (GB/s)' for s in settings)} | far / near (speed) |")
     print(f"|---|---:|{'---:|' * len(settings)}---:|")
-    for kind in ("bf16", "w8a16", "w4a16"):
+    kinds = ["bf16"] + (["12-bit"] if kernels.bf16c_supported(896, 896) else []) + ["w8a16", "w4a16"]
+    for kind in kinds:
         calls, nbytes = [], 0
         for _ in range(layers):
             for n, k in SHAPES:
@@ -50,6 +54,11 @@ def kernel_steps(torch, kernels, settings: dict, layers: int, steps: int) -> Non
                 if kind == "bf16":
                     calls.append((lambda xx, w=w: kernels.linear_bf16(xx, w), k))
                     nbytes += w.numel() * 2
+                elif kind == "12-bit":
+                    p = kernels.pack_bf16c(w)  # (the lambda keeps the tensors the struct points into alive)
+                    d = kernels.bf16c_struct(p)
+                    calls.append((lambda xx, p=p, d=d, n=n: kernels.linear_bf16c(xx, d, n), k))
+                    nbytes += sum(t.numel() * t.element_size() for t in p.values())
                 elif kind == "w8a16":
                     s = w.float().abs().amax(1) / 127
                     q = torch.round(w.float() / s[:, None]).to(torch.int8)
@@ -62,7 +71,7 @@ def kernel_steps(torch, kernels, settings: dict, layers: int, steps: int) -> Non
                     nbytes += packed.numel() + scale.numel() * 8
 
         def step(setting, calls=calls):
-            kernels.set_prefetch(setting)
+            kernels.set_prefetch(setting[0], bf16_far_bytes=setting[1])
             for fn, k in calls:
                 fn(x[k])
 
@@ -70,7 +79,7 @@ def kernel_steps(torch, kernels, settings: dict, layers: int, steps: int) -> Non
         meds = {name: statistics.median(t) for name, t in times.items()}
         names = list(settings)
         cells = " | ".join(f"{meds[n]:.1f} ({nbytes / meds[n] / 1e6:.1f})" for n in names)
-        print(f"| {kind} | {nbytes / 1e6:.0f} | {cells} | {meds[names[0]] / meds[names[-1]]:.2f}x |", flush=True)
+        print(f"| {kind} | {nbytes / 1e6:.0f} | {cells} | {meds[names[0]] / meds[names[1]]:.2f}x |", flush=True)
         del calls
 
 
@@ -101,7 +110,7 @@ def main() -> int:
         print(f"the CPU kernels do not run here: {kernels.unavailable_reason()}")
         return 1
     torch.set_num_threads(args.threads)
-    settings = {"near": 0, **{f"far {v}": v for v in fars}}
+    settings = {"near": (0, 0), **{f"far {v}": (v, v) for v in fars}, f"far {fars[0]}, bf16 near": (fars[0], 0)}
     print(
         f"$ python benchmarks/bench_prefetch.py --far {args.far} --quantization {args.quantization} "
         f"--rounds {args.rounds} --output-len {args.output_len} --threads {args.threads}"
@@ -133,7 +142,7 @@ def main() -> int:
         for r in range(args.rounds):
             order = list(settings) if r % 2 == 0 else list(settings)[::-1]
             for name in order:
-                kernels.set_prefetch(settings[name])
+                kernels.set_prefetch(settings[name][0], bf16_far_bytes=settings[name][1])
                 res[name].append(timed_generate(llm, args.batch, args.input_len, args.output_len, vocab, r))
         for name, rows in res.items():
             ratio = ", ".join(f"{a['dec'] / b['dec']:.2f}" for a, b in zip(rows, res["near"]))
@@ -143,7 +152,7 @@ def main() -> int:
                 flush=True,
             )
         del llm
-    kernels.set_prefetch(kernels.prefetch_bytes())
+    kernels.set_prefetch(kernels.prefetch_bytes(), bf16_far_bytes=kernels.prefetch_bf16_bytes())
     return 0
 
 

@@ -1,5 +1,6 @@
 """The GEMVs' weight prefetch (csrc/bf16.h pf_weights): near and far give the same bits, on every x86 variant, and
-the setting is chosen and refused as documented (kernels/cpu.py prefetch_bytes)."""
+the settings (int8 / int4 weights', bf16 weights') are chosen and refused as documented (kernels/cpu.py prefetch_bytes,
+prefetch_bf16_bytes)."""
 
 from __future__ import annotations
 
@@ -23,16 +24,19 @@ def lib(request):
     got = kernels.load_variant(request.param) if request.param == "avx2" else kernels.library()
     if isinstance(got, str):
         pytest.skip(got)
-    old = kernels.set_prefetch(0, lib=got)
+    old, old_bf16 = kernels.get_prefetch(lib=got)
+    kernels.set_prefetch(0, lib=got)
     yield got
-    kernels.set_prefetch(old, lib=got)
+    kernels.set_prefetch(old, bf16_far_bytes=old_bf16, lib=got)
 
 
 def _both(lib, fn):
-    """fn() under near, then under far at two distances (shorter and longer than a block of rows)."""
+    """fn() under near, then under far at two distances (shorter and longer than a block of rows), then with bf16
+    weights' setting apart from the int8 / int4 GEMVs' (each way round)."""
     out = []
-    for far in (0, kernels.PREFETCH_FAR_BYTES, 1 << 16):
-        kernels.set_prefetch(far, lib=lib)
+    for far, far_bf16 in ((0, 0), (kernels.PREFETCH_FAR_BYTES, None), (1 << 16, None), (4096, 0), (0, 8192)):
+        kernels.set_prefetch(far, bf16_far_bytes=far_bf16, lib=lib)
+        assert kernels.get_prefetch(lib=lib) == (far, far if far_bf16 is None else far_bf16)
         out.append(fn())
     return out
 
@@ -90,25 +94,61 @@ def test_set_prefetch_returns_the_old_setting(lib):
     assert kernels.set_prefetch(0, lib=lib) == 0
 
 
+FAR = kernels.PREFETCH_FAR_BYTES
+
+
 @pytest.mark.parametrize(
-    "env,vendor,want",
+    "env,vendor,family,want,want_bf16",
     [
-        (None, "AuthenticAMD", kernels.PREFETCH_FAR_BYTES),
-        (None, "GenuineIntel", 0),
-        ("auto", "", 0),
-        ("near", "AuthenticAMD", 0),
-        ("far", "GenuineIntel", kernels.PREFETCH_FAR_BYTES),
-        ("8192", "GenuineIntel", 8192),
-        (" FAR ", "", kernels.PREFETCH_FAR_BYTES),
+        (None, "AuthenticAMD", 25, FAR, FAR),  # Zen 4: far for every weight
+        (None, "AuthenticAMD", 26, FAR, 0),  # Zen 5: bf16 weights near
+        ("auto", "AuthenticAMD", 27, FAR, 0),
+        (None, "AuthenticAMD", -1, FAR, FAR),  # (no family in /proc/cpuinfo)
+        (None, "GenuineIntel", 26, 0, 0),
+        ("auto", "", 6, 0, 0),
+        ("near", "AuthenticAMD", 25, 0, 0),
+        ("far", "AuthenticAMD", 26, FAR, FAR),  # an explicit setting is both weights'
+        ("far", "GenuineIntel", 6, FAR, FAR),
+        ("8192", "AuthenticAMD", 26, 8192, 8192),
+        (" FAR ", "", 6, FAR, FAR),
     ],
 )
-def test_prefetch_choice(monkeypatch, env, vendor, want):
+def test_prefetch_choice(monkeypatch, env, vendor, family, want, want_bf16):
     if env is None:
         monkeypatch.delenv("INFERTUNE_PREFETCH", raising=False)
     else:
         monkeypatch.setenv("INFERTUNE_PREFETCH", env)
     monkeypatch.setattr(kernels, "_cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(kernels, "_cpu_family", lambda: family)
     assert kernels.prefetch_bytes() == want
+    assert kernels.prefetch_bf16_bytes() == want_bf16
+
+
+def test_the_loaded_library_has_the_chosen_settings():
+    if not kernels.available():
+        pytest.skip(kernels.describe())
+    assert kernels.get_prefetch() == (kernels.prefetch_bytes(), kernels.prefetch_bf16_bytes())
+    far, far_bf16 = kernels.get_prefetch()
+    assert ("far prefetch" in kernels.describe()) == bool(far or far_bf16)
+    assert ("bf16 near" in kernels.describe()) == bool(far and not far_bf16)
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 64, 64), (1, 1040, 896), (4, 192, 4864), (16, 64, 1024)])
+def test_12bit_far_is_near_bit_for_bit(lib, m, n, k):
+    if lib is not kernels.library() or not kernels.bf16c_supported(n, k):
+        pytest.skip("12-bit weights: the process's AVX-512 library only")
+    g = torch.Generator().manual_seed(m * k + n)
+    w = (torch.randn(n, k, generator=g) * 0.02).bfloat16()
+    p = kernels.pack_bf16c(w)
+    d = kernels.bf16c_struct(p)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    near, *fars = _both(lib, lambda: kernels.linear_bf16c(x, d, n))
+    ref = x.double() @ w.double().T  # and near is the product, to fp32 sums rounded once to bf16
+    assert (
+        (near.double() - ref).abs() <= 2.0**-8 * ref.abs() + k * 2.0**-23 * (x.double().abs() @ w.double().abs().T)
+    ).all()
+    for y in fars:
+        assert torch.equal(y.view(torch.int16), near.view(torch.int16))
 
 
 def test_a_bad_prefetch_setting_turns_the_kernels_off_with_the_reason(monkeypatch):

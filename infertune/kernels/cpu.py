@@ -234,51 +234,90 @@ def _load_variant(v: Variant) -> ctypes.CDLL | str:
     declare(lib)
     if hasattr(lib, "it_set_prefetch"):
         lib.it_set_prefetch(prefetch)
+        lib.it_set_prefetch_bf16(prefetch_bf16_bytes())
     return lib
 
 
 # How far ahead the GEMVs ask for their weights (csrc/bf16.h pf_weights): 0 is "near" (a fixed distance along each
 # weight row, into L1: what the kernels were tuned with on Intel Xeons), > 0 is "far" (the same columns of the rows
 # whole blocks ahead, at least this many bytes, into L2). On AMD Zen 4 far streams a batch-1 decode step's weights
-# ~1.7x faster (benchmarks/bench_prefetch.py); on Intel it is not measured, so Intel keeps near.
+# ~1.7x faster (benchmarks/bench_prefetch.py); on Intel it is not measured, so Intel keeps near. bf16 weights (the
+# bf16 GEMVs and the 12-bit codec's stream) have their own setting: on AMD Zen 5 (cpu family 26) near reads them
+# faster (the 12-bit linears 1.1-1.4x at one row, a 12-bit batch-1 decode 1.03-1.07x) while W8A16's GEMV still
+# wants far (1.26x), so there auto is far for int8 / int4 weights and near for bf16 ones.
 PREFETCH_FAR_BYTES = 4096
 PREFETCH_CHOICES = ("auto", "near", "far")
+# AMD CPU families from which bf16 weights prefetch near under auto (Zen 5 is family 26 = 0x1A)
+PREFETCH_BF16_NEAR_FROM_AMD_FAMILY = 26
 
 
-@functools.lru_cache(maxsize=1)
-def _cpu_vendor() -> str:
+def _cpuinfo_field(name: str) -> str:
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("vendor_id"):
+                if line.split(":", 1)[0].strip() == name:
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
     return ""
 
 
-def prefetch_bytes() -> int:
-    """The GEMVs' prefetch for this process: INFERTUNE_PREFETCH=near|far|BYTES, else (auto) far on AMD CPUs, near
-    elsewhere. Returns the bytes that it_set_prefetch takes (0: near)."""
+@functools.lru_cache(maxsize=1)
+def _cpu_vendor() -> str:
+    return _cpuinfo_field("vendor_id")
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_family() -> int:
+    v = _cpuinfo_field("cpu family")
+    return int(v) if v.isdigit() else -1
+
+
+def _prefetch_env() -> str:
     v = os.environ.get("INFERTUNE_PREFETCH", "auto").strip().lower() or "auto"
-    if v.isdigit():
-        return int(v)
-    if v not in PREFETCH_CHOICES:
+    if not v.isdigit() and v not in PREFETCH_CHOICES:
         raise ValueError(
             f"INFERTUNE_PREFETCH={v!r}: use auto, near, far or a distance in bytes (far is {PREFETCH_FAR_BYTES})"
         )
+    return v
+
+
+def prefetch_bytes() -> int:
+    """The int8 / int4 GEMVs' prefetch for this process: INFERTUNE_PREFETCH=near|far|BYTES, else (auto) far on AMD
+    CPUs, near elsewhere. Returns the bytes that it_set_prefetch takes (0: near)."""
+    v = _prefetch_env()
+    if v.isdigit():
+        return int(v)
     if v == "auto":
         v = "far" if _cpu_vendor() == "AuthenticAMD" else "near"
     return PREFETCH_FAR_BYTES if v == "far" else 0
 
 
-def set_prefetch(far_bytes: int, *, lib: ctypes.CDLL | None = None) -> int:
-    """Set a loaded library's GEMV prefetch (0: near; > 0: far, at least that many bytes ahead); returns the old
-    setting. For A/B benchmarks: call it between steps, never while a kernel runs."""
+def prefetch_bf16_bytes() -> int:
+    """bf16 weights' prefetch (the bf16 GEMVs, the 12-bit codec): INFERTUNE_PREFETCH=near|far|BYTES sets it as it
+    sets prefetch_bytes(); auto is near on AMD Zen 5 and later (cpu family >= 26), else prefetch_bytes()."""
+    if _prefetch_env() == "auto" and _cpu_vendor() == "AuthenticAMD":
+        if _cpu_family() >= PREFETCH_BF16_NEAR_FROM_AMD_FAMILY:
+            return 0
+    return prefetch_bytes()
+
+
+def set_prefetch(far_bytes: int, *, bf16_far_bytes: int | None = None, lib: ctypes.CDLL | None = None) -> int:
+    """Set a loaded library's GEMV prefetch (0: near; > 0: far, at least that many bytes ahead) for int8 / int4 weights
+    and, unless bf16_far_bytes says otherwise, for bf16 weights too; returns the old int8 / int4 setting
+    (get_prefetch: both). For A/B benchmarks: call it between steps, never while a kernel runs."""
     lib = _pick(lib)
     old = int(lib.it_get_prefetch())
     lib.it_set_prefetch(int(far_bytes))
+    if bf16_far_bytes is not None:
+        lib.it_set_prefetch_bf16(int(bf16_far_bytes))
     return old
+
+
+def get_prefetch(*, lib: ctypes.CDLL | None = None) -> tuple[int, int]:
+    """A loaded library's prefetch settings: (int8 / int4 weights', bf16 weights')."""
+    lib = _pick(lib)
+    return int(lib.it_get_prefetch()), int(lib.it_get_prefetch_bf16())
 
 
 def prefetch_name(far_bytes: int) -> str:
@@ -367,13 +406,11 @@ def describe() -> str:
     _load()
     if _lib is None:
         return f"none ({_reason})"
-    far = int(_lib.it_get_prefetch()) if hasattr(_lib, "it_get_prefetch") else 0
-    return (
-        f"{_variant}"
-        + (" + amx" if _amx else "")
-        + (" + vdpbf16ps gemm" if _noamx_gemm else "")
-        + (" + far prefetch" if far else "")
-    )
+    far, far_bf16 = get_prefetch(lib=_lib) if hasattr(_lib, "it_get_prefetch") else (0, 0)
+    pf = ""
+    if far or far_bf16:
+        pf = " + far prefetch" + ("" if far_bf16 else " (bf16 near)") if far else " + far prefetch (bf16 only)"
+    return f"{_variant}" + (" + amx" if _amx else "") + (" + vdpbf16ps gemm" if _noamx_gemm else "") + pf
 
 
 def declare(lib: ctypes.CDLL) -> None:
@@ -390,6 +427,8 @@ def declare(lib: ctypes.CDLL) -> None:
         "it_q_dq_rows": ([i64, i64], i64),
         "it_set_prefetch": ([i64], None),
         "it_get_prefetch": ([], i64),
+        "it_set_prefetch_bf16": ([i64], None),
+        "it_get_prefetch_bf16": ([], i64),
         "it_linear_bf16_gemm_fma": ([ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, cint], cint),
         "it_gemm_rows_fma": ([i64], i64),
         "it_linear_bf16_gemvx": ([ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, cint], cint),

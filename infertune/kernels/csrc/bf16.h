@@ -36,20 +36,34 @@ static inline int pick_threads(int64_t n_blocks, int64_t bytes, int nthreads) {
  * near (pf_far_bytes 0, the default): each weight row asks for its own bytes a fixed distance ahead, into L1; tuned
  * on Intel Xeons. far: each row asks for the same columns of the row a whole number of blocks ahead (at least
  * pf_far_bytes), into L2. On AMD Zen 4 (2 cores) near leaves a bf16 GEMV at ~19 GB/s against a 26-30 GB/s sum; far
- * reads at ~33 (benchmarks/bench_prefetch.py). Set once at load by kernels/cpu.py (it_set_prefetch), before any
- * kernel runs; the kernels only read it.
+ * reads at ~33 (benchmarks/bench_prefetch.py). bf16 weights (the bf16 GEMVs, the 12-bit codec's stream) have a
+ * setting of their own, pf_bf16_far_bytes: on AMD Zen 5 their near prefetch is the faster one (a 12-bit decode step
+ * 1.03-1.07x, the 12-bit linears 1.1-1.4x at one row) while the int8 / int4 GEMVs still want far. Both set once at
+ * load by kernels/cpu.py (it_set_prefetch, then it_set_prefetch_bf16), before any kernel runs; the kernels only
+ * read them.
  */
-static int64_t pf_far_bytes;
+static int64_t pf_far_bytes, pf_bf16_far_bytes;
 
-void it_set_prefetch(int64_t far_bytes) { pf_far_bytes = far_bytes > 0 ? far_bytes : 0; }
+/* both settings (the quantized GEMVs' and bf16 weights') */
+void it_set_prefetch(int64_t far_bytes) { pf_far_bytes = pf_bf16_far_bytes = far_bytes > 0 ? far_bytes : 0; }
+
+/* bf16 weights' alone */
+void it_set_prefetch_bf16(int64_t far_bytes) { pf_bf16_far_bytes = far_bytes > 0 ? far_bytes : 0; }
 
 int64_t it_get_prefetch(void) { return pf_far_bytes; }
 
-/* how far ahead a block of block_bytes (weight rows side by side in memory) asks for its weights: 0 when near */
-static inline int64_t pf_far_offset(int64_t block_bytes) {
-    if (pf_far_bytes <= 0 || block_bytes <= 0) return 0;
-    return (pf_far_bytes + block_bytes - 1) / block_bytes * block_bytes;
+int64_t it_get_prefetch_bf16(void) { return pf_bf16_far_bytes; }
+
+static inline int64_t pf_far_blocks(int64_t far_bytes, int64_t block_bytes) {
+    if (far_bytes <= 0 || block_bytes <= 0) return 0;
+    return (far_bytes + block_bytes - 1) / block_bytes * block_bytes;
 }
+
+/* how far ahead a block of block_bytes (weight rows side by side in memory) asks for its weights: 0 when near;
+ * pf_far_offset for int8 / int4 weights, pf_far_offset_bf16 for bf16 ones */
+static inline int64_t pf_far_offset(int64_t block_bytes) { return pf_far_blocks(pf_far_bytes, block_bytes); }
+
+static inline int64_t pf_far_offset_bf16(int64_t block_bytes) { return pf_far_blocks(pf_bf16_far_bytes, block_bytes); }
 
 /* ask for the weight bytes far_off ahead of p into L2 (far), or near_off ahead into L1 (near) */
 static inline void pf_weights(const void* p, int64_t far_off, int64_t near_off) {

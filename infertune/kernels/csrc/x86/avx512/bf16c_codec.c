@@ -23,12 +23,13 @@
  * low byte i's code in its low nibble, low byte i + 32's in its high nibble); one VPSHUFB looks up the 64 high
  * bytes, and the two unpacks write the two rows. */
 /* Rows r and r + 1 of a tile from their 144 bytes at p (r even): prefetches the stream ahead every 4 rows (3 lines;
- * into L2 where the GEMVs prefetch far, else L1), looks the high bytes up in table and interleaves them with the
+ * into L2 where bf16 weights prefetch far, else L1: pf_bf16_far_bytes), looks the high bytes up in table and interleaves them with the
  * low bytes into *row0 and *row1 */
 static inline void bf16c_row_pair(const uint8_t* p, int r, __m512i table, __m512i* row0, __m512i* row1) {
     if ((r & 3) == 0)
         for (int l = 0; l < 192; l += 64)
-            pf_weights(p + l, pf_far_bytes ? BF16C_PF_TILES * BF16C_TILE_BYTES : 0, BF16C_PF_TILES * BF16C_TILE_BYTES);
+            pf_weights(p + l, pf_bf16_far_bytes ? BF16C_PF_TILES * BF16C_TILE_BYTES : 0,
+                       BF16C_PF_TILES * BF16C_TILE_BYTES);
     const __m256i nib = _mm256_loadu_si256((const __m256i*)(p + 64));
     const __m512i code = _mm512_and_si512(
         _mm512_inserti64x4(_mm512_castsi256_si512(nib), _mm256_srli_epi16(nib, 4), 1), _mm512_set1_epi8(0x0f));

@@ -10,7 +10,7 @@ static inline __attribute__((always_inline)) void bf16_block(
     __m512 acc[MR][NR];
     for (int i = 0; i < MR; i++)
         for (int j = 0; j < NR; j++) acc[i][j] = _mm512_setzero_ps();
-    const int64_t kfull = K & ~(int64_t)31, far = pf_far_offset(NR * K * 2);
+    const int64_t kfull = K & ~(int64_t)31, far = pf_far_offset_bf16(NR * K * 2);
     for (int64_t k = 0; k < kfull; k += 32) {
         __m512bh wv[NR];
         for (int j = 0; j < NR; j++) {
