@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """The sampler's cost per decode step: infertune's Sampler against the sort + exponential-race sampler it
-replaced (kept here as the baseline), on B rows of a V-token vocabulary.
+replaced (kept here as the baseline), on B rows of a V-token vocabulary; and greedy rows through the torch formula
+against the CPU kernels' greedy_tokens (one pass a row, no copy).
 
 Two kinds of logits: "peaked" (a trained model's: a few tokens hold most of the mass; here N(0, 1) * 4 plus a
 Zipf-like ramp), where top-p finds its prefix among the 256 candidates, and "flat" (the random benchmark
@@ -80,6 +81,29 @@ def main() -> int:
             )
             a, n = statistics.median(times["race"]), statistics.median(times["infertune"])
             print(f"| {kind} | {name} | {a:.2f} | {n:.2f} | {a / n:.1f}x |")
+    # Greedy: the torch formula (nan_to_num + argmax) against the backend kernels' greedy_tokens (csrc/sample.h)
+    from infertune.kernels import x86
+
+    ks = x86.kernels()
+    if ks is None:
+        print("\n(greedy: no CPU kernels here)")
+        return 0
+    print("\n| logits | greedy rows | torch (nan_to_num + argmax) ms | kernels ms | speed-up |")
+    print("|---|---:|---:|---:|---:|")
+    with_kernels = Sampler(seed=0, kernels=ks)
+    for kind, logits in kinds.items():
+        for rows_n in sorted({1, b}):
+            part = logits[:rows_n]
+            rows = [SampleRequest(SamplingParams(temperature=0.0), [0], []) for _ in range(rows_n)]
+            times = alternating_ms(
+                {
+                    "torch": lambda part=part, rows=rows: sampler(part, rows),
+                    "kernels": lambda part=part, rows=rows: with_kernels(part, rows),
+                },
+                args.iters,
+            )
+            a, n = statistics.median(times["torch"]), statistics.median(times["kernels"])
+            print(f"| {kind} | {rows_n} | {a:.3f} | {n:.3f} | {a / n:.1f}x |")
     return 0
 
 

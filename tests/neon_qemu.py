@@ -224,6 +224,9 @@ class QemuNeonLib:
         g = n * (k // gs) * 4
         self._run("it_dequant_w4", [gs, n, k], [(packed, n * k // 2), (scale, g), (zero, g), (out, n * k * 2)])
 
+    def it_argmax_rows(self, x, rows, n, ld, out, nthreads):
+        self._run("it_argmax_rows", [rows, n, ld], [(x, ((rows - 1) * ld + n) * 4), (out, rows * 8)])
+
     def it_rmsnorm_mt(self, x, w, out, t, h, eps, nthreads):
         self._run("it_rmsnorm_mt", [t, h, repr(float(eps))], [(x, t * h * 2), (w, h * 2), (out, t * h * 2)])
 

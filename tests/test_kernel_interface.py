@@ -284,6 +284,10 @@ class TorchKernels:
         self.calls["rms_norm"] += 1
         return _rms(x, weight, eps)
 
+    def greedy_tokens(self, logits):
+        self.calls["greedy_tokens"] += 1
+        return logits.nan_to_num(nan=float("-inf")).argmax(dim=-1)
+
     def silu_and_mul(self, gate_up):
         self.calls["silu_and_mul"] += 1
         gate, up = gate_up.chunk(2, dim=-1)
@@ -418,6 +422,7 @@ def test_the_engine_runs_on_a_second_implementation(tmp_path, monkeypatch, quant
     if quant is None:
         assert methods == ({CompressedMethod} if compress == "auto" else {DecodeKernelMethod})
         assert (ref.calls["compress"] > 0) == (compress == "auto")
+    assert ref.calls["greedy_tokens"] >= 8  # (greedy: every step's tokens through the kernels)
     if fused:
         assert ref.calls["fused_step"] >= 7  # (the decode steps; prompts of up to 64 tokens too)
     else:

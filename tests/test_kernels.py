@@ -968,6 +968,45 @@ def test_elementwise_kernels_round_as_the_pytorch_formulas(ks):
     assert ks.rms_norm(x.float(), norm.weight, 1e-6) is None  # fp32: the caller's PyTorch path
 
 
+def test_greedy_tokens_are_torchs_argmax_with_nan_as_minus_inf(ks):
+    """greedy_tokens against logits.nan_to_num(nan=-inf).argmax(-1) exactly: random rows; ties (the first index wins);
+    NaN anywhere, also where it would be the largest; +-inf, which nan_to_num takes to +-fmax (so -inf beats NaN and
+    +inf ties with fmax); rows of only -inf, only NaN, or both; a strided view (rows apart more than their length);
+    one row and many (the threaded split), lengths off any vector width."""
+    g = torch.Generator().manual_seed(21)
+
+    def check(logits):
+        want = logits.nan_to_num(nan=float("-inf")).argmax(dim=-1)
+        got = ks.greedy_tokens(logits)
+        assert got is not None and got.dtype is torch.int64 and torch.equal(got, want), (got, want)
+
+    for rows, n in ((1, 1), (1, 7), (3, 33), (16, 32000), (5, 1027)):
+        check(torch.randn(rows, n, generator=g))
+    x = torch.randint(-3, 4, (8, 97), generator=g).float()  # many ties at the max
+    check(x)
+    x = torch.randn(6, 500, generator=g)
+    x[0, 3] = float("nan")
+    x[1, :] = float("-inf")
+    x[2, :] = float("nan")
+    x[3, ::2] = float("nan")
+    x[3, 1::2] = float("-inf")
+    x[4, 17] = float("inf")
+    x[4, 400] = float("inf")
+    x[5, 250] = x[5].max() + 1
+    x[5, 499] = x[5, 250]
+    check(x)
+    fmax = torch.finfo(torch.float32).max  # nan_to_num also takes +-inf to +-fmax: ties with them
+    y = torch.full((3, 40), float("nan"))
+    y[0, 30], y[0, 9] = fmax, float("inf")
+    y[1, 20], y[1, 7] = -fmax, float("-inf")
+    y[2, 33], y[2, 12] = float("inf"), fmax
+    check(y)
+    big = torch.randn(4, 300, generator=g)
+    check(big[:, :257])  # rows 300 apart
+    assert ks.greedy_tokens(torch.randn(2, 8, dtype=torch.float64)) is None  # not fp32: the torch formula
+    assert ks.greedy_tokens(torch.randn(8, 2).t()) is None  # columns apart
+
+
 @needs_kernels
 @needs_fused
 def test_profile_sees_the_kernels(tmp_path):

@@ -370,6 +370,12 @@ class DecodeKernels(Protocol):
         self, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int
     ) -> torch.Tensor: ...
 
+    def greedy_tokens(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """Greedy sampling: logits [rows, V] fp32 -> int64 [rows], logits.nan_to_num(nan=-inf).argmax(-1) exactly
+        (+-inf as nan_to_num maps them to +-fmax; the first index among equal values); None where the layout does not
+        fit (the sampler then runs that formula)."""
+        ...
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
         """bf16(w * bf16(x / rms(x))) with fp32 statistics; None where x's layout does not fit."""
         ...

@@ -184,6 +184,9 @@ class X86Kernels:
     def rms_norm(self, x, weight, eps):
         return cpu.rms_norm(x, weight, eps, lib=self.lib)
 
+    def greedy_tokens(self, logits):
+        return cpu.argmax_rows(logits, lib=self.lib)
+
     def silu_and_mul(self, gate_up):
         return cpu.silu_and_mul(gate_up, lib=self.lib)
 

@@ -147,7 +147,7 @@ class ModelRunner:
             self.kv_connector.register_kv_caches(self.kv_caches)
         # After the load, so that its transients go back to the OS as before; the steps then reuse their memory.
         backend.prepare_host_memory()
-        self.sampler = Sampler(config.model.seed, self.device)
+        self.sampler = Sampler(config.model.seed, self.device, self.decode_kernels)
         spec = config.scheduler.speculative_config  # a draft model proposes at the end of each step
         self.drafter = None
         if spec is not None and spec.method == "draft_model":

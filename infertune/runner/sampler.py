@@ -26,6 +26,7 @@ import torch
 from infertune.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from infertune.kernels.interface import DecodeKernels
     from infertune.runner.structured_output import StepMask
 
 
@@ -64,9 +65,20 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
+    def __init__(self, seed: int = 0, device: torch.device | str = "cpu", kernels: DecodeKernels | None = None) -> None:
         # Unseeded requests share the engine's generator, so a whole run is reproducible from LLM(seed=...).
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        # The backend's kernels, for greedy_tokens (one pass per row, no copies); None: torch's ops throughout.
+        self.kernels = kernels
+
+    def best(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each row's most likely token, NaNs counted as -inf (argmax alone takes NaN as the largest), so a token a
+        grammar masked out (-inf) is never chosen over a NaN."""
+        if self.kernels is not None:
+            got = self.kernels.greedy_tokens(logits)
+            if got is not None:
+                return got
+        return logits.nan_to_num(nan=float("-inf")).argmax(dim=-1)
 
     def __call__(self, logits: torch.Tensor, rows: list[SampleRequest], mask: StepMask | None = None) -> SamplerOutput:
         # logits [N, V] fp32
@@ -79,7 +91,7 @@ class Sampler:
             logits = apply_penalties(logits.clone(), rows)
         greedy = [p.greedy for p in params]
         if all(greedy):
-            tokens = logits.nan_to_num(nan=float("-inf")).argmax(dim=-1)  # argmax takes NaN as the largest
+            tokens = self.best(logits)
         else:
             tokens = self._sample(logits, params, rows, greedy)
         token_list = tokens.tolist()  # the step's one host sync
@@ -107,7 +119,7 @@ class Sampler:
         # A row whose scaled logits overflow (a huge logit over a tiny temperature, or a NaN from the model) has no
         # distribution to draw from: it takes its best token instead, NaNs counted as -inf so that a token a
         # grammar masked out (-inf) is never chosen. No host sync: a where over the batch.
-        best = logits.nan_to_num(nan=float("-inf")).argmax(dim=-1)
+        best = self.best(logits)
         sampled = torch.where(probs.isnan().any(dim=-1), best, sampled)
         if not any(greedy):
             return sampled

@@ -19,6 +19,7 @@
 #include "arm/neon/vec128.h"
 
 #include "abi.c"
+#include "sample.h"
 #include "arm/neon/gemv.c"
 #include "arm/neon/gemm.c"
 #include "arm/neon/gemm_i8.c"

@@ -18,6 +18,7 @@
 #include "x86/avx2/vec256.h"
 
 #include "abi.c"
+#include "sample.h"
 #include "x86/avx2/gemv.c"
 #include "x86/avx2/gemm.c"
 #include "x86/avx2/gemm_i8.c"

@@ -52,6 +52,7 @@
 #include "abi.h"
 
 #include "abi.c"
+#include "sample.h"
 #include "gemv_bf16.c"
 #include "amx.c"
 #include "bf16c_codec.c"

@@ -1,0 +1,63 @@
+/* Greedy sampling's argmax: portable C, shared by every ISA's library.
+ *
+ *   it_argmax_rows   logits [rows, n] fp32 (rows ld apart) -> per row the index of its largest value exactly as
+ *                    logits.nan_to_num(nan=-inf).argmax(-1) picks it: NaN counts as -inf, and nan_to_num also takes
+ *                    -inf to the lowest finite float and +inf to the largest (so -inf beats NaN, and +inf ties with
+ *                    FLT_MAX); the first index among equal values. Without the [rows, n] copy and two passes torch
+ *                    makes.
+ *
+ * One pass over a row in 16 lanes (GCC's vector extension: compares and blends on every ISA's registers), each
+ * lane's best and its first index; a second, scalar pass only where the best is +-inf or +-FLT_MAX, which
+ * nan_to_num maps onto each other. A thread a row where there are rows and work enough for two.
+ */
+#ifndef IT_SAMPLE_H
+#define IT_SAMPLE_H
+#include <float.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+/* nan_to_num's map of a value that is not NaN: -inf -> -FLT_MAX, +inf -> FLT_MAX */
+static inline float clamp_finite(float v) { return v > FLT_MAX ? FLT_MAX : v < -FLT_MAX ? -FLT_MAX : v; }
+
+/* 16 floats and their compare masks, as GCC's vector extension lays them on each ISA's registers */
+typedef float argmax_vf __attribute__((vector_size(64)));
+typedef int32_t argmax_vi __attribute__((vector_size(64)));
+
+static int64_t argmax_row(const float* x, int64_t n) {
+    /* one pass, 16 lanes at a time: each lane's largest value that is not NaN (a NaN never compares greater) and
+       where it first stands; then the lanes' best, the lowest index among lanes that hold it, the tail after them */
+    argmax_vf lane = {-INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY,
+                      -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY};
+    argmax_vi at = {0}, idx = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const argmax_vi step = {16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16};
+    int64_t i = 0;
+    for (; i + 16 <= n && i + 16 <= INT32_MAX; i += 16, idx += step) {
+        argmax_vf v;
+        memcpy(&v, x + i, sizeof v);
+        const argmax_vi gt = v > lane;
+        lane = (argmax_vf)((gt & (argmax_vi)v) | (~gt & (argmax_vi)lane));
+        at = (gt & idx) | (~gt & at);
+    }
+    float m = -INFINITY;
+    int64_t best = -1;
+    for (int j = 0; j < 16; j++)
+        if (lane[j] > m || (lane[j] == m && m > -INFINITY && at[j] < best)) m = lane[j], best = at[j];
+    for (; i < n; i++)
+        if (x[i] > m) m = x[i], best = i;
+    if (m > -FLT_MAX && m < FLT_MAX) return best; /* (the first value equal to m: nan_to_num leaves it as it is) */
+    /* m is +-inf or +-FLT_MAX (or every value NaN): the first value that nan_to_num maps to what it maps m to (it maps
+       monotonically, NaN below every other value); none (every value NaN): 0 */
+    const float target = clamp_finite(m);
+    for (i = 0; i < n; i++)
+        if (x[i] == x[i] && clamp_finite(x[i]) == target) return i;
+    return 0;
+}
+
+void it_argmax_rows(const float* x, int64_t rows, int64_t n, int64_t ld, int64_t* out, int nthreads) {
+    const int nt = rows > 1 && rows * n >= (1 << 16) && nthreads > 1 ? (int)(rows < nthreads ? rows : nthreads) : 1;
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t r = 0; r < rows; r++) out[r] = argmax_row(x + r * ld, n);
+}
+#endif
