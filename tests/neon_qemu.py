@@ -110,14 +110,21 @@ class QemuNeonLib:
             raise ValueError("under qemu every call is a new process: it_gemm_rows_fma cannot be set here")
         return self._int64_op("it_gemm_rows_fma")
 
-    def _int64_op(self, op: str) -> int:
-        """An op of the harness that writes one int64 (a library's constant or default)."""
+    def _int64_op(self, op: str, *args: int) -> int:
+        """An op of the harness that writes one int64 (a library's constant or default, or a size of its args)."""
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "value"
-            r = subprocess.run([QEMU, str(self.harness), op, str(out)], capture_output=True, text=True, timeout=60)
+            cmd = [QEMU, str(self.harness), op, *map(str, args), str(out)]
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
             if r.returncode != 0:
                 raise RuntimeError(f"{op} under qemu failed: {r.stderr}")
             return int.from_bytes(out.read_bytes(), "little", signed=True)
+
+    def it_moe_experts_ws_bytes(self, t, k, e, h, i, nthreads):
+        return self._int64_op("it_moe_experts_ws_bytes", t, k, e, h, i, nthreads)
+
+    def it_moe_max_experts(self):
+        return self._int64_op("it_moe_max_experts")
 
     # The fused step: its structs and every buffer they point at go over in one blob (pointers as offsets into it,
     # _StepBlob), and the buffers the step writes (x, each layer's cache, the stats) come back.

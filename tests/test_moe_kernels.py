@@ -8,6 +8,7 @@ torch's operators, and on the pure-PyTorch implementation of the contract. Each 
 
 from __future__ import annotations
 
+import ctypes
 import zlib
 
 import pytest
@@ -696,6 +697,57 @@ def test_fused_step_runs_moe_and_qk_norm_layers_as_the_modules_do(tmp_path, arch
     handbacks = runner.fused.decoder.handbacks
     moe_layers = 0 if arch == "qwen3" else 3
     assert handbacks == 5 * moe_layers if ties else handbacks < 5 * max(moe_layers, 1), handbacks
+
+
+@pytest.mark.skipif(cpu.variant() not in ("avx512", "avx512-noamx", "avx2"), reason=f"x86 kernels: {cpu.describe()}")
+@pytest.mark.parametrize("quant", [None, "w8a16"])  # (w8a16: the int8 experts' one-row path and its scratch)
+def test_the_fused_steps_experts_run_in_its_workspace(tmp_path, quant):
+    """The routed experts take their scratch from the fused step's workspace (moe.h moe_experts_ws; the step allocates
+    nothing): the decoder sizes it with it_moe_experts_ws_bytes for its MoE layers' shapes, and a workspace without
+    that part is refused (-1: too small), never overrun."""
+    from infertune import LLM, SamplingParams
+
+    path = _attention_free_checkpoint(tmp_path, "qwen3_moe")
+    llm = LLM(str(path), dtype="bfloat16", max_model_len=96, block_size=16, quantization=quant)
+    decoder = llm.engine.executor.runner.fused.decoder
+    lib, cm = decoder.lib, decoder.cmodel
+    rows = max(decoder.max_rows, decoder.max_prefill_rows)
+    base = lib.it_decode_workspace_bytes(ctypes.byref(cm), rows, decoder.max_context)
+    experts = lib.it_moe_experts_ws_bytes(rows, cm.moe_top_k, cm.moe_experts, cm.hidden, 64, cm.nthreads)
+    assert experts > 0 and decoder.step.work_bytes == base + experts
+    # more tokens, more scratch; and at least the grouped rows themselves (x, gate_up, act, down of T k rows)
+    t, k, e, h, i = 16, cm.moe_top_k, cm.moe_experts, cm.hidden, 64  # (the checkpoint's moe_intermediate_size)
+    assert lib.it_moe_experts_ws_bytes(2 * t, k, e, h, i, 2) > lib.it_moe_experts_ws_bytes(t, k, e, h, i, 2)
+    assert lib.it_moe_experts_ws_bytes(t, k, e, h, i, 2) >= t * k * (2 * h + 3 * i) * 2
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    prompt = [{"prompt_token_ids": [5, 9, 14, 3]}]
+    want = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    # a decode step of one sequence (T = 1) lays its workspace out for T = 1 and its block table's context (the same
+    # prompt again: the same tables), the experts' part last
+    ctx = decoder.step.max_blocks * cm.block_size
+    base1 = lib.it_decode_workspace_bytes(ctypes.byref(cm), 1, ctx)
+    one = lib.it_moe_experts_ws_bytes(1, k, e, h, i, cm.nthreads)
+    decoder.step.work_bytes = base1 + one - 1
+    with pytest.raises(RuntimeError, match="workspace too small"):
+        llm.generate(prompt, params, use_tqdm=False)
+    decoder.step.work_bytes = base1 + one  # (exactly enough)
+    assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == want
+    decoder.step.work_bytes = base + experts
+
+
+def test_the_router_kernel_takes_up_to_its_most_experts(ks):
+    """The kernels' router keeps its scratch on the stack, for up to MOE_MAX_EXPERTS experts (the C side's
+    IT_MOE_MAX_EXPERTS, asked of the library); past it, route() decides (None), never an error."""
+    lib = getattr(ks, "lib", None)
+    if hasattr(lib, "it_moe_max_experts"):
+        assert lib.it_moe_max_experts() == cpu.MOE_MAX_EXPERTS
+    big = cpu.MOE_MAX_EXPERTS + 16
+    assert ks.moe_route(torch.randn(2, big), moe_arch(big, 4, norm_topk_prob=True)) is None
+    most = cpu.MOE_MAX_EXPERTS
+    logits = torch.randn(3, most, generator=torch.Generator().manual_seed(2))
+    got = ks.moe_route(logits, moe_arch(most, 8, norm_topk_prob=True))
+    want_w, want_ids = route(logits, moe_arch(most, 8, norm_topk_prob=True))
+    assert got is not None and torch.equal(got.ids, want_ids)
 
 
 @pytest.mark.parametrize("fused", [False, True])

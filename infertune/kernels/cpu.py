@@ -462,6 +462,8 @@ def declare(lib: ctypes.CDLL) -> None:
         "it_moe_route": ([ptr, cint, i64, i64, ctypes.POINTER(ItMoe), ptr, ptr, ptr, ptr, ptr, cint], cint),
         "it_moe_experts": ([ptr, i64, i64, lin, lin, i64, i64, ptr, ptr, ptr, ptr, cint], cint),
         "it_moe_experts_part": ([ptr, i64, i64, lin, lin, i64, i64, i64, i64, ptr, ptr, ptr, ptr, cint], cint),
+        "it_moe_experts_ws_bytes": ([i64, i64, i64, i64, i64, cint], i64),
+        "it_moe_max_experts": ([], i64),
     }
     for name, (args, res) in signatures.items():
         fn = getattr(lib, name, None)
@@ -1574,6 +1576,8 @@ def linear_bf16c(
     inter: int = 0,
     silu: bool = False,
     add_to: torch.Tensor | None = None,
+    *,
+    lib: ctypes.CDLL | None = None,
 ) -> torch.Tensor:
     """x [..., K] bf16 times a 12-bit packed weight [n, K] (+ bias) -> [..., n] bf16, on AMX: the very products of
     linear_bf16 on the unpacked weight (up to 16 rows one pass, more on the tile GEMM decoding 64 features at a
@@ -1598,7 +1602,7 @@ def linear_bf16c(
     else:
         y = torch.empty(m, width, dtype=torch.bfloat16)
     with profiled("linear_bf16c"):
-        rc = _lib.it_linear_bf16c(
+        rc = (lib or _lib).it_linear_bf16c(
             x2.data_ptr(),
             x2.stride(0),
             ctypes.byref(desc),
@@ -1634,6 +1638,10 @@ def deinterleave_gate_up(w: torch.Tensor) -> torch.Tensor:
 
 
 # ---- mixture-of-experts layers (csrc/moe.h) -------------------------------------------------------------------------
+# The most experts a MoE layer may have for the kernels' router (csrc/moe.h IT_MOE_MAX_EXPERTS): past it, route()
+MOE_MAX_EXPERTS = 1024
+
+
 def moe_route(
     logits: torch.Tensor, rule: ItMoe, bias: torch.Tensor | None = None, *, lib: ctypes.CDLL | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -1642,6 +1650,8 @@ def moe_route(
     top-k (or top group) boundary decides some token's experts (route() then decides, as torch.topk does)."""
     e, k = rule.num_experts, rule.top_k
     if logits.dtype not in (torch.float32, torch.bfloat16) or logits.dim() != 2 or logits.stride(1) != 1:
+        return None
+    if e > MOE_MAX_EXPERTS:  # (the kernel's routing scratch is on the stack)
         return None
     if logits.shape[1] != e or (bias is not None and bias.numel() != e):
         return None

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,14 +28,30 @@ if TYPE_CHECKING:
 
 class X86FusedDecoder:
     def __init__(
-        self, model: FusedModel, cmodel, layers, keep, max_rows: int, max_prefill_rows: int, lib, final_norm: int
+        self,
+        model: FusedModel,
+        cmodel,
+        layers,
+        keep,
+        max_rows: int,
+        max_prefill_rows: int,
+        lib,
+        final_norm: int,
+        moe_shapes: Iterable[tuple[int, int, int]] = (),
     ) -> None:
+        """moe_shapes: (top_k, experts, expert width) of each MoE layer, for the experts' part of the workspace."""
         self.cmodel, self.layers, self._keep = cmodel, layers, keep
         self.max_rows, self.max_prefill_rows = max_rows, max_prefill_rows
         self.lib = lib
         self.hidden = model.hidden
         rows = max(max_rows, max_prefill_rows)
+        self.max_context = model.max_context
         nbytes = self.lib.it_decode_workspace_bytes(ctypes.byref(cmodel), rows, model.max_context)
+        # the routed experts' scratch, past that (csrc/moe.h it_moe_experts_ws_bytes): the most any MoE layer needs
+        nbytes += max(
+            (self.lib.it_moe_experts_ws_bytes(rows, k, e, self.hidden, i, cmodel.nthreads) for k, e, i in moe_shapes),
+            default=0,
+        )
         self.workspace = torch.empty(nbytes + 64, dtype=torch.uint8)  # the step's only scratch, reused
         # This decoder's own counters (one per engine: the library keeps none), written by each step it runs
         self.stats = cpu.ItStepStats()
@@ -133,6 +150,7 @@ class X86FusedDecoder:
 
         layers = (cpu.ItLayer * len(model.layers))()
         gate_ups = []  # every gated MLP's gate_up: the dense layers' and the shared experts'
+        moe_shapes: set[tuple[int, int, int]] = set()  # (top_k, experts, expert width) of the MoE layers
         for c, layer in zip(layers, model.layers):
             c.input_norm, c.post_norm, c.q_norm, c.k_norm, c.pre_ff_norm, c.post_ff_norm = map(
                 norm, _layer_norms(layer)
@@ -157,6 +175,7 @@ class X86FusedDecoder:
                 if isinstance(cmoe, str):
                     return cmoe
                 c.moe = ctypes.addressof(cmoe)
+                moe_shapes.add((layer.moe.moe.top_k, layer.moe.moe.num_experts, cmoe.down.K))
                 cmodel.moe_experts = max(cmodel.moe_experts, layer.moe.moe.num_experts)
                 cmodel.moe_top_k = max(cmodel.moe_top_k, layer.moe.moe.top_k)
                 if cmoe.shared_down.N:
@@ -186,7 +205,9 @@ class X86FusedDecoder:
                 if kinds <= {"bf16", "w8a8"} and not model.kv_int8 and not decode_only
                 else 0
             )
-            return cls(model, cmodel, layers, keep, cpu.MAX_ROWS, prefill_rows, avx2_lib, norm(model.final_norm))
+            return cls(
+                model, cmodel, layers, keep, cpu.MAX_ROWS, prefill_rows, avx2_lib, norm(model.final_norm), moe_shapes
+            )
         # Short prompts too, where every projection is bf16 (plain or 12-bit: the prefill's tile GEMM, AMX only) and
         # the cache is bf16 (an int8 cache would make a prompt attend to its own K/V quantized, which the PyTorch
         # path does not). With every projection 12-bit the tile GEMM (decoding as it multiplies, SiLU in the
@@ -219,7 +240,9 @@ class X86FusedDecoder:
                 # 2000-token prompt 2.90 -> 2.52 s, against the per-module path, whose attention is torch's SDPA)
                 prefill_rows = max(prefill_rows, model.step_rows)
         cmodel.gate_up_fused = int(all(g.kind == cpu.WeightKind.BF16C and g.inter > 0 for g in gate_ups))
-        return cls(model, cmodel, layers, keep, cpu.MAX_ROWS, prefill_rows, cpu.library(), norm(model.final_norm))
+        return cls(
+            model, cmodel, layers, keep, cpu.MAX_ROWS, prefill_rows, cpu.library(), norm(model.final_norm), moe_shapes
+        )
 
     def __call__(
         self,
@@ -398,6 +421,8 @@ def _moe_layer(moe: FusedMoE, keep: list, lib=None) -> cpu.ItMoeLayer | str:
         return f"the routing rule {moe.moe.scoring} / {moe.moe.topk_method} (the kernels' router does not know it)"
     if moe.moe.top_k > 64:
         return f"top_k={moe.moe.top_k} (the grouped experts take up to 64)"
+    if moe.moe.num_experts > cpu.MOE_MAX_EXPERTS:
+        return f"{moe.moe.num_experts} experts (the kernels' router takes up to {cpu.MOE_MAX_EXPERTS})"
     e = moe.experts.num_experts
     lins = [expert_lin(lin, e, lib) for lin in (moe.experts.gate_up, moe.experts.down)]
     for lin in lins:

@@ -95,6 +95,19 @@ int main(int argc, char** argv) {
         spit(argv[2], &rows, 8);
         return 0;
     }
+    if (!strcmp(op, "it_moe_experts_ws_bytes")) { /* T k E H I nthreads OUT: the MoE experts' workspace (int64) */
+        if (argc != 9) return 2;
+        const int64_t bytes = it_moe_experts_ws_bytes(atoll(argv[2]), atoll(argv[3]), atoll(argv[4]), atoll(argv[5]),
+                                                      atoll(argv[6]), atoi(argv[7]));
+        spit(argv[8], &bytes, 8);
+        return 0;
+    }
+    if (!strcmp(op, "it_moe_max_experts")) { /* OUT: IT_MOE_MAX_EXPERTS (int64) */
+        if (argc != 3) return 2;
+        const int64_t most = it_moe_max_experts();
+        spit(argv[2], &most, 8);
+        return 0;
+    }
     if (!strcmp(op, "it_w8a8_block")) { /* OUT: the features a block of the packed W8A8 weight holds (int64) */
         if (argc != 3) return 2;
         const int64_t block = it_w8a8_block();

@@ -20,8 +20,10 @@ static inline double now_s(void) {
 }
 
 /* The routing's part of the workspace, after the library's (ws_layout): a MoE layer's output and its shared expert's
- * [T, hidden], the top-k weights [T, k] fp32, the grouping (ids and order [T k], counts [E]). */
-typedef struct { int64_t y2, weights, ids, order, counts, total; } moe_ws;
+ * [T, hidden], the top-k weights [T, k] fp32, the grouping (ids and order [T k], counts [E]). `experts` is where
+ * the routed experts' scratch starts: past everything it_decode_workspace_bytes counts (the caller adds
+ * it_moe_experts_ws_bytes for its MoE layers' shapes; moe_mlp checks it got them). */
+typedef struct { int64_t y2, weights, ids, order, counts, total, experts; } moe_ws;
 
 static moe_ws moe_workspace(const it_model* m, int64_t T, int64_t base) {
     moe_ws l;
@@ -33,6 +35,7 @@ static moe_ws moe_workspace(const it_model* m, int64_t T, int64_t base) {
     l.order = off;   off += (T * k * 8 + 63) & ~(int64_t)63;
     l.counts = off;  off += (E * 8 + 63) & ~(int64_t)63;
     l.total = off;
+    l.experts = -1; /* (set by it_decode_layers: past the whole of it_decode_workspace_bytes) */
     return l;
 }
 
@@ -156,8 +159,10 @@ static int moe_mlp(const it_model* m, const it_moe_layer* M, const it_step* s, i
     }
     /* (expert parallel: this rank's experts only; the block's all-reduce adds the others') */
     const int64_t local = M->local_experts > 0 ? M->local_experts : E, off = M->local_experts > 0 ? M->expert_offset : 0;
-    if (it_moe_experts_part(h, H, R, &M->gate_up, &M->down, E, off, local, k, weights, order, counts, y, m->nthreads))
-        return -2;
+    /* (the experts' scratch: the workspace past it_decode_workspace_bytes, it_moe_experts_ws_bytes of it) */
+    const int rc = moe_experts_ws(h, H, R, &M->gate_up, &M->down, E, off, local, k, weights, order, counts, y,
+                                  m->nthreads, w + ml->experts, s->work_bytes - ml->experts);
+    if (rc) return rc == -1 ? -1 : -2;
     if (stats) {
         const double t1 = now_s();
         stats->seconds[IT_FT_EXPERTS] += t1 - *t0;
@@ -277,9 +282,10 @@ int it_decode_layers(const it_model* m, const it_layer* layers, it_step* s, bf16
     const int64_t T = s->T, H = m->hidden, D = m->head_dim, max_ctx = s->max_blocks * m->block_size;
     if (D % 16 || m->n_heads % m->n_kv_heads || T < 1) return -2;
     const ws_layout l = workspace(m, T, max_ctx);
-    const moe_ws ml = moe_workspace(m, T, l.total);
+    moe_ws ml = moe_workspace(m, T, l.total);
     const mla_ws al = mla_workspace(m, T, ml.total);
     if (al.total > s->work_bytes) return -1;
+    ml.experts = al.total;
     if (s->first_layer < 0 || s->first_layer >= m->n_layers) return -2;
     if (s->n_groups < 0 || s->n_groups > IT_MAX_KV_GROUPS) return -2;
     if (m->act != IT_ACT_SILU && m->act != IT_ACT_GELU_TANH) return -2;

@@ -33,6 +33,9 @@
 #include "abi.h"
 
 #define MOE_ALIGN64(n) (((n) + 63) & ~(int64_t)63)
+/* The most experts a layer may have here (DeepSeek-V3 has 256, Qwen3-235B 128): the routing's scratch lives on the
+ * stack, ~26 KB a thread at this size */
+#define IT_MOE_MAX_EXPERTS 1024
 /* it_moe_experts runs the experts side by side (one per thread at a time) where at least as many as the threads hold
    rows, and they hold this many rows each on average; else one after the other with each one's output features split
    over the threads. On the MoE preset's experts with 2 threads, streamed from memory (benchmarks/bench_moe_kernels.py
@@ -80,7 +83,9 @@ static int moe_route_row(const it_moe* m, const float* logit, const float* bias,
             const float* c = choice + g * per;
             if (m->topk_method == IT_MOE_NOAUX_TC) { /* a group is worth the sum of its two best choices */
                 memset(taken, 0, (size_t)per);
-                const int64_t a = moe_best(c, taken, per);
+                int64_t a = 0; /* (moe_best with nothing taken: the first of the highest) */
+                for (int64_t i = 1; i < per; i++)
+                    if (c[i] > c[a]) a = i;
                 taken[a] = 1;
                 gscore[g] = per > 1 ? c[a] + c[moe_best(c, taken, per)] : c[a];
             } else { /* group_limited_greedy: its best one */
@@ -117,6 +122,8 @@ static int moe_route_row(const it_moe* m, const float* logit, const float* bias,
     return tied;
 }
 
+int64_t it_moe_max_experts(void) { return IT_MOE_MAX_EXPERTS; }
+
 /* logits [T, E], fp32 (logits_bf16 = 0) or bf16, rows ld apart; bias [E] fp32 or NULL (selection only) ->
  * weights [T, k] fp32, ids [T, k], counts [E], order [T k] (the flat t * k + j sorted by expert, stable).
  * Returns 0; 1 where a tie at the boundary decides some token's experts (see above: nothing is grouped, the caller
@@ -124,16 +131,17 @@ static int moe_route_row(const it_moe* m, const float* logit, const float* bias,
 int it_moe_route(const void* logits, int logits_bf16, int64_t ld, int64_t T, const it_moe* m, const float* bias,
                  float* weights, int64_t* ids, int64_t* counts, int64_t* order, int nthreads) {
     const int64_t E = m->num_experts, k = m->top_k, G = m->n_group > 1 ? m->n_group : 1;
-    if (E < 1 || k < 1 || k > E || E % G || m->topk_group < 1 || m->topk_group > G) return -2;
+    if (E < 1 || E > IT_MOE_MAX_EXPERTS || k < 1 || k > E || E % G || m->topk_group < 1 || m->topk_group > G)
+        return -2;
     /* ~1 us a token: a second thread pays off from a prefill's few dozen tokens */
     const int nt = T * E >= 4096 && nthreads > 1 ? nthreads : 1;
     int tied = 0;
 #pragma omp parallel num_threads(nt) reduction(| : tied)
     {
-        float* buf = (float*)malloc((size_t)((3 * E + G) * 4 + E + G));
+        float buf[4 * IT_MOE_MAX_EXPERTS]; /* (on the stack, ~20 KB: E and G <= IT_MOE_MAX_EXPERTS) */
+        uint8_t tbuf[2 * IT_MOE_MAX_EXPERTS];
         float *scores = buf, *choice = buf + E, *lrow = buf + 2 * E, *gscore = buf + 3 * E;
-        uint8_t* taken = (uint8_t*)(gscore + G);
-        uint8_t* gtaken = taken + E;
+        uint8_t *taken = tbuf, *gtaken = tbuf + E;
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; t++) {
             const float* l = (const float*)logits + t * ld;
@@ -143,19 +151,17 @@ int it_moe_route(const void* logits, int logits_bf16, int64_t ld, int64_t T, con
             }
             tied |= moe_route_row(m, l, bias, scores, choice, taken, gscore, gtaken, weights + t * k, ids + t * k);
         }
-        free(buf);
     }
     if (tied) return 1;
     /* counting sort by expert: stable, so each expert's rows stay in (token, slot) order */
     memset(counts, 0, (size_t)E * 8);
     for (int64_t f = 0; f < T * k; f++) counts[ids[f]]++;
-    int64_t* next = (int64_t*)malloc((size_t)E * 8);
+    int64_t next[IT_MOE_MAX_EXPERTS];
     for (int64_t e = 0, s = 0; e < E; e++) {
         next[e] = s;
         s += counts[e];
     }
     for (int64_t f = 0; f < T * k; f++) order[next[ids[f]]++] = f;
-    free(next);
     return 0;
 }
 
@@ -222,6 +228,7 @@ typedef struct {
     const it_lin *gate_up, *down;
     const int64_t *order, *start, *counts;
     bf16 *xs, *gu, *act, *ys;
+    char* qbuf; /* MOE_ONE_ROW's scratch (its MOE_ONE_ROW_BYTES) */
 } moe_rows;
 
 #ifdef MOE_ONE_ROW
@@ -229,6 +236,8 @@ typedef struct {
    picked different experts): returns 1 where it computed ys (the rows' down outputs, as moe_expert computes them), 0
    where the experts' kinds are not its own (then the per-expert path runs) */
 static int MOE_ONE_ROW(const moe_rows* m, const int64_t* active, int64_t na, int64_t T, int nthreads);
+/* MOE_ONE_ROW_BYTES(T, k, H, I, E): the most scratch (m->qbuf) it needs for T tokens over any kinds it takes */
+static int64_t MOE_ONE_ROW_BYTES(int64_t T, int64_t k, int64_t H, int64_t I, int64_t E);
 #endif
 
 /* Expert e's rows: gathered, gate_up, SiLU-and-multiply, down (nthreads: the linears' threads) */
@@ -246,18 +255,43 @@ static void moe_expert(const moe_rows* m, int64_t e, int nthreads, void* scratch
     moe_linear(&d, m->act + r0 * I, I, m->ys + r0 * H, H, n, nthreads, scratch, 0);
 }
 
+/* The workspace moe_experts_ws takes for T tokens (top-k k, E experts, hidden H, expert width I, nthreads threads),
+ * whatever the experts' kinds and however the rows fall on them: the grouping's index, the grouped rows (x, gate_up,
+ * act, down), each thread's linear scratch at up to T k rows, the one-row path's scratch */
+static int64_t moe_experts_ws_need(int64_t T, int64_t k, int64_t E, int64_t H, int64_t I, int nthreads) {
+    const int64_t R = T * k, nt = nthreads < 1 ? 1 : nthreads;
+    int64_t scratch = 0;
+    for (int inner = 1; inner <= nt; inner += (int)(nt > 1 ? nt - 1 : 1)) { /* (1 a thread side by side, or all) */
+        const int64_t s_h = moe_linear_scratch(R, H, inner), s_i = moe_linear_scratch(R, I, inner);
+        const int64_t one = MOE_ALIGN64(s_h > s_i ? s_h : s_i) * (inner == 1 ? nt : 1);
+        scratch = one > scratch ? one : scratch;
+    }
+    int64_t need = MOE_ALIGN64((2 * E + R) * 8) + MOE_ALIGN64(R * H * 2) + MOE_ALIGN64(R * 2 * I * 2) +
+                   MOE_ALIGN64(R * I * 2) + MOE_ALIGN64(R * H * 2) + scratch;
+#ifdef MOE_ONE_ROW
+    need += MOE_ALIGN64(MOE_ONE_ROW_BYTES(T, k, H, I, E));
+#endif
+    return need + 64; /* (room to align the start) */
+}
+
+/* The bytes of workspace the fused step's MoE layers need for T tokens beyond it_decode_workspace_bytes: the caller
+ * adds the largest over its MoE layers (I: a layer's expert width, gate_up's N / 2) */
+int64_t it_moe_experts_ws_bytes(int64_t T, int64_t k, int64_t E, int64_t H, int64_t I, int nthreads) {
+    if (T < 1 || k < 1 || E < 1 || H < 1 || I < 1) return 0;
+    return moe_experts_ws_need(T, k, E, H, I, nthreads);
+}
+
 /* x [T, H] bf16 (rows ldx apart); gate_up and down: expert 0's it_lin of the stacked [E, 2I, H] and [E, H, I]
  * projections (gate rows, then up rows); weights [T, k], order [T k], counts [E] from it_moe_route -> out [T, H]
  * bf16. The experts side by side on the threads (each streams its own weights; one parallel region a call, a dynamic
  * schedule, the busiest first) or one after the other with their features split: IT_MOE_SIDE_BY_SIDE_ROWS.
- * Returns 0, or -2 where the shapes, or the grouping (counts summing to T k, order a permutation of 0 .. T k - 1),
- * do not fit. */
-/* it_moe_experts over experts off .. off + local - 1 only (expert parallel: this rank's; gate_up and down describe
- * expert off), their slots' sum into out, zero for a token with none of them: the rows of the other experts are
- * another rank's */
-int it_moe_experts_part(const bf16* x, int64_t ldx, int64_t T, const it_lin* gate_up, const it_lin* down, int64_t E,
-                        int64_t off, int64_t local, int64_t k, const float* weights, const int64_t* order,
-                        const int64_t* counts, bf16* out, int nthreads) {
+ * ws: ws_bytes of scratch (moe_experts_ws_need for T; it allocates nothing). Returns 0, -1 where ws is too small,
+ * or -2 where the shapes, or the grouping (counts summing to T k, order a permutation of 0 .. T k - 1), do not fit.
+ * Over experts off .. off + local - 1 only (expert parallel: this rank's; gate_up and down describe expert off),
+ * their slots' sum into out, zero for a token with none of them: the rows of the other experts are another rank's */
+static int moe_experts_ws(const bf16* x, int64_t ldx, int64_t T, const it_lin* gate_up, const it_lin* down, int64_t E,
+                          int64_t off, int64_t local, int64_t k, const float* weights, const int64_t* order,
+                          const int64_t* counts, bf16* out, int nthreads, char* ws, int64_t ws_bytes) {
     const int64_t H = gate_up->K, I = down->K, R = T * k;
     if (gate_up->N != 2 * I || down->N != H || k < 1 || k > 64 || T < 1) return -2;
     if (off < 0 || local < 1 || off + local > E) return -2;
@@ -274,7 +308,10 @@ int it_moe_experts_part(const bf16* x, int64_t ldx, int64_t T, const it_lin* gat
         if (L->kind == IT_KIND_W4 && (L->group < 1 || L->K % L->group || L->K % 2)) return -2;
     }
     if (nthreads < 1) nthreads = 1;
-    int64_t* idx = (int64_t*)malloc((size_t)(2 * E + R) * 8);
+    if (!ws || ws_bytes < moe_experts_ws_need(T, k, E, H, I, nthreads)) return -1;
+    char* p = (char*)(((uintptr_t)ws + 63) & ~(uintptr_t)63);
+    int64_t* idx = (int64_t*)p;
+    p += MOE_ALIGN64((2 * E + R) * 8);
     int64_t *start = idx, *active = idx + E, *pos = idx + 2 * E;
     int64_t na = 0, maxn = 0, rows = 0;
     for (int64_t e = 0; e < E; e++) {
@@ -291,10 +328,7 @@ int it_moe_experts_part(const bf16* x, int64_t ldx, int64_t T, const it_lin* gat
         bad = order[r] < 0 || order[r] >= R || pos[order[r]] >= 0;
         if (!bad) pos[order[r]] = r;
     }
-    if (bad) { /* not a grouping of these T k rows */
-        free(idx);
-        return -2;
-    }
+    if (bad) return -2; /* not a grouping of these T k rows */
     /* the busiest experts first, so that the last ones to start are short */
     for (int64_t i = 1; i < na; i++) {
         const int64_t e = active[i];
@@ -306,11 +340,13 @@ int it_moe_experts_part(const bf16* x, int64_t ldx, int64_t T, const it_lin* gat
     const int inner = outer > 1 ? 1 : nthreads;
     int64_t s_h = moe_linear_scratch(maxn, H, inner), s_i = moe_linear_scratch(maxn, I, inner);
     const int64_t scratch = MOE_ALIGN64(s_h > s_i ? s_h : s_i);
-    const int64_t o_gu = MOE_ALIGN64(R * H * 2), o_act = o_gu + MOE_ALIGN64(R * 2 * I * 2);
-    const int64_t o_y = o_act + MOE_ALIGN64(R * I * 2), o_s = o_y + MOE_ALIGN64(R * H * 2);
-    char* work = (char*)aligned_alloc(64, (size_t)(o_s + outer * scratch));
-    bf16 *xs = (bf16*)work, *gu = (bf16*)(work + o_gu), *act = (bf16*)(work + o_act), *ys = (bf16*)(work + o_y);
-    const moe_rows rows_of = {x, ldx, k, H, I, off, gate_up, down, order, start, counts, xs, gu, act, ys};
+    bf16* xs = (bf16*)p;
+    bf16* gu = (bf16*)(p += MOE_ALIGN64(R * H * 2));
+    bf16* act = (bf16*)(p += MOE_ALIGN64(R * 2 * I * 2));
+    bf16* ys = (bf16*)(p += MOE_ALIGN64(R * I * 2));
+    char* lin = p += MOE_ALIGN64(R * H * 2);
+    char* qbuf = p + outer * scratch; /* (within the bound: scratch here <= the need's, outer <= nthreads) */
+    const moe_rows rows_of = {x, ldx, k, H, I, off, gate_up, down, order, start, counts, xs, gu, act, ys, qbuf};
 #ifdef MOE_ONE_ROW
     const int one_row = maxn == 1 && MOE_ONE_ROW(&rows_of, active, na, T, nthreads); /* (it computed ys) */
 #else
@@ -319,14 +355,27 @@ int it_moe_experts_part(const bf16* x, int64_t ldx, int64_t T, const it_lin* gat
     if (!one_row && outer > 1) { /* (a region of its own only here: nested in one, the linears' would not reuse threads) */
 #pragma omp parallel for num_threads(outer) schedule(dynamic, 1)
         for (int64_t a = 0; a < na; a++)
-            moe_expert(&rows_of, active[a], 1, work + o_s + (int64_t)omp_get_thread_num() * scratch);
+            moe_expert(&rows_of, active[a], 1, lin + (int64_t)omp_get_thread_num() * scratch);
     } else if (!one_row) {
-        for (int64_t a = 0; a < na; a++) moe_expert(&rows_of, active[a], nthreads, work + o_s);
+        for (int64_t a = 0; a < na; a++) moe_expert(&rows_of, active[a], nthreads, lin);
     }
     moe_combine(ys, weights, order, pos, T, k, H, out, nthreads, lo, hi);
-    free(work);
-    free(idx);
     return 0;
+}
+
+/* it_moe_experts over experts off .. off + local - 1 only (expert parallel), for callers without a workspace: it
+ * allocates one for the call (the fused step passes its own: moe_experts_ws). Returns 0, or -2 (see above). */
+int it_moe_experts_part(const bf16* x, int64_t ldx, int64_t T, const it_lin* gate_up, const it_lin* down, int64_t E,
+                        int64_t off, int64_t local, int64_t k, const float* weights, const int64_t* order,
+                        const int64_t* counts, bf16* out, int nthreads) {
+    if (T < 1 || k < 1 || E < 1 || gate_up->K < 1 || down->K < 1) return -2;
+    const int64_t bytes = moe_experts_ws_need(T, k, E, gate_up->K, down->K, nthreads);
+    char* ws = (char*)malloc((size_t)bytes);
+    if (!ws) return -2;
+    const int rc = moe_experts_ws(x, ldx, T, gate_up, down, E, off, local, k, weights, order, counts, out, nthreads,
+                                  ws, bytes);
+    free(ws);
+    return rc;
 }
 
 int it_moe_experts(const bf16* x, int64_t ldx, int64_t T, const it_lin* gate_up, const it_lin* down, int64_t E,

@@ -389,10 +389,10 @@ static void attention_rows(const it_model* m, const it_step* s, const bf16* qkv,
     const int64_t width = (m->n_heads + 2 * hkv) * D;
     const int amx = use_amx && amx_state == 1 && D % 32 == 0, step = amx ? 16 : 8;
     const int64_t G = attn_score_rows(group, T);
-    /* blocks of rows: start[b], rows[b] (1: a row on its own); on the stack for a decode step's few rows */
-    int64_t small[32];
-    int64_t* start = T <= 16 ? small : malloc((size_t)T * 2 * sizeof(int64_t));
-    int64_t* rows = start + T, nblocks = 0;
+    /* blocks of rows: start[b], rows[b] (1: a row on its own); on the stack (16 bytes a row: 2 KB for a 128-row
+       prompt step; the step allocates nothing) */
+    int64_t blocks[2 * T];
+    int64_t *start = blocks, *rows = blocks + T, nblocks = 0;
     const int blocks_ok = amx && T > 16 && !m->kv_int8 && m->block_size % 16 == 0 && window <= 0 &&
                         m->softcap <= 0.0f; /* (soft-capped scores: each row on its own) */
     for (int64_t t = 0; t < T; t++) {
@@ -440,7 +440,6 @@ static void attention_rows(const it_model* m, const it_step* s, const bf16* qkv,
         }
         if (tiles) amx_release();
     }
-    if (start != small) free(start);
 }
 /* The decode attention of it_decode_layers alone, for tests: qkv [T, (Hq + 2 Hkv) D] (the queries are read), one
  * layer's cache, o [T, Hq, D]; s->work as for it_decode_layers. use_amx = 0 takes the AVX-512 path where the AMX

@@ -7,6 +7,7 @@
 
 #define MOE_BF16C
 #define MOE_ONE_ROW moe_one_row
+#define MOE_ONE_ROW_BYTES moe_one_row_bytes
 #ifndef MOE_ONE_ROW_OFF
 #define MOE_ONE_ROW_OFF 0
 #endif
@@ -41,11 +42,22 @@ typedef struct {
     int32_t *hs, *ls;
 } moe_qrows;
 
-static int64_t moe_qrows_bytes(const it_lin* L, int64_t rows) {
-    const int64_t K = L->K, Kp = L->kind == IT_KIND_W8 ? (K + 63) & ~(int64_t)63 : K;
-    const int64_t G = L->kind == IT_KIND_W4 ? K / L->group : 0;
+static int64_t moe_qrows_bytes_of(int64_t Kp, int64_t G, int64_t rows) {
     return MOE_ALIGN64(rows * Kp * 2) + 2 * MOE_ALIGN64(rows * Kp) + MOE_ALIGN64(rows * 4) +
            MOE_ALIGN64(rows * (G + 1) * 4) + 2 * MOE_ALIGN64(rows * 4);
+}
+
+static int64_t moe_qrows_bytes(const it_lin* L, int64_t rows) {
+    const int64_t K = L->K, Kp = L->kind == IT_KIND_W8 ? (K + 63) & ~(int64_t)63 : K;
+    return moe_qrows_bytes_of(Kp, L->kind == IT_KIND_W4 ? K / L->group : 0, rows);
+}
+
+/* moe_one_row's scratch for T tokens at most, whichever kinds it takes (int8: K padded to 64; int4: groups of 128
+ * or more): T rows of x rounded for gate_up, a row an expert picked (at most E, at most T k) for down */
+static int64_t moe_one_row_bytes(int64_t T, int64_t k, int64_t H, int64_t I, int64_t E) {
+    const int64_t most = T * k < E ? T * k : E;
+    return MOE_ALIGN64(moe_qrows_bytes_of((H + 63) & ~(int64_t)63, H / 128 + 1, T)) +
+           moe_qrows_bytes_of((I + 63) & ~(int64_t)63, I / 128 + 1, most);
 }
 
 static moe_qrows moe_qrows_at(const it_lin* L, int64_t rows, char* p) {
@@ -141,7 +153,7 @@ static int moe_one_row(const moe_rows* m, const int64_t* active, int64_t na, int
     const it_lin *gl = m->gate_up, *dl = m->down;
     if (MOE_ONE_ROW_OFF || !moe_one_row_takes(gl) || !moe_one_row_takes(dl)) return 0;
     const int64_t H = m->H, I = m->I, tb = MOE_ALIGN64(moe_qrows_bytes(gl, T));
-    char* buf = (char*)aligned_alloc(64, (size_t)(tb + moe_qrows_bytes(dl, na)));
+    char* buf = m->qbuf; /* (moe_one_row_bytes of it, from the caller's workspace) */
     const moe_qrows xq = moe_qrows_at(gl, T, buf), aq = moe_qrows_at(dl, na, buf + tb);
     const int64_t nb_g = na * ((2 * I + NR - 1) / NR), nb_d = na * ((H + NR - 1) / NR);
     const int nt = (int)(nthreads < nb_d ? nthreads : nb_d);
@@ -163,6 +175,5 @@ static int moe_one_row(const moe_rows* m, const int64_t* active, int64_t na, int
         moe_share(nb_d, t, n, &b0, &b1);
         moe_q_blocks(m, dl, active, na, 0, &aq, m->ys, b0, b1);
     }
-    free(buf);
     return 1;
 }
