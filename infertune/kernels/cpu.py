@@ -150,16 +150,21 @@ def cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
-@functools.lru_cache(maxsize=1)
-def _cpu_flags() -> frozenset[str]:
+def _cpuinfo_field(name: str) -> str:
+    """The first /proc/cpuinfo line named `name`: its value ("" where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith(("flags", "Features")):  # (x86, AArch64)
-                    return frozenset(line.split(":", 1)[1].split())
+                if line.split(":", 1)[0].strip() == name:
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return frozenset()
+    return ""
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_flags() -> frozenset[str]:
+    return frozenset((_cpuinfo_field("flags") or _cpuinfo_field("Features")).split())  # (x86, AArch64)
 
 
 def _compiler() -> str | None:
@@ -249,17 +254,6 @@ PREFETCH_FAR_BYTES = 4096
 PREFETCH_CHOICES = ("auto", "near", "far")
 # AMD CPU families from which bf16 weights prefetch near under auto (Zen 5 is family 26 = 0x1A)
 PREFETCH_BF16_NEAR_FROM_AMD_FAMILY = 26
-
-
-def _cpuinfo_field(name: str) -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.split(":", 1)[0].strip() == name:
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
 
 
 @functools.lru_cache(maxsize=1)
@@ -408,8 +402,10 @@ def describe() -> str:
         return f"none ({_reason})"
     far, far_bf16 = get_prefetch(lib=_lib) if hasattr(_lib, "it_get_prefetch") else (0, 0)
     pf = ""
-    if far or far_bf16:
-        pf = " + far prefetch" + ("" if far_bf16 else " (bf16 near)") if far else " + far prefetch (bf16 only)"
+    if far:
+        pf = " + far prefetch" + ("" if far_bf16 else " (bf16 near)")
+    elif far_bf16:
+        pf = " + far prefetch (bf16 only)"
     return f"{_variant}" + (" + amx" if _amx else "") + (" + vdpbf16ps gemm" if _noamx_gemm else "") + pf
 
 

@@ -255,17 +255,21 @@ static void moe_expert(const moe_rows* m, int64_t e, int nthreads, void* scratch
     moe_linear(&d, m->act + r0 * I, I, m->ys + r0 * H, H, n, nthreads, scratch, 0);
 }
 
+/* An expert's linears' scratch at up to M rows on nthreads threads (gate_up takes H inputs, down I) */
+static inline int64_t moe_expert_scratch(int64_t M, int64_t H, int64_t I, int nthreads) {
+    const int64_t s_h = moe_linear_scratch(M, H, nthreads), s_i = moe_linear_scratch(M, I, nthreads);
+    return MOE_ALIGN64(s_h > s_i ? s_h : s_i);
+}
+
 /* The workspace moe_experts_ws takes for T tokens (top-k k, E experts, hidden H, expert width I, nthreads threads),
  * whatever the experts' kinds and however the rows fall on them: the grouping's index, the grouped rows (x, gate_up,
  * act, down), each thread's linear scratch at up to T k rows, the one-row path's scratch */
 static int64_t moe_experts_ws_need(int64_t T, int64_t k, int64_t E, int64_t H, int64_t I, int nthreads) {
-    const int64_t R = T * k, nt = nthreads < 1 ? 1 : nthreads;
-    int64_t scratch = 0;
-    for (int inner = 1; inner <= nt; inner += (int)(nt > 1 ? nt - 1 : 1)) { /* (1 a thread side by side, or all) */
-        const int64_t s_h = moe_linear_scratch(R, H, inner), s_i = moe_linear_scratch(R, I, inner);
-        const int64_t one = MOE_ALIGN64(s_h > s_i ? s_h : s_i) * (inner == 1 ? nt : 1);
-        scratch = one > scratch ? one : scratch;
-    }
+    const int nt = nthreads < 1 ? 1 : nthreads;
+    const int64_t R = T * k;
+    /* the linears' scratch: one a thread with the experts side by side (each on one thread), or one on all of them */
+    const int64_t side = nt * moe_expert_scratch(R, H, I, 1), split = moe_expert_scratch(R, H, I, nt);
+    const int64_t scratch = side > split ? side : split;
     int64_t need = MOE_ALIGN64((2 * E + R) * 8) + MOE_ALIGN64(R * H * 2) + MOE_ALIGN64(R * 2 * I * 2) +
                    MOE_ALIGN64(R * I * 2) + MOE_ALIGN64(R * H * 2) + scratch;
 #ifdef MOE_ONE_ROW
@@ -338,8 +342,7 @@ static int moe_experts_ws(const bf16* x, int64_t ldx, int64_t T, const it_lin* g
     }
     const int outer = na >= nthreads && R >= (int64_t)IT_MOE_SIDE_BY_SIDE_ROWS * na ? nthreads : 1;
     const int inner = outer > 1 ? 1 : nthreads;
-    int64_t s_h = moe_linear_scratch(maxn, H, inner), s_i = moe_linear_scratch(maxn, I, inner);
-    const int64_t scratch = MOE_ALIGN64(s_h > s_i ? s_h : s_i);
+    const int64_t scratch = moe_expert_scratch(maxn, H, I, inner);
     bf16* xs = (bf16*)p;
     bf16* gu = (bf16*)(p += MOE_ALIGN64(R * H * 2));
     bf16* act = (bf16*)(p += MOE_ALIGN64(R * 2 * I * 2));
