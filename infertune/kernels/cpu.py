@@ -246,8 +246,9 @@ def _load_variant(v: Variant) -> ctypes.CDLL | str:
 # How far ahead the GEMVs ask for their weights (csrc/bf16.h pf_weights): 0 is "near" (a fixed distance along each
 # weight row, into L1: what the kernels were tuned with on Intel Xeons), > 0 is "far" (the same columns of the rows
 # whole blocks ahead, at least this many bytes, into L2). On AMD Zen 4 far streams a batch-1 decode step's weights
-# ~1.7x faster (benchmarks/bench_prefetch.py); on Intel it is not measured, so Intel keeps near. bf16 weights (the
-# bf16 GEMVs and the 12-bit codec's stream) have their own setting: on AMD Zen 5 (cpu family 26) near reads them
+# ~1.7x faster (benchmarks/bench_prefetch.py); on Intel it is not measured, so Intel keeps near. The AVX-512
+# library's bf16 weights (its bf16 GEMV and the 12-bit codec's stream; the AVX2 library's bf16 GEMV keeps the
+# int8 / int4 setting, far being 1.07x there) have their own setting: on AMD Zen 5 (cpu family 26) near reads them
 # faster (the 12-bit linears 1.1-1.4x at one row, a 12-bit batch-1 decode 1.03-1.07x) while W8A16's GEMV still
 # wants far (1.26x), so there auto is far for int8 / int4 weights and near for bf16 ones.
 PREFETCH_FAR_BYTES = 4096
@@ -288,7 +289,7 @@ def prefetch_bytes() -> int:
 
 
 def prefetch_bf16_bytes() -> int:
-    """bf16 weights' prefetch (the bf16 GEMVs, the 12-bit codec): INFERTUNE_PREFETCH=near|far|BYTES sets it as it
+    """bf16 weights' prefetch (the AVX-512 bf16 GEMV, the 12-bit codec): INFERTUNE_PREFETCH=near|far|BYTES sets it as it
     sets prefetch_bytes(); auto is near on AMD Zen 5 and later (cpu family >= 26), else prefetch_bytes()."""
     if _prefetch_env() == "auto" and _cpu_vendor() == "AuthenticAMD":
         if _cpu_family() >= PREFETCH_BF16_NEAR_FROM_AMD_FAMILY:

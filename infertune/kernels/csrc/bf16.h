@@ -36,9 +36,11 @@ static inline int pick_threads(int64_t n_blocks, int64_t bytes, int nthreads) {
  * near (pf_far_bytes 0, the default): each weight row asks for its own bytes a fixed distance ahead, into L1; tuned
  * on Intel Xeons. far: each row asks for the same columns of the row a whole number of blocks ahead (at least
  * pf_far_bytes), into L2. On AMD Zen 4 (2 cores) near leaves a bf16 GEMV at ~19 GB/s against a 26-30 GB/s sum; far
- * reads at ~33 (benchmarks/bench_prefetch.py). bf16 weights (the bf16 GEMVs, the 12-bit codec's stream) have a
- * setting of their own, pf_bf16_far_bytes: on AMD Zen 5 their near prefetch is the faster one (a 12-bit decode step
- * 1.03-1.07x, the 12-bit linears 1.1-1.4x at one row) while the int8 / int4 GEMVs still want far. Both set once at
+ * reads at ~33 (benchmarks/bench_prefetch.py). The AVX-512 library's bf16 weights (its bf16 GEMV, the 12-bit
+ * codec's stream) have a setting of their own, pf_bf16_far_bytes: on AMD Zen 5 their near prefetch is the faster
+ * one (a 12-bit decode step 1.03-1.07x, the 12-bit linears 1.1-1.4x at one row) while the int8 / int4 GEMVs still
+ * want far, and so does the AVX2 library's bf16 GEMV (far 1.07-1.08x there, forced on the Zen 5): it reads
+ * pf_far_bytes. Both set once at
  * load by kernels/cpu.py (it_set_prefetch, then it_set_prefetch_bf16), before any kernel runs; the kernels only
  * read them.
  */

@@ -22,7 +22,7 @@ static inline __attribute__((always_inline)) void bf16_block2(
         for (int j = 0; j < NR2; j++) acc[i][j] = _mm256_setzero_ps();
     const __m256i z = _mm256_setzero_si256();
     const int64_t k16 = K & ~(int64_t)15;
-    const int64_t far = pf_far_offset_bf16(NR2 * K * 2);
+    const int64_t far = pf_far_offset(NR2 * K * 2);
     for (int64_t k = 0; k < k16; k += 16) {
         __m256i wv[NR2];
         for (int j = 0; j < NR2; j++)
@@ -122,7 +122,7 @@ static inline __attribute__((always_inline)) void bf16_blockx(const float* xf, i
     for (int i = 0; i < MRX; i++)
         for (int j = 0; j < NRX; j++) acc[i][j] = _mm256_setzero_ps();
     const __m256i z = _mm256_setzero_si256();
-    const int64_t far = pf_far_offset_bf16(NRX * K * 2);
+    const int64_t far = pf_far_offset(NRX * K * 2);
     for (int64_t k = 0; k < K16; k += 16) {
         __m256 wl[NRX], wh[NRX];
         for (int j = 0; j < NRX; j++)
