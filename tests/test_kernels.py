@@ -1113,10 +1113,12 @@ def test_decode_attention_matches_float64(attn_lib, hq, hkv, d, bs, kv):
 
 @pytest.mark.parametrize("hq,hkv,d,bs", [(14, 2, 64, 16), (4, 4, 32, 32), (18, 1, 128, 16)])
 def test_prompt_rows_attention_matches_float64(attn_lib, hq, hkv, d, bs):
-    """A step of prompts' rows (each row one more key of its prompt, through the prompt's block table): on AMX the
-    rows go 16 at a time per query head (attn_rows_amx), on AVX-512 and AVX2 one by one. Each against causal softmax
-    attention in float64 over the prompt's scattered blocks, with the decode attention's bound; prompts of 1, 16,
-    21 and 40 rows (partial blocks of rows, a block of 16 exactly), and a lone decode row between them."""
+    """A step of prompts' rows (each row one more key of its prompt, through the prompt's block table): on AVX-512
+    the rows go 16 at a time per query head (attn_rows_amx on AMX, attn_rows_dp without), on AVX2 one by one. Each
+    against causal softmax attention in float64 over the prompt's scattered blocks, with the decode attention's
+    bound (a block's rows multiply P rounded to bf16 on either AVX-512 path, so theirs is AMX's); prompts of 1, 16,
+    21 and 40 rows (partial blocks of rows, a block of 16 exactly), and a lone decode row between them. Without
+    AMX, the blocks' rows must differ from the same rows run one at a time (fp32 P): the block path really ran."""
     gen = torch.Generator().manual_seed(hq + d + bs)
     plens = [21, 1, 16, 40]
     max_blocks = -(-max(plens) // bs) + 1
@@ -1135,6 +1137,16 @@ def test_prompt_rows_attention_matches_float64(attn_lib, hq, hkv, d, bs):
         amx: kernels.decode_attention(q, cache, tables, lens, hkv, scale, use_amx=amx, lib=attn_lib)
         for amx in ((True, False) if attn_lib is None else (False,))
     }
+    # the kernel's blocks: a row joins the previous row's block (up to 16 rows) where it is one more key of the same
+    # prompt; rows in blocks of more than one take the block path on AVX-512
+    block_of, sizes = [], []
+    for r in range(len(rows)):
+        joins = r > 0 and sizes[-1] < 16 and lens[r] == lens[r - 1] + 1 and torch.equal(tables[r], tables[r - 1])
+        if not joins:
+            sizes.append(0)
+        sizes[-1] += 1
+        block_of.append(len(sizes) - 1)
+    in_block = [attn_lib is None and sizes[block_of[r]] > 1 for r in range(len(rows))]
     for r in range(len(rows)):
         slots = (tables[r, :, None] * bs + torch.arange(bs)).flatten()[: lens[r]]
         kr = k[slots].double().repeat_interleave(hq // hkv, dim=1)
@@ -1144,10 +1156,22 @@ def test_prompt_rows_attention_matches_float64(attn_lib, hq, hkv, d, bs):
         spread = torch.einsum("hl,lhd->hd", p, vr.abs())
         for amx, o in outs.items():
             err = (o[r].double() - ref).abs()
-            bound = 2.0**-8 * ref.abs() + (1.01 * 2.0**-8 if amx else 1e-5) * spread
+            bf16_p = amx or in_block[r]
+            bound = 2.0**-8 * ref.abs() + (1.01 * 2.0**-8 if bf16_p else 1e-5) * spread
             assert (err <= bound).all(), (amx, r, rows[r], float((err - bound).max()))
     if attn_lib is None and kernels._amx and d % 32 == 0:
         assert not torch.equal(outs[True], outs[False])
+    if attn_lib is None:  # each row alone: the one-row path (fp32 P) on either AVX-512 path
+        alone = torch.cat(
+            [
+                kernels.decode_attention(q[r : r + 1], cache, tables[r : r + 1], lens[r : r + 1], hkv, scale, use_amx=False)
+                for r in range(len(rows))
+            ]
+        )
+        lone = [r for r in range(len(rows)) if not in_block[r]]
+        assert torch.equal(outs[False][lone], alone[lone])
+        blocked = [r for r in range(len(rows)) if in_block[r]]
+        assert not torch.equal(outs[False][blocked], alone[blocked])
 
 
 def _tiny_bf16_llama(tmp_path, **overrides):

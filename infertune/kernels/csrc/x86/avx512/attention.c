@@ -298,9 +298,9 @@ static inline void attn_tiles(int G) { amx_tiles(8, 4, G); }
  * first len - (n - 1 - i) keys), KV head g, bf16 cache, block_size a multiple of 16: each query head of the group
  * in turn, its 16 rows on the tiles at once (scores as S^T = K Q^T, 16 keys a tile, then P V), so each K/V tile
  * load serves 16 rows where attn_heads_amx serves one. Rounds as attn_heads_amx. */
-__attribute__((target("amx-tile,amx-bf16")))
 /* V of keys 0 .. len - 1 of KV head g (bf16 cache) as the B tiles of P V, once for all the query heads of the
- * group: tile (key block j0 / 32, dims 16 c ..) at vp + ((j0 / 32) (D / 16) + c) 512, pairs past len zero */
+ * group: tile (key block j0 / 32, dims 16 c ..) at vp + ((j0 / 32) (D / 16) + c) 512, pairs past len zero (row p
+ * of a tile: key pair p's 16 dims, each dim's two keys side by side; attn_rows_dp reads the same rows) */
 static void attn_pack_v(const it_model* m, const void* cache, const int64_t* table, int64_t len, int64_t g,
                         const attn_ws* w, bf16* vp) {
     const int64_t D = m->head_dim;
@@ -342,6 +342,7 @@ static void attn_pv_packed(const it_model* m, int64_t len, const attn_ws* w, con
     }
 }
 
+__attribute__((target("amx-tile,amx-bf16")))
 static void attn_rows_amx(const it_model* m, const void* cache, const int64_t* table, int64_t len, int n, int64_t g,
                           const bf16* qkv, int64_t width, int64_t t0, bf16* o, const attn_ws* w, int64_t max_ctx) {
     const int64_t D = m->head_dim, bs = m->block_size, hkv = m->n_kv_heads, group = m->n_heads / hkv;
@@ -379,10 +380,112 @@ static void attn_rows_amx(const it_model* m, const void* cache, const int64_t* t
     }
 }
 
+/* ---- the same blocks of prompt rows without AMX (Zen 4 / 5, or AMX off): VDPBF16PS with one operand broadcast
+ *
+ * attn_rows_amx's rows, products and roundings (P rounded to bf16, its fp32 sums dividing at the end) on AVX-512
+ * BF16. Scores as S^T = K Q^T: each key's pair of dims (k, k + 1), read straight from its cache row, broadcast
+ * against the vector of the 16 rows' pairs (k, k + 1) of Q^T, 16 keys in 16 accumulators (one chain a key, D / 2
+ * steps); transposed into rows. P V: each row's pair of probabilities (keys j, j + 1) broadcast against V's key-pair
+ * rows (attn_pack_v), 4 rows x 64 dims in 16 accumulators. Against the rows one by one (attn_heads: each row reads
+ * every K / V row and sums 16 keys across lanes), one K / V read serves 16 rows and no sum crosses lanes. */
+
+/* P V for rows r0 .. r0 + R - 1 (R <= 4) of P (w->pb), dims d0 .. d0 + 16 nc - 1 (nc <= 4), over key pairs
+ * 0 .. np - 1 of V packed by attn_pack_v; row i times inv[i] as bf16 into out + i * ldo */
+static inline __attribute__((always_inline)) void attn_pv_dp(const attn_ws* w, const bf16* vp, int64_t D,
+                                                               int64_t np, int r0, const int R, int64_t d0,
+                                                               const int nc, const float* inv, bf16* out,
+                                                               int64_t ldo) {
+    __m512 acc[4][4];
+    for (int i = 0; i < R; i++)
+        for (int c = 0; c < nc; c++) acc[i][c] = _mm512_setzero_ps();
+    for (int64_t jp = 0; jp < np; jp++) {
+        const bf16* t = vp + ((jp / 16) * (D / 16) + d0 / 16) * 512 + (jp % 16) * 32;
+        __m512bh v[4];
+        for (int c = 0; c < nc; c++) v[c] = (__m512bh)_mm512_loadu_si512(t + c * 512);
+        for (int i = 0; i < R; i++) {
+            int32_t pr;
+            memcpy(&pr, w->pb + (r0 + i) * w->ldp + 2 * jp, 4);
+            const __m512bh pb = (__m512bh)_mm512_set1_epi32(pr);
+            for (int c = 0; c < nc; c++) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], v[c], pb);
+        }
+    }
+    for (int i = 0; i < R; i++)
+        for (int c = 0; c < nc; c++)
+            _mm256_storeu_si256((__m256i*)(out + i * ldo + 16 * c),
+                                round_bf16x16(_mm512_mul_ps(acc[i][c], _mm512_set1_ps(inv[r0 + i]))));
+}
+
+#define ATTN_PV_DP(R) static void attn_pv_dp_##R(const attn_ws* w, const bf16* vp, int64_t D, int64_t np, int r0, \
+    int64_t d0, int nc, const float* inv, bf16* out, int64_t ldo) {                                                \
+    if (nc == 4) attn_pv_dp(w, vp, D, np, r0, R, d0, 4, inv, out, ldo);                                           \
+    else attn_pv_dp(w, vp, D, np, r0, R, d0, nc, inv, out, ldo); }
+ATTN_PV_DP(1) ATTN_PV_DP(2) ATTN_PV_DP(3) ATTN_PV_DP(4)
+#undef ATTN_PV_DP
+typedef void (*attn_pv_dp_fn)(const attn_ws*, const bf16*, int64_t, int64_t, int, int64_t, int, const float*, bf16*,
+                              int64_t);
+static const attn_pv_dp_fn attn_pv_dp_by_rows[5] = {0, attn_pv_dp_1, attn_pv_dp_2, attn_pv_dp_3, attn_pv_dp_4};
+
+/* attn_rows_amx's task (rows t0 .. t0 + n - 1 of one sequence, n <= 16, KV head g, bf16 cache, block_size a
+ * multiple of 16) without AMX */
+static void attn_rows_dp(const it_model* m, const void* cache, const int64_t* table, int64_t len, int n, int64_t g,
+                         const bf16* qkv, int64_t width, int64_t t0, bf16* o, const attn_ws* w, int64_t max_ctx) {
+    const int64_t D = m->head_dim, bs = m->block_size, hkv = m->n_kv_heads, group = m->n_heads / hkv;
+    const int64_t ldk = hkv * D; /* (a block's rows of one KV head, in bf16) */
+    const __m512 scale = _mm512_set1_ps(m->scale);
+    const int64_t len32 = (len + 31) & ~(int64_t)31;
+    int32_t* qt = (int32_t*)w->qt;
+    attn_pack_v(m, cache, table, len, g, w, w->vpack); /* (V in key pairs once for the group's query heads) */
+    for (int64_t h = g * group; h < (g + 1) * group; h++) {
+        /* Q^T: the (k, k + 1) pair of row r is word (k / 2) * 16 + r of qt (rows n .. 15 zero); 16 pairs of the 16
+           rows a 16 x 16 transpose of 32-bit words (scatters are slow on AMD) */
+        for (int64_t k = 0; k < D; k += 32) {
+            const __mmask16 mk = D - k >= 32 ? (__mmask16)0xffff : (__mmask16)0x00ff;
+            for (int r = 0; r < 16; r++)
+                _mm512_store_si512(w->cbuf + 16 * r, r < n ? _mm512_maskz_loadu_epi32(mk, qkv + (t0 + r) * width + h * D + k)
+                                                           : _mm512_setzero_si512());
+            __m512 qp[16];
+            transpose16x16_ps(w->cbuf, qp); /* qp[p] = pair p of every row (words moved as floats, bit for bit) */
+            for (int p = 0; p < (D - k >= 32 ? 16 : 8); p++) _mm512_store_ps((float*)qt + (k / 2 + p) * 16, qp[p]);
+        }
+        for (int64_t j0 = 0; j0 < len; j0 += 16) { /* 16 keys of one block (past len: unused slots, never stored) */
+            const int nb = (int)(len - j0 < 16 ? len - j0 : 16);
+            const bf16* kb = (const bf16*)cache + (kv_slot(table, j0, bs) * hkv + g) * D;
+            __m512 acc[16];
+            for (int jj = 0; jj < 16; jj++) acc[jj] = _mm512_setzero_ps();
+            for (int64_t p = 0; p < D / 2; p++) {
+                const __m512bh qv = (__m512bh)_mm512_load_si512(qt + p * 16);
+                for (int jj = 0; jj < 16; jj++) {
+                    int32_t kp;
+                    memcpy(&kp, kb + jj * ldk + 2 * p, 4);
+                    acc[jj] = _mm512_dpbf16_ps(acc[jj], (__m512bh)_mm512_set1_epi32(kp), qv);
+                }
+            }
+            for (int jj = 0; jj < 16; jj++) _mm512_store_ps(w->cbuf + 16 * jj, acc[jj]);
+            __m512 sr[16];
+            transpose16x16_ps(w->cbuf, sr); /* sr[r] = row r's scores of the 16 keys */
+            for (int r = 0; r < n; r++) _mm512_mask_storeu_ps(w->sc + r * max_ctx + j0, mask16(nb), _mm512_mul_ps(sr[r], scale));
+        }
+        float inv[16];
+        for (int r = 0; r < n; r++) /* row r's own keys; zero past them up to len32 */
+            inv[r] = softmax_bf16_row(w->sc + r * max_ctx, len - (n - 1 - r), len32, w->pb + r * w->ldp);
+        bf16* out = o + (t0 * m->n_heads + h) * D;
+        const int64_t ldo = m->n_heads * D;
+        for (int64_t d0 = 0; d0 < D; d0 += 64) {
+            const int nc = (int)((D - d0) / 16 < 4 ? (D - d0) / 16 : 4);
+            for (int r0 = 0; r0 < n; r0 += 4) {
+                const int R = n - r0 < 4 ? n - r0 : 4;
+                /* (row r0 + R - 1 has the most keys: its pairs up to the last it reads) */
+                const int64_t np = (len - (n - r0 - R) + 1) / 2;
+                attn_pv_dp_by_rows[R](w, w->vpack, D, np, r0, d0, nc, inv, out + r0 * ldo + d0, ldo);
+            }
+        }
+    }
+}
+
 /* Attention of each decode row over its sequence's paged K/V; o [T, Hq, D] bf16. One task per (row, KV head):
  * the group of query heads sharing that KV head (up to 16 at a time on AMX, 8 on AVX-512) reads each K/V row once.
- * On AMX with a bf16 cache, rows that continue the previous row's sequence (same block table, one more key: a
- * prompt's rows) go in blocks of up to 16 to attn_rows_amx instead, a task per (block, KV head). */
+ * With a bf16 cache, rows that continue the previous row's sequence (same block table, one more key: a prompt's
+ * rows) go in blocks of up to 16 to attn_rows_amx (AMX) or attn_rows_dp instead, a task per (block, KV head). */
 static void attention_rows(const it_model* m, const it_step* s, const bf16* qkv, const void* cache, bf16* o,
                            float* scratch, int64_t max_ctx, int use_amx, int64_t window) {
     const int64_t D = m->head_dim, hkv = m->n_kv_heads, group = m->n_heads / hkv, T = s->T;
@@ -393,7 +496,7 @@ static void attention_rows(const it_model* m, const it_step* s, const bf16* qkv,
        prompt step; the step allocates nothing) */
     int64_t blocks[2 * T];
     int64_t *start = blocks, *rows = blocks + T, nblocks = 0;
-    const int blocks_ok = amx && T > 16 && !m->kv_int8 && m->block_size % 16 == 0 && window <= 0 &&
+    const int blocks_ok = T > 16 && !m->kv_int8 && m->block_size % 16 == 0 && window <= 0 &&
                         m->softcap <= 0.0f; /* (soft-capped scores: each row on its own) */
     for (int64_t t = 0; t < T; t++) {
         const int64_t* tab = s->block_tables + t * s->max_blocks;
@@ -420,6 +523,11 @@ static void attention_rows(const it_model* m, const it_step* s, const bf16* qkv,
             const int64_t* table = s->block_tables + t * s->max_blocks;
             int64_t len = s->context_lens[t];
             const int64_t skip = rows[b] > 1 ? 0 : kv_window(window, m->block_size, &table, &len);
+            if (rows[b] > 1 && !amx) {
+                attn_rows_dp(m, cache, table, s->context_lens[t + rows[b] - 1], (int)rows[b], g, qkv, width, t, o, &w,
+                             max_ctx);
+                continue;
+            }
             if (rows[b] > 1) {
                 if (tiles != 16) { attn_tiles(16); tiles = 16; }
                 attn_rows_amx(m, cache, table, s->context_lens[t + rows[b] - 1], (int)rows[b], g, qkv, width, t, o,
