@@ -650,7 +650,7 @@ def test_w4a16_on_the_packed_weight_against_its_exact_emulation(ks):
 def test_w4a16_packs_at_load_where_the_kernels_ask(ks):
     """W4A16Method keeps pack_w4p's blocks where max_rows("w4p") > 0 (AVX-512 without AMX): a decode row through
     linear_w4p (the emulation above), the fused step's description says "w4p", the dense weight (prompts under
-    torch.compile, other dtypes) is the reference's bf16(q s + z); experts keep pack_w4's rows."""
+    torch.compile, other dtypes) is the reference's bf16(q s + z); experts take the same blocks."""
     from infertune.quant.experts import QuantizedExperts
     from infertune.quant.int4 import W4A16Method, quantize_int4_groupwise
 
@@ -671,8 +671,20 @@ def test_w4a16_packs_at_load_where_the_kernels_ask(ks):
     dense = layer.quant_method._dense_weight(layer, torch.bfloat16)
     ref = (q.view(n, 2, 128).float() * s.unsqueeze(-1) + z.unsqueeze(-1)).view(n, k).bfloat16()
     assert torch.equal(dense, ref)
-    experts = QuantizedExperts(lambda: W4A16Method(128, kernels=ks))
-    assert all(not m.packed_ok for m in experts.linear_methods.values())
+    from infertune.config import MoeArch
+    from infertune.layers.moe import Experts
+
+    experts = Experts(
+        k, MoeArch(4, 2, 128, layers=(0,), norm_topk_prob=True), torch.bfloat16
+    )  # [4, 256, k], [4, k, 128]
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(torch.randn(4, 256, k, generator=g))
+        experts.down_proj.copy_(torch.randn(4, k, 128, generator=g))
+    experts.quant_method = QuantizedExperts(lambda: W4A16Method(128, kernels=ks))
+    experts.quant_method.process_weights_after_loading(experts)
+    described = experts.quant_method.kernel_experts(experts)
+    assert described.gate_up.kind == described.down.kind == "w4p"
+    assert described.gate_up.qweight.shape == (4, 256 // 64, k // 8, 64)
 
 
 @needs_kernels
@@ -1164,7 +1176,9 @@ def test_prompt_rows_attention_matches_float64(attn_lib, hq, hkv, d, bs):
     if attn_lib is None:  # each row alone: the one-row path (fp32 P) on either AVX-512 path
         alone = torch.cat(
             [
-                kernels.decode_attention(q[r : r + 1], cache, tables[r : r + 1], lens[r : r + 1], hkv, scale, use_amx=False)
+                kernels.decode_attention(
+                    q[r : r + 1], cache, tables[r : r + 1], lens[r : r + 1], hkv, scale, use_amx=False
+                )
                 for r in range(len(rows))
             ]
         )

@@ -328,7 +328,9 @@ def quantized_experts(ks, method: str, group_size: int, e: int, k: int, hidden: 
         layer.quant_method = QuantizedExperts(lambda: W4A16Method(group_size=group_size, kernels=ks))
     layer.quant_method.process_weights_after_loading(layer)
     experts = layer.quant_method.kernel_experts(layer)
-    assert experts is not None and experts.gate_up.kind == {"w8a16": "w8", "w4a16": "w4", "w8a8": "w8a8"}[method]
+    # (W8A16 / W4A16 experts keep the packed layouts where the kernels take them: AVX-512 without AMX)
+    want = {"w8a16": "w8p" if ks.max_rows("w8p") > 0 else "w8", "w4a16": "w4p" if ks.max_rows("w4p") > 0 else "w4"}
+    assert experts is not None and experts.gate_up.kind == want.get(method, method)
     return layer, experts
 
 
@@ -337,9 +339,9 @@ def quantized_experts(ks, method: str, group_size: int, e: int, k: int, hidden: 
 def test_quantized_experts_match_their_per_expert_loop(ks, method, t):
     """Int8 / int4 experts (quant/experts.py: the Linear methods' buffers stacked over the experts) through the
     grouped kernel: the same int kernels as the per-expert loop runs on each expert's slice (bit for bit almost
-    everywhere; past 16 rows an expert's loop multiplies its dequantized weight with torch's GEMM; W8A8 bit for bit
-    everywhere: linear_w8a8 at any row count, each row's activations rounded on their own), and within 2^-7 of
-    experts_reference in fp32 on the dequantized weights (2^-5 with W8A8's int8 activations)."""
+    everywhere; past 16 rows an expert's loop multiplies its dequantized weight with torch's GEMM; W8A8, and W8A16 /
+    W4A16 on their packed layouts (AVX-512 without AMX), bit for bit everywhere: their kernels take any row count),
+    and within 2^-7 of experts_reference in fp32 on the dequantized weights (2^-5 with W8A8's int8 activations)."""
     e, k, hidden, inter = 8, 2, 128, 64
     g = torch.Generator().manual_seed(t)
     layer, experts = quantized_experts(ks, method, 64, e, k, hidden, inter, g)
@@ -349,7 +351,7 @@ def test_quantized_experts_match_their_per_expert_loop(ks, method, t):
     assert y is not None
     loop = layer.forward_native(x, routing)
     assert (y == loop).float().mean() >= 0.99
-    if method == "w8a8":
+    if experts.gate_up.kind in ("w8a8", "w8p", "w4p"):
         assert torch.equal(y.view(torch.int16), loop.view(torch.int16))
     dq_gate_up = layer.quant_method.dequantized_weight(layer, "gate_up_proj")
     dq_down = layer.quant_method.dequantized_weight(layer, "down_proj")
@@ -360,16 +362,27 @@ def test_quantized_experts_match_their_per_expert_loop(ks, method, t):
 
 @pytest.mark.parametrize("method", ["w8a16", "w4a16"])
 @pytest.mark.parametrize("t,overlap", [(1, False), (3, False), (3, True)])
-def test_quantized_experts_of_one_row_each_are_their_per_expert_loop_bit_for_bit(ks, method, t, overlap):
-    """Int8 experts, or int4 ones in groups of 128, where every expert picked holds one row (a decode step's token, or
+@pytest.mark.parametrize("layout", ["rows", "own"])
+def test_quantized_experts_of_one_row_each_are_their_per_expert_loop_bit_for_bit(
+    ks, method, t, overlap, layout, monkeypatch
+):
+    """Int8 experts, or int4 ones in groups of 128, on their row layouts ([N, K] int8, pack_w4's rows: what AMX
+    machines keep; forced here with layout "rows"), where every expert picked holds one row (a decode step's token, or
     tokens that picked different experts) take the AVX-512 library's one-row path (moe.c moe_one_row: each token's
     row rounded to int16 once, the experts' rows as one stack of row blocks split over the threads): bit for bit the
     per-expert loop over linear_w8 / linear_w4 (Experts.forward_native) at one row an expert. With an expert shared
-    by the tokens (three rows for it) the per-expert path runs, bit for bit the loop too. (int8: hidden 328, the rows
-    padded to 384 inside the kernel.)"""
+    by the tokens (three rows for it) the per-expert path runs, bit for bit the loop too. On the layouts the kernels
+    keep ("own": the packed W8A16 / W4A16 without AMX) the per-expert path runs the packed kernels, bit for bit the
+    loop as well. (int8: hidden 328, the rows padded to 384 inside the kernel.)"""
+    if layout == "rows":  # (the kernels offer no packed kind: the methods keep the row layouts)
+        offered = ks.max_rows
+        monkeypatch.setattr(ks, "max_rows", lambda kind: 0 if kind in ("w8p", "w4p") else offered(kind))
+    elif ks.max_rows("w8p") <= 0:
+        pytest.skip(f"{ks.name}: no packed W8A16 / W4A16 here (the rows case is this CPU's layout)")
     e, k, hidden, inter = 16, 4, 384 if method == "w4a16" else 328, 256
     g = torch.Generator().manual_seed(70 + t)
     layer, experts = quantized_experts(ks, method, 128, e, k, hidden, inter, g)
+    assert experts.gate_up.kind in ({"w8", "w4"} if layout == "rows" else {"w8p", "w4p"})
     # token i prefers experts 4i .. 4i + 3 (distinct across tokens), or with overlap expert 15 too
     logits = torch.randn(t, e, generator=g)
     for i in range(t):
@@ -700,7 +713,9 @@ def test_fused_step_runs_moe_and_qk_norm_layers_as_the_modules_do(tmp_path, arch
 
 
 @pytest.mark.skipif(cpu.variant() not in ("avx512", "avx512-noamx", "avx2"), reason=f"x86 kernels: {cpu.describe()}")
-@pytest.mark.parametrize("quant", [None, "w8a16"])  # (w8a16: the int8 experts' one-row path and its scratch)
+# (w8a16: on AVX-512 without AMX the packed int8 experts' scratch (gemm_w8p.c), on AMX and AVX2 the int8 experts'
+# one-row path and its scratch (AVX-512) or their per-expert GEMVs')
+@pytest.mark.parametrize("quant", [None, "w8a16", "w4a16"])  # (w4a16 in groups of 64: the experts' width is 64)
 def test_the_fused_steps_experts_run_in_its_workspace(tmp_path, quant):
     """The routed experts take their scratch from the fused step's workspace (moe.h moe_experts_ws; the step allocates
     nothing): the decoder sizes it with it_moe_experts_ws_bytes for its MoE layers' shapes, and a workspace without
@@ -708,7 +723,8 @@ def test_the_fused_steps_experts_run_in_its_workspace(tmp_path, quant):
     from infertune import LLM, SamplingParams
 
     path = _attention_free_checkpoint(tmp_path, "qwen3_moe")
-    llm = LLM(str(path), dtype="bfloat16", max_model_len=96, block_size=16, quantization=quant)
+    group = {"quant_group_size": 64} if quant == "w4a16" else {}
+    llm = LLM(str(path), dtype="bfloat16", max_model_len=96, block_size=16, quantization=quant, **group)
     decoder = llm.engine.executor.runner.fused.decoder
     lib, cm = decoder.lib, decoder.cmodel
     rows = max(decoder.max_rows, decoder.max_prefill_rows)

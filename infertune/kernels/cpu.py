@@ -1698,26 +1698,40 @@ def expert_lin(
 ) -> ItLin | str:
     """Expert 0's it_lin of a projection stacked over num_experts experts (csrc/moe.h moe_expert_lin steps to expert
     e), or why the tensors do not fit: bf16 w [E, n, k]; int8 w [E, n, k] with scales [E, n] (bf16 or fp32); int4
-    pack_w4 bytes [E, n, k / 2] with fp32 scales and zero [E, n, k / group_size]; W8A8 each expert's pack_w8a8 (lib's
-    layout) stacked [E, ...] with fp32 scales [E, n]. The tensors must outlive it."""
+    pack_w4 bytes [E, n, k / 2] with fp32 scales and zero [E, n, k / group_size]; W8A8 and the packed W8A16 (W8P) each
+    expert's pack_w8a8 (lib's layout) stacked [E, ...] with fp32 scales [E, n]; the packed W4A16 (W4P) each expert's
+    pack_w4p words [E, ceil(n / 64), k / 8, 64] with its fp32 scale and zero [E, ceil(n / 64), k / group_size, 64].
+    The tensors must outlive it."""
     want = {
         WeightKind.BF16: (torch.bfloat16, (num_experts, n, k)),
         WeightKind.W8: (torch.int8, (num_experts, n, k)),
         WeightKind.W4: (torch.uint8, (num_experts, n, k // 2)),
     }.get(kind)
-    if kind == WeightKind.W8A8 and w8a8_supported(lib):
+    packed_ok = {WeightKind.W8A8: w8a8_supported, WeightKind.W8P: w8p_supported}.get(kind)
+    if packed_ok is not None and packed_ok(lib):  # (each expert's pack_w8a8 of its int8 weight)
         want = (torch.int32, (num_experts, *w8a8_packed_shape(n, k, lib)))
+    if kind == WeightKind.W4P and w4p_supported(lib) and w4_supported(k, group_size):
+        want = (torch.int32, (num_experts, -(-n // 64), k // 8, 64))  # (each expert's pack_w4p words)
     if want is None:
-        return f"weight kind {kind.name} (experts take bf16, int8, int4 or W8A8 where the library has it)"
+        return (
+            f"weight kind {kind.name} (experts take bf16, int8, int4, and W8A8 or the packed W8A16 / W4A16 where the "
+            "library has them)"
+        )
     if w.dtype is not want[0] or tuple(w.shape) != want[1] or not w.is_contiguous():
         return f"weights {w.dtype} {tuple(w.shape)}, need contiguous {want[0]} {want[1]}"
     lin = ItLin(kind=int(kind), w=w.data_ptr(), N=n, K=k)
-    if kind == WeightKind.W8A8:
+    if kind in (WeightKind.W8A8, WeightKind.W8P):
         if scales is None or scales.dtype is not torch.float32 or tuple(scales.shape) != (num_experts, n):
-            return f"W8A8 experts need contiguous fp32 scales {(num_experts, n)}"
+            return f"{kind.name} experts need contiguous fp32 scales {(num_experts, n)}"
         if not scales.is_contiguous() or k > W8A8_MAX_K:
-            return f"W8A8 experts of K={k} (at most {W8A8_MAX_K}) with contiguous scales"
+            return f"{kind.name} experts of K={k} (at most {W8A8_MAX_K}) with contiguous scales"
         lin.scale = scales.data_ptr()
+    elif kind == WeightKind.W4P:
+        shape = (num_experts, -(-n // 64), k // group_size, 64)
+        for t in (scales, zero):
+            if t is None or t.dtype is not torch.float32 or not t.is_contiguous() or tuple(t.shape) != shape:
+                return f"packed int4 experts need contiguous fp32 scales and zero {shape} (pack_w4p's, stacked)"
+        lin.scale, lin.zero, lin.group = scales.data_ptr(), zero.data_ptr(), group_size
     elif kind == WeightKind.W8:
         if scales is None or scales.dtype not in (torch.bfloat16, torch.float32) or not scales.is_contiguous():
             return "int8 experts need contiguous bf16 / fp32 scales [E, N]"

@@ -477,6 +477,8 @@ _EXPERT_KINDS = {
     "w8": cpu.WeightKind.W8,
     "w4": cpu.WeightKind.W4,
     "w8a8": cpu.WeightKind.W8A8,
+    "w8p": cpu.WeightKind.W8P,
+    "w4p": cpu.WeightKind.W4P,
 }
 
 

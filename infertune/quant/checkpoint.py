@@ -204,7 +204,7 @@ class StoredExperts(QuantizedExperts):
                     method.pack_weights(view, unpack_int4(packed[e]), scale[e], zero[e], dtype)
             else:
                 q, scale = getattr(layer, proj).data, getattr(layer, f"{proj}_weight_scale").data
-                if isinstance(method, W8A8Method) and bool((q == -128).any()):
+                if isinstance(method, W8A16Method) and bool((q == -128).any()):  # (W8A8Method is one too)
                     method.torch_layout_only = True  # (the kernels refuse -128: every expert of proj keeps torch's)
 
                 def pack_one(view, e, method=method, q=q, scale=scale):

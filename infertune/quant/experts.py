@@ -4,9 +4,11 @@ Each expert's gate_up_proj [2I, H] and down_proj [H, I] is kept exactly as W8A16
 keep a Linear of that shape (their quantizer, their packing, their buffers), stacked along a leading expert dim and
 registered on the Experts module as f"{projection}_{buffer}", e.g.
 
-    w8a16   gate_up_proj_qweight int8 [E, 2I, H], gate_up_proj_scales [E, 2I] (model dtype); down_proj_* alike
-    w4a16   with the backend's kernels (bf16 on x86): gate_up_proj_qweight (pack_w4 of each expert) and
-            gate_up_proj_w4_scale / gate_up_proj_w4_zero fp32 [E, 2I, H/g]; else torch's int4 layouts (W4A16Method)
+    w8a16   gate_up_proj_qweight int8 [E, 2I, H], gate_up_proj_scales [E, 2I] (model dtype); down_proj_* alike;
+            where the kernels pack W8A16 (AVX-512 without AMX), each expert's pack_w8a8 words [E, ...] and fp32 scales
+    w4a16   with the backend's kernels (bf16 on x86): gate_up_proj_qweight (pack_w4 of each expert, or pack_w4p's
+            blocks where the kernels take them: AVX-512 without AMX) and gate_up_proj_w4_scale / gate_up_proj_w4_zero
+            fp32 [E, 2I, H/g] (pack_w4p's blocked [E, 2I/64, H/g, 64]); else torch's int4 layouts (W4A16Method)
 
 so expert e's slice [e] of every buffer is what the per-Linear kernels (linear_w8 / linear_w4) take for a Linear,
 and what the grouped expert GEMM reads (`kernel_experts`). The forward runs the Linear method on the slices of the
@@ -50,12 +52,9 @@ class QuantizedExperts(ExpertsMethod):
     method `make_linear_method` makes (one instance per projection: its layout choices depend on the shape)."""
 
     def __init__(self, make_linear_method: Callable[[], QuantMethod]) -> None:
+        # (each method keeps the layout it keeps for a Linear: the kernels' packed one where they take it, which the
+        # grouped expert GEMM reads too: csrc/moe.h moe_expert_lin)
         self.linear_methods = {proj: make_linear_method() for proj in PROJECTIONS}
-        for method in self.linear_methods.values():
-            if method.name == "w8a16":  # (the grouped expert GEMM reads W8A16 experts as [N, K] rows: no packing)
-                method.torch_layout_only = True
-            if method.name == "w4a16":  # (and W4A16 experts as pack_w4's rows)
-                method.packed_ok = False
         self.name = self.linear_methods["down_proj"].name
         self.shapes: dict[str, tuple[int, int]] = {}  # projection -> one expert's (N, K)
         self.buffer_names: dict[str, list[str]] = {}

@@ -60,8 +60,7 @@ class W8A16Method(UnquantizedMethod):
     kernel_rows = 0  # with own_layout: the rows up to which apply() calls the packed kernel (max_rows, asked once)
     # One instance packs every expert of a projection (quant/experts.py), and they must share one layout: the first
     # weight packed decides it; torch_layout_only keeps torch's [N, K] for all (a stored weight holding -128, which
-    # the kernels refuse, sets it for its whole projection before packing starts; W8A16 experts set it always: the
-    # grouped expert GEMM takes their [N, K] rows, not the packed layout).
+    # the kernels refuse, sets it for its whole projection before packing starts: quant/checkpoint.py).
     packed_weights = 0
     torch_layout_only = False
 

@@ -19,7 +19,9 @@
  * A variant defines, before it includes this file:
  *   moe_linear(L, x, ldx, y, ldy, M, nthreads, scratch, silu)
  *                                           y = x W^T (+ bias) for one expert's it_lin (bf16, w8, w4; 12-bit where
- *                                           MOE_BF16C is defined); silu (a 12-bit gate_up with inter > 0 only):
+ *                                           MOE_BF16C is defined; W8A8 / the packed W8A16 / W4A16 where the variant
+ *                                           defines IT_HAS_W8A8 / IT_HAS_W8P / IT_HAS_W4P); silu (a 12-bit gate_up
+ *                                           with inter > 0 only):
  *                                           y = act [M, inter], SiLU-and-multiply in the GEMM's epilogue
  *   moe_linear_scratch(M, K, nthreads)      the bytes of scratch moe_linear needs at up to M rows
  *   moe_silu_mul(gu, act, M, I, nthreads)   act = bf16(bf16(silu(gate)) * up), as it_silu_mul
@@ -184,6 +186,18 @@ static it_lin moe_expert_lin(const it_lin* L, int64_t e) {
     } else if (L->kind == IT_KIND_BF16C) {
         r.w = (const bf16c*)L->w + e;
 #endif
+#ifdef IT_HAS_W8P
+    } else if (L->kind == IT_KIND_W8P) { /* (each expert's pack_w8a8 words of its int8 weight, fp32 scales) */
+        r.w = (const uint32_t*)L->w + e * i8_packed_words(N, K);
+        r.scale = (const float*)L->scale + e * N;
+#endif
+#ifdef IT_HAS_W4P
+    } else if (L->kind == IT_KIND_W4P) { /* (each expert's pack_w4p words, its blocked fp32 scale and zero) */
+        const int64_t nb = (N + 63) / 64;
+        r.w = (const uint32_t*)L->w + e * nb * (K / 8) * 64;
+        r.scale = (const float*)L->scale + e * nb * (K / L->group) * 64;
+        r.zero = L->zero + e * nb * (K / L->group) * 64;
+#endif
     } else { /* IT_KIND_W4 */
         r.w = (const uint8_t*)L->w + e * N * (K / 2);
         r.scale = (const float*)L->scale + e * N * (K / L->group);
@@ -307,6 +321,12 @@ static int moe_experts_ws(const bf16* x, int64_t ldx, int64_t T, const it_lin* g
 #endif
 #ifdef MOE_BF16C
         known |= L->kind == IT_KIND_BF16C && L->N % 16 == 0 && L->K % 32 == 0 && (!L->inter || 2 * L->inter == L->N);
+#endif
+#ifdef IT_HAS_W8P
+        known |= L->kind == IT_KIND_W8P && L->K >= 1 && L->K <= I8_MAX_K;
+#endif
+#ifdef IT_HAS_W4P
+        known |= L->kind == IT_KIND_W4P && L->group >= 64 && L->group % 64 == 0 && L->K % L->group == 0;
 #endif
         if (!known) return -2;
         if (L->kind == IT_KIND_W4 && (L->group < 1 || L->K % L->group || L->K % 2)) return -2;

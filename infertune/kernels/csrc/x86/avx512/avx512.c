@@ -42,8 +42,8 @@
  */
 #define _GNU_SOURCE
 #define IT_HAS_W8A8 /* it_lin kind 4 (W8A8): gemm_i8.c; fused_step.h and moe.h take it */
-#define IT_HAS_W8P  /* it_lin kind 5 (W8A16 on the packed weight): gemm_w8p.c; fused_step.h takes it, moe.h not */
-#define IT_HAS_W4P  /* it_lin kind 6 (W4A16 on a packed weight): gemm_w4p.c; fused_step.h takes it, moe.h not */
+#define IT_HAS_W8P  /* it_lin kind 5 (W8A16 on the packed weight): gemm_w8p.c; fused_step.h and moe.h take it */
+#define IT_HAS_W4P  /* it_lin kind 6 (W4A16 on a packed weight): gemm_w4p.c; fused_step.h and moe.h take it */
 #include <immintrin.h>
 #include <time.h>
 #include <omp.h>

@@ -14,8 +14,10 @@
 
 static void moe_linear(const it_lin* L, const bf16* x, int64_t ldx, bf16* y, int64_t ldy, int64_t M, int nthreads,
                        void* scratch, int silu) {
-    /* (W8A8: its GEMM takes any row count, and lin_scratch_bytes holds x's int8 rows for all of them) */
-    const int64_t step = L->kind == IT_KIND_BF16 || L->kind == IT_KIND_W8A8 ? M : 16;
+    /* (W8A8 and the packed W8A16 / W4A16: their kernels take any row count, and lin_scratch_bytes holds what they
+       need for all of them) */
+    const int64_t step =
+        L->kind == IT_KIND_BF16 || L->kind == IT_KIND_W8A8 || L->kind == IT_KIND_W8P || L->kind == IT_KIND_W4P ? M : 16;
     for (int64_t m0 = 0; m0 < M; m0 += step)
         run_lin(L, x + m0 * ldx, ldx, y + m0 * ldy, ldy, M - m0 < step ? M - m0 : step, nthreads, scratch, NULL, silu);
 }
