@@ -232,3 +232,31 @@ def test_placement_ray_runs_one_to_one_on_one_node(tiny_llama, expected, monkeyp
     while time.time() < deadline and not all(_gone(pid) for pid in pids):
         time.sleep(0.2)
     assert all(_gone(pid) for pid in pids)
+
+
+def test_free_ports_are_never_handed_out_twice(monkeypatch):
+    """The launcher asks for several ports before any is bound (each instance's HTTP port, a P2P store's); the system
+    may offer the same free port twice in that window, and free_port must then ask again rather than hand it out a
+    second time (seen in CI: a producer's KV store took the port its own uvicorn was then refused)."""
+    import socket
+
+    from infertune.router import instances
+
+    offered = iter([47001, 47001, 47001, 47002])
+
+    class FakeSocket:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def bind(self, addr):
+            self.port = next(offered)
+
+        def getsockname(self):
+            return ("127.0.0.1", self.port)
+
+    monkeypatch.setattr(instances, "_HANDED_OUT", set())
+    monkeypatch.setattr(socket, "socket", lambda *a, **k: FakeSocket())
+    assert [instances.free_port(), instances.free_port()] == [47001, 47002]

@@ -18,10 +18,21 @@ import time
 TAIL_LINES = 40
 
 
+_HANDED_OUT: set[tuple[str, int]] = set()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port nothing listens on now, never one this process handed out before: the port is free only until someone
+    binds it, so the launcher's several ports (each instance's HTTP port, a P2P store's) must differ among themselves
+    even when the system offers the same one twice before any is bound."""
+    for _ in range(1000):
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if (host, port) not in _HANDED_OUT:
+            _HANDED_OUT.add((host, port))
+            return port
+    raise RuntimeError(f"no free port on {host} that this process has not handed out already")
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec

@@ -298,6 +298,22 @@ static inline void attn_tiles(int G) { amx_tiles(8, 4, G); }
  * first len - (n - 1 - i) keys), KV head g, bf16 cache, block_size a multiple of 16: each query head of the group
  * in turn, its 16 rows on the tiles at once (scores as S^T = K Q^T, 16 keys a tile, then P V), so each K/V tile
  * load serves 16 rows where attn_heads_amx serves one. Rounds as attn_heads_amx. */
+/* A block of rows' scores of 16 keys (j0 .., nb of them real), stored key-major in w->cbuf ([key][row], fp32): into
+ * the rows of w->sc, times the softmax scale */
+static inline void attn_rows_scores(const attn_ws* w, int n, int64_t j0, int nb, int64_t max_ctx, __m512 scale) {
+    __m512 sr[16];
+    transpose16x16_ps(w->cbuf, sr); /* sr[r] = row r's scores of the 16 keys */
+    for (int r = 0; r < n; r++) _mm512_mask_storeu_ps(w->sc + r * max_ctx + j0, mask16(nb), _mm512_mul_ps(sr[r], scale));
+}
+
+/* The block's n rows of scores (row r attends to its own first len - (n - 1 - r) keys) -> P in bf16 (w->pb, zero
+ * past each row's keys up to len32) and 1 / each row's fp32 sum */
+static inline void attn_rows_softmax(const attn_ws* w, int n, int64_t len, int64_t len32, int64_t max_ctx,
+                                     float inv[16]) {
+    for (int r = 0; r < n; r++)
+        inv[r] = softmax_bf16_row(w->sc + r * max_ctx, len - (n - 1 - r), len32, w->pb + r * w->ldp);
+}
+
 /* V of keys 0 .. len - 1 of KV head g (bf16 cache) as the B tiles of P V, once for all the query heads of the
  * group: tile (key block j0 / 32, dims 16 c ..) at vp + ((j0 / 32) (D / 16) + c) 512, pairs past len zero (row p
  * of a tile: key pair p's 16 dims, each dim's two keys side by side; attn_rows_dp reads the same rows) */
@@ -368,13 +384,10 @@ static void attn_rows_amx(const it_model* m, const void* cache, const int64_t* t
                 _tile_dpbf16ps(6, 4, 5);
             }
             _tile_stored(6, w->cbuf, 64);
-            __m512 sr[16];
-            transpose16x16_ps(w->cbuf, sr); /* sr[r] = row r's scores of the 16 keys */
-            for (int r = 0; r < n; r++) _mm512_mask_storeu_ps(w->sc + r * max_ctx + j0, mask16(nb), _mm512_mul_ps(sr[r], scale));
+            attn_rows_scores(w, n, j0, nb, max_ctx, scale);
         }
         float inv[16];
-        for (int r = 0; r < n; r++) /* row r's own keys; zero past them up to len32 */
-            inv[r] = softmax_bf16_row(w->sc + r * max_ctx, len - (n - 1 - r), len32, w->pb + r * w->ldp);
+        attn_rows_softmax(w, n, len, len32, max_ctx, inv);
         for (int r = n; r < 16; r++) memset(w->pb + r * w->ldp, 0, (size_t)len32 * 2);
         attn_pv_packed(m, len, w, w->vpack, n, inv, o + (t0 * m->n_heads + h) * D, m->n_heads * D);
     }
@@ -461,13 +474,10 @@ static void attn_rows_dp(const it_model* m, const void* cache, const int64_t* ta
                 }
             }
             for (int jj = 0; jj < 16; jj++) _mm512_store_ps(w->cbuf + 16 * jj, acc[jj]);
-            __m512 sr[16];
-            transpose16x16_ps(w->cbuf, sr); /* sr[r] = row r's scores of the 16 keys */
-            for (int r = 0; r < n; r++) _mm512_mask_storeu_ps(w->sc + r * max_ctx + j0, mask16(nb), _mm512_mul_ps(sr[r], scale));
+            attn_rows_scores(w, n, j0, nb, max_ctx, scale);
         }
         float inv[16];
-        for (int r = 0; r < n; r++) /* row r's own keys; zero past them up to len32 */
-            inv[r] = softmax_bf16_row(w->sc + r * max_ctx, len - (n - 1 - r), len32, w->pb + r * w->ldp);
+        attn_rows_softmax(w, n, len, len32, max_ctx, inv);
         bf16* out = o + (t0 * m->n_heads + h) * D;
         const int64_t ldo = m->n_heads * D;
         for (int64_t d0 = 0; d0 < D; d0 += 64) {
