@@ -292,12 +292,6 @@ static void amx_release(void) { _tile_release(); }
 /* This thread's tiles for attn_heads_amx with G heads: all eight, the PV accumulators (0-3) and P (7) G rows */
 static inline void attn_tiles(int G) { amx_tiles(8, 4, G); }
 
-/* Attention of each decode row over its sequence's paged K/V; o [T, Hq, D] bf16. One task per (row, KV head):
- * the group of query heads sharing that KV head (up to 16 at a time on AMX, 8 on AVX-512) reads each K/V row once. */
-/* Rows t0 .. t0 + n - 1 (n <= 16) of one sequence at consecutive positions (a prompt's rows: row i attends to the
- * first len - (n - 1 - i) keys), KV head g, bf16 cache, block_size a multiple of 16: each query head of the group
- * in turn, its 16 rows on the tiles at once (scores as S^T = K Q^T, 16 keys a tile, then P V), so each K/V tile
- * load serves 16 rows where attn_heads_amx serves one. Rounds as attn_heads_amx. */
 /* A block of rows' scores of 16 keys (j0 .., nb of them real), stored key-major in w->cbuf ([key][row], fp32): into
  * the rows of w->sc, times the softmax scale */
 static inline void attn_rows_scores(const attn_ws* w, int n, int64_t j0, int nb, int64_t max_ctx, __m512 scale) {
@@ -358,6 +352,10 @@ static void attn_pv_packed(const it_model* m, int64_t len, const attn_ws* w, con
     }
 }
 
+/* Rows t0 .. t0 + n - 1 (n <= 16) of one sequence at consecutive positions (a prompt's rows: row i attends to the
+ * first len - (n - 1 - i) keys), KV head g, bf16 cache, block_size a multiple of 16: each query head of the group
+ * in turn, its 16 rows on the tiles at once (scores as S^T = K Q^T, 16 keys a tile, then P V), so each K/V tile
+ * load serves 16 rows where attn_heads_amx serves one. Rounds as attn_heads_amx. */
 __attribute__((target("amx-tile,amx-bf16")))
 static void attn_rows_amx(const it_model* m, const void* cache, const int64_t* table, int64_t len, int n, int64_t g,
                           const bf16* qkv, int64_t width, int64_t t0, bf16* o, const attn_ws* w, int64_t max_ctx) {
