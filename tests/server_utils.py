@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import tempfile
@@ -15,28 +14,12 @@ import uvicorn
 from infertune.config import EngineConfig
 from infertune.engine.async_engine import AsyncLLMEngine
 from infertune.engine.llm_engine import LLMEngine
+from infertune.router.instances import free_port  # (never the same port twice in a process)
 from infertune.serve.api_server import create_app
 
 MAX_LEN = 64
 MODEL = "tiny"
 ENGINE = dict(dtype="float32", max_model_len=MAX_LEN, block_size=4, max_num_seqs=16)
-
-
-_HANDED_OUT: set[int] = set()
-
-
-def free_port() -> int:
-    """A port nothing listens on now, and never one this process handed out before: the port is released at once,
-    so two callers that bind later (a server's HTTP port and its KV store's) could otherwise get the same number
-    (seen: a p2p producer's store took the port its uvicorn was then refused)."""
-    for _ in range(1000):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in _HANDED_OUT:
-            _HANDED_OUT.add(port)
-            return port
-    raise RuntimeError("no port this process has not handed out already")
 
 
 class ServerThread:

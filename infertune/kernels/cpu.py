@@ -291,10 +291,8 @@ def prefetch_bytes() -> int:
 def prefetch_bf16_bytes() -> int:
     """bf16 weights' prefetch (the AVX-512 bf16 GEMV, the 12-bit codec): INFERTUNE_PREFETCH=near|far|BYTES sets it as it
     sets prefetch_bytes(); auto is near on AMD Zen 5 and later (cpu family >= 26), else prefetch_bytes()."""
-    if _prefetch_env() == "auto" and _cpu_vendor() == "AuthenticAMD":
-        if _cpu_family() >= PREFETCH_BF16_NEAR_FROM_AMD_FAMILY:
-            return 0
-    return prefetch_bytes()
+    amd_near = _cpu_vendor() == "AuthenticAMD" and _cpu_family() >= PREFETCH_BF16_NEAR_FROM_AMD_FAMILY
+    return 0 if _prefetch_env() == "auto" and amd_near else prefetch_bytes()
 
 
 def set_prefetch(far_bytes: int, *, bf16_far_bytes: int | None = None, lib: ctypes.CDLL | None = None) -> int:

@@ -243,33 +243,6 @@ static void run_lin_add_tp(const it_lin* L, const bf16* xin, int64_t ldx, bf16* 
  * s->first_layer (resuming at its MLP where s->route_weights is set: see it_step). Returns 0; 1 where a MoE layer's
  * routing is handed back to the caller (it_step); -1 if the workspace is too small, -2 if the shapes are outside what
  * this path handles (head_dim not a multiple of 16, a MoE layer the kernels refuse, ...). */
-/* 1 where a linear's kind is one this library's run_lin takes (W8A8: IT_HAS_W8A8; packed W8A16 / W4A16: IT_HAS_W8P /
- * IT_HAS_W4P) */
-static int lin_kind_ok(const it_lin* L) {
-    if (L->kind == IT_KIND_W8A8) {
-#ifdef IT_HAS_W8A8
-        return L->K >= 1 && L->K <= I8_MAX_K;
-#else
-        return 0;
-#endif
-    }
-    if (L->kind == IT_KIND_W8P) {
-#ifdef IT_HAS_W8P
-        return L->K >= 1 && L->K <= I8_MAX_K;
-#else
-        return 0;
-#endif
-    }
-    if (L->kind == IT_KIND_W4P) {
-#ifdef IT_HAS_W4P
-        return L->group >= 64 && L->group % 64 == 0 && L->K % L->group == 0;
-#else
-        return 0;
-#endif
-    }
-    return 1;
-}
-
 static int layer_kinds_ok(const it_layer* L) {
     int ok = lin_kind_ok(&L->qkv) && lin_kind_ok(&L->o) && lin_kind_ok(&L->gate_up) && lin_kind_ok(&L->down);
     if (L->mla) ok = ok && lin_kind_ok(&L->mla->q_a) && lin_kind_ok(&L->mla->q_b) && lin_kind_ok(&L->mla->kv_a);

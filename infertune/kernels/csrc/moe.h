@@ -167,6 +167,33 @@ int it_moe_route(const void* logits, int logits_bf16, int64_t ld, int64_t T, con
     return 0;
 }
 
+/* 1 where a linear's kind is one this library's run_lin takes (W8A8: IT_HAS_W8A8; packed W8A16 / W4A16: IT_HAS_W8P /
+ * IT_HAS_W4P): the experts' check below, and the fused step's for every layer's linears (fused_step.h) */
+static int lin_kind_ok(const it_lin* L) {
+    if (L->kind == IT_KIND_W8A8) {
+#ifdef IT_HAS_W8A8
+        return L->K >= 1 && L->K <= I8_MAX_K;
+#else
+        return 0;
+#endif
+    }
+    if (L->kind == IT_KIND_W8P) {
+#ifdef IT_HAS_W8P
+        return L->K >= 1 && L->K <= I8_MAX_K;
+#else
+        return 0;
+#endif
+    }
+    if (L->kind == IT_KIND_W4P) {
+#ifdef IT_HAS_W4P
+        return L->group >= 64 && L->group % 64 == 0 && L->K % L->group == 0;
+#else
+        return 0;
+#endif
+    }
+    return 1;
+}
+
 /* Expert e's slice of a stacked projection: L describes expert 0 ([E, N, K] weights, scales [E, N] or
  * [E, N, K / group], bias [E, N] or NULL) */
 static it_lin moe_expert_lin(const it_lin* L, int64_t e) {
@@ -316,17 +343,10 @@ static int moe_experts_ws(const bf16* x, int64_t ldx, int64_t T, const it_lin* g
     for (int i = 0; i < 2; i++) {
         const it_lin* L = i ? down : gate_up;
         int known = L->kind == IT_KIND_BF16 || L->kind == IT_KIND_W8 || L->kind == IT_KIND_W4;
-#ifdef IT_HAS_W8A8
-        known |= L->kind == IT_KIND_W8A8 && L->K <= I8_MAX_K && !L->zero; /* (experts: activations per token) */
-#endif
+        known |= L->kind == IT_KIND_W8A8 && lin_kind_ok(L) && !L->zero; /* (W8A8 experts: activations per token) */
+        known |= (L->kind == IT_KIND_W8P || L->kind == IT_KIND_W4P) && lin_kind_ok(L);
 #ifdef MOE_BF16C
         known |= L->kind == IT_KIND_BF16C && L->N % 16 == 0 && L->K % 32 == 0 && (!L->inter || 2 * L->inter == L->N);
-#endif
-#ifdef IT_HAS_W8P
-        known |= L->kind == IT_KIND_W8P && L->K >= 1 && L->K <= I8_MAX_K;
-#endif
-#ifdef IT_HAS_W4P
-        known |= L->kind == IT_KIND_W4P && L->group >= 64 && L->group % 64 == 0 && L->K % L->group == 0;
 #endif
         if (!known) return -2;
         if (L->kind == IT_KIND_W4 && (L->group < 1 || L->K % L->group || L->K % 2)) return -2;
