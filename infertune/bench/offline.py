@@ -15,9 +15,12 @@ Metrics, per system and batch size B (N = --output-len):
   output tok/s    B * N / total wall time of the generate call
   decode tok/s    B * (N - 1) / (total - TTFT)
   peak RSS MiB    the worker's peak resident set (VmHWM): imports + weights + KV cache + transients
-  decode GB/s     batch 1 only: bytes of the weights at --dtype x decode tok/s (each decode step reads
-                  every weight once; tied embeddings counted once, as the LM head). bf16-equivalent: infertune's
-                  default lossless 12-bit layout streams ~0.76x those bytes (compress_weights)
+  decode GB/s     batch 1 only: the bytes a decode step reads x decode tok/s, each system's own bytes (step_bytes.py):
+                  every layer's weights as that system stores them (infertune's 12-bit codes or packed int8 / int4
+                  with their scales, as loaded; the GGUF's Q8_0 / Q4_0 blocks and its head's type; the checkpoint
+                  at --dtype for transformers and vLLM), k / E of the routed experts, the LM head (a tied embedding
+                  as the head; an untied one is a row lookup), plus the KV cache of the mean decode context
+  roofline %      decode GB/s / probe GB/s: how near the step came to the memory bound of the moment
   probe GB/s      the bandwidth probe just before that worker (median of a few sums of a large tensor)
 
 Examples:
@@ -63,6 +66,7 @@ from infertune.bench.offline_models import (  # noqa: F401  re-exported: other c
     read_model_config,
 )
 from infertune.bench.offline_workers import run_worker, worker_hf, worker_infertune  # noqa: F401  re-exported
+from infertune.bench.step_bytes import checkpoint_tensors, decode_step_weight_bytes, kv_read_bytes_per_token, moe_shape
 from infertune.bench.worker_protocol import (  # noqa: F401  re-exported: other code imports these from here
     RESULT_MARKER,
     current_rss_mib,
@@ -423,8 +427,9 @@ def spawn_worker(args, system: str, batch: int, model_dir: Path) -> dict:
     return result
 
 
-def summarize(result: dict, batch: int, out_len: int, weight_bytes: int, in_len: int = 0) -> dict:
-    """Per-run rates, then the median of each figure over the timed runs."""
+def summarize(result: dict, batch: int, out_len: int, step_bytes: float | None, in_len: int = 0) -> dict:
+    """Per-run rates, then the median of each figure over the timed runs; at batch 1 the decode step's read rate
+    (step_bytes a step) and its share of result["probe_gb_s"]."""
     for run in result["runs"]:
         run["output_tok_s"] = batch * out_len / run["total_s"]
         run["prefill_tok_s"] = batch * in_len / run["ttft_s"] if in_len and run["ttft_s"] > 0 else None
@@ -435,13 +440,17 @@ def summarize(result: dict, batch: int, out_len: int, weight_bytes: int, in_len:
         vals = [r[key] for r in result["runs"] if r.get(key) is not None]
         med[key] = statistics.median(vals) if vals else None
     med["decode_gb_s"] = (
-        weight_bytes * med["decode_tok_s"] / 1e9 if batch == 1 and med["decode_tok_s"] is not None else None
+        step_bytes * med["decode_tok_s"] / 1e9
+        if batch == 1 and step_bytes and med["decode_tok_s"] is not None
+        else None
     )
+    probe = result.get("probe_gb_s")
+    med["roofline_pct"] = 100 * med["decode_gb_s"] / probe if med["decode_gb_s"] is not None and probe else None
     result["median"] = med
     return result
 
 
-def merge_rounds(per_round: list[list[dict]], args, weight_bytes: int) -> list[dict]:
+def merge_rounds(per_round: list[list[dict]], args) -> list[dict]:
     """One result per (system, batch), in the first round's order. With one round, that round's. With more, the
     runs of every round together (each tagged with its round) and medians over all of them; each round's medians
     under "rounds" and its probe under "probes_gb_s" (the row shows their median); the highest peak RSS; the first
@@ -465,7 +474,7 @@ def merge_rounds(per_round: list[list[dict]], args, weight_bytes: int) -> list[d
         )
         probes = [p for p in res["probes_gb_s"] if p is not None]
         res["probe_gb_s"] = statistics.median(probes) if probes else None
-        merged.append(summarize(res, first["batch"], args.output_len, weight_bytes, args.input_len))
+        merged.append(summarize(res, first["batch"], args.output_len, res.get("step_bytes"), args.input_len))
     return merged
 
 
@@ -515,6 +524,20 @@ class ParentRun:
     n_params: int
     weight_bytes: int
     env_line: str
+    checkpoint_step_bytes: float  # the weights a batch-1 step reads from the checkpoint at --dtype (step_bytes.py)
+
+
+# KV bytes an element under infertune's --kv-cache-dtype (its int8 blocks' scales left out: under 2%)
+KV_DTYPE_BYTES = {"int8": 1}
+
+
+def step_read_bytes(args, setup: ParentRun, res: dict) -> tuple[float, float]:
+    """(weights, KV) a batch-1 decode step of `res`'s system reads: the weights as the worker counted them in its own
+    format (or the checkpoint's at --dtype), the KV at the mean decode context (input + output / 2 tokens)."""
+    weights = res.get("extra", {}).get("step_weight_bytes") or setup.checkpoint_step_bytes
+    kv_dtype = args.kv_cache_dtype if res["system"].startswith("infertune") else "auto"
+    elem = KV_DTYPE_BYTES.get(kv_dtype, DTYPE_BYTES[args.dtype])
+    return weights, (args.input_len + args.output_len / 2) * kv_read_bytes_per_token(setup.cfg, elem)
 
 
 def run_parent(args) -> int:
@@ -525,7 +548,7 @@ def run_parent(args) -> int:
     args.systems = list(dict.fromkeys([*args.systems, *args.baseline]))
     setup = prepare_run(args, t_begin)
     per_round = [run_round(args, setup, rnd) for rnd in range(args.rounds)]
-    results = merge_rounds(per_round, args, setup.weight_bytes)
+    results = merge_rounds(per_round, args)
     probe_end = bandwidth_probe(args.probe_gib, args.threads)
 
     date = _dt.datetime.now().astimezone().isoformat(timespec="seconds")
@@ -588,8 +611,18 @@ def prepare_run(args, t_begin: float) -> ParentRun:
         )
     n_params = checkpoint_param_count(model_dir)
     weight_bytes = n_params * DTYPE_BYTES[args.dtype]
+    checkpoint_step = decode_step_weight_bytes(checkpoint_tensors(model_dir, DTYPE_BYTES[args.dtype]), **moe_shape(cfg))
     setup = ParentRun(
-        command, t_begin, load_start, model_dir, model_name, cfg, n_params, weight_bytes, environment_line(args.threads)
+        command,
+        t_begin,
+        load_start,
+        model_dir,
+        model_name,
+        cfg,
+        n_params,
+        weight_bytes,
+        environment_line(args.threads),
+        checkpoint_step,
     )
     log(f"model: {model_name}: {n_params / 1e6:.1f}M parameters, {weight_bytes / 2**20:.0f} MiB at {args.dtype}")
     return setup
@@ -627,12 +660,15 @@ def run_pair(args, setup: ParentRun, system: str, batch: int, tag: str) -> dict:
     log(f"starting worker {tag}")
     res = spawn_worker(args, system, batch, setup.model_dir)
     res["probe_gb_s"] = probe
+    if "skipped" not in res and "error" not in res:
+        res["step_weight_bytes"], res["step_kv_bytes"] = step_read_bytes(args, setup, res)
+        res["step_bytes"] = res["step_weight_bytes"] + res["step_kv_bytes"]
     if "skipped" in res:
         log(f"{tag} skipped: {res['skipped']}")
     elif "error" in res:
         log(f"{tag} FAILED: {res['error']}")
     else:
-        summarize(res, batch, args.output_len, setup.weight_bytes, args.input_len)
+        summarize(res, batch, args.output_len, res["step_bytes"], args.input_len)
         m = res["median"]
         log(
             f"{tag}: TTFT {m['ttft_s']:.3f} s, output {m['output_tok_s']:.1f} tok/s, "
@@ -660,8 +696,9 @@ def header_lines(args, setup: ParentRun, date: str) -> list[str]:
         f"{rounds}; "
         f"each (system, batch) in its own process.",
         "",
-        "| system | batch | TTFT s | prefill tok/s | decode tok/s | output tok/s | peak RSS MiB | decode GB/s | probe GB/s |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| system | batch | TTFT s | prefill tok/s | decode tok/s | output tok/s | peak RSS MiB | step MiB | decode GB/s "
+        "| roofline % | probe GB/s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
 
 
@@ -671,17 +708,19 @@ def results_table(results: list[dict]) -> list[str]:
     for r in results:
         label = SYSTEM_LABELS[r["system"]]
         if "skipped" in r:
-            lines.append(f"| {label} | {r['batch']} | skipped: {r['skipped']} | | | | | | |")
+            lines.append(f"| {label} | {r['batch']} | skipped: {r['skipped']} | | | | | | | | |")
             continue
         if "error" in r:
-            lines.append(f"| {label} | {r['batch']} | failed: {r['error']} | | | | | | {fmt(r['probe_gb_s'], '.1f')} |")
+            lines.append(
+                f"| {label} | {r['batch']} | failed: {r['error']} | | | | | | | | {fmt(r['probe_gb_s'], '.1f')} |"
+            )
             continue
         m = r["median"]
         lines.append(
             f"| {label} | {r['batch']} | {m['ttft_s']:.3f} | {fmt(m['prefill_tok_s'], '.0f')} | "
             f"{fmt(m['decode_tok_s'], '.1f')} | "
-            f"{m['output_tok_s']:.1f} | {r['peak_rss_mib']:.0f} | {fmt(m['decode_gb_s'], '.2f')} | "
-            f"{fmt(r['probe_gb_s'], '.1f')} |"
+            f"{m['output_tok_s']:.1f} | {r['peak_rss_mib']:.0f} | {r['step_bytes'] / 2**20:.0f} | "
+            f"{fmt(m['decode_gb_s'], '.2f')} | {fmt(m['roofline_pct'], '.0f')} | {fmt(r['probe_gb_s'], '.1f')} |"
         )
     return lines
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from infertune.bench.offline_models import kv_bytes_per_token, log, read_model_config
 from infertune.bench.peers import worker_llama_cpp
+from infertune.bench.step_bytes import decode_step_weight_bytes, engine_tensors, moe_shape
 from infertune.bench.worker_protocol import RESULT_MARKER, current_rss_mib, make_prompts, peak_rss_mib, warm_and_time
 
 
@@ -101,6 +102,11 @@ def worker_infertune(args, model_dir: Path, batch: int) -> dict:
     kernels = getattr(runner, "decode_kernels", None)  # which ISA path ran (the every-CPU issue's reports say it)
     extra = {
         "kv_cache_bytes": kv_bytes,
+        # the weights a batch-1 step reads as the engine holds them (12-bit codes, packed int8 / int4 and scales);
+        # under tensor parallel each rank holds its share in another process: the parent counts the checkpoint's
+        "step_weight_bytes": decode_step_weight_bytes(engine_tensors(runner.model), **moe_shape(cfg))
+        if runner is not None
+        else None,
         "engine_options": options,
         "compile_s": getattr(runner, "compile_seconds", None),
         "kernels": (kernels.name + (" + fused step" if getattr(runner, "fused", None) is not None else ""))

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from infertune.bench.gguf_export import PeerUnavailable, _permute_rows, export_gguf  # noqa: F401  (peers' API)
 from infertune.bench.offline_models import log, read_model_config
+from infertune.bench.step_bytes import decode_step_weight_bytes, gguf_tensors, moe_shape
 from infertune.bench.worker_protocol import RESULT_MARKER, current_rss_mib, make_prompts, warm_and_time
 
 LLAMA_CPP_SYSTEMS = {"llama.cpp": "bf16", "llama.cpp-q8_0": "q8_0", "llama.cpp-q4_0": "q4_0"}
@@ -145,6 +146,7 @@ def worker_llama_cpp(args, model_dir: Path, batch: int) -> dict:
     extra = {
         "gguf": str(path),
         "gguf_bytes": path.stat().st_size,
+        "step_weight_bytes": decode_step_weight_bytes(gguf_tensors(path), **moe_shape(read_model_config(model_dir))),
         "llama_cpp_python": L.__version__ if hasattr(L, "__version__") else None,
         # which build ran: the library's own list of the CPU features it was built with (LLAMA_CPP_LIB_PATH may point
         # llama-cpp-python at a separately built libllama, e.g. an AVX2-only build)
