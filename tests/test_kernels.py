@@ -1319,8 +1319,8 @@ def test_bf16c_gate_up_with_silu_is_the_unfused_mlp_bit_for_bit(m, k):
 @needs_bf16c
 @pytest.mark.skipif(kernels.amx(), reason="the register paths are the AVX-512 library's without AMX")
 def test_bf16c_register_paths_without_amx_are_the_gemm_bit_for_bit():
-    """Without AMX, 1-16 rows multiply each tile's rows straight from the registers they are decoded into (4 rows and
-    fewer k-pair-major, 5-16 group-major), the escapes patched there. Against the slab GEMM on the same 12-bit
+    """Without AMX, 1-16 rows multiply each tile's rows straight from the registers they are decoded into (group-major,
+    the tile's bytes in order), the escapes patched there. Against the slab GEMM on the same 12-bit
     weight (it_bf16c_reg_rows(0)) and the VDPBF16PS GEMM on the bf16 weight: the same bits, at every row count, with
     escapes in many tiles (in both rows of a pair, several in one row, the first and the last lane, every feature
     group) and in the epilogues (bias, residual add, gate_up in order and SiLU-and-multiply)."""

@@ -16,7 +16,9 @@
  */
 
 #define BF16C_TILE_BYTES (64 * 48)
+#ifndef BF16C_PF_TILES
 #define BF16C_PF_TILES 4 /* prefetch distance along the stream, in tiles */
+#endif
 
 /* Rows r0 .. r1 - 1 (even bounds) of tile t as bf16 into out, rows ld elements apart, escapes not patched. Two
  * rows a step: their 64 low bytes (in the order VPUNPCKL/HBW interleave, see pack_bf16c), then 32 bytes of codes (byte i:

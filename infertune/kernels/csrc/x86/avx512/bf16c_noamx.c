@@ -9,14 +9,17 @@
  *
  * Up to bf16c_reg_max (16) rows, decode steps: the tiles are never stored decoded. Each row pair of a tile is
  * decoded into two registers (rows 16 g + p and + 1: feature group g's k-pairs p and p + 1), its escapes patched
- * there (a tile lists its escapes in row order), and multiplied at once by the rows' broadcast pairs of x.
- *   1-4 rows (bf16c_reg_rows): k-pair-major (for p: for g), all 4 groups' accumulators in registers, 4
- *       independent chains a row, x's pairs broadcast once per k-pair for the 4 groups.
- *   5-16 rows (bf16c_reg_wide): group-major (for g: for p), only group g's accumulators live (one chain a row),
- *       waiting in memory between groups (a store and a load per 16 VDPBF16PS a row: exact).
+ * there (a tile lists its escapes in row order), and multiplied at once by the rows' broadcast pairs of x, in the
+ * tile's memory order: group-major (for g: for p), only group g's accumulators live (one chain a row, the other
+ * groups' chains overlapping in the out-of-order window), waiting in memory between groups (a store and a load per
+ * 16 VDPBF16PS a row: exact).
  * Against decoding each tile into 4 KB and reading it back (the path before), a tile's 64 stores and 64 loads go
  * and the wide rows no longer split in fours: a decode step's linears at 1 / 8 / 16 rows ran 1.11x / 1.30x / 1.44x
- * faster on a quiet Zen 4 (no change where memory bound them).
+ * faster on a quiet Zen 4 (no change where memory bound them). 1-4 rows went k-pair-major (for p: for g: all four
+ * groups' accumulators in registers) until the stream's order was found to matter more: that order visits a tile's
+ * rows in four interleaved runs (768 bytes apart), which the hardware prefetchers did not follow; a streamed step's
+ * linears at 1 / 2 / 4 rows ran 1.23x / 1.24x / 1.26x faster in memory order on a Zen 5 (level with the tiles in L3),
+ * and a plain read of a tile's 96-byte pairs in the four runs reached ~0.7x the bandwidth of the same read in order.
  * More rows (prompts, linear_bf16c_gemm_noamx): the tiles are decoded a slab of GEMM_KC columns at a time straight
  * into the packed-slab order of gemm_dpbf16.c and multiplied by its micro-kernel (6 rows x 64 features), each
  * slab once per GEMM_MB rows. (Past 16 rows, the register path run 16 rows at a time, re-decoding, was 0.85-0.96x
@@ -39,53 +42,11 @@ static inline __attribute__((always_inline)) void bf16c_patch_pair(const bf16c* 
     }
 }
 
+/* 1 .. 16 rows: the row pairs go feature-group-major (for g: for p: the tile's bytes in order), so only group g's R
+ * accumulators (R independent chains) are live while its 8 row pairs are decoded; between groups and tiles they wait
+ * in c (a store and a load per 16 R VDPBF16PS: exact). x's pairs are broadcast from memory into each VDPBF16PS. Each
+ * lane still sums p = 0 .. 15 tile by tile in order: the same sums again. */
 static inline __attribute__((always_inline)) void bf16c_reg_rows(const bf16* x, int64_t ldx, const bf16c* cw,
-                                                                 const bf16* bias, bf16* y, int64_t ldy, const int R,
-                                                                 int64_t ch, int nblk, int64_t KS, int64_t inter,
-                                                                 int epi) {
-    const __m512i table = bf16c_table(cw);
-    __m512 acc[4][4];
-    for (int i = 0; i < R; i++)
-        for (int g = 0; g < 4; g++) acc[i][g] = _mm512_setzero_ps();
-    for (int64_t ks = 0; ks < KS; ks++) {
-        const int64_t t = ch * KS + ks;
-        const uint8_t* b = cw->codes + t * BF16C_TILE_BYTES;
-        const int32_t end = cw->esc_start[t + 1];
-        int32_t eg[4] = {end, end, end, end}; /* per feature group, its next escape (rows visited in order) */
-        if (cw->esc_start[t] < end)
-            for (int32_t e = cw->esc_start[t], g = 0; g < nblk; g++) {
-                while (e < end && (cw->esc_pos[e] >> 5) < 16 * g) e++;
-                eg[g] = e;
-            }
-        for (int p = 0; p < 16; p += 2) {
-            __m512bh x0[4], x1[4];
-            for (int i = 0; i < R; i++) {
-                int32_t pr[2];
-                memcpy(pr, x + i * ldx + ks * 32 + 2 * p, 8);
-                x0[i] = (__m512bh)_mm512_set1_epi32(pr[0]);
-                x1[i] = (__m512bh)_mm512_set1_epi32(pr[1]);
-            }
-            for (int g = 0; g < nblk; g++) {
-                const int r = 16 * g + p;
-                __m512i v0, v1;
-                bf16c_row_pair(b + r * 48, r, table, &v0, &v1);
-                if (eg[g] < end) bf16c_patch_pair(cw, &eg[g], end, r, &v0, &v1);
-                for (int i = 0; i < R; i++)
-                    acc[i][g] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[i][g], (__m512bh)v0, x0[i]), (__m512bh)v1, x1[i]);
-            }
-        }
-    }
-    float c[4][4 * 16] __attribute__((aligned(64)));
-    for (int g = 0; g < nblk; g++)
-        for (int i = 0; i < R; i++) _mm512_store_ps(c[g] + 16 * i, acc[i][g]);
-    chunk_rows_out(c[0], sizeof c[0] / sizeof(float), nblk, ch * 64, bias, y, ldy, R, inter, epi);
-}
-
-/* 5 .. 16 rows: the row pairs go feature-group-major (for g: for p), so only group g's R accumulators (R
- * independent chains) are live while its 8 row pairs are decoded; between groups and tiles they wait in c (a store
- * and a load per 16 R VDPBF16PS: exact). x's pairs are broadcast from memory into each VDPBF16PS. Each lane still
- * sums p = 0 .. 15 tile by tile in order: the same sums again. */
-static inline __attribute__((always_inline)) void bf16c_reg_wide(const bf16* x, int64_t ldx, const bf16c* cw,
                                                                  const bf16* bias, bf16* y, int64_t ldy, const int R,
                                                                  int64_t ch, int nblk, int64_t KS, int64_t inter,
                                                                  int epi) {
@@ -123,13 +84,10 @@ static inline __attribute__((always_inline)) void bf16c_reg_wide(const bf16* x, 
 
 #define BF16C_REG(R, BODY) static void bf16c_reg_rows_##R(const bf16* x, int64_t ldx, const bf16c* cw,        \
     const bf16* bias, bf16* y, int64_t ldy, int64_t ch, int nblk, int64_t KS, int64_t inter, int epi) { BODY; }
-#define BF16C_NARROW(R) BF16C_REG(R, bf16c_reg_rows(x, ldx, cw, bias, y, ldy, R, ch, nblk, KS, inter, epi))
-#define BF16C_WIDE(R) BF16C_REG(R, bf16c_reg_wide(x, ldx, cw, bias, y, ldy, R, ch, nblk, KS, inter, epi))
-BF16C_NARROW(1) BF16C_NARROW(2) BF16C_NARROW(3) BF16C_NARROW(4)
-BF16C_WIDE(5) BF16C_WIDE(6) BF16C_WIDE(7) BF16C_WIDE(8) BF16C_WIDE(9) BF16C_WIDE(10) BF16C_WIDE(11) BF16C_WIDE(12)
-BF16C_WIDE(13) BF16C_WIDE(14) BF16C_WIDE(15) BF16C_WIDE(16)
-#undef BF16C_WIDE
-#undef BF16C_NARROW
+#define BF16C_ROWS(R) BF16C_REG(R, bf16c_reg_rows(x, ldx, cw, bias, y, ldy, R, ch, nblk, KS, inter, epi))
+BF16C_ROWS(1) BF16C_ROWS(2) BF16C_ROWS(3) BF16C_ROWS(4) BF16C_ROWS(5) BF16C_ROWS(6) BF16C_ROWS(7) BF16C_ROWS(8)
+BF16C_ROWS(9) BF16C_ROWS(10) BF16C_ROWS(11) BF16C_ROWS(12) BF16C_ROWS(13) BF16C_ROWS(14) BF16C_ROWS(15) BF16C_ROWS(16)
+#undef BF16C_ROWS
 #undef BF16C_REG
 typedef void (*bf16c_reg_fn)(const bf16*, int64_t, const bf16c*, const bf16*, bf16*, int64_t, int64_t, int, int64_t,
                              int64_t, int);
