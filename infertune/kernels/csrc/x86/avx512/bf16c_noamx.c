@@ -46,6 +46,9 @@ static inline __attribute__((always_inline)) void bf16c_patch_pair(const bf16c* 
  * accumulators (R independent chains) are live while its 8 row pairs are decoded; between groups and tiles they wait
  * in c (a store and a load per 16 R VDPBF16PS: exact). x's pairs are broadcast from memory into each VDPBF16PS. Each
  * lane still sums p = 0 .. 15 tile by tile in order: the same sums again. */
+/* (rows 0 .. R - 1 of xs are stored as vectors before any is read: GCC does not follow that at R = 1) */
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 static inline __attribute__((always_inline)) void bf16c_reg_rows(const bf16* x, int64_t ldx, const bf16c* cw,
                                                                  const bf16* bias, bf16* y, int64_t ldy, const int R,
                                                                  int64_t ch, int nblk, int64_t KS, int64_t inter,
@@ -87,6 +90,7 @@ static inline __attribute__((always_inline)) void bf16c_reg_rows(const bf16* x, 
 #define BF16C_ROWS(R) BF16C_REG(R, bf16c_reg_rows(x, ldx, cw, bias, y, ldy, R, ch, nblk, KS, inter, epi))
 BF16C_ROWS(1) BF16C_ROWS(2) BF16C_ROWS(3) BF16C_ROWS(4) BF16C_ROWS(5) BF16C_ROWS(6) BF16C_ROWS(7) BF16C_ROWS(8)
 BF16C_ROWS(9) BF16C_ROWS(10) BF16C_ROWS(11) BF16C_ROWS(12) BF16C_ROWS(13) BF16C_ROWS(14) BF16C_ROWS(15) BF16C_ROWS(16)
+#pragma GCC diagnostic pop
 #undef BF16C_ROWS
 #undef BF16C_REG
 typedef void (*bf16c_reg_fn)(const bf16*, int64_t, const bf16c*, const bf16*, bf16*, int64_t, int64_t, int, int64_t,
