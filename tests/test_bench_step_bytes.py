@@ -125,24 +125,8 @@ def test_bench_reports_each_systems_step_bytes_rate_and_roofline(tmp_path, monke
 
     model = make_checkpoint(tmp_path / "m", "llama", dtype=torch.bfloat16)
     monkeypatch.setattr(offline, "bandwidth_probe", lambda gib, threads, iters=5: 40.0)
-    rc = offline.main(
-        [
-            "--model",
-            str(model),
-            "--input-len",
-            "6",
-            "--output-len",
-            "4",
-            "--batch",
-            "1",
-            "--repeats",
-            "1",
-            "--systems",
-            "infertune,infertune-bf16",
-            "--json",
-            str(tmp_path / "r.json"),
-        ]
-    )
+    workload = "--input-len 6 --output-len 4 --batch 1 --repeats 1 --systems infertune,infertune-bf16".split()
+    rc = offline.main(["--model", str(model), *workload, "--json", str(tmp_path / "r.json")])
     assert rc == 0
     doc = json.loads((tmp_path / "r.json").read_text())
     by = {r["system"]: r for r in doc["results"]}
