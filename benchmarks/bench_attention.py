@@ -56,7 +56,7 @@ def main() -> int:
 
     def torch_paged(cache):
         meta = SimpleNamespace(decode_block_tables=tables, decode_context_lens=lens, step_cache={})
-        return torch_attn._decode(q, cache, meta, scale)
+        return torch_attn._decode(q, cache, meta, scale, None, None)
 
     paths = {"kernel, AMX": kernel(True), "kernel, AVX-512": kernel(False), "torch paged SDPA": torch_paged}
     if not kernels._amx:
