@@ -12,6 +12,7 @@ import torch
 from conftest import make_checkpoint
 
 from infertune.bench import step_bytes as sb
+from infertune.plan.memory import ModelSpec, kv_bytes_per_token
 
 
 def test_rule_reads_the_layers_the_head_and_k_of_e_routed_experts():
@@ -47,13 +48,6 @@ def test_rule_reads_the_layers_the_head_and_k_of_e_routed_experts():
     assert sb.moe_shape({"n_routed_experts": 64, "num_experts_per_tok": 6}) == dict(num_experts=64, top_k=6)
     assert sb.moe_shape({"num_local_experts": 8, "num_experts_per_tok": 2}) == dict(num_experts=8, top_k=2)
     assert sb.moe_shape({"hidden_size": 64}) == dict(num_experts=0, top_k=0)
-
-
-def test_kv_bytes_per_token_gqa_and_latent():
-    gqa = {"num_hidden_layers": 3, "num_attention_heads": 8, "num_key_value_heads": 2, "hidden_size": 256}
-    assert sb.kv_read_bytes_per_token(gqa, 2) == 2 * 3 * 2 * 32 * 2
-    mla = {"num_hidden_layers": 61, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "num_attention_heads": 128}
-    assert sb.kv_read_bytes_per_token(mla, 2) == 70_272  # DeepSeek-V3's latent cache in bf16
 
 
 def _engine_step_bytes(model_dir, **options):
@@ -132,7 +126,7 @@ def test_bench_reports_each_systems_step_bytes_rate_and_roofline(tmp_path, monke
     by = {r["system"]: r for r in doc["results"]}
     cfg = json.loads((model / "config.json").read_text())
     weights_bf16 = sb.decode_step_weight_bytes(sb.checkpoint_tensors(model, 2))
-    kv = (6 + 4 / 2) * sb.kv_read_bytes_per_token(cfg, 2)
+    kv = (6 + 4 / 2) * kv_bytes_per_token(ModelSpec.from_dict(cfg))  # (the planner's: 2 bf16 planes a KV head)
     bf16, packed = by["infertune-bf16"], by["infertune"]
     assert bf16["step_weight_bytes"] == weights_bf16 and bf16["step_kv_bytes"] == kv
     assert packed["step_weight_bytes"] < 0.9 * weights_bf16  # the 12-bit layout's own bytes, not bf16's

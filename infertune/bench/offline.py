@@ -66,7 +66,7 @@ from infertune.bench.offline_models import (  # noqa: F401  re-exported: other c
     read_model_config,
 )
 from infertune.bench.offline_workers import run_worker, worker_hf, worker_infertune  # noqa: F401  re-exported
-from infertune.bench.step_bytes import checkpoint_tensors, decode_step_weight_bytes, kv_read_bytes_per_token, moe_shape
+from infertune.bench.step_bytes import checkpoint_tensors, decode_step_weight_bytes, moe_shape
 from infertune.bench.worker_protocol import (  # noqa: F401  re-exported: other code imports these from here
     RESULT_MARKER,
     current_rss_mib,
@@ -527,17 +527,21 @@ class ParentRun:
     checkpoint_step_bytes: float  # the weights a batch-1 step reads from the checkpoint at --dtype (step_bytes.py)
 
 
-# KV bytes an element under infertune's --kv-cache-dtype (its int8 blocks' scales left out: under 2%)
-KV_DTYPE_BYTES = {"int8": 1}
+# --dtype -> the planner's KV format of a cache kept in the model dtype (plan/memory.py KV_DTYPES)
+KV_FORMAT_OF_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
 def step_read_bytes(args, setup: ParentRun, res: dict) -> tuple[float, float]:
     """(weights, KV) a batch-1 decode step of `res`'s system reads: the weights as the worker counted them in its own
-    format (or the checkpoint's at --dtype), the KV at the mean decode context (input + output / 2 tokens)."""
+    format (or the checkpoint's at --dtype), the KV of one sequence at the mean decode context (input + output / 2
+    tokens; infertune's --kv-cache-dtype int8 with its scales), as the planner counts a cache (sliding windows capped)."""
+    from infertune.plan.memory import KVFormat, ModelSpec, kv_bytes
+
     weights = res.get("extra", {}).get("step_weight_bytes") or setup.checkpoint_step_bytes
-    kv_dtype = args.kv_cache_dtype if res["system"].startswith("infertune") else "auto"
-    elem = KV_DTYPE_BYTES.get(kv_dtype, DTYPE_BYTES[args.dtype])
-    return weights, (args.input_len + args.output_len / 2) * kv_read_bytes_per_token(setup.cfg, elem)
+    own = res["system"].startswith("infertune") and args.kv_cache_dtype != "auto"
+    # (the engine's int8 blocks hold an fp32 scale a token and head: config.py's kv_cache_dtype)
+    kv = KVFormat("int8", scale_bytes=4) if own else KVFormat(KV_FORMAT_OF_DTYPE[args.dtype])
+    return weights, kv_bytes(ModelSpec.from_dict(setup.cfg), args.input_len + args.output_len // 2, 1, kv)
 
 
 def run_parent(args) -> int:

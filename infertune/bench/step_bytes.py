@@ -4,7 +4,8 @@ A decode step at batch 1 multiplies one token by every weight matrix of every la
 each of them once; in an MoE layer only the `top_k` experts the token picks (k of E, so the experts' bytes count
 k / E times); the input embedding is a row lookup (a few KB), so an untied embedding table is not read, while a tied
 one is, because it is also the head. Norms, routers and shared experts are read whole. The attention adds the KV
-cache of the tokens before it.
+cache of the tokens before it
+(the planner's arithmetic: plan/memory.py kv_bytes).
 
 The same rule is applied to three lists of (tensor name, bytes):
 - infertune: the engine's own parameters and buffers after load (12-bit codes, packed int8 / int4 words and their
@@ -57,18 +58,6 @@ def moe_shape(cfg: dict) -> dict[str, int]:
     experts = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0
     top_k = cfg.get("num_experts_per_tok") or 0
     return dict(num_experts=int(experts), top_k=int(top_k)) if experts and top_k else dict(num_experts=0, top_k=0)
-
-
-def kv_read_bytes_per_token(cfg: dict, dtype_bytes: float) -> float:
-    """KV bytes a decode step reads for each earlier token: K and V of every KV head in every layer, or MLA's latent
-    and shared rope key (what a latent cache holds; a system that decompresses MLA into K / V reads more)."""
-    layers = cfg["num_hidden_layers"]
-    if cfg.get("kv_lora_rank"):
-        return layers * (cfg["kv_lora_rank"] + cfg.get("qk_rope_head_dim", 0)) * dtype_bytes
-    heads = cfg["num_attention_heads"]
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    kv_heads = cfg.get("num_key_value_heads") or heads
-    return 2 * layers * kv_heads * head_dim * dtype_bytes
 
 
 def checkpoint_tensors(model_dir: Path, dtype_bytes: float) -> list[tuple[str, int]]:

@@ -170,27 +170,18 @@ int it_moe_route(const void* logits, int logits_bf16, int64_t ld, int64_t T, con
 /* 1 where a linear's kind is one this library's run_lin takes (W8A8: IT_HAS_W8A8; packed W8A16 / W4A16: IT_HAS_W8P /
  * IT_HAS_W4P): the experts' check below, and the fused step's for every layer's linears (fused_step.h) */
 static int lin_kind_ok(const it_lin* L) {
-    if (L->kind == IT_KIND_W8A8) {
-#ifdef IT_HAS_W8A8
-        return L->K >= 1 && L->K <= I8_MAX_K;
-#else
-        return 0;
+    const int kind = L->kind;
+#ifndef IT_HAS_W8A8
+    if (kind == IT_KIND_W8A8) return 0;
 #endif
-    }
-    if (L->kind == IT_KIND_W8P) {
-#ifdef IT_HAS_W8P
-        return L->K >= 1 && L->K <= I8_MAX_K;
-#else
-        return 0;
+#ifndef IT_HAS_W8P
+    if (kind == IT_KIND_W8P) return 0;
 #endif
-    }
-    if (L->kind == IT_KIND_W4P) {
-#ifdef IT_HAS_W4P
-        return L->group >= 64 && L->group % 64 == 0 && L->K % L->group == 0;
-#else
-        return 0;
+#ifndef IT_HAS_W4P
+    if (kind == IT_KIND_W4P) return 0;
 #endif
-    }
+    if (kind == IT_KIND_W8A8 || kind == IT_KIND_W8P) return L->K >= 1 && L->K <= I8_MAX_K; /* (int32 sums) */
+    if (kind == IT_KIND_W4P) return L->group >= 64 && L->group % 64 == 0 && L->K % L->group == 0;
     return 1;
 }
 
