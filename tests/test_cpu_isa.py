@@ -157,6 +157,40 @@ def test_the_avx2_library_is_avx2_only():
     assert "ymm" in text and "zmm" not in text and "%k1" not in text
 
 
+# The micro-kernels that take a prefetch plan and the attention that asks for K / V ahead: each must still hold
+# prefetch instructions once built (GCC deleted a call to a helper whose only effect was a prefetch: bf16.h's
+# IT_PREFETCH_FN)
+_PREFETCHING = {
+    "avx512": [f"gemm_micro_{r}" for r in range(1, 7)]
+    + [f"i8_micro_{r}" for r in range(1, 7)]
+    + [f"attn_heads_{g}" for g in range(1, 9)],
+    "avx2": [f"fma_micro_{r}" for r in range(1, 7)],
+}
+
+
+@needs_x86
+@pytest.mark.parametrize("name", ["avx512", "avx2"])
+def test_the_prefetching_kernels_keep_their_prefetches(name):
+    """Disassembled, every function of _PREFETCHING holds a PREFETCHh instruction (a mutation: a prefetch helper
+    without always_inline loses them from the GEMM micro-kernels)."""
+    objdump = shutil_which("objdump")
+    if objdump is None:
+        pytest.skip("no objdump")
+    lib = cpu.build_library(cpu.VARIANTS[name], cpu._compiler())
+    text = subprocess.run([objdump, "-d", "--no-show-raw-insn", str(lib)], capture_output=True, text=True).stdout
+    found: dict[str, int] = {}
+    fn = None
+    for line in text.splitlines():
+        if line.endswith(">:"):
+            fn = line.split("<", 1)[1][:-2]
+            found.setdefault(fn, 0)
+        elif fn is not None and "\tprefetch" in line:
+            found[fn] += 1
+    missing = [f for f in _PREFETCHING[name] if f not in found]
+    assert not missing, f"not in the library (renamed? update _PREFETCHING): {missing}"
+    assert [f for f in _PREFETCHING[name] if found[f] == 0] == []
+
+
 def shutil_which(name):
     import shutil
 

@@ -46,6 +46,12 @@ static inline int pick_threads(int64_t n_blocks, int64_t bytes, int nthreads) {
  */
 static int64_t pf_far_bytes, pf_bf16_far_bytes;
 
+/* A helper whose only effect is a prefetch: always inlined. GCC counts __builtin_prefetch as no side effect, so a
+ * call to a separate helper that only prefetches is "pure" and its caller's dead-code pass deletes it: the
+ * GEMM slabs' prefetch (gemm_prefetch_line, fma_prefetch) had been compiled out that way. tests/test_kernel_abi.py
+ * checks the built libraries' micro-kernels still hold their prefetch instructions. */
+#define IT_PREFETCH_FN static inline __attribute__((always_inline))
+
 /* both settings (the quantized GEMVs' and bf16 weights') */
 void it_set_prefetch(int64_t far_bytes) { pf_far_bytes = pf_bf16_far_bytes = far_bytes > 0 ? far_bytes : 0; }
 
@@ -68,7 +74,7 @@ static inline int64_t pf_far_offset(int64_t block_bytes) { return pf_far_blocks(
 static inline int64_t pf_far_offset_bf16(int64_t block_bytes) { return pf_far_blocks(pf_bf16_far_bytes, block_bytes); }
 
 /* ask for the weight bytes far_off ahead of p into L2 (far), or near_off ahead into L1 (near) */
-static inline void pf_weights(const void* p, int64_t far_off, int64_t near_off) {
+IT_PREFETCH_FN void pf_weights(const void* p, int64_t far_off, int64_t near_off) {
     if (far_off)
         __builtin_prefetch((const char*)p + far_off, 0, 2);
     else

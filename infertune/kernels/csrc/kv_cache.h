@@ -146,7 +146,7 @@ static inline void kv_write(const it_model* m, void* cache, int which, int64_t r
 
 /* Asks for the cache lines of entries i0 .. i0 + 15 of one sequence's K/V stream (its K rows 0 .. len - 1, then its
  * V rows; a bf16 cache) ahead of their use: the rows sit in scattered blocks the hardware prefetchers do not follow. */
-static inline void kv_prefetch(const it_model* m, const void* cache, const int64_t* table, int64_t len, int64_t g,
+IT_PREFETCH_FN void kv_prefetch(const it_model* m, const void* cache, const int64_t* table, int64_t len, int64_t g,
                                int64_t i0) {
     if (m->kv_int8) return;
     const int64_t D = m->head_dim, bs = m->block_size, hkv = m->n_kv_heads, rows = m->num_blocks * bs * hkv;
@@ -156,6 +156,36 @@ static inline void kv_prefetch(const it_model* m, const void* cache, const int64
         const char* r = (const char*)((const bf16*)cache + (which * rows + kv_slot(table, j, bs) * hkv + g) * D);
         for (int64_t b = 0; b < D * 2; b += 64) _mm_prefetch(r + b, _MM_HINT_T0);
     }
+}
+
+/* Key j's K (which = 0) or V (1) row of KV head g in a bf16 cache */
+static inline const bf16* kv_bf16_row(const it_model* m, const void* cache, int which, const int64_t* table, int64_t j,
+                                      int64_t g) {
+    const int64_t D = m->head_dim, hkv = m->n_kv_heads, rows = m->num_blocks * m->block_size * hkv;
+    return (const bf16*)cache + (which * rows + kv_slot(table, j, m->block_size) * hkv + g) * D;
+}
+
+/* Whether a sequence's 16-key chunks (keys j0 .. j0 + 15, j0 a multiple of 16) each lie in one block of a bf16 cache,
+ * rows n_kv_heads * head_dim apart: the decode attention then finds a chunk's rows from its first */
+static inline int kv_chunked(const it_model* m) { return !m->kv_int8 && m->block_size % 16 == 0; }
+
+/* The chunk to ask for ahead of chunk j0 of a pass over K (which = 0; past K's last chunk, V's first ones) or V (1):
+ * the first row of the chunk `ahead` keys on (NULL: none left) and its keys in *n (kv_chunked caches) */
+static inline const char* kv_ahead(const it_model* m, const void* cache, const int64_t* table, int64_t len, int64_t g,
+                                   int which, int64_t j0, int64_t ahead, int* n) {
+    int64_t j = j0 + ahead;
+    const int64_t len16 = (len + 15) & ~(int64_t)15;
+    if (!which && j >= len16) { j -= len16; which = 1; }
+    if (j >= len) { *n = 0; return NULL; }
+    *n = (int)(len - j < 16 ? len - j : 16);
+    return (const char*)kv_bf16_row(m, cache, which, table, j, g);
+}
+
+/* Keys k0 .. k1 - 1 of a chunk kv_ahead found (rows ld bf16 apart, D wide) into L1: a few rows at a time between the
+ * arithmetic, not all at once (the L1's outstanding misses are few: a burst of them stalls the loads behind it) */
+IT_PREFETCH_FN void kv_ask(const char* r, int64_t ld, int64_t D, int k0, int k1) {
+    for (int k = k0; k < k1; k++)
+        for (int64_t b = 0; b < D * 2; b += 64) _mm_prefetch(r + k * ld * 2 + b, _MM_HINT_T0);
 }
 
 #endif

@@ -106,7 +106,7 @@ typedef struct {
     int64_t ld, row_lines, first, count; /* row stride in bytes, lines per row, this call's share of the lines */
 } fma_pf;
 
-static inline void fma_prefetch(const fma_pf* pf, int64_t j) {
+IT_PREFETCH_FN void fma_prefetch(const fma_pf* pf, int64_t j) {
     if (j < pf->count) {
         const int64_t line = pf->first + j;
         _mm_prefetch(pf->base + (line / pf->row_lines) * pf->ld + (line % pf->row_lines) * 64, _MM_HINT_T1);

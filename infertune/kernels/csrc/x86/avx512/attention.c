@@ -25,16 +25,26 @@ static inline __attribute__((always_inline)) void attn_scores(const it_model* m,
                                                               const int64_t* table, int64_t len, int64_t g,
                                                               const bf16* q, const int G, float* sc,
                                                               int64_t max_ctx, bf16* tmp, const bf16* zero) {
-    const int64_t D = m->head_dim;
+    const int64_t D = m->head_dim, ld = m->n_kv_heads * D;
     const __m512 scale = _mm512_set1_ps(m->scale);
+    const int chunked = kv_chunked(m);
     for (int64_t j0 = 0; j0 < len; j0 += 16) {
         const int nb = (int)(len - j0 < 16 ? len - j0 : 16);
         const bf16* kr[16];
-        kv_prefetch(m, cache, table, len, g, j0 + PF_KEYS);
-        kv_rows(m, cache, 0, table, j0, nb, g, tmp, kr);
+        const char* ahead = NULL;
+        int na = 0;
+        if (chunked) {
+            const bf16* r = kv_bf16_row(m, cache, 0, table, j0, g);
+            for (int jj = 0; jj < nb; jj++) kr[jj] = r + jj * ld;
+            ahead = kv_ahead(m, cache, table, len, g, 0, j0, PF_KEYS, &na);
+        } else {
+            kv_prefetch(m, cache, table, len, g, j0 + PF_KEYS);
+            kv_rows(m, cache, 0, table, j0, nb, g, tmp, kr);
+        }
         for (int jj = nb; jj < 16; jj++) kr[jj] = zero;
         for (int h = 0; h < G; h++) {
             __m512 a[16];
+            if (ahead) kv_ask(ahead, ld, D, h * na / G, (h + 1) * na / G); /* spread over the heads */
             for (int jj = 0; jj < 16; jj++) a[jj] = _mm512_setzero_ps();
             for (int64_t d = 0; d < D; d += 32) {
                 const __mmask32 mk = D - d >= 32 ? (__mmask32)0xffffffffu : (__mmask32)0xffffu;
@@ -92,7 +102,8 @@ static inline __attribute__((always_inline)) void attn_values(const it_model* m,
                                                               const int64_t* table, int64_t len, int64_t g,
                                                               const int G, const float* sc, int64_t max_ctx,
                                                               bf16* o, bf16* tmp) {
-    const int64_t D = m->head_dim;
+    const int64_t D = m->head_dim, ld = m->n_kv_heads * D;
+    const int chunked = kv_chunked(m);
     for (int64_t d = 0; d < D; d += 32) {
         const int two = D - d >= 32;
         __m512 a0[8], a1[8];
@@ -100,9 +111,18 @@ static inline __attribute__((always_inline)) void attn_values(const it_model* m,
         for (int64_t j0 = 0; j0 < len; j0 += 16) {
             const int nb = (int)(len - j0 < 16 ? len - j0 : 16);
             const bf16* vr[16];
-            if (d == 0) kv_prefetch(m, cache, table, len, g, len + j0 + PF_KEYS);
-            kv_rows(m, cache, 1, table, j0, nb, g, tmp, vr);
+            const char* ahead = NULL;
+            int na = 0;
+            if (chunked) {
+                const bf16* r = kv_bf16_row(m, cache, 1, table, j0, g);
+                for (int jj = 0; jj < nb; jj++) vr[jj] = r + jj * ld;
+                if (d == 0) ahead = kv_ahead(m, cache, table, len, g, 1, j0, PF_KEYS, &na);
+            } else {
+                if (d == 0) kv_prefetch(m, cache, table, len, g, len + j0 + PF_KEYS);
+                kv_rows(m, cache, 1, table, j0, nb, g, tmp, vr);
+            }
             for (int jj = 0; jj < nb; jj++) {
+                if (jj < na) kv_ask(ahead, ld, D, jj, jj + 1); /* a row ahead for each row read */
                 const __m512 v0 = load_bf16x16(vr[jj] + d, 0xffff);
                 const __m512 v1 = load_bf16x16(vr[jj] + d + 16, two ? 0xffff : 0);
                 for (int h = 0; h < G; h++) {

@@ -80,7 +80,7 @@ typedef struct {
     int64_t ld, row_lines, first, count;
 } gemm_pf;
 
-static inline void gemm_prefetch_line(const gemm_pf* pf, int64_t j) {
+IT_PREFETCH_FN void gemm_prefetch_line(const gemm_pf* pf, int64_t j) {
     if (j < pf->count) {
         const int64_t line = pf->first + j;
         _mm_prefetch(pf->base + (line / pf->row_lines) * pf->ld + (line % pf->row_lines) * 64, _MM_HINT_T1);
