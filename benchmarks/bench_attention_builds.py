@@ -11,6 +11,7 @@ read per second and B's speed-up, and checks that both builds give the same outp
 
     git worktree add -f /tmp/base HEAD~1 --detach
     python benchmarks/bench_attention_builds.py --a /tmp/base/infertune/kernels/csrc/x86/avx512/avx512.c
+    python benchmarks/bench_attention_builds.py --variant avx2 --a /tmp/base/infertune/kernels/csrc/x86/avx2/avx2.c
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from ab_common import alternating_ms
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--a", required=True, help="the baseline kernels source (a tree's csrc/x86/avx512/avx512.c)")
-    ap.add_argument("--b", default="infertune/kernels/csrc/x86/avx512/avx512.c", help="the changed source")
+    ap.add_argument("--b", default=None, help="the changed source (default: this tree's, of --variant)")
+    ap.add_argument("--variant", default="avx512", choices=["avx512", "avx2"], help="the library both build (flags)")
     ap.add_argument("--batch", type=int, default=16, help="sequences, one decode row each (default: 16)")
     ap.add_argument("--context", type=int, default=192, help="keys of each sequence (default: 192)")
     ap.add_argument("--layers", type=int, default=24, help="(default: 24)")
@@ -63,15 +65,18 @@ def main() -> int:
         scale=d**-0.5, nthreads=args.threads, n_layers=1, kv_int8=0,
     )  # fmt: skip
     cc = kernels._compiler()
+    variant = kernels.VARIANTS[args.variant]
+    args.b = args.b or str(variant.source)
     steps, outs, keep = {}, {}, []
     with tempfile.TemporaryDirectory() as tmp:
         for name, src in (("A", args.a), ("B", args.b)):
             so = Path(tmp) / f"lib{name}.so"
             own = f"-I{Path(src).resolve().parents[2]}"  # that tree's csrc/ headers before this one's
-            subprocess.run([cc, own, *kernels.CFLAGS, src, "-o", str(so), "-lm"], check=True)
+            subprocess.run([cc, own, *variant.cflags, src, "-o", str(so), "-lm"], check=True)
             lib = ctypes.CDLL(str(so))
             kernels.declare(lib)
-            lib.it_amx_init(int(kernels._amx))
+            if args.variant == "avx512":
+                lib.it_amx_init(int(kernels._amx))
             nbytes = lib.it_decode_workspace_bytes(ctypes.byref(model), b, per * bs)
             work = torch.empty(nbytes + 64, dtype=torch.uint8)
             step = kernels.ItStep(

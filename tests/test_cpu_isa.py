@@ -164,7 +164,7 @@ _PREFETCHING = {
     "avx512": [f"gemm_micro_{r}" for r in range(1, 7)]
     + [f"i8_micro_{r}" for r in range(1, 7)]
     + [f"attn_heads_{g}" for g in range(1, 9)],
-    "avx2": [f"fma_micro_{r}" for r in range(1, 7)],
+    "avx2": [f"fma_micro_{r}" for r in range(1, 7)] + ["attn2_heads"],
 }
 
 

@@ -103,17 +103,27 @@ static inline __m256i lanes_below(int64_t n) { /* lanes 0 .. n - 1 set */
  * stay in registers. */
 static void attn2_scores(const it_model* m, const void* cache, const int64_t* table, int64_t len, int64_t g,
                          const bf16* q, int64_t G, float* sc, int64_t max_ctx, bf16* tmp, const bf16* zero) {
-    const int64_t D = m->head_dim;
+    const int64_t D = m->head_dim, ld = m->n_kv_heads * D;
     const __m256 scale = _mm256_set1_ps(m->scale);
     const __m256i z = _mm256_setzero_si256();
+    const int chunked = kv_chunked(m);
     for (int64_t j0 = 0; j0 < len; j0 += ATT2_KEYS) {
         const int nb = (int)(len - j0 < ATT2_KEYS ? len - j0 : ATT2_KEYS);
         const bf16* kr[ATT2_KEYS];
-        if (!(j0 & 15)) kv_prefetch(m, cache, table, len, g, j0 + ATT2_PF_KEYS); /* (16 entries a call) */
-        kv_rows(m, cache, 0, table, j0, nb, g, tmp, kr);
+        const char* ahead = NULL;
+        int na = 0;
+        if (chunked) { /* (kv_chunked: the 8 keys in one block; the 16-key chunk ahead asked for in its first half) */
+            const bf16* r = kv_bf16_row(m, cache, 0, table, j0, g);
+            for (int jj = 0; jj < nb; jj++) kr[jj] = r + jj * ld;
+            if (!(j0 & 15)) ahead = kv_ahead(m, cache, table, len, g, 0, j0, ATT2_PF_KEYS, &na);
+        } else {
+            if (!(j0 & 15)) kv_prefetch(m, cache, table, len, g, j0 + ATT2_PF_KEYS); /* (16 entries a call) */
+            kv_rows(m, cache, 0, table, j0, nb, g, tmp, kr);
+        }
         for (int jj = nb; jj < ATT2_KEYS; jj++) kr[jj] = zero;
         for (int64_t h = 0; h < G; h++) {
             __m256 a[ATT2_KEYS];
+            if (ahead) kv_ask(ahead, ld, D, (int)(h * na / G), (int)((h + 1) * na / G)); /* spread over the heads */
             for (int jj = 0; jj < ATT2_KEYS; jj++) a[jj] = _mm256_setzero_ps();
             for (int64_t d = 0; d < D; d += 16) { /* (D % 16 == 0: it_decode_layers checks) */
                 const __m256i qv = _mm256_loadu_si256((const __m256i*)(q + h * D + d));
@@ -175,15 +185,25 @@ static inline __attribute__((always_inline)) void attn2_values16(const it_model*
                                                                  const int64_t* table, int64_t len, int64_t g,
                                                                  int64_t d, const float* sc, int hn, int64_t max_ctx,
                                                                  bf16* o, bf16* tmp, int prefetch) {
-    const int64_t D = m->head_dim;
+    const int64_t D = m->head_dim, ld = m->n_kv_heads * D;
+    const int chunked = kv_chunked(m);
     __m256 a0[ATT2_HEADS], a1[ATT2_HEADS];
     for (int h = 0; h < ATT2_HEADS; h++) a0[h] = a1[h] = _mm256_setzero_ps();
     for (int64_t j0 = 0; j0 < len; j0 += ATT2_KEYS) {
         const int nb = (int)(len - j0 < ATT2_KEYS ? len - j0 : ATT2_KEYS);
         const bf16* vr[ATT2_KEYS];
-        if (prefetch && !(j0 & 15)) kv_prefetch(m, cache, table, len, g, len + j0 + ATT2_PF_KEYS);
-        kv_rows(m, cache, 1, table, j0, nb, g, tmp, vr);
+        const char* ahead = NULL;
+        int na = 0;
+        if (chunked) {
+            const bf16* r = kv_bf16_row(m, cache, 1, table, j0, g);
+            for (int jj = 0; jj < nb; jj++) vr[jj] = r + jj * ld;
+            if (prefetch && !(j0 & 15)) ahead = kv_ahead(m, cache, table, len, g, 1, j0, ATT2_PF_KEYS, &na);
+        } else {
+            if (prefetch && !(j0 & 15)) kv_prefetch(m, cache, table, len, g, len + j0 + ATT2_PF_KEYS);
+            kv_rows(m, cache, 1, table, j0, nb, g, tmp, vr);
+        }
         for (int jj = 0; jj < nb; jj++) {
+            if (2 * jj < na) kv_ask(ahead, ld, D, 2 * jj, 2 * jj + 2 < na ? 2 * jj + 2 : na); /* two rows a row read */
             const __m256 v0 = load_bf16x8(vr[jj] + d), v1 = load_bf16x8(vr[jj] + d + 8);
             for (int h = 0; h < ATT2_HEADS; h++)
                 if (h < hn) {
