@@ -66,3 +66,22 @@ def alternating_ms(paths: dict, steps: int, before=None) -> dict:
             if step:
                 times[name].append((time.perf_counter() - t) * 1e3)
     return times
+
+
+def load_build(src: str, out_dir: str, name: str, variant: str = "avx512"):
+    """One kernels source (a tree's csrc/x86/avx512/avx512.c, or avx2.c with variant="avx2") compiled with the
+    variant's flags and that tree's own headers ahead of this one's, loaded, declared and (AVX-512) AMX-initialised:
+    a second build beside the process's, for A/B scripts."""
+    import ctypes
+    import subprocess
+
+    from infertune.kernels import cpu
+
+    so = Path(out_dir) / f"lib{name}.so"
+    own = f"-I{Path(src).resolve().parents[2]}"  # that tree's csrc/ headers before this one's
+    subprocess.run([cpu._compiler(), own, *cpu.VARIANTS[variant].cflags, src, "-o", str(so), "-lm"], check=True)
+    lib = ctypes.CDLL(str(so))
+    cpu.declare(lib)
+    if variant == "avx512":
+        lib.it_amx_init(int(cpu._amx))
+    return lib

@@ -19,11 +19,9 @@ from __future__ import annotations
 import argparse
 import ctypes
 import statistics
-import subprocess
 import tempfile
-from pathlib import Path
 
-from ab_common import alternating_ms
+from ab_common import alternating_ms, load_build
 
 
 def main() -> int:
@@ -64,19 +62,11 @@ def main() -> int:
         hidden=hq * d, n_heads=hq, n_kv_heads=hkv, head_dim=d, inter=hq * d, num_blocks=nb, block_size=bs,
         scale=d**-0.5, nthreads=args.threads, n_layers=1, kv_int8=0,
     )  # fmt: skip
-    cc = kernels._compiler()
-    variant = kernels.VARIANTS[args.variant]
-    args.b = args.b or str(variant.source)
+    args.b = args.b or str(kernels.VARIANTS[args.variant].source)
     steps, outs, keep = {}, {}, []
     with tempfile.TemporaryDirectory() as tmp:
         for name, src in (("A", args.a), ("B", args.b)):
-            so = Path(tmp) / f"lib{name}.so"
-            own = f"-I{Path(src).resolve().parents[2]}"  # that tree's csrc/ headers before this one's
-            subprocess.run([cc, own, *variant.cflags, src, "-o", str(so), "-lm"], check=True)
-            lib = ctypes.CDLL(str(so))
-            kernels.declare(lib)
-            if args.variant == "avx512":
-                lib.it_amx_init(int(kernels._amx))
+            lib = load_build(src, tmp, name, args.variant)
             nbytes = lib.it_decode_workspace_bytes(ctypes.byref(model), b, per * bs)
             work = torch.empty(nbytes + 64, dtype=torch.uint8)
             step = kernels.ItStep(

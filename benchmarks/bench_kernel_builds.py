@@ -14,15 +14,12 @@ tokens and `--output-len` new tokens, greedy; prompts of up to 128 tokens in all
 
 from __future__ import annotations
 
-import ctypes
 import random
 import statistics
-import subprocess
 import tempfile
 import time
-from pathlib import Path
 
-from ab_common import ab_parser, bench_model
+from ab_common import ab_parser, bench_model, load_build
 
 
 def main() -> int:
@@ -40,17 +37,10 @@ def main() -> int:
     if not kernels.available():
         print(f"kernels unavailable: {kernels.unavailable_reason()}")
         return 1
-    cc = kernels._compiler()
     builds = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, src in (("A", args.a), ("B", args.b)):
-            so = Path(tmp) / f"lib{name}.so"
-            own = f"-I{Path(src).resolve().parents[2]}"  # that tree's csrc/ headers before this one's
-            subprocess.run([cc, own, *kernels.CFLAGS, src, "-o", str(so), "-lm"], check=True)
-            lib = ctypes.CDLL(str(so))
-            kernels.declare(lib)
-            lib.it_amx_init(int(kernels._amx))
-            builds.append(lib)
+            builds.append(load_build(src, tmp, name))
         model = str(bench_model(args.model))
         llm = LLM(model, dtype="bfloat16", enable_prefix_caching=False, max_num_seqs=max(args.batch, 1))
         fused = llm.engine.executor.runner.fused  # (None where the engine has no fused step; .decoder: x86_fused)
