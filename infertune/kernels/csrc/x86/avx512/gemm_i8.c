@@ -23,6 +23,14 @@
  * at 1 row (both at the memory's speed), 1.41x at 16, 1.65x at 32; 1.9x the bf16 VDPBF16PS GEMM at 512.
  */
 #define I8_KC 1024         /* columns per slab: 64 features x 1024 bytes = 64 KB (L2), as the bf16 GEMM's */
+#ifndef I8_PF_MIN_ROWS
+/* rows from which a pass asks for the next slab into L2 as it goes (gemm_prefetch_line). Below, the rows stream the
+ * weights at memory speed without it, and it only adds requests: on a Zen 5 (W8A16 on the packed weight, the 386M
+ * model's linears streaming) 0.80x at 1 row and 0.93x at 4, against 1.11x / 1.13x / 1.10x at 8 / 12 / 16 rows and
+ * level at 128. (The prefetch had been compiled out until 2026-12-05, bf16.h IT_PREFETCH_FN: these are its first
+ * measurements.) */
+#define I8_PF_MIN_ROWS 8
+#endif
 #define I8_NB 64           /* output features a block of the packed weight holds */
 #define I8_FLIP 0x80       /* (the weight as VPDPBUSD's unsigned operand: q + 128) */
 #include "w8a8.h"          /* I8_MAX_K, the scratch, unpacking, the entry points */
@@ -181,7 +189,7 @@ static void i8_drive(const uint32_t* wpk, int64_t M, int64_t N, int64_t K, int n
                     gemm_pf pf = {0};
                     const int64_t next = k0 + kc < Kp || last_rows ? kc / 4 * 64 : 0; /* words on */
                     const int64_t left = (nblocks - b) * block_words - (k0 + kc) / 4 * 64; /* words of W after it */
-                    if (next && left > 0) {
+                    if (next && left > 0 && M >= I8_PF_MIN_ROWS) {
                         const int64_t nw = left < I8_KC / 4 * 64 ? left : I8_KC / 4 * 64;
                         pf.base = (const char*)(wp + next);
                         pf.ld = 0;
