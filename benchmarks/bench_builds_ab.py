@@ -47,7 +47,9 @@ def main() -> int:
     ap.add_argument("--a", required=True, help="the baseline checkout (a folder holding infertune/)")
     ap.add_argument("--b", default=".", help="the changed checkout (default: .)")
     ap.add_argument("--repeats", type=int, default=2, help="timed generates per worker (default: 2)")
-    ap.add_argument("--quantization", choices=["none", "w8a16", "w4a16"], default="none", help="(default: none)")
+    ap.add_argument(
+        "--quantization", choices=["none", "w8a16", "w4a16", "w8a8"], default="none", help="(default: none)"
+    )
     args = ap.parse_args()
 
     model = bench_model(args.model)
