@@ -4,8 +4,7 @@ A decode step at batch 1 multiplies one token by every weight matrix of every la
 each of them once; in an MoE layer only the `top_k` experts the token picks (k of E, so the experts' bytes count
 k / E times); the input embedding is a row lookup (a few KB), so an untied embedding table is not read, while a tied
 one is, because it is also the head. Norms, routers and shared experts are read whole. The attention adds the KV
-cache of the tokens before it
-(the planner's arithmetic: plan/memory.py kv_bytes).
+cache of the tokens before it (the planner's arithmetic: plan/memory.py kv_bytes).
 
 The same rule is applied to three lists of (tensor name, bytes):
 - infertune: the engine's own parameters and buffers after load (12-bit codes, packed int8 / int4 words and their

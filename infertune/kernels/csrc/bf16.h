@@ -48,7 +48,7 @@ static int64_t pf_far_bytes, pf_bf16_far_bytes;
 
 /* A helper whose only effect is a prefetch: always inlined. GCC counts __builtin_prefetch as no side effect, so a
  * call to a separate helper that only prefetches is "pure" and its caller's dead-code pass deletes it: the
- * GEMM slabs' prefetch (gemm_prefetch_line, fma_prefetch) had been compiled out that way. tests/test_kernel_abi.py
+ * GEMM slabs' prefetch (gemm_prefetch_line, fma_prefetch) had been compiled out that way. tests/test_cpu_isa.py
  * checks the built libraries' micro-kernels still hold their prefetch instructions. */
 #define IT_PREFETCH_FN static inline __attribute__((always_inline))
 

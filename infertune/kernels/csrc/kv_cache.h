@@ -84,11 +84,30 @@ static inline int64_t kv_slot(const int64_t* table, int64_t j, int64_t bs) {
     return (table[j >> sh] << sh) | (j & (bs - 1));
 }
 
+/* Key j's K (which = 0) or V (1) row of KV head g in a bf16 cache */
+static inline const bf16* kv_bf16_row(const it_model* m, const void* cache, int which, const int64_t* table, int64_t j,
+                                      int64_t g) {
+    const int64_t D = m->head_dim, hkv = m->n_kv_heads, rows = m->num_blocks * m->block_size * hkv;
+    return (const bf16*)cache + (which * rows + kv_slot(table, j, m->block_size) * hkv + g) * D;
+}
+
+/* K (0) or V (1) rows of keys j0 .. j0 + nb - 1 that lie in one block of a bf16 cache: one lookup, rows hkv D apart */
+static inline void kv_block_rows(const it_model* m, const void* cache, int which, const int64_t* table, int64_t j0,
+                                 int nb, int64_t g, const bf16** rows) {
+    const bf16* r = kv_bf16_row(m, cache, which, table, j0, g);
+    const int64_t ld = m->n_kv_heads * m->head_dim;
+    for (int jj = 0; jj < nb; jj++) rows[jj] = r + jj * ld;
+}
+
 /* K (0) or V (1) rows of keys j0 .. j0 + nb - 1 of a sequence (block table `table`, kv head g) into rows[]. An entry
  * with IT_INT4_LO / IT_INT4_HI set (the int4 tier, an int8 cache) reads that half of its int4 block. */
 static inline void kv_rows(const it_model* m, const void* cache, int which, const int64_t* table, int64_t j0, int nb,
                            int64_t g, bf16* tmp, const bf16** rows) {
     const int64_t D = m->head_dim, bs = m->block_size, hkv = m->n_kv_heads;
+    if (!m->kv_int8 && (j0 & (bs - 1)) + nb <= bs) {
+        kv_block_rows(m, cache, which, table, j0, nb, g, rows);
+        return;
+    }
     const int sh = __builtin_ctzll((unsigned long long)bs);
     for (int jj = 0; jj < nb; jj++) {
         const int64_t j = j0 + jj, entry = table[j >> sh], kind = entry >> IT_INT4_SHIFT;
@@ -149,24 +168,17 @@ static inline void kv_write(const it_model* m, void* cache, int which, int64_t r
 IT_PREFETCH_FN void kv_prefetch(const it_model* m, const void* cache, const int64_t* table, int64_t len, int64_t g,
                                int64_t i0) {
     if (m->kv_int8) return;
-    const int64_t D = m->head_dim, bs = m->block_size, hkv = m->n_kv_heads, rows = m->num_blocks * bs * hkv;
-    const int64_t end = i0 + 16 < 2 * len ? i0 + 16 : 2 * len;
+    const int64_t D = m->head_dim, end = i0 + 16 < 2 * len ? i0 + 16 : 2 * len;
     for (int64_t i = i0; i < end; i++) {
-        const int64_t which = i >= len, j = i - which * len;
-        const char* r = (const char*)((const bf16*)cache + (which * rows + kv_slot(table, j, bs) * hkv + g) * D);
+        const int which = i >= len;
+        const char* r = (const char*)kv_bf16_row(m, cache, which, table, i - which * len, g);
         for (int64_t b = 0; b < D * 2; b += 64) _mm_prefetch(r + b, _MM_HINT_T0);
     }
 }
 
-/* Key j's K (which = 0) or V (1) row of KV head g in a bf16 cache */
-static inline const bf16* kv_bf16_row(const it_model* m, const void* cache, int which, const int64_t* table, int64_t j,
-                                      int64_t g) {
-    const int64_t D = m->head_dim, hkv = m->n_kv_heads, rows = m->num_blocks * m->block_size * hkv;
-    return (const bf16*)cache + (which * rows + kv_slot(table, j, m->block_size) * hkv + g) * D;
-}
-
 /* Whether a sequence's 16-key chunks (keys j0 .. j0 + 15, j0 a multiple of 16) each lie in one block of a bf16 cache,
- * rows n_kv_heads * head_dim apart: the decode attention then finds a chunk's rows from its first */
+ * rows n_kv_heads * head_dim apart: the decode attention then takes a chunk's rows from its first (kv_block_rows, the
+ * check out of its loops) and asks for a chunk ahead the same way (kv_ahead) */
 static inline int kv_chunked(const it_model* m) { return !m->kv_int8 && m->block_size % 16 == 0; }
 
 /* The chunk to ask for ahead of chunk j0 of a pass over K (which = 0; past K's last chunk, V's first ones) or V (1):

@@ -112,9 +112,8 @@ static void attn2_scores(const it_model* m, const void* cache, const int64_t* ta
         const bf16* kr[ATT2_KEYS];
         const char* ahead = NULL;
         int na = 0;
-        if (chunked) { /* (kv_chunked: the 8 keys in one block; the 16-key chunk ahead asked for in its first half) */
-            const bf16* r = kv_bf16_row(m, cache, 0, table, j0, g);
-            for (int jj = 0; jj < nb; jj++) kr[jj] = r + jj * ld;
+        if (chunked) { /* (the 16-key chunk ahead, asked for in this chunk's first half) */
+            kv_block_rows(m, cache, 0, table, j0, nb, g, kr);
             if (!(j0 & 15)) ahead = kv_ahead(m, cache, table, len, g, 0, j0, ATT2_PF_KEYS, &na);
         } else {
             if (!(j0 & 15)) kv_prefetch(m, cache, table, len, g, j0 + ATT2_PF_KEYS); /* (16 entries a call) */
@@ -195,8 +194,7 @@ static inline __attribute__((always_inline)) void attn2_values16(const it_model*
         const char* ahead = NULL;
         int na = 0;
         if (chunked) {
-            const bf16* r = kv_bf16_row(m, cache, 1, table, j0, g);
-            for (int jj = 0; jj < nb; jj++) vr[jj] = r + jj * ld;
+            kv_block_rows(m, cache, 1, table, j0, nb, g, vr);
             if (prefetch && !(j0 & 15)) ahead = kv_ahead(m, cache, table, len, g, 1, j0, ATT2_PF_KEYS, &na);
         } else {
             if (prefetch && !(j0 & 15)) kv_prefetch(m, cache, table, len, g, len + j0 + ATT2_PF_KEYS);

@@ -34,8 +34,7 @@ static inline __attribute__((always_inline)) void attn_scores(const it_model* m,
         const char* ahead = NULL;
         int na = 0;
         if (chunked) {
-            const bf16* r = kv_bf16_row(m, cache, 0, table, j0, g);
-            for (int jj = 0; jj < nb; jj++) kr[jj] = r + jj * ld;
+            kv_block_rows(m, cache, 0, table, j0, nb, g, kr);
             ahead = kv_ahead(m, cache, table, len, g, 0, j0, PF_KEYS, &na);
         } else {
             kv_prefetch(m, cache, table, len, g, j0 + PF_KEYS);
@@ -114,8 +113,7 @@ static inline __attribute__((always_inline)) void attn_values(const it_model* m,
             const char* ahead = NULL;
             int na = 0;
             if (chunked) {
-                const bf16* r = kv_bf16_row(m, cache, 1, table, j0, g);
-                for (int jj = 0; jj < nb; jj++) vr[jj] = r + jj * ld;
+                kv_block_rows(m, cache, 1, table, j0, nb, g, vr);
                 if (d == 0) ahead = kv_ahead(m, cache, table, len, g, 1, j0, PF_KEYS, &na);
             } else {
                 if (d == 0) kv_prefetch(m, cache, table, len, g, len + j0 + PF_KEYS);
