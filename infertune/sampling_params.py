@@ -38,6 +38,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # vLLM's name: False leaves the outputs' text empty and returns the token ids alone, skipping the per-token
+    # decode (offline runs that read ids, benchmarks: vLLM's own throughput bench sets it). Stop strings need text.
+    detokenize: bool = True
     # Constrained decoding: a JSON schema, regex, choice, grammar or any JSON object (docs/structured-output.md).
     structured_outputs: StructuredOutputsParams | None = None
     # Token healing: the prompt's last token is taken off and the output must start with its text, so the model
@@ -93,6 +96,10 @@ class SamplingParams:
         if any(not isinstance(s, str) or not s for s in stops):
             raise bad("stop", "must be a non-empty string or a list of non-empty strings")
         self.stop_list = tuple(stops)
+        if not isinstance(self.detokenize, bool):
+            raise bad("detokenize", "must be true or false")
+        if stops and not self.detokenize:
+            raise bad("detokenize", "must be true with stop strings (they are matched in the text)")
         self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
         # -- structured output (docs/structured-output.md) --
         if isinstance(self.structured_outputs, dict):

@@ -234,6 +234,9 @@ class QemuNeonLib:
     def it_argmax_rows(self, x, rows, n, ld, out, nthreads):
         self._run("it_argmax_rows", [rows, n, ld], [(x, ((rows - 1) * ld + n) * 4), (out, rows * 8)])
 
+    def it_argmax_rows_bf16(self, x, rows, n, ld, out, nthreads):
+        self._run("it_argmax_rows_bf16", [rows, n, ld], [(x, ((rows - 1) * ld + n) * 2), (out, rows * 8)])
+
     def it_rmsnorm_mt(self, x, w, out, t, h, eps, nthreads):
         self._run("it_rmsnorm_mt", [t, h, repr(float(eps))], [(x, t * h * 2), (w, h * 2), (out, t * h * 2)])
 

@@ -87,7 +87,7 @@ def _tie(delta: float):
         orig = model.compute_logits
         sign = 1.0 if label.startswith("batch") and label != "batch 1" else -1.0
 
-        def tied(hidden):
+        def tied(hidden, fp32=True):
             logits = orig(hidden).clone()
             top = logits.topk(2, dim=-1)
             logits.scatter_(1, top.indices[:, 1:], top.values[:, :1] + sign * delta)

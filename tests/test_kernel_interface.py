@@ -203,6 +203,7 @@ class TorchKernels:
 
     def __init__(self, fused: bool = True) -> None:
         self.calls: Counter = Counter()
+        self.logit_dtypes: set = set()
         self.fused = fused
 
     def max_rows(self, kind):
@@ -286,7 +287,8 @@ class TorchKernels:
 
     def greedy_tokens(self, logits):
         self.calls["greedy_tokens"] += 1
-        return logits.nan_to_num(nan=float("-inf")).argmax(dim=-1)
+        self.logit_dtypes.add(logits.dtype)
+        return logits.float().nan_to_num(nan=float("-inf")).argmax(dim=-1)
 
     def silu_and_mul(self, gate_up):
         self.calls["silu_and_mul"] += 1
@@ -437,6 +439,35 @@ def test_the_engine_runs_on_a_second_implementation(tmp_path, monkeypatch, quant
         assert q.shape == (256, 128) and q.dtype is torch.uint8
         assert ref.calls["linear_w4p"] > 0 and ref.calls["linear_w4"] == 0
     assert mine <= 1.5 * plain + 0.02, (mine, plain)
+
+
+def test_greedy_steps_hand_the_kernels_bf16_logits(tmp_path, monkeypatch):
+    """A bf16 model's greedy steps with nothing else to compute hand greedy_tokens the LM head's bf16 logits (no
+    [rows, V] fp32 copy); with logprobs asked for, fp32; the tokens are the same either way, and the same as the
+    sampler's own torch formula gives with no kernels."""
+    from conftest import make_checkpoint
+
+    from infertune import LLM, SamplingParams
+    from infertune.backends.cpu import CPUBackend
+
+    model = make_checkpoint(
+        tmp_path / "m", "llama", hidden_size=128, intermediate_size=256, num_hidden_layers=2, dtype=torch.bfloat16
+    )
+    ref = TorchKernels(fused=True)
+    monkeypatch.setattr(CPUBackend, "decode_kernels", lambda self: ref)
+    llm = LLM(str(model), dtype="bfloat16", max_model_len=96, block_size=16)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [{"prompt_token_ids": torch.randint(3, 250, (n,), generator=gen).tolist()} for n in (4, 21, 40)]
+    ids = lambda outs: [o.outputs[0].token_ids for o in outs]  # noqa: E731
+    plain = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    fast = ids(llm.generate(prompts, plain))
+    assert ref.logit_dtypes == {torch.bfloat16}
+    ref.logit_dtypes.clear()
+    scored = ids(llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1)))
+    assert ref.logit_dtypes == {torch.float32}
+    monkeypatch.setattr(CPUBackend, "decode_kernels", lambda self: None)
+    torch_only = ids(LLM(str(model), dtype="bfloat16", max_model_len=96, block_size=16).generate(prompts, plain))
+    assert fast == scored == torch_only
 
 
 @pytest.mark.parametrize("variant,fused", [("gemma2", True), ("gemma3", True), ("gemma3", False)])

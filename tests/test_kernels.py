@@ -126,7 +126,8 @@ def test_bf16_strided_rows_and_leading_dims(ks):
 
 # The VDPBF16PS GEMM of the AVX-512 library without AMX (csrc/x86/avx512/gemm_dpbf16.c), called directly (so it runs
 # on AMX machines too): row counts that leave each micro-kernel tail (6 rows a pass: 4, 7, 13), more rows than one
-# pass over a packed slab (128: 129, 300), feature counts that leave a partial 16- / 64-feature block, K past one
+# pass over a packed slab (GEMM_MB, 512: 530; and past the 128 it was: 129, 300), feature counts that leave a
+# partial 16- / 64-feature block, K past one
 # 256-column slab with a partial last slab (600, 2050) and K not a multiple of 32 (100).
 NOAMX_GEMM_SHAPES = [
     (4, 64, 64),
@@ -136,6 +137,7 @@ NOAMX_GEMM_SHAPES = [
     (64, 17, 2050),
     (129, 80, 96),
     (300, 200, 256),
+    (530, 80, 600),
 ]
 
 
@@ -991,6 +993,11 @@ def test_greedy_tokens_are_torchs_argmax_with_nan_as_minus_inf(ks):
         want = logits.nan_to_num(nan=float("-inf")).argmax(dim=-1)
         got = ks.greedy_tokens(logits)
         assert got is not None and got.dtype is torch.int64 and torch.equal(got, want), (got, want)
+        # bf16 logits (a bf16 LM head's output, no fp32 copy): the argmax of the fp32 values they widen to
+        half = logits.to(torch.bfloat16)
+        want = half.float().nan_to_num(nan=float("-inf")).argmax(dim=-1)
+        got = ks.greedy_tokens(half)
+        assert got is not None and torch.equal(got, want), (got, want)
 
     for rows, n in ((1, 1), (1, 7), (3, 33), (16, 32000), (5, 1027)):
         check(torch.randn(rows, n, generator=g))
@@ -1013,8 +1020,14 @@ def test_greedy_tokens_are_torchs_argmax_with_nan_as_minus_inf(ks):
     y[1, 20], y[1, 7] = -fmax, float("-inf")
     y[2, 33], y[2, 12] = float("inf"), fmax
     check(y)
+    bmax = torch.finfo(torch.bfloat16).max  # bf16's largest finite value ties with nothing: +inf still wins over it
+    z = torch.full((2, 40), float("nan"))
+    z[0, 30], z[0, 9] = bmax, float("inf")
+    z[1, 5], z[1, 6] = bmax, -bmax
+    check(z)
     big = torch.randn(4, 300, generator=g)
     check(big[:, :257])  # rows 300 apart
+    check(torch.randn(3, 16 * 5, generator=g).to(torch.bfloat16).float())  # exact in bf16: ties across the widths
     assert ks.greedy_tokens(torch.randn(2, 8, dtype=torch.float64)) is None  # not fp32: the torch formula
     assert ks.greedy_tokens(torch.randn(8, 2).t()) is None  # columns apart
 

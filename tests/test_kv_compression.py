@@ -179,7 +179,7 @@ def test_logits_after_compression_equal_hf_on_the_kept_cache(llama, press):
     runner = engine.executor.runner
     logged = []
     compute = runner.model.compute_logits
-    runner.model.compute_logits = lambda h: logged.append(compute(h)) or logged[-1]
+    runner.model.compute_logits = lambda h, fp32=True: logged.append(compute(h)) or logged[-1]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     engine.add_request("r", {"prompt_token_ids": prompt}, params)
     outs = []

@@ -434,6 +434,28 @@ def test_stop_token_ids_end_output_at_that_token(llm, greedy30):
     assert kept.text == llm.tokenizer.decode(ref[: k + 1])
 
 
+def test_detokenize_false_gives_the_same_ids_and_no_text(llm, greedy30):
+    """vLLM's detokenize=False: the very tokens, stop token ids still honoured, the text left empty."""
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, detokenize=False))
+    for o, ref in zip(outs, greedy30):
+        assert o.outputs[0].token_ids == ref.outputs[0].token_ids
+        assert o.outputs[0].text == "" and ref.outputs[0].text != ""
+        assert o.outputs[0].finish_reason == "length"
+    ref = greedy30[1].outputs[0].token_ids
+    k = next(i for i in range(3, len(ref)) if ref[i] not in ref[:i])
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop_token_ids=[ref[k]], detokenize=False)
+    out = llm.generate(PROMPTS[1], sp)[0].outputs[0]
+    assert out.token_ids == ref[: k + 1] and out.finish_reason == "stop" and out.text == ""
+    assert _all_blocks_free(llm)
+
+
+def test_detokenize_false_refuses_stop_strings():
+    with pytest.raises(ValueError, match="detokenize"):
+        SamplingParams(stop=["x"], detokenize=False)
+    with pytest.raises(ValueError, match="detokenize"):
+        SamplingParams(detokenize="no")
+
+
 @pytest.mark.parametrize("max_tokens", [1, 7, 30])
 def test_max_tokens_finishes_with_length(llm, max_tokens):
     outs = llm.generate(PROMPTS, SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True))

@@ -270,7 +270,7 @@ def teacher_forced(llm, prompt: list[int], cont: list[int]):
     runner = engine.executor.runner
     logged: list[torch.Tensor] = []
     compute = runner.model.compute_logits
-    runner.model.compute_logits = lambda h: logged.append(compute(h).float()) or logged[-1]
+    runner.model.compute_logits = lambda h, fp32=True: logged.append(compute(h).float()) or logged[-1]
     try:
         params = SamplingParams(temperature=0, max_tokens=len(cont), ignore_eos=True)
         engine.add_request("r", {"prompt_token_ids": prompt}, params)

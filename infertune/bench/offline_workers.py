@@ -66,7 +66,8 @@ def worker_infertune(args, model_dir: Path, batch: int) -> dict:
     load_s = time.perf_counter() - t0
     rss_after_load = current_rss_mib()
     vocab = cfg["vocab_size"]
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    # (ids only, as the vLLM peer runs: peer_vllm.py sets detokenize=False too)
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, detokenize=False)
 
     def once(run: int) -> dict:
         prompts = [{"prompt_token_ids": ids} for ids in make_prompts(args.seed, batch, run, args.input_len, vocab)]

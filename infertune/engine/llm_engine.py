@@ -41,7 +41,7 @@ class PreparedPrompt:
 @dataclass(slots=True)
 class _Sample:
     seq: Sequence
-    detok: IncrementalDetokenizer
+    detok: IncrementalDetokenizer | None  # None: detokenize=False (the text stays empty)
     text: str = ""
     stop_reason: str | int | None = None
     logprobs: list[Logprob] | None = None
@@ -316,7 +316,9 @@ class LLMEngine:
             req.samples.append(
                 _Sample(
                     seq,
-                    IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens, prepared.healed),
+                    IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens, prepared.healed)
+                    if params.detokenize
+                    else None,
                     logprobs=[] if params.logprobs is not None else None,
                     discard=params.max_tokens == 0,
                 )
@@ -412,6 +414,8 @@ class LLMEngine:
             return
         if sample.logprobs is not None and lp is not None:
             sample.logprobs.append(Logprob(token, lp[0], lp[1]))
+        if sample.detok is None:  # detokenize=False: ids only (and no stop strings: the params refuse them)
+            return
         seq = sample.seq
         ended = last and seq.is_finished
         stopped_by_token = ended and seq.status is SequenceStatus.FINISHED_STOPPED and token in seq.stop_token_ids

@@ -440,6 +440,7 @@ def declare(lib: ctypes.CDLL) -> None:
         "it_dequant_w4": ([ptr, ptr, ptr, i64, ptr, i64, i64, cint], None),
         "it_rmsnorm_mt": ([ptr, ptr, ptr, i64, i64, ctypes.c_float, cint], None),
         "it_argmax_rows": ([ptr, i64, i64, i64, ptr, cint], None),
+        "it_argmax_rows_bf16": ([ptr, i64, i64, i64, ptr, cint], None),
         "it_silu_mul": ([ptr, ptr, i64, i64, cint], None),
         "it_gelu_mul": ([ptr, ptr, i64, i64, cint], None),
         "it_rmsnorm_f32w": ([ptr, ptr, ptr, i64, i64, ctypes.c_float, cint], None),
@@ -1305,18 +1306,22 @@ def dequant_w4(
 
 
 def argmax_rows(logits: torch.Tensor, *, lib: ctypes.CDLL | None = None) -> torch.Tensor | None:
-    """logits [rows, n] fp32 -> int64 [rows]: logits.nan_to_num(nan=-inf).argmax(-1) exactly (NaN counted as -inf,
-    +-inf as +-fmax as nan_to_num maps them, the first index among equal values) without its copy (csrc/sample.h);
-    None where the layout does not fit (the caller then runs the torch formula)."""
-    if logits.dtype is not torch.float32 or logits.dim() != 2 or logits.stride(1) != 1 or logits.device.type != "cpu":
+    """logits [rows, n] fp32 or bf16 -> int64 [rows]: logits.float().nan_to_num(nan=-inf).argmax(-1) exactly (NaN
+    counted as -inf, +-inf as +-fmax as nan_to_num maps them, the first index among equal values) without its copies
+    (csrc/sample.h; bf16 read as the fp32 it widens to); None where the layout does not fit (the caller then runs the
+    torch formula)."""
+    if logits.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if logits.dim() != 2 or logits.stride(1) != 1 or logits.device.type != "cpu":
         return None
     rows, n = logits.shape
     if rows == 0 or n == 0:
         return None
     lib = _pick(lib)
+    fn = lib.it_argmax_rows if logits.dtype is torch.float32 else lib.it_argmax_rows_bf16
     out = torch.empty(rows, dtype=torch.int64)
     with profiled("argmax_rows"):
-        lib.it_argmax_rows(logits.data_ptr(), rows, n, logits.stride(0), out.data_ptr(), torch.get_num_threads())
+        fn(logits.data_ptr(), rows, n, logits.stride(0), out.data_ptr(), torch.get_num_threads())
     return out
 
 

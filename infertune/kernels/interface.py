@@ -371,9 +371,10 @@ class DecodeKernels(Protocol):
     ) -> torch.Tensor: ...
 
     def greedy_tokens(self, logits: torch.Tensor) -> torch.Tensor | None:
-        """Greedy sampling: logits [rows, V] fp32 -> int64 [rows], logits.nan_to_num(nan=-inf).argmax(-1) exactly
-        (+-inf as nan_to_num maps them to +-fmax; the first index among equal values); None where the layout does not
-        fit (the sampler then runs that formula)."""
+        """Greedy sampling: logits [rows, V] fp32, or bf16 (a bf16 LM head's output where the step needs nothing
+        but the argmax) -> int64 [rows], logits.float().nan_to_num(nan=-inf).argmax(-1) exactly (+-inf as
+        nan_to_num maps them to +-fmax; the first index among equal values); None where the dtype or layout does
+        not fit (the sampler then runs that formula)."""
         ...
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:

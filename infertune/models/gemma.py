@@ -150,7 +150,8 @@ class GemmaForCausalLM(nn.Module):
     def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:  # -> [T, hidden]
         return self.model(input_ids, positions, kv_caches, meta)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V] fp32
+    def compute_logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:  # [N, hidden] -> [N, V] fp32
+        # (always fp32: the final soft-capping is computed in it; fp32=False is a permission, not a request)
         logits = self.lm_head(hidden).float()
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap

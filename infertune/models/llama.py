@@ -228,5 +228,8 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:  # -> [T, hidden]
         return self.model(input_ids, positions, kv_caches, meta)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V] fp32
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:  # [N, hidden] -> [N, V]
+        """The logits in fp32; fp32=False: in the LM head's own dtype (bf16 on a bf16 model), for a caller that
+        reads them as the fp32 they widen to (greedy argmax) and saves the [N, V] copy."""
+        logits = self.lm_head(hidden)
+        return logits.float() if fp32 else logits

@@ -106,10 +106,10 @@ class _LogitWatch:
         self.model, self.scales, self.finite = model, [], []
         self._orig = model.compute_logits
 
-        def wrapped(hidden):
+        def wrapped(hidden, fp32: bool = True):
             import torch
 
-            logits = self._orig(hidden)
+            logits = self._orig(hidden, fp32)
             if logits.numel():
                 fin = torch.isfinite(logits)
                 self.finite.append(bool(fin.all()))

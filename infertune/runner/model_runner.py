@@ -24,7 +24,7 @@ from infertune.runner.compiled import CompiledForward, should_compile
 from infertune.runner.draft_model import DraftModel
 from infertune.runner.fused_decode import FusedDecode
 from infertune.runner.request_state import RequestState, RequestStates
-from infertune.runner.sampler import Sampler, SampleRequest, SamplerOutput, verify_drafts
+from infertune.runner.sampler import Sampler, SampleRequest, SamplerOutput, argmax_only, verify_drafts
 from infertune.runner.structured_output import StructuredOutputs
 from infertune.scheduler_output import KVCacheGroup, SchedulerOutput, kv_cache_groups
 
@@ -314,10 +314,11 @@ class ModelRunner:
             sending, recving = self.kv_connector.get_finished()
             kv_finished = (set(sending), set(recving)) if sending or recving else None
         if sampled:
-            logits = self.model.compute_logits(hidden[self._tensor([r for i in sampled for r in rows_of[i]])])  # [N, V]
             requests = [
                 self._sample_request(step[i][0], drafts[i][:t]) for i in sampled for t in range(len(rows_of[i]))
             ]
+            rows = hidden[self._tensor([r for i in sampled for r in rows_of[i]])]
+            logits = self.model.compute_logits(rows, fp32=not argmax_only(requests, mask))  # [N, V]
             out = self.sampler(logits, requests, mask)
             self.structured.accept(sampled_ids, out.token_ids)
             k = 0

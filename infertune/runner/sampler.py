@@ -64,6 +64,15 @@ class SamplerOutput:
     kv_finished: tuple[set[str], set[str]] | None = None
 
 
+def argmax_only(rows: list[SampleRequest], mask: StepMask | None = None) -> bool:
+    """Whether a step's rows need nothing but each row's argmax (greedy, no logprobs, penalties or grammar mask):
+    then the runner may hand the sampler the logits in the LM head's dtype (bf16), which the argmax reads exactly as
+    the fp32 they widen to, without the [N, V] fp32 copy."""
+    return mask is None and all(
+        r.params.greedy and r.params.logprobs is None and not r.params.uses_penalties for r in rows
+    )
+
+
 class Sampler:
     def __init__(self, seed: int = 0, device: torch.device | str = "cpu", kernels: DecodeKernels | None = None) -> None:
         # Unseeded requests share the engine's generator, so a whole run is reproducible from LLM(seed=...).
@@ -73,15 +82,17 @@ class Sampler:
 
     def best(self, logits: torch.Tensor) -> torch.Tensor:
         """Each row's most likely token, NaNs counted as -inf (argmax alone takes NaN as the largest), so a token a
-        grammar masked out (-inf) is never chosen over a NaN."""
+        grammar masked out (-inf) is never chosen over a NaN. bf16 logits are read as the fp32 they widen to."""
         if self.kernels is not None:
             got = self.kernels.greedy_tokens(logits)
             if got is not None:
                 return got
-        return logits.nan_to_num(nan=float("-inf")).argmax(dim=-1)
+        return logits.float().nan_to_num(nan=float("-inf")).argmax(dim=-1)
 
     def __call__(self, logits: torch.Tensor, rows: list[SampleRequest], mask: StepMask | None = None) -> SamplerOutput:
-        # logits [N, V] fp32
+        # logits [N, V] fp32; or in the LM head's dtype where argmax_only(rows, mask)
+        if logits.dtype is not torch.float32 and not argmax_only(rows, mask):
+            logits = logits.float()
         if mask is not None:  # structured output: the grammar's disallowed tokens at -inf (runner/structured_output.py)
             logits = mask.apply(logits)
         params = [r.params for r in rows]

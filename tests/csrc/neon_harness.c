@@ -132,6 +132,7 @@ int main(int argc, char** argv) {
     else if (!strcmp(op, "it_pack_w8a8")) { NEED(4) first = 2, nbuf = 2; }    /* N K | q out */
     else if (!strcmp(op, "it_unpack_w8a8")) { NEED(4) first = 2, nbuf = 2; }  /* N K | packed q */
     else if (!strcmp(op, "it_argmax_rows")) { NEED(5) first = 3, nbuf = 2; }  /* rows n ld | logits out */
+    else if (!strcmp(op, "it_argmax_rows_bf16")) { NEED(5) first = 3, nbuf = 2; }  /* rows n ld | logits out */
     else { fprintf(stderr, "unknown op %s\n", op); return 2; }
     for (int i = 0; i < nbuf; i++) b[i] = slurp(argv[2 + first + i], &sz[i]);
     const int nt = 2;
@@ -165,6 +166,8 @@ int main(int argc, char** argv) {
         it_unpack_w8a8(b[0], I(0), I(1), b[1]);
     else if (!strcmp(op, "it_argmax_rows"))
         it_argmax_rows(b[0], I(0), I(1), I(2), b[1], nt);
+    else if (!strcmp(op, "it_argmax_rows_bf16"))
+        it_argmax_rows_bf16(b[0], I(0), I(1), I(2), b[1], nt);
     else
         it_rotary(b[1], I(0), I(1), I(2), I(3), b[0], I(4), nt);
     spit(argv[2 + first + nbuf - 1], b[nbuf - 1], sz[nbuf - 1]);

@@ -49,8 +49,10 @@ static inline void tile_pair_out(const float* cg, const float* cu, int64_t p, bf
 }
 
 /* A 64-feature chunk's sums out: group g's rows at c + g * gstride ([rows][16] fp32), nblk groups, as tile_pair_out
- * (an interleaved gate_up: a chunk holds whole gate / up pairs, N16 / 16 even) or tile_rows_out (+ bias) */
-static inline void chunk_rows_out(const float* c, int64_t gstride, int nblk, int64_t n0, const bf16* bias, bf16* y,
+ * (an interleaved gate_up: a chunk holds whole gate / up pairs, N16 / 16 even) or tile_rows_out (+ bias). Never
+ * inlined: once a chunk, it is cold beside the tile loops, and inlined into the 16-row register path
+ * (bf16c_noamx.c) it cost that path 1-2% (GCC inlined it or not as the rest of the library's size moved) */
+static __attribute__((noinline)) void chunk_rows_out(const float* c, int64_t gstride, int nblk, int64_t n0, const bf16* bias, bf16* y,
                                   int64_t ldy, int rows, int64_t inter, int epi) {
     if (inter)
         for (int g = 0; g + 1 < nblk; g += 2)

@@ -31,6 +31,9 @@
  * measurements.) */
 #define I8_PF_MIN_ROWS 8
 #endif
+#ifndef I8_MB
+#define I8_MB 128          /* rows a pass over a slab (their int32 sums, [128, 128] words, 64 KB, between slabs) */
+#endif
 #define I8_NB 64           /* output features a block of the packed weight holds */
 #define I8_FLIP 0x80       /* (the weight as VPDPBUSD's unsigned operand: q + 128) */
 #include "w8a8.h"          /* I8_MAX_K, the scratch, unpacking, the entry points */
@@ -172,15 +175,15 @@ static void i8_drive(const uint32_t* wpk, int64_t M, int64_t N, int64_t K, int n
     const int nt = pick_threads(nblocks, N * K, nthreads);
 #pragma omp parallel num_threads(nt)
     {
-        int32_t acc[GEMM_MB * 128] __attribute__((aligned(64)));
+        int32_t acc[I8_MB * 128] __attribute__((aligned(64)));
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < nblocks; b++) {
             const int64_t n0 = b * 64;
             const int nrows = (int)(N - n0 < 64 ? N - n0 : 64);
             const uint32_t* wb = wpk + b * block_words;
-            for (int64_t m0 = 0; m0 < M; m0 += GEMM_MB) {
-                const int64_t rows = M - m0 < GEMM_MB ? M - m0 : GEMM_MB;
-                const int last_rows = m0 + GEMM_MB >= M;
+            for (int64_t m0 = 0; m0 < M; m0 += I8_MB) {
+                const int64_t rows = M - m0 < I8_MB ? M - m0 : I8_MB;
+                const int last_rows = m0 + I8_MB >= M;
                 for (int64_t k0 = 0; k0 < Kp; k0 += I8_KC) {
                     const int64_t kc = Kp - k0 < I8_KC ? Kp - k0 : I8_KC;
                     const uint32_t* wp = wb + k0 / 4 * 64;
