@@ -52,8 +52,9 @@ static inline void tile_pair_out(const float* cg, const float* cu, int64_t p, bf
  * (an interleaved gate_up: a chunk holds whole gate / up pairs, N16 / 16 even) or tile_rows_out (+ bias). Never
  * inlined: once a chunk, it is cold beside the tile loops, and inlined into the 16-row register path
  * (bf16c_noamx.c) it cost that path 1-2% (GCC inlined it or not as the rest of the library's size moved) */
-static __attribute__((noinline)) void chunk_rows_out(const float* c, int64_t gstride, int nblk, int64_t n0, const bf16* bias, bf16* y,
-                                  int64_t ldy, int rows, int64_t inter, int epi) {
+static __attribute__((noinline)) void chunk_rows_out(const float* c, int64_t gstride, int nblk, int64_t n0,
+                                                     const bf16* bias, bf16* y, int64_t ldy, int rows, int64_t inter,
+                                                     int epi) {
     if (inter)
         for (int g = 0; g + 1 < nblk; g += 2)
             tile_pair_out(c + g * gstride, c + (g + 1) * gstride, n0 / 32 + g / 2, y, ldy, rows, inter, epi);

@@ -20,9 +20,9 @@
 #define GEMM_KC 512  /* columns of W per packed slab (64 features x 512 bf16 = 64 KB: L2; 256 measured ~3% slower) */
 #endif
 #ifndef GEMM_MB
-#define GEMM_MB 512  /* rows per pass over a packed slab (their fp32 sums, [512, 64], 128 KB of the thread's stack, between
-                        slabs; 128 rows, 32 KB, repacked each slab 4x as often: 16 x 128-token prompts' GEMMs 1.03-1.05x
-                        slower on a Zen 5) */
+#define GEMM_MB 512  /* rows per pass over a packed slab (their fp32 sums, [512, 64], 128 KB of the thread's stack,
+                        between slabs; 128 rows, 32 KB, repacked each slab 4x as often: 16 x 128-token prompts'
+                        GEMMs 1.03-1.05x slower on a Zen 5) */
 #endif
 #ifndef GEMM_PREFETCH
 #define GEMM_PREFETCH 1 /* (0: no software prefetch of the next slab, to measure what it brings) */
