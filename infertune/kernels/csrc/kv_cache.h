@@ -200,5 +200,23 @@ IT_PREFETCH_FN void kv_ask(const char* r, int64_t ld, int64_t D, int k0, int k1)
         for (int64_t b = 0; b < D * 2; b += 64) _mm_prefetch(r + k * ld * 2 + b, _MM_HINT_T0);
 }
 
+/* The decode attention's rows of keys j0 .. j0 + nb - 1 (K: which = 0, V: 1) into rows[], and, where `ask`, what lies
+ * `ahead` keys on. chunked (kv_chunked(m), taken out of the caller's loops): one lookup a chunk (kv_block_rows), and
+ * the first row of the chunk ahead returned with its keys in *na, for the caller to kv_ask a few rows at a time; else
+ * kv_rows, the keys ahead asked for at once (kv_prefetch), NULL returned and *na = 0. */
+static inline __attribute__((always_inline)) const char* kv_attn_rows(const it_model* m, const void* cache, int which,
+                                                                      const int64_t* table, int64_t len, int64_t j0,
+                                                                      int nb, int64_t g, bf16* tmp, const bf16** rows,
+                                                                      int chunked, int ask, int64_t ahead, int* na) {
+    *na = 0;
+    if (chunked) {
+        kv_block_rows(m, cache, which, table, j0, nb, g, rows);
+        return ask ? kv_ahead(m, cache, table, len, g, which, j0, ahead, na) : NULL;
+    }
+    if (ask) kv_prefetch(m, cache, table, len, g, which * len + j0 + ahead);
+    kv_rows(m, cache, which, table, j0, nb, g, tmp, rows);
+    return NULL;
+}
+
 #endif
 #endif

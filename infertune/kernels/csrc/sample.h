@@ -68,8 +68,10 @@ static int64_t argmax_row(const void* x, int64_t n, int bf16) {
     int64_t best = -1;
     for (int j = 0; j < 16; j++)
         if (lane[j] > m || (lane[j] == m && m > -INFINITY && at[j] < best)) m = lane[j], best = at[j];
-    for (; i < n; i++)
-        if (argmax_at(x, i, bf16) > m) m = argmax_at(x, i, bf16), best = i;
+    for (; i < n; i++) {
+        const float v = argmax_at(x, i, bf16);
+        if (v > m) m = v, best = i;
+    }
     if (m > -FLT_MAX && m < FLT_MAX) return best; /* (the first value equal to m: nan_to_num leaves it as it is) */
     /* m is +-inf or +-FLT_MAX (or every value NaN): the first value that nan_to_num maps to what it maps m to (it maps
        monotonically, NaN below every other value); none (every value NaN): 0 */

@@ -110,15 +110,9 @@ static void attn2_scores(const it_model* m, const void* cache, const int64_t* ta
     for (int64_t j0 = 0; j0 < len; j0 += ATT2_KEYS) {
         const int nb = (int)(len - j0 < ATT2_KEYS ? len - j0 : ATT2_KEYS);
         const bf16* kr[ATT2_KEYS];
-        const char* ahead = NULL;
-        int na = 0;
-        if (chunked) { /* (the 16-key chunk ahead, asked for in this chunk's first half) */
-            kv_block_rows(m, cache, 0, table, j0, nb, g, kr);
-            if (!(j0 & 15)) ahead = kv_ahead(m, cache, table, len, g, 0, j0, ATT2_PF_KEYS, &na);
-        } else {
-            if (!(j0 & 15)) kv_prefetch(m, cache, table, len, g, j0 + ATT2_PF_KEYS); /* (16 entries a call) */
-            kv_rows(m, cache, 0, table, j0, nb, g, tmp, kr);
-        }
+        int na; /* (16 keys ahead a call: asked for in a 16-key chunk's first half) */
+        const char* ahead =
+            kv_attn_rows(m, cache, 0, table, len, j0, nb, g, tmp, kr, chunked, !(j0 & 15), ATT2_PF_KEYS, &na);
         for (int jj = nb; jj < ATT2_KEYS; jj++) kr[jj] = zero;
         for (int64_t h = 0; h < G; h++) {
             __m256 a[ATT2_KEYS];
@@ -191,15 +185,9 @@ static inline __attribute__((always_inline)) void attn2_values16(const it_model*
     for (int64_t j0 = 0; j0 < len; j0 += ATT2_KEYS) {
         const int nb = (int)(len - j0 < ATT2_KEYS ? len - j0 : ATT2_KEYS);
         const bf16* vr[ATT2_KEYS];
-        const char* ahead = NULL;
-        int na = 0;
-        if (chunked) {
-            kv_block_rows(m, cache, 1, table, j0, nb, g, vr);
-            if (prefetch && !(j0 & 15)) ahead = kv_ahead(m, cache, table, len, g, 1, j0, ATT2_PF_KEYS, &na);
-        } else {
-            if (prefetch && !(j0 & 15)) kv_prefetch(m, cache, table, len, g, len + j0 + ATT2_PF_KEYS);
-            kv_rows(m, cache, 1, table, j0, nb, g, tmp, vr);
-        }
+        int na;
+        const char* ahead = kv_attn_rows(m, cache, 1, table, len, j0, nb, g, tmp, vr, chunked, prefetch && !(j0 & 15),
+                                         ATT2_PF_KEYS, &na);
         for (int jj = 0; jj < nb; jj++) {
             if (2 * jj < na) kv_ask(ahead, ld, D, 2 * jj, 2 * jj + 2 < na ? 2 * jj + 2 : na); /* two rows a row read */
             const __m256 v0 = load_bf16x8(vr[jj] + d), v1 = load_bf16x8(vr[jj] + d + 8);

@@ -31,15 +31,8 @@ static inline __attribute__((always_inline)) void attn_scores(const it_model* m,
     for (int64_t j0 = 0; j0 < len; j0 += 16) {
         const int nb = (int)(len - j0 < 16 ? len - j0 : 16);
         const bf16* kr[16];
-        const char* ahead = NULL;
-        int na = 0;
-        if (chunked) {
-            kv_block_rows(m, cache, 0, table, j0, nb, g, kr);
-            ahead = kv_ahead(m, cache, table, len, g, 0, j0, PF_KEYS, &na);
-        } else {
-            kv_prefetch(m, cache, table, len, g, j0 + PF_KEYS);
-            kv_rows(m, cache, 0, table, j0, nb, g, tmp, kr);
-        }
+        int na;
+        const char* ahead = kv_attn_rows(m, cache, 0, table, len, j0, nb, g, tmp, kr, chunked, 1, PF_KEYS, &na);
         for (int jj = nb; jj < 16; jj++) kr[jj] = zero;
         for (int h = 0; h < G; h++) {
             __m512 a[16];
@@ -110,15 +103,9 @@ static inline __attribute__((always_inline)) void attn_values(const it_model* m,
         for (int64_t j0 = 0; j0 < len; j0 += 16) {
             const int nb = (int)(len - j0 < 16 ? len - j0 : 16);
             const bf16* vr[16];
-            const char* ahead = NULL;
-            int na = 0;
-            if (chunked) {
-                kv_block_rows(m, cache, 1, table, j0, nb, g, vr);
-                if (d == 0) ahead = kv_ahead(m, cache, table, len, g, 1, j0, PF_KEYS, &na);
-            } else {
-                if (d == 0) kv_prefetch(m, cache, table, len, g, len + j0 + PF_KEYS);
-                kv_rows(m, cache, 1, table, j0, nb, g, tmp, vr);
-            }
+            int na;
+            const char* ahead =
+                kv_attn_rows(m, cache, 1, table, len, j0, nb, g, tmp, vr, chunked, d == 0, PF_KEYS, &na);
             for (int jj = 0; jj < nb; jj++) {
                 if (jj < na) kv_ask(ahead, ld, D, jj, jj + 1); /* a row ahead for each row read */
                 const __m512 v0 = load_bf16x16(vr[jj] + d, 0xffff);
