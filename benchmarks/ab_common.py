@@ -83,5 +83,5 @@ def load_build(src: str, out_dir: str, name: str, variant: str = "avx512"):
     lib = ctypes.CDLL(str(so))
     cpu.declare(lib)
     if variant == "avx512":
-        lib.it_amx_init(int(cpu._amx))
+        lib.it_amx_init(int(cpu.amx()))  # (amx() loads the process's library first: _amx is False until then)
     return lib

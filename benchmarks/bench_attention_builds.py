@@ -37,6 +37,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=30, help="timed steps per build (default: 30)")
     ap.add_argument("--in-cache", action="store_true", help="every layer on one cache, nothing evicted")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--no-amx", action="store_true", help="the AVX-512 path where the CPU has AMX (default: the tiles, as the step)"
+    )
     args = ap.parse_args()
 
     import torch
@@ -64,6 +67,8 @@ def main() -> int:
     )  # fmt: skip
     args.b = args.b or str(kernels.VARIANTS[args.variant].source)
     steps, outs, keep = {}, {}, []
+    use_amx = int(args.variant == "avx512" and kernels.amx() and not args.no_amx)
+    print(f"decode attention on {'AMX tiles' if use_amx else args.variant}")
     with tempfile.TemporaryDirectory() as tmp:
         for name, src in (("A", args.a), ("B", args.b)):
             lib = load_build(src, tmp, name, args.variant)
@@ -75,7 +80,7 @@ def main() -> int:
             )  # fmt: skip
             outs[name] = [torch.empty(b, hq, d, dtype=torch.bfloat16) for _ in caches]
             calls = [
-                (ctypes.byref(model), ctypes.byref(step), qkv.data_ptr(), c.data_ptr(), o.data_ptr(), 0)
+                (ctypes.byref(model), ctypes.byref(step), qkv.data_ptr(), c.data_ptr(), o.data_ptr(), use_amx)
                 for c, o in zip(caches, outs[name])
             ]
             keep += [work, step]

@@ -115,17 +115,19 @@ class X86Kernels:
     def max_rows(self, kind: LinearKind) -> int:
         # bf16 (plain or 12-bit) keeps the AMX tile GEMM up to 128 rows, without AMX the VDPBF16PS GEMM; the int8 /
         # int4 kernels are GEMVs at heart, except without AMX, where past 16 rows they rebuild slabs for that GEMM.
-        # W8A8: its VPDPBUSD GEMM on weights packed at load (gemm_i8.c) at every row count without AMX. With AMX
-        # none: torch._int_mm (oneDNN, AMX int8 tiles there) as before; neither measured, no AMX machine here.
+        # W8A8: its VPDPBUSD GEMM on weights packed at load (gemm_i8.c) at every row count, with AMX too: measured on
+        # a Xeon with AMX (2026-12-05, the 386M model's four linears), 1.6-1.8x torch._int_mm (oneDNN's AMX int8) at
+        # 1-64 rows and 1.5-2.8x at 128-2048.
         if kind == "w8a8":
-            return 0 if self.amx or not cpu.w8a8_supported(self.lib) else cpu.NOAMX_QUANT_MAX_ROWS
-        # W8A16 on the packed weight (gemm_w8p.c): without AMX at every row count, where its one weight stream a
-        # thread beats linear_w8's 4 rows side by side (benchmarks/bench_packed_quant.py). With AMX none: linear_w8's tile
-        # paths on [N, K] stay (no AMX machine to measure the packed one on).
+            return cpu.NOAMX_QUANT_MAX_ROWS if cpu.w8a8_supported(self.lib) else 0
+        # W8A16 / W4A16 on their packed weights (gemm_w8p.c / gemm_w4p.c): without AMX at every row count, where one
+        # weight stream a thread beats the row layouts' kernels (benchmarks/bench_packed_quant.py). With AMX none: on
+        # the Xeon the packed decode was faster (W8A16 1.08x / 1.51x / 1.32x linear_w8's tile paths at 1 / 4 / 16
+        # rows, W4A16 1.21x / 2.53x / 1.02x), but their prompts on the VDPBF16PS GEMM lose to the row layouts'
+        # dequantize-then-AMX-GEMM (16 x 128-token TTFT 1.44 -> 3.39 s W8A16, 1.47 -> 8.22 s W4A16): not taken
+        # until a prompt path rebuilds the packed weights for the tiles.
         if kind == "w8p":
             return 0 if self.amx or not cpu.w8p_supported(self.lib) else cpu.NOAMX_QUANT_MAX_ROWS
-        # W4A16 on its packed weight (gemm_w4p.c): likewise without AMX, every row count
-        # (benchmarks/bench_packed_quant.py --kind w4)
         if kind == "w4p":
             return 0 if self.amx or not cpu.w4p_supported(self.lib) else cpu.NOAMX_QUANT_MAX_ROWS
         return cpu.bf16_max_rows() if kind in ("bf16", "bf16c") else cpu.quant_max_rows()

@@ -174,7 +174,7 @@ class W8A8Method(W8A16Method):
     """Int8 weights and dynamic per-token int8 activations, multiplied in int32.
 
     The reference (apply's last lines) is torch._int_mm on the rounded activations. Where the backend's kernels have
-    a W8A8 product (DecodeKernels.max_rows("w8a8") > 0: x86 with AVX-512 VNNI and no AMX, or AVX2) and the model
+    a W8A8 product (DecodeKernels.max_rows("w8a8") > 0: x86 with AVX-512 VNNI, AMX or not, or AVX2) and the model
     runs in bf16 on the CPU, the weight is kept in their own layout (pack_w8a8) and every step up to max_rows rows
     goes through linear_w8a8, bit for bit the reference's product; the fused step takes such layers too
     (kernel_weights)."""
@@ -184,6 +184,9 @@ class W8A8Method(W8A16Method):
 
     def __init__(self, fast_kernel: bool = True, kernels: DecodeKernels | None = None) -> None:
         super().__init__(fast_kernel, None, kernels)
+        # Probed here, not in apply(): under torch.compile the probe's torch.equal is a data-dependent graph break
+        # (compile="on" refuses it), while a plain bool attribute is a constant to the tracer.
+        self.cpu_int_mm_exact = fast_kernel and int_mm_is_exact()
 
     def pack_weights(self, layer: Linear, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> None:
         """int8 q [N, K] and fp32 scale [N] -> the buffers (also for pre-quantized checkpoints)."""
@@ -222,7 +225,7 @@ class W8A8Method(W8A16Method):
             return self.kernels.linear_w8a8(x, layer.qweight, layer.scales, self.static_scale(layer), layer.bias)
         xq, xs = self.quantize_input(layer, x2)
         w = self.int8_weight(layer)
-        if self.fast_kernel and (x.device.type != "cpu" or int_mm_is_exact()):
+        if self.fast_kernel and (x.device.type != "cpu" or self.cpu_int_mm_exact):
             acc = torch._int_mm(xq, w.t()).float()  # [M, N] exact int32 sums
         elif x.device.type == "cpu":  # (its int8 GEMM saturates here: float64 holds the integer sums exactly)
             acc = (xq.double() @ w.t().double()).float()

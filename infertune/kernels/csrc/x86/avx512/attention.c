@@ -153,9 +153,13 @@ static const attn_heads_fn attn_heads_by_g[9] = {0, attn_heads_1, attn_heads_2, 
  *
  * Scores: C [16 keys, 16 heads] = K [16 keys, D] Q^T, the K rows loaded as tiles straight from the cache block
  * and Q^T (VNNI pairs, built once per task) as the B operand; the tile is transposed in registers into the
- * head-major rows of sc. Softmax over each head's row in fp32; the unnormalized exponentials go to P in bf16 (as
- * torch's CPU flash attention rounds them before its P V GEMM) and their fp32 sums divide the output at the end.
- * Values: C [heads, 16 dims] += P [heads, 32 keys] V [32 keys, 16 dims], V's rows interleaved into key pairs.
+ * head-major rows of sc. Softmax over each head's row in fp32; the unnormalized exponentials e go to P as two bf16
+ * parts, P_hi = bf16(e) and P_lo = bf16(e - P_hi) (e to about 2^-17 of itself: the fp32 P of the AVX-512 path, where
+ * torch's CPU flash attention rounds P to bf16 once), and their fp32 sums divide the output at the end.
+ * Values: C [heads, 16 dims] += P_hi V + P_lo V [32 keys, 16 dims], V's rows interleaved into key pairs: each V tile
+ * serves both parts (the tile products and P's reloads from L1 are cheap beside reading V). Measured on a Xeon with AMX (attention alone,
+ * 14 / 2 heads, 16 rows of 256 keys): the single bf16 P's error made a tiny MoE model's logprobs drift 1.5x the
+ * PyTorch path's from HF's; the blocks of prompt rows (attn_rows_amx) keep the single bf16 P.
  */
 /* words 2i, 2i + 1 of the result = word i of a, word i of b (two rows' 16 bf16, interleaved into key pairs) */
 static inline __m512i pair_rows(const bf16* a, const bf16* b) {
@@ -166,14 +170,17 @@ static inline __m512i pair_rows(const bf16* a, const bf16* b) {
     return _mm512_permutexvar_epi16(idx, x);
 }
 
-/* PV for one 32-key chunk into accumulator tile C (0-3) through B tile TB (5 or 6): B = the chunk's V rows, dims
- * d .. d + 15, in key pairs */
-#define ATTN_PV_TILE(C, TB, d, vb)                                                                              \
+/* This thread's tiles for attn_heads_amx's scores with G heads: all eight, the PV accumulators (0-3) and P (7) G rows;
+ * for its P V (attn_pv_tiles) P_lo's tile 4 too (a reload costs little beside a task's K / V reads) */
+static inline void attn_tiles(int G) { amx_tiles(8, 4, G); }
+static inline void attn_pv_tiles(int G) { amx_tiles(8, 5, G); }
+
+/* The chunk's V rows, dims d .. d + 15, in key pairs, into B tile TB (5 or 6) through vb */
+#define ATTN_V_TILE(TB, d, vb)                                                                                  \
     do {                                                                                                        \
         for (int p_ = 0; p_ < 16; p_++)                                                                         \
             _mm512_storeu_si512((vb) + p_ * 32, pair_rows(vr[2 * p_] + (d), vr[2 * p_ + 1] + (d)));             \
         _tile_loadd(TB, (vb), 64);                                                                              \
-        _tile_dpbf16ps(C, 7, TB);                                                                               \
     } while (0)
 
 /* One sequence's attention for G (<= 16) query heads q (rows D apart) of KV head g into o (rows D apart). Tiles
@@ -193,6 +200,22 @@ static inline float softmax_bf16_row(const float* r, int64_t len, int64_t len32,
     return 1.0f / _mm512_reduce_add_ps(sum);
 }
 
+/* softmax_bf16_row with each numerator e kept as two bf16, p = bf16(e) and pl = bf16(e - p) */
+static inline float softmax_bf16x2_row(const float* r, int64_t len, int64_t len32, bf16* p, bf16* pl) {
+    const __m512 mx = row_max(r, len);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < len32; j += 16) {
+        const __mmask16 mk = j < len ? mask16(len - j) : 0;
+        const __m512 e = _mm512_maskz_mov_ps(mk, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, r + j), mx)));
+        const __m256i hi = round_bf16x16(e);
+        const __m512 hi32 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
+        _mm256_storeu_si256((__m256i*)(p + j), hi);
+        _mm256_storeu_si256((__m256i*)(pl + j), round_bf16x16(_mm512_sub_ps(e, hi32)));
+        sum = _mm512_add_ps(sum, e);
+    }
+    return 1.0f / _mm512_reduce_add_ps(sum);
+}
+
 /* P V accumulators 0 .. nc - 1 (16 dims each) of nrows rows, times each row's 1 / sum, as bf16 into out (ldo apart) */
 __attribute__((target("amx-tile,amx-bf16")))
 static inline void attn_pv_out(const attn_ws* w, int nc, int nrows, const float* inv, bf16* out, int64_t ldo) {
@@ -207,9 +230,10 @@ static inline void attn_pv_out(const attn_ws* w, int nc, int nrows, const float*
     }
 }
 
-/* O = P V over the first len keys for the 16 rows of P in w->pb (each zero past its own keys up to a multiple of
- * 32), V read straight from the cache 32 keys a step, 64 dims (four accumulator tiles) a pass; row i < nrows of O,
- * times inv[i], is written to out + i * ldo as bf16. Tiles: 0-3 the accumulators, 7 P, 5-6 V in pairs of keys. */
+/* O = P V over the first len keys for the 16 rows of P in w->pb + w->pl (each zero past its own keys up to a
+ * multiple of 32), V read straight from the cache 32 keys a step, 64 dims (four accumulator tiles) a pass; row
+ * i < nrows of O, times inv[i], is written to out + i * ldo as bf16. Tiles (configured by attn_pv_tiles): 0-3 the
+ * accumulators, 7 P_hi, 4 P_lo, 5-6 V in pairs of keys. */
 __attribute__((target("amx-tile,amx-bf16")))
 static void attn_pv_amx(const it_model* m, const void* cache, const int64_t* table, int64_t len, int64_t g,
                         const attn_ws* w, int nrows, const float* inv, bf16* out, int64_t ldo) {
@@ -230,11 +254,23 @@ static void attn_pv_amx(const it_model* m, const void* cache, const int64_t* tab
             } else {
                 for (int jj = n0; jj < 32; jj++) vr[jj] = w->zero;
             }
+            /* two accumulators at a time (V in tiles 5, 6), each times P_hi (tile 7), then P_lo (tile 4) */
             _tile_loadd(7, w->pb + j0, w->ldp * 2);
-            ATTN_PV_TILE(0, 5, d0, w->vb);
-            if (nc > 1) ATTN_PV_TILE(1, 6, d0 + 16, w->vb + 512);
-            if (nc > 2) ATTN_PV_TILE(2, 5, d0 + 32, w->vb);
-            if (nc > 3) ATTN_PV_TILE(3, 6, d0 + 48, w->vb + 512);
+            _tile_loadd(4, w->pl + j0, w->ldp * 2);
+            ATTN_V_TILE(5, d0, w->vb);
+            if (nc > 1) ATTN_V_TILE(6, d0 + 16, w->vb + 512);
+            _tile_dpbf16ps(0, 7, 5);
+            if (nc > 1) _tile_dpbf16ps(1, 7, 6);
+            _tile_dpbf16ps(0, 4, 5);
+            if (nc > 1) _tile_dpbf16ps(1, 4, 6);
+            if (nc > 2) {
+                ATTN_V_TILE(5, d0 + 32, w->vb);
+                if (nc > 3) ATTN_V_TILE(6, d0 + 48, w->vb + 512);
+                _tile_dpbf16ps(2, 7, 5);
+                if (nc > 3) _tile_dpbf16ps(3, 7, 6);
+                _tile_dpbf16ps(2, 4, 5);
+                if (nc > 3) _tile_dpbf16ps(3, 4, 6);
+            }
         }
         attn_pv_out(w, nc, nrows, inv, out + d0, ldo);
     }
@@ -285,17 +321,19 @@ static void attn_heads_amx(const it_model* m, const void* cache, const int64_t* 
     const int64_t len32 = (len + 31) & ~(int64_t)31;
     if (m->softcap > 0.0f) softcap_scores(w->sc, max_ctx, G, len, m->softcap);
     if (skip) kv_mask_scores(w->sc, max_ctx, G, skip);
-    for (int h = 0; h < G; h++) inv[h] = softmax_bf16_row(w->sc + h * max_ctx, len, len32, w->pb + h * w->ldp);
     for (int h = 0; h < G; h++)
-        for (int64_t j = 0; j < skip; j++) w->pb[h * w->ldp + j] = 0;
+        inv[h] = softmax_bf16x2_row(w->sc + h * max_ctx, len, len32, w->pb + h * w->ldp, w->pl + h * w->ldp);
+    for (int h = 0; h < G; h++)
+        for (int64_t j = 0; j < skip; j++) w->pb[h * w->ldp + j] = w->pl[h * w->ldp + j] = 0;
+    if (G < 16) attn_pv_tiles(G); /* (tile 4 from the scores' 16 keys to P_lo's G heads; at 16 the same) */
     attn_pv_amx(m, cache, table, len, g, w, G, inv, o, D);
+    if (G < 16) attn_tiles(G);
 }
 
 __attribute__((target("amx-tile")))
 static void amx_release(void) { _tile_release(); }
 
-/* This thread's tiles for attn_heads_amx with G heads: all eight, the PV accumulators (0-3) and P (7) G rows */
-static inline void attn_tiles(int G) { amx_tiles(8, 4, G); }
+
 
 /* A block of rows' scores of 16 keys (j0 .., nb of them real), stored key-major in w->cbuf ([key][row], fp32): into
  * the rows of w->sc, times the softmax scale */

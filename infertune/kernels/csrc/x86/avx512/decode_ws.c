@@ -27,6 +27,7 @@ static int64_t lin_scratch_bytes(int64_t T, int64_t K, int nthreads) {
 typedef struct {
     float* sc;   /* [G, max_ctx] scores, fp32 */
     bf16* pb;    /* [G, ldp] exponentials, bf16, zero past len up to a multiple of 32 */
+    bf16* pl;    /* [G, ldp] decode rows on AMX: what pb's rounding left of each exponential, bf16 (zero past len) */
     bf16* qt;    /* [D / 32][16 pairs][16 heads][2] */
     float* cbuf; /* [16, 16] */
     bf16* tmp;   /* [32, D] gathered or dequantized K/V rows */
@@ -44,7 +45,7 @@ static inline int64_t attn_ldp(int64_t max_ctx) { return (max_ctx + 31) & ~(int6
 static inline int64_t attn_score_rows(int64_t group, int64_t T) { return T > 16 || group > 16 ? 16 : group; }
 
 static inline int64_t attn_floats(int64_t G, int64_t max_ctx, int64_t D, int rows) {
-    return ALIGN64(G * max_ctx * 4) / 4 + ALIGN64(G * attn_ldp(max_ctx) * 2) / 4 + ALIGN64(D * 32) / 4 + 256 +
+    return ALIGN64(G * max_ctx * 4) / 4 + 2 * (ALIGN64(G * attn_ldp(max_ctx) * 2) / 4) + ALIGN64(D * 32) / 4 + 256 +
            ALIGN64(32 * D * 2) / 4 + 512 + ALIGN64(D * 2) / 4 + (rows ? ALIGN64(attn_ldp(max_ctx) * D * 2) / 4 : 0);
 }
 
@@ -54,6 +55,7 @@ static attn_ws attn_workspace(float* base, int64_t G, int64_t max_ctx, int64_t D
     w.ldp = attn_ldp(max_ctx);
     w.sc = (float*)p;   p += ALIGN64(G * max_ctx * 4);
     w.pb = (bf16*)p;    p += ALIGN64(G * w.ldp * 2);
+    w.pl = (bf16*)p;    p += ALIGN64(G * w.ldp * 2);
     w.qt = (bf16*)p;    p += ALIGN64(D * 32);
     w.cbuf = (float*)p; p += 1024;
     w.tmp = (bf16*)p;   p += ALIGN64(32 * D * 2);
