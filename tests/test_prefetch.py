@@ -104,8 +104,8 @@ FAR = kernels.PREFETCH_FAR_BYTES
         (None, "AuthenticAMD", 26, FAR, 0),  # Zen 5: bf16 weights near
         ("auto", "AuthenticAMD", 27, FAR, 0),
         (None, "AuthenticAMD", -1, FAR, FAR),  # (no family in /proc/cpuinfo)
-        (None, "GenuineIntel", 26, 0, 0),
-        ("auto", "", 6, 0, 0),
+        (None, "GenuineIntel", 6, FAR, FAR),  # measured on a Xeon with AMX too
+        ("auto", "", 6, FAR, FAR),
         ("near", "AuthenticAMD", 25, 0, 0),
         ("far", "AuthenticAMD", 26, FAR, FAR),  # an explicit setting is both weights'
         ("far", "GenuineIntel", 6, FAR, FAR),

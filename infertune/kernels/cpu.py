@@ -246,7 +246,9 @@ def _load_variant(v: Variant) -> ctypes.CDLL | str:
 # How far ahead the GEMVs ask for their weights (csrc/bf16.h pf_weights): 0 is "near" (a fixed distance along each
 # weight row, into L1: what the kernels were tuned with on Intel Xeons), > 0 is "far" (the same columns of the rows
 # whole blocks ahead, at least this many bytes, into L2). On AMD Zen 4 far streams a batch-1 decode step's weights
-# ~1.7x faster (benchmarks/bench_prefetch.py); on Intel it is not measured, so Intel keeps near. The AVX-512
+# ~1.7x faster (benchmarks/bench_prefetch.py); on an Intel Xeon with AMX (2026-12-05) whole batch-1 decodes ran
+# 1.03-1.06x (12-bit bf16), 1.14-1.19x (W8A16) and 1.19-1.24x (W4A16) faster with far, 16 requests level: far is
+# the default on every vendor. The AVX-512
 # library's bf16 weights (its bf16 GEMV and the 12-bit codec's stream; the AVX2 library's bf16 GEMV keeps the
 # int8 / int4 setting, far being 1.07x there) have their own setting: on AMD Zen 5 (cpu family 26) near reads them
 # faster (the 12-bit linears 1.1-1.4x at one row, a 12-bit batch-1 decode 1.03-1.07x) while W8A16's GEMV still
@@ -278,14 +280,12 @@ def _prefetch_env() -> str:
 
 
 def prefetch_bytes() -> int:
-    """The int8 / int4 GEMVs' prefetch for this process: INFERTUNE_PREFETCH=near|far|BYTES, else (auto) far on AMD
-    CPUs, near elsewhere. Returns the bytes that it_set_prefetch takes (0: near)."""
+    """The int8 / int4 GEMVs' prefetch for this process: INFERTUNE_PREFETCH=near|far|BYTES, else (auto) far (measured
+    faster on AMD Zen 4 / 5 and on an Intel Xeon with AMX). Returns the bytes that it_set_prefetch takes (0: near)."""
     v = _prefetch_env()
     if v.isdigit():
         return int(v)
-    if v == "auto":
-        v = "far" if _cpu_vendor() == "AuthenticAMD" else "near"
-    return PREFETCH_FAR_BYTES if v == "far" else 0
+    return 0 if v == "near" else PREFETCH_FAR_BYTES
 
 
 def prefetch_bf16_bytes() -> int:
