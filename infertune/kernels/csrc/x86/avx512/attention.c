@@ -157,9 +157,9 @@ static const attn_heads_fn attn_heads_by_g[9] = {0, attn_heads_1, attn_heads_2, 
  * parts, P_hi = bf16(e) and P_lo = bf16(e - P_hi) (e to about 2^-17 of itself: the fp32 P of the AVX-512 path, where
  * torch's CPU flash attention rounds P to bf16 once), and their fp32 sums divide the output at the end.
  * Values: C [heads, 16 dims] += P_hi V + P_lo V [32 keys, 16 dims], V's rows interleaved into key pairs: each V tile
- * serves both parts (the tile products and P's reloads from L1 are cheap beside reading V). Measured on a Xeon with AMX (attention alone,
- * 14 / 2 heads, 16 rows of 256 keys): the single bf16 P's error made a tiny MoE model's logprobs drift 1.5x the
- * PyTorch path's from HF's; the blocks of prompt rows (attn_rows_amx) keep the single bf16 P.
+ * serves both parts. Measured on a Xeon with AMX: the single bf16 P had made a tiny MoE model's logprobs drift 1.5x
+ * the PyTorch path's from HF's; the second part costs 4-8% of the attention's time. The blocks of prompt rows
+ * (attn_rows_amx) keep the single bf16 P.
  */
 /* words 2i, 2i + 1 of the result = word i of a, word i of b (two rows' 16 bf16, interleaved into key pairs) */
 static inline __m512i pair_rows(const bf16* a, const bf16* b) {
@@ -184,8 +184,8 @@ static inline void attn_pv_tiles(int G) { amx_tiles(8, 5, G); }
     } while (0)
 
 /* One sequence's attention for G (<= 16) query heads q (rows D apart) of KV head g into o (rows D apart). Tiles
- * (configured by attn_tiles): 0-3 PV accumulators [G, 16], 4 K rows, 5-6 Q^T / V pairs, 7 P [G, 32 keys]; the
- * score accumulator reuses 6. */
+ * (configured by attn_tiles): 0-3 PV accumulators [G, 16], 4 K rows (P_lo [G, 32 keys] in the P V pass, configured
+ * by attn_pv_tiles), 5-6 Q^T / V pairs, 7 P_hi [G, 32 keys]; the score accumulator reuses 6. */
 /* A row of scores (its first len keys) -> softmax numerators in bf16 at p, zero from len up to len32 (P for the
  * tiles, as torch's CPU flash attention rounds it); returns 1 / their fp32 sum */
 static inline float softmax_bf16_row(const float* r, int64_t len, int64_t len32, bf16* p) {
@@ -332,8 +332,6 @@ static void attn_heads_amx(const it_model* m, const void* cache, const int64_t* 
 
 __attribute__((target("amx-tile")))
 static void amx_release(void) { _tile_release(); }
-
-
 
 /* A block of rows' scores of 16 keys (j0 .., nb of them real), stored key-major in w->cbuf ([key][row], fp32): into
  * the rows of w->sc, times the softmax scale */
