@@ -186,31 +186,18 @@ static inline void attn_pv_tiles(int G) { amx_tiles(8, 5, G); }
 /* One sequence's attention for G (<= 16) query heads q (rows D apart) of KV head g into o (rows D apart). Tiles
  * (configured by attn_tiles): 0-3 PV accumulators [G, 16], 4 K rows (P_lo [G, 32 keys] in the P V pass, configured
  * by attn_pv_tiles), 5-6 Q^T / V pairs, 7 P_hi [G, 32 keys]; the score accumulator reuses 6. */
-/* A row of scores (its first len keys) -> softmax numerators in bf16 at p, zero from len up to len32 (P for the
- * tiles, as torch's CPU flash attention rounds it); returns 1 / their fp32 sum */
-static inline float softmax_bf16_row(const float* r, int64_t len, int64_t len32, bf16* p) {
+/* A row of scores (its first len keys) -> softmax numerators e in bf16 at p, zero from len up to len32 (P for the
+ * tiles, as torch's CPU flash attention rounds it), and where pl is given what that rounding left, bf16(e - p) (the
+ * decode rows' P_lo); returns 1 / their fp32 sum */
+static inline __attribute__((always_inline)) float softmax_bf16_row(const float* r, int64_t len, int64_t len32,
+                                                                    bf16* p, bf16* pl) {
     const __m512 mx = row_max(r, len);
     __m512 sum = _mm512_setzero_ps();
     for (int64_t j = 0; j < len32; j += 16) {
         const __mmask16 mk = j < len ? mask16(len - j) : 0;
         const __m512 e = _mm512_maskz_mov_ps(mk, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, r + j), mx)));
         _mm256_storeu_si256((__m256i*)(p + j), round_bf16x16(e));
-        sum = _mm512_add_ps(sum, e);
-    }
-    return 1.0f / _mm512_reduce_add_ps(sum);
-}
-
-/* softmax_bf16_row with each numerator e kept as two bf16, p = bf16(e) and pl = bf16(e - p) */
-static inline float softmax_bf16x2_row(const float* r, int64_t len, int64_t len32, bf16* p, bf16* pl) {
-    const __m512 mx = row_max(r, len);
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t j = 0; j < len32; j += 16) {
-        const __mmask16 mk = j < len ? mask16(len - j) : 0;
-        const __m512 e = _mm512_maskz_mov_ps(mk, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, r + j), mx)));
-        const __m256i hi = round_bf16x16(e);
-        const __m512 hi32 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
-        _mm256_storeu_si256((__m256i*)(p + j), hi);
-        _mm256_storeu_si256((__m256i*)(pl + j), round_bf16x16(_mm512_sub_ps(e, hi32)));
+        if (pl) _mm256_storeu_si256((__m256i*)(pl + j), round_bf16x16(_mm512_sub_ps(e, bf16_round_f32(e))));
         sum = _mm512_add_ps(sum, e);
     }
     return 1.0f / _mm512_reduce_add_ps(sum);
@@ -322,7 +309,7 @@ static void attn_heads_amx(const it_model* m, const void* cache, const int64_t* 
     if (m->softcap > 0.0f) softcap_scores(w->sc, max_ctx, G, len, m->softcap);
     if (skip) kv_mask_scores(w->sc, max_ctx, G, skip);
     for (int h = 0; h < G; h++)
-        inv[h] = softmax_bf16x2_row(w->sc + h * max_ctx, len, len32, w->pb + h * w->ldp, w->pl + h * w->ldp);
+        inv[h] = softmax_bf16_row(w->sc + h * max_ctx, len, len32, w->pb + h * w->ldp, w->pl + h * w->ldp);
     for (int h = 0; h < G; h++)
         for (int64_t j = 0; j < skip; j++) w->pb[h * w->ldp + j] = w->pl[h * w->ldp + j] = 0;
     if (G < 16) attn_pv_tiles(G); /* (tile 4 from the scores' 16 keys to P_lo's G heads; at 16 the same) */
@@ -346,7 +333,7 @@ static inline void attn_rows_scores(const attn_ws* w, int n, int64_t j0, int nb,
 static inline void attn_rows_softmax(const attn_ws* w, int n, int64_t len, int64_t len32, int64_t max_ctx,
                                      float inv[16]) {
     for (int r = 0; r < n; r++)
-        inv[r] = softmax_bf16_row(w->sc + r * max_ctx, len - (n - 1 - r), len32, w->pb + r * w->ldp);
+        inv[r] = softmax_bf16_row(w->sc + r * max_ctx, len - (n - 1 - r), len32, w->pb + r * w->ldp, NULL);
 }
 
 /* V of keys 0 .. len - 1 of KV head g (bf16 cache) as the B tiles of P V, once for all the query heads of the
