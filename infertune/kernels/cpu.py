@@ -459,6 +459,7 @@ def declare(lib: ctypes.CDLL) -> None:
         "it_moe_experts": ([ptr, i64, i64, lin, lin, i64, i64, ptr, ptr, ptr, ptr, cint], cint),
         "it_moe_experts_part": ([ptr, i64, i64, lin, lin, i64, i64, i64, i64, ptr, ptr, ptr, ptr, cint], cint),
         "it_moe_experts_ws_bytes": ([i64, i64, i64, i64, i64, cint], i64),
+        "it_moe_experts_ws": ([ptr, i64, i64, lin, lin, i64, i64, i64, i64, ptr, ptr, ptr, ptr, cint, ptr, i64], cint),
         "it_moe_max_experts": ([], i64),
     }
     for name, (args, res) in signatures.items():
@@ -1752,6 +1753,25 @@ def expert_lin(
     return lin
 
 
+class _Workspace(threading.local):
+    """moe_experts' scratch, one per calling thread, kept from call to call and grown to the largest need seen: a
+    16 x 128-token prefill groups 16k expert rows a layer (~80 MB of them touched on the MoE preset), and a fresh
+    allocation of that size comes back from the OS as new zeroed pages each call (~19k page faults a layer).
+    It stays mapped while the thread lives: the peak of a prefill, held."""
+
+    buf: torch.Tensor | None = None
+
+    def get(self, nbytes: int) -> int:
+        """The 64-byte aligned address of nbytes of scratch (the C side aligns it too)."""
+        if self.buf is None or self.buf.numel() < nbytes + 64:
+            self.buf = None  # (the old one goes first: no two at the peak)
+            self.buf = torch.empty(nbytes + 64, dtype=torch.uint8)
+        return (self.buf.data_ptr() + 63) // 64 * 64
+
+
+_moe_workspace = _Workspace()
+
+
 def moe_experts(
     x: torch.Tensor,
     gate_up: ItLin,
@@ -1783,23 +1803,29 @@ def moe_experts(
             raise ValueError(f"moe_experts: {name} must be contiguous {dtype}, got {v.dtype}")
     lib = _pick(lib)
     out = torch.empty(t, h, dtype=torch.bfloat16)
+    nthreads = torch.get_num_threads()
+    args = (
+        x2.data_ptr(),
+        x2.stride(0),
+        t,
+        ctypes.byref(gate_up),
+        ctypes.byref(down),
+        num_experts,
+        first,
+        num_experts if local is None else local,
+        k,
+        weights.data_ptr(),
+        order.data_ptr(),
+        counts.data_ptr(),
+        out.data_ptr(),
+        nthreads,
+    )
     with profiled("moe_experts"):
-        rc = lib.it_moe_experts_part(
-            x2.data_ptr(),
-            x2.stride(0),
-            t,
-            ctypes.byref(gate_up),
-            ctypes.byref(down),
-            num_experts,
-            first,
-            num_experts if local is None else local,
-            k,
-            weights.data_ptr(),
-            order.data_ptr(),
-            counts.data_ptr(),
-            out.data_ptr(),
-            torch.get_num_threads(),
-        )
+        if hasattr(lib, "it_moe_experts_ws"):
+            nbytes = lib.it_moe_experts_ws_bytes(t, k, num_experts, h, down.K, nthreads)
+            rc = lib.it_moe_experts_ws(*args, _moe_workspace.get(nbytes), nbytes)
+        else:  # (an older build, loaded by the A/B benchmarks: it allocates its own)
+            rc = lib.it_moe_experts_part(*args)
     if rc != 0:
         raise ValueError(f"it_moe_experts refused {t} x {h} rows, top-{k}, the experts' shapes ({rc})")
     return out.view(*x.shape[:-1], h)

@@ -214,11 +214,14 @@ class X86Kernels:
         return MoeRouting(*got) if got is not None else None
 
     def moe_experts(self, x, experts, routing):
-        # Up to as many rows per expert, on average, as the linears take (one expert may get every row: the tile GEMM
-        # takes any count)
+        # 12-bit experts at any row count: each expert's rows go through one linear_bf16c (the AMX tile GEMM, or
+        # VDPBF16PS on the decoded tiles without AMX), a prefill's as a decode step's, and the layer has no dense
+        # weight for torch's GEMM. Plain bf16 experts up to as many rows per expert, on average, as linear_bf16 beats
+        # torch's GEMM at (one expert may get every row: the GEMM takes any count); int8 / int4 experts, 16 rows a
+        # pass, up to cpu.MAX_ROWS on average.
         kind = experts.gate_up.kind
-        rows = self.max_rows(kind) if kind in ("bf16", "bf16c") else cpu.MAX_ROWS  # (experts' passes: 16 rows)
-        if x.dim() != 2 or x.shape[0] * routing.ids.shape[1] > rows * experts.num_experts:
+        rows = self.max_rows(kind) if kind == "bf16" else cpu.MAX_ROWS
+        if x.dim() != 2 or kind != "bf16c" and x.shape[0] * routing.ids.shape[1] > rows * experts.num_experts:
             return None
         lins = self._experts_lins.get(experts)
         if lins is None:  # (checked once per layer: the tensors it points at are the layer's, kept alive by it)

@@ -23,8 +23,10 @@
  *                                           defines IT_HAS_W8A8 / IT_HAS_W8P / IT_HAS_W4P); silu (a 12-bit gate_up
  *                                           with inter > 0 only):
  *                                           y = act [M, inter], SiLU-and-multiply in the GEMM's epilogue
- *   moe_linear_scratch(M, K, nthreads)      the bytes of scratch moe_linear needs at up to M rows
+ *   moe_linear_scratch(M, N, K, nthreads)   the bytes of scratch moe_linear needs at up to M rows of [N, K]
  *   moe_silu_mul(gu, act, M, I, nthreads)   act = bf16(bf16(silu(gate)) * up), as it_silu_mul
+ * and may define MOE_ADD_ROW(acc, y, w, n) / MOE_STORE_ROW(o, acc, n), the combine's acc[j] += bf16(y[j] w) and
+ * o[j] = bf16(acc[j]) over n <= 64 features, vectorized (default: moe_add_row / moe_store_row below, scalar),
  * and MOE_BF16C where its moe_linear takes 12-bit experts: their it_lin's w points at E bf16c descriptions (expert
  * e's weight is the e-th), each a bf16 weight in the lossless 12-bit layout, bit for bit the bf16 expert's products.
  */
@@ -225,6 +227,18 @@ static it_lin moe_expert_lin(const it_lin* L, int64_t e) {
     return r;
 }
 
+#ifndef MOE_ADD_ROW
+/* acc[j] += bf16(y[j] * w), j < n (a variant may define its own, vectorized: moe.c) */
+static inline void moe_add_row(float* acc, const bf16* y, float w, int64_t n) {
+    for (int64_t j = 0; j < n; j++) acc[j] += bf2f(f2bf(bf2f(y[j]) * w));
+}
+static inline void moe_store_row(bf16* o, const float* acc, int64_t n) {
+    for (int64_t j = 0; j < n; j++) o[j] = f2bf(acc[j]);
+}
+#define MOE_ADD_ROW moe_add_row
+#define MOE_STORE_ROW moe_store_row
+#endif
+
 /* out[t] = bf16 of the fp32 sum over its slots, in the order of their rows (ascending expert), of
  * bf16(y[row] * bf16(w)): experts_reference's index_add_ into zeros (torch sums bf16 sources in fp32) */
 static void moe_combine(const bf16* ys, const float* weights, const int64_t* order, const int64_t* pos, int64_t T,
@@ -243,10 +257,13 @@ static void moe_combine(const bf16* ys, const float* weights, const int64_t* ord
         float w[64];
         for (int64_t i = 0; i < n; i++) w[i] = bf2f(f2bf(weights[order[rows[i]]]));
         bf16* o = out + t * H;
-        for (int64_t h = 0; h < H; h++) {
-            float acc = 0.0f;
-            for (int64_t i = 0; i < n; i++) acc += bf2f(f2bf(bf2f(ys[rows[i] * H + h]) * w[i]));
-            o[h] = f2bf(acc);
+        /* 64 features at a time, each slot's products added in turn (the same sums in the same order as slot by slot
+           per feature; the inner loops are what the compiler vectorizes) */
+        for (int64_t h0 = 0; h0 < H; h0 += 64) { /* 64 features at a time, the slots' products added in turn */
+            const int64_t nh = H - h0 < 64 ? H - h0 : 64;
+            float acc[64] = {0.0f};
+            for (int64_t i = 0; i < n; i++) MOE_ADD_ROW(acc, ys + rows[i] * H + h0, w[i], nh);
+            MOE_STORE_ROW(o + h0, acc, nh);
         }
     }
 }
@@ -289,7 +306,7 @@ static void moe_expert(const moe_rows* m, int64_t e, int nthreads, void* scratch
 
 /* An expert's linears' scratch at up to M rows on nthreads threads (gate_up takes H inputs, down I) */
 static inline int64_t moe_expert_scratch(int64_t M, int64_t H, int64_t I, int nthreads) {
-    const int64_t s_h = moe_linear_scratch(M, H, nthreads), s_i = moe_linear_scratch(M, I, nthreads);
+    const int64_t s_h = moe_linear_scratch(M, 2 * I, H, nthreads), s_i = moe_linear_scratch(M, H, I, nthreads);
     return MOE_ALIGN64(s_h > s_i ? s_h : s_i);
 }
 
@@ -410,6 +427,17 @@ int it_moe_experts_part(const bf16* x, int64_t ldx, int64_t T, const it_lin* gat
                                   ws, bytes);
     free(ws);
     return rc;
+}
+
+/* it_moe_experts_part on the caller's workspace ws of ws_bytes (it_moe_experts_ws_bytes(T, ...) or more): a caller that
+ * keeps it from call to call spares the fresh pages of a prefill's grouped rows (tens of MB a layer). Returns 0, -1
+ * where ws is too small, or -2 (see above). */
+int it_moe_experts_ws(const bf16* x, int64_t ldx, int64_t T, const it_lin* gate_up, const it_lin* down, int64_t E,
+                      int64_t off, int64_t local, int64_t k, const float* weights, const int64_t* order,
+                      const int64_t* counts, bf16* out, int nthreads, void* ws, int64_t ws_bytes) {
+    if (T < 1 || k < 1 || E < 1 || gate_up->K < 1 || down->K < 1) return -2;
+    return moe_experts_ws(x, ldx, T, gate_up, down, E, off, local, k, weights, order, counts, out, nthreads,
+                          (char*)ws, ws_bytes);
 }
 
 int it_moe_experts(const bf16* x, int64_t ldx, int64_t T, const it_lin* gate_up, const it_lin* down, int64_t E,

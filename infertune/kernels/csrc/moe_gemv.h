@@ -11,8 +11,8 @@ static void moe_linear(const it_lin* L, const bf16* x, int64_t ldx, bf16* y, int
 }
 
 /* the int16 rows of W8A16 / W4A16 and the int8 rows of W8A8, for M rows of K (bf16: none) */
-static inline int64_t moe_linear_scratch(int64_t M, int64_t K, int nthreads) {
-    (void)nthreads;
+static inline int64_t moe_linear_scratch(int64_t M, int64_t N, int64_t K, int nthreads) {
+    (void)N, (void)nthreads;
     const int64_t q = q_scratch_bytes(M, K), i8 = i8_scratch_bytes(M, K);
     return q > i8 ? q : i8;
 }

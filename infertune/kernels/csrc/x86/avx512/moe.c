@@ -1,8 +1,7 @@
 /* The mixture-of-experts kernels (moe.h) over this library's linears: run_lin (decode_ws.c) takes one expert's bf16
  * rows to the GEMV at one row, the AMX tiles at 2-16 and the tile GEMM past them (VDPBF16PS without AMX); int8 /
  * int4 experts go 16 rows a pass through the W8A16 / W4A16 kernels (AMX rebuilds each weight chunk in bf16), 12-bit
- * experts 16 rows a pass through linear_bf16c (AMX tiles, or the tiles decoded into registers without AMX: no
- * scratch; a prefill's expert with more rows decodes its tiles once a pass). Int8 / int4 experts of one row each (a
+ * experts all their rows in one linear_bf16c (see moe_linear). Int8 / int4 experts of one row each (a
  * decode step's token) take moe_one_row below. */
 
 #define MOE_BF16C
@@ -12,18 +11,56 @@
 #define MOE_ONE_ROW_OFF 0
 #endif
 
+/* A 12-bit expert's rows go to linear_bf16c all at once: past 16 rows its GEMM (the AMX tiles, or VDPBF16PS on the
+ * decoded tiles without AMX) decodes each 64-feature chunk of the weight once a block of 512 rows, where passes of 16
+ * rows would decode it once a pass (a prefill's expert holds hundreds of rows). On AMX that GEMM takes a zero-padded
+ * last row tile and each thread's two decoded chunks from the scratch: moe_bf16c_scratch. */
+static inline int64_t moe_bf16c_scratch(int64_t M, int64_t N, int64_t K, int nthreads) {
+    if (M <= 16) return 0;
+    return ALIGN64(bf16c_scratch_bytes(M, K)) + ALIGN64(bf16c_dec_bytes(M, (N + 15) / 16 * 16, K, nthreads));
+}
+
 static void moe_linear(const it_lin* L, const bf16* x, int64_t ldx, bf16* y, int64_t ldy, int64_t M, int nthreads,
                        void* scratch, int silu) {
+    if (L->kind == IT_KIND_BF16C) {
+        bf16* dec = (bf16*)((char*)scratch + ALIGN64(bf16c_scratch_bytes(M, L->K)));
+        run_lin(L, x, ldx, y, ldy, M, nthreads, scratch, M > 16 ? dec : NULL, silu);
+        return;
+    }
     /* (W8A8 and the packed W8A16 / W4A16: their kernels take any row count, and lin_scratch_bytes holds what they
-       need for all of them) */
+       need for all of them; int8 / int4 rows: 16 a pass) */
     const int64_t step =
         L->kind == IT_KIND_BF16 || L->kind == IT_KIND_W8A8 || L->kind == IT_KIND_W8P || L->kind == IT_KIND_W4P ? M : 16;
     for (int64_t m0 = 0; m0 < M; m0 += step)
         run_lin(L, x + m0 * ldx, ldx, y + m0 * ldy, ldy, M - m0 < step ? M - m0 : step, nthreads, scratch, NULL, silu);
 }
 
-#define moe_linear_scratch lin_scratch_bytes /* (quantized kinds at up to 16 rows a pass) */
+/* the scratch of moe_linear at up to M rows of [N, K] (quantized kinds at up to 16 rows a pass) */
+static inline int64_t moe_linear_scratch(int64_t M, int64_t N, int64_t K, int nthreads) {
+    const int64_t lin = lin_scratch_bytes(M, K, nthreads), c = moe_bf16c_scratch(M, N, K, nthreads);
+    return lin > c ? lin : c;
+}
+
 #define moe_silu_mul silu_mul_rows
+
+/* moe.h's combine, 16 features a vector: acc[j] += bf16(y[j] * w), then o = bf16(acc), as its portable loop (finite
+ * values; the portable one was scalar: a third of a 2048-token layer's time with small experts) */
+static inline void moe_add_row16(float* acc, const bf16* y, float w, int64_t n) {
+    const __m512 wv = _mm512_set1_ps(w);
+    for (int64_t j = 0; j < n; j += 16) {
+        const __mmask16 m = mask16(n - j);
+        const __m512 p = bf16_round_f32(_mm512_mul_ps(load_bf16x16(y + j, m), wv));
+        _mm512_mask_storeu_ps(acc + j, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, acc + j), p));
+    }
+}
+static inline void moe_store_row16(bf16* o, const float* acc, int64_t n) {
+    for (int64_t j = 0; j < n; j += 16) {
+        const __mmask16 m = mask16(n - j);
+        _mm256_mask_storeu_epi16(o + j, m, round_bf16x16(_mm512_maskz_loadu_ps(m, acc + j)));
+    }
+}
+#define MOE_ADD_ROW moe_add_row16
+#define MOE_STORE_ROW moe_store_row16
 
 #include "moe.h"
 
