@@ -588,9 +588,10 @@ def test_engine_with_moe_kernels_matches_the_engine_on_torch(tiny_moe, monkeypat
             # a boundary tie hands back
             steps = (12 if amx else 11) * 3
             assert used["experts"] >= steps and used["route"] >= 11 * 3 * 0.8, used
-        elif mode == "auto":  # the decode steps in the fused step, the prompt step per module
-            assert fused.step_timers()["calls"] == 11 and used["route"] == 0, used
-            assert fused.step_timers()["experts"] > 0
+        elif mode == "auto":  # the decode steps in the fused step; the prompt step too where it takes its 77 rows
+            prompt_fused = fused.decoder.max_prefill_rows >= 77  # (AMX: x86_fused.py, MoE prompts)
+            assert fused.step_timers()["calls"] == 11 + prompt_fused and used["route"] == 0, used
+            assert fused.step_timers()["experts"] > 0 and (used["experts"] == 0 or not prompt_fused), used
         else:
             assert used == {"route": 0, "experts": 0}
         del llm
@@ -638,8 +639,9 @@ def _attention_free_checkpoint(tmp_path, arch: str, ties: bool = False):
 def test_profile_counts_the_expert_load_of_the_fused_steps(tmp_path, monkeypatch):
     """`infertune profile` on a bf16 MoE model whose decode steps run in the fused step (routing in C, past the
     routers' hooks): the expert-load table still counts every row of every step, the same counts as with the fused
-    step off (attention-free checkpoint: both paths pick the same experts), and the steps' C timers show the router
-    and the experts."""
+    step off (attention-free checkpoint: both paths pick the same experts), but for a prompt step in the fused step
+    (AMX), whose last layer routes only the rows whose logits are taken; the steps' C timers show the experts, and
+    the router in decode steps (a prompt's boundary tie hands its routing to route(), outside the timers)."""
     from infertune import LLM, SamplingParams
     from infertune.profile.timeline import profile_workload
     from infertune.runner.fused_decode import FusedDecode
@@ -655,13 +657,21 @@ def test_profile_counts_the_expert_load_of_the_fused_steps(tmp_path, monkeypatch
         result = profile_workload(llm, input_len, output_len, batch, params, warmup=False)
         loads[fused] = {name: list(counts) for name, counts in result.expert_load.items()}
         parts = [r.fused for r in result.records if r.fused is not None]
-        if fused:
-            assert len(parts) == output_len - 1 and all(p["experts"] > 0 and p["MoE router"] > 0 for p in parts)
+        if fused:  # (the decode steps; the prompt step too where the fused step takes prompts: AMX)
+            prompt_fused = llm.engine.executor.runner.fused.decoder.max_prefill_rows >= input_len * batch
+            assert len(parts) == output_len - 1 + prompt_fused and all(p["experts"] > 0 for p in parts)
+            assert all(p["MoE router"] > 0 for p in parts[prompt_fused:])
             assert llm.engine.executor.runner.fused.decoder.step.expert_load is None  # counting left with profile
         else:
             assert parts == []
-    assert len(loads[True]) == 3 and loads[True] == loads[False]
-    assert all(sum(c) == (input_len + output_len - 1) * batch * 4 for c in loads[True].values())
+    assert len(loads[True]) == 3 and list(loads[True]) == list(loads[False])
+    assert all(sum(c) == (input_len + output_len - 1) * batch * 4 for c in loads[False].values())
+    last = list(loads[True])[-1]
+    for name, counts in loads[True].items():
+        if prompt_fused and name == last:  # (a fused prompt step's last layer runs only the rows whose logits count)
+            assert sum(counts) == output_len * batch * 4
+        else:
+            assert counts == loads[False][name], name
 
 
 @pytest.mark.skipif(cpu.variant() not in ("avx512", "avx512-noamx", "avx2"), reason=f"x86 kernels: {cpu.describe()}")
@@ -740,11 +750,13 @@ def test_the_fused_steps_experts_run_in_its_workspace(tmp_path, quant):
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     prompt = [{"prompt_token_ids": [5, 9, 14, 3]}]
     want = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
-    # a decode step of one sequence (T = 1) lays its workspace out for T = 1 and its block table's context (the same
-    # prompt again: the same tables), the experts' part last
+    # a step of T rows lays its workspace out for T and its block table's context (the same prompt again: the same
+    # tables), the experts' part last
+    # (where the fused step takes prompts, AMX with bf16 experts, the prompt's step is the largest: T = 4)
     ctx = decoder.step.max_blocks * cm.block_size
-    base1 = lib.it_decode_workspace_bytes(ctypes.byref(cm), 1, ctx)
-    one = lib.it_moe_experts_ws_bytes(1, k, e, h, i, cm.nthreads)
+    t1 = len(prompt[0]["prompt_token_ids"]) if decoder.max_prefill_rows else 1
+    base1 = lib.it_decode_workspace_bytes(ctypes.byref(cm), t1, ctx)
+    one = lib.it_moe_experts_ws_bytes(t1, k, e, h, i, cm.nthreads)
     decoder.step.work_bytes = base1 + one - 1
     with pytest.raises(RuntimeError, match="workspace too small"):
         llm.generate(prompt, params, use_tqdm=False)

@@ -151,6 +151,7 @@ class X86FusedDecoder:
         layers = (cpu.ItLayer * len(model.layers))()
         gate_ups = []  # every gated MLP's gate_up: the dense layers' and the shared experts'
         moe_shapes: set[tuple[int, int, int]] = set()  # (top_k, experts, expert width) of the MoE layers
+        expert_kinds: set[str] = set()  # the routed experts' weight kinds
         for c, layer in zip(layers, model.layers):
             c.input_norm, c.post_norm, c.q_norm, c.k_norm, c.pre_ff_norm, c.post_ff_norm = map(
                 norm, _layer_norms(layer)
@@ -176,6 +177,7 @@ class X86FusedDecoder:
                     return cmoe
                 c.moe = ctypes.addressof(cmoe)
                 moe_shapes.add((layer.moe.moe.top_k, layer.moe.moe.num_experts, cmoe.down.K))
+                expert_kinds |= {layer.moe.experts.gate_up.kind, layer.moe.experts.down.kind}
                 cmodel.moe_experts = max(cmodel.moe_experts, layer.moe.moe.num_experts)
                 cmodel.moe_top_k = max(cmodel.moe_top_k, layer.moe.moe.top_k)
                 if cmoe.shared_down.N:
@@ -189,11 +191,12 @@ class X86FusedDecoder:
             if lin is not None
         ]
         kinds = {lin.kind for lin in lins}
-        # (MoE models: decode steps only, their prompts' router takes torch's matmul past 16 rows, see below. A
+        # (MoE models: prompts too with AMX where the experts are 12-bit, see below; else decode steps only. A
         # windowed layer's prompt rows each attend on their own, to their window: attention_rows. Latent attention:
         # decode steps only, prompts decompress on the PyTorch path, where a long one's attention is cheaper than
         # absorbed.)
-        decode_only = cmodel.moe_experts > 0 or bool(mlas)
+        moe_prompts = amx and avx2_lib is None and expert_kinds <= {"bf16", "bf16c"}
+        decode_only = (cmodel.moe_experts > 0 and not moe_prompts) or bool(mlas)
         if avx2_lib is not None:
             if "bf16c" in kinds:
                 return "12-bit weights (the AVX2 library has no decoder for them)"
@@ -215,8 +218,13 @@ class X86FusedDecoder:
         # Without AMX the same short prompts with bf16 weights (as loaded: the VDPBF16PS GEMM, csrc/x86/avx512/
         # gemm_dpbf16.c; 12-bit: the same sums from the decoded tiles, bf16c_noamx.c, whole prefill steps), each
         # prompt row's attention on its own (P in fp32, as the decode rows' AVX-512 attention).
-        # (MoE models: decode steps only. Their prompts keep the per-module path, whose router takes torch's matmul
-        # past 16 rows: the fused step's GEMV would round its logits differently.)
+        # MoE models with bf16 experts (plain or 12-bit), on AMX: whole prefill steps too (as many rows as the dense
+        # linears allow: all of a step's where every projection is 12-bit), the router's logits from the tile GEMM (the
+        # per-module path's prompts take torch's matmul for them past 16 rows: the two round alike but sum in another
+        # order, so a near-tie may pick another expert; a tie at the top-k boundary hands back to route() as in
+        # decode steps), the experts through the grouped kernel, each expert's rows one tile GEMM. Measured on a
+        # Xeon with AMX, the MoE preset's 16 x 128-token prompts: benchmarks/BENCHMARKS.md. Without AMX (not
+        # measured there: no Zen this session) and with quantized experts, decode steps only.
         prefill_rows = 0
         if decode_only:
             pass
