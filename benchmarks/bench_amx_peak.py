@@ -1,0 +1,135 @@
+#!/usr/bin/env python3
+"""What the AMX tiles of this CPU multiply at, with and without tile loads: the ceiling a bf16 GEMM on them can reach.
+
+A small C loop (compiled here with the system's gcc, -mamx-tile -mamx-bf16) runs TDPBF16PS on the 2 x 2 block every
+tile GEMM of infertune uses (csrc/x86/avx512/bf16c_gemm.c bf16c_block, gemm_amx.c): four accumulators (tiles 0-3),
+two row tiles of x and two feature tiles of W (tiles 4-7), four products a k-step. It times, on --threads threads:
+
+  registers  the four products a step on tiles loaded once (no memory: the tiles' own rate)
+  A x B      the same with the two x tiles and the two W tiles loaded every step (TILELOADD, 64-byte rows) from
+             buffers of A and B bytes cycled through (4 KB: L1; 128 KB: L2; 1 MB: past L2), as a GEMM's k-loop does
+
+and prints GFLOP/s (2 x 16 x 16 x 32 a product). Compare a GEMM's rate (benchmarks/bench_gemm_rows.py, or
+`infertune profile`'s fused-step parts over their FLOPs) with the "with loads" rows: a 2 x 2 block loads one tile a
+product, and there is no larger block: eight tiles hold 4 accumulators, 2 x and 2 W.
+
+    python benchmarks/bench_amx_peak.py --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+SOURCE = r"""
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+#include <omp.h>
+
+typedef struct { uint8_t palette, start; uint8_t r[14]; uint16_t colsb[16]; uint8_t rows[16]; } cfg_t;
+
+/* iters k-steps of the 2 x 2 block; loads: x and W tiles from a (amask + 1 bytes) and b (bmask + 1), else none */
+__attribute__((target("amx-tile,amx-bf16"))) static double run(long iters, int loads, const char* a, long amask,
+                                                               const char* b, long bmask) {
+    cfg_t c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int i = 0; i < 8; i++) c.colsb[i] = 64, c.rows[i] = 16;
+    _tile_loadconfig(&c);
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    _tile_loadd(4, a, 64); _tile_loadd(5, a + 1024, 64); _tile_loadd(6, b, 64); _tile_loadd(7, b + 1024, 64);
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (long i = 0; i < iters; i++) {
+        if (loads) {
+            const long ao = (i * 2048) & amask, bo = (i * 2048) & bmask;
+            _tile_loadd(4, a + ao, 64); _tile_loadd(5, a + ao + 1024, 64);
+            _tile_loadd(6, b + bo, 64); _tile_loadd(7, b + bo + 1024, 64);
+        }
+        _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7); _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
+    }
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    _tile_release();
+    return (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+}
+
+int main(int argc, char** argv) {
+    const int nt = argc > 1 ? atoi(argv[1]) : 2;
+    const long iters = argc > 2 ? atol(argv[2]) : 1000000;
+    if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */)) {
+        printf("error: the kernel refused the AMX tile state\n");
+        return 2;
+    }
+    const long sizes[4] = {4096, 131072, 1 << 20, 0};
+    for (int ia = -1; ia < 3; ia++)
+        for (int ib = (ia < 0 ? 2 : 0); ib < 3; ib++) {
+            const long sa = ia < 0 ? 4096 : sizes[ia], sb = ia < 0 ? 4096 : sizes[ib];
+            double worst = 0.0;
+#pragma omp parallel num_threads(nt) reduction(max : worst)
+            {
+                char* a = aligned_alloc(4096, (size_t)sa);
+                char* b = aligned_alloc(4096, (size_t)sb);
+                memset(a, 1, (size_t)sa);
+                memset(b, 1, (size_t)sb);
+                run(iters / 10, ia >= 0, a, sa - 1, b, sb - 1); /* (warm-up) */
+                worst = run(iters, ia >= 0, a, sa - 1, b, sb - 1);
+                free(a);
+                free(b);
+            }
+            const double gflops = 4.0 * 16 * 16 * 32 * 2 * (double)iters * nt / worst / 1e9;
+            if (ia < 0)
+                printf("registers|%.0f\n", gflops);
+            else
+                printf("%ld x %ld|%.0f\n", sa, sb, gflops);
+        }
+    return 0;
+}
+"""
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--iters", type=int, default=1_000_000, help="k-steps a thread (default: 1000000)")
+    ap.add_argument("--rounds", type=int, default=3, help="runs of the whole table; the best of each row (default: 3)")
+    args = ap.parse_args()
+    if "amx_tile" not in Path("/proc/cpuinfo").read_text():
+        print("this CPU has no AMX (no amx_tile in /proc/cpuinfo)")
+        return 1
+    with tempfile.TemporaryDirectory() as d:
+        src, exe = Path(d) / "amx_peak.c", Path(d) / "amx_peak"
+        src.write_text(SOURCE)
+        subprocess.run(["gcc", "-O2", "-fopenmp", "-mamx-tile", "-mamx-bf16", str(src), "-o", str(exe)], check=True)
+        best: dict[str, float] = {}
+        for _ in range(args.rounds):
+            out = subprocess.run([str(exe), str(args.threads), str(args.iters)], capture_output=True, text=True)
+            if out.returncode:
+                print(out.stdout + out.stderr)
+                return out.returncode
+            for line in out.stdout.splitlines():
+                name, rate = line.split("|")
+                best[name] = max(best.get(name, 0.0), float(rate))
+    print(f"AMX bf16, 2 x 2 tile block, {args.threads} threads, best of {args.rounds} runs")
+    print("| tiles loaded each k-step from (x bytes x W bytes) | GFLOP/s |")
+    print("|---|---:|")
+    for name, rate in best.items():
+        label = (
+            "none (tiles loaded once: the tiles' own rate)"
+            if name == "registers"
+            else name.replace(" x ", " B x ") + " B"
+        )
+        print(f"| {label} | {rate:.0f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
