@@ -191,10 +191,10 @@ class X86FusedDecoder:
             if lin is not None
         ]
         kinds = {lin.kind for lin in lins}
-        # (MoE models: prompts too with AMX where the experts are 12-bit, see below; else decode steps only. A
-        # windowed layer's prompt rows each attend on their own, to their window: attention_rows. Latent attention:
-        # decode steps only, prompts decompress on the PyTorch path, where a long one's attention is cheaper than
-        # absorbed.)
+        # (MoE models: prompts too with AMX where the experts are bf16, plain or 12-bit, see below; else decode steps
+        # only. A windowed layer's prompt rows each attend on their own, to their window: attention_rows. Latent
+        # attention: decode steps only, prompts decompress on the PyTorch path, where a long one's attention is
+        # cheaper than absorbed.)
         moe_prompts = amx and avx2_lib is None and expert_kinds <= {"bf16", "bf16c"}
         decode_only = (cmodel.moe_experts > 0 and not moe_prompts) or bool(mlas)
         if avx2_lib is not None:
