@@ -221,7 +221,7 @@ class X86Kernels:
         # pass, up to cpu.MAX_ROWS on average.
         kind = experts.gate_up.kind
         rows = self.max_rows(kind) if kind == "bf16" else cpu.MAX_ROWS
-        if x.dim() != 2 or kind != "bf16c" and x.shape[0] * routing.ids.shape[1] > rows * experts.num_experts:
+        if x.dim() != 2 or (kind != "bf16c" and x.shape[0] * routing.ids.shape[1] > rows * experts.num_experts):
             return None
         lins = self._experts_lins.get(experts)
         if lins is None:  # (checked once per layer: the tensors it points at are the layer's, kept alive by it)

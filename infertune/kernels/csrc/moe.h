@@ -257,9 +257,9 @@ static void moe_combine(const bf16* ys, const float* weights, const int64_t* ord
         float w[64];
         for (int64_t i = 0; i < n; i++) w[i] = bf2f(f2bf(weights[order[rows[i]]]));
         bf16* o = out + t * H;
-        /* 64 features at a time, each slot's products added in turn (the same sums in the same order as slot by slot
-           per feature; the inner loops are what the compiler vectorizes) */
-        for (int64_t h0 = 0; h0 < H; h0 += 64) { /* 64 features at a time, the slots' products added in turn */
+        /* 64 features at a time, each slot's products added in turn: the same sums in the same order as slot by slot
+           per feature, in loops over features a variant vectorizes (MOE_ADD_ROW) */
+        for (int64_t h0 = 0; h0 < H; h0 += 64) {
             const int64_t nh = H - h0 < 64 ? H - h0 : 64;
             float acc[64] = {0.0f};
             for (int64_t i = 0; i < n; i++) MOE_ADD_ROW(acc, ys + rows[i] * H + h0, w[i], nh);
@@ -414,6 +414,17 @@ static int moe_experts_ws(const bf16* x, int64_t ldx, int64_t T, const it_lin* g
     return 0;
 }
 
+/* it_moe_experts_part (below) on the caller's workspace ws of ws_bytes (it_moe_experts_ws_bytes(T, ...) or more): a
+ * caller that keeps it from call to call spares the fresh pages of a prefill's grouped rows (tens of MB a layer).
+ * Returns 0, -1 where ws is too small, or -2 (see above). */
+int it_moe_experts_ws(const bf16* x, int64_t ldx, int64_t T, const it_lin* gate_up, const it_lin* down, int64_t E,
+                      int64_t off, int64_t local, int64_t k, const float* weights, const int64_t* order,
+                      const int64_t* counts, bf16* out, int nthreads, void* ws, int64_t ws_bytes) {
+    if (T < 1 || k < 1 || E < 1 || gate_up->K < 1 || down->K < 1) return -2;
+    return moe_experts_ws(x, ldx, T, gate_up, down, E, off, local, k, weights, order, counts, out, nthreads,
+                          (char*)ws, ws_bytes);
+}
+
 /* it_moe_experts over experts off .. off + local - 1 only (expert parallel), for callers without a workspace: it
  * allocates one for the call (the fused step passes its own: moe_experts_ws). Returns 0, or -2 (see above). */
 int it_moe_experts_part(const bf16* x, int64_t ldx, int64_t T, const it_lin* gate_up, const it_lin* down, int64_t E,
@@ -423,21 +434,10 @@ int it_moe_experts_part(const bf16* x, int64_t ldx, int64_t T, const it_lin* gat
     const int64_t bytes = moe_experts_ws_need(T, k, E, gate_up->K, down->K, nthreads);
     char* ws = (char*)malloc((size_t)bytes);
     if (!ws) return -2;
-    const int rc = moe_experts_ws(x, ldx, T, gate_up, down, E, off, local, k, weights, order, counts, out, nthreads,
-                                  ws, bytes);
+    const int rc = it_moe_experts_ws(x, ldx, T, gate_up, down, E, off, local, k, weights, order, counts, out,
+                                     nthreads, ws, bytes);
     free(ws);
     return rc;
-}
-
-/* it_moe_experts_part on the caller's workspace ws of ws_bytes (it_moe_experts_ws_bytes(T, ...) or more): a caller that
- * keeps it from call to call spares the fresh pages of a prefill's grouped rows (tens of MB a layer). Returns 0, -1
- * where ws is too small, or -2 (see above). */
-int it_moe_experts_ws(const bf16* x, int64_t ldx, int64_t T, const it_lin* gate_up, const it_lin* down, int64_t E,
-                      int64_t off, int64_t local, int64_t k, const float* weights, const int64_t* order,
-                      const int64_t* counts, bf16* out, int nthreads, void* ws, int64_t ws_bytes) {
-    if (T < 1 || k < 1 || E < 1 || gate_up->K < 1 || down->K < 1) return -2;
-    return moe_experts_ws(x, ldx, T, gate_up, down, E, off, local, k, weights, order, counts, out, nthreads,
-                          (char*)ws, ws_bytes);
 }
 
 int it_moe_experts(const bf16* x, int64_t ldx, int64_t T, const it_lin* gate_up, const it_lin* down, int64_t E,
