@@ -1288,7 +1288,7 @@ def test_bf16c_linear_is_the_bf16_kernel_bit_for_bit(m, k):
     bound of test_bf16_matches_float64 at every row count. Bias and a row count past one decode pass included;
     wide K cut into slabs whose fp32 sums wait in memory between slabs (at 530 rows, in two blocks of rows)."""
     gen = torch.Generator().manual_seed(m)
-    n = 144
+    n = 144 if m % 2 == 0 else 176  # chunks of 4, 4, 1 feature tiles, or of 4, 4, 3 (two blocks, the last half)
     assert (kernels.bf16c_slabs(m, k) >= 2) == (k > 896)
     w = (torch.randn(n, k, generator=gen) * 0.02).to(torch.bfloat16)
     w[3, 5] = 9.0  # an escape inside a tile
@@ -1310,15 +1310,18 @@ def test_bf16c_linear_is_the_bf16_kernel_bit_for_bit(m, k):
 
 
 @needs_bf16c
-@pytest.mark.parametrize("m,k", [(1, 128), (5, 128), (16, 128), (33, 128), (530, 128), (40, 8192)])
-def test_bf16c_gate_up_with_silu_is_the_unfused_mlp_bit_for_bit(m, k):
+@pytest.mark.parametrize(
+    "m,k,inter", [(1, 128, 96), (5, 128, 96), (16, 128, 96), (33, 128, 96), (530, 128, 96), (40, 8192, 96), (530, 128, 4000)]
+)
+def test_bf16c_gate_up_with_silu_is_the_unfused_mlp_bit_for_bit(m, k, inter):
     """A gate_up packed with gate and up rows interleaved 16 by 16: the plain call gives the bf16 kernel's gate_up
     on the original weight bit for bit (columns in the usual order), and silu=True gives exactly silu_and_mul of
-    that (layers/activation.py, the PyTorch formula) from the tiles' epilogue."""
+    that (layers/activation.py, the PyTorch formula) from the tiles' epilogue. inter 96: three 64-feature chunks,
+    the last one a single gate / up pair; 4000 (530 rows): an act past 4 MB, written with non-temporal stores on
+    AMX (bf16c_gemm.c BF16C_STREAM_BYTES)."""
     from infertune.layers.activation import silu_and_mul
 
     gen = torch.Generator().manual_seed(m)
-    inter = 96  # three 64-feature chunks, the last one a single gate / up pair
     assert (kernels.bf16c_slabs(m, k) >= 2) == (k > 128)  # (8192: SiLU after the last slab)
     w = (torch.randn(2 * inter, k, generator=gen) * 0.1).to(torch.bfloat16)
     x = torch.randn(m, k, generator=gen).to(torch.bfloat16)

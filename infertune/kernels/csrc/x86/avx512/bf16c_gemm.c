@@ -32,7 +32,8 @@ static inline void tile_rows_out(const float* c, const bf16* bias, int64_t n, bf
 /* A gate_up weight packed with its gate and up rows interleaved 16 by 16 (feature tile 2 p: gate features
  * 16 p .. 16 p + 15, tile 2 p + 1: the same up features; inter = the intermediate size): the accumulator rows of
  * pair p, cg and cu [rows][16], become either gate_up's columns (gate at 16 p, up at inter + 16 p) or, with silu,
- * act = bf16(bf16(silu(g)) * u) at column 16 p, rounded as silu_mul_rows (g and u first rounded to bf16). */
+ * act = bf16(bf16(silu(g)) * u) at column 16 p, rounded as silu_mul_rows (g and u first rounded to bf16); silu = 2
+ * writes act with non-temporal stores (32-byte aligned rows written whole: the tile GEMM's large outputs). */
 static inline void tile_pair_out(const float* cg, const float* cu, int64_t p, bf16* y, int64_t ldy, int rows,
                                  int64_t inter, int silu) {
     for (int m = 0; m < rows; m++) {
@@ -40,7 +41,11 @@ static inline void tile_pair_out(const float* cg, const float* cu, int64_t p, bf
         const __m512 g = bf16_round_f32(_mm512_add_ps(_mm512_loadu_ps(cg + 16 * m), zero));
         const __m512 u = bf16_round_f32(_mm512_add_ps(_mm512_loadu_ps(cu + 16 * m), zero));
         if (silu) {
-            _mm256_storeu_si256((__m256i*)(y + m * ldy + 16 * p), round_bf16x16(_mm512_mul_ps(bf16_round_f32(silu512(g)), u)));
+            const __m256i a = round_bf16x16(_mm512_mul_ps(bf16_round_f32(silu512(g)), u));
+            if (silu == 2)
+                _mm256_stream_si256((__m256i*)(y + m * ldy + 16 * p), a);
+            else
+                _mm256_storeu_si256((__m256i*)(y + m * ldy + 16 * p), a);
         } else {
             _mm256_storeu_si256((__m256i*)(y + m * ldy + 16 * p), round_bf16x16(g));
             _mm256_storeu_si256((__m256i*)(y + m * ldy + inter + 16 * p), round_bf16x16(u));
@@ -129,27 +134,33 @@ static inline chunk_decoder step_decoder(const bf16c* cw, int64_t step, int64_t 
     return (chunk_decoder){cw, c, KS, k0, k0, k0 + KSL < KS ? k0 + KSL : KS, 16 * chunk_tiles(N16, c), 0, out};
 }
 
-/* The output rows of a finished 2 x 2 block (its accumulators stored in c), written a few rows at a time while
- * the tiles multiply the next block: the vector work of rounding (and SiLU) overlaps the tiles' work. Row i of
- * the job is row i of token tile 0 for i < r0, else row i - r0 of token tile 1. */
+/* The output rows of a finished row pair of a chunk (its blocks' accumulators stored in c: block g / 2 of the chunk's
+ * feature pairs at c[g / 2]), written a few rows at a time while the tiles multiply the next row pair: the vector
+ * work of rounding (and SiLU) overlaps the tiles' work. Each row goes out whole: the chunk's 64 features (or, with
+ * an interleaved gate_up, its 32 act columns), full cache lines, never one half now and the other a block later
+ * (half lines written apart cost the tile GEMM 10-15% at a gate_up's shape here). Row i of the job is row i of
+ * token tile 0 for i < r0, else row i - r0 of token tile 1. */
 typedef struct {
-    const float (*c)[256];
+    const float (*c)[4][256];
     const bf16* bias;
     bf16* y; /* row 0 of token tile 0 */
-    int64_t ldy, n, inter; /* n: the first feature (column) of feature tile 0 */
-    int na, r0, r1, epi, next, per_step; /* epi: as linear_bf16c's */
+    int64_t ldy, n, inter; /* n: the chunk's first feature (column) */
+    int nb, na[2], r0, r1, epi, next, per_step; /* nb: blocks (feature pairs) of the chunk; epi: as linear_bf16c's */
 } epi_job;
 
 static inline void epi_some(epi_job* e, int rows) {
     for (; rows > 0 && e->next < e->r0 + e->r1; rows--, e->next++) {
         const int tt = e->next >= e->r0, m = tt ? e->next - e->r0 : e->next;
         bf16* yr = e->y + (16 * tt + m) * e->ldy;
-        const float* c0 = e->c[2 * tt] + 16 * m;
-        if (e->inter) {
-            tile_pair_out(c0, e->c[2 * tt + 1] + 16 * m, e->n / 32, yr, e->ldy, 1, e->inter, e->epi);
-        } else {
-            tile_rows_out(c0, e->bias, e->n, yr, e->ldy, 1, e->epi);
-            if (e->na == 2) tile_rows_out(e->c[2 * tt + 1] + 16 * m, e->bias, e->n + 16, yr, e->ldy, 1, e->epi);
+        for (int b = 0; b < e->nb; b++) {
+            const float* c0 = e->c[b][2 * tt] + 16 * m;
+            const int64_t n = e->n + 32 * b;
+            if (e->inter) {
+                tile_pair_out(c0, e->c[b][2 * tt + 1] + 16 * m, n / 32, yr, e->ldy, 1, e->inter, e->epi);
+            } else {
+                tile_rows_out(c0, e->bias, n, yr, e->ldy, 1, e->epi);
+                if (e->na[b] == 2) tile_rows_out(e->c[b][2 * tt + 1] + 16 * m, e->bias, n + 16, yr, e->ldy, 1, e->epi);
+            }
         }
     }
 }
@@ -187,7 +198,6 @@ static inline void bf16c_block(const bf16* a0, int64_t lda0, const bf16* a1, int
         if (d) decode_some(d, pairs);
         epi_some(e, e->per_step);
     }
-    epi_some(e, 32); /* (whatever rounding left) */
     _tile_stored(0, c[0], 64);
     if (na == 2) _tile_stored(1, c[1], 64);
     if (a1) {
@@ -196,6 +206,11 @@ static inline void bf16c_block(const bf16* a0, int64_t lda0, const bf16* a1, int
     }
 }
 
+/* An act of at least this many bytes (SiLU out of a gate_up GEMM) is written with non-temporal stores: at a
+ * 2048 x 4864 act (20 MB) a prefill of the 386M model 3% faster on an AMX Xeon (bench_kernel_builds.py, 8 rounds
+ * 0.95-0.98x); below it (a MoE expert's rows, short prompts) act stays in the caches for the down GEMM. The 4 MB
+ * between was not measured. */
+#define BF16C_STREAM_BYTES (4 << 20)
 #define BF16C_GEMM_ROWS 512 /* rows of x per block: each thread decodes a chunk once per block */
 #define BF16C_SLAB_BYTES (1536 * 1024) /* a block's x and two decoded chunks over one slab of K fit this (L2) */
 
@@ -246,6 +261,9 @@ static void linear_bf16c_gemm(const bf16* x, int64_t ldx, const bf16c* cw, const
         for (int64_t m = 16 * full; m < M; m++) memcpy(xtail + (m - 16 * full) * K, x + m * ldx, (size_t)(K * 2));
     }
     float* spill = (float*)((char*)wdec + bf16c_bufs_bytes(K, nthreads));
+    /* a large act goes out past the caches (the next GEMM reads it once a block of rows); a small one stays */
+    const int out_epi = epi == 1 && inter && M * inter * 2 >= BF16C_STREAM_BYTES && !((uintptr_t)y & 31) && !(ldy & 15)
+                            ? 2 : epi;
     int64_t done[nslabs > 1 ? nchunks : 1]; /* per chunk: the slab steps finished (block b's slab s is b nslabs + s) */
     memset(done, 0, sizeof done);
     const int nt = pick_threads(nchunks, N16 * K * tiles, nthreads);
@@ -253,7 +271,8 @@ static void linear_bf16c_gemm(const bf16* x, int64_t ldx, const bf16c* cw, const
 #pragma omp parallel num_threads(nt)
     {
         amx_configure(8);
-        float cb[2][4][256] __attribute__((aligned(64))); /* a block's accumulators, and the previous block's */
+        /* a row pair's accumulators (a block per feature pair of the chunk), and the previous row pair's */
+        float cb[2][2][4][256] __attribute__((aligned(64)));
         int cur_c = 0;
         epi_job job = {0};
         const int tid = omp_get_thread_num();
@@ -296,13 +315,16 @@ static void linear_bf16c_gemm(const bf16* x, int64_t ldx, const bf16c* cw, const
                     const int na = nblk - g >= 2 ? 2 : 1;
                     float (*sp)[256] = nslabs > 1 ? (float (*)[256])(spill + ((ch * pairs_per_block + (t - t0) / 2) * 2 + g / 2) * 1024) : NULL;
                     bf16c_block(a0, lda0, a1, lda1, wc + g * 512, na, klen, s > 0 ? (const float (*)[256])sp : NULL,
-                                last ? cb[cur_c] : sp, d, pairs, &job);
-                    if (!last) continue;
-                    /* this block's rows go out during the next block (or below, after the last) */
-                    job = (epi_job){(const float (*)[256])cb[cur_c], bias, y + 16 * t * ldy, ldy, n0 + 16 * g, inter,
-                                    na, r0, two ? r1 : 0, epi, 0, (int)((r0 + r1 + k1 - k0 - 1) / (k1 - k0))};
-                    cur_c ^= 1;
+                                last ? cb[cur_c][g / 2] : sp, d, pairs, &job);
                 }
+                epi_some(&job, 32); /* (whatever rounding left of the previous row pair's) */
+                if (!last) continue;
+                /* this row pair's rows go out during the next one's blocks (or below, after the last) */
+                const int nb = (nblk + 1) / 2;
+                job = (epi_job){(const float (*)[4][256])cb[cur_c], bias, y + 16 * t * ldy, ldy, n0, inter, nb,
+                                {nblk >= 2 ? 2 : 1, nblk >= 4 ? 2 : 1}, r0, two ? r1 : 0, out_epi, 0,
+                                (int)((r0 + r1 + nb * (k1 - k0) - 1) / (nb * (k1 - k0)))};
+                cur_c ^= 1;
             }
             if (nslabs > 1) __atomic_store_n(&done[ch], b * nslabs + s + 1, __ATOMIC_RELEASE);
             if (d) {
@@ -311,7 +333,8 @@ static void linear_bf16c_gemm(const bf16* x, int64_t ldx, const bf16c* cw, const
             }
             step = next;
         }
-        epi_some(&job, 32); /* the last block's rows */
+        epi_some(&job, 32); /* the last row pair's rows */
+        _mm_sfence(); /* (the non-temporal stores seen before any thread reads act) */
         _tile_release();
     }
 }
