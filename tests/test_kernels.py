@@ -1265,30 +1265,34 @@ def test_bf16c_round_trip_is_bit_exact(n, k):
 
 @needs_bf16c
 @pytest.mark.parametrize(
-    "m,k",
+    "m,k,n",
     [
-        (1, 896),
-        (2, 896),
-        (7, 896),
-        (16, 896),
-        (17, 896),
-        (33, 896),
-        (48, 896),
-        (100, 896),
-        (530, 896),
-        (100, 4096),
-        (47, 6144),
-        (530, 2048),
+        (1, 896, None),
+        (2, 896, None),
+        (7, 896, None),
+        (16, 896, None),
+        (17, 896, None),
+        (33, 896, None),
+        (48, 896, None),
+        (100, 896, None),
+        (530, 896, None),
+        (100, 4096, None),
+        (47, 6144, None),
+        (530, 2048, None),
+        (33, 896, 192),
+        (530, 896, 192),
     ],
 )
-def test_bf16c_linear_is_the_bf16_kernel_bit_for_bit(m, k):
+def test_bf16c_linear_is_the_bf16_kernel_bit_for_bit(m, k, n):
     """The 12-bit linear against the bf16 kernel on the unpacked weight: the same bits from 2 rows up (the same
     tile products; one row takes the tiles here where the bf16 kernel takes VDPBF16PS; without AMX the VDPBF16PS
     GEMM's bits at every row count), and within the float64
     bound of test_bf16_matches_float64 at every row count. Bias and a row count past one decode pass included;
     wide K cut into slabs whose fp32 sums wait in memory between slabs (at 530 rows, in two blocks of rows)."""
     gen = torch.Generator().manual_seed(m)
-    n = 144 if m % 2 == 0 else 176  # chunks of 4, 4, 1 feature tiles, or of 4, 4, 3 (two blocks, the last half)
+    # chunks of 4, 4, 1 feature tiles, or of 4, 4, 3 (two blocks, the last half); 192: rows 64-byte aligned, so the tile
+    # GEMM (past 16 rows) writes them with non-temporal stores (bf16c_gemm.c stream_rows)
+    n = n or (144 if m % 2 == 0 else 176)
     assert (kernels.bf16c_slabs(m, k) >= 2) == (k > 896)
     w = (torch.randn(n, k, generator=gen) * 0.02).to(torch.bfloat16)
     w[3, 5] = 9.0  # an escape inside a tile
@@ -1297,6 +1301,8 @@ def test_bf16c_linear_is_the_bf16_kernel_bit_for_bit(m, k):
     desc = kernels.bf16c_struct(packed := kernels.pack_bf16c(w))
     y = kernels.linear_bf16c(x, desc, n, bias)
     assert packed["esc_val"].numel() >= 1
+    # written past the caches (past 16 rows on AMX, rows of whole lines: n 192), the same bits
+    assert torch.equal(kernels.linear_bf16c(x, desc, n, bias, stream=True).view(torch.int16), y.view(torch.int16))
     if m > 1 or not kernels.amx():
         assert torch.equal(y.view(torch.int16), _bf16_twin(x, w, bias).view(torch.int16))
     ref = x.double() @ w.double().T + bias.double()
@@ -1311,7 +1317,8 @@ def test_bf16c_linear_is_the_bf16_kernel_bit_for_bit(m, k):
 
 @needs_bf16c
 @pytest.mark.parametrize(
-    "m,k,inter", [(1, 128, 96), (5, 128, 96), (16, 128, 96), (33, 128, 96), (530, 128, 96), (40, 8192, 96), (530, 128, 4000)]
+    "m,k,inter",
+    [(1, 128, 96), (5, 128, 96), (16, 128, 96), (33, 128, 96), (530, 128, 96), (40, 8192, 96), (530, 128, 4000)],
 )
 def test_bf16c_gate_up_with_silu_is_the_unfused_mlp_bit_for_bit(m, k, inter):
     """A gate_up packed with gate and up rows interleaved 16 by 16: the plain call gives the bf16 kernel's gate_up

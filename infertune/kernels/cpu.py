@@ -534,6 +534,7 @@ class ItModel(ctypes.Structure):
 
 # The gated MLP's activation (csrc/abi.h it_model.act)
 ACT_SILU, ACT_GELU_TANH = 0, 1
+BF16C_EPI_STREAM = 2  # it_linear_bf16c's epi: a plain product written past the caches (csrc abi.h, bf16c_gemm.c)
 
 
 class Bf16c(ctypes.Structure):
@@ -774,6 +775,7 @@ def abi_layout(structs: dict[str, type[ctypes.Structure]] | None = None) -> list
     out += [(f"it_moe.topk_method {k}", v) for k, v in MOE_TOPK_METHOD.items()]
     out.append(("IT_FT_PARTS (the fused step's timed parts)", len(FUSED_PARTS)))
     out += [("IT_ACT_SILU", ACT_SILU), ("IT_ACT_GELU_TANH", ACT_GELU_TANH)]
+    out.append(("IT_BF16C_EPI_STREAM", BF16C_EPI_STREAM))
     return out
 
 
@@ -1578,6 +1580,7 @@ def linear_bf16c(
     silu: bool = False,
     add_to: torch.Tensor | None = None,
     *,
+    stream: bool = False,
     lib: ctypes.CDLL | None = None,
 ) -> torch.Tensor:
     """x [..., K] bf16 times a 12-bit packed weight [n, K] (+ bias) -> [..., n] bf16, on AMX: the very products of
@@ -1589,13 +1592,19 @@ def linear_bf16c(
     [..., inter] = silu(gate) * up, rounded as silu_and_mul rounds it, straight from the tiles.
 
     add_to ([..., n] bf16, contiguous; not with inter): the result is added into it in the tiles' epilogue,
-    add_to += bf16(x W^T + bias), rounded as a bf16 residual add (the fused step's o_proj and down); returns it."""
+    add_to += bf16(x W^T + bias), rounded as a bf16 residual add (the fused step's o_proj and down); returns it.
+
+    stream=True (a plain product: no silu, no add_to): the same values, written past the caches where the tile GEMM
+    can (past 16 rows, rows whole 64-byte lines): for a result read much later (csrc bf16c_gemm.c BF16C_EPI_STREAM,
+    a MoE layer's experts' down rows)."""
     _load()
     x2 = _rows(x)
     m, k = x2.shape
     width = inter if silu else n
     if silu and not inter:
         raise ValueError("silu needs a gate_up packed with inter")
+    if stream and (silu or add_to is not None):
+        raise ValueError("stream takes a plain product (no silu, no add_to)")
     if add_to is not None:
         if inter or add_to.dtype is not torch.bfloat16 or not add_to.is_contiguous() or add_to.numel() != m * n:
             raise ValueError("add_to needs a contiguous bf16 [..., n] tensor, and no inter")
@@ -1615,7 +1624,7 @@ def linear_bf16c(
             k,
             torch.get_num_threads(),
             inter,
-            int(silu or add_to is not None),
+            BF16C_EPI_STREAM if stream else int(silu or add_to is not None),
         )
     if rc != 0:
         raise ValueError(

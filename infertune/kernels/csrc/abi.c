@@ -46,7 +46,7 @@ int64_t it_struct_sizes(int64_t* out, int64_t n) {
         OF(it_mla_layer, interleaved),
         IT_KIND_BF16, IT_KIND_W8, IT_KIND_W4, IT_KIND_BF16C, IT_KIND_W8A8, IT_KIND_W8P, IT_KIND_W4P,
         IT_MOE_SOFTMAX, IT_MOE_SIGMOID, IT_MOE_GREEDY, IT_MOE_GROUP_LIMITED, IT_MOE_NOAUX_TC, IT_FT_PARTS,
-        IT_ACT_SILU, IT_ACT_GELU_TANH,
+        IT_ACT_SILU, IT_ACT_GELU_TANH, IT_BF16C_EPI_STREAM,
     };
     const int64_t count = (int64_t)(sizeof v / sizeof v[0]);
     for (int64_t i = 0; i < count && i < n; i++) out[i] = v[i];

@@ -117,6 +117,7 @@ typedef struct {
 } it_layer;
 
 enum { IT_ACT_SILU = 0, IT_ACT_GELU_TANH = 1 }; /* it_model.act */
+enum { IT_BF16C_EPI_STREAM = 2 }; /* it_linear_bf16c's epi beside 0 / 1: a plain product written past the caches */
 
 typedef struct {
     int64_t hidden, n_heads, n_kv_heads, head_dim, inter;

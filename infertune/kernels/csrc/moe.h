@@ -22,7 +22,9 @@
  *                                           MOE_BF16C is defined; W8A8 / the packed W8A16 / W4A16 where the variant
  *                                           defines IT_HAS_W8A8 / IT_HAS_W8P / IT_HAS_W4P); silu (a 12-bit gate_up
  *                                           with inter > 0 only):
- *                                           y = act [M, inter], SiLU-and-multiply in the GEMM's epilogue
+ *                                           y = act [M, inter], SiLU-and-multiply in the GEMM's epilogue; for an
+ *                                           expert's down it is MOE_DOWN_EPI (default 0), a hint the variant may
+ *                                           define (AVX-512: its rows written past the caches)
  *   moe_linear_scratch(M, N, K, nthreads)   the bytes of scratch moe_linear needs at up to M rows of [N, K]
  *   moe_silu_mul(gu, act, M, I, nthreads)   act = bf16(bf16(silu(gate)) * up), as it_silu_mul
  * and may define MOE_ADD_ROW(acc, y, w, n) / MOE_STORE_ROW(o, acc, n), the combine's acc[j] += bf16(y[j] w) and
@@ -37,6 +39,9 @@
 #include "abi.h"
 
 #define MOE_ALIGN64(n) (((n) + 63) & ~(int64_t)63)
+#ifndef MOE_DOWN_EPI
+#define MOE_DOWN_EPI 0 /* moe_linear's silu argument for an expert's down (a variant's hint; 0: a plain product) */
+#endif
 /* The most experts a layer may have here (DeepSeek-V3 has 256, Qwen3-235B 128): the routing's scratch lives on the
  * stack, ~26 KB a thread at this size */
 #define IT_MOE_MAX_EXPERTS 1024
@@ -301,7 +306,7 @@ static void moe_expert(const moe_rows* m, int64_t e, int nthreads, void* scratch
         moe_linear(&g, m->xs + r0 * H, H, m->gu + r0 * 2 * I, 2 * I, n, nthreads, scratch, 0);
         moe_silu_mul(m->gu + r0 * 2 * I, m->act + r0 * I, n, I, nthreads);
     }
-    moe_linear(&d, m->act + r0 * I, I, m->ys + r0 * H, H, n, nthreads, scratch, 0);
+    moe_linear(&d, m->act + r0 * I, I, m->ys + r0 * H, H, n, nthreads, scratch, MOE_DOWN_EPI);
 }
 
 /* An expert's linears' scratch at up to M rows on nthreads threads (gate_up takes H inputs, down I) */

@@ -14,16 +14,19 @@ static inline void store_sum_bf16x16(bf16* x, __m512 a, __m512 b, __mmask16 m) {
     _mm256_mask_storeu_epi16(x, m, _mm256_mask_blend_epi16(nan, round_bf16x16(v), q));
 }
 
-/* rows (<= 16) fp32 accumulator rows c [rows][16] + bias -> bf16 y[m][n .. n + 15]; with add, that bf16 is added
- * into y instead (bf16(y + bf16(c + bias)): the residual add of add_rows, on the product as it would be stored) */
+/* rows (<= 16) fp32 accumulator rows c [rows][16] + bias -> bf16 y[m][n .. n + 15]; with add = 1, that bf16 is added
+ * into y instead (bf16(y + bf16(c + bias)): the residual add of add_rows, on the product as it would be stored); add =
+ * 2 stores it with non-temporal stores (y's 32 bytes aligned; the tile GEMM's outputs written as whole lines) */
 static inline void tile_rows_out(const float* c, const bf16* bias, int64_t n, bf16* y, int64_t ldy, int rows, int add) {
     const __m512 bv = bias ? load_bf16x16(bias + n, 0xffff) : _mm512_setzero_ps();
     for (int m = 0; m < rows; m++) {
         const __m256i r = round_bf16x16(_mm512_add_ps(_mm512_loadu_ps(c + 16 * m), bv));
         bf16* out = y + m * ldy + n;
-        if (add)
+        if (add == 1)
             store_sum_bf16x16(out, load_bf16x16(out, 0xffff),
                               _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(r), 16)), 0xffff);
+        else if (add == 2)
+            _mm256_stream_si256((__m256i*)out, r);
         else
             _mm256_storeu_si256((__m256i*)out, r);
     }
@@ -146,6 +149,7 @@ typedef struct {
     bf16* y; /* row 0 of token tile 0 */
     int64_t ldy, n, inter; /* n: the chunk's first feature (column) */
     int nb, na[2], r0, r1, epi, next, per_step; /* nb: blocks (feature pairs) of the chunk; epi: as linear_bf16c's */
+    int stream; /* the rows (a plain product, or act) go out with non-temporal stores: whole lines past the caches */
 } epi_job;
 
 static inline void epi_some(epi_job* e, int rows) {
@@ -156,10 +160,12 @@ static inline void epi_some(epi_job* e, int rows) {
             const float* c0 = e->c[b][2 * tt] + 16 * m;
             const int64_t n = e->n + 32 * b;
             if (e->inter) {
-                tile_pair_out(c0, e->c[b][2 * tt + 1] + 16 * m, n / 32, yr, e->ldy, 1, e->inter, e->epi);
+                tile_pair_out(c0, e->c[b][2 * tt + 1] + 16 * m, n / 32, yr, e->ldy, 1, e->inter,
+                              e->epi && e->stream ? 2 : e->epi);
             } else {
-                tile_rows_out(c0, e->bias, n, yr, e->ldy, 1, e->epi);
-                if (e->na[b] == 2) tile_rows_out(e->c[b][2 * tt + 1] + 16 * m, e->bias, n + 16, yr, e->ldy, 1, e->epi);
+                const int mode = e->epi ? 1 : e->stream ? 2 : 0;
+                tile_rows_out(c0, e->bias, n, yr, e->ldy, 1, mode);
+                if (e->na[b] == 2) tile_rows_out(e->c[b][2 * tt + 1] + 16 * m, e->bias, n + 16, yr, e->ldy, 1, mode);
             }
         }
     }
@@ -208,9 +214,10 @@ static inline void bf16c_block(const bf16* a0, int64_t lda0, const bf16* a1, int
 
 /* An act of at least this many bytes (SiLU out of a gate_up GEMM) is written with non-temporal stores: at a
  * 2048 x 4864 act (20 MB) a prefill of the 386M model 3% faster on an AMX Xeon (bench_kernel_builds.py, 8 rounds
- * 0.95-0.98x); below it (a MoE expert's rows, short prompts) act stays in the caches for the down GEMM. The 4 MB
- * between was not measured. */
+ * 0.95-0.98x); below it (a MoE expert's rows, short prompts) act stays in the caches for the down GEMM (a MoE
+ * expert's act streamed too: level). The sizes between were not measured. */
 #define BF16C_STREAM_BYTES (4 << 20)
+#define BF16C_EPI_STREAM IT_BF16C_EPI_STREAM /* linear_bf16c's epi: a plain product, past the caches (below) */
 #define BF16C_GEMM_ROWS 512 /* rows of x per block: each thread decodes a chunk once per block */
 #define BF16C_SLAB_BYTES (1536 * 1024) /* a block's x and two decoded chunks over one slab of K fit this (L2) */
 
@@ -261,9 +268,16 @@ static void linear_bf16c_gemm(const bf16* x, int64_t ldx, const bf16c* cw, const
         for (int64_t m = 16 * full; m < M; m++) memcpy(xtail + (m - 16 * full) * K, x + m * ldx, (size_t)(K * 2));
     }
     float* spill = (float*)((char*)wdec + bf16c_bufs_bytes(K, nthreads));
-    /* a large act goes out past the caches (the next GEMM reads it once a block of rows); a small one stays */
-    const int out_epi = epi == 1 && inter && M * inter * 2 >= BF16C_STREAM_BYTES && !((uintptr_t)y & 31) && !(ldy & 15)
-                            ? 2 : epi;
+    /* Outputs past the caches (non-temporal stores, whole 64-byte lines: y and its rows 64-byte aligned): a plain
+       product where the caller asks (BF16C_EPI_STREAM: a MoE expert's down rows, 0.84x the experts' time of a MoE
+       prefill on an AMX Xeon; streaming every plain product, a dense prompt's q / k / v too, left that prefill level:
+       the q / k / v GEMM 0.77x, what reads them next as much slower), act (SiLU of a gate_up) where it is large;
+       a store that misses the caches costs the tiles far more here than the reader's trip to memory. The residual
+       adds (epi = 1 without inter) read y first and store as usual. */
+    const int lines = !((uintptr_t)y & 63) && !(ldy & 31);
+    const int stream_rows = lines && !inter && epi == BF16C_EPI_STREAM;
+    epi = epi == 1;
+    const int stream_act = lines && inter && epi && M * inter * 2 >= BF16C_STREAM_BYTES;
     int64_t done[nslabs > 1 ? nchunks : 1]; /* per chunk: the slab steps finished (block b's slab s is b nslabs + s) */
     memset(done, 0, sizeof done);
     const int nt = pick_threads(nchunks, N16 * K * tiles, nthreads);
@@ -322,8 +336,10 @@ static void linear_bf16c_gemm(const bf16* x, int64_t ldx, const bf16c* cw, const
                 /* this row pair's rows go out during the next one's blocks (or below, after the last) */
                 const int nb = (nblk + 1) / 2;
                 job = (epi_job){(const float (*)[4][256])cb[cur_c], bias, y + 16 * t * ldy, ldy, n0, inter, nb,
-                                {nblk >= 2 ? 2 : 1, nblk >= 4 ? 2 : 1}, r0, two ? r1 : 0, out_epi, 0,
-                                (int)((r0 + r1 + nb * (k1 - k0) - 1) / (nb * (k1 - k0)))};
+                                {nblk >= 2 ? 2 : 1, nblk >= 4 ? 2 : 1}, r0, two ? r1 : 0, epi, 0,
+                                (int)((r0 + r1 + nb * (k1 - k0) - 1) / (nb * (k1 - k0))),
+                                /* (whole lines: 64 features a row, or an interleaved chunk's 32 act columns) */
+                                inter ? stream_act && nblk == 4 : stream_rows && nblk % 2 == 0};
                 cur_c ^= 1;
             }
             if (nslabs > 1) __atomic_store_n(&done[ch], b * nslabs + s + 1, __ATOMIC_RELEASE);
@@ -344,17 +360,20 @@ static inline int64_t bf16c_scratch_bytes(int64_t M, int64_t K) { return M > 16 
 
 /* inter > 0: the weight is a gate_up with its rows interleaved (see tile_pair_out), and epi = 1 writes act
  * [M, inter] (SiLU-and-multiply); inter = 0: epi = 1 adds the product into y (y += x W^T + bias, each product
- * rounded to bf16 first, as add_rows adds it: a residual) */
+ * rounded to bf16 first, as add_rows adds it: a residual), epi = BF16C_EPI_STREAM writes it as epi = 0 does, past
+ * the caches on the tile GEMM where its rows are whole lines (a caller that reads y much later: a MoE layer's
+ * experts' down rows, read by the combine once every expert is done) */
 static void linear_bf16c_noamx(const bf16* x, int64_t ldx, const bf16c* cw, const bf16* bias, bf16* y, int64_t ldy,
                                int64_t M, int64_t N16, int64_t K, int nthreads, int64_t inter, int epi);
 
 static void linear_bf16c(const bf16* x, int64_t ldx, const bf16c* cw, const bf16* bias, bf16* y, int64_t ldy,
                          int64_t M, int64_t N16, int64_t K, int nthreads, bf16* scratch, bf16* dec, int64_t inter,
                          int epi) {
+    const int e = epi == BF16C_EPI_STREAM ? 0 : epi; /* (the hint is the tile GEMM's alone) */
     if (amx_state != 1) /* (bf16c_noamx.c: VDPBF16PS on the decoded tiles) */
-        linear_bf16c_noamx(x, ldx, cw, bias, y, ldy, M, N16, K, nthreads, inter, epi);
+        linear_bf16c_noamx(x, ldx, cw, bias, y, ldy, M, N16, K, nthreads, inter, e);
     else if (M <= 16)
-        linear_bf16c_rows(x, ldx, cw, bias, y, ldy, (int)M, N16, K, nthreads, inter, epi);
+        linear_bf16c_rows(x, ldx, cw, bias, y, ldy, (int)M, N16, K, nthreads, inter, e);
     else
         linear_bf16c_gemm(x, ldx, cw, bias, y, ldy, M, N16, K, nthreads, scratch, dec, inter, epi);
 }

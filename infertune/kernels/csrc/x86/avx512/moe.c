@@ -6,6 +6,9 @@
 
 #define MOE_BF16C
 #define MOE_ONE_ROW moe_one_row
+/* an expert's down rows, read by the combine only once every expert is done: 12-bit ones past the caches
+   (bf16c_gemm.c BF16C_EPI_STREAM; other kinds ignore it) */
+#define MOE_DOWN_EPI BF16C_EPI_STREAM
 #define MOE_ONE_ROW_BYTES moe_one_row_bytes
 #ifndef MOE_ONE_ROW_OFF
 #define MOE_ONE_ROW_OFF 0
