@@ -369,9 +369,9 @@ static void linear_bf16c_noamx(const bf16* x, int64_t ldx, const bf16c* cw, cons
 static void linear_bf16c(const bf16* x, int64_t ldx, const bf16c* cw, const bf16* bias, bf16* y, int64_t ldy,
                          int64_t M, int64_t N16, int64_t K, int nthreads, bf16* scratch, bf16* dec, int64_t inter,
                          int epi) {
-    const int e = epi == BF16C_EPI_STREAM ? 0 : epi; /* (the hint is the tile GEMM's alone) */
+    const int e = epi == BF16C_EPI_STREAM ? 0 : epi; /* (the hint is the GEMMs' alone, past 16 rows) */
     if (amx_state != 1) /* (bf16c_noamx.c: VDPBF16PS on the decoded tiles) */
-        linear_bf16c_noamx(x, ldx, cw, bias, y, ldy, M, N16, K, nthreads, inter, e);
+        linear_bf16c_noamx(x, ldx, cw, bias, y, ldy, M, N16, K, nthreads, inter, epi);
     else if (M <= 16)
         linear_bf16c_rows(x, ldx, cw, bias, y, ldy, (int)M, N16, K, nthreads, inter, e);
     else

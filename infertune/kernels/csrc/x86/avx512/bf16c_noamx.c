@@ -132,6 +132,12 @@ static void linear_bf16c_gemm_noamx(const bf16* x, int64_t ldx, const bf16c* cw,
                                     int epi) {
     const int64_t nchunks = (N16 + 63) / 64, KS = K / 32, SL = GEMM_KC / 32; /* tiles a slab */
     const int nt = pick_threads(nchunks, N16 * K * 3 / 2, nthreads);
+    /* a plain product where the caller asks (BF16C_EPI_STREAM: a MoE expert's down rows) goes past the caches, as on
+       the tile GEMM (bf16c_gemm.c linear_bf16c_gemm), each row's 64 features whole. Forced to this path on an AMX
+       Xeon: a MoE prefill 0.99x (6 rounds 0.91-1.01); a dense one's large act streamed too read 1.02x, so act stays
+       in the caches here. Not measured on a Zen. */
+    const int stream_rows = !((uintptr_t)y & 63) && !(ldy & 31) && !inter && epi == BF16C_EPI_STREAM;
+    epi = epi == 1;
 #pragma omp parallel num_threads(nt)
     {
         uint32_t wp[GEMM_KC / 2 * 64] __attribute__((aligned(64)));
@@ -153,20 +159,29 @@ static void linear_bf16c_gemm_noamx(const bf16* x, int64_t ldx, const bf16c* cw,
                         float* a = acc + i0 * 64;
                         gemm_micro_by_rows[mr](x + (m0 + i0) * ldx + k0 * 32, ldx, wp, ns * 16, a, k0 == 0, &nopf);
                         if (k0 + ns < KS) continue;
+                        bf16* yr = y + (m0 + i0) * ldy;
+                        if (stream_rows && nblk % 2 == 0) { /* (a row's lines whole, one after the other) */
+                            for (int i = 0; i < mr; i++)
+                                for (int b = 0; b < nblk; b++)
+                                    tile_rows_out(a + 64 * i + 16 * b, bias, n0 + 16 * b, yr + i * ldy, ldy, 1, 2);
+                            continue;
+                        }
                         for (int b = 0; b < nblk; b++) /* [row][64] -> [group][row][16], for the epilogues */
                             for (int i = 0; i < mr; i++) memcpy(c[b] + 16 * i, a + 64 * i + 16 * b, 64);
-                        chunk_rows_out(c[0], sizeof c[0] / sizeof(float), nblk, n0, bias, y + (m0 + i0) * ldy, ldy, mr, inter, epi);
+                        chunk_rows_out(c[0], sizeof c[0] / sizeof(float), nblk, n0, bias, yr, ldy, mr, inter, epi);
                     }
                 }
             }
         }
     }
+    _mm_sfence(); /* (the non-temporal stores seen before any thread reads y) */
 }
 
 static void linear_bf16c_noamx(const bf16* x, int64_t ldx, const bf16c* cw, const bf16* bias, bf16* y, int64_t ldy,
                                int64_t M, int64_t N16, int64_t K, int nthreads, int64_t inter, int epi) {
-    if (M <= bf16c_reg_max)
-        linear_bf16c_reg_noamx(x, ldx, cw, bias, y, ldy, (int)M, N16, K, nthreads, inter, epi);
+    if (M <= bf16c_reg_max) /* (the stream hint is the GEMM's alone) */
+        linear_bf16c_reg_noamx(x, ldx, cw, bias, y, ldy, (int)M, N16, K, nthreads, inter,
+                               epi == BF16C_EPI_STREAM ? 0 : epi);
     else
         linear_bf16c_gemm_noamx(x, ldx, cw, bias, y, ldy, M, N16, K, nthreads, inter, epi);
 }
