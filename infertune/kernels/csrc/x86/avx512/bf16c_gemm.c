@@ -218,6 +218,9 @@ static inline void bf16c_block(const bf16* a0, int64_t lda0, const bf16* a1, int
  * expert's act streamed too: level). The sizes between were not measured. */
 #define BF16C_STREAM_BYTES (4 << 20)
 #define BF16C_EPI_STREAM IT_BF16C_EPI_STREAM /* linear_bf16c's epi: a plain product, past the caches (below) */
+
+/* Whether y's rows start on 64-byte lines (y and its row stride), so a row's whole chunk can go past the caches */
+static inline int rows_on_lines(const bf16* y, int64_t ldy) { return !((uintptr_t)y & 63) && !(ldy & 31); }
 #define BF16C_GEMM_ROWS 512 /* rows of x per block: each thread decodes a chunk once per block */
 #define BF16C_SLAB_BYTES (1536 * 1024) /* a block's x and two decoded chunks over one slab of K fit this (L2) */
 
@@ -259,7 +262,7 @@ static inline int64_t bf16c_dec_bytes(int64_t M, int64_t N16, int64_t K, int nth
 __attribute__((target("amx-tile,amx-bf16")))
 static void linear_bf16c_gemm(const bf16* x, int64_t ldx, const bf16c* cw, const bf16* bias, bf16* y, int64_t ldy,
                               int64_t M, int64_t N16, int64_t K, int nthreads, bf16* xtail, bf16* wdec, int64_t inter,
-                              int epi) {
+                              int epi, int stream) {
     const int64_t nchunks = (N16 + 63) / 64, tiles = (M + 15) / 16, full = M / 16, KS = K / 32;
     const int64_t KSL = bf16c_slab_ks(M, K), nslabs = (KS + KSL - 1) / KSL, per_block = nslabs * nchunks;
     const int64_t bt = BF16C_GEMM_ROWS / 16, pairs_per_block = (bf16c_block_rows(M) + 31) / 32;
@@ -274,9 +277,8 @@ static void linear_bf16c_gemm(const bf16* x, int64_t ldx, const bf16c* cw, const
        the q / k / v GEMM 0.77x, what reads them next as much slower), act (SiLU of a gate_up) where it is large;
        a store that misses the caches costs the tiles far more here than the reader's trip to memory. The residual
        adds (epi = 1 without inter) read y first and store as usual. */
-    const int lines = !((uintptr_t)y & 63) && !(ldy & 31);
-    const int stream_rows = lines && !inter && epi == BF16C_EPI_STREAM;
-    epi = epi == 1;
+    const int lines = rows_on_lines(y, ldy);
+    const int stream_rows = lines && !inter && stream;
     const int stream_act = lines && inter && epi && M * inter * 2 >= BF16C_STREAM_BYTES;
     int64_t done[nslabs > 1 ? nchunks : 1]; /* per chunk: the slab steps finished (block b's slab s is b nslabs + s) */
     memset(done, 0, sizeof done);
@@ -364,18 +366,19 @@ static inline int64_t bf16c_scratch_bytes(int64_t M, int64_t K) { return M > 16 
  * the caches on the tile GEMM where its rows are whole lines (a caller that reads y much later: a MoE layer's
  * experts' down rows, read by the combine once every expert is done) */
 static void linear_bf16c_noamx(const bf16* x, int64_t ldx, const bf16c* cw, const bf16* bias, bf16* y, int64_t ldy,
-                               int64_t M, int64_t N16, int64_t K, int nthreads, int64_t inter, int epi);
+                               int64_t M, int64_t N16, int64_t K, int nthreads, int64_t inter, int epi, int stream);
 
 static void linear_bf16c(const bf16* x, int64_t ldx, const bf16c* cw, const bf16* bias, bf16* y, int64_t ldy,
                          int64_t M, int64_t N16, int64_t K, int nthreads, bf16* scratch, bf16* dec, int64_t inter,
                          int epi) {
-    const int e = epi == BF16C_EPI_STREAM ? 0 : epi; /* (the hint is the GEMMs' alone, past 16 rows) */
+    const int stream = epi == BF16C_EPI_STREAM; /* (a hint the GEMMs past 16 rows take; otherwise a plain product) */
+    if (stream) epi = 0;
     if (amx_state != 1) /* (bf16c_noamx.c: VDPBF16PS on the decoded tiles) */
-        linear_bf16c_noamx(x, ldx, cw, bias, y, ldy, M, N16, K, nthreads, inter, epi);
+        linear_bf16c_noamx(x, ldx, cw, bias, y, ldy, M, N16, K, nthreads, inter, epi, stream);
     else if (M <= 16)
-        linear_bf16c_rows(x, ldx, cw, bias, y, ldy, (int)M, N16, K, nthreads, inter, e);
+        linear_bf16c_rows(x, ldx, cw, bias, y, ldy, (int)M, N16, K, nthreads, inter, epi);
     else
-        linear_bf16c_gemm(x, ldx, cw, bias, y, ldy, M, N16, K, nthreads, scratch, dec, inter, epi);
+        linear_bf16c_gemm(x, ldx, cw, bias, y, ldy, M, N16, K, nthreads, scratch, dec, inter, epi, stream);
 }
 
 /* scratch: bf16_scratch_bytes(M, K), 64-byte aligned (the transposed activations of the AMX path) */

@@ -129,15 +129,14 @@ static inline void bf16c_tile_slab(const bf16c* c, int64_t t, int rows, uint32_t
 /* Past bf16c_reg_max rows: slabs of decoded tiles through gemm_dpbf16.c's micro-kernel */
 static void linear_bf16c_gemm_noamx(const bf16* x, int64_t ldx, const bf16c* cw, const bf16* bias, bf16* y,
                                     int64_t ldy, int64_t M, int64_t N16, int64_t K, int nthreads, int64_t inter,
-                                    int epi) {
+                                    int epi, int stream) {
     const int64_t nchunks = (N16 + 63) / 64, KS = K / 32, SL = GEMM_KC / 32; /* tiles a slab */
     const int nt = pick_threads(nchunks, N16 * K * 3 / 2, nthreads);
-    /* a plain product where the caller asks (BF16C_EPI_STREAM: a MoE expert's down rows) goes past the caches, as on
+    /* a plain product where the caller asks (stream: a MoE expert's down rows) goes past the caches, as on
        the tile GEMM (bf16c_gemm.c linear_bf16c_gemm), each row's 64 features whole. Forced to this path on an AMX
        Xeon: a MoE prefill 0.99x (6 rounds 0.91-1.01); a dense one's large act streamed too read 1.02x, so act stays
        in the caches here. Not measured on a Zen. */
-    const int stream_rows = !((uintptr_t)y & 63) && !(ldy & 31) && !inter && epi == BF16C_EPI_STREAM;
-    epi = epi == 1;
+    const int stream_rows = stream && !inter && rows_on_lines(y, ldy);
 #pragma omp parallel num_threads(nt)
     {
         uint32_t wp[GEMM_KC / 2 * 64] __attribute__((aligned(64)));
@@ -178,10 +177,9 @@ static void linear_bf16c_gemm_noamx(const bf16* x, int64_t ldx, const bf16c* cw,
 }
 
 static void linear_bf16c_noamx(const bf16* x, int64_t ldx, const bf16c* cw, const bf16* bias, bf16* y, int64_t ldy,
-                               int64_t M, int64_t N16, int64_t K, int nthreads, int64_t inter, int epi) {
+                               int64_t M, int64_t N16, int64_t K, int nthreads, int64_t inter, int epi, int stream) {
     if (M <= bf16c_reg_max) /* (the stream hint is the GEMM's alone) */
-        linear_bf16c_reg_noamx(x, ldx, cw, bias, y, ldy, (int)M, N16, K, nthreads, inter,
-                               epi == BF16C_EPI_STREAM ? 0 : epi);
+        linear_bf16c_reg_noamx(x, ldx, cw, bias, y, ldy, (int)M, N16, K, nthreads, inter, epi);
     else
-        linear_bf16c_gemm_noamx(x, ldx, cw, bias, y, ldy, M, N16, K, nthreads, inter, epi);
+        linear_bf16c_gemm_noamx(x, ldx, cw, bias, y, ldy, M, N16, K, nthreads, inter, epi, stream);
 }
