@@ -696,22 +696,23 @@ def test_w4a16_packs_at_load_where_the_kernels_ask(ks):
 
 
 @needs_kernels
-def test_with_amx_the_quantized_layers_keep_their_row_layouts(monkeypatch):
-    """The packed W8A16 / W4A16 layouts are the no-AMX paths only (on AMX their prompts would lose the tile GEMM:
-    kernels/x86.py max_rows): an AMX machine's kernels offer neither, and the methods keep [N, K] int8 and pack_w4's
-    rows there, as before; W8A8's packed GEMM is offered with AMX too (it beat torch._int_mm's AMX int8 at every row
-    count measured). (Run here by telling this library's kernels object it has AMX.)"""
+def test_with_amx_w8a16_packs_and_w4a16_keeps_its_rows(monkeypatch):
+    """With AMX, W8A16 takes the packed layout too (its int8 words are AMX-INT8's B operand as they lie:
+    gemm_i8_amx.c), and so does W8A8; W4A16's packed layout stays a no-AMX path (on AMX its prompts would lose the
+    tile GEMM: kernels/x86.py max_rows), so the method keeps pack_w4's rows there. (Run here by telling this
+    library's kernels object it has AMX.)"""
     from infertune.quant.int4 import W4A16Method
 
     if kernels.variant() not in ("avx512", "avx512-noamx"):
         pytest.skip(f"the AVX-512 kernels are not this process's: {kernels.describe()}")
     ks = x86.X86Kernels()
     monkeypatch.setattr(ks, "amx", True)
-    assert ks.max_rows("w8p") == ks.max_rows("w4p") == 0
+    assert ks.max_rows("w4p") == 0
+    assert ks.max_rows("w8p") == (kernels.NOAMX_QUANT_MAX_ROWS if kernels.w8p_supported() else 0) > 0
     assert ks.max_rows("w8a8") == (kernels.NOAMX_QUANT_MAX_ROWS if kernels.w8a8_supported() else 0)
     g = torch.Generator().manual_seed(33)
     for method, kind, dtype in (
-        (W8A16Method(kernels=ks), "w8", torch.int8),
+        (W8A16Method(kernels=ks), "w8p", torch.int32),
         (W4A16Method(128, kernels=ks), "w4", torch.uint8),
     ):
         layer = Linear(256, 64, dtype=torch.bfloat16, quant_method=method)
@@ -1570,14 +1571,17 @@ def test_fused_step_runs_prompts_as_accurately_as_pytorch(tmp_path, monkeypatch,
     """A step of fresh prompts runs through the fused step (each token a row attending to its prompt up to itself,
     through the prompt's block table; on AMX 16 rows of a prompt at a time): with 12-bit weights (the default where
     the kernels compress) a step of any size, with the weights as loaded up to kernels.bf16_max_rows() tokens in all (without AMX
-    through the VDPBF16PS GEMM, 12-bit too; W8A16 / W4A16 too, their slabs rebuilt in bf16 for that GEMM). Prompts
+    through the VDPBF16PS GEMM, 12-bit too; W8A16 / W4A16 too, their slabs rebuilt in bf16 for that GEMM; with AMX
+    W8A16 and W8A8 on AMX-INT8 tiles from their packed weights, a step of any size). Prompts
     of 5, 21, 40 and 90 tokens (several blocks of 16, partial last blocks; 156 rows) in one step, then decoding.
     The logprobs against HF transformers in float32 are as close as those of the PyTorch forward
     (decode_kernels="linear", the same quantization)."""
-    if quant == "w8a8" and (kernels.amx() or not kernels.w8a8_supported()):
-        pytest.skip("W8A8 runs in the fused step on the AVX-512 library without AMX and on the AVX2 one")
-    if quant not in (None, "w8a8") and (kernels.amx() or kernels.variant() != "avx512"):
-        pytest.skip("quantized prompts run in the fused step on the AVX-512 library without AMX only")
+    if quant == "w8a8" and not kernels.w8a8_supported():
+        pytest.skip("W8A8 runs in the fused step where the library has its int8 GEMM")
+    if quant == "w8a16" and kernels.variant() != "avx512":
+        pytest.skip("W8A16 prompts run in the fused step on the AVX-512 library only")
+    if quant == "w4a16" and (kernels.amx() or kernels.variant() != "avx512"):
+        pytest.skip("W4A16 prompts run in the fused step on the AVX-512 library without AMX only")
     from conftest import hf_model
 
     from infertune import LLM, SamplingParams

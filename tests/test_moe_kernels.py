@@ -372,13 +372,13 @@ def test_quantized_experts_of_one_row_each_are_their_per_expert_loop_bit_for_bit
     row rounded to int16 once, the experts' rows as one stack of row blocks split over the threads): bit for bit the
     per-expert loop over linear_w8 / linear_w4 (Experts.forward_native) at one row an expert. With an expert shared
     by the tokens (three rows for it) the per-expert path runs, bit for bit the loop too. On the layouts the kernels
-    keep ("own": the packed W8A16 / W4A16 without AMX) the per-expert path runs the packed kernels, bit for bit the
+    keep ("own": the packed W8A16, and W4A16 without AMX) the per-expert path runs the packed kernels, bit for bit the
     loop as well. (int8: hidden 328, the rows padded to 384 inside the kernel.)"""
     if layout == "rows":  # (the kernels offer no packed kind: the methods keep the row layouts)
         offered = ks.max_rows
         monkeypatch.setattr(ks, "max_rows", lambda kind: 0 if kind in ("w8p", "w4p") else offered(kind))
-    elif ks.max_rows("w8p") <= 0:
-        pytest.skip(f"{ks.name}: no packed W8A16 / W4A16 here (the rows case is this CPU's layout)")
+    elif ks.max_rows("w8p" if method == "w8a16" else "w4p") <= 0:
+        pytest.skip(f"{ks.name}: no packed {method} here (the rows case is this CPU's layout)")
     e, k, hidden, inter = 16, 4, 384 if method == "w4a16" else 328, 256
     g = torch.Generator().manual_seed(70 + t)
     layer, experts = quantized_experts(ks, method, 128, e, k, hidden, inter, g)

@@ -121,13 +121,15 @@ class X86Kernels:
         if kind == "w8a8":
             return cpu.NOAMX_QUANT_MAX_ROWS if cpu.w8a8_supported(self.lib) else 0
         # W8A16 / W4A16 on their packed weights (gemm_w8p.c / gemm_w4p.c): without AMX at every row count, where one
-        # weight stream a thread beats the row layouts' kernels (benchmarks/bench_packed_quant.py). With AMX none: on
-        # the Xeon the packed decode was faster (W8A16 1.08x / 1.51x / 1.32x linear_w8's tile paths at 1 / 4 / 16
-        # rows, W4A16 1.21x / 2.53x / 1.02x), but their prompts on the VDPBF16PS GEMM lose to the row layouts'
-        # dequantize-then-AMX-GEMM (16 x 128-token TTFT 1.44 -> 3.39 s W8A16, 1.47 -> 8.22 s W4A16): not taken
-        # until a prompt path rebuilds the packed weights for the tiles.
+        # weight stream a thread beats the row layouts' kernels (benchmarks/bench_packed_quant.py). W8A16 with AMX
+        # too: the packed weight is AMX-INT8's B operand as it lies (gemm_i8_amx.c: x's h and l bytes on the tiles),
+        # which beats the row layout's dequantize-then-bf16-tiles at every row count (BENCHMARKS.md, 2026-12-06).
+        # W4A16 with AMX none: on the Xeon the packed decode was faster (1.21x / 2.53x / 1.02x linear_w4's tile
+        # paths at 1 / 4 / 16 rows), but its prompts on the VDPBF16PS GEMM lose to the row layout's
+        # dequantize-then-AMX-GEMM (16 x 128-token TTFT 1.47 -> 8.22 s): not taken until a prompt path puts the
+        # packed nibbles on the tiles.
         if kind == "w8p":
-            return 0 if self.amx or not cpu.w8p_supported(self.lib) else cpu.NOAMX_QUANT_MAX_ROWS
+            return cpu.NOAMX_QUANT_MAX_ROWS if cpu.w8p_supported(self.lib) else 0
         if kind == "w4p":
             return 0 if self.amx or not cpu.w4p_supported(self.lib) else cpu.NOAMX_QUANT_MAX_ROWS
         return cpu.bf16_max_rows() if kind in ("bf16", "bf16c") else cpu.quant_max_rows()

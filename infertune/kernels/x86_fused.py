@@ -228,9 +228,10 @@ class X86FusedDecoder:
         prefill_rows = 0
         if decode_only:
             pass
-        elif amx and kinds <= {"bf16", "bf16c"} and not model.kv_int8:
+        elif amx and kinds <= {"bf16", "bf16c", "w8a8", "w8p"} and not model.kv_int8:
+            # (W8A8 / packed W8A16: AMX-INT8 tiles on the packed weight at any row count, gemm_i8_amx.c)
             prefill_rows = cpu.AMX_GEMM_MAX_ROWS
-            if kinds == {"bf16c"}:
+            if kinds <= {"bf16c", "w8a8", "w8p"}:
                 prefill_rows = max(prefill_rows, model.step_rows)
         elif (
             not amx

@@ -6,7 +6,8 @@
  * the translation unit, its own
  *   quantize_rows_i8(x, ldx, M, K, static_scale, nthreads, xq, sx, xsum)   x -> int8 rows, their scales and sums
  *   w8a8_gemm(xq, sx, xsum, w, scale, bias, y, ldy, M, N, K, nthreads)     the product on the packed weight
- *   it_pack_w8a8(q, N, K, out, nthreads)                                   the packing (i8_pack_words, or its own) */
+ *   it_pack_w8a8(q, N, K, out, nthreads)                                   the packing (i8_pack_words, or its own)
+ * and, where its kernels read whole groups of rows (AMX tiles), I8_ROW_PAD: the rows past the last they may read. */
 #ifndef IT_W8A8_H
 #define IT_W8A8_H
 #include <math.h>
@@ -16,8 +17,14 @@
 
 static inline int64_t i8_kp(int64_t K) { return (K + 63) & ~(int64_t)63; }
 
-/* scratch: x_q [M, Kp] (zero past K), s_x [M], sum x_q [M] */
-static inline int64_t i8_scratch_bytes(int64_t M, int64_t K) { return (M * i8_kp(K) + M * 8 + 127) & ~(int64_t)63; }
+#ifndef I8_ROW_PAD
+#define I8_ROW_PAD 0
+#endif
+
+/* scratch: x_q [M, Kp] (zero past K), s_x [M], sum x_q [M], then I8_ROW_PAD rows' bytes (read, never used) */
+static inline int64_t i8_scratch_bytes(int64_t M, int64_t K) {
+    return ((M + I8_ROW_PAD) * i8_kp(K) + M * 8 + 127) & ~(int64_t)63;
+}
 
 static inline int64_t i8_packed_words(int64_t N, int64_t K) { return (N + I8_NB - 1) / I8_NB * (i8_kp(K) / 4) * I8_NB; }
 

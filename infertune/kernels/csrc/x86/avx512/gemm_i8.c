@@ -36,6 +36,7 @@
 #endif
 #define I8_NB 64           /* output features a block of the packed weight holds */
 #define I8_FLIP 0x80       /* (the weight as VPDPBUSD's unsigned operand: q + 128) */
+#define I8_ROW_PAD 32      /* (gemm_i8_amx.c's tiles read whole 32-row groups) */
 #include "w8a8.h"          /* I8_MAX_K, the scratch, unpacking, the entry points */
 
 /* acc += the products of u (unsigned bytes) and s (signed), 4 a lane: VPDPBUSD. (Through the intrinsic GCC 12 copied
@@ -231,11 +232,21 @@ static void i8_rows(const void* ctx, int64_t m, int mr, int64_t k0, const uint32
     if (store) i8_store(acc, mr, j->sx + m, j->xsum + m, j->scale, j->bias, n0, nrows, j->y + m * j->ldy, j->ldy);
 }
 
+#include "gemm_i8_amx.c"
+
+static void i8a_rows(const void* ctx, const int32_t* acc, int64_t r0, int rows, int64_t n0, int nrows) {
+    const i8_job* j = (const i8_job*)ctx;
+    i8_store(acc, rows, j->sx + r0, j->xsum + r0, j->scale, j->bias, n0, nrows, j->y + r0 * j->ldy, j->ldy);
+}
+
 static void w8a8_gemm(const int8_t* xq, const float* sx, const int32_t* xsum, const uint32_t* wpk,
                       const float* scale, const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K,
                       int nthreads) {
     const i8_job job = {xq, sx, xsum, scale, bias, y, i8_kp(K), ldy};
-    i8_drive(wpk, M, N, K, nthreads, GEMM_MR, 64, i8_rows, &job);
+    if (i8_amx_takes(M))
+        i8a_drive(xq, M, job.Kp, wpk, N, nthreads, i8a_rows, &job);
+    else
+        i8_drive(wpk, M, N, K, nthreads, GEMM_MR, 64, i8_rows, &job);
 }
 
 

@@ -22,9 +22,10 @@
 #define W8P_MR 3 /* rows of x a micro-kernel: W8A8's GEMM_MR int8 rows, h and l of each */
 _Static_assert(2 * W8P_MR <= GEMM_MR, "i8_micro takes both bytes of W8P_MR rows");
 
-/* scratch: the h and l bytes as rows 2m and 2m + 1 of one int8 matrix [2M, Kp], s_x [M], sum h and sum l [M] each */
+/* scratch: the h and l bytes as rows 2m and 2m + 1 of one int8 matrix [2M, Kp], s_x [M], sum h and sum l [M] each,
+ * then I8_ROW_PAD rows' bytes (the AMX tiles' reads past the last row) */
 static inline int64_t w8p_scratch_bytes(int64_t M, int64_t K) {
-    return (2 * M * i8_kp(K) + M * 12 + 127) & ~(int64_t)63;
+    return ((2 * M + I8_ROW_PAD) * i8_kp(K) + M * 12 + 127) & ~(int64_t)63;
 }
 
 /* x [M, K] bf16 -> xhl [2M, Kp] (row 2m: x_m's h bytes, 2m + 1: its l bytes; zero past K), sx [M], hsum, lsum [M]:
@@ -107,6 +108,12 @@ static void w8p_rows(const void* ctx, int64_t m, int mr, int64_t k0, const uint3
     if (store) w8p_store(j, acc, m, mr, n0, nrows);
 }
 
+/* the AMX tiles' sums of int8 rows r0 .. r0 + rows - 1 (x_m's h and l: rows 2 m and 2 m + 1, acc [h 64 | l 64] a
+ * row of x, as w8p_rows's) */
+static void w8p_amx_rows(const void* ctx, const int32_t* acc, int64_t r0, int rows, int64_t n0, int nrows) {
+    w8p_store((const w8p_job*)ctx, acc, r0 / 2, rows / 2, n0, nrows);
+}
+
 /* scratch: w8p_scratch_bytes(M, K). 0: done; -1: K out of range (the caller keeps torch's). */
 static int linear_w8p(const bf16* x, int64_t ldx, const uint32_t* wpk, const float* scale, const bf16* bias, bf16* y,
                       int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads, void* scratch) {
@@ -118,7 +125,10 @@ static int linear_w8p(const bf16* x, int64_t ldx, const uint32_t* wpk, const flo
     int32_t* lsum = hsum + M;
     w8p_quantize_rows(x, ldx, M, K, nthreads, xhl, sx, hsum, lsum);
     const w8p_job job = {xhl, sx, hsum, lsum, scale, bias, y, Kp, ldy};
-    i8_drive(wpk, M, N, K, nthreads, W8P_MR, 128, w8p_rows, &job);
+    if (i8_amx_takes(2 * M))
+        i8a_drive(xhl, 2 * M, Kp, wpk, N, nthreads, w8p_amx_rows, &job);
+    else
+        i8_drive(wpk, M, N, K, nthreads, W8P_MR, 128, w8p_rows, &job);
     return 0;
 }
 

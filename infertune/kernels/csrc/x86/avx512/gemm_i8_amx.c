@@ -1,0 +1,121 @@
+/* The int8 products of gemm_i8.c (W8A8) and gemm_w8p.c (W8A16: the h and l bytes of x as int8 rows) on AMX-INT8
+ * tiles, from the same packed weight, with the same exact int32 sums and the same epilogues: bit for bit what the
+ * VPDPBUSD kernels give, faster where AMX runs.
+ *
+ * Why no repacking: it_pack_w8a8's layout is already TDPBSUD's B operand. A block of the packed weight is
+ * [Kp / 4 words][64 features], each 32-bit word 4 consecutive columns of one feature (+ 128), and a B tile is
+ * 16 rows (4-column groups) x 16 features x 4 bytes: features 16 v .. 16 v + 15 of columns 4 p .. 4 p + 63 are the
+ * 64-byte runs at words (p + r) * 64 + 16 v, r = 0 .. 15, one tile load with a 256-byte stride. The A operand is 16
+ * rows of the int8 activations (row stride Kp, columns past K zero), loaded in place. TDPBSUD multiplies the signed
+ * activations by the unsigned weight bytes, so the sums hold sum (q + 128) x, less 128 sum x in the epilogue, as
+ * VPDPBUSD's do.
+ *
+ * Blocking: threads split the 64-feature blocks (consecutive blocks a thread: the weights stream in order); each
+ * block runs I8A_MB rows at a time over its I8_KC-column slabs (64 features x 1024 columns, 64 KB, stay in L2 while
+ * the rows pass), the int32 sums of a pass waiting in acc between slabs. Up to 16 rows (a decode step): one A tile
+ * against the block's four B tiles (C: 4 tiles, 16 rows x 64 features). Past 16: 32 rows x 32 features a time
+ * (C: 2 x 2 tiles, A: 2, B: 2), each half of the block in turn. The tiles read whole 16-row (32-row) groups, so
+ * the rows' buffer holds I8_ROW_PAD rows past the last (the callers' scratch sizes count them); what they hold goes
+ * into sums that are never stored. */
+#define I8A_MB 128 /* int8 rows a pass over a slab: their sums, [128, 64] int32, wait in acc (32 KB) */
+#ifndef I8A_KC
+#define I8A_KC 512 /* columns a slab */
+#endif
+_Static_assert(I8_ROW_PAD >= 32, "the scratch holds the 32-row groups' reads past the last row");
+_Static_assert(I8A_MB % 32 == 0, "passes of whole 32-row groups");
+_Static_assert(I8A_KC % 64 == 0, "slabs of whole 64-column tiles");
+
+/* where the tiles take a product of rows int8 rows (W8A8: M; W8A16: 2 M) */
+static inline int i8_amx_takes(int64_t rows) { return amx_state == 1 && rows >= 1; }
+
+/* acc [16, 64] (row stride 64 int32) (+)= rows a .. a + 15 (stride lda) times the block's slab wp (nq words of 64
+ * features) */
+__attribute__((target("amx-tile,amx-int8")))
+static inline void i8a_1x4(const int8_t* a, int64_t lda, const uint32_t* wp, int64_t nq, int32_t* acc, int first) {
+    if (first) {
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    } else {
+        _tile_loadd(0, acc, 256); _tile_loadd(1, acc + 16, 256);
+        _tile_loadd(2, acc + 32, 256); _tile_loadd(3, acc + 48, 256);
+    }
+    for (int64_t p = 0; p < nq; p += 16) { /* 64 columns */
+        const uint32_t* w = wp + p * 64;
+        _tile_loadd(4, a + 4 * p, lda);
+        _tile_loadd(5, w, 256);
+        _tile_dpbsud(0, 4, 5);
+        _tile_loadd(6, w + 16, 256);
+        _tile_dpbsud(1, 4, 6);
+        _tile_loadd(5, w + 32, 256);
+        _tile_dpbsud(2, 4, 5);
+        _tile_loadd(6, w + 48, 256);
+        _tile_dpbsud(3, 4, 6);
+    }
+    _tile_stored(0, acc, 256); _tile_stored(1, acc + 16, 256);
+    _tile_stored(2, acc + 32, 256); _tile_stored(3, acc + 48, 256);
+}
+
+/* acc [32, 64]'s features 32 h .. 32 h + 31 (+)= rows a .. a + 31 times the slab's same features */
+__attribute__((target("amx-tile,amx-int8")))
+static inline void i8a_2x2(const int8_t* a, int64_t lda, const uint32_t* wp, int64_t nq, int32_t* acc, int first,
+                           int h) {
+    int32_t* c = acc + 32 * h;
+    if (first) {
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    } else {
+        _tile_loadd(0, c, 256); _tile_loadd(1, c + 16, 256);
+        _tile_loadd(2, c + 16 * 64, 256); _tile_loadd(3, c + 16 * 64 + 16, 256);
+    }
+    const uint32_t* w0 = wp + 32 * h;
+    for (int64_t p = 0; p < nq; p += 16) {
+        _tile_loadd(4, a + 4 * p, lda);
+        _tile_loadd(6, w0 + p * 64, 256);
+        _tile_dpbsud(0, 4, 6);
+        _tile_loadd(7, w0 + p * 64 + 16, 256);
+        _tile_dpbsud(1, 4, 7);
+        _tile_loadd(5, a + 16 * lda + 4 * p, lda);
+        _tile_dpbsud(2, 5, 6);
+        _tile_dpbsud(3, 5, 7);
+    }
+    _tile_stored(0, c, 256); _tile_stored(1, c + 16, 256);
+    _tile_stored(2, c + 16 * 64, 256); _tile_stored(3, c + 16 * 64 + 16, 256);
+}
+
+/* The sums of rows r0 .. r0 + rows - 1 (acc [rows, 64], row stride 64) for features n0 .. n0 + nrows - 1 */
+typedef void (*i8a_store_fn)(const void* ctx, const int32_t* acc, int64_t r0, int rows, int64_t n0, int nrows);
+
+/* a [R (+ I8_ROW_PAD readable), Kp] int8 rows times the packed weight wpk of N features; store() takes each pass */
+__attribute__((target("amx-tile,amx-int8")))
+static void i8a_drive(const int8_t* a, int64_t R, int64_t Kp, const uint32_t* wpk, int64_t N, int nthreads,
+                      i8a_store_fn store, const void* ctx) {
+    const int64_t nblocks = (N + 63) / 64, block_words = Kp / 4 * 64;
+    const int nt = pick_threads(nblocks, N * Kp, nthreads);
+#pragma omp parallel num_threads(nt)
+    {
+        int32_t acc[I8A_MB * 64] __attribute__((aligned(64)));
+        amx_configure(8);
+        for (int64_t r0 = 0; r0 < R; r0 += I8A_MB) { /* (a pass's rows stay in L2 while the blocks go by) */
+            const int rows = (int)(R - r0 < I8A_MB ? R - r0 : I8A_MB);
+#pragma omp for schedule(static) nowait
+            for (int64_t b = 0; b < nblocks; b++) {
+                const int64_t n0 = b * 64;
+                const int nrows = (int)(N - n0 < 64 ? N - n0 : 64);
+                const uint32_t* wb = wpk + b * block_words;
+                for (int64_t k0 = 0; k0 < Kp; k0 += I8A_KC) {
+                    const int64_t nq = (Kp - k0 < I8A_KC ? Kp - k0 : I8A_KC) / 4;
+                    const uint32_t* wp = wb + k0 / 4 * 64;
+                    const int8_t* ak = a + r0 * Kp + k0;
+                    if (rows <= 16) {
+                        i8a_1x4(ak, Kp, wp, nq, acc, k0 == 0);
+                    } else {
+                        for (int i = 0; i < rows; i += 32) {
+                            i8a_2x2(ak + i * Kp, Kp, wp, nq, acc + i * 64, k0 == 0, 0);
+                            i8a_2x2(ak + i * Kp, Kp, wp, nq, acc + i * 64, k0 == 0, 1);
+                        }
+                    }
+                }
+                store(ctx, acc, r0, rows, n0, nrows);
+            }
+        }
+        _tile_release();
+    }
+}
