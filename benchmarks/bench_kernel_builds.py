@@ -26,6 +26,7 @@ def main() -> int:
     ap = ab_parser(__doc__, batch=1, output_len=1, rounds=12, rounds_help="timed generates per build")
     ap.add_argument("--a", required=True, help="the baseline kernels source (a tree's csrc/x86/avx512/avx512.c)")
     ap.add_argument("--b", default="infertune/kernels/csrc/x86/avx512/avx512.c", help="the changed source")
+    ap.add_argument("--quantization", choices=["w8a16", "w4a16", "w8a8"], default=None, help="(default: none)")
     args = ap.parse_args()
 
     import torch
@@ -42,7 +43,13 @@ def main() -> int:
         for name, src in (("A", args.a), ("B", args.b)):
             builds.append(load_build(src, tmp, name))
         model = str(bench_model(args.model))
-        llm = LLM(model, dtype="bfloat16", enable_prefix_caching=False, max_num_seqs=max(args.batch, 1))
+        llm = LLM(
+            model,
+            dtype="bfloat16",
+            enable_prefix_caching=False,
+            max_num_seqs=max(args.batch, 1),
+            quantization=args.quantization,
+        )
         fused = llm.engine.executor.runner.fused  # (None where the engine has no fused step; .decoder: x86_fused)
         real = kernels._lib
         vocab = llm.engine.config.model.arch.vocab_size
@@ -53,6 +60,7 @@ def main() -> int:
         print(
             f"$ python benchmarks/bench_kernel_builds.py --a {args.a} --b {args.b} --batch {args.batch} "
             f"--input-len {args.input_len} --output-len {args.output_len} --rounds {args.rounds}"
+            + (f" --quantization {args.quantization}" if args.quantization else "")
         )
         try:
             for r in range(args.rounds + 1):  # round 0 warms both builds up, untimed

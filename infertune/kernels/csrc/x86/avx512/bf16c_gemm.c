@@ -219,8 +219,6 @@ static inline void bf16c_block(const bf16* a0, int64_t lda0, const bf16* a1, int
 #define BF16C_STREAM_BYTES (4 << 20)
 #define BF16C_EPI_STREAM IT_BF16C_EPI_STREAM /* linear_bf16c's epi: a plain product, past the caches (below) */
 
-/* Whether y's rows start on 64-byte lines (y and its row stride), so a row's whole chunk can go past the caches */
-static inline int rows_on_lines(const bf16* y, int64_t ldy) { return !((uintptr_t)y & 63) && !(ldy & 31); }
 #define BF16C_GEMM_ROWS 512 /* rows of x per block: each thread decodes a chunk once per block */
 #define BF16C_SLAB_BYTES (1536 * 1024) /* a block's x and two decoded chunks over one slab of K fit this (L2) */
 

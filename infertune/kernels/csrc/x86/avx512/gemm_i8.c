@@ -138,20 +138,31 @@ typedef void (*i8_micro_fn)(const int8_t*, int64_t, const uint32_t*, int64_t, in
 static const i8_micro_fn i8_micro_by_rows[GEMM_MR + 1] = {0, i8_micro_1, i8_micro_2, i8_micro_3,
                                                           i8_micro_4, i8_micro_5, i8_micro_6};
 
-/* The sums of rows [mr, 64] less 128 sum x, scaled, (+ bias), rounded into y's columns n0 .. n0 + nrows - 1 */
+/* The sums of rows [mr, 64] less 128 sum x, scaled, (+ bias), rounded into y's columns n0 .. n0 + nrows - 1: a row's
+ * features at once (whole cache lines, written while they are in L1) */
 static inline void i8_store(const int32_t* acc, int mr, const float* sx, const int32_t* xsum, const float* scale,
-                            const bf16* bias, int64_t n0, int nrows, bf16* y, int64_t ldy) {
-    for (int v = 0; v < 4 && 16 * v < nrows; v++) {
-        const __mmask16 mk = mask16(nrows - 16 * v);
-        const __m512 sw = _mm512_maskz_loadu_ps(mk, scale + n0 + 16 * v);
-        const __m512 bv = bias ? load_bf16x16(bias + n0 + 16 * v, mk) : _mm512_setzero_ps();
-        for (int i = 0; i < mr; i++) {
-            const __m512i s = _mm512_sub_epi32(_mm512_load_si512(acc + i * 64 + 16 * v), _mm512_set1_epi32(128 * xsum[i]));
-            __m256i o = round_bf16x16_nan(_mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(sx[i])), sw));
+                            const bf16* bias, int64_t n0, int nrows, bf16* y, int64_t ldy, int stream) {
+    const int nv = (nrows + 15) / 16;
+    __mmask16 mk[4];
+    __m512 sw[4], bv[4];
+    for (int v = 0; v < nv; v++) {
+        mk[v] = mask16(nrows - 16 * v);
+        sw[v] = _mm512_maskz_loadu_ps(mk[v], scale + n0 + 16 * v);
+        bv[v] = bias ? load_bf16x16(bias + n0 + 16 * v, mk[v]) : _mm512_setzero_ps();
+    }
+    for (int i = 0; i < mr; i++) {
+        const __m512i c = _mm512_set1_epi32(128 * xsum[i]);
+        const __m512 s = _mm512_set1_ps(sx[i]);
+        for (int v = 0; v < nv; v++) {
+            const __m512i d = _mm512_sub_epi32(_mm512_load_si512(acc + i * 64 + 16 * v), c);
+            __m256i o = round_bf16x16_nan(_mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(d), s), sw[v]));
             if (bias) /* (the reference adds the bias to the bf16 product) */
                 o = round_bf16x16_nan(_mm512_add_ps(
-                    _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(o), 16)), bv));
-            _mm256_mask_storeu_epi16(y + i * ldy + n0 + 16 * v, mk, o);
+                    _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(o), 16)), bv[v]));
+            if (stream && mk[v] == 0xffff)
+                _mm256_stream_si256((__m256i*)(y + i * ldy + n0 + 16 * v), o);
+            else
+                _mm256_mask_storeu_epi16(y + i * ldy + n0 + 16 * v, mk[v], o);
         }
     }
 }
@@ -223,26 +234,30 @@ typedef struct {
     const bf16* bias;
     bf16* y;
     int64_t Kp, ldy;
+    int stream; /* y past the caches (non-temporal stores) */
 } i8_job;
 
 static void i8_rows(const void* ctx, int64_t m, int mr, int64_t k0, const uint32_t* wp, int64_t nw, int32_t* acc,
                     int first, const gemm_pf* pf, int store, int64_t n0, int nrows) {
     const i8_job* j = (const i8_job*)ctx;
     i8_micro_by_rows[mr](j->xq + m * j->Kp + k0, j->Kp, wp, nw, acc, first, pf);
-    if (store) i8_store(acc, mr, j->sx + m, j->xsum + m, j->scale, j->bias, n0, nrows, j->y + m * j->ldy, j->ldy);
+    if (store)
+        i8_store(acc, mr, j->sx + m, j->xsum + m, j->scale, j->bias, n0, nrows, j->y + m * j->ldy, j->ldy, j->stream);
 }
 
 #include "gemm_i8_amx.c"
 
 static void i8a_rows(const void* ctx, const int32_t* acc, int64_t r0, int rows, int64_t n0, int nrows) {
     const i8_job* j = (const i8_job*)ctx;
-    i8_store(acc, rows, j->sx + r0, j->xsum + r0, j->scale, j->bias, n0, nrows, j->y + r0 * j->ldy, j->ldy);
+    i8_store(acc, rows, j->sx + r0, j->xsum + r0, j->scale, j->bias, n0, nrows, j->y + r0 * j->ldy, j->ldy,
+             j->stream);
 }
 
 static void w8a8_gemm(const int8_t* xq, const float* sx, const int32_t* xsum, const uint32_t* wpk,
                       const float* scale, const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K,
                       int nthreads) {
-    const i8_job job = {xq, sx, xsum, scale, bias, y, i8_kp(K), ldy};
+    const int stream = i8_amx_takes(M) && M * N * 2 >= I8_STREAM_BYTES && rows_on_lines(y, ldy);
+    const i8_job job = {xq, sx, xsum, scale, bias, y, i8_kp(K), ldy, stream};
     if (i8_amx_takes(M))
         i8a_drive(xq, M, job.Kp, wpk, N, nthreads, i8a_rows, &job);
     else

@@ -18,6 +18,12 @@
  * the rows' buffer holds I8_ROW_PAD rows past the last (the callers' scratch sizes count them); what they hold goes
  * into sums that are never stored. */
 #define I8A_MB 128 /* int8 rows a pass over a slab: their sums, [128, 64] int32, wait in acc (32 KB) */
+#ifndef I8_STREAM_BYTES
+/* outputs from this size go past the caches (non-temporal stores, whole lines: rows_on_lines): a 16 x 128-token
+ * gate_up's [2048, 9728] on an AMX Xeon, W8A8 prompts 0.91x (its GEMM 0.84x); at 4 MB q / k / v too (0.77x), but
+ * rotary and attention, reading them next, 1.08-1.14x: level, so not those */
+#define I8_STREAM_BYTES (8 << 20)
+#endif
 #ifndef I8A_KC
 #define I8A_KC 512 /* columns a slab */
 #endif
@@ -116,6 +122,7 @@ static void i8a_drive(const int8_t* a, int64_t R, int64_t Kp, const uint32_t* wp
                 store(ctx, acc, r0, rows, n0, nrows);
             }
         }
+        _mm_sfence(); /* (the non-temporal stores a store() may make, seen by all before the barrier) */
         _tile_release();
     }
 }

@@ -172,4 +172,7 @@ static inline __m512 gelu512(__m512 g) {
     return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), g), _mm512_add_ps(_mm512_set1_ps(1.0f), tanh512(y)));
 }
 
+/* Whether y's rows start on 64-byte lines (y and its row stride), so a row's whole chunk can go past the caches */
+static inline int rows_on_lines(const bf16* y, int64_t ldy) { return !((uintptr_t)y & 63) && !(ldy & 31); }
+
 #endif
