@@ -46,6 +46,9 @@ static inline void i8a_1x4(const int8_t* a, int64_t lda, const uint32_t* wp, int
     }
     for (int64_t p = 0; p < nq; p += 16) { /* 64 columns */
         const uint32_t* w = wp + p * 64;
+        /* the weight two k-steps on (4 KB a step), into L2: a decode step's rows stream it from memory (batch-1
+           decode 0.84x W8A16, 0.88x W8A8 on an AMX Xeon; one step or four on: the same; 16 rows level) */
+        for (int l = 0; l < 64; l++) _mm_prefetch((const char*)(w + 2 * 16 * 64) + 64 * l, _MM_HINT_T1);
         _tile_loadd(4, a + 4 * p, lda);
         _tile_loadd(5, w, 256);
         _tile_dpbsud(0, 4, 5);
