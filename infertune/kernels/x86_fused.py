@@ -195,7 +195,7 @@ class X86FusedDecoder:
         # only. A windowed layer's prompt rows each attend on their own, to their window: attention_rows. Latent
         # attention: decode steps only, prompts decompress on the PyTorch path, where a long one's attention is
         # cheaper than absorbed.)
-        moe_prompts = amx and avx2_lib is None and expert_kinds <= {"bf16", "bf16c"}
+        moe_prompts = amx and avx2_lib is None and expert_kinds <= {"bf16", "bf16c", "w8a8", "w8p"}
         decode_only = (cmodel.moe_experts > 0 and not moe_prompts) or bool(mlas)
         if avx2_lib is not None:
             if "bf16c" in kinds:

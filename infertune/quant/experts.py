@@ -5,7 +5,7 @@ keep a Linear of that shape (their quantizer, their packing, their buffers), sta
 registered on the Experts module as f"{projection}_{buffer}", e.g.
 
     w8a16   gate_up_proj_qweight int8 [E, 2I, H], gate_up_proj_scales [E, 2I] (model dtype); down_proj_* alike;
-            where the kernels pack W8A16 (AVX-512 without AMX), each expert's pack_w8a8 words [E, ...] and fp32 scales
+            where the kernels pack W8A16 (AVX-512), each expert's pack_w8a8 words [E, ...] and fp32 scales
     w4a16   with the backend's kernels (bf16 on x86): gate_up_proj_qweight (pack_w4 of each expert, or pack_w4p's
             blocks where the kernels take them: AVX-512 without AMX) and gate_up_proj_w4_scale / gate_up_proj_w4_zero
             fp32 [E, 2I, H/g] (pack_w4p's blocked [E, 2I/64, H/g, 64]); else torch's int4 layouts (W4A16Method)

@@ -48,8 +48,9 @@ def quantize_int8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 class W8A16Method(UnquantizedMethod):
     """Loads weights in the model dtype, then keeps int8 weights + per-channel scales and drops the original.
 
-    apply: the backend's kernels for a few rows where given; on x86 with AVX-512 and no AMX the weight is kept in
-    their packed layout (pack_w8a8, linear_w8p: one weight stream a thread) and every row count goes through them;
+    apply: the backend's kernels for a few rows where given; on x86 with AVX-512 the weight is kept in their packed
+    layout (pack_w8a8, linear_w8p: one weight stream a thread; with AMX on AMX-INT8 tiles) and every row count goes
+    through them;
     else the aten int8 weight-pack matmul (VNNI / AVX-512 on x86) where the device has it, or a
     dequantize-then-matmul reference.
     """
