@@ -10,40 +10,32 @@
  * activations by the unsigned weight bytes, so the sums hold sum (q + 128) x, less 128 sum x in the epilogue, as
  * VPDPBUSD's do.
  *
- * Blocking: threads split the 64-feature blocks (consecutive blocks a thread: the weights stream in order); each
- * block runs I8A_MB rows at a time over its I8_KC-column slabs (64 features x 1024 columns, 64 KB, stay in L2 while
- * the rows pass), the int32 sums of a pass waiting in acc between slabs. Up to 16 rows (a decode step): one A tile
- * against the block's four B tiles (C: 4 tiles, 16 rows x 64 features). Past 16: 32 rows x 32 features a time
- * (C: 2 x 2 tiles, A: 2, B: 2), each half of the block in turn. The tiles read whole 16-row (32-row) groups, so
- * the rows' buffer holds I8_ROW_PAD rows past the last (the callers' scratch sizes count them); what they hold goes
- * into sums that are never stored. */
-#define I8A_MB 128 /* int8 rows a pass over a slab: their sums, [128, 64] int32, wait in acc (32 KB) */
+ * Blocking: threads split the 64-feature blocks (consecutive blocks a thread: the weights stream in order). Up to 16
+ * rows (a decode step): one A tile against the block's four B tiles over all of K (C: 4 tiles, 16 rows x 64
+ * features), the weight asked into L2 ahead. Past 16: passes of up to 512 rows (I8A_PASS_BYTES of int8 rows: they
+ * stay in L2) go over every block before the next pass starts, so a block's weight is read once a pass; each block
+ * runs a pass 32 rows at a time, 32 rows x 32 features over all of K (C: 2 x 2 tiles, A: 2, B: 2), each half of the
+ * block in turn, the sums out of the tiles and through the epilogue as soon as a group is done (8 KB, in L1). The
+ * tiles read whole 16-row (32-row) groups, so the rows' buffer holds I8_ROW_PAD rows past the last (the callers'
+ * scratch sizes count them); what they hold goes into sums that are never stored. */
 #ifndef I8_STREAM_BYTES
 /* outputs from this size go past the caches (non-temporal stores, whole lines: rows_on_lines): a 16 x 128-token
  * gate_up's [2048, 9728] on an AMX Xeon, W8A8 prompts 0.91x (its GEMM 0.84x); at 4 MB q / k / v too (0.77x), but
  * rotary and attention, reading them next, 1.08-1.14x: level, so not those */
 #define I8_STREAM_BYTES (8 << 20)
 #endif
-#ifndef I8A_KC
-#define I8A_KC 512 /* columns a slab */
+#ifndef I8A_PASS_BYTES
+#define I8A_PASS_BYTES (1 << 20) /* a pass's int8 rows (they stay in L2) */
 #endif
 _Static_assert(I8_ROW_PAD >= 32, "the scratch holds the 32-row groups' reads past the last row");
-_Static_assert(I8A_MB % 32 == 0, "passes of whole 32-row groups");
-_Static_assert(I8A_KC % 64 == 0, "slabs of whole 64-column tiles");
 
 /* where the tiles take a product of rows int8 rows (W8A8: M; W8A16: 2 M) */
 static inline int i8_amx_takes(int64_t rows) { return amx_state == 1 && rows >= 1; }
 
-/* acc [16, 64] (row stride 64 int32) (+)= rows a .. a + 15 (stride lda) times the block's slab wp (nq words of 64
- * features) */
+/* acc [16, 64] (row stride 64 int32) = rows a .. a + 15 (stride lda) times the block wp (nq words of 64 features) */
 __attribute__((target("amx-tile,amx-int8")))
-static inline void i8a_1x4(const int8_t* a, int64_t lda, const uint32_t* wp, int64_t nq, int32_t* acc, int first) {
-    if (first) {
-        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-    } else {
-        _tile_loadd(0, acc, 256); _tile_loadd(1, acc + 16, 256);
-        _tile_loadd(2, acc + 32, 256); _tile_loadd(3, acc + 48, 256);
-    }
+static inline void i8a_1x4(const int8_t* a, int64_t lda, const uint32_t* wp, int64_t nq, int32_t* acc) {
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
     for (int64_t p = 0; p < nq; p += 16) { /* 64 columns */
         const uint32_t* w = wp + p * 64;
         /* the weight two k-steps on (4 KB a step), into L2: a decode step's rows stream it from memory (batch-1
@@ -63,17 +55,12 @@ static inline void i8a_1x4(const int8_t* a, int64_t lda, const uint32_t* wp, int
     _tile_stored(2, acc + 32, 256); _tile_stored(3, acc + 48, 256);
 }
 
-/* acc [32, 64]'s features 32 h .. 32 h + 31 (+)= rows a .. a + 31 times the slab's same features */
+/* acc [32, 64]'s features 32 h .. 32 h + 31 = rows a .. a + 31 times the block's same features, over all of K (the
+ * accumulators stay in their tiles) */
 __attribute__((target("amx-tile,amx-int8")))
-static inline void i8a_2x2(const int8_t* a, int64_t lda, const uint32_t* wp, int64_t nq, int32_t* acc, int first,
-                           int h) {
+static inline void i8a_2x2(const int8_t* a, int64_t lda, const uint32_t* wp, int64_t nq, int32_t* acc, int h) {
     int32_t* c = acc + 32 * h;
-    if (first) {
-        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-    } else {
-        _tile_loadd(0, c, 256); _tile_loadd(1, c + 16, 256);
-        _tile_loadd(2, c + 16 * 64, 256); _tile_loadd(3, c + 16 * 64 + 16, 256);
-    }
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
     const uint32_t* w0 = wp + 32 * h;
     for (int64_t p = 0; p < nq; p += 16) {
         _tile_loadd(4, a + 4 * p, lda);
@@ -92,37 +79,41 @@ static inline void i8a_2x2(const int8_t* a, int64_t lda, const uint32_t* wp, int
 /* The sums of rows r0 .. r0 + rows - 1 (acc [rows, 64], row stride 64) for features n0 .. n0 + nrows - 1 */
 typedef void (*i8a_store_fn)(const void* ctx, const int32_t* acc, int64_t r0, int rows, int64_t n0, int nrows);
 
-/* a [R (+ I8_ROW_PAD readable), Kp] int8 rows times the packed weight wpk of N features; store() takes each pass */
+/* rows a pass takes over all the blocks: their int8 rows stay in L2 (I8A_PASS_BYTES) beside the block multiplied */
+static inline int64_t i8a_pass_rows(int64_t Kp) {
+    const int64_t p = ((int64_t)I8A_PASS_BYTES / Kp) & ~(int64_t)31;
+    return p < 32 ? 32 : p > 512 ? 512 : p;
+}
+
+/* a [R (+ I8_ROW_PAD readable), Kp] int8 rows times the packed weight wpk of N features; store() takes each group of
+ * up to 32 rows of each block as soon as its sums are out of the tiles */
 __attribute__((target("amx-tile,amx-int8")))
 static void i8a_drive(const int8_t* a, int64_t R, int64_t Kp, const uint32_t* wpk, int64_t N, int nthreads,
                       i8a_store_fn store, const void* ctx) {
-    const int64_t nblocks = (N + 63) / 64, block_words = Kp / 4 * 64;
+    const int64_t nblocks = (N + 63) / 64, block_words = Kp / 4 * 64, nq = Kp / 4;
+    const int64_t pass = R <= 16 ? 16 : i8a_pass_rows(Kp);
     const int nt = pick_threads(nblocks, N * Kp, nthreads);
 #pragma omp parallel num_threads(nt)
     {
-        int32_t acc[I8A_MB * 64] __attribute__((aligned(64)));
+        int32_t acc[32 * 64] __attribute__((aligned(64)));
         amx_configure(8);
-        for (int64_t r0 = 0; r0 < R; r0 += I8A_MB) { /* (a pass's rows stay in L2 while the blocks go by) */
-            const int rows = (int)(R - r0 < I8A_MB ? R - r0 : I8A_MB);
+        for (int64_t r0 = 0; r0 < R; r0 += pass) { /* (a pass's rows stay in L2 while the blocks go by) */
+            const int64_t rows = R - r0 < pass ? R - r0 : pass;
 #pragma omp for schedule(static) nowait
             for (int64_t b = 0; b < nblocks; b++) {
                 const int64_t n0 = b * 64;
                 const int nrows = (int)(N - n0 < 64 ? N - n0 : 64);
                 const uint32_t* wb = wpk + b * block_words;
-                for (int64_t k0 = 0; k0 < Kp; k0 += I8A_KC) {
-                    const int64_t nq = (Kp - k0 < I8A_KC ? Kp - k0 : I8A_KC) / 4;
-                    const uint32_t* wp = wb + k0 / 4 * 64;
-                    const int8_t* ak = a + r0 * Kp + k0;
-                    if (rows <= 16) {
-                        i8a_1x4(ak, Kp, wp, nq, acc, k0 == 0);
-                    } else {
-                        for (int i = 0; i < rows; i += 32) {
-                            i8a_2x2(ak + i * Kp, Kp, wp, nq, acc + i * 64, k0 == 0, 0);
-                            i8a_2x2(ak + i * Kp, Kp, wp, nq, acc + i * 64, k0 == 0, 1);
-                        }
-                    }
+                if (rows <= 16) {
+                    i8a_1x4(a + r0 * Kp, Kp, wb, nq, acc);
+                    store(ctx, acc, r0, (int)rows, n0, nrows);
+                    continue;
                 }
-                store(ctx, acc, r0, rows, n0, nrows);
+                for (int64_t i = 0; i < rows; i += 32) {
+                    i8a_2x2(a + (r0 + i) * Kp, Kp, wb, nq, acc, 0);
+                    i8a_2x2(a + (r0 + i) * Kp, Kp, wb, nq, acc, 1);
+                    store(ctx, acc, r0 + i, (int)(rows - i < 32 ? rows - i : 32), n0, nrows);
+                }
             }
         }
         _mm_sfence(); /* (the non-temporal stores a store() may make, seen by all before the barrier) */
