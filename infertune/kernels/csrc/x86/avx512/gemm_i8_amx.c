@@ -15,7 +15,8 @@
  * features), the weight asked into L2 ahead. Past 16: passes of up to 512 rows (I8A_PASS_BYTES of int8 rows: they
  * stay in L2) go over every block before the next pass starts, so a block's weight is read once a pass; each block
  * runs a pass 32 rows at a time, 32 rows x 32 features over all of K (C: 2 x 2 tiles, A: 2, B: 2), each half of the
- * block in turn, the sums out of the tiles and through the epilogue as soon as a group is done (8 KB, in L1). The
+ * block in turn, the sums out of the tiles into one of two buffers (8 KB each, in L1) and through the epilogue two rows
+ * at a time between the next group's tile products (the tiles and the vector units work side by side). The
  * tiles read whole 16-row (32-row) groups, so the rows' buffer holds I8_ROW_PAD rows past the last (the callers'
  * scratch sizes count them); what they hold goes into sums that are never stored. */
 #ifndef I8_STREAM_BYTES
@@ -55,14 +56,41 @@ static inline void i8a_1x4(const int8_t* a, int64_t lda, const uint32_t* wp, int
     _tile_stored(2, acc + 32, 256); _tile_stored(3, acc + 48, 256);
 }
 
+/* The sums of rows r0 .. r0 + rows - 1 (acc [rows, 64], row stride 64) for features n0 .. n0 + nrows - 1 */
+typedef void (*i8a_store_fn)(const void* ctx, const int32_t* acc, int64_t r0, int rows, int64_t n0, int nrows);
+
+/* The previous 32-row group's epilogue, two rows at a time between the next group's tile products (the tiles and
+ * the vector units work side by side): its sums (acc), rows, block, and the rows done */
+typedef struct {
+    i8a_store_fn store;
+    const void* ctx;
+    const int32_t* acc;
+    int64_t r0, n0;
+    int rows, nrows, done;
+} i8a_epi;
+
+static inline void i8a_epi_step(i8a_epi* e) {
+    if (e->done < e->rows) {
+        e->store(e->ctx, e->acc + e->done * 64, e->r0 + e->done, 2, e->n0, e->nrows);
+        e->done += 2;
+    }
+}
+
+static inline void i8a_epi_finish(i8a_epi* e) {
+    if (e->done < e->rows) e->store(e->ctx, e->acc + e->done * 64, e->r0 + e->done, e->rows - e->done, e->n0, e->nrows);
+    e->done = e->rows;
+}
+
 /* acc [32, 64]'s features 32 h .. 32 h + 31 = rows a .. a + 31 times the block's same features, over all of K (the
  * accumulators stay in their tiles) */
 __attribute__((target("amx-tile,amx-int8")))
-static inline void i8a_2x2(const int8_t* a, int64_t lda, const uint32_t* wp, int64_t nq, int32_t* acc, int h) {
+static inline void i8a_2x2(const int8_t* a, int64_t lda, const uint32_t* wp, int64_t nq, int32_t* acc, int h,
+                           i8a_epi* epi) {
     int32_t* c = acc + 32 * h;
     _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
     const uint32_t* w0 = wp + 32 * h;
     for (int64_t p = 0; p < nq; p += 16) {
+        i8a_epi_step(epi);
         _tile_loadd(4, a + 4 * p, lda);
         _tile_loadd(6, w0 + p * 64, 256);
         _tile_dpbsud(0, 4, 6);
@@ -76,8 +104,6 @@ static inline void i8a_2x2(const int8_t* a, int64_t lda, const uint32_t* wp, int
     _tile_stored(2, c + 16 * 64, 256); _tile_stored(3, c + 16 * 64 + 16, 256);
 }
 
-/* The sums of rows r0 .. r0 + rows - 1 (acc [rows, 64], row stride 64) for features n0 .. n0 + nrows - 1 */
-typedef void (*i8a_store_fn)(const void* ctx, const int32_t* acc, int64_t r0, int rows, int64_t n0, int nrows);
 
 /* rows a pass takes over all the blocks: their int8 rows stay in L2 (I8A_PASS_BYTES) beside the block multiplied */
 static inline int64_t i8a_pass_rows(int64_t Kp) {
@@ -95,7 +121,7 @@ static void i8a_drive(const int8_t* a, int64_t R, int64_t Kp, const uint32_t* wp
     const int nt = pick_threads(nblocks, N * Kp, nthreads);
 #pragma omp parallel num_threads(nt)
     {
-        int32_t acc[32 * 64] __attribute__((aligned(64)));
+        int32_t acc[2][32 * 64] __attribute__((aligned(64)));
         amx_configure(8);
         for (int64_t r0 = 0; r0 < R; r0 += pass) { /* (a pass's rows stay in L2 while the blocks go by) */
             const int64_t rows = R - r0 < pass ? R - r0 : pass;
@@ -105,15 +131,19 @@ static void i8a_drive(const int8_t* a, int64_t R, int64_t Kp, const uint32_t* wp
                 const int nrows = (int)(N - n0 < 64 ? N - n0 : 64);
                 const uint32_t* wb = wpk + b * block_words;
                 if (rows <= 16) {
-                    i8a_1x4(a + r0 * Kp, Kp, wb, nq, acc);
-                    store(ctx, acc, r0, (int)rows, n0, nrows);
+                    i8a_1x4(a + r0 * Kp, Kp, wb, nq, acc[0]);
+                    store(ctx, acc[0], r0, (int)rows, n0, nrows);
                     continue;
                 }
+                i8a_epi epi = {store, ctx, acc[1], 0, n0, 0, nrows, 0}; /* (none pending yet) */
                 for (int64_t i = 0; i < rows; i += 32) {
-                    i8a_2x2(a + (r0 + i) * Kp, Kp, wb, nq, acc, 0);
-                    i8a_2x2(a + (r0 + i) * Kp, Kp, wb, nq, acc, 1);
-                    store(ctx, acc, r0 + i, (int)(rows - i < 32 ? rows - i : 32), n0, nrows);
+                    int32_t* cur = acc[(i / 32) & 1];
+                    i8a_2x2(a + (r0 + i) * Kp, Kp, wb, nq, cur, 0, &epi);
+                    i8a_2x2(a + (r0 + i) * Kp, Kp, wb, nq, cur, 1, &epi);
+                    i8a_epi_finish(&epi);
+                    epi.acc = cur, epi.r0 = r0 + i, epi.rows = (int)(rows - i < 32 ? rows - i : 32), epi.done = 0;
                 }
+                i8a_epi_finish(&epi);
             }
         }
         _mm_sfence(); /* (the non-temporal stores a store() may make, seen by all before the barrier) */
