@@ -69,17 +69,15 @@ typedef struct {
     int rows, nrows, done;
 } i8a_epi;
 
-static inline void i8a_epi_step(i8a_epi* e) {
-    if (e->done < e->rows) {
-        e->store(e->ctx, e->acc + e->done * 64, e->r0 + e->done, 2, e->n0, e->nrows);
-        e->done += 2;
-    }
+static inline void i8a_epi_rows(i8a_epi* e, int n) { /* the next n rows (fewer where fewer are left) */
+    n = e->rows - e->done < n ? e->rows - e->done : n;
+    if (n > 0) e->store(e->ctx, e->acc + e->done * 64, e->r0 + e->done, n, e->n0, e->nrows);
+    e->done += n;
 }
 
-static inline void i8a_epi_finish(i8a_epi* e) {
-    if (e->done < e->rows) e->store(e->ctx, e->acc + e->done * 64, e->r0 + e->done, e->rows - e->done, e->n0, e->nrows);
-    e->done = e->rows;
-}
+static inline void i8a_epi_step(i8a_epi* e) { i8a_epi_rows(e, 2); } /* (2: W8A16's h and l rows of one x row) */
+
+static inline void i8a_epi_finish(i8a_epi* e) { i8a_epi_rows(e, e->rows); }
 
 /* acc [32, 64]'s features 32 h .. 32 h + 31 = rows a .. a + 31 times the block's same features, over all of K (the
  * accumulators stay in their tiles) */
