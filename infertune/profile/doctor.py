@@ -320,6 +320,8 @@ def check_cpu(f: EnvFacts) -> list[Check]:
             if {"amx_tile", "amx_bf16", "avx512vbmi"} <= set(f.cpu_flags)
             else ""
         )
+        if "amx_int8" in f.cpu_flags:
+            twelve += "; W8A8 and W8A16 multiply on the AMX-INT8 tiles (prompts too, in the fused step)"
         out.append(
             Check(
                 "cpu.kernels",
