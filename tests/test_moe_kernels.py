@@ -609,6 +609,49 @@ def test_engine_with_moe_kernels_matches_the_engine_on_torch(tiny_moe, monkeypat
     assert max(worst["auto"], worst["per-module"]) <= 1.5 * worst["off"] + 0.02, worst
 
 
+@pytest.mark.skipif(not cpu.amx(), reason="quantized MoE prompts take the fused step on AMX (its int8 tiles) only")
+@pytest.mark.parametrize("quant", ["w8a16", "w8a8"])
+def test_quantized_moe_prompts_in_the_fused_step_are_as_accurate_as_per_module(tiny_moe, monkeypatch, quant):
+    """On AMX a bf16 Qwen3-MoE with W8A16 (packed) or W8A8 experts runs whole prompt steps in the fused step (the
+    experts on the AMX-INT8 tiles, x86_fused.py moe_prompts): the prompt step of 77 rows goes through it, and the
+    logprobs against HF transformers in fp32 (on the unquantized weights: both engines carry the same quantization
+    error) are as close as those of the same engine with the fused step off (the modules on the kernels)."""
+    from conftest import hf_model
+
+    from infertune import LLM
+    from infertune.runner.fused_decode import FusedDecode
+
+    gen = torch.Generator().manual_seed(9)
+    prompts = [{"prompt_token_ids": torch.randint(3, 250, (n,), generator=gen).tolist()} for n in (4, 9, 21, 3, 40)]
+    build, outs = FusedDecode.build, {}
+    for mode in ("auto", "per-module"):
+        monkeypatch.setattr(FusedDecode, "build", (lambda *a, **k: None) if mode == "per-module" else build)
+        llm = LLM(str(tiny_moe), dtype="bfloat16", max_model_len=96, block_size=16, quantization=quant)
+        fused = llm.engine.executor.runner.fused
+        if mode == "auto":
+            from infertune.layers.moe import Experts
+
+            experts = [m for m in llm.engine.executor.runner.model.modules() if isinstance(m, Experts)]
+            kinds = {m.kernel_view().gate_up.kind for m in experts}
+            assert experts and kinds == {"w8p" if quant == "w8a16" else "w8a8"}, kinds
+            assert fused is not None and fused.decoder.max_prefill_rows >= 77
+        outs[mode] = _greedy(llm, prompts)[0]
+        if mode == "auto":
+            assert fused.step_timers()["calls"] == 12  # (the prompt step and the 11 decode steps)
+        del llm
+    hf = hf_model(tiny_moe).float()
+    worst = dict.fromkeys(outs, 0.0)
+    for mode, results in outs.items():
+        for out in results:
+            ids = out.prompt_token_ids + out.outputs[0].token_ids
+            with torch.no_grad():
+                ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].double(), dim=-1)
+            p = len(out.prompt_token_ids)
+            for j, lp in enumerate(out.outputs[0].logprobs):
+                worst[mode] = max(worst[mode], abs(lp.logprob - ref[p - 1 + j, lp.token_id].item()))
+    assert worst["auto"] <= 1.5 * worst["per-module"] + 0.02, worst
+
+
 def _attention_free_checkpoint(tmp_path, arch: str, ties: bool = False):
     """A tiny bf16 checkpoint of arch whose o_proj is zero (attention adds nothing to the residual stream: the fused
     step's C attention and torch's SDPA round differently, and nothing else may); ties: every router row the same."""

@@ -191,8 +191,8 @@ class X86FusedDecoder:
             if lin is not None
         ]
         kinds = {lin.kind for lin in lins}
-        # (MoE models: prompts too with AMX where the experts are bf16, plain or 12-bit, see below; else decode steps
-        # only. A windowed layer's prompt rows each attend on their own, to their window: attention_rows. Latent
+        # (MoE models: prompts too with AMX where the experts are bf16 (plain or 12-bit), W8A8 or packed W8A16, see
+        # below; else decode steps only. A windowed layer's prompt rows each attend on their own, to their window: attention_rows. Latent
         # attention: decode steps only, prompts decompress on the PyTorch path, where a long one's attention is
         # cheaper than absorbed.)
         moe_prompts = amx and avx2_lib is None and expert_kinds <= {"bf16", "bf16c", "w8a8", "w8p"}
@@ -223,8 +223,9 @@ class X86FusedDecoder:
         # per-module path's prompts take torch's matmul for them past 16 rows: the two round alike but sum in another
         # order, so a near-tie may pick another expert; a tie at the top-k boundary hands back to route() as in
         # decode steps), the experts through the grouped kernel, each expert's rows one tile GEMM. Measured on a
-        # Xeon with AMX, the MoE preset's 16 x 128-token prompts: benchmarks/BENCHMARKS.md. Without AMX (not
-        # measured there: no Zen this session) and with quantized experts, decode steps only.
+        # Xeon with AMX, the MoE preset's 16 x 128-token prompts: benchmarks/BENCHMARKS.md. W8A8 / packed W8A16
+        # experts too on AMX (their int8 tiles, gemm_i8_amx.c: the MoE preset's W8A16 TTFT at 16 1.58 -> 0.70 s).
+        # Without AMX (not measured there: no Zen this session) and with W4A16 experts, decode steps only.
         prefill_rows = 0
         if decode_only:
             pass
