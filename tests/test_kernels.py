@@ -557,9 +557,9 @@ def test_w8a16_on_the_packed_weight_is_linear_w8s_arithmetic(ks):
 
 
 def test_w8a16_packs_at_load_where_the_kernels_ask_and_keeps_its_results(ks):
-    """W8A16Method keeps its weight in the packed layout where max_rows("w8p") > 0 (the AVX-512 library, AMX or not): every row
-    count goes through linear_w8p (the exact-integer oracle above), the unpacked weight and its scales are exactly
-    what quantize_int8_per_channel gives, the fused step's description says "w8p"; a stored weight holding -128 (which
+    """W8A16Method keeps its weight in the packed layout where max_rows("w8p") > 0 (the AVX-512 library, AMX or
+    not): every row count goes through linear_w8p (the exact-integer oracle above), the unpacked weight and its
+    scales are exactly what quantize_int8_per_channel gives, the fused step's description says "w8p"; a stored weight holding -128 (which
     the packing refuses) keeps [N, K] and linear_w8, as elsewhere."""
     if ks.max_rows("w8p") <= 0:
         pytest.skip(f"{ks.name}: W8A16 keeps [N, K] here")
