@@ -559,8 +559,8 @@ def test_w8a16_on_the_packed_weight_is_linear_w8s_arithmetic(ks):
 def test_w8a16_packs_at_load_where_the_kernels_ask_and_keeps_its_results(ks):
     """W8A16Method keeps its weight in the packed layout where max_rows("w8p") > 0 (the AVX-512 library, AMX or
     not): every row count goes through linear_w8p (the exact-integer oracle above), the unpacked weight and its
-    scales are exactly what quantize_int8_per_channel gives, the fused step's description says "w8p"; a stored weight holding -128 (which
-    the packing refuses) keeps [N, K] and linear_w8, as elsewhere."""
+    scales are exactly what quantize_int8_per_channel gives, the fused step's description says "w8p"; a stored
+    weight holding -128 (which the packing refuses) keeps [N, K] and linear_w8, as elsewhere."""
     if ks.max_rows("w8p") <= 0:
         pytest.skip(f"{ks.name}: W8A16 keeps [N, K] here")
     g = torch.Generator().manual_seed(30)
@@ -1570,8 +1570,8 @@ def test_fused_prefill_takes_only_the_read_rows_through_the_last_layers_mlp(tmp_
 def test_fused_step_runs_prompts_as_accurately_as_pytorch(tmp_path, monkeypatch, quant):
     """A step of fresh prompts runs through the fused step (each token a row attending to its prompt up to itself,
     through the prompt's block table; on AMX 16 rows of a prompt at a time): with 12-bit weights (the default where
-    the kernels compress) a step of any size, with the weights as loaded up to kernels.bf16_max_rows() tokens in all (without AMX
-    through the VDPBF16PS GEMM, 12-bit too; W8A16 / W4A16 too, their slabs rebuilt in bf16 for that GEMM; with AMX
+    the kernels compress) a step of any size, with the weights as loaded up to kernels.bf16_max_rows() tokens in all
+    (without AMX through the VDPBF16PS GEMM, 12-bit too; W8A16 / W4A16 too, their slabs rebuilt in bf16 for that GEMM; with AMX
     W8A16 and W8A8 on AMX-INT8 tiles from their packed weights, a step of any size). Prompts
     of 5, 21, 40 and 90 tokens (several blocks of 16, partial last blocks; 156 rows) in one step, then decoding.
     The logprobs against HF transformers in float32 are as close as those of the PyTorch forward
