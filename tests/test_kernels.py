@@ -1571,9 +1571,9 @@ def test_fused_step_runs_prompts_as_accurately_as_pytorch(tmp_path, monkeypatch,
     """A step of fresh prompts runs through the fused step (each token a row attending to its prompt up to itself,
     through the prompt's block table; on AMX 16 rows of a prompt at a time): with 12-bit weights (the default where
     the kernels compress) a step of any size, with the weights as loaded up to kernels.bf16_max_rows() tokens in all
-    (without AMX through the VDPBF16PS GEMM, 12-bit too; W8A16 / W4A16 too, their slabs rebuilt in bf16 for that GEMM; with AMX
-    W8A16 and W8A8 on AMX-INT8 tiles from their packed weights, a step of any size). Prompts
-    of 5, 21, 40 and 90 tokens (several blocks of 16, partial last blocks; 156 rows) in one step, then decoding.
+    (without AMX through the VDPBF16PS GEMM, 12-bit too; W8A16 / W4A16 too, their slabs rebuilt in bf16 for that
+    GEMM; with AMX W8A16 and W8A8 on AMX-INT8 tiles from their packed weights, a step of any size). Prompts of 5, 21,
+    40 and 90 tokens (several blocks of 16, partial last blocks; 156 rows) in one step, then decoding.
     The logprobs against HF transformers in float32 are as close as those of the PyTorch forward
     (decode_kernels="linear", the same quantization)."""
     if quant == "w8a8" and not kernels.w8a8_supported():
