@@ -536,6 +536,21 @@ def _greedy(llm, prompts, max_tokens=12):
     return llm.generate(prompts, params, use_tqdm=False), params
 
 
+def _worst_logprob_errors(outs: dict, hf) -> dict:
+    """Per engine (outs: {name: generate outputs with logprobs}), the largest |logprob - HF fp32's| of a picked
+    token, HF teacher-forced on the prompt and the engine's own tokens."""
+    worst = dict.fromkeys(outs, 0.0)
+    for mode, results in outs.items():
+        for out in results:
+            ids = out.prompt_token_ids + out.outputs[0].token_ids
+            with torch.no_grad():
+                ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].double(), dim=-1)
+            p = len(out.prompt_token_ids)
+            for j, lp in enumerate(out.outputs[0].logprobs):
+                worst[mode] = max(worst[mode], abs(lp.logprob - ref[p - 1 + j, lp.token_id].item()))
+    return worst
+
+
 @pytest.mark.skipif(cpu.variant() not in ("avx512", "avx512-noamx"), reason=f"AVX-512 kernels: {cpu.describe()}")
 def test_engine_with_moe_kernels_matches_the_engine_on_torch(tiny_moe, monkeypatch):
     """bf16 Qwen3-MoE, greedy, a batch of 5 (prefill rows and decode rows through the kernels). Per module (the fused
@@ -596,16 +611,7 @@ def test_engine_with_moe_kernels_matches_the_engine_on_torch(tiny_moe, monkeypat
             assert used == {"route": 0, "experts": 0}
         del llm
     assert [o.outputs[0].token_ids for o in outs["per-module"]] == [o.outputs[0].token_ids for o in outs["off"]]
-    hf = hf_model(tiny_moe).float()
-    worst = dict.fromkeys(outs, 0.0)
-    for mode in outs:
-        for out in outs[mode]:
-            ids = out.prompt_token_ids + out.outputs[0].token_ids
-            with torch.no_grad():
-                ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].double(), dim=-1)
-            p = len(out.prompt_token_ids)
-            for j, lp in enumerate(out.outputs[0].logprobs):
-                worst[mode] = max(worst[mode], abs(lp.logprob - ref[p - 1 + j, lp.token_id].item()))
+    worst = _worst_logprob_errors(outs, hf_model(tiny_moe).float())
     assert max(worst["auto"], worst["per-module"]) <= 1.5 * worst["off"] + 0.02, worst
 
 
@@ -639,16 +645,7 @@ def test_quantized_moe_prompts_in_the_fused_step_are_as_accurate_as_per_module(t
         if mode == "auto":
             assert fused.step_timers()["calls"] == 12  # (the prompt step and the 11 decode steps)
         del llm
-    hf = hf_model(tiny_moe).float()
-    worst = dict.fromkeys(outs, 0.0)
-    for mode, results in outs.items():
-        for out in results:
-            ids = out.prompt_token_ids + out.outputs[0].token_ids
-            with torch.no_grad():
-                ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].double(), dim=-1)
-            p = len(out.prompt_token_ids)
-            for j, lp in enumerate(out.outputs[0].logprobs):
-                worst[mode] = max(worst[mode], abs(lp.logprob - ref[p - 1 + j, lp.token_id].item()))
+    worst = _worst_logprob_errors(outs, hf_model(tiny_moe).float())
     assert worst["auto"] <= 1.5 * worst["per-module"] + 0.02, worst
 
 

@@ -138,18 +138,33 @@ typedef void (*i8_micro_fn)(const int8_t*, int64_t, const uint32_t*, int64_t, in
 static const i8_micro_fn i8_micro_by_rows[GEMM_MR + 1] = {0, i8_micro_1, i8_micro_2, i8_micro_3,
                                                           i8_micro_4, i8_micro_5, i8_micro_6};
 
-/* The sums of rows [mr, 64] less 128 sum x, scaled, (+ bias), rounded into y's columns n0 .. n0 + nrows - 1: a row's
- * features at once (whole cache lines, written while they are in L1) */
-static inline void i8_store(const int32_t* acc, int mr, const float* sx, const int32_t* xsum, const float* scale,
-                            const bf16* bias, int64_t n0, int nrows, bf16* y, int64_t ldy, int stream) {
+/* 16 values a row of y: a vector store, past the caches where asked and whole */
+static inline void i8_put16(bf16* y, __mmask16 mk, __m256i o, int stream) {
+    if (stream && mk == 0xffff)
+        _mm256_stream_si256((__m256i*)y, o);
+    else
+        _mm256_mask_storeu_epi16(y, mk, o);
+}
+
+/* a block's masks, fp32 scales and bias, 16 features a vector from n0 (nrows of them); returns the vectors */
+static inline int i8_block_consts(const float* scale, const bf16* bias, int64_t n0, int nrows, __mmask16 mk[4],
+                                  __m512 sw[4], __m512 bv[4]) {
     const int nv = (nrows + 15) / 16;
-    __mmask16 mk[4];
-    __m512 sw[4], bv[4];
     for (int v = 0; v < nv; v++) {
         mk[v] = mask16(nrows - 16 * v);
         sw[v] = _mm512_maskz_loadu_ps(mk[v], scale + n0 + 16 * v);
         bv[v] = bias ? load_bf16x16(bias + n0 + 16 * v, mk[v]) : _mm512_setzero_ps();
     }
+    return nv;
+}
+
+/* The sums of rows [mr, 64] less 128 sum x, scaled, (+ bias), rounded into y's columns n0 .. n0 + nrows - 1: a row's
+ * features at once (whole cache lines, written while they are in L1) */
+static inline void i8_store(const int32_t* acc, int mr, const float* sx, const int32_t* xsum, const float* scale,
+                            const bf16* bias, int64_t n0, int nrows, bf16* y, int64_t ldy, int stream) {
+    __mmask16 mk[4];
+    __m512 sw[4], bv[4];
+    const int nv = i8_block_consts(scale, bias, n0, nrows, mk, sw, bv);
     for (int i = 0; i < mr; i++) {
         const __m512i c = _mm512_set1_epi32(128 * xsum[i]);
         const __m512 s = _mm512_set1_ps(sx[i]);
@@ -159,10 +174,7 @@ static inline void i8_store(const int32_t* acc, int mr, const float* sx, const i
             if (bias) /* (the reference adds the bias to the bf16 product) */
                 o = round_bf16x16_nan(_mm512_add_ps(
                     _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(o), 16)), bv[v]));
-            if (stream && mk[v] == 0xffff)
-                _mm256_stream_si256((__m256i*)(y + i * ldy + n0 + 16 * v), o);
-            else
-                _mm256_mask_storeu_epi16(y + i * ldy + n0 + 16 * v, mk[v], o);
+            i8_put16(y + i * ldy + n0 + 16 * v, mk[v], o, stream);
         }
     }
 }
@@ -256,9 +268,8 @@ static void i8a_rows(const void* ctx, const int32_t* acc, int64_t r0, int rows, 
 static void w8a8_gemm(const int8_t* xq, const float* sx, const int32_t* xsum, const uint32_t* wpk,
                       const float* scale, const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K,
                       int nthreads) {
-    const int stream = i8_amx_takes(M) && M * N * 2 >= I8_STREAM_BYTES && rows_on_lines(y, ldy);
-    const i8_job job = {xq, sx, xsum, scale, bias, y, i8_kp(K), ldy, stream};
-    if (i8_amx_takes(M))
+    const i8_job job = {xq, sx, xsum, scale, bias, y, i8_kp(K), ldy, i8a_stream(M, N, y, ldy)};
+    if (i8_amx_takes())
         i8a_drive(xq, M, job.Kp, wpk, N, nthreads, i8a_rows, &job);
     else
         i8_drive(wpk, M, N, K, nthreads, GEMM_MR, 64, i8_rows, &job);

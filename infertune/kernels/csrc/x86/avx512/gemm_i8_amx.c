@@ -30,8 +30,13 @@
 #endif
 _Static_assert(I8_ROW_PAD >= 32, "the scratch holds the 32-row groups' reads past the last row");
 
-/* where the tiles take a product of rows int8 rows (W8A8: M; W8A16: 2 M) */
-static inline int i8_amx_takes(int64_t rows) { return amx_state == 1 && rows >= 1; }
+/* whether the tiles take the int8 products (at every row count: AMX runs here) */
+static inline int i8_amx_takes(void) { return amx_state == 1; }
+
+/* whether an [M, N] bf16 output y goes past the caches (the tiles' path only) */
+static inline int i8a_stream(int64_t M, int64_t N, const bf16* y, int64_t ldy) {
+    return i8_amx_takes() && M * N * 2 >= I8_STREAM_BYTES && rows_on_lines(y, ldy);
+}
 
 /* acc [16, 64] (row stride 64 int32) = rows a .. a + 15 (stride lda) times the block wp (nq words of 64 features) */
 __attribute__((target("amx-tile,amx-int8")))

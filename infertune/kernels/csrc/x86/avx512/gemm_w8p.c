@@ -87,14 +87,9 @@ typedef struct {
 /* The rows' sums less 128 sum h / l, combined, y = bf16(out s_x s_w + bias) in fp32 (w8_block's epilogue); a row's
  * features at once (whole cache lines) */
 static void w8p_store(const w8p_job* j, const int32_t* acc, int64_t m, int mr, int64_t n0, int nrows) {
-    const int nv = (nrows + 15) / 16;
     __mmask16 mk[4];
     __m512 sw[4], bv[4];
-    for (int v = 0; v < nv; v++) {
-        mk[v] = mask16(nrows - 16 * v);
-        sw[v] = _mm512_maskz_loadu_ps(mk[v], j->scale + n0 + 16 * v);
-        bv[v] = j->bias ? load_bf16x16(j->bias + n0 + 16 * v, mk[v]) : _mm512_setzero_ps();
-    }
+    const int nv = i8_block_consts(j->scale, j->bias, n0, nrows, mk, sw, bv);
     for (int i = 0; i < mr; i++) {
         const __m512i ch = _mm512_set1_epi32(128 * j->hsum[m + i]), cl = _mm512_set1_epi32(128 * j->lsum[m + i]);
         const __m512 s = _mm512_set1_ps(j->sx[m + i]);
@@ -102,11 +97,8 @@ static void w8p_store(const w8p_job* j, const int32_t* acc, int64_t m, int mr, i
             const __m512i H = _mm512_sub_epi32(_mm512_load_si512(acc + i * 128 + 16 * v), ch);
             const __m512i L = _mm512_sub_epi32(_mm512_load_si512(acc + i * 128 + 64 + 16 * v), cl);
             const __m512 o = _mm512_mul_ps(_mm512_mul_ps(w8p_combine(H, L), s), sw[v]);
-            const __m256i r = round_bf16x16_nan(_mm512_add_ps(o, bv[v]));
-            if (j->stream && mk[v] == 0xffff)
-                _mm256_stream_si256((__m256i*)(j->y + (m + i) * j->ldy + n0 + 16 * v), r);
-            else
-                _mm256_mask_storeu_epi16(j->y + (m + i) * j->ldy + n0 + 16 * v, mk[v], r);
+            i8_put16(j->y + (m + i) * j->ldy + n0 + 16 * v, mk[v], round_bf16x16_nan(_mm512_add_ps(o, bv[v])),
+                     j->stream);
         }
     }
 }
@@ -135,9 +127,8 @@ static int linear_w8p(const bf16* x, int64_t ldx, const uint32_t* wpk, const flo
     int32_t* hsum = (int32_t*)(sx + M);
     int32_t* lsum = hsum + M;
     w8p_quantize_rows(x, ldx, M, K, nthreads, xhl, sx, hsum, lsum);
-    const int stream = i8_amx_takes(2 * M) && M * N * 2 >= I8_STREAM_BYTES && rows_on_lines(y, ldy);
-    const w8p_job job = {xhl, sx, hsum, lsum, scale, bias, y, Kp, ldy, stream};
-    if (i8_amx_takes(2 * M))
+    const w8p_job job = {xhl, sx, hsum, lsum, scale, bias, y, Kp, ldy, i8a_stream(M, N, y, ldy)};
+    if (i8_amx_takes())
         i8a_drive(xhl, 2 * M, Kp, wpk, N, nthreads, w8p_amx_rows, &job);
     else
         i8_drive(wpk, M, N, K, nthreads, W8P_MR, 128, w8p_rows, &job);
