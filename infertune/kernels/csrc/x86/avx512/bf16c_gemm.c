@@ -20,12 +20,14 @@ static inline void store_sum_bf16x16(bf16* x, __m512 a, __m512 b, __mmask16 m) {
 static inline void tile_rows_out(const float* c, const bf16* bias, int64_t n, bf16* y, int64_t ldy, int rows, int add) {
     const __m512 bv = bias ? load_bf16x16(bias + n, 0xffff) : _mm512_setzero_ps();
     for (int m = 0; m < rows; m++) {
-        const __m256i r = round_bf16x16(_mm512_add_ps(_mm512_loadu_ps(c + 16 * m), bv));
+        const __m512 v = _mm512_add_ps(_mm512_loadu_ps(c + 16 * m), bv);
         bf16* out = y + m * ldy + n;
-        if (add == 1)
-            store_sum_bf16x16(out, load_bf16x16(out, 0xffff),
-                              _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(r), 16)), 0xffff);
-        else if (add == 2)
+        if (add == 1) {
+            store_sum_bf16x16(out, load_bf16x16(out, 0xffff), bf16_round_f32(v), 0xffff);
+            continue;
+        }
+        const __m256i r = round_bf16x16(v);
+        if (add == 2)
             _mm256_stream_si256((__m256i*)out, r);
         else
             _mm256_storeu_si256((__m256i*)out, r);

@@ -118,8 +118,11 @@ static inline float w8_scale(const void* scale, int scale_is_f32, int64_t n) {
     return bf2f(scale_is_f32 ? f2bf(((const float*)scale)[n]) : ((const bf16*)scale)[n]);
 }
 
-static inline __m512 bf16_round_f32(__m512 v) { /* fp32 -> the nearest bf16, back in fp32 */
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(round_bf16x16(v)), 16));
+static inline __m512 bf16_round_f32(__m512 v) { /* fp32 -> the nearest bf16, back in fp32 (round_bf16x16's bits) */
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                                           _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+    return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u)));
 }
 
 static inline __m512 exp512(__m512 x) { /* e^x, relative error ~1e-7 over the clamped range */
