@@ -494,7 +494,7 @@ class ModelConfig:
         "compiler on first use and cached): auto = GEMV / AMX kernels (bf16, W8A16 and W4A16) for steps of up to "
         "16 rows plus the fused decode step (every layer of a step in one call: decode-only steps of up to 16 "
         "sequences, and, with a bf16 cache, steps of fresh prompts: with bf16 weights up to the kernels' prompt rows, "
-        "with 12-bit weights, W8A8 and W8A16 ones (and without AMX, W4A16 ones) whole steps); "
+        "with 12-bit weights, W8A8, W8A16 and W4A16 ones whole steps); "
         "linear = the linear "
         "kernels only, under the per-op PyTorch forward; off = torch's matmuls",
         choices=DECODE_KERNELS,

@@ -621,8 +621,10 @@ def test_w4a16_on_the_packed_weight_against_its_exact_emulation(ks):
     192 (192: no slab of the GEMM holds whole groups, so the int kernel takes every row count), N not a multiple of
     64, one and two rows a pass and their remainders, a zero row; from the GEMM's rows, linear_w4's prompt path (the
     GEMM on the same bf16 weights, rebuilt from the packed blocks here; with AMX, where linear_w4 takes the tiles,
-    that GEMM called on the reference's dequantized weight): bit for bit. pack_w4p / unpack_w4p round-trip the
-    integers and the scales."""
+    that GEMM called on the reference's dequantized weight): bit for bit. With AMX, past 16 rows of a weight of a
+    multiple of 16 features, the tile GEMM on the nibbles rebuilt in bf16 (gemm_w4p.c): the AMX bf16 linear on the
+    reference's dequantized weight, bit for bit, 2048-row blocks and K in slabs included. pack_w4p / unpack_w4p
+    round-trip the integers and the scales."""
     from infertune.quant.int4 import dequantize_int4
 
     if ks.max_rows("w4p") <= 0 and not kernels.w4p_supported(getattr(ks, "lib", None)):
@@ -630,7 +632,11 @@ def test_w4a16_on_the_packed_weight_against_its_exact_emulation(ks):
     lib = kernels.library()
     gemm_from = lib.it_gemm_rows_noamx(0)
     g = torch.Generator().manual_seed(31)
-    for n, k, gs in ((64, 128, 128), (70, 256, 64), (131, 512, 256), (96, 384, 192)):
+    amx = getattr(ks, "amx", False)
+    cases = [(64, 128, 128), (70, 256, 64), (131, 512, 256), (96, 384, 192)]
+    if amx:  # (a 12-bit-sized chunk count with a partial last chunk; K past the tile GEMM's one slab at 600 rows)
+        cases += [(208, 4864, 128)]
+    for n, k, gs in cases:
         q = torch.randint(0, 16, (n, k), generator=g)
         s = torch.rand(n, k // gs, generator=g) * 0.02
         z = torch.randn(n, k // gs, generator=g) * 0.1
@@ -638,13 +644,15 @@ def test_w4a16_on_the_packed_weight_against_its_exact_emulation(ks):
         back = ks.unpack_w4p(packed, sT, zT, n, k)
         assert torch.equal(back[0].long(), q) and torch.equal(back[1], s) and torch.equal(back[2], z)
         bias = torch.randn(n, generator=g).bfloat16()
-        for m in (1, 2, 3, 5, 16, 33, gemm_from, 130):
+        for m in (1, 2, 3, 5, 16, 17, 33, gemm_from, 130) + ((600,) if amx else ()):
             x = (torch.randn(m, k, generator=g) * 3).bfloat16()
             if m > 2:
                 x[1] = 0
             for b in (None, bias):
                 got = ks.linear_w4p(x, packed, sT, zT, gs, n, b)
-                if m >= gemm_from and 512 % gs == 0 and getattr(ks, "amx", False):  # (AMX: linear_w4 on the tiles)
+                if amx and m > 16 and n % 16 == 0:  # (the tiles on the rebuilt nibbles)
+                    want = ks.linear_bf16(x, dequantize_int4(q, s, z, gs).bfloat16(), b)
+                elif m >= gemm_from and 512 % gs == 0 and amx:  # (AMX: linear_w4 on the tiles)
                     want = kernels.linear_bf16_path(x, dequantize_int4(q, s, z, gs).bfloat16(), b, path="gemm")
                 elif m >= gemm_from and 512 % gs == 0:  # (gemm_dpbf16.c GEMM_KC: slabs of 512 columns)
                     want = ks.linear_w4(x, ks.pack_w4(q), s, z, gs, b)
@@ -696,11 +704,14 @@ def test_w4a16_packs_at_load_where_the_kernels_ask(ks):
 
 
 @needs_kernels
-def test_with_amx_w8a16_packs_and_w4a16_keeps_its_rows(monkeypatch):
+def test_with_amx_w8a16_packs_and_w4a16_packs_in_moe_models(monkeypatch):
     """With AMX, W8A16 takes the packed layout too (its int8 words are AMX-INT8's B operand as they lie:
-    gemm_i8_amx.c), and so does W8A8; W4A16's packed layout stays a no-AMX path (on AMX its prompts would lose the
-    tile GEMM: kernels/x86.py max_rows), so the method keeps pack_w4's rows there. (Run here by telling this
-    library's kernels object it has AMX.)"""
+    gemm_i8_amx.c), and so does W8A8; W4A16 packs the layers of an MoE model, experts first (their prompts take the
+    tile GEMM on the nibbles rebuilt in bf16 a chunk at a time, gemm_w4p.c), and keeps pack_w4's rows in a dense
+    model (whose row kernels decode faster there: kernels/x86.py max_rows). (Run here by telling this library's
+    kernels object it has AMX.)"""
+    from infertune.layers.moe import Experts
+    from infertune.quant.experts import QuantizedExperts
     from infertune.quant.int4 import W4A16Method
 
     if kernels.variant() not in ("avx512", "avx512-noamx"):
@@ -708,6 +719,7 @@ def test_with_amx_w8a16_packs_and_w4a16_keeps_its_rows(monkeypatch):
     ks = x86.X86Kernels()
     monkeypatch.setattr(ks, "amx", True)
     assert ks.max_rows("w4p") == 0
+    assert ks.max_rows("w4p", moe=True) == (kernels.NOAMX_QUANT_MAX_ROWS if kernels.w4p_supported() else 0) > 0
     assert ks.max_rows("w8p") == (kernels.NOAMX_QUANT_MAX_ROWS if kernels.w8p_supported() else 0) > 0
     assert ks.max_rows("w8a8") == (kernels.NOAMX_QUANT_MAX_ROWS if kernels.w8a8_supported() else 0)
     g = torch.Generator().manual_seed(33)
@@ -719,6 +731,16 @@ def test_with_amx_w8a16_packs_and_w4a16_keeps_its_rows(monkeypatch):
         layer.weight.data.copy_(torch.randn(64, 256, generator=g))
         method.process_weights_after_loading(layer)
         assert layer.qweight.dtype is dtype and method.kernel_weights(layer).kind == kind
+    from infertune.config import MoeArch
+
+    experts = Experts(256, MoeArch(4, 2, 128, layers=(0,), norm_topk_prob=True), torch.bfloat16)
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(torch.randn(4, 256, 256, generator=g))
+        experts.down_proj.copy_(torch.randn(4, 256, 128, generator=g))
+    experts.quant_method = QuantizedExperts(lambda: W4A16Method(128, kernels=ks))
+    experts.quant_method.process_weights_after_loading(experts)
+    described = experts.quant_method.kernel_experts(experts)
+    assert described.gate_up.kind == described.down.kind == "w4p"
 
 
 @needs_kernels
@@ -1581,7 +1603,7 @@ def test_fused_step_runs_prompts_as_accurately_as_pytorch(tmp_path, monkeypatch,
     if quant == "w8a16" and kernels.variant() != "avx512":
         pytest.skip("W8A16 prompts run in the fused step on the AVX-512 library only")
     if quant == "w4a16" and (kernels.amx() or kernels.variant() != "avx512"):
-        pytest.skip("W4A16 prompts run in the fused step on the AVX-512 library without AMX only")
+        pytest.skip("W4A16 prompts run in the fused step on the AVX-512 library without AMX only (with AMX, MoE ones)")
     from conftest import hf_model
 
     from infertune import LLM, SamplingParams

@@ -328,8 +328,9 @@ def quantized_experts(ks, method: str, group_size: int, e: int, k: int, hidden: 
         layer.quant_method = QuantizedExperts(lambda: W4A16Method(group_size=group_size, kernels=ks))
     layer.quant_method.process_weights_after_loading(layer)
     experts = layer.quant_method.kernel_experts(layer)
-    # (W8A16 / W4A16 experts keep the packed layouts where the kernels take them: AVX-512 without AMX)
-    want = {"w8a16": "w8p" if ks.max_rows("w8p") > 0 else "w8", "w4a16": "w4p" if ks.max_rows("w4p") > 0 else "w4"}
+    # (W8A16 / W4A16 experts keep the packed layouts where the kernels take them: AVX-512; W4A16's for MoE models)
+    packed4 = ks.max_rows("w4p", moe=True) > 0
+    want = {"w8a16": "w8p" if ks.max_rows("w8p") > 0 else "w8", "w4a16": "w4p" if packed4 else "w4"}
     assert experts is not None and experts.gate_up.kind == want.get(method, method)
     return layer, experts
 
@@ -340,7 +341,8 @@ def test_quantized_experts_match_their_per_expert_loop(ks, method, t):
     """Int8 / int4 experts (quant/experts.py: the Linear methods' buffers stacked over the experts) through the
     grouped kernel: the same int kernels as the per-expert loop runs on each expert's slice (bit for bit almost
     everywhere; past 16 rows an expert's loop multiplies its dequantized weight with torch's GEMM; W8A8, and W8A16 /
-    W4A16 on their packed layouts (AVX-512 without AMX), bit for bit everywhere: their kernels take any row count),
+    W4A16 on their packed layouts (AVX-512; with AMX W4A16's past 16 rows on the tiles), bit for bit everywhere: their
+    kernels take any row count),
     and within 2^-7 of experts_reference in fp32 on the dequantized weights (2^-5 with W8A8's int8 activations)."""
     e, k, hidden, inter = 8, 2, 128, 64
     g = torch.Generator().manual_seed(t)
@@ -372,12 +374,12 @@ def test_quantized_experts_of_one_row_each_are_their_per_expert_loop_bit_for_bit
     row rounded to int16 once, the experts' rows as one stack of row blocks split over the threads): bit for bit the
     per-expert loop over linear_w8 / linear_w4 (Experts.forward_native) at one row an expert. With an expert shared
     by the tokens (three rows for it) the per-expert path runs, bit for bit the loop too. On the layouts the kernels
-    keep ("own": the packed W8A16, and W4A16 without AMX) the per-expert path runs the packed kernels, bit for bit the
+    keep ("own": the packed W8A16 and W4A16) the per-expert path runs the packed kernels, bit for bit the
     loop as well. (int8: hidden 328, the rows padded to 384 inside the kernel.)"""
     if layout == "rows":  # (the kernels offer no packed kind: the methods keep the row layouts)
         offered = ks.max_rows
-        monkeypatch.setattr(ks, "max_rows", lambda kind: 0 if kind in ("w8p", "w4p") else offered(kind))
-    elif ks.max_rows("w8p" if method == "w8a16" else "w4p") <= 0:
+        monkeypatch.setattr(ks, "max_rows", lambda kind, **kw: 0 if kind in ("w8p", "w4p") else offered(kind, **kw))
+    elif ks.max_rows("w8p" if method == "w8a16" else "w4p", moe=True) <= 0:
         pytest.skip(f"{ks.name}: no packed {method} here (the rows case is this CPU's layout)")
     e, k, hidden, inter = 16, 4, 384 if method == "w4a16" else 328, 256
     g = torch.Generator().manual_seed(70 + t)
@@ -615,11 +617,12 @@ def test_engine_with_moe_kernels_matches_the_engine_on_torch(tiny_moe, monkeypat
     assert max(worst["auto"], worst["per-module"]) <= 1.5 * worst["off"] + 0.02, worst
 
 
-@pytest.mark.skipif(not cpu.amx(), reason="quantized MoE prompts take the fused step on AMX (its int8 tiles) only")
-@pytest.mark.parametrize("quant", ["w8a16", "w8a8"])
+@pytest.mark.skipif(not cpu.amx(), reason="quantized MoE prompts take the fused step on AMX (its tiles) only")
+@pytest.mark.parametrize("quant", ["w8a16", "w8a8", "w4a16"])
 def test_quantized_moe_prompts_in_the_fused_step_are_as_accurate_as_per_module(tiny_moe, monkeypatch, quant):
-    """On AMX a bf16 Qwen3-MoE with W8A16 (packed) or W8A8 experts runs whole prompt steps in the fused step (the
-    experts on the AMX-INT8 tiles, x86_fused.py moe_prompts): the prompt step of 77 rows goes through it, and the
+    """On AMX a bf16 Qwen3-MoE with W8A16 (packed), W8A8 or W4A16 (packed) experts runs whole prompt steps in the
+    fused step (the experts on the AMX-INT8 tiles, W4A16's on the bf16 tiles from its nibbles rebuilt chunk by chunk,
+    x86_fused.py moe_prompts): the prompt step of 77 rows goes through it, and the
     logprobs against HF transformers in fp32 (on the unquantized weights: both engines carry the same quantization
     error) are as close as those of the same engine with the fused step off (the modules on the kernels)."""
     from conftest import hf_model
@@ -632,14 +635,16 @@ def test_quantized_moe_prompts_in_the_fused_step_are_as_accurate_as_per_module(t
     build, outs = FusedDecode.build, {}
     for mode in ("auto", "per-module"):
         monkeypatch.setattr(FusedDecode, "build", (lambda *a, **k: None) if mode == "per-module" else build)
-        llm = LLM(str(tiny_moe), dtype="bfloat16", max_model_len=96, block_size=16, quantization=quant)
+        llm = LLM(
+            str(tiny_moe), dtype="bfloat16", max_model_len=96, block_size=16, quantization=quant, quant_group_size=64
+        )
         fused = llm.engine.executor.runner.fused
         if mode == "auto":
             from infertune.layers.moe import Experts
 
             experts = [m for m in llm.engine.executor.runner.model.modules() if isinstance(m, Experts)]
             kinds = {m.kernel_view().gate_up.kind for m in experts}
-            assert experts and kinds == {"w8p" if quant == "w8a16" else "w8a8"}, kinds
+            assert experts and kinds == {{"w8a16": "w8p", "w8a8": "w8a8", "w4a16": "w4p"}[quant]}, kinds
             assert fused is not None and fused.decoder.max_prefill_rows >= 77
         outs[mode] = _greedy(llm, prompts)[0]
         if mode == "auto":

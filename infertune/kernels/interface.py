@@ -273,8 +273,11 @@ class DecodeKernels(Protocol):
     name: str  # e.g. "x86 avx512-bf16 + amx"
     fused_parts: tuple[str, ...]  # the parts of the fused step that its FusedDecoder.step_timers() reports
 
-    def max_rows(self, kind: LinearKind) -> int:
-        """Rows up to which linear_*(kind) beats torch's GEMM here (past them the method takes the dense path)."""
+    def max_rows(self, kind: LinearKind, *, moe: bool = False) -> int:
+        """Rows up to which linear_*(kind) beats torch's GEMM here (past them the method takes the dense path);
+        moe=True: for the layers of a mixture-of-experts model (a layout may pay there and not in a dense model: a
+        decode step gives each expert one or a few rows, a prompt step all of its rows to the grouped kernel, and the
+        dense layers must go where the experts go for a prompt step to stay in one fused step)."""
         ...
 
     def linear_bf16(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

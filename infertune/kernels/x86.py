@@ -112,7 +112,7 @@ class X86Kernels:
     def __repr__(self) -> str:
         return f"X86Kernels({self.name})"
 
-    def max_rows(self, kind: LinearKind) -> int:
+    def max_rows(self, kind: LinearKind, *, moe: bool = False) -> int:
         # bf16 (plain or 12-bit) keeps the AMX tile GEMM up to 128 rows, without AMX the VDPBF16PS GEMM; the int8 /
         # int4 kernels are GEMVs at heart, except without AMX, where past 16 rows they rebuild slabs for that GEMM.
         # W8A8: its VPDPBUSD GEMM on weights packed at load (gemm_i8.c) at every row count, with AMX too: measured on
@@ -124,14 +124,19 @@ class X86Kernels:
         # weight stream a thread beats the row layouts' kernels (benchmarks/bench_packed_quant.py). W8A16 with AMX
         # too: the packed weight is AMX-INT8's B operand as it lies (gemm_i8_amx.c: x's h and l bytes on the tiles),
         # which beats the row layout's dequantize-then-bf16-tiles at every row count (BENCHMARKS.md, 2026-12-06).
-        # W4A16 with AMX none: on the Xeon the packed decode was faster (1.21x / 2.53x / 1.02x linear_w4's tile
-        # paths at 1 / 4 / 16 rows), but its prompts on the VDPBF16PS GEMM lose to the row layout's
-        # dequantize-then-AMX-GEMM (16 x 128-token TTFT 1.47 -> 8.22 s): not taken until a prompt path puts the
-        # packed nibbles on the tiles.
+        # W4A16 with AMX: MoE models only. Past 16 rows the packed nibbles are rebuilt in bf16 a 64-feature chunk at a
+        # time for the 12-bit weights' tile GEMM (gemm_w4p.c, bf16c_gemm.c tiles_gemm: the bf16 products of the row
+        # layout's dequantize-then-AMX-GEMM, no dequantized copy), so MoE prompts run in the fused step: on a Xeon
+        # with AMX (2026-12-06) the MoE preset's 16 x (128 + 32) TTFT 1.42 -> 0.78 s, its decode at 16 1.9x (each
+        # expert's one or two rows on the int kernel beat the row layout's tile rebuild). A dense model keeps the
+        # rows: there the row layout's 1-row GEMV decoded the 386M model 1.10x faster and its 2-16-row tile rebuild
+        # 1.3x at 16 requests, and its prompts (dequantize, oneDNN) ran 0.82 s against the packed tiles' 1.0 (their
+        # gate_up has no SiLU epilogue: its [T, 2I] product goes to memory and back).
         if kind == "w8p":
             return cpu.NOAMX_QUANT_MAX_ROWS if cpu.w8p_supported(self.lib) else 0
         if kind == "w4p":
-            return 0 if self.amx or not cpu.w4p_supported(self.lib) else cpu.NOAMX_QUANT_MAX_ROWS
+            offered = cpu.w4p_supported(self.lib) and (moe or not self.amx)
+            return cpu.NOAMX_QUANT_MAX_ROWS if offered else 0
         return cpu.bf16_max_rows() if kind in ("bf16", "bf16c") else cpu.quant_max_rows()
 
     def linear_bf16(self, x, weight, bias=None):
@@ -274,7 +279,7 @@ class Avx2Kernels(X86Kernels):
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name})"
 
-    def max_rows(self, kind: LinearKind) -> int:
+    def max_rows(self, kind: LinearKind, *, moe: bool = False) -> int:
         # bf16: the GEMV below it_gemm_rows_fma() rows, the FMA GEMM past it, at every step size (torch's bf16 GEMM
         # limited to AVX2 is slower at every size: benchmarks/bench_gemm_avx2.py). W8A16 / W4A16: the integer
         # kernels (x rounded to int16 per row, VPMADDWD against the int8 / int4 weights, MR2 = 2 rows a pass over a

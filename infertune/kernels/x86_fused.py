@@ -195,7 +195,7 @@ class X86FusedDecoder:
         # below; else decode steps only. A windowed layer's prompt rows each attend on their own, to their window: attention_rows. Latent
         # attention: decode steps only, prompts decompress on the PyTorch path, where a long one's attention is
         # cheaper than absorbed.)
-        moe_prompts = amx and avx2_lib is None and expert_kinds <= {"bf16", "bf16c", "w8a8", "w8p"}
+        moe_prompts = amx and avx2_lib is None and expert_kinds <= {"bf16", "bf16c", "w8a8", "w8p", "w4p"}
         decode_only = (cmodel.moe_experts > 0 and not moe_prompts) or bool(mlas)
         if avx2_lib is not None:
             if "bf16c" in kinds:
@@ -224,15 +224,17 @@ class X86FusedDecoder:
         # order, so a near-tie may pick another expert; a tie at the top-k boundary hands back to route() as in
         # decode steps), the experts through the grouped kernel, each expert's rows one tile GEMM. Measured on a
         # Xeon with AMX, the MoE preset's 16 x 128-token prompts: benchmarks/BENCHMARKS.md. W8A8 / packed W8A16
-        # experts too on AMX (their int8 tiles, gemm_i8_amx.c: the MoE preset's W8A16 TTFT at 16 1.58 -> 0.70 s).
-        # Without AMX (not measured there: no Zen this session) and with W4A16 experts, decode steps only.
+        # experts too on AMX (their int8 tiles, gemm_i8_amx.c: the MoE preset's W8A16 TTFT at 16 1.58 -> 0.70 s), and
+        # packed W4A16 ones (the tile GEMM on their nibbles rebuilt in bf16, gemm_w4p.c). Without AMX (not measured
+        # there: no Zen since), decode steps only.
         prefill_rows = 0
         if decode_only:
             pass
-        elif amx and kinds <= {"bf16", "bf16c", "w8a8", "w8p"} and not model.kv_int8:
-            # (W8A8 / packed W8A16: AMX-INT8 tiles on the packed weight at any row count, gemm_i8_amx.c)
+        elif amx and kinds <= {"bf16", "bf16c", "w8a8", "w8p", "w4p"} and not model.kv_int8:
+            # (W8A8 / packed W8A16: AMX-INT8 tiles on the packed weight at any row count, gemm_i8_amx.c; packed
+            # W4A16: the 12-bit weights' tile GEMM on its nibbles rebuilt in bf16 chunk by chunk, gemm_w4p.c)
             prefill_rows = cpu.AMX_GEMM_MAX_ROWS
-            if kinds <= {"bf16c", "w8a8", "w8p"}:
+            if kinds <= {"bf16c", "w8a8", "w8p", "w4p"}:
                 prefill_rows = max(prefill_rows, model.step_rows)
         elif (
             not amx

@@ -62,6 +62,8 @@ def attach_linear_methods(
     shared = shared_parameters(model)
     chosen: dict[str, str] = {}
     plain_kernel = kernels is not None and (dtype or torch.float32) is torch.bfloat16
+    # (a quantized layer of a mixture-of-experts model may take another layout: DecodeKernels.max_rows(moe=))
+    moe = any(isinstance(m, Experts) for m in model.modules())
     for name, module in model.named_modules():
         if isinstance(module, Experts):
             if config is not None and config.method is not None and not keeps(config, name):
@@ -92,6 +94,8 @@ def attach_linear_methods(
             continue
         if config is not None and config.method is not None and not keeps(config, name):
             module.quant_method = make_method(config, fast, max_rows, kernels)
+            if hasattr(module.quant_method, "moe"):
+                module.quant_method.moe = moe
         elif plain_kernel and compress and kernels.can_compress(module.out_features, module.in_features):
             module.quant_method = CompressedMethod(kernels)
         elif plain_kernel:

@@ -246,6 +246,7 @@ def attach_stored_methods(
     fast_kernels = backend.has_quant_kernels if backend is not None else True
     kernel_max_rows = backend.quant_kernel_max_rows if backend is not None else None
     chosen = {}
+    moe = any(isinstance(m, Experts) for m in model.modules())  # (as attach_linear_methods: max_rows(moe=))
     for name, module in model.named_modules():
         if isinstance(module, Experts):
             if not stored.ignores(name):
@@ -271,6 +272,7 @@ def attach_stored_methods(
             method = StoredW8A8(fast_kernels, stored.static_activations, kernels)
         else:
             method = StoredW4A16(stored.group_size, stored.symmetric, fast_kernels, kernel_max_rows, kernels)
+            method.moe = moe
         module.quant_method = method
         method.create_weights(module, dtype)
         chosen[name] = method.name

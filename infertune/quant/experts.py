@@ -55,6 +55,9 @@ class QuantizedExperts(ExpertsMethod):
         # (each method keeps the layout it keeps for a Linear: the kernels' packed one where they take it, which the
         # grouped expert GEMM reads too: csrc/moe.h moe_expert_lin)
         self.linear_methods = {proj: make_linear_method() for proj in PROJECTIONS}
+        for method in self.linear_methods.values():  # (a layout may pay in MoE models only: kernels' max_rows(moe=))
+            if hasattr(method, "moe"):
+                method.moe = True
         self.name = self.linear_methods["down_proj"].name
         self.shapes: dict[str, tuple[int, int]] = {}  # projection -> one expert's (N, K)
         self.buffer_names: dict[str, list[str]] = {}

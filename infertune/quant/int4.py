@@ -57,8 +57,9 @@ class W4A16Method(UnquantizedMethod):
         self.kernels = kernels
         self.own_layout = False
         # own_layout's kind: "w4" (pack_w4's rows, [N, K / 2]) or "w4p" (pack_w4p's blocks, where max_rows("w4p") > 0:
-        # AVX-512 without AMX; the experts too: the grouped expert GEMM reads either, csrc/moe.h).
+        # AVX-512 without AMX, and with AMX an MoE model's layers; the grouped expert GEMM reads either, csrc/moe.h).
         self.kernel_kind = "w4"
+        self.moe = False  # a layer of a mixture-of-experts model (attach_linear_methods sets it): max_rows(moe=)
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         w = layer.weight.data
@@ -80,7 +81,7 @@ class W4A16Method(UnquantizedMethod):
             and self.kernels.w4_supported(q.shape[1], self.group_size)
         ):
             self.own_layout = True
-            if self.kernels.max_rows("w4p") > 0:
+            if self.kernels.max_rows("w4p", moe=self.moe) > 0:
                 # pack_w4p's 64-feature blocks, its blocked fp32 scale and zero
                 self.kernel_kind = "w4p"
                 packed, scale, low = self.kernels.pack_w4p(q, scale.float(), low.float(), self.group_size)

@@ -108,35 +108,89 @@ static void linear_bf16c_rows(const bf16* x, int64_t ldx, const bf16c* cw, const
     }
 }
 
+/* Where the tile GEMM's weight chunks come from: a 12-bit weight (cw), or, with cw NULL, W4A16's packed nibbles
+ * (gemm_w4p.c's layout: w4, its blocked fp32 scales and offsets sT / zT [N64 / 64][K / gs][64], groups of gs
+ * columns), each weight rebuilt as bf16(q s + z) (an fp32 multiply, then the add: the PyTorch reference's
+ * dequantization, it_dequant_w4's and the VDPBF16PS GEMM's slabs' rounding). Either way the tiles multiply the very
+ * bf16 weights a bf16 GEMM would on the unpacked weight, in linear_bf16's order: the same bits. */
+typedef struct {
+    const bf16c* cw;
+    const uint32_t* w4;
+    const float *sT, *zT;
+    int64_t gs, K;
+} tile_src;
+
+#ifndef W4P_TILE_PF
+#define W4P_TILE_PF 2048 /* a W4A16 block's nibbles are asked into L1 this many bytes ahead of the rebuild */
+#endif
+
+/* Octet p (columns 8p .. 8p + 7) of W4A16 block b (64 features) in bf16 as four VNNI rows (column pairs 4p + i) of
+ * each 16-feature group v: row i of group v at out + i pstride + v vstride (32-bit words, a feature's two weights,
+ * the even column in the low half). The word (b, p, f) holds column 8p + j in byte j's low nibble and 8p + 4 + j in
+ * its high one (gemm_w4p.c). */
+static inline void w4p_octet(const tile_src* s, int64_t b, int64_t p, uint32_t* out, int64_t pstride,
+                             int64_t vstride) {
+    const int64_t G = s->K / s->gs, g = 8 * p / s->gs;
+    const uint32_t* wb = s->w4 + (b * (s->K / 8) + p) * 64;
+    const __m512i m4 = _mm512_set1_epi32(0x0f), hi16 = _mm512_set1_epi32((int)0xffff0000u);
+#if W4P_TILE_PF > 0
+    for (int l = 0; l < 256; l += 64) _mm_prefetch((const char*)wb + W4P_TILE_PF + l, _MM_HINT_T0);
+#endif
+    for (int v = 0; v < 4; v++) {
+        const __m512i word = _mm512_load_si512(wb + 16 * v);
+        const __m512 sc = _mm512_load_ps(s->sT + (b * G + g) * 64 + 16 * v);
+        const __m512 z = _mm512_load_ps(s->zT + (b * G + g) * 64 + 16 * v);
+        static const int shift[8] = {0, 8, 16, 24, 4, 12, 20, 28}; /* column c: byte c % 4, high nibble past 3 */
+        for (int i = 0; i < 4; i++) {
+            const __m512i q0 = _mm512_and_si512(_mm512_srli_epi32(word, shift[2 * i]), m4);
+            const __m512i q1 = _mm512_and_si512(_mm512_srli_epi32(word, shift[2 * i + 1]), m4);
+            const __m512 w0 = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(q0), sc), z);
+            const __m512 w1 = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(q1), sc), z);
+            /* (both rounded as round_bf16x16: w0's bf16 to the low half, w1's left in the high one) */
+            const __m512i r0 = _mm512_srli_epi32(_mm512_castps_si512(bf16_round_f32(w0)), 16);
+            const __m512i r1 = _mm512_and_si512(_mm512_castps_si512(bf16_round_f32(w1)), hi16);
+            _mm512_store_si512(out + i * pstride + v * vstride, _mm512_or_si512(r0, r1));
+        }
+    }
+}
+
 /* A slab of a chunk being decoded a few row pairs at a time into out [ke - k0][64][32]: the B operand of k-step ks,
  * features 16 g.., at out + (ks - k0) * 2048 + g * 512 (64-byte rows) */
 typedef struct {
-    const bf16c* cw;
+    const tile_src* src;
     int64_t chunk, KS, ks, k0, ke; /* tiles k0 .. ke - 1 of the chunk (a slab); ks: the next one */
     int rows, r;
     bf16* out; /* tile k0's rows */
 } chunk_decoder;
 
-/* Decodes `pairs` more row pairs (fewer at the end); a tile's escapes are patched after its last pair */
+/* Decodes `pairs` more row pairs (fewer at the end); a 12-bit tile's escapes are patched after its last pair, a
+ * W4A16 tile goes in whole octets (16 of its 64 rows: four column pairs of each 16 features) */
 static inline void decode_some(chunk_decoder* d, int pairs) {
     if (d->ks >= d->ke) return;
     const int64_t t = d->chunk * d->KS + d->ks;
     bf16* out = d->out + (d->ks - d->k0) * 2048;
-    const int r1 = d->r + 2 * pairs < d->rows ? d->r + 2 * pairs : d->rows;
-    bf16c_pairs(d->cw, t, d->r, r1, out, 32);
+    int r1 = d->r + 2 * pairs < d->rows ? d->r + 2 * pairs : d->rows;
+    if (d->src->cw) {
+        bf16c_pairs(d->src->cw, t, d->r, r1, out, 32);
+    } else {
+        r1 = (r1 + 15) & ~15;
+        for (int r = d->r; r < r1; r += 16) w4p_octet(d->src, d->chunk, 4 * d->ks + r / 16, (uint32_t*)out + 4 * r, 16, 256);
+    }
     d->r = r1;
     if (d->r >= d->rows) {
-        bf16c_patch(d->cw, t, out, 32);
+        if (d->src->cw) bf16c_patch(d->src->cw, t, out, 32);
         d->ks++;
         d->r = 0;
     }
 }
 
-/* The decoder of a GEMM step's weights (steps: block-major, then slab of KSL k-steps, then chunk) into out */
-static inline chunk_decoder step_decoder(const bf16c* cw, int64_t step, int64_t nchunks, int64_t nslabs, int64_t KSL,
-                                         int64_t KS, int64_t N16, bf16* out) {
+/* The decoder of a GEMM step's weights (steps: block-major, then slab of KSL k-steps, then chunk) into out (a W4A16
+ * chunk's rows all 64: its features past N are zeros) */
+static inline chunk_decoder step_decoder(const tile_src* src, int64_t step, int64_t nchunks, int64_t nslabs,
+                                         int64_t KSL, int64_t KS, int64_t N16, bf16* out) {
     const int64_t c = step % nchunks, k0 = step / nchunks % nslabs * KSL;
-    return (chunk_decoder){cw, c, KS, k0, k0, k0 + KSL < KS ? k0 + KSL : KS, 16 * chunk_tiles(N16, c), 0, out};
+    return (chunk_decoder){src, c, KS, k0, k0, k0 + KSL < KS ? k0 + KSL : KS, src->cw ? 16 * chunk_tiles(N16, c) : 64,
+                           0, out};
 }
 
 /* The output rows of a finished row pair of a chunk (its blocks' accumulators stored in c: block g / 2 of the chunk's
@@ -260,9 +314,9 @@ static inline int64_t bf16c_dec_bytes(int64_t M, int64_t N16, int64_t K, int nth
  * sums stay in the tiles. x is read in place; a last partial row tile is copied zero-padded into xtail [16, K]
  * first, so no tile load reads past the M rows. */
 __attribute__((target("amx-tile,amx-bf16")))
-static void linear_bf16c_gemm(const bf16* x, int64_t ldx, const bf16c* cw, const bf16* bias, bf16* y, int64_t ldy,
-                              int64_t M, int64_t N16, int64_t K, int nthreads, bf16* xtail, bf16* wdec, int64_t inter,
-                              int epi, int stream) {
+static void tiles_gemm(const bf16* x, int64_t ldx, const tile_src* src, const bf16* bias, bf16* y, int64_t ldy,
+                       int64_t M, int64_t N16, int64_t K, int nthreads, bf16* xtail, bf16* wdec, int64_t inter, int epi,
+                       int stream) {
     const int64_t nchunks = (N16 + 63) / 64, tiles = (M + 15) / 16, full = M / 16, KS = K / 32;
     const int64_t KSL = bf16c_slab_ks(M, K), nslabs = (KS + KSL - 1) / KSL, per_block = nslabs * nchunks;
     const int64_t bt = BF16C_GEMM_ROWS / 16, pairs_per_block = (bf16c_block_rows(M) + 31) / 32;
@@ -299,7 +353,7 @@ static void linear_bf16c_gemm(const bf16* x, int64_t ldx, const bf16c* cw, const
            multiplies. */
         int64_t step = __atomic_fetch_add(&next_step, 1, __ATOMIC_RELAXED);
         if (step < steps) { /* (the first step's slab up front) */
-            chunk_decoder d0 = step_decoder(cw, step, nchunks, nslabs, KSL, KS, N16, buf[0]);
+            chunk_decoder d0 = step_decoder(src, step, nchunks, nslabs, KSL, KS, N16, buf[0]);
             while (d0.ks < d0.ke) decode_some(&d0, 32);
         }
         while (step < steps) {
@@ -311,7 +365,7 @@ static void linear_bf16c_gemm(const bf16* x, int64_t ldx, const bf16c* cw, const
             const int64_t next = __atomic_fetch_add(&next_step, 1, __ATOMIC_RELAXED);
             chunk_decoder dn, *d = NULL;
             if (next < steps && next % per_block != step % per_block) { /* (the same slab of a chunk stays decoded) */
-                dn = step_decoder(cw, next, nchunks, nslabs, KSL, KS, N16, buf[cur ^ 1]);
+                dn = step_decoder(src, next, nchunks, nslabs, KSL, KS, N16, buf[cur ^ 1]);
                 d = &dn;
             }
             const int64_t ksteps = ((t1 - t0 + 1) / 2) * ((nblk + 1) / 2) * (k1 - k0);
@@ -377,8 +431,10 @@ static void linear_bf16c(const bf16* x, int64_t ldx, const bf16c* cw, const bf16
         linear_bf16c_noamx(x, ldx, cw, bias, y, ldy, M, N16, K, nthreads, inter, epi, stream);
     else if (M <= 16)
         linear_bf16c_rows(x, ldx, cw, bias, y, ldy, (int)M, N16, K, nthreads, inter, epi);
-    else
-        linear_bf16c_gemm(x, ldx, cw, bias, y, ldy, M, N16, K, nthreads, scratch, dec, inter, epi, stream);
+    else {
+        const tile_src src = {cw, NULL, NULL, NULL, 0, K};
+        tiles_gemm(x, ldx, &src, bias, y, ldy, M, N16, K, nthreads, scratch, dec, inter, epi, stream);
+    }
 }
 
 /* scratch: bf16_scratch_bytes(M, K), 64-byte aligned (the transposed activations of the AMX path) */

@@ -17,10 +17,12 @@ static int64_t lin_scratch_bytes(int64_t T, int64_t K, int nthreads) {
     /* (W8A8 rounds every row of x to int8 first, prompts included: i8_scratch_bytes) */
     const int64_t amx = bf16_scratch_bytes(T, K), w8 = qlin_scratch_bytes(T < 16 ? T : 16, K, nthreads);
     /* (W8A16 on the packed weight: every row of x split into int16's two bytes, prompts included) */
-    /* (W4A16 on the packed weight: up to W4P_CHUNK rows at a time below the GEMM's rows) */
-    const int64_t sizes[5] = {amx, w8, i8_scratch_bytes(T, K), w8p_scratch_bytes(T, K), w4p_scratch_bytes(T, K)};
+    /* (W4A16 on the packed weight: up to W4P_CHUNK rows at a time below the GEMM's rows; on AMX past 16 rows, as a
+       12-bit weight, the tile GEMM's zero-padded last row tile) */
+    const int64_t sizes[6] = {amx, w8, i8_scratch_bytes(T, K), w8p_scratch_bytes(T, K), w4p_scratch_bytes(T, K),
+                              bf16c_scratch_bytes(T, K)};
     int64_t most = 0;
-    for (int i = 0; i < 5; i++) most = sizes[i] > most ? sizes[i] : most;
+    for (int i = 0; i < 6; i++) most = sizes[i] > most ? sizes[i] : most;
     return ALIGN64(most);
 }
 
@@ -120,6 +122,7 @@ static void add_rows(bf16* x, const bf16* y, int64_t n) {
     }
 }
 
+/* dec: bf16c_dec_bytes(M, N, K, nthreads) where M > 16 (a 12-bit weight's, or on AMX a W4A16 one's, decoded chunks) */
 static void run_lin(const it_lin* L, const bf16* x, int64_t ldx, bf16* y, int64_t ldy, int64_t M, int nthreads,
                     void* scratch, bf16* dec, int silu) { /* (silu: a 12-bit gate_up's act, see linear_bf16c) */
     if (L->kind == IT_KIND_BF16)
@@ -133,9 +136,9 @@ static void run_lin(const it_lin* L, const bf16* x, int64_t ldx, bf16* y, int64_
     else if (L->kind == IT_KIND_W8P) /* (it_decode_layers checked K) */
         linear_w8p(x, ldx, (const uint32_t*)L->w, (const float*)L->scale, L->bias, y, ldy, M, L->N, L->K, nthreads,
                    scratch);
-    else if (L->kind == IT_KIND_W4P) /* (it_decode_layers checked the group) */
+    else if (L->kind == IT_KIND_W4P) /* (it_decode_layers checked the group; past 16 rows on AMX the tiles, as 12-bit) */
         linear_w4p(x, ldx, (const uint32_t*)L->w, (const float*)L->scale, L->zero, L->group, L->bias, y, ldy, M, L->N,
-                   L->K, nthreads, scratch);
+                   L->K, nthreads, scratch, dec);
     else if (L->kind == IT_KIND_W4)
         linear_w4(x, ldx, (const uint8_t*)L->w, (const float*)L->scale, L->zero, L->group, L->bias, y, ldy, M, L->N,
                   L->K, nthreads, scratch);

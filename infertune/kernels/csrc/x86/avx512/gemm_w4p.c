@@ -131,58 +131,42 @@ static void w4p_int_rows(const bf16* x, int64_t ldx, const uint32_t* w, const fl
     }
 }
 
-/* 16 fp32 -> their bf16 (nearest even, as f2bf for finite values) in the low 16 bits of each 32-bit lane */
-static inline __m512i w4p_round16(__m512 v) {
-    const __m512i u = _mm512_castps_si512(v);
-    return _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
-                                                                  _mm512_and_si512(_mm512_srli_epi32(u, 16),
-                                                                                   _mm512_set1_epi32(1)))), 16);
-}
-
-typedef struct {
-    const uint32_t* w;
-    const float *sT, *zT;
-    int64_t gs, K;
-} w4p_src;
-
 /* gemm_src.pack: features n0 .. n0 + 63 (block n0 / 64; rows past N are zeros already), columns k0 .. k0 + kc - 1 ->
- * the GEMM's slab wp[pair][v][l] = (bf16(w[n0 + 16 v + l][k0 + 2 pair]), ... + 1) as 32-bit words, w = q s + z */
+ * the GEMM's slab wp[pair][v][l] = (bf16(w[n0 + 16 v + l][k0 + 2 pair]), ... + 1) as 32-bit words, w = q s + z
+ * (ctx: a tile_src, bf16c_gemm.c) */
 static void w4p_pack_slab(const void* ctx, int64_t K, int64_t n0, int nrows, int64_t k0, int64_t kc, uint32_t* wp,
                           bf16* tmp) {
+    (void)K;
     (void)nrows;
     (void)tmp;
-    const w4p_src* c = (const w4p_src*)ctx;
-    const int64_t G = K / c->gs, b = n0 / 64;
-    const uint32_t* wb = c->w + b * (K / 8) * 64;
-    const __m512i m4 = _mm512_set1_epi32(0x0f);
-    for (int64_t p = k0 / 8; p < (k0 + kc) / 8; p++) {
-        const int64_t g = 8 * p / c->gs;
-        for (int v = 0; v < 4; v++) {
-            const __m512i word = _mm512_load_si512(wb + p * 64 + 16 * v);
-            const __m512 s = _mm512_load_ps(c->sT + (b * G + g) * 64 + 16 * v);
-            const __m512 z = _mm512_load_ps(c->zT + (b * G + g) * 64 + 16 * v);
-            /* column 8p + c sits in byte c % 4, low nibble for c < 4; pair i = columns 2i, 2i + 1 */
-            static const int shift[8] = {0, 8, 16, 24, 4, 12, 20, 28};
-            for (int i = 0; i < 4; i++) {
-                __m512i r[2];
-                for (int h = 0; h < 2; h++) {
-                    const int col = 2 * i + h;
-                    const __m512i q = _mm512_and_si512(_mm512_srlv_epi32(word, _mm512_set1_epi32(shift[col])), m4);
-                    r[h] = w4p_round16(_mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(q), s), z));
-                }
-                _mm512_store_si512(wp + ((p - k0 / 8) * 4 + i) * 64 + 16 * v,
-                                   _mm512_or_si512(r[0], _mm512_slli_epi32(r[1], 16)));
-            }
-        }
-    }
+    for (int64_t p = k0 / 8; p < (k0 + kc) / 8; p++) w4p_octet((const tile_src*)ctx, n0 / 64, p, wp + (p - k0 / 8) * 256, 64, 16);
+}
+
+/* Rows past which W4A16 prompts go to the AMX tiles (bf16c_gemm.c's tiles_gemm on the nibbles rebuilt in bf16 a
+ * 64-feature chunk at a time), below them the int kernel */
+#ifndef W4P_AMX_MIN_ROWS
+#define W4P_AMX_MIN_ROWS 16
+#endif
+
+static inline int w4p_tiles_take(int64_t M, int64_t N, int64_t gs) {
+    return amx_state == 1 && M > W4P_AMX_MIN_ROWS && N % 16 == 0 && gs % 32 == 0;
+}
+
+/* The tile path's dec buffer (bf16c_dec_bytes), and what it_linear_w4p allocates: scratch, then dec */
+static inline int64_t w4p_dec_bytes(int64_t M, int64_t N, int64_t K, int nthreads) {
+    return w4p_tiles_take(M, N, 64) ? bf16c_dec_bytes(M, N, K, nthreads) : 0;
 }
 
 /* scratch: w4p_scratch_bytes(M, K) (none where the GEMM takes every row) */
 static void linear_w4p(const bf16* x, int64_t ldx, const uint32_t* w, const float* sT, const float* zT, int64_t gs,
                        const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads,
-                       void* scratch) {
+                       void* scratch, bf16* dec) {
+    const tile_src c = {NULL, w, sT, zT, gs, K};
+    if (dec && w4p_tiles_take(M, N, gs)) { /* (scratch: bf16c_scratch_bytes(M, K), the last row tile zero-padded) */
+        tiles_gemm(x, ldx, &c, bias, y, ldy, M, N, K, nthreads, (bf16*)scratch, dec, 0, 0, 0);
+        return;
+    }
     if (gemm_noamx_takes(M, K) && GEMM_KC % gs == 0) {
-        const w4p_src c = {w, sT, zT, gs, K};
         const gemm_src src = {NULL, 1, w4p_pack_slab, &c}; /* (no row-wise prefetch: the blocks stream in order) */
         dpbf16_gemm(x, ldx, &src, bias, y, ldy, M, N, K, nthreads);
         return;
@@ -197,9 +181,11 @@ static void linear_w4p(const bf16* x, int64_t ldx, const uint32_t* w, const floa
  * 0: done; -2: no scratch */
 int it_linear_w4p(const bf16* x, int64_t ldx, const uint32_t* w, const float* sT, const float* zT, int64_t gs,
                   const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads) {
-    void* scratch = aligned_alloc(64, (size_t)w4p_scratch_bytes(M, K));
+    const int64_t sb = w4p_scratch_bytes(M, K), tb = bf16c_scratch_bytes(M, K), db = w4p_dec_bytes(M, N, K, nthreads);
+    const int64_t head = ((sb > tb ? sb : tb) + 63) & ~(int64_t)63;
+    char* scratch = aligned_alloc(64, (size_t)(head + db));
     if (!scratch) return -2;
-    linear_w4p(x, ldx, w, sT, zT, gs, bias, y, ldy, M, N, K, nthreads, scratch);
+    linear_w4p(x, ldx, w, sT, zT, gs, bias, y, ldy, M, N, K, nthreads, scratch, db ? (bf16*)(scratch + head) : NULL);
     free(scratch);
     return 0;
 }

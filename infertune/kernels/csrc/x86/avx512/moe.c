@@ -17,7 +17,8 @@
 /* A 12-bit expert's rows go to linear_bf16c all at once: past 16 rows its GEMM (the AMX tiles, or VDPBF16PS on the
  * decoded tiles without AMX) decodes each 64-feature chunk of the weight once a block of 512 rows, where passes of 16
  * rows would decode it once a pass (a prefill's expert holds hundreds of rows). On AMX that GEMM takes a zero-padded
- * last row tile and each thread's two decoded chunks from the scratch: moe_bf16c_scratch. */
+ * last row tile and each thread's two decoded chunks from the scratch: moe_bf16c_scratch. A packed W4A16 expert's
+ * rows past 16 take the same GEMM on AMX (its nibbles rebuilt in bf16 chunk by chunk, gemm_w4p.c). */
 static inline int64_t moe_bf16c_scratch(int64_t M, int64_t N, int64_t K, int nthreads) {
     if (M <= 16) return 0;
     return ALIGN64(bf16c_scratch_bytes(M, K)) + ALIGN64(bf16c_dec_bytes(M, (N + 15) / 16 * 16, K, nthreads));
@@ -25,7 +26,7 @@ static inline int64_t moe_bf16c_scratch(int64_t M, int64_t N, int64_t K, int nth
 
 static void moe_linear(const it_lin* L, const bf16* x, int64_t ldx, bf16* y, int64_t ldy, int64_t M, int nthreads,
                        void* scratch, int silu) {
-    if (L->kind == IT_KIND_BF16C) {
+    if (L->kind == IT_KIND_BF16C || (L->kind == IT_KIND_W4P && w4p_tiles_take(M, L->N, L->group))) {
         bf16* dec = (bf16*)((char*)scratch + ALIGN64(bf16c_scratch_bytes(M, L->K)));
         run_lin(L, x, ldx, y, ldy, M, nthreads, scratch, M > 16 ? dec : NULL, silu);
         return;
