@@ -224,11 +224,13 @@ class X86Kernels:
         # 12-bit experts at any row count: each expert's rows go through one linear_bf16c (the AMX tile GEMM, or
         # VDPBF16PS on the decoded tiles without AMX), a prefill's as a decode step's, and the layer has no dense
         # weight for torch's GEMM. Plain bf16 experts up to as many rows per expert, on average, as linear_bf16 beats
-        # torch's GEMM at (one expert may get every row: the GEMM takes any count); int8 / int4 experts, 16 rows a
-        # pass, up to cpu.MAX_ROWS on average.
+        # torch's GEMM at (one expert may get every row: the GEMM takes any count); W8A8 and the packed W8A16 / W4A16
+        # at any row count too (their kernels take any, the tiles with AMX: the fused step's prompts run the same
+        # grouped kernel); int8 / int4 experts on the row layouts, 16 rows a pass, up to cpu.MAX_ROWS on average.
         kind = experts.gate_up.kind
         rows = self.max_rows(kind) if kind == "bf16" else cpu.MAX_ROWS
-        if x.dim() != 2 or (kind != "bf16c" and x.shape[0] * routing.ids.shape[1] > rows * experts.num_experts):
+        any_rows = kind in ("bf16c", "w8a8", "w8p", "w4p")
+        if x.dim() != 2 or (not any_rows and x.shape[0] * routing.ids.shape[1] > rows * experts.num_experts):
             return None
         lins = self._experts_lins.get(experts)
         if lins is None:  # (checked once per layer: the tensors it points at are the layer's, kept alive by it)

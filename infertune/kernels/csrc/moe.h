@@ -42,6 +42,10 @@
 #ifndef MOE_DOWN_EPI
 #define MOE_DOWN_EPI 0 /* moe_linear's silu argument for an expert's down (a variant's hint; 0: a plain product) */
 #endif
+#ifndef MOE_ACT_IN_GATE_UP /* whether moe_linear(gate_up, .., silu = 1) writes act [n, I] itself for n rows (a 12-bit
+                              gate_up with gate and up interleaved: the GEMM's epilogue), else gu, then moe_silu_mul */
+#define MOE_ACT_IN_GATE_UP(g, n) ((g)->kind == IT_KIND_BF16C && (g)->inter)
+#endif
 /* The most experts a layer may have here (DeepSeek-V3 has 256, Qwen3-235B 128): the routing's scratch lives on the
  * stack, ~26 KB a thread at this size */
 #define IT_MOE_MAX_EXPERTS 1024
@@ -300,7 +304,7 @@ static void moe_expert(const moe_rows* m, int64_t e, int nthreads, void* scratch
     for (int64_t i = 0; i < n; i++)
         memcpy(m->xs + (r0 + i) * H, m->x + (m->order[r0 + i] / m->k) * m->ldx, (size_t)H * 2);
     const it_lin g = moe_expert_lin(m->gate_up, e - m->off), d = moe_expert_lin(m->down, e - m->off);
-    if (g.kind == IT_KIND_BF16C && g.inter) { /* gate and up interleaved: act straight from the epilogue */
+    if (MOE_ACT_IN_GATE_UP(&g, n)) { /* act straight from the GEMM's epilogue */
         moe_linear(&g, m->xs + r0 * H, H, m->act + r0 * I, I, n, nthreads, scratch, 1);
     } else {
         moe_linear(&g, m->xs + r0 * H, H, m->gu + r0 * 2 * I, 2 * I, n, nthreads, scratch, 0);

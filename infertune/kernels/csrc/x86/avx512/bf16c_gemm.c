@@ -118,39 +118,66 @@ typedef struct {
     const uint32_t* w4;
     const float *sT, *zT;
     int64_t gs, K;
+    /* W4A16: 0, or a gate_up's intermediate size (gate features 0 .. inter - 1, up ones inter .. 2 inter - 1, inter
+       a multiple of 32): chunk c's four tiles are then gate 32c .., up 32c .., gate 32c + 16 .., up 32c + 16 .., the
+       order a 12-bit gate_up is packed in, so the GEMM's epilogue writes SiLU-and-multiply (tile_pair_out) */
+    int64_t inter;
 } tile_src;
 
 #ifndef W4P_TILE_PF
 #define W4P_TILE_PF 2048 /* a W4A16 block's nibbles are asked into L1 this many bytes ahead of the rebuild */
 #endif
 
-/* Octet p (columns 8p .. 8p + 7) of W4A16 block b (64 features) in bf16 as four VNNI rows (column pairs 4p + i) of
- * each 16-feature group v: row i of group v at out + i pstride + v vstride (32-bit words, a feature's two weights,
- * the even column in the low half). The word (b, p, f) holds column 8p + j in byte j's low nibble and 8p + 4 + j in
- * its high one (gemm_w4p.c). */
+/* Octet p (columns 8p .. 8p + 7) of the 16 features 16 v .. of W4A16 block b (64 features) in bf16: four VNNI
+ * rows (column pairs 4p + i), row i at out + i pstride (32-bit words, a feature's two weights, the even column in
+ * the low half). The word (b, p, f) holds column 8p + j in byte j's low nibble and 8p + 4 + j in its high one
+ * (gemm_w4p.c). */
+static inline void w4p_group(const tile_src* s, int64_t b, int v, int64_t p, uint32_t* out, int64_t pstride) {
+    const int64_t G = s->K / s->gs, g = 8 * p / s->gs;
+    const __m512i m4 = _mm512_set1_epi32(0x0f), hi16 = _mm512_set1_epi32((int)0xffff0000u);
+    const __m512i word = _mm512_load_si512(s->w4 + (b * (s->K / 8) + p) * 64 + 16 * v);
+    const __m512 sc = _mm512_load_ps(s->sT + (b * G + g) * 64 + 16 * v);
+    const __m512 z = _mm512_load_ps(s->zT + (b * G + g) * 64 + 16 * v);
+    static const int shift[8] = {0, 8, 16, 24, 4, 12, 20, 28}; /* column c: byte c % 4, high nibble past 3 */
+    for (int i = 0; i < 4; i++) {
+        const __m512i q0 = _mm512_and_si512(_mm512_srli_epi32(word, shift[2 * i]), m4);
+        const __m512i q1 = _mm512_and_si512(_mm512_srli_epi32(word, shift[2 * i + 1]), m4);
+        const __m512 w0 = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(q0), sc), z);
+        const __m512 w1 = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(q1), sc), z);
+        /* (both rounded as round_bf16x16: w0's bf16 to the low half, w1's left in the high one) */
+        const __m512i r0 = _mm512_srli_epi32(_mm512_castps_si512(bf16_round_f32(w0)), 16);
+        const __m512i r1 = _mm512_and_si512(_mm512_castps_si512(bf16_round_f32(w1)), hi16);
+        _mm512_store_si512(out + i * pstride, _mm512_or_si512(r0, r1));
+    }
+}
+
+static inline void w4p_prefetch(const tile_src* s, int64_t b, int64_t p) { /* (octet p of block b, W4P_TILE_PF on) */
+#if W4P_TILE_PF > 0
+    const uint32_t* wb = s->w4 + (b * (s->K / 8) + p) * 64;
+    for (int l = 0; l < 256; l += 64) _mm_prefetch((const char*)wb + W4P_TILE_PF + l, _MM_HINT_T0);
+#else
+    (void)s, (void)b, (void)p;
+#endif
+}
+
+/* Octet p of block b's four groups of 16 features: group v's rows at out + v vstride (see w4p_group) */
 static inline void w4p_octet(const tile_src* s, int64_t b, int64_t p, uint32_t* out, int64_t pstride,
                              int64_t vstride) {
-    const int64_t G = s->K / s->gs, g = 8 * p / s->gs;
-    const uint32_t* wb = s->w4 + (b * (s->K / 8) + p) * 64;
-    const __m512i m4 = _mm512_set1_epi32(0x0f), hi16 = _mm512_set1_epi32((int)0xffff0000u);
-#if W4P_TILE_PF > 0
-    for (int l = 0; l < 256; l += 64) _mm_prefetch((const char*)wb + W4P_TILE_PF + l, _MM_HINT_T0);
-#endif
+    w4p_prefetch(s, b, p);
+    for (int v = 0; v < 4; v++) w4p_group(s, b, v, p, out + v * vstride, pstride);
+}
+
+/* Octet p of a tile GEMM chunk c's four 16-feature tiles (tile_src.inter: a gate_up's gate and up tiles in turn)
+ * into the decoded k-step's rows at out (tile v at out + 256 v words, its pair rows 16 words apart) */
+static inline void w4p_chunk_octet(const tile_src* s, int64_t c, int64_t p, uint32_t* out) {
+    if (!s->inter) {
+        w4p_octet(s, c, p, out, 16, 256);
+        return;
+    }
     for (int v = 0; v < 4; v++) {
-        const __m512i word = _mm512_load_si512(wb + 16 * v);
-        const __m512 sc = _mm512_load_ps(s->sT + (b * G + g) * 64 + 16 * v);
-        const __m512 z = _mm512_load_ps(s->zT + (b * G + g) * 64 + 16 * v);
-        static const int shift[8] = {0, 8, 16, 24, 4, 12, 20, 28}; /* column c: byte c % 4, high nibble past 3 */
-        for (int i = 0; i < 4; i++) {
-            const __m512i q0 = _mm512_and_si512(_mm512_srli_epi32(word, shift[2 * i]), m4);
-            const __m512i q1 = _mm512_and_si512(_mm512_srli_epi32(word, shift[2 * i + 1]), m4);
-            const __m512 w0 = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(q0), sc), z);
-            const __m512 w1 = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(q1), sc), z);
-            /* (both rounded as round_bf16x16: w0's bf16 to the low half, w1's left in the high one) */
-            const __m512i r0 = _mm512_srli_epi32(_mm512_castps_si512(bf16_round_f32(w0)), 16);
-            const __m512i r1 = _mm512_and_si512(_mm512_castps_si512(bf16_round_f32(w1)), hi16);
-            _mm512_store_si512(out + i * pstride + v * vstride, _mm512_or_si512(r0, r1));
-        }
+        const int64_t f = (v & 1 ? s->inter : 0) + 32 * c + 16 * (v >> 1); /* the tile's first feature */
+        if (v < 2) w4p_prefetch(s, f / 64, p);
+        w4p_group(s, f / 64, (int)(f % 64 / 16), p, out + 256 * v, 16);
     }
 }
 
@@ -174,7 +201,7 @@ static inline void decode_some(chunk_decoder* d, int pairs) {
         bf16c_pairs(d->src->cw, t, d->r, r1, out, 32);
     } else {
         r1 = (r1 + 15) & ~15;
-        for (int r = d->r; r < r1; r += 16) w4p_octet(d->src, d->chunk, 4 * d->ks + r / 16, (uint32_t*)out + 4 * r, 16, 256);
+        for (int r = d->r; r < r1; r += 16) w4p_chunk_octet(d->src, d->chunk, 4 * d->ks + r / 16, (uint32_t*)out + 4 * r);
     }
     d->r = r1;
     if (d->r >= d->rows) {
@@ -432,7 +459,7 @@ static void linear_bf16c(const bf16* x, int64_t ldx, const bf16c* cw, const bf16
     else if (M <= 16)
         linear_bf16c_rows(x, ldx, cw, bias, y, ldy, (int)M, N16, K, nthreads, inter, epi);
     else {
-        const tile_src src = {cw, NULL, NULL, NULL, 0, K};
+        const tile_src src = {cw, NULL, NULL, NULL, 0, K, 0};
         tiles_gemm(x, ldx, &src, bias, y, ldy, M, N16, K, nthreads, scratch, dec, inter, epi, stream);
     }
 }

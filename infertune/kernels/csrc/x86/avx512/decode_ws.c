@@ -124,7 +124,8 @@ static void add_rows(bf16* x, const bf16* y, int64_t n) {
 
 /* dec: bf16c_dec_bytes(M, N, K, nthreads) where M > 16 (a 12-bit weight's, or on AMX a W4A16 one's, decoded chunks) */
 static void run_lin(const it_lin* L, const bf16* x, int64_t ldx, bf16* y, int64_t ldy, int64_t M, int nthreads,
-                    void* scratch, bf16* dec, int silu) { /* (silu: a 12-bit gate_up's act, see linear_bf16c) */
+                    void* scratch, bf16* dec, int silu) {
+    /* (silu: a 12-bit gate_up's act, see linear_bf16c; a W4A16 gate_up's where w4p_act_takes, see linear_w4p) */
     if (L->kind == IT_KIND_BF16)
         linear_bf16(x, ldx, (const bf16*)L->w, L->bias, y, ldy, M, L->N, L->K, nthreads, scratch);
     else if (L->kind == IT_KIND_BF16C) /* past 16 rows (a fused prefill's) each thread decodes 64 features of W at a time into dec */
@@ -138,7 +139,7 @@ static void run_lin(const it_lin* L, const bf16* x, int64_t ldx, bf16* y, int64_
                    scratch);
     else if (L->kind == IT_KIND_W4P) /* (it_decode_layers checked the group; past 16 rows on AMX the tiles, as 12-bit) */
         linear_w4p(x, ldx, (const uint32_t*)L->w, (const float*)L->scale, L->zero, L->group, L->bias, y, ldy, M, L->N,
-                   L->K, nthreads, scratch, dec);
+                   L->K, nthreads, scratch, dec, silu == 1);
     else if (L->kind == IT_KIND_W4)
         linear_w4(x, ldx, (const uint8_t*)L->w, (const float*)L->scale, L->zero, L->group, L->bias, y, ldy, M, L->N,
                   L->K, nthreads, scratch);

@@ -152,18 +152,26 @@ static inline int w4p_tiles_take(int64_t M, int64_t N, int64_t gs) {
     return amx_state == 1 && M > W4P_AMX_MIN_ROWS && N % 16 == 0 && gs % 32 == 0;
 }
 
+/* Whether linear_w4p writes a gate_up's SiLU-and-multiply itself (silu = 1: the tiles' epilogue on gate and up
+ * tiles paired by the decoder, tile_src.inter): where the tiles take the rows and the intermediate size is a
+ * multiple of 32 */
+static inline int w4p_act_takes(int64_t M, int64_t N, int64_t gs) {
+    return w4p_tiles_take(M, N, gs) && N % 64 == 0;
+}
+
 /* The tile path's dec buffer (bf16c_dec_bytes), and what it_linear_w4p allocates: scratch, then dec */
 static inline int64_t w4p_dec_bytes(int64_t M, int64_t N, int64_t K, int nthreads) {
     return w4p_tiles_take(M, N, 64) ? bf16c_dec_bytes(M, N, K, nthreads) : 0;
 }
 
 /* scratch: w4p_scratch_bytes(M, K) (none where the GEMM takes every row) */
+/* silu = 1 (only where w4p_act_takes and dec is given): w is a gate_up [2 I, K] and y gets act [M, I] */
 static void linear_w4p(const bf16* x, int64_t ldx, const uint32_t* w, const float* sT, const float* zT, int64_t gs,
                        const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads,
-                       void* scratch, bf16* dec) {
-    const tile_src c = {NULL, w, sT, zT, gs, K};
+                       void* scratch, bf16* dec, int silu) {
+    const tile_src c = {NULL, w, sT, zT, gs, K, silu ? N / 2 : 0};
     if (dec && w4p_tiles_take(M, N, gs)) { /* (scratch: bf16c_scratch_bytes(M, K), the last row tile zero-padded) */
-        tiles_gemm(x, ldx, &c, bias, y, ldy, M, N, K, nthreads, (bf16*)scratch, dec, 0, 0, 0);
+        tiles_gemm(x, ldx, &c, silu ? NULL : bias, y, ldy, M, N, K, nthreads, (bf16*)scratch, dec, c.inter, silu, 0);
         return;
     }
     if (gemm_noamx_takes(M, K) && GEMM_KC % gs == 0) {
@@ -185,7 +193,7 @@ int it_linear_w4p(const bf16* x, int64_t ldx, const uint32_t* w, const float* sT
     const int64_t head = ((sb > tb ? sb : tb) + 63) & ~(int64_t)63;
     char* scratch = aligned_alloc(64, (size_t)(head + db));
     if (!scratch) return -2;
-    linear_w4p(x, ldx, w, sT, zT, gs, bias, y, ldy, M, N, K, nthreads, scratch, db ? (bf16*)(scratch + head) : NULL);
+    linear_w4p(x, ldx, w, sT, zT, gs, bias, y, ldy, M, N, K, nthreads, scratch, db ? (bf16*)(scratch + head) : NULL, 0);
     free(scratch);
     return 0;
 }

@@ -5,6 +5,11 @@
  * decode step's token) take moe_one_row below. */
 
 #define MOE_BF16C
+/* an expert's gate_up writes act itself: a 12-bit one packed interleaved, or on AMX past 16 rows a packed W4A16 one
+   (its decoder pairs the gate and up tiles, gemm_w4p.c w4p_act_takes) */
+#define MOE_ACT_IN_GATE_UP(g, n)                                                                                     \
+    (((g)->kind == IT_KIND_BF16C && (g)->inter) ||                                                                 \
+     ((g)->kind == IT_KIND_W4P && !(g)->bias && w4p_act_takes(n, (g)->N, (g)->group)))
 #define MOE_ONE_ROW moe_one_row
 /* an expert's down rows, read by the combine only once every expert is done: 12-bit ones past the caches
    (bf16c_gemm.c BF16C_EPI_STREAM; other kinds ignore it) */
