@@ -971,6 +971,26 @@ def test_fused_decode_forward_allocates_nothing(tmp_path):
     assert all(n > 10 for n in counts["off"]), counts  # the probe does see the PyTorch path's allocations
 
 
+def test_short_rows_normalize_as_each_row_alone(ks):
+    """RMSNorm over many short rows (per-head q / k norms: rows of 64-256) is bit for bit each row normalized on its
+    own (the AVX-512 library reduces 16 rows' sums at once in the single row's order: elementwise.c head_norm16),
+    with a zero row, huge and tiny rows, 1-16 rows past a multiple of 16, and in place."""
+    from infertune.layers.norm import RMSNorm
+
+    g = torch.Generator().manual_seed(17)
+    for t, h in ((37, 64), (16, 128), (50, 256), (3, 64), (40, 80)):
+        x = (torch.randn(t, h, generator=g) * 3).bfloat16()
+        x[1] = 0
+        x[2] *= 1e30
+        if t > 4:
+            x[4] *= 1e-30
+        norm = RMSNorm(h, 1e-6, torch.bfloat16)
+        norm.weight.data.copy_(torch.randn(h, generator=g))
+        together = ks.rms_norm(x, norm.weight, 1e-6)
+        alone = torch.cat([ks.rms_norm(x[i : i + 1], norm.weight, 1e-6) for i in range(t)])
+        assert torch.equal(together.view(torch.int16), alone.view(torch.int16)), (t, h)
+
+
 def test_elementwise_kernels_round_as_the_pytorch_formulas(ks):
     """Prefill elementwise kernels against layers/norm.py, activation.py and rotary.py in PyTorch: rotary bit for
     bit (the same fp32 products), GeLU-tanh too; RMSNorm (Llama's and Gemma's) and SiLU within one bf16 step (fp32

@@ -83,6 +83,16 @@ static void qk_norm_rows(const it_model* m, const it_layer* L, bf16* qkv, int64_
     const int64_t D = m->head_dim, hq = m->n_heads, width = (m->n_heads + 2 * m->n_kv_heads) * D;
     /* (a decode step's T (Hq + Hkv) rows of D are a few microseconds on one thread; a prompt's tokens go over the
        threads: one at a time, a 2048-token step's 4096 calls cost ~4 ms a layer in their parallel regions' set-up) */
+#ifdef QK_NORM_HEADS /* (a variant's: a token's heads in place, the same rounding and sums as norm_rows with bf16 weights) */
+    if (!m->norm_f32 && D % 16 == 0) {
+#pragma omp parallel for num_threads(T >= 64 && m->nthreads > 1 ? m->nthreads : 1) schedule(static)
+        for (int64_t t = 0; t < T; t++) {
+            QK_NORM_HEADS(qkv + t * width, hq, D, (const bf16*)L->q_norm, m->eps);
+            QK_NORM_HEADS(qkv + t * width + hq * D, m->n_kv_heads, D, (const bf16*)L->k_norm, m->eps);
+        }
+        return;
+    }
+#endif
 #pragma omp parallel for num_threads(T >= 64 && m->nthreads > 1 ? m->nthreads : 1) schedule(static)
     for (int64_t t = 0; t < T; t++) {
         norm_rows(m, L->q_norm, qkv + t * width, qkv + t * width, hq, D, 1);

@@ -5,7 +5,60 @@ static inline int rows_threads(int64_t T, int64_t elems, int nthreads) {
 }
 
 
+/* rmsnorm_rows of up to 16 short rows at once: x holds n <= 16 rows of D (a multiple of 16) D apart (a token's q or
+ * k heads: Qwen3's per-head norm, where a row is one head and its reduction dominated), out (x itself, or another
+ * [n, D]) gets them normalized. The same sums in the same order, bit for bit: each row's 16 lanes of fp32 squares
+ * (the same FMA chain), then the 16 rows' lanes reduced together in _mm512_reduce_add_ps's tree (lanes i and i + 8,
+ * then i and i + 4, i and i + 2, i and i + 1), and 1 / sqrt(sum / D + eps) for all of them in one vector (IEEE
+ * division and root: the scalar's bits). */
+static void head_norm16(const bf16* x, bf16* out, int n, int64_t D, const bf16* w, float eps) {
+    __m512 s[16];
+    for (int h = 0; h < 16; h++) {
+        __m512 ss = _mm512_setzero_ps();
+        for (int64_t i = 0; h < n && i < D; i += 16) {
+            const __m512 v = load_bf16x16(x + h * D + i, 0xffff);
+            ss = _mm512_fmadd_ps(v, v, ss);
+        }
+        s[h] = ss;
+    }
+    __m512 a[8], b[4], c[2];
+    for (int j = 0; j < 8; j++) /* head 2j's lanes i + (i + 8) in lanes 0-7, head 2j + 1's in 8-15 */
+        a[j] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * j], s[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_f32x4(s[2 * j], s[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int j = 0; j < 4; j++) /* quarter q: head 4j + q's four sums of (i, i + 4) */
+        b[j] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * j], a[2 * j + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(a[2 * j], a[2 * j + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    for (int j = 0; j < 2; j++) /* quarter q: heads 8j + q and 8j + 4 + q, two sums of (i, i + 2) each */
+        c[j] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * j], b[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(b[2 * j], b[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    /* lane 4q + j: head 4j + q's whole sum */
+    const __m512 tot = _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                     _mm512_shuffle_ps(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512 r = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_sqrt_ps(_mm512_add_ps(
+                                                             _mm512_div_ps(tot, _mm512_set1_ps((float)D)), _mm512_set1_ps(eps))));
+    for (int h = 0; h < n; h++) {
+        const __m512 rh = _mm512_permutexvar_ps(_mm512_set1_epi32(4 * (h % 4) + h / 4), r);
+        for (int64_t i = 0; i < D; i += 16) {
+            const __m512 v = bf16_round_f32(_mm512_mul_ps(load_bf16x16(x + h * D + i, 0xffff), rh));
+            _mm256_storeu_si256((__m256i*)(out + h * D + i), round_bf16x16(_mm512_mul_ps(load_bf16x16(w + i, 0xffff), v)));
+        }
+    }
+}
+
+/* heads of D at x (n of them, D apart) each normalized as a row of rmsnorm_rows, in place (fused_step.h's per-head
+ * q / k norm with bf16 weights) */
+static void head_norms(bf16* x, int64_t n, int64_t D, const bf16* w, float eps) {
+    for (int64_t h = 0; h < n; h += 16) head_norm16(x + h * D, x + h * D, (int)(n - h < 16 ? n - h : 16), D, w, eps);
+}
+#define QK_NORM_HEADS head_norms
+
 static void rmsnorm_rows(const bf16* x, const bf16* w, bf16* out, int64_t T, int64_t H, float eps, int nthreads) {
+    if (T > 1 && H % 16 == 0 && H <= 256) { /* short rows (per-head norms): 16 at a time, the same bits */
+        const int64_t groups = (T + 15) / 16;
+#pragma omp parallel for num_threads(rows_threads(groups, T * H, nthreads)) schedule(static)
+        for (int64_t t = 0; t < T; t += 16) head_norm16(x + t * H, out + t * H, (int)(T - t < 16 ? T - t : 16), H, w, eps);
+        return;
+    }
 #pragma omp parallel for num_threads(rows_threads(T, T * H, nthreads)) schedule(static)
     for (int64_t t = 0; t < T; t++) {
         const bf16* xr = x + t * H;
@@ -23,7 +76,6 @@ static void rmsnorm_rows(const bf16* x, const bf16* w, bf16* out, int64_t T, int
         }
     }
 }
-
 
 /* act[i] = bf16(bf16(f(g)) * u) over one row, gate g and up u [I] each (layers/activation.py), f SiLU (silu_mul_row)
  * or GeLU-tanh (gelu_mul_row); and over rows, gate | up side by side in gu [T, 2I] (silu_mul_rows, gelu_mul_rows) */
