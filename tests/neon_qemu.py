@@ -201,10 +201,12 @@ class QemuNeonLib:
         experts, k = max(m.moe_experts, 1), m.moe_top_k
         st.router_logits = blob.buf(st.router_logits, t * experts * 4, back=True)
         st.route_weights = blob.buf(st.route_weights, st.route_rows * k * 4)
-        st.route_order = blob.buf(st.route_order, st.route_rows * k * 8)
-        st.route_counts = blob.buf(st.route_counts, experts * 8)
+        st.route_ids = blob.buf(st.route_ids, st.route_rows * k * 8)
+        st.tied_rows = blob.buf(st.tied_rows, t * 8, back=True)
         st.expert_load = blob.buf(st.expert_load, m.n_layers * experts * 8, back=True)
-        st.work = None  # (the harness allocates work_bytes)
+        # (a MoE model's workspace both ways: the rows a hand-back did not tie keep their routing in it until the
+        # resuming call; else the harness allocates work_bytes)
+        st.work = blob.buf(st.work, st.work_bytes, back=True) if m.moe_experts > 0 else None
         offs = blob.add(bytes(m)), blob.add(bytes(copies)), blob.add(bytes(st))
         x_off = blob.buf(x, t * m.hidden * 2, back=True)
         rc = blob.run(self, "it_decode_layers", *offs, x_off, m.n_layers, t, 0)

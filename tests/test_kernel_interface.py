@@ -317,7 +317,7 @@ class TorchKernels:
         self.calls["compress"] += 1
         return TorchCompressed(weight, gate_up)
 
-    def moe_route(self, logits, moe, correction_bias=None):
+    def moe_route(self, logits, moe, correction_bias=None, tied=None):
         from infertune.layers.moe import group_by_expert, route
 
         self.calls["moe_route"] += 1

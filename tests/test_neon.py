@@ -214,7 +214,7 @@ def _fused_moe_only():
         """The prompts' per-module MoE layers decline the kernels (PyTorch's reference runs them: the harness has no
         per-module MoE ops); the fused step's MoE layers run in C under qemu."""
 
-        def moe_route(self, logits, moe, correction_bias=None):
+        def moe_route(self, logits, moe, correction_bias=None, tied=None):
             return None
 
         def moe_experts(self, x, experts, routing):

@@ -70,7 +70,7 @@ AVX2_QUANT_MAX_ROWS = 24
 # AVX-512 library without AMX does (NOAMX_GEMM_MAX_ROWS): each prompt row's attention runs on its own.
 AVX2_FUSED_PREFILL_ROWS = 128
 # The C side's ABI (csrc/abi.h IT_ABI_VERSION): bump both together when a shared struct or a signature changes.
-ABI_VERSION = 16
+ABI_VERSION = 17
 # The KV cache groups a fused step reads at most (csrc/abi.h IT_MAX_KV_GROUPS): layers grouped by sliding window
 MAX_KV_GROUPS = 8
 WARN_FLAGS = ["-Wall", "-Wextra", "-Wpointer-arith"]
@@ -456,6 +456,7 @@ def declare(lib: ctypes.CDLL) -> None:
         "it_bf16c_pack": ([ptr, i64, i64, i64, ptr, ptr, ptr, cint], None),
         "it_bf16c_escapes": ([ptr, i64, i64, i64, ptr, ptr, ptr, ptr, cint], None),
         "it_moe_route": ([ptr, cint, i64, i64, ctypes.POINTER(ItMoe), ptr, ptr, ptr, ptr, ptr, cint], cint),
+        "it_moe_route_rows": ([ptr, cint, i64, i64, ctypes.POINTER(ItMoe), ptr, ptr, ptr, ptr, cint], i64),
         "it_moe_experts": ([ptr, i64, i64, lin, lin, i64, i64, ptr, ptr, ptr, ptr, cint], cint),
         "it_moe_experts_part": ([ptr, i64, i64, lin, lin, i64, i64, i64, i64, ptr, ptr, ptr, ptr, cint], cint),
         "it_moe_experts_ws_bytes": ([i64, i64, i64, i64, i64, cint], i64),
@@ -568,8 +569,8 @@ class ItStep(ctypes.Structure):
         ("handed_back", ctypes.c_int32),
         ("route_rows", ctypes.c_int64),
         ("route_weights", ctypes.c_void_p),
-        ("route_order", ctypes.c_void_p),
-        ("route_counts", ctypes.c_void_p),
+        ("route_ids", ctypes.c_void_p),
+        ("tied_rows", ctypes.c_void_p),
         ("expert_load", ctypes.c_void_p),
         ("n_groups", ctypes.c_int64),  # 0: every layer reads slots / block_tables; else its group's below
         ("group_slots", ctypes.c_void_p * MAX_KV_GROUPS),
@@ -743,8 +744,8 @@ def abi_layout(structs: dict[str, type[ctypes.Structure]] | None = None) -> list
             "handed_back",
             "route_rows",
             "route_weights",
-            "route_order",
-            "route_counts",
+            "route_ids",
+            "tied_rows",
             "expert_load",
             "n_groups",
             "group_slots",
@@ -1691,6 +1692,44 @@ def moe_route(
     if rc != 0:
         raise ValueError(f"it_moe_route refused the rule {rule_str(rule)}")
     return weights, ids, order, counts
+
+
+def moe_route_rows(
+    logits: torch.Tensor, rule: ItMoe, bias: torch.Tensor | None = None, *, lib: ctypes.CDLL | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Every row's routing without the grouping (csrc/moe.h it_moe_route_rows): (weights [T, k] fp32, ids [T, k],
+    tied [n] int64: the rows where a tie at the top-k (or top group) boundary decides the experts, ascending, whose
+    weights and ids are the kernel's pick for the caller to replace with route()'s). None where the logits or the
+    library do not fit."""
+    e, k = rule.num_experts, rule.top_k
+    if logits.dtype not in (torch.float32, torch.bfloat16) or logits.dim() != 2 or logits.stride(1) != 1:
+        return None
+    if e > MOE_MAX_EXPERTS or logits.shape[1] != e or (bias is not None and bias.numel() != e):
+        return None
+    lib = _pick(lib)
+    if getattr(lib, "it_moe_route_rows", None) is None:
+        return None
+    t = logits.shape[0]
+    bias = bias.float().contiguous() if bias is not None else None
+    weights = torch.empty(t, k, dtype=torch.float32)
+    ids = torch.empty(t, k, dtype=torch.int64)
+    tie = torch.empty(t, dtype=torch.uint8)
+    with profiled("moe_route"):
+        n = lib.it_moe_route_rows(
+            logits.data_ptr(),
+            int(logits.dtype is torch.bfloat16),
+            logits.stride(0),
+            t,
+            ctypes.byref(rule),
+            bias.data_ptr() if bias is not None else None,
+            weights.data_ptr(),
+            ids.data_ptr(),
+            tie.data_ptr(),
+            torch.get_num_threads(),
+        )
+    if n < 0:
+        raise ValueError(f"it_moe_route_rows refused the rule {rule_str(rule)}")
+    return weights, ids, tie.nonzero().view(-1)
 
 
 def rule_str(rule: ItMoe) -> str:

@@ -411,13 +411,19 @@ class DecodeKernels(Protocol):
         ...
 
     def moe_route(
-        self, logits: torch.Tensor, moe: MoeArch, correction_bias: torch.Tensor | None = None
+        self,
+        logits: torch.Tensor,
+        moe: MoeArch,
+        correction_bias: torch.Tensor | None = None,
+        tied: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> MoeRouting | None:
         """Router logits [T, E] (fp32 or bf16) -> each token's top_k experts and weights by moe's rule, the grouping
         of group_by_expert with them: the experts of layers/moe.py route(), each with its weight within 1e-6, in its
         order (best first) except among equal scores (the lower index first here; torch.topk's own order there);
         None where the rule or the layout does not fit, or where a tie at the boundary (the k-th best expert or the
-        topk_group-th best group equal to the next) decides which experts a token gets: route() then decides."""
+        topk_group-th best group equal to the next) decides which experts a token gets: route() then decides. With
+        tied given (route() for some rows' logits: their weights and ids), a tie no longer returns None: the tied
+        rows' logits go to tied(), the other rows keep the kernel's picks, and the whole is grouped."""
         ...
 
     def moe_experts(self, x: torch.Tensor, experts: KernelExperts, routing: MoeRouting) -> torch.Tensor | None:

@@ -215,10 +215,21 @@ class X86Kernels:
         # (the tile pairs of an interleaved gate_up need whole pairs of 16 features)
         return Bf16cWeight(weight, gate_up and weight.shape[0] % 32 == 0)
 
-    def moe_route(self, logits, moe, correction_bias=None):
+    def moe_route(self, logits, moe, correction_bias=None, tied=None):
         rule = moe_rule(moe)
         got = cpu.moe_route(logits, rule, correction_bias, lib=self.lib) if rule is not None else None
-        return MoeRouting(*got) if got is not None else None
+        if got is not None or rule is None or tied is None:
+            return MoeRouting(*got) if got is not None else None
+        # a tie at the boundary in some rows: route() picks theirs (tied), the kernel's picks stand for the others,
+        # as the fused step's hand-back merges them (csrc/fused_step.h moe_mlp)
+        rows = cpu.moe_route_rows(logits, rule, correction_bias, lib=self.lib)
+        if rows is None:
+            return None
+        weights, ids, which = rows
+        w, i = tied(logits[which])
+        weights[which], ids[which] = w.to(weights.dtype), i.to(ids.dtype)
+        flat = ids.view(-1)  # (group_by_expert's grouping: a stable sort by expert, and the counts)
+        return MoeRouting(weights, ids, flat.argsort(stable=True), torch.bincount(flat, minlength=moe.num_experts))
 
     def moe_experts(self, x, experts, routing):
         # 12-bit experts at any row count: each expert's rows go through one linear_bf16c (the AMX tile GEMM, or

@@ -67,7 +67,10 @@ class X86FusedDecoder:
         # (fp32 wide: an fp32 router's logits; a bf16 router's are a bf16 view of its first half)
         self.router_logits = torch.empty(rows, max(cmodel.moe_experts, 1), dtype=torch.float32)
         self.step.router_logits = self.router_logits.data_ptr()
+        self.tied_rows = torch.empty(rows, dtype=torch.int64)  # (a hand-back's tied rows, written by the step)
+        self.step.tied_rows = self.tied_rows.data_ptr()
         self.handbacks = 0  # steps' layers routed by route() (ties), since the decoder was built
+        self.handback_rows = 0  # the tied rows those hand-backs sent to route() (the others kept the step's routing)
         # the rows each MoE layer sent to each expert (it_step.expert_load), where counting is on (count_experts)
         self._expert_load = torch.zeros(len(model.layers), max(cmodel.moe_experts, 1), dtype=torch.int64)
         # The residual stream and the final norm's output: reused every step (the next step overwrites them).
@@ -293,23 +296,21 @@ class X86FusedDecoder:
             s.out_rows, s.n_out = out_rows.data_ptr(), out_rows.numel()
         else:
             s.out_rows, s.n_out = None, 0
-        s.first_layer, s.route_weights, s.route_order, s.route_counts = 0, None, None, None
+        s.first_layer, s.route_weights, s.route_ids = 0, None, None
         with cpu.profiled("fused_decode_layers"):
             rc = self.lib.it_decode_layers(ctypes.byref(self.cmodel), self.layers, ctypes.byref(s), x.data_ptr())
             while rc == 1:  # a MoE layer's tie at the top-k boundary: route() picks as the per-module path does
                 self.handbacks += 1
+                self.handback_rows += s.route_rows
                 route, experts, dtype = self.routes[s.handed_back]
-                # (the step writes the layer's logits as rows of its own experts, [route_rows, experts], packed, in
-                # the router's dtype)
+                # (the step writes the tied rows' logits as rows of its own experts, [route_rows, experts], packed,
+                # in the router's dtype; their row indices in tied_rows; the other rows keep the step's routing)
                 flat = self.router_logits.view(-1).view(dtype)
                 logits = flat[: s.route_rows * experts].view(s.route_rows, experts)
                 routing = route(logits)
+                weights, ids = routing.weights.float().contiguous(), routing.ids.to(torch.int64).contiguous()
                 s.first_layer = s.handed_back
-                s.route_weights, s.route_order, s.route_counts = (
-                    routing.weights.data_ptr(),
-                    routing.order.data_ptr(),
-                    routing.counts.data_ptr(),
-                )
+                s.route_weights, s.route_ids = weights.data_ptr(), ids.data_ptr()
                 rc = self.lib.it_decode_layers(ctypes.byref(self.cmodel), self.layers, ctypes.byref(s), x.data_ptr())
         if self._tp_error is not None:
             err, self._tp_error = self._tp_error, None

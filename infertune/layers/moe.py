@@ -155,8 +155,14 @@ class Router(KernelOp):
             logits = k.linear_bf16(x, self.weight)  # [T, E]
         else:
             logits = F.linear(x.to(self.weight.dtype), self.weight)
-        routing = k.moe_route(logits, self.moe, self.e_score_correction_bias)
-        # (None: a tie at the top-k boundary, or a layout the kernel does not take; route() settles it)
+        # (the rows a tie at the top-k boundary decides go to route(), the others keep the kernel's picks: as the fused
+        # step's hand-back does; None: a layout the kernel does not take, route() settles it)
+        routing = k.moe_route(
+            logits,
+            self.moe,
+            self.e_score_correction_bias,
+            tied=lambda rows: route(rows, self.moe, self.e_score_correction_bias),
+        )
         return routing if routing is not None else self._route(logits)
 
     def _route(self, logits: torch.Tensor) -> MoeRouting:

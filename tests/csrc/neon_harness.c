@@ -78,12 +78,13 @@ int main(int argc, char** argv) {
             }
             RELOC(*(void**)&st->positions), RELOC(*(void**)&st->slots), RELOC(*(void**)&st->block_tables);
             RELOC(*(void**)&st->context_lens), RELOC(*(void**)&st->out_rows), RELOC(*(void**)&st->stats);
-            RELOC(*(void**)&st->router_logits), RELOC(*(void**)&st->route_weights), RELOC(*(void**)&st->route_order);
-            RELOC(*(void**)&st->route_counts), RELOC(*(void**)&st->expert_load);
+            RELOC(*(void**)&st->router_logits), RELOC(*(void**)&st->route_weights), RELOC(*(void**)&st->route_ids);
+            RELOC(*(void**)&st->tied_rows), RELOC(*(void**)&st->expert_load), RELOC(st->work);
             for (int64_t g = 0; g < st->n_groups && g < IT_MAX_KV_GROUPS; g++)
                 RELOC(*(void**)&st->group_slots[g]), RELOC(*(void**)&st->group_tables[g]);
 #undef RELOC
-            st->work = aligned_alloc(64, (size_t)((st->work_bytes + 63) & ~(int64_t)63));
+            if (!st->work) /* (a MoE model's is shipped: a hand-back's routing waits in it for the resuming call) */
+                st->work = aligned_alloc(64, (size_t)((st->work_bytes + 63) & ~(int64_t)63));
             hdr[7] = it_decode_layers(m, layers, st, (bf16*)(blob + hdr[3]));
         }
         spit(argv[2], blob, size);

@@ -29,7 +29,7 @@ int64_t it_struct_sizes(int64_t* out, int64_t n) {
         OF(it_step, context_lens), OF(it_step, max_blocks), OF(it_step, work), OF(it_step, work_bytes),
         OF(it_step, out_rows), OF(it_step, n_out), OF(it_step, stats), OF(it_step, router_logits),
         OF(it_step, first_layer), OF(it_step, handed_back), OF(it_step, route_rows), OF(it_step, route_weights),
-        OF(it_step, route_order), OF(it_step, route_counts), OF(it_step, expert_load), OF(it_step, n_groups),
+        OF(it_step, route_ids), OF(it_step, tied_rows), OF(it_step, expert_load), OF(it_step, n_groups),
         OF(it_step, group_slots), OF(it_step, group_tables), OF(it_step, tp_shm), OF(it_step, tp_seq),
         OF(it_step, tp_rank), OF(it_step, tp_size), OF(it_step, tp_max_numel), OF(it_step, tp_reduce_fn),
         SZ(it_step_stats), OF(it_step_stats, seconds), OF(it_step_stats, calls), OF(it_step_stats, rows),

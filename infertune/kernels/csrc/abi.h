@@ -6,7 +6,7 @@
 #define IT_ABI_H
 #include "bf16.h"
 
-#define IT_ABI_VERSION 16
+#define IT_ABI_VERSION 17
 #define IT_MAX_KV_GROUPS 8 /* it_step's KV cache groups at most (cpu.py MAX_KV_GROUPS) */
 /* A block-table entry of an int4 block (the int4 tier of an int8 cache; scheduler_output.INT4_SHIFT and its
  * neighbours): the block id with 1 (its low half) or 2 (its high half) at bit IT_INT4_SHIFT */
@@ -168,17 +168,18 @@ typedef struct {
                                     each sampled sequence); n_out = 0: every row */
     int64_t n_out;
     it_step_stats* stats;        /* where the step adds its time, calls and rows; NULL: not timed (no clock reads) */
-    /* Mixture-of-experts layers: where a tie at the top-k boundary decides a token's experts (moe.h), the step hands
-       back (it_decode_layers returns 1) with the layer in handed_back, its routed rows in route_rows and their
-       router logits in router_logits; the caller routes them (route()) and calls again from that layer with the
-       routing in route_weights / route_order / route_counts, first_layer = handed_back. */
+    /* Mixture-of-experts layers: where a tie at the top-k boundary decides some tokens' experts (moe.h), the step
+       hands back (it_decode_layers returns 1) with the layer in handed_back, the tied rows' count in route_rows,
+       their indices in tied_rows and their router logits packed in router_logits' first rows; the caller routes
+       those rows (route()) and calls again from that layer with their routing in route_weights / route_ids,
+       first_layer = handed_back (the other rows keep the step's own routing, kept in the workspace meanwhile). */
     bf16* router_logits;         /* [rows, moe_experts]: caller-owned */
     int32_t first_layer;         /* in: the layer to start at (0: the whole step) */
     int32_t handed_back;         /* out: where 1 was returned, the MoE layer whose routing the caller decides */
-    int64_t route_rows;          /* out: that layer's routed rows */
+    int64_t route_rows;          /* out: that layer's tied rows */
     const float* route_weights;  /* in, first_layer's MoE only (NULL: route it here): [route_rows, k] */
-    const int64_t* route_order;  /* [route_rows k] */
-    const int64_t* route_counts; /* [E] */
+    const int64_t* route_ids;    /* [route_rows, k] */
+    int64_t* tied_rows;          /* [rows]: caller-owned (MoE models); out: the tied rows, ascending */
     int64_t* expert_load;        /* [n_layers, moe_experts]: the rows each MoE layer routed to each expert are added
                                     here (`infertune profile`'s expert-load table); NULL: not counted */
     /* KV cache groups (layers grouped by sliding window, each group with its own block tables: the blocks that fall

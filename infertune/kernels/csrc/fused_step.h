@@ -139,16 +139,17 @@ static void router_f32_rows(const bf16* h, const float* w, float* logits, int64_
 /* A mixture-of-experts layer's MLP over h [R, H] (the post-attention norm's rows), into y [R, H], as layers/moe.py
  * MoE computes it through the kernels: the router's logits (the bf16 linear), it_moe_route, it_moe_experts, and the
  * shared expert (scaled by bf16(sigmoid(bf16(h . g))) where gated), added as bf16(routed + shared).
- * resume: route with the caller's routing (s->route_weights / _order / _counts, after a hand-back) instead. Returns
- * 0, 1 where the routing hands back (a tie at the top-k boundary: the logits are in s->router_logits), -2 where the
- * kernels refuse the layer. */
-static int moe_mlp(const it_model* m, const it_moe_layer* M, const it_step* s, int li, int resume, const bf16* h,
+ * resume: the caller's routing of the tied rows (s->route_weights / _ids, after a hand-back) over the rest of the
+ * rows' from the call that handed back (in the workspace). Returns 0, 1 where the routing hands back (a tie at the
+ * top-k boundary: the tied rows' logits packed in s->router_logits, their indices in s->tied_rows, their count in
+ * s->route_rows), -2 where the kernels refuse the layer. */
+static int moe_mlp(const it_model* m, const it_moe_layer* M, it_step* s, int li, int resume, const bf16* h,
                    bf16* y, int64_t R, char* w, const moe_ws* ml, bf16* gu, bf16* act, void* lin, bf16* dec,
                    double* t0) {
     const int64_t H = m->hidden, E = M->rule.num_experts, k = M->rule.top_k;
     it_step_stats* stats = s->stats;
-    const float* weights = s->route_weights;
-    const int64_t *order = s->route_order, *counts = s->route_counts;
+    float* weights = (float*)(w + ml->weights);
+    int64_t *ids = (int64_t*)(w + ml->ids), *order = (int64_t*)(w + ml->order), *counts = (int64_t*)(w + ml->counts);
     if (!resume) {
         if (M->router_f32) {
             router_f32_rows(h, M->router_f32, (float*)s->router_logits, R, E, H, m->nthreads);
@@ -156,13 +157,29 @@ static int moe_mlp(const it_model* m, const it_moe_layer* M, const it_step* s, i
             const it_lin router = {.kind = IT_KIND_BF16, .w = M->router, .N = E, .K = H};
             run_lin(&router, h, H, s->router_logits, E, R, m->nthreads, lin, dec, 0);
         }
-        float* wts = (float*)(w + ml->weights);
-        int64_t *o = (int64_t*)(w + ml->order), *c = (int64_t*)(w + ml->counts);
-        const int rc = it_moe_route(s->router_logits, !M->router_f32, E, R, &M->rule, M->bias, wts,
-                                    (int64_t*)(w + ml->ids), c, o, m->nthreads);
-        if (rc) return rc == 1 ? 1 : -2;
-        weights = wts, order = o, counts = c;
+        uint8_t* tie = (uint8_t*)order; /* (the order's room holds the rows' tie flags until the grouping) */
+        const int rc = moe_route_rows(s->router_logits, !M->router_f32, E, R, &M->rule, M->bias, weights, ids, tie,
+                                      m->nthreads);
+        if (rc < 0 || (rc == 1 && !s->tied_rows)) return -2;
+        if (rc == 1) { /* the tied rows' logits to the front, in order (a row moves only to an earlier place) */
+            const size_t bytes = (size_t)E * (M->router_f32 ? 4 : 2);
+            int64_t n = 0;
+            for (int64_t t = 0; t < R; t++)
+                if (tie[t]) {
+                    if (n != t) memmove((char*)s->router_logits + n * bytes, (char*)s->router_logits + t * bytes, bytes);
+                    s->tied_rows[n++] = t;
+                }
+            s->route_rows = n;
+            return 1;
+        }
+    } else {
+        for (int64_t i = 0; i < s->route_rows; i++) { /* the caller's picks for the tied rows */
+            const int64_t t = s->tied_rows[i];
+            memcpy(weights + t * k, s->route_weights + i * k, (size_t)k * 4);
+            memcpy(ids + t * k, s->route_ids + i * k, (size_t)k * 8);
+        }
     }
+    moe_group(ids, R, k, E, counts, order);
     if (s->expert_load)
         for (int64_t e = 0; e < E; e++) s->expert_load[li * m->moe_experts + e] += counts[e];
     if (stats) {
@@ -318,7 +335,7 @@ int it_decode_layers(const it_model* m, const it_layer* layers, it_step* s, bf16
         /* resuming at this layer's MoE with the caller's routing: its attention (and the move of the read rows to
            the front) ran in the call that handed back */
         const int resume = li == s->first_layer && s->route_weights != NULL;
-        if (resume && (!L->moe || s->route_rows != R)) return -2;
+        if (resume && (!L->moe || s->route_rows > R || !s->tied_rows)) return -2;
         if (!resume) {
             /* the layer's KV cache group: its slots and block tables (the same max_blocks columns as every group's) */
             it_step ls = *s;
@@ -381,9 +398,8 @@ int it_decode_layers(const it_model* m, const it_layer* layers, it_step* s, bf16
         PART(IT_FT_NORM);
         if (L->moe) {
             const int rc = moe_mlp(m, L->moe, s, li, resume, h, y, R, w, &ml, gu, act, lin, dec, &t0);
-            if (rc == 1) { /* the caller routes this layer's rows (it_step) and calls again from here */
+            if (rc == 1) { /* the caller routes this layer's tied rows (it_step) and calls again from here */
                 s->handed_back = li;
-                s->route_rows = R;
                 return 1;
             }
             if (rc) return rc;

@@ -14,7 +14,9 @@
  * unless the tie sits at the boundary: the k-th best expert equal to the next one, or the topk_group-th best group
  * equal to the next. There it_moe_route hands back (returns 1) and the caller routes with route(), whose picks are
  * then the engine's with or without kernels, and transformers'. In bf16, where router logits tie often, a boundary
- * tie takes ~4% of a layer's tokens (the 64-expert benchmark model); NaN scores hand back too.
+ * tie takes ~4% of a layer's tokens (the 64-expert benchmark model); NaN scores hand back too. Only the tied rows
+ * need route(): it_moe_route_rows flags them, and the caller (the fused step's hand-back, layers/moe.py Router)
+ * routes those alone, keeps this kernel's picks for the others and groups the whole.
  *
  * A variant defines, before it includes this file:
  *   moe_linear(L, x, ldx, y, ldy, M, nthreads, scratch, silu)
@@ -137,12 +139,13 @@ static int moe_route_row(const it_moe* m, const float* logit, const float* bias,
 
 int64_t it_moe_max_experts(void) { return IT_MOE_MAX_EXPERTS; }
 
-/* logits [T, E], fp32 (logits_bf16 = 0) or bf16, rows ld apart; bias [E] fp32 or NULL (selection only) ->
- * weights [T, k] fp32, ids [T, k], counts [E], order [T k] (the flat t * k + j sorted by expert, stable).
- * Returns 0; 1 where a tie at the boundary decides some token's experts (see above: nothing is grouped, the caller
- * routes with route()); -2 where the rule does not fit (E not a multiple of n_group, k or topk_group out of range). */
-int it_moe_route(const void* logits, int logits_bf16, int64_t ld, int64_t T, const it_moe* m, const float* bias,
-                 float* weights, int64_t* ids, int64_t* counts, int64_t* order, int nthreads) {
+/* Every row's routing: logits [T, E], fp32 (logits_bf16 = 0) or bf16, rows ld apart; bias [E] fp32 or NULL (selection
+ * only) -> weights [T, k] fp32, ids [T, k]; where tie is given, tie[t] = 1 where a tie at the boundary (or a NaN)
+ * decides row t's experts (its weights and ids are then this kernel's pick, which route() may not make), else 0.
+ * Returns 1 where some row ties, 0 where none does; -2 where the rule does not fit (E not a multiple of n_group, k or
+ * topk_group out of range). */
+static int moe_route_rows(const void* logits, int logits_bf16, int64_t ld, int64_t T, const it_moe* m,
+                          const float* bias, float* weights, int64_t* ids, uint8_t* tie, int nthreads) {
     const int64_t E = m->num_experts, k = m->top_k, G = m->n_group > 1 ? m->n_group : 1;
     if (E < 1 || E > IT_MOE_MAX_EXPERTS || k < 1 || k > E || E % G || m->topk_group < 1 || m->topk_group > G)
         return -2;
@@ -162,11 +165,17 @@ int it_moe_route(const void* logits, int logits_bf16, int64_t ld, int64_t T, con
                 for (int64_t e = 0; e < E; e++) lrow[e] = bf2f(((const bf16*)logits)[t * ld + e]);
                 l = lrow;
             }
-            tied |= moe_route_row(m, l, bias, scores, choice, taken, gscore, gtaken, weights + t * k, ids + t * k);
+            const int r = moe_route_row(m, l, bias, scores, choice, taken, gscore, gtaken, weights + t * k, ids + t * k);
+            if (tie) tie[t] = (uint8_t)r;
+            tied |= r;
         }
     }
-    if (tied) return 1;
-    /* counting sort by expert: stable, so each expert's rows stay in (token, slot) order */
+    return tied;
+}
+
+/* The flat (token, slot) pairs t * k + j of ids [T, k] grouped by expert: counts [E], order [T k] (a counting sort:
+ * stable, so each expert's rows stay in (token, slot) order, as group_by_expert's stable argsort) */
+static void moe_group(const int64_t* ids, int64_t T, int64_t k, int64_t E, int64_t* counts, int64_t* order) {
     memset(counts, 0, (size_t)E * 8);
     for (int64_t f = 0; f < T * k; f++) counts[ids[f]]++;
     int64_t next[IT_MOE_MAX_EXPERTS];
@@ -175,7 +184,28 @@ int it_moe_route(const void* logits, int logits_bf16, int64_t ld, int64_t T, con
         s += counts[e];
     }
     for (int64_t f = 0; f < T * k; f++) order[next[ids[f]]++] = f;
+}
+
+/* moe_route_rows, then moe_group: weights [T, k], ids [T, k], counts [E], order [T k]. Returns 0; 1 where a tie at
+ * the boundary decides some token's experts (nothing is grouped: the caller routes with route(), or routes the tied
+ * rows alone with it_moe_route_rows); -2 where the rule does not fit. */
+int it_moe_route(const void* logits, int logits_bf16, int64_t ld, int64_t T, const it_moe* m, const float* bias,
+                 float* weights, int64_t* ids, int64_t* counts, int64_t* order, int nthreads) {
+    const int rc = moe_route_rows(logits, logits_bf16, ld, T, m, bias, weights, ids, NULL, nthreads);
+    if (rc) return rc;
+    moe_group(ids, T, m->top_k, m->num_experts, counts, order);
     return 0;
+}
+
+/* Every row's routing and its tie flag (moe_route_rows), for a caller that routes only the tied rows itself and groups
+ * the whole (layers/moe.py Router, as the fused step does after a hand-back). Returns how many rows tie, or -2. */
+int64_t it_moe_route_rows(const void* logits, int logits_bf16, int64_t ld, int64_t T, const it_moe* m,
+                          const float* bias, float* weights, int64_t* ids, uint8_t* tie, int nthreads) {
+    const int rc = moe_route_rows(logits, logits_bf16, ld, T, m, bias, weights, ids, tie, nthreads);
+    if (rc < 0) return rc;
+    int64_t n = 0;
+    for (int64_t t = 0; t < T; t++) n += tie[t];
+    return n;
 }
 
 /* 1 where a linear's kind is one this library's run_lin takes (W8A8: IT_HAS_W8A8; packed W8A16 / W4A16: IT_HAS_W8P /
