@@ -1653,12 +1653,12 @@ def deinterleave_gate_up(w: torch.Tensor) -> torch.Tensor:
 MOE_MAX_EXPERTS = 1024
 
 
-def moe_route(
-    logits: torch.Tensor, rule: ItMoe, bias: torch.Tensor | None = None, *, lib: ctypes.CDLL | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """Router logits [T, E] (fp32 or bf16, rows may be strided) -> (weights [T, k] fp32, ids [T, k], order [T k],
-    counts [E]) in one call (see csrc/moe.h it_moe_route); None where the logits do not fit, or where a tie at the
-    top-k (or top group) boundary decides some token's experts (route() then decides, as torch.topk does)."""
+def _moe_route_call(
+    name: str, logits: torch.Tensor, rule: ItMoe, bias: torch.Tensor | None, lib: ctypes.CDLL | None, grouped: bool
+) -> tuple[int, torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]] | None:
+    """One call of it_moe_route (grouped: then counts [E] and order [T k] too) or it_moe_route_rows (then each row's
+    tie flag [T]): (its return code, weights [T, k] fp32, ids [T, k], those), or None where the logits or the library
+    do not fit; a refused rule raises."""
     e, k = rule.num_experts, rule.top_k
     if logits.dtype not in (torch.float32, torch.bfloat16) or logits.dim() != 2 or logits.stride(1) != 1:
         return None
@@ -1666,15 +1666,20 @@ def moe_route(
         return None
     if logits.shape[1] != e or (bias is not None and bias.numel() != e):
         return None
-    lib = _pick(lib)
+    fn = getattr(_pick(lib), name, None)
+    if fn is None:
+        return None
     t = logits.shape[0]
     bias = bias.float().contiguous() if bias is not None else None
     weights = torch.empty(t, k, dtype=torch.float32)
     ids = torch.empty(t, k, dtype=torch.int64)
-    order = torch.empty(t * k, dtype=torch.int64)
-    counts = torch.empty(e, dtype=torch.int64)
+    more = (
+        (torch.empty(e, dtype=torch.int64), torch.empty(t * k, dtype=torch.int64))
+        if grouped
+        else (torch.empty(t, dtype=torch.uint8),)
+    )
     with profiled("moe_route"):
-        rc = lib.it_moe_route(
+        rc = fn(
             logits.data_ptr(),
             int(logits.dtype is torch.bfloat16),
             logits.stride(0),
@@ -1683,14 +1688,24 @@ def moe_route(
             bias.data_ptr() if bias is not None else None,
             weights.data_ptr(),
             ids.data_ptr(),
-            counts.data_ptr(),
-            order.data_ptr(),
+            *(m.data_ptr() for m in more),
             torch.get_num_threads(),
         )
-    if rc == 1:
+    if rc < 0:
+        raise ValueError(f"{name} refused the rule {rule_str(rule)}")
+    return rc, weights, ids, more
+
+
+def moe_route(
+    logits: torch.Tensor, rule: ItMoe, bias: torch.Tensor | None = None, *, lib: ctypes.CDLL | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Router logits [T, E] (fp32 or bf16, rows may be strided) -> (weights [T, k] fp32, ids [T, k], order [T k],
+    counts [E]) in one call (see csrc/moe.h it_moe_route); None where the logits do not fit, or where a tie at the
+    top-k (or top group) boundary decides some token's experts (route() then decides, as torch.topk does)."""
+    got = _moe_route_call("it_moe_route", logits, rule, bias, lib, grouped=True)
+    if got is None or got[0] == 1:
         return None
-    if rc != 0:
-        raise ValueError(f"it_moe_route refused the rule {rule_str(rule)}")
+    _, weights, ids, (counts, order) = got
     return weights, ids, order, counts
 
 
@@ -1701,34 +1716,10 @@ def moe_route_rows(
     tied [n] int64: the rows where a tie at the top-k (or top group) boundary decides the experts, ascending, whose
     weights and ids are the kernel's pick for the caller to replace with route()'s). None where the logits or the
     library do not fit."""
-    e, k = rule.num_experts, rule.top_k
-    if logits.dtype not in (torch.float32, torch.bfloat16) or logits.dim() != 2 or logits.stride(1) != 1:
+    got = _moe_route_call("it_moe_route_rows", logits, rule, bias, lib, grouped=False)
+    if got is None:
         return None
-    if e > MOE_MAX_EXPERTS or logits.shape[1] != e or (bias is not None and bias.numel() != e):
-        return None
-    lib = _pick(lib)
-    if getattr(lib, "it_moe_route_rows", None) is None:
-        return None
-    t = logits.shape[0]
-    bias = bias.float().contiguous() if bias is not None else None
-    weights = torch.empty(t, k, dtype=torch.float32)
-    ids = torch.empty(t, k, dtype=torch.int64)
-    tie = torch.empty(t, dtype=torch.uint8)
-    with profiled("moe_route"):
-        n = lib.it_moe_route_rows(
-            logits.data_ptr(),
-            int(logits.dtype is torch.bfloat16),
-            logits.stride(0),
-            t,
-            ctypes.byref(rule),
-            bias.data_ptr() if bias is not None else None,
-            weights.data_ptr(),
-            ids.data_ptr(),
-            tie.data_ptr(),
-            torch.get_num_threads(),
-        )
-    if n < 0:
-        raise ValueError(f"it_moe_route_rows refused the rule {rule_str(rule)}")
+    _, weights, ids, (tie,) = got
     return weights, ids, tie.nonzero().view(-1)
 
 
