@@ -175,6 +175,8 @@ static int moe_mlp(const it_model* m, const it_moe_layer* M, it_step* s, int li,
     } else {
         for (int64_t i = 0; i < s->route_rows; i++) { /* the caller's picks for the tied rows */
             const int64_t t = s->tied_rows[i];
+            for (int64_t j = 0; j < k; j++) /* (an id out of range would index past the grouping's counts) */
+                if (t < 0 || t >= R || s->route_ids[i * k + j] < 0 || s->route_ids[i * k + j] >= E) return -2;
             memcpy(weights + t * k, s->route_weights + i * k, (size_t)k * 4);
             memcpy(ids + t * k, s->route_ids + i * k, (size_t)k * 8);
         }
