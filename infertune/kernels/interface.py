@@ -96,13 +96,6 @@ class MoeRouting(NamedTuple):
     counts: torch.Tensor  # [E] int64: how many rows each expert got
 
 
-def group_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """MoeRouting's grouping: expert ids [T, k] -> (order [T * k]: the flat (token, slot) indices sorted by expert,
-    stable; counts [E])."""
-    flat = ids.reshape(-1)
-    return flat.argsort(stable=True), torch.bincount(flat, minlength=num_experts)
-
-
 @dataclass(frozen=True, slots=True, eq=False, weakref_slot=True)  # (a kernel may keep what it makes of one)
 class KernelExperts:
     """A mixture-of-experts layer's routed experts as the kernels see them: each projection a KernelLinear whose

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from infertune.kernels import cpu
-from infertune.kernels.interface import FusedDecoder, FusedModel, LinearKind, MoeRouting, group_by_expert
+from infertune.kernels.interface import FusedDecoder, FusedModel, LinearKind, MoeRouting
 from infertune.kernels.x86_fused import X86FusedDecoder, expert_lin, moe_rule
 
 if TYPE_CHECKING:
@@ -228,7 +228,8 @@ class X86Kernels:
         weights, ids, which = rows
         w, i = tied(logits[which])
         weights[which], ids[which] = w.to(weights.dtype), i.to(ids.dtype)
-        return MoeRouting(weights, ids, *group_by_expert(ids, moe.num_experts))
+        flat = ids.view(-1)  # (group_by_expert's grouping: a stable sort by expert, and the counts)
+        return MoeRouting(weights, ids, flat.argsort(stable=True), torch.bincount(flat, minlength=moe.num_experts))
 
     def moe_experts(self, x, experts, routing):
         # 12-bit experts at any row count: each expert's rows go through one linear_bf16c (the AMX tile GEMM, or

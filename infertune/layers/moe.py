@@ -28,13 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from infertune.config import MoeArch
-from infertune.kernels.interface import (
-    CompressedWeight,
-    KernelExperts,
-    KernelLinear,
-    MoeRouting,
-    group_by_expert,  # (re-exported: the routing's grouping lives beside MoeRouting, which the kernels use too)
-)
+from infertune.kernels.interface import CompressedWeight, KernelExperts, KernelLinear, MoeRouting
 from infertune.layers.kernel_op import KernelOp
 
 
@@ -64,6 +58,12 @@ def route(
     if moe.routed_scaling_factor != 1.0:
         weights = weights * moe.routed_scaling_factor
     return weights, ids
+
+
+def group_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert ids [T, k] -> (order [T * k]: the flat (token, slot) indices sorted by expert, stable; counts [E])."""
+    flat = ids.reshape(-1)
+    return flat.argsort(stable=True), torch.bincount(flat, minlength=num_experts)
 
 
 # One expert's matmul: (expert, rows [n, K]) -> rows times that expert's weight, [n, N].

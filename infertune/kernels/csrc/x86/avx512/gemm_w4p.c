@@ -160,8 +160,8 @@ static inline int w4p_act_takes(int64_t M, int64_t N, int64_t gs) {
 }
 
 /* The tile path's dec buffer (bf16c_dec_bytes), and what it_linear_w4p allocates: scratch, then dec */
-static inline int64_t w4p_dec_bytes(int64_t M, int64_t N, int64_t K, int64_t gs, int nthreads) {
-    return w4p_tiles_take(M, N, gs) ? bf16c_dec_bytes(M, N, K, nthreads) : 0;
+static inline int64_t w4p_dec_bytes(int64_t M, int64_t N, int64_t K, int nthreads) {
+    return w4p_tiles_take(M, N, 64) ? bf16c_dec_bytes(M, N, K, nthreads) : 0;
 }
 
 /* scratch: w4p_scratch_bytes(M, K) (none where the GEMM takes every row) */
@@ -189,7 +189,7 @@ static void linear_w4p(const bf16* x, int64_t ldx, const uint32_t* w, const floa
  * 0: done; -2: no scratch */
 int it_linear_w4p(const bf16* x, int64_t ldx, const uint32_t* w, const float* sT, const float* zT, int64_t gs,
                   const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads) {
-    const int64_t sb = w4p_scratch_bytes(M, K), tb = bf16c_scratch_bytes(M, K), db = w4p_dec_bytes(M, N, K, gs, nthreads);
+    const int64_t sb = w4p_scratch_bytes(M, K), tb = bf16c_scratch_bytes(M, K), db = w4p_dec_bytes(M, N, K, nthreads);
     const int64_t head = ((sb > tb ? sb : tb) + 63) & ~(int64_t)63;
     char* scratch = aligned_alloc(64, (size_t)(head + db));
     if (!scratch) return -2;
