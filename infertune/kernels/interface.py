@@ -95,6 +95,18 @@ class MoeRouting(NamedTuple):
     order: torch.Tensor  # [T * k] int64: the flat (token, slot) indices t * k + j sorted by expert, stable
     counts: torch.Tensor  # [E] int64: how many rows each expert got
 
+    @classmethod
+    def grouped(cls, weights: torch.Tensor, ids: torch.Tensor, num_experts: int) -> MoeRouting:
+        """The routing of these picks, grouped as layers/moe.py's group_by_expert groups them."""
+        return cls(weights, ids, *expert_grouping(ids, num_experts))
+
+
+def expert_grouping(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert ids [T, k] -> (order [T * k]: the flat (token, slot) indices sorted by expert, stable; counts [E]). The
+    one implementation: layers/moe.py's group_by_expert (the name the profiler's MoE stages go by) calls it."""
+    flat = ids.reshape(-1)
+    return flat.argsort(stable=True), torch.bincount(flat, minlength=num_experts)
+
 
 @dataclass(frozen=True, slots=True, eq=False, weakref_slot=True)  # (a kernel may keep what it makes of one)
 class KernelExperts:

@@ -228,8 +228,7 @@ class X86Kernels:
         weights, ids, which = rows
         w, i = tied(logits[which])
         weights[which], ids[which] = w.to(weights.dtype), i.to(ids.dtype)
-        flat = ids.view(-1)  # (group_by_expert's grouping: a stable sort by expert, and the counts)
-        return MoeRouting(weights, ids, flat.argsort(stable=True), torch.bincount(flat, minlength=moe.num_experts))
+        return MoeRouting.grouped(weights, ids, moe.num_experts)
 
     def moe_experts(self, x, experts, routing):
         # 12-bit experts at any row count: each expert's rows go through one linear_bf16c (the AMX tile GEMM, or

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from infertune.config import MoeArch
-from infertune.kernels.interface import CompressedWeight, KernelExperts, KernelLinear, MoeRouting
+from infertune.kernels.interface import CompressedWeight, KernelExperts, KernelLinear, MoeRouting, expert_grouping
 from infertune.layers.kernel_op import KernelOp
 
 
@@ -62,8 +62,7 @@ def route(
 
 def group_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Expert ids [T, k] -> (order [T * k]: the flat (token, slot) indices sorted by expert, stable; counts [E])."""
-    flat = ids.reshape(-1)
-    return flat.argsort(stable=True), torch.bincount(flat, minlength=num_experts)
+    return expert_grouping(ids, num_experts)
 
 
 # One expert's matmul: (expert, rows [n, K]) -> rows times that expert's weight, [n, N].
