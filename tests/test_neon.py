@@ -236,6 +236,7 @@ def _fused_moe_only():
         ("deepseek", "auto"),
         ("deepseek", "int8"),
         ("deepseek-moe", "auto"),
+        ("qwen3_moe-ties", "auto"),
         ("llama", "auto+w8a8"),
         ("deepseek-moe", "auto+w8a8"),
     ],
@@ -252,7 +253,9 @@ def test_the_engine_on_the_neon_kernels_matches_hf(lib, tmp_path, monkeypatch, a
     latent cache, every layer dense; deepseek-moe: with its MoE layers (the fp32 router with the correction bias and
     groups, the grouped experts, the shared expert; ties handed back to route()); +w8a8: quantization="w8a8" (the
     NEON int8 x int8 product in the fused step and the per-module linears, the experts too; HF's tokens are then not
-    the oracle, the engine's own torch path on the same int8 weights is: as close to HF's logprobs)."""
+    the oracle, the engine's own torch path on the same int8 weights is: as close to HF's logprobs); qwen3_moe-ties:
+    a Qwen3-MoE whose experts 0 and 1 have the same router row (test_moe_kernels' checkpoint), so the fused step's
+    layers hand the rows tied at the top-k boundary back to route() and resume with its picks (counted: some did)."""
     from conftest import hf_model, make_checkpoint
     from test_kernels import _hf_logprob_errors
 
@@ -265,13 +268,24 @@ def test_the_engine_on_the_neon_kernels_matches_hf(lib, tmp_path, monkeypatch, a
     window = {
         "deepseek": {},
         "deepseek-moe": {},
+        "qwen3_moe-ties": {},
         "gemma2": {},
         "gemma3": {},
         "llama": {},
         "mistral": dict(sliding_window=3),
         "qwen2": dict(use_sliding_window=True, sliding_window=3, max_window_layers=1),
     }[arch]
-    if arch.startswith("gemma"):
+    if arch == "qwen3_moe-ties":
+        from safetensors.torch import load_file, save_file
+        from test_moe_kernels import _attention_free_checkpoint
+
+        model = _attention_free_checkpoint(tmp_path, "qwen3_moe", ties="some")
+        state = load_file(model / "model.safetensors")  # (expert 1 far from expert 0: a tie decided the other way
+        for name in state:  # shows in the tokens)
+            if ".experts.1.down_proj." in name:
+                state[name] = state[name] * -8
+        save_file(state, model / "model.safetensors", metadata={"format": "pt"})
+    elif arch.startswith("gemma"):
         from test_gemma import VARIANTS, make_gemma
 
         model = make_gemma(tmp_path / "m", **VARIANTS[arch])
@@ -296,7 +310,8 @@ def test_the_engine_on_the_neon_kernels_matches_hf(lib, tmp_path, monkeypatch, a
     hf = hf_model(model).float()
     worst = {}
     for mode in ("neon", "off"):
-        ks = (_FusedMoeOnly if arch == "deepseek-moe" else NeonKernels)(lib) if mode == "neon" else None
+        moe = arch in ("deepseek-moe", "qwen3_moe-ties")
+        ks = (_FusedMoeOnly if moe else NeonKernels)(lib) if mode == "neon" else None
         monkeypatch.setattr(CPUBackend, "decode_kernels", lambda self, ks=ks: ks)
         # (a small cache: the harness ships each layer's whole cache to qemu and back every step)
         llm = LLM(
@@ -318,8 +333,11 @@ def test_the_engine_on_the_neon_kernels_matches_hf(lib, tmp_path, monkeypatch, a
             lin = runner.model.model.layers[0].self_attn.o_proj
             assert lin.quant_method.own_layout and lin.quant_method.kernel_rows > 0
         if mode == "neon":  # the 4 decode steps at least (and the prompts' step with a bf16 cache)
-            want = 5 if kv == "auto" and not arch.startswith("deepseek") else 4  # (DeepSeek: decode steps only)
+            want = 5 if kv == "auto" and not arch.startswith("deepseek") and not moe else 4  # (decode steps only)
             assert runner.fused.step_timers()["calls"] >= want, runner.fused.step_timers()
+            if arch == "qwen3_moe-ties":  # (the tied rows went to route(), the others kept the step's picks)
+                dec = runner.fused.decoder
+                assert dec.handbacks > 0 and 0 < dec.handback_rows, (dec.handbacks, dec.handback_rows)
             if kv == "int8+int4":
                 assert llm.engine.block_manager.num_int4_packs == 2  # (each sequence its first two blocks)
     assert worst["neon"] <= 1.5 * worst["off"] + 0.02, worst
