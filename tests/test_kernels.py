@@ -785,6 +785,15 @@ def test_prefill_dequantization_matches_the_reference_rounding(ks):
     assert (ref[2].abs() == 2.0**-126).all()
     got = ks.dequant_w4(ks.pack_w4(q4), scale, zero, 64)
     assert torch.equal(got.view(torch.int16), ref.view(torch.int16))
+    # many groups, each with every nibble value (a group has only 16 values to get right): a fused multiply-add in
+    # place of the multiply, then add (one rounding fewer) gives about a dozen of these 2^21 values another bf16
+    for gs, rows in ((64, 2048), (128, 256)):
+        q4 = torch.arange(16).repeat(rows, 4096 // 16)[:, torch.randperm(4096, generator=g)]
+        scale = torch.randn(rows, 4096 // gs, generator=g) * 0.02
+        zero = torch.randn(rows, 4096 // gs, generator=g) * 0.1
+        ref = (q4.float().view(rows, -1, gs) * scale.unsqueeze(-1) + zero.unsqueeze(-1)).view(rows, 4096)
+        got = ks.dequant_w4(ks.pack_w4(q4), scale, zero, gs)
+        assert torch.equal(got.view(torch.int16), ref.to(torch.bfloat16).view(torch.int16)), gs
 
 
 @needs_kernels

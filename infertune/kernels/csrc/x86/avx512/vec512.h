@@ -91,25 +91,27 @@ static inline void dequant_w8_row_fast(const int8_t* q, float s, bf16* out, int6
     if (k < K) dequant_w8_row(q + k, s, out + k, K - k);
 }
 
+/* int4 rows a group at a time: a group's 16 possible values bf16(q s + z) (q = 0 .. 15, the same fp32 multiply, add
+ * and VCVTNE2PS2BF16 as the row loop's, so the same bits) worked out once into a vector, then each 32 columns one
+ * VPERMW lookup by their nibbles: ~8 instructions per 64 weights in place of ~26 */
 static inline void dequant_w4_row_fast(const uint8_t* p, const float* scale, const float* zero, int64_t gs, bf16* out,
                                        int64_t K) {
     if (!dq_w4_row_is_normal(scale, zero, K / gs)) {
         dequant_w4_row(p, scale, zero, gs, out, K);
         return;
     }
-    for (int64_t k0 = 0; k0 < K; k0 += 64) { /* 32 bytes: columns k0 + b (low nibbles) and k0 + 32 + b (high) */
-        const int64_t g = k0 / gs;
-        const __m512 sv = _mm512_set1_ps(scale[g]), zv = _mm512_set1_ps(zero[g]);
-        const __m256i raw = _mm256_loadu_si256((const __m256i*)(p + k0 / 2));
-        const __m512i b0 = _mm512_cvtepu8_epi32(_mm256_castsi256_si128(raw));
-        const __m512i b1 = _mm512_cvtepu8_epi32(_mm256_extracti128_si256(raw, 1));
-        const __m512i m = _mm512_set1_epi32(0xF);
-        const __m512 l0 = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b0, m)), sv), zv);
-        const __m512 l1 = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b1, m)), sv), zv);
-        const __m512 h0 = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b0, 4)), sv), zv);
-        const __m512 h1 = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b1, 4)), sv), zv);
-        _mm512_storeu_si512(out + k0, (__m512i)_mm512_cvtne2ps_pbh(l1, l0));
-        _mm512_storeu_si512(out + k0 + 32, (__m512i)_mm512_cvtne2ps_pbh(h1, h0));
+    const __m512 q16 = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i m = _mm512_set1_epi16(0xF);
+    __m512i table = _mm512_setzero_si512();
+    for (int64_t k0 = 0, g = -1; k0 < K; k0 += 64) { /* 32 bytes: columns k0 + b (low nibbles) and k0 + 32 + b (high) */
+        if (k0 / gs != g) {
+            g = k0 / gs;
+            const __m512 v = _mm512_add_ps(_mm512_mul_ps(q16, _mm512_set1_ps(scale[g])), _mm512_set1_ps(zero[g]));
+            table = (__m512i)_mm512_cvtne2ps_pbh(v, v);
+        }
+        const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(p + k0 / 2)));
+        _mm512_storeu_si512(out + k0, _mm512_permutexvar_epi16(_mm512_and_si512(b, m), table));
+        _mm512_storeu_si512(out + k0 + 32, _mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), table));
     }
 }
 
