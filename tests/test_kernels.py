@@ -410,7 +410,38 @@ def test_quantized_rows_without_amx_are_the_bf16_gemv_on_the_dequantized_weight(
 
 
 @needs_avx512
-@pytest.mark.skipif(kernels.amx(), reason="with AMX, quantized prompts dequantize and take the tile GEMM")
+@pytest.mark.skipif(not kernels.amx(), reason="AMX's prompt path (without AMX: the test below)")
+def test_quantized_prompts_with_amx_are_the_tile_gemm_on_the_dequantized_weight():
+    """With AMX, W8A16 / W4A16 from 17 rows to kernels.quant_max_rows() (128) multiply on the tiles a 32-feature
+    chunk rebuilt in bf16 at a time (quant_amx.c linear_q_amx_gemm), never the whole layer: bit for bit linear_bf16
+    (the 2 x 2 tile GEMM) on dequant_w8 / dequant_w4's weight. Features past a multiple of 16 (N % 16: linear_bf16's
+    GEMV on their rebuilt rows), K long enough for two blocks of rows (4864: 64-row blocks), int4 groups of 64 / 128,
+    rows whose scales give denormal weights, and a bias. Past 128 rows the layer dequantizes once for torch's GEMM."""
+    from infertune.quant.int4 import quantize_int4_groupwise
+
+    assert kernels.quant_max_rows() == kernels.AMX_GEMM_MAX_ROWS
+    g = torch.Generator().manual_seed(13)
+    for n, k, gs in ((70, 640, 64), (136, 4864, 128), (16, 256, 64)):
+        q8, s8 = quantize_int8_per_channel(torch.randn(n, k, generator=g))
+        s8[3] = (2**19 - 1) * 2.0**-149  # denormal products
+        q8[3] = torch.where(torch.rand(k, generator=g) < 0.5, 16, -16).to(torch.int8)
+        w8 = kernels.dequant_w8(q8, s8)
+        qq, s4, z4 = quantize_int4_groupwise(torch.randn(n, k, generator=g), gs)
+        qq[6], s4[6], z4[6] = 15, 559240 * 2.0**-149, 0.0  # a denormal that bf16 rounds up to 2^-126
+        packed, s4, z4 = kernels.pack_w4(qq), s4.contiguous(), z4.contiguous()
+        w4 = kernels.dequant_w4(packed, s4, z4, gs)
+        bias = torch.randn(n, generator=g).bfloat16()
+        for m in (17, 45, 128):
+            x = torch.randn(m, k, generator=g).bfloat16()
+            want8, want4 = kernels.linear_bf16(x, w8, bias), kernels.linear_bf16(x, w4, bias)
+            assert (want8[:, 3] != 0).float().mean() > 0.5 and (want4[:, 6] != 0).float().mean() > 0.5
+            assert torch.equal(kernels.linear_w8(x, q8, s8, bias).view(torch.int16), want8.view(torch.int16)), m
+            got4 = kernels.linear_w4(x, packed, s4, z4, gs, bias)
+            assert torch.equal(got4.view(torch.int16), want4.view(torch.int16)), (n, k, m)
+
+
+@needs_avx512
+@pytest.mark.skipif(kernels.amx(), reason="with AMX, quantized prompts take the tile GEMM (the test above)")
 def test_quantized_prompts_without_amx_are_the_bf16_gemm_on_the_dequantized_weight():
     """Without AMX, W8A16 / W4A16 past 16 rows multiply weights rebuilt in bf16 a block (below the GEMM's crossover,
     it_gemm_rows_noamx) or a 64 x 512 slab (from it) at a time, never the whole layer: bit for bit the bf16 GEMV /

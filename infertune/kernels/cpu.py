@@ -820,9 +820,14 @@ def bf16_max_rows() -> int:
 
 def quant_max_rows() -> int:
     """Rows up to which a W8A16 / W4A16 layer calls linear_w8 / linear_w4 (past them it dequantizes the whole layer
-    and runs the bf16 GEMM): MAX_ROWS, or NOAMX_QUANT_MAX_ROWS on the AVX-512 library without AMX with its GEMM on,
-    where prompts multiply slabs rebuilt from the quantized weights (gemv_quant.c linear_q_gemm)."""
+    and runs the bf16 GEMM): NOAMX_QUANT_MAX_ROWS on the AVX-512 library without AMX with its GEMM on, where prompts
+    multiply slabs rebuilt from the quantized weights (gemv_quant.c linear_q_gemm); AMX_GEMM_MAX_ROWS with AMX, where
+    past 16 rows the tile GEMM of linear_bf16 takes its weight tiles from 32 rows rebuilt at a time (quant_amx.c
+    linear_q_amx_gemm: the same bits, no dequantized copy; past 128 rows torch's GEMM on the copy is faster); else
+    MAX_ROWS."""
     _load()
+    if _variant == "avx512" and _amx:
+        return AMX_GEMM_MAX_ROWS
     return NOAMX_QUANT_MAX_ROWS if _variant == "avx512" and not _amx and _noamx_gemm else MAX_ROWS
 
 

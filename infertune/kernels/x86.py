@@ -114,7 +114,8 @@ class X86Kernels:
 
     def max_rows(self, kind: LinearKind, *, moe: bool = False) -> int:
         # bf16 (plain or 12-bit) keeps the AMX tile GEMM up to 128 rows, without AMX the VDPBF16PS GEMM; the int8 /
-        # int4 kernels are GEMVs at heart, except without AMX, where past 16 rows they rebuild slabs for that GEMM.
+        # int4 kernels are GEMVs at heart, except past 16 rows, where they rebuild their weight in bf16 a chunk at a
+        # time for those GEMMs (with AMX up to 128 rows, quant_amx.c; without, every row count, gemv_quant.c).
         # W8A8: its VPDPBUSD GEMM on weights packed at load (gemm_i8.c) at every row count, with AMX too: measured on
         # a Xeon with AMX (2026-12-05, the 386M model's four linears), 1.6-1.8x torch._int_mm (oneDNN's AMX int8) at
         # 1-64 rows and 1.5-2.8x at 128-2048.

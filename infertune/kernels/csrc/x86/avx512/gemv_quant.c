@@ -259,6 +259,7 @@ static void linear_w8(const bf16* x, int64_t ldx, const int8_t* w, const void* s
 void it_linear_w8(const bf16* x, int64_t ldx, const int8_t* w, const void* scale, int scale_is_f32,
                   const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads) {
     const qweight q = {IT_KIND_W8, w, scale, scale_is_f32, NULL, 0};
+    if (linear_q_amx_prompt(&q, x, ldx, bias, y, ldy, M, N, K, nthreads) == 1) return; /* (-1: no memory) */
     void* scratch = q_api_scratch(&q, M, K, nthreads);
     linear_w8(x, ldx, w, scale, scale_is_f32, bias, y, ldy, M, N, K, nthreads, scratch);
     free(scratch);
@@ -485,6 +486,7 @@ static void linear_w4(const bf16* x, int64_t ldx, const uint8_t* w, const float*
 void it_linear_w4(const bf16* x, int64_t ldx, const uint8_t* w, const float* scale, const float* zero, int64_t gs,
                   const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads) {
     const qweight q = {IT_KIND_W4, w, scale, 0, zero, gs};
+    if (linear_q_amx_prompt(&q, x, ldx, bias, y, ldy, M, N, K, nthreads) == 1) return; /* (-1: no memory) */
     void* scratch = q_api_scratch(&q, M, K, nthreads);
     linear_w4(x, ldx, w, scale, zero, gs, bias, y, ldy, M, N, K, nthreads, scratch);
     free(scratch);

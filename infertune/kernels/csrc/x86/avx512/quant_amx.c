@@ -56,3 +56,84 @@ static void linear_q_amx(const qweight* q, const bf16* x, int64_t ldx, const bf1
 /* Any M: up to 16 rows one pass decoding tile by tile, more on the 2 x 2 blocked GEMM, each thread decoding 64
  * features of W at a time; epi as linear_bf16c's. Returns 0, or -2 where the shapes or the CPU do not fit (N % 16,
  * K % 32, no AMX). */
+
+/* ------------------------------------------------------------------ quantized weights past 16 rows on AMX
+ *
+ * A prompt's W8A16 / W4A16 layer used to rebuild its whole weight in bf16 (it_dequant_w8 / _w4: N x K x 2 bytes
+ * written, then read back) for the tile GEMM. Here linear_bf16_amx_gemm's blocks take their two weight tiles from a
+ * thread's buffer of the chunk's 32 rows rebuilt in bf16 (dequant_rows: the same rounding), so the products, their
+ * order and the bits are that GEMM's on the dequantized weight, and the weight streams once a block of rows as int8
+ * / int4, with no copy. N16 a multiple of 16, K % 32 == 0, M > 16 (AMX_GEMM_MIN_ROWS up). */
+static inline int64_t q_amx_gemm_scratch_bytes(int64_t M, int64_t K, int nthreads) {
+    const int64_t mb = gemm_rows_per_block(K), rows = M < mb ? (M + 31) & ~(int64_t)31 : mb;
+    return (rows * K * 2 + (int64_t)(nthreads > 0 ? nthreads : 1) * 32 * K * 2 + 127) & ~(int64_t)63;
+}
+
+static inline int q_amx_gemm_takes(int64_t M, int64_t N, int64_t K) {
+    return amx_state == 1 && M >= AMX_GEMM_MIN_ROWS && K % 32 == 0 && N >= 16;
+}
+
+__attribute__((target("amx-tile,amx-bf16")))
+static void linear_q_amx_gemm(const qweight* q, const bf16* x, int64_t ldx, const bf16* bias, bf16* y, int64_t ldy,
+                              int64_t M, int64_t N16, int64_t K, int nthreads, void* scratch) {
+    const int64_t nchunks = (N16 + 31) / 32; /* chunks of 32 features, as linear_bf16_amx_gemm's */
+    const int64_t mb = gemm_rows_per_block(K);
+    bf16* xt = (bf16*)scratch;
+    bf16* bufs = xt + (M < mb ? (M + 31) & ~(int64_t)31 : mb) * K;
+    const int nt = pick_threads(nchunks, N16 * K * 2 * ((M + 15) / 16), nthreads);
+#pragma omp parallel num_threads(nt)
+    {
+        amx_configure(8);
+        gemm_block g;
+        bf16* wd = bufs + (int64_t)omp_get_thread_num() * 32 * K;
+        for (int64_t b0 = 0; b0 < M; b0 += mb) {
+            const int64_t rows = M - b0 < mb ? M - b0 : mb, tiles = (rows + 15) / 16;
+#pragma omp for schedule(static)
+            for (int64_t p = 0; p < tiles; p++) {
+                const int64_t m0 = b0 + 16 * p;
+                transpose_rows_amx(x + m0 * ldx, ldx, (int)(M - m0 < 16 ? M - m0 : 16), K, xt + p * K * 16);
+            } /* (implicit barrier: the whole block is transposed before any thread multiplies) */
+#pragma omp for schedule(static) nowait
+            for (int64_t c = 0; c < nchunks; c++) {
+                const int64_t n0 = c * 32;
+                g.na = N16 - n0 >= 32 ? 2 : 1;
+                dequant_rows(q, n0, 16 * g.na, K, wd);
+                for (int64_t p = 0; p < tiles; p += 2) {
+                    g.nb = tiles - p >= 2 ? 2 : 1;
+                    g.n0 = n0;
+                    g.m0 = b0 + 16 * p;
+                    for (int b = 0; b < g.nb; b++) {
+                        const int64_t left = M - (g.m0 + 16 * b);
+                        g.mr[b] = (int)(left < 16 ? left : 16);
+                    }
+                    gemm_block_compute(wd, xt + p * K * 16, K, &g);
+                    for (int a = 0; a < g.na; a++)
+                        for (int b = 0; b < g.nb; b++) gemm_tile_store(&g, a, b, bias, y, ldy);
+                }
+            }
+#pragma omp barrier /* xt is rewritten by the next block of rows */
+        }
+        _tile_release();
+    }
+}
+
+/* The API's prompt rows on AMX: the tiles above for the first N16 features, and the last N % 16 as linear_bf16 does
+ * them (its AVX-512 GEMV on their rows rebuilt in bf16), so the whole is linear_bf16 on the dequantized weight. 0: not
+ * such a call (q_amx_gemm_takes), -1: no memory. */
+static int linear_q_amx_prompt(const qweight* q, const bf16* x, int64_t ldx, const bf16* bias, bf16* y, int64_t ldy,
+                               int64_t M, int64_t N, int64_t K, int nthreads) {
+    if (!q_amx_gemm_takes(M, N, K)) return 0;
+    const int64_t n16 = N & ~(int64_t)15, tail = N - n16;
+    const int64_t bytes = q_amx_gemm_scratch_bytes(M, K, nthreads) + ((tail * K * 2 + 63) & ~(int64_t)63);
+    void* scratch = aligned_alloc(64, (size_t)bytes);
+    if (!scratch) return -1;
+    linear_q_amx_gemm(q, x, ldx, bias, y, ldy, M, n16, K, nthreads, scratch);
+    if (tail) {
+        bf16* wt = (bf16*)((char*)scratch + q_amx_gemm_scratch_bytes(M, K, nthreads));
+        dequant_rows(q, n16, tail, K, wt);
+        linear_bf16_avx512(x, ldx, wt, bias ? bias + n16 : NULL, y + n16, ldy, M, tail, K, nthreads);
+    }
+    free(scratch);
+    return 1;
+}
+
