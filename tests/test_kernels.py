@@ -1654,7 +1654,8 @@ def test_fused_step_runs_prompts_as_accurately_as_pytorch(tmp_path, monkeypatch,
     through the prompt's block table; on AMX 16 rows of a prompt at a time): with 12-bit weights (the default where
     the kernels compress) a step of any size, with the weights as loaded up to kernels.bf16_max_rows() tokens in all
     (without AMX through the VDPBF16PS GEMM, 12-bit too; W8A16 / W4A16 too, their slabs rebuilt in bf16 for that
-    GEMM; with AMX W8A16 and W8A8 on AMX-INT8 tiles from their packed weights, a step of any size). Prompts of 5, 21,
+    GEMM; with AMX W8A16 and W8A8 on AMX-INT8 tiles from their packed weights, a step of any size, and W4A16 in rows
+    up to 128 rows, the tile GEMM on 32 features rebuilt at a time). Prompts of 5, 21,
     40 and 90 tokens (several blocks of 16, partial last blocks; 156 rows) in one step, then decoding.
     The logprobs against HF transformers in float32 are as close as those of the PyTorch forward
     (decode_kernels="linear", the same quantization)."""
@@ -1662,8 +1663,8 @@ def test_fused_step_runs_prompts_as_accurately_as_pytorch(tmp_path, monkeypatch,
         pytest.skip("W8A8 runs in the fused step where the library has its int8 GEMM")
     if quant == "w8a16" and kernels.variant() != "avx512":
         pytest.skip("W8A16 prompts run in the fused step on the AVX-512 library only")
-    if quant == "w4a16" and (kernels.amx() or kernels.variant() != "avx512"):
-        pytest.skip("W4A16 prompts run in the fused step on the AVX-512 library without AMX only (with AMX, MoE ones)")
+    if quant == "w4a16" and kernels.variant() != "avx512":
+        pytest.skip("W4A16 prompts run in the fused step on the AVX-512 library only")
     from conftest import hf_model
 
     from infertune import LLM, SamplingParams
@@ -1681,7 +1682,9 @@ def test_fused_step_runs_prompts_as_accurately_as_pytorch(tmp_path, monkeypatch,
     # (steps of any size: 12-bit weights, the default where the kernels compress, on AMX's tile GEMM or the slab
     # GEMM; without AMX W8A16 / W4A16 too, on slabs rebuilt from the quantized weights)
     # (W8A8 on AVX2: prompts of up to AVX2_FUSED_PREFILL_ROWS tokens in all, as bf16 there)
+    # (W4A16 in rows on AMX: steps of up to AMX_GEMM_MAX_ROWS rows, linear_w4's tile GEMM on rebuilt chunks)
     twelve = kernels.bf16c_supported(16, 32) if quant is None else kernels.variant() == "avx512"
+    twelve = twelve and not (quant == "w4a16" and kernels.amx())
     for mode in ("auto", "linear"):
         calls.clear()
         llm = LLM(

@@ -233,9 +233,11 @@ class X86FusedDecoder:
         prefill_rows = 0
         if decode_only:
             pass
-        elif amx and kinds <= {"bf16", "bf16c", "w8a8", "w8p", "w4p"} and not model.kv_int8:
+        elif amx and kinds <= {"bf16", "bf16c", "w8a8", "w8p", "w4p", "w8", "w4"} and not model.kv_int8:
             # (W8A8 / packed W8A16: AMX-INT8 tiles on the packed weight at any row count, gemm_i8_amx.c; packed
-            # W4A16: the 12-bit weights' tile GEMM on its nibbles rebuilt in bf16 chunk by chunk, gemm_w4p.c)
+            # W4A16: the 12-bit weights' tile GEMM on its nibbles rebuilt in bf16 chunk by chunk, gemm_w4p.c; W8A16
+            # / W4A16 in rows: linear_bf16's tile GEMM on 32 rows rebuilt at a time, quant_amx.c, up to 128 rows as
+            # the per-module path's linear_w8 / linear_w4 calls take it)
             prefill_rows = cpu.AMX_GEMM_MAX_ROWS
             if kinds <= {"bf16c", "w8a8", "w8p", "w4p"}:
                 prefill_rows = max(prefill_rows, model.step_rows)

@@ -197,6 +197,10 @@ static inline int64_t qlin_scratch_bytes(int64_t M, int64_t K, int nthreads) {
 /* The scratch it_linear_w8 / _w4 allocate for linear_w8 / linear_w4 (free() it after): none where the GEMM on rebuilt
  * slabs takes the call, the per-block rebuild's for other prompt rows without AMX, else qlin_scratch_bytes */
 static void* q_api_scratch(const qweight* q, int64_t M, int64_t K, int nthreads) {
+    if (amx_state == 1 && M >= AMX_GEMM_MIN_ROWS) { /* (linear_q_amx_big's, or where K does not fit it, the rest's) */
+        const int64_t a = q_amx_gemm_scratch_bytes(M, K, nthreads), b = qlin_scratch_bytes(M, K, nthreads);
+        return aligned_alloc(64, (size_t)(a > b ? a : b));
+    }
     const int prompt = q_prompt_rows(M);
     if (prompt && use_q_gemm(M, K, q)) return NULL;
     return aligned_alloc(64, (size_t)(prompt ? q_amx_scratch_bytes(K, nthreads) : qlin_scratch_bytes(M, K, nthreads)));
@@ -206,6 +210,11 @@ static void* q_api_scratch(const qweight* q, int64_t M, int64_t K, int nthreads)
 static void linear_w8(const bf16* x, int64_t ldx, const int8_t* w, const void* scale, int scale_is_f32,
                       const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads,
                       void* scratch) {
+    if (q_amx_gemm_takes(M, N, K)) { /* (prompts on AMX; scratch: q_amx_gemm_scratch_bytes) */
+        const qweight q = {IT_KIND_W8, w, scale, scale_is_f32, NULL, 0};
+        linear_q_amx_big(&q, x, ldx, bias, y, ldy, M, N, K, nthreads, scratch);
+        return;
+    }
     if (use_q_amx(M, N, K)) {
         const qweight q = {IT_KIND_W8, w, scale, scale_is_f32, NULL, 0};
         const int64_t n16 = N & ~(int64_t)15;
@@ -259,7 +268,6 @@ static void linear_w8(const bf16* x, int64_t ldx, const int8_t* w, const void* s
 void it_linear_w8(const bf16* x, int64_t ldx, const int8_t* w, const void* scale, int scale_is_f32,
                   const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads) {
     const qweight q = {IT_KIND_W8, w, scale, scale_is_f32, NULL, 0};
-    if (linear_q_amx_prompt(&q, x, ldx, bias, y, ldy, M, N, K, nthreads) == 1) return; /* (-1: no memory) */
     void* scratch = q_api_scratch(&q, M, K, nthreads);
     linear_w8(x, ldx, w, scale, scale_is_f32, bias, y, ldy, M, N, K, nthreads, scratch);
     free(scratch);
@@ -427,10 +435,15 @@ static void linear_w4b(const int16_t* xq, int64_t Kp, const float* sx, const flo
     }
 }
 
-/* scratch: qlin_scratch_bytes(M, K, nthreads), aligned */
+/* scratch: qlin_scratch_bytes(M, K, nthreads), aligned (past 16 rows on AMX: q_amx_gemm_scratch_bytes) */
 static void linear_w4(const bf16* x, int64_t ldx, const uint8_t* w, const float* scale, const float* zero, int64_t gs,
                       const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads,
                       void* scratch) {
+    if (q_amx_gemm_takes(M, N, K)) { /* (prompts on AMX; scratch: q_amx_gemm_scratch_bytes) */
+        const qweight q = {IT_KIND_W4, w, scale, 0, zero, gs};
+        linear_q_amx_big(&q, x, ldx, bias, y, ldy, M, N, K, nthreads, scratch);
+        return;
+    }
     if (use_q_amx(M, N, K)) {
         const qweight q = {IT_KIND_W4, w, scale, 0, zero, gs};
         const int64_t n16 = N & ~(int64_t)15;
@@ -486,7 +499,6 @@ static void linear_w4(const bf16* x, int64_t ldx, const uint8_t* w, const float*
 void it_linear_w4(const bf16* x, int64_t ldx, const uint8_t* w, const float* scale, const float* zero, int64_t gs,
                   const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads) {
     const qweight q = {IT_KIND_W4, w, scale, 0, zero, gs};
-    if (linear_q_amx_prompt(&q, x, ldx, bias, y, ldy, M, N, K, nthreads) == 1) return; /* (-1: no memory) */
     void* scratch = q_api_scratch(&q, M, K, nthreads);
     linear_w4(x, ldx, w, scale, zero, gs, bias, y, ldy, M, N, K, nthreads, scratch);
     free(scratch);

@@ -65,8 +65,9 @@ static void linear_q_amx(const qweight* q, const bf16* x, int64_t ldx, const bf1
  * order and the bits are that GEMM's on the dequantized weight, and the weight streams once a block of rows as int8
  * / int4, with no copy. N16 a multiple of 16, K % 32 == 0, M > 16 (AMX_GEMM_MIN_ROWS up). */
 static inline int64_t q_amx_gemm_scratch_bytes(int64_t M, int64_t K, int nthreads) {
+    /* x's transposed block, each thread's 32 rebuilt rows, and the last N % 16 rows rebuilt (linear_q_amx_big) */
     const int64_t mb = gemm_rows_per_block(K), rows = M < mb ? (M + 31) & ~(int64_t)31 : mb;
-    return (rows * K * 2 + (int64_t)(nthreads > 0 ? nthreads : 1) * 32 * K * 2 + 127) & ~(int64_t)63;
+    return (rows * K * 2 + (int64_t)(nthreads > 0 ? nthreads : 1) * 32 * K * 2 + 16 * K * 2 + 127) & ~(int64_t)63;
 }
 
 static inline int q_amx_gemm_takes(int64_t M, int64_t N, int64_t K) {
@@ -117,23 +118,16 @@ static void linear_q_amx_gemm(const qweight* q, const bf16* x, int64_t ldx, cons
     }
 }
 
-/* The API's prompt rows on AMX: the tiles above for the first N16 features, and the last N % 16 as linear_bf16 does
- * them (its AVX-512 GEMV on their rows rebuilt in bf16), so the whole is linear_bf16 on the dequantized weight. 0: not
- * such a call (q_amx_gemm_takes), -1: no memory. */
-static int linear_q_amx_prompt(const qweight* q, const bf16* x, int64_t ldx, const bf16* bias, bf16* y, int64_t ldy,
-                               int64_t M, int64_t N, int64_t K, int nthreads) {
-    if (!q_amx_gemm_takes(M, N, K)) return 0;
+/* Past 16 rows on AMX (q_amx_gemm_takes): the tiles above for the first N16 features, and the last N % 16 as
+ * linear_bf16 does them (its AVX-512 GEMV on their rows rebuilt in bf16), so the whole is linear_bf16 on the
+ * dequantized weight. scratch: q_amx_gemm_scratch_bytes(M, K, nthreads), aligned */
+static void linear_q_amx_big(const qweight* q, const bf16* x, int64_t ldx, const bf16* bias, bf16* y, int64_t ldy,
+                             int64_t M, int64_t N, int64_t K, int nthreads, void* scratch) {
     const int64_t n16 = N & ~(int64_t)15, tail = N - n16;
-    const int64_t bytes = q_amx_gemm_scratch_bytes(M, K, nthreads) + ((tail * K * 2 + 63) & ~(int64_t)63);
-    void* scratch = aligned_alloc(64, (size_t)bytes);
-    if (!scratch) return -1;
     linear_q_amx_gemm(q, x, ldx, bias, y, ldy, M, n16, K, nthreads, scratch);
     if (tail) {
-        bf16* wt = (bf16*)((char*)scratch + q_amx_gemm_scratch_bytes(M, K, nthreads));
+        bf16* wt = (bf16*)((char*)scratch + q_amx_gemm_scratch_bytes(M, K, nthreads) - ((16 * K * 2 + 63) & ~(int64_t)63));
         dequant_rows(q, n16, tail, K, wt);
         linear_bf16_avx512(x, ldx, wt, bias ? bias + n16 : NULL, y + n16, ldy, M, tail, K, nthreads);
     }
-    free(scratch);
-    return 1;
 }
-
