@@ -1,13 +1,14 @@
 /* 16 * nblk output features from n0 for mr (<= 16) rows: the weight rows from w0 (row stride K) */
 __attribute__((target("amx-tile,amx-bf16")))
 static void amx_rows(const bf16* w0, const bf16* xt, const bf16* bias, bf16* y,
-                     int64_t ldy, int mr, int64_t n0, int nblk, int64_t K) {
+                     int64_t ldy, int mr, int64_t n0, int nblk, int64_t K, int pf) {
     /* tiles 0-3: C, 4-5: A (alternating), 6: B */
     _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
     const int64_t ld = K * 2, ts = 16 * K; /* A row stride (bytes), tile stride */
     for (int64_t k = 0; k < K; k += 32) {
         _tile_loadd(6, xt + k * 16, 64);
-        for (int r = 0; r < 16 * nblk; r++) _mm_prefetch((const char*)(w0 + r * K + k) + PF_BYTES, _MM_HINT_T0);
+        if (pf) /* (weights from memory; not rows just rebuilt in a thread's buffer) */
+            for (int r = 0; r < 16 * nblk; r++) _mm_prefetch((const char*)(w0 + r * K + k) + PF_BYTES, _MM_HINT_T0);
         const bf16* a = w0 + k;
         _tile_loadd(4, a, ld);
         _tile_dpbf16ps(0, 4, 6);
@@ -74,7 +75,7 @@ static void linear_bf16_amx(const bf16* x, int64_t ldx, const bf16* w, const bf1
                 for (int64_t p = 0; p < passes; p++) { /* the chunk comes from memory once, then from cache */
                     const int64_t m0 = b0 + 16 * p;
                     const int mr = (int)(M - m0 < 16 ? M - m0 : 16);
-                    amx_rows(w + n0 * K, xt + p * K * 16, bias, y + m0 * ldy, ldy, mr, n0, nblk, K);
+                    amx_rows(w + n0 * K, xt + p * K * 16, bias, y + m0 * ldy, ldy, mr, n0, nblk, K, 1);
                 }
             }
             _tile_release();

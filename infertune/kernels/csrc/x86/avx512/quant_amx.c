@@ -47,7 +47,7 @@ static void linear_q_amx(const qweight* q, const bf16* x, int64_t ldx, const bf1
             const int64_t n0 = c * 64;
             const int nblk = chunk_tiles(N16, c);
             dequant_rows(q, n0, 16 * nblk, K, buf);
-            amx_rows(buf, xt, bias, y, ldy, mr, n0, nblk, K);
+            amx_rows(buf, xt, bias, y, ldy, mr, n0, nblk, K, 0);
         }
         _tile_release();
     }
