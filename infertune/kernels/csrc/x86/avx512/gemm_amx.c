@@ -170,9 +170,18 @@ static inline int64_t gemm_rows_per_block(int64_t K) {
     return mb < 32 ? 32 : mb;
 }
 
+/* Where the GEMM's 32-feature chunks of W come from: w's rows in place (rebuild NULL), or rebuilt into a thread's
+ * buffer of 32 rows (bufs: 32 x K a thread) by rebuild(ctx, n0, rows, K, out): quantized weights (quant_amx.c) */
+typedef struct {
+    const bf16* w;
+    void (*rebuild)(const void* ctx, int64_t n0, int64_t rows, int64_t K, bf16* out);
+    const void* ctx;
+    bf16* bufs;
+} amx_wsrc;
+
 __attribute__((target("amx-tile,amx-bf16")))
-static void linear_bf16_amx_gemm(const bf16* x, int64_t ldx, const bf16* w, const bf16* bias, bf16* y, int64_t ldy,
-                                 int64_t M, int64_t N16, int64_t K, int nthreads, bf16* xt) {
+static void amx_gemm_src(const bf16* x, int64_t ldx, const amx_wsrc* src, const bf16* bias, bf16* y, int64_t ldy,
+                         int64_t M, int64_t N16, int64_t K, int nthreads, bf16* xt) {
     const int64_t nchunks = (N16 + 31) / 32; /* chunks of 32 features */
     const int64_t mb = gemm_rows_per_block(K);
     const int nt = pick_threads(nchunks, N16 * K * 2 * ((M + 15) / 16), nthreads);
@@ -180,6 +189,7 @@ static void linear_bf16_amx_gemm(const bf16* x, int64_t ldx, const bf16* w, cons
     {
         amx_configure(8);
         gemm_block g;
+        bf16* wd = src->rebuild ? src->bufs + (int64_t)omp_get_thread_num() * 32 * K : NULL;
         for (int64_t b0 = 0; b0 < M; b0 += mb) {
             const int64_t rows = M - b0 < mb ? M - b0 : mb, tiles = (rows + 15) / 16;
 #pragma omp for schedule(static)
@@ -190,8 +200,13 @@ static void linear_bf16_amx_gemm(const bf16* x, int64_t ldx, const bf16* w, cons
 #pragma omp for schedule(static) nowait
             for (int64_t c = 0; c < nchunks; c++) {
                 const int64_t n0 = c * 32;
+                g.na = N16 - n0 >= 32 ? 2 : 1;
+                const bf16* wc = wd;
+                if (wd) /* (once a block of rows: the chunk's rows rebuilt, then every row tile's pair on them) */
+                    src->rebuild(src->ctx, n0, 16 * g.na, K, wd);
+                else
+                    wc = src->w + n0 * K;
                 for (int64_t p = 0; p < tiles; p += 2) {
-                    g.na = N16 - n0 >= 32 ? 2 : 1;
                     g.nb = tiles - p >= 2 ? 2 : 1;
                     g.n0 = n0;
                     g.m0 = b0 + 16 * p;
@@ -199,7 +214,7 @@ static void linear_bf16_amx_gemm(const bf16* x, int64_t ldx, const bf16* w, cons
                         const int64_t left = M - (g.m0 + 16 * b);
                         g.mr[b] = (int)(left < 16 ? left : 16);
                     }
-                    gemm_block_compute(w + n0 * K, xt + p * K * 16, K, &g);
+                    gemm_block_compute(wc, xt + p * K * 16, K, &g);
                     for (int a = 0; a < g.na; a++)
                         for (int b = 0; b < g.nb; b++) gemm_tile_store(&g, a, b, bias, y, ldy);
                 }
@@ -210,3 +225,8 @@ static void linear_bf16_amx_gemm(const bf16* x, int64_t ldx, const bf16* w, cons
     }
 }
 
+static void linear_bf16_amx_gemm(const bf16* x, int64_t ldx, const bf16* w, const bf16* bias, bf16* y, int64_t ldy,
+                                 int64_t M, int64_t N16, int64_t K, int nthreads, bf16* xt) {
+    const amx_wsrc src = {w, NULL, NULL, NULL};
+    amx_gemm_src(x, ldx, &src, bias, y, ldy, M, N16, K, nthreads, xt);
+}

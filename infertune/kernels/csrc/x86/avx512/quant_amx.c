@@ -74,48 +74,16 @@ static inline int q_amx_gemm_takes(int64_t M, int64_t N, int64_t K) {
     return amx_state == 1 && M >= AMX_GEMM_MIN_ROWS && K % 32 == 0 && N >= 16;
 }
 
-__attribute__((target("amx-tile,amx-bf16")))
+static void q_rebuild_rows(const void* q, int64_t n0, int64_t rows, int64_t K, bf16* out) {
+    dequant_rows((const qweight*)q, n0, rows, K, out);
+}
+
 static void linear_q_amx_gemm(const qweight* q, const bf16* x, int64_t ldx, const bf16* bias, bf16* y, int64_t ldy,
                               int64_t M, int64_t N16, int64_t K, int nthreads, void* scratch) {
-    const int64_t nchunks = (N16 + 31) / 32; /* chunks of 32 features, as linear_bf16_amx_gemm's */
     const int64_t mb = gemm_rows_per_block(K);
     bf16* xt = (bf16*)scratch;
-    bf16* bufs = xt + (M < mb ? (M + 31) & ~(int64_t)31 : mb) * K;
-    const int nt = pick_threads(nchunks, N16 * K * 2 * ((M + 15) / 16), nthreads);
-#pragma omp parallel num_threads(nt)
-    {
-        amx_configure(8);
-        gemm_block g;
-        bf16* wd = bufs + (int64_t)omp_get_thread_num() * 32 * K;
-        for (int64_t b0 = 0; b0 < M; b0 += mb) {
-            const int64_t rows = M - b0 < mb ? M - b0 : mb, tiles = (rows + 15) / 16;
-#pragma omp for schedule(static)
-            for (int64_t p = 0; p < tiles; p++) {
-                const int64_t m0 = b0 + 16 * p;
-                transpose_rows_amx(x + m0 * ldx, ldx, (int)(M - m0 < 16 ? M - m0 : 16), K, xt + p * K * 16);
-            } /* (implicit barrier: the whole block is transposed before any thread multiplies) */
-#pragma omp for schedule(static) nowait
-            for (int64_t c = 0; c < nchunks; c++) {
-                const int64_t n0 = c * 32;
-                g.na = N16 - n0 >= 32 ? 2 : 1;
-                dequant_rows(q, n0, 16 * g.na, K, wd);
-                for (int64_t p = 0; p < tiles; p += 2) {
-                    g.nb = tiles - p >= 2 ? 2 : 1;
-                    g.n0 = n0;
-                    g.m0 = b0 + 16 * p;
-                    for (int b = 0; b < g.nb; b++) {
-                        const int64_t left = M - (g.m0 + 16 * b);
-                        g.mr[b] = (int)(left < 16 ? left : 16);
-                    }
-                    gemm_block_compute(wd, xt + p * K * 16, K, &g);
-                    for (int a = 0; a < g.na; a++)
-                        for (int b = 0; b < g.nb; b++) gemm_tile_store(&g, a, b, bias, y, ldy);
-                }
-            }
-#pragma omp barrier /* xt is rewritten by the next block of rows */
-        }
-        _tile_release();
-    }
+    const amx_wsrc src = {NULL, q_rebuild_rows, q, xt + (M < mb ? (M + 31) & ~(int64_t)31 : mb) * K};
+    amx_gemm_src(x, ldx, &src, bias, y, ldy, M, N16, K, nthreads, xt);
 }
 
 /* Past 16 rows on AMX (q_amx_gemm_takes): the tiles above for the first N16 features, and the last N % 16 as
