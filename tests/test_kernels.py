@@ -414,7 +414,8 @@ def test_quantized_rows_without_amx_are_the_bf16_gemv_on_the_dequantized_weight(
 def test_quantized_prompts_with_amx_are_the_tile_gemm_on_the_dequantized_weight():
     """With AMX, W8A16 / W4A16 from 17 rows to kernels.quant_max_rows() (128) multiply on the tiles a 32-feature
     chunk rebuilt in bf16 at a time (quant_amx.c linear_q_amx_gemm), never the whole layer: bit for bit linear_bf16
-    (the 2 x 2 tile GEMM) on dequant_w8 / dequant_w4's weight. Features past a multiple of 16 (N % 16: linear_bf16's
+    (the 2 x 2 tile GEMM) on dequant_w8 / dequant_w4's weight; at 2-16 rows (linear_q_amx: a chunk's 64 rows rebuilt
+    at a time) linear_bf16's row tiles on it. Features past a multiple of 16 (N % 16: linear_bf16's
     GEMV on their rebuilt rows), K long enough for two blocks of rows (4864: 64-row blocks), int4 groups of 64 / 128,
     rows whose scales give denormal weights, and a bias. Past 128 rows the layer dequantizes once for torch's GEMM."""
     from infertune.quant.int4 import quantize_int4_groupwise
@@ -431,13 +432,17 @@ def test_quantized_prompts_with_amx_are_the_tile_gemm_on_the_dequantized_weight(
         packed, s4, z4 = kernels.pack_w4(qq), s4.contiguous(), z4.contiguous()
         w4 = kernels.dequant_w4(packed, s4, z4, gs)
         bias = torch.randn(n, generator=g).bfloat16()
-        for m in (17, 45, 128):
+        bias[3] = bias[6] = 0  # (so the tiny rows' sums show, not the bias)
+        for m in (2, 9, 16, 17, 45, 128):
             x = torch.randn(m, k, generator=g).bfloat16()
             want8, want4 = kernels.linear_bf16(x, w8, bias), kernels.linear_bf16(x, w4, bias)
             assert (want8[:, 3] != 0).float().mean() > 0.5 and (want4[:, 6] != 0).float().mean() > 0.5
-            assert torch.equal(kernels.linear_w8(x, q8, s8, bias).view(torch.int16), want8.view(torch.int16)), m
+            # (at 2-16 rows the tiles take the first N - N % 16 features, the int16 kernel the rest)
+            cols = slice(None) if m > 16 else slice(0, n // 16 * 16)
+            got8 = kernels.linear_w8(x, q8, s8, bias)
+            assert torch.equal(got8[:, cols].view(torch.int16), want8[:, cols].view(torch.int16)), m
             got4 = kernels.linear_w4(x, packed, s4, z4, gs, bias)
-            assert torch.equal(got4.view(torch.int16), want4.view(torch.int16)), (n, k, m)
+            assert torch.equal(got4[:, cols].view(torch.int16), want4[:, cols].view(torch.int16)), (n, k, m)
 
 
 @needs_avx512
