@@ -21,7 +21,7 @@ static int64_t lin_scratch_bytes(int64_t T, int64_t K, int nthreads) {
        12-bit weight, the tile GEMM's zero-padded last row tile) */
     /* (W8A16 / W4A16 in rows past 16 on AMX: x's transposed block and each thread's rebuilt chunk, quant_amx.c) */
     const int64_t sizes[7] = {amx, w8, i8_scratch_bytes(T, K), w8p_scratch_bytes(T, K), w4p_scratch_bytes(T, K),
-                              bf16c_scratch_bytes(T, K), T > 16 ? q_amx_gemm_scratch_bytes(T, K, nthreads) : 0};
+                              bf16c_scratch_bytes(T, K), T > 16 && amx_state == 1 ? q_amx_gemm_scratch_bytes(T, K, nthreads) : 0};
     int64_t most = 0;
     for (int i = 0; i < 7; i++) most = sizes[i] > most ? sizes[i] : most;
     return ALIGN64(most);

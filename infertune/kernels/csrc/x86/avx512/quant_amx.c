@@ -53,10 +53,6 @@ static void linear_q_amx(const qweight* q, const bf16* x, int64_t ldx, const bf1
     }
 }
 
-/* Any M: up to 16 rows one pass decoding tile by tile, more on the 2 x 2 blocked GEMM, each thread decoding 64
- * features of W at a time; epi as linear_bf16c's. Returns 0, or -2 where the shapes or the CPU do not fit (N % 16,
- * K % 32, no AMX). */
-
 /* ------------------------------------------------------------------ quantized weights past 16 rows on AMX
  *
  * A prompt's W8A16 / W4A16 layer used to rebuild its whole weight in bf16 (it_dequant_w8 / _w4: N x K x 2 bytes
@@ -64,10 +60,15 @@ static void linear_q_amx(const qweight* q, const bf16* x, int64_t ldx, const bf1
  * thread's buffer of the chunk's 32 rows rebuilt in bf16 (dequant_rows: the same rounding), so the products, their
  * order and the bits are that GEMM's on the dequantized weight, and the weight streams once a block of rows as int8
  * / int4, with no copy. N16 a multiple of 16, K % 32 == 0, M > 16 (AMX_GEMM_MIN_ROWS up). */
+
+/* The scratch's first part: x's transposed block (amx_gemm_src's xt); then each thread's 32 rebuilt rows */
+static inline int64_t q_amx_xt_bytes(int64_t M, int64_t K) {
+    const int64_t mb = gemm_rows_per_block(K);
+    return (M < mb ? (M + 31) & ~(int64_t)31 : mb) * K * 2;
+}
+
 static inline int64_t q_amx_gemm_scratch_bytes(int64_t M, int64_t K, int nthreads) {
-    /* x's transposed block, each thread's 32 rebuilt rows, and the last N % 16 rows rebuilt (linear_q_amx_big) */
-    const int64_t mb = gemm_rows_per_block(K), rows = M < mb ? (M + 31) & ~(int64_t)31 : mb;
-    return (rows * K * 2 + (int64_t)(nthreads > 0 ? nthreads : 1) * 32 * K * 2 + 16 * K * 2 + 127) & ~(int64_t)63;
+    return (q_amx_xt_bytes(M, K) + (int64_t)(nthreads > 0 ? nthreads : 1) * 32 * K * 2 + 63) & ~(int64_t)63;
 }
 
 static inline int q_amx_gemm_takes(int64_t M, int64_t N, int64_t K) {
@@ -80,10 +81,8 @@ static void q_rebuild_rows(const void* q, int64_t n0, int64_t rows, int64_t K, b
 
 static void linear_q_amx_gemm(const qweight* q, const bf16* x, int64_t ldx, const bf16* bias, bf16* y, int64_t ldy,
                               int64_t M, int64_t N16, int64_t K, int nthreads, void* scratch) {
-    const int64_t mb = gemm_rows_per_block(K);
-    bf16* xt = (bf16*)scratch;
-    const amx_wsrc src = {NULL, q_rebuild_rows, q, xt + (M < mb ? (M + 31) & ~(int64_t)31 : mb) * K};
-    amx_gemm_src(x, ldx, &src, bias, y, ldy, M, N16, K, nthreads, xt);
+    const amx_wsrc src = {NULL, q_rebuild_rows, q, (bf16*)((char*)scratch + q_amx_xt_bytes(M, K))};
+    amx_gemm_src(x, ldx, &src, bias, y, ldy, M, N16, K, nthreads, (bf16*)scratch);
 }
 
 /* Past 16 rows on AMX (q_amx_gemm_takes): the tiles above for the first N16 features, and the last N % 16 as
@@ -93,8 +92,8 @@ static void linear_q_amx_big(const qweight* q, const bf16* x, int64_t ldx, const
                              int64_t M, int64_t N, int64_t K, int nthreads, void* scratch) {
     const int64_t n16 = N & ~(int64_t)15, tail = N - n16;
     linear_q_amx_gemm(q, x, ldx, bias, y, ldy, M, n16, K, nthreads, scratch);
-    if (tail) {
-        bf16* wt = (bf16*)((char*)scratch + q_amx_gemm_scratch_bytes(M, K, nthreads) - ((16 * K * 2 + 63) & ~(int64_t)63));
+    if (tail) { /* (its rows rebuilt into the first thread's buffer, free again) */
+        bf16* wt = (bf16*)((char*)scratch + q_amx_xt_bytes(M, K));
         dequant_rows(q, n16, tail, K, wt);
         linear_bf16_avx512(x, ldx, wt, bias ? bias + n16 : NULL, y + n16, ldy, M, tail, K, nthreads);
     }
