@@ -110,3 +110,26 @@ def test_bad_requests_raise_value_errors(tiny_llama):
                     pass
 
     asyncio.run(run())
+
+
+def test_a_request_that_finished_before_its_consumer_left_counts_as_finished_not_aborted(tiny_llama):
+    """The server's request counters come from the engine: a request the engine finished while its consumer (an HTTP
+    client that just hung up) never read the end is counted once, as finished, and not as aborted."""
+
+    async def run():
+        async with AsyncLLM(str(tiny_llama), **{**ENGINE, "max_model_len": 256}) as engine:
+            core = engine.engine
+            gen = engine.generate("x", SamplingParams(max_tokens=5, ignore_eos=True), "left")
+            async for _ in gen:  # the first output; the engine goes on and finishes the request unread
+                deadline = time.time() + 10
+                while time.time() < deadline and core.num_finished.get("length", 0) == 0:
+                    await asyncio.sleep(0.02)
+                break
+            await gen.aclose()  # leaving the loop asks for an abort, which finds the request done
+            deadline = time.time() + 10
+            while time.time() < deadline and engine.num_unfinished_requests:
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(0.1)  # (the abort is processed on the engine thread's next turn)
+            assert core.num_finished == {"length": 1} and core.num_aborted == 0
+
+    asyncio.run(run())

@@ -130,6 +130,9 @@ class AsyncLLMEngine:
         self.error: BaseException | None = None
         self.num_aborted = 0
         self.num_timed_out = 0
+        # Finished requests by finish reason, counted here (not by the HTTP handler) so a request whose client left
+        # just as it finished is still counted: each accepted request ends up finished, aborted or timed out.
+        self.num_finished: dict[str, int] = {}
         # Snapshot of engine stats, refreshed by the engine thread after each step (read by /metrics).
         self.stats: dict = engine.stats()
         self.step_listeners: list = []  # callables(outputs, step_seconds) run on the engine thread
@@ -339,6 +342,10 @@ class AsyncLLMEngine:
             self.admission.release(key)
 
     def _deliver(self, out: RequestOutput) -> None:
+        if out.finished:
+            for c in out.outputs:
+                reason = c.finish_reason or "unknown"
+                self.num_finished[reason] = self.num_finished.get(reason, 0) + 1
         box = self._mailboxes.get(out.request_id)
         if box is None:
             return

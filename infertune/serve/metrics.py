@@ -82,6 +82,12 @@ class _EngineCollector:
         for name, (value, kind, help_) in s.get("kv_transfer", {}).items():  # prefill/decode disaggregation
             family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
             yield family(f"infertune_{name}", help_, value)
+        finished = CounterMetricFamily(
+            "infertune_requests", "Finished requests by finish reason", labels=["finish_reason"]
+        )
+        for reason, count in sorted(dict(self.engine.num_finished).items()):
+            finished.add_metric([reason], count)
+        yield finished
         yield CounterMetricFamily(
             "infertune_requests_aborted", "Requests aborted before finishing (client gone)", self.engine.num_aborted
         )
@@ -109,9 +115,6 @@ class ServerMetrics:
         r = self.registry
         self.prompt_tokens = Counter("infertune_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("infertune_generation_tokens", "Generated tokens", registry=r)
-        self.requests = Counter(
-            "infertune_requests", "Finished requests by finish reason", ["finish_reason"], registry=r
-        )
         self.rejected = Counter(
             "infertune_requests_rejected",
             "Requests refused, by HTTP status and reason",
@@ -144,7 +147,6 @@ class ServerMetrics:
         self.prompt_tokens.inc(len(out.prompt_token_ids))
         for c in out.outputs:
             self.generation_tokens.inc(len(c.token_ids))
-            self.requests.labels(c.finish_reason or "unknown").inc()
         m = out.metrics
         if m is not None and m.queue_time is not None:
             self.queue_time.observe(m.queue_time)
