@@ -1652,6 +1652,40 @@ def test_fused_prefill_takes_only_the_read_rows_through_the_last_layers_mlp(tmp_
     assert sub == run()
 
 
+@needs_bf16c
+@pytest.mark.skipif(not kernels.amx(), reason="packed activations feed the AMX tile GEMM only")
+def test_fused_prompts_on_packed_activations_are_the_row_layouts_bits(tmp_path):
+    """With AMX a fused prompt step hands a dense layer's 12-bit qkv, gate_up and down their activations packed (16-row
+    tiles of 1 KB A-operand tiles, written so by the norms and by gate_up's SiLU epilogue): the hidden states of every
+    row are bit for bit those of the same steps with activations in rows (it_px_gemm(0)). Steps of 66 and 156 rows
+    (last row tiles partial), and one of 17 (one row past a tile)."""
+    from infertune import LLM
+
+    lib = kernels.library()
+    model = _tiny_bf16_llama(tmp_path, intermediate_size=288)
+    llm = LLM(str(model), dtype="bfloat16", max_model_len=128, block_size=16, enable_prefix_caching=False)
+    runner = llm.engine.executor.runner
+    gen = torch.Generator().manual_seed(7)
+    for lens in ((5, 21, 40), (5, 21, 40, 90), (17,)):
+        prompts = [torch.randint(3, 250, (n,), generator=gen).tolist() for n in lens]
+        blocks, entries = 0, []
+        for p in prompts:
+            need = (len(p) + 15) // 16
+            entries.append((p, 0, len(p), list(range(blocks, blocks + need))))
+            blocks += need
+        input_ids, positions, meta, _ = runner._prepare(entries)
+        assert runner.fused is not None and runner.fused.applicable(input_ids.shape[0], meta)
+        try:
+            assert lib.it_px_gemm(-1) == 1
+            packed = runner._forward(input_ids, positions, meta).clone()
+            lib.it_px_gemm(0)
+            rows = runner._forward(input_ids, positions, meta).clone()
+        finally:
+            lib.it_px_gemm(1)
+        assert torch.isfinite(packed.float()).all()
+        assert torch.equal(packed.view(torch.int16), rows.view(torch.int16)), lens
+
+
 @needs_kernels
 @pytest.mark.skipif(
     kernels.bf16_max_rows() <= 16, reason="fused prompts need the AVX-512 GEMMs (AMX tiles, or VDPBF16PS without)"

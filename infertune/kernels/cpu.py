@@ -418,6 +418,7 @@ def declare(lib: ctypes.CDLL) -> None:
         "it_linear_bf16_gemv": ([ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, cint], None),
         "it_linear_bf16_gemm_noamx": ([ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, cint], cint),
         "it_gemm_rows_noamx": ([i64], i64),
+        "it_px_gemm": ([cint], cint),
         "it_bf16c_reg_rows": ([i64], i64),
         "it_q_dq_rows": ([i64, i64], i64),
         "it_set_prefetch": ([i64], None),

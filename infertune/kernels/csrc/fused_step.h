@@ -41,6 +41,13 @@ static moe_ws moe_workspace(const it_model* m, int64_t T, int64_t base) {
 
 #include "mla.h"
 
+#ifndef PX_TAKES /* (a variant with a tile GEMM on packed activations defines these: x86/avx512/decode_ws.c) */
+#define PX_TAKES(L, rows) ((void)(L), (void)(rows), 0)
+#define PX_NORM(x, w, out, T, H, eps, nt) ((void)0)
+#define RUN_LIN_PX(L, xp, y, ldy, M, nt, dec, epi, ypk) ((void)0)
+#define PX_INDEX(r, c, K) ((int64_t)0)
+#endif
+
 int64_t it_decode_workspace_bytes(const it_model* m, int64_t T, int64_t max_ctx) {
     return mla_workspace(m, T, moe_workspace(m, T, workspace(m, T, max_ctx).total).total).total;
 }
@@ -345,7 +352,12 @@ int it_decode_layers(const it_model* m, const it_layer* layers, it_step* s, bf16
                 ls.slots = s->group_slots[L->group];
                 ls.block_tables = s->group_tables[L->group];
             }
-            norm_rows(m, L->input_norm, x, h, T, H, m->nthreads);
+            /* (a dense attention's 12-bit qkv on AMX past 16 rows: h packed for the tile GEMM, which is all that reads it) */
+            const int px_qkv = !L->mla && !m->norm_f32 && PX_TAKES(&L->qkv, T);
+            if (px_qkv)
+                PX_NORM(x, (const bf16*)L->input_norm, h, T, H, m->eps, m->nthreads);
+            else
+                norm_rows(m, L->input_norm, x, h, T, H, m->nthreads);
             PART(IT_FT_NORM);
             /* the attention's output, o_proj's input: [T, o_width] */
             bf16* ao = o;
@@ -364,7 +376,10 @@ int it_decode_layers(const it_model* m, const it_layer* layers, it_step* s, bf16
                 o_width = m->n_heads * m->mla_v;
                 PART(IT_FT_O);
             } else {
-                run_lin(&L->qkv, h, H, qkv, width, T, m->nthreads, lin, dec, 0);
+                if (px_qkv)
+                    RUN_LIN_PX(&L->qkv, h, qkv, width, T, m->nthreads, dec, 0, 0);
+                else
+                    run_lin(&L->qkv, h, H, qkv, width, T, m->nthreads, lin, dec, 0);
                 PART(IT_FT_QKV);
                 if (L->q_norm) qk_norm_rows(m, L, qkv, T);
                 rotary_rows(m, s, qkv, L->cos_sin ? L->cos_sin : m->cos_sin);
@@ -396,7 +411,14 @@ int it_decode_layers(const it_model* m, const it_layer* layers, it_step* s, bf16
                 PART(IT_FT_O);
             }
         }
-        norm_rows(m, L->pre_ff_norm ? L->pre_ff_norm : L->post_norm, x, h, R, H, m->nthreads);
+        /* (a dense SiLU MLP of 12-bit linears on AMX past 16 rows, one rank: h and act packed for the tile GEMM, the
+           residual added in down's epilogue) */
+        const int px_mlp = !L->moe && !L->pre_ff_norm && !L->post_ff_norm && !m->norm_f32 && m->act == IT_ACT_SILU &&
+                           s->tp_size <= 1 && L->gate_up.inter && PX_TAKES(&L->gate_up, R) && PX_TAKES(&L->down, R);
+        if (px_mlp)
+            PX_NORM(x, (const bf16*)L->post_norm, h, R, H, m->eps, m->nthreads);
+        else
+            norm_rows(m, L->pre_ff_norm ? L->pre_ff_norm : L->post_norm, x, h, R, H, m->nthreads);
         PART(IT_FT_NORM);
         if (L->moe) {
             const int rc = moe_mlp(m, L->moe, s, li, resume, h, y, R, w, &ml, gu, act, lin, dec, &t0);
@@ -408,6 +430,14 @@ int it_decode_layers(const it_model* m, const it_layer* layers, it_step* s, bf16
             /* tensor parallel: each rank's experts (and shared expert) hold a share of their features, so y is this
                rank's part of the block's output, summed over the ranks as layers/moe.py's MoE block is, once */
             tp_allreduce(s, y, R * H);
+        } else if (px_mlp) {
+            const int64_t inter = L->down.K;
+            for (int64_t r = R; r % 16; r++) /* (act's rows past R: zeros, as the normed rows') */
+                for (int64_t i = 0; i < inter; i += 32) memset(act + PX_INDEX(r, i, inter), 0, 64);
+            RUN_LIN_PX(&L->gate_up, h, act, inter, R, m->nthreads, dec, 1, inter);
+            PART(IT_FT_GATE_UP);
+            RUN_LIN_PX(&L->down, act, x, H, R, m->nthreads, dec, 1, 0);
+            PART(IT_FT_DOWN);
         } else {
             gate_up_rows(m, &L->gate_up, h, act, R, L->down.K, gu, lin, dec);
             PART(IT_FT_GATE_UP);

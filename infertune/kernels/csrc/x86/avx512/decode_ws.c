@@ -77,11 +77,12 @@ static ws_layout workspace(const it_model* m, int64_t T, int64_t max_ctx) {
     const int64_t hq = m->n_heads * m->head_dim, qkv = (m->n_heads + 2 * m->n_kv_heads) * m->head_dim;
     const int64_t group = m->n_heads / m->n_kv_heads;
     int64_t off = 0;
-    l.h = off;    off += ALIGN64(T * m->hidden * 2);
+    const int64_t T16 = (T + 15) / 16 * 16; /* (h and act may be packed for the tile GEMM: whole row tiles) */
+    l.h = off;    off += ALIGN64(T16 * m->hidden * 2);
     l.qkv = off;  off += ALIGN64(T * qkv * 2);
     l.o = off;    off += ALIGN64(T * hq * 2);
     l.gu = off;   off += m->gate_up_fused ? 0 : ALIGN64(T * 2 * m->inter * 2);
-    l.act = off;  off += ALIGN64(T * m->inter * 2);
+    l.act = off;  off += ALIGN64(T16 * m->inter * 2);
     l.y = off;    off += ALIGN64(T * m->hidden * 2);
     /* a linear's scratch: the largest over the layers' input widths (the transposed block of the tile GEMM is not
        monotonic in K); past 16 rows then each thread's [64, K] rows of a 12-bit weight, decoded for the GEMM */
@@ -160,3 +161,26 @@ static void run_lin_add(const it_lin* L, const bf16* x, int64_t ldx, bf16* x_res
         add_rows(x_res, y, M * H);
     }
 }
+
+/* A fused prompt's activations packed for the tile GEMM (bf16c_gemm.c px_index) where a 12-bit linear takes rows
+ * rows on AMX (fused_step.h: a dense layer's normed rows for qkv and gate_up, and act from gate_up to down) */
+static int px_on = 1;
+/* Sets (on >= 0) and returns whether the fused step packs them (A/B benchmarks and the test that holds both to the
+ * same bits) */
+int it_px_gemm(int on) {
+    if (on >= 0) px_on = on != 0;
+    return px_on;
+}
+static inline int px_takes(const it_lin* L, int64_t rows) {
+    return px_on && amx_state == 1 && rows > 16 && L->kind == IT_KIND_BF16C && L->K % 32 == 0 && L->N % 16 == 0;
+}
+#define PX_TAKES px_takes
+#define PX_NORM rmsnorm_rows_px
+/* y = xp W^T (+ bias) from packed rows xp: epi 0 writes y [M, ldy], epi 1 with a gate_up (inter) writes act packed
+ * (act's K = ypk), epi 1 without adds into y (the residual) */
+static void run_lin_px(const it_lin* L, const bf16* xp, bf16* y, int64_t ldy, int64_t M, int nthreads, bf16* dec,
+                       int epi, int64_t ypk) {
+    linear_bf16c_px(xp, (const bf16c*)L->w, L->bias, y, ldy, M, L->N, L->K, nthreads, dec, L->inter, epi, ypk);
+}
+#define RUN_LIN_PX run_lin_px
+#define PX_INDEX px_index

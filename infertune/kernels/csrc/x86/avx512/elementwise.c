@@ -52,13 +52,9 @@ static void head_norms(bf16* x, int64_t n, int64_t D, const bf16* w, float eps) 
 }
 #define QK_NORM_HEADS head_norms
 
-static void rmsnorm_rows(const bf16* x, const bf16* w, bf16* out, int64_t T, int64_t H, float eps, int nthreads) {
-    if (T > 1 && H % 16 == 0 && H <= 256) { /* short rows (per-head norms): 16 at a time, the same bits */
-        const int64_t groups = (T + 15) / 16;
-#pragma omp parallel for num_threads(rows_threads(groups, T * H, nthreads)) schedule(static)
-        for (int64_t t = 0; t < T; t += 16) head_norm16(x + t * H, out + t * H, (int)(T - t < 16 ? T - t : 16), H, w, eps);
-        return;
-    }
+/* rows of H (any length) one at a time: out's row t at out + t H, or packed (px_index) */
+static void rmsnorm_long_rows(const bf16* x, const bf16* w, bf16* out, int64_t T, int64_t H, float eps, int nthreads,
+                              int packed) {
 #pragma omp parallel for num_threads(rows_threads(T, T * H, nthreads)) schedule(static)
     for (int64_t t = 0; t < T; t++) {
         const bf16* xr = x + t * H;
@@ -72,9 +68,28 @@ static void rmsnorm_rows(const bf16* x, const bf16* w, bf16* out, int64_t T, int
         for (int64_t i = 0; i < H; i += 16) {
             const __mmask16 m = mask16(H - i);
             const __m512 n = bf16_round_f32(_mm512_mul_ps(load_bf16x16(xr + i, m), r));
-            _mm256_mask_storeu_epi16(out + t * H + i, m, round_bf16x16(_mm512_mul_ps(load_bf16x16(w + i, m), n)));
+            bf16* o = packed ? out + px_index(t, i, H) : out + t * H + i;
+            _mm256_mask_storeu_epi16(o, m, round_bf16x16(_mm512_mul_ps(load_bf16x16(w + i, m), n)));
         }
     }
+}
+
+static void rmsnorm_rows(const bf16* x, const bf16* w, bf16* out, int64_t T, int64_t H, float eps, int nthreads) {
+    if (T > 1 && H % 16 == 0 && H <= 256) { /* short rows (per-head norms): 16 at a time, the same bits */
+        const int64_t groups = (T + 15) / 16;
+#pragma omp parallel for num_threads(rows_threads(groups, T * H, nthreads)) schedule(static)
+        for (int64_t t = 0; t < T; t += 16) head_norm16(x + t * H, out + t * H, (int)(T - t < 16 ? T - t : 16), H, w, eps);
+        return;
+    }
+    rmsnorm_long_rows(x, w, out, T, H, eps, nthreads, 0);
+}
+
+/* rmsnorm_rows into out packed for the tile GEMM (px_index; H a multiple of 32), the rows past T up to a multiple
+ * of 16 zeros: a fused prompt's normed rows for 12-bit linears on AMX (linear_bf16c_px). The same bits. */
+static void rmsnorm_rows_px(const bf16* x, const bf16* w, bf16* out, int64_t T, int64_t H, float eps, int nthreads) {
+    rmsnorm_long_rows(x, w, out, T, H, eps, nthreads, 1);
+    for (int64_t t = T; t % 16; t++)
+        for (int64_t i = 0; i < H; i += 32) memset(out + px_index(t, i, H), 0, 64);
 }
 
 /* act[i] = bf16(bf16(f(g)) * u) over one row, gate g and up u [I] each (layers/activation.py), f SiLU (silu_mul_row)

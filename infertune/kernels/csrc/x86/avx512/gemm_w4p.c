@@ -171,7 +171,7 @@ static void linear_w4p(const bf16* x, int64_t ldx, const uint32_t* w, const floa
                        void* scratch, bf16* dec, int silu) {
     const tile_src c = {NULL, w, sT, zT, gs, K, silu ? N / 2 : 0};
     if (dec && w4p_tiles_take(M, N, gs)) { /* (scratch: bf16c_scratch_bytes(M, K), the last row tile zero-padded) */
-        tiles_gemm(x, ldx, &c, silu ? NULL : bias, y, ldy, M, N, K, nthreads, (bf16*)scratch, dec, c.inter, silu, 0);
+        tiles_gemm(x, ldx, &c, silu ? NULL : bias, y, ldy, M, N, K, nthreads, (bf16*)scratch, dec, c.inter, silu, 0, 0, 0);
         return;
     }
     if (gemm_noamx_takes(M, K) && GEMM_KC % gs == 0) {
