@@ -1654,15 +1654,32 @@ def test_fused_prefill_takes_only_the_read_rows_through_the_last_layers_mlp(tmp_
 
 @needs_bf16c
 @pytest.mark.skipif(not kernels.amx(), reason="packed activations feed the AMX tile GEMM only")
-def test_fused_prompts_on_packed_activations_are_the_row_layouts_bits(tmp_path):
+@pytest.mark.parametrize(
+    "arch, extra",
+    [("llama", {}), ("llama", {"attention_bias": True, "mlp_bias": True}), ("qwen3", {"head_dim": 32})],
+    ids=["llama", "biases", "qwen3"],
+)
+def test_fused_prompts_on_packed_activations_are_the_row_layouts_bits(tmp_path, arch, extra):
     """With AMX a fused prompt step hands a dense layer's 12-bit qkv, gate_up and down their activations packed (16-row
     tiles of 1 KB A-operand tiles, written so by the norms and by gate_up's SiLU epilogue): the hidden states of every
     row are bit for bit those of the same steps with activations in rows (it_px_gemm(0)). Steps of 66 and 156 rows
-    (last row tiles partial), and one of 17 (one row past a tile)."""
+    (last row tiles partial), and one of 17 (one row past a tile); with Qwen3's q / k norms, and with biases (qkv's
+    on packed rows; an MLP with biases keeps its rows: its gate_up is not interleaved for the SiLU epilogue)."""
+    from conftest import make_checkpoint
+
     from infertune import LLM
 
     lib = kernels.library()
-    model = _tiny_bf16_llama(tmp_path, intermediate_size=288)
+    model = make_checkpoint(
+        tmp_path / "m",
+        arch,
+        hidden_size=128,
+        intermediate_size=288,
+        num_hidden_layers=2,
+        tie_word_embeddings=True,
+        dtype=torch.bfloat16,
+        **extra,
+    )
     llm = LLM(str(model), dtype="bfloat16", max_model_len=128, block_size=16, enable_prefix_caching=False)
     runner = llm.engine.executor.runner
     gen = torch.Generator().manual_seed(7)
