@@ -1302,13 +1302,14 @@ def test_prompt_rows_attention_matches_float64(attn_lib, hq, hkv, d, bs):
         assert not torch.equal(outs[False][blocked], alone[blocked])
 
 
-def _tiny_bf16_llama(tmp_path, **overrides):
-    """The fused-step tests' checkpoint: a 2-layer bf16 Llama, hidden 128, tied embeddings (overrides: config keys)."""
+def _tiny_bf16_llama(tmp_path, arch="llama", **overrides):
+    """The fused-step tests' checkpoint: a 2-layer bf16 Llama, hidden 128, tied embeddings (overrides: config keys;
+    arch: another family of the same shape)."""
     from conftest import make_checkpoint
 
     return make_checkpoint(
         tmp_path / "m",
-        "llama",
+        arch,
         **{
             "hidden_size": 128,
             "intermediate_size": 256,
@@ -1665,21 +1666,10 @@ def test_fused_prompts_on_packed_activations_are_the_row_layouts_bits(tmp_path, 
     row are bit for bit those of the same steps with activations in rows (it_px_gemm(0)). Steps of 66 and 156 rows
     (last row tiles partial), and one of 17 (one row past a tile); with Qwen3's q / k norms, and with biases (qkv's
     on packed rows; an MLP with biases keeps its rows: its gate_up is not interleaved for the SiLU epilogue)."""
-    from conftest import make_checkpoint
-
     from infertune import LLM
 
     lib = kernels.library()
-    model = make_checkpoint(
-        tmp_path / "m",
-        arch,
-        hidden_size=128,
-        intermediate_size=288,
-        num_hidden_layers=2,
-        tie_word_embeddings=True,
-        dtype=torch.bfloat16,
-        **extra,
-    )
+    model = _tiny_bf16_llama(tmp_path, arch, intermediate_size=288, **extra)
     llm = LLM(str(model), dtype="bfloat16", max_model_len=128, block_size=16, enable_prefix_caching=False)
     runner = llm.engine.executor.runner
     gen = torch.Generator().manual_seed(7)
