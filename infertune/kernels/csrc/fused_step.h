@@ -5,7 +5,9 @@
  * silu_mul_rows, rotary_rows, run_lin / run_lin_add (a linear, and one added into the residual), add_rows,
  * attention_rows (with a layer's sliding window: kv_window, and Gemma 2's soft-capping: softcap_scores), kv_write
  * (kv_cache.h), gelu_mul_rows (Gemma's GeLU-tanh), and the MoE kernels it_moe_route / it_moe_experts (moe.h). Gemma's
- * fp32 (1 + w) norms are here (portable C: a few of a layer's microseconds). */
+ * fp32 (1 + w) norms are here (portable C: a few of a layer's microseconds). Optionally PX_TAKES / PX_NORM / RUN_LIN_PX
+ * / PX_INDEX: linears that read their activations packed in their GEMM's tile order (the AVX-512 library with AMX,
+ * decode_ws.c; elsewhere they default to rows). */
 #ifndef IT_FUSED_STEP_H
 #define IT_FUSED_STEP_H
 #include <sched.h>
