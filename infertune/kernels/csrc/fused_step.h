@@ -6,7 +6,7 @@
  * attention_rows (with a layer's sliding window: kv_window, and Gemma 2's soft-capping: softcap_scores), kv_write
  * (kv_cache.h), gelu_mul_rows (Gemma's GeLU-tanh), and the MoE kernels it_moe_route / it_moe_experts (moe.h). Gemma's
  * fp32 (1 + w) norms are here (portable C: a few of a layer's microseconds). Optionally PX_TAKES / PX_NORM / RUN_LIN_PX
- * / PX_INDEX: linears that read their activations packed in their GEMM's tile order (the AVX-512 library with AMX,
+ * / PX_ZERO_TAIL: linears that read their activations packed in their GEMM's tile order (the AVX-512 library with AMX,
  * decode_ws.c; elsewhere they default to rows). */
 #ifndef IT_FUSED_STEP_H
 #define IT_FUSED_STEP_H
@@ -47,7 +47,7 @@ static moe_ws moe_workspace(const it_model* m, int64_t T, int64_t base) {
 #define PX_TAKES(L, rows) ((void)(L), (void)(rows), 0)
 #define PX_NORM(x, w, out, T, H, eps, nt) ((void)0)
 #define RUN_LIN_PX(L, xp, y, ldy, M, nt, dec, epi, ypk) ((void)0)
-#define PX_INDEX(r, c, K) ((int64_t)0)
+#define PX_ZERO_TAIL(xp, M, K) ((void)(xp), (void)(M), (void)(K))
 #endif
 
 int64_t it_decode_workspace_bytes(const it_model* m, int64_t T, int64_t max_ctx) {
@@ -434,8 +434,7 @@ int it_decode_layers(const it_model* m, const it_layer* layers, it_step* s, bf16
             tp_allreduce(s, y, R * H);
         } else if (px_mlp) {
             const int64_t inter = L->down.K;
-            for (int64_t r = R; r % 16; r++) /* (act's rows past R: zeros, as the normed rows') */
-                for (int64_t i = 0; i < inter; i += 32) memset(act + PX_INDEX(r, i, inter), 0, 64);
+            PX_ZERO_TAIL(act, R, inter); /* (act's rows past R: zeros, as the normed rows') */
             RUN_LIN_PX(&L->gate_up, h, act, inter, R, m->nthreads, dec, 1, inter);
             PART(IT_FT_GATE_UP);
             RUN_LIN_PX(&L->down, act, x, H, R, m->nthreads, dec, 1, 0);

@@ -14,6 +14,12 @@ static inline int64_t px_index(int64_t r, int64_t c, int64_t K) {
     return ((r / 16 * (K / 32) + c / 32) * 16 + r % 16) * 32 + c % 32;
 }
 
+/* The rows of a packed [M, K] past M, up to its last row tile's end, set to zeros */
+static void px_zero_tail(bf16* xp, int64_t M, int64_t K) {
+    for (int64_t r = M; r % 16; r++)
+        for (int64_t c = 0; c < K; c += 32) memset(xp + px_index(r, c, K), 0, 64);
+}
+
 /* bf16(a + b) into x (m lanes), as f2bf rounds, a NaN sum quiet: the residual add */
 static inline void store_sum_bf16x16(bf16* x, __m512 a, __m512 b, __mmask16 m) {
     const __m512 v = _mm512_add_ps(a, b);
@@ -48,9 +54,6 @@ static inline void tile_rows_out(const float* c, const bf16* bias, int64_t n, bf
  * pair p, cg and cu [rows][16], become either gate_up's columns (gate at 16 p, up at inter + 16 p) or, with silu,
  * act = bf16(bf16(silu(g)) * u) at column 16 p, rounded as silu_mul_rows (g and u first rounded to bf16); silu = 2
  * writes act with non-temporal stores (32-byte aligned rows written whole: the tile GEMM's large outputs). */
-static inline __m256i silu_mul16(__m512 g, __m512 u) { /* bf16(bf16(silu(g)) * u), g and u already bf16 */
-    return round_bf16x16(_mm512_mul_ps(bf16_round_f32(silu512(g)), u));
-}
 static inline void tile_pair_out(const float* cg, const float* cu, int64_t p, bf16* y, int64_t ldy, int rows,
                                  int64_t inter, int silu) {
     for (int m = 0; m < rows; m++) {
@@ -58,7 +61,7 @@ static inline void tile_pair_out(const float* cg, const float* cu, int64_t p, bf
         const __m512 g = bf16_round_f32(_mm512_add_ps(_mm512_loadu_ps(cg + 16 * m), zero));
         const __m512 u = bf16_round_f32(_mm512_add_ps(_mm512_loadu_ps(cu + 16 * m), zero));
         if (silu) {
-            const __m256i a = silu_mul16(g, u);
+            const __m256i a = round_bf16x16(_mm512_mul_ps(bf16_round_f32(silu512(g)), u));
             if (silu == 2)
                 _mm256_stream_si256((__m256i*)(y + m * ldy + 16 * p), a);
             else
@@ -269,20 +272,9 @@ typedef struct {
     int64_t ldy, n, inter; /* n: the chunk's first feature (column) */
     int nb, na[2], r0, r1, epi, next, per_step; /* nb: blocks (feature pairs) of the chunk; epi: as linear_bf16c's */
     int stream; /* the rows (a plain product, or act) go out with non-temporal stores: whole lines past the caches */
-    int64_t pk, row0; /* pk > 0: act goes out packed (px_index, act's K = pk) at y, the row pair's first row row0 */
+    int64_t pk, row0; /* pk > 0: act goes out packed (px_index, act's K = pk) at y (its row 0): the row pair's rows
+                         from row0 */
 } epi_job;
-
-/* Row r's act columns 16 p .. 16 p + 15 into a packed act (see px_index) from one row of gate / up sums */
-static inline void act_px_out(const float* cg, const float* cu, int64_t p, bf16* y, int64_t r, int64_t pk, int stream) {
-    const __m512 zero = _mm512_setzero_ps();
-    const __m512 g = bf16_round_f32(_mm512_add_ps(_mm512_loadu_ps(cg), zero));
-    const __m512 u = bf16_round_f32(_mm512_add_ps(_mm512_loadu_ps(cu), zero));
-    __m256i* out = (__m256i*)(y + px_index(r, 16 * p, pk));
-    if (stream)
-        _mm256_stream_si256(out, silu_mul16(g, u));
-    else
-        _mm256_storeu_si256(out, silu_mul16(g, u));
-}
 
 static inline void epi_some(epi_job* e, int rows) {
     for (; rows > 0 && e->next < e->r0 + e->r1; rows--, e->next++) {
@@ -291,8 +283,9 @@ static inline void epi_some(epi_job* e, int rows) {
         for (int b = 0; b < e->nb; b++) {
             const float* c0 = e->c[b][2 * tt] + 16 * m;
             const int64_t n = e->n + 32 * b;
-            if (e->pk) {
-                act_px_out(c0, e->c[b][2 * tt + 1] + 16 * m, n / 32, e->y, e->row0 + 16 * tt + m, e->pk, e->stream);
+            if (e->pk) { /* (act's 16 columns of the pair at their packed place: tile_pair_out's one row there) */
+                tile_pair_out(c0, e->c[b][2 * tt + 1] + 16 * m, 0, e->y + px_index(e->row0 + 16 * tt + m, n / 2, e->pk),
+                              0, 1, e->pk, e->stream ? 2 : 1);
             } else if (e->inter) {
                 tile_pair_out(c0, e->c[b][2 * tt + 1] + 16 * m, n / 32, yr, e->ldy, 1, e->inter,
                               e->epi && e->stream ? 2 : e->epi);
@@ -477,12 +470,11 @@ static void tiles_gemm(const bf16* x, int64_t ldx, const tile_src* src, const bf
                 if (!last) continue;
                 /* this row pair's rows go out during the next one's blocks (or below, after the last) */
                 const int nb = (nblk + 1) / 2;
-                job = (epi_job){(const float (*)[4][256])cb[cur_c], bias, y + 16 * t * ldy, ldy, n0, inter, nb,
+                job = (epi_job){(const float (*)[4][256])cb[cur_c], bias, ypk ? y : y + 16 * t * ldy, ldy, n0, inter, nb,
                                 {nblk >= 2 ? 2 : 1, nblk >= 4 ? 2 : 1}, r0, two ? r1 : 0, epi, 0,
                                 (int)((r0 + r1 + nb * (k1 - k0) - 1) / (nb * (k1 - k0))),
                                 /* (whole lines: 64 features a row, or an interleaved chunk's 32 act columns) */
                                 inter ? stream_act && nblk == 4 : stream_rows && nblk % 2 == 0, ypk, 16 * t};
-                if (ypk) job.y = y;
                 cur_c ^= 1;
             }
             if (nslabs > 1) __atomic_store_n(&done[ch], b * nslabs + s + 1, __ATOMIC_RELEASE);

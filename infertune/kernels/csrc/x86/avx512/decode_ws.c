@@ -183,4 +183,4 @@ static void run_lin_px(const it_lin* L, const bf16* xp, bf16* y, int64_t ldy, in
     linear_bf16c_px(xp, (const bf16c*)L->w, L->bias, y, ldy, M, L->N, L->K, nthreads, dec, L->inter, epi, ypk);
 }
 #define RUN_LIN_PX run_lin_px
-#define PX_INDEX px_index
+#define PX_ZERO_TAIL px_zero_tail

@@ -88,8 +88,7 @@ static void rmsnorm_rows(const bf16* x, const bf16* w, bf16* out, int64_t T, int
  * of 16 zeros: a fused prompt's normed rows for 12-bit linears on AMX (linear_bf16c_px). The same bits. */
 static void rmsnorm_rows_px(const bf16* x, const bf16* w, bf16* out, int64_t T, int64_t H, float eps, int nthreads) {
     rmsnorm_long_rows(x, w, out, T, H, eps, nthreads, 1);
-    for (int64_t t = T; t % 16; t++)
-        for (int64_t i = 0; i < H; i += 32) memset(out + px_index(t, i, H), 0, 64);
+    px_zero_tail(out, T, H);
 }
 
 /* act[i] = bf16(bf16(f(g)) * u) over one row, gate g and up u [I] each (layers/activation.py), f SiLU (silu_mul_row)
