@@ -12,6 +12,9 @@ read per second and B's speed-up, and checks that both builds give the same outp
     git worktree add -f /tmp/base HEAD~1 --detach
     python benchmarks/bench_attention_builds.py --a /tmp/base/infertune/kernels/csrc/x86/avx512/avx512.c
     python benchmarks/bench_attention_builds.py --variant avx2 --a /tmp/base/infertune/kernels/csrc/x86/avx2/avx2.c
+
+--prompt times a prompt step instead: each of the --batch sequences brings its --context tokens as rows (row i sees
+keys 0 .. i, the causal prefill the fused step runs in blocks of 16 rows a KV head).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ def main() -> int:
     ap.add_argument("--block-size", type=int, default=16, help="(default: 16)")
     ap.add_argument("--steps", type=int, default=30, help="timed steps per build (default: 30)")
     ap.add_argument("--in-cache", action="store_true", help="every layer on one cache, nothing evicted")
+    ap.add_argument("--prompt", action="store_true", help="a prompt step: --context rows a sequence, causal")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument(
         "--no-amx", action="store_true", help="the AVX-512 path where the CPU has AMX (default: the tiles, as the step)"
@@ -56,11 +60,16 @@ def main() -> int:
     nb = b * per
     gen = torch.Generator().manual_seed(0)
     tables = torch.randperm(nb, generator=gen).view(b, per).contiguous()
-    lens = torch.full((b,), ctx, dtype=torch.int64)
+    rows = b * ctx if args.prompt else b  # the step's rows (T)
+    if args.prompt:  # row i of a sequence: its i + 1 first keys, the sequence's block table
+        tables = tables.repeat_interleave(ctx, 0).contiguous()
+        lens = torch.arange(1, ctx + 1, dtype=torch.int64).repeat(b)
+    else:
+        lens = torch.full((b,), ctx, dtype=torch.int64)
     caches = [torch.randn(2, nb, bs, hkv, d, generator=gen).to(torch.bfloat16) for _ in range(args.layers)]
     if args.in_cache:
         caches = [caches[0]] * args.layers
-    qkv = torch.randn(b, (hq + 2 * hkv) * d, generator=gen).to(torch.bfloat16)
+    qkv = torch.randn(rows, (hq + 2 * hkv) * d, generator=gen).to(torch.bfloat16)
     model = kernels.ItModel(
         hidden=hq * d, n_heads=hq, n_kv_heads=hkv, head_dim=d, inter=hq * d, num_blocks=nb, block_size=bs,
         scale=d**-0.5, nthreads=args.threads, n_layers=1, kv_int8=0,
@@ -68,17 +77,17 @@ def main() -> int:
     args.b = args.b or str(kernels.VARIANTS[args.variant].source)
     steps, outs, keep = {}, {}, []
     use_amx = int(args.variant == "avx512" and kernels.amx() and not args.no_amx)
-    print(f"decode attention on {'AMX tiles' if use_amx else args.variant}")
+    print(f"{'prompt' if args.prompt else 'decode'} attention on {'AMX tiles' if use_amx else args.variant}")
     with tempfile.TemporaryDirectory() as tmp:
         for name, src in (("A", args.a), ("B", args.b)):
             lib = load_build(src, tmp, name, args.variant)
-            nbytes = lib.it_decode_workspace_bytes(ctypes.byref(model), b, per * bs)
+            nbytes = lib.it_decode_workspace_bytes(ctypes.byref(model), rows, per * bs)
             work = torch.empty(nbytes + 64, dtype=torch.uint8)
             step = kernels.ItStep(
-                T=b, block_tables=tables.data_ptr(), context_lens=lens.data_ptr(), max_blocks=per,
+                T=rows, block_tables=tables.data_ptr(), context_lens=lens.data_ptr(), max_blocks=per,
                 work=(work.data_ptr() + 63) // 64 * 64, work_bytes=nbytes,
             )  # fmt: skip
-            outs[name] = [torch.empty(b, hq, d, dtype=torch.bfloat16) for _ in caches]
+            outs[name] = [torch.empty(rows, hq, d, dtype=torch.bfloat16) for _ in caches]
             calls = [
                 (ctypes.byref(model), ctypes.byref(step), qkv.data_ptr(), c.data_ptr(), o.data_ptr(), use_amx)
                 for c, o in zip(caches, outs[name])
@@ -96,7 +105,7 @@ def main() -> int:
     kv = args.layers * b * ctx * hkv * d * 2 * 2
     med = {name: statistics.median(t) for name, t in times.items()}
     where = "in cache" if args.in_cache else "caches evicted"
-    print(f"{b} x {ctx} keys, {args.layers} layers, heads {hq}/{hkv}x{d}, blocks of {bs}, {where}:")
+    print(f"{b} x {ctx} keys{' (prompt rows)' if args.prompt else ''}, {args.layers} layers, heads {hq}/{hkv}x{d}, blocks of {bs}, {where}:")
     for name in med:
         print(f"  {name}: {med[name]:.3f} ms a step, K / V read at {kv / med[name] / 1e6:.1f} GB/s")
     same = all(torch.equal(x, y) for x, y in zip(outs["A"], outs["B"]))

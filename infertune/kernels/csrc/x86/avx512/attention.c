@@ -320,20 +320,59 @@ static void attn_heads_amx(const it_model* m, const void* cache, const int64_t* 
 __attribute__((target("amx-tile")))
 static void amx_release(void) { _tile_release(); }
 
-/* A block of rows' scores of 16 keys (j0 .., nb of them real), stored key-major in w->cbuf ([key][row], fp32): into
- * the rows of w->sc, times the softmax scale */
-static inline void attn_rows_scores(const attn_ws* w, int n, int64_t j0, int nb, int64_t max_ctx, __m512 scale) {
-    __m512 sr[16];
-    transpose16x16_ps(w->cbuf, sr); /* sr[r] = row r's scores of the 16 keys */
-    for (int r = 0; r < n; r++) _mm512_mask_storeu_ps(w->sc + r * max_ctx + j0, mask16(nb), _mm512_mul_ps(sr[r], scale));
+/* The block's n rows of scores, key-major in w->sc (key j's 16 rows at w->sc + 16 j, fp32, before the scale; row r
+ * attends to its own first len - (n - 1 - r) keys) -> P in bf16 (w->pb's 16 rows: zero past each row's keys up to
+ * len32, rows n .. 15 zero) and 1 / each row's fp32 sum. Down the keys: a key's 16 rows are one vector, so the
+ * rows' maxima and sums take no reduction across lanes (two a row, each a chain of shuffles, cost a 128-row
+ * prompt's attention more than its exps), and 16 keys' numerators become rows by one transpose. The same scaled
+ * scores, maxima and numerators as a row at a time; each row's sum adds its keys in order. */
+static inline void attn_rows_softmax(const attn_ws* w, int n, int64_t len, int64_t len32, __m512 scale, float inv[16]) {
+    const int64_t first = len - n; /* keys up to it: every row's */
+    const __mmask16 rows = (__mmask16)((1u << n) - 1);
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < len; j++) {
+        const __mmask16 mk = j <= first ? rows : (__mmask16)(rows & (0xffffu << (j - first)));
+        mx = _mm512_mask_max_ps(mx, mk, mx, _mm512_mul_ps(_mm512_loadu_ps(w->sc + 16 * j), scale));
+    }
+    mx = _mm512_maskz_mov_ps(rows, mx); /* (rows past n: no keys) */
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j0 = 0; j0 < len32; j0 += 16) {
+        if (j0 >= len) { /* (the rest of the last 32 keys: zeros) */
+            for (int r = 0; r < 16; r++) _mm256_storeu_si256((__m256i*)(w->pb + r * w->ldp + j0), _mm256_setzero_si256());
+            continue;
+        }
+        for (int jj = 0; jj < 16; jj++) {
+            const int64_t j = j0 + jj;
+            __m512 e = _mm512_setzero_ps();
+            if (j < len) {
+                const __mmask16 mk = j <= first ? rows : (__mmask16)(rows & (0xffffu << (j - first)));
+                e = _mm512_maskz_mov_ps(mk, exp512(_mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(w->sc + 16 * j), scale), mx)));
+            }
+            sum = _mm512_add_ps(sum, e);
+            _mm512_store_ps(w->cbuf + 16 * jj, e);
+        }
+        __m512 er[16];
+        transpose16x16_ps(w->cbuf, er); /* er[r] = row r's numerators of the 16 keys */
+        for (int r = 0; r < 16; r++) _mm256_storeu_si256((__m256i*)(w->pb + r * w->ldp + j0), round_bf16x16(er[r]));
+    }
+    _mm512_storeu_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), sum));
 }
 
-/* The block's n rows of scores (row r attends to its own first len - (n - 1 - r) keys) -> P in bf16 (w->pb, zero
- * past each row's keys up to len32) and 1 / each row's fp32 sum */
-static inline void attn_rows_softmax(const attn_ws* w, int n, int64_t len, int64_t len32, int64_t max_ctx,
-                                     float inv[16]) {
-    for (int r = 0; r < n; r++)
-        inv[r] = softmax_bf16_row(w->sc + r * max_ctx, len - (n - 1 - r), len32, w->pb + r * w->ldp, NULL);
+/* Q^T of rows t0 .. t0 + n - 1 of query head h into w->qt: the (k, k + 1) pair of row r is 32-bit word (k / 2) 16 + r
+ * (rows n .. 15 zero; on AMX the B tile of dims k .. k + 31 is the 1 KB at word (k / 32) 256), 16 pairs of the 16
+ * rows a 16 x 16 transpose of 32-bit words (scatters are slow on AMD, and a 128-row prompt's attention spent a fifth
+ * of its time in them on an AMX Xeon) */
+static inline void attn_rows_qt(const attn_ws* w, const bf16* qkv, int64_t width, int64_t t0, int n, int64_t h,
+                                int64_t D) {
+    for (int64_t k = 0; k < D; k += 32) {
+        const __mmask16 mk = D - k >= 32 ? (__mmask16)0xffff : (__mmask16)0x00ff;
+        for (int r = 0; r < 16; r++)
+            _mm512_store_si512(w->cbuf + 16 * r, r < n ? _mm512_maskz_loadu_epi32(mk, qkv + (t0 + r) * width + h * D + k)
+                                                       : _mm512_setzero_si512());
+        __m512 qp[16];
+        transpose16x16_ps(w->cbuf, qp); /* qp[p] = pair p of every row (words moved as floats, bit for bit) */
+        for (int p = 0; p < (D - k >= 32 ? 16 : 8); p++) _mm512_store_ps((float*)w->qt + (k / 2 + p) * 16, qp[p]);
+    }
 }
 
 /* V of keys 0 .. len - 1 of KV head g (bf16 cache) as the B tiles of P V, once for all the query heads of the
@@ -386,22 +425,14 @@ static void attn_pv_packed(const it_model* m, int64_t len, const attn_ws* w, con
  * load serves 16 rows where attn_heads_amx serves one. Rounds as attn_heads_amx. */
 __attribute__((target("amx-tile,amx-bf16")))
 static void attn_rows_amx(const it_model* m, const void* cache, const int64_t* table, int64_t len, int n, int64_t g,
-                          const bf16* qkv, int64_t width, int64_t t0, bf16* o, const attn_ws* w, int64_t max_ctx) {
+                          const bf16* qkv, int64_t width, int64_t t0, bf16* o, const attn_ws* w) {
     const int64_t D = m->head_dim, bs = m->block_size, hkv = m->n_kv_heads, group = m->n_heads / hkv;
-    const __m512i pairs = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                             _mm512_set1_epi32(16));
     const __m512 scale = _mm512_set1_ps(m->scale);
     const int64_t len32 = (len + 31) & ~(int64_t)31;
     attn_pack_v(m, cache, table, len, g, w, w->vpack); /* (V as tiles once for the group's query heads) */
     for (int64_t h = g * group; h < (g + 1) * group; h++) {
-        /* Q^T of the n rows: the (k, k + 1) pair of row r is 32-bit word (k / 32) * 256 + ((k % 32) / 2) * 16 + r */
-        memset(w->qt, 0, (size_t)D * 32);
-        for (int r = 0; r < n; r++)
-            for (int64_t k = 0; k < D; k += 32)
-                _mm512_i32scatter_epi32((int*)w->qt + (k / 32) * 256 + r, pairs,
-                                        _mm512_loadu_si512(qkv + (t0 + r) * width + h * D + k), 4);
+        attn_rows_qt(w, qkv, width, t0, n, h, D);
         for (int64_t j0 = 0; j0 < len; j0 += 16) { /* 16 keys of one block, rows hkv * D apart */
-            const int nb = (int)(len - j0 < 16 ? len - j0 : 16);
             const bf16* kb = (const bf16*)cache + (kv_slot(table, j0, bs) * hkv + g) * D;
             _tile_zero(6);
             for (int64_t k = 0; k < D; k += 32) {
@@ -409,12 +440,10 @@ static void attn_rows_amx(const it_model* m, const void* cache, const int64_t* t
                 _tile_loadd(5, w->qt + (k / 32) * 512, 64);
                 _tile_dpbf16ps(6, 4, 5);
             }
-            _tile_stored(6, w->cbuf, 64);
-            attn_rows_scores(w, n, j0, nb, max_ctx, scale);
+            _tile_stored(6, w->sc + 16 * j0, 64); /* (key-major: keys j0 .. j0 + 15 end within max_ctx) */
         }
         float inv[16];
-        attn_rows_softmax(w, n, len, len32, max_ctx, inv);
-        for (int r = n; r < 16; r++) memset(w->pb + r * w->ldp, 0, (size_t)len32 * 2);
+        attn_rows_softmax(w, n, len, len32, scale, inv);
         attn_pv_packed(m, len, w, w->vpack, n, inv, o + (t0 * m->n_heads + h) * D, m->n_heads * D);
     }
 }
@@ -467,7 +496,7 @@ static const attn_pv_dp_fn attn_pv_dp_by_rows[5] = {0, attn_pv_dp_1, attn_pv_dp_
 /* attn_rows_amx's task (rows t0 .. t0 + n - 1 of one sequence, n <= 16, KV head g, bf16 cache, block_size a
  * multiple of 16) without AMX */
 static void attn_rows_dp(const it_model* m, const void* cache, const int64_t* table, int64_t len, int n, int64_t g,
-                         const bf16* qkv, int64_t width, int64_t t0, bf16* o, const attn_ws* w, int64_t max_ctx) {
+                         const bf16* qkv, int64_t width, int64_t t0, bf16* o, const attn_ws* w) {
     const int64_t D = m->head_dim, bs = m->block_size, hkv = m->n_kv_heads, group = m->n_heads / hkv;
     const int64_t ldk = hkv * D; /* (a block's rows of one KV head, in bf16) */
     const __m512 scale = _mm512_set1_ps(m->scale);
@@ -475,19 +504,8 @@ static void attn_rows_dp(const it_model* m, const void* cache, const int64_t* ta
     int32_t* qt = (int32_t*)w->qt;
     attn_pack_v(m, cache, table, len, g, w, w->vpack); /* (V in key pairs once for the group's query heads) */
     for (int64_t h = g * group; h < (g + 1) * group; h++) {
-        /* Q^T: the (k, k + 1) pair of row r is word (k / 2) * 16 + r of qt (rows n .. 15 zero); 16 pairs of the 16
-           rows a 16 x 16 transpose of 32-bit words (scatters are slow on AMD) */
-        for (int64_t k = 0; k < D; k += 32) {
-            const __mmask16 mk = D - k >= 32 ? (__mmask16)0xffff : (__mmask16)0x00ff;
-            for (int r = 0; r < 16; r++)
-                _mm512_store_si512(w->cbuf + 16 * r, r < n ? _mm512_maskz_loadu_epi32(mk, qkv + (t0 + r) * width + h * D + k)
-                                                           : _mm512_setzero_si512());
-            __m512 qp[16];
-            transpose16x16_ps(w->cbuf, qp); /* qp[p] = pair p of every row (words moved as floats, bit for bit) */
-            for (int p = 0; p < (D - k >= 32 ? 16 : 8); p++) _mm512_store_ps((float*)qt + (k / 2 + p) * 16, qp[p]);
-        }
-        for (int64_t j0 = 0; j0 < len; j0 += 16) { /* 16 keys of one block (past len: unused slots, never stored) */
-            const int nb = (int)(len - j0 < 16 ? len - j0 : 16);
+        attn_rows_qt(w, qkv, width, t0, n, h, D);
+        for (int64_t j0 = 0; j0 < len; j0 += 16) { /* 16 keys of one block (past len: unused slots, never read) */
             const bf16* kb = (const bf16*)cache + (kv_slot(table, j0, bs) * hkv + g) * D;
             __m512 acc[16];
             for (int jj = 0; jj < 16; jj++) acc[jj] = _mm512_setzero_ps();
@@ -499,11 +517,10 @@ static void attn_rows_dp(const it_model* m, const void* cache, const int64_t* ta
                     acc[jj] = _mm512_dpbf16_ps(acc[jj], (__m512bh)_mm512_set1_epi32(kp), qv);
                 }
             }
-            for (int jj = 0; jj < 16; jj++) _mm512_store_ps(w->cbuf + 16 * jj, acc[jj]);
-            attn_rows_scores(w, n, j0, nb, max_ctx, scale);
+            for (int jj = 0; jj < 16; jj++) _mm512_storeu_ps(w->sc + 16 * (j0 + jj), acc[jj]); /* (key-major) */
         }
         float inv[16];
-        attn_rows_softmax(w, n, len, len32, max_ctx, inv);
+        attn_rows_softmax(w, n, len, len32, scale, inv);
         bf16* out = o + (t0 * m->n_heads + h) * D;
         const int64_t ldo = m->n_heads * D;
         for (int64_t d0 = 0; d0 < D; d0 += 64) {
@@ -560,14 +577,12 @@ static void attention_rows(const it_model* m, const it_step* s, const bf16* qkv,
             int64_t len = s->context_lens[t];
             const int64_t skip = rows[b] > 1 ? 0 : kv_window(window, m->block_size, &table, &len);
             if (rows[b] > 1 && !amx) {
-                attn_rows_dp(m, cache, table, s->context_lens[t + rows[b] - 1], (int)rows[b], g, qkv, width, t, o, &w,
-                             max_ctx);
+                attn_rows_dp(m, cache, table, s->context_lens[t + rows[b] - 1], (int)rows[b], g, qkv, width, t, o, &w);
                 continue;
             }
             if (rows[b] > 1) {
                 if (tiles != 16) { attn_tiles(16); tiles = 16; }
-                attn_rows_amx(m, cache, table, s->context_lens[t + rows[b] - 1], (int)rows[b], g, qkv, width, t, o,
-                              &w, max_ctx);
+                attn_rows_amx(m, cache, table, s->context_lens[t + rows[b] - 1], (int)rows[b], g, qkv, width, t, o, &w);
                 continue;
             }
             for (int64_t h0 = 0; h0 < group; h0 += step) {
