@@ -105,7 +105,8 @@ def main() -> int:
     kv = args.layers * b * ctx * hkv * d * 2 * 2
     med = {name: statistics.median(t) for name, t in times.items()}
     where = "in cache" if args.in_cache else "caches evicted"
-    print(f"{b} x {ctx} keys{' (prompt rows)' if args.prompt else ''}, {args.layers} layers, heads {hq}/{hkv}x{d}, blocks of {bs}, {where}:")
+    rows_note = " (prompt rows)" if args.prompt else ""
+    print(f"{b} x {ctx} keys{rows_note}, {args.layers} layers, heads {hq}/{hkv}x{d}, blocks of {bs}, {where}:")
     for name in med:
         print(f"  {name}: {med[name]:.3f} ms a step, K / V read at {kv / med[name] / 1e6:.1f} GB/s")
     same = all(torch.equal(x, y) for x, y in zip(outs["A"], outs["B"]))
