@@ -651,6 +651,59 @@ def _w4p_oracle(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, z: torch.Tens
     return (y + (bias.float() if bias is not None else 0.0)).bfloat16()
 
 
+def test_activation_rounding_and_its_byte_splits_are_the_portable_loops_bits():
+    """The AVX-512 library rounds the W8A16 / W4A16 activations to int16 with its own vector loop
+    (gemv_quant.c quantize_rows_i16_512): bit for bit act_i16.h's portable loop (which the AVX2 and NEON libraries
+    run): x_q, s_x and each group's fp32 sum of x, added in column order (a row of mixed magnitudes, whose sums round);
+    K not a multiple of 16, padding to Kp, a zero row, a huge value and a denormal. Its splits of x_q into signed bytes (split_rows_i16, and
+    w4b_split_row in the nibbles' order of 128 columns) against the integer formula x_q = 256 h + l,
+    l = ((x_q + 128) & 255) - 128, and their row sums."""
+    if kernels.variant() not in ("avx512", "avx512-noamx"):
+        pytest.skip(f"the AVX-512 kernels are not this process's: {kernels.describe()}")
+    lib = kernels.library()
+    g = torch.Generator().manual_seed(7)
+    for m, k, kp, gs in ((3, 896, 896, 128), (2, 200, 224, 64), (1, 4864, 4864, 128), (4, 64, 64, 64)):
+        x = (torch.randn(m, k, generator=g) * 3).bfloat16()
+        x[0] = 0
+        if m > 1:  # (magnitudes 1e-6 .. 1e3 side by side: the groups' fp32 sums round, so their order shows)
+            x[1] = (torch.randn(k, generator=g) * 10.0 ** (torch.rand(k, generator=g) * 9 - 6)).bfloat16()
+        if m > 2:
+            x[2, 5] = 3.0e38
+            x[2, 6] = -1e-40  # (a denormal)
+        outs = []
+        for impl in (0, 1):
+            xq = torch.full((m, kp), 77, dtype=torch.int16)
+            sx = torch.empty(m, dtype=torch.float32)
+            xsum = torch.empty(m, k // gs, dtype=torch.float32)
+            lib.it_quantize_rows_i16(x.data_ptr(), k, m, k, kp, xq.data_ptr(), sx.data_ptr(), xsum.data_ptr(), gs, impl)
+            outs.append((xq, sx, xsum))
+        for want, got in zip(*outs):
+            assert torch.equal(
+                want.view(torch.int32) if want.dtype == torch.float32 else want,
+                got.view(torch.int32) if got.dtype == torch.float32 else got,
+            ), (m, k, gs)
+        xq = outs[1][0]
+        assert (xq[:, k:] == 0).all() and (xq[0] == 0).all()
+        v = xq.int()
+        low = ((v + 128) & 255) - 128
+        high = (v - low) // 256
+        xh = torch.empty(m, kp, dtype=torch.int8)
+        xl = torch.empty(m, kp, dtype=torch.int8)
+        hs = torch.empty(m, dtype=torch.int32)
+        ls = torch.empty(m, dtype=torch.int32)
+        lib.it_split_rows_i16(xq.data_ptr(), m, kp, xh.data_ptr(), xl.data_ptr(), hs.data_ptr(), ls.data_ptr())
+        assert torch.equal(xh.int(), high) and torch.equal(xl.int(), low)
+        assert torch.equal(hs, high.sum(1).int()) and torch.equal(ls, low.sum(1).int())
+        if k % 128 == 0:  # (w4b_split_row: per 128 columns [A | B], A the low nibbles' columns 0-31, 64-95)
+            order = torch.cat([torch.arange(c, c + 32) for c in (0, 64, 32, 96)])
+            order = torch.cat([order + c0 for c0 in range(0, k, 128)])
+            for r in range(m):
+                bh = torch.empty(k, dtype=torch.int8)
+                bl = torch.empty(k, dtype=torch.int8)
+                lib.it_w4b_split_row(xq[r].contiguous().data_ptr(), k, bh.data_ptr(), bl.data_ptr())
+                assert torch.equal(bh.int(), high[r, order]) and torch.equal(bl.int(), low[r, order]), (m, k, r)
+
+
 def test_w4a16_on_the_packed_weight_against_its_exact_emulation(ks):
     """linear_w4p (W4A16 on pack_w4p's 64-feature blocks: the nibbles as VPDPBUSD's unsigned bytes against x_q's two
     bytes) against an exact emulation of its arithmetic below the bf16 GEMM's rows, for group sizes 64 / 128 / 256 /

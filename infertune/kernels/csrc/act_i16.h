@@ -12,8 +12,8 @@
  * into two signed bytes (w8_block). */
 #define X_QMAX 32512.0f
 
-static void quantize_rows_i16(const bf16* x, int64_t ldx, int64_t M, int64_t K, int64_t Kp, int16_t* xq,
-                              float* sx, float* xsum, int64_t gs) {
+static inline void quantize_rows_i16(const bf16* x, int64_t ldx, int64_t M, int64_t K, int64_t Kp, int16_t* xq,
+                                     float* sx, float* xsum, int64_t gs) {
     for (int64_t m = 0; m < M; m++) {
         const bf16* xr = x + m * ldx;
         float amax = 0.0f;

@@ -108,7 +108,7 @@ static void w4p_int_rows(const bf16* x, int64_t ldx, const uint32_t* w, const fl
     int8_t* xh = (int8_t*)(xsum + M * (K / 32 + 1));
     int8_t* xl = xh + M * Kp;
     int32_t* hsum = (int32_t*)(xl + M * Kp);
-    quantize_rows_i16(x, ldx, M, K, Kp, xq, sx, xsum, gs);
+    quantize_rows_i16_512(x, ldx, M, K, Kp, xq, sx, xsum, gs);
     split_rows_i16(xq, M, Kp, xh, xl, hsum, hsum + M);
     const int nt = pick_threads(nblocks, N * K / 2, nthreads);
 #pragma omp parallel for num_threads(nt) schedule(static)

@@ -6,6 +6,41 @@ static inline int use_q_amx(int64_t M, int64_t N, int64_t K) {
 
 #include "act_i16.h" /* quantize_rows_i16, X_QMAX */
 
+/* act_i16.h's quantize_rows_i16 on AVX-512, the same values bit for bit: the max of |x| (VMAXPS with x first, so a
+ * NaN is skipped as the scalar compare skips it), s and 1 / s as there, x * (1 / s) rounded half to even
+ * (VRNDSCALEPS), clamped, converted exactly; each group's sum of x still added in column order (fp32), the groups
+ * side by side for the adds' latency. The scalar loop cost a W4A16 decode step ~10% of its time: every linear
+ * rounds its row first, on one thread, before its weights stream. */
+static void quantize_rows_i16_512(const bf16* x, int64_t ldx, int64_t M, int64_t K, int64_t Kp, int16_t* xq,
+                                  float* sx, float* xsum, int64_t gs) {
+    for (int64_t m = 0; m < M; m++) {
+        const bf16* xr = x + m * ldx;
+        __m512 amax = _mm512_setzero_ps();
+        for (int64_t k = 0; k < K; k += 16)
+            amax = _mm512_max_ps(_mm512_abs_ps(load_bf16x16(xr + k, mask16(K - k))), amax);
+        const float a = _mm512_reduce_max_ps(amax), s = a > 0.0f ? a / X_QMAX : 1.0f, inv = 1.0f / s;
+        sx[m] = s;
+        const __m512 iv = _mm512_set1_ps(inv), lo = _mm512_set1_ps(-X_QMAX), hi = _mm512_set1_ps(X_QMAX);
+        int16_t* q = xq + m * Kp;
+        for (int64_t k = 0; k < Kp; k += 16) {
+            const __mmask16 mk = k < K ? mask16(K - k) : 0; /* (zeros past K) */
+            const __m512 v = _mm512_roundscale_ps(_mm512_mul_ps(load_bf16x16(xr + k, mk), iv),
+                                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            _mm256_mask_storeu_epi16(q + k, Kp - k >= 16 ? (__mmask16)0xffff : mask16(Kp - k),
+                                     _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(v, lo), hi))));
+        }
+        if (!xsum) continue;
+        const int64_t G = K / gs;
+        for (int64_t g0 = 0; g0 < G; g0 += 8) {
+            const int ng = (int)(G - g0 < 8 ? G - g0 : 8);
+            float t[8] = {0.0f};
+            for (int64_t k = 0; k < gs; k++)
+                for (int j = 0; j < ng; j++) t[j] += bf2f(xr[(g0 + j) * gs + k]);
+            for (int j = 0; j < ng; j++) xsum[m * G + g0 + j] = t[j];
+        }
+    }
+}
+
 /* ------------------------------------------------------------------ 4 / 8-16 rows without AMX: dequantize, then bf16
  *
  * The int16-activation kernels below multiply a 64-column run of weights once per row of x, two VPDPBUSD per run a
@@ -164,19 +199,28 @@ static inline __attribute__((always_inline)) void w8_block(
 #pragma GCC diagnostic pop
 
 /* x_q (int16 rows, padded to Kp) -> the signed bytes h and l of each value and their row sums */
+/* (32 values a step: l = the low byte sign-extended, h = (x_q - l) >> 8 exactly, in 16-bit lanes; the sums in int32) */
+static inline void split32_i16(__m512i v, __m512i* h, __m512i* l) {
+    *l = _mm512_srai_epi16(_mm512_slli_epi16(v, 8), 8);
+    *h = _mm512_srai_epi16(_mm512_sub_epi16(v, *l), 8);
+}
+
 static void split_rows_i16(const int16_t* xq, int64_t M, int64_t Kp, int8_t* xh, int8_t* xl, int32_t* hsum,
                            int32_t* lsum) {
+    const __m512i ones = _mm512_set1_epi16(1);
     for (int64_t m = 0; m < M; m++) {
-        int32_t hs = 0, ls = 0;
-        for (int64_t k = 0; k < Kp; k++) {
-            const int32_t v = xq[m * Kp + k], l = ((v + 128) & 255) - 128, h = (v - l) / 256;
-            xh[m * Kp + k] = (int8_t)h;
-            xl[m * Kp + k] = (int8_t)l;
-            hs += h;
-            ls += l;
+        __m512i hs = _mm512_setzero_si512(), ls = _mm512_setzero_si512();
+        for (int64_t k = 0; k < Kp; k += 32) {
+            const __mmask32 mk = Kp - k >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << (Kp - k)) - 1);
+            __m512i h, l;
+            split32_i16(_mm512_maskz_loadu_epi16(mk, xq + m * Kp + k), &h, &l);
+            _mm256_mask_storeu_epi8(xh + m * Kp + k, mk, _mm512_cvtepi16_epi8(h));
+            _mm256_mask_storeu_epi8(xl + m * Kp + k, mk, _mm512_cvtepi16_epi8(l));
+            hs = _mm512_add_epi32(hs, _mm512_madd_epi16(h, ones));
+            ls = _mm512_add_epi32(ls, _mm512_madd_epi16(l, ones));
         }
-        hsum[m] = hs;
-        lsum[m] = ls;
+        hsum[m] = _mm512_reduce_add_epi32(hs);
+        lsum[m] = _mm512_reduce_add_epi32(ls);
     }
 }
 
@@ -242,7 +286,7 @@ static void linear_w8(const bf16* x, int64_t ldx, const int8_t* w, const void* s
     int8_t* xl = xh + M * Kp;
     int32_t* hsum = (int32_t*)(xl + M * Kp);
     int32_t* lsum = hsum + M;
-    quantize_rows_i16(x, ldx, M, K, Kp, xq, sx, NULL, 1);
+    quantize_rows_i16_512(x, ldx, M, K, Kp, xq, sx, NULL, 1);
     split_rows_i16(xq, M, Kp, xh, xl, hsum, lsum);
     const int64_t nblocks = (N + NR - 1) / NR;
     const int nt = pick_threads(nblocks, N * K, nthreads);
@@ -271,6 +315,21 @@ void it_linear_w8(const bf16* x, int64_t ldx, const int8_t* w, const void* scale
     void* scratch = q_api_scratch(&q, M, K, nthreads);
     linear_w8(x, ldx, w, scale, scale_is_f32, bias, y, ldy, M, N, K, nthreads, scratch);
     free(scratch);
+}
+
+/* For tests: the activations' rounding by act_i16.h's portable loop (impl 0) or this library's (1), and the splits
+ * of x_q into signed bytes (split_rows_i16: rows of Kp; w4b_split_row: one row in the int4 nibbles' order) */
+void it_quantize_rows_i16(const bf16* x, int64_t ldx, int64_t M, int64_t K, int64_t Kp, int16_t* xq, float* sx,
+                          float* xsum, int64_t gs, int impl) {
+    if (impl)
+        quantize_rows_i16_512(x, ldx, M, K, Kp, xq, sx, xsum, gs);
+    else
+        quantize_rows_i16(x, ldx, M, K, Kp, xq, sx, xsum, gs);
+}
+
+void it_split_rows_i16(const int16_t* xq, int64_t M, int64_t Kp, int8_t* xh, int8_t* xl, int32_t* hsum,
+                       int32_t* lsum) {
+    split_rows_i16(xq, M, Kp, xh, xl, hsum, lsum);
 }
 
 /* ------------------------------------------------------------------ int4 weights, int16 activations
@@ -357,13 +416,15 @@ static inline __attribute__((always_inline)) void w4_block(
 static void w4b_split_row(const int16_t* xq, int64_t K, int8_t* xh, int8_t* xl) {
     static const int src[4] = {0, 64, 32, 96}; /* where each 32-byte quarter of [A | B] comes from */
     for (int64_t k = 0; k < K; k += 128)
-        for (int part = 0; part < 4; part++)
-            for (int b = 0; b < 32; b++) {
-                const int32_t v = xq[k + src[part] + b], l = ((v + 128) & 255) - 128;
-                xh[k + part * 32 + b] = (int8_t)((v - l) / 256);
-                xl[k + part * 32 + b] = (int8_t)l;
-            }
+        for (int part = 0; part < 4; part++) {
+            __m512i h, l;
+            split32_i16(_mm512_loadu_si512(xq + k + src[part]), &h, &l);
+            _mm256_storeu_si256((__m256i*)(xh + k + part * 32), _mm512_cvtepi16_epi8(h));
+            _mm256_storeu_si256((__m256i*)(xl + k + part * 32), _mm512_cvtepi16_epi8(l));
+        }
 }
+
+void it_w4b_split_row(const int16_t* xq, int64_t K, int8_t* xh, int8_t* xl) { w4b_split_row(xq, K, xh, xl); }
 
 /* (the weight vectors of rows past nr are never loaded nor used: GCC cannot see that through the j < nr tests) */
 #pragma GCC diagnostic push
@@ -469,7 +530,7 @@ static void linear_w4(const bf16* x, int64_t ldx, const uint8_t* w, const float*
     int16_t* xq = (int16_t*)scratch;
     float* sx = (float*)(xq + M * Kp);
     float* xsum = sx + M;
-    quantize_rows_i16(x, ldx, M, K, Kp, xq, sx, xsum, gs);
+    quantize_rows_i16_512(x, ldx, M, K, Kp, xq, sx, xsum, gs);
     if (M <= W4B_MAX_ROWS && gs % 128 == 0) {
         int8_t* xh = (int8_t*)(xsum + M * (K / 32 + 1)); /* (w8_scratch_bytes' h and l bytes: M * Kp each) */
         linear_w4b(xq, Kp, sx, xsum, xh, xh + M * K, w, scale, zero, gs, bias, y, ldy, M, N, K, nthreads);

@@ -127,10 +127,10 @@ static moe_qrows moe_qrows_at(const it_lin* L, int64_t rows, char* p) {
 static void moe_qrow(const it_lin* L, const moe_qrows* q, int64_t i, const bf16* x) {
     int16_t* xq = q->q + i * q->Kp;
     if (L->kind == IT_KIND_W4) {
-        quantize_rows_i16(x, q->K, 1, q->K, q->Kp, xq, q->s + i, q->sum + i * q->G, L->group);
+        quantize_rows_i16_512(x, q->K, 1, q->K, q->Kp, xq, q->s + i, q->sum + i * q->G, L->group);
         w4b_split_row(xq, q->K, q->h + i * q->Kp, q->l + i * q->Kp);
     } else {
-        quantize_rows_i16(x, q->K, 1, q->K, q->Kp, xq, q->s + i, NULL, 1);
+        quantize_rows_i16_512(x, q->K, 1, q->K, q->Kp, xq, q->s + i, NULL, 1);
         split_rows_i16(xq, 1, q->Kp, q->h + i * q->Kp, q->l + i * q->Kp, q->hs + i, q->ls + i);
     }
 }
