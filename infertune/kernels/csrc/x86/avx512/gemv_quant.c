@@ -6,9 +6,10 @@ static inline int use_q_amx(int64_t M, int64_t N, int64_t K) {
 
 #include "act_i16.h" /* quantize_rows_i16, X_QMAX */
 
-/* act_i16.h's quantize_rows_i16 on AVX-512, the same values bit for bit: the max of |x| (VMAXPS with x first, so a
- * NaN is skipped as the scalar compare skips it), s and 1 / s as there, x * (1 / s) rounded half to even
- * (VRNDSCALEPS), clamped, converted exactly; each group's sum of x still added in column order (fp32), the groups
+/* act_i16.h's quantize_rows_i16 on AVX-512, the same values bit for bit for finite x: the max of |x| (VMAXPS with x
+ * first, so a NaN is skipped as the scalar compare skips it), s and 1 / s as there, x * (1 / s) rounded half to even
+ * (VRNDSCALEPS), clamped (a NaN x to -32512, where the scalar loop's conversion of it is undefined), converted
+ * exactly; each group's sum of x still added in column order (fp32), the groups
  * side by side for the adds' latency. Every linear rounds its rows first, on one thread, before its weights stream:
  * with this loop (and the splits below) a W4A16 batch-1 decode step took 0.96-0.99x the time of the scalar loops'
  * on an AMX Xeon (qkv, o_proj and down 0.95-0.98x: the rounding's share grows as N shrinks). */
