@@ -43,14 +43,11 @@ static void w8p_quantize_rows(const bf16* x, int64_t ldx, int64_t M, int64_t K, 
             amax = _mm512_max_ps(amax, _mm512_abs_ps(load_bf16x16(xr + k, mask16(K - k))));
         const float a = _mm512_reduce_max_ps(amax), s = a > 0.0f ? a / X_QMAX : 1.0f;
         sx[m] = s;
-        const __m512 inv = _mm512_set1_ps(1.0f / s), lo = _mm512_set1_ps(-X_QMAX), hi = _mm512_set1_ps(X_QMAX);
+        const __m512 inv = _mm512_set1_ps(1.0f / s);
         const __m512i c128 = _mm512_set1_epi32(128), c255 = _mm512_set1_epi32(255);
         __m512i hs = _mm512_setzero_si512(), ls = _mm512_setzero_si512();
         for (int64_t k = 0; k < Kp; k += 16) {
-            const __mmask16 mk = K - k > 0 ? mask16(K - k) : 0; /* (none past K: zeros) */
-            const __m512 v = _mm512_roundscale_ps(_mm512_mul_ps(load_bf16x16(xr + k, mk), inv),
-                                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            const __m512i q = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(v, lo), hi));
+            const __m512i q = round_i16x16(xr + k, K - k > 0 ? mask16(K - k) : 0, inv); /* (none past K: zeros) */
             const __m512i l = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(q, c128), c255), c128);
             const __m512i h = _mm512_srai_epi32(_mm512_sub_epi32(q, l), 8); /* (exact: q - l is a multiple of 256) */
             hs = _mm512_add_epi32(hs, h);

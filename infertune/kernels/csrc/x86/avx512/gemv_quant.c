@@ -13,6 +13,14 @@ static inline int use_q_amx(int64_t M, int64_t N, int64_t K) {
  * side by side for the adds' latency. Every linear rounds its rows first, on one thread, before its weights stream:
  * with this loop (and the splits below) a W4A16 batch-1 decode step took 0.96-0.99x the time of the scalar loops'
  * on an AMX Xeon (qkv, o_proj and down 0.95-0.98x: the rounding's share grows as N shrinks). */
+/* 16 values of a row (mk: those to read, zeros past them) rounded to int16 by 1 / s_x = iv: x iv rounded half to
+ * even, clamped to +-X_QMAX, in int32 lanes (exact) */
+static inline __m512i round_i16x16(const bf16* p, __mmask16 mk, __m512 iv) {
+    const __m512 v = _mm512_roundscale_ps(_mm512_mul_ps(load_bf16x16(p, mk), iv),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(v, _mm512_set1_ps(-X_QMAX)), _mm512_set1_ps(X_QMAX)));
+}
+
 static void quantize_rows_i16_512(const bf16* x, int64_t ldx, int64_t M, int64_t K, int64_t Kp, int16_t* xq,
                                   float* sx, float* xsum, int64_t gs) {
     for (int64_t m = 0; m < M; m++) {
@@ -22,15 +30,11 @@ static void quantize_rows_i16_512(const bf16* x, int64_t ldx, int64_t M, int64_t
             amax = _mm512_max_ps(_mm512_abs_ps(load_bf16x16(xr + k, mask16(K - k))), amax);
         const float a = _mm512_reduce_max_ps(amax), s = a > 0.0f ? a / X_QMAX : 1.0f, inv = 1.0f / s;
         sx[m] = s;
-        const __m512 iv = _mm512_set1_ps(inv), lo = _mm512_set1_ps(-X_QMAX), hi = _mm512_set1_ps(X_QMAX);
+        const __m512 iv = _mm512_set1_ps(inv);
         int16_t* q = xq + m * Kp;
-        for (int64_t k = 0; k < Kp; k += 16) {
-            const __mmask16 mk = k < K ? mask16(K - k) : 0; /* (zeros past K) */
-            const __m512 v = _mm512_roundscale_ps(_mm512_mul_ps(load_bf16x16(xr + k, mk), iv),
-                                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        for (int64_t k = 0; k < Kp; k += 16) /* (zeros past K) */
             _mm256_mask_storeu_epi16(q + k, Kp - k >= 16 ? (__mmask16)0xffff : mask16(Kp - k),
-                                     _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(v, lo), hi))));
-        }
+                                     _mm512_cvtepi32_epi16(round_i16x16(xr + k, k < K ? mask16(K - k) : 0, iv)));
         if (!xsum) continue;
         const int64_t G = K / gs;
         for (int64_t g0 = 0; g0 < G; g0 += 8) {
