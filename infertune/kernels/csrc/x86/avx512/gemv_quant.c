@@ -345,6 +345,21 @@ void it_split_rows_i16(const int16_t* xq, int64_t M, int64_t Kp, int8_t* xh, int
  * widens to 32 int16 whose low and high nibbles are columns k0 .. k0 + 31 and k0 + 32 .. k0 + 63. Values q in
  * 0..15 with, per row and group of gs columns (gs a multiple of 64), w = q * scale + zero (fp32 [N, K / gs]).
  */
+/* sum_g zero_g * (sum of x over g), with the exact sums of x: 16 groups a vector, then one sum across the lanes. As a
+ * scalar loop (z += zero_g xsum_g, group by group) it was one chain of G dependent adds after each block (GCC kept
+ * their order), about as long as the block's own work at K = 4864 (38 groups), and the next block's work did not fit
+ * under it: w4b_block on weights in L2 took 1.10x (K = 896) / 1.20x (K = 4864) the time (docs/kernels.md). The order
+ * differs from group by group in the last bits, inside the fp32-sum term of the error bound tests/test_kernels.py
+ * holds linear_w4 to. */
+static inline float zero_dot(const float* zero, const float* xsum, int64_t G) {
+    __m512 z = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; g += 16) {
+        const __mmask16 m = mask16(G - g);
+        z = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, zero + g), _mm512_maskz_loadu_ps(m, xsum + g), z);
+    }
+    return _mm512_reduce_add_ps(z);
+}
+
 /* (the weight vectors of rows past nr are never loaded nor used: GCC cannot see that through the j < nr tests) */
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
@@ -468,10 +483,8 @@ static inline __attribute__((always_inline)) void w4b_block(const int8_t* xh, co
         }
     }
     for (int j = 0; j < nr; j++) {
-        float z = 0.0f;
-        for (int64_t g = 0; g < G; g++) z += zero[j * G + g] * xsum[g];
         out[j] = _mm512_reduce_add_ps(accf[j]);
-        zout[j] = z;
+        zout[j] = zero_dot(zero + j * G, xsum, G);
     }
 }
 #pragma GCC diagnostic pop
