@@ -415,12 +415,17 @@ def test_quantized_prompts_with_amx_are_the_tile_gemm_on_the_dequantized_weight(
     """With AMX, W8A16 / W4A16 from 17 rows to kernels.quant_max_rows() (128) multiply on the tiles a 32-feature
     chunk rebuilt in bf16 at a time (quant_amx.c linear_q_amx_gemm), never the whole layer: bit for bit linear_bf16
     (the 2 x 2 tile GEMM) on dequant_w8 / dequant_w4's weight; at 2-16 rows (linear_q_amx: a chunk's 64 rows rebuilt
-    at a time) linear_bf16's row tiles on it. Features past a multiple of 16 (N % 16: linear_bf16's
+    at a time) linear_bf16's row tiles on it, W4A16 from it_w4_amx_rows() (5) rows: below, its int16 kernel
+    (w4_block: other bits, held to its error bound by test_w4_within_its_error_bound; here forced to the tiles at
+    2 rows). Features past a multiple of 16 (N % 16: linear_bf16's
     GEMV on their rebuilt rows), K long enough for two blocks of rows (4864: 64-row blocks), int4 groups of 64 / 128,
     rows whose scales give denormal weights, and a bias. Past 128 rows the layer dequantizes once for torch's GEMM."""
     from infertune.quant.int4 import quantize_int4_groupwise
 
     assert kernels.quant_max_rows() == kernels.AMX_GEMM_MAX_ROWS
+    lib = kernels.library()
+    w4_amx_rows = lib.it_w4_amx_rows(0)
+    assert 2 < w4_amx_rows <= 16
     g = torch.Generator().manual_seed(13)
     for n, k, gs in ((70, 640, 64), (136, 4864, 128), (16, 256, 64)):
         q8, s8 = quantize_int8_per_channel(torch.randn(n, k, generator=g))
@@ -433,7 +438,7 @@ def test_quantized_prompts_with_amx_are_the_tile_gemm_on_the_dequantized_weight(
         w4 = kernels.dequant_w4(packed, s4, z4, gs)
         bias = torch.randn(n, generator=g).bfloat16()
         bias[3] = bias[6] = 0  # (so the tiny rows' sums show, not the bias)
-        for m in (2, 9, 16, 17, 45, 128):
+        for m in (2, w4_amx_rows, 9, 16, 17, 45, 128):
             x = torch.randn(m, k, generator=g).bfloat16()
             want8, want4 = kernels.linear_bf16(x, w8, bias), kernels.linear_bf16(x, w4, bias)
             assert (want8[:, 3] != 0).float().mean() > 0.5 and (want4[:, 6] != 0).float().mean() > 0.5
@@ -441,7 +446,16 @@ def test_quantized_prompts_with_amx_are_the_tile_gemm_on_the_dequantized_weight(
             cols = slice(None) if m > 16 else slice(0, n // 16 * 16)
             got8 = kernels.linear_w8(x, q8, s8, bias)
             assert torch.equal(got8[:, cols].view(torch.int16), want8[:, cols].view(torch.int16)), m
-            got4 = kernels.linear_w4(x, packed, s4, z4, gs, bias)
+            if m < w4_amx_rows:  # the int16 kernel by default; the tiles where forced from m rows
+                lib.it_w4_amx_rows(m)
+                try:
+                    got4 = kernels.linear_w4(x, packed, s4, z4, gs, bias)
+                finally:
+                    lib.it_w4_amx_rows(w4_amx_rows)
+                int16 = kernels.linear_w4(x, packed, s4, z4, gs, bias)  # (test_w4_within_its_error_bound holds it)
+                assert not torch.equal(int16[:, cols].view(torch.int16), want4[:, cols].view(torch.int16)), (n, k, m)
+            else:
+                got4 = kernels.linear_w4(x, packed, s4, z4, gs, bias)
             assert torch.equal(got4[:, cols].view(torch.int16), want4[:, cols].view(torch.int16)), (n, k, m)
 
 

@@ -424,6 +424,7 @@ def declare(lib: ctypes.CDLL) -> None:
         "it_w4b_split_row": ([ptr, i64, ptr, ptr], None),
         "it_bf16c_reg_rows": ([i64], i64),
         "it_q_dq_rows": ([i64, i64], i64),
+        "it_w4_amx_rows": ([i64], i64),
         "it_set_prefetch": ([i64], None),
         "it_get_prefetch": ([], i64),
         "it_set_prefetch_bf16": ([i64], None),

@@ -515,6 +515,20 @@ static void linear_w4b(const int16_t* xq, int64_t Kp, const float* sx, const flo
     }
 }
 
+/* With AMX, W4A16 on pack_w4's rows multiplies 2-16 rows on the bf16 tiles, each 64 features' rows rebuilt in bf16
+ * first (linear_q_amx), from this many rows; below it w4_block's int16 products: the fused W4A16 decode step took
+ * 0.60x / 0.85x the time at 2 / 4 requests with them, 1.12x / 1.48x at 6 / 8 (docs/kernels.md) */
+#ifndef W4_AMX_MIN_ROWS
+#define W4_AMX_MIN_ROWS 5
+#endif
+static int64_t w4_amx_rows = W4_AMX_MIN_ROWS; /* (it_w4_amx_rows, for tests and A/B runs) */
+
+/* Sets (rows > 0) and returns the rows from which W4A16 on pack_w4's rows takes the tiles with AMX (up to 16) */
+int64_t it_w4_amx_rows(int64_t rows) {
+    if (rows > 0) w4_amx_rows = rows;
+    return w4_amx_rows;
+}
+
 /* scratch: qlin_scratch_bytes(M, K, nthreads), aligned (past 16 rows on AMX: q_amx_gemm_scratch_bytes) */
 static void linear_w4(const bf16* x, int64_t ldx, const uint8_t* w, const float* scale, const float* zero, int64_t gs,
                       const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads,
@@ -524,7 +538,7 @@ static void linear_w4(const bf16* x, int64_t ldx, const uint8_t* w, const float*
         linear_q_amx_big(&q, x, ldx, bias, y, ldy, M, N, K, nthreads, scratch);
         return;
     }
-    if (use_q_amx(M, N, K)) {
+    if (use_q_amx(M, N, K) && M >= w4_amx_rows) {
         const qweight q = {IT_KIND_W4, w, scale, 0, zero, gs};
         const int64_t n16 = N & ~(int64_t)15;
         linear_q_amx(&q, x, ldx, bias, y, ldy, M, n16, K, nthreads, (char*)scratch + w8_scratch_bytes(M, K));

@@ -102,16 +102,16 @@ static inline void dequant_w4_row_fast(const uint8_t* p, const float* scale, con
     }
     const __m512 q16 = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512i m = _mm512_set1_epi16(0xF);
-    __m512i table = _mm512_setzero_si512();
-    for (int64_t k0 = 0, g = -1; k0 < K; k0 += 64) { /* 32 bytes: columns k0 + b (low nibbles) and k0 + 32 + b (high) */
-        if (k0 / gs != g) {
-            g = k0 / gs;
-            const __m512 v = _mm512_add_ps(_mm512_mul_ps(q16, _mm512_set1_ps(scale[g])), _mm512_set1_ps(zero[g]));
-            table = (__m512i)_mm512_cvtne2ps_pbh(v, v);
+    /* group by group (K % gs == 0 at every caller): a 64-bit division k0 / gs per 64 weights, as this loop had, cost
+       more than the rest of its work (the rebuild ~2x slower, docs/kernels.md) */
+    for (int64_t g = 0, k0 = 0; g < K / gs; g++) {
+        const __m512 v = _mm512_add_ps(_mm512_mul_ps(q16, _mm512_set1_ps(scale[g])), _mm512_set1_ps(zero[g]));
+        const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(v, v);
+        for (const int64_t end = k0 + gs; k0 < end; k0 += 64) { /* 32 bytes: columns k0 + b (low nibbles), k0 + 32 + b (high) */
+            const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(p + k0 / 2)));
+            _mm512_storeu_si512(out + k0, _mm512_permutexvar_epi16(_mm512_and_si512(b, m), table));
+            _mm512_storeu_si512(out + k0 + 32, _mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), table));
         }
-        const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(p + k0 / 2)));
-        _mm512_storeu_si512(out + k0, _mm512_permutexvar_epi16(_mm512_and_si512(b, m), table));
-        _mm512_storeu_si512(out + k0 + 32, _mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), table));
     }
 }
 
