@@ -102,8 +102,8 @@ static inline void dequant_w4_row_fast(const uint8_t* p, const float* scale, con
     }
     const __m512 q16 = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512i m = _mm512_set1_epi16(0xF);
-    /* group by group (K % gs == 0 at every caller): a 64-bit division k0 / gs per 64 weights, as this loop had, cost
-       more than the rest of its work (the rebuild ~2x slower, docs/kernels.md) */
+    /* group by group (K % gs == 0 at every caller): with a 64-bit division k0 / gs per 64 weights, as this loop had,
+       a rebuild into L1 took 1.28x the time (docs/kernels.md) */
     for (int64_t g = 0, k0 = 0; g < K / gs; g++) {
         const __m512 v = _mm512_add_ps(_mm512_mul_ps(q16, _mm512_set1_ps(scale[g])), _mm512_set1_ps(zero[g]));
         const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(v, v);
