@@ -57,7 +57,7 @@ static inline __m256i round_bf16x16_nan(__m512 v) {
 static void gemm_pack_slab(const bf16* w, int64_t K, int64_t n0, int nrows, int64_t k0, int64_t kc, uint32_t* wp) {
     for (int64_t c = 0; c < kc; c += 32) { /* 16 pairs a pass */
         const int64_t left = kc - c;
-        const __mmask32 mk = left >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1ull << left) - 1);
+        const __mmask32 mk = mask32(left);
         const int np = (int)(left >= 32 ? 16 : left / 2);
         for (int v = 0; v < 4; v++) {
             float rows[256];

@@ -217,7 +217,7 @@ static void split_rows_i16(const int16_t* xq, int64_t M, int64_t Kp, int8_t* xh,
     for (int64_t m = 0; m < M; m++) {
         __m512i hs = _mm512_setzero_si512(), ls = _mm512_setzero_si512();
         for (int64_t k = 0; k < Kp; k += 32) {
-            const __mmask32 mk = Kp - k >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << (Kp - k)) - 1);
+            const __mmask32 mk = mask32(Kp - k);
             __m512i h, l;
             split32_i16(_mm512_maskz_loadu_epi16(mk, xq + m * Kp + k), &h, &l);
             _mm256_mask_storeu_epi8(xh + m * Kp + k, mk, _mm512_cvtepi16_epi8(h));

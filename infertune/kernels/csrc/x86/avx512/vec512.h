@@ -16,6 +16,10 @@ static inline __mmask16 mask16(int64_t left) { /* the first min(left, 16) lanes 
     return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
 }
 
+static inline __mmask32 mask32(int64_t left) { /* the first min(left, 32) lanes */
+    return left >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << left) - 1);
+}
+
 static inline __m512 load_bf16x16(const bf16* p, __mmask16 m) { /* 16 bf16 (masked) -> fp32 */
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
 }
@@ -45,17 +49,18 @@ static inline void dequant_w8_row(const int8_t* q, float s, bf16* out, int64_t K
 
 static inline void dequant_w4_row(const uint8_t* p, const float* scale, const float* zero, int64_t gs, bf16* out,
                                   int64_t K) {
-    for (int64_t k0 = 0; k0 < K; k0 += 64) { /* 32 bytes: columns k0 + b (low) and k0 + 32 + b (high) */
-        const int64_t g = k0 / gs;
+    for (int64_t g = 0, k0 = 0; g < K / gs; g++) { /* group by group (K % gs == 0 at every caller) */
         const __m512 sv = _mm512_set1_ps(scale[g]), zv = _mm512_set1_ps(zero[g]);
-        for (int64_t h = 0; h < 2; h++) { /* bytes 16 h .. 16 h + 15 */
-            const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(p + k0 / 2 + 16 * h)));
-            const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0xF)));
-            const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
-            _mm256_storeu_si256((__m256i*)(out + k0 + 16 * h), round_bf16x16(_mm512_add_ps(_mm512_mul_ps(lo, sv), zv)));
-            _mm256_storeu_si256((__m256i*)(out + k0 + 32 + 16 * h),
-                                round_bf16x16(_mm512_add_ps(_mm512_mul_ps(hi, sv), zv)));
-        }
+        for (const int64_t end = k0 + gs; k0 < end; k0 += 64) /* 32 bytes: columns k0 + b (low), k0 + 32 + b (high) */
+            for (int64_t h = 0; h < 2; h++) { /* bytes 16 h .. 16 h + 15 */
+                const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(p + k0 / 2 + 16 * h)));
+                const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0xF)));
+                const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+                _mm256_storeu_si256((__m256i*)(out + k0 + 16 * h),
+                                    round_bf16x16(_mm512_add_ps(_mm512_mul_ps(lo, sv), zv)));
+                _mm256_storeu_si256((__m256i*)(out + k0 + 32 + 16 * h),
+                                    round_bf16x16(_mm512_add_ps(_mm512_mul_ps(hi, sv), zv)));
+            }
     }
 }
 
