@@ -900,6 +900,16 @@ def test_prefill_dequantization_matches_the_reference_rounding(ks):
         ref = (q4.float().view(rows, -1, gs) * scale.unsqueeze(-1) + zero.unsqueeze(-1)).view(rows, 4096)
         got = ks.dequant_w4(ks.pack_w4(q4), scale, zero, gs)
         assert torch.equal(got.view(torch.int16), ref.to(torch.bfloat16).view(torch.int16)), gs
+    # rows of 19 groups whose only denormal group lies past the first 16 (the AVX-512 check reads 16 groups a compare,
+    # then the last 3 under a mask): row 1's group 17 and row 4's last group hold row 2's denormal above
+    q4 = torch.randint(0, 16, (8, 19 * 128), generator=g)
+    scale, zero = torch.rand(8, 19, generator=g) * 0.02, torch.randn(8, 19, generator=g) * 0.1
+    for r, grp in ((1, 17), (4, 18)):
+        q4[r, grp * 128 : (grp + 1) * 128], scale[r, grp], zero[r, grp] = 15, 559240 * 2.0**-149, 0.0
+    ref = (q4.float().view(8, 19, 128) * scale.unsqueeze(-1) + zero.unsqueeze(-1)).view(8, -1).to(torch.bfloat16)
+    assert (ref[1, 17 * 128 : 18 * 128] == 2.0**-126).all() and (ref[4, 18 * 128 :] == 2.0**-126).all()
+    got = ks.dequant_w4(ks.pack_w4(q4), scale, zero, 128)
+    assert torch.equal(got.view(torch.int16), ref.view(torch.int16))
 
 
 @needs_kernels

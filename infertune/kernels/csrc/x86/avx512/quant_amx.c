@@ -17,19 +17,22 @@ static inline int64_t q_amx_scratch_bytes(int64_t K, int nthreads) {
     return (K * 32 + (int64_t)(nthreads > 0 ? nthreads : 1) * 64 * K * 2 + 127) & ~(int64_t)63;
 }
 
+#ifndef W4_REBUILD_AHEAD_ROWS
+#define W4_REBUILD_AHEAD_ROWS 8
+#endif
 static inline void dequant_rows(const qweight* q, int64_t n0, int64_t rows, int64_t K, bf16* out) {
     for (int64_t r = 0; r < rows; r++) { /* (the exact rounding, 32 values an instruction where none can be denormal) */
         const int64_t n = n0 + r;
-        /* the int4 row 8 rows on, into L2 (past the last row: a prefetch never faults): at 8 / 16 requests with AMX
-           (linear_q_amx) the fused W4A16 decode step took 0.93x / 0.96x the time (32 rows on: level), where `perf`
-           had put half of linear_q_amx's samples on the rebuild's loads of the weight (docs/kernels.md) */
-        if (q->kind == IT_KIND_W4)
-            for (int64_t o = 0; o < K / 2; o += 64) _mm_prefetch((const char*)q->w + (n + 8) * (K / 2) + o, _MM_HINT_T1);
+        /* the int4 row W4_REBUILD_AHEAD_ROWS rows on, into L2, a line as the rebuild reaches each (past the last row:
+           a prefetch never faults): at 8 / 16 requests with AMX (linear_q_amx) the fused W4A16 decode step took
+           0.93x / 0.96x the time (32 rows on: level), where `perf` had put half of linear_q_amx's samples on the
+           rebuild's loads of the weight; spread along the row instead of a burst at its start, the 16-row linears of
+           a step 1.1x faster again (docs/kernels.md) */
         if (q->kind == IT_KIND_W8)
             dequant_w8_row_fast((const int8_t*)q->w + n * K, w8_scale(q->scale, q->scale_is_f32, n), out + r * K, K);
         else
-            dequant_w4_row_fast((const uint8_t*)q->w + n * (K / 2), (const float*)q->scale + n * (K / q->gs),
-                                q->zero + n * (K / q->gs), q->gs, out + r * K, K);
+            dequant_w4_row_ahead((const uint8_t*)q->w + n * (K / 2), (const float*)q->scale + n * (K / q->gs),
+                                 q->zero + n * (K / q->gs), q->gs, out + r * K, K, W4_REBUILD_AHEAD_ROWS * (K / 2));
     }
 }
 

@@ -75,9 +75,23 @@ static inline int dq_scale_ok(float v, float least) {
     return v == 0.0f || (a >= least && a <= 3.4028234e38f);
 }
 
+/* lanes of v (live ones) that are 0 or finite with |v| >= least (dq_scale_ok lane by lane; a NaN fails every compare) */
+static inline __mmask16 dq_scales_ok16(__mmask16 live, const float* v, __m512 least) {
+    const __m512 x = _mm512_maskz_loadu_ps(live, v);
+    const __m512 a = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7fffffff)));
+    return _mm512_mask_cmp_ps_mask(live, x, _mm512_setzero_ps(), _CMP_EQ_OQ) |
+           _mm512_mask_cmp_ps_mask(_mm512_mask_cmp_ps_mask(live, a, least, _CMP_GE_OQ), a,
+                                   _mm512_set1_ps(3.4028234e38f), _CMP_LE_OQ);
+}
+
+/* dq_scale_ok(., 2^-102) for every scale and offset of a row, 16 groups a compare: the scalar test of each group
+ * (two compares and branches a group) had been ~a third of the instructions of a K = 4864 row's rebuild (perf) */
 static inline int dq_w4_row_is_normal(const float* scale, const float* zero, int64_t G) {
-    for (int64_t g = 0; g < G; g++)
-        if (!dq_scale_ok(scale[g], 0x1p-102f) || !dq_scale_ok(zero[g], 0x1p-102f)) return 0;
+    const __m512 least = _mm512_set1_ps(0x1p-102f);
+    for (int64_t g = 0; g < G; g += 16) {
+        const __mmask16 live = G - g >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (G - g)) - 1);
+        if ((dq_scales_ok16(live, scale + g, least) & dq_scales_ok16(live, zero + g, least)) != live) return 0;
+    }
     return 1;
 }
 
@@ -99,25 +113,35 @@ static inline void dequant_w8_row_fast(const int8_t* q, float s, bf16* out, int6
 /* int4 rows a group at a time: a group's 16 possible values bf16(q s + z) (q = 0 .. 15, the same fp32 multiply, add
  * and VCVTNE2PS2BF16 as the row loop's, so the same bits) worked out once into a vector, then each 32 columns one
  * VPERMW lookup by their nibbles: ~8 instructions per 64 weights in place of ~26 */
-static inline void dequant_w4_row_fast(const uint8_t* p, const float* scale, const float* zero, int64_t gs, bf16* out,
-                                       int64_t K) {
+/* ahead: 0, or a byte distance at which each 64-byte line of the row is asked into L2 as the rebuild reaches it (one
+ * prefetch per line, spread along the row: the same lines asked for in one burst at the start of each row stalled
+ * the rebuild on its prefetches, perf) */
+static inline __attribute__((always_inline)) void dequant_w4_row_ahead(const uint8_t* p, const float* scale,
+                                                                       const float* zero, int64_t gs, bf16* out,
+                                                                       int64_t K, int64_t ahead) {
     if (!dq_w4_row_is_normal(scale, zero, K / gs)) {
         dequant_w4_row(p, scale, zero, gs, out, K);
         return;
     }
     const __m512 q16 = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512i m = _mm512_set1_epi16(0xF);
     /* group by group (K % gs == 0 at every caller): with a 64-bit division k0 / gs per 64 weights, as this loop had,
-       a rebuild into L1 took 1.28x the time (docs/kernels.md) */
+       a rebuild into L1 took 1.28x the time (docs/kernels.md). The table holds the group's 16 values twice (words 0-15
+       and 16-31) and VPERMW reads an index's low 5 bits, so a byte's low nibble indexes it without a mask. */
     for (int64_t g = 0, k0 = 0; g < K / gs; g++) {
         const __m512 v = _mm512_add_ps(_mm512_mul_ps(q16, _mm512_set1_ps(scale[g])), _mm512_set1_ps(zero[g]));
         const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(v, v);
         for (const int64_t end = k0 + gs; k0 < end; k0 += 64) { /* 32 bytes: columns k0 + b (low nibbles), k0 + 32 + b (high) */
+            if (ahead && (k0 & 127) == 0) _mm_prefetch((const char*)p + k0 / 2 + ahead, _MM_HINT_T1);
             const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(p + k0 / 2)));
-            _mm512_storeu_si512(out + k0, _mm512_permutexvar_epi16(_mm512_and_si512(b, m), table));
+            _mm512_storeu_si512(out + k0, _mm512_permutexvar_epi16(b, table));
             _mm512_storeu_si512(out + k0 + 32, _mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), table));
         }
     }
+}
+
+static inline void dequant_w4_row_fast(const uint8_t* p, const float* scale, const float* zero, int64_t gs, bf16* out,
+                                       int64_t K) {
+    dequant_w4_row_ahead(p, scale, zero, gs, out, K, 0);
 }
 
 static inline float w8_scale(const void* scale, int scale_is_f32, int64_t n) {
