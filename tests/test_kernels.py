@@ -1808,9 +1808,8 @@ def test_fused_step_runs_prompts_as_accurately_as_pytorch(tmp_path, monkeypatch,
     # (steps of any size: 12-bit weights, the default where the kernels compress, on AMX's tile GEMM or the slab
     # GEMM; without AMX W8A16 / W4A16 too, on slabs rebuilt from the quantized weights)
     # (W8A8 on AVX2: prompts of up to AVX2_FUSED_PREFILL_ROWS tokens in all, as bf16 there)
-    # (W4A16 in rows on AMX: steps of up to AMX_GEMM_MAX_ROWS rows, linear_w4's tile GEMM on rebuilt chunks)
+    # (W4A16 in rows on AMX: steps of any size too, linear_w4's tile GEMM on rebuilt chunks)
     twelve = kernels.bf16c_supported(16, 32) if quant is None else kernels.variant() == "avx512"
-    twelve = twelve and not (quant == "w4a16" and kernels.amx())
     for mode in ("auto", "linear"):
         calls.clear()
         llm = LLM(

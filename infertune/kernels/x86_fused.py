@@ -239,7 +239,11 @@ class X86FusedDecoder:
             # / W4A16 in rows: linear_bf16's tile GEMM on 32 rows rebuilt at a time, quant_amx.c, up to 128 rows as
             # the per-module path's linear_w8 / linear_w4 calls take it)
             prefill_rows = cpu.AMX_GEMM_MAX_ROWS
-            if kinds <= {"bf16c", "w8a8", "w8p", "w4p"}:
+            # W4A16 in rows at any size too: past 128 rows its tile GEMM rebuilds each chunk once a block of rows
+            # (about level with dequantizing the layer for a bf16 GEMM at 512-2048 rows, bench_quant_rows.py), and
+            # the step stays fused (its attention, norms and rotary): 16 x 128-token W4A16 prompts 0.88x the time
+            # on a Xeon with AMX (2026-12-06; docs/kernels.md). (W8A16 packs as w8p with AMX.)
+            if kinds <= {"bf16c", "w8a8", "w8p", "w4p", "w4"}:
                 prefill_rows = max(prefill_rows, model.step_rows)
         elif (
             not amx
