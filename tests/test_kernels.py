@@ -418,8 +418,9 @@ def test_quantized_prompts_with_amx_are_the_tile_gemm_on_the_dequantized_weight(
     at a time) linear_bf16's row tiles on it, W4A16 from it_w4_amx_rows() (5) rows: below, its int16 kernel
     (w4_block: other bits, held to its error bound by test_w4_within_its_error_bound; here forced to the tiles at
     2 rows). Features past a multiple of 16 (N % 16: linear_bf16's
-    GEMV on their rebuilt rows), K long enough for two blocks of rows (4864: 64-row blocks), int4 groups of 64 / 128,
-    rows whose scales give denormal weights, and a bias. Past 128 rows the layer dequantizes once for torch's GEMM."""
+    GEMV on their rebuilt rows), 300 rows (blocks of 128 rows at K = 4864, of 256 at 640 and 256, each rebuilding
+    the weight: the fused step's W4A16 prompts of any size), int4 groups of 64 / 128, rows whose scales give denormal
+    weights, and a bias. (The per-module path dequantizes a layer once for torch's GEMM past 128 rows.)"""
     from infertune.quant.int4 import quantize_int4_groupwise
 
     assert kernels.quant_max_rows() == kernels.AMX_GEMM_MAX_ROWS
@@ -438,7 +439,7 @@ def test_quantized_prompts_with_amx_are_the_tile_gemm_on_the_dequantized_weight(
         w4 = kernels.dequant_w4(packed, s4, z4, gs)
         bias = torch.randn(n, generator=g).bfloat16()
         bias[3] = bias[6] = 0  # (so the tiny rows' sums show, not the bias)
-        for m in (2, w4_amx_rows, 9, 16, 17, 45, 128):
+        for m in (2, w4_amx_rows, 9, 16, 17, 45, 128, 300):
             x = torch.randn(m, k, generator=g).bfloat16()
             want8, want4 = kernels.linear_bf16(x, w8, bias), kernels.linear_bf16(x, w4, bias)
             assert (want8[:, 3] != 0).float().mean() > 0.5 and (want4[:, 6] != 0).float().mean() > 0.5

@@ -170,6 +170,14 @@ static inline int64_t gemm_rows_per_block(int64_t K) {
     return mb < 32 ? 32 : mb;
 }
 
+/* Rows of x per block where each block rebuilds the weight's chunks from quantized rows (quant_amx.c): at least 128,
+ * so a long K (down_proj's 4864: 64 rows by the L2 share) rebuilds the weight half as often; a W4A16 down_proj at
+ * 512-2048 rows ran 1.10-1.16x faster at 128 (96: level, 192: 1.05x, 256: 0.9x; a C harness, 2026-12-06) */
+static inline int64_t gemm_rows_per_rebuild_block(int64_t K) {
+    const int64_t mb = gemm_rows_per_block(K);
+    return mb < 128 ? 128 : mb;
+}
+
 /* Where the GEMM's 32-feature chunks of W come from: w's rows in place (rebuild NULL), or rebuilt into a thread's
  * buffer of 32 rows (bufs: 32 x K a thread) by rebuild(ctx, n0, rows, K, out): quantized weights (quant_amx.c) */
 typedef struct {
@@ -183,7 +191,7 @@ __attribute__((target("amx-tile,amx-bf16")))
 static void amx_gemm_src(const bf16* x, int64_t ldx, const amx_wsrc* src, const bf16* bias, bf16* y, int64_t ldy,
                          int64_t M, int64_t N16, int64_t K, int nthreads, bf16* xt) {
     const int64_t nchunks = (N16 + 31) / 32; /* chunks of 32 features */
-    const int64_t mb = gemm_rows_per_block(K);
+    const int64_t mb = src->rebuild ? gemm_rows_per_rebuild_block(K) : gemm_rows_per_block(K);
     const int nt = pick_threads(nchunks, N16 * K * 2 * ((M + 15) / 16), nthreads);
 #pragma omp parallel num_threads(nt)
     {

@@ -71,7 +71,7 @@ static void linear_q_amx(const qweight* q, const bf16* x, int64_t ldx, const bf1
 
 /* The scratch's first part: x's transposed block (amx_gemm_src's xt); then each thread's 32 rebuilt rows */
 static inline int64_t q_amx_xt_bytes(int64_t M, int64_t K) {
-    const int64_t mb = gemm_rows_per_block(K);
+    const int64_t mb = gemm_rows_per_rebuild_block(K);
     return (M < mb ? (M + 31) & ~(int64_t)31 : mb) * K * 2;
 }
 
