@@ -1831,3 +1831,42 @@ def test_fused_step_runs_prompts_as_accurately_as_pytorch(tmp_path, monkeypatch,
             worst[mode] = max(worst[mode], *_hf_logprob_errors(llm, prompts, params, hf, argmax=quant is None))
             assert calls == ([156] if mode == "auto" else []), calls
     assert worst["auto"] <= 1.5 * worst["linear"] + 0.02, worst
+
+
+@pytest.mark.skipif(
+    not (kernels.available() and kernels.variant() == "avx512" and kernels.amx()),
+    reason=f"W4A16 prompts on the 12-bit tile GEMM need AMX: {kernels.describe()}",
+)
+def test_w4a16_prompts_on_the_12bit_tile_gemm_are_the_row_blocks_bits(tmp_path):
+    """With AMX a W4A16 prompt's linears (pack_w4's rows) run the 12-bit weights' tile GEMM on the rows rebuilt in
+    its VNNI order 16 features x 32 columns at a time (bf16c_gemm.c w4r_tile), the gate_up writing SiLU-and-multiply
+    in its epilogue (gate and up tiles paired by the decoder): the fused step's logprobs bit for bit those of the 2 x 2
+    row-block GEMM and the separate activation (it_w4_tiles(0)), prompt steps of 66 and 156 rows."""
+    from infertune import LLM, SamplingParams
+
+    lib = kernels.library()
+    assert lib.it_w4_tiles(-1) == 1
+    model = _tiny_bf16_llama(tmp_path)
+    gen = torch.Generator().manual_seed(12)
+    prompts = [{"prompt_token_ids": torch.randint(3, 250, (n,), generator=gen).tolist()} for n in (5, 21, 40, 90)]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=3)
+    runs = {}
+    for on in (1, 0):
+        lib.it_w4_tiles(on)
+        try:
+            llm = LLM(
+                str(model),
+                dtype="bfloat16",
+                quantization="w4a16",
+                quant_group_size=64,
+                max_model_len=192,
+                enable_prefix_caching=False,
+            )
+            runs[on] = [
+                (o.outputs[0].token_ids, [(lp.token_id, lp.logprob, lp.top) for lp in o.outputs[0].logprobs])
+                for batch in (prompts[:3], prompts)
+                for o in llm.generate(batch, params, use_tqdm=False)
+            ]
+        finally:
+            lib.it_w4_tiles(1)
+    assert runs[1] == runs[0]

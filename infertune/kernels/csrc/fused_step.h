@@ -43,6 +43,9 @@ static moe_ws moe_workspace(const it_model* m, int64_t T, int64_t base) {
 
 #include "mla.h"
 
+#ifndef GATE_UP_ACT_TAKES /* (a variant whose W4A16 gate_up can write act itself: x86/avx512/decode_ws.c) */
+#define GATE_UP_ACT_TAKES(m, L, R) ((void)(m), (void)(L), (void)(R), 0)
+#endif
 #ifndef PX_TAKES /* (a variant with a tile GEMM on packed activations defines these: x86/avx512/decode_ws.c) */
 #define PX_TAKES(L, rows) ((void)(L), (void)(rows), 0)
 #define PX_NORM(x, w, out, T, H, eps, nt) ((void)0)
@@ -113,7 +116,8 @@ static void qk_norm_rows(const it_model* m, const it_layer* L, bf16* qkv, int64_
  * scratch) */
 static void gate_up_rows(const it_model* m, const it_lin* gate_up, const bf16* h, bf16* act, int64_t R, int64_t inter,
                          bf16* gu, void* lin, bf16* dec) {
-    if (gate_up->kind == IT_KIND_BF16C && gate_up->inter) { /* SiLU-and-multiply in the GEMM's epilogue */
+    if ((gate_up->kind == IT_KIND_BF16C && gate_up->inter) || GATE_UP_ACT_TAKES(m, gate_up, R)) {
+        /* SiLU-and-multiply in the GEMM's epilogue */
         run_lin(gate_up, h, m->hidden, act, inter, R, m->nthreads, lin, dec, 1);
     } else {
         run_lin(gate_up, h, m->hidden, gu, 2 * inter, R, m->nthreads, lin, dec, 0);

@@ -137,6 +137,12 @@ typedef struct {
        a multiple of 32): chunk c's four tiles are then gate 32c .., up 32c .., gate 32c + 16 .., up 32c + 16 .., the
        order a 12-bit gate_up is packed in, so the GEMM's epilogue writes SiLU-and-multiply (tile_pair_out) */
     int64_t inter;
+    /* W4A16 in pack_w4's rows (cw and w4 NULL; w4r set): w4r [N, K / 2] (each run of 64 columns in 32 bytes, byte b
+       holding column b in its low nibble and b + 32 in its high one), its fp32 scales and offsets sr / zr [N, K / gs];
+       features from N on rebuild as zeros (w4r_tile) */
+    const uint8_t* w4r;
+    const float *sr, *zr;
+    int64_t N;
 } tile_src;
 
 #ifndef W4P_TILE_PF
@@ -220,6 +226,74 @@ static inline void w4p_chunk_octet(const tile_src* s, int64_t c, int64_t p, uint
     }
 }
 
+/* The 16 x 16 transpose of 32-bit words: row p of the result holds word p of each input row, row i's in word i */
+static inline void transpose16_epi32(__m512i r[16]) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);  /* a lane: r_i[0] r_i+1[0] r_i[1] r_i+1[1] */
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]); /* r_i[2] r_i+1[2] r_i[3] r_i+1[3] */
+    }
+    for (int a = 0; a < 16; a += 4) { /* u[a + c], a lane L: rows a .. a + 3 at word 4 L + c */
+        u[a] = _mm512_unpacklo_epi64(t[a], t[a + 2]);
+        u[a + 1] = _mm512_unpackhi_epi64(t[a], t[a + 2]);
+        u[a + 2] = _mm512_unpacklo_epi64(t[a + 1], t[a + 3]);
+        u[a + 3] = _mm512_unpackhi_epi64(t[a + 1], t[a + 3]);
+    }
+    for (int c = 0; c < 4; c++) { /* row 4 L + c: lane L of u[c], u[4 + c], u[8 + c], u[12 + c] */
+        const __m512i w0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44), w1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
+        const __m512i x0 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44);
+        const __m512i x1 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
+        r[c] = _mm512_shuffle_i32x4(w0, x0, 0x88);
+        r[4 + c] = _mm512_shuffle_i32x4(w0, x0, 0xDD);
+        r[8 + c] = _mm512_shuffle_i32x4(w1, x1, 0x88);
+        r[12 + c] = _mm512_shuffle_i32x4(w1, x1, 0xDD);
+    }
+}
+
+/* k-step ks (columns 32 ks ..) of features f .. f + 15 of W4A16 rows (tile_src.w4r) rebuilt in bf16 into a B operand
+ * at out: row p (64 bytes) holds each feature's columns 2p and 2p + 1 (VNNI). A feature's 32 columns are the low or
+ * the high nibbles of 32 bytes of its row: one VPERMW in its group's table (dequant_w4_row_fast's lookup: the same
+ * multiply, add and rounding), or the exact rounding (dequant_w4_row's) where its scale or offset could make a
+ * denormal weight; then the 16 x 16 transpose of the column pairs. */
+static inline void w4r_tile(const tile_src* s, int64_t f, int64_t ks, bf16* out) {
+    const int64_t G = s->K / s->gs, g = 32 * ks / s->gs, byte0 = (ks >> 1) * 32;
+    const int hi = (int)(ks & 1);
+    const __m512 q16 = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512i r[16];
+    for (int i = 0; i < 16; i++) {
+        const int64_t n = f + i;
+        if (n >= s->N) {
+            r[i] = _mm512_setzero_si512();
+            continue;
+        }
+        const float sc = s->sr[n * G + g], z = s->zr[n * G + g];
+        const uint8_t* p = s->w4r + n * (s->K / 2) + byte0;
+        if (dq_scale_ok(sc, 0x1p-102f) && dq_scale_ok(z, 0x1p-102f)) {
+            const __m512 v = _mm512_add_ps(_mm512_mul_ps(q16, _mm512_set1_ps(sc)), _mm512_set1_ps(z));
+            const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)p));
+            r[i] = _mm512_permutexvar_epi16(hi ? _mm512_srli_epi16(b, 4) : b, (__m512i)_mm512_cvtne2ps_pbh(v, v));
+        } else {
+            const __m512 sv = _mm512_set1_ps(sc), zv = _mm512_set1_ps(z);
+            __m256i h[2];
+            for (int j = 0; j < 2; j++) {
+                const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(p + 16 * j)));
+                const __m512i q = _mm512_and_si512(hi ? _mm512_srli_epi32(b, 4) : b, _mm512_set1_epi32(0xF));
+                h[j] = round_bf16x16(_mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(q), sv), zv));
+            }
+            r[i] = _mm512_inserti64x4(_mm512_castsi256_si512(h[0]), h[1], 1);
+        }
+    }
+    transpose16_epi32(r);
+    for (int q = 0; q < 16; q++) _mm512_store_si512(out + 32 * q, r[q]);
+}
+
+/* Tile v (rows 16 v ..) of a tile GEMM chunk c's k-step ks from W4A16 rows (tile_src.inter: a gate_up's gate and up
+ * tiles in turn, as w4p_chunk_octet) */
+static inline void w4r_chunk_tile(const tile_src* s, int64_t c, int64_t ks, int v, bf16* out) {
+    const int64_t f = s->inter ? (v & 1 ? s->inter : 0) + 32 * c + 16 * (v >> 1) : 64 * c + 16 * v;
+    w4r_tile(s, f, ks, out);
+}
+
 /* A slab of a chunk being decoded a few row pairs at a time into out [ke - k0][64][32]: the B operand of k-step ks,
  * features 16 g.., at out + (ks - k0) * 2048 + g * 512 (64-byte rows) */
 typedef struct {
@@ -238,6 +312,9 @@ static inline void decode_some(chunk_decoder* d, int pairs) {
     int r1 = d->r + 2 * pairs < d->rows ? d->r + 2 * pairs : d->rows;
     if (d->src->cw) {
         bf16c_pairs(d->src->cw, t, d->r, r1, out, 32);
+    } else if (d->src->w4r) { /* (a whole 16-feature tile at a time) */
+        r1 = (r1 + 15) & ~15;
+        for (int r = d->r; r < r1; r += 16) w4r_chunk_tile(d->src, d->chunk, d->ks, r / 16, out + 32 * r);
     } else {
         r1 = (r1 + 15) & ~15;
         for (int r = d->r; r < r1; r += 16) w4p_chunk_octet(d->src, d->chunk, 4 * d->ks + r / 16, (uint32_t*)out + 4 * r);
@@ -511,7 +588,7 @@ static void linear_bf16c(const bf16* x, int64_t ldx, const bf16c* cw, const bf16
     else if (M <= 16)
         linear_bf16c_rows(x, ldx, cw, bias, y, ldy, (int)M, N16, K, nthreads, inter, epi);
     else {
-        const tile_src src = {cw, NULL, NULL, NULL, 0, K, 0};
+        const tile_src src = {cw, NULL, NULL, NULL, 0, K, 0, NULL, NULL, NULL, 0};
         tiles_gemm(x, ldx, &src, bias, y, ldy, M, N16, K, nthreads, scratch, dec, inter, epi, stream, 0, 0);
     }
 }
@@ -521,7 +598,7 @@ static void linear_bf16c(const bf16* x, int64_t ldx, const bf16c* cw, const bf16
  * order as from rows: the same bits. */
 static void linear_bf16c_px(const bf16* xp, const bf16c* cw, const bf16* bias, bf16* y, int64_t ldy, int64_t M,
                             int64_t N16, int64_t K, int nthreads, bf16* dec, int64_t inter, int epi, int64_t ypk) {
-    const tile_src src = {cw, NULL, NULL, NULL, 0, K, 0};
+    const tile_src src = {cw, NULL, NULL, NULL, 0, K, 0, NULL, NULL, NULL, 0};
     tiles_gemm(xp, K, &src, bias, y, ldy, M, N16, K, nthreads, NULL, dec, inter, epi, 0, 1, ypk);
 }
 

@@ -127,7 +127,8 @@ static void add_rows(bf16* x, const bf16* y, int64_t n) {
 /* dec: bf16c_dec_bytes(M, N, K, nthreads) where M > 16 (a 12-bit weight's, or on AMX a W4A16 one's, decoded chunks) */
 static void run_lin(const it_lin* L, const bf16* x, int64_t ldx, bf16* y, int64_t ldy, int64_t M, int nthreads,
                     void* scratch, bf16* dec, int silu) {
-    /* (silu: a 12-bit gate_up's act, see linear_bf16c; a W4A16 gate_up's where w4p_act_takes, see linear_w4p) */
+    /* (silu: a 12-bit gate_up's act, see linear_bf16c; a W4A16 gate_up's where w4p_act_takes, see linear_w4p, or in
+       rows where w4_act_takes, see linear_w4) */
     if (L->kind == IT_KIND_BF16)
         linear_bf16(x, ldx, (const bf16*)L->w, L->bias, y, ldy, M, L->N, L->K, nthreads, scratch);
     else if (L->kind == IT_KIND_BF16C) /* past 16 rows (a fused prefill's) each thread decodes 64 features of W at a time into dec */
@@ -144,7 +145,7 @@ static void run_lin(const it_lin* L, const bf16* x, int64_t ldx, bf16* y, int64_
                    L->K, nthreads, scratch, dec, silu == 1);
     else if (L->kind == IT_KIND_W4)
         linear_w4(x, ldx, (const uint8_t*)L->w, (const float*)L->scale, L->zero, L->group, L->bias, y, ldy, M, L->N,
-                  L->K, nthreads, scratch);
+                  L->K, nthreads, scratch, dec, silu == 1);
     else
         linear_w8(x, ldx, (const int8_t*)L->w, L->scale, L->scale_is_f32, L->bias, y, ldy, M, L->N, L->K, nthreads,
                   scratch);
@@ -174,6 +175,9 @@ int it_px_gemm(int on) {
 static inline int px_takes(const it_lin* L, int64_t rows) {
     return px_on && amx_state == 1 && rows > 16 && L->kind == IT_KIND_BF16C && L->K % 32 == 0 && L->N % 16 == 0;
 }
+/* a W4A16 gate_up whose tile GEMM writes act itself (gemv_quant.c w4_act_takes; SiLU only) */
+#define GATE_UP_ACT_TAKES(m, L, R) \
+    ((L)->kind == IT_KIND_W4 && (m)->act == IT_ACT_SILU && w4_act_takes((R), (L)->N, (L)->K, (L)->bias))
 #define PX_TAKES px_takes
 #define PX_NORM rmsnorm_rows_px
 /* y = xp W^T (+ bias) from packed rows xp: epi 0 writes y [M, ldy], epi 1 with a gate_up (inter) writes act packed

@@ -522,6 +522,13 @@ static void linear_w4b(const int16_t* xq, int64_t Kp, const float* sx, const flo
 #define W4_AMX_MIN_ROWS 5
 #endif
 static int64_t w4_amx_rows = W4_AMX_MIN_ROWS; /* (it_w4_amx_rows, for tests and A/B runs) */
+/* W4A16 prompts on AMX through linear_w4_tiles (1), or linear_q_amx_big's 2 x 2 blocks (0): it_w4_tiles, for tests
+ * and A/B runs */
+static int w4_tiles_on = 1;
+int it_w4_tiles(int on) {
+    if (on >= 0) w4_tiles_on = on != 0;
+    return w4_tiles_on;
+}
 
 /* Sets (rows > 0) and returns the rows from which W4A16 on pack_w4's rows takes the tiles with AMX (up to 16) */
 int64_t it_w4_amx_rows(int64_t rows) {
@@ -530,10 +537,46 @@ int64_t it_w4_amx_rows(int64_t rows) {
 }
 
 /* scratch: qlin_scratch_bytes(M, K, nthreads), aligned (past 16 rows on AMX: q_amx_gemm_scratch_bytes) */
+/* Prompts on AMX with a dec buffer (bf16c_dec_bytes(M, N & ~15, K, nthreads)): the 12-bit weights' tile GEMM
+ * (bf16c_gemm.c tiles_gemm: each 64-feature chunk rebuilt into its VNNI tiles between the tile products, steps to
+ * whichever thread is free) on the rows rebuilt 16 features x 32 columns at a time (w4r_tile), the last N % 16
+ * features as linear_q_amx_big does them: linear_bf16 on the dequantized weight, bit for bit. scratch:
+ * q_amx_gemm_scratch_bytes(M, K, nthreads) (its first 32 x K: the zero-padded last row tile, then the tail's rows). */
+static void linear_w4_tiles(const bf16* x, int64_t ldx, const uint8_t* w, const float* scale, const float* zero,
+                            int64_t gs, const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K,
+                            int nthreads, void* scratch, bf16* dec, int silu) {
+    const int64_t n16 = N & ~(int64_t)15, tail = N - n16;
+    if (silu) { /* (w4_act_takes: a gate_up [2 I, K], I % 32 == 0, no bias; y gets act [M, I]) */
+        const tile_src src = {NULL, NULL, NULL, NULL, gs, K, N / 2, w, scale, zero, N};
+        tiles_gemm(x, ldx, &src, NULL, y, ldy, M, N, K, nthreads, (bf16*)scratch, dec, N / 2, 1, 0, 0, 0);
+        return;
+    }
+    const tile_src src = {NULL, NULL, NULL, NULL, gs, K, 0, w, scale, zero, n16};
+    tiles_gemm(x, ldx, &src, bias, y, ldy, M, n16, K, nthreads, (bf16*)scratch, dec, 0, 0, 0, 0, 0);
+    if (tail) {
+        const qweight q = {IT_KIND_W4, w, scale, 0, zero, gs};
+        bf16* wt = (bf16*)scratch + 16 * K;
+        dequant_rows(&q, n16, tail, K, wt);
+        linear_bf16_avx512(x, ldx, wt, bias ? bias + n16 : NULL, y + n16, ldy, M, tail, K, nthreads);
+    }
+}
+
+/* Whether linear_w4 writes a gate_up's SiLU-and-multiply itself (silu = 1: the tile GEMM's epilogue on gate and up
+ * tiles paired by the decoder, tile_src.inter, as a 12-bit gate_up's), given a dec buffer */
+static inline int w4_act_takes(int64_t M, int64_t N, int64_t K, const bf16* bias) {
+    return q_amx_gemm_takes(M, N, K) && w4_tiles_on && N % 64 == 0 && !bias;
+}
+
+/* dec: NULL, or (prompts on AMX) bf16c_dec_bytes(M, N & ~15, K, nthreads) for linear_w4_tiles; silu = 1 only where
+ * w4_act_takes and dec is given: w is a gate_up [2 I, K] and y gets act [M, I] */
 static void linear_w4(const bf16* x, int64_t ldx, const uint8_t* w, const float* scale, const float* zero, int64_t gs,
                       const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads,
-                      void* scratch) {
+                      void* scratch, bf16* dec, int silu) {
     if (q_amx_gemm_takes(M, N, K)) { /* (prompts on AMX; scratch: q_amx_gemm_scratch_bytes) */
+        if (dec && w4_tiles_on) {
+            linear_w4_tiles(x, ldx, w, scale, zero, gs, bias, y, ldy, M, N, K, nthreads, scratch, dec, silu);
+            return;
+        }
         const qweight q = {IT_KIND_W4, w, scale, 0, zero, gs};
         linear_q_amx_big(&q, x, ldx, bias, y, ldy, M, N, K, nthreads, scratch);
         return;
@@ -594,7 +637,10 @@ void it_linear_w4(const bf16* x, int64_t ldx, const uint8_t* w, const float* sca
                   const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads) {
     const qweight q = {IT_KIND_W4, w, scale, 0, zero, gs};
     void* scratch = q_api_scratch(&q, M, K, nthreads);
-    linear_w4(x, ldx, w, scale, zero, gs, bias, y, ldy, M, N, K, nthreads, scratch);
+    const int64_t db = q_amx_gemm_takes(M, N, K) ? bf16c_dec_bytes(M, N & ~(int64_t)15, K, nthreads) : 0;
+    bf16* dec = db ? (bf16*)aligned_alloc(64, (size_t)((db + 63) & ~(int64_t)63)) : NULL;
+    linear_w4(x, ldx, w, scale, zero, gs, bias, y, ldy, M, N, K, nthreads, scratch, dec, 0);
+    free(dec);
     free(scratch);
 }
 
