@@ -536,7 +536,6 @@ int64_t it_w4_amx_rows(int64_t rows) {
     return w4_amx_rows;
 }
 
-/* scratch: qlin_scratch_bytes(M, K, nthreads), aligned (past 16 rows on AMX: q_amx_gemm_scratch_bytes) */
 /* Prompts on AMX with a dec buffer (bf16c_dec_bytes(M, N & ~15, K, nthreads)): the 12-bit weights' tile GEMM
  * (bf16c_gemm.c tiles_gemm: each 64-feature chunk rebuilt into its VNNI tiles between the tile products, steps to
  * whichever thread is free) on the rows rebuilt 16 features x 32 columns at a time (w4r_tile), the last N % 16
@@ -567,7 +566,8 @@ static inline int w4_act_takes(int64_t M, int64_t N, int64_t K, const bf16* bias
     return q_amx_gemm_takes(M, N, K) && w4_tiles_on && N % 64 == 0 && !bias;
 }
 
-/* dec: NULL, or (prompts on AMX) bf16c_dec_bytes(M, N & ~15, K, nthreads) for linear_w4_tiles; silu = 1 only where
+/* scratch: qlin_scratch_bytes(M, K, nthreads), aligned (past 16 rows on AMX: q_amx_gemm_scratch_bytes). dec: NULL,
+ * or (prompts on AMX) bf16c_dec_bytes(M, N & ~15, K, nthreads) for linear_w4_tiles; silu = 1 only where
  * w4_act_takes and dec is given: w is a gate_up [2 I, K] and y gets act [M, I] */
 static void linear_w4(const bf16* x, int64_t ldx, const uint8_t* w, const float* scale, const float* zero, int64_t gs,
                       const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads,
