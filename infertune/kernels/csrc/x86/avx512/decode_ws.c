@@ -128,7 +128,7 @@ static void add_rows(bf16* x, const bf16* y, int64_t n) {
 static void run_lin(const it_lin* L, const bf16* x, int64_t ldx, bf16* y, int64_t ldy, int64_t M, int nthreads,
                     void* scratch, bf16* dec, int silu) {
     /* (silu: a 12-bit gate_up's act, see linear_bf16c; a W4A16 gate_up's where w4p_act_takes, see linear_w4p, or in
-       rows where w4_act_takes, see linear_w4) */
+       rows where w4_act_takes, see linear_w4; -1: a W4A16 one in rows adds into y, where w4_add_takes) */
     if (L->kind == IT_KIND_BF16)
         linear_bf16(x, ldx, (const bf16*)L->w, L->bias, y, ldy, M, L->N, L->K, nthreads, scratch);
     else if (L->kind == IT_KIND_BF16C) /* past 16 rows (a fused prefill's) each thread decodes 64 features of W at a time into dec */
@@ -145,18 +145,20 @@ static void run_lin(const it_lin* L, const bf16* x, int64_t ldx, bf16* y, int64_
                    L->K, nthreads, scratch, dec, silu == 1);
     else if (L->kind == IT_KIND_W4)
         linear_w4(x, ldx, (const uint8_t*)L->w, (const float*)L->scale, L->zero, L->group, L->bias, y, ldy, M, L->N,
-                  L->K, nthreads, scratch, dec, silu == 1);
+                  L->K, nthreads, scratch, dec, silu);
     else
         linear_w8(x, ldx, (const int8_t*)L->w, L->scale, L->scale_is_f32, L->bias, y, ldy, M, L->N, L->K, nthreads,
                   scratch);
 }
 
-/* x_res += x W^T (+ bias), each product rounded to bf16 first: a 12-bit weight adds in its epilogue, any other
- * writes y, then add_rows */
+/* x_res += x W^T (+ bias), each product rounded to bf16 first: a 12-bit weight adds in its epilogue, and so does a
+ * W4A16 one in rows on AMX past 16 rows (w4_add_takes: the same tile GEMM), any other writes y, then add_rows */
 static void run_lin_add(const it_lin* L, const bf16* x, int64_t ldx, bf16* x_res, bf16* y, int64_t H, int64_t M,
                         int nthreads, void* scratch, bf16* dec) { /* x_res, y: [M, H] */
     if (L->kind == IT_KIND_BF16C && !L->inter) {
         linear_bf16c(x, ldx, (const bf16c*)L->w, L->bias, x_res, H, M, L->N, L->K, nthreads, (bf16*)scratch, dec, 0, 1);
+    } else if (L->kind == IT_KIND_W4 && w4_add_takes(M, L->N, L->K)) {
+        run_lin(L, x, ldx, x_res, H, M, nthreads, scratch, dec, -1);
     } else {
         run_lin(L, x, ldx, y, H, M, nthreads, scratch, dec, 0);
         add_rows(x_res, y, M * H);

@@ -545,9 +545,14 @@ static void linear_w4_tiles(const bf16* x, int64_t ldx, const uint8_t* w, const 
                             int64_t gs, const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K,
                             int nthreads, void* scratch, bf16* dec, int silu) {
     const int64_t n16 = N & ~(int64_t)15, tail = N - n16;
-    if (silu) { /* (w4_act_takes: a gate_up [2 I, K], I % 32 == 0, no bias; y gets act [M, I]) */
+    if (silu > 0) { /* (w4_act_takes: a gate_up [2 I, K], I % 32 == 0, no bias; y gets act [M, I]) */
         const tile_src src = {NULL, NULL, NULL, NULL, gs, K, N / 2, w, scale, zero, N};
         tiles_gemm(x, ldx, &src, NULL, y, ldy, M, N, K, nthreads, (bf16*)scratch, dec, N / 2, 1, 0, 0, 0);
+        return;
+    }
+    if (silu < 0) { /* (w4_add_takes: N % 16 == 0; y += x W^T (+ bias), each product rounded first: a residual) */
+        const tile_src src = {NULL, NULL, NULL, NULL, gs, K, 0, w, scale, zero, N};
+        tiles_gemm(x, ldx, &src, bias, y, ldy, M, N, K, nthreads, (bf16*)scratch, dec, 0, 1, 0, 0, 0);
         return;
     }
     const tile_src src = {NULL, NULL, NULL, NULL, gs, K, 0, w, scale, zero, n16};
@@ -560,6 +565,12 @@ static void linear_w4_tiles(const bf16* x, int64_t ldx, const uint8_t* w, const 
     }
 }
 
+/* Whether linear_w4 adds its product into y itself (silu = -1: the tile GEMM's epilogue, as a 12-bit o_proj / down's
+ * residual add), given a dec buffer */
+static inline int w4_add_takes(int64_t M, int64_t N, int64_t K) {
+    return q_amx_gemm_takes(M, N, K) && w4_tiles_on && N % 16 == 0;
+}
+
 /* Whether linear_w4 writes a gate_up's SiLU-and-multiply itself (silu = 1: the tile GEMM's epilogue on gate and up
  * tiles paired by the decoder, tile_src.inter, as a 12-bit gate_up's), given a dec buffer */
 static inline int w4_act_takes(int64_t M, int64_t N, int64_t K, const bf16* bias) {
@@ -568,7 +579,8 @@ static inline int w4_act_takes(int64_t M, int64_t N, int64_t K, const bf16* bias
 
 /* scratch: qlin_scratch_bytes(M, K, nthreads), aligned (past 16 rows on AMX: q_amx_gemm_scratch_bytes). dec: NULL,
  * or (prompts on AMX) bf16c_dec_bytes(M, N & ~15, K, nthreads) for linear_w4_tiles; silu = 1 only where
- * w4_act_takes and dec is given: w is a gate_up [2 I, K] and y gets act [M, I] */
+ * w4_act_takes and dec is given: w is a gate_up [2 I, K] and y gets act [M, I]; silu = -1 only where w4_add_takes and
+ * dec is given: y += the product (each rounded to bf16 first, as add_rows adds it) */
 static void linear_w4(const bf16* x, int64_t ldx, const uint8_t* w, const float* scale, const float* zero, int64_t gs,
                       const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads,
                       void* scratch, bf16* dec, int silu) {
