@@ -235,14 +235,15 @@ class X86FusedDecoder:
             pass
         elif amx and kinds <= {"bf16", "bf16c", "w8a8", "w8p", "w4p", "w8", "w4"} and not model.kv_int8:
             # (W8A8 / packed W8A16: AMX-INT8 tiles on the packed weight at any row count, gemm_i8_amx.c; packed
-            # W4A16: the 12-bit weights' tile GEMM on its nibbles rebuilt in bf16 chunk by chunk, gemm_w4p.c; W8A16
-            # / W4A16 in rows: linear_bf16's tile GEMM on 32 rows rebuilt at a time, quant_amx.c, up to 128 rows as
-            # the per-module path's linear_w8 / linear_w4 calls take it)
+            # W4A16: the 12-bit weights' tile GEMM on its nibbles rebuilt in bf16 chunk by chunk, gemm_w4p.c; W4A16
+            # in rows: the same tile GEMM on rows rebuilt into its tiles, gemv_quant.c linear_w4_tiles; W8A16 in
+            # rows: linear_bf16's tile GEMM on 32 rows rebuilt at a time, quant_amx.c, up to 128 rows)
             prefill_rows = cpu.AMX_GEMM_MAX_ROWS
-            # W4A16 in rows at any size too: past 128 rows its tile GEMM rebuilds each chunk once a block of rows
-            # (about level with dequantizing the layer for a bf16 GEMM at 512-2048 rows, bench_quant_rows.py), and
-            # the step stays fused (its attention, norms and rotary): 16 x 128-token W4A16 prompts 0.88x the time
-            # on a Xeon with AMX (2026-12-06; docs/kernels.md). (W8A16 packs as w8p with AMX.)
+            # W4A16 in rows at any size too: its tile GEMM rebuilds each chunk once a block of rows (at 512-2048
+            # rows about level with dequantizing the layer for a bf16 GEMM, bench_quant_rows.py, before it moved to
+            # the 12-bit weights' tile GEMM), and the step stays fused (its attention, norms and rotary): 16 x
+            # 128-token W4A16 prompts 0.88x the time on a Xeon with AMX (2026-12-06; docs/kernels.md). (W8A16
+            # packs as w8p with AMX.)
             if kinds <= {"bf16c", "w8a8", "w8p", "w4p", "w4"}:
                 prefill_rows = max(prefill_rows, model.step_rows)
         elif (
