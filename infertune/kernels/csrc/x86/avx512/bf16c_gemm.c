@@ -149,15 +149,6 @@ typedef struct {
 #define W4P_TILE_PF 2048 /* a W4A16 block's nibbles are asked into L1 this many bytes ahead of the rebuild */
 #endif
 
-/* Lanes whose scale or offset v is 0 or at least 2^-102 and finite: then q s + z is 0 or past FLT_MIN, never a
- * denormal (see dq_w4_row_is_normal) */
-static inline __mmask16 w4p_normal16(__m512 v) {
-    const __m512 a = _mm512_abs_ps(v);
-    return _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_EQ_OQ) |
-           (_mm512_cmp_ps_mask(a, _mm512_set1_ps(0x1p-102f), _CMP_GE_OQ) &
-            _mm512_cmp_ps_mask(a, _mm512_set1_ps(3.4028234e38f), _CMP_LE_OQ));
-}
-
 /* Octet p (columns 8p .. 8p + 7) of the 16 features 16 v .. of W4A16 block b (64 features) in bf16: four VNNI
  * rows (column pairs 4p + i), row i at out + i pstride (32-bit words, a feature's two weights, the even column in
  * the low half). The word (b, p, f) holds column 8p + j in byte j's low nibble and 8p + 4 + j in its high one
@@ -169,7 +160,7 @@ static inline void w4p_group(const tile_src* s, int64_t b, int v, int64_t p, uin
     const __m512 sc = _mm512_load_ps(s->sT + (b * G + g) * 64 + 16 * v);
     const __m512 z = _mm512_load_ps(s->zT + (b * G + g) * 64 + 16 * v);
     static const int shift[8] = {0, 8, 16, 24, 4, 12, 20, 28}; /* column c: byte c % 4, high nibble past 3 */
-    if ((w4p_normal16(sc) & w4p_normal16(z)) == 0xffff) {
+    if ((dq_normal16(sc) & dq_normal16(z)) == 0xffff) {
         /* no weight of the 16 features' group can be denormal (dq_w4_row_is_normal's rule, lane by lane): both
            columns rounded by one VCVTNE2PS2BF16 (nearest even, as bf16_round_f32), then VPERMW pairs each feature's
            two bf16 into its word: the same bits in ~13 instructions a column pair instead of ~21 */

@@ -75,22 +75,23 @@ static inline int dq_scale_ok(float v, float least) {
     return v == 0.0f || (a >= least && a <= 3.4028234e38f);
 }
 
-/* lanes of v (live ones) that are 0 or finite with |v| >= least (dq_scale_ok lane by lane; a NaN fails every compare) */
-static inline __mmask16 dq_scales_ok16(__mmask16 live, const float* v, __m512 least) {
-    const __m512 x = _mm512_maskz_loadu_ps(live, v);
-    const __m512 a = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7fffffff)));
-    return _mm512_mask_cmp_ps_mask(live, x, _mm512_setzero_ps(), _CMP_EQ_OQ) |
-           _mm512_mask_cmp_ps_mask(_mm512_mask_cmp_ps_mask(live, a, least, _CMP_GE_OQ), a,
-                                   _mm512_set1_ps(3.4028234e38f), _CMP_LE_OQ);
+/* Lanes of v that are 0 or finite with |v| >= 2^-102 (dq_scale_ok(., 2^-102) lane by lane; a NaN fails every
+ * compare): an int4 group scale or offset with which q s + z is 0 or past FLT_MIN, never a denormal */
+static inline __mmask16 dq_normal16(__m512 v) {
+    const __m512 a = _mm512_abs_ps(v);
+    return _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_EQ_OQ) |
+           (_mm512_cmp_ps_mask(a, _mm512_set1_ps(0x1p-102f), _CMP_GE_OQ) &
+            _mm512_cmp_ps_mask(a, _mm512_set1_ps(3.4028234e38f), _CMP_LE_OQ));
 }
 
 /* dq_scale_ok(., 2^-102) for every scale and offset of a row, 16 groups a compare: the scalar test of each group
  * (two compares and branches a group) had been ~a third of the instructions of a K = 4864 row's rebuild (perf) */
 static inline int dq_w4_row_is_normal(const float* scale, const float* zero, int64_t G) {
-    const __m512 least = _mm512_set1_ps(0x1p-102f);
     for (int64_t g = 0; g < G; g += 16) {
         const __mmask16 live = G - g >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (G - g)) - 1);
-        if ((dq_scales_ok16(live, scale + g, least) & dq_scales_ok16(live, zero + g, least)) != live) return 0;
+        const __mmask16 ok = dq_normal16(_mm512_maskz_loadu_ps(live, scale + g)) &
+                             dq_normal16(_mm512_maskz_loadu_ps(live, zero + g));
+        if ((ok & live) != live) return 0;
     }
     return 1;
 }
