@@ -103,7 +103,7 @@ def router_inputs(moe: MoeArch, kind: str, t: int, g: torch.Generator):
 def choice_and_boundary_ties(logits, moe: MoeArch, bias):
     """The values route() ranks (scores + bias, dropped groups masked) and, per row, whether a tie at the boundary
     (the k-th best expert equal to the next, or the topk_group-th best group equal to the next) or a NaN decides the
-    row's experts. An independent statement of where the tie rule matters."""
+    row's experts. An independent statement of where the tie rule matters (by sorted values, not by topk)."""
     scores = logits.float().softmax(-1) if moe.scoring == "softmax" else logits.float().sigmoid()
     choice = scores if bias is None else scores + bias
     t, e = choice.shape
@@ -114,7 +114,8 @@ def choice_and_boundary_ties(logits, moe: MoeArch, bias):
         ranked = gscore.sort(-1, descending=True)
         if moe.topk_group < moe.n_group:
             tied |= ranked.values[:, moe.topk_group - 1] == ranked.values[:, moe.topk_group]
-        keep = torch.zeros_like(gscore, dtype=torch.bool).scatter_(1, ranked.indices[:, : moe.topk_group], True)
+        # (the groups kept: torch.topk's, whose pick among tied groups route() and the kernels take)
+        keep = torch.zeros_like(gscore, dtype=torch.bool).scatter_(1, gscore.topk(moe.topk_group, -1).indices, True)
         fill = float("-inf") if moe.topk_method == "noaux_tc" else 0.0
         choice = choice.masked_fill(~keep.repeat_interleave(e // moe.n_group, dim=1), fill)
     best = choice.sort(-1, descending=True).values
@@ -124,8 +125,7 @@ def choice_and_boundary_ties(logits, moe: MoeArch, bias):
 
 
 def check_routing(got: MoeRouting, logits, moe: MoeArch, bias) -> None:
-    """The kernel's routing of rows without a boundary tie: route()'s experts, each with its weight (within 1e-6);
-    route()'s order
+    """The kernel's routing of rows it answered: route()'s experts, each with its weight (within 1e-6); route()'s order
     where no two of a row's picks tie, the lower index first among those that do; the grouping of its ids."""
     weights, ids = route(logits, moe, bias)
     choice, _ = choice_and_boundary_ties(logits, moe, bias)
@@ -143,27 +143,58 @@ def check_routing(got: MoeRouting, logits, moe: MoeArch, bias) -> None:
     assert torch.equal(got.order, order) and torch.equal(got.counts, counts)
 
 
+def hand_back_ties(monkeypatch) -> None:
+    """The rule the kernels' router takes where this torch's topk picks otherwise among ties (kernels/cpu.py
+    torch_topk_ties false): rows with a tie at the boundary go back to route()."""
+    monkeypatch.setattr(cpu, "torch_topk_ties", lambda lib=None: False)
+
+
+def test_the_tie_rule_is_torch_topks(ks):
+    """moe_topk_torch (csrc/moe.h: libstdc++'s nth_element step for step) picks torch.topk's k of rows full of ties,
+    NaN included, at sizes beside the load-time check's; at k * 64 <= n (topk's heap path) it says nothing."""
+    lib = ks.lib
+    assert cpu.torch_topk_ties(lib)
+    g = torch.Generator().manual_seed(7)
+    decided = 0
+    for n, k in [(64, 8), (256, 8), (8, 2), (60, 4), (100, 7), (3, 3), (1000, 20), (48, 1)]:
+        for levels in (1, 2, 3, 5, 1000):
+            v = torch.randint(0, levels, (200, n), generator=g).float()
+            v[::9, n // 2] = float("nan")
+            taken, unsaid = cpu.moe_topk_torch(v, k, lib=lib)
+            want = torch.zeros_like(taken).scatter_(1, v.topk(k, dim=-1).indices, True)
+            assert unsaid == 0 and torch.equal(taken, want), (n, k, levels)
+            decided += v.shape[0]
+    taken, unsaid = cpu.moe_topk_torch(torch.zeros(5, 64), 1, lib=lib)
+    assert unsaid == 5 and not taken.any()
+    assert decided == 40 * 200
+
+
+@pytest.mark.parametrize("ties", ["torch", "hand-back"])
 @pytest.mark.parametrize("name", list(RULES))
 @pytest.mark.parametrize("kind", ["normal", "bf16", "grid", "equal-groups"])
-def test_fused_router_matches_route(ks, name, kind):
-    """Row by row (where ties inside the top-k are common and boundary ties hand back), and a whole batch (threaded
-    past 4096 scores): the kernel answers exactly where no row has a boundary tie."""
+def test_fused_router_matches_route(ks, name, kind, ties, monkeypatch):
+    """Row by row (where ties inside the top-k are common) and a whole batch (threaded past 4096 scores): the
+    kernel's picks are route()'s, boundary ties included, settled as torch.topk settles them; with ties="hand-back"
+    (where this torch's topk picks otherwise) it answers exactly where no row has a boundary tie."""
+    if ties == "hand-back":
+        hand_back_ties(monkeypatch)
     moe = RULES[name]
     g = torch.Generator().manual_seed(zlib.crc32(f"{name} {kind}".encode()))
     logits, bias = router_inputs(moe, kind, 96, g)
     choice, tied = choice_and_boundary_ties(logits, moe, bias)
+    answers = tied if ties == "hand-back" else torch.zeros_like(tied)  # (the rows handed back)
     answered = inside_ties = 0
     for r in range(logits.shape[0]):
         got = ks.moe_route(logits[r : r + 1], moe, bias)
-        assert (got is None) == bool(tied[r]), (r, logits[r])
+        assert (got is None) == bool(answers[r]), (r, logits[r])
         if got is not None:
             check_routing(got, logits[r : r + 1], moe, bias)
             answered += 1
             inside_ties += len(set(choice[r, got.ids[0]].tolist())) < moe.top_k
     for rows in (slice(0, 96), slice(None, None, 2)):  # (a strided batch too)
         got = ks.moe_route(logits[rows], moe, bias)
-        assert (got is None) == bool(tied[rows].any())
-        clear = ~tied
+        assert (got is None) == bool(answers[rows].any())
+        clear = ~answers
         if got is None and clear.sum() > 0:
             got = ks.moe_route(logits[clear], moe, bias)
             logits_checked = logits[clear]
@@ -171,13 +202,13 @@ def test_fused_router_matches_route(ks, name, kind):
             logits_checked = logits[rows]
         if got is not None:
             check_routing(got, logits_checked, moe, bias)
-    # what each input is for: the grid, ties inside the top-k (answered) and at the boundary (handed back); equal
-    # groups, pairs of tied experts inside the top-k (k is even), and the two best groups tied: kept together where
-    # more than one group is kept, a boundary tie on every row where one is
+    # what each input is for: the grid, ties inside the top-k and at the boundary; equal groups, pairs of tied
+    # experts inside the top-k (k is even), and the two best groups tied: kept together where more than one group is
+    # kept, a boundary tie on every row where one is
     if kind == "grid":
         assert inside_ties > 0 and tied.any()
     if kind == "equal-groups" and moe.topk_method != "greedy" and moe.topk_group == 1:
-        assert tied.all() and answered == 0
+        assert tied.all() and answered == (0 if ties == "hand-back" else logits.shape[0])
     elif kind == "equal-groups":
         assert not tied.any() and inside_ties == answered == logits.shape[0]
     else:
@@ -185,12 +216,13 @@ def test_fused_router_matches_route(ks, name, kind):
 
 
 @pytest.mark.parametrize("name", list(RULES))
-def test_fused_router_takes_route_for_the_tied_rows_only(ks, name):
-    """With `tied` given (route() for some rows, as layers/moe.py Router passes it), a batch with boundary ties is
-    answered whole: route() sees only the rows a boundary tie decides (the independent statement's), those rows carry
-    its weights and ids bit for bit, the others the kernel's (route()'s experts, weights within 1e-6), and the
-    grouping is that of the merged ids. (The fused step's hand-back merges the same way: its test against the
-    modules, ties "some".)"""
+def test_fused_router_takes_route_for_the_tied_rows_only(ks, name, monkeypatch):
+    """Where ties go back to route() (the rule for a torch whose topk picks otherwise), with `tied` given (route() for
+    some rows, as layers/moe.py Router passes it), a batch with boundary ties is answered whole: route() sees only the
+    rows a boundary tie decides (the independent statement's), those rows carry its weights and ids bit for bit, the
+    others the kernel's (route()'s experts, weights within 1e-6), and the grouping is that of the merged ids. (The
+    fused step's hand-back merges the same way: its test against the modules, ties "some".) With torch's rule the
+    kernel answers every row itself: `tied` is never called, and the picks are route()'s."""
     moe = RULES[name]
     g = torch.Generator().manual_seed(zlib.crc32(f"{name} tied rows".encode()))
     logits, bias = router_inputs(moe, "grid", 96, g)
@@ -202,6 +234,10 @@ def test_fused_router_takes_route_for_the_tied_rows_only(ks, name):
         seen.append(rows.shape[0])
         return route(rows, moe, bias)
 
+    got = ks.moe_route(logits, moe, bias, tied=fallback)
+    assert got is not None and seen == []
+    check_routing(got, logits, moe, bias)
+    hand_back_ties(monkeypatch)
     assert ks.moe_route(logits, moe, bias) is None  # (without it, a tie still hands the whole call back)
     got = ks.moe_route(logits, moe, bias, tied=fallback)
     assert got is not None and seen == [int(tied.sum())]
@@ -756,28 +792,33 @@ def test_profile_counts_the_expert_load_of_the_fused_steps(tmp_path, monkeypatch
 
 @pytest.mark.skipif(cpu.variant() not in ("avx512", "avx512-noamx", "avx2"), reason=f"x86 kernels: {cpu.describe()}")
 @pytest.mark.parametrize(
-    "arch,quant,ties",
+    "arch,quant,ties,rule",
     [
-        ("qwen3", None, None),  # q / k norms
-        ("qwen3_moe", None, None),
-        ("qwen3_moe", None, "some"),
-        ("qwen3_moe", "w8a16", "all"),
-        ("qwen3_moe", "w8a8", None),  # experts, attention and routers' inputs rounded to int8 per row
-        ("qwen2_moe", "w4a16", "all"),  # the shared expert and its sigmoid gate
-        ("mixtral", None, None),
+        ("qwen3", None, None, "torch"),  # q / k norms
+        ("qwen3_moe", None, None, "torch"),
+        ("qwen3_moe", None, "some", "torch"),
+        ("qwen3_moe", None, "some", "hand-back"),
+        ("qwen3_moe", "w8a16", "all", "torch"),
+        ("qwen3_moe", "w8a16", "all", "hand-back"),
+        ("qwen3_moe", "w8a8", None, "torch"),  # experts, attention and routers' inputs rounded to int8 per row
+        ("qwen2_moe", "w4a16", "all", "hand-back"),  # the shared expert and its sigmoid gate
+        ("mixtral", None, "all", "torch"),
     ],
 )
-def test_fused_step_runs_moe_and_qk_norm_layers_as_the_modules_do(tmp_path, arch, quant, ties):
+def test_fused_step_runs_moe_and_qk_norm_layers_as_the_modules_do(tmp_path, monkeypatch, arch, quant, ties, rule):
     """The fused step's q / k norms and MoE layers (router, top-k, grouped experts, shared expert) against the same
     model's modules on the kernels, step by step, bit for bit. Attention is the one part the two paths round
     differently (the C attention against torch's SDPA), so the checkpoint's o_proj is zero: each layer's attention
     adds nothing, and every other part must then agree exactly, the hidden states and every K / V the step writes
-    (the k norm's output). ties "all": every router row the same, so every token's experts tie at the top-k boundary
-    and every MoE layer of every step is handed back to route() and resumed; "some": two experts the same, so some
-    steps' layers hand back a few tied rows (route() picks theirs, the step's own picks stand for the others, in
-    both paths)."""
+    (the k norm's output). ties "all": every router row the same, so every token's experts tie at the top-k boundary;
+    "some": two experts the same, so some tokens tie there. The step settles them as torch.topk does, in C, as the
+    modules' router does (rule "torch"); where this torch's topk picks otherwise (rule "hand-back"), with "all" every
+    MoE layer of every step is handed back to route() and resumed, with "some" some steps' layers hand back a few
+    tied rows (route() picks theirs, the step's own picks stand for the others, in both paths)."""
     from infertune import LLM, SamplingParams
 
+    if rule == "hand-back":
+        hand_back_ties(monkeypatch)
     path = _attention_free_checkpoint(tmp_path, arch, ties)
     llm = LLM(str(path), dtype="bfloat16", max_model_len=96, block_size=16, quantization=quant, quant_group_size=64)
     runner = llm.engine.executor.runner
@@ -804,11 +845,11 @@ def test_fused_step_runs_moe_and_qk_norm_layers_as_the_modules_do(tmp_path, arch
     handbacks, tied = runner.fused.decoder.handbacks, runner.fused.decoder.handback_rows
     moe_layers = 0 if arch == "qwen3" else 3
     fused_steps = 5 + sum(fused_prefills)
-    if ties == "all":
+    if rule == "torch":
+        assert handbacks == 0, handbacks
+    elif ties == "all":
         assert handbacks == fused_steps * moe_layers, handbacks
-    else:
-        assert handbacks < fused_steps * max(moe_layers, 1), handbacks
-    if ties == "some":  # (decode steps of 5 rows: a hand-back of fewer rows leaves the step's picks for the others)
+    else:  # (decode steps of 5 rows: a hand-back of fewer rows leaves the step's picks for the others)
         assert 0 < handbacks <= tied < 5 * handbacks, (handbacks, tied)
 
 

@@ -70,7 +70,7 @@ AVX2_QUANT_MAX_ROWS = 24
 # AVX-512 library without AMX does (NOAMX_GEMM_MAX_ROWS): each prompt row's attention runs on its own.
 AVX2_FUSED_PREFILL_ROWS = 128
 # The C side's ABI (csrc/abi.h IT_ABI_VERSION): bump both together when a shared struct or a signature changes.
-ABI_VERSION = 17
+ABI_VERSION = 18
 # The KV cache groups a fused step reads at most (csrc/abi.h IT_MAX_KV_GROUPS): layers grouped by sliding window
 MAX_KV_GROUPS = 8
 WARN_FLAGS = ["-Wall", "-Wextra", "-Wpointer-arith"]
@@ -463,6 +463,7 @@ def declare(lib: ctypes.CDLL) -> None:
         "it_bf16c_escapes": ([ptr, i64, i64, i64, ptr, ptr, ptr, ptr, cint], None),
         "it_moe_route": ([ptr, cint, i64, i64, ctypes.POINTER(ItMoe), ptr, ptr, ptr, ptr, ptr, cint], cint),
         "it_moe_route_rows": ([ptr, cint, i64, i64, ctypes.POINTER(ItMoe), ptr, ptr, ptr, ptr, cint], i64),
+        "it_moe_topk_torch": ([ptr, i64, i64, i64, ptr], i64),
         "it_moe_experts": ([ptr, i64, i64, lin, lin, i64, i64, ptr, ptr, ptr, ptr, cint], cint),
         "it_moe_experts_part": ([ptr, i64, i64, lin, lin, i64, i64, i64, i64, ptr, ptr, ptr, ptr, cint], cint),
         "it_moe_experts_ws_bytes": ([i64, i64, i64, i64, i64, cint], i64),
@@ -630,7 +631,7 @@ class ItMoe(ctypes.Structure):
     _fields_ = [
         (name, ctypes.c_int32)
         for name in ("num_experts", "top_k", "scoring", "topk_method", "n_group", "topk_group", "norm_topk_prob")
-    ] + [("routed_scaling_factor", ctypes.c_float)]
+    ] + [("routed_scaling_factor", ctypes.c_float), ("torch_ties", ctypes.c_int32)]
 
 
 class ItMoeLayer(ctypes.Structure):
@@ -1662,6 +1663,44 @@ def deinterleave_gate_up(w: torch.Tensor) -> torch.Tensor:
 # ---- mixture-of-experts layers (csrc/moe.h) -------------------------------------------------------------------------
 # The most experts a MoE layer may have for the kernels' router (csrc/moe.h IT_MOE_MAX_EXPERTS): past it, route()
 MOE_MAX_EXPERTS = 1024
+
+
+def moe_topk_torch(v: torch.Tensor, k: int, *, lib: ctypes.CDLL | None = None) -> tuple[torch.Tensor, int]:
+    """The k largest of each row of v [rows, n] fp32 as torch.topk picks them where ties decide (csrc/moe.h
+    moe_topk_torch: libstdc++'s nth_element step for step): (taken [rows, n] bool, all False in a row it cannot say
+    for, how many such rows)."""
+    v = v.float().contiguous()
+    taken = torch.zeros(v.shape, dtype=torch.uint8)
+    unsaid = int(_pick(lib).it_moe_topk_torch(v.data_ptr(), v.shape[0], v.shape[1], k, taken.data_ptr()))
+    return taken.bool(), unsaid
+
+
+# (n, k) of the check below: the expert counts and top-k / top-group sizes of the shipped MoE configs and tests, all
+# on topk's nth_element path (k * 64 > n), ties from grids of 1 to 13 values
+_TIE_CHECK_SHAPES = ((4, 1), (4, 2), (8, 1), (8, 2), (8, 4), (16, 2), (32, 4), (60, 4), (64, 6), (64, 8), (128, 8),
+                     (160, 6), (256, 8))  # fmt: skip
+_torch_ties: dict[int, bool] = {}
+
+
+def torch_topk_ties(lib: ctypes.CDLL | None = None) -> bool:
+    """Whether the kernels' router may settle a tie at the top-k boundary itself (it_moe.torch_ties): checked once
+    per library against this process's torch.topk on rows full of ties (the picks must be topk's in every row; a
+    torch whose CPU topk picks otherwise leaves such rows to route(), as before: the hand-back)."""
+    lib = _pick(lib)
+    key = id(lib)
+    if key not in _torch_ties:
+        ok = getattr(lib, "it_moe_topk_torch", None) is not None
+        g = torch.Generator().manual_seed(2026)
+        for n, k in _TIE_CHECK_SHAPES if ok else ():
+            for levels in (1, 2, 3, 13):
+                v = torch.randint(0, levels, (48, n), generator=g).float() / 8.0
+                taken, unsaid = moe_topk_torch(v, k, lib=lib)
+                want = torch.zeros_like(taken).scatter_(1, v.topk(k, dim=-1).indices, True)
+                ok = ok and unsaid == 0 and torch.equal(taken, want)
+        _torch_ties[key] = ok
+        if not ok:
+            log.info("MoE router: ties at the top-k boundary go to route() (this torch's topk picks otherwise)")
+    return _torch_ties[key]
 
 
 def _moe_route_call(

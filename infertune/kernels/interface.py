@@ -130,7 +130,8 @@ class KernelExperts:
 class FusedMoE:
     """A mixture-of-experts MLP for the fused step (layers/moe.py MoE): the router, the routed experts, an optional
     shared expert. The kernels route each step themselves (as `moe_route`) and hand a step's routing to `route`
-    where `moe_route` would hand it back (a tie at the top-k boundary), so the picks are the per-module path's."""
+    where `moe_route` would hand it back (a tie at the top-k boundary it cannot settle as torch.topk does), so the picks
+    are the per-module path's."""
 
     moe: MoeArch
     router: torch.Tensor  # [E, hidden] bf16, or fp32 (DeepSeek's: the logits in fp32, as F.linear(x.float(), w))
@@ -433,7 +434,8 @@ class DecodeKernels(Protocol):
         of group_by_expert with them: the experts of layers/moe.py route(), each with its weight within 1e-6, in its
         order (best first) except among equal scores (the lower index first here; torch.topk's own order there);
         None where the rule or the layout does not fit, or where a tie at the boundary (the k-th best expert or the
-        topk_group-th best group equal to the next) decides which experts a token gets: route() then decides. With
+        topk_group-th best group equal to the next) decides which experts a token gets and the kernel cannot pick as
+        torch.topk does (a C kernel may: csrc/moe.h moe_topk_torch): route() then decides. With
         tied given (route() for some rows' logits: their weights and ids), a tie no longer returns None: the tied
         rows' logits go to tied(), the other rows keep the kernel's picks, and the whole is grouped."""
         ...

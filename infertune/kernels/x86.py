@@ -217,7 +217,7 @@ class X86Kernels:
         return Bf16cWeight(weight, gate_up and weight.shape[0] % 32 == 0)
 
     def moe_route(self, logits, moe, correction_bias=None, tied=None):
-        rule = moe_rule(moe)
+        rule = moe_rule(moe, self.lib)
         got = cpu.moe_route(logits, rule, correction_bias, lib=self.lib) if rule is not None else None
         if got is not None or rule is None or tied is None:
             return MoeRouting(*got) if got is not None else None

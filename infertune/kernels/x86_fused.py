@@ -436,7 +436,7 @@ def _mla_layer(mla: FusedMla, keep: list) -> cpu.ItMlaLayer:
 def _moe_layer(moe: FusedMoE, keep: list, lib=None) -> cpu.ItMoeLayer | str:
     """The C description of a MoE layer (csrc/abi.h it_moe_layer); its tensors (and itself) go into keep. lib: the
     library the step runs on (None: the process's), whose W8A8 packing the experts' are."""
-    rule = moe_rule(moe.moe)
+    rule = moe_rule(moe.moe, lib)
     if rule is None:
         return f"the routing rule {moe.moe.scoring} / {moe.moe.topk_method} (the kernels' router does not know it)"
     if moe.moe.top_k > 64:
@@ -475,9 +475,15 @@ def _moe_layer(moe: FusedMoE, keep: list, lib=None) -> cpu.ItMoeLayer | str:
     return c
 
 
+def moe_rule(moe: MoeArch, lib=None) -> cpu.ItMoe | None:
+    """A MoeArch's routing rule for it_moe_route (None for a rule the C side does not know: route() raises on it);
+    ties at the top-k boundary settled as torch.topk settles them where lib's copy of that rule matches this torch
+    (cpu.torch_topk_ties), else handed back."""
+    return _moe_rule(moe, cpu.torch_topk_ties(lib))
+
+
 @functools.lru_cache(maxsize=64)
-def moe_rule(moe: MoeArch) -> cpu.ItMoe | None:
-    """A MoeArch's routing rule for it_moe_route (None for a rule the C side does not know: route() raises on it)."""
+def _moe_rule(moe: MoeArch, torch_ties: bool) -> cpu.ItMoe | None:
     if moe.scoring not in cpu.MOE_SCORING or moe.topk_method not in cpu.MOE_TOPK_METHOD:
         return None
     return cpu.ItMoe(
@@ -489,6 +495,7 @@ def moe_rule(moe: MoeArch) -> cpu.ItMoe | None:
         topk_group=moe.topk_group,
         norm_topk_prob=int(moe.norm_topk_prob),
         routed_scaling_factor=moe.routed_scaling_factor,
+        torch_ties=int(torch_ties),
     )
 
 

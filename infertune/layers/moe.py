@@ -14,8 +14,8 @@ checkpoint tensors load into their slices), and an optional shared expert built 
 
 Router and Experts are KernelOps: with a backend's kernels (kernels/interface.py) the router's scores, top-k,
 weights and grouping are one `moe_route` call, and the experts one grouped GEMM (`moe_experts`); these functions
-are their forward_native and the reference the kernels are tested against (the kernel's router hands a step back
-to route() where a tie at the top-k boundary decides a token's experts: see csrc/moe.h).
+are their forward_native and the reference the kernels are tested against (the kernel's router settles a tie at the
+top-k boundary as torch.topk does, and hands a row back to route() where it cannot: see csrc/moe.h).
 """
 
 from __future__ import annotations
@@ -122,9 +122,8 @@ def run_experts(
 
 
 # Tokens up to which a bf16 router takes the kernels: their GEMV for its matmul (past this, with only E outputs to
-# split over the threads, torch's wins: 0.77 against 1.37 ms at 128 tokens), and the fused top-k, which hands a call
-# back wherever one row has a tie at the top-k boundary: bf16 logits tie there in ~4% of the rows, so most calls of
-# 128 tokens would hand back (router and top-k at 16 tokens: 0.55 ms against 0.84; benchmarks/bench_moe_kernels.py).
+# split over the threads, torch's wins: 0.77 against 1.37 ms at 128 tokens), and the fused top-k (router and top-k at
+# 16 tokens: 0.55 ms against 0.84; benchmarks/bench_moe_kernels.py).
 # An fp32 router's logits (DeepSeek's) take the fused top-k at any count.
 ROUTER_KERNEL_ROWS = 16
 
@@ -154,8 +153,8 @@ class Router(KernelOp):
             logits = k.linear_bf16(x, self.weight)  # [T, E]
         else:
             logits = F.linear(x.to(self.weight.dtype), self.weight)
-        # (the rows a tie at the top-k boundary decides go to route(), the others keep the kernel's picks: as the fused
-        # step's hand-back does; None: a layout the kernel does not take, route() settles it)
+        # (the rows with a tie at the top-k boundary the kernel cannot settle go to route(), the others keep the kernel's
+        # picks: as the fused step's hand-back does; None: a layout the kernel does not take, route() settles it)
         routing = k.moe_route(
             logits,
             self.moe,

@@ -37,6 +37,7 @@ int64_t it_struct_sizes(int64_t* out, int64_t n) {
         SZ(bf16c), OF(bf16c, codes), OF(bf16c, table), OF(bf16c, esc_start), OF(bf16c, esc_pos), OF(bf16c, esc_val),
         SZ(it_moe), OF(it_moe, num_experts), OF(it_moe, top_k), OF(it_moe, scoring), OF(it_moe, topk_method),
         OF(it_moe, n_group), OF(it_moe, topk_group), OF(it_moe, norm_topk_prob), OF(it_moe, routed_scaling_factor),
+        OF(it_moe, torch_ties),
         SZ(it_moe_layer), OF(it_moe_layer, rule), OF(it_moe_layer, router), OF(it_moe_layer, bias),
         OF(it_moe_layer, gate_up), OF(it_moe_layer, down), OF(it_moe_layer, shared_gate_up),
         OF(it_moe_layer, shared_down), OF(it_moe_layer, shared_gate), OF(it_moe_layer, expert_offset),

@@ -6,7 +6,7 @@
 #define IT_ABI_H
 #include "bf16.h"
 
-#define IT_ABI_VERSION 17
+#define IT_ABI_VERSION 18
 #define IT_MAX_KV_GROUPS 8 /* it_step's KV cache groups at most (cpu.py MAX_KV_GROUPS) */
 /* A block-table entry of an int4 block (the int4 tier of an int8 cache; scheduler_output.INT4_SHIFT and its
  * neighbours): the block id with 1 (its low half) or 2 (its high half) at bit IT_INT4_SHIFT */
@@ -60,6 +60,8 @@ typedef struct {
     int32_t n_group, topk_group;  /* the groups of experts, and how many of them a token's experts come from */
     int32_t norm_topk_prob;       /* 1: the top-k weights renormalised to sum to 1 */
     float routed_scaling_factor;
+    int32_t torch_ties;           /* 1: a tie at the top-k (or top group) boundary resolved as torch.topk resolves it
+                                     (moe.h moe_topk_torch); 0: such a row hands back */
 } it_moe;
 
 /* A mixture-of-experts layer in the fused step (fused_step.h moe_mlp): the router, the routed experts and an optional

@@ -8,15 +8,17 @@
  *                   gate_up, SiLU-and-multiply, down, each row scaled by its weight and summed into its token's
  *                   output (experts nobody picked cost nothing), rounded to bf16 where experts_reference rounds
  *
- * Ties: route() takes torch.topk's picks, whose order among equal values is that of its algorithm (an nth_element
- * and a sort: no rule one could write down). Here, among equal values the lower index comes first; that decides only
- * the order of a token's slots, never which experts it gets (the layer's output does not depend on the order)
- * unless the tie sits at the boundary: the k-th best expert equal to the next one, or the topk_group-th best group
- * equal to the next. There it_moe_route hands back (returns 1) and the caller routes with route(), whose picks are
- * then the engine's with or without kernels, and transformers'. In bf16, where router logits tie often, a boundary
- * tie takes ~4% of a layer's tokens (the 64-expert benchmark model); NaN scores hand back too. Only the tied rows
- * need route(): it_moe_route_rows flags them, and the caller (the fused step's hand-back, layers/moe.py Router)
- * routes those alone, keeps this kernel's picks for the others and groups the whole.
+ * Ties: route() takes torch.topk's picks. Among equal values this kernel puts the lower index first, which orders a
+ * token's slots but never decides which experts it gets (the layer's output does not depend on the order), unless
+ * the tie sits at the boundary: the k-th best expert equal to the next one, or the topk_group-th best group equal
+ * to the next. There the set is torch.topk's: on CPU, for k * 64 > n, topk puts the (value, index) pairs through
+ * libstdc++'s std::nth_element and takes the first k, and moe_topk_torch runs the same steps on the same
+ * comparisons (it_moe.torch_ties, set where kernels/cpu.py has checked this against the torch in the process at
+ * load). Where it cannot say (the rule's torch_ties off, topk's heap path at k * 64 <= n, introselect's depth
+ * limit, a NaN score) the row hands back: it_moe_route returns 1 and the caller routes with route(), or
+ * it_moe_route_rows flags the tied rows alone and the caller (the fused step's hand-back, layers/moe.py Router)
+ * routes those, keeps this kernel's picks for the others and groups the whole. In bf16, where router logits tie
+ * often, a boundary tie takes ~4% of a layer's tokens (the 64-expert benchmark model).
  *
  * A variant defines, before it includes this file:
  *   moe_linear(L, x, ldx, y, ldy, M, nthreads, scratch, silu)
@@ -69,10 +71,70 @@ static inline int64_t moe_best(const float* v, const uint8_t* taken, int64_t n) 
     return best;
 }
 
-/* One token: scores [E] and choice [E] (scratch), taken [E] and group scratch [n_group] (+ taken [n_group]).
- * Returns 1 where a tie (or a NaN) decides which experts the token gets, else 0. */
+/* torch.topk's k largest of v [n] where ties decide them (route() on CPU, k * 64 > n: topk_impl_loop's
+ * std::nth_element(q, q + k - 1, q + n) on the pairs (v[i], i), "NaN first, then greater", the first k taken):
+ * libstdc++'s introselect step for step (depth limit 2 floor(log2 n), the median of the second, middle and last
+ * pairs moved to the front as pivot, an unguarded partition, an insertion sort of the last <= 3), so the same
+ * comparisons leave the same pairs in front. taken[i] = 1 for the k picked. Returns 0, or 1 where it cannot say
+ * (k * 64 <= n: topk's heap path; the depth limit reached: introselect's heap fallback). q: n pairs of scratch. */
+typedef struct {
+    float v;
+    int32_t i;
+} moe_pair;
+static inline int moe_pair_before(moe_pair a, moe_pair b) { return (a.v != a.v && b.v == b.v) || a.v > b.v; }
+static inline void moe_pair_swap(moe_pair* q, int64_t a, int64_t b) {
+    const moe_pair t = q[a];
+    q[a] = q[b];
+    q[b] = t;
+}
+static int moe_topk_torch(const float* v, int64_t n, int64_t k, moe_pair* q, uint8_t* taken) {
+    if (k < 1 || k > n || k * 64 <= n) return 1;
+    for (int64_t i = 0; i < n; i++) q[i] = (moe_pair){v[i], (int32_t)i};
+    int64_t f = 0, l = n, depth = 0;
+    const int64_t nth = k - 1;
+    for (int64_t m = n; m > 1; m >>= 1) depth += 2;
+    while (l - f > 3) {
+        if (depth-- == 0) return 1;
+        const int64_t a = f + 1, b = f + (l - f) / 2, c = l - 1; /* the median of a, b, c to the front */
+        int64_t med;
+        if (moe_pair_before(q[a], q[b]))
+            med = moe_pair_before(q[b], q[c]) ? b : moe_pair_before(q[a], q[c]) ? c : a;
+        else
+            med = moe_pair_before(q[a], q[c]) ? a : moe_pair_before(q[b], q[c]) ? c : b;
+        moe_pair_swap(q, f, med);
+        int64_t lo = f + 1, hi = l; /* partition [f + 1, l) around q[f], unguarded (the median bounds both scans) */
+        for (;;) {
+            while (moe_pair_before(q[lo], q[f])) lo++;
+            hi--;
+            while (moe_pair_before(q[f], q[hi])) hi--;
+            if (lo >= hi) break;
+            moe_pair_swap(q, lo, hi);
+            lo++;
+        }
+        if (lo <= nth) f = lo;
+        else l = lo;
+    }
+    for (int64_t i = f + 1; i < l; i++) { /* insertion sort of [f, l) */
+        const moe_pair x = q[i];
+        if (moe_pair_before(x, q[f])) {
+            memmove(q + f + 1, q + f, (size_t)(i - f) * sizeof(moe_pair));
+            q[f] = x;
+        } else {
+            int64_t j = i;
+            for (; moe_pair_before(x, q[j - 1]); j--) q[j] = q[j - 1];
+            q[j] = x;
+        }
+    }
+    memset(taken, 0, (size_t)n);
+    for (int64_t i = 0; i < k; i++) taken[q[i].i] = 1;
+    return 0;
+}
+
+/* One token: scores [E] and choice [E] (scratch), taken [E] and group scratch [n_group] (+ taken [n_group]), q [E]
+ * pairs (moe_topk_torch's). Returns 1 where a tie (or a NaN) decides which experts the token gets and torch.topk's
+ * pick is not known here (see Ties above), else 0. */
 static int moe_route_row(const it_moe* m, const float* logit, const float* bias, float* scores, float* choice,
-                          uint8_t* taken, float* gscore, uint8_t* gtaken, float* w, int64_t* ids) {
+                          uint8_t* taken, float* gscore, uint8_t* gtaken, moe_pair* q, float* w, int64_t* ids) {
     const int64_t E = m->num_experts, k = m->top_k;
     if (m->scoring == IT_MOE_SOFTMAX) { /* as torch: exp(l - max), times 1 / sum */
         float mx = logit[0];
@@ -112,22 +174,28 @@ static int moe_route_row(const it_moe* m, const float* logit, const float* bias,
         memset(gtaken, 0, (size_t)G);
         int64_t last = 0;
         for (int64_t j = 0; j < m->topk_group; j++) gtaken[last = moe_best(gscore, gtaken, G)] = 1;
-        if (m->topk_group < G) tied |= gscore[moe_best(gscore, gtaken, G)] == gscore[last];
+        if (m->topk_group < G && gscore[moe_best(gscore, gtaken, G)] == gscore[last]) /* torch.topk's groups */
+            tied |= !m->torch_ties || moe_topk_torch(gscore, G, m->topk_group, q, gtaken);
         const float fill = m->topk_method == IT_MOE_NOAUX_TC ? -INFINITY : 0.0f; /* as route() masks them */
         for (int64_t g = 0; g < G; g++)
             if (!gtaken[g])
                 for (int64_t i = 0; i < per; i++) choice[g * per + i] = fill;
     }
     memset(taken, 0, (size_t)E);
+    for (int64_t j = 0; j < k; j++) taken[ids[j] = moe_best(choice, taken, E)] = 1;
+    if (k < E && choice[moe_best(choice, taken, E)] == choice[ids[k - 1]]) { /* a tie at the boundary */
+        if (!m->torch_ties || moe_topk_torch(choice, E, k, q, taken)) {
+            tied = 1;
+        } else { /* torch.topk's set: its slots best first, the lower index among equal ones */
+            for (int64_t e = 0; e < E; e++) taken[e] ^= 1;
+            for (int64_t j = 0; j < k; j++) taken[ids[j] = moe_best(choice, taken, E)] = 1;
+        }
+    }
     float sum = 0.0f;
     for (int64_t j = 0; j < k; j++) {
-        const int64_t e = moe_best(choice, taken, E);
-        taken[e] = 1;
-        ids[j] = e;
-        w[j] = scores[e]; /* the unbiased score */
+        w[j] = scores[ids[j]]; /* the unbiased score */
         sum += w[j];
     }
-    if (k < E) tied |= choice[moe_best(choice, taken, E)] == choice[ids[k - 1]];
     if (m->norm_topk_prob) {
         const float den = sum + (m->scoring == IT_MOE_SIGMOID ? 1e-20f : 0.0f);
         for (int64_t j = 0; j < k; j++) w[j] /= den;
@@ -138,6 +206,21 @@ static int moe_route_row(const it_moe* m, const float* logit, const float* bias,
 }
 
 int64_t it_moe_max_experts(void) { return IT_MOE_MAX_EXPERTS; }
+
+/* moe_topk_torch row by row over v [rows, n] fp32 (kernels/cpu.py checks it against the process's torch.topk at
+ * load; the tests): taken [rows, n] the k picked in each row, all 0 in a row it cannot say for. Returns how many
+ * such rows. */
+int64_t it_moe_topk_torch(const float* v, int64_t rows, int64_t n, int64_t k, uint8_t* taken) {
+    if (n < 1 || n > IT_MOE_MAX_EXPERTS) return rows;
+    moe_pair q[IT_MOE_MAX_EXPERTS];
+    int64_t unsaid = 0;
+    for (int64_t r = 0; r < rows; r++)
+        if (moe_topk_torch(v + r * n, n, k, q, taken + r * n)) {
+            memset(taken + r * n, 0, (size_t)n);
+            unsaid++;
+        }
+    return unsaid;
+}
 
 /* Every row's routing: logits [T, E], fp32 (logits_bf16 = 0) or bf16, rows ld apart; bias [E] fp32 or NULL (selection
  * only) -> weights [T, k] fp32, ids [T, k]; where tie is given, tie[t] = 1 where a tie at the boundary (or a NaN)
@@ -154,8 +237,9 @@ static int moe_route_rows(const void* logits, int logits_bf16, int64_t ld, int64
     int tied = 0;
 #pragma omp parallel num_threads(nt) reduction(| : tied)
     {
-        float buf[4 * IT_MOE_MAX_EXPERTS]; /* (on the stack, ~20 KB: E and G <= IT_MOE_MAX_EXPERTS) */
+        float buf[4 * IT_MOE_MAX_EXPERTS]; /* (on the stack, ~26 KB with the two below: E and G <= IT_MOE_MAX_EXPERTS) */
         uint8_t tbuf[2 * IT_MOE_MAX_EXPERTS];
+        moe_pair q[IT_MOE_MAX_EXPERTS];
         float *scores = buf, *choice = buf + E, *lrow = buf + 2 * E, *gscore = buf + 3 * E;
         uint8_t *taken = tbuf, *gtaken = tbuf + E;
 #pragma omp for schedule(static)
@@ -165,7 +249,7 @@ static int moe_route_rows(const void* logits, int logits_bf16, int64_t ld, int64
                 for (int64_t e = 0; e < E; e++) lrow[e] = bf2f(((const bf16*)logits)[t * ld + e]);
                 l = lrow;
             }
-            const int r = moe_route_row(m, l, bias, scores, choice, taken, gscore, gtaken, weights + t * k, ids + t * k);
+            const int r = moe_route_row(m, l, bias, scores, choice, taken, gscore, gtaken, q, weights + t * k, ids + t * k);
             if (tie) tie[t] = (uint8_t)r;
             tied |= r;
         }
