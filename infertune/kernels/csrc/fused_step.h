@@ -155,10 +155,12 @@ static void router_f32_rows(const bf16* h, const float* w, float* logits, int64_
  * resume: the caller's routing of the tied rows (s->route_weights / _ids, after a hand-back) over the rest of the
  * rows' from the call that handed back (in the workspace). Returns 0, 1 where the routing hands back (a tie at the
  * top-k boundary: the tied rows' logits packed in s->router_logits, their indices in s->tied_rows, their count in
- * s->route_rows), -2 where the kernels refuse the layer. */
+ * s->route_rows), -2 where the kernels refuse the layer. x: the residual [R, H], or NULL; where given and the layer
+ * is the routed experts alone on one rank (no shared expert, no expert parallel), their combine adds into it as
+ * add_rows would (bf16(x + y), one pass fewer over the rows) and *added is set; y is then not written. */
 static int moe_mlp(const it_model* m, const it_moe_layer* M, it_step* s, int li, int resume, const bf16* h,
                    bf16* y, int64_t R, char* w, const moe_ws* ml, bf16* gu, bf16* act, void* lin, bf16* dec,
-                   double* t0) {
+                   double* t0, bf16* x, int* added) {
     const int64_t H = m->hidden, E = M->rule.num_experts, k = M->rule.top_k;
     it_step_stats* stats = s->stats;
     float* weights = (float*)(w + ml->weights);
@@ -205,9 +207,11 @@ static int moe_mlp(const it_model* m, const it_moe_layer* M, it_step* s, int li,
     /* (expert parallel: this rank's experts only; the block's all-reduce adds the others') */
     const int64_t local = M->local_experts > 0 ? M->local_experts : E, off = M->local_experts > 0 ? M->expert_offset : 0;
     /* (the experts' scratch: the workspace past it_decode_workspace_bytes, it_moe_experts_ws_bytes of it) */
-    const int rc = moe_experts_ws(h, H, R, &M->gate_up, &M->down, E, off, local, k, weights, order, counts, y,
-                                  m->nthreads, w + ml->experts, s->work_bytes - ml->experts);
+    const int into_x = x && !M->shared_down.N && M->local_experts <= 0 && s->tp_size <= 1;
+    const int rc = moe_experts_ws(h, H, R, &M->gate_up, &M->down, E, off, local, k, weights, order, counts,
+                                  into_x ? x : y, m->nthreads, w + ml->experts, s->work_bytes - ml->experts, into_x);
     if (rc) return rc == -1 ? -1 : -2;
+    *added = into_x;
     if (stats) {
         const double t1 = now_s();
         stats->seconds[IT_FT_EXPERTS] += t1 - *t0;
@@ -426,8 +430,9 @@ int it_decode_layers(const it_model* m, const it_layer* layers, it_step* s, bf16
         else
             norm_rows(m, L->pre_ff_norm ? L->pre_ff_norm : L->post_norm, x, h, R, H, m->nthreads);
         PART(IT_FT_NORM);
+        int added = 0; /* (the MoE layer's output already in x) */
         if (L->moe) {
-            const int rc = moe_mlp(m, L->moe, s, li, resume, h, y, R, w, &ml, gu, act, lin, dec, &t0);
+            const int rc = moe_mlp(m, L->moe, s, li, resume, h, y, R, w, &ml, gu, act, lin, dec, &t0, x, &added);
             if (rc == 1) { /* the caller routes this layer's tied rows (it_step) and calls again from here */
                 s->handed_back = li;
                 return 1;
@@ -435,7 +440,7 @@ int it_decode_layers(const it_model* m, const it_layer* layers, it_step* s, bf16
             if (rc) return rc;
             /* tensor parallel: each rank's experts (and shared expert) hold a share of their features, so y is this
                rank's part of the block's output, summed over the ranks as layers/moe.py's MoE block is, once */
-            tp_allreduce(s, y, R * H);
+            if (!added) tp_allreduce(s, y, R * H);
         } else if (px_mlp) {
             const int64_t inter = L->down.K;
             PX_ZERO_TAIL(act, R, inter); /* (act's rows past R: zeros, as the normed rows') */
@@ -455,7 +460,7 @@ int it_decode_layers(const it_model* m, const it_layer* layers, it_step* s, bf16
                 PART(IT_FT_DOWN);
             }
         }
-        if (L->moe || L->post_ff_norm) { /* the MLP's output y (Gemma: normed first) into the residual */
+        if ((L->moe && !added) || L->post_ff_norm) { /* the MLP's output y (Gemma: normed first) into the residual */
             if (L->post_ff_norm) {
                 norm_rows(m, L->post_ff_norm, y, y, R, H, m->nthreads);
                 PART(IT_FT_NORM);

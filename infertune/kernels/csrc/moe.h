@@ -361,11 +361,19 @@ static inline void moe_store_row(bf16* o, const float* acc, int64_t n) {
 #define MOE_ADD_ROW moe_add_row
 #define MOE_STORE_ROW moe_store_row
 #endif
+#ifndef MOE_ADD_STORE_ROW
+/* o[j] = bf16(o[j] + bf16(acc[j])): the combine's output added into a residual as add_rows adds it */
+static inline void moe_add_store_row(bf16* o, const float* acc, int64_t n) {
+    for (int64_t j = 0; j < n; j++) o[j] = f2bf(bf2f(o[j]) + bf2f(f2bf(acc[j])));
+}
+#define MOE_ADD_STORE_ROW moe_add_store_row
+#endif
 
 /* out[t] = bf16 of the fp32 sum over its slots, in the order of their rows (ascending expert), of
- * bf16(y[row] * bf16(w)): experts_reference's index_add_ into zeros (torch sums bf16 sources in fp32) */
+ * bf16(y[row] * bf16(w)): experts_reference's index_add_ into zeros (torch sums bf16 sources in fp32); add: that
+ * bf16 added into out instead (out a residual: bf16(out + it), as add_rows adds a layer's output) */
 static void moe_combine(const bf16* ys, const float* weights, const int64_t* order, const int64_t* pos, int64_t T,
-                        int64_t k, int64_t H, bf16* out, int nthreads, int64_t lo, int64_t hi) {
+                        int64_t k, int64_t H, bf16* out, int nthreads, int64_t lo, int64_t hi, int add) {
     const int nt = T > 1 && T * k * H >= (1 << 16) && nthreads > 1 ? (int)(T < nthreads ? T : nthreads) : 1;
 #pragma omp parallel for num_threads(nt) schedule(static)
     for (int64_t t = 0; t < T; t++) {
@@ -386,7 +394,8 @@ static void moe_combine(const bf16* ys, const float* weights, const int64_t* ord
             const int64_t nh = H - h0 < 64 ? H - h0 : 64;
             float acc[64] = {0.0f};
             for (int64_t i = 0; i < n; i++) MOE_ADD_ROW(acc, ys + rows[i] * H + h0, w[i], nh);
-            MOE_STORE_ROW(o + h0, acc, nh);
+            if (add) MOE_ADD_STORE_ROW(o + h0, acc, nh);
+            else MOE_STORE_ROW(o + h0, acc, nh);
         }
     }
 }
@@ -464,10 +473,11 @@ int64_t it_moe_experts_ws_bytes(int64_t T, int64_t k, int64_t E, int64_t H, int6
  * ws: ws_bytes of scratch (moe_experts_ws_need for T; it allocates nothing). Returns 0, -1 where ws is too small,
  * or -2 where the shapes, or the grouping (counts summing to T k, order a permutation of 0 .. T k - 1), do not fit.
  * Over experts off .. off + local - 1 only (expert parallel: this rank's; gate_up and down describe expert off),
- * their slots' sum into out, zero for a token with none of them: the rows of the other experts are another rank's */
+ * their slots' sum into out, zero for a token with none of them: the rows of the other experts are another rank's.
+ * add: out += the result instead (bf16(out + result), add_rows's rounding: the fused step's residual, one rank). */
 static int moe_experts_ws(const bf16* x, int64_t ldx, int64_t T, const it_lin* gate_up, const it_lin* down, int64_t E,
                           int64_t off, int64_t local, int64_t k, const float* weights, const int64_t* order,
-                          const int64_t* counts, bf16* out, int nthreads, char* ws, int64_t ws_bytes) {
+                          const int64_t* counts, bf16* out, int nthreads, char* ws, int64_t ws_bytes, int add) {
     const int64_t H = gate_up->K, I = down->K, R = T * k;
     if (gate_up->N != 2 * I || down->N != H || k < 1 || k > 64 || T < 1) return -2;
     if (off < 0 || local < 1 || off + local > E) return -2;
@@ -533,7 +543,7 @@ static int moe_experts_ws(const bf16* x, int64_t ldx, int64_t T, const it_lin* g
     } else if (!one_row) {
         for (int64_t a = 0; a < na; a++) moe_expert(&rows_of, active[a], nthreads, lin);
     }
-    moe_combine(ys, weights, order, pos, T, k, H, out, nthreads, lo, hi);
+    moe_combine(ys, weights, order, pos, T, k, H, out, nthreads, lo, hi, add);
     return 0;
 }
 
@@ -545,7 +555,7 @@ int it_moe_experts_ws(const bf16* x, int64_t ldx, int64_t T, const it_lin* gate_
                       const int64_t* counts, bf16* out, int nthreads, void* ws, int64_t ws_bytes) {
     if (T < 1 || k < 1 || E < 1 || gate_up->K < 1 || down->K < 1) return -2;
     return moe_experts_ws(x, ldx, T, gate_up, down, E, off, local, k, weights, order, counts, out, nthreads,
-                          (char*)ws, ws_bytes);
+                          (char*)ws, ws_bytes, 0);
 }
 
 /* it_moe_experts over experts off .. off + local - 1 only (expert parallel), for callers without a workspace: it

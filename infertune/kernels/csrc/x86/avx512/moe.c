@@ -68,8 +68,16 @@ static inline void moe_store_row16(bf16* o, const float* acc, int64_t n) {
         _mm256_mask_storeu_epi16(o + j, m, round_bf16x16(_mm512_maskz_loadu_ps(m, acc + j)));
     }
 }
+/* o = bf16(o + bf16(acc)), add_rows's rounding (store_sum_bf16x16), 16 features a vector */
+static inline void moe_add_store_row16(bf16* o, const float* acc, int64_t n) {
+    for (int64_t j = 0; j < n; j += 16) {
+        const __mmask16 m = mask16(n - j);
+        store_sum_bf16x16(o + j, load_bf16x16(o + j, m), bf16_round_f32(_mm512_maskz_loadu_ps(m, acc + j)), m);
+    }
+}
 #define MOE_ADD_ROW moe_add_row16
 #define MOE_STORE_ROW moe_store_row16
+#define MOE_ADD_STORE_ROW moe_add_store_row16
 
 #include "moe.h"
 
