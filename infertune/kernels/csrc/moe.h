@@ -130,6 +130,23 @@ static int moe_topk_torch(const float* v, int64_t n, int64_t k, moe_pair* q, uin
     return 0;
 }
 
+/* The k best of v [n], no NaN among them, in ids (highest first, the lower index first among equal ones: moe_best's
+ * picks k times over) and the (k + 1)-th best value (where k < n; else 0), in one pass: each value that beats the
+ * (k + 1)-th best so far goes in after those at least as large. q: k + 1 pairs of scratch. */
+static inline float moe_top(const float* v, int64_t n, int64_t k, moe_pair* q, int64_t* ids) {
+    const int64_t cap = k < n ? k + 1 : k;
+    int64_t cnt = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const float x = v[i];
+        if (cnt == cap && !(x > q[cap - 1].v)) continue;
+        int64_t p = cnt < cap ? cnt++ : cap - 1;
+        for (; p > 0 && q[p - 1].v < x; p--) q[p] = q[p - 1];
+        q[p] = (moe_pair){x, (int32_t)i};
+    }
+    for (int64_t j = 0; j < k; j++) ids[j] = q[j].i;
+    return k < n ? q[k].v : 0.0f;
+}
+
 /* One token: scores [E] and choice [E] (scratch), taken [E] and group scratch [n_group] (+ taken [n_group]), q [E]
  * pairs (moe_topk_torch's). Returns 1 where a tie (or a NaN) decides which experts the token gets and torch.topk's
  * pick is not known here (see Ties above), else 0. */
@@ -181,9 +198,15 @@ static int moe_route_row(const it_moe* m, const float* logit, const float* bias,
             if (!gtaken[g])
                 for (int64_t i = 0; i < per; i++) choice[g * per + i] = fill;
     }
-    memset(taken, 0, (size_t)E);
-    for (int64_t j = 0; j < k; j++) taken[ids[j] = moe_best(choice, taken, E)] = 1;
-    if (k < E && choice[moe_best(choice, taken, E)] == choice[ids[k - 1]]) { /* a tie at the boundary */
+    float next; /* the (k + 1)-th best choice (k < E) */
+    if (!tied) {
+        next = moe_top(choice, E, k, q, ids);
+    } else { /* (a NaN: moe_best's passes, as route() will decide the row anyway) */
+        memset(taken, 0, (size_t)E);
+        for (int64_t j = 0; j < k; j++) taken[ids[j] = moe_best(choice, taken, E)] = 1;
+        next = k < E ? choice[moe_best(choice, taken, E)] : 0.0f;
+    }
+    if (k < E && next == choice[ids[k - 1]]) { /* a tie at the boundary */
         if (!m->torch_ties || moe_topk_torch(choice, E, k, q, taken)) {
             tied = 1;
         } else { /* torch.topk's set: its slots best first, the lower index among equal ones */
