@@ -626,8 +626,8 @@ def _worst_logprob_errors(outs: dict, hf) -> dict:
 def test_engine_with_moe_kernels_matches_the_engine_on_torch(tiny_moe, monkeypatch):
     """bf16 Qwen3-MoE, greedy, a batch of 5 (prefill rows and decode rows through the kernels). Per module (the fused
     step off): every experts call and every decode step's router call takes the kernels (a tie at the top-k boundary
-    sends the tied rows to route() inside the call) and the tokens are those of decode_kernels="off". With the fused step (the default) every
-    decode step runs in it (its C attention rounds otherwise than torch's SDPA, so tokens may part from there: the
+    settled as torch.topk settles it) and the tokens are those of decode_kernels="off". With the fused step (the
+    default) the prompt step and every decode step run in it, with AMX or without (its C attention rounds otherwise than torch's SDPA, so tokens may part from there: the
     layers' own exactness is test_fused_step_runs_moe_and_qk_norm_layers_as_the_modules_do). Every engine's logprobs
     are as close to HF transformers' in fp32 as the dense engine tests allow."""
     from conftest import hf_model
@@ -675,8 +675,8 @@ def test_engine_with_moe_kernels_matches_the_engine_on_torch(tiny_moe, monkeypat
             steps = (12 if amx else 11) * 3
             assert used["experts"] >= steps and used["route"] == 11 * 3, used
         elif mode == "auto":  # the decode steps in the fused step; the prompt step too where it takes its 77 rows
-            prompt_fused = fused.decoder.max_prefill_rows >= 77  # (AMX: x86_fused.py, MoE prompts)
-            assert fused.step_timers()["calls"] == 11 + prompt_fused and used["route"] == 0, used
+            prompt_fused = fused.decoder.max_prefill_rows >= 77  # (x86_fused.py moe_prompts: AMX or not)
+            assert prompt_fused and fused.step_timers()["calls"] == 12 and used["route"] == 0, used
             assert fused.step_timers()["experts"] > 0 and (used["experts"] == 0 or not prompt_fused), used
         else:
             assert used == {"route": 0, "experts": 0}
@@ -686,12 +686,12 @@ def test_engine_with_moe_kernels_matches_the_engine_on_torch(tiny_moe, monkeypat
     assert max(worst["auto"], worst["per-module"]) <= 1.5 * worst["off"] + 0.02, worst
 
 
-@pytest.mark.skipif(not cpu.amx(), reason="quantized MoE prompts take the fused step on AMX (its tiles) only")
+@pytest.mark.skipif(cpu.variant() not in ("avx512", "avx512-noamx"), reason=f"AVX-512 kernels: {cpu.describe()}")
 @pytest.mark.parametrize("quant", ["w8a16", "w8a8", "w4a16"])
 def test_quantized_moe_prompts_in_the_fused_step_are_as_accurate_as_per_module(tiny_moe, monkeypatch, quant):
-    """On AMX a bf16 Qwen3-MoE with W8A16 (packed), W8A8 or W4A16 (packed) experts runs whole prompt steps in the
-    fused step (the experts on the AMX-INT8 tiles, W4A16's on the bf16 tiles from its nibbles rebuilt chunk by chunk,
-    x86_fused.py moe_prompts): the prompt step of 77 rows goes through it, and the
+    """A bf16 Qwen3-MoE with W8A16 (packed), W8A8 or W4A16 (packed) experts runs whole prompt steps in the fused
+    step (on AMX the experts on the AMX-INT8 tiles, W4A16's on the bf16 tiles from its nibbles rebuilt chunk by chunk;
+    without AMX their VNNI kernels; x86_fused.py moe_prompts): the prompt step of 77 rows goes through it, and the
     logprobs against HF transformers in fp32 (on the unquantized weights: both engines carry the same quantization
     error) are as close as those of the same engine with the fused step off (the modules on the kernels)."""
     from conftest import hf_model
@@ -756,8 +756,8 @@ def test_profile_counts_the_expert_load_of_the_fused_steps(tmp_path, monkeypatch
     """`infertune profile` on a bf16 MoE model whose decode steps run in the fused step (routing in C, past the
     routers' hooks): the expert-load table still counts every row of every step, the same counts as with the fused
     step off (attention-free checkpoint: both paths pick the same experts), but for a prompt step in the fused step
-    (AMX), whose last layer routes only the rows whose logits are taken; the steps' C timers show the experts, and
-    the router in decode steps (a prompt's boundary tie hands its routing to route(), outside the timers)."""
+    (AVX-512, AMX or not), whose last layer routes only the rows whose logits are taken; the steps' C timers show the
+    experts and the router in every step (ties at the top-k boundary settled in C: no hand-back leaves the timers)."""
     from infertune import LLM, SamplingParams
     from infertune.profile.timeline import profile_workload
     from infertune.runner.fused_decode import FusedDecode
@@ -773,10 +773,10 @@ def test_profile_counts_the_expert_load_of_the_fused_steps(tmp_path, monkeypatch
         result = profile_workload(llm, input_len, output_len, batch, params, warmup=False)
         loads[fused] = {name: list(counts) for name, counts in result.expert_load.items()}
         parts = [r.fused for r in result.records if r.fused is not None]
-        if fused:  # (the decode steps; the prompt step too where the fused step takes prompts: AMX)
+        if fused:  # (the decode steps; the prompt step too where the fused step takes prompts: AVX-512)
             prompt_fused = llm.engine.executor.runner.fused.decoder.max_prefill_rows >= input_len * batch
             assert len(parts) == output_len - 1 + prompt_fused and all(p["experts"] > 0 for p in parts)
-            assert all(p["MoE router"] > 0 for p in parts[prompt_fused:])
+            assert all(p["MoE router"] > 0 for p in parts)
             assert llm.engine.executor.runner.fused.decoder.step.expert_load is None  # counting left with profile
         else:
             assert parts == []

@@ -194,11 +194,11 @@ class X86FusedDecoder:
             if lin is not None
         ]
         kinds = {lin.kind for lin in lins}
-        # (MoE models: prompts too with AMX where the experts are bf16 (plain or 12-bit), W8A8 or packed W8A16, see
+        # (MoE models: prompts too where the experts are bf16 (plain or 12-bit), W8A8 or packed W8A16 / W4A16, see
         # below; else decode steps only. A windowed layer's prompt rows each attend on their own, to their window: attention_rows. Latent
         # attention: decode steps only, prompts decompress on the PyTorch path, where a long one's attention is
         # cheaper than absorbed.)
-        moe_prompts = amx and avx2_lib is None and expert_kinds <= {"bf16", "bf16c", "w8a8", "w8p", "w4p"}
+        moe_prompts = avx2_lib is None and expert_kinds <= {"bf16", "bf16c", "w8a8", "w8p", "w4p"}
         decode_only = (cmodel.moe_experts > 0 and not moe_prompts) or bool(mlas)
         if avx2_lib is not None:
             if "bf16c" in kinds:
@@ -228,8 +228,11 @@ class X86FusedDecoder:
         # decode steps), the experts through the grouped kernel, each expert's rows one tile GEMM. Measured on a
         # Xeon with AMX, the MoE preset's 16 x 128-token prompts: benchmarks/BENCHMARKS.md. W8A8 / packed W8A16
         # experts too on AMX (their int8 tiles, gemm_i8_amx.c: the MoE preset's W8A16 TTFT at 16 1.58 -> 0.70 s), and
-        # packed W4A16 ones (the tile GEMM on their nibbles rebuilt in bf16, gemm_w4p.c). Without AMX (not measured
-        # there: no Zen since), decode steps only.
+        # packed W4A16 ones (the tile GEMM on their nibbles rebuilt in bf16, gemm_w4p.c). Without AMX too (the
+        # VDPBF16PS GEMMs, 12-bit from the decoded tiles; the VNNI ones of W8A8 / packed W8A16 / W4A16), as many rows
+        # as the dense linears take below: forced onto the AVX-512 path on a Xeon (not a Zen), the MoE preset's prompts
+        # against the per-module path (torch's SDPA) 0.95x the time at 16 x 128 tokens, 0.87x at 1 x 128, level at
+        # 1 x 1024 (2026-12-07).
         prefill_rows = 0
         if decode_only:
             pass
