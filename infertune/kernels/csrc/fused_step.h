@@ -432,7 +432,9 @@ int it_decode_layers(const it_model* m, const it_layer* layers, it_step* s, bf16
         PART(IT_FT_NORM);
         int added = 0; /* (the MoE layer's output already in x) */
         if (L->moe) {
-            const int rc = moe_mlp(m, L->moe, s, li, resume, h, y, R, w, &ml, gu, act, lin, dec, &t0, x, &added);
+            /* (its output straight into x where nothing comes between: no post-feedforward norm) */
+            const int rc = moe_mlp(m, L->moe, s, li, resume, h, y, R, w, &ml, gu, act, lin, dec, &t0,
+                                   L->post_ff_norm ? NULL : x, &added);
             if (rc == 1) { /* the caller routes this layer's tied rows (it_step) and calls again from here */
                 s->handed_back = li;
                 return 1;
