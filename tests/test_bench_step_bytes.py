@@ -118,7 +118,7 @@ def test_bench_reports_each_systems_step_bytes_rate_and_roofline(tmp_path, monke
     from infertune.bench import offline
 
     model = make_checkpoint(tmp_path / "m", "llama", dtype=torch.bfloat16)
-    monkeypatch.setattr(offline, "bandwidth_probe", lambda gib, threads, iters=5: 40.0)
+    monkeypatch.setattr(offline, "bandwidth_probe", lambda gib, threads, iters=5, huge=False: 30.0 if huge else 40.0)
     workload = "--input-len 6 --output-len 4 --batch 1 --repeats 1 --systems infertune,infertune-bf16".split()
     rc = offline.main(["--model", str(model), *workload, "--json", str(tmp_path / "r.json")])
     assert rc == 0
@@ -136,3 +136,5 @@ def test_bench_reports_each_systems_step_bytes_rate_and_roofline(tmp_path, monke
         assert m["roofline_pct"] == pytest.approx(100 * m["decode_gb_s"] / 40.0, rel=1e-12)
     out = capsys.readouterr().out
     assert "| step MiB | decode GB/s | roofline % | probe GB/s |" in out
+    # the probe on 2 MB pages (where the packed weights sit) is reported beside it, not used for roofline %
+    assert doc["probe_end_2mb_pages_gb_s"] == 30.0 and "on 2 MB pages" in out and "30.0 GB/s" in out

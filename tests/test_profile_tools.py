@@ -141,6 +141,21 @@ def test_doctor_reports_the_decode_kernels():
     assert kernels(facts(cpu_kernels_unavailable="this CPU lacks avx512_bf16")).status == "OK"
 
 
+def test_doctor_says_whether_weights_can_sit_on_2mb_pages():
+    from infertune.kernels import hugepages
+    from infertune.profile.doctor import check_hugepages
+
+    got = {m: check_hugepages(facts(transparent_hugepages=m)) for m in ("madvise", "always", "never", "off", None)}
+    assert got["madvise"].status == got["always"].status == "OK" and "2 MB pages" in got["madvise"].detail
+    assert (
+        got["never"].status == "WARN"
+        and "echo madvise > /sys/kernel/mm/transparent_hugepage/enabled" in got["never"].fix
+    )
+    assert got["off"].status == "OK" and "INFERTUNE_HUGEPAGES" in got["off"].fix
+    assert got[None].status == "SKIP"
+    assert gather().transparent_hugepages == hugepages.mode()  # the facts read this system's setting
+
+
 def test_doctor_says_which_w8a8_product_runs():
     """W8A8: infertune's own int8 kernel; else torch._int_mm where its sums are exact; a warning where they are not
     (oneDNN without VNNI), which the real probe reproduces with torch limited to AVX2 (quant/int8.py)."""

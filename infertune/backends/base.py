@@ -61,6 +61,11 @@ class Backend(abc.ABC):
     def packed_linear(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError(f"{self.name} has no packed linear layout")
 
+    def kv_cache_storage(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The KV cache's one allocation, zero (stale memory is never read as KV). The CPU backend places it on 2 MB
+        pages where the system allows (kernels/hugepages.py): every decode step streams it."""
+        return torch.zeros(shape, dtype=dtype, device=device)
+
     def prepare_host_memory(self) -> str | None:
         """Called by the model runner once the weights and the KV cache are in place: set up host memory reuse
         where the backend's steps allocate on the host (the CPU backend tunes malloc). Returns what was done, or

@@ -182,8 +182,17 @@ class CPUBackend(Backend):
             return mkldnn_packed_linear(x, packed, bias)
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
+    def kv_cache_storage(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        from infertune.kernels import hugepages
+
+        return hugepages.zeros(shape, dtype) if device.type == "cpu" else super().kv_cache_storage(shape, dtype, device)
+
     def prepare_host_memory(self) -> str | None:
-        return keep_host_memory()
+        from infertune.kernels import hugepages
+
+        done = keep_host_memory()
+        logger.info("host memory: %s", hugepages.report().summary())
+        return done
 
     def decode_kernels(self) -> DecodeKernels | None:
         from infertune.kernels import arm, cpu, x86  # built on first use; None where the CPU or the compiler lacks

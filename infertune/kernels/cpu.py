@@ -36,6 +36,8 @@ from pathlib import Path
 
 import torch
 
+from infertune.kernels import hugepages
+
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
@@ -1009,7 +1011,7 @@ def pack_w8a8(q: torch.Tensor, *, lib: ctypes.CDLL | None = None) -> torch.Tenso
     if q.dtype is not torch.int8 or q.dim() != 2 or not q.is_contiguous():
         raise ValueError(f"need a contiguous int8 [N, K] weight, got {q.dtype} {tuple(q.shape)}")
     n, k = q.shape
-    out = torch.empty(w8a8_packed_shape(n, k, lib), dtype=torch.int32)
+    out = hugepages.empty(w8a8_packed_shape(n, k, lib), torch.int32)  # (streamed by every step: on 2 MB pages)
     if lib.it_pack_w8a8(q.data_ptr(), n, k, out.data_ptr(), torch.get_num_threads()) != 0:
         raise ValueError("the W8A8 kernels take weights in -127..127; this one holds -128")
     return out
@@ -1130,7 +1132,7 @@ def pack_w4(q: torch.Tensor) -> torch.Tensor:
     with one 32-byte load)."""
     n, k = q.shape
     r = q.to(torch.uint8).view(n, k // 64, 2, 32)
-    return (r[:, :, 0] | (r[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+    return hugepages.copy((r[:, :, 0] | (r[:, :, 1] << 4)).reshape(n, k // 2))  # (streamed: on 2 MB pages)
 
 
 def unpack_w4(packed: torch.Tensor) -> torch.Tensor:
@@ -1168,9 +1170,9 @@ def pack_w4p(
     def blocked(t: torch.Tensor) -> torch.Tensor:
         out = torch.zeros((nb * 64, t.shape[1]), dtype=torch.float32)
         out[:n] = t.float()
-        return out.view(nb, 64, -1).transpose(1, 2).contiguous()
+        return hugepages.copy(out.view(nb, 64, -1).transpose(1, 2))
 
-    return words.transpose(1, 2).contiguous(), blocked(scale), blocked(zero)
+    return hugepages.copy(words.transpose(1, 2)), blocked(scale), blocked(zero)  # (streamed: on 2 MB pages)
 
 
 def unpack_w4p(
@@ -1555,7 +1557,7 @@ def pack_bf16c(w: torch.Tensor, inter: int = 0) -> dict[str, torch.Tensor]:
     code_of = torch.full((256,), -1, dtype=torch.int8)
     code_of[table.long()] = torch.arange(16, dtype=torch.int8)
     chunks, ks = -(-n // 64), k // 32
-    codes = torch.empty(chunks * ks * 64 * 48, dtype=torch.uint8)
+    codes = hugepages.empty(chunks * ks * 64 * 48, torch.uint8)  # (what a decode step streams: on 2 MB pages)
     count = torch.empty(chunks * ks, dtype=torch.int32)
     _lib.it_bf16c_pack(w.data_ptr(), n, k, inter, table.data_ptr(), codes.data_ptr(), count.data_ptr(), threads)
     start = torch.zeros(chunks * ks + 1, dtype=torch.int32)

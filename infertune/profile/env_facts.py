@@ -62,6 +62,8 @@ class EnvFacts:
     thread_env: dict[str, str] = field(default_factory=dict)
     mem_total: int | None = None
     mem_available: int | None = None
+    # Linux's transparent huge pages: "always" / "madvise" / "never" / "off" / "unavailable" (kernels/hugepages.py)
+    transparent_hugepages: str | None = None
     # infertune's CPU decode kernels: None = built and loaded, else why not (infertune.kernels.cpu)
     cpu_kernels_unavailable: str | None = None
     # W8A8: the kernels multiply int8 by int8 here (x86 without AMX); torch._int_mm's sums are exact here
@@ -191,6 +193,7 @@ def gather() -> EnvFacts:
         load = None
     vm = psutil.virtual_memory()
     from infertune.kernels import cpu as cpu_kernels  # builds them on first use (about 1 s)
+    from infertune.kernels import hugepages
     from infertune.quant.int8 import int_mm_is_exact
 
     return EnvFacts(
@@ -217,6 +220,7 @@ def gather() -> EnvFacts:
         thread_env={k: os.environ[k] for k in THREAD_ENV if k in os.environ},
         mem_total=vm.total,
         mem_available=vm.available,
+        transparent_hugepages=hugepages.mode(),
         cpu_kernels_unavailable=None if cpu_kernels.available() else cpu_kernels.unavailable_reason(),
         w8a8_kernel=cpu_kernels.available() and cpu_kernels.w8a8_supported() and not cpu_kernels.amx(),
         int_mm_exact=int_mm_is_exact(),

@@ -133,7 +133,7 @@ class ModelRunner:
         self.kv_connector = worker_connector(config, self.tp.rank if self.tp else 0, self.device.type)
         storage = self.kv_connector.allocate((pages, *shape), cache_dtype) if self.kv_connector else None
         if storage is None:
-            storage = torch.zeros((pages, *shape), dtype=cache_dtype, device=self.device)
+            storage = backend.kv_cache_storage((pages, *shape), cache_dtype, self.device)
         self._kv_storage = storage
         if self.kv_connector is not None:
             self.kv_info.kv_layout = kv_layout(
