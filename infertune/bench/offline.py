@@ -851,14 +851,14 @@ def probe_lines(
     args, per_round: list[list[dict]], probe_end: float | None, probe_end_huge: float | None = None
 ) -> list[str]:
     """The range of the bandwidth probes over the run (none when the probe is off), and the last one's figure on 2 MB
-    pages (where infertune's packed weights sit: roofline % is against the plain probe, as it has always been)."""
+    pages (where infertune's weights sit: roofline % is against the plain probe, as it has always been)."""
     probes = [r["probe_gb_s"] for rnd in per_round for r in rnd if r.get("probe_gb_s") is not None]
     if probe_end is not None:
         probes.append(probe_end)
     if not probes:
         return []
     huge = (
-        f" The same sum on 2 MB pages (transparent huge pages, where infertune places the packed weights and the KV "
+        f" The same sum on 2 MB pages (transparent huge pages, where infertune places the weights and the KV "
         f"cache): {probe_end_huge:.1f} GB/s."
         if probe_end_huge is not None
         else ""

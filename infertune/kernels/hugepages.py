@@ -1,10 +1,11 @@
-"""Host memory on 2 MB pages (Linux transparent huge pages) for what a decode step streams: packed weights, KV cache.
+"""Host memory on 2 MB pages (Linux transparent huge pages) for what a decode step streams: weights and KV cache.
 
 A decode step reads every weight once, front to back. On 4 KB pages a stream crosses a page every 64 cache lines:
 the hardware prefetchers stop at each boundary and every page costs a TLB walk. On 2 MB pages the same read runs
-faster: on the Intel Xeon with AMX (model 167) of 2026-12-07 a plain 2-thread read of 1 GiB went 23.5 -> 27.9 GB/s,
-the MoE preset's 16-request decode 0.95x the time and the 386M model's batch-1 decode 0.94x
-(benchmarks/BENCHMARKS.md).
+faster: on the Intel Xeon with AMX (model 167) of 2026-12-07 a plain 2-thread read of 1 GiB went 23.5 -> 27.9 GB/s;
+generation with the weights and the cache here took 0.90x the time at batch 1 (the 386M model, 12-bit weights),
+0.84x on the AVX2 kernels' bf16 weights, 0.92x with W4A16, 0.91x at 16 requests and 0.95x for the MoE preset's 16
+requests (docs/kernels.md, "Weights and the KV cache on 2 MB pages").
 
 Linux backs anonymous memory with 2 MB pages where the system allows it (/sys/kernel/mm/transparent_hugepage/enabled
 "always", or "madvise" and the range advised MADV_HUGEPAGE, the common default) and only for 2 MB-aligned pieces
@@ -14,7 +15,9 @@ touched after the advice. So the memory comes from fresh anonymous mappings, adv
   `CHUNK_BYTES` (one expert's 12-bit projection is ~1 MB: alone it could hold no 2 MB page), larger requests in a
   mapping of their own (2 MB-aligned start; the last partial 2 MB is left on small pages, so nothing is wasted).
   A chunk is unmapped when the last tensor carved from it dies (the allocator keeps only a weak reference), so only
-  long-lived tensors should come from here: the weights the kernels pack at load.
+  long-lived tensors should come from there: the weights the kernels pack at load (cpu.pack_bf16c, pack_w8a8,
+  pack_w4, pack_w4p). own=True (the loader's weights, which packing may replace and free): from 2 MB up a mapping of
+  its own, smaller ones torch's memory.
 - `zeros(shape, dtype)`: a mapping of its own, zero, every page touched now (the KV cache: allocated up front, as
   before, so no step faults its pages in).
 
@@ -188,7 +191,7 @@ class Report:
         share = 100.0 * self.huge_bytes / self.placed_bytes if self.placed_bytes else 0.0
         return (
             f"2 MB pages ({self.mode}): {self.huge_bytes / 2**20:.0f} MiB of {self.placed_bytes / 2**20:.0f} MiB "
-            f"of packed weights and KV cache ({share:.0f}%)"
+            f"of weights and KV cache ({share:.0f}%)"
         )
 
 

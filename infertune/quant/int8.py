@@ -7,6 +7,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from infertune.kernels import hugepages
 from infertune.kernels.interface import DecodeKernels, KernelLinear
 from infertune.layers.linear import Linear, QuantMethod, UnquantizedMethod
 
@@ -118,8 +119,8 @@ class W8A16Method(UnquantizedMethod):
         if packed is not None:
             layer.register_buffer("qweight", packed)
             layer.register_buffer("scales", scale.to(dtype).float().contiguous())  # [N] fp32
-        else:
-            layer.register_buffer("qweight", q)  # [N, K] int8
+        else:  # [N, K] int8 (the GEMVs stream it: on 2 MB pages where the system allows, kernels/hugepages.py)
+            layer.register_buffer("qweight", hugepages.copy(q) if q.device.type == "cpu" else q)
             layer.register_buffer("scales", scale.to(dtype))  # [N]
 
     def int8_weight(self, layer: Linear) -> torch.Tensor:
