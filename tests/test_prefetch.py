@@ -151,6 +151,63 @@ def test_12bit_far_is_near_bit_for_bit(lib, m, n, k):
         assert torch.equal(y.view(torch.int16), near.view(torch.int16))
 
 
+@pytest.mark.parametrize(
+    "env,vendor,want",
+    [
+        (None, "GenuineIntel", 1),  # measured faster on a Xeon with AMX (model 167)
+        (None, "AuthenticAMD", 4),  # the distance tuned first (Zen 4 / 5: not measured again)
+        (None, "", 4),
+        ("3", "GenuineIntel", 3),
+        (" 8 ", "AuthenticAMD", 8),
+    ],
+)
+def test_12bit_prefetch_distance_choice(monkeypatch, env, vendor, want):
+    if env is None:
+        monkeypatch.delenv("INFERTUNE_PREFETCH_12BIT_TILES", raising=False)
+    else:
+        monkeypatch.setenv("INFERTUNE_PREFETCH_12BIT_TILES", env)
+    monkeypatch.setattr(kernels, "_cpu_vendor", lambda: vendor)
+    assert kernels.prefetch_bf16c_tiles() == want
+
+
+@pytest.mark.parametrize("bad", ["0", "-1", "two", "1.5"])
+def test_a_bad_12bit_prefetch_distance_is_refused(monkeypatch, bad):
+    monkeypatch.setenv("INFERTUNE_PREFETCH_12BIT_TILES", bad)
+    with pytest.raises(ValueError, match="INFERTUNE_PREFETCH_12BIT_TILES=.*whole number"):
+        kernels.prefetch_bf16c_tiles()
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 1040, 896), (4, 192, 4864), (16, 64, 1024), (40, 128, 512)])
+def test_12bit_prefetch_distance_changes_no_bit(m, n, k):
+    """The codec's prefetch distance (it_set_prefetch_bf16c), near and far: the same bits at 1, 2, 4 and 9 tiles, and
+    the loaded library holds the distance chosen for this CPU."""
+    if not kernels.available() or kernels.variant() not in ("avx512", "avx512-noamx"):
+        pytest.skip(f"12-bit weights: the AVX-512 library only ({kernels.describe()})")
+    lib = kernels.library()
+    assert lib.it_get_prefetch_bf16c() == kernels.prefetch_bf16c_tiles()
+    g = torch.Generator().manual_seed(m + n + k)
+    w = (torch.randn(n, k, generator=g) * 0.02).bfloat16()
+    p = kernels.pack_bf16c(w)
+    d = kernels.bf16c_struct(p)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    old_tiles, (old, old_bf16) = lib.it_get_prefetch_bf16c(), kernels.get_prefetch()
+    outs = []
+    try:
+        for tiles in (1, 2, 4, 9):
+            lib.it_set_prefetch_bf16c(tiles)
+            assert lib.it_get_prefetch_bf16c() == tiles
+            for far_bf16 in (0, 4096):
+                kernels.set_prefetch(old, bf16_far_bytes=far_bf16)
+                outs.append(kernels.linear_bf16c(x, d, n))
+    finally:
+        lib.it_set_prefetch_bf16c(old_tiles)
+        kernels.set_prefetch(old, bf16_far_bytes=old_bf16)
+    ref = (x.double() @ w.double().T).to(torch.bfloat16)  # (within a rounding: the test above pins the bound)
+    assert (outs[0].double() - ref.double()).abs().max() <= 2.0**-6 * ref.double().abs().max()
+    for y in outs[1:]:
+        assert torch.equal(y.view(torch.int16), outs[0].view(torch.int16))
+
+
 def test_a_bad_prefetch_setting_turns_the_kernels_off_with_the_reason(monkeypatch):
     monkeypatch.setenv("INFERTUNE_PREFETCH", "sideways")
     with pytest.raises(ValueError, match="INFERTUNE_PREFETCH='sideways'.*near, far"):

@@ -17,8 +17,20 @@
 
 #define BF16C_TILE_BYTES (64 * 48)
 #ifndef BF16C_PF_TILES
-#define BF16C_PF_TILES 4 /* prefetch distance along the stream, in tiles */
+#define BF16C_PF_TILES 4 /* the default prefetch distance along the stream, in tiles */
 #endif
+
+/* The prefetch distance along the 12-bit stream, in bytes: BF16C_PF_TILES tiles unless kernels/cpu.py sets it once
+ * at load, before any kernel runs (it_set_prefetch_bf16c; the kernels only read it). 4 tiles were tuned before the
+ * weights sat on 2 MB pages; on an Intel Xeon with AMX (model 167, 2026-12-07) 1 tile streams faster, on 2 MB pages
+ * and on 4 KB ones (a batch-1 decode of the 386M model 0.89x the time, 0.80x on the AVX-512 path without AMX; the MoE
+ * preset's 16 requests 0.95x), so cpu.py sets 1 on Intel CPUs and keeps 4 elsewhere (the Zen 4 / 5's distance,
+ * not measured again). */
+static int64_t pf_bf16c_bytes = BF16C_PF_TILES * BF16C_TILE_BYTES;
+
+void it_set_prefetch_bf16c(int64_t tiles) { pf_bf16c_bytes = (tiles > 0 ? tiles : 1) * BF16C_TILE_BYTES; }
+
+int64_t it_get_prefetch_bf16c(void) { return pf_bf16c_bytes / BF16C_TILE_BYTES; }
 
 /* Rows r0 .. r1 - 1 (even bounds) of tile t as bf16 into out, rows ld elements apart, escapes not patched. Two
  * rows a step: their 64 low bytes (in the order VPUNPCKL/HBW interleave, see pack_bf16c), then 32 bytes of codes (byte i:
@@ -30,8 +42,7 @@
 static inline void bf16c_row_pair(const uint8_t* p, int r, __m512i table, __m512i* row0, __m512i* row1) {
     if ((r & 3) == 0)
         for (int l = 0; l < 192; l += 64)
-            pf_weights(p + l, pf_bf16_far_bytes ? BF16C_PF_TILES * BF16C_TILE_BYTES : 0,
-                       BF16C_PF_TILES * BF16C_TILE_BYTES);
+            pf_weights(p + l, pf_bf16_far_bytes ? pf_bf16c_bytes : 0, pf_bf16c_bytes);
     const __m256i nib = _mm256_loadu_si256((const __m256i*)(p + 64));
     const __m512i code = _mm512_and_si512(
         _mm512_inserti64x4(_mm512_castsi256_si512(nib), _mm256_srli_epi16(nib, 4), 1), _mm512_set1_epi8(0x0f));
