@@ -157,21 +157,10 @@ def copy(t: torch.Tensor) -> torch.Tensor:
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zero contiguous CPU tensor in a mapping of its own on advised memory, every page touched now (the KV cache:
-    resident from the start, as torch.zeros would leave it)."""
-    shape = tuple(shape)
-    if not enabled():
-        return torch.zeros(shape, dtype=dtype)
-    numel = 1
-    for s in shape:
-        numel *= s
-    nbytes = numel * dtype.itemsize
-    if nbytes < PAGE:
-        return torch.zeros(shape, dtype=dtype)
-    t, rec = _mapping(nbytes, nbytes // PAGE * PAGE)
-    t.zero_()  # (a fresh mapping reads as zero already: this faults its pages in, 2 MB at a time)
-    _allocator.track(rec, nbytes)
-    return t.view(dtype).view(shape)
+    """A zero contiguous CPU tensor in a mapping of its own on advised memory (empty(own=True)), every page touched
+    now (the KV cache: resident from the start, as torch.zeros would leave it; a fresh mapping reads as zero already,
+    this faults its pages in, 2 MB at a time)."""
+    return empty(shape, dtype, own=True).zero_()
 
 
 @dataclass(frozen=True)
