@@ -361,7 +361,7 @@ def bandwidth_probe(gib: float, threads: int, iters: int = 5, huge: bool = False
         return None
     torch.set_num_threads(threads)
     n = int(gib * 2**30) // 4
-    x = hugepages.zeros((n,), torch.float32).fill_(1.0) if huge else torch.ones(n, dtype=torch.float32)
+    x = hugepages.empty(n, torch.float32, own=True).fill_(1.0) if huge else torch.ones(n, dtype=torch.float32)
     x.sum()  # fault the pages in and warm the kernel
     speeds = []
     for _ in range(iters):
