@@ -82,6 +82,7 @@ def load_build(src: str, out_dir: str, name: str, variant: str = "avx512"):
     subprocess.run([cpu._compiler(), own, *cpu.VARIANTS[variant].cflags, src, "-o", str(so), "-lm"], check=True)
     lib = ctypes.CDLL(str(so))
     cpu.declare(lib)
+    cpu.apply_prefetch_settings(lib)  # (a library left at its compiled-in defaults would prefetch near)
     if variant == "avx512":
         lib.it_amx_init(int(cpu.amx()))  # (amx() loads the process's library first: _amx is False until then)
     return lib

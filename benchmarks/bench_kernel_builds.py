@@ -10,6 +10,9 @@ tokens and `--output-len` new tokens, greedy; prompts of up to 128 tokens in all
 
     git worktree add -f /tmp/base HEAD~1 --detach
     python benchmarks/bench_kernel_builds.py --a /tmp/base/infertune/kernels/csrc/x86/avx512/avx512.c
+
+The AVX2 library: point --a and --b at avx2.c sources and run the engine on it (INFERTUNE_CPU_ISA=avx2, with
+ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 for torch's part). Both builds get this process's prefetch settings.
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ from ab_common import ab_parser, bench_model, load_build
 def main() -> int:
     ap = ab_parser(__doc__, batch=1, output_len=1, rounds=12, rounds_help="timed generates per build")
     ap.add_argument("--a", required=True, help="the baseline kernels source (a tree's csrc/x86/avx512/avx512.c)")
-    ap.add_argument("--b", default="infertune/kernels/csrc/x86/avx512/avx512.c", help="the changed source")
+    ap.add_argument(
+        "--b", default="infertune/kernels/csrc/x86/avx512/avx512.c", help="the changed source (avx512.c or avx2.c)"
+    )
     ap.add_argument("--quantization", choices=["w8a16", "w4a16", "w8a8"], default=None, help="(default: none)")
     args = ap.parse_args()
 
@@ -41,7 +46,7 @@ def main() -> int:
     builds = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, src in (("A", args.a), ("B", args.b)):
-            builds.append(load_build(src, tmp, name))
+            builds.append(load_build(src, tmp, name, "avx2" if src.endswith("avx2.c") else "avx512"))
         model = str(bench_model(args.model))
         llm = LLM(
             model,

@@ -234,17 +234,24 @@ def _load_variant(v: Variant) -> ctypes.CDLL | str:
     problem = check_abi(lib)
     if problem:
         return f"the {v.name} kernels do not match infertune/kernels/cpu.py: {problem}"
+    declare(lib)
     try:
-        prefetch, bf16c_tiles = prefetch_bytes(), prefetch_bf16c_tiles()
+        apply_prefetch_settings(lib)
     except ValueError as e:
         return str(e)
-    declare(lib)
+    return lib
+
+
+def apply_prefetch_settings(lib: ctypes.CDLL) -> None:
+    """Give a declared library this process's prefetch settings (INFERTUNE_PREFETCH, INFERTUNE_PREFETCH_12BIT_TILES or
+    the CPU's defaults), as the loader does; A/B scripts call it on the second build they load so that both run as
+    the engine would. Raises ValueError on a bad setting, before changing anything."""
+    prefetch, prefetch_bf16, bf16c_tiles = prefetch_bytes(), prefetch_bf16_bytes(), prefetch_bf16c_tiles()
     if hasattr(lib, "it_set_prefetch"):
         lib.it_set_prefetch(prefetch)
-        lib.it_set_prefetch_bf16(prefetch_bf16_bytes())
+        lib.it_set_prefetch_bf16(prefetch_bf16)
     if hasattr(lib, "it_set_prefetch_bf16c"):  # (the 12-bit codec: the AVX-512 library only)
         lib.it_set_prefetch_bf16c(bf16c_tiles)
-    return lib
 
 
 # How far ahead the GEMVs ask for their weights (csrc/bf16.h pf_weights): 0 is "near" (a fixed distance along each
