@@ -9,6 +9,7 @@ read after `import infertune` too (what the import costs is printed apart).
 
     python benchmarks/bench_load_moe.py --rounds 3
     python benchmarks/bench_load_moe.py --rounds 3 --dense llama-1b --moe moe --compress-weights off
+    python benchmarks/bench_load_moe.py --rounds 3 --quantization w4a16   # both models quantized as they load
 """
 
 from __future__ import annotations
@@ -28,10 +29,10 @@ from infertune import LLM
 from infertune.bench.worker_protocol import peak_rss_mib  # (VmHWM: ru_maxrss carries a parent's over fork + exec)
 hwm = lambda: peak_rss_mib() * 2**20
 rss_import = hwm()
-model, kv_bytes, compress = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+model, kv_bytes, compress, quant = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
 t0 = time.perf_counter()
 llm = LLM(model, dtype="bfloat16", max_model_len=1024, max_num_seqs=16, kv_cache_memory_bytes=kv_bytes,
-          compress_weights=compress)
+          compress_weights=compress, quantization=None if quant == "none" else quant)
 load_s = time.perf_counter() - t0
 runner = llm.engine.executor.runner
 seen, weights = set(), 0
@@ -56,9 +57,12 @@ def read_into_page_cache(folder: Path) -> int:
     return total
 
 
-def one_load(model: Path, kv_bytes: int, compress: str) -> dict:
+def one_load(model: Path, kv_bytes: int, compress: str, quant: str) -> dict:
     out = subprocess.run(
-        [sys.executable, "-c", CHILD, str(model), str(kv_bytes), compress], capture_output=True, text=True, check=True
+        [sys.executable, "-c", CHILD, str(model), str(kv_bytes), compress, quant],
+        capture_output=True,
+        text=True,
+        check=True,
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -70,6 +74,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--kv-bytes", type=int, default=256 << 20, help="the KV cache each engine takes (default 256 MiB)")
     p.add_argument("--compress-weights", default="auto", help="compress_weights for both (auto: 12-bit where it pays)")
+    p.add_argument("--quantization", default="none", help="quantization for both: none, w8a16, w4a16, w8a8")
     p.add_argument("--cache-dir", default="/tmp/infertune-bench")
     args = p.parse_args()
 
@@ -82,18 +87,19 @@ def main() -> int:
         order = list(models) if r % 2 == 0 else list(reversed(models))
         for name in order:
             read_into_page_cache(models[name])
-            got = one_load(models[name], args.kv_bytes, args.compress_weights)
+            got = one_load(models[name], args.kv_bytes, args.compress_weights, args.quantization)
             runs[name].append(got)
             print(
-                f"round {r + 1} {name}: load {got['load_s']:.2f} s, peak RSS {got['peak_rss'] / 2**20:.0f} MiB",
+                f"round {r + 1} {name}: load {got['load_s']:.2f} s, peak RSS {got['peak_rss'] / 2**20:.0f} MiB, "
+                f"RSS after the load {got['rss_now'] / 2**20:.0f} MiB",
                 flush=True,
             )
     print()
     print(
         "| model | checkpoint MiB | weights kept MiB | KV MiB | load s (median; each) | peak RSS MiB | "
-        "weights + KV + 300 MB | peak - (weights + KV) MiB | import RSS MiB |"
+        "weights + KV + 300 MB | peak - (weights + KV) MiB | RSS after the load MiB (max) | import RSS MiB |"
     )
-    print("|---|---:|---:|---:|---|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---|---:|---:|---:|---:|---:|")
     med = {}
     for name, rs in runs.items():
         load = statistics.median(x["load_s"] for x in rs)
@@ -106,7 +112,7 @@ def main() -> int:
             f"| {name} | {files[name] / 2**20:.0f} | {w / 2**20:.0f} | {kv / 2**20:.0f} | {load:.2f} "
             f"({each}) | {peak / 2**20:.0f} | {budget / 2**20:.0f} "
             f"({'within' if peak <= budget else 'OVER'}) | {(peak - w - kv) / 2**20:.0f} | "
-            f"{rs[0]['import_rss'] / 2**20:.0f} |"
+            f"{max(x['rss_now'] for x in rs) / 2**20:.0f} | {rs[0]['import_rss'] / 2**20:.0f} |"
         )
     ratio = med[args.moe] / med[args.dense]
     size = files[args.moe] / files[args.dense]

@@ -169,3 +169,43 @@ def test_the_engines_kv_cache_is_placed_and_its_greedy_tokens_are_the_same_off(t
         monkeypatch.delenv("INFERTUNE_HUGEPAGES")
         hugepages.mode.cache_clear()
     assert on == off
+
+
+@needs_thp
+def test_packs_made_inside_transient_are_torch_memory_and_pin_no_chunk():
+    """A pack that is copied elsewhere and dropped (each expert's, before the [E, ...] stack) must not come from a
+    shared chunk: a long-lived tensor carved beside it would keep its pages resident."""
+    from infertune.kernels import cpu
+
+    if not cpu.available():
+        pytest.skip(f"the CPU kernels are unavailable: {cpu.unavailable_reason()}")
+    q = torch.randint(-127, 128, (192, 256), dtype=torch.int8)
+    with hugepages.transient():
+        with hugepages.transient():  # (nested blocks)
+            inner = cpu.pack_w8a8(q)
+        tmp = cpu.pack_w8a8(q)
+    after = cpu.pack_w8a8(q)
+    assert not placed_at(inner.data_ptr()) and not placed_at(tmp.data_ptr())
+    assert placed_at(after.data_ptr())  # (outside the block: a chunk again)
+    assert torch.equal(inner, after) and torch.equal(tmp, after)
+
+
+@needs_thp
+def test_quantized_moe_experts_are_stacked_on_their_own_2mb_pages(tmp_path):
+    """A MoE model's W8A16 experts, quantized at load one expert at a time, end in [E, ...] stacks that every step
+    streams: each of 2 MB or more in a mapping of its own on 2 MB pages (read from /proc/self/smaps)."""
+    from conftest import make_checkpoint
+
+    from infertune import LLM
+
+    path = make_checkpoint(
+        tmp_path / "moe", "qwen3_moe", hidden_size=256, intermediate_size=256, moe_intermediate_size=256,
+        num_experts=32, num_experts_per_tok=2, num_hidden_layers=1, head_dim=64, std=0.05,
+    )  # fmt: skip
+    llm = LLM(model=str(path), quantization="w8a16", dtype="bfloat16")
+    experts = llm.engine.executor.runner.model.model.layers[0].mlp.experts
+    big = [t for name, t in experts.named_buffers() if t.nbytes >= PAGE]
+    assert big, [(n, t.shape, t.dtype) for n, t in experts.named_buffers()]
+    for t in big:
+        assert placed_at(t.data_ptr()) and t.data_ptr() % PAGE == 0
+        assert vma_of(t.data_ptr())["AnonHugePages"] >= PAGE

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import psutil
 import torch
 
-from infertune.backends.base import Backend
+from infertune.backends.base import Backend, trim_host_heap
 
 if TYPE_CHECKING:
     from infertune.kernels.interface import DecodeKernels
@@ -190,6 +190,7 @@ class CPUBackend(Backend):
     def prepare_host_memory(self) -> str | None:
         from infertune.kernels import hugepages
 
+        trim_host_heap()  # (what came after the load: the KV cache's set-up, the kernels' packing)
         done = keep_host_memory()
         logger.info("host memory: %s", hugepages.report().summary())
         return done

@@ -18,6 +18,8 @@ touched after the advice. So the memory comes from fresh anonymous mappings, adv
   long-lived tensors should come from there: the weights the kernels pack at load (cpu.pack_bf16c, pack_w8a8,
   pack_w4, pack_w4p). own=True (the loader's weights, which packing may replace and free): from 2 MB up a mapping of
   its own, smaller ones torch's memory.
+- `transient()`: a block inside which empty(own=False) is torch's memory (packs that are copied elsewhere and
+  dropped at once must not pin a chunk).
 - `zeros(shape, dtype)`: a mapping of its own, zero, every page touched now (the KV cache: allocated up front, as
   before, so no step faults its pages in).
 
@@ -29,6 +31,7 @@ torch.zeros. `report()` says how much was placed and how much of it the kernel a
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import mmap
 import os
@@ -126,6 +129,21 @@ class _Allocator:
 
 
 _allocator = _Allocator()
+_local = threading.local()  # .transient: depth of transient() blocks on this thread
+
+
+@contextlib.contextmanager
+def transient():
+    """Inside the block, empty(own=False) (what the kernels' pack functions call) gives torch's memory, not a shared
+    chunk: for packed tensors that die as soon as they are copied elsewhere (each expert's packing, copied into
+    the [E, ...] stack the experts keep). Carved from a chunk, such a temporary keeps its pages resident for as
+    long as any long-lived tensor carved beside it lives: a MoE model's W8A16 experts left ~0.9 GiB of dead
+    packs resident that way."""
+    _local.transient = getattr(_local, "transient", 0) + 1
+    try:
+        yield
+    finally:
+        _local.transient -= 1
 
 
 def empty(shape: tuple[int, ...] | int, dtype: torch.dtype, own: bool = False) -> torch.Tensor:
@@ -140,7 +158,7 @@ def empty(shape: tuple[int, ...] | int, dtype: torch.dtype, own: bool = False) -
     for s in shape:
         numel *= s
     nbytes = numel * dtype.itemsize
-    if nbytes == 0 or (own and nbytes < PAGE):
+    if nbytes == 0 or (own and nbytes < PAGE) or (not own and getattr(_local, "transient", 0)):
         return torch.empty(shape, dtype=dtype)
     if own:
         t, rec = _mapping(nbytes, nbytes // PAGE * PAGE)

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from infertune.backends.base import trim_host_heap
 from infertune.config import ArchConfig, QuantConfig
 from infertune.kernels import hugepages
 from infertune.layers.attention import AttentionBackend
@@ -92,6 +93,11 @@ def _empty_on(meta: torch.Tensor, device: torch.device) -> torch.Tensor:
     return torch.empty_strided(meta.shape, meta.stride(), dtype=meta.dtype, device=device)
 
 
+# Bytes of checkpoint tensors between two returns of the C heap's free pages to the OS (backends/base.py
+# trim_host_heap): the load's transients never pile up past about this much plus one layer's
+TRIM_EVERY_BYTES = 64 << 20
+
+
 def load_model(
     arch: ArchConfig,
     model_dir: str,
@@ -138,6 +144,7 @@ def load_model(
     skipped = 0
     skips = lambda name: arch.skip_layers_from is not None and _layer_index(name, arch.skip_layers_from)  # noqa: E731
     dequant = Fp8Dequantizer(fp8, dtype, passes=skips) if fp8 is not None else None
+    since_trim = 0  # bytes of checkpoint tensors loaded since the heap was last trimmed
     for path in tqdm(files, desc="loading weights", unit="file", disable=not show_progress or len(files) < 2):
         try:
             tensors = iter_tensors(path)
@@ -165,6 +172,7 @@ def load_model(
                     load(param, _cast(tensor, param), shard)
                 except ValueError as e:
                     raise ValueError(f"{path.name}: {name}: {e}") from e
+                since_trim += tensor.nbytes
                 if shard is None:  # the whole tensor: every slice of it is filled
                     missing.pop(target, None)
                 else:
@@ -181,6 +189,9 @@ def load_model(
                             early[n] = set(getattr(gone, "expected_shards", None) or ())
                         del gone
                         module.quant_method.process_weights_after_loading(module)
+                    if since_trim >= TRIM_EVERY_BYTES:  # (after the modules it completed: their transients too)
+                        trim_host_heap()
+                        since_trim = 0
         except CorruptCheckpointError as e:
             raise ValueError(f"{path} is not a readable safetensors file ({e}); re-download or re-save it") from e
     if dequant is not None:
@@ -203,6 +214,7 @@ def load_model(
             module.quant_method.process_weights_after_loading(module)
         if hasattr(module, "reset_buffers"):
             module.reset_buffers()
+    trim_host_heap()
     return model.eval()
 
 

@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import torch
 
+from infertune.kernels import hugepages
 from infertune.kernels.interface import KernelExperts
 from infertune.layers.linear import QuantMethod
 from infertune.layers.moe import ExpertMatmul, Experts, ExpertsMethod
@@ -82,12 +83,10 @@ class QuantizedExperts(ExpertsMethod):
         stacked: dict[str, torch.Tensor | None] = {}
         for e in range(num_experts):
             view = ExpertSlice(n, k)
-            pack_one(view, e)
-            if e == 0:
-                stacked = {
-                    name: None if t is None else t.new_empty((num_experts, *t.shape))
-                    for name, t in view.buffers.items()
-                }
+            with hugepages.transient():  # (each expert's pack dies once copied: never in a chunk it would pin)
+                pack_one(view, e)
+            if e == 0:  # the stacks the experts keep and every step streams: on 2 MB pages where the system allows
+                stacked = {name: None if t is None else _stack_of(t, num_experts) for name, t in view.buffers.items()}
             assert view.buffers.keys() == stacked.keys(), "every expert of a projection packs into the same buffers"
             for name, t in view.buffers.items():
                 assert (t is None) == (stacked[name] is None), f"{proj}: expert {e} packs {name} unlike expert 0"
@@ -128,6 +127,14 @@ class QuantizedExperts(ExpertsMethod):
         """fp32 [E, N, K]: the weights the forward multiplies (for tests and for checking against a reference)."""
         method = self.linear_methods[proj]
         return torch.stack([_dequantized(method, self.expert_view(layer, proj, e)) for e in range(layer.num_experts)])
+
+
+def _stack_of(t: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """An uninitialised [num_experts, *t.shape] tensor like t: on CPU a mapping of its own advised onto 2 MB pages
+    (kernels/hugepages.py; torch's memory below 2 MB or where the system has no huge pages)."""
+    if t.device.type != "cpu":
+        return t.new_empty((num_experts, *t.shape))
+    return hugepages.empty((num_experts, *t.shape), t.dtype, own=True)
 
 
 def _dequantized(method: QuantMethod, view: ExpertSlice) -> torch.Tensor:
