@@ -338,3 +338,35 @@ def test_each_layer_is_quantized_as_soon_as_its_weights_are_loaded(tmp_path, mon
               dup / "model-00002-of-00002.safetensors", metadata={"format": "pt"})  # fmt: skip
     with pytest.raises(ValueError, match="comes again after its layer was loaded whole"):
         LLM(str(dup), dtype="float32", quantization="w8a16", max_model_len=64)
+
+
+@pytest.mark.parametrize("k", [96, 256, 4096])
+def test_quantizing_in_row_blocks_gives_the_whole_weights_values(monkeypatch, k):
+    """The quantizers take a weight a block of rows at a time (int8.QUANT_BLOCK_ELEMENTS: a load's fp32 temporaries
+    stay small); every statistic is per row (int8) or per row group (int4), so the result must be bit for bit the
+    one-shot formula's on the whole weight, here with blocks of 1, 3 and 16 rows and a partial last block."""
+    from infertune.quant import int8 as q8
+    from infertune.quant.int4 import quantize_int4_groupwise
+
+    g = torch.Generator().manual_seed(k)
+    w = (torch.randn(37, k, generator=g) * torch.rand(37, 1, generator=g)).to(torch.bfloat16)
+    w[5] = 0  # (a zero row: the clamped scale)
+    w32 = w.float()
+    s8 = (w32.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+    want8 = (torch.round(w32 / s8.unsqueeze(1)).clamp(-127, 127).to(torch.int8), s8)
+    gs = 32
+    grp = w32.view(37, k // gs, gs)
+    lo, hi = grp.amin(dim=-1), grp.amax(dim=-1)
+    s4 = ((hi - lo) / 15.0).clamp(min=1e-12)
+    want4 = (torch.round((grp - lo.unsqueeze(-1)) / s4.unsqueeze(-1)).clamp(0, 15).to(torch.int32).view(37, k), s4, lo)
+    s4s = (grp.abs().amax(dim=-1) / 7.5).clamp(min=1e-12)
+    want4s = torch.round((grp + 8.0 * s4s.unsqueeze(-1)) / s4s.unsqueeze(-1)).clamp(0, 15).to(torch.int32).view(37, k)
+    for rows in (1, 3, 16):
+        monkeypatch.setattr(q8, "QUANT_BLOCK_ELEMENTS", rows * k)
+        assert list(q8.row_blocks(37, k))[:2] == [0, rows]
+        got8 = q8.quantize_int8_per_channel(w)
+        assert got8[0].dtype == torch.int8 and all(torch.equal(a, b) for a, b in zip(got8, want8))
+        got4 = quantize_int4_groupwise(w, gs)
+        assert got4[0].dtype == torch.int32 and all(torch.equal(a, b) for a, b in zip(got4, want4))
+        got4s = quantize_int4_groupwise(w, gs, symmetric=True)
+        assert torch.equal(got4s[0], want4s) and torch.equal(got4s[1], s4s) and torch.equal(got4s[2], -8.0 * s4s)

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from infertune.kernels.interface import DecodeKernels, KernelLinear
 from infertune.layers.linear import Linear, UnquantizedMethod
+from infertune.quant.int8 import row_blocks
 
 
 def quantize_int4_groupwise(
@@ -20,15 +21,22 @@ def quantize_int4_groupwise(
     n, k = w.shape
     if k % group_size:
         raise ValueError(f"in_features={k} is not a multiple of group_size={group_size}; pick a group size dividing it")
-    g = w.float().view(n, k // group_size, group_size)
-    if symmetric:
-        scale = (g.abs().amax(dim=-1) / 7.5).clamp(min=1e-12)
-        low = -8.0 * scale
-    else:
-        low, high = g.amin(dim=-1), g.amax(dim=-1)
-        scale = ((high - low) / 15.0).clamp(min=1e-12)
-    q = torch.round((g - low.unsqueeze(-1)) / scale.unsqueeze(-1)).clamp(0, 15).to(torch.int32)
-    return q.view(n, k), scale, low
+    q = torch.empty((n, k), dtype=torch.int32, device=w.device)
+    scale = torch.empty((n, k // group_size), dtype=torch.float32, device=w.device)
+    low = torch.empty_like(scale)
+    blocks = row_blocks(n, k)  # (a few MiB of fp32 temporaries at a time: int8.QUANT_BLOCK_ELEMENTS)
+    for r in blocks:
+        rows = slice(r, r + blocks.step)
+        g = w[rows].float().view(-1, k // group_size, group_size)
+        if symmetric:
+            s = (g.abs().amax(dim=-1) / 7.5).clamp(min=1e-12)
+            lo = -8.0 * s
+        else:
+            lo, high = g.amin(dim=-1), g.amax(dim=-1)
+            s = ((high - lo) / 15.0).clamp(min=1e-12)
+        q[rows] = torch.round((g - lo.unsqueeze(-1)) / s.unsqueeze(-1)).clamp(0, 15).view(-1, k)
+        scale[rows], low[rows] = s, lo
+    return q, scale, low
 
 
 def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, group_size: int) -> torch.Tensor:

@@ -14,11 +14,28 @@ from infertune.layers.linear import Linear, QuantMethod, UnquantizedMethod
 W8A8_MAX_K = 1 << 16  # the int32 sums of the kernels' W8A8 hold K up to this (kernels/cpu.py W8A8_MAX_K)
 
 
+# Elements of a weight quantized at a time (a block of whole rows): the fp32 temporaries of a quantizing load stay
+# a few MiB however large the weight (all at once, Llama-1B's gate_up 16384 x 2048 took ~380 MiB of them; a 70B
+# model's ~2.8 GiB). Every quantizer works row by row, so the blocks give the same values.
+QUANT_BLOCK_ELEMENTS = 1 << 20
+
+
+def row_blocks(n: int, k: int) -> range:
+    """Starts of the row blocks of QUANT_BLOCK_ELEMENTS (at least one row) that an [n, k] weight is quantized in."""
+    return range(0, n, max(1, QUANT_BLOCK_ELEMENTS // max(k, 1)))
+
+
 def quantize_int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-row int8: w [N, K] -> (q int8 [N, K], scale fp32 [N]); |w - q * scale| <= scale / 2."""
-    w32 = w.float()
-    scale = (w32.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
-    q = torch.round(w32 / scale.unsqueeze(1)).clamp(-127, 127).to(torch.int8)
+    n, k = w.shape
+    q = torch.empty((n, k), dtype=torch.int8, device=w.device)
+    scale = torch.empty(n, dtype=torch.float32, device=w.device)
+    blocks = row_blocks(n, k)
+    for r in blocks:
+        w32 = w[r : r + blocks.step].float()
+        s = (w32.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+        q[r : r + blocks.step] = torch.round(w32 / s.unsqueeze(1)).clamp(-127, 127)
+        scale[r : r + blocks.step] = s
     return q, scale
 
 
