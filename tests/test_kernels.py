@@ -366,6 +366,30 @@ def test_w4_within_its_error_bound(ks, m, n, k, gs):
     assert ((y - ref).abs() <= bound * 1.01 + 1e-6).all(), float(((y - ref).abs() - bound).max())
 
 
+@pytest.mark.parametrize(
+    "m,n,k,gs", [(4, 8, 256, 64), (12, 37, 896, 128), (16, 21, 4864, 128), (17, 9, 1024, 256), (24, 6, 512, 128)]
+)
+def test_avx2_w4_rows_give_each_rows_own_bits(m, n, k, gs):
+    """The AVX2 library's W4A16 from 12 rows widens each block's nibbles once for all passes of rows
+    (gemv.c w4_wide_block2; below, once a pass): every row's int32 lanes sum the same columns per group as the
+    one-row kernel's, so a row's output must be its bits when it is multiplied alone (partial last blocks, an odd
+    last row, groups of 64 to 256). A wrong column order in the widened block or a lost row changes them."""
+    from infertune.quant.int4 import quantize_int4_groupwise
+
+    lib = kernels.load_variant("avx2")
+    if isinstance(lib, str):
+        pytest.skip(lib)
+    ks = x86.Avx2Kernels(lib)
+    g = torch.Generator().manual_seed(m * n + k)
+    q, s, z = quantize_int4_groupwise(torch.randn(n, k, generator=g), gs)
+    packed, s, z = ks.pack_w4(q), s.contiguous(), z.contiguous()
+    x = torch.randn(m, k, generator=g).bfloat16()
+    bias = torch.randn(n, generator=g).bfloat16()
+    together = ks.linear_w4(x, packed, s, z, gs, bias)
+    alone = torch.cat([ks.linear_w4(x[i : i + 1], packed, s, z, gs, bias) for i in range(m)])
+    assert torch.equal(together.view(torch.int16), alone.view(torch.int16))
+
+
 @needs_avx512
 @pytest.mark.skipif(kernels.amx(), reason="with AMX, 2-16 rows of quantized weights take the tiles")
 def test_quantized_rows_without_amx_are_the_bf16_gemv_on_the_dequantized_weight():

@@ -326,6 +326,100 @@ static inline __attribute__((always_inline)) void w4_block2(
 }
 #pragma GCC diagnostic pop
 
+/* ---- int4 weights at many rows: the block's nibbles widened once
+ *
+ * w4_block2 widens a block's nibbles to int16 on every pass of MR2 rows: at 16 rows that is 8 times per block, 6
+ * shuffles and ALU ops per 64 columns of a weight row each time, against 8 VPMADDWD + add pairs a row pair's pass
+ * does with them; the integer kernels run ALU-bound there, not memory-bound (the 386M model's 16-row W4A16 decode
+ * streams ~2 GB/s). From W4_WIDE_MIN_ROWS rows a block's NR2 rows are widened once into an int16 buffer the thread
+ * keeps (pack_w4's runs of 64 come out in plain column order: the low nibbles of bytes 0-15 and 16-31 are columns
+ * 0-31, their high ones 32-63), and each pass reads them from L1 / L2: per 16 columns 2 loads of x, 4 of W and 8
+ * VPMADDWD + add pairs for 8 (row, weight row) pairs. Each int32 lane sums the same columns in the same group as in
+ * w4_block2 (exact integers), and the group's convert and FMA and the final lane sum are the same: the same bits.
+ * Measured on an Intel Xeon (model 167, forced to this library), a step's W4A16 linears of the 386M model: 0.95-0.97x
+ * the time at 16 rows, 0.93-0.95x at 20-24, 0.99x at 12, level at 8, 1.09-1.12x slower at 3-4 (the buffer's
+ * stores and reloads outweigh what 1-2 passes save). There VPMADDWD's issue rate bounds both kernels (a C loop
+ * retires ~0.8 a cycle); a CPU with more multiply pipes (Zen 4 / 5) spends a larger share on the widening: not
+ * measured. */
+#ifndef W4_WIDE_MIN_ROWS
+#define W4_WIDE_MIN_ROWS 12
+#endif
+
+static __thread int16_t* w4w_buf; /* this thread's widened block: NR2 rows of K int16, w4w_cap values */
+static __thread int64_t w4w_cap;
+
+/* rows [0, nr) of a block (K / 2 bytes each) -> int16 [nr, K], NULL if the buffer cannot grow */
+static int16_t* widened_w4(const uint8_t* w, int nr, int64_t K) {
+    if (NR2 * K > w4w_cap) {
+        free(w4w_buf);
+        w4w_cap = NR2 * K;
+        w4w_buf = aligned_alloc(64, (size_t)((w4w_cap * 2 + 63) & ~(int64_t)63));
+        if (!w4w_buf) {
+            w4w_cap = 0;
+            return NULL;
+        }
+    }
+    const __m256i lo4 = _mm256_set1_epi16(0x0f);
+    const int64_t far = pf_far_offset(NR2 * (K / 2));
+    for (int j = 0; j < nr; j++)
+        for (int64_t k = 0; k < K; k += 64) {
+            const uint8_t* p = w + j * (K / 2) + k / 2;
+            pf_weights(p, far, PF2_BYTES);
+            const __m256i b0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p));
+            const __m256i b1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(p + 16)));
+            int16_t* o = w4w_buf + j * K + k;
+            _mm256_store_si256((__m256i*)o, _mm256_and_si256(b0, lo4));
+            _mm256_store_si256((__m256i*)(o + 16), _mm256_and_si256(b1, lo4));
+            _mm256_store_si256((__m256i*)(o + 32), _mm256_srli_epi16(b0, 4));
+            _mm256_store_si256((__m256i*)(o + 48), _mm256_srli_epi16(b1, 4));
+        }
+    return w4w_buf;
+}
+
+/* w4_block2 on a widened block ww (int16 [nr, K]) */
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+static inline __attribute__((always_inline)) void w4_wide_block2(
+    const int16_t* xq, int64_t Kp, const float* xsum, int mr, const int16_t* ww, int nr, int64_t K, int64_t gs,
+    const float* scale, const float* zero, float out[MR2][NR2], float zout[MR2][NR2]) {
+    const int64_t G = K / gs;
+    __m256 lanes[MR2][NR2];
+    for (int i = 0; i < MR2; i++)
+        for (int j = 0; j < NR2; j++) lanes[i][j] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        __m256i acc[MR2][NR2];
+        for (int i = 0; i < MR2; i++)
+            for (int j = 0; j < NR2; j++) acc[i][j] = _mm256_setzero_si256();
+        for (int64_t k = g * gs; k < (g + 1) * gs; k += 16) {
+            __m256i xv[MR2];
+            for (int i = 0; i < MR2; i++)
+                if (i < mr) xv[i] = _mm256_loadu_si256((const __m256i*)(xq + i * Kp + k));
+            for (int j = 0; j < NR2; j++)
+                if (j < nr) {
+                    const __m256i wv = _mm256_load_si256((const __m256i*)(ww + j * K + k));
+                    for (int i = 0; i < MR2; i++)
+                        if (i < mr) acc[i][j] = _mm256_add_epi32(acc[i][j], _mm256_madd_epi16(xv[i], wv));
+                }
+        }
+        for (int i = 0; i < MR2; i++)
+            for (int j = 0; j < NR2; j++)
+                if (i < mr && j < nr)
+                    lanes[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i][j]), _mm256_set1_ps(scale[j * G + g]), lanes[i][j]);
+    }
+    for (int i = 0; i < MR2; i++)
+        for (int j = 0; j < NR2; j++)
+            if (i < mr && j < nr) {
+                float z = 0.0f;
+                for (int64_t g = 0; g < G; g++) z += zero[j * G + g] * xsum[i * G + g];
+                out[i][j] = hsum8(lanes[i][j]);
+                zout[i][j] = z;
+            }
+}
+#pragma GCC diagnostic pop
+
+#define W4W_CASE2(MRC, NRC) w4_wide_block2(xq + m0 * Kp, Kp, xsum + m0 * G, MRC, ww, NRC, K, gs, scale + n0 * G, \
+                                           zero + n0 * G, out, zout)
+
 #define W4_CASE2(MRC, NRC) w4_block2(xq + m0 * Kp, Kp, xsum + m0 * G, MRC, wb, NRC, K, gs, scale + n0 * G, \
                                      zero + n0 * G, out, zout)
 
@@ -345,10 +439,15 @@ static void linear_w4(const bf16* x, int64_t ldx, const uint8_t* w, const float*
         const int64_t n0 = b * NR2;
         const int nr = (int)(N - n0 < NR2 ? N - n0 : NR2);
         const uint8_t* wb = w + n0 * (K / 2);
+        const int16_t* ww = M >= W4_WIDE_MIN_ROWS ? widened_w4(wb, nr, K) : NULL;
         for (int64_t m0 = 0; m0 < M; m0 += MR2) {
             const int mr = (int)(M - m0 < MR2 ? M - m0 : MR2);
             float out[MR2][NR2], zout[MR2][NR2];
-            DISPATCH_BLOCK2(W4_CASE2)
+            if (ww) {
+                DISPATCH_BLOCK2(W4W_CASE2)
+            } else {
+                DISPATCH_BLOCK2(W4_CASE2)
+            }
             for (int i = 0; i < mr; i++)
                 for (int j = 0; j < nr; j++) {
                     const int64_t n = n0 + j;
