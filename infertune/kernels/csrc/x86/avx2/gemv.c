@@ -93,27 +93,32 @@ static void linear_bf16_gemv2(const bf16* x, int64_t ldx, const bf16* w, const b
 #define MRX 4 /* rows of x per pass over a block */
 #define NRX 2 /* weight rows per block */
 
-static __thread float* xf_buf; /* this thread's widened x, xf_cap floats (see above) */
+/* A buffer a thread keeps for its calls: grown to at least bytes (64-byte aligned, contents not kept), never shrunk,
+ * so no allocation once a step's largest need has been seen; NULL if it cannot grow */
+static void* thread_buffer(void** buf, int64_t* cap, int64_t bytes) {
+    if (bytes > *cap) {
+        free(*buf);
+        *cap = (bytes + 63) & ~(int64_t)63;
+        *buf = aligned_alloc(64, (size_t)*cap);
+        if (!*buf) *cap = 0;
+    }
+    return *buf;
+}
+
+static __thread void* xf_buf; /* this thread's widened x (see above), xf_cap bytes */
 static __thread int64_t xf_cap;
 
 static float* widened_x(const bf16* x, int64_t ldx, int64_t M, int64_t K16) {
-    if (M * K16 > xf_cap) {
-        free(xf_buf);
-        xf_cap = M * K16;
-        xf_buf = aligned_alloc(64, (size_t)((xf_cap * 4 + 63) & ~(int64_t)63));
-        if (!xf_buf) {
-            xf_cap = 0;
-            return NULL;
-        }
-    }
+    float* xf = thread_buffer(&xf_buf, &xf_cap, M * K16 * 4);
+    if (!xf) return NULL;
     const __m256i z = _mm256_setzero_si256();
     for (int64_t m = 0; m < M; m++)
         for (int64_t k = 0; k < K16; k += 16) {
             const __m256i v = _mm256_loadu_si256((const __m256i*)(x + m * ldx + k));
-            _mm256_store_ps(xf_buf + m * K16 + k, _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, v)));
-            _mm256_store_ps(xf_buf + m * K16 + k + 8, _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, v)));
+            _mm256_store_ps(xf + m * K16 + k, _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, v)));
+            _mm256_store_ps(xf + m * K16 + k + 8, _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, v)));
         }
-    return xf_buf;
+    return xf;
 }
 
 #pragma GCC diagnostic push
@@ -271,6 +276,30 @@ void it_linear_w8(const bf16* x, int64_t ldx, const int8_t* w, const void* scale
     free(scratch);
 }
 
+/* The W4A16 blocks' shared ends: a group's exact int32 lanes times its scale into the fp32 lanes (a convert and an
+ * FMA), and at the end each lane set summed and the zero term sum_g zero_g * (sum of x over g), with the exact sums
+ * of x */
+static inline __attribute__((always_inline)) void w4_scale_group(__m256i acc[MR2][NR2], __m256 lanes[MR2][NR2], int mr,
+                                                                 int nr, const float* scale, int64_t G, int64_t g) {
+    for (int i = 0; i < MR2; i++)
+        for (int j = 0; j < NR2; j++)
+            if (i < mr && j < nr)
+                lanes[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i][j]), _mm256_set1_ps(scale[j * G + g]), lanes[i][j]);
+}
+
+static inline __attribute__((always_inline)) void w4_finish(__m256 lanes[MR2][NR2], int mr, int nr, const float* zero,
+                                                            const float* xsum, int64_t G, float out[MR2][NR2],
+                                                            float zout[MR2][NR2]) {
+    for (int i = 0; i < MR2; i++)
+        for (int j = 0; j < NR2; j++)
+            if (i < mr && j < nr) {
+                float z = 0.0f;
+                for (int64_t g = 0; g < G; g++) z += zero[j * G + g] * xsum[i * G + g];
+                out[i][j] = hsum8(lanes[i][j]);
+                zout[i][j] = z;
+            }
+}
+
 /* ---- int4 weights, int16 activations (pack_w4: per 64 columns from k0, byte b holds column k0 + b in its low
  * nibble and k0 + 32 + b in its high one; K % gs == 0, gs % 64 == 0, checked by the caller) */
 #pragma GCC diagnostic push
@@ -310,19 +339,9 @@ static inline __attribute__((always_inline)) void w4_block2(
                 }
             }
         }
-        for (int i = 0; i < MR2; i++)
-            for (int j = 0; j < NR2; j++)
-                if (i < mr && j < nr)
-                    lanes[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i][j]), _mm256_set1_ps(scale[j * G + g]), lanes[i][j]);
+        w4_scale_group(acc, lanes, mr, nr, scale, G, g);
     }
-    for (int i = 0; i < MR2; i++)
-        for (int j = 0; j < NR2; j++)
-            if (i < mr && j < nr) {
-                float z = 0.0f; /* sum_g zero_g * (sum of x over g), with the exact sums of x */
-                for (int64_t g = 0; g < G; g++) z += zero[j * G + g] * xsum[i * G + g];
-                out[i][j] = hsum8(lanes[i][j]);
-                zout[i][j] = z;
-            }
+    w4_finish(lanes, mr, nr, zero, xsum, G, out, zout);
 }
 #pragma GCC diagnostic pop
 
@@ -345,20 +364,13 @@ static inline __attribute__((always_inline)) void w4_block2(
 #define W4_WIDE_MIN_ROWS 12
 #endif
 
-static __thread int16_t* w4w_buf; /* this thread's widened block: NR2 rows of K int16, w4w_cap values */
+static __thread void* w4w_buf; /* this thread's widened block: NR2 rows of K int16, w4w_cap bytes */
 static __thread int64_t w4w_cap;
 
 /* rows [0, nr) of a block (K / 2 bytes each) -> int16 [nr, K], NULL if the buffer cannot grow */
 static int16_t* widened_w4(const uint8_t* w, int nr, int64_t K) {
-    if (NR2 * K > w4w_cap) {
-        free(w4w_buf);
-        w4w_cap = NR2 * K;
-        w4w_buf = aligned_alloc(64, (size_t)((w4w_cap * 2 + 63) & ~(int64_t)63));
-        if (!w4w_buf) {
-            w4w_cap = 0;
-            return NULL;
-        }
-    }
+    int16_t* ww = thread_buffer(&w4w_buf, &w4w_cap, NR2 * K * 2);
+    if (!ww) return NULL;
     const __m256i lo4 = _mm256_set1_epi16(0x0f);
     const int64_t far = pf_far_offset(NR2 * (K / 2));
     for (int j = 0; j < nr; j++)
@@ -367,13 +379,13 @@ static int16_t* widened_w4(const uint8_t* w, int nr, int64_t K) {
             pf_weights(p, far, PF2_BYTES);
             const __m256i b0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p));
             const __m256i b1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(p + 16)));
-            int16_t* o = w4w_buf + j * K + k;
+            int16_t* o = ww + j * K + k;
             _mm256_store_si256((__m256i*)o, _mm256_and_si256(b0, lo4));
             _mm256_store_si256((__m256i*)(o + 16), _mm256_and_si256(b1, lo4));
             _mm256_store_si256((__m256i*)(o + 32), _mm256_srli_epi16(b0, 4));
             _mm256_store_si256((__m256i*)(o + 48), _mm256_srli_epi16(b1, 4));
         }
-    return w4w_buf;
+    return ww;
 }
 
 /* w4_block2 on a widened block ww (int16 [nr, K]) */
@@ -401,19 +413,9 @@ static inline __attribute__((always_inline)) void w4_wide_block2(
                         if (i < mr) acc[i][j] = _mm256_add_epi32(acc[i][j], _mm256_madd_epi16(xv[i], wv));
                 }
         }
-        for (int i = 0; i < MR2; i++)
-            for (int j = 0; j < NR2; j++)
-                if (i < mr && j < nr)
-                    lanes[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i][j]), _mm256_set1_ps(scale[j * G + g]), lanes[i][j]);
+        w4_scale_group(acc, lanes, mr, nr, scale, G, g);
     }
-    for (int i = 0; i < MR2; i++)
-        for (int j = 0; j < NR2; j++)
-            if (i < mr && j < nr) {
-                float z = 0.0f;
-                for (int64_t g = 0; g < G; g++) z += zero[j * G + g] * xsum[i * G + g];
-                out[i][j] = hsum8(lanes[i][j]);
-                zout[i][j] = z;
-            }
+    w4_finish(lanes, mr, nr, zero, xsum, G, out, zout);
 }
 #pragma GCC diagnostic pop
 
