@@ -371,7 +371,7 @@ def test_w4_within_its_error_bound(ks, m, n, k, gs):
 )
 def test_avx2_w4_rows_give_each_rows_own_bits(m, n, k, gs):
     """The AVX2 library's W4A16 from 12 rows widens each block's nibbles once for all passes of rows
-    (gemv.c w4_wide_block2; below, once a pass): every row's int32 lanes sum the same columns per group as the
+    (gemv.c w4_block2 with wide = 1; below, once a pass): every row's int32 lanes sum the same columns per group as the
     one-row kernel's, so a row's output must be its bits when it is multiplied alone (partial last blocks, an odd
     last row, groups of 64 to 256). A wrong column order in the widened block or a lost row changes them."""
     from infertune.quant.int4 import quantize_int4_groupwise

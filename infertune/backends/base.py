@@ -13,10 +13,11 @@ if TYPE_CHECKING:
     from infertune.kernels.interface import DecodeKernels
 
 
-@functools.lru_cache(maxsize=1)
-def _malloc_trim():
+@functools.cache
+def libc_function(name: str):
+    """A function of the C library the process already has (glibc's malloc_trim, mallopt), or None without it."""
     try:
-        return getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc's, in the process already
+        return getattr(ctypes.CDLL(None), name, None)
     except OSError:
         return None
 
@@ -30,7 +31,7 @@ def trim_host_heap() -> bool:
     blocks below a live one stay resident. Loading the 386M model with W4A16 left 700-990 MiB of free heap resident
     (RSS 687-1451 MiB after the load, by run, against 560 of live memory); the loader calls this every
     loader.TRIM_EVERY_BYTES of tensors and at the end, which costs a few ms a call."""
-    trim = _malloc_trim()
+    trim = libc_function("malloc_trim")
     if trim is None:
         return False
     trim(0)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import logging
 import os
@@ -12,7 +11,7 @@ from typing import TYPE_CHECKING
 import psutil
 import torch
 
-from infertune.backends.base import Backend, trim_host_heap
+from infertune.backends.base import Backend, libc_function, trim_host_heap
 
 if TYPE_CHECKING:
     from infertune.kernels.interface import DecodeKernels
@@ -99,10 +98,7 @@ def keep_host_memory() -> str:
     if os.environ.get("INFERTUNE_KEEP_HOST_MEMORY", "1").lower() in ("0", "false", "off", "no"):
         _host_memory_done = "left alone (INFERTUNE_KEEP_HOST_MEMORY=0)"
         return _host_memory_done
-    try:
-        mallopt = getattr(ctypes.CDLL(None), "mallopt", None)  # the C library the process already has
-    except OSError:
-        mallopt = None
+    mallopt = libc_function("mallopt")
     if mallopt is None:
         _host_memory_done = "left alone (no glibc mallopt)"
     else:

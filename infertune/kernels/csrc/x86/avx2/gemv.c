@@ -276,85 +276,18 @@ void it_linear_w8(const bf16* x, int64_t ldx, const int8_t* w, const void* scale
     free(scratch);
 }
 
-/* The W4A16 blocks' shared ends: a group's exact int32 lanes times its scale into the fp32 lanes (a convert and an
- * FMA), and at the end each lane set summed and the zero term sum_g zero_g * (sum of x over g), with the exact sums
- * of x */
-static inline __attribute__((always_inline)) void w4_scale_group(__m256i acc[MR2][NR2], __m256 lanes[MR2][NR2], int mr,
-                                                                 int nr, const float* scale, int64_t G, int64_t g) {
-    for (int i = 0; i < MR2; i++)
-        for (int j = 0; j < NR2; j++)
-            if (i < mr && j < nr)
-                lanes[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i][j]), _mm256_set1_ps(scale[j * G + g]), lanes[i][j]);
-}
-
-static inline __attribute__((always_inline)) void w4_finish(__m256 lanes[MR2][NR2], int mr, int nr, const float* zero,
-                                                            const float* xsum, int64_t G, float out[MR2][NR2],
-                                                            float zout[MR2][NR2]) {
-    for (int i = 0; i < MR2; i++)
-        for (int j = 0; j < NR2; j++)
-            if (i < mr && j < nr) {
-                float z = 0.0f;
-                for (int64_t g = 0; g < G; g++) z += zero[j * G + g] * xsum[i * G + g];
-                out[i][j] = hsum8(lanes[i][j]);
-                zout[i][j] = z;
-            }
-}
-
 /* ---- int4 weights, int16 activations (pack_w4: per 64 columns from k0, byte b holds column k0 + b in its low
  * nibble and k0 + 32 + b in its high one; K % gs == 0, gs % 64 == 0, checked by the caller) */
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-static inline __attribute__((always_inline)) void w4_block2(
-    const int16_t* xq, int64_t Kp, const float* xsum, int mr, const uint8_t* w, int nr, int64_t K, int64_t gs,
-    const float* scale, const float* zero, float out[MR2][NR2], float zout[MR2][NR2]) {
-    const int64_t G = K / gs;
-    __m256 lanes[MR2][NR2]; /* each group's int32 lanes times its scale, summed over the groups lane by lane */
-    for (int i = 0; i < MR2; i++)
-        for (int j = 0; j < NR2; j++) lanes[i][j] = _mm256_setzero_ps();
-    const __m256i lo4 = _mm256_set1_epi16(0x0f);
-    const int64_t far = pf_far_offset(NR2 * (K / 2));
-    for (int64_t g = 0; g < G; g++) {
-        __m256i acc[MR2][NR2];
-        for (int i = 0; i < MR2; i++)
-            for (int j = 0; j < NR2; j++) acc[i][j] = _mm256_setzero_si256();
-        for (int64_t k = g * gs; k < (g + 1) * gs; k += 64) {
-            for (int j = 0; j < NR2; j++) {
-                if (j < nr) {
-                    const uint8_t* p = w + j * (K / 2) + k / 2;
-                    pf_weights(p, far, PF2_BYTES);
-                    const __m256i b0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p));
-                    const __m256i b1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(p + 16)));
-                    const __m256i w0 = _mm256_and_si256(b0, lo4), w1 = _mm256_and_si256(b1, lo4); /* k .. k + 31 */
-                    const __m256i w2 = _mm256_srli_epi16(b0, 4), w3 = _mm256_srli_epi16(b1, 4);    /* k + 32 .. */
-                    for (int i = 0; i < MR2; i++) {
-                        if (i < mr) {
-                            const int16_t* xr = xq + i * Kp + k;
-                            __m256i s = _mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i*)xr));
-                            s = _mm256_add_epi32(s, _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i*)(xr + 16))));
-                            s = _mm256_add_epi32(s, _mm256_madd_epi16(w2, _mm256_loadu_si256((const __m256i*)(xr + 32))));
-                            s = _mm256_add_epi32(s, _mm256_madd_epi16(w3, _mm256_loadu_si256((const __m256i*)(xr + 48))));
-                            acc[i][j] = _mm256_add_epi32(acc[i][j], s);
-                        }
-                    }
-                }
-            }
-        }
-        w4_scale_group(acc, lanes, mr, nr, scale, G, g);
-    }
-    w4_finish(lanes, mr, nr, zero, xsum, G, out, zout);
-}
-#pragma GCC diagnostic pop
-
-/* ---- int4 weights at many rows: the block's nibbles widened once
+/* At many rows: the block's nibbles widened once
  *
- * w4_block2 widens a block's nibbles to int16 on every pass of MR2 rows: at 16 rows that is 8 times per block, 6
+ * w4_block2 widened a block's nibbles to int16 on every pass of MR2 rows: at 16 rows that is 8 times per block, 6
  * shuffles and ALU ops per 64 columns of a weight row each time, against 8 VPMADDWD + add pairs a row pair's pass
  * does with them; the integer kernels run ALU-bound there, not memory-bound (the 386M model's 16-row W4A16 decode
  * streams ~2 GB/s). From W4_WIDE_MIN_ROWS rows a block's NR2 rows are widened once into an int16 buffer the thread
  * keeps (pack_w4's runs of 64 come out in plain column order: the low nibbles of bytes 0-15 and 16-31 are columns
  * 0-31, their high ones 32-63), and each pass reads them from L1 / L2: per 16 columns 2 loads of x, 4 of W and 8
- * VPMADDWD + add pairs for 8 (row, weight row) pairs. Each int32 lane sums the same columns in the same group as in
- * w4_block2 (exact integers), and the group's convert and FMA and the final lane sum are the same: the same bits.
+ * VPMADDWD + add pairs for 8 (row, weight row) pairs (w4_block2 with wide = 1). Each int32 lane sums the same columns
+ * in the same group as from the nibbles (exact integers), and the group's convert and FMA and the final lane sum are the same: the same bits.
  * Measured on an Intel Xeon (model 167, forced to this library), a step's W4A16 linears of the 386M model: 0.95-0.97x
  * the time at 16 rows, 0.93-0.95x at 20-24, 0.99x at 12, level at 8, 1.09-1.12x slower at 3-4 (the buffer's
  * stores and reloads outweigh what 1-2 passes save). There VPMADDWD's issue rate bounds both kernels (a C loop
@@ -388,42 +321,81 @@ static int16_t* widened_w4(const uint8_t* w, int nr, int64_t K) {
     return ww;
 }
 
-/* w4_block2 on a widened block ww (int16 [nr, K]) */
+/* A block of NR2 weight rows against MR2 rows of x: each group's exact int32 lanes times its scale into fp32 lanes,
+ * summed lane by lane over the groups, then across the lanes; the zero term from the exact sums of x. The weights come
+ * as pack_w4's nibbles w, widened for each pass (wide = 0), or as the block widened once, ww (int16 [nr, K], wide = 1:
+ * see above); wide is a constant at each call, so each inlined copy keeps one of the two loops. */
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-static inline __attribute__((always_inline)) void w4_wide_block2(
-    const int16_t* xq, int64_t Kp, const float* xsum, int mr, const int16_t* ww, int nr, int64_t K, int64_t gs,
-    const float* scale, const float* zero, float out[MR2][NR2], float zout[MR2][NR2]) {
+static inline __attribute__((always_inline)) void w4_block2(
+    const int16_t* xq, int64_t Kp, const float* xsum, int mr, const uint8_t* w, const int16_t* ww, int wide, int nr,
+    int64_t K, int64_t gs, const float* scale, const float* zero, float out[MR2][NR2], float zout[MR2][NR2]) {
     const int64_t G = K / gs;
-    __m256 lanes[MR2][NR2];
+    __m256 lanes[MR2][NR2]; /* each group's int32 lanes times its scale, summed over the groups lane by lane */
     for (int i = 0; i < MR2; i++)
         for (int j = 0; j < NR2; j++) lanes[i][j] = _mm256_setzero_ps();
+    const __m256i lo4 = _mm256_set1_epi16(0x0f);
+    const int64_t far = pf_far_offset(NR2 * (K / 2));
     for (int64_t g = 0; g < G; g++) {
         __m256i acc[MR2][NR2];
         for (int i = 0; i < MR2; i++)
             for (int j = 0; j < NR2; j++) acc[i][j] = _mm256_setzero_si256();
-        for (int64_t k = g * gs; k < (g + 1) * gs; k += 16) {
-            __m256i xv[MR2];
-            for (int i = 0; i < MR2; i++)
-                if (i < mr) xv[i] = _mm256_loadu_si256((const __m256i*)(xq + i * Kp + k));
-            for (int j = 0; j < NR2; j++)
-                if (j < nr) {
-                    const __m256i wv = _mm256_load_si256((const __m256i*)(ww + j * K + k));
-                    for (int i = 0; i < MR2; i++)
-                        if (i < mr) acc[i][j] = _mm256_add_epi32(acc[i][j], _mm256_madd_epi16(xv[i], wv));
+        if (wide) {
+            for (int64_t k = g * gs; k < (g + 1) * gs; k += 16) {
+                __m256i xv[MR2];
+                for (int i = 0; i < MR2; i++)
+                    if (i < mr) xv[i] = _mm256_loadu_si256((const __m256i*)(xq + i * Kp + k));
+                for (int j = 0; j < NR2; j++)
+                    if (j < nr) {
+                        const __m256i wv = _mm256_load_si256((const __m256i*)(ww + j * K + k));
+                        for (int i = 0; i < MR2; i++)
+                            if (i < mr) acc[i][j] = _mm256_add_epi32(acc[i][j], _mm256_madd_epi16(xv[i], wv));
+                    }
+            }
+        } else {
+            for (int64_t k = g * gs; k < (g + 1) * gs; k += 64) {
+                for (int j = 0; j < NR2; j++) {
+                    if (j < nr) {
+                        const uint8_t* p = w + j * (K / 2) + k / 2;
+                        pf_weights(p, far, PF2_BYTES);
+                        const __m256i b0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p));
+                        const __m256i b1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(p + 16)));
+                        const __m256i w0 = _mm256_and_si256(b0, lo4), w1 = _mm256_and_si256(b1, lo4); /* k .. k + 31 */
+                        const __m256i w2 = _mm256_srli_epi16(b0, 4), w3 = _mm256_srli_epi16(b1, 4);    /* k + 32 .. */
+                        for (int i = 0; i < MR2; i++) {
+                            if (i < mr) {
+                                const int16_t* xr = xq + i * Kp + k;
+                                __m256i s = _mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i*)xr));
+                                s = _mm256_add_epi32(s, _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i*)(xr + 16))));
+                                s = _mm256_add_epi32(s, _mm256_madd_epi16(w2, _mm256_loadu_si256((const __m256i*)(xr + 32))));
+                                s = _mm256_add_epi32(s, _mm256_madd_epi16(w3, _mm256_loadu_si256((const __m256i*)(xr + 48))));
+                                acc[i][j] = _mm256_add_epi32(acc[i][j], s);
+                            }
+                        }
+                    }
                 }
+            }
         }
-        w4_scale_group(acc, lanes, mr, nr, scale, G, g);
+        for (int i = 0; i < MR2; i++)
+            for (int j = 0; j < NR2; j++)
+                if (i < mr && j < nr)
+                    lanes[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i][j]), _mm256_set1_ps(scale[j * G + g]), lanes[i][j]);
     }
-    w4_finish(lanes, mr, nr, zero, xsum, G, out, zout);
+    for (int i = 0; i < MR2; i++)
+        for (int j = 0; j < NR2; j++)
+            if (i < mr && j < nr) {
+                float z = 0.0f; /* sum_g zero_g * (sum of x over g), with the exact sums of x */
+                for (int64_t g = 0; g < G; g++) z += zero[j * G + g] * xsum[i * G + g];
+                out[i][j] = hsum8(lanes[i][j]);
+                zout[i][j] = z;
+            }
 }
 #pragma GCC diagnostic pop
 
-#define W4W_CASE2(MRC, NRC) w4_wide_block2(xq + m0 * Kp, Kp, xsum + m0 * G, MRC, ww, NRC, K, gs, scale + n0 * G, \
-                                           zero + n0 * G, out, zout)
-
-#define W4_CASE2(MRC, NRC) w4_block2(xq + m0 * Kp, Kp, xsum + m0 * G, MRC, wb, NRC, K, gs, scale + n0 * G, \
+#define W4_CASE2(MRC, NRC) w4_block2(xq + m0 * Kp, Kp, xsum + m0 * G, MRC, wb, ww, 0, NRC, K, gs, scale + n0 * G, \
                                      zero + n0 * G, out, zout)
+#define W4W_CASE2(MRC, NRC) w4_block2(xq + m0 * Kp, Kp, xsum + m0 * G, MRC, wb, ww, 1, NRC, K, gs, scale + n0 * G, \
+                                      zero + n0 * G, out, zout)
 
 /* scratch: q_scratch_bytes(M, K), 64-byte aligned */
 static void linear_w4(const bf16* x, int64_t ldx, const uint8_t* w, const float* scale, const float* zero, int64_t gs,
