@@ -92,10 +92,25 @@ class LLM:
         use_tqdm: bool | None = None,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them, rendered with the model's chat template."""
+        """Generate replies to one conversation or a list of them, rendered with the model's chat template (or
+        chat_template). continue_final_message: the last message is continued, not closed (add_generation_prompt
+        must then be False); chat_template_kwargs: more template variables, e.g. {"enable_thinking": False}."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message continues the last message: pass add_generation_prompt=False")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.engine.render_chat(c, chat_template, add_generation_prompt) for c in conversations]
+        prompts = [
+            self.engine.render_chat(
+                c,
+                chat_template,
+                add_generation_prompt,
+                continue_final_message=continue_final_message,
+                template_kwargs=chat_template_kwargs,
+            )
+            for c in conversations
+        ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def check_consistency(self, prompts: list | None = None, long: int | None = None, **kwargs) -> dict:

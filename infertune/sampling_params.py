@@ -57,6 +57,20 @@ class SamplingParams:
     # params) and the OpenAI body's field of the same name maps onto it. Parsed into a KVCompressionConfig; what
     # the engine can do with it (its KV cache groups, the model's layers) is checked at admission.
     kv_compression: KVCompressionConfig | dict | None = None
+    # -- logits processors (vLLM's and OpenAI's names), applied after the penalties; logprobs stay the raw ones --
+    # OpenAI's logit_bias: token id -> a bias in [-100, 100] added to its logit (-100 in effect bans it, 100 all but
+    # forces it). JSON object keys arrive as strings and are taken as ints.
+    logit_bias: dict[int, float] | None = None
+    # No end-of-sequence or stop token (nor a stop string) before this many output tokens.
+    min_tokens: int = 0
+    # Only these tokens may be sampled.
+    allowed_token_ids: list[int] | None = None
+    # Words never to generate: the last token of each word's spellings (as is and after a space) is banned wherever
+    # the output ends in the tokens before it. The engine tokenizes them (bad_words_token_ids, set at admission).
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
+    # Set by the engine at admission: the tokens min_tokens holds back (end-of-sequence and stop_token_ids).
+    min_tokens_stop_ids: tuple[int, ...] = ()
     stop_list: tuple[str, ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
@@ -65,8 +79,8 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", "must be an integer >= 1")
-        if not self.temperature >= 0:  # written so that NaN fails too
-            raise bad("temperature", "must be >= 0 (0 means greedy)")
+        if not 0 <= self.temperature < float("inf"):  # written so that NaN fails too
+            raise bad("temperature", "must be a finite number >= 0 (0 means greedy)")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "must be in (0, 1]")
         if self.top_k == -1:
@@ -75,8 +89,8 @@ class SamplingParams:
             raise bad("top_k", "must be 0 or -1 (disabled) or a positive integer")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", "must be in [0, 1]")
-        if not self.repetition_penalty > 0:
-            raise bad("repetition_penalty", "must be > 0 (1.0 disables it)")
+        if not 0 < self.repetition_penalty < float("inf"):
+            raise bad("repetition_penalty", "must be a finite number > 0 (1.0 disables it)")
         if not -2.0 <= self.presence_penalty <= 2.0:
             raise bad("presence_penalty", "must be in [-2, 2]")
         if not -2.0 <= self.frequency_penalty <= 2.0:
@@ -111,6 +125,7 @@ class SamplingParams:
             raise bad("token_healing", "cannot be combined with structured_outputs (both constrain the output)")
         if self.token_healing and self.prompt_logprobs is not None:
             raise bad("token_healing", "cannot be combined with prompt_logprobs (the healed prompt is one token short)")
+        self._check_logits_processors(bad)
         if self.kv_transfer_params is not None and not isinstance(self.kv_transfer_params, dict):
             raise bad("kv_transfer_params", "must be a JSON object")
         if self.kv_compression is not None and not isinstance(self.kv_compression, KVCompressionConfig):
@@ -124,6 +139,42 @@ class SamplingParams:
                 "kv_compression: a request cannot add window rules (sliding windows shape the engine's KV cache "
                 "groups); put them in the engine's kv_compression, and send press rules only",
             )
+
+    def _check_logits_processors(self, bad) -> None:
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise bad("logit_bias", "must be an object of token id -> bias")
+            biases = {}
+            for k, v in self.logit_bias.items():
+                try:
+                    tid = int(k)
+                except (TypeError, ValueError):
+                    raise ParamError("logit_bias", f"logit_bias: {k!r} is not a token id") from None
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100.0 <= v <= 100.0:
+                    raise ParamError("logit_bias", f"logit_bias: the bias of token {k} must be a number in [-100, 100]")
+                biases[tid] = float(v)
+            self.logit_bias = biases or None
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 0:
+            raise bad("min_tokens", "must be an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids:
+                raise bad("allowed_token_ids", "must be a non-empty list of token ids")
+            if any(isinstance(t, bool) or not isinstance(t, int) for t in self.allowed_token_ids):
+                raise bad("allowed_token_ids", "must be a list of integer token ids")
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if self.bad_words is not None:
+            if isinstance(self.bad_words, str) or any(not isinstance(w, str) or not w for w in self.bad_words):
+                raise bad("bad_words", "must be a list of non-empty strings")
+            self.bad_words = list(self.bad_words) or None
+        self.min_tokens_stop_ids = tuple(int(t) for t in self.min_tokens_stop_ids)
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether a logits processor (logit_bias, min_tokens, allowed_token_ids, bad words) touches this request's
+        logits (runner/sampler.py apply_logits_processors)."""
+        return bool(self.logit_bias or self.min_tokens or self.allowed_token_ids or self.bad_words_token_ids)
 
     @property
     def greedy(self) -> bool:

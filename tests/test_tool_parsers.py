@@ -79,7 +79,6 @@ RECORDED = [
 
 PLAIN = [
     ("hermes", "The weather in Paris is mild. <tool is not a marker"),
-    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'),  # cut off by max_tokens
     ("hermes", '<tool_call>{"name": get_weather}</tool_call>'),  # not JSON
     ("hermes", '<tool_call>{"arguments": {}}</tool_call>'),  # no name
     ("llama3_json", "I cannot call tools for that."),
@@ -87,6 +86,16 @@ PLAIN = [
     ("llama3_json", '<|python_tag|>brave_search.call(query="x")'),
     ("mistral", "[TOOL_CALLS] [{'name': 'get_weather'}]"),
     ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": 3}]'),
+]
+
+
+# Output cut off by max_tokens inside a call whose name is complete: (parser, text, content before it, the name, the
+# arguments as far as they got). It stays a call with truncated arguments and finish_reason "length" (as OpenAI
+# answers), streamed or not; with finish_reason "stop" (the model ended it there) it is malformed: content.
+TRUNCATED = [
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par', None, "get_weather", '{"city": "Par'),
+    ("hermes", 'Let me look. <tool_call>{"name": "get_weather", "arguments": {"ci', "Let me look.", "get_weather", '{"ci'),
+    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Ro', None, "get_weather", '{"city": "Ro'),
 ]
 
 
@@ -112,11 +121,34 @@ def test_recorded_outputs_parse_into_their_calls(parser, text, content, calls):
         assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in message["tool_calls"])
 
 
+@pytest.mark.parametrize("reason", ["stop", "length"])
 @pytest.mark.parametrize(("parser", "text"), PLAIN)
-def test_malformed_or_plain_output_is_content_not_a_crash(parser, text):
-    message, finish = auto_plan(parser).message(text, "length")
+def test_malformed_or_plain_output_is_content_not_a_crash(parser, text, reason):
+    message, finish = auto_plan(parser).message(text, reason)
     assert message == {"role": "assistant", "content": text}
+    assert finish == reason
+
+
+@pytest.mark.parametrize(("parser", "text", "content", "name", "arguments"), TRUNCATED)
+def test_a_call_cut_off_by_max_tokens_stays_a_call_streamed_or_not(parser, text, content, name, arguments):
+    plan = auto_plan(parser)
+    message, finish = plan.message(text, "length")
     assert finish == "length"
+    assert message["content"] == content
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]] == [(name, arguments)]
+    for step in (1, 4):
+        deltas, s = stream(plan, text, step, "length")
+        got_content, got_calls = sdk_accumulate(deltas)
+        assert got_content == (content or "")  # the call's markup is never sent as content too
+        assert [(c["name"], c["arguments"]) for c in got_calls.values()] == [(name, arguments)]
+        assert s.finish_reason("length") == "length"
+    # ended there by the model (not by max_tokens): malformed, so content; a stream already sent the call and does
+    # not send its markup again as content
+    message, finish = plan.message(text, "stop")
+    assert message == {"role": "assistant", "content": text} and finish == "stop"
+    deltas, _ = stream(plan, text, 1, "stop")
+    got_content, got_calls = sdk_accumulate(deltas)
+    assert got_content == (content or "") and len(got_calls) == 1
 
 
 def sdk_accumulate(chunks: list[dict]) -> tuple[str, dict[int, dict]]:
@@ -134,10 +166,11 @@ def sdk_accumulate(chunks: list[dict]) -> tuple[str, dict[int, dict]]:
     return content, calls
 
 
-def stream(plan: ToolPlan, text: str, step: int) -> tuple[list[dict], ToolStream]:
+def stream(plan: ToolPlan, text: str, step: int, reason: str = "stop") -> tuple[list[dict], ToolStream]:
     s, deltas = ToolStream(plan), []
     for end in range(step, len(text) + step, step):
-        deltas += s.deltas(text[:end], finished=end >= len(text))
+        last = end >= len(text)
+        deltas += s.deltas(text[:end], finished=last, finish_reason=reason if last else None)
     return deltas, s
 
 
@@ -160,13 +193,14 @@ def test_streamed_deltas_add_up_to_the_non_streamed_message(parser, text, conten
 
 @pytest.mark.parametrize(("parser", "text"), PLAIN)
 def test_streamed_plain_output_is_all_content(parser, text):
-    deltas, s = stream(auto_plan(parser), text, 1)
+    deltas, s = stream(auto_plan(parser), text, 1, "length")
     content, calls = sdk_accumulate(deltas)
-    assert content == text  # all of it reaches the client, as the non-streamed message has it
     assert s.finish_reason("length") == "length"
-    # A call whose name was complete went out before the rest turned out cut off or malformed (as in vLLM: a
-    # stream cannot take back what it sent); the finish reason then says no tool call was made.
+    # A call whose name was complete went out before the rest turned out malformed (as in vLLM: a stream cannot
+    # take back what it sent); the finish reason then says no tool call was made, and the call's markup is not sent
+    # again as content. Otherwise all of the text reaches the client, as the non-streamed message has it.
     assert bool(calls) == ('"name": "get_weather"' in text)
+    assert content == ("" if calls else text)
 
 
 def test_text_that_could_start_a_marker_is_held_back_until_it_does_not():

@@ -46,6 +46,7 @@ class _Sample:
     stop_reason: str | int | None = None
     logprobs: list[Logprob] | None = None
     discard: bool = False  # max_tokens=0 (prompt logprobs alone): the one token sampled after the prompt is dropped
+    num_tokens: int = 0  # output tokens taken so far (stop strings are looked for once past min_tokens)
 
 
 @dataclass(slots=True)
@@ -130,12 +131,12 @@ class LLMEngine:
         """A prompt is text, a token-id list, or {"prompt_token_ids": [...]} / {"prompt": text} (a dict may
         also say "add_special_tokens": False, for text that already holds them, like a rendered chat)."""
         if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, self.tokenizer.encode(_unicode_text(prompt))
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
             if isinstance(prompt.get("prompt"), str):
-                text = prompt["prompt"]
+                text = _unicode_text(prompt["prompt"])
                 return text, self.tokenizer.encode(text, add_special_tokens=prompt.get("add_special_tokens", True))
             raise ValueError("a dict prompt needs 'prompt' (text) or 'prompt_token_ids' (a list of token ids)")
         if isinstance(prompt, list):
@@ -148,10 +149,22 @@ class LLMEngine:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
+        continue_final_message: bool = False,
+        template_kwargs: dict | None = None,
     ) -> dict:
         """A conversation -> a prompt dict, through the checkpoint's chat template (or the one given); `tools`
         (OpenAI's function tools) go to the template as HF apply_chat_template(tools=...) hands them. A message the
-        template refuses (raise_exception, a role it does not know) is a ValueError that says why."""
+        template refuses (raise_exception, a role it does not know) is a ValueError that says why.
+
+        continue_final_message: the last message is left open for the model to continue (HF's option, with
+        add_generation_prompt False); template_kwargs: more variables for the template (e.g. Qwen3's
+        enable_thinking), which may not replace the ones set here (a ParamError naming them)."""
+        extra = dict(template_kwargs or {})
+        taken = sorted(set(extra) & _TEMPLATE_ARGS)
+        if taken:
+            raise ParamError(
+                "chat_template_kwargs", f"chat_template_kwargs cannot set {', '.join(taken)} (set by the request)"
+            )
         tok = self.tokenizer
         if chat_template is None and not getattr(tok, "chat_template", None):
             raise ValueError(
@@ -172,6 +185,8 @@ class LLMEngine:
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
                 tools=tools,
+                **({"continue_final_message": True} if continue_final_message else {}),
+                **extra,
             )
         except (TemplateError, TypeError, KeyError, IndexError) as e:  # the template's own checks, or bad shapes
             raise ValueError(f"the chat template cannot render these messages: {e}") from None
@@ -262,6 +277,18 @@ class LLMEngine:
         vocab = self.config.model.arch.vocab_size
         if any(not 0 <= t < vocab for t in params.stop_token_ids):
             raise ParamError("stop_token_ids", f"stop_token_ids must be token ids in [0, {vocab}) for this model")
+        for name in ("logit_bias", "allowed_token_ids"):
+            ids = getattr(params, name) or ()
+            if any(not 0 <= t < vocab for t in ids):
+                raise ParamError(name, f"{name}: token ids must be in [0, {vocab}) for this model")
+            if len(ids) > vocab:
+                raise ParamError(name, f"{name}: {len(ids)} token ids is more than this model's vocabulary ({vocab})")
+        if len(params.bad_words or ()) > lim.max_stop:
+            raise ParamError("bad_words", f"{len(params.bad_words)} bad_words is more than the limit of {lim.max_stop}")
+        if params.min_tokens and params.structured_outputs is not None:
+            raise ParamError(
+                "min_tokens", "min_tokens cannot be combined with structured output (the grammar decides where it ends)"
+            )
         self.structured_output_spec(params)  # a schema the library cannot compile: ParamError, with its reason
         groups = self.executor.kv_cache_info.groups
         groups = groups or (KVCacheGroup(None, tuple(range(self.config.model.arch.num_hidden_layers))),)
@@ -284,6 +311,12 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids, max_tokens = prepared.text, prepared.token_ids, prepared.max_tokens
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+        if params.min_tokens or params.bad_words:  # (the logits processors' token ids, for the workers' samplers)
+            params = replace(
+                params,
+                min_tokens_stop_ids=tuple(sorted(stop_ids)) if params.min_tokens else (),
+                bad_words_token_ids=self._bad_words_token_ids(params.bad_words) if params.bad_words else None,
+            )
         grammar = self.structured_output_spec(params)
         if prepared.healed:  # the output must start with the text taken off the prompt, then anything
             grammar = self.grammars.compile(StructuredOutputsParams(regex=_starts_with(prepared.healed)))
@@ -326,6 +359,17 @@ class LLMEngine:
         self.requests[request_id] = req
         for s in req.samples:
             self.scheduler.add(s.seq)
+
+    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word's token spellings: the word as written (less leading spaces) and after a space, without
+        special tokens; each distinct one once."""
+        seqs: list[list[int]] = []
+        for w in words:
+            for text in (w.lstrip(), " " + w.lstrip()):
+                ids = self.tokenizer.encode(_unicode_text(text, "bad_words"), add_special_tokens=False)
+                if ids and ids not in seqs:
+                    seqs.append(ids)
+        return seqs
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request and free its KV blocks at once. False when the id is unknown or already done."""
@@ -412,6 +456,7 @@ class LLMEngine:
         """One token of the output, in order; `last`: the last one this step gave (only it can have finished seq)."""
         if sample.discard:
             return
+        sample.num_tokens += 1
         if sample.logprobs is not None and lp is not None:
             sample.logprobs.append(Logprob(token, lp[0], lp[1]))
         if sample.detok is None:  # detokenize=False: ids only (and no stop strings: the params refuse them)
@@ -426,7 +471,7 @@ class LLMEngine:
         if not delta or sample.stop_reason is not None:
             return
         sample.text += delta
-        if params.stop_list:
+        if params.stop_list and sample.num_tokens > params.min_tokens:
             hit = find_stop(sample.text, len(delta), params.stop_list)
             if hit is not None:
                 idx, stop = hit
@@ -446,7 +491,9 @@ class LLMEngine:
             if s.discard and reason is not None and reason != "abort":
                 reason = "length"  # (max_tokens=0: no token was asked for)
             elif reason == "stop" and stop_reason is None and seq.output_token_ids:
-                stop_reason = seq.output_token_ids[-1]
+                # one of the request's stop_token_ids (the model's own end-of-sequence token: None, as in vLLM)
+                last_token = seq.output_token_ids[-1]
+                stop_reason = last_token if last_token in req.params.stop_token_ids else None
             text = s.text
             if req.params.stop_list and not seq.is_finished:
                 # Hold back what could be the start of a stop string, so streamed text never has to be retracted.
@@ -563,3 +610,38 @@ class LLMEngine:
 def _starts_with(text: str) -> str:
     """A regex of every string that starts with `text` (each character escaped by its code point)."""
     return "".join(c if c.isalnum() and c.isascii() else f"\\x{{{ord(c):x}}}" for c in text) + r"[\s\S]*"
+
+
+# apply_chat_template's own arguments, which chat_template_kwargs may not set
+_TEMPLATE_ARGS = frozenset(
+    {
+        "conversation",
+        "chat_template",
+        "tools",
+        "documents",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
+
+
+def _unicode_text(text: str, param: str = "prompt") -> str:
+    """text, where it is valid Unicode (it encodes to UTF-8); a lone surrogate (half of a UTF-16 pair, e.g. an emoji
+    cut in half by a JavaScript client, which JSON lets through as \\ud83d) is a ParamError naming where it is."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ParamError(
+            param,
+            f"{param} is not valid Unicode text: a lone surrogate {text[e.start]!r} at character {e.start} "
+            "(half of a UTF-16 pair); send whole characters",
+        ) from None
+    return text

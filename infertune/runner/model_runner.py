@@ -473,7 +473,8 @@ class ModelRunner:
     def _sample_request(state: RequestState, drafts: list[int] = ()) -> SampleRequest:
         """The sampler's view of state's next token; with drafts, of the token after them (a draft row: its output
         position, and penalties over the drafts before it, as if they had been accepted)."""
-        if state.params.uses_penalties:  # only penalties read the tokens: avoid copying them every step otherwise
+        # (only penalties and bad words read the tokens: avoid copying them every step otherwise)
+        if state.params.uses_penalties or state.params.bad_words_token_ids:
             return SampleRequest(state.params, state.prompt_token_ids, state.output_token_ids + list(drafts))
         return SampleRequest(state.params, [], [], state.num_output_tokens + len(drafts))
 

@@ -69,7 +69,8 @@ def argmax_only(rows: list[SampleRequest], mask: StepMask | None = None) -> bool
     then the runner may hand the sampler the logits in the LM head's dtype (bf16), which the argmax reads exactly as
     the fp32 they widen to, without the [N, V] fp32 copy."""
     return mask is None and all(
-        r.params.greedy and r.params.logprobs is None and not r.params.uses_penalties for r in rows
+        r.params.greedy and r.params.logprobs is None and not r.params.uses_penalties and not r.params.adjusts_logits
+        for r in rows
     )
 
 
@@ -100,6 +101,8 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(k is not None for k in want_logprobs) else None
         if any(p.uses_penalties for p in params):
             logits = apply_penalties(logits.clone(), rows)
+        if any(p.adjusts_logits for p in params):  # (after the raw logprobs, as the penalties: vLLM's order)
+            logits = apply_logits_processors(logits.clone(), rows)
         greedy = [p.greedy for p in params]
         if all(greedy):
             tokens = self.best(logits)
@@ -244,3 +247,35 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRequest]) -> torch.Te
     penalised = torch.where(logits > 0, logits / rep, logits * rep)
     logits = torch.where(seen, penalised, logits)
     return logits - freq * counts - pres * (counts > 0)
+
+
+def apply_logits_processors(logits: torch.Tensor, rows: list[SampleRequest]) -> torch.Tensor:
+    """In place, per row: logit_bias added; every token but allowed_token_ids, the end-of-sequence and stop tokens
+    while the output is shorter than min_tokens, and each bad word's last token where the output ends in the tokens
+    before it, set to -inf (SamplingParams' logits processors)."""
+    vocab = logits.shape[-1]
+    device = logits.device
+    for i, r in enumerate(rows):
+        p = r.params
+        if not p.adjusts_logits:
+            continue
+        row = logits[i]
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), device=device)
+            row.index_add_(0, ids, torch.tensor(list(p.logit_bias.values()), dtype=row.dtype, device=device))
+        if p.allowed_token_ids:
+            banned = torch.ones(vocab, dtype=torch.bool, device=device)
+            banned[torch.tensor(p.allowed_token_ids, device=device)] = False
+            row.masked_fill_(banned, float("-inf"))
+        if p.min_tokens and r.position < p.min_tokens and p.min_tokens_stop_ids:
+            row[torch.tensor(p.min_tokens_stop_ids, device=device)] = float("-inf")
+        if p.bad_words_token_ids:
+            out = r.output_token_ids
+            ban = [
+                w[-1]
+                for w in p.bad_words_token_ids
+                if len(w) == 1 or (len(out) >= len(w) - 1 and out[len(out) - len(w) + 1 :] == w[:-1])
+            ]
+            if ban:
+                row[torch.tensor(ban, device=device)] = float("-inf")
+    return logits

@@ -46,6 +46,26 @@ class BodySizeLimit:
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             return await self._reject(send)
+        if declared is None and scope.get("method") in ("POST", "PUT", "PATCH"):
+            # A chunked body has no length to check up front: read it here (up to the limit), then hand it on.
+            # (Counting it as the app reads would raise inside the framework's body parsing, which answers 400.)
+            held, size = [], 0
+            while True:
+                message = await receive()
+                if message["type"] != "http.request":
+                    held.append(message)
+                    break
+                size += len(message.get("body", b""))
+                if size > self.max_bytes:
+                    return await self._reject(send)
+                held.append(message)
+                if not message.get("more_body", False):
+                    break
+
+            async def replay():
+                return held.pop(0) if held else await receive()
+
+            return await self.app(scope, replay, send)
         seen = 0
 
         async def counting_receive():
@@ -254,6 +274,7 @@ class APIServer:
 
     async def completions(self, req: CompletionRequest, request: Request):
         self.check_model(req.model)
+        req.check_supported()
         params = self.params_of(req.completion_params)
         prompts = req.prompts()
         if len(prompts) > self.limits.max_prompts:
@@ -265,11 +286,18 @@ class APIServer:
                 code="request_too_large",
             )
         fmt = Formatter(f"cmpl-{uuid.uuid4().hex}", self.model_name, self.tokenizer, chat=False, echo=req.echo)
-        streams = await self.submit(fmt.id, prompts, params, "prompt")
+        streams = await self.submit(fmt.id, prompts, params, "prompt", req.truncate_prompt_tokens)
         return await self.respond(request, fmt, streams, params.n, req.stream, req.include_usage)
 
     async def chat_completions(self, req: ChatCompletionRequest, request: Request):
         self.check_model(req.model)
+        req.check_supported()
+        if req.continue_final_message and req.add_generation_prompt:
+            raise APIError(
+                400,
+                "continue_final_message continues the last message: send add_generation_prompt=false with it",
+                param="continue_final_message",
+            )
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         # (a bad max_completion_tokens is named as the client sent it)
         renamed = {"logprobs": "top_logprobs"}  # (chat's logprobs is a switch; the count is top_logprobs)
@@ -286,14 +314,19 @@ class APIServer:
             prompt = await asyncio.to_thread(
                 self.engine.engine.render_chat,
                 req.conversation(),
+                chat_template=req.chat_template,
                 add_generation_prompt=req.add_generation_prompt,
                 tools=tools,
+                continue_final_message=req.continue_final_message,
+                template_kwargs=req.chat_template_kwargs,
             )
+        except ParamError as e:  # (a chat_template_kwargs key the server sets itself)
+            raise APIError(400, str(e), param=e.param) from None
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
         fmt_args = (f"chatcmpl-{uuid.uuid4().hex}", self.model_name, self.tokenizer)
         fmt = ToolFormatter(plan, *fmt_args, chat=True) if plan.active else Formatter(*fmt_args, chat=True)
-        streams = await self.submit(fmt.id, [prompt], params, "messages")
+        streams = await self.submit(fmt.id, [prompt], params, "messages", req.truncate_prompt_tokens)
         return await self.respond(request, fmt, streams, params.n, req.stream, req.include_usage)
 
     # ---- from a request to the engine's streams ---------------------------------------------------
@@ -315,22 +348,28 @@ class APIServer:
             param = (renamed or {}).get(e.param, e.param)
             raise APIError(400, str(e).replace(e.param, param, 1), param=param) from None
 
-    def tokenized(self, prompts: list[object]) -> list[dict]:
-        """Text prompts as {"prompt", "prompt_token_ids"}, so the engine thread does not tokenize (run off-loop)."""
+    def tokenized(self, prompts: list[object], truncate: int | None = None) -> list[dict]:
+        """Text prompts as {"prompt", "prompt_token_ids"}, so the engine thread does not tokenize (run off-loop).
+        truncate (vLLM's truncate_prompt_tokens): keep each prompt's last `truncate` tokens (-1: max_model_len - 1);
+        the text then goes (the response's prompt is the kept tokens' text)."""
+        if truncate == -1:
+            truncate = self.engine.engine.max_model_len - 1
         out = []
         for p in prompts:
             text, ids = self.engine.engine.tokenize(p)
+            if truncate is not None and len(ids) > truncate:
+                text, ids = None, ids[len(ids) - truncate :]
             out.append({"prompt": text, "prompt_token_ids": ids})
         return out
 
     async def submit(
-        self, request_id: str, prompts: list[object], params: SamplingParams, param: str
+        self, request_id: str, prompts: list[object], params: SamplingParams, param: str, truncate: int | None = None
     ) -> list[RequestStream]:
         try:
             if params.structured_outputs is not None:  # compile (or find cached) the grammar off the event loop
                 await asyncio.to_thread(self.engine.engine.structured_output_spec, params)
             self.engine.engine.check_params(params)  # cheap bounds first: no tokenizing for a request refused anyway
-            prompts = await asyncio.to_thread(self.tokenized, prompts)
+            prompts = await asyncio.to_thread(self.tokenized, prompts, truncate)
             return await self.engine.add_requests(request_id, prompts, params)
         except Exception as e:  # noqa: BLE001 - refusals become their HTTP answers, anything else a 500
             err = _api_error(e, param)
@@ -406,6 +445,7 @@ class APIServer:
             err = _api_error(e, "prompt")
             self.metrics.refuse(err.status, err.code)
             yield sse(err.body())
+            yield sse("[DONE]")  # (the stream ends as every stream does, as vLLM's does after an error event)
         finally:
             for s in streams:
                 s.abort()

@@ -114,7 +114,11 @@ class ServerMetrics:
         self.registry.register(_EngineCollector(engine))
         r = self.registry
         self.prompt_tokens = Counter("infertune_prompt_tokens", "Prompt tokens of finished requests", registry=r)
-        self.generation_tokens = Counter("infertune_generation_tokens", "Generated tokens", registry=r)
+        self.generation_tokens = Counter(
+            "infertune_generation_tokens",
+            "Generated tokens of finished requests (aborted ones not counted)",
+            registry=r,
+        )
         self.rejected = Counter(
             "infertune_requests_rejected",
             "Requests refused, by HTTP status and reason",

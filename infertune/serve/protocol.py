@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from infertune.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -67,6 +67,22 @@ def error_responses(*statuses: int) -> dict:
         503: "the process is over its memory ceiling (Retry-After), or the engine stopped",
     }
     return {status: {"model": ErrorBody, "description": meaning[status]} for status in statuses}
+
+
+def _whole_unicode(text: str) -> str:
+    """Text a tokenizer can take: no lone surrogate (half of a UTF-16 pair, e.g. an emoji a JavaScript client cut in
+    half; JSON lets "\\ud83d" through), which would otherwise fail inside the tokenizer."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"not valid Unicode text: a lone surrogate {text[e.start]!r} at character {e.start} (half of a UTF-16 "
+            "pair); send whole characters"
+        ) from None
+    return text
+
+
+UnicodeText = Annotated[str, AfterValidator(_whole_unicode)]
 
 
 class StreamOptions(BaseModel):
@@ -175,6 +191,42 @@ class _SamplingFields(_StructuredFields):
     # infertune's extension (docs/server.md): this request's own KV compression (SamplingParams.kv_compression), e.g.
     # {"press": "snapkv", "compression_ratio": 0.5} or {"press": "none"} for full KV in a compressing engine.
     kv_compression: dict | None = None
+    # OpenAI's logit_bias (token id, as a string key -> bias in [-100, 100]) and vLLM's logits processors
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int = _stated(0, minimum=0)
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    # vLLM's: keep only the last N prompt tokens (chat: of the rendered conversation); -1: up to max_model_len - 1
+    truncate_prompt_tokens: int | None = _stated(None, minimum=-1)
+    # Known fields of OpenAI's or vLLM's that this server does not do: a 400 naming the field where a request sets
+    # one to something other than its no-op value, rather than an answer that silently ignores it.
+    best_of: int | None = None
+    use_beam_search: bool = False
+    prompt_logprobs: int | None = None
+    return_tokens_as_token_ids: bool = False
+    logits_processors: list | None = None
+
+    def check_supported(self) -> None:
+        """400 for a known option set to something this server does not do (see the fields above)."""
+        if self.best_of is not None and self.best_of != self.n:
+            raise APIError(
+                400,
+                "best_of is not supported (as in vLLM's V1 engine); use n and pick among the choices",
+                param="best_of",
+            )
+        refused = {
+            "use_beam_search": "beam search is not supported",
+            "prompt_logprobs": "prompt_logprobs is not supported here; on /v1/completions use echo=true with "
+            "logprobs (each prompt token's logprob and top alternatives come back before the completion)",
+            "return_tokens_as_token_ids": "return_tokens_as_token_ids is not supported",
+            "logits_processors": "logits_processors (server-side code by name) are not supported; logit_bias, "
+            "min_tokens, allowed_token_ids and bad_words are",
+        }
+        for name, why in refused.items():
+            if getattr(self, name) not in (None, False, []):
+                raise APIError(400, why, param=name)
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options can only be set with stream=true", param="stream_options")
 
     def sampling_params(
         self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
@@ -199,6 +251,10 @@ class _SamplingFields(_StructuredFields):
             structured_outputs=self.structured_outputs_params(),
             kv_transfer_params=self.kv_transfer_params,
             kv_compression=self.kv_compression,
+            logit_bias=self.logit_bias,
+            min_tokens=self.min_tokens or None,
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
         )
         # None means "the default"; max_tokens None means "up to the context length".
         return SamplingParams(max_tokens=max_tokens, **{k: v for k, v in fields.items() if v is not None})
@@ -218,6 +274,14 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     # infertune's extension (docs/server.md): heal the prompt's last token boundary (SamplingParams.token_healing).
     token_healing: bool = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_text(cls, p):
+        for text in [p] if isinstance(p, str) else p:
+            if isinstance(text, str):
+                _whole_unicode(text)
+        return p
 
     def completion_params(self) -> SamplingParams:
         scored = self.echo and (self.logprobs is not None or self.max_tokens == 0)
@@ -242,7 +306,7 @@ class CompletionRequest(_SamplingFields):
 class ContentPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
     type: Literal["text"]
-    text: str
+    text: UnicodeText
 
 
 # ---- tool calling (serve/tools.py): the request's tools and tool_choice, assistant tool_calls, tool messages ----
@@ -307,6 +371,13 @@ class ChatMessage(BaseModel):
     tool_call_id: str | None = None  # a tool message: the call it answers
     name: str | None = None
 
+    @field_validator("content")
+    @classmethod
+    def _content_text(cls, content):
+        if isinstance(content, str):
+            _whole_unicode(content)
+        return content
+
     def for_template(self) -> dict:
         """The message as the chat template reads it ("developer" is OpenAI's newer name for the system role)."""
         message = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
@@ -332,6 +403,12 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = _stated(None, minimum=0, maximum=20)
     add_generation_prompt: bool = True
+    # vLLM's: the last (assistant) message is continued, not closed (add_generation_prompt must then be false)
+    continue_final_message: bool = False
+    # vLLM's: extra variables for the chat template, e.g. {"enable_thinking": false} for Qwen3's
+    chat_template_kwargs: dict | None = None
+    # vLLM's: a Jinja chat template for this request instead of the checkpoint's
+    chat_template: str | None = None
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True

@@ -77,11 +77,16 @@ class Formatter:
         return {
             "tokens": tokens,
             "token_logprobs": [None if isinstance(e, tuple) else _finite(e.logprob) for e in entries],
-            "top_logprobs": [
-                None if isinstance(e, tuple) else {self._token(t): _finite(v) for t, v in e.top} for e in entries
-            ],
+            # (the token itself among its alternatives, as OpenAI's legacy completions and vLLM answer: up to
+            # logprobs + 1 entries, and logprobs=0 gives the token alone)
+            "top_logprobs": [None if isinstance(e, tuple) else self._top_with_token(e) for e in entries],
             "text_offset": offsets,
         }
+
+    def _top_with_token(self, e: Logprob) -> dict[str, float]:
+        top = {self._token(t): _finite(v) for t, v in e.top}
+        top.setdefault(self._token(e.token_id), _finite(e.logprob))
+        return top
 
     def echoed(self, out: RequestOutput, c: CompletionOutput, logprobs: list | None) -> tuple[str, dict | None]:
         """The text and logprobs of a completion choice, after the prompt's when echoing."""

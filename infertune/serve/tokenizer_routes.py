@@ -18,13 +18,13 @@ from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field
 
 from infertune.engine.tokenizer import FastTokenizer
-from infertune.serve.protocol import APIError, ChatMessage, ChatTool, error_responses
+from infertune.serve.protocol import APIError, ChatMessage, ChatTool, UnicodeText, error_responses
 
 
 class TokenizeCompletionRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
-    prompt: str
+    prompt: UnicodeText
     add_special_tokens: bool = True
     return_token_strs: bool = False
 

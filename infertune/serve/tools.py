@@ -167,9 +167,20 @@ class ToolPlan:
             return "tool_calls"
         return reason
 
+    def final_parse(self, text: str, finish_reason: str | None) -> Parsed:
+        """A finished choice's content and calls. Output cut off by max_tokens (finish_reason "length") inside a
+        call keeps the calls as far as they got (arguments truncated), as OpenAI answers and as they were streamed;
+        otherwise output that does not parse is content (the parsers' final=True)."""
+        whole = self.parse(text, final=True)
+        if finish_reason != "length" or whole.calls:
+            return whole
+        cut = self.parse(text, final=False)
+        cut.calls = [c for c in cut.calls if c.name is not None]
+        return cut if cut.calls else whole  # (no call begun: all of it is content, nothing held back)
+
     def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
         """A finished choice's message (content and tool_calls) and its finish_reason."""
-        parsed = self.parse(text, final=True)
+        parsed = self.final_parse(text, finish_reason)
         message: dict = {"role": "assistant", "content": parsed.content}
         if parsed.calls:
             message["tool_calls"] = [
@@ -195,13 +206,16 @@ class ToolStream:
         self.args_sent: list[int] = []
         self.has_calls = False  # as the latest parse says (the final one decides finish_reason)
 
-    def deltas(self, text: str, finished: bool) -> list[dict]:
-        """The chat deltas (content, then tool-call parts) that text adds to what was sent."""
-        parsed = self.plan.parse(text, final=finished)
+    def deltas(self, text: str, finished: bool, finish_reason: str | None = None) -> list[dict]:
+        """The chat deltas (content, then tool-call parts) that text adds to what was sent; once finished, its last
+        text is parsed as a non-streamed message is (finish_reason: the choice's)."""
+        parsed = self.plan.final_parse(text, finish_reason) if finished else self.plan.parse(text, False)
         out = []
         content = parsed.content or ""
-        if finished and not parsed.calls and self.ids:
-            content = text  # calls streamed, then the whole turned out malformed: the rest goes as content
+        if self.ids and not parsed.calls:
+            # Calls went out, then the whole turned out malformed (a non-streamed answer is all content): what was
+            # streamed cannot be taken back, and the call's markup is not sent again as content.
+            content = ""
         if len(content) > self.content_sent and content.startswith(text[: self.content_sent]):
             out.append({"content": content[self.content_sent :]})
             self.content_sent = len(content)
@@ -257,7 +271,7 @@ class ToolFormatter(Formatter):
     def tool_chunks(self, index: int, c: CompletionOutput, logprobs: dict | None, first: bool) -> list[dict]:
         """The chunks of one streamed step of choice `index`: its content and tool-call deltas, the finish last."""
         stream = self.streams.setdefault(index, ToolStream(self.plan))
-        deltas = stream.deltas(c.text, c.finish_reason is not None)
+        deltas = stream.deltas(c.text, c.finish_reason is not None, c.finish_reason)
         if first:
             deltas = [{"role": "assistant", "content": ""}, *deltas]
         if c.finish_reason is not None or (logprobs and not deltas):
