@@ -3,7 +3,8 @@ load time <= 2x the dense model's; peak RSS <= weights + KV cache + 300 MB).
 
 Each load runs in a fresh process, the two models alternating, after their files are read once into the page cache
 (so the disk is out of it: what is timed is infertune's own work, from `LLM(...)` to a ready engine). The "weights"
-are what the loaded model keeps (its parameters and buffers, each storage once: 12-bit experts, packed layouts),
+are what the loaded model keeps (its parameters and buffers, each tensor's bytes once: 12-bit experts, packed
+layouts; a pack carved from a shared chunk counts its own bytes, not the chunk's),
 the KV cache is the engine's one allocation; peak RSS is the process's high-water mark (/proc/self/status VmHWM),
 read after `import infertune` too (what the import costs is printed apart).
 
@@ -26,6 +27,7 @@ import json, sys, time
 import psutil
 import torch
 from infertune import LLM
+from infertune.bench.step_bytes import engine_tensors
 from infertune.bench.worker_protocol import peak_rss_mib  # (VmHWM: ru_maxrss carries a parent's over fork + exec)
 hwm = lambda: peak_rss_mib() * 2**20
 rss_import = hwm()
@@ -35,12 +37,8 @@ llm = LLM(model, dtype="bfloat16", max_model_len=1024, max_num_seqs=16, kv_cache
           compress_weights=compress, quantization=None if quant == "none" else quant)
 load_s = time.perf_counter() - t0
 runner = llm.engine.executor.runner
-seen, weights = set(), 0
-for t in [*runner.model.parameters(), *runner.model.buffers()]:
-    ptr = t.untyped_storage().data_ptr()
-    if ptr not in seen:
-        seen.add(ptr)
-        weights += t.untyped_storage().nbytes()
+# each tensor's own bytes once (a packed weight carved from a shared 2 MB-page chunk counts its part, not the chunk)
+weights = sum(n for _, n in engine_tensors(runner.model))
 kv = runner._kv_storage.numel() * runner._kv_storage.element_size()
 peak = hwm()
 print(json.dumps(dict(load_s=load_s, weights=weights, kv=kv, peak_rss=peak, import_rss=rss_import,

@@ -254,6 +254,8 @@ def _add_generate(sub) -> None:
 
 
 def _add_serve(sub) -> None:
+    from infertune.config import port_number
+
     srv = sub.add_parser(
         "serve",
         help="run the OpenAI-compatible HTTP server",
@@ -263,7 +265,7 @@ def _add_serve(sub) -> None:
         "lets in-flight requests finish within --graceful-timeout, then exits 0.",
     )
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
-    srv.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    srv.add_argument("--port", type=port_number, default=8000, help="port, 0-65535 (0: any free one) (default: 8000)")
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* routes")
     srv.add_argument("--served-model-name", default=None, help="model name clients send (default: the folder's name)")
     from infertune.serve.tool_parsers import TOOL_PARSERS

@@ -9,7 +9,9 @@ This module imports no torch, so the engine core and its tests stay pure Python.
 
 from __future__ import annotations
 
+import difflib
 import json
+import numbers
 import os
 from dataclasses import MISSING, Field, dataclass, field, fields, replace
 from pathlib import Path
@@ -974,6 +976,19 @@ def engine_choices(name: str) -> tuple:
     return tuple(engine_option(name).metadata.get("choices", ()))
 
 
+def port_number(text: str) -> int:
+    """argparse type of a TCP port: an integer in 0..65535 (a clear usage error, not bind()'s OverflowError)."""
+    import argparse
+
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (0-65535)")
+    return port
+
+
 def _size_arg(text: str) -> int:
     import argparse
 
@@ -1031,6 +1046,34 @@ def engine_option_kwargs(name: str, **overrides) -> dict:
     if "help" not in overrides and ("default" in overrides or "(default:" not in help_):
         kw["help"] = help_.split(" (default: ")[0] + f" (default: {kw['default']})"
     return kw
+
+
+class OptionError(ValueError, TypeError):
+    """An engine option that does not exist or whose value has the wrong type (a TypeError, as for any unknown
+    keyword argument, and a ValueError, which the CLI reports as a one-line error)."""
+
+
+def _coerced(f: Field, value):
+    """An option's value as its field takes it: a byte count may be written as a size ("8G", "512Mi", as the flag
+    takes it, in --config files and LLM(...) too); an integer option must be an integer, a number option a
+    number (an OptionError naming it, not a failure deep in the engine)."""
+    if f.metadata.get("size") and isinstance(value, str):
+        try:
+            return parse_size(value)
+        except ValueError as e:
+            raise OptionError(f"{f.name}: {e}") from None
+    kind = str(f.type).replace(" ", "")
+    if value is None and kind.endswith("|None"):
+        return value
+    if kind.removesuffix("|None") == "int":
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise OptionError(f"{f.name}={value!r} must be an integer")
+        return int(value)
+    if kind.removesuffix("|None") == "float":
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise OptionError(f"{f.name}={value!r} must be a number")
+        return float(value)
+    return value
 
 
 def parse_size(text: str) -> int:
@@ -1107,8 +1150,10 @@ class EngineConfig:
             owner = next((g for g, c in groups.items() if key in c.__dataclass_fields__ and key != "arch"), None)
             if owner is None:
                 known = sorted(k for c in groups.values() for k in c.__dataclass_fields__ if k != "arch")
-                raise TypeError(f"unknown engine option {key!r}; known options: {', '.join(known)}")
-            parts[owner][key] = value
+                close = difflib.get_close_matches(key, known, n=1)
+                hint = f"did you mean {close[0]!r}? " if close else ""
+                raise OptionError(f"unknown engine option {key!r}; {hint}known options: {', '.join(known)}")
+            parts[owner][key] = _coerced(groups[owner].__dataclass_fields__[key], value)
         if model is not None:
             parts["model"]["model"] = model
         return cls(**{name: groups[name](**parts[name]) for name in groups})

@@ -133,3 +133,13 @@ def test_a_request_that_finished_before_its_consumer_left_counts_as_finished_not
             assert core.num_finished == {"length": 1} and core.num_aborted == 0
 
     asyncio.run(run())
+
+
+def test_a_memory_limit_below_the_loaded_process_refuses_to_start(tiny_llama):
+    from infertune.config import EngineConfig
+    from infertune.engine.async_engine import AsyncLLMEngine
+    from infertune.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig.create(str(tiny_llama), dtype="float32", max_model_len=32, memory_limit="10Mi"))
+    with pytest.raises(ValueError, match="memory_limit=10 MiB is at or below what this process holds"):
+        AsyncLLMEngine(engine)

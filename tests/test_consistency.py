@@ -270,3 +270,11 @@ def test_llm_check_consistency(ckpts):
     report = llm.check_consistency(pairs=["batch", "chunked"], max_tokens=4)
     assert report["batch"] == 4 and report["exit_code"] == 0
     assert report["options"]["max_num_seqs"] == 4 and report["options"]["enable_prefix_caching"] is False
+
+
+def test_tensor_parallel_is_a_clear_error_not_a_traceback(ckpts):
+    path = ckpts["llama"]
+    with pytest.raises(ValueError, match="tensor_parallel_size must be 1"):
+        consistency.check_consistency(str(path), options={"tensor_parallel_size": 2}, pairs=["batch"])
+    with pytest.raises(ValueError, match="tensor_parallel_size must be 1"):
+        consistency.check_long(str(path), 4, options={"tensor_parallel_size": 2})

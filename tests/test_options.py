@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import re
 import shutil
+import subprocess
+import sys
 from dataclasses import fields
 from pathlib import Path
 
@@ -252,3 +254,36 @@ def test_readme_engine_table_is_the_one_made_from_the_config():
             re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in re.findall(r"^#+ (.+)$", page, re.M)
         }
         assert anchor in slugs, (path, anchor)
+
+
+def test_options_take_sizes_and_name_wrong_types_and_misspellings(tiny_llama):
+    from infertune.config import EngineConfig
+
+    cfg = EngineConfig.create(str(tiny_llama), kv_cache_memory_bytes="4Mi", memory_limit="2G")
+    assert cfg.cache.kv_cache_memory_bytes == 4 * 2**20 and cfg.limits.memory_limit == 2 * 10**9
+    for bad, fragment in (
+        (dict(max_model_len=1.5), "max_model_len=1.5 must be an integer"),
+        (dict(max_num_seqs="4"), "max_num_seqs='4' must be an integer"),
+        (dict(kv_cache_memory_bytes="lots"), "kv_cache_memory_bytes"),
+        (dict(max_num_seq=4), "did you mean 'max_num_seqs'"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(fragment)):
+            EngineConfig.create(str(tiny_llama), **bad)
+        with pytest.raises(TypeError):  # (also a TypeError: an unknown or wrongly typed keyword argument)
+            EngineConfig.create(str(tiny_llama), **bad)
+
+
+def test_serve_config_with_a_misspelled_key_is_a_one_line_error(tiny_llama, tmp_path):
+    cfg = tmp_path / "c.json"
+    cfg.write_text('{"max_num_seq": 4}')
+    r = subprocess.run(
+        [sys.executable, "-m", "infertune.cli", "serve", "--model", str(tiny_llama), "--config", str(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode != 0 and "Traceback" not in r.stderr and "did you mean 'max_num_seqs'" in r.stderr
+    r = subprocess.run(
+        [sys.executable, "-m", "infertune.cli", "serve", "--port", "99999"], capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 2 and "not a port number" in r.stderr

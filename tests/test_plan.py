@@ -105,14 +105,14 @@ def test_qwen7b_kv_matches_seeds(qwen):
     assert qwen.num_windowed_layers == 0  # sliding_window 131072 but use_sliding_window false
     assert kv_bytes_per_token(qwen) == 2 * 28 * 4 * 128 * 2 == 57_344 == qwen.arch.kv_bytes_per_token(2)
     assert kv_bytes(qwen, 2048, 32) == 3_758_096_384  # the seeds' "3.6 GB" (3.76e9 bytes)
-    # INT8 data is exactly half; with one fp16 scale per token, layer, KV head (K and V) the factor is 130/256.
+    # INT8 data is exactly half; with the engine's fp32 scale per token, layer, KV head (K and V): 132/256.
     assert kv_bytes(qwen, 2048, 32, KVFormat("int8", scale_bytes=0)) == 3_758_096_384 // 2
-    assert kv_bytes_per_token(qwen, KVFormat("int8")) == 2 * 28 * 4 * (128 + 2) == 29_120
-    assert kv_bytes(qwen, 2048, 32, KVFormat("int8")) == 29_120 * 2048 * 32 == 1_908_408_320
+    assert kv_bytes_per_token(qwen, KVFormat("int8")) == 2 * 28 * 4 * (128 + 4) == 29_568
+    assert kv_bytes(qwen, 2048, 32, KVFormat("int8")) == 29_568 * 2048 * 32 == 1_937_768_448
     # The engine's int4 tier after 512 tokens: 1536 of the 2048 in int4, head_dim / 2 bytes + an fp16 scale a KV head.
     int4 = 2 * 28 * 4 * (64 + 2)
-    assert kv_bytes(qwen, 2048, 32, KVFormat("int8", int4_after=512)) == (512 * 29_120 + 1536 * int4) * 32
-    assert kv_bytes(qwen, 300, 1, KVFormat("int8", int4_after=512)) == 300 * 29_120  # (shorter than the tier's age)
+    assert kv_bytes(qwen, 2048, 32, KVFormat("int8", int4_after=512)) == (512 * 29_568 + 1536 * int4) * 32
+    assert kv_bytes(qwen, 300, 1, KVFormat("int8", int4_after=512)) == 300 * 29_568  # (shorter than the tier's age)
     with pytest.raises(ValueError, match="needs the int8 KV dtype"):
         KVFormat("bf16", int4_after=512)
 
@@ -405,7 +405,7 @@ def test_command_json_and_text(capsys):
     assert all(r["fits"] == (r["batch"] <= plan["memory"]["max_concurrent_sequences"]) for r in plan["by_batch"])
     assert plan_main(args + ["--kv-dtype", "int8"]) == 0
     text = capsys.readouterr().out
-    assert "29,120 B per token" in text and "0.5078" in text and "*32" in text and "P/D split" in text
+    assert "29,568 B per token" in text and "0.5156" in text and "*32" in text and "P/D split" in text
     assert plan_main(["--model", str(QWEN7B), "--device", "rtx4090"]) == 0
     assert "OOM" in capsys.readouterr().out  # 15.2 GB of weights leave a 24 GB card little room at batch 256
 
@@ -511,7 +511,7 @@ def test_deepseek_v3_exact_counts_and_latent_kv():
     assert w.total_params == 671_026_419_200  # by hand: see counts_from_config
     assert w.params_active == 37_552_297_472 and w.params_active_streamed == 36_625_618_432
     assert kv_bytes_per_token(spec) == (512 + 64) * 61 * 2 == 70_272
-    assert kv_bytes_per_token(spec, KVFormat("int8")) == 61 * (576 + 2)  # one row, one fp16 scale
+    assert kv_bytes_per_token(spec, KVFormat("int8")) == 61 * (576 + 4)  # one row, one fp32 scale (the engine's)
     assert kv_bytes_per_token(spec, KVFormat("int8", scale_bytes=4)) == 61 * (576 + 4)  # the engine's fp32 scale
     assert kv_bytes_per_sequence(spec, 4096) == 70_272 * 4096
     # Tensor parallel: the latent is replicated on every card; the experts are split (expert parallel).
@@ -683,3 +683,27 @@ def test_command_plans_a_shipped_moe_mla_model(capsys):
     assert "128 experts, top-8, in 48 layers" in text and "3,353,032,704 params active" in text
     assert plan_main(["--model", "no-such-model", "--device", "h100"]) == 2
     assert "deepseek-v3" in capsys.readouterr().err  # the error lists the shipped configs
+
+
+@pytest.mark.parametrize("kv", ["auto", "int8"])
+def test_kv_bytes_per_token_are_the_engines(tiny_llama, kv):
+    """Oracle: the KV cache the engine allocates (bytes per token of its pages), for the 16-bit and the int8 cache."""
+    from infertune import LLM
+
+    llm = LLM(str(tiny_llama), dtype="bfloat16", kv_cache_dtype=kv, kv_cache_memory_bytes="1Mi", max_model_len=64)
+    engine_bytes = llm.engine.executor.kv_cache_info.bytes_per_token
+    assert kv_bytes_per_token(ModelSpec.load(tiny_llama), KVFormat(kv)) == engine_bytes
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--context", "0"], "--context 0 must be >= 2"),
+        (["--price-per-hour", "-1"], "--price-per-hour -1 must be >= 0"),
+        (["--cards", "-1"], "--cards -1 must be >= 0"),
+        (["--weight-dtype", "w4a16", "--group-size", "100"], "--group-size 100 is not one the engine runs"),
+    ],
+)
+def test_bad_numbers_are_usage_errors_naming_the_flag(capsys, flags, message):
+    assert plan_main(["--model", str(QWEN7B / "config.json"), "--device", "h100", *flags]) == 2
+    assert message in capsys.readouterr().err

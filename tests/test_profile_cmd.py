@@ -454,3 +454,15 @@ def test_steps_count_the_pages_they_fault_in(llm):
     finally:
         del llm.engine.step
     assert 4096 <= rec.page_faults < 4096 + 2000, rec.page_faults
+
+
+def test_an_output_in_a_missing_folder_is_refused_before_the_run(ckpt, tmp_path, monkeypatch):
+    parser = argparse.ArgumentParser()
+    profile_cmd.add_arguments(parser)
+    ran = []
+    monkeypatch.setattr(profile_cmd, "_engine", lambda *a, **k: ran.append(1))  # (no engine is built)
+    for flag in ("--trace", "--json"):
+        args = parser.parse_args(["--model", str(ckpt), flag, str(tmp_path / "nowhere" / "out.json")])
+        with pytest.raises(ValueError, match="does not exist"):
+            profile_cmd.run(args)
+    assert not ran

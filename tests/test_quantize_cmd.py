@@ -253,3 +253,15 @@ def test_quantize_command_gates_the_demo_model_and_catches_a_corrupted_scale(tmp
     assert run(eval_command, "--model", str(out), "--gate", "1%", "--max-tokens", "3000", *short) == 1
     printed = capsys.readouterr()
     assert "gate FAILED" in printed.err and default_model_path() in printed.out  # compared with its source
+
+
+def test_an_already_quantized_checkpoint_is_refused(tiny_llama, tmp_path):
+    from infertune.tools.quantizer import quantize
+
+    first = tmp_path / "w8"
+    quantize(str(tiny_llama), "w8a16", str(first), show_progress=False)
+    with pytest.raises(ValueError, match="already quantized"):
+        quantize(str(first), "w4a16", str(tmp_path / "again"), group_size=32, show_progress=False)
+    assert not (tmp_path / "again").exists()  # nothing written
+    with pytest.raises(ValueError, match="seq-len"):
+        quantize(str(tiny_llama), "w8a8", str(tmp_path / "s"), static_activations=True, seq_len=0)

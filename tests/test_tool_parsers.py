@@ -94,7 +94,13 @@ PLAIN = [
 # answers), streamed or not; with finish_reason "stop" (the model ended it there) it is malformed: content.
 TRUNCATED = [
     ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par', None, "get_weather", '{"city": "Par'),
-    ("hermes", 'Let me look. <tool_call>{"name": "get_weather", "arguments": {"ci', "Let me look.", "get_weather", '{"ci'),
+    (
+        "hermes",
+        'Let me look. <tool_call>{"name": "get_weather", "arguments": {"ci',
+        "Let me look.",
+        "get_weather",
+        '{"ci',
+    ),
     ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Ro', None, "get_weather", '{"city": "Ro'),
 ]
 

@@ -316,3 +316,13 @@ def test_tune_plot_is_written(tmp_path, capsys):
     )
     assert command.run(args) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+
+
+def test_ledger_accuracy_runs_w4a16_at_the_steps_group_size(tiny_llama):
+    """hidden 64: the default group of 128 does not divide it; the step's own group size (64) must reach the
+    accuracy engine (it used to fall back to 128 there and fail)."""
+    from infertune.tune import ledger
+
+    args = _args(ledger, ["--accuracy-tokens", "256", "--dtype", "float32"])
+    got = ledger.accuracy_delta(str(tiny_llama), {"quantization": "w4a16", "quant_group_size": 64}, args)
+    assert got["tokens"] > 0 and got["perplexity"] > 0 and 0 < got["top1_agreement"] <= 1

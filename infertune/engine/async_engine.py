@@ -105,6 +105,13 @@ class AsyncLLMEngine:
         baseline = process_rss()
         info = engine.executor.kv_cache_info
         ceiling = self.limits.memory_limit or auto_ceiling(baseline)
+        if self.limits.memory_limit is not None and self.limits.memory_limit <= baseline:
+            engine.shutdown()
+            raise ValueError(
+                f"memory_limit={self.limits.memory_limit / 2**20:.0f} MiB is at or below what this process holds "
+                f"with the model loaded ({baseline / 2**20:.0f} MiB): every request would be refused; raise it (or "
+                "leave it unset: 90% of what the process could hold at start-up)"
+            )
         # The host cost is measured once, by measure_host_cost() (the server's, with its response body) or at start.
         self.admission = Admission(
             self.limits,

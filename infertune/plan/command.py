@@ -73,7 +73,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--kv-dtype",
         choices=KV_DTYPES,
         default="auto",
-        help="KV-cache dtype; auto = 16-bit; int8 adds an fp16 scale per token and KV head (default: auto)",
+        help="KV-cache dtype; auto = 16-bit; int8 adds an fp32 scale per token and KV head, as the engine stores it (default: auto)",
     )
     p.add_argument(
         "--kv-int4-after",
@@ -122,7 +122,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
 
 
+def _check_numbers(args: argparse.Namespace) -> None:
+    """Usage errors that name the flag the user gave (not one derived from it)."""
+    from infertune.config import QUANT_GROUP_SIZES
+
+    if args.context is not None and args.context < 2:
+        raise ValueError(f"--context {args.context} must be >= 2 (a prompt token and a generated one)")
+    for flag, value in (("--price-per-hour", args.price_per_hour), ("--cards", args.cards)):
+        if value is not None and value < 0:
+            raise ValueError(f"{flag} {value:g} must be >= 0")
+    if args.group_size not in QUANT_GROUP_SIZES:
+        raise ValueError(
+            f"--group-size {args.group_size} is not one the engine runs: {', '.join(map(str, QUANT_GROUP_SIZES))}"
+        )
+
+
 def _lengths(args: argparse.Namespace) -> tuple[int, int, int | None]:
+    _check_numbers(args)
     inp, out, ctx = args.input_len, args.output_len, args.context
     if ctx is not None and inp is None and out is None:
         out = min(512, max(1, ctx // 4))

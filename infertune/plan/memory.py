@@ -95,7 +95,9 @@ def weight_breakdown(spec: ModelSpec, fmt: WeightFormat = BF16) -> WeightBreakdo
 @dataclass(frozen=True)
 class KVFormat:
     name: str = "auto"
-    scale_bytes: int = 2  # int8 only: one fp16 scale per token, layer, KV head, for K and for V (MLA: its one row)
+    # int8 only: one fp32 scale per token, layer, KV head, for K and for V (MLA: its one row), as the engine stores
+    # it (layers/attention/paged.py and mla.py SCALE_BYTES)
+    scale_bytes: int = 4
     # The engine's int4 tier (kv_int4_after, int8 only): a sequence's tokens this many or more behind its newest in
     # int4 (head_dim / 2 bytes and an fp16 scale a token and KV head) in its full-attention layers; None: off.
     int4_after: int | None = None

@@ -408,6 +408,7 @@ def check_consistency(
         model, user = (model_or_config or default_model_path()), {}
     user = {**user, **(options or {})}
     user.pop("distributed_executor_backend", None)  # the replay hooks the runner: it must run in this process
+    _one_process(user)
     arch = ArchConfig.from_model_dir(model)
     bs = int(user.get("block_size", 16))
     n_batch = batch or min(int(user.get("max_num_seqs", 64)), 8)
@@ -628,6 +629,7 @@ def check_long(
     else:
         model, user = (model_or_config or default_model_path()), {}
     user = {**user, **(options or {}), "distributed_executor_backend": "uni", "max_num_seqs": 1}
+    _one_process(user)
     limit = ArchConfig.from_model_dir(model).max_position_embeddings
     tok = load_tokenizer(user.get("tokenizer") or model)
     ids = tok.encode(prompt if isinstance(prompt, str) else cp.SEED_TEXT) if not isinstance(prompt, list) else prompt
@@ -805,3 +807,14 @@ def run(args: argparse.Namespace) -> int:
         with open(json_out, "w") as fh:
             json.dump(json_ready(data), fh, indent=1, default=str)
     return report["exit_code"]
+
+
+def _one_process(user: dict) -> None:
+    """The checks hook the model runner, which must then run in this process: no tensor parallel."""
+    tp = int(user.get("tensor_parallel_size") or 1)
+    if tp != 1:
+        raise ValueError(
+            f"the consistency checks run the model in this process (they hook its runner), so tensor_parallel_size "
+            f"must be 1 (got {tp}); drop --tensor-parallel-size (a tensor-parallel engine's greedy tokens can be "
+            "compared with one process's through the LLM API)"
+        )

@@ -30,8 +30,8 @@ CPU_FEATURES = {
     ),
     "bf16": (
         "avx512_bf16|amx_bf16",
-        "native bf16 math: infertune's CPU backend runs dtype=auto checkpoints in "
-        "bfloat16, half the memory traffic of fp32",
+        "native bf16 math: bf16 checkpoints run in bfloat16 (half the memory traffic of fp32), and dtype=auto "
+        "runs fp16 ones in bfloat16 too (fp32 ones stay float32 unless you pass --dtype bfloat16)",
     ),
     "amx": (
         "amx_tile",

@@ -88,6 +88,10 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
     if args.plot:
         _pyplot()  # fail before the run, not after it
+    for flag in ("trace", "json", "plot"):  # (a folder that is not there: said now, not after the whole run)
+        out = getattr(args, flag)
+        if out and out != "-" and not Path(out).resolve().parent.is_dir():
+            raise ValueError(f"--{flag} {out}: the folder {Path(out).resolve().parent} does not exist")
     limit = ArchConfig.from_model_dir(args.model or default_model_path()).max_position_embeddings
     need = args.input_len + args.output_len
     if need > limit:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 
+from infertune.config import port_number
 from infertune.router.policy import POLICIES
 
 DESCRIPTION = (
@@ -39,7 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="characters of the prompt that make its affinity key (default: 256)",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    p.add_argument("--port", type=port_number, default=8000, help="port, 0-65535 (default: 8000)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds an upstream answer may take (default: 600)")
     p.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to connect to an instance (default: 5)")
 

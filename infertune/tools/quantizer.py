@@ -17,6 +17,7 @@ moves activation outliers into the weights, where per-channel int8 absorbs them.
 from __future__ import annotations
 
 import fnmatch
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -243,6 +244,17 @@ def quantize(
     calibrate = method == "w8a8" and num_samples > 0
     if (static_activations or smoothquant is not None) and not calibrate:
         raise ValueError("--static-activations and --smoothquant need calibration: give --num-samples > 0")
+    if calibrate and seq_len < 1:
+        raise ValueError(f"--seq-len {seq_len} must be >= 1 (tokens per calibration sample)")
+    config_path = Path(model) / "config.json"
+    if config_path.is_file():
+        qc = json.loads(config_path.read_text()).get("quantization_config")
+        if qc:
+            raise ValueError(
+                f"{model} is already quantized (quantization_config: quant_method "
+                f"{qc.get('quant_method')!r}, format {qc.get('format')!r}); quantize the checkpoint it was made from "
+                "(its bf16 / fp16 / fp32 weights), or serve this one as it is"
+            )
     out_path = Path(out)
     if out_path.resolve() == Path(model).resolve():
         raise ValueError("--out must not be the source model's folder")
@@ -259,6 +271,11 @@ def quantize(
     tensors = read_tensors(model)
     chosen, targets = plan_layers(model, keep_fp, tensors)
     expert_targets, kept_experts = plan_experts(model, keep_fp, tensors)
+    linear_names = set(linears) | {n for n, m in _meta_model(arch).named_modules() if isinstance(m, Experts)}
+    for pattern in keep_fp:
+        if pattern != "lm_head" and not any(_kept(n, (pattern,)) for n in linear_names):
+            # (lm_head, the default, is absent from tied-embedding models: not worth a word)
+            log.warning("--keep-fp %r matches no linear layer or experts module of this model", pattern)
     if method == "w4a16":
         for name in [*targets, *expert_targets]:
             if tensors[name].shape[-1] % group_size:

@@ -230,7 +230,8 @@ def accuracy_delta(model: str | None, options: dict, args) -> dict:
     from infertune.evaluate import compare
 
     path = model or default_model_path()
-    cand = {k: options[k] for k in ("kv_cache_dtype",) if options.get(k, "auto") != "auto"}
+    # (the step's own group size: a W4A16 step on a model whose widths 128 does not divide has picked a smaller one)
+    cand = {k: options[k] for k in ("kv_cache_dtype", "quant_group_size") if options.get(k, "auto") != "auto"}
     # Perplexity scoring runs each window as one prefill, which attends to the fresh K/V rather than reading the
     # cache back, so an INT8 KV cache shows up only in decoding: the greedy prefix (tokens decoded identically
     # to the reference from a few prompts) covers it.
