@@ -16,7 +16,9 @@ product, and there is no larger block: eight tiles hold 4 accumulators, 2 x and 
 A second table times the 12-bit tile GEMM's loop itself (bf16c_gemm.c tiles_gemm, without the decode and the
 epilogue): a block of --rows packed rows of x (K = --k) by a decoded 64-feature chunk (two feature pairs), every row
 pair over all of K, in passes of P k-steps that take both feature pairs before the next pass (the sums stored and
-reloaded between passes; P = K / 32: one pass, both feature pairs one after the other over all of K).
+reloaded between passes; P = K / 32: one pass, both feature pairs one after the other over all of K). Passes of 7
+read 1.2x here but left the engine's prefill level (docs/kernels.md, "Passes of k-steps"): the loop alone is not
+the whole GEMM.
 
     python benchmarks/bench_amx_peak.py --threads 2
     python benchmarks/bench_amx_peak.py --threads 2 --k 1216   # down_proj's slab of K at 512 rows (386M model)

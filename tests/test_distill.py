@@ -172,3 +172,11 @@ def test_distill_output_loads_in_infertune_and_hf_and_resume_is_exact(setup):
     llm = LLM(str(out), dtype="float32", device="cpu", max_model_len=64)
     got = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     assert list(got[0].outputs[0].token_ids) == hf_tokens
+
+
+def test_a_seq_len_past_the_teachers_positions_is_refused(setup):
+    from infertune.distill.trainer import run_training
+
+    root, teacher_dir, data = setup  # (the tiny teacher has 256 positions)
+    with pytest.raises(ValueError, match="exceeds the teacher's max_position_embeddings 256"):
+        run_training(_cfg(root, teacher_dir, data, root / "long", seq_len=1000), log=lambda *_: None)

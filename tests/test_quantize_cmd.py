@@ -207,6 +207,23 @@ def test_saved_checkpoint_reproduces_on_the_fly_quantization(tmp_path, arch):
 
 
 @needs_loader
+@pytest.mark.parametrize("ckpt_dtype, run", [(torch.float32, "bfloat16"), (torch.float16, "auto")])
+def test_saved_checkpoint_reproduces_quantizing_at_the_run_dtype(tmp_path, ckpt_dtype, run):
+    """A checkpoint whose dtype is not the one the engine runs it in (fp32 run in bf16; fp16, which runs in bf16
+    on CPU): quantize rounds to the run dtype first, as the engine's load does, so the saved checkpoint still gives
+    on-the-fly quantization's logits."""
+    src = make_checkpoint(tmp_path / "src", "qwen3_moe" if ckpt_dtype is torch.float32 else "llama", dtype=ckpt_dtype)
+    ids = [5, 9, 14, 3, 77, 120, 8, 1, 2, 3, 200, 17]
+    opts = {"dtype": run, "enable_prefix_caching": False, "max_num_seqs": 2}
+    for method in ("w8a16", "w4a16"):
+        out = tmp_path / f"{method}-{run}"
+        quantize(str(src), method, str(out), group_size=32, dtype=run, show_progress=False)
+        fly = LLM(str(src), quantization=method, quant_group_size=32, **opts).engine.executor.runner
+        saved = LLM(str(out), **opts).engine.executor.runner
+        assert torch.equal(saved.prompt_logits(ids, [0]), fly.prompt_logits(ids, [0])), method
+
+
+@needs_loader
 def test_static_activation_scales_are_stored_and_used(tmp_path):
     src = make_checkpoint(tmp_path / "src", "llama")
     out = tmp_path / "static"

@@ -91,7 +91,7 @@ def _args(module, argv):
 
 
 def test_tune_tiny_sweep_writes_a_config_llm_accepts(tmp_path, capsys):
-    from infertune import LLM
+    from infertune import LLM, SamplingParams
     from infertune.tune import command
 
     out = tmp_path / "cfg.json"
@@ -117,7 +117,10 @@ def test_tune_tiny_sweep_writes_a_config_llm_accepts(tmp_path, capsys):
     assert "| variant | batch | batched tokens | tokens/s | TTFT" in text and "online: base, max_num_seqs=" in text
     cfg = json.loads(out.read_text())
     assert cfg["max_num_seqs"] in (1, 2) and cfg["max_num_batched_tokens"] == 64
-    LLM(**cfg)  # the written options are engine options
+    # the written options are engine options, and they serve prompts longer than the sweep's (12 tokens a request)
+    assert "max_model_len" not in cfg
+    out_long = LLM(**cfg).generate([list(range(3, 43))], SamplingParams(max_tokens=2, ignore_eos=True))[0]
+    assert out_long.error is None and len(out_long.outputs[0].token_ids) == 2
 
     # A KV budget too small for one sequence: every setting is an OOM row and nothing is recommended.
     args = _args(
@@ -326,3 +329,17 @@ def test_ledger_accuracy_runs_w4a16_at_the_steps_group_size(tiny_llama):
     args = _args(ledger, ["--accuracy-tokens", "256", "--dtype", "float32"])
     got = ledger.accuracy_delta(str(tiny_llama), {"quantization": "w4a16", "quant_group_size": 64}, args)
     assert got["tokens"] > 0 and got["perplexity"] > 0 and 0 < got["top1_agreement"] <= 1
+
+
+
+def test_tune_kv_threshold_lengths_past_the_model_fail_before_the_sweep(tiny_llama, monkeypatch):
+    from infertune.tune import command
+
+    monkeypatch.setattr(command, "sweep", lambda *a, **k: pytest.fail("the sweep ran"))
+    args = _args(
+        command,
+        ["--model", str(tiny_llama), "--input-len", "8", "--output-len", "4", "--max-batch", "1"]
+        + ["--kv-compression", '{"press": "snapkv", "compression_ratio": 0.5}'],
+    )
+    with pytest.raises(ValueError, match="kv-threshold-lengths"):
+        command.run(args)

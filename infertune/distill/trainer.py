@@ -263,6 +263,12 @@ def run_training(cfg: TrainConfig, log=print) -> dict:
     tokenizer = load_tokenizer(tok_src)
     teacher = load_teacher(cfg.teacher, cfg.device) if cfg.teacher else None
     vocab = teacher.config.vocab_size if teacher is not None else len(tokenizer)
+    teacher_positions = getattr(teacher.config, "max_position_embeddings", None) if teacher is not None else None
+    if teacher_positions and cfg.seq_len > teacher_positions:  # (its logits past them would be garbage, silently)
+        raise ValueError(
+            f"--seq-len {cfg.seq_len} exceeds the teacher's max_position_embeddings {teacher_positions}; "
+            f"give --seq-len {teacher_positions} or less"
+        )
     t0 = time.perf_counter()
     corpus: Corpus = build_corpus(cfg.data, tokenizer, cfg.seq_len, cfg.val_fraction, cfg.val_data)
     log(

@@ -225,6 +225,13 @@ class _SamplingFields(_StructuredFields):
         for name, why in refused.items():
             if getattr(self, name) not in (None, False, []):
                 raise APIError(400, why, param=name)
+        t = self.truncate_prompt_tokens
+        if t is not None and (isinstance(t, bool) or t == 0 or t < -1):
+            raise APIError(
+                400,
+                f"truncate_prompt_tokens={t!r} is invalid: must be -1 (up to max_model_len - 1) or >= 1",
+                param="truncate_prompt_tokens",
+            )
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options can only be set with stream=true", param="stream_options")
 

@@ -321,13 +321,19 @@ def quantize(
         result.calib_seconds = time.perf_counter() - tc
         result.input_scales = {n: s.clip_value(act_kind) / 127.0 for n, s in result.stats.items()}
 
+    # The weights are rounded to the dtype the engine runs the checkpoint in (dtype, resolved as the engine resolves
+    # it: an fp16 checkpoint runs in bf16 on CPU) before they are quantized, as quantizing while loading rounds them:
+    # the saved checkpoint then gives on-the-fly quantization's values at that dtype.
+    from infertune.backends import get_backend
+
+    run_dtype = get_backend(device).resolve_dtype(dtype, arch.torch_dtype)
     stored: dict[str, torch.Tensor] = {}
     quantized_experts = []
     for name, t in tensors.items():
         if name in expert_targets:  # each expert's projection as a Linear of its own (dynamic activations)
             per_expert = ckpt.split_fused_experts(name, t) if t.dim() == 3 else {name: t}
             for wname, w in per_expert.items():
-                w = w.float()
+                w = w.to(run_dtype).float()
                 q = quantize_int4(w, group_size, symmetric, clip) if method == "w4a16" else quantize_int8(w, clip)
                 new = ckpt.layer_tensors(wname.removesuffix(".weight"), method, q)
                 stored.update(new)
@@ -339,7 +345,7 @@ def quantize(
             stored[name] = t.contiguous()
             continue
         layer, _ = targets[name]
-        w = weights[name].float()
+        w = weights[name].to(run_dtype).float()
         q = quantize_int4(w, group_size, symmetric, clip) if method == "w4a16" else quantize_int8(w, clip)
         scale = result.input_scales.get(layer) if static_activations else None
         new = ckpt.layer_tensors(name.removesuffix(".weight"), method, q, scale)

@@ -255,8 +255,11 @@ def sweep(
 
 
 def engine_config(model: str | None, row: dict) -> dict:
-    """Engine options of a measured row, as LLM(**config) takes them (prefix caching back to its default)."""
-    cfg = {"model": model, **{k: v for k, v in row["options"].items() if k != "enable_prefix_caching"}}
+    """Engine options of a measured row, as LLM(**config) takes them (prefix caching and max_model_len back to their
+    defaults: the sweep bounds max_model_len by its own workload's longest request, which says nothing of the
+    prompts the config will be served)."""
+    skip = ("enable_prefix_caching", "max_model_len")
+    cfg = {"model": model, **{k: v for k, v in row["options"].items() if k not in skip}}
     return {k: v for k, v in cfg.items() if v is not None or k == "model"}
 
 
@@ -330,6 +333,16 @@ def run(args: argparse.Namespace) -> int:
 
         KVCompressionConfig.from_dict(args.kv_compression)
     model, vocab = model_vocab(args.model)
+    if args.kv_compression is not None:  # (the threshold's lengths must fit the model: said now, not after the sweep)
+        from infertune.config import ArchConfig, default_model_path
+
+        positions = ArchConfig.from_model_dir(model or default_model_path()).max_position_embeddings
+        longest = max(args.kv_threshold_lengths) + args.output_len
+        if longest > positions:
+            raise ValueError(
+                f"--kv-threshold-lengths up to {max(args.kv_threshold_lengths)} plus --output-len {args.output_len} "
+                f"need {longest} positions, more than this model's {positions}; give shorter --kv-threshold-lengths"
+            )
     prompts, output_lens = load_workload(args, vocab)
     max_len = max(len(p) + o for p, o in zip(prompts, output_lens))
     base = dict(
