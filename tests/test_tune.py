@@ -331,7 +331,6 @@ def test_ledger_accuracy_runs_w4a16_at_the_steps_group_size(tiny_llama):
     assert got["tokens"] > 0 and got["perplexity"] > 0 and 0 < got["top1_agreement"] <= 1
 
 
-
 def test_tune_kv_threshold_lengths_past_the_model_fail_before_the_sweep(tiny_llama, monkeypatch):
     from infertune.tune import command
 
