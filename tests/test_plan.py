@@ -265,7 +265,8 @@ def test_sliding_window_caps_kv():
     cfg = json.loads((QWEN7B / "config.json").read_text())
     qwen_sw = ModelSpec.from_dict({**cfg, "use_sliding_window": True, "sliding_window": 4096, "max_window_layers": 20})
     assert qwen_sw.num_windowed_layers == 8
-    assert kv_bytes_per_sequence(qwen_sw, 8192) == (20 * 8192 + 8 * 4096) * 2 * 4 * 128 * 2
+    # (the engine's two KV cache groups share block ids of 20 layers' pages: the windowed group's cost as many)
+    assert kv_bytes_per_sequence(qwen_sw, 8192) == 20 * (8192 + 4096) * 2 * 4 * 128 * 2
 
 
 # ----------------------------------------------------------------------------------- catalog
@@ -707,3 +708,44 @@ def test_kv_bytes_per_token_are_the_engines(tiny_llama, kv):
 def test_bad_numbers_are_usage_errors_naming_the_flag(capsys, flags, message):
     assert plan_main(["--model", str(QWEN7B / "config.json"), "--device", "h100", *flags]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "family, overrides",
+    [
+        ("gemma3", dict(sliding_window=8, layer_types=["sliding_attention"] * 3 + ["full_attention"])),  # 3 : 1
+        ("qwen2", dict(num_hidden_layers=4, use_sliding_window=True, sliding_window=8, max_window_layers=3)),
+    ],
+)
+def test_kv_of_uneven_window_groups_is_the_engines(tmp_path, family, overrides):
+    """Oracle: the blocks the engine's KV cache groups hold for one sequence of max_model_len, at its bytes a block
+    id (a page of each layer of the larger group)."""
+    from conftest import make_checkpoint
+    from test_gemma import make_gemma
+
+    from infertune import LLM
+
+    path = (
+        make_gemma(tmp_path / "g", "Gemma3Text", **overrides)
+        if family == "gemma3"
+        else make_checkpoint(tmp_path / "q", "qwen2", **overrides)
+    )
+    length = 128
+    # (prompt chunks of one block: a windowed group then holds its window and a block or two past it, as the
+    # planner's steady state has it; a whole-prompt prefill holds every prompt block until it is done)
+    llm = LLM(
+        str(path),
+        dtype="bfloat16",
+        max_model_len=length,
+        kv_cache_memory_bytes="1Mi",
+        block_size=16,
+        max_num_batched_tokens=16,
+    )
+    info = llm.engine.executor.kv_cache_info
+    assert len(info.groups) == 2 and len({len(g.layers) for g in info.groups}) == 2  # uneven groups
+    chunk = llm.engine.config.scheduler.max_num_batched_tokens
+    blocks = sum(g.max_blocks(length, info.block_size, chunk) for g in info.groups)
+    engine = blocks * info.block_size * info.bytes_per_token
+    planned = kv_bytes_per_sequence(ModelSpec.load(path), length)
+    # (the engine keeps whole blocks, and a windowed group a block or two past its window)
+    assert engine - 3 * info.block_size * info.bytes_per_token <= planned <= engine

@@ -131,11 +131,17 @@ def kv_bytes_per_token(spec: ModelSpec, kv: KVFormat = KVFormat()) -> int:
 
 
 def kv_token_layers(spec: ModelSpec, context: int) -> int:
-    """Sum over layers of the tokens each layer keeps for a sequence of `context` tokens."""
+    """Sum over layers of the tokens each layer holds pages for, for a sequence of `context` tokens. With both full
+    and sliding-window layers the engine keeps two KV cache groups whose block ids are one pool: a block id is a page
+    of each layer of the larger group, so the smaller group's blocks cost as many pages (Gemma 3's 5 windowed
+    layers to 1 full: its full-attention tokens cost 5 layers' pages; engine/kv_cache_coordinator.py)."""
     window = spec.arch.sliding_window
-    full = spec.arch.num_hidden_layers - spec.num_windowed_layers
+    windowed = spec.num_windowed_layers
+    full = spec.arch.num_hidden_layers - windowed
     capped = min(context, window) if window is not None else context
-    return full * context + spec.num_windowed_layers * capped
+    if full and windowed:
+        return max(full, windowed) * (context + capped)
+    return full * context + windowed * capped
 
 
 def kv_int4_bytes_per_token_per_layer(spec: ModelSpec) -> int:

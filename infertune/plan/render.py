@@ -143,4 +143,11 @@ def _kv_group_lines(kv: dict, ctx: int) -> list[str]:
         f"{g['tokens_per_sequence']:,} tokens = {_gb(g['bytes_per_sequence'])}"
         for g in groups
     ]
-    return [f"  KV groups   per {ctx}-token sequence: " + "; ".join(parts)]
+    lines = [f"  KV groups   per {ctx}-token sequence: " + "; ".join(parts)]
+    sizes = {g["layers"] for g in groups}
+    if len(sizes) > 1:  # (the engine's blocks are a page of each layer of the larger group: the smaller one pays it)
+        lines.append(
+            f"              uneven groups: each block holds {max(sizes)} layers' pages, so the "
+            f"{min(sizes)}-layer group's tokens cost {max(sizes)} layers' bytes (counted in the KV totals)"
+        )
+    return lines
