@@ -98,6 +98,10 @@ def older_transformers_bpe(path: Path) -> Path:
 
 BUILDERS = {
     "byte_level_bpe": byte_level_bpe,
+    # the model types whose folders AutoTokenizer builds with the generic class they state (transformers 5)
+    "qwen3_bpe": lambda path: byte_level_bpe(path, model_type="qwen3"),
+    "qwen2_moe_bpe": lambda path: byte_level_bpe(path, model_type="qwen2_moe"),
+    "qwen3_moe_bpe": lambda path: byte_level_bpe(path, model_type="qwen3_moe"),
     "sentencepiece_unigram": sentencepiece_unigram,
     "older_transformers_bpe": older_transformers_bpe,
 }

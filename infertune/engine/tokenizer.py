@@ -19,9 +19,11 @@ log = logging.getLogger(__name__)
 
 # The tokenizer classes that transformers builds straight from tokenizer.json (no model-specific __init__).
 _GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
-# Model types whose folders AutoTokenizer gives one of those classes (qwen2 gets Qwen2Tokenizer, mistral may get
-# mistral-common or a pre-tokenizer fix).
-_PLAIN_MODEL_TYPES = ("llama",)
+# Model types whose folders AutoTokenizer gives one of those classes when tokenizer_config.json names one (as
+# transformers 5 writes it): qwen3 / qwen2_moe / qwen3_moe register Qwen2Tokenizer but AutoTokenizer trusts the
+# folder's generic class for them; qwen2 is on its list of types whose stated class it overrides (Qwen2Tokenizer),
+# and mistral may get mistral-common or a pre-tokenizer fix. tests/test_tokenizer.py holds each to AutoTokenizer.
+_PLAIN_MODEL_TYPES = ("llama", "qwen3", "qwen2_moe", "qwen3_moe")
 _NAMED_SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 _LIST_SPECIAL = ("extra_special_tokens", "additional_special_tokens")
 # tokenizer_config.json keys that change nothing in encode / decode / eos_token_id (the special tokens and
