@@ -22,6 +22,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from infertune.config import parse_size
+
 CHILD = r"""
 import json, sys, time
 import psutil
@@ -32,6 +34,9 @@ from infertune.bench.worker_protocol import peak_rss_mib  # (VmHWM: ru_maxrss ca
 hwm = lambda: peak_rss_mib() * 2**20
 rss_import = hwm()
 model, kv_bytes, compress, quant = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+if len(sys.argv) > 5:  # --trim-every: the loader's heap-trim step (infertune.models.loader.TRIM_EVERY_BYTES)
+    import infertune.models.loader
+    infertune.models.loader.TRIM_EVERY_BYTES = int(sys.argv[5])
 t0 = time.perf_counter()
 llm = LLM(model, dtype="bfloat16", max_model_len=1024, max_num_seqs=16, kv_cache_memory_bytes=kv_bytes,
           compress_weights=compress, quantization=None if quant == "none" else quant)
@@ -55,9 +60,9 @@ def read_into_page_cache(folder: Path) -> int:
     return total
 
 
-def one_load(model: Path, kv_bytes: int, compress: str, quant: str) -> dict:
+def one_load(model: Path, kv_bytes: int, compress: str, quant: str, trim: int | None = None) -> dict:
     out = subprocess.run(
-        [sys.executable, "-c", CHILD, str(model), str(kv_bytes), compress, quant],
+        [sys.executable, "-c", CHILD, str(model), str(kv_bytes), compress, quant, *([str(trim)] if trim else [])],
         capture_output=True,
         text=True,
         check=True,
@@ -74,6 +79,12 @@ def main() -> int:
     p.add_argument("--compress-weights", default="auto", help="compress_weights for both (auto: 12-bit where it pays)")
     p.add_argument("--quantization", default="none", help="quantization for both: none, w8a16, w4a16, w8a8")
     p.add_argument("--cache-dir", default="/tmp/infertune-bench")
+    p.add_argument(
+        "--trim-every",
+        type=parse_size,
+        default=None,
+        help="the loader's heap-trim step, e.g. 64Mi (default: the loader's own, TRIM_EVERY_BYTES)",
+    )
     args = p.parse_args()
 
     from infertune.bench.offline_models import ensure_model
@@ -85,7 +96,7 @@ def main() -> int:
         order = list(models) if r % 2 == 0 else list(reversed(models))
         for name in order:
             read_into_page_cache(models[name])
-            got = one_load(models[name], args.kv_bytes, args.compress_weights, args.quantization)
+            got = one_load(models[name], args.kv_bytes, args.compress_weights, args.quantization, args.trim_every)
             runs[name].append(got)
             print(
                 f"round {r + 1} {name}: load {got['load_s']:.2f} s, peak RSS {got['peak_rss'] / 2**20:.0f} MiB, "

@@ -21,7 +21,7 @@ from infertune.engine.kv_cache_coordinator import describe_groups, group_label, 
 from infertune.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from infertune.engine.scheduler import Scheduler
 from infertune.engine.sequence import Sequence, SequenceStatus
-from infertune.engine.tokenizer import load_tokenizer
+from infertune.engine.tokenizer import load_tokenizer, lone_surrogate
 from infertune.kv_transfer import scheduler_connector
 from infertune.runner.grammar import GrammarCompiler
 from infertune.sampling_params import ParamError, SamplingParams, StructuredOutputsParams
@@ -634,14 +634,12 @@ _TEMPLATE_ARGS = frozenset(
 
 
 def _unicode_text(text: str, param: str = "prompt") -> str:
-    """text, where it is valid Unicode (it encodes to UTF-8); a lone surrogate (half of a UTF-16 pair, e.g. an emoji
-    cut in half by a JavaScript client, which JSON lets through as \\ud83d) is a ParamError naming where it is."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
+    """text, where it is valid Unicode; a lone surrogate is a ParamError naming where it is."""
+    at = lone_surrogate(text)
+    if at is not None:
         raise ParamError(
             param,
-            f"{param} is not valid Unicode text: a lone surrogate {text[e.start]!r} at character {e.start} "
-            "(half of a UTF-16 pair); send whole characters",
-        ) from None
+            f"{param} is not valid Unicode text: a lone surrogate {text[at]!r} at character {at} (half of a UTF-16 "
+            "pair); send whole characters",
+        )
     return text

@@ -199,3 +199,13 @@ def _read_json(path: Path) -> dict:
     except (OSError, json.JSONDecodeError):
         return {}
     return data if isinstance(data, dict) else {}
+
+
+def lone_surrogate(text: str) -> int | None:
+    """Where text holds a lone surrogate (half of a UTF-16 pair, e.g. an emoji a JavaScript client cut in half;
+    JSON lets "\\ud83d" through), which no tokenizer can take: its index, or None for valid Unicode text."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return e.start
+    return None

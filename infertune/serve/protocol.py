@@ -8,6 +8,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
+from infertune.engine.tokenizer import lone_surrogate
 from infertune.sampling_params import SamplingParams, StructuredOutputsParams
 
 
@@ -70,15 +71,13 @@ def error_responses(*statuses: int) -> dict:
 
 
 def _whole_unicode(text: str) -> str:
-    """Text a tokenizer can take: no lone surrogate (half of a UTF-16 pair, e.g. an emoji a JavaScript client cut in
-    half; JSON lets "\\ud83d" through), which would otherwise fail inside the tokenizer."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
+    """Text a tokenizer can take (engine/tokenizer.py lone_surrogate), else a validation error saying where."""
+    at = lone_surrogate(text)
+    if at is not None:
         raise ValueError(
-            f"not valid Unicode text: a lone surrogate {text[e.start]!r} at character {e.start} (half of a UTF-16 "
-            "pair); send whole characters"
-        ) from None
+            f"not valid Unicode text: a lone surrogate {text[at]!r} at character {at} (half of a UTF-16 pair); "
+            "send whole characters"
+        )
     return text
 
 
