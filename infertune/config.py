@@ -1066,6 +1066,8 @@ def _coerced(f: Field, value):
     if value is None and kind.endswith("|None"):
         return value
     if kind.removesuffix("|None") == "int":
+        if isinstance(value, float) and value.is_integer():  # (8e9 bytes, 4096.0: whole numbers written as floats)
+            return int(value)
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise OptionError(f"{f.name}={value!r} must be an integer")
         return int(value)

@@ -261,6 +261,8 @@ def test_options_take_sizes_and_name_wrong_types_and_misspellings(tiny_llama):
 
     cfg = EngineConfig.create(str(tiny_llama), kv_cache_memory_bytes="4Mi", memory_limit="2G")
     assert cfg.cache.kv_cache_memory_bytes == 4 * 2**20 and cfg.limits.memory_limit == 2 * 10**9
+    cfg = EngineConfig.create(str(tiny_llama), kv_cache_memory_bytes=8e6, max_model_len=64.0)  # whole floats
+    assert cfg.cache.kv_cache_memory_bytes == 8_000_000 and cfg.model.max_model_len == 64
     for bad, fragment in (
         (dict(max_model_len=1.5), "max_model_len=1.5 must be an integer"),
         (dict(max_num_seqs="4"), "max_num_seqs='4' must be an integer"),

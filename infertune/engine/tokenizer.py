@@ -2,7 +2,7 @@
 
 transformers' AutoTokenizer costs about 90 MiB of resident memory beyond the tokenizer itself (`import
 transformers`, and through AutoConfig torch.distributed and sympy), a tenth of a small model's footprint. For a
-plain Llama tokenizer folder (a generic tokenizer class, every special token already in tokenizer.json as it
+plain Llama or Qwen3 tokenizer folder (a generic tokenizer class, every special token already in tokenizer.json as it
 would add it, no truncation, padding or chat template) AutoTokenizer's encode and decode are exactly those of
 the `tokenizers.Tokenizer` it wraps, so `FastTokenizer` calls that object itself. Whatever else it is asked for
 (the rest of the transformers tokenizer API) comes from the transformers tokenizer, loaded on first use. Any
