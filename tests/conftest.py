@@ -107,6 +107,33 @@ def tiny_llama(tmp_path_factory) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp("llama"), "llama")
 
 
+# ---- an OpenAI server on the tiny Llama, for the server tests' modules (tests/server_utils.py) -----------------
+@pytest.fixture(scope="module")
+def server(tiny_llama):
+    """uvicorn in a thread serving the tiny Llama, one per test module (a module may define its own server)."""
+    from server_utils import ServerThread
+
+    with ServerThread(tiny_llama) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_llama):
+    """The offline LLM API on the server's checkpoint and options: the server tests' oracle."""
+    from server_utils import ENGINE
+
+    from infertune import LLM
+
+    return LLM(str(tiny_llama), **ENGINE)
+
+
 def hf_model(path: Path):
     from transformers import AutoModelForCausalLM
 

@@ -49,6 +49,11 @@ class ServerThread:
         self.thread.join(10)
 
 
+def post(server, path: str, body, **kw) -> httpx.Response:
+    """A JSON POST to one of server's routes."""
+    return httpx.post(server.url + path, json=body, timeout=60, **kw)
+
+
 def metric(url: str, name: str, default: float | None = None) -> float:
     """A sample's value from /metrics; `default` for a labelled series that has no sample yet (a counter whose
     label value never occurred), else KeyError."""

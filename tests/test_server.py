@@ -1,4 +1,5 @@
-"""The OpenAI-compatible server, run for real on 127.0.0.1 and driven by the official openai client and httpx.
+"""The OpenAI-compatible server, run for real on 127.0.0.1 and driven by the official openai client and httpx
+(the server, client and offline fixtures: conftest.py).
 
 Oracle: the offline LLM API on the same checkpoint (greedy), and the OpenAI wire format.
 """
@@ -12,26 +13,9 @@ import time
 import httpx
 import openai
 import pytest
-from server_utils import ENGINE, MAX_LEN, MODEL, ServerThread, free_port, metric
+from server_utils import MAX_LEN, MODEL, ServerThread, free_port, metric, post
 
-from infertune import LLM, SamplingParams
-
-
-@pytest.fixture(scope="module")
-def server(tiny_llama):
-    with ServerThread(tiny_llama) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def offline(tiny_llama):
-    return LLM(str(tiny_llama), **ENGINE)
-
+from infertune import SamplingParams
 
 GREEDY = dict(temperature=0, max_tokens=12)
 NO_EOS = {"ignore_eos": True}
@@ -167,10 +151,6 @@ def test_disconnect_mid_stream_frees_blocks_and_counts_abort(tiny_llama):
             time.sleep(0.05)
         assert metric(server.url, "infertune_requests_aborted_total") == 1
         assert metric(server.url, "infertune_kv_blocks_used") == 0
-
-
-def post(server, path, body, **kw):
-    return httpx.post(server.url + path, json=body, timeout=30, **kw)
 
 
 @pytest.mark.parametrize(

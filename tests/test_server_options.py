@@ -11,30 +11,14 @@ processors against a plain re-implementation over the same logits.
 from __future__ import annotations
 
 import httpx
-import openai
 import pytest
 import torch
-from server_utils import MODEL, ServerThread
+from server_utils import MODEL, ServerThread, post
 
 from infertune import LLM, SamplingParams
 from infertune.runner.sampler import SampleRequest, apply_logits_processors
 
 GREEDY = dict(temperature=0, max_tokens=6)
-
-
-@pytest.fixture(scope="module")
-def server(tiny_llama):
-    with ServerThread(tiny_llama) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-
-
-def post(server, path, body, **kw):
-    return httpx.post(server.url + path, json=body, timeout=60, **kw)
 
 
 def post_json(server, body):
@@ -48,13 +32,6 @@ def first_step_ranking(offline: LLM, prompt: str) -> list[int]:
     out = offline.generate(prompt, SamplingParams(temperature=0, max_tokens=1, logprobs=20, ignore_eos=True))[0]
     top = out.outputs[0].logprobs[0].top
     return [t for t, _ in sorted(top, key=lambda x: -x[1])]
-
-
-@pytest.fixture(scope="module")
-def offline(tiny_llama):
-    from server_utils import ENGINE
-
-    return LLM(str(tiny_llama), **ENGINE)
 
 
 # ---- the sampler's processors against a plain loop ------------------------------------------------------------------

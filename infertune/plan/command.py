@@ -138,7 +138,6 @@ def _check_numbers(args: argparse.Namespace) -> None:
 
 
 def _lengths(args: argparse.Namespace) -> tuple[int, int, int | None]:
-    _check_numbers(args)
     inp, out, ctx = args.input_len, args.output_len, args.context
     if ctx is not None and inp is None and out is None:
         out = min(512, max(1, ctx // 4))
@@ -186,6 +185,7 @@ def run(args: argparse.Namespace) -> int:
                     f"{_num(dev.tdp_watts, 'W')}, {price}\n          source: {'; '.join(dev.source)}"
                 )
         return 0
+    _check_numbers(args)
     spec = ModelSpec.load(args.model)
     device = _device(args)
     eff = None

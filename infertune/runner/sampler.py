@@ -99,10 +99,11 @@ class Sampler:
         params = [r.params for r in rows]
         want_logprobs = [p.logprobs for p in params]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(k is not None for k in want_logprobs) else None
-        if any(p.uses_penalties for p in params):
+        penalised = any(p.uses_penalties for p in params)
+        if penalised:
             logits = apply_penalties(logits.clone(), rows)
         if any(p.adjusts_logits for p in params):  # (after the raw logprobs, as the penalties: vLLM's order)
-            logits = apply_logits_processors(logits.clone(), rows)
+            logits = apply_logits_processors(logits if penalised else logits.clone(), rows)  # (in place: a copy)
         greedy = [p.greedy for p in params]
         if all(greedy):
             tokens = self.best(logits)

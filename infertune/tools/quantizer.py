@@ -271,7 +271,7 @@ def quantize(
     tensors = read_tensors(model)
     chosen, targets = plan_layers(model, keep_fp, tensors)
     expert_targets, kept_experts = plan_experts(model, keep_fp, tensors)
-    linear_names = set(linears) | {n for n, m in _meta_model(arch).named_modules() if isinstance(m, Experts)}
+    linear_names = set(linears) | set(expert_targets.values()) | set(kept_experts)
     for pattern in keep_fp:
         if pattern != "lm_head" and not any(_kept(n, (pattern,)) for n in linear_names):
             # (lm_head, the default, is absent from tied-embedding models: not worth a word)
