@@ -79,20 +79,59 @@ class KVCacheGroup:
         return min(need, -(-(self.window - 2 + min(chunk, num_tokens)) // block_size) + 1)
 
 
+# The most KV cache groups kv_cache_groups makes by splitting (the fused step reads this many: csrc/abi.h
+# IT_MAX_KV_GROUPS, kernels/cpu.py MAX_KV_GROUPS); more kinds of layers than this are left as they are.
+MAX_KV_CACHE_GROUPS = 8
+
+
 def kv_cache_groups(
-    layer_windows: tuple[int | None, ...] | None, num_layers: int, max_model_len: int, layer_keys: tuple | None = None
+    layer_windows: tuple[int | None, ...] | None,
+    num_layers: int,
+    max_model_len: int,
+    layer_keys: tuple | None = None,
+    max_groups: int = MAX_KV_CACHE_GROUPS,
 ) -> tuple[KVCacheGroup, ...]:
     """The layers grouped by window, the full-attention group first, then each window in order of first use. A
     window of max_model_len or more never drops a token, so its layers join the full group. layer_keys (KV
     compression: KVCompressionConfig.layer_key per layer, None where never compressed) split the full layers further,
-    one group per key, after the uncompressed ones."""
+    one group per key, after the uncompressed ones.
+
+    A block id is a page of every group's cache at once, so a block costs as many layers' pages as the largest
+    group has layers. Where the kinds have unequal layer counts (Gemma 3: 5 windowed layers to 1 full), each kind's
+    layers are then cut into groups of `equal_group_size` layers (vLLM's hybrid allocator does the same): Gemma 3
+    1B's 22 windowed and 4 full layers become 6 windowed groups and 1 full one of 4 layers' pages a block, and a
+    full-attention token costs 4 layers' pages instead of 22."""
     windows = [None if w is None or w >= max_model_len else w for w in (layer_windows or (None,) * num_layers)]
     keys = [None if w is not None or layer_keys is None else layer_keys[i] for i, w in enumerate(windows)]
     kinds = list(zip(windows, keys))
     order = sorted(set(kinds), key=lambda k: (k[0] is not None, k[1] is not None, kinds.index(k)))
-    return tuple(
+    groups = [
         KVCacheGroup(w, tuple(i for i, x in enumerate(kinds) if x == (w, key)), key is not None) for w, key in order
+    ]
+    size = equal_group_size(groups, max_model_len, max_groups)
+    return tuple(
+        KVCacheGroup(g.window, g.layers[i : i + size], g.compressed)
+        for g in groups
+        for i in range(0, len(g.layers), size)
     )
+
+
+def equal_group_size(groups, max_model_len: int, max_groups: int = MAX_KV_CACHE_GROUPS) -> int:
+    """The layers a KV cache group holds once the kinds (windows, compression keys) are cut into equal groups: the
+    size s whose groups hold the fewest layer pages for one sequence of max_model_len (each kind's ceil(n / s)
+    groups of s pages a block, a full kind max_model_len tokens, a windowed one at most its window), with at most
+    max_groups groups in all; of equal sizes the one with the fewest groups. One kind, or counts all equal: no cut."""
+    sizes = [len(g.layers) for g in groups]
+    if len(set(sizes)) <= 1:
+        return max(sizes, default=1)
+    tokens = [max_model_len if g.window is None else min(g.window, max_model_len) for g in groups]
+
+    def cost(s: int) -> tuple[int, int]:
+        parts = [-(-n // s) for n in sizes]
+        return sum(p * s * t for p, t in zip(parts, tokens)), sum(parts)
+
+    allowed = [s for s in range(1, max(sizes) + 1) if cost(s)[1] <= max(max_groups, len(groups))]
+    return min(allowed, key=cost)
 
 
 class TokenView:

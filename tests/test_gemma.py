@@ -49,18 +49,20 @@ def make_gemma(path, cls: str, **overrides):
 
     tok = make_tokenizer()
     cfg = getattr(transformers, f"{cls}Config")(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=HEAD_DIM,
-        max_position_embeddings=256,
-        eos_token_id=tok.eos_token_id,
-        bos_token_id=tok.eos_token_id,
-        pad_token_id=tok.eos_token_id,
-        **overrides,
+        **{
+            "vocab_size": len(tok),
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": HEAD_DIM,
+            "max_position_embeddings": 256,
+            "eos_token_id": tok.eos_token_id,
+            "bos_token_id": tok.eos_token_id,
+            "pad_token_id": tok.eos_token_id,
+            **overrides,
+        }
     )
     torch.manual_seed(0)
     model = getattr(transformers, f"{cls.removesuffix('Text')}ForCausalLM")(cfg)
@@ -348,3 +350,55 @@ def test_fused_step_runs_gemma(gemma, kv, quant):
 
     _, path, hf, prompts, _ = gemma
     _fused_against_per_module(path, hf.float(), prompts, 2, kv_cache_dtype=kv, quantization=quant)
+
+
+def test_gemma3_cut_into_equal_kv_groups_matches_hf_and_counts_its_blocks(tmp_path):
+    """Gemma 3 with 7 sliding to 3 full layers: the engine cuts the kinds into KV cache groups of 3 layers (1 full, 3
+    windowed, the last of one layer: 2 of its 3 pages a block empty). Teacher-forced greedy decodes past the window
+    against HF transformers (fp32, with preemption in a pool too small for the batch); the fused step (bf16) as close
+    to HF as the per-module path; /metrics' blocks and tokens by kind are the coordinator's own counts, each kind
+    named once. (Reading a group's metadata by window here gives every windowed group the first one's tables.)"""
+    from types import SimpleNamespace
+
+    from test_sliding_window import _fused_against_per_module
+
+    from infertune.serve.metrics import _EngineCollector
+
+    kinds = (["sliding_attention"] * 2 + ["full_attention"]) * 3 + ["sliding_attention"]
+    path = make_gemma(tmp_path / "g", **{**VARIANTS["gemma3"], "num_hidden_layers": 10, "layer_types": kinds})
+    hf = hf_model(path)
+    prompts = _prompts(hf.config.vocab_size)
+    llm, outs = _generate(path, prompts, enable_prefix_caching=False)
+    groups = llm.engine.executor.runner.kv_groups
+    assert [(g.window, g.layers) for g in groups] == [
+        (None, (2, 5, 8)),
+        (WINDOW, (0, 1, 3)),
+        (WINDOW, (4, 6, 7)),
+        (WINDOW, (9,)),
+    ]
+    for p, o in zip(prompts, outs):
+        assert_teacher_forced(hf, p, list(o))
+    # preempted: 40 blocks (a sequence of 64 tokens holds 16 + 3 x 4 with chunks of 8; the batch ~90)
+    block_bytes = llm.engine.executor.kv_cache_info.bytes_per_token * BLOCK
+    small, preempted = _generate(path, prompts, kv_cache_memory_bytes=40 * block_bytes, max_num_batched_tokens=8)
+    assert small.engine.executor.kv_cache_info.max_blocks_per_seq == 16 + 3 * 4
+    assert small.engine.scheduler.num_preemptions > 0 and preempted == outs
+    _fused_against_per_module(path, hf.float(), prompts, 4)
+
+    # /metrics mid-generation: a sequence past its window holds the window's blocks in each windowed group
+    engine = llm.engine
+    engine.add_request("m", {"prompt_token_ids": prompts[3]}, SamplingParams(max_tokens=8, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    seq = engine.scheduler.running[0]
+    held = engine.block_manager.blocks_in_use(seq)
+    stats = engine.stats()
+    assert stats["kv_groups"] == [("full", held[0]), (f"window_{WINDOW}", held[1] + held[2] + held[3])]
+    assert stats["kv_group_counts"] == [1, 3] and held[1] == held[2] == held[3]
+    # (the collector's families from the engine's stats, up to the by-group ones: the rest read the server's engine)
+    families = _EngineCollector(SimpleNamespace(stats=stats)).collect()
+    by_group = next(m for m in families if m.name == "infertune_kv_tokens_by_group")
+    tokens = {s.labels["group"]: s.value for s in by_group.samples}
+    assert tokens == {"full": held[0] * BLOCK, f"window_{WINDOW}": held[1] * BLOCK}
+    while engine.has_unfinished_requests():
+        engine.step()

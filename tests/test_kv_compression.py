@@ -342,12 +342,20 @@ def test_the_policy_picks_full_below_the_threshold_and_the_press_above():
         assert cfg.kept_tokens(layer, 6, 8000) == int(8000 * 0.75)
     assert cfg.press_for(0, 9000) is None  # a windowed layer is never pressed
     groups = kv_cache_groups(cfg.layer_windows(None, 6), 6, 32768, tuple(cfg.layer_key(i) for i in range(6)))
-    assert [(g.window, g.layers, g.compressed) for g in groups] == [(None, (2, 3, 4, 5), True), (128, (0, 1), False)]
+    # (4 compressed layers to 2 windowed: cut into groups of 2, a block 2 layers' pages)
+    assert [(g.window, g.layers, g.compressed) for g in groups] == [
+        (None, (2, 3), True),
+        (None, (4, 5), True),
+        (128, (0, 1), False),
+    ]
     assert cfg.plan(groups, 4000) is None
-    assert cfg.plan(groups, 8000) == [6000, 8000]
-    # per-layer ratios: one group per budget; pyramid: one per layer
+    assert cfg.plan(groups, 8000) == [6000, 6000, 8000]
+    # per-layer ratios: one kind of group per budget (2 layers to 1: groups of one layer); pyramid: one per layer
     per_layer = KVCompressionConfig.from_dict({**SNAP, "layer_ratios": [0.5, 0.5, 0.25]})
     groups = kv_cache_groups(None, 3, 200, tuple(per_layer.layer_key(i) for i in range(3)))
+    assert [g.layers for g in groups] == [(0,), (1,), (2,)]
+    assert per_layer.plan(groups, 100) == [50, 50, 75]
+    groups = kv_cache_groups(None, 3, 200, tuple(per_layer.layer_key(i) for i in range(3)), max_groups=2)
     assert [g.layers for g in groups] == [(0, 1), (2,)]
     assert per_layer.plan(groups, 100) == [50, 75]
 
@@ -359,11 +367,13 @@ def test_the_seeds_recipe_runs_end_to_end(llama):
     recipe = {"policy": [{"layers": "0-1", "window": 8}, {"max_length": 40, "press": "none"}, SNAP]}
     engine = engine_of(path, recipe)
     runner = engine.executor.runner
-    assert [(g.window, g.layers, g.compressed) for g in runner.kv_groups] == [(None, (2,), True), (8, (0, 1), False)]
+    # (1 compressed layer to 2 windowed: groups of one layer each)
+    groups = [(g.window, g.layers, g.compressed) for g in runner.kv_groups]
+    assert groups == [(None, (2,), True), (8, (0,), False), (8, (1,), False)]
     _, short, _ = run_prefill(engine, prompt_of(30, 50), req="short")
     _, long, _ = run_prefill(engine, prompt_of(61, 51), req="long")
     assert short.kv_kept is None and short.num_evicted is None
-    assert long.kv_kept == [30, 61] and long.num_evicted == [31, 0]
+    assert long.kv_kept == [30, 61, 61] and long.num_evicted == [31, 0, 0]
 
 
 @pytest.mark.parametrize(

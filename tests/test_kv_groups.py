@@ -40,7 +40,47 @@ def test_groups_follow_the_layers_windows():
     assert kv_cache_groups(None, 3, 64) == (KVCacheGroup(None, (0, 1, 2)),)
     assert kv_cache_groups((6, None, 6, None), 4, 64) == (KVCacheGroup(None, (1, 3)), KVCacheGroup(6, (0, 2)))
     # a window as long as the context never drops a token: those layers attend in full
-    assert kv_cache_groups((64, 8, None), 3, 64) == (KVCacheGroup(None, (0, 2)), KVCacheGroup(8, (1,)))
+    # (then 2 full layers to 1 windowed: cut into groups of one layer each, so a block is one layer's page)
+    full = (KVCacheGroup(None, (0,)), KVCacheGroup(None, (2,)))
+    assert kv_cache_groups((64, 8, None), 3, 64) == (*full, KVCacheGroup(8, (1,)))
+    assert kv_cache_groups((64, 8, None), 3, 64, max_groups=2) == (KVCacheGroup(None, (0, 2)), KVCacheGroup(8, (1,)))
+
+
+def _pages_a_sequence(groups, max_model_len):
+    """Layer pages one sequence of max_model_len holds: each group's tokens (a window's at most its window) in
+    blocks of the largest group's pages."""
+    pages = max(len(g.layers) for g in groups)
+    return sum(pages * (max_model_len if g.window is None else min(g.window, max_model_len)) for g in groups)
+
+
+@pytest.mark.parametrize(
+    "layers, every, window, max_len, sizes",
+    [
+        (26, 6, 512, 32768, [4, 4, 4, 4, 4, 4, 2]),  # Gemma 3 1B: layers 5, 11, 17, 23 full, 22 windowed
+        (34, 6, 1024, 131072, [5, 5, 5, 5, 5, 5, 4]),  # Gemma 3 4B
+        (62, 6, 1024, 131072, [10, 10, 10, 10, 10, 10, 2]),  # Gemma 3 27B: 7 groups, the fused step reads 8
+        (8, 2, 4096, 8192, [4, 4]),  # Gemma 2: 1 : 1, no cut
+    ],
+)
+def test_unequal_kinds_are_cut_into_equal_groups(layers, every, window, max_len, sizes):
+    """Oracle: every partition of the kinds into equal groups of s layers (s = 1 .. the largest kind, at most 8
+    groups), priced by brute force as the layer pages one sequence of max_model_len holds; the engine's grouping is
+    the cheapest, covers every layer once, and keeps each group to one kind."""
+    windows = tuple(None if i % every == every - 1 else window for i in range(layers))
+    groups = kv_cache_groups(windows, layers, max_len)
+    assert [len(g.layers) for g in groups] == sizes
+    assert sorted(i for g in groups for i in g.layers) == list(range(layers))
+    assert all(windows[i] == g.window for g in groups for i in g.layers)
+    kinds = [[i for i in range(layers) if windows[i] is None], [i for i in range(layers) if windows[i] is not None]]
+    prices = []
+    for s in range(1, max(len(k) for k in kinds) + 1):
+        cut = [KVCacheGroup(w, tuple(k[j : j + s])) for k, w in zip(kinds, (None, window)) for j in range(0, len(k), s)]
+        if len(cut) <= 8:
+            prices.append(_pages_a_sequence(cut, max_len))
+    assert _pages_a_sequence(groups, max_len) == min(prices)
+    # Gemma 3 1B: a full-attention token cost 22 layers' pages with one group a kind, now 4
+    uncut = kv_cache_groups(windows, layers, max_len, max_groups=1)
+    assert len(uncut) == 2 and _pages_a_sequence(groups, max_len) <= _pages_a_sequence(uncut, max_len)
 
 
 @pytest.mark.parametrize("window", [1, 3, 4, 6, 8, 9])
@@ -377,7 +417,7 @@ def test_kv_per_sequence_follows_the_window_in_the_capacity_log(mistral):
     text = llm.engine.describe_kv_cache()
     # a 256-token sequence holds ceil((8 - 1 + 8 - 1) / 4) + 1 = 5 blocks of the window's group, not 64
     # fp32, 2 layers x 2 x 2 KV heads x 16 x 4 bytes = 512 bytes a token: 20 tokens are 10 KiB
-    assert "sliding window 8 (layers 0,1): 5 blocks = 20 tokens a sequence (10.0 KiB)" in text
+    assert "sliding window 8 (layers 0,1): 5 blocks = 20 tokens a sequence (10.0 KiB, 2 layers' pages a block)" in text
     assert llm.engine.executor.kv_cache_info.max_blocks_per_seq == 5
 
 
@@ -438,3 +478,13 @@ def test_speculative_decoding_gives_back_windowed_blocks(mistral):
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
     assert_teacher_forced(hf, prompt, list(tokens))
+
+
+def test_the_cut_never_makes_more_groups_than_the_fused_step_reads():
+    from infertune.kernels import cpu
+    from infertune.scheduler_output import MAX_KV_CACHE_GROUPS
+
+    assert MAX_KV_CACHE_GROUPS == cpu.MAX_KV_GROUPS
+    # 1 full layer to 40 windowed: groups of one layer would be 41; the cut stops at 8 (a group of 6 layers' pages)
+    groups = kv_cache_groups((None,) + (16,) * 40, 41, 4096)
+    assert len(groups) <= MAX_KV_CACHE_GROUPS and max(len(g.layers) for g in groups) == 6

@@ -268,7 +268,8 @@ def _kv_bytes(path) -> int:
 
 # Blocks of every layer's KV that the preemption mode's pool holds. The windowed layers free their blocks as they
 # leave the window, so a sequence holds at most ceil((W - 1 + chunk) / 4) + 1 = 5 of theirs with chunks of 8: the
-# Mistral batch needs 20 at its peak; Qwen2's full layer keeps 50 (its pool is 21 block ids of 2 layers' pages).
+# Mistral batch needs 20 at its peak; Qwen2's full layer keeps 50 (its pool is 42 block ids of 1 layer's page: its
+# 1 full and 2 windowed layers are 3 KV cache groups of one layer).
 PREEMPTION_POOL = {"mistral": 10, "qwen2": 14}
 
 
@@ -349,7 +350,8 @@ def test_fused_step_runs_windowed_models(family, kv):
     (_fused_against_per_module). A step that attended to the whole context, or read one group's tables for
     another's layers, is far off (checked by breaking kv_window and the group choice)."""
     name, path, hf, prompts, _ = family
-    _fused_against_per_module(path, hf.float(), prompts, {"mistral": 1, "qwen2": 2}[name], kv_cache_dtype=kv)
+    # (Qwen2: 1 full and 2 windowed layers, cut into 3 groups of one layer: two groups of one window)
+    _fused_against_per_module(path, hf.float(), prompts, {"mistral": 1, "qwen2": 3}[name], kv_cache_dtype=kv)
 
 
 def test_fused_step_runs_chunked_prompts_and_prefix_cache_hits(family):
@@ -367,7 +369,7 @@ def test_fused_step_runs_chunked_prompts_and_prefix_cache_hits(family):
         path,
         hf.float(),
         prompts,
-        {"mistral": 1, "qwen2": 2}[name],
+        {"mistral": 1, "qwen2": 3}[name],
         again=again,
         every_step=True,
         max_num_batched_tokens=8,
@@ -389,7 +391,7 @@ def test_fused_step_runs_a_policys_window_rules(tmp_path):
     cfg.update(use_sliding_window=False, layer_types=["full_attention"] * cfg["num_hidden_layers"])
     (plain / "config.json").write_text(json.dumps(cfg))
     policy = {"policy": [{"layers": "1-2", "window": WINDOW}, {"press": "none"}]}
-    _fused_against_per_module(plain, hf, _prompts(hf.config.vocab_size), 2, kv_compression=policy)
+    _fused_against_per_module(plain, hf, _prompts(hf.config.vocab_size), 3, kv_compression=policy)
 
 
 def test_prefix_cache_hits_longer_than_the_window(family):

@@ -361,20 +361,27 @@ def group_label(group: KVCacheGroup) -> str:
 
 
 def describe_groups(info, max_model_len: int, chunk: int) -> list[str]:
-    """Per KV cache group: its window and layers, and the most blocks, tokens and bytes of KV one sequence of
-    max_model_len holds in it (prefill chunks of at most `chunk`): a windowed group's stay near window / block + 1
-    blocks however long the sequence."""
+    """Per kind of KV cache group (full attention, each window): its layers, and the most blocks, tokens and bytes
+    of KV one sequence of max_model_len holds in it (prefill chunks of at most `chunk`): a windowed group's stay
+    near window / block + 1 blocks however long the sequence. A kind cut into n equal groups (kv_cache_groups) holds
+    its blocks in each, n times the blocks for its tokens."""
     pages = max(len(g.layers) for g in info.groups)
-    lines = []
+    kinds: dict[tuple, list] = {}
     for g in info.groups:
-        blocks = g.max_blocks(max_model_len, info.block_size, chunk)
-        tokens = blocks * info.block_size
-        kind = "full attention" if g.window is None else f"sliding window {g.window}"
-        if g.compressed:  # (its most: a prefill holds every token until the press runs)
+        kinds.setdefault((g.window, g.compressed, g.compressed and g.layers[0]), []).append(g)
+    lines = []
+    for (window, compressed, _), members in kinds.items():
+        g = members[0]
+        tokens = g.max_blocks(max_model_len, info.block_size, chunk) * info.block_size
+        blocks = tokens // info.block_size * len(members)
+        kind = "full attention" if window is None else f"sliding window {window}"
+        if compressed:  # (its most: a prefill holds every token until the press runs)
             kind = "full attention, compressed after the prefill"
-        nbytes = tokens * info.bytes_per_token * len(g.layers) // pages
+        layers = sorted(i for m in members for i in m.layers)
+        nbytes = blocks * info.block_size * info.bytes_per_token
+        split = f" in {len(members)} groups" if len(members) > 1 else ""
         lines.append(
-            f"{kind} (layers {','.join(map(str, g.layers))}): {blocks} blocks = {tokens} tokens a sequence "
-            f"({nbytes / 2**10:.1f} KiB)"
+            f"{kind} (layers {','.join(map(str, layers))}{split}): {blocks} blocks = {tokens} tokens a sequence "
+            f"({nbytes / 2**10:.1f} KiB, {pages} layers' pages a block)"
         )
     return lines

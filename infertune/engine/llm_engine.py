@@ -81,6 +81,7 @@ class LLMEngine:
         self.num_prefill_tokens = 0  # prompt tokens computed here (not loaded from a producer nor prefix-cached)
         groups = self.executor.kv_cache_info.groups
         self._kv_group_labels = [group_label(g) for g in groups or [KVCacheGroup(None, ())]]
+        self._kv_group_labels_once = list(dict.fromkeys(self._kv_group_labels))
         self.eos_token_ids = self._eos_token_ids()
         self.grammars = GrammarCompiler(self.eos_token_ids)  # structured output: compiled once per schema (LRU)
         self.requests: dict[str, _Request] = {}
@@ -583,6 +584,13 @@ class LLMEngine:
         per_logprob = max(with_lp - full, 0) / (seqs * tokens * (1 + logprobs))
         return HostCost(per_seq=per_seq, per_token=per_token, per_logprob=per_logprob)
 
+    def _by_label(self, per_group: list[int]) -> list[int]:
+        """Per-group counts summed over the groups of each kind (label), in the labels' order."""
+        sums = dict.fromkeys(self._kv_group_labels_once, 0)
+        for label, value in zip(self._kv_group_labels, per_group):
+            sums[label] += value
+        return list(sums.values())
+
     def stats(self) -> dict:
         bm = self.block_manager
         return {
@@ -590,10 +598,13 @@ class LLMEngine:
             "num_waiting": self.scheduler.num_waiting,
             "kv_blocks_total": bm.num_blocks,
             "kv_blocks_free": bm.num_free_blocks,
-            # per KV cache group (full attention, each sliding window): its label and the blocks sequences hold in it
-            "kv_groups": list(zip(self._kv_group_labels, bm.blocks_used_by_group)),
-            # the int4 tier (kv_int4_after): per group, the int4 blocks held (two blocks' tokens each), and the packs
-            "kv_int4_blocks": bm.int4_blocks_by_group,
+            # per kind of KV cache group (full attention, each sliding window; a kind cut into several equal groups
+            # counts once, its groups' blocks summed): its label and the blocks sequences hold in it
+            "kv_groups": list(zip(self._kv_group_labels_once, self._by_label(bm.blocks_used_by_group))),
+            # how many groups each kind is cut into (each holds the same blocks: tokens = blocks x size / this)
+            "kv_group_counts": [self._kv_group_labels.count(label) for label in self._kv_group_labels_once],
+            # the int4 tier (kv_int4_after): per kind, the int4 blocks held (two blocks' tokens each), and the packs
+            "kv_int4_blocks": self._by_label(bm.int4_blocks_by_group),
             "kv_int4_packs": bm.num_int4_packs,
             "kv_block_size": bm.block_size,
             "prefix_cache_hit_rate": bm.prefix_hit_rate,

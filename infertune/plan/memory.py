@@ -131,17 +131,32 @@ def kv_bytes_per_token(spec: ModelSpec, kv: KVFormat = KVFormat()) -> int:
 
 
 def kv_token_layers(spec: ModelSpec, context: int) -> int:
-    """Sum over layers of the tokens each layer holds pages for, for a sequence of `context` tokens. With both full
-    and sliding-window layers the engine keeps two KV cache groups whose block ids are one pool: a block id is a page
-    of each layer of the larger group, so the smaller group's blocks cost as many pages (Gemma 3's 5 windowed
-    layers to 1 full: its full-attention tokens cost 5 layers' pages; engine/kv_cache_coordinator.py)."""
+    """Sum over layers of the tokens of KV each layer keeps (and a decode step reads) for a sequence of `context`
+    tokens: a full-attention layer all of them, a windowed one at most its window."""
     window = spec.arch.sliding_window
     windowed = spec.num_windowed_layers
     full = spec.arch.num_hidden_layers - windowed
     capped = min(context, window) if window is not None else context
-    if full and windowed:
-        return max(full, windowed) * (context + capped)
     return full * context + windowed * capped
+
+
+def _kv_groups(spec: ModelSpec, context: int):
+    """The engine's KV cache groups for this model at max_model_len = context (scheduler_output.kv_cache_groups)."""
+    from infertune.scheduler_output import kv_cache_groups
+
+    a = spec.arch
+    return kv_cache_groups(a.layer_windows, a.num_hidden_layers, max(context, 2))
+
+
+def kv_page_token_layers(spec: ModelSpec, context: int) -> int:
+    """The layer pages x tokens one sequence of `context` tokens holds in the engine's KV cache: its KV cache groups
+    (each kind of layer, full or windowed, cut into groups of equal size where the kinds' layer counts differ) share
+    block ids of one pool, a block id a page of each layer of the largest group, so a group of fewer layers pays
+    for the pages it leaves empty (engine/kv_cache_coordinator.py, scheduler_output.kv_cache_groups). Gemma 3 1B's
+    22 windowed and 4 full layers: 7 groups of 4 layers' pages, the last windowed one of 2 (2 pages a block empty)."""
+    groups = _kv_groups(spec, context)
+    pages = max(len(g.layers) for g in groups)
+    return sum(pages * (context if g.window is None else min(context, g.window)) for g in groups)
 
 
 def kv_int4_bytes_per_token_per_layer(spec: ModelSpec) -> int:
@@ -149,17 +164,24 @@ def kv_int4_bytes_per_token_per_layer(spec: ModelSpec) -> int:
     return 2 * spec.arch.num_key_value_heads * (spec.arch.head_dim // 2 + 2)
 
 
-def kv_bytes_per_sequence(spec: ModelSpec, context: int, kv: KVFormat = KVFormat()) -> int:
-    """With the int4 tier, a full-attention layer keeps int4_after tokens at int8 and the rest in int4 (the engine
-    packs whole pairs of blocks, so up to two blocks more stay int8); windowed layers are not tiered."""
+def kv_bytes_per_sequence(spec: ModelSpec, context: int, kv: KVFormat = KVFormat(), held: bool = True) -> int:
+    """The KV cache bytes of one sequence of `context` tokens: with held (the default), what it holds in the
+    engine's pool (kv_page_token_layers: the pages a smaller group leaves empty included); else the bytes its
+    layers keep, what a decode step reads. With the int4 tier, a full-attention layer keeps int4_after tokens at
+    int8 and the rest in int4 (the engine packs whole pairs of blocks, so up to two blocks more stay int8);
+    windowed layers are not tiered."""
+    token_layers = kv_page_token_layers(spec, context) if held else kv_token_layers(spec, context)
     if kv.int4_after is None:
-        return kv_token_layers(spec, context) * kv_bytes_per_token_per_layer(spec, kv)
+        return token_layers * kv_bytes_per_token_per_layer(spec, kv)
     if spec.arch.mla:
         raise ValueError("the int4 tier is the engine's for K / V caches; MLA's latent cache does not take it")
     old = max(0, context - kv.int4_after)
     full = spec.arch.num_hidden_layers - spec.num_windowed_layers
+    if held:  # (the full groups' pages, the empty ones packed as well)
+        groups = _kv_groups(spec, context)
+        full = max(len(g.layers) for g in groups) * sum(g.window is None for g in groups)
     tiered = full * (old * kv_int4_bytes_per_token_per_layer(spec) - old * kv_bytes_per_token_per_layer(spec, kv))
-    return kv_token_layers(spec, context) * kv_bytes_per_token_per_layer(spec, kv) + tiered
+    return token_layers * kv_bytes_per_token_per_layer(spec, kv) + tiered
 
 
 def kv_bytes(spec: ModelSpec, context: int, batch: int, kv: KVFormat = KVFormat()) -> int:

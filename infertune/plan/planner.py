@@ -264,27 +264,36 @@ def make_plan(req: PlanRequest) -> dict:
 
 
 def _kv_groups(spec, context: int, kv) -> list[dict]:
-    """Per KV cache group (the layers attending within one window, or in full: the engine's block tables), the
-    tokens and bytes of KV one `context`-token sequence keeps in it: a window's layers at most the window (the
-    engine holds up to one block more)."""
+    """Per kind of KV cache group (the layers attending within one window, or in full: the engine's block tables,
+    a kind cut into several equal groups where the kinds' layer counts differ), the tokens and pool bytes of KV one
+    `context`-token sequence holds in it: a window's layers at most the window (the engine holds up to one block
+    more), each group in blocks of the largest group's pages."""
     from infertune.plan.memory import kv_bytes_per_token_per_layer, kv_int4_bytes_per_token_per_layer
     from infertune.scheduler_output import kv_cache_groups
 
     a = spec.arch
     per_layer = kv_bytes_per_token_per_layer(spec, kv)
-    out = []
-    for g in kv_cache_groups(a.layer_windows, a.num_hidden_layers, 2**62):
+    groups = kv_cache_groups(a.layer_windows, a.num_hidden_layers, max(context, 2))
+    pages = max(len(g.layers) for g in groups)
+    out: dict = {}
+    for g in groups:
         tokens = context if g.window is None else min(context, g.window)
-        nbytes = tokens * len(g.layers) * per_layer
+        nbytes = tokens * pages * per_layer
         if kv.int4_after is not None and g.window is None:  # (the int4 tier: full layers' old tokens)
             old = max(0, context - kv.int4_after)
-            nbytes -= old * len(g.layers) * (per_layer - kv_int4_bytes_per_token_per_layer(spec))
-        out.append(
+            nbytes -= old * pages * (per_layer - kv_int4_bytes_per_token_per_layer(spec))
+        row = out.setdefault(
+            g.window,
             {
                 "window": g.window,
-                "layers": len(g.layers),
+                "layers": 0,
+                "groups": 0,
+                "pages_per_block": pages,
                 "tokens_per_sequence": tokens,
-                "bytes_per_sequence": nbytes,
-            }
+                "bytes_per_sequence": 0,
+            },
         )
-    return out
+        row["layers"] += len(g.layers)
+        row["groups"] += 1
+        row["bytes_per_sequence"] += nbytes
+    return list(out.values())

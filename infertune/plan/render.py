@@ -134,20 +134,27 @@ def render_text(plan: dict) -> str:
 
 
 def _kv_group_lines(kv: dict, ctx: int) -> list[str]:
-    """Where layers attend within sliding windows: each layer group's tokens and bytes of KV a sequence."""
+    """Where layers attend within sliding windows: each kind of layer group's tokens and bytes of KV a sequence."""
     groups = kv.get("groups") or []
     if all(g["window"] is None for g in groups):
         return []
     parts = [
-        f"{'full attention' if g['window'] is None else 'window ' + str(g['window'])}: {g['layers']} layers x "
+        f"{'full attention' if g['window'] is None else 'window ' + str(g['window'])}: {g['layers']} layers"
+        f"{' in ' + str(g['groups']) + ' groups' if g.get('groups', 1) > 1 else ''} x "
         f"{g['tokens_per_sequence']:,} tokens = {_gb(g['bytes_per_sequence'])}"
         for g in groups
     ]
     lines = [f"  KV groups   per {ctx}-token sequence: " + "; ".join(parts)]
-    sizes = {g["layers"] for g in groups}
-    if len(sizes) > 1:  # (the engine's blocks are a page of each layer of the larger group: the smaller one pays it)
+    pages = max((g.get("pages_per_block", 0) for g in groups), default=0)
+    empty = [g for g in groups if g["layers"] < g.get("groups", 1) * pages]
+    if empty:  # (a block is a page of each layer of the largest group: a group of fewer layers pays for the rest)
         lines.append(
-            f"              uneven groups: each block holds {max(sizes)} layers' pages, so the "
-            f"{min(sizes)}-layer group's tokens cost {max(sizes)} layers' bytes (counted in the KV totals)"
+            f"              each block holds {pages} layers' pages; "
+            + ", ".join(
+                f"{'full' if g['window'] is None else 'window ' + str(g['window'])} leaves "
+                f"{g.get('groups', 1) * pages - g['layers']} empty"
+                for g in empty
+            )
+            + " (counted in the KV totals)"
         )
     return lines

@@ -157,7 +157,7 @@ class Roofline:
     def decode_step(self, batch: int, context: int) -> StepEstimate:
         """One decode step of `batch` sequences, each attending to `context` tokens (including the new one)."""
         w = self.weights
-        kv_read = batch * kv_bytes_per_sequence(self.spec, context, self.kv) * self.kv_fraction
+        kv_read = batch * kv_bytes_per_sequence(self.spec, context, self.kv, held=False) * self.kv_fraction
         kv_write = batch * kv_bytes_per_token(self.spec, self.kv) * self.kv_fraction
         matmul = 2 * (w.params_active_linear_weights + w.lm_head_matmul_params) * batch
         attention = self.attn_flops_per_token_layer * kv_token_layers(self.spec, context) * batch
@@ -181,7 +181,7 @@ class Roofline:
             + 2 * w.lm_head_matmul_params * batch
             + self.prefill_attn_flops_per_pair * pairs * batch
         )
-        kv_write = batch * kv_bytes_per_sequence(s, prompt_len, self.kv) * self.kv_fraction
+        kv_write = batch * kv_bytes_per_sequence(s, prompt_len, self.kv, held=False) * self.kv_fraction
         return self._times(
             tokens, self.weight_bytes_per_card(tokens) + kv_write, flops / self.tp, allreduce_rows=tokens
         )

@@ -104,7 +104,8 @@ class ModelRunner:
         )
         self.block_size = config.cache.block_size
         # KV cache groups (scheduler_output.KVCacheGroup): a block id is a page of every group's cache, the i-th
-        # layer of each group in the i-th tensor, so the tensors are as many as the largest group's layers.
+        # layer of each group in the i-th tensor, so the tensors are as many as the largest group's layers (the
+        # kinds of layers are cut into groups of equal size where their counts differ: kv_cache_groups).
         # (KV compression: the full layers grouped further by what they keep, kv_compression.layer_key)
         keys = None
         if self.kv_compression is not None:
@@ -553,7 +554,8 @@ class ModelRunner:
             per_group = [(e[0], e[1], e[2], e[3][g], e[4][g] if len(e) > 4 else 0) for e in entries]
             input_ids, positions, meta, last_rows = self._prepare(per_group)
             metas.append(meta)
-        if self.press is not None:  # full layers in more than one group: found by layer
+        windows = [g.window for g in self.kv_groups]
+        if self.press is not None or len(set(windows)) < len(windows):  # a window in more than one group: by layer
             metas[0].by_layer = [metas[g] for g in self._group_of_layer]
         else:
             metas[0].by_window = {w: metas[g] for w, g in self._group_of_window.items()}

@@ -36,16 +36,19 @@ class _EngineCollector:
         )
         by_group = GaugeMetricFamily(
             "infertune_kv_blocks_used_by_group",
-            "KV-cache blocks held in each layer group (full attention, each sliding window: its own block tables)",
+            "KV-cache blocks held in each kind of layer group (full attention, each sliding window: its own block "
+            "tables; a kind cut into several equal groups sums their blocks)",
             labels=["group"],
         )
         tokens = GaugeMetricFamily(
             "infertune_kv_tokens_by_group", "Tokens of KV held in each layer group", labels=["group"]
         )
         int4 = s.get("kv_int4_blocks") or [0] * len(s.get("kv_groups", ()))
-        for (label, blocks), packed in zip(s.get("kv_groups", ()), int4):
+        counts = s.get("kv_group_counts") or [1] * len(s.get("kv_groups", ()))
+        for (label, blocks), packed, n in zip(s.get("kv_groups", ()), int4, counts):
             by_group.add_metric([label], blocks)
-            tokens.add_metric([label], (blocks + packed) * s["kv_block_size"])  # (an int4 block: two blocks' tokens)
+            # (an int4 block: two blocks' tokens; a kind cut into n equal groups holds its tokens in each)
+            tokens.add_metric([label], (blocks + packed) * s["kv_block_size"] // n)
         yield by_group
         yield tokens
         yield CounterMetricFamily(
