@@ -267,3 +267,32 @@ def test_a_sequence_is_packed_only_once_its_press_ran():
     assert bm.blocks_in_use(seq) == [3]
     bm.free(seq)
     assert bm.num_free_blocks == 64 and bm.int4_blocks_by_group == [0]
+
+
+def test_the_int4_tier_packs_each_full_group_of_a_cut_model(tmp_path, monkeypatch):
+    """A Qwen2 with 4 full and 2 windowed layers (window 8) is 3 KV cache groups of 2 layers, two of them full: the
+    int4 tier packs each full group's old blocks (and none of the windowed group's), the fused step as close to HF as
+    the per-module path on the packed cache (test_sliding_window._fused_against_per_module)."""
+    from conftest import hf_model
+    from test_sliding_window import _fused_against_per_module
+
+    from infertune.engine.kv_cache_coordinator import KVCacheCoordinator
+
+    path = make_checkpoint(
+        tmp_path / "q",
+        "qwen2",
+        std=0.2,
+        num_hidden_layers=6,
+        use_sliding_window=True,
+        sliding_window=8,
+        max_window_layers=4,
+        max_position_embeddings=512,
+    )
+    hf = hf_model(path)
+    packs = []
+    pack = KVCacheCoordinator.pack_int4
+    monkeypatch.setattr(KVCacheCoordinator, "pack_int4", lambda self, seq: packs.extend(p := pack(self, seq)) or p)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 200, (n,), generator=g).tolist() for n in (30, 9, 17)]
+    _fused_against_per_module(path, hf, prompts, 3, kv_cache_dtype="int8", kv_int4_after=8)
+    assert {p[0] for p in packs} == {0, 1}  # (group, first, second, dst): both full groups, never the window's
