@@ -352,6 +352,56 @@ def test_logprobs_match_hf_transformers(llm, tiny_llama, k, sp_kw):
                 assert lp.top[0][0] == tok and abs(lp.top[0][1] - lp.logprob) < 1e-6
 
 
+def _rank_bounds(row: torch.Tensor, tok: int, tol: float = 1e-4) -> tuple[int, int]:
+    """1 + the tokens more likely than tok in the oracle's row, counting those within tol of it or not."""
+    return int((row > row[tok] + tol).sum()) + 1, int((row > row[tok] - tol).sum())
+
+
+def test_logprobs_read_as_vllms_dicts(llm, tiny_llama):
+    """Code written for vLLM's offline API (`output.logprobs[i]` a dict token id -> Logprob(logprob, rank,
+    decoded_token)) runs unchanged: each position's dict holds the top k and the sampled token, each entry's logprob
+    and rank as HF transformers' fp32 log_softmax has them (rank = 1 + the tokens more likely), decoded_token the
+    tokenizer's text; prompt_logprobs the same shape. Pickled (a worker process's outputs) the entries keep their
+    values."""
+    import pickle
+
+    sp = SamplingParams(max_tokens=10, ignore_eos=True, logprobs=3, prompt_logprobs=2, temperature=1.0, seed=5)
+    out = llm.generate(["The quick brown fox"], sp)[0]
+    model = hf_model(tiny_llama)
+    ids = out.prompt_token_ids + out.outputs[0].token_ids
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    p = len(out.prompt_token_ids)
+    outside = 0
+    for j, (tok, pos) in enumerate(zip(out.outputs[0].token_ids, out.outputs[0].logprobs)):
+        row = ref[p - 1 + j]
+        assert set(pos) == {t for t, _ in pos.top} | {tok} and len(pos) in (3, 4)
+        assert abs(pos[tok].logprob - row[tok].item()) < 1e-4
+        assert pos[tok].rank == pos.rank and _rank_bounds(row, tok)[0] <= pos.rank <= _rank_bounds(row, tok)[1]
+        assert pos[tok].decoded_token == llm.get_tokenizer().decode([tok])
+        for i, t in enumerate(row.topk(3).indices.tolist()):
+            assert pos[t].rank == i + 1 and abs(pos[t].logprob - row[t].item()) < 1e-4
+        outside += tok not in dict(pos.top)
+    assert outside > 0  # (sampled at temperature 1: some token outside the top 3, its rank computed, not its place)
+    plp = out.prompt_logprobs
+    assert plp[0] is None
+    for q in range(1, p):
+        t = out.prompt_token_ids[q]
+        assert abs(plp[q][t].logprob - ref[q - 1, t].item()) < 1e-4
+        lo, hi = _rank_bounds(ref[q - 1], t)
+        assert lo <= plp[q][t].rank <= hi
+    back = pickle.loads(pickle.dumps(out.outputs[0].logprobs))
+    assert back == out.outputs[0].logprobs
+    assert all(
+        b[t].logprob == a[t].logprob and b[t].rank == a[t].rank
+        for a, b in zip(out.outputs[0].logprobs, back)
+        for t in a
+    )
+    # vLLM's idiom: the chosen token's logprob at each position
+    chosen = [pos[tok].logprob for tok, pos in zip(out.outputs[0].token_ids, out.outputs[0].logprobs)]
+    assert chosen == [pos.logprob for pos in out.outputs[0].logprobs]
+
+
 def test_logprobs_zero_and_none(llm):
     out = llm.generate("hello", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0))[0].outputs[0]
     assert len(out.logprobs) == 4

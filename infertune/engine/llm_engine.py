@@ -79,6 +79,7 @@ class LLMEngine:
         self.kv_connector = scheduler_connector(config, self.executor.kv_cache_info)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.kv_connector)
         self.num_prefill_tokens = 0  # prompt tokens computed here (not loaded from a producer nor prefix-cached)
+        self.num_generation_tokens = 0  # output tokens made, of every request (those aborted later included)
         groups = self.executor.kv_cache_info.groups
         self._kv_group_labels = [group_label(g) for g in groups or [KVCacheGroup(None, ())]]
         self._kv_group_labels_once = list(dict.fromkeys(self._kv_group_labels))
@@ -427,8 +428,9 @@ class LLMEngine:
             req = self.requests.get(seq.request_id)
             if scored is not None and req is not None and req.prompt_logprobs is not None:
                 first, entries = scored  # (a recomputed prefill scores the same tokens again: overwrite them)
-                for j, (value, top) in enumerate(entries):
-                    req.prompt_logprobs[first + j] = Logprob(req.prompt_token_ids[first + j], value, top)
+                for j, (value, top, *rank) in enumerate(entries):
+                    token = req.prompt_token_ids[first + j]
+                    req.prompt_logprobs[first + j] = Logprob(token, value, top, *rank, decode=self._decode_one)
         for seq, new, lp in zip(batch.seqs, batch.new_token_ids, out.logprobs):
             req = self.requests.get(seq.request_id)
             if not new or req is None:
@@ -453,13 +455,19 @@ class LLMEngine:
             outputs.append(self._output(req, done))
         return outputs
 
+    def _decode_one(self, token: int) -> str:
+        """One token's text, as the server's logprobs show it (Logprob's decoded_token, on first access)."""
+        return self.tokenizer.decode([token])
+
     def _on_new_token(self, sample: _Sample, token: int, lp, params: SamplingParams, last: bool = True) -> None:
         """One token of the output, in order; `last`: the last one this step gave (only it can have finished seq)."""
         if sample.discard:
             return
         sample.num_tokens += 1
+        self.num_generation_tokens += 1
         if sample.logprobs is not None and lp is not None:
-            sample.logprobs.append(Logprob(token, lp[0], lp[1]))
+            decode = self._decode_one if sample.detok is not None else None  # (detokenize=False: ids only)
+            sample.logprobs.append(Logprob(token, lp[0], lp[1], lp[2] if len(lp) > 2 else None, decode))
         if sample.detok is None:  # detokenize=False: ids only (and no stop strings: the params refuse them)
             return
         seq = sample.seq
@@ -613,6 +621,7 @@ class LLMEngine:
             "spec_decode_num_draft_tokens": self.scheduler.num_draft_tokens,
             "spec_decode_num_accepted_tokens": self.scheduler.num_accepted_tokens,
             "prefill_tokens_computed": self.num_prefill_tokens,
+            "generation_tokens": self.num_generation_tokens,
             # name -> (value, kind, help) of the KV connector's counters (prefill/decode disaggregation)
             "kv_transfer": self.kv_connector.stats() if self.kv_connector is not None else {},
         }

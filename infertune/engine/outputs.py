@@ -2,15 +2,63 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
-@dataclass(slots=True)
-class Logprob:
-    token_id: int
-    logprob: float
-    # The top-k alternatives at this step, best first (the sampled token may or may not be among them).
-    top: list[tuple[int, float]] = field(default_factory=list)
+class TokenLogprob:
+    """One token's entry in a position's logprobs (vLLM's `Logprob`): its logprob, its rank in the vocabulary (1: the
+    most likely; None where the engine did not compute it) and its text (decoded on first access)."""
+
+    __slots__ = ("logprob", "rank", "_token_id", "_decode", "_text")
+
+    def __init__(self, logprob: float, rank: int | None, token_id: int, decode=None) -> None:
+        self.logprob, self.rank, self._token_id, self._decode, self._text = logprob, rank, token_id, decode, None
+
+    @property
+    def decoded_token(self) -> str | None:
+        if self._text is None and self._decode is not None:
+            self._text = self._decode(self._token_id)
+        return self._text
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, TokenLogprob) and (self.logprob, self.rank) == (other.logprob, other.rank)
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return f"Logprob(logprob={self.logprob!r}, rank={self.rank!r}, decoded_token={self.decoded_token!r})"
+
+
+class Logprob(dict):
+    """The logprobs of one position of an output (or a prompt): the chosen token's (`token_id`, `logprob`, `rank`)
+    and the `top` k alternatives, best first ([(token, logprob)]; the chosen token may or may not be among them).
+    It is also vLLM's shape, a dict token id -> TokenLogprob (logprob, rank, decoded_token) holding the top k and the
+    chosen token, so code written for vLLM's `output.logprobs[i][token_id].logprob` runs unchanged. decode: a
+    function token id -> text for decoded_token (the engine's tokenizer; None: decoded_token is None)."""
+
+    __slots__ = ("token_id", "logprob", "top", "rank")
+
+    def __init__(self, token_id: int, logprob: float, top=(), rank: int | None = None, decode=None) -> None:
+        self.token_id, self.logprob, self.top, self.rank = token_id, logprob, list(top), rank
+        super().__init__((t, TokenLogprob(v, i + 1, t, decode)) for i, (t, v) in enumerate(self.top))
+        if token_id not in self:
+            self[token_id] = TokenLogprob(logprob, rank, token_id, decode)
+        elif rank is None:
+            self.rank = self[token_id].rank
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, Logprob):
+            return dict.__eq__(self, other)
+        key = (self.token_id, self.logprob, self.top, self.rank)
+        return key == (other.token_id, other.logprob, other.top, other.rank)
+
+    __hash__ = None
+
+    def __reduce__(self):  # (pickled without the decoder: decoded_token is None on the other side)
+        return (Logprob, (self.token_id, self.logprob, self.top, self.rank))
+
+    def __repr__(self) -> str:
+        return f"Logprob(token_id={self.token_id!r}, logprob={self.logprob!r}, top={self.top!r}, rank={self.rank!r})"
 
 
 @dataclass(slots=True)

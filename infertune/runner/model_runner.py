@@ -456,18 +456,21 @@ class ModelRunner:
     SCORE_CHUNK_ROWS = 256
 
     def _score_rows(self, hidden: torch.Tensor, rows: list[int], targets: list[int], k: int) -> list:
-        """Per row: (logprob of its target token, its top-k (token, logprob)), over the full vocabulary in fp32."""
+        """Per row: (logprob of its target token, its top-k (token, logprob), the target's rank: 1 + the tokens more
+        likely), over the full vocabulary in fp32."""
         out = []
         for s in range(0, len(rows), self.SCORE_CHUNK_ROWS):
             idx = self._tensor(rows[s : s + self.SCORE_CHUNK_ROWS])
             logp = torch.log_softmax(self.model.compute_logits(hidden[idx]), dim=-1)
-            chosen = logp.gather(1, self._tensor(targets[s : s + len(idx)]).unsqueeze(1)).squeeze(1).tolist()
+            chosen_t = logp.gather(1, self._tensor(targets[s : s + len(idx)]).unsqueeze(1))
+            ranks = ((logp > chosen_t).sum(1) + 1).tolist()
+            chosen = chosen_t.squeeze(1).tolist()
             if k:
                 vals, ids = logp.topk(k, dim=-1)
                 tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
             else:
                 tops = [[] for _ in chosen]
-            out.extend(zip(chosen, tops))
+            out.extend(zip(chosen, tops, ranks))
         return out
 
     @staticmethod

@@ -48,7 +48,8 @@ class SampleRequest:
 @dataclass(slots=True)
 class SamplerOutput:
     token_ids: list[int]
-    # Per row, when logprobs were asked for: (logprob of the sampled token, [(token, logprob)] top-k).
+    # Per row, when logprobs were asked for: (logprob of the sampled token, [(token, logprob)] top-k, the sampled
+    # token's rank: 1 + the tokens more likely).
     logprobs: list[tuple[float, list[tuple[int, float]]] | None]
     # Per row, where prompt_logprobs were asked for and the step computed prompt tokens: (index of the first prompt
     # token scored, [(its logprob, top-k)] for it and the ones after it).
@@ -112,13 +113,15 @@ class Sampler:
         token_list = tokens.tolist()  # the step's one host sync
         logprobs: list = [None] * len(rows)
         if raw_logprobs is not None:
-            chosen = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+            chosen_t = raw_logprobs.gather(1, tokens.unsqueeze(1))
+            ranks = ((raw_logprobs > chosen_t).sum(1) + 1).tolist()  # (1 + the tokens more likely: vLLM's rank)
+            chosen = chosen_t.squeeze(1).tolist()
             k_max = max(k or 0 for k in want_logprobs)
             top_vals, top_ids = raw_logprobs.topk(max(k_max, 1), dim=-1)
             top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
             for i, k in enumerate(want_logprobs):
                 if k is not None:
-                    logprobs[i] = (chosen[i], list(zip(top_ids[i][:k], top_vals[i][:k])))
+                    logprobs[i] = (chosen[i], list(zip(top_ids[i][:k], top_vals[i][:k])), ranks[i])
         return SamplerOutput(token_list, logprobs)
 
     def _sample(self, logits, params: list[SamplingParams], rows, greedy: list[bool]) -> torch.Tensor:

@@ -78,6 +78,11 @@ class _EngineCollector:
             s["spec_decode_num_accepted_tokens"],
         )
         yield CounterMetricFamily(
+            "infertune_generation_tokens",
+            "Output tokens generated, counted as each step makes them (those of requests aborted later included)",
+            s.get("generation_tokens", 0),
+        )
+        yield CounterMetricFamily(
             "infertune_prefill_tokens_computed",
             "Prompt tokens computed here (not served by the prefix cache nor loaded from a prefill instance)",
             s.get("prefill_tokens_computed", 0),
@@ -117,11 +122,6 @@ class ServerMetrics:
         self.registry.register(_EngineCollector(engine))
         r = self.registry
         self.prompt_tokens = Counter("infertune_prompt_tokens", "Prompt tokens of finished requests", registry=r)
-        self.generation_tokens = Counter(
-            "infertune_generation_tokens",
-            "Generated tokens of finished requests (aborted ones not counted)",
-            registry=r,
-        )
         self.rejected = Counter(
             "infertune_requests_rejected",
             "Requests refused, by HTTP status and reason",
@@ -152,8 +152,6 @@ class ServerMetrics:
 
     def observe_finished(self, out: RequestOutput) -> None:
         self.prompt_tokens.inc(len(out.prompt_token_ids))
-        for c in out.outputs:
-            self.generation_tokens.inc(len(c.token_ids))
         m = out.metrics
         if m is not None and m.queue_time is not None:
             self.queue_time.observe(m.queue_time)
