@@ -542,8 +542,11 @@ def test_server_streamed_json_schema(server):
         ({"response_format": {"type": "yaml"}}, 400, "response_format.type"),
         ({"response_format": {"type": "json_schema"}}, 400, "json_schema.schema"),
         ({"guided_regex": "a", "guided_choice": ["a"]}, 400, "one output constraint"),
-        ({"structured_outputs": {"regex": "a", "bogus": 1}}, 400, "bogus"),
+        ({"structured_outputs": {"regex": "a", "bogus": 1}}, 400, "structured_outputs takes ["),
         ({"guided_choice": []}, 400, "choice"),
+        # matches no string: a regex of an empty class, a grammar whose first step allows nothing
+        ({"guided_regex": "[a&&b]"}, 400, "matches no output"),
+        ({"guided_grammar": "start: /[a&&b]/"}, 400, "the grammar matches no output"),
     ],
 )
 def test_server_refuses_what_cannot_be_compiled(server, body, status, says):
@@ -570,3 +573,69 @@ def test_openai_sdk_response_format(server):
     }
     with pytest.raises(openai.BadRequestError, match="minProperties"):
         client.chat.completions.create(model="tiny", messages=MESSAGES, response_format=bad, max_tokens=10)
+
+
+def test_an_unsatisfiable_constraint_is_refused_offline(tiny):
+    """A regex that matches no string gave a 200 with EOS alone reported as "stop"; now a ValueError (400)."""
+    with pytest.raises(ValueError, match="matches no output"):
+        tiny.generate("x", SamplingParams(structured_outputs=_so(regex="[a&&b]")), use_tqdm=False)
+    assert not tiny.engine.has_unfinished_requests()
+
+
+def test_strict_json_schema_allows_only_the_declared_keys(server):
+    """OpenAI's strict mode: an object schema without additionalProperties still gets only its declared keys
+    (vLLM's disable_additional_properties); without strict the model may add keys, as JSON Schema allows.
+    Oracle: jsonschema with additionalProperties false on every object."""
+    open_schema = {"type": "object", "properties": {"a": {"type": "integer", "maximum": 99}}, "required": ["a"]}
+    closed = {**open_schema, "additionalProperties": False}
+    for seed in range(4):
+        rf = {"type": "json_schema", "json_schema": {"name": "s", "schema": open_schema, "strict": True}}
+        r = _chat(server, response_format=rf, temperature=1.0, seed=seed, max_tokens=60)
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "stop", choice
+        jsonschema.validate(json.loads(choice["message"]["content"]), closed)
+    extra = 0
+    for seed in range(4):  # (without strict: the random model writes other keys too, most of the time)
+        rf = {"type": "json_schema", "json_schema": {"name": "s", "schema": open_schema}}
+        r = _chat(server, response_format=rf, temperature=1.0, seed=seed, max_tokens=60)
+        content = r.json()["choices"][0]["message"]["content"]
+        extra += not content.startswith('{"a"') or not content.rstrip().endswith("}") or content.count(":") > 1
+    assert extra > 0
+
+
+def test_tool_choice_that_constrains_and_a_second_constraint_is_a_400(server):
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+    for choice in ("required", {"type": "function", "function": {"name": "f"}}):
+        for extra in ({"guided_regex": "ZZZ"}, {"response_format": {"type": "json_object"}}):
+            r = _chat(server, tools=[tool], tool_choice=choice, **extra)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice", r.text
+            assert "one constraint a request" in r.json()["error"]["message"]
+    r = _chat(server, tools=[tool], tool_choice="none", guided_regex="ZZZ")  # (none: the guided field applies)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "ZZZ"
+    # a malformed tool_choice says each shape it can take, and names the field
+    r = _chat(server, tools=[tool], tool_choice={"type": "function"})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "tool_choice", err
+    assert "'none', 'auto' or 'required'" in err["message"] and "tool_choice.function: Field required" in err["message"]
+    r = _chat(server, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": "x"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
+
+
+def test_a_stream_ends_with_the_stop_reason_of_the_whole_response(server):
+    """The stop string (or token) that ended a choice is the last streamed chunk's stop_reason, as the non-streamed
+    response's (vLLM's stream choices; null before the finish)."""
+    body = {"prompt": "ab", "max_tokens": 30, "temperature": 0, "stop": ["a", "b", "c", "d", "e"]}
+    whole = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+    for path, extra in (("/v1/completions", {}), ("/v1/chat/completions", {"messages": MESSAGES})):
+        req = {**body, **extra, "stream": True}
+        if extra:
+            req.pop("prompt")
+        with httpx.stream("POST", server.url + path, json=req, timeout=60) as r:
+            chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: ") and x != "data: [DONE]"]
+        choices = [c["choices"][0] for c in chunks if c["choices"]]
+        assert all(c["stop_reason"] is None for c in choices[:-1])
+        final = choices[-1]
+        if not extra:
+            assert (final["finish_reason"], final["stop_reason"]) == (whole["finish_reason"], whole["stop_reason"])
+        plain = httpx.post(server.url + path, json={**req, "stream": False}, timeout=60).json()["choices"][0]
+        assert final["stop_reason"] == plain["stop_reason"] and final["finish_reason"] == plain["finish_reason"]

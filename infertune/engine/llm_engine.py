@@ -84,7 +84,10 @@ class LLMEngine:
         self._kv_group_labels = [group_label(g) for g in groups or [KVCacheGroup(None, ())]]
         self._kv_group_labels_once = list(dict.fromkeys(self._kv_group_labels))
         self.eos_token_ids = self._eos_token_ids()
-        self.grammars = GrammarCompiler(self.eos_token_ids)  # structured output: compiled once per schema (LRU)
+        # structured output: compiled once per schema (LRU), each new one's first step tried on the tokenizer
+        self.grammars = GrammarCompiler(
+            self.eos_token_ids, tokenizer_path=config.model.tokenizer, vocab_size=config.model.arch.vocab_size
+        )
         self.requests: dict[str, _Request] = {}
         self.num_steps = 0
         log.info("%s", self.describe_kv_cache())

@@ -89,7 +89,7 @@ def compile_grammar(so: StructuredOutputsParams) -> str:
             if isinstance(schema, str):
                 schema = json.loads(schema)
             if so.disable_additional_properties and isinstance(schema, dict):
-                schema = _no_additional_properties(schema)
+                schema = no_additional_properties(schema)
             options: dict = {"whitespace_flexible": not so.disable_any_whitespace}
             if so.whitespace_pattern is not None:
                 options["whitespace_pattern"] = so.whitespace_pattern
@@ -119,7 +119,7 @@ _NAMES = {
 }
 
 
-def _no_additional_properties(schema: dict) -> dict:
+def no_additional_properties(schema: dict) -> dict:
     """A copy of schema where every object schema without "additionalProperties" gets false (vLLM's option)."""
 
     def walk(node):
@@ -139,9 +139,15 @@ class GrammarCompiler:
     """The engine's side: StructuredOutputsParams -> GrammarSpec, compiled once per schema (LRU, thread-safe: the
     server compiles off the event loop, the engine thread then finds it cached)."""
 
-    def __init__(self, eos_token_ids, size: int = CACHE_SIZE) -> None:
+    def __init__(
+        self, eos_token_ids, size: int = CACHE_SIZE, tokenizer_path: str | None = None, vocab_size: int = 0
+    ) -> None:
+        """tokenizer_path (a folder with tokenizer.json) and vocab_size: each new grammar's first step is tried
+        against the tokenizer, so one that allows no token at all (a regex of an empty class, a grammar that
+        contradicts itself) is a ParamError at compile time; without them, only the grammar's own validation."""
         self.eos_token_ids = tuple(sorted(int(t) for t in eos_token_ids))
         self.cache = _LRU(size)
+        self.tokenizer_path, self.vocab_size = tokenizer_path, vocab_size
 
     def spec(self, params: SamplingParams) -> GrammarSpec | None:
         return None if params.structured_outputs is None else self.compile(params.structured_outputs)
@@ -151,8 +157,22 @@ class GrammarCompiler:
         spec = self.cache.get(key)
         if spec is None:
             spec = GrammarSpec(key, compile_grammar(so), self.eos_token_ids)
+            self._check_first_step(spec, so.kind)
             self.cache.put(key, spec)
         return spec
+
+    def _check_first_step(self, spec: GrammarSpec, kind: str) -> None:
+        """A grammar whose matcher errs or allows no token (EOS included) before the first token matches no
+        string: the request is refused (else the output would be EOS alone, or nothing valid, as a normal stop)."""
+        if self.tokenizer_path is None or not (Path(self.tokenizer_path) / "tokenizer.json").is_file():
+            return
+        from llguidance import LLMatcher
+
+        matcher = LLMatcher(ll_tokenizer(self.tokenizer_path, self.vocab_size, spec.eos_token_ids), spec.grammar, log_level=0)
+        allowed = 0 if matcher.is_error() else sum(bin(b).count("1") for b in matcher.compute_bitmask())
+        if matcher.is_error() or allowed == 0:
+            reason = matcher.get_error().splitlines()[0] if matcher.is_error() else "no token can start it"
+            raise _bad(f"the {_NAMES[kind]} matches no output ({reason}): it can never be satisfied")
 
 
 # ---- the worker's side ----------------------------------------------------------------------------------------------

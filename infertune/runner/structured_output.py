@@ -130,10 +130,13 @@ class StructuredOutputs:
             self._executor = llguidance.LLExecutor(max(1, min(4, os.cpu_count() or 1)))
         n, w = bitmask.shape
         self._executor.unsafe_compute_mask_ptr(matchers, bitmask.data_ptr(), w * 4, n)
-        # A matcher in an error state (it cannot happen unless a grammar failed in the worker) allows nothing: end it.
+        # A matcher that allows nothing (in an error state, or a grammar with no way to go on: the compiler refuses
+        # those that cannot start) ends its row with EOS, said in the log (its output does not complete the grammar).
         empty = (bitmask == 0).all(dim=1)
         if bool(empty.any()):
             for k in empty.nonzero().flatten().tolist():
+                why = matchers[k][0].get_error() if matchers[k][0].is_error() else "no token can continue it"
+                log.warning("structured output: the grammar allows no next token (%s); the output ends here", why)
                 for t in eos[k]:
                     bitmask[k, t // 32] |= _bit(t % 32)
 

@@ -165,6 +165,13 @@ def create_app(
     return app
 
 
+def _field_path(error: dict) -> str:
+    """A validation error's place in the body as a dotted path of field names and indexes: pydantic's union member
+    tags ("literal['none','auto']", "NamedToolChoice", "dict[any,any]", "bool") and "body" left out."""
+    keep = [str(x) for x in error.get("loc", ()) if isinstance(x, int) or (x != "body" and str(x).isidentifier())]
+    return ".".join(k for k in keep if not k[:1].isupper())
+
+
 async def _on_http_error(request: Request, err: StarletteHTTPException):
     type_ = "not_found_error" if err.status_code == 404 else "invalid_request_error"
     return _error(APIError(err.status_code, str(err.detail), type_))
@@ -222,13 +229,17 @@ class APIServer:
         return _error(err)
 
     async def on_validation_error(self, request: Request, err: RequestValidationError):
-        first = err.errors()[0] if err.errors() else {}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        errors = err.errors()
+        first = errors[0] if errors else {}
         if first.get("type") == "json_invalid":
             return _error(APIError(400, "the request body is not valid JSON"))
-        param = ".".join(loc) or None
+        # A field that takes one of several shapes (tool_choice: a string or a named function) fails once a shape:
+        # each is said, and the param is the field's path without pydantic's shape tags ("literal[...]", "bool")
+        field = _field_path(first)
+        said = [e for e in errors if _field_path(e).split(".")[0] == field.split(".")[0]][:3]
+        message = "; or ".join(f"{_field_path(e) or 'body'}: {e.get('msg', 'invalid value')}" for e in said)
         self.metrics.refuse(400, "invalid_request")
-        return _error(APIError(400, f"{param or 'body'}: {first.get('msg', 'invalid value')}", param=param))
+        return _error(APIError(400, message, param=field.split(".")[0] if len(said) > 1 else field or None))
 
     async def check_api_key(self, request: Request, call_next):
         if self.api_key and request.url.path.startswith("/v1/"):
@@ -432,7 +443,7 @@ class APIServer:
                         for chunk in fmt.tool_chunks(index, c, lp, first):
                             yield sse(chunk)
                     elif delta or first or c.finish_reason or (lp and c.logprobs[lp_start:]):
-                        yield sse(fmt.chunk(index, delta, c.finish_reason, lp, first=first))
+                        yield sse(fmt.chunk(index, delta, c.finish_reason, lp, first=first, stop_reason=c.stop_reason))
                     sent_text[index] = len(c.text)
                     sent_logprobs[index] = len(c.logprobs or [])
                 if out.finished:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import replace
 from typing import Annotated, Literal
@@ -123,7 +124,9 @@ class _StructuredFields(BaseModel):
                 raise APIError(
                     400, "response_format of type json_schema needs json_schema.schema", param="response_format"
                 )
-            asked.append(("response_format", {"json": rf.json_schema.schema_}))
+            # (strict: only the declared keys, as OpenAI's strict mode; vLLM's disable_additional_properties)
+            strict = {"disable_additional_properties": True} if rf.json_schema.strict else {}
+            asked.append(("response_format", {"json": rf.json_schema.schema_, **strict}))
         for name, key in (
             ("guided_json", "json"),
             ("guided_regex", "regex"),
@@ -145,9 +148,13 @@ class _StructuredFields(BaseModel):
         name, fields = asked[0]
         if self.guided_whitespace_pattern is not None:
             fields.setdefault("whitespace_pattern", self.guided_whitespace_pattern)
+        known = {f.name for f in dataclasses.fields(StructuredOutputsParams)}
+        unknown = sorted(set(fields) - known)
+        if unknown:  # (an unknown key in structured_outputs)
+            raise APIError(400, f"{name} takes {sorted(known)}, not {unknown}", param=name)
         try:
             return StructuredOutputsParams(**fields)
-        except TypeError as e:  # an unknown key in structured_outputs
+        except TypeError as e:
             raise APIError(400, f"{name}: {e}", param=name) from None
         except ValueError as e:
             raise APIError(400, f"{name}: {e}", param=name) from None

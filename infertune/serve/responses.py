@@ -116,14 +116,23 @@ class Formatter:
         return body
 
     def chunk(
-        self, index: int, text: str, finish_reason: str | None, logprobs: dict | None = None, first: bool = False
+        self,
+        index: int,
+        text: str,
+        finish_reason: str | None,
+        logprobs: dict | None = None,
+        first: bool = False,
+        stop_reason: str | int | None = None,
     ) -> dict:
+        """One streamed choice; stop_reason (the stop string or token that ended it, as the whole response's) goes
+        with the finish, null before it (vLLM's stream choices)."""
+        stop_reason = stop_reason if finish_reason is not None else None
         if self.chat:
             delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-            return self._envelope("chat.completion.chunk", [choice])
+            return self._envelope("chat.completion.chunk", [{**choice, "stop_reason": stop_reason}])
         choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-        return self._envelope("text_completion", [choice])
+        return self._envelope("text_completion", [{**choice, "stop_reason": stop_reason}])
 
     def usage_chunk(self, outputs: list[RequestOutput]) -> dict:
         return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [], usage(outputs))

@@ -19,6 +19,7 @@ import dataclasses
 import logging
 
 from infertune.engine.outputs import CompletionOutput
+from infertune.runner.grammar import no_additional_properties
 from infertune.sampling_params import SamplingParams
 from infertune.serve.protocol import APIError
 from infertune.serve.responses import Formatter
@@ -55,8 +56,11 @@ def named_schema(tools: list[dict], name: str) -> dict:
 
 
 def _parameters(function: dict) -> dict:
+    """A function's arguments schema; with "strict": true every object in it closed to undeclared keys (OpenAI's
+    strict mode: only the declared keys) where it does not say otherwise."""
     params = function.get("parameters")
-    return params if isinstance(params, dict) and params else {"type": "object"}
+    params = params if isinstance(params, dict) and params else {"type": "object"}
+    return no_additional_properties(params) if function.get("strict") else params
 
 
 def _find(tools: list[dict], name: str) -> dict:
@@ -144,6 +148,14 @@ class ToolPlan:
         if self.choice == "auto":
             return dataclasses.replace(params, skip_special_tokens=False)
         if self.choice in ("required", "named"):
+            if params.structured_outputs is not None:  # (one constraint a request, as two guided_* fields)
+                choice = "a named function" if self.choice == "named" else '"required"'
+                raise APIError(
+                    400,
+                    f"tool_choice {choice} constrains the output to the tool calls' JSON; the request also asks for "
+                    "response_format, guided_* or structured_outputs: one constraint a request, drop one of them",
+                    param="tool_choice",
+                )
             schema = (
                 required_schema(self.tools, self.parallel)
                 if self.choice == "required"
@@ -280,6 +292,12 @@ class ToolFormatter(Formatter):
         for k, delta in enumerate(deltas):
             last = k == len(deltas) - 1
             finish = stream.finish_reason(c.finish_reason) if last and c.finish_reason is not None else None
-            choice = {"index": index, "delta": delta, "logprobs": logprobs if k == 0 else None, "finish_reason": finish}
+            choice = {
+                "index": index,
+                "delta": delta,
+                "logprobs": logprobs if k == 0 else None,
+                "finish_reason": finish,
+                "stop_reason": c.stop_reason if finish is not None else None,
+            }
             chunks.append(self._envelope("chat.completion.chunk", [choice]))
         return chunks
