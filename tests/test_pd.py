@@ -422,6 +422,20 @@ def test_router_with_one_prefill_and_one_decode_gives_one_servers_outputs(tiny_l
         bad = httpx.post(router.url + "/v1/completions", json={"prompt": "x", "temperature": -1})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "temperature"
         assert "infertune_router_requests_total" in httpx.get(router.url + "/metrics").text
+        # parameters only the decode side sees (the prefill step asks for one token, one sample, no logprobs): its
+        # 400 comes back, and the producer's lease on the prompt's blocks ends at once, not after lease_s (30 s)
+        granted = metric(p.url, "infertune_kv_transfer_granted_total")
+        for extra in ({"logprobs": 21}, {"n": 100000}, {"best_of": 2}, {"stream_options": {"include_usage": True}}):
+            body = {"prompt": "a prompt of a few blocks", "max_tokens": 4, **extra}
+            r = httpx.post(router.url + "/v1/completions", json=body, timeout=30)
+            assert r.status_code == 400, (extra, r.text)
+        assert metric(p.url, "infertune_kv_transfer_granted_total") == granted + 4  # (each prefill ran and leased)
+        assert wait_until(lambda: metric(p.url, "infertune_kv_blocks_used") == 0, 5)
+        assert metric(p.url, "infertune_kv_transfer_leases_held") == 0
+        # the release route takes only this producer's own leases, and is a producer's only
+        r = httpx.post(p.url + "/kv_transfer/release", json={"transfer_id": "../../etc/passwd"})
+        assert r.status_code == 202 and httpx.post(d.url + "/kv_transfer/release", json={}).status_code == 404
+        assert httpx.post(p.url + "/kv_transfer/release", json={"id": 1}).status_code == 400
 
 
 def test_prompts_sharing_a_prefix_go_to_the_prefill_instance_that_holds_it(tiny_llama, tmp_path, reference):
@@ -760,3 +774,29 @@ def test_the_router_names_instances_that_do_not_fit_their_place(tiny_llama, tmp_
             "kv_cache_dtype: this consumer has 'int8', the producer",
         ):
             Router(prefill=[p.url], decode=[d.url]).check_instances()
+
+
+def test_the_layouts_model_is_its_config_values_and_its_weights(tmp_path):
+    """Two engines exchange KV only for the same model: a checkpoint with the same config.json and other weights
+    (another seed) is another model (its KV would be silently wrong), where a byte-for-byte copy of the weights whose
+    config.json was rewritten (another transformers version, other indentation) is the same one."""
+    import json
+    import shutil
+
+    from conftest import make_checkpoint
+
+    from infertune.kv_transfer import _model_identity
+    from infertune.kv_transfer.base import layout_mismatch
+
+    a = make_checkpoint(tmp_path / "a", "llama")
+    b = make_checkpoint(tmp_path / "b", "llama", seed=1)
+    copy = tmp_path / "copy"
+    shutil.copytree(a, copy)
+    cfg = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**cfg, "transformers_version": "9.9.9"}, indent=4, sort_keys=True))
+    assert (a / "config.json").read_text() != (copy / "config.json").read_text()
+    assert _model_identity(str(a)) == _model_identity(str(copy))
+    ida, idb = _model_identity(str(a)), _model_identity(str(b))
+    assert ida.split(", ")[0] == idb.split(", ")[0] and ida.split(", ")[1] != idb.split(", ")[1]  # (weights differ)
+    bad = layout_mismatch({**LAYOUT, "model": idb}, {**LAYOUT, "model": ida}, "consumer", "producer")
+    assert len(bad) == 1 and "weights" in bad[0]

@@ -191,6 +191,10 @@ def test_router_with_a_p2p_producer_process_then_its_death(copies, tiny_llama):
         assert wait_until(lambda: metric(p.url, "infertune_kv_blocks_used") == 0, 10)
         assert metric(p.url, "infertune_kv_transfer_leases_confirmed_total") == len(requests)
         assert metric(d.url, "infertune_kv_blocks_used") == 0
+        # a request only the decode side refuses: its 400, and the producer's lease ends at once (its store key)
+        r = httpx.post(router.url + "/v1/completions", json={"prompt": "abc", "max_tokens": 4, "best_of": 2})
+        assert r.status_code == 400 and metric(p.url, "infertune_kv_transfer_granted_total") == len(requests) + 1
+        assert wait_until(lambda: metric(p.url, "infertune_kv_blocks_used") == 0, 5)
 
         # leases the producer holds when it dies
         path, body = requests[0]

@@ -126,6 +126,7 @@ class AsyncLLMEngine:
         )
         self._inbox: list[_Submission] = []
         self._aborts: list[str] = []
+        self._releases: list[str] = []  # producer leases to end (release_kv_transfer)
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._mailboxes: dict[str, _Mailbox] = {}
@@ -237,6 +238,12 @@ class AsyncLLMEngine:
             self._aborts.append(request_id)
         self._wake.set()
 
+    def release_kv_transfer(self, transfer_id: str) -> None:
+        """End a producer's lease on the engine thread (LLMEngine.release_kv_transfer), before its next step."""
+        with self._lock:
+            self._releases.append(transfer_id)
+        self._wake.set()
+
     # ---- engine thread ---------------------------------------------------------------------------
     def _run(self) -> None:
         try:
@@ -281,6 +288,9 @@ class AsyncLLMEngine:
         with self._lock:
             inbox, self._inbox = self._inbox, []
             aborts, self._aborts = self._aborts, []
+            releases, self._releases = self._releases, []
+        for transfer_id in releases:
+            self.engine.release_kv_transfer(transfer_id)
         for sub in inbox:  # before the aborts: a submission cancelled while queued is aborted right after
             self._admit(sub)
         for request_id in aborts:

@@ -388,6 +388,14 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def release_kv_transfer(self, transfer_id: str) -> bool:
+        """A producer's lease that no consumer will load (the router saw the decode side refuse the request): its
+        blocks are freed now, not when the lease runs out. False where there is no such lease."""
+        if self.kv_connector is None or not self.kv_connector.release(transfer_id):
+            return False
+        self.scheduler.release_kv_transfers()
+        return True
+
     def poll_kv_transfers(self) -> None:
         """Free the blocks a KV connector released (a producer's confirmed or expired leases); steps do it too, an
         idle server calls this between them."""

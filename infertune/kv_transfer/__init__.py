@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import json
 from pathlib import Path
 
 from infertune.kv_transfer.base import KVConnectorScheduler, KVConnectorSpec, KVConnectorWorker, KVTransferError
@@ -26,13 +27,39 @@ __all__ = [
 ]
 
 
+# config.json keys that say how a checkpoint was written, not what model it is (a copy saved by another
+# transformers version, or from another folder, is the same model)
+_CONFIG_NOISE = {"transformers_version", "_name_or_path", "_commit_hash"}
+_SAMPLE_BYTES = 4096  # bytes of weight data hashed at each of three places of each safetensors file
+
+
 def _model_identity(model_dir: str) -> str:
-    """The checkpoint's config.json, hashed: two engines serve the same model only if it is the same text."""
-    f = Path(model_dir) / "config.json"
+    """What two engines must share to exchange KV: "config <hash>, weights <hash>". The config is config.json's
+    values (not its text: key order, indentation and the keys of _CONFIG_NOISE do not count); the weights are each
+    safetensors file's header (tensor names, dtypes, shapes) and 4 KiB of its data at its start, middle and end, so
+    the same config with other weights (a fine-tune, another seed) differs while reading almost nothing."""
+    folder = Path(model_dir)
     try:
-        return hashlib.sha1(f.read_bytes()).hexdigest()[:16]
-    except OSError:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
         return str(model_dir)
+    if isinstance(config, dict):
+        config = {k: v for k, v in config.items() if k not in _CONFIG_NOISE}
+    config_hash = hashlib.sha1(json.dumps(config, sort_keys=True).encode()).hexdigest()[:12]
+    weights = hashlib.sha1()
+    for f in sorted(folder.glob("*.safetensors")):
+        try:
+            with f.open("rb") as fh:
+                size = f.stat().st_size
+                head = int.from_bytes(fh.read(8), "little")
+                weights.update(fh.read(head))
+                start = 8 + head
+                for at in (start, start + (size - start) // 2, max(start, size - _SAMPLE_BYTES)):
+                    fh.seek(at)
+                    weights.update(fh.read(_SAMPLE_BYTES))
+        except OSError:
+            weights.update(f.name.encode())
+    return f"config {config_hash}, weights {weights.hexdigest()[:12]}"
 
 
 def kv_layout(config, cache_shape: tuple[int, ...], cache_dtype: str, groups) -> dict:

@@ -135,6 +135,12 @@ class KVConnectorScheduler(abc.ABC):
         """Sequences whose delayed blocks may be freed now (confirmed, or their lease expired)."""
         return []
 
+    def release(self, transfer_id: str) -> bool:
+        """A producer's lease nobody will load (the decode side refused the request): end it now, as a consumer's
+        confirm does, so `released` frees its blocks at once instead of when the lease runs out. False where this
+        side holds no such lease (or is no producer)."""
+        return False
+
     def update_finished(self, finished_sending: set[str], finished_recving: set[str]) -> None:
         """What the workers' get_finished reported after a step (rank 0's): req ids whose blocks were sent, or
         received, since the last report (an asynchronous transport frees or admits by it; the built-ins copy

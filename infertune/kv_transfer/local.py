@@ -273,6 +273,17 @@ class LocalConnectorScheduler(KVConnectorScheduler):
     def holds_blocks(self) -> bool:
         return bool(self._leases)
 
+    def release(self, transfer_id: str) -> bool:
+        if transfer_id not in self._leases:  # (only this producer's own leases: never a path from the request)
+            return False
+        self._end_lease(transfer_id)
+        return True
+
+    def _end_lease(self, transfer_id: str) -> None:
+        """Take the lease's mark away, as a consumer's confirm does (released() then frees its blocks)."""
+        with contextlib.suppress(OSError):
+            (self.path / "leases" / f"{self.engine_id}.{transfer_id}").unlink()
+
     def released(self) -> list:
         if not self._leases:
             return []

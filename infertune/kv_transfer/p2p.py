@@ -216,6 +216,10 @@ class P2PConnectorScheduler(LocalConnectorScheduler):
     def _publish_lease(self, transfer_id: str, expires: float) -> None:
         self._own.set(f"lease/{transfer_id}", str(expires))  # a key in the store this producer hosts
 
+    def _end_lease(self, transfer_id: str) -> None:
+        with contextlib.suppress(RuntimeError):
+            self._own.delete_key(f"lease/{transfer_id}")
+
     def _where(self) -> dict:
         return {"host": self.host, "port": self.port}
 

@@ -212,10 +212,22 @@ class Router:
             transfer = await self.prefill_step(path, body, headers, key)
             if isinstance(transfer, Response):
                 return transfer  # the prefill's 4xx: the client's mistake, said once
+            producer = transfer.pop("producer_url", None)
             body = {**body, "kv_transfer_params": transfer}
-        else:
-            self.m_requests.labels(path, "pd_direct" if self.pd else "replica").inc()
+            answer = await self.forward(path, body, headers, key, bool(body.get("stream")))
+            if answer.status_code >= 400 and producer and transfer.get("transfer_id"):
+                # the decode side refused it (a parameter only it checks): nobody will load the prefill's blocks,
+                # so the producer frees them now instead of holding them until the lease runs out
+                await self._release(producer, transfer["transfer_id"])
+            return answer
+        self.m_requests.labels(path, "pd_direct" if self.pd else "replica").inc()
         return await self.forward(path, body, headers, key, bool(body.get("stream")))
+
+    async def _release(self, producer: str, transfer_id: str) -> None:
+        try:
+            await self.client.post(producer + "/kv_transfer/release", json={"transfer_id": transfer_id}, timeout=5.0)
+        except httpx.HTTPError as e:
+            log.warning("could not end the lease of transfer %s at %s: %s", transfer_id, producer, _describe(e))
 
     async def prefill_step(
         self, path: str, body: dict, headers: dict, key: tuple[str, ...] | None = None
@@ -248,7 +260,7 @@ class Router:
                 "no_params",
                 f"prefill instance {inst.url} returned no kv_transfer_params (is it `serve --kv-role producer`?)",
             )
-        return params
+        return {**params, "producer_url": inst.url}  # (where the router ends the lease if the decode side refuses)
 
     def _prefill_failed(self, inst: Instance, kind: str, reason: str) -> dict:
         inst.failures += 1

@@ -168,7 +168,9 @@ class GrammarCompiler:
             return
         from llguidance import LLMatcher
 
-        matcher = LLMatcher(ll_tokenizer(self.tokenizer_path, self.vocab_size, spec.eos_token_ids), spec.grammar, log_level=0)
+        matcher = LLMatcher(
+            ll_tokenizer(self.tokenizer_path, self.vocab_size, spec.eos_token_ids), spec.grammar, log_level=0
+        )
         allowed = 0 if matcher.is_error() else sum(bin(b).count("1") for b in matcher.compute_bitmask())
         if matcher.is_error() or allowed == 0:
             reason = matcher.get_error().splitlines()[0] if matcher.is_error() else "no token can start it"

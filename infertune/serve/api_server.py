@@ -212,6 +212,8 @@ class APIServer:
         )(self.prometheus)
         app.get("/v1/models", responses=error_responses(401))(self.models)
         app.get("/kv_transfer")(self.kv_transfer)  # (what P/D role and KV layout this server has: the router checks it)
+        # (a producer's lease the decode side will not load: the router ends it; not in the OpenAPI schema)
+        app.post("/kv_transfer/release", include_in_schema=False)(self.kv_transfer_release)
         app.post("/v1/completions", responses=STREAMED | _REFUSALS)(self.completions)
         app.post("/v1/chat/completions", responses=STREAMED | _REFUSALS)(self.chat_completions)
         add_tokenizer_routes(app, self)  # /tokenize, /detokenize, /tokenizer_info, /version
@@ -265,6 +267,22 @@ class APIServer:
         if connector is None:
             return {"kv_role": None, "kv_connector": None}
         return connector.describe()
+
+    async def kv_transfer_release(self, request: Request):
+        connector = self.engine.engine.kv_connector
+        if connector is None or connector.role != "producer":
+            return _error(
+                APIError(404, "this server is not a KV producer (serve --kv-role producer)", "not_found_error")
+            )
+        try:
+            body = json.loads(await request.body())
+            transfer_id = body["transfer_id"]
+        except (ValueError, TypeError, KeyError):
+            transfer_id = None
+        if not isinstance(transfer_id, str):
+            return _error(APIError(400, 'send {"transfer_id": "<id from kv_transfer_params>"}', param="transfer_id"))
+        self.engine.release_kv_transfer(transfer_id)  # (the engine thread ends it if it is one of its leases)
+        return JSONResponse({"transfer_id": transfer_id, "queued": True}, status_code=202)
 
     async def prometheus(self):
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
