@@ -186,14 +186,38 @@ def ray_head(monkeypatch):
 
 
 def test_ray_actors_give_the_same_greedy_tokens(ray_head, tiny_llama):
+    """Two ranks, then four on the head's 2 CPUs (they share them, as the mp executor's do: this waited 120 s for a
+    placement of 4 whole CPUs and then raised Ray's own timeout)."""
     prompts = prompts_for(256)
     _, reference = run(tiny_llama, prompts)
-    llm, got = run(tiny_llama, prompts, tensor_parallel_size=2, distributed_executor_backend="ray")
-    try:
-        assert "tensor parallel over 2 Ray actors on 1 node(s)" in llm.engine.executor.describe()
-        assert got == reference
-    finally:
-        llm.engine.shutdown()
+    for size in (2, 4):
+        llm, got = run(tiny_llama, prompts, tensor_parallel_size=size, distributed_executor_backend="ray")
+        try:
+            assert f"tensor parallel over {size} Ray actors on 1 node(s)" in llm.engine.executor.describe()
+            assert got == reference
+        finally:
+            llm.engine.shutdown()
+
+
+def test_ray_without_a_cluster_to_join_is_one_clear_error(monkeypatch):
+    """RAY_ADDRESS naming a port nobody listens on: a RuntimeError at once (Ray itself retried for minutes), and
+    RAY_ADDRESS=auto with no cluster: Ray's ConnectionError said in one line with what to do."""
+    from infertune.executor.ray_executor import init_ray
+    from infertune.executor.worker import free_port
+
+    class NoCluster:
+        def is_initialized(self):
+            return False
+
+        def init(self, **kwargs):
+            raise ConnectionError("Could not find any running Ray instance. Please specify the one to connect to")
+
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{free_port()}")
+    with pytest.raises(RuntimeError, match="no Ray cluster answers there"):
+        init_ray(NoCluster())
+    monkeypatch.setenv("RAY_ADDRESS", "auto")
+    with pytest.raises(RuntimeError, match=r"Ray found no cluster to join \(Could not find any running Ray instance"):
+        init_ray(NoCluster())
 
 
 def _prompt_logprobs(path, **engine) -> list[float]:

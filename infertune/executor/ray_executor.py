@@ -11,6 +11,8 @@ rank, and any failure stops the group. Ranks that share one node sum small activ
 from __future__ import annotations
 
 import logging
+import os
+import socket
 
 from infertune.config import EngineConfig
 from infertune.executor.base import Executor
@@ -91,7 +93,23 @@ def init_ray(ray) -> bool:
     whether this call connected (then the caller's ray.shutdown() disconnects)."""
     if ray.is_initialized():
         return False
-    ray.init(log_to_driver=True, include_dashboard=False)
+    address = os.environ.get("RAY_ADDRESS", "")
+    host, sep, port = address.rpartition(":")
+    if sep and host and port.isdigit() and "://" not in address:  # (Ray itself retries such an address for minutes)
+        try:
+            socket.create_connection((host, int(port)), timeout=5).close()
+        except OSError as e:
+            raise RuntimeError(
+                f"RAY_ADDRESS={address}: no Ray cluster answers there ({e}); start one (`ray start --head`) or unset "
+                "RAY_ADDRESS to start a local one"
+            ) from None
+    try:
+        ray.init(log_to_driver=True, include_dashboard=False)
+    except ConnectionError as e:  # (RAY_ADDRESS=auto with no cluster running here)
+        raise RuntimeError(
+            f"Ray found no cluster to join ({str(e).splitlines()[0]}): start one (`ray start --head`), or unset "
+            "RAY_ADDRESS to start a local one"
+        ) from None
     return True
 
 
@@ -118,11 +136,29 @@ class RayExecutor(Executor):
         )  # a shape that does not split: its error before any actor
         self._ray = ray
         self._connected = init_ray(ray)
-        cpus = int(ray.cluster_resources().get("CPU", 1))
-        per_rank = max(1, cpus // size)
+        total = ray.cluster_resources()
+        cpus = int(total.get("CPU", 1))
+        # a rank a whole share of the cluster's CPUs; more ranks than CPUs share them (as the mp executor's do)
+        per_rank = max(1, cpus // size) if cpus >= size else round(cpus / size, 4)
         bundle, device = rank_bundle(config.device.device, per_rank)
+        short = [f"{k} ({size} x {v} > {total.get(k, 0):g})" for k, v in bundle.items() if size * v > total.get(k, 0)]
+        if short:
+            self._close_ray()
+            raise RuntimeError(
+                f"Ray cannot place {size} ranks of {bundle}: the cluster has too little {', '.join(short)}; lower "
+                "tensor_parallel_size or add nodes"
+            )
         self._pg = placement_group([bundle] * size, strategy="PACK")
-        ray.get(self._pg.ready(), timeout=120)
+        try:
+            ray.get(self._pg.ready(), timeout=120)
+        except ray.exceptions.GetTimeoutError:
+            free = dict(ray.available_resources())
+            ray.util.remove_placement_group(self._pg)
+            self._close_ray()
+            raise RuntimeError(
+                f"Ray could not place {size} ranks of {bundle} within 120 s: other work holds the cluster's "
+                f"resources (free now: {free})"
+            ) from None
         actor = ray.remote(_RankActor)
         self._actors = [
             actor.options(
@@ -191,6 +227,12 @@ class RayExecutor(Executor):
     def comm_stats(self) -> list[dict]:
         """Each rank's step time and collectives since the last call (CommStats.take), rank order."""
         return self._gather([a.comm_stats.remote() for a in self._actors])
+
+    def _close_ray(self) -> None:
+        """Disconnect where this executor connected (a refused start leaves no Ray client behind)."""
+        if self._connected and self._ray.is_initialized():
+            self._ray.shutdown()
+            self._connected = False
 
     def shutdown(self) -> None:
         ray = self._ray
