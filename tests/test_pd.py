@@ -436,6 +436,16 @@ def test_router_with_one_prefill_and_one_decode_gives_one_servers_outputs(tiny_l
         r = httpx.post(p.url + "/kv_transfer/release", json={"transfer_id": "../../etc/passwd"})
         assert r.status_code == 202 and httpx.post(d.url + "/kv_transfer/release", json={}).status_code == 404
         assert httpx.post(p.url + "/kv_transfer/release", json={"id": 1}).status_code == 400
+        # a prefill for remote decode answers one transfer: several prompts, n > 1 or a stream would lease blocks
+        # that no answer names (they were held for lease_s); now a 400 before anything runs
+        granted = metric(p.url, "infertune_kv_transfer_granted_total")
+        remote = {"kv_transfer_params": {"do_remote_decode": True}, "max_tokens": 1}
+        for extra in ({"prompt": ["ab", "cd"]}, {"prompt": "ab", "n": 2}, {"prompt": "ab", "stream": True}):
+            r = httpx.post(p.url + "/v1/completions", json={**remote, **extra})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params", r.text
+        chat = {**remote, "messages": [{"role": "user", "content": "x"}], "stream": True}
+        assert httpx.post(p.url + "/v1/chat/completions", json=chat).status_code == 400
+        assert metric(p.url, "infertune_kv_transfer_granted_total") == granted
 
 
 def test_prompts_sharing_a_prefix_go_to_the_prefill_instance_that_holds_it(tiny_llama, tmp_path, reference):

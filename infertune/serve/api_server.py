@@ -165,6 +165,22 @@ def create_app(
     return app
 
 
+def _check_remote_decode(params: SamplingParams, prompts: int, stream: bool) -> None:
+    """A prefill for remote decode (kv_transfer_params {"do_remote_decode": true}: the router's prefill step) answers
+    one transfer: one prompt, one sample, not streamed. Anything else would lease blocks nobody is told of."""
+    asked = params.kv_transfer_params
+    if not (isinstance(asked, dict) and asked.get("do_remote_decode")):
+        return
+    if prompts > 1 or params.n > 1 or stream:
+        what = "several prompts" if prompts > 1 else f"n={params.n}" if params.n > 1 else "a stream"
+        raise APIError(
+            400,
+            f'kv_transfer_params {{"do_remote_decode": true}} hands one prompt\'s KV to one consumer: one prompt, n=1, '
+            f"not streamed (this request asks for {what})",
+            param="kv_transfer_params",
+        )
+
+
 def _field_path(error: dict) -> str:
     """A validation error's place in the body as a dotted path of field names and indexes: pydantic's union member
     tags ("literal['none','auto']", "NamedToolChoice", "dict[any,any]", "bool") and "body" left out."""
@@ -315,6 +331,7 @@ class APIServer:
                 code="request_too_large",
             )
         fmt = Formatter(f"cmpl-{uuid.uuid4().hex}", self.model_name, self.tokenizer, chat=False, echo=req.echo)
+        _check_remote_decode(params, len(prompts), req.stream)
         streams = await self.submit(fmt.id, prompts, params, "prompt", req.truncate_prompt_tokens)
         return await self.respond(request, fmt, streams, params.n, req.stream, req.include_usage)
 
@@ -355,6 +372,7 @@ class APIServer:
             raise APIError(400, str(e), param="messages") from None
         fmt_args = (f"chatcmpl-{uuid.uuid4().hex}", self.model_name, self.tokenizer)
         fmt = ToolFormatter(plan, *fmt_args, chat=True) if plan.active else Formatter(*fmt_args, chat=True)
+        _check_remote_decode(params, 1, req.stream)
         streams = await self.submit(fmt.id, [prompt], params, "messages", req.truncate_prompt_tokens)
         return await self.respond(request, fmt, streams, params.n, req.stream, req.include_usage)
 
