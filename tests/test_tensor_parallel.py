@@ -174,15 +174,36 @@ def ray_head(monkeypatch):
     # Ray >= 2.59 authenticates a local cluster's clients by token: one for this head, its workers and the driver
     monkeypatch.setenv("RAY_AUTH_MODE", "token")
     monkeypatch.setenv("RAY_AUTH_TOKEN", secrets.token_hex(32))
-    start = [ray_cli, "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1", "--num-cpus=2"]
-    subprocess.run(
-        [*start, "--include-dashboard=false", "--disable-usage-stats"], check=True, capture_output=True, timeout=180
+    start = [ray_cli, "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1", "--num-cpus=2", "--block"]
+    # --block: the head lives as long as this process, whose end stops the processes it started and no others (`ray
+    # stop` would stop every Ray cluster of this user on the machine)
+    head = subprocess.Popen(
+        [*start, "--include-dashboard=false", "--disable-usage-stats"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
     )
     monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
     try:
+        import socket
+        import time
+
+        deadline = time.monotonic() + 180
+        while True:  # (the head's GCS port answers once it is up)
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert head.poll() is None and time.monotonic() < deadline, "the Ray head did not start"
+                time.sleep(0.5)
         yield
     finally:
-        subprocess.run([ray_cli, "stop", "--force"], capture_output=True, timeout=120)
+        head.terminate()
+        try:
+            head.wait(60)
+        except subprocess.TimeoutExpired:
+            head.kill()
+            head.wait(10)
 
 
 def test_ray_actors_give_the_same_greedy_tokens(ray_head, tiny_llama):
