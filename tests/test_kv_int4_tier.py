@@ -221,18 +221,27 @@ def test_the_fused_step_reads_int4_entries(llama_long, monkeypatch):
     chunked prompt: the fused C decode step against the per-module path, both against HF
     (test_sliding_window._fused_against_per_module); packs happened on both engines. A fused step that read the int4
     blocks as int8 is far off (checked by turning kv_rows' int4 branch off)."""
+
+    path, hf = llama_long
+    packs = _packs_int4_on_the_fused_step(monkeypatch, path, hf, 1)
+    assert len(packs) >= 20
+
+
+def _packs_int4_on_the_fused_step(monkeypatch, path, hf, groups: int) -> list:
+    """The fused step against the per-module path, both against HF (bf16, int8 cache, int4 after 8 tokens, blocks of
+    4, a batch of 3 with a chunked prompt: test_sliding_window._fused_against_per_module); the packs both engines
+    made, (group, first, second, dst) each."""
     from test_sliding_window import _fused_against_per_module
 
     from infertune.engine.kv_cache_coordinator import KVCacheCoordinator
 
-    path, hf = llama_long
     packs = []
     pack = KVCacheCoordinator.pack_int4
     monkeypatch.setattr(KVCacheCoordinator, "pack_int4", lambda self, seq: packs.extend(p := pack(self, seq)) or p)
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 200, (n,), generator=g).tolist() for n in (30, 9, 17)]
-    _fused_against_per_module(path, hf, prompts, 1, kv_cache_dtype="int8", kv_int4_after=8)
-    assert len(packs) >= 20
+    _fused_against_per_module(path, hf, prompts, groups, kv_cache_dtype="int8", kv_int4_after=8)
+    return packs
 
 
 def test_the_c_side_reads_the_same_entry_bits():
@@ -274,9 +283,6 @@ def test_the_int4_tier_packs_each_full_group_of_a_cut_model(tmp_path, monkeypatc
     int4 tier packs each full group's old blocks (and none of the windowed group's), the fused step as close to HF as
     the per-module path on the packed cache (test_sliding_window._fused_against_per_module)."""
     from conftest import hf_model
-    from test_sliding_window import _fused_against_per_module
-
-    from infertune.engine.kv_cache_coordinator import KVCacheCoordinator
 
     path = make_checkpoint(
         tmp_path / "q",
@@ -288,11 +294,5 @@ def test_the_int4_tier_packs_each_full_group_of_a_cut_model(tmp_path, monkeypatc
         max_window_layers=4,
         max_position_embeddings=512,
     )
-    hf = hf_model(path)
-    packs = []
-    pack = KVCacheCoordinator.pack_int4
-    monkeypatch.setattr(KVCacheCoordinator, "pack_int4", lambda self, seq: packs.extend(p := pack(self, seq)) or p)
-    g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(3, 200, (n,), generator=g).tolist() for n in (30, 9, 17)]
-    _fused_against_per_module(path, hf, prompts, 3, kv_cache_dtype="int8", kv_int4_after=8)
+    packs = _packs_int4_on_the_fused_step(monkeypatch, path, hf_model(path), 3)
     assert {p[0] for p in packs} == {0, 1}  # (group, first, second, dst): both full groups, never the window's
