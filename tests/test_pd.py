@@ -446,6 +446,14 @@ def test_router_with_one_prefill_and_one_decode_gives_one_servers_outputs(tiny_l
         chat = {**remote, "messages": [{"role": "user", "content": "x"}], "stream": True}
         assert httpx.post(p.url + "/v1/chat/completions", json=chat).status_code == 400
         assert metric(p.url, "infertune_kv_transfer_granted_total") == granted
+        # two leases on prompts with a common prefix share its cached blocks: held counts each block once (the
+        # producer's blocks in use, all of them on the leases now)
+        for tail in ("one", "two"):
+            r = httpx.post(p.url + "/v1/completions", json={**remote, "prompt": "a common prefix of blocks, " + tail})
+            assert r.status_code == 200 and r.json()["kv_transfer_params"]["transfer_id"]
+        assert wait_until(lambda: metric(p.url, "infertune_kv_transfer_leases_held") == 2, 5)
+        used = metric(p.url, "infertune_kv_blocks_used")
+        assert metric(p.url, "infertune_kv_transfer_blocks_held") == used > 0
 
 
 def test_prompts_sharing_a_prefix_go_to_the_prefill_instance_that_holds_it(tiny_llama, tmp_path, reference):

@@ -46,7 +46,7 @@ from infertune.kv_transfer.base import (
     connector_mismatch,
     layout_mismatch,
 )
-from infertune.scheduler_output import NULL_BLOCK
+from infertune.scheduler_output import NULL_BLOCK, entry_block
 
 log = logging.getLogger(__name__)
 
@@ -485,9 +485,15 @@ class LocalConnectorScheduler(KVConnectorScheduler):
     def stats(self) -> dict[str, tuple[float, str, str]]:
         c = self.counts
         if self.role == "producer":
-            held = sum(
-                sum(b != NULL_BLOCK for t in tables_of(seq, len(self.windows)) for b in t)
-                for seq, _ in self._leases.values()
+            # distinct blocks: leases of prompts with a common prefix share its cached blocks (counted once)
+            held = len(
+                {
+                    entry_block(b)
+                    for seq, _ in self._leases.values()
+                    for t in tables_of(seq, len(self.windows))
+                    for b in t
+                    if b != NULL_BLOCK
+                }
             )
             return {
                 "kv_transfer_leases_held": (
