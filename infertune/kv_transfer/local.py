@@ -143,6 +143,11 @@ class RemoteKV:
 class LocalConnectorScheduler(KVConnectorScheduler):
     name = "local"
 
+    @property
+    def _log(self) -> logging.Logger:
+        """The logger of the connector's own module (the p2p consumer's messages under kv_transfer.p2p)."""
+        return logging.getLogger(type(self).__module__)
+
     def __init__(self, role: str, settings: dict, layout: dict, num_blocks: int, block_size: int, policy: str):
         assert role in ("producer", "consumer")
         self.role, self.layout, self.block_size, self.policy = role, layout, block_size, policy
@@ -317,7 +322,9 @@ class LocalConnectorScheduler(KVConnectorScheduler):
                     f"KV transfer from the prefill instance failed: {e} (kv_load_failure_policy=fail; 'recompute' "
                     "would prefill here instead)"
                 ) from None
-            log.warning("KV transfer failed (%s); recomputing the prompt here (kv_load_failure_policy=recompute)", e)
+            self._log.warning(
+                "KV transfer failed (%s); recomputing the prompt here (kv_load_failure_policy=recompute)", e
+            )
             return None
 
     def _check(self, p: dict, prompt_token_ids: list[int]) -> RemoteKV:
@@ -420,7 +427,7 @@ class LocalConnectorScheduler(KVConnectorScheduler):
         if num_external_tokens <= 0:
             if len(seq) == remote.num_tokens and seq.num_computed_tokens < remote.num_tokens - 1:
                 self.counts["load_failures"] += 1  # (lease ran out while it waited: a plain prefill)
-                log.warning(
+                self._log.warning(
                     "KV transfer %s: the lease ran out while the request waited; recomputing", remote.transfer_id
                 )
             self._drop_user(remote)
