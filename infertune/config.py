@@ -1053,10 +1053,15 @@ class OptionError(ValueError, TypeError):
     keyword argument, and a ValueError, which the CLI reports as a one-line error)."""
 
 
+_DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+
+
 def _coerced(f: Field, value):
     """An option's value as its field takes it: a byte count may be written as a size ("8G", "512Mi", as the flag
     takes it, in --config files and LLM(...) too); an integer option must be an integer, a number option a
     number (an OptionError naming it, not a failure deep in the engine)."""
+    if f.name == "dtype":  # (vLLM's spellings: "half", "float", a torch.dtype)
+        value = _DTYPE_ALIASES.get(str(value).removeprefix("torch."), str(value).removeprefix("torch."))
     if f.metadata.get("size") and isinstance(value, str):
         try:
             return parse_size(value)

@@ -29,6 +29,17 @@ class LLM:
         self.engine = LLMEngine(self.config, show_progress=show_progress)
         self._ids = count()
 
+    def shutdown(self) -> None:
+        """Stop the engine's workers now (tensor-parallel processes, Ray actors); they also stop at exit. `with
+        LLM(...) as llm:` does it on leaving the block."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer

@@ -577,3 +577,46 @@ def test_inverse_cdf_draws_only_tokens_with_mass():
     probs = torch.tensor([[0.0, 0.25, 0.0, 0.75, 0.0]] * 5)
     u = torch.tensor([[0.0], [0.2499], [0.25], [0.9999999], [1.0 - 2.0**-53]], dtype=torch.float64)
     assert inverse_cdf(probs, u).tolist() == [1, 1, 3, 3, 3]
+
+
+def test_a_vllm_script_ported_as_is(llm, tiny_llama):
+    """What vLLM offline scripts do that this engine ignored or refused: a SamplingParams field set after the object
+    is built (vLLM's own examples: `sp = llm.get_default_sampling_params(); sp.temperature = 0.5`) takes effect and
+    is checked; cumulative_logprob is the sum of the sampled logprobs; num_cached_tokens on the output; dtype
+    "float" / torch dtypes; multimodal data on a text-only model and unknown prompt keys are errors, not dropped;
+    `with LLM(...)` shuts the engine down."""
+    import torch
+
+    from infertune.sampling_params import ParamError
+
+    free = llm.generate("hello world", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].outputs[0]
+    stop = free.text[3:5]
+    assert len(stop) == 2
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    sp.stop = [stop]  # (set afterwards: the stop string was ignored, the text ran to max_tokens)
+    out = llm.generate("hello world", sp)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop and out.text == free.text[: free.text.index(stop)]
+    sp.temperature = -1.0
+    with pytest.raises(ParamError, match="temperature"):
+        llm.generate("hello world", sp)
+    sp = SamplingParams(max_tokens=3, logprobs=1, temperature=0)
+    sp.stop_token_ids = None
+    sp.structured_outputs = {"choice": ["yes", "no"]}
+    done = llm.generate("hello", sp)[0]
+    c = done.outputs[0]
+    assert c.text in ("yes", "no") and c.cumulative_logprob == pytest.approx(sum(lp.logprob for lp in c.logprobs))
+    assert done.num_cached_tokens == done.metrics.num_cached_tokens
+    assert llm.generate("hi", SamplingParams(max_tokens=2))[0].outputs[0].cumulative_logprob is None
+    for bad, says in (
+        ({"prompt": "x", "multi_modal_data": {"image": 1}}, "text-only"),
+        ({"prompt": "x", "foo": 1}, "foo"),
+    ):
+        with pytest.raises(ValueError, match=says):
+            llm.generate(bad, SamplingParams(max_tokens=2))
+    assert LLM(str(tiny_llama), dtype="float", max_model_len=64).engine.config.model.dtype == "float32"
+    # a tensor-parallel engine's worker processes end with the block (they lived until the interpreter exited)
+    with LLM(str(tiny_llama), dtype=torch.float32, max_model_len=64, tensor_parallel_size=2) as other:
+        procs = list(other.engine.executor._procs)
+        assert len(procs) == 2 and all(p.is_alive() for p in procs)
+        assert other.generate("hi", SamplingParams(max_tokens=2))[0].outputs[0].token_ids
+    assert not any(p.is_alive() for p in procs)

@@ -28,6 +28,16 @@ from infertune.sampling_params import ParamError, SamplingParams, StructuredOutp
 from infertune.scheduler_output import KVCacheGroup
 
 log = logging.getLogger(__name__)
+# the keys a dict prompt may carry (vLLM's TextPrompt / TokensPrompt; multi_modal_data refused, mm_processor_kwargs
+# and cache_salt taken as vLLM's text-only path ignores them)
+_PROMPT_KEYS = {
+    "prompt",
+    "prompt_token_ids",
+    "add_special_tokens",
+    "multi_modal_data",
+    "mm_processor_kwargs",
+    "cache_salt",
+}
 
 
 @dataclass(slots=True, frozen=True)
@@ -138,6 +148,11 @@ class LLMEngine:
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(_unicode_text(prompt))
         if isinstance(prompt, dict):
+            if prompt.get("multi_modal_data") is not None:  # (vLLM's key: silently text-only would answer wrongly)
+                raise ValueError("multi_modal_data: this engine serves text-only models; send the prompt's text")
+            unknown = sorted(set(prompt) - _PROMPT_KEYS)
+            if unknown:
+                raise ValueError(f"a dict prompt takes {sorted(_PROMPT_KEYS)}, not {unknown}")
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
             if isinstance(prompt.get("prompt"), str):
@@ -260,7 +275,10 @@ class LLMEngine:
         return ids[:-1], full[len(head) :]
 
     def check_params(self, params: SamplingParams) -> None:
-        """The engine's bounds on what one request may ask for (LimitsConfig), beyond SamplingParams' own rules."""
+        """The engine's bounds on what one request may ask for (LimitsConfig), beyond SamplingParams' own rules.
+        Those rules run again first: a field set after the object was built (`sp.stop = [...]`, as vLLM's examples
+        do) is checked and takes effect (stop strings, logit_bias keys, structured_outputs as a dict)."""
+        params.__post_init__()
         lim = self.config.limits
         if params.n > lim.max_n:
             raise ParamError(

@@ -74,6 +74,11 @@ class CompletionOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """The sum of the sampled tokens' logprobs (vLLM's field; None without logprobs)."""
+        return None if self.logprobs is None else sum(lp.logprob for lp in self.logprobs)
+
 
 @dataclass(slots=True)
 class RequestMetrics:
@@ -105,6 +110,11 @@ class RequestOutput:
     prompt_logprobs: list[Logprob | None] | None = None
     # A producer's answer for a consumer (prefill/decode disaggregation), once finished: see SamplingParams.
     kv_transfer_params: dict | None = None
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache (vLLM's field; also metrics.num_cached_tokens)."""
+        return self.metrics.num_cached_tokens if self.metrics is not None else 0
 
     @classmethod
     def rejected(cls, request_id: str, prompt: object, error: str) -> RequestOutput:
