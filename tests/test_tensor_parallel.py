@@ -204,6 +204,10 @@ def ray_head(monkeypatch):
         except subprocess.TimeoutExpired:
             head.kill()
             head.wait(10)
+        # Ray's file of the last cluster started here names this head: a later ray.init() would try to join it
+        current = Path("/tmp/ray/ray_current_cluster")
+        if current.is_file() and current.read_text().strip().endswith(f":{port}"):
+            current.unlink()
 
 
 def test_ray_actors_give_the_same_greedy_tokens(ray_head, tiny_llama):
@@ -239,6 +243,29 @@ def test_ray_without_a_cluster_to_join_is_one_clear_error(monkeypatch):
     monkeypatch.setenv("RAY_ADDRESS", "auto")
     with pytest.raises(RuntimeError, match=r"Ray found no cluster to join \(Could not find any running Ray instance"):
         init_ray(NoCluster())
+
+
+def test_ray_does_not_join_a_cluster_that_is_gone(monkeypatch, tmp_path):
+    """Ray's file of the last cluster started here naming one that is gone (a head killed, a crash): ray.init()
+    tried to join it for minutes; a local cluster is started instead."""
+    from infertune.executor.ray_executor import init_ray
+    from infertune.executor.worker import free_port
+
+    class Recorder:
+        def is_initialized(self):
+            return False
+
+        def init(self, **kwargs):
+            self.kwargs = kwargs
+
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "ray" / "ray_current_cluster").write_text(f"127.0.0.1:{free_port()}\n")
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    ray = Recorder()
+    assert init_ray(ray) and ray.kwargs.get("address") == "local"
+    (tmp_path / "ray" / "ray_current_cluster").unlink()  # no file: Ray's own choice
+    assert init_ray(ray) and "address" not in ray.kwargs
 
 
 def _prompt_logprobs(path, **engine) -> list[float]:

@@ -103,14 +103,39 @@ def init_ray(ray) -> bool:
                 f"RAY_ADDRESS={address}: no Ray cluster answers there ({e}); start one (`ray start --head`) or unset "
                 "RAY_ADDRESS to start a local one"
             ) from None
+    kwargs = {}
+    if not address:  # Ray joins the cluster its address file names (the last `ray start` here), even a dead one
+        last = _last_cluster_address()
+        if last is not None and not _answers(last):
+            log.warning("the Ray cluster last started here (%s) is gone; starting a local one", last)
+            kwargs["address"] = "local"
     try:
-        ray.init(log_to_driver=True, include_dashboard=False)
+        ray.init(log_to_driver=True, include_dashboard=False, **kwargs)
     except ConnectionError as e:  # (RAY_ADDRESS=auto with no cluster running here)
         raise RuntimeError(
             f"Ray found no cluster to join ({str(e).splitlines()[0]}): start one (`ray start --head`), or unset "
             "RAY_ADDRESS to start a local one"
         ) from None
     return True
+
+
+def _last_cluster_address() -> str | None:
+    """The address in Ray's file of the cluster last started on this machine (<temp dir>/ray_current_cluster)."""
+    path = os.path.join(os.environ.get("RAY_TMPDIR", "/tmp"), "ray", "ray_current_cluster")
+    try:
+        with open(path) as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+def _answers(address: str) -> bool:
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=2).close()
+        return True
+    except (OSError, ValueError):
+        return False
 
 
 def rank_bundle(device: str, cpus: int) -> tuple[dict, dict]:
