@@ -95,14 +95,12 @@ def init_ray(ray) -> bool:
         return False
     address = os.environ.get("RAY_ADDRESS", "")
     host, sep, port = address.rpartition(":")
-    if sep and host and port.isdigit() and "://" not in address:  # (Ray itself retries such an address for minutes)
-        try:
-            socket.create_connection((host, int(port)), timeout=5).close()
-        except OSError as e:
-            raise RuntimeError(
-                f"RAY_ADDRESS={address}: no Ray cluster answers there ({e}); start one (`ray start --head`) or unset "
-                "RAY_ADDRESS to start a local one"
-            ) from None
+    if sep and host and port.isdigit() and "://" not in address and not _answers(address, timeout=5):
+        # (Ray itself retries such an address for minutes)
+        raise RuntimeError(
+            f"RAY_ADDRESS={address}: no Ray cluster answers there; start one (`ray start --head`) or unset "
+            "RAY_ADDRESS to start a local one"
+        )
     kwargs = {}
     if not address:  # Ray joins the cluster its address file names (the last `ray start` here), even a dead one
         last = _last_cluster_address()
@@ -129,10 +127,11 @@ def _last_cluster_address() -> str | None:
         return None
 
 
-def _answers(address: str) -> bool:
+def _answers(address: str, timeout: float = 2.0) -> bool:
+    """Whether something listens at host:port (a Ray cluster's GCS address)."""
     host, _, port = address.rpartition(":")
     try:
-        socket.create_connection((host, int(port)), timeout=2).close()
+        socket.create_connection((host, int(port)), timeout=timeout).close()
         return True
     except (OSError, ValueError):
         return False

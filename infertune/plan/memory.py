@@ -140,7 +140,7 @@ def kv_token_layers(spec: ModelSpec, context: int) -> int:
     return full * context + windowed * capped
 
 
-def _kv_groups(spec: ModelSpec, context: int):
+def kv_groups(spec: ModelSpec, context: int):
     """The engine's KV cache groups for this model at max_model_len = context (scheduler_output.kv_cache_groups)."""
     from infertune.scheduler_output import kv_cache_groups
 
@@ -154,7 +154,7 @@ def kv_page_token_layers(spec: ModelSpec, context: int) -> int:
     block ids of one pool, a block id a page of each layer of the largest group, so a group of fewer layers pays
     for the pages it leaves empty (engine/kv_cache_coordinator.py, scheduler_output.kv_cache_groups). Gemma 3 1B's
     22 windowed and 4 full layers: 7 groups of 4 layers' pages, the last windowed one of 2 (2 pages a block empty)."""
-    groups = _kv_groups(spec, context)
+    groups = kv_groups(spec, context)
     pages = max(len(g.layers) for g in groups)
     return sum(pages * (context if g.window is None else min(context, g.window)) for g in groups)
 
@@ -178,7 +178,7 @@ def kv_bytes_per_sequence(spec: ModelSpec, context: int, kv: KVFormat = KVFormat
     old = max(0, context - kv.int4_after)
     full = spec.arch.num_hidden_layers - spec.num_windowed_layers
     if held:  # (the full groups' pages, the empty ones packed as well)
-        groups = _kv_groups(spec, context)
+        groups = kv_groups(spec, context)
         full = max(len(g.layers) for g in groups) * sum(g.window is None for g in groups)
     tiered = full * (old * kv_int4_bytes_per_token_per_layer(spec) - old * kv_bytes_per_token_per_layer(spec, kv))
     return token_layers * kv_bytes_per_token_per_layer(spec, kv) + tiered

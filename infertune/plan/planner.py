@@ -268,12 +268,10 @@ def _kv_groups(spec, context: int, kv) -> list[dict]:
     a kind cut into several equal groups where the kinds' layer counts differ), the tokens and pool bytes of KV one
     `context`-token sequence holds in it: a window's layers at most the window (the engine holds up to one block
     more), each group in blocks of the largest group's pages."""
-    from infertune.plan.memory import kv_bytes_per_token_per_layer, kv_int4_bytes_per_token_per_layer
-    from infertune.scheduler_output import kv_cache_groups
+    from infertune.plan.memory import kv_bytes_per_token_per_layer, kv_groups, kv_int4_bytes_per_token_per_layer
 
-    a = spec.arch
     per_layer = kv_bytes_per_token_per_layer(spec, kv)
-    groups = kv_cache_groups(a.layer_windows, a.num_hidden_layers, max(context, 2))
+    groups = kv_groups(spec, context)
     pages = max(len(g.layers) for g in groups)
     out: dict = {}
     for g in groups:
