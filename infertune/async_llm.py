@@ -55,7 +55,8 @@ class AsyncLLM:
         request_id = str(request_id) if request_id is not None else f"async-{next(self._ids)}"
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        stream = await self.engine.add_request(request_id, prompt, sampling_params or SamplingParams())
+        params = sampling_params or self.engine.engine.default_sampling_params()
+        stream = await self.engine.add_request(request_id, prompt, params)
         self._streams[request_id] = stream
         last: RequestOutput | None = None
         try:

@@ -44,6 +44,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         ),
         _engine_groups(),
     )
+    from infertune.config import VLLM_GPU_OPTIONS
+
+    for name, (kind, _) in VLLM_GPU_OPTIONS.items():  # (ported `vllm serve` lines: taken with a warning, unlisted)
+        flag = "--" + name.replace("_", "-")
+        if kind == "switch":
+            p.add_argument(flag, dest=name, action="store_const", const=True, default=None, help=argparse.SUPPRESS)
+        else:
+            p.add_argument(flag, dest=name, default=None, help=argparse.SUPPRESS)
 
 
 def add_limits_args(p: argparse.ArgumentParser) -> None:
@@ -124,7 +132,10 @@ def engine_table() -> str:
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """The LLM(...) options the engine and request-limit flags of `args` give, by their declared names; --model is
     left out, the commands pass it as LLM's first argument."""
+    from infertune.config import VLLM_GPU_OPTIONS
+
     engine = {f.name: getattr(args, f.name) for f in _flagged(*_engine_groups()) if f.name != "model"}
+    engine |= {k: getattr(args, k) for k in VLLM_GPU_OPTIONS if getattr(args, k, None) is not None}
     return {f.name: getattr(args, f.name) for f in _flagged("limits") if hasattr(args, f.name)} | engine
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import logging
 import numbers
 import os
 from dataclasses import MISSING, Field, dataclass, field, fields, replace
@@ -524,11 +525,33 @@ class ModelConfig:
         choices=COMPILE_MODES,
         see="Compiled decode",
     )
+    # The sampling defaults of requests that leave a field unset (vLLM's generation_config / override_...).
+    generation_config: str = _opt(
+        "auto",
+        "sampling defaults for requests that leave them unset: auto = the model folder's generation_config.json "
+        "(its temperature, top_p, top_k, min_p, repetition_penalty, and max_new_tokens as max_tokens, as vLLM "
+        "takes them); vllm = neutral defaults (temperature 1, no top-p / top-k); or a folder holding a "
+        "generation_config.json",
+    )
+    override_generation_config: dict | None = _opt(
+        None,
+        'sampling defaults that win over generation_config\'s, e.g. {"temperature": 0.5} (same keys)',
+        json=True,
+    )
     arch: ArchConfig | None = None
 
     def __post_init__(self) -> None:
         self.model = os.fspath(self.model)
         _check_choices(self)
+        self.generation_config = os.fspath(self.generation_config)
+        if (
+            self.generation_config not in ("auto", "vllm")
+            and not (Path(self.generation_config) / "generation_config.json").is_file()
+        ):
+            raise ValueError(
+                f"generation_config={self.generation_config!r}: expected 'auto', 'vllm' or a folder holding a "
+                "generation_config.json"
+            )
         if self.arch is None:
             self.arch = ArchConfig.from_model_dir(self.model)
         if self.tokenizer is None:
@@ -543,6 +566,45 @@ class ModelConfig:
                 f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings={limit}; "
                 "lower max_model_len."
             )
+
+    def sampling_defaults(self) -> dict:
+        """What a request that leaves a sampling field unset gets (SamplingParams' names): generation_config.json's
+        temperature, top_p, top_k, min_p, repetition_penalty and max_new_tokens (as max_tokens), as vLLM's
+        generation_config="auto" takes them, then override_generation_config; {} with generation_config="vllm" or
+        none of these keys. Checked here: a bad value is a ValueError naming the file and the key."""
+        folder = self.model if self.generation_config == "auto" else self.generation_config
+        path = Path(folder) / "generation_config.json"
+        found: dict = {}
+        if self.generation_config != "vllm" and path.is_file():
+            try:
+                found = json.loads(path.read_text())
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path} is not valid JSON: {e}") from None
+        overrides = dict(self.override_generation_config or {})
+        unknown = sorted(set(overrides) - set(SAMPLING_DEFAULT_KEYS))
+        if unknown:
+            raise ValueError(f"override_generation_config takes {list(SAMPLING_DEFAULT_KEYS)}, not {unknown}")
+        picked = {k: v for k, v in (found | overrides).items() if k in SAMPLING_DEFAULT_KEYS and v is not None}
+        defaults = {SAMPLING_DEFAULT_KEYS[k]: v for k, v in picked.items()}
+        from infertune.sampling_params import SamplingParams
+
+        try:
+            SamplingParams(**defaults)
+        except (TypeError, ValueError) as e:
+            where = "override_generation_config" if set(overrides) & set(picked) else str(path)
+            raise ValueError(f"the sampling defaults of {where}: {e}") from None
+        return defaults
+
+
+# generation_config.json's keys that are sampling defaults (vLLM's list) -> SamplingParams' names.
+SAMPLING_DEFAULT_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
 
 
 @dataclass(slots=True)
@@ -953,6 +1015,40 @@ OPTION_GROUPS = {
 }
 
 
+# vLLM engine options a ported script or `vllm serve` command line passes that mean nothing to this engine: taken
+# with one warning each (not an unknown-option error), with what does that job here. Their flags are `serve`'s too,
+# hidden (cli.add_engine_args); enforce_eager also turns compile off where compile is left at auto.
+VLLM_GPU_OPTIONS = {
+    "gpu_memory_utilization": (
+        "value",
+        "the KV cache's size is kv_cache_memory_bytes, or kv_cache_memory_fraction of the memory free after loading",
+    ),
+    "enforce_eager": ("switch", "no CUDA graphs here; it turns compile off (the eager default on CPU)"),
+    "swap_space": ("value", "a preempted request's KV is recomputed, not swapped"),
+    "cpu_offload_gb": ("value", "the weights are loaded once where the engine runs"),
+    "max_seq_len_to_capture": ("value", "no CUDA graphs here"),
+    "disable_custom_all_reduce": ("switch", "tensor parallelism reduces through torch.distributed"),
+    "trust_remote_code": ("switch", "no code is run from the model folder; the architectures are built in"),
+    "disable_log_stats": ("switch", "the server's statistics are on /metrics"),
+    "tokenizer_mode": ("value", "the folder's tokenizer is loaded with transformers' AutoTokenizer"),
+}
+
+
+def _without_vllm_gpu_options(kwargs: dict) -> dict:
+    """kwargs less vLLM's options that mean nothing here (VLLM_GPU_OPTIONS), each given one named warning."""
+    rest = dict(kwargs)
+    for name, (_, instead) in VLLM_GPU_OPTIONS.items():
+        if name not in rest:
+            continue
+        value = rest.pop(name)
+        if value is None or value is False:
+            continue
+        logging.getLogger(__name__).warning("vLLM's %s=%r is ignored: %s", name, value, instead)
+        if name == "enforce_eager" and rest.get("compile", "auto") == "auto":
+            rest["compile"] = "off"
+    return rest
+
+
 def option_fields(*groups: str) -> list[Field]:
     """The declared options of the named groups (all when none are named), in order; ModelConfig.arch is none."""
     return [f for g in (groups or OPTION_GROUPS) for f in fields(OPTION_GROUPS[g]) if "help" in f.metadata]
@@ -1153,6 +1249,7 @@ class EngineConfig:
         """Build the tree from flat keyword arguments (the LLM(...) and CLI surface)."""
         groups = OPTION_GROUPS
         parts: dict[str, dict] = {name: {} for name in groups}
+        kwargs = _without_vllm_gpu_options(kwargs)
         for key, value in kwargs.items():
             owner = next((g for g, c in groups.items() if key in c.__dataclass_fields__ and key != "arch"), None)
             if owner is None:

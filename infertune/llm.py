@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from itertools import count
 
 from tqdm import tqdm
@@ -48,17 +49,51 @@ class LLM:
         """The engine's tokenizer (vLLM's name for it)."""
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate() and chat() use when given no SamplingParams: SamplingParams() with the model's
+        generation_config.json defaults (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens as
+        max_tokens) where it has them, as vLLM's; engine option generation_config="vllm" for the neutral ones."""
+        return self.engine.default_sampling_params()
+
+    # vLLM's pooling and beam-search entry points: this engine generates text only (a named error, not an
+    # AttributeError that reads like a typo).
+    def _not_here(self, name: str, why: str):
+        raise NotImplementedError(f"LLM.{name} is not supported: {why}")
+
+    def encode(self, *args, **kwargs):
+        self._not_here("encode", "this engine serves generative models only (no pooling / embedding models)")
+
+    def embed(self, *args, **kwargs):
+        self._not_here("embed", "this engine serves generative models only (no embedding models)")
+
+    def classify(self, *args, **kwargs):
+        self._not_here("classify", "this engine serves generative models only (no classification heads)")
+
+    def reward(self, *args, **kwargs):
+        self._not_here("reward", "this engine serves generative models only (no reward models)")
+
+    def score(self, *args, **kwargs):
+        self._not_here(
+            "score",
+            "no cross-encoder / embedding scoring; for the logprob of a text, generate with "
+            "SamplingParams(prompt_logprobs=0, max_tokens=0)",
+        )
+
+    def beam_search(self, *args, **kwargs):
+        self._not_here("beam_search", "no beam search; sample n candidates with SamplingParams(n=..., logprobs=0)")
+
     def generate(
         self,
         prompts: str | dict | list,
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
-        use_tqdm: bool | None = None,
+        use_tqdm: bool | Callable[..., tqdm] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; results come back in input order.
 
         A prompt is text or {"prompt_token_ids": [...]}. A prompt that is invalid (empty, too long, ...)
         gets a RequestOutput whose .error says why while the others run; when every prompt is invalid,
-        the first error is raised instead.
+        the first error is raised instead. sampling_params None: get_default_sampling_params(). use_tqdm: a
+        progress bar (default: with more than one prompt), or a tqdm-like class to draw it with (vLLM's).
         """
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -67,7 +102,7 @@ class LLM:
         prompts = list(prompts)
         if not prompts:
             return []
-        params = sampling_params if sampling_params is not None else SamplingParams()
+        params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         elif len(params) != len(prompts):
@@ -90,7 +125,7 @@ class LLM:
         if len(errors) == len(prompts):
             raise errors[0]
         try:
-            self._run(results, len(prompts) - len(errors), use_tqdm if use_tqdm is not None else len(prompts) > 1)
+            self._run(results, len(prompts) - len(errors), len(prompts) > 1 if use_tqdm is None else use_tqdm)
         finally:  # on an exception or Ctrl-C, leave no request of this call holding KV blocks
             for request_id in order:
                 self.engine.abort_request(request_id)
@@ -100,23 +135,28 @@ class LLM:
         self,
         messages: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
-        use_tqdm: bool | None = None,
+        use_tqdm: bool | Callable[..., tqdm] | None = None,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, rendered with the model's chat template (or
         chat_template). continue_final_message: the last message is continued, not closed (add_generation_prompt
-        must then be False); chat_template_kwargs: more template variables, e.g. {"enable_thinking": False}."""
+        must then be False); chat_template_kwargs: more template variables, e.g. {"enable_thinking": False};
+        tools: OpenAI's function tools ({"type": "function", "function": {"name": ..., "parameters": ...}}), handed
+        to the template (the reply's tool-call text is the model's: the server's tool parsers read it)."""
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message continues the last message: pass add_generation_prompt=False")
+        _check_tools(tools)
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [
             self.engine.render_chat(
                 c,
                 chat_template,
                 add_generation_prompt,
+                tools=tools or None,
                 continue_final_message=continue_final_message,
                 template_kwargs=chat_template_kwargs,
             )
@@ -134,8 +174,9 @@ class LLM:
             return consistency.check_long(self.config, long, prompt=prompts[0] if prompts else None, **kwargs)
         return consistency.check_consistency(self.config, prompts, **kwargs)
 
-    def _run(self, results: dict[str, RequestOutput], total: int, use_tqdm: bool) -> None:
-        bar = tqdm(total=total, desc="generating", unit="req", disable=not use_tqdm)
+    def _run(self, results: dict[str, RequestOutput], total: int, use_tqdm) -> None:
+        bar_class = use_tqdm if callable(use_tqdm) else tqdm
+        bar = bar_class(total=total, desc="generating", unit="req", disable=not use_tqdm)
         out_tokens = 0
         try:
             while self.engine.has_unfinished_requests():
@@ -148,3 +189,18 @@ class LLM:
                         bar.set_postfix_str(f"{out_tokens / elapsed:.1f} out tok/s", refresh=False)
         finally:
             bar.close()
+
+
+def _check_tools(tools) -> None:
+    """ValueError unless tools is None or a list of OpenAI function tools (each {"type": "function", "function":
+    {"name": a non-empty string, ...}})."""
+    if tools is None:
+        return
+    if not isinstance(tools, list):
+        raise ValueError(f"tools must be a list of function tools, not {type(tools).__name__}")
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(fn, dict):
+            raise ValueError(f'tools[{i}] must be {{"type": "function", "function": {{"name": ..., ...}}}}')
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise ValueError(f"tools[{i}].function.name must be a non-empty string")

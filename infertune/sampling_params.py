@@ -41,6 +41,10 @@ class SamplingParams:
     # vLLM's name: False leaves the outputs' text empty and returns the token ids alone, skipping the per-token
     # decode (offline runs that read ids, benchmarks: vLLM's own throughput bench sets it). Stop strings need text.
     detokenize: bool = True
+    # vLLM's: True only (the tokenizer's decode spaces special tokens as it does; False is refused, not ignored).
+    spaces_between_special_tokens: bool = True
+    # vLLM's: free-form values for plugins and custom code reading the params; the engine carries them unread.
+    extra_args: dict | None = None
     # Constrained decoding: a JSON schema, regex, choice, grammar or any JSON object (docs/structured-output.md).
     structured_outputs: StructuredOutputsParams | None = None
     # Token healing: the prompt's last token is taken off and the output must start with its text, so the model
@@ -115,6 +119,13 @@ class SamplingParams:
         if stops and not self.detokenize:
             raise bad("detokenize", "must be true with stop strings (they are matched in the text)")
         self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
+        if self.spaces_between_special_tokens is not True:
+            raise bad(
+                "spaces_between_special_tokens",
+                "only true is supported (special tokens decode as the tokenizer spells them)",
+            )
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise bad("extra_args", "must be a dict")
         # -- structured output (docs/structured-output.md) --
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
@@ -183,6 +194,12 @@ class SamplingParams:
     @property
     def uses_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    def clone(self) -> SamplingParams:
+        """A deep copy (vLLM's name): changing it leaves this one as it is."""
+        import copy
+
+        return copy.deepcopy(self)
 
     def for_sample(self, index: int) -> SamplingParams:
         """The parameters of the index-th of n samples: n=1 and, when seeded, its own derived seed."""

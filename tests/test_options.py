@@ -58,6 +58,8 @@ SAMPLES = {
     "request_timeout": ("2.5", 2.5),
     "memory_limit": ("1.5Gi", 3 * 2**29),
     "kv_connector_config": ('{"path": "/tmp/kv", "lease_s": 5}', {"path": "/tmp/kv", "lease_s": 5}),
+    "generation_config": ("vllm", "vllm"),
+    "override_generation_config": ('{"temperature": 0.5}', {"temperature": 0.5}),
 }
 # options that are only valid beside another (the config refuses them alone): the flags that go with them
 COMPANIONS = {"quantize_lm_head": ["--quantization", "w8a16"], "kv_int4_after": ["--kv-cache-dtype", "int8"]}

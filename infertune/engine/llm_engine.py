@@ -75,6 +75,14 @@ class LLMEngine:
         from infertune.executor import create_executor  # torch is imported only with the executor
 
         self.config = config
+        # what a request that leaves a sampling field unset gets (the model's generation_config.json, as vLLM)
+        self.sampling_defaults = config.model.sampling_defaults()
+        if self.sampling_defaults:
+            log.info(
+                "sampling defaults from the model's generation_config: %s (a request's own values win; "
+                "generation_config='vllm' for neutral ones)",
+                ", ".join(f"{k}={v}" for k, v in self.sampling_defaults.items()),
+            )
         self.tokenizer = load_tokenizer(config.model.tokenizer)
         self.executor = create_executor(config, show_progress)
         # (a KV cache coordinator where layers attend within sliding windows: their groups free what leaves them)
@@ -120,6 +128,10 @@ class LLMEngine:
                 "re-stored as int4, two int8 blocks in one (full-attention layers)"
             )
         return text
+
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams() with the model's sampling defaults (sampling_defaults) in place of the neutral ones."""
+        return SamplingParams(**self.sampling_defaults)
 
     def _eos_token_ids(self) -> frozenset[int]:
         ids = set(self.config.model.arch.eos_token_ids)
@@ -225,7 +237,7 @@ class LLMEngine:
         A max_tokens that would run past max_model_len is capped to fit (finish_reason "length"), or with
         cap_max_tokens=False (the OpenAI server's rule) rejected.
         """
-        params = params or SamplingParams()
+        params = params or self.default_sampling_params()
         self.enqueue(request_id, self.prepare(prompt, params, cap_max_tokens), params)
 
     def prepare(

@@ -320,7 +320,7 @@ class APIServer:
     async def completions(self, req: CompletionRequest, request: Request):
         self.check_model(req.model)
         req.check_supported()
-        params = self.params_of(req.completion_params)
+        params = self.params_of(lambda: req.completion_params(self.engine.engine.sampling_defaults))
         prompts = req.prompts()
         if len(prompts) > self.limits.max_prompts:
             raise APIError(
@@ -349,7 +349,8 @@ class APIServer:
         renamed = {"logprobs": "top_logprobs"}  # (chat's logprobs is a switch; the count is top_logprobs)
         if req.max_completion_tokens is not None:
             renamed["max_tokens"] = "max_completion_tokens"
-        params = self.params_of(lambda: req.sampling_params(max_tokens, req.logprobs_k()), renamed)
+        defaults = self.engine.engine.sampling_defaults  # (the model's generation_config.json)
+        params = self.params_of(lambda: req.sampling_params(max_tokens, req.logprobs_k(), defaults=defaults), renamed)
         # Tool calling (serve/tools.py): the plan checks tool_choice, adjusts params, parses the output.
         tools = template_tools(req.tools)
         plan = ToolPlan.of(

@@ -242,8 +242,14 @@ class _SamplingFields(_StructuredFields):
             raise APIError(400, "stream_options can only be set with stream=true", param="stream_options")
 
     def sampling_params(
-        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+        defaults: dict | None = None,
     ) -> SamplingParams:
+        """The request's SamplingParams; `defaults` (the engine's sampling_defaults: the model's
+        generation_config.json) fills the sampling fields the request left unset, as vLLM does."""
         fields = dict(
             prompt_logprobs=prompt_logprobs,
             n=self.n,
@@ -269,6 +275,11 @@ class _SamplingFields(_StructuredFields):
             allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words,
         )
+        for name, value in (defaults or {}).items():
+            if name != "max_tokens" and fields.get(name, 0) is None:
+                fields[name] = value
+        if max_tokens is None and defaults and "max_tokens" not in self.model_fields_set:
+            max_tokens = defaults.get("max_tokens")
         # None means "the default"; max_tokens None means "up to the context length".
         return SamplingParams(max_tokens=max_tokens, **{k: v for k, v in fields.items() if v is not None})
 
@@ -296,9 +307,12 @@ class CompletionRequest(_SamplingFields):
                 _whole_unicode(text)
         return p
 
-    def completion_params(self) -> SamplingParams:
+    def completion_params(self, defaults: dict | None = None) -> SamplingParams:
         scored = self.echo and (self.logprobs is not None or self.max_tokens == 0)
-        params = self.sampling_params(self.max_tokens, self.logprobs, (self.logprobs or 0) if scored else None)
+        max_tokens = self.max_tokens
+        if "max_tokens" not in self.model_fields_set and (defaults or {}).get("max_tokens") is not None:
+            max_tokens = min(max_tokens, defaults["max_tokens"])  # (vLLM's rule: the model's, at most 16)
+        params = self.sampling_params(max_tokens, self.logprobs, (self.logprobs or 0) if scored else None, defaults)
         return replace(params, token_healing=True) if self.token_healing else params
 
     def prompts(self) -> list[object]:
