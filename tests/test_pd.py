@@ -256,6 +256,27 @@ def test_an_answer_from_another_kind_of_connector_is_a_named_mismatch_under_eith
         p2p.check_request(_answer(prompt, kv_connector="local"), prompt)
 
 
+def test_what_a_killed_engine_left_is_swept_by_the_next_engine_of_either_role(tmp_path):
+    """A SIGKILLed producer's pool (host memory under /dev/shm), lease and card, and a killed consumer's card, go when
+    the next engine starts on the path, a consumer as well as a producer; a live engine's files stay."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(dead.stdout)
+    (tmp_path / "leases").mkdir()
+    killed = {
+        "producer-gone.json": {"engine_id": "gone", "role": "producer", "pid": dead_pid},
+        "consumer-gone2.json": {"engine_id": "gone2", "role": "consumer", "pid": dead_pid},
+        "producer-live.json": {"engine_id": "live", "role": "producer", "pid": os.getpid(), "layout": LAYOUT},
+    }
+    for name, card in killed.items():
+        (tmp_path / name).write_text(json.dumps(card))
+    for name in ["gone-rank0.kv", "gone-rank1.kv", "live-rank0.kv", "leases/gone.abc", "leases/live.def"]:
+        (tmp_path / name).write_bytes(b"\0" * 64)
+    conn = _connector(tmp_path, "consumer")
+    left = sorted(str(f.relative_to(tmp_path)) for f in tmp_path.rglob("*") if f.is_file())
+    assert left == ["consumer-consumer-test.json", "leases/live.def", "live-rank0.kv", "producer-live.json"]
+    conn.shutdown()
+
+
 def test_start_up_refuses_a_peer_with_another_layout(tiny_llama, tmp_path):
     kv = {"path": str(tmp_path)}
     base = dict(dtype="float32", max_model_len=64, max_num_seqs=4, kv_cache_memory_bytes=2**20)

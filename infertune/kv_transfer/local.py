@@ -164,8 +164,7 @@ class LocalConnectorScheduler(KVConnectorScheduler):
         self.counts = dict.fromkeys(
             ("loads", "tokens_loaded", "load_failures", "leases_confirmed", "leases_expired", "transfers_granted"), 0
         )
-        if role == "producer":
-            self._clean_stale()
+        self._clean_stale()  # (either side: a SIGKILLed producer's pool would hold its memory in /dev/shm until then)
         try:
             self._check_peers()
         except ValueError:
@@ -206,13 +205,17 @@ class LocalConnectorScheduler(KVConnectorScheduler):
                 )
 
     def _clean_stale(self) -> None:
-        """Drop what producers that are no longer running left under the path (their pools and leases)."""
-        for p in self.path.glob("producer-*.json"):
+        """Drop what engines that are no longer running left under the path: a producer's card, pools and leases, a
+        consumer's card (a killed engine's shutdown never ran)."""
+        for p in [*self.path.glob("producer-*.json"), *self.path.glob("consumer-*.json")]:
             card = _read_json(p)
             if card is None or _alive(int(card.get("pid", -1))):
                 continue
             eid = card.get("engine_id", "")
-            for f in [p, *self.path.glob(f"{eid}-rank*.kv"), *(self.path / "leases").glob(f"{eid}.*")]:
+            stale = [p]
+            if card.get("role") == "producer" and eid:
+                stale += [*self.path.glob(f"{eid}-rank*.kv"), *(self.path / "leases").glob(f"{eid}.*")]
+            for f in stale:
                 with contextlib.suppress(OSError):
                     f.unlink()
 
