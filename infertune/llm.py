@@ -87,6 +87,8 @@ class LLM:
         prompts: str | dict | list,
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool | Callable[..., tqdm] | None = None,
+        lora_request=None,
+        priority: list[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; results come back in input order.
 
@@ -94,7 +96,14 @@ class LLM:
         gets a RequestOutput whose .error says why while the others run; when every prompt is invalid,
         the first error is raised instead. sampling_params None: get_default_sampling_params(). use_tqdm: a
         progress bar (default: with more than one prompt), or a tqdm-like class to draw it with (vLLM's).
+        lora_request and a non-zero priority (vLLM's) are refused by name: no LoRA adapters, first come first served.
         """
+        if lora_request is not None:
+            raise NotImplementedError(
+                "lora_request: LoRA adapters are not supported (merge the adapter into the weights)"
+            )
+        if priority is not None and any(priority):
+            raise ValueError("priority: requests are served first come first served here (no priority scheduling)")
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):

@@ -165,6 +165,11 @@ def test_sampling_params_clone_extra_args_and_refusals(llm):
         SamplingParams(spaces_between_special_tokens=False)
     with pytest.raises(ValueError, match="extra_args"):
         SamplingParams(extra_args=[1])
+    with pytest.raises(NotImplementedError, match="lora_request: LoRA adapters are not supported"):
+        llm.generate("a", lora_request=object())
+    with pytest.raises(ValueError, match="priority: requests are served first come first served"):
+        llm.generate(["a", "b"], priority=[0, 1])
+    assert llm.generate(["a"], SamplingParams(max_tokens=1), priority=[0])[0].outputs[0].token_ids
     for name, why in [("embed", "no embedding models"), ("score", "prompt_logprobs=0"), ("beam_search", "n=")]:
         with pytest.raises(NotImplementedError, match=f"LLM.{name} is not supported: .*{why}"):
             getattr(llm, name)(["a"])
