@@ -73,6 +73,9 @@ class SamplingParams:
     # the output ends in the tokens before it. The engine tokenizes them (bad_words_token_ids, set at admission).
     bad_words: list[str] | None = None
     bad_words_token_ids: list[list[int]] | None = None
+    # Set by the server where max_tokens is the model's default (generation_config.json's max_new_tokens) rather than
+    # the request's: capped to the room the prompt leaves in max_model_len, as vLLM does, instead of refused.
+    max_tokens_is_default: bool = False
     # Set by the engine at admission: the tokens min_tokens holds back (end-of-sequence and stop_token_ids).
     min_tokens_stop_ids: tuple[int, ...] = ()
     stop_list: tuple[str, ...] = field(init=False, default=())

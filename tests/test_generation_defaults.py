@@ -102,6 +102,26 @@ def test_the_server_fills_only_what_a_request_leaves_unset(ckpt, llm):
         assert r.usage.completion_tokens == 12
 
 
+def test_a_default_max_tokens_past_the_context_is_capped_not_refused(ckpt):
+    """The model's max_new_tokens (or /v1/completions' default 16) larger than the room a prompt leaves: capped to the
+    room, as vLLM does; the same value sent by the client is a 400 (OpenAI's rule, unchanged)."""
+    with ServerThread(ckpt, override_generation_config={"max_new_tokens": 1000}) as s:
+        import openai
+
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+        msgs = [{"role": "user", "content": "x" * 40}]
+        r = client.chat.completions.create(model="tiny", messages=msgs, extra_body={"ignore_eos": True})
+        prompt = r.usage.prompt_tokens
+        assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == ENGINE["max_model_len"] - prompt
+        with pytest.raises(openai.BadRequestError, match="max_tokens"):
+            client.chat.completions.create(model="tiny", messages=msgs, max_tokens=1000)
+        ids = list(range(100, 100 + ENGINE["max_model_len"] - 5))  # (5 tokens of room, less than the default 16)
+        r = client.completions.create(model="tiny", prompt=ids, extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "length"
+        with pytest.raises(openai.BadRequestError, match="max_tokens"):
+            client.completions.create(model="tiny", prompt=ids, max_tokens=16)
+
+
 def test_vllm_gpu_options_are_taken_with_a_warning(ckpt, caplog, capsys):
     with caplog.at_level(logging.WARNING, logger="infertune.config"):
         with LLM(str(ckpt), **ENGINE, gpu_memory_utilization=0.9, enforce_eager=True, trust_remote_code=True) as llm:

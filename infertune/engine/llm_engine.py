@@ -257,7 +257,7 @@ class LLMEngine:
                 f"for at least one new token; shorten the prompt or raise max_model_len"
             )
         room = self.max_model_len - len(ids)
-        if not cap_max_tokens and params.max_tokens is not None and params.max_tokens > room:
+        if not (cap_max_tokens or params.max_tokens_is_default) and (params.max_tokens or 0) > room:
             raise ParamError(
                 "max_tokens",
                 (

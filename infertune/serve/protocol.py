@@ -278,10 +278,13 @@ class _SamplingFields(_StructuredFields):
         for name, value in (defaults or {}).items():
             if name != "max_tokens" and fields.get(name, 0) is None:
                 fields[name] = value
+        soft = False  # (the model's max_new_tokens: capped to the prompt's room, not refused, as vLLM does)
         if max_tokens is None and defaults and "max_tokens" not in self.model_fields_set:
             max_tokens = defaults.get("max_tokens")
+            soft = max_tokens is not None
         # None means "the default"; max_tokens None means "up to the context length".
-        return SamplingParams(max_tokens=max_tokens, **{k: v for k, v in fields.items() if v is not None})
+        fields = {k: v for k, v in fields.items() if v is not None}
+        return SamplingParams(max_tokens=max_tokens, max_tokens_is_default=soft, **fields)
 
     @property
     def include_usage(self) -> bool:
@@ -313,6 +316,8 @@ class CompletionRequest(_SamplingFields):
         if "max_tokens" not in self.model_fields_set and (defaults or {}).get("max_tokens") is not None:
             max_tokens = min(max_tokens, defaults["max_tokens"])  # (vLLM's rule: the model's, at most 16)
         params = self.sampling_params(max_tokens, self.logprobs, (self.logprobs or 0) if scored else None, defaults)
+        if "max_tokens" not in self.model_fields_set:  # (16 or the model's: capped to the room, as vLLM does)
+            params = replace(params, max_tokens_is_default=True)
         return replace(params, token_healing=True) if self.token_healing else params
 
     def prompts(self) -> list[object]:
