@@ -282,3 +282,47 @@ def test_an_already_quantized_checkpoint_is_refused(tiny_llama, tmp_path):
     assert not (tmp_path / "again").exists()  # nothing written
     with pytest.raises(ValueError, match="seq-len"):
         quantize(str(tiny_llama), "w8a8", str(tmp_path / "s"), static_activations=True, seq_len=0)
+
+
+@needs_loader
+def test_a_users_keep_fp_never_quantizes_the_lm_head(tmp_path):
+    """--keep-fp replaces the default ("lm_head"), yet the head stays in full precision in the checkpoint and on the
+    fly (an int4 head moved every logit and, with a vocab that is not a multiple of 16 (260 here), could not even be
+    loaded); the saved checkpoint still reproduces on-the-fly quantization with the same keep_fp."""
+    src = make_checkpoint(tmp_path / "src", "llama")
+    keep = ("model.layers.0.*",)
+    out = tmp_path / "w4"
+    result = quantize(str(src), "w4a16", str(out), group_size=32, keep_fp=keep, num_samples=4, show_progress=False)
+    assert "lm_head" not in result.quantized and result.quantized
+    assert not any(n.startswith("model.layers.0.") for n in result.quantized)
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert "lm_head.weight" in names and not {n for n in names if n.startswith("lm_head.")} - {"lm_head.weight"}
+    ids = [5, 9, 14, 3, 77, 120, 8, 1]
+    opts = {"dtype": "float32", "enable_prefix_caching": False, "max_num_seqs": 2}
+    fly = LLM(str(src), quantization="w4a16", quant_group_size=32, keep_fp=keep, **opts).engine.executor.runner
+    saved = LLM(str(out), **opts).engine.executor.runner
+    torch.testing.assert_close(saved.prompt_logits(ids, [0, 1]), fly.prompt_logits(ids, [0, 1]), atol=1e-5, rtol=0)
+    head = fly.model.lm_head
+    assert type(head.quant_method).__name__ not in ("W4A16Method", "W8A16Method", "W8A8Method")
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ValueError, match="--out .*afile is a file"):
+        quantize(str(src), "w8a16", str(tmp_path / "afile"), show_progress=False)
+
+
+def test_int4_layers_of_any_width_load(tmp_path):
+    """An int4 layer whose output width is not a multiple of 16 (aten's int4 pack needs it) keeps the reference
+    layout instead of failing at load; its outputs are the dequantized weights' (within fp32 rounding)."""
+    from infertune.layers.linear import Linear
+    from infertune.quant.int4 import W4A16Method, dequantize_int4, quantize_int4_groupwise
+
+    torch.manual_seed(0)
+    layer = Linear(64, 260, bias=False)
+    w = torch.randn(260, 64)
+    layer.weight.data.copy_(w)
+    method = W4A16Method(group_size=32)
+    layer.quant_method = method
+    method.process_weights_after_loading(layer)
+    q, s, lo = quantize_int4_groupwise(w, 32, False)
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(method.apply(layer, x), x @ dequantize_int4(q, s, lo, 32).t(), atol=1e-4, rtol=1e-4)

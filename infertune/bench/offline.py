@@ -212,7 +212,7 @@ def add_arguments(p: argparse.ArgumentParser, default_batch: list[int] | None = 
         type=int_list,
         default=default_batch or [1, 16],
         metavar="B[,B...]",
-        help="batch sizes: prompts submitted together (default: 1,16)",
+        help=f"batch sizes: prompts submitted together (default: {','.join(map(str, default_batch or [1, 16]))})",
     )
     g.add_argument(
         "--systems",
@@ -608,6 +608,12 @@ def prepare_run(args, t_begin: float) -> ParentRun:
         model_dir = Path(args.model).resolve()
         if not (model_dir / "config.json").is_file():
             raise SystemExit(f"error: --model {args.model}: not a Hugging Face model folder (no config.json)")
+        from infertune.config import ArchConfig
+
+        try:  # (an architecture the engine does not run: one line now, not a worker's traceback per system)
+            ArchConfig.from_model_dir(str(model_dir))
+        except (ValueError, FileNotFoundError) as e:
+            raise SystemExit(f"error: --model {args.model}: {e}") from None
         model_name = str(args.model)
     else:
         model_dir = ensure_model(args.preset, args.cache_dir)

@@ -88,6 +88,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.gate is not None:
         parse_gate(args.gate)  # a bad gate fails before minutes of scoring
+    for flag, least in (("context", 2), ("stride", 1), ("num_prompts", 0), ("greedy_tokens", 1), ("max_tokens", 2)):
+        value = getattr(args, flag, None)  # (said now, in the flag's name, not replaced by a default or after scoring)
+        if value is not None and value < least:
+            raise ValueError(f"--{flag.replace('_', '-')} must be at least {least}, not {value}")
     candidate = {"quant_group_size": args.quant_group_size}
     if args.keep_fp is not None:
         candidate["keep_fp"] = tuple(s.strip() for s in args.keep_fp.split(",") if s.strip())

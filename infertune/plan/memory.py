@@ -57,6 +57,12 @@ class ModelSpec:
         if qc.get("quant_method") == "fp8":
             block = qc.get("weight_block_size")
             stored = WeightFormat("fp8", block=None if block is None else tuple(int(b) for b in block))
+        own = (qc.get("infertune") or {}).get("method") if qc.get("quant_method") == "compressed-tensors" else None
+        if own in ("w8a16", "w8a8", "w4a16"):  # (what `infertune quantize` wrote: tools/quant_format.py)
+            weights = ((qc.get("config_groups") or {}).get("group_0") or {}).get("weights") or {}
+            # (w8a8 stores the same int8 weights and per-channel scales as w8a16: the same bytes)
+            name = "w8a16" if own == "w8a8" else own
+            stored = WeightFormat(name, int(weights.get("group_size") or 128))
         return cls(
             name=name,
             arch=arch,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import shlex
 from dataclasses import dataclass
+from pathlib import Path
 
 log = logging.getLogger("infertune.plan")
 
@@ -49,6 +50,12 @@ def explain(pd: dict, model: str, device: str) -> str:
         f"{pd['decode_batch']}), so prefill takes {pd['ideal_prefill_share']:.0%} of a request's instance-time; "
         f"this split serves {pd['requests_per_s']:.3g} req/s ({pd['bottleneck']}-limited; colocated "
         f"{pd['colocated_requests_per_s']:.3g})"
+        + (
+            f"; colocated serving of the same {pd['instances']} instances is faster here: "
+            f"`infertune serve --data-parallel-size {pd['instances']}` would serve more"
+            if pd["colocated_requests_per_s"] > pd["requests_per_s"]
+            else ""
+        )
     )
 
 
@@ -78,8 +85,19 @@ def choose_pd(
 
 
 def serve_command(model: str, pd: dict) -> str:
-    """The `infertune serve` command line that runs the planner's split on one host."""
-    cmd = ["infertune", "serve", "--model", model, "--pd", f"{pd['prefill_instances']}:{pd['decode_instances']}"]
+    """The `infertune serve` command line that runs the planner's split on one host: the split for --rate where one
+    was given (the fewest instances that serve it), else the split of every card. A shipped config's name (not a
+    folder) is written as MODEL_DIR, the folder of its checkpoint."""
+    from infertune.plan.memory import shipped_models
+
+    if model in shipped_models() and not Path(model).exists():
+        model = "MODEL_DIR"
+    split = (
+        (pd["prefill_instances_for_rate"], pd["decode_instances_for_rate"])
+        if pd.get("rate") is not None and pd.get("prefill_instances_for_rate")
+        else (pd["prefill_instances"], pd["decode_instances"])
+    )
+    cmd = ["infertune", "serve", "--model", model, "--pd", f"{split[0]}:{split[1]}"]
     if pd.get("cards_per_instance", 1) > 1:
         cmd += ["--tensor-parallel-size", str(pd["cards_per_instance"])]
     return shlex.join(cmd)

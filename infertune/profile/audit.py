@@ -329,6 +329,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--quantization",
         **option("quantization", help="audit the model quantized on the fly, as `generate --quantization` runs it"),
     )
+    p.add_argument("--quant-group-size", **option("quant_group_size"))
     p.add_argument("--op-table", default=None, help="audit against this JSON op table instead of the shipped one")
     p.add_argument(
         "--device",
@@ -355,6 +356,8 @@ def run(args: argparse.Namespace) -> int:
     if args.op_table and table.backend != args.backend:
         print(f"note: --op-table describes backend {table.backend!r}, --backend is {args.backend!r}", file=sys.stderr)
     quant = {"quantization": args.quantization} if getattr(args, "quantization", None) else {}
+    if quant and getattr(args, "quant_group_size", None) is not None:
+        quant["quant_group_size"] = args.quant_group_size
     max_len = _fit_len(args.model, args.prompt_len + 2)  # (raises, naming --prompt-len, when even one decode won't fit)
     decode_steps = max(1, min(NATIVE_DECODE_STEPS, _fit_len(args.model, None) - args.prompt_len - 1))
     max_len = max(max_len, args.prompt_len + decode_steps + 1)

@@ -81,17 +81,16 @@ def _pyplot():
 
 def run(args: argparse.Namespace) -> int:
     from infertune.config import ArchConfig, default_model_path
+    from infertune.files import check_writable
     from infertune.profile.timeline import profile_workload
 
-    for name in ("input_len", "output_len", "batch"):
+    for name in ("input_len", "output_len", "batch", "tensor_parallel_size"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
     if args.plot:
         _pyplot()  # fail before the run, not after it
-    for flag in ("trace", "json", "plot"):  # (a folder that is not there: said now, not after the whole run)
-        out = getattr(args, flag)
-        if out and out != "-" and not Path(out).resolve().parent.is_dir():
-            raise ValueError(f"--{flag} {out}: the folder {Path(out).resolve().parent} does not exist")
+    for flag in ("trace", "json", "plot"):  # (a path that cannot be written: said now, not after the whole run)
+        check_writable(f"--{flag}", getattr(args, flag))
     limit = ArchConfig.from_model_dir(args.model or default_model_path()).max_position_embeddings
     need = args.input_len + args.output_len
     if need > limit:
@@ -434,7 +433,10 @@ def format_report(s: dict) -> str:
         lines += _format_expert_load(s["expert_load"])
     from infertune.profile.kv_bytes import format_kv_reads  # (imports torch: not when the CLI is built)
 
-    lines += format_kv_reads(s.get("kv_reads") or {})
+    if "decode" in phases:  # (--output-len 1: no decode step, so no decode step's KV reads to report)
+        lines += format_kv_reads(s.get("kv_reads") or {})
+    else:
+        lines += ["", "no decode steps (--output-len 1): the KV-cache reads of a decode step are not measured"]
     lines += ["", "hints"]
     lines += [f"  - {h['text']}" for h in s["hints"]] or ["  none: no category crossed its threshold"]
     for k, v in s["files"].items():

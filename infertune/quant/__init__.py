@@ -121,8 +121,10 @@ def is_lm_head(name: str) -> bool:
 
 
 def keeps(config: QuantConfig, name: str) -> bool:
-    """Whether the module `name` stays in full precision (a keep_fp pattern or module prefix matches it)."""
-    return any(fnmatch.fnmatch(name, p) or name.startswith(p + ".") for p in config.keep_fp)
+    """Whether the module `name` stays in full precision: a keep_fp pattern or module prefix matches it, or it is the
+    LM head (int8 with quantize_lm_head, else full precision whatever keep_fp says: a keep_fp of the user's replaces
+    the default ("lm_head",), and an int4 head would move every logit and need a vocab the int4 layout takes)."""
+    return is_lm_head(name) or any(fnmatch.fnmatch(name, p) or name.startswith(p + ".") for p in config.keep_fp)
 
 
 def shared_parameters(model: nn.Module) -> set[int]:

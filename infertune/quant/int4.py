@@ -99,7 +99,8 @@ class W4A16Method(UnquantizedMethod):
             layer.register_buffer("w4_scale", scale)
             layer.register_buffer("w4_zero", low)
             return
-        self.fast_kernel = self.fast_kernel and device.type == "cpu"
+        # (aten's int4 pack takes N a multiple of 16; another N keeps the reference layout: dequantize, dense matmul)
+        self.fast_kernel = self.fast_kernel and device.type == "cpu" and q.shape[0] % 16 == 0
         if not self.fast_kernel:
             layer.register_buffer("q_ref", q.to(torch.uint8))
             layer.register_buffer("scale_ref", scale)

@@ -34,7 +34,7 @@ from infertune.layers.linear import Linear
 from infertune.layers.moe import Experts
 from infertune.models.loader import checkpoint_files, map_checkpoint_name
 from infertune.models.registry import get_model_class
-from infertune.quant import shared_parameters
+from infertune.quant import is_lm_head, shared_parameters
 from infertune.tools import quant_format as ckpt
 from infertune.tools.calibration import ActivationStats, calibration_samples, collect
 from infertune.tools.weight_clipping import parse_clip, quantize_int4, quantize_int8
@@ -122,7 +122,8 @@ def plan_layers(
 ) -> tuple[list[str], dict[str, tuple[str, object]]]:
     """(engine layers to quantize, {HF weight name: (engine layer, shard)}) under the engine's rule."""
     linears, shared, packed = _linear_layout(ArchConfig.from_model_dir(model))
-    chosen = sorted(n for n in linears if n not in shared and not _kept(n, keep_fp))
+    # (the LM head stays in full precision whatever keep_fp says, as in the engine: quant.keeps)
+    chosen = sorted(n for n in linears if n not in shared and not _kept(n, keep_fp) and not is_lm_head(n))
     if not chosen:
         raise ValueError(f"--keep-fp {','.join(keep_fp)} leaves no linear layer to quantize")
     targets = {}
@@ -258,6 +259,8 @@ def quantize(
     out_path = Path(out)
     if out_path.resolve() == Path(model).resolve():
         raise ValueError("--out must not be the source model's folder")
+    if out_path.exists() and not out_path.is_dir():
+        raise ValueError(f"--out {out} is a file; give a new folder for the quantized checkpoint")
     if out_path.exists() and any(out_path.iterdir()):
         raise ValueError(f"--out {out} exists and is not empty; choose a new folder")
 

@@ -67,6 +67,7 @@ def variants(args) -> list[dict]:
                         kv_cache_dtype=kv,
                         quantization=None if q == "none" else q,
                         max_running_tokens=None if cap == "none" else int(cap),
+                        **({"quant_group_size": args.quant_group_size} if q == "w4a16" else {}),
                     )
                 )
     return out
@@ -135,6 +136,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="Q[,Q...]",
         help=f"weight quantizations to try: {', '.join(quants)} (default: none)",
     )
+    p.add_argument("--quant-group-size", **option("quant_group_size"))
     p.add_argument(
         "--max-running-tokens",
         type=_choice_list("none", numbers=True),
@@ -213,13 +215,13 @@ def load_workload(args, vocab: int) -> tuple[list[list[int]], list[int]]:
 
 
 def model_vocab(model: str | None) -> tuple[str | None, int]:
-    from infertune.config import default_model_path
+    """(the model folder as an absolute path, None for the demo model; its vocabulary size), the folder checked as
+    the engine reads it (an architecture it does not run, a config.json it cannot parse: one clear error before the
+    sweep, not a failed row for every setting)."""
+    from infertune.config import ArchConfig, default_model_path
 
-    path = Path(model or default_model_path())
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise ValueError(f"--model {model}: not a Hugging Face model folder (no config.json)")
-    return model, json.loads(cfg_file.read_text())["vocab_size"]
+    arch = ArchConfig.from_model_dir(model or default_model_path())
+    return (str(Path(model).resolve()) if model is not None else None), arch.vocab_size
 
 
 def sweep(
@@ -326,6 +328,14 @@ def run(args: argparse.Namespace) -> int:
     slo = parse_slo(args.slo)
     if args.max_batch < 1:
         raise ValueError("--max-batch must be at least 1")
+    from infertune.files import check_writable
+
+    check_writable("--out-config", args.out_config, make_parents=True)
+    check_writable("--plot", args.plot, make_parents=True)
+    for flag in ("input_len", "output_len", "num_prompts", "repeats"):
+        value = getattr(args, flag, None)
+        if value is not None and value < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, not {value}")
     if args.plot is not None:  # fail before the sweep, not after it
         require_matplotlib()
     if args.kv_compression is not None:  # a bad press fails before the sweep

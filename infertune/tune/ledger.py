@@ -266,8 +266,8 @@ def build_ledger(args, progress: bool = True) -> dict:
     from infertune.tune.recommend import recommend
 
     model, hf_dir, trained = resolve_model(args)
-    vocab = json.loads((Path(hf_dir) / "config.json").read_text())["vocab_size"]
-    arch = ArchConfig.from_model_dir(hf_dir)
+    arch = ArchConfig.from_model_dir(hf_dir)  # (before anything else reads config.json: its errors are clear ones)
+    vocab = arch.vocab_size
     group_size = quant_group_size(arch, getattr(args, "quant_group_size", None))
     steps = steps_for(arch)
     from infertune.bench.offline import make_prompts
@@ -551,6 +551,10 @@ def run(args: argparse.Namespace) -> int:
         ).check()
     if args.plot is not None:
         require_matplotlib()
+    from infertune.files import check_writable
+
+    for flag in ("md", "json", "plot"):  # (a path that cannot be written: said now, not after every step ran)
+        check_writable(f"--{flag}", getattr(args, flag, None), make_parents=True)
     doc = build_ledger(args)
     md = render_markdown(doc)
     if getattr(args, "pd", False):

@@ -1,0 +1,150 @@
+"""The tuning tools' answers to what a user gets wrong (from a QA pass over plan, tune, ledger, bench, eval, profile
+and quantize): one clear error naming the flag or the file, before the long work, never a traceback after it or a
+value silently replaced; and what the tools print is what the engine will do (the serve command for a rate, the
+bytes of infertune's own quantized checkpoints).
+
+Oracles: the planner's own arithmetic (WeightFormat bytes of each stored layer) and the split it reports for the
+rate; the file system (a path that cannot be written)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import make_checkpoint
+
+from infertune.files import check_writable
+from infertune.plan.command import main as plan_main
+
+
+def _gpt2_folder(tmp_path: Path) -> Path:
+    """A folder whose config.json names an architecture the engine does not run."""
+    folder = tmp_path / "gpt2"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    return folder
+
+
+def test_check_writable_names_the_flag(tmp_path):
+    check_writable("--json", None)
+    check_writable("--json", "-")
+    check_writable("--json", tmp_path / "out.json")
+    check_writable("--json", tmp_path / "new" / "deeper" / "out.json", make_parents=True)
+    with pytest.raises(ValueError, match="--json .*the folder .* does not exist"):
+        check_writable("--json", tmp_path / "missing" / "out.json")
+    with pytest.raises(ValueError, match="--trace .* is a folder"):
+        check_writable("--trace", tmp_path)
+    if os.geteuid() != 0:  # (root writes anywhere a mode allows nothing)
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        with pytest.raises(ValueError, match="not writable"):
+            check_writable("--md", locked / "x.md")
+    with pytest.raises(ValueError, match="--out-config /proc/x.json: /proc is not writable"):
+        check_writable("--out-config", "/proc/x.json", make_parents=True)
+
+
+def test_tune_checks_the_model_and_its_numbers_before_the_sweep(tmp_path, monkeypatch):
+    from infertune.tune.command import add_arguments, model_vocab, run
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    with pytest.raises(ValueError, match="GPT2LMHeadModel.*not supported"):
+        run(parser.parse_args(["--model", str(_gpt2_folder(tmp_path))]))
+    empty = tmp_path / "cfgonly"
+    empty.mkdir()
+    (empty / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="not supported"):  # (was a bare KeyError: 'vocab_size')
+        run(parser.parse_args(["--model", str(empty)]))
+    for flag in ("--input-len", "--output-len", "--num-prompts", "--repeats"):
+        with pytest.raises(ValueError, match=f"{flag} must be at least 1, not 0"):
+            run(parser.parse_args([flag, "0"]))
+    with pytest.raises(ValueError, match="--out-config /proc/tuned.json"):
+        run(parser.parse_args(["--out-config", "/proc/tuned.json"]))
+    # the config it writes names the model by an absolute path (LLM(**config) from any folder)
+    ckpt = make_checkpoint(tmp_path / "tiny", "llama")
+    monkeypatch.chdir(tmp_path)
+    model, vocab = model_vocab("tiny")
+    assert model == str(ckpt.resolve()) and Path(model).is_absolute() and vocab > 256
+    assert model_vocab(None)[0] is None  # (the demo model stays "the default")
+
+
+def test_bench_refuses_an_unsupported_architecture_in_one_line(tmp_path):
+    from infertune.cli import build_parser
+
+    args = build_parser().parse_args(
+        ["bench", "latency", "--model", str(_gpt2_folder(tmp_path)), "--systems", "infertune"]
+    )
+    with pytest.raises(SystemExit, match="error: --model .*gpt2: .*GPT2LMHeadModel.*not supported"):
+        args.func(args)
+    latency = build_parser().parse_args(["bench", "latency"])
+    assert latency.batch == [1]
+    top = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    bench = next(a for a in top.choices["bench"]._actions if isinstance(a, argparse._SubParsersAction))
+    help_text = bench.choices["latency"].format_help()
+    assert "(default: 1)" in help_text and "(default: 1,16)" not in help_text
+
+
+def test_eval_refuses_values_it_would_replace(tmp_path):
+    from infertune.evaluate.command import add_arguments, run
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    for flags, message in [
+        (["--stride", "0"], "--stride must be at least 1, not 0"),
+        (["--context", "0"], "--context must be at least 2, not 0"),
+        (["--num-prompts", "-1"], "--num-prompts must be at least 0, not -1"),
+        (["--greedy-tokens", "0"], "--greedy-tokens must be at least 1, not 0"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            run(parser.parse_args(flags))
+
+
+def test_plan_pd_serve_command_runs_the_split_for_the_rate(capsys):
+    assert plan_main(["--model", "qwen3-8b", "--device", "910b", "--pd", "--rate", "2", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    pd = plan["pd_split"]
+    want = f"--pd {pd['prefill_instances_for_rate']}:{pd['decode_instances_for_rate']}"
+    assert want in plan["serve_command"] and "--model MODEL_DIR" in plan["serve_command"]
+    assert (pd["prefill_instances_for_rate"], pd["decode_instances_for_rate"]) != (
+        pd["prefill_instances"],
+        pd["decode_instances"],
+    )
+    if pd["colocated_requests_per_s"] > pd["requests_per_s"]:
+        assert "colocated serving of the same" in plan["serve_reason"]
+    assert plan_main(["--model", "qwen3-8b", "--device", "910b", "--pd", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert (
+        f"--pd {plan['pd_split']['prefill_instances']}:{plan['pd_split']['decode_instances']}" in plan["serve_command"]
+    )
+
+
+@pytest.mark.parametrize("method", ["w8a16", "w4a16", "w8a8"])
+def test_plan_counts_infertunes_own_quantized_checkpoints(tmp_path, capsys, method):
+    """What `infertune quantize` writes (compressed-tensors with an "infertune" entry) is planned at its stored bytes:
+    the same figure as planning the source with --weight-dtype (w8a8's int8 weights are w8a16's bytes)."""
+    src = make_checkpoint(tmp_path / "src", "llama")
+    cfg = json.loads((src / "config.json").read_text())
+    out = tmp_path / method
+    out.mkdir()
+    for f in src.iterdir():
+        if f.name != "config.json" and f.is_file():
+            shutil.copy(f, out / f.name)
+    group = {"weights": {"num_bits": 4, "group_size": 32}} if method == "w4a16" else {"weights": {"num_bits": 8}}
+    cfg["quantization_config"] = {
+        "quant_method": "compressed-tensors",
+        "config_groups": {"group_0": group},
+        "infertune": {"format_version": 1, "method": method},
+    }
+    (out / "config.json").write_text(json.dumps(cfg))
+    assert plan_main(["--model", str(out), "--device", "h100", "--context", "128", "--json"]) == 0
+    stored = json.loads(capsys.readouterr().out)
+    as_flag = "w8a16" if method == "w8a8" else method
+    args = ["--model", str(src), "--device", "h100", "--context", "128", "--json", "--weight-dtype", as_flag]
+    assert plan_main(args + (["--group-size", "32"] if method == "w4a16" else [])) == 0
+    flagged = json.loads(capsys.readouterr().out)
+    assert stored["weights"] == flagged["weights"] and stored["settings"]["weight_dtype"] == as_flag
+    assert not any("not modelled" in w for w in stored["warnings"])
