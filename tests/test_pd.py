@@ -273,7 +273,18 @@ def test_what_a_killed_engine_left_is_swept_by_the_next_engine_of_either_role(tm
         (tmp_path / name).write_bytes(b"\0" * 64)
     conn = _connector(tmp_path, "consumer")
     left = sorted(str(f.relative_to(tmp_path)) for f in tmp_path.rglob("*") if f.is_file())
-    assert left == ["consumer-consumer-test.json", "leases/live.def", "live-rank0.kv", "producer-live.json"]
+    # (a consumer keeps the dead producer's card: it names that producer to a request still pointing at it)
+    want = [
+        "consumer-consumer-test.json",
+        "leases/live.def",
+        "live-rank0.kv",
+        "producer-gone.json",
+        "producer-live.json",
+    ]
+    assert left == want
+    conn.shutdown()
+    conn = _connector(tmp_path, "producer")  # (a producer sweeps the card too)
+    assert not (tmp_path / "producer-gone.json").exists() and (tmp_path / "producer-live.json").exists()
     conn.shutdown()
 
 

@@ -205,15 +205,17 @@ class LocalConnectorScheduler(KVConnectorScheduler):
                 )
 
     def _clean_stale(self) -> None:
-        """Drop what engines that are no longer running left under the path: a producer's card, pools and leases, a
-        consumer's card (a killed engine's shutdown never ran)."""
+        """Drop what engines that are no longer running left under the path (a killed engine's shutdown never ran):
+        a producer's pools and leases, and its card where this is a producer (a consumer keeps it: it names the dead
+        producer to a request that still points at it), a consumer's card."""
         for p in [*self.path.glob("producer-*.json"), *self.path.glob("consumer-*.json")]:
             card = _read_json(p)
             if card is None or _alive(int(card.get("pid", -1))):
                 continue
             eid = card.get("engine_id", "")
-            stale = [p]
-            if card.get("role") == "producer" and eid:
+            producer = card.get("role") == "producer"
+            stale = [] if producer and self.role == "consumer" else [p]
+            if producer and eid:
                 stale += [*self.path.glob(f"{eid}-rank*.kv"), *(self.path / "leases").glob(f"{eid}.*")]
             for f in stale:
                 with contextlib.suppress(OSError):
