@@ -31,7 +31,9 @@
  *                                           define (AVX-512: its rows written past the caches)
  *   moe_linear_scratch(M, N, K, nthreads)   the bytes of scratch moe_linear needs at up to M rows of [N, K]
  *   moe_silu_mul(gu, act, M, I, nthreads)   act = bf16(bf16(silu(gate)) * up), as it_silu_mul
- * and may define MOE_ADD_ROW(acc, y, w, n) / MOE_STORE_ROW(o, acc, n), the combine's acc[j] += bf16(y[j] w) and
+ * and may define MOE_SCORES(softmax, logit, scores, E), the router's scores of one row in vectors (softmax: exp(l -
+ * max) / sum, else sigmoid), returning 0 where it leaves the row to the scalar loop (a NaN or infinite logit), and
+ * MOE_ADD_ROW(acc, y, w, n) / MOE_STORE_ROW(o, acc, n), the combine's acc[j] += bf16(y[j] w) and
  * o[j] = bf16(acc[j]) over n <= 64 features, vectorized (default: moe_add_row / moe_store_row below, scalar),
  * and MOE_BF16C where its moe_linear takes 12-bit experts: their it_lin's w points at E bf16c descriptions (expert
  * e's weight is the e-th), each a bf16 weight in the lossless 12-bit layout, bit for bit the bf16 expert's products.
@@ -153,6 +155,10 @@ static inline float moe_top(const float* v, int64_t n, int64_t k, moe_pair* q, i
 static int moe_route_row(const it_moe* m, const float* logit, const float* bias, float* scores, float* choice,
                           uint8_t* taken, float* gscore, uint8_t* gtaken, moe_pair* q, float* w, int64_t* ids) {
     const int64_t E = m->num_experts, k = m->top_k;
+#ifdef MOE_SCORES
+    if (MOE_SCORES(m->scoring == IT_MOE_SOFTMAX, logit, scores, E)) { /* (the variant's vectors: finite logits) */
+    } else
+#endif
     if (m->scoring == IT_MOE_SOFTMAX) { /* as torch: exp(l - max), times 1 / sum */
         float mx = logit[0];
         for (int64_t e = 1; e < E; e++) mx = logit[e] > mx ? logit[e] : mx;
