@@ -173,10 +173,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
     print(
         f"[infertune] prompt {len(out.prompt_token_ids)} tok | output {n_out} tok ({completion.finish_reason}) | "
         f"TTFT {m.ttft * 1000:.1f} ms | decode {decode_tps:.1f} tok/s | load {load_s:.1f} s | "
-        f"{llm.engine.executor.describe()}" + (" | token healing (--no-token-healing: off)" if healing else ""),
+        f"{llm.engine.executor.describe()}{_weights_said(llm)}"
+        + (" | token healing (--no-token-healing: off)" if healing else ""),
         file=sys.stderr,
     )
     return 0
+
+
+def _weights_said(llm) -> str:
+    """ ", weights w8a16" where the model's linears run quantized (on the fly or a quantized checkpoint); "" else."""
+    model = getattr(getattr(llm.engine.executor, "runner", None), "model", None)
+    if model is None:  # (tensor-parallel: the workers hold the model)
+        q = llm.config.quant.quantization
+        return f", weights {q}" if q else ""
+    kinds = {getattr(m.quant_method, "name", "") for m in model.modules() if getattr(m, "quant_method", None)}
+    kinds &= {"w8a16", "w4a16", "w8a8"}
+    return f", weights {'+'.join(sorted(kinds))}" if kinds else ""
 
 
 def load_config_file(path: str | None) -> dict:
@@ -519,9 +531,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _innermost(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The (sub)parser of the command args names (`bench latency`'s, not infertune's)."""
+    while True:
+        sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+        chosen = getattr(args, sub.dest, None) if sub is not None else None
+        if chosen not in getattr(sub, "choices", {}):
+            return parser
+        parser = sub.choices[chosen]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # (said by the subcommand's parser: its usage line, not the top-level one's)
+        _innermost(parser, args).error(f"unrecognized arguments: {' '.join(extra)}")
     args.argv = list(sys.argv[1:] if argv is None else argv)  # (serve --data-parallel-size relaunches with them)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"

@@ -148,3 +148,23 @@ def test_plan_counts_infertunes_own_quantized_checkpoints(tmp_path, capsys, meth
     flagged = json.loads(capsys.readouterr().out)
     assert stored["weights"] == flagged["weights"] and stored["settings"]["weight_dtype"] == as_flag
     assert not any("not modelled" in w for w in stored["warnings"])
+
+
+def test_an_unknown_flag_is_said_by_the_subcommand(capsys):
+    """`infertune bench latency --bogus`: the error and usage are bench latency's, not infertune's top level."""
+    from infertune.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["bench", "latency", "--bogus"])
+    err = capsys.readouterr().err
+    assert err.startswith("usage: infertune bench latency") and "unrecognized arguments: --bogus" in err
+    with pytest.raises(SystemExit):
+        main(["plan", "--nope", "1"])
+    assert "infertune plan: error: unrecognized arguments: --nope 1" in capsys.readouterr().err
+
+
+def test_generate_says_the_weights_quantization(capsys):
+    from infertune.cli import main
+
+    assert main(["generate", "--quantization", "w8a16", "--max-tokens", "2", "--dtype", "float32", "def f("]) == 0
+    assert ", weights w8a16" in capsys.readouterr().err

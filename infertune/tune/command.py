@@ -242,6 +242,7 @@ def sweep(
 
     settings = [(v, b, t) for v in (extra or [{}]) for t in token_values for b in batches]
     warm = [prompts[0][: max(1, min(8, len(prompts[0])))]]
+    _warm_the_process(model, base)
     rows = []
     bar = tqdm(settings, desc="tune", unit="setting", disable=not progress, file=sys.stderr)
     for v, b, t in bar:
@@ -254,6 +255,22 @@ def sweep(
         row.update(max_num_seqs=b, max_num_batched_tokens=t, variant=label)
         rows.append(row)
     return rows
+
+
+def _warm_the_process(model: str | None, base: dict) -> None:
+    """Build (and drop) one engine before the first row: the process's one-time growth (libraries, the tokenizer's
+    and the kernels' first use, ~70 MiB on the demo model) would otherwise count in the first row's RSS alone."""
+    import gc
+
+    from infertune import LLM
+
+    try:
+        llm = LLM(model, **{**{k: v for k, v in base.items() if v is not None}, "max_num_seqs": 1})
+        llm.shutdown()
+        del llm
+    except Exception:  # noqa: BLE001  (the rows say what fails; this is only the warm-up)
+        pass
+    gc.collect()
 
 
 def engine_config(model: str | None, row: dict) -> dict:
@@ -371,6 +388,7 @@ def run(args: argparse.Namespace) -> int:
         output_lens,
         args.repeats,
         extra=variants(args),
+        progress=sys.stderr.isatty(),  # (no bar's carriage-return frames in a log)
     )
     rec = recommend(rows, slo)
     picks = {"online": rec.online, "offline": rec.offline}

@@ -555,7 +555,7 @@ def run(args: argparse.Namespace) -> int:
 
     for flag in ("md", "json", "plot"):  # (a path that cannot be written: said now, not after every step ran)
         check_writable(f"--{flag}", getattr(args, flag, None), make_parents=True)
-    doc = build_ledger(args)
+    doc = build_ledger(args, progress=sys.stderr.isatty())  # (no bar's carriage-return frames in a log)
     md = render_markdown(doc)
     if getattr(args, "pd", False):
         doc["pd_split"], text = pd_split(args)
