@@ -168,3 +168,13 @@ def test_generate_says_the_weights_quantization(capsys):
 
     assert main(["generate", "--quantization", "w8a16", "--max-tokens", "2", "--dtype", "float32", "def f("]) == 0
     assert ", weights w8a16" in capsys.readouterr().err
+
+
+def test_flags_that_would_be_dropped_are_errors(capsys):
+    from infertune.cli import main
+
+    assert main(["doctor", "--quantization", "w8a16"]) == 2
+    assert "--quantization only apply with --consistency" in capsys.readouterr().err
+    assert main(["eval", "--keep-fp", "lm_head"]) == 2
+    assert "--keep-fp and --quant-group-size shape an on-the-fly --quantization" in capsys.readouterr().err
+    assert main(["eval", "--quant-group-size", "64"]) == 2

@@ -92,6 +92,11 @@ def run(args: argparse.Namespace) -> int:
         value = getattr(args, flag, None)  # (said now, in the flag's name, not replaced by a default or after scoring)
         if value is not None and value < least:
             raise ValueError(f"--{flag.replace('_', '-')} must be at least {least}, not {value}")
+    if args.quantization is None and (args.keep_fp is not None or args.quant_group_size != 128):
+        raise ValueError(  # (they would be dropped: nothing is quantized on the fly)
+            "--keep-fp and --quant-group-size shape an on-the-fly --quantization; give one (a quantized checkpoint "
+            "keeps the layers and groups it was quantized with)"
+        )
     candidate = {"quant_group_size": args.quant_group_size}
     if args.keep_fp is not None:
         candidate["keep_fp"] = tuple(s.strip() for s in args.keep_fp.split(",") if s.strip())

@@ -550,7 +550,15 @@ def run(args: argparse.Namespace) -> int:
         from infertune.profile import consistency
 
         return consistency.run(args)
+    from infertune.profile.consistency import _user_options
 
+    given = sorted(_user_options(args)[1]) + (["model"] if getattr(args, "model", None) else [])
+    given += [f for f in ("prompts", "plot", "pair", "batch") if getattr(args, f, None) is not None]
+    if given:  # (they shape the consistency check alone: not silently dropped)
+        raise ValueError(
+            f"--{', --'.join(g.replace('_', '-') for g in given)} only apply with --consistency (or --long N); "
+            "plain `infertune doctor` checks the machine and the installed packages"
+        )
     facts = gather()
     checks = check_all(facts, load_compat(args.compat))
     if args.json:
