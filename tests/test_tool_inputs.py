@@ -178,3 +178,15 @@ def test_flags_that_would_be_dropped_are_errors(capsys):
     assert main(["eval", "--keep-fp", "lm_head"]) == 2
     assert "--keep-fp and --quant-group-size shape an on-the-fly --quantization" in capsys.readouterr().err
     assert main(["eval", "--quant-group-size", "64"]) == 2
+
+
+def test_plan_warns_that_a_float32_checkpoint_runs_in_float32(tmp_path, capsys):
+    ckpt = make_checkpoint(tmp_path / "fp32", "llama")  # (saved in float32: config.json says so)
+    assert plan_main(["--model", str(ckpt), "--device", "h100", "--context", "128", "--json"]) == 0
+    warnings = json.loads(capsys.readouterr().out)["warnings"]
+    assert any("float32: the engine's dtype=auto keeps float32" in w for w in warnings)
+    import torch
+
+    bf16 = make_checkpoint(tmp_path / "bf16", "llama", dtype=torch.bfloat16)
+    assert plan_main(["--model", str(bf16), "--device", "h100", "--context", "128", "--json"]) == 0
+    assert not any("float32" in w for w in json.loads(capsys.readouterr().out)["warnings"])

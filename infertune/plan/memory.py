@@ -48,6 +48,7 @@ class ModelSpec:
     num_windowed_layers: int  # layers whose KV is capped at arch.sliding_window tokens
     weight_format: WeightFormat | None = None
     quant_method: str | None = None  # quantization_config's quant_method, also where the planner does not model it
+    checkpoint_dtype: str | None = None  # config.json's dtype / torch_dtype ("float32", "bfloat16", ...), if said
 
     @classmethod
     def from_dict(cls, cfg: dict, name: str = "model", where: str = "config.json") -> ModelSpec:
@@ -69,6 +70,7 @@ class ModelSpec:
             num_windowed_layers=sum(w is not None for w in arch.layer_windows or ()),
             weight_format=stored,
             quant_method=qc.get("quant_method"),
+            checkpoint_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
         )
 
     @classmethod

@@ -75,6 +75,11 @@ def _validate(req: PlanRequest) -> list[str]:
                 f"config.json's quantization_config (quant_method={req.spec.quant_method!r}) is not modelled: "
                 "weights are counted in bf16; pass --weight-dtype for another format"
             )
+    if req.spec.checkpoint_dtype == "float32" and req.weight_format.name == "bf16":
+        warnings.append(
+            "the checkpoint is float32: the engine's dtype=auto keeps float32, twice these weight and KV bytes; "
+            "this plan counts 16-bit, what `--dtype bfloat16` runs"
+        )
     return warnings
 
 
