@@ -80,6 +80,10 @@ class Press:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{where}: {name}={v!r} must be an integer >= 1")
+        if self.kernel_size % 2 == 0:  # (an even window has no centre: its pooled scores are one key too many)
+            raise ValueError(
+                f"{where}: kernel_size={self.kernel_size!r} must be odd (a pooling window centred on each key)"
+            )
         if not isinstance(self.n_sink, int) or isinstance(self.n_sink, bool) or self.n_sink < 0:
             raise ValueError(f"{where}: n_sink={self.n_sink!r} must be an integer >= 0")
 

@@ -386,6 +386,7 @@ def test_the_seeds_recipe_runs_end_to_end(llama):
         ),
         ({"press": "streaming_llm", "compression_ratio": 1.0}, "compression_ratio=1.0 must be in [0, 1)"),
         ({"press": "snapkv", "window_size": 0}, "window_size=0 must be an integer >= 1"),
+        ({"press": "snapkv", "kernel_size": 4}, "kernel_size=4 must be odd"),  # (an even one crashed the step)
         ({"compression_ratio": 0.5}, 'needs "press"'),
         ({"policy": [{"layers": "1-0", "window": 8}]}, "layers='1-0' is not a layer list; write \"0-1\""),
         ({"policy": [{"layers": "x", "press": "snapkv"}]}, "is not a layer list"),

@@ -201,3 +201,53 @@ def test_memory_budget_refuses_what_would_not_fit_and_the_rss_ceiling_sheds_load
                 == 200
             )
         )
+
+
+POISON = 200  # a prompt starting with this token id makes its step raise (the injected failure below)
+
+
+def _poisoned(server: ServerThread) -> None:
+    """Make every step that runs a request whose prompt starts with POISON raise, as a request the checks let through
+    and the model code cannot run would (an even SnapKV kernel did: a shape error after the forward pass)."""
+    engine = server.engine.engine
+    run = engine._run_batch
+
+    def run_batch(batch):
+        if any(s.prompt_token_ids[:1] == [POISON] for s in batch.seqs):
+            raise RuntimeError("boom: this step cannot run")
+        return run(batch)
+
+    engine._run_batch = run_batch
+
+
+def test_a_step_that_raises_fails_its_requests_and_the_server_goes_on(tiny_llama):
+    """The failed step's request is a 500 naming the cause (streamed: an error event), nothing leaks, and the next
+    requests are served as before (the offline engine's tokens); only failures in a row stop the engine."""
+    body = {"model": MODEL, "prompt": [POISON, 5, 6, 7], "max_tokens": 4, "temperature": 0}
+    good = {"model": MODEL, "prompt": [9, 10, 11], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    offline = LLM(str(tiny_llama), dtype="float32", max_model_len=MAX_LEN, block_size=4)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    want = offline.generate([{"prompt_token_ids": good["prompt"]}], params)[0].outputs[0].text
+    with ServerThread(tiny_llama) as s:
+        _poisoned(s)
+        r = httpx.post(s.url + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 500, r.text
+        err = r.json()["error"]
+        assert err["code"] == "step_failed" and "RuntimeError: boom: this step cannot run" in err["message"]
+        with httpx.stream("POST", s.url + "/v1/completions", json={**body, "stream": True}, timeout=30) as r:
+            events = [line for line in r.iter_lines() if line.startswith("data: ")]
+        assert '"step_failed"' in events[-2] and events[-1] == "data: [DONE]"
+        for _ in range(2):  # (a good request between failures resets the count)
+            r = httpx.post(s.url + "/v1/completions", json={**good, "logprobs": 0}, timeout=30)
+            assert r.status_code == 200
+            assert r.json()["choices"][0]["logprobs"]["tokens"] and s.engine.error is None
+        got = httpx.post(s.url + "/v1/completions", json=good, timeout=30).json()
+        assert got["usage"]["completion_tokens"] == 6 and got["choices"][0]["text"] == want
+        assert httpx.get(s.url + "/health").status_code == 200
+        assert wait_until(lambda: metric(s.url, "infertune_kv_blocks_used") == 0)
+        assert s.engine.num_failed_steps == 2
+        # failures in a row: the engine is taken for broken and stops (503 for everyone, as before)
+        for _ in range(3):
+            httpx.post(s.url + "/v1/completions", json=body, timeout=30)
+        assert wait_until(lambda: s.engine.error is not None)
+        assert httpx.post(s.url + "/v1/completions", json=good, timeout=30).status_code == 503

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from infertune.engine.admission import Admission, HostCost, Overloaded
 from infertune.engine.host_memory import auto_ceiling, process_rss
-from infertune.engine.llm_engine import LLMEngine
+from infertune.engine.llm_engine import LLMEngine, StepFailed
 from infertune.engine.outputs import RequestOutput
 from infertune.sampling_params import SamplingParams
 
@@ -34,6 +34,15 @@ class EngineDeadError(RuntimeError):
 
 class RequestTimeoutError(RuntimeError):
     """The request passed its deadline (LimitsConfig.request_timeout) and was aborted."""
+
+
+class RequestFailedError(RuntimeError):
+    """A step running this request raised: the step's requests were aborted and the engine went on (a 500 for
+    them; the others never see it). Several failed steps in a row stop the engine (EngineDeadError)."""
+
+
+# Failed steps in a row after which the engine is taken for broken (a dead worker fails every step) and stops.
+MAX_FAILED_STEPS = 3
 
 
 class _Mailbox:
@@ -138,6 +147,8 @@ class AsyncLLMEngine:
         self.error: BaseException | None = None
         self.num_aborted = 0
         self.num_timed_out = 0
+        self.num_failed_steps = 0  # steps that raised (their requests aborted, the engine went on)
+        self.failed_steps_in_a_row = 0
         # Finished requests by finish reason, counted here (not by the HTTP handler) so a request whose client left
         # just as it finished is still counted: each accepted request ends up finished, aborted or timed out.
         self.num_finished: dict[str, int] = {}
@@ -252,7 +263,12 @@ class AsyncLLMEngine:
                 self._expire_deadlines()
                 if self.engine.has_unfinished_requests():
                     t0 = time.perf_counter()
-                    outputs = self.engine.step()
+                    try:
+                        outputs = self.engine.step()
+                    except StepFailed as failed:
+                        self._step_failed(failed)
+                        continue
+                    self.failed_steps_in_a_row = 0
                     elapsed = time.perf_counter() - t0
                     for out in outputs:
                         self._deliver(out)
@@ -275,6 +291,30 @@ class AsyncLLMEngine:
         self._fail_all(EngineDeadError("the server is shutting down"))
         for request_id in list(self._group_of):
             self.engine.abort_request(request_id)
+
+    def _step_failed(self, failed: StepFailed) -> None:
+        """One step raised (a request's options the checks let through that the model code cannot run, a bug): its
+        requests are aborted and told why (RequestFailedError, a 500), the engine goes on for everyone else. A few
+        failures in a row mean the engine itself is broken: raised on, it stops (EngineDeadError for all)."""
+        self.failed_steps_in_a_row += 1
+        self.num_failed_steps += 1
+        if self.failed_steps_in_a_row >= MAX_FAILED_STEPS:
+            raise failed.cause
+        log.error(
+            "a step failed; its %d request(s) were aborted, the engine goes on",
+            len(failed.request_ids),
+            exc_info=failed.cause,
+        )
+        error = RequestFailedError(
+            f"the engine step running this request failed and it was aborted: {type(failed.cause).__name__}: "
+            f"{failed.cause}"
+        )
+        for request_id in failed.request_ids:
+            box = self._mailboxes.get(request_id)
+            self.engine.abort_request(request_id)
+            if box is not None:
+                box.put(error)
+            self._close(request_id)
 
     def _fail_all(self, error: EngineDeadError) -> None:
         with self._lock:

@@ -70,6 +70,14 @@ class _Request:
     prompt_logprobs: list[Logprob | None] | None = None
 
 
+class StepFailed(RuntimeError):
+    """A step raised: request_ids are its requests (the caller aborts them), cause what it raised."""
+
+    def __init__(self, request_ids: list[str], cause: BaseException) -> None:
+        super().__init__(f"a step of {len(request_ids)} request(s) failed: {type(cause).__name__}: {cause}")
+        self.request_ids, self.cause = request_ids, cause
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, show_progress: bool = False) -> None:
         from infertune.executor import create_executor  # torch is imported only with the executor
@@ -441,6 +449,13 @@ class LLMEngine:
                 return []
             assert not self.scheduler.has_unfinished(), "scheduler made no progress with requests pending"
             return []
+        try:
+            return self._run_batch(batch)
+        except Exception as e:  # (the step's requests are the caller's to abort: AsyncLLMEngine._step_failed)
+            raise StepFailed(list(dict.fromkeys(s.request_id for s in batch.seqs)), e) from e
+
+    def _run_batch(self, batch) -> list[RequestOutput]:
+        """step()'s work on the scheduled batch: the model, then each request's new tokens and outputs."""
         started = time.perf_counter()
         for seq in batch.seqs:
             req = self.requests.get(seq.request_id)

@@ -21,7 +21,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from infertune.engine.admission import NeverFits, Overloaded
-from infertune.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream, RequestTimeoutError
+from infertune.engine.async_engine import (
+    AsyncLLMEngine,
+    EngineDeadError,
+    RequestFailedError,
+    RequestStream,
+    RequestTimeoutError,
+)
 from infertune.engine.outputs import RequestOutput
 from infertune.kv_transfer import KVTransferError
 from infertune.sampling_params import ParamError, SamplingParams
@@ -122,6 +128,8 @@ def _api_error(e: BaseException, param: str) -> APIError | None:
         return APIError(503, str(e), "service_unavailable", code="engine_unavailable", retry_after=5)
     if isinstance(e, RequestTimeoutError):
         return APIError(408, str(e), "timeout_error", code="request_timeout")
+    if isinstance(e, RequestFailedError):  # (its step raised: this request aborted, the engine goes on)
+        return APIError(500, str(e), "internal_error", code="step_failed")
     if isinstance(e, KVTransferError):  # prefill/decode disaggregation: the two sides' mismatch, or a failed transfer
         type_ = "service_unavailable" if e.status == 503 else "internal_error"
         return APIError(e.status, str(e), type_, code=e.code)
@@ -489,7 +497,7 @@ class APIServer:
             if include_usage:
                 yield sse(fmt.usage_chunk([finals[i] for i in sorted(finals)]))
             yield sse("[DONE]")
-        except (EngineDeadError, RequestTimeoutError) as e:
+        except (EngineDeadError, RequestTimeoutError, RequestFailedError) as e:
             err = _api_error(e, "prompt")
             self.metrics.refuse(err.status, err.code)
             yield sse(err.body())
