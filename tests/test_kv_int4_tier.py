@@ -183,9 +183,9 @@ def _hf_gaps(llm, prompt: str, max_tokens: int):
 
 @pytest.mark.parametrize("age", [16, 0])
 def test_greedy_with_the_tier_tracks_hf(age):
-    """The demo model, fp32, chunks of 8 (every chunk after the first reads int4 context back), int4 after 16 tokens
-    or as soon as two blocks are full: its greedy picks against HF's logits at the same tokens, held as
-    test_kv_int8 holds the int8 cache."""
+    """The demo model, fp32, chunks of 8, int4 after 16 tokens or as soon as two blocks are full (the prompt's old
+    blocks go to int4 before its first decode step, the outputs' as they age): its greedy picks against HF's logits
+    at the same tokens, held as test_kv_int8 holds the int8 cache."""
     llm = LLM(dtype="float32", max_model_len=256, kv_cache_dtype="int8", kv_int4_after=age, max_num_batched_tokens=8)
     prompt = "import os\nimport sys\n\ndef main(argv):\n    parser = argparse.ArgumentParser()\n" * 3
     out, gap = _hf_gaps(llm, prompt, 64)
@@ -296,3 +296,59 @@ def test_the_int4_tier_packs_each_full_group_of_a_cut_model(tmp_path, monkeypatc
     )
     packs = _packs_int4_on_the_fused_step(monkeypatch, path, hf_model(path), 3)
     assert {p[0] for p in packs} == {0, 1}  # (group, first, second, dst): both full groups, never the window's
+
+
+def test_a_chunked_prefill_is_never_packed_so_its_first_token_is_the_int8_caches():
+    """A 300-token prompt in chunks of 32 with int4 after 32 tokens: no pack before its first token (its later chunks
+    attend to int8 KV only, so the first token's logprobs are exactly the int8 cache's at the same chunking, and do
+    not move with the chunk size more than int8 alone does); then the decode packs the old blocks."""
+    prompt = [{"prompt_token_ids": [3 + (i * 7) % 200 for i in range(300)]}]
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+
+    def first(**kw):
+        llm = LLM(dtype="float32", max_model_len=512, kv_cache_dtype="int8", enable_prefix_caching=False, **kw)
+        out = llm.generate(prompt, params)[0].outputs[0]
+        return llm, {t: round(lp.logprob, 7) for t, lp in out.logprobs[0].items()}
+
+    tier, got = first(kv_int4_after=32, max_num_batched_tokens=32)
+    assert tier.engine.block_manager.num_int4_packs == 0  # (one token: no decode step, so no pack)
+    _, plain = first(max_num_batched_tokens=32)
+    assert got == plain
+    out = tier.generate(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 8 and tier.engine.block_manager.num_int4_packs > 0
+
+
+def test_the_server_admits_what_the_tier_holds(tmp_path):
+    """n=2 x (300 + 600) tokens in a 64-block cache: 57 blocks a sequence at int8, 114 for the two; with the tier a
+    sequence holds at most its prompt at int8 (19 blocks when its prefill ends) or 32 at its end: admitted (the check
+    counted 114 and refused it), and the server's outputs are the offline engine's; without the tier it is refused
+    with the numbers."""
+    import httpx
+    from server_utils import ServerThread
+
+    ckpt = make_checkpoint(tmp_path / "llama", "llama", max_position_embeddings=1024)
+    opts = dict(
+        dtype="float32",
+        max_model_len=1024,
+        kv_cache_dtype="int8",
+        kv_int4_after=64,
+        max_num_batched_tokens=64,
+        block_size=16,
+        enable_prefix_caching=False,
+    )
+    block = 2 * 2 * 2 * (16 + 4) * 16  # layers x (K, V) x KV heads x (head_dim + fp32 scale) x tokens, int8
+    opts["kv_cache_memory_bytes"] = 64 * block
+    body = {"model": "tiny", "prompt": "a" * 300, "max_tokens": 600, "n": 2, "temperature": 0, "ignore_eos": True}
+    offline = LLM(str(ckpt), **opts)
+    assert offline.engine.executor.kv_cache_info.num_blocks == 64
+    params = SamplingParams(n=2, max_tokens=600, temperature=0, ignore_eos=True)
+    want = sorted(c.text for c in offline.generate(body["prompt"], params)[0].outputs)
+    assert offline.engine.block_manager.max_blocks_per_seq(900, 300) == 32
+    with ServerThread(ckpt, **opts) as s:
+        r = httpx.post(s.url + "/v1/completions", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        assert sorted(c["text"] for c in r.json()["choices"]) == want
+    del opts["kv_int4_after"]
+    with ServerThread(ckpt, **opts) as s:
+        r = httpx.post(s.url + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 400 and "needs 114 KV-cache blocks" in r.json()["error"]["message"]

@@ -83,7 +83,7 @@ class Admission:
         """blocks_per_seq: the most KV blocks a sequence of so many tokens holds (the block manager's: fewer than its
         tokens' blocks where layers attend within sliding windows); None: every token's block."""
         self.limits = limits
-        self.blocks_per_seq = blocks_per_seq or (lambda tokens: -(-tokens // block_size))
+        self.blocks_per_seq = blocks_per_seq or (lambda tokens, prompt=None: -(-tokens // block_size))
         self.max_num_seqs = max_num_seqs  # the most sequences that ever run (hold KV) at once
         self.kv_blocks, self.block_size = kv_blocks, block_size
         self.host = host
@@ -114,7 +114,7 @@ class Admission:
         host_bytes = 0
         together = min(n, self.max_num_seqs)  # the samples of one prompt run side by side, as many as may run
         for p, m in zip(prompt_lens, max_tokens):
-            blocks = together * self.blocks_per_seq(p + m)
+            blocks = together * self.blocks_per_seq(p + m, p)
             if blocks > self.kv_blocks:
                 raise NeverFits(
                     "n" if n > 1 else "max_tokens",

@@ -59,8 +59,9 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def max_blocks_per_seq(self, num_tokens: int) -> int:
-        """The most blocks a sequence of num_tokens holds at once (the KV cache coordinator's differ by group)."""
+    def max_blocks_per_seq(self, num_tokens: int, prompt_tokens: int | None = None) -> int:
+        """The most blocks a sequence of num_tokens holds at once (the KV cache coordinator's differ by group and
+        with the int4 tier, which reads prompt_tokens)."""
         return self.blocks_needed(num_tokens)
 
     def num_hit_tokens(self, computed_blocks: list[int]) -> int:

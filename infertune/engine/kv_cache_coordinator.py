@@ -29,7 +29,8 @@ each pair of a full group's oldest int8 entries whose tokens all lie int4_after 
 computed ones into one int4 block: in place (the first block) where that block is private and unhashed, else into
 a fresh block (the two stay valid for whoever else holds or caches them); the table keeps two entries for it, and
 only the INT4_LO one holds the reference. A sequence's int4 entries are always a prefix of its table, so nothing
-written or trimmed ever touches them. A sequence whose prefill a press is still to compress is not packed.
+written or trimmed ever touches them. A sequence whose prefill a press is still to compress is not packed, nor one
+still in its prefill (or a recompute's): the prompt's later chunks attend to int8 KV, whatever the chunk size.
 
 Invariants (beside BlockManager's): a NULL_BLOCK entry only ever precedes a windowed group's first live block; a
 hashed block is never written (a hit never covers the last token); every live entry holds one reference.
@@ -92,9 +93,25 @@ class KVCacheCoordinator(BlockManager):
         return list(self._int4_used)
 
     # ---- queries -------------------------------------------------------------------------------
-    def max_blocks_per_seq(self, num_tokens: int) -> int:
+    def max_blocks_per_seq(self, num_tokens: int, prompt_tokens: int | None = None) -> int:
+        """The most blocks a sequence of num_tokens (prompt_tokens of them its prompt; None: all) holds at once, over
+        the groups. With the int4 tier a full group's peak is the larger of its prompt at int8 (a prefill is never
+        packed: pack_int4) and its last decode step's blocks, each pair of blocks wholly int4_after behind the end
+        packed into one (the count only grows with the tokens, a block every other block past the age)."""
         chunk = self.chunk or num_tokens
-        return sum(KVCacheGroup(w, ()).max_blocks(num_tokens, self.block_size, chunk) for w in self.windows)
+        total = 0
+        for w in self.windows:
+            need = KVCacheGroup(w, ()).max_blocks(num_tokens, self.block_size, chunk)
+            if w is None and self.int4_after is not None:
+                need = min(need, self._int4_peak(num_tokens, num_tokens if prompt_tokens is None else prompt_tokens))
+            total += need
+        return total
+
+    def _int4_peak(self, num_tokens: int, prompt_tokens: int) -> int:
+        bs = self.block_size
+        pairs = (max(0, num_tokens - self.int4_after) // bs) // 2
+        end = -(-num_tokens // bs) - pairs + 1  # (+1: a pair can wait a step for the fresh block it is packed into)
+        return max(-(-min(prompt_tokens + 1, num_tokens) // bs), end)
 
     def num_hit_tokens(self, computed_blocks: list[list[int]]) -> int:
         return len(computed_blocks[0]) * self.block_size
@@ -245,8 +262,9 @@ class KVCacheCoordinator(BlockManager):
         lie int4_after or more behind its computed ones as one int4 block. Returns (group, table index, first,
         second, dst) per pair, in order; seq's tables name dst already. A fresh dst comes from the free blocks, and
         where there is none the pair waits."""
-        if self.int4_after is None or seq.num_computed_tokens == 0:
-            return []
+        if self.int4_after is None or seq.num_computed_tokens < max(len(seq) - 1, 1):
+            return []  # (only decoding: a prefill's, or a recompute's, later chunks attend to int8 KV alone, so the
+            # first token does not depend on the chunk size or on prefix-cache hits; packs wait for the decode)
         if seq.kv_kept is not None and seq.num_evicted is None:  # a press still reads this prefill's KV
             return []
         tables = self._tables(seq)

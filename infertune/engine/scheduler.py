@@ -80,7 +80,7 @@ class Scheduler:
     # ---- queue -----------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         assert seq.status is SequenceStatus.WAITING
-        need = self.block_manager.max_blocks_per_seq(seq.num_prompt_tokens + seq.max_tokens - 1)
+        need = self.block_manager.max_blocks_per_seq(seq.num_prompt_tokens + seq.max_tokens - 1, seq.num_prompt_tokens)
         assert need <= self.block_manager.num_blocks, "the engine must reject sequences larger than the KV pool"
         self.waiting.append(seq)
 
