@@ -1213,6 +1213,12 @@ class EngineConfig:
             )
         if self.cache.kv_compression is not None:
             self.cache.kv_compression.check(self.model.arch.num_hidden_layers)
+            windows = self.model.arch.layer_windows
+            if self.cache.kv_compression.presses and windows and all(w is not None for w in windows):
+                logging.getLogger(__name__).warning(
+                    "kv_compression: every layer of this model attends within its own sliding window, and windowed "
+                    "layers are never pressed: the press compresses nothing here (docs/long_context.md)"
+                )
             refusal = self.kv_compression_refusal()
             if refusal is not None:
                 drop = "drop it" if self.model.arch.mla is not None else "drop one of them"

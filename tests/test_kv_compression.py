@@ -531,3 +531,18 @@ def test_the_fused_decode_step_runs_compressed_sequences(llama, press):
     assert len(gaps) >= 7, gaps  # (every decode step)
     worst, whole = max(g for g, _ in gaps), max(w for _, w in gaps)
     assert worst <= 1.5 * whole + 0.01, gaps
+
+
+def test_a_press_on_a_model_windowed_everywhere_is_said_to_do_nothing(tmp_path, caplog):
+    import logging
+
+    from infertune.config import EngineConfig
+
+    ckpt = make_checkpoint(tmp_path / "mistral", "mistral", sliding_window=64)
+    with caplog.at_level(logging.WARNING, logger="infertune.config"):
+        EngineConfig.create(str(ckpt), kv_compression={"press": "snapkv", "compression_ratio": 0.5})
+    assert "the press compresses nothing here" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="infertune.config"):
+        EngineConfig.create(str(ckpt), kv_compression={"press": "none"})  # (none asked for: nothing to say)
+    assert "compresses nothing" not in caplog.text
