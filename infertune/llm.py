@@ -89,6 +89,7 @@ class LLM:
         use_tqdm: bool | Callable[..., tqdm] | None = None,
         lora_request=None,
         priority: list[int] | None = None,
+        tokenization_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; results come back in input order.
 
@@ -97,6 +98,8 @@ class LLM:
         the first error is raised instead. sampling_params None: get_default_sampling_params(). use_tqdm: a
         progress bar (default: with more than one prompt), or a tqdm-like class to draw it with (vLLM's).
         lora_request and a non-zero priority (vLLM's) are refused by name: no LoRA adapters, first come first served.
+        tokenization_kwargs (vLLM's): what the tokenizer is called with for text prompts, e.g.
+        {"add_special_tokens": False} or {"truncation": True, "max_length": 512} (the tokenizer's own side).
         """
         if lora_request is not None:
             raise NotImplementedError(
@@ -111,6 +114,8 @@ class LLM:
         prompts = list(prompts)
         if not prompts:
             return []
+        if tokenization_kwargs:
+            prompts = [self._tokenized(p, tokenization_kwargs) for p in prompts]
         params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
@@ -139,6 +144,18 @@ class LLM:
             for request_id in order:
                 self.engine.abort_request(request_id)
         return [results[r] for r in order]
+
+    def _tokenized(self, prompt, kwargs: dict):
+        """A text prompt (or {"prompt": text}) as {"prompt", "prompt_token_ids"} from tokenizer(text, **kwargs); other
+        prompts as they are. A kwarg the tokenizer refuses is a ValueError naming tokenization_kwargs."""
+        text = prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, dict) else None
+        if not isinstance(text, str) or (isinstance(prompt, dict) and "prompt_token_ids" in prompt):
+            return prompt
+        try:
+            ids = self.engine.tokenizer(text, **kwargs)["input_ids"]
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"tokenization_kwargs {kwargs}: the tokenizer refuses them: {e}") from None
+        return {"prompt": text, "prompt_token_ids": list(ids)}
 
     def chat(
         self,

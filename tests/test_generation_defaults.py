@@ -193,3 +193,18 @@ def test_sampling_params_clone_extra_args_and_refusals(llm):
     for name, why in [("embed", "no embedding models"), ("score", "prompt_logprobs=0"), ("beam_search", "n=")]:
         with pytest.raises(NotImplementedError, match=f"LLM.{name} is not supported: .*{why}"):
             getattr(llm, name)(["a"])
+
+
+def test_tokenization_kwargs_reach_the_tokenizer(llm):
+    """vLLM's tokenization_kwargs: the tokenizer's own truncation (its side, right here) and add_special_tokens."""
+    tok = llm.get_tokenizer()
+    text = "abcdefghij"
+    params = SamplingParams(max_tokens=1, temperature=0)
+    out = llm.generate(text, params, tokenization_kwargs={"truncation": True, "max_length": 4})[0]
+    assert (
+        out.prompt_token_ids == tok(text, truncation=True, max_length=4)["input_ids"] and len(out.prompt_token_ids) == 4
+    )
+    out = llm.generate({"prompt_token_ids": [5, 6]}, params, tokenization_kwargs={"max_length": 1})[0]
+    assert out.prompt_token_ids == [5, 6]  # (token ids are not tokenized again)
+    with pytest.raises(ValueError, match="tokenization_kwargs .* the tokenizer refuses them"):
+        llm.generate(text, params, tokenization_kwargs={"truncation": "sideways"})
