@@ -298,8 +298,8 @@ class AsyncLLMEngine:
         failures in a row mean the engine itself is broken: raised on, it stops (EngineDeadError for all)."""
         self.failed_steps_in_a_row += 1
         self.num_failed_steps += 1
-        if self.failed_steps_in_a_row >= MAX_FAILED_STEPS:
-            raise failed.cause
+        if self.failed_steps_in_a_row >= MAX_FAILED_STEPS or not self.engine.executor.recovers_from_step_errors:
+            raise failed.cause  # (a broken engine, or workers in other processes a failed step may leave waiting)
         log.error(
             "a step failed; its %d request(s) were aborted, the engine goes on",
             len(failed.request_ids),

@@ -15,6 +15,11 @@ class Executor(abc.ABC):
     def kv_cache_info(self) -> KVCacheInfo:
         """Blocks, block size and bytes per token of the KV cache the runner pre-allocated."""
 
+    # Whether the engine may go on after execute_model raised (its step's requests aborted): the model runs in this
+    # process, so nothing else waits on the failed step. Workers in other processes may be left mid-collective by a
+    # rank that raised, so there a failed step stops the engine, as before.
+    recovers_from_step_errors: bool = False
+
     @abc.abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> SamplerOutput:
         """Run one scheduled step (plain data: a worker in another process gets the same); SamplerOutput.token_ids

@@ -11,6 +11,8 @@ from infertune.scheduler_output import SchedulerOutput
 
 
 class UniProcExecutor(Executor):
+    recovers_from_step_errors = True  # (the runner is here: a step that raised leaves no other process waiting)
+
     def __init__(self, config: EngineConfig, show_progress: bool = False) -> None:
         self.backend = get_backend(config.device.device)
         self.runner = ModelRunner(config, self.backend, show_progress)
