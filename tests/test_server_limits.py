@@ -251,3 +251,15 @@ def test_a_step_that_raises_fails_its_requests_and_the_server_goes_on(tiny_llama
             httpx.post(s.url + "/v1/completions", json=body, timeout=30)
         assert wait_until(lambda: s.engine.error is not None)
         assert httpx.post(s.url + "/v1/completions", json=good, timeout=30).status_code == 503
+
+
+def test_a_failed_step_with_workers_elsewhere_stops_the_engine(tiny_llama):
+    """An executor whose workers live in other processes (recovers_from_step_errors false: a rank that raised may
+    leave the others mid-collective) stops at the first failed step: 503s, as before, rather than a hang later."""
+    with ServerThread(tiny_llama) as s:
+        _poisoned(s)
+        s.engine.engine.executor.recovers_from_step_errors = False
+        body = {"model": MODEL, "prompt": [POISON, 5], "max_tokens": 2}
+        assert httpx.post(s.url + "/v1/completions", json=body, timeout=30).status_code == 503
+        assert wait_until(lambda: s.engine.error is not None)
+        assert httpx.get(s.url + "/health").status_code == 503
