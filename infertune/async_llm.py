@@ -35,7 +35,7 @@ class AsyncLLM:
         self.config = EngineConfig.create(model, **engine_options)
         self.engine = AsyncLLMEngine(LLMEngine(self.config), cap_max_tokens=True)
         self.engine.start()
-        self._streams: dict[str, RequestStream] = {}
+        self._streams: dict[str, RequestStream | None] = {}  # (None: being submitted)
         self._ids = count()
 
     @property
@@ -55,8 +55,13 @@ class AsyncLLM:
         request_id = str(request_id) if request_id is not None else f"async-{next(self._ids)}"
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        params = sampling_params or self.engine.engine.default_sampling_params()
-        stream = await self.engine.add_request(request_id, prompt, params)
+        self._streams[request_id] = None  # (taken before the await: a second generate() with this id is refused)
+        try:
+            params = sampling_params or self.engine.engine.default_sampling_params()
+            stream = await self.engine.add_request(request_id, prompt, params)
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
         self._streams[request_id] = stream
         last: RequestOutput | None = None
         try:

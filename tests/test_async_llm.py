@@ -143,3 +143,30 @@ def test_a_memory_limit_below_the_loaded_process_refuses_to_start(tiny_llama):
     engine = LLMEngine(EngineConfig.create(str(tiny_llama), dtype="float32", max_model_len=32, memory_limit="10Mi"))
     with pytest.raises(ValueError, match="memory_limit=10 MiB is at or below what this process holds"):
         AsyncLLMEngine(engine)
+
+
+def test_two_generates_with_one_request_id_at_once_refuse_the_second_and_the_engine_goes_on(tiny_llama):
+    """Both calls passed the id check before either was admitted, and the admission's assert then stopped the engine
+    loop for good (every later generate: EngineDeadError). Now the second is a ValueError; the first runs to its end
+    with the offline engine's tokens, and the engine serves the next request."""
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    want = LLM(str(tiny_llama), **ENGINE).generate("dup", params)[0].outputs[0].token_ids
+
+    async def main():
+        async with AsyncLLM(str(tiny_llama), **ENGINE) as engine:
+
+            async def run():
+                last = None
+                async for out in engine.generate("dup", params, "same"):
+                    last = out
+                return last.outputs[0].token_ids
+
+            results = await asyncio.wait_for(asyncio.gather(run(), run(), return_exceptions=True), 30)
+            errors = [r for r in results if isinstance(r, BaseException)]
+            done = [r for r in results if not isinstance(r, BaseException)]
+            assert len(errors) == 1 and isinstance(errors[0], ValueError), results
+            assert "request id 'same' is already in use" in str(errors[0]) and done == [want]
+            again = [out async for out in engine.generate("dup", params, "same")][-1]  # (the id is free again)
+            assert again.outputs[0].token_ids == want and engine.engine.error is None
+
+    asyncio.run(main())

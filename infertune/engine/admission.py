@@ -139,7 +139,8 @@ class Admission:
 
     def reserve(self, key: str, cost: Cost, num_waiting: int) -> None:
         """Hold cost under key, or raise Overloaded when the queue or the memory has no room now."""
-        assert key not in self._held, f"{key!r} is already admitted"
+        if key in self._held:  # (a caller's id used twice at once: its second submission is refused, nothing else)
+            raise ValueError(f"request id {key!r} is already in use")
         if num_waiting + cost.seqs > self.limits.max_waiting:
             raise Overloaded(
                 "queue_full",

@@ -349,6 +349,10 @@ class AsyncLLMEngine:
         except (ValueError, Overloaded) as e:
             _resolve(sub.loop, sub.accepted, e)
             return
+        except Exception as e:  # noqa: BLE001 - one submission's failure is its own, never the engine loop's
+            log.exception("a request could not be prepared")
+            _resolve(sub.loop, sub.accepted, RequestFailedError(f"the request could not be prepared: {e}"))
+            return
         added: list[str] = []
         try:
             for request_id, prep in zip(sub.request_ids, prepared):
