@@ -233,8 +233,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     options = {**engine_kwargs(args), **load_config_file(args.config)}
     model = options.pop("model", None) or args.model
-    return serve(
-        model,
+    server = dict(
         host=args.host,
         port=args.port,
         api_key=args.api_key,
@@ -243,8 +242,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         graceful_timeout_s=args.graceful_timeout,
         tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
-        **options,
     )
+    # The server's own settings in a --config file (vLLM's config files hold them too), under their flag names,
+    # win over the flags as the engine options there do (they were passed twice: a TypeError traceback)
+    aliases = {"graceful_timeout": "graceful_timeout_s"}
+    for key in [k for k in options if aliases.get(k, k) in server]:
+        server[aliases.get(key, key)] = options.pop(key)
+    return serve(model, **server, **options)
 
 
 def _add_generate(sub) -> None:
@@ -517,8 +521,18 @@ def _add_bench(sub) -> None:
         cmd.set_defaults(func=offline.run)
 
 
+class _ExactParser(argparse.ArgumentParser):
+    """A parser (and, through add_subparsers, every subcommand's) that takes flags as written only: argparse's
+    prefix matching turned a ported `--tokenizer X` into the hidden `--tokenizer-mode X` (ignored, with a warning
+    that named the wrong option)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _ExactParser(
         prog="infertune",
         description="LLM inference engine and tuning toolkit. Run `infertune COMMAND --help` for a command's options.",
     )

@@ -475,7 +475,7 @@ class ModelConfig:
         help="Hugging Face model folder (config.json, *.safetensors and "
         "tokenizer files) (default: the built-in demo model)",
     )
-    tokenizer: str | None = _opt(None, "tokenizer folder (default: the model folder)", flag=None)
+    tokenizer: str | None = _opt(None, "tokenizer folder (default: the model folder)")
     dtype: str = _opt(
         "auto", "weights and activations dtype; auto = the checkpoint's, as the device supports", choices=DTYPES
     )

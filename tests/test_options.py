@@ -59,6 +59,7 @@ SAMPLES = {
     "memory_limit": ("1.5Gi", 3 * 2**29),
     "kv_connector_config": ('{"path": "/tmp/kv", "lease_s": 5}', {"path": "/tmp/kv", "lease_s": 5}),
     "generation_config": ("vllm", "vllm"),
+    "tokenizer": ("/tmp/some-tokenizer", "/tmp/some-tokenizer"),
     "override_generation_config": ('{"temperature": 0.5}', {"temperature": 0.5}),
 }
 # options that are only valid beside another (the config refuses them alone): the flags that go with them
@@ -133,7 +134,7 @@ def test_every_flag_maps_to_an_option_and_round_trips(command, model_dir):
         assert "model" not in kwargs  # the commands pass --model as LLM's first argument
         config = EngineConfig.create(args.model, **kwargs)
         assert _value(config, name) == expected, f"{' '.join(argv)} gave {name}={_value(config, name)!r}"
-        if name != "max_model_len":  # None there means the model's max_position_embeddings
+        if name not in ("max_model_len", "tokenizer"):  # None there means the model's positions / its folder
             plain = EngineConfig.create(None, **engine_kwargs(parser.parse_args(prefix)))
             assert _value(plain, name) == f.default, f"{name}: the flag's default is not the declared one"
 

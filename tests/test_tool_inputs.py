@@ -190,3 +190,30 @@ def test_plan_warns_that_a_float32_checkpoint_runs_in_float32(tmp_path, capsys):
     bf16 = make_checkpoint(tmp_path / "bf16", "llama", dtype=torch.bfloat16)
     assert plan_main(["--model", str(bf16), "--device", "h100", "--context", "128", "--json"]) == 0
     assert not any("float32" in w for w in json.loads(capsys.readouterr().out)["warnings"])
+
+
+def test_serve_config_may_hold_the_servers_own_settings(tmp_path):
+    """vLLM config files hold port / served_model_name / api_key beside engine options: they override the flags, as
+    the engine options there do (they were passed twice: a TypeError traceback)."""
+    from unittest import mock
+
+    from infertune.cli import main
+
+    ckpt = make_checkpoint(tmp_path / "tiny", "llama")
+    cfg = tmp_path / "serve.json"
+    cfg.write_text(json.dumps({"port": 18104, "served_model_name": "x", "graceful_timeout": 3, "max_num_seqs": 2}))
+    with mock.patch("infertune.serve.launcher.serve", return_value=0) as serve:
+        assert main(["serve", "--model", str(ckpt), "--config", str(cfg), "--port", "9"]) == 0
+    kw = serve.call_args.kwargs
+    assert (kw["port"], kw["served_model_name"], kw["graceful_timeout_s"], kw["max_num_seqs"]) == (18104, "x", 3, 2)
+
+
+def test_flags_are_taken_as_written_not_by_prefix(tmp_path):
+    """`--tokenizer X` was argparse's prefix of the hidden vLLM flag --tokenizer-mode (ignored with a warning); it is
+    the engine's tokenizer option now, and no flag matches by prefix."""
+    from infertune.cli import build_parser, engine_kwargs
+
+    args = build_parser().parse_args(["serve", "--tokenizer", "/tmp/tok"])
+    assert engine_kwargs(args)["tokenizer"] == "/tmp/tok" and "tokenizer_mode" not in engine_kwargs(args)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--max-model", "64"])
