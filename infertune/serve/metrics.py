@@ -91,7 +91,10 @@ class _EngineCollector:
             family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
             yield family(f"infertune_{name}", help_, value)
         finished = CounterMetricFamily(
-            "infertune_requests", "Finished requests by finish reason", labels=["finish_reason"]
+            "infertune_requests",
+            "Finished sequences by finish reason: a request with n samples or several prompts counts each one (the "
+            "latency histograms count requests)",
+            labels=["finish_reason"],
         )
         for reason, count in sorted(dict(self.engine.num_finished).items()):
             finished.add_metric([reason], count)
