@@ -194,6 +194,39 @@ def test_sigterm_under_load_drains_in_flight_and_exits_zero(tiny_llama):
     assert drained_s < 15 + 5
 
 
+def test_streams_still_running_when_the_grace_period_ends_close_with_an_error_event(tiny_llama):
+    """SIGTERM with a grace period of 1 s and streams far from done: they end with an error event ("the server is
+    shutting down") and [DONE] just before uvicorn would cancel them mid-chunk (a cut transfer, tracebacks in the
+    log); a plain request gets a 503; the process exits 0."""
+    with ServerProcess(tiny_llama, "--max-model-len", "256", grace=1) as server:
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 250, "temperature": 0, "ignore_eos": True, "n": 64}
+
+        async def load():
+            async with httpx.AsyncClient(base_url=server.url, timeout=60) as h:
+
+                async def streamed():
+                    lines = []
+                    async with h.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                        async for line in r.aiter_lines():
+                            if line.startswith("data: "):
+                                lines.append(line)
+                    return lines
+
+                async def plain():
+                    return await h.post("/v1/completions", json=body)
+
+                tasks = [asyncio.create_task(streamed()), asyncio.create_task(plain())]
+                await asyncio.sleep(1.0)  # both in flight, far from their 250 tokens
+                server.proc.send_signal(signal.SIGTERM)
+                return await asyncio.gather(*tasks)
+
+        lines, plain = asyncio.run(load())
+        assert server.proc.wait(timeout=30) == 0
+    assert lines[-1] == "data: [DONE]" and "the server is shutting down" in lines[-2], lines[-3:]
+    assert plain.status_code == 503 and "shutting down" in plain.json()["error"]["message"]
+    assert "Cancel" not in server.log and "Traceback" not in server.log, server.log[-2000:]
+
+
 def test_sigkill_of_a_client_process_loses_nothing_on_the_server(tiny_llama, tmp_path):
     with ServerProcess(tiny_llama, "--max-model-len", "256", "--max-num-seqs", "1") as server:
         client = tmp_path / "client.py"

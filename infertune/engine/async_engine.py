@@ -148,6 +148,7 @@ class AsyncLLMEngine:
         self.num_aborted = 0
         self.num_timed_out = 0
         self.num_failed_steps = 0  # steps that raised (their requests aborted, the engine went on)
+        self._end_in_flight = threading.Event()  # (end_in_flight: the server's grace period is over)
         self.failed_steps_in_a_row = 0
         # Finished requests by finish reason, counted here (not by the HTTP handler) so a request whose client left
         # just as it finished is still counted: each accepted request ends up finished, aborted or timed out.
@@ -185,6 +186,13 @@ class AsyncLLMEngine:
             self.measure_host_cost()
         self._thread = threading.Thread(target=self._run, name="infertune-engine", daemon=True)
         self._thread.start()
+
+    def end_in_flight(self) -> None:
+        """End every request now (the server's grace period is over): each consumer gets EngineDeadError "the server
+        is shutting down" (a stream's error event, a 503), the engine frees their blocks; new ones keep coming in
+        only until the server stops accepting. Thread-safe: done by the engine thread before its next step."""
+        self._end_in_flight.set()
+        self._wake.set()
 
     def shutdown(self, timeout: float = 5.0) -> None:
         self._stop.set()
@@ -261,6 +269,9 @@ class AsyncLLMEngine:
             while not self._stop.is_set():
                 self._drain_inbox()
                 self._expire_deadlines()
+                if self._end_in_flight.is_set():
+                    self._end_in_flight.clear()
+                    self._end_all(EngineDeadError("the server is shutting down"))
                 if self.engine.has_unfinished_requests():
                     t0 = time.perf_counter()
                     try:
@@ -312,6 +323,16 @@ class AsyncLLMEngine:
         for request_id in failed.request_ids:
             box = self._mailboxes.get(request_id)
             self.engine.abort_request(request_id)
+            if box is not None:
+                box.put(error)
+            self._close(request_id)
+
+    def _end_all(self, error: EngineDeadError) -> None:
+        """Abort every admitted request and hand its consumer `error` (engine thread)."""
+        for request_id in list(self._group_of):
+            box = self._mailboxes.get(request_id)
+            if self.engine.abort_request(request_id):
+                self.num_aborted += 1
             if box is not None:
                 box.put(error)
             self._close(request_id)

@@ -61,6 +61,7 @@ def serve(
             timeout_graceful_shutdown=graceful_timeout_s,
         )
     )
+    server.engine = async_engine  # (at the grace period's end its requests end, so their streams close cleanly)
     server.run()  # returns after SIGINT / SIGTERM once in-flight requests finish or the grace period ends
     return 0
 
@@ -70,7 +71,24 @@ def _graceful_server_class():
 
     class GracefulServer(uvicorn.Server):
         """uvicorn re-raises SIGTERM after its graceful shutdown (so the process dies by the signal);
-        a server that finished its work cleanly should exit 0 instead."""
+        a server that finished its work cleanly should exit 0 instead. Where it serves an engine (`engine`), the
+        requests still running half a second before the grace period ends are ended (EngineDeadError "the server is
+        shutting down"): a stream then closes with its error event and [DONE], a plain request gets its 503, where
+        uvicorn would cancel their tasks mid-chunk."""
+
+        engine = None
+
+        async def shutdown(self, sockets=None):
+            import asyncio
+
+            grace, handle = self.config.timeout_graceful_shutdown, None
+            if self.engine is not None and grace is not None:
+                handle = asyncio.get_running_loop().call_later(max(grace - 0.5, 0.0), self.engine.end_in_flight)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                if handle is not None:
+                    handle.cancel()
 
         @contextlib.contextmanager
         def capture_signals(self):
