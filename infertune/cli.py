@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -46,6 +47,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     from infertune.config import VLLM_GPU_OPTIONS
 
+    # vLLM's --enable-prefix-caching: the default here (--no-prefix-caching turns it off); hidden, a no-op
+    p.add_argument(
+        "--enable-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help=argparse.SUPPRESS,
+    )
     for name, (kind, _) in VLLM_GPU_OPTIONS.items():  # (ported `vllm serve` lines: taken with a warning, unlisted)
         flag = "--" + name.replace("_", "-")
         if kind == "switch":
@@ -236,7 +245,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     server = dict(
         host=args.host,
         port=args.port,
-        api_key=args.api_key,
+        api_key=args.api_key or os.environ.get("INFERTUNE_API_KEY") or os.environ.get("VLLM_API_KEY") or None,
         served_model_name=args.served_model_name,
         max_body_bytes=args.max_body_bytes,
         graceful_timeout_s=args.graceful_timeout,
@@ -293,7 +302,11 @@ def _add_serve(sub) -> None:
     )
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     srv.add_argument("--port", type=port_number, default=8000, help="port, 0-65535 (0: any free one) (default: 8000)")
-    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* routes")
+    srv.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1/* routes (default: $INFERTUNE_API_KEY, else $VLLM_API_KEY)",
+    )
     srv.add_argument("--served-model-name", default=None, help="model name clients send (default: the folder's name)")
     from infertune.serve.tool_parsers import TOOL_PARSERS
 

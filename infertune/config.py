@@ -1031,6 +1031,7 @@ VLLM_GPU_OPTIONS = {
     "trust_remote_code": ("switch", "no code is run from the model folder; the architectures are built in"),
     "disable_log_stats": ("switch", "the server's statistics are on /metrics"),
     "tokenizer_mode": ("value", "the folder's tokenizer is loaded with transformers' AutoTokenizer"),
+    "disable_log_requests": ("switch", "requests are not logged one by one here"),
 }
 
 

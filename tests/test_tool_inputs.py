@@ -217,3 +217,31 @@ def test_flags_are_taken_as_written_not_by_prefix(tmp_path):
     assert engine_kwargs(args)["tokenizer"] == "/tmp/tok" and "tokenizer_mode" not in engine_kwargs(args)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--max-model", "64"])
+
+
+def test_ported_vllm_serve_lines_and_the_models_route(tmp_path, monkeypatch):
+    """`vllm serve` flags that are this engine's defaults or mean nothing here parse (--enable-prefix-caching keeps
+    the cache on, --disable-log-requests is one warning); VLLM_API_KEY protects /v1/* as --api-key does;
+    GET /v1/models/{id} is the model card (OpenAI's models.retrieve), another name a 404 model_not_found."""
+    from unittest import mock
+
+    import openai
+    from server_utils import ServerThread
+
+    from infertune.cli import build_parser, engine_kwargs, main
+
+    args = build_parser().parse_args(["serve", "--enable-prefix-caching", "--disable-log-requests"])
+    kw = engine_kwargs(args)
+    assert kw["enable_prefix_caching"] is True and kw["disable_log_requests"] is True
+    assert engine_kwargs(build_parser().parse_args(["serve", "--no-prefix-caching"]))["enable_prefix_caching"] is False
+    ckpt = make_checkpoint(tmp_path / "tiny", "llama")
+    monkeypatch.setenv("VLLM_API_KEY", "sekret")
+    with mock.patch("infertune.serve.launcher.serve", return_value=0) as serve:
+        assert main(["serve", "--model", str(ckpt)]) == 0
+    assert serve.call_args.kwargs["api_key"] == "sekret"
+    with ServerThread(ckpt) as s:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+        card = client.models.retrieve("tiny")
+        assert card.id == "tiny" and card.created > 0 and client.models.list().data[0].id == "tiny"
+        with pytest.raises(openai.NotFoundError, match="model_not_found|does not exist"):
+            client.models.retrieve("other")

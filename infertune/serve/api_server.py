@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 
@@ -217,6 +218,7 @@ class APIServer:
 
     def __init__(self, engine: AsyncLLMEngine, model_name: str, api_key: str | None = None) -> None:
         self.engine, self.model_name, self.api_key = engine, model_name, api_key
+        self.started = int(time.time())  # (/v1/models' "created": when this server came up)
         self.tool_call_parser: str | None = None  # tool_choice "auto" (set by create_app)
         self.enable_auto_tool_choice = False
         self.metrics = ServerMetrics(engine)
@@ -235,6 +237,7 @@ class APIServer:
             responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text exposition format"}},
         )(self.prometheus)
         app.get("/v1/models", responses=error_responses(401))(self.models)
+        app.get("/v1/models/{model_id:path}", responses=error_responses(401, 404))(self.model)
         app.get("/kv_transfer")(self.kv_transfer)  # (what P/D role and KV layout this server has: the router checks it)
         # (a producer's lease the decode side will not load: the router ends it; not in the OpenAPI schema)
         app.post("/kv_transfer/release", include_in_schema=False)(self.kv_transfer_release)
@@ -311,19 +314,23 @@ class APIServer:
     async def prometheus(self):
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    async def models(self):
+    def model_card(self) -> dict:
         return {
-            "object": "list",
-            "data": [
-                {
-                    "id": self.model_name,
-                    "object": "model",
-                    "created": 0,
-                    "owned_by": "infertune",
-                    "max_model_len": self.engine.engine.max_model_len,
-                }
-            ],
+            "id": self.model_name,
+            "object": "model",
+            "created": self.started,
+            "owned_by": "infertune",
+            "root": self.engine.engine.config.model.model,
+            "parent": None,
+            "max_model_len": self.engine.engine.max_model_len,
         }
+
+    async def models(self):
+        return {"object": "list", "data": [self.model_card()]}
+
+    async def model(self, model_id: str):
+        self.check_model(model_id)  # (OpenAI's models.retrieve: a 404 model_not_found for another name)
+        return self.model_card()
 
     async def completions(self, req: CompletionRequest, request: Request):
         self.check_model(req.model)
