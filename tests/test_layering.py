@@ -38,6 +38,7 @@ RANKS = {
     "evaluate": 7,
     "tools": 7,
     "plotting": 7,
+    "files": 7,
     "__main__": 7,
 }
 

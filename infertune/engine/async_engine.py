@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from infertune.engine.admission import Admission, HostCost, Overloaded
 from infertune.engine.host_memory import auto_ceiling, process_rss
-from infertune.engine.llm_engine import LLMEngine, StepFailed
+from infertune.engine.llm_engine import STEP_REQUESTS, LLMEngine
 from infertune.engine.outputs import RequestOutput
 from infertune.sampling_params import SamplingParams
 
@@ -276,8 +276,10 @@ class AsyncLLMEngine:
                     t0 = time.perf_counter()
                     try:
                         outputs = self.engine.step()
-                    except StepFailed as failed:
-                        self._step_failed(failed)
+                    except Exception as e:  # noqa: BLE001 - a failed step: its requests only, where that is safe
+                        if getattr(e, STEP_REQUESTS, None) is None:
+                            raise  # (not a step's failure: the loop's own, fatal as before)
+                        self._step_failed(getattr(e, STEP_REQUESTS), e)
                         continue
                     self.failed_steps_in_a_row = 0
                     elapsed = time.perf_counter() - t0
@@ -303,24 +305,19 @@ class AsyncLLMEngine:
         for request_id in list(self._group_of):
             self.engine.abort_request(request_id)
 
-    def _step_failed(self, failed: StepFailed) -> None:
+    def _step_failed(self, request_ids: list[str], cause: Exception) -> None:
         """One step raised (a request's options the checks let through that the model code cannot run, a bug): its
         requests are aborted and told why (RequestFailedError, a 500), the engine goes on for everyone else. A few
         failures in a row mean the engine itself is broken: raised on, it stops (EngineDeadError for all)."""
         self.failed_steps_in_a_row += 1
         self.num_failed_steps += 1
         if self.failed_steps_in_a_row >= MAX_FAILED_STEPS or not self.engine.executor.recovers_from_step_errors:
-            raise failed.cause  # (a broken engine, or workers in other processes a failed step may leave waiting)
-        log.error(
-            "a step failed; its %d request(s) were aborted, the engine goes on",
-            len(failed.request_ids),
-            exc_info=failed.cause,
-        )
+            raise cause  # (a broken engine, or workers in other processes a failed step may leave waiting)
+        log.error("a step failed; its %d request(s) were aborted, the engine goes on", len(request_ids), exc_info=cause)
         error = RequestFailedError(
-            f"the engine step running this request failed and it was aborted: {type(failed.cause).__name__}: "
-            f"{failed.cause}"
+            f"the engine step running this request failed and it was aborted: {type(cause).__name__}: {cause}"
         )
-        for request_id in failed.request_ids:
+        for request_id in request_ids:
             box = self._mailboxes.get(request_id)
             self.engine.abort_request(request_id)
             if box is not None:

@@ -8,6 +8,7 @@ output at the token that completes it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -70,12 +71,9 @@ class _Request:
     prompt_logprobs: list[Logprob | None] | None = None
 
 
-class StepFailed(RuntimeError):
-    """A step raised: request_ids are its requests (the caller aborts them), cause what it raised."""
-
-    def __init__(self, request_ids: list[str], cause: BaseException) -> None:
-        super().__init__(f"a step of {len(request_ids)} request(s) failed: {type(cause).__name__}: {cause}")
-        self.request_ids, self.cause = request_ids, cause
+# The attribute an exception raised by LLMEngine.step carries: the ids of the step's requests (the async engine
+# aborts them and goes on). The exception itself is re-raised as it was: callers catch the types they know.
+STEP_REQUESTS = "infertune_step_request_ids"
 
 
 class LLMEngine:
@@ -452,7 +450,9 @@ class LLMEngine:
         try:
             return self._run_batch(batch)
         except Exception as e:  # (the step's requests are the caller's to abort: AsyncLLMEngine._step_failed)
-            raise StepFailed(list(dict.fromkeys(s.request_id for s in batch.seqs)), e) from e
+            with contextlib.suppress(AttributeError, TypeError):
+                setattr(e, STEP_REQUESTS, list(dict.fromkeys(s.request_id for s in batch.seqs)))
+            raise
 
     def _run_batch(self, batch) -> list[RequestOutput]:
         """step()'s work on the scheduled batch: the model, then each request's new tokens and outputs."""
