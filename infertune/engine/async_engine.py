@@ -318,21 +318,22 @@ class AsyncLLMEngine:
             f"the engine step running this request failed and it was aborted: {type(cause).__name__}: {cause}"
         )
         for request_id in request_ids:
-            box = self._mailboxes.get(request_id)
-            self.engine.abort_request(request_id)
-            if box is not None:
-                box.put(error)
-            self._close(request_id)
+            self._end_request(request_id, error)
 
     def _end_all(self, error: EngineDeadError) -> None:
         """Abort every admitted request and hand its consumer `error` (engine thread)."""
         for request_id in list(self._group_of):
-            box = self._mailboxes.get(request_id)
-            if self.engine.abort_request(request_id):
-                self.num_aborted += 1
-            if box is not None:
-                box.put(error)
-            self._close(request_id)
+            self.num_aborted += self._end_request(request_id, error)
+
+    def _end_request(self, request_id: str, error: BaseException) -> bool:
+        """Abort one admitted request, hand its consumer `error` (its last output was delivered if it had finished:
+        the mailbox is gone then) and close it (engine thread). Returns whether it was still running."""
+        box = self._mailboxes.get(request_id)
+        aborted = self.engine.abort_request(request_id)
+        if aborted and box is not None:
+            box.put(error)
+        self._close(request_id)
+        return aborted
 
     def _fail_all(self, error: EngineDeadError) -> None:
         with self._lock:
@@ -404,10 +405,7 @@ class AsyncLLMEngine:
                 " and was aborted"
             )
             for request_id in request_ids:
-                box = self._mailboxes.get(request_id)
-                if self.engine.abort_request(request_id) and box is not None:
-                    box.put(error)
-                self._close(request_id)
+                self._end_request(request_id, error)
 
     def _close(self, request_id: str) -> None:
         """The request is done (finished, aborted or expired): forget its mailbox, release its submission."""

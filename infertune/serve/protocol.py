@@ -247,6 +247,7 @@ class _SamplingFields(_StructuredFields):
         logprobs: int | None,
         prompt_logprobs: int | None = None,
         defaults: dict | None = None,
+        default_max_tokens: bool = False,
     ) -> SamplingParams:
         """The request's SamplingParams; `defaults` (the engine's sampling_defaults: the model's
         generation_config.json) fills the sampling fields the request left unset, as vLLM does."""
@@ -276,12 +277,12 @@ class _SamplingFields(_StructuredFields):
             bad_words=self.bad_words,
         )
         for name, value in (defaults or {}).items():
-            if name != "max_tokens" and fields.get(name, 0) is None:
+            if name != "max_tokens" and name in fields and fields[name] is None:
                 fields[name] = value
-        soft = False  # (the model's max_new_tokens: capped to the prompt's room, not refused, as vLLM does)
+        soft = default_max_tokens  # (a default, not the client's: capped to the prompt's room, as vLLM does)
         if max_tokens is None and defaults and "max_tokens" not in self.model_fields_set:
             max_tokens = defaults.get("max_tokens")
-            soft = max_tokens is not None
+            soft = soft or max_tokens is not None
         # None means "the default"; max_tokens None means "up to the context length".
         fields = {k: v for k, v in fields.items() if v is not None}
         return SamplingParams(max_tokens=max_tokens, max_tokens_is_default=soft, **fields)
@@ -313,11 +314,11 @@ class CompletionRequest(_SamplingFields):
     def completion_params(self, defaults: dict | None = None) -> SamplingParams:
         scored = self.echo and (self.logprobs is not None or self.max_tokens == 0)
         max_tokens = self.max_tokens
-        if "max_tokens" not in self.model_fields_set and (defaults or {}).get("max_tokens") is not None:
+        unset = "max_tokens" not in self.model_fields_set  # (16 or the model's: capped to the room, as vLLM does)
+        if unset and (defaults or {}).get("max_tokens") is not None:
             max_tokens = min(max_tokens, defaults["max_tokens"])  # (vLLM's rule: the model's, at most 16)
-        params = self.sampling_params(max_tokens, self.logprobs, (self.logprobs or 0) if scored else None, defaults)
-        if "max_tokens" not in self.model_fields_set:  # (16 or the model's: capped to the room, as vLLM does)
-            params = replace(params, max_tokens_is_default=True)
+        prompt_lp = (self.logprobs or 0) if scored else None
+        params = self.sampling_params(max_tokens, self.logprobs, prompt_lp, defaults, default_max_tokens=unset)
         return replace(params, token_healing=True) if self.token_healing else params
 
     def prompts(self) -> list[object]:
