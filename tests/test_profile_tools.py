@@ -399,3 +399,32 @@ def test_debug_layers_threshold_flags_bf16_rounding(tiny3, capsys):
     assert debug_layers.run(args) == 1
     out = json.loads(capsys.readouterr().out)
     assert out["first_divergent"]["module"] == "model.layers.0.mlp.down_proj"
+
+
+def test_profiling_keeps_kinetos_start_and_stop_chatter_out_of_stderr(capfd):
+    """torch's kineto writes `STAGE:` / `USDT:` lines to fd 2 at each profiler start and stop (between a tool's
+    progress and its tables); quiet_profile drops those and nothing else, and the profile still records."""
+    import os
+    import sys
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from infertune.profile.quiet import _kineto_chatter_dropped, quiet_profile
+
+    def chatter(text):
+        return [ln for ln in text.splitlines() if ln.startswith(("STAGE:", "USDT:"))]
+
+    with _kineto_chatter_dropped():
+        os.write(2, b"USDT:12:00 1:1 x.cpp:52] profiler_start\nan error kineto reports\nSTAGE:12:00 done\n")
+    assert capfd.readouterr().err == "an error kineto reports\n"
+
+    with profile(activities=[ProfilerActivity.CPU]):
+        torch.ones(3).add_(1)
+    if not chatter(capfd.readouterr().err):
+        pytest.skip("this torch's profiler writes no STAGE / USDT lines to compare against")
+    with quiet_profile(activities=[ProfilerActivity.CPU]) as prof:
+        print("written while profiling", file=sys.stderr)
+        torch.ones(3).add_(1)
+    err = capfd.readouterr().err
+    assert chatter(err) == [] and "written while profiling" in err
+    assert any(e.name == "aten::add_" for e in prof.events())

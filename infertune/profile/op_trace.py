@@ -227,7 +227,9 @@ def trace_native_steps(llm, prompt_len: int, sample: bool = False, decode_steps:
     engine's fused calls, rows and seconds per part) and runner.decode_kernels (None or the kernels). Like
     trace_engine_steps, the request is aborted afterwards.
     """
-    from torch.profiler import ProfilerActivity, profile, record_function
+    from torch.profiler import ProfilerActivity, record_function
+
+    from infertune.profile.quiet import quiet_profile
 
     engine = llm.engine
     runner = engine.executor.runner
@@ -238,7 +240,7 @@ def trace_native_steps(llm, prompt_len: int, sample: bool = False, decode_steps:
     phases = _audit_request(engine, prompt_len, sample, decode_steps, salt=1)
     parts: list[dict] = []
     try:
-        with profile(activities=[ProfilerActivity.CPU]) as prof:  # the kernels open their ranges only under one
+        with quiet_profile(activities=[ProfilerActivity.CPU]) as prof:  # the kernels open their ranges only under one
             for i in range(len(phases)):
                 if timers is not None:
                     timers(reset=True)

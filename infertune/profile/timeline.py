@@ -33,6 +33,7 @@ from infertune.profile.profile_categories import (
     module_scope_kind,
     scope_kind,
 )
+from infertune.profile.quiet import quiet_profile
 
 try:
     import resource
@@ -433,7 +434,7 @@ def profile_workload(llm, input_len: int, output_len: int, batch: int, params, w
                     baseline_fused.setdefault(r.phase, []).append(r.fused)
     launch_us = measure_launch_us(backend)
     with Instrumentation(llm) as ins:
-        with profile(activities=profiler_activities(backend)) as prof:
+        with quiet_profile(activities=profiler_activities(backend)) as prof:
             with torch.inference_mode():  # the profiler's first events pay its lazy start-up: not in any step
                 x = torch.zeros(1, device=backend.device)
                 for _ in range(20):
