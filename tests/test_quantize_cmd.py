@@ -326,3 +326,37 @@ def test_int4_layers_of_any_width_load(tmp_path):
     q, s, lo = quantize_int4_groupwise(w, 32, False)
     x = torch.randn(3, 64)
     torch.testing.assert_close(method.apply(layer, x), x @ dequantize_int4(q, s, lo, 32).t(), atol=1e-4, rtol=1e-4)
+
+
+@needs_loader
+def test_quantize_checks_the_reports_inputs_first_and_says_where_a_failed_report_left_the_checkpoint(
+    tmp_path, capsys, monkeypatch
+):
+    """A missing --eval-data is said before any quantizing (nothing written); a report that fails after the
+    checkpoint is written says the checkpoint is complete and how to score it alone, and the checkpoint loads."""
+    from infertune.evaluate import accuracy
+
+    def run(*argv):
+        parser = argparse.ArgumentParser()
+        command.add_arguments(parser)
+        return command.run(parser.parse_args(list(argv)))
+
+    src = make_checkpoint(tmp_path / "src", "llama")
+    out = tmp_path / "w8"
+    base = ("--model", str(src), "--method", "w8a16", "--out", str(out), "--num-samples", "2")
+    with pytest.raises(FileNotFoundError, match="no-such.txt"):
+        run(*base, "--eval-data", str(tmp_path / "no-such.txt"))
+    with pytest.raises(ValueError, match="--eval-max-tokens 1"):
+        run(*base, "--eval-max-tokens", "1")
+    assert not out.exists()
+
+    def broken(*a, **k):
+        raise RuntimeError("the scorer ran out of memory")
+
+    monkeypatch.setattr(accuracy, "compare", broken)
+    assert run(*base) == 1
+    err = capsys.readouterr().err
+    assert f"the quantized checkpoint in {out} is complete" in err and "ran out of memory" in err
+    assert f"infertune eval --model {out} --compare {src}" in err
+    llm = LLM(model=str(out), dtype="float32")
+    assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0))[0].outputs[0].token_ids

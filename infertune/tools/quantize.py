@@ -105,6 +105,13 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--gate needs the accuracy report; drop --no-eval")
         if not loader_reads_quantized_checkpoints():
             raise ValueError("--gate needs a loader that reads quantized checkpoints (this infertune's does not)")
+    if not args.no_eval:  # the report's own inputs, checked before minutes of quantizing rather than after
+        from infertune.evaluate.data import load_documents
+
+        if args.eval_data is not None:
+            load_documents(args.eval_data)
+        if args.eval_max_tokens is not None and args.eval_max_tokens < 2:
+            raise ValueError(f"--eval-max-tokens {args.eval_max_tokens} must be at least 2")
     keep = tuple(s.strip() for s in args.keep_fp.split(",") if s.strip())
     result = quantize(
         args.model,
@@ -130,12 +137,21 @@ def run(args: argparse.Namespace) -> int:
     if not loader_reads_quantized_checkpoints():
         print("accuracy report skipped: this infertune's loader cannot read quantized checkpoints yet", file=sys.stderr)
         return 0
-    report = compare(
-        args.out,
-        args.model,
-        data=args.eval_data,
-        max_tokens=args.eval_max_tokens,
-        engine_options={"dtype": args.dtype, "device": args.device},
-        show_progress=sys.stderr.isatty(),
-    )
+    try:
+        report = compare(
+            args.out,
+            args.model,
+            data=args.eval_data,
+            max_tokens=args.eval_max_tokens,
+            engine_options={"dtype": args.dtype, "device": args.device},
+            show_progress=sys.stderr.isatty(),
+        )
+    except (Exception, KeyboardInterrupt) as e:
+        # The checkpoint is whole (written before the report began): say so, and how to score it again alone.
+        print(
+            f"the quantized checkpoint in {args.out} is complete, but its accuracy report failed: "
+            f"{type(e).__name__}: {e}\nscore it again with: infertune eval --model {args.out} --compare {args.model}",
+            file=sys.stderr,
+        )
+        return 130 if isinstance(e, KeyboardInterrupt) else 1
     return report_and_gate(report, args.gate, args.json)
