@@ -297,8 +297,9 @@ def _add_serve(sub) -> None:
         help="run the OpenAI-compatible HTTP server",
         description="Serve a model over an OpenAI-compatible HTTP API: /v1/completions, "
         "/v1/chat/completions (streaming with stream=true), /v1/models, /health and Prometheus "
-        "/metrics. With no --model the built-in demo model is served. SIGTERM stops accepting, "
-        "lets in-flight requests finish within --graceful-timeout, then exits 0.",
+        "/metrics (infertune_* and vLLM's vllm:* names, labelled model_name). With no --model the built-in demo "
+        "model is served. SIGTERM stops accepting, lets in-flight requests finish within --graceful-timeout, then "
+        "exits 0.",
     )
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     srv.add_argument("--port", type=port_number, default=8000, help="port, 0-65535 (0: any free one) (default: 8000)")

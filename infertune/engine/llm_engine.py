@@ -254,6 +254,10 @@ class LLMEngine:
         text, ids = self.tokenize(prompt)
         if not ids:
             raise ValueError("the prompt is empty (0 tokens); give at least one token of text")
+        keep = params.truncate_prompt_tokens
+        keep = self.max_model_len - 1 if keep == -1 else keep
+        if keep is not None and len(ids) > keep:  # (vLLM's rule: the last tokens stay; the text no longer matches)
+            text, ids = None, ids[len(ids) - keep :]
         vocab = self.config.model.arch.vocab_size
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt_token_ids must be integers in [0, {vocab}) for this model")
@@ -672,6 +676,8 @@ class LLMEngine:
             "kv_int4_packs": bm.num_int4_packs,
             "kv_block_size": bm.block_size,
             "prefix_cache_hit_rate": bm.prefix_hit_rate,
+            "prefix_cache_queries": bm.prefix_queries,  # (prompt tokens looked up, and found: vLLM's counters)
+            "prefix_cache_hits": bm.prefix_hits,
             "num_preemptions": self.scheduler.num_preemptions,
             "spec_decode_num_drafts": self.scheduler.num_drafts,
             "spec_decode_num_draft_tokens": self.scheduler.num_draft_tokens,

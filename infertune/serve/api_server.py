@@ -221,7 +221,7 @@ class APIServer:
         self.started = int(time.time())  # (/v1/models' "created": when this server came up)
         self.tool_call_parser: str | None = None  # tool_choice "auto" (set by create_app)
         self.enable_auto_tool_choice = False
-        self.metrics = ServerMetrics(engine)
+        self.metrics = ServerMetrics(engine, model_name)
         self.tokenizer = engine.engine.tokenizer
         self.limits = engine.limits
         # What the server keeps of a finished non-streamed request (its response body) counts in its host cost.

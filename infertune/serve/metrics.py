@@ -1,19 +1,48 @@
 """Prometheus metrics of one server: engine gauges read at scrape time, request counters and latency histograms.
 
-Each server owns its CollectorRegistry (no process-global state), so tests can run several servers.
+Each server owns its CollectorRegistry (no process-global state), so tests can run several servers. Every family is
+also served under vLLM's name (VLLM_ALIASES, with vLLM's model_name and engine labels), so that dashboards and alerts
+made for vLLM read this server: the alias is the same family re-labelled at scrape time, never a second count.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from infertune.engine.async_engine import AsyncLLMEngine
 from infertune.engine.host_memory import process_rss
 from infertune.engine.outputs import RequestOutput
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
-_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.5)
+# (past 120 s as vLLM's: a long generation on a CPU takes minutes, and a request past the last bucket is only +Inf)
+_LATENCY_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0
+)  # fmt: skip
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+
+# vLLM's names (vllm/v1/metrics/loggers.py, in seconds and tokens as ours) of the families above: infertune family ->
+# the vLLM families it is also served as. Both TPOT names carry our per-request mean time per output token (one
+# observation per request); vLLM's inter_token_latency observes every token's interval, which is not recorded here.
+VLLM_ALIASES = {
+    "infertune_requests_running": ("vllm:num_requests_running",),
+    "infertune_requests_waiting": ("vllm:num_requests_waiting",),
+    "infertune_kv_cache_usage": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+    "infertune_prefix_cache_queries": ("vllm:prefix_cache_queries",),
+    "infertune_prefix_cache_hits": ("vllm:prefix_cache_hits",),
+    "infertune_preemptions": ("vllm:num_preemptions",),
+    "infertune_prompt_tokens": ("vllm:prompt_tokens",),
+    "infertune_generation_tokens": ("vllm:generation_tokens",),
+    "infertune_requests": ("vllm:request_success",),
+    "infertune_time_to_first_token_seconds": ("vllm:time_to_first_token_seconds",),
+    "infertune_time_per_output_token_seconds": (
+        "vllm:time_per_output_token_seconds",
+        "vllm:request_time_per_output_token_seconds",
+        "vllm:inter_token_latency_seconds",
+    ),
+    "infertune_e2e_request_latency_seconds": ("vllm:e2e_request_latency_seconds",),
+    "infertune_request_queue_time_seconds": ("vllm:request_queue_time_seconds",),
+}
+_VLLM_LABEL_NAMES = {"finish_reason": "finished_reason"}
 
 
 class _EngineCollector:
@@ -58,6 +87,16 @@ class _EngineCollector:
         )
         yield GaugeMetricFamily(
             "infertune_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache", s["prefix_cache_hit_rate"]
+        )
+        yield CounterMetricFamily(
+            "infertune_prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache",
+            s.get("prefix_cache_queries", 0),
+        )
+        yield CounterMetricFamily(
+            "infertune_prefix_cache_hits",
+            "Prompt tokens found in the prefix cache (hit rate = hits / queries)",
+            s.get("prefix_cache_hits", 0),
         )
         yield CounterMetricFamily(
             "infertune_preemptions", "Sequences preempted for lack of KV blocks", s["num_preemptions"]
@@ -119,36 +158,61 @@ class _EngineCollector:
         )
 
 
+class _Exposition:
+    """Every family of one server, each also under its vLLM names (VLLM_ALIASES), from one reading per scrape."""
+
+    def __init__(self, engine: AsyncLLMEngine, own: list, model_name: str) -> None:
+        self.engine_collector, self.own, self.model_name = _EngineCollector(engine), own, model_name
+
+    def collect(self):
+        families = list(self.engine_collector.collect())
+        families += [f for metric in self.own for f in metric.collect()]
+        yield from families
+        for f in families:
+            for alias in VLLM_ALIASES.get(f.name, ()):
+                yield _relabelled(f, alias, {"model_name": self.model_name, "engine": "0"})
+
+
+def _relabelled(family: Metric, name: str, labels: dict[str, str]) -> Metric:
+    """family under another name, its label names as vLLM's and `labels` added to each sample."""
+    out = Metric(name, f"{family.documentation} (vLLM's name for {family.name})", family.type)
+    for sample in family.samples:
+        own = {_VLLM_LABEL_NAMES.get(k, k): v for k, v in sample.labels.items()}
+        out.samples.append(sample._replace(name=name + sample.name[len(family.name) :], labels={**labels, **own}))
+    return out
+
+
 class ServerMetrics:
-    def __init__(self, engine: AsyncLLMEngine) -> None:
-        self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(engine))
-        r = self.registry
-        self.prompt_tokens = Counter("infertune_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+    def __init__(self, engine: AsyncLLMEngine, model_name: str = "") -> None:
+        """model_name: the served name, vLLM's model_name label on the vLLM-named families."""
+        self.prompt_tokens = Counter("infertune_prompt_tokens", "Prompt tokens of finished requests", registry=None)
         self.rejected = Counter(
             "infertune_requests_rejected",
             "Requests refused, by HTTP status and reason",
             ["status", "reason"],
-            registry=r,
+            registry=None,
         )
         self.queue_time = Histogram(
             "infertune_request_queue_time_seconds",
             "Arrival to the first scheduled step",
-            registry=r,
+            registry=None,
             buckets=_LATENCY_BUCKETS,
         )
         self.ttft = Histogram(
-            "infertune_time_to_first_token_seconds", "Time to first token", registry=r, buckets=_LATENCY_BUCKETS
+            "infertune_time_to_first_token_seconds", "Time to first token", registry=None, buckets=_LATENCY_BUCKETS
         )
         self.tpot = Histogram(
             "infertune_time_per_output_token_seconds",
             "Mean time between output tokens",
-            registry=r,
+            registry=None,
             buckets=_TPOT_BUCKETS,
         )
         self.e2e = Histogram(
-            "infertune_e2e_request_latency_seconds", "Arrival to last token", registry=r, buckets=_LATENCY_BUCKETS
+            "infertune_e2e_request_latency_seconds", "Arrival to last token", registry=None, buckets=_LATENCY_BUCKETS
         )
+        own = [self.prompt_tokens, self.rejected, self.queue_time, self.ttft, self.tpot, self.e2e]
+        self.registry = CollectorRegistry()
+        self.registry.register(_Exposition(engine, own, model_name))
 
     def refuse(self, status: int, reason: str) -> None:
         self.rejected.labels(str(status), reason).inc()

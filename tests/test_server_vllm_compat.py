@@ -1,0 +1,101 @@
+"""What operators moving a deployment from `vllm serve` rely on, on a real server (uvicorn on 127.0.0.1, driven by the
+openai SDK and httpx): vLLM's metric names with its model_name label, several --served-model-name, a YAML --config,
+a server-wide --chat-template, and the Allow / WWW-Authenticate headers of 405 / 401 answers.
+
+Oracles: prometheus_client's own text parser and the usage the SDK reads from the responses, the real CLI parsing a
+YAML file, and transformers' apply_chat_template.
+"""
+
+from __future__ import annotations
+
+import httpx
+import openai
+from prometheus_client.parser import text_string_to_metric_families
+from server_utils import MODEL, ServerThread, wait_until
+
+from infertune.serve.metrics import VLLM_ALIASES
+
+
+def sdk(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def scrape(server) -> dict:
+    """/metrics as prometheus_client's parser reads it: family name (counters without _total) -> family."""
+    return {f.name: f for f in text_string_to_metric_families(httpx.get(server.url + "/metrics").text)}
+
+
+def value(family, sample_name: str, **labels) -> float:
+    found = [s.value for s in family.samples if s.name == sample_name and labels.items() <= s.labels.items()]
+    assert len(found) == 1, (sample_name, labels, family.samples)
+    return found[0]
+
+
+def keyed(family, drop=()) -> dict:
+    """A family's samples as {(name past the family's name, labels): value}, vLLM's finished_reason read as our
+    finish_reason and the labels in `drop` left out."""
+    out = {}
+    for s in family.samples:
+        labels = {("finish_reason" if k == "finished_reason" else k): v for k, v in s.labels.items() if k not in drop}
+        out[(s.name[len(family.name) :], tuple(sorted(labels.items())))] = s.value
+    return out
+
+
+# ---- 1. vLLM's metric names ------------------------------------------------------------------------------------------
+VLLM_FAMILIES = {  # vLLM's names (vllm/v1/metrics/loggers.py) and their Prometheus types
+    "vllm:num_requests_running": "gauge",
+    "vllm:num_requests_waiting": "gauge",
+    "vllm:kv_cache_usage_perc": "gauge",
+    "vllm:gpu_cache_usage_perc": "gauge",
+    "vllm:prefix_cache_queries": "counter",
+    "vllm:prefix_cache_hits": "counter",
+    "vllm:num_preemptions": "counter",
+    "vllm:prompt_tokens": "counter",
+    "vllm:generation_tokens": "counter",
+    "vllm:request_success": "counter",
+    "vllm:time_to_first_token_seconds": "histogram",
+    "vllm:time_per_output_token_seconds": "histogram",
+    "vllm:inter_token_latency_seconds": "histogram",
+    "vllm:e2e_request_latency_seconds": "histogram",
+    "vllm:request_queue_time_seconds": "histogram",
+}
+
+
+def test_vllm_metric_names_carry_the_same_numbers_with_the_model_name(tiny_llama):
+    with ServerThread(tiny_llama) as server:
+        client = sdk(server)
+        greedy = dict(model=MODEL, temperature=0, extra_body={"ignore_eos": True})
+        usages = [client.completions.create(prompt="hello there, world", max_tokens=5, **greedy).usage]
+        usages.append(
+            client.chat.completions.create(messages=[{"role": "user", "content": "hi"}], max_tokens=3, **greedy).usage
+        )
+        # the same prompt again (its full blocks are cached), streamed: its usage comes in the last chunk
+        stream = client.completions.create(
+            prompt="hello there, world", max_tokens=4, stream=True, stream_options={"include_usage": True}, **greedy
+        )
+        usages += [c.usage for c in stream if c.usage is not None]
+        assert [u.completion_tokens for u in usages] == [5, 3, 4]
+        completion_tokens = sum(u.completion_tokens for u in usages)
+        prompt_tokens = sum(u.prompt_tokens for u in usages)
+        assert wait_until(lambda: value(scrape(server)["vllm:generation_tokens"], "vllm:generation_tokens_total") > 0)
+        families = scrape(server)
+
+    # every vLLM family is there, typed as vLLM's, each sample labelled with the served name
+    for name, kind in VLLM_FAMILIES.items():
+        assert name in families and families[name].type == kind, name
+        assert all(s.labels.get("model_name") == MODEL for s in families[name].samples), name
+    # the same numbers as the infertune family it aliases, sample for sample
+    for ours, aliases in VLLM_ALIASES.items():
+        for alias in aliases:
+            assert keyed(families[alias], drop=("model_name", "engine")) == keyed(families[ours]), alias
+    # and the numbers are the responses' own: tokens as the SDK's usage says, one latency per request
+    assert value(families["vllm:generation_tokens"], "vllm:generation_tokens_total") == completion_tokens
+    assert value(families["vllm:prompt_tokens"], "vllm:prompt_tokens_total") == prompt_tokens
+    assert value(families["vllm:request_success"], "vllm:request_success_total", finished_reason="length") == 3
+    assert value(families["vllm:prefix_cache_queries"], "vllm:prefix_cache_queries_total") == prompt_tokens
+    assert value(families["vllm:prefix_cache_hits"], "vllm:prefix_cache_hits_total") >= 4  # (a block of 4 at least)
+    assert value(families["vllm:num_requests_running"], "vllm:num_requests_running") == 0
+    e2e = families["vllm:e2e_request_latency_seconds"]
+    assert value(e2e, "vllm:e2e_request_latency_seconds_count") == 3
+    bounds = {float(s.labels["le"]) for s in e2e.samples if s.name.endswith("_bucket")}
+    assert {240.0, 960.0, 7680.0} <= bounds  # (past 120 s, as vLLM's)
