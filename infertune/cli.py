@@ -306,7 +306,8 @@ def _add_serve(sub) -> None:
     srv.add_argument(
         "--api-key",
         default=None,
-        help="require 'Authorization: Bearer KEY' on /v1/* routes (default: $INFERTUNE_API_KEY, else $VLLM_API_KEY)",
+        help="require 'Authorization: Bearer KEY' on /v1/* routes; a wrong or missing key is a 401 with "
+        "'WWW-Authenticate: Bearer' (default: $INFERTUNE_API_KEY, else $VLLM_API_KEY)",
     )
     srv.add_argument("--served-model-name", default=None, help="model name clients send (default: the folder's name)")
     from infertune.serve.tool_parsers import TOOL_PARSERS

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import httpx
 import openai
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from server_utils import MODEL, ServerThread, wait_until
 
@@ -99,3 +100,23 @@ def test_vllm_metric_names_carry_the_same_numbers_with_the_model_name(tiny_llama
     assert value(e2e, "vllm:e2e_request_latency_seconds_count") == 3
     bounds = {float(s.labels["le"]) for s in e2e.samples if s.name.endswith("_bucket")}
     assert {240.0, 960.0, 7680.0} <= bounds  # (past 120 s, as vLLM's)
+
+
+# ---- 5. the headers HTTP asks of a 405 and a 401 ---------------------------------------------------------------------
+def test_405_says_allow_and_401_says_www_authenticate(tiny_llama):
+    with ServerThread(tiny_llama, api_key="sekret") as server:
+        for method, path, allowed in (
+            ("GET", "/v1/completions", {"POST"}),
+            ("DELETE", "/v1/chat/completions", {"POST"}),
+            ("POST", "/health", {"GET"}),
+            ("POST", "/metrics", {"GET"}),
+        ):
+            r = httpx.request(method, server.url + path, headers={"authorization": "Bearer sekret"})
+            assert r.status_code == 405 and r.json()["error"]["message"] == "Method Not Allowed", (method, path)
+            assert {m.strip() for m in r.headers["allow"].split(",")} >= allowed, (method, path, r.headers)
+        with pytest.raises(openai.AuthenticationError) as refused:
+            openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
+        assert refused.value.response.headers["www-authenticate"] == "Bearer"
+        r = httpx.get(server.url + "/v1/models")  # (no key at all)
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+        assert r.json()["error"]["code"] == "invalid_api_key"

@@ -199,7 +199,8 @@ def _field_path(error: dict) -> str:
 
 async def _on_http_error(request: Request, err: StarletteHTTPException):
     type_ = "not_found_error" if err.status_code == 404 else "invalid_request_error"
-    return _error(APIError(err.status_code, str(err.detail), type_))
+    # (starlette's own headers kept: a 405 says the methods the route takes in Allow, as RFC 9110 asks)
+    return _error(APIError(err.status_code, str(err.detail), type_, headers=err.headers))
 
 
 async def _on_internal_error(request: Request, err: Exception):
@@ -279,6 +280,7 @@ class APIServer:
                         "missing or wrong API key: send 'Authorization: Bearer <key>'",
                         "authentication_error",
                         code="invalid_api_key",
+                        headers={"WWW-Authenticate": "Bearer"},  # (RFC 9110: a 401 says the scheme it wants)
                     )
                 )
         return await call_next(request)

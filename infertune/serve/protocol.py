@@ -24,14 +24,19 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         retry_after: float | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-        self.retry_after = retry_after
+        self.retry_after, self.extra_headers = retry_after, dict(headers or {})
 
     @property
     def headers(self) -> dict[str, str] | None:
-        return None if self.retry_after is None else {"Retry-After": str(max(1, round(self.retry_after)))}
+        """The answer's headers: Retry-After, and those given (a 405's Allow, a 401's WWW-Authenticate)."""
+        headers = dict(self.extra_headers)
+        if self.retry_after is not None:
+            headers["Retry-After"] = str(max(1, round(self.retry_after)))
+        return headers or None
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
