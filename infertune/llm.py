@@ -45,6 +45,11 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    @property
+    def llm_engine(self):
+        """The engine (vLLM's name: scripts reach `llm.llm_engine.get_tokenizer()`, `.add_request`, `.step()`)."""
+        return self.engine
+
     def get_tokenizer(self):
         """The engine's tokenizer (vLLM's name for it)."""
         return self.engine.tokenizer

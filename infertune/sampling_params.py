@@ -36,6 +36,9 @@ class SamplingParams:
     # Logprobs of the prompt's own tokens (None for the first), each with this many top alternatives (vLLM's name).
     # With it, max_tokens=0 is allowed: the prompt is scored and nothing is generated.
     prompt_logprobs: int | None = None
+    # vLLM's: keep only the prompt's last this many tokens (-1: max_model_len - 1, the most that leaves room for one
+    # new token); the output's `prompt` is then None, as the kept tokens need not start on a character.
+    truncate_prompt_tokens: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # vLLM's name: False leaves the outputs' text empty and returns the token ids alone, skipping the per-token
@@ -111,6 +114,9 @@ class SamplingParams:
             raise bad("max_tokens", "must be an integer >= 1 (0 only with prompt_logprobs: score the prompt alone)")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             raise bad("logprobs", "must be an integer in [0, 20]")
+        t = self.truncate_prompt_tokens
+        if t is not None and (not isinstance(t, int) or isinstance(t, bool) or not (t == -1 or t >= 1)):
+            raise bad("truncate_prompt_tokens", "must be -1 (up to max_model_len - 1) or an integer >= 1")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", "must be an integer")
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

@@ -208,3 +208,26 @@ def test_tokenization_kwargs_reach_the_tokenizer(llm):
     assert out.prompt_token_ids == [5, 6]  # (token ids are not tokenized again)
     with pytest.raises(ValueError, match="tokenization_kwargs .* the tokenizer refuses them"):
         llm.generate(text, params, tokenization_kwargs={"truncation": "sideways"})
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llm):
+    """vLLM's SamplingParams.truncate_prompt_tokens: the last n of the tokenizer's ids run (and the greedy tokens
+    are those of the kept ids given directly); -1 keeps max_model_len - 1; a bad value is refused by name."""
+    tok = llm.get_tokenizer()
+    text = "the quick brown fox jumps over the lazy dog"
+    ids = tok(text)["input_ids"]
+    assert len(ids) > 5
+    out = llm.generate(text, SamplingParams(max_tokens=4, temperature=0, truncate_prompt_tokens=5))[0]
+    direct = llm.generate({"prompt_token_ids": ids[-5:]}, SamplingParams(max_tokens=4, temperature=0))[0]
+    assert out.prompt_token_ids == ids[-5:] and out.prompt is None
+    assert out.outputs[0].token_ids == direct.outputs[0].token_ids
+    assert llm.llm_engine is llm.engine and llm.llm_engine.get_tokenizer() is tok  # (vLLM's names)
+    room = llm.llm_engine.max_model_len - 1
+    long = list(range(3, 3 + room + 7))
+    kept = llm.generate({"prompt_token_ids": long}, SamplingParams(max_tokens=1, truncate_prompt_tokens=-1))[0]
+    assert kept.prompt_token_ids == long[-room:]
+    short = llm.generate(text, SamplingParams(max_tokens=1, truncate_prompt_tokens=1000))[0]
+    assert short.prompt_token_ids == ids and short.prompt == text  # (shorter than n: unchanged)
+    for bad in (0, -2, 2.5):
+        with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+            SamplingParams(truncate_prompt_tokens=bad)

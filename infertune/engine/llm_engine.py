@@ -428,6 +428,14 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def get_num_unfinished_requests(self) -> int:
+        """Requests added and not yet finished or aborted (vLLM's LLMEngine name)."""
+        return len(self.requests)
+
+    def get_tokenizer(self):
+        """The engine's tokenizer (vLLM's LLMEngine name)."""
+        return self.tokenizer
+
     def release_kv_transfer(self, transfer_id: str) -> bool:
         """A producer's lease that no consumer will load (the router saw the decode side refuse the request): its
         blocks are freed now, not when the lease runs out. False where there is no such lease."""
