@@ -167,6 +167,11 @@ def test_a_long_sequence_holds_the_tiers_blocks():
         checked += pairs > 0
     assert checked > 50
     assert bm.num_free_blocks == bm.num_blocks
+    # the start-up line's count with the tier: a 512-token sequence from a short prompt peaks at 32 blocks less its
+    # (512 - 48) // 16 // 2 = 14 packed pairs, plus the fresh block a pair may wait a step for: 19
+    assert f"up to {bm.num_blocks // 19} sequences of max_model_len at once where the prompts are short" in (
+        engine.describe_kv_cache()
+    )
 
 
 def _hf_gaps(llm, prompt: str, max_tokens: int):

@@ -129,9 +129,12 @@ class LLMEngine:
                 describe_groups(info, self.max_model_len, self.config.scheduler.max_num_batched_tokens)
             )
         if self.config.cache.kv_int4_after is not None:
+            short = self.block_manager.max_blocks_per_seq(self.max_model_len, 1)  # (a short prompt's peak, aged)
             text += (
                 f"; int4 tier: a sequence's tokens {self.config.cache.kv_int4_after} or more behind its newest are "
-                "re-stored as int4, two int8 blocks in one (full-attention layers)"
+                "re-stored as int4, two int8 blocks in one (full-attention layers): up to "
+                f"{info.num_blocks // max(short, 1)} sequences of max_model_len at once where the prompts are short "
+                "(a prompt is held at int8 until its first decode step)"
             )
         return text
 
