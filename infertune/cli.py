@@ -309,7 +309,14 @@ def _add_serve(sub) -> None:
         help="require 'Authorization: Bearer KEY' on /v1/* routes; a wrong or missing key is a 401 with "
         "'WWW-Authenticate: Bearer' (default: $INFERTUNE_API_KEY, else $VLLM_API_KEY)",
     )
-    srv.add_argument("--served-model-name", default=None, help="model name clients send (default: the folder's name)")
+    srv.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="model names clients may send, as vLLM's: every one is accepted and listed by /v1/models, the first is "
+        "the one responses and /metrics (model_name) report (default: the model folder's name)",
+    )
     from infertune.serve.tool_parsers import TOOL_PARSERS
 
     srv.add_argument(

@@ -25,9 +25,10 @@ ENGINE = dict(dtype="float32", max_model_len=MAX_LEN, block_size=4, max_num_seqs
 class ServerThread:
     """uvicorn in a background thread, on a free port, stopped by should_exit."""
 
-    def __init__(self, path, api_key=None, max_body_bytes=4 * 2**20, **engine):
+    def __init__(self, path, api_key=None, max_body_bytes=4 * 2**20, model=MODEL, app=None, **engine):
+        """model: the served name (or names); app: more create_app options (chat_template ...)."""
         self.engine = AsyncLLMEngine(LLMEngine(EngineConfig.create(str(path), **{**ENGINE, **engine})))
-        app = create_app(self.engine, MODEL, api_key=api_key, max_body_bytes=max_body_bytes)
+        app = create_app(self.engine, model, api_key=api_key, max_body_bytes=max_body_bytes, **(app or {}))
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))

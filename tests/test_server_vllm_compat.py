@@ -120,3 +120,35 @@ def test_405_says_allow_and_401_says_www_authenticate(tiny_llama):
         r = httpx.get(server.url + "/v1/models")  # (no key at all)
         assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
         assert r.json()["error"]["code"] == "invalid_api_key"
+
+
+# ---- 2. several --served-model-name ----------------------------------------------------------------------------------
+def test_several_served_model_names(tiny_llama):
+    from unittest import mock
+
+    from infertune.cli import main
+
+    names = ["tiny", "org/tiny-chat", "alias"]
+    with mock.patch("infertune.serve.launcher.serve", return_value=0) as serve:  # the real CLI's parsing
+        assert main(["serve", "--model", str(tiny_llama), "--served-model-name", *names, "--port", "9"]) == 0
+        assert serve.call_args.kwargs["served_model_name"] == names and serve.call_args.kwargs["port"] == 9
+        assert main(["serve", "--model", str(tiny_llama), "--served-model-name", "one"]) == 0
+        assert serve.call_args.kwargs["served_model_name"] == ["one"]
+    with ServerThread(tiny_llama, model=names) as server:
+        client = sdk(server)
+        assert [m.id for m in client.models.list().data] == names
+        for name in names:  # each is accepted; the first is the one reported
+            assert client.models.retrieve(name).id == name
+            r = client.completions.create(model=name, prompt="hi", max_tokens=2, temperature=0)
+            assert r.model == "tiny" and r.usage.completion_tokens >= 1
+            chat = client.chat.completions.create(
+                model=name, messages=[{"role": "user", "content": "hi"}], max_tokens=2, temperature=0
+            )
+            assert chat.model == "tiny"
+        with pytest.raises(openai.NotFoundError) as missing:
+            client.completions.create(model="other", prompt="hi", max_tokens=2)
+        assert "'tiny' or 'org/tiny-chat' or 'alias'" in str(missing.value)
+        with pytest.raises(openai.NotFoundError):
+            client.models.retrieve("other")
+        families = scrape(server)
+        assert {s.labels["model_name"] for s in families["vllm:request_success"].samples} == {"tiny"}

@@ -149,7 +149,7 @@ async def _until_disconnected(request: Request) -> None:
 
 def create_app(
     engine: AsyncLLMEngine,
-    model_name: str,
+    model_name: str | list[str],
     api_key: str | None = None,
     max_body_bytes: int = 4 * 2**20,
     tool_call_parser: str | None = None,
@@ -157,7 +157,9 @@ def create_app(
 ) -> FastAPI:
     """The FastAPI app of one engine: the OpenAI routes of an APIServer, its error handlers and its limits.
 
-    tool_call_parser (serve/tool_parsers.py) and enable_auto_tool_choice: tool_choice "auto", as vLLM's flags."""
+    model_name: the served name, or several (vLLM's --served-model-name a b): requests may send any, /v1/models lists
+    them all, responses and /metrics report the first. tool_call_parser (serve/tool_parsers.py) and
+    enable_auto_tool_choice: tool_choice "auto", as vLLM's flags."""
     server = APIServer(engine, model_name, api_key)
     server.tool_call_parser, server.enable_auto_tool_choice = tool_call_parser, enable_auto_tool_choice
     app = FastAPI(title="infertune", description="OpenAI-compatible LLM server", lifespan=server.lifespan)
@@ -217,16 +219,20 @@ class APIServer:
     The route handlers carry no docstrings on purpose: FastAPI would publish them in the OpenAPI schema.
     """
 
-    def __init__(self, engine: AsyncLLMEngine, model_name: str, api_key: str | None = None) -> None:
-        self.engine, self.model_name, self.api_key = engine, model_name, api_key
+    def __init__(self, engine: AsyncLLMEngine, model_name: str | list[str], api_key: str | None = None) -> None:
+        self.served_model_names = [model_name] if isinstance(model_name, str) else list(model_name)
+        if not self.served_model_names or not all(isinstance(n, str) and n for n in self.served_model_names):
+            raise ValueError(f"served model names must be non-empty strings, got {model_name!r}")
+        self.model_name = self.served_model_names[0]  # (what responses and /metrics report)
+        self.engine, self.api_key = engine, api_key
         self.started = int(time.time())  # (/v1/models' "created": when this server came up)
         self.tool_call_parser: str | None = None  # tool_choice "auto" (set by create_app)
         self.enable_auto_tool_choice = False
-        self.metrics = ServerMetrics(engine, model_name)
+        self.metrics = ServerMetrics(engine, self.model_name)
         self.tokenizer = engine.engine.tokenizer
         self.limits = engine.limits
         # What the server keeps of a finished non-streamed request (its response body) counts in its host cost.
-        measure = Formatter("measure", model_name, self.tokenizer, chat=False)
+        measure = Formatter("measure", self.model_name, self.tokenizer, chat=False)
         if not engine.started:
             engine.measure_host_cost(lambda out: json.dumps(measure.response([out], len(out.outputs))))
 
@@ -316,9 +322,9 @@ class APIServer:
     async def prometheus(self):
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    def model_card(self) -> dict:
+    def model_card(self, name: str) -> dict:
         return {
-            "id": self.model_name,
+            "id": name,
             "object": "model",
             "created": self.started,
             "owned_by": "infertune",
@@ -328,11 +334,11 @@ class APIServer:
         }
 
     async def models(self):
-        return {"object": "list", "data": [self.model_card()]}
+        return {"object": "list", "data": [self.model_card(name) for name in self.served_model_names]}
 
     async def model(self, model_id: str):
         self.check_model(model_id)  # (OpenAI's models.retrieve: a 404 model_not_found for another name)
-        return self.model_card()
+        return self.model_card(model_id)
 
     async def completions(self, req: CompletionRequest, request: Request):
         self.check_model(req.model)
@@ -396,10 +402,11 @@ class APIServer:
 
     # ---- from a request to the engine's streams ---------------------------------------------------
     def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
+        if name is not None and name not in self.served_model_names:
+            served = " or ".join(repr(n) for n in self.served_model_names)
             raise APIError(
                 404,
-                f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+                f"the model {name!r} does not exist; this server serves {served}",
                 "not_found_error",
                 param="model",
                 code="model_not_found",

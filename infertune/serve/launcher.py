@@ -15,7 +15,7 @@ def serve(
     host: str = "127.0.0.1",
     port: int = 8000,
     api_key: str | None = None,
-    served_model_name: str | None = None,
+    served_model_name: str | list[str] | None = None,
     max_body_bytes: int = 4 * 2**20,
     graceful_timeout_s: float = 10.0,
     log_level: str = "info",
@@ -37,11 +37,13 @@ def serve(
 
     config = EngineConfig.create(model, **engine_options)
     engine = LLMEngine(config, show_progress=True)
-    name = served_model_name or Path(config.model.model).name
+    names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or ())
+    names = names or [Path(config.model.model).name]
+    name = names[0]  # (the one responses and /metrics report; every name is accepted)
     async_engine = AsyncLLMEngine(engine)
     app = create_app(
         async_engine,
-        name,
+        names,
         api_key=api_key,
         max_body_bytes=max_body_bytes,
         tool_call_parser=tool_call_parser,
@@ -50,7 +52,13 @@ def serve(
 
     log.info("%s", async_engine.describe_limits())
     log.info(
-        "serving %r (%s) on http://%s:%d/v1 with %s", name, config.model.model, host, port, engine.executor.describe()
+        "serving %r (%s) on http://%s:%d/v1 with %s%s",
+        name,
+        config.model.model,
+        host,
+        port,
+        engine.executor.describe(),
+        f"; also named {', '.join(repr(n) for n in names[1:])}" if names[1:] else "",
     )
     server = _graceful_server_class()(
         uvicorn.Config(
