@@ -451,6 +451,32 @@ def test_local_probe_measures_this_machine():
     assert dev.memory_bytes > 10**8
 
 
+def test_a_local_plan_says_what_the_engine_here_takes_by_default():
+    """On a probed machine the plan names the KV cache `serve` sizes with its defaults (kv_cache_memory_fraction of
+    the free memory, at most max_num_seqs sequences): with the demo model that cap binds, so the figure is exactly the
+    engine's own allocation (its blocks x bytes), and the flags it prints for the plan's budget are the plan's."""
+    from infertune import LLM
+    from infertune.config import default_model_path
+    from infertune.plan.probe import probe_local
+    from infertune.plan.render import render_text
+
+    dev = probe_local("cpu", budget_s=0.02)
+    assert dev.free_memory_bytes is not None and 0 < dev.free_memory_bytes <= dev.memory_bytes
+    spec = ModelSpec.from_dict(json.loads((Path(default_model_path()) / "config.json").read_text()), "demo")
+    plan = make_plan(PlanRequest(spec, dev, input_len=512, output_len=512))
+    mem = plan["memory"]
+    with LLM(default_model_path(), dtype="bfloat16", max_model_len=1024) as llm:
+        info = llm.engine.executor.kv_cache_info
+        engine_bytes = info.num_blocks * info.block_size * info.bytes_per_token
+    assert mem["engine_kv_bytes_per_card"] == engine_bytes
+    assert mem["engine_max_concurrent_sequences"] == info.num_blocks * info.block_size // 1024 == 64
+    text = render_text(plan)
+    assert f"KV {engine_bytes / 1e6:.2f} MB -> 64 concurrent 1024-token sequences" in text
+    assert f"serve --kv-cache-memory-bytes {mem['kv_budget_bytes_per_card']} --max-num-seqs" in text
+    catalog = make_plan(PlanRequest(spec, load_catalog()["910b"], input_len=512, output_len=512))
+    assert "engine_kv_bytes_per_card" not in catalog["memory"] and "`serve` here" not in render_text(catalog)
+
+
 # ----------------------------------------------------------------------------------- MoE, MLA, FP8: shipped configs
 
 

@@ -67,6 +67,9 @@ class Device:
     interconnect: Interconnect | None = None
     measured: bool = False
     origin: str = field(default="", compare=False)  # the file it came from
+    # The memory free when the local device was probed (None for catalog devices): what the engine's
+    # kv_cache_memory_fraction takes its share of, once the weights are loaded.
+    free_memory_bytes: int | None = field(default=None, compare=False)
 
     @property
     def peak_flops_16bit(self) -> float:

@@ -254,6 +254,7 @@ def make_plan(req: PlanRequest) -> dict:
             "kv_budget_bytes_per_card": mem.kv_budget_bytes,
             "kv_bytes_per_sequence_per_card": mem.kv_bytes_per_sequence,
             "max_concurrent_sequences": mem.max_concurrent_sequences,
+            **_engine_default_kv(dev, mem, tp),
         },
         "prefill": {
             "ttft_s": single.time_s,
@@ -300,3 +301,26 @@ def _kv_groups(spec, context: int, kv) -> list[dict]:
         row["groups"] += 1
         row["bytes_per_sequence"] += nbytes
     return list(out.values())
+
+
+def _engine_default_kv(dev, mem, tp: int) -> dict:
+    """On a probed local device, what `serve` there takes without a KV byte budget: CacheConfig's
+    kv_cache_memory_fraction of the memory free after loading (free when probed, less the weights), the ranks' shares
+    of one host, at most SchedulerConfig's max_num_seqs full sequences (model_runner's rule); {} elsewhere."""
+    if dev.free_memory_bytes is None:
+        return {}
+    from infertune.config import CacheConfig, SchedulerConfig
+
+    fraction, max_seqs = CacheConfig().kv_cache_memory_fraction, SchedulerConfig().max_num_seqs
+    free_after = max(0, dev.free_memory_bytes - mem.weights_bytes * tp)
+    per_card = int(fraction * free_after) // tp
+    if mem.kv_bytes_per_sequence:  # (no more than max_num_seqs full sequences can use)
+        per_card = min(per_card, max_seqs * mem.kv_bytes_per_sequence)
+    seqs = per_card // mem.kv_bytes_per_sequence if mem.kv_bytes_per_sequence else 0
+    return {
+        "free_bytes": dev.free_memory_bytes,
+        "engine_kv_memory_fraction": fraction,
+        "engine_kv_bytes_per_card": per_card,
+        "engine_max_concurrent_sequences": int(seqs),
+        "engine_max_num_seqs": max_seqs,
+    }

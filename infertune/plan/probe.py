@@ -95,6 +95,7 @@ def probe_local(device: str = "auto", budget_s: float = 0.3) -> Device:
         display_name=f"this machine ({backend.describe()}, measured {today})",
         vendor="",
         memory_bytes=int(backend.total_memory_bytes()),
+        free_memory_bytes=int(backend.free_memory_bytes()),
         memory_bandwidth_bytes_per_s=bandwidth,
         bf16_tflops=bf16 / 1e12,
         fp32_tflops=fp32 / 1e12,

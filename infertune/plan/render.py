@@ -69,6 +69,7 @@ def render_text(plan: dict) -> str:
         f"({s['memory_utilization']:.0%}); weights {_gb(mem['weights_bytes_per_card'])}, activations "
         f"{_gb(mem['activation_reserve_bytes'])}, KV budget {_gb(mem['kv_budget_bytes_per_card'])}",
         f"              -> at most {mem['max_concurrent_sequences']:,} concurrent {ctx}-token sequences",
+        *_engine_kv_lines(mem, ctx),
         f"  roofline    {d['memory_bandwidth_bytes_per_s'] / 1e9:,.1f} GB/s x {eff['bandwidth']:.0%}, "
         f"{d['bf16_tflops']:,.3g} TFLOPS x {eff['compute']:.0%}  [{eff['source']}]",
         f"  prefill     TTFT of one {s['input_len']}-token prompt {pre['ttft_s'] * 1e3:,.1f} ms ({pre['bound']}-bound); "
@@ -158,3 +159,19 @@ def _kv_group_lines(kv: dict, ctx: int) -> list[str]:
             + " (counted in the KV totals)"
         )
     return lines
+
+
+def _engine_kv_lines(mem: dict, ctx: int) -> list[str]:
+    """A probed local device: what `serve` here sizes by default, and the flag that gives the plan's budget instead."""
+    if "engine_kv_bytes_per_card" not in mem:
+        return []
+    budget = max(0, mem["kv_budget_bytes_per_card"])
+    return [
+        f"  engine      `serve` here takes kv_cache_memory_fraction {mem['engine_kv_memory_fraction']:g} of the memory "
+        f"free after loading ({_gb(mem['free_bytes'])} free now, less the weights),",
+        f"              at most max_num_seqs={mem['engine_max_num_seqs']} sequences' worth: KV "
+        f"{_gb(mem['engine_kv_bytes_per_card'])} -> {mem['engine_max_concurrent_sequences']:,} concurrent {ctx}-token "
+        "sequences",
+        f"              for this plan's budget: serve --kv-cache-memory-bytes {budget} --max-num-seqs "
+        f"{max(1, mem['max_concurrent_sequences'])} --max-model-len {ctx}",
+    ]
