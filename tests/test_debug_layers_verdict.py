@@ -143,3 +143,44 @@ def test_modules_non_finite_in_both_runs_are_never_reported_clean():
     half = torch.tensor([1.0, float("nan")])
     m = compare("d", 0, [half], [torch.ones(2)])
     assert m.diverges(0.05) == "non-finite" and m.new_nonfinite_share == 0.5 and m.ref_nonfinite_share == 0
+
+
+def test_a_router_that_picks_the_same_experts_in_another_order_is_not_an_error():
+    """Two near-equal router scores swap places in the top-k between dtypes while the same experts get the same
+    weights: that is no error. Oracle: the (expert, weight) pairs, equal by construction in both runs; the capture
+    compared the weights slot by slot and reported the size of the weights themselves (0.686 on a tiny
+    DeepSeek-V3 in bf16, a false FIRST DIVERGENT MODULE at its router). A token sent to another expert still
+    counts as an error."""
+
+    class Router(torch.nn.Module):
+        def __init__(self, weights, ids):
+            super().__init__()
+            self.out = (weights, ids)
+
+        def forward(self, x):
+            return self.out
+
+    class Model(torch.nn.Module):
+        def __init__(self, weights, ids):
+            super().__init__()
+            self.gate = Router(weights, ids)
+
+        def forward(self, x):
+            return self.gate(x)
+
+    def captured(weights, ids):
+        model = Model(torch.tensor(weights), torch.tensor(ids))
+        capture = debug_layers.OutputCapture(model)
+        model(torch.zeros(1))
+        capture.remove()
+        return capture
+
+    ref = captured([[0.6, 1.3, 0.6], [0.9, 0.1, 1.0]], [[4, 6, 7], [0, 1, 2]])
+    swapped = captured([[1.3, 0.6, 0.6], [0.9, 1.0, 0.1]], [[6, 4, 7], [0, 2, 1]])
+    (label, test), (_, reference) = swapped.records[0], ref.records[0]
+    assert label == "gate" and swapped.routes["gate"].tolist() == [[6, 4, 7], [0, 2, 1]]  # the router's own order
+    m = compare(label, 0, test, reference)
+    assert m.max_abs == 0.0 and m.diverges(0.05) is None
+    moved = captured([[0.6, 1.3, 0.6], [0.9, 0.1, 0.2]], [[4, 6, 7], [0, 1, 3]])  # expert 3 (0.2) takes 2's place
+    m = compare("gate", 0, moved.records[0][1], reference)
+    assert m.max_abs == pytest.approx(0.8) and m.diverges(0.05) == "error above threshold"

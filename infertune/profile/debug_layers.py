@@ -99,7 +99,8 @@ class OutputCapture:
 
     A module called from several places (the shared rotary embedding) is labelled by where its caller holds it,
     e.g. model.layers.3.self_attn.rotary, so each call has its own row. Integer outputs are indices, not values:
-    they are left out of the records, and a MoE router's expert ids [T, k] are kept apart in `routes`.
+    they are left out of the records, and a MoE router's expert ids [T, k] are kept apart in `routes` (its
+    weights are recorded in expert-id order).
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -138,13 +139,19 @@ class OutputCapture:
             leaves = [
                 t for t in (output if isinstance(output, (tuple, list)) else [output]) if isinstance(t, torch.Tensor)
             ]
+            ids = next((t for t in leaves if not t.is_floating_point() and t.dim() == 2), None)
             # clone: an output may be a view of a buffer that later stages write in place
             tensors = [t.detach().float().cpu().clone() for t in leaves if t.is_floating_point()]
+            if ids is not None:
+                ids = ids.detach().cpu().clone()
+                self.routes[label] = ids
+                # A router's weights [T, k] come in its top-k order, which two near-equal scores swap between
+                # dtypes with the same experts picked: compared slot by slot, equal routes would read as an
+                # error of the size of the weights. In expert-id order each weight meets its own expert's.
+                order = ids.argsort(dim=-1)
+                tensors = [t.gather(-1, order) if t.shape == ids.shape else t for t in tensors]
             if tensors:
                 self.records.append((label, tensors))
-            ids = next((t for t in leaves if not t.is_floating_point() and t.dim() == 2), None)
-            if ids is not None:
-                self.routes[label] = ids.detach().cpu().clone()
 
         return hook
 
