@@ -251,6 +251,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         graceful_timeout_s=args.graceful_timeout,
         tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
+        chat_template=args.chat_template,
     )
     # The server's own settings in a --config file (vLLM's config files hold them too), under their flag names,
     # win over the flags as the engine options there do (they were passed twice: a TypeError traceback)
@@ -330,6 +331,15 @@ def _add_serve(sub) -> None:
         "--enable-auto-tool-choice",
         action="store_true",
         help='let the model decide to call tools (tool_choice "auto", the default with tools); needs --tool-call-parser',
+    )
+    srv.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE|TEMPLATE",
+        help="the Jinja chat template of chat requests that send none (a request's own chat_template still wins), "
+        "in place of the checkpoint's, for /v1/chat/completions, /tokenize with messages and /tokenizer_info: a file, "
+        "or the template itself (\\n read as a newline), as vLLM's (default: the checkpoint's; a model without one "
+        "answers chat requests with a 400)",
     )
     srv.add_argument(
         "--max-body-bytes",

@@ -152,3 +152,69 @@ def test_several_served_model_names(tiny_llama):
             client.models.retrieve("other")
         families = scrape(server)
         assert {s.labels["model_name"] for s in families["vllm:request_success"].samples} == {"tiny"}
+
+
+# ---- 4. a server-wide --chat-template --------------------------------------------------------------------------------
+SERVER_TEMPLATE = (
+    "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}[assistant] {% endif %}"
+)
+REQUEST_TEMPLATE = "{% for m in messages %}{{ m['content'] }}|{% endfor %}"
+MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+
+
+def test_server_chat_template_from_a_file_or_inline(tiny_llama, tmp_path):
+    import shutil
+    from unittest import mock
+
+    from transformers import AutoTokenizer
+
+    from infertune.cli import main
+    from infertune.serve.launcher import load_chat_template
+
+    bare = tmp_path / "bare"  # the tiny model without a chat template (a base model)
+    shutil.copytree(tiny_llama, bare)
+    (bare / "chat_template.jinja").unlink()
+    hf = AutoTokenizer.from_pretrained(bare)
+    assert not hf.chat_template
+
+    def hf_ids(template: str) -> list[int]:  # the oracle: transformers' own rendering, then its tokens
+        text = hf.apply_chat_template(MESSAGES, chat_template=template, tokenize=False, add_generation_prompt=True)
+        return hf.encode(text, add_special_tokens=False)
+
+    # a file, or the template itself as a shell line writes it (\n for a newline), as vLLM reads --chat-template
+    file = tmp_path / "template.jinja"
+    file.write_text(SERVER_TEMPLATE)
+    assert load_chat_template(str(file)) == SERVER_TEMPLATE
+    assert load_chat_template(SERVER_TEMPLATE.replace("\n", "\\n")) == SERVER_TEMPLATE
+    with pytest.raises(ValueError, match="looks like a file path"):
+        load_chat_template(str(tmp_path / "missing.jinja"))
+    with pytest.raises(ValueError, match="not a valid Jinja template"):
+        load_chat_template("{% for m in messages %}")
+    with mock.patch("infertune.serve.launcher.serve", return_value=0) as serve:
+        assert main(["serve", "--model", str(bare), "--chat-template", str(file)]) == 0
+    assert serve.call_args.kwargs["chat_template"] == str(file)
+    assert main(["serve", "--model", str(bare), "--chat-template", str(tmp_path / "missing.jinja")]) == 2
+
+    # no template anywhere: as before, a 400 that says so (chat and /tokenize)
+    with ServerThread(bare) as server:
+        with pytest.raises(openai.BadRequestError, match="has no chat template"):
+            sdk(server).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1)
+        assert httpx.post(server.url + "/tokenize", json={"messages": MESSAGES}).status_code == 400
+
+    for path in (bare, tiny_llama):  # a model without a template, and one whose own template it replaces
+        with ServerThread(path, app={"chat_template": load_chat_template(str(file))}) as server:
+            client = sdk(server)
+            r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1, temperature=0)
+            assert r.usage.prompt_tokens == len(hf_ids(SERVER_TEMPLATE))
+            tokenized = httpx.post(server.url + "/tokenize", json={"messages": MESSAGES}).json()
+            assert tokenized["tokens"] == hf_ids(SERVER_TEMPLATE)
+            # a request's own template still wins, in both routes
+            r = client.chat.completions.create(
+                model=MODEL, messages=MESSAGES, max_tokens=1, extra_body={"chat_template": REQUEST_TEMPLATE}
+            )
+            assert r.usage.prompt_tokens == len(hf_ids(REQUEST_TEMPLATE))
+            body = {"messages": MESSAGES, "chat_template": REQUEST_TEMPLATE}
+            assert httpx.post(server.url + "/tokenize", json=body).json()["tokens"] == hf_ids(REQUEST_TEMPLATE)
+            assert httpx.get(server.url + "/tokenizer_info").json()["chat_template"] == SERVER_TEMPLATE
+    assert hf_ids(SERVER_TEMPLATE) != hf_ids(AutoTokenizer.from_pretrained(tiny_llama).chat_template)

@@ -154,14 +154,17 @@ def create_app(
     max_body_bytes: int = 4 * 2**20,
     tool_call_parser: str | None = None,
     enable_auto_tool_choice: bool = False,
+    chat_template: str | None = None,
 ) -> FastAPI:
     """The FastAPI app of one engine: the OpenAI routes of an APIServer, its error handlers and its limits.
 
     model_name: the served name, or several (vLLM's --served-model-name a b): requests may send any, /v1/models lists
     them all, responses and /metrics report the first. tool_call_parser (serve/tool_parsers.py) and
-    enable_auto_tool_choice: tool_choice "auto", as vLLM's flags."""
+    enable_auto_tool_choice: tool_choice "auto", as vLLM's flags. chat_template (the text of serve --chat-template):
+    the template of chats whose request sends none, in place of the checkpoint's."""
     server = APIServer(engine, model_name, api_key)
     server.tool_call_parser, server.enable_auto_tool_choice = tool_call_parser, enable_auto_tool_choice
+    server.chat_template = chat_template
     app = FastAPI(title="infertune", description="OpenAI-compatible LLM server", lifespan=server.lifespan)
     app.state.engine, app.state.metrics, app.state.server = engine, server.metrics, server
     app.add_middleware(
@@ -228,6 +231,7 @@ class APIServer:
         self.started = int(time.time())  # (/v1/models' "created": when this server came up)
         self.tool_call_parser: str | None = None  # tool_choice "auto" (set by create_app)
         self.enable_auto_tool_choice = False
+        self.chat_template: str | None = None  # serve --chat-template (set by create_app): a request's own wins
         self.metrics = ServerMetrics(engine, self.model_name)
         self.tokenizer = engine.engine.tokenizer
         self.limits = engine.limits
@@ -384,7 +388,7 @@ class APIServer:
             prompt = await asyncio.to_thread(
                 self.engine.engine.render_chat,
                 req.conversation(),
-                chat_template=req.chat_template,
+                chat_template=self.template_of(req.chat_template),
                 add_generation_prompt=req.add_generation_prompt,
                 tools=tools,
                 continue_final_message=req.continue_final_message,
@@ -401,6 +405,11 @@ class APIServer:
         return await self.respond(request, fmt, streams, params.n, req.stream, req.include_usage)
 
     # ---- from a request to the engine's streams ---------------------------------------------------
+    def template_of(self, requested: str | None) -> str | None:
+        """The chat template a request renders with: its own, else the server's (--chat-template), else None (the
+        checkpoint's)."""
+        return requested if requested is not None else self.chat_template
+
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.served_model_names:
             served = " or ".join(repr(n) for n in self.served_model_names)

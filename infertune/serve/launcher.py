@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import signal
 from pathlib import Path
 
@@ -21,6 +22,7 @@ def serve(
     log_level: str = "info",
     tool_call_parser: str | None = None,
     enable_auto_tool_choice: bool = False,
+    chat_template: str | None = None,
     **engine_options,
 ) -> int:
     import uvicorn
@@ -35,6 +37,7 @@ def serve(
     if enable_auto_tool_choice and not tool_call_parser:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser NAME (docs/server.md)")
 
+    template = load_chat_template(chat_template)  # (before the model loads: a bad template fails fast)
     config = EngineConfig.create(model, **engine_options)
     engine = LLMEngine(config, show_progress=True)
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or ())
@@ -48,6 +51,7 @@ def serve(
         max_body_bytes=max_body_bytes,
         tool_call_parser=tool_call_parser,
         enable_auto_tool_choice=enable_auto_tool_choice,
+        chat_template=template,
     )
 
     log.info("%s", async_engine.describe_limits())
@@ -72,6 +76,32 @@ def serve(
     server.engine = async_engine  # (at the grace period's end its requests end, so their streams close cleanly)
     server.run()  # returns after SIGINT / SIGTERM once in-flight requests finish or the grace period ends
     return 0
+
+
+_JINJA_CHARS = "{}\n"
+_ESCAPE = re.compile(r"\\[nrt]")  # (quotes and backslashes left to Jinja's own string literals)
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """serve --chat-template as vLLM reads it: a file's text where the value names a readable file, else the value
+    itself as a Jinja template (its \\n, \\t and \\r read as the newlines and tabs a shell line cannot hold); a value with
+    none of { } or a newline that is not a readable file is an error naming it. The template is parsed here, so that
+    a syntax error stops start-up instead of failing every chat request."""
+    if value is None:
+        return None
+    try:
+        text = Path(value).read_text(encoding="utf-8")
+    except (OSError, ValueError) as e:  # (ValueError: a NUL in the value; OSError: a name too long, not a file ...)
+        if not any(c in value for c in _JINJA_CHARS):
+            raise ValueError(f"--chat-template {value!r} looks like a file path, but it cannot be read ({e})") from e
+        text = _ESCAPE.sub(lambda m: {"n": "\n", "r": "\r", "t": "\t"}[m.group(0)[1]], value)
+    import jinja2
+
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template: not a valid Jinja template (line {e.lineno}: {e.message})") from e
+    return text
 
 
 def _graceful_server_class():

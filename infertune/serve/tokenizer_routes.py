@@ -1,7 +1,7 @@
 """The tokenizer's routes, with vLLM's shapes: POST /tokenize, POST /detokenize, GET /tokenizer_info, GET /version.
 
 /tokenize takes {"prompt", "add_special_tokens" (default true)} or {"messages", "add_generation_prompt" (default
-true), "add_special_tokens" (default false), "tools"} and answers {"tokens", "count", "max_model_len"} (with
+true), "add_special_tokens" (default false), "tools", "chat_template"} and answers {"tokens", "count", "max_model_len"} (with
 "token_strs" when return_token_strs is true); a chat is rendered through the same template as
 /v1/chat/completions, so its count is the prompt_tokens that request would use. /detokenize takes {"tokens"} and
 answers {"prompt"} (special tokens kept, as transformers' decode does by default). /tokenizer_info is what
@@ -37,6 +37,7 @@ class TokenizeChatRequest(BaseModel):
     add_special_tokens: bool = False
     return_token_strs: bool = False
     tools: list[ChatTool] | None = None
+    chat_template: str | None = None  # (as /v1/chat/completions': else the server's --chat-template, else the model's)
 
 
 class TokenizeResponse(BaseModel):
@@ -125,6 +126,7 @@ def add_tokenizer_routes(app: FastAPI, server) -> None:
             try:
                 rendered = engine.render_chat(
                     [m.for_template() for m in req.messages],
+                    chat_template=server.template_of(req.chat_template),
                     add_generation_prompt=req.add_generation_prompt,
                     tools=tools,
                 )
@@ -151,6 +153,8 @@ def add_tokenizer_routes(app: FastAPI, server) -> None:
         return DetokenizeResponse(prompt=text)
 
     info = tokenizer_info(tok, engine.config.model.tokenizer, engine.max_model_len)
+    if server.chat_template is not None:  # (the template chats render with here: --chat-template)
+        info["chat_template"] = server.chat_template
 
     @app.get("/tokenizer_info", response_model=TokenizerInfoResponse)
     async def get_tokenizer_info():
