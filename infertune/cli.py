@@ -200,17 +200,62 @@ def _weights_said(llm) -> str:
     return f", weights {'+'.join(sorted(kinds))}" if kinds else ""
 
 
+# The server's own settings a --config file may hold beside engine options (vLLM's config files hold them too), by
+# their flag names; cmd_serve hands them to the launcher. The serve flags that place instances are the command line's.
+_SERVER_SETTINGS = (
+    "model",
+    "host",
+    "port",
+    "api_key",
+    "served_model_name",
+    "chat_template",
+    "max_body_bytes",
+    "graceful_timeout",
+    "tool_call_parser",
+    "enable_auto_tool_choice",
+)
+_COMMAND_LINE_ONLY = ("config", "data_parallel_size", "pd", "pd_device", "placement")
+
+
 def load_config_file(path: str | None) -> dict:
-    """Engine options from a JSON file (what `infertune tune --out-config` writes); they override the flags."""
+    """Options from a --config file, by their names (dashes read as underscores); they override the flags. YAML as
+    vLLM's `--config`, keys the long flag names (`max-num-seqs: 8`, `served-model-name: [a, b]`); .json files are
+    JSON (what `infertune tune --out-config` writes), engine options without a flag included. A key that is neither
+    an engine option nor a server setting is an error naming it."""
     if path is None:
         return {}
+    import yaml
+
     try:
-        options = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"--config {path}: cannot read engine options ({e})") from e
+        text = Path(path).read_text(encoding="utf-8")
+        options = json.loads(text) if Path(path).suffix.lower() == ".json" else yaml.safe_load(text)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, yaml.YAMLError) as e:
+        raise ValueError(f"--config {path}: cannot read options ({e})") from e
+    if options is None:  # (an empty YAML file)
+        return {}
     if not isinstance(options, dict):
-        raise ValueError(f"--config {path}: expected a JSON object of engine options")
-    return options
+        raise ValueError(f"--config {path}: expected a mapping of option names to values, got {type(options).__name__}")
+    return {_config_key(path, key): value for key, value in options.items()}
+
+
+def _config_key(path: str, key) -> str:
+    """A --config key as its option name (dashes as underscores), or a ValueError naming it and what is close."""
+    import difflib
+
+    from infertune.config import VLLM_GPU_OPTIONS, option_fields
+
+    name = key.replace("-", "_") if isinstance(key, str) else None
+    if name in _COMMAND_LINE_ONLY:
+        raise ValueError(f"--config {path}: {key!r} is taken on the command line only (--{name.replace('_', '-')})")
+    known = [f.name for f in option_fields()] + list(VLLM_GPU_OPTIONS) + list(_SERVER_SETTINGS)
+    if name not in known:
+        close = difflib.get_close_matches(str(name), known, n=1)
+        hint = f"; did you mean {close[0]!r} (--{close[0].replace('_', '-')})?" if close else ""
+        raise ValueError(
+            f"--config {path}: unknown key {key!r}{hint} (keys are the long flag names of `infertune serve --help`, "
+            "with dashes or underscores, and the engine options of the README's table)"
+        )
+    return name
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -253,8 +298,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         chat_template=args.chat_template,
     )
-    # The server's own settings in a --config file (vLLM's config files hold them too), under their flag names,
-    # win over the flags as the engine options there do (they were passed twice: a TypeError traceback)
+    # The server's own settings in a --config file (_SERVER_SETTINGS) win over the flags as the engine options there
+    # do (they were passed twice: a TypeError traceback)
     aliases = {"graceful_timeout": "graceful_timeout_s"}
     for key in [k for k in options if aliases.get(k, k) in server]:
         server[aliases.get(key, key)] = options.pop(key)
@@ -350,8 +395,11 @@ def _add_serve(sub) -> None:
     srv.add_argument(
         "--config",
         default=None,
-        metavar="FILE.json",
-        help="engine options as JSON (e.g. from `infertune tune --out-config`); they override the flags",
+        metavar="FILE",
+        help="options from a file, overriding the flags: YAML as vLLM's --config (keys are the long flag names, "
+        "with dashes or underscores: `max-num-seqs: 8`, `served-model-name: [a, b]`, `port: 8000`), or JSON for a "
+        ".json file (e.g. from `infertune tune --out-config`); engine options without a flag are taken too; an "
+        "unknown key is an error naming it",
     )
     srv.add_argument(
         "--graceful-timeout",

@@ -218,3 +218,56 @@ def test_server_chat_template_from_a_file_or_inline(tiny_llama, tmp_path):
             assert httpx.post(server.url + "/tokenize", json=body).json()["tokens"] == hf_ids(REQUEST_TEMPLATE)
             assert httpx.get(server.url + "/tokenizer_info").json()["chat_template"] == SERVER_TEMPLATE
     assert hf_ids(SERVER_TEMPLATE) != hf_ids(AutoTokenizer.from_pretrained(tiny_llama).chat_template)
+
+
+# ---- 3. a YAML --config, as vLLM's -----------------------------------------------------------------------------------
+def test_yaml_config_with_the_long_flag_names(tiny_llama, tmp_path, capsys):
+    from unittest import mock
+
+    from server_utils import ServerProcess
+
+    from infertune.cli import main
+
+    template = tmp_path / "template.jinja"
+    template.write_text(SERVER_TEMPLATE)
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text(
+        "# a vLLM config file: the long flag names, with dashes or underscores\n"
+        "served-model-name:\n  - tiny\n  - org/tiny-chat\n"
+        f"chat-template: {template}\n"
+        "max-num-seqs: 2\n"
+        "max_model_len: 48\n"
+        "graceful-timeout: 3\n"
+        "enable-prefix-caching: true\n"
+        "prepack_weights: false  # (an engine option with no flag)\n"
+    )
+    with mock.patch("infertune.serve.launcher.serve", return_value=0) as serve:
+        assert main(["serve", "--model", str(tiny_llama), "--config", str(cfg), "--max-num-seqs", "9"]) == 0
+    kw = serve.call_args.kwargs
+    assert kw["served_model_name"] == ["tiny", "org/tiny-chat"] and kw["chat_template"] == str(template)
+    assert (kw["max_num_seqs"], kw["max_model_len"], kw["graceful_timeout_s"]) == (2, 48, 3)  # (the file's win)
+    assert kw["enable_prefix_caching"] is True and kw["prepack_weights"] is False
+
+    # a bad key is a one-line error naming it (and what is close), as is a serve flag a file cannot set
+    for text, said in (
+        ("max-num-seq: 4\n", "unknown key 'max-num-seq'; did you mean 'max_num_seqs' (--max-num-seqs)?"),
+        ("port: 8000\nbogus_option: 1\n", "unknown key 'bogus_option'"),
+        ("data-parallel-size: 2\n", "'data-parallel-size' is taken on the command line only"),
+        ("max-num-seqs: [4\n", "cannot read options"),
+        ("- a list\n", "expected a mapping"),
+    ):
+        bad = tmp_path / "bad.yaml"
+        bad.write_text(text)
+        assert main(["serve", "--model", str(tiny_llama), "--config", str(bad)]) == 2
+        err = capsys.readouterr().err
+        assert said in err and "Traceback" not in err, (text, err)
+
+    # the whole way: `infertune serve --config FILE.yaml` in its own process
+    with ServerProcess(tiny_llama, "--config", str(cfg)) as server:
+        client = sdk(server)
+        assert [m.id for m in client.models.list().data] == ["tiny", "org/tiny-chat"]
+        messages = [{"role": "user", "content": "hello"}]
+        r = client.chat.completions.create(model="org/tiny-chat", messages=messages, max_tokens=1, temperature=0)
+        rendered = "[user] hello\n[assistant] "  # (SERVER_TEMPLATE's rendering; the byte tokenizer: one token a byte)
+        assert r.model == "tiny" and r.usage.prompt_tokens == len(rendered.encode())
+        assert httpx.get(server.url + "/v1/models/tiny").json()["max_model_len"] == 48
