@@ -234,6 +234,43 @@ def test_w8a16_on_fp8_requantizes_the_dequantized_weights(tmp_path):
     torch.testing.assert_close(layers[1].mlp.down_proj.weight, weights[kept + ".weight"], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("fuse", [False, True], ids=["per-expert", "fused"])
+def test_quantize_command_takes_an_fp8_checkpoint(qwen3_moe, tmp_path, fuse):
+    """`infertune quantize` on an fp8 checkpoint (the only form DeepSeek-V3 is published in; was refused as "already
+    quantized"): its output holds, tensor for tensor, what quantizing a plain checkpoint of the format's dequantized
+    weights writes (the module the fp8 checkpoint left unconverted kept in full precision there too), and the
+    "before" bytes are the fp8 files' (weights + scales, read from the file)."""
+    from infertune.tools.quantizer import quantize
+
+    _, src, _, _ = qwen3_moe
+    kept = "model.layers.1.self_attn.o_proj"
+    weights = to_fp8(src, tmp_path / "fp8", (16, 16), not_converted=(kept,), fuse_experts=fuse)
+    plain = plain_copy(tmp_path / "fp8", tmp_path / "plain", weights)
+    for method in ("w8a16", "w4a16"):
+        got = quantize(str(tmp_path / "fp8"), method, str(tmp_path / f"q-{method}"), group_size=32, show_progress=False)
+        want = quantize(str(plain), method, str(tmp_path / f"r-{method}"), group_size=32, keep_fp=("lm_head", kept))
+        a = load_file(tmp_path / f"q-{method}" / "model.safetensors")
+        b = load_file(tmp_path / f"r-{method}" / "model.safetensors")
+        assert a.keys() == b.keys() and not any(k.endswith("_scale_inv") for k in a)
+        for name in a:
+            assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
+        assert a[kept + ".weight"].dtype == torch.float32  # unconverted in the fp8 checkpoint: not quantized
+        assert got.quantized == want.quantized and kept in got.kept
+        files = load_file(tmp_path / "fp8" / "model.safetensors")
+        fp8_bytes = sum(
+            t.numel() * t.element_size()
+            for n, t in files.items()
+            if is_projection(n.removesuffix("_scale_inv")) and kept not in n
+        )
+        assert got.weight_bytes_before == fp8_bytes  # every fp8 projection (and its scales) is quantized
+        qc, ref_qc = (
+            json.loads((tmp_path / f"{d}-{method}" / "config.json").read_text())["quantization_config"] for d in "qr"
+        )
+        assert qc.pop("infertune")["source_model"] == str((tmp_path / "fp8").resolve())  # the fp8 config replaced
+        ref_qc.pop("infertune")
+        assert qc == ref_qc
+
+
 def test_bad_fp8_checkpoints_are_named(tmp_path):
     src = make_checkpoint(tmp_path / "src", "llama")
     fp8 = tmp_path / "fp8"

@@ -144,7 +144,7 @@ def load_model(
     early: dict[str, set] = {}  # the parameters of the modules processed so: name -> the shards they took
     expert_names: dict[str, str] = {}  # fused experts param -> one per-expert tensor name that filled it
     skipped = 0
-    skips = lambda name: arch.skip_layers_from is not None and _layer_index(name, arch.skip_layers_from)  # noqa: E731
+    skips = lambda name: skips_layer(name, arch.skip_layers_from)  # noqa: E731
     dequant = Fp8Dequantizer(fp8, dtype, passes=skips) if fp8 is not None else None
     since_trim = 0  # bytes of checkpoint tensors loaded since the heap was last trimmed
     for path in tqdm(files, desc="loading weights", unit="file", disable=not show_progress or len(files) < 2):
@@ -273,6 +273,12 @@ def _cast(tensor: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     if tensor.dtype != param.dtype:
         raise ValueError(f"stored as {tensor.dtype}, the model expects {param.dtype}")
     return tensor
+
+
+def skips_layer(name: str, first_skipped: int | None) -> bool:
+    """Whether checkpoint tensor `name` is of a layer the engine does not run (index >= first_skipped: DeepSeek's
+    multi-token-prediction layers; None: no layer is skipped)."""
+    return first_skipped is not None and _layer_index(name, first_skipped)
 
 
 def _layer_index(name: str, first_skipped: int) -> bool:

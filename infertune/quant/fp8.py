@@ -162,14 +162,19 @@ class Fp8Dequantizer:
         return dequantize_fp8(weight, scale_inv, self.fp8.block, self.dtype)
 
 
-def requantize_config(model: nn.Module, fp8: Fp8Checkpoint, quant: QuantConfig, packed: dict) -> QuantConfig:
-    """The quantization to apply on top of the dequantized fp8 weights: `quant`, with the modules the checkpoint
-    left unquantized (modules_to_not_convert) also kept in full precision (a packed layer is kept when any of its
-    parts is; routed experts by their module's name)."""
-    keep = [
+def not_converted_modules(model: nn.Module, fp8: Fp8Checkpoint, packed: dict) -> list[str]:
+    """The engine's modules the checkpoint left unquantized (modules_to_not_convert), which a re-quantization keeps
+    in full precision: a packed layer when any of its parts is; routed experts by their module's name."""
+    return [
         name
         for name, module in model.named_modules()
         if (isinstance(module, Linear) and any(fp8.not_converted(hf) for hf in hf_modules(name, module, packed)))
         or (isinstance(module, Experts) and fp8.not_converted(name))
     ]
+
+
+def requantize_config(model: nn.Module, fp8: Fp8Checkpoint, quant: QuantConfig, packed: dict) -> QuantConfig:
+    """The quantization to apply on top of the dequantized fp8 weights: `quant`, with the modules the checkpoint
+    left unquantized also kept in full precision (not_converted_modules)."""
+    keep = not_converted_modules(model, fp8, packed)
     return replace(quant, keep_fp=tuple(quant.keep_fp) + tuple(keep)) if keep else quant

@@ -12,6 +12,11 @@ SmoothQuant (optional, W8A8): for the layers fed by an RMSNorm (q/k/v after inpu
 post_attention_layernorm), s_j = max|x_j|^alpha / max|W_:,j|^(1-alpha) per input channel; the norm weight
 is divided by s and the weight columns multiplied by it, which leaves the model's function unchanged and
 moves activation outliers into the weights, where per-channel int8 absorbs them.
+
+A block-scaled fp8 checkpoint (DeepSeek-V3, Qwen3-*-FP8; quant/fp8.py) is a source too: each fp8 weight is
+dequantized to the dtype the engine runs the checkpoint in as it is read, as the engine's load does, so the result
+equals quantizing on the fly (`quantization=...` on the fp8 checkpoint); its modules_to_not_convert stay in full
+precision, and DeepSeek's multi-token-prediction layers, which the engine skips, are copied as they are stored.
 """
 
 from __future__ import annotations
@@ -32,9 +37,10 @@ from infertune.evaluate.data import default_calib_path, load_documents
 from infertune.layers.attention import TorchPagedAttention
 from infertune.layers.linear import Linear
 from infertune.layers.moe import Experts
-from infertune.models.loader import checkpoint_files, map_checkpoint_name
+from infertune.models.loader import checkpoint_files, map_checkpoint_name, skips_layer
 from infertune.models.registry import get_model_class
 from infertune.quant import is_lm_head, shared_parameters
+from infertune.quant.fp8 import SCALE_SUFFIX, Fp8Checkpoint, Fp8Dequantizer, not_converted_modules, read_fp8_checkpoint
 from infertune.tools import quant_format as ckpt
 from infertune.tools.calibration import ActivationStats, calibration_samples, collect
 from infertune.tools.weight_clipping import parse_clip, quantize_int4, quantize_int8
@@ -152,12 +158,34 @@ def plan_experts(
     return targets, kept
 
 
-def read_tensors(model: str) -> dict[str, torch.Tensor]:
-    tensors = {}
-    for path in checkpoint_files(model):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                tensors[name] = f.get_tensor(name)
+def read_tensors(
+    model: str,
+    fp8: Fp8Checkpoint | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    stored_bytes: dict[str, int] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint by name; an fp8 checkpoint's weights dequantized to `dtype` (their scales
+    consumed), except those of layers the engine skips (DeepSeek's MTP layers), which stay as stored. stored_bytes,
+    when given, receives each tensor's bytes in the files (an fp8 weight's with its scales)."""
+    sizes = {} if stored_bytes is None else stored_bytes
+
+    def raw():
+        for path in checkpoint_files(model):
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    t = f.get_tensor(name)
+                    sizes[name] = t.numel() * t.element_size()
+                    yield name, t
+
+    if fp8 is None:
+        return dict(raw())
+    skipped_from = ArchConfig.from_model_dir(model).skip_layers_from
+    dequant = Fp8Dequantizer(fp8, dtype, passes=lambda name: skips_layer(name, skipped_from))
+    tensors = dict(dequant.stream(raw()))
+    dequant.finish()
+    for name in tensors:
+        if name + SCALE_SUFFIX in sizes and name + SCALE_SUFFIX not in tensors:
+            sizes[name] += sizes.pop(name + SCALE_SUFFIX)
     return tensors
 
 
@@ -248,13 +276,14 @@ def quantize(
     if calibrate and seq_len < 1:
         raise ValueError(f"--seq-len {seq_len} must be >= 1 (tokens per calibration sample)")
     config_path = Path(model) / "config.json"
-    if config_path.is_file():
+    fp8 = read_fp8_checkpoint(model) if config_path.is_file() else None  # dequantized as it is read
+    if config_path.is_file() and fp8 is None:
         qc = json.loads(config_path.read_text()).get("quantization_config")
         if qc:
             raise ValueError(
                 f"{model} is already quantized (quantization_config: quant_method "
                 f"{qc.get('quant_method')!r}, format {qc.get('format')!r}); quantize the checkpoint it was made from "
-                "(its bf16 / fp16 / fp32 weights), or serve this one as it is"
+                "(its bf16 / fp16 / fp32 weights, or block-scaled fp8), or serve this one as it is"
             )
     out_path = Path(out)
     if out_path.resolve() == Path(model).resolve():
@@ -271,9 +300,18 @@ def quantize(
             "factors: drop --smoothquant"
         )
     linears, _, packed = _linear_layout(arch)
-    tensors = read_tensors(model)
-    chosen, targets = plan_layers(model, keep_fp, tensors)
-    expert_targets, kept_experts = plan_experts(model, keep_fp, tensors)
+    # The weights are rounded to the dtype the engine runs the checkpoint in (dtype, resolved as the engine resolves
+    # it: an fp16 checkpoint runs in bf16 on CPU) before they are quantized, as quantizing while loading rounds them:
+    # the saved checkpoint then gives on-the-fly quantization's values at that dtype. (fp8: dequantized to it.)
+    from infertune.backends import get_backend
+
+    run_dtype = get_backend(device).resolve_dtype(dtype, arch.torch_dtype)
+    stored_bytes: dict[str, int] = {}
+    tensors = read_tensors(model, fp8, run_dtype, stored_bytes)
+    # what the fp8 checkpoint left unquantized stays so, as on the fly (quant/fp8.py: requantize_config)
+    keep_all = keep_fp + tuple(not_converted_modules(_meta_model(arch), fp8, packed) if fp8 is not None else ())
+    chosen, targets = plan_layers(model, keep_all, tensors)
+    expert_targets, kept_experts = plan_experts(model, keep_all, tensors)
     linear_names = set(linears) | set(expert_targets.values()) | set(kept_experts)
     for pattern in keep_fp:
         if pattern != "lm_head" and not any(_kept(n, (pattern,)) for n in linear_names):
@@ -324,12 +362,6 @@ def quantize(
         result.calib_seconds = time.perf_counter() - tc
         result.input_scales = {n: s.clip_value(act_kind) / 127.0 for n, s in result.stats.items()}
 
-    # The weights are rounded to the dtype the engine runs the checkpoint in (dtype, resolved as the engine resolves
-    # it: an fp16 checkpoint runs in bf16 on CPU) before they are quantized, as quantizing while loading rounds them:
-    # the saved checkpoint then gives on-the-fly quantization's values at that dtype.
-    from infertune.backends import get_backend
-
-    run_dtype = get_backend(device).resolve_dtype(dtype, arch.torch_dtype)
     stored: dict[str, torch.Tensor] = {}
     quantized_experts = []
     for name, t in tensors.items():
@@ -342,7 +374,7 @@ def quantize(
                 stored.update(new)
                 quantized_experts.append(wname.removesuffix(".weight"))
                 result.weight_bytes_after += sum(v.numel() * v.element_size() for v in new.values())
-            result.weight_bytes_before += t.numel() * t.element_size()
+            result.weight_bytes_before += stored_bytes[name]
             continue
         if name not in targets:
             stored[name] = t.contiguous()
@@ -353,7 +385,7 @@ def quantize(
         scale = result.input_scales.get(layer) if static_activations else None
         new = ckpt.layer_tensors(name.removesuffix(".weight"), method, q, scale)
         stored.update(new)
-        result.weight_bytes_before += t.numel() * t.element_size()
+        result.weight_bytes_before += stored_bytes[name]
         result.weight_bytes_after += sum(v.numel() * v.element_size() for v in new.values())
     result.quantized = sorted([*(n.removesuffix(".weight") for n in targets), *quantized_experts])
     hf_linears = set()
