@@ -504,3 +504,23 @@ def test_two_ranks_run_the_fused_step_in_bf16(kind, tmp_path, monkeypatch):
     # (these random MoE models in bf16 flip a token's experts now and then, which moves its logprob by nats either
     # way: the worst errors say little there, the median tells a wrong expert or a missing sum)
     assert median[2] <= 1.5 * median[1] + 0.02, median
+
+
+def test_a_rank_that_dies_while_idle_turns_health_to_503(tiny_llama):
+    """No request running when a rank dies: /health (what a load balancer probes) says so within a second or two and
+    the other rank is stopped, rather than answering ok until a request finds the dead rank."""
+    import httpx
+    import psutil
+    from server_utils import ServerThread, wait_until
+
+    with ServerThread(tiny_llama, tensor_parallel_size=2) as server:
+        procs = server.engine.engine.executor._procs
+        ranks = [psutil.Process(p.pid) for p in procs]
+        procs[1].kill()
+        assert wait_until(lambda: httpx.get(server.url + "/health").status_code == 503, timeout=10)
+        body = httpx.get(server.url + "/health").json()
+        assert "tensor-parallel rank 1" in body["error"]["message"]
+        _, alive = psutil.wait_procs(ranks, timeout=10)
+        assert not alive  # rank 0 was stopped too (it would wait for rank 1 in its next collective)
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 503 and "tensor-parallel rank 1" in r.text

@@ -289,6 +289,7 @@ class AsyncLLMEngine:
                     for listener in self.step_listeners:
                         listener(outputs, elapsed)
                 else:
+                    self.engine.executor.check_health()  # (a worker that died while idle: /health says so now)
                     self.engine.poll_kv_transfers()  # (a producer frees confirmed or expired leases while idle)
                     self.stats = self.engine.stats()
                     wait = self.idle_wait_s

@@ -29,5 +29,9 @@ class Executor(abc.ABC):
     def describe(self) -> str:
         """Where the model runs, for logs: device, dtype, process."""
 
+    def check_health(self) -> None:
+        """Raise (a WorkerError naming it) where a worker this executor depends on is gone, though no step has run
+        since: the engine calls it while idle, so /health reports a dead worker before a request finds it."""
+
     def shutdown(self) -> None:
         """Release workers and device memory."""

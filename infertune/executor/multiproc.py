@@ -147,6 +147,14 @@ class MultiprocExecutor(Executor):
         proc = self._procs[rank]
         return WorkerError(f"{self._rank_name(rank)} exited (pid {proc.pid}, exit code {proc.exitcode})")
 
+    def check_health(self) -> None:
+        if self._failed is not None:
+            raise WorkerError(f"the tensor-parallel workers were stopped after an earlier failure: {self._failed}")
+        for rank, proc in enumerate(self._procs):
+            if not proc.is_alive():
+                proc.join(1)
+                self._fail(rank, self._died(rank))
+
     def _fail(self, rank: int, error: BaseException):
         """Stop every rank after `rank` failed (they cannot go on without it) and raise its error."""
         if self.size > 1:
