@@ -184,3 +184,20 @@ def test_a_router_that_picks_the_same_experts_in_another_order_is_not_an_error()
     moved = captured([[0.6, 1.3, 0.6], [0.9, 0.1, 0.2]], [[4, 6, 7], [0, 1, 3]])  # expert 3 (0.2) takes 2's place
     m = compare("gate", 0, moved.records[0][1], reference)
     assert m.max_abs == pytest.approx(0.8) and m.diverges(0.05) == "error above threshold"
+
+
+def test_a_router_fed_nan_is_not_said_to_be_at_a_near_tie(tmp_path):
+    """A NaN planted in layer 0's experts reaches layer 1's router, which then picks arbitrary experts: the note
+    says its scores are NaN/Inf (the planted value's doing), not "near-ties in the router's scores"."""
+    path = make_checkpoint(
+        tmp_path / "moe", "qwen3_moe", std=0.2, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32
+    )
+
+    def nan_in_experts(model) -> None:
+        with torch.no_grad():
+            model.model.layers[0].mlp.experts.gate_up_proj[:, 0, 0] = float("nan")
+
+    report = debug_layers.debug_layers(str(path), PROMPT_IDS, dtype="float32", perturb=nan_in_experts)
+    assert report.first_nonfinite["module"] == "model.layers.0.mlp.experts"
+    notes = [n for n in report.notes if n.startswith("model.layers.1.mlp.gate:")]
+    assert len(notes) == 1 and "(its scores are NaN/Inf under test)" in notes[0] and "near-ties" not in notes[0]

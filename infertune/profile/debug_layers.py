@@ -297,13 +297,17 @@ def debug_layers(
     runner = test.engine.executor.runner
 
     notes = []
+    test_outputs = dict(reversed(test_records))  # label -> its first call's outputs
     for label, ids in test_capture.routes.items():
         ref_ids = ref_capture.routes.get(label)
         moved = rerouted_tokens(ids, ref_ids) if ref_ids is not None and ref_ids.shape == ids.shape else 0
         if moved:
+            # a router fed NaN / Inf picks arbitrary experts: that is the non-finite values', not a near-tie
+            nonfinite = any(not bool(t.isfinite().all()) for t in test_outputs.get(label, []))
+            why = "its scores are NaN/Inf under test" if nonfinite else "near-ties in the router's scores"
             notes.append(
                 f"{label}: {moved} of {ids.shape[0]} tokens routed to other experts than in the {ref_dtype_name} run "
-                "(near-ties in the router's scores); those tokens' expert outputs differ by more than rounding"
+                f"({why}); those tokens' expert outputs differ by more than rounding"
             )
     if [label for label, _ in test_records] != [label for label, _ in ref_records]:
         raise RuntimeError("the two runs called different modules; the model code must not depend on dtype/device")
