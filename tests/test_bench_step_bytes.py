@@ -138,3 +138,32 @@ def test_bench_reports_each_systems_step_bytes_rate_and_roofline(tmp_path, monke
     assert "| step MiB | decode GB/s | roofline % | probe GB/s |" in out
     # the probe on 2 MB pages (where the packed weights sit) is reported beside it, not used for roofline %
     assert doc["probe_end_2mb_pages_gb_s"] == 30.0 and "on 2 MB pages" in out and "30.0 GB/s" in out
+
+
+def test_deepseek_mtp_layers_are_neither_read_nor_counted(tmp_path):
+    """A DeepSeek-V3 checkpoint with a multi-token-prediction layer (model.layers.{num_hidden_layers}.*, as published):
+    no system loads it, so the checkpoint's step bytes and the benchmark's parameter count leave it out. Oracle: the
+    file without that layer (the same tensors and bytes; its elements counted from the file's tensors)."""
+    from safetensors.torch import load_file, save_file
+    from test_deepseek import LAYERS, VARIANTS, make_deepseek_checkpoint
+
+    from infertune.bench.offline_models import checkpoint_param_count
+
+    plain = make_deepseek_checkpoint(tmp_path / "plain", **{**VARIANTS["v3"], "torch_dtype": "bfloat16"})
+    mtp = tmp_path / "mtp"
+    mtp.mkdir()
+    for f in plain.iterdir():
+        (mtp / f.name).write_bytes(f.read_bytes())
+    state = load_file(plain / "model.safetensors")
+    extra = {
+        k.replace(f"layers.{LAYERS - 1}.", f"layers.{LAYERS}."): v.clone()
+        for k, v in state.items()
+        if f"layers.{LAYERS - 1}." in k
+    }
+    extra[f"model.layers.{LAYERS}.eh_proj.weight"] = torch.zeros(64, 128)
+    save_file({**state, **extra}, mtp / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((mtp / "config.json").read_text())
+    (mtp / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 1}))
+
+    assert sb.checkpoint_tensors(mtp, 2) == sb.checkpoint_tensors(plain, 2)
+    assert checkpoint_param_count(mtp) == sum(t.numel() for t in state.values())

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
-import math
 import os
 import shutil
 import sys
 import time
 from pathlib import Path
+
+from infertune.bench.step_bytes import checkpoint_tensors
 
 VOCAB_SIZE = 32000
 SPECIAL_TOKENS = ["<|endoftext|>", "<|user|>", "<|assistant|>", "<|end|>"]
@@ -197,19 +198,11 @@ def ensure_model(preset: str, cache_dir: Path) -> Path:
 
 
 def checkpoint_param_count(model_dir: Path) -> int:
-    """Number of stored weight elements, read from the safetensors headers (no tensor is loaded)."""
-    total = 0
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
+    """Number of stored weight elements, read from the safetensors headers (no tensor is loaded); DeepSeek's
+    multi-token-prediction layers, which the benchmark's systems do not load, are not counted."""
+    if not any(model_dir.glob("*.safetensors")):
         raise SystemExit(f"error: {model_dir} has no *.safetensors files")
-    for f in files:
-        with open(f, "rb") as fh:
-            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
-        for name, info in header.items():
-            if name == "__metadata__" or name.endswith("rotary_emb.inv_freq"):
-                continue
-            total += math.prod(info["shape"])
-    return total
+    return sum(n for name, n in checkpoint_tensors(model_dir, 1) if not name.endswith("rotary_emb.inv_freq"))
 
 
 def read_model_config(model_dir: Path) -> dict:

@@ -59,18 +59,25 @@ def moe_shape(cfg: dict) -> dict[str, int]:
     return dict(num_experts=int(experts), top_k=int(top_k)) if experts and top_k else dict(num_experts=0, top_k=0)
 
 
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
 def checkpoint_tensors(model_dir: Path, dtype_bytes: float) -> list[tuple[str, int]]:
     """The checkpoint's tensors at `dtype_bytes` a weight (what a system that loads them in --dtype holds), read from
-    the safetensors headers (no tensor is loaded)."""
+    the safetensors headers (no tensor is loaded). DeepSeek's multi-token-prediction layers (num_nextn_predict_layers
+    past num_hidden_layers) are left out: no system here loads them (transformers, vLLM and infertune skip them)."""
+    from infertune.config import ArchConfig
+
+    skipped_from = ArchConfig.from_model_dir(str(model_dir)).skip_layers_from
     out = []
     for f in sorted(Path(model_dir).glob("*.safetensors")):
         with open(f, "rb") as fh:
             header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
-        out += [
-            (name, int(math.prod(info["shape"]) * dtype_bytes))
-            for name, info in header.items()
-            if name != "__metadata__"
-        ]
+        for name, info in header.items():
+            layer = _LAYER.match(name)
+            if name == "__metadata__" or (skipped_from is not None and layer and int(layer[1]) >= skipped_from):
+                continue
+            out.append((name, int(math.prod(info["shape"]) * dtype_bytes)))
     return out
 
 
