@@ -182,7 +182,8 @@ def add_arguments(p: argparse.ArgumentParser, default_batch: list[int] | None = 
     g.add_argument(
         "--model",
         metavar="DIR",
-        help="a Hugging Face model folder (Llama/Qwen2/Mistral, safetensors). "
+        help="a Hugging Face model folder (safetensors) of any architecture the README's Supported models lists "
+        "(Llama, Qwen2 / 3, Mistral, Gemma 2 / 3, Qwen MoE, Mixtral, DeepSeek-V2 / V3, fp8 included). "
         "Default: build a random-weight Llama of --preset once and cache it under --cache-dir",
     )
     g.add_argument(
