@@ -944,3 +944,27 @@ def test_engine_runs_moe_on_the_reference_implementation(tiny_moe, monkeypatch, 
     for name, engine in (("plain", plain), ("fused", llm)):
         errors[name] = max(_hf_logprob_errors(engine, prompts, params, hf, argmax=False))
     assert errors["fused"] <= 1.5 * errors["plain"] + 0.02, errors
+
+
+@pytest.mark.skipif(cpu.variant() not in ("avx512", "avx512-noamx"), reason=f"AVX-512 kernels: {cpu.describe()}")
+def test_profile_says_why_the_last_layers_expert_load_is_smaller(tmp_path):
+    """A prompt step in the fused step routes only the sampled rows through the last layer (the test above): the
+    expert-load table says so under that layer's row, whose count is the hand arithmetic's (every prompt's last
+    token and the decodes, x top-k) against the other layers' (every token); a table with equal counts has no note."""
+    from infertune import LLM, SamplingParams
+    from infertune.profile.profile_cmd import _format_expert_load, expert_load_rows
+    from infertune.profile.timeline import profile_workload
+
+    path = _attention_free_checkpoint(tmp_path, "qwen3_moe")
+    input_len, output_len, batch = 9, 5, 2
+    llm = LLM(str(path), dtype="bfloat16", max_model_len=32, max_num_seqs=batch)
+    if llm.engine.executor.runner.fused.decoder.max_prefill_rows < input_len * batch:
+        pytest.skip("the fused step does not take this prompt step here: every layer routes every row")
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    result = profile_workload(llm, input_len, output_len, batch, params, warmup=False)
+    rows = expert_load_rows({name: list(counts) for name, counts in result.expert_load.items()})
+    every, sampled = (input_len + output_len - 1) * batch * 4, output_len * batch * 4  # top-4
+    assert [r["routed"] for r in rows] == [every] * (len(rows) - 1) + [sampled]
+    text = "\n".join(_format_expert_load(rows))
+    assert f"note: {rows[-1]['layer']} routed {sampled} assignments against the other layers' {every}" in text
+    assert "note:" not in "\n".join(_format_expert_load(rows[:-1]))

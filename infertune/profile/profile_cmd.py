@@ -339,6 +339,14 @@ def _format_expert_load(rows: list[dict]) -> list[str]:
             f"  {r['layer'][-36:]:<36} {r['experts']:>7} {r['routed']:>8} {r['max']:>6} {r['mean']:>7.1f} "
             f"{imbalance:>9} {r['idle_experts']:>5}  {hottest}"
         )
+    most = max((r["routed"] for r in rows), default=0)
+    if len(rows) > 1 and rows[-1]["routed"] < most:
+        # (runner/fused_decode.py: out_rows; a per-module forward routes every row in every layer)
+        lines.append(
+            f"  note: {rows[-1]['layer']} routed {rows[-1]['routed']} assignments against the other layers' {most}: "
+            "a prompt step in the fused step takes only the rows whose logits are sampled (each prompt's last "
+            "token) through the last layer's MLP, the others need only their K / V; its load is over those rows"
+        )
     return lines
 
 
