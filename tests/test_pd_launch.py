@@ -260,3 +260,27 @@ def test_free_ports_are_never_handed_out_twice(monkeypatch):
     monkeypatch.setattr(instances, "_HANDED_OUT", set())
     monkeypatch.setattr(socket, "socket", lambda *a, **k: FakeSocket())
     assert [instances.free_port(), instances.free_port()] == [47001, 47002]
+
+
+def test_a_port_in_use_is_said_before_anything_loads(tmp_path, monkeypatch):
+    """serve and the launcher of --pd / --data-parallel-size bind their port first (vLLM's order): one in use is a
+    clear error before the model loads (the model path here does not exist, so loading first would fail on it) or
+    before any instance starts; a free one is then held while they load."""
+    import socket
+
+    from infertune.serve.launcher import serve
+
+    started = []
+    monkeypatch.setattr(launch, "_start", lambda *a: started.append(a))
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with pytest.raises(ValueError, match=f"cannot listen on 127.0.0.1:{port}: Address already in use"):
+            serve(str(tmp_path / "no-model-here"), port=port)
+        spec = launch.InstanceSpec("replica-0", ("--model", str(tmp_path / "no-model-here")))
+        with pytest.raises(ValueError, match=f"cannot listen on 127.0.0.1:{port}"):
+            launch.run_behind_router([spec], "local", "127.0.0.1", port, replicas=["replica-0"])
+    assert started == []
+    with pytest.raises(ValueError, match="--host 'no such host': not an address"):
+        serve(str(tmp_path / "no-model-here"), host="no such host", port=0)

@@ -88,11 +88,15 @@ def run_behind_router(specs: list[InstanceSpec], placement: str, host: str, port
     import uvicorn
 
     from infertune.router.app import Router
-    from infertune.serve.launcher import _graceful_server_class
+    from infertune.serve.launcher import _graceful_server_class, listen_socket
 
     if placement not in PLACEMENTS:
         raise ValueError(f"--placement {placement!r}: choose one of {', '.join(PLACEMENTS)}")
     main_thread = threading.current_thread() is threading.main_thread()
+    # (the router's port bound first: taken, it fails before any instance loads; free, nothing takes it meanwhile,
+    # not even the ephemeral port of a health check to an instance)
+    sock = listen_socket(host, port)
+    port = sock.getsockname()[1]  # (port 0: the one the system gave)
     previous = signal.signal(signal.SIGTERM, _exit_on_signal) if main_thread else None  # (while starting: stop all)
     instances, ray_placement = [], None
     try:
@@ -114,8 +118,9 @@ def run_behind_router(specs: list[InstanceSpec], placement: str, host: str, port
         )
         app = Router(**{role: [url[n] for n in names] for role, names in router.items()}).app()
         # (uvicorn alone re-raises SIGTERM after its shutdown, which would end this process before the instances)
-        _graceful_server_class()(uvicorn.Config(app, host=host, port=port, log_level="warning")).run()
+        _graceful_server_class()(uvicorn.Config(app, host=host, port=port, log_level="warning")).run(sockets=[sock])
     finally:
+        sock.close()
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
         stop(instances)

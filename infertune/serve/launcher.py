@@ -6,6 +6,7 @@ import contextlib
 import logging
 import re
 import signal
+import socket
 from pathlib import Path
 
 log = logging.getLogger("infertune.serve")
@@ -38,44 +39,68 @@ def serve(
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser NAME (docs/server.md)")
 
     template = load_chat_template(chat_template)  # (before the model loads: a bad template fails fast)
-    config = EngineConfig.create(model, **engine_options)
-    engine = LLMEngine(config, show_progress=True)
-    names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or ())
-    names = names or [Path(config.model.model).name]
-    name = names[0]  # (the one responses and /metrics report; every name is accepted)
-    async_engine = AsyncLLMEngine(engine)
-    app = create_app(
-        async_engine,
-        names,
-        api_key=api_key,
-        max_body_bytes=max_body_bytes,
-        tool_call_parser=tool_call_parser,
-        enable_auto_tool_choice=enable_auto_tool_choice,
-        chat_template=template,
-    )
-
-    log.info("%s", async_engine.describe_limits())
-    log.info(
-        "serving %r (%s) on http://%s:%d/v1 with %s%s",
-        name,
-        config.model.model,
-        host,
-        port,
-        engine.executor.describe(),
-        f"; also named {', '.join(repr(n) for n in names[1:])}" if names[1:] else "",
-    )
-    server = _graceful_server_class()(
-        uvicorn.Config(
-            app,
-            host=host,
-            port=port,
-            log_level=log_level,
-            timeout_graceful_shutdown=graceful_timeout_s,
+    with listen_socket(host, port) as sock:  # (so does a port in use; and nothing takes it while the model loads)
+        port = sock.getsockname()[1]  # (port 0: the one the system gave)
+        config = EngineConfig.create(model, **engine_options)
+        engine = LLMEngine(config, show_progress=True)
+        names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or ())
+        names = names or [Path(config.model.model).name]
+        name = names[0]  # (the one responses and /metrics report; every name is accepted)
+        async_engine = AsyncLLMEngine(engine)
+        app = create_app(
+            async_engine,
+            names,
+            api_key=api_key,
+            max_body_bytes=max_body_bytes,
+            tool_call_parser=tool_call_parser,
+            enable_auto_tool_choice=enable_auto_tool_choice,
+            chat_template=template,
         )
-    )
-    server.engine = async_engine  # (at the grace period's end its requests end, so their streams close cleanly)
-    server.run()  # returns after SIGINT / SIGTERM once in-flight requests finish or the grace period ends
+
+        log.info("%s", async_engine.describe_limits())
+        log.info(
+            "serving %r (%s) on http://%s:%d/v1 with %s%s",
+            name,
+            config.model.model,
+            host,
+            port,
+            engine.executor.describe(),
+            f"; also named {', '.join(repr(n) for n in names[1:])}" if names[1:] else "",
+        )
+        server = _graceful_server_class()(
+            uvicorn.Config(
+                app,
+                host=host,
+                port=port,
+                log_level=log_level,
+                timeout_graceful_shutdown=graceful_timeout_s,
+            )
+        )
+        server.engine = async_engine  # (at the grace period's end its requests end, so their streams close cleanly)
+        server.run(sockets=[sock])  # returns after SIGINT / SIGTERM once in-flight requests finish or the grace ends
     return 0
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound now (uvicorn listens on it once the app is ready), as vLLM binds its own before the
+    engine starts: a port in use is said at once rather than after minutes of loading, and while the model loads no
+    other process, nor this one's own client connections (their ephemeral ports), can take it. Port 0: any free one."""
+    try:
+        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, addr = found[0]
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host!r}: not an address this machine can listen on ({e.strerror})") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as uvicorn: a restart may reuse a closing port)
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise ValueError(
+            f"cannot listen on {host}:{port}: {e.strerror or e} (another server holds the port? pick another --port)"
+        ) from None
+    sock.set_inheritable(False)
+    return sock
 
 
 _JINJA_CHARS = "{}\n"
