@@ -424,3 +424,27 @@ def test_missing_tokenizer(tmp_path):
             f.unlink()
     with pytest.raises(ValueError, match="tokenizer"):
         _load(path)
+
+
+def test_a_group_size_that_does_not_divide_a_layer_names_that_layer(tmp_path):
+    """quantization="w4a16" with a group size that does not divide one layer's inputs: the error names the layer
+    (here Qwen2-MoE's shared expert, whose down_proj takes shared_expert_intermediate_size = 48 inputs, from the
+    config: every other layer takes 64 or 32), not just the number."""
+    path = make_checkpoint(
+        tmp_path / "m",
+        "qwen2_moe",
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+    )
+    assert read_config(path)["shared_expert_intermediate_size"] == 48
+    with pytest.raises(ValueError, match=r"^model\.layers\.0\.mlp\.shared_expert\.down_proj: in_features=48 is not"):
+        LLM(str(path), dtype="float32", quantization="w4a16", quant_group_size=32)
+    LLM(
+        str(path),
+        dtype="float32",
+        quantization="w4a16",
+        quant_group_size=32,
+        keep_fp=("lm_head", "*shared_expert.down_proj"),
+    )

@@ -186,11 +186,15 @@ def load_model(
                     for module in complete:
                         # (our own references first, so that a method replacing a weight frees it at once: the
                         # checkpoint's full-precision layers are never all in memory together)
-                        for n in ready.param_names(module):
+                        names = ready.param_names(module)
+                        for n in names:
                             gone = params.pop(n, None)
                             early[n] = set(getattr(gone, "expected_shards", None) or ())
                         del gone
-                        module.quant_method.process_weights_after_loading(module)
+                        try:
+                            module.quant_method.process_weights_after_loading(module)
+                        except ValueError as e:  # (e.g. a group size that does not divide this layer's inputs)
+                            raise ValueError(f"{names[0].rpartition('.')[0] if names else path.name}: {e}") from e
                     if since_trim >= TRIM_EVERY_BYTES:  # (after the modules it completed: their transients too)
                         trim_host_heap()
                         since_trim = 0
