@@ -154,6 +154,9 @@ def test_a_rank_that_dies_is_named_and_nothing_hangs(tiny_llama):
         llm.engine.shutdown()
 
 
+_RAY_TOKEN: dict[str, str] = {}  # (ray_head's, one per test process)
+
+
 @pytest.fixture
 def ray_head(monkeypatch):
     """A Ray head on 127.0.0.1 started for the test (`ray start --head`) and stopped after it."""
@@ -171,9 +174,11 @@ def ray_head(monkeypatch):
 
     ray_cli = shutil.which("ray") or str(Path(sys.executable).with_name("ray"))
     port = free_port()
-    # Ray >= 2.59 authenticates a local cluster's clients by token: one for this head, its workers and the driver
+    # Ray >= 2.59 authenticates a local cluster's clients by token: one for this head, its workers and the driver,
+    # the same for every head of this test process (Ray keeps the first token it read: a second head with a new
+    # one refused this process's ray.init)
     monkeypatch.setenv("RAY_AUTH_MODE", "token")
-    monkeypatch.setenv("RAY_AUTH_TOKEN", secrets.token_hex(32))
+    monkeypatch.setenv("RAY_AUTH_TOKEN", _RAY_TOKEN.setdefault("token", secrets.token_hex(32)))
     start = [ray_cli, "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1", "--num-cpus=2", "--block"]
     # --block: the head lives as long as this process, whose end stops the processes it started and no others (`ray
     # stop` would stop every Ray cluster of this user on the machine)
@@ -524,3 +529,15 @@ def test_a_rank_that_dies_while_idle_turns_health_to_503(tiny_llama):
         assert not alive  # rank 0 was stopped too (it would wait for rank 1 in its next collective)
         r = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
         assert r.status_code == 503 and "tensor-parallel rank 1" in r.text
+
+
+def test_a_ray_actor_that_dies_while_idle_turns_health_to_503(ray_head, tiny_llama):
+    """The same under Ray: an actor killed between requests is found by the idle pings (check_health)."""
+    import httpx
+    import ray
+    from server_utils import ServerThread, wait_until
+
+    with ServerThread(tiny_llama, tensor_parallel_size=2, distributed_executor_backend="ray") as server:
+        ray.kill(server.engine.engine.executor._actors[1], no_restart=True)
+        assert wait_until(lambda: httpx.get(server.url + "/health").status_code == 503, timeout=15)
+        assert "tensor-parallel rank 1 (Ray actor) died" in httpx.get(server.url + "/health").text

@@ -23,6 +23,10 @@ from infertune.scheduler_output import SchedulerOutput
 
 log = logging.getLogger(__name__)
 
+# While the engine is idle, how often every actor is asked whether it is alive (check_health: an actor that died
+# between requests is found without waiting for the next step).
+HEALTH_PING_S = 1.0
+
 
 class _RankActor:
     """One rank: a ModelRunner in a Ray actor process."""
@@ -204,6 +208,30 @@ class RayExecutor(Executor):
             raise
         self._kv_info, self._describe = answers[0]
         self._nodes = len({node for node, _ in places})
+        self._pings: dict = {}  # ref of an actor's liveness ping -> its rank (check_health)
+        self._next_ping = 0.0
+
+    def check_health(self) -> None:
+        """Never waits: collects the answers to the last pings that came back and sends new ones every
+        HEALTH_PING_S (each queued behind nothing: the engine is idle)."""
+        import time
+
+        ray = self._ray
+        if self._failed is not None:
+            raise WorkerError(f"the tensor-parallel workers were stopped after an earlier failure: {self._failed}")
+        if self._pings:
+            ready, _ = ray.wait(list(self._pings), num_returns=len(self._pings), timeout=0)
+            for ref in ready:
+                rank = self._pings.pop(ref)
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayActorError as e:
+                    self._fail(WorkerError(f"tensor-parallel rank {rank} (Ray actor) died: {e}"))
+                except ray.exceptions.RayError as e:
+                    self._fail(_cause(e))
+        elif time.monotonic() >= self._next_ping:
+            self._next_ping = time.monotonic() + HEALTH_PING_S
+            self._pings = {a.where.remote(): rank for rank, a in enumerate(self._actors)}
 
     def _gather(self, refs: list) -> list:
         """Every rank's answer; the first failure (in completion order) stops the group and is raised."""
