@@ -261,6 +261,15 @@ def _config_key(path: str, key) -> str:
 def cmd_serve(args: argparse.Namespace) -> int:
     logging.getLogger("infertune").setLevel(logging.INFO)
     own_argv = args.argv[args.argv.index("serve") + 1 :]
+    if args.data_parallel_size < 1:
+        raise ValueError(
+            f"--data-parallel-size {args.data_parallel_size}: give 1 (one server) or more (replicas behind a router)"
+        )
+    if args.pd_device is not None and (args.pd is None or not args.pd.strip().lower().startswith("auto")):
+        raise ValueError(
+            "--pd-device is the device that --pd auto[:N] splits the instances by; without --pd auto it would be "
+            "ignored: drop it, or give --pd auto[:N]"
+        )
     if args.pd is not None:  # P prefill + D decode instances in child processes (or Ray actors), the router here
         from infertune.router.launch import parse_pd, serve_pd
 
@@ -275,7 +284,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         elif isinstance(pd, int):  # auto:N
             from infertune.plan.pd import choose_pd
 
-            pd = choose_pd(args.model, pd, args.pd_device, args.max_model_len, args.max_num_seqs).split
+            pd = choose_pd(args.model, pd, args.pd_device or "local", args.max_model_len, args.max_num_seqs).split
         return serve_pd(own_argv, pd, args.host, args.port, args.placement, args.kv_connector_config)
     if args.data_parallel_size > 1:  # N replicas in child processes (or Ray actors), the router in this one
         from infertune.router.launch import serve_data_parallel
@@ -425,7 +434,7 @@ def _add_serve(sub) -> None:
     )
     srv.add_argument(
         "--pd-device",
-        default="local",
+        default=None,  # (local; None tells a flag given without --pd auto, which nothing would read)
         help="the device whose roofline --pd auto splits by: a catalog name (infertune plan --list-devices) or "
         "local, measured first (a few seconds where bf16 matmuls are native; minutes on a CPU without them) "
         "(default: local)",

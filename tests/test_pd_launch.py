@@ -161,6 +161,29 @@ def test_bad_pd_arguments_are_clear_errors(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--data-parallel-size", "0"], "--data-parallel-size 0: give 1 (one server) or more"),
+        (["--data-parallel-size", "-2"], "--data-parallel-size -2: give 1 (one server) or more"),
+        (["--pd-device", "910b"], "--pd-device is the device that --pd auto[:N] splits"),
+        (["--pd", "1:1", "--pd-device", "910b"], "--pd-device is the device that --pd auto[:N] splits"),
+        (["--data-parallel-size", "2", "--pd-device", "910b"], "without --pd auto it would be ignored"),
+    ],
+)
+def test_scale_out_flags_that_nothing_would_read_are_errors_not_ignored(argv, message, capsys, monkeypatch):
+    """These started a server (a plain one, or the replicas / P:D instances) with the value silently ignored."""
+    import infertune.serve.launcher
+
+    def started(*args, **kwargs):
+        raise AssertionError(f"a server was started for serve {argv}")
+
+    for module, name in ((infertune.serve.launcher, "serve"), (launch, "serve_pd"), (launch, "serve_data_parallel")):
+        monkeypatch.setattr(module, name, started)
+    assert main(["serve", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
 def test_kv_role_or_another_connector_given_by_hand_is_refused_by_the_launcher_too():
     with pytest.raises(ValueError, match="drop --kv-role"):
         launch.serve_pd(["--kv-role=consumer"], (1, 1), "127.0.0.1", 0)
