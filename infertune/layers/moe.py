@@ -36,6 +36,15 @@ def route(
     logits: torch.Tensor, moe: MoeArch, correction_bias: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [T, E] -> (weights [T, k] fp32, expert ids [T, k] int64), as each family's reference does."""
+    scores, choice = _choice(logits, moe, correction_bias)
+    ids = choice.topk(moe.top_k, dim=-1).indices
+    return routed_weights(scores, ids, moe), ids
+
+
+def _choice(
+    logits: torch.Tensor, moe: MoeArch, correction_bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scores, the values top-k selects on): the scores plus the correction bias, the groups not kept masked out."""
     logits = logits.float()
     t, e = logits.shape
     scores = logits.softmax(dim=-1) if moe.scoring == "softmax" else logits.sigmoid()
@@ -51,13 +60,60 @@ def route(
         # DeepSeek-V3 masks the dropped groups with -inf, V2 with 0 (its scores are positive softmax values).
         fill = float("-inf") if moe.topk_method == "noaux_tc" else 0.0
         choice = choice.masked_fill(~keep.unsqueeze(-1).expand_as(grouped).reshape(t, e), fill)
-    ids = choice.topk(moe.top_k, dim=-1).indices
+    return scores, choice
+
+
+def routed_weights(scores: torch.Tensor, ids: torch.Tensor, moe: MoeArch) -> torch.Tensor:
+    """The weights [T, k] fp32 of the picked experts ids [T, k] from the scores [T, E]: renormalised and scaled as
+    the family's reference does."""
     weights = scores.gather(1, ids)
     if moe.norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + (1e-20 if moe.scoring == "sigmoid" else 0.0))
     if moe.routed_scaling_factor != 1.0:
         weights = weights * moe.routed_scaling_factor
-    return weights, ids
+    return weights
+
+
+def weights_of_picks(
+    logits: torch.Tensor, moe: MoeArch, correction_bias: torch.Tensor | None, ids: torch.Tensor
+) -> torch.Tensor:
+    """The weights route() gives the experts ids [T, k] whoever picked them (a routing changed on purpose)."""
+    return routed_weights(_choice(logits, moe, correction_bias)[0], ids, moe)
+
+
+def boundary_margins(
+    logits: torch.Tensor, moe: MoeArch, correction_bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """How near each row's routing is to another pick, in the router's logit units: (margin [T], the worst expert
+    picked [T], the best left out [T]), the margin being how far the left-out expert's logit must rise for it to
+    displace the picked one (within the groups kept; inf where no expert is left out, or none can get in).
+    Softmax scores keep the logits' order, so the margin is the logit gap; sigmoid scores with a correction bias
+    need the logit whose sigmoid plus its bias reaches the picked one's. (`doctor --consistency` weighs a flipped
+    route by it: a margin within the dtype's noise can send a token to other experts in another kernel.)"""
+    logits = logits.float()
+    scores, choice = _choice(logits, moe, correction_bias)
+    t, k = logits.shape[0], moe.top_k
+    ranked = choice.sort(dim=-1, descending=True)
+    if k >= logits.shape[1]:
+        none = torch.full((t,), float("inf"))
+        return none, ranked.indices[:, -1], ranked.indices[:, -1]
+    kth, out = ranked.indices[:, k - 1], ranked.indices[:, k]
+    masked = ranked.values[:, k] == (float("-inf") if moe.topk_method == "noaux_tc" else 0.0)
+    masked &= moe.topk_method != "greedy" and moe.n_group > 1  # (a dropped group's expert: no small rise gets it in)
+    l_kth, l_out = logits.gather(1, kth[:, None])[:, 0], logits.gather(1, out[:, None])[:, 0]
+    if moe.scoring == "softmax" and correction_bias is None:
+        margin = l_kth - l_out
+    else:
+        bias = correction_bias.float() if correction_bias is not None else torch.zeros(logits.shape[1])
+        target = choice.gather(1, kth[:, None])[:, 0] - bias[out]  # the sigmoid the left-out expert must reach
+        if moe.scoring == "softmax":  # (softmax with a bias: the scores' gap over the score's slope p (1 - p))
+            p = scores.gather(1, out[:, None])[:, 0]
+            margin = (target - p) / (p * (1 - p)).clamp_min(1e-30)
+        else:
+            margin = torch.where(
+                (target > 0) & (target < 1), torch.logit(target.clamp(1e-30, 1 - 1e-7)) - l_out, float("inf")
+            )
+    return torch.where(masked, float("inf"), margin.clamp_min(0.0)), kth, out
 
 
 def group_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:

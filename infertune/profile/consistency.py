@@ -8,7 +8,9 @@ the user's options with one thing changed; the runs are compared token by token.
 candidates are within the dtype's tolerance of each other is noise; one with a clear margin is a failure: the run of
 both paths is replayed in fresh engines up to the diverging step with debug-layers' forward hooks
 (debug_layers.OutputCapture) on every module, the diverging request's row is cut out of each module's output, and
-debug_layers.compare names the first module whose activations differ between the two paths.
+debug_layers.compare names the first module whose activations differ between the two paths. In a MoE model a
+clear-margin divergence is first tried as a router near-tie (explain_by_route_flip): two correct paths may route one
+token to different experts where two experts' scores are within rounding, and that moves every later logit.
 
 `--long N` instead runs one generation of N tokens and watches non-finite logits, the logit scale, repetition and
 the process's RSS (every 1,000 tokens, or every N/10 for a short run).
@@ -297,6 +299,127 @@ def localise(model, ref_opts, test_opts, prompts, max_tokens, d: cp.Divergence, 
     return loc
 
 
+# ---- a flipped route: a MoE router's near-tie ------------------------------------------------------------------
+
+MAX_ROUTE_FLIPS = 6  # the nearest ties tried per divergence, each one prefill of the diverging sequence
+
+
+class RouterProbe:
+    """A torch-path engine whose MoE routers record each step's logits and can send one token of one layer to the
+    expert just left out in place of the worst one picked (the route the other side of a near-tie)."""
+
+    def __init__(self, engine) -> None:
+        from infertune.layers.moe import Router
+
+        self.engine = engine
+        self.routers = [m for m in engine.executor.runner.model.modules() if isinstance(m, Router)]
+        self.logits: list[list] = [[] for _ in self.routers]
+        self.force: tuple[int, int, int, int] | None = None  # (router, row, expert out, expert in)
+        self._rows = [0] * len(self.routers)
+        for i, r in enumerate(self.routers):
+            r._route = self._wrapped(i, r, r._route)
+
+    def _wrapped(self, i: int, router, route):
+        from infertune.kernels.interface import MoeRouting
+        from infertune.layers.moe import weights_of_picks
+
+        def _route(logits):
+            routing = route(logits)
+            self.logits[i].append(logits.detach().float().clone())
+            f, first = self.force, self._rows[i]
+            self._rows[i] += logits.shape[0]
+            if f is None or f[0] != i or not first <= f[1] < self._rows[i]:
+                return routing
+            ids = routing.ids.clone()
+            row = ids[f[1] - first]
+            row[row == f[2]] = f[3]
+            weights = weights_of_picks(logits, router.moe, router.e_score_correction_bias, ids)
+            return MoeRouting.grouped(weights, ids, router.moe.num_experts)
+
+        return _route
+
+    def run(self, prefix: list[int], force: tuple[int, int, int, int] | None = None) -> int:
+        """The greedy token after `prefix` (one prefill), the routers recording, with `force` applied if given."""
+        from infertune.sampling_params import SamplingParams
+
+        self.logits = [[] for _ in self.routers]
+        self._rows = [0] * len(self.routers)
+        self.force = force
+        params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=K_TOP)
+        self.engine.add_request("probe", {"prompt_token_ids": prefix}, params)
+        token = None
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    token, self.top = out.outputs[0].token_ids[0], out.outputs[0].logprobs[0].top
+        return token
+
+    def near_ties(self, dtype: str) -> list[tuple[float, int, int, int, int, float, float]]:
+        """The last run's routes within the dtype's noise of another pick, nearest first: (margin / tolerance, router,
+        row, expert picked, expert left out, margin, tolerance); the margins in the router's logit units, the
+        tolerance the doctor's rule (cp.tolerance) at the row's logit scale."""
+        import torch
+
+        from infertune.layers.moe import boundary_margins
+
+        found = []
+        for i, (router, chunks) in enumerate(zip(self.routers, self.logits)):
+            if not chunks:
+                continue
+            logits = torch.cat(chunks)
+            margin, kth, out = boundary_margins(logits, router.moe, router.e_score_correction_bias)
+            tol = [cp.tolerance(dtype, float(s)) for s in logits.abs().amax(dim=-1)]
+            for row in range(logits.shape[0]):
+                m = float(margin[row])
+                if m <= tol[row]:
+                    found.append((m / tol[row], i, row, int(kth[row]), int(out[row]), m, tol[row]))
+        return sorted(found)
+
+
+def explain_by_route_flip(
+    probe: RouterProbe, prefix: list[int], d: cp.Divergence, dtype: str, logit_tol: float
+) -> dict | None:
+    """Why a divergence that looks like a failure may be noise in a MoE model: the torch path, given the sequence up
+    to the divergence, picks one of the two tokens; if sending one token of one layer to the other side of a router
+    near-tie (a margin within the dtype's noise) makes it pick the other, and by the margin the other path picks it
+    with (within logit_tol, the pair's tolerance), the two paths differ by no more than rounding, amplified by a
+    discrete route. Returns that finding (the flip, the prefix it was found on, a note), or None (a failure)."""
+    base = probe.run(prefix)
+    if base not in (d.ref_token, d.test_token):
+        return None
+    if base == d.ref_token:
+        other, theirs, bound = d.test_token, d.test_margin, d.test_bound
+    else:
+        other, theirs, bound = d.ref_token, d.ref_margin, d.ref_bound
+    if bound or not math.isfinite(theirs):  # (the other path's own margin not known exactly)
+        return None
+    for _, router, row, picked, left_out, margin, tol in probe.near_ties(dtype)[:MAX_ROUTE_FLIPS]:
+        if probe.run(prefix, (router, row, picked, left_out)) != other:
+            continue
+        gap, gap_bound = cp.gap(other, base, probe.top)
+        if gap_bound or abs(gap - theirs) > logit_tol:  # (the other token, but not the other path's logits)
+            continue
+        note = (
+            f"request {d.request}, step {d.step}: a MoE router near-tie explains it: router {router} (of "
+            f"{len(probe.routers)}), position {row}: experts {picked} (picked) and {left_out} are {margin:.3g} apart "
+            f"in logits (tolerance {tol:.3g}); routing that token to {left_out} makes the torch path pick {other} over "
+            f"{base} by {gap:.3g}, as the other path does ({theirs:.3g})"
+        )
+        return {
+            "request": d.request,
+            "step": d.step,
+            "router": router,
+            "position": row,
+            "picked": picked,
+            "left_out": left_out,
+            "margin": margin,
+            "tolerance": tol,
+            "prefix": list(prefix),
+            "note": note,
+        }
+    return None
+
+
 # ---- the pairs -----------------------------------------------------------------------------------------------
 
 
@@ -447,6 +570,7 @@ def check_consistency(
         )
     runs: dict = {}
     bytes_per_token: list[int] = []
+    probe: RouterProbe | None = None  # (MoE models: built at the first failure to explain)
 
     def resolve(overrides: dict) -> dict:
         opts = {**base, **overrides}
@@ -519,6 +643,17 @@ def check_consistency(
             res.notes.append(f"{test['preemptions']} preemptions forced")
             if not test["preemptions"]:
                 res.notes.append("no preemption happened: the pair compared nothing it is meant to")
+        if arch.moe is not None and res.accuracy is None and any(d.verdict == "FAIL" for d in res.divergences):
+            if probe is None:
+                probe = RouterProbe(_build(model, resolve({"decode_kernels": "off"}), None, "route probe"))
+            for d in res.divergences:
+                if d.verdict == "FAIL" and d.ref_token >= 0:
+                    prefix = prompt_ids[d.request] + ref["tokens"][d.request][: d.step]
+                    flip = explain_by_route_flip(probe, prefix, d, res.dtype, res.tolerance)
+                    if flip is not None:
+                        d.verdict = "noise"
+                        res.route_flips.append(flip)
+                        res.notes.append(flip["note"])
         res.decide()
         if res.failed:
             res.reproduce = reproduce_command(

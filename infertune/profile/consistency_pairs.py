@@ -150,6 +150,8 @@ class Divergence:
     test_margin: float
     lower_bound: bool = False  # a candidate fell outside the top-k: the margin is at least this
     verdict: str = ""  # "noise" or "FAIL"
+    ref_bound: bool = False  # ref_margin is a lower bound (the test's token outside the reference's top-k)
+    test_bound: bool = False  # likewise test_margin
 
 
 def gap(chosen: int, other: int, top: list[tuple[int, float]]) -> tuple[float, bool]:
@@ -171,7 +173,7 @@ def judge_divergence(
     rm, rb = gap(ref_token, test_token, ref_top)
     tm, tb = gap(test_token, ref_token, test_top)
     margin = max(rm, tm)
-    d = Divergence(request, step, ref_token, test_token, margin, rm, tm, rb or tb)
+    d = Divergence(request, step, ref_token, test_token, margin, rm, tm, rb or tb, ref_bound=rb, test_bound=tb)
     d.verdict = "noise" if margin <= tol else "FAIL"
     return d
 
@@ -208,6 +210,8 @@ class PairResult:
     location: dict | None = None  # the first module whose activations differ, for a failure
     reproduce: str = ""
     ref_margins: list[list[float]] = field(default_factory=list)  # per request, the reference's top1 - top2 per step
+    # MoE: the divergences a router near-tie explains (consistency.explain_by_route_flip's findings, one a divergence)
+    route_flips: list[dict] = field(default_factory=list)
 
     @property
     def failed(self) -> bool:
