@@ -541,3 +541,20 @@ def test_a_ray_actor_that_dies_while_idle_turns_health_to_503(ray_head, tiny_lla
         ray.kill(server.engine.engine.executor._actors[1], no_restart=True)
         assert wait_until(lambda: httpx.get(server.url + "/health").status_code == 503, timeout=15)
         assert "tensor-parallel rank 1 (Ray actor) died" in httpx.get(server.url + "/health").text
+
+
+def test_a_script_that_exits_without_shutdown_stops_its_ranks_cleanly(tiny_llama):
+    """vLLM scripts seldom call shutdown(): at exit the ranks are told to stop, where multiprocessing's exit hook
+    terminated them mid-wait and its resource tracker warned of leaked semaphores."""
+    import subprocess
+    import sys
+
+    script = (
+        "from infertune import LLM, SamplingParams\n"
+        "if __name__ == '__main__':\n"
+        f"    llm = LLM({str(tiny_llama)!r}, dtype='float32', max_model_len=64, tensor_parallel_size=2)\n"
+        "    print(llm.generate('x', SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "leaked" not in done.stderr, done.stderr

@@ -15,9 +15,11 @@ calls fail at once with the first error.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing as mp
 import traceback
+import weakref
 from multiprocessing.connection import wait
 
 from infertune.config import EngineConfig
@@ -89,6 +91,19 @@ class MultiprocExecutor(Executor):
             self._conns.append(conn)
             self._procs.append(proc)
         self._proc = self._procs[0]  # rank 0 (the one worker without tensor parallel)
+        # A script that exits without shutdown(): the workers are told to stop, as shutdown() does, before
+        # multiprocessing's own exit hook (registered earlier, so run later) terminates them mid-wait, which left
+        # their semaphores to the resource tracker ("leaked semaphore objects" at exit). A weak reference: an
+        # executor dropped without shutdown still closes its pipes, which ends its workers.
+        this = weakref.ref(self)
+
+        def stop_at_exit() -> None:
+            executor = this()
+            if executor is not None:
+                executor.shutdown()
+
+        self._stop_at_exit = stop_at_exit
+        atexit.register(stop_at_exit)
         try:
             self._kv_info, self._describe = self._call(None)
         except WorkerError as e:
@@ -202,6 +217,7 @@ class MultiprocExecutor(Executor):
                 proc.join(5)
 
     def shutdown(self) -> None:
+        atexit.unregister(self._stop_at_exit)
         self._stop_all(grace=10.0)
         for conn in self._conns:
             conn.close()
