@@ -593,6 +593,39 @@ def test_data_parallel_router_keeps_a_prefix_on_one_replica(tiny_llama, referenc
         assert sorted(y - x > 0 for x, y in zip(before, after)) == [False, True]  # all four on one replica
 
 
+def test_the_routers_metrics_carry_each_instances_labelled_by_engine(tiny_llama):
+    """As `vllm serve --data-parallel-size 2`'s port serves its engines' metrics (engine="0", "1"), so vLLM dashboards
+    read the router's: each replica's families, its samples labelled engine=<its index> and role (the router served
+    only its own before). The oracle: each replica's own /metrics, through prometheus_client's parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def samples(text: str, name: str) -> dict:
+        return {
+            tuple(sorted(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+            if s.name == name
+        }
+
+    with ServerThread(tiny_llama) as a, ServerThread(tiny_llama) as b, RouterThread(replicas=[a.url, b.url]) as r:
+        body = {"model": MODEL, "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+        for i in range(4):
+            assert httpx.post(r.url + "/v1/completions", json={**body, "prompt": f"{i} x"}).status_code == 200
+        text = httpx.get(r.url + "/metrics").text
+        assert "infertune_router_requests_total" in text  # its own too
+        for name in ("vllm:generation_tokens_total", "vllm:num_requests_running", "infertune_prompt_tokens_total"):
+            got = samples(text, name)
+            for engine, server in enumerate((a, b)):
+                own = samples(httpx.get(server.url + "/metrics").text, name)
+                assert own, name
+                for labels, value in own.items():
+                    relabelled = {**dict(labels), "engine": str(engine), "role": "replica"}
+                    assert got[tuple(sorted(relabelled.items()))] == value, (name, engine)
+            assert len(got) == 2 * len(own)
+        generated = samples(text, "vllm:generation_tokens_total")
+        assert sum(generated.values()) == 4 * 3
+
+
 def _generate(engine: LLMEngine, rid: str, prompt: str, params: SamplingParams):
     engine.add_request(rid, prompt, params)
     done = None

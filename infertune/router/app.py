@@ -33,6 +33,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from infertune.kv_transfer.base import layout_mismatch
+from infertune.router.metrics_merge import MergedFamilies
 from infertune.router.policy import Instance, Picker, prompt_key
 
 log = logging.getLogger("infertune.router")
@@ -96,6 +97,10 @@ class Router:
             ["role"],
             registry=r,
         )
+        # (the instances' own metrics, re-labelled by instance: a registry apart, so their names never meet ours)
+        self.instance_metrics = MergedFamilies()
+        self.instance_registry = CollectorRegistry(auto_describe=False)
+        self.instance_registry.register(self.instance_metrics)
 
     def instances(self) -> list[Instance]:
         return [*(self.prefill.instances if self.prefill else []), *self.serving.instances]
@@ -195,7 +200,27 @@ class Router:
         for picker in (self.prefill, self.serving):
             if picker is not None:
                 self.m_affinity.labels(picker.instances[0].role).set(picker.affinity_hits)
-        return Response(generate_latest(self.registry), media_type="text/plain; version=0.0.4")
+
+        async def scrape(inst: Instance) -> str | None:
+            try:
+                r = await self.client.get(inst.url + "/metrics", timeout=2.0)
+            except httpx.HTTPError:
+                return None
+            return r.text if r.status_code == 200 else None
+
+        # every instance's metrics too, each sample labelled engine="<index>" (as vLLM's data-parallel engines are)
+        # and role: what `vllm serve --data-parallel-size N`'s port serves, so its dashboards read this one
+        every = self.instances()
+        texts = await asyncio.gather(*(scrape(i) for i in every))
+        try:
+            self.instance_metrics.set_from(
+                [({"engine": str(n), "role": i.role}, t) for n, (i, t) in enumerate(zip(every, texts)) if t]
+            )
+        except ValueError as e:  # (an instance that is not infertune answering /metrics with something else)
+            log.warning("an instance's /metrics could not be parsed: %s", e)
+            self.instance_metrics.set_from([])
+        body = generate_latest(self.registry) + generate_latest(self.instance_registry)
+        return Response(body, media_type="text/plain; version=0.0.4")
 
     # ---- one request -----------------------------------------------------------------------------
     async def route(self, request: Request, path: str):
