@@ -653,8 +653,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
+    from infertune.files import report_to_stderr
+
     try:
-        return args.func(args)
+        with report_to_stderr(args):  # (a bare --json: stdout holds the JSON alone)
+            return args.func(args)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"infertune {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -32,3 +33,75 @@ def check_writable(flag: str, path: str | os.PathLike | None, make_parents: bool
             tempfile.TemporaryFile(dir=folder).close()
     except OSError as e:
         raise ValueError(f"{flag} {path}: {target} is not writable ({e.strerror})") from None
+
+
+# ---- --json [OUT]: one meaning in every command --------------------------------------------------------------------
+
+JSON_STDOUT = "-"  # bare --json
+
+
+def add_json_flag(p, what: str) -> None:
+    """--json [OUT] as every command takes it: OUT a file the JSON is written to (the report printed as usual);
+    bare, the JSON printed to stdout in place of the report (progress and tables to stderr)."""
+    p.add_argument(
+        "--json",
+        nargs="?",
+        const=JSON_STDOUT,
+        default=None,
+        metavar="OUT",
+        help=f"{what} as JSON: written to the file OUT, or, with no OUT, printed to stdout in place of the report",
+    )
+
+
+def json_to_stdout(args) -> bool:
+    return getattr(args, "json", None) == JSON_STDOUT
+
+
+_json_stream = None  # the real stdout while a command with a bare --json runs (report_to_stderr)
+
+
+def emit_json(target, doc, indent: int = 1) -> None:
+    """--json's document: to the file `target` (its folder made), to stdout for a bare --json (the real one where
+    report_to_stderr moved the command's prints to stderr), nowhere for None."""
+    if target is None:
+        return
+    import json
+    import sys
+
+    text = json.dumps(doc, indent=indent, default=str) + "\n"
+    if str(target) == JSON_STDOUT:
+        out = _json_stream or sys.stdout
+        out.write(text)
+        out.flush()
+        return
+    path = Path(target)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def print_report(args, text: str, doc, indent: int = 1) -> None:
+    """A command's report: the text to stdout and --json OUT's file; with a bare --json the JSON to stdout and the
+    text to stderr."""
+    import sys
+
+    print(text, file=sys.stderr if json_to_stdout(args) else sys.stdout)
+    emit_json(getattr(args, "json", None), doc, indent=indent)
+
+
+@contextmanager
+def report_to_stderr(args):
+    """Around a whole command (cli.main): with a bare --json, whatever it prints (progress, tables) goes to stderr,
+    and stdout holds the JSON alone."""
+    global _json_stream
+    import sys
+    from contextlib import redirect_stdout
+
+    if not json_to_stdout(args):
+        yield
+        return
+    _json_stream = sys.stdout
+    try:
+        with redirect_stdout(sys.stderr):
+            yield
+    finally:
+        _json_stream = None

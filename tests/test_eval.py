@@ -137,7 +137,7 @@ def test_gate_on_the_demo_model(capsys):
         bad, LLM(enable_prefix_caching=False, max_num_seqs=2), max_tokens=3000, num_prompts=2, greedy_tokens=8
     )
     assert report.perplexity_change > 0.05 and report.kl_mean > 0.01
-    assert command.report_and_gate(report, "1%", as_json=True) == 1
+    assert command.report_and_gate(report, "1%", json_target="-") == 1
     out = capsys.readouterr()
     assert "gate FAILED" in out.err and '"perplexity_change"' in out.out
     with pytest.raises(ValueError, match="reference"):

@@ -245,3 +245,32 @@ def test_ported_vllm_serve_lines_and_the_models_route(tmp_path, monkeypatch):
         assert card.id == "tiny" and card.created > 0 and client.models.list().data[0].id == "tiny"
         with pytest.raises(openai.NotFoundError, match="model_not_found|does not exist"):
             client.models.retrieve("other")
+
+
+def test_json_has_one_meaning_in_every_command(tmp_path, capsys):
+    """--json [OUT] everywhere: with OUT the JSON goes to that file and the report to stdout as usual; bare, stdout
+    holds the JSON alone (parsed here by json.loads) and the report goes to stderr. Every command that takes --json
+    takes both forms."""
+    from infertune.cli import build_parser, main
+
+    assert main(["plan", "--device", "910b", "--json"]) == 0
+    out = capsys.readouterr()
+    plan = json.loads(out.out)
+    assert plan["device"]["name"] == "910b" and "tokens" in out.err  # (the table, on stderr)
+    path = tmp_path / "sub" / "plan.json"
+    assert main(["plan", "--device", "910b", "--json", str(path)]) == 0
+    out = capsys.readouterr()
+    assert json.loads(path.read_text()) == plan and "Ascend 910B" in out.out and not out.out.lstrip().startswith("{")
+
+    def json_flags(parser, trail=()):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    yield from json_flags(sub, (*trail, name))
+            elif "--json" in action.option_strings:
+                yield trail, action
+
+    found = list(json_flags(build_parser()))
+    assert len(found) >= 12
+    for trail, action in found:
+        assert (action.nargs, action.const, action.default) == ("?", "-", None), trail

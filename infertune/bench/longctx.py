@@ -38,6 +38,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from infertune.files import add_json_flag, emit_json
+
 
 @dataclass(slots=True)
 class Settings:
@@ -432,7 +434,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-dir", type=Path, default=Path("/tmp/infertune-bench"), help="where the model is built")
     p.add_argument("--skip-speed", action="store_true", help="only the accuracy part")
     p.add_argument("--skip-accuracy", action="store_true", help="only the memory and speed part")
-    p.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the rows as JSON")
+    add_json_flag(p, "the rows")
     p.add_argument("--plot", type=Path, default=None, metavar="OUT.png", help="KV per sequence and tok/s by context")
 
 
@@ -488,9 +490,7 @@ def run(args: argparse.Namespace) -> int:
         out["accuracy"] = accuracy_rows(s, chosen(accuracy_configs(s), s.only, "accuracy"))
     print(f"load average after: {os.getloadavg()}\n")
     print(render(out, s.budget_mib))
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(out, indent=1) + "\n")
+    emit_json(args.json, out)
     if args.plot is not None and out.get("speed"):
         write_plot(out, args.plot)
         print(f"plot: {args.plot}")

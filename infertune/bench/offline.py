@@ -73,6 +73,7 @@ from infertune.bench.worker_protocol import (  # noqa: F401  re-exported: other 
     make_prompts,
     peak_rss_mib,
 )
+from infertune.files import add_json_flag, emit_json, json_to_stdout
 from infertune.plotting import pyplot, require_matplotlib
 
 SYSTEMS = (
@@ -320,7 +321,7 @@ def add_arguments(p: argparse.ArgumentParser, default_batch: list[int] | None = 
         "so the cache should never hit)",
     )
     g = p.add_argument_group("output")
-    g.add_argument("--json", type=Path, metavar="OUT", help="also write every number (per-run too) to this JSON file")
+    add_json_flag(g, "every number (per-run too)")
     g.add_argument(
         "--plot",
         type=Path,
@@ -927,9 +928,9 @@ def write_json(
         load_average_end=load_end,
         wall_s=elapsed,
     )
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(doc, indent=2) + "\n")
-    log(f"wrote {args.json}")
+    emit_json(args.json, doc, indent=2)
+    if not json_to_stdout(args):
+        log(f"wrote {args.json}")
 
 
 PLOT_METRICS = (("output_tok_s", "output tokens/s"), ("decode_tok_s", "decode tokens/s"), ("ttft_s", "TTFT s"))

@@ -29,7 +29,6 @@ import random
 import sys
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 # The pure parts live in their own modules; their names are re-exported here.
 from infertune.bench.serve_data import (  # noqa: F401
@@ -53,6 +52,7 @@ from infertune.bench.serve_stats import (  # noqa: F401
     summarize_results,
 )
 from infertune.bench.sse import SSEDecoder, chunk_text
+from infertune.files import add_json_flag, emit_json, json_to_stdout
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 
@@ -299,7 +299,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=None, help="sampling temperature to send (default: server's)")
     p.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput SLO on time to first token (ms)")
     p.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput SLO on time per output token (ms)")
-    p.add_argument("--json", default=None, metavar="OUT", help="write all numbers and per-request records here")
+    add_json_flag(p, "all numbers and per-request records")
     p.add_argument(
         "--timeout",
         type=float,
@@ -417,10 +417,9 @@ def run(args: argparse.Namespace) -> int:
             "summary": summary,
             "requests": [r.record() for r in results],
         }
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(out, indent=1, default=str) + "\n", encoding="utf-8")
-        print(f"wrote {path}", file=sys.stderr)
+        emit_json(args.json, out)
+        if not json_to_stdout(args):
+            print(f"wrote {args.json}", file=sys.stderr)
     return 0 if summary["completed"] else 1
 
 

@@ -25,6 +25,8 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 
+from infertune.files import add_json_flag, print_report
+
 WORDS = ("cache", "block", "token", "layer", "prefill", "decode", "batch", "kernel", "tile", "vector", "queue", "shard")
 
 
@@ -294,7 +296,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=64.0,
         help="most RSS growth from the first tenth of the run to the end (default: %(default)s)",
     )
-    p.add_argument("--json", default=None, metavar="OUT", help="write the report as JSON")
+    add_json_flag(p, "the report")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
@@ -310,8 +312,6 @@ def run(args: argparse.Namespace) -> int:
         rss_growth_mib=args.rss_growth_mib,
         progress=not args.no_progress,
     )
-    print(report.summary())
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({**asdict(report), "rss_growth_mib": report.rss_growth_mib, "passed": report.passed}, f, indent=1)
+    doc = {**asdict(report), "rss_growth_mib": report.rss_growth_mib, "passed": report.passed}
+    print_report(args, report.summary(), doc)
     return 0 if report.passed else 1

@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from infertune.files import add_json_flag, print_report
+
 DESCRIPTION = (
     "Measure what a model (typically quantized) lost against a reference on held-out text: perplexity, "
     "KL(P_ref || P_cand) of the next-token distributions, top-1 agreement, and how many greedily decoded tokens "
@@ -62,14 +64,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="PCT",
         help="exit 1 when perplexity rises more than PCT percent over the reference, e.g. 1%%",
     )
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    add_json_flag(p, "the report")
 
 
-def report_and_gate(report, gate: str | None, as_json: bool) -> int:
-    """Print the report; 1 when the gate fails, else 0 (shared with `infertune quantize`)."""
+def report_and_gate(report, gate: str | None, json_target: str | None = None) -> int:
+    """Print the report (json_target: --json's OUT, "-" for a bare --json); 1 when the gate fails, else 0 (shared
+    with `infertune quantize`)."""
+    import argparse
+    import json
+
     from infertune.evaluate.accuracy import parse_gate
 
-    print(report.to_json() if as_json else report.format())
+    print_report(argparse.Namespace(json=json_target), report.format(), json.loads(report.to_json()))
     if gate is None:
         return 0
     limit = parse_gate(gate)

@@ -6,9 +6,9 @@ Wire it into cli.py with:  plan = sub.add_parser("plan", ...); command.add_argum
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
+from infertune.files import add_json_flag, emit_json, json_to_stdout, print_report
 from infertune.plan.memory import KV_DTYPES, KVFormat, WeightFormat, shipped_models
 from infertune.plan.weights import WEIGHT_DTYPES
 
@@ -119,7 +119,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="also print the `infertune serve --pd P:D` command that runs the P/D split of --cards (JSON: "
         "serve_command), and the reason for it",
     )
-    p.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
+    add_json_flag(p, "the plan (with --list-devices: the catalog)")
 
 
 def _check_numbers(args: argparse.Namespace) -> None:
@@ -170,9 +170,9 @@ def run(args: argparse.Namespace) -> int:
         from infertune.plan.catalog import load_catalog
 
         catalog = load_catalog(args.device_file)
-        if args.json:
-            print(json.dumps({k: v.to_dict() for k, v in catalog.items()}, indent=2))
-        else:
+        if args.json is not None:
+            emit_json(args.json, {k: v.to_dict() for k, v in catalog.items()}, indent=2)
+        if not json_to_stdout(args):
             for dev in catalog.values():
                 price = (
                     f"${dev.price.usd_per_hour:g}/h ({dev.price.provider}, {dev.price.date})"
@@ -232,13 +232,10 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--pd: no prefill / decode split with --cards {args.cards} and --tp {args.tp}")
         plan["serve_command"] = serve_command(args.model, plan["pd_split"])
         plan["serve_reason"] = explain(plan["pd_split"], spec.name, device.name)
-    if args.json:
-        json.dump(plan, sys.stdout, indent=2)
-        print()
-    else:
-        print(render_text(plan))
-        if args.pd:
-            print(f"\n  serve it:   {plan['serve_command']}\n              ({plan['serve_reason']})")
+    text = render_text(plan)
+    if args.pd:
+        text += f"\n\n  serve it:   {plan['serve_command']}\n              ({plan['serve_reason']})"
+    print_report(args, text, plan, indent=2)
     return 0
 
 

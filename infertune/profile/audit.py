@@ -18,12 +18,12 @@ every other backend, in float32, and wherever the native kernels do not apply.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
+from infertune.files import add_json_flag, print_report
 from infertune.profile.audit_stages import format_stages, stage_ops
 from infertune.profile.op_tables import BACKEND_TABLES, SEVERITY, AtenFacts, OpTable, Resolution, resolve
 
@@ -340,7 +340,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             help="where to run the traced steps (default: cpu; the target needs no hardware)",
         ),
     )
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    add_json_flag(p, "the report")
 
 
 NATIVE_DECODE_STEPS = 3  # decode steps run through the engine as configured, to count those the fused step ran
@@ -409,10 +409,7 @@ def run(args: argparse.Namespace) -> int:
         "quantization": args.quantization,
         "decode_kernels": setting,
     }
-    if args.json:
-        print(json.dumps(report.to_dict(), indent=1))
-    else:
-        print(format_report(report))
+    print_report(args, format_report(report), report.to_dict())
     return 0
 
 

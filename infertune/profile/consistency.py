@@ -19,12 +19,12 @@ the process's RSS (every 1,000 tokens, or every N/10 for a short run).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import time
 from collections.abc import Callable
 
+from infertune.files import print_report
 from infertune.profile import consistency_pairs as cp
 
 K_TOP = 8  # top-k logprobs kept per step: both candidates of a flipped pick are almost always among them
@@ -910,7 +910,6 @@ def _user_options(args: argparse.Namespace) -> tuple[str | None, dict]:
 
 def run(args: argparse.Namespace) -> int:
     model, options = _user_options(args)
-    json_out = args.json if isinstance(args.json, str) and args.json != "-" else None
     if args.long is not None:
         report = check_long(model, args.long, options=options)
         text = cp.format_long(report)
@@ -934,13 +933,7 @@ def run(args: argparse.Namespace) -> int:
         data = json_ready(report)
     if args.plot:
         plot(report, args.plot)
-    if args.json is True or args.json == "-":
-        print(json.dumps(json_ready(data), indent=1, default=str))
-    else:
-        print(text)
-    if json_out:
-        with open(json_out, "w") as fh:
-            json.dump(json_ready(data), fh, indent=1, default=str)
+    print_report(args, text, json_ready(data))
     return report["exit_code"]
 
 

@@ -16,11 +16,12 @@ non-finite.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
+
+from infertune.files import add_json_flag, print_report
 
 if TYPE_CHECKING:  # torch is imported inside the functions, so building the CLI does not load it
     import torch
@@ -424,7 +425,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="print decoder-layer level rows (and the first flagged modules) instead of every submodule",
     )
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    add_json_flag(p, "the report")
     if p.epilog is None:
         p.epilog = EXIT_STATUS
 
@@ -446,8 +447,5 @@ def run(args: argparse.Namespace) -> int:
         threshold=args.threshold,
         perturb=plant_nan(args.plant_nan) if args.plant_nan else None,
     )
-    if args.json:
-        print(json.dumps(report.to_dict(), indent=1))
-    else:
-        print(format_report(report, "layers" if args.only_layers else "all"))
+    print_report(args, format_report(report, "layers" if args.only_layers else "all"), report.to_dict())
     return 1 if report.first_divergent else 0

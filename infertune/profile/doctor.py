@@ -14,6 +14,7 @@ import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from infertune.files import add_json_flag, print_report
 from infertune.profile.env_facts import EnvFacts
 
 COMPAT_PATH = Path(__file__).parent / "data" / "compat.json"
@@ -531,14 +532,7 @@ def format_report(facts: EnvFacts, checks: list[Check]) -> str:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from infertune.profile import consistency
 
-    p.add_argument(
-        "--json",
-        nargs="?",
-        const=True,
-        default=False,
-        metavar="OUT",
-        help="the facts and checks (or the --consistency report) as JSON: written to OUT, or printed without OUT",
-    )
+    add_json_flag(p, "the facts and checks (or the --consistency report)")
     p.add_argument("--compat", default=None, help="compatibility matrix JSON to use instead of the shipped one")
     consistency.add_arguments(p)
 
@@ -561,12 +555,5 @@ def run(args: argparse.Namespace) -> int:
         )
     facts = gather()
     checks = check_all(facts, load_compat(args.compat))
-    if args.json:
-        text = json.dumps(report_dict(facts, checks), indent=1)
-        if isinstance(args.json, str):  # --json OUT
-            Path(args.json).write_text(text + "\n")
-        else:
-            print(text)
-    else:
-        print(format_report(facts, checks))
+    print_report(args, format_report(facts, checks), report_dict(facts, checks))
     return exit_code(checks)

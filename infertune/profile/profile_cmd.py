@@ -18,6 +18,7 @@ import statistics
 import sys
 from pathlib import Path
 
+from infertune.files import JSON_STDOUT, add_json_flag, print_report
 from infertune.plotting import pyplot
 from infertune.profile.profile_categories import CATEGORIES, LABELS, PHASES
 from infertune.profile.profile_hints import derive_hints
@@ -71,7 +72,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--top", type=int, default=12, help="top ops listed per phase (default: 12)")
     p.add_argument("--trace", metavar="OUT.json", default=None, help="write the Chrome / Perfetto trace here")
-    p.add_argument("--json", metavar="OUT", default=None, help="write the summary as JSON here")
+    add_json_flag(p, "the summary")
     p.add_argument("--plot", metavar="OUT.png", default=None, help="draw the breakdown (needs matplotlib)")
 
 
@@ -133,10 +134,9 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         write_plot(summary, args.plot)
         summary["files"]["plot"] = args.plot
-    if args.json:
-        Path(args.json).write_text(json.dumps(summary, indent=1))
+    if args.json not in (None, JSON_STDOUT):
         summary["files"]["json"] = args.json
-    print(format_report(summary))
+    print_report(args, format_report(summary), summary)
     return 0
 
 
@@ -190,9 +190,7 @@ def _run_tensor_parallel(args: argparse.Namespace, need: int) -> int:
     summary["context"] = {**context, "model": llm.config.model.model, "dtype": args.dtype}
     if args.plot:
         write_tp_plot(summary, args.plot)
-    if args.json:
-        Path(args.json).write_text(json.dumps(summary, indent=1))
-    print(format_tp_report(summary, context))
+    print_report(args, format_tp_report(summary, context), summary)
     return 0
 
 

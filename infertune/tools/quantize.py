@@ -10,6 +10,8 @@ import argparse
 import importlib.util
 import sys
 
+from infertune.files import add_json_flag, json_to_stdout
+
 DESCRIPTION = (
     "Quantize a Hugging Face checkpoint offline and write a folder infertune loads directly (int8 / packed int4 "
     "tensors in safetensors, tokenizer files, config.json with a compressed-tensors-style quantization_config). "
@@ -86,7 +88,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="PCT",
         help="exit 1 when the quantized model's perplexity is more than PCT percent above the source's",
     )
-    p.add_argument("--json", action="store_true", help="print the accuracy report as JSON")
+    add_json_flag(p, "the accuracy report")
 
 
 def loader_reads_quantized_checkpoints() -> bool:
@@ -131,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
         device=args.device,
         show_progress=sys.stderr.isatty(),
     )
-    print(result.format(), file=sys.stderr if args.json else sys.stdout)
+    print(result.format(), file=sys.stderr if json_to_stdout(args) else sys.stdout)
     if args.no_eval:
         return 0
     if not loader_reads_quantized_checkpoints():

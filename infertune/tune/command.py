@@ -13,6 +13,7 @@ import random
 import sys
 from pathlib import Path
 
+from infertune.files import add_json_flag, emit_json, json_to_stdout
 from infertune.plotting import pyplot, require_matplotlib
 from infertune.tune.recommend import format_slo, knee, parse_slo, recommend, series_key, slo_violations
 
@@ -165,7 +166,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--plot", type=Path, default=None, metavar="OUT.png", help="throughput and TTFT vs batch (matplotlib)"
     )
-    p.add_argument("--json", action="store_true", help="print the rows and picks as JSON instead of tables")
+    add_json_flag(p, "the rows and picks")
     p.add_argument(
         "--kv-compression",
         metavar="JSON",
@@ -349,6 +350,7 @@ def run(args: argparse.Namespace) -> int:
 
     check_writable("--out-config", args.out_config, make_parents=True)
     check_writable("--plot", args.plot, make_parents=True)
+    check_writable("--json", args.json, make_parents=True)
     for flag in ("input_len", "output_len", "num_prompts", "repeats"):
         value = getattr(args, flag, None)
         if value is not None and value < 1:
@@ -412,27 +414,19 @@ def run(args: argparse.Namespace) -> int:
         args.out_config.write_text(json.dumps(configs[chosen], indent=2) + "\n")
     if args.plot is not None:
         write_plot(rows, args.plot, f"infertune tune: {model or 'demo model'}")
-    if args.json:
-        print(
-            json.dumps(
-                dict(
-                    model=model,
-                    slo=slo,
-                    workload=dict(requests=len(prompts), max_model_len=max_len),
-                    rows=rows,
-                    online=configs["online"],
-                    offline=configs["offline"],
-                    messages=rec.messages,
-                    kv_compression_rows=kv_rows,
-                    knee={
-                        " / ".join(map(str, k)) if isinstance(k, tuple) else str(k): v for k, v in knee(rows).items()
-                    },
-                ),
-                indent=2,
-                default=str,
-            )
-        )
-    else:
+    doc = dict(
+        model=model,
+        slo=slo,
+        workload=dict(requests=len(prompts), max_model_len=max_len),
+        rows=rows,
+        online=configs["online"],
+        offline=configs["offline"],
+        messages=rec.messages,
+        kv_compression_rows=kv_rows,
+        knee={" / ".join(map(str, k)) if isinstance(k, tuple) else str(k): v for k, v in knee(rows).items()},
+    )
+    emit_json(args.json, doc, indent=2)
+    if not json_to_stdout(args):
         print(f"Workload: {len(prompts)} requests, longest {max_len} tokens; SLO: {format_slo(slo)}\n")
         print(render_table(rows, slo))
         print()

@@ -21,6 +21,7 @@ import json
 import sys
 from pathlib import Path
 
+from infertune.files import add_json_flag, emit_json
 from infertune.plotting import pyplot, require_matplotlib
 
 DESCRIPTION = (
@@ -79,7 +80,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--repeats", type=int, default=1, help="timed runs per step, best kept (default: 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default: 0)")
-    p.add_argument("--json", type=Path, default=None, metavar="OUT", help="write every figure as JSON")
+    add_json_flag(p, "every figure")
     p.add_argument("--md", type=Path, default=None, metavar="OUT", help="write the Markdown table")
     p.add_argument("--plot", type=Path, default=None, metavar="OUT.png", help="tokens/s per step (matplotlib)")
     p.add_argument(
@@ -567,9 +568,7 @@ def run(args: argparse.Namespace) -> int:
     if args.md is not None:
         args.md.parent.mkdir(parents=True, exist_ok=True)
         args.md.write_text(md + "\n")
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    emit_json(args.json, doc, indent=2)
     if args.plot is not None:
         write_plot(doc, args.plot)
     failed = [r for r in doc["steps"] if r.get("status") in ("error", "oom")]
