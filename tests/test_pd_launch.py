@@ -307,3 +307,28 @@ def test_a_port_in_use_is_said_before_anything_loads(tmp_path, monkeypatch):
     assert started == []
     with pytest.raises(ValueError, match="--host 'no such host': not an address"):
         serve(str(tmp_path / "no-model-here"), host="no such host", port=0)
+
+
+def test_an_instance_killed_after_start_is_logged_by_name(tiny_llama, caplog):
+    """A replica or P/D instance that dies while the router serves: the launcher's log names it with its exit code
+    (it said nothing; the router's health checks only routed around it). One stopped on purpose is no news."""
+    import logging
+    import time
+
+    from infertune.router.instances import ServeProcess, stop
+
+    caplog.set_level(logging.ERROR, logger="infertune.router")
+    killed = ServeProcess("replica-0", ["--model", str(tiny_llama), *FLAGS], threads=1)
+    stopped = ServeProcess("replica-1", ["--model", str(tiny_llama), *FLAGS], threads=1)
+    try:
+        for inst in (killed, stopped):
+            wait_healthy(inst.url, 120, inst.proc)
+        killed.proc.kill()  # (from outside: the OOM killer, a user)
+        stop([stopped])
+        deadline = time.monotonic() + 10
+        while "replica-0" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert f"replica-0 ({killed.url}, pid {killed.pid}) exited with code -9" in caplog.text
+        assert "replica-1" not in caplog.text
+    finally:
+        stop([killed, stopped])

@@ -7,6 +7,7 @@ kill / wait as a subprocess.Popen does, so stop() and the health waits take a Po
 from __future__ import annotations
 
 import collections
+import logging
 import os
 import signal
 import socket
@@ -71,6 +72,7 @@ class ServeProcess:
         self.proc = spawn_serve(argv, self.port, threads, stdout=subprocess.PIPE, host=host)
         self.pid = self.proc.pid
         self.lines: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        self._stopping = False  # (terminate / kill asked: its exit is no news)
         self._reader = threading.Thread(target=self._echo, daemon=True)
         self._reader.start()
 
@@ -79,6 +81,16 @@ class ServeProcess:
             line = raw.decode(errors="replace").rstrip("\n")
             self.lines.append(line)
             print(f"[{self.name}] {line}", file=sys.stderr, flush=True)
+        code = self.proc.wait()  # (its output ended: it exited)
+        if code != 0 and not self._stopping:  # (killed, crashed: the router only sees it fail its health checks)
+            logging.getLogger("infertune.router").error(
+                "%s (%s, pid %d) exited with code %d; the router routes around it, restart the command to bring it "
+                "back",
+                self.name,
+                self.url,
+                self.pid,
+                code,
+            )
 
     @property
     def returncode(self) -> int | None:
@@ -88,9 +100,11 @@ class ServeProcess:
         return self.proc.poll()
 
     def terminate(self) -> None:
+        self._stopping = True
         self.proc.terminate()
 
     def kill(self) -> None:
+        self._stopping = True
         self.proc.kill()
 
     def wait(self, timeout: float | None = None) -> int:
