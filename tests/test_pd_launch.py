@@ -135,10 +135,12 @@ def test_serve_data_parallel_runs_two_replicas_behind_the_router(tiny_llama, exp
     assert all(_gone(pid) for pid in pids)
 
 
-def test_an_instance_that_dies_at_start_is_named_with_its_log_tail(capsys):
+def test_an_instance_that_dies_at_start_is_named_with_its_log_tail(capsys, caplog):
     with pytest.raises(RuntimeError, match=r"(prefill|decode)-0 \(http://127.0.0.1:\d+\) exited with code 2") as e:
         launch.serve_pd(["--no-such-flag"], (1, 1), "127.0.0.1", free_port())
     assert "unrecognized arguments: --no-such-flag" in str(e.value)  # the instance's own last lines
+    # (no router yet: the start's error says it all; the instance's reader ended before it was raised)
+    assert "the router routes around it" not in caplog.text
     pids = [int(p) for p in re.findall(r"pid (\d+)", capsys.readouterr().err)]
     assert all(_gone(pid) for pid in pids)
 
@@ -323,6 +325,7 @@ def test_an_instance_killed_after_start_is_logged_by_name(tiny_llama, caplog):
     try:
         for inst in (killed, stopped):
             wait_healthy(inst.url, 120, inst.proc)
+            inst.serving = True  # (as the launcher marks them once the router runs)
         killed.proc.kill()  # (from outside: the OOM killer, a user)
         stop([stopped])
         deadline = time.monotonic() + 10

@@ -73,6 +73,7 @@ class ServeProcess:
         self.pid = self.proc.pid
         self.lines: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self._stopping = False  # (terminate / kill asked: its exit is no news)
+        self.serving = False  # (set once the router serves in front of it: an exit before is the start's error)
         self._reader = threading.Thread(target=self._echo, daemon=True)
         self._reader.start()
 
@@ -82,7 +83,7 @@ class ServeProcess:
             self.lines.append(line)
             print(f"[{self.name}] {line}", file=sys.stderr, flush=True)
         code = self.proc.wait()  # (its output ended: it exited)
-        if code != 0 and not self._stopping:  # (killed, crashed: the router only sees it fail its health checks)
+        if code != 0 and self.serving and not self._stopping:  # (killed, crashed: the router only sees failed checks)
             logging.getLogger("infertune.router").error(
                 "%s (%s, pid %d) exited with code %d; the router routes around it, restart the command to bring it "
                 "back",
