@@ -558,3 +558,22 @@ def test_a_script_that_exits_without_shutdown_stops_its_ranks_cleanly(tiny_llama
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "leaked" not in done.stderr, done.stderr
+
+
+def test_a_rank_that_dies_mid_run_fails_the_step_at_once(tiny_llama):
+    """The driver no longer waits FAILURE_GRACE_S (5 s) for the surviving rank, which waits for the dead one in its
+    next collective and cannot answer: the step fails as soon as the death is seen (a client's stream waited 5 s)."""
+    from infertune.executor.multiproc import FAILURE_GRACE_S
+
+    llm = LLM(str(tiny_llama), dtype="float32", max_model_len=64, block_size=4, tensor_parallel_size=2)
+    try:
+        victim = llm.engine.executor._procs[1]
+        killed_at = []
+        threading.Timer(0.5, lambda: (killed_at.append(time.monotonic()), victim.kill())).start()
+        long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+        with pytest.raises(WorkerError, match="tensor-parallel rank 1"):
+            for _ in range(100):
+                llm.generate(["x y z"] * 4, long, use_tqdm=False)
+        assert time.monotonic() - killed_at[0] < FAILURE_GRACE_S / 2
+    finally:
+        llm.engine.shutdown()

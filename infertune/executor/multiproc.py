@@ -31,7 +31,8 @@ from infertune.scheduler_output import SchedulerOutput
 
 log = logging.getLogger(__name__)
 
-# After one rank fails, how long the others get to answer before the group is stopped.
+# After one rank raised, how long the others get to answer before the group is stopped (after one died, none: the
+# others wait for it in their next collective, and a client's stream would wait with them).
 FAILURE_GRACE_S = 5.0
 
 
@@ -130,8 +131,8 @@ class MultiprocExecutor(Executor):
                     return self._fail(rank, self._died(rank))
         answers: dict[int, tuple[str, object]] = {}
         pending = dict(enumerate(self._conns))
-        first_error = None
-        while pending:
+        first_error, died = None, False
+        while pending and not (died and self.size > 1):
             sentinels = {self._procs[r].sentinel: r for r in pending}
             ready = wait([*pending.values(), *sentinels], timeout=FAILURE_GRACE_S if first_error is not None else None)
             if not ready:  # ranks still waiting on the failed one: stop the group
@@ -144,11 +145,12 @@ class MultiprocExecutor(Executor):
                         answers[rank] = pending.pop(rank).recv()
                     except (EOFError, ConnectionResetError, OSError):
                         pending.pop(rank, None)
-                        answers[rank] = ("error", self._died(rank))
+                        self._procs[rank].join(1)
+                        answers[rank], died = ("error", self._died(rank)), True
                 elif rank in pending and not pending[rank].poll():  # exited without answering
                     self._procs[rank].join(1)
                     pending.pop(rank)
-                    answers[rank] = ("error", self._died(rank))
+                    answers[rank], died = ("error", self._died(rank)), True
                 if answers.get(rank, ("",))[0] == "error" and first_error is None:
                     first_error = rank
         if first_error is not None:
