@@ -886,6 +886,12 @@ class ParallelConfig:
         "divide the attention heads, the KV heads (or be a multiple of them: KV heads are then replicated) and "
         "the MLP widths",
     )
+    pipeline_parallel_size: int = _opt(
+        1,
+        "vLLM's pipeline stages (the layers split over processes): only 1 here, accepted so that vLLM commands and "
+        "configs that spell out the default run as they are; split a model over processes with "
+        "tensor_parallel_size",
+    )
     enable_expert_parallel: bool = _opt(
         False,
         "with tensor_parallel_size N, split a MoE model's routed experts over the ranks whole (expert parallel: "
@@ -932,6 +938,11 @@ class ParallelConfig:
         _check_choices(self)
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size!r} must be an integer >= 1")
+        if self.pipeline_parallel_size != 1:
+            raise ValueError(
+                f"pipeline_parallel_size={self.pipeline_parallel_size!r}: pipeline parallel is not supported (1 is the "
+                "only value); split the model over processes with tensor_parallel_size instead"
+            )
         if self.tensor_parallel_size > 1 and self.distributed_executor_backend == "uni":
             self.distributed_executor_backend = "mp"  # one process per rank
         if self.kv_connector_config is not None and not isinstance(self.kv_connector_config, dict):

@@ -577,3 +577,15 @@ def test_a_rank_that_dies_mid_run_fails_the_step_at_once(tiny_llama):
         assert time.monotonic() - killed_at[0] < FAILURE_GRACE_S / 2
     finally:
         llm.engine.shutdown()
+
+
+def test_pipeline_parallel_size_1_is_accepted_as_vllm_spells_it_and_more_is_a_clear_error(tiny_llama, capsys):
+    """vLLM commands and configs often spell out --pipeline-parallel-size 1 (an unrecognized argument here before)."""
+    from infertune.cli import main
+
+    llm = LLM(str(tiny_llama), dtype="float32", max_model_len=64, pipeline_parallel_size=1)
+    assert llm.generate("x", SamplingParams(max_tokens=2))[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="pipeline_parallel_size=2: pipeline parallel is not supported"):
+        LLM(str(tiny_llama), pipeline_parallel_size=2)
+    assert main(["serve", "--model", str(tiny_llama), "--pipeline-parallel-size", "2"]) == 2
+    assert "split the model over processes with tensor_parallel_size" in capsys.readouterr().err
