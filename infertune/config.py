@@ -1218,6 +1218,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         sched = self.scheduler
+        if self.model.compile == "on" and self.parallel.tensor_parallel_size > 1:  # (said before any rank spawns)
+            raise ValueError("compile='on' does not run with tensor parallel yet; use compile='auto' or 'off'")
         if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < self.model.max_model_len:
             raise ValueError(
                 f"with chunked prefill off, max_num_batched_tokens ({sched.max_num_batched_tokens}) must be >= "

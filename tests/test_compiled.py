@@ -158,3 +158,12 @@ def test_one_token_steps_run_eager_and_larger_ones_compiled(compiled, monkeypatc
     assert sizes == [4]
     compiled.generate([{"prompt_token_ids": [3, 4]}, {"prompt_token_ids": [7, 8, 9]}], sp, use_tqdm=False)
     assert sizes[1:] == [5, 2, 2]  # both prefills in one step, then decodes of 2 tokens
+
+
+def test_compile_on_with_tensor_parallel_is_refused_before_any_rank_starts():
+    """Said by the config, in the caller's process (it was raised inside each spawned rank, after an ERROR line)."""
+    from infertune.config import EngineConfig
+
+    with pytest.raises(ValueError, match="compile='on' does not run with tensor parallel yet"):
+        EngineConfig.create(None, compile="on", tensor_parallel_size=2)
+    assert EngineConfig.create(None, compile="auto", tensor_parallel_size=2).parallel.tensor_parallel_size == 2
