@@ -181,6 +181,7 @@ def test_chat_template_and_its_kwargs_and_continue_final_message(server, tiny_ll
         ({"logit_bias": {"3": 101}}, "logit_bias"),
         ({"allowed_token_ids": []}, "allowed_token_ids"),
         ({"min_tokens": 2, "guided_regex": "[a-z]+"}, "min_tokens"),
+        ({"suffix": "return x"}, "suffix"),
     ],
 )
 def test_options_this_server_does_not_do_are_400_naming_them(server, extra, param):

@@ -307,6 +307,17 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     # infertune's extension (docs/server.md): heal the prompt's last token boundary (SamplingParams.token_healing).
     token_healing: bool = False
+    # OpenAI's insertion mode (text after the completion): refused, as vLLM refuses it, rather than ignored
+    suffix: str | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.suffix:
+            raise APIError(
+                400,
+                "suffix (insertion: text to complete before) is not supported; put the text in the prompt",
+                param="suffix",
+            )
 
     @field_validator("prompt")
     @classmethod
