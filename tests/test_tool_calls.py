@@ -208,6 +208,9 @@ def test_tool_choice_mistakes_are_400s(server):
         ({"messages": ASK, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "x"}}}, "x"),
         ({"messages": ASK, "tools": [{"type": "function", "function": {"name": ""}}]}, "tools"),
         ({"messages": ASK, "tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+        # OpenAI's deprecated function calling (was answered as if no function were offered)
+        ({"messages": ASK, "functions": [WEATHER["function"]]}, "functions"),
+        ({"messages": ASK, "function_call": {"name": "get_weather"}}, "function_call"),
     ]
     for body, says in bodies:
         r = httpx.post(url, json=body)

@@ -461,6 +461,21 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # OpenAI's deprecated form of tools: refused with what to send instead, rather than answered as if no function
+    # were offered (an agent framework on the old API would wait for a function_call that never comes)
+    functions: list | None = None
+    function_call: str | dict | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        for name, no_op in (("functions", []), ("function_call", "none")):
+            if getattr(self, name) not in (None, no_op):
+                raise APIError(
+                    400,
+                    f"{name} (OpenAI's deprecated function calling) is not supported: send tools (each "
+                    '{"type": "function", "function": {...}}) and tool_choice',
+                    param=name,
+                )
 
     def conversation(self) -> list[dict]:
         return [m.for_template() for m in self.messages]
