@@ -47,7 +47,12 @@ def _common(p: argparse.ArgumentParser, model_flag: str) -> None:
     p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay on matrices (default: 0.1)")
     p.add_argument("--seed", type=int, default=0, help="initialization and batch-order seed (default: 0)")
     p.add_argument("--out", required=True, metavar="DIR", help="output folder (HF format; checkpoints/ inside)")
-    p.add_argument("--save-every", type=int, default=100, help="checkpoint every N steps (default: 100)")
+    p.add_argument(
+        "--save-every",
+        type=int,
+        default=100,
+        help="checkpoint every N steps; 0: only at the end (or at --stop-after) (default: 100)",
+    )
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
     p.add_argument(
         "--stop-after",
@@ -56,7 +61,9 @@ def _common(p: argparse.ArgumentParser, model_flag: str) -> None:
         metavar="STEP",
         help="stop after this step with a checkpoint (continue later with --resume)",
     )
-    p.add_argument("--val-fraction", type=float, default=0.05, help="held-out share of documents (default: 0.05)")
+    p.add_argument(
+        "--val-fraction", type=float, default=0.05, help="held-out share of documents, in [0, 1) (default: 0.05)"
+    )
     p.add_argument(
         "--val-data",
         default=None,
@@ -122,9 +129,12 @@ def _run(args: argparse.Namespace, teacher: bool) -> int:
 
     from infertune.distill.trainer import format_report, run_training
 
-    if args.threads:
+    config = _config(args, teacher)  # (its values are checked before anything is loaded)
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
-    report = run_training(_config(args, teacher))
+    report = run_training(config)
     print(format_report(report), flush=True)
     if "student_ppl" in report:
         print(f"wrote {args.out}", flush=True)

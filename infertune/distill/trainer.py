@@ -78,6 +78,28 @@ class TrainConfig:
     progress: bool = True
     extra: dict = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        """A value no run can use is refused here, before the teacher, the data or a step (a negative --lr once
+        failed inside the optimizer, --lr 0 trained nothing, --eval-windows 0 reported perplexity nan, a negative
+        --val-fraction or --speed-tokens passed silently)."""
+        at_least = dict(steps=1, batch=1, seq_len=2, eval_windows=1)
+        for name, low in at_least.items():
+            if getattr(self, name) < low:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(self, name)}")
+        for name in ("speed_tokens", "save_every", "weight_decay", "grad_clip"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if not self.lr > 0:
+            raise ValueError(f"--lr must be > 0, got {self.lr}")
+        if not self.temperature > 0:
+            raise ValueError(f"--temperature must be > 0, got {self.temperature}")
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ValueError(f"--alpha must be in [0, 1], got {self.alpha}")
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise ValueError(f"--val-fraction must be in [0, 1), got {self.val_fraction}")
+        if self.stop_after is not None and self.stop_after < 1:
+            raise ValueError(f"--stop-after must be >= 1, got {self.stop_after}")
+
 
 def lr_at(step: int, total: int, peak: float) -> float:
     """Linear warm-up over the first 5 % of steps, then cosine decay to 0.1 x peak."""
@@ -252,10 +274,6 @@ def run_training(cfg: TrainConfig, log=print) -> dict:
     """Train (or distil), write the HF folder to cfg.out, evaluate, and return the report dict."""
     if cfg.teacher is None and cfg.alpha != 0:
         raise ValueError("training without a teacher needs --alpha 0")
-    if not 0 <= cfg.alpha <= 1:
-        raise ValueError(f"--alpha must be in [0, 1], got {cfg.alpha}")
-    if cfg.steps < 1 or cfg.batch < 1:
-        raise ValueError("--steps and --batch must be >= 1")
     out = Path(cfg.out)
     tok_src = cfg.tokenizer or cfg.teacher
     if tok_src is None:
