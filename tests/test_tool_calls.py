@@ -278,3 +278,48 @@ def test_required_and_named_are_enforced_on_a_model_that_never_calls_tools(clien
         (call,) = r.choices[0].message.tool_calls
         assert call.function.name == "set_unit" and json.loads(call.function.arguments)["unit"] in ("c", "f")
         assert r.choices[0].finish_reason == ("tool_calls" if choice == "required" else "stop")
+
+
+# Mistral-7B-Instruct-v0.3's check on call ids (its chat template raises for any id but 9 characters), around a
+# minimal rendering of the turns.
+MISTRAL_TEMPLATE = (
+    "{%- if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' and m.tool_calls %}[TOOL_CALLS][{%- for tc in m.tool_calls %}"
+    "{%- if not tc.id is defined or tc.id | length != 9 %}"
+    "{{ raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{%- endif %}"
+    '{"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments | tojson }}, "id": "{{ tc.id }}"}'
+    "{%- endfor %}]</s>"
+    "{%- elif m.role == 'tool' %}"
+    "{%- if not m.tool_call_id is defined or m.tool_call_id | length != 9 %}"
+    "{{ raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{%- endif %}"
+    '[TOOL_RESULTS]{"content": {{ m.content | tojson }}, "call_id": "{{ m.tool_call_id }}"}[/TOOL_RESULTS]'
+    "{%- else %}[INST] {{ m.content }}[/INST]{% endif %}{%- endfor %}"
+)
+
+
+@pytest.mark.parametrize("choice", ["auto", "required", {"type": "function", "function": {"name": "set_unit"}}])
+def test_a_mistral_server_gives_call_ids_its_template_takes_back_whatever_the_tool_choice(tmp_path, choice):
+    """With --tool-call-parser mistral, the calls of every tool_choice (a forced one too, held by the masks) have
+    ids the Mistral template accepts when the client sends them back with the tools' results in the next turn."""
+    path = make_checkpoint(tmp_path, "llama", max_position_embeddings=1024)
+    (path / "chat_template.jinja").write_text(MISTRAL_TEMPLATE)
+    with ScriptedServer(path, parser="mistral") as s:
+        if choice == "auto":
+            s.script = '[TOOL_CALLS][{"name": "set_unit", "arguments": {"unit": "c"}}]'
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+        r = client.chat.completions.create(
+            model=MODEL, messages=ASK, tools=[UNIT], tool_choice=choice, max_tokens=600, temperature=0
+        )
+        s.script = None
+        message = r.choices[0].message
+        (call,) = message.tool_calls
+        turn = [
+            *ASK,
+            message.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": call.id, "content": "done"},
+        ]
+        # (a 400 quoting the template's refusal, openai.BadRequestError, where the id is not Mistral's)
+        second = client.chat.completions.create(model=MODEL, messages=turn, tools=[UNIT], max_tokens=2, temperature=0)
+    assert len(call.id) == 9 and call.id.isalnum()
+    assert second.usage.prompt_tokens > r.usage.prompt_tokens  # (the call and its result were rendered)

@@ -421,7 +421,19 @@ class MistralParser(ToolParser):
         return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
 
 
-class RequiredParser(ToolParser):
+class _ForcedParser(ToolParser):
+    """A parser of a forced tool_choice's output (required / named), whose call ids are in the form of the server's
+    family parser where it has one: a Mistral template refuses any id but 9 alphanumeric characters when the
+    calls come back in the next turn, whichever tool_choice made them."""
+
+    def __init__(self, family: ToolParser | None = None) -> None:
+        self.family = family
+
+    def make_id(self) -> str:
+        return self.family.make_id() if self.family is not None else super().make_id()
+
+
+class RequiredParser(_ForcedParser):
     """tool_choice "required": the output is a JSON list of {"name", "parameters"} (what its schema allows)."""
 
     name = "required"
@@ -436,12 +448,13 @@ class RequiredParser(ToolParser):
         return Parsed(None, calls)
 
 
-class NamedParser(ToolParser):
+class NamedParser(_ForcedParser):
     """A named tool_choice: the output is that function's arguments object."""
 
     name = "named"
 
-    def __init__(self, function: str) -> None:
+    def __init__(self, function: str, family: ToolParser | None = None) -> None:
+        super().__init__(family)
         self.function = function
 
     def parse(self, text: str, final: bool) -> Parsed:

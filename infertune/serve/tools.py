@@ -118,14 +118,15 @@ class ToolPlan:
             return cls(None, "none")
         if tool_choice is None:
             tool_choice = "auto"
+        family = get_parser(parser_name) if parser_name else None  # (forced calls' ids in the family's form)
         if isinstance(tool_choice, dict):
             name = tool_choice["function"]["name"]
             _find(tools, name)
-            return cls(tools, "named", NamedParser(name), parallel)
+            return cls(tools, "named", NamedParser(name, family), parallel)
         if tool_choice == "none":
             return cls(tools, "none")
         if tool_choice == "required":
-            return cls(tools, "required", RequiredParser(), parallel)
+            return cls(tools, "required", RequiredParser(family), parallel)
         if tool_choice != "auto":
             raise APIError(400, f"tool_choice {tool_choice!r} is not one of none, auto, required", param="tool_choice")
         if not (auto_enabled and parser_name):
