@@ -29,8 +29,40 @@ from infertune.cli import main
 def test_a_value_no_run_can_use_is_refused_before_anything_loads(tmp_path, capsys, flags, said):
     # The teacher and the data do not exist: a check made after loading them would report those instead.
     out = tmp_path / "out"
-    argv = ["distill", "--teacher", str(tmp_path / "no-teacher"), "--data", str(tmp_path / "no-data"), "--out", str(out)]
+    argv = [
+        "distill",
+        "--teacher",
+        str(tmp_path / "no-teacher"),
+        "--data",
+        str(tmp_path / "no-data"),
+        "--out",
+        str(out),
+    ]
     assert main(argv + flags) == 2
     err = capsys.readouterr().err.strip()
     assert err == f"infertune distill: error: {said}"
     assert not out.exists()
+
+
+def test_a_missing_teacher_or_tokenizer_folder_is_a_one_line_error(tmp_path, capsys):
+    """(transformers took the missing folder for a Hub id: a traceback about the network, after a wait)"""
+    data = tmp_path / "data.txt"
+    data.write_text("some text\n" * 50)
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "a.txt").write_text("not a model")
+    common = ["--data", str(data), "--out", str(tmp_path / "out"), "--steps", "1"]
+    cases = [
+        (
+            ["distill", "--teacher", str(tmp_path / "missing")],
+            f"--teacher {tmp_path / 'missing'}: not a Hugging Face model folder (no config.json)",
+        ),
+        (["distill", "--teacher", str(notes)], f"--teacher {notes}: not a Hugging Face model folder (no config.json)"),
+        (["train", "--tokenizer", str(tmp_path / "missing")], f"--tokenizer {tmp_path / 'missing'}: no such folder"),
+        (["train", "--tokenizer", str(notes)], f"--tokenizer {notes}: no tokenizer files in it"),
+    ]
+    for argv, said in cases:
+        assert main(argv + common) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"infertune {argv[0]}: error: {said}") and "\n" not in err, err
+    assert not (tmp_path / "out").exists()

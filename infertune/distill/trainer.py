@@ -278,7 +278,18 @@ def run_training(cfg: TrainConfig, log=print) -> dict:
     tok_src = cfg.tokenizer or cfg.teacher
     if tok_src is None:
         raise ValueError("a tokenizer folder is needed (--tokenizer, or the teacher's)")
-    tokenizer = load_tokenizer(tok_src)
+    if cfg.teacher is not None and not (Path(cfg.teacher) / "config.json").is_file():
+        raise ValueError(f"--teacher {cfg.teacher}: not a Hugging Face model folder (no config.json)")
+    tok_flag = "--tokenizer" if cfg.tokenizer else "--teacher"
+    if not Path(tok_src).is_dir():  # (transformers would take the name for a Hub id and try the network)
+        raise ValueError(f"{tok_flag} {tok_src}: no such folder")
+    if not any((Path(tok_src) / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(f"{tok_flag} {tok_src}: no tokenizer files in it ({', '.join(TOKENIZER_FILES[:2])}, ...)")
+    try:
+        tokenizer = load_tokenizer(tok_src)
+    except (OSError, ValueError) as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"{tok_flag} {tok_src}: no tokenizer could be loaded from it ({reason})") from None
     teacher = load_teacher(cfg.teacher, cfg.device) if cfg.teacher else None
     vocab = teacher.config.vocab_size if teacher is not None else len(tokenizer)
     teacher_positions = getattr(teacher.config, "max_position_embeddings", None) if teacher is not None else None
