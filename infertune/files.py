@@ -35,6 +35,23 @@ def check_writable(flag: str, path: str | os.PathLike | None, make_parents: bool
         raise ValueError(f"{flag} {path}: {target} is not writable ({e.strerror})") from None
 
 
+def check_writable_folder(flag: str, path: str | os.PathLike) -> None:
+    """ValueError naming `flag` where the output folder `path` cannot be made or written into: it is a file, an
+    ancestor is a file, or the folder (or its nearest existing ancestor, when the command creates it) refuses a
+    new file."""
+    p = Path(path).resolve()
+    folder = p
+    while not folder.exists():
+        folder = folder.parent
+    if not folder.is_dir():
+        what = "is a file" if folder == p else f"{folder} is a file"
+        raise ValueError(f"{flag} {path}: {what}; give a folder")
+    try:  # (tried, not os.access: root passes that check where the file system still refuses, e.g. /proc)
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: {folder} is not writable ({e.strerror})") from None
+
+
 # ---- --json [OUT]: one meaning in every command --------------------------------------------------------------------
 
 JSON_STDOUT = "-"  # bare --json

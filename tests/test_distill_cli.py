@@ -66,3 +66,21 @@ def test_a_missing_teacher_or_tokenizer_folder_is_a_one_line_error(tmp_path, cap
         err = capsys.readouterr().err.strip()
         assert err.startswith(f"infertune {argv[0]}: error: {said}") and "\n" not in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_an_out_folder_that_cannot_be_written_is_refused_before_the_work(tmp_path, capsys):
+    """(it was first written at the first checkpoint: a NotADirectoryError traceback, or an error after the
+    teacher, the data and the student were loaded)"""
+    import sys
+
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    cases = [(a_file, "is a file; give a folder"), (a_file / "sub", f"{a_file} is a file; give a folder")]
+    if sys.platform == "linux":  # (/proc refuses new files even to root, where chmod does not)
+        cases.append(
+            (__import__("pathlib").Path("/proc/infertune-out"), "/proc is not writable (No such file or directory)")
+        )
+    for out, said in cases:
+        argv = ["distill", "--teacher", str(tmp_path / "missing"), "--data", str(tmp_path / "missing.txt")]
+        assert main(argv + ["--out", str(out)]) == 2
+        assert capsys.readouterr().err.strip() == f"infertune distill: error: --out {out}: {said}"

@@ -19,6 +19,7 @@ import torch
 
 from infertune.distill.data import Corpus, build_corpus
 from infertune.distill.loss import kd_loss
+from infertune.files import check_writable_folder
 
 MIN_LR_FRACTION = 0.1
 WARMUP_FRACTION = 0.05
@@ -275,6 +276,7 @@ def run_training(cfg: TrainConfig, log=print) -> dict:
     if cfg.teacher is None and cfg.alpha != 0:
         raise ValueError("training without a teacher needs --alpha 0")
     out = Path(cfg.out)
+    check_writable_folder("--out", out)  # (before the work: it was first written at the first checkpoint)
     tok_src = cfg.tokenizer or cfg.teacher
     if tok_src is None:
         raise ValueError("a tokenizer folder is needed (--tokenizer, or the teacher's)")
