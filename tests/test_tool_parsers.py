@@ -229,6 +229,33 @@ def test_read_json_is_canonical_and_every_prefix_is_a_prefix_of_it(raw):
         assert not partial_done or k == len(raw)
 
 
+def _strict_json(text: str):
+    """json.loads as JSON itself reads: Infinity, -Infinity and NaN are not JSON (JSON.parse refuses them)."""
+
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+@pytest.mark.parametrize("number", ["1e400", "-1.5E999"])
+def test_a_number_past_a_floats_range_stays_json_in_the_arguments(number):
+    """A number the model may write (and the masks of required / named allow) that Python reads as inf: the
+    arguments, whole and streamed, are still JSON (they were Infinity)."""
+    auto_text = f'<tool_call>\n{{"name": "get_weather", "arguments": {{"city": "x", "n": {number}}}}}\n</tool_call>'
+    named = ToolPlan.of(TOOLS, {"type": "function", "function": {"name": "get_weather"}}, True, None, False)
+    for plan, text in ((auto_plan("hermes"), auto_text), (named, f'{{"city": "x", "n": [{number}]}}')):
+        message, _ = plan.message(text, "stop")
+        (call,) = message["tool_calls"]
+        assert _strict_json(call["function"]["arguments"])["city"] == "x"
+        stream, streamed = ToolStream(plan), ""
+        for k in range(1, len(text) + 1):
+            for delta in stream.deltas(text[:k], k == len(text), "stop" if k == len(text) else None):
+                for tc in delta.get("tool_calls", []):
+                    streamed += tc["function"]["arguments"]
+        assert streamed == call["function"]["arguments"]
+
+
 def test_read_json_refuses_what_is_not_json():
     for bad in ("{'a': 1}", "[1 2]", '{"a" 1}', "nul!", "{1: 2}"):
         with pytest.raises(Malformed):

@@ -22,6 +22,7 @@ is plain content with no tool calls.
 from __future__ import annotations
 
 import json
+import math
 import re
 import secrets
 import string
@@ -85,6 +86,9 @@ def read_json(s: str, i: int = 0, members: dict | None = None) -> tuple[str, boo
         if m is None:
             raise Malformed(f"bad number {s[i:j]!r}")
         value = json.loads(s[i:j])
+        if isinstance(value, float) and not math.isfinite(value):
+            # past a float's range (1e400): the number as written, which is JSON; json.dumps would write Infinity
+            return s[i:j], True, j, value
         return json.dumps(value), True, j, value
     for word, value in _LITERALS.items():
         if s.startswith(word, i):
