@@ -84,3 +84,55 @@ def test_an_out_folder_that_cannot_be_written_is_refused_before_the_work(tmp_pat
         argv = ["distill", "--teacher", str(tmp_path / "missing"), "--data", str(tmp_path / "missing.txt")]
         assert main(argv + ["--out", str(out)]) == 2
         assert capsys.readouterr().err.strip() == f"infertune distill: error: --out {out}: {said}"
+
+
+def test_resume_refuses_settings_that_differ_from_the_checkpoints_run(tmp_path):
+    """(a resumed run took the new --seq-len / --steps silently, mixing two runs; a changed model was a multi-line
+    load_state_dict error)"""
+    import json
+
+    from infertune.distill.trainer import TrainConfig, run_training
+    from tests.conftest import make_checkpoint
+
+    teacher = make_checkpoint(tmp_path / "teacher", "llama")
+    data = tmp_path / "data.txt"
+    data.write_text("def add(a, b):\n    return a + b\n" * 40)
+    student = tmp_path / "student.json"
+    student.write_text(
+        json.dumps(
+            dict(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                max_position_embeddings=64,
+            )
+        )
+    )
+    out = tmp_path / "out"
+
+    def cfg(**kw):
+        base = dict(
+            data=str(data),
+            out=str(out),
+            teacher=str(teacher),
+            student_config=str(student),
+            steps=4,
+            batch=2,
+            seq_len=16,
+            eval_windows=1,
+            speed_tokens=0,
+            progress=False,
+        )
+        return TrainConfig(**{**base, **kw})
+
+    run_training(cfg(stop_after=2), log=lambda *_: None)
+    ckpt = out / "checkpoints" / "step-0000002.pt"
+    before = ckpt.read_bytes()
+    with pytest.raises(ValueError, match=r"was trained with --steps 4 \(now 3\), --seq-len 16 \(now 8\)"):
+        run_training(cfg(resume=True, steps=3, seq_len=8), log=lambda *_: None)
+    student.write_text(json.dumps({**json.loads(student.read_text()), "hidden_size": 48}))
+    with pytest.raises(ValueError, match="holds a different model than .* builds now"):
+        run_training(cfg(resume=True), log=lambda *_: None)
+    assert ckpt.read_bytes() == before and not (out / "config.json").exists()

@@ -200,6 +200,46 @@ def latest_checkpoint(out: Path) -> Path | None:
     return found[-1] if found else None
 
 
+# The settings that decide a run's steps: a resumed run must keep them, or it is no longer the run its
+# checkpoint began (the LR schedule follows --steps, the batches --batch / --seq-len / --seed / the data).
+RUN_DEFINING = (
+    "teacher",
+    "tokenizer",
+    "student_config",
+    "data",
+    "val_data",
+    "val_fraction",
+    "temperature",
+    "alpha",
+    "steps",
+    "batch",
+    "seq_len",
+    "lr",
+    "weight_decay",
+    "grad_clip",
+    "seed",
+)
+PATH_SETTINGS = ("teacher", "tokenizer", "data", "val_data")
+
+
+def _setting(cfg: dict, name: str):
+    value = cfg.get(name)
+    if name in PATH_SETTINGS or (name == "student_config" and value != "small"):
+        return None if value is None else str(Path(value).resolve())
+    return value
+
+
+def check_resumable(ckpt: dict, ckpt_path: Path, cfg: TrainConfig) -> None:
+    """ValueError naming each run-defining setting where this run differs from the checkpoint's run."""
+    before, now = ckpt.get("train_config") or {}, asdict(cfg)
+    differ = [n for n in RUN_DEFINING if n in before and _setting(before, n) != _setting(now, n)]
+    if differ:
+        said = ", ".join(f"--{n.replace('_', '-')} {before[n]} (now {now[n]})" for n in differ)
+        raise ValueError(
+            f"--resume: {ckpt_path} was trained with {said}; resume with its settings, or drop --resume to start afresh"
+        )
+
+
 def save_checkpoint(
     out: Path, model, opt, step: int, losses: list[float], cfg: TrainConfig, train_seconds: float = 0.0
 ) -> Path:
@@ -326,7 +366,14 @@ def run_training(cfg: TrainConfig, log=print) -> dict:
             log(f"[resume] no checkpoint under {_ckpt_dir(out)}; starting at step 0")
         else:
             ckpt = torch.load(ckpt_path, map_location=cfg.device, weights_only=False)
-            student.load_state_dict(ckpt["model"])
+            check_resumable(ckpt, ckpt_path, cfg)
+            try:
+                student.load_state_dict(ckpt["model"])
+            except RuntimeError:  # (the same config.json path, edited since: shapes that no longer fit)
+                raise ValueError(
+                    f"--resume: {ckpt_path} holds a different model than {cfg.student_config} builds now "
+                    "(its weights do not fit); resume with the config it was trained with, or drop --resume"
+                ) from None
             opt.load_state_dict(ckpt["optimizer"])
             start, losses = int(ckpt["step"]), list(ckpt["losses"])
             seconds_before = float(ckpt.get("train_seconds", 0.0))
