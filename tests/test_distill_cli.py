@@ -136,3 +136,38 @@ def test_resume_refuses_settings_that_differ_from_the_checkpoints_run(tmp_path):
     with pytest.raises(ValueError, match="holds a different model than .* builds now"):
         run_training(cfg(resume=True), log=lambda *_: None)
     assert ckpt.read_bytes() == before and not (out / "config.json").exists()
+
+
+def test_a_student_infertune_cannot_serve_is_refused_before_training(tmp_path):
+    """(a GPT-2 student trained every step and saved, then failed the report's speed measure in infertune; in
+    `train` the errors named --student-config and "the teacher's" vocabulary, flags and a model it does not have)"""
+    import json
+
+    from transformers import AutoConfig
+
+    from infertune.config import SUPPORTED_ARCHITECTURES
+    from infertune.distill.trainer import TrainConfig, run_training
+    from tests.conftest import make_checkpoint
+
+    teacher = make_checkpoint(tmp_path / "teacher", "llama")
+    vocab = json.loads((teacher / "config.json").read_text())["vocab_size"]
+    data = tmp_path / "data.txt"
+    data.write_text("def add(a, b):\n    return a + b\n" * 40)
+    gpt2 = dict(model_type="gpt2", n_embd=32, n_layer=1, n_head=2, n_positions=64, vocab_size=vocab)
+    assert AutoConfig.for_model(**gpt2).architectures is None  # (transformers builds it: only infertune cannot run it)
+    assert "GPT2LMHeadModel" not in SUPPORTED_ARCHITECTURES
+    (tmp_path / "gpt2.json").write_text(json.dumps(gpt2))
+    (tmp_path / "bad_vocab.json").write_text(json.dumps(dict(hidden_size=32, num_attention_heads=2, vocab_size=7)))
+    out = tmp_path / "out"
+    base = dict(data=str(data), out=str(out), steps=2, batch=2, seq_len=16, progress=False, speed_tokens=0)
+    with pytest.raises(ValueError, match=r"^--student-config \S+gpt2.json: architecture 'GPT2LMHeadModel' is not"):
+        run_training(TrainConfig(teacher=str(teacher), student_config=str(tmp_path / "gpt2.json"), **base))
+    with pytest.raises(ValueError, match=r"^--model-config \S+gpt2.json: architecture 'GPT2LMHeadModel' is not"):
+        run_training(TrainConfig(tokenizer=str(teacher), alpha=0.0, student_config=str(tmp_path / "gpt2.json"), **base))
+    with pytest.raises(
+        ValueError, match=rf"^--model-config \S+bad_vocab.json: vocab_size 7 != the tokenizer's {vocab}"
+    ):
+        run_training(
+            TrainConfig(tokenizer=str(teacher), alpha=0.0, student_config=str(tmp_path / "bad_vocab.json"), **base)
+        )
+    assert not (out / "checkpoints").exists() and not (out / "config.json").exists()

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from infertune.config import ArchConfig
 from infertune.distill.data import Corpus, build_corpus
 from infertune.distill.loss import kd_loss
 from infertune.files import check_writable_folder
@@ -126,8 +127,11 @@ def load_teacher(path: str, device: str = "cpu"):
     return model
 
 
-def student_config(spec: str, vocab_size: int, tokenizer, max_positions: int, teacher_config=None):
-    """``small`` (Llama, hidden 128, 4 layers, 4 heads, 2 KV heads, MLP 384, tied) or a config.json file."""
+def student_config(
+    spec: str, vocab_size: int, tokenizer, max_positions: int, teacher_config=None, flag: str = "--student-config"
+):
+    """``small`` (Llama, hidden 128, 4 layers, 4 heads, 2 KV heads, MLP 384, tied) or a config.json file; `flag` is
+    the option that named it (``--model-config`` for ``train``, whose vocabulary is the tokenizer's)."""
     from transformers import AutoConfig, LlamaConfig
 
     special = dict(
@@ -143,15 +147,19 @@ def student_config(spec: str, vocab_size: int, tokenizer, max_positions: int, te
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
-        raise ValueError(f"--student-config {spec}: expected 'small' or a config.json file")
+        raise ValueError(f"{flag} {spec}: expected 'small' or a config.json file")
     cfg_dict = json.loads(path.read_text(encoding="utf-8"))
     model_type = cfg_dict.pop("model_type", "llama")
     cfg_dict.setdefault("vocab_size", vocab_size)
     for k, v in special.items():
         cfg_dict.setdefault(k, v)
-    config = AutoConfig.for_model(model_type, **cfg_dict)
+    try:
+        config = AutoConfig.for_model(model_type, **cfg_dict)
+    except ValueError:  # (transformers lists every model type it knows: hundreds, on one line)
+        raise ValueError(f"{flag} {spec}: model_type {model_type!r} is not one transformers knows") from None
     if config.vocab_size != vocab_size:
-        raise ValueError(f"--student-config {spec}: vocab_size {config.vocab_size} != the teacher's {vocab_size}")
+        whose = "the teacher's" if teacher_config is not None else "the tokenizer's"
+        raise ValueError(f"{flag} {spec}: vocab_size {config.vocab_size} != {whose} {vocab_size}")
     return config
 
 
@@ -347,14 +355,25 @@ def run_training(cfg: TrainConfig, log=print) -> dict:
         f"held-out tokens ({corpus.n_val_docs} docs, split {corpus.split}), {time.perf_counter() - t0:.1f}s"
     )
 
+    flag = "--student-config" if teacher is not None else "--model-config"
     config = student_config(
-        cfg.student_config, vocab, tokenizer, max(cfg.seq_len, 1024), teacher.config if teacher is not None else None
+        cfg.student_config,
+        vocab,
+        tokenizer,
+        max(cfg.seq_len, 1024),
+        teacher.config if teacher is not None else None,
+        flag=flag,
     )
     if config.max_position_embeddings < cfg.seq_len:
         raise ValueError(
             f"--seq-len {cfg.seq_len} exceeds the student's max_position_embeddings {config.max_position_embeddings}"
         )
     student = build_student(config, cfg.seed).to(cfg.device)
+    # The folder this run writes must be one infertune serves: said now, not after the training (the report's
+    # speed measure loaded it with infertune, and failed, once every step had run).
+    ArchConfig.from_dict(
+        dict(config.to_dict(), architectures=[type(student).__name__]), where=f"{flag} {cfg.student_config}"
+    )
     opt = make_optimizer(student, cfg)
     start, losses, seconds_before = 0, [], 0.0  # seconds_before: training time of the runs this one resumes
     if not cfg.resume:  # a fresh run: checkpoints of an earlier run in this folder must not be resumed from later
