@@ -553,6 +553,7 @@ def test_server_refuses_what_cannot_be_compiled(server, body, status, says):
     for r in (_chat(server, **body), _complete(server, **body)):
         assert r.status_code == status, r.text
         assert says in r.json()["error"]["message"], r.json()
+        assert r.json()["error"]["param"].split(".")[0] in body, r.json()  # (a field the client sent)
     assert httpx.get(server.url + "/health").status_code == 200
 
 

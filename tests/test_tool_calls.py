@@ -201,6 +201,9 @@ def test_the_conversation_with_tool_calls_renders_as_transformers_renders_it(ser
     assert got["tokens"] == hf.encode(text, add_special_tokens=False)
 
 
+BAD_SCHEMA = {"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}
+
+
 def test_tool_choice_mistakes_are_400s(server):
     url = server.url + "/v1/chat/completions"
     bodies = [
@@ -208,6 +211,12 @@ def test_tool_choice_mistakes_are_400s(server):
         ({"messages": ASK, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "x"}}}, "x"),
         ({"messages": ASK, "tools": [{"type": "function", "function": {"name": ""}}]}, "tools"),
         ({"messages": ASK, "tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+        # a forced choice's constraint is the tools' parameters: a schema the compiler refuses names tools
+        ({"messages": ASK, "tools": [BAD_SCHEMA], "tool_choice": "required"}, "tools"),
+        (
+            {"messages": ASK, "tools": [BAD_SCHEMA], "tool_choice": {"type": "function", "function": {"name": "f"}}},
+            "tools",
+        ),
         # OpenAI's deprecated function calling (was answered as if no function were offered)
         ({"messages": ASK, "functions": [WEATHER["function"]]}, "functions"),
         ({"messages": ASK, "function_call": {"name": "get_weather"}}, "function_call"),

@@ -359,7 +359,9 @@ class APIServer:
             )
         fmt = Formatter(f"cmpl-{uuid.uuid4().hex}", self.model_name, self.tokenizer, chat=False, echo=req.echo)
         _check_remote_decode(params, len(prompts), req.stream)
-        streams = await self.submit(fmt.id, prompts, params, "prompt", req.truncate_prompt_tokens)
+        streams = await self.submit(
+            fmt.id, prompts, params, "prompt", req.truncate_prompt_tokens, constraint=req.constraint_field()
+        )
         return await self.respond(request, fmt, streams, params.n, req.stream, req.include_usage)
 
     async def chat_completions(self, req: ChatCompletionRequest, request: Request):
@@ -401,7 +403,11 @@ class APIServer:
         fmt_args = (f"chatcmpl-{uuid.uuid4().hex}", self.model_name, self.tokenizer)
         fmt = ToolFormatter(plan, *fmt_args, chat=True) if plan.active else Formatter(*fmt_args, chat=True)
         _check_remote_decode(params, 1, req.stream)
-        streams = await self.submit(fmt.id, [prompt], params, "messages", req.truncate_prompt_tokens)
+        # (a forced tool_choice's constraint is the tools' parameters schemas)
+        constraint = "tools" if plan.choice in ("required", "named") else req.constraint_field()
+        streams = await self.submit(
+            fmt.id, [prompt], params, "messages", req.truncate_prompt_tokens, constraint=constraint
+        )
         return await self.respond(request, fmt, streams, params.n, req.stream, req.include_usage)
 
     # ---- from a request to the engine's streams ---------------------------------------------------
@@ -444,11 +450,21 @@ class APIServer:
         return out
 
     async def submit(
-        self, request_id: str, prompts: list[object], params: SamplingParams, param: str, truncate: int | None = None
+        self,
+        request_id: str,
+        prompts: list[object],
+        params: SamplingParams,
+        param: str,
+        truncate: int | None = None,
+        constraint: str = "structured_outputs",
     ) -> list[RequestStream]:
+        """constraint: the request's field that asked for params.structured_outputs (named by a compile error)."""
         try:
             if params.structured_outputs is not None:  # compile (or find cached) the grammar off the event loop
-                await asyncio.to_thread(self.engine.engine.structured_output_spec, params)
+                try:
+                    await asyncio.to_thread(self.engine.engine.structured_output_spec, params)
+                except ParamError as e:
+                    raise APIError(400, str(e), param=constraint) from None
             self.engine.engine.check_params(params)  # cheap bounds first: no tokenizing for a request refused anyway
             prompts = await asyncio.to_thread(self.tokenized, prompts, truncate)
             return await self.engine.add_requests(request_id, prompts, params)

@@ -118,6 +118,16 @@ class _StructuredFields(BaseModel):
     guided_whitespace_pattern: str | None = None
     structured_outputs: dict | None = None  # vLLM's newer name: {"json": ..., "regex": ..., ...}
 
+    def constraint_field(self) -> str:
+        """The field that asked for the request's output constraint: what a 400 about its schema, regex or grammar
+        names (the engine's compiler says "structured_outputs" for every kind)."""
+        if self.response_format is not None and self.response_format.type != "text":
+            return "response_format"
+        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+            if getattr(self, name) is not None:
+                return name
+        return "structured_outputs"
+
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         """The one constraint the request asks for (None: none); 400 where it asks for several or is malformed."""
         asked: list[tuple[str, dict]] = []
