@@ -171,3 +171,26 @@ def test_a_student_infertune_cannot_serve_is_refused_before_training(tmp_path):
             TrainConfig(tokenizer=str(teacher), alpha=0.0, student_config=str(tmp_path / "bad_vocab.json"), **base)
         )
     assert not (out / "checkpoints").exists() and not (out / "config.json").exists()
+
+
+def test_json_bare_prints_the_report_alone_and_json_out_writes_it(tmp_path, capsys):
+    """--json as every other command takes it (distill / train had none)."""
+    import json
+
+    from tests.conftest import make_checkpoint
+
+    tok = make_checkpoint(tmp_path / "tok", "llama")
+    data = tmp_path / "data.txt"
+    data.write_text("def add(a, b):\n    return a + b\n" * 40)
+    small = tmp_path / "small.json"
+    small.write_text(json.dumps(dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)))
+    argv = ["train", "--tokenizer", str(tok), "--data", str(data), "--model-config", str(small), "--steps", "2"]
+    argv += ["--batch", "2", "--seq-len", "16", "--eval-windows", "1", "--speed-tokens", "0", "--no-progress"]
+    assert main(argv + ["--out", str(tmp_path / "a"), "--json"]) == 0
+    got = capsys.readouterr()
+    report = json.loads(got.out)  # stdout holds the JSON alone
+    assert report == json.loads((tmp_path / "a" / "training_report.json").read_text())
+    assert "held-out perplexity" in got.err and report["steps_done"] == 2
+    assert main(argv + ["--out", str(tmp_path / "b"), "--json", str(tmp_path / "j" / "r.json")]) == 0
+    assert "held-out perplexity" in capsys.readouterr().out
+    assert json.loads((tmp_path / "j" / "r.json").read_text())["losses"] == report["losses"]

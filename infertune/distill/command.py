@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 from types import SimpleNamespace
 
+from infertune.files import add_json_flag, check_writable, emit_json
+
 DESCRIPTION = (
     "Distil a teacher into a small student: loss = alpha * T^2 * KL(softmax(teacher/T) || softmax(student/T)) "
     "+ (1 - alpha) * cross-entropy, with AdamW and warm-up + cosine LR, checkpoints (--save-every) and --resume. "
@@ -81,6 +83,7 @@ def _common(p: argparse.ArgumentParser, model_flag: str) -> None:
     p.add_argument("--device", default="cpu", help="torch device for training (default: cpu)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_json_flag(p, "the training report (losses, perplexities, speeds, settings)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -130,6 +133,7 @@ def _run(args: argparse.Namespace, teacher: bool) -> int:
     from infertune.distill.trainer import format_report, run_training
 
     config = _config(args, teacher)  # (its values are checked before anything is loaded)
+    check_writable("--json", args.json, make_parents=True)
     if args.threads is not None:
         if args.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {args.threads}")
@@ -138,6 +142,7 @@ def _run(args: argparse.Namespace, teacher: bool) -> int:
     print(format_report(report), flush=True)
     if "student_ppl" in report:
         print(f"wrote {args.out}", flush=True)
+    emit_json(args.json, report, indent=2)
     return 0
 
 
