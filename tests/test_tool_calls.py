@@ -201,6 +201,27 @@ def test_the_conversation_with_tool_calls_renders_as_transformers_renders_it(ser
     assert got["tokens"] == hf.encode(text, add_special_tokens=False)
 
 
+def test_content_given_as_text_parts_renders_as_vllm_joins_them(server, tool_model):
+    """Frameworks send content as a list of text parts (a tool's result too); vLLM joins their texts with newlines,
+    so the prompt is transformers' rendering of that string (they were joined with nothing: "Weather inParis?")."""
+    from transformers import AutoTokenizer
+
+    parts = [{"type": "text", "text": "Weather in"}, {"type": "text", "text": "Paris?"}]
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    messages = [
+        {"role": "user", "content": parts},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": parts},
+    ]
+    got = httpx.post(server.url + "/tokenize", json={"messages": messages, "tools": TOOLS}).json()
+    hf_messages = json.loads(json.dumps(messages))
+    hf_messages[0]["content"] = hf_messages[2]["content"] = "Weather in\nParis?"
+    hf_messages[1]["tool_calls"][0]["function"]["arguments"] = {"city": "Paris"}
+    hf = AutoTokenizer.from_pretrained(tool_model)
+    text = hf.apply_chat_template(hf_messages, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    assert got["tokens"] == hf.encode(text, add_special_tokens=False)
+
+
 BAD_SCHEMA = {"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}
 
 

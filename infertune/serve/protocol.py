@@ -453,7 +453,8 @@ class ChatMessage(BaseModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        # (text parts are joined by newlines, as vLLM joins them, so that a conversation renders the same prompt)
+        return "\n".join(part.text for part in self.content)
 
 
 class ChatCompletionRequest(_SamplingFields):
