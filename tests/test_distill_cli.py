@@ -194,3 +194,34 @@ def test_json_bare_prints_the_report_alone_and_json_out_writes_it(tmp_path, caps
     assert main(argv + ["--out", str(tmp_path / "b"), "--json", str(tmp_path / "j" / "r.json")]) == 0
     assert "held-out perplexity" in capsys.readouterr().out
     assert json.loads((tmp_path / "j" / "r.json").read_text())["losses"] == report["losses"]
+
+
+def test_a_fresh_run_into_an_earlier_runs_folder_says_it_replaces_it(tmp_path):
+    """(the earlier run's checkpoints were deleted and its model overwritten without a word)"""
+    import json
+
+    from infertune.distill.trainer import TrainConfig, run_training
+    from tests.conftest import make_checkpoint
+
+    tok = make_checkpoint(tmp_path / "tok", "llama")
+    data = tmp_path / "data.txt"
+    data.write_text("def add(a, b):\n    return a + b\n" * 40)
+    small = tmp_path / "small.json"
+    small.write_text(json.dumps(dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)))
+    out = tmp_path / "out"
+    base = dict(data=str(data), out=str(out), tokenizer=str(tok), alpha=0.0, student_config=str(small), steps=2)
+    base.update(batch=2, seq_len=16, eval_windows=1, speed_tokens=0, progress=False)
+    said: list[str] = []
+    run_training(TrainConfig(**base, stop_after=1), log=said.append)
+    assert not any(m.startswith("[out]") for m in said)
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-0000001.pt"]
+    said.clear()
+    run_training(TrainConfig(**base), log=said.append)
+    assert [m for m in said if m.startswith("[out]")] == [
+        f"[out] {out} holds an earlier run (1 checkpoint(s)): replacing it, its checkpoints deleted now and its "
+        "model overwritten at the end (--resume continues it instead)"
+    ]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-0000002.pt"]
+    said.clear()
+    run_training(TrainConfig(**base), log=said.append)
+    assert any(m.startswith(f"[out] {out} holds an earlier run (1 checkpoint(s), a saved model)") for m in said)

@@ -48,7 +48,12 @@ def _common(p: argparse.ArgumentParser, model_flag: str) -> None:
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default: 3e-3)")
     p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay on matrices (default: 0.1)")
     p.add_argument("--seed", type=int, default=0, help="initialization and batch-order seed (default: 0)")
-    p.add_argument("--out", required=True, metavar="DIR", help="output folder (HF format; checkpoints/ inside)")
+    p.add_argument(
+        "--out",
+        required=True,
+        metavar="DIR",
+        help="output folder (HF format; checkpoints/ inside); an earlier run there is replaced, said so, unless --resume",
+    )
     p.add_argument(
         "--save-every",
         type=int,

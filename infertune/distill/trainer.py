@@ -377,7 +377,14 @@ def run_training(cfg: TrainConfig, log=print) -> dict:
     opt = make_optimizer(student, cfg)
     start, losses, seconds_before = 0, [], 0.0  # seconds_before: training time of the runs this one resumes
     if not cfg.resume:  # a fresh run: checkpoints of an earlier run in this folder must not be resumed from later
-        for old in _ckpt_dir(out).glob("step-*.pt"):
+        earlier = sorted(_ckpt_dir(out).glob("step-*.pt"))
+        if earlier or (out / "config.json").is_file():  # (said: it was replaced without a word)
+            log(
+                f"[out] {out} holds an earlier run ({len(earlier)} checkpoint(s)"
+                f"{', a saved model' if (out / 'config.json').is_file() else ''}): replacing it, its checkpoints "
+                "deleted now and its model overwritten at the end (--resume continues it instead)"
+            )
+        for old in earlier:
             old.unlink()
     if cfg.resume:
         ckpt_path = latest_checkpoint(out)
