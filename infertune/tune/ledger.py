@@ -414,6 +414,26 @@ def _acc_text(r: dict) -> str:
     return text
 
 
+def run_context(args) -> dict:
+    """Where and how the figures were measured: the CPU (with its core and thread counts and the versions) and the
+    command that reproduces the table (a ledger said neither)."""
+    import os
+    import shlex
+
+    import torch
+
+    from infertune.bench.offline import cpu_model, environment_line
+
+    threads = torch.get_num_threads()
+    ctx: dict = dict(
+        machine=dict(cpu=cpu_model(), cpus=os.cpu_count(), threads=threads, environment=environment_line(threads))
+    )
+    argv = getattr(args, "argv", None)  # (set by cli.main: the command line as typed)
+    if argv:
+        ctx["command"] = "infertune " + shlex.join(argv)
+    return ctx
+
+
 def render_markdown(doc: dict) -> str:
     w = doc["workload"]
     isolated = doc.get("isolated", False)
@@ -421,6 +441,8 @@ def render_markdown(doc: dict) -> str:
     lines = [
         f"Model: {doc['model']}. Workload: {w['requests']} requests of {w['input_len']} prompt + {w['output_len']} "
         f"generated tokens, greedy, {w['dtype']}, batch {w['batch']}. Each step keeps the ones above it.",
+        *([f"Measured on: {doc['machine']['environment']}."] if doc.get("machine") else []),
+        *([f"Command: `{doc['command']}`"] if doc.get("command") else []),
         "",
         f"| step | tokens/s | TTFT p50 ms | memory (KV MiB / {mem_label}) | gain vs previous | cumulative vs HF | "
         "accuracy |",
@@ -557,6 +579,7 @@ def run(args: argparse.Namespace) -> int:
     for flag in ("md", "json", "plot"):  # (a path that cannot be written: said now, not after every step ran)
         check_writable(f"--{flag}", getattr(args, flag, None), make_parents=True)
     doc = build_ledger(args, progress=sys.stderr.isatty())  # (no bar's carriage-return frames in a log)
+    doc.update(run_context(args))
     md = render_markdown(doc)
     if getattr(args, "pd", False):
         doc["pd_split"], text = pd_split(args)
