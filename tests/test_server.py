@@ -48,6 +48,32 @@ def test_completion_matches_offline_and_stream(client, offline):
     assert chunks[-1].usage.completion_tokens == 12 and not chunks[-1].choices
 
 
+@pytest.mark.parametrize("chat", [False, True])
+def test_continuous_usage_stats_gives_every_chunk_its_choices_usage_so_far(client, offline, chat):
+    """vLLM's stream_options.continuous_usage_stats (benchmark clients send it; it was ignored): each chunk's usage
+    counts its choice's tokens so far, the tokens its logprob entries name; the prompt's count is the offline one."""
+    ref = offline.generate("The cache", SamplingParams(**GREEDY, ignore_eos=True))[0]
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    kw = dict(
+        model=MODEL, n=2, stream=True, stream_options=options, extra_body=NO_EOS, logprobs=0 if not chat else True
+    )
+    if chat:
+        chunks = list(client.chat.completions.create(messages=[{"role": "user", "content": "Hi"}], **GREEDY, **kw))
+    else:
+        chunks = list(client.completions.create(prompt="The cache", **GREEDY, **kw))
+    tokens = {0: 0, 1: 0}
+    for chunk in chunks[:-1]:
+        (choice,) = chunk.choices
+        logprobs = choice.logprobs.content if chat else choice.logprobs.tokens
+        tokens[choice.index] += len(logprobs or [])
+        assert chunk.usage.completion_tokens == tokens[choice.index]
+        assert chunk.usage.total_tokens == chunk.usage.prompt_tokens + tokens[choice.index]
+        if not chat:
+            assert chunk.usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert tokens == {0: 12, 1: 12}
+    assert not chunks[-1].choices and chunks[-1].usage.completion_tokens == 24
+
+
 def test_chat_matches_offline_and_stream(client, offline):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
     ref = offline.chat(messages, SamplingParams(**GREEDY, ignore_eos=True))[0]

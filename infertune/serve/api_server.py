@@ -362,7 +362,7 @@ class APIServer:
         streams = await self.submit(
             fmt.id, prompts, params, "prompt", req.truncate_prompt_tokens, constraint=req.constraint_field()
         )
-        return await self.respond(request, fmt, streams, params.n, req.stream, req.include_usage)
+        return await self.respond(request, fmt, streams, params.n, req.stream, req.include_usage, req.continuous_usage)
 
     async def chat_completions(self, req: ChatCompletionRequest, request: Request):
         self.check_model(req.model)
@@ -408,7 +408,7 @@ class APIServer:
         streams = await self.submit(
             fmt.id, [prompt], params, "messages", req.truncate_prompt_tokens, constraint=constraint
         )
-        return await self.respond(request, fmt, streams, params.n, req.stream, req.include_usage)
+        return await self.respond(request, fmt, streams, params.n, req.stream, req.include_usage, req.continuous_usage)
 
     # ---- from a request to the engine's streams ---------------------------------------------------
     def template_of(self, requested: str | None) -> str | None:
@@ -476,10 +476,18 @@ class APIServer:
 
     # ---- from the streams to the client -----------------------------------------------------------
     async def respond(
-        self, request: Request, fmt: Formatter, streams: list[RequestStream], n: int, stream: bool, include_usage: bool
+        self,
+        request: Request,
+        fmt: Formatter,
+        streams: list[RequestStream],
+        n: int,
+        stream: bool,
+        include_usage: bool,
+        continuous_usage: bool = False,
     ):
         if stream:
-            return StreamingResponse(self.stream_events(fmt, streams, n, include_usage), media_type="text/event-stream")
+            events = self.stream_events(fmt, streams, n, include_usage, continuous_usage)
+            return StreamingResponse(events, media_type="text/event-stream")
         collecting = asyncio.ensure_future(_collect(streams))
         gone = asyncio.ensure_future(_until_disconnected(request))
         try:
@@ -504,8 +512,9 @@ class APIServer:
         return fmt.response(finals, n)
 
     async def stream_events(
-        self, fmt: Formatter, streams: list[RequestStream], n: int, include_usage: bool
+        self, fmt: Formatter, streams: list[RequestStream], n: int, include_usage: bool, continuous_usage: bool = False
     ) -> AsyncIterator[str]:
+        """continuous_usage (vLLM's continuous_usage_stats): every chunk carries its choice's usage so far."""
         sent_text: dict[int, int] = {}
         sent_logprobs: dict[int, int] = {}
         next_offset: dict[int, int] = {}  # choice -> the text offset of its next logprob entry
@@ -525,11 +534,20 @@ class APIServer:
                         lp = fmt.logprobs(c.logprobs[lp_start:], offset) if c.logprobs is not None else None
                     if lp and lp.get("tokens"):
                         next_offset[index] = lp["text_offset"][-1] + len(lp["tokens"][-1])
+                    chunks = []
                     if isinstance(fmt, ToolFormatter):  # tool calling: content and tool-call deltas
-                        for chunk in fmt.tool_chunks(index, c, lp, first):
-                            yield sse(chunk)
+                        chunks = fmt.tool_chunks(index, c, lp, first)
                     elif delta or first or c.finish_reason or (lp and c.logprobs[lp_start:]):
-                        yield sse(fmt.chunk(index, delta, c.finish_reason, lp, first=first, stop_reason=c.stop_reason))
+                        chunks = [fmt.chunk(index, delta, c.finish_reason, lp, first=first, stop_reason=c.stop_reason)]
+                    for chunk in chunks:
+                        if continuous_usage:  # (this choice's: its prompt and its tokens so far, as vLLM's)
+                            prompt, done = len(out.prompt_token_ids), len(c.token_ids)
+                            chunk["usage"] = {
+                                "prompt_tokens": prompt,
+                                "completion_tokens": done,
+                                "total_tokens": prompt + done,
+                            }
+                        yield sse(chunk)
                     sent_text[index] = len(c.text)
                     sent_logprobs[index] = len(c.logprobs or [])
                 if out.finished:

@@ -92,6 +92,8 @@ UnicodeText = Annotated[str, AfterValidator(_whole_unicode)]
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk carries its choice's usage so far (benchmark clients read it)
+    continuous_usage_stats: bool = False
 
 
 # ---- structured output (docs/structured-output.md): OpenAI's response_format, vLLM's guided_* -------------------
@@ -305,6 +307,10 @@ class _SamplingFields(_StructuredFields):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(_SamplingFields):
