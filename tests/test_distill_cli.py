@@ -225,3 +225,22 @@ def test_a_fresh_run_into_an_earlier_runs_folder_says_it_replaces_it(tmp_path):
     said.clear()
     run_training(TrainConfig(**base), log=said.append)
     assert any(m.startswith(f"[out] {out} holds an earlier run (1 checkpoint(s), a saved model)") for m in said)
+
+
+def test_held_out_text_shorter_than_one_window_is_refused_before_training(tmp_path):
+    """(perplexity was reported as nan after the whole run; an empty --val-data was called --data)"""
+    from infertune.distill.data import build_corpus
+    from tests.conftest import make_tokenizer
+
+    tok = make_tokenizer()  # byte-level: one token per byte, so the counts below are exact
+    data = tmp_path / "train.txt"
+    data.write_text("x = 1\n" * 100)
+    short = tmp_path / "val.txt"
+    short.write_text("y = 2\n")  # 6 bytes + the EOS separator = 7 tokens < 16 + 1
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    with pytest.raises(ValueError, match=r"^--val-data \S+val.txt: 7 held-out tokens, fewer than one window of "):
+        build_corpus(data, tok, 16, val_data=short)
+    with pytest.raises(ValueError, match=r"^--val-data \S+empty.txt: no non-empty text$"):
+        build_corpus(data, tok, 16, val_data=empty)
+    assert build_corpus(data, tok, 6, val_data=short).val_windows().shape == (1, 7)

@@ -44,11 +44,11 @@ def _read_text(path: Path) -> str:
     return text.replace("\r\n", "\n")
 
 
-def collect_documents(data: str | Path) -> list[tuple[str, str]]:
-    """[(document id, text)] in a fixed order; empty documents dropped."""
+def collect_documents(data: str | Path, flag: str = "--data") -> list[tuple[str, str]]:
+    """[(document id, text)] in a fixed order; empty documents dropped. `flag` names the option in errors."""
     root = Path(data)
     if not root.exists():
-        raise ValueError(f"--data {data}: no such file or directory")
+        raise ValueError(f"{flag} {data}: no such file or directory")
     docs: list[tuple[str, str]] = []
     if root.is_dir():
         files = sorted(
@@ -57,18 +57,18 @@ def collect_documents(data: str | Path) -> list[tuple[str, str]]:
             if p.is_file() and p.suffix in TEXT_SUFFIXES and not (set(p.relative_to(root).parts[:-1]) & SKIP_DIRS)
         )
         if not files:
-            raise ValueError(f"--data {data}: no {' / '.join(TEXT_SUFFIXES)} files in that directory")
+            raise ValueError(f"{flag} {data}: no {' / '.join(TEXT_SUFFIXES)} files in that directory")
         docs = [(rel, _read_text(p)) for rel, p in files]
     elif root.suffix == ".jsonl":
         try:
             docs = [(f"{root.name}:{lineno}", text) for lineno, text in read_jsonl_texts(str(root))]
         except ValueError as e:
-            raise ValueError(f"--data {data}: {e}") from None
+            raise ValueError(f"{flag} {data}: {e}") from None
     else:
         docs = [(root.name, _read_text(root))]
     docs = [(name, text) for name, text in docs if text.strip()]
     if not docs:
-        raise ValueError(f"--data {data}: no non-empty text")
+        raise ValueError(f"{flag} {data}: no non-empty text")
     return docs
 
 
@@ -132,7 +132,7 @@ def build_corpus(
         raise ValueError("the tokenizer has no EOS token to separate documents")
     docs = collect_documents(data)
     if val_data is not None:
-        train_docs, val_docs = docs, collect_documents(val_data)
+        train_docs, val_docs = docs, collect_documents(val_data, "--val-data")
         split = "explicit"
     else:
         train_docs, val_docs = split_documents(docs, val_fraction)
@@ -150,5 +150,11 @@ def build_corpus(
     if corpus.n_train_windows < 1:
         raise ValueError(
             f"--data {data}: {train.numel()} training tokens, fewer than one window of --seq-len {seq_len} + 1"
+        )
+    if corpus.val_windows(1).size(0) < 1:  # (the held-out perplexity was nan, reported after the whole run)
+        held_out = f"--val-data {val_data}" if val_data is not None else f"--data {data} held out by the split"
+        raise ValueError(
+            f"{held_out}: {val.numel()} held-out tokens, fewer than one window of --seq-len {seq_len} + 1; "
+            "give more held-out text or a shorter --seq-len"
         )
     return corpus
