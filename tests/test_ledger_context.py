@@ -47,3 +47,38 @@ def test_ledger_names_the_cpu_and_the_command_in_markdown_and_json(tmp_path, mon
     assert f"Measured on: {cpu}, {os.cpu_count()} CPUs" in md
     assert f"Command: `infertune {shlex.join(argv)}`" in md
     assert md.strip() in capsys.readouterr().out
+
+
+def test_ledger_says_when_the_kernels_row_ran_no_kernels(tmp_path, monkeypatch):
+    """At --dtype float32 the engine builds no decode kernels (they are bf16): the kernels row timed torch's path
+    under the label "+ decode kernels" without a word, and the MoE rows blamed "this machine"."""
+    import argparse
+    import functools
+
+    from infertune import LLM
+    from infertune.tune import ledger, measure
+    from tests.conftest import make_checkpoint
+
+    model = make_checkpoint(
+        tmp_path / "moe", arch="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32
+    )
+
+    @functools.cache
+    def engine_kernels(dtype: str, decode_kernels: str):  # the oracle: what the engine itself builds
+        runner = LLM(str(model), dtype=dtype, max_model_len=32, decode_kernels=decode_kernels).engine.executor.runner
+        return None if runner.decode_kernels is None else runner.decode_kernels.name
+
+    def fake_measure(model, options, prompts, output_lens, warmup_prompts=None, repeats=1):
+        kernels = engine_kernels(options["dtype"], options.get("decode_kernels", "off"))
+        return dict(status="ok", output_tok_s=1.0, decode_kernels=kernels, kv_cache_bytes=0, rss_growth_mib=0.0)
+
+    monkeypatch.setattr(measure, "measure_infertune", fake_measure)
+    p = argparse.ArgumentParser()
+    ledger.add_arguments(p)
+    args = p.parse_args(["--model", str(model), "--dtype", "float32", "--no-hf", "--no-accuracy", "--in-process"])
+    args.input_len, args.output_len, args.batch = 4, 2, 1
+    assert engine_kernels("float32", "auto") is None
+    rows = {r["step"]: r for r in ledger.build_ledger(args, progress=False)["steps"] if r["step"] != "tuned"}
+    assert rows["kernels"]["note"] == "the decode kernels did not run: they are bf16 kernels and --dtype is float32"
+    for key in ("moe_router", "moe_experts", "moe_fused"):
+        assert rows[key]["note"] == "the decode kernels did not run (see the kernels row)"

@@ -322,7 +322,7 @@ def build_ledger(args, progress: bool = True) -> dict:
         if key == "mla_latent":
             row["note"] = mla_note(arch, 2 if args.dtype == "bfloat16" else 4)
         if key.startswith("moe_") and not current.get("decode_kernels_ran"):
-            row.update(status=NOT_AVAILABLE, note="no decode kernels on this machine (see the kernels row)")
+            row.update(status=NOT_AVAILABLE, note="the decode kernels did not run (see the kernels row)")
             rows.append(row)
             continue
         step_opts = {k: v for k, v in current.items() if k != "decode_kernels_ran"}
@@ -363,6 +363,13 @@ def build_ledger(args, progress: bool = True) -> dict:
             )
         )
         row["options"] = step_opts
+        if key == "kernels" and row["status"] == "ok" and row.get("decode_kernels") is None:
+            # (the row's label says kernels: say they did not run, and why, rather than time torch's path under it)
+            row["note"] = (
+                f"the decode kernels did not run: they are bf16 kernels and --dtype is {args.dtype}"
+                if args.dtype != "bfloat16"
+                else "the decode kernels did not run on this machine (infertune doctor says why)"
+            )
         if row["status"] == "ok":
             current = dict(step_opts, decode_kernels_ran=row.get("decode_kernels") is not None)
         if lossy and row["status"] == "ok":
