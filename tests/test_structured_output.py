@@ -604,6 +604,28 @@ def test_strict_json_schema_allows_only_the_declared_keys(server):
     assert extra > 0
 
 
+def test_strict_mode_closes_object_schemas_and_leaves_data_alone(server):
+    """strict closes every object schema, not a const or enum value that happens to be an object (it became
+    {"type": "object", "additionalProperties": false}: the output then broke the client's own schema), nor a
+    property named "properties". Oracle: jsonschema with the client's schema."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "cfg": {"const": {"type": "object"}},
+            "kind": {"enum": [{"properties": {}}]},
+            "properties": {"type": "object", "properties": {"n": {"type": "integer", "maximum": 9}}, "required": ["n"]},
+        },
+        "required": ["cfg", "kind", "properties"],
+    }
+    rf = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema, "strict": True}}
+    r = _chat(server, response_format=rf, temperature=0, max_tokens=200, guided_whitespace_pattern="")
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "stop", choice
+    out = json.loads(choice["message"]["content"])
+    jsonschema.validate(out, schema)
+    assert set(out) == {"cfg", "kind", "properties"} and set(out["properties"]) == {"n"}  # (closed objects)
+
+
 def test_tool_choice_that_constrains_and_a_second_constraint_is_a_400(server):
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
     for choice in ("required", {"type": "function", "function": {"name": "f"}}):

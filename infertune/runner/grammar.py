@@ -119,18 +119,31 @@ _NAMES = {
 }
 
 
+# keywords whose value is data (left as it is), and those whose value maps names to schemas (each walked, the map
+# itself not a schema): a property named "properties", or a const object, is not an object schema to close
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
 def no_additional_properties(schema: dict) -> dict:
     """A copy of schema where every object schema without "additionalProperties" gets false (vLLM's option)."""
 
     def walk(node):
-        if isinstance(node, dict):
-            out = {k: walk(v) for k, v in node.items()}
-            if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
-                out["additionalProperties"] = False
-            return out
         if isinstance(node, list):
             return [walk(v) for v in node]
-        return node
+        if not isinstance(node, dict):
+            return node
+        out = {}
+        for key, value in node.items():
+            if key in _DATA_KEYWORDS:
+                out[key] = value
+            elif key in _SCHEMA_MAPS and isinstance(value, dict):
+                out[key] = {name: walk(sub) for name, sub in value.items()}
+            else:
+                out[key] = walk(value)
+        if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
+            out["additionalProperties"] = False
+        return out
 
     return walk(schema)
 
