@@ -82,3 +82,28 @@ def test_ledger_says_when_the_kernels_row_ran_no_kernels(tmp_path, monkeypatch):
     assert rows["kernels"]["note"] == "the decode kernels did not run: they are bf16 kernels and --dtype is float32"
     for key in ("moe_router", "moe_experts", "moe_fused"):
         assert rows[key]["note"] == "the decode kernels did not run (see the kernels row)"
+
+
+@pytest.mark.parametrize(
+    "flags, said",
+    [
+        (["--num-prompts", "0"], "--num-prompts must be >= 1, got 0"),  # (stood for the default silently)
+        (["--num-prompts", "-1"], "--num-prompts must be >= 1, got -1"),  # (an IndexError traceback)
+        (["--max-batch", "0"], "--max-batch must be >= 1, got 0"),
+        (["--repeats", "0"], "--repeats must be >= 1, got 0"),
+        (["--quant-group-size", "7"], "--quant-group-size must be one of 32, 64, 128, 256, got 7"),
+        (["--accuracy-tokens", "0"], "--accuracy-tokens must be >= 2 (or give --no-accuracy), got 0"),
+        (["--pd", "--pd-num-prompts", "0"], "--pd-num-prompts must be >= 1, got 0"),
+        (["--pd", "--pd-request-rate", "0"], "--pd-request-rate must be > 0, got 0.0"),
+    ],
+)
+def test_ledger_refuses_a_value_no_step_can_use_before_the_first_step(tmp_path, monkeypatch, capsys, flags, said):
+    from infertune.tune import ledger
+
+    def no_steps(*a, **k):
+        raise AssertionError("a step ran")
+
+    monkeypatch.setattr(ledger, "build_ledger", no_steps)
+    assert main(["ledger", "--md", str(tmp_path / "l.md"), *flags]) == 2
+    assert capsys.readouterr().err.strip() == f"infertune ledger: error: {said}"
+    assert not (tmp_path / "l.md").exists()

@@ -273,7 +273,7 @@ def build_ledger(args, progress: bool = True) -> dict:
     steps = steps_for(arch)
     from infertune.bench.offline import make_prompts
 
-    n = args.num_prompts or 2 * args.batch
+    n = 2 * args.batch if args.num_prompts is None else args.num_prompts
     prompts = make_prompts(args.seed, n, 0, args.input_len, vocab)
     warm = make_prompts(args.seed, 1, -1, min(args.input_len, 8), vocab)
     outs = [args.output_len] * n
@@ -331,7 +331,7 @@ def build_ledger(args, progress: bool = True) -> dict:
         if step_opts.get("quantization") == "w4a16":
             step_opts["quant_group_size"] = group_size
         if key == "tuned":
-            limit = args.max_batch or n
+            limit = n if args.max_batch is None else args.max_batch
             tried = sweep(
                 model,
                 {k: v for k, v in step_opts.items() if k not in ("max_num_seqs", "max_num_batched_tokens")},
@@ -570,9 +570,32 @@ def write_plot(doc: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def check_values(args) -> None:
+    """The other numbers, checked before the first step (0 for --num-prompts / --max-batch stood for the default
+    silently, a negative one was an IndexError, --repeats 0 timed nothing, a bad group size, --accuracy-tokens or
+    P/D setting failed its step after the others had run)."""
+    from infertune.config import QUANT_GROUP_SIZES
+
+    for flag in ("num_prompts", "max_batch", "repeats"):
+        value = getattr(args, flag, None)
+        if value is not None and value < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    group = getattr(args, "quant_group_size", None)
+    if group is not None and group not in QUANT_GROUP_SIZES:
+        raise ValueError(f"--quant-group-size must be one of {', '.join(map(str, QUANT_GROUP_SIZES))}, got {group}")
+    if not getattr(args, "no_accuracy", False) and args.accuracy_tokens < 2:
+        raise ValueError(f"--accuracy-tokens must be >= 2 (or give --no-accuracy), got {args.accuracy_tokens}")
+    if getattr(args, "pd", False):
+        if args.pd_num_prompts < 1:
+            raise ValueError(f"--pd-num-prompts must be >= 1, got {args.pd_num_prompts}")
+        if not args.pd_request_rate > 0:
+            raise ValueError(f"--pd-request-rate must be > 0, got {args.pd_request_rate}")
+
+
 def run(args: argparse.Namespace) -> int:
     if min(args.input_len, args.output_len, args.batch) < 1:
         raise ValueError("--input-len, --output-len and --batch must be positive")
+    check_values(args)
     if getattr(args, "longctx", False):  # a bad long-context setting fails before the other steps run
         from infertune.bench.longctx import Settings
 
