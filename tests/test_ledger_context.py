@@ -107,3 +107,17 @@ def test_ledger_refuses_a_value_no_step_can_use_before_the_first_step(tmp_path, 
     assert main(["ledger", "--md", str(tmp_path / "l.md"), *flags]) == 2
     assert capsys.readouterr().err.strip() == f"infertune ledger: error: {said}"
     assert not (tmp_path / "l.md").exists()
+
+
+def test_ledger_help_gives_every_valued_options_meaning_and_default():
+    """(--dtype's help was "(default: bfloat16)" alone, --cache-dir's gave no default)"""
+    import argparse
+
+    from infertune.tune import ledger
+
+    p = argparse.ArgumentParser()
+    ledger.add_arguments(p)
+    for action in p._actions:
+        if action.option_strings and action.nargs != 0 and action.default is not None:
+            text = action.help or ""
+            assert "default" in text and not text.startswith("("), (action.option_strings, text)

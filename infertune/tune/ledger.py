@@ -47,7 +47,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="a random-weight model built once by `bench throughput`: small / 386m Llamas, moe = the scaled "
         "Qwen3-30B-A3B, mla = the scaled DeepSeek-V2-Lite (accuracy is then n/a)",
     )
-    p.add_argument("--cache-dir", type=Path, default=Path("/tmp/infertune-bench"), help="where presets are built")
+    p.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=Path("/tmp/infertune-bench"),
+        help="where --preset models are built, once (default: /tmp/infertune-bench)",
+    )
     p.add_argument("--input-len", type=int, default=128, help="prompt tokens per request (default: 128)")
     p.add_argument("--output-len", type=int, default=64, help="generated tokens per request (default: 64)")
     p.add_argument(
@@ -60,7 +65,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="largest max_num_seqs the tuned-batch step tries (default: --num-prompts)",
     )
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="(default: bfloat16)")
+    p.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float32"],
+        help="weights and activations of every step; the decode-kernel and MoE-kernel steps need bfloat16 "
+        "(default: bfloat16)",
+    )
     p.add_argument(
         "--quant-group-size",
         type=int,
