@@ -244,3 +244,16 @@ def test_held_out_text_shorter_than_one_window_is_refused_before_training(tmp_pa
     with pytest.raises(ValueError, match=r"^--val-data \S+empty.txt: no non-empty text$"):
         build_corpus(data, tok, 16, val_data=empty)
     assert build_corpus(data, tok, 6, val_data=short).val_windows().shape == (1, 7)
+
+
+def test_a_device_torch_cannot_use_is_a_one_line_error_before_anything_loads(tmp_path, capsys):
+    """(it failed after the teacher loaded: a ValueError listing torch's device types, or for --device cuda on a
+    machine without CUDA an AssertionError traceback)"""
+    import torch
+
+    devices = ["bogus"] + ([] if torch.cuda.is_available() else ["cuda"])
+    for device in devices:
+        argv = ["distill", "--teacher", str(tmp_path / "missing"), "--data", str(tmp_path / "missing.txt")]
+        assert main(argv + ["--out", str(tmp_path / "out"), "--device", device]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"infertune distill: error: --device {device}: ") and "\n" not in err, err

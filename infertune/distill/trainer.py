@@ -101,6 +101,13 @@ class TrainConfig:
             raise ValueError(f"--val-fraction must be in [0, 1), got {self.val_fraction}")
         if self.stop_after is not None and self.stop_after < 1:
             raise ValueError(f"--stop-after must be >= 1, got {self.stop_after}")
+        try:  # (a device torch cannot use failed after the teacher loaded: an AssertionError traceback for cuda)
+            torch.empty(0, device=self.device)
+        except (RuntimeError, AssertionError) as e:
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            if reason.startswith("Expected one of"):
+                reason = "not a torch device name (cpu, cuda, cuda:1, ...)"
+            raise ValueError(f"--device {self.device}: {reason}") from None
 
 
 def lr_at(step: int, total: int, peak: float) -> float:
