@@ -222,6 +222,33 @@ def test_content_given_as_text_parts_renders_as_vllm_joins_them(server, tool_mod
     assert got["tokens"] == hf.encode(text, add_special_tokens=False)
 
 
+@pytest.mark.parametrize(
+    "choice, script",
+    [
+        ("required", '[{"name": "Get", "parameters": {"unit": {"u": true}}}]'),
+        ({"type": "function", "function": {"name": "Get"}}, '{"unit": {"u": true}}'),
+    ],
+)
+def test_a_pydantic_tool_with_a_nested_model_is_forced_and_parsed_by_the_sdk(server, client, choice, script):
+    """openai.pydantic_function_tool of a model with a nested model ($defs and $ref): tool_choice "required" was a
+    400 (the reference did not resolve inside the call list's schema). The model writes a call the masks allow.
+    Oracle: the SDK's pydantic parse."""
+    import pydantic
+
+    class Unit(pydantic.BaseModel):
+        u: bool
+
+    class Get(pydantic.BaseModel):
+        unit: Unit
+
+    server.script = script
+    r = client.chat.completions.parse(
+        model=MODEL, messages=ASK, tools=[openai.pydantic_function_tool(Get)], tool_choice=choice, max_tokens=200
+    )
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.parsed_arguments == Get(unit=Unit(u=True))
+
+
 BAD_SCHEMA = {"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}
 
 

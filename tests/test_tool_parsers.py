@@ -285,6 +285,39 @@ def test_required_and_named_outputs_parse_and_their_schemas_accept_exactly_them(
     assert named_schema(TOOLS, "get_time") == TIME["function"]["parameters"]
 
 
+def test_required_schema_keeps_the_references_of_nested_models():
+    """pydantic's tools ($defs, "$ref": "#/$defs/X", and "#" for a recursive model) under tool_choice "required":
+    the list's schema still resolves them (it pointed them at the list's own root, which has no $defs).
+    Oracle: jsonschema on what a call list may and may not hold."""
+    import openai
+    import pydantic
+
+    class Unit(pydantic.BaseModel):
+        u: bool
+
+    class Get(pydantic.BaseModel):
+        unit: Unit
+
+    class Tree(pydantic.BaseModel):
+        kids: list[Tree]
+
+    tools = [openai.pydantic_function_tool(Get), openai.pydantic_function_tool(Tree), WEATHER]
+    schema = required_schema(tools)
+    jsonschema.validate(
+        [
+            {"name": "Get", "parameters": {"unit": {"u": True}}},
+            {"name": "Tree", "parameters": {"kids": [{"kids": []}]}},
+            {"name": "get_weather", "parameters": {"city": "Oslo"}},
+        ],
+        schema,
+    )
+    for wrong in ({"unit": {"u": 1}}, {"unit": {}}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate([{"name": "Get", "parameters": wrong}], schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "Tree", "parameters": {"kids": [{"kids": [1]}]}}], schema)
+
+
 def test_required_and_named_choices_go_to_the_structured_output_masks():
     from infertune.sampling_params import SamplingParams
 

@@ -30,24 +30,50 @@ log = logging.getLogger(__name__)
 
 def required_schema(tools: list[dict], parallel: bool = True) -> dict:
     """JSON schema of what tool_choice="required" lets the model write: a list (of one with parallel_tool_calls
-    false) of {"name": a tool's name, "parameters": that tool's parameters}."""
-    options = [
-        {
-            "type": "object",
-            "properties": {
-                "name": {"type": "string", "enum": [t["function"]["name"]]},
-                "parameters": _parameters(t["function"]),
-            },
-            "required": ["name", "parameters"],
-            "additionalProperties": False,
-        }
-        for t in tools
-    ]
+    false) of {"name": a tool's name, "parameters": that tool's parameters}.
+
+    A parameters schema with local references ("#/$defs/X", as pydantic writes nested models) sits in this
+    schema's $defs, its references rebased there: left where it is, "#" would mean this list's schema."""
+    options, defs = [], {}
+    for k, t in enumerate(tools):
+        parameters = _parameters(t["function"])
+        if _has_local_ref(parameters):
+            defs[f"tool{k}"] = _rebased(parameters, f"#/$defs/tool{k}")
+            parameters = {"$ref": f"#/$defs/tool{k}"}
+        options.append(
+            {
+                "type": "object",
+                "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]}, "parameters": parameters},
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+        )
     item = options[0] if len(options) == 1 else {"anyOf": options}
     schema = {"type": "array", "minItems": 1, "items": item}
     if not parallel:
         schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
     return schema
+
+
+def _has_local_ref(node) -> bool:
+    if isinstance(node, dict):
+        ref = node.get("$ref")
+        return (isinstance(ref, str) and ref.startswith("#")) or any(_has_local_ref(v) for v in node.values())
+    return isinstance(node, list) and any(_has_local_ref(v) for v in node)
+
+
+def _rebased(node, base: str):
+    """node with each local $ref ("#", "#/...") pointing under base, the JSON pointer where node now sits."""
+    if isinstance(node, dict):
+        return {
+            k: base + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#") else _rebased(v, base)
+            for k, v in node.items()
+        }
+    if isinstance(node, list):
+        return [_rebased(v, base) for v in node]
+    return node
 
 
 def named_schema(tools: list[dict], name: str) -> dict:
