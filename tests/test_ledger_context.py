@@ -94,6 +94,10 @@ def test_ledger_says_when_the_kernels_row_ran_no_kernels(tmp_path, monkeypatch):
         (["--quant-group-size", "7"], "--quant-group-size must be one of 32, 64, 128, 256, got 7"),
         (["--accuracy-tokens", "0"], "--accuracy-tokens must be >= 2 (or give --no-accuracy), got 0"),
         (["--pd", "--pd-num-prompts", "0"], "--pd-num-prompts must be >= 1, got 0"),
+        (["--longctx", "--longctx-decode", "0"], "--longctx-decode must be >= 3 (the first two are not timed), got 0"),
+        (["--longctx", "--longctx-context", "0"], "--longctx-context must be >= 1, got 0"),
+        (["--longctx", "--longctx-keep", "1"], "--longctx-keep must lie in (0, 1), got 1.0"),
+        (["--longctx", "--longctx-threshold", "0"], "--longctx-threshold must be >= 1, got 0"),
         (["--pd", "--pd-request-rate", "0"], "--pd-request-rate must be > 0, got 0.0"),
     ],
 )

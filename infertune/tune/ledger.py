@@ -596,6 +596,15 @@ def check_values(args) -> None:
         raise ValueError(f"--quant-group-size must be one of {', '.join(map(str, QUANT_GROUP_SIZES))}, got {group}")
     if not getattr(args, "no_accuracy", False) and args.accuracy_tokens < 2:
         raise ValueError(f"--accuracy-tokens must be >= 2 (or give --no-accuracy), got {args.accuracy_tokens}")
+    if getattr(args, "longctx", False):  # (the long-context settings' own errors said "decode=0", not the flag)
+        if args.longctx_context < 1:
+            raise ValueError(f"--longctx-context must be >= 1, got {args.longctx_context}")
+        if args.longctx_decode < 3:
+            raise ValueError(f"--longctx-decode must be >= 3 (the first two are not timed), got {args.longctx_decode}")
+        if not 0 < args.longctx_keep < 1:
+            raise ValueError(f"--longctx-keep must lie in (0, 1), got {args.longctx_keep}")
+        if args.longctx_threshold < 1:
+            raise ValueError(f"--longctx-threshold must be >= 1, got {args.longctx_threshold}")
     if getattr(args, "pd", False):
         if args.pd_num_prompts < 1:
             raise ValueError(f"--pd-num-prompts must be >= 1, got {args.pd_num_prompts}")
