@@ -249,6 +249,27 @@ def test_a_pydantic_tool_with_a_nested_model_is_forced_and_parsed_by_the_sdk(ser
     assert call.function.parsed_arguments == Get(unit=Unit(u=True))
 
 
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "set_unit"}}])
+def test_guided_whitespace_pattern_holds_for_a_forced_tool_choice(client, choice):
+    """vLLM's guided_whitespace_pattern applies to the tools' JSON too (it was dropped: the random model wrote
+    whitespace until max_tokens, the call cut off). With none allowed the call completes in few tokens."""
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=ASK,
+        tools=[UNIT],
+        tool_choice=choice,
+        parallel_tool_calls=False,
+        max_tokens=200,
+        temperature=0,
+        extra_body={"guided_whitespace_pattern": ""},
+    )
+    (call,) = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == ("tool_calls" if choice == "required" else "stop")
+    assert json.loads(call.function.arguments)["unit"] in ("c", "f")
+    want = '[{"name":"set_unit","parameters":{"unit":"c"}}]' if choice == "required" else '{"unit":"c"}'
+    assert r.usage.completion_tokens <= len(want) + 1  # (no whitespace: byte tokens, EOS)
+
+
 BAD_SCHEMA = {"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}
 
 

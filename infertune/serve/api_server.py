@@ -385,7 +385,7 @@ class APIServer:
         plan = ToolPlan.of(
             tools, req.tool_choice, req.parallel_tool_calls, self.tool_call_parser, self.enable_auto_tool_choice
         )
-        params = self.params_of(lambda: plan.sampling_params(params))
+        params = self.params_of(lambda: plan.sampling_params(params, req.guided_whitespace_pattern))
         try:
             prompt = await asyncio.to_thread(
                 self.engine.engine.render_chat,

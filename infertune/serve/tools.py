@@ -101,9 +101,10 @@ def _find(tools: list[dict], name: str) -> dict:
     )
 
 
-def constrain(params: SamplingParams, schema: dict) -> SamplingParams | None:
+def constrain(params: SamplingParams, schema: dict, whitespace_pattern: str | None = None) -> SamplingParams | None:
     """params whose output must match the JSON schema (the structured-output masks), or None where this engine
-    has no structured outputs (then the output runs unconstrained and is parsed as the schema's format anyway)."""
+    has no structured outputs (then the output runs unconstrained and is parsed as the schema's format anyway).
+    whitespace_pattern: vLLM's guided_whitespace_pattern, which holds for the tools' JSON as for any JSON."""
     try:
         from infertune.sampling_params import StructuredOutputsParams
     except ImportError:
@@ -111,7 +112,8 @@ def constrain(params: SamplingParams, schema: dict) -> SamplingParams | None:
     if "structured_outputs" not in {f.name for f in dataclasses.fields(SamplingParams)}:
         return None
     try:
-        return dataclasses.replace(params, structured_outputs=StructuredOutputsParams(json=schema))
+        so = StructuredOutputsParams(json=schema, whitespace_pattern=whitespace_pattern)
+        return dataclasses.replace(params, structured_outputs=so)
     except ValueError as e:
         raise APIError(
             400, f"the tools' parameters are not a schema the server can enforce: {e}", param="tools"
@@ -169,9 +171,10 @@ class ToolPlan:
     def active(self) -> bool:
         return self.parser is not None
 
-    def sampling_params(self, params: SamplingParams) -> SamplingParams:
+    def sampling_params(self, params: SamplingParams, whitespace_pattern: str | None = None) -> SamplingParams:
         """The request's params for this plan: special tokens kept in the text for a family's parser (they may
-        mark the call, like <|python_tag|> or [TOOL_CALLS]), the output constrained for required / named."""
+        mark the call, like <|python_tag|> or [TOOL_CALLS]), the output constrained for required / named (with
+        the request's guided_whitespace_pattern)."""
         if self.choice == "auto":
             return dataclasses.replace(params, skip_special_tokens=False)
         if self.choice in ("required", "named"):
@@ -188,7 +191,7 @@ class ToolPlan:
                 if self.choice == "required"
                 else named_schema(self.tools, self.parser.function)
             )
-            constrained = constrain(params, schema)
+            constrained = constrain(params, schema, whitespace_pattern)
             if constrained is None:
                 log.warning("tool_choice %r is not enforced: this engine has no structured outputs", self.choice)
                 return params
