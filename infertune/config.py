@@ -666,6 +666,12 @@ class CacheConfig:
         see="KV compression",
     )
 
+    def default_kv_budget(self, free_bytes: int, ranks: int, max_seqs: int, seq_bytes: int) -> int:
+        """The KV bytes a rank takes without kv_cache_memory_bytes: kv_cache_memory_fraction of the memory free after
+        loading, its share among `ranks` on one host, at most what max_seqs full sequences of seq_bytes can use."""
+        budget = int(self.kv_cache_memory_fraction * free_bytes) // ranks
+        return min(budget, max_seqs * seq_bytes) if seq_bytes else budget
+
     def __post_init__(self) -> None:
         if isinstance(self.kv_compression, dict):
             self.kv_compression = KVCompressionConfig.from_dict(self.kv_compression)

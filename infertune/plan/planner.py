@@ -306,20 +306,18 @@ def _kv_groups(spec, context: int, kv) -> list[dict]:
 def _engine_default_kv(dev, mem, tp: int) -> dict:
     """On a probed local device, what `serve` there takes without a KV byte budget: CacheConfig's
     kv_cache_memory_fraction of the memory free after loading (free when probed, less the weights), the ranks' shares
-    of one host, at most SchedulerConfig's max_num_seqs full sequences (model_runner's rule); {} elsewhere."""
+    of one host, at most SchedulerConfig's max_num_seqs full sequences (CacheConfig.default_kv_budget, the engine's rule); {} elsewhere."""
     if dev.free_memory_bytes is None:
         return {}
     from infertune.config import CacheConfig, SchedulerConfig
 
-    fraction, max_seqs = CacheConfig().kv_cache_memory_fraction, SchedulerConfig().max_num_seqs
+    cache, max_seqs = CacheConfig(), SchedulerConfig().max_num_seqs
     free_after = max(0, dev.free_memory_bytes - mem.weights_bytes * tp)
-    per_card = int(fraction * free_after) // tp
-    if mem.kv_bytes_per_sequence:  # (no more than max_num_seqs full sequences can use)
-        per_card = min(per_card, max_seqs * mem.kv_bytes_per_sequence)
+    per_card = cache.default_kv_budget(free_after, tp, max_seqs, mem.kv_bytes_per_sequence)
     seqs = per_card // mem.kv_bytes_per_sequence if mem.kv_bytes_per_sequence else 0
     return {
         "free_bytes": dev.free_memory_bytes,
-        "engine_kv_memory_fraction": fraction,
+        "engine_kv_memory_fraction": cache.kv_cache_memory_fraction,
         "engine_kv_bytes_per_card": per_card,
         "engine_max_concurrent_sequences": int(seqs),
         "engine_max_num_seqs": max_seqs,

@@ -345,14 +345,9 @@ class RouterProbe:
         self.logits = [[] for _ in self.routers]
         self._rows = [0] * len(self.routers)
         self.force = force
-        params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=K_TOP)
-        self.engine.add_request("probe", {"prompt_token_ids": prefix}, params)
-        token = None
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                if out.finished:
-                    token, self.top = out.outputs[0].token_ids[0], out.outputs[0].logprobs[0].top
-        return token
+        (out,) = _drive(self.engine, [prefix], [SamplingParams(temperature=0.0, max_tokens=1, logprobs=K_TOP)]).values()
+        self.top = out.outputs[0].logprobs[0].top
+        return out.outputs[0].token_ids[0]
 
     def near_ties(self, dtype: str) -> list[tuple[float, int, int, int, int, float, float]]:
         """The last run's routes within the dtype's noise of another pick, nearest first: (margin / tolerance, router,

@@ -256,10 +256,11 @@ class ModelRunner:
             budget = cfg.cache.kv_cache_memory_bytes // ranks
             num_blocks = budget // block_bytes
         else:
-            budget = int(cfg.cache.kv_cache_memory_fraction * self.backend.free_memory_bytes()) // ranks
-            # More blocks than max_num_seqs full-length sequences can use would only waste memory.
-            useful = cfg.scheduler.max_num_seqs * per_seq
-            num_blocks = min(budget // block_bytes, useful)
+            # (more blocks than max_num_seqs full-length sequences can use would only waste memory)
+            budget = cfg.cache.default_kv_budget(
+                self.backend.free_memory_bytes(), ranks, cfg.scheduler.max_num_seqs, per_seq * block_bytes
+            )
+            num_blocks = budget // block_bytes
         if self.tp is not None:
             num_blocks = self.tp.min_over_ranks(int(num_blocks))
         if num_blocks < per_seq:
