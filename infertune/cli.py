@@ -55,6 +55,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=argparse.SUPPRESS,
         help=argparse.SUPPRESS,
     )
+    # and vLLM's spelling of turning it off (BooleanOptionalAction's --no- form): --no-prefix-caching's, hidden
+    p.add_argument(
+        "--no-enable-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_false",
+        default=argparse.SUPPRESS,
+        help=argparse.SUPPRESS,
+    )
     for name, (kind, _) in VLLM_GPU_OPTIONS.items():  # (ported `vllm serve` lines: taken with a warning, unlisted)
         flag = "--" + name.replace("_", "-")
         if kind == "switch":
@@ -218,7 +226,8 @@ _COMMAND_LINE_ONLY = ("config", "data_parallel_size", "pd", "pd_device", "placem
 
 
 def load_config_file(path: str | None) -> dict:
-    """Options from a --config file, by their names (dashes read as underscores); they override the flags. YAML as
+    """Options from a --config file, by their names (dashes read as underscores); they override the defaults, flags
+    written on the command line override them (vLLM's order). YAML as
     vLLM's `--config`, keys the long flag names (`max-num-seqs: 8`, `served-model-name: [a, b]`); .json files are
     JSON (what `infertune tune --out-config` writes), engine options without a flag included. A key that is neither
     an engine option nor a server setting is an error naming it."""
@@ -236,6 +245,22 @@ def load_config_file(path: str | None) -> dict:
     if not isinstance(options, dict):
         raise ValueError(f"--config {path}: expected a mapping of option names to values, got {type(options).__name__}")
     return {_config_key(path, key): value for key, value in options.items()}
+
+
+def flags_given(args: argparse.Namespace) -> set[str]:
+    """The dests of the options written on `args`' command line (its subcommand's), as opposed to those left at their
+    defaults: what a --config file may not override (vLLM's order: defaults < file < command line)."""
+    parser = _innermost(build_parser(), args)
+    by_flag = {flag: action.dest for action in parser._actions for flag in action.option_strings}
+    own = args.argv[args.argv.index(args.command) + 1 :] if args.command in args.argv else args.argv
+    given = set()
+    for token in own:
+        if token == "--":
+            break
+        flag = token.split("=", 1)[0] if token.startswith("--") else token
+        if flag in by_flag:
+            given.add(by_flag[flag])
+    return given
 
 
 def _config_key(path: str, key) -> str:
@@ -294,8 +319,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError("--placement places the instances of --pd or --data-parallel-size: give one of them")
     from infertune.serve.launcher import serve
 
-    options = {**engine_kwargs(args), **load_config_file(args.config)}
-    model = options.pop("model", None) or args.model
+    # defaults < the --config file < the flags written on the command line (vLLM's order)
+    given = flags_given(args)
+    flags = engine_kwargs(args)
+    options = {**flags, **load_config_file(args.config), **{k: v for k, v in flags.items() if k in given}}
+    model = args.model if "model" in given else options.pop("model", None) or args.model
+    options.pop("model", None)
     server = dict(
         host=args.host,
         port=args.port,
@@ -307,11 +336,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         chat_template=args.chat_template,
     )
-    # The server's own settings in a --config file (_SERVER_SETTINGS) win over the flags as the engine options there
-    # do (they were passed twice: a TypeError traceback)
+    # The server's own settings in a --config file (_SERVER_SETTINGS) go to the server, not the engine (they were
+    # passed twice: a TypeError traceback), below the flags written on the command line as the engine options are
     aliases = {"graceful_timeout": "graceful_timeout_s"}
     for key in [k for k in options if aliases.get(k, k) in server]:
-        server[aliases.get(key, key)] = options.pop(key)
+        value = options.pop(key)
+        if key not in given:
+            server[aliases.get(key, key)] = value
     return serve(model, **server, **options)
 
 
@@ -405,7 +436,8 @@ def _add_serve(sub) -> None:
         "--config",
         default=None,
         metavar="FILE",
-        help="options from a file, overriding the flags: YAML as vLLM's --config (keys are the long flag names, "
+        help="options from a file, over the defaults (a flag given on the command line wins, as in vLLM): YAML as "
+        "vLLM's --config (keys are the long flag names, "
         "with dashes or underscores: `max-num-seqs: 8`, `served-model-name: [a, b]`, `port: 8000`), or JSON for a "
         ".json file (e.g. from `infertune tune --out-config`); engine options without a flag are taken too; an "
         "unknown key is an error naming it",

@@ -93,7 +93,9 @@ def wait_healthy(url: str, timeout: float = 60.0, proc: subprocess.Popen | None 
 class ServerProcess:
     """`infertune serve` in its own process (so its RSS is its own, and signals reach only it)."""
 
-    def __init__(self, model, *flags: str, grace: float = 10.0) -> None:
+    def __init__(self, model, *flags: str, grace: float = 10.0, unset: tuple[str, ...] = ()) -> None:
+        """`unset`: flags of the defaults below left off the command line (for a --config file to set: a flag written
+        on the command line wins over the file, as in vLLM)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.args = [
@@ -119,6 +121,9 @@ class ServerProcess:
             str(grace),
             *flags,
         ]
+        for flag in unset:  # (each default flag takes one value)
+            i = self.args.index(flag)
+            del self.args[i : i + 2]
         self.proc: subprocess.Popen | None = None
         self.log = ""
 

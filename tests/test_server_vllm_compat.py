@@ -245,8 +245,23 @@ def test_yaml_config_with_the_long_flag_names(tiny_llama, tmp_path, capsys):
         assert main(["serve", "--model", str(tiny_llama), "--config", str(cfg), "--max-num-seqs", "9"]) == 0
     kw = serve.call_args.kwargs
     assert kw["served_model_name"] == ["tiny", "org/tiny-chat"] and kw["chat_template"] == str(template)
-    assert (kw["max_num_seqs"], kw["max_model_len"], kw["graceful_timeout_s"]) == (2, 48, 3)  # (the file's win)
+    # the file's values over the defaults, a flag written on the command line over the file (vLLM's order)
+    assert (kw["max_num_seqs"], kw["max_model_len"], kw["graceful_timeout_s"]) == (9, 48, 3)
     assert kw["enable_prefix_caching"] is True and kw["prepack_weights"] is False
+    # --flag=value and a --no- flag written on the command line win too; an option at its default does not
+    argv = [
+        "serve",
+        "--model",
+        str(tiny_llama),
+        "--config",
+        str(cfg),
+        "--max-model-len=64",
+        "--no-enable-prefix-caching",
+    ]
+    with mock.patch("infertune.serve.launcher.serve", return_value=0) as serve:
+        assert main(argv) == 0
+    kw = serve.call_args.kwargs
+    assert (kw["max_model_len"], kw["enable_prefix_caching"], kw["max_num_seqs"]) == (64, False, 2)
 
     # a bad key is a one-line error naming it (and what is close), as is a serve flag a file cannot set
     for text, said in (
@@ -263,7 +278,8 @@ def test_yaml_config_with_the_long_flag_names(tiny_llama, tmp_path, capsys):
         assert said in err and "Traceback" not in err, (text, err)
 
     # the whole way: `infertune serve --config FILE.yaml` in its own process
-    with ServerProcess(tiny_llama, "--config", str(cfg)) as server:
+    unset = ("--served-model-name", "--max-model-len", "--max-num-seqs", "--graceful-timeout")  # (the file's)
+    with ServerProcess(tiny_llama, "--config", str(cfg), unset=unset) as server:
         client = sdk(server)
         assert [m.id for m in client.models.list().data] == ["tiny", "org/tiny-chat"]
         messages = [{"role": "user", "content": "hello"}]

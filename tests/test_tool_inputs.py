@@ -194,7 +194,8 @@ def test_plan_warns_that_a_float32_checkpoint_runs_in_float32(tmp_path, capsys):
 
 def test_serve_config_may_hold_the_servers_own_settings(tmp_path):
     """vLLM config files hold port / served_model_name / api_key beside engine options: they override the flags, as
-    the engine options there do (they were passed twice: a TypeError traceback)."""
+    the defaults as the engine options there do (they were passed twice: a TypeError traceback), and a flag written on
+    the command line overrides them (vLLM's order)."""
     from unittest import mock
 
     from infertune.cli import main
@@ -205,7 +206,10 @@ def test_serve_config_may_hold_the_servers_own_settings(tmp_path):
     with mock.patch("infertune.serve.launcher.serve", return_value=0) as serve:
         assert main(["serve", "--model", str(ckpt), "--config", str(cfg), "--port", "9"]) == 0
     kw = serve.call_args.kwargs
-    assert (kw["port"], kw["served_model_name"], kw["graceful_timeout_s"], kw["max_num_seqs"]) == (18104, "x", 3, 2)
+    assert (kw["port"], kw["served_model_name"], kw["graceful_timeout_s"], kw["max_num_seqs"]) == (9, "x", 3, 2)
+    with mock.patch("infertune.serve.launcher.serve", return_value=0) as serve:  # the file's port, none on the line
+        assert main(["serve", "--model", str(ckpt), "--config", str(cfg)]) == 0
+    assert serve.call_args.kwargs["port"] == 18104
 
 
 def test_flags_are_taken_as_written_not_by_prefix(tmp_path):
