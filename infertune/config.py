@@ -1052,8 +1052,51 @@ VLLM_GPU_OPTIONS = {
 }
 
 
+# More of vLLM's LLM(...) / EngineArgs keywords that ported scripts spell out (often at their defaults, e.g.
+# `revision=None`, `enable_lora=False`, or every field of an EngineArgs): name -> (vLLM's values that mean what this
+# engine does anyway, taken silently; "warn": another value is taken with one warning that it has no effect here, or
+# "refuse": another value would change the answers, so it is a ValueError; why). Python only (LLM, AsyncLLM).
+VLLM_PORTED_OPTIONS = {
+    "revision": ((None,), "warn", "the model is the local folder as it is (no Hub downloads here)"),
+    "tokenizer_revision": ((None,), "warn", "the tokenizer is the local folder's as it is (no Hub downloads here)"),
+    "code_revision": ((None,), "warn", "no code is run from the model folder"),
+    "download_dir": ((None,), "warn", "the model is a local folder; nothing is downloaded"),
+    "hf_token": ((None, False), "warn", "the model is a local folder; nothing is downloaded"),
+    "load_format": (("auto", "safetensors"), "refuse", "the weights are read from the folder's *.safetensors files"),
+    "max_logprobs": ((20,), "warn", "a request may ask for up to 20 logprobs (vLLM's default)"),
+    "task": (("auto", "generate"), "refuse", "this engine serves generative models only (text generation)"),
+    "runner": (("auto", "generate"), "refuse", "this engine serves generative models only (text generation)"),
+    "convert": (("auto", "none"), "refuse", "this engine serves generative models only (text generation)"),
+    "hf_overrides": ((None, {}), "refuse", "config overrides are not applied: edit the folder's config.json"),
+    "enable_lora": ((False, None), "refuse", "LoRA adapters are not supported (merge the adapter into the weights)"),
+    "skip_tokenizer_init": ((False,), "refuse", "the engine needs the tokenizer (stop strings, chat, text output)"),
+    "served_model_name": ((None,), "warn", "it names the model in the server's responses: serve --served-model-name"),
+    "compilation_config": ((None, {}), "warn", "torch.compile is this engine's compile option ('auto', 'on', 'off')"),
+    "async_scheduling": ((None, False), "warn", "each step is scheduled after the last one's tokens are sampled"),
+    "disable_async_output_proc": ((False,), "warn", "outputs are processed in the engine's step"),
+    "num_scheduler_steps": ((1,), "warn", "one scheduling decision a step"),
+    "limit_mm_per_prompt": ((None, {}), "warn", "this engine serves text-only models"),
+    "mm_processor_kwargs": ((None, {}), "warn", "this engine serves text-only models"),
+    "model_impl": (("auto",), "warn", "the architectures are built in (no transformers backend)"),
+    "max_parallel_loading_workers": ((None,), "warn", "the weights are loaded by the engine's own process(es)"),
+    "enable_sleep_mode": ((False,), "warn", "the weights stay loaded: LLM.sleep() / wake_up() are not supported"),
+    "disable_sliding_window": ((False,), "refuse", "layers attend within the windows the model's config gives"),
+    "scheduling_policy": (("fcfs",), "refuse", "requests are served first come first served"),
+    "logits_processors": ((None, []), "refuse", "no custom logits processors (SamplingParams has the built-in ones)"),
+    "structured_outputs_config": ((None, {}), "warn", "structured output uses the engine's own grammar compiler"),
+    "guided_decoding_backend": (
+        ("auto", "xgrammar", "guidance"),
+        "warn",
+        "structured output uses the engine's own grammar compiler",
+    ),
+    "data_parallel_size": ((1,), "refuse", "one engine per LLM; replicas: infertune serve --data-parallel-size"),
+}
+
+
 def _without_vllm_gpu_options(kwargs: dict) -> dict:
-    """kwargs less vLLM's options that mean nothing here (VLLM_GPU_OPTIONS), each given one named warning."""
+    """kwargs less vLLM's options that mean nothing here (VLLM_GPU_OPTIONS), each given one named warning, and less
+    the other vLLM keywords of VLLM_PORTED_OPTIONS: at a value that means what this engine does, silently; at
+    another, a named warning or (where it would change the answers) a ValueError naming the option and why."""
     rest = dict(kwargs)
     for name, (_, instead) in VLLM_GPU_OPTIONS.items():
         if name not in rest:
@@ -1064,6 +1107,15 @@ def _without_vllm_gpu_options(kwargs: dict) -> dict:
         logging.getLogger(__name__).warning("vLLM's %s=%r is ignored: %s", name, value, instead)
         if name == "enforce_eager" and rest.get("compile", "auto") == "auto":
             rest["compile"] = "off"
+    for name, (neutral, action, why) in VLLM_PORTED_OPTIONS.items():
+        if name not in rest:
+            continue
+        value = rest.pop(name)
+        if any(value == v and type(value) is type(v) for v in neutral):
+            continue
+        if action == "refuse":
+            raise OptionError(f"vLLM's {name}={value!r} is not supported: {why}")
+        logging.getLogger(__name__).warning("vLLM's %s=%r is ignored: %s", name, value, why)
     return rest
 
 
@@ -1184,6 +1236,10 @@ def _coerced(f: Field, value):
     kind = str(f.type).replace(" ", "")
     if value is None and kind.endswith("|None"):
         return value
+    if kind == "bool":  # (a string such as "false" would read as True)
+        if isinstance(value, numbers.Integral) and value in (0, 1):
+            return bool(value)
+        raise OptionError(f"{f.name}={value!r} must be True or False")
     if kind.removesuffix("|None") == "int":
         if isinstance(value, float) and value.is_integer():  # (8e9 bytes, 4096.0: whole numbers written as floats)
             return int(value)
@@ -1283,7 +1339,10 @@ class EngineConfig:
                 close = difflib.get_close_matches(key, known, n=1)
                 hint = f"did you mean {close[0]!r}? " if close else ""
                 raise OptionError(f"unknown engine option {key!r}; {hint}known options: {', '.join(known)}")
-            parts[owner][key] = _coerced(groups[owner].__dataclass_fields__[key], value)
+            declared = groups[owner].__dataclass_fields__[key]
+            if value is None and not str(declared.type).replace(" ", "").endswith("|None"):
+                continue  # (vLLM's None for an option: not set, so its default; LLM(enable_prefix_caching=None))
+            parts[owner][key] = _coerced(declared, value)
         if model is not None:
             parts["model"]["model"] = model
         return cls(**{name: groups[name](**parts[name]) for name in groups})

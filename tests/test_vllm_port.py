@@ -1,0 +1,103 @@
+"""vLLM offline scripts run against infertune unchanged: the engine keywords they spell out (vLLM's None = "not set",
+the EngineArgs fields left at their defaults), and the LLM / LLMEngine / AsyncLLM methods they call.
+
+Oracles: vLLM's documented semantics (EngineArgs: block_size, enable_prefix_caching, max_num_batched_tokens ... None
+stand for the default; revision=None, enable_lora=False ... are the defaults of vLLM's LLM(...)); the prefix cache's
+own count of cached prompt tokens; transformers' chat template rendering of the same conversation."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from infertune import LLM, SamplingParams
+from infertune.config import EngineConfig, OptionError
+
+ENGINE = dict(dtype="float32", max_model_len=64, block_size=4, max_num_seqs=4)
+
+
+def test_vllm_none_means_the_options_default_not_off(tiny_llama):
+    """vLLM's EngineArgs hold None for "not set" (enable_prefix_caching, enable_chunked_prefill, block_size,
+    max_num_batched_tokens, max_num_seqs, seed ...); a script that forwards them (LLM(**asdict(engine_args)), argparse
+    defaults) got the prefix cache and chunked prefill silently off (None read as False), the others an error."""
+    none = dict.fromkeys(
+        [
+            "enable_prefix_caching",
+            "enable_chunked_prefill",
+            "block_size",
+            "max_num_batched_tokens",
+            "max_num_seqs",
+            "seed",
+            "distributed_executor_backend",
+        ]
+    )
+    config = EngineConfig.create(str(tiny_llama), **none)
+    default = EngineConfig.create(str(tiny_llama))
+    assert config == default
+    with LLM(str(tiny_llama), dtype="float32", max_model_len=64, enable_prefix_caching=None) as llm:
+        params = SamplingParams(temperature=0, max_tokens=1)
+        prompt = {"prompt_token_ids": list(range(10, 50))}
+        llm.generate(prompt, params)
+        again = llm.generate(prompt, params)[0]
+        assert again.num_cached_tokens >= 32  # (full blocks of 16 of the 40 prompt tokens came from the cache)
+
+
+def test_a_bool_option_takes_only_a_bool(tiny_llama):
+    with pytest.raises(ValueError, match="enable_prefix_caching='false' must be True or False"):
+        EngineConfig.create(str(tiny_llama), enable_prefix_caching="false")
+    assert EngineConfig.create(str(tiny_llama), enable_prefix_caching=0).cache.enable_prefix_caching is False
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(revision=None),
+        dict(tokenizer_revision=None),
+        dict(download_dir=None),
+        dict(load_format="auto"),
+        dict(max_logprobs=20),
+        dict(task="generate"),
+        dict(runner="auto"),
+        dict(hf_overrides=None),
+        dict(enable_lora=False),
+        dict(skip_tokenizer_init=False),
+        dict(compilation_config=None),
+        dict(hf_token=None),
+        dict(model_impl="auto"),
+        dict(disable_sliding_window=False),
+    ],
+)
+def test_vllm_keywords_at_their_defaults_are_taken_silently(tiny_llama, kw, caplog):
+    with caplog.at_level(logging.WARNING, logger="infertune.config"):
+        assert EngineConfig.create(str(tiny_llama), **kw) == EngineConfig.create(str(tiny_llama))
+    assert not caplog.text
+
+
+@pytest.mark.parametrize(
+    "kw, said",
+    [
+        (dict(revision="main"), "vLLM's revision='main' is ignored: the model is the local folder"),
+        (dict(served_model_name="m"), "served_model_name='m' is ignored: it names the model in the server's"),
+        (dict(max_logprobs=5), "max_logprobs=5 is ignored: a request may ask for up to 20"),
+    ],
+)
+def test_vllm_keywords_without_effect_here_are_taken_with_a_warning(tiny_llama, kw, said, caplog):
+    with caplog.at_level(logging.WARNING, logger="infertune.config"):
+        EngineConfig.create(str(tiny_llama), **kw)
+    assert said in caplog.text
+
+
+@pytest.mark.parametrize(
+    "kw, said",
+    [
+        (dict(enable_lora=True), "enable_lora=True is not supported: LoRA adapters"),
+        (dict(task="embed"), "task='embed' is not supported: this engine serves generative models only"),
+        (dict(hf_overrides={"num_hidden_layers": 1}), "hf_overrides="),
+        (dict(load_format="dummy"), "load_format='dummy' is not supported"),
+        (dict(skip_tokenizer_init=True), "skip_tokenizer_init=True is not supported"),
+    ],
+)
+def test_vllm_keywords_that_would_change_the_answers_are_refused_by_name(tiny_llama, kw, said):
+    with pytest.raises(OptionError, match=said.replace("(", r"\(").replace("[", r"\[")):
+        EngineConfig.create(str(tiny_llama), **kw)
