@@ -22,8 +22,10 @@ def check_writable(flag: str, path: str | os.PathLike | None, make_parents: bool
     if not folder.is_dir():
         if not make_parents:
             raise ValueError(f"{flag} {path}: the folder {folder} does not exist")
-        while not folder.is_dir():
+        while not folder.exists():
             folder = folder.parent
+        if not folder.is_dir():  # (mkdir of the parents would fail on it)
+            raise ValueError(f"{flag} {path}: {folder} is a file")
     target = p if p.exists() else folder
     try:  # (tried, not os.access: root passes that check where the file system still refuses, e.g. /proc)
         if p.exists():

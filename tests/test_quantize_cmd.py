@@ -360,3 +360,54 @@ def test_quantize_checks_the_reports_inputs_first_and_says_where_a_failed_report
     assert f"infertune eval --model {out} --compare {src}" in err
     llm = LLM(model=str(out), dtype="float32")
     assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0))[0].outputs[0].token_ids
+
+
+@needs_loader
+def test_an_interrupted_run_leaves_no_checkpoint_and_a_bad_out_or_json_is_said_before_the_work(tmp_path, monkeypatch):
+    """Interrupted while writing (Ctrl-C after the weights' file), quantize leaves nothing under --out (a half
+    checkpoint there was refused by a rerun as not empty, and read half by a load) and no partial folder; the rerun
+    writes a checkpoint equal to on-the-fly quantization. An --out under a file and an unwritable --json are
+    one-line errors before any weight is read (they failed after the whole run: a NotADirectoryError traceback,
+    and for --json after the accuracy report)."""
+    from infertune.tools import quant_format, quantizer
+
+    src = make_checkpoint(tmp_path / "src", "llama")
+    out = tmp_path / "q" / "w8"
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(quant_format, "copy_side_files", interrupted)  # (after model.safetensors and config.json)
+        with pytest.raises(KeyboardInterrupt):
+            quantize(str(src), "w8a16", str(out), show_progress=False)
+    assert list((tmp_path / "q").iterdir()) == []  # neither --out nor a partial folder
+    out.mkdir()  # an empty folder given as --out is still taken
+    quantize(str(src), "w8a16", str(out), show_progress=False)
+    ids = [5, 9, 14, 3, 77, 120, 8, 1]
+    opts = {"dtype": "float32", "enable_prefix_caching": False, "max_num_seqs": 2}
+    fly = LLM(str(src), quantization="w8a16", **opts).engine.executor.runner.prompt_logits(ids, [0, 1])
+    torch.testing.assert_close(LLM(str(out), **opts).engine.executor.runner.prompt_logits(ids, [0, 1]), fly)
+    assert sorted(p.name for p in (tmp_path / "q").iterdir()) == ["w8"]
+
+    def never(*a, **k):
+        raise AssertionError("the weights were read before the output was checked")
+
+    monkeypatch.setattr(quantizer, "read_tensors", never)
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ValueError, match=r"--out .*afile is a file; give a folder"):
+        quantize(str(src), "w8a16", str(tmp_path / "afile" / "w8"), show_progress=False)
+    parser = argparse.ArgumentParser()
+    command.add_arguments(parser)
+    argv = ["--model", str(src), "--method", "w8a16", "--out", str(tmp_path / "j"), "--json"]
+    with pytest.raises(ValueError, match=r"--json .*afile"):
+        command.run(parser.parse_args([*argv, str(tmp_path / "afile" / "r.json")]))
+    assert not (tmp_path / "j").exists()
+    from infertune.evaluate import accuracy
+    from infertune.evaluate import command as eval_command
+
+    monkeypatch.setattr(accuracy, "compare", never)  # eval --json too: said before the scoring
+    parser = argparse.ArgumentParser()
+    eval_command.add_arguments(parser)
+    with pytest.raises(ValueError, match=r"--json .*afile is a file"):
+        eval_command.run(parser.parse_args(["--model", str(out), "--json", str(tmp_path / "afile" / "r.json")]))

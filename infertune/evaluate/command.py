@@ -91,7 +91,9 @@ def report_and_gate(report, gate: str | None, json_target: str | None = None) ->
 
 def run(args: argparse.Namespace) -> int:
     from infertune.evaluate.accuracy import compare, parse_gate
+    from infertune.files import check_writable
 
+    check_writable("--json", args.json, make_parents=True)  # (before minutes of scoring, not after them)
     if args.gate is not None:
         parse_gate(args.gate)  # a bad gate fails before minutes of scoring
     for flag, least in (("context", 2), ("stride", 1), ("num_prompts", 0), ("greedy_tokens", 1), ("max_tokens", 2)):

@@ -99,8 +99,10 @@ def loader_reads_quantized_checkpoints() -> bool:
 def run(args: argparse.Namespace) -> int:
     from infertune.evaluate.accuracy import compare, parse_gate
     from infertune.evaluate.command import report_and_gate
+    from infertune.files import check_writable
     from infertune.tools.quantizer import quantize
 
+    check_writable("--json", args.json, make_parents=True)  # (before the work, not after it and the report)
     if args.gate is not None:
         parse_gate(args.gate)
         if args.no_eval:

@@ -24,6 +24,9 @@ from __future__ import annotations
 import fnmatch
 import json
 import logging
+import os
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +37,7 @@ from safetensors.torch import save_file
 
 from infertune.config import GEMMA_ARCHITECTURES, QUANT_METHODS, ArchConfig, default_model_path
 from infertune.evaluate.data import default_calib_path, load_documents
+from infertune.files import check_writable_folder
 from infertune.layers.attention import TorchPagedAttention
 from infertune.layers.linear import Linear
 from infertune.layers.moe import Experts
@@ -292,6 +296,7 @@ def quantize(
         raise ValueError(f"--out {out} is a file; give a new folder for the quantized checkpoint")
     if out_path.exists() and any(out_path.iterdir()):
         raise ValueError(f"--out {out} exists and is not empty; choose a new folder")
+    check_writable_folder("--out", out_path)  # (before the work: it was first written after all of it)
 
     arch = ArchConfig.from_model_dir(model)
     if smoothquant is not None and arch.architecture in GEMMA_ARCHITECTURES:
@@ -396,8 +401,6 @@ def quantize(
         hf_linears.add("lm_head")  # tied: no tensor of its own, still a Linear the scheme leaves alone
     result.kept = sorted((hf_linears - set(result.quantized)) | set(kept_experts))
 
-    out_path.mkdir(parents=True, exist_ok=True)
-    save_file(stored, str(out_path / "model.safetensors"), metadata={"format": "pt"})
     extra = {
         "source_model": str(Path(model).resolve()),
         "weight_clip": clip,
@@ -415,7 +418,22 @@ def quantize(
     qcfg = ckpt.quantization_config(
         method, group_size, symmetric, clip, static_activations, act_clip, result.kept, extra
     )
-    ckpt.write_config(model, str(out_path), qcfg)
-    ckpt.copy_side_files(model, str(out_path))
+    # Written into a hidden folder beside --out and renamed to it once whole: an interrupted run leaves no
+    # half-written checkpoint under that name (which a rerun refused as not empty, and a load read half of).
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(prefix=f".{out_path.name}.partial-", dir=out_path.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    partial.chmod(0o777 & ~umask)  # (mkdtemp's folder is private: the checkpoint's is made as mkdir makes one)
+    try:
+        save_file(stored, str(partial / "model.safetensors"), metadata={"format": "pt"})
+        ckpt.write_config(model, str(partial), qcfg)
+        ckpt.copy_side_files(model, str(partial))
+        if out_path.is_dir():
+            out_path.rmdir()  # (empty: checked before the work)
+        partial.rename(out_path)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
     result.seconds = time.perf_counter() - t0
     return result
