@@ -24,11 +24,13 @@ class LLM:
     enable_prefix_caching, device, seed, tokenizer. With model=None the built-in demo model is used.
     """
 
-    def __init__(self, model: str | None = None, **engine_options) -> None:
+    def __init__(self, model: str | None = None, chat_template: str | None = None, **engine_options) -> None:
         show_progress = engine_options.pop("show_progress", False)
         self.config = EngineConfig.create(model, **engine_options)
         self.engine = LLMEngine(self.config, show_progress=show_progress)
         self._ids = count()
+        # vLLM's LLM(chat_template=...): chat()'s template where a call gives none (a file, or the template itself)
+        self.chat_template = _load_chat_template(chat_template)
 
     def shutdown(self) -> None:
         """Stop the engine's workers now (tensor-parallel processes, Ray actors); they also stop at exit. `with
@@ -110,6 +112,8 @@ class LLM:
             raise NotImplementedError(
                 "lora_request: LoRA adapters are not supported (merge the adapter into the weights)"
             )
+        if isinstance(priority, int):  # (vLLM's: one priority for every prompt)
+            priority = [priority]
         if priority is not None and any(priority):
             raise ValueError("priority: requests are served first come first served here (no priority scheduling)")
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
@@ -156,6 +160,8 @@ class LLM:
         text = prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, dict) else None
         if not isinstance(text, str) or (isinstance(prompt, dict) and "prompt_token_ids" in prompt):
             return prompt
+        if isinstance(prompt, dict) and "add_special_tokens" in prompt:  # (a rendered chat holds them already)
+            kwargs = {"add_special_tokens": prompt["add_special_tokens"], **kwargs}
         try:
             ids = self.engine.tokenizer(text, **kwargs)["input_ids"]
         except (TypeError, ValueError) as e:
@@ -167,33 +173,59 @@ class LLM:
         messages: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool | Callable[..., tqdm] | None = None,
+        lora_request=None,
+        priority: list[int] | None = None,
         chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
-        chat_template_kwargs: dict | None = None,
         tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
+        tokenization_kwargs: dict | None = None,
+        mm_processor_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, rendered with the model's chat template (or
-        chat_template). continue_final_message: the last message is continued, not closed (add_generation_prompt
-        must then be False); chat_template_kwargs: more template variables, e.g. {"enable_thinking": False};
-        tools: OpenAI's function tools ({"type": "function", "function": {"name": ..., "parameters": ...}}), handed
-        to the template (the reply's tool-call text is the model's: the server's tool parsers read it)."""
+        chat_template, or LLM(chat_template=...)); the arguments are vLLM's, in its order. Messages are OpenAI's:
+        content given as text parts is their texts joined by newlines (chat_template_content_format "auto" or
+        "string"; "openai" hands the parts to the template), a tool call's JSON arguments string becomes a dict.
+        continue_final_message: the last message is continued, not closed (add_generation_prompt must then be
+        False); chat_template_kwargs: more template variables, e.g. {"enable_thinking": False}; tools: OpenAI's
+        function tools ({"type": "function", "function": {"name": ..., "parameters": ...}}), handed to the template
+        (the reply's tool-call text is the model's: the server's tool parsers read it); lora_request, priority and
+        tokenization_kwargs as generate() takes them."""
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message continues the last message: pass add_generation_prompt=False")
+        if chat_template_content_format not in ("auto", "string", "openai"):
+            raise ValueError(
+                f"chat_template_content_format={chat_template_content_format!r}: expected 'auto', 'string' or 'openai'"
+            )
+        if mm_processor_kwargs:
+            raise ValueError("mm_processor_kwargs: this engine serves text-only models")
         _check_tools(tools)
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError("messages must be a conversation (a list of message dicts) or a list of conversations")
+        conversations = [list(messages)] if isinstance(messages[0], dict) else [list(c) for c in messages]
+        content_format = "openai" if chat_template_content_format == "openai" else "string"
         prompts = [
             self.engine.render_chat(
                 c,
-                chat_template,
+                chat_template if chat_template is not None else self.chat_template,
                 add_generation_prompt,
                 tools=tools or None,
                 continue_final_message=continue_final_message,
                 template_kwargs=chat_template_kwargs,
+                content_format=content_format,
             )
             for c in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(
+            prompts,
+            sampling_params,
+            use_tqdm,
+            lora_request=lora_request,
+            priority=priority,
+            tokenization_kwargs=tokenization_kwargs,
+        )
 
     def check_consistency(self, prompts: list | None = None, long: int | None = None, **kwargs) -> dict:
         """Run this LLM's model and options along the paths that must agree (batch 1 vs N, prefix cache, chunked
@@ -220,6 +252,23 @@ class LLM:
                         bar.set_postfix_str(f"{out_tokens / elapsed:.1f} out tok/s", refresh=False)
         finally:
             bar.close()
+
+
+def _load_chat_template(template: str | None) -> str | None:
+    """LLM(chat_template=...) as vLLM reads it: a file's text, else the template itself."""
+    if template is None:
+        return None
+    from pathlib import Path
+
+    try:
+        path = Path(template)
+        if path.is_file():
+            return path.read_text()
+    except (OSError, ValueError):  # (a template's text is not a path: too long, NUL)
+        pass
+    if not any(mark in template for mark in ("{{", "{%")):
+        raise ValueError(f"chat_template={template!r} is neither a file nor a Jinja template")
+    return template
 
 
 def _check_tools(tools) -> None:

@@ -14,7 +14,7 @@ import pytest
 from infertune import LLM, SamplingParams
 from infertune.config import EngineConfig, OptionError
 
-ENGINE = dict(dtype="float32", max_model_len=64, block_size=4, max_num_seqs=4)
+ENGINE = dict(dtype="float32", max_model_len=128, block_size=4, max_num_seqs=4)
 
 
 def test_vllm_none_means_the_options_default_not_off(tiny_llama):
@@ -101,3 +101,71 @@ def test_vllm_keywords_without_effect_here_are_taken_with_a_warning(tiny_llama, 
 def test_vllm_keywords_that_would_change_the_answers_are_refused_by_name(tiny_llama, kw, said):
     with pytest.raises(OptionError, match=said.replace("(", r"\(").replace("[", r"\[")):
         EngineConfig.create(str(tiny_llama), **kw)
+
+
+# ---- LLM.chat as vLLM's ----------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    with LLM(str(tiny_llama), **ENGINE) as llm:
+        yield llm
+
+
+def _hf_ids(path, messages, **kw) -> list[int]:
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(path)
+    text = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kw)
+    return hf.encode(text, add_special_tokens=False)
+
+
+def test_chat_content_parts_and_tool_call_arguments_render_as_vllm_hands_them(llm, tiny_llama):
+    """OpenAI messages as frameworks build them: content as text parts (vLLM joins them with newlines), an assistant
+    turn with tool_calls and no content, its arguments a JSON string (vLLM parses it for the template). The parts were
+    rendered as their Python repr ("[{'type': 'text', ...}]") and a message without content was refused."""
+    template = (
+        "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}"
+        "{% for c in m.get('tool_calls', []) %}{{ c['function']['name'] }}({{ c['function']['arguments']['city'] }})"
+        "{% endfor %}<|end|>\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+    )
+    parts = [{"type": "text", "text": "Weather in"}, {"type": "text", "text": "Paris?"}]
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    messages = [
+        {"role": "user", "content": parts},
+        {"role": "assistant", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": parts},
+    ]
+    out = llm.chat(messages, SamplingParams(max_tokens=1), chat_template=template)[0]
+    plain = [
+        {"role": "user", "content": "Weather in\nParis?"},
+        {"role": "assistant", "content": "", "tool_calls": [{**call, "function": {**call["function"]}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "Weather in\nParis?"},
+    ]
+    plain[1]["tool_calls"][0]["function"]["arguments"] = {"city": "Paris"}
+    assert out.prompt_token_ids == _hf_ids(tiny_llama, plain, chat_template=template)
+    assert "get_weather(Paris)" in out.prompt and "'type'" not in out.prompt
+    with pytest.raises(ValueError, match="text-only"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+
+
+def test_chat_takes_vllms_keywords_and_the_llms_own_template(tiny_llama, tmp_path):
+    """vLLM's LLM(chat_template=...) (a file or the text) is chat()'s template where a call gives none; chat() takes
+    vLLM's chat_template_content_format, lora_request=None, priority, tokenization_kwargs (TypeError before)."""
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant] "
+    (tmp_path / "t.jinja").write_text(template)
+    messages = [{"role": "user", "content": "hi"}]
+    for given in (template, str(tmp_path / "t.jinja")):
+        with LLM(str(tiny_llama), **ENGINE, chat_template=given) as llm:
+            out = llm.chat(
+                messages,
+                SamplingParams(max_tokens=1),
+                use_tqdm=False,
+                lora_request=None,
+                priority=[0],
+                chat_template_content_format="string",
+                tokenization_kwargs={"truncation": True, "max_length": 60},
+            )[0]
+            assert out.prompt == "[user] hi\n[assistant] "
+            assert out.prompt_token_ids == _hf_ids(tiny_llama, messages, chat_template=template)
+            assert llm.chat(messages, SamplingParams(max_tokens=1), chat_template="{{ 'X' }}")[0].prompt == "X"
+    with pytest.raises(ValueError, match="neither a file nor a Jinja template"):
+        LLM(str(tiny_llama), **ENGINE, chat_template="no/such/file.jinja")

@@ -192,6 +192,7 @@ class LLMEngine:
         tools: list[dict] | None = None,
         continue_final_message: bool = False,
         template_kwargs: dict | None = None,
+        content_format: str = "string",
     ) -> dict:
         """A conversation -> a prompt dict, through the checkpoint's chat template (or the one given); `tools`
         (OpenAI's function tools) go to the template as HF apply_chat_template(tools=...) hands them. A message the
@@ -199,7 +200,10 @@ class LLMEngine:
 
         continue_final_message: the last message is left open for the model to continue (HF's option, with
         add_generation_prompt False); template_kwargs: more variables for the template (e.g. Qwen3's
-        enable_thinking), which may not replace the ones set here (a ParamError naming them)."""
+        enable_thinking), which may not replace the ones set here (a ParamError naming them). Messages are read as
+        vLLM reads OpenAI's: content given as text parts is their texts joined by newlines (content_format "string";
+        "openai" hands the parts to the template as they are), no content is "", a tool call's JSON arguments string
+        is parsed into the dict templates expect."""
         extra = dict(template_kwargs or {})
         taken = sorted(set(extra) & _TEMPLATE_ARGS)
         if taken:
@@ -214,9 +218,7 @@ class LLMEngine:
             )
         if not isinstance(conversation, list) or not conversation:
             raise ValueError("a conversation must be a non-empty list of messages")
-        for m in conversation:
-            if not isinstance(m, dict) or "role" not in m or "content" not in m:
-                raise ValueError(f"each chat message must be a dict with 'role' and 'content', got {m!r}")
+        conversation = [_template_message(m, content_format) for m in conversation]
         from jinja2 import TemplateError
 
         try:
@@ -724,6 +726,44 @@ _TEMPLATE_ARGS = frozenset(
         "tokenizer_kwargs",
     }
 )
+
+
+def _template_message(message, content_format: str = "string") -> dict:
+    """An OpenAI chat message as chat templates read it, as vLLM hands it to them: text parts' texts joined by newlines
+    (content_format "openai": the parts as they are), None or no content as "", a tool call's arguments as a dict.
+    The message's other keys are kept. A ValueError for what is not a message or a part that is not text."""
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise ValueError(f"each chat message must be a dict with 'role' and 'content', got {message!r}")
+    if "content" not in message and not message.get("tool_calls"):
+        raise ValueError(f"each chat message must be a dict with 'role' and 'content', got {message!r}")
+    out = dict(message)
+    content = out.get("content")
+    if content is None:
+        out["content"] = ""
+    elif isinstance(content, list):
+        texts = []
+        for part in content:
+            kind = part.get("type", "text") if isinstance(part, dict) else None
+            if kind not in ("text", "input_text") or not isinstance(part.get("text"), str):
+                raise ValueError(
+                    f"a message's content part must be text ({{'type': 'text', 'text': ...}}), got {part!r}: this "
+                    "engine serves text-only models"
+                )
+            texts.append(part["text"])
+        if content_format != "openai":
+            out["content"] = "\n".join(texts)
+    if isinstance(out.get("tool_calls"), list):
+        calls = []
+        for call in out["tool_calls"]:
+            fn = call.get("function") if isinstance(call, dict) else None
+            if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+                try:
+                    call = {**call, "function": {**fn, "arguments": json.loads(fn["arguments"])}}
+                except json.JSONDecodeError:
+                    pass
+            calls.append(call)
+        out["tool_calls"] = calls
+    return out
 
 
 def _unicode_text(text: str, param: str = "prompt") -> str:
