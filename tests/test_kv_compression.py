@@ -456,6 +456,23 @@ def test_the_threshold_is_the_longest_length_where_the_press_does_not_pay():
     assert cfg.press_for(0, 2048) is None and cfg.press_for(0, 2049).name == "snapkv"
 
 
+def test_tune_writes_a_loadable_policy_for_a_policy_it_was_given():
+    """--kv-compression may be a policy (the docs' seeds' recipe): the written config is one policy (it nested the
+    user's inside its own, which no engine loads) that presses nothing up to the threshold and is the user's policy
+    above it, its windows at every length."""
+    from infertune.tune.kv_threshold import policy
+
+    recipe = {"policy": [{"layers": "0-1", "window": 8}, {"max_length": 40, "press": "none"}, SNAP]}
+    user = KVCompressionConfig.from_dict(recipe)
+    written = KVCompressionConfig.from_dict(policy(recipe, 100))
+    assert written.layer_windows(None, 4) == user.layer_windows(None, 4) == (8, 8, None, None)
+    for layer in range(4):
+        assert all(written.press_for(layer, n) is None for n in (1, 40, 41, 100))
+        for n in (101, 500):
+            assert written.press_for(layer, n) == user.press_for(layer, n)
+    assert user.press_for(2, 41).name == "snapkv"  # (the threshold, not the user's 40, rules below 100)
+
+
 def test_tune_writes_the_measured_policy_into_its_config(tmp_path, capsys):
     """infertune tune --kv-compression on the demo model: a tiny sweep, then one request per length with and without
     the press; the written config carries the policy, and LLM accepts it (the threshold itself is the machine's)."""

@@ -65,10 +65,13 @@ def pick_threshold(rows: list[dict]) -> int | None:
 
 
 def policy(press: dict, threshold: int | None) -> dict:
-    """The kv_compression option: full attention for prefills up to threshold, the press above."""
+    """The kv_compression option: full attention for prefills up to threshold, the press above. A policy given as
+    the press keeps its rules after that first one (its window rules hold at every length, as a window rule does
+    wherever it stands in a policy; its press rules above the threshold)."""
     if threshold is None:
         return dict(press)
-    return {"policy": [{"max_length": threshold, "press": "none"}, dict(press)]}
+    rules = press["policy"] if "policy" in press else [press]
+    return {"policy": [{"max_length": threshold, "press": "none"}, *(dict(r) for r in rules)]}
 
 
 def render(rows: list[dict], threshold: int | None) -> str:
