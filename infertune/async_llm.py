@@ -14,7 +14,7 @@ max_tokens past the context is shortened to fit, as LLM.generate does.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from itertools import count
 
 from infertune.config import EngineConfig
@@ -74,12 +74,14 @@ class AsyncLLM:
             self._streams.pop(request_id, None)
             stream.abort()
 
-    async def abort(self, request_id: str) -> None:
-        """Stop a request: its KV blocks are freed within a step and its generate() iteration ends. An unknown or
-        finished id is ignored."""
-        stream = self._streams.get(str(request_id))
-        if stream is not None:
-            stream.cancel()
+    async def abort(self, request_id: str | Iterable[str]) -> None:
+        """Stop a request, or each of a list of them (vLLM's AsyncLLM.abort takes either): its KV blocks are freed
+        within a step and its generate() iteration ends. An unknown or finished id is ignored."""
+        ids = [request_id] if isinstance(request_id, str) or not isinstance(request_id, Iterable) else request_id
+        for rid in ids:
+            stream = self._streams.get(str(rid))
+            if stream is not None:
+                stream.cancel()
 
     def chat(self, messages: list[dict], chat_template: str | None = None, add_generation_prompt: bool = True) -> dict:
         """A conversation rendered through the model's chat template, as a prompt for generate()."""

@@ -89,6 +89,23 @@ class LLM:
     def beam_search(self, *args, **kwargs):
         self._not_here("beam_search", "no beam search; sample n candidates with SamplingParams(n=..., logprobs=0)")
 
+    def sleep(self, *args, **kwargs):
+        self._not_here("sleep", "the weights and the KV cache stay in memory (no sleep mode); shutdown() frees them")
+
+    def wake_up(self, *args, **kwargs):
+        self._not_here("wake_up", "there is no sleep mode (see LLM.sleep)")
+
+    def start_profile(self, *args, **kwargs):
+        self._not_here("start_profile", "profile a run with `infertune profile` (docs/tools.md)")
+
+    def stop_profile(self, *args, **kwargs):
+        self._not_here("stop_profile", "profile a run with `infertune profile` (docs/tools.md)")
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """Forget every cached prompt prefix (vLLM's: e.g. between the runs of a benchmark), so the next prompts are
+        computed in full. True when the cache is empty after it; False where running requests still hold blocks."""
+        return self.engine.reset_prefix_cache()
+
     def generate(
         self,
         prompts: str | dict | list,
@@ -116,6 +133,11 @@ class LLM:
             priority = [priority]
         if priority is not None and any(priority):
             raise ValueError("priority: requests are served first come first served here (no priority scheduling)")
+        if sampling_params is not None and not isinstance(sampling_params, (SamplingParams, list, tuple)):
+            raise ValueError(
+                f"sampling_params must be a SamplingParams or a list of them (one per prompt), not "
+                f"{type(sampling_params).__name__}"
+            )
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):

@@ -169,3 +169,68 @@ def test_chat_takes_vllms_keywords_and_the_llms_own_template(tiny_llama, tmp_pat
             assert llm.chat(messages, SamplingParams(max_tokens=1), chat_template="{{ 'X' }}")[0].prompt == "X"
     with pytest.raises(ValueError, match="neither a file nor a Jinja template"):
         LLM(str(tiny_llama), **ENGINE, chat_template="no/such/file.jinja")
+
+
+# ---- the other LLM / LLMEngine / AsyncLLM methods a vLLM script calls --------------------------------------------
+def test_reset_prefix_cache_makes_the_next_prompt_compute_in_full(llm):
+    """vLLM's llm.reset_prefix_cache() (benchmarks call it between runs) was an AttributeError. The oracle: the prefix
+    cache's own count of the prompt tokens it served, and the tokens themselves (unchanged by where the KV came from)."""
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    prompt = {"prompt_token_ids": list(range(30, 70))}
+    first = llm.generate(prompt, params)[0]
+    cached = llm.generate(prompt, params)[0]
+    assert cached.num_cached_tokens >= 36 and cached.outputs[0].token_ids == first.outputs[0].token_ids
+    assert llm.reset_prefix_cache() is True
+    again = llm.generate(prompt, params)[0]
+    assert again.num_cached_tokens == 0 and again.outputs[0].token_ids == first.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("name", ["sleep", "wake_up", "start_profile", "stop_profile"])
+def test_vllms_sleep_and_profiler_calls_are_named_errors(llm, name):
+    with pytest.raises(NotImplementedError, match=f"LLM.{name} is not supported"):
+        getattr(llm, name)()
+
+
+def test_sampling_params_of_the_wrong_type_is_named(llm):
+    with pytest.raises(ValueError, match="sampling_params must be a SamplingParams or a list of them"):
+        llm.generate("a", {"max_tokens": 3})  # (was "'str' object has no attribute '__post_init__'")
+    assert llm.generate("a", SamplingParams(max_tokens=1))[0].outputs[0].token_ids  # (still usable)
+
+
+def test_engine_abort_request_takes_vllms_list_of_ids(llm):
+    """vLLM's LLMEngine.abort_request(request_ids: list[str]): a list was looked up as one id (a TypeError, or
+    nothing aborted when the engine was idle) and the requests ran on holding their KV blocks."""
+    engine = llm.llm_engine
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    engine.add_request("a", "abc", params)
+    engine.add_request("b", "abd", params)
+    engine.add_request("c", "abe", params)
+    engine.step()
+    assert engine.abort_request(["a", "b", "zzz"]) is True
+    assert engine.get_num_unfinished_requests() == 1
+    assert engine.abort_request(("c",)) is True and not engine.has_unfinished_requests()
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_async_abort_takes_a_list_of_ids(tiny_llama):
+    import asyncio
+
+    from infertune import AsyncLLM
+
+    async def main():
+        async with AsyncLLM(str(tiny_llama), **ENGINE) as engine:
+            params = SamplingParams(max_tokens=100, ignore_eos=True)
+
+            async def consume(rid):
+                last = None
+                async for out in engine.generate("abc", params, rid):
+                    last = out
+                    if len(out.outputs[0].token_ids) >= 2:
+                        await engine.abort(["r1", "r2"])
+                return last
+
+            return await asyncio.wait_for(asyncio.gather(consume("r1"), consume("r2")), 60)
+
+    for out in asyncio.run(main()):
+        assert out.finished and out.outputs[0].finish_reason == "abort" and len(out.outputs[0].token_ids) < 100

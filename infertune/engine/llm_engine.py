@@ -12,6 +12,7 @@ import contextlib
 import json
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -421,14 +422,23 @@ class LLMEngine:
                     seqs.append(ids)
         return seqs
 
-    def abort_request(self, request_id: str) -> bool:
-        """Stop a request and free its KV blocks at once. False when the id is unknown or already done."""
+    def abort_request(self, request_id: str | list[str]) -> bool:
+        """Stop a request and free its KV blocks at once. False when the id is unknown or already done. A list of
+        ids (vLLM's LLMEngine.abort_request takes one) stops each of them: True when any was running."""
+        if not isinstance(request_id, str) and isinstance(request_id, Iterable):
+            return any([self.abort_request(str(r)) for r in request_id])
         req = self.requests.pop(request_id, None)
         if req is None:
             return False
         for s in req.samples:
             self.scheduler.finish(s.seq, SequenceStatus.FINISHED_ABORTED)
         return True
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget the cached prompt prefixes that no running request holds (vLLM's name). True when nothing cached
+        is left: no request holds blocks."""
+        self.block_manager.reset_prefix_cache()
+        return not self.requests
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
