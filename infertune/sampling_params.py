@@ -9,6 +9,11 @@ from infertune.kv_compression import KVCompressionConfig
 _GREEDY_EPS = 1e-5
 
 
+def _integer(value) -> bool:
+    """An int that is not a bool (True would pass isinstance(value, int))."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 class ParamError(ValueError):
     """An invalid sampling parameter; `param` names it (the server reports it in the error's "param")."""
 
@@ -105,14 +110,15 @@ class SamplingParams:
             raise bad("presence_penalty", "must be in [-2, 2]")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             raise bad("frequency_penalty", "must be in [-2, 2]")
+        # (a bool is an int to Python, and True reached the sampler's topk as k, failing the whole step)
         if self.prompt_logprobs is not None and (
-            not isinstance(self.prompt_logprobs, int) or not 0 <= self.prompt_logprobs <= 20
+            not _integer(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= 20
         ):
             raise bad("prompt_logprobs", "must be an integer in [0, 20]")
         least = 0 if self.prompt_logprobs is not None else 1
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < least):
             raise bad("max_tokens", "must be an integer >= 1 (0 only with prompt_logprobs: score the prompt alone)")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+        if self.logprobs is not None and (not _integer(self.logprobs) or not 0 <= self.logprobs <= 20):
             raise bad("logprobs", "must be an integer in [0, 20]")
         t = self.truncate_prompt_tokens
         if t is not None and (not isinstance(t, int) or isinstance(t, bool) or not (t == -1 or t >= 1)):

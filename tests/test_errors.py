@@ -163,6 +163,30 @@ def test_bad_prompt_in_batch_does_not_stop_the_others(llm, bad, fragment):
     _assert_clean(llm)
 
 
+@pytest.mark.parametrize("field", ["logprobs", "prompt_logprobs"])
+def test_bool_logprobs_in_batch_is_refused_and_the_others_run(llm, tiny_llama, field):
+    """logprobs=True (a bool, which Python counts as an int) passed the check and reached the sampler's topk as k:
+    a TypeError that failed the whole step, the batch's good requests with it. Now the request is refused, naming
+    the field, and the others give HF transformers' greedy tokens."""
+    import torch
+    from conftest import hf_model
+
+    good = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with pytest.raises(ValueError, match=rf"\b{field}\b"):
+        SamplingParams(**{field: True})
+    bad = SamplingParams(max_tokens=3)
+    setattr(bad, field, True)  # (set afterwards, as vLLM scripts do: checked when queued)
+    outs = llm.generate(["good one", "bad", "good two"], [good, bad, good])
+    assert outs[1].error and field in outs[1].error and outs[1].outputs[0].finish_reason == "error"
+    model = hf_model(tiny_llama)
+    for out in (outs[0], outs[2]):
+        assert out.error is None
+        ids = torch.tensor([out.prompt_token_ids])
+        want = model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+        assert out.outputs[0].token_ids == want[0, ids.shape[1] :].tolist()
+    _assert_clean(llm)
+
+
 def test_all_bad_batch_raises_first_error(llm):
     with pytest.raises(ValueError, match="empty"):
         llm.generate(["", "z" * 300, {"prompt_token_ids": [999999]}], SamplingParams(max_tokens=4))
