@@ -571,6 +571,26 @@ def test_top_k_top_p_over_candidates_equal_a_full_sort(spread):
     assert (fast is None) == (spread < 1.0)  # a flat row's 300 best hold less than 0.9 of the mass
 
 
+@pytest.mark.parametrize("spread", [6.0, 0.01])  # the other row's top-p over candidates / over a full sort
+def test_rows_without_top_p_keep_hf_s_set_beside_a_top_p_row(spread):
+    """A row that asks for no top-p, batched with one that does, keeps what HF's warpers keep. Its fp32 cumulative
+    mass rounds to 1.0 before a confident row's tail, and `before >= 1.0` dropped that tail: a plain row kept 2 of
+    1000 tokens, a top_k=80 row 3, depending on what else was in the batch."""
+    from transformers.generation.logits_process import TopKLogitsWarper
+
+    gen = torch.Generator().manual_seed(0)
+    vocab = 1000
+    confident = torch.randn(2, vocab, generator=gen) * 30  # most tokens far below fp32's eps of the best
+    other = torch.randn(1, vocab, generator=gen) * spread
+    params = [SamplingParams(), SamplingParams(top_k=80), SamplingParams(top_p=0.9)]
+    out = apply_top_k_top_p_min_p(torch.cat([confident, other]), params)
+    ids = torch.zeros(1, 1, dtype=torch.long)
+    assert torch.equal(out[0], confident[0])  # HF applies no warper at all
+    want = TopKLogitsWarper(80)(ids, confident[1:2].clone())[0]
+    assert _kept(out[1]) == _kept(want) and len(_kept(want)) == 80
+    assert torch.equal(out[1, sorted(_kept(want))], confident[1, sorted(_kept(want))])
+
+
 def test_inverse_cdf_draws_only_tokens_with_mass():
     from infertune.runner.sampler import inverse_cdf
 

@@ -225,7 +225,9 @@ def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams], cap: int) -
             if bool(((top_p < 1.0) & ~cut & (held < top_p)).any()):
                 return None
         before = probs.cumsum(dim=-1) - probs  # mass strictly above each token
-        drop |= before >= top_p  # keeps the smallest prefix whose mass reaches top_p (never empty)
+        # keeps the smallest prefix whose mass reaches top_p (never empty); a row that asks for no top-p keeps all
+        # (its fp32 cumsum reaches 1.0 before the tail: the tail would go, with another row's top_p in the batch)
+        drop |= (before >= top_p) & (top_p < 1.0)
     if cap >= vocab:
         return logits.scatter(1, order, vals.masked_fill(drop, float("-inf")))
     out = torch.full_like(logits, float("-inf")).scatter_(1, order, vals.masked_fill(drop, float("-inf")))
