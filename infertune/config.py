@@ -1268,6 +1268,35 @@ def parse_size(text: str) -> int:
     return int(value * units[unit])
 
 
+def _take_stored_quantization(model: str, quant: dict) -> None:
+    """A checkpoint already quantized (by `infertune quantize`, or an int8 compressed-tensors one) says its own
+    quantization, as vLLM takes a checkpoint's quantization_config: quantization=None becomes its method (so
+    `quantize_lm_head=True` works on it without naming the method again) and its groups the ones it was quantized
+    in; what would be dropped silently is refused: another method, a keep_fp."""
+    path = Path(model) / "config.json"
+    try:
+        qc = json.loads(path.read_text()).get("quantization_config") if path.is_file() else None
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return  # (the loader says what is wrong with it)
+    if not qc or qc.get("quant_method") == "fp8":  # (fp8: dequantized as it loads, any quantization on top)
+        return
+    from infertune.quant.stored import read_stored_quant
+
+    stored = read_stored_quant(model)
+    given = quant.get("quantization")
+    if given not in (None, stored.method):
+        raise ValueError(f"{model} is already quantized ({stored.method}); drop quantization={given!r}")
+    if "keep_fp" in quant:
+        kept = ", ".join(stored.ignore) or "none"
+        raise ValueError(
+            f"{model} is already quantized ({stored.method}): its full-precision layers are those it was quantized "
+            f"with ({kept}); drop keep_fp"
+        )
+    quant["quantization"] = stored.method
+    if stored.method == "w4a16":  # (the groups it was quantized in, whatever quant_group_size says: the CLI's default)
+        quant["quant_group_size"], quant["quant_symmetric"] = stored.group_size, stored.symmetric
+
+
 @dataclass(slots=True)
 class EngineConfig:
     model: ModelConfig
@@ -1345,4 +1374,5 @@ class EngineConfig:
             parts[owner][key] = _coerced(declared, value)
         if model is not None:
             parts["model"]["model"] = model
+        _take_stored_quantization(parts["model"].get("model") or default_model_path(), parts["quant"])
         return cls(**{name: groups[name](**parts[name]) for name in groups})

@@ -91,3 +91,36 @@ def test_quantize_lm_head_needs_a_quantization(tied):
         QuantConfig(quantize_lm_head=True)
     with pytest.raises(ValueError, match="quantize_lm_head needs a quantization"):
         LLM(str(tied), quantize_lm_head=True)
+
+
+@pytest.mark.parametrize("which", ["tied", "untied"])
+def test_quantize_lm_head_on_a_quantized_checkpoint(request, tmp_path, which):
+    """A folder `infertune quantize` wrote (its head in full precision) loaded with quantize_lm_head=True, with its
+    method named or not (serve OUT --quantize-lm-head): the head in int8 as on the fly, the stored layers as stored;
+    against HF transformers running the same dequantized weights. It was silently kept in full precision with the
+    method named, and refused as 'none is set' without it; keep_fp, which the stored layers cannot follow, was
+    silently dropped and is refused now."""
+    from infertune.tools.quantizer import quantize
+
+    ckpt = request.getfixturevalue(which)
+    out = tmp_path / "w4"
+    quantize(str(ckpt), "w4a16", str(out), group_size=32, show_progress=False)
+    ref_model = _hf_with_dequantized(ckpt, "w4a16", 32)
+    prompt = torch.randint(0, ref_model.config.vocab_size, (13,), generator=torch.Generator().manual_seed(7)).tolist()
+    with torch.no_grad():
+        ref = ref_model(torch.tensor([prompt])).logits[0]
+    for named in ({}, {"quantization": "w4a16"}):
+        llm = LLM(str(out), dtype="float32", max_model_len=64, quantize_lm_head=True, **named)
+        assert llm.config.quant.quantization == "w4a16" and llm.config.quant.quant_group_size == 32
+        head = llm.engine.executor.runner.model.lm_head
+        assert isinstance(head.quant_method, W8A16Method) and head.qweight.dtype == torch.int8
+        ours = llm.engine.executor.runner.prompt_logits(prompt, list(range(5)))
+        torch.testing.assert_close(ours, ref, atol=1e-3, rtol=0)
+    plain = LLM(str(out), dtype="float32", max_model_len=64).engine.executor.runner.prompt_logits(
+        prompt, list(range(5))
+    )
+    assert (plain - ref).abs().max() > 1e-3  # (the oracle tells the two heads apart)
+    with pytest.raises(ValueError, match=r"already quantized \(w4a16\).*drop keep_fp"):
+        LLM(str(out), keep_fp=("model.layers.0.*",))
+    with pytest.raises(ValueError, match=r"already quantized \(w4a16\); drop quantization='w8a16'"):
+        LLM(str(out), quantization="w8a16", quantize_lm_head=True)

@@ -24,8 +24,9 @@ from infertune.layers.parallel import TensorParallel, shard_model
 from infertune.models.registry import get_model_class
 from infertune.models.safetensors_io import CorruptCheckpointError, iter_tensors
 from infertune.quant import attach_linear_methods
-from infertune.quant.checkpoint import attach_stored_methods, read_stored_quant
+from infertune.quant.checkpoint import attach_stored_methods
 from infertune.quant.fp8 import Fp8Dequantizer, read_fp8_checkpoint, requantize_config
+from infertune.quant.stored import read_stored_quant
 
 log = logging.getLogger("infertune")
 
@@ -135,7 +136,13 @@ def load_model(
     else:  # already quantized: the stored integers are loaded as they are, then only packed for the kernels
         if quant is not None and quant.method not in (None, stored.method):
             raise ValueError(f"{model_dir} is already quantized ({stored.method}); drop quantization={quant.method!r}")
-        attach_linear_methods(model, None, backend, prepack, dtype, kernels, compress)
+        # (quantize_lm_head: the head, left in full precision by the checkpoint, in int8 as on the fly; no other layer)
+        head = (
+            QuantConfig(stored.method, quantize_lm_head=True, keep_fp=("*",))
+            if quant and quant.quantize_lm_head
+            else None
+        )
+        attach_linear_methods(model, head, backend, prepack, dtype, kernels, compress)
         attach_stored_methods(model, stored, packed, dtype, backend, kernels)
     materialize(model, device)
     params = dict(model.named_parameters(remove_duplicate=False))
