@@ -1,7 +1,7 @@
 """infertune: an LLM inference engine and tuning toolkit for constrained accelerators."""
 
 from infertune.engine.outputs import CompletionOutput, RequestOutput
-from infertune.sampling_params import SamplingParams, StructuredOutputsParams
+from infertune.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
 
@@ -28,6 +28,7 @@ __all__ = [
     "LLM",
     "AsyncLLM",
     "SamplingParams",
+    "RequestOutputKind",
     "StructuredOutputsParams",
     "RequestOutput",
     "CompletionOutput",

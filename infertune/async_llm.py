@@ -20,8 +20,8 @@ from itertools import count
 from infertune.config import EngineConfig
 from infertune.engine.async_engine import AsyncLLMEngine, RequestStream
 from infertune.engine.llm_engine import LLMEngine
-from infertune.engine.outputs import RequestOutput
-from infertune.sampling_params import SamplingParams
+from infertune.engine.outputs import OutputShaper, RequestOutput
+from infertune.sampling_params import RequestOutputKind, SamplingParams
 
 
 class AsyncLLM:
@@ -58,6 +58,10 @@ class AsyncLLM:
         self._streams[request_id] = None  # (taken before the await: a second generate() with this id is refused)
         try:
             params = sampling_params or self.engine.engine.default_sampling_params()
+            # (the engine thread hands over each request's newest whole output; vLLM's output_kind is applied here)
+            shape = OutputShaper(params.output_kind)
+            if params.output_kind:
+                params = dataclasses.replace(params, output_kind=RequestOutputKind.CUMULATIVE)
             stream = await self.engine.add_request(request_id, prompt, params)
         except BaseException:
             self._streams.pop(request_id, None)
@@ -67,9 +71,10 @@ class AsyncLLM:
         try:
             async for out in stream:
                 last = out
-                yield out
+                if (shaped := shape(out)) is not None:
+                    yield shaped
             if last is not None and not last.finished:  # aborted: say so once
-                yield _aborted(last)
+                yield shape(_aborted(last))
         finally:
             self._streams.pop(request_id, None)
             stream.abort()

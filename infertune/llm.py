@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 from itertools import count
 
 from tqdm import tqdm
@@ -11,7 +12,7 @@ from tqdm import tqdm
 from infertune.config import EngineConfig
 from infertune.engine.llm_engine import LLMEngine
 from infertune.engine.outputs import RequestOutput
-from infertune.sampling_params import SamplingParams
+from infertune.sampling_params import RequestOutputKind, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +155,8 @@ class LLM:
             raise ValueError(
                 f"got {len(params)} SamplingParams for {len(prompts)} prompts; pass one, or one per prompt"
             )
+        # (whole outputs: generate() returns each request's finished one, whatever output_kind says, as vLLM's)
+        params = [replace(p, output_kind=RequestOutputKind.CUMULATIVE) if p.output_kind else p for p in params]
 
         results: dict[str, RequestOutput] = {}
         order: list[str] = []

@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from infertune.kv_compression import KVCompressionConfig
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What a stream of a request's outputs carries (vLLM's names): CUMULATIVE each output the whole text and tokens
+    so far; DELTA only what is new since the last one (each completion that advanced, the prompt's fields and
+    prompt_logprobs in the first); FINAL_ONLY only the finished output. AsyncLLM.generate and LLMEngine.step honour
+    it; LLM.generate returns the finished outputs whatever it says."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
 
 _GREEDY_EPS = 1e-5
 
@@ -86,6 +99,9 @@ class SamplingParams:
     max_tokens_is_default: bool = False
     # Set by the engine at admission: the tokens min_tokens holds back (end-of-sequence and stop_token_ids).
     min_tokens_stop_ids: tuple[int, ...] = ()
+    # vLLM's: what AsyncLLM.generate / LLMEngine.step hand back for this request, whole outputs, deltas or the final
+    # one alone (RequestOutputKind).
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     stop_list: tuple[str, ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
@@ -141,6 +157,9 @@ class SamplingParams:
             )
         if self.extra_args is not None and not isinstance(self.extra_args, dict):
             raise bad("extra_args", "must be a dict")
+        if isinstance(self.output_kind, bool) or self.output_kind not in tuple(RequestOutputKind):
+            raise bad("output_kind", "must be a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY)")
+        self.output_kind = RequestOutputKind(self.output_kind)
         # -- structured output (docs/structured-output.md) --
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)

@@ -234,3 +234,69 @@ def test_async_abort_takes_a_list_of_ids(tiny_llama):
 
     for out in asyncio.run(main()):
         assert out.finished and out.outputs[0].finish_reason == "abort" and len(out.outputs[0].token_ids) < 100
+
+
+# ---- vLLM's output_kind (RequestOutputKind) ----------------------------------------------------------------------
+def _hf_greedy(path, ids: list[int], n: int) -> list[int]:
+    import torch
+    from conftest import hf_model
+
+    out = hf_model(path).generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None)
+    return out[0, len(ids) :].tolist()
+
+
+def test_async_output_kind_delta_and_final_only(tiny_llama):
+    """vLLM's streaming scripts set SamplingParams(output_kind=RequestOutputKind.DELTA) and concatenate what comes
+    (a TypeError here before: no such field). Oracle: the deltas add up to transformers' greedy tokens and to the
+    cumulative stream's text; FINAL_ONLY yields the finished output alone."""
+    import asyncio
+
+    from infertune import AsyncLLM, RequestOutputKind
+
+    ids = [5, 6, 7, 8]
+    want = _hf_greedy(tiny_llama, ids, 12)
+
+    async def main():
+        async with AsyncLLM(str(tiny_llama), **ENGINE) as engine:
+            base = dict(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1, prompt_logprobs=0)
+            runs = {}
+            for kind in RequestOutputKind:
+                params = SamplingParams(**base, output_kind=kind)
+                runs[kind] = [o async for o in engine.generate({"prompt_token_ids": ids}, params)]
+            return runs
+
+    runs = asyncio.run(main())
+    whole = runs[RequestOutputKind.CUMULATIVE][-1].outputs[0]
+    assert whole.token_ids == want
+    deltas = runs[RequestOutputKind.DELTA]
+    assert len(deltas) > 1 and [o.finished for o in deltas] == [False] * (len(deltas) - 1) + [True]
+    assert sum((o.outputs[0].token_ids for o in deltas), []) == want
+    assert "".join(o.outputs[0].text for o in deltas) == whole.text
+    assert sum((o.outputs[0].logprobs for o in deltas), []) == whole.logprobs
+    assert deltas[0].prompt_logprobs is not None and all(o.prompt_logprobs is None for o in deltas[1:])
+    (final,) = runs[RequestOutputKind.FINAL_ONLY]
+    assert final.finished and final.outputs[0].token_ids == want and final.outputs[0].text == whole.text
+
+
+def test_engine_step_honours_output_kind_and_generate_returns_whole_outputs(llm, tiny_llama):
+    from infertune import RequestOutputKind
+
+    ids = [9, 10, 11]
+    want = _hf_greedy(tiny_llama, ids, 6)
+    engine = llm.llm_engine
+    for kind in (RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY):
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, n=2, output_kind=kind)
+        engine.add_request("k", {"prompt_token_ids": ids}, params)
+        got: dict[int, list[int]] = {0: [], 1: []}
+        seen = 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                seen += 1
+                for c in out.outputs:
+                    got[c.index] += c.token_ids
+        assert got == {0: want, 1: want}
+        assert seen == 1 if kind == RequestOutputKind.FINAL_ONLY else seen > 1
+        (out,) = llm.generate({"prompt_token_ids": ids}, params)
+        assert [c.token_ids for c in out.outputs] == [want, want]
+    with pytest.raises(ValueError, match="output_kind"):
+        SamplingParams(output_kind=7)

@@ -20,7 +20,7 @@ from infertune.config import EngineConfig
 from infertune.engine.admission import HostCost, check_kv_compression
 from infertune.engine.detokenizer import IncrementalDetokenizer, find_stop
 from infertune.engine.kv_cache_coordinator import describe_groups, group_label, kv_cache_manager
-from infertune.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from infertune.engine.outputs import CompletionOutput, Logprob, OutputShaper, RequestMetrics, RequestOutput
 from infertune.engine.scheduler import Scheduler
 from infertune.engine.sequence import Sequence, SequenceStatus
 from infertune.engine.tokenizer import load_tokenizer, lone_surrogate
@@ -70,6 +70,7 @@ class _Request:
     samples: list[_Sample] = field(default_factory=list)
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.perf_counter()))
     prompt_logprobs: list[Logprob | None] | None = None
+    shaper: OutputShaper | None = None  # params.output_kind DELTA / FINAL_ONLY: what step() hands back of it
 
 
 # The attribute an exception raised by LLMEngine.step carries: the ids of the step's requests (the async engine
@@ -378,6 +379,8 @@ class LLMEngine:
         if remote is not None:
             remote.users = params.n
         req = _Request(request_id, text, ids, params)
+        if params.output_kind:
+            req.shaper = OutputShaper(params.output_kind)
         speculate = self.config.scheduler.speculative_config is not None
         if arrival_time is not None:
             req.metrics.arrival_time = arrival_time
@@ -535,7 +538,10 @@ class LLMEngine:
             if done:
                 req.metrics.finished_time = now
                 del self.requests[req.request_id]
-            outputs.append(self._output(req, done))
+            output = self._output(req, done)
+            if req.shaper is not None and (output := req.shaper(output)) is None:
+                continue
+            outputs.append(output)
         return outputs
 
     def _decode_one(self, token: int) -> str:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 class TokenLogprob:
@@ -121,3 +121,35 @@ class RequestOutput:
         text = prompt if isinstance(prompt, str) else None
         ids = list(prompt.get("prompt_token_ids") or []) if isinstance(prompt, dict) else []
         return cls(request_id, text, ids, [CompletionOutput(0, "", [], "error")], True, error=error)
+
+
+class OutputShaper:
+    """One request's outputs as its SamplingParams.output_kind asks (vLLM's RequestOutputKind, 0 / 1 / 2), made from
+    the engine's cumulative ones: CUMULATIVE as they are; FINAL_ONLY the finished one alone (None for the others);
+    DELTA what each completion added since the last output (its new text, token ids and logprobs; only the
+    completions that advanced or finished), the prompt's logprobs in the first output alone; None when nothing did."""
+
+    __slots__ = ("kind", "_sent", "_first")
+
+    def __init__(self, kind: int) -> None:
+        self.kind = int(kind)
+        self._sent: dict[int, tuple[int, int, bool]] = {}  # completion index -> (tokens, characters, finished)
+        self._first = True
+
+    def __call__(self, out: RequestOutput) -> RequestOutput | None:
+        if self.kind == 0:
+            return out
+        if self.kind == 2:
+            return out if out.finished else None
+        completions = []
+        for c in out.outputs:
+            tokens, chars, finished = self._sent.get(c.index, (0, 0, False))
+            if finished or (len(c.token_ids) == tokens and len(c.text) == chars and not c.finished):
+                continue
+            self._sent[c.index] = (len(c.token_ids), len(c.text), c.finished)
+            logprobs = None if c.logprobs is None else c.logprobs[tokens:]
+            completions.append(replace(c, text=c.text[chars:], token_ids=c.token_ids[tokens:], logprobs=logprobs))
+        if not completions and not out.finished:
+            return None
+        first, self._first = self._first, False
+        return replace(out, outputs=completions, prompt_logprobs=out.prompt_logprobs if first else None)
