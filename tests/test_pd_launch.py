@@ -250,13 +250,83 @@ def test_placement_ray_runs_one_to_one_on_one_node(tiny_llama, expected, monkeyp
         assert "Ray actors on one node" in launched.line
         _check_pd(launched, expected)
         pids = [pid for _, pid in launched.instances.values()]
+        # an instance's server killed from outside while the router serves: the launcher names it (its server runs
+        # in a Ray actor's process, out of the launcher's sight: it had said nothing)
+        url, pid = launched.instances["decode-0"]
+        os.kill(pid, signal.SIGKILL)
+        said = f"decode-0 ({url}, pid {pid}) exited with code -9"
+        deadline = time.time() + 20
+        while said not in launched.text() and time.time() < deadline:
+            time.sleep(0.2)
+        assert said in launched.text(), launched.text()[-3000:]
     finally:
         code = launched.stop()
     assert code == 0, launched.text()[-3000:]
+    assert "prefill-0 (" not in launched.text().split("instances up")[1]  # (stopped on purpose: no news)
     deadline = time.time() + 30
     while time.time() < deadline and not all(_gone(pid) for pid in pids):
         time.sleep(0.2)
     assert all(_gone(pid) for pid in pids)
+
+
+def test_a_ray_instance_that_dies_while_serving_is_logged_once_by_name(caplog):
+    """RayInstance's watcher (the launcher's handle on a Ray actor's server): an exit while serving is logged as a
+    child process's is, once; one stopped on purpose (terminate / kill) is no news. Ray stood in for by a fake that
+    answers poll as the actor would."""
+    import logging
+
+    from infertune.router.ray_instances import RayInstance
+
+    class Ref:
+        def __init__(self, value):
+            self.value = value
+
+    class FakeRay:
+        class exceptions:
+            class GetTimeoutError(Exception):
+                pass
+
+            class RayActorError(Exception):
+                pass
+
+        @staticmethod
+        def get(ref, timeout=None):
+            return ref.value
+
+        @staticmethod
+        def kill(actor, no_restart=True):
+            actor.code = -9
+
+    class Method:
+        def __init__(self, fn):
+            self.remote = lambda *a: Ref(fn(*a))
+
+    class Actor:
+        def __init__(self):
+            self.code = None
+            self.poll = Method(lambda: self.code)
+            self.stop = Method(lambda grace: 0)
+
+    caplog.set_level(logging.ERROR, logger="infertune.router")
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr(RayInstance, "WATCH_S", 0.02)
+    try:
+        dying, stopped, killed = (
+            RayInstance(FakeRay, Actor(), f"replica-{i}", f"http://h:{i}", 100 + i) for i in range(3)
+        )
+        for inst in (dying, stopped, killed):
+            inst.serving = True
+        stopped.terminate()
+        killed.kill()
+        dying._actor.code = -11  # (its server crashed inside the actor)
+        deadline = time.time() + 5
+        while "replica-0" not in caplog.text and time.time() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.1)
+    finally:
+        monkey.undo()
+    assert caplog.text.count("replica-0 (http://h:0, pid 100) exited with code -11") == 1, caplog.text
+    assert "replica-1" not in caplog.text and "replica-2" not in caplog.text
 
 
 def test_free_ports_are_never_handed_out_twice(monkeypatch):

@@ -61,6 +61,17 @@ def spawn_serve(
     )
 
 
+def log_exit(instance, code: int) -> None:
+    """An instance (ServeProcess, RayInstance) that died while the router served in front of it, said once."""
+    logging.getLogger("infertune.router").error(
+        "%s (%s, pid %d) exited with code %d; the router routes around it, restart the command to bring it back",
+        instance.name,
+        instance.url,
+        instance.pid,
+        code,
+    )
+
+
 class ServeProcess:
     """One `infertune serve` child process: its name and URL; its output echoed with its name, the last lines kept.
 
@@ -84,14 +95,7 @@ class ServeProcess:
             print(f"[{self.name}] {line}", file=sys.stderr, flush=True)
         code = self.proc.wait()  # (its output ended: it exited)
         if code != 0 and self.serving and not self._stopping:  # (killed, crashed: the router only sees failed checks)
-            logging.getLogger("infertune.router").error(
-                "%s (%s, pid %d) exited with code %d; the router routes around it, restart the command to bring it "
-                "back",
-                self.name,
-                self.url,
-                self.pid,
-                code,
-            )
+            log_exit(self, code)
 
     @property
     def returncode(self) -> int | None:

@@ -103,7 +103,7 @@ def run_behind_router(specs: list[InstanceSpec], placement: str, host: str, port
         instances, threads, ray_placement = _start(specs, placement)
         wait_all_healthy(instances)
         for instance in instances:
-            instance.serving = True  # (from here an instance's exit is news: ServeProcess logs it)
+            instance.serving = True  # (from here an instance's exit is news: logged by name, instances.log_exit)
         if main_thread:  # (the server's own handlers from here)
             signal.signal(signal.SIGTERM, previous)
         url = {i.name: i.url for i in instances}

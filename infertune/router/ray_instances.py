@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import logging
 import subprocess
+import threading
+import time
 
 log = logging.getLogger("infertune.router")
 
@@ -47,10 +49,40 @@ class _ServeActor:
 class RayInstance:
     """The launcher's handle on one actor's instance; poll / terminate / kill / wait as a Popen (for launch.stop)."""
 
+    WATCH_S = 1.0  # how often a serving instance is asked whether it still runs
+
     def __init__(self, ray, actor, name: str, url: str, pid: int) -> None:
         self._ray, self._actor, self.name, self.url, self.pid = ray, actor, name, url, pid
         self.returncode: int | None = None
         self._stopping = None
+        self._killed = False
+        self._serving = False
+
+    @property
+    def serving(self) -> bool:
+        return self._serving
+
+    @serving.setter
+    def serving(self, on: bool) -> None:
+        """Set once the router serves in front of it (launch.run_behind_router): from then on its exit is news, logged
+        by a watcher thread as a ServeProcess logs it (its server runs in the actor's process, out of sight)."""
+        started, self._serving = self._serving, on
+        if on and not started:
+            threading.Thread(target=self._watch, name=f"watch-{self.name}", daemon=True).start()
+
+    def _watch(self) -> None:
+        from infertune.router.instances import log_exit
+
+        while self._serving and self._stopping is None and not self._killed:
+            try:
+                code = self.poll()
+            except subprocess.TimeoutExpired:  # (a busy actor: asked again)
+                code = None
+            if code is not None:
+                if code != 0 and self._stopping is None and not self._killed:  # (stopped on purpose: no news)
+                    log_exit(self, code)
+                return
+            time.sleep(self.WATCH_S)
 
     def _get(self, ref, timeout: float):
         try:
@@ -84,6 +116,7 @@ class RayInstance:
         return self.returncode
 
     def kill(self) -> None:
+        self._killed = True
         self._ray.kill(self._actor, no_restart=True)
         self.returncode = -9
 
