@@ -13,10 +13,18 @@ def __getattr__(name: str):
         from infertune.llm import LLM
 
         return LLM
-    if name == "AsyncLLM":
+    if name in ("AsyncLLM", "AsyncLLMEngine"):  # (AsyncLLMEngine: vLLM's older name of its async engine)
         from infertune.async_llm import AsyncLLM
 
         return AsyncLLM
+    if name == "LLMEngine":
+        from infertune.engine.llm_engine import LLMEngine
+
+        return LLMEngine
+    if name in ("EngineArgs", "AsyncEngineArgs"):
+        from infertune.engine_args import EngineArgs
+
+        return EngineArgs
     if name == "EngineConfig":
         from infertune.config import EngineConfig
 
@@ -27,6 +35,10 @@ def __getattr__(name: str):
 __all__ = [
     "LLM",
     "AsyncLLM",
+    "AsyncLLMEngine",
+    "LLMEngine",
+    "EngineArgs",
+    "AsyncEngineArgs",
     "SamplingParams",
     "RequestOutputKind",
     "StructuredOutputsParams",

@@ -38,8 +38,19 @@ class AsyncLLM:
         self._streams: dict[str, RequestStream | None] = {}  # (None: being submitted)
         self._ids = count()
 
+    @classmethod
+    def from_engine_args(cls, engine_args, *args, **kwargs) -> AsyncLLM:
+        """vLLM's constructor: an engine from an AsyncEngineArgs (infertune.AsyncEngineArgs); vLLM's other
+        arguments (usage_context, stat_loggers, ...) have nothing to set here."""
+        options = {k: v for k, v in engine_args.options().items() if k not in ("chat_template", "show_progress")}
+        return cls(engine_args.model, **options)
+
     @property
     def tokenizer(self):
+        return self.engine.engine.tokenizer
+
+    def get_tokenizer(self):
+        """The engine's tokenizer (vLLM's AsyncLLM.get_tokenizer)."""
         return self.engine.engine.tokenizer
 
     async def generate(

@@ -1111,7 +1111,7 @@ def _without_vllm_gpu_options(kwargs: dict) -> dict:
         if name not in rest:
             continue
         value = rest.pop(name)
-        if any(value == v and type(value) is type(v) for v in neutral):
+        if value is None or any(value == v and type(value) is type(v) for v in neutral):  # (None: not set)
             continue
         if action == "refuse":
             raise OptionError(f"vLLM's {name}={value!r} is not supported: {why}")

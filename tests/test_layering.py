@@ -26,6 +26,7 @@ RANKS = {
     "engine": 6,
     "llm": 7,
     "async_llm": 7,
+    "engine_args": 7,
     "cli": 7,
     "serve": 7,
     "router": 7,

@@ -300,3 +300,62 @@ def test_engine_step_honours_output_kind_and_generate_returns_whole_outputs(llm,
         assert [c.token_ids for c in out.outputs] == [want, want]
     with pytest.raises(ValueError, match="output_kind"):
         SamplingParams(output_kind=7)
+
+
+# ---- vLLM's EngineArgs / LLMEngine.from_engine_args / AsyncLLMEngine ----------------------------------------------
+def test_vllms_llm_engine_example_runs_as_it_is(tiny_llama):
+    """vLLM's examples/offline_inference/llm_engine_example.py shape: EngineArgs.add_cli_args(parser),
+    EngineArgs.from_cli_args(args), LLMEngine.from_engine_args(...), then add_request / step /
+    has_unfinished_requests (none of these names existed). Oracle: transformers' greedy tokens."""
+    import argparse
+
+    from infertune import EngineArgs, LLMEngine
+
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--model", str(tiny_llama), "--dtype", "float32", "--max-model-len", "64"])
+    engine_args = EngineArgs.from_cli_args(args)
+    engine = LLMEngine.from_engine_args(engine_args)
+    try:
+        assert engine.config.model.max_model_len == 64 and engine.config.model.dtype == "float32"
+        prompts = [([5, 6, 7], 5), ([8, 9], 3)]
+        for i, (ids, n) in enumerate(prompts):
+            engine.add_request(str(i), {"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=n))
+        done = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out.outputs[0].token_ids
+        assert done == {str(i): _hf_greedy(tiny_llama, ids, n) for i, (ids, n) in enumerate(prompts)}
+    finally:
+        engine.shutdown()
+    with LLM(**vars(EngineArgs(model=str(tiny_llama), dtype="float32", max_model_len=64, revision=None))) as llm:
+        assert llm.config.model.max_model_len == 64
+    with pytest.raises(ValueError, match="did you mean 'max_num_seqs'"):
+        EngineArgs(model=str(tiny_llama), max_num_sequences=4)
+
+
+def test_async_llm_engine_from_engine_args_and_its_tokenizer(tiny_llama):
+    import asyncio
+
+    from transformers import AutoTokenizer
+
+    from infertune import AsyncEngineArgs, AsyncLLMEngine
+
+    async def main():
+        engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model=str(tiny_llama), **ENGINE))
+        try:
+            tok = engine.get_tokenizer()
+            ids = tok.encode("héllo ✓")
+            last = None
+            async for out in engine.generate(
+                {"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=4), "a"
+            ):
+                last = out
+            return ids, tok.decode(ids), last
+        finally:
+            engine.shutdown()
+
+    ids, text, last = asyncio.run(main())
+    hf = AutoTokenizer.from_pretrained(tiny_llama)
+    assert ids == hf.encode("héllo ✓") and text == "héllo ✓"
+    assert last.finished and last.outputs[0].token_ids == _hf_greedy(tiny_llama, ids, 4)

@@ -118,6 +118,12 @@ class LLMEngine:
         self.num_steps = 0
         log.info("%s", self.describe_kv_cache())
 
+    @classmethod
+    def from_engine_args(cls, engine_args, *args, **kwargs) -> LLMEngine:
+        """vLLM's constructor: an engine from an EngineArgs (infertune.EngineArgs); vLLM's other arguments
+        (usage_context, stat_loggers, ...) have nothing to set here."""
+        return cls(engine_args.create_engine_config(), show_progress=vars(engine_args).get("show_progress", False))
+
     def describe_kv_cache(self) -> str:
         info = self.executor.kv_cache_info
         per_seq = info.max_blocks_per_seq or -(-self.max_model_len // info.block_size)
