@@ -213,6 +213,8 @@ def drop_norm_topk_prob(path) -> None:
     [
         ("qwen3-moe", {}, drop_norm_topk_prob),  # absent: transformers does not renormalise
         ("qwen2-moe", dict(qkv_bias=False), None),  # Qwen2-MoE's q/k/v bias has its own switch
+        # a shared expert of size 0: transformers still writes its (empty) weights and its gate; nothing to add
+        ("qwen2-moe", dict(shared_expert_intermediate_size=0), None),
     ],
 )
 def test_config_knobs_and_their_defaults_follow_transformers(variant, overrides, edit, tmp_path):

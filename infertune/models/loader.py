@@ -101,6 +101,12 @@ def _empty_on(meta: torch.Tensor, device: torch.device) -> torch.Tensor:
 TRIM_EVERY_BYTES = 8 << 20
 
 
+def _no_shared_expert(arch, name: str) -> bool:
+    """A Qwen2-MoE shared expert's gate in a model whose shared expert has size 0 (transformers builds both anyway: its
+    output is sigmoid(gate x) times an empty product, zeros)."""
+    return arch.moe is not None and not arch.moe.shared_intermediate_size and ".mlp.shared_expert" in name
+
+
 def load_model(
     arch: ArchConfig,
     model_dir: str,
@@ -171,6 +177,8 @@ def load_model(
                         continue  # another rank's expert (expert parallel): not loaded here, as its loader would do
                     raise ValueError(f"{path.name}: tensor {name!r} comes again after its layer was loaded whole")
                 if target not in params:
+                    if tensor.numel() == 0 or _no_shared_expert(arch, name):  # (what transformers builds for a
+                        continue  # shared expert of size 0, left out here: zeros, and its gate scales zeros)
                     raise ValueError(
                         f"{path.name}: tensor {name!r} has no place in {arch.architecture}; "
                         "is config.json right for these weights?"
