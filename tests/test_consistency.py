@@ -139,6 +139,43 @@ def test_the_int4_tier_is_judged_against_the_model_dtype_cache(ckpts):
     assert got[2] > got[1] > 0, got
 
 
+def test_the_accuracy_pairs_teacher_forcing_is_hfs_on_a_windowed_model(tmp_path):
+    """A Qwen2 with a sliding window on 2 of 3 layers (3 KV cache groups, a block id a page of each): the accuracy
+    pairs' teacher-forced log-probs equal HF transformers' (fp32) over a prompt and tokens past the window (every
+    group wrote into blocks 0.. of one shared page, layers overwrote each other: nats off); and the int4 tier is read
+    there too (its pair measured the int8 cache's loss alone on such a model)."""
+    from conftest import hf_model
+
+    from infertune import LLM
+
+    path = make_checkpoint(
+        tmp_path / "qwen2-win",
+        "qwen2",
+        seed=3,
+        num_hidden_layers=3,
+        use_sliding_window=True,
+        sliding_window=8,
+        max_window_layers=1,
+    )
+    g = torch.Generator().manual_seed(5)
+    prompt, toks = (
+        torch.randint(3, 250, (20,), generator=g).tolist(),
+        torch.randint(3, 250, (12,), generator=g).tolist(),
+    )
+    llm = LLM(str(path), dtype="float32", block_size=4, max_model_len=64)
+    assert len(llm.engine.executor.runner.kv_groups) == 3
+    ((lp, _),) = consistency._teacher_forced(llm.engine, [prompt], [toks])
+    with torch.no_grad():
+        logits = hf_model(path)(torch.tensor([prompt + toks[:-1]])).logits[0, len(prompt) - 1 :].double()
+    hf = torch.log_softmax(logits, -1).gather(1, torch.tensor(toks)[:, None]).squeeze(1)
+    torch.testing.assert_close(torch.tensor(lp, dtype=torch.float64), hf, atol=1e-4, rtol=0)
+    got = {}
+    for options in ({"kv_cache_dtype": "int8"}, {"kv_cache_dtype": "int8", "kv_int4_after": 0}):
+        report = consistency.check_consistency(str(path), options=options, pairs=["kv-int8"], **FAST)
+        got[len(options)] = report["results"][0].accuracy["mean_abs_logprob"]
+    assert got[2] > got[1] > 0, got
+
+
 # ---- broken paths are caught on the right pair, at the right place ------------------------------------------
 
 

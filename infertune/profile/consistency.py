@@ -422,14 +422,16 @@ def _teacher_forced(engine, prompts, ref_tokens) -> list[tuple[list[float], list
     """Per request, over its generated positions: log p(reference token) and the argmax, teacher-forced on the
     reference's sequence: the prompt as one prefill, then each reference token as a one-token decode step that reads
     the cache back (so an int8 KV cache is exercised as in generation), through the runner's own _prepare / _forward
-    into blocks 0.. (the engine is idle). With the int4 tier (kv_int4_after, one KV cache group) the blocks are
-    packed before each step as the scheduler packs them (in place), so the steps read the int4 blocks too."""
+    into blocks 0.. (the engine is idle; with several KV cache groups, windowed models', each group its own blocks,
+    as a block id is a page of every group). With the int4 tier (kv_int4_after) each full-attention group's blocks
+    are packed before each step as the scheduler packs them (in place), so the steps read the int4 blocks too."""
     import torch
 
     from infertune.scheduler_output import int4_entries_due, int4_entry
 
     runner = engine.executor.runner
-    age = engine.config.cache.kv_int4_after if len(runner.kv_groups) == 1 else None
+    age = engine.config.cache.kv_int4_after
+    groups = runner.kv_groups
     out = []
     with torch.inference_mode():
         for p, toks in zip(prompts, ref_tokens):
@@ -437,15 +439,25 @@ def _teacher_forced(engine, prompts, ref_tokens) -> list[tuple[list[float], list
                 out.append(([], []))
                 continue
             seq = p + toks[:-1]
-            blocks = list(range(-(-len(seq) // runner.block_size)))
+            per_group = -(-len(seq) // runner.block_size)
+            if len(groups) * per_group > runner.kv_info.num_blocks:
+                raise ValueError(
+                    f"the accuracy check holds {len(seq)} tokens in each of {len(groups)} KV cache groups, "
+                    f"{len(groups) * per_group} blocks, more than the KV cache's {runner.kv_info.num_blocks}; give a "
+                    "larger kv_cache_memory_bytes or shorter prompts / max_tokens"
+                )
+            tables = [list(range(g * per_group, (g + 1) * per_group)) for g in range(len(groups))]
             rows, packed = [], 0
             for start, n in [(0, len(p))] + [(j, 1) for j in range(len(p), len(seq))]:
                 while age is not None and packed + 2 <= int4_entries_due(start, age, runner.block_size):
-                    first, second = blocks[packed], blocks[packed + 1]
-                    runner._pack_int4([(0, first, second, first)])
-                    blocks[packed], blocks[packed + 1] = int4_entry(first, False), int4_entry(first, True)
+                    for g, blocks in enumerate(tables):
+                        if groups[g].window is None:  # (windowed layers free old blocks instead: never packed)
+                            first, second = blocks[packed], blocks[packed + 1]
+                            runner._pack_int4([(g, first, second, first)])
+                            blocks[packed], blocks[packed + 1] = int4_entry(first, False), int4_entry(first, True)
                     packed += 2
-                ids, pos, meta, last = runner._prepare([(seq, start, n, blocks)])
+                table = tables[0] if len(groups) == 1 else tables
+                ids, pos, meta, last = runner._prepare([(seq, start, n, table)])
                 hidden = runner._forward(ids, pos, meta, [last[0]])
                 rows.append(runner.model.compute_logits(hidden[last[0] : last[0] + 1]).float()[0])
             lp = torch.log_softmax(torch.stack(rows), dim=-1)
