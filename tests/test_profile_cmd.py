@@ -466,3 +466,23 @@ def test_an_output_in_a_missing_folder_is_refused_before_the_run(ckpt, tmp_path,
         with pytest.raises(ValueError, match="does not exist"):
             profile_cmd.run(args)
     assert not ran
+
+
+def test_a_quantized_checkpoint_is_profiled_as_quantized(ckpt, tmp_path):
+    """profile on a folder `infertune quantize` wrote (no --quantization): the report's context says its method, and
+    a memory-bound decode does not get the hint to quantize (it said 'try quantization=w8a16 ... or w4a16' to a
+    W4A16 checkpoint)."""
+    from infertune.tools.quantizer import quantize
+
+    out = tmp_path / "w4"
+    quantize(str(ckpt), "w4a16", str(out), group_size=32, show_progress=False)
+    parser = argparse.ArgumentParser()
+    profile_cmd.add_arguments(parser)
+    argv = ["--model", str(out), "--device", "cpu", "--input-len", "10", "--output-len", "3", "--batch", "2"]
+    out_json = tmp_path / "s.json"
+    assert profile_cmd.run(parser.parse_args([*argv, "--no-warmup", "--json", str(out_json)])) == 0
+    summary_ = json.loads(out_json.read_text())
+    assert summary_["context"]["quantization"] == "w4a16"
+    forced = summary(decode={"matmul": 0.85}, seqs=1, quantization=summary_["context"]["quantization"])
+    hints = {h["rule"]: h["text"] for h in derive_hints(forced)}  # (a matmul-bound decode, this run's context)
+    assert "raise the batch" in hints["matmul_memory_bound"] and "try quantization" not in hints["matmul_memory_bound"]

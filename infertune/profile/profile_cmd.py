@@ -116,7 +116,8 @@ def run(args: argparse.Namespace) -> int:
         "model": llm.config.model.model,
         "device": llm.engine.executor.backend.describe(),
         "dtype": str(runner.dtype).removeprefix("torch."),
-        "quantization": args.quantization,
+        # (the engine's: a quantized checkpoint's own method too, where --quantization is not given)
+        "quantization": llm.config.quant.quantization,
         "decode_kernels": args.decode_kernels if runner.decode_kernels is not None else "off",
         "batch": args.batch,
         "input_len": args.input_len,
