@@ -216,6 +216,40 @@ def test_grammar_ends_the_output_even_with_ignore_eos(tiny):
     assert c.text == "abc" and c.finish_reason == "stop"
 
 
+def test_logits_processors_that_leave_a_grammar_no_token_keep_the_output_valid(tiny, tiny_llama):
+    """allowed_token_ids of digits under a digits regex: once the regex is complete it allows EOS alone, which
+    allowed_token_ids bans, and with no token left the draw took token 0 ('!'), which the grammar refuses, until
+    max_tokens ("12345!!!!!", finish "length"). Now the grammar's choices win where the processors leave none: the
+    output is whole (Python's re and llguidance's own matcher accept it) and ends on EOS. A bad word the grammar
+    requires is written rather than the output broken off inside the choice."""
+    import llguidance
+
+    tok = tiny.get_tokenizer()
+    digits = [tok.convert_tokens_to_ids(d) for d in "0123456789"]
+    regex = "[0-9]{5}"
+    for temperature in (0, 1.0):
+        sp = SamplingParams(
+            max_tokens=10,
+            temperature=temperature,
+            seed=3,
+            allowed_token_ids=digits,
+            structured_outputs=_so(regex=regex),
+        )
+        c = tiny.generate("x", sp, use_tqdm=False)[0].outputs[0]
+        assert re.fullmatch(regex, c.text) and c.finish_reason == "stop", c.text
+        matcher = llguidance.LLMatcher(
+            ll_tokenizer(str(tiny_llama), tok.vocab_size + 3, (tok.eos_token_id,)),
+            llguidance.LLMatcher.grammar_from_regex(regex),
+        )
+        assert matcher.consume_tokens(c.token_ids[:-1]) and matcher.is_accepting()
+        assert c.token_ids[-1] == tok.eos_token_id
+    sp = SamplingParams(
+        max_tokens=10, temperature=0, bad_words=["yes", "no"], structured_outputs=_so(choice=["yes", "no"])
+    )
+    c = tiny.generate("x", sp, use_tqdm=False)[0].outputs[0]
+    assert c.text in ("yes", "no") and c.finish_reason == "stop", c.text
+
+
 @pytest.mark.parametrize(
     "so, says",
     [

@@ -104,7 +104,10 @@ class Sampler:
         if penalised:
             logits = apply_penalties(logits.clone(), rows)
         if any(p.adjusts_logits for p in params):  # (after the raw logprobs, as the penalties: vLLM's order)
-            logits = apply_logits_processors(logits if penalised else logits.clone(), rows)  # (in place: a copy)
+            allowed = logits  # (the grammar's mask and the penalties applied)
+            logits = apply_logits_processors(logits.clone(), rows)  # (in place: a copy)
+            if mask is not None:
+                logits = _grammar_wins(logits, allowed, mask.rows)
         greedy = [p.greedy for p in params]
         if all(greedy):
             tokens = self.best(logits)
@@ -253,6 +256,17 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRequest]) -> torch.Te
     penalised = torch.where(logits > 0, logits / rep, logits * rep)
     logits = torch.where(seen, penalised, logits)
     return logits - freq * counts - pres * (counts > 0)
+
+
+def _grammar_wins(logits: torch.Tensor, allowed: torch.Tensor, grammar_rows: list[int]) -> torch.Tensor:
+    """A grammar row the logits processors left without any token (allowed_token_ids without the EOS a finished
+    grammar needs, a bad word the grammar requires) keeps the grammar's own choices, so its output stays valid; with
+    no token at all, the draw fell back to the argmax of -infs, token 0, which the grammar refuses."""
+    rows = torch.tensor(grammar_rows, device=logits.device)
+    empty = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+    picked = logits[rows]
+    empty[rows] = (torch.isneginf(picked) | torch.isnan(picked)).all(dim=-1)
+    return torch.where(empty.unsqueeze(1), allowed, logits) if bool(empty.any()) else logits
 
 
 def apply_logits_processors(logits: torch.Tensor, rows: list[SampleRequest]) -> torch.Tensor:
