@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import numbers
 from dataclasses import dataclass, field
 
 from infertune.kv_compression import KVCompressionConfig
@@ -20,6 +21,16 @@ class RequestOutputKind(enum.IntEnum):
 
 
 _GREEDY_EPS = 1e-5
+_INT_FIELDS = (
+    "n",
+    "top_k",
+    "seed",
+    "max_tokens",
+    "logprobs",
+    "prompt_logprobs",
+    "truncate_prompt_tokens",
+    "min_tokens",
+)
 
 
 def _integer(value) -> bool:
@@ -107,6 +118,14 @@ class SamplingParams:
     def __post_init__(self) -> None:
         def bad(name: str, rule: str) -> ParamError:
             return ParamError(name, f"{name}={getattr(self, name)!r} is invalid: {rule}")
+
+        # (numpy's and torch's integers, e.g. a max_tokens drawn with numpy, are Python ints here, as vLLM takes them)
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, numbers.Integral) and not isinstance(value, (int, bool)):
+                setattr(self, name, int(value))
+        if self.stop_token_ids is not None and callable(getattr(self.stop_token_ids, "tolist", None)):
+            self.stop_token_ids = self.stop_token_ids.tolist()
 
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", "must be an integer >= 1")

@@ -359,3 +359,25 @@ def test_async_llm_engine_from_engine_args_and_its_tokenizer(tiny_llama):
     hf = AutoTokenizer.from_pretrained(tiny_llama)
     assert ids == hf.encode("héllo ✓") and text == "héllo ✓"
     assert last.finished and last.outputs[0].token_ids == _hf_greedy(tiny_llama, ids, 4)
+
+
+# ---- token ids and numbers as numpy / torch hand them ---------------------------------------------------------------
+def test_numpy_and_torch_token_ids_and_integers_are_taken(llm, tiny_llama):
+    """A TokensPrompt built from a tokenizer's numpy / torch output, or a max_tokens drawn with numpy: the ids were
+    refused as "must be integers" (np.int64 is not an int) or failed on an array's truth value; a bool passed as a
+    token id was taken as 1. Oracle: transformers' greedy tokens for the same ids."""
+    import numpy as np
+    import torch
+
+    ids = [5, 6, 7]
+    want = _hf_greedy(tiny_llama, ids, 3)
+    params = SamplingParams(temperature=0, max_tokens=np.int64(3), ignore_eos=True, seed=np.int32(1))
+    assert params.max_tokens == 3 and type(params.max_tokens) is int and type(params.seed) is int
+    for given in (np.array(ids), torch.tensor(ids), list(np.array(ids)), torch.tensor(ids).tolist()):
+        assert llm.generate({"prompt_token_ids": given}, params)[0].outputs[0].token_ids == want
+    stop = SamplingParams(stop_token_ids=np.array([want[1]]), temperature=0, ignore_eos=True)
+    assert llm.generate({"prompt_token_ids": ids}, stop)[0].outputs[0].token_ids == want[:2]
+    with pytest.raises(ValueError, match=r"must be integers in \[0, \d+\) for this model; position 1 is True"):
+        llm.generate({"prompt_token_ids": [5, True]}, params)
+    with pytest.raises(ValueError, match="position 0 is 1.5"):
+        llm.generate({"prompt_token_ids": [1.5]}, params)

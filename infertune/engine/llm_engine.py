@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import numbers
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
@@ -183,13 +184,13 @@ class LLMEngine:
             if unknown:
                 raise ValueError(f"a dict prompt takes {sorted(_PROMPT_KEYS)}, not {unknown}")
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+                return prompt.get("prompt"), _token_ids(prompt["prompt_token_ids"])
             if isinstance(prompt.get("prompt"), str):
                 text = _unicode_text(prompt["prompt"])
                 return text, self.tokenizer.encode(text, add_special_tokens=prompt.get("add_special_tokens", True))
             raise ValueError("a dict prompt needs 'prompt' (text) or 'prompt_token_ids' (a list of token ids)")
         if isinstance(prompt, list):
-            return None, list(prompt)
+            return None, _token_ids(prompt)
         raise ValueError(f"a prompt must be a string, a list of token ids or a dict, not {type(prompt).__name__}")
 
     def render_chat(
@@ -272,8 +273,13 @@ class LLMEngine:
         if keep is not None and len(ids) > keep:  # (vLLM's rule: the last tokens stay; the text no longer matches)
             text, ids = None, ids[len(ids) - keep :]
         vocab = self.config.model.arch.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
-            raise ValueError(f"prompt_token_ids must be integers in [0, {vocab}) for this model")
+        bad = next(
+            (i for i, t in enumerate(ids) if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab), None
+        )
+        if bad is not None:
+            raise ValueError(
+                f"prompt_token_ids must be integers in [0, {vocab}) for this model; position {bad} is {ids[bad]!r}"
+            )
         if len(ids) >= self.max_model_len:
             raise ValueError(
                 f"the prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}, which must leave room "
@@ -748,6 +754,16 @@ _TEMPLATE_ARGS = frozenset(
         "tokenizer_kwargs",
     }
 )
+
+
+def _token_ids(value) -> list:
+    """A prompt's token ids as a list, each integer (numpy's, torch's too) a Python int; a 1-D numpy array or torch
+    tensor is taken as its list. What is not an integer is left for prepare() to refuse by position."""
+    if not isinstance(value, list) and callable(getattr(value, "tolist", None)):
+        value = value.tolist()
+    if isinstance(value, (str, bytes, dict)) or not isinstance(value, Iterable):
+        raise ValueError(f"prompt_token_ids must be a list of token ids, not {type(value).__name__}")
+    return [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t for t in value]
 
 
 def _template_message(message, content_format: str = "string") -> dict:

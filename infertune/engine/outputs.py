@@ -119,7 +119,8 @@ class RequestOutput:
     @classmethod
     def rejected(cls, request_id: str, prompt: object, error: str) -> RequestOutput:
         text = prompt if isinstance(prompt, str) else None
-        ids = list(prompt.get("prompt_token_ids") or []) if isinstance(prompt, dict) else []
+        ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
+        ids = list(ids) if isinstance(ids, (list, tuple)) else []
         return cls(request_id, text, ids, [CompletionOutput(0, "", [], "error")], True, error=error)
 
 
