@@ -19,7 +19,7 @@ from itertools import count
 
 from infertune.config import EngineConfig
 from infertune.engine.async_engine import AsyncLLMEngine, RequestStream
-from infertune.engine.llm_engine import LLMEngine
+from infertune.engine.llm_engine import LLMEngine, check_request_options
 from infertune.engine.outputs import OutputShaper, RequestOutput
 from infertune.sampling_params import RequestOutputKind, SamplingParams
 
@@ -58,11 +58,28 @@ class AsyncLLM:
         prompt: str | dict | list[int],
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
+        *,
+        lora_request=None,
+        tokenization_kwargs: dict | None = None,
+        trace_headers=None,
+        priority: int = 0,
+        prompt_text: str | None = None,
+        data_parallel_rank: int | None = None,
+        session_id: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Submit one prompt (text, token ids or {"prompt_token_ids": [...]}) and yield its RequestOutput after
         every step that advanced it (outputs are cumulative; the last has finished=True). Leaving the loop early
         aborts the request. After abort(request_id) the iteration ends with an output whose unfinished
-        completions say finish_reason "abort" (none if nothing was generated yet)."""
+        completions say finish_reason "abort" (none if nothing was generated yet). The keywords are vLLM's:
+        tokenization_kwargs as LLM.generate takes them, prompt_text the output's prompt for token ids, trace_headers and
+        session_id unread; a lora_request, a non-zero priority or data_parallel_rank is refused by name."""
+        check_request_options(lora_request, priority)
+        if prompt_text is not None and isinstance(prompt, dict) and prompt.get("prompt") is None:
+            prompt = {**prompt, "prompt": prompt_text}
+        if data_parallel_rank:
+            raise ValueError("data_parallel_rank: one engine here (replicas: infertune serve --data-parallel-size)")
+        if tokenization_kwargs:
+            prompt = self.engine.engine.tokenized(prompt, tokenization_kwargs)
         request_id = str(request_id) if request_id is not None else f"async-{next(self._ids)}"
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")

@@ -147,7 +147,7 @@ class LLM:
         if not prompts:
             return []
         if tokenization_kwargs:
-            prompts = [self._tokenized(p, tokenization_kwargs) for p in prompts]
+            prompts = [self.engine.tokenized(p, tokenization_kwargs) for p in prompts]
         params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
@@ -178,20 +178,6 @@ class LLM:
             for request_id in order:
                 self.engine.abort_request(request_id)
         return [results[r] for r in order]
-
-    def _tokenized(self, prompt, kwargs: dict):
-        """A text prompt (or {"prompt": text}) as {"prompt", "prompt_token_ids"} from tokenizer(text, **kwargs); other
-        prompts as they are. A kwarg the tokenizer refuses is a ValueError naming tokenization_kwargs."""
-        text = prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, dict) else None
-        if not isinstance(text, str) or (isinstance(prompt, dict) and "prompt_token_ids" in prompt):
-            return prompt
-        if isinstance(prompt, dict) and "add_special_tokens" in prompt:  # (a rendered chat holds them already)
-            kwargs = {"add_special_tokens": prompt["add_special_tokens"], **kwargs}
-        try:
-            ids = self.engine.tokenizer(text, **kwargs)["input_ids"]
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"tokenization_kwargs {kwargs}: the tokenizer refuses them: {e}") from None
-        return {"prompt": text, "prompt_token_ids": list(ids)}
 
     def chat(
         self,

@@ -381,3 +381,59 @@ def test_numpy_and_torch_token_ids_and_integers_are_taken(llm, tiny_llama):
         llm.generate({"prompt_token_ids": [5, True]}, params)
     with pytest.raises(ValueError, match="position 0 is 1.5"):
         llm.generate({"prompt_token_ids": [1.5]}, params)
+
+
+# ---- vLLM's request keywords on LLMEngine.add_request / AsyncLLM.generate -------------------------------------------
+def test_engine_add_request_takes_vllms_arguments_in_its_order(llm, tiny_llama):
+    """vLLM's LLMEngine.add_request(request_id, prompt, params, arrival_time, lora_request, tokenization_kwargs,
+    trace_headers, priority): the 4th positional argument landed in cap_max_tokens and the keywords were a TypeError.
+    Oracle: transformers' tokenizer with the same kwargs; arrival_time (time.time()) moves the metrics' clock."""
+    import time
+
+    from transformers import AutoTokenizer
+
+    engine = llm.llm_engine
+    kwargs = {"truncation": True, "max_length": 5}
+    params = SamplingParams(temperature=0, max_tokens=2)
+    engine.add_request("t", "abcdefghij", params, time.time() - 2.0, None, kwargs, None, 0)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.finished]
+    (out,) = outs
+    assert out.prompt_token_ids == AutoTokenizer.from_pretrained(tiny_llama)("abcdefghij", **kwargs)["input_ids"]
+    assert 2.0 <= out.metrics.ttft < 60  # (it arrived two seconds before it was added)
+    with pytest.raises(NotImplementedError, match="lora_request"):
+        engine.add_request("u", "a", params, lora_request=object())
+    with pytest.raises(ValueError, match="priority"):
+        engine.add_request("u", "a", params, priority=1)
+    assert not engine.has_unfinished_requests()
+
+
+def test_async_generate_takes_vllms_keywords(tiny_llama):
+    import asyncio
+
+    from infertune import AsyncLLM
+
+    async def main():
+        async with AsyncLLM(str(tiny_llama), **ENGINE) as engine:
+            params = SamplingParams(temperature=0, max_tokens=2)
+            kw = dict(lora_request=None, trace_headers=None, priority=0, data_parallel_rank=None)
+            outs = [o async for o in engine.generate({"prompt_token_ids": [5, 6]}, params, "a", prompt_text="xy", **kw)]
+            texts = [
+                o
+                async for o in engine.generate(
+                    "abcdefgh", params, "b", tokenization_kwargs={"max_length": 3, "truncation": True}
+                )
+            ]
+            with pytest.raises(ValueError, match="priority"):
+                async for _ in engine.generate("a", params, "c", priority=2):
+                    pass
+            return outs[-1], texts[-1]
+
+    tokens, text = asyncio.run(main())
+    assert tokens.prompt == "xy" and tokens.prompt_token_ids == [5, 6] and tokens.finished
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(tiny_llama)
+    assert text.prompt_token_ids == hf("abcdefgh", max_length=3, truncation=True)["input_ids"]
+    assert len(text.prompt_token_ids) == 3

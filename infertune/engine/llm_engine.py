@@ -250,15 +250,42 @@ class LLMEngine:
         request_id: str,
         prompt: str | dict | list[int],
         params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        lora_request=None,
+        tokenization_kwargs: dict | None = None,
+        trace_headers=None,
+        priority: int = 0,
+        *,
         cap_max_tokens: bool = True,
     ) -> None:
         """Validate and queue a request. A bad request raises ValueError and leaves the engine unchanged.
 
         A max_tokens that would run past max_model_len is capped to fit (finish_reason "length"), or with
-        cap_max_tokens=False (the OpenAI server's rule) rejected.
+        cap_max_tokens=False (the OpenAI server's rule) rejected. The other arguments are vLLM's, in its order:
+        arrival_time (time.time() seconds, for the metrics), tokenization_kwargs (as LLM.generate takes them),
+        trace_headers (no tracing here: unread); a lora_request and a non-zero priority are refused by name.
         """
+        check_request_options(lora_request, priority)
+        if tokenization_kwargs:
+            prompt = self.tokenized(prompt, tokenization_kwargs)
         params = params or self.default_sampling_params()
-        self.enqueue(request_id, self.prepare(prompt, params, cap_max_tokens), params)
+        arrival = None if arrival_time is None else time.perf_counter() - max(0.0, time.time() - arrival_time)
+        self.enqueue(request_id, self.prepare(prompt, params, cap_max_tokens), params, arrival)
+
+    def tokenized(self, prompt, kwargs: dict):
+        """A text prompt (or {"prompt": text}) as {"prompt", "prompt_token_ids"} from tokenizer(text, **kwargs) (vLLM's
+        tokenization_kwargs); other prompts as they are. A kwarg the tokenizer refuses is a ValueError naming
+        tokenization_kwargs."""
+        text = prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, dict) else None
+        if not isinstance(text, str) or (isinstance(prompt, dict) and "prompt_token_ids" in prompt):
+            return prompt
+        if isinstance(prompt, dict) and "add_special_tokens" in prompt:  # (a rendered chat holds them already)
+            kwargs = {"add_special_tokens": prompt["add_special_tokens"], **kwargs}
+        try:
+            ids = self.tokenizer(text, **kwargs)["input_ids"]
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"tokenization_kwargs {kwargs}: the tokenizer refuses them: {e}") from None
+        return {"prompt": text, "prompt_token_ids": list(ids)}
 
     def prepare(
         self, prompt: str | dict | list[int], params: SamplingParams, cap_max_tokens: bool = True
@@ -754,6 +781,15 @@ _TEMPLATE_ARGS = frozenset(
         "tokenizer_kwargs",
     }
 )
+
+
+def check_request_options(lora_request=None, priority=0) -> None:
+    """vLLM's per-request lora_request and priority: refused by name unless unset (no LoRA adapters here, first come
+    first served)."""
+    if lora_request is not None:
+        raise NotImplementedError("lora_request: LoRA adapters are not supported (merge the adapter into the weights)")
+    if priority:
+        raise ValueError("priority: requests are served first come first served here (no priority scheduling)")
 
 
 def _token_ids(value) -> list:
