@@ -93,7 +93,8 @@ class SamplingParams:
     # params) and the OpenAI body's field of the same name maps onto it. Parsed into a KVCompressionConfig; what
     # the engine can do with it (its KV cache groups, the model's layers) is checked at admission.
     kv_compression: KVCompressionConfig | dict | None = None
-    # -- logits processors (vLLM's and OpenAI's names), applied after the penalties; logprobs stay the raw ones --
+    # -- logits processors (vLLM's and OpenAI's names), applied before the penalties (vLLM's and transformers' order);
+    # logprobs stay the raw ones --
     # OpenAI's logit_bias: token id -> a bias in [-100, 100] added to its logit (-100 in effect bans it, 100 all but
     # forces it). JSON object keys arrive as strings and are taken as ints.
     logit_bias: dict[int, float] | None = None

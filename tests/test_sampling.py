@@ -280,6 +280,36 @@ def _assert_matches(counts: torch.Tensor, probs: torch.Tensor, sigmas: float = 4
         assert abs(freq[i].item() - p) < sigmas * se, f"token {i}: frequency {freq[i]:.4f} vs p={p:.4f} (se {se:.4f})"
 
 
+def test_logit_bias_goes_before_the_repetition_penalty_as_in_transformers(llm, tiny_llama):
+    """logit_bias is added before the repetition penalty divides or multiplies, as transformers' sequence_bias (and
+    vLLM's logit_bias) is: (l + b) / rp, not l / rp + b. The bias is chosen from HF's logits so that the two orders
+    pick different first tokens; the whole greedy output then follows HF's generate with the same processors."""
+    model = hf_model(tiny_llama)
+    prompt = llm.get_tokenizer().encode("hello world")
+    rp = 2.0
+    with torch.no_grad():
+        first = model(torch.tensor([prompt])).logits[0, -1].double()
+    seen = torch.zeros_like(first, dtype=torch.bool)
+    seen[prompt] = True
+    penalised = torch.where(seen, torch.where(first > 0, first / rp, first * rp), first)
+    x = max(set(prompt), key=lambda t: first[t].item())  # a prompt token, so the penalty applies to it
+    best_other = max(penalised[t].item() for t in range(len(first)) if t != x)
+    assert best_other > 0  # (then the orders differ for a bias in (best_other - l / rp, rp * best_other - l))
+    bias = (best_other - first[x].item() / rp + rp * best_other - first[x].item()) / 2
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, repetition_penalty=rp, logit_bias={x: bias})
+    got = llm.generate({"prompt_token_ids": prompt}, sp)[0].outputs[0].token_ids
+    want = model.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=8,
+        min_new_tokens=8,
+        do_sample=False,
+        repetition_penalty=rp,
+        sequence_bias={(x,): bias},
+        pad_token_id=0,
+    )[0, len(prompt) :].tolist()
+    assert got == want and got[0] != x  # (l / rp + b would have picked x)
+
+
 def test_sampler_draws_from_softmax():
     logits = torch.tensor([0.1, 0.2, 0.3, 0.4]).log() + 3.0  # any offset: softmax is shift-invariant
     counts = _draw_counts(logits, SamplingParams(temperature=1.0))

@@ -100,14 +100,15 @@ class Sampler:
         params = [r.params for r in rows]
         want_logprobs = [p.logprobs for p in params]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(k is not None for k in want_logprobs) else None
-        penalised = any(p.uses_penalties for p in params)
-        if penalised:
-            logits = apply_penalties(logits.clone(), rows)
-        if any(p.adjusts_logits for p in params):  # (after the raw logprobs, as the penalties: vLLM's order)
-            allowed = logits  # (the grammar's mask and the penalties applied)
+        # The logits processors, then the penalties, both after the raw logprobs: vLLM's order and transformers'
+        # (logit_bias before repetition_penalty, as sequence_bias before it; the masks commute with the penalties).
+        if any(p.adjusts_logits for p in params):
+            allowed = logits  # (the grammar's mask applied)
             logits = apply_logits_processors(logits.clone(), rows)  # (in place: a copy)
             if mask is not None:
                 logits = _grammar_wins(logits, allowed, mask.rows)
+        if any(p.uses_penalties for p in params):
+            logits = apply_penalties(logits, rows)  # (not in place)
         greedy = [p.greedy for p in params]
         if all(greedy):
             tokens = self.best(logits)
