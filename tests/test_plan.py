@@ -805,3 +805,38 @@ def test_kv_of_uneven_window_groups_is_the_engines(tmp_path, family, overrides):
     # (the engine keeps whole blocks, and each windowed group a block or two past its window)
     windowed = sum(g.window is not None for g in info.groups)
     assert engine - 3 * windowed * info.block_size * info.bytes_per_token <= planned <= engine
+
+
+def test_a_w4a16_checkpoints_groups_are_planned_and_a_group_that_does_not_fit_is_refused(tmp_path, capsys):
+    """Hand arithmetic on a tiny tied Llama (hidden 64, MLP 128, 2 layers, 4 heads of 16, 2 KV heads, vocab 260)
+    quantized by `infertune quantize` in groups of 32: with --quantize-lm-head the plan keeps the checkpoint's groups
+    (it planned groups of 128, which the engine cannot even load on a 64-wide layer) and adds the int8 head beside the
+    bf16 embedding; a --group-size or --weight-dtype other than the checkpoint's is refused, and so is a group size
+    that does not divide a layer (planned before with a partial group, where the engine refuses the model)."""
+    from conftest import make_checkpoint
+
+    from infertune.tools.quantizer import quantize
+
+    src = make_checkpoint(tmp_path / "src", "llama", tie_word_embeddings=True)
+    out = tmp_path / "w4"
+    quantize(str(src), "w4a16", str(out), group_size=32, show_progress=False)
+    h, inter, layers, vocab = 64, 128, 2, 260
+    # (out, in) of each projection: q, k, v, o, gate, up, down
+    mats = [(h, h), (32, h), (32, h), (h, h), (inter, h), (inter, h), (h, inter)]
+    int4 = layers * sum(o * i for o, i in mats) // 2
+    scales = layers * sum(o * (i // 32) for o, i in mats) * (2 + 2)  # a bf16 scale and zero per group of 32
+    head = vocab * h + vocab * 2  # int8 rows and a bf16 scale each
+    rest = vocab * h * 2 + (2 * layers + 1) * h * 2  # the bf16 embedding, the norms
+    assert plan_main(["--model", str(out), "--device", "h100", "--quantize-lm-head", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["settings"]["weight_dtype"] == "w4a16" and plan["settings"]["group_size"] == 32
+    assert plan["weights"]["bytes"] == int4 + scales + head + rest == 97_160
+    assert plan["weights"]["bytes_quant_scales"] == scales + vocab * 2
+    for flags, message in (
+        (["--group-size", "64"], "already quantized in groups of 32; drop --group-size 64"),
+        (["--weight-dtype", "w8a16"], "already quantized (w4a16); drop --weight-dtype w8a16"),
+    ):
+        assert plan_main(["--model", str(out), "--device", "h100", *flags]) == 2
+        assert message in capsys.readouterr().err
+    assert plan_main(["--model", str(src), "--device", "h100", "--weight-dtype", "w4a16"]) == 2
+    assert "groups of 128 does not fit a layer of 64 input features" in capsys.readouterr().err

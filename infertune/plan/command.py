@@ -63,7 +63,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(1 byte a weight + fp32 block scales, what DeepSeek-V3 and Qwen3-*-FP8 publish; infertune dequantizes "
         "it to bf16 at load) (default: the checkpoint's, fp8 for an fp8 checkpoint, else bf16)",
     )
-    p.add_argument("--group-size", type=int, default=128, help="W4A16 quantization group size (default: 128)")
+    p.add_argument(
+        "--group-size",
+        type=int,
+        default=None,
+        help="W4A16 quantization group size (default: a W4A16 checkpoint's own, else 128)",
+    )
     p.add_argument(
         "--quantize-lm-head",
         action="store_true",
@@ -131,7 +136,7 @@ def _check_numbers(args: argparse.Namespace) -> None:
     for flag, value in (("--price-per-hour", args.price_per_hour), ("--cards", args.cards)):
         if value is not None and value < 0:
             raise ValueError(f"{flag} {value:g} must be >= 0")
-    if args.group_size not in QUANT_GROUP_SIZES:
+    if args.group_size is not None and args.group_size not in QUANT_GROUP_SIZES:
         raise ValueError(
             f"--group-size {args.group_size} is not one the engine runs: {', '.join(map(str, QUANT_GROUP_SIZES))}"
         )
@@ -198,12 +203,20 @@ def run(args: argparse.Namespace) -> int:
         )
     inp, out, ctx = _lengths(args)
     fmt = None  # the checkpoint's
+    stored = spec.weight_format  # (a quantized or fp8 checkpoint's own format; None: 16-bit)
+    if stored is not None and stored.name in ("w8a16", "w4a16") and args.weight_dtype not in (None, stored.name):
+        raise ValueError(f"{args.model} is already quantized ({stored.name}); drop --weight-dtype {args.weight_dtype}")
+    if stored is not None and stored.name == "w4a16" and args.group_size not in (None, stored.group_size):
+        raise ValueError(
+            f"{args.model} is already quantized in groups of {stored.group_size}; drop --group-size {args.group_size}"
+        )
+    group = args.group_size or (stored.group_size if stored is not None and stored.name == "w4a16" else 128)
     if args.weight_dtype is not None:
-        block = spec.weight_format.block if spec.weight_format is not None else (128, 128)
-        fmt = WeightFormat(args.weight_dtype, args.group_size, quantize_lm_head=args.quantize_lm_head, block=block)
-    elif args.quantize_lm_head or args.group_size != 128:
-        base = spec.weight_format or WeightFormat()
-        fmt = WeightFormat(base.name, args.group_size, quantize_lm_head=args.quantize_lm_head, block=base.block)
+        block = stored.block if stored is not None else (128, 128)
+        fmt = WeightFormat(args.weight_dtype, group, quantize_lm_head=args.quantize_lm_head, block=block)
+    elif args.quantize_lm_head or args.group_size is not None:
+        base = stored or WeightFormat()
+        fmt = WeightFormat(base.name, group, quantize_lm_head=args.quantize_lm_head, block=base.block)
     plan = make_plan(
         PlanRequest(
             spec=spec,

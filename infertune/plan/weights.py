@@ -24,7 +24,6 @@ MoE families, DeepSeek's MLA); the tests check it against `sum(p.numel())` of re
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from infertune.config import GEMMA_ARCHITECTURES, ArchConfig
@@ -85,7 +84,12 @@ class WeightFormat:
             return data, -(-out_features // bn) * -(-in_features // bk) * FP8_SCALE_BYTES
         if self.name == "w8a16":
             return data, out_features * self.scale_bytes
-        groups = out_features * math.ceil(in_features / self.group_size)
+        if in_features % self.group_size:  # (the engine and `infertune quantize` refuse such a layer too)
+            raise ValueError(
+                f"w4a16 in groups of {self.group_size} does not fit a layer of {in_features} input features; "
+                "pick a group size dividing it (--group-size)"
+            )
+        groups = out_features * (in_features // self.group_size)
         return data, groups * (self.scale_bytes + self.zero_bytes)
 
     def matrix_bytes(self, out_features: int, in_features: int, kind: str) -> tuple[int, int]:
