@@ -437,3 +437,14 @@ def test_async_generate_takes_vllms_keywords(tiny_llama):
     hf = AutoTokenizer.from_pretrained(tiny_llama)
     assert text.prompt_token_ids == hf("abcdefgh", max_length=3, truncation=True)["input_ids"]
     assert len(text.prompt_token_ids) == 3
+
+
+def test_request_metrics_answer_to_vllms_names(llm):
+    """vLLM's RequestMetrics fields a ported script reads (time_in_queue, first_scheduled_time, last_token_time,
+    first_token_latency) were AttributeErrors. They are the engine's own figures under vLLM's names, on one clock."""
+    out = llm.generate("abc", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0]
+    m = out.metrics
+    assert m.time_in_queue == m.queue_time and m.first_scheduled_time == m.scheduled_time
+    assert m.first_token_latency == m.ttft
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.last_token_time <= m.finished_time
+    assert m.last_token_time > m.first_token_time  # (three tokens: the last came steps after the first)

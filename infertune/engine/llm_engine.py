@@ -561,6 +561,7 @@ class LLMEngine:
             if not new or req is None:
                 continue
             touched[req.request_id] = req
+            req.metrics.last_token_time = now
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
                 req.metrics.num_cached_tokens = seq.num_cached_tokens

@@ -87,6 +87,7 @@ class RequestMetrics:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_cached_tokens: int = 0
+    last_token_time: float | None = None  # the step that gave the request its newest token (vLLM's name)
 
     @property
     def queue_time(self) -> float | None:
@@ -95,6 +96,19 @@ class RequestMetrics:
     @property
     def ttft(self) -> float | None:
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    # vLLM's names of the same figures (its RequestMetrics: time_in_queue, first_scheduled_time; first_token_latency)
+    @property
+    def time_in_queue(self) -> float | None:
+        return self.queue_time
+
+    @property
+    def first_scheduled_time(self) -> float | None:
+        return self.scheduled_time
+
+    @property
+    def first_token_latency(self) -> float | None:
+        return self.ttft
 
 
 @dataclass(slots=True)
