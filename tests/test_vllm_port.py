@@ -273,6 +273,11 @@ def test_async_output_kind_delta_and_final_only(tiny_llama):
     assert sum((o.outputs[0].token_ids for o in deltas), []) == want
     assert "".join(o.outputs[0].text for o in deltas) == whole.text
     assert sum((o.outputs[0].logprobs for o in deltas), []) == whole.logprobs
+    running = [
+        sum(lp.logprob for lp in whole.logprobs[: len(sum((d.outputs[0].token_ids for d in deltas[: i + 1]), []))])
+        for i in range(len(deltas))
+    ]
+    assert [o.outputs[0].cumulative_logprob for o in deltas] == pytest.approx(running)  # (vLLM's: the running total)
     assert deltas[0].prompt_logprobs is not None and all(o.prompt_logprobs is None for o in deltas[1:])
     (final,) = runs[RequestOutputKind.FINAL_ONLY]
     assert final.finished and final.outputs[0].token_ids == want and final.outputs[0].text == whole.text

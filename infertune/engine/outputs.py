@@ -69,6 +69,8 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: str | int | None = None  # the stop string or stop token that ended it
     logprobs: list[Logprob] | None = None
+    # A DELTA output's running total of the sampled tokens' logprobs (its logprobs hold the new tokens' alone)
+    logprob_total: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -76,7 +78,9 @@ class CompletionOutput:
 
     @property
     def cumulative_logprob(self) -> float | None:
-        """The sum of the sampled tokens' logprobs (vLLM's field; None without logprobs)."""
+        """The sum of the sampled tokens' logprobs so far (vLLM's field; None without logprobs)."""
+        if self.logprob_total is not None:
+            return self.logprob_total
         return None if self.logprobs is None else sum(lp.logprob for lp in self.logprobs)
 
 
@@ -163,7 +167,15 @@ class OutputShaper:
                 continue
             self._sent[c.index] = (len(c.token_ids), len(c.text), c.finished)
             logprobs = None if c.logprobs is None else c.logprobs[tokens:]
-            completions.append(replace(c, text=c.text[chars:], token_ids=c.token_ids[tokens:], logprobs=logprobs))
+            completions.append(
+                replace(
+                    c,
+                    text=c.text[chars:],
+                    token_ids=c.token_ids[tokens:],
+                    logprobs=logprobs,
+                    logprob_total=c.cumulative_logprob,
+                )
+            )
         if not completions and not out.finished:
             return None
         first, self._first = self._first, False
