@@ -126,6 +126,10 @@ def test_ledger_longctx_step_reports_the_policy_beside_full_kv(tmp_path):
         (["bench", "longctx", "--keep", "1.5", "--skip-accuracy"], "must lie in (0, 1)"),
         (["bench", "longctx", "--decode", "2", "--skip-accuracy"], "at least 3 decode steps"),
         (["ledger", "--longctx", "--longctx-keep", "0"], "must lie in (0, 1)"),
+        # (a budget of 0 or less was measured: 'sequences in 0 MiB', 0 or a negative count of sequences)
+        (["bench", "longctx", "--budget-mib", "0", "--skip-accuracy"], "--budget-mib 0: the KV pool must be"),
+        (["bench", "longctx", "--budget-mib", "-5", "--skip-accuracy"], "--budget-mib -5: the KV pool must be"),
+        (["bench", "longctx", "--window", "0", "--skip-accuracy"], "--window 0: layers, block size"),
     ],
 )
 def test_bad_settings_are_clear_errors_before_anything_runs(argv, message, capsys):

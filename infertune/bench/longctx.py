@@ -71,9 +71,24 @@ class Settings:
             raise ValueError(f"decode={self.decode}: at least 3 decode steps (the first two are not timed)")
         if not self.contexts or min(self.contexts) < 1:
             raise ValueError(f"contexts={self.contexts}: expected positive prompt lengths")
-        sizes = (self.layers, self.block_size, self.chunk, self.window, self.threshold)
-        if min(*sizes, self.acc_prompt, self.acc_cont, self.acc_windows) < 1:
-            raise ValueError("layers, block size, chunk, window, threshold and the accuracy sizes must be positive")
+        if not self.budget_mib > 0:  # (0 or less counted 0 or negative sequences in the budget; nan too)
+            raise ValueError(f"--budget-mib {self.budget_mib:g}: the KV pool must be a positive size in MiB")
+        sizes = {
+            "--layers": self.layers,
+            "--block-size": self.block_size,
+            "--chunk": self.chunk,
+            "--window": self.window,
+            "--threshold": self.threshold,
+            "--acc-prompt": self.acc_prompt,
+            "--acc-cont": self.acc_cont,
+            "--acc-windows": self.acc_windows,
+        }
+        bad = [f"{flag} {v}" for flag, v in sizes.items() if v < 1]
+        if bad:
+            raise ValueError(
+                f"{', '.join(bad)}: layers, block size, chunk, window, threshold and the accuracy sizes "
+                "must be positive"
+            )
 
 
 def snapkv(keep: float, window_size: int = 64) -> dict:
