@@ -9,10 +9,10 @@ __version__ = "0.1.0"
 def __getattr__(name: str):
     # LLM and AsyncLLM pull in torch (and transformers for some tokenizers); import it lazily so `import infertune` and the
     # CLI's --help stay fast.
-    if name == "LLM":
-        from infertune.llm import LLM
+    if name in ("LLM", "TextPrompt", "TokensPrompt"):
+        import infertune.llm
 
-        return LLM
+        return getattr(infertune.llm, name)
     if name in ("AsyncLLM", "AsyncLLMEngine"):  # (AsyncLLMEngine: vLLM's older name of its async engine)
         from infertune.async_llm import AsyncLLM
 
@@ -34,6 +34,8 @@ def __getattr__(name: str):
 
 __all__ = [
     "LLM",
+    "TextPrompt",
+    "TokensPrompt",
     "AsyncLLM",
     "AsyncLLMEngine",
     "LLMEngine",

@@ -6,6 +6,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import replace
 from itertools import count
+from typing import TypedDict
 
 from tqdm import tqdm
 
@@ -15,6 +16,29 @@ from infertune.engine.outputs import RequestOutput
 from infertune.sampling_params import RequestOutputKind, SamplingParams
 
 log = logging.getLogger(__name__)
+
+
+# vLLM's prompt types (vllm.inputs / `from vllm import TextPrompt, TokensPrompt`): plain dicts, as generate() takes them.
+class _PromptOptions(TypedDict, total=False):
+    multi_modal_data: dict  # (refused: text-only models)
+    mm_processor_kwargs: dict
+    cache_salt: str
+
+
+class _TextOptions(_PromptOptions, total=False):
+    add_special_tokens: bool
+
+
+class TextPrompt(_TextOptions):
+    prompt: str
+
+
+class _TokensOptions(_PromptOptions, total=False):
+    prompt: str  # (the output's prompt text, where the caller knows it)
+
+
+class TokensPrompt(_TokensOptions):
+    prompt_token_ids: list[int]
 
 
 class LLM:

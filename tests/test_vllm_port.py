@@ -453,3 +453,14 @@ def test_request_metrics_answer_to_vllms_names(llm):
     assert m.first_token_latency == m.ttft
     assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.last_token_time <= m.finished_time
     assert m.last_token_time > m.first_token_time  # (three tokens: the last came steps after the first)
+
+
+def test_vllms_prompt_types_are_exported(llm, tiny_llama):
+    """`from vllm import TextPrompt, TokensPrompt` ported as `from infertune import ...` (an ImportError before)."""
+    from infertune import TextPrompt, TokensPrompt
+
+    want = _hf_greedy(tiny_llama, [5, 6, 7], 3)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7]), TextPrompt(prompt="abc")], params)
+    assert outs[0].outputs[0].token_ids == want and outs[1].prompt == "abc"
+    assert TokensPrompt.__required_keys__ == {"prompt_token_ids"} and TextPrompt.__required_keys__ == {"prompt"}
