@@ -1214,6 +1214,16 @@ def engine_option_kwargs(name: str, **overrides) -> dict:
     return kw
 
 
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    """A warning logged once a process (engines built again for the same options say it once)."""
+    if message not in _WARNED:
+        _WARNED.add(message)
+        logging.getLogger(__name__).warning("%s", message)
+
+
 class OptionError(ValueError, TypeError):
     """An engine option that does not exist or whose value has the wrong type (a TypeError, as for any unknown
     keyword argument, and a ValueError, which the CLI reports as a one-line error)."""
@@ -1308,6 +1318,7 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
+        self._warn_inert_options()
         sched = self.scheduler
         if self.model.compile == "on" and self.parallel.tensor_parallel_size > 1:  # (said before any rank spawns)
             raise ValueError("compile='on' does not run with tensor parallel yet; use compile='auto' or 'off'")
@@ -1344,6 +1355,39 @@ class EngineConfig:
             )
             if refusal is not None:
                 raise ValueError(f"kv_int4_after does not run with {refusal} yet; drop one of them")
+
+    def _warn_inert_options(self) -> None:
+        """One warning (once a process) for each option set to a value that does nothing with the others given: a
+        script that sets it learns it was not used, rather than believing it was."""
+        quant, par, arch = self.quant, self.parallel, self.model.arch
+        inert = []
+        if quant.quantization != "w4a16":
+            why = f"it sets w4a16's groups (quantization is {quant.quantization!r})"
+            if quant.quant_group_size != 128:
+                inert.append((f"quant_group_size={quant.quant_group_size}", why))
+            if quant.quant_symmetric:
+                inert.append(("quant_symmetric=True", why))
+        if quant.quantization is None and tuple(quant.keep_fp) != ("lm_head",):
+            inert.append((f"keep_fp={tuple(quant.keep_fp)!r}", "no quantization is set, every layer is full precision"))
+        if par.kv_role is None:
+            for name, value, default in (
+                ("kv_connector", par.kv_connector, None),
+                ("kv_connector_config", par.kv_connector_config, None),
+                ("kv_load_failure_policy", par.kv_load_failure_policy, "recompute"),
+            ):
+                if value != default:
+                    inert.append((f"{name}={value!r}", "it is read only with kv_role (prefill/decode disaggregation)"))
+        if par.enable_expert_parallel and (par.tensor_parallel_size == 1 or arch.moe is None):
+            why = (
+                "the model has no experts"
+                if arch.moe is None
+                else "tensor_parallel_size is 1 (one rank holds them all)"
+            )
+            inert.append(("enable_expert_parallel=True", why))
+        if self.cache.mla_cache != "latent" and arch.mla is None:
+            inert.append((f"mla_cache={self.cache.mla_cache!r}", "the model is not a DeepSeek (MLA) model"))
+        for setting, why in inert:
+            _warn_once(f"{setting} has no effect here: {why}")
 
     def kv_compression_refusal(self) -> str | None:
         """What of this engine KV compression does not run with yet (engine-wide or per request); None: nothing."""

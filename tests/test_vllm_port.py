@@ -464,3 +464,44 @@ def test_vllms_prompt_types_are_exported(llm, tiny_llama):
     outs = llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7]), TextPrompt(prompt="abc")], params)
     assert outs[0].outputs[0].token_ids == want and outs[1].prompt == "abc"
     assert TokensPrompt.__required_keys__ == {"prompt_token_ids"} and TextPrompt.__required_keys__ == {"prompt"}
+
+
+# ---- options that do nothing with the others given say so -----------------------------------------------------------
+@pytest.mark.parametrize(
+    "kw, said",
+    [
+        (
+            dict(quant_group_size=64),
+            "quant_group_size=64 has no effect here: it sets w4a16's groups (quantization is None)",
+        ),
+        (dict(quant_group_size=64, quantization="w8a16"), "quant_group_size=64 has no effect here"),
+        (dict(quant_symmetric=True), "quant_symmetric=True has no effect here"),
+        (dict(keep_fp=("model.layers.0.*",)), "keep_fp=('model.layers.0.*',) has no effect here: no quantization"),
+        (dict(kv_connector="p2p"), "kv_connector='p2p' has no effect here: it is read only with kv_role"),
+        (dict(kv_load_failure_policy="fail"), "kv_load_failure_policy='fail' has no effect here"),
+        (dict(enable_expert_parallel=True), "enable_expert_parallel=True has no effect here: the model has no experts"),
+        (dict(mla_cache="decompressed"), "mla_cache='decompressed' has no effect here: the model is not a DeepSeek"),
+    ],
+)
+def test_an_option_without_effect_is_named_once(tiny_llama, kw, said, caplog, monkeypatch):
+    """These were taken without a word (a script tuning quant_group_size without a quantization believed it did
+    something). Once a process: the engines a tool builds again for the same options do not repeat it."""
+    import infertune.config as config
+
+    monkeypatch.setattr(config, "_WARNED", set())
+    with caplog.at_level(logging.WARNING, logger="infertune.config"):
+        EngineConfig.create(str(tiny_llama), **kw)
+        EngineConfig.create(str(tiny_llama), **kw)
+    assert caplog.text.count(said) == 1
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="infertune.config"):
+        EngineConfig.create(str(tiny_llama), quantization="w4a16", quant_group_size=32, quant_symmetric=True)
+        EngineConfig.create(str(tiny_llama), quantization="w8a16", keep_fp=("lm_head", "model.layers.0.*"))
+    assert "has no effect" not in caplog.text  # (where they do something: quiet)
+
+
+def test_decode_kernels_linear_at_float32_says_it_does_nothing(tiny_llama, caplog):
+    with caplog.at_level(logging.WARNING, logger="infertune.runner.model_runner"):
+        with LLM(str(tiny_llama), **ENGINE, decode_kernels="linear"):
+            pass
+    assert "decode_kernels='linear' has no effect here (dtype float32): they are bf16 kernels" in caplog.text

@@ -76,7 +76,10 @@ class ModelRunner:
         # an fp32 model never builds or loads them.
         use = config.model.decode_kernels != "off" and self.dtype is torch.bfloat16
         self.decode_kernels = backend.decode_kernels() if use else None
-        if use and self.decode_kernels is None:
+        if config.model.decode_kernels == "linear" and self.decode_kernels is None:  # (asked for by name: say so)
+            why = "they are bf16 kernels" if not use else backend.kernels_unavailable_reason()
+            log.warning("decode_kernels='linear' has no effect here (dtype %s): %s", str(self.dtype)[6:], why)
+        elif use and self.decode_kernels is None:
             log.info("decode kernels off: %s; torch's operators run", backend.kernels_unavailable_reason())
         elif self.decode_kernels is not None:
             log.info("decode kernels: %s", self.decode_kernels.name)
