@@ -411,3 +411,26 @@ def test_an_interrupted_run_leaves_no_checkpoint_and_a_bad_out_or_json_is_said_b
     eval_command.add_arguments(parser)
     with pytest.raises(ValueError, match=r"--json .*afile is a file"):
         eval_command.run(parser.parse_args(["--model", str(out), "--json", str(tmp_path / "afile" / "r.json")]))
+
+
+def test_a_missing_or_empty_calib_file_is_said_before_the_weights_are_read(tmp_path, monkeypatch, caplog):
+    """--calib is read by w8a8's calibration, after the weights and the model were loaded: a missing or empty file
+    was said only then (minutes into a large model). Now before any weight is read; and a --calib that a method
+    without calibration would never read is said too (it was dropped without a word)."""
+    from infertune.tools import quantizer
+
+    src = make_checkpoint(tmp_path / "src", "llama")
+
+    def never(*a, **k):
+        raise AssertionError("the weights were read before --calib was checked")
+
+    monkeypatch.setattr(quantizer, "read_tensors", never)
+    (tmp_path / "empty.txt").write_text("")
+    for calib, error in ((tmp_path / "none.txt", "does not exist"), (tmp_path / "empty.txt", "is empty")):
+        with pytest.raises((ValueError, FileNotFoundError), match=error):
+            quantize(str(src), "w8a8", str(tmp_path / "out"), calib=str(calib), show_progress=False)
+    monkeypatch.undo()
+    with caplog.at_level("WARNING", logger="infertune.tools.quantizer"):
+        quantize(str(src), "w8a16", str(tmp_path / "w8"), calib=str(tmp_path / "none.txt"), show_progress=False)
+    assert "--calib" in caplog.text and "is not read" in caplog.text
+    assert not (tmp_path / "out").exists()

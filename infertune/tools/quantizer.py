@@ -279,6 +279,10 @@ def quantize(
         raise ValueError("--static-activations and --smoothquant need calibration: give --num-samples > 0")
     if calibrate and seq_len < 1:
         raise ValueError(f"--seq-len {seq_len} must be >= 1 (tokens per calibration sample)")
+    if calibrate:
+        load_documents(calib or default_calib_path())  # (a missing or empty --calib said now, not after the load)
+    elif calib is not None:
+        log.warning("--calib %s is not read: %s calibrates nothing (w8a8 with --num-samples > 0 does)", calib, method)
     config_path = Path(model) / "config.json"
     fp8 = read_fp8_checkpoint(model) if config_path.is_file() else None  # dequantized as it is read
     if config_path.is_file() and fp8 is None:
