@@ -139,6 +139,18 @@ def test_the_int4_tier_is_judged_against_the_model_dtype_cache(ckpts):
     assert got[2] > got[1] > 0, got
 
 
+def test_a_tier_no_sequence_reaches_is_said_to_have_packed_nothing(ckpts):
+    """kv_int4_after past every sequence: the pair measures the int8 cache alone (the same loss to the bit), and a
+    note says the tier packed no block (it passed as 'int4 after 1024' without a word); a tier that packs: no note."""
+    loss, notes = {}, {}
+    for tier in (None, 1024, 0):
+        options = {"kv_cache_dtype": "int8", "kv_int4_after": tier}
+        (r,) = consistency.check_consistency(str(ckpts["llama"]), options=options, pairs=["kv-int8"], **FAST)["results"]
+        loss[tier], notes[tier] = r.accuracy["mean_abs_logprob"], [n for n in r.notes if "int4 tier" in n]
+    assert loss[1024] == loss[None] < loss[0]
+    assert notes[None] == notes[0] == [] and len(notes[1024]) == 1 and "packed no block" in notes[1024][0]
+
+
 def test_the_accuracy_pairs_teacher_forcing_is_hfs_on_a_windowed_model(tmp_path):
     """A Qwen2 with a sliding window on 2 of 3 layers (3 KV cache groups, a block id a page of each): the accuracy
     pairs' teacher-forced log-probs equal HF transformers' (fp32) over a prompt and tokens past the window (every

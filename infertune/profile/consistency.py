@@ -639,6 +639,18 @@ def check_consistency(
         if pair.gate == "accuracy":
             gate = {**cp.GATES[pair.key], **(gates or {})}
             res.accuracy = _accuracy(ref_eng, test_eng, prompt_ids, ref["tokens"], gate)
+            tier = test_eng.config.cache.kv_int4_after if pair.key == "kv-int8" else None
+            if tier is not None:  # (a tier no sequence reaches packs nothing: the pair gated the int8 cache alone)
+                from infertune.scheduler_output import int4_entries_due
+
+                bs = test_eng.executor.runner.block_size
+                longest = max((len(p) + len(t) - 1 for p, t in zip(prompt_ids, ref["tokens"]) if t), default=0)
+                if int4_entries_due(max(0, longest - 1), tier, bs) < 2:
+                    res.notes.append(
+                        f"the int4 tier packed no block: the longest sequence holds {longest} tokens, and a pair of "
+                        f"blocks is packed once {2 * bs} tokens lie kv_int4_after={tier} behind the newest; give "
+                        "longer --prompts, a larger --max-tokens or a smaller --kv-int4-after"
+                    )
             for d in res.divergences:  # judged by the gate, not by identity
                 d.verdict = "noise" if d.verdict == "FAIL" else d.verdict
             del ref_eng, test_eng
