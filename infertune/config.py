@@ -1290,7 +1290,7 @@ def _take_stored_quantization(model: str, quant: dict) -> None:
         return  # (the loader says what is wrong with it)
     if not qc or qc.get("quant_method") == "fp8":  # (fp8: dequantized as it loads, any quantization on top)
         return
-    from infertune.quant.stored import read_stored_quant
+    from infertune.stored_quant import read_stored_quant
 
     stored = read_stored_quant(model)
     given = quant.get("quantization")

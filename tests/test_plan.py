@@ -840,3 +840,27 @@ def test_a_w4a16_checkpoints_groups_are_planned_and_a_group_that_does_not_fit_is
         assert message in capsys.readouterr().err
     assert plan_main(["--model", str(src), "--device", "h100", "--weight-dtype", "w4a16"]) == 2
     assert "groups of 128 does not fit a layer of 64 input features" in capsys.readouterr().err
+
+
+def test_an_int8_compressed_tensors_checkpoint_is_planned_as_the_engine_loads_it(tmp_path, capsys):
+    """An int8 compressed-tensors checkpoint as llm-compressor writes it (no 'infertune' key; the engine loads it as
+    W8A8) is counted at one byte a weight plus its per-channel scales, the same hand arithmetic as `--weight-dtype
+    w8a16` (it was counted in bf16, 'not modelled'); and a checkpoint `infertune quantize` wrote keeps its own name in
+    the report (it was named after its method: 'infertune plan: w4a16 (LlamaForCausalLM)')."""
+    cfg = json.loads((QWEN7B / "config.json").read_text())
+    scheme = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False}
+    acts = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}
+    qc = {
+        "quant_method": "compressed-tensors",
+        "format": "int-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": scheme, "input_activations": acts}},
+        "ignore": ["lm_head"],
+    }
+    spec = ModelSpec.from_dict({**cfg, "quantization_config": qc}, "qwen-w8a8")
+    assert spec.name == "qwen-w8a8" and spec.weight_format == WeightFormat("w8a16")
+    ours = weight_breakdown(spec, spec.weight_format)
+    assert ours.total_bytes == weight_breakdown(ModelSpec.from_dict(cfg), WeightFormat("w8a16")).total_bytes
+    qc_own = {**qc, "infertune": {"method": "w4a16"}, "format": "infertune-int4-uint8"}
+    qc_own["config_groups"] = {"group_0": {"weights": {"num_bits": 4, "strategy": "group", "group_size": 64}}}
+    own = ModelSpec.from_dict({**cfg, "quantization_config": qc_own}, "mine")
+    assert own.name == "mine" and own.weight_format == WeightFormat("w4a16", 64)

@@ -26,7 +26,7 @@ from infertune.models.safetensors_io import CorruptCheckpointError, iter_tensors
 from infertune.quant import attach_linear_methods
 from infertune.quant.checkpoint import attach_stored_methods
 from infertune.quant.fp8 import Fp8Dequantizer, read_fp8_checkpoint, requantize_config
-from infertune.quant.stored import read_stored_quant
+from infertune.stored_quant import read_stored_quant
 
 log = logging.getLogger("infertune")
 

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from infertune.config import ArchConfig
 from infertune.plan.weights import BF16, WeightBreakdown, WeightFormat, weight_breakdown_of
+from infertune.stored_quant import stored_quant_of
 
 KV_DTYPES = ("auto", "bf16", "fp16", "fp32", "int8")
 # Config files of published models, shipped so that `plan --model deepseek-v3` needs no download (SOURCE.md there).
@@ -58,12 +59,13 @@ class ModelSpec:
         if qc.get("quant_method") == "fp8":
             block = qc.get("weight_block_size")
             stored = WeightFormat("fp8", block=None if block is None else tuple(int(b) for b in block))
-        own = (qc.get("infertune") or {}).get("method") if qc.get("quant_method") == "compressed-tensors" else None
-        if own in ("w8a16", "w8a8", "w4a16"):  # (what `infertune quantize` wrote: tools/quant_format.py)
-            weights = ((qc.get("config_groups") or {}).get("group_0") or {}).get("weights") or {}
-            # (w8a8 stores the same int8 weights and per-channel scales as w8a16: the same bytes)
-            name = "w8a16" if own == "w8a8" else own
-            stored = WeightFormat(name, int(weights.get("group_size") or 128))
+        if qc.get("quant_method") == "compressed-tensors":  # what `infertune quantize` writes, or an int8 one the
+            try:  # engine reads as it (stored_quant.py); others stay unmodelled (the planner says so)
+                own = stored_quant_of(qc, where)
+            except ValueError:
+                own = None
+            if own is not None:  # (w8a8 stores the same int8 weights and per-channel scales as w8a16: the same bytes)
+                stored = WeightFormat("w8a16" if own.method == "w8a8" else own.method, own.group_size or 128)
         return cls(
             name=name,
             arch=arch,

@@ -21,7 +21,7 @@ from infertune.layers.moe import Experts
 from infertune.quant.experts import PROJECTIONS, QuantizedExperts
 from infertune.quant.int4 import W4A16Method
 from infertune.quant.int8 import W8A8Method, W8A16Method
-from infertune.quant.stored import StoredQuant
+from infertune.stored_quant import StoredQuant
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:

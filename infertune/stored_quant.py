@@ -28,7 +28,11 @@ def read_stored_quant(model_dir: str) -> StoredQuant | None:
     """The checkpoint's quantization, or None for a plain checkpoint (or a block-scaled fp8 one, which quant/fp8.py
     dequantizes as it loads)."""
     path = Path(model_dir) / "config.json"
-    qc = json.loads(path.read_text()).get("quantization_config")
+    return stored_quant_of(json.loads(path.read_text()).get("quantization_config"), str(path))
+
+
+def stored_quant_of(qc: dict | None, path: str = "config.json") -> StoredQuant | None:
+    """read_stored_quant of a quantization_config already read (`path` names it in errors)."""
     if not qc or qc.get("quant_method") == "fp8":
         return None
     fmt, groups = qc.get("format"), qc.get("config_groups") or {}
@@ -58,4 +62,4 @@ def read_stored_quant(model_dir: str) -> StoredQuant | None:
     )
 
 
-__all__ = ["FORMAT_INT4", "FORMAT_INT8", "StoredQuant", "read_stored_quant"]
+__all__ = ["FORMAT_INT4", "FORMAT_INT8", "StoredQuant", "read_stored_quant", "stored_quant_of"]
