@@ -1214,6 +1214,37 @@ def engine_option_kwargs(name: str, **overrides) -> dict:
     return kw
 
 
+# Other engines' names for an option (llama.cpp, transformers, TGI, older vLLM): the hint of an unknown option
+_OTHER_NAMES = {
+    "max_seq_len": "max_model_len",
+    "max_length": "max_model_len",
+    "max_context_len": "max_model_len",
+    "context_length": "max_model_len",
+    "n_ctx": "max_model_len",
+    "max_total_tokens": "max_model_len",
+    "max_batch_size": "max_num_seqs",
+    "max_batch_total_tokens": "max_num_batched_tokens",
+    "torch_dtype": "dtype",
+    "model_path": "model",
+    "tokenizer_path": "tokenizer",
+    "tp": "tensor_parallel_size",
+    "kv_cache_size": "kv_cache_memory_bytes",
+}
+
+
+def _option_hint(key: str, known: list[str]) -> str:
+    """What an unknown engine option may have meant: a SamplingParams field (a per-request setting), another
+    engine's name for an option, or the closest option name (vLLM's taken-and-ignored ones among them)."""
+    from infertune.sampling_params import SamplingParams
+
+    if key in SamplingParams.__dataclass_fields__:
+        return f"{key} is a per-request setting: pass SamplingParams({key}=...) to generate(); "
+    if key in _OTHER_NAMES:
+        return f"did you mean {_OTHER_NAMES[key]!r}? "
+    close = difflib.get_close_matches(key, [*known, *VLLM_GPU_OPTIONS, *VLLM_PORTED_OPTIONS], n=1)
+    return f"did you mean {close[0]!r}? " if close else ""
+
+
 _WARNED: set[str] = set()
 
 
@@ -1409,9 +1440,9 @@ class EngineConfig:
             owner = next((g for g, c in groups.items() if key in c.__dataclass_fields__ and key != "arch"), None)
             if owner is None:
                 known = sorted(k for c in groups.values() for k in c.__dataclass_fields__ if k != "arch")
-                close = difflib.get_close_matches(key, known, n=1)
-                hint = f"did you mean {close[0]!r}? " if close else ""
-                raise OptionError(f"unknown engine option {key!r}; {hint}known options: {', '.join(known)}")
+                raise OptionError(
+                    f"unknown engine option {key!r}; {_option_hint(key, known)}known options: {', '.join(known)}"
+                )
             declared = groups[owner].__dataclass_fields__[key]
             if value is None and not str(declared.type).replace(" ", "").endswith("|None"):
                 continue  # (vLLM's None for an option: not set, so its default; LLM(enable_prefix_caching=None))

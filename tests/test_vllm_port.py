@@ -505,3 +505,25 @@ def test_decode_kernels_linear_at_float32_says_it_does_nothing(tiny_llama, caplo
         with LLM(str(tiny_llama), **ENGINE, decode_kernels="linear"):
             pass
     assert "decode_kernels='linear' has no effect here (dtype float32): they are bf16 kernels" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "kw, said",
+    [
+        (dict(max_tokens=5), "max_tokens is a per-request setting: pass SamplingParams(max_tokens=...) to generate()"),
+        (dict(temperature=0.0), "temperature is a per-request setting"),
+        (dict(gpu_memory_utilisation=0.5), "did you mean 'gpu_memory_utilization'?"),
+        (dict(max_seq_len=100), "did you mean 'max_model_len'?"),
+        (dict(n_ctx=100), "did you mean 'max_model_len'?"),
+        (dict(max_num_sequences=4), "did you mean 'max_num_seqs'?"),
+    ],
+)
+def test_an_unknown_option_names_what_was_meant(tiny_llama, kw, said):
+    """LLM(max_tokens=...) suggested 'max_stop_len', max_seq_len (other engines' name) too; a misspelt vLLM option
+    had no suggestion at all."""
+    (name,) = kw
+    with pytest.raises(
+        TypeError,
+        match=f"unknown engine option '{name}'; " + said.replace("(", r"\(").replace(")", r"\)").replace(".", r"\."),
+    ):
+        LLM(str(tiny_llama), **kw)
