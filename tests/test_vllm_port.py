@@ -527,3 +527,13 @@ def test_an_unknown_option_names_what_was_meant(tiny_llama, kw, said):
         match=f"unknown engine option '{name}'; " + said.replace("(", r"\(").replace(")", r"\)").replace(".", r"\."),
     ):
         LLM(str(tiny_llama), **kw)
+
+
+def test_completion_finished_reads_as_vllms_method_and_as_a_bool(llm):
+    """vLLM's CompletionOutput.finished() is a method: a ported `if c.finished():` was "'bool' object is not
+    callable"; infertune's own `c.finished` reads as before."""
+    out = llm.generate("abc", SamplingParams(max_tokens=2))[0]
+    c = out.outputs[0]
+    assert c.finished() is True and c.finished and c.finished == True  # noqa: E712
+    running = c.__class__(0, "", [], None)
+    assert running.finished() is False and not running.finished and repr(running.finished) == "False"

@@ -61,6 +61,19 @@ class Logprob(dict):
         return f"Logprob(token_id={self.token_id!r}, logprob={self.logprob!r}, top={self.top!r}, rank={self.rank!r})"
 
 
+class _Finished(int):
+    """True or False (an int, as bool cannot be subclassed) that may also be called: vLLM's CompletionOutput.finished
+    is a method, infertune's a property; both spellings read the same."""
+
+    __slots__ = ()
+
+    def __call__(self) -> bool:
+        return bool(self)
+
+    def __repr__(self) -> str:
+        return repr(bool(self))
+
+
 @dataclass(slots=True)
 class CompletionOutput:
     index: int
@@ -73,8 +86,9 @@ class CompletionOutput:
     logprob_total: float | None = None
 
     @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
+    def finished(self) -> _Finished:
+        """Whether this completion has ended: a bool that may also be called, `c.finished()` as vLLM's method."""
+        return _Finished(self.finish_reason is not None)
 
     @property
     def cumulative_logprob(self) -> float | None:
