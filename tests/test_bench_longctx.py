@@ -139,6 +139,24 @@ def test_bad_settings_are_clear_errors_before_anything_runs(argv, message, capsy
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("only", ["length", "streaming", "nosuch"])
+def test_an_only_one_part_lacks_is_an_error_before_either_part_runs(only, monkeypatch, capsys):
+    """'length policy' is a speed configuration only, 'streaming_llm ...' an accuracy one: with both parts on, the
+    part that lacks it is named before anything is built or run (the accuracy part failed after the whole speed
+    part had run)."""
+    from infertune.cli import main
+
+    def must_not_run(*a, **k):
+        raise AssertionError("a part ran before --only was checked")
+
+    monkeypatch.setattr(longctx, "model_path", must_not_run)
+    monkeypatch.setattr(longctx, "speed_rows", must_not_run)
+    monkeypatch.setattr(longctx, "accuracy_rows", must_not_run)
+    assert main(["bench", "longctx", "--only", only, "--contexts", "64", "--decode", "3"]) == 2
+    part = "speed" if only == "streaming" else "accuracy" if only == "length" else "speed"
+    assert f"--only {only!r} matches no {part} configuration" in capsys.readouterr().err
+
+
 def test_contexts_must_be_positive_token_counts(capsys):
     from infertune.cli import main
 

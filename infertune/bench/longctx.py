@@ -490,6 +490,10 @@ def run(args: argparse.Namespace) -> int:
         from infertune.plotting import require_matplotlib
 
         require_matplotlib()
+    # (each part's --only choice, checked before either part runs: a prefix only one part has failed the other
+    # after the first had run, the speed part minutes long)
+    speed = None if args.skip_speed else chosen(speed_configs(s), s.only, "speed")
+    accuracy = None if args.skip_accuracy else chosen(accuracy_configs(s), s.only, "accuracy")
     torch.set_num_threads(args.threads)
     print("$", shlex.join([sys.executable, *sys.argv]))
     print(
@@ -499,10 +503,10 @@ def run(args: argparse.Namespace) -> int:
     out: dict = {}
     if not args.skip_speed:
         print(f"memory and speed (tiny random Llama, {s.dtype}, batch 1):", flush=True)
-        out["speed"] = speed_rows(model_path(args.cache_dir, s), s, chosen(speed_configs(s), s.only, "speed"))
+        out["speed"] = speed_rows(model_path(args.cache_dir, s), s, speed)
     if not args.skip_accuracy:
         print(f"accuracy vs full attention (built-in model, held-out text, {s.acc_prompt}-token prompts):", flush=True)
-        out["accuracy"] = accuracy_rows(s, chosen(accuracy_configs(s), s.only, "accuracy"))
+        out["accuracy"] = accuracy_rows(s, accuracy)
     print(f"load average after: {os.getloadavg()}\n")
     print(render(out, s.budget_mib))
     emit_json(args.json, out)
