@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Iterable
 from itertools import count
 
 from infertune.config import EngineConfig
-from infertune.engine.async_engine import AsyncLLMEngine, RequestStream
+from infertune.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
 from infertune.engine.llm_engine import LLMEngine, check_request_options
 from infertune.engine.outputs import OutputShaper, RequestOutput
 from infertune.sampling_params import RequestOutputKind, SamplingParams
@@ -124,6 +124,35 @@ class AsyncLLM:
     def num_unfinished_requests(self) -> int:
         stats = self.engine.stats
         return stats["num_running"] + stats["num_waiting"]
+
+    # vLLM's AsyncLLM health and bookkeeping calls, on the engine thread's state
+    def get_num_unfinished_requests(self) -> int:
+        return self.num_unfinished_requests
+
+    @property
+    def is_running(self) -> bool:
+        """The engine thread runs and has not failed."""
+        return self.engine.is_running
+
+    @property
+    def is_stopped(self) -> bool:
+        return not self.engine.is_running
+
+    @property
+    def errored(self) -> bool:
+        """The engine thread stopped on an error (dead_error says which)."""
+        return self.engine.error is not None
+
+    @property
+    def dead_error(self) -> BaseException:
+        return EngineDeadError(f"the engine stopped after an error: {self.engine.error}")
+
+    async def check_health(self) -> None:
+        """vLLM's: raise EngineDeadError once the engine thread has failed or stopped."""
+        if self.engine.error is not None:
+            raise self.dead_error
+        if not self.engine.is_running:
+            raise EngineDeadError("the engine is shut down")
 
     def shutdown(self) -> None:
         """Stop the engine thread and its workers; running requests end with an EngineDeadError."""

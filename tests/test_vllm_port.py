@@ -537,3 +537,26 @@ def test_completion_finished_reads_as_vllms_method_and_as_a_bool(llm):
     assert c.finished() is True and c.finished and c.finished == True  # noqa: E712
     running = c.__class__(0, "", [], None)
     assert running.finished() is False and not running.finished and repr(running.finished) == "False"
+
+
+def test_async_llm_health_calls_as_vllms(tiny_llama):
+    """vLLM's AsyncLLM.check_health / is_running / errored / get_num_unfinished_requests (AttributeErrors before)."""
+    import asyncio
+
+    from infertune import AsyncLLM
+    from infertune.engine.async_engine import EngineDeadError
+
+    async def main():
+        engine = AsyncLLM(str(tiny_llama), **ENGINE)
+        await engine.check_health()
+        assert engine.is_running and not engine.errored and not engine.is_stopped
+        stream = engine.generate("abc", SamplingParams(max_tokens=50, ignore_eos=True), "r")
+        await stream.__anext__()
+        assert engine.get_num_unfinished_requests() == 1
+        await stream.aclose()
+        engine.shutdown()
+        assert not engine.is_running and engine.is_stopped
+        with pytest.raises(EngineDeadError, match="shut down"):
+            await engine.check_health()
+
+    asyncio.run(main())
