@@ -1334,6 +1334,7 @@ def _take_stored_quantization(model: str, quant: dict) -> None:
             f"with ({kept}); drop keep_fp"
         )
     quant["quantization"] = stored.method
+    quant["quantize_lm_head"] = bool(quant.get("quantize_lm_head")) or stored.quantize_lm_head  # (quantize's flag)
     if stored.method == "w4a16":  # (the groups it was quantized in, whatever quant_group_size says: the CLI's default)
         quant["quant_group_size"], quant["quant_symmetric"] = stored.group_size, stored.symmetric
 

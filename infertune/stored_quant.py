@@ -19,6 +19,7 @@ class StoredQuant:
     symmetric: bool
     static_activations: bool
     ignore: tuple[str, ...]  # Hugging Face module names (or "re:" patterns) left unquantized
+    quantize_lm_head: bool = False  # `quantize --quantize-lm-head`: its stored head goes to int8 at every load
 
     def ignores(self, hf_module: str) -> bool:
         return any(re.fullmatch(p[3:], hf_module) if p.startswith("re:") else p == hf_module for p in self.ignore)
@@ -59,6 +60,7 @@ def stored_quant_of(qc: dict | None, path: str = "config.json") -> StoredQuant |
         symmetric=bool(weights.get("symmetric", False)),
         static_activations=bool(acts) and not acts.get("dynamic", True),
         ignore=tuple(qc.get("ignore") or ()),
+        quantize_lm_head=bool((qc.get("infertune") or {}).get("quantize_lm_head")),
     )
 
 

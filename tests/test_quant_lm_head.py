@@ -124,3 +124,37 @@ def test_quantize_lm_head_on_a_quantized_checkpoint(request, tmp_path, which):
         LLM(str(out), keep_fp=("model.layers.0.*",))
     with pytest.raises(ValueError, match=r"already quantized \(w4a16\); drop quantization='w8a16'"):
         LLM(str(out), quantization="w8a16", quantize_lm_head=True)
+
+
+def test_quantize_lm_head_written_by_quantize_applies_at_every_load(tmp_path):
+    """`infertune quantize --quantize-lm-head` (the flag did not exist): the checkpoint keeps its head's values and
+    says so, and a plain LLM(OUT) runs it in int8 per row: on a tied Gemma 2 (scaled embeddings, final soft-cap)
+    against HF transformers running the same dequantized weights, and equal to quantizing on the fly; plan counts
+    the int8 head (hand arithmetic: vocab x hidden bytes and a bf16 scale a row, beside the bf16 embedding)."""
+    from test_gemma import VARIANTS, make_gemma
+
+    from infertune.plan import ModelSpec, weight_breakdown
+    from infertune.plan.weights import WeightFormat
+    from infertune.tools.quantizer import quantize
+
+    src = make_gemma(tmp_path / "g2", **VARIANTS["gemma2"])
+    out = tmp_path / "w4"
+    result = quantize(str(src), "w4a16", str(out), group_size=32, quantize_lm_head=True, show_progress=False)
+    assert "lm_head (int8 at load)" in result.format()
+    ref_model = _hf_with_dequantized(src, "w4a16", 32)
+    prompt = torch.randint(0, ref_model.config.vocab_size, (13,), generator=torch.Generator().manual_seed(7)).tolist()
+    with torch.no_grad():
+        ref = ref_model(torch.tensor([prompt])).logits[0]
+    llm = LLM(str(out), dtype="float32", max_model_len=64)
+    head = llm.engine.executor.runner.model.lm_head
+    assert llm.config.quant.quantize_lm_head and isinstance(head.quant_method, W8A16Method)
+    ours = llm.engine.executor.runner.prompt_logits(prompt, list(range(5)))
+    torch.testing.assert_close(ours, ref, atol=1e-3, rtol=0)
+    fly = LLM(
+        str(src), dtype="float32", max_model_len=64, quantization="w4a16", quant_group_size=32, quantize_lm_head=True
+    )
+    torch.testing.assert_close(ours, fly.engine.executor.runner.prompt_logits(prompt, list(range(5))), atol=0, rtol=0)
+    vocab, h = ref_model.config.vocab_size, ref_model.config.hidden_size
+    with_head = weight_breakdown(ModelSpec.load(out), ModelSpec.load(out).weight_format).total_bytes
+    without = weight_breakdown(ModelSpec.load(out), WeightFormat("w4a16", 32)).total_bytes
+    assert with_head - without == vocab * h + vocab * 2

@@ -211,12 +211,13 @@ def run(args: argparse.Namespace) -> int:
             f"{args.model} is already quantized in groups of {stored.group_size}; drop --group-size {args.group_size}"
         )
     group = args.group_size or (stored.group_size if stored is not None and stored.name == "w4a16" else 128)
+    head = args.quantize_lm_head or (stored is not None and stored.quantize_lm_head)  # (quantize --quantize-lm-head)
     if args.weight_dtype is not None:
         block = stored.block if stored is not None else (128, 128)
-        fmt = WeightFormat(args.weight_dtype, group, quantize_lm_head=args.quantize_lm_head, block=block)
+        fmt = WeightFormat(args.weight_dtype, group, quantize_lm_head=head, block=block)
     elif args.quantize_lm_head or args.group_size is not None:
         base = stored or WeightFormat()
-        fmt = WeightFormat(base.name, group, quantize_lm_head=args.quantize_lm_head, block=base.block)
+        fmt = WeightFormat(base.name, group, quantize_lm_head=head, block=base.block)
     plan = make_plan(
         PlanRequest(
             spec=spec,

@@ -73,6 +73,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "names (e.g. lm_head,model.layers.0.*) (default: lm_head)",
     )
     p.add_argument(
+        "--quantize-lm-head",
+        action="store_true",
+        help="the LM head in int8 per vocabulary row too (tied or not), as the engine's --quantize-lm-head: the "
+        "checkpoint keeps its head's values and says so in its quantization_config, and every load applies it "
+        "(default: the head stays in full precision)",
+    )
+    p.add_argument(
         "--dtype",
         default="auto",
         choices=["auto", "float32", "bfloat16", "float16"],
@@ -131,6 +138,7 @@ def run(args: argparse.Namespace) -> int:
         num_samples=args.num_samples,
         seq_len=args.seq_len,
         keep_fp=keep,
+        quantize_lm_head=args.quantize_lm_head,
         dtype=args.dtype,
         device=args.device,
         show_progress=sys.stderr.isatty(),

@@ -69,11 +69,13 @@ class QuantizeResult:
     smooth_alpha: float | None = None
     calib_seconds: float = 0.0
     seconds: float = 0.0
+    quantize_lm_head: bool = False  # the head stored as it is, put in int8 at every load
 
     def format(self) -> str:
+        kept = [f"{n} (int8 at load)" if self.quantize_lm_head and n == "lm_head" else n for n in self.kept]
         lines = [
             f"wrote {self.out}: {len(self.quantized)} linear layers as {self.method}; full precision: "
-            f"{', '.join(self.kept) or 'none'}",
+            f"{', '.join(kept) or 'none'}",
             f"quantized weights: {self.weight_bytes_before / 2**20:.2f} MiB -> {self.weight_bytes_after / 2**20:.2f} MiB "
             f"({100 * self.weight_bytes_after / max(self.weight_bytes_before, 1):.1f} %)",
         ]
@@ -254,6 +256,7 @@ def quantize(
     num_samples: int = 512,
     seq_len: int = 128,
     keep_fp: tuple[str, ...] = ("lm_head",),
+    quantize_lm_head: bool = False,
     dtype: str = "auto",
     device: str = "auto",
     show_progress: bool = True,
@@ -334,7 +337,9 @@ def quantize(
                     f"{group_size}; pick one dividing it"
                 )
 
-    result = QuantizeResult(str(out_path), method, [], [], 0, 0, smooth_alpha=smoothquant)
+    result = QuantizeResult(
+        str(out_path), method, [], [], 0, 0, smooth_alpha=smoothquant, quantize_lm_head=quantize_lm_head
+    )
     weights = {name: tensors[name] for name in targets}
     if calibrate:
         from infertune.llm import LLM  # the engine itself runs the calibration text
@@ -410,6 +415,8 @@ def quantize(
         "weight_clip": clip,
         "activation_clip": act_clip if calibrate else None,
         "smoothquant_alpha": smoothquant,
+        # the head's values are stored as they are (in `ignore`); each load puts it in int8 per row, as on the fly
+        "quantize_lm_head": quantize_lm_head,
         "calibration": None
         if not calibrate
         else {
