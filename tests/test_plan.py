@@ -857,10 +857,26 @@ def test_an_int8_compressed_tensors_checkpoint_is_planned_as_the_engine_loads_it
         "ignore": ["lm_head"],
     }
     spec = ModelSpec.from_dict({**cfg, "quantization_config": qc}, "qwen-w8a8")
-    assert spec.name == "qwen-w8a8" and spec.weight_format == WeightFormat("w8a16")
+    assert spec.name == "qwen-w8a8" and spec.weight_format == WeightFormat("w8a8")
     ours = weight_breakdown(spec, spec.weight_format)
     assert ours.total_bytes == weight_breakdown(ModelSpec.from_dict(cfg), WeightFormat("w8a16")).total_bytes
     qc_own = {**qc, "infertune": {"method": "w4a16"}, "format": "infertune-int4-uint8"}
     qc_own["config_groups"] = {"group_0": {"weights": {"num_bits": 4, "strategy": "group", "group_size": 64}}}
     own = ModelSpec.from_dict({**cfg, "quantization_config": qc_own}, "mine")
     assert own.name == "mine" and own.weight_format == WeightFormat("w4a16", 64)
+
+
+def test_weight_dtype_w8a8_is_planned_at_w8a16s_bytes(qwen, capsys):
+    """--weight-dtype w8a8 (it was an invalid choice, though the engine and quantize take w8a8): int8 weights and a
+    bf16 scale a row, the same bytes as w8a16, by hand for Qwen2.5-7B's layers (28 x (q, k, v, o, gate, up, down))."""
+    h, inter, layers, kv = 3584, 18944, 28, 512
+    mats = [(h, h), (kv, h), (kv, h), (h, h), (inter, h), (inter, h), (h, inter)]
+    int8 = layers * sum(o * i for o, i in mats)
+    scales = layers * sum(o for o, _ in mats) * 2
+    plain = weight_breakdown(qwen, WeightFormat("bf16"))
+    ours = weight_breakdown(qwen, WeightFormat("w8a8"))
+    assert plain.total_bytes - ours.total_bytes == 2 * int8 - (int8 + scales)
+    assert ours.total_bytes == weight_breakdown(qwen, WeightFormat("w8a16")).total_bytes
+    assert plan_main(["--model", str(QWEN7B), "--device", "h100", "--weight-dtype", "w8a8", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["settings"]["weight_dtype"] == "w8a8" and plan["weights"]["bytes"] == ours.total_bytes

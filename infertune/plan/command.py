@@ -59,7 +59,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=WEIGHT_DTYPES,
         default=None,
         help="bf16-12bit: infertune's lossless 12-bit layout of bf16 weights (the default engine's on CPUs "
-        "with AMX; same outputs, 0.75x the bytes); w8a16 / w4a16: quantized; fp8: a block-scaled fp8 checkpoint "
+        "with AMX; same outputs, 0.75x the bytes); w8a16 / w8a8 / w4a16: quantized (w8a8 holds w8a16's bytes; its "
+        "int8 GEMMs are not modelled: compute as bf16); fp8: a block-scaled fp8 checkpoint "
         "(1 byte a weight + fp32 block scales, what DeepSeek-V3 and Qwen3-*-FP8 publish; infertune dequantizes "
         "it to bf16 at load) (default: the checkpoint's, fp8 for an fp8 checkpoint, else bf16)",
     )
@@ -204,7 +205,11 @@ def run(args: argparse.Namespace) -> int:
     inp, out, ctx = _lengths(args)
     fmt = None  # the checkpoint's
     stored = spec.weight_format  # (a quantized or fp8 checkpoint's own format; None: 16-bit)
-    if stored is not None and stored.name in ("w8a16", "w4a16") and args.weight_dtype not in (None, stored.name):
+    if (
+        stored is not None
+        and stored.name in ("w8a16", "w8a8", "w4a16")
+        and args.weight_dtype not in (None, stored.name)
+    ):
         raise ValueError(f"{args.model} is already quantized ({stored.name}); drop --weight-dtype {args.weight_dtype}")
     if stored is not None and stored.name == "w4a16" and args.group_size not in (None, stored.group_size):
         raise ValueError(

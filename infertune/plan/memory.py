@@ -64,9 +64,8 @@ class ModelSpec:
                 own = stored_quant_of(qc, where)
             except ValueError:
                 own = None
-            if own is not None:  # (w8a8 stores the same int8 weights and per-channel scales as w8a16: the same bytes)
-                name_ = "w8a16" if own.method == "w8a8" else own.method
-                stored = WeightFormat(name_, own.group_size or 128, quantize_lm_head=own.quantize_lm_head)
+            if own is not None:
+                stored = WeightFormat(own.method, own.group_size or 128, quantize_lm_head=own.quantize_lm_head)
         return cls(
             name=name,
             arch=arch,

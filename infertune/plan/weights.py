@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from infertune.config import GEMMA_ARCHITECTURES, ArchConfig
 
-WEIGHT_DTYPES = ("bf16", "bf16-12bit", "w8a16", "w4a16", "fp8")
+WEIGHT_DTYPES = ("bf16", "bf16-12bit", "w8a16", "w8a8", "w4a16", "fp8")
 FP8_SCALE_BYTES = 4  # fp32 weight_scale_inv per block
 
 
@@ -40,6 +40,7 @@ _COVERS = {
     "bf16": (),
     "bf16-12bit": ("linear",),
     "w8a16": ("linear", "expert"),
+    "w8a8": ("linear", "expert"),  # (the same int8 weights and per-channel scales as w8a16)
     "w4a16": ("linear", "expert"),
     "fp8": ("linear", "expert", "latent"),
 }
@@ -64,7 +65,7 @@ class WeightFormat:
 
     @property
     def bits(self) -> int:
-        return {"bf16": 16, "bf16-12bit": 12, "w8a16": 8, "w4a16": 4, "fp8": 8}[self.name]
+        return {"bf16": 16, "bf16-12bit": 12, "w8a16": 8, "w8a8": 8, "w4a16": 4, "fp8": 8}[self.name]
 
     def linear_bytes(self, out_features: int, in_features: int) -> tuple[int, int]:
         """(weight bytes, scale bytes) of one [out, in] matrix in this format.
@@ -82,7 +83,7 @@ class WeightFormat:
         if self.name == "fp8":
             bn, bk = self.block or (out_features, in_features)
             return data, -(-out_features // bn) * -(-in_features // bk) * FP8_SCALE_BYTES
-        if self.name == "w8a16":
+        if self.name in ("w8a16", "w8a8"):
             return data, out_features * self.scale_bytes
         if in_features % self.group_size:  # (the engine and `infertune quantize` refuse such a layer too)
             raise ValueError(
