@@ -139,6 +139,7 @@ class LLM:
         lora_request=None,
         priority: list[int] | None = None,
         tokenization_kwargs: dict | None = None,
+        mm_processor_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; results come back in input order.
 
@@ -150,10 +151,14 @@ class LLM:
         tokenization_kwargs (vLLM's): what the tokenizer is called with for text prompts, e.g.
         {"add_special_tokens": False} or {"truncation": True, "max_length": 512} (the tokenizer's own side).
         """
+        if isinstance(lora_request, (list, tuple)) and not any(r is not None for r in lora_request):
+            lora_request = None  # (vLLM's: one per prompt, all None)
         if lora_request is not None:
             raise NotImplementedError(
                 "lora_request: LoRA adapters are not supported (merge the adapter into the weights)"
             )
+        if mm_processor_kwargs:
+            raise ValueError("mm_processor_kwargs: this engine serves text-only models")
         if isinstance(priority, int):  # (vLLM's: one priority for every prompt)
             priority = [priority]
         if priority is not None and any(priority):

@@ -560,3 +560,15 @@ def test_async_llm_health_calls_as_vllms(tiny_llama):
             await engine.check_health()
 
     asyncio.run(main())
+
+
+def test_generate_takes_vllms_keywords_at_their_defaults(llm):
+    """vLLM's generate(..., lora_request=[None, None], priority=0, mm_processor_kwargs=None): the list of Nones was
+    refused as a LoRA request and mm_processor_kwargs was a TypeError."""
+    params = SamplingParams(temperature=0, max_tokens=2)
+    outs = llm.generate(
+        ["a", "b"], params, use_tqdm=False, lora_request=[None, None], priority=0, mm_processor_kwargs=None
+    )
+    assert [len(o.outputs[0].token_ids) for o in outs] == [2, 2]
+    with pytest.raises(ValueError, match="mm_processor_kwargs: this engine serves text-only models"):
+        llm.generate("a", params, mm_processor_kwargs={"num_crops": 4})
