@@ -4,6 +4,7 @@ engine with them against the engine with torch's matmuls and against HF transfor
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 import torch
@@ -601,17 +602,26 @@ def test_w8a16_on_the_packed_weight_is_linear_w8s_arithmetic(ks):
     N not a multiple of 64, K not a multiple of 64 and past a 1024-column slab; a zero row (s_x = 1), values halfway
     between int16 levels, an outlier, sums far past 2^24; with and without a bias. At 1-3 rows linear_w8 on the
     unpacked weight runs the same integers through its int16 kernels: the two agree bit for bit there (at 2-3 rows
-    only without AMX: with it linear_w8 multiplies the dequantized weight on the tiles from 2 rows)."""
+    only without AMX: with it linear_w8 multiplies the dequantized weight on the tiles from 2 rows). With AMX, past 16
+    rows of a weight of a multiple of 16 features and K of 32 (gemm_w8p.c w8p_tiles_take), prompts take the 12-bit
+    weights' tile GEMM on the packed words rebuilt in bf16: linear_bf16 on the dequantized weight bf16(q bf16(s)) (the
+    PyTorch reference's), bit for bit, a feature whose scale makes denormal weights included (the rebuild's
+    one-instruction rounding would flush them); with those tiles switched off (it_w8p_tiles(0)) the integers again."""
     if not kernels.w8p_supported(getattr(ks, "lib", None)):
         pytest.skip(f"{ks.name}: W8A16 keeps [N, K] here (no packed kernel)")
+    amx = getattr(ks, "amx", False)
+    lib = getattr(ks, "lib", None) or kernels.library()
     g = torch.Generator().manual_seed(29)
-    for n, k in ((64, 64), (70, 100), (131, 1100), (96, 2050)):
+    for n, k in ((64, 64), (70, 100), (131, 1100), (96, 2050), (208, 1088)):
         q, s = quantize_int8_per_channel(torch.randn(n, k, generator=g))
         q[1] = 127
+        if n == 208:  # a feature whose weights are denormal in bf16 (q s < 2^-126)
+            s[5] = 2.0**-131
         s = s.bfloat16().float()  # (W8A16 keeps its scales in the model dtype)
         packed = ks.pack_w8a8(q)
         bias = torch.randn(n, generator=g).bfloat16()
-        for m in (1, 2, 3, 4, 5, 7, 16, 131, 260):
+        dequantized = q.bfloat16() * s.bfloat16()[:, None]  # (the reference's bf16 multiply)
+        for m in (1, 2, 3, 4, 5, 7, 16, 17, 131, 260):
             x = (torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g) * 4).bfloat16()
             x[0, 0] = 32512.0 / 4  # (row 0: s_x = 1 / 4 exactly, so x / s_x = 4x:)
             x[0, 1 : k // 2] = 0.125  # (4 x 0.125 = 0.5, halfway: rounds to even, 0)
@@ -619,12 +629,21 @@ def test_w8a16_on_the_packed_weight_is_linear_w8s_arithmetic(ks):
             if m > 2:
                 x[1] = 0  # a zero row
                 x[2, 3] = 900.0  # an outlier
+            tiles = amx and m > 16 and n % 16 == 0 and k % 32 == 0
             for b in (None, bias):
-                ref = _w8p_oracle(x, q, s, b)
+                ref = ks.linear_bf16(x, dequantized, b) if tiles else _w8p_oracle(x, q, s, b)
                 got = ks.linear_w8p(x, packed, s, b)
                 assert torch.equal(got.view(torch.int16), ref.view(torch.int16)), (n, k, m, b is None)
-                if m <= (1 if getattr(ks, "amx", False) else 3):
+                if m <= (1 if amx else 3):
                     assert torch.equal(got.view(torch.int16), ks.linear_w8(x, q, s, b).view(torch.int16))
+                if tiles:  # (the integer path still there, for every row count)
+                    lib.it_w8p_tiles(0)
+                    try:
+                        got = ks.linear_w8p(x, packed, s, b)
+                    finally:
+                        lib.it_w8p_tiles(1)
+                    want = _w8p_oracle(x, q, s, b)
+                    assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (n, k, m, "integers")
     with pytest.raises(ValueError, match="fp32 scales"):
         ks.linear_w8p(x, packed, s.bfloat16())
     with pytest.raises(ValueError, match="not a packed"):
@@ -1855,6 +1874,59 @@ def test_fused_step_runs_prompts_as_accurately_as_pytorch(tmp_path, monkeypatch,
             worst[mode] = max(worst[mode], *_hf_logprob_errors(llm, prompts, params, hf, argmax=quant is None))
             assert calls == ([156] if mode == "auto" else []), calls
     assert worst["auto"] <= 1.5 * worst["linear"] + 0.02, worst
+
+
+@pytest.mark.skipif(
+    not (kernels.available() and kernels.variant() == "avx512" and kernels.amx()),
+    reason=f"W8A16 prompts on the 12-bit tile GEMM need AMX: {kernels.describe()}",
+)
+def test_w8a16_prompts_on_the_tile_gemm_are_a_bf16_models_bits(tmp_path):
+    """With AMX a W8A16 prompt's linears (the packed weight, gemm_w8p.c) run the 12-bit weights' tile GEMM on the
+    words rebuilt in bf16 (bf16c_gemm.c w8p_group), the gate_up writing SiLU-and-multiply and o_proj / down adding
+    into the residual in its epilogue: the fused step's prompt logprobs (every row through every layer) are bit for
+    bit those of the bf16 model whose weights are the W8A16 model's dequantized ones, bf16(q bf16(s)) (its 12-bit
+    weights on the same GEMM), for prompt steps of 66 and 156 rows; with the tiles off (the integer path) they are
+    not. (A step's few sampled rows through its last layer, 16 or fewer,
+    keep the integer kernels: hence the prompt logprobs, which send every row through.)"""
+    from safetensors.torch import load_file, save_file
+
+    from infertune import LLM, SamplingParams
+    from infertune.quant.int8 import quantize_int8_per_channel
+
+    lib = kernels.library()
+    assert lib.it_w8p_tiles(-1) == 1
+    model = _tiny_bf16_llama(tmp_path)
+    twin = tmp_path / "dequantized"
+    shutil.copytree(model, twin)
+    (weights_file,) = twin.glob("*.safetensors")
+    tensors = load_file(weights_file)
+    linears = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    for name, w in tensors.items():
+        if name.endswith(".weight") and name.split(".")[-2] in linears:  # (W8A16Method's quantization of each row)
+            q, sc = quantize_int8_per_channel(w.bfloat16())
+            tensors[name] = q.bfloat16() * sc.bfloat16()[:, None]
+    save_file(tensors, weights_file, metadata={"format": "pt"})
+    gen = torch.Generator().manual_seed(13)
+    prompts = [{"prompt_token_ids": torch.randint(3, 250, (n,), generator=gen).tolist()} for n in (5, 21, 40, 90)]
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, prompt_logprobs=3)
+
+    def prompt_logprobs(path, **engine):
+        llm = LLM(str(path), dtype="bfloat16", max_model_len=192, enable_prefix_caching=False, **engine)
+        assert llm.engine.executor.runner.fused is not None
+        return [
+            [sorted((t, lp.logprob) for t, lp in row.items()) for row in o.prompt_logprobs[1:]]
+            for batch in (prompts[:3], prompts)
+            for o in llm.generate(batch, params, use_tqdm=False)
+        ]
+
+    bf16 = prompt_logprobs(twin)
+    assert prompt_logprobs(model, quantization="w8a16") == bf16
+    lib.it_w8p_tiles(0)
+    try:
+        integers = prompt_logprobs(model, quantization="w8a16")
+    finally:
+        lib.it_w8p_tiles(1)
+    assert integers != bf16  # (the exact-integer products, of the test above, differ from the bf16 weights' somewhere)
 
 
 @pytest.mark.skipif(

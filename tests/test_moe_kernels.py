@@ -406,8 +406,8 @@ def test_quantized_experts_match_their_per_expert_loop(ks, method, t):
     """Int8 / int4 experts (quant/experts.py: the Linear methods' buffers stacked over the experts) through the
     grouped kernel: the same int kernels as the per-expert loop runs on each expert's slice (bit for bit almost
     everywhere; past 16 rows an expert's loop multiplies its dequantized weight with torch's GEMM; W8A8, and W8A16 /
-    W4A16 on their packed layouts (AVX-512; with AMX W4A16's past 16 rows on the tiles, its gate_up writing
-    SiLU-and-multiply in the epilogue: 150 tokens put ~37 rows on an expert), bit for bit everywhere: their kernels
+    W4A16 on their packed layouts (AVX-512; with AMX W4A16's and W8A16's past 16 rows on the tiles, their gate_up
+    writing SiLU-and-multiply in the epilogue: 150 tokens put ~37 rows on an expert), bit for bit everywhere: their kernels
     take any row count),
     and within 2^-7 of experts_reference in fp32 on the dequantized weights (2^-5 with W8A8's int8 activations)."""
     e, k, hidden, inter = 8, 2, 128, 64

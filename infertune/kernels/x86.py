@@ -124,7 +124,9 @@ class X86Kernels:
         # W8A16 / W4A16 on their packed weights (gemm_w8p.c / gemm_w4p.c): without AMX at every row count, where one
         # weight stream a thread beats the row layouts' kernels (benchmarks/bench_packed_quant.py). W8A16 with AMX
         # too: the packed weight is AMX-INT8's B operand as it lies (gemm_i8_amx.c: x's h and l bytes on the tiles),
-        # which beats the row layout's dequantize-then-bf16-tiles at every row count (BENCHMARKS.md, 2026-12-06).
+        # which beat the row layout's dequantize-then-bf16-tiles at every row count (BENCHMARKS.md, 2026-12-06); past
+        # 16 rows its words are now rebuilt in bf16 for the 12-bit weights' tile GEMM instead (gemm_w8p.c: the SiLU
+        # and residual epilogues of the fused step; BENCHMARKS.md, 2026-12-07).
         # W4A16 with AMX: MoE models only. Past 16 rows the packed nibbles are rebuilt in bf16 a 64-feature chunk at a
         # time for the 12-bit weights' tile GEMM (gemm_w4p.c, bf16c_gemm.c tiles_gemm: the bf16 products of the row
         # layout's dequantize-then-AMX-GEMM, no dequantized copy), so MoE prompts run in the fused step: on a Xeon

@@ -143,6 +143,11 @@ typedef struct {
     const uint8_t* w4r;
     const float *sr, *zr;
     int64_t N;
+    /* W8A16 on W8A8's packed weight (cw, w4 and w4r NULL; w8 set): w8 it_pack_w8a8's words ([N64 / 64][Kp / 4][64],
+       each 4 columns of one feature + 128; features past N hold q = 0), its fp32 scales s8 [N]; each weight rebuilt
+       as bf16(q bf16(s)) (w8_scale's scale, it_dequant_w8's rounding); N: the features the scales cover */
+    const uint32_t* w8;
+    const float* s8;
 } tile_src;
 
 #ifndef W4P_TILE_PF
@@ -196,6 +201,50 @@ static inline void w4p_prefetch(const tile_src* s, int64_t b, int64_t p) { /* (o
 #endif
 }
 
+/* Octet p (columns 8p .. 8p + 7) of the 16 features 16 v .. of W8A16's packed block b (64 features) in bf16, as
+ * w4p_group lays them out: four VNNI rows (column pairs 4p + i). Words 2p and 2p + 1 of the block hold columns
+ * 8p .. 8p + 3 and 8p + 4 .. 8p + 7, byte j of a word column j + 128. Each weight q bf16(s) rounded once: VCVTNE2PS2BF16
+ * where no scale of the 16 features can make it a denormal (|s| >= 2^-126 or 0, as dequant_w8_row_fast asks), else
+ * the exact rounding (bf16_round_f32). */
+static inline void w8p_group(const tile_src* s, int64_t b, int v, int64_t p, uint32_t* out, int64_t pstride) {
+    const int64_t f0 = 64 * b + 16 * v, left = s->N - f0;
+    const __mmask16 live = left >= 16 ? (__mmask16)0xffff : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
+    const __m512 sc = bf16_round_f32(_mm512_maskz_loadu_ps(live, s->s8 + f0)); /* (past N: 0, their q are 0 too) */
+    const __m512 a = _mm512_abs_ps(sc);
+    const __mmask16 normal = _mm512_cmp_ps_mask(sc, _mm512_setzero_ps(), _CMP_EQ_OQ) |
+                             (_mm512_cmp_ps_mask(a, _mm512_set1_ps(0x1p-126f), _CMP_GE_OQ) &
+                              _mm512_cmp_ps_mask(a, _mm512_set1_ps(3.4028234e38f), _CMP_LE_OQ));
+    const uint32_t* wb = s->w8 + (b * (i8_kp(s->K) / 4) + 2 * p) * 64 + 16 * v;
+    const __m512i flip = _mm512_set1_epi32((int)0x80808080u), hi16 = _mm512_set1_epi32((int)0xffff0000u);
+    const __m512i word[2] = {_mm512_xor_si512(_mm512_load_si512(wb), flip),
+                             _mm512_xor_si512(_mm512_load_si512(wb + 64), flip)}; /* (bytes: q, signed) */
+    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                           21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    for (int i = 0; i < 4; i++) {
+        const __m512i w = word[i >> 1];
+        const int t = 2 * (i & 1); /* (the pair's columns: bytes t and t + 1 of the word) */
+        const __m512i q0 = _mm512_srai_epi32(_mm512_sllv_epi32(w, _mm512_set1_epi32(24 - 8 * t)), 24);
+        const __m512i q1 = _mm512_srai_epi32(_mm512_sllv_epi32(w, _mm512_set1_epi32(16 - 8 * t)), 24);
+        const __m512 w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(q0), sc), w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(q1), sc);
+        if (normal == 0xffff) {
+            _mm512_store_si512(out + i * pstride, _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(w1, w0)));
+        } else {
+            const __m512i r0 = _mm512_srli_epi32(_mm512_castps_si512(bf16_round_f32(w0)), 16);
+            const __m512i r1 = _mm512_and_si512(_mm512_castps_si512(bf16_round_f32(w1)), hi16);
+            _mm512_store_si512(out + i * pstride, _mm512_or_si512(r0, r1));
+        }
+    }
+}
+
+static inline void w8p_prefetch(const tile_src* s, int64_t b, int64_t p) { /* (octet p of block b, W4P_TILE_PF on) */
+#if W4P_TILE_PF > 0
+    const uint32_t* wb = s->w8 + (b * (i8_kp(s->K) / 4) + 2 * p) * 64;
+    for (int l = 0; l < 512; l += 64) _mm_prefetch((const char*)wb + W4P_TILE_PF + l, _MM_HINT_T0);
+#else
+    (void)s, (void)b, (void)p;
+#endif
+}
+
 /* Octet p of block b's four groups of 16 features: group v's rows at out + v vstride (see w4p_group) */
 static inline void w4p_octet(const tile_src* s, int64_t b, int64_t p, uint32_t* out, int64_t pstride,
                              int64_t vstride) {
@@ -203,17 +252,23 @@ static inline void w4p_octet(const tile_src* s, int64_t b, int64_t p, uint32_t* 
     for (int v = 0; v < 4; v++) w4p_group(s, b, v, p, out + v * vstride, pstride);
 }
 
-/* Octet p of a tile GEMM chunk c's four 16-feature tiles (tile_src.inter: a gate_up's gate and up tiles in turn)
- * into the decoded k-step's rows at out (tile v at out + 256 v words, its pair rows 16 words apart) */
-static inline void w4p_chunk_octet(const tile_src* s, int64_t c, int64_t p, uint32_t* out) {
-    if (!s->inter) {
+/* Octet p of a tile GEMM chunk c's four 16-feature tiles from a packed W4A16 or W8A16 weight (tile_src.inter: a
+ * gate_up's gate and up tiles in turn) into the decoded k-step's rows at out (tile v at out + 256 v words, its pair
+ * rows 16 words apart) */
+static inline void packed_chunk_octet(const tile_src* s, int64_t c, int64_t p, uint32_t* out) {
+    if (!s->inter && !s->w8) {
         w4p_octet(s, c, p, out, 16, 256);
         return;
     }
     for (int v = 0; v < 4; v++) {
-        const int64_t f = (v & 1 ? s->inter : 0) + 32 * c + 16 * (v >> 1); /* the tile's first feature */
-        if (v < 2) w4p_prefetch(s, f / 64, p);
-        w4p_group(s, f / 64, (int)(f % 64 / 16), p, out + 256 * v, 16);
+        const int64_t f = s->inter ? (v & 1 ? s->inter : 0) + 32 * c + 16 * (v >> 1) : 64 * c + 16 * v; /* its first */
+        if (s->w8) {
+            if (v < 2 && (s->inter || v == 0)) w8p_prefetch(s, f / 64, p);
+            w8p_group(s, f / 64, (int)(f % 64 / 16), p, out + 256 * v, 16);
+        } else {
+            if (v < 2) w4p_prefetch(s, f / 64, p);
+            w4p_group(s, f / 64, (int)(f % 64 / 16), p, out + 256 * v, 16);
+        }
     }
 }
 
@@ -279,7 +334,7 @@ static inline void w4r_tile(const tile_src* s, int64_t f, int64_t ks, bf16* out)
 }
 
 /* Tile v (rows 16 v ..) of a tile GEMM chunk c's k-step ks from W4A16 rows (tile_src.inter: a gate_up's gate and up
- * tiles in turn, as w4p_chunk_octet) */
+ * tiles in turn, as packed_chunk_octet) */
 static inline void w4r_chunk_tile(const tile_src* s, int64_t c, int64_t ks, int v, bf16* out) {
     const int64_t f = s->inter ? (v & 1 ? s->inter : 0) + 32 * c + 16 * (v >> 1) : 64 * c + 16 * v;
     w4r_tile(s, f, ks, out);
@@ -308,7 +363,7 @@ static inline void decode_some(chunk_decoder* d, int pairs) {
         for (int r = d->r; r < r1; r += 16) w4r_chunk_tile(d->src, d->chunk, d->ks, r / 16, out + 32 * r);
     } else {
         r1 = (r1 + 15) & ~15;
-        for (int r = d->r; r < r1; r += 16) w4p_chunk_octet(d->src, d->chunk, 4 * d->ks + r / 16, (uint32_t*)out + 4 * r);
+        for (int r = d->r; r < r1; r += 16) packed_chunk_octet(d->src, d->chunk, 4 * d->ks + r / 16, (uint32_t*)out + 4 * r);
     }
     d->r = r1;
     if (d->r >= d->rows) {
@@ -579,7 +634,7 @@ static void linear_bf16c(const bf16* x, int64_t ldx, const bf16c* cw, const bf16
     else if (M <= 16)
         linear_bf16c_rows(x, ldx, cw, bias, y, ldy, (int)M, N16, K, nthreads, inter, epi);
     else {
-        const tile_src src = {cw, NULL, NULL, NULL, 0, K, 0, NULL, NULL, NULL, 0};
+        const tile_src src = {.cw = cw, .K = K};
         tiles_gemm(x, ldx, &src, bias, y, ldy, M, N16, K, nthreads, scratch, dec, inter, epi, stream, 0, 0);
     }
 }
@@ -589,7 +644,7 @@ static void linear_bf16c(const bf16* x, int64_t ldx, const bf16c* cw, const bf16
  * order as from rows: the same bits. */
 static void linear_bf16c_px(const bf16* xp, const bf16c* cw, const bf16* bias, bf16* y, int64_t ldy, int64_t M,
                             int64_t N16, int64_t K, int nthreads, bf16* dec, int64_t inter, int epi, int64_t ypk) {
-    const tile_src src = {cw, NULL, NULL, NULL, 0, K, 0, NULL, NULL, NULL, 0};
+    const tile_src src = {.cw = cw, .K = K};
     tiles_gemm(xp, K, &src, bias, y, ldy, M, N16, K, nthreads, NULL, dec, inter, epi, 0, 1, ypk);
 }
 

@@ -128,7 +128,8 @@ static void add_rows(bf16* x, const bf16* y, int64_t n) {
 static void run_lin(const it_lin* L, const bf16* x, int64_t ldx, bf16* y, int64_t ldy, int64_t M, int nthreads,
                     void* scratch, bf16* dec, int silu) {
     /* (silu: a 12-bit gate_up's act, see linear_bf16c; a W4A16 gate_up's where w4p_act_takes, see linear_w4p, or in
-       rows where w4_act_takes, see linear_w4; -1: a W4A16 one in rows adds into y, where w4_add_takes) */
+       rows where w4_act_takes, see linear_w4, a packed W8A16 one's where w8p_act_takes; -1: a W4A16 one in rows, or a
+       packed W8A16 one, adds into y, where w4_add_takes / w8p_add_takes) */
     if (L->kind == IT_KIND_BF16)
         linear_bf16(x, ldx, (const bf16*)L->w, L->bias, y, ldy, M, L->N, L->K, nthreads, scratch);
     else if (L->kind == IT_KIND_BF16C) /* past 16 rows (a fused prefill's) each thread decodes 64 features of W at a time into dec */
@@ -137,9 +138,9 @@ static void run_lin(const it_lin* L, const bf16* x, int64_t ldx, bf16* y, int64_
     else if (L->kind == IT_KIND_W8A8) /* (it_decode_layers checked K) */
         linear_w8a8(x, ldx, (const uint32_t*)L->w, (const float*)L->scale, L->zero, L->bias, y, ldy, M, L->N, L->K,
                     nthreads, scratch);
-    else if (L->kind == IT_KIND_W8P) /* (it_decode_layers checked K) */
+    else if (L->kind == IT_KIND_W8P) /* (it_decode_layers checked K; past 16 rows on AMX the tiles, as 12-bit) */
         linear_w8p(x, ldx, (const uint32_t*)L->w, (const float*)L->scale, L->bias, y, ldy, M, L->N, L->K, nthreads,
-                   scratch);
+                   scratch, dec, silu == 1 || silu == -1 ? silu : 0); /* (BF16C_EPI_STREAM: a 12-bit hint) */
     else if (L->kind == IT_KIND_W4P) /* (it_decode_layers checked the group; past 16 rows on AMX the tiles, as 12-bit) */
         linear_w4p(x, ldx, (const uint32_t*)L->w, (const float*)L->scale, L->zero, L->group, L->bias, y, ldy, M, L->N,
                    L->K, nthreads, scratch, dec, silu == 1);
@@ -152,12 +153,14 @@ static void run_lin(const it_lin* L, const bf16* x, int64_t ldx, bf16* y, int64_
 }
 
 /* x_res += x W^T (+ bias), each product rounded to bf16 first: a 12-bit weight adds in its epilogue, and so does a
- * W4A16 one in rows on AMX past 16 rows (w4_add_takes: the same tile GEMM), any other writes y, then add_rows */
+ * W4A16 one in rows or a packed W8A16 one on AMX past 16 rows (w4_add_takes / w8p_add_takes: the same tile GEMM),
+ * any other writes y, then add_rows */
 static void run_lin_add(const it_lin* L, const bf16* x, int64_t ldx, bf16* x_res, bf16* y, int64_t H, int64_t M,
                         int nthreads, void* scratch, bf16* dec) { /* x_res, y: [M, H] */
     if (L->kind == IT_KIND_BF16C && !L->inter) {
         linear_bf16c(x, ldx, (const bf16c*)L->w, L->bias, x_res, H, M, L->N, L->K, nthreads, (bf16*)scratch, dec, 0, 1);
-    } else if (L->kind == IT_KIND_W4 && w4_add_takes(M, L->N, L->K)) {
+    } else if ((L->kind == IT_KIND_W4 && w4_add_takes(M, L->N, L->K)) ||
+               (L->kind == IT_KIND_W8P && w8p_add_takes(M, L->N, L->K))) {
         run_lin(L, x, ldx, x_res, H, M, nthreads, scratch, dec, -1);
     } else {
         run_lin(L, x, ldx, y, H, M, nthreads, scratch, dec, 0);
@@ -177,9 +180,12 @@ int it_px_gemm(int on) {
 static inline int px_takes(const it_lin* L, int64_t rows) {
     return px_on && amx_state == 1 && rows > 16 && L->kind == IT_KIND_BF16C && L->K % 32 == 0 && L->N % 16 == 0;
 }
-/* a W4A16 gate_up whose tile GEMM writes act itself (gemv_quant.c w4_act_takes; SiLU only) */
-#define GATE_UP_ACT_TAKES(m, L, R) \
-    ((L)->kind == IT_KIND_W4 && (m)->act == IT_ACT_SILU && w4_act_takes((R), (L)->N, (L)->K, (L)->bias))
+/* a W4A16 (rows) or W8A16 (packed) gate_up whose tile GEMM writes act itself (gemv_quant.c w4_act_takes,
+ * gemm_w8p.c w8p_act_takes; SiLU only) */
+#define GATE_UP_ACT_TAKES(m, L, R)                                                                              \
+    ((m)->act == IT_ACT_SILU &&                                                                                 \
+     (((L)->kind == IT_KIND_W4 && w4_act_takes((R), (L)->N, (L)->K, (L)->bias)) ||                              \
+      ((L)->kind == IT_KIND_W8P && w8p_act_takes((R), (L)->N, (L)->K, (L)->bias))))
 #define PX_TAKES px_takes
 #define PX_NORM rmsnorm_rows_px
 /* y = xp W^T (+ bias) from packed rows xp: epi 0 writes y [M, ldy], epi 1 with a gate_up (inter) writes act packed

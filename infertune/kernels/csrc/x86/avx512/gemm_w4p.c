@@ -169,7 +169,7 @@ static inline int64_t w4p_dec_bytes(int64_t M, int64_t N, int64_t K, int nthread
 static void linear_w4p(const bf16* x, int64_t ldx, const uint32_t* w, const float* sT, const float* zT, int64_t gs,
                        const bf16* bias, bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads,
                        void* scratch, bf16* dec, int silu) {
-    const tile_src c = {NULL, w, sT, zT, gs, K, silu ? N / 2 : 0, NULL, NULL, NULL, 0};
+    const tile_src c = {.w4 = w, .sT = sT, .zT = zT, .gs = gs, .K = K, .inter = silu ? N / 2 : 0};
     if (dec && w4p_tiles_take(M, N, gs)) { /* (scratch: bf16c_scratch_bytes(M, K), the last row tile zero-padded) */
         tiles_gemm(x, ldx, &c, silu ? NULL : bias, y, ldy, M, N, K, nthreads, (bf16*)scratch, dec, c.inter, silu, 0, 0, 0);
         return;

@@ -18,7 +18,8 @@
  * driver (i8_drive) run them as they are.
  *
  * AVX-512 library only: AVX2 / NEON keep W8A16 on [N, K] (their int16 kernels widen the weight; no measurement says
- * this layout pays there), and with AMX linear_w8's tile paths keep [N, K] too (kernels/x86.py max_rows("w8p")). */
+ * this layout pays there). With AMX, prompts past 16 rows leave this arithmetic for the bf16 tile GEMM on the words
+ * rebuilt in bf16 (w8p_tiles_take below). */
 #define W8P_MR 3 /* rows of x a micro-kernel: W8A8's GEMM_MR int8 rows, h and l of each */
 _Static_assert(2 * W8P_MR <= GEMM_MR, "i8_micro takes both bytes of W8P_MR rows");
 
@@ -114,10 +115,50 @@ static void w8p_amx_rows(const void* ctx, const int32_t* acc, int64_t r0, int ro
     w8p_store((const w8p_job*)ctx, acc, r0 / 2, rows / 2, n0, nrows);
 }
 
-/* scratch: w8p_scratch_bytes(M, K). 0: done; -1: K out of range (the caller keeps torch's). */
+/* Prompts on AMX: past W8P_AMX_MIN_ROWS rows of a weight of a multiple of 16 features (K a multiple of 32), the
+ * 12-bit weights' tile GEMM (bf16c_gemm.c tiles_gemm) on the packed words rebuilt in bf16 a 64-feature chunk at a
+ * time (w8p_group: bf16(q bf16(s)), it_dequant_w8's weights), so the products are linear_bf16's on the dequantized
+ * weight, and a gate_up writes SiLU-and-multiply in the GEMM's epilogue, o_proj and down add into the residual there
+ * (the fused step), as a 12-bit or a W4A16 weight does. Below those rows, and without AMX, the exact integer
+ * arithmetic above. Measured: BENCHMARKS.md (2026-12-07, third session). */
+#ifndef W8P_AMX_MIN_ROWS
+#define W8P_AMX_MIN_ROWS 16
+#endif
+static int w8p_tiles_on = 1; /* (it_w8p_tiles, for tests and A/B runs) */
+int it_w8p_tiles(int on) {
+    if (on >= 0) w8p_tiles_on = on != 0;
+    return w8p_tiles_on;
+}
+
+static inline int w8p_tiles_take(int64_t M, int64_t N, int64_t K) {
+    return w8p_tiles_on && amx_state == 1 && M > W8P_AMX_MIN_ROWS && N % 16 == 0 && K % 32 == 0 && K <= I8_MAX_K;
+}
+
+/* Whether linear_w8p writes a gate_up's SiLU-and-multiply itself (silu = 1: gate and up tiles paired by the decoder,
+ * tile_src.inter; no bias), or adds its product into y (silu = -1: a residual), given a dec buffer */
+static inline int w8p_act_takes(int64_t M, int64_t N, int64_t K, const bf16* bias) {
+    return w8p_tiles_take(M, N, K) && N % 64 == 0 && !bias;
+}
+static inline int w8p_add_takes(int64_t M, int64_t N, int64_t K) { return w8p_tiles_take(M, N, K); }
+
+/* The tile path's dec buffer (bf16c_dec_bytes), and what it_linear_w8p allocates: scratch, then dec */
+static inline int64_t w8p_dec_bytes(int64_t M, int64_t N, int64_t K, int nthreads) {
+    return w8p_tiles_take(M, N, K) ? bf16c_dec_bytes(M, N, K, nthreads) : 0;
+}
+
+/* scratch: w8p_scratch_bytes(M, K) (and bf16c_scratch_bytes(M, K) where dec is given). 0: done; -1: K out of range
+ * (the caller keeps torch's). dec: NULL, or bf16c_dec_bytes(M, N, K, nthreads) for the tiles; silu = 1 only where
+ * w8p_act_takes (w a gate_up [2 I, K], y gets act [M, I]), -1 only where w8p_add_takes (y += the product, each
+ * rounded to bf16 first, as add_rows adds it) */
 static int linear_w8p(const bf16* x, int64_t ldx, const uint32_t* wpk, const float* scale, const bf16* bias, bf16* y,
-                      int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads, void* scratch) {
+                      int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads, void* scratch, bf16* dec, int silu) {
     if (K > I8_MAX_K || K < 1) return -1;
+    if (dec && w8p_tiles_take(M, N, K)) {
+        const tile_src c = {.K = K, .inter = silu > 0 ? N / 2 : 0, .N = N, .w8 = wpk, .s8 = scale};
+        tiles_gemm(x, ldx, &c, silu > 0 ? NULL : bias, y, ldy, M, N, K, nthreads, (bf16*)scratch, dec, c.inter,
+                   silu != 0, 0, 0, 0);
+        return 0;
+    }
     const int64_t Kp = i8_kp(K);
     int8_t* xhl = (int8_t*)scratch;
     float* sx = (float*)(xhl + 2 * M * Kp);
@@ -136,9 +177,12 @@ static int linear_w8p(const bf16* x, int64_t ldx, const uint32_t* wpk, const flo
  * cannot be had */
 int it_linear_w8p(const bf16* x, int64_t ldx, const uint32_t* w, const float* scale, const bf16* bias, bf16* y,
                   int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads) {
-    void* scratch = aligned_alloc(64, (size_t)w8p_scratch_bytes(M, K));
+    const int64_t sb = w8p_scratch_bytes(M, K), tb = bf16c_scratch_bytes(M, K), db = w8p_dec_bytes(M, N, K, nthreads);
+    const int64_t head = ((sb > tb ? sb : tb) + 63) & ~(int64_t)63;
+    char* scratch = aligned_alloc(64, (size_t)(head + db));
     if (!scratch) return -2;
-    const int rc = linear_w8p(x, ldx, w, scale, bias, y, ldy, M, N, K, nthreads, scratch);
+    const int rc = linear_w8p(x, ldx, w, scale, bias, y, ldy, M, N, K, nthreads, scratch,
+                              db ? (bf16*)(scratch + head) : NULL, 0);
     free(scratch);
     return rc;
 }

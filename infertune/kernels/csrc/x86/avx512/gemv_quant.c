@@ -546,16 +546,16 @@ static void linear_w4_tiles(const bf16* x, int64_t ldx, const uint8_t* w, const 
                             int nthreads, void* scratch, bf16* dec, int silu) {
     const int64_t n16 = N & ~(int64_t)15, tail = N - n16;
     if (silu > 0) { /* (w4_act_takes: a gate_up [2 I, K], I % 32 == 0, no bias; y gets act [M, I]) */
-        const tile_src src = {NULL, NULL, NULL, NULL, gs, K, N / 2, w, scale, zero, N};
+        const tile_src src = {.gs = gs, .K = K, .inter = N / 2, .w4r = w, .sr = scale, .zr = zero, .N = N};
         tiles_gemm(x, ldx, &src, NULL, y, ldy, M, N, K, nthreads, (bf16*)scratch, dec, N / 2, 1, 0, 0, 0);
         return;
     }
     if (silu < 0) { /* (w4_add_takes: N % 16 == 0; y += x W^T (+ bias), each product rounded first: a residual) */
-        const tile_src src = {NULL, NULL, NULL, NULL, gs, K, 0, w, scale, zero, N};
+        const tile_src src = {.gs = gs, .K = K, .w4r = w, .sr = scale, .zr = zero, .N = N};
         tiles_gemm(x, ldx, &src, bias, y, ldy, M, N, K, nthreads, (bf16*)scratch, dec, 0, 1, 0, 0, 0);
         return;
     }
-    const tile_src src = {NULL, NULL, NULL, NULL, gs, K, 0, w, scale, zero, n16};
+    const tile_src src = {.gs = gs, .K = K, .w4r = w, .sr = scale, .zr = zero, .N = n16};
     tiles_gemm(x, ldx, &src, bias, y, ldy, M, n16, K, nthreads, (bf16*)scratch, dec, 0, 0, 0, 0, 0);
     if (tail) {
         const qweight q = {IT_KIND_W4, w, scale, 0, zero, gs};

@@ -5,11 +5,12 @@
  * decode step's token) take moe_one_row below. */
 
 #define MOE_BF16C
-/* an expert's gate_up writes act itself: a 12-bit one packed interleaved, or on AMX past 16 rows a packed W4A16 one
-   (its decoder pairs the gate and up tiles, gemm_w4p.c w4p_act_takes) */
+/* an expert's gate_up writes act itself: a 12-bit one packed interleaved, or on AMX past 16 rows a packed W4A16 or
+   W8A16 one (its decoder pairs the gate and up tiles, gemm_w4p.c w4p_act_takes, gemm_w8p.c w8p_act_takes) */
 #define MOE_ACT_IN_GATE_UP(g, n)                                                                                     \
     (((g)->kind == IT_KIND_BF16C && (g)->inter) ||                                                                 \
-     ((g)->kind == IT_KIND_W4P && !(g)->bias && w4p_act_takes(n, (g)->N, (g)->group)))
+     ((g)->kind == IT_KIND_W4P && !(g)->bias && w4p_act_takes(n, (g)->N, (g)->group)) ||                           \
+     ((g)->kind == IT_KIND_W8P && w8p_act_takes(n, (g)->N, (g)->K, (g)->bias)))
 #define MOE_ONE_ROW moe_one_row
 /* an expert's down rows, read by the combine only once every expert is done: 12-bit ones past the caches
    (bf16c_gemm.c BF16C_EPI_STREAM; other kinds ignore it) */
@@ -22,8 +23,9 @@
 /* A 12-bit expert's rows go to linear_bf16c all at once: past 16 rows its GEMM (the AMX tiles, or VDPBF16PS on the
  * decoded tiles without AMX) decodes each 64-feature chunk of the weight once a block of 512 rows, where passes of 16
  * rows would decode it once a pass (a prefill's expert holds hundreds of rows). On AMX that GEMM takes a zero-padded
- * last row tile and each thread's two decoded chunks from the scratch: moe_bf16c_scratch. A packed W4A16 expert's
- * rows past 16 take the same GEMM on AMX (its nibbles rebuilt in bf16 chunk by chunk, gemm_w4p.c). */
+ * last row tile and each thread's two decoded chunks from the scratch: moe_bf16c_scratch. A packed W4A16 or W8A16
+ * expert's rows past 16 take the same GEMM on AMX (its nibbles or bytes rebuilt in bf16 chunk by chunk, gemm_w4p.c,
+ * gemm_w8p.c). */
 static inline int64_t moe_bf16c_scratch(int64_t M, int64_t N, int64_t K, int nthreads) {
     if (M <= 16) return 0;
     return ALIGN64(bf16c_scratch_bytes(M, K)) + ALIGN64(bf16c_dec_bytes(M, (N + 15) / 16 * 16, K, nthreads));
@@ -31,7 +33,8 @@ static inline int64_t moe_bf16c_scratch(int64_t M, int64_t N, int64_t K, int nth
 
 static void moe_linear(const it_lin* L, const bf16* x, int64_t ldx, bf16* y, int64_t ldy, int64_t M, int nthreads,
                        void* scratch, int silu) {
-    if (L->kind == IT_KIND_BF16C || (L->kind == IT_KIND_W4P && w4p_tiles_take(M, L->N, L->group))) {
+    if (L->kind == IT_KIND_BF16C || (L->kind == IT_KIND_W4P && w4p_tiles_take(M, L->N, L->group)) ||
+        (L->kind == IT_KIND_W8P && w8p_tiles_take(M, L->N, L->K))) {
         bf16* dec = (bf16*)((char*)scratch + ALIGN64(bf16c_scratch_bytes(M, L->K)));
         run_lin(L, x, ldx, y, ldy, M, nthreads, scratch, M > 16 ? dec : NULL, silu);
         return;
