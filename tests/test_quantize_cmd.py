@@ -434,3 +434,67 @@ def test_a_missing_or_empty_calib_file_is_said_before_the_weights_are_read(tmp_p
         quantize(str(src), "w8a16", str(tmp_path / "w8"), calib=str(tmp_path / "none.txt"), show_progress=False)
     assert "--calib" in caplog.text and "is not read" in caplog.text
     assert not (tmp_path / "out").exists()
+
+
+def _with(src, dst, qc, tensors):
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    if qc is not None:
+        cfg["quantization_config"] = qc
+    (dst / "config.json").write_text(json.dumps(cfg))
+    (dst / "model.safetensors").unlink()
+    save_file(tensors, str(dst / "model.safetensors"))
+    return dst
+
+
+@needs_loader
+def test_published_quantized_formats_are_loaded_right_or_refused_by_name(tmp_path):
+    """What users bring: an int8 compressed-tensors checkpoint as llm-compressor writes it (bf16 scales [N, 1], no
+    'infertune' key) loads as W8A16 / W8A8, against HF transformers running its dequantized weights (W8A16: the same
+    weights, fp32 activations); a GPTQ / AWQ quantization_config or llm-compressor's packed int4 is refused naming it;
+    an AutoGPTQ folder with no quantization_config in config.json (its quantize_config.json beside it) is refused as
+    GPTQ-style packed weights (it said 'has no place in LlamaForCausalLM; is config.json right?')."""
+    src = make_checkpoint(tmp_path / "src", "llama")
+    plain = load_file(str(src / "model.safetensors"))
+    int8 = {}
+    for k, v in plain.items():
+        if k.endswith("proj.weight"):
+            q, s = quantize_int8_per_channel(v)
+            int8[k], int8[k.replace(".weight", ".weight_scale")] = q, s.to(torch.bfloat16).unsqueeze(1)
+        else:
+            int8[k] = v
+    scheme = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False}
+    group = {"targets": ["Linear"], "weights": scheme, "input_activations": None}
+    qc = {"quant_method": "compressed-tensors", "format": "int-quantized", "config_groups": {"group_0": group}}
+    ct = _with(src, tmp_path / "ct", {**qc, "ignore": ["lm_head"]}, int8)
+    hf = hf_model(src)
+    with torch.no_grad():
+        for k, v in hf.named_parameters():
+            if k in int8 and int8[k].dtype == torch.int8:
+                v.copy_(int8[k].float() * int8[k.replace(".weight", ".weight_scale")].float())
+        ids = [5, 9, 14, 3, 77, 120, 8, 1]
+        ref = hf(torch.tensor([ids])).logits[0]
+    llm = LLM(str(ct), dtype="float32", max_model_len=64)
+    assert llm.config.quant.quantization == "w8a16"
+    torch.testing.assert_close(llm.engine.executor.runner.prompt_logits(ids, [0, 1, 2, 3]), ref, atol=1e-4, rtol=0)
+    for name, bad, match in (
+        ("gptq", {"quant_method": "gptq", "bits": 4, "group_size": 128}, "quant_method='gptq'"),
+        ("awq", {"quant_method": "awq", "bits": 4, "version": "gemm"}, "quant_method='awq'"),
+        ("pack", {**qc, "format": "pack-quantized"}, "format='pack-quantized'"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            LLM(str(_with(src, tmp_path / name, bad, plain)))
+    gptq = {}
+    for k, v in plain.items():
+        if k.endswith("proj.weight"):
+            p, (n, kk) = k.removesuffix(".weight"), v.shape
+            gptq[p + ".qweight"] = torch.zeros(kk // 8, n, dtype=torch.int32)
+            gptq[p + ".qzeros"] = torch.zeros(1, n // 8, dtype=torch.int32)
+            gptq[p + ".scales"] = torch.ones(1, n, dtype=torch.float16)
+            gptq[p + ".g_idx"] = torch.zeros(kk, dtype=torch.int32)
+        else:
+            gptq[k] = v
+    old = _with(src, tmp_path / "autogptq", None, gptq)
+    (old / "quantize_config.json").write_text(json.dumps({"bits": 4, "group_size": 128}))
+    with pytest.raises(ValueError, match="GPTQ / AWQ-style packed int4 weight"):
+        LLM(str(old))

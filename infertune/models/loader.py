@@ -99,6 +99,7 @@ def _empty_on(meta: torch.Tensor, device: torch.device) -> torch.Tensor:
 # W4A16's load peaked 124 MiB above its end state at 64 MiB, 48 at 8 (a bf16 module freed after quantizing waits in
 # the heap until the next trim)
 TRIM_EVERY_BYTES = 8 << 20
+_PACKED_INT_SUFFIXES = (".qweight", ".qzeros", ".g_idx")  # GPTQ's and AWQ's own tensors
 
 
 def _no_shared_expert(arch, name: str) -> bool:
@@ -179,6 +180,12 @@ def load_model(
                 if target not in params:
                     if tensor.numel() == 0 or _no_shared_expert(arch, name):  # (what transformers builds for a
                         continue  # shared expert of size 0, left out here: zeros, and its gate scales zeros)
+                    if name.endswith(_PACKED_INT_SUFFIXES):  # (an AutoGPTQ / AutoAWQ folder whose config.json has
+                        raise ValueError(  # no quantization_config: quantize_config.json beside it, or nothing)
+                            f"{path.name}: tensor {name!r} is a GPTQ / AWQ-style packed int4 weight (qweight, qzeros, "
+                            "scales, g_idx), a format infertune does not load; quantize the unquantized model with "
+                            "`infertune quantize --method w4a16` instead"
+                        )
                     raise ValueError(
                         f"{path.name}: tensor {name!r} has no place in {arch.architecture}; "
                         "is config.json right for these weights?"
