@@ -486,3 +486,17 @@ def test_a_quantized_checkpoint_is_profiled_as_quantized(ckpt, tmp_path):
     forced = summary(decode={"matmul": 0.85}, seqs=1, quantization=summary_["context"]["quantization"])
     hints = {h["rule"]: h["text"] for h in derive_hints(forced)}  # (a matmul-bound decode, this run's context)
     assert "raise the batch" in hints["matmul_memory_bound"] and "try quantization" not in hints["matmul_memory_bound"]
+
+
+def test_profile_takes_quantize_lm_head(ckpt):
+    """profile --quantize-lm-head (generate, serve and bench take it; profile refused it as an unknown argument): the
+    engine it profiles runs the head in int8."""
+    from infertune.quant import W8A16Method
+
+    parser = argparse.ArgumentParser()
+    profile_cmd.add_arguments(parser)
+    args = parser.parse_args(["--model", str(ckpt), "--device", "cpu", "--quantization", "w4a16", "--quantize-lm-head"])
+    args.quant_group_size = 32
+    llm = profile_cmd._engine(args, 64)
+    assert llm.config.quant.quantize_lm_head
+    assert isinstance(llm.engine.executor.runner.model.lm_head.quant_method, W8A16Method)

@@ -37,6 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", **option("device"))
     p.add_argument("--quantization", **option("quantization"))
     p.add_argument("--quant-group-size", **option("quant_group_size"))
+    p.add_argument("--quantize-lm-head", **option("quantize_lm_head"))
     p.add_argument("--max-num-batched-tokens", **option("max_num_batched_tokens"))
     p.add_argument(
         "--tensor-parallel-size",
@@ -156,6 +157,8 @@ def _engine(args: argparse.Namespace, need: int, **extra):
     from infertune.llm import LLM
 
     quant = {"quantization": args.quantization, "quant_group_size": args.quant_group_size} if args.quantization else {}
+    if args.quantize_lm_head:  # (a quantized checkpoint takes it without --quantization)
+        quant["quantize_lm_head"] = True
     return LLM(
         args.model,
         dtype=args.dtype,
