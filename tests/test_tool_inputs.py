@@ -142,11 +142,11 @@ def test_plan_counts_infertunes_own_quantized_checkpoints(tmp_path, capsys, meth
     (out / "config.json").write_text(json.dumps(cfg))
     assert plan_main(["--model", str(out), "--device", "h100", "--context", "128", "--json"]) == 0
     stored = json.loads(capsys.readouterr().out)
-    as_flag = "w8a16" if method == "w8a8" else method
+    as_flag = "w8a16" if method == "w8a8" else method  # (w8a8: the same bytes, and named w8a8 in its plan)
     args = ["--model", str(src), "--device", "h100", "--context", "128", "--json", "--weight-dtype", as_flag]
     assert plan_main(args + (["--group-size", "32"] if method == "w4a16" else [])) == 0
     flagged = json.loads(capsys.readouterr().out)
-    assert stored["weights"] == flagged["weights"] and stored["settings"]["weight_dtype"] == as_flag
+    assert stored["weights"] == flagged["weights"] and stored["settings"]["weight_dtype"] == method
     assert not any("not modelled" in w for w in stored["warnings"])
 
 

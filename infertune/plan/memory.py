@@ -62,10 +62,13 @@ class ModelSpec:
         if qc.get("quant_method") == "compressed-tensors":  # what `infertune quantize` writes, or an int8 one the
             try:  # engine reads as it (stored_quant.py); others stay unmodelled (the planner says so)
                 own = stored_quant_of(qc, where)
-            except ValueError:
-                own = None
-            if own is not None:
-                stored = WeightFormat(own.method, own.group_size or 128, quantize_lm_head=own.quantize_lm_head)
+                method, group, head = own.method, own.group_size, own.quantize_lm_head
+            except ValueError:  # (infertune's own entry names the method however the rest is written)
+                extra = qc.get("infertune") or {}
+                weights = ((qc.get("config_groups") or {}).get("group_0") or {}).get("weights") or {}
+                method, group, head = extra.get("method"), weights.get("group_size"), extra.get("quantize_lm_head")
+            if method in ("w8a16", "w8a8", "w4a16"):
+                stored = WeightFormat(method, int(group or 128), quantize_lm_head=bool(head))
         return cls(
             name=name,
             arch=arch,
