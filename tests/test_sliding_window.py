@@ -149,8 +149,9 @@ def test_banded_attention_matches_brute_force(seed, softcap, int8):
         out = attn.forward(q_all, k_all, v_all, cache, meta, scale, window=window, softcap=softcap)
         row = 0
         for past, new, _table, q, k, v in seqs:
-            # A fresh prompt attends to its own K/V as computed; everything else reads the (int8) cache back.
-            kk, vv = (k, v) if (past == 0 and new > 1) or not int8 else (_quantized(k), _quantized(v))
+            # Every row attends to K/V as the (int8) cache holds them, a fresh prompt too (as its chunks would read
+            # them back: its tokens do not depend on the chunk size or on prefix-cache hits).
+            kk, vv = (_quantized(k), _quantized(v)) if int8 else (k, v)
             ref = brute_force(q, kk, vv, past, scale, window, softcap)
             torch.testing.assert_close(out[row : row + new].double(), ref, atol=2e-5, rtol=0)
             oracle = reference_causal_attention(q.double(), kk.double(), vv.double(), scale, window, softcap)

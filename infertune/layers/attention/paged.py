@@ -82,6 +82,8 @@ class TorchPagedAttention(AttentionBackend):
         nd = meta.num_decode_tokens
         if nd:
             out[:nd] = self._decode(query[:nd], kv_cache, meta, scale, window, softcap)
+        if meta.prefills:  # (fresh prompts attend to their K / V as the cache holds them, as every later read does)
+            key, value = self._as_cached(key), self._as_cached(value)
         for s, g, n in _fresh_runs(meta.prefills):  # g fresh prompts of n tokens each, back to back from s
             q, k, v = (t[s : s + g * n].view(g, n, *t.shape[1:]).transpose(1, 2) for t in (query, key, value))
             pos = torch.arange(n, device=query.device)
@@ -105,6 +107,10 @@ class TorchPagedAttention(AttentionBackend):
             o = _attend(q, k, v, mask, scale, softcap)
             out[s : s + n] = o.squeeze(0).transpose(0, 1)
         return out
+
+    def _as_cached(self, x: torch.Tensor) -> torch.Tensor:
+        """K or V [T, Hkv, D] as a read of the cache gives them back (the model dtype's cache: as they are)."""
+        return x
 
     def _read_slots(self, kv_cache: torch.Tensor, which: int, slots: torch.Tensor) -> torch.Tensor:
         """K (0) or V (1) of the given cache slots: [len(slots), Hkv, D] in the compute dtype."""
@@ -158,8 +164,10 @@ class Int8PagedAttention(TorchPagedAttention):
 
     Each cache row is D int8 values followed by the 4 bytes of its scale, so one int8 tensor per layer
     holds both ([2, blocks, block_size, Hkv, D + 4]): (D + 4) / (2 D) of a bf16 cache, 0.53 at D = 64.
-    New K/V are quantized as they are written (symmetric, amax / 127); reads dequantize on the fly. A
-    fresh prefill attends to its own unquantized K/V, as it never reads the cache.
+    New K/V are quantized as they are written (symmetric, amax / 127); reads dequantize on the fly. A fresh
+    prefill attends to its own K/V quantized so (`_as_cached`), as a chunked prefill, a prefix-cache hit and the
+    fused C step read them from the cache: the tokens do not depend on the chunk size or on prefix-cache hits (it
+    attended to its unquantized K/V, ~3e-3 in log-probs off those paths).
 
     The int4 tier (CacheConfig.kv_int4_after): `pack_int4` re-stores two blocks as one in the same bytes (symmetric
     per token and KV head, scale amax / 7 in fp16, values rounded to the nearest in [-7, 7]): row t (D + 4 bytes) of
@@ -184,12 +192,22 @@ class Int8PagedAttention(TorchPagedAttention):
     def kv_bytes_per_token(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_kv_heads * (head_dim + self.SCALE_BYTES)
 
+    @staticmethod
+    def _quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, Hkv, D] -> its int8 values (as fp32) and fp32 scales [T, Hkv, 1], as a cache row stores them."""
+        x32 = x.float()
+        scale = (x32.abs().amax(dim=-1, keepdim=True) / 127.0).clamp(min=1e-8)
+        return torch.round(x32 / scale).clamp(-127, 127), scale
+
+    def _as_cached(self, x: torch.Tensor) -> torch.Tensor:
+        q, scale = self._quantize(x)
+        return (q * scale).to(self.compute_dtype)  # (what _decoded gives back for the stored row, to the bit)
+
     def write_kv(self, kv_cache, key, value, slot_mapping) -> None:
         _, num_blocks, block_size, hkv, width = kv_cache.shape
         for which, x in ((0, key), (1, value)):  # x [T, Hkv, D]
-            x32 = x.float()
-            scale = (x32.abs().amax(dim=-1, keepdim=True) / 127.0).clamp(min=1e-8)  # [T, Hkv, 1]
-            q = torch.round(x32 / scale).clamp(-127, 127).to(torch.int8)
+            q, scale = self._quantize(x)
+            q = q.to(torch.int8)
             row = torch.cat([q, scale.view(torch.int8)], dim=-1)  # [T, Hkv, D + 4]
             kv_cache[which].view(num_blocks * block_size, hkv, width).index_copy_(0, slot_mapping, row)
 
