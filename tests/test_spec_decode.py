@@ -556,8 +556,14 @@ def test_server_streams_speculated_tokens_and_counts_them(tiny_llama):
         drafts = metric(s.url, "infertune_spec_decode_num_draft_tokens_total")
         accepted = metric(s.url, "infertune_spec_decode_num_accepted_tokens_total")
         steps = metric(s.url, "infertune_spec_decode_num_drafts_total")
+        # vLLM's names carry the same counts (a dashboard made for vLLM reads them)
+        vllm = [metric(s.url, f"vllm:spec_decode_num_{n}_total") for n in ("draft_tokens", "accepted_tokens", "drafts")]
+        generated = metric(s.url, "infertune_generation_tokens_total")
     assert whole == streamed == want.outputs[0].text
     assert drafts > 0 and 0 < accepted <= drafts and steps > 0
+    assert vllm == [drafts, accepted, steps]
+    # two requests of 30 tokens: each made one at its prefill, one a decode step, and its accepted drafts besides
+    assert generated == 60 and accepted <= 60 - 2 - steps
 
 
 # ---- adaptive K: the policy on synthetic acceptance sequences ---------------------------------------------------
