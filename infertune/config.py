@@ -698,6 +698,22 @@ class CacheConfig:
         _check_choices(self)
 
 
+# vLLM's speculative_config keys without a counterpart here, and why (SpeculativeConfig.from_dict refuses them by name)
+_VLLM_SPECULATIVE_KEYS = {
+    "disable_by_batch_size": 'there is no batch-size cutoff; adaptive K ("adaptive": true) stops each sequence '
+    "drafting where its drafts are not accepted",
+    "disable_logprobs": "requests with logprobs are not speculated (each decodes a token a step)",
+    "quantization": "the draft model loads unquantized, in the engine's dtype",
+    "max_model_len": "the draft model runs to the engine's max_model_len",
+    "revision": "the draft model is a local folder",
+    "code_revision": "the draft model is a local folder",
+    "tokenizer": "the draft model uses the target's tokenizer",
+    "speculative_token_tree": "drafts are one chain, not a tree",
+    "enforce_eager": "the draft model runs eagerly",
+    "disable_padded_drafter_batch": "the draft model's batch is never padded",
+}
+
+
 @dataclass(slots=True, frozen=True)
 class SpeculativeConfig:
     """Speculative decoding, vLLM's speculative_config: each decode step proposes up to num_speculative_tokens draft
@@ -721,7 +737,27 @@ class SpeculativeConfig:
 
     @classmethod
     def from_dict(cls, value: dict) -> SpeculativeConfig:
-        """From vLLM's dict form; ValueError naming the key to change."""
+        """From vLLM's dict form; ValueError naming the key to change. As vLLM's: without a "method", a "model"
+        folder is a draft model and the model "ngram" / "[ngram]" is prompt lookup; draft_tensor_parallel_size 1 (the
+        draft model runs whole in each worker) is taken; vLLM's other keys are refused, each saying why."""
+        value = dict(value)
+        if value.get("method") == "[ngram]":
+            value["method"] = "ngram"
+        if value.get("model") in ("ngram", "[ngram]") and value.get("method", "ngram") == "ngram":
+            del value["model"]
+            value["method"] = "ngram"
+        elif "method" not in value and value.get("model") is not None:
+            value["method"] = "draft_model"
+        if value.get("draft_tensor_parallel_size", 1) in (None, 1):
+            value.pop("draft_tensor_parallel_size", None)
+        else:
+            raise ValueError(
+                f"speculative_config draft_tensor_parallel_size={value['draft_tensor_parallel_size']!r}: the draft "
+                "model runs whole in each worker (1); drop it"
+            )
+        for key, why in _VLLM_SPECULATIVE_KEYS.items():
+            if key in value:
+                raise ValueError(f"speculative_config {key!r} (vLLM's) is not taken here: {why}; drop it")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:

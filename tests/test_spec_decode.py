@@ -95,6 +95,27 @@ def test_speculative_config_is_checked():
             SchedulerConfig(speculative_config=bad)
 
 
+def test_speculative_config_takes_vllms_forms(tiny_llama):
+    """vLLM's spellings: a "model" without a "method" is a draft model (vLLM's canonical
+    {"model": DIR, "num_speculative_tokens": K}, which was refused as 'drop it'), the model "[ngram]" / "ngram" and
+    the method "[ngram]" are prompt lookup, draft_tensor_parallel_size 1 is what runs; vLLM's other keys are refused
+    by name with the reason."""
+    draft = SpeculativeConfig(3, "draft_model", model=str(tiny_llama))
+    assert SpeculativeConfig.from_dict({"model": str(tiny_llama), "num_speculative_tokens": 3}) == draft
+    for form in ({"model": "[ngram]"}, {"model": "ngram"}, {"method": "[ngram]"}, {"draft_tensor_parallel_size": 1}):
+        assert SpeculativeConfig.from_dict({"num_speculative_tokens": 3, **form}) == SpeculativeConfig(3)
+    config = EngineConfig.create(None, speculative_config={"model": str(tiny_llama), "num_speculative_tokens": 3})
+    assert config.scheduler.speculative_config == draft
+    for key, value, says in (
+        ("draft_tensor_parallel_size", 2, "runs whole in each worker"),
+        ("disable_by_batch_size", 4, "no batch-size cutoff"),
+        ("disable_logprobs", True, "logprobs are not speculated"),
+        ("max_model_len", 64, "runs to the engine's max_model_len"),
+    ):
+        with pytest.raises(ValueError, match=f"{key}.*{says}.*drop it"):
+            SchedulerConfig(speculative_config={**SPEC, key: value})
+
+
 def test_speculative_config_flag_takes_json(capsys):
     from infertune.cli import build_parser, engine_kwargs
 
