@@ -784,3 +784,29 @@ def test_draft_model_with_another_vocabulary_is_refused(tiny_llama, tmp_path):
     path = make_checkpoint(tmp_path / "other-vocab", "llama", vocab_size=300)
     with pytest.raises(ValueError, match="vocabulary of 300 tokens, the target 2[0-9][0-9]: a draft model must use"):
         LLM(str(tiny_llama), dtype="float32", max_model_len=MAX_LEN, speculative_config=draft_spec(path))
+
+
+def test_draft_model_with_another_tokenizer_of_the_same_size_is_refused(tiny_llama, tmp_path):
+    """A draft whose tokenizer has the target's size but maps ids to other text (here: the same bytes, numbered
+    the other way round) is refused at start-up, naming a token that differs; it was taken, and drafted ids that
+    stand for other text than the target's."""
+    from conftest import VOCAB_SPECIALS, hf_model
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    target = AutoTokenizer.from_pretrained(tiny_llama)
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(sorted(alphabet, reverse=True))}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    other = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+    other.add_special_tokens({"additional_special_tokens": VOCAB_SPECIALS[1:]})
+    assert len(other) == len(target) and other.encode("a") != target.encode("a")
+    path = tmp_path / "other-tokenizer"
+    hf_model(tiny_llama).save_pretrained(path)  # the target's own weights: only the tokenizer differs
+    other.save_pretrained(path)
+    with pytest.raises(ValueError, match="has another tokenizer than the target's \\([0-9]+ tokens with other ids"):
+        LLM(str(tiny_llama), dtype="float32", max_model_len=MAX_LEN, speculative_config=draft_spec(path))
+    # the same weights with the target's tokenizer are taken (the check reads the ids, not the files)
+    target.save_pretrained(path)
+    LLM(str(tiny_llama), dtype="float32", max_model_len=MAX_LEN, speculative_config=draft_spec(path))

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -42,12 +43,29 @@ class _DraftState:
     written: list[int] = field(default_factory=list)  # the drafts whose KV follows them (maybe rejected since)
 
 
-def check_draft_vocab(draft: ArchConfig, target: ArchConfig, draft_dir: str) -> None:
-    """A draft model must share the target's vocabulary: its token ids are the target's."""
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def check_draft_vocab(draft: ArchConfig, target: ArchConfig, draft_dir: str, target_tokenizer: str | None) -> None:
+    """A draft model must share the target's vocabulary: its token ids are the target's. Its size is compared, and
+    where the draft's folder has a tokenizer, the token each id stands for (a tokenizer of the same size that maps
+    ids to other text would draft tokens the target never meant, every one rejected)."""
     if draft.vocab_size != target.vocab_size:
         raise ValueError(
             f"speculative_config model={draft_dir!r} has a vocabulary of {draft.vocab_size} tokens, the target "
             f"{target.vocab_size}: a draft model must use the target's tokenizer; pick one of the same family"
+        )
+    if target_tokenizer is None or not any((Path(draft_dir) / f).exists() for f in _TOKENIZER_FILES):
+        return
+    from infertune.engine.tokenizer import load_tokenizer
+
+    theirs, ours = load_tokenizer(draft_dir).get_vocab(), load_tokenizer(target_tokenizer).get_vocab()
+    if theirs != ours:
+        differ = sorted(t for t in ours.keys() | theirs.keys() if ours.get(t) != theirs.get(t))
+        raise ValueError(
+            f"speculative_config model={draft_dir!r} has another tokenizer than the target's ({len(differ)} tokens "
+            f"with other ids, e.g. {differ[0]!r}: {theirs.get(differ[0])} in the draft's, {ours.get(differ[0])} in "
+            f"the target's): a draft model must use the target's tokenizer; pick one of the same family"
         )
 
 
@@ -70,7 +88,7 @@ class DraftModel:
         spec = config.scheduler.speculative_config
         assert spec is not None and spec.method == "draft_model"
         self.arch = arch = ArchConfig.from_model_dir(spec.model)
-        check_draft_vocab(arch, config.model.arch, spec.model)
+        check_draft_vocab(arch, config.model.arch, spec.model, config.model.tokenizer)
         self.device = backend.device
         self.max_model_len = config.model.max_model_len
         self.block_size = config.cache.block_size
