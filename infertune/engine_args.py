@@ -46,7 +46,7 @@ class EngineArgs:
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         """Add --model and the engine flags (`infertune serve --help`'s engine group, vLLM's hidden GPU flags) to
         parser, and return it (vLLM's)."""
-        from infertune.cli import add_engine_args
+        from infertune.engine_flags import add_engine_args
 
         add_engine_args(parser)
         return parser
@@ -54,7 +54,7 @@ class EngineArgs:
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
         """The arguments of a parser that add_cli_args made (vLLM's)."""
-        from infertune.cli import engine_kwargs
+        from infertune.engine_flags import engine_kwargs
 
         options = {k: v for k, v in engine_kwargs(args).items() if k in _engine_option_names()}
         return cls(args.model, **options)
