@@ -8,6 +8,7 @@ own count of cached prompt tokens; transformers' chat template rendering of the 
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 
@@ -550,6 +551,8 @@ def test_async_llm_health_calls_as_vllms(tiny_llama):
         engine = AsyncLLM(str(tiny_llama), **ENGINE)
         await engine.check_health()
         assert engine.is_running and not engine.errored and not engine.is_stopped
+        core, step = engine.engine.engine, engine.engine.engine.step
+        core.step = lambda: (time.sleep(0.05), step())[1]  # (steps slower than this loop: the request still runs)
         stream = engine.generate("abc", SamplingParams(max_tokens=50, ignore_eos=True), "r")
         await stream.__anext__()
         assert engine.get_num_unfinished_requests() == 1

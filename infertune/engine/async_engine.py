@@ -283,9 +283,9 @@ class AsyncLLMEngine:
                         continue
                     self.failed_steps_in_a_row = 0
                     elapsed = time.perf_counter() - t0
+                    self.stats = self.engine.stats()  # (before the outputs: a client that reads them sees this step)
                     for out in outputs:
                         self._deliver(out)
-                    self.stats = self.engine.stats()
                     for listener in self.step_listeners:
                         listener(outputs, elapsed)
                 else:
