@@ -259,8 +259,9 @@ def test_absorbed_decode_and_decompressed_prefill_match_fp64_mla(seed):
 
 
 def test_int8_latent_cache_is_within_its_bound():
-    """Each cached row is int8 with one fp32 scale (amax / 127): rows round-trip within half a step, and attention
-    over them stays within 0.02 of the fp32 cache's on unit-scale latents (measured: ~5e-3)."""
+    """Each cached row is int8 with one fp32 scale (amax / 127): rows round-trip within half a step, a fresh prefill
+    attends to its rows as the cache holds them, and attention over them stays within 0.02 of the fp32 cache's on
+    unit-scale latents (measured: ~5e-3)."""
     attn8, attn = Int8MlaAttention(MLA, torch.float32), MlaAttention(MLA)
     assert attn8.kv_cache_shape(BLOCKS, BLOCK, 1, W) == (1, BLOCKS, BLOCK, 1, W + 4)
     assert attn8.kv_bytes_per_token(1, W, torch.float32) == W + 4
@@ -284,10 +285,17 @@ def test_int8_latent_cache_is_within_its_bound():
     q_nope = torch.randn(len(new_latent), H, NOPE, generator=g)
     q_pe = torch.randn(len(new_latent), H, ROPE, generator=g)
     scale = (NOPE + ROPE) ** -0.5
+    fp32_cache = caches[attn.name].clone()
     out8 = attn8.forward(q_nope, q_pe, new_latent, caches[attn8.name], meta, scale, up)
     out = attn.forward(q_nope, q_pe, new_latent, caches[attn.name], meta, scale, up)
-    fresh = slice(q_start[3], q_start[3] + seqs[3][1])  # a fresh prefill reads no cache: identical
-    torch.testing.assert_close(out8[fresh], out[fresh], atol=0, rtol=0)
+    # a fresh prefill attends to its latents as the int8 cache holds them (what a later chunk reads back): the fp32
+    # backend's attention on those rows, to the bit
+    read_back = attn8._read_slots(caches[attn8.name], meta.slot_mapping)
+    assert torch.equal(attn8._as_cached(new_latent), read_back)
+    out_q = attn.forward(q_nope, q_pe, read_back, fp32_cache, meta, scale, up)
+    fresh = slice(q_start[3], q_start[3] + seqs[3][1])
+    torch.testing.assert_close(out8[fresh], out_q[fresh], atol=0, rtol=0)
+    assert not torch.equal(out8[fresh], out[fresh])
     err = (out8 - out).abs().max().item()
     assert 0 < err < 0.02 * out.abs().max().item(), err
 
@@ -345,6 +353,32 @@ def test_cache_holds_one_latent_row_and_decode_reads_only_it(tmp_path, kv_cache_
 
 
 INT8_LOGPROB_TOL = 0.15  # measured on this model: at most 0.05 (picks) and 0.085 (scored tokens)
+
+
+def test_int8_latent_cache_a_prompts_tokens_do_not_depend_on_the_chunk_size_or_a_prefix_hit(tmp_path):
+    """A whole prefill attends to its latents as the int8 cache holds them, as its later chunks and a prefix-cache hit
+    read them back: the log-probs of the first tokens agree across the three (fp32, to rounding). Before, a whole
+    prefill attended to its unquantized latents (as the int8 K / V cache did until a QA pass found it there)."""
+    path = make_deepseek_checkpoint(tmp_path, **{**VARIANTS["v3"], "first_k_dense_replace": LAYERS})
+    prompt = torch.randint(3, 250, (47,), generator=torch.Generator().manual_seed(5)).tolist()
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
+
+    def logprobs(llm, p):
+        out = llm.generate({"prompt_token_ids": p}, params, use_tqdm=False)[0].outputs[0]
+        return out.token_ids, torch.tensor([lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids)])
+
+    kw = dict(dtype="float32", block_size=BLOCK, max_model_len=MAX_LEN, kv_cache_dtype="int8")
+    whole_tokens, whole = logprobs(LLM(str(path), enable_prefix_caching=False, **kw), prompt)
+    chunked_tokens, chunked = logprobs(
+        LLM(str(path), max_num_batched_tokens=5, enable_prefix_caching=False, **kw), prompt
+    )
+    cached = LLM(str(path), enable_prefix_caching=True, **kw)
+    logprobs(cached, prompt[:40] + [7, 7, 7])  # (registers the first 40 tokens' blocks)
+    hit_tokens, hit = logprobs(cached, prompt)
+    assert cached.engine.block_manager.prefix_hits >= 40  # (the second prompt did hit)
+    assert whole_tokens == chunked_tokens == hit_tokens
+    torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=0)
+    torch.testing.assert_close(hit, whole, atol=1e-5, rtol=0)
 
 
 def test_int8_latent_cache_tracks_the_fp32_one(tmp_path):

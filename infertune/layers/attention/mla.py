@@ -88,6 +88,10 @@ class MlaAttention(AttentionBackend):
         """Cache rows -> latent rows in the compute dtype (identity for a cache kept in the model dtype)."""
         return raw
 
+    def _as_cached(self, latent: torch.Tensor) -> torch.Tensor:
+        """Latent rows as a read of the cache gives them back (the model dtype's cache: as they are)."""
+        return latent
+
     def _read_slots(self, kv_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         # (index_select, not advanced indexing: aten::index is ~30x slower here, more with its threads contended)
         _, num_blocks, block_size, _, width = kv_cache.shape
@@ -113,6 +117,8 @@ class MlaAttention(AttentionBackend):
         if not meta.prefills:
             return out
         query = torch.cat([q_nope, q_pe], dim=-1)  # [T, H, nope + rope]
+        if fresh is None:  # (fresh prompts attend to their latents as the cache holds them, as every later read does)
+            latent = self._as_cached(latent)
         for s, g, n in _fresh_runs(meta.prefills):  # g fresh prompts of n tokens each, back to back from s
             if fresh is not None:
                 k, v = fresh[0][s : s + g * n], fresh[1][s : s + g * n]
@@ -168,7 +174,9 @@ class MlaAttention(AttentionBackend):
 class Int8MlaAttention(MlaAttention):
     """MLA over an INT8 latent cache: each row is cache_width int8 values and the 4 bytes of its fp32 scale
     (symmetric, amax / 127 over the row), (W + 4) / (2 W) of a bf16 cache: 0.503 at DeepSeek-V3's W = 576.
-    Reads dequantize on the fly; a fresh prefill attends to its own unquantized latents (it never reads the cache).
+    Reads dequantize on the fly; a fresh prefill attends to its own latents quantized so (`_as_cached`), as a chunked
+    prefill, a prefix-cache hit and a decode read them from the cache: a prompt's tokens do not depend on the chunk
+    size or on prefix-cache hits (it attended to its unquantized latents).
     """
 
     name = "mla-paged-int8"
@@ -191,6 +199,9 @@ class Int8MlaAttention(MlaAttention):
         scale = (x32.abs().amax(dim=-1, keepdim=True) / 127.0).clamp(min=1e-8)  # [T, 1]
         q = torch.round(x32 / scale).clamp(-127, 127).to(torch.int8)
         return torch.cat([q, scale.view(torch.int8)], dim=-1)  # [T, W + 4]
+
+    def _as_cached(self, latent: torch.Tensor) -> torch.Tensor:
+        return self._decoded(self._encoded(latent))  # (the stored rows, read back: the same bits)
 
     def _decoded(self, raw: torch.Tensor) -> torch.Tensor:
         w = raw.shape[-1] - self.SCALE_BYTES
