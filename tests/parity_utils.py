@@ -84,3 +84,27 @@ def assert_rerouted_note(hf, report, prompt: list[int], layer: int = 1) -> None:
         f"{gate}: {moved} of {len(prompt)} tokens routed to other experts than in the float32 run "
         "(near-ties in the router's scores); those tokens' expert outputs differ by more than rounding"
     ]
+
+
+def assert_int8_cache_reads_agree(path, prompt: list[int], **engine) -> None:
+    """With an int8 KV (or latent) cache: the first tokens' log-probs of `prompt` (fp32) agree, to rounding, whether it
+    is prefilled whole, in chunks of 5 tokens (each chunk reading the earlier ones back from the cache) or after a
+    prefix-cache hit on its first 40 tokens: a whole prefill attends to its K/V as the cache holds them."""
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
+
+    def logprobs(llm, p):
+        out = llm.generate({"prompt_token_ids": p}, params, use_tqdm=False)[0].outputs[0]
+        return out.token_ids, torch.tensor([lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids)])
+
+    kw = dict(dtype="float32", kv_cache_dtype="int8") | engine
+    whole_tokens, whole = logprobs(LLM(str(path), enable_prefix_caching=False, **kw), prompt)
+    chunked_tokens, chunked = logprobs(
+        LLM(str(path), max_num_batched_tokens=5, enable_prefix_caching=False, **kw), prompt
+    )
+    cached = LLM(str(path), enable_prefix_caching=True, **kw)
+    logprobs(cached, prompt[:40] + [7, 7, 7])  # (registers the first 40 tokens' blocks)
+    hit_tokens, hit = logprobs(cached, prompt)
+    assert cached.engine.block_manager.prefix_hits >= 40  # (the second prompt did hit)
+    assert whole_tokens == chunked_tokens == hit_tokens
+    torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=0)
+    torch.testing.assert_close(hit, whole, atol=1e-5, rtol=0)

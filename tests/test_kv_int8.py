@@ -104,24 +104,8 @@ def test_a_prompts_tokens_do_not_depend_on_the_chunk_size_or_a_prefix_hit(tmp_pa
     prefill attended to its unquantized K/V: ~3e-3 off the chunked run's (doctor --consistency failed its chunked
     and prefix pairs on a correct engine)."""
     from conftest import make_checkpoint
+    from parity_utils import assert_int8_cache_reads_agree
 
     path = make_checkpoint(tmp_path / "llama", "llama", num_hidden_layers=2)
     prompt = torch.randint(3, 250, (47,), generator=torch.Generator().manual_seed(5)).tolist()
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
-
-    def logprobs(llm, p):
-        out = llm.generate({"prompt_token_ids": p}, params, use_tqdm=False)[0].outputs[0]
-        return out.token_ids, torch.tensor([lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids)])
-
-    kw = dict(dtype="float32", block_size=4, max_model_len=64, kv_cache_dtype="int8")
-    whole_tokens, whole = logprobs(LLM(str(path), enable_prefix_caching=False, **kw), prompt)
-    chunked_tokens, chunked = logprobs(
-        LLM(str(path), max_num_batched_tokens=5, enable_prefix_caching=False, **kw), prompt
-    )
-    cached = LLM(str(path), enable_prefix_caching=True, **kw)
-    logprobs(cached, prompt[:40] + [7, 7, 7])  # (registers the first 40 tokens' blocks)
-    hit_tokens, hit = logprobs(cached, prompt)
-    assert cached.engine.block_manager.prefix_hits >= 40  # (the second prompt did hit)
-    assert whole_tokens == chunked_tokens == hit_tokens
-    torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=0)
-    torch.testing.assert_close(hit, whole, atol=1e-5, rtol=0)
+    assert_int8_cache_reads_agree(path, prompt, block_size=4, max_model_len=64)
