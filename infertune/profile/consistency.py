@@ -302,11 +302,13 @@ def localise(model, ref_opts, test_opts, prompts, max_tokens, d: cp.Divergence, 
 # ---- a flipped route: a MoE router's near-tie ------------------------------------------------------------------
 
 MAX_ROUTE_FLIPS = 6  # the nearest ties tried per divergence, each one prefill of the diverging sequence
+# where no single flip explains it, pairs of those ties (nearest pairs first), each one prefill too
+MAX_ROUTE_PAIRS = 15
 
 
 class RouterProbe:
-    """A torch-path engine whose MoE routers record each step's logits and can send one token of one layer to the
-    expert just left out in place of the worst one picked (the route the other side of a near-tie)."""
+    """A torch-path engine whose MoE routers record each step's logits and can send tokens of layers to the expert
+    just left out in place of the worst one picked (the routes the other side of near-ties)."""
 
     def __init__(self, engine) -> None:
         from infertune.layers.moe import Router
@@ -314,7 +316,7 @@ class RouterProbe:
         self.engine = engine
         self.routers = [m for m in engine.executor.runner.model.modules() if isinstance(m, Router)]
         self.logits: list[list] = [[] for _ in self.routers]
-        self.force: tuple[int, int, int, int] | None = None  # (router, row, expert out, expert in)
+        self.force: tuple[tuple[int, int, int, int], ...] = ()  # each (router, row, expert out, expert in)
         self._rows = [0] * len(self.routers)
         for i, r in enumerate(self.routers):
             r._route = self._wrapped(i, r, r._route)
@@ -326,25 +328,28 @@ class RouterProbe:
         def _route(logits):
             routing = route(logits)
             self.logits[i].append(logits.detach().float().clone())
-            f, first = self.force, self._rows[i]
+            first = self._rows[i]
             self._rows[i] += logits.shape[0]
-            if f is None or f[0] != i or not first <= f[1] < self._rows[i]:
+            mine = [f for f in self.force if f[0] == i and first <= f[1] < self._rows[i]]
+            if not mine:
                 return routing
             ids = routing.ids.clone()
-            row = ids[f[1] - first]
-            row[row == f[2]] = f[3]
+            for f in mine:
+                row = ids[f[1] - first]
+                row[row == f[2]] = f[3]
             weights = weights_of_picks(logits, router.moe, router.e_score_correction_bias, ids)
             return MoeRouting.grouped(weights, ids, router.moe.num_experts)
 
         return _route
 
-    def run(self, prefix: list[int], force: tuple[int, int, int, int] | None = None) -> int:
-        """The greedy token after `prefix` (one prefill), the routers recording, with `force` applied if given."""
+    def run(self, prefix: list[int], force: tuple[tuple[int, int, int, int], ...] = ()) -> int:
+        """The greedy token after `prefix` (one prefill), the routers recording, with the routes of `force` (each
+        (router, row, expert out, expert in)) sent to their other side."""
         from infertune.sampling_params import SamplingParams
 
         self.logits = [[] for _ in self.routers]
         self._rows = [0] * len(self.routers)
-        self.force = force
+        self.force = tuple(force)
         (out,) = _drive(self.engine, [prefix], [SamplingParams(temperature=0.0, max_tokens=1, logprobs=K_TOP)]).values()
         self.top = out.outputs[0].logprobs[0].top
         return out.outputs[0].token_ids[0]
@@ -378,7 +383,11 @@ def explain_by_route_flip(
     to the divergence, picks one of the two tokens; if sending one token of one layer to the other side of a router
     near-tie (a margin within the dtype's noise) makes it pick the other, and by the margin the other path picks it
     with (within logit_tol, the pair's tolerance), the two paths differ by no more than rounding, amplified by a
-    discrete route. Returns that finding (the flip, the prefix it was found on, a note), or None (a failure)."""
+    discrete route. Where no single near-tie does, pairs of them are tried (two routes flipped together, as two
+    rounding differences in one sequence can be). Returns that finding (the flips, the prefix they were found on, a
+    note; the first flip's fields also at the top level), or None (a failure)."""
+    from itertools import combinations
+
     base = probe.run(prefix)
     if base not in (d.ref_token, d.test_token):
         return None
@@ -388,30 +397,32 @@ def explain_by_route_flip(
         other, theirs, bound = d.ref_token, d.ref_margin, d.ref_bound
     if bound or not math.isfinite(theirs):  # (the other path's own margin not known exactly)
         return None
-    for _, router, row, picked, left_out, margin, tol in probe.near_ties(dtype)[:MAX_ROUTE_FLIPS]:
-        if probe.run(prefix, (router, row, picked, left_out)) != other:
+    ties = probe.near_ties(dtype)[:MAX_ROUTE_FLIPS]
+    singles = [(t,) for t in ties]
+    pairs = sorted(combinations(ties, 2), key=lambda p: p[0][0] + p[1][0])[:MAX_ROUTE_PAIRS]
+    for tried in (*singles, *pairs):
+        if probe.run(prefix, tuple((t[1], t[2], t[3], t[4]) for t in tried)) != other:
             continue
         gap, gap_bound = cp.gap(other, base, probe.top)
         if gap_bound or abs(gap - theirs) > logit_tol:  # (the other token, but not the other path's logits)
             continue
-        note = (
-            f"request {d.request}, step {d.step}: a MoE router near-tie explains it: router {router} (of "
-            f"{len(probe.routers)}), position {row}: experts {picked} (picked) and {left_out} are {margin:.3g} apart "
-            f"in logits (tolerance {tol:.3g}); routing that token to {left_out} makes the torch path pick {other} over "
-            f"{base} by {gap:.3g}, as the other path does ({theirs:.3g})"
+        flips = [
+            {"router": r, "position": row, "picked": picked, "left_out": out, "margin": m, "tolerance": tol}
+            for _, r, row, picked, out, m, tol in tried
+        ]
+        routes = " and ".join(
+            f"router {f['router']} (of {len(probe.routers)}), position {f['position']}: experts {f['picked']} "
+            f"(picked) and {f['left_out']} are {f['margin']:.3g} apart in logits (tolerance {f['tolerance']:.3g})"
+            for f in flips
         )
-        return {
-            "request": d.request,
-            "step": d.step,
-            "router": router,
-            "position": row,
-            "picked": picked,
-            "left_out": left_out,
-            "margin": margin,
-            "tolerance": tol,
-            "prefix": list(prefix),
-            "note": note,
-        }
+        one = len(flips) == 1
+        what = "a MoE router near-tie explains it" if one else "two MoE router near-ties explain it"
+        which = "that token to the left-out expert" if one else "those two tokens to the left-out experts"
+        note = (
+            f"request {d.request}, step {d.step}: {what}: {routes}; routing {which} makes the torch path pick "
+            f"{other} over {base} by {gap:.3g}, as the other path does ({theirs:.3g})"
+        )
+        return {"request": d.request, "step": d.step, **flips[0], "flips": flips, "prefix": list(prefix), "note": note}
     return None
 
 
