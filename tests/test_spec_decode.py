@@ -810,3 +810,34 @@ def test_draft_model_with_another_tokenizer_of_the_same_size_is_refused(tiny_lla
     # the same weights with the target's tokenizer are taken (the check reads the ids, not the files)
     target.save_pretrained(path)
     LLM(str(tiny_llama), dtype="float32", max_model_len=MAX_LEN, speculative_config=draft_spec(path))
+
+
+def test_draft_model_drafts_only_within_its_own_positions(tiny_llama, reference, tmp_path):
+    """A draft model made for fewer positions than the engine's max_model_len drafts only within them (vLLM's draft
+    max_model_len): past them its rotary would run beyond its context and every draft would be noise; it drafted at
+    any position. The target's weights with a 24-position config: drafts all accepted up to there, none after, and
+    the greedy output is the target's."""
+    import shutil
+
+    path = tmp_path / "short-draft"
+    shutil.copytree(tiny_llama, path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 24}))
+    llm = LLM(
+        str(tiny_llama), dtype="float32", block_size=BS, max_model_len=MAX_LEN, speculative_config=draft_spec(path)
+    )
+    steps: list[tuple[int, int]] = []  # per step of the request: (its tokens before the step, the drafts it carried)
+    update = llm.engine.scheduler.update
+
+    def record(batch, sampled, num_accepted=None):
+        steps.extend((len(seq), len(drafts or ())) for seq, drafts in zip(batch.seqs, batch.draft_token_ids))
+        return update(batch, sampled, num_accepted)
+
+    llm.engine.scheduler.update = record
+    out = llm.generate({"prompt_token_ids": PROMPTS[0]}, greedy(), use_tqdm=False)
+    assert tokens(out) == reference[:1]
+    drafted = [(n, d) for n, d in steps if d]
+    assert drafted and all(n + d <= 24 for n, d in drafted)  # every drafted token's position is one the draft knows
+    assert len(PROMPTS[0]) + NEW > 30  # (the request runs well past them)
+    stats = llm.engine.stats()
+    assert stats["spec_decode_num_draft_tokens"] == stats["spec_decode_num_accepted_tokens"] > 0

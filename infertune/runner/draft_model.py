@@ -90,7 +90,18 @@ class DraftModel:
         self.arch = arch = ArchConfig.from_model_dir(spec.model)
         check_draft_vocab(arch, config.model.arch, spec.model, config.model.tokenizer)
         self.device = backend.device
-        self.max_model_len = config.model.max_model_len
+        # Drafts only at the positions the draft model was made for (as vLLM's draft max_model_len): past them its
+        # rotary runs beyond its context, and its drafts are noise the target rejects at a draft row's cost.
+        self.max_model_len = min(config.model.max_model_len, arch.max_position_embeddings)
+        if self.max_model_len < config.model.max_model_len:
+            log.warning(
+                "draft model %s: %d positions (max_position_embeddings), the target %d; sequences past %d decode "
+                "without drafts",
+                spec.model,
+                arch.max_position_embeddings,
+                config.model.max_model_len,
+                self.max_model_len,
+            )
         self.block_size = config.cache.block_size
         self.prepare = prepare
         self.attn = attention_backend(arch, config.cache.kv_cache_dtype, dtype)
