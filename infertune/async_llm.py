@@ -116,6 +116,12 @@ class AsyncLLM:
             if stream is not None:
                 stream.cancel()
 
+    async def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """Forget every cached prompt prefix that no running request holds (vLLM's AsyncLLM.reset_prefix_cache), on
+        the engine thread between two steps. True when nothing cached is left; False where running requests still
+        hold blocks (they keep them: LLM.reset_prefix_cache's rule)."""
+        return await self.engine.run_on_engine_thread(lambda engine: engine.reset_prefix_cache())
+
     def chat(self, messages: list[dict], chat_template: str | None = None, add_generation_prompt: bool = True) -> dict:
         """A conversation rendered through the model's chat template, as a prompt for generate()."""
         return self.engine.engine.render_chat(messages, chat_template, add_generation_prompt)

@@ -186,6 +186,34 @@ def test_reset_prefix_cache_makes_the_next_prompt_compute_in_full(llm):
     assert again.num_cached_tokens == 0 and again.outputs[0].token_ids == first.outputs[0].token_ids
 
 
+def test_async_reset_prefix_cache_runs_on_the_engine_thread(tiny_llama):
+    """vLLM's `await engine.reset_prefix_cache()` on AsyncLLM (an AttributeError): done between two steps on the
+    engine thread; the oracle, as above, the prefix cache's own count of the prompt tokens it served."""
+    import asyncio
+
+    from infertune import AsyncLLM
+
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    prompt = {"prompt_token_ids": list(range(30, 70))}
+
+    async def run(engine, rid):
+        last = None
+        async for out in engine.generate(prompt, params, rid):
+            last = out
+        return last
+
+    async def main():
+        async with AsyncLLM(str(tiny_llama), **ENGINE) as engine:
+            first = await run(engine, "a")
+            cached = await run(engine, "b")
+            assert cached.num_cached_tokens >= 36 and cached.outputs[0].token_ids == first.outputs[0].token_ids
+            assert await engine.reset_prefix_cache() is True
+            again = await run(engine, "c")
+            assert again.num_cached_tokens == 0 and again.outputs[0].token_ids == first.outputs[0].token_ids
+
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize("name", ["sleep", "wake_up", "start_profile", "stop_profile"])
 def test_vllms_sleep_and_profiler_calls_are_named_errors(llm, name):
     with pytest.raises(NotImplementedError, match=f"LLM.{name} is not supported"):

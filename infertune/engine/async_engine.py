@@ -97,6 +97,11 @@ def _resolve(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, error: BaseEx
     _call_soon(loop, set_it)
 
 
+def _settle(fut: asyncio.Future, result, error: BaseException | None) -> None:
+    if not fut.done():  # (the awaiting coroutine was cancelled)
+        fut.set_exception(error) if error is not None else fut.set_result(result)
+
+
 def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
     try:
         loop.call_soon_threadsafe(fn, *args)
@@ -136,6 +141,7 @@ class AsyncLLMEngine:
         self._inbox: list[_Submission] = []
         self._aborts: list[str] = []
         self._releases: list[str] = []  # producer leases to end (release_kv_transfer)
+        self._calls: list[tuple] = []  # (fn, loop, future): run_on_engine_thread's, between two steps
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._mailboxes: dict[str, _Mailbox] = {}
@@ -257,6 +263,20 @@ class AsyncLLMEngine:
             self._aborts.append(request_id)
         self._wake.set()
 
+    async def run_on_engine_thread(self, fn):
+        """fn(engine) on the engine thread between two steps (the LLMEngine is not thread-safe), its result or its
+        exception handed back here: for calls on the engine's state from a client (reset_prefix_cache)."""
+        if self.error is not None:
+            raise EngineDeadError(f"the engine stopped after an error: {self.error}")
+        if self._stop.is_set():
+            raise EngineDeadError("the engine is shut down")
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        with self._lock:
+            self._calls.append((fn, loop, fut))
+        self._wake.set()
+        return await fut
+
     def release_kv_transfer(self, transfer_id: str) -> None:
         """End a producer's lease on the engine thread (LLMEngine.release_kv_transfer), before its next step."""
         with self._lock:
@@ -349,6 +369,13 @@ class AsyncLLMEngine:
             inbox, self._inbox = self._inbox, []
             aborts, self._aborts = self._aborts, []
             releases, self._releases = self._releases, []
+            calls, self._calls = self._calls, []
+        for fn, loop, fut in calls:
+            try:
+                result, error = fn(self.engine), None
+            except Exception as e:  # noqa: BLE001 - the caller's to handle
+                result, error = None, e
+            _call_soon(loop, _settle, fut, result, error)
         for transfer_id in releases:
             self.engine.release_kv_transfer(transfer_id)
         for sub in inbox:  # before the aborts: a submission cancelled while queued is aborted right after
