@@ -703,7 +703,7 @@ _VLLM_SPECULATIVE_KEYS = {
     "disable_by_batch_size": 'there is no batch-size cutoff; adaptive K ("adaptive": true) stops each sequence '
     "drafting where its drafts are not accepted",
     "disable_logprobs": "requests with logprobs are not speculated (each decodes a token a step)",
-    "quantization": "the draft model loads unquantized, in the engine's dtype",
+    "quantization": "the draft model loads as its folder stores it (infertune quantize writes a quantized one)",
     "max_model_len": "the draft model runs to the engine's max_model_len",
     "revision": "the draft model is a local folder",
     "code_revision": "the draft model is a local folder",
