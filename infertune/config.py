@@ -12,6 +12,7 @@ from __future__ import annotations
 import difflib
 import json
 import logging
+import math
 import numbers
 import os
 from dataclasses import MISSING, Field, dataclass, field, fields, replace
@@ -44,11 +45,12 @@ SUPPORTED_ARCHITECTURES = (
     "DeepseekV3ForCausalLM",
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
+    "Phi3ForCausalLM",
 )
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 MOE_SCORING = ("softmax", "sigmoid")
 MOE_TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 def default_model_path() -> str:
@@ -162,6 +164,12 @@ class ArchConfig:
     # Gemma 3: the rope of the sliding layers (base rope_local_base_freq), where it is not the other layers'
     local_rope_theta: float | None = None
     local_rope_scaling: dict | None = None
+    # The dims of each head that rotary turns: the first rotary_dim (partial_rotary_factor; None: all head_dim).
+    rotary_dim: int | None = None
+    # Checkpoint projections stored fused that the engine loads as its packed shards (Phi-3's qkv_proj and
+    # gate_up_proj): fused name -> ((the per-shard name the loader maps, its rows in the checkpoint), ...), the
+    # checkpoint's whole shape (tensor parallel keeps it: each shard is then sliced as its own tensor would be).
+    fused_checkpoint: dict[str, tuple[tuple[str, int], ...]] | None = None
 
     def for_tensor_parallel(self, size: int, expert_parallel: bool = False) -> ArchConfig:
         """The shape one of `size` tensor-parallel ranks builds: its share of the attention heads, of the KV heads
@@ -232,11 +240,12 @@ class ArchConfig:
             global_theta,
             cfg,
             where,
+            arch,
         )
         local_theta, local_rope = None, None
         if arch == "Gemma3ForCausalLM":
             local = params.get("sliding_attention") if by_type else None
-            local_theta, local_rope = _rope(local, cfg.get("rope_local_base_freq"), 10000.0, cfg, where)
+            local_theta, local_rope = _rope(local, cfg.get("rope_local_base_freq"), 10000.0, cfg, where, arch)
         # The MLP's activation: Gemma's GeLU (tanh approximation, named in hidden_activation), SiLU elsewhere.
         act_key, allowed = ("hidden_activation", "gelu_pytorch_tanh") if gemma else ("hidden_act", "silu")
         act = cfg.get(act_key, allowed)
@@ -246,6 +255,9 @@ class ArchConfig:
             raise ValueError(f"{where}: use_bidirectional_attention (an encoder) is not supported; infertune decodes.")
         layers = int(cfg["num_hidden_layers"])
         windows = _layer_windows(cfg, arch, layers, where)
+        head_dim = int(cfg.get("head_dim") or hidden // heads)
+        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        rotary_dim = _rotary_dim(cfg, params, arch, head_dim, rope, where)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         mla = _mla_arch(cfg, arch)
@@ -257,9 +269,9 @@ class ArchConfig:
             num_hidden_layers=int(cfg["num_hidden_layers"]),
             num_attention_heads=heads,
             # MLA caches one latent "head" of kv_lora_rank + qk_rope_head_dim values a token.
-            num_key_value_heads=1 if mla else int(cfg.get("num_key_value_heads") or heads),
-            head_dim=mla.cache_width if mla else int(cfg.get("head_dim") or hidden // heads),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            num_key_value_heads=1 if mla else kv_heads,
+            head_dim=mla.cache_width if mla else head_dim,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5 if arch == "Phi3ForCausalLM" else 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
@@ -290,6 +302,10 @@ class ArchConfig:
             else None,
             local_rope_theta=local_theta,
             local_rope_scaling=local_rope,
+            rotary_dim=rotary_dim,
+            fused_checkpoint=_phi3_fused(heads, kv_heads, head_dim, int(cfg["intermediate_size"]))
+            if arch == "Phi3ForCausalLM"
+            else None,
         )
 
     @classmethod
@@ -325,6 +341,7 @@ _MODEL_TYPES = {
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 
 
@@ -336,7 +353,9 @@ def _float_or_none(value) -> float | None:
     return None if value is None else float(value)
 
 
-def _rope(params: dict | None, theta, default_theta: float, cfg: dict, where: str) -> tuple[float, dict | None]:
+def _rope(
+    params: dict | None, theta, default_theta: float, cfg: dict, where: str, arch: str = ""
+) -> tuple[float, dict | None]:
     """(rope_theta, its frequency scaling: None for plain rope) from one rope_parameters / rope_scaling dict and the
     older top-level base `theta` (which wins where both are given)."""
     rope_theta = float(theta or (params or {}).get("rope_theta") or default_theta)
@@ -344,6 +363,8 @@ def _rope(params: dict | None, theta, default_theta: float, cfg: dict, where: st
         return rope_theta, None
     rope = dict(params)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if arch == "Phi3ForCausalLM" and rope_type in ("su", "yarn"):  # Phi3Config's own renaming: both are LongRoPE
+        rope_type = "longrope"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
             f"{where}: rope type {rope_type!r} is not supported; infertune implements {', '.join(SUPPORTED_ROPE_TYPES)}."
@@ -354,21 +375,58 @@ def _rope(params: dict | None, theta, default_theta: float, cfg: dict, where: st
         original = rope.get("original_max_position_embeddings") or max_pos
         rope["original_max_position_embeddings"] = original
         rope["factor"] = float(rope.get("factor") or max_pos / original)
+    if rope_type == "longrope" and arch != "Phi3ForCausalLM":
+        raise ValueError(f"{where}: rope type 'longrope' is supported for Phi3ForCausalLM only, not {arch}")
+    if rope_type == "longrope":  # transformers' _compute_longrope_parameters
+        max_pos = int(cfg.get("max_position_embeddings", 2048))
+        original = rope.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+        if not original or "short_factor" not in rope or "long_factor" not in rope:
+            raise ValueError(
+                f"{where}: rope type 'longrope' needs short_factor, long_factor and original_max_position_embeddings"
+            )
+        rope["original_max_position_embeddings"] = int(original)
+        factor = float(rope.get("factor") or max_pos / int(original))
+        if rope.get("attention_factor") is None:
+            rope["attention_factor"] = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(int(original)))
     return rope_theta, None if rope_type == "default" else rope
+
+
+def _rotary_dim(cfg: dict, params: dict, arch: str, head_dim: int, rope: dict | None, where: str) -> int | None:
+    """How many leading dims of each head rotary turns (Phi-3's partial_rotary_factor, top level or in
+    rope_parameters; None: the whole head). LongRoPE's factor lists must have one entry per rotated pair."""
+    factor = float(params.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 1.0)
+    if factor != 1.0 and arch != "Phi3ForCausalLM":
+        raise ValueError(f"{where}: partial_rotary_factor {factor} is not supported for {arch} (only for Phi-3)")
+    dim = int(head_dim * factor)
+    if dim % 2 or not 0 < dim <= head_dim:
+        raise ValueError(f"{where}: partial_rotary_factor {factor} turns {dim} of {head_dim} dims; need an even count")
+    for key in ("short_factor", "long_factor"):
+        if rope is not None and rope["rope_type"] == "longrope" and len(rope[key]) != dim // 2:
+            raise ValueError(f"{where}: longrope {key} has {len(rope[key])} entries; the rotary dims need {dim // 2}")
+    return None if dim == head_dim else dim
+
+
+def _phi3_fused(heads: int, kv_heads: int, head_dim: int, inter: int) -> dict[str, tuple[tuple[str, int], ...]]:
+    """Phi-3's fused checkpoint projections, as the per-shard names the Llama family's packed layers load."""
+    q, kv = heads * head_dim, kv_heads * head_dim
+    return {
+        "qkv_proj": (("q_proj", q), ("k_proj", kv), ("v_proj", kv)),
+        "gate_up_proj": (("gate_proj", inter), ("up_proj", inter)),
+    }
 
 
 # Families whose config's sliding_window applies only with use_sliding_window true (transformers sets it to None,
 # or 0 for Qwen2-MoE, otherwise).
 _OPT_IN_WINDOW = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 # Families that window every layer whenever sliding_window is set (their modeling ignores layer_types).
-_EVERY_LAYER_WINDOWED = ("MistralForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM")
+_EVERY_LAYER_WINDOWED = ("MistralForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM", "Phi3ForCausalLM")
 
 
 def _layer_windows(cfg: dict, arch: str, layers: int, where: str) -> tuple[int | None, ...] | None:
     """Each decoder layer's sliding window (None: full attention), as transformers reads each family's config: its
     layer_types where the config has them, else the family's own rule; None where no layer is windowed."""
-    # (a key left out takes transformers' default: None for Mixtral, 4096 for the others)
-    window = cfg.get("sliding_window", None if arch == "MixtralForCausalLM" else 4096) or None
+    # (a key left out takes transformers' default: None for Mixtral and Phi-3, 4096 for the others)
+    window = cfg.get("sliding_window", None if arch in ("MixtralForCausalLM", "Phi3ForCausalLM") else 4096) or None
     if arch in _OPT_IN_WINDOW and not cfg.get("use_sliding_window", False):
         window = None
     if window is None or arch.startswith(("Llama", "Deepseek")):  # Llama and DeepSeek always attend in full
@@ -565,6 +623,17 @@ class ModelConfig:
             raise ValueError(
                 f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings={limit}; "
                 "lower max_model_len."
+            )
+        rope = self.arch.rope_scaling or {}
+        original = rope.get("original_max_position_embeddings")
+        if rope.get("rope_type") == "longrope" and self.max_model_len > original:
+            # transformers turns every position with long_factor once a sequence passes the original context (and
+            # with short_factor below it): a switch of the whole sequence's rotation that a KV cache of keys
+            # rotated once cannot follow. infertune applies short_factor, exactly as transformers does, up to it.
+            raise ValueError(
+                f"max_model_len={self.max_model_len}: rope_scaling 'longrope' is applied only up to its "
+                f"original_max_position_embeddings={original} (short_factor; its long_factor beyond is not "
+                f"implemented); set max_model_len={original} or lower."
             )
 
     def sampling_defaults(self) -> dict:

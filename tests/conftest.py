@@ -49,6 +49,8 @@ def make_checkpoint(
         MistralForCausalLM,
         MixtralConfig,
         MixtralForCausalLM,
+        Phi3Config,
+        Phi3ForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
         Qwen2MoeConfig,
@@ -74,6 +76,8 @@ def make_checkpoint(
         eos_token_id=tok.eos_token_id,
         bos_token_id=tok.eos_token_id,
     )
+    if arch == "phi3":  # (Phi3Config's default pad id, 32000, is past the tiny vocabulary)
+        base["pad_token_id"] = tok.eos_token_id
     base.update(overrides)
     cfg_cls, model_cls = {
         "llama": (LlamaConfig, LlamaForCausalLM),
@@ -83,6 +87,7 @@ def make_checkpoint(
         "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
         "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
         "mixtral": (MixtralConfig, MixtralForCausalLM),
+        "phi3": (Phi3Config, Phi3ForCausalLM),
     }[arch]
     torch.manual_seed(seed)
     model = model_cls(cfg_cls(**base)).to(dtype)

@@ -1,4 +1,6 @@
-"""Rotary position embedding (neox / rotate-half layout) with default, linear, llama3 and YaRN frequency scaling.
+"""Rotary position embedding (neox / rotate-half layout) with default, linear, llama3, YaRN and LongRoPE (its
+short_factor: config.py refuses a max_model_len past the original context, where transformers switches to
+long_factor) frequency scaling.
 
 The cos/sin table is computed once in fp32 for every position up to the engine's max_model_len, and
 the rotation is applied in fp32 before casting back, so bf16 models lose no precision in positions.
@@ -19,6 +21,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
     kind = (scaling or {}).get("rope_type", "default")
     if kind == "default":
         return inv_freq.float()
+    if kind == "longrope":  # per-pair divisors of the frequencies (transformers' _compute_longrope_parameters)
+        return (inv_freq / torch.tensor(scaling["short_factor"], dtype=torch.float64)).float()
     factor = float(scaling["factor"])
     if kind == "linear":
         return (inv_freq / factor).float()
@@ -66,7 +70,9 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 
 def rope_attention_factor(scaling: dict | None) -> float:
     """The factor the cos/sin table is multiplied by: YaRN's attention_factor (given, or from factor and DeepSeek's
-    mscale / mscale_all_dim), 1 for the other rope types."""
+    mscale / mscale_all_dim), LongRoPE's (config.py fills it in), 1 for the other rope types."""
+    if (scaling or {}).get("rope_type") == "longrope":
+        return float(scaling["attention_factor"])
     if (scaling or {}).get("rope_type") != "yarn":
         return 1.0
     if scaling.get("attention_factor") is not None:

@@ -1,5 +1,6 @@
 """Llama-family decoder over a flattened batch and a paged KV cache: Llama, Qwen2 (q/k/v bias), Mistral, Qwen3
-(per-head q / k RMSNorm), and their mixture-of-experts kin (Qwen2-MoE with its gated shared expert, Qwen3-MoE,
+(per-head q / k RMSNorm), Phi-3 (fused qkv_proj / gate_up_proj in its checkpoints, split at load by
+ArchConfig.fused_checkpoint; partial rotary), and their mixture-of-experts kin (Qwen2-MoE with its gated shared expert, Qwen3-MoE,
 Mixtral), whose MoE layers are layers/moe.py MoE in place of the MLP.
 
 The forward takes every scheduled token of the step as one [T] run; attention finds each sequence's context
@@ -74,7 +75,10 @@ class LlamaAttention(nn.Module):
                 ],
                 dim=1,
             )
-        qk = self.rotary(qk, cos, sin)
+        if self.rotary.head_dim == d:
+            qk = self.rotary(qk, cos, sin)
+        else:  # partial rotary (Phi-3's partial_rotary_factor): the first rotary dims of each head, in place
+            self.rotary(qk[..., : self.rotary.head_dim], cos, sin)
         return qk[:, :h], qk[:, h:], qkv[:, h + hkv :]
 
     def attend(self, q, k, v, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -160,7 +164,7 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     """Embedding, the decoder layers (layer_cls: LlamaDecoderLayer, or a family's own with its signature) around one
-    rotary table of rotary_dim (default head_dim), and the final norm."""
+    rotary table of rotary_dim (default: the config's, Phi-3's partial rotary, else head_dim), and the final norm."""
 
     def __init__(
         self,
@@ -177,7 +181,8 @@ class LlamaModel(nn.Module):
         weight = torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=weight, _freeze=True)
         # One table shared by every layer.
-        self.rotary = RotaryEmbedding(rotary_dim or cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
+        rotary_dim = rotary_dim or cfg.rotary_dim or cfg.head_dim
+        self.rotary = RotaryEmbedding(rotary_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
         layer_cls = layer_cls or LlamaDecoderLayer
         self.layers = nn.ModuleList(layer_cls(cfg, self.rotary, attn, dtype, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)

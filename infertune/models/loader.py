@@ -164,6 +164,8 @@ def load_model(
     for path in tqdm(files, desc="loading weights", unit="file", disable=not show_progress or len(files) < 2):
         try:
             tensors = iter_tensors(path)
+            if arch.fused_checkpoint:
+                tensors = split_fused(tensors, arch.fused_checkpoint)
             for name, tensor in dequant.stream(tensors) if dequant is not None else tensors:
                 if name.endswith(_IGNORED_SUFFIXES) or (arch.tie_word_embeddings and name == "lm_head.weight"):
                     continue
@@ -332,6 +334,30 @@ def map_checkpoint_name(
             new, shard = packed[part]
             return ".".join(parts[:i] + [new] + parts[i + 1 :]), shard
     return name, None
+
+
+def split_fused(tensors, fused: dict[str, tuple[tuple[str, int], ...]]):
+    """A checkpoint's fused projections (Phi-3's qkv_proj, gate_up_proj: ArchConfig.fused_checkpoint) as the
+    per-shard tensors the packed layers load: row views of the fused tensor (no copy), named as their own tensors
+    would be (qkv_proj.weight -> q_proj.weight, k_proj.weight, v_proj.weight), so that the shards, tensor parallel's
+    slices of each and the missing-tensor check work as for a Llama checkpoint. Other tensors pass unchanged."""
+    for name, tensor in tensors:
+        module, _, leaf = name.rpartition(".")
+        prefix, _, proj = module.rpartition(".")
+        shards = fused.get(proj) if leaf in ("weight", "bias") else None
+        if shards is None:
+            yield name, tensor
+            continue
+        rows = sum(n for _, n in shards)
+        if tensor.shape[0] != rows:
+            raise ValueError(
+                f"tensor {name!r} has {tensor.shape[0]} rows; config.json's shape needs {rows} "
+                f"({' + '.join(f'{s} {n}' for s, n in shards)}); is config.json right for these weights?"
+            )
+        start = 0
+        for shard_name, n in shards:
+            yield f"{prefix}.{shard_name}.{leaf}", tensor.narrow(0, start, n)
+            start += n
 
 
 def _checkpoint_name(

@@ -21,6 +21,7 @@ _REGISTRY: dict[str, type[nn.Module]] = {
     "DeepseekV3ForCausalLM": DeepseekForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
+    "Phi3ForCausalLM": LlamaForCausalLM,  # (its fused checkpoint tensors: ArchConfig.fused_checkpoint, the loader)
 }
 assert set(_REGISTRY) == set(SUPPORTED_ARCHITECTURES)
 

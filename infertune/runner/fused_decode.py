@@ -12,7 +12,8 @@ decodes beside them). Bigger steps keep the PyTorch path.
 It takes over only where it computes what the PyTorch path computes (rounded the same way, to bf16 precision):
 a Llama-family decoder in bf16 whose every projection the kernels can multiply (`QuantMethod.kernel_weights`),
 a bf16 or INT8 paged KV cache, SiLU, full or sliding-window attention (each KV cache group's block tables: the
-runner's groups, `kv_groups`); Qwen3's q / k norms; Gemma 2 / 3 (the (1 + w) norms in fp32, four a layer, GeLU-tanh,
+runner's groups, `kv_groups`); Qwen3's q / k norms; Phi-3 (a Llama decoder once loaded) where rotary turns whole heads
+(partial_rotary_factor 1); Gemma 2 / 3 (the (1 + w) norms in fp32, four a layer, GeLU-tanh,
 scaled embeddings, each layer's rotary table, Gemma 2's soft-capped scores); and
 mixture-of-experts layers (Qwen2-MoE, Qwen3-MoE, Mixtral, DeepSeek: a bf16 or fp32 router, experts the grouped
 kernel takes, a shared expert with its gate), whose routing the kernels hand back to the module's `route()` wherever
@@ -124,6 +125,8 @@ class FusedDecode:
         gemma = getattr(cfg, "architecture", None) in GEMMA_ARCHITECTURES
         if getattr(cfg, "hidden_act", "silu") not in (("gelu_pytorch_tanh",) if gemma else ("silu", None)):
             return f"hidden_act={cfg.hidden_act}"
+        if getattr(cfg, "rotary_dim", None):  # (its table and kernel turn every dim of a head, pairing i with i + D/2)
+            return f"partial rotary ({cfg.rotary_dim} of {cfg.head_dim} dims a head; the fused step turns them all)"
         decoder = model.model
         first = decoder.layers[0]
         eps = float(first.input_layernorm.eps)
