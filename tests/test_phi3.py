@@ -89,10 +89,11 @@ def test_greedy_batch_with_prefix_cache_and_tiny_chunks_matches_hf(variant):
     assert [o.outputs[0].token_ids for o in again] == outs
 
 
-def test_fused_step_runs_phi3(tmp_path):
+@pytest.mark.parametrize("kv,quant", [("auto", None), ("int8", None), ("auto", "w8a16")])
+def test_fused_step_runs_phi3(tmp_path, kv, quant):
     """The fused C decode step takes a Phi-3 whose rotary turns whole heads (a Llama decoder once its fused tensors
-    are loaded), LongRoPE's table and the sliding window included, as close to HF (fp32) as the per-module path in
-    bf16 (test_sliding_window._fused_against_per_module)."""
+    are loaded), LongRoPE's table and the sliding window included, with a bf16 or int8 KV cache, bf16 or W8A16
+    weights, as close to HF (fp32) as the per-module path in bf16 (test_sliding_window._fused_against_per_module)."""
     from test_sliding_window import MAX_LEN as FUSED_LEN
     from test_sliding_window import _fused_against_per_module, _prompts
 
@@ -105,7 +106,7 @@ def test_fused_step_runs_phi3(tmp_path):
         sliding_window=6,
     )
     hf = hf_model(path)
-    _fused_against_per_module(path, hf, _prompts(hf.config.vocab_size), 1)
+    _fused_against_per_module(path, hf, _prompts(hf.config.vocab_size), 1, kv_cache_dtype=kv, quantization=quant)
 
 
 def test_fused_step_is_bypassed_for_partial_rotary_with_its_reason(tmp_path, caplog):

@@ -56,6 +56,8 @@ def test_shapes_that_do_not_split_are_clear_errors_before_any_worker_starts(tiny
 def _checkpoint(kind: str, path):
     if kind == "llama-kv1-odd-vocab":  # one KV head for two ranks (replicated), 261 rows of vocabulary (padded)
         return make_checkpoint(path, "llama", num_key_value_heads=1, vocab_size=261, tie_word_embeddings=True)
+    if kind == "phi3-kv1-partial":  # fused qkv_proj / gate_up_proj: each rank's slice of each shard; KV replicated
+        return make_checkpoint(path, "phi3", num_key_value_heads=1, partial_rotary_factor=0.5)
     if kind == "qwen3":  # q/k norms and explicit head_dim, with q/k/v/o bias (o's added on one rank only)
         return make_checkpoint(path, "qwen3", head_dim=16, attention_bias=True)
     if kind in MOE_VARIANTS:  # (the same tiny MoE models as test_moe_models.py)
@@ -71,6 +73,7 @@ def _checkpoint(kind: str, path):
     [
         "llama-kv1-odd-vocab",
         "qwen3",
+        "phi3-kv1-partial",
         "mixtral",
         "qwen2-moe",
         "qwen3-moe",
