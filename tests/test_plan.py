@@ -807,6 +807,75 @@ def test_kv_of_uneven_window_groups_is_the_engines(tmp_path, family, overrides):
     assert engine - 3 * windowed * info.block_size * info.bytes_per_token <= planned <= engine
 
 
+@pytest.mark.parametrize(
+    "compression",
+    [
+        {"press": "streaming_llm", "compression_ratio": 0.5, "n_sink": 4},
+        # the seeds' recipe: layer 0 in a window, full below a length, a press above it
+        {
+            "policy": [
+                {"layers": "0", "window": 16},
+                {"max_length": 32, "press": "none"},
+                {"press": "snapkv", "compression_ratio": 0.75},
+            ]
+        },
+    ],
+)
+def test_kv_compression_is_planned_as_the_engine_holds_it(tmp_path, capsys, compression):
+    """plan --kv-compression: each KV cache group holds what its window or press keeps of the prompt plus the tokens
+    decoded after it. Oracle: the blocks the engine's groups hold for one sequence mid-decode (its coordinator's own
+    count), whole blocks of the planned tokens (a window's group up to a block past it); and the engine's grouping of
+    the layers. The JSON and the text say the press; an MLA model is refused as the engine refuses it."""
+    from conftest import make_checkpoint
+
+    from infertune import LLM, SamplingParams
+    from infertune.kv_compression import KVCompressionConfig
+    from infertune.plan.memory import kv_group_tokens
+
+    path = make_checkpoint(tmp_path / "m", "llama", num_hidden_layers=4)
+    prompt_len, decoded, bs = 100, 7, 8
+    llm = LLM(
+        str(path),
+        dtype="float32",
+        max_model_len=128,
+        block_size=bs,
+        kv_cache_memory_bytes="1Mi",
+        kv_compression=compression,
+        enable_prefix_caching=False,
+    )
+    engine = llm.engine
+    prompt = list(range(3, 3 + prompt_len))
+    engine.add_request("r", {"prompt_token_ids": prompt}, SamplingParams(max_tokens=decoded + 5, ignore_eos=True))
+    while True:  # (to the step after which its cache holds the prompt's kept tokens and `decoded` more)
+        engine.step()
+        seq = engine.requests["r"].samples[0].seq
+        if seq.num_computed_tokens >= prompt_len + decoded:
+            break
+    held = engine.block_manager.blocks_used_by_group
+    kv = KVFormat(compression=KVCompressionConfig.from_dict(compression), prompt_len=prompt_len)
+    spec = ModelSpec.load(path)
+    planned = kv_group_tokens(spec, prompt_len + decoded, kv)
+    runner_groups = engine.executor.runner.kv_groups
+    assert [(g.window, g.layers) for g, _ in planned] == [(g.window, g.layers) for g in runner_groups]
+    assert any(g.compressed for g, _ in planned)
+    for (g, tokens), blocks in zip(planned, held):
+        assert tokens < prompt_len + decoded or g.window is None  # (something dropped, or a full group)
+        least = -(-tokens // bs)
+        assert least <= blocks <= least + (1 if g.window is not None else 0), (g, tokens, blocks, held)
+    # the CLI: the press in the settings, the groups' kept tokens, and MLA refused
+    cfg = json.dumps(compression)
+    args = ["--model", str(path), "--device", "h100", "--input-len", str(prompt_len), "--output-len", str(decoded)]
+    assert plan_main([*args, "--kv-compression", cfg, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["settings"]["kv_compression"] == compression
+    rows = out["kv"]["groups"]
+    assert sum(r["layers"] for r in rows if r["compressed"]) == sum(len(g.layers) for g, _ in planned if g.compressed)
+    assert plan_main([*args, "--kv-compression", cfg]) == 0
+    assert "compressed after each 100-token prompt" in capsys.readouterr().out
+    assert plan_main(["--model", "deepseek-v2-lite", "--device", "h100", "--kv-compression", cfg]) == 2
+    assert "MLA's latent cache does not take it" in capsys.readouterr().err
+
+
 def test_a_w4a16_checkpoints_groups_are_planned_and_a_group_that_does_not_fit_is_refused(tmp_path, capsys):
     """Hand arithmetic on a tiny tied Llama (hidden 64, MLP 128, 2 layers, 4 heads of 16, 2 KV heads, vocab 260)
     quantized by `infertune quantize` in groups of 32: with --quantize-lm-head the plan keeps the checkpoint's groups

@@ -6,6 +6,7 @@ Wire it into cli.py with:  plan = sub.add_parser("plan", ...); command.add_argum
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from infertune.files import add_json_flag, emit_json, json_to_stdout, print_report
@@ -89,6 +90,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="with --kv-dtype int8: the engine's int4 tier (its --kv-int4-after): a sequence's tokens N or more behind "
         "its newest counted at head_dim / 2 bytes and an fp16 scale a KV head, in full-attention layers (default: "
         "off)",
+    )
+    p.add_argument(
+        "--kv-compression",
+        default=None,
+        metavar="JSON",
+        help='the engine\'s kv_compression (its --kv-compression): a press ({"press": "snapkv", '
+        '"compression_ratio": 0.5}) or a policy by layer and prompt length ({"policy": [...]}, e.g. the one '
+        "`infertune tune --kv-compression` writes): each group of layers then holds what its window or press keeps of "
+        "an --input-len prompt, plus the tokens decoded after it, in the KV bytes, the sequences that fit and a decode "
+        "step's reads (default: off)",
     )
     p.add_argument(
         "--memory-utilization",
@@ -233,7 +244,9 @@ def run(args: argparse.Namespace) -> int:
             context=ctx,
             batch=args.batch,
             weight_format=fmt,
-            kv_format=KVFormat(args.kv_dtype, int4_after=args.kv_int4_after),
+            kv_format=KVFormat(
+                args.kv_dtype, int4_after=args.kv_int4_after, compression=_kv_compression(args), prompt_len=inp
+            ),
             efficiency=eff,
             measured_decode_tps=args.measured_decode_tps,
             measured_prefill_tps=args.measured_prefill_tps,
@@ -276,3 +289,16 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _kv_compression(args):
+    """--kv-compression JSON parsed as the engine parses its option (kv_compression.KVCompressionConfig), or None."""
+    if args.kv_compression is None:
+        return None
+    from infertune.kv_compression import KVCompressionConfig
+
+    try:
+        value = json.loads(args.kv_compression)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--kv-compression {args.kv_compression!r} is not JSON: {e}") from e
+    return KVCompressionConfig.from_dict(value)

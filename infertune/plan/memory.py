@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from infertune.config import ArchConfig
@@ -114,10 +114,19 @@ class KVFormat:
     # The engine's int4 tier (kv_int4_after, int8 only): a sequence's tokens this many or more behind its newest in
     # int4 (head_dim / 2 bytes and an fp16 scale a token and KV head) in its full-attention layers; None: off.
     int4_after: int | None = None
+    # The engine's kv_compression (kv_compression.KVCompressionConfig: a press, or a policy by layer and prompt
+    # length): its window rules cap layers at their window, its presses keep what they keep of each prompt of
+    # prompt_len tokens (None: the whole sequence is the prompt), the tokens decoded after it whole; pressed=False:
+    # before the press has run (a prefill's writes), the window rules only.
+    compression: object | None = field(default=None, compare=False)
+    prompt_len: int | None = None
+    pressed: bool = True
 
     def __post_init__(self) -> None:
         if self.name not in KV_DTYPES:
             raise ValueError(f"KV dtype {self.name!r} is unknown; choose one of {', '.join(KV_DTYPES)}")
+        if self.compression is not None and self.prompt_len is not None and self.prompt_len < 1:
+            raise ValueError(f"the prompt length the press runs on must be >= 1 (got {self.prompt_len})")
         if self.int4_after is not None and (self.name != "int8" or self.int4_after < 0):
             raise ValueError(
                 f"the int4 tier (int4_after={self.int4_after}) needs the int8 KV dtype (--kv-dtype int8) and a "
@@ -143,33 +152,57 @@ def kv_bytes_per_token(spec: ModelSpec, kv: KVFormat = KVFormat()) -> int:
     return spec.arch.num_hidden_layers * kv_bytes_per_token_per_layer(spec, kv)
 
 
-def kv_token_layers(spec: ModelSpec, context: int) -> int:
-    """Sum over layers of the tokens of KV each layer keeps (and a decode step reads) for a sequence of `context`
-    tokens: a full-attention layer all of them, a windowed one at most its window."""
-    window = spec.arch.sliding_window
-    windowed = spec.num_windowed_layers
-    full = spec.arch.num_hidden_layers - windowed
-    capped = min(context, window) if window is not None else context
-    return full * context + windowed * capped
-
-
-def kv_groups(spec: ModelSpec, context: int):
-    """The engine's KV cache groups for this model at max_model_len = context (scheduler_output.kv_cache_groups)."""
+def kv_groups(spec: ModelSpec, context: int, kv: KVFormat = KVFormat()):
+    """The engine's KV cache groups for this model at max_model_len = context (scheduler_output.kv_cache_groups):
+    the model's windows with a compression policy's window rules, and its compressed layers grouped by what they
+    keep (kv_compression.layer_key), as the model runner groups them."""
     from infertune.scheduler_output import kv_cache_groups
 
-    a = spec.arch
-    return kv_cache_groups(a.layer_windows, a.num_hidden_layers, max(context, 2))
+    a, comp = spec.arch, kv.compression
+    if comp is None:
+        return kv_cache_groups(a.layer_windows, a.num_hidden_layers, max(context, 2))
+    if a.mla is not None:
+        raise ValueError("KV compression is the engine's for K / V caches; MLA's latent cache does not take it")
+    comp.check(a.num_hidden_layers)
+    windows = comp.layer_windows(a.layer_windows, a.num_hidden_layers)
+    keys = tuple(comp.layer_key(i) for i in range(a.num_hidden_layers))
+    return kv_cache_groups(windows, a.num_hidden_layers, max(context, 2), keys)
 
 
-def kv_page_token_layers(spec: ModelSpec, context: int) -> int:
+def kv_group_tokens(spec: ModelSpec, context: int, kv: KVFormat = KVFormat()) -> list[tuple[object, int]]:
+    """Each of the engine's KV cache groups (kv_groups) with the tokens one sequence of `context` tokens keeps in
+    each of its layers: a full-attention layer all of them, a windowed one at most its window, a compressed one
+    what its press keeps of the prompt (kv.prompt_len, at most context) plus the tokens decoded after it."""
+    comp, num_layers = kv.compression, spec.arch.num_hidden_layers
+    prompt = context if kv.prompt_len is None else min(kv.prompt_len, context)
+    out = []
+    for g in kv_groups(spec, context, kv):
+        if g.window is not None:
+            tokens = min(context, g.window)
+        elif g.compressed and kv.pressed:
+            tokens = comp.kept_tokens(g.layers[0], num_layers, prompt) + (context - prompt)
+        else:
+            tokens = context
+        out.append((g, tokens))
+    return out
+
+
+def kv_token_layers(spec: ModelSpec, context: int, kv: KVFormat = KVFormat()) -> int:
+    """Sum over layers of the tokens of KV each layer keeps (and a decode step reads) for a sequence of `context`
+    tokens: a full-attention layer all of them, a windowed one at most its window, a compressed one what its press
+    keeps (kv_group_tokens)."""
+    return sum(len(g.layers) * tokens for g, tokens in kv_group_tokens(spec, context, kv))
+
+
+def kv_page_token_layers(spec: ModelSpec, context: int, kv: KVFormat = KVFormat()) -> int:
     """The layer pages x tokens one sequence of `context` tokens holds in the engine's KV cache: its KV cache groups
     (each kind of layer, full or windowed, cut into groups of equal size where the kinds' layer counts differ) share
     block ids of one pool, a block id a page of each layer of the largest group, so a group of fewer layers pays
     for the pages it leaves empty (engine/kv_cache_coordinator.py, scheduler_output.kv_cache_groups). Gemma 3 1B's
     22 windowed and 4 full layers: 7 groups of 4 layers' pages, the last windowed one of 2 (2 pages a block empty)."""
-    groups = kv_groups(spec, context)
-    pages = max(len(g.layers) for g in groups)
-    return sum(pages * (context if g.window is None else min(context, g.window)) for g in groups)
+    groups = kv_group_tokens(spec, context, kv)
+    pages = max(len(g.layers) for g, _ in groups)
+    return sum(pages * tokens for _, tokens in groups)
 
 
 def kv_int4_bytes_per_token_per_layer(spec: ModelSpec) -> int:
@@ -182,19 +215,20 @@ def kv_bytes_per_sequence(spec: ModelSpec, context: int, kv: KVFormat = KVFormat
     engine's pool (kv_page_token_layers: the pages a smaller group leaves empty included); else the bytes its
     layers keep, what a decode step reads. With the int4 tier, a full-attention layer keeps int4_after tokens at
     int8 and the rest in int4 (the engine packs whole pairs of blocks, so up to two blocks more stay int8);
-    windowed layers are not tiered."""
-    token_layers = kv_page_token_layers(spec, context) if held else kv_token_layers(spec, context)
-    if kv.int4_after is None:
-        return token_layers * kv_bytes_per_token_per_layer(spec, kv)
-    if spec.arch.mla:
+    windowed layers are not tiered. With KV compression, each group holds what kv_group_tokens says."""
+    if kv.int4_after is not None and spec.arch.mla:
         raise ValueError("the int4 tier is the engine's for K / V caches; MLA's latent cache does not take it")
-    old = max(0, context - kv.int4_after)
-    full = spec.arch.num_hidden_layers - spec.num_windowed_layers
-    if held:  # (the full groups' pages, the empty ones packed as well)
-        groups = kv_groups(spec, context)
-        full = max(len(g.layers) for g in groups) * sum(g.window is None for g in groups)
-    tiered = full * (old * kv_int4_bytes_per_token_per_layer(spec) - old * kv_bytes_per_token_per_layer(spec, kv))
-    return token_layers * kv_bytes_per_token_per_layer(spec, kv) + tiered
+    per_layer = kv_bytes_per_token_per_layer(spec, kv)
+    groups = kv_group_tokens(spec, context, kv)
+    pages = max(len(g.layers) for g, _ in groups)
+    total = 0
+    for g, tokens in groups:
+        layers = pages if held else len(g.layers)  # (held: a block is a page of each layer of the largest group)
+        total += layers * tokens * per_layer
+        if kv.int4_after is not None and g.window is None:  # (the full groups' old tokens, re-stored in int4)
+            old = max(0, tokens - kv.int4_after)
+            total -= layers * old * (per_layer - kv_int4_bytes_per_token_per_layer(spec))
+    return total
 
 
 def kv_bytes(spec: ModelSpec, context: int, batch: int, kv: KVFormat = KVFormat()) -> int:
@@ -265,6 +299,8 @@ class MemoryBudget:
     kv_budget_bytes: int  # per card; negative when the weights do not fit
     kv_bytes_per_sequence: int  # per card, at the planned context
     max_concurrent_sequences: int  # at the planned context; 0 when not even one fits
+    # KV compression: what a prompt holds beyond its compressed share until its press has run (room kept for one)
+    prefill_peak_bytes: int = 0
 
     @property
     def fits(self) -> bool:
@@ -296,5 +332,12 @@ def memory_budget(
     act = activation_reserve_bytes(spec, tokens_per_step, batch_for_logits, tp)
     budget = usable - weights - act
     per_seq = math.ceil(kv_bytes_per_sequence(spec, context, kv) * kv_shard_fraction(spec, tp))
-    max_seqs = max(0, budget // per_seq) if per_seq else 0
-    return MemoryBudget(device_bytes, usable, weights, act, budget, per_seq, int(max_seqs))
+    # With KV compression a prompt is held whole until its press runs at the end of its prefill: room for one such
+    # prompt beyond the compressed sequences (prompts are prefilled one after another once they do not fit a step)
+    peak = 0
+    if kv.compression is not None:
+        prompt = context if kv.prompt_len is None else min(kv.prompt_len, context)
+        whole = kv_bytes_per_sequence(spec, prompt, replace(kv, pressed=False))
+        peak = max(0, math.ceil((whole - kv_bytes_per_sequence(spec, prompt, kv)) * kv_shard_fraction(spec, tp)))
+    max_seqs = max(0, (budget - peak) // per_seq) if per_seq else 0
+    return MemoryBudget(device_bytes, usable, weights, act, budget, per_seq, int(max_seqs), peak)

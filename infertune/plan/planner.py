@@ -217,6 +217,7 @@ def make_plan(req: PlanRequest) -> dict:
             "kv_dtype": req.kv_format.name,
             "kv_int8_scale_bytes": req.kv_format.scale_bytes if req.kv_format.name == "int8" else None,
             "kv_int4_after": req.kv_format.int4_after,
+            "kv_compression": (req.kv_format.compression.source if req.kv_format.compression is not None else None),
             "memory_utilization": req.memory_utilization,
             "tokens_per_step": req.tokens_per_step,
             "price_usd_per_hour_per_card": price,
@@ -254,6 +255,7 @@ def make_plan(req: PlanRequest) -> dict:
             "kv_budget_bytes_per_card": mem.kv_budget_bytes,
             "kv_bytes_per_sequence_per_card": mem.kv_bytes_per_sequence,
             "max_concurrent_sequences": mem.max_concurrent_sequences,
+            "kv_prefill_peak_bytes_per_card": mem.prefill_peak_bytes,
             **_engine_default_kv(dev, mem, tp),
         },
         "prefill": {
@@ -270,26 +272,27 @@ def make_plan(req: PlanRequest) -> dict:
 
 
 def _kv_groups(spec, context: int, kv) -> list[dict]:
-    """Per kind of KV cache group (the layers attending within one window, or in full: the engine's block tables,
-    a kind cut into several equal groups where the kinds' layer counts differ), the tokens and pool bytes of KV one
-    `context`-token sequence holds in it: a window's layers at most the window (the engine holds up to one block
-    more), each group in blocks of the largest group's pages."""
-    from infertune.plan.memory import kv_bytes_per_token_per_layer, kv_groups, kv_int4_bytes_per_token_per_layer
+    """Per kind of KV cache group (the layers attending within one window, in full, or compressed by one press: the
+    engine's block tables, a kind cut into several equal groups where the kinds' layer counts differ), the tokens
+    and pool bytes of KV one `context`-token sequence holds in it: a window's layers at most the window (the engine
+    holds up to one block more), a compressed one what its press keeps of the prompt, each group in blocks of the
+    largest group's pages."""
+    from infertune.plan.memory import kv_bytes_per_token_per_layer, kv_group_tokens, kv_int4_bytes_per_token_per_layer
 
     per_layer = kv_bytes_per_token_per_layer(spec, kv)
-    groups = kv_groups(spec, context)
-    pages = max(len(g.layers) for g in groups)
+    groups = kv_group_tokens(spec, context, kv)
+    pages = max(len(g.layers) for g, _ in groups)
     out: dict = {}
-    for g in groups:
-        tokens = context if g.window is None else min(context, g.window)
+    for g, tokens in groups:
         nbytes = tokens * pages * per_layer
         if kv.int4_after is not None and g.window is None:  # (the int4 tier: full layers' old tokens)
-            old = max(0, context - kv.int4_after)
+            old = max(0, tokens - kv.int4_after)
             nbytes -= old * pages * (per_layer - kv_int4_bytes_per_token_per_layer(spec))
         row = out.setdefault(
-            g.window,
+            (g.window, g.compressed and kv.pressed, tokens),
             {
                 "window": g.window,
+                "compressed": bool(g.compressed and kv.pressed),
                 "layers": 0,
                 "groups": 0,
                 "pages_per_block": pages,

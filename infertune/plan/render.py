@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 
 def _gb(n: float | None) -> str:
     """Decimal units, scaled to the size (1 GB = 1e9 bytes)."""
@@ -61,6 +63,11 @@ def render_text(plan: dict) -> str:
             if s.get("kv_int4_after") is not None
             else ""
         )
+        + (
+            f"; compressed after each {s['input_len']}-token prompt by kv_compression {json.dumps(s['kv_compression'])}"
+            if s.get("kv_compression") is not None
+            else ""
+        )
         + (f"; MLA latent of {m['mla']['kv_lora_rank']} + {m['mla']['qk_rope_head_dim']} a layer" if m["mla"] else "")
         + f"); {_gb(kv['bytes_per_sequence'])} per {ctx}-token sequence"
         + (f"; {_gb(kv['bytes_for_batch'])} for batch {s['batch']}" if kv["bytes_for_batch"] is not None else ""),
@@ -68,7 +75,12 @@ def render_text(plan: dict) -> str:
         f"  memory      {_gb(mem['device_bytes'])} per card, {_gb(mem['usable_bytes'])} usable "
         f"({s['memory_utilization']:.0%}); weights {_gb(mem['weights_bytes_per_card'])}, activations "
         f"{_gb(mem['activation_reserve_bytes'])}, KV budget {_gb(mem['kv_budget_bytes_per_card'])}",
-        f"              -> at most {mem['max_concurrent_sequences']:,} concurrent {ctx}-token sequences",
+        f"              -> at most {mem['max_concurrent_sequences']:,} concurrent {ctx}-token sequences"
+        + (
+            f" (and room for one prompt held whole until its press runs: {_gb(mem['kv_prefill_peak_bytes_per_card'])})"
+            if mem.get("kv_prefill_peak_bytes_per_card")
+            else ""
+        ),
         *_engine_kv_lines(mem, ctx),
         f"  roofline    {d['memory_bandwidth_bytes_per_s'] / 1e9:,.1f} GB/s x {eff['bandwidth']:.0%}, "
         f"{d['bf16_tflops']:,.3g} TFLOPS x {eff['compute']:.0%}  [{eff['source']}]",
@@ -137,10 +149,16 @@ def render_text(plan: dict) -> str:
 def _kv_group_lines(kv: dict, ctx: int) -> list[str]:
     """Where layers attend within sliding windows: each kind of layer group's tokens and bytes of KV a sequence."""
     groups = kv.get("groups") or []
-    if all(g["window"] is None for g in groups):
+    if all(g["window"] is None and not g.get("compressed") for g in groups):
         return []
+
+    def kind(g: dict) -> str:
+        if g["window"] is not None:
+            return f"window {g['window']}"
+        return "compressed" if g.get("compressed") else "full attention"
+
     parts = [
-        f"{'full attention' if g['window'] is None else 'window ' + str(g['window'])}: {g['layers']} layers"
+        f"{kind(g)}: {g['layers']} layers"
         f"{' in ' + str(g['groups']) + ' groups' if g.get('groups', 1) > 1 else ''} x "
         f"{g['tokens_per_sequence']:,} tokens = {_gb(g['bytes_per_sequence'])}"
         for g in groups
@@ -151,11 +169,7 @@ def _kv_group_lines(kv: dict, ctx: int) -> list[str]:
     if empty:  # (a block is a page of each layer of the largest group: a group of fewer layers pays for the rest)
         lines.append(
             f"              each block holds {pages} layers' pages; "
-            + ", ".join(
-                f"{'full' if g['window'] is None else 'window ' + str(g['window'])} leaves "
-                f"{g.get('groups', 1) * pages - g['layers']} empty"
-                for g in empty
-            )
+            + ", ".join(f"{kind(g)} leaves {g.get('groups', 1) * pages - g['layers']} empty" for g in empty)
             + " (counted in the KV totals)"
         )
     return lines

@@ -35,6 +35,7 @@ from infertune.plan.memory import (
     check_tensor_parallel,
     kv_bytes_per_sequence,
     kv_bytes_per_token,
+    kv_groups,
     kv_shard_fraction,
     kv_token_layers,
     weight_breakdown,
@@ -160,7 +161,7 @@ class Roofline:
         kv_read = batch * kv_bytes_per_sequence(self.spec, context, self.kv, held=False) * self.kv_fraction
         kv_write = batch * kv_bytes_per_token(self.spec, self.kv) * self.kv_fraction
         matmul = 2 * (w.params_active_linear_weights + w.lm_head_matmul_params) * batch
-        attention = self.attn_flops_per_token_layer * kv_token_layers(self.spec, context) * batch
+        attention = self.attn_flops_per_token_layer * kv_token_layers(self.spec, context, self.kv) * batch
         return self._times(
             batch,
             self.weight_bytes_per_card(batch) + kv_read + kv_write,
@@ -172,16 +173,16 @@ class Roofline:
         """Prefill of `batch` prompts of `prompt_len` tokens in one step (logits for the last position only)."""
         s, w = self.spec, self.weights
         tokens = prompt_len * batch
-        full = s.arch.num_hidden_layers - s.num_windowed_layers
-        pairs = full * causal_pairs(prompt_len, None) + s.num_windowed_layers * causal_pairs(
-            prompt_len, s.arch.sliding_window
-        )
+        # (each layer within its window: the model's, or a compression policy's window rule)
+        pairs = sum(len(g.layers) * causal_pairs(prompt_len, g.window) for g in kv_groups(s, prompt_len, self.kv))
         flops = (
             2 * w.params_active_linear_weights * tokens
             + 2 * w.lm_head_matmul_params * batch
             + self.prefill_attn_flops_per_pair * pairs * batch
         )
-        kv_write = batch * kv_bytes_per_sequence(s, prompt_len, self.kv, held=False) * self.kv_fraction
+        # (every prompt token's K / V is written before any press runs on them: the window rules only)
+        unpressed = replace(self.kv, pressed=False)
+        kv_write = batch * kv_bytes_per_sequence(s, prompt_len, unpressed, held=False) * self.kv_fraction
         return self._times(
             tokens, self.weight_bytes_per_card(tokens) + kv_write, flops / self.tp, allreduce_rows=tokens
         )
