@@ -183,7 +183,7 @@ def test_smoothquant_leaves_the_unquantized_model_unchanged(tmp_path):
 
 # ---- loading what quantize wrote ---------------------------------------------------------------------------
 @needs_loader
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "phi3"])  # (phi3: fused qkv_proj / gate_up_proj in its source)
 def test_saved_checkpoint_reproduces_on_the_fly_quantization(tmp_path, arch):
     src = make_checkpoint(tmp_path / "src", arch)
     ids = [5, 9, 14, 3, 77, 120, 8, 1, 2, 3, 200, 17, 4, 66, 13, 90, 31, 7, 54, 21]
