@@ -57,9 +57,10 @@ def check_draft_vocab(draft: ArchConfig, target: ArchConfig, draft_dir: str, tar
         )
     if target_tokenizer is None or not any((Path(draft_dir) / f).exists() for f in _TOKENIZER_FILES):
         return
-    from infertune.engine.tokenizer import load_tokenizer
+    from transformers import AutoTokenizer  # (the engine's own loader is a layer above the runner)
 
-    theirs, ours = load_tokenizer(draft_dir).get_vocab(), load_tokenizer(target_tokenizer).get_vocab()
+    theirs = AutoTokenizer.from_pretrained(draft_dir).get_vocab()
+    ours = AutoTokenizer.from_pretrained(target_tokenizer).get_vocab()
     if theirs != ours:
         differ = sorted(t for t in ours.keys() | theirs.keys() if ours.get(t) != theirs.get(t))
         raise ValueError(
