@@ -214,3 +214,28 @@ def test_longrope_is_refused_outside_phi3():
     )
     with pytest.raises(ValueError, match="'longrope' is supported for Phi3ForCausalLM only, not LlamaForCausalLM"):
         ArchConfig.from_dict(d)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_plan_counts_phi3_weights_as_transformers(tied):
+    """infertune plan's parameter count (fused qkv / gate_up, tied or untied head) against the transformers model."""
+    import transformers
+
+    from infertune.plan import ModelSpec, weight_breakdown
+
+    cfg = transformers.Phi3Config(
+        vocab_size=1000,
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=0,
+        eos_token_id=0,
+        tie_word_embeddings=tied,
+    )
+    with torch.device("meta"):
+        model = transformers.Phi3ForCausalLM(cfg)
+    named = dict(model.named_parameters())  # the tied lm_head once
+    w = weight_breakdown(ModelSpec.from_dict({**cfg.to_dict(), "architectures": ["Phi3ForCausalLM"]}, "phi3"))
+    assert w.total_params == sum(p.numel() for p in named.values())
