@@ -808,7 +808,8 @@ class SpeculativeConfig:
     def from_dict(cls, value: dict) -> SpeculativeConfig:
         """From vLLM's dict form; ValueError naming the key to change. As vLLM's: without a "method", a "model"
         folder is a draft model and the model "ngram" / "[ngram]" is prompt lookup; draft_tensor_parallel_size 1 (the
-        draft model runs whole in each worker) is taken; vLLM's other keys are refused, each saying why."""
+        draft model runs whole in each worker) is taken; one of prompt_lookup_min / _max given alone sets both;
+        vLLM's other keys are refused, each saying why."""
         value = dict(value)
         if value.get("method") == "[ngram]":
             value["method"] = "ngram"
@@ -817,6 +818,11 @@ class SpeculativeConfig:
             value["method"] = "ngram"
         elif "method" not in value and value.get("model") is not None:
             value["method"] = "draft_model"
+        # vLLM's rule where one n-gram bound is given: the other takes its value (a ported {"prompt_lookup_min": 5})
+        lookup = ("prompt_lookup_min", "prompt_lookup_max")
+        given = [k for k in lookup if value.get(k) is not None]
+        if len(given) == 1:
+            value[lookup[1 - lookup.index(given[0])]] = value[given[0]]
         if value.get("draft_tensor_parallel_size", 1) in (None, 1):
             value.pop("draft_tensor_parallel_size", None)
         else:

@@ -88,7 +88,10 @@ def test_speculative_config_is_checked():
         ({**SPEC, "probe_interval": 0}, "probe_interval=0 must be an integer >= 1"),
         ({**SPEC, "adaptive": "yes"}, "adaptive='yes' must be true or false"),
         ({**SPEC, "num_speculative_tokens": 0}, "num_speculative_tokens=0 must be"),
-        ({**SPEC, "prompt_lookup_min": 5}, "prompt_lookup_min=5 must be <= prompt_lookup_max=4"),
+        (
+            {**SPEC, "prompt_lookup_min": 5, "prompt_lookup_max": 4},
+            "prompt_lookup_min=5 must be <= prompt_lookup_max=4",
+        ),
         (json.dumps(SPEC), "must be a dict such as"),
     ):
         with pytest.raises(ValueError, match=says):
@@ -106,6 +109,13 @@ def test_speculative_config_takes_vllms_forms(tiny_llama):
         assert SpeculativeConfig.from_dict({"num_speculative_tokens": 3, **form}) == SpeculativeConfig(3)
     config = EngineConfig.create(None, speculative_config={"model": str(tiny_llama), "num_speculative_tokens": 3})
     assert config.scheduler.speculative_config == draft
+    # one n-gram bound given alone sets both, as vLLM's SpeculativeConfig does (min 5 alone was refused: > max 4)
+    assert SpeculativeConfig.from_dict({**SPEC, "prompt_lookup_min": 5}) == SpeculativeConfig(
+        SPEC["num_speculative_tokens"], prompt_lookup_max=5, prompt_lookup_min=5
+    )
+    assert SpeculativeConfig.from_dict({**SPEC, "prompt_lookup_max": 2}) == SpeculativeConfig(
+        SPEC["num_speculative_tokens"], prompt_lookup_max=2, prompt_lookup_min=2
+    )
     for key, value, says in (
         ("draft_tensor_parallel_size", 2, "runs whole in each worker"),
         ("disable_by_batch_size", 4, "no batch-size cutoff"),
