@@ -31,6 +31,27 @@ def make_tokenizer():
     return fast
 
 
+def make_byte_fallback_tokenizer():
+    """A SentencePiece-style BPE as Llama 2 / Mistral ship it: "▁" for spaces, the 256 byte tokens <0x00>..<0xFF>
+    for characters outside the vocabulary (byte fallback; here every CJK character and emoji), a decoder that strips
+    the leading space, and <s> added in front."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["▁", "h", "e", "l", "o", "k", "w", "r", "d", "。", "▁h", "▁he", "ll", "▁hell", "▁hello"]
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    vocab.update({w: 259 + i for i, w in enumerate(words)})
+    merges = [("▁", "h"), ("▁h", "e"), ("l", "l"), ("▁he", "ll"), ("▁hell", "o")]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
 def make_checkpoint(
     path: Path,
     arch: str = "llama",

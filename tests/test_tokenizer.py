@@ -241,3 +241,33 @@ print(json.dumps(dict(kind=type(llm.tokenizer).__name__, prompt_ids=out.prompt_t
     hf = AutoTokenizer.from_pretrained(path)
     assert got["prompt_ids"] == hf.encode("héllo <|user|>the")
     assert got["text"] == hf.decode(got["ids"], skip_special_tokens=False)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "output"),
+    [
+        ("你好", "世界和平。ok 世界"),  # the prompt's last 4 tokens start inside 你
+        ("hello 👍🏽", "👍🏽 hello 😀 ok"),  # 8-byte emoji: its byte tokens outnumber the 4 tokens of context
+        ("ok", "中文字符 hello 。"),
+    ],
+)
+def test_streamed_text_with_byte_fallback_tokens_matches_transformers(prompt, output):
+    """Llama 2 / Mistral's byte fallback: a run of byte tokens decodes only as a whole, so a few tokens of context
+    that start inside a character turn the character after them into U+FFFD (平 came out as three). Streamed
+    deltas add up to transformers' decode of prompt + output past the prompt's text, and none holds a U+FFFD."""
+    from conftest import make_byte_fallback_tokenizer
+
+    hf = make_byte_fallback_tokenizer()
+    prompt_ids = hf.encode(prompt)
+    output_ids = hf.encode(output, add_special_tokens=False)
+    assert "<0xE4>" in hf.convert_ids_to_tokens(prompt_ids + output_ids) or "<0xF0>" in hf.convert_ids_to_tokens(
+        prompt_ids + output_ids
+    )
+    for skip in (True, False):
+        detok = IncrementalDetokenizer(hf, prompt_ids, skip)
+        deltas = [detok.add(t) for t in output_ids] + [detok.flush()]
+        whole = hf.decode(prompt_ids + output_ids, skip_special_tokens=skip)
+        head = hf.decode(prompt_ids, skip_special_tokens=skip)
+        assert whole.startswith(head)
+        assert "".join(deltas) == whole[len(head) :] == " " + output
+        assert not any("\ufffd" in d for d in deltas), deltas
