@@ -239,3 +239,20 @@ def test_plan_counts_phi3_weights_as_transformers(tied):
     named = dict(model.named_parameters())  # the tied lm_head once
     w = weight_breakdown(ModelSpec.from_dict({**cfg.to_dict(), "architectures": ["Phi3ForCausalLM"]}, "phi3"))
     assert w.total_params == sum(p.numel() for p in named.values())
+
+
+def test_fp8_block_scaled_phi3_matches_hf_on_its_dequantized_weights(tmp_path):
+    """A block-scaled fp8 Phi-3 (Phi-4's fp8 releases): each fused qkv_proj / gate_up_proj is dequantized with its
+    own weight_scale_inv (blocks across the q / k / v boundary) before it is split into the packed shards; the logits
+    are HF's on the dequantized weights."""
+    from test_fp8_checkpoint import hf_logits, infertune_logits, to_fp8
+
+    src = make_checkpoint(tmp_path / "src", "phi3", intermediate_size=80)
+    weights = to_fp8(src, tmp_path / "fp8", (32, 32))
+    hf = hf_model(src)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.copy_(weights[name])
+    ours, _ = infertune_logits(tmp_path / "fp8")
+    for a, b in zip(ours, hf_logits(hf)):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0)

@@ -164,9 +164,11 @@ def load_model(
     for path in tqdm(files, desc="loading weights", unit="file", disable=not show_progress or len(files) < 2):
         try:
             tensors = iter_tensors(path)
+            if dequant is not None:  # (before the split: a fused fp8 tensor's block scales are the fused tensor's)
+                tensors = dequant.stream(tensors)
             if arch.fused_checkpoint:
                 tensors = split_fused(tensors, arch.fused_checkpoint)
-            for name, tensor in dequant.stream(tensors) if dequant is not None else tensors:
+            for name, tensor in tensors:
                 if name.endswith(_IGNORED_SUFFIXES) or (arch.tie_word_embeddings and name == "lm_head.weight"):
                     continue
                 if skips(name):
