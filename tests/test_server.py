@@ -131,6 +131,32 @@ def test_logprobs(client, offline):
     assert all(c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob for c in content)
 
 
+def test_chat_logprobs_bytes_are_the_tokens_raw_bytes(client):
+    """OpenAI's `bytes`: a token's own UTF-8 bytes, so that tokens splitting a character add up to it. The tiny
+    tokenizer spells every byte as one token: a byte >= 0x80 decodes alone as U+FFFD, and its bytes were those of
+    U+FFFD ([239, 191, 189]); oracle: Python's UTF-8 decode of the tokens' bytes against the message's text."""
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "日本語 🤖"}],
+        temperature=1.0,
+        seed=1,
+        max_tokens=40,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body=NO_EOS,
+    )
+    content = chat.choices[0].logprobs.content
+    entries = content + [t for c in content for t in c.top_logprobs]
+    for e in entries:
+        if e.token != "\ufffd":  # (a whole character, or a special token: its text's bytes)
+            assert bytes(e.bytes) == e.token.encode("utf-8")
+        else:
+            assert len(e.bytes) == 1 and e.bytes[0] >= 0x80
+    assert any(e.token == "\ufffd" for e in content)  # (the check above saw partial characters)
+    raw = b"".join(bytes(e.bytes) for e in content)
+    assert raw.decode("utf-8", errors="replace") == chat.choices[0].message.content
+
+
 def test_64_concurrent_requests_match_offline(server, offline):
     prompts = [f"request number {i}" for i in range(64)]
     refs = offline.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)

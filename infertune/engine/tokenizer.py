@@ -209,3 +209,31 @@ def lone_surrogate(text: str) -> int | None:
     except UnicodeEncodeError as e:
         return e.start
     return None
+
+
+_BYTE_TOKEN_TEXT = {f"<0x{b:02X}>": bytes([b]) for b in range(256)}
+_byte_level_chars: dict[str, int] | None = None
+
+
+def token_bytes(tokenizer, token_id: int, text: str) -> bytes:
+    """The UTF-8 bytes a token stands for (OpenAI's logprobs `bytes`): `text`'s, its decode alone, unless that holds
+    U+FFFD for part of a character (a byte-level BPE token such as "ä½", a byte-fallback token such as "<0xE4>"), whose
+    raw bytes are read from the token's vocabulary entry, so that the output's tokens' bytes add up to its text."""
+    if "\ufffd" not in text:
+        return text.encode("utf-8")
+    try:
+        piece = tokenizer.convert_ids_to_tokens(token_id)
+    except (AttributeError, IndexError, KeyError, TypeError, ValueError, OverflowError):
+        piece = None
+    if not isinstance(piece, str):
+        return text.encode("utf-8")
+    if piece in _BYTE_TOKEN_TEXT:  # byte fallback (Llama 2, Mistral, Gemma)
+        return _BYTE_TOKEN_TEXT[piece]
+    global _byte_level_chars
+    if _byte_level_chars is None:  # GPT-2's byte <-> printable character table (byte-level BPE: Llama 3, Qwen)
+        printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+        extra = [b for b in range(256) if b not in printable]
+        _byte_level_chars = {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(extra)}
+    if all(ch in _byte_level_chars for ch in piece):
+        return bytes(_byte_level_chars[ch] for ch in piece)
+    return text.encode("utf-8")

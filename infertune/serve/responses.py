@@ -7,6 +7,7 @@ import math
 import time
 
 from infertune.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from infertune.engine.tokenizer import token_bytes
 
 # What a logprob of -inf (a token the sampling parameters ruled out) or NaN (logits overflowed, e.g. under an extreme
 # repetition_penalty) is sent as: JSON has no infinities, and vLLM answers the same floor.
@@ -62,7 +63,7 @@ class Formatter:
 
             def item(tid: int, lp: float) -> dict:
                 tok = self._token(tid)
-                return {"token": tok, "logprob": _finite(lp), "bytes": list(tok.encode("utf-8"))}
+                return {"token": tok, "logprob": _finite(lp), "bytes": list(token_bytes(self.tokenizer, tid, tok))}
 
             return {
                 "content": [
