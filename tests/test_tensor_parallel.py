@@ -415,7 +415,9 @@ def test_a_stored_quantized_checkpoint_splits_over_the_ranks(method, tmp_path):
     from infertune.tools.quantizer import quantize
 
     # (int4 groups of 32 do not divide the tiny Qwen2-MoE's shared expert of 48: the MoE case runs under w8a16)
-    for kind in ("llama-kv1-odd-vocab", "qwen2-moe") if method == "w8a16" else ("llama-kv1-odd-vocab",):
+    # (phi3: its stored qkv_proj / gate_up_proj keep the fused names, and their per-row scales split with them)
+    kinds = ("llama-kv1-odd-vocab", "phi3-kv1-partial")
+    for kind in (*kinds, "qwen2-moe") if method == "w8a16" else kinds:
         src = _checkpoint(kind, tmp_path / kind)
         out = tmp_path / f"{kind}-{method}"
         quantize(str(src), method, str(out), group_size=32, num_samples=2, show_progress=False)

@@ -342,15 +342,17 @@ def split_fused(tensors, fused: dict[str, tuple[tuple[str, int], ...]]):
     """A checkpoint's fused projections (Phi-3's qkv_proj, gate_up_proj: ArchConfig.fused_checkpoint) as the
     per-shard tensors the packed layers load: row views of the fused tensor (no copy), named as their own tensors
     would be (qkv_proj.weight -> q_proj.weight, k_proj.weight, v_proj.weight), so that the shards, tensor parallel's
-    slices of each and the missing-tensor check work as for a Llama checkpoint. Other tensors pass unchanged."""
+    slices of each and the missing-tensor check work as for a Llama checkpoint. A stored quantized layer's per-row
+    tensors (weight_scale: `infertune quantize` keeps the source's fused names) split the same way; a per-tensor one
+    (input_scale) and other tensors pass unchanged."""
     for name, tensor in tensors:
         module, _, leaf = name.rpartition(".")
         prefix, _, proj = module.rpartition(".")
-        shards = fused.get(proj) if leaf in ("weight", "bias") else None
-        if shards is None:
+        shards = fused.get(proj) if leaf in ("weight", "bias") or leaf.startswith("weight_") else None
+        rows = sum(n for _, n in shards) if shards is not None else 0
+        if shards is None or (leaf.startswith("weight_") and (tensor.dim() == 0 or tensor.shape[0] != rows)):
             yield name, tensor
             continue
-        rows = sum(n for _, n in shards)
         if tensor.shape[0] != rows:
             raise ValueError(
                 f"tensor {name!r} has {tensor.shape[0]} rows; config.json's shape needs {rows} "
