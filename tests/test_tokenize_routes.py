@@ -60,6 +60,26 @@ def test_tokenize_chat_matches_the_template_and_the_chat_prompt_tokens(server, h
         assert chat["usage"]["prompt_tokens"] == body["count"]
 
 
+def test_tokenize_chat_continues_the_final_message_as_the_chat_request_does(server, hf):
+    """vLLM's continue_final_message (and chat_template_kwargs) on /tokenize: the field was dropped, so the count
+    closed the last message (its <|end|>) where the chat request continuing it did not. Oracle: transformers'
+    apply_chat_template(continue_final_message=True)."""
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "日本 is"}]
+    body = {"messages": messages, "add_generation_prompt": False, "continue_final_message": True}
+    got = httpx.post(server.url + "/tokenize", json=body).json()
+    text = hf.apply_chat_template(messages, tokenize=False, continue_final_message=True)
+    assert text.endswith("日本 is")
+    assert got["tokens"] == hf.encode(text, add_special_tokens=False)
+    chat = httpx.post(server.url + "/v1/chat/completions", json={**body, "max_tokens": 1}).json()
+    assert chat["usage"]["prompt_tokens"] == got["count"]
+    both = httpx.post(server.url + "/tokenize", json={**body, "add_generation_prompt": True})
+    assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message"
+    kwargs = httpx.post(server.url + "/tokenize", json={**body, "chat_template_kwargs": {"greeting": "x"}}).json()
+    assert kwargs["tokens"] == got["tokens"]  # (a variable the template does not read changes nothing)
+    taken = httpx.post(server.url + "/tokenize", json={**body, "chat_template_kwargs": {"add_generation_prompt": True}})
+    assert taken.status_code == 400 and taken.json()["error"]["param"] == "chat_template_kwargs"
+
+
 def test_tokenizer_routes_refuse_with_400_and_404(server, hf):
     url = server.url
     for path, body, param in [

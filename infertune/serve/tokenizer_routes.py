@@ -1,7 +1,8 @@
 """The tokenizer's routes, with vLLM's shapes: POST /tokenize, POST /detokenize, GET /tokenizer_info, GET /version.
 
 /tokenize takes {"prompt", "add_special_tokens" (default true)} or {"messages", "add_generation_prompt" (default
-true), "add_special_tokens" (default false), "tools", "chat_template"} and answers {"tokens", "count", "max_model_len"} (with
+true), "continue_final_message", "chat_template_kwargs", "add_special_tokens" (default false), "tools",
+"chat_template"} and answers {"tokens", "count", "max_model_len"} (with
 "token_strs" when return_token_strs is true); a chat is rendered through the same template as
 /v1/chat/completions, so its count is the prompt_tokens that request would use. /detokenize takes {"tokens"} and
 answers {"prompt"} (special tokens kept, as transformers' decode does by default). /tokenizer_info is what
@@ -18,6 +19,7 @@ from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field
 
 from infertune.engine.tokenizer import FastTokenizer
+from infertune.sampling_params import ParamError
 from infertune.serve.protocol import APIError, ChatMessage, ChatTool, UnicodeText, error_responses
 
 
@@ -34,6 +36,8 @@ class TokenizeChatRequest(BaseModel):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # (vLLM's: the last message left open, add_generation_prompt false)
+    chat_template_kwargs: dict | None = None
     add_special_tokens: bool = False
     return_token_strs: bool = False
     tools: list[ChatTool] | None = None
@@ -122,6 +126,12 @@ def add_tokenizer_routes(app: FastAPI, server) -> None:
 
     def encode(req: TokenizeCompletionRequest | TokenizeChatRequest) -> list[int]:
         if isinstance(req, TokenizeChatRequest):
+            if req.continue_final_message and req.add_generation_prompt:
+                raise APIError(
+                    400,
+                    "continue_final_message continues the last message: send add_generation_prompt=false with it",
+                    param="continue_final_message",
+                )
             tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
             try:
                 rendered = engine.render_chat(
@@ -129,7 +139,11 @@ def add_tokenizer_routes(app: FastAPI, server) -> None:
                     chat_template=server.template_of(req.chat_template),
                     add_generation_prompt=req.add_generation_prompt,
                     tools=tools,
+                    continue_final_message=req.continue_final_message,
+                    template_kwargs=req.chat_template_kwargs,
                 )
+            except ParamError as e:  # (a chat_template_kwargs key the request sets itself)
+                raise APIError(400, str(e), param=e.param) from None
             except ValueError as e:
                 raise APIError(400, str(e), param="messages") from None
             return tok.encode(rendered["prompt"], add_special_tokens=req.add_special_tokens)
