@@ -271,3 +271,20 @@ def test_streamed_text_with_byte_fallback_tokens_matches_transformers(prompt, ou
         assert whole.startswith(head)
         assert "".join(deltas) == whole[len(head) :] == " " + output
         assert not any("\ufffd" in d for d in deltas), deltas
+
+
+@pytest.mark.parametrize("text", ["hello world", "你好 hello。", "ok 👍🏽 hello", "hello  hello"])
+def test_token_bytes_add_up_to_the_text(text):
+    """OpenAI's logprobs `bytes`: each token's own bytes, joined, are the text's UTF-8 (Python's encode). A byte
+    token decodes alone as U+FFFD and a SentencePiece word-start token ("▁hello") without its space; the tokens'
+    bytes were those of their lone decodes (U+FFFD's three bytes, no space)."""
+    from conftest import make_byte_fallback_tokenizer, make_tokenizer
+
+    from infertune.engine.tokenizer import token_bytes
+
+    sp = make_byte_fallback_tokenizer()  # (SentencePiece puts a space in front of the text)
+    ids = sp.encode(text, add_special_tokens=False)
+    assert b"".join(token_bytes(sp, i, sp.decode([i])) for i in ids) == (" " + text).encode("utf-8")
+    bl = make_tokenizer()  # byte-level: every UTF-8 byte one token
+    ids = bl.encode(text, add_special_tokens=False)
+    assert b"".join(token_bytes(bl, i, bl.decode([i])) for i in ids) == text.encode("utf-8")

@@ -218,14 +218,23 @@ _byte_level_chars: dict[str, int] | None = None
 def token_bytes(tokenizer, token_id: int, text: str) -> bytes:
     """The UTF-8 bytes a token stands for (OpenAI's logprobs `bytes`): `text`'s, its decode alone, unless that holds
     U+FFFD for part of a character (a byte-level BPE token such as "ä½", a byte-fallback token such as "<0xE4>"), whose
-    raw bytes are read from the token's vocabulary entry, so that the output's tokens' bytes add up to its text."""
-    if "\ufffd" not in text:
+    raw bytes are read from the token's vocabulary entry, so that the output's tokens' bytes add up to its text.
+    A SentencePiece word-start token ("▁Hello", which decodes alone as "Hello": the decoder strips a leading space)
+    keeps its space, as the output's text does."""
+    if "\ufffd" not in text and text[:1] == " ":
         return text.encode("utf-8")
-    try:
-        piece = tokenizer.convert_ids_to_tokens(token_id)
+    try:  # (a FastTokenizer's own tokenizers object: transformers stays unloaded)
+        if isinstance(tokenizer, FastTokenizer):
+            piece = tokenizer._tokenizer.id_to_token(token_id)
+        else:
+            piece = tokenizer.convert_ids_to_tokens(token_id)
     except (AttributeError, IndexError, KeyError, TypeError, ValueError, OverflowError):
         piece = None
     if not isinstance(piece, str):
+        return text.encode("utf-8")
+    if piece[:1] == "▁" and piece[1:].replace("▁", " ") == text:
+        return (" " + text).encode("utf-8")
+    if "\ufffd" not in text:
         return text.encode("utf-8")
     if piece in _BYTE_TOKEN_TEXT:  # byte fallback (Llama 2, Mistral, Gemma)
         return _BYTE_TOKEN_TEXT[piece]
