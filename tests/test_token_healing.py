@@ -114,3 +114,25 @@ def test_server_completion_with_token_healing_streamed_and_whole():
     assert streamed == text
     assert whole["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"] - 1
     assert bad.status_code == 400 and "token_healing" in bad.text
+
+
+def test_heals_after_a_character_in_byte_fallback_tokens(tmp_path):
+    """Llama 2 / Mistral: a prompt whose last tokens follow a character spelled in byte tokens ("你好 ok") was left
+    unhealed, its few tokens of context starting inside 好 (decoded as U+FFFD). Oracle: transformers' decode of the
+    prompt, which the healed prompt plus the output must continue."""
+    from conftest import make_byte_fallback_tokenizer, make_checkpoint
+
+    tok = make_byte_fallback_tokenizer()
+    path = make_checkpoint(tmp_path, "llama", vocab_size=len(tok), eos_token_id=2, bos_token_id=1)
+    for name in ("chat_template.jinja", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.json"):
+        (path / name).unlink(missing_ok=True)
+    tok.save_pretrained(path)
+    llm = LLM(str(path), dtype="float32", max_model_len=64)
+    prompt = "你好 ok"
+    ids = tok.encode(prompt)
+    assert tok.convert_ids_to_tokens(ids)[-5:] == ["<0xA5>", "<0xBD>", "▁", "o", "k"]
+    out = llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0, token_healing=True, ignore_eos=True))[0]
+    assert list(out.prompt_token_ids) == ids[:-1]  # healed: "k" taken off
+    whole = tok.decode(list(out.prompt_token_ids) + list(out.outputs[0].token_ids), skip_special_tokens=True)
+    assert whole.startswith(tok.decode(ids, skip_special_tokens=True))
+    assert whole == prompt + out.outputs[0].text

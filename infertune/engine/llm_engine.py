@@ -19,7 +19,12 @@ from pathlib import Path
 
 from infertune.config import EngineConfig
 from infertune.engine.admission import HostCost, check_kv_compression
-from infertune.engine.detokenizer import IncrementalDetokenizer, find_stop
+from infertune.engine.detokenizer import (
+    IncrementalDetokenizer,
+    character_start,
+    continuation_byte_tokens,
+    find_stop,
+)
 from infertune.engine.kv_cache_coordinator import describe_groups, group_label, kv_cache_manager
 from infertune.engine.outputs import CompletionOutput, Logprob, OutputShaper, RequestMetrics, RequestOutput
 from infertune.engine.scheduler import Scheduler
@@ -335,7 +340,9 @@ class LLMEngine:
         nothing to heal: a one-token prompt, a special last token, or a tokenizer whose text does not split there."""
         if len(ids) < 2 or ids[-1] in set(getattr(self.tokenizer, "all_special_ids", ())):
             return ids, ""
-        tail = ids[-5:]  # a few tokens of context, so a leading space folded into the last token survives decoding
+        # A few tokens of context, so a leading space folded into the last token survives decoding; never starting
+        # inside a character spelled in byte-fallback tokens (a run of them that starts mid-character decodes as U+FFFD).
+        tail = ids[character_start(ids, max(len(ids) - 5, 0), continuation_byte_tokens(self.tokenizer)) :]
         full = self.tokenizer.decode(tail, skip_special_tokens=False)
         head = self.tokenizer.decode(tail[:-1], skip_special_tokens=False)
         if len(full) <= len(head) or not full.startswith(head) or "\ufffd" in full:
