@@ -136,3 +136,16 @@ def test_heals_after_a_character_in_byte_fallback_tokens(tmp_path):
     whole = tok.decode(list(out.prompt_token_ids) + list(out.outputs[0].token_ids), skip_special_tokens=True)
     assert whole.startswith(tok.decode(ids, skip_special_tokens=True))
     assert whole == prompt + out.outputs[0].text
+
+
+def test_heals_where_the_context_starts_inside_an_emoji(llm):
+    """Byte-level BPE (Llama 3, Qwen): "x 😀 a b"'s last 5 tokens start inside 😀, so the context decoded with a
+    U+FFFD in front, and healing was skipped for that alone. Oracle: the tokenizer's decode of the healed ids."""
+    tok = llm.get_tokenizer()
+    prompt = "x 😀 a b"
+    ids = tok.encode(prompt)
+    assert "\ufffd" in tok.decode(ids[-5:])
+    out = llm.generate([prompt], _greedy(token_healing=True), use_tqdm=False)[0]
+    assert out.prompt_token_ids == ids[:-1]  # healed: " b" taken off
+    assert tok.decode(out.outputs[0].token_ids).startswith(" b")
+    assert prompt + out.outputs[0].text == tok.decode(ids[:-1] + out.outputs[0].token_ids)

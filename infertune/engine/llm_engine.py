@@ -345,7 +345,8 @@ class LLMEngine:
         tail = ids[character_start(ids, max(len(ids) - 5, 0), continuation_byte_tokens(self.tokenizer)) :]
         full = self.tokenizer.decode(tail, skip_special_tokens=False)
         head = self.tokenizer.decode(tail[:-1], skip_special_tokens=False)
-        if len(full) <= len(head) or not full.startswith(head) or "\ufffd" in full:
+        # (a byte-level BPE's tail may still start inside a character, U+FFFD in both: only the healed text counts)
+        if len(full) <= len(head) or not full.startswith(head) or "\ufffd" in full[len(head) :]:
             return ids, ""
         return ids[:-1], full[len(head) :]
 
