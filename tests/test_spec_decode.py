@@ -73,7 +73,8 @@ def test_proposer_examples():
 # ---- config ----------------------------------------------------------------------------------------------------
 def test_speculative_config_is_checked():
     config = EngineConfig.create(None, speculative_config={**SPEC, "prompt_lookup_max": 3})
-    assert config.scheduler.speculative_config == SpeculativeConfig(4, "ngram", 3, 1)
+    # (a max given alone is the min too, as vLLM's SpeculativeConfig sets it: vllm/config/speculative.py)
+    assert config.scheduler.speculative_config == SpeculativeConfig(4, "ngram", 3, 3)
     assert SpeculativeConfig.from_dict(pickle.loads(pickle.dumps(SPEC))) == SpeculativeConfig(4)
     assert eval(repr(SpeculativeConfig(4)), {"SpeculativeConfig": SpeculativeConfig}) == SpeculativeConfig(4)
     for bad, says in (
