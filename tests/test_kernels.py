@@ -603,7 +603,8 @@ def test_w8a16_on_the_packed_weight_is_linear_w8s_arithmetic(ks):
     between int16 levels, an outlier, sums far past 2^24; with and without a bias. At 1-3 rows linear_w8 on the
     unpacked weight runs the same integers through its int16 kernels: the two agree bit for bit there (at 2-3 rows
     only without AMX: with it linear_w8 multiplies the dequantized weight on the tiles from 2 rows). With AMX, past 16
-    rows of a weight of a multiple of 16 features and K of 32 (gemm_w8p.c w8p_tiles_take), prompts take the 12-bit
+    rows (it_w8p_tile_rows: 128) of a weight of a multiple of 16 features and K of 32 (gemm_w8p.c w8p_tiles_take),
+    prompts take the 12-bit
     weights' tile GEMM on the packed words rebuilt in bf16: linear_bf16 on the dequantized weight bf16(q bf16(s)) (the
     PyTorch reference's), bit for bit, a feature whose scale makes denormal weights included (the rebuild's
     one-instruction rounding would flush them); with those tiles switched off (it_w8p_tiles(0)) the integers again."""
@@ -621,7 +622,7 @@ def test_w8a16_on_the_packed_weight_is_linear_w8s_arithmetic(ks):
         packed = ks.pack_w8a8(q)
         bias = torch.randn(n, generator=g).bfloat16()
         dequantized = q.bfloat16() * s.bfloat16()[:, None]  # (the reference's bf16 multiply)
-        for m in (1, 2, 3, 4, 5, 7, 16, 17, 131, 260):
+        for m in (1, 2, 3, 4, 5, 7, 16, 17, 128, 131, 260):
             x = (torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g) * 4).bfloat16()
             x[0, 0] = 32512.0 / 4  # (row 0: s_x = 1 / 4 exactly, so x / s_x = 4x:)
             x[0, 1 : k // 2] = 0.125  # (4 x 0.125 = 0.5, halfway: rounds to even, 0)
@@ -629,7 +630,7 @@ def test_w8a16_on_the_packed_weight_is_linear_w8s_arithmetic(ks):
             if m > 2:
                 x[1] = 0  # a zero row
                 x[2, 3] = 900.0  # an outlier
-            tiles = amx and m > 16 and n % 16 == 0 and k % 32 == 0
+            tiles = amx and m > lib.it_w8p_tile_rows(0) and n % 16 == 0 and k % 32 == 0
             for b in (None, bias):
                 ref = ks.linear_bf16(x, dequantized, b) if tiles else _w8p_oracle(x, q, s, b)
                 got = ks.linear_w8p(x, packed, s, b)
@@ -1895,6 +1896,8 @@ def test_w8a16_prompts_on_the_tile_gemm_are_a_bf16_models_bits(tmp_path):
 
     lib = kernels.library()
     assert lib.it_w8p_tiles(-1) == 1
+    rows = lib.it_w8p_tile_rows(0)
+    lib.it_w8p_tile_rows(16)  # (the steps here are 66 and 156 rows: both on the tiles)
     model = _tiny_bf16_llama(tmp_path)
     twin = tmp_path / "dequantized"
     shutil.copytree(model, twin)
@@ -1919,13 +1922,14 @@ def test_w8a16_prompts_on_the_tile_gemm_are_a_bf16_models_bits(tmp_path):
             for o in llm.generate(batch, params, use_tqdm=False)
         ]
 
-    bf16 = prompt_logprobs(twin)
-    assert prompt_logprobs(model, quantization="w8a16") == bf16
-    lib.it_w8p_tiles(0)
     try:
+        bf16 = prompt_logprobs(twin)
+        assert prompt_logprobs(model, quantization="w8a16") == bf16
+        lib.it_w8p_tiles(0)
         integers = prompt_logprobs(model, quantization="w8a16")
     finally:
         lib.it_w8p_tiles(1)
+        lib.it_w8p_tile_rows(rows)
     assert integers != bf16  # (the exact-integer products, of the test above, differ from the bf16 weights' somewhere)
 
 

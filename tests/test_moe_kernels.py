@@ -406,8 +406,9 @@ def test_quantized_experts_match_their_per_expert_loop(ks, method, t):
     """Int8 / int4 experts (quant/experts.py: the Linear methods' buffers stacked over the experts) through the
     grouped kernel: the same int kernels as the per-expert loop runs on each expert's slice (bit for bit almost
     everywhere; past 16 rows an expert's loop multiplies its dequantized weight with torch's GEMM; W8A8, and W8A16 /
-    W4A16 on their packed layouts (AVX-512; with AMX W4A16's and W8A16's past 16 rows on the tiles, their gate_up
-    writing SiLU-and-multiply in the epilogue: 150 tokens put ~37 rows on an expert), bit for bit everywhere: their kernels
+    W4A16 on their packed layouts (AVX-512; with AMX W4A16's past 16 rows on the tiles and W8A16's past
+    it_w8p_tile_rows, lowered here, their gate_up writing SiLU-and-multiply in the epilogue: 150 tokens put ~37 rows on
+    an expert), bit for bit everywhere: their kernels
     take any row count),
     and within 2^-7 of experts_reference in fp32 on the dequantized weights (2^-5 with W8A8's int8 activations)."""
     e, k, hidden, inter = 8, 2, 128, 64
@@ -424,6 +425,24 @@ def test_quantized_experts_match_their_per_expert_loop(ks, method, t):
     assert (y == loop).float().mean() >= 0.99
     if experts.gate_up.kind in ("w8a8", "w8p", "w4p"):
         assert torch.equal(y.view(torch.int16), loop.view(torch.int16))
+    if experts.gate_up.kind == "w8p" and getattr(ks, "amx", False) and t * k > 16 * e:
+        # (W8A16's tiles past it_w8p_tile_rows rows an expert, here ~37: the grouped kernel and the loop alike)
+        lib, rows = cpu.library(), cpu.library().it_w8p_tile_rows(0)
+        lib.it_w8p_tile_rows(16)
+        try:
+            y_tiles, loop_tiles = ks.moe_experts(x, experts, routing), layer.forward_native(x, routing)
+        finally:
+            lib.it_w8p_tile_rows(rows)
+        assert torch.equal(y_tiles.view(torch.int16), loop_tiles.view(torch.int16))
+        assert not torch.equal(y_tiles, y)  # (the bf16 weights' products, not the integers')
+        ref = experts_reference(
+            x.float(),
+            layer.quant_method.dequantized_weight(layer, "gate_up_proj").float(),
+            layer.quant_method.dequantized_weight(layer, "down_proj").float(),
+            routing.weights,
+            routing.ids,
+        )
+        torch.testing.assert_close(y_tiles.float(), ref, rtol=2**-7, atol=2**-7 * float(ref.abs().max()))
     dq_gate_up = layer.quant_method.dequantized_weight(layer, "gate_up_proj")
     dq_down = layer.quant_method.dequantized_weight(layer, "down_proj")
     ref = experts_reference(x.float(), dq_gate_up.float(), dq_down.float(), routing.weights, routing.ids)

@@ -458,6 +458,7 @@ def declare(lib: ctypes.CDLL) -> None:
         "it_w4_amx_rows": ([i64], i64),
         "it_w4_tiles": ([cint], cint),
         "it_w8p_tiles": ([cint], cint),
+        "it_w8p_tile_rows": ([i64], i64),
         "it_set_prefetch": ([i64], None),
         "it_get_prefetch": ([], i64),
         "it_set_prefetch_bf16": ([i64], None),

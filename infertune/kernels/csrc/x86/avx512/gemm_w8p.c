@@ -115,23 +115,33 @@ static void w8p_amx_rows(const void* ctx, const int32_t* acc, int64_t r0, int ro
     w8p_store((const w8p_job*)ctx, acc, r0 / 2, rows / 2, n0, nrows);
 }
 
-/* Prompts on AMX: past W8P_AMX_MIN_ROWS rows of a weight of a multiple of 16 features (K a multiple of 32), the
+/* Prompts on AMX: past w8p_tile_rows rows (W8P_AMX_MIN_ROWS) of a weight of a multiple of 16 features (K a multiple of 32), the
  * 12-bit weights' tile GEMM (bf16c_gemm.c tiles_gemm) on the packed words rebuilt in bf16 a 64-feature chunk at a
  * time (w8p_group: bf16(q bf16(s)), it_dequant_w8's weights), so the products are linear_bf16's on the dequantized
  * weight, and a gate_up writes SiLU-and-multiply in the GEMM's epilogue, o_proj and down add into the residual there
  * (the fused step), as a 12-bit or a W4A16 weight does. Below those rows, and without AMX, the exact integer
  * arithmetic above. Measured: BENCHMARKS.md (2026-12-07, third session). */
+/* Rows past which prompts take the tiles: on a Xeon with AMX (2026-12-07, the 386M model's prompts, one engine,
+ * interleaved) a 128-token prompt ran 1.03x the int8 passes' time on the tiles (each chunk's rebuild shared by too
+ * few rows), 256 tokens 0.96x, 512 0.86-0.92x, 16 x 128 0.86x */
 #ifndef W8P_AMX_MIN_ROWS
-#define W8P_AMX_MIN_ROWS 16
+#define W8P_AMX_MIN_ROWS 128
 #endif
 static int w8p_tiles_on = 1; /* (it_w8p_tiles, for tests and A/B runs) */
+static int64_t w8p_tile_rows = W8P_AMX_MIN_ROWS; /* (it_w8p_tile_rows) */
 int it_w8p_tiles(int on) {
     if (on >= 0) w8p_tiles_on = on != 0;
     return w8p_tiles_on;
 }
 
+/* Sets (rows > 0) and returns the rows past which W8A16 prompts take the tiles with AMX (tests, A/B runs) */
+int64_t it_w8p_tile_rows(int64_t rows) {
+    if (rows > 0) w8p_tile_rows = rows < 16 ? 16 : rows;
+    return w8p_tile_rows;
+}
+
 static inline int w8p_tiles_take(int64_t M, int64_t N, int64_t K) {
-    return w8p_tiles_on && amx_state == 1 && M > W8P_AMX_MIN_ROWS && N % 16 == 0 && K % 32 == 0 && K <= I8_MAX_K;
+    return w8p_tiles_on && amx_state == 1 && M > w8p_tile_rows && N % 16 == 0 && K % 32 == 0 && K <= I8_MAX_K;
 }
 
 /* Whether linear_w8p writes a gate_up's SiLU-and-multiply itself (silu = 1: gate and up tiles paired by the decoder,
