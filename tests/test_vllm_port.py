@@ -214,6 +214,33 @@ def test_async_reset_prefix_cache_runs_on_the_engine_thread(tiny_llama):
     asyncio.run(main())
 
 
+def test_an_engine_call_queued_at_shutdown_is_answered_not_left_waiting(tiny_llama):
+    """A reset_prefix_cache queued while a step runs and the engine shuts down: its caller gets EngineDeadError (the
+    engine thread ends without draining its queue; the call would wait for ever)."""
+    import asyncio
+    import threading
+
+    from infertune import AsyncLLM
+    from infertune.engine.async_engine import EngineDeadError
+
+    async def main():
+        engine = AsyncLLM(str(tiny_llama), **ENGINE)
+        core, step, stepping = engine.engine.engine, engine.engine.engine.step, threading.Event()
+        core.step = lambda: (stepping.set(), time.sleep(0.3), step())[2]
+        stream = engine.generate("abc", SamplingParams(max_tokens=50, ignore_eos=True), "r")
+        first = asyncio.ensure_future(stream.__anext__())
+        await asyncio.get_running_loop().run_in_executor(None, stepping.wait)
+        call = asyncio.ensure_future(engine.reset_prefix_cache())
+        await asyncio.sleep(0.05)  # (queued behind the sleeping step)
+        engine.shutdown()
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(call, 5)
+        with pytest.raises(EngineDeadError):  # (the running request's stream is told as well)
+            await first
+
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize("name", ["sleep", "wake_up", "start_profile", "stop_profile"])
 def test_vllms_sleep_and_profiler_calls_are_named_errors(llm, name):
     with pytest.raises(NotImplementedError, match=f"LLM.{name} is not supported"):

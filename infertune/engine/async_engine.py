@@ -359,8 +359,11 @@ class AsyncLLMEngine:
     def _fail_all(self, error: EngineDeadError) -> None:
         with self._lock:
             pending, self._inbox = self._inbox, []
+            calls, self._calls = self._calls, []
         for sub in pending:
             _resolve(sub.loop, sub.accepted, error)
+        for _, loop, fut in calls:  # (run_on_engine_thread's callers: the engine is gone, not hung)
+            _call_soon(loop, _settle, fut, None, error)
         for box in self._mailboxes.values():
             box.put(error)
 
